@@ -1,0 +1,105 @@
+"""Module-level object collectives: each one a :class:`Communicator` call with per-call settings."""
+
+from __future__ import annotations
+
+from typing import Any, Collection, List, Optional, Sequence
+
+from serializers import SerializerLike
+
+from ._communicator import Communicator
+
+
+def all_gather(
+    obj: Any, *, group: Any = None, serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None,
+) -> List[Any]:
+    """Gather one object from every rank onto every rank.
+
+    Parameters
+    ----------
+    obj: this rank's object.
+    group: process group (default: the default group).
+    serializer: registered name or serializer object (default ``"pickle"``); ranks may differ.
+    accept: serializer names this rank agrees to decode (default: all registered).
+    max_bytes: largest frame sent or accepted.
+
+    Returns
+    -------
+    ``[obj_0, ..., obj_{n-1}]`` in group-rank order. Without a process group: ``[obj]``.
+
+    Raises
+    ------
+    RemoteError: on every rank, when any rank failed to encode (``.failures`` says who and why).
+    ContentRefusedError, DecodeError: on a rank that cannot or will not decode what arrived.
+
+    Example::
+
+        merged = {}
+        for part in objcomm.all_gather({rank: 1} if rank % 2 == 0 else {}):
+            merged.update(part)
+    """
+    return Communicator(group).all_gather(obj, serializer=serializer, accept=accept, max_bytes=max_bytes)
+
+
+def gather(
+    obj: Any, dst: int = 0, *, group: Any = None, serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None,
+) -> Optional[List[Any]]:
+    """Gather one object from every rank onto global rank ``dst``; other ranks get ``None``.
+
+    Example::
+
+        everyone = objcomm.gather(predictions, dst=0)   # a list on rank 0, None elsewhere
+    """
+    return Communicator(group).gather(obj, dst, serializer=serializer, accept=accept, max_bytes=max_bytes)
+
+
+def broadcast(
+    obj: Any = None, src: int = 0, *, group: Any = None, serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None,
+) -> Any:
+    """Send global rank ``src``'s object to every rank and return it there.
+
+    Example::
+
+        config = objcomm.broadcast(load_config() if rank == 0 else None, src=0)
+    """
+    return Communicator(group).broadcast(obj, src, serializer=serializer, accept=accept, max_bytes=max_bytes)
+
+
+def scatter(
+    objs: Optional[Sequence[Any]] = None, src: int = 0, *, group: Any = None,
+    serializer: Optional[SerializerLike] = None, accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+) -> Any:
+    """Give group rank ``r`` element ``r`` of ``objs``, a sequence given on global rank ``src``.
+
+    Example::
+
+        shard = objcomm.scatter(split(work, world_size) if rank == 0 else None, src=0)
+    """
+    return Communicator(group).scatter(objs, src, serializer=serializer, accept=accept, max_bytes=max_bytes)
+
+
+def send(obj: Any, dst: int, *, group: Any = None, serializer: Optional[SerializerLike] = None,
+         max_bytes: Optional[int] = None) -> None:
+    """Send one object to global rank ``dst``, which must call :func:`recv`.
+
+    Example::
+
+        if rank == 1:
+            objcomm.send({"done": True}, dst=0)
+    """
+    Communicator(group).send(obj, dst, serializer=serializer, max_bytes=max_bytes)
+
+
+def recv(src: Optional[int] = None, *, group: Any = None, accept: Optional[Collection[str]] = None,
+         max_bytes: Optional[int] = None) -> Any:
+    """Receive one object from global rank ``src`` (``None``: whichever rank sends first; gloo only).
+
+    Example::
+
+        if rank == 0:
+            status = objcomm.recv(src=1)
+    """
+    return Communicator(group).recv(src, accept=accept, max_bytes=max_bytes)

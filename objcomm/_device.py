@@ -1,0 +1,73 @@
+"""Which device the byte tensors live on: the one place that decides it.
+
+``nccl`` moves only CUDA tensors, so bytes go to the *current* CUDA device (the one the user or
+launcher set from LOCAL_RANK, or the group's bound device) — never ``cuda:{rank}``, which is wrong
+on every node but the first. ``gloo`` and ``mpi`` move CPU tensors. A group with several backends
+(``"cpu:gloo,cuda:nccl"``) moves bytes on the CPU side.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Optional, Union
+
+import torch
+
+_CPU_BACKENDS = {"gloo", "mpi"}
+_CUDA_BACKENDS = {"nccl"}
+
+
+def device_for_backend(backend: str, current_cuda: Callable[[], int]) -> torch.device:
+    """The byte-transport device for a backend string as ``dist.get_backend`` reports it.
+
+    >>> device_for_backend("gloo", lambda: 0)
+    device(type='cpu')
+    >>> device_for_backend("nccl", lambda: 3)
+    device(type='cuda', index=3)
+    >>> device_for_backend("cpu:gloo,cuda:nccl", lambda: 1)
+    device(type='cpu')
+    """
+    backend = backend.lower()
+    if ":" in backend:  # "cpu:gloo,cuda:nccl": one backend per device type
+        per_device = dict(part.split(":", 1) for part in backend.split(","))
+        if "cpu" in per_device:
+            return torch.device("cpu")
+        if "cuda" in per_device:
+            return torch.device("cuda", current_cuda())
+        raise ValueError(f"process group backend {backend!r} has neither a cpu nor a cuda backend; pass device=")
+    if backend in _CPU_BACKENDS:
+        return torch.device("cpu")
+    if backend in _CUDA_BACKENDS:
+        return torch.device("cuda", current_cuda())
+    raise ValueError(
+        f"objcomm does not know which device the {backend!r} backend moves; pass device='cpu' or device='cuda'"
+    )
+
+
+def current_cuda_device(group: object = None) -> int:
+    """The group's bound CUDA device if it has one, else ``torch.cuda.current_device()``.
+
+    Warns when LOCAL_RANK points at another device: on a multi-GPU node every rank would
+    otherwise share GPU 0. Call ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))``.
+    """
+    bound = getattr(group, "bound_device_id", None)
+    if isinstance(bound, torch.device) and bound.type == "cuda" and bound.index is not None:
+        return bound.index
+    index = torch.cuda.current_device()
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None and local_rank.isdigit() and int(local_rank) != index and torch.cuda.device_count() > 1:
+        warnings.warn(
+            f"NCCL group on cuda:{index}, but LOCAL_RANK={local_rank}; ranks of this node may share one GPU. "
+            "Call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before using objcomm.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return index
+
+
+def resolve_device(backend: str, group: object = None, device: Optional[Union[str, torch.device]] = None) -> torch.device:
+    """``device`` if given, else the device the group's backend moves."""
+    if device is not None:
+        return torch.device(device)
+    return device_for_backend(backend, lambda: current_cuda_device(group))

@@ -1,0 +1,188 @@
+"""The wire format: every payload travels as one self-describing frame.
+
+Frame, format version 1 (all integers little-endian)::
+
+    offset  size  field
+    0       4     magic            b"OBJC"
+    4       1     version          1
+    5       1     flags            bit 0: error report (payload is JSON {"type", "message"})
+    6       1     compression      0 none, 1 zstd, 2 lz4
+    7       1     name_len         length of the serializer name
+    8       4     table_len        bytes of the out-of-band tensor table
+    12      4     n_tensors        entries in that table
+    16      8     payload_len      payload bytes as stored (after compression)
+    24      8     raw_len          payload bytes before compression (== payload_len when none)
+    32      8     inline_len       bytes of small tensors stored inside the frame
+    40      n     serializer name  ASCII
+    40+n    t     tensor table
+    ...     p     payload          what the serializer wrote
+    ...     i     inline tensor data
+
+A frame is valid only when its length is exactly ``40 + name_len + table_len + payload_len +
+inline_len``; everything is checked against the bytes actually received before anything of a
+declared size is allocated. Golden frames in ``tests/golden/`` pin this format.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Collection, Optional
+
+import torch
+
+from serializers import SerializerProtocol, registry
+from serializers._protocol import Lift, Restore
+
+from ._errors import ContentRefusedError, DecodeError, EncodeError, FrameError, ObjcommError, TooLargeError
+
+MAGIC = b"OBJC"
+VERSION = 1
+HEADER = struct.Struct("<4sBBBBIIQQQ")
+FLAG_ERROR = 1
+NO_COMPRESSION = 0
+
+
+@dataclass(frozen=True)
+class Header:
+    """The parsed fixed header of a frame."""
+
+    flags: int
+    compression: int
+    serializer: str
+    table_len: int
+    n_tensors: int
+    payload_len: int
+    raw_len: int
+    inline_len: int
+
+    @property
+    def is_error(self) -> bool:
+        return bool(self.flags & FLAG_ERROR)
+
+    @property
+    def payload_offset(self) -> int:
+        return HEADER.size + len(self.serializer) + self.table_len
+
+
+def frame_length(name_len: int, table_len: int, payload_len: int, inline_len: int) -> int:
+    """Total bytes of a frame with these section lengths."""
+    return HEADER.size + name_len + table_len + payload_len + inline_len
+
+
+def _assemble(name: str, payload: Any, flags: int = 0) -> torch.Tensor:
+    """Header + name + payload, written once into a fresh CPU uint8 tensor that is sent as is."""
+    name_bytes = name.encode("ascii")
+    body = memoryview(payload).cast("B")
+    total = frame_length(len(name_bytes), 0, body.nbytes, 0)
+    frame = torch.empty(total, dtype=torch.uint8)
+    view = memoryview(frame.numpy())
+    HEADER.pack_into(view, 0, MAGIC, VERSION, flags, NO_COMPRESSION, len(name_bytes), 0, 0, body.nbytes, body.nbytes, 0)
+    view[HEADER.size : HEADER.size + len(name_bytes)] = name_bytes
+    view[HEADER.size + len(name_bytes) :] = body
+    return frame
+
+
+def encode(obj: Any, serializer: SerializerProtocol, *, max_bytes: int, lift: Optional[Lift] = None) -> torch.Tensor:
+    """Serialize ``obj`` into a frame; raise :class:`EncodeError` or :class:`TooLargeError`."""
+    try:
+        if lift is not None and getattr(serializer, "supports_external", False):
+            payload = serializer.dumps(obj, lift=lift)  # type: ignore[call-arg]
+        else:
+            payload = serializer.dumps(obj)
+    except ObjcommError:
+        raise
+    except Exception as exc:  # a user serializer's own exception, or a __reduce__ that raised
+        raise EncodeError(f"{serializer.name} cannot encode {type(obj).__name__}: {type(exc).__name__}: {exc}") from exc
+    frame = _assemble(serializer.name, payload)
+    if frame.numel() > max_bytes:
+        raise TooLargeError(
+            f"the encoded object is {frame.numel():,} bytes, above max_bytes={max_bytes:,}; "
+            "raise max_bytes (per call, on the Communicator or with objcomm.configure) or send less"
+        )
+    return frame
+
+
+def error_frame(exc: BaseException, limit: int) -> torch.Tensor:
+    """A frame reporting ``exc`` in at most ``limit`` bytes (the message is cut to fit)."""
+    message = str(exc)
+    while True:
+        payload = json.dumps({"type": type(exc).__name__, "message": message}).encode()
+        frame = _assemble("", payload, FLAG_ERROR)
+        if frame.numel() <= limit or not message:
+            return frame
+        message = message[: max(0, len(message) - (frame.numel() - limit) - 4)] + "…" if len(message) > 8 else ""
+
+
+def parse_header(view: memoryview) -> Header:
+    """Parse and check a frame's header against the bytes received; raise :class:`FrameError`."""
+    size = view.nbytes
+    if size < HEADER.size:
+        raise FrameError(f"truncated frame: {size} bytes received, a header alone takes {HEADER.size}")
+    magic, version, flags, compression, name_len, table_len, n_tensors, payload_len, raw_len, inline_len = (
+        HEADER.unpack_from(view, 0)
+    )
+    if magic != MAGIC:
+        raise FrameError(
+            f"not an objcomm frame (magic {bytes(magic)!r}, expected {MAGIC!r}); "
+            "is every rank running objcomm, and the same version?"
+        )
+    if version != VERSION:
+        raise FrameError(f"frame format version {version} is unknown here (this objcomm reads {VERSION}); upgrade objcomm")
+    expected = frame_length(name_len, table_len, payload_len, inline_len)
+    if expected != size:
+        raise FrameError(f"frame lengths disagree: the header declares {expected:,} bytes, {size:,} were received")
+    name_bytes = bytes(view[HEADER.size : HEADER.size + name_len])
+    try:
+        name = name_bytes.decode("ascii")
+    except UnicodeDecodeError:
+        raise FrameError(f"frame names a serializer that is not ASCII: {name_bytes!r}") from None
+    return Header(flags, compression, name, table_len, n_tensors, payload_len, raw_len, inline_len)
+
+
+def read_error(view: memoryview, header: Header) -> tuple[str, str]:
+    """The ``(type name, message)`` an error frame carries."""
+    start = header.payload_offset
+    try:
+        report = json.loads(bytes(view[start : start + header.payload_len]))
+        return str(report["type"]), str(report["message"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FrameError(f"malformed error report in frame: {exc}") from None
+
+
+def decode(
+    view: memoryview,
+    *,
+    sender: int,
+    accept: Optional[Collection[str]],
+    restore: Optional[Restore] = None,
+) -> Any:
+    """Decode a data frame received from group rank ``sender``.
+
+    Raises :class:`FrameError`, :class:`ContentRefusedError` (serializer not in ``accept``, checked
+    before the payload is touched), :class:`UnknownSerializerError` or :class:`DecodeError`.
+    """
+    header = parse_header(view)
+    if header.is_error:
+        raise FrameError(f"rank {sender} sent an error report where data was expected")
+    if accept is not None and header.serializer not in accept:
+        raise ContentRefusedError(
+            f"rank {sender} sent a {header.serializer!r} payload, but this rank accepts only {sorted(accept)}; "
+            "add it to accept= if you trust the sender, or send with an accepted serializer"
+        )
+    if header.compression != NO_COMPRESSION:
+        raise FrameError(f"rank {sender} sent a frame with unknown compression code {header.compression}")
+    serializer = registry.get(header.serializer)
+    start = header.payload_offset
+    payload = view[start : start + header.payload_len]
+    try:
+        if restore is not None and getattr(serializer, "supports_external", False):
+            return serializer.loads(payload, restore=restore)  # type: ignore[call-arg]
+        return serializer.loads(payload)
+    except ContentRefusedError as exc:
+        raise ContentRefusedError(f"payload from rank {sender}: {exc}") from exc
+    except Exception as exc:
+        raise DecodeError(
+            f"could not decode the {header.serializer!r} payload from rank {sender}: {exc}"
+        ) from exc

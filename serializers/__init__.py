@@ -1,0 +1,84 @@
+"""Interchangeable serializers behind one registry; imports and works without torch.
+
+Example::
+
+    import serializers
+
+    s = serializers.get("msgpack")
+    s.loads(s.dumps({0: (1, 2), "tags": {"a"}}))     # {0: (1, 2), 'tags': {'a'}}
+    serializers.available(safe=True)                   # ['json', 'msgpack', 'restricted-pickle']
+    print(serializers.fidelity_table())                # what each one round-trips
+
+Built-ins: ``pickle``, ``cloudpickle``, ``restricted-pickle``, ``msgpack``, ``json`` (orjson).
+"""
+
+from __future__ import annotations
+
+from ._codecs import CodecRegistry, TypeCodec, codecs, register_type, unregister_type
+from ._errors import (
+    ContentRefusedError,
+    DecodeError,
+    EncodeError,
+    ObjcommError,
+    SerializationError,
+    UnknownSerializerError,
+)
+from ._fidelity import PROBES, Verdict, fidelity, fidelity_table
+from ._json import JsonSerializer
+from ._msgpack import MsgpackSerializer
+from ._pickle import CloudpickleSerializer, PickleSerializer, RestrictedPickleSerializer
+from ._protocol import FunctionSerializer, Serializer, SerializerProtocol
+from ._registry import (
+    ENTRY_POINT_GROUP,
+    SerializerLike,
+    SerializerRegistry,
+    available,
+    get,
+    register,
+    registry,
+    unregister,
+)
+
+for _builtin in (
+    PickleSerializer(),
+    CloudpickleSerializer(),
+    RestrictedPickleSerializer(),
+    MsgpackSerializer(),
+    JsonSerializer(),
+):
+    registry.register(_builtin)
+del _builtin
+
+__all__ = [
+    "CloudpickleSerializer",
+    "CodecRegistry",
+    "ContentRefusedError",
+    "DecodeError",
+    "ENTRY_POINT_GROUP",
+    "EncodeError",
+    "FunctionSerializer",
+    "JsonSerializer",
+    "MsgpackSerializer",
+    "ObjcommError",
+    "PROBES",
+    "PickleSerializer",
+    "RestrictedPickleSerializer",
+    "SerializationError",
+    "Serializer",
+    "SerializerLike",
+    "SerializerProtocol",
+    "SerializerRegistry",
+    "TypeCodec",
+    "UnknownSerializerError",
+    "Verdict",
+    "available",
+    "codecs",
+    "fidelity",
+    "fidelity_table",
+    "get",
+    "register",
+    "register_type",
+    "registry",
+    "unregister",
+    "unregister_type",
+]

@@ -1,0 +1,105 @@
+"""Per-type codecs: how a type msgpack or JSON cannot carry natively travels anyway.
+
+A codec turns a value into something the serializer can carry (``encode``) and back
+(``decode``). msgpack wraps the result in an extension type, JSON in a tagged object
+``{"__objcomm_type__": name, "value": ...}``. Both sides look codecs up by *name*, so
+ranks may register them in any order.
+
+Example::
+
+    import serializers
+    from fractions import Fraction
+
+    serializers.register_type(
+        Fraction,
+        encode=lambda f: [f.numerator, f.denominator],
+        decode=lambda v: Fraction(*v),
+    )
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Union
+
+
+@dataclass(frozen=True)
+class TypeCodec:
+    """How one type travels: ``encode(value) -> carriable``, ``decode(carriable) -> value``."""
+
+    cls: type
+    name: str
+    encode: Callable[[Any], Any]
+    decode: Callable[[Any], Any]
+
+
+class CodecRegistry:
+    """Codecs by exact type and by name; subclasses find their base's codec through the MRO."""
+
+    def __init__(self) -> None:
+        self._by_type: Dict[type, TypeCodec] = {}
+        self._by_name: Dict[str, TypeCodec] = {}
+        self._lock = threading.Lock()
+
+    def register(
+        self,
+        cls: type,
+        encode: Callable[[Any], Any],
+        decode: Callable[[Any], Any],
+        *,
+        name: Optional[str] = None,
+        replace: bool = False,
+    ) -> TypeCodec:
+        """Register a codec for ``cls``; ``name`` defaults to ``module.QualName``."""
+        if not isinstance(cls, type):
+            raise TypeError(f"register_type() needs a class, got {cls!r}")
+        codec = TypeCodec(cls, name or f"{cls.__module__}.{cls.__qualname__}", encode, decode)
+        with self._lock:
+            taken = self._by_name.get(codec.name)
+            if taken is not None and not replace and taken.cls is not cls:
+                raise ValueError(
+                    f"a codec named {codec.name!r} is already registered for {taken.cls!r}; "
+                    "pass replace=True to override it or choose another name"
+                )
+            if cls in self._by_type and not replace:
+                raise ValueError(f"{cls!r} already has a codec; pass replace=True to override it")
+            old = self._by_type.pop(cls, None)
+            if old is not None:
+                self._by_name.pop(old.name, None)
+            self._by_type[cls] = codec
+            self._by_name[codec.name] = codec
+        return codec
+
+    def unregister(self, cls_or_name: Union[type, str]) -> None:
+        """Remove a codec by class or by name; unknown ones raise ``KeyError``."""
+        with self._lock:
+            codec = self._by_name.get(cls_or_name) if isinstance(cls_or_name, str) else self._by_type.get(cls_or_name)
+            if codec is None:
+                raise KeyError(f"no codec registered for {cls_or_name!r}")
+            del self._by_type[codec.cls]
+            del self._by_name[codec.name]
+
+    def for_value(self, value: Any) -> Optional[TypeCodec]:
+        """The codec for ``type(value)`` or its nearest registered base, else None."""
+        by_type = self._by_type
+        if not by_type:
+            return None
+        for cls in type(value).__mro__:
+            codec = by_type.get(cls)
+            if codec is not None:
+                return codec
+        return None
+
+    def by_name(self, name: str) -> Optional[TypeCodec]:
+        """The codec registered under ``name``, else None."""
+        return self._by_name.get(name)
+
+    def names(self) -> list[str]:
+        """Names of the registered codecs, sorted."""
+        return sorted(self._by_name)
+
+
+codecs = CodecRegistry()
+register_type = codecs.register
+unregister_type = codecs.unregister

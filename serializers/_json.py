@@ -1,0 +1,113 @@
+"""JSON backend (orjson): portable and safe, and strict about what JSON cannot say.
+
+- tuples become lists (converted); everything else JSON has no word for is refused:
+  non-str dict keys, sets, bytes, NaN/Infinity (orjson would write ``null``), ints beyond 64 bits,
+  datetimes, numpy, tensors;
+- registered codecs travel as tagged objects ``{"__objcomm_type__": name, "value": ...}``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from ._codecs import CodecRegistry, codecs
+from ._errors import DecodeError, EncodeError
+from ._path import describe, locate
+from ._protocol import Buffer, Restore, Serializer
+
+TAG = "__objcomm_type__"
+_TAG_PATTERN = re.compile(f'"{TAG}"'.encode())  # re searches memoryviews without a copy
+_NATIVE = (type(None), bool, str, list, tuple, dict)
+_HINTS = {
+    "dict key": "JSON object keys are strings; convert the keys or use msgpack or pickle",
+    "float": "JSON has no NaN or Infinity; use msgpack or pickle",
+}
+_DEFAULT_HINT = "msgpack or pickle can; or register a codec with serializers.register_type()"
+
+
+def _orjson() -> Any:
+    import orjson
+
+    return orjson
+
+
+class JsonSerializer(Serializer):
+    """orjson: portable, safe, strict; tuples become lists, other non-JSON types are refused."""
+
+    name = "json"
+    safe = True
+    description = "JSON via orjson: portable, safe; tuples become lists, non-JSON types refused unless a codec"
+
+    def __init__(self, registry: CodecRegistry = codecs) -> None:
+        self._codecs = registry
+
+    def _default(self, value: Any) -> Any:
+        codec = self._codecs.for_value(value)
+        if codec is None:
+            raise TypeError(f"no JSON encoding for {describe(value)}")
+        return {TAG: codec.name, "value": codec.encode(value)}
+
+    def dumps(self, obj: Any, /, **_: Any) -> Buffer:
+        orjson = _orjson()
+        options = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
+        try:
+            data = orjson.dumps(obj, default=self._default, option=options)
+        except Exception as exc:
+            raise self._encode_error(obj, exc) from exc
+        # orjson writes NaN and Infinity as null: look for them only when a null was written.
+        if b"null" in data:
+            found = locate(obj, lambda v, k: type(v) is float and not math.isfinite(v))
+            if found is not None:
+                raise self._error(found[0], found[1], "float")
+        return data  # type: ignore[no-any-return]
+
+    def _encode_error(self, obj: Any, exc: BaseException) -> EncodeError:
+        def rejects(value: Any, is_key: bool) -> bool:
+            cls = type(value)
+            if is_key:
+                return cls is not str
+            if cls is int:
+                return not -(2**63) <= value < 2**64
+            if cls is float:
+                return not math.isfinite(value)
+            return cls not in _NATIVE and self._codecs.for_value(value) is None
+
+        found = locate(obj, rejects)
+        if found is None:
+            return EncodeError(f"json cannot encode {describe(obj)}: {exc}")
+        path, value, is_key = found
+        return self._error(path, value, "dict key" if is_key else type(value).__name__)
+
+    @staticmethod
+    def _error(path: str, value: Any, kind: str) -> EncodeError:
+        what = f"dict key {value!r} ({describe(value)})" if kind == "dict key" else describe(value)
+        if kind == "float":
+            what = f"float {value!r}"
+        where = "in the dict at" if kind == "dict key" else "at"
+        return EncodeError(f"json cannot encode {what} {where} {path}; {_HINTS.get(kind, _DEFAULT_HINT)}")
+
+    def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
+        try:
+            obj = _orjson().loads(data)
+        except Exception as exc:
+            raise DecodeError(f"json cannot decode {memoryview(data).nbytes} bytes: {exc}") from exc
+        if _TAG_PATTERN.search(data):
+            obj = self._untag(obj)
+        return obj
+
+    def _untag(self, obj: Any) -> Any:
+        if isinstance(obj, list):
+            return [self._untag(v) for v in obj]
+        if isinstance(obj, dict):
+            if TAG in obj and len(obj) == 2 and "value" in obj:
+                codec = self._codecs.by_name(obj[TAG])
+                if codec is None:
+                    raise DecodeError(
+                        f"json payload holds a value of registered type {obj[TAG]!r}, but no codec of that name is "
+                        f"registered on this rank (known: {self._codecs.names()}); call serializers.register_type()"
+                    )
+                return codec.decode(self._untag(obj["value"]))
+            return {k: self._untag(v) for k, v in obj.items()}
+        return obj

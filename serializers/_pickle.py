@@ -1,0 +1,215 @@
+"""The pickle family: stdlib ``pickle``, ``cloudpickle`` and ``restricted-pickle``.
+
+All three write pickle protocol 5 and lift out-of-band objects through ``reducer_override``,
+which the C pickler calls only for non-builtin values, so plain data pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, Iterable, Set, Tuple, Union
+
+from ._errors import ContentRefusedError, DecodeError, EncodeError
+from ._path import describe, locate
+from ._protocol import Buffer, Lift, Restore, Serializer
+
+PROTOCOL = 5
+_EXTERNAL = ("serializers._pickle", "external_ref")
+
+
+def external_ref(key: int) -> Any:
+    """Stand-in global for an out-of-band object; loads() without ``restore=`` ends up here."""
+    raise DecodeError(
+        f"the payload refers to out-of-band object #{key}, but no out-of-band objects came with it; "
+        "decode it through objcomm, or pass restore= to loads()"
+    )
+
+
+def _lifting(base: type) -> type:
+    """A Pickler subclass of ``base`` that offers each non-builtin value to ``lift``."""
+
+    class LiftingPickler(base):  # type: ignore[misc, valid-type]
+        def __init__(self, file: Any, lift: Lift) -> None:
+            super().__init__(file, protocol=PROTOCOL)
+            self._lift = lift
+
+        def reducer_override(self, obj: Any) -> Any:
+            key = self._lift(obj)
+            if key is not None:
+                return external_ref, (key,)
+            parent = getattr(super(), "reducer_override", None)
+            return parent(obj) if parent is not None else NotImplemented
+
+    return LiftingPickler
+
+
+class _Unpickler(pickle.Unpickler):
+    """Resolves the out-of-band stand-in to ``restore``; everything else as usual."""
+
+    def __init__(self, file: Any, restore: Restore | None) -> None:
+        super().__init__(file)
+        self._restore = restore
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == _EXTERNAL and self._restore is not None:
+            return self._restore
+        return super().find_class(module, name)
+
+
+class PickleSerializer(Serializer):
+    """Stdlib pickle, protocol 5: carries every picklable type exactly; loading can run code."""
+
+    name = "pickle"
+    safe = False
+    description = "stdlib pickle (protocol 5): any picklable object, exact; loads can run arbitrary code"
+    supports_external = True
+    hint = "cloudpickle can carry lambdas, closures and classes defined in __main__"
+
+    def _pickler_base(self) -> type:
+        return pickle.Pickler
+
+    def _dumps_plain(self, obj: Any) -> Buffer:
+        return pickle.dumps(obj, protocol=PROTOCOL)
+
+    def dumps(self, obj: Any, /, *, lift: Lift | None = None) -> Buffer:
+        try:
+            if lift is None:
+                return self._dumps_plain(obj)
+            file = io.BytesIO()
+            _lifting(self._pickler_base())(file, lift).dump(obj)
+            return file.getbuffer()
+        except Exception as exc:
+            raise self._encode_error(obj, exc) from exc
+
+    def _unpickler(self, file: Any, restore: Restore | None) -> pickle.Unpickler:
+        return _Unpickler(file, restore)
+
+    def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
+        try:
+            return self._unpickler(io.BytesIO(data), restore).load()
+        except (ContentRefusedError, DecodeError):
+            raise
+        except Exception as exc:
+            raise DecodeError(f"{self.name} cannot decode {memoryview(data).nbytes} bytes: {type(exc).__name__}: {exc}") from exc
+
+    def _encode_error(self, obj: Any, exc: BaseException) -> EncodeError:
+        def rejects(value: Any, is_key: bool) -> bool:
+            try:
+                self._dumps_plain(value)
+            except Exception:
+                return True
+            return False
+
+        found = locate(obj, rejects)
+        path, value, _ = found if found is not None else ("$", obj, False)
+        return EncodeError(f"{self.name} cannot encode {describe(value)} at {path}: {exc}; {self.hint}")
+
+
+class CloudpickleSerializer(PickleSerializer):
+    """cloudpickle: pickle plus lambdas, closures and classes defined in ``__main__``."""
+
+    name = "cloudpickle"
+    description = "cloudpickle: pickle plus lambdas, closures, __main__ classes; loads can run arbitrary code"
+    hint = "the value holds something cloudpickle cannot pickle (a lock, a socket, an open file?)"
+
+    def _pickler_base(self) -> type:
+        import cloudpickle
+
+        return cloudpickle.Pickler  # type: ignore[no-any-return]
+
+    def _dumps_plain(self, obj: Any) -> Buffer:
+        import cloudpickle
+
+        return cloudpickle.dumps(obj, protocol=PROTOCOL)
+
+
+def _safe_load_from_bytes(data: bytes) -> Any:
+    """Safe stand-in for ``torch.storage._load_from_bytes`` (which loads with ``weights_only=False``)."""
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+_ALLOWED_GLOBALS: Set[Tuple[str, str]] = {
+    *(("builtins", n) for n in ("set", "frozenset", "complex", "bytearray", "slice", "range", "object")),
+    *(("collections", n) for n in ("OrderedDict", "defaultdict", "deque", "Counter")),
+    *(("datetime", n) for n in ("datetime", "date", "time", "timedelta", "timezone")),
+    ("decimal", "Decimal"),
+    ("fractions", "Fraction"),
+    ("uuid", "UUID"),
+    *((m, n) for m in ("numpy.core.multiarray", "numpy._core.multiarray") for n in ("_reconstruct", "scalar")),
+    *((m, "_frombuffer") for m in ("numpy.core.numeric", "numpy._core.numeric")),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    *(("torch._utils", n) for n in ("_rebuild_tensor_v2", "_rebuild_tensor", "_rebuild_parameter")),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch", "device"),
+    _EXTERNAL,
+}
+_REPLACED_GLOBALS = {("torch.storage", "_load_from_bytes"): _safe_load_from_bytes}
+
+
+class _RestrictedUnpickler(_Unpickler):
+    def __init__(self, file: Any, restore: Restore | None, allowed: Set[Tuple[str, str]]) -> None:
+        super().__init__(file, restore)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        replaced = _REPLACED_GLOBALS.get((module, name))
+        if replaced is not None:
+            return replaced
+        if (module, name) in self._allowed or _is_dtype_global(module, name):
+            return super().find_class(module, name)
+        raise ContentRefusedError(
+            f"restricted-pickle refused to load global {module}.{name}: it is not on the allow-list, "
+            "so nothing was run. If you trust it, allow it with "
+            f"serializers.get('restricted-pickle').allow('{module}.{name}')"
+        )
+
+
+def _is_dtype_global(module: str, name: str) -> bool:
+    """``torch.float32`` and friends, and numpy's ``numpy.dtypes.Float32DType`` classes."""
+    if module == "torch":
+        import torch
+
+        return isinstance(getattr(torch, name, None), torch.dtype)
+    return module == "numpy.dtypes" and name.endswith("DType") and name.isidentifier()
+
+
+class RestrictedPickleSerializer(PickleSerializer):
+    """Pickle whose loads resolves only an allow-list of globals, so a payload cannot run code.
+
+    Allowed: builtin containers and scalars, ``collections``/``datetime``/``decimal`` types,
+    numpy arrays, torch tensors, plus what you add::
+
+        serializers.get("restricted-pickle").allow(MyRecord, "mypkg.types.Other")
+    """
+
+    name = "restricted-pickle"
+    safe = True
+    description = "pickle whose loads only resolves allow-listed globals (containers, numpy, torch, yours)"
+    hint = "the same value may not be loadable either: restricted-pickle only loads allow-listed classes"
+
+    def __init__(self) -> None:
+        self._allowed: Set[Tuple[str, str]] = set(_ALLOWED_GLOBALS)
+
+    def allow(self, *globals_: Union[type, str]) -> None:
+        """Allow classes (or ``"module.Name"`` strings) to be loaded."""
+        for item in globals_:
+            if isinstance(item, str):
+                module, _, name = item.rpartition(".")
+                if not module:
+                    raise ValueError(f"expected 'module.Name', got {item!r}")
+            else:
+                module, name = item.__module__, item.__qualname__
+            self._allowed.add((module, name))
+
+    def allowed(self) -> Iterable[str]:
+        """The allowed globals as ``module.Name`` strings, sorted."""
+        return sorted(f"{m}.{n}" for m, n in self._allowed)
+
+    def _unpickler(self, file: Any, restore: Restore | None) -> pickle.Unpickler:
+        return _RestrictedUnpickler(file, restore, self._allowed)

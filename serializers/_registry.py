@@ -1,0 +1,147 @@
+"""The serializer registry: a small class, one shared instance, module-level aliases.
+
+Packages ship serializers through the entry-point group ``objcomm.serializers``; an entry point
+may name a :class:`Serializer` instance, a class (instantiated without arguments) or a function
+returning one. Entry points load on first need: a lookup of an unknown name, or ``available()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Union
+
+from ._errors import UnknownSerializerError
+from ._protocol import Buffer, FunctionSerializer, Serializer, SerializerProtocol
+
+ENTRY_POINT_GROUP = "objcomm.serializers"
+SerializerLike = Union[str, SerializerProtocol]
+
+
+class SerializerRegistry:
+    """Serializers by name.
+
+    Example::
+
+        reg = SerializerRegistry()
+        reg.register("upper", dumps=lambda s: s.upper().encode(), loads=lambda b: bytes(b).decode())
+        reg.get("upper").dumps("hi")   # b'HI'
+    """
+
+    def __init__(self) -> None:
+        self._by_name: Dict[str, SerializerProtocol] = {}
+        self._lock = threading.RLock()
+        self._entry_points_loaded = False
+
+    def register(
+        self,
+        serializer: Union[SerializerProtocol, str],
+        dumps: Optional[Callable[[Any], Buffer]] = None,
+        loads: Optional[Callable[[Buffer], Any]] = None,
+        *,
+        safe: bool = False,
+        description: str = "",
+        replace: bool = False,
+    ) -> SerializerProtocol:
+        """Register a serializer object, or build one from ``name, dumps, loads``; return it.
+
+        A taken name raises ``ValueError`` unless ``replace=True``.
+        """
+        if isinstance(serializer, str):
+            if dumps is None or loads is None:
+                raise TypeError(f"register({serializer!r}, dumps, loads): both dumps and loads are required")
+            serializer = FunctionSerializer(serializer, dumps, loads, safe=safe, description=description)
+        elif dumps is not None or loads is not None:
+            raise TypeError("pass either a serializer object or a name with dumps and loads, not both")
+        _check_serializer(serializer)
+        with self._lock:
+            taken = self._by_name.get(serializer.name)
+            if taken is not None and taken is not serializer and not replace:
+                raise ValueError(
+                    f"a serializer named {serializer.name!r} is already registered ({taken!r}); "
+                    "pass replace=True to replace it, or pick another name"
+                )
+            self._by_name[serializer.name] = serializer
+        return serializer
+
+    def unregister(self, name: str) -> None:
+        """Remove the serializer registered as ``name``."""
+        with self._lock:
+            if self._by_name.pop(name, None) is None:
+                raise UnknownSerializerError(self._unknown_message(name))
+
+    def get(self, serializer: Optional[SerializerLike] = None, default: str = "pickle") -> SerializerProtocol:
+        """The serializer for a name (or a serializer object, returned as is); ``None`` means ``default``."""
+        if serializer is None:
+            serializer = default
+        if not isinstance(serializer, str):
+            _check_serializer(serializer)
+            return serializer
+        found = self._by_name.get(serializer)
+        if found is None:
+            self.load_entry_points()
+            found = self._by_name.get(serializer)
+        if found is None:
+            raise UnknownSerializerError(self._unknown_message(serializer))
+        return found
+
+    def available(self, *, safe: Optional[bool] = None) -> List[str]:
+        """Registered names (entry points included), sorted; ``safe=True`` keeps those whose loads cannot run code."""
+        self.load_entry_points()
+        with self._lock:
+            return sorted(n for n, s in self._by_name.items() if safe is None or bool(s.safe) == safe)
+
+    def load_entry_points(self) -> None:
+        """Register the serializers other packages ship under ``objcomm.serializers``; runs once."""
+        with self._lock:
+            if self._entry_points_loaded:
+                return
+            self._entry_points_loaded = True
+            from importlib.metadata import entry_points
+
+            for ep in entry_points(group=ENTRY_POINT_GROUP):
+                if ep.name in self._by_name:
+                    continue
+                try:
+                    self.register(_instantiate(ep.load()))
+                except Exception as exc:  # a broken plugin must not break every lookup
+                    warnings.warn(
+                        f"objcomm could not load serializer entry point {ep.name!r} ({ep.value}): {exc}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+
+    def _unknown_message(self, name: str) -> str:
+        known = ", ".join(sorted(self._by_name)) or "none"
+        return (
+            f"no serializer named {name!r} is registered on this rank (registered: {known}); "
+            "register it with serializers.register() or install the package that provides it"
+        )
+
+
+def _instantiate(loaded: Any) -> SerializerProtocol:
+    if isinstance(loaded, type):
+        return loaded()  # type: ignore[no-any-return]
+    if isinstance(loaded, SerializerProtocol):
+        return loaded
+    if callable(loaded):
+        return loaded()  # type: ignore[no-any-return]
+    raise TypeError(f"expected a serializer, a serializer class or a factory, got {loaded!r}")
+
+
+def _check_serializer(serializer: Any) -> None:
+    missing = [a for a in ("name", "dumps", "loads") if not hasattr(serializer, a)]
+    if missing:
+        raise TypeError(f"{serializer!r} is not a serializer: it lacks {', '.join(missing)}")
+    name = serializer.name
+    if not isinstance(name, str) or not name or len(name.encode()) > 255 or not name.isascii():
+        raise ValueError(f"serializer names must be non-empty ASCII strings of at most 255 bytes, got {name!r}")
+
+
+registry = SerializerRegistry()
+register = registry.register
+unregister = registry.unregister
+get = registry.get
+available = registry.available
+
+__all__ = ["ENTRY_POINT_GROUP", "Serializer", "SerializerRegistry", "registry", "register", "unregister", "get", "available"]

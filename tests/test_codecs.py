@@ -1,0 +1,77 @@
+"""User type codecs through msgpack (ext type) and json (tagged object)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+import serializers
+from serializers import DecodeError, EncodeError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Money:
+    def __init__(self, cents: int, currency: str) -> None:
+        self.cents, self.currency = cents, currency
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Money) and (self.cents, self.currency) == (other.cents, other.currency)
+
+
+class Euro(Money):
+    pass
+
+
+@pytest.fixture
+def money_codec():
+    serializers.register_type(Money, lambda m: [m.cents, m.currency], lambda v: Money(*v), name="money")
+    yield
+    serializers.unregister_type("money")
+
+
+@pytest.mark.parametrize("name", ["msgpack", "json"])
+def test_registered_type_round_trips(name, money_codec):
+    s = serializers.get(name)
+    value = {"price": Money(1999, "EUR"), "list": [Money(1, "USD")]}
+    assert s.loads(s.dumps(value)) == value
+
+
+@pytest.mark.parametrize("name", ["msgpack", "json"])
+def test_subclass_uses_base_codec(name, money_codec):
+    s = serializers.get(name)
+    assert s.loads(s.dumps(Euro(5, "EUR"))) == Money(5, "EUR")
+
+
+@pytest.mark.parametrize("name", ["msgpack", "json"])
+def test_unregistered_type_is_refused(name):
+    with pytest.raises(EncodeError, match="Money"):
+        serializers.get(name).dumps({"m": Money(1, "EUR")})
+
+
+@pytest.mark.parametrize("name", ["msgpack", "json"])
+def test_decoding_without_the_codec_says_which(name, money_codec):
+    data = bytes(serializers.get(name).dumps(Money(1, "EUR")))
+    serializers.unregister_type("money")
+    try:
+        with pytest.raises(DecodeError, match="'money'"):
+            serializers.get(name).loads(data)
+    finally:
+        serializers.register_type(Money, lambda m: [m.cents, m.currency], lambda v: Money(*v), name="money")
+
+
+def test_codec_registration_rules():
+    serializers.register_type(Fraction, lambda f: [f.numerator, f.denominator], lambda v: Fraction(*v))
+    try:
+        with pytest.raises(ValueError, match="already has a codec"):
+            serializers.register_type(Fraction, str, Fraction)
+        serializers.register_type(Fraction, lambda f: str(f), Fraction, replace=True)
+        s = serializers.get("msgpack")
+        assert s.loads(s.dumps(Fraction(1, 3))) == Fraction(1, 3)
+    finally:
+        serializers.unregister_type(Fraction)
+    with pytest.raises(KeyError):
+        serializers.unregister_type(Fraction)
+    with pytest.raises(TypeError):
+        serializers.register_type("not a class", str, str)  # type: ignore[arg-type]

@@ -1,0 +1,143 @@
+"""One suite over every built-in serializer: round trips, memoryview input, errors with paths."""
+
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+import sys
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+import serializers
+from serializers import DecodeError, EncodeError, SerializationError
+
+pytestmark = pytest.mark.timeout(60)
+
+BUILTINS = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"]
+PICKLES = ["pickle", "cloudpickle", "restricted-pickle"]
+EXACT = PICKLES + ["msgpack"]
+
+JSON_SAFE = {"metrics": {"loss": 0.25, "acc": [0.5, 1.0]}, "names": ["a", "é"], "n": None, "ok": True, "big": 2**63}
+RICH = {
+    0: (1, 2),
+    "set": {1, 2},
+    "fs": frozenset({"a"}),
+    "bytes": b"\x00\xff",
+    "nested": [{"x": [1, (2, 3)]}, OrderedDict(b=1, a=2)],
+    "when": dt.datetime(2024, 1, 2, 3, 4, 5, 6),
+    "day": dt.date(2024, 1, 2),
+    "span": dt.timedelta(days=1, microseconds=5),
+    "huge": -(2**100),
+    "z": 1 - 1j,
+}
+
+
+def _same(a, b):
+    return serializers._fidelity._same(a, b)
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_metadata(name):
+    s = serializers.get(name)
+    assert s.name == name
+    assert isinstance(s.safe, bool) and s.description
+    assert s.safe == (name in {"msgpack", "json", "restricted-pickle"})
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_json_like_round_trip(name):
+    s = serializers.get(name)
+    assert s.loads(s.dumps(JSON_SAFE)) == JSON_SAFE
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_rich_types_round_trip_exactly(name):
+    s = serializers.get(name)
+    assert _same(s.loads(s.dumps(RICH)), RICH)
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_numpy_keeps_dtype_and_shape(name):
+    s = serializers.get(name)
+    for arr in [np.arange(12, dtype=np.int16).reshape(3, 4), np.zeros((0, 2), np.float64), np.asfortranarray(np.eye(3))]:
+        back = s.loads(s.dumps({"a": arr}))["a"]
+        assert back.dtype == arr.dtype and back.shape == arr.shape and np.array_equal(back, arr)
+    scalar = s.loads(s.dumps(np.float32(1.5)))
+    assert type(scalar) is np.float32 and scalar == 1.5
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_loads_takes_a_memoryview_slice(name):
+    s = serializers.get(name)
+    data = bytes(s.dumps(JSON_SAFE))
+    buffer = bytearray(b"junk" + data + b"tail")
+    assert s.loads(memoryview(buffer)[4 : 4 + len(data)]) == JSON_SAFE
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+@pytest.mark.parametrize("garbage", [b"", b"\xc1", b"\xff" * 7, b"not a payload at all"])
+def test_garbage_raises_decode_error(name, garbage):
+    with pytest.raises(DecodeError):
+        serializers.get(name).loads(garbage)
+
+
+def test_json_converts_tuples_and_refuses_with_a_path():
+    s = serializers.get("json")
+    assert s.loads(s.dumps({"t": (1, 2)})) == {"t": [1, 2]}
+    with pytest.raises(EncodeError, match=r"json cannot encode set at \$\['metrics'\]\[2\]; msgpack or pickle can"):
+        s.dumps({"metrics": [1, 2, {3}]})
+    with pytest.raises(EncodeError, match=r"dict key 0 \(int\) in the dict at \$\['x'\]"):
+        s.dumps({"x": {0: 1}})
+
+
+def test_json_never_writes_nan_as_null():
+    s = serializers.get("json")
+    with pytest.raises(EncodeError, match=r"float nan at \$\['a'\]\[1\]"):
+        s.dumps({"a": [1.0, float("nan")]})
+    assert s.loads(s.dumps({"a": None})) == {"a": None}
+
+
+def test_json_refuses_ints_beyond_64_bits():
+    with pytest.raises(EncodeError, match=r"int at \$\[0\]"):
+        serializers.get("json").dumps([2**70])
+
+
+def test_msgpack_error_names_type_and_path():
+    with pytest.raises(EncodeError, match=r"msgpack cannot encode object at \$\['x'\]\[0\]"):
+        serializers.get("msgpack").dumps({"x": [object()]})
+
+
+def test_pickle_error_suggests_cloudpickle():
+    with pytest.raises(EncodeError, match=r"pickle cannot encode function at \$\['f'\].*cloudpickle can"):
+        serializers.get("pickle").dumps({"f": lambda x: x})
+
+
+def test_cloudpickle_carries_lambdas_and_closures():
+    s = serializers.get("cloudpickle")
+    k = 3
+    back = s.loads(s.dumps({"f": lambda x: x + k}))
+    assert back["f"](1) == 4
+
+
+def test_cloudpickle_carries_classes_defined_in_main():
+    code = (
+        "import serializers\n"
+        "class Local:\n"
+        "    def __init__(self): self.v = 7\n"
+        "s = serializers.get('cloudpickle')\n"
+        "import sys; sys.stdout.buffer.write(bytes(s.dumps(Local())))\n"
+    )
+    payload = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, timeout=60).stdout
+    assert serializers.get("cloudpickle").loads(payload).v == 7
+
+
+def test_serialization_errors_are_objcomm_errors():
+    assert issubclass(EncodeError, SerializationError) and issubclass(DecodeError, SerializationError)
+    assert issubclass(SerializationError, serializers.ObjcommError)
+
+
+def test_serializers_import_without_torch():
+    code = "import sys, serializers; serializers.get('msgpack').dumps({1: 2}); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
