@@ -1,0 +1,44 @@
+"""The fidelity table is measured; pin what each built-in serializer does with each type."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+import serializers
+
+pytestmark = pytest.mark.timeout(60)
+
+# probe: (pickle, cloudpickle, restricted-pickle, msgpack, json)
+EXPECTED = {
+    "None": ("exact",) * 5,
+    "int beyond 64 bits": ("exact", "exact", "exact", "exact", "refused"),
+    "float nan/inf": ("exact", "exact", "exact", "exact", "refused"),
+    "bytes": ("exact", "exact", "exact", "exact", "refused"),
+    "bytearray": ("exact", "exact", "exact", "converted (bytearray → bytes)", "refused"),
+    "tuple": ("exact", "exact", "exact", "exact", "converted (tuple → list)"),
+    "dict, int keys": ("exact", "exact", "exact", "exact", "refused"),
+    "set": ("exact", "exact", "exact", "exact", "refused"),
+    "datetime": ("exact", "exact", "exact", "exact", "refused"),
+    "numpy.ndarray": ("exact", "exact", "exact", "exact", "refused"),
+    "class instance": ("exact", "exact", "refused", "refused", "refused"),
+    "lambda": ("refused", "exact", "refused", "refused", "refused"),
+}
+NAMES = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"]
+
+
+@pytest.mark.parametrize("probe", EXPECTED)
+def test_fidelity(probe):
+    got = tuple(str(serializers.fidelity(name)[probe]) for name in NAMES)
+    assert got == EXPECTED[probe]
+
+
+def test_no_serializer_is_silently_lossy():
+    for name in NAMES:
+        assert all(v.verdict != "lossy" for v in serializers.fidelity(name).values()), name
+
+
+def test_readme_shows_the_measured_table():
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    assert serializers.fidelity_table(NAMES) in readme
