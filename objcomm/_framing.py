@@ -35,7 +35,15 @@ import torch
 from serializers import SerializerProtocol, registry
 from serializers._protocol import Lift, Restore
 
-from ._errors import ContentRefusedError, DecodeError, EncodeError, FrameError, ObjcommError, TooLargeError
+from ._errors import (
+    ContentRefusedError,
+    DecodeError,
+    EncodeError,
+    FrameError,
+    ObjcommError,
+    TooLargeError,
+    UnknownSerializerError,
+)
 
 MAGIC = b"OBJC"
 VERSION = 1
@@ -173,7 +181,10 @@ def decode(
         )
     if header.compression != NO_COMPRESSION:
         raise FrameError(f"rank {sender} sent a frame with unknown compression code {header.compression}")
-    serializer = registry.get(header.serializer)
+    try:
+        serializer = registry.get(header.serializer)
+    except UnknownSerializerError as exc:
+        raise UnknownSerializerError(f"rank {sender} sent a frame encoded with {header.serializer!r}, but {exc}") from None
     start = header.payload_offset
     payload = view[start : start + header.payload_len]
     try:

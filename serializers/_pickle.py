@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 from typing import Any, Iterable, Set, Tuple, Union
 
 from ._errors import ContentRefusedError, DecodeError, EncodeError
@@ -213,3 +214,14 @@ class RestrictedPickleSerializer(PickleSerializer):
 
     def _unpickler(self, file: Any, restore: Restore | None) -> pickle.Unpickler:
         return _RestrictedUnpickler(file, restore, self._allowed)
+
+    def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
+        # pickle allocates whatever a length opcode declares before reading it (b"\x80\x05\x8e" + an
+        # 8-byte length asks for gigabytes); walk the opcodes first, which checks every length against
+        # the bytes actually present without allocating it.
+        try:
+            for _ in pickletools.genops(io.BytesIO(data)):
+                pass
+        except Exception as exc:
+            raise DecodeError(f"{self.name} refused a malformed payload: {exc}") from None
+        return super().loads(data, restore=restore)

@@ -1,0 +1,247 @@
+"""Failures are loud, immediate and the same on every rank; the group stays usable."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+import objcomm
+import serializers
+
+pytestmark = pytest.mark.timeout(180)
+
+POSITIONS = {"first": [0], "middle": [1], "last": [-1], "all": None}
+
+
+class Unpicklable:
+    """Fails to encode with every serializer (pickle raises from __reduce__)."""
+
+    def __reduce__(self):
+        raise RuntimeError("cannot pickle this on purpose")
+
+
+def _failing(world: int, position: str) -> list[int]:
+    chosen = POSITIONS[position]
+    return list(range(world)) if chosen is None else [c % world for c in chosen]
+
+
+def fail_in_every_collective(position: str) -> dict:
+    """Each collective with the failing object at `position`; returns what each call raised."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failing = _failing(world, position)
+    mine = Unpicklable() if rank in failing else {"rank": rank}
+    outcome = {}
+    calls = {
+        "all_gather": lambda: objcomm.all_gather(mine),
+        "gather": lambda: objcomm.gather(mine, dst=world - 1),
+        # broadcast/scatter encode on the source only: the source is the failing rank
+        "broadcast": lambda: objcomm.broadcast(mine if rank == failing[0] else None, src=failing[0]),
+        "scatter": lambda: objcomm.scatter(
+            [Unpicklable() if r in failing else r for r in range(world)] if rank == 0 else None, src=0
+        ),
+    }
+    for name, call in calls.items():
+        started = time.monotonic()
+        try:
+            call()
+            outcome[name] = None
+        except objcomm.RemoteError as exc:
+            outcome[name] = (exc.ranks if name != "scatter" else [0], exc.failures[exc.ranks[0]][0], time.monotonic() - started)
+            assert "cannot pickle this on purpose" in str(exc)
+        # the next call on the same group works
+        assert objcomm.all_gather(rank) == list(range(world))
+    return outcome
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_every_rank_raises_naming_the_failing_ranks(ranks4, position):
+    failing = _failing(4, position)
+    for outcome in ranks4.run(fail_in_every_collective, position):
+        for name, result in outcome.items():
+            assert result is not None, f"{name} did not raise"
+            raised_ranks, kind, seconds = result
+            expected = [0] if name == "scatter" else ([failing[0]] if name == "broadcast" else failing)
+            assert raised_ranks == expected, name
+            assert kind == "EncodeError"
+            assert seconds < 10, f"{name} took {seconds:.1f}s to fail"
+
+
+def sender_fails_point_to_point() -> str:
+    rank = dist.get_rank()
+    if rank == 0:
+        with pytest.raises(objcomm.EncodeError, match="cannot pickle this on purpose"):
+            objcomm.send(Unpicklable(), dst=1)
+        objcomm.send("after", dst=1)
+        return "sender raised"
+    if rank == 1:
+        with pytest.raises(objcomm.RemoteError, match=r"rank 0: EncodeError"):
+            objcomm.recv(src=0)
+        assert objcomm.recv(src=0) == "after"
+        return "receiver raised"
+    return "idle"
+
+
+def test_point_to_point_failure_reaches_the_receiver(ranks3):
+    assert ranks3.run(sender_fails_point_to_point) == ["sender raised", "receiver raised", "idle"]
+
+
+class PickyLoads(serializers.Serializer):
+    """Decodes on every rank but rank 0, to show decode failures stay local."""
+
+    name, safe, description = "picky", True, "utf-8 strings; rank 0 refuses to decode"
+
+    def dumps(self, obj, /, **_):
+        return str(obj).encode()
+
+    def loads(self, data, /, **_):
+        if dist.get_rank() == 0:
+            raise ValueError("rank 0 does not like this")
+        return bytes(data).decode()
+
+
+def decode_failure_is_local() -> object:
+    serializers.register(PickyLoads(), replace=True)
+    rank = dist.get_rank()
+    try:
+        result = objcomm.all_gather(f"r{rank}", serializer="picky")
+    except objcomm.DecodeError as exc:
+        result = str(exc)
+    assert objcomm.all_gather(rank) == list(range(dist.get_world_size()))
+    return result
+
+
+def test_decode_failure_raises_locally_naming_sender_and_serializer(ranks3):
+    results = ranks3.run(decode_failure_is_local)
+    assert "'picky' payload from rank 0" in results[0] and "rank 0 does not like this" in results[0]
+    assert results[1] == results[2] == ["r0", "r1", "r2"]
+
+
+def unknown_serializer_on_receiver() -> str:
+    rank = dist.get_rank()
+    if rank == 1:
+        serializers.register("only-on-1", dumps=lambda o: str(o).encode(), loads=bytes, replace=True)
+        objcomm.send("x", dst=0, serializer="only-on-1")
+        return "sent"
+    if rank == 0:
+        with pytest.raises(objcomm.UnknownSerializerError, match=r"rank 1 .*'only-on-1'.*registered: .*msgpack"):
+            objcomm.recv(src=1)
+        return "refused"
+    return "idle"
+
+
+def test_frame_naming_an_unregistered_serializer(ranks3):
+    assert ranks3.run(unknown_serializer_on_receiver) == ["refused", "sent", "idle"]
+
+
+def limits_on_both_sides() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    # sender side: too large to send, so nobody receives anything
+    with pytest.raises(objcomm.RemoteError, match=r"TooLargeError.*max_bytes=1,000"):
+        objcomm.all_gather("x" * (2000 if rank == 1 else 10), max_bytes=1000)
+    # receiver side, collective: rank 2 accepts at most 5,000 bytes; everybody learns it in round 1
+    limit = 5000 if rank == 2 else None
+    with pytest.raises(objcomm.TooLargeError, match=r"rank 0's frame is [\d,]+ bytes, above the receiving limit max_bytes=5,000"):
+        objcomm.Communicator(max_bytes=limit).all_gather("y" * (20_000 if rank == 0 else 1))
+    # receiver side, broadcast: rank 2 drains the frame through a bounded buffer and raises; others receive
+    comm = objcomm.Communicator(max_bytes=limit, chunk_bytes=4096)
+    try:
+        out["broadcast"] = len(comm.broadcast("z" * 50_000 if rank == 0 else None, src=0))
+    except objcomm.TooLargeError as exc:
+        out["broadcast"] = "refused" if "above this rank's max_bytes=5,000" in str(exc) else str(exc)
+    assert objcomm.all_gather(rank) == list(range(world))
+    return out
+
+
+def test_size_limits(ranks3):
+    results = ranks3.run(limits_on_both_sides)
+    assert [r["broadcast"] for r in results] == [50_000, 50_000, "refused"]
+
+
+MARKER_NAME = "objcomm-pwned-marker"
+
+
+class Malicious:
+    """Pickles into a payload that runs a shell command when *loaded*."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def malicious_payload(marker: str) -> list:
+    rank = dist.get_rank()
+    outcome = []
+    if rank == 1:
+        objcomm.send(Malicious(marker), dst=0, serializer="pickle")
+        objcomm.send(Malicious(marker), dst=0, serializer="restricted-pickle")
+        objcomm.send(Malicious(marker), dst=0, serializer="pickle")  # the control: it really is malicious
+        return outcome
+    if rank == 0:
+        with pytest.raises(objcomm.ContentRefusedError, match="accepts only"):
+            objcomm.recv(src=1, accept=["msgpack", "json"])
+        outcome.append(os.path.exists(marker))
+        with pytest.raises(objcomm.ContentRefusedError, match=r"restricted-pickle refused to load global (posix|os)\.system"):
+            objcomm.recv(src=1, accept=["restricted-pickle"])
+        outcome.append(os.path.exists(marker))
+        objcomm.recv(src=1)  # plain pickle accepted: loading it runs the command
+        outcome.append(os.path.exists(marker))
+    return outcome
+
+
+def test_malicious_pickle_is_refused_and_nothing_runs(ranks3, tmp_path):
+    marker = str(tmp_path / MARKER_NAME)
+    assert ranks3.run(malicious_payload, marker) == [[False, False, True], [], []]
+
+
+def accept_settings() -> list:
+    rank = dist.get_rank()
+    seen = []
+    previous = objcomm.configure(accept=["msgpack"])
+    try:
+        for serializer, comm, call_accept in [
+            ("pickle", objcomm.Communicator(), None),  # process-wide default refuses
+            ("pickle", objcomm.Communicator(accept=["pickle"]), None),  # communicator overrides
+            ("json", objcomm.Communicator(accept=["pickle"]), ["json"]),  # the call overrides
+        ]:
+            try:
+                comm.all_gather(rank, serializer=serializer, accept=call_accept)
+                seen.append("ok")
+            except objcomm.ContentRefusedError:
+                seen.append("refused")
+    finally:
+        objcomm.restore(previous)
+    return seen
+
+
+def test_accept_per_call_communicator_and_process(ranks3):
+    assert ranks3.run(accept_settings) == [["refused", "ok", "ok"]] * 3
+
+
+def one_rank_never_arrives() -> object:
+    rank = dist.get_rank()
+    if rank == 1:
+        return "stayed away"
+    started = time.monotonic()
+    try:
+        objcomm.all_gather(rank)
+    except objcomm.CommunicationError as exc:
+        return ("CommunicationError", round(time.monotonic() - started, 1), "timeout" in str(exc).lower())
+    return "returned"
+
+
+def test_missing_rank_ends_in_an_error_within_the_group_timeout():
+    """A rank that never calls: the others raise CommunicationError once the group's timeout (3 s) passes."""
+    from _ranks import RankPool
+
+    with RankPool(3, pg_timeout=3, timeout=60) as pool:
+        results = pool.run(one_rank_never_arrives)
+    assert results[1] == "stayed away"
+    for kind, seconds, mentions_timeout in (results[0], results[2]):
+        assert kind == "CommunicationError" and mentions_timeout
+        assert 2 <= seconds < 30
