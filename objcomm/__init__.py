@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ._api import all_gather, broadcast, gather, recv, scatter, send
 from ._communicator import Communicator
+from ._compression import MissingDependencyError
 from ._device import device_for_backend
 from ._errors import (
     CommunicationError,
@@ -38,6 +39,7 @@ __all__ = [
     "DecodeError",
     "EncodeError",
     "FrameError",
+    "MissingDependencyError",
     "ObjcommError",
     "RemoteError",
     "SerializationError",

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Collection, List, Optional, Sequence
+from typing import Any, Collection, List, Optional, Sequence, Union
+
+import torch
 
 from serializers import SerializerLike
 
 from ._communicator import Communicator
 
+Device = Optional[Union[str, torch.device]]
+
 
 def all_gather(
     obj: Any, *, group: Any = None, serializer: Optional[SerializerLike] = None,
-    accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None,
+    accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
+    compression: Optional[str] = None,
 ) -> List[Any]:
     """Gather one object from every rank onto every rank.
 
@@ -21,7 +26,9 @@ def all_gather(
     group: process group (default: the default group).
     serializer: registered name or serializer object (default ``"pickle"``); ranks may differ.
     accept: serializer names this rank agrees to decode (default: all registered).
-    max_bytes: largest frame sent or accepted.
+    max_bytes: largest payload (frame plus tensors) sent or accepted.
+    map_location: where received tensors go (default: the transport device, never the sender's).
+    compression: ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for what this rank sends.
 
     Returns
     -------
@@ -38,12 +45,15 @@ def all_gather(
         for part in objcomm.all_gather({rank: 1} if rank % 2 == 0 else {}):
             merged.update(part)
     """
-    return Communicator(group).all_gather(obj, serializer=serializer, accept=accept, max_bytes=max_bytes)
+    return Communicator(group).all_gather(
+        obj, serializer=serializer, accept=accept, max_bytes=max_bytes, map_location=map_location, compression=compression
+    )
 
 
 def gather(
     obj: Any, dst: int = 0, *, group: Any = None, serializer: Optional[SerializerLike] = None,
-    accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None,
+    accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
+    compression: Optional[str] = None,
 ) -> Optional[List[Any]]:
     """Gather one object from every rank onto global rank ``dst``; other ranks get ``None``.
 
@@ -51,12 +61,16 @@ def gather(
 
         everyone = objcomm.gather(predictions, dst=0)   # a list on rank 0, None elsewhere
     """
-    return Communicator(group).gather(obj, dst, serializer=serializer, accept=accept, max_bytes=max_bytes)
+    return Communicator(group).gather(
+        obj, dst, serializer=serializer, accept=accept, max_bytes=max_bytes, map_location=map_location,
+        compression=compression,
+    )
 
 
 def broadcast(
     obj: Any = None, src: int = 0, *, group: Any = None, serializer: Optional[SerializerLike] = None,
-    accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None,
+    accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
+    compression: Optional[str] = None,
 ) -> Any:
     """Send global rank ``src``'s object to every rank and return it there.
 
@@ -64,13 +78,16 @@ def broadcast(
 
         config = objcomm.broadcast(load_config() if rank == 0 else None, src=0)
     """
-    return Communicator(group).broadcast(obj, src, serializer=serializer, accept=accept, max_bytes=max_bytes)
+    return Communicator(group).broadcast(
+        obj, src, serializer=serializer, accept=accept, max_bytes=max_bytes, map_location=map_location,
+        compression=compression,
+    )
 
 
 def scatter(
     objs: Optional[Sequence[Any]] = None, src: int = 0, *, group: Any = None,
     serializer: Optional[SerializerLike] = None, accept: Optional[Collection[str]] = None,
-    max_bytes: Optional[int] = None,
+    max_bytes: Optional[int] = None, map_location: Device = None, compression: Optional[str] = None,
 ) -> Any:
     """Give group rank ``r`` element ``r`` of ``objs``, a sequence given on global rank ``src``.
 
@@ -78,11 +95,14 @@ def scatter(
 
         shard = objcomm.scatter(split(work, world_size) if rank == 0 else None, src=0)
     """
-    return Communicator(group).scatter(objs, src, serializer=serializer, accept=accept, max_bytes=max_bytes)
+    return Communicator(group).scatter(
+        objs, src, serializer=serializer, accept=accept, max_bytes=max_bytes, map_location=map_location,
+        compression=compression,
+    )
 
 
 def send(obj: Any, dst: int, *, group: Any = None, serializer: Optional[SerializerLike] = None,
-         max_bytes: Optional[int] = None) -> None:
+         max_bytes: Optional[int] = None, compression: Optional[str] = None) -> None:
     """Send one object to global rank ``dst``, which must call :func:`recv`.
 
     Example::
@@ -90,11 +110,11 @@ def send(obj: Any, dst: int, *, group: Any = None, serializer: Optional[Serializ
         if rank == 1:
             objcomm.send({"done": True}, dst=0)
     """
-    Communicator(group).send(obj, dst, serializer=serializer, max_bytes=max_bytes)
+    Communicator(group).send(obj, dst, serializer=serializer, max_bytes=max_bytes, compression=compression)
 
 
 def recv(src: Optional[int] = None, *, group: Any = None, accept: Optional[Collection[str]] = None,
-         max_bytes: Optional[int] = None) -> Any:
+         max_bytes: Optional[int] = None, map_location: Device = None) -> Any:
     """Receive one object from global rank ``src`` (``None``: whichever rank sends first; gloo only).
 
     Example::
@@ -102,4 +122,4 @@ def recv(src: Optional[int] = None, *, group: Any = None, accept: Optional[Colle
         if rank == 0:
             status = objcomm.recv(src=1)
     """
-    return Communicator(group).recv(src, accept=accept, max_bytes=max_bytes)
+    return Communicator(group).recv(src, accept=accept, max_bytes=max_bytes, map_location=map_location)

@@ -1,4 +1,4 @@
-"""The object API: encode, move frames, decode — with failures raised on every rank alike."""
+"""The object API: encode, move frames and tensors, decode — failures raised on every rank alike."""
 
 from __future__ import annotations
 
@@ -10,56 +10,74 @@ import torch.distributed as dist
 
 from serializers import SerializerLike, registry
 
-from . import _framing, _transport
+from . import _compression, _framing, _transport
 from ._device import resolve_device
 from ._errors import CommunicationError, Failure, ObjcommError, RemoteError
-from ._settings import check_positive, check_slot, normalize_accept, settings
+from ._settings import Settings, check_positive, check_slot, normalize_accept, settings
+from ._transport import Incoming, Outgoing
 
 Device = Union[str, torch.device, None]
 
 
 @dataclass
 class _Call:
-    """Everything one call needs, resolved: serializer, limits, and the wire (None: single process)."""
+    """Everything one call needs, resolved: serializer, limits, placement and the wire (None: no group)."""
 
     serializer: Any
     accept: Optional[frozenset]
     max_bytes: int
+    compression: Optional[str]
+    inline_tensor_bytes: int
+    map_location: Optional[torch.device]
     wire: Optional[_transport.Wire]
 
-    def encode(self, obj: Any) -> tuple[torch.Tensor, bool, Optional[BaseException]]:
-        """``(frame, is_error, exception)``: a failure becomes an error frame that still travels."""
+    @property
+    def device(self) -> torch.device:
+        """Where received tensors go: ``map_location``, else the transport device, else the CPU."""
+        if self.map_location is not None:
+            return self.map_location
+        return self.wire.device if self.wire is not None else torch.device("cpu")
+
+    def encode(self, obj: Any) -> tuple[Outgoing, Optional[BaseException]]:
+        """``(outgoing, exception)``: a failure becomes an error report that still travels."""
         try:
-            return _framing.encode(obj, self.serializer, max_bytes=self.max_bytes), False, None
+            out = _framing.encode(
+                obj, self.serializer, max_bytes=self.max_bytes, inline_tensor_bytes=self.inline_tensor_bytes,
+                compression=self.compression,
+            )
+            return out, None
         except Exception as exc:
             limit = self.wire.inline_capacity if self.wire is not None else 1 << 16
-            return _framing.error_frame(exc, limit), True, exc
+            return _framing.error_frame(exc, limit), exc
 
-    def failures(self, frames: Sequence[Optional[memoryview]]) -> Dict[int, Failure]:
+    @staticmethod
+    def failures(incoming: Sequence[Optional[Incoming]]) -> Dict[int, Failure]:
         found = {}
-        for rank, view in enumerate(frames):
-            if view is not None:
-                header = _framing.parse_header(view)
+        for rank, item in enumerate(incoming):
+            if item is not None:
+                header = _framing.parse_header(item.frame)
                 if header.is_error:
-                    found[rank] = _framing.read_error(view, header)
+                    found[rank] = _framing.read_error(item.frame, header)
         return found
 
-    def raise_failures(self, op: str, frames: Sequence[Optional[memoryview]], local: Optional[BaseException]) -> None:
-        failures = self.failures(frames)
+    def raise_failures(self, op: str, incoming: Sequence[Optional[Incoming]], local: Optional[BaseException]) -> None:
+        failures = self.failures(incoming)
         if failures:
             raise RemoteError(op, failures) from local
-        if local is not None:  # cannot happen: our own error frame is among the frames
-            raise local
 
-    def decode(self, view: Optional[memoryview], sender: int) -> Any:
-        if view is None:
+    def decode(self, item: Optional[Incoming], sender: int, own: bool = False) -> Any:
+        if item is None:
             raise CommunicationError(f"no frame arrived from rank {sender}")
-        return _framing.decode(view, sender=sender, accept=self.accept)
+        return _framing.decode(
+            item, sender=sender, accept=self.accept, device=self.device, max_bytes=self.max_bytes, own=own
+        )
 
     def roundtrip(self, obj: Any) -> Any:
         """What a group of one returns: the object encoded and decoded, so failures match."""
-        frame = _framing.encode(obj, self.serializer, max_bytes=self.max_bytes)
-        return self.decode(memoryview(frame.numpy()), 0)
+        out, error = self.encode(obj)
+        if error is not None:
+            raise error
+        return self.decode(Incoming(memoryview(out.frame.numpy()), list(out.tensors)), 0, own=True)
 
 
 class Communicator:
@@ -75,7 +93,11 @@ class Communicator:
         Where byte tensors live; default: the current CUDA device for NCCL, the CPU otherwise.
     accept:
         Serializer names this rank will decode; frames naming others raise ``ContentRefusedError``.
-    max_bytes, slot_bytes, chunk_bytes:
+    map_location:
+        Where received tensors are placed; default: the transport device (never the sender's).
+    compression:
+        ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for what this rank sends.
+    max_bytes, slot_bytes, chunk_bytes, inline_tensor_bytes:
         Size limits (see :class:`objcomm.Settings`); ``None`` uses the process-wide default.
 
     Example::
@@ -91,25 +113,31 @@ class Communicator:
         device: Device = None,
         *,
         accept: Optional[Collection[str]] = None,
+        map_location: Device = None,
+        compression: Optional[str] = None,
         max_bytes: Optional[int] = None,
         slot_bytes: Optional[int] = None,
         chunk_bytes: Optional[int] = None,
+        inline_tensor_bytes: Optional[int] = None,
     ) -> None:
         if serializer is not None:
             registry.get(serializer)  # fail now, not at the first call
-        if max_bytes is not None:
-            check_positive("max_bytes", max_bytes)
-        if chunk_bytes is not None:
-            check_positive("chunk_bytes", chunk_bytes)
+        for name, value in (("max_bytes", max_bytes), ("chunk_bytes", chunk_bytes)):
+            if value is not None:
+                check_positive(name, value)
         if slot_bytes is not None:
             check_slot(slot_bytes)
+        _compression.check(compression)
         self.group = group
         self.serializer = serializer
         self.device = device
         self.accept = normalize_accept(accept)
+        self.map_location = map_location
+        self.compression = compression
         self.max_bytes = max_bytes
         self.slot_bytes = slot_bytes
         self.chunk_bytes = chunk_bytes
+        self.inline_tensor_bytes = inline_tensor_bytes
 
     def __repr__(self) -> str:
         return f"Communicator(group={self.group!r}, serializer={self.serializer!r}, device={self.device!r})"
@@ -120,21 +148,28 @@ class Communicator:
         serializer: Optional[SerializerLike] = None,
         accept: Optional[Collection[str]] = None,
         max_bytes: Optional[int] = None,
+        map_location: Device = None,
+        compression: Optional[str] = None,
     ) -> _Call:
         defaults = settings()
-        chosen = serializer if serializer is not None else self.serializer
-        resolved_accept = normalize_accept(accept) if accept is not None else self.accept
-        limit = max_bytes if max_bytes is not None else self.max_bytes or defaults.max_bytes
         if max_bytes is not None:
             check_positive("max_bytes", max_bytes)
+        if compression is not None:
+            _compression.check(compression)
+        limit = _first(max_bytes, self.max_bytes, defaults.max_bytes)
+        resolved_accept = normalize_accept(accept) if accept is not None else self.accept
+        location = _first(map_location, self.map_location)
         return _Call(
-            serializer=registry.get(chosen, default=defaults.serializer),
+            serializer=registry.get(_first(serializer, self.serializer, defaults.serializer)),
             accept=resolved_accept if resolved_accept is not None else defaults.accept,
             max_bytes=limit,
+            compression=_first(compression, self.compression, defaults.compression),
+            inline_tensor_bytes=_first(self.inline_tensor_bytes, defaults.inline_tensor_bytes),
+            map_location=torch.device(location) if location is not None else None,
             wire=self._wire(limit, defaults),
         )
 
-    def _wire(self, max_bytes: int, defaults: Any) -> Optional[_transport.Wire]:
+    def _wire(self, max_bytes: int, defaults: Settings) -> Optional[_transport.Wire]:
         if not (dist.is_available() and dist.is_initialized()):
             if self.group is not None:
                 raise ObjcommError("a group was given but torch.distributed is not initialised; call init_process_group()")
@@ -151,8 +186,8 @@ class Communicator:
             ranks=dist.get_process_group_ranks(group),
             rank=rank,
             device=resolve_device(dist.get_backend(group), group, self.device),
-            slot=self.slot_bytes or defaults.slot_bytes,
-            chunk=self.chunk_bytes or defaults.chunk_bytes,
+            slot=_first(self.slot_bytes, defaults.slot_bytes),
+            chunk=_first(self.chunk_bytes, defaults.chunk_bytes),
             max_bytes=max_bytes,
         )
 
@@ -167,93 +202,108 @@ class Communicator:
     # -- collectives ---------------------------------------------------------------------------
     def all_gather(
         self, obj: Any, *, serializer: Optional[SerializerLike] = None, accept: Optional[Collection[str]] = None,
-        max_bytes: Optional[int] = None,
+        max_bytes: Optional[int] = None, map_location: Device = None, compression: Optional[str] = None,
     ) -> List[Any]:
         """Every rank's object, on every rank, in group-rank order: ``[obj_0, ..., obj_{n-1}]``."""
-        call = self._call(serializer, accept, max_bytes)
+        call = self._call(serializer, accept, max_bytes, map_location, compression)
         if call.wire is None:
             return [call.roundtrip(obj)]
-        frame, error, local = call.encode(obj)
-        frames = _transport.all_gather(call.wire, frame, error)
-        call.raise_failures("all_gather", frames, local)
-        return [call.decode(view, r) for r, view in enumerate(frames)]
+        out, local = call.encode(obj)
+        incoming = _transport.all_gather(call.wire, out, _framing.tensor_sizes)
+        call.raise_failures("all_gather", incoming, local)
+        return [call.decode(item, r) for r, item in enumerate(incoming)]
 
     def gather(
         self, obj: Any, dst: int = 0, *, serializer: Optional[SerializerLike] = None,
-        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None,
+        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
+        compression: Optional[str] = None,
     ) -> Optional[List[Any]]:
         """Every rank's object on global rank ``dst`` (a list in group-rank order); ``None`` elsewhere."""
-        call = self._call(serializer, accept, max_bytes)
+        call = self._call(serializer, accept, max_bytes, map_location, compression)
         if call.wire is None:
             self._check_single(dst, "dst")
             return [call.roundtrip(obj)]
         root = self._group_rank(call.wire, dst, "dst")
-        frame, error, local = call.encode(obj)
-        frames = _transport.gather(call.wire, frame, error, root)
-        if frames is None:
+        out, local = call.encode(obj)
+        incoming = _transport.gather(call.wire, out, _framing.tensor_sizes, root)
+        if incoming is None:
             return None
-        call.raise_failures("gather", frames, local)
+        call.raise_failures("gather", incoming, local)
         if call.wire.rank != root:
             return None
-        return [call.decode(view, r) for r, view in enumerate(frames)]
+        return [call.decode(item, r, own=r == root) for r, item in enumerate(incoming)]
 
     def broadcast(
         self, obj: Any = None, src: int = 0, *, serializer: Optional[SerializerLike] = None,
-        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None,
+        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
+        compression: Optional[str] = None,
     ) -> Any:
         """Global rank ``src``'s object, on every rank (``obj`` is ignored on the others)."""
-        call = self._call(serializer, accept, max_bytes)
+        call = self._call(serializer, accept, max_bytes, map_location, compression)
         if call.wire is None:
             self._check_single(src, "src")
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, src, "src")
-        frame, error, local = call.encode(obj) if call.wire.rank == root else (None, False, None)
-        view = _transport.broadcast(call.wire, frame, error, root)
-        call.raise_failures("broadcast", _only(root, view, call.wire.size), local)
-        return call.decode(view, root)
+        out, local = call.encode(obj) if call.wire.rank == root else (None, None)
+        item = _transport.broadcast(call.wire, out, _framing.tensor_sizes, root)
+        call.raise_failures("broadcast", _only(root, item, call.wire.size), local)
+        return call.decode(item, root, own=call.wire.rank == root)
 
     def scatter(
         self, objs: Optional[Sequence[Any]] = None, src: int = 0, *, serializer: Optional[SerializerLike] = None,
-        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None,
+        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
+        compression: Optional[str] = None,
     ) -> Any:
         """Element ``r`` of ``objs`` (given on global rank ``src``, one per group rank) on group rank ``r``."""
-        call = self._call(serializer, accept, max_bytes)
+        call = self._call(serializer, accept, max_bytes, map_location, compression)
         if call.wire is None:
             self._check_single(src, "src")
             return call.roundtrip(_scatter_items(objs, 1)[0])
         wire = call.wire
         root = self._group_rank(wire, src, "src")
-        frames: Optional[List[torch.Tensor]] = None
-        error, local = False, None
+        outs: Optional[List[Outgoing]] = None
+        local: Optional[BaseException] = None
         if wire.rank == root:
             try:
-                frames = [_framing.encode(o, call.serializer, max_bytes=call.max_bytes) for o in _scatter_items(objs, wire.size)]
+                items = _scatter_items(objs, wire.size)
+                outs = []
+                for item in items:
+                    out, local = call.encode(item)
+                    if local is not None:
+                        raise local
+                    outs.append(out)
             except Exception as exc:
-                error, local = True, exc
-                frames = [_framing.error_frame(exc, wire.inline_capacity)] * wire.size
-        view = _transport.scatter(wire, frames, error, root)
-        call.raise_failures("scatter", _only(root, view, wire.size), local)
-        return call.decode(view, root)
+                local = exc
+                outs = [_framing.error_frame(exc, wire.inline_capacity)] * wire.size
+        item = _transport.scatter(wire, outs, _framing.tensor_sizes, root)
+        call.raise_failures("scatter", _only(root, item, wire.size), local)
+        return call.decode(item, root, own=wire.rank == root)
 
-    def send(self, obj: Any, dst: int, *, serializer: Optional[SerializerLike] = None, max_bytes: Optional[int] = None) -> None:
+    def send(
+        self, obj: Any, dst: int, *, serializer: Optional[SerializerLike] = None, max_bytes: Optional[int] = None,
+        compression: Optional[str] = None,
+    ) -> None:
         """Send ``obj`` to global rank ``dst``, which calls :meth:`recv`.
 
         If encoding fails, the receiver gets the error report (and raises ``RemoteError``) and this
-        rank raises the original ``EncodeError``: nobody is left waiting.
+        rank raises the original error: nobody is left waiting.
         """
-        call = self._call(serializer, None, max_bytes)
+        call = self._call(serializer, None, max_bytes, None, compression)
         wire = self._require_group(call, "send")
         peer = self._group_rank(wire, dst, "dst")
         if peer == wire.rank:
             raise ValueError(f"send(dst={dst}) is this rank itself; send to another rank")
-        frame, error, local = call.encode(obj)
-        _transport.send(wire, frame, error, peer)
+        out, local = call.encode(obj)
+        _transport.send(wire, out, peer)
         if local is not None:
             raise local
 
-    def recv(self, src: Optional[int] = None, *, accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None) -> Any:
+    def recv(
+        self, src: Optional[int] = None, *, accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None,
+        map_location: Device = None,
+    ) -> Any:
         """Receive the object global rank ``src`` sends; ``src=None`` takes it from any rank (gloo only)."""
-        call = self._call(None, accept, max_bytes)
+        call = self._call(None, accept, max_bytes, map_location)
         wire = self._require_group(call, "recv")
         peer = None if src is None else self._group_rank(wire, src, "src")
         if peer == wire.rank:
@@ -263,10 +313,10 @@ class Communicator:
                 f"recv(src=None) needs a backend that can receive from any rank (gloo); this group moves bytes on "
                 f"{wire.device} — pass the sender's rank as src"
             )
-        sender, view, is_error = _transport.recv(wire, peer)
+        sender, item, is_error = _transport.recv(wire, peer, _framing.tensor_sizes)
         if is_error:
-            call.raise_failures("send/recv", _only(sender, view, wire.size), None)
-        return call.decode(view, sender)
+            call.raise_failures("send/recv", _only(sender, item, wire.size), None)
+        return call.decode(item, sender)
 
     @staticmethod
     def _require_group(call: _Call, op: str) -> _transport.Wire:
@@ -280,10 +330,15 @@ class Communicator:
             raise ValueError(f"{what}={rank}, but there is no process group: the only rank is 0")
 
 
-def _only(rank: int, view: memoryview, size: int) -> List[Optional[memoryview]]:
-    frames: List[Optional[memoryview]] = [None] * size
-    frames[rank] = view
-    return frames
+def _first(*values: Any) -> Any:
+    """The first value that is not None."""
+    return next((v for v in values if v is not None), None)
+
+
+def _only(rank: int, item: Incoming, size: int) -> List[Optional[Incoming]]:
+    items: List[Optional[Incoming]] = [None] * size
+    items[rank] = item
+    return items
 
 
 def _scatter_items(objs: Optional[Sequence[Any]], size: int) -> Sequence[Any]:

@@ -11,7 +11,8 @@
     ├── FrameError               a malformed frame: bad magic, unknown version, truncated, lengths disagree
     ├── TooLargeError            a frame above ``max_bytes`` (checked before anything is allocated)
     ├── RemoteError              another rank failed in the same call; ``.failures`` says who and why
-    └── CommunicationError       the collective itself failed: a rank never arrived, the group timed out
+    ├── CommunicationError       the collective itself failed: a rank never arrived, the group timed out
+    └── MissingDependencyError   an optional library (zstandard, lz4) is not installed (also an ImportError)
 
 The first five come from the torch-free ``serializers`` package and are re-exported here.
 """

@@ -28,13 +28,12 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any, Collection, Optional
+from typing import Any, Collection, List, Optional, Sequence
 
 import torch
 
 from serializers import SerializerProtocol, registry
-from serializers._protocol import Lift, Restore
-
+from . import _compression
 from ._errors import (
     ContentRefusedError,
     DecodeError,
@@ -44,12 +43,14 @@ from ._errors import (
     TooLargeError,
     UnknownSerializerError,
 )
+from ._tensors import Entry, TensorLifter, parse_table, restorer
+from ._transport import Incoming, Outgoing
 
 MAGIC = b"OBJC"
 VERSION = 1
 HEADER = struct.Struct("<4sBBBBIIQQQ")
 FLAG_ERROR = 1
-NO_COMPRESSION = 0
+NO_COMPRESSION = _compression.NONE
 
 
 @dataclass(frozen=True)
@@ -79,47 +80,85 @@ def frame_length(name_len: int, table_len: int, payload_len: int, inline_len: in
     return HEADER.size + name_len + table_len + payload_len + inline_len
 
 
-def _assemble(name: str, payload: Any, flags: int = 0) -> torch.Tensor:
-    """Header + name + payload, written once into a fresh CPU uint8 tensor that is sent as is."""
+def _assemble(
+    name: str,
+    payload: Any,
+    *,
+    flags: int = 0,
+    compression: int = NO_COMPRESSION,
+    raw_len: Optional[int] = None,
+    table: bytes = b"",
+    n_tensors: int = 0,
+    inline: Sequence[torch.Tensor] = (),
+) -> torch.Tensor:
+    """Header, name, tensor table, payload and inline tensors, written once into a fresh CPU
+    uint8 tensor that is sent as is (the payload is copied exactly once)."""
     name_bytes = name.encode("ascii")
     body = memoryview(payload).cast("B")
-    total = frame_length(len(name_bytes), 0, body.nbytes, 0)
+    inline_len = sum(t.numel() for t in inline)
+    total = frame_length(len(name_bytes), len(table), body.nbytes, inline_len)
     frame = torch.empty(total, dtype=torch.uint8)
     view = memoryview(frame.numpy())
-    HEADER.pack_into(view, 0, MAGIC, VERSION, flags, NO_COMPRESSION, len(name_bytes), 0, 0, body.nbytes, body.nbytes, 0)
-    view[HEADER.size : HEADER.size + len(name_bytes)] = name_bytes
-    view[HEADER.size + len(name_bytes) :] = body
+    HEADER.pack_into(
+        view, 0, MAGIC, VERSION, flags, compression, len(name_bytes), len(table), n_tensors, body.nbytes,
+        body.nbytes if raw_len is None else raw_len, inline_len,
+    )
+    at = HEADER.size
+    for part in (name_bytes, table, body):
+        view[at : at + len(part)] = part
+        at += len(part)
+    for tensor in inline:
+        frame[at : at + tensor.numel()] = tensor
+        at += tensor.numel()
     return frame
 
 
-def encode(obj: Any, serializer: SerializerProtocol, *, max_bytes: int, lift: Optional[Lift] = None) -> torch.Tensor:
-    """Serialize ``obj`` into a frame; raise :class:`EncodeError` or :class:`TooLargeError`."""
+def encode(
+    obj: Any,
+    serializer: SerializerProtocol,
+    *,
+    max_bytes: int,
+    inline_tensor_bytes: int = 64 << 10,
+    compression: Optional[str] = None,
+) -> Outgoing:
+    """Serialize ``obj`` into a frame plus out-of-band tensors; raise :class:`EncodeError` or :class:`TooLargeError`.
+
+    Tensors are lifted out when the serializer supports it (the pickle family, msgpack).
+    """
+    lifter = TensorLifter()
     try:
-        if lift is not None and getattr(serializer, "supports_external", False):
-            payload = serializer.dumps(obj, lift=lift)  # type: ignore[call-arg]
+        if getattr(serializer, "supports_external", False):
+            payload = serializer.dumps(obj, lift=lifter)  # type: ignore[call-arg]
         else:
             payload = serializer.dumps(obj)
     except ObjcommError:
         raise
     except Exception as exc:  # a user serializer's own exception, or a __reduce__ that raised
         raise EncodeError(f"{serializer.name} cannot encode {type(obj).__name__}: {type(exc).__name__}: {exc}") from exc
-    frame = _assemble(serializer.name, payload)
-    if frame.numel() > max_bytes:
+    table, inline, oob = lifter.pack(inline_tensor_bytes)
+    raw = memoryview(payload).cast("B")
+    code, stored = _compression.compress(compression, raw)
+    frame = _assemble(
+        serializer.name, stored, compression=code, raw_len=raw.nbytes, table=table,
+        n_tensors=len(lifter.tensors), inline=inline,
+    )
+    out = Outgoing(frame, oob)
+    if out.total > max_bytes:
         raise TooLargeError(
-            f"the encoded object is {frame.numel():,} bytes, above max_bytes={max_bytes:,}; "
+            f"the encoded object is {out.total:,} bytes, above max_bytes={max_bytes:,}; "
             "raise max_bytes (per call, on the Communicator or with objcomm.configure) or send less"
         )
-    return frame
+    return out
 
 
-def error_frame(exc: BaseException, limit: int) -> torch.Tensor:
-    """A frame reporting ``exc`` in at most ``limit`` bytes (the message is cut to fit)."""
+def error_frame(exc: BaseException, limit: int) -> Outgoing:
+    """An error report about ``exc`` in at most ``limit`` bytes (the message is cut to fit)."""
     message = str(exc)
     while True:
         payload = json.dumps({"type": type(exc).__name__, "message": message}).encode()
-        frame = _assemble("", payload, FLAG_ERROR)
+        frame = _assemble("", payload, flags=FLAG_ERROR)
         if frame.numel() <= limit or not message:
-            return frame
+            return Outgoing(frame, error=True)
         message = message[: max(0, len(message) - (frame.numel() - limit) - 4)] + "…" if len(message) > 8 else ""
 
 
@@ -159,18 +198,35 @@ def read_error(view: memoryview, header: Header) -> tuple[str, str]:
         raise FrameError(f"malformed error report in frame: {exc}") from None
 
 
+def tensor_sizes(view: memoryview) -> List[int]:
+    """Byte sizes of the out-of-band tensors a frame announces (the transport's ``sizes_of``)."""
+    header = parse_header(view)
+    if header.is_error or not header.n_tensors:
+        return []
+    return [e.nbytes for e in _table(view, header) if not e.inline]
+
+
+def _table(view: memoryview, header: Header) -> List[Entry]:
+    start = HEADER.size + len(header.serializer)
+    return parse_table(view[start : start + header.table_len], header.n_tensors, header.inline_len)
+
+
 def decode(
-    view: memoryview,
+    incoming: Incoming,
     *,
     sender: int,
     accept: Optional[Collection[str]],
-    restore: Optional[Restore] = None,
+    device: torch.device = torch.device("cpu"),
+    max_bytes: int = 1 << 62,
+    own: bool = False,
 ) -> Any:
-    """Decode a data frame received from group rank ``sender``.
+    """Decode what arrived from group rank ``sender``; tensors are placed on ``device``.
 
     Raises :class:`FrameError`, :class:`ContentRefusedError` (serializer not in ``accept``, checked
     before the payload is touched), :class:`UnknownSerializerError` or :class:`DecodeError`.
+    ``own``: the tensors are the caller's own input (a root keeping its own object): copy them.
     """
+    view = incoming.frame
     header = parse_header(view)
     if header.is_error:
         raise FrameError(f"rank {sender} sent an error report where data was expected")
@@ -179,20 +235,27 @@ def decode(
             f"rank {sender} sent a {header.serializer!r} payload, but this rank accepts only {sorted(accept)}; "
             "add it to accept= if you trust the sender, or send with an accepted serializer"
         )
-    if header.compression != NO_COMPRESSION:
-        raise FrameError(f"rank {sender} sent a frame with unknown compression code {header.compression}")
     try:
         serializer = registry.get(header.serializer)
     except UnknownSerializerError as exc:
         raise UnknownSerializerError(f"rank {sender} sent a frame encoded with {header.serializer!r}, but {exc}") from None
+    entries = _table(view, header)
     start = header.payload_offset
     payload = view[start : start + header.payload_len]
+    if header.compression != NO_COMPRESSION:
+        payload = memoryview(_compression.decompress(header.compression, payload, header.raw_len, max_bytes))
+    inline = view[start + header.payload_len :]
     try:
-        if restore is not None and getattr(serializer, "supports_external", False):
+        if entries:
+            restore = restorer(entries, inline, incoming.tensors, device, own=own)
+            if not getattr(serializer, "supports_external", False):
+                raise DecodeError(f"{header.serializer!r} cannot take tensors out of band, yet the frame carries some")
             return serializer.loads(payload, restore=restore)  # type: ignore[call-arg]
         return serializer.loads(payload)
     except ContentRefusedError as exc:
         raise ContentRefusedError(f"payload from rank {sender}: {exc}") from exc
+    except FrameError:
+        raise
     except Exception as exc:
         raise DecodeError(
             f"could not decode the {header.serializer!r} payload from rank {sender}: {exc}"

@@ -14,6 +14,7 @@ from typing import Any, Collection, FrozenSet, Optional
 DEFAULT_MAX_BYTES = 8 << 30  # 8 GiB
 DEFAULT_SLOT_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 256 << 20  # 256 MiB
+DEFAULT_INLINE_TENSOR_BYTES = 64 << 10  # tensors up to 64 KiB ride inside the frame
 MIN_SLOT_BYTES = 128
 
 
@@ -26,6 +27,9 @@ class Settings:
     - ``max_bytes``: largest frame sent or accepted (default 8 GiB); checked before allocating.
     - ``slot_bytes``: per-rank bytes of the first round; smaller frames take one collective.
     - ``chunk_bytes``: largest single transfer of the second round; caps the extra memory a call needs.
+    - ``inline_tensor_bytes``: tensors up to this size are copied into the frame; larger ones
+      travel as tensors with native collectives.
+    - ``compression``: ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for payloads a rank sends.
     """
 
     serializer: str = "pickle"
@@ -33,11 +37,15 @@ class Settings:
     max_bytes: int = DEFAULT_MAX_BYTES
     slot_bytes: int = DEFAULT_SLOT_BYTES
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    inline_tensor_bytes: int = DEFAULT_INLINE_TENSOR_BYTES
+    compression: Optional[str] = None
 
     def __post_init__(self) -> None:
         check_positive("max_bytes", self.max_bytes)
         check_positive("chunk_bytes", self.chunk_bytes)
         check_slot(self.slot_bytes)
+        if not isinstance(self.inline_tensor_bytes, int) or self.inline_tensor_bytes < 0:
+            raise ValueError(f"inline_tensor_bytes must be an int >= 0, got {self.inline_tensor_bytes!r}")
 
 
 def check_positive(name: str, value: Any) -> None:

@@ -1,27 +1,31 @@
-"""Moving variable-length frames (uint8 tensors) with torch.distributed.
+"""Moving variable-length frames (CPU uint8 tensors) and out-of-band tensors with torch.distributed.
 
 Every operation is one or two rounds:
 
-1. A fixed-size **slot** per rank travels in a single collective (or message). Its 16-byte
-   prefix holds the frame length (top bit: "this is an error report") and the sender's
-   ``max_bytes``; when the frame fits, it follows the prefix and the call is done.
-2. Only frames that did not fit travel again, whole and at their exact size where the
-   collective allows it, in pieces of at most ``chunk`` bytes.
+1. A fixed-size **slot** per rank travels in a single collective (or message). Its 24-byte
+   prefix holds the frame length (top bit: "this is an error report"; next bit, in scatter:
+   "some rank gets more than its slot"), the sender's ``max_bytes`` and the total bytes the
+   sender will move (frame plus tensors). When the frame fits and there are no out-of-band
+   tensors, the call is done.
+2. Frames that did not fit travel again, whole and at their exact size where the collective
+   allows it; then the out-of-band tensors travel as tensors (never through the host on NCCL),
+   each in pieces of at most ``chunk`` bytes.
 
-Because everything in round 1 is seen by every rank that must act on it, all ranks take the
-same decision (skip round 2 after an error, refuse a frame above a limit) and nobody waits for
-a transfer that will never come. A receiver that refuses a broadcast, scattered or sent frame
-still drains it through a scratch buffer of at most ``chunk`` bytes, so senders never hang.
+Every rank that must act on something learns it in round 1, so all ranks take the same decision
+(skip round 2 after an error, refuse a payload above a receiver's limit) and nobody waits for a
+transfer that will never come. Where the sender cannot know the receivers' limits (broadcast,
+scatter, send/recv) the receivers answer with a one-element vote or acknowledgement before any
+buffer of the declared size exists.
 
-Frames come back as CPU ``memoryview``\\ s, in group-rank order; ``None`` marks a frame that was
-not transferred because the call already failed.
+Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat uint8 tensors on
+the wire's device.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,9 +35,11 @@ from ._errors import CommunicationError, TooLargeError
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-PREFIX = struct.Struct("<QQ")
+PREFIX = struct.Struct("<QQQ")
 ERROR_BIT = 1 << 63
-Frames = List[Optional[memoryview]]
+ROUND2_BIT = 1 << 62
+_LENGTH_MASK = ROUND2_BIT - 1
+SizesOf = Callable[[memoryview], List[int]]  # tensor byte sizes announced in a frame
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ class Wire:
     device: torch.device
     slot: int  # bytes per rank in round 1, prefix included
     chunk: int  # largest single transfer in round 2
-    max_bytes: int  # largest frame this rank accepts
+    max_bytes: int  # largest payload (frame plus tensors) this rank accepts
 
     @property
     def size(self) -> int:
@@ -57,51 +63,76 @@ class Wire:
         return self.slot - PREFIX.size
 
 
+@dataclass
+class Outgoing:
+    """What one rank sends: a CPU frame and flat uint8 tensors (on any device)."""
+
+    frame: torch.Tensor
+    tensors: Sequence[torch.Tensor] = ()
+    error: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.frame.numel() + sum(t.numel() for t in self.tensors)
+
+    def complete(self, wire: Wire) -> bool:
+        """Round 1 carries all of it: the frame fits the slot and there are no tensors."""
+        return self.frame.numel() <= wire.inline_capacity and not self.tensors
+
+
+@dataclass
+class Incoming:
+    """What arrived from one rank: its frame (CPU) and its tensors (on the wire's device)."""
+
+    frame: memoryview
+    tensors: List[torch.Tensor] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class _SlotInfo:
     length: int
     error: bool
+    round2: bool
     limit: int
+    total: int
     inline: Optional[memoryview]
 
 
-def _host_view(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.cpu().numpy()).cast("B")
-
-
-def _fill_slot(slot: memoryview, frame: torch.Tensor, error: bool, limit: int) -> None:
-    length = frame.numel()
-    PREFIX.pack_into(slot, 0, length | (ERROR_BIT if error else 0), limit)
+# -- slots -----------------------------------------------------------------------------------
+def _fill_slot(slot: memoryview, out: Outgoing, limit: int, round2: bool = False) -> None:
+    length = out.frame.numel()
+    word = length | (ERROR_BIT if out.error else 0) | (ROUND2_BIT if round2 else 0)
+    PREFIX.pack_into(slot, 0, word, limit, out.total)
     if length <= slot.nbytes - PREFIX.size:
-        slot[PREFIX.size : PREFIX.size + length] = memoryview(frame.numpy()).cast("B")
+        slot[PREFIX.size : PREFIX.size + length] = memoryview(out.frame.numpy()).cast("B")
 
 
-def _make_slot(wire: Wire, frame: torch.Tensor, error: bool) -> torch.Tensor:
+def _make_slot(wire: Wire, out: Outgoing) -> torch.Tensor:
     slot = torch.zeros(wire.slot, dtype=torch.uint8)
-    _fill_slot(memoryview(slot.numpy()), frame, error, wire.max_bytes)
-    return slot
+    _fill_slot(memoryview(slot.numpy()), out, wire.max_bytes)
+    return _to_device(slot, wire)
 
 
 def _read_slot(view: memoryview) -> _SlotInfo:
-    word, limit = PREFIX.unpack_from(view, 0)
-    length = word & ~ERROR_BIT
+    word, limit, total = PREFIX.unpack_from(view, 0)
+    length = word & _LENGTH_MASK
     fits = length <= view.nbytes - PREFIX.size
-    return _SlotInfo(length, bool(word & ERROR_BIT), limit, view[PREFIX.size : PREFIX.size + length] if fits else None)
+    inline = view[PREFIX.size : PREFIX.size + length] if fits else None
+    return _SlotInfo(length, bool(word & ERROR_BIT), bool(word & ROUND2_BIT), limit, total, inline)
 
 
 def _read_slots(host: memoryview, count: int, slot: int) -> List[_SlotInfo]:
     return [_read_slot(host[r * slot : (r + 1) * slot]) for r in range(count)]
 
 
-def _check_limits(infos: List[_SlotInfo], receivers: Sequence[int], op: str) -> None:
-    """Raise the same TooLargeError on every rank when a frame exceeds a receiver's limit."""
-    limit = min(infos[r].limit for r in receivers)
-    for sender, info in enumerate(infos):
-        if info.inline is None and not info.error and info.length > limit:
-            raise TooLargeError(
-                f"{op}: rank {sender}'s frame is {info.length:,} bytes, above the receiving limit "
-                f"max_bytes={limit:,}; nothing was transferred. Raise max_bytes on the receiving ranks or send less"
-            )
+def _complete(info: _SlotInfo) -> bool:
+    """Round 1 carried everything this rank sends: the whole frame and no tensors."""
+    return info.inline is not None and info.total == info.length
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _host_view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.cpu().numpy()).cast("B")
 
 
 def _to_device(tensor: torch.Tensor, wire: Wire) -> torch.Tensor:
@@ -113,202 +144,261 @@ def _empty(length: int, wire: Wire) -> torch.Tensor:
 
 
 def _pieces(length: int, chunk: int) -> range:
-    return range(0, length, chunk) if length else range(0)
+    return range(0, length, chunk)
 
 
-def _guarded(op: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
+def _guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run a torch.distributed call, turning its failures into CommunicationError."""
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:
         raise CommunicationError(
-            f"{op} failed on rank {wire.rank} of a group of {wire.size}: {exc}. "
+            f"{what} failed on rank {wire.rank} of a group of {wire.size}: {exc}. "
             "A rank may have crashed, never called this operation, or called a different one; "
             "the group's timeout (init_process_group(timeout=...)) bounds how long ranks wait"
         ) from exc
 
 
+def _too_large(op: str, sender: int, total: int, limit: int, who: str) -> TooLargeError:
+    return TooLargeError(
+        f"{op}: rank {sender} sends {total:,} bytes, above the max_bytes={limit:,} of {who}; nothing was "
+        "transferred. Raise max_bytes on the receiving ranks (per call, Communicator or objcomm.configure) or send less"
+    )
+
+
+def _check_limits(infos: List[_SlotInfo], receivers: Sequence[int], op: str) -> None:
+    """The same TooLargeError on every rank when a payload exceeds a receiver's limit (all seen in round 1)."""
+    for receiver in receivers:
+        limit = infos[receiver].limit
+        for sender, info in enumerate(infos):
+            if sender != receiver and not info.error and info.total > limit:
+                raise _too_large(op, sender, info.total, limit, f"receiving rank {receiver}")
+
+
+def _vote_refusals(wire: Wire, refuse: bool, op: str) -> bool:
+    """True on every rank if any rank refuses: one tiny all_reduce, only ahead of a second round."""
+    flag = torch.tensor([1 if refuse else 0], dtype=torch.int32, device=wire.device)
+    _guarded(op, wire, dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=wire.group)
+    return bool(flag.item())
+
+
+# -- bytes primitives (device tensors, chunked) ---------------------------------------------------
+def _broadcast_bytes(wire: Wire, data: Optional[torch.Tensor], length: int, src: int, op: str) -> torch.Tensor:
+    buffer = _to_device(data, wire) if data is not None else _empty(length, wire)
+    for start in _pieces(length, wire.chunk):
+        _guarded(op, wire, dist.broadcast, buffer[start : start + wire.chunk], src=wire.ranks[src], group=wire.group)
+    return buffer
+
+
+def _send_bytes(wire: Wire, data: torch.Tensor, dst: int, op: str) -> None:
+    buffer = _to_device(data, wire)
+    for start in _pieces(buffer.numel(), wire.chunk):
+        _guarded(op, wire, dist.send, buffer[start : start + wire.chunk], dst=wire.ranks[dst], group=wire.group)
+
+
+def _recv_bytes(wire: Wire, length: int, src: int, op: str) -> torch.Tensor:
+    buffer = _empty(length, wire)
+    for start in _pieces(length, wire.chunk):
+        _guarded(op, wire, dist.recv, buffer[start : start + wire.chunk], src=wire.ranks[src], group=wire.group)
+    return buffer
+
+
+def _all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> List[torch.Tensor]:
+    """All ranks send ``width`` bytes (``data`` shorter is zero-padded); return each rank's ``width`` bytes."""
+    length = data.numel()
+    if width <= wire.chunk:
+        send = data if length == width else torch.cat([data, torch.zeros(width - length, dtype=torch.uint8, device=data.device)])
+        recv = _empty(width * wire.size, wire)
+        _guarded(op, wire, _all_gather_single, recv, _to_device(send, wire), group=wire.group)
+        return list(recv.chunk(wire.size)) if width else [recv[:0] for _ in range(wire.size)]
+    results = [_empty(width, wire) for _ in range(wire.size)]
+    source = _to_device(data, wire)
+    for start in _pieces(width, wire.chunk):  # extra memory bounded by size * chunk
+        piece = min(wire.chunk, width - start)
+        send = torch.zeros(piece, dtype=torch.uint8, device=wire.device)
+        valid = max(0, min(piece, length - start))
+        send[:valid] = source[start : start + valid]
+        recv = _empty(piece * wire.size, wire)
+        _guarded(op, wire, _all_gather_single, recv, send, group=wire.group)
+        for r, part in enumerate(recv.chunk(wire.size)):
+            results[r][start : start + piece] = part
+    return results
+
+
 # -- all_gather ------------------------------------------------------------------------------
-def all_gather(wire: Wire, frame: torch.Tensor, error: bool, op: str = "all_gather") -> Frames:
-    """Every rank's frame, on every rank."""
-    infos = _exchange_slots(wire, frame, error, op)
-    return _all_gather_rest(wire, frame, infos, op, receivers=range(wire.size))
+def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gather") -> List[Optional[Incoming]]:
+    """Every rank's frame and tensors, on every rank. ``None`` marks frames not moved after an error."""
+    infos = _exchange_slots(wire, out, op)
+    if any(info.error for info in infos):
+        return [Incoming(i.inline) if i.inline is not None else None for i in infos]
+    _check_limits(infos, range(wire.size), op)
+    frames = _all_gather_frames(wire, out, infos, op)
+    incoming = [Incoming(f) for f in frames]
+    sizes = [sizes_of(f) for f in frames]
+    if sizes == [sizes[0]] * wire.size:  # the common case: same tensor shapes everywhere
+        for index, width in enumerate(sizes[0]):
+            for r, part in enumerate(_all_gather_equal(wire, out.tensors[index], width, op)):
+                incoming[r].tensors.append(part)
+    else:
+        for r in range(wire.size):
+            for index, length in enumerate(sizes[r]):
+                mine = out.tensors[index] if r == wire.rank else None
+                moved = _broadcast_bytes(wire, mine, length, r, op)
+                incoming[r].tensors.append(moved.clone() if mine is not None else moved)  # never alias the input
+    return incoming
 
 
-def _exchange_slots(wire: Wire, frame: torch.Tensor, error: bool, op: str) -> List[_SlotInfo]:
-    send = _to_device(_make_slot(wire, frame, error), wire)
+def _exchange_slots(wire: Wire, out: Outgoing, op: str) -> List[_SlotInfo]:
     recv = _empty(wire.slot * wire.size, wire)
-    _guarded(op, wire, _all_gather_single, recv, send, group=wire.group)
+    _guarded(op, wire, _all_gather_single, recv, _make_slot(wire, out), group=wire.group)
     return _read_slots(_host_view(recv), wire.size, wire.slot)
 
 
-def _all_gather_rest(wire: Wire, frame: torch.Tensor, infos: List[_SlotInfo], op: str, receivers: Any) -> Frames:
-    frames: Frames = [info.inline for info in infos]
-    if any(info.error for info in infos):
-        return frames
-    _check_limits(infos, receivers, op)
-    over = [r for r, info in enumerate(infos) if info.inline is None]
-    if not over:
-        return frames
-    lengths = [infos[r].length for r in over]
-    widest = max(lengths)
-    if wire.size * widest <= 2 * sum(lengths):  # similar sizes: one padded all_gather
-        gathered = _padded_all_gather(wire, frame, widest, op)
-        for r in over:
-            frames[r] = gathered[r][: infos[r].length]
-    else:  # one rank far bigger than the rest: each big frame is broadcast at its exact size
-        for r in over:
-            frames[r] = _broadcast_frame(wire, frame if r == wire.rank else None, infos[r].length, r, op)
-    return frames
-
-
-def _padded_all_gather(wire: Wire, frame: torch.Tensor, width: int, op: str) -> List[memoryview]:
-    length = frame.numel()
-    if width <= wire.chunk:
-        send = frame if length == width else torch.cat([frame, torch.zeros(width - length, dtype=torch.uint8)])
-        recv = _empty(width * wire.size, wire)
-        _guarded(op, wire, _all_gather_single, recv, _to_device(send, wire), group=wire.group)
-        host = _host_view(recv)
-        return [host[r * width : (r + 1) * width] for r in range(wire.size)]
-    results = [torch.empty(width, dtype=torch.uint8) for _ in range(wire.size)]
-    for start in _pieces(width, wire.chunk):
-        piece = min(wire.chunk, width - start)
-        send = torch.zeros(piece, dtype=torch.uint8)
-        valid = max(0, min(piece, length - start))
-        send[:valid] = frame[start : start + valid]
-        recv = _empty(piece * wire.size, wire)
-        _guarded(op, wire, _all_gather_single, recv, _to_device(send, wire), group=wire.group)
-        host = recv.cpu()
-        for r in range(wire.size):
-            results[r][start : start + piece] = host[r * piece : (r + 1) * piece]
-    return [memoryview(t.numpy()) for t in results]
+def _all_gather_frames(wire: Wire, out: Outgoing, infos: List[_SlotInfo], op: str) -> List[memoryview]:
+    frames: List[Optional[memoryview]] = [info.inline for info in infos]
+    over = [r for r, f in enumerate(frames) if f is None]
+    if over:
+        lengths = [infos[r].length for r in over]
+        widest = max(lengths)
+        if wire.size * widest <= 2 * sum(lengths):  # similar sizes: one padded all_gather
+            gathered = _all_gather_equal(wire, out.frame, widest, op)
+            for r in over:
+                frames[r] = _host_view(gathered[r][: infos[r].length])
+        else:  # one rank far bigger than the rest: each big frame is broadcast at its exact size
+            for r in over:
+                mine = out.frame if r == wire.rank else None
+                frames[r] = _host_view(_broadcast_bytes(wire, mine, infos[r].length, r, op))
+    return frames  # type: ignore[return-value]
 
 
 # -- gather ----------------------------------------------------------------------------------
-def gather(wire: Wire, frame: torch.Tensor, error: bool, dst: int) -> Optional[Frames]:
-    """Every rank's frame on group rank ``dst``; ``None`` elsewhere, unless some rank failed.
+def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[List[Optional[Incoming]]]:
+    """Every rank's frame and tensors on group rank ``dst``; ``None`` elsewhere, unless some rank failed.
 
-    Round 1 is an all_gather of slots so that every rank learns of a failure anywhere and
-    raises in the same call (after a failure every rank gets the round-1 frames, error reports
-    among them); frames that overflow go to ``dst`` point to point at their exact size.
+    Round 1 is an all_gather of slots so that every rank learns of a failure anywhere (and the
+    destination's limit) and raises in the same call; after a failure every rank gets the round-1
+    frames, error reports among them. The rest goes to ``dst`` point to point, at exact sizes.
     """
-    infos = _exchange_slots(wire, frame, error, "gather")
-    frames: Frames = [info.inline for info in infos]
+    op = "gather"
+    infos = _exchange_slots(wire, out, op)
     if any(info.error for info in infos):
-        return frames
-    _check_limits(infos, [dst], "gather")
-    over = [r for r, info in enumerate(infos) if info.inline is None]
-    if wire.rank == dst:
-        for r in over:
-            frames[r] = _host_view(frame) if r == dst else _recv_frame(wire, infos[r].length, r, "gather")
-        return frames
-    if wire.rank in over:
-        _send_frame(wire, frame, dst, "gather")
-    return None
+        return [Incoming(i.inline) if i.inline is not None else None for i in infos]
+    _check_limits(infos, [dst], op)
+    if wire.rank != dst:
+        if not _complete(infos[wire.rank]):
+            if infos[wire.rank].inline is None:
+                _send_bytes(wire, out.frame, dst, op)
+            for tensor in out.tensors:
+                _send_bytes(wire, tensor, dst, op)
+        return None
+    incoming: List[Optional[Incoming]] = []
+    for r, info in enumerate(infos):
+        if r == dst:
+            incoming.append(Incoming(_host_view(out.frame), [_to_device(t, wire) for t in out.tensors]))
+            continue
+        frame = info.inline if info.inline is not None else _host_view(_recv_bytes(wire, info.length, r, op))
+        incoming.append(Incoming(frame, [_recv_bytes(wire, n, r, op) for n in sizes_of(frame)]))
+    return incoming
 
 
 # -- broadcast -------------------------------------------------------------------------------
-def broadcast(wire: Wire, frame: Optional[torch.Tensor], error: bool, src: int) -> memoryview:
-    """``src``'s frame on every rank (``frame`` is ignored elsewhere)."""
-    slot = _make_slot(wire, frame, error) if wire.rank == src and frame is not None else torch.zeros(wire.slot, dtype=torch.uint8)
-    slot = _to_device(slot, wire)
-    _guarded("broadcast", wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
+def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) -> Incoming:
+    """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere)."""
+    op = "broadcast"
+    slot = _make_slot(wire, out) if wire.rank == src and out is not None else _empty(wire.slot, wire)
+    _guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
     info = _read_slot(_host_view(slot))
+    if info.error or _complete(info):
+        assert info.inline is not None
+        return Incoming(info.inline)
+    if _vote_refusals(wire, wire.rank != src and info.total > wire.max_bytes, op):
+        raise TooLargeError(
+            f"{op}: rank {src} sends {info.total:,} bytes, above the max_bytes of at least one receiving rank "
+            f"(this rank's: {wire.max_bytes:,}); nothing was transferred. Raise max_bytes there or send less"
+        )
+    mine = out if wire.rank == src else None
     if info.inline is not None:
-        return info.inline
-    if wire.rank == src:
-        assert frame is not None
-        _broadcast_frame(wire, frame, info.length, src, "broadcast")
-        return _host_view(frame)
-    return _broadcast_frame(wire, None, info.length, src, "broadcast")
-
-
-def _broadcast_frame(wire: Wire, frame: Optional[torch.Tensor], length: int, src: int, op: str) -> memoryview:
-    """Broadcast ``length`` bytes from group rank ``src`` in chunks; receivers over their limit drain them."""
-    if frame is not None:
-        data = _to_device(frame, wire)
-        for start in _pieces(length, wire.chunk):
-            piece = data[start : start + wire.chunk]
-            _guarded(op, wire, dist.broadcast, piece, src=wire.ranks[src], group=wire.group)
-        return _host_view(frame)
-    refuse = length > wire.max_bytes
-    target = _empty(min(length, wire.chunk) if refuse else length, wire)
-    for start in _pieces(length, wire.chunk):
-        piece = min(wire.chunk, length - start)
-        into = target[:piece] if refuse else target[start : start + piece]
-        _guarded(op, wire, dist.broadcast, into, src=wire.ranks[src], group=wire.group)
-    if refuse:
-        raise _refused(op, src, length, wire)
-    return _host_view(target)
-
-
-def _refused(op: str, sender: int, length: int, wire: Wire) -> TooLargeError:
-    return TooLargeError(
-        f"{op}: rank {sender} sent a {length:,}-byte frame, above this rank's max_bytes={wire.max_bytes:,}; "
-        "it was received into a bounded scratch buffer and dropped. Raise max_bytes here or send less"
-    )
+        frame = info.inline
+    else:
+        frame = _host_view(_broadcast_bytes(wire, mine.frame if mine else None, info.length, src, op))
+    tensors = [
+        _broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op) for i, n in enumerate(sizes_of(frame))
+    ]
+    return Incoming(frame, tensors)
 
 
 # -- scatter ---------------------------------------------------------------------------------
-def scatter(wire: Wire, frames: Optional[Sequence[torch.Tensor]], error: bool, src: int) -> memoryview:
-    """Frame ``r`` of ``src``'s list on group rank ``r``."""
+def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, src: int) -> Incoming:
+    """``src``'s ``outs[r]`` on group rank ``r``."""
+    op = "scatter"
     recv = _empty(wire.slot, wire)
     scatter_list = None
     if wire.rank == src:
-        assert frames is not None
+        assert outs is not None
         table = torch.zeros(wire.size * wire.slot, dtype=torch.uint8)
         view = memoryview(table.numpy())
-        for r, frame in enumerate(frames):
-            _fill_slot(view[r * wire.slot : (r + 1) * wire.slot], frame, error, wire.max_bytes)
+        round2 = any(not o.complete(wire) for o in outs)
+        for r, o in enumerate(outs):
+            _fill_slot(view[r * wire.slot : (r + 1) * wire.slot], o, wire.max_bytes, round2)
         scatter_list = list(_to_device(table, wire).chunk(wire.size))
-    _guarded("scatter", wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
+    _guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
     info = _read_slot(_host_view(recv))
+    if info.error or not info.round2:
+        assert info.inline is not None
+        return Incoming(info.inline)
+    if _vote_refusals(wire, wire.rank != src and info.total > wire.max_bytes, op):
+        raise TooLargeError(
+            f"{op}: a payload from rank {src} is above the max_bytes of its receiving rank "
+            f"(this rank's limit: {wire.max_bytes:,}, its payload: {info.total:,} bytes); nothing was transferred"
+        )
     if wire.rank == src:
-        assert frames is not None
-        for r, frame in enumerate(frames):
-            if r != src and frame.numel() > wire.inline_capacity:
-                _send_frame(wire, frame, r, "scatter")
-        return info.inline if info.inline is not None else _host_view(frames[src])
-    if info.inline is not None:  # error reports always fit
-        return info.inline
-    return _recv_frame(wire, info.length, src, "scatter")
+        assert outs is not None
+        for r, o in enumerate(outs):
+            if r != src:
+                if o.frame.numel() > wire.inline_capacity:
+                    _send_bytes(wire, o.frame, r, op)
+                for tensor in o.tensors:
+                    _send_bytes(wire, tensor, r, op)
+        mine = outs[src]
+        return Incoming(_host_view(mine.frame), [_to_device(t, wire) for t in mine.tensors])
+    frame = info.inline if info.inline is not None else _host_view(_recv_bytes(wire, info.length, src, op))
+    return Incoming(frame, [_recv_bytes(wire, n, src, op) for n in sizes_of(frame)])
 
 
 # -- point to point --------------------------------------------------------------------------
-def send(wire: Wire, frame: torch.Tensor, error: bool, dst: int) -> None:
-    """Send one frame to group rank ``dst``: a slot, then the whole frame if it did not fit."""
-    slot = _to_device(_make_slot(wire, frame, error), wire)
-    _guarded("send", wire, dist.send, slot, dst=wire.ranks[dst], group=wire.group)
-    if frame.numel() > wire.inline_capacity:
-        _send_frame(wire, frame, dst, "send")
+def send(wire: Wire, out: Outgoing, dst: int) -> None:
+    """Send to group rank ``dst``: a slot; then, once ``dst`` agreed to the size, the rest."""
+    op = "send"
+    _guarded(op, wire, dist.send, _make_slot(wire, out), dst=wire.ranks[dst], group=wire.group)
+    if out.error or out.complete(wire):
+        return
+    answer = _empty(1, wire)
+    _guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group)
+    if answer.item():
+        raise TooLargeError(
+            f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes; nothing more was sent. "
+            "Raise max_bytes on the receiver or send less"
+        )
+    if out.frame.numel() > wire.inline_capacity:
+        _send_bytes(wire, out.frame, dst, op)
+    for tensor in out.tensors:
+        _send_bytes(wire, tensor, dst, op)
 
 
-def recv(wire: Wire, src: Optional[int]) -> tuple[int, memoryview, bool]:
-    """Receive one frame from group rank ``src`` (``None``: any); return ``(sender, frame, is_error)``."""
+def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incoming, bool]:
+    """Receive from group rank ``src`` (``None``: any); return ``(sender, incoming, is_error)``."""
+    op = "recv"
     slot = _empty(wire.slot, wire)
-    sender_global = _guarded(
-        "recv", wire, dist.recv, slot, src=None if src is None else wire.ranks[src], group=wire.group
-    )
+    sender_global = _guarded(op, wire, dist.recv, slot, src=None if src is None else wire.ranks[src], group=wire.group)
     sender = list(wire.ranks).index(sender_global) if src is None else src
     info = _read_slot(_host_view(slot))
-    if info.inline is not None:
-        return sender, info.inline, info.error
-    return sender, _recv_frame(wire, info.length, sender, "recv"), info.error
-
-
-def _send_frame(wire: Wire, frame: torch.Tensor, dst: int, op: str) -> None:
-    data = _to_device(frame, wire)
-    for start in _pieces(frame.numel(), wire.chunk):
-        _guarded(op, wire, dist.send, data[start : start + wire.chunk], dst=wire.ranks[dst], group=wire.group)
-
-
-def _recv_frame(wire: Wire, length: int, src: int, op: str) -> memoryview:
-    refuse = length > wire.max_bytes
-    target = _empty(min(length, wire.chunk) if refuse else length, wire)
-    for start in _pieces(length, wire.chunk):
-        piece = min(wire.chunk, length - start)
-        into = target[:piece] if refuse else target[start : start + piece]
-        _guarded(op, wire, dist.recv, into, src=wire.ranks[src], group=wire.group)
+    if info.error or _complete(info):
+        assert info.inline is not None
+        return sender, Incoming(info.inline), info.error
+    refuse = info.total > wire.max_bytes
+    answer = torch.tensor([1 if refuse else 0], dtype=torch.uint8, device=wire.device)
+    _guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group)
     if refuse:
-        raise _refused(op, src, length, wire)
-    return _host_view(target)
+        raise _too_large(op, sender, info.total, wire.max_bytes, "this rank")
+    frame = info.inline if info.inline is not None else _host_view(_recv_bytes(wire, info.length, sender, op))
+    return sender, Incoming(frame, [_recv_bytes(wire, n, sender, op) for n in sizes_of(frame)]), False

@@ -144,21 +144,30 @@ def limits_on_both_sides() -> dict:
         objcomm.all_gather("x" * (2000 if rank == 1 else 10), max_bytes=1000)
     # receiver side, collective: rank 2 accepts at most 5,000 bytes; everybody learns it in round 1
     limit = 5000 if rank == 2 else None
-    with pytest.raises(objcomm.TooLargeError, match=r"rank 0's frame is [\d,]+ bytes, above the receiving limit max_bytes=5,000"):
+    with pytest.raises(objcomm.TooLargeError, match=r"rank 0 sends [\d,]+ bytes, above the max_bytes=5,000 of receiving rank 2"):
         objcomm.Communicator(max_bytes=limit).all_gather("y" * (20_000 if rank == 0 else 1))
-    # receiver side, broadcast: rank 2 drains the frame through a bounded buffer and raises; others receive
+    # receiver side, broadcast: the receivers vote before anything is allocated; every rank raises
     comm = objcomm.Communicator(max_bytes=limit, chunk_bytes=4096)
     try:
         out["broadcast"] = len(comm.broadcast("z" * 50_000 if rank == 0 else None, src=0))
     except objcomm.TooLargeError as exc:
-        out["broadcast"] = "refused" if "above this rank's max_bytes=5,000" in str(exc) else str(exc)
+        out["broadcast"] = "refused" if "above the max_bytes of at least one receiving rank" in str(exc) else str(exc)
+    # point to point: the receiver answers before the sender sends the rest
+    if rank == 0:
+        with pytest.raises(objcomm.TooLargeError, match="rank 2 refused"):
+            comm.send("w" * 50_000, dst=2)
+        comm.send("small", dst=2)
+    elif rank == 2:
+        with pytest.raises(objcomm.TooLargeError, match="above the max_bytes=5,000 of this rank"):
+            comm.recv(src=0)
+        assert comm.recv(src=0) == "small"
     assert objcomm.all_gather(rank) == list(range(world))
     return out
 
 
 def test_size_limits(ranks3):
     results = ranks3.run(limits_on_both_sides)
-    assert [r["broadcast"] for r in results] == [50_000, 50_000, "refused"]
+    assert [r["broadcast"] for r in results] == ["refused"] * 3
 
 
 MARKER_NAME = "objcomm-pwned-marker"

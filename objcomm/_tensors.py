@@ -1,0 +1,165 @@
+"""Tensors inside objects travel as tensors: lifted out of the byte stream, moved natively.
+
+While a serializer encodes an object, :class:`TensorLifter` takes every ``torch.Tensor`` it is
+offered (anywhere: in dicts, lists, user classes for the pickle family) and leaves a key in its
+place. Small tensors are then copied into the frame; large ones travel *out of band* as flat
+uint8 tensors with native collectives (on NCCL they never touch the host). The frame's tensor
+table says which is which::
+
+    entry (24 bytes, little-endian): dtype code u8, flags u8, ndim u8, 5 pad bytes,
+                                     nbytes u64, offset u64 (inline: into the inline section;
+                                     out of band: its index), then ndim x i64 shape
+    flags: 1 inline, 2 requires_grad, 4 torch.nn.Parameter
+
+On the receiver each key becomes a tensor on ``map_location`` (default: the transport device,
+the CPU for gloo and the current CUDA device for NCCL), never on the sender's device index.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._errors import FrameError
+
+DTYPES = (
+    "float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "int32", "int64", "bool",
+    "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
+)  # codes are positions in this tuple: append only
+_CODES: Dict[torch.dtype, int] = {getattr(torch, n): i for i, n in enumerate(DTYPES) if hasattr(torch, n)}
+ENTRY = struct.Struct("<BBB5xQQ")
+DIM = struct.Struct("<q")
+INLINE, REQUIRES_GRAD, PARAMETER = 1, 2, 4
+MAX_NDIM = 64
+
+
+def liftable(value: Any) -> bool:
+    """A plain strided CPU or CUDA tensor of a dtype in :data:`DTYPES`."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.layout == torch.strided
+        and value.device.type in ("cpu", "cuda")
+        and value.dtype in _CODES
+        and not value.is_quantized
+    )
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the table."""
+
+    dtype: torch.dtype
+    flags: int
+    shape: Tuple[int, ...]
+    nbytes: int
+    offset: int
+
+    @property
+    def inline(self) -> bool:
+        return bool(self.flags & INLINE)
+
+
+class TensorLifter:
+    """The ``lift`` hook handed to serializers; collects tensors, each once (aliases share a key)."""
+
+    def __init__(self) -> None:
+        self.tensors: List[torch.Tensor] = []
+        self._keys: Dict[int, int] = {}
+
+    def __call__(self, value: Any) -> Optional[int]:
+        if not liftable(value):
+            return None
+        key = self._keys.get(id(value))
+        if key is None:
+            key = self._keys[id(value)] = len(self.tensors)
+            self.tensors.append(value)
+        return key
+
+    def pack(self, inline_max: int) -> Tuple[bytes, List[torch.Tensor], List[torch.Tensor]]:
+        """``(table, inline parts on the CPU, out-of-band flat uint8 tensors)``."""
+        table, inline, oob = bytearray(), [], []
+        inline_len = 0
+        for tensor in self.tensors:
+            data = tensor.detach().resolve_conj().resolve_neg().contiguous()
+            flat = data.reshape(-1).view(torch.uint8)
+            flags = (REQUIRES_GRAD if tensor.requires_grad else 0) | (
+                PARAMETER if isinstance(tensor, torch.nn.Parameter) else 0
+            )
+            if flat.numel() <= inline_max:
+                flags |= INLINE
+                offset = inline_len
+                inline.append(flat.cpu())
+                inline_len += flat.numel()
+            else:
+                offset = len(oob)
+                oob.append(flat)
+            table += ENTRY.pack(_CODES[tensor.dtype], flags, tensor.dim(), flat.numel(), offset)
+            table += b"".join(DIM.pack(d) for d in tensor.shape)
+        return bytes(table), inline, oob
+
+
+def parse_table(view: memoryview, count: int, inline_len: int) -> List[Entry]:
+    """Parse and validate a tensor table; raise :class:`FrameError` on anything inconsistent."""
+    entries, position, oob = [], 0, 0
+    for _ in range(count):
+        if position + ENTRY.size > view.nbytes:
+            raise FrameError("truncated tensor table")
+        code, flags, ndim, nbytes, offset = ENTRY.unpack_from(view, position)
+        position += ENTRY.size
+        if code >= len(DTYPES) or not hasattr(torch, DTYPES[code]) or ndim > MAX_NDIM:
+            raise FrameError(f"tensor table entry with unknown dtype code {code} or {ndim} dimensions")
+        if position + ndim * DIM.size > view.nbytes:
+            raise FrameError("truncated tensor table")
+        shape = tuple(DIM.unpack_from(view, position + i * DIM.size)[0] for i in range(ndim))
+        position += ndim * DIM.size
+        dtype = getattr(torch, DTYPES[code])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if any(d < 0 for d in shape) or math.prod(shape) * itemsize != nbytes:
+            raise FrameError(f"tensor table entry: shape {shape} of {dtype} is not {nbytes} bytes")
+        if flags & INLINE:
+            if offset + nbytes > inline_len:
+                raise FrameError("tensor table entry points past the inline tensor data")
+        elif offset != oob:
+            raise FrameError("tensor table lists out-of-band tensors out of order")
+        else:
+            oob += 1
+        entries.append(Entry(dtype, flags, shape, nbytes, offset))
+    if position != view.nbytes:
+        raise FrameError("tensor table length disagrees with its entries")
+    return entries
+
+
+def restorer(
+    entries: Sequence[Entry], inline: memoryview, oob: Sequence[torch.Tensor], device: torch.device,
+    own: bool = False,
+) -> Any:
+    """The ``restore`` hook for serializers: key -> tensor on ``device``.
+
+    ``own``: the out-of-band buffers alias the caller's input (a root's own tensors), so copy them.
+    """
+    out_of_band = [e for e in entries if not e.inline]
+    if len(out_of_band) != len(oob) or any(e.nbytes != t.numel() for e, t in zip(out_of_band, oob)):
+        raise FrameError(f"the frame announces {len(out_of_band)} out-of-band tensors, {len(oob)} arrived")
+
+    def restore(key: int) -> torch.Tensor:
+        if not 0 <= key < len(entries):
+            raise FrameError(f"payload refers to tensor #{key}, the frame has {len(entries)}")
+        entry = entries[key]
+        if entry.inline:
+            raw = torch.frombuffer(inline[entry.offset : entry.offset + entry.nbytes], dtype=torch.uint8).clone() \
+                if entry.nbytes else torch.empty(0, dtype=torch.uint8)
+        else:
+            raw = oob[entry.offset]
+            raw = raw.clone() if own else raw
+        tensor = raw.view(entry.dtype).reshape(entry.shape).to(device)
+        if entry.flags & PARAMETER:
+            return torch.nn.Parameter(tensor, requires_grad=bool(entry.flags & REQUIRES_GRAD))
+        if entry.flags & REQUIRES_GRAD:
+            tensor.requires_grad_(True)
+        return tensor
+
+    return restore

@@ -1,0 +1,73 @@
+"""Optional compression: recorded in the frame, so receivers need no setting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+import objcomm
+import serializers
+from objcomm import _compression, _framing
+
+pytestmark = pytest.mark.timeout(120)
+
+COMPRESSIBLE = {"text": "the same words again " * 5000, "ids": list(range(2000))}
+
+
+def _header(obj, compression):
+    out = _framing.encode(obj, serializers.get("pickle"), max_bytes=1 << 30, compression=compression)
+    return out, _framing.parse_header(memoryview(out.frame.numpy()))
+
+
+@pytest.mark.parametrize("compression, code", [("zstd", 1), ("lz4", 2), ("auto", 2), (None, 0)])
+def test_compression_is_recorded_and_round_trips(compression, code):
+    out, header = _header(COMPRESSIBLE, compression)
+    assert header.compression == code
+    if code:
+        assert header.payload_len < header.raw_len / 5
+    assert _framing.decode(_framing.Incoming(memoryview(out.frame.numpy())), sender=0, accept=None) == COMPRESSIBLE
+
+
+def test_auto_leaves_incompressible_and_small_payloads_alone():
+    assert _header(os.urandom(200_000), "auto")[1].compression == 0
+    assert _header({"tiny": 1}, "auto")[1].compression == 0
+
+
+def test_bad_setting_and_decompression_bomb_are_refused():
+    with pytest.raises(ValueError, match="compression must be one of"):
+        objcomm.Communicator(compression="gzip")
+    out, header = _header(COMPRESSIBLE, "zstd")
+    with pytest.raises(objcomm.TooLargeError, match="expands to"):
+        _framing.decode(_framing.Incoming(memoryview(out.frame.numpy())), sender=0, accept=None, max_bytes=1000)
+
+
+def test_missing_library_is_a_clear_error():
+    code = (
+        "import sys; sys.modules['zstandard'] = None\n"
+        "import objcomm\n"
+        "try:\n"
+        "    objcomm.Communicator(compression='zstd')\n"
+        "except objcomm.MissingDependencyError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert "pip install 'objcomm[zstd]'" in out.stdout
+
+
+def mixed_compression() -> list:
+    rank = dist.get_rank()
+    setting = [None, "zstd", "lz4", "auto"][rank % 4]
+    return objcomm.all_gather({"rank": rank, **COMPRESSIBLE}, compression=setting, serializer="msgpack")
+
+
+def test_ranks_may_compress_differently(ranks4):
+    expected = [{"rank": r, **COMPRESSIBLE} for r in range(4)]
+    assert ranks4.run(mixed_compression) == [expected] * 4
+
+
+def test_codes_are_stable():
+    assert _compression.CODES == {"zstd": 1, "lz4": 2}

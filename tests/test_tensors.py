@@ -1,0 +1,136 @@
+"""Tensors inside objects travel as tensors: lifted out, moved natively, put back in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import objcomm
+import serializers
+from objcomm import _framing
+
+pytestmark = pytest.mark.timeout(180)
+
+BIG = 100_000  # elements: 400 KB of float32, above the 64 KiB inline limit
+
+
+class Holder:
+    """A user class holding tensors (pickle-family serializers reach inside)."""
+
+    def __init__(self, weight, name):
+        self.weight, self.name = weight, name
+
+
+def sample(rank: int, big: int = BIG) -> dict:
+    gen = torch.Generator().manual_seed(rank)
+    return {
+        "small": torch.arange(5, dtype=torch.int64) + rank,
+        "big": torch.randn(big, generator=gen),
+        "nested": [{"bf16": torch.ones(3, 4, dtype=torch.bfloat16) * rank}, (torch.tensor(rank == 1),)],
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 7),
+        "complex": torch.randn(4, dtype=torch.complex64, generator=gen),
+        "strided": torch.arange(40.0).reshape(5, 8)[:, ::2],  # non-contiguous
+        "grad": torch.ones(2, requires_grad=True),
+        "param": torch.nn.Parameter(torch.zeros(3)),
+    }
+
+
+def assert_same(got, expected):
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor), type(got)
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        assert torch.equal(got.detach(), expected.detach())
+        assert got.requires_grad == expected.requires_grad
+        assert isinstance(got, torch.nn.Parameter) == isinstance(expected, torch.nn.Parameter)
+        assert got.device.type == "cpu"
+    elif isinstance(expected, dict):
+        assert got.keys() == expected.keys()
+        for k in expected:
+            assert_same(got[k], expected[k])
+    elif isinstance(expected, (list, tuple)):
+        assert type(got) is type(expected) and len(got) == len(expected)
+        for a, b in zip(got, expected):
+            assert_same(a, b)
+    elif isinstance(expected, Holder):
+        assert isinstance(got, Holder) and got.name == expected.name
+        assert_same(got.weight, expected.weight)
+    else:
+        assert got == expected
+
+
+@pytest.mark.parametrize("serializer", ["pickle", "cloudpickle", "restricted-pickle", "msgpack"])
+def test_large_tensors_leave_the_byte_stream(serializer):
+    out = _framing.encode(sample(0), serializers.get(serializer), max_bytes=1 << 30)
+    assert [t.numel() for t in out.tensors] == [BIG * 4]  # only "big" travels out of band
+    assert out.frame.numel() < 10_000  # the frame holds the small ones and the structure
+    header = _framing.parse_header(memoryview(out.frame.numpy()))
+    assert header.n_tensors == 10
+
+
+def test_json_refuses_tensors_clearly():
+    with pytest.raises(objcomm.EncodeError, match=r"json cannot encode torch.Tensor at \$\['t'\]"):
+        objcomm.all_gather({"t": torch.ones(2)}, serializer="json")
+
+
+def test_single_process_round_trip_copies():
+    original = sample(0)
+    got = objcomm.broadcast(original, serializer="msgpack")
+    assert_same(got, original)
+    original["big"][0] = 12345.0
+    assert got["big"][0] != 12345.0  # the result does not alias the input
+
+
+def tensors_through_every_op(serializer: str, chunk: int, same_shapes: bool) -> bool:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if serializer == "restricted-pickle":
+        serializers.get(serializer).allow(Holder)  # user classes must be allowed explicitly
+    comm = objcomm.Communicator(serializer=serializer, chunk_bytes=chunk)
+    big = (lambda r: BIG) if same_shapes else (lambda r: BIG + 1000 * r)
+    expected = [sample(r, big(r)) for r in range(world)]
+    if serializer != "msgpack":
+        for r, item in enumerate(expected):
+            item["holder"] = Holder(torch.full((70_000,), float(r)), f"h{r}")
+    mine = sample(rank, big(rank))
+    if "holder" in expected[rank]:
+        mine["holder"] = Holder(torch.full((70_000,), float(rank)), f"h{rank}")
+    got = comm.all_gather(mine)
+    for r in range(world):
+        assert_same(got[r], expected[r])
+    gathered = comm.gather(mine, dst=world - 1)
+    if rank == world - 1:
+        for r in range(world):
+            assert_same(gathered[r], expected[r])
+    assert_same(comm.broadcast(mine if rank == 0 else None, src=0), expected[0])
+    assert_same(comm.scatter(expected if rank == 1 % world else None, src=1 % world), expected[rank])
+    if world > 1:
+        if rank == 0:
+            comm.send(mine, dst=world - 1)
+        elif rank == world - 1:
+            assert_same(comm.recv(src=0), expected[0])
+    # results never alias the input
+    got = comm.all_gather(mine)
+    mine["big"].zero_()
+    assert got[rank]["big"].abs().sum() > 0
+    return True
+
+
+@pytest.mark.parametrize(
+    "serializer, chunk, same_shapes",
+    [("pickle", 256 << 20, True), ("msgpack", 256 << 20, False), ("restricted-pickle", 65_537, True),
+     ("cloudpickle", 100_003, False)],
+)
+def test_tensors_through_every_op(ranks, serializer, chunk, same_shapes):
+    assert all(ranks.run(tensors_through_every_op, serializer, chunk, same_shapes))
+
+
+def tensor_placement() -> list:
+    rank = dist.get_rank()
+    got = objcomm.all_gather({"t": torch.ones(BIG)}, map_location="cpu")
+    return [t["t"].device.type for t in got] + [str(objcomm.broadcast(torch.ones(BIG) * rank, src=1)[0].item())]
+
+
+def test_tensors_arrive_on_the_receivers_device(ranks3):
+    """gloo moves CPU tensors: they arrive on the CPU, whatever the sender had."""
+    assert ranks3.run(tensor_placement) == [["cpu", "cpu", "cpu", "1.0"]] * 3

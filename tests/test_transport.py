@@ -1,0 +1,78 @@
+"""The byte transport at its boundaries: frames one byte either side of the slot and of a chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from objcomm import _transport
+from objcomm._transport import Outgoing
+
+pytestmark = pytest.mark.timeout(180)
+
+SLOT, CHUNK = 128, 64
+CAPACITY = SLOT - _transport.PREFIX.size
+LENGTHS = [0, 1, CAPACITY - 1, CAPACITY, CAPACITY + 1, CHUNK * 3 - 1, CHUNK * 3, CHUNK * 3 + 1, 1000]
+
+
+def _wire() -> _transport.Wire:
+    return _transport.Wire(
+        group=dist.group.WORLD, ranks=list(range(dist.get_world_size())), rank=dist.get_rank(),
+        device=torch.device("cpu"), slot=SLOT, chunk=CHUNK, max_bytes=1 << 30,
+    )
+
+
+def _frame(rank: int, length: int) -> torch.Tensor:
+    return (torch.arange(length, dtype=torch.int64) * 7 + rank).to(torch.uint8)
+
+
+def _no_tensors(view):
+    return []
+
+
+def boundaries() -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wire = _wire()
+    checked = 0
+    for n in LENGTHS:
+        lengths = [n + (r if n > CAPACITY else 0) for r in range(world)]  # unequal above the slot
+        frames = [_frame(r, lengths[r]) for r in range(world)]
+        got = _transport.all_gather(wire, Outgoing(frames[rank]), _no_tensors)
+        assert [bytes(g.frame) for g in got] == [bytes(f.numpy()) for f in frames], n
+        got = _transport.gather(wire, Outgoing(frames[rank]), _no_tensors, world - 1)
+        if rank == world - 1:
+            assert [bytes(g.frame) for g in got] == [bytes(f.numpy()) for f in frames], n
+        else:
+            assert got is None
+        item = _transport.broadcast(wire, Outgoing(frames[0]) if rank == 0 else None, _no_tensors, 0)
+        assert bytes(item.frame) == bytes(frames[0].numpy()), n
+        outs = [Outgoing(f) for f in frames] if rank == 0 else None
+        assert bytes(_transport.scatter(wire, outs, _no_tensors, 0).frame) == bytes(frames[rank].numpy()), n
+        if world > 1:
+            if rank == 0:
+                _transport.send(wire, Outgoing(frames[0]), 1)
+            elif rank == 1:
+                sender, item, error = _transport.recv(wire, None, _no_tensors)
+                assert (sender, bytes(item.frame), error) == (0, bytes(frames[0].numpy()), False), n
+        checked += 1
+    return checked
+
+
+def test_slot_and_chunk_boundaries(ranks):
+    assert ranks.run(boundaries) == [len(LENGTHS)] * ranks.world_size
+
+
+def tensors_at_chunk_boundaries() -> bool:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wire = _wire()
+    sizes = [CHUNK - 1, CHUNK, CHUNK + 1, 5 * CHUNK]
+    tensors = [_frame(rank + 1, n) for n in sizes]
+    got = _transport.all_gather(wire, Outgoing(_frame(rank, 10), tensors), lambda view: sizes)
+    for r in range(world):
+        assert [bytes(t.numpy()) for t in got[r].tensors] == [bytes(_frame(r + 1, n).numpy()) for n in sizes]
+    return True
+
+
+def test_tensors_at_chunk_boundaries(ranks3):
+    assert all(ranks3.run(tensors_at_chunk_boundaries))
