@@ -77,7 +77,7 @@ class _Call:
         out, error = self.encode(obj)
         if error is not None:
             raise error
-        return self.decode(Incoming(memoryview(out.frame.numpy()), list(out.tensors)), 0, own=True)
+        return self.decode(Incoming(out.frame, list(out.tensors)), 0, own=True)
 
 
 class Communicator:

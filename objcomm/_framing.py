@@ -90,27 +90,24 @@ def _assemble(
     table: bytes = b"",
     n_tensors: int = 0,
     inline: Sequence[torch.Tensor] = (),
-) -> torch.Tensor:
-    """Header, name, tensor table, payload and inline tensors, written once into a fresh CPU
-    uint8 tensor that is sent as is (the payload is copied exactly once)."""
+) -> memoryview:
+    """Header, name, tensor table, payload and inline tensors, written once into a fresh buffer
+    that is sent as is (the payload is copied exactly once)."""
     name_bytes = name.encode("ascii")
     body = memoryview(payload).cast("B")
     inline_len = sum(t.numel() for t in inline)
     total = frame_length(len(name_bytes), len(table), body.nbytes, inline_len)
-    frame = torch.empty(total, dtype=torch.uint8)
-    view = memoryview(frame.numpy())
+    view = memoryview(bytearray(total))
     HEADER.pack_into(
         view, 0, MAGIC, VERSION, flags, compression, len(name_bytes), len(table), n_tensors, body.nbytes,
         body.nbytes if raw_len is None else raw_len, inline_len,
     )
     at = HEADER.size
-    for part in (name_bytes, table, body):
-        view[at : at + len(part)] = part
-        at += len(part)
-    for tensor in inline:
-        frame[at : at + tensor.numel()] = tensor
-        at += tensor.numel()
-    return frame
+    for part in (name_bytes, table, body, *(memoryview(t.numpy()) for t in inline)):
+        size = memoryview(part).nbytes
+        view[at : at + size] = part
+        at += size
+    return view
 
 
 def encode(
@@ -157,9 +154,9 @@ def error_frame(exc: BaseException, limit: int) -> Outgoing:
     while True:
         payload = json.dumps({"type": type(exc).__name__, "message": message}).encode()
         frame = _assemble("", payload, flags=FLAG_ERROR)
-        if frame.numel() <= limit or not message:
+        if frame.nbytes <= limit or not message:
             return Outgoing(frame, error=True)
-        message = message[: max(0, len(message) - (frame.numel() - limit) - 4)] + "…" if len(message) > 8 else ""
+        message = message[: max(0, len(message) - (frame.nbytes - limit) - 4)] + "…" if len(message) > 8 else ""
 
 
 def parse_header(view: memoryview) -> Header:

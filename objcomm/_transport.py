@@ -65,19 +65,23 @@ class Wire:
 
 @dataclass
 class Outgoing:
-    """What one rank sends: a CPU frame and flat uint8 tensors (on any device)."""
+    """What one rank sends: a frame (bytes-like, host memory) and flat uint8 tensors (on any device)."""
 
-    frame: torch.Tensor
+    frame: memoryview
     tensors: Sequence[torch.Tensor] = ()
     error: bool = False
 
     @property
     def total(self) -> int:
-        return self.frame.numel() + sum(t.numel() for t in self.tensors)
+        return self.frame.nbytes + sum(t.numel() for t in self.tensors)
 
     def complete(self, wire: Wire) -> bool:
         """Round 1 carries all of it: the frame fits the slot and there are no tensors."""
-        return self.frame.numel() <= wire.inline_capacity and not self.tensors
+        return self.frame.nbytes <= wire.inline_capacity and not self.tensors
+
+    def frame_tensor(self) -> torch.Tensor:
+        """The frame as a uint8 tensor sharing its memory (for the second round)."""
+        return torch.frombuffer(self.frame, dtype=torch.uint8)
 
 
 @dataclass
@@ -100,17 +104,17 @@ class _SlotInfo:
 
 # -- slots -----------------------------------------------------------------------------------
 def _fill_slot(slot: memoryview, out: Outgoing, limit: int, round2: bool = False) -> None:
-    length = out.frame.numel()
+    length = out.frame.nbytes
     word = length | (ERROR_BIT if out.error else 0) | (ROUND2_BIT if round2 else 0)
     PREFIX.pack_into(slot, 0, word, limit, out.total)
     if length <= slot.nbytes - PREFIX.size:
-        slot[PREFIX.size : PREFIX.size + length] = memoryview(out.frame.numpy()).cast("B")
+        slot[PREFIX.size : PREFIX.size + length] = out.frame
 
 
 def _make_slot(wire: Wire, out: Outgoing) -> torch.Tensor:
-    slot = torch.zeros(wire.slot, dtype=torch.uint8)
-    _fill_slot(memoryview(slot.numpy()), out, wire.max_bytes)
-    return _to_device(slot, wire)
+    slot = bytearray(wire.slot)
+    _fill_slot(memoryview(slot), out, wire.max_bytes)
+    return _to_device(torch.frombuffer(slot, dtype=torch.uint8), wire)
 
 
 def _read_slot(view: memoryview) -> _SlotInfo:
@@ -261,12 +265,12 @@ def _all_gather_frames(wire: Wire, out: Outgoing, infos: List[_SlotInfo], op: st
         lengths = [infos[r].length for r in over]
         widest = max(lengths)
         if wire.size * widest <= 2 * sum(lengths):  # similar sizes: one padded all_gather
-            gathered = _all_gather_equal(wire, out.frame, widest, op)
+            gathered = _all_gather_equal(wire, out.frame_tensor(), widest, op)
             for r in over:
                 frames[r] = _host_view(gathered[r][: infos[r].length])
         else:  # one rank far bigger than the rest: each big frame is broadcast at its exact size
             for r in over:
-                mine = out.frame if r == wire.rank else None
+                mine = out.frame_tensor() if r == wire.rank else None
                 frames[r] = _host_view(_broadcast_bytes(wire, mine, infos[r].length, r, op))
     return frames  # type: ignore[return-value]
 
@@ -287,14 +291,14 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[L
     if wire.rank != dst:
         if not _complete(infos[wire.rank]):
             if infos[wire.rank].inline is None:
-                _send_bytes(wire, out.frame, dst, op)
+                _send_bytes(wire, out.frame_tensor(), dst, op)
             for tensor in out.tensors:
                 _send_bytes(wire, tensor, dst, op)
         return None
     incoming: List[Optional[Incoming]] = []
     for r, info in enumerate(infos):
         if r == dst:
-            incoming.append(Incoming(_host_view(out.frame), [_to_device(t, wire) for t in out.tensors]))
+            incoming.append(Incoming(out.frame, [_to_device(t, wire) for t in out.tensors]))
             continue
         frame = info.inline if info.inline is not None else _host_view(_recv_bytes(wire, info.length, r, op))
         incoming.append(Incoming(frame, [_recv_bytes(wire, n, r, op) for n in sizes_of(frame)]))
@@ -320,7 +324,7 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
     if info.inline is not None:
         frame = info.inline
     else:
-        frame = _host_view(_broadcast_bytes(wire, mine.frame if mine else None, info.length, src, op))
+        frame = _host_view(_broadcast_bytes(wire, mine.frame_tensor() if mine else None, info.length, src, op))
     tensors = [
         _broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op) for i, n in enumerate(sizes_of(frame))
     ]
@@ -335,12 +339,12 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
     scatter_list = None
     if wire.rank == src:
         assert outs is not None
-        table = torch.zeros(wire.size * wire.slot, dtype=torch.uint8)
-        view = memoryview(table.numpy())
+        table = bytearray(wire.size * wire.slot)
+        view = memoryview(table)
         round2 = any(not o.complete(wire) for o in outs)
         for r, o in enumerate(outs):
             _fill_slot(view[r * wire.slot : (r + 1) * wire.slot], o, wire.max_bytes, round2)
-        scatter_list = list(_to_device(table, wire).chunk(wire.size))
+        scatter_list = list(_to_device(torch.frombuffer(table, dtype=torch.uint8), wire).chunk(wire.size))
     _guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
     info = _read_slot(_host_view(recv))
     if info.error or not info.round2:
@@ -355,12 +359,12 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         assert outs is not None
         for r, o in enumerate(outs):
             if r != src:
-                if o.frame.numel() > wire.inline_capacity:
-                    _send_bytes(wire, o.frame, r, op)
+                if o.frame.nbytes > wire.inline_capacity:
+                    _send_bytes(wire, o.frame_tensor(), r, op)
                 for tensor in o.tensors:
                     _send_bytes(wire, tensor, r, op)
         mine = outs[src]
-        return Incoming(_host_view(mine.frame), [_to_device(t, wire) for t in mine.tensors])
+        return Incoming(mine.frame, [_to_device(t, wire) for t in mine.tensors])
     frame = info.inline if info.inline is not None else _host_view(_recv_bytes(wire, info.length, src, op))
     return Incoming(frame, [_recv_bytes(wire, n, src, op) for n in sizes_of(frame)])
 
@@ -379,8 +383,8 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
             f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes; nothing more was sent. "
             "Raise max_bytes on the receiver or send less"
         )
-    if out.frame.numel() > wire.inline_capacity:
-        _send_bytes(wire, out.frame, dst, op)
+    if out.frame.nbytes > wire.inline_capacity:
+        _send_bytes(wire, out.frame_tensor(), dst, op)
     for tensor in out.tensors:
         _send_bytes(wire, tensor, dst, op)
 

@@ -6,6 +6,7 @@ which the C pickler calls only for non-builtin values, so plain data pays nothin
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import pickletools
@@ -27,6 +28,7 @@ def external_ref(key: int) -> Any:
     )
 
 
+@functools.lru_cache(maxsize=None)
 def _lifting(base: type) -> type:
     """A Pickler subclass of ``base`` that offers each non-builtin value to ``lift``."""
 
@@ -86,8 +88,13 @@ class PickleSerializer(Serializer):
     def _unpickler(self, file: Any, restore: Restore | None) -> pickle.Unpickler:
         return _Unpickler(file, restore)
 
+    def _loads_plain(self, data: Buffer) -> Any:
+        return pickle.loads(data)
+
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
         try:
+            if restore is None and type(self)._unpickler is PickleSerializer._unpickler:
+                return self._loads_plain(data)  # the C fast path: no hooks to install
             return self._unpickler(io.BytesIO(data), restore).load()
         except (ContentRefusedError, DecodeError):
             raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 import tracemalloc
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -74,11 +75,15 @@ def test_loads_random_and_mutated(name, data):
         assert not s.safe
 
 
-def _frame(name: str) -> bytes:
-    return _framing.encode({"ids": [1, 2], "s": "x"}, serializers.get(name), max_bytes=1 << 20).numpy().tobytes()
+def _frame(name: str, obj: object = None) -> bytes:
+    obj = {"ids": [1, 2], "s": "x"} if obj is None else obj
+    return _framing.encode(obj, serializers.get(name), max_bytes=1 << 20).frame.tobytes()
 
 
-FRAMES = [_frame(n) for n in ("msgpack", "json", "restricted-pickle")]
+# the last one carries a tensor table and inline tensor data
+FRAMES = [_frame(n) for n in ("msgpack", "json", "restricted-pickle")] + [
+    _frame("msgpack", {"t": torch.arange(6).reshape(2, 3), "h": torch.ones(2, dtype=torch.float16)})
+]
 
 
 def _decode(data: bytes) -> None:
@@ -90,7 +95,7 @@ def _decode(data: bytes) -> None:
     if header.is_error:
         _framing.read_error(view, header)
     else:
-        _framing.decode(view, sender=0, accept=frozenset({"msgpack", "json", "restricted-pickle"}))
+        _framing.decode(_framing.Incoming(view), sender=0, accept=frozenset({"msgpack", "json", "restricted-pickle"}))
 
 
 @FUZZ
