@@ -157,6 +157,7 @@ _ALLOWED_GLOBALS: Set[Tuple[str, str]] = {
     ("torch", "device"),
     _EXTERNAL,
 }
+_MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
 _REPLACED_GLOBALS = {("torch.storage", "_load_from_bytes"): _safe_load_from_bytes}
 
 
@@ -226,9 +227,12 @@ class RestrictedPickleSerializer(PickleSerializer):
         # pickle allocates whatever a length opcode declares before reading it (b"\x80\x05\x8e" + an
         # 8-byte length asks for gigabytes); walk the opcodes first, which checks every length against
         # the bytes actually present without allocating it.
+        # Memo indices are sequential in real pickles; a huge PUT index would make the unpickler
+        # grow its memo table to that size.
         try:
-            for _ in pickletools.genops(io.BytesIO(data)):
-                pass
+            for count, (opcode, arg, _) in enumerate(pickletools.genops(io.BytesIO(data))):
+                if opcode.name in _MEMO_PUTS and arg > count:
+                    raise ValueError(f"{opcode.name} to memo slot {arg} after {count} opcodes")
         except Exception as exc:
             raise DecodeError(f"{self.name} refused a malformed payload: {exc}") from None
         return super().loads(data, restore=restore)
