@@ -1,9 +1,9 @@
-"""objcomm where users already are: torchrun on two "nodes", bare init, the example, a plugin package.
+"""objcomm where users already are: torchrun on two "nodes", bare init, the example, a plugin package, the docs.
 
-Each test starts real ``torchrun`` agents (``python -m torch.distributed.run``, the module behind
-the ``torchrun`` command, so the interpreter running the tests is the one launched) and reads what
-every rank observed from files the ranks write. Agents run in their own session and are always
-killed and reaped, workers included, even when a test fails or times out.
+The launch tests start real ``torchrun`` agents (``python -m torch.distributed.run``, the module
+behind the ``torchrun`` command, so the interpreter running the tests is the one launched) and
+read what every rank observed from files the ranks write. Agents and their workers are always
+stopped and reaped, even when a test fails or times out.
 """
 
 from __future__ import annotations
@@ -355,3 +355,36 @@ def test_custom_serializer_package_is_found_through_its_entry_point(tmp_path):
 
     absent = _plugin_report(str(REPO))  # the same check without the package: not there
     assert absent["found"] is False and "no serializer named 'literal'" in absent["error"]
+
+
+# -- the docs name only things that exist ------------------------------------------------------
+
+DOCS = sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "bench.md")  # bench.md is not ours
+
+
+@pytest.mark.timeout(30)
+def test_docs_name_only_things_that_exist():
+    """Every ``objcomm.X``/``serializers.X`` a page names resolves, every repo path and test it cites exists."""
+    import importlib
+
+    import serializers
+
+    assert DOCS, "no docs found"
+    for page in DOCS + [REPO / "examples" / "custom_serializer" / "README.md"]:
+        text = page.read_text()
+        for dotted in sorted(set(re.findall(r"\b(?:objcomm|serializers)\.[A-Za-z_][\w.]*\w", text))):
+            if dotted.endswith(".md"):
+                continue  # a link such as custom-serializers.md
+            if dotted == serializers.ENTRY_POINT_GROUP:
+                continue  # the entry-point group "objcomm.serializers", not an attribute
+            module, *attrs = dotted.split(".")
+            target: Any = importlib.import_module(module)
+            for attr in attrs:
+                assert hasattr(target, attr), f"{page.name} names {dotted}, which does not exist"
+                target = getattr(target, attr)
+        for path, test in re.findall(r"\b((?:tests|examples|docs)/[\w./-]*\w)(?:::(\w+))?", text):
+            assert (REPO / path).exists(), f"{page.name} cites {path}, which does not exist"
+            if test:
+                assert f"def {test}(" in (REPO / path).read_text(), f"{page.name} cites {path}::{test}"
+        for link in re.findall(r"\]\(([\w-]+\.md)(?:#[\w-]+)?\)", text):
+            assert (REPO / "docs" / link).exists(), f"{page.name} links {link}, which does not exist"
