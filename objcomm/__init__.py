@@ -12,7 +12,9 @@ Serializers live in the torch-free ``serializers`` package; see ``serializers.av
 
 from __future__ import annotations
 
+from . import compat
 from ._api import all_gather, broadcast, gather, recv, scatter, send
+from ._collect import collect_results
 from ._communicator import Communicator
 from ._compression import MissingDependencyError
 from ._device import device_for_backend
@@ -49,6 +51,8 @@ __all__ = [
     "__version__",
     "all_gather",
     "broadcast",
+    "collect_results",
+    "compat",
     "configure",
     "device_for_backend",
     "gather",
