@@ -11,7 +11,7 @@ import torch.distributed as dist
 from serializers import SerializerLike, registry
 
 from . import _compression, _framing, _transport
-from ._device import resolve_device
+from ._device import group_backend, resolve_device
 from ._errors import CommunicationError, Failure, ObjcommError, RemoteError
 from ._settings import Settings, check_positive, check_slot, normalize_accept, settings
 from ._transport import Incoming, Outgoing
@@ -185,7 +185,7 @@ class Communicator:
             group=group,
             ranks=dist.get_process_group_ranks(group),
             rank=rank,
-            device=resolve_device(dist.get_backend(group), group, self.device),
+            device=resolve_device(group_backend(group), group, self.device),
             slot=_first(self.slot_bytes, defaults.slot_bytes),
             chunk=_first(self.chunk_bytes, defaults.chunk_bytes),
             max_bytes=max_bytes,

@@ -66,6 +66,17 @@ def current_cuda_device(group: object = None) -> int:
     return index
 
 
+def group_backend(group: object) -> str:
+    """The group's backend string; a group made by ``init_process_group()`` without a backend reports
+    ``"undefined"`` from ``get_backend`` but ``"cpu:gloo,cuda:nccl"`` (or similar) from its config."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group))  # type: ignore[arg-type]
+    if backend == "undefined" and hasattr(dist, "get_backend_config"):
+        backend = str(dist.get_backend_config(group))  # type: ignore[arg-type]
+    return backend
+
+
 def resolve_device(backend: str, group: object = None, device: Optional[Union[str, torch.device]] = None) -> torch.device:
     """``device`` if given, else the device the group's backend moves."""
     if device is not None:
