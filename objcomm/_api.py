@@ -14,8 +14,13 @@ Device = Optional[Union[str, torch.device]]
 
 
 def all_gather(
-    obj: Any, *, group: Any = None, serializer: Optional[SerializerLike] = None,
-    accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
+    obj: Any,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
     compression: Optional[str] = None,
 ) -> List[Any]:
     """Gather one object from every rank onto every rank.
@@ -46,13 +51,24 @@ def all_gather(
             merged.update(part)
     """
     return Communicator(group).all_gather(
-        obj, serializer=serializer, accept=accept, max_bytes=max_bytes, map_location=map_location, compression=compression
+        obj,
+        serializer=serializer,
+        accept=accept,
+        max_bytes=max_bytes,
+        map_location=map_location,
+        compression=compression,
     )
 
 
 def gather(
-    obj: Any, dst: int = 0, *, group: Any = None, serializer: Optional[SerializerLike] = None,
-    accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
+    obj: Any,
+    dst: int = 0,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
     compression: Optional[str] = None,
 ) -> Optional[List[Any]]:
     """Gather one object from every rank onto global rank ``dst``; other ranks get ``None``.
@@ -62,14 +78,25 @@ def gather(
         everyone = objcomm.gather(predictions, dst=0)   # a list on rank 0, None elsewhere
     """
     return Communicator(group).gather(
-        obj, dst, serializer=serializer, accept=accept, max_bytes=max_bytes, map_location=map_location,
+        obj,
+        dst,
+        serializer=serializer,
+        accept=accept,
+        max_bytes=max_bytes,
+        map_location=map_location,
         compression=compression,
     )
 
 
 def broadcast(
-    obj: Any = None, src: int = 0, *, group: Any = None, serializer: Optional[SerializerLike] = None,
-    accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
+    obj: Any = None,
+    src: int = 0,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
     compression: Optional[str] = None,
 ) -> Any:
     """Send global rank ``src``'s object to every rank and return it there.
@@ -79,15 +106,26 @@ def broadcast(
         config = objcomm.broadcast(load_config() if rank == 0 else None, src=0)
     """
     return Communicator(group).broadcast(
-        obj, src, serializer=serializer, accept=accept, max_bytes=max_bytes, map_location=map_location,
+        obj,
+        src,
+        serializer=serializer,
+        accept=accept,
+        max_bytes=max_bytes,
+        map_location=map_location,
         compression=compression,
     )
 
 
 def scatter(
-    objs: Optional[Sequence[Any]] = None, src: int = 0, *, group: Any = None,
-    serializer: Optional[SerializerLike] = None, accept: Optional[Collection[str]] = None,
-    max_bytes: Optional[int] = None, map_location: Device = None, compression: Optional[str] = None,
+    objs: Optional[Sequence[Any]] = None,
+    src: int = 0,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
 ) -> Any:
     """Give group rank ``r`` element ``r`` of ``objs``, a sequence given on global rank ``src``.
 
@@ -96,13 +134,25 @@ def scatter(
         shard = objcomm.scatter(split(work, world_size) if rank == 0 else None, src=0)
     """
     return Communicator(group).scatter(
-        objs, src, serializer=serializer, accept=accept, max_bytes=max_bytes, map_location=map_location,
+        objs,
+        src,
+        serializer=serializer,
+        accept=accept,
+        max_bytes=max_bytes,
+        map_location=map_location,
         compression=compression,
     )
 
 
-def send(obj: Any, dst: int, *, group: Any = None, serializer: Optional[SerializerLike] = None,
-         max_bytes: Optional[int] = None, compression: Optional[str] = None) -> None:
+def send(
+    obj: Any,
+    dst: int,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    max_bytes: Optional[int] = None,
+    compression: Optional[str] = None,
+) -> None:
     """Send one object to global rank ``dst``, which must call :func:`recv`.
 
     Example::
@@ -113,8 +163,14 @@ def send(obj: Any, dst: int, *, group: Any = None, serializer: Optional[Serializ
     Communicator(group).send(obj, dst, serializer=serializer, max_bytes=max_bytes, compression=compression)
 
 
-def recv(src: Optional[int] = None, *, group: Any = None, accept: Optional[Collection[str]] = None,
-         max_bytes: Optional[int] = None, map_location: Device = None) -> Any:
+def recv(
+    src: Optional[int] = None,
+    *,
+    group: Any = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+) -> Any:
     """Receive one object from global rank ``src`` (``None``: whichever rank sends first; gloo only).
 
     Example::

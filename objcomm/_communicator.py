@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Collection, Dict, List, Optional, Sequence, Union
 
@@ -54,10 +55,8 @@ class _Call:
     def failures(incoming: Sequence[Optional[Incoming]]) -> Dict[int, Failure]:
         found = {}
         for rank, item in enumerate(incoming):
-            if item is not None:
-                header = _framing.parse_header(item.frame)
-                if header.is_error:
-                    found[rank] = _framing.read_error(item.frame, header)
+            if item is not None and item.error:
+                found[rank] = _framing.read_error(item.frame, _framing.parse_header(item.frame))
         return found
 
     def raise_failures(self, op: str, incoming: Sequence[Optional[Incoming]], local: Optional[BaseException]) -> None:
@@ -172,22 +171,19 @@ class Communicator:
     def _wire(self, max_bytes: int, defaults: Settings) -> Optional[_transport.Wire]:
         if not (dist.is_available() and dist.is_initialized()):
             if self.group is not None:
-                raise ObjcommError("a group was given but torch.distributed is not initialised; call init_process_group()")
+                raise ObjcommError(
+                    "a group was given but torch.distributed is not initialised; call init_process_group()"
+                )
             return None
         group = self.group if self.group is not None else dist.group.WORLD
-        rank = dist.get_rank(group)
-        if rank < 0:
-            raise ObjcommError(
-                f"this rank (global rank {dist.get_rank()}) is not a member of the group it was asked to use; "
-                "only call objcomm with groups this rank belongs to"
-            )
+        ranks, rank, device = _membership(group, self.device)
         return _transport.Wire(
             group=group,
-            ranks=dist.get_process_group_ranks(group),
+            ranks=ranks,
             rank=rank,
-            device=resolve_device(group_backend(group), group, self.device),
-            slot=_first(self.slot_bytes, defaults.slot_bytes),
-            chunk=_first(self.chunk_bytes, defaults.chunk_bytes),
+            device=device,
+            slot=self.slot_bytes if self.slot_bytes is not None else defaults.slot_bytes,
+            chunk=self.chunk_bytes if self.chunk_bytes is not None else defaults.chunk_bytes,
             max_bytes=max_bytes,
         )
 
@@ -328,6 +324,29 @@ class Communicator:
     def _check_single(rank: Any, what: str) -> None:
         if rank != 0:
             raise ValueError(f"{what}={rank}, but there is no process group: the only rank is 0")
+
+
+# Group membership and device never change for a group's lifetime: look them up once per group.
+_MEMBERSHIP: weakref.WeakKeyDictionary[Any, Dict[Any, tuple]] = weakref.WeakKeyDictionary()
+
+
+def _membership(group: Any, device: Device) -> tuple:
+    """``(global ranks, this rank's group rank, transport device)`` for ``group``, cached."""
+    per_device = _MEMBERSHIP.get(group)
+    if per_device is None:
+        per_device = _MEMBERSHIP.setdefault(group, {})
+    found = per_device.get(device)
+    if found is None:
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ObjcommError(
+                f"this rank (global rank {dist.get_rank()}) is not a member of the group it was asked to use; "
+                "only call objcomm with groups this rank belongs to"
+            )
+        found = per_device[device] = (
+            tuple(dist.get_process_group_ranks(group)), rank, resolve_device(group_backend(group), group, device)
+        )
+    return found
 
 
 def _first(*values: Any) -> Any:

@@ -77,7 +77,9 @@ def group_backend(group: object) -> str:
     return backend
 
 
-def resolve_device(backend: str, group: object = None, device: Optional[Union[str, torch.device]] = None) -> torch.device:
+def resolve_device(
+    backend: str, group: object = None, device: Optional[Union[str, torch.device]] = None
+) -> torch.device:
     """``device`` if given, else the device the group's backend moves."""
     if device is not None:
         return torch.device(device)

@@ -33,6 +33,7 @@ from typing import Any, Collection, List, Optional, Sequence
 import torch
 
 from serializers import SerializerProtocol, registry
+
 from . import _compression
 from ._errors import (
     ContentRefusedError,
@@ -99,11 +100,22 @@ def _assemble(
     total = frame_length(len(name_bytes), len(table), body.nbytes, inline_len)
     view = memoryview(bytearray(total))
     HEADER.pack_into(
-        view, 0, MAGIC, VERSION, flags, compression, len(name_bytes), len(table), n_tensors, body.nbytes,
-        body.nbytes if raw_len is None else raw_len, inline_len,
+        view,
+        0,
+        MAGIC,
+        VERSION,
+        flags,
+        compression,
+        len(name_bytes),
+        len(table),
+        n_tensors,
+        body.nbytes,
+        body.nbytes if raw_len is None else raw_len,
+        inline_len,
     )
     at = HEADER.size
-    for part in (name_bytes, table, body, *(memoryview(t.numpy()) for t in inline)):
+    parts: List[Any] = [name_bytes, table, body, *(t.numpy().data for t in inline)]
+    for part in parts:
         size = memoryview(part).nbytes
         view[at : at + size] = part
         at += size
@@ -136,8 +148,13 @@ def encode(
     raw = memoryview(payload).cast("B")
     code, stored = _compression.compress(compression, raw)
     frame = _assemble(
-        serializer.name, stored, compression=code, raw_len=raw.nbytes, table=table,
-        n_tensors=len(lifter.tensors), inline=inline,
+        serializer.name,
+        stored,
+        compression=code,
+        raw_len=raw.nbytes,
+        table=table,
+        n_tensors=len(lifter.tensors),
+        inline=inline,
     )
     out = Outgoing(frame, oob)
     if out.total > max_bytes:
@@ -173,7 +190,9 @@ def parse_header(view: memoryview) -> Header:
             "is every rank running objcomm, and the same version?"
         )
     if version != VERSION:
-        raise FrameError(f"frame format version {version} is unknown here (this objcomm reads {VERSION}); upgrade objcomm")
+        raise FrameError(
+            f"frame format version {version} is unknown here (this objcomm reads {VERSION}); upgrade objcomm"
+        )
     expected = frame_length(name_len, table_len, payload_len, inline_len)
     if expected != size:
         raise FrameError(f"frame lengths disagree: the header declares {expected:,} bytes, {size:,} were received")
@@ -235,8 +254,10 @@ def decode(
     try:
         serializer = registry.get(header.serializer)
     except UnknownSerializerError as exc:
-        raise UnknownSerializerError(f"rank {sender} sent a frame encoded with {header.serializer!r}, but {exc}") from None
-    entries = _table(view, header)
+        raise UnknownSerializerError(
+            f"rank {sender} sent a frame encoded with {header.serializer!r}, but {exc}"
+        ) from None
+    entries = _table(view, header) if header.n_tensors else []
     start = header.payload_offset
     payload = view[start : start + header.payload_len]
     if header.compression != NO_COMPRESSION:
@@ -254,6 +275,4 @@ def decode(
     except FrameError:
         raise
     except Exception as exc:
-        raise DecodeError(
-            f"could not decode the {header.serializer!r} payload from rank {sender}: {exc}"
-        ) from exc
+        raise DecodeError(f"could not decode the {header.serializer!r} payload from rank {sender}: {exc}") from exc

@@ -86,9 +86,10 @@ def configure(**changes: Any) -> Settings:
         objcomm.restore(previous)
     """
     global _current
-    unknown = set(changes) - {f.name for f in dataclasses.fields(Settings)}
+    known = [f.name for f in dataclasses.fields(Settings)]
+    unknown = set(changes) - set(known)
     if unknown:
-        raise TypeError(f"configure() got unknown settings {sorted(unknown)}; known: {[f.name for f in dataclasses.fields(Settings)]}")
+        raise TypeError(f"configure() got unknown settings {sorted(unknown)}; known: {known}")
     if "accept" in changes:
         changes["accept"] = normalize_accept(changes["accept"])
     with _lock:

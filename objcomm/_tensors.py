@@ -81,7 +81,9 @@ class TensorLifter:
 
     def pack(self, inline_max: int) -> Tuple[bytes, List[torch.Tensor], List[torch.Tensor]]:
         """``(table, inline parts on the CPU, out-of-band flat uint8 tensors)``."""
-        table, inline, oob = bytearray(), [], []
+        table = bytearray()
+        inline: List[torch.Tensor] = []
+        oob: List[torch.Tensor] = []
         inline_len = 0
         for tensor in self.tensors:
             data = tensor.detach().resolve_conj().resolve_neg().contiguous()

@@ -90,6 +90,7 @@ class Incoming:
 
     frame: memoryview
     tensors: List[torch.Tensor] = field(default_factory=list)
+    error: bool = False  # the frame is an error report
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def _complete(info: _SlotInfo) -> bool:
 
 # -- helpers ---------------------------------------------------------------------------------
 def _host_view(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.cpu().numpy()).cast("B")
+    return tensor.cpu().numpy().data.cast("B")
 
 
 def _to_device(tensor: torch.Tensor, wire: Wire) -> torch.Tensor:
@@ -211,7 +212,8 @@ def _all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> Li
     """All ranks send ``width`` bytes (``data`` shorter is zero-padded); return each rank's ``width`` bytes."""
     length = data.numel()
     if width <= wire.chunk:
-        send = data if length == width else torch.cat([data, torch.zeros(width - length, dtype=torch.uint8, device=data.device)])
+        padding = torch.zeros(width - length, dtype=torch.uint8, device=data.device)
+        send = data if length == width else torch.cat([data, padding])
         recv = _empty(width * wire.size, wire)
         _guarded(op, wire, _all_gather_single, recv, _to_device(send, wire), group=wire.group)
         return list(recv.chunk(wire.size)) if width else [recv[:0] for _ in range(wire.size)]
@@ -230,11 +232,13 @@ def _all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> Li
 
 
 # -- all_gather ------------------------------------------------------------------------------
-def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gather") -> List[Optional[Incoming]]:
+def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gather") -> Sequence[Optional[Incoming]]:
     """Every rank's frame and tensors, on every rank. ``None`` marks frames not moved after an error."""
     infos = _exchange_slots(wire, out, op)
     if any(info.error for info in infos):
-        return [Incoming(i.inline) if i.inline is not None else None for i in infos]
+        return _round_one(infos)
+    if all(_complete(info) for info in infos):  # the common small case: one collective, done
+        return _round_one(infos)
     _check_limits(infos, range(wire.size), op)
     frames = _all_gather_frames(wire, out, infos, op)
     incoming = [Incoming(f) for f in frames]
@@ -250,6 +254,11 @@ def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gath
                 moved = _broadcast_bytes(wire, mine, length, r, op)
                 incoming[r].tensors.append(moved.clone() if mine is not None else moved)  # never alias the input
     return incoming
+
+
+def _round_one(infos: List[_SlotInfo]) -> Sequence[Optional[Incoming]]:
+    """What round 1 delivered: the frames that fit (error reports always do)."""
+    return [Incoming(i.inline, error=i.error) if i.inline is not None else None for i in infos]
 
 
 def _exchange_slots(wire: Wire, out: Outgoing, op: str) -> List[_SlotInfo]:
@@ -276,7 +285,7 @@ def _all_gather_frames(wire: Wire, out: Outgoing, infos: List[_SlotInfo], op: st
 
 
 # -- gather ----------------------------------------------------------------------------------
-def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[List[Optional[Incoming]]]:
+def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[Sequence[Optional[Incoming]]]:
     """Every rank's frame and tensors on group rank ``dst``; ``None`` elsewhere, unless some rank failed.
 
     Round 1 is an all_gather of slots so that every rank learns of a failure anywhere (and the
@@ -286,7 +295,7 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[L
     op = "gather"
     infos = _exchange_slots(wire, out, op)
     if any(info.error for info in infos):
-        return [Incoming(i.inline) if i.inline is not None else None for i in infos]
+        return _round_one(infos)
     _check_limits(infos, [dst], op)
     if wire.rank != dst:
         if not _complete(infos[wire.rank]):
@@ -314,7 +323,7 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
     info = _read_slot(_host_view(slot))
     if info.error or _complete(info):
         assert info.inline is not None
-        return Incoming(info.inline)
+        return Incoming(info.inline, error=info.error)
     if _vote_refusals(wire, wire.rank != src and info.total > wire.max_bytes, op):
         raise TooLargeError(
             f"{op}: rank {src} sends {info.total:,} bytes, above the max_bytes of at least one receiving rank "
@@ -349,7 +358,7 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
     info = _read_slot(_host_view(recv))
     if info.error or not info.round2:
         assert info.inline is not None
-        return Incoming(info.inline)
+        return Incoming(info.inline, error=info.error)
     if _vote_refusals(wire, wire.rank != src and info.total > wire.max_bytes, op):
         raise TooLargeError(
             f"{op}: a payload from rank {src} is above the max_bytes of its receiving rank "
@@ -398,7 +407,7 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
     info = _read_slot(_host_view(slot))
     if info.error or _complete(info):
         assert info.inline is not None
-        return sender, Incoming(info.inline), info.error
+        return sender, Incoming(info.inline, error=info.error), info.error
     refuse = info.total > wire.max_bytes
     answer = torch.tensor([1 if refuse else 0], dtype=torch.uint8, device=wire.device)
     _guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group)

@@ -115,7 +115,7 @@ class MsgpackSerializer(Serializer):
             if value.dtype.hasobject:
                 raise TypeError("numpy arrays of dtype=object have no msgpack encoding")
             data = np.ascontiguousarray(value)
-            raw = memoryview(data.reshape(-1)).cast("B") if data.size else b""
+            raw = data.reshape(-1).data.cast("B") if data.size else b""
             return ext(NDARRAY, pack([data.dtype.str, list(data.shape), raw]))
         if isinstance(value, np.generic) and not value.dtype.hasobject:
             return ext(NPSCALAR, pack([value.dtype.str, value.tobytes()]))
@@ -176,7 +176,9 @@ class MsgpackSerializer(Serializer):
         except DecodeError:
             raise
         except Exception as exc:
-            raise DecodeError(f"msgpack cannot decode {memoryview(data).nbytes} bytes: {type(exc).__name__}: {exc}") from exc
+            raise DecodeError(
+                f"msgpack cannot decode {memoryview(data).nbytes} bytes: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _decode_codec(self, name: str, value: Any) -> Any:
         codec = self._codecs.by_name(name)

@@ -28,7 +28,7 @@ def external_ref(key: int) -> Any:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lifting(base: type) -> type:
     """A Pickler subclass of ``base`` that offers each non-builtin value to ``lift``."""
 
@@ -99,7 +99,9 @@ class PickleSerializer(Serializer):
         except (ContentRefusedError, DecodeError):
             raise
         except Exception as exc:
-            raise DecodeError(f"{self.name} cannot decode {memoryview(data).nbytes} bytes: {type(exc).__name__}: {exc}") from exc
+            raise DecodeError(
+                f"{self.name} cannot decode {memoryview(data).nbytes} bytes: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _encode_error(self, obj: Any, exc: BaseException) -> EncodeError:
         def rejects(value: Any, is_key: bool) -> bool:
@@ -231,7 +233,7 @@ class RestrictedPickleSerializer(PickleSerializer):
         # grow its memo table to that size.
         try:
             for count, (opcode, arg, _) in enumerate(pickletools.genops(io.BytesIO(data))):
-                if opcode.name in _MEMO_PUTS and arg > count:
+                if opcode.name in _MEMO_PUTS and isinstance(arg, int) and arg > count:
                     raise ValueError(f"{opcode.name} to memo slot {arg} after {count} opcodes")
         except Exception as exc:
             raise DecodeError(f"{self.name} refused a malformed payload: {exc}") from None

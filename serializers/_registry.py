@@ -144,4 +144,13 @@ unregister = registry.unregister
 get = registry.get
 available = registry.available
 
-__all__ = ["ENTRY_POINT_GROUP", "Serializer", "SerializerRegistry", "registry", "register", "unregister", "get", "available"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Serializer",
+    "SerializerRegistry",
+    "registry",
+    "register",
+    "unregister",
+    "get",
+    "available",
+]

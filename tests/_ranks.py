@@ -170,7 +170,7 @@ def barrier() -> None:
 def _tail(text: str, limit: int = _OUTPUT_TAIL_CHARS) -> str:
     if len(text) <= limit:
         return text
-    return "[... %d chars cut ...]\n" % (len(text) - limit) + text[-limit:]
+    return f"[... {len(text) - limit} chars cut ...]\n" + text[-limit:]
 
 
 def _indent(text: str, prefix: str = "    ") -> str:
@@ -401,7 +401,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn, ppid: int, env: di
 # --------------------------------------------------------------------------- parent side
 
 
-_LIVE_POOLS: set["RankPool"] = set()
+_LIVE_POOLS: set[RankPool] = set()
 _LIVE_LOCK = threading.Lock()
 
 
@@ -941,7 +941,7 @@ class RankPool:
         with _LIVE_LOCK:
             _LIVE_POOLS.discard(self)
 
-    def __enter__(self) -> "RankPool":
+    def __enter__(self) -> RankPool:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -956,7 +956,7 @@ class RankPool:
 
 _DEFAULT_KW = {"timeout": 60.0, "env": None, "pg_timeout": 60.0, "startup_timeout": 120.0,
                "failure_grace": 10.0, "capture_output": None}
-_CACHE: "OrderedDict[int, RankPool]" = OrderedDict()
+_CACHE: OrderedDict[int, RankPool] = OrderedDict()
 _CACHE_LOCK = threading.RLock()
 # Each idle worker holds ~230 MB (torch); keep the cache from holding sizes 1..10 at once.
 MAX_CACHED_WORKERS = int(os.environ.get("RANKPOOL_MAX_CACHED_WORKERS", "16"))

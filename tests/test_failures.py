@@ -49,7 +49,11 @@ def fail_in_every_collective(position: str) -> dict:
             call()
             outcome[name] = None
         except objcomm.RemoteError as exc:
-            outcome[name] = (exc.ranks if name != "scatter" else [0], exc.failures[exc.ranks[0]][0], time.monotonic() - started)
+            outcome[name] = (
+                exc.ranks if name != "scatter" else [0],
+                exc.failures[exc.ranks[0]][0],
+                time.monotonic() - started,
+            )
             assert "cannot pickle this on purpose" in str(exc)
         # the next call on the same group works
         assert objcomm.all_gather(rank) == list(range(world))
@@ -144,7 +148,9 @@ def limits_on_both_sides() -> dict:
         objcomm.all_gather("x" * (2000 if rank == 1 else 10), max_bytes=1000)
     # receiver side, collective: rank 2 accepts at most 5,000 bytes; everybody learns it in round 1
     limit = 5000 if rank == 2 else None
-    with pytest.raises(objcomm.TooLargeError, match=r"rank 0 sends [\d,]+ bytes, above the max_bytes=5,000 of receiving rank 2"):
+    with pytest.raises(
+        objcomm.TooLargeError, match=r"rank 0 sends [\d,]+ bytes, above the max_bytes=5,000 of receiving rank 2"
+    ):
         objcomm.Communicator(max_bytes=limit).all_gather("y" * (20_000 if rank == 0 else 1))
     # receiver side, broadcast: the receivers vote before anything is allocated; every rank raises
     comm = objcomm.Communicator(max_bytes=limit, chunk_bytes=4096)
@@ -195,7 +201,9 @@ def malicious_payload(marker: str) -> list:
         with pytest.raises(objcomm.ContentRefusedError, match="accepts only"):
             objcomm.recv(src=1, accept=["msgpack", "json"])
         outcome.append(os.path.exists(marker))
-        with pytest.raises(objcomm.ContentRefusedError, match=r"restricted-pickle refused to load global (posix|os)\.system"):
+        with pytest.raises(
+            objcomm.ContentRefusedError, match=r"restricted-pickle refused to load global (posix|os)\.system"
+        ):
             objcomm.recv(src=1, accept=["restricted-pickle"])
         outcome.append(os.path.exists(marker))
         objcomm.recv(src=1)  # plain pickle accepted: loading it runs the command

@@ -66,7 +66,9 @@ def test_malformed_frames_raise_frame_error(mutate, message):
 
 def test_accept_refuses_before_the_payload_is_touched():
     data = frame_bytes(name="pickle")
-    with pytest.raises(ContentRefusedError, match=r"rank 5 sent a 'pickle' payload.*accepts only \['json', 'msgpack'\]"):
+    with pytest.raises(
+        ContentRefusedError, match=r"rank 5 sent a 'pickle' payload.*accepts only \['json', 'msgpack'\]"
+    ):
         _framing.decode(_framing.Incoming(memoryview(data)), sender=5, accept=frozenset({"msgpack", "json"}))
 
 

@@ -22,8 +22,13 @@ pytestmark = pytest.mark.timeout(300)
 
 BUILTINS = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"]
 SAMPLE = {"ids": [1, 2, 3], "t": (1.5, "x"), "b": b"\x00\x01", "n": None, 7: {"deep": [[{}]]}}
-FUZZ = settings(max_examples=1000, deadline=None, database=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=1000,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def _valid(name: str) -> bytes:
@@ -59,7 +64,9 @@ def _bounded(call, data: bytes, check_memory: bool = True) -> None:
     finally:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    assert not check_memory or peak < (1 << 20) + 64 * len(data), f"{peak:,} bytes allocated for {len(data)} input bytes"
+    assert not check_memory or peak < (1 << 20) + 64 * len(data), (
+        f"{peak:,} bytes allocated for {len(data)} input bytes"
+    )
 
 
 @pytest.mark.parametrize("name", BUILTINS)

@@ -7,10 +7,9 @@ import os
 import socket
 import time
 
+import _ranks
 import psutil
 import pytest
-
-import _ranks
 from _ranks import (
     PoolBrokenError,
     PoolStartupError,
@@ -22,7 +21,6 @@ from _ranks import (
     free_port,
     get_pool,
 )
-
 
 _ORIGINAL_ENV = dict(os.environ)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from _ranks import get_pool
 
 import objcomm
-from _ranks import get_pool
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -61,7 +61,11 @@ def test_rich_types_round_trip_exactly(name):
 @pytest.mark.parametrize("name", EXACT)
 def test_numpy_keeps_dtype_and_shape(name):
     s = serializers.get(name)
-    for arr in [np.arange(12, dtype=np.int16).reshape(3, 4), np.zeros((0, 2), np.float64), np.asfortranarray(np.eye(3))]:
+    for arr in [
+        np.arange(12, dtype=np.int16).reshape(3, 4),
+        np.zeros((0, 2), np.float64),
+        np.asfortranarray(np.eye(3)),
+    ]:
         back = s.loads(s.dumps({"a": arr}))["a"]
         assert back.dtype == arr.dtype and back.shape == arr.shape and np.array_equal(back, arr)
     scalar = s.loads(s.dumps(np.float32(1.5)))

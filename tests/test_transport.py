@@ -18,8 +18,13 @@ LENGTHS = [0, 1, CAPACITY - 1, CAPACITY, CAPACITY + 1, CHUNK * 3 - 1, CHUNK * 3,
 
 def _wire() -> _transport.Wire:
     return _transport.Wire(
-        group=dist.group.WORLD, ranks=list(range(dist.get_world_size())), rank=dist.get_rank(),
-        device=torch.device("cpu"), slot=SLOT, chunk=CHUNK, max_bytes=1 << 30,
+        group=dist.group.WORLD,
+        ranks=list(range(dist.get_world_size())),
+        rank=dist.get_rank(),
+        device=torch.device("cpu"),
+        slot=SLOT,
+        chunk=CHUNK,
+        max_bytes=1 << 30,
     )
 
 
@@ -28,7 +33,11 @@ def _frame(rank: int, length: int) -> memoryview:
 
 
 def _tensor(rank: int, length: int) -> torch.Tensor:
-    return torch.frombuffer(bytearray(_frame(rank, length)), dtype=torch.uint8) if length else torch.empty(0, dtype=torch.uint8)
+    return (
+        torch.frombuffer(bytearray(_frame(rank, length)), dtype=torch.uint8)
+        if length
+        else torch.empty(0, dtype=torch.uint8)
+    )
 
 
 def _no_tensors(view):
