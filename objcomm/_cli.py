@@ -42,35 +42,40 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> _Parser:
     parser = _Parser(prog="objcomm", description="Move Python objects between PyTorch ranks: tools.")
     sub = parser.add_subparsers(dest="command", metavar="{bench,serializers,demo}")
-    bench = sub.add_parser("bench", help="benchmark serializers x payloads x ops against torch's object collectives",
-                           description="Benchmark objcomm's serializers on payloads x sizes x ops, against "
-                           "torch.distributed's object collectives, on local gloo ranks (or torchrun's).")
-    bench.add_argument("--world-size", type=int, help="local ranks to start (default 2; torchrun sets its own)")
-    bench.add_argument("--backend", default="gloo", help="process group backend: gloo (default), nccl, mpi")
-    bench.add_argument("--serializers", action="append", help="comma-separated names (default: all registered)")
-    bench.add_argument("--payloads", action="append", help=f"comma-separated built-ins: {', '.join(BUILTIN)}")
-    bench.add_argument("--payload", action="append", default=[], metavar="MODULE:FUNCTION",
-                       help="your own object: FUNCTION(rank) (or FUNCTION(rank, size)) returns it; repeatable")
-    bench.add_argument("--ops", action="append", help=f"comma-separated: {', '.join(OPS)} (default: all)")
-    bench.add_argument("--sizes", help=f"payload sizes, e.g. 1KB,1MB,16MB (default {DEFAULT_SIZES})")
-    bench.add_argument("--repeat", type=int, help=f"timed runs per cell (default: up to {DEFAULT_REPEAT}, "
-                       "fewer (at least 3) for slow cells)")
-    bench.add_argument("--quick", action="store_true",
-                       help=f"smoke run: sizes {QUICK_SIZES}, {QUICK_REPEAT} repeats (unless given)")
-    bench.add_argument("--json", metavar="FILE", help="write every row (and the run's context) as JSON")
-    bench.add_argument("--csv", metavar="FILE", help="write every row as CSV")
-    bench.add_argument("--plot", metavar="FILE.png", help="plot latency against size per op (needs matplotlib)")
+    bench = sub.add_parser(
+        "bench", help="benchmark serializers x payloads x ops against torch's object collectives",
+        description="Benchmark objcomm's serializers on payloads x sizes x ops, against torch.distributed's "
+        "object collectives, on local gloo ranks (or the launcher's, under torchrun).",
+    )
+    add = bench.add_argument
+    add("--world-size", type=int, metavar="N", help="local ranks to start (default 2; torchrun sets its own)")
+    add("--backend", default="gloo", metavar="NAME", help="process group backend: gloo (default), nccl, mpi")
+    add("--serializers", action="append", metavar="NAMES", help="comma-separated names (default: all registered)")
+    add("--payloads", action="append", metavar="NAMES", help=f"comma-separated built-ins: {', '.join(BUILTIN)}")
+    add("--payload", action="append", default=[], metavar="MODULE:FUNCTION",
+        help="your own object: FUNCTION(rank) (or FUNCTION(rank, size)) returns it; repeatable")
+    add("--ops", action="append", metavar="OPS", help=f"comma-separated: {', '.join(OPS)} (default: all)")
+    add("--sizes", metavar="SIZES", help=f"payload sizes, e.g. 1KB,1MB,16MB (default {DEFAULT_SIZES})")
+    add("--repeat", type=int, metavar="N",
+        help=f"timed runs per cell (default: up to {DEFAULT_REPEAT}, fewer (at least 3) for slow cells)")
+    add("--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, {QUICK_REPEAT} repeats (unless given)")
+    add("--json", metavar="FILE", help="write every row (and the run's context) as JSON")
+    add("--csv", metavar="FILE", help="write every row as CSV")
+    add("--plot", metavar="FILE.png", help="plot latency against size per op (needs matplotlib)")
     _add_import(bench)
-    bench.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds (default 600)")
+    add("--timeout", type=float, default=600.0, metavar="SECONDS", help="give up after this long (default 600)")
+
     listing = sub.add_parser("serializers", help="list registered serializers and what they round-trip",
                              description="List the registered serializers: safe flag, fidelity summary, description.")
     _add_import(listing)
+
     demo = sub.add_parser("demo", help="gather sparse per-rank dicts on local ranks and merge them",
                           description="Each rank holds {rank: 1} if its rank is even, else {}; all ranks "
                           "all_gather with objcomm and merge.")
-    demo.add_argument("--world-size", type=int, default=4, help="local ranks to start (default 4)")
-    demo.add_argument("--serializer", help="serializer to use (default: objcomm's default, pickle)")
-    demo.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds (default 120)")
+    demo.add_argument("--world-size", type=int, default=4, metavar="N", help="local ranks to start (default 4)")
+    demo.add_argument("--serializer", metavar="NAME", help="serializer to use (default: objcomm's default, pickle)")
+    demo.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                      help="give up after this long (default 120)")
     _add_import(demo)
     return parser
 

@@ -64,7 +64,7 @@ def _num(text: str):
 # -- bench -----------------------------------------------------------------------------------
 @pytest.mark.timeout(180)
 def test_bench_prints_table_and_writes_json_csv_plot(tmp_path):
-    payloads = ["metrics", "config", "tensors"]
+    payloads = ["config", "tensors"]
     out_json, out_csv, out_png = tmp_path / "r.json", tmp_path / "r.csv", tmp_path / "r.png"
     pid, rc, out, err = run_cli(*QUICK, "--payloads", ",".join(payloads), "--json", str(out_json),
                                 "--csv", str(out_csv), "--plot", str(out_png))

@@ -34,8 +34,13 @@ def plot(result: Result, path: str) -> None:
     colours = {name: f"C{i % 10}" for i, name in enumerate(serializers)}
     colours[TORCH] = "black"
     markers = {name: _MARKERS[i % len(_MARKERS)] for i, name in enumerate(payloads)}
-    fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 4.0), squeeze=False, sharey=True)
-    for ax, op in zip(axes[0], ops):
+    ncols = min(3, len(ops))
+    nrows = -(-len(ops) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.6 * nrows), squeeze=False, sharey=True)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(ops):]:
+        ax.set_visible(False)
+    for ax, op in zip(flat, ops):
         for (serializer, payload), points in _series(result, op).items():
             xs, ys = zip(*sorted(points))
             ax.plot(xs, ys, color=colours[serializer], marker=markers[payload], markersize=4, linewidth=1,
@@ -45,11 +50,17 @@ def plot(result: Result, path: str) -> None:
         ax.set_title(op)
         ax.set_xlabel("payload size (pickled bytes)")
         ax.grid(True, which="major", alpha=0.3)
-    axes[0][0].set_ylabel("latency (s, median)")
+    for row in axes:
+        row[0].set_ylabel("latency (s, median)")
     handles = [Line2D([], [], color=colours[s], label=s, linestyle="--" if s == TORCH else "-")
                for s in [*serializers, TORCH]]
     handles += [Line2D([], [], color="grey", marker=markers[p], linestyle="", label=p) for p in payloads]
-    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", frameon=False)
+    if len(ops) < nrows * ncols:  # the legend takes the empty panel's place
+        flat[-1].legend(handles=handles, loc="center", fontsize="small", frameon=False)
+        flat[-1].set_visible(True)
+        flat[-1].axis("off")
+    else:
+        fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", frameon=False)
     meta = result.meta
     fig.suptitle(f"objcomm bench: {meta['world_size']} ranks, {meta['backend']}", fontsize="medium")
     fig.tight_layout()
