@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 HOST = "127.0.0.1"
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")  # what torchrun and other env:// launchers set
 _EXIT_GRACE_S = 5.0
 
 Task = Callable[[Any, Callable[[Any], None]], Any]
