@@ -134,6 +134,15 @@ def timing_task(repeat_scale: float, send: Callable[[Any], None]) -> Dict[str, A
     return results
 
 
+SLOT_SIZES = (256, 1024, 4096, 16384, 65536)
+
+
+def slot_task(repeat: int, send: Callable[[Any], None]) -> Dict[str, float]:
+    """Raw all_gather latency per slot size: how big round 1 can be before it costs more."""
+    candidates = {f"{n} B": _raw_all_gather(n) for n in SLOT_SIZES}
+    return {name: t.median_s for name, t in interleaved(candidates, repeat=repeat, warmup=5).items()}
+
+
 def memory_task(spec: Dict[str, Any], send: Callable[[Any], None]) -> Dict[str, float]:
     """Peak extra resident memory of one all_gather, in units of world_size x payload bytes.
 
@@ -192,12 +201,15 @@ def main(argv: List[str] | None = None) -> int:
     for world in args.world_sizes:
         progress = functools.partial(_progress, world)
         results = run_local(timing_task, args.repeat_scale, world_size=world, on_message=progress)
+        slots = run_local(slot_task, max(20, int(200 * args.repeat_scale)), world_size=world)
         memory = {}
         for kind in ("tensor", "bytes", "raw"):
             spec = {"kind": kind, "mb": args.memory_mb}
             memory[f"{kind} {args.memory_mb} MB"] = run_local(memory_task, spec, world_size=world)
-        everything[world] = {"timings": results, "memory": memory}
+        everything[world] = {"timings": results, "memory": memory, "slot_sizes": slots}
         print(_markdown(world, results, memory), flush=True)
+        print()
+        print("raw all_gather per slot size: " + ", ".join(f"{k}: {v * 1e6:.0f} µs" for k, v in slots.items()))
         print()
     if args.json:
         with open(args.json, "w") as f:

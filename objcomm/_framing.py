@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
-from typing import Any, Collection, List, Optional, Sequence
+from typing import Any, Collection, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -54,9 +53,8 @@ FLAG_ERROR = 1
 NO_COMPRESSION = _compression.NONE
 
 
-@dataclass(frozen=True)
-class Header:
-    """The parsed fixed header of a frame."""
+class Header(NamedTuple):
+    """The parsed fixed header of a frame (a tuple: built on every decode, so it must be cheap)."""
 
     flags: int
     compression: int

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,8 +42,7 @@ _LENGTH_MASK = ROUND2_BIT - 1
 SizesOf = Callable[[memoryview], List[int]]  # tensor byte sizes announced in a frame
 
 
-@dataclass(frozen=True)
-class Wire:
+class Wire(NamedTuple):
     """Where and how frames move: the group, this rank's place in it, and the size limits."""
 
     group: Any
@@ -93,8 +92,7 @@ class Incoming:
     error: bool = False  # the frame is an error report
 
 
-@dataclass(frozen=True)
-class _SlotInfo:
+class _SlotInfo(NamedTuple):
     length: int
     error: bool
     round2: bool
