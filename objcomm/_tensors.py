@@ -152,8 +152,9 @@ def restorer(
             raise FrameError(f"payload refers to tensor #{key}, the frame has {len(entries)}")
         entry = entries[key]
         if entry.inline:
-            raw = torch.frombuffer(inline[entry.offset : entry.offset + entry.nbytes], dtype=torch.uint8).clone() \
-                if entry.nbytes else torch.empty(0, dtype=torch.uint8)
+            # one copy into memory the tensor owns (the frame may be read-only or reused)
+            data = bytearray(inline[entry.offset : entry.offset + entry.nbytes])
+            raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         else:
             raw = oob[entry.offset]
             raw = raw.clone() if own else raw
