@@ -82,31 +82,36 @@ def config(enabled: Optional[bool], threshold: int, directory: Optional[str], se
 
 # -- segments ----------------------------------------------------------------------------------
 class _Segment:
-    """One mapped file in the shared-memory directory."""
+    """One file in the shared-memory directory: written with ``write(2)`` by its owner, mapped by readers."""
 
-    def __init__(self, path: str, mm: mmap.mmap, owner: bool) -> None:
+    def __init__(self, path: str, mm: Optional[mmap.mmap], owner: bool) -> None:
         self.path = path
         self.mm = mm
         self.owner = owner
 
     @classmethod
-    def create(cls, path: str, size: int) -> "_Segment":
+    def create(cls, path: str, frame: Optional[memoryview], tensors: Sequence[torch.Tensor]) -> "_Segment":
+        """Write ``frame`` then ``tensors`` into a new file. Plain writes, not a mapping: a full
+        filesystem raises ENOSPC here instead of SIGBUS, and the kernel fills pages faster than faults do."""
+        size = (frame.nbytes if frame is not None else 0) + sum(t.numel() for t in tensors)
         _check_space(os.path.dirname(path), size)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         _track(path)
         try:
-            os.posix_fallocate(fd, 0, size)  # ENOSPC now, rather than SIGBUS while writing
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            pieces = ([frame] if frame is not None else []) + [_host_bytes(t) for t in tensors if t.numel()]
+            for piece in pieces:
+                while piece.nbytes:
+                    piece = piece[os.write(fd, piece):]
         except BaseException:
             _unlink(path)
             raise
         finally:
             os.close(fd)
-        return cls(path, mm, owner=True)
+        return cls(path, None, owner=True)
 
     @classmethod
     def open(cls, path: str, size: int) -> "_Segment":
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR)  # writable mapping: torch.frombuffer warns on read-only buffers
         try:
             if os.fstat(fd).st_size != size:
                 raise OSError(f"segment {path} holds {os.fstat(fd).st_size} bytes, {size} were announced")
@@ -114,17 +119,6 @@ class _Segment:
         finally:
             os.close(fd)
         return cls(path, mm, owner=False)
-
-    def write(self, frame: Optional[memoryview], tensors: Sequence[torch.Tensor]) -> None:
-        position = 0
-        if frame is not None:
-            self.mm[: frame.nbytes] = frame
-            position = frame.nbytes
-        for tensor in tensors:
-            n = tensor.numel()
-            if n:
-                torch.frombuffer(self.mm, dtype=torch.uint8, count=n, offset=position).copy_(tensor.reshape(-1))
-            position += n
 
     def read(self, inline: Optional[memoryview], length: int, sizes_of: Callable[[memoryview], List[int]]) -> Incoming:
         """The frame (a view of the mapping when it was not inline) and copies of the tensors."""
@@ -144,13 +138,18 @@ class _Segment:
         return _transport.Incoming(frame, tensors)
 
     def release(self) -> None:
-        """Unlink (writers) and unmap unless a frame still points into the mapping (then GC unmaps it)."""
+        """Unlink (writers); unmap (readers) unless a frame still points into the mapping (then GC unmaps it)."""
         if self.owner:
             _unlink(self.path)
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:
+                pass
+
+
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().reshape(-1).cpu().contiguous().numpy()).cast("B")
 
 
 def _check_space(directory: str, size: int) -> None:
@@ -279,10 +278,7 @@ def _collective(
             seq = next(_seq)
             try:
                 for part, (frame, tensors) in parts.items():
-                    size = (frame.nbytes if frame is not None else 0) + sum(t.numel() for t in tensors)
-                    segment = _Segment.create(_name(cfg.directory, hosts.token, os.getpid(), seq, part), size)
-                    written.append(segment)
-                    segment.write(frame, tensors)
+                    written.append(_Segment.create(_name(cfg.directory, hosts.token, os.getpid(), seq, part), frame, tensors))
             except OSError as exc:
                 log.debug("objcomm shm: %s on rank %d could not write shared memory (%s); normal transport", op, wire.rank, exc)
                 seq = -1
@@ -432,8 +428,8 @@ def send(wire: Any, out: Outgoing, dst: int, op: str) -> bool:
         else:
             try:
                 seq = next(_seq)
-                segment = _Segment.create(_name(cfg.directory, _process_token, os.getpid(), seq, 0), moved)
-                segment.write(*_payload(out, out.frame.nbytes <= wire.inline_capacity))
+                path = _name(cfg.directory, _process_token, os.getpid(), seq, 0)
+                segment = _Segment.create(path, *_payload(out, out.frame.nbytes <= wire.inline_capacity))
             except OSError as exc:
                 log.debug("objcomm shm: %s could not write shared memory (%s); normal transport", op, exc)
                 seq = -1

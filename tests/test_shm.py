@@ -248,7 +248,7 @@ def test_config_reads_the_environment(monkeypatch):
 @pytest.mark.timeout(10)
 def test_too_little_space_is_refused_before_creating(shm_dir):
     with pytest.raises(OSError, match="free"):
-        _shm._Segment.create(os.path.join(shm_dir, "objcomm-x-1-1-0"), 1 << 60)
+        _shm._Segment.create(os.path.join(shm_dir, "objcomm-x-1-1-0"), None, [torch.empty(1, dtype=torch.uint8).expand(1 << 60)])
     assert os.listdir(shm_dir) == []
 
 
