@@ -57,7 +57,7 @@ def host_key(separate: bool = False) -> int:
 
 # Per process, per group: a group's membership never changes, so what was learned stays true.
 _known: MutableMapping[Tuple[Any, bool], Hosts] = {}
-_known_weak: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_known_weak: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
 def known(group: Any, separate: bool) -> Optional[Hosts]:

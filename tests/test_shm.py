@@ -13,12 +13,11 @@ from typing import Any, Dict, List
 import pytest
 import torch
 import torch.distributed as dist
+from _ranks import RankDied, RankPool, get_pool
 
 import objcomm
 from objcomm import _shm, _transport
 from objcomm._transport import Outgoing
-
-from _ranks import RankDied, RankPool, get_pool
 
 SLOT = 128
 CAPACITY = SLOT - _transport.PREFIX.size
@@ -69,7 +68,11 @@ def _bytes(seed: int, length: int) -> bytes:
 
 
 def _payload(seed: int, frame: int, tensors: List[int]) -> Outgoing:
-    return Outgoing(memoryview(bytearray(_bytes(seed, frame))), [torch.frombuffer(bytearray(_bytes(seed + 1 + i, n)), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8) for i, n in enumerate(tensors)])
+    def tensor(i: int, n: int) -> torch.Tensor:
+        data = bytearray(_bytes(seed + 1 + i, n))
+        return torch.frombuffer(data, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+
+    return Outgoing(memoryview(bytearray(_bytes(seed, frame))), [tensor(i, n) for i, n in enumerate(tensors)])
 
 
 def _check(item: Any, seed: int, frame: int, tensors: List[int]) -> None:
@@ -150,7 +153,8 @@ def objects_roundtrip(directory: str) -> List[str]:
                 "p": torch.nn.Parameter(torch.full((3000,), float(r))), "h": torch.ones(5000, dtype=torch.int16)}
 
     def same(a: Any, b: Any) -> None:
-        assert a["r"] == b["r"] and a["blob"] == b["blob"] and torch.equal(a["f"], b["f"]) and torch.equal(a["h"], b["h"])
+        assert a["r"] == b["r"] and a["blob"] == b["blob"]
+        assert torch.equal(a["f"], b["f"]) and torch.equal(a["h"], b["h"])
         assert isinstance(a["p"], torch.nn.Parameter) and torch.equal(a["p"], b["p"])
 
     kept = []
@@ -248,13 +252,14 @@ def test_config_reads_the_environment(monkeypatch):
 @pytest.mark.timeout(10)
 def test_too_little_space_is_refused_before_creating(shm_dir):
     with pytest.raises(OSError, match="free"):
-        _shm._Segment.create(os.path.join(shm_dir, "objcomm-x-1-1-0"), None, [torch.empty(1, dtype=torch.uint8).expand(1 << 60)])
+        huge = torch.empty(1, dtype=torch.uint8).expand(1 << 60)  # no memory behind it
+        _shm._Segment.create(os.path.join(shm_dir, "objcomm-x-1-1-0"), None, [huge])
     assert os.listdir(shm_dir) == []
 
 
 # -- lifetime -------------------------------------------------------------------------------------
 def many_calls(directory: str, calls: int) -> List[int]:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     wire = _wire(directory, separate=False, threshold=256)
     sizes = lambda view: [300]  # noqa: E731
     for i in range(calls):
@@ -299,7 +304,8 @@ def interrupted(directory: str) -> int:
         raise KeyboardInterrupt
     original, _shm._any = _shm._any, interrupt
     try:
-        _transport.all_gather(_wire(directory, separate=False), _payload(dist.get_rank(), 2 * THRESHOLD, []), lambda v: [])
+        wire = _wire(directory, separate=False)
+        _transport.all_gather(wire, _payload(dist.get_rank(), 2 * THRESHOLD, []), lambda v: [])
     except KeyboardInterrupt:
         pass
     finally:
