@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from serializers import SerializerLike, registry
 
-from . import _compression, _framing, _transport
+from . import _compression, _framing, _shm, _transport
 from ._device import group_backend, resolve_device
 from ._errors import CommunicationError, Failure, ObjcommError, RemoteError
 from ._settings import Settings, check_positive, check_slot, normalize_accept, settings
@@ -98,6 +98,10 @@ class Communicator:
         ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for what this rank sends.
     max_bytes, slot_bytes, chunk_bytes, inline_tensor_bytes:
         Size limits (see :class:`objcomm.Settings`); ``None`` uses the process-wide default.
+    shm, shm_threshold, shm_dir:
+        Same-host shared memory for payloads of at least ``shm_threshold`` bytes (see :class:`objcomm.Settings`).
+    separate_hosts:
+        Treat every rank as if on its own host (no shared memory between any two; for tests).
 
     Example::
 
@@ -118,6 +122,10 @@ class Communicator:
         slot_bytes: Optional[int] = None,
         chunk_bytes: Optional[int] = None,
         inline_tensor_bytes: Optional[int] = None,
+        shm: Optional[bool] = None,
+        shm_threshold: Optional[int] = None,
+        shm_dir: Optional[str] = None,
+        separate_hosts: bool = False,
     ) -> None:
         if serializer is not None:
             registry.get(serializer)  # fail now, not at the first call
@@ -137,6 +145,7 @@ class Communicator:
         self.slot_bytes = slot_bytes
         self.chunk_bytes = chunk_bytes
         self.inline_tensor_bytes = inline_tensor_bytes
+        self.shm, self.shm_threshold, self.shm_dir, self.separate_hosts = shm, shm_threshold, shm_dir, separate_hosts
 
     def __repr__(self) -> str:
         return f"Communicator(group={self.group!r}, serializer={self.serializer!r}, device={self.device!r})"
@@ -185,6 +194,10 @@ class Communicator:
             slot=self.slot_bytes if self.slot_bytes is not None else defaults.slot_bytes,
             chunk=self.chunk_bytes if self.chunk_bytes is not None else defaults.chunk_bytes,
             max_bytes=max_bytes,
+            shm=_shm.config(
+                _first(self.shm, defaults.shm), _first(self.shm_threshold, defaults.shm_threshold),
+                _first(self.shm_dir, defaults.shm_dir), self.separate_hosts,
+            ),
         )
 
     @staticmethod

@@ -16,6 +16,7 @@ DEFAULT_SLOT_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 256 << 20  # 256 MiB
 DEFAULT_INLINE_TENSOR_BYTES = 64 << 10  # tensors up to 64 KiB ride inside the frame
 MIN_SLOT_BYTES = 128
+DEFAULT_SHM_THRESHOLD = 4 << 20  # second-round bytes from which same-host ranks use shared memory
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class Settings:
     - ``inline_tensor_bytes``: tensors up to this size are copied into the frame; larger ones
       travel as tensors with native collectives.
     - ``compression``: ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for payloads a rank sends.
+    - ``shm``: ranks on one host move large payloads through shared memory (``OBJCOMM_SHM=0`` turns it off);
+      ``shm_threshold``: from how many bytes; ``shm_dir``: where segments live (``None``: ``/dev/shm``).
+      All ranks of a group must agree on these, as on ``slot_bytes``.
     """
 
     serializer: str = "pickle"
@@ -39,6 +43,9 @@ class Settings:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     inline_tensor_bytes: int = DEFAULT_INLINE_TENSOR_BYTES
     compression: Optional[str] = None
+    shm: bool = True
+    shm_threshold: int = DEFAULT_SHM_THRESHOLD
+    shm_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         check_positive("max_bytes", self.max_bytes)
@@ -46,6 +53,8 @@ class Settings:
         check_slot(self.slot_bytes)
         if not isinstance(self.inline_tensor_bytes, int) or self.inline_tensor_bytes < 0:
             raise ValueError(f"inline_tensor_bytes must be an int >= 0, got {self.inline_tensor_bytes!r}")
+        if not isinstance(self.shm_threshold, int) or self.shm_threshold < 0:
+            raise ValueError(f"shm_threshold must be an int >= 0, got {self.shm_threshold!r}")
 
 
 def check_positive(name: str, value: Any) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import _shm
 from ._errors import CommunicationError, TooLargeError
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
@@ -52,6 +53,7 @@ class Wire(NamedTuple):
     slot: int  # bytes per rank in round 1, prefix included
     chunk: int  # largest single transfer in round 2
     max_bytes: int  # largest payload (frame plus tensors) this rank accepts
+    shm: Optional[_shm.ShmConfig] = None  # same-host fast path (objcomm/_shm.py); None: off
 
     @property
     def size(self) -> int:
@@ -238,6 +240,10 @@ def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gath
     if all(_complete(info) for info in infos):  # the common small case: one collective, done
         return _round_one(infos)
     _check_limits(infos, range(wire.size), op)
+    if wire.shm is not None:  # shm: same-host fast path
+        moved = _shm.all_gather(wire, out, infos, sizes_of, op)
+        if moved is not _shm.NOT_USED:
+            return moved
     frames = _all_gather_frames(wire, out, infos, op)
     incoming = [Incoming(f) for f in frames]
     sizes = [sizes_of(f) for f in frames]
@@ -295,6 +301,10 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
     if any(info.error for info in infos):
         return _round_one(infos)
     _check_limits(infos, [dst], op)
+    if wire.shm is not None:  # shm: same-host fast path
+        moved = _shm.gather(wire, out, infos, sizes_of, dst, op)
+        if moved is not _shm.NOT_USED:
+            return moved
     if wire.rank != dst:
         if not _complete(infos[wire.rank]):
             if infos[wire.rank].inline is None:
@@ -327,6 +337,10 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
             f"{op}: rank {src} sends {info.total:,} bytes, above the max_bytes of at least one receiving rank "
             f"(this rank's: {wire.max_bytes:,}); nothing was transferred. Raise max_bytes there or send less"
         )
+    if wire.shm is not None:  # shm: same-host fast path
+        moved = _shm.broadcast(wire, out, info, sizes_of, src, op)
+        if moved is not _shm.NOT_USED:
+            return moved
     mine = out if wire.rank == src else None
     if info.inline is not None:
         frame = info.inline
@@ -362,6 +376,10 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
             f"{op}: a payload from rank {src} is above the max_bytes of its receiving rank "
             f"(this rank's limit: {wire.max_bytes:,}, its payload: {info.total:,} bytes); nothing was transferred"
         )
+    if wire.shm is not None:  # shm: same-host fast path
+        moved = _shm.scatter(wire, outs, info, sizes_of, src, op)
+        if moved is not _shm.NOT_USED:
+            return moved
     if wire.rank == src:
         assert outs is not None
         for r, o in enumerate(outs):
@@ -390,6 +408,8 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
             f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes; nothing more was sent. "
             "Raise max_bytes on the receiver or send less"
         )
+    if wire.shm is not None and _shm.send(wire, out, dst, op):  # shm: same-host fast path
+        return
     if out.frame.nbytes > wire.inline_capacity:
         _send_bytes(wire, out.frame_tensor(), dst, op)
     for tensor in out.tensors:
@@ -411,5 +431,9 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
     _guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group)
     if refuse:
         raise _too_large(op, sender, info.total, wire.max_bytes, "this rank")
+    if wire.shm is not None:  # shm: same-host fast path
+        moved = _shm.recv(wire, info, sizes_of, sender, op)
+        if moved is not _shm.NOT_USED:
+            return sender, moved, False
     frame = info.inline if info.inline is not None else _host_view(_recv_bytes(wire, info.length, sender, op))
     return sender, Incoming(frame, [_recv_bytes(wire, n, sender, op) for n in sizes_of(frame)]), False

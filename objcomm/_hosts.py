@@ -1,0 +1,89 @@
+"""Which ranks of a group share a host: learned once per group, through the group itself.
+
+Each rank contributes three 64-bit words to one ``all_gather``: a key for its host (a hash of the
+hostname and the kernel's boot id, so two containers with the same hostname on different machines
+differ), its pid, and a random token. Every rank keeps rank 0's token: it names this job's
+shared-memory segments, so two jobs on one host never pick the same name.
+
+``separate=True`` salts the host key with the pid: every rank then looks like a host of its own,
+which lets tests run the different-hosts path on one machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import socket
+import weakref
+from dataclasses import dataclass
+from typing import Any, List, MutableMapping, Optional, Tuple
+
+import torch
+
+from . import _transport
+
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+_WORDS = 3  # host key, pid, token
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """What one rank learned about its group: host key and pid of every group rank, and the job token."""
+
+    token: int
+    keys: Tuple[int, ...]
+    pids: Tuple[int, ...]
+
+    @property
+    def one_host(self) -> bool:
+        """Every rank of the group runs on this host."""
+        return len(set(self.keys)) == 1
+
+    def same_host(self, a: int, b: int) -> bool:
+        return self.keys[a] == self.keys[b]
+
+
+def host_key(separate: bool = False) -> int:
+    """A 63-bit key equal on ranks that share a kernel (hostname + boot id); with ``separate``, unique per process."""
+    try:
+        with open(_BOOT_ID) as handle:
+            boot = handle.read().strip()
+    except OSError:  # not Linux: the hostname alone
+        boot = ""
+    text = f"{socket.gethostname()}|{boot}|{os.getpid() if separate else ''}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+# Per process, per group: a group's membership never changes, so what was learned stays true.
+_known: MutableMapping[Tuple[Any, bool], Hosts] = {}
+_known_weak: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
+
+
+def known(group: Any, separate: bool) -> Optional[Hosts]:
+    """The hosts learned earlier for ``group``, or ``None`` when it was never discovered here."""
+    try:
+        return _known_weak.get(group, {}).get(separate)
+    except TypeError:  # a group object that cannot be weakly referenced
+        return _known.get((id(group), separate))
+
+
+def discover(wire: Any, separate: bool, op: str) -> Hosts:
+    """Exchange host identities over ``wire``'s group (a collective: every rank must call it), cached per group."""
+    found = known(wire.group, separate)
+    if found is not None:
+        return found
+    mine = torch.tensor([host_key(separate), os.getpid(), secrets.randbits(63)], dtype=torch.int64)
+    everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64)
+    _transport._guarded(op, wire, _transport._all_gather_single, everyone, mine, group=wire.group)
+    words: List[int] = everyone.tolist()
+    hosts = Hosts(
+        token=words[2],
+        keys=tuple(words[0::_WORDS]),
+        pids=tuple(words[1::_WORDS]),
+    )
+    try:
+        _known_weak.setdefault(wire.group, {})[separate] = hosts
+    except TypeError:
+        _known[(id(wire.group), separate)] = hosts
+    return hosts

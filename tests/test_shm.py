@@ -1,0 +1,349 @@
+"""The same-host shared-memory path: every op on both paths, thresholds, fallbacks and segment lifetime."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from _ranks import RankDied, RankPool, get_pool
+
+import objcomm
+from objcomm import _shm, _transport
+from objcomm._transport import Outgoing
+
+SLOT = 128
+CAPACITY = SLOT - _transport.PREFIX.size
+THRESHOLD = 4096
+
+
+@pytest.fixture
+def shm_dir():
+    """A private directory on the shared-memory filesystem, so checks see only this test's segments."""
+    path = tempfile.mkdtemp(prefix="objcomm-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _logged(fn: Any, *args: Any) -> tuple[Any, List[str]]:
+    """Run ``fn`` with the objcomm logger at DEBUG, returning its result and the lines it logged."""
+    logger = logging.getLogger("objcomm")
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        return fn(*args), handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _wire(directory: str, separate: bool, group: Any = None, threshold: int = THRESHOLD) -> _transport.Wire:
+    group = group if group is not None else dist.group.WORLD
+    return _transport.Wire(
+        group=group, ranks=dist.get_process_group_ranks(group), rank=dist.get_rank(group), device=torch.device("cpu"),
+        slot=SLOT, chunk=1 << 20, max_bytes=1 << 30,
+        shm=_shm.ShmConfig(threshold=threshold, directory=directory, separate=separate),
+    )
+
+
+def _bytes(seed: int, length: int) -> bytes:
+    return bytes((i * 7 + seed) % 251 for i in range(length))
+
+
+def _payload(seed: int, frame: int, tensors: List[int]) -> Outgoing:
+    def tensor(i: int, n: int) -> torch.Tensor:
+        data = bytearray(_bytes(seed + 1 + i, n))
+        return torch.frombuffer(data, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+
+    return Outgoing(memoryview(bytearray(_bytes(seed, frame))), [tensor(i, n) for i, n in enumerate(tensors)])
+
+
+def _check(item: Any, seed: int, frame: int, tensors: List[int]) -> None:
+    assert bytes(item.frame) == _bytes(seed, frame)
+    assert [bytes(t.numpy()) for t in item.tensors] == [_bytes(seed + 1 + i, n) for i, n in enumerate(tensors)]
+
+
+# Shapes of (frame bytes, tensor bytes): second-round bytes one below, at and one above the threshold,
+# carried by an overflowing frame, by tensors behind an inline frame, or by both.
+SHAPES = [
+    (THRESHOLD - 1, []), (THRESHOLD, []), (THRESHOLD + 1, []),
+    (10, [THRESHOLD // 2, THRESHOLD // 2 - 1]), (10, [THRESHOLD // 2, THRESHOLD // 2 + 1]),
+    (CAPACITY + 1, [0, THRESHOLD - CAPACITY]), (3 * THRESHOLD, [THRESHOLD, 5]),
+]
+
+
+def _moved(frame: int, tensors: List[int]) -> int:
+    return (frame if frame > CAPACITY else 0) + sum(tensors)
+
+
+def every_op(directory: str, separate: bool) -> Dict[str, List[bool]]:
+    """Each op at each shape; for each, did rank 0 take the normal transport (it logs why)?"""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wire = _wire(directory, separate)
+    sizes = lambda view: tensors  # noqa: E731 - every rank sends the same shape
+    fell_back: Dict[str, List[bool]] = {op: [] for op in ("all_gather", "gather", "broadcast", "scatter", "send/recv")}
+    for frame, tensors in SHAPES:
+        got, lines = _logged(_transport.all_gather, wire, _payload(rank, frame, tensors), sizes)
+        fell_back["all_gather"].append(any("normal transport" in line for line in lines))
+        for r in range(world):
+            _check(got[r], r, frame, tensors)
+
+        got, lines = _logged(_transport.gather, wire, _payload(rank, frame, tensors), sizes, world - 1)
+        fell_back["gather"].append(any("normal transport" in line for line in lines))
+        if rank == world - 1:
+            for r in range(world):
+                _check(got[r], r, frame, tensors)
+
+        item, lines = _logged(_transport.broadcast, wire, _payload(0, frame, tensors) if rank == 0 else None, sizes, 0)
+        fell_back["broadcast"].append(any("normal transport" in line for line in lines))
+        _check(item, 0, frame, tensors)
+
+        outs = [_payload(10 * r, frame, tensors) for r in range(world)] if rank == 0 else None
+        item, lines = _logged(_transport.scatter, wire, outs, sizes, 0)
+        fell_back["scatter"].append(any("normal transport" in line for line in lines))
+        _check(item, 10 * rank, frame, tensors)
+
+        if rank == 0:
+            _, lines = _logged(_transport.send, wire, _payload(5, frame, tensors), 1)
+            fell_back["send/recv"].append(any("normal transport" in line for line in lines))
+        elif rank == 1:
+            sender, item, error = _transport.recv(wire, None, sizes)
+            assert (sender, error) == (0, False)
+            _check(item, 5, frame, tensors)
+    dist.barrier()  # writers unlink once their readers are done, maybe just after those return
+    assert os.listdir(directory) == []
+    return fell_back
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("separate", [False, True], ids=["same-host", "separate-hosts"])
+def test_every_op_both_paths_at_the_threshold(world, separate, shm_dir):
+    results = get_pool(world).run(every_op, shm_dir, separate)
+    expected = [separate or _moved(frame, tensors) < THRESHOLD for frame, tensors in SHAPES]
+    for op, fell_back in results[0].items():
+        assert fell_back == expected, op
+    assert os.listdir(shm_dir) == []
+
+
+def objects_roundtrip(directory: str) -> List[str]:
+    """Every op through the Communicator, tensors of several dtypes; results never point into shared memory."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = objcomm.Communicator(shm_threshold=THRESHOLD, shm_dir=directory)
+
+    def obj(r: int) -> Any:
+        return {"r": r, "blob": bytes([r]) * 3 * THRESHOLD, "f": torch.arange(2000, dtype=torch.float64) * r,
+                "p": torch.nn.Parameter(torch.full((3000,), float(r))), "h": torch.ones(5000, dtype=torch.int16)}
+
+    def same(a: Any, b: Any) -> None:
+        assert a["r"] == b["r"] and a["blob"] == b["blob"]
+        assert torch.equal(a["f"], b["f"]) and torch.equal(a["h"], b["h"])
+        assert isinstance(a["p"], torch.nn.Parameter) and torch.equal(a["p"], b["p"])
+
+    kept = []
+    for r, got in enumerate(comm.all_gather(obj(rank))):
+        same(got, obj(r))
+        kept.append(got)
+    gathered = comm.gather(obj(rank), dst=0)
+    if rank == 0:
+        for r, got in enumerate(gathered):
+            same(got, obj(r))
+        kept.extend(gathered)
+    kept.append(comm.broadcast(obj(7) if rank == 0 else None, src=0))
+    same(kept[-1], obj(7))
+    kept.append(comm.scatter([obj(20 + r) for r in range(world)] if rank == 0 else None, src=0))
+    same(kept[-1], obj(20 + rank))
+    if rank == 0:
+        comm.send(obj(30), 1)
+    elif rank == 1:
+        kept.append(comm.recv(0))
+        same(kept[-1], obj(30))
+    kept[0]["f"].add_(1)  # results are writable, own memory
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if "objcomm-" in line]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_objects_with_tensors_through_shared_memory(world, shm_dir):
+    assert get_pool(world).run(objects_roundtrip, shm_dir) == [[]] * world
+    assert os.listdir(shm_dir) == []
+
+
+def mixed_group(directory: str) -> Dict[str, Any]:
+    """Rank 2 plays another host: collectives keep the normal transport, 0 -> 1 uses shared memory."""
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())))  # a fresh group: every rank discovers it anew
+    wire = _wire(directory, separate=rank == 2, group=group)
+    sizes = lambda view: []  # noqa: E731
+    frame = 2 * THRESHOLD
+    got, gather_lines = _logged(_transport.all_gather, wire, _payload(rank, frame, []), sizes)
+    for r, item in enumerate(got):
+        _check(item, r, frame, [])
+    lines: List[str] = []
+    for peer in (1, 2):
+        if rank == 0:
+            lines += _logged(_transport.send, wire, _payload(peer, frame, []), peer)[1]
+        elif rank == peer:
+            _check(_transport.recv(wire, 0, sizes)[1], peer, frame, [])
+    dist.destroy_process_group(group)
+    return {"all_gather": gather_lines, "send": lines}
+
+
+@pytest.mark.timeout(60)
+def test_mixed_group_keeps_the_normal_transport_where_hosts_differ(shm_dir):
+    results = get_pool(3).run(mixed_group, shm_dir)
+    assert all(any("spans 2 hosts" in line for line in r["all_gather"]) for r in results)
+    assert results[0]["send"] == ["objcomm shm: send to rank 2 crosses hosts; normal transport"]
+    assert os.listdir(shm_dir) == []
+
+
+def fallback(directory: str, enabled: bool) -> tuple[int, List[str]]:
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(shm=enabled, shm_threshold=THRESHOLD, shm_dir=directory)
+    got, lines = _logged(comm.all_gather, bytes([rank]) * 2 * THRESHOLD)
+    assert got == [bytes([r]) * 2 * THRESHOLD for r in range(dist.get_world_size())]
+    return len(got), lines
+
+
+@pytest.mark.timeout(60)
+def test_unwritable_directory_falls_back_with_a_debug_line(tmp_path):
+    missing = str(tmp_path / "no-such-dir")
+    for count, lines in get_pool(2).run(fallback, missing, True):
+        assert count == 2
+        assert len([line for line in lines if "could not write shared memory" in line]) == 1, lines
+
+
+@pytest.mark.timeout(60)
+def test_switched_off_moves_nothing_through_shared_memory(shm_dir):
+    for count, lines in get_pool(2).run(fallback, shm_dir, False):
+        assert (count, lines) == (2, [])
+
+
+def test_config_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("OBJCOMM_SHM", "0")
+    assert _shm.config(True, 1, None, False) is None
+    monkeypatch.setenv("OBJCOMM_SHM", "1")
+    monkeypatch.setenv("OBJCOMM_FORCE_SEPARATE_HOSTS", "1")
+    monkeypatch.setenv("OBJCOMM_SHM_DIR", "/somewhere")
+    assert _shm.config(None, 5, None, False) == _shm.ShmConfig(threshold=5, directory="/somewhere", separate=True)
+    assert _shm.config(False, 5, None, False) is None
+    with pytest.raises(ValueError):
+        objcomm.Settings(shm_threshold=-1)
+
+
+@pytest.mark.timeout(10)
+def test_too_little_space_is_refused_before_creating(shm_dir):
+    with pytest.raises(OSError, match="free"):
+        huge = torch.empty(1, dtype=torch.uint8).expand(1 << 60)  # no memory behind it
+        _shm._Segment.create(os.path.join(shm_dir, "objcomm-x-1-1-0"), None, [huge])
+    assert os.listdir(shm_dir) == []
+
+
+# -- lifetime -------------------------------------------------------------------------------------
+def many_calls(directory: str, calls: int) -> List[int]:
+    rank = dist.get_rank()
+    wire = _wire(directory, separate=False, threshold=256)
+    sizes = lambda view: [300]  # noqa: E731
+    for i in range(calls):
+        op = i % 4
+        if op == 0:
+            _transport.all_gather(wire, _payload(rank, 200, [300]), sizes)
+        elif op == 1:
+            _transport.broadcast(wire, _payload(0, 200, [300]) if rank == 0 else None, sizes, 0)
+        elif op == 2:
+            _transport.gather(wire, _payload(rank, 200, [300]), sizes, 0)
+        elif rank == 0:
+            _transport.send(wire, _payload(0, 200, [300]), 1)
+        elif rank == 1:
+            _transport.recv(wire, 0, sizes)
+    dist.barrier()  # a writer unlinks once its readers are done, which may be just after they return
+    return [os.getpid(), len(os.listdir(directory))]
+
+
+@pytest.mark.timeout(60)
+def test_a_thousand_calls_leave_no_segments(shm_dir):
+    results = get_pool(2).run(many_calls, shm_dir, 1000)
+    assert [count for _, count in results] == [0, 0]
+    assert os.listdir(shm_dir) == []
+    pids = {str(pid) for pid, _ in results}
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("objcomm-") and n.split("-")[2] in pids]
+
+
+def die_after_writing(directory: str) -> None:
+    """Rank 1 is SIGKILLed after writing its segment, before anyone could read or unlink it."""
+    rank = dist.get_rank()
+    if rank == 1:
+        def killed(*args: Any) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        _shm._gather_ints = killed
+    wire = _wire(directory, separate=False)
+    _transport.all_gather(wire, _payload(rank, 2 * THRESHOLD, []), lambda view: [])
+
+
+def interrupted(directory: str) -> int:
+    """A KeyboardInterrupt in the middle of a call unlinks what this rank wrote."""
+    def interrupt(*args: Any) -> None:
+        raise KeyboardInterrupt
+    original, _shm._any = _shm._any, interrupt
+    try:
+        wire = _wire(directory, separate=False)
+        _transport.all_gather(wire, _payload(dist.get_rank(), 2 * THRESHOLD, []), lambda v: [])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _shm._any = original
+    dist.barrier()  # both ranks skipped the same collective, so they are still in step
+    return len(os.listdir(directory))
+
+
+@pytest.mark.timeout(60)
+def test_interrupted_call_unlinks_its_segments(shm_dir):
+    assert get_pool(2).run(interrupted, shm_dir) == [0, 0]
+
+
+@pytest.mark.timeout(60)
+def test_killed_rank_leaves_nothing_once_the_job_is_gone(shm_dir):
+    with RankPool(2, failure_grace=5) as pool:
+        with pytest.raises(RankDied):
+            pool.run(die_after_writing, shm_dir)
+    left = os.listdir(shm_dir)  # whatever the killed job's ranks wrote ...
+    _shm.sweep(shm_dir)  # ... is removed by the next job's discovery (same function)
+    assert os.listdir(shm_dir) == [], left
+
+
+def new_group_discovers(directory: str) -> List[str]:
+    group = dist.new_group(list(range(dist.get_world_size())))
+    wire = _wire(directory, separate=False, group=group)
+    _transport.all_gather(wire, _payload(dist.get_rank(), 2 * THRESHOLD, []), lambda view: [])
+    dist.barrier(group)  # writers unlink once their readers are done, maybe just after those return
+    dist.destroy_process_group(group)
+    return sorted(os.listdir(directory))
+
+
+@pytest.mark.timeout(60)
+def test_discovery_removes_segments_of_dead_processes(shm_dir):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = os.path.join(shm_dir, f"objcomm-{0:016x}-{dead.pid}-1-0")
+    alive = os.path.join(shm_dir, f"objcomm-{0:016x}-{os.getpid()}-1-0")
+    for path in (stale, alive):
+        open(path, "wb").close()
+    assert get_pool(2).run(new_group_discovers, shm_dir) == [[os.path.basename(alive)]] * 2
