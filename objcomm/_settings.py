@@ -28,6 +28,7 @@ class Settings:
     - ``max_bytes``: largest frame sent or accepted (default 8 GiB); checked before allocating.
     - ``slot_bytes``: per-rank bytes of the first round; smaller frames take one collective.
     - ``chunk_bytes``: largest single transfer of the second round; caps the extra memory a call needs.
+      ``slot_bytes`` and ``chunk_bytes`` shape the messages, so every rank of a group must use the same.
     - ``inline_tensor_bytes``: tensors up to this size are copied into the frame; larger ones
       travel as tensors with native collectives.
     - ``compression``: ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for payloads a rank sends.

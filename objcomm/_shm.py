@@ -240,12 +240,12 @@ def _any(wire: Any, flag: bool, op: str) -> bool:
     return bool(value.item())
 
 
-def _moved(info: Any) -> int:
+def second_round_bytes(info: Any) -> int:
     """Second-round bytes of one sender: its frame unless it fit the slot, and its tensors."""
     return (0 if info.inline is not None else info.length) + info.total - info.length
 
 
-def _below(wire: Any, moved: int, op: str) -> None:
+def log_below_threshold(wire: Any, moved: int, op: str) -> None:
     if wire.device.type == "cpu":
         log.debug("objcomm shm: %s moves %d bytes, below the threshold of %d; normal transport",
                   op, moved, wire.shm.threshold)
@@ -257,7 +257,7 @@ def _hosts_for(wire: Any, largest: int, op: str) -> Optional[_hosts.Hosts]:
     if wire.device.type != "cpu":
         return None
     if largest < cfg.threshold:
-        _below(wire, largest, op)
+        log_below_threshold(wire, largest, op)
         return None
     hosts = _hosts.known(wire.group, cfg.separate)
     if hosts is None:
@@ -325,7 +325,7 @@ def _own(out: Outgoing, copy: bool) -> Incoming:
 
 
 def all_gather(wire: Any, out: Outgoing, infos: Sequence[Any], sizes_of: Any, op: str) -> Any:
-    moved = [_moved(info) for info in infos]
+    moved = [second_round_bytes(info) for info in infos]
     hosts = _hosts_for(wire, max(moved), op)
     if hosts is None:
         return NOT_USED
@@ -347,7 +347,7 @@ def all_gather(wire: Any, out: Outgoing, infos: Sequence[Any], sizes_of: Any, op
 
 
 def gather(wire: Any, out: Outgoing, infos: Sequence[Any], sizes_of: Any, dst: int, op: str) -> Any:
-    moved = [0 if r == dst else _moved(info) for r, info in enumerate(infos)]
+    moved = [0 if r == dst else second_round_bytes(info) for r, info in enumerate(infos)]
     hosts = _hosts_for(wire, max(moved), op)
     if hosts is None:
         return NOT_USED
@@ -371,7 +371,7 @@ def gather(wire: Any, out: Outgoing, infos: Sequence[Any], sizes_of: Any, dst: i
 
 
 def broadcast(wire: Any, out: Optional[Outgoing], info: Any, sizes_of: Any, src: int, op: str) -> Any:
-    moved = _moved(info)
+    moved = second_round_bytes(info)
     hosts = _hosts_for(wire, moved, op)
     if hosts is None:
         return NOT_USED
@@ -408,7 +408,7 @@ def scatter(wire: Any, outs: Optional[Sequence[Outgoing]], info: Any, sizes_of: 
         if wire.rank == src:
             assert outs is not None
             return _own(outs[src], copy=False)
-        size = _moved(info)
+        size = second_round_bytes(info)
         if not size:
             return _transport.Incoming(info.inline)
         return open_segment(src, wire.rank, size).read(info.inline, info.length, sizes_of)
@@ -429,7 +429,7 @@ def send(wire: Any, out: Outgoing, dst: int, op: str) -> bool:
     cfg = wire.shm
     moved = (0 if out.frame.nbytes <= wire.inline_capacity else out.frame.nbytes) + sum(t.numel() for t in out.tensors)
     if wire.device.type != "cpu" or moved < cfg.threshold:
-        _below(wire, moved, op)
+        log_below_threshold(wire, moved, op)
         return False
     segment: Optional[_Segment] = None
     seq = -1
@@ -462,8 +462,8 @@ def send(wire: Any, out: Outgoing, dst: int, op: str) -> bool:
 def recv(wire: Any, info: Any, sizes_of: Any, src: int, op: str) -> Any:
     """The sender's second round from shared memory, or NOT_USED: the caller receives it the normal way."""
     cfg = wire.shm
-    if wire.device.type != "cpu" or _moved(info) < cfg.threshold:
-        _below(wire, _moved(info), op)
+    if wire.device.type != "cpu" or second_round_bytes(info) < cfg.threshold:
+        log_below_threshold(wire, second_round_bytes(info), op)
         return NOT_USED
     status = torch.empty(_P2P, dtype=torch.int64)
     _transport._guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group)
@@ -473,7 +473,7 @@ def recv(wire: Any, info: Any, sizes_of: Any, src: int, op: str) -> Any:
     answer, result = 1, NOT_USED
     if key == _hosts.host_key(cfg.separate):
         try:
-            segment = _Segment.open(_name(cfg.directory, token, pid, seq, 0), _moved(info))
+            segment = _Segment.open(_name(cfg.directory, token, pid, seq, 0), second_round_bytes(info))
             result, answer = segment.read(info.inline, info.length, sizes_of), 0
             segment.release()
         except OSError as exc:

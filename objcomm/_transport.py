@@ -14,8 +14,11 @@ Every operation is one or two rounds:
 Every rank that must act on something learns it in round 1, so all ranks take the same decision
 (skip round 2 after an error, refuse a payload above a receiver's limit) and nobody waits for a
 transfer that will never come. Where the sender cannot know the receivers' limits (broadcast,
-scatter, send/recv) the receivers answer with a one-element vote or acknowledgement before any
-buffer of the declared size exists.
+scatter, send/recv), a slot whose frame did not fit lists the tensor sizes instead, so a receiver
+over its limit knows every transfer that follows and drains them through a scratch buffer of at
+most ``chunk`` bytes, then raises alone. When that list does not fit the slot (scatter always),
+or shared memory may be used, the receivers answer first: a one-element vote (collectives) or
+acknowledgement (send/recv), before any buffer of the declared size exists.
 
 Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat uint8 tensors on
 the wire's device.
@@ -37,6 +40,8 @@ from ._errors import CommunicationError, TooLargeError
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 PREFIX = struct.Struct("<QQQ")
+COUNT = struct.Struct("<I")
+SIZES_UNLISTED = 0xFFFFFFFF
 ERROR_BIT = 1 << 63
 ROUND2_BIT = 1 << 62
 _LENGTH_MASK = ROUND2_BIT - 1
@@ -101,6 +106,7 @@ class _SlotInfo(NamedTuple):
     limit: int
     total: int
     inline: Optional[memoryview]
+    sizes: Optional[List[int]] = None  # tensor sizes listed in a slot whose frame did not fit
 
 
 # -- slots -----------------------------------------------------------------------------------
@@ -108,8 +114,17 @@ def _fill_slot(slot: memoryview, out: Outgoing, limit: int, round2: bool = False
     length = out.frame.nbytes
     word = length | (ERROR_BIT if out.error else 0) | (ROUND2_BIT if round2 else 0)
     PREFIX.pack_into(slot, 0, word, limit, out.total)
-    if length <= slot.nbytes - PREFIX.size:
+    capacity = slot.nbytes - PREFIX.size
+    if length <= capacity:
         slot[PREFIX.size : PREFIX.size + length] = out.frame
+        return
+    # The frame travels later; list the tensor sizes so a receiver knows every transfer now.
+    sizes = [t.numel() for t in out.tensors]
+    if COUNT.size + 8 * len(sizes) <= capacity:
+        COUNT.pack_into(slot, PREFIX.size, len(sizes))
+        struct.pack_into(f"<{len(sizes)}Q", slot, PREFIX.size + COUNT.size, *sizes)
+    else:
+        COUNT.pack_into(slot, PREFIX.size, SIZES_UNLISTED)
 
 
 def _make_slot(wire: Wire, out: Outgoing) -> torch.Tensor:
@@ -121,9 +136,14 @@ def _make_slot(wire: Wire, out: Outgoing) -> torch.Tensor:
 def _read_slot(view: memoryview) -> _SlotInfo:
     word, limit, total = PREFIX.unpack_from(view, 0)
     length = word & _LENGTH_MASK
-    fits = length <= view.nbytes - PREFIX.size
-    inline = view[PREFIX.size : PREFIX.size + length] if fits else None
-    return _SlotInfo(length, bool(word & ERROR_BIT), bool(word & ROUND2_BIT), limit, total, inline)
+    capacity = view.nbytes - PREFIX.size
+    inline = view[PREFIX.size : PREFIX.size + length] if length <= capacity else None
+    sizes = None
+    if inline is None:
+        count = COUNT.unpack_from(view, PREFIX.size)[0]
+        if count != SIZES_UNLISTED and COUNT.size + 8 * count <= capacity:
+            sizes = list(struct.unpack_from(f"<{count}Q", view, PREFIX.size + COUNT.size))
+    return _SlotInfo(length, bool(word & ERROR_BIT), bool(word & ROUND2_BIT), limit, total, inline, sizes)
 
 
 def _read_slots(host: memoryview, count: int, slot: int) -> List[_SlotInfo]:
@@ -133,6 +153,32 @@ def _read_slots(host: memoryview, count: int, slot: int) -> List[_SlotInfo]:
 def _complete(info: _SlotInfo) -> bool:
     """Round 1 carried everything this rank sends: the whole frame and no tensors."""
     return info.inline is not None and info.total == info.length
+
+
+def _agreement_needed(wire: Wire, info: _SlotInfo, op: str) -> bool:
+    """Whether receivers must answer the sender before round 2 (a vote, or an acknowledgement).
+
+    Not when round 1 told them every transfer that follows (the frame, or the listed tensor
+    sizes): a receiver over its limit then drains them through a buffer of at most ``chunk``
+    bytes and raises alone. Yes when the sizes are unknown, or shared memory may be used.
+    """
+    if info.inline is None and info.sizes is None:
+        return True
+    if wire.shm is None or wire.device.type != "cpu":
+        return False
+    moved = _shm.second_round_bytes(info)
+    if moved >= wire.shm.threshold:
+        return True
+    _shm.log_below_threshold(wire, moved, op)
+    return False
+
+
+def _drained(op: str, sender: int, total: int, wire: Wire) -> TooLargeError:
+    return TooLargeError(
+        f"{op}: rank {sender} sent {total:,} bytes, above this rank's max_bytes={wire.max_bytes:,}; they were "
+        f"received into a scratch buffer of at most chunk_bytes={wire.chunk:,} and dropped. Raise max_bytes here "
+        "or send less"
+    )
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -188,10 +234,17 @@ def _vote_refusals(wire: Wire, refuse: bool, op: str) -> bool:
 
 
 # -- bytes primitives (device tensors, chunked) ---------------------------------------------------
-def _broadcast_bytes(wire: Wire, data: Optional[torch.Tensor], length: int, src: int, op: str) -> torch.Tensor:
-    buffer = _to_device(data, wire) if data is not None else _empty(length, wire)
+def _broadcast_bytes(
+    wire: Wire, data: Optional[torch.Tensor], length: int, src: int, op: str, drain: bool = False
+) -> torch.Tensor:
+    """Broadcast ``length`` bytes in chunks; ``drain``: receive them into one chunk-sized scratch buffer."""
+    if data is not None:
+        buffer = _to_device(data, wire)
+    else:
+        buffer = _empty(min(length, wire.chunk) if drain else length, wire)
     for start in _pieces(length, wire.chunk):
-        _guarded(op, wire, dist.broadcast, buffer[start : start + wire.chunk], src=wire.ranks[src], group=wire.group)
+        piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
+        _guarded(op, wire, dist.broadcast, piece, src=wire.ranks[src], group=wire.group)
     return buffer
 
 
@@ -201,10 +254,12 @@ def _send_bytes(wire: Wire, data: torch.Tensor, dst: int, op: str) -> None:
         _guarded(op, wire, dist.send, buffer[start : start + wire.chunk], dst=wire.ranks[dst], group=wire.group)
 
 
-def _recv_bytes(wire: Wire, length: int, src: int, op: str) -> torch.Tensor:
-    buffer = _empty(length, wire)
+def _recv_bytes(wire: Wire, length: int, src: int, op: str, drain: bool = False) -> torch.Tensor:
+    """Receive ``length`` bytes in chunks; ``drain``: into one chunk-sized scratch buffer."""
+    buffer = _empty(min(length, wire.chunk) if drain else length, wire)
     for start in _pieces(length, wire.chunk):
-        _guarded(op, wire, dist.recv, buffer[start : start + wire.chunk], src=wire.ranks[src], group=wire.group)
+        piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
+        _guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group)
     return buffer
 
 
@@ -332,23 +387,29 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
     if info.error or _complete(info):
         assert info.inline is not None
         return Incoming(info.inline, error=info.error)
-    if _vote_refusals(wire, wire.rank != src and info.total > wire.max_bytes, op):
-        raise TooLargeError(
-            f"{op}: rank {src} sends {info.total:,} bytes, above the max_bytes of at least one receiving rank "
-            f"(this rank's: {wire.max_bytes:,}); nothing was transferred. Raise max_bytes there or send less"
-        )
-    if wire.shm is not None:  # shm: same-host fast path
-        moved = _shm.broadcast(wire, out, info, sizes_of, src, op)
-        if moved is not _shm.NOT_USED:
-            return moved
+    refuse = wire.rank != src and info.total > wire.max_bytes
+    if _agreement_needed(wire, info, op):
+        if _vote_refusals(wire, refuse, op):
+            raise TooLargeError(
+                f"{op}: rank {src} sends {info.total:,} bytes, above the max_bytes of at least one receiving rank "
+                f"(this rank's: {wire.max_bytes:,}); nothing was transferred. Raise max_bytes there or send less"
+            )
+        if wire.shm is not None:  # shm: same-host fast path
+            moved = _shm.broadcast(wire, out, info, sizes_of, src, op)
+            if moved is not _shm.NOT_USED:
+                return moved
     mine = out if wire.rank == src else None
-    if info.inline is not None:
-        frame = info.inline
-    else:
-        frame = _host_view(_broadcast_bytes(wire, mine.frame_tensor() if mine else None, info.length, src, op))
+    frame = info.inline
+    if frame is None:
+        data = _broadcast_bytes(wire, mine.frame_tensor() if mine else None, info.length, src, op, drain=refuse)
+        frame = None if refuse else _host_view(data)
+    sizes = info.sizes if info.sizes is not None else sizes_of(frame)  # type: ignore[arg-type]
     tensors = [
-        _broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op) for i, n in enumerate(sizes_of(frame))
+        _broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op, drain=refuse) for i, n in enumerate(sizes)
     ]
+    if refuse:
+        raise _drained(op, src, info.total, wire)
+    assert frame is not None
     return Incoming(frame, tensors)
 
 
@@ -396,20 +457,24 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
 
 # -- point to point --------------------------------------------------------------------------
 def send(wire: Wire, out: Outgoing, dst: int) -> None:
-    """Send to group rank ``dst``: a slot; then, once ``dst`` agreed to the size, the rest."""
+    """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must)."""
     op = "send"
-    _guarded(op, wire, dist.send, _make_slot(wire, out), dst=wire.ranks[dst], group=wire.group)
+    raw = bytearray(wire.slot)
+    _fill_slot(memoryview(raw), out, wire.max_bytes)
+    slot = _to_device(torch.frombuffer(raw, dtype=torch.uint8), wire)
+    _guarded(op, wire, dist.send, slot, dst=wire.ranks[dst], group=wire.group)
     if out.error or out.complete(wire):
         return
-    answer = _empty(1, wire)
-    _guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group)
-    if answer.item():
-        raise TooLargeError(
-            f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes; nothing more was sent. "
-            "Raise max_bytes on the receiver or send less"
-        )
-    if wire.shm is not None and _shm.send(wire, out, dst, op):  # shm: same-host fast path
-        return
+    if _agreement_needed(wire, _read_slot(memoryview(raw)), op):
+        answer = _empty(1, wire)
+        _guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group)
+        if answer.item():
+            raise TooLargeError(
+                f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes; nothing more was sent. "
+                "Raise max_bytes on the receiver or send less"
+            )
+        if wire.shm is not None and _shm.send(wire, out, dst, op):  # shm: same-host fast path
+            return
     if out.frame.nbytes > wire.inline_capacity:
         _send_bytes(wire, out.frame_tensor(), dst, op)
     for tensor in out.tensors:
@@ -427,13 +492,22 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
         assert info.inline is not None
         return sender, Incoming(info.inline, error=info.error), info.error
     refuse = info.total > wire.max_bytes
-    answer = torch.tensor([1 if refuse else 0], dtype=torch.uint8, device=wire.device)
-    _guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group)
+    if _agreement_needed(wire, info, op):
+        answer = torch.tensor([1 if refuse else 0], dtype=torch.uint8, device=wire.device)
+        _guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group)
+        if refuse:
+            raise _too_large(op, sender, info.total, wire.max_bytes, "this rank")
+        if wire.shm is not None:  # shm: same-host fast path
+            moved = _shm.recv(wire, info, sizes_of, sender, op)
+            if moved is not _shm.NOT_USED:
+                return sender, moved, False
+    frame = info.inline
+    if frame is None:
+        data = _recv_bytes(wire, info.length, sender, op, drain=refuse)
+        frame = None if refuse else _host_view(data)
+    sizes = info.sizes if info.sizes is not None else sizes_of(frame)  # type: ignore[arg-type]
+    tensors = [_recv_bytes(wire, n, sender, op, drain=refuse) for n in sizes]
     if refuse:
-        raise _too_large(op, sender, info.total, wire.max_bytes, "this rank")
-    if wire.shm is not None:  # shm: same-host fast path
-        moved = _shm.recv(wire, info, sizes_of, sender, op)
-        if moved is not _shm.NOT_USED:
-            return sender, moved, False
-    frame = info.inline if info.inline is not None else _host_view(_recv_bytes(wire, info.length, sender, op))
-    return sender, Incoming(frame, [_recv_bytes(wire, n, sender, op) for n in sizes_of(frame)]), False
+        raise _drained(op, sender, info.total, wire)
+    assert frame is not None
+    return sender, Incoming(frame, tensors), False

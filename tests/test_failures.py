@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import objcomm
@@ -152,20 +153,32 @@ def limits_on_both_sides() -> dict:
         objcomm.TooLargeError, match=r"rank 0 sends [\d,]+ bytes, above the max_bytes=5,000 of receiving rank 2"
     ):
         objcomm.Communicator(max_bytes=limit).all_gather("y" * (20_000 if rank == 0 else 1))
-    # receiver side, broadcast: the receivers vote before anything is allocated; every rank raises
+    # receiver side, broadcast: round 1 told rank 2 every transfer, so it drains them through a
+    # chunk-sized buffer and raises alone; the others receive
     comm = objcomm.Communicator(max_bytes=limit, chunk_bytes=4096)
     try:
         out["broadcast"] = len(comm.broadcast("z" * 50_000 if rank == 0 else None, src=0))
     except objcomm.TooLargeError as exc:
-        out["broadcast"] = "refused" if "above the max_bytes of at least one receiving rank" in str(exc) else str(exc)
-    # point to point: the receiver answers before the sender sends the rest
+        out["broadcast"] = "drained" if "scratch buffer of at most chunk_bytes=4,096" in str(exc) else str(exc)
+    # too many tensors to list in a 128-byte slot: the receivers vote first, and every rank raises
+    voting = objcomm.Communicator(max_bytes=limit, slot_bytes=128, inline_tensor_bytes=0)
+    tensors = [torch.ones(200) for _ in range(20)]
+    try:
+        out["vote"] = len(voting.broadcast(tensors if rank == 0 else None, src=0))
+    except objcomm.TooLargeError as exc:
+        out["vote"] = "refused" if "above the max_bytes of at least one receiving rank" in str(exc) else str(exc)
+    # point to point: the receiver drains and raises; the sender is done and the pair stays usable
+    # (slot_bytes and chunk_bytes must agree between the ranks, as for every collective)
+    out_of_band = objcomm.Communicator(max_bytes=limit, chunk_bytes=4096, inline_tensor_bytes=0)
     if rank == 0:
-        with pytest.raises(objcomm.TooLargeError, match="rank 2 refused"):
-            comm.send("w" * 50_000, dst=2)
+        comm.send("w" * 50_000, dst=2)
+        out_of_band.send(tensors, dst=2)  # 20 tensors out of band, their sizes listed in the slot
         comm.send("small", dst=2)
     elif rank == 2:
-        with pytest.raises(objcomm.TooLargeError, match="above the max_bytes=5,000 of this rank"):
+        with pytest.raises(objcomm.TooLargeError, match="above this rank's max_bytes=5,000"):
             comm.recv(src=0)
+        with pytest.raises(objcomm.TooLargeError, match="above this rank's max_bytes=5,000"):
+            out_of_band.recv(src=0)
         assert comm.recv(src=0) == "small"
     assert objcomm.all_gather(rank) == list(range(world))
     return out
@@ -173,7 +186,8 @@ def limits_on_both_sides() -> dict:
 
 def test_size_limits(ranks3):
     results = ranks3.run(limits_on_both_sides)
-    assert [r["broadcast"] for r in results] == ["refused"] * 3
+    assert [r["broadcast"] for r in results] == [50_000, 50_000, "drained"]
+    assert [r["vote"] for r in results] == ["refused"] * 3
 
 
 MARKER_NAME = "objcomm-pwned-marker"
