@@ -248,10 +248,42 @@ def _broadcast_bytes(
     return buffer
 
 
-def _send_bytes(wire: Wire, data: torch.Tensor, dst: int, op: str) -> None:
-    buffer = _to_device(data, wire)
-    for start in _pieces(buffer.numel(), wire.chunk):
-        _guarded(op, wire, dist.send, buffer[start : start + wire.chunk], dst=wire.ranks[dst], group=wire.group)
+class _Batch:
+    """Point-to-point transfers posted together (isend/irecv), then waited on together: one round trip
+    for a frame and its tensors instead of one per message. Pieces from one sender match in order."""
+
+    def __init__(self, wire: Wire, op: str) -> None:
+        self.wire, self.op = wire, op
+        self.works: List[Any] = []
+        self.buffers: List[torch.Tensor] = []  # kept alive until the transfers finish
+
+    def send(self, data: torch.Tensor, dst: int) -> None:
+        buffer = _to_device(data, self.wire)
+        self.buffers.append(buffer)
+        for start in _pieces(buffer.numel(), self.wire.chunk):
+            piece = buffer[start : start + self.wire.chunk]
+            work = _guarded(self.op, self.wire, dist.isend, piece, dst=self.wire.ranks[dst], group=self.wire.group)
+            self.works.append(work)
+
+    def recv(self, length: int, src: int) -> torch.Tensor:
+        buffer = _empty(length, self.wire)
+        for start in _pieces(length, self.wire.chunk):
+            piece = buffer[start : start + self.wire.chunk]
+            work = _guarded(self.op, self.wire, dist.irecv, piece, src=self.wire.ranks[src], group=self.wire.group)
+            self.works.append(work)
+        return buffer
+
+    def send_rest(self, out: Outgoing, dst: int) -> None:
+        """The part of ``out`` round 1 did not carry: an overflowing frame, then the tensors."""
+        if out.frame.nbytes > self.wire.inline_capacity:
+            self.send(out.frame_tensor(), dst)
+        for tensor in out.tensors:
+            self.send(tensor, dst)
+
+    def wait(self) -> None:
+        for work in self.works:
+            _guarded(self.op, self.wire, work.wait)
+        self.works, self.buffers = [], []
 
 
 def _recv_bytes(wire: Wire, length: int, src: int, op: str, drain: bool = False) -> torch.Tensor:
@@ -360,20 +392,29 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
         moved = _shm.gather(wire, out, infos, sizes_of, dst, op)
         if moved is not _shm.NOT_USED:
             return moved
+    batch = _Batch(wire, op)
     if wire.rank != dst:
-        if not _complete(infos[wire.rank]):
-            if infos[wire.rank].inline is None:
-                _send_bytes(wire, out.frame_tensor(), dst, op)
-            for tensor in out.tensors:
-                _send_bytes(wire, tensor, dst, op)
+        batch.send_rest(out, dst)
+        batch.wait()
         return None
-    incoming: List[Optional[Incoming]] = []
-    for r, info in enumerate(infos):
+    frames: List[Any] = [info.inline if r != dst else out.frame for r, info in enumerate(infos)]
+    tensors: List[Any] = [None] * wire.size
+    for r, info in enumerate(infos):  # post every transfer whose size round 1 announced
         if r == dst:
-            incoming.append(Incoming(out.frame, [_to_device(t, wire) for t in out.tensors]))
+            tensors[r] = [_to_device(t, wire) for t in out.tensors]
             continue
-        frame = info.inline if info.inline is not None else _host_view(_recv_bytes(wire, info.length, r, op))
-        incoming.append(Incoming(frame, [_recv_bytes(wire, n, r, op) for n in sizes_of(frame)]))
+        if frames[r] is None:
+            frames[r] = batch.recv(info.length, r)
+        sizes = info.sizes if info.inline is None else sizes_of(info.inline)
+        if sizes is not None:
+            tensors[r] = [batch.recv(n, r) for n in sizes]
+    batch.wait()
+    incoming: List[Optional[Incoming]] = []
+    for r, frame in enumerate(frames):
+        view = _host_view(frame) if isinstance(frame, torch.Tensor) else frame
+        if tensors[r] is None:  # sizes were only in the frame: receive the tensors now, in order
+            tensors[r] = [_recv_bytes(wire, n, r, op) for n in sizes_of(view)]
+        incoming.append(Incoming(view, tensors[r]))
     return incoming
 
 
@@ -443,12 +484,11 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
             return moved
     if wire.rank == src:
         assert outs is not None
+        batch = _Batch(wire, op)
         for r, o in enumerate(outs):
             if r != src:
-                if o.frame.nbytes > wire.inline_capacity:
-                    _send_bytes(wire, o.frame_tensor(), r, op)
-                for tensor in o.tensors:
-                    _send_bytes(wire, tensor, r, op)
+                batch.send_rest(o, r)
+        batch.wait()
         mine = outs[src]
         return Incoming(mine.frame, [_to_device(t, wire) for t in mine.tensors])
     frame = info.inline if info.inline is not None else _host_view(_recv_bytes(wire, info.length, src, op))
@@ -475,10 +515,9 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
             )
         if wire.shm is not None and _shm.send(wire, out, dst, op):  # shm: same-host fast path
             return
-    if out.frame.nbytes > wire.inline_capacity:
-        _send_bytes(wire, out.frame_tensor(), dst, op)
-    for tensor in out.tensors:
-        _send_bytes(wire, tensor, dst, op)
+    batch = _Batch(wire, op)
+    batch.send_rest(out, dst)
+    batch.wait()
 
 
 def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incoming, bool]:
@@ -501,11 +540,20 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
             moved = _shm.recv(wire, info, sizes_of, sender, op)
             if moved is not _shm.NOT_USED:
                 return sender, moved, False
+    sizes = info.sizes if info.inline is None else sizes_of(info.inline)
+    if sizes is not None and not refuse:  # every size known: post all receives at once
+        batch = _Batch(wire, op)
+        data = batch.recv(info.length, sender) if info.inline is None else None
+        tensors = [batch.recv(n, sender) for n in sizes]
+        batch.wait()
+        frame = info.inline if data is None else _host_view(data)
+        assert frame is not None
+        return sender, Incoming(frame, tensors), False
     frame = info.inline
     if frame is None:
-        data = _recv_bytes(wire, info.length, sender, op, drain=refuse)
-        frame = None if refuse else _host_view(data)
-    sizes = info.sizes if info.sizes is not None else sizes_of(frame)  # type: ignore[arg-type]
+        drained = _recv_bytes(wire, info.length, sender, op, drain=refuse)
+        frame = None if refuse else _host_view(drained)
+    sizes = sizes if sizes is not None else sizes_of(frame)  # type: ignore[arg-type]
     tensors = [_recv_bytes(wire, n, sender, op, drain=refuse) for n in sizes]
     if refuse:
         raise _drained(op, sender, info.total, wire)

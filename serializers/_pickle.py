@@ -10,7 +10,7 @@ import functools
 import io
 import pickle
 import pickletools
-from typing import Any, Iterable, Set, Tuple, Union
+from typing import Any, Iterable, List, Optional, Set, Tuple, Union
 
 from ._errors import ContentRefusedError, DecodeError, EncodeError
 from ._path import describe, locate
@@ -159,7 +159,76 @@ _ALLOWED_GLOBALS: Set[Tuple[str, str]] = {
     ("torch", "device"),
     _EXTERNAL,
 }
-_MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
+def _argument_kinds() -> List[Optional[Tuple[int, int]]]:
+    """Per opcode byte: ``(kind, size)`` of its argument, from pickletools' table; None: unknown opcode.
+
+    kind 0: fixed ``size`` bytes; 1: up to a newline (``size`` lines); 2: a length prefix of ``size``
+    bytes, then that many bytes.
+    """
+    table: List[Optional[Tuple[int, int]]] = [None] * 256
+    prefixed = {
+        pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: 4,
+        pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8,
+    }
+    for op in pickletools.opcodes:
+        arg = op.arg
+        if arg is None:
+            kind = (0, 0)
+        elif arg.n >= 0:
+            kind = (0, arg.n)
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            kind = (1, 2 if arg.name == "stringnl_noescape_pair" else 1)
+        else:
+            kind = (2, prefixed[arg.n])
+        table[ord(op.code)] = kind
+    return table
+
+
+_ARGUMENTS = _argument_kinds()
+_MEMO_PUTS = {ord("p"), ord("q"), ord("r")}  # PUT, BINPUT, LONG_BINPUT
+_STOP = ord(".")
+
+
+def _check_lengths(data: Buffer) -> None:
+    """Walk the opcodes without building anything: every declared length must fit in the bytes that
+    follow, and memo slots must be sequential. pickle allocates what a length opcode declares
+    *before* reading it, and grows its memo to any index a PUT names; this refuses both cheaply."""
+    raw = bytes(data)
+    size, at, count = len(raw), 0, 0
+    table = _ARGUMENTS
+    while at < size:
+        code = raw[at]
+        kind = table[code]
+        if kind is None:
+            raise ValueError(f"unknown opcode {code:#x} at byte {at}")
+        start = at + 1
+        form, width = kind
+        if form == 0:
+            at = start + width
+        elif form == 1:
+            at = start
+            for _ in range(width):
+                newline = raw.find(b"\n", at)
+                if newline < 0:
+                    raise ValueError(f"unterminated line argument at byte {start}")
+                at = newline + 1
+        else:
+            length = int.from_bytes(raw[start : start + width], "little", signed=width == 4 and code in (0x8B, 0x54))
+            if length < 0 or start + width + length > size:
+                raise ValueError(f"opcode at byte {at} declares {length:,} bytes, {size - start - width:,} remain")
+            at = start + width + length
+        if code in _MEMO_PUTS:
+            index = int(raw[start : at - 1]) if code == ord("p") else int.from_bytes(raw[start:at], "little")
+            if index > count:
+                raise ValueError(f"memo slot {index} after {count} opcodes")
+        if at > size:
+            raise ValueError("truncated payload")
+        if code == _STOP:
+            return
+        count += 1
+    raise ValueError("payload ends without STOP")
+
+
 _REPLACED_GLOBALS = {("torch.storage", "_load_from_bytes"): _safe_load_from_bytes}
 
 
@@ -229,12 +298,8 @@ class RestrictedPickleSerializer(PickleSerializer):
         # pickle allocates whatever a length opcode declares before reading it (b"\x80\x05\x8e" + an
         # 8-byte length asks for gigabytes); walk the opcodes first, which checks every length against
         # the bytes actually present without allocating it.
-        # Memo indices are sequential in real pickles; a huge PUT index would make the unpickler
-        # grow its memo table to that size.
         try:
-            for count, (opcode, arg, _) in enumerate(pickletools.genops(io.BytesIO(data))):
-                if opcode.name in _MEMO_PUTS and isinstance(arg, int) and arg > count:
-                    raise ValueError(f"{opcode.name} to memo slot {arg} after {count} opcodes")
+            _check_lengths(data)
         except Exception as exc:
             raise DecodeError(f"{self.name} refused a malformed payload: {exc}") from None
         return super().loads(data, restore=restore)
