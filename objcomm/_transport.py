@@ -226,11 +226,19 @@ def _check_limits(infos: List[_SlotInfo], receivers: Sequence[int], op: str) -> 
                 raise _too_large(op, sender, info.total, limit, f"receiving rank {receiver}")
 
 
-def _vote_refusals(wire: Wire, refuse: bool, op: str) -> bool:
-    """True on every rank if any rank refuses: one tiny all_reduce, only ahead of a second round."""
+def _vote_refusals(wire: Wire, info: _SlotInfo, src: int, op: str) -> None:
+    """Raise the same TooLargeError on every rank if any receiver refuses ``src``'s payload.
+
+    One tiny all_reduce ahead of a second round whose sizes the receivers could not be told.
+    """
+    refuse = wire.rank != src and info.total > wire.max_bytes
     flag = torch.tensor([1 if refuse else 0], dtype=torch.int32, device=wire.device)
     _guarded(op, wire, dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=wire.group)
-    return bool(flag.item())
+    if flag.item():
+        raise TooLargeError(
+            f"{op}: rank {src} sends {info.total:,} bytes to a rank whose max_bytes it exceeds (this rank's "
+            f"max_bytes: {wire.max_bytes:,}); nothing was transferred. Raise max_bytes there or send less"
+        )
 
 
 # -- bytes primitives (device tensors, chunked) ---------------------------------------------------
@@ -430,11 +438,7 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
         return Incoming(info.inline, error=info.error)
     refuse = wire.rank != src and info.total > wire.max_bytes
     if _agreement_needed(wire, info, op):
-        if _vote_refusals(wire, refuse, op):
-            raise TooLargeError(
-                f"{op}: rank {src} sends {info.total:,} bytes, above the max_bytes of at least one receiving rank "
-                f"(this rank's: {wire.max_bytes:,}); nothing was transferred. Raise max_bytes there or send less"
-            )
+        _vote_refusals(wire, info, src, op)
         if wire.shm is not None:  # shm: same-host fast path
             moved = _shm.broadcast(wire, out, info, sizes_of, src, op)
             if moved is not _shm.NOT_USED:
@@ -473,11 +477,7 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
     if info.error or not info.round2:
         assert info.inline is not None
         return Incoming(info.inline, error=info.error)
-    if _vote_refusals(wire, wire.rank != src and info.total > wire.max_bytes, op):
-        raise TooLargeError(
-            f"{op}: a payload from rank {src} is above the max_bytes of its receiving rank "
-            f"(this rank's limit: {wire.max_bytes:,}, its payload: {info.total:,} bytes); nothing was transferred"
-        )
+    _vote_refusals(wire, info, src, op)
     if wire.shm is not None:  # shm: same-host fast path
         moved = _shm.scatter(wire, outs, info, sizes_of, src, op)
         if moved is not _shm.NOT_USED:

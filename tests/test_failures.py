@@ -166,7 +166,7 @@ def limits_on_both_sides() -> dict:
     try:
         out["vote"] = len(voting.broadcast(tensors if rank == 0 else None, src=0))
     except objcomm.TooLargeError as exc:
-        out["vote"] = "refused" if "above the max_bytes of at least one receiving rank" in str(exc) else str(exc)
+        out["vote"] = "refused" if "to a rank whose max_bytes it exceeds" in str(exc) else str(exc)
     # point to point: the receiver drains and raises; the sender is done and the pair stays usable
     # (slot_bytes and chunk_bytes must agree between the ranks, as for every collective)
     out_of_band = objcomm.Communicator(max_bytes=limit, chunk_bytes=4096, inline_tensor_bytes=0)
