@@ -40,13 +40,14 @@ import torch
 import torch.distributed as dist
 
 from . import _hosts, _transport  # _transport imports this module: use its names at call time
+from ._settings import DEFAULT_SHM_THRESHOLD
 
 if TYPE_CHECKING:
     from ._transport import Incoming, Outgoing
 
 log = logging.getLogger("objcomm")
 
-DEFAULT_THRESHOLD = 4 << 20  # measured: at 1 MiB the two extra small collectives cost about what shm saves
+DEFAULT_THRESHOLD = DEFAULT_SHM_THRESHOLD
 DEFAULT_DIRECTORY = "/dev/shm"
 PREFIX = "objcomm-"
 NOT_USED: Any = object()  # returned when the call must take the normal transport
@@ -324,6 +325,22 @@ def _own(out: Outgoing, copy: bool) -> Incoming:
     return _transport.Incoming(out.frame, [t.to("cpu", copy=copy) for t in out.tensors])
 
 
+def _read_every_rank(
+    infos: Sequence[Any], moved: Sequence[int], me: int, out: Outgoing, sizes_of: Any,
+    open_segment: Callable[[int, int, int], _Segment], copy_own: bool,
+) -> List[Incoming]:
+    """Each rank's part: this rank's own, a segment for those that wrote one, else what round 1 carried."""
+    incoming = []
+    for r, info in enumerate(infos):
+        if r == me:
+            incoming.append(_own(out, copy=copy_own))
+        elif moved[r]:
+            incoming.append(open_segment(r, 0, moved[r]).read(info.inline, info.length, sizes_of))
+        else:
+            incoming.append(_transport.Incoming(info.inline))
+    return incoming
+
+
 def all_gather(wire: Any, out: Outgoing, infos: Sequence[Any], sizes_of: Any, op: str) -> Any:
     moved = [second_round_bytes(info) for info in infos]
     hosts = _hosts_for(wire, max(moved), op)
@@ -333,15 +350,7 @@ def all_gather(wire: Any, out: Outgoing, infos: Sequence[Any], sizes_of: Any, op
     parts = {0: _payload(out, infos[me].inline is not None)} if moved[me] else {}
 
     def read(seqs: List[int], open_segment: Callable[[int, int, int], _Segment]) -> List[Incoming]:
-        incoming = []
-        for r, info in enumerate(infos):
-            if r == me:
-                incoming.append(_own(out, copy=True))  # never alias the input
-            elif moved[r]:
-                incoming.append(open_segment(r, 0, moved[r]).read(info.inline, info.length, sizes_of))
-            else:
-                incoming.append(_transport.Incoming(info.inline))
-        return incoming
+        return _read_every_rank(infos, moved, me, out, sizes_of, open_segment, copy_own=True)  # never alias input
 
     return _collective(wire, hosts, parts, read, op)
 
@@ -357,15 +366,8 @@ def gather(wire: Any, out: Outgoing, infos: Sequence[Any], sizes_of: Any, dst: i
     def read(seqs: List[int], open_segment: Callable[[int, int, int], _Segment]) -> Optional[List[Incoming]]:
         if me != dst:
             return None
-        incoming = []
-        for r, info in enumerate(infos):
-            if r == me:
-                incoming.append(_own(out, copy=False))  # the caller decodes its own with own=True
-            elif moved[r]:
-                incoming.append(open_segment(r, 0, moved[r]).read(info.inline, info.length, sizes_of))
-            else:
-                incoming.append(_transport.Incoming(info.inline))
-        return incoming
+        # the caller decodes its own with own=True, so no copy here
+        return _read_every_rank(infos, moved, me, out, sizes_of, open_segment, copy_own=False)
 
     return _collective(wire, hosts, parts, read, op)
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .._communicator import Communicator
-from .._device import resolve_device
+from .._device import group_backend, resolve_device
 
 OPS = ("all_gather", "gather", "broadcast", "scatter", "send/recv")
 TORCH = "torch.distributed"  # the key of torch's own object collective in compare_op's result
@@ -114,7 +114,7 @@ def _round(candidates: Mapping[str, Callable[[], Any]], names: Sequence[str], in
 
 def reduce_max(local: torch.Tensor, group: Any = None) -> list:
     """Element-wise maximum of ``local`` over the ranks of ``group``, as a (nested) list."""
-    device = resolve_device(dist.get_backend(group), group)
+    device = resolve_device(group_backend(group), group)
     values = local.to(device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return values.cpu().tolist()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import serializers
 
 from .._communicator import Communicator
+from .._device import group_backend
 from ._measure import TORCH, compare_op, reduce_max
 from ._payloads import BUILTIN, Payload, format_size, reference_size, user_payload
 from ._results import Result, Row
@@ -154,7 +155,7 @@ def _meta(config: BenchConfig, group: Any) -> Dict[str, Any]:
     ranks = Communicator(group, serializer="msgpack").all_gather(here)
     return {
         "world_size": dist.get_world_size(group),
-        "backend": str(dist.get_backend(group)),
+        "backend": group_backend(group),
         "ranks": ranks,
         "objcomm": __version__,
         "torch": torch.__version__,
