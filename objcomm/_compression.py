@@ -78,20 +78,51 @@ def compress(setting: Optional[str], payload: memoryview) -> tuple[int, Any]:
 
 
 def decompress(code: int, data: memoryview, raw_len: int, max_bytes: int) -> Any:
-    """Decompress to exactly ``raw_len`` bytes, refusing more than ``max_bytes`` before allocating."""
+    """Decompress to exactly ``raw_len`` bytes, refusing more than ``max_bytes`` before allocating.
+
+    Streaming, with the output capped at ``raw_len + 1``: a payload whose own header claims more
+    (zstd's content size, lz4's) never gets a larger buffer; longer or shorter output is a DecodeError.
+    """
     if code not in NAMES:
         raise DecodeError(f"frame uses unknown compression code {code}")
     if raw_len > max_bytes:
         raise TooLargeError(f"compressed payload expands to {raw_len:,} bytes, above max_bytes={max_bytes:,}")
+    module = _module(code)
     try:
-        if code == ZSTD:
-            out = _module(ZSTD).ZstdDecompressor().decompress(data, max_output_size=raw_len)
-        else:
-            out = _module(LZ4).LZ4FrameDecompressor().decompress(data, max_length=raw_len)
-    except MissingDependencyError:
+        out = _zstd_exact(module, data, raw_len) if code == ZSTD else _lz4_exact(module, data, raw_len)
+    except DecodeError:
         raise
     except Exception as exc:
         raise DecodeError(f"{NAMES[code]} could not decompress the payload: {exc}") from exc
     if len(out) != raw_len:
         raise DecodeError(f"{NAMES[code]} payload expanded to {len(out):,} bytes, the frame declared {raw_len:,}")
+    return out
+
+
+def _zstd_exact(zstandard: Any, data: memoryview, raw_len: int) -> Any:
+    """Read at most ``raw_len + 1`` bytes into one buffer; the window is capped near ``raw_len`` too."""
+    window = 1 << min(31, max(10, (raw_len - 1).bit_length()))
+    reader = zstandard.ZstdDecompressor(max_window_size=window).stream_reader(data, read_across_frames=True)
+    out = bytearray(raw_len + 1)
+    view, filled = memoryview(out), 0
+    while filled <= raw_len:
+        got = reader.readinto(view[filled:])
+        if not got:
+            break
+        filled += got
+    view.release()
+    del out[filled:]
+    return out
+
+
+def _lz4_exact(lz4_frame: Any, data: memoryview, raw_len: int) -> Any:
+    """Ask for at most what is still missing plus one byte per call, until the frame ends."""
+    decompressor = lz4_frame.LZ4FrameDecompressor()
+    out = decompressor.decompress(data, max_length=raw_len + 1)
+    while len(out) <= raw_len and not decompressor.eof and not decompressor.needs_input:
+        out = bytes(out) + decompressor.decompress(b"", max_length=raw_len + 1 - len(out))
+    if not decompressor.eof and len(out) <= raw_len:
+        raise DecodeError(f"lz4 payload is truncated: it ended after {len(out):,} of {raw_len:,} bytes")
+    if decompressor.unused_data:
+        raise DecodeError(f"lz4 payload has {len(decompressor.unused_data):,} bytes after its frame")
     return out

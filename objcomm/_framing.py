@@ -26,6 +26,7 @@ declared size is allocated. Golden frames in ``tests/golden/`` pin this format.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Any, Collection, List, NamedTuple, Optional, Sequence
 
@@ -50,6 +51,8 @@ MAGIC = b"OBJC"
 VERSION = 1
 HEADER = struct.Struct("<4sBBBBIIQQQ")
 FLAG_ERROR = 1
+MAX_ERROR_REPORT = 1 << 20
+_JSON_NESTING = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # strings (skipped whole) and brackets
 NO_COMPRESSION = _compression.NONE
 
 
@@ -203,12 +206,22 @@ def parse_header(view: memoryview) -> Header:
 
 
 def read_error(view: memoryview, header: Header) -> tuple[str, str]:
-    """The ``(type name, message)`` an error frame carries."""
+    """The ``(type name, message)`` an error frame carries; anything else there is a :class:`FrameError`."""
+    if header.payload_len > MAX_ERROR_REPORT:
+        raise FrameError(f"error report of {header.payload_len:,} bytes, above the {MAX_ERROR_REPORT:,} allowed")
     start = header.payload_offset
+    text = bytes(view[start : start + header.payload_len])
+    depth = 0
+    for token in _JSON_NESTING.findall(text):  # json.loads recurses per level: refuse depth before parsing
+        depth += 1 if token in b"[{" else -1 if token in b"]}" else 0
+        if depth > 1:
+            raise FrameError("malformed error report in frame: nested values where two strings belong")
     try:
-        report = json.loads(bytes(view[start : start + header.payload_len]))
-        return str(report["type"]), str(report["message"])
-    except (ValueError, KeyError, TypeError) as exc:
+        report = json.loads(text)
+        if not isinstance(report, dict) or not all(isinstance(report.get(k), str) for k in ("type", "message")):
+            raise TypeError("expected {\"type\": str, \"message\": str}")
+        return report["type"], report["message"]
+    except (ValueError, TypeError, RecursionError) as exc:
         raise FrameError(f"malformed error report in frame: {exc}") from None
 
 

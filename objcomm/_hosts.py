@@ -1,9 +1,10 @@
 """Which ranks of a group share a host: learned once per group, through the group itself.
 
-Each rank contributes three 64-bit words to one ``all_gather``: a key for its host (a hash of the
+Each rank contributes four 64-bit words to one ``all_gather``: a key for its host (a hash of the
 hostname and the kernel's boot id, so two containers with the same hostname on different machines
-differ), its pid, and a random token. Every rank keeps rank 0's token: it names this job's
-shared-memory segments, so two jobs on one host never pick the same name.
+differ), its pid, a random token, and its pid namespace (a pid only names a process inside its
+namespace). Every rank keeps rank 0's token: it names this job's shared-memory segments, so two
+jobs on one host never pick the same name.
 
 ``separate=True`` salts the host key with the pid: every rank then looks like a host of its own,
 which lets tests run the different-hosts path on one machine.
@@ -24,16 +25,18 @@ import torch
 from . import _transport
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
-_WORDS = 3  # host key, pid, token
+_WORDS = 4  # host key, pid, token, pid namespace
+_PID_NAMESPACE = "/proc/self/ns/pid"
 
 
 @dataclass(frozen=True)
 class Hosts:
-    """What one rank learned about its group: host key and pid of every group rank, and the job token."""
+    """What one rank learned about its group: every rank's host key, pid and pid namespace, and the job token."""
 
     token: int
     keys: Tuple[int, ...]
     pids: Tuple[int, ...]
+    pid_namespaces: Tuple[int, ...]
 
     @property
     def one_host(self) -> bool:
@@ -55,6 +58,14 @@ def host_key(separate: bool = False) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
+def pid_namespace() -> int:
+    """The inode number of this process's pid namespace (what ``ls -l /proc/self/ns/pid`` shows); 0 if unknown."""
+    try:
+        return os.stat(_PID_NAMESPACE).st_ino
+    except OSError:
+        return 0
+
+
 # Per process, per group: a group's membership never changes, so what was learned stays true.
 _known: MutableMapping[Tuple[Any, bool], Hosts] = {}
 _known_weak: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
@@ -73,7 +84,7 @@ def discover(wire: Any, separate: bool, op: str) -> Hosts:
     found = known(wire.group, separate)
     if found is not None:
         return found
-    mine = torch.tensor([host_key(separate), os.getpid(), secrets.randbits(63)], dtype=torch.int64)
+    mine = torch.tensor([host_key(separate), os.getpid(), secrets.randbits(63), pid_namespace()], dtype=torch.int64)
     everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64)
     _transport._guarded(op, wire, _transport._all_gather_single, everyone, mine, group=wire.group)
     words: List[int] = everyone.tolist()
@@ -81,6 +92,7 @@ def discover(wire: Any, separate: bool, op: str) -> Hosts:
         token=words[2],
         keys=tuple(words[0::_WORDS]),
         pids=tuple(words[1::_WORDS]),
+        pid_namespaces=tuple(words[3::_WORDS]),
     )
     try:
         _known_weak.setdefault(wire.group, {})[separate] = hosts

@@ -2,24 +2,25 @@
 
 When every rank a call involves runs on one host (see :mod:`objcomm._hosts`) and the bytes of the
 second round (frames that overflow their slot, plus out-of-band CPU tensors) reach ``threshold``,
-each sending rank writes its bytes into one file in ``directory`` (``/dev/shm``) and the group only
-carries small integers:
+each sending rank writes its bytes into one segment file in ``directory`` (``/dev/shm``) and the group
+only carries small integers:
 
 1. every rank announces, in one ``all_gather`` of an int64, the sequence number of the segment it
    wrote (0: it sends nothing more; -1: it could not write, e.g. no space);
-2. receivers map the segments they need and read from them (frames are decoded straight from the
-   mapping; tensors are copied out, so no user-visible tensor points into shared memory);
-3. one ``all_reduce`` says every reader is done (or failed), and each writer unlinks its segment.
+2. receivers read the segments they need into fresh memory (:func:`objcomm._segments.read_segment`,
+   ``pread``, no mapping);
+3. one ``all_reduce`` says whether every reader is done, one could not read, or one refused a segment;
+   then each writer unlinks its segment.
 
-Any -1 in step 1 or failure in step 2 sends *every* rank back to the normal transport for this call
-(one debug line on the ``objcomm`` logger says why). A mapping outlives its file: readers still
-holding a frame after the unlink keep valid memory until they drop it.
+A reader that could not read (an ``OSError``: the file is gone, ...) sends *every* rank back to the
+normal transport for this call (one debug line on the ``objcomm`` logger says why). A reader that
+*refuses* a segment raises :class:`~objcomm.FrameError` alone, like a rank that cannot decode what
+arrived; the others keep their results and the group stays in step.
 
-Names are ``objcomm-<token>-<pid>-<seq>-<part>``: the token is per job (agreed at discovery; for
-send/recv, per sending process), the pid is the writer's. Segments are unlinked in a ``finally``
-(exceptions, KeyboardInterrupt), at interpreter exit, and, for writers that died (SIGKILL), by any
-rank that fails mid-call and by every discovery (the start of the next job): :func:`sweep` removes
-``objcomm-*`` files whose writer pid is gone.
+Segment files themselves (how they are written, checked and read, their names, and :func:`sweep`,
+which removes those of dead writers) are :mod:`objcomm._segments`. This module unlinks what it wrote
+in a ``finally`` (exceptions, KeyboardInterrupt), and sweeps when a rank fails mid-call and at every
+discovery (the start of the next job).
 
 Mixed groups: collectives use shared memory only when the whole group shares one host, otherwise
 they keep the normal transport; send/recv use it whenever the two ranks share a host.
@@ -27,19 +28,19 @@ they keep the normal transport; send/recv use it whenever the two ranks share a 
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
-import mmap
 import os
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import _hosts, _transport  # _transport imports this module: use its names at call time
+from ._errors import CommunicationError
+from ._segments import DEFAULT_DIRECTORY, _me, _name, _Segment, _this_host, _Writer, read_segment, sweep
 from ._settings import DEFAULT_SHM_THRESHOLD
 
 if TYPE_CHECKING:
@@ -48,15 +49,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("objcomm")
 
 DEFAULT_THRESHOLD = DEFAULT_SHM_THRESHOLD
-DEFAULT_DIRECTORY = "/dev/shm"
-PREFIX = "objcomm-"
 NOT_USED: Any = object()  # returned when the call must take the normal transport
 
 _seq = itertools.count(1)
 _process_token = secrets.randbits(63)  # names send/recv segments (no group-wide agreement there)
-_owned: Set[str] = set()  # paths this process created and has not unlinked yet
-_atexit_registered = False
 _PAIR_REMOTE: Dict[Tuple[int, int, bool], bool] = {}  # (group id, peer, separate) -> peer is on another host
+
+_READ, _FELL_BACK, _REFUSED = 0, 1, 2  # what a reader reports after step 2; the largest wins
 
 
 @dataclass(frozen=True)
@@ -83,150 +82,6 @@ def config(
     )
 
 
-# -- segments ----------------------------------------------------------------------------------
-class _Segment:
-    """One file in the shared-memory directory: written with ``write(2)`` by its owner, mapped by readers."""
-
-    def __init__(self, path: str, mm: Optional[mmap.mmap], owner: bool) -> None:
-        self.path = path
-        self.mm = mm
-        self.owner = owner
-
-    @classmethod
-    def create(cls, path: str, frame: Optional[memoryview], tensors: Sequence[torch.Tensor]) -> _Segment:
-        """Write ``frame`` then ``tensors`` into a new file. Plain writes, not a mapping: a full
-        filesystem raises ENOSPC here instead of SIGBUS, and the kernel fills pages faster than faults do."""
-        size = (frame.nbytes if frame is not None else 0) + sum(t.numel() for t in tensors)
-        _check_space(os.path.dirname(path), size)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        _track(path)
-        try:
-            pieces = ([frame] if frame is not None else []) + [_host_bytes(t) for t in tensors if t.numel()]
-            for piece in pieces:
-                while piece.nbytes:
-                    piece = piece[os.write(fd, piece):]
-        except BaseException:
-            _unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        return cls(path, None, owner=True)
-
-    @classmethod
-    def open(cls, path: str, size: int) -> _Segment:
-        fd = os.open(path, os.O_RDWR)  # writable mapping: torch.frombuffer warns on read-only buffers
-        try:
-            if os.fstat(fd).st_size != size:
-                raise OSError(f"segment {path} holds {os.fstat(fd).st_size} bytes, {size} were announced")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
-        return cls(path, mm, owner=False)
-
-    def read(self, inline: Optional[memoryview], length: int, sizes_of: Callable[[memoryview], List[int]]) -> Incoming:
-        """The frame (a view of the mapping when it was not inline) and copies of the tensors."""
-        position = 0
-        if inline is None:
-            assert self.mm is not None
-            frame = memoryview(self.mm)[:length]
-            position = length
-        else:
-            frame = inline
-        tensors = []
-        for n in sizes_of(frame):
-            if n:
-                tensors.append(torch.frombuffer(self.mm, dtype=torch.uint8, count=n, offset=position).clone())
-            else:
-                tensors.append(torch.empty(0, dtype=torch.uint8))
-            position += n
-        return _transport.Incoming(frame, tensors)
-
-    def release(self) -> None:
-        """Unlink (writers); unmap (readers) unless a frame still points into the mapping (then GC unmaps it)."""
-        if self.owner:
-            _unlink(self.path)
-        if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:
-                pass
-
-
-def _host_bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().reshape(-1).cpu().contiguous().numpy()).cast("B")  # type: ignore[arg-type]
-
-
-def _check_space(directory: str, size: int) -> None:
-    stats = os.statvfs(directory)
-    free = stats.f_bavail * stats.f_frsize
-    if size > free:
-        raise OSError(f"{directory} has {free:,} bytes free, {size:,} are needed")
-
-
-def _track(path: str) -> None:
-    global _atexit_registered
-    _owned.add(path)
-    if not _atexit_registered:
-        atexit.register(_unlink_owned)
-        _atexit_registered = True
-
-
-def _unlink(path: str) -> None:
-    _owned.discard(path)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _unlink_owned() -> None:
-    for path in list(_owned):
-        _unlink(path)
-
-
-def _name(directory: str, token: int, pid: int, seq: int, part: int) -> str:
-    return os.path.join(directory, f"{PREFIX}{token:016x}-{pid}-{seq}-{part}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as handle:  # a killed but unreaped process is a zombie: dead
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def sweep(directory: str = DEFAULT_DIRECTORY) -> List[str]:
-    """Unlink ``objcomm-*`` segments whose writing process is gone; return their names."""
-    removed: List[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(PREFIX):
-            continue
-        try:
-            pid = int(name.split("-")[2])
-        except (IndexError, ValueError):
-            continue
-        if pid != os.getpid() and not _alive(pid):
-            try:
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
-            except OSError:
-                pass
-    if removed:
-        log.debug("objcomm shm: removed %d stale segment(s) of dead processes from %s", len(removed), directory)
-    return removed
-
-
 # -- control ------------------------------------------------------------------------------------
 def _gather_ints(wire: Any, value: int, op: str) -> List[int]:
     every = torch.empty(wire.size, dtype=torch.int64)
@@ -235,10 +90,11 @@ def _gather_ints(wire: Any, value: int, op: str) -> List[int]:
     return every.tolist()
 
 
-def _any(wire: Any, flag: bool, op: str) -> bool:
-    value = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    _transport._guarded(op, wire, dist.all_reduce, value, op=dist.ReduceOp.MAX, group=wire.group)
-    return bool(value.item())
+def _any(wire: Any, value: int, op: str) -> int:
+    """The largest ``value`` any rank gave."""
+    largest = torch.tensor([value], dtype=torch.int64)
+    _transport._guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
+    return int(largest.item())
 
 
 def second_round_bytes(info: Any) -> int:
@@ -270,22 +126,23 @@ def _hosts_for(wire: Any, largest: int, op: str) -> Optional[_hosts.Hosts]:
     return hosts
 
 
+PathOf = Callable[[int, int], str]  # (writer's group rank, part) -> path of that segment
+
+
 def _collective(
     wire: Any, hosts: _hosts.Hosts, parts: Dict[int, Tuple[Optional[memoryview], Sequence[torch.Tensor]]],
-    read: Callable[[List[int], Callable[[int, int, int], _Segment]], Any], op: str,
+    read: Callable[[PathOf], Any], op: str,
 ) -> Any:
-    """Write ``parts`` (part number -> frame or None, tensors), agree, let ``read`` map what it needs, unlink."""
+    """Write ``parts`` (part number -> frame or None, tensors), agree, let ``read`` read what it needs, unlink."""
     cfg = wire.shm
     written: List[_Segment] = []
-    mapped: List[_Segment] = []
     seq = 0
     try:
         if parts:
             seq = next(_seq)
             try:
                 for part, (frame, tensors) in parts.items():
-                    path = _name(cfg.directory, hosts.token, os.getpid(), seq, part)
-                    written.append(_Segment.create(path, frame, tensors))
+                    written.append(_Segment.create(_name(cfg.directory, _me(hosts.token), seq, part), frame, tensors))
             except OSError as exc:
                 log.debug("objcomm shm: %s on rank %d could not write shared memory (%s); normal transport",
                           op, wire.rank, exc)
@@ -294,25 +151,32 @@ def _collective(
         if min(seqs) < 0 or not any(seqs):  # a writer failed, or nobody wrote (scatter below the threshold)
             return NOT_USED
 
-        def open_segment(writer: int, part: int, size: int) -> _Segment:
-            segment = _Segment.open(_name(cfg.directory, hosts.token, hosts.pids[writer], seqs[writer], part), size)
-            mapped.append(segment)
-            return segment
+        def path_of(writer: int, part: int) -> str:
+            who = _Writer(_this_host(), hosts.pid_namespaces[writer], hosts.token, hosts.pids[writer])
+            return _name(cfg.directory, who, seqs[writer], part)
 
+        failure: Optional[Exception] = None
         try:
-            result, failed = read(seqs, open_segment), False
+            result, outcome = read(path_of), _READ
         except OSError as exc:
             log.debug("objcomm shm: %s on rank %d could not read shared memory (%s); normal transport",
                       op, wire.rank, exc)
-            result, failed = NOT_USED, True
-        if _any(wire, failed, op):
+            result, outcome, failure = NOT_USED, _FELL_BACK, exc
+        except Exception as exc:  # a refused segment: raised below, once every rank knows
+            result, outcome, failure = NOT_USED, _REFUSED, exc
+        worst = _any(wire, outcome, op)
+        if worst == _FELL_BACK:
             return NOT_USED
+        if isinstance(failure, OSError):  # another rank refused, so nobody takes the normal transport
+            raise CommunicationError(f"{op} on rank {wire.rank} could not read shared memory: {failure}") from failure
+        if failure is not None:
+            raise failure
         return result
     except BaseException:
         sweep(cfg.directory)  # a peer that died mid-call may have left its segments
         raise
     finally:
-        for segment in written + mapped:
+        for segment in written:
             segment.release()
 
 
@@ -326,8 +190,7 @@ def _own(out: Outgoing, copy: bool) -> Incoming:
 
 
 def _read_every_rank(
-    infos: Sequence[Any], moved: Sequence[int], me: int, out: Outgoing, sizes_of: Any,
-    open_segment: Callable[[int, int, int], _Segment], copy_own: bool,
+    infos: Sequence[Any], moved: Sequence[int], me: int, out: Outgoing, sizes_of: Any, path_of: PathOf, copy_own: bool,
 ) -> List[Incoming]:
     """Each rank's part: this rank's own, a segment for those that wrote one, else what round 1 carried."""
     incoming = []
@@ -335,7 +198,7 @@ def _read_every_rank(
         if r == me:
             incoming.append(_own(out, copy=copy_own))
         elif moved[r]:
-            incoming.append(open_segment(r, 0, moved[r]).read(info.inline, info.length, sizes_of))
+            incoming.append(read_segment(path_of(r, 0), moved[r], info.inline, info.length, sizes_of))
         else:
             incoming.append(_transport.Incoming(info.inline))
     return incoming
@@ -349,8 +212,8 @@ def all_gather(wire: Any, out: Outgoing, infos: Sequence[Any], sizes_of: Any, op
     me = wire.rank
     parts = {0: _payload(out, infos[me].inline is not None)} if moved[me] else {}
 
-    def read(seqs: List[int], open_segment: Callable[[int, int, int], _Segment]) -> List[Incoming]:
-        return _read_every_rank(infos, moved, me, out, sizes_of, open_segment, copy_own=True)  # never alias input
+    def read(path_of: PathOf) -> List[Incoming]:
+        return _read_every_rank(infos, moved, me, out, sizes_of, path_of, copy_own=True)  # never alias input
 
     return _collective(wire, hosts, parts, read, op)
 
@@ -363,11 +226,11 @@ def gather(wire: Any, out: Outgoing, infos: Sequence[Any], sizes_of: Any, dst: i
     me = wire.rank
     parts = {0: _payload(out, infos[me].inline is not None)} if moved[me] else {}
 
-    def read(seqs: List[int], open_segment: Callable[[int, int, int], _Segment]) -> Optional[List[Incoming]]:
+    def read(path_of: PathOf) -> Optional[List[Incoming]]:
         if me != dst:
             return None
         # the caller decodes its own with own=True, so no copy here
-        return _read_every_rank(infos, moved, me, out, sizes_of, open_segment, copy_own=False)
+        return _read_every_rank(infos, moved, me, out, sizes_of, path_of, copy_own=False)
 
     return _collective(wire, hosts, parts, read, op)
 
@@ -379,11 +242,11 @@ def broadcast(wire: Any, out: Optional[Outgoing], info: Any, sizes_of: Any, src:
         return NOT_USED
     parts = {0: _payload(out, info.inline is not None)} if wire.rank == src and out is not None else {}
 
-    def read(seqs: List[int], open_segment: Callable[[int, int, int], _Segment]) -> Incoming:
+    def read(path_of: PathOf) -> Incoming:
         if wire.rank == src:
             assert out is not None
             return _own(out, copy=False)  # the caller decodes its own with own=True
-        return open_segment(src, 0, moved).read(info.inline, info.length, sizes_of)
+        return read_segment(path_of(src, 0), moved, info.inline, info.length, sizes_of)
 
     return _collective(wire, hosts, parts, read, op)
 
@@ -406,20 +269,21 @@ def scatter(wire: Any, outs: Optional[Sequence[Outgoing]], info: Any, sizes_of: 
             log.debug("objcomm shm: %s moves at most %d bytes per rank, below the threshold of %d; normal transport",
                       op, max(moved), wire.shm.threshold)
 
-    def read(seqs: List[int], open_segment: Callable[[int, int, int], _Segment]) -> Incoming:
+    def read(path_of: PathOf) -> Incoming:
         if wire.rank == src:
             assert outs is not None
             return _own(outs[src], copy=False)
         size = second_round_bytes(info)
         if not size:
             return _transport.Incoming(info.inline)
-        return open_segment(src, wire.rank, size).read(info.inline, info.length, sizes_of)
+        return read_segment(path_of(src, wire.rank), size, info.inline, info.length, sizes_of)
 
     return _collective(wire, hosts, parts, read, op)
 
 
 # -- point to point ------------------------------------------------------------------------------
-_P2P = 4  # seq (or -1), pid, token, host key
+_P2P = 5  # seq (or -1), pid, token, host key, pid namespace
+_SENT, _OTHER_HOST, _RESEND, _REFUSED_P2P = 0, 1, 2, 3  # the receiver's answer
 
 
 def _pair_key(wire: Any, peer: int) -> Tuple[int, int, bool]:
@@ -441,21 +305,22 @@ def send(wire: Any, out: Outgoing, dst: int, op: str) -> bool:
         else:
             try:
                 seq = next(_seq)
-                path = _name(cfg.directory, _process_token, os.getpid(), seq, 0)
+                path = _name(cfg.directory, _me(_process_token), seq, 0)
                 segment = _Segment.create(path, *_payload(out, out.frame.nbytes <= wire.inline_capacity))
             except OSError as exc:
                 log.debug("objcomm shm: %s could not write shared memory (%s); normal transport", op, exc)
                 seq = -1
-        status = torch.tensor([seq, os.getpid(), _process_token, _hosts.host_key(cfg.separate)], dtype=torch.int64)
+        status = torch.tensor([seq, os.getpid(), _process_token, _hosts.host_key(cfg.separate),
+                               _hosts.pid_namespace()], dtype=torch.int64)
         _transport._guarded(op, wire, dist.send, status, dst=wire.ranks[dst], group=wire.group)
         if seq < 0:
             return False
         answer = torch.empty(1, dtype=torch.int64)
         _transport._guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group)
-        if answer.item() == 1:
+        if answer.item() == _OTHER_HOST:
             _PAIR_REMOTE[_pair_key(wire, dst)] = True
             log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
-        return answer.item() == 0
+        return answer.item() in (_SENT, _REFUSED_P2P)  # a refusing receiver raises; it expects nothing more
     finally:
         if segment is not None:
             segment.release()
@@ -469,20 +334,23 @@ def recv(wire: Any, info: Any, sizes_of: Any, src: int, op: str) -> Any:
         return NOT_USED
     status = torch.empty(_P2P, dtype=torch.int64)
     _transport._guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group)
-    seq, pid, token, key = status.tolist()
+    seq, pid, token, key, namespace = status.tolist()
     if seq < 0:
         return NOT_USED
-    answer, result = 1, NOT_USED
+    answer, result, failure = _OTHER_HOST, NOT_USED, None
     if key == _hosts.host_key(cfg.separate):
+        path = _name(cfg.directory, _Writer(_this_host(), namespace, token, pid), seq, 0)
         try:
-            segment = _Segment.open(_name(cfg.directory, token, pid, seq, 0), second_round_bytes(info))
-            result, answer = segment.read(info.inline, info.length, sizes_of), 0
-            segment.release()
+            result, answer = read_segment(path, second_round_bytes(info), info.inline, info.length, sizes_of), _SENT
         except OSError as exc:
             log.debug("objcomm shm: %s could not read shared memory (%s); normal transport", op, exc)
-            answer = 2
+            answer = _RESEND
+        except Exception as exc:  # a refused segment: raised once the sender knows not to send it again
+            answer, failure = _REFUSED_P2P, exc
     else:
         log.debug("objcomm shm: %s from rank %d crosses hosts; normal transport", op, src)
     reply = torch.tensor([answer], dtype=torch.int64)
     _transport._guarded(op, wire, dist.send, reply, dst=wire.ranks[src], group=wire.group)
+    if failure is not None:
+        raise failure
     return result

@@ -17,7 +17,6 @@ the CPU for gloo and the current CUDA device for NCCL), never on the sender's de
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -35,6 +34,17 @@ ENTRY = struct.Struct("<BBB5xQQ")
 DIM = struct.Struct("<q")
 INLINE, REQUIRES_GRAD, PARAMETER = 1, 2, 4
 MAX_NDIM = 64
+MAX_NBYTES = 1 << 62  # no tensor announces this much; keeps every size an int64 for torch
+
+
+def _product(shape: Tuple[int, ...]) -> int:
+    """The element count, stopping once it passes MAX_NBYTES (a hostile shape of 64 huge dims stays cheap)."""
+    count = 1
+    for d in shape:
+        count *= d
+        if count >= MAX_NBYTES:
+            return MAX_NBYTES
+    return count
 
 
 def liftable(value: Any) -> bool:
@@ -120,7 +130,8 @@ def parse_table(view: memoryview, count: int, inline_len: int) -> List[Entry]:
         position += ndim * DIM.size
         dtype = getattr(torch, DTYPES[code])
         itemsize = torch.empty((), dtype=dtype).element_size()
-        if any(d < 0 for d in shape) or math.prod(shape) * itemsize != nbytes:
+        # checked before anything of this size exists: no negative or overflowing shape, nbytes in range
+        if nbytes >= MAX_NBYTES or any(not 0 <= d < MAX_NBYTES for d in shape) or _product(shape) * itemsize != nbytes:
             raise FrameError(f"tensor table entry: shape {shape} of {dtype} is not {nbytes} bytes")
         if flags & INLINE:
             if offset + nbytes > inline_len:

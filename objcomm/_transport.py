@@ -13,12 +13,15 @@ Every operation is one or two rounds:
 
 Every rank that must act on something learns it in round 1, so all ranks take the same decision
 (skip round 2 after an error, refuse a payload above a receiver's limit) and nobody waits for a
-transfer that will never come. Where the sender cannot know the receivers' limits (broadcast,
-scatter, send/recv), a slot whose frame did not fit lists the tensor sizes instead, so a receiver
-over its limit knows every transfer that follows and drains them through a scratch buffer of at
-most ``chunk`` bytes, then raises alone. When that list does not fit the slot (scatter always),
-or shared memory may be used, the receivers answer first: a one-element vote (collectives) or
-acknowledgement (send/recv), before any buffer of the declared size exists.
+transfer that will never come. A slot lists the tensor sizes after the frame (or in its place
+when the frame did not fit) where they fit, so round 1 tells every transfer that follows. Receivers
+trust no single number: the frame length, the listed sizes, the frame's tensor table and the
+total must agree (:mod:`objcomm._limits`), else :class:`FrameError` on every rank that must act,
+before anything of an announced size is allocated. Where the sender cannot know the receivers'
+limits (broadcast, scatter, send/recv), a receiver over its limit drains transfers of at most
+1 MiB through one scratch buffer that small, then raises alone. When the sizes are not all
+listed (scatter always), a transfer is larger, or shared memory may be used, the receivers answer
+first: a one-element vote (collectives) or acknowledgement (send/recv), before any buffer exists.
 
 Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat uint8 tensors on
 the wire's device.
@@ -33,8 +36,8 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _shm
-from ._errors import CommunicationError, TooLargeError
+from . import _limits, _shm
+from ._errors import CommunicationError, FrameError, TooLargeError
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -44,7 +47,10 @@ COUNT = struct.Struct("<I")
 SIZES_UNLISTED = 0xFFFFFFFF
 ERROR_BIT = 1 << 63
 ROUND2_BIT = 1 << 62
-_LENGTH_MASK = ROUND2_BIT - 1
+LISTED_BIT = 1 << 61  # tensor sizes follow the inline frame
+_LENGTH_MASK = LISTED_BIT - 1
+SCRATCH = _limits.SCRATCH_BYTES
+REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
 SizesOf = Callable[[memoryview], List[int]]  # tensor byte sizes announced in a frame
 
 
@@ -106,25 +112,25 @@ class _SlotInfo(NamedTuple):
     limit: int
     total: int
     inline: Optional[memoryview]
-    sizes: Optional[List[int]] = None  # tensor sizes listed in a slot whose frame did not fit
+    sizes: Optional[List[int]] = None  # tensor sizes listed in the slot (None: only the frame tells)
 
 
 # -- slots -----------------------------------------------------------------------------------
 def _fill_slot(slot: memoryview, out: Outgoing, limit: int, round2: bool = False) -> None:
     length = out.frame.nbytes
-    word = length | (ERROR_BIT if out.error else 0) | (ROUND2_BIT if round2 else 0)
-    PREFIX.pack_into(slot, 0, word, limit, out.total)
-    capacity = slot.nbytes - PREFIX.size
-    if length <= capacity:
-        slot[PREFIX.size : PREFIX.size + length] = out.frame
-        return
-    # The frame travels later; list the tensor sizes so a receiver knows every transfer now.
     sizes = [t.numel() for t in out.tensors]
-    if COUNT.size + 8 * len(sizes) <= capacity:
-        COUNT.pack_into(slot, PREFIX.size, len(sizes))
-        struct.pack_into(f"<{len(sizes)}Q", slot, PREFIX.size + COUNT.size, *sizes)
-    else:
-        COUNT.pack_into(slot, PREFIX.size, SIZES_UNLISTED)
+    inline = length <= slot.nbytes - PREFIX.size
+    at = PREFIX.size + (length if inline else 0)  # list the tensor sizes here, so a receiver knows every transfer
+    listed = bool(sizes or not inline) and at + COUNT.size + 8 * len(sizes) <= slot.nbytes
+    word = length | (ERROR_BIT if out.error else 0) | (ROUND2_BIT if round2 else 0)
+    PREFIX.pack_into(slot, 0, word | (LISTED_BIT if inline and listed else 0), limit, out.total)
+    if inline:
+        slot[PREFIX.size : at] = out.frame
+    if listed:
+        COUNT.pack_into(slot, at, len(sizes))
+        struct.pack_into(f"<{len(sizes)}Q", slot, at + COUNT.size, *sizes)
+    elif not inline:
+        COUNT.pack_into(slot, at, SIZES_UNLISTED)
 
 
 def _make_slot(wire: Wire, out: Outgoing) -> torch.Tensor:
@@ -136,13 +142,13 @@ def _make_slot(wire: Wire, out: Outgoing) -> torch.Tensor:
 def _read_slot(view: memoryview) -> _SlotInfo:
     word, limit, total = PREFIX.unpack_from(view, 0)
     length = word & _LENGTH_MASK
-    capacity = view.nbytes - PREFIX.size
-    inline = view[PREFIX.size : PREFIX.size + length] if length <= capacity else None
+    inline = view[PREFIX.size : PREFIX.size + length] if length <= view.nbytes - PREFIX.size else None
+    at = PREFIX.size + (length if inline is not None else 0)
     sizes = None
-    if inline is None:
-        count = COUNT.unpack_from(view, PREFIX.size)[0]
-        if count != SIZES_UNLISTED and COUNT.size + 8 * count <= capacity:
-            sizes = list(struct.unpack_from(f"<{count}Q", view, PREFIX.size + COUNT.size))
+    if (inline is None or word & LISTED_BIT) and at + COUNT.size <= view.nbytes:
+        count = COUNT.unpack_from(view, at)[0]
+        if count != SIZES_UNLISTED and at + COUNT.size + 8 * count <= view.nbytes:
+            sizes = list(struct.unpack_from(f"<{count}Q", view, at + COUNT.size))
     return _SlotInfo(length, bool(word & ERROR_BIT), bool(word & ROUND2_BIT), limit, total, inline, sizes)
 
 
@@ -158,11 +164,14 @@ def _complete(info: _SlotInfo) -> bool:
 def _agreement_needed(wire: Wire, info: _SlotInfo, op: str) -> bool:
     """Whether receivers must answer the sender before round 2 (a vote, or an acknowledgement).
 
-    Not when round 1 told them every transfer that follows (the frame, or the listed tensor
-    sizes): a receiver over its limit then drains them through a buffer of at most ``chunk``
-    bytes and raises alone. Yes when the sizes are unknown, or shared memory may be used.
+    Not when round 1 listed every transfer that follows and none exceeds the scratch size: a
+    receiver over its limit then drains them through one small buffer and raises alone. Yes when
+    the sizes are unknown, a transfer is larger, or shared memory may be used. Decided from the
+    slot alone, so sender and receivers agree.
     """
-    if info.inline is None and info.sizes is None:
+    if info.sizes is None:
+        return True
+    if _limits.largest_piece(0 if info.inline is not None else info.length, info.sizes, wire.chunk) > SCRATCH:
         return True
     if wire.shm is None or wire.device.type != "cpu":
         return False
@@ -171,14 +180,6 @@ def _agreement_needed(wire: Wire, info: _SlotInfo, op: str) -> bool:
         return True
     _shm.log_below_threshold(wire, moved, op)
     return False
-
-
-def _drained(op: str, sender: int, total: int, wire: Wire) -> TooLargeError:
-    return TooLargeError(
-        f"{op}: rank {sender} sent {total:,} bytes, above this rank's max_bytes={wire.max_bytes:,}; they were "
-        f"received into a scratch buffer of at most chunk_bytes={wire.chunk:,} and dropped. Raise max_bytes here "
-        "or send less"
-    )
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -210,31 +211,15 @@ def _guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
         ) from exc
 
 
-def _too_large(op: str, sender: int, total: int, limit: int, who: str) -> TooLargeError:
-    return TooLargeError(
-        f"{op}: rank {sender} sends {total:,} bytes, above the max_bytes={limit:,} of {who}; nothing was "
-        "transferred. Raise max_bytes on the receiving ranks (per call, Communicator or objcomm.configure) or send less"
-    )
-
-
-def _check_limits(infos: List[_SlotInfo], receivers: Sequence[int], op: str) -> None:
-    """The same TooLargeError on every rank when a payload exceeds a receiver's limit (all seen in round 1)."""
-    for receiver in receivers:
-        limit = infos[receiver].limit
-        for sender, info in enumerate(infos):
-            if sender != receiver and not info.error and info.total > limit:
-                raise _too_large(op, sender, info.total, limit, f"receiving rank {receiver}")
-
-
-def _vote_refusals(wire: Wire, info: _SlotInfo, src: int, op: str) -> None:
-    """Raise the same TooLargeError on every rank if any receiver refuses ``src``'s payload.
-
-    One tiny all_reduce ahead of a second round whose sizes the receivers could not be told.
-    """
-    refuse = wire.rank != src and info.total > wire.max_bytes
-    flag = torch.tensor([1 if refuse else 0], dtype=torch.int32, device=wire.device)
+def _vote_refusals(wire: Wire, refuse: int, info: _SlotInfo, src: int, op: str, problem: Optional[str] = None) -> None:
+    """Raise the same error on every rank if any receiver refuses ``src``'s payload (``refuse``: this rank's
+    REFUSE_* code, 0 to accept). One tiny all_reduce ahead of a second round that not every receiver may take."""
+    flag = torch.tensor([refuse], dtype=torch.int32, device=wire.device)
     _guarded(op, wire, dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=wire.group)
-    if flag.item():
+    code = int(flag.item())
+    if code == REFUSE_MALFORMED:
+        raise _limits.inconsistent(op, src, problem or "a receiving rank found the sizes in its slot inconsistent")
+    if code:
         raise TooLargeError(
             f"{op}: rank {src} sends {info.total:,} bytes to a rank whose max_bytes it exceeds (this rank's "
             f"max_bytes: {wire.max_bytes:,}); nothing was transferred. Raise max_bytes there or send less"
@@ -245,11 +230,11 @@ def _vote_refusals(wire: Wire, info: _SlotInfo, src: int, op: str) -> None:
 def _broadcast_bytes(
     wire: Wire, data: Optional[torch.Tensor], length: int, src: int, op: str, drain: bool = False
 ) -> torch.Tensor:
-    """Broadcast ``length`` bytes in chunks; ``drain``: receive them into one chunk-sized scratch buffer."""
+    """Broadcast ``length`` bytes in chunks; ``drain``: receive them into one small scratch buffer."""
     if data is not None:
         buffer = _to_device(data, wire)
     else:
-        buffer = _empty(min(length, wire.chunk) if drain else length, wire)
+        buffer = _empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
     for start in _pieces(length, wire.chunk):
         piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
         _guarded(op, wire, dist.broadcast, piece, src=wire.ranks[src], group=wire.group)
@@ -295,8 +280,8 @@ class _Batch:
 
 
 def _recv_bytes(wire: Wire, length: int, src: int, op: str, drain: bool = False) -> torch.Tensor:
-    """Receive ``length`` bytes in chunks; ``drain``: into one chunk-sized scratch buffer."""
-    buffer = _empty(min(length, wire.chunk) if drain else length, wire)
+    """Receive ``length`` bytes in chunks; ``drain``: into one small scratch buffer."""
+    buffer = _empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
     for start in _pieces(length, wire.chunk):
         piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
         _guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group)
@@ -330,18 +315,19 @@ def _all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> Li
 def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gather") -> Sequence[Optional[Incoming]]:
     """Every rank's frame and tensors, on every rank. ``None`` marks frames not moved after an error."""
     infos = _exchange_slots(wire, out, op)
+    plans = _limits.plans(infos, sizes_of, op)
     if any(info.error for info in infos):
         return _round_one(infos)
     if all(_complete(info) for info in infos):  # the common small case: one collective, done
         return _round_one(infos)
-    _check_limits(infos, range(wire.size), op)
+    _limits.check_limits(infos, range(wire.size), op)
     if wire.shm is not None:  # shm: same-host fast path
-        moved = _shm.all_gather(wire, out, infos, sizes_of, op)
+        moved = _shm.all_gather(wire, out, infos, _limits.shm_sizes(sizes_of, infos), op)
         if moved is not _shm.NOT_USED:
             return moved
     frames = _all_gather_frames(wire, out, infos, op)
     incoming = [Incoming(f) for f in frames]
-    sizes = [sizes_of(f) for f in frames]
+    sizes = [_limits.frame_sizes(sizes_of, frames[r], infos[r], r, op) if p is None else p for r, p in enumerate(plans)]
     if sizes == [sizes[0]] * wire.size:  # the common case: same tensor shapes everywhere
         for index, width in enumerate(sizes[0]):
             for r, part in enumerate(_all_gather_equal(wire, out.tensors[index], width, op)):
@@ -393,11 +379,12 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
     """
     op = "gather"
     infos = _exchange_slots(wire, out, op)
+    plans = _limits.plans(infos, sizes_of, op)
     if any(info.error for info in infos):
         return _round_one(infos)
-    _check_limits(infos, [dst], op)
+    _limits.check_limits(infos, [dst], op)
     if wire.shm is not None:  # shm: same-host fast path
-        moved = _shm.gather(wire, out, infos, sizes_of, dst, op)
+        moved = _shm.gather(wire, out, infos, _limits.shm_sizes(sizes_of, infos), dst, op)
         if moved is not _shm.NOT_USED:
             return moved
     batch = _Batch(wire, op)
@@ -413,15 +400,14 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
             continue
         if frames[r] is None:
             frames[r] = batch.recv(info.length, r)
-        sizes = info.sizes if info.inline is None else sizes_of(info.inline)
-        if sizes is not None:
-            tensors[r] = [batch.recv(n, r) for n in sizes]
+        if plans[r] is not None:
+            tensors[r] = [batch.recv(n, r) for n in plans[r]]  # type: ignore[union-attr]
     batch.wait()
     incoming: List[Optional[Incoming]] = []
     for r, frame in enumerate(frames):
         view = _host_view(frame) if isinstance(frame, torch.Tensor) else frame
         if tensors[r] is None:  # sizes were only in the frame: receive the tensors now, in order
-            tensors[r] = [_recv_bytes(wire, n, r, op) for n in sizes_of(view)]
+            tensors[r] = [_recv_bytes(wire, n, r, op) for n in _limits.frame_sizes(sizes_of, view, infos[r], r, op)]
         incoming.append(Incoming(view, tensors[r]))
     return incoming
 
@@ -433,27 +419,32 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
     slot = _make_slot(wire, out) if wire.rank == src and out is not None else _empty(wire.slot, wire)
     _guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
     info = _read_slot(_host_view(slot))
+    sizes, problem = _limits.plan(info, sizes_of)
+    if problem:  # every rank holds the same slot: all raise alike
+        raise _limits.inconsistent(op, src, problem)
     if info.error or _complete(info):
         assert info.inline is not None
         return Incoming(info.inline, error=info.error)
     refuse = wire.rank != src and info.total > wire.max_bytes
     if _agreement_needed(wire, info, op):
-        _vote_refusals(wire, info, src, op)
+        _vote_refusals(wire, REFUSE_LIMIT if refuse else 0, info, src, op)
         if wire.shm is not None:  # shm: same-host fast path
-            moved = _shm.broadcast(wire, out, info, sizes_of, src, op)
+            moved = _shm.broadcast(wire, out, info, _limits.shm_sizes(sizes_of, [info]), src, op)
             if moved is not _shm.NOT_USED:
                 return moved
     mine = out if wire.rank == src else None
     frame = info.inline
     if frame is None:
-        data = _broadcast_bytes(wire, mine.frame_tensor() if mine else None, info.length, src, op, drain=refuse)
+        data = _broadcast_bytes(wire, mine.frame_tensor() if mine else None, info.length, src, op, drain=bool(refuse))
         frame = None if refuse else _host_view(data)
-    sizes = info.sizes if info.sizes is not None else sizes_of(frame)  # type: ignore[arg-type]
+    if sizes is None:  # only the frame lists them; every rank has it now (and nobody refused: there was a vote)
+        assert frame is not None
+        sizes = _limits.frame_sizes(sizes_of, frame, info, src, op)
     tensors = [
         _broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op, drain=refuse) for i, n in enumerate(sizes)
     ]
     if refuse:
-        raise _drained(op, src, info.total, wire)
+        raise _limits.refused(op, src, wire, info.total, None, drained=True)
     assert frame is not None
     return Incoming(frame, tensors)
 
@@ -474,12 +465,18 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         scatter_list = list(_to_device(torch.frombuffer(table, dtype=torch.uint8), wire).chunk(wire.size))
     _guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
     info = _read_slot(_host_view(recv))
+    sizes, problem = _limits.plan(info, sizes_of)
     if info.error or not info.round2:
+        if not (problem or info.error or _complete(info)):
+            problem = "its slot does not carry the whole frame, yet it announced no second round"
+        if problem:
+            raise _limits.inconsistent(op, src, problem)
         assert info.inline is not None
         return Incoming(info.inline, error=info.error)
-    _vote_refusals(wire, info, src, op)
+    refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if wire.rank != src and info.total > wire.max_bytes else 0
+    _vote_refusals(wire, refuse, info, src, op, problem)
     if wire.shm is not None:  # shm: same-host fast path
-        moved = _shm.scatter(wire, outs, info, sizes_of, src, op)
+        moved = _shm.scatter(wire, outs, info, _limits.shm_sizes(sizes_of, [info]), src, op)
         if moved is not _shm.NOT_USED:
             return moved
     if wire.rank == src:
@@ -492,7 +489,8 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         mine = outs[src]
         return Incoming(mine.frame, [_to_device(t, wire) for t in mine.tensors])
     frame = info.inline if info.inline is not None else _host_view(_recv_bytes(wire, info.length, src, op))
-    return Incoming(frame, [_recv_bytes(wire, n, src, op) for n in sizes_of(frame)])
+    sizes = sizes if sizes is not None else _limits.frame_sizes(sizes_of, frame, info, src, op)
+    return Incoming(frame, [_recv_bytes(wire, n, src, op) for n in sizes])
 
 
 # -- point to point --------------------------------------------------------------------------
@@ -503,11 +501,20 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
     _fill_slot(memoryview(raw), out, wire.max_bytes)
     slot = _to_device(torch.frombuffer(raw, dtype=torch.uint8), wire)
     _guarded(op, wire, dist.send, slot, dst=wire.ranks[dst], group=wire.group)
-    if out.error or out.complete(wire):
+    info = _read_slot(memoryview(raw))  # decide from the slot, as the receiver does
+    problem = _limits.slot_problem_of(info)
+    if problem:  # the receiver finds the same and raises too
+        raise _limits.inconsistent(op, wire.rank, problem)
+    if info.error or _complete(info):
         return
-    if _agreement_needed(wire, _read_slot(memoryview(raw)), op):
+    if _agreement_needed(wire, info, op):
         answer = _empty(1, wire)
         _guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group)
+        if answer.item() == REFUSE_MALFORMED:
+            raise FrameError(
+                f"send: rank {dst} refused this frame: its tensor table disagrees with the sizes in its slot; "
+                "nothing more was sent"
+            )
         if answer.item():
             raise TooLargeError(
                 f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes; nothing more was sent. "
@@ -527,20 +534,23 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
     sender_global = _guarded(op, wire, dist.recv, slot, src=None if src is None else wire.ranks[src], group=wire.group)
     sender = list(wire.ranks).index(sender_global) if src is None else src
     info = _read_slot(_host_view(slot))
+    problem = _limits.slot_problem_of(info)
+    if problem:  # the sender finds the same in its slot and raises too
+        raise _limits.inconsistent(op, sender, problem)
     if info.error or _complete(info):
         assert info.inline is not None
         return sender, Incoming(info.inline, error=info.error), info.error
-    refuse = info.total > wire.max_bytes
+    sizes, problem = _limits.plan(info, sizes_of)
+    refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if info.total > wire.max_bytes else 0
     if _agreement_needed(wire, info, op):
-        answer = torch.tensor([1 if refuse else 0], dtype=torch.uint8, device=wire.device)
+        answer = torch.tensor([refuse], dtype=torch.uint8, device=wire.device)
         _guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group)
         if refuse:
-            raise _too_large(op, sender, info.total, wire.max_bytes, "this rank")
+            raise _limits.refused(op, sender, wire, info.total, problem)
         if wire.shm is not None:  # shm: same-host fast path
-            moved = _shm.recv(wire, info, sizes_of, sender, op)
+            moved = _shm.recv(wire, info, _limits.shm_sizes(sizes_of, [info]), sender, op)
             if moved is not _shm.NOT_USED:
                 return sender, moved, False
-    sizes = info.sizes if info.inline is None else sizes_of(info.inline)
     if sizes is not None and not refuse:  # every size known: post all receives at once
         batch = _Batch(wire, op)
         data = batch.recv(info.length, sender) if info.inline is None else None
@@ -551,11 +561,13 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
         return sender, Incoming(frame, tensors), False
     frame = info.inline
     if frame is None:
-        drained = _recv_bytes(wire, info.length, sender, op, drain=refuse)
+        drained = _recv_bytes(wire, info.length, sender, op, drain=bool(refuse))
         frame = None if refuse else _host_view(drained)
-    sizes = sizes if sizes is not None else sizes_of(frame)  # type: ignore[arg-type]
-    tensors = [_recv_bytes(wire, n, sender, op, drain=refuse) for n in sizes]
+    if sizes is None:  # only the frame lists them (and this rank agreed: it did not refuse)
+        assert frame is not None
+        sizes = _limits.frame_sizes(sizes_of, frame, info, sender, op)
+    tensors = [_recv_bytes(wire, n, sender, op, drain=bool(refuse)) for n in sizes]
     if refuse:
-        raise _drained(op, sender, info.total, wire)
+        raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
     assert frame is not None
     return sender, Incoming(frame, tensors), False

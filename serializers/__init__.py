@@ -26,7 +26,7 @@ from ._errors import (
 from ._fidelity import PROBES, Verdict, fidelity, fidelity_table
 from ._json import JsonSerializer
 from ._msgpack import MsgpackSerializer
-from ._pickle import CloudpickleSerializer, PickleSerializer, RestrictedPickleSerializer
+from ._pickle import CloudpickleSerializer, PickleSerializer
 from ._protocol import FunctionSerializer, Serializer, SerializerProtocol
 from ._registry import (
     ENTRY_POINT_GROUP,
@@ -38,6 +38,7 @@ from ._registry import (
     registry,
     unregister,
 )
+from ._restricted import RestrictedPickleSerializer
 
 for _builtin in (
     PickleSerializer(),

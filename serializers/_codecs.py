@@ -10,11 +10,20 @@ Example::
     import serializers
     from fractions import Fraction
 
+    def check(v):  # decode gets whatever a peer sent: refuse anything but two small ints
+        if not (type(v) is list and len(v) == 2 and all(type(n) is int and n.bit_length() <= 64 for n in v)):
+            raise ValueError("expected [numerator, denominator] as 64-bit ints")
+
     serializers.register_type(
         Fraction,
         encode=lambda f: [f.numerator, f.denominator],
         decode=lambda v: Fraction(*v),
+        validate=check,
     )
+
+``decode`` and ``validate`` receive what a peer sent, unchecked: with a safe serializer that is
+hostile input. ``validate(value)`` runs first and raises to refuse; any exception from either
+becomes a :class:`DecodeError` naming the codec.
 """
 
 from __future__ import annotations
@@ -23,15 +32,33 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Union
 
+from ._errors import DecodeError
+
 
 @dataclass(frozen=True)
 class TypeCodec:
-    """How one type travels: ``encode(value) -> carriable``, ``decode(carriable) -> value``."""
+    """How one type travels: ``encode(value) -> carriable``, ``decode(carriable) -> value``.
+
+    ``validate(carriable)``, when given, runs before ``decode`` on every received value and raises
+    to refuse it.
+    """
 
     cls: type
     name: str
     encode: Callable[[Any], Any]
     decode: Callable[[Any], Any]
+    validate: Optional[Callable[[Any], Any]] = None
+
+    def decode_received(self, value: Any) -> Any:
+        """Validate and decode a value a peer sent; every failure is a :class:`DecodeError`."""
+        try:
+            if self.validate is not None:
+                self.validate(value)
+            return self.decode(value)
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise DecodeError(f"codec {self.name!r} refused a received value: {type(exc).__name__}: {exc}") from exc
 
 
 class CodecRegistry:
@@ -50,11 +77,16 @@ class CodecRegistry:
         *,
         name: Optional[str] = None,
         replace: bool = False,
+        validate: Optional[Callable[[Any], Any]] = None,
     ) -> TypeCodec:
-        """Register a codec for ``cls``; ``name`` defaults to ``module.QualName``."""
+        """Register a codec for ``cls``; ``name`` defaults to ``module.QualName``.
+
+        ``validate(carriable)`` runs on every received value before ``decode`` and raises to
+        refuse it: with msgpack and json, what arrives is whatever a peer sent.
+        """
         if not isinstance(cls, type):
             raise TypeError(f"register_type() needs a class, got {cls!r}")
-        codec = TypeCodec(cls, name or f"{cls.__module__}.{cls.__qualname__}", encode, decode)
+        codec = TypeCodec(cls, name or f"{cls.__module__}.{cls.__qualname__}", encode, decode, validate)
         with self._lock:
             taken = self._by_name.get(codec.name)
             if taken is not None and not replace and taken.cls is not cls:

@@ -19,6 +19,9 @@ Backend exceptions are wrapped with the original kept as ``__cause__``.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Any, Iterator
+
 
 class ObjcommError(Exception):
     """Root of every error objcomm raises on purpose."""
@@ -42,3 +45,18 @@ class UnknownSerializerError(ObjcommError, LookupError):
 
 class ContentRefusedError(ObjcommError):
     """The receiver refuses this content: a serializer outside ``accept`` or a global not allowed."""
+
+
+@contextmanager
+def decoding(serializer: str, data: Any) -> Iterator[None]:
+    """Turn any non-objcomm exception raised while ``serializer`` decodes ``data`` into a DecodeError."""
+    try:
+        yield
+    except ObjcommError:
+        raise
+    except Exception as exc:
+        try:
+            size = f"{memoryview(data).nbytes:,} bytes"
+        except TypeError:
+            size = f"a {type(data).__name__}"
+        raise DecodeError(f"{serializer} cannot decode {size}: {type(exc).__name__}: {exc}") from exc

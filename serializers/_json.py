@@ -4,6 +4,9 @@
   non-str dict keys, sets, bytes, NaN/Infinity (orjson would write ``null``), ints beyond 64 bits,
   datetimes, numpy, tensors;
 - registered codecs travel as tagged objects ``{"__objcomm_type__": name, "value": ...}``.
+
+Decoding hostile input: orjson refuses nesting over 1024 levels; tagged values are resolved only
+``MAX_TAG_DEPTH`` (256) levels deep; every failure is a :class:`DecodeError`.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ import re
 from typing import Any
 
 from ._codecs import CodecRegistry, codecs
-from ._errors import DecodeError, EncodeError
+from ._errors import DecodeError, EncodeError, decoding
 from ._path import describe, locate
 from ._protocol import Buffer, Restore, Serializer
 
 TAG = "__objcomm_type__"
+MAX_TAG_DEPTH = 256
 _TAG_PATTERN = re.compile(f'"{TAG}"'.encode())  # re searches memoryviews without a copy
 _NATIVE = (type(None), bool, str, list, tuple, dict)
 _HINTS = {
@@ -89,25 +93,26 @@ class JsonSerializer(Serializer):
         return EncodeError(f"json cannot encode {what} {where} {path}; {_HINTS.get(kind, _DEFAULT_HINT)}")
 
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
-        try:
+        with decoding(self.name, data):
             obj = _orjson().loads(data)
-        except Exception as exc:
-            raise DecodeError(f"json cannot decode {memoryview(data).nbytes} bytes: {exc}") from exc
-        if _TAG_PATTERN.search(data):
-            obj = self._untag(obj)
-        return obj
+            if _TAG_PATTERN.search(data):
+                obj = self._untag(obj, 0)
+            return obj
 
-    def _untag(self, obj: Any) -> Any:
+    def _untag(self, obj: Any, depth: int) -> Any:
+        if depth > MAX_TAG_DEPTH:
+            raise DecodeError(f"json payload with codec tags nests over {MAX_TAG_DEPTH} levels")
         if isinstance(obj, list):
-            return [self._untag(v) for v in obj]
+            return [self._untag(v, depth + 1) for v in obj]
         if isinstance(obj, dict):
             if TAG in obj and len(obj) == 2 and "value" in obj:
-                codec = self._codecs.by_name(obj[TAG])
+                codec = self._codecs.by_name(obj[TAG]) if type(obj[TAG]) is str else None
                 if codec is None:
                     raise DecodeError(
                         f"json payload holds a value of registered type {obj[TAG]!r}, but no codec of that name is "
                         f"registered on this rank (known: {self._codecs.names()}); call serializers.register_type()"
                     )
-                return codec.decode(self._untag(obj["value"]))
-            return {k: self._untag(v) for k, v in obj.items()}
+                return codec.decode_received(self._untag(obj["value"], depth + 1))
+            return {k: self._untag(v, depth + 1) for k, v in obj.items()}
         return obj
+

@@ -19,22 +19,30 @@ code  type                ext data
 12    out-of-band object  int key (objcomm's tensors)
 13    registered codec    [codec name, encoded value]
 ====  ==================  ===========================================
+
+Decoding hostile input: each extension re-enters the C unpacker, which keeps about 40 KiB of
+state on the C stack, so extension values nest at most ``MAX_EXT_DEPTH`` (32) deep — deeper is a
+:class:`DecodeError`, not a stack overflow. Plain arrays and maps are limited by msgpack itself.
+Every extension's fields are checked before anything is built (dtype, shape against the bytes
+present, digit counts of big ints).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 from collections import OrderedDict
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
+from . import _rebuild
 from ._codecs import CodecRegistry, codecs
-from ._errors import DecodeError, EncodeError
+from ._errors import DecodeError, EncodeError, decoding
 from ._path import describe, locate
 from ._protocol import Buffer, Lift, Restore, Serializer
 
 TUPLE, SET, FROZENSET, BIGINT, DATETIME, DATE, TIMEDELTA = 1, 2, 3, 4, 5, 6, 7
 NDARRAY, NPSCALAR, COMPLEX, ODICT, EXTERNAL, CODEC = 8, 9, 10, 11, 12, 13
 
+MAX_EXT_DEPTH = 32
 _NATIVE = (type(None), bool, int, float, str, bytes, bytearray, list, dict)
 _INT_RANGE = (-(2**63), 2**64 - 1)
 
@@ -150,56 +158,69 @@ class MsgpackSerializer(Serializer):
             return msgpack.unpackb(raw, ext_hook=ext_hook, raw=False, strict_map_key=False)
 
         decoders: Dict[int, Callable[[bytes], Any]] = {
-            TUPLE: lambda raw: tuple(unpack(raw)),
-            SET: lambda raw: set(unpack(raw)),
-            FROZENSET: lambda raw: frozenset(unpack(raw)),
-            BIGINT: lambda raw: int(raw.decode("ascii")),
-            DATETIME: lambda raw: _dt.datetime.fromisoformat(raw.decode("ascii")),
-            DATE: lambda raw: _dt.date.fromisoformat(raw.decode("ascii")),
-            TIMEDELTA: lambda raw: _dt.timedelta(*unpack(raw)),
-            COMPLEX: lambda raw: complex(*unpack(raw)),
-            ODICT: lambda raw: OrderedDict(unpack(raw)),
-            NDARRAY: lambda raw: _decode_ndarray(*unpack(raw)),
-            NPSCALAR: lambda raw: _decode_npscalar(*unpack(raw)),
-            CODEC: lambda raw: self._decode_codec(*unpack(raw)),
+            TUPLE: lambda raw: tuple(_array(unpack(raw))),
+            SET: lambda raw: set(_array(unpack(raw))),
+            FROZENSET: lambda raw: frozenset(_array(unpack(raw))),
+            BIGINT: lambda raw: int(_rebuild.bounded_int_text(raw.decode("ascii"), "msgpack big int")),
+            DATETIME: lambda raw: _dt.datetime.fromisoformat(_short_text(raw)),
+            DATE: lambda raw: _dt.date.fromisoformat(_short_text(raw)),
+            TIMEDELTA: lambda raw: _dt.timedelta(*_numbers(unpack(raw), 3)),
+            COMPLEX: lambda raw: complex(*_numbers(unpack(raw), 2)),
+            ODICT: lambda raw: OrderedDict(_array(unpack(raw))),
+            NDARRAY: lambda raw: _decode_ndarray(*_array(unpack(raw), 3)),
+            NPSCALAR: lambda raw: _rebuild.numpy_scalar(*_array(unpack(raw), 2)),
+            CODEC: lambda raw: self._decode_codec(*_array(unpack(raw), 2)),
             EXTERNAL: lambda raw: _restore_external(restore, unpack(raw)),
         }
+        depth = [0]
 
         def ext_hook(code: int, raw: bytes) -> Any:
             decoder = decoders.get(code)
             if decoder is None:
                 raise DecodeError(f"msgpack payload holds unknown extension type {code}; was it written by objcomm?")
-            return decoder(raw)
+            if depth[0] >= MAX_EXT_DEPTH:
+                raise DecodeError(f"msgpack payload nests extension types (tuples, sets...) over {MAX_EXT_DEPTH} deep")
+            depth[0] += 1
+            try:
+                return decoder(raw)
+            finally:
+                depth[0] -= 1
 
-        try:
+        with decoding(self.name, data):
             return unpack(data)
-        except DecodeError:
-            raise
-        except Exception as exc:
-            raise DecodeError(
-                f"msgpack cannot decode {memoryview(data).nbytes} bytes: {type(exc).__name__}: {exc}"
-            ) from exc
 
     def _decode_codec(self, name: str, value: Any) -> Any:
-        codec = self._codecs.by_name(name)
+        codec = self._codecs.by_name(name) if type(name) is str else None
         if codec is None:
             raise DecodeError(
                 f"msgpack payload holds a value of registered type {name!r}, but no codec of that name is "
                 f"registered on this rank (known: {self._codecs.names()}); call serializers.register_type() here too"
             )
-        return codec.decode(value)
+        return codec.decode_received(value)
 
 
-def _decode_ndarray(dtype: str, shape: list, raw: bytes) -> Any:
-    import numpy as np
+def _array(value: Any, length: Optional[int] = None) -> list:
+    if type(value) is not list or (length is not None and len(value) != length):
+        expected = f"an array of {length} items" if length is not None else "an array"
+        raise DecodeError(f"msgpack extension holds {type(value).__name__}, expected {expected}")
+    return value
 
-    return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
+
+def _numbers(value: Any, most: int) -> list:
+    if type(value) is not list or len(value) > most or any(type(v) not in (int, float) for v in value):
+        raise DecodeError(f"msgpack extension expected up to {most} numbers")
+    return value
 
 
-def _decode_npscalar(dtype: str, raw: bytes) -> Any:
-    import numpy as np
+def _short_text(raw: bytes) -> str:
+    if len(raw) > 64:
+        raise DecodeError("msgpack date/time text longer than 64 bytes")
+    return raw.decode("ascii")
 
-    return np.frombuffer(raw, dtype=np.dtype(dtype))[0]
+
+def _decode_ndarray(dtype: Any, shape: Any, raw: Any) -> Any:
+    """An array from ``[dtype.str, shape, C-order bytes]``: the bytes must be exactly what the shape needs."""
+    return _rebuild.ndarray(dtype, shape, "C", raw)  # copies out of the read-only payload
 
 
 def _restore_external(restore: Restore | None, key: int) -> Any:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -32,3 +34,11 @@ def ranks3():
 @pytest.fixture
 def ranks4():
     return get_pool(4)
+
+
+@pytest.fixture
+def shm_dir():
+    """A private directory on the shared-memory filesystem, so checks see only this test's segments."""
+    path = tempfile.mkdtemp(prefix="objcomm-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
 from typing import Any, Dict, List
 
 import pytest
@@ -16,20 +14,12 @@ import torch.distributed as dist
 from _ranks import RankDied, RankPool, get_pool
 
 import objcomm
-from objcomm import _shm, _transport
+from objcomm import _segments, _shm, _transport
 from objcomm._transport import Outgoing
 
 SLOT = 128
 CAPACITY = SLOT - _transport.PREFIX.size
 THRESHOLD = 4096
-
-
-@pytest.fixture
-def shm_dir():
-    """A private directory on the shared-memory filesystem, so checks see only this test's segments."""
-    path = tempfile.mkdtemp(prefix="objcomm-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class _Records(logging.Handler):
@@ -253,7 +243,7 @@ def test_config_reads_the_environment(monkeypatch):
 def test_too_little_space_is_refused_before_creating(shm_dir):
     with pytest.raises(OSError, match="free"):
         huge = torch.empty(1, dtype=torch.uint8).expand(1 << 60)  # no memory behind it
-        _shm._Segment.create(os.path.join(shm_dir, "objcomm-x-1-1-0"), None, [huge])
+        _segments._Segment.create(os.path.join(shm_dir, "objcomm-x-1-1-0"), None, [huge])
     assert os.listdir(shm_dir) == []
 
 
@@ -284,7 +274,8 @@ def test_a_thousand_calls_leave_no_segments(shm_dir):
     assert [count for _, count in results] == [0, 0]
     assert os.listdir(shm_dir) == []
     pids = {str(pid) for pid, _ in results}
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith("objcomm-") and n.split("-")[2] in pids]
+    writers = [_segments._parse(n) for n in os.listdir("/dev/shm")]
+    assert not [w for w in writers if w is not None and str(w.pid) in pids]
 
 
 def die_after_writing(directory: str) -> None:
@@ -325,7 +316,7 @@ def test_killed_rank_leaves_nothing_once_the_job_is_gone(shm_dir):
         with pytest.raises(RankDied):
             pool.run(die_after_writing, shm_dir)
     left = os.listdir(shm_dir)  # whatever the killed job's ranks wrote ...
-    _shm.sweep(shm_dir)  # ... is removed by the next job's discovery (same function)
+    _segments.sweep(shm_dir)  # ... is removed by the next job's discovery (same function)
     assert os.listdir(shm_dir) == [], left
 
 
@@ -342,8 +333,8 @@ def new_group_discovers(directory: str) -> List[str]:
 def test_discovery_removes_segments_of_dead_processes(shm_dir):
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = os.path.join(shm_dir, f"objcomm-{0:016x}-{dead.pid}-1-0")
-    alive = os.path.join(shm_dir, f"objcomm-{0:016x}-{os.getpid()}-1-0")
+    stale = _segments._name(shm_dir, _segments._me(0)._replace(pid=dead.pid), 1, 0)
+    alive = _segments._name(shm_dir, _segments._me(0), 1, 0)
     for path in (stale, alive):
         open(path, "wb").close()
     assert get_pool(2).run(new_group_discovers, shm_dir) == [[os.path.basename(alive)]] * 2

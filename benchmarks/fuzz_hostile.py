@@ -1,0 +1,83 @@
+"""Longer hostile-input run: the adversarial fuzz tests at N times their CI size, plus the worst cases.
+
+    python benchmarks/fuzz_hostile.py --scale 20          # about 440,000 generated inputs
+    python benchmarks/fuzz_hostile.py --amplification     # memory and time per input byte, worst cases
+
+The fuzz tests (tests/test_adversarial_*.py -k fuzz) decode restricted-pickle opcode programs
+built from the allowed globals, nested msgpack extension trees, and frames, slots and error
+reports with lying fields, each in a child process with its address space capped. In CI they run
+22,000 inputs; ``--scale N`` multiplies that through ``OBJCOMM_FUZZ_SCALE``.
+
+``--amplification`` decodes one-megabyte payloads built to maximise memory per input byte (empty
+containers) and reports peak traced memory and decode time per byte for each safe serializer: the
+constants docs/security.md quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import tracemalloc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+N = 1_000_000
+
+
+def _worst_cases() -> dict:
+    n4 = N.to_bytes(4, "big")
+    return {
+        ("restricted-pickle", "empty lists"): b"\x80\x05](" + b"]" * N + b"e.",
+        ("restricted-pickle", "empty dicts"): b"\x80\x05](" + b"}" * N + b"e.",
+        ("restricted-pickle", "memo references"): b"\x80\x05]\x94(" + b"h\x00" * N + b"e.",
+        ("msgpack", "empty arrays"): b"\xdd" + n4 + b"\x90" * N,
+        ("msgpack", "empty maps"): b"\xdd" + n4 + b"\x80" * N,
+        ("msgpack", "empty tuples (ext)"): b"\xdd" + n4 + b"\xd4\x01\x90" * N,
+        ("json", "empty arrays"): b"[" + b"[]," * (N - 1) + b"[]]",
+        ("json", "empty objects"): b"[" + b"{}," * (N - 1) + b"{}]",
+    }
+
+
+def amplification() -> None:
+    import serializers
+
+    print("| serializer | payload | input bytes | peak memory / input byte | decode ns / input byte |")
+    print("|---|---|---|---|---|")
+    for (name, label), data in _worst_cases().items():
+        s = serializers.get(name)
+        start = time.perf_counter()
+        s.loads(data)
+        elapsed = time.perf_counter() - start
+        tracemalloc.start()
+        s.loads(data)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        print(f"| {name} | {label} | {len(data):,} | {peak / len(data):.1f} | {elapsed / len(data) * 1e9:.0f} |")
+
+
+def fuzz(scale: int) -> int:
+    env = dict(os.environ, OBJCOMM_FUZZ_SCALE=str(scale))
+    command = [sys.executable, "-m", "pytest", "-q", "-k", "fuzz", "-o", f"timeout={300 * scale}",
+               "tests/test_adversarial_serializers.py", "tests/test_adversarial_wire.py"]
+    print("running:", f"OBJCOMM_FUZZ_SCALE={scale}", " ".join(command[1:]), flush=True)
+    start = time.perf_counter()
+    code = subprocess.call(command, cwd=ROOT, env=env)
+    print(f"{22_000 * scale:,} inputs in {time.perf_counter() - start:.0f} s, exit code {code}")
+    return code
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scale", type=int, default=10, help="multiply the CI fuzz sizes by this (default 10)")
+    parser.add_argument("--amplification", action="store_true", help="only measure the worst cases per byte")
+    args = parser.parse_args()
+    if args.amplification:
+        amplification()
+        return 0
+    return fuzz(args.scale)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

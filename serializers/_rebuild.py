@@ -1,0 +1,266 @@
+"""Validated constructors that restricted-pickle payloads name instead of numpy's and torch's own.
+
+numpy's ``_reconstruct`` + ``ndarray.__setstate__`` and torch's ``_rebuild_tensor_v2`` accept
+state that can forge memory layout (object dtypes, overlapping fields, strides and offsets
+outside the data) or allocate far beyond the payload. restricted-pickle's encoder writes arrays,
+scalars, dtypes, tensors, Parameters and UUIDs as calls to the functions below, which rebuild
+the value from a dtype string, a shape and the bytes actually present — and refuse anything
+else. Their ``module.name`` is part of the wire format (``docs/security.md``).
+
+Every function raises :class:`DecodeError` for input it will not build.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+from ._errors import DecodeError
+
+MAX_DIMS = 32
+MAX_DTYPE_TEXT = 64
+MAX_FIELDS = 256
+MAX_INT_DIGITS = 4300  # CPython's own int/str conversion limit (3.11+), applied on every version
+_SIMPLE_KINDS = frozenset("biufcmMSUV")
+_TORCH_DTYPES = frozenset(
+    "uint8 int8 int16 short int32 int int64 long float16 half float32 float float64 double complex64 cfloat "
+    "complex128 cdouble bool bfloat16 uint16 uint32 uint64 float8_e5m2 float8_e4m3fn float8_e5m2fnuz "
+    "float8_e4m3fnuz".split()
+)
+
+
+def _refuse(what: str) -> DecodeError:
+    return DecodeError(f"payload refused: {what}")
+
+
+def _byte_string(data: Any, what: str) -> Any:
+    if type(data) not in (bytes, bytearray):
+        raise _refuse(f"{what}: expected bytes, got {type(data).__name__}")
+    return data
+
+
+def _shape(shape: Any, max_dims: int = MAX_DIMS) -> tuple:
+    if type(shape) not in (tuple, list) or len(shape) > max_dims:
+        raise _refuse(f"shape {shape!r:.80}: expected a tuple of at most {max_dims} sizes")
+    for size in shape:
+        if type(size) is not int or not 0 <= size < 2**62:
+            raise _refuse(f"shape {shape!r:.80}: sizes must be ints in [0, 2**62)")
+    return tuple(shape)
+
+
+def _count(shape: tuple) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _simple_numpy_dtype(descr: Any) -> Any:
+    import numpy as np
+
+    if type(descr) is not str or len(descr) > MAX_DTYPE_TEXT:
+        raise _refuse(f"numpy dtype {descr!r:.80}: expected a short dtype string")
+    try:
+        dtype = np.dtype(descr)
+    except Exception as exc:
+        raise _refuse(f"numpy dtype {descr!r:.80}: {exc}") from None
+    if dtype.fields is not None or dtype.subdtype is not None or dtype.hasobject or dtype.kind not in _SIMPLE_KINDS:
+        raise _refuse(f"numpy dtype {descr!r:.80}: only plain (non-object, non-structured) dtypes are built")
+    if dtype.itemsize <= 0:
+        raise _refuse(f"numpy dtype {descr!r:.80}: zero-sized items")
+    return dtype
+
+
+def numpy_dtype(descr: Any) -> Any:
+    """A numpy dtype from ``dtype.str`` or, for structured dtypes, ``dtype.descr`` of plain fields."""
+    import numpy as np
+
+    if type(descr) is str:
+        return _simple_numpy_dtype(descr)
+    if type(descr) not in (list, tuple) or not 0 < len(descr) <= MAX_FIELDS:
+        raise _refuse(f"numpy dtype {descr!r:.80}: expected a dtype string or a list of (name, dtype string)")
+    fields = []
+    for field in descr:
+        if type(field) not in (list, tuple) or len(field) != 2 or type(field[0]) is not str or len(field[0]) > 256:
+            raise _refuse(f"numpy dtype field {field!r:.80}: expected (name, dtype string)")
+        fields.append((field[0], _simple_numpy_dtype(field[1])))
+    try:
+        dtype = np.dtype(fields)  # numpy lays the fields out packed: no overlap, no object
+    except Exception as exc:
+        raise _refuse(f"numpy dtype {descr!r:.80}: {exc}") from None
+    if dtype.hasobject or dtype.itemsize <= 0:
+        raise _refuse(f"numpy dtype {descr!r:.80}")
+    return dtype
+
+
+def ndarray(descr: Any, shape: Any, order: Any, data: Any) -> Any:
+    """A numpy array of ``shape`` over exactly the bytes given (writable; C or Fortran order)."""
+    import numpy as np
+
+    dtype = numpy_dtype(descr)
+    shape = _shape(shape)
+    if order not in ("C", "F"):
+        raise _refuse(f"array order {order!r:.20}")
+    data = _byte_string(data, "array data")
+    expected = _count(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise _refuse(f"an array of shape {shape} and dtype {dtype}: {len(data):,} bytes given, {expected:,} needed")
+    if expected == 0:
+        return np.empty(shape, dtype=dtype, order=order)
+    array = np.frombuffer(data, dtype=dtype).reshape(shape, order=order)
+    return array if type(data) is bytearray else array.copy(order="K")
+
+
+def numpy_scalar(descr: Any, data: Any) -> Any:
+    """A numpy scalar from its dtype string and exactly ``itemsize`` bytes."""
+    import numpy as np
+
+    dtype = numpy_dtype(descr)
+    data = _byte_string(data, "scalar data")
+    if len(data) != dtype.itemsize:
+        raise _refuse(f"a {dtype} scalar: {len(data)} bytes given, {dtype.itemsize} needed")
+    return np.frombuffer(data, dtype=dtype)[0]
+
+
+def torch_dtype(name: Any) -> Any:
+    """``torch.<name>`` for the dtypes tensors may have here (not quantized or bit-packed ones)."""
+    if type(name) is not str or name not in _TORCH_DTYPES:
+        raise _refuse(f"torch dtype {name!r:.40}")
+    import torch
+
+    dtype = torch.__dict__.get(name)
+    if not isinstance(dtype, torch.dtype):
+        raise _refuse(f"torch dtype {name!r}: not in this torch version")
+    return dtype
+
+
+def tensor(dtype_name: Any, shape: Any, data: Any, requires_grad: Any) -> Any:
+    """A dense CPU tensor of ``shape`` over exactly the bytes given."""
+    import torch
+
+    dtype = torch_dtype(dtype_name)
+    shape = _shape(shape)
+    data = _byte_string(data, "tensor data")
+    if type(requires_grad) is not bool:
+        raise _refuse("tensor requires_grad: expected a bool")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = _count(shape) * itemsize
+    if len(data) != expected:
+        raise _refuse(f"a tensor of shape {shape} and dtype {dtype}: {len(data):,} bytes given, {expected:,} needed")
+    if expected == 0:
+        result = torch.empty(shape, dtype=dtype)
+    else:
+        buffer = data if type(data) is bytearray else bytearray(data)
+        result = torch.frombuffer(buffer, dtype=dtype).reshape(shape)
+    if requires_grad:
+        if not (dtype.is_floating_point or dtype.is_complex):
+            raise _refuse(f"requires_grad on a {dtype} tensor")
+        result.requires_grad_(True)
+    return result
+
+
+def parameter(data: Any, requires_grad: Any) -> Any:
+    """``torch.nn.Parameter(data, requires_grad)`` for a tensor this module built."""
+    import torch
+
+    if type(data) is not torch.Tensor or type(requires_grad) is not bool:
+        raise _refuse("a Parameter: expected a plain tensor and a bool")
+    return torch.nn.Parameter(data.detach(), requires_grad=requires_grad)
+
+
+def uuid(value: Any) -> Any:
+    """``uuid.UUID(int=value)`` (the range is checked by UUID itself)."""
+    import uuid as _uuid
+
+    if type(value) is not int:
+        raise _refuse("a UUID: expected an int")
+    try:
+        return _uuid.UUID(int=value)
+    except ValueError as exc:
+        raise _refuse(f"a UUID: {exc}") from None
+
+
+def bounded_int_text(text: Any, what: str) -> str:
+    """``text`` when it is a short enough decimal literal to convert in linear time."""
+    if type(text) is not str or len(text) > MAX_INT_DIGITS + 1:
+        raise _refuse(f"{what}: a number of more than {MAX_INT_DIGITS} digits")
+    return text
+
+
+# -- encoding side: what restricted-pickle's pickler writes ------------------------------------
+
+
+def reduce_numpy(value: Any) -> Any:
+    """``(constructor, args)`` for a numpy array, scalar or dtype; None for anything else."""
+    import numpy as np
+
+    cls = type(value)
+    if cls is np.ndarray:
+        if value.dtype.hasobject:
+            raise TypeError("restricted-pickle cannot carry numpy arrays of dtype=object; use pickle")
+        order = "F" if value.flags.f_contiguous and not value.flags.c_contiguous else "C"
+        data = value if value.flags.c_contiguous or order == "F" else np.ascontiguousarray(value)
+        raw: Any = data.reshape(-1, order="A").view(np.uint8) if data.size else b""
+        buffer = _pickle_buffer(raw) if data.size else b""
+        return ndarray, (_numpy_descr(value.dtype), tuple(value.shape), order, buffer)
+    if isinstance(value, np.generic):
+        if value.dtype.hasobject:
+            raise TypeError("restricted-pickle cannot carry numpy object scalars; use pickle")
+        return numpy_scalar, (_numpy_descr(value.dtype), value.tobytes())
+    if isinstance(value, np.dtype):
+        return numpy_dtype, (_numpy_descr(value),)
+    return None
+
+
+def _numpy_descr(dtype: Any) -> Any:
+    if dtype.fields is None:
+        return dtype.str
+    descr = [(name, dtype.fields[name][0].str) for name in dtype.names]
+    import numpy as np
+
+    if np.dtype(descr) != dtype or any(np.dtype(d).fields is not None for _, d in descr):
+        raise TypeError(f"restricted-pickle carries structured dtypes of plain packed fields only, not {dtype}")
+    return descr
+
+
+def _pickle_buffer(array: Any) -> Any:
+    import pickle
+
+    # a writable PickleBuffer pickles in-band as bytearray (one copy, decoded writable, no re-copy)
+    return pickle.PickleBuffer(array) if array.flags.writeable else array.tobytes()
+
+
+def reduce_torch(value: Any) -> Any:
+    """``(constructor, args)`` for a dense tensor, Parameter, Size or device; None for anything else."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if type(value) is torch.nn.Parameter:
+            return parameter, (value.detach(), value.requires_grad)
+        if type(value) is not torch.Tensor:
+            raise TypeError(f"restricted-pickle cannot carry tensor subclass {type(value).__name__}; use pickle")
+        if value.layout != torch.strided or value.is_quantized or value.is_nested or value.device.type == "meta":
+            raise TypeError("restricted-pickle carries dense tensors only; use pickle for sparse/quantized ones")
+        name = str(value.dtype).rpartition(".")[2]
+        if name not in _TORCH_DTYPES:
+            raise TypeError(f"restricted-pickle cannot carry {value.dtype} tensors; use pickle")
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        raw: Any = _pickle_buffer(flat.view(torch.uint8).numpy()) if flat.numel() else b""
+        return tensor, (name, tuple(value.shape), raw, value.requires_grad)
+    return None
+
+
+def reduce_any(value: Any) -> Any:
+    """What restricted-pickle's pickler asks for every non-builtin value: a safe reduction or None."""
+    module = type(value).__module__
+    if module == "numpy" or module.startswith("numpy."):
+        return reduce_numpy(value)
+    if module.startswith("torch"):
+        return reduce_torch(value)
+    if module == "uuid" and type(value).__name__ == "UUID":
+        return uuid, (value.int,)
+    return None
+
+
+__all__: Sequence[str] = ()

@@ -1,0 +1,460 @@
+"""restricted-pickle: pickle whose payloads can name only vetted constructors, whatever the bytes say.
+
+How a hostile payload is kept harmless (``docs/security.md`` states the guarantee):
+
+1. **The opcode scan** (``_pickle_scan.scan``) checks every declared length, memo index and text
+   number against the bytes present and refuses opcodes objcomm never writes, before the C
+   unpickler allocates anything.
+2. **Guards, not globals.** ``find_class`` never imports or returns what the payload names. It
+   returns a *guard*: a class (so NEWOBJ accepts it) whose metaclass routes a call (REDUCE, OBJ,
+   INST) to a validating constructor, whose ``__new__`` routes NEWOBJ likewise, and whose
+   ``__setstate__`` refuses BUILD on the global itself. Constructors take only values built from
+   the payload (lists, tuples, dicts, bytes) and bound every size by them: ``bytearray(10**9)``,
+   ``set(range(10**9))`` or ``Fraction("1e30000000")`` are refused. numpy and torch values are
+   rebuilt by ``_rebuild`` from dtype, shape and the bytes present; numpy's and torch's own
+   reconstructors are never reachable. The allow-list is checked before any import.
+3. **The probe pass.** BUILD (``__setstate__`` or attribute updates) is allowed only on instances
+   of classes the user allowed. When the scan saw a BUILD, the payload is first run through the C
+   unpickler with every guard returning an inert *probe* that knows only what kind of value it
+   stands for; a BUILD, APPEND or SETITEM on a probe of the wrong kind refuses the payload. Pickle
+   is straight-line code, so the real pass that follows applies BUILD only where the probe pass
+   allowed it. Both passes run at C speed.
+4. **Classes travel only as constructors.** A global the payload names but never calls would end
+   up in the result as a guard; the load is refused instead ("classes and functions as values").
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import decimal
+import fractions
+import importlib
+import io
+import pickle
+import re
+import threading
+from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
+
+from . import _rebuild
+from ._errors import ContentRefusedError, DecodeError, decoding
+from ._pickle import EXTERNAL, PROTOCOL, PickleSerializer, external_ref
+from ._pickle_scan import scan
+from ._protocol import Buffer, Restore
+
+SEALED, MAPPING, SEQUENCE, USER = "sealed", "mapping", "sequence", "user"
+_MAX_INT_BITS = 14_300  # about 4,300 decimal digits: gcd and str conversions stay cheap
+_FRACTION_TEXT = re.compile(r"\s*[+-]?\d{1,4300}(?:/\d{1,4300})?\s*\Z")
+_BUILT = (list, tuple, set, frozenset, dict)
+
+
+def _refused(what: str) -> ContentRefusedError:
+    return ContentRefusedError(f"restricted-pickle refused {what}; nothing was run")
+
+
+# -- validating constructors -------------------------------------------------------------------
+
+
+def _built(value: Any, what: str) -> Any:
+    """``value`` if it is a container the payload itself spelled out (so its size is bounded by it)."""
+    if type(value) not in _BUILT:
+        raise _refused(f"{what} of {type(value).__name__}: only lists, tuples, sets and dicts from the payload")
+    return value
+
+
+def _small_int(value: Any, what: str) -> int:
+    if type(value) is not int or value.bit_length() > _MAX_INT_BITS:
+        raise _refused(f"{what}: expected an int of at most {_MAX_INT_BITS} bits")
+    return value
+
+
+def _no_args(real: type) -> Callable[..., Any]:
+    def build(*args: Any) -> Any:
+        if args:
+            raise _refused(f"calling {real.__name__} with arguments (only its empty value is built)")
+        return real()
+
+    return build
+
+
+def _collection(real: type) -> Callable[..., Any]:
+    def build(items: Any = ()) -> Any:
+        return real(_built(items, real.__name__))
+
+    return build
+
+
+def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
+    if type(real) not in (int, float) or type(imag) not in (int, float):
+        raise _refused("complex() of anything but numbers")
+    return complex(_small_int(real, "complex") if type(real) is int else real, imag)
+
+
+def _bytearray(source: Any = b"", encoding: Any = None) -> bytearray:
+    if type(source) in (bytes, bytearray) and encoding is None:
+        return bytearray(source)
+    if type(source) is str and encoding == "latin-1":
+        return bytearray(source, "latin-1")
+    raise _refused("bytearray() of anything but bytes (a size would allocate without bound)")
+
+
+def _ints_or_none(name: str, real: Any, max_args: int) -> Callable[..., Any]:
+    def build(*args: Any) -> Any:
+        if not 0 < len(args) <= max_args or any(type(a) is not int and a is not None for a in args):
+            raise _refused(f"{name}() of anything but up to {max_args} ints")
+        return real(*args)
+
+    return build
+
+
+def _odict(items: Any = ()) -> Any:
+    return collections.OrderedDict(_built(items, "OrderedDict"))
+
+
+def _counter(items: Any = ()) -> Any:
+    return collections.Counter(_built(items, "Counter"))
+
+
+def _defaultdict(factory: Any = None, items: Any = ()) -> Any:
+    real = None if factory is None else getattr(factory, "_factory", None)
+    if factory is not None and real is None:
+        raise _refused("a defaultdict whose factory is not an allowed empty constructor")
+    if factory is not None:
+        _note_call(factory)
+    return collections.defaultdict(real, _built(items, "defaultdict"))
+
+
+def _deque(items: Any = (), maxlen: Any = None) -> Any:
+    if maxlen is not None and (type(maxlen) is not int or not 0 <= maxlen < 2**62):
+        raise _refused("a deque with that maxlen")
+    return collections.deque(_built(items, "deque"), maxlen)
+
+
+_DATETIME_ARGS = (int, float, bytes, str, bool, type(None), datetime.tzinfo, datetime.timedelta)
+
+
+def _datetime(real: type) -> Callable[..., Any]:
+    def build(*args: Any) -> Any:
+        for arg in args:
+            if not isinstance(arg, _DATETIME_ARGS) or (isinstance(arg, (str, bytes)) and len(arg) > 64):
+                raise _refused(f"{real.__name__}() of {type(arg).__name__}")
+            if type(arg) is int:
+                _small_int(arg, real.__name__)
+        return real(*args)
+
+    return build
+
+
+def _decimal(value: Any = "0", context: Any = None) -> decimal.Decimal:
+    if context is not None or type(value) not in (str, int, float, tuple):
+        raise _refused("Decimal() of anything but a number, its text or its tuple")
+    if type(value) is int:
+        _small_int(value, "Decimal")
+    return decimal.Decimal(value)
+
+
+def _fraction(numerator: Any = 0, denominator: Any = None) -> fractions.Fraction:
+    if type(numerator) is str and denominator is None:
+        if not _FRACTION_TEXT.match(numerator):
+            raise _refused("Fraction() of text other than 'n' or 'n/d' with at most 4300 digits each")
+        return fractions.Fraction(numerator)
+    _small_int(numerator, "Fraction")
+    if denominator is not None:
+        _small_int(denominator, "Fraction")
+    return fractions.Fraction(numerator, denominator)
+
+
+def _torch_size(sizes: Any = ()) -> Any:
+    import torch
+
+    if type(sizes) not in (list, tuple) or any(type(s) is not int or not 0 <= s < 2**63 for s in sizes):
+        raise _refused("torch.Size() of anything but a tuple of sizes")
+    return torch.Size(sizes)
+
+
+def _torch_device(kind: Any, index: Any = None) -> Any:
+    import torch
+
+    if type(kind) is not str or len(kind) > 32 or (index is not None and (type(index) is not int or index < 0)):
+        raise _refused("torch.device() of anything but a short name and an index")
+    return torch.device(kind) if index is None else torch.device(kind, index)
+
+
+def _object() -> object:
+    return object()
+
+
+# (module, name) -> (call, NEWOBJ, kind of the result, the real class for defaultdict factories)
+_Spec = Tuple[Optional[Callable[..., Any]], Optional[Callable[..., Any]], str, Optional[type]]
+_SPECS: Dict[Tuple[str, str], _Spec] = {
+    ("builtins", "set"): (_collection(set), None, SEALED, set),
+    ("builtins", "frozenset"): (_collection(frozenset), None, SEALED, frozenset),
+    ("builtins", "complex"): (_complex, None, SEALED, complex),
+    ("builtins", "bytearray"): (_bytearray, None, SEALED, bytearray),
+    ("builtins", "slice"): (_ints_or_none("slice", slice, 3), None, SEALED, None),
+    ("builtins", "range"): (_ints_or_none("range", range, 3), None, SEALED, None),
+    ("builtins", "object"): (_object, _object, SEALED, object),
+    **{("builtins", t.__name__): (_no_args(t), None, SEALED, t)
+       for t in (list, dict, tuple, int, float, str, bytes, bool)},
+    ("collections", "OrderedDict"): (_odict, None, MAPPING, collections.OrderedDict),
+    ("collections", "Counter"): (_counter, None, MAPPING, collections.Counter),
+    ("collections", "defaultdict"): (_defaultdict, None, MAPPING, None),
+    ("collections", "deque"): (_deque, None, SEQUENCE, collections.deque),
+    **{("datetime", t.__name__): (_datetime(t), None, SEALED, None)
+       for t in (datetime.datetime, datetime.date, datetime.time, datetime.timedelta, datetime.timezone)},
+    ("decimal", "Decimal"): (_decimal, None, SEALED, None),
+    ("fractions", "Fraction"): (_fraction, None, SEALED, None),
+    ("torch", "Size"): (_torch_size, None, SEALED, None),
+    ("torch", "device"): (_torch_device, None, SEALED, None),
+    **{("serializers._rebuild", f.__name__): (f, None, SEALED, None)
+       for f in (_rebuild.ndarray, _rebuild.numpy_scalar, _rebuild.numpy_dtype, _rebuild.tensor,
+                 _rebuild.parameter, _rebuild.uuid)},
+}
+_NUMPY_OWN = {"_reconstruct", "scalar", "_frombuffer", "ndarray", "dtype"}
+
+
+# -- guards and probes -------------------------------------------------------------------------
+
+
+_loading = threading.local()  # .called: the guards called during this thread's current load
+
+
+def _note_call(guard: Any) -> None:
+    called = getattr(_loading, "called", None)
+    if called is not None:
+        called.add(guard)
+
+
+class _GuardMeta(type):
+    """The type of every guard: calling a guard runs its validating constructor."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:  # REDUCE, OBJ, INST
+        _note_call(cls)
+        return cls._call(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def __setstate__(cls, state: Any) -> None:  # BUILD on the global itself
+        raise _refused(f"setting state on the global {cls.__name__}")
+
+
+def _guard(label: str, call: Optional[Callable[..., Any]], newobj: Optional[Callable[..., Any]], factory: Any) -> type:
+    def refuse_call(*args: Any, **kwargs: Any) -> Any:
+        raise _refused(f"calling {label}")
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:  # NEWOBJ
+        _note_call(cls)
+        if newobj is None:
+            raise _refused(f"creating {label} without its constructor (NEWOBJ)")
+        return newobj(*args, **kwargs)
+
+    namespace = {"__slots__": (), "__new__": __new__, "_call": staticmethod(call or refuse_call), "_factory": factory}
+    return _GuardMeta(label, (), namespace)
+
+
+class _Probe:
+    """Stands in for every value a guard would build during the probe pass; knows only its kind."""
+
+    __slots__ = ("kind", "cls")
+
+    def __init__(self, kind: str, cls: Optional[type] = None) -> None:
+        self.kind = kind
+        self.cls = cls
+
+    def _require(self, kind: str, opcode: str) -> None:
+        if self.kind != USER and self.kind != kind:
+            raise _refused(f"{opcode} on a {self.kind} value (only allowed classes take state or items)")
+
+    def __setstate__(self, state: Any) -> None:
+        self._require(USER, "BUILD")
+        if self.cls is not None and getattr(self.cls, "__setstate__", None) is not None:
+            return  # the allowed class decides what state it accepts
+        parts = state if type(state) is tuple and len(state) == 2 else (state,)
+        for part in parts:
+            if part is None:
+                continue
+            if type(part) is not dict:
+                raise _refused(f"BUILD with a {type(part).__name__} as state")
+            for key in part:
+                if type(key) is not str or (key.startswith("__") and key.endswith("__")):
+                    raise _refused(f"BUILD setting attribute {key!r:.60}")
+
+    def append(self, value: Any) -> None:
+        self._require(SEQUENCE, "APPEND")
+
+    def extend(self, values: Any) -> None:
+        self._require(SEQUENCE, "APPENDS")
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._require(MAPPING, "SETITEM")
+
+    def add(self, value: Any) -> None:
+        self._require(USER, "ADDITEMS")
+
+
+def _probe_guard(label: str, kind: str, newobj: bool, factory: Any, cls: Optional[type] = None) -> type:
+    def make(*args: Any, **kwargs: Any) -> _Probe:
+        return _Probe(kind, cls)
+
+    return _guard(label, make, make if newobj else None, factory)
+
+
+_EXTERNAL_PROBE = _probe_guard("external", SEALED, False, None)
+
+
+class _Guards:
+    """The guards of one allow-list, real and probing, built once and reused."""
+
+    def __init__(self, allowed: Set[Tuple[str, str]]) -> None:
+        self.real: Dict[Tuple[str, str], Any] = {}
+        self.probe: Dict[Tuple[str, str], Any] = {}
+        for key, (call, newobj, kind, factory) in _SPECS.items():
+            label = ".".join(key)
+            self.real[key] = _guard(label, call, newobj, factory)
+            self.probe[key] = _probe_guard(label, kind, newobj is not None, factory)
+        self._allowed = allowed
+
+    def lookup(self, module: str, name: str, probing: bool) -> Any:
+        key = (module, name)
+        table = self.probe if probing else self.real
+        guard = table.get(key)
+        if guard is not None:
+            return guard
+        if module == "torch" and name in _rebuild._TORCH_DTYPES:
+            return _rebuild.torch_dtype(name)  # a dtype is a plain value: no call, no state
+        if key in self._allowed:
+            self._add_allowed(key)
+            return table[key]
+        raise _refused(_why_refused(module, name))
+
+    def _add_allowed(self, key: Tuple[str, str]) -> None:
+        module, name = key
+        target: Any = importlib.import_module(module)
+        for part in name.split("."):
+            target = getattr(target, part)
+        label = ".".join(key)
+        if isinstance(target, type):
+            cls = target
+            self.real[key] = _guard(label, cls, lambda *a, **k: cls.__new__(cls, *a, **k), None)
+            self.probe[key] = _probe_guard(label, USER, True, None, cls)
+        else:
+            self.real[key] = _guard(label, target, None, None)
+            self.probe[key] = _probe_guard(label, SEALED, False, None)
+
+
+def _why_refused(module: str, name: str) -> str:
+    where = f"global {module}.{name}"
+    if module.split(".")[0] == "numpy" and name in _NUMPY_OWN or module.startswith("torch") and "rebuild" in name:
+        return (
+            f"{where}: numpy's and torch's own reconstructors can forge memory; restricted-pickle decodes arrays "
+            "and tensors only in the form its own encoder writes (serializers._rebuild)"
+        )
+    return (
+        f"to load {where}: it is not on the allow-list. If you trust it, allow it with "
+        f"serializers.get('restricted-pickle').allow('{module}.{name}')"
+    )
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: Any, guards: _Guards, restore: Optional[Restore], probing: bool) -> None:
+        super().__init__(file)
+        self._guards = guards
+        self._restore = restore
+        self._probing = probing
+        self.fetched: list = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == EXTERNAL:
+            if self._probing:
+                return _EXTERNAL_PROBE
+            return self._restore if self._restore is not None else external_ref
+        found = self._guards.lookup(module, name, self._probing)
+        if isinstance(found, _GuardMeta):
+            self.fetched.append(found)
+        return found
+
+    def load_checked(self) -> Any:
+        """``load()``, refusing payloads that hold a class or function as a value."""
+        outer = getattr(_loading, "called", None)
+        called: Set[Any] = set()
+        _loading.called = called
+        try:
+            result = self.load()
+        finally:
+            _loading.called = outer
+        for guard in self.fetched:
+            if guard not in called:
+                raise _refused(
+                    f"a payload holding {guard.__name__} as a value: classes and functions travel only as "
+                    "constructors of values in restricted-pickle (send a name instead, or use pickle)"
+                )
+        return result
+
+
+# -- the serializer ----------------------------------------------------------------------------
+
+
+class _SafePickler(pickle.Pickler):
+    """Writes numpy, torch and UUID values as calls to ``serializers._rebuild``."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        reduced = _rebuild.reduce_any(obj)
+        return NotImplemented if reduced is None else reduced
+
+
+_BASE_ALLOWED: Set[Tuple[str, str]] = set()
+
+
+class RestrictedPickleSerializer(PickleSerializer):
+    """Pickle whose loads builds only vetted types, so no payload can run code or forge memory.
+
+    Built: builtin containers and scalars, ``collections``/``datetime``/``decimal``/``fractions``
+    types, numpy arrays and scalars, dense torch tensors and Parameters, UUIDs, plus what you allow::
+
+        serializers.get("restricted-pickle").allow(MyRecord, "mypkg.types.Other")
+
+    Allowing a class lets a payload create instances with any attribute values (and call the class
+    with any arguments): allow only classes that are harmless whatever their fields hold.
+    """
+
+    name = "restricted-pickle"
+    safe = True
+    description = "pickle whose loads only builds vetted types (containers, numpy, torch, yours); no code runs"
+    hint = "restricted-pickle carries builtins, numpy, dense tensors and allowed classes; pickle carries more"
+
+    def __init__(self) -> None:
+        self._allowed: Set[Tuple[str, str]] = set(_BASE_ALLOWED)
+        self._guards = _Guards(self._allowed)
+
+    def _pickler_base(self) -> type:
+        return _SafePickler
+
+    def _dumps_plain(self, obj: Any) -> Buffer:
+        file = io.BytesIO()
+        _SafePickler(file, protocol=PROTOCOL).dump(obj)
+        return file.getbuffer()
+
+    def allow(self, *globals_: Union[type, str]) -> None:
+        """Allow classes (or ``"module.Name"`` strings) to be loaded."""
+        for item in globals_:
+            if isinstance(item, str):
+                module, _, name = item.rpartition(".")
+                if not module:
+                    raise ValueError(f"expected 'module.Name', got {item!r}")
+            else:
+                module, name = item.__module__, item.__qualname__
+            self._allowed.add((module, name))
+        self._guards = _Guards(self._allowed)
+
+    def allowed(self) -> Iterable[str]:
+        """Everything a payload may name, as ``module.Name`` strings, sorted."""
+        return sorted({f"{m}.{n}" for m, n in (*_SPECS, *self._allowed)})
+
+    def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
+        try:
+            builds = scan(data)
+        except Exception as exc:
+            raise DecodeError(f"{self.name} refused a malformed payload: {exc}") from None
+        guards = self._guards
+        with decoding(self.name, data):
+            if builds:
+                _Unpickler(io.BytesIO(data), guards, None, probing=True).load()
+            return _Unpickler(io.BytesIO(data), guards, restore, probing=False).load_checked()

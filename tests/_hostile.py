@@ -1,0 +1,87 @@
+"""Hand-assembled hostile payloads for the safe serializers, shared by the adversarial tests.
+
+Pickle payloads are written opcode by opcode (``glob``, ``call``, ``build``...), so a test can
+name any global and feed any state without the attacker's side importing or running anything.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any, Callable
+
+import msgpack
+
+# Multiplies every fuzz test's example count: benchmarks/fuzz_hostile.py sets it for a longer run.
+FUZZ_SCALE = int(os.environ.get("OBJCOMM_FUZZ_SCALE", "1"))
+
+
+def v(value: Any) -> bytes:
+    """The opcodes that push a plain value (protocol 3: no frame)."""
+    return pickle.dumps(value, protocol=3)[2:-1]
+
+
+def glob(module: str, name: str) -> bytes:
+    return b"c" + f"{module}\n{name}\n".encode()
+
+
+def tup(*parts: bytes) -> bytes:
+    return b"(" + b"".join(parts) + b"t"
+
+
+def call(fn: bytes, *parts: bytes) -> bytes:
+    return fn + tup(*parts) + b"R"
+
+
+def build(obj: bytes, state: bytes) -> bytes:
+    return obj + state + b"b"
+
+
+def newobj(cls: bytes, *parts: bytes) -> bytes:
+    return cls + tup(*parts) + b"\x81"
+
+
+def dict_of(*pairs: tuple[bytes, bytes]) -> bytes:
+    return b"}(" + b"".join(k + val for k, val in pairs) + b"u"
+
+
+def payload(body: bytes) -> bytes:
+    return b"\x80\x05" + body + b"."
+
+
+def numpy_dtype(spec: str, state: bytes) -> bytes:
+    """numpy's own dtype pickle: ``numpy.dtype(spec, False, True)`` then BUILD with ``state``."""
+    return build(call(glob("numpy", "dtype"), v(spec), v(False), v(True)), state)
+
+
+def forged_object_field() -> bytes:
+    """A structured array whose field 'a' is an object pointer made of attacker bytes (0x4141...)."""
+    obj = numpy_dtype("O", v((3, "|", None, None, None, -1, -1, 63)))
+    raw = numpy_dtype("V8", v((3, "|", None, None, None, 8, 1, 0)))
+    fields = dict_of((v("a"), tup(obj, v(0))), (v("b"), tup(raw, v(0))))
+    dtype = numpy_dtype("V8", tup(v(3), v("|"), v(None), v(("a", "b")), fields, v(8), v(1), v(0)))
+    array = call(glob("numpy.core.multiarray", "_reconstruct"), glob("numpy", "ndarray"), v((0,)), v(b"b"))
+    return payload(build(array, tup(v(1), v((1,)), dtype, v(False), v(b"\x41" * 8))))
+
+
+def nested_ext(code: int, depth: int, leaf: Callable[[bytes], bytes] | None = None) -> bytes:
+    """msgpack: ``depth`` extension values of type ``code``, each holding the next."""
+    inner = msgpack.packb([1])
+    for _ in range(depth):
+        body = leaf(inner) if leaf is not None else inner
+        inner = msgpack.packb(msgpack.ExtType(code, body))
+    return inner
+
+
+def outcome(fn: Callable[[], Any]) -> str:
+    """``"ok"``, or the exception's type name; ``"MemoryError"`` if one is anywhere in its causes."""
+    try:
+        fn()
+        return "ok"
+    except Exception as exc:
+        seen: Any = exc
+        while seen is not None:
+            if isinstance(seen, MemoryError):
+                return "MemoryError"
+            seen = seen.__cause__ or seen.__context__
+        return type(exc).__name__

@@ -1,0 +1,378 @@
+"""Hostile payloads against the safe serializers: no crash, no code, no allocation past the input.
+
+Every decode of attacker bytes runs in a child process (``_child.run_in_child``), with its
+address space capped (``memory_budget``): a segfault fails the test as ``ChildCrashed``, an
+allocation past the cap as a ``MemoryError`` outcome — neither can take pytest down.
+One test per attack class of the security issue; the structured fuzzing is at the end.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import msgpack
+import pytest
+from _child import run_in_child
+from _hostile import FUZZ_SCALE, build, call, forged_object_field, glob, nested_ext, newobj, outcome, payload, v
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import serializers
+
+BUDGET = 64 << 20
+WITH_TORCH = ("numpy", "torch")
+REFUSED = {"ContentRefusedError", "DecodeError"}
+
+
+def _decode_all(name: str, payloads: dict) -> dict:
+    """In the child: each payload's outcome and how long its decode took."""
+    s = serializers.get(name)
+    results = {}
+    for label, data in payloads.items():
+        start = time.perf_counter()
+        results[label] = (outcome(lambda d=data: s.loads(d)), time.perf_counter() - start)
+    return results
+
+
+def _assert_refused(results: dict, max_seconds: float = 2.0) -> None:
+    wrong = {k: r for k, (r, _) in results.items() if r not in REFUSED}
+    slow = {k: round(t, 2) for k, (_, t) in results.items() if t > max_seconds}
+    assert not wrong and not slow, f"not refused: {wrong}; too slow: {slow}"
+
+
+# -- class 1: restricted-pickle state that forges memory -----------------------------------------
+
+
+def test_forged_numpy_dtype_state_is_refused_not_a_segfault():
+    data = forged_object_field()
+    results = run_in_child(_decode_all, "restricted-pickle", {"forged": data}, memory_budget=BUDGET, preload=WITH_TORCH)
+    assert results["forged"][0] == "ContentRefusedError"
+
+
+def test_build_on_anything_but_an_allowed_instance_is_refused():
+    rebuild = "serializers._rebuild"
+    array = call(glob(rebuild, "ndarray"), v("<f8"), v((1,)), v("C"), v(bytearray(8)))
+    dtype = call(glob(rebuild, "numpy_dtype"), v("V8"))
+    tensor = call(glob(rebuild, "tensor"), v("float32"), v((1,)), v(bytearray(4)), v(False))
+    forged_state = v((3, "|", None, None, None, 8, 1, 63))
+    payloads = {
+        "dtype state": payload(build(dtype, forged_state)),
+        "array state": payload(build(array, v((1, (1,), None, False, b"A" * 8)))),
+        "tensor state": payload(build(tensor, v((None, 0, (2**40,), (0,))))),
+        "tensor hooks": payload(build(tensor, v({"_backward_hooks": {0: 1}}))),
+        "global state": payload(build(glob("collections", "OrderedDict"), v({"__eq__": 1}))),
+        "odict attrs": payload(build(call(glob("collections", "OrderedDict")), v({"keys": 1}))),
+        "defaultdict factory": payload(
+            build(call(glob("collections", "defaultdict")), v((None, {"default_factory": 1})))
+        ),
+        "uuid newobj": payload(build(newobj(glob("uuid", "UUID")), v({"int": "x"}))),
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET, preload=WITH_TORCH))
+
+
+# -- class 2: msgpack nesting that overflows the C stack -----------------------------------------
+
+
+def _codec_leaf(inner: bytes) -> bytes:
+    return msgpack.packb(["no.such.codec", msgpack.ExtType(13, inner)])
+
+
+@pytest.mark.parametrize("code", [1, 2, 3, 11, 13], ids=["tuple", "set", "frozenset", "odict", "codec"])
+def test_deeply_nested_msgpack_extensions_are_a_decode_error(code):
+    leaf = None
+    if code == 13:
+        data = msgpack.packb([1])
+        for _ in range(250):
+            data = msgpack.packb(msgpack.ExtType(13, msgpack.packb(["x", msgpack.ExtType(1, data)])))
+    else:
+        if code == 11:
+            def leaf(inner: bytes) -> bytes:
+                return msgpack.packb([[1, msgpack.ExtType(11, inner)]])
+        data = nested_ext(code, 250, leaf)
+    results = run_in_child(_decode_all, "msgpack", {"deep": data}, memory_budget=BUDGET)
+    assert results["deep"][0] == "DecodeError"
+
+
+def test_msgpack_nesting_below_the_limit_still_decodes():
+    s = serializers.get("msgpack")
+    value: object = (1,)
+    for _ in range(30):
+        value = (value, frozenset({1}))
+    assert s.loads(s.dumps(value)) == value
+
+
+def test_msgpack_extension_fields_are_checked_before_building():
+    ext = msgpack.ExtType
+    payloads = {
+        "object dtype": msgpack.packb(ext(8, msgpack.packb(["|O", [1], b"\x41" * 8]))),
+        "huge shape": msgpack.packb(ext(8, msgpack.packb(["<f8", [2**40], b""]))),
+        "short data": msgpack.packb(ext(8, msgpack.packb(["<f8", [4], b"x" * 8]))),
+        "structured": msgpack.packb(ext(8, msgpack.packb(["O,i4", [1], b"x" * 12]))),
+        "scalar object": msgpack.packb(ext(9, msgpack.packb(["|O", b"\x41" * 8]))),
+        "big int digits": msgpack.packb(ext(4, b"9" * 100_000)),
+        "codec name list": msgpack.packb(ext(13, msgpack.packb([[1], 2]))),
+        "timedelta text": msgpack.packb(ext(7, msgpack.packb(["1e9999"]))),
+        "ext not array": msgpack.packb(ext(1, msgpack.packb(5))),
+    }
+    _assert_refused(run_in_child(_decode_all, "msgpack", payloads, memory_budget=BUDGET))
+
+
+# -- class 5: allowed callables that allocate or burn CPU ---------------------------------------
+
+
+def test_allowed_constructors_cannot_allocate_beyond_the_payload():
+    n = 10**8
+    rng = call(glob("builtins", "range"), v(n))
+    payloads = {
+        "bytearray(n)": payload(call(glob("builtins", "bytearray"), v(200_000_000))),
+        "set(range)": payload(call(glob("builtins", "set"), rng)),
+        "frozenset(range)": payload(call(glob("builtins", "frozenset"), rng)),
+        "deque(range)": payload(call(glob("collections", "deque"), rng)),
+        "Counter(range)": payload(call(glob("collections", "Counter"), rng)),
+        "OrderedDict(range)": payload(call(glob("collections", "OrderedDict"), rng)),
+        "torch.Size(range)": payload(call(glob("torch", "Size"), rng)),
+        "Fraction text bomb": payload(call(glob("fractions", "Fraction"), v("1e30000000"))),
+        "Fraction huge ints": payload(call(glob("fractions", "Fraction"), v(2**200_000), v(3**100_000))),
+        "Decimal huge int": payload(call(glob("decimal", "Decimal"), v(7**300_000))),
+        "torch.Tensor(2**31)": payload(call(glob("torch", "Tensor"), v(2**31))),
+        "numpy _reconstruct 2**33": payload(
+            call(glob("numpy.core.multiarray", "_reconstruct"), glob("numpy", "ndarray"), v((2**33,)), v(b"b"))
+        ),
+        "rebuild ndarray 2**33": payload(
+            call(glob("serializers._rebuild", "ndarray"), v("|i1"), v((2**33,)), v("C"), v(b""))
+        ),
+        "rebuild tensor lying size": payload(
+            call(glob("serializers._rebuild", "tensor"), v("float64"), v((2**30,)), v(bytearray(8)), v(False))
+        ),
+        "memo index 2**32": b"\x80\x05N" + b"r" + (2**32 - 1).to_bytes(4, "little") + b".",
+        "bytes length 2**40": b"\x80\x05\x8e" + (2**40).to_bytes(8, "little") + b".",
+        "text int digits": b"\x80\x05I" + b"9" * 100_000 + b"\n.",
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET, preload=WITH_TORCH))
+
+
+def test_torch_and_numpy_reconstructors_are_refused_by_name():
+    names = [
+        ("torch.storage", "_load_from_bytes"), ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_parameter"), ("torch._tensor", "_rebuild_from_type_v2"),
+        ("numpy.core.multiarray", "scalar"), ("numpy", "dtype"), ("os", "system"),
+    ]
+    payloads = {f"{m}.{n}": payload(call(glob(m, n), v(b"x"))) for m, n in names}
+    results = run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET, preload=WITH_TORCH)
+    assert {k: r for k, (r, _) in results.items() if r != "ContentRefusedError"} == {}
+
+
+def _refuse_without_importing(module: str) -> tuple:
+    before = module in sys.modules
+    result = outcome(lambda: serializers.get("restricted-pickle").loads(payload(call(glob(module, "config")))))
+    return before, result, module in sys.modules
+
+
+def test_a_refused_global_is_never_imported():
+    result = run_in_child(_refuse_without_importing, "torch._inductor", preload=WITH_TORCH)
+    assert result == (False, "ContentRefusedError", False)
+
+
+def test_a_class_as_a_value_is_refused_not_replaced():
+    s = serializers.get("restricted-pickle")
+    with pytest.raises(serializers.ContentRefusedError, match="as a value"):
+        s.loads(s.dumps([set]))
+
+
+# -- class 8: json's decode path -------------------------------------------------------------------
+
+
+def _json_codec_bomb() -> dict:
+    from fractions import Fraction
+
+    def check(value):
+        small = type(value) is list and all(type(n) is int and n.bit_length() <= 64 for n in value)
+        if not (small and len(value) == 2):
+            raise ValueError("expected [numerator, denominator] as 64-bit ints")
+
+    serializers.register_type(Fraction, lambda f: [f.numerator, f.denominator], lambda v: Fraction(*v), validate=check)
+    tag = serializers._json.TAG
+    deep_tagged = "[" * 900 + f'{{"{tag}": "x", "value": 1}}' + "]" * 900
+    payloads = {
+        "doc codec bomb": f'{{"{tag}": "fractions.Fraction", "value": ["1e30000000"]}}'.encode(),
+        "deep tagged": deep_tagged.encode(),
+        "unhashable tag": f'{{"{tag}": [1], "value": 1}}'.encode(),
+        "str input": "[1, 2",
+        "garbage": b"\xff\xfe\x00",
+    }
+    return _decode_all("json", payloads)
+
+
+def test_json_failures_are_decode_errors_and_codecs_are_validated():
+    _assert_refused(run_in_child(_json_codec_bomb, memory_budget=BUDGET))
+
+
+def test_deep_json_decodes_or_is_refused_never_crashes():
+    deep = {"deep": b"[" * 100_000 + b"]" * 100_000, "deep objects": b'{"a":' * 50_000 + b"1" + b"}" * 50_000}
+    results = run_in_child(_decode_all, "json", deep, memory_budget=BUDGET)
+    assert {r for r, _ in results.values()} <= REFUSED | {"ok"}
+
+
+def test_a_codec_decode_failure_is_a_decode_error():
+    @dataclass
+    class Point:
+        x: int
+
+    serializers.register_type(Point, lambda p: p.x, lambda v: Point(v + 1), name="test.point")
+    try:
+        for name in ("msgpack", "json"):
+            s = serializers.get(name)
+            data = bytes(s.dumps(Point(1))).replace(b"\x01", b"\xc0") if name == "msgpack" else None
+            data = data or bytes(s.dumps(Point(1))).replace(b'"value":1', b'"value":"a"')
+            with pytest.raises(serializers.DecodeError, match="codec 'test.point'"):
+                s.loads(data)
+    finally:
+        serializers.unregister_type(Point)
+
+
+# -- what users need still works ---------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    name: str
+    score: float
+
+
+def test_restricted_pickle_still_carries_what_users_send():
+    import collections
+    import datetime
+    import uuid
+
+    import numpy as np
+    import torch
+
+    from objcomm._bench._payloads import BUILTIN
+
+    s = serializers.RestrictedPickleSerializer()
+    s.allow(Record)
+    for payload_ in BUILTIN.values():
+        obj = payload_.make(1, 20_000)
+        assert _same(s.loads(s.dumps(obj)), obj), payload_.name
+    values = [
+        Record("a", 1.0), np.arange(6, dtype=np.float32).reshape(2, 3).T, np.float16(2.5), np.dtype("<M8[ns]"),
+        torch.nn.Parameter(torch.ones(2)), torch.arange(4, dtype=torch.bfloat16), uuid.UUID(int=7),
+        collections.defaultdict(list, {1: [2]}), collections.deque([1], 3), datetime.date(2024, 1, 1),
+    ]
+    for value in values:
+        assert _same(s.loads(s.dumps(value)), value), value
+
+
+def _same(a: object, b: object) -> bool:
+    import numpy as np
+    import torch
+
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)  # type: ignore[attr-defined, index]
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))  # type: ignore[arg-type]
+    if isinstance(a, (np.ndarray, torch.Tensor)):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tolist() == b.tolist()  # type: ignore[attr-defined]
+    return a == b
+
+
+# -- structured fuzzing: thousands of hostile streams, each process isolated ----------------------
+
+def _fuzz(examples: int) -> settings:
+    return settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=list(HealthCheck))
+# Programs are built from a hypothesis-drawn seed by a plain Random: drawing every opcode through
+# hypothesis costs ~25 ms an example, the seed ~0.1 ms, so CI affords thousands of programs.
+_GLOBALS = [
+    *(("builtins", n) for n in ("set", "frozenset", "complex", "bytearray", "slice", "range", "object", "list", "int")),
+    *(("collections", n) for n in ("OrderedDict", "Counter", "defaultdict", "deque")),
+    *(("datetime", n) for n in ("datetime", "date", "timedelta", "timezone")),
+    ("decimal", "Decimal"), ("fractions", "Fraction"), ("torch", "Size"), ("torch", "device"),
+    *(("serializers._rebuild", n) for n in ("ndarray", "numpy_scalar", "numpy_dtype", "tensor", "parameter", "uuid")),
+    ("torch", "float32"), ("serializers._pickle", "external_ref"), ("uuid", "UUID"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"), ("torch", "Tensor"), ("os", "system"),
+]
+_OPS = [b"R", b"b", b"\x81", b"\x92", b"(", b"t", b"e", b"u", b"\x90", b"a", b"s", b"]", b"}", b"\x8f",
+        b"\x94", b"h\x00", b"h\x01", b"0", b"2", b")", b"\x85", b"\x86", b"\x87", b"1", b"\x91"]
+_ATOMS = [None, True, 0, 1, 2, -1, 2**31, 2**40, 2**70, 1.5, float("nan"), "", "a", "<f8", "|O", "C", "V8",
+          "float32", "1e30000000", "__class__", b"", b"\x00" * 8, bytearray(4)]
+
+
+def _value(rng: random.Random, depth: int = 0) -> object:
+    kind = rng.randrange(6 if depth < 3 else 1)
+    if kind == 0 or kind > 3:
+        return rng.choice(_ATOMS)
+    items = [_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if kind == 1:
+        return items
+    if kind == 2:
+        return tuple(items)
+    return {str(rng.choice(_ATOMS)): item for item in items}
+
+
+def _pickle_program(seed: int) -> bytes:
+    rng = random.Random(seed)
+    parts = []
+    for _ in range(rng.randrange(1, 24)):
+        kind = rng.randrange(6)
+        if kind == 0:
+            parts.append(v(_value(rng)))
+        elif kind == 1:
+            parts.append(glob(*rng.choice(_GLOBALS)))
+        elif kind in (2, 3):
+            target = call(glob(*rng.choice(_GLOBALS)), *[v(_value(rng)) for _ in range(rng.randrange(4))])
+            parts.append(build(target, v(_value(rng))) if kind == 3 else target)
+        else:
+            parts.append(rng.choice(_OPS))
+    return payload(b"".join(parts))
+
+
+def _ext_tree(rng: random.Random, depth: int = 0) -> bytes:
+    code = rng.randrange(1, 15)
+    if depth < 40 and rng.random() < 0.6:
+        inner = msgpack.ExtType(code, _ext_tree(rng, depth + 1))
+        body = msgpack.packb(rng.choice([[inner], ["n", inner], [inner, inner], ["<f8", [1], inner]]))
+    else:
+        atoms = [a for a in _ATOMS if not isinstance(a, int) or -(2**63) <= a < 2**64]
+        body = msgpack.packb(rng.choice([rng.choice(atoms), [rng.choice(atoms) for _ in range(3)]]))
+    return msgpack.packb(msgpack.ExtType(code, body))
+
+
+def _fuzz(name: str, make: object, examples: int) -> list:
+    """Decode ``examples`` generated payloads; the ones with an outcome other than a refusal or a value."""
+    s = serializers.get(name)
+    bad: list = []
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(st.integers(0, 2**64))
+    def run(seed: int) -> None:
+        data = make(seed)  # type: ignore[operator]
+        result = outcome(lambda: s.loads(data))
+        if result not in REFUSED | {"ok"}:
+            bad.append((result, data))
+
+    run()
+    return bad[:5]
+
+
+def _msgpack_tree(seed: int) -> bytes:
+    return _ext_tree(random.Random(seed))
+
+
+def test_fuzz_restricted_pickle_programs():
+    found = run_in_child(_fuzz, "restricted-pickle", _pickle_program, 10_000 * FUZZ_SCALE, timeout=280 * FUZZ_SCALE,
+                         memory_budget=512 << 20, preload=WITH_TORCH)
+    assert found == []
+
+
+def test_fuzz_msgpack_extension_trees():
+    found = run_in_child(_fuzz, "msgpack", _msgpack_tree, 6000 * FUZZ_SCALE, timeout=280 * FUZZ_SCALE,
+                         memory_budget=512 << 20)
+    assert found == []

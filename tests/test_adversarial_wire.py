@@ -1,0 +1,435 @@
+"""Senders that lie on the wire: receivers check sizes against their own max_bytes before allocating.
+
+Each attack is a scenario on live gloo ranks where rank 1 drives the transport with a forged
+``Outgoing`` (a lying total, a forged tensor table, a nested error report) and rank 0 uses the
+public API; decoding that could crash runs in a child process. Peak memory of a rank is its
+VmHWM after resetting it (``/proc/self/clear_refs``), so earlier tests in the worker don't count.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import tracemalloc
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from _child import run_in_child
+from _hostile import FUZZ_SCALE
+from _ranks import get_pool
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import objcomm
+import serializers
+from objcomm import ObjcommError, _compression, _framing, _tensors, _transport
+from objcomm._transport import Incoming, Outgoing
+
+pytestmark = pytest.mark.timeout(300)
+
+MiB = 1 << 20
+BIG = 64 * MiB
+LIMIT = 1 * MiB
+FUZZ = settings(
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@dataclass
+class Lying(Outgoing):
+    """An Outgoing whose slot announces ``claimed`` bytes in total, whatever it really moves."""
+
+    claimed: int = 0
+
+    @property
+    def total(self) -> int:  # type: ignore[override]
+        return self.claimed
+
+
+def _wire(**kw) -> _transport.Wire:
+    """The transport as objcomm's defaults set it up, without shared memory."""
+    settings_ = objcomm.Settings()
+    fields = dict(slot=settings_.slot_bytes, chunk=settings_.chunk_bytes, max_bytes=settings_.max_bytes)
+    fields.update(kw)
+    return _transport.Wire(
+        group=dist.group.WORLD, ranks=list(range(dist.get_world_size())), rank=dist.get_rank(),
+        device=torch.device("cpu"), shm=None, **fields,
+    )
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak RSS to its current RSS; return the current RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    return _status("VmRSS")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _big_frame() -> Outgoing:
+    return _framing.encode(b"x" * BIG, serializers.get("pickle"), max_bytes=1 << 40)
+
+
+def _still_usable() -> bool:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 1:
+        objcomm.send({"after": 1}, dst=0)
+    elif rank == 0:
+        assert objcomm.recv(src=1) == {"after": 1}
+    return objcomm.all_gather(rank) == list(range(world))
+
+
+# -- A: an under-reported total --------------------------------------------------------------------
+def under_reported(op: str) -> tuple:
+    """Rank 1 moves a 64 MiB frame but announces 100 bytes; rank 0 accepts at most 1 MiB."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(shm=False, max_bytes=LIMIT)
+    outcome: object = None
+    if rank == 1:
+        lie = Lying(_big_frame().frame, claimed=100)
+        try:
+            if op == "send/recv":
+                _transport.send(_wire(), lie, 0)
+            elif op == "all_gather":
+                _transport.all_gather(_wire(), lie, _framing.tensor_sizes)
+            else:
+                _transport.broadcast(_wire(), lie, _framing.tensor_sizes, 1)
+        except ObjcommError as exc:
+            outcome = type(exc).__name__
+        return outcome, 0, _still_usable()
+    before = _reset_peak()
+    try:
+        if op == "send/recv":
+            outcome = comm.recv(src=1)
+        elif op == "all_gather":
+            outcome = comm.all_gather("small")
+        else:
+            outcome = comm.broadcast(None, src=1)
+        outcome = f"returned {type(outcome).__name__}"
+    except ObjcommError as exc:
+        outcome = (type(exc).__name__, str(exc)[:300])
+    growth = _status("VmHWM") - before
+    return outcome, growth, _still_usable()
+
+
+@pytest.mark.parametrize("op", ["send/recv", "all_gather", "broadcast"])
+def test_under_reported_total_is_refused_before_allocating(op):
+    results = get_pool(2).run(under_reported, op, timeout=120)
+    (outcome, growth, usable), sender = results[0], results[1]
+    assert isinstance(outcome, tuple) and outcome[0] in ("FrameError", "TooLargeError"), outcome
+    assert growth < 16 * MiB, f"the receiver's peak RSS grew by {growth:,} bytes"
+    assert usable and sender[2]
+
+
+# -- A: a tensor table announcing 2**40 bytes ------------------------------------------------------
+def _forged_table(nbytes: int) -> Outgoing:
+    """A frame carrying one 1,000-byte out-of-band tensor whose table entry announces ``nbytes``."""
+    out = _framing.encode({"t": torch.ones(1000, dtype=torch.uint8)}, serializers.get("pickle"),
+                          max_bytes=1 << 30, inline_tensor_bytes=0)
+    frame = bytearray(out.frame)
+    header = _framing.parse_header(memoryview(frame))
+    entry = _framing.HEADER.size + len(header.serializer)
+    struct.pack_into("<Q", frame, entry + 8, nbytes)  # nbytes
+    struct.pack_into("<q", frame, entry + _tensors.ENTRY.size, nbytes)  # the one dimension, so the entry agrees
+    return Outgoing(memoryview(frame), out.tensors)
+
+
+def huge_table_entry() -> list:
+    rank = dist.get_rank()
+    outcomes = []
+    for op in ("all_gather", "send/recv"):
+        try:
+            if rank == 1 and op == "all_gather":
+                _transport.all_gather(_wire(), _forged_table(1 << 40), _framing.tensor_sizes)
+            elif rank == 1:
+                _transport.send(_wire(), _forged_table(1 << 40), 0)
+            elif op == "all_gather":
+                objcomm.all_gather("small")
+            else:
+                objcomm.recv(src=1)
+            outcomes.append("no error")
+        except ObjcommError as exc:
+            outcomes.append(type(exc).__name__)
+        except Exception as exc:  # the bug: a raw RuntimeError from torch.empty(2**40)
+            outcomes.append(f"raw {type(exc).__name__}")
+        assert _still_usable()
+    return outcomes
+
+
+def test_tensor_table_entry_of_2_to_the_40_is_a_clean_frame_error():
+    results = get_pool(2).run(huge_table_entry, timeout=90)
+    assert results[0] == ["FrameError", "FrameError"]
+    assert results[1] == ["FrameError", "no error"]  # a sender learns only where it takes part in round 1
+
+
+# -- C: a refusing receiver never allocates up to chunk_bytes ---------------------------------------
+def refuse_large(op: str, chunk: int) -> tuple:
+    """Rank 1 honestly sends 100 MB; rank 0 (limit 1 MiB, no shared memory) refuses."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(shm=False, max_bytes=LIMIT if rank == 0 else None, chunk_bytes=chunk)
+    payload = b"y" * (100 * 1000 * 1000) if rank == 1 else None
+    before = _reset_peak()
+    try:
+        if op == "send/recv":
+            comm.send(payload, dst=0) if rank == 1 else comm.recv(src=1)
+        else:
+            comm.broadcast(payload, src=1)
+        outcome = "ok"
+    except objcomm.TooLargeError:
+        outcome = "TooLargeError"
+    growth = _status("VmHWM") - before
+    return outcome, growth, _still_usable()
+
+
+@pytest.mark.parametrize("chunk", [256 * MiB, MiB], ids=["default-chunk", "1MiB-chunk"])
+@pytest.mark.parametrize("op", ["send/recv", "broadcast"])
+def test_refusing_receiver_drains_through_a_small_scratch(op, chunk):
+    results = get_pool(2).run(refuse_large, op, chunk, timeout=120)
+    outcome, growth, usable = results[0]
+    assert outcome == "TooLargeError"
+    assert growth < 16 * MiB, f"the refusing rank's peak RSS grew by {growth:,} bytes"
+    assert usable and results[1][2]
+
+
+# -- D: a deeply nested error report ---------------------------------------------------------------
+def _nested_error(depth: int) -> Outgoing:
+    return Outgoing(_framing._assemble("", b"[" * depth, flags=_framing.FLAG_ERROR), error=True)
+
+
+def nested_error_report() -> list:
+    rank = dist.get_rank()
+    outcomes = []
+    for op in ("all_gather", "send/recv"):
+        try:
+            if rank == 1 and op == "all_gather":
+                _transport.all_gather(_wire(), _nested_error(4000), _framing.tensor_sizes)
+            elif rank == 1:
+                _transport.send(_wire(), _nested_error(4000), 0)
+            elif op == "all_gather":
+                objcomm.all_gather("small")
+            else:
+                objcomm.recv(src=1)
+            outcomes.append("no error")
+        except (ObjcommError, RecursionError) as exc:
+            outcomes.append(type(exc).__name__)
+        assert _still_usable()
+    return outcomes
+
+
+def test_nested_error_report_is_a_frame_error():
+    assert get_pool(2).run(nested_error_report, timeout=60)[0] == ["FrameError", "FrameError"]
+
+
+def _read_error_report(payload: bytes) -> str:
+    view = _framing._assemble("", payload, flags=_framing.FLAG_ERROR)
+    try:
+        return str(_framing.read_error(view, _framing.parse_header(view)))
+    except ObjcommError as exc:
+        return type(exc).__name__
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"[" * 100_000, b"{" * 50_000, b'{"type": "A", "message": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+     b'{"type": 1, "message": "m"}', b'["type", "message"]', b"\xff\xfe", b'{"type": "A"}'],
+    ids=["list", "dict", "nested-message", "not-a-string", "not-a-dict", "not-utf8", "missing"],
+)
+def test_malformed_error_reports_in_a_child(payload):
+    assert run_in_child(_read_error_report, payload, memory_budget=64 << 20) == "FrameError"
+
+
+# -- B: decompression capped at raw_len ------------------------------------------------------------
+def _compressed_frame(code: int, stored: bytes, raw_len: int) -> bytes:
+    return bytes(_framing._assemble("pickle", stored, compression=code, raw_len=raw_len))
+
+
+def _decode_measured(frame: bytes) -> tuple:
+    """Decode in this (child) process; ``(outcome, cause type, traced peak bytes)``."""
+    tracemalloc.start()
+    cause = None
+    try:
+        outcome = repr(_framing.decode(Incoming(memoryview(frame)), sender=1, accept=None, max_bytes=LIMIT))
+    except ObjcommError as exc:
+        outcome, cause = type(exc).__name__, type(exc.__cause__).__name__
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return outcome, cause, peak
+
+
+def test_zstd_content_size_cannot_override_raw_len():
+    zstandard = pytest.importorskip("zstandard")
+    stored = zstandard.ZstdCompressor(level=1).compress(b"\0" * (200 << 20))  # states its 200 MB content size
+    assert len(stored) < 16 << 10
+    outcome, cause, peak = run_in_child(_decode_measured, _compressed_frame(_compression.ZSTD, stored, 6000),
+                                        memory_budget=64 << 20)
+    assert outcome == "DecodeError" and cause != "MemoryError"
+    assert peak < 1 * MiB
+
+
+def test_zstd_without_content_size_stops_at_raw_len():
+    zstandard = pytest.importorskip("zstandard")
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=10, write_content_size=False)
+    stored = zstandard.ZstdCompressor(compression_params=params).compress(b"\0" * (50 << 20))
+    outcome, cause, peak = run_in_child(_decode_measured, _compressed_frame(_compression.ZSTD, stored, 6000),
+                                        memory_budget=64 << 20)
+    assert outcome == "DecodeError" and peak < 1 * MiB
+
+
+@pytest.mark.parametrize("extra", [+1, 200 << 20, -1], ids=["one-longer", "200MB-longer", "shorter"])
+def test_lz4_output_must_be_exactly_raw_len(extra):
+    lz4_frame = pytest.importorskip("lz4.frame")
+    valid = pickle.dumps("hello")
+    raw = valid + b"\0" * extra if extra > 0 else valid
+    stored = lz4_frame.compress(raw, store_size=True)
+    raw_len = len(valid) if extra > 0 else len(valid) + 1  # longer: old code cut it and decoded "hello"
+    outcome, cause, peak = run_in_child(_decode_measured, _compressed_frame(_compression.LZ4, stored, raw_len),
+                                        memory_budget=64 << 20)
+    assert outcome == "DecodeError", outcome
+    assert peak < 1 * MiB + 4 * len(stored)  # proportional to the input, never to the 200 MB
+
+
+# -- fuzz: frames and slots with lying fields ------------------------------------------------------
+def _bounded(call, size: int) -> None:
+    tracemalloc.start()
+    try:
+        call()
+    except ObjcommError:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < (1 << 20) + 64 * size, f"{peak:,} bytes allocated for {size} input bytes"
+
+
+def _valid_frames() -> list:
+    pickle_ = serializers.get("pickle")
+    tensors = {"a": torch.arange(6).reshape(2, 3), "b": torch.ones(40, dtype=torch.float16)}
+    frames = [
+        _framing.encode({"x": [1, 2]}, serializers.get("msgpack"), max_bytes=1 << 20),
+        _framing.encode(tensors, pickle_, max_bytes=1 << 20),  # inline tensors
+        _framing.encode(tensors, pickle_, max_bytes=1 << 20, inline_tensor_bytes=0),  # out of band
+        _framing.encode(b"z" * 3000, pickle_, max_bytes=1 << 20, compression="zstd"),
+        _framing.encode(b"z" * 3000, pickle_, max_bytes=1 << 20, compression="lz4"),
+    ]
+    return [(bytes(f.frame), [t.clone() for t in f.tensors]) for f in frames]
+
+
+FRAMES = _valid_frames()
+HUGE = st.sampled_from([0, 1, 2**31, 2**32 - 1, 2**40, 2**62, 2**63 - 1, 2**64 - 1])
+
+
+@st.composite
+def lying_frame(draw) -> tuple:
+    """A valid frame with header fields, table fields or bytes replaced by lies."""
+    base, tensors = draw(st.sampled_from(FRAMES))
+    data = bytearray(base)
+    name_len = data[7]
+    for _ in range(draw(st.integers(1, 3))):
+        field = draw(st.sampled_from(["table_len", "n_tensors", "payload_len", "raw_len", "inline_len",
+                                      "entry_nbytes", "entry_offset", "entry_dim", "entry_ndim", "byte"]))
+        value = draw(st.one_of(HUGE, st.integers(0, 2**16)))
+        table = _framing.HEADER.size + name_len
+        if field in ("table_len", "n_tensors"):
+            struct.pack_into("<I", data, 8 if field == "table_len" else 12, value & 0xFFFFFFFF)
+        elif field in ("payload_len", "raw_len", "inline_len"):
+            struct.pack_into("<Q", data, {"payload_len": 16, "raw_len": 24, "inline_len": 32}[field], value % 2**64)
+        elif field.startswith("entry") and len(data) >= table + 32:
+            at = {"entry_nbytes": 8, "entry_offset": 16, "entry_dim": 24, "entry_ndim": 2}[field]
+            if field == "entry_ndim":
+                data[table + at] = value & 0xFF
+            else:
+                struct.pack_into("<Q", data, table + at, value % 2**64)
+        elif data:
+            data[draw(st.integers(0, len(data) - 1))] = value & 0xFF
+    return bytes(data), tensors
+
+
+def _decode_frame(data: bytes, tensors: list) -> None:
+    view = memoryview(data)
+    sizes = _framing.tensor_sizes(view)
+    header = _framing.parse_header(view)
+    if header.is_error:
+        _framing.read_error(view, header)
+        return
+    assert sum(sizes) <= 2**62
+    _framing.decode(Incoming(view, list(tensors)), sender=1, accept=None, max_bytes=1 << 20)
+
+
+@settings(FUZZ, max_examples=3000 * FUZZ_SCALE)
+@given(case=lying_frame())
+def test_fuzz_frames_with_lying_fields(case):
+    data, tensors = case
+    _bounded(lambda: _decode_frame(data, tensors), len(data))
+
+
+@st.composite
+def lying_slot(draw) -> bytes:
+    """A slot as a sender fills it, then with its length, flags, total, count or sizes replaced by lies."""
+    base, tensors = draw(st.sampled_from(FRAMES))
+    slot_size = draw(st.sampled_from([128, 256, 4096]))
+    slot = bytearray(slot_size)
+    _transport._fill_slot(memoryview(slot), Outgoing(memoryview(base), tensors), 1 << 20)
+    prefix = _transport.PREFIX.size
+    for _ in range(draw(st.integers(1, 3))):
+        field = draw(st.sampled_from(["length", "flags", "total", "count", "size", "byte"]))
+        value = draw(st.one_of(HUGE, st.integers(0, 2**16)))
+        word, limit, total = _transport.PREFIX.unpack_from(slot, 0)
+        if field == "length":
+            word = (word & ~_transport._LENGTH_MASK) | (value & _transport._LENGTH_MASK)
+        elif field == "flags":
+            listed = getattr(_transport, "LISTED_BIT", 1 << 61)
+            word ^= draw(st.sampled_from([_transport.ERROR_BIT, _transport.ROUND2_BIT, listed]))
+        elif field == "total":
+            total = value % 2**64
+        elif field in ("count", "size"):
+            at = draw(st.integers(prefix, slot_size - 12))
+            fmt, modulus = ("<I", 2**32) if field == "count" else ("<Q", 2**64)
+            struct.pack_into(fmt, slot, at, value % modulus)
+        else:
+            slot[draw(st.integers(0, slot_size - 1))] = value & 0xFF
+        _transport.PREFIX.pack_into(slot, 0, word, limit, total)
+    return bytes(slot)
+
+
+def _check_slot(data: bytes) -> None:
+    from objcomm import _limits  # the receiver's checks (imported here so the module loads on older trees)
+
+    info = _transport._read_slot(memoryview(data))
+    sizes, problem = _limits.plan(info, _framing.tensor_sizes)
+    if problem is None and sizes is not None and not info.error:
+        # what a receiver will allocate is exactly what the sender announced (and checked against limits)
+        assert info.length + sum(sizes) == info.total
+    if problem is None and info.error:
+        assert info.inline is not None
+        header = _framing.parse_header(info.inline)
+        _framing.read_error(info.inline, header)
+
+
+@settings(FUZZ, max_examples=2500 * FUZZ_SCALE)
+@given(slot=lying_slot())
+def test_fuzz_slots_with_lying_fields(slot):
+    _bounded(lambda: _check_slot(slot), len(slot))
+
+
+@settings(FUZZ, max_examples=500 * FUZZ_SCALE)
+@given(payload=st.one_of(
+    st.binary(max_size=512),
+    st.text(alphabet='[]{}"\\:,ab1 ', max_size=2000).map(str.encode),
+    st.tuples(st.sampled_from(["[", '{"a":', '{"type": "T", "message": [']), st.integers(500, 5000)).map(
+        lambda opener: (opener[0] * opener[1]).encode()
+    ),
+))
+def test_fuzz_error_reports(payload):
+    view = _framing._assemble("", payload, flags=_framing.FLAG_ERROR)
+    _bounded(lambda: _framing.read_error(view, _framing.parse_header(view)), len(payload))
