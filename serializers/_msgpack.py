@@ -20,7 +20,9 @@ code  type                ext data
 13    registered codec    [codec name, encoded value]
 ====  ==================  ===========================================
 
-Decoding hostile input: each extension re-enters the C unpacker, which keeps about 40 KiB of
+Decoding hostile input: a payload is first walked in C without building anything, so truncated
+headers cannot make the unpacker pre-allocate what they declare. Each extension re-enters the C
+unpacker, which keeps about 40 KiB of
 state on the C stack, so extension values nest at most ``MAX_EXT_DEPTH`` (32) deep — deeper is a
 :class:`DecodeError`, not a stack overflow. Plain arrays and maps are limited by msgpack itself.
 Every extension's fields are checked before anything is built (dtype, shape against the bytes
@@ -155,6 +157,7 @@ class MsgpackSerializer(Serializer):
         import msgpack
 
         def unpack(raw: bytes) -> Any:
+            _check_complete(msgpack, raw)
             return msgpack.unpackb(raw, ext_hook=ext_hook, raw=False, strict_map_key=False)
 
         decoders: Dict[int, Callable[[bytes], Any]] = {
@@ -197,6 +200,21 @@ class MsgpackSerializer(Serializer):
                 f"registered on this rank (known: {self._codecs.names()}); call serializers.register_type() here too"
             )
         return codec.decode_received(value)
+
+
+def _check_complete(msgpack: Any, raw: Any) -> None:
+    """Walk ``raw`` in C without building anything: it must hold every element its headers declare.
+
+    The unpacker allocates each array and map at its declared length before reading the elements;
+    nested truncated headers would multiply that by the nesting depth (5 KB asking for 40 MB).
+    A complete message declares no more elements than it has bytes.
+    """
+    walker = msgpack.Unpacker(None, max_buffer_size=max(memoryview(raw).nbytes, 1))
+    walker.feed(raw)
+    try:
+        walker.skip()
+    except msgpack.OutOfData:
+        raise DecodeError("msgpack payload is truncated: its headers declare more than it holds") from None
 
 
 def _array(value: Any, length: Optional[int] = None) -> list:

@@ -1,21 +1,44 @@
 """A walk over pickle opcodes that builds nothing: the checks restricted-pickle makes before loading.
 
-pickle allocates what a length opcode declares *before* reading it (``b"\\x80\\x05\\x8e"`` plus an
-8-byte length asks for gigabytes) and grows its memo to any index a PUT names. The walk checks
-every declared length against the bytes actually present, memo indices against the opcodes
-seen, and text numbers against CPython's digit limit, and refuses opcodes objcomm never writes
-(persistent ids, extension codes, out-of-band buffers). It reports whether the stream uses
-BUILD, which decides whether the probe pass must run (see ``_restricted``).
+The walk runs pickle's stack machine on *summaries* of the values instead of the values, and
+refuses, before the C unpickler allocates or hashes anything:
+
+- a declared length past the bytes present (pickle allocates what a length opcode declares
+  before reading it), a memo index beyond the opcodes seen, a text number over 4,400 characters,
+  and opcodes objcomm never writes (persistent ids, extension codes, out-of-band buffers);
+- tuples (and calls, which may build tuple-like values) nested deeper than ``MAX_NESTING``:
+  CPython hashes nested tuples recursively without a depth check, so a deep one used as a dict
+  key overflows the C stack;
+- hashing work past a budget proportional to the input: tuples are not hash-cached, so a tuple
+  built from two references to the previous one, 60 times over, costs 2**60 to hash;
+- a global (a class or function the payload names) used as anything but the callable of a call
+  or a direct argument of a call: globals travel only as constructors, never as values.
+
+It reports whether the real load needs the probe pass: whether BUILD, APPEND(S), SETITEM(S) or
+ADDITEMS act on a value a call built (see ``_restricted``).
 """
 
 from __future__ import annotations
 
 import pickletools
-from typing import List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ._protocol import Buffer
 
 MAX_TEXT_NUMBER = 4400  # chars of a text INT/LONG/FLOAT argument (CPython 3.11 refuses > 4300 digits anyway)
+MAX_NESTING = 512  # tuples and calls inside each other
+HASH_WORK_PER_BYTE = 16  # tuple elements hashed, per input byte, across the whole load
+
+# Value summaries: (tag, nesting, hash work). Tags: a plain value, a global, a tuple holding a
+# global directly (a call's arguments), a value a call built.
+PLAIN, GLOBAL, ARGS, BUILT = 0, 1, 2, 3
+_PLAIN = (PLAIN, 0, 1)
+
+
+class ScanResult(NamedTuple):
+    """What the walk learned: whether the probe pass must run."""
+
+    needs_probe: bool
 
 
 def _argument_kinds() -> List[Optional[Tuple[int, int]]]:
@@ -44,57 +67,266 @@ def _argument_kinds() -> List[Optional[Tuple[int, int]]]:
 
 
 _ARGUMENTS = _argument_kinds()
-# Opcodes objcomm never writes and that reach hooks or registries: PERSID, BINPERSID, EXT1/2/4,
-# NEXT_BUFFER, READONLY_BUFFER.
-for _code in b"PQ\x82\x83\x84\x97\x98":
-    _ARGUMENTS[_code] = None
-_MEMO_PUTS = {ord("p"), ord("q"), ord("r")}  # PUT, BINPUT, LONG_BINPUT
-_TEXT_NUMBERS = {ord("I"), ord("L"), ord("F"), ord("p"), ord("g")}  # and text memo indices
-_SIGNED_LENGTHS = {0x8B, 0x54}  # LONG4, BINSTRING
-_BUILD = ord("b")
+# Opcodes objcomm never writes and that reach hooks or registries.
+_REFUSED = {"PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER"}
+for _op in pickletools.opcodes:
+    if _op.name in _REFUSED:
+        _ARGUMENTS[ord(_op.code)] = None
+
+# Stack effects, by opcode name.
+(_PUSH, _PUSH_GLOBAL, _STACK_GLOBAL, _MARK, _POP, _POP_MARK, _DUP, _PUT, _MEMOIZE, _GET, _TUPLE_MARK, _TUPLE_N,
+ _LIST, _DICT, _FROZENSET, _APPEND, _APPENDS, _SETITEM, _SETITEMS, _ADDITEMS, _BUILD, _REDUCE, _NEWOBJ,
+ _NEWOBJ_EX, _OBJ, _INST, _NOTHING) = range(27)
+_EFFECTS: Dict[str, int] = {
+    **dict.fromkeys(
+        "INT BININT BININT1 BININT2 LONG LONG1 LONG4 STRING BINSTRING SHORT_BINSTRING BINBYTES SHORT_BINBYTES "
+        "BINBYTES8 BYTEARRAY8 NONE NEWTRUE NEWFALSE UNICODE SHORT_BINUNICODE BINUNICODE BINUNICODE8 FLOAT BINFLOAT "
+        "EMPTY_LIST EMPTY_DICT EMPTY_SET EMPTY_TUPLE".split(), _PUSH),
+    "GLOBAL": _PUSH_GLOBAL, "STACK_GLOBAL": _STACK_GLOBAL, "MARK": _MARK, "POP": _POP, "POP_MARK": _POP_MARK,
+    "DUP": _DUP, "PUT": _PUT, "BINPUT": _PUT, "LONG_BINPUT": _PUT, "MEMOIZE": _MEMOIZE, "GET": _GET,
+    "BINGET": _GET, "LONG_BINGET": _GET, "TUPLE": _TUPLE_MARK, "TUPLE1": _TUPLE_N, "TUPLE2": _TUPLE_N,
+    "TUPLE3": _TUPLE_N, "LIST": _LIST, "DICT": _DICT, "FROZENSET": _FROZENSET, "APPEND": _APPEND,
+    "APPENDS": _APPENDS, "SETITEM": _SETITEM, "SETITEMS": _SETITEMS, "ADDITEMS": _ADDITEMS, "BUILD": _BUILD,
+    "REDUCE": _REDUCE, "NEWOBJ": _NEWOBJ, "NEWOBJ_EX": _NEWOBJ_EX, "OBJ": _OBJ, "INST": _INST,
+    "PROTO": _NOTHING, "FRAME": _NOTHING, "STOP": _NOTHING,
+}
+_BY_CODE: List[int] = [_NOTHING] * 256
+for _op in pickletools.opcodes:
+    _BY_CODE[ord(_op.code)] = _EFFECTS.get(_op.name, _NOTHING)
+_TUPLE_SIZE = {ord("\x85"): 1, ord("\x86"): 2, ord("\x87"): 3}
+_PUT_TEXT, _GET_TEXT = ord("p"), ord("g")
+_FIXED = [kind[1] if kind is not None and kind[0] == 0 else -1 for kind in _ARGUMENTS]  # fixed argument widths
 _STOP = ord(".")
+_TEXT_NUMBERS = {ord("I"), ord("L"), ord("F"), ord("p"), ord("g")}
+_SIGNED_LENGTHS = {0x8B, 0x54}  # LONG4, BINSTRING
 
 
-def scan(data: Buffer) -> bool:
-    """Check ``data`` opcode by opcode without building anything; True when it uses BUILD.
+class ScanError(ValueError):
+    """The payload breaks one of the walk's rules; the message says which and where."""
 
-    Raises ``ValueError`` saying what is wrong and where.
-    """
+
+def _as_value(item: Tuple[int, int, int], at: int) -> Tuple[int, int, int]:
+    if item[0] == GLOBAL or item[0] == ARGS:
+        raise ScanError(
+            f"the opcode at byte {at} uses a class or function as a value: restricted-pickle carries them only as "
+            "constructors (send a name instead, or use pickle)"
+        )
+    return item
+
+
+def scan(data: Buffer) -> ScanResult:
+    """Walk ``data`` opcode by opcode without building anything; raise :class:`ScanError` on a broken rule."""
     raw = bytes(data)
-    size, at, count, builds = len(raw), 0, 0, False
-    table = _ARGUMENTS
-    while at < size:
-        code = raw[at]
-        kind = table[code]
-        if kind is None:
-            raise ValueError(f"opcode {code:#x} at byte {at} is unknown or not allowed here")
-        start = at + 1
-        form, width = kind
-        if form == 0:
-            at = start + width
-        elif form == 1:
-            at = start
-            for _ in range(width):
-                newline = raw.find(b"\n", at)
-                if newline < 0:
-                    raise ValueError(f"unterminated line argument at byte {start}")
-                at = newline + 1
-            if code in _TEXT_NUMBERS and at - start > MAX_TEXT_NUMBER:
-                raise ValueError(f"a text number of {at - start:,} characters at byte {start}")
-        else:
-            length = int.from_bytes(raw[start : start + width], "little", signed=width == 4 and code in _SIGNED_LENGTHS)
-            if length < 0 or start + width + length > size:
-                raise ValueError(f"opcode at byte {at} declares {length:,} bytes, {size - start - width:,} remain")
-            at = start + width + length
-        if code in _MEMO_PUTS:
-            index = int(raw[start : at - 1]) if code == ord("p") else int.from_bytes(raw[start:at], "little")
-            if index > count:
-                raise ValueError(f"memo slot {index} after {count} opcodes")
-        elif code == _BUILD:
-            builds = True
-        if at > size:
-            raise ValueError("truncated payload")
-        if code == _STOP:
-            return builds
-        count += 1
-    raise ValueError("payload ends without STOP")
+    size, at, count = len(raw), 0, 0
+    budget = HASH_WORK_PER_BYTE * size + 4096
+    table, effects, fixed = _ARGUMENTS, _BY_CODE, _FIXED
+    stack: List[Tuple[int, int, int]] = []
+    marks: List[int] = []
+    # The memo as the C unpickler keeps it: slots by index; MEMOIZE writes at the count of filled slots.
+    memo: List[Optional[Tuple[int, int, int]]] = []
+    filled = 0
+    needs_probe = False
+    # Until the first global or tuple every value is plain (tag PLAIN, nesting 0, hash work 1), so the
+    # per-item checks can be skipped: plain data (the common case) pays only for its lengths.
+    tracking = False
+    try:
+        while at < size:
+            code = raw[at]
+            start = at + 1
+            width = fixed[code]
+            if width >= 0:
+                end = start + width
+            else:
+                kind = table[code]
+                if kind is None:
+                    raise ScanError(f"opcode {code:#x} at byte {at} is unknown or not allowed here")
+                form, width = kind
+                if form == 1:
+                    end = start
+                    for _ in range(width):
+                        newline = raw.find(b"\n", end)
+                        if newline < 0:
+                            raise ScanError(f"unterminated line argument at byte {start}")
+                        end = newline + 1
+                    if code in _TEXT_NUMBERS and end - start > MAX_TEXT_NUMBER:
+                        raise ScanError(f"a text number of {end - start:,} characters at byte {start}")
+                else:
+                    if start + width > size:
+                        raise ScanError("truncated payload")
+                    if width == 1:
+                        length = raw[start]
+                    else:
+                        length = int.from_bytes(raw[start : start + width], "little", signed=code in _SIGNED_LENGTHS)
+                    if length < 0 or start + width + length > size:
+                        remain = size - start - width
+                        raise ScanError(f"opcode at byte {at} declares {length:,} bytes, {remain:,} remain")
+                    end = start + width + length
+            if end > size:
+                raise ScanError("truncated payload")
+            effect = effects[code]
+            if effect == _PUSH:
+                stack.append(_PLAIN)
+            elif effect == _SETITEMS or effect == _APPENDS or effect == _ADDITEMS:
+                mark = marks.pop()
+                if tracking:
+                    items = stack[mark:]
+                    for item in items:
+                        _as_value(item, at)
+                    if effect != _APPENDS:
+                        budget -= sum(k[2] for k in (items[::2] if effect == _SETITEMS else items))
+                    del stack[mark:]
+                    needs_probe = _target(stack[-1], at) or needs_probe
+                else:
+                    if effect != _APPENDS:
+                        budget -= (len(stack) - mark) >> (effect == _SETITEMS)
+                    del stack[mark:]
+                    stack[-1]  # noqa: B018 - the target must exist
+            elif effect == _GET:
+                index = raw[start] if end - start == 1 else _memo_index(raw, code, start, end)
+                value = memo[index] if index < len(memo) else None
+                if value is None:
+                    raise ScanError(f"memo slot {index} read before it was written (byte {at})")
+                stack.append(value)
+            elif effect == _MEMOIZE or effect == _PUT:
+                if effect == _MEMOIZE:
+                    index = filled
+                else:
+                    index = raw[start] if end - start == 1 else _memo_index(raw, code, start, end)
+                    if index > count:
+                        raise ScanError(f"memo slot {index} after {count} opcodes")
+                if index >= len(memo):
+                    memo.extend([None] * (index + 1 - len(memo)))
+                if memo[index] is None:
+                    filled += 1
+                memo[index] = stack[-1]
+            elif effect == _MARK:
+                marks.append(len(stack))
+            elif effect == _SETITEM or effect == _APPEND or effect == _BUILD:
+                popped = 2 if effect == _SETITEM else 1
+                _above_mark(stack, marks, popped + 1, at)
+                if tracking:
+                    _as_value(stack.pop(), at)
+                    if effect == _SETITEM:
+                        budget -= _as_value(stack.pop(), at)[2]
+                    needs_probe = _target(stack[-1], at) or needs_probe
+                else:
+                    del stack[len(stack) - popped :]
+                    budget -= effect == _SETITEM
+            elif effect == _TUPLE_MARK or effect == _TUPLE_N:
+                if effect == _TUPLE_N:
+                    n = _TUPLE_SIZE[code]
+                    _above_mark(stack, marks, n, at)
+                    items = stack[len(stack) - n :]
+                    del stack[len(stack) - n :]
+                else:
+                    mark = marks.pop()
+                    items = stack[mark:]
+                    del stack[mark:]
+                stack.append(_tuple(items, at, budget))
+                tracking = True
+            elif effect == _REDUCE or effect == _NEWOBJ or effect == _NEWOBJ_EX:
+                tracking = True
+                _above_mark(stack, marks, 3 if effect == _NEWOBJ_EX else 2, at)
+                args = stack.pop()
+                kwargs = _as_value(stack.pop(), at) if effect == _NEWOBJ_EX else _PLAIN
+                if effect != _REDUCE or args[0] == GLOBAL:
+                    _as_value(args, at)  # only a call's own arguments may hold a global
+                callable_ = stack.pop()
+                if callable_[0] == ARGS:
+                    _as_value(callable_, at)
+                stack.append(_built((args, kwargs), at, budget))
+            elif effect == _PUSH_GLOBAL:
+                stack.append((GLOBAL, 0, 1))
+                tracking = True
+            elif effect == _STACK_GLOBAL:
+                stack.pop()
+                stack.pop()
+                stack.append((GLOBAL, 0, 1))
+                tracking = True
+            elif effect == _LIST or effect == _DICT or effect == _FROZENSET or effect == _POP_MARK:
+                mark = marks.pop()
+                items = stack[mark:]
+                del stack[mark:]
+                if effect != _POP_MARK:
+                    for item in items:
+                        _as_value(item, at)
+                    if effect != _LIST:
+                        budget -= sum(k[2] for k in (items[::2] if effect == _DICT else items))
+                    stack.append(_PLAIN)
+            elif effect == _OBJ or effect == _INST:
+                tracking = True
+                mark = marks.pop()
+                items = stack[mark:]
+                del stack[mark:]
+                for item in items[1:] if effect == _OBJ else items:
+                    _as_value(item, at)
+                stack.append(_built(items, at, budget))
+            elif effect == _POP:
+                # As the C unpickler does: POP right after MARK removes the mark, not a value.
+                if marks and marks[-1] == len(stack):
+                    marks.pop()
+                else:
+                    _above_mark(stack, marks, 1, at)
+                    stack.pop()
+            elif effect == _DUP:
+                _above_mark(stack, marks, 1, at)
+                stack.append(stack[-1])
+            elif code == _STOP:
+                if len(stack) != 1 or marks:
+                    raise ScanError(f"STOP at byte {at} with {len(stack)} values and {len(marks)} marks on the stack")
+                _as_value(stack[0], at)
+                return ScanResult(needs_probe)
+            if budget < 0:
+                raise ScanError(f"hashing its dict keys and set members would exceed the work budget (byte {at})")
+            at = end
+            count += 1
+    except IndexError:
+        raise ScanError(f"stack or mark underflow at byte {at}") from None
+    raise ScanError("payload ends without STOP")
+
+
+def _memo_index(raw: bytes, code: int, start: int, end: int) -> int:
+    if code == _PUT_TEXT or code == _GET_TEXT:
+        return int(raw[start : end - 1])
+    return int.from_bytes(raw[start:end], "little")
+
+
+def _above_mark(stack: List[Tuple[int, int, int]], marks: List[int], count: int, at: int) -> None:
+    """The C unpickler pops nothing from below the latest mark; neither does the walk."""
+    if len(stack) - (marks[-1] if marks else 0) < count:
+        raise ScanError(f"stack underflow at byte {at}")
+
+
+def _target(target: Tuple[int, int, int], at: int) -> bool:
+    """Refuse state or items set on a global; True: the probe pass must run.
+
+    The probe pass runs for every BUILD, APPEND(S), SETITEM(S) or ADDITEMS once the payload has a
+    global, a call or a tuple, whatever the walk believes the target is: the walk's picture of the
+    stack only has to be right about globals, nesting and hashing, and the probe pass (the C
+    unpickler itself, over probes) judges targets exactly.
+    """
+    if target[0] == GLOBAL or target[0] == ARGS:
+        raise ScanError(f"the opcode at byte {at} sets state or items on a class or function")
+    return True
+
+
+def _tuple(items: List[Tuple[int, int, int]], at: int, budget: int) -> Tuple[int, int, int]:
+    tag, nesting, work = PLAIN, 0, 1
+    for item in items:
+        if item[0] == ARGS:
+            _as_value(item, at)  # a call's arguments inside another tuple
+        if item[0] == GLOBAL:
+            tag = ARGS
+        if item[1] > nesting:
+            nesting = item[1]
+        work += item[2]
+    if nesting >= MAX_NESTING:
+        raise ScanError(f"tuples or calls nested over {MAX_NESTING} deep (byte {at})")
+    return (tag, nesting + 1, min(work, budget + 1))
+
+
+def _built(items: Sequence[Tuple[int, int, int]], at: int, budget: int) -> Tuple[int, int, int]:
+    nesting = max((item[1] for item in items), default=0)
+    if nesting >= MAX_NESTING:
+        raise ScanError(f"tuples or calls nested over {MAX_NESTING} deep (byte {at})")
+    return (BUILT, nesting + 1, min(1 + sum(item[2] for item in items), budget + 1))

@@ -7,13 +7,19 @@ scalars, dtypes, tensors, Parameters and UUIDs as calls to the functions below, 
 the value from a dtype string, a shape and the bytes actually present — and refuse anything
 else. Their ``module.name`` is part of the wire format (``docs/security.md``).
 
-Every function raises :class:`DecodeError` for input it will not build.
+Every function raises :class:`DecodeError` for input it will not build. While restricted-pickle
+loads, copying work is charged to a per-load budget (``work_budget``): a payload can name one big
+value many times (pickle's memo), so each copy must be paid for, not only bounded by its argument.
+Error messages describe payload values with :func:`brief`, never ``repr`` (a memo-shared list
+has an exponentially long ``repr``).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
 
 from ._errors import DecodeError
 
@@ -33,6 +39,43 @@ def _refuse(what: str) -> DecodeError:
     return DecodeError(f"payload refused: {what}")
 
 
+def brief(value: Any) -> str:
+    """A short description of a payload value that costs O(1) to build, whatever the value."""
+    cls = type(value)
+    if cls is int:
+        return repr(value) if value.bit_length() <= 64 else f"an int of {value.bit_length():,} bits"
+    if cls in (str, bytes, bytearray):
+        return repr(value[:40]) + ("..." if len(value) > 40 else "")
+    if cls in (float, bool, type(None)):
+        return repr(value)
+    if cls in (list, tuple, dict, set, frozenset):
+        return f"a {cls.__name__} of {len(value):,} items"
+    return f"a {cls.__name__}"
+
+
+_work = threading.local()  # .remaining: a one-element list while a budget is active
+
+
+@contextmanager
+def work_budget(units: int) -> Iterator[None]:
+    """Charge the copying and hashing done by constructors inside this block against ``units``."""
+    outer: Optional[list] = getattr(_work, "remaining", None)
+    _work.remaining = [units]
+    try:
+        yield
+    finally:
+        _work.remaining = outer
+
+
+def charge(units: int, what: str) -> None:
+    """Spend ``units`` of the active budget (if any) on ``what``; refuse the payload when it runs out."""
+    remaining = getattr(_work, "remaining", None)
+    if remaining is not None:
+        remaining[0] -= units
+        if remaining[0] < 0:
+            raise _refuse(f"{what}: the payload asks for more copying and hashing than its size allows")
+
+
 def _byte_string(data: Any, what: str) -> Any:
     if type(data) not in (bytes, bytearray):
         raise _refuse(f"{what}: expected bytes, got {type(data).__name__}")
@@ -41,10 +84,10 @@ def _byte_string(data: Any, what: str) -> Any:
 
 def _shape(shape: Any, max_dims: int = MAX_DIMS) -> tuple:
     if type(shape) not in (tuple, list) or len(shape) > max_dims:
-        raise _refuse(f"shape {shape!r:.80}: expected a tuple of at most {max_dims} sizes")
+        raise _refuse(f"shape {brief(shape)}: expected a tuple of at most {max_dims} sizes")
     for size in shape:
         if type(size) is not int or not 0 <= size < 2**62:
-            raise _refuse(f"shape {shape!r:.80}: sizes must be ints in [0, 2**62)")
+            raise _refuse(f"shape {brief(shape)}: sizes must be ints in [0, 2**62)")
     return tuple(shape)
 
 
@@ -59,15 +102,15 @@ def _simple_numpy_dtype(descr: Any) -> Any:
     import numpy as np
 
     if type(descr) is not str or len(descr) > MAX_DTYPE_TEXT:
-        raise _refuse(f"numpy dtype {descr!r:.80}: expected a short dtype string")
+        raise _refuse(f"numpy dtype {brief(descr)}: expected a short dtype string")
     try:
         dtype = np.dtype(descr)
     except Exception as exc:
-        raise _refuse(f"numpy dtype {descr!r:.80}: {exc}") from None
+        raise _refuse(f"numpy dtype {brief(descr)}: {exc}") from None
     if dtype.fields is not None or dtype.subdtype is not None or dtype.hasobject or dtype.kind not in _SIMPLE_KINDS:
-        raise _refuse(f"numpy dtype {descr!r:.80}: only plain (non-object, non-structured) dtypes are built")
+        raise _refuse(f"numpy dtype {brief(descr)}: only plain (non-object, non-structured) dtypes are built")
     if dtype.itemsize <= 0:
-        raise _refuse(f"numpy dtype {descr!r:.80}: zero-sized items")
+        raise _refuse(f"numpy dtype {brief(descr)}: zero-sized items")
     return dtype
 
 
@@ -78,18 +121,18 @@ def numpy_dtype(descr: Any) -> Any:
     if type(descr) is str:
         return _simple_numpy_dtype(descr)
     if type(descr) not in (list, tuple) or not 0 < len(descr) <= MAX_FIELDS:
-        raise _refuse(f"numpy dtype {descr!r:.80}: expected a dtype string or a list of (name, dtype string)")
+        raise _refuse(f"numpy dtype {brief(descr)}: expected a dtype string or a list of (name, dtype string)")
     fields = []
     for field in descr:
         if type(field) not in (list, tuple) or len(field) != 2 or type(field[0]) is not str or len(field[0]) > 256:
-            raise _refuse(f"numpy dtype field {field!r:.80}: expected (name, dtype string)")
+            raise _refuse(f"numpy dtype field {brief(field)}: expected (name, dtype string)")
         fields.append((field[0], _simple_numpy_dtype(field[1])))
     try:
         dtype = np.dtype(fields)  # numpy lays the fields out packed: no overlap, no object
     except Exception as exc:
-        raise _refuse(f"numpy dtype {descr!r:.80}: {exc}") from None
+        raise _refuse(f"numpy dtype {brief(descr)}: {exc}") from None
     if dtype.hasobject or dtype.itemsize <= 0:
-        raise _refuse(f"numpy dtype {descr!r:.80}")
+        raise _refuse(f"numpy dtype {brief(descr)}")
     return dtype
 
 
@@ -100,15 +143,18 @@ def ndarray(descr: Any, shape: Any, order: Any, data: Any) -> Any:
     dtype = numpy_dtype(descr)
     shape = _shape(shape)
     if order not in ("C", "F"):
-        raise _refuse(f"array order {order!r:.20}")
+        raise _refuse(f"array order {brief(order)}")
     data = _byte_string(data, "array data")
     expected = _count(shape) * dtype.itemsize
     if len(data) != expected:
         raise _refuse(f"an array of shape {shape} and dtype {dtype}: {len(data):,} bytes given, {expected:,} needed")
     if expected == 0:
         return np.empty(shape, dtype=dtype, order=order)
-    array = np.frombuffer(data, dtype=dtype).reshape(shape, order=order)
-    return array if type(data) is bytearray else array.copy(order="K")
+    array = np.frombuffer(data, dtype=dtype).reshape(shape, order=order)  # holds the buffer: it cannot resize
+    if type(data) is bytearray:
+        return array
+    charge(expected, "an array copy")
+    return array.copy(order="K")
 
 
 def numpy_scalar(descr: Any, data: Any) -> Any:
@@ -125,12 +171,12 @@ def numpy_scalar(descr: Any, data: Any) -> Any:
 def torch_dtype(name: Any) -> Any:
     """``torch.<name>`` for the dtypes tensors may have here (not quantized or bit-packed ones)."""
     if type(name) is not str or name not in _TORCH_DTYPES:
-        raise _refuse(f"torch dtype {name!r:.40}")
+        raise _refuse(f"torch dtype {brief(name)}")
     import torch
 
     dtype = torch.__dict__.get(name)
     if not isinstance(dtype, torch.dtype):
-        raise _refuse(f"torch dtype {name!r}: not in this torch version")
+        raise _refuse(f"torch dtype {brief(name)}: not in this torch version")
     return dtype
 
 
@@ -150,8 +196,15 @@ def tensor(dtype_name: Any, shape: Any, data: Any, requires_grad: Any) -> Any:
     if expected == 0:
         result = torch.empty(shape, dtype=dtype)
     else:
-        buffer = data if type(data) is bytearray else bytearray(data)
-        result = torch.frombuffer(buffer, dtype=dtype).reshape(shape)
+        if type(data) is not bytearray:
+            charge(expected, "a tensor copy")
+            data = bytearray(data)
+        # Through numpy, which holds a buffer export: torch.frombuffer does not, and a bytearray the
+        # payload still holds could then be resized under the tensor (a use after free).
+        import numpy as np
+
+        flat = torch.from_numpy(np.frombuffer(data, dtype=np.uint8))
+        result = flat.view(dtype).reshape(shape)
     if requires_grad:
         if not (dtype.is_floating_point or dtype.is_complex):
             raise _refuse(f"requires_grad on a {dtype} tensor")

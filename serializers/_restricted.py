@@ -2,25 +2,30 @@
 
 How a hostile payload is kept harmless (``docs/security.md`` states the guarantee):
 
-1. **The opcode scan** (``_pickle_scan.scan``) checks every declared length, memo index and text
-   number against the bytes present and refuses opcodes objcomm never writes, before the C
-   unpickler allocates anything.
+1. **The opcode scan** (``_pickle_scan.scan``) runs pickle's stack machine on summaries of the
+   values: it checks every declared length, memo index and text number against the bytes present,
+   bounds tuple nesting and hashing work, keeps globals out of values, and refuses opcodes objcomm
+   never writes — before the C unpickler allocates or hashes anything.
 2. **Guards, not globals.** ``find_class`` never imports or returns what the payload names. It
    returns a *guard*: a class (so NEWOBJ accepts it) whose metaclass routes a call (REDUCE, OBJ,
    INST) to a validating constructor, whose ``__new__`` routes NEWOBJ likewise, and whose
    ``__setstate__`` refuses BUILD on the global itself. Constructors take only values built from
    the payload (lists, tuples, dicts, bytes) and bound every size by them: ``bytearray(10**9)``,
-   ``set(range(10**9))`` or ``Fraction("1e30000000")`` are refused. numpy and torch values are
+   ``set(range(10**9))`` or ``Fraction("1e30000000")`` are refused, and what they copy or hash is
+   charged to a budget proportional to the payload (pickle's memo lets a payload pass one big value
+   to many calls). numpy and torch values are
    rebuilt by ``_rebuild`` from dtype, shape and the bytes present; numpy's and torch's own
    reconstructors are never reachable. The allow-list is checked before any import.
 3. **The probe pass.** BUILD (``__setstate__`` or attribute updates) is allowed only on instances
-   of classes the user allowed. When the scan saw a BUILD, the payload is first run through the C
+   of classes the user allowed, APPEND/SETITEM only on the containers that take them. When the scan
+   saw one of those act on a value a call built, the payload is first run through the C
    unpickler with every guard returning an inert *probe* that knows only what kind of value it
    stands for; a BUILD, APPEND or SETITEM on a probe of the wrong kind refuses the payload. Pickle
    is straight-line code, so the real pass that follows applies BUILD only where the probe pass
    allowed it. Both passes run at C speed.
-4. **Classes travel only as constructors.** A global the payload names but never calls would end
-   up in the result as a guard; the load is refused instead ("classes and functions as values").
+4. **Classes travel only as constructors.** The scan refuses a global used as anything but a
+   callable or a direct argument of a call; guards refuse guards as arguments (but for a
+   defaultdict's factory).
 """
 
 from __future__ import annotations
@@ -33,17 +38,18 @@ import importlib
 import io
 import pickle
 import re
-import threading
 from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
 from . import _rebuild
 from ._errors import ContentRefusedError, DecodeError, decoding
 from ._pickle import EXTERNAL, PROTOCOL, PickleSerializer, external_ref
-from ._pickle_scan import scan
+from ._pickle_scan import ScanError, scan
 from ._protocol import Buffer, Restore
 
 SEALED, MAPPING, SEQUENCE, USER = "sealed", "mapping", "sequence", "user"
 _MAX_INT_BITS = 14_300  # about 4,300 decimal digits: gcd and str conversions stay cheap
+WORK_PER_BYTE = 32  # bytes copied (and tuple elements hashed, at 8 each) by constructors, per payload byte
+_WORK_FLOOR = 1 << 20
 _FRACTION_TEXT = re.compile(r"\s*[+-]?\d{1,4300}(?:/\d{1,4300})?\s*\Z")
 _BUILT = (list, tuple, set, frozenset, dict)
 
@@ -55,11 +61,32 @@ def _refused(what: str) -> ContentRefusedError:
 # -- validating constructors -------------------------------------------------------------------
 
 
-def _built(value: Any, what: str) -> Any:
-    """``value`` if it is a container the payload itself spelled out (so its size is bounded by it)."""
+def _built(value: Any, what: str, hashed: str = "") -> Any:
+    """``value`` if it is a container the payload itself spelled out; its copy (and hashing) is charged.
+
+    ``hashed``: ``"items"`` when its elements become set members or counter keys, ``"pairs"`` when
+    it holds ``(key, value)`` pairs (or is a dict) whose keys are hashed.
+    """
     if type(value) not in _BUILT:
         raise _refused(f"{what} of {type(value).__name__}: only lists, tuples, sets and dicts from the payload")
+    _rebuild.charge(8 * len(value), what)
+    if type(value) is dict or hashed == "pairs":
+        for key in value if type(value) is dict else (p[0] for p in value if type(p) in (tuple, list) and p):
+            _charge_hashing(key, what)
+    elif hashed:
+        for item in value:
+            _charge_hashing(item, what)
     return value
+
+
+def _charge_hashing(value: Any, what: str) -> None:
+    """Charge what hashing ``value`` costs: tuples hash every element again, each time (no cache)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        _rebuild.charge(8, what)
+        if type(item) is tuple:
+            pending.extend(item)
 
 
 def _small_int(value: Any, what: str) -> int:
@@ -79,7 +106,7 @@ def _no_args(real: type) -> Callable[..., Any]:
 
 def _collection(real: type) -> Callable[..., Any]:
     def build(items: Any = ()) -> Any:
-        return real(_built(items, real.__name__))
+        return real(_built(items, real.__name__, hashed="items"))
 
     return build
 
@@ -92,8 +119,10 @@ def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
 
 def _bytearray(source: Any = b"", encoding: Any = None) -> bytearray:
     if type(source) in (bytes, bytearray) and encoding is None:
+        _rebuild.charge(len(source), "bytearray")
         return bytearray(source)
     if type(source) is str and encoding == "latin-1":
+        _rebuild.charge(len(source), "bytearray")
         return bytearray(source, "latin-1")
     raise _refused("bytearray() of anything but bytes (a size would allocate without bound)")
 
@@ -108,20 +137,18 @@ def _ints_or_none(name: str, real: Any, max_args: int) -> Callable[..., Any]:
 
 
 def _odict(items: Any = ()) -> Any:
-    return collections.OrderedDict(_built(items, "OrderedDict"))
+    return collections.OrderedDict(_built(items, "OrderedDict", hashed="pairs"))
 
 
 def _counter(items: Any = ()) -> Any:
-    return collections.Counter(_built(items, "Counter"))
+    return collections.Counter(_built(items, "Counter", hashed="items"))
 
 
 def _defaultdict(factory: Any = None, items: Any = ()) -> Any:
     real = None if factory is None else getattr(factory, "_factory", None)
     if factory is not None and real is None:
         raise _refused("a defaultdict whose factory is not an allowed empty constructor")
-    if factory is not None:
-        _note_call(factory)
-    return collections.defaultdict(real, _built(items, "defaultdict"))
+    return collections.defaultdict(real, _built(items, "defaultdict", hashed="pairs"))
 
 
 def _deque(items: Any = (), maxlen: Any = None) -> Any:
@@ -133,6 +160,18 @@ def _deque(items: Any = (), maxlen: Any = None) -> Any:
 _DATETIME_ARGS = (int, float, bytes, str, bool, type(None), datetime.tzinfo, datetime.timedelta)
 
 
+def _revalidated(value: Any) -> Any:
+    """Rebuild a date/time from its fields: pickle's byte state is checked only for the month."""
+    if isinstance(value, datetime.datetime):
+        fields = (value.year, value.month, value.day, value.hour, value.minute, value.second, value.microsecond)
+        return datetime.datetime(*fields, value.tzinfo, fold=value.fold)
+    if isinstance(value, datetime.date):
+        return datetime.date(value.year, value.month, value.day)
+    if isinstance(value, datetime.time):
+        return datetime.time(value.hour, value.minute, value.second, value.microsecond, value.tzinfo, fold=value.fold)
+    return value
+
+
 def _datetime(real: type) -> Callable[..., Any]:
     def build(*args: Any) -> Any:
         for arg in args:
@@ -140,7 +179,10 @@ def _datetime(real: type) -> Callable[..., Any]:
                 raise _refused(f"{real.__name__}() of {type(arg).__name__}")
             if type(arg) is int:
                 _small_int(arg, real.__name__)
-        return real(*args)
+        try:
+            return _revalidated(real(*args))
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise _refused(f"an invalid {real.__name__}: {exc}") from None
 
     return build
 
@@ -150,6 +192,7 @@ def _decimal(value: Any = "0", context: Any = None) -> decimal.Decimal:
         raise _refused("Decimal() of anything but a number, its text or its tuple")
     if type(value) is int:
         _small_int(value, "Decimal")
+    _rebuild.charge(len(value) if type(value) in (str, tuple) else 8, "Decimal")
     return decimal.Decimal(value)
 
 
@@ -157,7 +200,9 @@ def _fraction(numerator: Any = 0, denominator: Any = None) -> fractions.Fraction
     if type(numerator) is str and denominator is None:
         if not _FRACTION_TEXT.match(numerator):
             raise _refused("Fraction() of text other than 'n' or 'n/d' with at most 4300 digits each")
+        _rebuild.charge(8 * len(numerator), "Fraction")
         return fractions.Fraction(numerator)
+    _rebuild.charge(_MAX_INT_BITS // 8, "Fraction")
     _small_int(numerator, "Fraction")
     if denominator is not None:
         _small_int(denominator, "Fraction")
@@ -169,6 +214,7 @@ def _torch_size(sizes: Any = ()) -> Any:
 
     if type(sizes) not in (list, tuple) or any(type(s) is not int or not 0 <= s < 2**63 for s in sizes):
         raise _refused("torch.Size() of anything but a tuple of sizes")
+    _rebuild.charge(8 * len(sizes), "torch.Size")
     return torch.Size(sizes)
 
 
@@ -177,7 +223,10 @@ def _torch_device(kind: Any, index: Any = None) -> Any:
 
     if type(kind) is not str or len(kind) > 32 or (index is not None and (type(index) is not int or index < 0)):
         raise _refused("torch.device() of anything but a short name and an index")
-    return torch.device(kind) if index is None else torch.device(kind, index)
+    device = torch.device(kind) if index is None else torch.device(kind, index)
+    if index is not None and device.index != index:
+        raise _refused(f"torch.device index {_rebuild.brief(index)}")
+    return device
 
 
 def _object() -> object:
@@ -216,20 +265,10 @@ _NUMPY_OWN = {"_reconstruct", "scalar", "_frombuffer", "ndarray", "dtype"}
 # -- guards and probes -------------------------------------------------------------------------
 
 
-_loading = threading.local()  # .called: the guards called during this thread's current load
-
-
-def _note_call(guard: Any) -> None:
-    called = getattr(_loading, "called", None)
-    if called is not None:
-        called.add(guard)
-
-
 class _GuardMeta(type):
     """The type of every guard: calling a guard runs its validating constructor."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:  # REDUCE, OBJ, INST
-        _note_call(cls)
         return cls._call(*args, **kwargs)  # type: ignore[attr-defined]
 
     def __setstate__(cls, state: Any) -> None:  # BUILD on the global itself
@@ -241,7 +280,6 @@ def _guard(label: str, call: Optional[Callable[..., Any]], newobj: Optional[Call
         raise _refused(f"calling {label}")
 
     def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:  # NEWOBJ
-        _note_call(cls)
         if newobj is None:
             raise _refused(f"creating {label} without its constructor (NEWOBJ)")
         return newobj(*args, **kwargs)
@@ -275,7 +313,7 @@ class _Probe:
                 raise _refused(f"BUILD with a {type(part).__name__} as state")
             for key in part:
                 if type(key) is not str or (key.startswith("__") and key.endswith("__")):
-                    raise _refused(f"BUILD setting attribute {key!r:.60}")
+                    raise _refused(f"BUILD setting attribute {_rebuild.brief(key)}")
 
     def append(self, value: Any) -> None:
         self._require(SEQUENCE, "APPEND")
@@ -333,11 +371,23 @@ class _Guards:
         label = ".".join(key)
         if isinstance(target, type):
             cls = target
-            self.real[key] = _guard(label, cls, lambda *a, **k: cls.__new__(cls, *a, **k), None)
+            call, newobj = _no_guard_args(label, cls), _no_guard_args(label, lambda *a, **k: cls.__new__(cls, *a, **k))
+            self.real[key] = _guard(label, call, newobj, None)
             self.probe[key] = _probe_guard(label, USER, True, None, cls)
         else:
-            self.real[key] = _guard(label, target, None, None)
+            self.real[key] = _guard(label, _no_guard_args(label, target), None, None)
             self.probe[key] = _probe_guard(label, SEALED, False, None)
+
+
+def _no_guard_args(label: str, call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call``, refusing guards (classes named by the payload) among its arguments."""
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, _GuardMeta) for a in (*args, *kwargs.values())):
+            raise _refused(f"passing a class or function to {label}")
+        return call(*args, **kwargs)
+
+    return checked
 
 
 def _why_refused(module: str, name: str) -> str:
@@ -359,34 +409,13 @@ class _Unpickler(pickle.Unpickler):
         self._guards = guards
         self._restore = restore
         self._probing = probing
-        self.fetched: list = []
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == EXTERNAL:
             if self._probing:
                 return _EXTERNAL_PROBE
             return self._restore if self._restore is not None else external_ref
-        found = self._guards.lookup(module, name, self._probing)
-        if isinstance(found, _GuardMeta):
-            self.fetched.append(found)
-        return found
-
-    def load_checked(self) -> Any:
-        """``load()``, refusing payloads that hold a class or function as a value."""
-        outer = getattr(_loading, "called", None)
-        called: Set[Any] = set()
-        _loading.called = called
-        try:
-            result = self.load()
-        finally:
-            _loading.called = outer
-        for guard in self.fetched:
-            if guard not in called:
-                raise _refused(
-                    f"a payload holding {guard.__name__} as a value: classes and functions travel only as "
-                    "constructors of values in restricted-pickle (send a name instead, or use pickle)"
-                )
-        return result
+        return self._guards.lookup(module, name, self._probing)
 
 
 # -- the serializer ----------------------------------------------------------------------------
@@ -450,11 +479,14 @@ class RestrictedPickleSerializer(PickleSerializer):
 
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
         try:
-            builds = scan(data)
+            needs_probe = scan(data).needs_probe
         except Exception as exc:
-            raise DecodeError(f"{self.name} refused a malformed payload: {exc}") from None
+            if isinstance(exc, ScanError) and "class or function" in str(exc):
+                raise ContentRefusedError(f"{self.name} refused the payload: {exc}; nothing was run") from None
+            raise DecodeError(f"{self.name} refused a malformed payload: {type(exc).__name__}: {exc}") from None
         guards = self._guards
-        with decoding(self.name, data):
-            if builds:
+        size = memoryview(data).nbytes
+        with decoding(self.name, data), _rebuild.work_budget(WORK_PER_BYTE * size + _WORK_FLOOR):
+            if needs_probe:
                 _Unpickler(io.BytesIO(data), guards, None, probing=True).load()
-            return _Unpickler(io.BytesIO(data), guards, restore, probing=False).load_checked()
+            return _Unpickler(io.BytesIO(data), guards, restore, probing=False).load()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import pickletools
+import struct
 from typing import Any, Callable
 
 import msgpack
@@ -19,6 +21,11 @@ FUZZ_SCALE = int(os.environ.get("OBJCOMM_FUZZ_SCALE", "1"))
 def v(value: Any) -> bytes:
     """The opcodes that push a plain value (protocol 3: no frame)."""
     return pickle.dumps(value, protocol=3)[2:-1]
+
+
+def plain(value: Any) -> bytes:
+    """Like :func:`v`, without memo writes (slower): for payloads that keep their own memo slots."""
+    return pickletools.optimize(pickle.dumps(value, protocol=3))[2:-1]
 
 
 def glob(module: str, name: str) -> bytes:
@@ -43,6 +50,31 @@ def newobj(cls: bytes, *parts: bytes) -> bytes:
 
 def dict_of(*pairs: tuple[bytes, bytes]) -> bytes:
     return b"}(" + b"".join(k + val for k, val in pairs) + b"u"
+
+
+def put(index: int) -> bytes:
+    return b"r" + struct.pack("<I", index)
+
+
+def get(index: int) -> bytes:
+    return b"j" + struct.pack("<I", index)
+
+
+def dag(depth: int, base: int = 0, leaf: bytes = b"]") -> bytes:
+    """A list of two references to a list of two references to ... ``depth`` levels: its repr and
+    any walk that does not remember what it saw take 2**depth steps. Uses memo ``base..base+depth``."""
+    out = leaf + put(base) + b"0"
+    for i in range(depth):
+        out += b"](" + get(base + i) + get(base + i) + b"e" + put(base + i + 1) + b"0"
+    return out + get(base + depth)
+
+
+def tuple_dag(depth: int) -> bytes:
+    """The same with tuples: not hash-cached, so hashing it takes 2**depth steps."""
+    out = b")" + put(0) + b"0"
+    for i in range(depth):
+        out += get(i) + get(i) + b"\x86" + put(i + 1) + b"0"
+    return out + get(depth)
 
 
 def payload(body: bytes) -> bytes:

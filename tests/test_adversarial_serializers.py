@@ -9,6 +9,7 @@ One test per attack class of the security issue; the structured fuzzing is at th
 from __future__ import annotations
 
 import random
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -16,7 +17,24 @@ from dataclasses import dataclass
 import msgpack
 import pytest
 from _child import run_in_child
-from _hostile import FUZZ_SCALE, build, call, forged_object_field, glob, nested_ext, newobj, outcome, payload, v
+from _hostile import (
+    FUZZ_SCALE,
+    build,
+    call,
+    dag,
+    forged_object_field,
+    get,
+    glob,
+    nested_ext,
+    newobj,
+    outcome,
+    payload,
+    plain,
+    put,
+    tup,
+    tuple_dag,
+    v,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -180,6 +198,126 @@ def test_a_class_as_a_value_is_refused_not_replaced():
     s = serializers.get("restricted-pickle")
     with pytest.raises(serializers.ContentRefusedError, match="as a value"):
         s.loads(s.dumps([set]))
+
+
+# -- found by attacking the fixes: memory safety, nesting, work through the memo ------------------
+
+
+def test_a_bytearray_resized_under_a_tensor_is_refused_not_a_use_after_free():
+    n = 4 << 20
+    tensor = glob("serializers._rebuild", "tensor")
+    body = (
+        b"]" + put(0) + b"\x96" + struct.pack("<Q", n) + b"A" * n + put(1) + b"0"
+        + call(tensor, v("uint8"), v((n,)), get(1), v(False)) + put(2) + b"a"
+        + get(1) + call(glob("builtins", "slice"), v(0), v(None)) + v(b"") + b"s0"  # ba[0:] = b"": shrink it
+        + get(2) + v(n - 1) + v(7) + b"s0"  # then write through the tensor
+    )
+    results = run_in_child(_decode_all, "restricted-pickle", {"uaf": payload(body)}, memory_budget=BUDGET,
+                           preload=WITH_TORCH)
+    assert results["uaf"][0] in REFUSED
+
+
+def test_deep_tuples_and_tuple_dags_as_keys_are_refused_before_hashing():
+    payloads = {
+        "200k-deep tuple key": payload(b"})" + b"\x85" * 200_000 + b"Ns"),
+        "deep tuple in a set": payload(call(glob("builtins", "set"), b"(" + b")" + b"\x85" * 100_000 + b"l")),
+        "tuple dag key": payload(b"}" + tuple_dag(60) + b"Ns"),
+        "tuple dag in frozenset()": payload(call(glob("builtins", "frozenset"), b"(" + tuple_dag(60) + b"l")),
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET))
+
+
+def test_error_messages_never_render_payload_values():
+    rebuild = "serializers._rebuild"
+    payloads = {
+        "dag shape": payload(call(glob(rebuild, "ndarray"), v("<f8"), dag(40), v("C"), v(b""))),
+        "dag dtype": payload(call(glob(rebuild, "tensor"), dag(40), v((1,)), v(b""), v(False))),
+        "dag field": payload(call(glob(rebuild, "numpy_dtype"), b"(" + dag(40) + b"l")),
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET,
+                                 preload=WITH_TORCH))
+
+
+def test_items_set_on_a_built_value_are_refused_without_build():
+    array = call(glob("serializers._rebuild", "ndarray"), v("<f8"), v((1,) * 26), v("C"), v(b"\0" * 8))
+    body = (b"]" + put(0) + array + put(1) + call(glob("builtins", "slice"), v(None)) + dag(26, base=2, leaf=v(1.0))
+            + b"s0" + get(1) + b"a")
+    results = run_in_child(_decode_all, "restricted-pickle", {"setitem": payload(body)}, memory_budget=BUDGET)
+    assert results["setitem"][0] == "ContentRefusedError"
+
+
+def test_one_value_passed_to_many_copying_calls_is_charged_each_time():
+    big = 1 << 20
+
+    def repeated(fn: bytes, arg: bytes, times: int) -> bytes:
+        return payload(b"]" + put(0) + arg + put(1) + b"0" + fn + put(2) + b"0"
+                       + b"(" + (get(2) + get(1) + b"\x85R") * times + b"e")
+
+    payloads = {
+        "bytearray x2000": repeated(glob("builtins", "bytearray"), b"B" + struct.pack("<I", big) + b"x" * big, 2000),
+        "Decimal x2000": repeated(glob("decimal", "Decimal"), v("9" * 200_000), 2000),
+        "deque x2000": repeated(glob("collections", "deque"), b"](" + b"N" + b"2" * 100_000 + b"e", 2000),
+        "set x2000": repeated(glob("builtins", "set"), b"](" + b"".join(v(i) for i in range(20_000)) + b"e", 2000),
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET))
+
+
+def test_classes_travel_only_as_constructors():
+    payloads = {
+        "called, then kept": payload(b"](" + glob("builtins", "set") + put(1) + b")R" + get(1) + b"e"),
+        "as a dict value": payload(b"}" + v("k") + glob("collections", "OrderedDict") + b"s"),
+        "inside call arguments": payload(call(glob("builtins", "frozenset"), tup(glob("builtins", "set")))),
+        "as the result": payload(glob("builtins", "set")),
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET))
+
+
+def test_dates_are_validated_field_by_field():
+    payloads = {
+        "year 0": payload(call(glob("datetime", "datetime"), v(b"\x00\x00\x01\x00" + b"\x00" * 6))),
+        "day 0": payload(call(glob("datetime", "date"), v(b"\x07\xe4\x02\x00"))),
+        "device index 2**40": payload(call(glob("torch", "device"), v("cpu"), v(2**40))),
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET,
+                                 preload=WITH_TORCH))
+
+
+def test_pop_right_after_mark_is_modelled_as_the_c_unpickler_does():
+    """POP after MARK drops the mark, not a value: a walk that disagreed would check the wrong value."""
+    rebuild = "serializers._rebuild"
+    dtype = call(glob(rebuild, "numpy_dtype"), plain([("a", "<i8")]))
+    field = tup(call(glob(rebuild, "numpy_dtype"), plain("<i8")), plain(1 << 40))
+    fields = b"}(" + plain("a") + field + b"u"
+    forged = tup(plain(3), plain("|"), plain(None), plain(("a",)), fields, plain(8), plain(1), plain(16))
+    array = call(glob(rebuild, "ndarray"), plain("<i8"), plain((1,)), plain("C"), plain(b"\0" * 8))
+    tensor = call(glob(rebuild, "tensor"), plain("float32"), plain((1,)), plain(b"\0" * 4), plain(False))
+    empty = call(glob(rebuild, "tensor"), plain("float32"), plain((0,)), plain(b""), plain(False))
+    deep = b"N" * 2000 + b")" + b"\x85" * 500 + (b"(0" + b"\x85" * 500) * 1999
+    payloads = {
+        "forged field offset": payload(dtype + put(0) + b"(0" + forged + b"b0" + array + b"(0"
+                                       + tup(plain(1), plain((1,)), get(0), plain(False), plain(b"\0" * 8)) + b"b"),
+        "tensor set_ to 2**27": payload(tensor + b"(0" + tup(empty, plain(0), plain((2**27,)), plain((1,))) + b"b"),
+        "nesting reset": payload(deep + b"(0" + put(0) + b"(" + get(0) + b"\x91"),
+        "global kept": payload(glob("collections", "OrderedDict") + b"(0"),
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET,
+                                 preload=WITH_TORCH))
+
+
+def test_inst_built_values_take_no_items():
+    array = b"(" + v("<i8") + v([4]) + v("C") + v(b"\0" * 32) + b"iserializers._rebuild\nndarray\n"
+    payloads = {
+        "SETITEMS on an INST array": payload(array + b"(" + v(0) + v(42) + b"u"),
+        "ADDITEMS on an INST set": payload(b"(" + v([]) + b"ibuiltins\nset\n(" + v(1) + b"\x90"),
+        "APPENDS on an INST bytearray": payload(b"(" + v(b"ab") + b"ibuiltins\nbytearray\n(" + v(65) + b"e"),
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET))
+
+
+def test_msgpack_truncated_headers_do_not_preallocate():
+    nested = (b"\xdd" + struct.pack(">I", 5000)) * 1000  # 5 KB declaring 1000 nested 5000-element arrays
+    results = run_in_child(_decode_all, "msgpack", {"prealloc": nested}, memory_budget=16 << 20)
+    assert results["prealloc"][0] == "DecodeError"
 
 
 # -- class 8: json's decode path -------------------------------------------------------------------
