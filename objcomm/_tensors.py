@@ -17,6 +17,7 @@ the CPU for gloo and the current CUDA device for NCCL), never on the sender's de
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -116,7 +117,7 @@ class TensorLifter:
 
 def parse_table(view: memoryview, count: int, inline_len: int) -> List[Entry]:
     """Parse and validate a tensor table; raise :class:`FrameError` on anything inconsistent."""
-    entries, position, oob = [], 0, 0
+    entries, position, oob, inline_end = [], 0, 0, 0
     for _ in range(count):
         if position + ENTRY.size > view.nbytes:
             raise FrameError("truncated tensor table")
@@ -128,14 +129,16 @@ def parse_table(view: memoryview, count: int, inline_len: int) -> List[Entry]:
             raise FrameError("truncated tensor table")
         shape = tuple(DIM.unpack_from(view, position + i * DIM.size)[0] for i in range(ndim))
         position += ndim * DIM.size
-        dtype = getattr(torch, DTYPES[code])
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        dtype, itemsize = _dtype_of(code)
         # checked before anything of this size exists: no negative or overflowing shape, nbytes in range
         if nbytes >= MAX_NBYTES or any(not 0 <= d < MAX_NBYTES for d in shape) or _product(shape) * itemsize != nbytes:
             raise FrameError(f"tensor table entry: shape {shape} of {dtype} is not {nbytes} bytes")
         if flags & INLINE:
-            if offset + nbytes > inline_len:
-                raise FrameError("tensor table entry points past the inline tensor data")
+            # in order and disjoint, as the encoder writes them: each entry is copied out, so entries
+            # sharing bytes would multiply them
+            if offset < inline_end or offset + nbytes > inline_len:
+                raise FrameError("tensor table entries point past (or share) the inline tensor data")
+            inline_end = offset + nbytes
         elif offset != oob:
             raise FrameError("tensor table lists out-of-band tensors out of order")
         else:
@@ -144,6 +147,13 @@ def parse_table(view: memoryview, count: int, inline_len: int) -> List[Entry]:
     if position != view.nbytes:
         raise FrameError("tensor table length disagrees with its entries")
     return entries
+
+
+@functools.cache
+def _dtype_of(code: int) -> Tuple[torch.dtype, int]:
+    """The dtype of a table code and its item size (computing the size costs microseconds: cached)."""
+    dtype = getattr(torch, DTYPES[code])
+    return dtype, torch.empty((), dtype=dtype).element_size()
 
 
 def restorer(
@@ -158,10 +168,20 @@ def restorer(
     if len(out_of_band) != len(oob) or any(e.nbytes != t.numel() for e, t in zip(out_of_band, oob)):
         raise FrameError(f"the frame announces {len(out_of_band)} out-of-band tensors, {len(oob)} arrived")
 
-    def restore(key: int) -> torch.Tensor:
+    restored: Dict[int, torch.Tensor] = {}
+
+    def restore(key: Any) -> torch.Tensor:
+        # Each key is built once and shared: a payload naming one tensor many times (the sender's
+        # aliases do) gets one tensor, not a copy per mention.
+        if type(key) is not int:
+            raise FrameError(f"payload refers to a tensor by a {type(key).__name__}, not by its index")
         if not 0 <= key < len(entries):
             raise FrameError(f"payload refers to tensor #{key}, the frame has {len(entries)}")
-        entry = entries[key]
+        if key not in restored:
+            restored[key] = _restore(entries[key])
+        return restored[key]
+
+    def _restore(entry: Entry) -> torch.Tensor:
         if entry.inline:
             # one copy into memory the tensor owns (the frame may be read-only or reused)
             data = bytearray(inline[entry.offset : entry.offset + entry.nbytes])

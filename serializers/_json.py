@@ -5,8 +5,9 @@
   datetimes, numpy, tensors;
 - registered codecs travel as tagged objects ``{"__objcomm_type__": name, "value": ...}``.
 
-Decoding hostile input: orjson refuses nesting over 1024 levels; tagged values are resolved only
-``MAX_TAG_DEPTH`` (256) levels deep; every failure is a :class:`DecodeError`.
+Decoding hostile input: orjson (3.9.15 or later: earlier versions overflow the C stack on deep
+input) refuses nesting over 1024 levels; tagged values are resolved only ``MAX_TAG_DEPTH`` (256)
+levels deep; every failure is a :class:`DecodeError`.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class JsonSerializer(Serializer):
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
         with decoding(self.name, data):
             obj = _orjson().loads(data)
-            if _TAG_PATTERN.search(data):
+            if (TAG in data) if isinstance(data, str) else _TAG_PATTERN.search(data):
                 obj = self._untag(obj, 0)
             return obj
 

@@ -22,9 +22,10 @@ code  type                ext data
 
 Decoding hostile input: a payload is first walked in C without building anything, so truncated
 headers cannot make the unpacker pre-allocate what they declare. Each extension re-enters the C
-unpacker, which keeps about 40 KiB of
-state on the C stack, so extension values nest at most ``MAX_EXT_DEPTH`` (32) deep — deeper is a
-:class:`DecodeError`, not a stack overflow. Plain arrays and maps are limited by msgpack itself.
+unpacker, which keeps about 40 KiB of state on the C stack and a copy of the extension's bytes,
+so extension values nest at most ``MAX_EXT_DEPTH`` (16) deep — deeper is a :class:`DecodeError`,
+not a stack overflow. Plain arrays and maps nest at most 1024 deep inside one extension level
+(msgpack's own limit). msgpack's timestamp extension (-1) decodes to a UTC ``datetime``.
 Every extension's fields are checked before anything is built (dtype, shape against the bytes
 present, digit counts of big ints).
 """
@@ -44,7 +45,7 @@ from ._protocol import Buffer, Lift, Restore, Serializer
 TUPLE, SET, FROZENSET, BIGINT, DATETIME, DATE, TIMEDELTA = 1, 2, 3, 4, 5, 6, 7
 NDARRAY, NPSCALAR, COMPLEX, ODICT, EXTERNAL, CODEC = 8, 9, 10, 11, 12, 13
 
-MAX_EXT_DEPTH = 32
+MAX_EXT_DEPTH = 16
 _NATIVE = (type(None), bool, int, float, str, bytes, bytearray, list, dict)
 _INT_RANGE = (-(2**63), 2**64 - 1)
 
@@ -158,7 +159,8 @@ class MsgpackSerializer(Serializer):
 
         def unpack(raw: bytes) -> Any:
             _check_complete(msgpack, raw)
-            return msgpack.unpackb(raw, ext_hook=ext_hook, raw=False, strict_map_key=False)
+            # timestamp=3: msgpack's own timestamp extension (-1) decodes to a UTC datetime
+            return msgpack.unpackb(raw, ext_hook=ext_hook, raw=False, strict_map_key=False, timestamp=3)
 
         decoders: Dict[int, Callable[[bytes], Any]] = {
             TUPLE: lambda raw: tuple(_array(unpack(raw))),

@@ -136,6 +136,20 @@ def numpy_dtype(descr: Any) -> Any:
     return dtype
 
 
+def _check_code_points(dtype: Any, data: Any) -> None:
+    """numpy builds ``str`` from UCS4 data without checking it: refuse values above U+10FFFF."""
+    import numpy as np
+
+    if dtype.fields is not None:
+        if any(dtype.fields[name][0].kind == "U" for name in dtype.names):
+            raise _refuse(f"structured dtype {dtype} with unicode fields")
+        return
+    if dtype.kind == "U" and data:
+        units = np.frombuffer(data, dtype=np.dtype("u4").newbyteorder(dtype.byteorder))
+        if int(units.max()) > 0x10FFFF:
+            raise _refuse(f"{dtype} data holding code points above U+10FFFF")
+
+
 def ndarray(descr: Any, shape: Any, order: Any, data: Any) -> Any:
     """A numpy array of ``shape`` over exactly the bytes given (writable; C or Fortran order)."""
     import numpy as np
@@ -148,6 +162,7 @@ def ndarray(descr: Any, shape: Any, order: Any, data: Any) -> Any:
     expected = _count(shape) * dtype.itemsize
     if len(data) != expected:
         raise _refuse(f"an array of shape {shape} and dtype {dtype}: {len(data):,} bytes given, {expected:,} needed")
+    _check_code_points(dtype, data)
     if expected == 0:
         return np.empty(shape, dtype=dtype, order=order)
     array = np.frombuffer(data, dtype=dtype).reshape(shape, order=order)  # holds the buffer: it cannot resize
@@ -165,6 +180,7 @@ def numpy_scalar(descr: Any, data: Any) -> Any:
     data = _byte_string(data, "scalar data")
     if len(data) != dtype.itemsize:
         raise _refuse(f"a {dtype} scalar: {len(data)} bytes given, {dtype.itemsize} needed")
+    _check_code_points(dtype, data)
     return np.frombuffer(data, dtype=dtype)[0]
 
 

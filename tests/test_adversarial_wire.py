@@ -433,3 +433,70 @@ def test_fuzz_slots_with_lying_fields(slot):
 def test_fuzz_error_reports(payload):
     view = _framing._assemble("", payload, flags=_framing.FLAG_ERROR)
     _bounded(lambda: _framing.read_error(view, _framing.parse_header(view)), len(payload))
+
+
+# -- found by attacking the fixes ---------------------------------------------------------------
+
+
+def _many_references(refs: int) -> bytes:
+    """A msgpack frame whose one 1 MiB inline tensor the payload names ``refs`` times."""
+    out = _framing.encode({"t": torch.zeros(1 << 20, dtype=torch.uint8)}, serializers.get("msgpack"),
+                          max_bytes=1 << 30, inline_tensor_bytes=2 << 20)
+    view = memoryview(out.frame)
+    header = _framing.parse_header(view)
+    start = header.payload_offset
+    payload = b"\xdd" + struct.pack(">I", refs) + b"\xd4\x0c\x00" * refs  # [ext 12 (tensor #0)] * refs
+    name = bytes(view[_framing.HEADER.size : _framing.HEADER.size + len(header.serializer)])
+    table = bytes(view[_framing.HEADER.size + len(name) : start])
+    inline = bytes(view[start + header.payload_len :])
+    fields = (_framing.MAGIC, _framing.VERSION, 0, 0, len(name), header.table_len, header.n_tensors,
+              len(payload), len(payload), len(inline))
+    return _framing.HEADER.pack(*fields) + name + table + payload + inline
+
+
+def _decode_and_measure(frame: bytes) -> tuple:
+    tensors = _framing.decode(Incoming(memoryview(frame)), sender=1, accept=None, max_bytes=8 << 20)
+    distinct = {t.untyped_storage().data_ptr() for t in tensors}
+    return len(tensors), len(distinct)
+
+
+def test_a_tensor_named_many_times_is_restored_once():
+    frame = _many_references(2000)  # 1 MiB of tensor, 2,000 mentions: 2 GB if each were a copy
+    count, distinct = run_in_child(_decode_and_measure, frame, memory_budget=256 << 20, preload=("numpy", "torch"))
+    assert (count, distinct) == (2000, 1)
+
+
+def _overlapping_inline_entries() -> bytes:
+    out = _framing.encode([torch.zeros(1000, dtype=torch.uint8), torch.ones(1000, dtype=torch.uint8)],
+                          serializers.get("pickle"), max_bytes=1 << 30, inline_tensor_bytes=1 << 20)
+    frame = bytearray(out.frame)
+    header = _framing.parse_header(memoryview(frame))
+    second = _framing.HEADER.size + len(header.serializer) + _tensors.ENTRY.size + 8  # entry 2 (1 dim each)
+    struct.pack_into("<Q", frame, second + 16, 0)  # its inline offset: the first tensor's bytes again
+    return bytes(frame)
+
+
+def test_inline_tensors_may_not_share_bytes():
+    frame = _overlapping_inline_entries()
+    with pytest.raises(objcomm.FrameError, match="share"):
+        _framing.decode(Incoming(memoryview(frame)), sender=1, accept=None)
+
+
+def _read_escaped_quotes(size: int) -> tuple:
+    payload = b'"' + b'\\"' * ((size - 2) // 2)  # an unterminated string of escaped quotes
+    frame = _framing.HEADER.pack(_framing.MAGIC, _framing.VERSION, _framing.FLAG_ERROR, 0, 0, 0, 0,
+                                 len(payload), len(payload), 0) + payload
+    import time
+
+    start = time.perf_counter()
+    try:
+        _framing.read_error(memoryview(frame), _framing.parse_header(memoryview(frame)))
+        result = "read"
+    except ObjcommError as exc:
+        result = type(exc).__name__
+    return result, time.perf_counter() - start
+
+
+def test_an_error_report_is_parsed_in_linear_time():
+    result, seconds = run_in_child(_read_escaped_quotes, 512 << 10)  # quadratic parsing took ~15 min here
+    assert result == "FrameError" and seconds < 10
