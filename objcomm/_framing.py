@@ -44,7 +44,7 @@ from ._errors import (
     UnknownSerializerError,
 )
 from ._tensors import Entry, TensorLifter, parse_table, restorer
-from ._transport import Incoming, Outgoing
+from ._wire import Incoming, Outgoing
 
 MAGIC = b"OBJC"
 VERSION = 1

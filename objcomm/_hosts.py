@@ -22,7 +22,7 @@ from typing import Any, List, MutableMapping, Optional, Tuple
 
 import torch
 
-from . import _transport
+from ._wire import all_gather_single, guarded
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _WORDS = 4  # host key, pid, token, pid namespace
@@ -86,7 +86,7 @@ def discover(wire: Any, separate: bool, op: str) -> Hosts:
         return found
     mine = torch.tensor([host_key(separate), os.getpid(), secrets.randbits(63), pid_namespace()], dtype=torch.int64)
     everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64)
-    _transport._guarded(op, wire, _transport._all_gather_single, everyone, mine, group=wire.group)
+    guarded(op, wire, all_gather_single, everyone, mine, group=wire.group)
     words: List[int] = everyone.tolist()
     hosts = Hosts(
         token=words[2],

@@ -22,9 +22,8 @@ files (links are never followed) of this user, named with this host's key and th
 (elsewhere a pid proves nothing), whose writer pid is dead. Anything else, older objcomm names
 included, it leaves alone.
 
-This module imports neither :mod:`objcomm._shm` nor :mod:`objcomm._transport`, and :mod:`objcomm._hosts`
-only inside functions (it imports ``_transport``, which imports ``_shm``, which imports this module):
-``Incoming`` and the host identity are looked up at call time.
+This module imports neither :mod:`objcomm._shm` nor :mod:`objcomm._transport`: what it shares with
+them (``Incoming``) comes from the leaf :mod:`objcomm._wire`.
 """
 
 from __future__ import annotations
@@ -37,14 +36,13 @@ import os
 import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, List, NamedTuple, Optional, Sequence, Set
+from typing import Callable, List, NamedTuple, Optional, Sequence, Set
 
 import torch
 
+from . import _hosts
 from ._errors import FrameError
-
-if TYPE_CHECKING:
-    from ._transport import Incoming
+from ._wire import Incoming
 
 log = logging.getLogger("objcomm")
 
@@ -126,9 +124,8 @@ def read_segment(
             position += n
     finally:
         os.close(fd)
-    from . import _transport  # at call time: _transport imports _shm, which imports this module
 
-    return _transport.Incoming(frame, tensors)
+    return Incoming(frame, tensors)
 
 
 def _check_segment(fd: int, path: str, size: int) -> None:
@@ -188,11 +185,14 @@ def _track(path: str) -> None:
 
 
 def _unlink(path: str) -> None:
+    """Remove a segment this process wrote; whatever another process put at its name stays (and is logged)."""
     _owned.discard(path)
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as exc:  # e.g. a directory planted at the name: not ours any more
+        log.warning("objcomm shm: could not remove segment %s: %s", path, exc)
 
 
 def _unlink_owned() -> None:
@@ -210,14 +210,10 @@ class _Writer(NamedTuple):  # who wrote a segment, as its name says
 
 @functools.lru_cache(maxsize=1)
 def _this_host() -> int:
-    from . import _hosts  # at call time: _hosts imports _transport, which imports _shm, which imports this module
-
     return _hosts.host_key()
 
 
 def _pid_namespace() -> int:
-    from . import _hosts  # at call time, as in _this_host
-
     return _hosts.pid_namespace()
 
 
@@ -244,9 +240,12 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True
     try:
-        with open(f"/proc/{pid}/stat") as handle:  # a killed but unreaped process is a zombie: dead
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+        # A killed but unreaped process is a zombie: dead. Its main thread alone being a zombie is
+        # not enough (the others may still run): count the threads.
+        with open(f"/proc/{pid}/status") as handle:
+            fields = dict(line.split(":", 1) for line in handle if ":" in line)
+        return not (fields["State"].split()[0] == "Z" and int(fields["Threads"]) <= 1)
+    except (OSError, KeyError, ValueError, IndexError):
         return True
 
 
@@ -257,6 +256,8 @@ def sweep(directory: str = DEFAULT_DIRECTORY) -> List[str]:
     nothing here) are left alone, even when run as root.
     """
     removed: List[str] = []
+    if _pid_namespace() == 0:  # unknown (no /proc): a pid here may name another namespace's process
+        return removed
     try:
         folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:

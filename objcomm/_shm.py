@@ -33,18 +33,16 @@ import logging
 import os
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import _hosts, _transport  # _transport imports this module: use its names at call time
+from . import _hosts
 from ._errors import CommunicationError
 from ._segments import DEFAULT_DIRECTORY, _me, _name, _Segment, _this_host, _Writer, read_segment, sweep
 from ._settings import DEFAULT_SHM_THRESHOLD
-
-if TYPE_CHECKING:
-    from ._transport import Incoming, Outgoing
+from ._wire import Incoming, Outgoing, all_gather_single, guarded
 
 log = logging.getLogger("objcomm")
 
@@ -86,14 +84,14 @@ def config(
 def _gather_ints(wire: Any, value: int, op: str) -> List[int]:
     every = torch.empty(wire.size, dtype=torch.int64)
     mine = torch.tensor([value], dtype=torch.int64)
-    _transport._guarded(op, wire, _transport._all_gather_single, every, mine, group=wire.group)
+    guarded(op, wire, all_gather_single, every, mine, group=wire.group)
     return every.tolist()
 
 
 def _any(wire: Any, value: int, op: str) -> int:
     """The largest ``value`` any rank gave."""
     largest = torch.tensor([value], dtype=torch.int64)
-    _transport._guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
+    guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
     return int(largest.item())
 
 
@@ -186,7 +184,7 @@ def _payload(out: Outgoing, frame_inline: bool) -> Tuple[Optional[memoryview], S
 
 
 def _own(out: Outgoing, copy: bool) -> Incoming:
-    return _transport.Incoming(out.frame, [t.to("cpu", copy=copy) for t in out.tensors])
+    return Incoming(out.frame, [t.to("cpu", copy=copy) for t in out.tensors])
 
 
 def _read_every_rank(
@@ -200,7 +198,7 @@ def _read_every_rank(
         elif moved[r]:
             incoming.append(read_segment(path_of(r, 0), moved[r], info.inline, info.length, sizes_of))
         else:
-            incoming.append(_transport.Incoming(info.inline))
+            incoming.append(Incoming(info.inline))
     return incoming
 
 
@@ -275,7 +273,7 @@ def scatter(wire: Any, outs: Optional[Sequence[Outgoing]], info: Any, sizes_of: 
             return _own(outs[src], copy=False)
         size = second_round_bytes(info)
         if not size:
-            return _transport.Incoming(info.inline)
+            return Incoming(info.inline)
         return read_segment(path_of(src, wire.rank), size, info.inline, info.length, sizes_of)
 
     return _collective(wire, hosts, parts, read, op)
@@ -312,11 +310,11 @@ def send(wire: Any, out: Outgoing, dst: int, op: str) -> bool:
                 seq = -1
         status = torch.tensor([seq, os.getpid(), _process_token, _hosts.host_key(cfg.separate),
                                _hosts.pid_namespace()], dtype=torch.int64)
-        _transport._guarded(op, wire, dist.send, status, dst=wire.ranks[dst], group=wire.group)
+        guarded(op, wire, dist.send, status, dst=wire.ranks[dst], group=wire.group)
         if seq < 0:
             return False
         answer = torch.empty(1, dtype=torch.int64)
-        _transport._guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group)
+        guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group)
         if answer.item() == _OTHER_HOST:
             _PAIR_REMOTE[_pair_key(wire, dst)] = True
             log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
@@ -333,7 +331,7 @@ def recv(wire: Any, info: Any, sizes_of: Any, src: int, op: str) -> Any:
         log_below_threshold(wire, second_round_bytes(info), op)
         return NOT_USED
     status = torch.empty(_P2P, dtype=torch.int64)
-    _transport._guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group)
+    guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group)
     seq, pid, token, key, namespace = status.tolist()
     if seq < 0:
         return NOT_USED
@@ -350,7 +348,7 @@ def recv(wire: Any, info: Any, sizes_of: Any, src: int, op: str) -> Any:
     else:
         log.debug("objcomm shm: %s from rank %d crosses hosts; normal transport", op, src)
     reply = torch.tensor([answer], dtype=torch.int64)
-    _transport._guarded(op, wire, dist.send, reply, dst=wire.ranks[src], group=wire.group)
+    guarded(op, wire, dist.send, reply, dst=wire.ranks[src], group=wire.group)
     if failure is not None:
         raise failure
     return result

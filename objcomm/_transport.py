@@ -30,19 +30,17 @@ the wire's device.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import _limits, _shm
-from ._errors import CommunicationError, FrameError, TooLargeError
-
-# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from ._errors import FrameError, TooLargeError
+from ._wire import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf, Wire, all_gather_single, guarded
 
 PREFIX = struct.Struct("<QQQ")
+assert PREFIX.size == SLOT_PREFIX_BYTES
 COUNT = struct.Struct("<I")
 SIZES_UNLISTED = 0xFFFFFFFF
 ERROR_BIT = 1 << 63
@@ -51,58 +49,6 @@ LISTED_BIT = 1 << 61  # tensor sizes follow the inline frame
 _LENGTH_MASK = LISTED_BIT - 1
 SCRATCH = _limits.SCRATCH_BYTES
 REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
-SizesOf = Callable[[memoryview], List[int]]  # tensor byte sizes announced in a frame
-
-
-class Wire(NamedTuple):
-    """Where and how frames move: the group, this rank's place in it, and the size limits."""
-
-    group: Any
-    ranks: Sequence[int]  # global rank of each group rank
-    rank: int  # this process's rank in the group
-    device: torch.device
-    slot: int  # bytes per rank in round 1, prefix included
-    chunk: int  # largest single transfer in round 2
-    max_bytes: int  # largest payload (frame plus tensors) this rank accepts
-    shm: Optional[_shm.ShmConfig] = None  # same-host fast path (objcomm/_shm.py); None: off
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def inline_capacity(self) -> int:
-        return self.slot - PREFIX.size
-
-
-@dataclass
-class Outgoing:
-    """What one rank sends: a frame (bytes-like, host memory) and flat uint8 tensors (on any device)."""
-
-    frame: memoryview
-    tensors: Sequence[torch.Tensor] = ()
-    error: bool = False
-
-    @property
-    def total(self) -> int:
-        return self.frame.nbytes + sum(t.numel() for t in self.tensors)
-
-    def complete(self, wire: Wire) -> bool:
-        """Round 1 carries all of it: the frame fits the slot and there are no tensors."""
-        return self.frame.nbytes <= wire.inline_capacity and not self.tensors
-
-    def frame_tensor(self) -> torch.Tensor:
-        """The frame as a uint8 tensor sharing its memory (for the second round)."""
-        return torch.frombuffer(self.frame, dtype=torch.uint8)
-
-
-@dataclass
-class Incoming:
-    """What arrived from one rank: its frame (CPU) and its tensors (on the wire's device)."""
-
-    frame: memoryview
-    tensors: List[torch.Tensor] = field(default_factory=list)
-    error: bool = False  # the frame is an error report
 
 
 class _SlotInfo(NamedTuple):
@@ -199,23 +145,11 @@ def _pieces(length: int, chunk: int) -> range:
     return range(0, length, chunk)
 
 
-def _guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run a torch.distributed call, turning its failures into CommunicationError."""
-    try:
-        return fn(*args, **kwargs)
-    except RuntimeError as exc:
-        raise CommunicationError(
-            f"{what} failed on rank {wire.rank} of a group of {wire.size}: {exc}. "
-            "A rank may have crashed, never called this operation, or called a different one; "
-            "the group's timeout (init_process_group(timeout=...)) bounds how long ranks wait"
-        ) from exc
-
-
 def _vote_refusals(wire: Wire, refuse: int, info: _SlotInfo, src: int, op: str, problem: Optional[str] = None) -> None:
     """Raise the same error on every rank if any receiver refuses ``src``'s payload (``refuse``: this rank's
     REFUSE_* code, 0 to accept). One tiny all_reduce ahead of a second round that not every receiver may take."""
     flag = torch.tensor([refuse], dtype=torch.int32, device=wire.device)
-    _guarded(op, wire, dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=wire.group)
+    guarded(op, wire, dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=wire.group)
     code = int(flag.item())
     if code == REFUSE_MALFORMED:
         raise _limits.inconsistent(op, src, problem or "a receiving rank found the sizes in its slot inconsistent")
@@ -237,7 +171,7 @@ def _broadcast_bytes(
         buffer = _empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
     for start in _pieces(length, wire.chunk):
         piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
-        _guarded(op, wire, dist.broadcast, piece, src=wire.ranks[src], group=wire.group)
+        guarded(op, wire, dist.broadcast, piece, src=wire.ranks[src], group=wire.group)
     return buffer
 
 
@@ -255,14 +189,14 @@ class _Batch:
         self.buffers.append(buffer)
         for start in _pieces(buffer.numel(), self.wire.chunk):
             piece = buffer[start : start + self.wire.chunk]
-            work = _guarded(self.op, self.wire, dist.isend, piece, dst=self.wire.ranks[dst], group=self.wire.group)
+            work = guarded(self.op, self.wire, dist.isend, piece, dst=self.wire.ranks[dst], group=self.wire.group)
             self.works.append(work)
 
     def recv(self, length: int, src: int) -> torch.Tensor:
         buffer = _empty(length, self.wire)
         for start in _pieces(length, self.wire.chunk):
             piece = buffer[start : start + self.wire.chunk]
-            work = _guarded(self.op, self.wire, dist.irecv, piece, src=self.wire.ranks[src], group=self.wire.group)
+            work = guarded(self.op, self.wire, dist.irecv, piece, src=self.wire.ranks[src], group=self.wire.group)
             self.works.append(work)
         return buffer
 
@@ -275,7 +209,7 @@ class _Batch:
 
     def wait(self) -> None:
         for work in self.works:
-            _guarded(self.op, self.wire, work.wait)
+            guarded(self.op, self.wire, work.wait)
         self.works, self.buffers = [], []
 
 
@@ -284,7 +218,7 @@ def _recv_bytes(wire: Wire, length: int, src: int, op: str, drain: bool = False)
     buffer = _empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
     for start in _pieces(length, wire.chunk):
         piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
-        _guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group)
+        guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group)
     return buffer
 
 
@@ -295,7 +229,7 @@ def _all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> Li
         padding = torch.zeros(width - length, dtype=torch.uint8, device=data.device)
         send = data if length == width else torch.cat([data, padding])
         recv = _empty(width * wire.size, wire)
-        _guarded(op, wire, _all_gather_single, recv, _to_device(send, wire), group=wire.group)
+        guarded(op, wire, all_gather_single, recv, _to_device(send, wire), group=wire.group)
         return list(recv.chunk(wire.size)) if width else [recv[:0] for _ in range(wire.size)]
     results = [_empty(width, wire) for _ in range(wire.size)]
     source = _to_device(data, wire)
@@ -305,7 +239,7 @@ def _all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> Li
         valid = max(0, min(piece, length - start))
         send[:valid] = source[start : start + valid]
         recv = _empty(piece * wire.size, wire)
-        _guarded(op, wire, _all_gather_single, recv, send, group=wire.group)
+        guarded(op, wire, all_gather_single, recv, send, group=wire.group)
         for r, part in enumerate(recv.chunk(wire.size)):
             results[r][start : start + piece] = part
     return results
@@ -348,7 +282,7 @@ def _round_one(infos: List[_SlotInfo]) -> Sequence[Optional[Incoming]]:
 
 def _exchange_slots(wire: Wire, out: Outgoing, op: str) -> List[_SlotInfo]:
     recv = _empty(wire.slot * wire.size, wire)
-    _guarded(op, wire, _all_gather_single, recv, _make_slot(wire, out), group=wire.group)
+    guarded(op, wire, all_gather_single, recv, _make_slot(wire, out), group=wire.group)
     return _read_slots(_host_view(recv), wire.size, wire.slot)
 
 
@@ -417,7 +351,7 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
     """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere)."""
     op = "broadcast"
     slot = _make_slot(wire, out) if wire.rank == src and out is not None else _empty(wire.slot, wire)
-    _guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
+    guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
     info = _read_slot(_host_view(slot))
     sizes, problem = _limits.plan(info, sizes_of)
     if problem:  # every rank holds the same slot: all raise alike
@@ -463,7 +397,7 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         for r, o in enumerate(outs):
             _fill_slot(view[r * wire.slot : (r + 1) * wire.slot], o, wire.max_bytes, round2)
         scatter_list = list(_to_device(torch.frombuffer(table, dtype=torch.uint8), wire).chunk(wire.size))
-    _guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
+    guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
     info = _read_slot(_host_view(recv))
     sizes, problem = _limits.plan(info, sizes_of)
     if info.error or not info.round2:
@@ -500,7 +434,7 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
     raw = bytearray(wire.slot)
     _fill_slot(memoryview(raw), out, wire.max_bytes)
     slot = _to_device(torch.frombuffer(raw, dtype=torch.uint8), wire)
-    _guarded(op, wire, dist.send, slot, dst=wire.ranks[dst], group=wire.group)
+    guarded(op, wire, dist.send, slot, dst=wire.ranks[dst], group=wire.group)
     info = _read_slot(memoryview(raw))  # decide from the slot, as the receiver does
     problem = _limits.slot_problem_of(info)
     if problem:  # the receiver finds the same and raises too
@@ -509,7 +443,7 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
         return
     if _agreement_needed(wire, info, op):
         answer = _empty(1, wire)
-        _guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group)
+        guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group)
         if answer.item() == REFUSE_MALFORMED:
             raise FrameError(
                 f"send: rank {dst} refused this frame: its tensor table disagrees with the sizes in its slot; "
@@ -531,7 +465,7 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
     """Receive from group rank ``src`` (``None``: any); return ``(sender, incoming, is_error)``."""
     op = "recv"
     slot = _empty(wire.slot, wire)
-    sender_global = _guarded(op, wire, dist.recv, slot, src=None if src is None else wire.ranks[src], group=wire.group)
+    sender_global = guarded(op, wire, dist.recv, slot, src=None if src is None else wire.ranks[src], group=wire.group)
     sender = list(wire.ranks).index(sender_global) if src is None else src
     info = _read_slot(_host_view(slot))
     problem = _limits.slot_problem_of(info)
@@ -544,7 +478,7 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if info.total > wire.max_bytes else 0
     if _agreement_needed(wire, info, op):
         answer = torch.tensor([refuse], dtype=torch.uint8, device=wire.device)
-        _guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group)
+        guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group)
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem)
         if wire.shm is not None:  # shm: same-host fast path

@@ -1,20 +1,10 @@
-"""The one exception hierarchy of objcomm, rooted here because ``serializers`` is the lower layer.
+"""The root of objcomm's one exception hierarchy, here because ``serializers`` is the lower layer.
 
-::
-
-    ObjcommError                       everything objcomm raises on purpose
-    ├── SerializationError             a value could not be turned into bytes or back
-    │   ├── EncodeError                dumps failed (a type the serializer cannot carry, ...)
-    │   └── DecodeError                loads failed (corrupt or foreign bytes, ...)
-    ├── UnknownSerializerError         a name nobody registered (also a LookupError)
-    ├── ContentRefusedError            a serializer or a global the receiver does not accept
-    ├── FrameError                     objcomm: a malformed frame (bad magic, truncated, ...)
-    ├── TooLargeError                  objcomm: a frame over the ``max_bytes`` limit
-    ├── RemoteError                    objcomm: another rank failed in the same call
-    └── CommunicationError             objcomm: the collective itself failed (timeout, lost rank)
-
-The last four are defined in :mod:`objcomm._errors`; all are exported from ``objcomm``.
-Backend exceptions are wrapped with the original kept as ``__cause__``.
+This module defines the part of the tree that needs no torch: :class:`ObjcommError` (the root),
+:class:`SerializationError` with :class:`EncodeError` and :class:`DecodeError`,
+:class:`UnknownSerializerError` and :class:`ContentRefusedError`. The whole tree, with what
+each error means, is drawn once, in :mod:`objcomm._errors`. Backend exceptions are wrapped
+(:func:`decoding`) with the original kept as ``__cause__``.
 """
 
 from __future__ import annotations

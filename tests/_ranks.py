@@ -740,7 +740,8 @@ class RankPool:
                 self._kill()
                 raise
 
-    def _call_locked(self, payloads: list[bytes], name: str, timeout: float | None) -> list:
+    def _call_locked(self, payloads: list[bytes], name: str, timeout: float | None,
+                     check_sync: bool = True) -> list:
         timeout = self.timeout if timeout is None else float(timeout)
         call_id = next(self._call_ids)
         header = _HEADER.pack(call_id)
@@ -845,7 +846,7 @@ class RankPool:
                 note = (f"; rank(s) {pending} had not answered {elapsed:.1f}s in ({why}), "
                         "so the pool was killed")
             else:
-                killed = not self._still_in_sync()
+                killed = check_sync and not self._still_in_sync()  # not from the barrier itself
                 if killed:
                     note = ("; afterwards the group failed a barrier (ranks out of step), "
                             "so the pool was killed")
@@ -860,7 +861,7 @@ class RankPool:
         """After a failure, check that a barrier still works, else kill the pool."""
         try:
             self._call_locked([_dumps_call(barrier, (), {})] * self.world_size, "barrier",
-                              min(10.0, self.pg_timeout))
+                              min(10.0, self.pg_timeout), check_sync=False)
             return True
         except RankPoolError:
             if not self.broken:

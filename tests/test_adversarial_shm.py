@@ -11,6 +11,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
@@ -20,12 +21,7 @@ from _child import run_in_child
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _hosts
-
-try:
-    from objcomm import _segments
-except ImportError:  # objcomm before segments left _shm: for comparison runs
-    from objcomm import _shm as _segments  # type: ignore[no-redef]
+from objcomm import _hosts, _segments
 
 THRESHOLD = 4096
 NOBODY = 65534
@@ -43,14 +39,7 @@ def _write(path: str, data: bytes, mode: int = 0o600) -> str:
 
 def _read(path: str, size: int, sizes_of: Callable[[memoryview], List[int]]) -> Any:
     """Read a segment whose frame came inline (empty) and whose bytes are tensors, as a receiver does."""
-    reader = getattr(_segments, "read_segment", None)
-    if reader is not None:
-        return reader(path, size, memoryview(b""), 0, sizes_of)
-    segment = _segments._Segment.open(path, size)  # objcomm before read_segment (map, then copy): for comparison runs
-    try:
-        return segment.read(memoryview(b""), 0, sizes_of)
-    finally:
-        segment.release()
+    return _segments.read_segment(path, size, memoryview(b""), 0, sizes_of)
 
 
 def _outcome(path: str, size: int) -> Tuple[str, str]:
@@ -295,3 +284,51 @@ def test_segment_names_round_trip(shm_dir):
     assert _segments._parse(os.path.basename(path)) == writer
     for name in ("objcomm-0000000000000000-1-1-0", "objcomm-test-abc", "objcomm-" + "-".join(["x"] * 6), "other"):
         assert _segments._parse(name) is None
+
+
+# -- found by attacking the fixes ----------------------------------------------------------------
+
+
+def test_a_directory_planted_at_a_segment_name_does_not_stop_the_writer_releasing(shm_dir):
+    first = _segments._Segment.create(os.path.join(shm_dir, "objcomm-a"), memoryview(b"one"), [])
+    second = _segments._Segment.create(os.path.join(shm_dir, "objcomm-b"), memoryview(b"two"), [])
+    os.unlink(first.path)
+    os.mkdir(first.path)  # another process of this user replaced the file
+    for segment in (first, second):
+        segment.release()  # no IsADirectoryError; the next segment is still released
+    assert os.path.isdir(first.path) and not os.path.exists(second.path)
+
+
+def test_sweep_does_nothing_when_the_pid_namespace_is_unknown(tmp_path, monkeypatch):
+    monkeypatch.setattr(_hosts, "pid_namespace", lambda: 0)  # /proc not mounted: pids prove nothing
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = _segments._name(str(tmp_path), _segments._me(1)._replace(pid=dead.pid, pid_namespace=0), 1, 0)
+    open(stale, "wb").close()
+    assert _segments.sweep(str(tmp_path)) == [] and os.path.exists(stale)
+
+
+_MAIN_THREAD_EXITS = """
+import ctypes, sys, threading, time
+threading.Thread(target=lambda: (time.sleep(20), sys.exit(0))).start()
+print("ready", flush=True)
+time.sleep(0.5)
+ctypes.CDLL(None).pthread_exit(None)  # the main thread leaves; the process lives on in the other
+"""
+
+
+def test_a_writer_whose_main_thread_exited_is_still_alive():
+    proc = subprocess.Popen([sys.executable, "-c", _MAIN_THREAD_EXITS], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with open(f"/proc/{proc.pid}/status") as status:
+                if "State:\tZ" in status.read():
+                    break
+            time.sleep(0.05)
+        assert _segments._alive(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not _segments._alive(proc.pid)

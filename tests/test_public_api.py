@@ -13,12 +13,12 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def test_objcomm_exports():
-    assert set(objcomm.__all__) >= {
-        "all_gather", "gather", "broadcast", "scatter", "send", "recv", "Communicator",
-        "ObjcommError", "EncodeError", "DecodeError", "RemoteError", "FrameError", "TooLargeError",
-        "UnknownSerializerError", "ContentRefusedError", "CommunicationError", "SerializationError",
-        "configure", "restore", "settings", "Settings", "__version__",
-    }
+    assert sorted(objcomm.__all__) == sorted([
+        "all_gather", "gather", "broadcast", "scatter", "send", "recv", "Communicator", "collect_results",
+        "compat", "device_for_backend", "ObjcommError", "EncodeError", "DecodeError", "RemoteError", "FrameError",
+        "TooLargeError", "UnknownSerializerError", "ContentRefusedError", "CommunicationError", "SerializationError",
+        "MissingDependencyError", "configure", "restore", "settings", "Settings", "__version__",
+    ])
     for name in objcomm.__all__:
         assert hasattr(objcomm, name), name
     assert not [n for n in objcomm.__all__ if n.startswith("_") and n != "__version__"]
@@ -27,9 +27,14 @@ def test_objcomm_exports():
 def test_serializers_exports():
     for name in serializers.__all__:
         assert hasattr(serializers, name), name
-    assert {"register", "get", "available", "unregister", "register_type", "fidelity", "Serializer"} <= set(
-        serializers.__all__
-    )
+    assert sorted(serializers.__all__) == sorted([
+        "register", "get", "available", "unregister", "registry", "SerializerRegistry", "SerializerLike",
+        "ENTRY_POINT_GROUP", "register_type", "unregister_type", "codecs", "CodecRegistry", "TypeCodec",
+        "fidelity", "fidelity_table", "PROBES", "Verdict", "Serializer", "SerializerProtocol", "FunctionSerializer",
+        "PickleSerializer", "CloudpickleSerializer", "RestrictedPickleSerializer", "MsgpackSerializer",
+        "JsonSerializer", "ObjcommError", "SerializationError", "EncodeError", "DecodeError",
+        "UnknownSerializerError", "ContentRefusedError",
+    ])
 
 
 def test_one_exception_root():
