@@ -1,4 +1,8 @@
-"""Module-level object collectives: each one a :class:`Communicator` call with per-call settings."""
+"""Module-level object collectives: each one a :class:`Communicator` call with per-call settings.
+
+The signatures are spelled out (they mirror torch and help IDEs); each body hands its per-call
+options on in one line, ``**call_kwargs(locals())`` (see :mod:`objcomm._settings`).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch
 from serializers import SerializerLike
 
 from ._communicator import Communicator
+from ._settings import call_kwargs
 
 Device = Optional[Union[str, torch.device]]
 
@@ -50,14 +55,7 @@ def all_gather(
         for part in objcomm.all_gather({rank: 1} if rank % 2 == 0 else {}):
             merged.update(part)
     """
-    return Communicator(group).all_gather(
-        obj,
-        serializer=serializer,
-        accept=accept,
-        max_bytes=max_bytes,
-        map_location=map_location,
-        compression=compression,
-    )
+    return Communicator(group).all_gather(obj, **call_kwargs(locals()))
 
 
 def gather(
@@ -77,15 +75,7 @@ def gather(
 
         everyone = objcomm.gather(predictions, dst=0)   # a list on rank 0, None elsewhere
     """
-    return Communicator(group).gather(
-        obj,
-        dst,
-        serializer=serializer,
-        accept=accept,
-        max_bytes=max_bytes,
-        map_location=map_location,
-        compression=compression,
-    )
+    return Communicator(group).gather(obj, dst, **call_kwargs(locals()))
 
 
 def broadcast(
@@ -105,15 +95,7 @@ def broadcast(
 
         config = objcomm.broadcast(load_config() if rank == 0 else None, src=0)
     """
-    return Communicator(group).broadcast(
-        obj,
-        src,
-        serializer=serializer,
-        accept=accept,
-        max_bytes=max_bytes,
-        map_location=map_location,
-        compression=compression,
-    )
+    return Communicator(group).broadcast(obj, src, **call_kwargs(locals()))
 
 
 def scatter(
@@ -133,15 +115,7 @@ def scatter(
 
         shard = objcomm.scatter(split(work, world_size) if rank == 0 else None, src=0)
     """
-    return Communicator(group).scatter(
-        objs,
-        src,
-        serializer=serializer,
-        accept=accept,
-        max_bytes=max_bytes,
-        map_location=map_location,
-        compression=compression,
-    )
+    return Communicator(group).scatter(objs, src, **call_kwargs(locals()))
 
 
 def send(
@@ -160,7 +134,7 @@ def send(
         if rank == 1:
             objcomm.send({"done": True}, dst=0)
     """
-    Communicator(group).send(obj, dst, serializer=serializer, max_bytes=max_bytes, compression=compression)
+    Communicator(group).send(obj, dst, **call_kwargs(locals()))
 
 
 def recv(
@@ -178,4 +152,4 @@ def recv(
         if rank == 0:
             status = objcomm.recv(src=1)
     """
-    return Communicator(group).recv(src, accept=accept, max_bytes=max_bytes, map_location=map_location)
+    return Communicator(group).recv(src, **call_kwargs(locals()))

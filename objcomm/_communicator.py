@@ -4,47 +4,43 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Collection, Dict, List, Optional, Sequence, Union
+from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from serializers import SerializerLike, registry
 
-from . import _compression, _framing, _shm, _transport
+from . import _framing, _shm, _transport
 from ._device import group_backend, resolve_device
 from ._errors import CommunicationError, Failure, ObjcommError, RemoteError
-from ._settings import Settings, check_positive, check_slot, normalize_accept, settings
+from ._settings import CallOptions, call_kwargs, given, resolve
 from ._transport import Incoming, Outgoing
 
 Device = Union[str, torch.device, None]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Call:
-    """Everything one call needs, resolved: serializer, limits, placement and the wire (None: no group)."""
+    """One call, resolved: its settings, the serializer object and the wire (None: no group)."""
 
+    options: CallOptions
     serializer: Any
-    accept: Optional[frozenset]
-    max_bytes: int
-    compression: Optional[str]
-    inline_tensor_bytes: int
-    map_location: Optional[torch.device]
     wire: Optional[_transport.Wire]
 
     @property
     def device(self) -> torch.device:
         """Where received tensors go: ``map_location``, else the transport device, else the CPU."""
-        if self.map_location is not None:
-            return self.map_location
+        if self.options.map_location is not None:
+            return torch.device(self.options.map_location)
         return self.wire.device if self.wire is not None else torch.device("cpu")
 
     def encode(self, obj: Any) -> tuple[Outgoing, Optional[BaseException]]:
         """``(outgoing, exception)``: a failure becomes an error report that still travels."""
         try:
             out = _framing.encode(
-                obj, self.serializer, max_bytes=self.max_bytes, inline_tensor_bytes=self.inline_tensor_bytes,
-                compression=self.compression,
+                obj, self.serializer, max_bytes=self.options.max_bytes,
+                inline_tensor_bytes=self.options.inline_tensor_bytes, compression=self.options.compression,
             )
             return out, None
         except Exception as exc:
@@ -68,7 +64,8 @@ class _Call:
         if item is None:
             raise CommunicationError(f"no frame arrived from rank {sender}")
         return _framing.decode(
-            item, sender=sender, accept=self.accept, device=self.device, max_bytes=self.max_bytes, own=own
+            item, sender=sender, accept=self.options.accept, device=self.device, max_bytes=self.options.max_bytes,
+            own=own,
         )
 
     def roundtrip(self, obj: Any) -> Any:
@@ -100,8 +97,10 @@ class Communicator:
         Size limits (see :class:`objcomm.Settings`); ``None`` uses the process-wide default.
     shm, shm_threshold, shm_dir:
         Same-host shared memory for payloads of at least ``shm_threshold`` bytes (see :class:`objcomm.Settings`).
-    separate_hosts:
-        Treat every rank as if on its own host (no shared memory between any two; for tests).
+
+    Every argument left ``None`` falls back to :func:`objcomm.configure`, then the environment, then
+    the default; a call's own arguments beat these (see :mod:`objcomm._settings`). Values are checked
+    here, with the same messages as :func:`objcomm.configure`.
 
     Example::
 
@@ -125,59 +124,29 @@ class Communicator:
         shm: Optional[bool] = None,
         shm_threshold: Optional[int] = None,
         shm_dir: Optional[str] = None,
-        separate_hosts: bool = False,
     ) -> None:
-        if serializer is not None:
-            registry.get(serializer)  # fail now, not at the first call
-        for name, value in (("max_bytes", max_bytes), ("chunk_bytes", chunk_bytes)):
-            if value is not None:
-                check_positive(name, value)
-        if slot_bytes is not None:
-            check_slot(slot_bytes)
-        _compression.check(compression)
         self.group = group
         self.serializer = serializer
         self.device = device
-        self.accept = normalize_accept(accept)
-        self.map_location = map_location
-        self.compression = compression
-        self.max_bytes = max_bytes
-        self.slot_bytes = slot_bytes
-        self.chunk_bytes = chunk_bytes
-        self.inline_tensor_bytes = inline_tensor_bytes
-        self.shm, self.shm_threshold, self.shm_dir, self.separate_hosts = shm, shm_threshold, shm_dir, separate_hosts
+        self._given = given(
+            serializer=serializer, accept=accept, map_location=map_location, compression=compression,
+            max_bytes=max_bytes, slot_bytes=slot_bytes, chunk_bytes=chunk_bytes,
+            inline_tensor_bytes=inline_tensor_bytes, shm=shm, shm_threshold=shm_threshold, shm_dir=shm_dir,
+        )
+        # Tests only: True treats every rank as on its own host; None follows OBJCOMM_FORCE_SEPARATE_HOSTS.
+        self._separate_hosts: Optional[bool] = None
 
     def __repr__(self) -> str:
         return f"Communicator(group={self.group!r}, serializer={self.serializer!r}, device={self.device!r})"
 
     # -- resolution ----------------------------------------------------------------------------
-    def _call(
-        self,
-        serializer: Optional[SerializerLike] = None,
-        accept: Optional[Collection[str]] = None,
-        max_bytes: Optional[int] = None,
-        map_location: Device = None,
-        compression: Optional[str] = None,
-    ) -> _Call:
-        defaults = settings()
-        if max_bytes is not None:
-            check_positive("max_bytes", max_bytes)
-        if compression is not None:
-            _compression.check(compression)
-        limit = _first(max_bytes, self.max_bytes, defaults.max_bytes)
-        resolved_accept = normalize_accept(accept) if accept is not None else self.accept
-        location = _first(map_location, self.map_location)
-        return _Call(
-            serializer=registry.get(_first(serializer, self.serializer, defaults.serializer)),
-            accept=resolved_accept if resolved_accept is not None else defaults.accept,
-            max_bytes=limit,
-            compression=_first(compression, self.compression, defaults.compression),
-            inline_tensor_bytes=_first(self.inline_tensor_bytes, defaults.inline_tensor_bytes),
-            map_location=torch.device(location) if location is not None else None,
-            wire=self._wire(limit, defaults),
-        )
+    def _call(self, kwargs: Mapping[str, Any]) -> _Call:
+        """Resolve one call from its per-call keyword arguments (see :func:`objcomm._settings.resolve`)."""
+        layer = self._given if self._separate_hosts is None else {**self._given, "separate_hosts": self._separate_hosts}
+        options = resolve(kwargs, layer)
+        return _Call(options, registry.get(options.serializer), self._wire(options))
 
-    def _wire(self, max_bytes: int, defaults: Settings) -> Optional[_transport.Wire]:
+    def _wire(self, options: CallOptions) -> Optional[_transport.Wire]:
         if not (dist.is_available() and dist.is_initialized()):
             if self.group is not None:
                 raise ObjcommError(
@@ -191,13 +160,10 @@ class Communicator:
             ranks=ranks,
             rank=rank,
             device=device,
-            slot=self.slot_bytes if self.slot_bytes is not None else defaults.slot_bytes,
-            chunk=self.chunk_bytes if self.chunk_bytes is not None else defaults.chunk_bytes,
-            max_bytes=max_bytes,
-            shm=_shm.config(
-                _first(self.shm, defaults.shm), _first(self.shm_threshold, defaults.shm_threshold),
-                _first(self.shm_dir, defaults.shm_dir), self.separate_hosts,
-            ),
+            slot=options.slot_bytes,
+            chunk=options.chunk_bytes,
+            max_bytes=options.max_bytes,
+            shm=_shm.config(options.shm, options.shm_threshold, options.shm_dir, options.separate_hosts),
         )
 
     @staticmethod
@@ -214,7 +180,7 @@ class Communicator:
         max_bytes: Optional[int] = None, map_location: Device = None, compression: Optional[str] = None,
     ) -> List[Any]:
         """Every rank's object, on every rank, in group-rank order: ``[obj_0, ..., obj_{n-1}]``."""
-        call = self._call(serializer, accept, max_bytes, map_location, compression)
+        call = self._call(call_kwargs(locals()))
         if call.wire is None:
             return [call.roundtrip(obj)]
         out, local = call.encode(obj)
@@ -228,7 +194,7 @@ class Communicator:
         compression: Optional[str] = None,
     ) -> Optional[List[Any]]:
         """Every rank's object on global rank ``dst`` (a list in group-rank order); ``None`` elsewhere."""
-        call = self._call(serializer, accept, max_bytes, map_location, compression)
+        call = self._call(call_kwargs(locals()))
         if call.wire is None:
             self._check_single(dst, "dst")
             return [call.roundtrip(obj)]
@@ -248,7 +214,7 @@ class Communicator:
         compression: Optional[str] = None,
     ) -> Any:
         """Global rank ``src``'s object, on every rank (``obj`` is ignored on the others)."""
-        call = self._call(serializer, accept, max_bytes, map_location, compression)
+        call = self._call(call_kwargs(locals()))
         if call.wire is None:
             self._check_single(src, "src")
             return call.roundtrip(obj)
@@ -264,7 +230,7 @@ class Communicator:
         compression: Optional[str] = None,
     ) -> Any:
         """Element ``r`` of ``objs`` (given on global rank ``src``, one per group rank) on group rank ``r``."""
-        call = self._call(serializer, accept, max_bytes, map_location, compression)
+        call = self._call(call_kwargs(locals()))
         if call.wire is None:
             self._check_single(src, "src")
             return call.roundtrip(_scatter_items(objs, 1)[0])
@@ -297,7 +263,7 @@ class Communicator:
         If encoding fails, the receiver gets the error report (and raises ``RemoteError``) and this
         rank raises the original error: nobody is left waiting.
         """
-        call = self._call(serializer, None, max_bytes, None, compression)
+        call = self._call(call_kwargs(locals()))
         wire = self._require_group(call, "send")
         peer = self._group_rank(wire, dst, "dst")
         if peer == wire.rank:
@@ -312,7 +278,7 @@ class Communicator:
         map_location: Device = None,
     ) -> Any:
         """Receive the object global rank ``src`` sends; ``src=None`` takes it from any rank (gloo only)."""
-        call = self._call(None, accept, max_bytes, map_location)
+        call = self._call(call_kwargs(locals()))
         wire = self._require_group(call, "recv")
         peer = None if src is None else self._group_rank(wire, src, "src")
         if peer == wire.rank:
@@ -360,11 +326,6 @@ def _membership(group: Any, device: Device) -> tuple:
             tuple(dist.get_process_group_ranks(group)), rank, resolve_device(group_backend(group), group, device)
         )
     return found
-
-
-def _first(*values: Any) -> Any:
-    """The first value that is not None."""
-    return next((v for v in values if v is not None), None)
 
 
 def _only(rank: int, item: Incoming, size: int) -> List[Optional[Incoming]]:

@@ -1,15 +1,53 @@
-"""Process-wide defaults, and how a call resolves its settings.
+"""Every setting in one place: defaults, environment, :func:`configure`, and how one call resolves them.
 
-Each setting resolves per call, then per :class:`~objcomm.Communicator`, then process-wide
-(:func:`configure`). The process-wide values live in one object replaced atomically.
+Precedence, the same for every knob (the first layer that gives a value wins):
+
+============  ==========================================  =============================================
+layer         how it is given                             scope
+============  ==========================================  =============================================
+1. call       ``comm.all_gather(x, max_bytes=...)``        that call (the knobs a call takes)
+2. object     ``Communicator(..., max_bytes=...)``          every call through that communicator
+3. process    ``objcomm.configure(max_bytes=...)``          every call in the process
+4. env        ``OBJCOMM_SHM=0`` (table below)               every call in the process
+5. default    :class:`Settings`' field defaults             —
+============  ==========================================  =============================================
+
+``None`` given to a call or a :class:`~objcomm.Communicator` means "not given" (the next layer
+decides); given to :func:`configure` it is a value (``accept=None``: accept every serializer).
+``map_location`` and ``device`` have no process-wide layer: call, then communicator, then the
+transport device.
+
+The environment is read when objcomm is imported and again by :func:`configure` and
+:func:`restore`, never per collective. The variables objcomm reads:
+
+================================  ==========================================================
+variable                          effect
+================================  ==========================================================
+``OBJCOMM_SHM``                   ``shm``: ``0``/``false``/``no``/``off`` turn it off, ``1``/``true``/``yes``/``on`` on
+``OBJCOMM_SHM_DIR``               ``shm_dir``: where shared-memory segments live (default ``/dev/shm``)
+``OBJCOMM_FORCE_SEPARATE_HOSTS``  tests only: ``1`` treats every rank as on its own host (no shared memory)
+``LOCAL_RANK``                    set by torchrun; NCCL groups check the current CUDA device against it
+``WORLD_SIZE``                    with ``RANK`` and ``MASTER_ADDR``, set by torchrun (or any env:// launcher):
+                                  ``objcomm bench`` runs inside that launch instead of spawning ranks
+``OBJCOMM_FUZZ_SCALE``            test suite only: multiplies the hostile-input fuzz counts
+================================  ==========================================================
+
+Validation lives here too: :func:`check` is the one judge of a knob's value, so
+``Communicator(inline_tensor_bytes=-1)``, ``configure(inline_tensor_bytes=-1)`` and a call's
+``max_bytes=0`` fail with the same message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Collection, FrozenSet, Optional
+from typing import Any, Callable, Collection, Dict, FrozenSet, Mapping, Optional
+
+from serializers import SerializerLike, registry
+
+from . import _compression
 
 DEFAULT_MAX_BYTES = 8 << 30  # 8 GiB
 DEFAULT_SLOT_BYTES = 4096
@@ -23,7 +61,7 @@ DEFAULT_SHM_THRESHOLD = 4 << 20
 
 @dataclass(frozen=True)
 class Settings:
-    """The process-wide defaults.
+    """The process-wide defaults (see the precedence in :mod:`objcomm._settings`).
 
     - ``serializer``: name used when a call names none (``"pickle"``).
     - ``accept``: serializer names this rank decodes; ``None`` accepts every registered one.
@@ -35,11 +73,11 @@ class Settings:
       travel as tensors with native collectives.
     - ``compression``: ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for payloads a rank sends.
     - ``shm``: ranks on one host move large payloads through shared memory (``OBJCOMM_SHM=0`` turns it off);
-      ``shm_threshold``: from how many bytes; ``shm_dir``: where segments live (``None``: ``/dev/shm``).
-      All ranks of a group must agree on these, as on ``slot_bytes``.
+      ``shm_threshold``: from how many bytes; ``shm_dir``: where segments live (``None``: ``OBJCOMM_SHM_DIR``,
+      else ``/dev/shm``). All ranks of a group must agree on these, as on ``slot_bytes``.
     """
 
-    serializer: str = "pickle"
+    serializer: SerializerLike = "pickle"
     accept: Optional[FrozenSet[str]] = None
     max_bytes: int = DEFAULT_MAX_BYTES
     slot_bytes: int = DEFAULT_SLOT_BYTES
@@ -51,15 +89,28 @@ class Settings:
     shm_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
-        check_positive("max_bytes", self.max_bytes)
-        check_positive("chunk_bytes", self.chunk_bytes)
-        check_slot(self.slot_bytes)
-        if not isinstance(self.inline_tensor_bytes, int) or self.inline_tensor_bytes < 0:
-            raise ValueError(f"inline_tensor_bytes must be an int >= 0, got {self.inline_tensor_bytes!r}")
-        if not isinstance(self.shm_threshold, int) or self.shm_threshold < 0:
-            raise ValueError(f"shm_threshold must be an int >= 0, got {self.shm_threshold!r}")
+        for field in dataclasses.fields(Settings):
+            check(field.name, getattr(self, field.name))
 
 
+KNOBS = tuple(f.name for f in dataclasses.fields(Settings))
+
+
+@dataclass(frozen=True)
+class CallOptions(Settings):
+    """Everything one call uses, resolved by :func:`resolve`: the knobs above plus placement and a test switch.
+
+    Built only by :func:`resolve`, from layers already checked, so it does not check again.
+    """
+
+    map_location: Any = None  # a torch.device, or None: the transport device
+    separate_hosts: bool = False  # tests: every rank on its own host
+
+    def __post_init__(self) -> None:
+        pass
+
+
+# -- validation ---------------------------------------------------------------------------------
 def check_positive(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -71,6 +122,69 @@ def check_slot(value: Any) -> None:
         raise ValueError(f"slot_bytes must be at least {MIN_SLOT_BYTES} (an error report must fit), got {value}")
 
 
+def _check_not_negative(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_accept(name: str, value: Any) -> None:
+    if value is not None and not all(isinstance(n, str) for n in value):
+        raise TypeError(f"{name} must be serializer names, got {sorted(map(repr, value))}")
+
+
+def _check_directory(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a directory path or None, got {value!r}")
+
+
+def _check_serializer(name: str, value: Any) -> None:
+    registry.get(value)  # raises UnknownSerializerError naming what is registered
+
+
+_CHECKS: Dict[str, Callable[[str, Any], None]] = {
+    "serializer": _check_serializer,
+    "accept": _check_accept,
+    "max_bytes": check_positive,
+    "slot_bytes": lambda name, value: check_slot(value),
+    "chunk_bytes": check_positive,
+    "inline_tensor_bytes": _check_not_negative,
+    "compression": lambda name, value: _compression.check(value),
+    "shm": _check_bool,
+    "shm_threshold": _check_not_negative,
+    "shm_dir": _check_directory,
+    "map_location": lambda name, value: None,  # torch.device() judges it, in the communicator
+    "separate_hosts": _check_bool,
+}
+
+
+def check(name: str, value: Any) -> Any:
+    """``value`` for knob ``name``, normalised (``accept`` becomes a frozenset); raise if it is not valid."""
+    if name == "accept":
+        value = normalize_accept(value)
+    _CHECKS[name](name, value)
+    return value
+
+
+def given(**values: Any) -> Dict[str, Any]:
+    """The checked values of the knobs that were given (not ``None``): one layer of the precedence."""
+    return {name: check(name, value) for name, value in values.items() if value is not None}
+
+
+# The knobs a call takes. A public function passes them on with ``**call_kwargs(locals())``, so a
+# new per-call option is its name here plus the parameter in each signature that offers it.
+CALL_KNOBS = ("serializer", "accept", "max_bytes", "map_location", "compression")
+
+
+def call_kwargs(scope: Mapping[str, Any]) -> Dict[str, Any]:
+    """The per-call options among a public function's arguments (its ``locals()`` on entry)."""
+    return {name: scope[name] for name in CALL_KNOBS if name in scope}
+
+
 def normalize_accept(accept: Optional[Collection[str]]) -> Optional[FrozenSet[str]]:
     if accept is None:
         return None
@@ -79,17 +193,58 @@ def normalize_accept(accept: Optional[Collection[str]]) -> Optional[FrozenSet[st
     return frozenset(accept)
 
 
+# -- the environment and the process-wide layer -----------------------------------------------
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _flag(variable: str) -> Optional[bool]:
+    """``True``/``False`` for a recognised word, ``None`` when unset or anything else."""
+    word = os.environ.get(variable, "").strip().lower()
+    return True if word in _ON else False if word in _OFF else None
+
+
+@dataclass(frozen=True)
+class _Environment:
+    """What the environment says, read at import and by :func:`configure`."""
+
+    knobs: Mapping[str, Any]  # the environment layer: only the knobs a variable sets
+    separate_hosts: bool
+
+    @staticmethod
+    def read() -> _Environment:
+        knobs = {"shm": _flag("OBJCOMM_SHM"), "shm_dir": os.environ.get("OBJCOMM_SHM_DIR") or None}
+        return _Environment(
+            knobs={name: value for name, value in knobs.items() if value is not None},
+            separate_hosts=bool(_flag("OBJCOMM_FORCE_SEPARATE_HOSTS")),
+        )
+
+
+@dataclass(frozen=True)
+class _State:
+    """The process-wide layers, replaced atomically: the environment, what configure() set, their merge."""
+
+    environment: _Environment
+    configured: Mapping[str, Any]
+    settings: Settings
+
+    @staticmethod
+    def build(environment: _Environment, configured: Mapping[str, Any]) -> _State:
+        return _State(environment, configured, Settings(**{**environment.knobs, **configured}))
+
+
 _lock = threading.Lock()
-_current = Settings()
+_state = _State.build(_Environment.read(), {})
 
 
 def settings() -> Settings:
-    """The process-wide defaults in force now."""
-    return _current
+    """The process-wide defaults in force now (environment and :func:`configure` applied)."""
+    return _state.settings
 
 
 def configure(**changes: Any) -> Settings:
-    """Change process-wide defaults; return the previous :class:`Settings` (pass it to :func:`restore`).
+    """Change process-wide defaults and re-read the environment; return the previous :class:`Settings`.
+
+    A value given here beats the environment; pass the returned object to :func:`restore` to undo.
 
     Example::
 
@@ -97,21 +252,37 @@ def configure(**changes: Any) -> Settings:
         ...
         objcomm.restore(previous)
     """
-    global _current
-    known = [f.name for f in dataclasses.fields(Settings)]
-    unknown = set(changes) - set(known)
+    global _state
+    unknown = set(changes) - set(KNOBS)
     if unknown:
-        raise TypeError(f"configure() got unknown settings {sorted(unknown)}; known: {known}")
-    if "accept" in changes:
-        changes["accept"] = normalize_accept(changes["accept"])
+        raise TypeError(f"configure() got unknown settings {sorted(unknown)}; known: {list(KNOBS)}")
+    checked = {name: check(name, value) for name, value in changes.items()}
+    environment = _Environment.read()
     with _lock:
-        previous = _current
-        _current = dataclasses.replace(_current, **changes)
-    return previous
+        previous = _state
+        _state = _State.build(environment, {**previous.configured, **checked})
+    return previous.settings
 
 
 def restore(previous: Settings) -> None:
-    """Put back settings returned by :func:`configure`."""
-    global _current
+    """Put back settings returned by :func:`configure` (re-reading the environment, as it does).
+
+    Values that equal what the environment gives follow the environment again; the others stay set.
+    """
+    global _state
+    environment = _Environment.read()
+    from_environment = Settings(**environment.knobs)
+    configured = {n: getattr(previous, n) for n in KNOBS if getattr(previous, n) != getattr(from_environment, n)}
     with _lock:
-        _current = previous
+        _state = _State(environment, configured, previous)
+
+
+def resolve(call: Mapping[str, Any], communicator: Mapping[str, Any]) -> CallOptions:
+    """The one resolution of a call's settings: call > communicator > configure() > environment > default.
+
+    ``call`` holds the call's keyword arguments (``None``: not given; checked here); ``communicator``
+    a layer already checked by :func:`given`.
+    """
+    state = _state
+    base = {name: getattr(state.settings, name) for name in KNOBS}
+    return CallOptions(**{**base, "separate_hosts": state.environment.separate_hosts, **communicator, **given(**call)})

@@ -65,19 +65,12 @@ class ShmConfig:
     separate: bool = False  # pretend every rank is on its own host (tests)
 
 
-def config(
-    enabled: Optional[bool], threshold: int, directory: Optional[str], separate: Optional[bool]
-) -> Optional[ShmConfig]:
-    """The path's configuration, environment included: ``OBJCOMM_SHM=0`` switches it off,
-    ``OBJCOMM_FORCE_SEPARATE_HOSTS=1`` makes every rank its own host, ``OBJCOMM_SHM_DIR`` moves it."""
-    if enabled is False or os.environ.get("OBJCOMM_SHM", "1").strip().lower() in ("0", "false", "no", "off"):
+def config(enabled: bool, threshold: int, directory: Optional[str], separate: bool) -> Optional[ShmConfig]:
+    """The path's configuration from resolved settings (:func:`objcomm._settings.resolve`; the
+    environment is read there); ``None`` when switched off."""
+    if not enabled:
         return None
-    forced = os.environ.get("OBJCOMM_FORCE_SEPARATE_HOSTS", "0").strip().lower() in ("1", "true", "yes", "on")
-    return ShmConfig(
-        threshold=threshold,
-        directory=directory or os.environ.get("OBJCOMM_SHM_DIR") or DEFAULT_DIRECTORY,
-        separate=bool(separate) or forced,
-    )
+    return ShmConfig(threshold=threshold, directory=directory or DEFAULT_DIRECTORY, separate=separate)
 
 
 # -- control ------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from _ranks import get_pool
 
+import objcomm
 import serializers
 from objcomm._bench._measure import TORCH, Timing, compare_op, interleaved
 from objcomm._bench._payloads import BUILTIN, format_size, parse_size, reference_size
@@ -68,6 +69,17 @@ def test_check_measures_and_refuses():
     assert trip.verdict == "exact" and trip.encoded_bytes > 100 and trip.encode_s > 0 and trip.decode_s > 0
     refused = check(serializers.get("json"), {1: "int key"}, repeat=3)
     assert refused.refused and "json" in refused.note and refused.encode_s is None
+
+
+def test_check_encodes_with_the_configured_settings():
+    text = "objcomm " * 20_000
+    plain = check(serializers.get("pickle"), text, repeat=1).encoded_bytes
+    previous = objcomm.configure(compression="zstd")
+    try:
+        compressed = check(serializers.get("pickle"), text, repeat=1).encoded_bytes
+    finally:
+        objcomm.restore(previous)
+    assert plain is not None and compressed is not None and compressed < plain // 10
 
 
 # -- on live ranks -----------------------------------------------------------------------------

@@ -227,14 +227,31 @@ def test_switched_off_moves_nothing_through_shared_memory(shm_dir):
         assert (count, lines) == (2, [])
 
 
-def test_config_reads_the_environment(monkeypatch):
-    monkeypatch.setenv("OBJCOMM_SHM", "0")
-    assert _shm.config(True, 1, None, False) is None
-    monkeypatch.setenv("OBJCOMM_SHM", "1")
-    monkeypatch.setenv("OBJCOMM_FORCE_SEPARATE_HOSTS", "1")
-    monkeypatch.setenv("OBJCOMM_SHM_DIR", "/somewhere")
-    assert _shm.config(None, 5, None, False) == _shm.ShmConfig(threshold=5, directory="/somewhere", separate=True)
-    assert _shm.config(False, 5, None, False) is None
+def _shm_config(comm: objcomm.Communicator) -> Any:
+    """The shared-memory configuration a call through ``comm`` would use (no group needed)."""
+    options = comm._call({}).options
+    return _shm.config(options.shm, options.shm_threshold, options.shm_dir, options.separate_hosts)
+
+
+def test_config_reads_the_environment_through_configure(monkeypatch):
+    """The environment is read by configure() (not per call), and an explicit setting beats it."""
+    previous = objcomm.configure()
+    try:
+        monkeypatch.setenv("OBJCOMM_SHM", "0")
+        objcomm.configure()
+        assert _shm_config(objcomm.Communicator()) is None
+        assert _shm_config(objcomm.Communicator(shm=True)) is not None  # the explicit value wins
+        monkeypatch.setenv("OBJCOMM_SHM", "1")
+        monkeypatch.setenv("OBJCOMM_FORCE_SEPARATE_HOSTS", "1")
+        monkeypatch.setenv("OBJCOMM_SHM_DIR", "/somewhere")
+        objcomm.configure()
+        expected = _shm.ShmConfig(threshold=5, directory="/somewhere", separate=True)
+        assert _shm_config(objcomm.Communicator(shm_threshold=5)) == expected
+        assert _shm_config(objcomm.Communicator(shm=False, shm_threshold=5)) is None
+        assert _shm_config(objcomm.Communicator(shm_dir="/here")).directory == "/here"  # explicit beats variable
+    finally:
+        monkeypatch.undo()
+        objcomm.restore(previous)
     with pytest.raises(ValueError):
         objcomm.Settings(shm_threshold=-1)
 

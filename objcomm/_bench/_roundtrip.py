@@ -21,6 +21,7 @@ from serializers import ObjcommError, SerializerProtocol
 from serializers._fidelity import _same
 
 from .. import _framing
+from .._settings import resolve
 from .._transport import Incoming
 
 _NO_LIMIT = 1 << 62
@@ -52,14 +53,20 @@ class RoundTrip:
 def check(serializer: SerializerProtocol, obj: Any, *, repeat: int, budget_s: Optional[float] = None) -> RoundTrip:
     """Encode and decode ``obj`` ``repeat`` times each; return the medians and the verdict.
 
-    With ``budget_s``, slow objects get fewer repeats (at least 3) so each side takes about that long.
+    Encoding honours :func:`objcomm.configure` (compression, inline tensor size); only ``max_bytes``
+    is lifted, so sizes are reported rather than refused. With ``budget_s``, slow objects get fewer
+    repeats (at least 3) so each side takes about that long.
     """
+    options = resolve({}, {})  # compression and inline tensor size as a collective here would use them
     encode_times: list[float] = []
     decode_times: list[float] = []
     try:
         while len(encode_times) < _repeats(repeat, encode_times, budget_s):
             start = time.perf_counter()
-            out = _framing.encode(obj, serializer, max_bytes=_NO_LIMIT)
+            out = _framing.encode(
+                obj, serializer, max_bytes=_NO_LIMIT, inline_tensor_bytes=options.inline_tensor_bytes,
+                compression=options.compression,
+            )
             encode_times.append(time.perf_counter() - start)
         while len(decode_times) < _repeats(repeat, decode_times, budget_s):
             start = time.perf_counter()

@@ -1,0 +1,147 @@
+"""One precedence for every knob (call > Communicator > configure() > environment > default), one validation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+import objcomm
+from objcomm import _settings
+
+pytestmark = pytest.mark.timeout(60)
+
+VARIABLES = ("OBJCOMM_SHM", "OBJCOMM_SHM_DIR", "OBJCOMM_FORCE_SEPARATE_HOSTS")
+NOT_GIVEN: Any = object()
+
+# knob: (default, (variable, text, value) or None, configure(), Communicator(), a call — NOT_GIVEN where none)
+LAYERS = {
+    "serializer": ("pickle", None, "msgpack", "json", "cloudpickle"),
+    "accept": (None, None, frozenset({"json"}), frozenset({"msgpack"}), frozenset({"pickle"})),
+    "max_bytes": (8 << 30, None, 1 << 20, 1 << 21, 1 << 22),
+    "slot_bytes": (4096, None, 256, 512, NOT_GIVEN),
+    "chunk_bytes": (256 << 20, None, 4096, 8192, NOT_GIVEN),
+    "inline_tensor_bytes": (64 << 10, None, 0, 10, NOT_GIVEN),
+    "compression": (None, None, "zstd", "lz4", "auto"),
+    "shm": (True, ("OBJCOMM_SHM", "0", False), True, False, NOT_GIVEN),
+    "shm_threshold": (4 << 20, None, 1, 2, NOT_GIVEN),
+    "shm_dir": (None, ("OBJCOMM_SHM_DIR", "/from-env", "/from-env"), "/configured", "/communicator", NOT_GIVEN),
+}
+
+
+@pytest.fixture
+def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """No objcomm variables and nothing configured; everything put back afterwards."""
+    previous = objcomm.configure()
+    for variable in VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    objcomm.restore(objcomm.Settings())
+    try:
+        yield monkeypatch
+    finally:
+        monkeypatch.undo()
+        objcomm.restore(previous)
+
+
+def _resolved(comm: objcomm.Communicator, **call: Any) -> _settings.CallOptions:
+    return comm._call(call).options
+
+
+def test_every_knob_has_a_row():
+    assert sorted(LAYERS) == sorted(_settings.KNOBS)
+    assert set(_settings.CALL_KNOBS) - {"map_location"} == {k for k, row in LAYERS.items() if row[4] is not NOT_GIVEN}
+
+
+@pytest.mark.parametrize("knob", sorted(LAYERS))
+def test_each_layer_overrides_the_one_before(clean, knob):
+    default, env, configured, communicator, call = LAYERS[knob]
+    assert getattr(_resolved(objcomm.Communicator()), knob) == default
+    if env is not None:
+        variable, text, value = env
+        clean.setenv(variable, text)
+        assert getattr(_resolved(objcomm.Communicator()), knob) == default  # not read per call
+        objcomm.configure()
+        assert getattr(objcomm.settings(), knob) == value
+        assert getattr(_resolved(objcomm.Communicator()), knob) == value
+    objcomm.configure(**{knob: configured})
+    assert getattr(_resolved(objcomm.Communicator()), knob) == configured
+    objcomm.configure()  # re-reading the environment keeps what configure() set
+    assert getattr(_resolved(objcomm.Communicator()), knob) == configured
+    comm = objcomm.Communicator(**{knob: communicator})
+    assert getattr(_resolved(comm), knob) == communicator
+    assert getattr(_resolved(comm, **{knob: None}), knob) == communicator  # None: not given
+    if call is not NOT_GIVEN:
+        assert getattr(_resolved(comm, **{knob: call}), knob) == call
+
+
+def test_map_location_is_call_then_communicator(clean):
+    assert _resolved(objcomm.Communicator()).map_location is None
+    comm = objcomm.Communicator(map_location="cpu")
+    assert _resolved(comm).map_location == "cpu"
+    assert _resolved(comm, map_location="meta").map_location == "meta"
+
+
+def test_separate_hosts_is_a_private_switch(clean):
+    assert "separate_hosts" not in objcomm.Communicator.__init__.__code__.co_varnames
+    assert _resolved(objcomm.Communicator()).separate_hosts is False
+    clean.setenv("OBJCOMM_FORCE_SEPARATE_HOSTS", "1")
+    objcomm.configure()
+    assert _resolved(objcomm.Communicator()).separate_hosts is True
+    comm = objcomm.Communicator()
+    comm._separate_hosts = False
+    assert _resolved(comm).separate_hosts is False
+
+
+def test_restore_lets_the_environment_speak_again(clean):
+    previous = objcomm.configure(shm=True)
+    objcomm.restore(previous)
+    clean.setenv("OBJCOMM_SHM", "off")
+    objcomm.configure()
+    assert objcomm.settings().shm is False
+
+
+BAD = [
+    ("max_bytes", 0, ValueError, "max_bytes must be a positive int, got 0"),
+    ("slot_bytes", 8, ValueError, "slot_bytes must be at least 128"),
+    ("chunk_bytes", -1, ValueError, "chunk_bytes must be a positive int, got -1"),
+    ("inline_tensor_bytes", -1, ValueError, r"inline_tensor_bytes must be an int >= 0, got -1"),
+    ("shm_threshold", -1, ValueError, r"shm_threshold must be an int >= 0, got -1"),
+    ("compression", "gzip", ValueError, "compression must be one of"),
+    ("serializer", "yaml", objcomm.UnknownSerializerError, "yaml"),
+    ("shm", "yes", TypeError, "shm must be True or False"),
+    ("shm_dir", 3, TypeError, "shm_dir must be a directory path"),
+    ("accept", [1], TypeError, "accept must be serializer names"),
+]
+
+
+@pytest.mark.parametrize("knob, value, error, message", BAD, ids=[b[0] for b in BAD])
+def test_one_validation_for_every_layer(clean, knob, value, error, message):
+    with pytest.raises(error, match=message):
+        objcomm.configure(**{knob: value})
+    with pytest.raises(error, match=message):
+        objcomm.Communicator(**{knob: value})
+    with pytest.raises(error, match=message):
+        objcomm.Settings(**{knob: _settings.normalize_accept(value) if knob == "accept" else value})
+    if knob in _settings.CALL_KNOBS:
+        with pytest.raises(error, match=message):
+            objcomm.Communicator().all_gather("x", **{knob: value})
+    assert objcomm.settings() == objcomm.Settings()  # a refused configure() changes nothing
+
+
+def test_the_environment_is_read_at_import():
+    env = {**os.environ, "OBJCOMM_SHM": "0", "OBJCOMM_SHM_DIR": "/from-env",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    code = "import objcomm; s = objcomm.settings(); print(s.shm, s.shm_dir)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "/from-env"]
+
+
+def test_every_variable_is_documented():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for variable in VARIABLES:
+        assert variable in (_settings.__doc__ or ""), variable
+        assert variable in readme, variable
