@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -20,7 +19,8 @@ from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from objcomm._launch import run_local
 
 MB = 1 << 20
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -51,9 +51,9 @@ def _scenarios(scale: float) -> List[tuple[str, int, Dict[str, Callable[[], Any]
     ]
 
 
-def _worker(rank: int, world: int, port: int, scale: float, queue: Any) -> None:
+def _task(scale: float, send: Any) -> Dict[str, Dict[str, float]]:
+    """One rank: every scenario, interleaved; returns the medians of the slowest rank's times."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     results: Dict[str, Dict[str, float]] = {}
     for name, rounds, candidates in _scenarios(scale):
         samples: Dict[str, List[float]] = {c: [] for c in candidates}
@@ -68,29 +68,13 @@ def _worker(rank: int, world: int, port: int, scale: float, queue: Any) -> None:
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 samples[label].append(elapsed.item())
         results[name] = {label: statistics.median(values) for label, values in samples.items()}
-    if rank == 0:
-        queue.put(results)
     dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return results
 
 
 def run(world: int, scale: float) -> Dict[str, Dict[str, float]]:
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    port = _free_port()
-    procs = [context.Process(target=_worker, args=(r, world, port, scale, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results = queue.get(timeout=1800)
-    for proc in procs:
-        proc.join()
-    return results
+    """Local gloo ranks from objcomm's launcher; rank 0's medians."""
+    return run_local(_task, scale, world_size=world, timeout_s=1800)  # type: ignore[no-any-return]
 
 
 def _markdown(world: int, results: Dict[str, Dict[str, float]]) -> str:

@@ -23,31 +23,30 @@ rank; the part written during a failed call is appended to the exception
 message, and ``pool.output(rank)`` returns it.  Set ``RANKPOOL_CAPTURE=0`` or
 pass ``capture_output=False`` to let workers write to the inherited terminal.
 
-This module must not import torch at module level: spawned workers import it
-before they have applied their environment (OMP_NUM_THREADS etc.).
+Spawning, the rank environment (OMP_NUM_THREADS etc., in place from interpreter
+start), parent-death signals and reaping come from ``objcomm._launch``; this module
+keeps the pool protocol, per-rank log capture and failure reports.
 """
 
 from __future__ import annotations
 
 import atexit
 import faulthandler
+import fcntl
 import itertools
-import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
 import signal
-import socket
 import struct
-import sys
 import tempfile
 import threading
 import time
 import traceback
 from collections import OrderedDict
-from contextlib import contextmanager
-from datetime import timedelta
+from contextlib import suppress
 from typing import Any, Callable, Sequence
+
+from objcomm import _launch
 
 __all__ = [
     "RankPool",
@@ -64,10 +63,10 @@ __all__ = [
     "barrier",
 ]
 
-_HOST = "127.0.0.1"
 _HEADER = struct.Struct("<q")  # call id in front of every request
 _CLOSE_REQUEST = b""
 _OUTPUT_TAIL_CHARS = 6000
+free_port = _launch.free_port  # for tests that launch torchrun
 
 
 # --------------------------------------------------------------------------- errors
@@ -135,13 +134,6 @@ class PoolStartupError(RuntimeError):
 # --------------------------------------------------------------------------- small helpers
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for tests that launch torchrun)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((_HOST, 0))
-        return s.getsockname()[1]
-
-
 def rank_info() -> dict:
     """Scenario helper: what this rank knows about itself."""
     import torch
@@ -168,9 +160,7 @@ def barrier() -> None:
 
 
 def _tail(text: str, limit: int = _OUTPUT_TAIL_CHARS) -> str:
-    if len(text) <= limit:
-        return text
-    return f"[... {len(text) - limit} chars cut ...]\n" + text[-limit:]
+    return text if len(text) <= limit else f"[... {len(text) - limit} chars cut ...]\n" + text[-limit:]
 
 
 def _indent(text: str, prefix: str = "    ") -> str:
@@ -201,107 +191,19 @@ def _dumps_call(fn, args, kwargs) -> bytes:
                             f"{plain_error!r}, cloudpickle failed with {cp_error!r}") from cp_error
 
 
-@contextmanager
-def _patched_environ(updates: dict[str, str | None]):
-    saved = {k: os.environ.get(k) for k in updates}
-    _apply_environ(updates)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _apply_environ(updates: dict[str, str | None]) -> None:
-    for k, v in updates.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-_START_LOCK = threading.Lock()  # the parent swaps fds 1/2 and os.environ while it starts workers
-
-
-@contextmanager
-def _stdio_redirected(log_fd: int | None):
-    """While active, fds 1 and 2 of this process are ``log_fd`` (so a child started now inherits it)."""
-    if log_fd is None:
-        yield
-        return
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            if stream is not None:
-                stream.flush()
-        except Exception:
-            pass
-    try:
-        saved = (os.dup(1), os.dup(2))
-    except OSError:  # no stdio at all: nothing to swap
-        yield
-        return
-    try:
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        yield
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for f in saved:
-            os.close(f)
-
-
 def _anonymous_log() -> int:
-    """An fd on an already-unlinked temp file opened for appending: nothing is left on disk
-    even if this process is SIGKILLed."""
+    """An append-mode fd on an already-unlinked temp file: nothing is left on disk even after SIGKILL."""
     fd, path = tempfile.mkstemp(prefix="rankpool-", suffix=".log")
     os.unlink(path)
-    try:
-        import fcntl
-
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
-    except ImportError:
-        pass
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
     return fd
 
 
-def _set_pdeathsig() -> None:
-    """Linux: have the kernel SIGKILL this process when its parent dies."""
-    if not sys.platform.startswith("linux"):
-        return
+def _loads_exception(data: bytes | None) -> BaseException | None:
     try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except Exception:
-        pass
-
-
-def _watch_parent(ppid: int) -> None:
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != ppid:
-            os._exit(70)
-
-
-# --------------------------------------------------------------------------- worker side
-
-
-def _worker_send(conn, obj) -> None:
-    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _flush_stdio() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
+        return None if data is None else pickle.loads(data)
+    except BaseException:
+        return None
 
 
 def _exception_payload(exc: BaseException) -> bytes | None:
@@ -313,22 +215,16 @@ def _exception_payload(exc: BaseException) -> bytes | None:
         return None
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn, ppid: int, env: dict[str, str | None],
-                 pg_timeout: float, store_timeout: float, use_pdeathsig: bool) -> None:
-    # Applied again here (the parent also sets them for the exec) before torch is imported.
-    _apply_environ(env)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it kills us
-    if use_pdeathsig:
-        _set_pdeathsig()
-    if os.getppid() != ppid:
-        os._exit(70)
-    threading.Thread(target=_watch_parent, args=(ppid,), name="rankpool-watch-parent",
-                     daemon=True).start()
+# --------------------------------------------------------------------------- worker side
+
+
+def _worker_main(conn, rank: int, world_size: int, port: int, ppid: int, pdeathsig: bool,
+                 pg_timeout: float, store_timeout: float) -> None:
+    _launch.die_with_parent(ppid, pdeathsig)
     try:  # the parent sends SIGUSR1 to dump Python stacks of ranks that hang
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     except Exception:
         pass
-
     try:
         import torch
         import torch.distributed as dist
@@ -337,19 +233,14 @@ def _worker_main(rank: int, world_size: int, port: int, conn, ppid: int, env: di
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         except ValueError:
             pass
-        store = dist.TCPStore(_HOST, port, world_size, is_master=False,
-                              timeout=timedelta(seconds=store_timeout))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout))
+        _launch.join_group(rank, world_size, port, timeout_s=pg_timeout, store_timeout_s=store_timeout)
         dist.barrier()
     except BaseException:
-        _flush_stdio()
-        try:
-            _worker_send(conn, ("err", -1, traceback.format_exc(), None))
-        except Exception:
-            pass
+        _launch.flush_stdio()
+        with suppress(Exception):
+            _launch.send(conn, ("err", -1, traceback.format_exc(), None))
         return
-    _worker_send(conn, ("ready", -1, os.getpid()))
+    _launch.send(conn, ("ready", -1, os.getpid()))
 
     while True:
         try:
@@ -363,39 +254,28 @@ def _worker_main(rank: int, world_size: int, port: int, conn, ppid: int, env: di
             fn, args, kwargs = pickle.loads(data[_HEADER.size:])
             result = fn(*args, **kwargs)
         except BaseException as exc:  # includes pytest's Failed/Skipped (BaseException subclasses)
-            tb = traceback.format_exc()
-            reply = pickle.dumps(("err", call_id, tb, _exception_payload(exc)),
-                                 protocol=pickle.HIGHEST_PROTOCOL)
+            reply = ("err", call_id, traceback.format_exc(), _exception_payload(exc))
             del exc
         else:
-            try:
-                reply = pickle.dumps(("ok", call_id, result), protocol=pickle.HIGHEST_PROTOCOL)
-            except BaseException as exc:
-                msg = (f"rank {rank}: the result of {_describe(fn)} could not be pickled to send it "
-                       f"back (result type {type(result).__module__}.{type(result).__qualname__}): "
-                       f"{type(exc).__name__}: {exc}\n"
-                       "Return something picklable from scenario functions.\n")
-                reply = pickle.dumps(("err", call_id, msg, None), protocol=pickle.HIGHEST_PROTOCOL)
+            reply = ("ok", call_id, result)
             del result
-        _flush_stdio()
         try:
-            conn.send_bytes(reply)
+            data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException as exc:
+            data = pickle.dumps(("err", call_id, (
+                f"rank {rank}: the result of {_describe(fn)} could not be pickled to send it back (result "
+                f"type {type(reply[2]).__module__}.{type(reply[2]).__qualname__}): {type(exc).__name__}: "
+                f"{exc}\nReturn something picklable from scenario functions.\n"), None))
+        _launch.flush_stdio()
+        try:
+            conn.send_bytes(data)
         except (EOFError, OSError):
             break
         del reply, data
 
-    try:
+    with suppress(BaseException):
         dist.destroy_process_group()
-    except BaseException:
-        pass
-    # A normal interpreter exit (spawn_main ends in sys.exit) tears down torch and takes
-    # ~0.5 s of CPU per rank; run the atexit hooks (coverage etc.) and leave directly.
-    try:
-        atexit._run_exitfuncs()
-    except BaseException:
-        pass
-    _flush_stdio()
-    os._exit(0)
+    _launch.exit_now(0)
 
 
 # --------------------------------------------------------------------------- parent side
@@ -431,120 +311,84 @@ class RankPool:
         if int(world_size) < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size!r}")
         self.world_size = int(world_size)
-        self.timeout = float(timeout)
-        self.pg_timeout = float(pg_timeout)
-        self.startup_timeout = float(startup_timeout)
-        self.failure_grace = float(failure_grace)
-        self.env = dict(env or {})
+        self.timeout, self.pg_timeout = float(timeout), float(pg_timeout)
+        self.startup_timeout, self.failure_grace = float(startup_timeout), float(failure_grace)
+        self.env = {str(k): (None if v is None else str(v)) for k, v in (env or {}).items()}
         if capture_output is None:
             capture_output = os.environ.get("RANKPOOL_CAPTURE", "1").strip().lower() not in (
                 "0", "false", "no", "off")
         self.capture_output = bool(capture_output)
-
-        self.broken = False
-        self.closed = False
+        self.broken = self.closed = False
         self.broken_reason: str | None = None
         self.startup_seconds: float | None = None
-        self._procs: list = []
-        self._pids: list[int] = []
-        self._conns: list = []
+        self._ranks = _launch.LocalRanks()
         self._store = None
         self._lock = threading.RLock()
         # Per-rank output logs, read with pread (the file offset is shared with the worker).
         self._logs: list[int | None] = [_anonymous_log() if self.capture_output else None
                                         for _ in range(self.world_size)]
-
         with _LIVE_LOCK:
             _LIVE_POOLS.add(self)
         try:
             self._start()
         except BaseException:
-            self._kill()
+            self._ranks.kill()
             self.closed = True
             self._cleanup()
             raise
 
+    @property
+    def _procs(self) -> list:
+        return self._ranks.procs
+
+    @property
+    def pids(self) -> list[int]:
+        """Worker process ids, by rank (kept after close)."""
+        return list(self._ranks.pids)
+
+    @property
+    def alive(self) -> bool:
+        """Not closed, not broken and every worker process is running."""
+        return not self.closed and not self.broken and self._ranks.running
+
+    def output(self, rank: int) -> str:
+        """Everything rank ``rank`` wrote to stdout/stderr so far (empty if not captured)."""
+        return self._read_log(rank, 0)
+
     # ---------------------------------------------------------------- startup
 
-    def _worker_env(self, rank: int, port: int) -> dict[str, str | None]:
-        env = {
-            "MASTER_ADDR": _HOST,
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(self.world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(self.world_size),
-            "GROUP_RANK": "0",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-        env.update({str(k): (None if v is None else str(v)) for k, v in self.env.items()})
-        return env
-
     def _start(self) -> None:
-        import torch.distributed as dist
-
         t0 = time.monotonic()
-        # Port 0: the OS picks a free port inside the server; no race with other tests.
-        self._store = dist.TCPStore(_HOST, 0, self.world_size, is_master=True,
-                                    wait_for_workers=False,
-                                    timeout=timedelta(seconds=max(self.startup_timeout,
-                                                                  self.pg_timeout)))
+        W, store_timeout = self.world_size, max(self.startup_timeout, self.pg_timeout)
+        self._store = _launch.master_store(W, store_timeout)
         port = int(self._store.port)
-        if port <= 0:
-            raise PoolStartupError(f"TCPStore on port 0 reported port {port}")
-        ctx = multiprocessing.get_context("spawn")
         pdeathsig = threading.current_thread() is threading.main_thread()
-        store_timeout = max(self.startup_timeout, self.pg_timeout)
-        with _START_LOCK:
-            for rank in range(self.world_size):
-                parent_conn, child_conn = ctx.Pipe(duplex=True)
-                env = self._worker_env(rank, port)
-                proc = ctx.Process(
-                    target=_worker_main,
-                    args=(rank, self.world_size, port, child_conn, os.getpid(), env,
-                          self.pg_timeout, store_timeout, pdeathsig),
-                    name=f"rankpool-w{self.world_size}-r{rank}",
-                    daemon=True,
-                )
-                self._procs.append(proc)
-                self._conns.append(parent_conn)
-                with _stdio_redirected(self._logs[rank]), _patched_environ(env):
-                    proc.start()
-                self._pids.append(proc.pid)
-                child_conn.close()  # so that a dead worker shows as EOF on our end
-
+        self._ranks.start(
+            _worker_main, [(r, W, port, os.getpid(), pdeathsig, self.pg_timeout, store_timeout) for r in range(W)],
+            name=f"rankpool-w{W}-r", env=[{**_launch.rank_env(r, W, port), **self.env} for r in range(W)],
+            stdout=self._logs)
         ready: set[int] = set()
         errors: dict[int, str] = {}
         deadline = t0 + self.startup_timeout
-        while len(ready) + len(errors) < self.world_size:
-            waiting = [r for r in range(self.world_size) if r not in ready and r not in errors]
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        while len(ready) + len(errors) < W and not errors:
+            waiting = [r for r in range(W) if r not in ready]
+            if time.monotonic() >= deadline:
                 self._dump_stacks(waiting)
-                self._kill()
+                self._ranks.kill()
                 raise PoolStartupError(self._startup_message(
                     f"timed out after {self.startup_timeout:.0f}s; ranks {waiting} never reported "
                     "that the process group was initialised", errors, waiting))
-            objs = [self._conns[r] for r in waiting] + [self._procs[r].sentinel for r in waiting]
-            for obj in multiprocessing.connection.wait(objs, timeout=remaining):
-                rank = self._rank_of(obj)
-                if rank in ready or rank in errors:
-                    continue
-                msg = self._recv(rank)
+            for rank, msg in self._wait(waiting, deadline - time.monotonic()):
                 if msg is None:
-                    errors[rank] = (f"worker exited during startup "
-                                    f"(exitcode {self._exitcode(rank)})\n")
+                    errors[rank] = f"worker exited during startup (exitcode {self._ranks.exitcode(rank)})\n"
                 elif msg[0] == "ready":
                     ready.add(rank)
                 else:
                     errors[rank] = msg[2]
-            if errors:
-                # One rank failed: the others would wait for it until the store/pg timeout.
-                waiting = [r for r in range(self.world_size) if r not in ready and r not in errors]
-                self._kill()
-                raise PoolStartupError(self._startup_message("a worker failed to start", errors,
-                                                             waiting))
+        if errors:  # one rank failed: the others would wait for it until the store/pg timeout
+            self._ranks.kill()
+            waiting = [r for r in range(W) if r not in ready and r not in errors]
+            raise PoolStartupError(self._startup_message("a worker failed to start", errors, waiting))
         self.startup_seconds = time.monotonic() - t0
 
     def _startup_message(self, what: str, errors: dict[int, str], waiting: list[int]) -> str:
@@ -556,7 +400,7 @@ class RankPool:
             out = self._read_log(rank, 0)
             if out.strip() and (rank in errors or rank in waiting):
                 parts.append(f"--- rank {rank} output ---\n" + _indent(_tail(out)))
-            exitcode = self._exitcode(rank)
+            exitcode = self._ranks.exitcode(rank)
             if parts or exitcode not in (None, -signal.SIGKILL):
                 lines.append(f"rank {rank}: exitcode {exitcode}")
                 lines.extend(parts)
@@ -564,39 +408,18 @@ class RankPool:
 
     # ---------------------------------------------------------------- plumbing
 
-    def _rank_of(self, obj) -> int:
-        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs)):
-            if obj is conn or obj == proc.sentinel:
-                return rank
-        raise KeyError(obj)
+    def _wait(self, ranks: list[int], timeout: float) -> list[tuple[int, Any]]:
+        """Replies (unpickled) of ``ranks`` within ``timeout``; None for a rank that is gone."""
+        return [(rank, None if data is None else self._loads(rank, data))
+                for rank, data in self._ranks.wait(ranks, timeout)]
 
-    def _recv(self, rank: int):
-        """The next message of ``rank``, or None if the worker is gone."""
-        conn = self._conns[rank]
-        try:
-            if not conn.poll(0):
-                # Only the process sentinel fired. Give a just-sent message a moment to land.
-                self._procs[rank].join(0.2)
-                if not conn.poll(0):
-                    return None
-            data = conn.recv_bytes()
-        except (EOFError, OSError):
-            return None
+    @staticmethod
+    def _loads(rank: int, data: bytes) -> Any:
         try:
             return pickle.loads(data)
         except BaseException as exc:
-            return ("err", None,
-                    f"rank {rank}: its reply could not be unpickled in the test process: "
+            return ("err", None, f"rank {rank}: its reply could not be unpickled in the test process: "
                     f"{type(exc).__name__}: {exc}\n", None)
-
-    def _exitcode(self, rank: int):
-        proc = self._procs[rank]
-        try:
-            if proc.exitcode is None:
-                proc.join(0)
-            return proc.exitcode
-        except Exception:
-            return None
 
     def _log_size(self, rank: int) -> int:
         fd = self._logs[rank]
@@ -607,88 +430,22 @@ class RankPool:
 
     def _read_log(self, rank: int, offset: int) -> str:
         fd = self._logs[rank] if rank < len(self._logs) else None
-        if fd is None:
-            return ""
         chunks = []
-        try:
-            while True:
-                chunk = os.pread(fd, 1 << 20, offset)
-                if not chunk:
-                    break
+        with suppress(OSError):
+            while fd is not None and (chunk := os.pread(fd, 1 << 20, offset)):
                 chunks.append(chunk)
                 offset += len(chunk)
-        except OSError:
-            pass
         return b"".join(chunks).decode("utf-8", "replace")
-
-    def output(self, rank: int) -> str:
-        """Everything rank ``rank`` wrote to stdout/stderr so far (empty if not captured)."""
-        return self._read_log(rank, 0)
-
-    @property
-    def pids(self) -> list[int]:
-        """Worker process ids, by rank (kept after close)."""
-        return list(self._pids)
-
-    @property
-    def alive(self) -> bool:
-        """Not closed, not broken and every worker process is running."""
-        return (not self.closed and not self.broken and len(self._procs) == self.world_size
-                and all(p.is_alive() for p in self._procs))
 
     def _dump_stacks(self, ranks, wait: float = 0.7) -> None:
         """Ask workers to write their Python stacks to their log (faulthandler on SIGUSR1)."""
-        sent = False
-        for rank in ranks:
-            proc = self._procs[rank] if rank < len(self._procs) else None
-            if proc is not None and proc.pid and proc.exitcode is None:
-                try:
-                    os.kill(proc.pid, signal.SIGUSR1)
-                    sent = True
-                except OSError:
-                    pass
-        if sent and self.capture_output:
+        if self._ranks.signal(ranks, signal.SIGUSR1) and self.capture_output:
             time.sleep(wait)
 
-    def _kill(self) -> None:
-        """SIGKILL every worker (and anything they started) and reap them."""
-        victims = []
-        try:
-            import psutil
-        except ImportError:
-            psutil = None
-        for proc in self._procs:
-            if proc.pid is None or proc.exitcode is not None:
-                continue
-            if psutil is not None:
-                try:
-                    victims.extend(psutil.Process(proc.pid).children(recursive=True))
-                except Exception:
-                    pass
-            try:
-                proc.kill()
-            except Exception:
-                pass
-        for child in victims:
-            try:
-                child.kill()
-            except Exception:
-                pass
-        for proc in self._procs:
-            if proc.pid is not None:
-                proc.join(10)
-        if psutil is not None and victims:
-            try:
-                psutil.wait_procs(victims, timeout=5)
-            except Exception:
-                pass
-        if self._procs:
-            self.broken = True
-
-    def _mark_broken(self, reason: str) -> None:
+    def _kill(self, reason: str) -> None:
         self.broken = True
-        if self.broken_reason is None:
-            self.broken_reason = reason
+        self.broken_reason = self.broken_reason or reason
+        self._ranks.kill()
 
     # ---------------------------------------------------------------- calls
 
@@ -736,8 +493,7 @@ class RankPool:
             except (RankPoolError, PoolBrokenError):
                 raise
             except BaseException as exc:  # KeyboardInterrupt etc: state unknown, throw it away
-                self._mark_broken(f"interrupted by {type(exc).__name__} during {name}")
-                self._kill()
+                self._kill(f"interrupted by {type(exc).__name__} during {name}")
                 raise
 
     def _call_locked(self, payloads: list[bytes], name: str, timeout: float | None,
@@ -756,9 +512,9 @@ class RankPool:
         deadline = start + timeout
         for rank in range(W):
             try:
-                self._conns[rank].send_bytes(header + payloads[rank])
+                self._ranks.conns[rank].send_bytes(header + payloads[rank])
             except (EOFError, OSError):
-                dead[rank] = self._exitcode(rank)
+                dead[rank] = self._ranks.exitcode(rank)
 
         grace_deadline = None
         while not dead and len(results) + len(failures) < W:
@@ -769,49 +525,29 @@ class RankPool:
             limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
             if now >= limit:
                 break
-            objs = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
-            for obj in multiprocessing.connection.wait(objs, timeout=limit - now):
-                rank = self._rank_of(obj)
-                if rank in results or rank in failures or rank in dead:
-                    continue
-                msg = self._recv(rank)
+            for rank, msg in self._wait(pending, limit - now):
                 if msg is None:
-                    dead[rank] = self._exitcode(rank)
+                    dead[rank] = self._ranks.exitcode(rank)
                 elif msg[1] is not None and msg[1] != call_id:
                     continue  # stale reply (cannot normally happen)
                 elif msg[0] == "ok":
                     results[rank] = msg[2]
                 else:
                     failures[rank] = msg[2]
-                    exc = None
-                    if len(msg) > 3 and msg[3] is not None:
-                        try:
-                            exc = pickle.loads(msg[3])
-                        except BaseException:
-                            exc = None
-                    exceptions[rank] = exc
+                    exceptions[rank] = _loads_exception(msg[3] if len(msg) > 3 else None)
         elapsed = time.monotonic() - start
         pending = [r for r in range(W) if r not in results and r not in failures and r not in dead]
 
         if dead:
             # The group is unusable. Collect replies that already arrived, then kill the rest.
-            for rank in pending:
-                msg = None
-                try:
-                    if self._conns[rank].poll(0):
-                        msg = self._recv(rank)
-                except Exception:
-                    pass
-                if msg is not None and msg[0] == "ok":
-                    results[rank] = msg[2]
-                elif msg is not None:
-                    failures[rank] = msg[2]
+            for rank, msg in self._wait(pending, 0):
+                if msg is not None:
+                    (results if msg[0] == "ok" else failures)[rank] = msg[2]
             pending = [r for r in pending if r not in results and r not in failures]
             self._dump_stacks(pending)
-            self._mark_broken(f"rank(s) {sorted(dead)} died during {name}")
-            self._kill()
+            self._kill(f"rank(s) {sorted(dead)} died during {name}")
             for rank in dead:
-                dead[rank] = self._exitcode(rank)
+                dead[rank] = self._ranks.exitcode(rank)
             all_fail = dict(failures)
             for rank, code in dead.items():
                 all_fail[rank] = f"worker process died (exitcode {code})\n"
@@ -824,8 +560,7 @@ class RankPool:
 
         if pending and not failures:
             self._dump_stacks(pending)
-            self._mark_broken(f"{name} timed out")
-            self._kill()
+            self._kill(f"{name} timed out")
             msg = self._report(
                 f"{name} did not finish within {timeout:g}s on rank(s) {pending} of {W} "
                 "(the pool was killed)", name, failures, pending, offsets, call_id)
@@ -838,8 +573,7 @@ class RankPool:
             if pending:
                 # The failure probably left the others waiting in a collective.
                 self._dump_stacks(pending)
-                self._mark_broken(f"rank(s) {pending} did not answer after a failure in {name}")
-                self._kill()
+                self._kill(f"rank(s) {pending} did not answer after a failure in {name}")
                 killed = True
                 why = ("timeout" if time.monotonic() >= deadline
                        else f"failure_grace={self.failure_grace:g}s")
@@ -865,8 +599,7 @@ class RankPool:
             return True
         except RankPoolError:
             if not self.broken:
-                self._mark_broken("barrier failed after a failed call")
-                self._kill()
+                self._kill("barrier failed after a failed call")
             return False
 
     def _report(self, headline: str, name: str, failures: dict[int, str], pending: list[int],
@@ -899,46 +632,23 @@ class RankPool:
             self.closed = True
             try:
                 if not self.broken:
-                    for conn in self._conns:
-                        try:
+                    for conn in self._ranks.conns:
+                        with suppress(Exception):
                             conn.send_bytes(_CLOSE_REQUEST)
-                        except Exception:
-                            pass
-                    deadline = time.monotonic() + timeout
-                    for proc in self._procs:
-                        proc.join(max(0.0, deadline - time.monotonic()))
-                    alive = [p for p in self._procs if p.exitcode is None]
-                    for proc in alive:
-                        try:
-                            proc.terminate()
-                        except Exception:
-                            pass
-                    for proc in alive:
-                        proc.join(2)
-                self._kill()  # whatever is still there; also reaps
+                    self._ranks.close(grace_s=timeout)
+                self._ranks.kill()  # whatever is still there; also reaps
             finally:
                 self._cleanup()
 
     def _cleanup(self) -> None:
-        for conn in self._conns:
-            try:
-                conn.close()
-            except Exception:
-                pass
-        for proc in self._procs:
-            try:
-                if proc.exitcode is not None:
-                    proc.close()
-            except Exception:
-                pass
+        with suppress(Exception):
+            self._ranks.release()
         self._store = None  # the master store lives exactly as long as the pool
         logs, self._logs = self._logs, [None] * len(self._logs)
         for fd in logs:
             if fd is not None:
-                try:
+                with suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
         with _LIVE_LOCK:
             _LIVE_POOLS.discard(self)
 
