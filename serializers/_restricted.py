@@ -13,12 +13,12 @@ How a hostile payload is kept harmless (``docs/security.md`` states the guarante
    the payload (lists, tuples, dicts, bytes) and bound every size by them: ``bytearray(10**9)``,
    ``set(range(10**9))`` or ``Fraction("1e30000000")`` are refused, and what they copy or hash is
    charged to a budget proportional to the payload (pickle's memo lets a payload pass one big value
-   to many calls). numpy and torch values are
-   rebuilt by ``_rebuild`` from dtype, shape and the bytes present; numpy's and torch's own
-   reconstructors are never reachable. The allow-list is checked before any import.
+   to many calls). numpy and torch values are rebuilt by ``_rebuild`` from dtype, shape and the
+   bytes present; numpy's and torch's own reconstructors are never reachable. The allow-list is
+   checked before any import.
 3. **The probe pass.** BUILD (``__setstate__`` or attribute updates) is allowed only on instances
-   of classes the user allowed, APPEND/SETITEM only on the containers that take them. When the scan
-   saw one of those act on a value a call built, the payload is first run through the C
+   of classes the user allowed, APPEND/SETITEM only on the containers that take them. When one of
+   those opcodes follows the first global, call or tuple, the payload is first run through the C
    unpickler with every guard returning an inert *probe* that knows only what kind of value it
    stands for; a BUILD, APPEND or SETITEM on a probe of the wrong kind refuses the payload. Pickle
    is straight-line code, so the real pass that follows applies BUILD only where the probe pass
