@@ -99,6 +99,11 @@ def refused(op: str, sender: int, wire: Any, total: int, problem: Optional[str],
 
 
 # -- a transport slot (objcomm._transport._SlotInfo: length, error, total, inline, sizes) ---------
+def complete(info: Any) -> bool:
+    """Round 1 carried everything its sender sends: the whole frame and no tensors."""
+    return info.inline is not None and info.total == info.length
+
+
 def slot_problem_of(info: Any) -> Optional[str]:
     return slot_problem(info.length, info.total, info.error, info.inline is not None, info.sizes)
 
@@ -107,8 +112,7 @@ def plan(info: Any, sizes_of: SizesOf) -> tuple[Optional[List[int]], Optional[st
     """``(sizes, problem)`` from round 1 alone: the tensor sizes that follow (None: only the frame can tell)
     and what disagrees among slot, frame and table. Every rank holding the slot gets the same answer."""
     problem = slot_problem_of(info)
-    complete = info.inline is not None and info.total == info.length
-    if problem or info.error or info.inline is None or (complete and not info.sizes):
+    if problem or info.error or info.inline is None or (complete(info) and not info.sizes):
         return info.sizes, problem
     table, problem = table_sizes(sizes_of, info.inline)
     problem = problem or table_problem(info.length, info.total, table, info.sizes)

@@ -102,11 +102,6 @@ def _read_slots(host: memoryview, count: int, slot: int) -> List[_SlotInfo]:
     return [_read_slot(host[r * slot : (r + 1) * slot]) for r in range(count)]
 
 
-def _complete(info: _SlotInfo) -> bool:
-    """Round 1 carried everything this rank sends: the whole frame and no tensors."""
-    return info.inline is not None and info.total == info.length
-
-
 def _agreement_needed(wire: Wire, info: _SlotInfo, op: str) -> bool:
     """Whether receivers must answer the sender before round 2 (a vote, or an acknowledgement).
 
@@ -252,7 +247,7 @@ def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gath
     plans = _limits.plans(infos, sizes_of, op)
     if any(info.error for info in infos):
         return _round_one(infos)
-    if all(_complete(info) for info in infos):  # the common small case: one collective, done
+    if all(_limits.complete(info) for info in infos):  # the common small case: one collective, done
         return _round_one(infos)
     _limits.check_limits(infos, range(wire.size), op)
     if wire.shm is not None:  # shm: same-host fast path
@@ -356,7 +351,7 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
     sizes, problem = _limits.plan(info, sizes_of)
     if problem:  # every rank holds the same slot: all raise alike
         raise _limits.inconsistent(op, src, problem)
-    if info.error or _complete(info):
+    if info.error or _limits.complete(info):
         assert info.inline is not None
         return Incoming(info.inline, error=info.error)
     refuse = wire.rank != src and info.total > wire.max_bytes
@@ -401,7 +396,7 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
     info = _read_slot(_host_view(recv))
     sizes, problem = _limits.plan(info, sizes_of)
     if info.error or not info.round2:
-        if not (problem or info.error or _complete(info)):
+        if not (problem or info.error or _limits.complete(info)):
             problem = "its slot does not carry the whole frame, yet it announced no second round"
         if problem:
             raise _limits.inconsistent(op, src, problem)
@@ -439,7 +434,7 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
     problem = _limits.slot_problem_of(info)
     if problem:  # the receiver finds the same and raises too
         raise _limits.inconsistent(op, wire.rank, problem)
-    if info.error or _complete(info):
+    if info.error or _limits.complete(info):
         return
     if _agreement_needed(wire, info, op):
         answer = _empty(1, wire)
@@ -471,7 +466,7 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
     problem = _limits.slot_problem_of(info)
     if problem:  # the sender finds the same in its slot and raises too
         raise _limits.inconsistent(op, sender, problem)
-    if info.error or _complete(info):
+    if info.error or _limits.complete(info):
         assert info.inline is not None
         return sender, Incoming(info.inline, error=info.error), info.error
     sizes, problem = _limits.plan(info, sizes_of)

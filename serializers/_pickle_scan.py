@@ -36,9 +36,10 @@ _PLAIN = (PLAIN, 0, 1)
 
 
 class ScanResult(NamedTuple):
-    """What the walk learned: whether the probe pass must run."""
+    """What the walk learned: whether the probe pass must run, and the payload as bytes (walked once)."""
 
     needs_probe: bool
+    data: bytes
 
 
 def _argument_kinds() -> List[Optional[Tuple[int, int]]]:
@@ -275,7 +276,7 @@ def scan(data: Buffer) -> ScanResult:
                 if len(stack) != 1 or marks:
                     raise ScanError(f"STOP at byte {at} with {len(stack)} values and {len(marks)} marks on the stack")
                 _as_value(stack[0], at)
-                return ScanResult(needs_probe)
+                return ScanResult(needs_probe, raw)
             if budget < 0:
                 raise ScanError(f"hashing its dict keys and set members would exceed the work budget (byte {at})")
             at = end

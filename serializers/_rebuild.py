@@ -269,8 +269,7 @@ def reduce_numpy(value: Any) -> Any:
             raise TypeError("restricted-pickle cannot carry numpy arrays of dtype=object; use pickle")
         order = "F" if value.flags.f_contiguous and not value.flags.c_contiguous else "C"
         data = value if value.flags.c_contiguous or order == "F" else np.ascontiguousarray(value)
-        raw: Any = data.reshape(-1, order="A").view(np.uint8) if data.size else b""
-        buffer = _pickle_buffer(raw) if data.size else b""
+        buffer = _pickle_buffer(data.reshape(-1, order="A").view(np.uint8)) if data.size else b""
         return ndarray, (_numpy_descr(value.dtype), tuple(value.shape), order, buffer)
     if isinstance(value, np.generic):
         if value.dtype.hasobject:

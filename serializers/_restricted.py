@@ -50,7 +50,8 @@ SEALED, MAPPING, SEQUENCE, USER = "sealed", "mapping", "sequence", "user"
 _MAX_INT_BITS = 14_300  # about 4,300 decimal digits: gcd and str conversions stay cheap
 WORK_PER_BYTE = 32  # bytes copied (and tuple elements hashed, at 8 each) by constructors, per payload byte
 _WORK_FLOOR = 1 << 20
-_FRACTION_TEXT = re.compile(r"\s*[+-]?\d{1,4300}(?:/\d{1,4300})?\s*\Z")
+_DIGITS = _rebuild.MAX_INT_DIGITS
+_FRACTION_TEXT = re.compile(rf"\s*[+-]?\d{{1,{_DIGITS}}}(?:/\d{{1,{_DIGITS}}})?\s*\Z")
 _BUILT = (list, tuple, set, frozenset, dict)
 
 
@@ -479,14 +480,14 @@ class RestrictedPickleSerializer(PickleSerializer):
 
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
         try:
-            needs_probe = scan(data).needs_probe
+            needs_probe, raw = scan(data)
         except Exception as exc:
             if isinstance(exc, ScanError) and "class or function" in str(exc):
                 raise ContentRefusedError(f"{self.name} refused the payload: {exc}; nothing was run") from None
             raise DecodeError(f"{self.name} refused a malformed payload: {type(exc).__name__}: {exc}") from None
         guards = self._guards
-        size = memoryview(data).nbytes
-        with decoding(self.name, data), _rebuild.work_budget(WORK_PER_BYTE * size + _WORK_FLOOR):
+        # BytesIO over bytes shares them: neither pass copies the payload again
+        with decoding(self.name, data), _rebuild.work_budget(WORK_PER_BYTE * len(raw) + _WORK_FLOOR):
             if needs_probe:
-                _Unpickler(io.BytesIO(data), guards, None, probing=True).load()
-            return _Unpickler(io.BytesIO(data), guards, restore, probing=False).load()
+                _Unpickler(io.BytesIO(raw), guards, None, probing=True).load()
+            return _Unpickler(io.BytesIO(raw), guards, restore, probing=False).load()

@@ -145,15 +145,16 @@ def _forged_table(nbytes: int) -> Outgoing:
     return Outgoing(memoryview(frame), out.tensors)
 
 
-def huge_table_entry() -> list:
+def _lying_sender(forged: Outgoing) -> list:
+    """Rank 1 sends ``forged`` by all_gather and by send, rank 0 receives: each side's outcome per op."""
     rank = dist.get_rank()
     outcomes = []
     for op in ("all_gather", "send/recv"):
         try:
             if rank == 1 and op == "all_gather":
-                _transport.all_gather(_wire(), _forged_table(1 << 40), _framing.tensor_sizes)
+                _transport.all_gather(_wire(), forged, _framing.tensor_sizes)
             elif rank == 1:
-                _transport.send(_wire(), _forged_table(1 << 40), 0)
+                _transport.send(_wire(), forged, 0)
             elif op == "all_gather":
                 objcomm.all_gather("small")
             else:
@@ -161,10 +162,14 @@ def huge_table_entry() -> list:
             outcomes.append("no error")
         except ObjcommError as exc:
             outcomes.append(type(exc).__name__)
-        except Exception as exc:  # the bug: a raw RuntimeError from torch.empty(2**40)
+        except Exception as exc:  # the bugs: a raw RuntimeError from torch.empty(2**40), a RecursionError
             outcomes.append(f"raw {type(exc).__name__}")
         assert _still_usable()
     return outcomes
+
+
+def huge_table_entry() -> list:
+    return _lying_sender(_forged_table(1 << 40))
 
 
 def test_tensor_table_entry_of_2_to_the_40_is_a_clean_frame_error():
@@ -208,23 +213,7 @@ def _nested_error(depth: int) -> Outgoing:
 
 
 def nested_error_report() -> list:
-    rank = dist.get_rank()
-    outcomes = []
-    for op in ("all_gather", "send/recv"):
-        try:
-            if rank == 1 and op == "all_gather":
-                _transport.all_gather(_wire(), _nested_error(4000), _framing.tensor_sizes)
-            elif rank == 1:
-                _transport.send(_wire(), _nested_error(4000), 0)
-            elif op == "all_gather":
-                objcomm.all_gather("small")
-            else:
-                objcomm.recv(src=1)
-            outcomes.append("no error")
-        except (ObjcommError, RecursionError) as exc:
-            outcomes.append(type(exc).__name__)
-        assert _still_usable()
-    return outcomes
+    return _lying_sender(_nested_error(4000))
 
 
 def test_nested_error_report_is_a_frame_error():
