@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -11,11 +10,13 @@ import torch.distributed as dist
 
 from serializers import SerializerLike, registry
 
-from . import _framing, _shm, _transport
+from . import _framing, _shm, _state, _transport
 from ._device import group_backend, resolve_device
 from ._errors import CommunicationError, Failure, ObjcommError, RemoteError
+from ._segments import SegmentBook
 from ._settings import CallOptions, call_kwargs, given, resolve
 from ._transport import Incoming, Outgoing
+from ._wire import DIRECT, SecondRound
 
 Device = Union[str, torch.device, None]
 
@@ -135,6 +136,7 @@ class Communicator:
         )
         # Tests only: True treats every rank as on its own host; None follows OBJCOMM_FORCE_SEPARATE_HOSTS.
         self._separate_hosts: Optional[bool] = None
+        self._segments: SegmentBook = _state.SEGMENTS  # tests only: their own, to watch or tamper with segments
 
     def __repr__(self) -> str:
         return f"Communicator(group={self.group!r}, serializer={self.serializer!r}, device={self.device!r})"
@@ -163,7 +165,7 @@ class Communicator:
             slot=options.slot_bytes,
             chunk=options.chunk_bytes,
             max_bytes=options.max_bytes,
-            shm=_shm.config(options.shm, options.shm_threshold, options.shm_dir, options.separate_hosts),
+            second_round=_second_round(options, self._segments),
         )
 
     @staticmethod
@@ -305,16 +307,10 @@ class Communicator:
             raise ValueError(f"{what}={rank}, but there is no process group: the only rank is 0")
 
 
-# Group membership and device never change for a group's lifetime: look them up once per group.
-_MEMBERSHIP: weakref.WeakKeyDictionary[Any, Dict[Any, tuple]] = weakref.WeakKeyDictionary()
-
-
 def _membership(group: Any, device: Device) -> tuple:
-    """``(global ranks, this rank's group rank, transport device)`` for ``group``, cached."""
-    per_device = _MEMBERSHIP.get(group)
-    if per_device is None:
-        per_device = _MEMBERSHIP.setdefault(group, {})
-    found = per_device.get(device)
+    """``(global ranks, this rank's group rank, transport device)`` for ``group``, learned once per group."""
+    known = _state.group_facts(group).membership
+    found = known.get(device)
     if found is None:
         rank = dist.get_rank(group)
         if rank < 0:
@@ -322,10 +318,18 @@ def _membership(group: Any, device: Device) -> tuple:
                 f"this rank (global rank {dist.get_rank()}) is not a member of the group it was asked to use; "
                 "only call objcomm with groups this rank belongs to"
             )
-        found = per_device[device] = (
+        found = known[device] = (
             tuple(dist.get_process_group_ranks(group)), rank, resolve_device(group_backend(group), group, device)
         )
     return found
+
+
+def _second_round(options: CallOptions, segments: SegmentBook) -> SecondRound:
+    """Who may move a call's second round: shared memory on one host when switched on, else the transport."""
+    if not options.shm:
+        return DIRECT
+    return _shm.SharedMemory(threshold=options.shm_threshold, directory=options.shm_dir or _shm.DEFAULT_DIRECTORY,
+                             separate=options.separate_hosts, book=segments)
 
 
 def _only(rank: int, item: Incoming, size: int) -> List[Optional[Incoming]]:

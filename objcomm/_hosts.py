@@ -16,9 +16,8 @@ import hashlib
 import os
 import secrets
 import socket
-import weakref
 from dataclasses import dataclass
-from typing import Any, List, MutableMapping, Optional, Tuple
+from typing import Any, List, Tuple
 
 import torch
 
@@ -66,24 +65,9 @@ def pid_namespace() -> int:
         return 0
 
 
-# Per process, per group: a group's membership never changes, so what was learned stays true.
-_known: MutableMapping[Tuple[Any, bool], Hosts] = {}
-_known_weak: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
-
-
-def known(group: Any, separate: bool) -> Optional[Hosts]:
-    """The hosts learned earlier for ``group``, or ``None`` when it was never discovered here."""
-    try:
-        return _known_weak.get(group, {}).get(separate)
-    except TypeError:  # a group object that cannot be weakly referenced
-        return _known.get((id(group), separate))
-
-
 def discover(wire: Any, separate: bool, op: str) -> Hosts:
-    """Exchange host identities over ``wire``'s group (a collective: every rank must call it), cached per group."""
-    found = known(wire.group, separate)
-    if found is not None:
-        return found
+    """Exchange host identities over ``wire``'s group (a collective: every rank must call it); the caller
+    keeps the answer (:func:`objcomm._state.group_facts`)."""
     mine = torch.tensor([host_key(separate), os.getpid(), secrets.randbits(63), pid_namespace()], dtype=torch.int64)
     everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64)
     guarded(op, wire, all_gather_single, everyone, mine, group=wire.group)
@@ -94,8 +78,4 @@ def discover(wire: Any, separate: bool, op: str) -> Hosts:
         pids=tuple(words[1::_WORDS]),
         pid_namespaces=tuple(words[3::_WORDS]),
     )
-    try:
-        _known_weak.setdefault(wire.group, {})[separate] = hosts
-    except TypeError:
-        _known[(id(wire.group), separate)] = hosts
     return hosts

@@ -98,7 +98,7 @@ def refused(op: str, sender: int, wire: Any, total: int, problem: Optional[str],
     )
 
 
-# -- a transport slot (objcomm._transport._SlotInfo: length, error, total, inline, sizes) ---------
+# -- a transport slot (objcomm._slots.SlotInfo: length, error, total, inline, sizes) ---------
 def complete(info: Any) -> bool:
     """Round 1 carried everything its sender sends: the whole frame and no tensors."""
     return info.inline is not None and info.total == info.length
@@ -139,9 +139,10 @@ def frame_sizes(sizes_of: SizesOf, frame: memoryview, info: Any, sender: int, op
     return table
 
 
-def shm_sizes(sizes_of: SizesOf, infos: Sequence[Any]) -> SizesOf:
-    """``sizes_of`` for the shared-memory path, which reads frames round 1 did not carry. Sizes that no
-    sender announced raise OSError: every rank goes back to the normal transport, which raises FrameError."""
+def checked_sizes(sizes_of: SizesOf, infos: Sequence[Any]) -> SizesOf:
+    """``sizes_of`` for a second-round strategy (shared memory), which reads frames round 1 did not carry.
+    Sizes that no sender announced raise OSError: every rank goes back to the normal transport, which
+    raises FrameError."""
 
     def checked(frame: memoryview) -> List[int]:
         table, problem = table_sizes(sizes_of, frame)

@@ -17,7 +17,9 @@ discovery; for send/recv, per sending process); ``pid`` the writer's, in that na
 counter per writer; ``part`` the receiving rank for scatter, else 0.
 
 Segments are unlinked by their writer (:meth:`_Segment.release`, which callers run in a ``finally``)
-and at interpreter exit. Those of writers that died (SIGKILL) are removed by :func:`sweep`: regular
+and at interpreter exit. A :class:`SegmentBook` keeps what a process needs for that (the paths it
+owns, its sequence counter and token); the process's own is :data:`objcomm._state.SEGMENTS`, and
+tests pass their own. Those of writers that died (SIGKILL) are removed by :func:`sweep`: regular
 files (links are never followed) of this user, named with this host's key and this pid namespace
 (elsewhere a pid proves nothing), whose writer pid is dead. Anything else, older objcomm names
 included, it leaves alone.
@@ -31,10 +33,13 @@ from __future__ import annotations
 import atexit
 import errno
 import functools
+import itertools
 import logging
 import os
 import re
+import secrets
 import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, NamedTuple, Optional, Sequence, Set
 
@@ -49,9 +54,6 @@ log = logging.getLogger("objcomm")
 DEFAULT_DIRECTORY = "/dev/shm"
 PREFIX = "objcomm-"
 
-_owned: Set[str] = set()  # paths this process created and has not unlinked yet
-_atexit_registered = False
-
 _NAME = re.compile(re.escape(PREFIX) + r"([0-9a-f]{16})-([0-9]{1,20})-([0-9a-f]{16})-([0-9]{1,10})-[0-9]+-[0-9]+")
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -59,35 +61,73 @@ _PARALLEL_PIECE = 4 << 20  # reads of this many bytes per thread, at least
 
 
 # -- writing and reading ------------------------------------------------------------------------
-class _Segment:
-    """One file in the shared-memory directory, written with ``write(2)`` by its owner, who unlinks it."""
+class SegmentBook:
+    """What one process keeps about the segments it writes: the paths not unlinked yet (removed at
+    exit), a sequence counter and a random token for names. Subclass it to watch or tamper in tests."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self) -> None:
+        self.token = secrets.randbits(63)  # names send/recv segments (no group-wide agreement there)
+        self._owned: Set[str] = set()
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+        self._at_exit = False
 
-    @classmethod
-    def create(cls, path: str, frame: Optional[memoryview], tensors: Sequence[torch.Tensor]) -> _Segment:
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def create(self, path: str, frame: Optional[memoryview], tensors: Sequence[torch.Tensor]) -> _Segment:
         """Write ``frame`` then ``tensors`` into a new file. Plain writes, not a mapping: a full
         filesystem raises ENOSPC here instead of SIGBUS, and the kernel fills pages faster than faults do.
         ``O_EXCL | O_NOFOLLOW``: whatever already sits at the name (a planted link) makes this fail."""
         size = (frame.nbytes if frame is not None else 0) + sum(t.numel() for t in tensors)
         _check_space(os.path.dirname(path), size)
         fd = os.open(path, _CREATE_FLAGS, 0o600)
-        _track(path)
+        self._track(path)
         try:
             pieces = ([frame] if frame is not None else []) + [_host_bytes(t) for t in tensors if t.numel()]
             for piece in pieces:
                 while piece.nbytes:
                     piece = piece[os.write(fd, piece):]
         except BaseException:
-            _unlink(path)
+            self.unlink(path)
             raise
         finally:
             os.close(fd)
-        return cls(path)
+        return _Segment(path, self)
+
+    def unlink(self, path: str) -> None:
+        """Remove a segment this process wrote; whatever another process put at its name stays (and is logged)."""
+        with self._lock:
+            self._owned.discard(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # e.g. a directory planted at the name: not ours any more
+            log.warning("objcomm shm: could not remove segment %s: %s", path, exc)
+
+    def unlink_all(self) -> None:
+        with self._lock:
+            owned = list(self._owned)
+        for path in owned:
+            self.unlink(path)
+
+    def _track(self, path: str) -> None:
+        with self._lock:
+            self._owned.add(path)
+            if not self._at_exit:
+                atexit.register(self.unlink_all)
+                self._at_exit = True
+
+
+class _Segment:
+    """One file in the shared-memory directory, written with ``write(2)`` by its owner, who unlinks it."""
+
+    def __init__(self, path: str, book: SegmentBook) -> None:
+        self.path, self.book = path, book
 
     def release(self) -> None:
-        _unlink(self.path)
+        self.book.unlink(self.path)
 
 
 def read_segment(
@@ -174,30 +214,6 @@ def _check_space(directory: str, size: int) -> None:
     free = stats.f_bavail * stats.f_frsize
     if size > free:
         raise OSError(f"{directory} has {free:,} bytes free, {size:,} are needed")
-
-
-def _track(path: str) -> None:
-    global _atexit_registered
-    _owned.add(path)
-    if not _atexit_registered:
-        atexit.register(_unlink_owned)
-        _atexit_registered = True
-
-
-def _unlink(path: str) -> None:
-    """Remove a segment this process wrote; whatever another process put at its name stays (and is logged)."""
-    _owned.discard(path)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:  # e.g. a directory planted at the name: not ours any more
-        log.warning("objcomm shm: could not remove segment %s: %s", path, exc)
-
-
-def _unlink_owned() -> None:
-    for path in list(_owned):
-        _unlink(path)
 
 
 # -- names -------------------------------------------------------------------------------------

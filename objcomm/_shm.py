@@ -17,10 +17,14 @@ normal transport for this call (one debug line on the ``objcomm`` logger says wh
 *refuses* a segment raises :class:`~objcomm.FrameError` alone, like a rank that cannot decode what
 arrived; the others keep their results and the group stays in step.
 
-Segment files themselves (how they are written, checked and read, their names, and :func:`sweep`,
-which removes those of dead writers) are :mod:`objcomm._segments`. This module unlinks what it wrote
-in a ``finally`` (exceptions, KeyboardInterrupt), and sweeps when a rank fails mid-call and at every
-discovery (the start of the next job).
+:class:`SharedMemory` is a second-round strategy (:class:`objcomm._wire.SecondRound`): the transport
+asks it once per call after round 1 and moves the bytes itself when it answers ``NOT_USED``. One
+method, :meth:`SharedMemory.hosts_for`, decides whether a call may use it (CPU, enough bytes, one
+host). Segment files themselves (how they are written, checked and read, their names, and
+:func:`~objcomm._segments.sweep`, which removes those of dead writers) are :mod:`objcomm._segments`;
+the bookkeeping of those a process wrote is a :class:`~objcomm._segments.SegmentBook` it is given.
+This module unlinks what it wrote in a ``finally`` (exceptions, KeyboardInterrupt), and sweeps when
+a rank fails mid-call and at every discovery (the start of the next job).
 
 Mixed groups: collectives use shared memory only when the whole group shares one host, otherwise
 they keep the normal transport; send/recv use it whenever the two ranks share a host.
@@ -28,151 +32,270 @@ they keep the normal transport; send/recv use it whenever the two ranks share a 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import secrets
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 import torch.distributed as dist
 
-from . import _hosts
+from . import _hosts, _state
 from ._errors import CommunicationError
-from ._segments import DEFAULT_DIRECTORY, _me, _name, _Segment, _this_host, _Writer, read_segment, sweep
+from ._segments import DEFAULT_DIRECTORY, SegmentBook, _me, _name, _Segment, _this_host, _Writer, read_segment, sweep
 from ._settings import DEFAULT_SHM_THRESHOLD
-from ._wire import Incoming, Outgoing, all_gather_single, guarded
+from ._slots import SlotInfo, outgoing_second_round_bytes
+from ._wire import NOT_USED, Incoming, NotUsed, Outgoing, SizesOf, Wire, all_gather_single, guarded
 
 log = logging.getLogger("objcomm")
 
 DEFAULT_THRESHOLD = DEFAULT_SHM_THRESHOLD
-NOT_USED: Any = object()  # returned when the call must take the normal transport
-
-_seq = itertools.count(1)
-_process_token = secrets.randbits(63)  # names send/recv segments (no group-wide agreement there)
-_PAIR_REMOTE: Dict[Tuple[int, int, bool], bool] = {}  # (group id, peer, separate) -> peer is on another host
+PathOf = Callable[[int, int], str]  # (writer's group rank, part) -> path of that segment
+T = TypeVar("T")
+Part = Tuple[Optional[memoryview], Sequence[torch.Tensor]]  # a frame (None: round 1 carried it) and tensors
 
 _READ, _FELL_BACK, _REFUSED = 0, 1, 2  # what a reader reports after step 2; the largest wins
+_P2P = 5  # seq (or -1), pid, token, host key, pid namespace
+_SENT, _OTHER_HOST, _RESEND, _REFUSED_P2P = 0, 1, 2, 3  # the receiver's answer
 
 
 @dataclass(frozen=True)
-class ShmConfig:
-    """How the same-host path behaves; ``None`` on a ``Wire`` switches it off."""
+class SharedMemory:
+    """The second round through segment files when the ranks a call involves share a host."""
 
     threshold: int = DEFAULT_THRESHOLD  # second-round bytes (largest sender) from which shared memory is used
     directory: str = DEFAULT_DIRECTORY
     separate: bool = False  # pretend every rank is on its own host (tests)
+    book: SegmentBook = field(default=_state.SEGMENTS, compare=False)
 
+    # -- the decision ----------------------------------------------------------------------------
+    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+        """Whether ``moved`` second-round bytes (the largest sender's) may go this way, before
+        asking where the ranks run: CPU transfers at or above the threshold."""
+        if wire.device.type != "cpu":
+            return False
+        if moved < self.threshold:
+            log.debug("objcomm shm: %s moves %d bytes, below the threshold of %d; normal transport",
+                      op, moved, self.threshold)
+            return False
+        return True
 
-def config(enabled: bool, threshold: int, directory: Optional[str], separate: bool) -> Optional[ShmConfig]:
-    """The path's configuration from resolved settings (:func:`objcomm._settings.resolve`; the
-    environment is read there); ``None`` when switched off."""
-    if not enabled:
-        return None
-    return ShmConfig(threshold=threshold, directory=directory or DEFAULT_DIRECTORY, separate=separate)
+    def hosts_for(self, wire: Wire, moved: int, op: str) -> Optional[_hosts.Hosts]:
+        """The group's hosts when the call uses shared memory, else None: the same answer on every rank.
+        The first call that gets this far on a group learns its hosts (a collective)."""
+        if not self.worth(wire, moved, op):
+            return None
+        known = _state.group_facts(wire.group).hosts
+        hosts = known.get(self.separate)
+        if hosts is None:
+            hosts = known[self.separate] = _hosts.discover(wire, self.separate, op)
+            sweep(self.directory)  # a new job on this host: clear what dead jobs left
+        if not hosts.one_host:
+            log.debug("objcomm shm: %s spans %d hosts; normal transport", op, len(set(hosts.keys)))
+            return None
+        return hosts
 
+    # -- control ---------------------------------------------------------------------------------
+    def _gather_ints(self, wire: Wire, value: int, op: str) -> List[int]:
+        every = torch.empty(wire.size, dtype=torch.int64)
+        mine = torch.tensor([value], dtype=torch.int64)
+        guarded(op, wire, all_gather_single, every, mine, group=wire.group)
+        return every.tolist()
 
-# -- control ------------------------------------------------------------------------------------
-def _gather_ints(wire: Any, value: int, op: str) -> List[int]:
-    every = torch.empty(wire.size, dtype=torch.int64)
-    mine = torch.tensor([value], dtype=torch.int64)
-    guarded(op, wire, all_gather_single, every, mine, group=wire.group)
-    return every.tolist()
+    def _any(self, wire: Wire, value: int, op: str) -> int:
+        """The largest ``value`` any rank gave."""
+        largest = torch.tensor([value], dtype=torch.int64)
+        guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
+        return int(largest.item())
 
-
-def _any(wire: Any, value: int, op: str) -> int:
-    """The largest ``value`` any rank gave."""
-    largest = torch.tensor([value], dtype=torch.int64)
-    guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
-    return int(largest.item())
-
-
-def second_round_bytes(info: Any) -> int:
-    """Second-round bytes of one sender: its frame unless it fit the slot, and its tensors."""
-    return (0 if info.inline is not None else info.length) + info.total - info.length
-
-
-def log_below_threshold(wire: Any, moved: int, op: str) -> None:
-    if wire.device.type == "cpu":
-        log.debug("objcomm shm: %s moves %d bytes, below the threshold of %d; normal transport",
-                  op, moved, wire.shm.threshold)
-
-
-def _hosts_for(wire: Any, largest: int, op: str) -> Optional[_hosts.Hosts]:
-    """The group's hosts when the call may use shared memory (same decision on every rank), else None."""
-    cfg = wire.shm
-    if wire.device.type != "cpu":
-        return None
-    if largest < cfg.threshold:
-        log_below_threshold(wire, largest, op)
-        return None
-    hosts = _hosts.known(wire.group, cfg.separate)
-    if hosts is None:
-        hosts = _hosts.discover(wire, cfg.separate, op)
-        sweep(cfg.directory)  # a new job on this host: clear what dead jobs left
-    if not hosts.one_host:
-        log.debug("objcomm shm: %s spans %d hosts; normal transport", op, len(set(hosts.keys)))
-        return None
-    return hosts
-
-
-PathOf = Callable[[int, int], str]  # (writer's group rank, part) -> path of that segment
-
-
-def _collective(
-    wire: Any, hosts: _hosts.Hosts, parts: Dict[int, Tuple[Optional[memoryview], Sequence[torch.Tensor]]],
-    read: Callable[[PathOf], Any], op: str,
-) -> Any:
-    """Write ``parts`` (part number -> frame or None, tensors), agree, let ``read`` read what it needs, unlink."""
-    cfg = wire.shm
-    written: List[_Segment] = []
-    seq = 0
-    try:
-        if parts:
-            seq = next(_seq)
-            try:
-                for part, (frame, tensors) in parts.items():
-                    written.append(_Segment.create(_name(cfg.directory, _me(hosts.token), seq, part), frame, tensors))
-            except OSError as exc:
-                log.debug("objcomm shm: %s on rank %d could not write shared memory (%s); normal transport",
-                          op, wire.rank, exc)
-                seq = -1
-        seqs = _gather_ints(wire, seq, op)
-        if min(seqs) < 0 or not any(seqs):  # a writer failed, or nobody wrote (scatter below the threshold)
-            return NOT_USED
-
-        def path_of(writer: int, part: int) -> str:
-            who = _Writer(_this_host(), hosts.pid_namespaces[writer], hosts.token, hosts.pids[writer])
-            return _name(cfg.directory, who, seqs[writer], part)
-
-        failure: Optional[Exception] = None
+    def _collective(self, wire: Wire, hosts: _hosts.Hosts, parts: Dict[int, Part], read: Callable[[PathOf], T],
+                    op: str) -> Union[T, NotUsed]:
+        """Write ``parts`` (part number -> frame or None, tensors), agree, let ``read`` read what it needs, unlink."""
+        written: List[_Segment] = []
+        seq = 0
         try:
-            result, outcome = read(path_of), _READ
-        except OSError as exc:
-            log.debug("objcomm shm: %s on rank %d could not read shared memory (%s); normal transport",
-                      op, wire.rank, exc)
-            result, outcome, failure = NOT_USED, _FELL_BACK, exc
-        except Exception as exc:  # a refused segment: raised below, once every rank knows
-            result, outcome, failure = NOT_USED, _REFUSED, exc
-        worst = _any(wire, outcome, op)
-        if worst == _FELL_BACK:
+            if parts:
+                seq = self.book.next_seq()
+                try:
+                    for part, (frame, tensors) in parts.items():
+                        path = _name(self.directory, _me(hosts.token), seq, part)
+                        written.append(self.book.create(path, frame, tensors))
+                except OSError as exc:
+                    log.debug("objcomm shm: %s on rank %d could not write shared memory (%s); normal transport",
+                              op, wire.rank, exc)
+                    seq = -1
+            seqs = self._gather_ints(wire, seq, op)
+            if min(seqs) < 0 or not any(seqs):  # a writer failed, or nobody wrote (scatter below the threshold)
+                return NOT_USED
+
+            def path_of(writer: int, part: int) -> str:
+                who = _Writer(_this_host(), hosts.pid_namespaces[writer], hosts.token, hosts.pids[writer])
+                return _name(self.directory, who, seqs[writer], part)
+
+            failure: Optional[Exception] = None
+            result: Union[T, NotUsed]
+            try:
+                result, outcome = read(path_of), _READ
+            except OSError as exc:
+                log.debug("objcomm shm: %s on rank %d could not read shared memory (%s); normal transport",
+                          op, wire.rank, exc)
+                result, outcome, failure = NOT_USED, _FELL_BACK, exc
+            except Exception as exc:  # a refused segment: raised below, once every rank knows
+                result, outcome, failure = NOT_USED, _REFUSED, exc
+            worst = self._any(wire, outcome, op)
+            if worst == _FELL_BACK:
+                return NOT_USED
+            if isinstance(failure, OSError):  # another rank refused, so nobody takes the normal transport
+                problem = f"{op} on rank {wire.rank} could not read shared memory: {failure}"
+                raise CommunicationError(problem) from failure
+            if failure is not None:
+                raise failure
+            return result
+        except BaseException:
+            sweep(self.directory)  # a peer that died mid-call may have left its segments
+            raise
+        finally:
+            for segment in written:
+                segment.release()
+
+    # -- collectives -----------------------------------------------------------------------------
+    def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+        moved = [info.second_round_bytes for info in infos]
+        hosts = self.hosts_for(wire, max(moved), op)
+        if hosts is None:
             return NOT_USED
-        if isinstance(failure, OSError):  # another rank refused, so nobody takes the normal transport
-            raise CommunicationError(f"{op} on rank {wire.rank} could not read shared memory: {failure}") from failure
+        me = wire.rank
+        parts = {0: _part(out, infos[me].inline is not None)} if moved[me] else {}
+
+        def read(path_of: PathOf) -> List[Incoming]:
+            return _read_every_rank(infos, moved, me, out, sizes_of, path_of, copy_own=True)  # never alias input
+
+        return self._collective(wire, hosts, parts, read, op)
+
+    def gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, dst: int,
+               op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
+        moved = [0 if r == dst else info.second_round_bytes for r, info in enumerate(infos)]
+        hosts = self.hosts_for(wire, max(moved), op)
+        if hosts is None:
+            return NOT_USED
+        me = wire.rank
+        parts = {0: _part(out, infos[me].inline is not None)} if moved[me] else {}
+
+        def read(path_of: PathOf) -> Optional[List[Incoming]]:
+            if me != dst:
+                return None
+            # the caller decodes its own with own=True, so no copy here
+            return _read_every_rank(infos, moved, me, out, sizes_of, path_of, copy_own=False)
+
+        return self._collective(wire, hosts, parts, read, op)
+
+    def broadcast(self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int,
+                  op: str) -> Union[Incoming, NotUsed]:
+        moved = info.second_round_bytes
+        hosts = self.hosts_for(wire, moved, op)
+        if hosts is None:
+            return NOT_USED
+        parts = {0: _part(out, info.inline is not None)} if wire.rank == src and out is not None else {}
+
+        def read(path_of: PathOf) -> Incoming:
+            if wire.rank == src:
+                assert out is not None
+                return _own(out, copy=False)  # the caller decodes its own with own=True
+            return read_segment(path_of(src, 0), moved, info.inline, info.length, sizes_of)
+
+        return self._collective(wire, hosts, parts, read, op)
+
+    def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf, src: int,
+                op: str) -> Union[Incoming, NotUsed]:
+        """Receivers cannot see the others' sizes, so ``src`` decides and the first exchange tells them."""
+        hosts = self.hosts_for(wire, self.threshold, op)  # every rank reaches here: the threshold is checked below
+        if hosts is None:
+            return NOT_USED
+        parts: Dict[int, Part] = {}
+        if wire.rank == src:
+            assert outs is not None
+            capacity = wire.inline_capacity
+            moved = [0 if r == src else outgoing_second_round_bytes(o, capacity) for r, o in enumerate(outs)]
+            if self.worth(wire, max(moved), op):
+                parts = {r: _part(o, o.frame.nbytes <= wire.inline_capacity) for r, o in enumerate(outs) if moved[r]}
+
+        def read(path_of: PathOf) -> Incoming:
+            if wire.rank == src:
+                assert outs is not None
+                return _own(outs[src], copy=False)
+            size = info.second_round_bytes
+            if not size:
+                return Incoming(info.inline)  # type: ignore[arg-type]
+            return read_segment(path_of(src, wire.rank), size, info.inline, info.length, sizes_of)
+
+        return self._collective(wire, hosts, parts, read, op)
+
+    # -- point to point (the two ranks' hosts are learned per call, and remembered when they differ) --
+    def send(self, wire: Wire, out: Outgoing, dst: int, op: str) -> bool:
+        """Send the second round through shared memory; False: the caller sends it the normal way."""
+        if not self.worth(wire, outgoing_second_round_bytes(out, wire.inline_capacity), op):
+            return False
+        remote = _state.group_facts(wire.group).remote_peers
+        segment: Optional[_Segment] = None
+        seq = -1
+        try:
+            if (dst, self.separate) in remote:
+                log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
+            else:
+                try:
+                    seq = self.book.next_seq()
+                    path = _name(self.directory, _me(self.book.token), seq, 0)
+                    segment = self.book.create(path, *_part(out, out.frame.nbytes <= wire.inline_capacity))
+                except OSError as exc:
+                    log.debug("objcomm shm: %s could not write shared memory (%s); normal transport", op, exc)
+                    seq = -1
+            status = torch.tensor([seq, os.getpid(), self.book.token, _hosts.host_key(self.separate),
+                                   _hosts.pid_namespace()], dtype=torch.int64)
+            guarded(op, wire, dist.send, status, dst=wire.ranks[dst], group=wire.group)
+            if seq < 0:
+                return False
+            answer = torch.empty(1, dtype=torch.int64)
+            guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group)
+            if answer.item() == _OTHER_HOST:
+                remote.add((dst, self.separate))
+                log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
+            return answer.item() in (_SENT, _REFUSED_P2P)  # a refusing receiver raises; it expects nothing more
+        finally:
+            if segment is not None:
+                segment.release()
+
+    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str) -> Union[Incoming, NotUsed]:
+        """The sender's second round from shared memory, or NOT_USED: the caller receives it the normal way."""
+        if not self.worth(wire, info.second_round_bytes, op):
+            return NOT_USED
+        status = torch.empty(_P2P, dtype=torch.int64)
+        guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group)
+        seq, pid, token, key, namespace = status.tolist()
+        if seq < 0:
+            return NOT_USED
+        answer, failure = _OTHER_HOST, None
+        result: Union[Incoming, NotUsed] = NOT_USED
+        if key == _hosts.host_key(self.separate):
+            path = _name(self.directory, _Writer(_this_host(), namespace, token, pid), seq, 0)
+            try:
+                result, answer = read_segment(path, info.second_round_bytes, info.inline, info.length, sizes_of), _SENT
+            except OSError as exc:
+                log.debug("objcomm shm: %s could not read shared memory (%s); normal transport", op, exc)
+                answer = _RESEND
+            except Exception as exc:  # a refused segment: raised once the sender knows not to send it again
+                answer, failure = _REFUSED_P2P, exc
+        else:
+            log.debug("objcomm shm: %s from rank %d crosses hosts; normal transport", op, src)
+        reply = torch.tensor([answer], dtype=torch.int64)
+        guarded(op, wire, dist.send, reply, dst=wire.ranks[src], group=wire.group)
         if failure is not None:
             raise failure
         return result
-    except BaseException:
-        sweep(cfg.directory)  # a peer that died mid-call may have left its segments
-        raise
-    finally:
-        for segment in written:
-            segment.release()
 
 
-# -- operations (called by the transport after round 1; NOT_USED: take the normal path) ----------
-def _payload(out: Outgoing, frame_inline: bool) -> Tuple[Optional[memoryview], Sequence[torch.Tensor]]:
+def _part(out: Optional[Outgoing], frame_inline: bool) -> Part:
+    assert out is not None
     return (None if frame_inline else out.frame), out.tensors
 
 
@@ -181,7 +304,8 @@ def _own(out: Outgoing, copy: bool) -> Incoming:
 
 
 def _read_every_rank(
-    infos: Sequence[Any], moved: Sequence[int], me: int, out: Outgoing, sizes_of: Any, path_of: PathOf, copy_own: bool,
+    infos: Sequence[SlotInfo], moved: Sequence[int], me: int, out: Outgoing, sizes_of: SizesOf, path_of: PathOf,
+    copy_own: bool,
 ) -> List[Incoming]:
     """Each rank's part: this rank's own, a segment for those that wrote one, else what round 1 carried."""
     incoming = []
@@ -191,157 +315,5 @@ def _read_every_rank(
         elif moved[r]:
             incoming.append(read_segment(path_of(r, 0), moved[r], info.inline, info.length, sizes_of))
         else:
-            incoming.append(Incoming(info.inline))
+            incoming.append(Incoming(info.inline))  # type: ignore[arg-type]
     return incoming
-
-
-def all_gather(wire: Any, out: Outgoing, infos: Sequence[Any], sizes_of: Any, op: str) -> Any:
-    moved = [second_round_bytes(info) for info in infos]
-    hosts = _hosts_for(wire, max(moved), op)
-    if hosts is None:
-        return NOT_USED
-    me = wire.rank
-    parts = {0: _payload(out, infos[me].inline is not None)} if moved[me] else {}
-
-    def read(path_of: PathOf) -> List[Incoming]:
-        return _read_every_rank(infos, moved, me, out, sizes_of, path_of, copy_own=True)  # never alias input
-
-    return _collective(wire, hosts, parts, read, op)
-
-
-def gather(wire: Any, out: Outgoing, infos: Sequence[Any], sizes_of: Any, dst: int, op: str) -> Any:
-    moved = [0 if r == dst else second_round_bytes(info) for r, info in enumerate(infos)]
-    hosts = _hosts_for(wire, max(moved), op)
-    if hosts is None:
-        return NOT_USED
-    me = wire.rank
-    parts = {0: _payload(out, infos[me].inline is not None)} if moved[me] else {}
-
-    def read(path_of: PathOf) -> Optional[List[Incoming]]:
-        if me != dst:
-            return None
-        # the caller decodes its own with own=True, so no copy here
-        return _read_every_rank(infos, moved, me, out, sizes_of, path_of, copy_own=False)
-
-    return _collective(wire, hosts, parts, read, op)
-
-
-def broadcast(wire: Any, out: Optional[Outgoing], info: Any, sizes_of: Any, src: int, op: str) -> Any:
-    moved = second_round_bytes(info)
-    hosts = _hosts_for(wire, moved, op)
-    if hosts is None:
-        return NOT_USED
-    parts = {0: _payload(out, info.inline is not None)} if wire.rank == src and out is not None else {}
-
-    def read(path_of: PathOf) -> Incoming:
-        if wire.rank == src:
-            assert out is not None
-            return _own(out, copy=False)  # the caller decodes its own with own=True
-        return read_segment(path_of(src, 0), moved, info.inline, info.length, sizes_of)
-
-    return _collective(wire, hosts, parts, read, op)
-
-
-def scatter(wire: Any, outs: Optional[Sequence[Outgoing]], info: Any, sizes_of: Any, src: int, op: str) -> Any:
-    """Receivers cannot see the others' sizes, so ``src`` decides and the first exchange tells them."""
-    hosts = _hosts_for(wire, wire.shm.threshold, op)  # every rank reaches here: the threshold is checked below
-    if hosts is None:
-        return NOT_USED
-    parts: Dict[int, Tuple[Optional[memoryview], Sequence[torch.Tensor]]] = {}
-    if wire.rank == src:
-        assert outs is not None
-        frame_inline = [o.frame.nbytes <= wire.inline_capacity for o in outs]
-        moved = [(0 if inline else o.frame.nbytes) + sum(t.numel() for t in o.tensors)
-                 for o, inline in zip(outs, frame_inline)]
-        moved[src] = 0
-        if max(moved) >= wire.shm.threshold:
-            parts = {r: _payload(o, frame_inline[r]) for r, o in enumerate(outs) if moved[r]}
-        else:
-            log.debug("objcomm shm: %s moves at most %d bytes per rank, below the threshold of %d; normal transport",
-                      op, max(moved), wire.shm.threshold)
-
-    def read(path_of: PathOf) -> Incoming:
-        if wire.rank == src:
-            assert outs is not None
-            return _own(outs[src], copy=False)
-        size = second_round_bytes(info)
-        if not size:
-            return Incoming(info.inline)
-        return read_segment(path_of(src, wire.rank), size, info.inline, info.length, sizes_of)
-
-    return _collective(wire, hosts, parts, read, op)
-
-
-# -- point to point ------------------------------------------------------------------------------
-_P2P = 5  # seq (or -1), pid, token, host key, pid namespace
-_SENT, _OTHER_HOST, _RESEND, _REFUSED_P2P = 0, 1, 2, 3  # the receiver's answer
-
-
-def _pair_key(wire: Any, peer: int) -> Tuple[int, int, bool]:
-    return (id(wire.group), peer, wire.shm.separate)
-
-
-def send(wire: Any, out: Outgoing, dst: int, op: str) -> bool:
-    """Send the second round through shared memory; False: the caller sends it the normal way."""
-    cfg = wire.shm
-    moved = (0 if out.frame.nbytes <= wire.inline_capacity else out.frame.nbytes) + sum(t.numel() for t in out.tensors)
-    if wire.device.type != "cpu" or moved < cfg.threshold:
-        log_below_threshold(wire, moved, op)
-        return False
-    segment: Optional[_Segment] = None
-    seq = -1
-    try:
-        if _PAIR_REMOTE.get(_pair_key(wire, dst)):
-            log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
-        else:
-            try:
-                seq = next(_seq)
-                path = _name(cfg.directory, _me(_process_token), seq, 0)
-                segment = _Segment.create(path, *_payload(out, out.frame.nbytes <= wire.inline_capacity))
-            except OSError as exc:
-                log.debug("objcomm shm: %s could not write shared memory (%s); normal transport", op, exc)
-                seq = -1
-        status = torch.tensor([seq, os.getpid(), _process_token, _hosts.host_key(cfg.separate),
-                               _hosts.pid_namespace()], dtype=torch.int64)
-        guarded(op, wire, dist.send, status, dst=wire.ranks[dst], group=wire.group)
-        if seq < 0:
-            return False
-        answer = torch.empty(1, dtype=torch.int64)
-        guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group)
-        if answer.item() == _OTHER_HOST:
-            _PAIR_REMOTE[_pair_key(wire, dst)] = True
-            log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
-        return answer.item() in (_SENT, _REFUSED_P2P)  # a refusing receiver raises; it expects nothing more
-    finally:
-        if segment is not None:
-            segment.release()
-
-
-def recv(wire: Any, info: Any, sizes_of: Any, src: int, op: str) -> Any:
-    """The sender's second round from shared memory, or NOT_USED: the caller receives it the normal way."""
-    cfg = wire.shm
-    if wire.device.type != "cpu" or second_round_bytes(info) < cfg.threshold:
-        log_below_threshold(wire, second_round_bytes(info), op)
-        return NOT_USED
-    status = torch.empty(_P2P, dtype=torch.int64)
-    guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group)
-    seq, pid, token, key, namespace = status.tolist()
-    if seq < 0:
-        return NOT_USED
-    answer, result, failure = _OTHER_HOST, NOT_USED, None
-    if key == _hosts.host_key(cfg.separate):
-        path = _name(cfg.directory, _Writer(_this_host(), namespace, token, pid), seq, 0)
-        try:
-            result, answer = read_segment(path, second_round_bytes(info), info.inline, info.length, sizes_of), _SENT
-        except OSError as exc:
-            log.debug("objcomm shm: %s could not read shared memory (%s); normal transport", op, exc)
-            answer = _RESEND
-        except Exception as exc:  # a refused segment: raised once the sender knows not to send it again
-            answer, failure = _REFUSED_P2P, exc
-    else:
-        log.debug("objcomm shm: %s from rank %d crosses hosts; normal transport", op, src)
-    reply = torch.tensor([answer], dtype=torch.int64)
-    guarded(op, wire, dist.send, reply, dst=wire.ranks[src], group=wire.group)
-    if failure is not None:
-        raise failure
-    return result

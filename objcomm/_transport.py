@@ -24,103 +24,46 @@ listed (scatter always), a transfer is larger, or shared memory may be used, the
 first: a one-element vote (collectives) or acknowledgement (send/recv), before any buffer exists.
 
 Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat uint8 tensors on
-the wire's device.
+the wire's device. The slot's layout is :mod:`objcomm._slots`. After round 1 each operation asks the
+wire's second-round strategy (:class:`objcomm._wire.SecondRound`; shared memory on one host) once
+whether it takes the rest; when it answers ``NOT_USED`` the transport moves it.
 """
 
 from __future__ import annotations
 
-import struct
-from typing import Any, List, NamedTuple, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _limits, _shm
+from . import _limits
 from ._errors import FrameError, TooLargeError
-from ._wire import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf, Wire, all_gather_single, guarded
+from ._slots import SlotInfo, fill_slot, read_slot, read_slots
+from ._wire import NOT_USED, Incoming, Outgoing, SizesOf, Wire, all_gather_single, guarded
 
-PREFIX = struct.Struct("<QQQ")
-assert PREFIX.size == SLOT_PREFIX_BYTES
-COUNT = struct.Struct("<I")
-SIZES_UNLISTED = 0xFFFFFFFF
-ERROR_BIT = 1 << 63
-ROUND2_BIT = 1 << 62
-LISTED_BIT = 1 << 61  # tensor sizes follow the inline frame
-_LENGTH_MASK = LISTED_BIT - 1
 SCRATCH = _limits.SCRATCH_BYTES
 REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
 
 
-class _SlotInfo(NamedTuple):
-    length: int
-    error: bool
-    round2: bool
-    limit: int
-    total: int
-    inline: Optional[memoryview]
-    sizes: Optional[List[int]] = None  # tensor sizes listed in the slot (None: only the frame tells)
-
-
-# -- slots -----------------------------------------------------------------------------------
-def _fill_slot(slot: memoryview, out: Outgoing, limit: int, round2: bool = False) -> None:
-    length = out.frame.nbytes
-    sizes = [t.numel() for t in out.tensors]
-    inline = length <= slot.nbytes - PREFIX.size
-    at = PREFIX.size + (length if inline else 0)  # list the tensor sizes here, so a receiver knows every transfer
-    listed = bool(sizes or not inline) and at + COUNT.size + 8 * len(sizes) <= slot.nbytes
-    word = length | (ERROR_BIT if out.error else 0) | (ROUND2_BIT if round2 else 0)
-    PREFIX.pack_into(slot, 0, word | (LISTED_BIT if inline and listed else 0), limit, out.total)
-    if inline:
-        slot[PREFIX.size : at] = out.frame
-    if listed:
-        COUNT.pack_into(slot, at, len(sizes))
-        struct.pack_into(f"<{len(sizes)}Q", slot, at + COUNT.size, *sizes)
-    elif not inline:
-        COUNT.pack_into(slot, at, SIZES_UNLISTED)
-
-
 def _make_slot(wire: Wire, out: Outgoing) -> torch.Tensor:
     slot = bytearray(wire.slot)
-    _fill_slot(memoryview(slot), out, wire.max_bytes)
+    fill_slot(memoryview(slot), out, wire.max_bytes)
     return _to_device(torch.frombuffer(slot, dtype=torch.uint8), wire)
 
 
-def _read_slot(view: memoryview) -> _SlotInfo:
-    word, limit, total = PREFIX.unpack_from(view, 0)
-    length = word & _LENGTH_MASK
-    inline = view[PREFIX.size : PREFIX.size + length] if length <= view.nbytes - PREFIX.size else None
-    at = PREFIX.size + (length if inline is not None else 0)
-    sizes = None
-    if (inline is None or word & LISTED_BIT) and at + COUNT.size <= view.nbytes:
-        count = COUNT.unpack_from(view, at)[0]
-        if count != SIZES_UNLISTED and at + COUNT.size + 8 * count <= view.nbytes:
-            sizes = list(struct.unpack_from(f"<{count}Q", view, at + COUNT.size))
-    return _SlotInfo(length, bool(word & ERROR_BIT), bool(word & ROUND2_BIT), limit, total, inline, sizes)
-
-
-def _read_slots(host: memoryview, count: int, slot: int) -> List[_SlotInfo]:
-    return [_read_slot(host[r * slot : (r + 1) * slot]) for r in range(count)]
-
-
-def _agreement_needed(wire: Wire, info: _SlotInfo, op: str) -> bool:
+def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
     """Whether receivers must answer the sender before round 2 (a vote, or an acknowledgement).
 
     Not when round 1 listed every transfer that follows and none exceeds the scratch size: a
     receiver over its limit then drains them through one small buffer and raises alone. Yes when
-    the sizes are unknown, a transfer is larger, or shared memory may be used. Decided from the
-    slot alone, so sender and receivers agree.
+    the sizes are unknown, a transfer is larger, or the second-round strategy may take the bytes.
+    Decided from the slot alone, so sender and receivers agree.
     """
     if info.sizes is None:
         return True
     if _limits.largest_piece(0 if info.inline is not None else info.length, info.sizes, wire.chunk) > SCRATCH:
         return True
-    if wire.shm is None or wire.device.type != "cpu":
-        return False
-    moved = _shm.second_round_bytes(info)
-    if moved >= wire.shm.threshold:
-        return True
-    _shm.log_below_threshold(wire, moved, op)
-    return False
+    return wire.second_round.worth(wire, info.second_round_bytes, op)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -140,7 +83,7 @@ def _pieces(length: int, chunk: int) -> range:
     return range(0, length, chunk)
 
 
-def _vote_refusals(wire: Wire, refuse: int, info: _SlotInfo, src: int, op: str, problem: Optional[str] = None) -> None:
+def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, problem: Optional[str] = None) -> None:
     """Raise the same error on every rank if any receiver refuses ``src``'s payload (``refuse``: this rank's
     REFUSE_* code, 0 to accept). One tiny all_reduce ahead of a second round that not every receiver may take."""
     flag = torch.tensor([refuse], dtype=torch.int32, device=wire.device)
@@ -250,10 +193,9 @@ def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gath
     if all(_limits.complete(info) for info in infos):  # the common small case: one collective, done
         return _round_one(infos)
     _limits.check_limits(infos, range(wire.size), op)
-    if wire.shm is not None:  # shm: same-host fast path
-        moved = _shm.all_gather(wire, out, infos, _limits.shm_sizes(sizes_of, infos), op)
-        if moved is not _shm.NOT_USED:
-            return moved
+    taken = wire.second_round.all_gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), op)
+    if taken is not NOT_USED:
+        return taken
     frames = _all_gather_frames(wire, out, infos, op)
     incoming = [Incoming(f) for f in frames]
     sizes = [_limits.frame_sizes(sizes_of, frames[r], infos[r], r, op) if p is None else p for r, p in enumerate(plans)]
@@ -270,18 +212,18 @@ def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gath
     return incoming
 
 
-def _round_one(infos: List[_SlotInfo]) -> Sequence[Optional[Incoming]]:
+def _round_one(infos: List[SlotInfo]) -> Sequence[Optional[Incoming]]:
     """What round 1 delivered: the frames that fit (error reports always do)."""
     return [Incoming(i.inline, error=i.error) if i.inline is not None else None for i in infos]
 
 
-def _exchange_slots(wire: Wire, out: Outgoing, op: str) -> List[_SlotInfo]:
+def _exchange_slots(wire: Wire, out: Outgoing, op: str) -> List[SlotInfo]:
     recv = _empty(wire.slot * wire.size, wire)
     guarded(op, wire, all_gather_single, recv, _make_slot(wire, out), group=wire.group)
-    return _read_slots(_host_view(recv), wire.size, wire.slot)
+    return read_slots(_host_view(recv), wire.size, wire.slot)
 
 
-def _all_gather_frames(wire: Wire, out: Outgoing, infos: List[_SlotInfo], op: str) -> List[memoryview]:
+def _all_gather_frames(wire: Wire, out: Outgoing, infos: List[SlotInfo], op: str) -> List[memoryview]:
     frames: List[Optional[memoryview]] = [info.inline for info in infos]
     over = [r for r, f in enumerate(frames) if f is None]
     if over:
@@ -312,10 +254,9 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
     if any(info.error for info in infos):
         return _round_one(infos)
     _limits.check_limits(infos, [dst], op)
-    if wire.shm is not None:  # shm: same-host fast path
-        moved = _shm.gather(wire, out, infos, _limits.shm_sizes(sizes_of, infos), dst, op)
-        if moved is not _shm.NOT_USED:
-            return moved
+    gathered = wire.second_round.gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), dst, op)
+    if gathered is not NOT_USED:
+        return gathered
     batch = _Batch(wire, op)
     if wire.rank != dst:
         batch.send_rest(out, dst)
@@ -347,7 +288,7 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
     op = "broadcast"
     slot = _make_slot(wire, out) if wire.rank == src and out is not None else _empty(wire.slot, wire)
     guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
-    info = _read_slot(_host_view(slot))
+    info = read_slot(_host_view(slot))
     sizes, problem = _limits.plan(info, sizes_of)
     if problem:  # every rank holds the same slot: all raise alike
         raise _limits.inconsistent(op, src, problem)
@@ -357,10 +298,9 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
     refuse = wire.rank != src and info.total > wire.max_bytes
     if _agreement_needed(wire, info, op):
         _vote_refusals(wire, REFUSE_LIMIT if refuse else 0, info, src, op)
-        if wire.shm is not None:  # shm: same-host fast path
-            moved = _shm.broadcast(wire, out, info, _limits.shm_sizes(sizes_of, [info]), src, op)
-            if moved is not _shm.NOT_USED:
-                return moved
+        taken = wire.second_round.broadcast(wire, out, info, _limits.checked_sizes(sizes_of, [info]), src, op)
+        if taken is not NOT_USED:
+            return taken
     mine = out if wire.rank == src else None
     frame = info.inline
     if frame is None:
@@ -390,10 +330,10 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         view = memoryview(table)
         round2 = any(not o.complete(wire) for o in outs)
         for r, o in enumerate(outs):
-            _fill_slot(view[r * wire.slot : (r + 1) * wire.slot], o, wire.max_bytes, round2)
+            fill_slot(view[r * wire.slot : (r + 1) * wire.slot], o, wire.max_bytes, round2)
         scatter_list = list(_to_device(torch.frombuffer(table, dtype=torch.uint8), wire).chunk(wire.size))
     guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
-    info = _read_slot(_host_view(recv))
+    info = read_slot(_host_view(recv))
     sizes, problem = _limits.plan(info, sizes_of)
     if info.error or not info.round2:
         if not (problem or info.error or _limits.complete(info)):
@@ -404,10 +344,9 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         return Incoming(info.inline, error=info.error)
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if wire.rank != src and info.total > wire.max_bytes else 0
     _vote_refusals(wire, refuse, info, src, op, problem)
-    if wire.shm is not None:  # shm: same-host fast path
-        moved = _shm.scatter(wire, outs, info, _limits.shm_sizes(sizes_of, [info]), src, op)
-        if moved is not _shm.NOT_USED:
-            return moved
+    taken = wire.second_round.scatter(wire, outs, info, _limits.checked_sizes(sizes_of, [info]), src, op)
+    if taken is not NOT_USED:
+        return taken
     if wire.rank == src:
         assert outs is not None
         batch = _Batch(wire, op)
@@ -427,10 +366,10 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
     """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must)."""
     op = "send"
     raw = bytearray(wire.slot)
-    _fill_slot(memoryview(raw), out, wire.max_bytes)
+    fill_slot(memoryview(raw), out, wire.max_bytes)
     slot = _to_device(torch.frombuffer(raw, dtype=torch.uint8), wire)
     guarded(op, wire, dist.send, slot, dst=wire.ranks[dst], group=wire.group)
-    info = _read_slot(memoryview(raw))  # decide from the slot, as the receiver does
+    info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
     problem = _limits.slot_problem_of(info)
     if problem:  # the receiver finds the same and raises too
         raise _limits.inconsistent(op, wire.rank, problem)
@@ -449,7 +388,7 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
                 f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes; nothing more was sent. "
                 "Raise max_bytes on the receiver or send less"
             )
-        if wire.shm is not None and _shm.send(wire, out, dst, op):  # shm: same-host fast path
+        if wire.second_round.send(wire, out, dst, op):
             return
     batch = _Batch(wire, op)
     batch.send_rest(out, dst)
@@ -462,7 +401,7 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
     slot = _empty(wire.slot, wire)
     sender_global = guarded(op, wire, dist.recv, slot, src=None if src is None else wire.ranks[src], group=wire.group)
     sender = list(wire.ranks).index(sender_global) if src is None else src
-    info = _read_slot(_host_view(slot))
+    info = read_slot(_host_view(slot))
     problem = _limits.slot_problem_of(info)
     if problem:  # the sender finds the same in its slot and raises too
         raise _limits.inconsistent(op, sender, problem)
@@ -476,10 +415,9 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
         guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group)
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem)
-        if wire.shm is not None:  # shm: same-host fast path
-            moved = _shm.recv(wire, info, _limits.shm_sizes(sizes_of, [info]), sender, op)
-            if moved is not _shm.NOT_USED:
-                return sender, moved, False
+        taken = wire.second_round.recv(wire, info, _limits.checked_sizes(sizes_of, [info]), sender, op)
+        if taken is not NOT_USED:
+            return sender, taken, False
     if sizes is not None and not refuse:  # every size known: post all receives at once
         batch = _Batch(wire, op)
         data = batch.recv(info.length, sender) if info.inline is None else None

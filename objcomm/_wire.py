@@ -8,22 +8,85 @@ private names, so there is no import cycle among them.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, List, NamedTuple, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from ._errors import CommunicationError
 
-if TYPE_CHECKING:  # a type only: the same-host settings live with the same-host path
-    from ._shm import ShmConfig
+if TYPE_CHECKING:  # a type only: slots are read in objcomm._slots, which imports this module
+    from ._slots import SlotInfo
 
-SLOT_PREFIX_BYTES = 24  # frame length word, sender's max_bytes, sender's total (see _transport)
+SLOT_PREFIX_BYTES = 24  # frame length word, sender's max_bytes, sender's total (see objcomm._slots)
 SizesOf = Callable[[memoryview], List[int]]  # tensor byte sizes announced in a frame
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# -- who moves the second round ----------------------------------------------------------------
+class NotUsed(enum.Enum):
+    """A :class:`SecondRound` strategy's answer when the transport must move the second round itself."""
+
+    NOT_USED = "not used"
+
+
+NOT_USED = NotUsed.NOT_USED
+
+
+class SecondRound(Protocol):
+    """Another way to move the second round of a call, asked by the transport after round 1.
+
+    The transport calls the method of its operation once, on every rank the operation involves, after
+    round 1 and any vote; the strategy returns what the transport would have returned, or
+    :data:`NOT_USED` (the same answer on every rank), and the transport moves the bytes itself.
+    Shared memory on one host (:class:`objcomm._shm.SharedMemory`) is one; :data:`DIRECT` is none.
+    """
+
+    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+        """Whether this strategy may take ``moved`` second-round bytes (decided from the slot alone,
+        so that receivers answer the sender before round 2 when it may)."""
+
+    def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]: ...
+
+    def gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, dst: int,
+               op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]: ...
+
+    def broadcast(self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int,
+                  op: str) -> Union[Incoming, NotUsed]: ...
+
+    def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf,
+                src: int, op: str) -> Union[Incoming, NotUsed]: ...
+
+    def send(self, wire: Wire, out: Outgoing, dst: int, op: str) -> bool:
+        """True when the second round went this way (the receiver answered it took it)."""
+
+    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str) -> Union[Incoming, NotUsed]: ...
+
+
+class _Direct:
+    """No strategy: the transport moves every second round itself."""
+
+    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+        return False
+
+    def all_gather(self, *args: Any) -> NotUsed:
+        return NOT_USED
+
+    gather = broadcast = scatter = recv = all_gather
+
+    def send(self, *args: Any) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "DIRECT"
+
+
+DIRECT: SecondRound = _Direct()
 
 
 class Wire(NamedTuple):
@@ -36,7 +99,7 @@ class Wire(NamedTuple):
     slot: int  # bytes per rank in round 1, prefix included
     chunk: int  # largest single transfer in round 2
     max_bytes: int  # largest payload (frame plus tensors) this rank accepts
-    shm: Optional[ShmConfig] = None  # same-host fast path (objcomm/_shm.py); None: off
+    second_round: SecondRound = DIRECT  # who may move the second round instead of the transport
 
     @property
     def size(self) -> int:
@@ -87,3 +150,4 @@ def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
             "A rank may have crashed, never called this operation, or called a different one; "
             "the group's timeout (init_process_group(timeout=...)) bounds how long ranks wait"
         ) from exc
+

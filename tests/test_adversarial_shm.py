@@ -21,7 +21,7 @@ from _child import run_in_child
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _hosts, _segments
+from objcomm import _hosts, _segments, _state
 
 THRESHOLD = 4096
 NOBODY = 65534
@@ -133,11 +133,11 @@ def test_writer_creates_private_files_and_never_follows_a_planted_link(shm_dir, 
     planted = os.path.join(shm_dir, "objcomm-planted")
     os.symlink(victim, planted)
     with pytest.raises(FileExistsError):
-        _segments._Segment.create(planted, memoryview(b"overwrite"), [])
+        _segments.SegmentBook().create(planted, memoryview(b"overwrite"), [])
     assert os.path.islink(planted) and open(victim, "rb").read() == b"keep"
     old_umask = os.umask(0)
     try:
-        segment = _segments._Segment.create(os.path.join(shm_dir, "objcomm-mine"), memoryview(b"data"), [])
+        segment = _segments.SegmentBook().create(os.path.join(shm_dir, "objcomm-mine"), memoryview(b"data"), [])
     finally:
         os.umask(old_umask)
     assert stat.S_IMODE(os.lstat(segment.path).st_mode) == 0o600
@@ -178,23 +178,22 @@ def tampered_then_clean(directory: str, decoy: str, how: str, op: str) -> Dict[s
             return comm.send(_big(tag), 1)
         return comm.recv(0)
 
-    original = vars(_segments._Segment)["create"]
-
-    def create_then_tamper(path: str, frame: Optional[memoryview], tensors: Any) -> Any:
-        segment = original.__func__(_segments._Segment, path, frame, tensors)
-        names.append(os.path.basename(path))
-        _tamper(path, how, decoy)
-        return segment
+    class Tampering(_segments.SegmentBook):
+        def create(self, path: str, frame: Optional[memoryview], tensors: Any) -> Any:
+            segment = super().create(path, frame, tensors)
+            names.append(os.path.basename(path))
+            _tamper(path, how, decoy)
+            return segment
 
     error: Optional[Tuple[str, str]] = None
     if rank == 0:
-        _segments._Segment.create = create_then_tamper  # type: ignore[method-assign]
+        comm._segments = Tampering()
     try:
         call(1)
     except objcomm.ObjcommError as exc:
         error = (type(exc).__name__, str(exc))
     finally:
-        _segments._Segment.create = original  # type: ignore[method-assign]
+        comm._segments = _state.SEGMENTS
     after = call(2)
     clean = op == "send" and rank == 0 or _same(after, 2 if op != "all_gather" else 2 + (1 - rank))
     dist.barrier()  # writers unlink once their readers are done, maybe just after those return
@@ -290,8 +289,8 @@ def test_segment_names_round_trip(shm_dir):
 
 
 def test_a_directory_planted_at_a_segment_name_does_not_stop_the_writer_releasing(shm_dir):
-    first = _segments._Segment.create(os.path.join(shm_dir, "objcomm-a"), memoryview(b"one"), [])
-    second = _segments._Segment.create(os.path.join(shm_dir, "objcomm-b"), memoryview(b"two"), [])
+    first = _segments.SegmentBook().create(os.path.join(shm_dir, "objcomm-a"), memoryview(b"one"), [])
+    second = _segments.SegmentBook().create(os.path.join(shm_dir, "objcomm-b"), memoryview(b"two"), [])
     os.unlink(first.path)
     os.mkdir(first.path)  # another process of this user replaced the file
     for segment in (first, second):

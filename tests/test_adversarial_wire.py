@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import objcomm
 import serializers
-from objcomm import ObjcommError, _compression, _framing, _tensors, _transport
+from objcomm import ObjcommError, _compression, _framing, _slots, _tensors, _transport
 from objcomm._transport import Incoming, Outgoing
 
 pytestmark = pytest.mark.timeout(300)
@@ -58,7 +58,7 @@ def _wire(**kw) -> _transport.Wire:
     fields.update(kw)
     return _transport.Wire(
         group=dist.group.WORLD, ranks=list(range(dist.get_world_size())), rank=dist.get_rank(),
-        device=torch.device("cpu"), shm=None, **fields,
+        device=torch.device("cpu"), **fields,
     )
 
 
@@ -368,17 +368,17 @@ def lying_slot(draw) -> bytes:
     base, tensors = draw(st.sampled_from(FRAMES))
     slot_size = draw(st.sampled_from([128, 256, 4096]))
     slot = bytearray(slot_size)
-    _transport._fill_slot(memoryview(slot), Outgoing(memoryview(base), tensors), 1 << 20)
-    prefix = _transport.PREFIX.size
+    _slots.fill_slot(memoryview(slot), Outgoing(memoryview(base), tensors), 1 << 20)
+    prefix = _slots.PREFIX.size
     for _ in range(draw(st.integers(1, 3))):
         field = draw(st.sampled_from(["length", "flags", "total", "count", "size", "byte"]))
         value = draw(st.one_of(HUGE, st.integers(0, 2**16)))
-        word, limit, total = _transport.PREFIX.unpack_from(slot, 0)
+        word, limit, total = _slots.PREFIX.unpack_from(slot, 0)
         if field == "length":
-            word = (word & ~_transport._LENGTH_MASK) | (value & _transport._LENGTH_MASK)
+            word = (word & ~_slots.LENGTH_MASK) | (value & _slots.LENGTH_MASK)
         elif field == "flags":
             listed = getattr(_transport, "LISTED_BIT", 1 << 61)
-            word ^= draw(st.sampled_from([_transport.ERROR_BIT, _transport.ROUND2_BIT, listed]))
+            word ^= draw(st.sampled_from([_slots.ERROR_BIT, _slots.ROUND2_BIT, listed]))
         elif field == "total":
             total = value % 2**64
         elif field in ("count", "size"):
@@ -387,14 +387,14 @@ def lying_slot(draw) -> bytes:
             struct.pack_into(fmt, slot, at, value % modulus)
         else:
             slot[draw(st.integers(0, slot_size - 1))] = value & 0xFF
-        _transport.PREFIX.pack_into(slot, 0, word, limit, total)
+        _slots.PREFIX.pack_into(slot, 0, word, limit, total)
     return bytes(slot)
 
 
 def _check_slot(data: bytes) -> None:
     from objcomm import _limits  # the receiver's checks (imported here so the module loads on older trees)
 
-    info = _transport._read_slot(memoryview(data))
+    info = _slots.read_slot(memoryview(data))
     sizes, problem = _limits.plan(info, _framing.tensor_sizes)
     if problem is None and sizes is not None and not info.error:
         # what a receiver will allocate is exactly what the sender announced (and checked against limits)

@@ -14,11 +14,13 @@ import torch.distributed as dist
 from _ranks import RankDied, RankPool, get_pool
 
 import objcomm
-from objcomm import _segments, _shm, _transport
+from objcomm import _segments, _shm, _slots, _transport
+from objcomm._communicator import _second_round
 from objcomm._transport import Outgoing
+from objcomm._wire import DIRECT
 
 SLOT = 128
-CAPACITY = SLOT - _transport.PREFIX.size
+CAPACITY = SLOT - _slots.PREFIX.size
 THRESHOLD = 4096
 
 
@@ -44,12 +46,13 @@ def _logged(fn: Any, *args: Any) -> tuple[Any, List[str]]:
         logger.setLevel(level)
 
 
-def _wire(directory: str, separate: bool, group: Any = None, threshold: int = THRESHOLD) -> _transport.Wire:
+def _wire(directory: str, separate: bool, group: Any = None, threshold: int = THRESHOLD,
+          strategy: type = _shm.SharedMemory) -> _transport.Wire:
     group = group if group is not None else dist.group.WORLD
     return _transport.Wire(
         group=group, ranks=dist.get_process_group_ranks(group), rank=dist.get_rank(group), device=torch.device("cpu"),
         slot=SLOT, chunk=1 << 20, max_bytes=1 << 30,
-        shm=_shm.ShmConfig(threshold=threshold, directory=directory, separate=separate),
+        second_round=strategy(threshold=threshold, directory=directory, separate=separate),
     )
 
 
@@ -229,8 +232,8 @@ def test_switched_off_moves_nothing_through_shared_memory(shm_dir):
 
 def _shm_config(comm: objcomm.Communicator) -> Any:
     """The shared-memory configuration a call through ``comm`` would use (no group needed)."""
-    options = comm._call({}).options
-    return _shm.config(options.shm, options.shm_threshold, options.shm_dir, options.separate_hosts)
+    strategy = _second_round(comm._call({}).options, comm._segments)
+    return None if strategy is DIRECT else strategy
 
 
 def test_config_reads_the_environment_through_configure(monkeypatch):
@@ -245,7 +248,7 @@ def test_config_reads_the_environment_through_configure(monkeypatch):
         monkeypatch.setenv("OBJCOMM_FORCE_SEPARATE_HOSTS", "1")
         monkeypatch.setenv("OBJCOMM_SHM_DIR", "/somewhere")
         objcomm.configure()
-        expected = _shm.ShmConfig(threshold=5, directory="/somewhere", separate=True)
+        expected = _shm.SharedMemory(threshold=5, directory="/somewhere", separate=True)
         assert _shm_config(objcomm.Communicator(shm_threshold=5)) == expected
         assert _shm_config(objcomm.Communicator(shm=False, shm_threshold=5)) is None
         assert _shm_config(objcomm.Communicator(shm_dir="/here")).directory == "/here"  # explicit beats variable
@@ -260,7 +263,7 @@ def test_config_reads_the_environment_through_configure(monkeypatch):
 def test_too_little_space_is_refused_before_creating(shm_dir):
     with pytest.raises(OSError, match="free"):
         huge = torch.empty(1, dtype=torch.uint8).expand(1 << 60)  # no memory behind it
-        _segments._Segment.create(os.path.join(shm_dir, "objcomm-x-1-1-0"), None, [huge])
+        _segments.SegmentBook().create(os.path.join(shm_dir, "objcomm-x-1-1-0"), None, [huge])
     assert os.listdir(shm_dir) == []
 
 
@@ -297,27 +300,26 @@ def test_a_thousand_calls_leave_no_segments(shm_dir):
 
 def die_after_writing(directory: str) -> None:
     """Rank 1 is SIGKILLed after writing its segment, before anyone could read or unlink it."""
-    rank = dist.get_rank()
-    if rank == 1:
-        def killed(*args: Any) -> None:
+    class Killed(_shm.SharedMemory):
+        def _gather_ints(self, *args: Any) -> Any:
             os.kill(os.getpid(), signal.SIGKILL)
-        _shm._gather_ints = killed
-    wire = _wire(directory, separate=False)
+
+    rank = dist.get_rank()
+    wire = _wire(directory, separate=False, strategy=Killed if rank == 1 else _shm.SharedMemory)
     _transport.all_gather(wire, _payload(rank, 2 * THRESHOLD, []), lambda view: [])
 
 
 def interrupted(directory: str) -> int:
     """A KeyboardInterrupt in the middle of a call unlinks what this rank wrote."""
-    def interrupt(*args: Any) -> None:
-        raise KeyboardInterrupt
-    original, _shm._any = _shm._any, interrupt
+    class Interrupted(_shm.SharedMemory):
+        def _any(self, *args: Any) -> Any:
+            raise KeyboardInterrupt
+
     try:
-        wire = _wire(directory, separate=False)
+        wire = _wire(directory, separate=False, strategy=Interrupted)
         _transport.all_gather(wire, _payload(dist.get_rank(), 2 * THRESHOLD, []), lambda v: [])
     except KeyboardInterrupt:
         pass
-    finally:
-        _shm._any = original
     dist.barrier()  # both ranks skipped the same collective, so they are still in step
     return len(os.listdir(directory))
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from objcomm import _transport
+from objcomm import _slots, _transport
 from objcomm._transport import Outgoing
 
 pytestmark = pytest.mark.timeout(180)
 
 SLOT, CHUNK = 128, 64
-CAPACITY = SLOT - _transport.PREFIX.size
+CAPACITY = SLOT - _slots.PREFIX.size
 LENGTHS = [0, 1, CAPACITY - 1, CAPACITY, CAPACITY + 1, CHUNK * 3 - 1, CHUNK * 3, CHUNK * 3 + 1, 1000]
 
 

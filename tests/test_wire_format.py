@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import serializers
-from objcomm import _compression, _framing, _limits, _segments, _tensors, _transport
+from objcomm import _compression, _framing, _limits, _segments, _slots, _tensors, _transport
 from serializers import _msgpack
 
 pytestmark = pytest.mark.timeout(30)
@@ -246,7 +246,7 @@ def test_golden_slot_parses_and_is_filled_again_byte_for_byte(shape):
         assert _transport._make_slot(wire, out).numpy().tobytes() == data
 
     inline, sizes, listed_bit = SHAPES[shape]
-    info = _transport._read_slot(memoryview(data))
+    info = _slots.read_slot(memoryview(data))
     assert (info.length, info.error, info.round2, info.limit, info.total) == (
         out.frame.nbytes, shape == "error", shape == "round2", gen.SLOT_LIMIT, out.total
     )
@@ -329,8 +329,8 @@ MUST_STATE = {
     *(f"objcomm._tensors.{n}" for n in ("INLINE", "REQUIRES_GRAD", "PARAMETER", "MAX_NDIM")),
     *(f"serializers._msgpack.{n}" for n in EXT_NAMES),
     "serializers._json.TAG", "serializers._pickle.PROTOCOL", "serializers._pickle.EXTERNAL",
-    *(f"objcomm._transport.{n}" for n in ("ERROR_BIT", "ROUND2_BIT", "LISTED_BIT", "_LENGTH_MASK", "SIZES_UNLISTED",
-                                         "REFUSE_LIMIT", "REFUSE_MALFORMED")),
+    *(f"objcomm._slots.{n}" for n in ("ERROR_BIT", "ROUND2_BIT", "LISTED_BIT", "LENGTH_MASK", "SIZES_UNLISTED")),
+    *(f"objcomm._transport.{n}" for n in ("REFUSE_LIMIT", "REFUSE_MALFORMED")),
     "objcomm._hosts._WORDS", "objcomm._segments.PREFIX",
     *(f"objcomm._shm.{n}" for n in ("_P2P", "_READ", "_FELL_BACK", "_REFUSED", "_SENT", "_OTHER_HOST", "_RESEND",
                                    "_REFUSED_P2P")),
@@ -381,7 +381,7 @@ def test_byte_layouts_on_the_page_are_the_structs():
         assert "<" + "".join(formats) == layout.format and at == layout.size == int(found[2])
         checked.add(found[1])
     assert checked == {"objcomm._framing.HEADER", "objcomm._tensors.ENTRY", "objcomm._tensors.DIM",
-                       "objcomm._transport.PREFIX", "objcomm._transport.COUNT"}
+                       "objcomm._slots.PREFIX", "objcomm._slots.COUNT"}
     assert _framing.HEADER.size == 40
 
 

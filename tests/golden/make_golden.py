@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import serializers
-from objcomm import _framing, _transport
+from objcomm import _framing, _slots, _transport
 
 HERE = pathlib.Path(__file__).parent
 
@@ -154,7 +154,7 @@ def slot_outgoing() -> Dict[str, _transport.Outgoing]:
 
 def fill(shape: str, out: _transport.Outgoing) -> bytes:
     slot = bytearray(SLOT_BYTES)
-    _transport._fill_slot(memoryview(slot), out, SLOT_LIMIT, round2=shape == "round2")
+    _slots.fill_slot(memoryview(slot), out, SLOT_LIMIT, round2=shape == "round2")
     return bytes(slot)
 
 

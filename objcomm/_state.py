@@ -1,0 +1,50 @@
+"""What objcomm keeps between calls in one process, all in one place.
+
+- :data:`SEGMENTS`: the shared-memory segments this process wrote and has not unlinked yet (removed
+  at exit), with the counter and token that name them (:class:`objcomm._segments.SegmentBook`).
+- :func:`group_facts`: what never changes for a group's lifetime, learned once per group and
+  forgotten with the group (a weak cache): its membership and transport device, which ranks share a
+  host, and which send/recv peers turned out to be on another host.
+
+The one other piece of process state is the ``configure()`` layer of the settings, which
+:mod:`objcomm._settings` owns with its lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Set, Tuple
+
+from ._segments import SegmentBook
+
+if TYPE_CHECKING:
+    from ._hosts import Hosts
+
+SEGMENTS = SegmentBook()
+
+
+@dataclass
+class GroupFacts:
+    """What one process learned about one group; none of it can change while the group lives."""
+
+    membership: Dict[Any, tuple] = field(default_factory=dict)  # device asked for -> (ranks, rank, device)
+    hosts: Dict[bool, Hosts] = field(default_factory=dict)  # separate -> who shares a host
+    remote_peers: Set[Tuple[int, bool]] = field(default_factory=set)  # (peer, separate): send/recv crosses hosts
+
+
+_GROUPS: weakref.WeakKeyDictionary[Any, GroupFacts] = weakref.WeakKeyDictionary()
+_GROUPS_LOCK = threading.Lock()
+
+
+def group_facts(group: Any) -> GroupFacts:
+    """The facts kept for ``group`` (a process group object), created empty on first use."""
+    try:
+        found = _GROUPS.get(group)
+        if found is None:
+            with _GROUPS_LOCK:
+                found = _GROUPS.setdefault(group, GroupFacts())
+        return found
+    except TypeError:  # an object that cannot be weakly referenced: learn afresh each call, keep nothing
+        return GroupFacts()
