@@ -13,9 +13,9 @@ How a hostile payload is kept harmless (``docs/security.md`` states the guarante
    the payload (lists, tuples, dicts, bytes) and bound every size by them: ``bytearray(10**9)``,
    ``set(range(10**9))`` or ``Fraction("1e30000000")`` are refused, and what they copy or hash is
    charged to a budget proportional to the payload (pickle's memo lets a payload pass one big value
-   to many calls). numpy and torch values are rebuilt by ``_rebuild`` from dtype, shape and the
-   bytes present; numpy's and torch's own reconstructors are never reachable. The allow-list is
-   checked before any import.
+   to many calls). stdlib types are built by ``_stdlib_rebuild``; numpy and torch values are
+   rebuilt by ``_rebuild`` from dtype, shape and the bytes present; numpy's and torch's own
+   reconstructors are never reachable. The allow-list is checked before any import.
 3. **The probe pass.** BUILD (``__setstate__`` or attribute updates) is allowed only on instances
    of classes the user allowed, APPEND/SETITEM only on the containers that take them. When one of
    those opcodes follows the first global, call or tuple, the payload is first run through the C
@@ -32,12 +32,9 @@ from __future__ import annotations
 
 import collections
 import datetime
-import decimal
-import fractions
 import importlib
 import io
 import pickle
-import re
 from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
 from . import _rebuild
@@ -45,169 +42,29 @@ from ._errors import ContentRefusedError, DecodeError, decoding
 from ._pickle import EXTERNAL, PROTOCOL, PickleSerializer, external_ref
 from ._pickle_scan import ScanError, scan
 from ._protocol import Buffer, Restore
+from ._stdlib_rebuild import (
+    _bytearray,
+    _collection,
+    _complex,
+    _counter,
+    _datetime,
+    _decimal,
+    _defaultdict,
+    _deque,
+    _fraction,
+    _ints_or_none,
+    _no_args,
+    _object,
+    _odict,
+    _refused,
+)
 
 SEALED, MAPPING, SEQUENCE, USER = "sealed", "mapping", "sequence", "user"
-_MAX_INT_BITS = 14_300  # about 4,300 decimal digits: gcd and str conversions stay cheap
 WORK_PER_BYTE = 32  # bytes copied (and tuple elements hashed, at 8 each) by constructors, per payload byte
 _WORK_FLOOR = 1 << 20
-_DIGITS = _rebuild.MAX_INT_DIGITS
-_FRACTION_TEXT = re.compile(rf"\s*[+-]?\d{{1,{_DIGITS}}}(?:/\d{{1,{_DIGITS}}})?\s*\Z")
-_BUILT = (list, tuple, set, frozenset, dict)
 
 
-def _refused(what: str) -> ContentRefusedError:
-    return ContentRefusedError(f"restricted-pickle refused {what}; nothing was run")
-
-
-# -- validating constructors -------------------------------------------------------------------
-
-
-def _built(value: Any, what: str, hashed: str = "") -> Any:
-    """``value`` if it is a container the payload itself spelled out; its copy (and hashing) is charged.
-
-    ``hashed``: ``"items"`` when its elements become set members or counter keys, ``"pairs"`` when
-    it holds ``(key, value)`` pairs (or is a dict) whose keys are hashed.
-    """
-    if type(value) not in _BUILT:
-        raise _refused(f"{what} of {type(value).__name__}: only lists, tuples, sets and dicts from the payload")
-    _rebuild.charge(8 * len(value), what)
-    if type(value) is dict or hashed == "pairs":
-        for key in value if type(value) is dict else (p[0] for p in value if type(p) in (tuple, list) and p):
-            _charge_hashing(key, what)
-    elif hashed:
-        for item in value:
-            _charge_hashing(item, what)
-    return value
-
-
-def _charge_hashing(value: Any, what: str) -> None:
-    """Charge what hashing ``value`` costs: tuples hash every element again, each time (no cache)."""
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        _rebuild.charge(8, what)
-        if type(item) is tuple:
-            pending.extend(item)
-
-
-def _small_int(value: Any, what: str) -> int:
-    if type(value) is not int or value.bit_length() > _MAX_INT_BITS:
-        raise _refused(f"{what}: expected an int of at most {_MAX_INT_BITS} bits")
-    return value
-
-
-def _no_args(real: type) -> Callable[..., Any]:
-    def build(*args: Any) -> Any:
-        if args:
-            raise _refused(f"calling {real.__name__} with arguments (only its empty value is built)")
-        return real()
-
-    return build
-
-
-def _collection(real: type) -> Callable[..., Any]:
-    def build(items: Any = ()) -> Any:
-        return real(_built(items, real.__name__, hashed="items"))
-
-    return build
-
-
-def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
-    if type(real) not in (int, float) or type(imag) not in (int, float):
-        raise _refused("complex() of anything but numbers")
-    return complex(_small_int(real, "complex") if type(real) is int else real, imag)
-
-
-def _bytearray(source: Any = b"", encoding: Any = None) -> bytearray:
-    if type(source) in (bytes, bytearray) and encoding is None:
-        _rebuild.charge(len(source), "bytearray")
-        return bytearray(source)
-    if type(source) is str and encoding == "latin-1":
-        _rebuild.charge(len(source), "bytearray")
-        return bytearray(source, "latin-1")
-    raise _refused("bytearray() of anything but bytes (a size would allocate without bound)")
-
-
-def _ints_or_none(name: str, real: Any, max_args: int) -> Callable[..., Any]:
-    def build(*args: Any) -> Any:
-        if not 0 < len(args) <= max_args or any(type(a) is not int and a is not None for a in args):
-            raise _refused(f"{name}() of anything but up to {max_args} ints")
-        return real(*args)
-
-    return build
-
-
-def _odict(items: Any = ()) -> Any:
-    return collections.OrderedDict(_built(items, "OrderedDict", hashed="pairs"))
-
-
-def _counter(items: Any = ()) -> Any:
-    return collections.Counter(_built(items, "Counter", hashed="items"))
-
-
-def _defaultdict(factory: Any = None, items: Any = ()) -> Any:
-    real = None if factory is None else getattr(factory, "_factory", None)
-    if factory is not None and real is None:
-        raise _refused("a defaultdict whose factory is not an allowed empty constructor")
-    return collections.defaultdict(real, _built(items, "defaultdict", hashed="pairs"))
-
-
-def _deque(items: Any = (), maxlen: Any = None) -> Any:
-    if maxlen is not None and (type(maxlen) is not int or not 0 <= maxlen < 2**62):
-        raise _refused("a deque with that maxlen")
-    return collections.deque(_built(items, "deque"), maxlen)
-
-
-_DATETIME_ARGS = (int, float, bytes, str, bool, type(None), datetime.tzinfo, datetime.timedelta)
-
-
-def _revalidated(value: Any) -> Any:
-    """Rebuild a date/time from its fields: pickle's byte state is checked only for the month."""
-    if isinstance(value, datetime.datetime):
-        fields = (value.year, value.month, value.day, value.hour, value.minute, value.second, value.microsecond)
-        return datetime.datetime(*fields, value.tzinfo, fold=value.fold)
-    if isinstance(value, datetime.date):
-        return datetime.date(value.year, value.month, value.day)
-    if isinstance(value, datetime.time):
-        return datetime.time(value.hour, value.minute, value.second, value.microsecond, value.tzinfo, fold=value.fold)
-    return value
-
-
-def _datetime(real: type) -> Callable[..., Any]:
-    def build(*args: Any) -> Any:
-        for arg in args:
-            if not isinstance(arg, _DATETIME_ARGS) or (isinstance(arg, (str, bytes)) and len(arg) > 64):
-                raise _refused(f"{real.__name__}() of {type(arg).__name__}")
-            if type(arg) is int:
-                _small_int(arg, real.__name__)
-        try:
-            return _revalidated(real(*args))
-        except (ValueError, TypeError, OverflowError) as exc:
-            raise _refused(f"an invalid {real.__name__}: {exc}") from None
-
-    return build
-
-
-def _decimal(value: Any = "0", context: Any = None) -> decimal.Decimal:
-    if context is not None or type(value) not in (str, int, float, tuple):
-        raise _refused("Decimal() of anything but a number, its text or its tuple")
-    if type(value) is int:
-        _small_int(value, "Decimal")
-    _rebuild.charge(len(value) if type(value) in (str, tuple) else 8, "Decimal")
-    return decimal.Decimal(value)
-
-
-def _fraction(numerator: Any = 0, denominator: Any = None) -> fractions.Fraction:
-    if type(numerator) is str and denominator is None:
-        if not _FRACTION_TEXT.match(numerator):
-            raise _refused("Fraction() of text other than 'n' or 'n/d' with at most 4300 digits each")
-        _rebuild.charge(8 * len(numerator), "Fraction")
-        return fractions.Fraction(numerator)
-    _rebuild.charge(_MAX_INT_BITS // 8, "Fraction")
-    _small_int(numerator, "Fraction")
-    if denominator is not None:
-        _small_int(denominator, "Fraction")
-    return fractions.Fraction(numerator, denominator)
+# -- the allow-list: what each named global builds (stdlib types: ``_stdlib_rebuild``) ----------
 
 
 def _torch_size(sizes: Any = ()) -> Any:
@@ -228,10 +85,6 @@ def _torch_device(kind: Any, index: Any = None) -> Any:
     if index is not None and device.index != index:
         raise _refused(f"torch.device index {_rebuild.brief(index)}")
     return device
-
-
-def _object() -> object:
-    return object()
 
 
 # (module, name) -> (call, NEWOBJ, kind of the result, the real class for defaultdict factories)
