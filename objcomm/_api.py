@@ -121,35 +121,48 @@ def scatter(
 def send(
     obj: Any,
     dst: int,
+    tag: int = 0,
     *,
     group: Any = None,
     serializer: Optional[SerializerLike] = None,
     max_bytes: Optional[int] = None,
     compression: Optional[str] = None,
 ) -> None:
-    """Send one object to global rank ``dst``, which must call :func:`recv`.
+    """Send one object to global rank ``dst``, which must call :func:`recv` with the same ``tag``.
+
+    Messages with different tags between the same two ranks never mix (gloo; on NCCL only
+    ``tag=0`` is accepted, since NCCL ignores tags).
 
     Example::
 
         if rank == 1:
             objcomm.send({"done": True}, dst=0)
+            objcomm.send(["log line"], dst=0, tag=7)  # a second stream
     """
-    Communicator(group).send(obj, dst, **call_kwargs(locals()))
+    Communicator(group).send(obj, dst, tag, **call_kwargs(locals()))
 
 
 def recv(
     src: Optional[int] = None,
+    tag: int = 0,
     *,
     group: Any = None,
     accept: Optional[Collection[str]] = None,
     max_bytes: Optional[int] = None,
     map_location: Device = None,
+    return_sender: bool = False,
 ) -> Any:
-    """Receive one object from global rank ``src`` (``None``: whichever rank sends first; gloo only).
+    """Receive one object from global rank ``src`` (``None``: whichever rank sends first; gloo only)
+    sent with ``tag``.
+
+    ``return_sender=True`` returns ``(sender's global rank, object)``: the way to learn who sent
+    it when ``src=None``.
 
     Example::
 
         if rank == 0:
             status = objcomm.recv(src=1)
+            lines = objcomm.recv(src=1, tag=7)
+            sender, item = objcomm.recv(return_sender=True)  # from whichever rank sends first
     """
-    return Communicator(group).recv(src, **call_kwargs(locals()))
+    return Communicator(group).recv(src, tag, return_sender=return_sender, **call_kwargs(locals()))

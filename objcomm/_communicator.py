@@ -257,16 +257,17 @@ class Communicator:
         return call.decode(item, root, own=wire.rank == root)
 
     def send(
-        self, obj: Any, dst: int, *, serializer: Optional[SerializerLike] = None, max_bytes: Optional[int] = None,
-        compression: Optional[str] = None,
+        self, obj: Any, dst: int, tag: int = 0, *, serializer: Optional[SerializerLike] = None,
+        max_bytes: Optional[int] = None, compression: Optional[str] = None,
     ) -> None:
-        """Send ``obj`` to global rank ``dst``, which calls :meth:`recv`.
+        """Send ``obj`` to global rank ``dst``, which calls :meth:`recv` with the same ``tag``.
 
-        If encoding fails, the receiver gets the error report (and raises ``RemoteError``) and this
-        rank raises the original error: nobody is left waiting.
+        Messages with different tags between the same two ranks never mix. If encoding fails, the
+        receiver gets the error report (and raises ``RemoteError``) and this rank raises the original
+        error: nobody is left waiting.
         """
         call = self._call(call_kwargs(locals()))
-        wire = self._require_group(call, "send")
+        wire = _tagged(self._require_group(call, "send"), tag, "send")
         peer = self._group_rank(wire, dst, "dst")
         if peer == wire.rank:
             raise ValueError(f"send(dst={dst}) is this rank itself; send to another rank")
@@ -276,12 +277,13 @@ class Communicator:
             raise local
 
     def recv(
-        self, src: Optional[int] = None, *, accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None,
-        map_location: Device = None,
+        self, src: Optional[int] = None, tag: int = 0, *, accept: Optional[Collection[str]] = None,
+        max_bytes: Optional[int] = None, map_location: Device = None, return_sender: bool = False,
     ) -> Any:
-        """Receive the object global rank ``src`` sends; ``src=None`` takes it from any rank (gloo only)."""
+        """Receive the object global rank ``src`` sends with ``tag``; ``src=None`` takes it from any rank
+        (gloo only). ``return_sender=True`` returns ``(sender's global rank, object)``."""
         call = self._call(call_kwargs(locals()))
-        wire = self._require_group(call, "recv")
+        wire = _tagged(self._require_group(call, "recv"), tag, "recv")
         peer = None if src is None else self._group_rank(wire, src, "src")
         if peer == wire.rank:
             raise ValueError(f"recv(src={src}) is this rank itself; receive from another rank")
@@ -293,7 +295,8 @@ class Communicator:
         sender, item, is_error = _transport.recv(wire, peer, _framing.tensor_sizes)
         if is_error:
             call.raise_failures("send/recv", _only(sender, item, wire.size), None)
-        return call.decode(item, sender)
+        obj = call.decode(item, sender)
+        return (wire.ranks[sender], obj) if return_sender else obj
 
     @staticmethod
     def _require_group(call: _Call, op: str) -> _transport.Wire:
@@ -330,6 +333,21 @@ def _second_round(options: CallOptions, segments: SegmentBook) -> SecondRound:
         return DIRECT
     return _shm.SharedMemory(threshold=options.shm_threshold, directory=options.shm_dir or _shm.DEFAULT_DIRECTORY,
                              separate=options.separate_hosts, book=segments)
+
+
+MAX_TAG = (1 << 30) - 1  # the backend carries 2 * tag + 1 (see objcomm._wire.Wire.data_tag)
+
+
+def _tagged(wire: _transport.Wire, tag: Any, op: str) -> _transport.Wire:
+    """``wire`` for messages with ``tag``; NCCL has no tags, so only tag 0 goes there."""
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
+        raise ValueError(f"{op}: tag must be an int from 0 to {MAX_TAG:,}, got {tag!r}")
+    if tag and wire.device.type != "cpu":
+        raise ValueError(
+            f"{op}(tag={tag}): this group moves bytes on {wire.device} (NCCL), which ignores tags and would mix "
+            "messages; use tag=0 there, or a gloo group (e.g. dist.new_group(backend='gloo')) for tagged messages"
+        )
+    return wire._replace(tag=tag) if tag else wire
 
 
 def _only(rank: int, item: Incoming, size: int) -> List[Optional[Incoming]]:

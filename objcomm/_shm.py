@@ -252,11 +252,11 @@ class SharedMemory:
                     seq = -1
             status = torch.tensor([seq, os.getpid(), self.book.token, _hosts.host_key(self.separate),
                                    _hosts.pid_namespace()], dtype=torch.int64)
-            guarded(op, wire, dist.send, status, dst=wire.ranks[dst], group=wire.group)
+            guarded(op, wire, dist.send, status, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
             if seq < 0:
                 return False
             answer = torch.empty(1, dtype=torch.int64)
-            guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group)
+            guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
             if answer.item() == _OTHER_HOST:
                 remote.add((dst, self.separate))
                 log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
@@ -270,7 +270,7 @@ class SharedMemory:
         if not self.worth(wire, info.second_round_bytes, op):
             return NOT_USED
         status = torch.empty(_P2P, dtype=torch.int64)
-        guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group)
+        guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
         seq, pid, token, key, namespace = status.tolist()
         if seq < 0:
             return NOT_USED
@@ -288,7 +288,7 @@ class SharedMemory:
         else:
             log.debug("objcomm shm: %s from rank %d crosses hosts; normal transport", op, src)
         reply = torch.tensor([answer], dtype=torch.int64)
-        guarded(op, wire, dist.send, reply, dst=wire.ranks[src], group=wire.group)
+        guarded(op, wire, dist.send, reply, dst=wire.ranks[src], group=wire.group, tag=wire.answer_tag)
         if failure is not None:
             raise failure
         return result

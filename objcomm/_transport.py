@@ -127,14 +127,16 @@ class _Batch:
         self.buffers.append(buffer)
         for start in _pieces(buffer.numel(), self.wire.chunk):
             piece = buffer[start : start + self.wire.chunk]
-            work = guarded(self.op, self.wire, dist.isend, piece, dst=self.wire.ranks[dst], group=self.wire.group)
+            work = guarded(self.op, self.wire, dist.isend, piece, dst=self.wire.ranks[dst], group=self.wire.group,
+                           tag=self.wire.data_tag)
             self.works.append(work)
 
     def recv(self, length: int, src: int) -> torch.Tensor:
         buffer = _empty(length, self.wire)
         for start in _pieces(length, self.wire.chunk):
             piece = buffer[start : start + self.wire.chunk]
-            work = guarded(self.op, self.wire, dist.irecv, piece, src=self.wire.ranks[src], group=self.wire.group)
+            work = guarded(self.op, self.wire, dist.irecv, piece, src=self.wire.ranks[src], group=self.wire.group,
+                           tag=self.wire.data_tag)
             self.works.append(work)
         return buffer
 
@@ -156,7 +158,7 @@ def _recv_bytes(wire: Wire, length: int, src: int, op: str, drain: bool = False)
     buffer = _empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
     for start in _pieces(length, wire.chunk):
         piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
-        guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group)
+        guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
     return buffer
 
 
@@ -368,7 +370,7 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
     raw = bytearray(wire.slot)
     fill_slot(memoryview(raw), out, wire.max_bytes)
     slot = _to_device(torch.frombuffer(raw, dtype=torch.uint8), wire)
-    guarded(op, wire, dist.send, slot, dst=wire.ranks[dst], group=wire.group)
+    guarded(op, wire, dist.send, slot, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
     info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
     problem = _limits.slot_problem_of(info)
     if problem:  # the receiver finds the same and raises too
@@ -377,7 +379,7 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
         return
     if _agreement_needed(wire, info, op):
         answer = _empty(1, wire)
-        guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group)
+        guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
         if answer.item() == REFUSE_MALFORMED:
             raise FrameError(
                 f"send: rank {dst} refused this frame: its tensor table disagrees with the sizes in its slot; "
@@ -399,7 +401,8 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
     """Receive from group rank ``src`` (``None``: any); return ``(sender, incoming, is_error)``."""
     op = "recv"
     slot = _empty(wire.slot, wire)
-    sender_global = guarded(op, wire, dist.recv, slot, src=None if src is None else wire.ranks[src], group=wire.group)
+    peer = None if src is None else wire.ranks[src]
+    sender_global = guarded(op, wire, dist.recv, slot, src=peer, group=wire.group, tag=wire.data_tag)
     sender = list(wire.ranks).index(sender_global) if src is None else src
     info = read_slot(_host_view(slot))
     problem = _limits.slot_problem_of(info)
@@ -412,7 +415,7 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if info.total > wire.max_bytes else 0
     if _agreement_needed(wire, info, op):
         answer = torch.tensor([refuse], dtype=torch.uint8, device=wire.device)
-        guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group)
+        guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group, tag=wire.answer_tag)
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem)
         taken = wire.second_round.recv(wire, info, _limits.checked_sizes(sizes_of, [info]), sender, op)

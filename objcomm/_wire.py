@@ -100,6 +100,7 @@ class Wire(NamedTuple):
     chunk: int  # largest single transfer in round 2
     max_bytes: int  # largest payload (frame plus tensors) this rank accepts
     second_round: SecondRound = DIRECT  # who may move the second round instead of the transport
+    tag: int = 0  # send/recv: the caller's tag (see data_tag, answer_tag)
 
     @property
     def size(self) -> int:
@@ -108,6 +109,16 @@ class Wire(NamedTuple):
     @property
     def inline_capacity(self) -> int:
         return self.slot - SLOT_PREFIX_BYTES
+
+    @property
+    def data_tag(self) -> int:
+        """The backend tag of send/recv messages from sender to receiver. Answers travel back under
+        :attr:`answer_tag`, so that no answer is ever taken for data the other way between the same pair."""
+        return 2 * self.tag
+
+    @property
+    def answer_tag(self) -> int:
+        return 2 * self.tag + 1
 
 
 @dataclass
