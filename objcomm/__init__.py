@@ -13,7 +13,7 @@ Serializers live in the torch-free ``serializers`` package; see ``serializers.av
 from __future__ import annotations
 
 from . import compat
-from ._api import all_gather, broadcast, gather, recv, scatter, send
+from ._api import all_gather, all_reduce, all_to_all, broadcast, gather, recv, reduce, scatter, send
 from ._collect import collect_results
 from ._communicator import Communicator
 from ._compression import MissingDependencyError
@@ -50,6 +50,8 @@ __all__ = [
     "UnknownSerializerError",
     "__version__",
     "all_gather",
+    "all_reduce",
+    "all_to_all",
     "broadcast",
     "collect_results",
     "compat",
@@ -57,6 +59,7 @@ __all__ = [
     "device_for_backend",
     "gather",
     "recv",
+    "reduce",
     "restore",
     "scatter",
     "send",

@@ -6,7 +6,7 @@ options on in one line, ``**call_kwargs(locals())`` (see :mod:`objcomm._settings
 
 from __future__ import annotations
 
-from typing import Any, Collection, List, Optional, Sequence, Union
+from typing import Any, Callable, Collection, List, Optional, Sequence, Union
 
 import torch
 
@@ -116,6 +116,93 @@ def scatter(
         shard = objcomm.scatter(split(work, world_size) if rank == 0 else None, src=0)
     """
     return Communicator(group).scatter(objs, src, **call_kwargs(locals()))
+
+
+def all_to_all(
+    objs: Sequence[Any],
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+) -> List[Any]:
+    """Send ``objs[j]`` to group rank ``j``, for every ``j``; return what every rank sent this one.
+
+    ``objs`` holds one object per group rank (each rank its own list; sizes may differ freely per
+    pair). Element ``i`` of the result came from group rank ``i``. Small parts finish in one
+    collective; big ones move at their exact sizes; tensors inside travel as tensors.
+
+    Raises
+    ------
+    RemoteError: on every rank, when any rank failed to encode or gave a list of the wrong length
+    (on that rank, from the original error).
+
+    Example::
+
+        # route each record to the rank that owns its key
+        outbox = [[] for _ in range(world_size)]
+        for record in records:
+            outbox[hash(record["key"]) % world_size].append(record)
+        mine = [r for part in objcomm.all_to_all(outbox) for r in part]
+    """
+    return Communicator(group).all_to_all(objs, **call_kwargs(locals()))
+
+
+def reduce(
+    obj: Any,
+    op: Union[str, Callable[[Any, Any], Any]],
+    dst: int = 0,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+) -> Any:
+    """Combine every rank's object with ``op`` on global rank ``dst``; other ranks get ``None``.
+
+    ``op(a, b) -> c`` is any associative function (it need not be commutative: objects are
+    combined in group-rank order, ``op(op(obj_0, obj_1), obj_2)...``), or a name: ``"sum"``,
+    ``"prod"``, ``"min"``, ``"max"``, ``"merge"`` (dict union, a later rank wins) or
+    ``"merge_sum"`` (dicts of counts: values of the same key added). A binomial tree: ⌈log2 W⌉
+    rounds, and no rank decodes more than ⌈log2 W⌉ objects.
+
+    Raises
+    ------
+    RemoteError: on every rank, when ``op``, encoding or decoding failed on any rank.
+
+    Example::
+
+        confusion = objcomm.reduce(local_counts, "merge_sum", dst=0)  # {(label, pred): n} on rank 0
+        best = objcomm.reduce(record, lambda a, b: b if b["score"] > a["score"] else a)
+    """
+    return Communicator(group).reduce(obj, op, dst, **call_kwargs(locals()))
+
+
+def all_reduce(
+    obj: Any,
+    op: Union[str, Callable[[Any, Any], Any]],
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+) -> Any:
+    """Combine every rank's object with ``op`` (see :func:`reduce`) and return the result on every rank.
+
+    The tree of :func:`reduce` towards group rank 0, then one all_gather that carries the result
+    and every rank's failure, if any, so that all ranks return the same or raise the same.
+
+    Example::
+
+        totals = objcomm.all_reduce({"seen": n_seen, "correct": n_correct}, "merge_sum")
+    """
+    return Communicator(group).all_reduce(obj, op, **call_kwargs(locals()))
 
 
 def send(

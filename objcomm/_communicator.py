@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from serializers import SerializerLike, registry
 
-from . import _framing, _shm, _state, _transport
+from . import _framing, _reduce, _shm, _state, _transport
 from ._device import group_backend, resolve_device
 from ._errors import CommunicationError, Failure, ObjcommError, RemoteError
 from ._segments import SegmentBook
@@ -235,26 +235,66 @@ class Communicator:
         call = self._call(call_kwargs(locals()))
         if call.wire is None:
             self._check_single(src, "src")
-            return call.roundtrip(_scatter_items(objs, 1)[0])
+            return call.roundtrip(_per_rank(objs, 1, "scatter")[0])
         wire = call.wire
         root = self._group_rank(wire, src, "src")
         outs: Optional[List[Outgoing]] = None
         local: Optional[BaseException] = None
         if wire.rank == root:
-            try:
-                items = _scatter_items(objs, wire.size)
-                outs = []
-                for item in items:
-                    out, local = call.encode(item)
-                    if local is not None:
-                        raise local
-                    outs.append(out)
-            except Exception as exc:
-                local = exc
-                outs = [_framing.error_frame(exc, wire.inline_capacity)] * wire.size
+            outs, local = _encode_each(call, objs, wire.size, "scatter")
         item = _transport.scatter(wire, outs, _framing.tensor_sizes, root)
         call.raise_failures("scatter", _only(root, item, wire.size), local)
         return call.decode(item, root, own=wire.rank == root)
+
+    def all_to_all(
+        self, objs: Sequence[Any], *, serializer: Optional[SerializerLike] = None,
+        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
+        compression: Optional[str] = None,
+    ) -> List[Any]:
+        """``objs[j]`` to group rank ``j``; element ``i`` of the result came from group rank ``i``."""
+        call = self._call(call_kwargs(locals()))
+        if call.wire is None:
+            return [call.roundtrip(_per_rank(objs, 1, "all_to_all")[0])]
+        outs, local = _encode_each(call, objs, call.wire.size, "all_to_all")
+        incoming = _transport.all_to_all(call.wire, outs, _framing.tensor_sizes)
+        call.raise_failures("all_to_all", incoming, local)
+        return [call.decode(item, r, own=r == call.wire.rank) for r, item in enumerate(incoming)]
+
+    def reduce(
+        self, obj: Any, op: _reduce.Op, dst: int = 0, *, serializer: Optional[SerializerLike] = None,
+        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
+        compression: Optional[str] = None,
+    ) -> Any:
+        """Every rank's object combined with ``op`` in group-rank order, on global rank ``dst``; ``None`` elsewhere."""
+        call = self._call(call_kwargs(locals()))
+        if call.wire is None:
+            self._check_single(dst, "dst")
+            _reduce.resolve(op)
+            return call.roundtrip(obj)
+        root = self._group_rank(call.wire, dst, "dst")
+        out, local = _final_report(call, *_reduce.tree(call, obj, op))
+        incoming = _transport.gather(call.wire, out, _framing.tensor_sizes, root)
+        if incoming is None:
+            return None
+        call.raise_failures("reduce", incoming, local)
+        if call.wire.rank != root:
+            return None
+        return call.decode(incoming[0], 0, own=root == 0)
+
+    def all_reduce(
+        self, obj: Any, op: _reduce.Op, *, serializer: Optional[SerializerLike] = None,
+        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
+        compression: Optional[str] = None,
+    ) -> Any:
+        """Every rank's object combined with ``op`` in group-rank order, on every rank."""
+        call = self._call(call_kwargs(locals()))
+        if call.wire is None:
+            _reduce.resolve(op)
+            return call.roundtrip(obj)
+        out, local = _final_report(call, *_reduce.tree(call, obj, op))
+        incoming = _transport.all_gather(call.wire, out, _framing.tensor_sizes)
+        call.raise_failures("all_reduce", incoming, local)
+        return call.decode(incoming[0], 0, own=call.wire.rank == 0)
 
     def send(
         self, obj: Any, dst: int, tag: int = 0, *, serializer: Optional[SerializerLike] = None,
@@ -335,7 +375,7 @@ def _second_round(options: CallOptions, segments: SegmentBook) -> SecondRound:
                              separate=options.separate_hosts, book=segments)
 
 
-MAX_TAG = (1 << 30) - 1  # the backend carries 2 * tag + 1 (see objcomm._wire.Wire.data_tag)
+MAX_TAG = _reduce.REDUCE_TAG - 1  # the backend carries 2 * tag + 1 (see objcomm._wire.Wire.data_tag)
 
 
 def _tagged(wire: _transport.Wire, tag: Any, op: str) -> _transport.Wire:
@@ -356,9 +396,35 @@ def _only(rank: int, item: Incoming, size: int) -> List[Optional[Incoming]]:
     return items
 
 
-def _scatter_items(objs: Optional[Sequence[Any]], size: int) -> Sequence[Any]:
+def _per_rank(objs: Optional[Sequence[Any]], size: int, op: str) -> Sequence[Any]:
+    """``objs`` checked to hold one object per group rank."""
+    where = " on the source rank" if op == "scatter" else ""
     if objs is None or isinstance(objs, (str, bytes)) or not hasattr(objs, "__len__"):
-        raise TypeError(f"scatter needs a sequence of {size} objects on the source rank, got {type(objs).__name__}")
+        raise TypeError(f"{op} needs a sequence of {size} objects{where}, got {type(objs).__name__}")
     if len(objs) != size:
-        raise ValueError(f"scatter needs exactly one object per rank: got {len(objs)} for a group of {size}")
+        raise ValueError(f"{op} needs exactly one object per rank: got {len(objs)} for a group of {size}")
     return objs
+
+
+def _encode_each(call: _Call, objs: Optional[Sequence[Any]], size: int, op: str) -> Tuple[List[Outgoing], Any]:
+    """One frame per rank, or, when any fails (or ``objs`` is not one per rank), one error report for all."""
+    try:
+        outs = []
+        for item in _per_rank(objs, size, op):
+            out, local = call.encode(item)
+            if local is not None:
+                raise local
+            outs.append(out)
+        return outs, None
+    except Exception as exc:
+        assert call.wire is not None
+        return [_framing.error_frame(exc, call.wire.inline_capacity)] * size, exc
+
+
+def _final_report(call: _Call, value: Any, complete: bool, own: Optional[BaseException]) -> Tuple[Outgoing, Any]:
+    """What a rank contributes to a reduction's last collective: group rank 0 the result, every rank
+    its own failure if it had one, the others a tiny frame."""
+    assert call.wire is not None
+    if own is not None:
+        return _framing.error_frame(own, call.wire.inline_capacity), own
+    return call.encode(value if complete and call.wire.rank == 0 else None)

@@ -231,6 +231,22 @@ class SharedMemory:
 
         return self._collective(wire, hosts, parts, read, op)
 
+    def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+        """Each rank writes one segment per receiver it sends a second round to (part: the receiver)."""
+        hosts = self.hosts_for(wire, longest, op)
+        if hosts is None:
+            return NOT_USED
+        me, capacity = wire.rank, wire.inline_capacity
+        parts = {r: _part(o, o.frame.nbytes <= capacity) for r, o in enumerate(outs)
+                 if r != me and outgoing_second_round_bytes(o, capacity)}
+
+        def read(path_of: PathOf) -> List[Incoming]:
+            moved = [info.second_round_bytes for info in infos]  # the caller decodes its own with own=True
+            return _read_every_rank(infos, moved, me, outs[me], sizes_of, path_of, copy_own=False, part=me)
+
+        return self._collective(wire, hosts, parts, read, op)
+
     # -- point to point (the two ranks' hosts are learned per call, and remembered when they differ) --
     def send(self, wire: Wire, out: Outgoing, dst: int, op: str) -> bool:
         """Send the second round through shared memory; False: the caller sends it the normal way."""
@@ -305,15 +321,15 @@ def _own(out: Outgoing, copy: bool) -> Incoming:
 
 def _read_every_rank(
     infos: Sequence[SlotInfo], moved: Sequence[int], me: int, out: Outgoing, sizes_of: SizesOf, path_of: PathOf,
-    copy_own: bool,
+    copy_own: bool, part: int = 0,
 ) -> List[Incoming]:
-    """Each rank's part: this rank's own, a segment for those that wrote one, else what round 1 carried."""
+    """Each rank's ``part``: this rank's own, a segment for those that wrote one, else what round 1 carried."""
     incoming = []
     for r, info in enumerate(infos):
         if r == me:
             incoming.append(_own(out, copy=copy_own))
         elif moved[r]:
-            incoming.append(read_segment(path_of(r, 0), moved[r], info.inline, info.length, sizes_of))
+            incoming.append(read_segment(path_of(r, part), moved[r], info.inline, info.length, sizes_of))
         else:
             incoming.append(Incoming(info.inline))  # type: ignore[arg-type]
     return incoming

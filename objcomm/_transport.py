@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from . import _limits
+from ._bytes import Batch, all_gather_equal, all_to_all_bytes, broadcast_bytes, empty, host_view, recv_bytes, to_device
 from ._errors import FrameError, TooLargeError
-from ._slots import SlotInfo, fill_slot, read_slot, read_slots
+from ._slots import SlotInfo, fill_slot, outgoing_second_round_bytes, read_slot, read_slots
 from ._wire import NOT_USED, Incoming, Outgoing, SizesOf, Wire, all_gather_single, guarded
 
 SCRATCH = _limits.SCRATCH_BYTES
@@ -48,7 +49,7 @@ REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
 def _make_slot(wire: Wire, out: Outgoing) -> torch.Tensor:
     slot = bytearray(wire.slot)
     fill_slot(memoryview(slot), out, wire.max_bytes)
-    return _to_device(torch.frombuffer(slot, dtype=torch.uint8), wire)
+    return to_device(torch.frombuffer(slot, dtype=torch.uint8), wire)
 
 
 def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
@@ -66,23 +67,6 @@ def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
     return wire.second_round.worth(wire, info.second_round_bytes, op)
 
 
-# -- helpers ---------------------------------------------------------------------------------
-def _host_view(tensor: torch.Tensor) -> memoryview:
-    return tensor.cpu().numpy().data.cast("B")
-
-
-def _to_device(tensor: torch.Tensor, wire: Wire) -> torch.Tensor:
-    return tensor if tensor.device == wire.device else tensor.to(wire.device)
-
-
-def _empty(length: int, wire: Wire) -> torch.Tensor:
-    return torch.empty(length, dtype=torch.uint8, device=wire.device)
-
-
-def _pieces(length: int, chunk: int) -> range:
-    return range(0, length, chunk)
-
-
 def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, problem: Optional[str] = None) -> None:
     """Raise the same error on every rank if any receiver refuses ``src``'s payload (``refuse``: this rank's
     REFUSE_* code, 0 to accept). One tiny all_reduce ahead of a second round that not every receiver may take."""
@@ -96,93 +80,6 @@ def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, p
             f"{op}: rank {src} sends {info.total:,} bytes to a rank whose max_bytes it exceeds (this rank's "
             f"max_bytes: {wire.max_bytes:,}); nothing was transferred. Raise max_bytes there or send less"
         )
-
-
-# -- bytes primitives (device tensors, chunked) ---------------------------------------------------
-def _broadcast_bytes(
-    wire: Wire, data: Optional[torch.Tensor], length: int, src: int, op: str, drain: bool = False
-) -> torch.Tensor:
-    """Broadcast ``length`` bytes in chunks; ``drain``: receive them into one small scratch buffer."""
-    if data is not None:
-        buffer = _to_device(data, wire)
-    else:
-        buffer = _empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
-    for start in _pieces(length, wire.chunk):
-        piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
-        guarded(op, wire, dist.broadcast, piece, src=wire.ranks[src], group=wire.group)
-    return buffer
-
-
-class _Batch:
-    """Point-to-point transfers posted together (isend/irecv), then waited on together: one round trip
-    for a frame and its tensors instead of one per message. Pieces from one sender match in order."""
-
-    def __init__(self, wire: Wire, op: str) -> None:
-        self.wire, self.op = wire, op
-        self.works: List[Any] = []
-        self.buffers: List[torch.Tensor] = []  # kept alive until the transfers finish
-
-    def send(self, data: torch.Tensor, dst: int) -> None:
-        buffer = _to_device(data, self.wire)
-        self.buffers.append(buffer)
-        for start in _pieces(buffer.numel(), self.wire.chunk):
-            piece = buffer[start : start + self.wire.chunk]
-            work = guarded(self.op, self.wire, dist.isend, piece, dst=self.wire.ranks[dst], group=self.wire.group,
-                           tag=self.wire.data_tag)
-            self.works.append(work)
-
-    def recv(self, length: int, src: int) -> torch.Tensor:
-        buffer = _empty(length, self.wire)
-        for start in _pieces(length, self.wire.chunk):
-            piece = buffer[start : start + self.wire.chunk]
-            work = guarded(self.op, self.wire, dist.irecv, piece, src=self.wire.ranks[src], group=self.wire.group,
-                           tag=self.wire.data_tag)
-            self.works.append(work)
-        return buffer
-
-    def send_rest(self, out: Outgoing, dst: int) -> None:
-        """The part of ``out`` round 1 did not carry: an overflowing frame, then the tensors."""
-        if out.frame.nbytes > self.wire.inline_capacity:
-            self.send(out.frame_tensor(), dst)
-        for tensor in out.tensors:
-            self.send(tensor, dst)
-
-    def wait(self) -> None:
-        for work in self.works:
-            guarded(self.op, self.wire, work.wait)
-        self.works, self.buffers = [], []
-
-
-def _recv_bytes(wire: Wire, length: int, src: int, op: str, drain: bool = False) -> torch.Tensor:
-    """Receive ``length`` bytes in chunks; ``drain``: into one small scratch buffer."""
-    buffer = _empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
-    for start in _pieces(length, wire.chunk):
-        piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
-        guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
-    return buffer
-
-
-def _all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> List[torch.Tensor]:
-    """All ranks send ``width`` bytes (``data`` shorter is zero-padded); return each rank's ``width`` bytes."""
-    length = data.numel()
-    if width <= wire.chunk:
-        padding = torch.zeros(width - length, dtype=torch.uint8, device=data.device)
-        send = data if length == width else torch.cat([data, padding])
-        recv = _empty(width * wire.size, wire)
-        guarded(op, wire, all_gather_single, recv, _to_device(send, wire), group=wire.group)
-        return list(recv.chunk(wire.size)) if width else [recv[:0] for _ in range(wire.size)]
-    results = [_empty(width, wire) for _ in range(wire.size)]
-    source = _to_device(data, wire)
-    for start in _pieces(width, wire.chunk):  # extra memory bounded by size * chunk
-        piece = min(wire.chunk, width - start)
-        send = torch.zeros(piece, dtype=torch.uint8, device=wire.device)
-        valid = max(0, min(piece, length - start))
-        send[:valid] = source[start : start + valid]
-        recv = _empty(piece * wire.size, wire)
-        guarded(op, wire, all_gather_single, recv, send, group=wire.group)
-        for r, part in enumerate(recv.chunk(wire.size)):
-            results[r][start : start + piece] = part
-    return results
 
 
 # -- all_gather ------------------------------------------------------------------------------
@@ -203,13 +100,13 @@ def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gath
     sizes = [_limits.frame_sizes(sizes_of, frames[r], infos[r], r, op) if p is None else p for r, p in enumerate(plans)]
     if sizes == [sizes[0]] * wire.size:  # the common case: same tensor shapes everywhere
         for index, width in enumerate(sizes[0]):
-            for r, part in enumerate(_all_gather_equal(wire, out.tensors[index], width, op)):
+            for r, part in enumerate(all_gather_equal(wire, out.tensors[index], width, op)):
                 incoming[r].tensors.append(part)
     else:
         for r in range(wire.size):
             for index, length in enumerate(sizes[r]):
                 mine = out.tensors[index] if r == wire.rank else None
-                moved = _broadcast_bytes(wire, mine, length, r, op)
+                moved = broadcast_bytes(wire, mine, length, r, op)
                 incoming[r].tensors.append(moved.clone() if mine is not None else moved)  # never alias the input
     return incoming
 
@@ -220,9 +117,9 @@ def _round_one(infos: List[SlotInfo]) -> Sequence[Optional[Incoming]]:
 
 
 def _exchange_slots(wire: Wire, out: Outgoing, op: str) -> List[SlotInfo]:
-    recv = _empty(wire.slot * wire.size, wire)
+    recv = empty(wire.slot * wire.size, wire)
     guarded(op, wire, all_gather_single, recv, _make_slot(wire, out), group=wire.group)
-    return read_slots(_host_view(recv), wire.size, wire.slot)
+    return read_slots(host_view(recv), wire.size, wire.slot)
 
 
 def _all_gather_frames(wire: Wire, out: Outgoing, infos: List[SlotInfo], op: str) -> List[memoryview]:
@@ -232,13 +129,13 @@ def _all_gather_frames(wire: Wire, out: Outgoing, infos: List[SlotInfo], op: str
         lengths = [infos[r].length for r in over]
         widest = max(lengths)
         if wire.size * widest <= 2 * sum(lengths):  # similar sizes: one padded all_gather
-            gathered = _all_gather_equal(wire, out.frame_tensor(), widest, op)
+            gathered = all_gather_equal(wire, out.frame_tensor(), widest, op)
             for r in over:
-                frames[r] = _host_view(gathered[r][: infos[r].length])
+                frames[r] = host_view(gathered[r][: infos[r].length])
         else:  # one rank far bigger than the rest: each big frame is broadcast at its exact size
             for r in over:
                 mine = out.frame_tensor() if r == wire.rank else None
-                frames[r] = _host_view(_broadcast_bytes(wire, mine, infos[r].length, r, op))
+                frames[r] = host_view(broadcast_bytes(wire, mine, infos[r].length, r, op))
     return frames  # type: ignore[return-value]
 
 
@@ -259,7 +156,7 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
     gathered = wire.second_round.gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), dst, op)
     if gathered is not NOT_USED:
         return gathered
-    batch = _Batch(wire, op)
+    batch = Batch(wire, op)
     if wire.rank != dst:
         batch.send_rest(out, dst)
         batch.wait()
@@ -268,7 +165,7 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
     tensors: List[Any] = [None] * wire.size
     for r, info in enumerate(infos):  # post every transfer whose size round 1 announced
         if r == dst:
-            tensors[r] = [_to_device(t, wire) for t in out.tensors]
+            tensors[r] = [to_device(t, wire) for t in out.tensors]
             continue
         if frames[r] is None:
             frames[r] = batch.recv(info.length, r)
@@ -277,9 +174,9 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
     batch.wait()
     incoming: List[Optional[Incoming]] = []
     for r, frame in enumerate(frames):
-        view = _host_view(frame) if isinstance(frame, torch.Tensor) else frame
+        view = host_view(frame) if isinstance(frame, torch.Tensor) else frame
         if tensors[r] is None:  # sizes were only in the frame: receive the tensors now, in order
-            tensors[r] = [_recv_bytes(wire, n, r, op) for n in _limits.frame_sizes(sizes_of, view, infos[r], r, op)]
+            tensors[r] = [recv_bytes(wire, n, r, op) for n in _limits.frame_sizes(sizes_of, view, infos[r], r, op)]
         incoming.append(Incoming(view, tensors[r]))
     return incoming
 
@@ -288,9 +185,9 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
 def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) -> Incoming:
     """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere)."""
     op = "broadcast"
-    slot = _make_slot(wire, out) if wire.rank == src and out is not None else _empty(wire.slot, wire)
+    slot = _make_slot(wire, out) if wire.rank == src and out is not None else empty(wire.slot, wire)
     guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
-    info = read_slot(_host_view(slot))
+    info = read_slot(host_view(slot))
     sizes, problem = _limits.plan(info, sizes_of)
     if problem:  # every rank holds the same slot: all raise alike
         raise _limits.inconsistent(op, src, problem)
@@ -306,13 +203,13 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
     mine = out if wire.rank == src else None
     frame = info.inline
     if frame is None:
-        data = _broadcast_bytes(wire, mine.frame_tensor() if mine else None, info.length, src, op, drain=bool(refuse))
-        frame = None if refuse else _host_view(data)
+        data = broadcast_bytes(wire, mine.frame_tensor() if mine else None, info.length, src, op, drain=bool(refuse))
+        frame = None if refuse else host_view(data)
     if sizes is None:  # only the frame lists them; every rank has it now (and nobody refused: there was a vote)
         assert frame is not None
         sizes = _limits.frame_sizes(sizes_of, frame, info, src, op)
     tensors = [
-        _broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op, drain=refuse) for i, n in enumerate(sizes)
+        broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op, drain=refuse) for i, n in enumerate(sizes)
     ]
     if refuse:
         raise _limits.refused(op, src, wire, info.total, None, drained=True)
@@ -324,7 +221,7 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
 def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, src: int) -> Incoming:
     """``src``'s ``outs[r]`` on group rank ``r``."""
     op = "scatter"
-    recv = _empty(wire.slot, wire)
+    recv = empty(wire.slot, wire)
     scatter_list = None
     if wire.rank == src:
         assert outs is not None
@@ -333,9 +230,9 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         round2 = any(not o.complete(wire) for o in outs)
         for r, o in enumerate(outs):
             fill_slot(view[r * wire.slot : (r + 1) * wire.slot], o, wire.max_bytes, round2)
-        scatter_list = list(_to_device(torch.frombuffer(table, dtype=torch.uint8), wire).chunk(wire.size))
+        scatter_list = list(to_device(torch.frombuffer(table, dtype=torch.uint8), wire).chunk(wire.size))
     guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
-    info = read_slot(_host_view(recv))
+    info = read_slot(host_view(recv))
     sizes, problem = _limits.plan(info, sizes_of)
     if info.error or not info.round2:
         if not (problem or info.error or _limits.complete(info)):
@@ -351,16 +248,16 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         return taken
     if wire.rank == src:
         assert outs is not None
-        batch = _Batch(wire, op)
+        batch = Batch(wire, op)
         for r, o in enumerate(outs):
             if r != src:
                 batch.send_rest(o, r)
         batch.wait()
         mine = outs[src]
-        return Incoming(mine.frame, [_to_device(t, wire) for t in mine.tensors])
-    frame = info.inline if info.inline is not None else _host_view(_recv_bytes(wire, info.length, src, op))
+        return Incoming(mine.frame, [to_device(t, wire) for t in mine.tensors])
+    frame = info.inline if info.inline is not None else host_view(recv_bytes(wire, info.length, src, op))
     sizes = sizes if sizes is not None else _limits.frame_sizes(sizes_of, frame, info, src, op)
-    return Incoming(frame, [_recv_bytes(wire, n, src, op) for n in sizes])
+    return Incoming(frame, [recv_bytes(wire, n, src, op) for n in sizes])
 
 
 # -- point to point --------------------------------------------------------------------------
@@ -369,7 +266,7 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
     op = "send"
     raw = bytearray(wire.slot)
     fill_slot(memoryview(raw), out, wire.max_bytes)
-    slot = _to_device(torch.frombuffer(raw, dtype=torch.uint8), wire)
+    slot = to_device(torch.frombuffer(raw, dtype=torch.uint8), wire)
     guarded(op, wire, dist.send, slot, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
     info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
     problem = _limits.slot_problem_of(info)
@@ -378,7 +275,7 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
     if info.error or _limits.complete(info):
         return
     if _agreement_needed(wire, info, op):
-        answer = _empty(1, wire)
+        answer = empty(1, wire)
         guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
         if answer.item() == REFUSE_MALFORMED:
             raise FrameError(
@@ -392,7 +289,7 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
             )
         if wire.second_round.send(wire, out, dst, op):
             return
-    batch = _Batch(wire, op)
+    batch = Batch(wire, op)
     batch.send_rest(out, dst)
     batch.wait()
 
@@ -400,11 +297,11 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
 def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incoming, bool]:
     """Receive from group rank ``src`` (``None``: any); return ``(sender, incoming, is_error)``."""
     op = "recv"
-    slot = _empty(wire.slot, wire)
+    slot = empty(wire.slot, wire)
     peer = None if src is None else wire.ranks[src]
     sender_global = guarded(op, wire, dist.recv, slot, src=peer, group=wire.group, tag=wire.data_tag)
     sender = list(wire.ranks).index(sender_global) if src is None else src
-    info = read_slot(_host_view(slot))
+    info = read_slot(host_view(slot))
     problem = _limits.slot_problem_of(info)
     if problem:  # the sender finds the same in its slot and raises too
         raise _limits.inconsistent(op, sender, problem)
@@ -422,22 +319,96 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
         if taken is not NOT_USED:
             return sender, taken, False
     if sizes is not None and not refuse:  # every size known: post all receives at once
-        batch = _Batch(wire, op)
+        batch = Batch(wire, op)
         data = batch.recv(info.length, sender) if info.inline is None else None
         tensors = [batch.recv(n, sender) for n in sizes]
         batch.wait()
-        frame = info.inline if data is None else _host_view(data)
+        frame = info.inline if data is None else host_view(data)
         assert frame is not None
         return sender, Incoming(frame, tensors), False
     frame = info.inline
     if frame is None:
-        drained = _recv_bytes(wire, info.length, sender, op, drain=bool(refuse))
-        frame = None if refuse else _host_view(drained)
+        drained = recv_bytes(wire, info.length, sender, op, drain=bool(refuse))
+        frame = None if refuse else host_view(drained)
     if sizes is None:  # only the frame lists them (and this rank agreed: it did not refuse)
         assert frame is not None
         sizes = _limits.frame_sizes(sizes_of, frame, info, sender, op)
-    tensors = [_recv_bytes(wire, n, sender, op, drain=bool(refuse)) for n in sizes]
+    tensors = [recv_bytes(wire, n, sender, op, drain=bool(refuse)) for n in sizes]
     if refuse:
         raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
     assert frame is not None
     return sender, Incoming(frame, tensors), False
+
+
+# -- all_to_all ------------------------------------------------------------------------------
+def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Sequence[Optional[Incoming]]:
+    """``outs[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``.
+
+    Round 1 is one all_to_all of slots. A sender sets ROUND2_BIT in every slot it sends when any
+    of its parts needs a second round, so every rank learns whether one follows (and every failure:
+    a failing rank sends its report to all). Before a second round one all_reduce votes on refusals
+    and carries the longest stream of any pair; then each pair's rest (an overflowing frame, then
+    its tensors) moves as one stream at its exact size, through the second-round strategy or one
+    uneven all_to_all per ``chunk``. ``None`` marks frames not moved after an error.
+    """
+    op = "all_to_all"
+    table = bytearray(wire.size * wire.slot)
+    view = memoryview(table)
+    round2 = any(not o.complete(wire) for o in outs)
+    for r, o in enumerate(outs):
+        fill_slot(view[r * wire.slot : (r + 1) * wire.slot], o, wire.max_bytes, round2)
+    received = empty(wire.size * wire.slot, wire)
+    guarded(op, wire, dist.all_to_all_single, received, to_device(torch.frombuffer(table, dtype=torch.uint8), wire),
+            group=wire.group)
+    infos = read_slots(host_view(received), wire.size, wire.slot)
+    if any(info.error for info in infos):
+        return _round_one(infos)
+    plans = [_limits.plan(info, sizes_of) for info in infos]
+    problems = [(r, problem) for r, (_, problem) in enumerate(plans) if problem]
+    if not any(info.round2 for info in infos):  # nobody sends more: a rank that finds a problem raises alone
+        problems += [(r, "its slot does not carry the whole frame, yet it announced no second round")
+                     for r, info in enumerate(infos) if not _limits.complete(info)]
+        if problems:
+            raise _limits.inconsistent(op, *problems[0])
+        return _round_one(infos)
+    over = [r for r, info in enumerate(infos) if r != wire.rank and info.total > wire.max_bytes]
+    refuse = REFUSE_MALFORMED if problems else REFUSE_LIMIT if over else 0
+    mine = [0 if r == wire.rank else outgoing_second_round_bytes(o, wire.inline_capacity) for r, o in enumerate(outs)]
+    votes = torch.tensor([refuse, max(mine)], dtype=torch.int64, device=wire.device)
+    guarded(op, wire, dist.all_reduce, votes, op=dist.ReduceOp.MAX, group=wire.group)
+    code, longest = votes.tolist()
+    if code == REFUSE_MALFORMED:
+        raise _limits.inconsistent(op, *problems[0]) if problems else FrameError(
+            f"{op}: a receiving rank found the sizes in its slots inconsistent; nothing more was transferred")
+    if code:
+        raise _limits.refused(op, over[0], wire, infos[over[0]].total, None) if over else TooLargeError(
+            f"{op}: this rank sends a receiving rank more than its max_bytes; nothing more was transferred. "
+            "Raise max_bytes there or send less")
+    taken = wire.second_round.all_to_all(wire, outs, infos, _limits.checked_sizes(sizes_of, infos), longest, op)
+    if taken is not NOT_USED:
+        return taken
+    streams = [_rest(wire, o) if mine[r] else empty(0, wire) for r, o in enumerate(outs)]
+    lengths = [0 if r == wire.rank else info.second_round_bytes for r, info in enumerate(infos)]
+    moved = all_to_all_bytes(wire, streams, lengths, longest, op)
+    incoming: List[Optional[Incoming]] = []
+    for r, info in enumerate(infos):
+        if r == wire.rank:
+            incoming.append(Incoming(outs[r].frame, [to_device(t, wire) for t in outs[r].tensors]))
+            continue
+        stream = moved[r]
+        frame = info.inline if info.inline is not None else host_view(stream[: info.length])
+        rest = stream if info.inline is not None else stream[info.length :]
+        sizes = plans[r][0]
+        if sizes is None:  # only the frame lists them; everything has moved, so this rank may raise alone
+            sizes = _limits.frame_sizes(sizes_of, frame, info, r, op)
+        incoming.append(Incoming(frame, list(rest.split(sizes)) if sizes else []))
+    return incoming
+
+
+def _rest(wire: Wire, out: Outgoing) -> torch.Tensor:
+    """What a sender moves after round 1, as one stream on the wire's device: an overflowing frame,
+    then its tensors."""
+    parts = [to_device(t, wire) for t in out.tensors]
+    if out.frame.nbytes > wire.inline_capacity:
+        parts.insert(0, to_device(out.frame_tensor(), wire))
+    return torch.cat(parts)

@@ -62,6 +62,10 @@ class SecondRound(Protocol):
     def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf,
                 src: int, op: str) -> Union[Incoming, NotUsed]: ...
 
+    def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+        """``longest``: the most bytes any rank moves to any other after round 1 (the same on every rank)."""
+
     def send(self, wire: Wire, out: Outgoing, dst: int, op: str) -> bool:
         """True when the second round went this way (the receiver answered it took it)."""
 
@@ -77,7 +81,7 @@ class _Direct:
     def all_gather(self, *args: Any) -> NotUsed:
         return NOT_USED
 
-    gather = broadcast = scatter = recv = all_gather
+    gather = broadcast = scatter = all_to_all = recv = all_gather
 
     def send(self, *args: Any) -> bool:
         return False

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.timeout(30)
 
 def test_objcomm_exports():
     assert sorted(objcomm.__all__) == sorted([
-        "all_gather", "gather", "broadcast", "scatter", "send", "recv", "Communicator", "collect_results",
+        "all_gather", "gather", "broadcast", "scatter", "send", "recv", "all_to_all", "reduce", "all_reduce",
+        "Communicator", "collect_results",
         "compat", "device_for_backend", "ObjcommError", "EncodeError", "DecodeError", "RemoteError", "FrameError",
         "TooLargeError", "UnknownSerializerError", "ContentRefusedError", "CommunicationError", "SerializationError",
         "MissingDependencyError", "configure", "restore", "settings", "Settings", "__version__",

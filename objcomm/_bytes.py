@@ -1,0 +1,147 @@
+"""Moving bytes as uint8 tensors on a wire's device: the primitives under every transport operation.
+
+Each takes the :class:`~objcomm._wire.Wire` it moves on and splits transfers into pieces of at
+most ``wire.chunk`` bytes; ``drain`` receives into one scratch buffer of at most
+:data:`objcomm._limits.SCRATCH_BYTES` (a receiver that refuses what it must still take off the
+wire). Point-to-point pieces travel under the wire's data tag.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._limits import SCRATCH_BYTES as SCRATCH
+from ._wire import Outgoing, Wire, all_gather_single, guarded
+
+
+def host_view(tensor: torch.Tensor) -> memoryview:
+    return tensor.cpu().numpy().data.cast("B")
+
+
+def to_device(tensor: torch.Tensor, wire: Wire) -> torch.Tensor:
+    return tensor if tensor.device == wire.device else tensor.to(wire.device)
+
+
+def empty(length: int, wire: Wire) -> torch.Tensor:
+    return torch.empty(length, dtype=torch.uint8, device=wire.device)
+
+
+def pieces(length: int, chunk: int) -> range:
+    return range(0, length, chunk)
+
+
+def broadcast_bytes(
+    wire: Wire, data: Optional[torch.Tensor], length: int, src: int, op: str, drain: bool = False
+) -> torch.Tensor:
+    """Broadcast ``length`` bytes in chunks; ``drain``: receive them into one small scratch buffer."""
+    if data is not None:
+        buffer = to_device(data, wire)
+    else:
+        buffer = empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
+    for start in pieces(length, wire.chunk):
+        piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
+        guarded(op, wire, dist.broadcast, piece, src=wire.ranks[src], group=wire.group)
+    return buffer
+
+
+class Batch:
+    """Point-to-point transfers posted together (isend/irecv), then waited on together: one round trip
+    for a frame and its tensors instead of one per message. Pieces from one sender match in order."""
+
+    def __init__(self, wire: Wire, op: str) -> None:
+        self.wire, self.op = wire, op
+        self.works: List[Any] = []
+        self.buffers: List[torch.Tensor] = []  # kept alive until the transfers finish
+
+    def send(self, data: torch.Tensor, dst: int) -> None:
+        buffer = to_device(data, self.wire)
+        self.buffers.append(buffer)
+        for start in pieces(buffer.numel(), self.wire.chunk):
+            piece = buffer[start : start + self.wire.chunk]
+            work = guarded(self.op, self.wire, dist.isend, piece, dst=self.wire.ranks[dst], group=self.wire.group,
+                           tag=self.wire.data_tag)
+            self.works.append(work)
+
+    def recv(self, length: int, src: int) -> torch.Tensor:
+        buffer = empty(length, self.wire)
+        for start in pieces(length, self.wire.chunk):
+            piece = buffer[start : start + self.wire.chunk]
+            work = guarded(self.op, self.wire, dist.irecv, piece, src=self.wire.ranks[src], group=self.wire.group,
+                           tag=self.wire.data_tag)
+            self.works.append(work)
+        return buffer
+
+    def send_rest(self, out: Outgoing, dst: int) -> None:
+        """The part of ``out`` round 1 did not carry: an overflowing frame, then the tensors."""
+        if out.frame.nbytes > self.wire.inline_capacity:
+            self.send(out.frame_tensor(), dst)
+        for tensor in out.tensors:
+            self.send(tensor, dst)
+
+    def wait(self) -> None:
+        for work in self.works:
+            guarded(self.op, self.wire, work.wait)
+        self.works, self.buffers = [], []
+
+
+def recv_bytes(wire: Wire, length: int, src: int, op: str, drain: bool = False) -> torch.Tensor:
+    """Receive ``length`` bytes in chunks; ``drain``: into one small scratch buffer."""
+    buffer = empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
+    for start in pieces(length, wire.chunk):
+        piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
+        guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
+    return buffer
+
+
+def all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> List[torch.Tensor]:
+    """All ranks send ``width`` bytes (``data`` shorter is zero-padded); return each rank's ``width`` bytes."""
+    length = data.numel()
+    if width <= wire.chunk:
+        padding = torch.zeros(width - length, dtype=torch.uint8, device=data.device)
+        send = data if length == width else torch.cat([data, padding])
+        recv = empty(width * wire.size, wire)
+        guarded(op, wire, all_gather_single, recv, to_device(send, wire), group=wire.group)
+        return list(recv.chunk(wire.size)) if width else [recv[:0] for _ in range(wire.size)]
+    results = [empty(width, wire) for _ in range(wire.size)]
+    source = to_device(data, wire)
+    for start in pieces(width, wire.chunk):  # extra memory bounded by size * chunk
+        piece = min(wire.chunk, width - start)
+        send = torch.zeros(piece, dtype=torch.uint8, device=wire.device)
+        valid = max(0, min(piece, length - start))
+        send[:valid] = source[start : start + valid]
+        recv = empty(piece * wire.size, wire)
+        guarded(op, wire, all_gather_single, recv, send, group=wire.group)
+        for r, part in enumerate(recv.chunk(wire.size)):
+            results[r][start : start + piece] = part
+    return results
+
+
+def all_to_all_bytes(
+    wire: Wire, streams: Sequence[torch.Tensor], lengths: Sequence[int], longest: int, op: str
+) -> List[torch.Tensor]:
+    """Send ``streams[j]`` to group rank ``j`` and receive ``lengths[i]`` bytes from rank ``i``, at exact sizes.
+
+    ``longest`` is the longest stream of any pair, the same on every rank: transfers go in rounds of at
+    most ``wire.chunk`` bytes per pair, so every rank runs the same number of collectives.
+    """
+    sent = [s.numel() for s in streams]
+    if longest <= wire.chunk:  # the common case: one collective, straight into one buffer
+        received = empty(sum(lengths), wire)
+        send = torch.cat([to_device(s, wire) for s in streams])
+        guarded(op, wire, dist.all_to_all_single, received, send, output_split_sizes=list(lengths),
+                input_split_sizes=sent, group=wire.group)
+        return list(received.split(list(lengths)))
+    results = [empty(n, wire) for n in lengths]
+    for start in pieces(longest, wire.chunk):  # extra memory bounded by size * chunk
+        outs = [max(0, min(wire.chunk, n - start)) for n in sent]
+        ins = [max(0, min(wire.chunk, n - start)) for n in lengths]
+        send = torch.cat([to_device(s[start : start + k], wire) for s, k in zip(streams, outs)])
+        received = empty(sum(ins), wire)
+        guarded(op, wire, dist.all_to_all_single, received, send, output_split_sizes=ins, input_split_sizes=outs,
+                group=wire.group)
+        for result, part, k in zip(results, received.split(ins), ins):
+            result[start : start + k] = part
+    return results

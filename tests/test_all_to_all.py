@@ -1,0 +1,162 @@
+"""all_to_all of objects on real gloo groups of 1-4 ranks: every serializer, uneven pairs, tensors, failures."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from _ranks import get_pool
+
+import objcomm
+
+pytestmark = pytest.mark.timeout(180)
+
+SERIALIZERS = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"]
+LAYOUTS = {"default": {"shm": False}, "tiny": {"shm": False, "slot_bytes": 128, "chunk_bytes": 1000},
+           "shm": {"shm": True, "shm_threshold": 1024}}
+BIG = 300_000
+
+
+def part(src: int, dst: int, kind: str) -> Any:
+    """What ``src`` sends ``dst``: sizes differ per pair, some empty, one pair far bigger than the rest."""
+    if kind == "empty":
+        return ""
+    if kind == "uneven":
+        return "x" * (src * 7 + dst * 3)
+    if kind == "one-big-pair":
+        return "B" * BIG if (src, dst) == (0, dist.get_world_size() - 1) else f"{src}->{dst}"
+    if kind == "records":
+        return [{"src": src, "dst": dst, "i": i, "v": i / 3} for i in range(dst * 40)]
+    raise ValueError(kind)
+
+
+def every_kind(serializer: str, layout: str) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = objcomm.Communicator(serializer=serializer, **LAYOUTS[layout])
+    kinds = ["empty", "uneven", "one-big-pair", "records"]
+    for kind in kinds:
+        got = comm.all_to_all([part(rank, dst, kind) for dst in range(world)])
+        assert got == [part(src, rank, kind) for src in range(world)], kind
+    return len(kinds)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("serializer", SERIALIZERS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_serializer_every_shape(world, serializer, layout):
+    assert get_pool(world).run(every_kind, serializer, layout) == [4] * world
+
+
+def tensors_inside(layout: str) -> List[bool]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = objcomm.Communicator(**LAYOUTS[layout])
+
+    def tensor(src: int, dst: int) -> torch.Tensor:
+        return torch.arange((src + 1) * (dst + 1) * 1000, dtype=torch.float32) + src
+
+    got = comm.all_to_all([{"t": tensor(rank, dst), "n": dst} for dst in range(world)])
+    mine = comm.all_to_all([tensor(rank, dst) for dst in range(world)])
+    return [torch.equal(g["t"], tensor(src, rank)) and g["n"] == rank for src, g in enumerate(got)] + [
+        torch.equal(t, tensor(src, rank)) for src, t in enumerate(mine)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tensors_travel_as_tensors(layout):
+    for checks in get_pool(3).run(tensors_inside, layout):
+        assert checks == [True] * 6
+
+
+def failing(position: int, how: str) -> Dict[str, Any]:
+    """Rank ``position`` cannot encode its part for the next rank, or gives a list of the wrong length."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    objs: List[Any] = [f"{rank}->{dst}" for dst in range(world)]
+    if rank == position:
+        if how == "encode":
+            objs[(rank + 1) % world] = threading.Lock()
+        else:
+            objs = objs[:-1]
+    try:
+        objcomm.all_to_all(objs)
+        outcome: Any = "returned"
+    except objcomm.RemoteError as exc:
+        outcome = {"ranks": exc.ranks, "types": [t for t, _ in exc.failures.values()],
+                   "cause": type(exc.__cause__).__name__ if exc.__cause__ else None}
+    after = objcomm.all_to_all([(rank, dst) for dst in range(world)])  # the group is still usable
+    return {"outcome": outcome, "after": after == [(src, rank) for src in range(world)]}
+
+
+@pytest.mark.parametrize("how", ["encode", "wrong-length"])
+@pytest.mark.parametrize("position", [0, 2, 3])
+def test_a_failing_rank_fails_the_call_on_every_rank(position, how):
+    results = get_pool(4).run(failing, position, how)
+    expected_type = "EncodeError" if how == "encode" else "ValueError"
+    for rank, result in enumerate(results):
+        assert result["after"]
+        assert result["outcome"]["ranks"] == [position] and result["outcome"]["types"] == [expected_type]
+        assert (result["outcome"]["cause"] is not None) == (rank == position)
+
+
+def refusals() -> Dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    outcomes: Dict[str, Any] = {}
+    limit = 10_000 if rank == 0 else None
+    try:  # the others send rank 0 more than it accepts: every rank raises before anything big moves
+        objcomm.all_to_all(["y" * (50_000 if rank else 10) for _ in range(world)], max_bytes=limit)
+        outcomes["max_bytes"] = "returned"
+    except objcomm.TooLargeError:
+        outcomes["max_bytes"] = "TooLargeError"
+    try:  # rank 0 accepts msgpack only; the others send pickle: rank 0 refuses what arrives, alone
+        got = objcomm.all_to_all([{"to": dst} for dst in range(world)], accept=["msgpack"] if rank == 0 else None)
+        outcomes["accept"] = got == [{"to": rank}] * world
+    except objcomm.ContentRefusedError:
+        outcomes["accept"] = "ContentRefusedError"
+    outcomes["after"] = objcomm.all_to_all(list(range(world))) == [rank] * world
+    return outcomes
+
+
+def test_max_bytes_and_accept_refusals():
+    results = get_pool(3).run(refusals)
+    assert [r["max_bytes"] for r in results] == ["TooLargeError"] * 3
+    assert [r["accept"] for r in results] == ["ContentRefusedError", True, True]
+    assert all(r["after"] for r in results)
+
+
+def in_a_subgroup() -> Any:
+    group = dist.new_group([1, 2, 3])
+    rank = dist.get_rank()
+    if rank == 0:
+        return None
+    comm = objcomm.Communicator(group)
+    return comm.all_to_all([f"{rank}->{dst}" for dst in (1, 2, 3)])
+
+
+def test_a_subgroup_uses_group_ranks():
+    assert get_pool(4).run(in_a_subgroup) == [None] + [[f"{src}->{dst}" for src in (1, 2, 3)] for dst in (1, 2, 3)]
+
+
+def counted_segments(shm: bool) -> int:
+    """How many segments this rank wrote for one all_to_all with big parts."""
+    from objcomm import _segments
+
+    class Counting(_segments.SegmentBook):
+        created = 0
+
+        def create(self, path: str, frame: Any, tensors: Any) -> Any:
+            Counting.created += 1
+            return super().create(path, frame, tensors)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = objcomm.Communicator(shm=shm, shm_threshold=1024)
+    comm._segments = Counting()
+    got = comm.all_to_all([{"blob": bytes([rank]) * 5000, "t": torch.full((500,), dst)} for dst in range(world)])
+    assert [g["blob"] for g in got] == [bytes([src]) * 5000 for src in range(world)]
+    assert all(torch.equal(g["t"], torch.full((500,), rank)) for g in got)
+    return Counting.created
+
+
+def test_big_parts_go_through_shared_memory_on_one_host():
+    assert get_pool(3).run(counted_segments, True) == [2, 2, 2]  # one per other rank
+    assert get_pool(3).run(counted_segments, False) == [0, 0, 0]
