@@ -12,9 +12,12 @@
     ├── TooLargeError            a frame above ``max_bytes`` (checked before anything is allocated)
     ├── RemoteError              another rank failed in the same call; ``.failures`` says who and why
     ├── CommunicationError       the collective itself failed: a rank never arrived, the group timed out
-    └── MissingDependencyError   an optional library (zstandard, lz4) is not installed (also an ImportError)
+    ├── MissingDependencyError   an optional library (zstandard, lz4) is not installed (also an ImportError)
+    └── LaunchError              a local rank (``objcomm bench``/``demo``, ``benchmarks/``) failed, died or timed out
 
 The first five come from the torch-free ``serializers`` package and are re-exported here.
+``MissingDependencyError`` is defined in ``_compression`` and exported; ``LaunchError`` is
+private to ``_launch`` (the command line reports it and exits with status 1).
 """
 
 from __future__ import annotations

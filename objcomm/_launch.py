@@ -42,6 +42,8 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from ._errors import ObjcommError
+
 HOST = "127.0.0.1"
 Env = Mapping[str, Optional[str]]  # a value None unsets the variable
 Task = Callable[[Any, Callable[[Any], None]], Any]
@@ -50,8 +52,8 @@ OnMessage = Callable[[Any], None]
 _START_LOCK = threading.Lock()  # starting a rank swaps os.environ and fds 1/2 for a moment
 
 
-class LaunchError(RuntimeError):
-    """A rank failed, died or timed out; the message says which and why."""
+class LaunchError(ObjcommError, RuntimeError):
+    """A local rank failed, died or timed out; the message says which and why."""
 
 
 def free_port() -> int:
