@@ -168,7 +168,8 @@ def reduce(
     combined in group-rank order, ``op(op(obj_0, obj_1), obj_2)...``), or a name: ``"sum"``,
     ``"prod"``, ``"min"``, ``"max"``, ``"merge"`` (dict union, a later rank wins) or
     ``"merge_sum"`` (dicts of counts: values of the same key added). A binomial tree: ⌈log2 W⌉
-    rounds, and no rank decodes more than ⌈log2 W⌉ objects.
+    rounds, and no rank decodes more than ⌈log2 W⌉ objects. Group rank 0 returns what ``op``
+    returned itself; the others get it through the serializer.
 
     Raises
     ------

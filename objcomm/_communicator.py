@@ -272,14 +272,15 @@ class Communicator:
             _reduce.resolve(op)
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, dst, "dst")
-        out, local = _final_report(call, *_reduce.tree(call, obj, op))
+        value, complete, own = _reduce.tree(call, obj, op)
+        out, local = _final_report(call, value, complete, own)
         incoming = _transport.gather(call.wire, out, _framing.tensor_sizes, root)
         if incoming is None:
             return None
         call.raise_failures("reduce", incoming, local)
         if call.wire.rank != root:
             return None
-        return call.decode(incoming[0], 0, own=root == 0)
+        return value if root == 0 else call.decode(incoming[0], 0)  # group rank 0 combined it: no decoding
 
     def all_reduce(
         self, obj: Any, op: _reduce.Op, *, serializer: Optional[SerializerLike] = None,
@@ -291,10 +292,11 @@ class Communicator:
         if call.wire is None:
             _reduce.resolve(op)
             return call.roundtrip(obj)
-        out, local = _final_report(call, *_reduce.tree(call, obj, op))
+        value, complete, own = _reduce.tree(call, obj, op)
+        out, local = _final_report(call, value, complete, own)
         incoming = _transport.all_gather(call.wire, out, _framing.tensor_sizes)
         call.raise_failures("all_reduce", incoming, local)
-        return call.decode(incoming[0], 0, own=call.wire.rank == 0)
+        return value if call.wire.rank == 0 else call.decode(incoming[0], 0)  # group rank 0 combined it
 
     def send(
         self, obj: Any, dst: int, tag: int = 0, *, serializer: Optional[SerializerLike] = None,

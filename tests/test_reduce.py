@@ -1,0 +1,176 @@
+"""reduce and all_reduce of objects on real gloo groups of 1-4 ranks: rank order, named ops, failures."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from _ranks import get_pool
+
+import objcomm
+
+pytestmark = pytest.mark.timeout(180)
+
+SERIALIZERS = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"]
+
+
+def in_rank_order(serializer: str) -> List[Any]:
+    """Concatenation is not commutative: the result shows the order ranks were combined in."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = objcomm.Communicator(serializer=serializer, shm=False)
+    results = [comm.all_reduce(str(rank), "sum"), comm.all_reduce([rank], lambda a, b: a + b)]
+    for dst in range(world):
+        results.append(comm.reduce(f"<{rank}>", "sum", dst=dst))
+    results.append(comm.all_reduce({f"k{rank}": 1, "all": rank}, "merge_sum"))
+    results.append(comm.all_reduce({"who": rank, f"r{rank}": True}, "merge"))
+    results.append((comm.all_reduce(rank * 10 - 7, "min"), comm.all_reduce(rank * 10 - 7, "max"),
+                    comm.all_reduce(rank + 2, "prod")))
+    return results
+
+
+@pytest.mark.parametrize("serializer", SERIALIZERS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ranks_are_combined_in_order(world, serializer):
+    ranks = range(world)
+    for rank, got in enumerate(get_pool(world).run(in_rank_order, serializer)):
+        assert got[0] == "".join(map(str, ranks)) and got[1] == list(ranks)
+        assert got[2 : 2 + world] == ["".join(f"<{r}>" for r in ranks) if dst == rank else None for dst in ranks]
+        assert got[2 + world] == {**{f"k{r}": 1 for r in ranks}, "all": sum(ranks)}
+        assert got[3 + world] == {"who": world - 1, **{f"r{r}": True for r in ranks}}
+        assert got[4 + world] == (-7, 10 * world - 17, math.prod(r + 2 for r in ranks))
+
+
+_decoded = Counter()
+
+
+class Counted:
+    """Counts how often this rank unpickles one (each decode of an object holding it)."""
+
+    def __init__(self, ranks: List[int]) -> None:
+        self.ranks = ranks
+
+    def __reduce__(self) -> Any:
+        return (_counted, (self.ranks,))
+
+
+def _counted(ranks: List[int]) -> Counted:
+    _decoded["n"] += 1
+    return Counted(ranks)
+
+
+def decodes(world_op: str) -> Dict[str, Any]:
+    rank = dist.get_rank()
+    _decoded.clear()
+    comm = objcomm.Communicator(shm=False)
+    if world_op == "all_reduce":
+        result = comm.all_reduce(Counted([rank]), lambda a, b: Counted(a.ranks + b.ranks))
+    else:
+        result = comm.reduce(Counted([rank]), lambda a, b: Counted(a.ranks + b.ranks), dst=0)
+    return {"ranks": None if result is None else result.ranks, "decoded": _decoded["n"]}
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_no_rank_decodes_more_than_log2_world_objects(world, op):
+    results = get_pool(world).run(decodes, op)
+    bound = math.ceil(math.log2(world))
+    assert max(r["decoded"] for r in results) <= bound, results
+    assert results[0]["ranks"] == list(range(world))
+    if op == "all_reduce":
+        assert all(r["ranks"] == list(range(world)) for r in results)
+
+
+def tensors_inside(shm: bool) -> List[bool]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = objcomm.Communicator(shm=shm, shm_threshold=1024)
+    big = comm.all_reduce({"t": torch.full((5000,), float(rank)), "n": 1}, "merge_sum")
+    total = comm.all_reduce(torch.arange(4) * rank, "sum")
+    return [torch.equal(big["t"], torch.full((5000,), float(sum(range(world))))), big["n"] == world,
+            torch.equal(total, torch.arange(4) * sum(range(world)))]
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["group", "shm"])
+def test_tensors_inside(shm):
+    assert get_pool(3).run(tensors_inside, shm) == [[True] * 3] * 3
+
+
+def failing(position: int, how: str, op_name: str) -> Dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    obj: Any = {"r": rank}
+
+    def op(a: Any, b: Any) -> Any:
+        if how == "op" and rank == position:
+            raise KeyError("boom")
+        return {**a, **b} if isinstance(a, dict) else a  # a lock on rank 0 stays the value it must encode
+
+    if how == "encode" and rank == position:
+        obj = threading.Lock()
+    chosen: Any = "no-such-op" if how == "unknown-op" and rank == position else op
+    try:
+        if op_name == "all_reduce":
+            objcomm.all_reduce(obj, chosen)
+        else:
+            objcomm.reduce(obj, chosen, dst=world - 1)
+        outcome: Any = "returned"
+    except objcomm.RemoteError as exc:
+        outcome = {"ranks": exc.ranks, "types": [t for t, _ in exc.failures.values()]}
+    after = objcomm.all_reduce(rank, "sum")  # the group is still usable
+    return {"outcome": outcome, "after": after == sum(range(world))}
+
+
+# ranks that combine (and so call op) in a tree of 4: 0 (children 1, 2) and 2 (child 3); leaves: 1, 3
+@pytest.mark.parametrize("op_name", ["all_reduce", "reduce"])
+@pytest.mark.parametrize(("position", "how", "expected"), [
+    (0, "op", "KeyError"), (2, "op", "KeyError"), (3, "encode", "EncodeError"), (1, "encode", "EncodeError"),
+    (0, "encode", "EncodeError"), (2, "unknown-op", "ValueError"),
+])
+def test_a_failure_anywhere_reaches_every_rank(position, how, expected, op_name):
+    for result in get_pool(4).run(failing, position, how, op_name):
+        assert result["outcome"] == {"ranks": [position], "types": [expected]}
+        assert result["after"]
+
+
+def refused() -> Dict[str, Any]:
+    rank = dist.get_rank()
+    try:
+        objcomm.all_reduce("z" * (50_000 if rank == 1 else 10), "sum", max_bytes=10_000 if rank == 0 else None)
+        outcome: Any = "returned"
+    except objcomm.RemoteError as exc:
+        outcome = sorted(set(t for t, _ in exc.failures.values()))
+    try:
+        objcomm.all_reduce({"r": rank}, "merge", accept=["msgpack"] if rank == 0 else None)
+        accept: Any = "returned"
+    except objcomm.RemoteError as exc:
+        accept = {r: t for r, (t, _) in exc.failures.items()}
+    return {"max_bytes": outcome, "accept": accept, "after": objcomm.all_reduce(1, "sum") == dist.get_world_size()}
+
+
+def test_max_bytes_and_accept_refusals_reach_every_rank():
+    for result in get_pool(2).run(refused):
+        assert result["max_bytes"] == ["TooLargeError"]
+        assert result["accept"] == {0: "ContentRefusedError"}
+        assert result["after"]
+
+
+def in_a_subgroup() -> Any:
+    group = dist.new_group([1, 2, 3])
+    rank = dist.get_rank()
+    if rank == 0:
+        return None
+    return objcomm.all_reduce(str(rank), "sum", group=group), objcomm.reduce([rank], "sum", dst=3, group=group)
+
+
+def test_a_subgroup_combines_in_group_rank_order():
+    assert get_pool(4).run(in_a_subgroup) == [None, ("123", None), ("123", None), ("123", [1, 2, 3])]
+
+
+def test_without_a_group_the_object_comes_back():
+    assert objcomm.all_reduce({"a": 1}, "merge") == {"a": 1}
+    assert objcomm.reduce([1], "sum") == [1]
+    with pytest.raises(ValueError, match="op must be a callable"):
+        objcomm.all_reduce(1, "average")
