@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from serializers import SerializerLike
 
 from ._communicator import Communicator
-from ._errors import RemoteError
+from ._errors import remote_error
 
 _OP = "collect_results"
 
@@ -137,7 +137,7 @@ def _check_agreement(meta: List[Any], problem: Optional[Exception]) -> None:
     if failures:
         if len(meta) == 1 and problem is not None:
             raise problem  # a group of one: the caller's own mistake, as is
-        raise RemoteError(_OP, failures) from problem
+        raise remote_error(_OP, failures, problem) from problem
     with_indices = [r for r, m in enumerate(meta) if m[1]]
     if with_indices and len(with_indices) != len(meta):
         without = [r for r, m in enumerate(meta) if not m[1]]

@@ -12,7 +12,7 @@ from serializers import SerializerLike, registry
 
 from . import _framing, _reduce, _shm, _state, _transport
 from ._device import group_backend, resolve_device
-from ._errors import CommunicationError, Failure, ObjcommError, RemoteError
+from ._errors import CommunicationError, Failure, ObjcommError, remote_error, with_original_type
 from ._segments import SegmentBook
 from ._settings import CallOptions, call_kwargs, given, resolve
 from ._transport import Incoming, Outgoing
@@ -59,7 +59,7 @@ class _Call:
     def raise_failures(self, op: str, incoming: Sequence[Optional[Incoming]], local: Optional[BaseException]) -> None:
         failures = self.failures(incoming)
         if failures:
-            raise RemoteError(op, failures) from local
+            raise remote_error(op, failures, local) from local
 
     def decode(self, item: Optional[Incoming], sender: int, own: bool = False) -> Any:
         if item is None:
@@ -316,7 +316,7 @@ class Communicator:
         out, local = call.encode(obj)
         _transport.send(wire, out, peer)
         if local is not None:
-            raise local
+            raise with_original_type(local)
 
     def recv(
         self, src: Optional[int] = None, tag: int = 0, *, accept: Optional[Collection[str]] = None,

@@ -83,3 +83,59 @@ class RemoteError(ObjcommError, RuntimeError):
     def ranks(self) -> list[int]:
         """The failing ranks, ascending."""
         return list(self.failures)
+
+    def __reduce__(self) -> tuple:  # the combined classes of remote_error() exist only at run time
+        extra = [k for k in type(self).__bases__ if k is not RemoteError]
+        return _unpickle_remote_error, (self.op, self.failures, extra[0] if extra else None)
+
+
+def _unpickle_remote_error(op: str, failures: Dict[int, Failure], kind: type | None) -> RemoteError:
+    return (RemoteError if kind is None else also_instance_of(RemoteError, kind))(op, failures)
+
+
+# -- the failing rank's own exception type ---------------------------------------------------------
+def original(exc: BaseException) -> BaseException:
+    """What really failed: an :class:`EncodeError`'s cause (the serializer's own exception, e.g.
+    ``pickle.PicklingError``), else ``exc`` itself."""
+    while isinstance(exc, EncodeError) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+_COMBINED: Dict[Tuple[type, type], type] = {}
+
+
+def also_instance_of(base: type, kind: type) -> type:
+    """A subclass of ``base`` that is also ``kind``, so that code catching the original type (as it
+    would around torch's object collectives) catches objcomm's exception too; ``base`` itself when
+    the two cannot be combined (incompatible layouts, final classes) or already are."""
+    if issubclass(base, kind) or not issubclass(kind, Exception):
+        return base
+    key = (base, kind)
+    if key not in _COMBINED:
+        try:
+            namespace = {"__str__": BaseException.__str__, "__module__": base.__module__, "__doc__": base.__doc__}
+            _COMBINED[key] = type(base.__name__, (base, kind), namespace)
+        except TypeError:  # e.g. a layout conflict (OSError's fields) or a class that forbids subclassing
+            _COMBINED[key] = base
+    return _COMBINED[key]
+
+
+def with_original_type(exc: BaseException) -> BaseException:
+    """``exc``, or a copy of it that is also an instance of :func:`original`'s type: what the failing
+    rank raises itself (a sender whose object cannot be encoded), so that ``except PicklingError``
+    written for torch's object collectives still catches it."""
+    cls = also_instance_of(type(exc), type(original(exc)))
+    if cls is type(exc):
+        return exc
+    copy = cls(*exc.args)
+    copy.__dict__.update(exc.__dict__)
+    copy.__cause__, copy.__traceback__ = exc.__cause__, exc.__traceback__
+    return copy
+
+
+def remote_error(op: str, failures: Dict[int, Failure], local: BaseException | None) -> RemoteError:
+    """The :class:`RemoteError` a rank raises; on a rank whose own step failed (``local``), one that
+    is also an instance of what failed there (see :func:`also_instance_of`)."""
+    cls = RemoteError if local is None else also_instance_of(RemoteError, type(original(local)))
+    return cls(op, failures)

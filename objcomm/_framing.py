@@ -42,6 +42,7 @@ from ._errors import (
     ObjcommError,
     TooLargeError,
     UnknownSerializerError,
+    original,
 )
 from ._tensors import Entry, TensorLifter, parse_table, restorer
 from ._wire import Incoming, Outgoing
@@ -165,10 +166,12 @@ def encode(
 
 
 def error_frame(exc: BaseException, limit: int) -> Outgoing:
-    """An error report about ``exc`` in at most ``limit`` bytes (the message is cut to fit)."""
+    """An error report about ``exc`` in at most ``limit`` bytes (the message is cut to fit). The type
+    is what really failed (an :class:`EncodeError`'s cause, e.g. ``PicklingError``), the message ``exc``'s."""
     message = str(exc)
+    kind = type(original(exc)).__name__
     while True:
-        payload = json.dumps({"type": type(exc).__name__, "message": message}).encode()
+        payload = json.dumps({"type": kind, "message": message}).encode()
         frame = _assemble("", payload, flags=FLAG_ERROR)
         if frame.nbytes <= limit or not message:
             return Outgoing(frame, error=True)

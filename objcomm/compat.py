@@ -240,10 +240,15 @@ def scatter_object_list(
         if _my_rank() == root and scatter_object_input_list is None:
             raise ValueError("scatter_object_list: the source rank must pass scatter_object_input_list") from exc
         raise
-    if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
+    if not isinstance(scatter_object_output_list, list):
         raise ValueError(
             "scatter_object_list: scatter_object_output_list must be a list of at least one element, "
             f"got {type(scatter_object_output_list).__name__}; the received object was dropped"
+        )
+    if not scatter_object_output_list:
+        raise ValueError(
+            "scatter_object_list: scatter_object_output_list is empty; pass a list of at least one element "
+            "(e.g. [None]), whose element 0 receives this rank's object. The received object was dropped"
         )
     scatter_object_output_list[0] = item
     return None

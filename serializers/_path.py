@@ -53,10 +53,10 @@ def locate(obj: Any, rejects: Callable[[Any, bool], bool], root: str = "$") -> O
 
 
 def describe(value: Any) -> str:
-    """A short type name for messages: ``set``, ``numpy.ndarray``, ``torch.Tensor``."""
+    """The type's name for messages: ``set``, ``numpy.ndarray``, ``torch.Tensor``,
+    ``torch.nn.modules.linear.Linear`` (the whole module path: where to find the class)."""
     cls = type(value)
     module = cls.__module__
     if module in ("builtins", "__builtin__"):
         return cls.__qualname__
-    top = module.split(".")[0]
-    return f"{top}.{cls.__qualname__}" if top in ("numpy", "torch") else f"{module}.{cls.__qualname__}"
+    return f"{module}.{cls.__qualname__}"

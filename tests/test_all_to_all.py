@@ -92,7 +92,7 @@ def failing(position: int, how: str) -> Dict[str, Any]:
 @pytest.mark.parametrize("position", [0, 2, 3])
 def test_a_failing_rank_fails_the_call_on_every_rank(position, how):
     results = get_pool(4).run(failing, position, how)
-    expected_type = "EncodeError" if how == "encode" else "ValueError"
+    expected_type = "TypeError" if how == "encode" else "ValueError"
     for rank, result in enumerate(results):
         assert result["after"]
         assert result["outcome"]["ranks"] == [position] and result["outcome"]["types"] == [expected_type]

@@ -345,5 +345,7 @@ def test_without_a_process_group_the_collectives_act_as_a_group_of_one():
     assert lst == ["keep"]
     compat.scatter_object_list(out, ["only"], group_src=0)
     assert out == ["only"]
+    with pytest.raises(ValueError, match="scatter_object_output_list is empty"):
+        compat.scatter_object_list([], ["only"], group_src=0)
     with pytest.raises(objcomm.ObjcommError, match="init_process_group"):
         compat.send_object_list([1], dst=1)

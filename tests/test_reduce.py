@@ -126,8 +126,8 @@ def failing(position: int, how: str, op_name: str) -> Dict[str, Any]:
 # ranks that combine (and so call op) in a tree of 4: 0 (children 1, 2) and 2 (child 3); leaves: 1, 3
 @pytest.mark.parametrize("op_name", ["all_reduce", "reduce"])
 @pytest.mark.parametrize(("position", "how", "expected"), [
-    (0, "op", "KeyError"), (2, "op", "KeyError"), (3, "encode", "EncodeError"), (1, "encode", "EncodeError"),
-    (0, "encode", "EncodeError"), (2, "unknown-op", "ValueError"),
+    (0, "op", "KeyError"), (2, "op", "KeyError"), (3, "encode", "TypeError"), (1, "encode", "TypeError"),
+    (0, "encode", "TypeError"), (2, "unknown-op", "ValueError"),
 ])
 def test_a_failure_anywhere_reaches_every_rank(position, how, expected, op_name):
     for result in get_pool(4).run(failing, position, how, op_name):

@@ -145,3 +145,11 @@ def test_serialization_errors_are_objcomm_errors():
 def test_serializers_import_without_torch():
     code = "import sys, serializers; serializers.get('msgpack').dumps({1: 2}); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("name", ["json", "msgpack"])
+def test_a_class_from_a_torch_submodule_is_named_with_its_module(name):
+    import torch
+
+    with pytest.raises(EncodeError, match=r"torch\.nn\.modules\.linear\.Linear"):
+        serializers.get(name).dumps({"model": torch.nn.Linear(1, 1)})
