@@ -8,29 +8,15 @@ Example (under ``torchrun``, or in a plain process where every call acts as a gr
     config = objcomm.broadcast(config if rank == 0 else None, src=0)
 
 Serializers live in the torch-free ``serializers`` package; see ``serializers.available()``.
+
+Each public name is imported from its private module on first use (PEP 562), so ``import objcomm``
+and ``objcomm --help`` do not import torch; ``_PUBLIC`` says where each name lives.
 """
 
 from __future__ import annotations
 
-from . import compat
-from ._api import all_gather, all_reduce, all_to_all, broadcast, gather, recv, reduce, scatter, send
-from ._collect import collect_results
-from ._communicator import Communicator
-from ._compression import MissingDependencyError
-from ._device import device_for_backend
-from ._errors import (
-    CommunicationError,
-    ContentRefusedError,
-    DecodeError,
-    EncodeError,
-    FrameError,
-    ObjcommError,
-    RemoteError,
-    SerializationError,
-    TooLargeError,
-    UnknownSerializerError,
-)
-from ._settings import Settings, configure, restore, settings
+import importlib
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 __version__ = "0.1.0"
 
@@ -65,3 +51,54 @@ __all__ = [
     "send",
     "settings",
 ]
+
+# Where each public name lives: a module is imported the first time one of its names is used.
+_PUBLIC: Dict[str, Tuple[str, ...]] = {
+    "._api": ("all_gather", "all_reduce", "all_to_all", "broadcast", "gather", "recv", "reduce", "scatter", "send"),
+    "._collect": ("collect_results",),
+    "._communicator": ("Communicator",),
+    "._compression": ("MissingDependencyError",),
+    "._device": ("device_for_backend",),
+    "._errors": ("CommunicationError", "ContentRefusedError", "DecodeError", "EncodeError", "FrameError",
+                 "ObjcommError", "RemoteError", "SerializationError", "TooLargeError", "UnknownSerializerError"),
+    "._settings": ("Settings", "configure", "restore", "settings"),
+}
+_SUBMODULES = ("compat",)  # public modules
+_HOME = {name: module for module, names in _PUBLIC.items() for name in names}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from . import compat
+    from ._api import all_gather, all_reduce, all_to_all, broadcast, gather, recv, reduce, scatter, send
+    from ._collect import collect_results
+    from ._communicator import Communicator
+    from ._compression import MissingDependencyError
+    from ._device import device_for_backend
+    from ._errors import (
+        CommunicationError,
+        ContentRefusedError,
+        DecodeError,
+        EncodeError,
+        FrameError,
+        ObjcommError,
+        RemoteError,
+        SerializationError,
+        TooLargeError,
+        UnknownSerializerError,
+    )
+    from ._settings import Settings, configure, restore, settings
+else:
+
+    def __getattr__(name: str) -> Any:
+        """Import the module that defines public ``name`` on its first use, and keep the name here."""
+        if name in _SUBMODULES:
+            return importlib.import_module(f".{name}", __name__)  # the import binds it here too
+        home = _HOME.get(name)
+        if home is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(home, __name__), name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

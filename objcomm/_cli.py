@@ -17,9 +17,8 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, cast
 import serializers
 
 from ._bench import _launch
-from ._bench._measure import OPS
-from ._bench._payloads import BUILTIN, parse_size
-from ._bench._runner import BenchConfig, import_modules, resolve_payload
+from ._bench._config import OPS, BenchConfig, import_modules
+from ._bench._payloads import BUILTIN, parse_size, resolve_payload
 
 DEFAULT_SIZES = "1KB,64KB,1MB"
 QUICK_SIZES = "1KB"

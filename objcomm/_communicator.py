@@ -8,7 +8,7 @@ from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tup
 import torch
 import torch.distributed as dist
 
-from serializers import SerializerLike, registry
+from serializers import SerializerLike, SerializerProtocol, registry
 
 from . import _framing, _reduce, _shm, _state, _transport
 from ._device import group_backend, resolve_device
@@ -26,7 +26,7 @@ class _Call:
     """One call, resolved: its settings, the serializer object and the wire (None: no group)."""
 
     options: CallOptions
-    serializer: Any
+    serializer: SerializerProtocol
     wire: Optional[_transport.Wire]
 
     @property
@@ -146,7 +146,7 @@ class Communicator:
         """Resolve one call from its per-call keyword arguments (see :func:`objcomm._settings.resolve`)."""
         layer = self._given if self._separate_hosts is None else {**self._given, "separate_hosts": self._separate_hosts}
         options = resolve(kwargs, layer)
-        return _Call(options, registry.get(options.serializer), self._wire(options))
+        return _Call(options, registry.guarded(options.serializer), self._wire(options))
 
     def _wire(self, options: CallOptions) -> Optional[_transport.Wire]:
         if not (dist.is_available() and dist.is_initialized()):

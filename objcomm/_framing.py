@@ -37,7 +37,6 @@ from . import _compression
 from ._errors import (
     ContentRefusedError,
     DecodeError,
-    EncodeError,
     FrameError,
     ObjcommError,
     TooLargeError,
@@ -132,18 +131,11 @@ def encode(
 ) -> Outgoing:
     """Serialize ``obj`` into a frame plus out-of-band tensors; raise :class:`EncodeError` or :class:`TooLargeError`.
 
-    Tensors are lifted out when the serializer supports it (the pickle family, msgpack).
+    ``serializer`` is one ``serializers.registry.guarded()`` returns, so it raises only objcomm's
+    errors. Tensors are lifted out when it supports that (the pickle family, msgpack).
     """
     lifter = TensorLifter()
-    try:
-        if getattr(serializer, "supports_external", False):
-            payload = serializer.dumps(obj, lift=lifter)  # type: ignore[call-arg]
-        else:
-            payload = serializer.dumps(obj)
-    except ObjcommError:
-        raise
-    except Exception as exc:  # a user serializer's own exception, or a __reduce__ that raised
-        raise EncodeError(f"{serializer.name} cannot encode {type(obj).__name__}: {type(exc).__name__}: {exc}") from exc
+    payload = serializer.dumps(obj, lift=lifter)
     table, inline, oob = lifter.pack(inline_tensor_bytes)
     raw = memoryview(payload).cast("B")
     code, stored = _compression.compress(compression, raw)
@@ -261,7 +253,7 @@ def decode(
             "add it to accept= if you trust the sender, or send with an accepted serializer"
         )
     try:
-        serializer = registry.get(header.serializer)
+        serializer = registry.guarded(header.serializer)
     except UnknownSerializerError as exc:
         raise UnknownSerializerError(
             f"rank {sender} sent a frame encoded with {header.serializer!r}, but {exc}"
@@ -273,15 +265,13 @@ def decode(
         payload = memoryview(_compression.decompress(header.compression, payload, header.raw_len, max_bytes))
     inline = view[start + header.payload_len :]
     try:
-        if entries:
-            restore = restorer(entries, inline, incoming.tensors, device, own=own)
-            if not getattr(serializer, "supports_external", False):
-                raise DecodeError(f"{header.serializer!r} cannot take tensors out of band, yet the frame carries some")
-            return serializer.loads(payload, restore=restore)  # type: ignore[call-arg]
-        return serializer.loads(payload)
+        restore = restorer(entries, inline, incoming.tensors, device, own=own) if entries else None
+        if restore is not None and not serializer.supports_external:
+            raise DecodeError(f"{header.serializer!r} cannot take tensors out of band, yet the frame carries some")
+        return serializer.loads(payload, restore=restore)
     except ContentRefusedError as exc:
         raise ContentRefusedError(f"payload from rank {sender}: {exc}") from exc
     except FrameError:
         raise
-    except Exception as exc:
+    except ObjcommError as exc:  # the serializer's own DecodeError: say where the payload came from
         raise DecodeError(f"could not decode the {header.serializer!r} payload from rank {sender}: {exc}") from exc

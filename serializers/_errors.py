@@ -4,7 +4,7 @@ This module defines the part of the tree that needs no torch: :class:`ObjcommErr
 :class:`SerializationError` with :class:`EncodeError` and :class:`DecodeError`,
 :class:`UnknownSerializerError` and :class:`ContentRefusedError`. The whole tree, with what
 each error means, is drawn once, in :mod:`objcomm._errors`. Backend exceptions are wrapped
-(:func:`decoding`) with the original kept as ``__cause__``.
+(:func:`encoding`, :func:`decoding`) with the original kept as ``__cause__``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,17 @@ class UnknownSerializerError(ObjcommError, LookupError):
 
 class ContentRefusedError(ObjcommError):
     """The receiver refuses this content: a serializer outside ``accept`` or a global not allowed."""
+
+
+@contextmanager
+def encoding(serializer: str, obj: Any) -> Iterator[None]:
+    """Turn any non-objcomm exception raised while ``serializer`` encodes ``obj`` into an EncodeError."""
+    try:
+        yield
+    except ObjcommError:
+        raise
+    except Exception as exc:
+        raise EncodeError(f"{serializer} cannot encode {type(obj).__name__}: {type(exc).__name__}: {exc}") from exc
 
 
 @contextmanager

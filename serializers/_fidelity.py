@@ -1,6 +1,7 @@
 """Which Python types each serializer round-trips exactly, converts, or refuses.
 
-The table is measured, not declared: every probe value is encoded and decoded for real.
+The table is measured, not declared: every probe value is encoded and decoded for real, and
+:func:`judge` (which ``objcomm bench`` uses too) says what came back.
 
 >>> fidelity("json")["tuple"].verdict
 'converted'
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -17,6 +19,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ._errors import ObjcommError
 from ._protocol import SerializerProtocol
 from ._registry import SerializerLike, registry
+
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 
 
 @dataclass(frozen=True)
@@ -38,29 +42,113 @@ class Verdict:
         return f"{self.verdict} ({self.note})" if self.note else self.verdict
 
 
-def _numpy_array() -> Any:
-    import numpy as np
+def judge(sent: Any, got: Any) -> Tuple[str, str]:
+    """Judge a round trip: ``("exact", "")``, ``("converted", what)`` if only types changed, else ``("lossy", where)``.
 
-    return np.arange(6, dtype=np.float32).reshape(2, 3)
+    ``what`` and ``where`` name the first difference (``"tuple → list at $['a']"``). The one judge
+    for :func:`fidelity` and ``objcomm bench``: arrays and tensors compare by dtype, shape (and
+    device) and values, and NaN equals NaN.
+    """
+    difference = _difference(sent, got, "$")
+    if difference is None:
+        return "exact", ""
+    return ("converted" if _loosely_equal(sent, got) else "lossy"), difference
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal and of the same types all the way down (NaN equals NaN, arrays compare by dtype/shape/data)."""
+    """Equal and of the same types all the way down."""
+    return _difference(a, b, "$") is None
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")  # a tensor exists only where torch was imported: never import it here
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _plain(value: Any) -> str:
+    return str(tuple(value)) if type(value).__name__ == "Size" else str(value).replace("torch.", "")
+
+
+def _tensors_equal(a: Any, b: Any) -> bool:
+    torch = sys.modules["torch"]
+    return bool(a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and torch.equal(a, b))
+
+
+def _same_scalar_types(a: Any, b: Any) -> bool:
+    """Whether two iterables hold scalars only, of the same types in the same order (at C speed)."""
+    types = list(map(type, a))
+    return types == list(map(type, b)) and _SCALARS.issuperset(types)
+
+
+def _difference(a: Any, b: Any, path: str) -> Optional[str]:
+    """Where ``b`` first differs from ``a`` in type or value (``None``: exactly the same)."""
     if type(a) is not type(b):
-        return False
+        return f"{type(a).__name__} → {type(b).__name__} at {path}"
+    if _is_tensor(a):
+        if _tensors_equal(a, b):
+            return None
+        for what in ("dtype", "shape", "device"):
+            if getattr(a, what) != getattr(b, what):
+                return f"tensor {what} {_plain(getattr(a, what))} → {_plain(getattr(b, what))} at {path}"
+        return f"tensor values changed at {path}"
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return f"keys changed at {path}"
+        if _same_scalar_types(a, b) and _same_scalar_types(a.values(), b.values()) and a == b:
+            return None  # a fast path for flat dicts; NaN values fall through to the slow one
+        for key in a:
+            found = _difference(a[key], b[key], f"{path}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return f"length {len(a)} → {len(b)} at {path}"
+        if _same_scalar_types(a, b) and a == b:
+            return None
+        for index, (x, y) in enumerate(zip(a, b)):
+            found = _difference(x, y, f"{path}[{index}]")
+            if found is not None:
+                return found
+        return None
+    return None if _same_leaf(a, b) else f"value changed at {path}"
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    """Two values of one type, not containers: equal (NaN equals NaN, arrays by dtype, shape and data)."""
     if type(a).__module__ == "numpy":
         import numpy as np
 
         return bool(a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b))
     if isinstance(a, float):
         return a == b or (math.isnan(a) and math.isnan(b))
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if callable(a) and not isinstance(a, type):
         return bool(a(3) == b(3))
     return bool(a == b)
+
+
+def _loosely_equal(a: Any, b: Any) -> bool:
+    """Equal values, allowing container types to change (tuple → list, OrderedDict → dict)."""
+    if _is_tensor(a) or _is_tensor(b):
+        return _is_tensor(a) and _is_tensor(b) and bool((a.shape == b.shape) and (a == b).all())
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_loosely_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_loosely_equal(x, y) for x, y in zip(a, b))
+    if type(a).__module__ == "numpy" or type(b).__module__ == "numpy":
+        import numpy as np
+
+        return bool(np.shape(a) == np.shape(b) and np.array_equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _numpy_array() -> Any:
+    import numpy as np
+
+    return np.arange(6, dtype=np.float32).reshape(2, 3)
 
 
 # (label, factory) pairs; factories so numpy is imported only when the table is asked for.
@@ -90,21 +178,15 @@ PROBES: List[Tuple[str, Callable[[], Any]]] = [
 
 
 def probe(serializer: SerializerProtocol, value: Any) -> Verdict:
-    """Round-trip ``value`` through ``serializer`` and judge the result."""
+    """Round-trip ``value`` through ``serializer`` and :func:`judge` the result."""
     try:
         back = serializer.loads(serializer.dumps(value))
     except ObjcommError:
         return Verdict("refused")
     except Exception as exc:  # a user serializer raising its own errors
         return Verdict("refused", type(exc).__name__)
-    if _same(value, back):
-        return Verdict("exact")
-    try:
-        equal = bool(back == value) or bool(back == type(back)(value))
-    except Exception:
-        equal = False
-    note = f"{type(value).__name__} → {type(back).__name__}"
-    return Verdict("converted" if equal else "lossy", note)
+    verdict, note = judge(value, back)
+    return Verdict(verdict, note.removesuffix(" at $"))  # a table cell: "tuple → list"
 
 
 def fidelity(serializer: Optional[SerializerLike] = None) -> Dict[str, Any]:

@@ -44,6 +44,7 @@ class JsonSerializer(Serializer):
     name = "json"
     safe = True
     description = "JSON via orjson: portable, safe; tuples become lists, non-JSON types refused unless a codec"
+    _raises_own_errors = True
 
     def __init__(self, registry: CodecRegistry = codecs) -> None:
         self._codecs = registry

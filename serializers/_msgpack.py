@@ -33,7 +33,9 @@ present, digit counts of big ints).
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 from collections import OrderedDict
+from contextvars import ContextVar
 from typing import Any, Callable, Dict, Optional
 
 from . import _rebuild
@@ -50,6 +52,23 @@ _NATIVE = (type(None), bool, int, float, str, bytes, bytearray, list, dict)
 _INT_RANGE = (-(2**63), 2**64 - 1)
 
 
+class _Decoding:
+    """One ``loads`` call: its ``restore`` hook and how deep extension values nest at this moment."""
+
+    __slots__ = ("restore", "depth")
+
+    def __init__(self, restore: Restore | None) -> None:
+        self.restore = restore
+        self.depth = 0
+
+
+# The hooks are built once per serializer; what differs per call reaches them through these: the
+# call's lift= while encoding, its restore= and extension depth while decoding. Context variables
+# keep threads (and asyncio tasks) apart, and a nested call (a codec that uses msgpack) sets its own.
+_LIFT: ContextVar[Optional[Lift]] = ContextVar("objcomm_msgpack_lift", default=None)
+_DECODING: ContextVar[_Decoding] = ContextVar("objcomm_msgpack_decoding")
+
+
 def _is_numpy(value: Any) -> bool:
     return type(value).__module__ == "numpy"
 
@@ -61,62 +80,95 @@ class MsgpackSerializer(Serializer):
     safe = True
     description = "msgpack: compact, safe; builtins, numpy, datetime exact via ext types; codecs for the rest"
     supports_external = True
+    _raises_own_errors = True
 
     def __init__(self, registry: CodecRegistry = codecs) -> None:
+        # Codecs are looked up in ``registry`` on every value: ones registered later count too.
         self._codecs = registry
+        unpack = self._unpack
+        # how each extension's bytes decode; built once, like the hooks below
+        self._decoders: Dict[int, Callable[[bytes], Any]] = {
+            TUPLE: lambda raw: tuple(_array(unpack(raw))),
+            SET: lambda raw: set(_array(unpack(raw))),
+            FROZENSET: lambda raw: frozenset(_array(unpack(raw))),
+            BIGINT: lambda raw: int(_rebuild.bounded_int_text(raw.decode("ascii"), "msgpack big int")),
+            DATETIME: lambda raw: _dt.datetime.fromisoformat(_short_text(raw)),
+            DATE: lambda raw: _dt.date.fromisoformat(_short_text(raw)),
+            TIMEDELTA: lambda raw: _dt.timedelta(*_numbers(unpack(raw), 3)),
+            COMPLEX: lambda raw: complex(*_numbers(unpack(raw), 2)),
+            ODICT: lambda raw: OrderedDict(_array(unpack(raw))),
+            NDARRAY: lambda raw: _decode_ndarray(*_array(unpack(raw), 3)),
+            NPSCALAR: lambda raw: _rebuild.numpy_scalar(*_array(unpack(raw), 2)),
+            CODEC: lambda raw: self._decode_codec(*_array(unpack(raw), 2)),
+            EXTERNAL: lambda raw: _restore_external(_DECODING.get().restore, unpack(raw)),
+        }
+
+    @functools.cached_property
+    def _msgpack(self) -> Any:
+        import msgpack  # on first use, not when serializers is imported
+
+        return msgpack
+
+    @functools.cached_property
+    def _packb(self) -> Callable[[Any], bytes]:
+        """``msgpack.packb`` with this serializer's ``default=`` hook."""
+        return functools.partial(self._msgpack.packb, default=self._default, use_bin_type=True, strict_types=True)
+
+    @functools.cached_property
+    def _unpackb(self) -> Callable[[Any], Any]:
+        """``msgpack.unpackb`` with this serializer's ``ext_hook=``; msgpack's timestamps decode to UTC datetimes."""
+        return functools.partial(
+            self._msgpack.unpackb, ext_hook=self._ext_hook, raw=False, strict_map_key=False, timestamp=3
+        )
 
     # -- encoding ---------------------------------------------------------------------------
     def dumps(self, obj: Any, /, *, lift: Lift | None = None) -> Buffer:
-        import msgpack
-
-        default = self._default_hook(lift)
+        token = _LIFT.set(lift)
         try:
-            return msgpack.packb(obj, default=default, use_bin_type=True, strict_types=True)  # type: ignore[no-any-return]
+            return self._packb(obj)
         except EncodeError:
             raise
         except Exception as exc:
             raise self._encode_error(obj, exc, lift) from exc
+        finally:
+            _LIFT.reset(token)
 
-    def _default_hook(self, lift: Lift | None) -> Callable[[Any], Any]:
-        import msgpack
+    def _default(self, value: Any) -> Any:
+        """The ``default=`` hook: out of band first (when this call lifts), then codecs and extension types."""
+        lift = _LIFT.get()
+        if lift is not None:
+            key = lift(value)
+            if key is not None:
+                return self._msgpack.ExtType(EXTERNAL, self._packb(key))
+        return self._ext_type(value)
 
-        ext = msgpack.ExtType
-
-        def pack(value: Any) -> bytes:
-            return msgpack.packb(value, default=default, use_bin_type=True, strict_types=True)  # type: ignore[no-any-return]
-
-        def default(value: Any) -> Any:
-            cls = type(value)
-            if lift is not None:
-                key = lift(value)
-                if key is not None:
-                    return ext(EXTERNAL, pack(key))
-            codec = self._codecs.for_value(value)
-            if codec is not None:
-                return ext(CODEC, pack([codec.name, codec.encode(value)]))
-            if cls is tuple:
-                return ext(TUPLE, pack(list(value)))
-            if cls is set:
-                return ext(SET, pack(list(value)))
-            if cls is frozenset:
-                return ext(FROZENSET, pack(list(value)))
-            if cls is int:
-                return ext(BIGINT, str(value).encode())
-            if cls is _dt.datetime:
-                return ext(DATETIME, value.isoformat().encode())
-            if cls is _dt.date:
-                return ext(DATE, value.isoformat().encode())
-            if cls is _dt.timedelta:
-                return ext(TIMEDELTA, pack([value.days, value.seconds, value.microseconds]))
-            if cls is complex:
-                return ext(COMPLEX, pack([value.real, value.imag]))
-            if cls is OrderedDict:
-                return ext(ODICT, pack([[k, v] for k, v in value.items()]))
-            if _is_numpy(value):
-                return self._numpy_ext(value, pack, ext)
-            raise TypeError(f"no msgpack encoding for {describe(value)}")
-
-        return default
+    def _ext_type(self, value: Any) -> Any:
+        """The extension value for what msgpack cannot carry natively; ``TypeError`` if there is none."""
+        ext, pack, cls = self._msgpack.ExtType, self._packb, type(value)
+        codec = self._codecs.for_value(value)
+        if codec is not None:
+            return ext(CODEC, pack([codec.name, codec.encode(value)]))
+        if cls is tuple:
+            return ext(TUPLE, pack(list(value)))
+        if cls is set:
+            return ext(SET, pack(list(value)))
+        if cls is frozenset:
+            return ext(FROZENSET, pack(list(value)))
+        if cls is int:
+            return ext(BIGINT, str(value).encode())
+        if cls is _dt.datetime:
+            return ext(DATETIME, value.isoformat().encode())
+        if cls is _dt.date:
+            return ext(DATE, value.isoformat().encode())
+        if cls is _dt.timedelta:
+            return ext(TIMEDELTA, pack([value.days, value.seconds, value.microseconds]))
+        if cls is complex:
+            return ext(COMPLEX, pack([value.real, value.imag]))
+        if cls is OrderedDict:
+            return ext(ODICT, pack([[k, v] for k, v in value.items()]))
+        if _is_numpy(value):
+            return self._numpy_ext(value, pack, ext)
+        raise TypeError(f"no msgpack encoding for {describe(value)}")
 
     @staticmethod
     def _numpy_ext(value: Any, pack: Callable[[Any], bytes], ext: Any) -> Any:
@@ -133,15 +185,13 @@ class MsgpackSerializer(Serializer):
         raise TypeError(f"no msgpack encoding for {describe(value)}")
 
     def _encode_error(self, obj: Any, exc: BaseException, lift: Lift | None) -> EncodeError:
-        default = self._default_hook(None)
-
         def rejects(value: Any, is_key: bool) -> bool:
             if type(value) in _NATIVE and not (type(value) is int and not _INT_RANGE[0] <= value <= _INT_RANGE[1]):
                 return False
             if lift is not None and lift(value) is not None:
                 return False
             try:
-                default(value)
+                self._ext_type(value)
             except Exception:
                 return True
             return False
@@ -155,44 +205,30 @@ class MsgpackSerializer(Serializer):
 
     # -- decoding ---------------------------------------------------------------------------
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
-        import msgpack
+        token = _DECODING.set(_Decoding(restore))
+        try:
+            with decoding(self.name, data):
+                return self._unpack(data)
+        finally:
+            _DECODING.reset(token)
 
-        def unpack(raw: bytes) -> Any:
-            _check_complete(msgpack, raw)
-            # timestamp=3: msgpack's own timestamp extension (-1) decodes to a UTC datetime
-            return msgpack.unpackb(raw, ext_hook=ext_hook, raw=False, strict_map_key=False, timestamp=3)
+    def _unpack(self, raw: Any) -> Any:
+        _check_complete(self._msgpack, raw)
+        return self._unpackb(raw)
 
-        decoders: Dict[int, Callable[[bytes], Any]] = {
-            TUPLE: lambda raw: tuple(_array(unpack(raw))),
-            SET: lambda raw: set(_array(unpack(raw))),
-            FROZENSET: lambda raw: frozenset(_array(unpack(raw))),
-            BIGINT: lambda raw: int(_rebuild.bounded_int_text(raw.decode("ascii"), "msgpack big int")),
-            DATETIME: lambda raw: _dt.datetime.fromisoformat(_short_text(raw)),
-            DATE: lambda raw: _dt.date.fromisoformat(_short_text(raw)),
-            TIMEDELTA: lambda raw: _dt.timedelta(*_numbers(unpack(raw), 3)),
-            COMPLEX: lambda raw: complex(*_numbers(unpack(raw), 2)),
-            ODICT: lambda raw: OrderedDict(_array(unpack(raw))),
-            NDARRAY: lambda raw: _decode_ndarray(*_array(unpack(raw), 3)),
-            NPSCALAR: lambda raw: _rebuild.numpy_scalar(*_array(unpack(raw), 2)),
-            CODEC: lambda raw: self._decode_codec(*_array(unpack(raw), 2)),
-            EXTERNAL: lambda raw: _restore_external(restore, unpack(raw)),
-        }
-        depth = [0]
-
-        def ext_hook(code: int, raw: bytes) -> Any:
-            decoder = decoders.get(code)
-            if decoder is None:
-                raise DecodeError(f"msgpack payload holds unknown extension type {code}; was it written by objcomm?")
-            if depth[0] >= MAX_EXT_DEPTH:
-                raise DecodeError(f"msgpack payload nests extension types (tuples, sets...) over {MAX_EXT_DEPTH} deep")
-            depth[0] += 1
-            try:
-                return decoder(raw)
-            finally:
-                depth[0] -= 1
-
-        with decoding(self.name, data):
-            return unpack(data)
+    def _ext_hook(self, code: int, raw: bytes) -> Any:
+        """The ``ext_hook=``: decode one extension value, at most ``MAX_EXT_DEPTH`` deep."""
+        decoder = self._decoders.get(code)
+        if decoder is None:
+            raise DecodeError(f"msgpack payload holds unknown extension type {code}; was it written by objcomm?")
+        state = _DECODING.get()
+        if state.depth >= MAX_EXT_DEPTH:
+            raise DecodeError(f"msgpack payload nests extension types (tuples, sets...) over {MAX_EXT_DEPTH} deep")
+        state.depth += 1
+        try:
+            return decoder(raw)
+        finally:
+            state.depth -= 1
 
     def _decode_codec(self, name: str, value: Any) -> Any:
         codec = self._codecs.by_name(name) if type(name) is str else None

@@ -66,6 +66,7 @@ class PickleSerializer(Serializer):
     safe = False
     description = "stdlib pickle (protocol 5): any picklable object, exact; loads can run arbitrary code"
     supports_external = True
+    _raises_own_errors = True
     hint = "cloudpickle can carry lambdas, closures and classes defined in __main__"
 
     def _pickler_base(self) -> type:
@@ -114,6 +115,7 @@ class CloudpickleSerializer(PickleSerializer):
 
     name = "cloudpickle"
     description = "cloudpickle: pickle plus lambdas, closures, __main__ classes; loads can run arbitrary code"
+    _raises_own_errors = True
     hint = "the value holds something cloudpickle cannot pickle (a lock, a socket, an open file?)"
 
     def _pickler_base(self) -> type:

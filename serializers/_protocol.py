@@ -1,20 +1,15 @@
-"""What a serializer is: a name, ``dumps``/``loads`` and two pieces of metadata.
+"""What a serializer is: a name, ``dumps``/``loads`` and three pieces of metadata.
 
-Out-of-band objects
--------------------
-A serializer whose ``supports_external`` is True accepts two keyword-only hooks that let the
-caller carry some objects outside the byte stream (objcomm uses them for tensors):
-
-- ``dumps(obj, lift=fn)``: ``fn(value)`` is offered non-builtin values; it returns an ``int``
-  key when it takes the value out of band, or ``None`` to let the serializer encode it.
-- ``loads(data, restore=fn)``: ``fn(key)`` returns the object that stood at that key.
+:class:`SerializerProtocol` is the whole surface objcomm calls; :class:`Serializer` is a base
+class that provides it. A serializer may offer less (``name``, ``dumps(obj)`` and ``loads(data)``
+are enough): the registry fills in the rest when it is registered (see :mod:`serializers._registry`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
-from ._errors import DecodeError, EncodeError
+from ._errors import decoding, encoding
 
 Buffer = Any  # bytes, bytearray, memoryview or anything else with the buffer protocol
 Lift = Callable[[Any], Optional[int]]
@@ -23,15 +18,25 @@ Restore = Callable[[int], Any]
 
 @runtime_checkable
 class SerializerProtocol(Protocol):
-    """The surface every serializer offers (structural: any object with these members will do)."""
+    """The surface every serializer offers objcomm (structural: any object with these members will do).
+
+    Out-of-band objects: ``dumps`` and ``loads`` take two keyword-only hooks that let the caller
+    carry some objects outside the byte stream (objcomm uses them for tensors); a serializer whose
+    ``supports_external`` is False ignores them.
+
+    - ``dumps(obj, lift=fn)``: ``fn(value)`` is offered non-builtin values; it returns an ``int``
+      key when it takes the value out of band, or ``None`` to let the serializer encode it.
+    - ``loads(data, restore=fn)``: ``fn(key)`` returns the object that stood at that key.
+    """
 
     name: str
     safe: bool
     description: str
+    supports_external: bool
 
-    def dumps(self, obj: Any, /) -> Buffer: ...
+    def dumps(self, obj: Any, /, *, lift: Lift | None = None) -> Buffer: ...
 
-    def loads(self, data: Buffer, /) -> Any: ...
+    def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any: ...
 
 
 class Serializer:
@@ -51,6 +56,10 @@ class Serializer:
     safe: bool = False
     description: str = ""
     supports_external: bool = False
+    # True on a class whose own dumps/loads raise only objcomm errors (the built-ins); the registry
+    # wraps every other serializer once, when it is registered. Read from the class itself, not
+    # inherited: a subclass that overrides dumps or loads may raise anything.
+    _raises_own_errors: ClassVar[bool] = False
 
     def dumps(self, obj: Any, /, *, lift: Lift | None = None) -> Buffer:
         """Encode ``obj`` to a bytes-like object; raise :class:`EncodeError` on failure."""
@@ -66,6 +75,8 @@ class Serializer:
 
 class FunctionSerializer(Serializer):
     """A serializer made from a plain ``dumps``/``loads`` pair, as ``register(name, dumps, loads)`` builds."""
+
+    _raises_own_errors = True
 
     def __init__(
         self,
@@ -83,13 +94,9 @@ class FunctionSerializer(Serializer):
         self._loads = loads
 
     def dumps(self, obj: Any, /, *, lift: Lift | None = None) -> Buffer:
-        try:
+        with encoding(self.name, obj):
             return self._dumps(obj)
-        except Exception as exc:
-            raise EncodeError(f"{self.name} cannot encode {type(obj).__name__}: {exc}") from exc
 
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
-        try:
+        with decoding(self.name, data):
             return self._loads(data)
-        except Exception as exc:
-            raise DecodeError(f"{self.name} cannot decode {len(memoryview(data))} bytes: {exc}") from exc

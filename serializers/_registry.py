@@ -1,5 +1,10 @@
 """The serializer registry: a small class, one shared instance, module-level aliases.
 
+A serializer from outside this package is wrapped once, when it is registered (:class:`_Foreign`):
+objcomm calls the wrapper, :meth:`SerializerRegistry.guarded`, so whatever the serializer raises
+reaches it as :class:`EncodeError` or :class:`DecodeError` (the original kept as ``__cause__``),
+and the hooks a minimal serializer lacks are filled in. ``get`` returns what was registered.
+
 Packages ship serializers through the entry-point group ``objcomm.serializers``; an entry point
 may name a :class:`Serializer` instance, a class (instantiated without arguments) or a function
 returning one. Entry points load on first need: a lookup of an unknown name, or ``available()``.
@@ -9,13 +14,54 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
-from ._errors import UnknownSerializerError
-from ._protocol import Buffer, FunctionSerializer, Serializer, SerializerProtocol
+from ._errors import UnknownSerializerError, decoding, encoding
+from ._protocol import Buffer, FunctionSerializer, Lift, Restore, Serializer, SerializerProtocol
 
 ENTRY_POINT_GROUP = "objcomm.serializers"
 SerializerLike = Union[str, SerializerProtocol]
+
+
+class _Foreign(Serializer):
+    """A serializer from outside this package as objcomm calls it: failures become EncodeError or
+    DecodeError, and ``supports_external`` and the keyword hooks are there even where it lacks them."""
+
+    _raises_own_errors = True
+
+    def __init__(self, wrapped: Any) -> None:
+        self.wrapped = wrapped
+        self.name = wrapped.name
+        self.safe = bool(getattr(wrapped, "safe", False))
+        self.description = str(getattr(wrapped, "description", ""))
+        self.supports_external = bool(getattr(wrapped, "supports_external", False))
+
+    def dumps(self, obj: Any, /, *, lift: Lift | None = None) -> Buffer:
+        with encoding(self.name, obj):
+            if lift is None or not self.supports_external:
+                return self.wrapped.dumps(obj)
+            return self.wrapped.dumps(obj, lift=lift)
+
+    def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
+        with decoding(self.name, data):
+            if restore is None or not self.supports_external:
+                return self.wrapped.loads(data)
+            return self.wrapped.loads(data, restore=restore)
+
+    def __repr__(self) -> str:
+        return f"<objcomm's wrapper of {self.wrapped!r}>"
+
+
+def _guard(serializer: Any) -> SerializerProtocol:
+    """``serializer`` itself when its own class raises only objcomm errors, else wrapped (:class:`_Foreign`)."""
+    if vars(type(serializer)).get("_raises_own_errors", False):
+        return serializer
+    return _Foreign(serializer)
+
+
+class _Entry(NamedTuple):
+    registered: Any  # what register() was given (or built): get() returns it
+    guarded: SerializerProtocol  # what objcomm calls: the same object, or its wrapper
 
 
 class SerializerRegistry:
@@ -29,7 +75,7 @@ class SerializerRegistry:
     """
 
     def __init__(self) -> None:
-        self._by_name: Dict[str, SerializerProtocol] = {}
+        self._by_name: Dict[str, _Entry] = {}
         self._lock = threading.RLock()
         self._entry_points_loaded = False
 
@@ -45,7 +91,8 @@ class SerializerRegistry:
     ) -> SerializerProtocol:
         """Register a serializer object, or build one from ``name, dumps, loads``; return it.
 
-        A taken name raises ``ValueError`` unless ``replace=True``.
+        A taken name raises ``ValueError`` unless ``replace=True``. A serializer from outside this
+        package is wrapped here, once, for objcomm (see :meth:`guarded`).
         """
         if isinstance(serializer, str):
             if dumps is None or loads is None:
@@ -56,12 +103,13 @@ class SerializerRegistry:
         _check_serializer(serializer)
         with self._lock:
             taken = self._by_name.get(serializer.name)
-            if taken is not None and taken is not serializer and not replace:
+            if taken is not None and taken.registered is not serializer and not replace:
                 raise ValueError(
-                    f"a serializer named {serializer.name!r} is already registered ({taken!r}); "
+                    f"a serializer named {serializer.name!r} is already registered ({taken.registered!r}); "
                     "pass replace=True to replace it, or pick another name"
                 )
-            self._by_name[serializer.name] = serializer
+            if taken is None or taken.registered is not serializer:
+                self._by_name[serializer.name] = _Entry(serializer, _guard(serializer))
         return serializer
 
     def unregister(self, name: str) -> None:
@@ -77,19 +125,38 @@ class SerializerRegistry:
         if not isinstance(serializer, str):
             _check_serializer(serializer)
             return serializer
-        found = self._by_name.get(serializer)
+        return self._entry(serializer).registered
+
+    def guarded(self, serializer: Optional[SerializerLike] = None, default: str = "pickle") -> SerializerProtocol:
+        """The serializer as objcomm calls it: the whole :class:`SerializerProtocol`, raising only objcomm errors.
+
+        Built-ins are returned as they are; others come wrapped, once, when registered (an object
+        that is not registered is wrapped here).
+        """
+        if serializer is None:
+            serializer = default
+        if isinstance(serializer, str):
+            return self._entry(serializer).guarded
+        _check_serializer(serializer)
+        found = self._by_name.get(serializer.name)
+        if found is not None and found.registered is serializer:
+            return found.guarded
+        return _guard(serializer)
+
+    def _entry(self, name: str) -> _Entry:
+        found = self._by_name.get(name)
         if found is None:
             self.load_entry_points()
-            found = self._by_name.get(serializer)
+            found = self._by_name.get(name)
         if found is None:
-            raise UnknownSerializerError(self._unknown_message(serializer))
+            raise UnknownSerializerError(self._unknown_message(name))
         return found
 
     def available(self, *, safe: Optional[bool] = None) -> List[str]:
         """Registered names (entry points included), sorted; ``safe=True`` keeps those whose loads cannot run code."""
         self.load_entry_points()
         with self._lock:
-            return sorted(n for n, s in self._by_name.items() if safe is None or bool(s.safe) == safe)
+            return sorted(n for n, e in self._by_name.items() if safe is None or bool(e.registered.safe) == safe)
 
     def load_entry_points(self) -> None:
         """Register the serializers other packages ship under ``objcomm.serializers``; runs once."""
@@ -122,15 +189,20 @@ class SerializerRegistry:
 def _instantiate(loaded: Any) -> SerializerProtocol:
     if isinstance(loaded, type):
         return loaded()  # type: ignore[no-any-return]
-    if isinstance(loaded, SerializerProtocol):
+    if not _missing(loaded):
         return loaded
     if callable(loaded):
         return loaded()  # type: ignore[no-any-return]
     raise TypeError(f"expected a serializer, a serializer class or a factory, got {loaded!r}")
 
 
+def _missing(serializer: Any) -> List[str]:
+    """What ``serializer`` lacks of the least a serializer must have (the registry fills in the rest)."""
+    return [a for a in ("name", "dumps", "loads") if not hasattr(serializer, a)]
+
+
 def _check_serializer(serializer: Any) -> None:
-    missing = [a for a in ("name", "dumps", "loads") if not hasattr(serializer, a)]
+    missing = _missing(serializer)
     if missing:
         raise TypeError(f"{serializer!r} is not a serializer: it lacks {', '.join(missing)}")
     name = serializer.name

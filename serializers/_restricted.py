@@ -301,6 +301,7 @@ class RestrictedPickleSerializer(PickleSerializer):
     name = "restricted-pickle"
     safe = True
     description = "pickle whose loads only builds vetted types (containers, numpy, torch, yours); no code runs"
+    _raises_own_errors = True
     hint = "restricted-pickle carries builtins, numpy, dense tensors and allowed classes; pickle carries more"
 
     def __init__(self) -> None:

@@ -138,6 +138,24 @@ def test_bench_rejects_bad_arguments_in_one_line(args, expected):
         assert text in err
 
 
+NO_TORCH = """
+import sys
+import objcomm
+from objcomm.__main__ import main
+codes = [main(argv) for argv in (["--help"], ["bench", "--help"], ["bench", "--sizes", "12XB"], ["demo", "--bogus"])]
+assert codes == [0, 0, 2, 2], codes
+assert "torch" not in sys.modules, "torch was imported"
+"""
+
+
+@pytest.mark.timeout(60)
+def test_help_and_bad_arguments_do_not_import_torch():
+    """``objcomm --help`` (and a typo) answer at once: parsing and checking arguments need no torch."""
+    done = subprocess.run([sys.executable, "-c", NO_TORCH], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=45)
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.timeout(60)
 def test_bench_plot_without_matplotlib_says_how_to_install(tmp_path):
     write_module(tmp_path / "hide" / "matplotlib", "__init__", 'raise ImportError("hidden for this test")\n')

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 import serializers
-from serializers import Serializer, SerializerRegistry, UnknownSerializerError
+from serializers import DecodeError, EncodeError, Serializer, SerializerRegistry, UnknownSerializerError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,6 +50,30 @@ def test_register_object_and_bad_objects():
         reg.register(object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="both dumps and loads"):
         reg.register("half", dumps=str.encode)
+
+
+def test_foreign_serializers_are_wrapped_once_when_registered():
+    class Bare:  # the least a serializer needs: no base class, no keyword hooks, no supports_external
+        name = "bare"
+
+        def dumps(self, obj, /):
+            return str(obj).encode() if type(obj) is int else obj.no_such_attribute
+
+        def loads(self, data, /):
+            return int(bytes(data))
+
+    reg = SerializerRegistry()
+    bare = Bare()
+    assert reg.register(bare) is bare and reg.get("bare") is bare, "get() returns what was registered"
+    s = reg.guarded("bare")
+    assert s is reg.guarded("bare") is reg.guarded(bare) and not s.supports_external
+    assert s.loads(s.dumps(7, lift=lambda value: None), restore=lambda key: None) == 7
+    with pytest.raises(EncodeError, match="bare cannot encode str: AttributeError") as encoding:
+        s.dumps("x")
+    with pytest.raises(DecodeError, match="bare cannot decode 1 bytes: ValueError") as decoding:
+        s.loads(b"x")
+    assert isinstance(encoding.value.__cause__, AttributeError) and isinstance(decoding.value.__cause__, ValueError)
+    assert serializers.registry.guarded("msgpack") is serializers.get("msgpack"), "built-ins are not wrapped"
 
 
 def test_unknown_name_lists_registered():

@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from .._api import all_gather
-from ._runner import import_modules
+from ._config import import_modules
 
 
 def demo_task(arg: Tuple[Optional[str], Sequence[str]], send: Callable[[Any], None]) -> Dict[str, Any]:

@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from .._communicator import Communicator
 from .._device import group_backend, resolve_device
+from ._config import OPS
 
-OPS = ("all_gather", "gather", "broadcast", "scatter", "send/recv")
 TORCH = "torch.distributed"  # the key of torch's own object collective in compare_op's result
 MIN_REPEAT = 3
 TORCH_EQUIVALENT = {

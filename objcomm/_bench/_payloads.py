@@ -153,6 +153,15 @@ def user_payload(spec: str) -> Payload:
     return Payload(spec, f"user payload {spec}", make, scalable=takes_size)
 
 
+def resolve_payload(name: str) -> Payload:
+    """A built-in payload by name, or a user one by ``module:function``."""
+    if ":" in name:
+        return user_payload(name)
+    if name not in BUILTIN:
+        raise ValueError(f"unknown payload {name!r}; choose from {', '.join(BUILTIN)} or give module:function")
+    return BUILTIN[name]
+
+
 def _positional_params(fn: Callable[..., Any]) -> int:
     try:
         params = inspect.signature(fn).parameters.values()

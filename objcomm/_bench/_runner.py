@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import platform
 import socket
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -16,50 +14,15 @@ import serializers
 
 from .._communicator import Communicator
 from .._device import group_backend
+from ._config import BenchConfig, import_modules
 from ._measure import TORCH, compare_op, reduce_max
-from ._payloads import BUILTIN, Payload, format_size, reference_size, user_payload
+from ._payloads import Payload, format_size, reference_size, resolve_payload
 from ._results import Result, Row
 from ._roundtrip import RoundTrip, check
 
 _WARM_UP = {"warm": [1, 2.5, "up", None, True]}
 Progress = Callable[[int, int, str], None]
 Send = Callable[[Any], None]
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """What to run; validated by the CLI, shipped to every rank.
-
-    ``payloads`` holds built-in names and ``module:function`` specs; ``adaptive`` (when the user
-    gave no ``--repeat``) lets slow cells use fewer repeats, at least 3, to fit ``cell_budget_s``.
-    """
-
-    payloads: Tuple[str, ...]
-    sizes: Tuple[int, ...]
-    serializers: Tuple[str, ...]
-    ops: Tuple[str, ...]
-    repeat: int
-    adaptive: bool = True
-    imports: Tuple[str, ...] = ()
-    cell_budget_s: float = 0.4
-
-
-def import_modules(names: Sequence[str]) -> None:
-    """Import user modules (which register serializers as a side effect); raise ``ValueError`` if one fails."""
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:
-            raise ValueError(f"--import {name}: {type(exc).__name__}: {exc}") from exc
-
-
-def resolve_payload(name: str) -> Payload:
-    """A built-in payload by name, or a user one by ``module:function``."""
-    if ":" in name:
-        return user_payload(name)
-    if name not in BUILTIN:
-        raise ValueError(f"unknown payload {name!r}; choose from {', '.join(BUILTIN)} or give module:function")
-    return BUILTIN[name]
 
 
 def bench_task(config: BenchConfig, send: Send) -> Optional[Result]:
@@ -75,7 +38,7 @@ def run_matrix(config: BenchConfig, progress: Optional[Progress] = None, group: 
     import_modules(config.imports)
     payloads = [resolve_payload(name) for name in config.payloads]
     for name in config.serializers:  # lazy imports (orjson, cloudpickle) must not count as encode time
-        check(serializers.get(name), _WARM_UP, repeat=1)
+        check(serializers.registry.guarded(name), _WARM_UP, repeat=1)
     me = dist.get_rank(group)
     meta = _meta(config, group)
     cells = [(p, size) for p in payloads for size in (config.sizes if p.scalable else (None,))]
@@ -85,7 +48,7 @@ def run_matrix(config: BenchConfig, progress: Optional[Progress] = None, group: 
         objects = _Objects(payload, size or 0)
         label = f"{payload.name} {format_size(size) if size else ''}".strip()
         trips = {
-            name: check(serializers.get(name), objects(me), repeat=config.repeat,
+            name: check(serializers.registry.guarded(name), objects(me), repeat=config.repeat,
                         budget_s=0.05 if config.adaptive else None)
             for name in config.serializers
         }

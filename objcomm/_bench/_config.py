@@ -1,0 +1,39 @@
+"""What a benchmark run is asked to do: the ops, the validated config, the user's modules.
+
+Needs no torch, so ``objcomm --help`` and the CLI's argument checks start without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Sequence, Tuple
+
+OPS = ("all_gather", "gather", "broadcast", "scatter", "send/recv")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run; validated by the CLI, shipped to every rank.
+
+    ``payloads`` holds built-in names and ``module:function`` specs; ``adaptive`` (when the user
+    gave no ``--repeat``) lets slow cells use fewer repeats, at least 3, to fit ``cell_budget_s``.
+    """
+
+    payloads: Tuple[str, ...]
+    sizes: Tuple[int, ...]
+    serializers: Tuple[str, ...]
+    ops: Tuple[str, ...]
+    repeat: int
+    adaptive: bool = True
+    imports: Tuple[str, ...] = ()
+    cell_budget_s: float = 0.4
+
+
+def import_modules(names: Sequence[str]) -> None:
+    """Import user modules (which register serializers as a side effect); raise ``ValueError`` if one fails."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            raise ValueError(f"--import {name}: {type(exc).__name__}: {exc}") from exc
