@@ -6,6 +6,7 @@ Example (under ``torchrun``, or in a plain process where every call acts as a gr
 
     parts = objcomm.all_gather({"rank": rank, "loss": loss}, serializer="msgpack")
     config = objcomm.broadcast(config if rank == 0 else None, src=0)
+    pending = objcomm.all_gather(stats, async_op=True)   # a Request; pending.wait() gives the list
 
 Serializers live in the torch-free ``serializers`` package; see ``serializers.available()``.
 """
@@ -13,7 +14,7 @@ Serializers live in the torch-free ``serializers`` package; see ``serializers.av
 from __future__ import annotations
 
 from . import compat
-from ._api import all_gather, broadcast, gather, recv, scatter, send
+from ._api import all_gather, broadcast, gather, irecv, isend, recv, scatter, send
 from ._collect import collect_results
 from ._communicator import Communicator
 from ._compression import MissingDependencyError
@@ -29,7 +30,9 @@ from ._errors import (
     SerializationError,
     TooLargeError,
     UnknownSerializerError,
+    WaitTimeoutError,
 )
+from ._requests import Request
 from ._settings import Settings, configure, restore, settings
 
 __version__ = "0.1.0"
@@ -44,10 +47,12 @@ __all__ = [
     "MissingDependencyError",
     "ObjcommError",
     "RemoteError",
+    "Request",
     "SerializationError",
     "Settings",
     "TooLargeError",
     "UnknownSerializerError",
+    "WaitTimeoutError",
     "__version__",
     "all_gather",
     "broadcast",
@@ -56,6 +61,8 @@ __all__ = [
     "configure",
     "device_for_backend",
     "gather",
+    "irecv",
+    "isend",
     "recv",
     "restore",
     "scatter",

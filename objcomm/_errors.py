@@ -12,6 +12,7 @@
     ├── TooLargeError            a frame above ``max_bytes`` (checked before anything is allocated)
     ├── RemoteError              another rank failed in the same call; ``.failures`` says who and why
     ├── CommunicationError       the collective itself failed: a rank never arrived, the group timed out
+    ├── WaitTimeoutError         ``Request.wait(timeout)`` ran out; the operation goes on (also a TimeoutError)
     └── MissingDependencyError   an optional library (zstandard, lz4) is not installed (also an ImportError)
 
 The first five come from the torch-free ``serializers`` package and are re-exported here.
@@ -41,6 +42,7 @@ __all__ = [
     "SerializationError",
     "TooLargeError",
     "UnknownSerializerError",
+    "WaitTimeoutError",
 ]
 
 
@@ -54,6 +56,10 @@ class TooLargeError(ObjcommError, ValueError):
 
 class CommunicationError(ObjcommError, RuntimeError):
     """The underlying torch.distributed call failed (a rank never arrived, the group timed out, ...)."""
+
+
+class WaitTimeoutError(ObjcommError, TimeoutError):
+    """``Request.wait(timeout)`` returned before the operation completed; it is still in progress."""
 
 
 Failure = Tuple[str, str]  # (exception type name, message)
