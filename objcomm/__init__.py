@@ -6,6 +6,7 @@ Example (under ``torchrun``, or in a plain process where every call acts as a gr
 
     parts = objcomm.all_gather({"rank": rank, "loss": loss}, serializer="msgpack")
     config = objcomm.broadcast(config if rank == 0 else None, src=0)
+    pending = objcomm.all_gather(stats, async_op=True)   # a Request; pending.wait() gives the list
 
 Serializers live in the torch-free ``serializers`` package; see ``serializers.available()``.
 
@@ -30,10 +31,12 @@ __all__ = [
     "MissingDependencyError",
     "ObjcommError",
     "RemoteError",
+    "Request",
     "SerializationError",
     "Settings",
     "TooLargeError",
     "UnknownSerializerError",
+    "WaitTimeoutError",
     "__version__",
     "all_gather",
     "all_reduce",
@@ -44,6 +47,8 @@ __all__ = [
     "configure",
     "device_for_backend",
     "gather",
+    "irecv",
+    "isend",
     "recv",
     "reduce",
     "restore",
@@ -54,13 +59,16 @@ __all__ = [
 
 # Where each public name lives: a module is imported the first time one of its names is used.
 _PUBLIC: Dict[str, Tuple[str, ...]] = {
-    "._api": ("all_gather", "all_reduce", "all_to_all", "broadcast", "gather", "recv", "reduce", "scatter", "send"),
+    "._api": ("all_gather", "all_reduce", "all_to_all", "broadcast", "gather", "irecv", "isend", "recv", "reduce",
+              "scatter", "send"),
     "._collect": ("collect_results",),
     "._communicator": ("Communicator",),
     "._compression": ("MissingDependencyError",),
     "._device": ("device_for_backend",),
     "._errors": ("CommunicationError", "ContentRefusedError", "DecodeError", "EncodeError", "FrameError",
-                 "ObjcommError", "RemoteError", "SerializationError", "TooLargeError", "UnknownSerializerError"),
+                 "ObjcommError", "RemoteError", "SerializationError", "TooLargeError", "UnknownSerializerError",
+                 "WaitTimeoutError"),
+    "._requests": ("Request",),
     "._settings": ("Settings", "configure", "restore", "settings"),
 }
 _SUBMODULES = ("compat",)  # public modules
@@ -68,7 +76,7 @@ _HOME = {name: module for module, names in _PUBLIC.items() for name in names}
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from . import compat
-    from ._api import all_gather, all_reduce, all_to_all, broadcast, gather, recv, reduce, scatter, send
+    from ._api import all_gather, all_reduce, all_to_all, broadcast, gather, irecv, isend, recv, reduce, scatter, send
     from ._collect import collect_results
     from ._communicator import Communicator
     from ._compression import MissingDependencyError
@@ -84,7 +92,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         SerializationError,
         TooLargeError,
         UnknownSerializerError,
+        WaitTimeoutError,
     )
+    from ._requests import Request
     from ._settings import Settings, configure, restore, settings
 else:
 

@@ -6,13 +6,14 @@ options on in one line, ``**call_kwargs(locals())`` (see :mod:`objcomm._settings
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, List, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 import torch
 
 from serializers import SerializerLike
 
 from ._communicator import Communicator
+from ._requests import Request
 from ._settings import call_kwargs
 
 Device = Optional[Union[str, torch.device]]
@@ -27,7 +28,8 @@ def all_gather(
     max_bytes: Optional[int] = None,
     map_location: Device = None,
     compression: Optional[str] = None,
-) -> List[Any]:
+    async_op: bool = False,
+) -> Any:
     """Gather one object from every rank onto every rank.
 
     Parameters
@@ -39,6 +41,8 @@ def all_gather(
     max_bytes: largest payload (frame plus tensors) sent or accepted.
     map_location: where received tensors go (default: the transport device, never the sender's).
     compression: ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for what this rank sends.
+    async_op: return a :class:`Request` at once; its ``wait()`` returns (or raises) what this call would.
+        Every collective takes it (see the README's "Non-blocking calls").
 
     Returns
     -------
@@ -55,7 +59,7 @@ def all_gather(
         for part in objcomm.all_gather({rank: 1} if rank % 2 == 0 else {}):
             merged.update(part)
     """
-    return Communicator(group).all_gather(obj, **call_kwargs(locals()))
+    return Communicator(group).all_gather(obj, async_op=async_op, **call_kwargs(locals()))
 
 
 def gather(
@@ -68,14 +72,15 @@ def gather(
     max_bytes: Optional[int] = None,
     map_location: Device = None,
     compression: Optional[str] = None,
-) -> Optional[List[Any]]:
+    async_op: bool = False,
+) -> Any:
     """Gather one object from every rank onto global rank ``dst``; other ranks get ``None``.
 
     Example::
 
         everyone = objcomm.gather(predictions, dst=0)   # a list on rank 0, None elsewhere
     """
-    return Communicator(group).gather(obj, dst, **call_kwargs(locals()))
+    return Communicator(group).gather(obj, dst, async_op=async_op, **call_kwargs(locals()))
 
 
 def broadcast(
@@ -88,6 +93,7 @@ def broadcast(
     max_bytes: Optional[int] = None,
     map_location: Device = None,
     compression: Optional[str] = None,
+    async_op: bool = False,
 ) -> Any:
     """Send global rank ``src``'s object to every rank and return it there.
 
@@ -95,7 +101,7 @@ def broadcast(
 
         config = objcomm.broadcast(load_config() if rank == 0 else None, src=0)
     """
-    return Communicator(group).broadcast(obj, src, **call_kwargs(locals()))
+    return Communicator(group).broadcast(obj, src, async_op=async_op, **call_kwargs(locals()))
 
 
 def scatter(
@@ -108,6 +114,7 @@ def scatter(
     max_bytes: Optional[int] = None,
     map_location: Device = None,
     compression: Optional[str] = None,
+    async_op: bool = False,
 ) -> Any:
     """Give group rank ``r`` element ``r`` of ``objs``, a sequence given on global rank ``src``.
 
@@ -115,7 +122,7 @@ def scatter(
 
         shard = objcomm.scatter(split(work, world_size) if rank == 0 else None, src=0)
     """
-    return Communicator(group).scatter(objs, src, **call_kwargs(locals()))
+    return Communicator(group).scatter(objs, src, async_op=async_op, **call_kwargs(locals()))
 
 
 def all_to_all(
@@ -127,7 +134,8 @@ def all_to_all(
     max_bytes: Optional[int] = None,
     map_location: Device = None,
     compression: Optional[str] = None,
-) -> List[Any]:
+    async_op: bool = False,
+) -> Any:
     """Send ``objs[j]`` to group rank ``j``, for every ``j``; return what every rank sent this one.
 
     ``objs`` holds one object per group rank (each rank its own list; sizes may differ freely per
@@ -147,7 +155,7 @@ def all_to_all(
             outbox[hash(record["key"]) % world_size].append(record)
         mine = [r for part in objcomm.all_to_all(outbox) for r in part]
     """
-    return Communicator(group).all_to_all(objs, **call_kwargs(locals()))
+    return Communicator(group).all_to_all(objs, async_op=async_op, **call_kwargs(locals()))
 
 
 def reduce(
@@ -161,6 +169,7 @@ def reduce(
     max_bytes: Optional[int] = None,
     map_location: Device = None,
     compression: Optional[str] = None,
+    async_op: bool = False,
 ) -> Any:
     """Combine every rank's object with ``op`` on global rank ``dst``; other ranks get ``None``.
 
@@ -180,7 +189,7 @@ def reduce(
         confusion = objcomm.reduce(local_counts, "merge_sum", dst=0)  # {(label, pred): n} on rank 0
         best = objcomm.reduce(record, lambda a, b: b if b["score"] > a["score"] else a)
     """
-    return Communicator(group).reduce(obj, op, dst, **call_kwargs(locals()))
+    return Communicator(group).reduce(obj, op, dst, async_op=async_op, **call_kwargs(locals()))
 
 
 def all_reduce(
@@ -193,6 +202,7 @@ def all_reduce(
     max_bytes: Optional[int] = None,
     map_location: Device = None,
     compression: Optional[str] = None,
+    async_op: bool = False,
 ) -> Any:
     """Combine every rank's object with ``op`` (see :func:`reduce`) and return the result on every rank.
 
@@ -203,7 +213,7 @@ def all_reduce(
 
         totals = objcomm.all_reduce({"seen": n_seen, "correct": n_correct}, "merge_sum")
     """
-    return Communicator(group).all_reduce(obj, op, **call_kwargs(locals()))
+    return Communicator(group).all_reduce(obj, op, async_op=async_op, **call_kwargs(locals()))
 
 
 def send(
@@ -254,3 +264,50 @@ def recv(
             sender, item = objcomm.recv(return_sender=True)  # from whichever rank sends first
     """
     return Communicator(group).recv(src, tag, return_sender=return_sender, **call_kwargs(locals()))
+
+
+def isend(
+    obj: Any,
+    dst: int,
+    tag: int = 0,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    max_bytes: Optional[int] = None,
+    compression: Optional[str] = None,
+) -> Request:
+    """Start sending one object to global rank ``dst`` and return a :class:`Request` at once.
+
+    ``wait()`` returns ``None`` once sent, or raises what :func:`send` would. Sends to the same rank
+    with the same tag leave in issue order; leave ``obj`` unchanged until the handle completes.
+
+    Example::
+
+        pending = [objcomm.isend({"step": step}, dst=0, tag=1) for step in range(3)]
+        for request in pending:
+            request.wait()
+    """
+    return Communicator(group).isend(obj, dst, tag, **call_kwargs(locals()))
+
+
+def irecv(
+    src: Optional[int] = None,
+    tag: int = 0,
+    *,
+    group: Any = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    return_sender: bool = False,
+) -> Request:
+    """Start receiving one object from global rank ``src`` sent with ``tag``; return a :class:`Request` at once.
+
+    ``wait()`` returns the object (``(sender, object)`` with ``return_sender=True``), or raises what
+    :func:`recv` would. Receives from the same rank with the same tag complete in issue order.
+
+    Example::
+
+        first, second = objcomm.irecv(src=1, tag=1), objcomm.irecv(src=1, tag=1)
+        assert first.wait()["step"] == 0 and second.wait()["step"] == 1
+    """
+    return Communicator(group).irecv(src, tag, return_sender=return_sender, **call_kwargs(locals()))

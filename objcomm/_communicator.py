@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from serializers import SerializerLike, SerializerProtocol, registry
 
-from . import _framing, _reduce, _shm, _state, _transport
+from . import _framing, _reduce, _requests, _shm, _state, _transport
 from ._device import group_backend, resolve_device
 from ._errors import CommunicationError, Failure, ObjcommError, remote_error, with_original_type
+from ._requests import Request
 from ._segments import SegmentBook
 from ._settings import CallOptions, call_kwargs, given, resolve
 from ._transport import Incoming, Outgoing
@@ -180,8 +182,12 @@ class Communicator:
     def all_gather(
         self, obj: Any, *, serializer: Optional[SerializerLike] = None, accept: Optional[Collection[str]] = None,
         max_bytes: Optional[int] = None, map_location: Device = None, compression: Optional[str] = None,
-    ) -> List[Any]:
-        """Every rank's object, on every rank, in group-rank order: ``[obj_0, ..., obj_{n-1}]``."""
+        async_op: bool = False,
+    ) -> Any:
+        """Every rank's object, on every rank, in group-rank order: ``[obj_0, ..., obj_{n-1}]``.
+        ``async_op=True``: a :class:`~objcomm.Request` at once, as for every collective (:mod:`objcomm._requests`)."""
+        if async_op:
+            return self._submit("all_gather", Communicator.all_gather, obj, **call_kwargs(locals()))
         call = self._call(call_kwargs(locals()))
         if call.wire is None:
             return [call.roundtrip(obj)]
@@ -193,9 +199,11 @@ class Communicator:
     def gather(
         self, obj: Any, dst: int = 0, *, serializer: Optional[SerializerLike] = None,
         accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
-        compression: Optional[str] = None,
-    ) -> Optional[List[Any]]:
+        compression: Optional[str] = None, async_op: bool = False,
+    ) -> Any:
         """Every rank's object on global rank ``dst`` (a list in group-rank order); ``None`` elsewhere."""
+        if async_op:
+            return self._submit("gather", Communicator.gather, obj, dst, **call_kwargs(locals()))
         call = self._call(call_kwargs(locals()))
         if call.wire is None:
             self._check_single(dst, "dst")
@@ -213,9 +221,11 @@ class Communicator:
     def broadcast(
         self, obj: Any = None, src: int = 0, *, serializer: Optional[SerializerLike] = None,
         accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
-        compression: Optional[str] = None,
+        compression: Optional[str] = None, async_op: bool = False,
     ) -> Any:
         """Global rank ``src``'s object, on every rank (``obj`` is ignored on the others)."""
+        if async_op:
+            return self._submit("broadcast", Communicator.broadcast, obj, src, **call_kwargs(locals()))
         call = self._call(call_kwargs(locals()))
         if call.wire is None:
             self._check_single(src, "src")
@@ -229,9 +239,11 @@ class Communicator:
     def scatter(
         self, objs: Optional[Sequence[Any]] = None, src: int = 0, *, serializer: Optional[SerializerLike] = None,
         accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
-        compression: Optional[str] = None,
+        compression: Optional[str] = None, async_op: bool = False,
     ) -> Any:
         """Element ``r`` of ``objs`` (given on global rank ``src``, one per group rank) on group rank ``r``."""
+        if async_op:
+            return self._submit("scatter", Communicator.scatter, objs, src, **call_kwargs(locals()))
         call = self._call(call_kwargs(locals()))
         if call.wire is None:
             self._check_single(src, "src")
@@ -249,9 +261,11 @@ class Communicator:
     def all_to_all(
         self, objs: Sequence[Any], *, serializer: Optional[SerializerLike] = None,
         accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
-        compression: Optional[str] = None,
-    ) -> List[Any]:
+        compression: Optional[str] = None, async_op: bool = False,
+    ) -> Any:
         """``objs[j]`` to group rank ``j``; element ``i`` of the result came from group rank ``i``."""
+        if async_op:
+            return self._submit("all_to_all", Communicator.all_to_all, objs, **call_kwargs(locals()))
         call = self._call(call_kwargs(locals()))
         if call.wire is None:
             return [call.roundtrip(_per_rank(objs, 1, "all_to_all")[0])]
@@ -263,9 +277,11 @@ class Communicator:
     def reduce(
         self, obj: Any, op: _reduce.Op, dst: int = 0, *, serializer: Optional[SerializerLike] = None,
         accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
-        compression: Optional[str] = None,
+        compression: Optional[str] = None, async_op: bool = False,
     ) -> Any:
         """Every rank's object combined with ``op`` in group-rank order, on global rank ``dst``; ``None`` elsewhere."""
+        if async_op:
+            return self._submit("reduce", Communicator.reduce, obj, op, dst, **call_kwargs(locals()))
         call = self._call(call_kwargs(locals()))
         if call.wire is None:
             self._check_single(dst, "dst")
@@ -285,9 +301,11 @@ class Communicator:
     def all_reduce(
         self, obj: Any, op: _reduce.Op, *, serializer: Optional[SerializerLike] = None,
         accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
-        compression: Optional[str] = None,
+        compression: Optional[str] = None, async_op: bool = False,
     ) -> Any:
         """Every rank's object combined with ``op`` in group-rank order, on every rank."""
+        if async_op:
+            return self._submit("all_reduce", Communicator.all_reduce, obj, op, **call_kwargs(locals()))
         call = self._call(call_kwargs(locals()))
         if call.wire is None:
             _reduce.resolve(op)
@@ -313,6 +331,7 @@ class Communicator:
         peer = self._group_rank(wire, dst, "dst")
         if peer == wire.rank:
             raise ValueError(f"send(dst={dst}) is this rank itself; send to another rank")
+        _requests.check_blocking(wire.group, "send", dst, tag)
         out, local = call.encode(obj)
         _transport.send(wire, out, peer)
         if local is not None:
@@ -334,11 +353,43 @@ class Communicator:
                 f"recv(src=None) needs a backend that can receive from any rank (gloo); this group moves bytes on "
                 f"{wire.device} — pass the sender's rank as src"
             )
+        _requests.check_blocking(wire.group, "recv", src, tag)
         sender, item, is_error = _transport.recv(wire, peer, _framing.tensor_sizes)
         if is_error:
             call.raise_failures("send/recv", _only(sender, item, wire.size), None)
         obj = call.decode(item, sender)
         return (wire.ranks[sender], obj) if return_sender else obj
+
+    # -- non-blocking (see objcomm._requests) --------------------------------------------------------
+    def isend(
+        self, obj: Any, dst: int, tag: int = 0, *, serializer: Optional[SerializerLike] = None,
+        max_bytes: Optional[int] = None, compression: Optional[str] = None,
+    ) -> Request:
+        """Non-blocking :meth:`send`: a :class:`~objcomm.Request` whose ``wait()`` returns ``None`` once sent.
+
+        ``obj`` is encoded when the send starts in the background: leave it (and its tensors) unchanged until then.
+        """
+        kwargs = call_kwargs(locals())
+        return _requests.point_to_point(self.group, "send", dst, tag, lambda: self.send(obj, dst, tag, **kwargs))
+
+    def irecv(
+        self, src: Optional[int] = None, tag: int = 0, *, accept: Optional[Collection[str]] = None,
+        max_bytes: Optional[int] = None, map_location: Device = None, return_sender: bool = False,
+    ) -> Request:
+        """Non-blocking :meth:`recv`: a :class:`~objcomm.Request` whose ``wait()`` returns the object."""
+        kwargs = call_kwargs(locals())
+        return _requests.point_to_point(
+            self.group, "recv", src, tag, lambda: self.recv(src, tag, return_sender=return_sender, **kwargs)
+        )
+
+    def _submit(self, op: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Request:
+        """Issue ``method(<this communicator on the group's shadow>, *args, **kwargs)`` as an async collective."""
+        return _requests.collective(self.group, op, lambda group: method(self._on(group), *args, **kwargs))
+
+    def _on(self, group: Any) -> Communicator:
+        other = copy.copy(self)
+        other.group = group
+        return other
 
     @staticmethod
     def _require_group(call: _Call, op: str) -> _transport.Wire:

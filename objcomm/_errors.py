@@ -12,6 +12,7 @@
     ├── TooLargeError            a frame above ``max_bytes`` (checked before anything is allocated)
     ├── RemoteError              another rank failed in the same call; ``.failures`` says who and why
     ├── CommunicationError       the collective itself failed: a rank never arrived, the group timed out
+    ├── WaitTimeoutError         ``Request.wait(timeout)`` ran out; the operation goes on (also a TimeoutError)
     ├── MissingDependencyError   an optional library (zstandard, lz4) is not installed (also an ImportError)
     └── LaunchError              a local rank (``objcomm bench``/``demo``, ``benchmarks/``) failed, died or timed out
 
@@ -44,6 +45,7 @@ __all__ = [
     "SerializationError",
     "TooLargeError",
     "UnknownSerializerError",
+    "WaitTimeoutError",
 ]
 
 
@@ -57,6 +59,10 @@ class TooLargeError(ObjcommError, ValueError):
 
 class CommunicationError(ObjcommError, RuntimeError):
     """The underlying torch.distributed call failed (a rank never arrived, the group timed out, ...)."""
+
+
+class WaitTimeoutError(ObjcommError, TimeoutError):
+    """``Request.wait(timeout)`` returned before the operation completed; it is still in progress."""
 
 
 Failure = Tuple[str, str]  # (exception type name, message)

@@ -4,7 +4,9 @@
   at exit), with the counter and token that name them (:class:`objcomm._segments.SegmentBook`).
 - :func:`group_facts`: what never changes for a group's lifetime, learned once per group and
   forgotten with the group (a weak cache): its membership and transport device, which ranks share a
-  host, and which send/recv peers turned out to be on another host.
+  host, and which send/recv peers turned out to be on another host; and, once this rank issues a
+  non-blocking operation on it, its async state (:class:`objcomm._requests._Lanes`: the shadow group,
+  the lanes and which point-to-point keys are busy).
 
 The one other piece of process state is the ``configure()`` layer of the settings, which
 :mod:`objcomm._settings` owns with its lock.
@@ -15,23 +17,25 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
 from ._segments import SegmentBook
 
 if TYPE_CHECKING:
     from ._hosts import Hosts
+    from ._requests import _Lanes
 
 SEGMENTS = SegmentBook()
 
 
 @dataclass
 class GroupFacts:
-    """What one process learned about one group; none of it can change while the group lives."""
+    """What one process learned about one group (none of it changes while the group lives), and its async state."""
 
     membership: Dict[Any, tuple] = field(default_factory=dict)  # device asked for -> (ranks, rank, device)
     hosts: Dict[bool, Hosts] = field(default_factory=dict)  # separate -> who shares a host
     remote_peers: Set[Tuple[int, bool]] = field(default_factory=set)  # (peer, separate): send/recv crosses hosts
+    requests: Optional[_Lanes] = None  # async state, made on the first non-blocking call (objcomm._requests)
 
 
 _GROUPS: weakref.WeakKeyDictionary[Any, GroupFacts] = weakref.WeakKeyDictionary()

@@ -19,6 +19,7 @@ def test_objcomm_exports():
         "compat", "device_for_backend", "ObjcommError", "EncodeError", "DecodeError", "RemoteError", "FrameError",
         "TooLargeError", "UnknownSerializerError", "ContentRefusedError", "CommunicationError", "SerializationError",
         "MissingDependencyError", "configure", "restore", "settings", "Settings", "__version__",
+        "isend", "irecv", "Request", "WaitTimeoutError",
     ])
     for name in objcomm.__all__:
         assert hasattr(objcomm, name), name

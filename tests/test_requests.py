@@ -1,0 +1,280 @@
+"""Non-blocking calls on real gloo groups: handles, ordering, overlap, failures, misuse, and a soak."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import statistics
+import threading
+import time
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from _ranks import get_pool
+
+import objcomm
+
+pytestmark = pytest.mark.timeout(180)
+
+BIG = 200_000  # above the slot: a second round
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("deliberate")
+
+
+def _tensor_all_reduce(value: int) -> int:
+    """A blocking tensor collective on the default group, run while objcomm's handles are outstanding."""
+    t = torch.tensor([value])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def collectives_out_of_order(size: int) -> List[Any]:
+    """Every async collective in flight at once, blocking tensor collectives and a blocking objcomm call in
+    between, then waited in reverse issue order; results equal the blocking calls'."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = objcomm.Communicator(serializer="msgpack")
+    me = {"rank": rank, "pad": "p" * size}
+    everyone = [{"rank": r, "pad": "p" * size} for r in range(world)]
+    last = world - 1
+    requests = [
+        comm.all_gather(me, async_op=True),
+        comm.gather(me, dst=last, async_op=True),
+        comm.broadcast(me if rank == last else None, src=last, async_op=True),
+        comm.scatter(everyone if rank == 0 else None, src=0, async_op=True),
+        objcomm.all_gather(rank, async_op=True),
+        comm.all_to_all([(rank, dst) for dst in range(world)], async_op=True),
+        comm.reduce(str(rank) * size, "sum", dst=last, async_op=True),
+        objcomm.all_reduce({"n": 1, f"r{rank}": rank}, "merge_sum", async_op=True),
+    ]
+    sums = [_tensor_all_reduce(rank + i) for i in range(3)]  # the caller keeps using the group meanwhile
+    assert comm.all_gather(-rank) == [-r for r in range(world)]  # a blocking call does not wait for them
+    results = [request.wait(timeout=120) for request in reversed(requests)][::-1]
+    assert all(request.is_completed() for request in requests)
+    assert results[:5] == [everyone, everyone if rank == last else None, everyone[last], me, list(range(world))]
+    assert results[5] == [(src, rank) for src in range(world)], results[5]
+    assert results[6] == ("".join(str(r) * size for r in range(world)) if rank == last else None)
+    assert results[7] == {"n": world, **{f"r{r}": r for r in range(world)}}
+    assert sums == [sum(range(world)) + i * world for i in range(3)]
+    return results
+
+
+@pytest.mark.parametrize("size", [10, BIG], ids=["small", "big"])
+def test_async_collectives_waited_out_of_order_overlap_tensor_collectives(ranks, size):
+    assert len(ranks.run(collectives_out_of_order, size)) == ranks.world_size
+
+
+def in_issue_order() -> bool:
+    """Handles of one group complete in issue order: when the last is done, so is every earlier one."""
+    world = dist.get_world_size()
+    requests = [objcomm.all_gather(i, async_op=True) for i in range(20)]
+    assert requests[-1].wait(timeout=120) == [19] * world
+    assert all(r.is_completed() for r in requests)
+    return [r.wait() for r in requests] == [[i] * world for i in range(20)]
+
+
+def test_async_collectives_complete_in_issue_order(ranks3):
+    assert all(ranks3.run(in_issue_order))
+
+
+def point_to_point(size: int) -> List[bool]:
+    """Each rank posts its irecvs before its isends (one queue for both would deadlock under gloo's
+    rendezvous sends), two tags per pair; each stream arrives in order, waited out of order."""
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    receives = {tag: [objcomm.irecv(src=peer, tag=tag) for _ in range(3)] for tag in (1, 2)}
+    sends = [objcomm.isend({"from": rank, "tag": tag, "i": i, "pad": b"x" * size}, peer, tag=tag)
+             for i in range(3) for tag in (1, 2)]
+    assert _tensor_all_reduce(1) == 2  # tensor collectives on the same group meanwhile
+    checks = []
+    for tag in (2, 1):
+        for i, request in reversed(list(enumerate(receives[tag]))):
+            got = request.wait(timeout=120)
+            checks.append(got == {"from": peer, "tag": tag, "i": i, "pad": b"x" * size})
+    checks += [request.wait(timeout=120) is None for request in sends]
+    return checks
+
+
+@pytest.mark.parametrize("size", [10, BIG], ids=["small", "big"])
+def test_isend_irecv_streams_keep_their_order(size):
+    for checks in get_pool(2).run(point_to_point, size):
+        assert checks == [True] * 12
+
+
+def failures_travel() -> Dict[str, Any]:
+    """wait() raises what the blocking call would, on every rank; the group stays usable."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    found: Dict[str, Any] = {}
+    request = objcomm.all_gather(Unpicklable() if rank == 1 else rank, async_op=True)
+    then = objcomm.all_gather(rank, async_op=True)
+    try:
+        request.wait(timeout=120)
+    except objcomm.RemoteError as exc:
+        found["collective"] = exc.ranks
+    found["after"] = then.wait(timeout=120) == list(range(world))
+    try:
+        request.wait()  # a failed handle raises again
+    except objcomm.RemoteError:
+        found["again"] = True
+    future = request.get_future()
+    found["future"] = isinstance(future, concurrent.futures.Future) and type(future.exception()).__name__
+    found["cancel"] = future.cancel()
+    if rank == 0:
+        sent = objcomm.isend(Unpicklable(), 1, tag=3)
+        try:
+            sent.wait(timeout=120)
+        except objcomm.EncodeError as exc:
+            found["sender"] = "deliberate" in str(exc)
+    elif rank == 1:
+        try:
+            objcomm.irecv(0, tag=3).wait(timeout=120)
+        except objcomm.RemoteError as exc:
+            found["receiver"] = exc.ranks
+    return found
+
+
+def test_wait_raises_on_every_rank_what_the_blocking_call_would(ranks3):
+    results = ranks3.run(failures_travel)
+    for found in results:
+        assert found["collective"] == [1] and found["after"] and found["again"]
+        assert found["future"] == "RemoteError" and found["cancel"] is False
+    assert results[0]["sender"] is True and results[1]["receiver"] == [0]
+
+
+def timeouts_and_misuse() -> List[str]:
+    """A wait that times out raises and leaves the handle usable; racing blocking calls are refused at once."""
+    rank = dist.get_rank()
+    seen = []
+    if rank == 0:
+        pending = objcomm.irecv(src=1, tag=4)
+        try:
+            pending.wait(timeout=0.05)  # rank 1 sends only after the barrier below
+        except objcomm.WaitTimeoutError as exc:
+            seen.append("timeout" if isinstance(exc, TimeoutError) and not pending.is_completed() else "?")
+        for misuse in (lambda: objcomm.recv(src=1, tag=4), lambda: objcomm.recv(tag=4),
+                       lambda: objcomm.irecv(tag=4)):
+            try:
+                misuse()
+            except objcomm.ObjcommError as exc:
+                seen.append("refused" if "outstanding" in str(exc) else str(exc))
+        sending = objcomm.isend("early", 1, tag=5)  # gloo: outstanding until rank 1 receives it
+        try:
+            objcomm.send("racing", 1, tag=5)
+        except objcomm.ObjcommError as exc:
+            seen.append("refused" if "outstanding" in str(exc) else str(exc))
+        dist.barrier()
+        seen.append(pending.wait(timeout=120))
+        sending.wait(timeout=120)
+        objcomm.send("after", 1, tag=5)  # allowed once the isend is done
+        seen.append(objcomm.recv(src=1, tag=4))  # and a blocking recv once the irecv is done
+    elif rank == 1:
+        dist.barrier()
+        objcomm.send("late", 0, tag=4)
+        seen += [objcomm.recv(0, tag=5), objcomm.recv(0, tag=5)]
+        objcomm.send("blocking", 0, tag=4)
+    return seen
+
+
+def test_timeouts_leave_the_handle_usable_and_misuse_is_an_error():
+    results = get_pool(2).run(timeouts_and_misuse)
+    assert results[0] == ["timeout", "refused", "refused", "refused", "refused", "late", "blocking"]
+    assert results[1] == ["early", "after"]
+
+
+def test_without_process_group_handles_complete_at_once():
+    assert not dist.is_initialized()
+    request = objcomm.all_gather({"a": 1}, async_op=True)
+    assert isinstance(request, objcomm.Request) and request.is_completed()
+    assert request.wait() == [{"a": 1}] and request.get_future().result() == [{"a": 1}]
+    assert objcomm.broadcast("x", async_op=True).wait(timeout=1) == "x"
+    with pytest.raises(objcomm.ObjcommError, match="init_process_group"):
+        objcomm.isend("x", dst=1).wait()
+    with pytest.raises(objcomm.EncodeError):
+        objcomm.Communicator(serializer="json").all_gather({1}, async_op=True).wait()
+
+
+def on_subgroup() -> Any:
+    rank = dist.get_rank()
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    request = objcomm.all_gather(rank, group=group, async_op=True)
+    assert objcomm.all_gather(rank, group=group) == [1, 2]  # blocking, on the group itself, meanwhile
+    return request.wait(timeout=120)
+
+
+def test_async_collectives_on_a_subgroup(ranks3):
+    assert ranks3.run(on_subgroup) == [None, [1, 2], [1, 2]]
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def _settled_threads(baseline: int) -> int:
+    """The thread count once finished lanes' threads have exited (they end right after their last job)."""
+    deadline = time.monotonic() + 30
+    while threading.active_count() > baseline and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threading.active_count()
+
+
+def soak(calls: int) -> Dict[str, Any]:
+    """``calls`` async calls per rank, eight in flight at a time: collectives and isend/irecv pairs."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = (rank + 1) % world
+    objcomm.all_gather(0, async_op=True).wait(timeout=120)  # the group's shadow exists before measuring
+    threads, rss = threading.active_count(), []
+    done = 0
+    while done < calls:
+        batch = []
+        for i in range(done, done + 8):
+            if i % 4 == 0:
+                batch.append(objcomm.isend({"i": i}, peer, tag=1))
+            elif i % 4 == 1:
+                batch.append(objcomm.irecv((rank - 1) % world, tag=1))
+            else:
+                batch.append(objcomm.all_gather({"i": i, "pad": "p" * (i % 500)}, async_op=True))
+        for request in batch:
+            request.wait(timeout=120)
+        done += len(batch)
+        if done % 400 == 0:
+            rss.append(_rss_kib())
+    quarter = len(rss) // 4
+    return {
+        "threads": (threads, _settled_threads(threads)),
+        "growth_kib": statistics.median(rss[-quarter:]) - statistics.median(rss[1:quarter]),
+    }
+
+
+@pytest.mark.timeout(300)
+def test_soak_of_async_calls_keeps_memory_and_threads_flat():
+    for result in get_pool(2).run(soak, 10_000, timeout=280):
+        before, after = result["threads"]
+        assert after == before, f"{after - before} threads left behind"
+        assert result["growth_kib"] < 16 << 10, f"resident memory grew by {result['growth_kib']} KiB"
+
+
+def names_disagree() -> str:
+    """A subgroup whose members know different numbers of groups: its shadow cannot be named alike, so
+    every member raises instead of waiting forever. (Last in this file: it leaves the counts unequal.)"""
+    rank = dist.get_rank()
+    dist.new_group([0, 1])
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return ""
+    try:
+        objcomm.all_gather(rank, group=group, async_op=True)
+    except objcomm.ObjcommError as exc:
+        return "refused" if "same number of process groups" in str(exc) else str(exc)
+    return "issued"
+
+
+def test_a_subgroup_whose_shadow_cannot_be_named_alike_is_refused(ranks3):
+    assert ranks3.run(names_disagree) == ["", "refused", "refused"]
