@@ -17,7 +17,7 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, cast
 import serializers
 
 from ._bench import _launch
-from ._bench._config import OPS, BenchConfig, import_modules
+from ._bench._config import DEFAULT_OPS, OPS, BenchConfig, import_modules
 from ._bench._payloads import BUILTIN, parse_size, resolve_payload
 
 DEFAULT_SIZES = "1KB,64KB,1MB"
@@ -53,7 +53,9 @@ def _parser() -> _Parser:
     add("--payloads", action="append", metavar="NAMES", help=f"comma-separated built-ins: {', '.join(BUILTIN)}")
     add("--payload", action="append", default=[], metavar="MODULE:FUNCTION",
         help="your own object: FUNCTION(rank) (or FUNCTION(rank, size)) returns it; repeatable")
-    add("--ops", action="append", metavar="OPS", help=f"comma-separated: {', '.join(OPS)} (default: all)")
+    add("--ops", action="append", metavar="OPS",
+        help=f"comma-separated: {', '.join(OPS)} (default: {', '.join(DEFAULT_OPS)}); torch has no object "
+             "all_to_all or all_reduce, so those are timed against all_gather_object and picking or reducing locally")
     add("--sizes", metavar="SIZES", help=f"payload sizes, e.g. 1KB,1MB,16MB (default {DEFAULT_SIZES})")
     add("--repeat", type=int, metavar="N",
         help=f"timed runs per cell (default: up to {DEFAULT_REPEAT}, fewer (at least 3) for slow cells)")
@@ -162,7 +164,8 @@ def _bench_config(args: argparse.Namespace) -> BenchConfig:
             resolve_payload(spec)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    ops = _choices(args.ops, list(OPS), "op", aliases={"send": "send/recv", "recv": "send/recv"}) if args.ops else OPS
+    aliases = {"send": "send/recv", "recv": "send/recv"}
+    ops = _choices(args.ops, list(OPS), "op", aliases=aliases) if args.ops else DEFAULT_OPS
     try:
         sizes = [parse_size(s) for s in _split([args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)])]
     except ValueError as exc:

@@ -23,7 +23,8 @@ private to ``_launch`` (the command line reports it and exits with status 1).
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import functools
+from typing import Any, Dict, Tuple
 
 from serializers import (
     ContentRefusedError,
@@ -108,23 +109,22 @@ def original(exc: BaseException) -> BaseException:
     return exc
 
 
-_COMBINED: Dict[Tuple[type, type], type] = {}
-
-
 def also_instance_of(base: type, kind: type) -> type:
     """A subclass of ``base`` that is also ``kind``, so that code catching the original type (as it
     would around torch's object collectives) catches objcomm's exception too; ``base`` itself when
     the two cannot be combined (incompatible layouts, final classes) or already are."""
+    return _combined(base, kind)
+
+
+@functools.lru_cache(maxsize=256)  # a pure memo: one class per pair, so equal failures raise equal types
+def _combined(base: Any, kind: Any) -> type:
     if issubclass(base, kind) or not issubclass(kind, Exception):
         return base
-    key = (base, kind)
-    if key not in _COMBINED:
-        try:
-            namespace = {"__str__": BaseException.__str__, "__module__": base.__module__, "__doc__": base.__doc__}
-            _COMBINED[key] = type(base.__name__, (base, kind), namespace)
-        except TypeError:  # e.g. a layout conflict (OSError's fields) or a class that forbids subclassing
-            _COMBINED[key] = base
-    return _COMBINED[key]
+    try:
+        namespace = {"__str__": BaseException.__str__, "__module__": base.__module__, "__doc__": base.__doc__}
+        return type(base.__name__, (base, kind), namespace)
+    except TypeError:  # e.g. a class that forbids subclassing
+        return base
 
 
 def with_original_type(exc: BaseException) -> BaseException:

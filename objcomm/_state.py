@@ -9,7 +9,9 @@
   the lanes and which point-to-point keys are busy).
 
 The one other piece of process state is the ``configure()`` layer of the settings, which
-:mod:`objcomm._settings` owns with its lock.
+:mod:`objcomm._settings` owns with its lock. Besides these there are only pure memos
+(``functools.lru_cache``: this host's key, the combined exception classes of
+:func:`objcomm._errors.also_instance_of`) and locks.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from _ranks import get_pool
 
 import objcomm
 import serializers
+from objcomm._bench._config import OPS
 from objcomm._bench._measure import TORCH, Timing, compare_op, interleaved
 from objcomm._bench._payloads import BUILTIN, format_size, parse_size, reference_size
 from objcomm._bench._roundtrip import check, judge
@@ -88,8 +89,7 @@ def _records(rank: int) -> list:
 
 
 def compare_every_op(repeat: int) -> dict:
-    return {op: compare_op(op, _records, ["pickle", "msgpack"], repeat=repeat)
-            for op in ("all_gather", "gather", "broadcast", "scatter", "send/recv")}
+    return {op: compare_op(op, _records, ["pickle", "msgpack"], repeat=repeat) for op in OPS}
 
 
 def raw_and_objects() -> dict:
@@ -104,6 +104,7 @@ def test_compare_op_times_objcomm_and_torch_alike_on_every_rank():
     pool = get_pool(2)
     per_rank = pool.run(compare_every_op, 3)
     assert per_rank[0] == per_rank[1], "every rank reports the slowest rank's times"
+    assert set(per_rank[0]) == set(OPS)  # the new ops (all_to_all, all_reduce, iall_gather) included
     for op, timings in per_rank[0].items():
         assert set(timings) == {"pickle", "msgpack", TORCH}, op
         for timing in timings.values():

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 import serializers
-from objcomm._bench._measure import OPS
+from objcomm._bench._config import DEFAULT_OPS, OPS
 from objcomm._bench._payloads import BUILTIN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def test_bench_prints_table_and_writes_json_csv_plot(tmp_path):
     assert meta["world_size"] == 2 and meta["launcher"] == "local"
     assert [r["ppid"] for r in meta["ranks"]] == [pid, pid], "the ranks are this command's own children"
     names = serializers.available()
-    expected = sorted((p, s, op) for p in payloads for s in names for op in OPS)
+    expected = sorted((p, s, op) for p in payloads for s in names for op in DEFAULT_OPS)
     assert sorted((r["payload"], r["serializer"], r["op"]) for r in rows) == expected
     for r in rows:
         assert r["torch_latency_s"] > 0
@@ -322,3 +322,16 @@ def test_demo_gathers_and_merges_on_local_ranks():
     held = [{r: 1} if r % 2 == 0 else {} for r in range(3)]
     merged = {k: v for part in held for k, v in part.items()}
     assert out.splitlines() == [f"P {r}: {h}" for r, h in enumerate(held)] + [f"All: {merged}"]
+
+
+@pytest.mark.timeout(180)
+def test_bench_ops_beyond_torch_say_what_torch_users_write_instead(tmp_path):
+    out_json = tmp_path / "r.json"
+    pid, rc, out, err = run_cli(*QUICK, "--payloads", "metrics", "--serializers", "pickle,msgpack",
+                                "--ops", "all_to_all,all_reduce,iall_gather", "--json", str(out_json))
+    assert rc == 0, err
+    assert "all_to_all: torch has none; its row is all_gather_object, then each rank keeps the parts" in out
+    assert "all_reduce: torch has none; its row is all_gather_object, then functools.reduce locally" in out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert sorted({r["op"] for r in rows}) == ["all_reduce", "all_to_all", "iall_gather"]
+    assert all(r["latency_s"] > 0 and r["torch_latency_s"] > 0 for r in rows)

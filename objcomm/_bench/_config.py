@@ -9,7 +9,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Sequence, Tuple
 
-OPS = ("all_gather", "gather", "broadcast", "scatter", "send/recv")
+DEFAULT_OPS = ("all_gather", "gather", "broadcast", "scatter", "send/recv")
+# torch has no object all-to-all, reduction or non-blocking object collective: these are compared
+# with what users write instead (see objcomm._bench._measure.TORCH_EQUIVALENT)
+OPS = DEFAULT_OPS + ("all_to_all", "all_reduce", "iall_gather")
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,12 @@ round) so that machine noise hits them alike.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,14 @@ TORCH_EQUIVALENT = {
     "broadcast": "broadcast_object_list",
     "scatter": "scatter_object_list",
     "send/recv": "send_object_list/recv_object_list",
+    "all_to_all": "all_gather_object, then each rank keeps the parts sent to it",
+    "all_reduce": "all_gather_object, then functools.reduce locally (op: keep the first; moving, not combining)",
+    "iall_gather": "all_gather_object (blocking)",
 }
+
+
+def _keep_first(a: Any, b: Any) -> Any:
+    return a
 
 Make = Callable[[int], Any]
 
@@ -193,6 +201,13 @@ def objcomm_call(op: str, make: Make, serializer: str, *, group: Any = None, roo
     if op == "scatter":
         objs = [obj if r == at.me else make(r) for r in range(at.size)] if at.me == at.root else None
         return lambda: comm.scatter(objs, src=at.root_global)
+    if op == "all_to_all":
+        parts = [obj] * at.size
+        return lambda: comm.all_to_all(parts)
+    if op == "all_reduce":
+        return lambda: comm.all_reduce(obj, _keep_first)
+    if op == "iall_gather":
+        return lambda: comm.all_gather(obj, async_op=True).wait()
     if at.me == at.root:
         return lambda: comm.send(obj, dst=at.peer_global)
     if at.me == at.peer:
@@ -204,8 +219,12 @@ def torch_call(op: str, make: Make, *, group: Any = None, root: int = 0) -> Call
     """A zero-argument callable doing ``op`` once with torch.distributed's object collective (pickle)."""
     at = _place(op, group, root)
     obj = make(at.me)
-    if op == "all_gather":
+    if op in ("all_gather", "iall_gather"):
         return lambda: dist.all_gather_object([None] * at.size, obj, group=group)
+    if op == "all_to_all":
+        return lambda: _pick_own(at, [obj] * at.size, group)
+    if op == "all_reduce":
+        return lambda: _gather_and_reduce(at, obj, group)
     if op == "gather":
         return lambda: dist.gather_object(
             obj, [None] * at.size if at.me == at.root else None, dst=at.root_global, group=group
@@ -221,3 +240,17 @@ def torch_call(op: str, make: Make, *, group: Any = None, root: int = 0) -> Call
     if at.me == at.peer:
         return lambda: dist.recv_object_list([None], src=at.root_global, group=group)
     return lambda: None
+
+
+def _pick_own(at: _Place, parts: List[Any], group: Any) -> List[Any]:
+    """What users write without an object all-to-all: gather every rank's whole list, keep one's own parts."""
+    everything: List[Any] = [None] * at.size
+    dist.all_gather_object(everything, parts, group=group)
+    return [row[at.me] for row in everything]
+
+
+def _gather_and_reduce(at: _Place, obj: Any, group: Any) -> Any:
+    """What users write without an object reduction: gather everything, reduce locally."""
+    everything: List[Any] = [None] * at.size
+    dist.all_gather_object(everything, obj, group=group)
+    return functools.reduce(_keep_first, everything)

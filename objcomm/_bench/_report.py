@@ -6,7 +6,8 @@ import csv
 import json
 from typing import Dict, List, Optional, Tuple
 
-from ._measure import TORCH
+from ._config import DEFAULT_OPS
+from ._measure import TORCH, TORCH_EQUIVALENT
 from ._payloads import format_size
 from ._results import Choice, Recommendation, Result, Row
 
@@ -56,9 +57,12 @@ def _headline(meta: Dict) -> str:
 
 def _legend(meta: Dict, first_op: str) -> List[str]:
     repeats = f"up to {meta['repeat']}" if meta.get("adaptive_repeat") else str(meta["repeat"])
+    workarounds = [f"          {op}: torch has none; its row is {TORCH_EQUIVALENT[op]}"
+                   for op in meta.get("ops", ()) if op not in DEFAULT_OPS]
     return [
         f"op cells: median latency of {repeats} interleaved runs (slowest rank, barrier to result), and",
         "          ×: objcomm ÷ torch.distributed's object collective in the same runs (below 1: faster)",
+        *workarounds,
         f"encode/decode: rank 0, local, median; MB/s: payload's pickle size ÷ {first_op} latency",
     ]
 
