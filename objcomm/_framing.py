@@ -43,7 +43,7 @@ from ._errors import (
     UnknownSerializerError,
     original,
 )
-from ._tensors import Entry, TensorLifter, parse_table, restorer
+from ._tensors import Entry, TensorLifter, WholeBytes, parse_table, restorer
 from ._wire import Incoming, Outgoing
 
 MAGIC = b"OBJC"
@@ -135,6 +135,8 @@ def encode(
     errors. Tensors are lifted out when it supports that (the pickle family, msgpack).
     """
     lifter = TensorLifter()
+    if type(obj) in (bytes, bytearray) and len(obj) > inline_tensor_bytes and serializer.supports_external:
+        obj = WholeBytes(obj)  # travels like a tensor: never copied into the payload
     payload = serializer.dumps(obj, lift=lifter)
     table, inline, oob = lifter.pack(inline_tensor_bytes)
     raw = memoryview(payload).cast("B")

@@ -2,14 +2,17 @@
 
 While a serializer encodes an object, :class:`TensorLifter` takes every ``torch.Tensor`` it is
 offered (anywhere: in dicts, lists, user classes for the pickle family) and leaves a key in its
-place. Small tensors are then copied into the frame; large ones travel *out of band* as flat
-uint8 tensors with native collectives (on NCCL they never touch the host). The frame's tensor
-table says which is which::
+place. numpy arrays of a dtype torch shares go the same way, as a tensor viewing the array's
+memory (no copy), and so does a large ``bytes``/``bytearray`` given as the whole object (see
+:func:`objcomm._framing.encode`). Small ones are then copied into the frame; large ones travel
+*out of band* as flat uint8 tensors with native collectives (on NCCL they never touch the host).
+The frame's tensor table says which is which::
 
     entry (24 bytes, little-endian): dtype code u8, flags u8, ndim u8, 5 pad bytes,
                                      nbytes u64, offset u64 (inline: into the inline section;
                                      out of band: its index), then ndim x i64 shape
-    flags: 1 inline, 2 requires_grad, 4 torch.nn.Parameter
+    flags: 1 inline, 2 requires_grad, 4 torch.nn.Parameter, 8 a numpy array,
+           16 bytes, 32 bytearray (8, 16 and 32 exclude each other and 2 and 4)
 
 On the receiver each key becomes a tensor on ``map_location`` (default: the transport device,
 the CPU for gloo and the current CUDA device for NCCL), never on the sender's device index.
@@ -19,9 +22,11 @@ from __future__ import annotations
 
 import functools
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ._errors import FrameError
@@ -33,7 +38,9 @@ DTYPES = (
 _CODES: Dict[torch.dtype, int] = {getattr(torch, n): i for i, n in enumerate(DTYPES) if hasattr(torch, n)}
 ENTRY = struct.Struct("<BBB5xQQ")
 DIM = struct.Struct("<q")
-INLINE, REQUIRES_GRAD, PARAMETER = 1, 2, 4
+INLINE, REQUIRES_GRAD, PARAMETER, NUMPY, BYTES, BYTEARRAY = 1, 2, 4, 8, 16, 32
+_KINDS = NUMPY | BYTES | BYTEARRAY  # what the entry becomes on the receiver, other than a tensor
+_FLAGS = INLINE | REQUIRES_GRAD | PARAMETER | _KINDS
 MAX_NDIM = 64
 MAX_NBYTES = 1 << 62  # no tensor announces this much; keeps every size an int64 for torch
 
@@ -74,20 +81,59 @@ class Entry:
         return bool(self.flags & INLINE)
 
 
+class WholeBytes:
+    """A large ``bytes`` or ``bytearray`` given as the whole object, offered to the lifter in its place."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+
+def _as_tensor(value: Any) -> Optional[Tuple[torch.Tensor, int]]:
+    """``(tensor sharing value's memory, kind flag)`` for what travels out of band besides tensors."""
+    if type(value) is np.ndarray:
+        # torch's dtypes only, native byte order (object, structured, datetime and '>f4' stay in band)
+        if not value.dtype.isnative or value.dtype.hasobject or value.dtype.fields is not None:
+            return None
+        try:
+            with warnings.catch_warnings():  # a read-only array: the tensor is only ever read
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.from_numpy(np.ascontiguousarray(value))
+        except TypeError:  # a dtype torch lacks
+            return None
+        return (tensor, NUMPY) if tensor.dtype in _CODES else None
+    if type(value) is WholeBytes:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            empty = not len(value.data)
+            flat = torch.empty(0, dtype=torch.uint8) if empty else torch.frombuffer(value.data, dtype=torch.uint8)
+        return flat, (BYTES if type(value.data) is bytes else BYTEARRAY)
+    return None
+
+
 class TensorLifter:
     """The ``lift`` hook handed to serializers; collects tensors, each once (aliases share a key)."""
 
     def __init__(self) -> None:
         self.tensors: List[torch.Tensor] = []
+        self.kinds: List[int] = []  # 0, NUMPY, BYTES or BYTEARRAY per key
         self._keys: Dict[int, int] = {}
+        self._held: List[Any] = []  # what the keys' ids belong to, alive until encoding ends
 
     def __call__(self, value: Any) -> Optional[int]:
-        if not liftable(value):
-            return None
         key = self._keys.get(id(value))
-        if key is None:
-            key = self._keys[id(value)] = len(self.tensors)
-            self.tensors.append(value)
+        if key is not None:
+            return key
+        if liftable(value):
+            tensor, kind = value, 0
+        else:
+            found = _as_tensor(value)
+            if found is None:
+                return None
+            tensor, kind = found
+        key = self._keys[id(value)] = len(self.tensors)
+        self.tensors.append(tensor)
+        self.kinds.append(kind)
+        self._held.append(value)
         return key
 
     def pack(self, inline_max: int) -> Tuple[bytes, List[torch.Tensor], List[torch.Tensor]]:
@@ -96,10 +142,10 @@ class TensorLifter:
         inline: List[torch.Tensor] = []
         oob: List[torch.Tensor] = []
         inline_len = 0
-        for tensor in self.tensors:
+        for tensor, kind in zip(self.tensors, self.kinds):
             data = tensor.detach().resolve_conj().resolve_neg().contiguous()
             flat = data.reshape(-1).view(torch.uint8)
-            flags = (REQUIRES_GRAD if tensor.requires_grad else 0) | (
+            flags = kind | (REQUIRES_GRAD if tensor.requires_grad else 0) | (
                 PARAMETER if isinstance(tensor, torch.nn.Parameter) else 0
             )
             if flat.numel() <= inline_max:
@@ -130,6 +176,11 @@ def parse_table(view: memoryview, count: int, inline_len: int) -> List[Entry]:
         shape = tuple(DIM.unpack_from(view, position + i * DIM.size)[0] for i in range(ndim))
         position += ndim * DIM.size
         dtype, itemsize = _dtype_of(code)
+        kinds = flags & _KINDS
+        if flags & ~_FLAGS or kinds & (kinds - 1) or kinds and flags & (REQUIRES_GRAD | PARAMETER):
+            raise FrameError(f"tensor table entry with flags {flags:#x}: unknown or contradictory")
+        if kinds & (BYTES | BYTEARRAY) and (dtype != torch.uint8 or ndim != 1):
+            raise FrameError("tensor table entry: bytes must be a flat uint8 entry")
         # checked before anything of this size exists: no negative or overflowing shape, nbytes in range
         if nbytes >= MAX_NBYTES or any(not 0 <= d < MAX_NBYTES for d in shape) or _product(shape) * itemsize != nbytes:
             raise FrameError(f"tensor table entry: shape {shape} of {dtype} is not {nbytes} bytes")
@@ -168,9 +219,9 @@ def restorer(
     if len(out_of_band) != len(oob) or any(e.nbytes != t.numel() for e, t in zip(out_of_band, oob)):
         raise FrameError(f"the frame announces {len(out_of_band)} out-of-band tensors, {len(oob)} arrived")
 
-    restored: Dict[int, torch.Tensor] = {}
+    restored: Dict[int, Any] = {}
 
-    def restore(key: Any) -> torch.Tensor:
+    def restore(key: Any) -> Any:
         # Each key is built once and shared: a payload naming one tensor many times (the sender's
         # aliases do) gets one tensor, not a copy per mention.
         if type(key) is not int:
@@ -181,7 +232,8 @@ def restorer(
             restored[key] = _restore(entries[key])
         return restored[key]
 
-    def _restore(entry: Entry) -> torch.Tensor:
+    def _restore(entry: Entry) -> Any:
+        """The tensor (or numpy array, bytes, bytearray) an entry describes."""
         if entry.inline:
             # one copy into memory the tensor owns (the frame may be read-only or reused)
             data = bytearray(inline[entry.offset : entry.offset + entry.nbytes])
@@ -189,6 +241,11 @@ def restorer(
         else:
             raw = oob[entry.offset]
             raw = raw.clone() if own else raw
+        if entry.flags & (BYTES | BYTEARRAY):
+            arrived = raw.cpu().numpy().data  # one copy into the bytes object (which owns its memory)
+            return bytes(arrived) if entry.flags & BYTES else bytearray(arrived)
+        if entry.flags & NUMPY:  # a view on what arrived, on the CPU wherever tensors go
+            return raw.cpu().view(entry.dtype).reshape(entry.shape).numpy()
         tensor = raw.view(entry.dtype).reshape(entry.shape).to(device)
         if entry.flags & PARAMETER:
             return torch.nn.Parameter(tensor, requires_grad=bool(entry.flags & REQUIRES_GRAD))

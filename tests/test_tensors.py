@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +10,7 @@ import torch.distributed as dist
 import objcomm
 import serializers
 from objcomm import _framing
+from objcomm._wire import Incoming
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -134,3 +136,77 @@ def tensor_placement() -> list:
 def test_tensors_arrive_on_the_receivers_device(ranks3):
     """gloo moves CPU tensors: they arrive on the CPU, whatever the sender had."""
     assert ranks3.run(tensor_placement) == [["cpu", "cpu", "cpu", "1.0"]] * 3
+
+
+# -- numpy arrays and whole bytes travel out of band too ----------------------------------------------
+def arrays() -> dict:
+    return {
+        "big": np.arange(BIG, dtype=np.float64).reshape(100, -1),
+        "read_only": np.frombuffer(bytes(range(256)) * 1000, dtype=np.uint8),
+        "strided": np.arange(2 * BIG, dtype=np.int32)[::2],
+        "big_endian": np.arange(BIG, dtype=">f4"),  # torch has no such dtype: stays in the payload
+        "small": np.arange(10, dtype=np.int16),  # below the inline limit: in the frame
+    }
+
+
+def assert_arrays(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for key, want in expected.items():
+        assert type(got[key]) is np.ndarray and got[key].dtype == want.dtype and got[key].shape == want.shape, key
+        assert np.array_equal(got[key], want), key
+
+
+@pytest.mark.parametrize("serializer", ["pickle", "cloudpickle", "restricted-pickle", "msgpack"])
+def test_numpy_arrays_and_whole_bytes_leave_the_byte_stream(serializer):
+    chosen = serializers.registry.guarded(serializer)
+    expected = arrays()
+    out = _framing.encode(expected, chosen, max_bytes=1 << 30)
+    assert sorted(t.numel() for t in out.tensors) == sorted([BIG * 8, 256_000, BIG * 4])
+    assert out.frame.nbytes < BIG * 4 + 10_000  # only the big-endian array is in the payload
+    assert_arrays(_framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None, own=True), expected)
+    for whole in (b"b" * (2 * BIG), bytearray(b"a" * (2 * BIG))):
+        out = _framing.encode(whole, chosen, max_bytes=1 << 30)
+        assert [t.numel() for t in out.tensors] == [2 * BIG] and out.frame.nbytes < 1000
+        got = _framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
+        assert type(got) is type(whole) and got == whole
+
+
+def test_the_tensor_table_refuses_unknown_or_contradictory_flags():
+    from objcomm import _tensors
+
+    def entry(flags: int, dtype_code: int = 0, shape: tuple = (2,), nbytes: int = 8) -> bytes:
+        return _tensors.ENTRY.pack(dtype_code, flags, len(shape), nbytes, 0) + b"".join(
+            _tensors.DIM.pack(d) for d in shape)
+
+    uint8 = _tensors.DTYPES.index("uint8")
+    for bad in (entry(64), entry(_tensors.NUMPY | _tensors.PARAMETER), entry(_tensors.NUMPY | _tensors.BYTES),
+                entry(_tensors.BYTES), entry(_tensors.BYTEARRAY, uint8, (2, 4), 8)):
+        with pytest.raises(objcomm.FrameError, match="flags|bytes must be"):
+            _tensors.parse_table(memoryview(bad), 1, 0)
+    assert _tensors.parse_table(memoryview(entry(_tensors.BYTES, uint8, (8,))), 1, 0)[0].flags == _tensors.BYTES
+
+
+def arrays_through_every_op(serializer: str, shm: bool) -> bool:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = objcomm.Communicator(serializer=serializer, shm=shm, shm_threshold=1024)
+    mine = {"x": np.full(BIG, rank, dtype=np.float32), "m": np.eye(3) * rank}
+    got = comm.all_gather(mine)
+    for r in range(world):
+        assert_arrays(got[r], {"x": np.full(BIG, r, dtype=np.float32), "m": np.eye(3) * r})
+    mine["x"][:] = -1  # the results never alias the input
+    assert got[rank]["x"][0] == rank
+    got[(rank + 1) % world]["x"][0] = 7.0  # and they are writable
+    blob = bytes([rank]) * (3 * BIG)
+    assert comm.broadcast(blob if rank == 0 else None, src=0) == bytes([0]) * (3 * BIG)
+    assert comm.all_to_all([bytearray([rank]) * BIG] * world) == [bytearray([r]) * BIG for r in range(world)]
+    if rank == 0:
+        comm.send(np.arange(BIG), dst=world - 1)
+    elif rank == world - 1:
+        assert np.array_equal(comm.recv(src=0), np.arange(BIG))
+    return True
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["group", "shm"])
+@pytest.mark.parametrize("serializer", ["pickle", "restricted-pickle", "msgpack"])
+def test_arrays_and_bytes_through_every_op(ranks3, serializer, shm):
+    assert all(ranks3.run(arrays_through_every_op, serializer, shm))

@@ -152,7 +152,7 @@ def test_codec_payloads_use_ext_13_and_the_json_tag():
     exts = msgpack.unpackb(payload("v1-msgpack-codec.frame"), ext_hook=lambda code, body: (code, body))
     assert {k: v[0] for k, v in exts.items()} == {"point": 13, "pair": 1, "set": 2, "array": 8}
     assert msgpack.unpackb(exts["point"][1]) == [gen.CODEC_NAME, [1, 2]]
-    assert msgpack.unpackb(exts["array"][1]) == ["<i4", [2, 3], np.arange(6, dtype="<i4").tobytes()]
+    assert msgpack.unpackb(exts["array"][1]) == [">i4", [2, 3], np.arange(6, dtype=">i4").tobytes()]
     tagged = b'{"point":{"__objcomm_type__":"wire-format-golden.Point","value":[1,2]},"ids":[1,2,3]}'
     assert payload("v1-json-codec.frame") == tagged
 
@@ -326,7 +326,8 @@ EXT_NAMES = ["TUPLE", "SET", "FROZENSET", "BIGINT", "DATETIME", "DATE", "TIMEDEL
 MUST_STATE = {
     *(f"objcomm._framing.{n}" for n in ("MAGIC", "VERSION", "FLAG_ERROR", "MAX_ERROR_REPORT")),
     *(f"objcomm._compression.{n}" for n in ("NONE", "ZSTD", "LZ4", "CODES")),
-    *(f"objcomm._tensors.{n}" for n in ("INLINE", "REQUIRES_GRAD", "PARAMETER", "MAX_NDIM")),
+    *(f"objcomm._tensors.{n}" for n in ("INLINE", "REQUIRES_GRAD", "PARAMETER", "NUMPY", "BYTES", "BYTEARRAY",
+                                       "MAX_NDIM")),
     *(f"serializers._msgpack.{n}" for n in EXT_NAMES),
     "serializers._json.TAG", "serializers._pickle.PROTOCOL", "serializers._pickle.EXTERNAL",
     *(f"objcomm._slots.{n}" for n in ("ERROR_BIT", "ROUND2_BIT", "LISTED_BIT", "LENGTH_MASK", "SIZES_UNLISTED")),
