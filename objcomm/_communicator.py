@@ -3,80 +3,29 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Collection, List, Mapping, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
-from serializers import SerializerLike, SerializerProtocol, registry
+from serializers import SerializerLike, registry
 
-from . import _framing, _reduce, _requests, _shm, _state, _transport
-from ._device import group_backend, resolve_device
-from ._errors import CommunicationError, Failure, ObjcommError, remote_error, with_original_type
+from . import _framing, _reduce, _requests, _state, _transport
+from ._call import (
+    Call,
+    Device,
+    encode_each,
+    final_report,
+    membership,
+    only,
+    per_rank,
+    second_round_for,
+    tagged,
+)
+from ._errors import ObjcommError, with_original_type
 from ._requests import Request
 from ._segments import SegmentBook
 from ._settings import CallOptions, call_kwargs, given, resolve
-from ._transport import Incoming, Outgoing
-from ._wire import DIRECT, SecondRound
-
-Device = Union[str, torch.device, None]
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One call, resolved: its settings, the serializer object and the wire (None: no group)."""
-
-    options: CallOptions
-    serializer: SerializerProtocol
-    wire: Optional[_transport.Wire]
-
-    @property
-    def device(self) -> torch.device:
-        """Where received tensors go: ``map_location``, else the transport device, else the CPU."""
-        if self.options.map_location is not None:
-            return torch.device(self.options.map_location)
-        return self.wire.device if self.wire is not None else torch.device("cpu")
-
-    def encode(self, obj: Any) -> tuple[Outgoing, Optional[BaseException]]:
-        """``(outgoing, exception)``: a failure becomes an error report that still travels."""
-        try:
-            out = _framing.encode(
-                obj, self.serializer, max_bytes=self.options.max_bytes,
-                inline_tensor_bytes=self.options.inline_tensor_bytes, compression=self.options.compression,
-            )
-            return out, None
-        except Exception as exc:
-            limit = self.wire.inline_capacity if self.wire is not None else 1 << 16
-            return _framing.error_frame(exc, limit), exc
-
-    @staticmethod
-    def failures(incoming: Sequence[Optional[Incoming]]) -> Dict[int, Failure]:
-        found = {}
-        for rank, item in enumerate(incoming):
-            if item is not None and item.error:
-                found[rank] = _framing.read_error(item.frame, _framing.parse_header(item.frame))
-        return found
-
-    def raise_failures(self, op: str, incoming: Sequence[Optional[Incoming]], local: Optional[BaseException]) -> None:
-        failures = self.failures(incoming)
-        if failures:
-            raise remote_error(op, failures, local) from local
-
-    def decode(self, item: Optional[Incoming], sender: int, own: bool = False) -> Any:
-        if item is None:
-            raise CommunicationError(f"no frame arrived from rank {sender}")
-        return _framing.decode(
-            item, sender=sender, accept=self.options.accept, device=self.device, max_bytes=self.options.max_bytes,
-            own=own,
-        )
-
-    def roundtrip(self, obj: Any) -> Any:
-        """What a group of one returns: the object encoded and decoded, so failures match."""
-        out, error = self.encode(obj)
-        if error is not None:
-            raise error
-        return self.decode(Incoming(out.frame, list(out.tensors)), 0, own=True)
+from ._transport import Outgoing
 
 
 class Communicator:
@@ -144,11 +93,11 @@ class Communicator:
         return f"Communicator(group={self.group!r}, serializer={self.serializer!r}, device={self.device!r})"
 
     # -- resolution ----------------------------------------------------------------------------
-    def _call(self, kwargs: Mapping[str, Any]) -> _Call:
+    def _call(self, kwargs: Mapping[str, Any]) -> Call:
         """Resolve one call from its per-call keyword arguments (see :func:`objcomm._settings.resolve`)."""
         layer = self._given if self._separate_hosts is None else {**self._given, "separate_hosts": self._separate_hosts}
         options = resolve(kwargs, layer)
-        return _Call(options, registry.guarded(options.serializer), self._wire(options))
+        return Call(options, registry.guarded(options.serializer), self._wire(options))
 
     def _wire(self, options: CallOptions) -> Optional[_transport.Wire]:
         if not (dist.is_available() and dist.is_initialized()):
@@ -158,7 +107,7 @@ class Communicator:
                 )
             return None
         group = self.group if self.group is not None else dist.group.WORLD
-        ranks, rank, device = _membership(group, self.device)
+        ranks, rank, device = membership(group, self.device)
         return _transport.Wire(
             group=group,
             ranks=ranks,
@@ -167,7 +116,7 @@ class Communicator:
             slot=options.slot_bytes,
             chunk=options.chunk_bytes,
             max_bytes=options.max_bytes,
-            second_round=_second_round(options, self._segments),
+            second_round=second_round_for(options, self._segments),
         )
 
     @staticmethod
@@ -233,7 +182,7 @@ class Communicator:
         root = self._group_rank(call.wire, src, "src")
         out, local = call.encode(obj) if call.wire.rank == root else (None, None)
         item = _transport.broadcast(call.wire, out, _framing.tensor_sizes, root)
-        call.raise_failures("broadcast", _only(root, item, call.wire.size), local)
+        call.raise_failures("broadcast", only(root, item, call.wire.size), local)
         return call.decode(item, root, own=call.wire.rank == root)
 
     def scatter(
@@ -247,15 +196,15 @@ class Communicator:
         call = self._call(call_kwargs(locals()))
         if call.wire is None:
             self._check_single(src, "src")
-            return call.roundtrip(_per_rank(objs, 1, "scatter")[0])
+            return call.roundtrip(per_rank(objs, 1, "scatter")[0])
         wire = call.wire
         root = self._group_rank(wire, src, "src")
         outs: Optional[List[Outgoing]] = None
         local: Optional[BaseException] = None
         if wire.rank == root:
-            outs, local = _encode_each(call, objs, wire.size, "scatter")
+            outs, local = encode_each(call, objs, wire.size, "scatter")
         item = _transport.scatter(wire, outs, _framing.tensor_sizes, root)
-        call.raise_failures("scatter", _only(root, item, wire.size), local)
+        call.raise_failures("scatter", only(root, item, wire.size), local)
         return call.decode(item, root, own=wire.rank == root)
 
     def all_to_all(
@@ -268,8 +217,8 @@ class Communicator:
             return self._submit("all_to_all", Communicator.all_to_all, objs, **call_kwargs(locals()))
         call = self._call(call_kwargs(locals()))
         if call.wire is None:
-            return [call.roundtrip(_per_rank(objs, 1, "all_to_all")[0])]
-        outs, local = _encode_each(call, objs, call.wire.size, "all_to_all")
+            return [call.roundtrip(per_rank(objs, 1, "all_to_all")[0])]
+        outs, local = encode_each(call, objs, call.wire.size, "all_to_all")
         incoming = _transport.all_to_all(call.wire, outs, _framing.tensor_sizes)
         call.raise_failures("all_to_all", incoming, local)
         return [call.decode(item, r, own=r == call.wire.rank) for r, item in enumerate(incoming)]
@@ -289,7 +238,7 @@ class Communicator:
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, dst, "dst")
         value, complete, own = _reduce.tree(call, obj, op)
-        out, local = _final_report(call, value, complete, own)
+        out, local = final_report(call, value, complete, own)
         incoming = _transport.gather(call.wire, out, _framing.tensor_sizes, root)
         if incoming is None:
             return None
@@ -311,7 +260,7 @@ class Communicator:
             _reduce.resolve(op)
             return call.roundtrip(obj)
         value, complete, own = _reduce.tree(call, obj, op)
-        out, local = _final_report(call, value, complete, own)
+        out, local = final_report(call, value, complete, own)
         incoming = _transport.all_gather(call.wire, out, _framing.tensor_sizes)
         call.raise_failures("all_reduce", incoming, local)
         return value if call.wire.rank == 0 else call.decode(incoming[0], 0)  # group rank 0 combined it
@@ -327,7 +276,7 @@ class Communicator:
         error: nobody is left waiting.
         """
         call = self._call(call_kwargs(locals()))
-        wire = _tagged(self._require_group(call, "send"), tag, "send")
+        wire = tagged(self._require_group(call, "send"), tag, "send")
         peer = self._group_rank(wire, dst, "dst")
         if peer == wire.rank:
             raise ValueError(f"send(dst={dst}) is this rank itself; send to another rank")
@@ -344,7 +293,7 @@ class Communicator:
         """Receive the object global rank ``src`` sends with ``tag``; ``src=None`` takes it from any rank
         (gloo only). ``return_sender=True`` returns ``(sender's global rank, object)``."""
         call = self._call(call_kwargs(locals()))
-        wire = _tagged(self._require_group(call, "recv"), tag, "recv")
+        wire = tagged(self._require_group(call, "recv"), tag, "recv")
         peer = None if src is None else self._group_rank(wire, src, "src")
         if peer == wire.rank:
             raise ValueError(f"recv(src={src}) is this rank itself; receive from another rank")
@@ -356,7 +305,7 @@ class Communicator:
         _requests.check_blocking(wire.group, "recv", src, tag)
         sender, item, is_error = _transport.recv(wire, peer, _framing.tensor_sizes)
         if is_error:
-            call.raise_failures("send/recv", _only(sender, item, wire.size), None)
+            call.raise_failures("send/recv", only(sender, item, wire.size), None)
         obj = call.decode(item, sender)
         return (wire.ranks[sender], obj) if return_sender else obj
 
@@ -392,7 +341,7 @@ class Communicator:
         return other
 
     @staticmethod
-    def _require_group(call: _Call, op: str) -> _transport.Wire:
+    def _require_group(call: Call, op: str) -> _transport.Wire:
         if call.wire is None:
             raise ObjcommError(f"{op} needs an initialised process group with another rank; call init_process_group()")
         return call.wire
@@ -401,83 +350,3 @@ class Communicator:
     def _check_single(rank: Any, what: str) -> None:
         if rank != 0:
             raise ValueError(f"{what}={rank}, but there is no process group: the only rank is 0")
-
-
-def _membership(group: Any, device: Device) -> tuple:
-    """``(global ranks, this rank's group rank, transport device)`` for ``group``, learned once per group."""
-    known = _state.group_facts(group).membership
-    found = known.get(device)
-    if found is None:
-        rank = dist.get_rank(group)
-        if rank < 0:
-            raise ObjcommError(
-                f"this rank (global rank {dist.get_rank()}) is not a member of the group it was asked to use; "
-                "only call objcomm with groups this rank belongs to"
-            )
-        found = known[device] = (
-            tuple(dist.get_process_group_ranks(group)), rank, resolve_device(group_backend(group), group, device)
-        )
-    return found
-
-
-def _second_round(options: CallOptions, segments: SegmentBook) -> SecondRound:
-    """Who may move a call's second round: shared memory on one host when switched on, else the transport."""
-    if not options.shm:
-        return DIRECT
-    return _shm.SharedMemory(threshold=options.shm_threshold, directory=options.shm_dir or _shm.DEFAULT_DIRECTORY,
-                             separate=options.separate_hosts, book=segments)
-
-
-MAX_TAG = _reduce.REDUCE_TAG - 1  # the backend carries 2 * tag + 1 (see objcomm._wire.Wire.data_tag)
-
-
-def _tagged(wire: _transport.Wire, tag: Any, op: str) -> _transport.Wire:
-    """``wire`` for messages with ``tag``; NCCL has no tags, so only tag 0 goes there."""
-    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
-        raise ValueError(f"{op}: tag must be an int from 0 to {MAX_TAG:,}, got {tag!r}")
-    if tag and wire.device.type != "cpu":
-        raise ValueError(
-            f"{op}(tag={tag}): this group moves bytes on {wire.device} (NCCL), which ignores tags and would mix "
-            "messages; use tag=0 there, or a gloo group (e.g. dist.new_group(backend='gloo')) for tagged messages"
-        )
-    return wire._replace(tag=tag) if tag else wire
-
-
-def _only(rank: int, item: Incoming, size: int) -> List[Optional[Incoming]]:
-    items: List[Optional[Incoming]] = [None] * size
-    items[rank] = item
-    return items
-
-
-def _per_rank(objs: Optional[Sequence[Any]], size: int, op: str) -> Sequence[Any]:
-    """``objs`` checked to hold one object per group rank."""
-    where = " on the source rank" if op == "scatter" else ""
-    if objs is None or isinstance(objs, (str, bytes)) or not hasattr(objs, "__len__"):
-        raise TypeError(f"{op} needs a sequence of {size} objects{where}, got {type(objs).__name__}")
-    if len(objs) != size:
-        raise ValueError(f"{op} needs exactly one object per rank: got {len(objs)} for a group of {size}")
-    return objs
-
-
-def _encode_each(call: _Call, objs: Optional[Sequence[Any]], size: int, op: str) -> Tuple[List[Outgoing], Any]:
-    """One frame per rank, or, when any fails (or ``objs`` is not one per rank), one error report for all."""
-    try:
-        outs = []
-        for item in _per_rank(objs, size, op):
-            out, local = call.encode(item)
-            if local is not None:
-                raise local
-            outs.append(out)
-        return outs, None
-    except Exception as exc:
-        assert call.wire is not None
-        return [_framing.error_frame(exc, call.wire.inline_capacity)] * size, exc
-
-
-def _final_report(call: _Call, value: Any, complete: bool, own: Optional[BaseException]) -> Tuple[Outgoing, Any]:
-    """What a rank contributes to a reduction's last collective: group rank 0 the result, every rank
-    its own failure if it had one, the others a tiny frame."""
-    assert call.wire is not None
-    if own is not None:
-        return _framing.error_frame(own, call.wire.inline_capacity), own
-    return call.encode(value if complete and call.wire.rank == 0 else None)

@@ -21,7 +21,7 @@ from . import _framing, _transport
 from ._errors import CommunicationError, ObjcommError
 
 Op = Union[str, Callable[[Any, Any], Any]]
-REDUCE_TAG = (1 << 30) - 1  # above every tag a caller may pass (objcomm._communicator.MAX_TAG)
+REDUCE_TAG = (1 << 30) - 1  # above every tag a caller may pass (objcomm._call.MAX_TAG)
 
 
 def _merge(a: Dict[Any, Any], b: Dict[Any, Any]) -> Dict[Any, Any]:

@@ -15,7 +15,7 @@ from _ranks import RankDied, RankPool, get_pool
 
 import objcomm
 from objcomm import _segments, _shm, _slots, _transport
-from objcomm._communicator import _second_round
+from objcomm._call import second_round_for as _second_round
 from objcomm._transport import Outgoing
 from objcomm._wire import DIRECT
 

@@ -332,7 +332,7 @@ MUST_STATE = {
     "serializers._json.TAG", "serializers._pickle.PROTOCOL", "serializers._pickle.EXTERNAL",
     *(f"objcomm._slots.{n}" for n in ("ERROR_BIT", "ROUND2_BIT", "LISTED_BIT", "LENGTH_MASK", "SIZES_UNLISTED")),
     *(f"objcomm._transport.{n}" for n in ("REFUSE_LIMIT", "REFUSE_MALFORMED")),
-    "objcomm._hosts._WORDS", "objcomm._segments.PREFIX", "objcomm._communicator.MAX_TAG", "objcomm._reduce.REDUCE_TAG",
+    "objcomm._hosts._WORDS", "objcomm._segments.PREFIX", "objcomm._call.MAX_TAG", "objcomm._reduce.REDUCE_TAG",
     *(f"objcomm._shm.{n}" for n in ("_P2P", "_READ", "_FELL_BACK", "_REFUSED", "_SENT", "_OTHER_HOST", "_RESEND",
                                    "_REFUSED_P2P")),
 }
