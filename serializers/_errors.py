@@ -10,7 +10,7 @@ each error means, is drawn once, in :mod:`objcomm._errors`. Backend exceptions a
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 
 class ObjcommError(Exception):
@@ -48,16 +48,28 @@ def encoding(serializer: str, obj: Any) -> Iterator[None]:
         raise EncodeError(f"{serializer} cannot encode {type(obj).__name__}: {type(exc).__name__}: {exc}") from exc
 
 
-@contextmanager
-def decoding(serializer: str, data: Any) -> Iterator[None]:
-    """Turn any non-objcomm exception raised while ``serializer`` decodes ``data`` into a DecodeError."""
-    try:
-        yield
-    except ObjcommError:
-        raise
-    except Exception as exc:
+class _Decoding:
+    """The context manager :func:`decoding` returns; a class because it wraps every decode (cheaper)."""
+
+    __slots__ = ("serializer", "data")
+
+    def __init__(self, serializer: str, data: Any) -> None:
+        self.serializer = serializer
+        self.data = data
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Optional[type], exc: Optional[BaseException], tb: Any) -> None:
+        if exc is None or isinstance(exc, ObjcommError) or not isinstance(exc, Exception):
+            return
         try:
-            size = f"{memoryview(data).nbytes:,} bytes"
+            size = f"{memoryview(self.data).nbytes:,} bytes"
         except TypeError:
-            size = f"a {type(data).__name__}"
-        raise DecodeError(f"{serializer} cannot decode {size}: {type(exc).__name__}: {exc}") from exc
+            size = f"a {type(self.data).__name__}"
+        raise DecodeError(f"{self.serializer} cannot decode {size}: {type(exc).__name__}: {exc}") from exc
+
+
+def decoding(serializer: str, data: Any) -> _Decoding:
+    """Turn any non-objcomm exception raised while ``serializer`` decodes ``data`` into a DecodeError."""
+    return _Decoding(serializer, data)

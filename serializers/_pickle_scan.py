@@ -1,7 +1,9 @@
 """A walk over pickle opcodes that builds nothing: the checks restricted-pickle makes before loading.
 
-The walk runs pickle's stack machine on *summaries* of the values instead of the values, and
-refuses, before the C unpickler allocates or hashes anything:
+Plain-data payloads are first tried by the fast walk (``_pickle_plain.is_plain``); only a
+payload it cannot show plain pays for this one. The walk runs pickle's stack machine on
+*summaries* of the values instead of the values, and refuses, before the C unpickler allocates
+or hashes anything:
 
 - a declared length past the bytes present (pickle allocates what a length opcode declares
   before reading it), a memo index beyond the opcodes seen, a text number over 4,400 characters,
@@ -10,7 +12,8 @@ refuses, before the C unpickler allocates or hashes anything:
   CPython hashes nested tuples recursively without a depth check, so a deep one used as a dict
   key overflows the C stack;
 - hashing work past a budget proportional to the input: tuples are not hash-cached, so a tuple
-  built from two references to the previous one, 60 times over, costs 2**60 to hash;
+  built from two references to the previous one, 60 times over, costs 2**60 to hash; nor are
+  ints, so each use of a memoized LONG4 int as a key costs its size again;
 - a global (a class or function the payload names) used as anything but the callable of a call
   or a direct argument of a call: globals travel only as constructors, never as values.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import pickletools
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from ._pickle_plain import is_plain
 from ._protocol import Buffer
 
 MAX_TEXT_NUMBER = 4400  # chars of a text INT/LONG/FLOAT argument (CPython 3.11 refuses > 4300 digits anyway)
@@ -99,7 +103,8 @@ _PUT_TEXT, _GET_TEXT = ord("p"), ord("g")
 _FIXED = [kind[1] if kind is not None and kind[0] == 0 else -1 for kind in _ARGUMENTS]  # fixed argument widths
 _STOP = ord(".")
 _TEXT_NUMBERS = {ord("I"), ord("L"), ord("F"), ord("p"), ord("g")}
-_SIGNED_LENGTHS = {0x8B, 0x54}  # LONG4, BINSTRING
+_LONG4 = 0x8B
+_SIGNED_LENGTHS = {_LONG4, 0x54}  # LONG4, BINSTRING
 
 
 class ScanError(ValueError):
@@ -118,6 +123,8 @@ def _as_value(item: Tuple[int, int, int], at: int) -> Tuple[int, int, int]:
 def scan(data: Buffer) -> ScanResult:
     """Walk ``data`` opcode by opcode without building anything; raise :class:`ScanError` on a broken rule."""
     raw = bytes(data)
+    if is_plain(raw):
+        return ScanResult(False, raw)
     size, at, count = len(raw), 0, 0
     budget = HASH_WORK_PER_BYTE * size + 4096
     table, effects, fixed = _ARGUMENTS, _BY_CODE, _FIXED
@@ -166,7 +173,11 @@ def scan(data: Buffer) -> ScanResult:
                 raise ScanError("truncated payload")
             effect = effects[code]
             if effect == _PUSH:
-                stack.append(_PLAIN)
+                if code == _LONG4:  # ints do not cache their hash: a big one costs its size per key use
+                    stack.append((PLAIN, 0, 1 + (end - start) // 8))
+                    tracking = True
+                else:
+                    stack.append(_PLAIN)
             elif effect == _SETITEMS or effect == _APPENDS or effect == _ADDITEMS:
                 mark = marks.pop()
                 if tracking:

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ._errors import DecodeError
 
@@ -56,15 +55,21 @@ def brief(value: Any) -> str:
 _work = threading.local()  # .remaining: a one-element list while a budget is active
 
 
-@contextmanager
-def work_budget(units: int) -> Iterator[None]:
+class work_budget:  # used like the function it replaced, and cheaper on every load
     """Charge the copying and hashing done by constructors inside this block against ``units``."""
-    outer: Optional[list] = getattr(_work, "remaining", None)
-    _work.remaining = [units]
-    try:
-        yield
-    finally:
-        _work.remaining = outer
+
+    __slots__ = ("units", "outer")
+
+    def __init__(self, units: int) -> None:
+        self.units = units
+        self.outer: Optional[list] = None
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_work, "remaining", None)
+        _work.remaining = [self.units]
+
+    def __exit__(self, *exc: Any) -> None:
+        _work.remaining = self.outer
 
 
 def charge(units: int, what: str) -> None:

@@ -54,11 +54,11 @@ def _built(value: Any, what: str, hashed: str = "") -> Any:
 
 
 def _charge_hashing(value: Any, what: str) -> None:
-    """Charge what hashing ``value`` costs: tuples hash every element again, each time (no cache)."""
+    """Charge what hashing ``value`` costs: tuples and ints hash again, each time (no cache)."""
     pending = [value]
     while pending:
         item = pending.pop()
-        _rebuild.charge(8, what)
+        _rebuild.charge(8 + (item.bit_length() >> 3 if type(item) is int else 0), what)
         if type(item) is tuple:
             pending.extend(item)
 

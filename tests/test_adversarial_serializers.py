@@ -229,6 +229,28 @@ def test_deep_tuples_and_tuple_dags_as_keys_are_refused_before_hashing():
     _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET))
 
 
+def test_a_big_int_used_as_a_key_again_and_again_is_refused_before_hashing():
+    """Ints do not cache their hash: 10,000 memo references to a 500 KB int as a key took 2.7 s."""
+    big = b"\x8b" + struct.pack("<i", 500_000) + b"\x01" * 500_000 + b"\x94"
+    many = b"N" + b"h\x00N" * 10_000
+    payloads = {
+        "dict keys": payload(b"}(" + big + many + b"u"),
+        "set members": payload(b"\x8f(" + big + b"h\x00" * 10_000 + b"\x90"),
+        "set()": payload(call(glob("builtins", "set"), b"(" + big + b"h\x00" * 10_000 + b"l")),
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET), max_seconds=0.5)
+
+
+def test_the_fast_walk_reads_arguments_as_arguments():
+    """Bytes inside strings and floats that look like opcodes stay data; a global after plain data is still seen."""
+    s = serializers.get("restricted-pickle")
+    hidden = b"\x8c\x0bcos\nsystem\n\x94" + b"G" + b"cos\nsyst" + b"G" * 9 * 3
+    assert s.loads(payload(b"(" + hidden + b"l")) == ["cos\nsystem\n", *struct.unpack(">4d", b"cos\nsyst" + b"G" * 24)]
+    after = payload(b"(" + b"G" + b"\x00" * 8 + b"G" * 9 * 5 + b"\x8c\x01x" + glob("os", "system") + b"l")
+    results = run_in_child(_decode_all, "restricted-pickle", {"global after floats": after}, memory_budget=BUDGET)
+    assert results["global after floats"][0] == "ContentRefusedError"
+
+
 def test_error_messages_never_render_payload_values():
     rebuild = "serializers._rebuild"
     payloads = {

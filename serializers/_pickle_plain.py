@@ -1,0 +1,123 @@
+"""The fast walk: proves, at regular-expression speed, that a pickle holds nothing but plain data.
+
+Most payloads (metrics, records, lists of floats or strings, int-keyed dicts) are built from
+opcodes that cannot reach a global, a call, a tuple or state: scalars, strings, bytes, empty
+containers, marks, APPEND(S)/SETITEM(S)/ADDITEMS, LIST/DICT/FROZENSET, POP, DUP, MEMOIZE and
+memo reads. For such a payload the only rule of ``_pickle_scan`` that can fail is a declared
+length past the bytes present (the C unpickler allocates what BINBYTES8 and friends declare
+before reading), so this walk checks exactly that, and answers *plain* only when the payload
+reaches STOP through nothing else. Anything else (a global, a tuple, BUILD, PUT, text opcodes,
+an unknown or truncated opcode) answers *not shown plain*, and the full walk runs from the start
+and decides, with its own error messages.
+
+Why what it skips is safe to skip, for a payload made only of these opcodes:
+
+- **Nesting and hashing work** concern tuples and calls, which it refuses. Lists and dicts may
+  nest deep, as the full walk allows too: unpickling is iterative, deallocation uses the
+  trashcan, and restricted-pickle never renders values.
+- **Memo reads** (BINGET, LONG_BINGET): the C unpickler checks the index against its memo and
+  raises on an empty slot. MEMOIZE grows the memo by one slot per opcode. PUT opcodes, which
+  could size the memo by a number the sender wrote, are left to the full walk.
+- **Stack and mark underflow, APPEND or SETITEM on a value without them**: the C unpickler raises
+  (``DecodeError``); every value on the stack is a builtin scalar or container, so no hook runs.
+  Values left under the result at STOP are dropped, as ``pickle.loads`` drops them.
+- **Hash flooding** needs non-string keys and is outside the guarantee (docs/security.md).
+
+How it stays an exact parse although it runs in ``re``: every alternative of the run pattern is one
+opcode byte followed by exactly its argument (fixed widths, or for SHORT_BINUNICODE one
+alternative per length byte, followed by that many bytes), and no two alternatives start with
+the same opcode byte. So a match starting on an opcode boundary can only follow the one parse the
+C unpickler follows, and it ends on an opcode boundary; argument bytes are never read as
+opcodes. Where the run stops, a short Python step parses one length-prefixed opcode (checking the
+length against the bytes present) and resumes the run.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from typing import List
+
+_STOP, _PROTO = ord("."), 0x80
+_BINSTRING = ord("T")  # its length is signed; a negative one is malformed
+
+
+def _opcode(code: bytes, width: int) -> bytes:
+    return re.escape(code) + (b".{%d}" % width if width else b"")
+
+
+@functools.cache  # compiled on the first load (~15 ms), not at import
+def _run_pattern() -> re.Pattern[bytes]:
+    # The C engine tries alternatives in order, skipping one whose first byte differs in a few
+    # nanoseconds: the most frequent opcodes come first, and short strings by their length byte
+    # (a string of length n costs n skips, still cheaper than leaving the engine).
+    short_unicode = b"\x8c(?:" + b"|".join(_opcode(bytes([n]), n) for n in range(256)) + b")"
+    alternatives = [
+        _opcode(b"G", 8) + b"(?!G)",  # BINFLOAT; a run of them is left to the stride check below
+        _opcode(b"\x94", 0), _opcode(b"h", 1), short_unicode, _opcode(b"J", 4), _opcode(b"K", 1),
+        _opcode(b"(", 0), _opcode(b"e", 0), _opcode(b"u", 0), _opcode(b"}", 0), _opcode(b"]", 0),
+        _opcode(b"M", 2), _opcode(b"j", 4), _opcode(b"\x95", 8),  # BININT2, LONG_BINGET, FRAME
+        # NONE NEWTRUE NEWFALSE APPEND SETITEM EMPTY_SET ADDITEMS LIST DICT FROZENSET POP POP_MARK DUP EMPTY_TUPLE
+        *(_opcode(bytes([c]), 0) for c in b"N\x88\x89as\x8f\x90ld\x91012)"),
+    ]
+    # Possessive (3.11+): the engine keeps no backtracking state per opcode. Before 3.11 a bounded
+    # greedy repeat keeps it to 1,000 opcodes per call instead.
+    repeat = b"*+" if sys.version_info >= (3, 11) else b"{0,1000}"
+    return re.compile(b"(?:" + b"|".join(alternatives) + b")" + repeat, re.DOTALL)
+
+
+def _length_widths() -> List[int]:
+    widths = [0] * 256
+    # LONG4 is left to the full walk, which charges hashing a big int to the work budget
+    for codes, width in ((b"\x8cCU\x8a", 1), (b"XBT", 4), (b"\x8d\x8e\x96", 8)):
+        for code in codes:
+            widths[code] = width
+    return widths
+
+
+_WIDTHS = _length_widths()  # per opcode byte: the size of its length prefix; 0 for other opcodes
+_FLOATS = b"G"
+_FLOAT_RUN = 4096  # BINFLOATs checked per stride slice
+
+
+def is_plain(raw: bytes) -> bool:
+    """True if ``raw`` reaches STOP through plain-data opcodes only, every declared length in bounds.
+
+    False says nothing about the payload: the full walk (``_pickle_scan.scan``) then decides.
+    """
+    size, at = len(raw), 0
+    run, widths = _run_pattern().match, _WIDTHS
+    while True:
+        match = run(raw, at)
+        assert match is not None  # the repeat matches the empty string
+        end = match.end()
+        if end >= size:
+            return False
+        code = raw[end]
+        width = widths[code]
+        if width:
+            start = end + 1 + width
+            if start > size:
+                return False
+            if width == 1:
+                length = raw[end + 1]
+            else:
+                length = int.from_bytes(raw[end + 1 : start], "little", signed=code == _BINSTRING)
+            at = start + length
+            if length < 0 or at > size:
+                return False
+        elif code == 0x47:  # BINFLOAT followed by another: every 9th byte from here must say G
+            stride = raw[end : min(size - 8, end + 9 * _FLOAT_RUN) : 9]
+            floats = len(stride) - len(stride.lstrip(_FLOATS))
+            if not floats:
+                return False
+            at = end + 9 * floats
+        elif code == _STOP:
+            return True
+        elif code == _PROTO:
+            at = end + 2
+        elif end > at:
+            at = end  # the run stopped at its repeat bound (before 3.11) or before a truncated opcode
+        else:
+            return False
