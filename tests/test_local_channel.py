@@ -1,0 +1,205 @@
+"""The same-host channel prototype (objcomm._local): every operation at W=1..4, a killed peer, CPU
+while waiting, nothing left behind, strangers refused."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import resource
+import secrets
+import signal
+import socket
+import tempfile
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from _ranks import get_pool
+
+from objcomm import CommunicationError, _local
+from objcomm._wire import Wire
+
+
+def _wire(group: Any = None) -> Wire:
+    group = group if group is not None else dist.group.WORLD
+    return Wire(group=group, ranks=dist.get_process_group_ranks(group), rank=dist.get_rank(group),
+                device=torch.device("cpu"), slot=4096, chunk=1 << 20, max_bytes=1 << 30)
+
+
+def _names(pids: List[int]) -> List[str]:
+    """Abstract socket names in /proc/net/unix that belong to ``pids``' channels (``@objcomm-<pid>-``)."""
+    with open("/proc/net/unix") as table:
+        return [line.split()[-1] for line in table if any(f"@objcomm-{p}-" in line for p in pids)]
+
+
+def _payload(rank: int, step: int, size: int = 4096) -> bytes:
+    return bytes((rank * 31 + step + i) % 251 for i in range(size))
+
+
+def every_operation(rounds: int) -> Dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    channel = _local.LocalChannel.open(_wire(), timeout=30)
+    assert channel is not None
+    with channel:
+        for step in range(rounds):
+            assert channel.all_gather(_payload(rank, step)) == [_payload(r, step) for r in range(world)]
+            for src in range(world):
+                mine = _payload(src, step, 100 + step) if rank == src else None
+                assert channel.broadcast(mine, src) == _payload(src, step, 100 + step)
+            parts = [_payload(rank * world + r, step, step % 7) for r in range(world)]
+            assert channel.scatter(parts if rank == step % world else None, step % world) == \
+                _payload((step % world) * world + rank, step, step % 7)
+            assert channel.all_to_all(parts) == [_payload(r * world + rank, step, step % 7) for r in range(world)]
+            if world > 1:  # a ring of send/recv under two tags, received in the other order
+                right, left = (rank + 1) % world, (rank - 1) % world
+                channel.send(b"tag1:%d" % step, right, tag=1)
+                channel.send(b"tag2:%d" % step, right, tag=2)
+                assert channel.recv(left, tag=2) == (left, b"tag2:%d" % step)
+                assert channel.recv(None, tag=1) == (left, b"tag1:%d" % step)
+        assert channel.all_gather(b"") == [b""] * world
+        pids = [int(p) for p in channel.all_gather(str(os.getpid()).encode())]
+    dist.barrier()  # every rank has closed
+    return {"pids": pids, "left": _names(pids)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_operation(world):
+    results = get_pool(world).run(every_operation, 25)
+    assert [r["left"] for r in results] == [[]] * world  # no name survives close(), and none is a file
+
+
+def falls_back(separate: bool) -> Optional[str]:
+    channel = _local.LocalChannel.open(_wire(), separate=separate)
+    if channel is None:
+        return None
+    channel.close()
+    return "opened"
+
+
+@pytest.mark.timeout(60)
+def test_ranks_on_other_hosts_fall_back_on_every_rank():
+    pool = get_pool(3)
+    assert pool.run(falls_back, True) == [None] * 3  # every rank "elsewhere": no channel anywhere
+    assert pool.run(falls_back, False) == ["opened"] * 3
+
+
+def waits_for_a_late_peer(late_s: float) -> Tuple[float, float]:
+    channel = _local.LocalChannel.open(_wire())
+    assert channel is not None
+    with channel:
+        channel.all_gather(b"warm")
+        if dist.get_rank() == 1:
+            time.sleep(late_s)
+        wall, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        channel.all_gather(b"x" * 4096)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        return time.perf_counter() - wall, (after.ru_utime + after.ru_stime) - (cpu.ru_utime + cpu.ru_stime)
+
+
+@pytest.mark.timeout(60)
+def test_a_waiting_rank_does_not_burn_the_cpu():
+    wall, cpu = get_pool(2).run(waits_for_a_late_peer, 0.3)[0]
+    assert wall >= 0.25
+    assert cpu < 0.1 * wall, f"rank 0 used {cpu * 1e3:.1f} ms of CPU while waiting {wall * 1e3:.0f} ms"
+
+
+# -- a SIGKILLed peer: a group of our own, so that the survivors can report (the pool kills everyone) --
+def _killed_peer_rank(rank: int, world: int, store: str, victim: int, results: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    channel = _local.LocalChannel.open(_wire(), timeout=60)
+    assert channel is not None
+    pids = [int(p) for p in channel.all_gather(str(os.getpid()).encode())]
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)  # the victim is gone by now
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            channel.all_gather(b"after")
+        results.put((rank, "no error", 0.0, []))
+    except CommunicationError as exc:
+        results.put((rank, str(exc), time.monotonic() - start, _names(pids)))
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_peer_makes_the_others_raise_at_once():
+    world, victim = 3, 1
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [context.Process(target=_killed_peer_rank, args=(r, world, os.path.join(tmp, "store"), victim, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            got = {}
+            for _ in range(world - 1):
+                rank, message, elapsed, left = results.get(timeout=90)
+                got[rank] = (message, elapsed, left)
+        except queue.Empty:
+            pytest.fail(f"the survivors did not report; got {got}")
+        finally:
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+    assert procs[victim].exitcode == -signal.SIGKILL
+    for rank, (message, elapsed, left) in got.items():
+        assert "local channel failed" in message, (rank, message)
+        assert "closed its connection" in message, (rank, message)
+        assert elapsed < 5.0, (rank, elapsed)
+        assert left == [], (rank, left)  # the victim's names went with it, the survivors' with close()
+
+
+# -- strangers at set-up ------------------------------------------------------------------------
+def _stranger(address: str, hello: bytes, uid: Optional[int]) -> int:
+    """Fork a process that connects to ``address`` (as ``uid``), says ``hello`` and waits for an answer."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 3
+    try:
+        if uid is not None:
+            os.setresuid(uid, uid, uid)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.connect(address)
+        sock.send(hello)
+        sock.settimeout(10)
+        code = 0 if sock.recv(16) == b"" else 1  # 0: refused (EOF)
+    except socket.timeout:
+        code = 2  # still connected: accepted
+    finally:
+        os._exit(code)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("who", ["another pid", "wrong secret", "another uid", "the announced rank"])
+def test_set_up_refuses_strangers(who):
+    if who == "another uid" and os.getuid() != 0:
+        pytest.skip("needs root to become another user")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    nonce, secret = secrets.randbits(63), secrets.randbits(63)
+    address = _local._address(os.getpid(), nonce)
+    listener.bind(address)
+    listener.listen(4)
+    hello = _local._HELLO.pack(1, secret if who != "wrong secret" else secret ^ 1)
+    child = _stranger(address, hello, 65534 if who == "another uid" else None)
+    announced = os.getpid() + 1_000_000 if who == "another pid" else child  # the pid the group announced for rank 1
+    peers: Dict[int, socket.socket] = {}
+    try:
+        ok = _local.LocalChannel._connect(0, peers, [os.getpid(), announced], [nonce, 0], [secret, 0], secret,
+                                          listener, time.monotonic() + 2.0)
+    finally:
+        listener.close()
+        for sock in peers.values():
+            sock.close()
+    _, status = os.waitpid(child, 0)
+    if who == "the announced rank":
+        assert ok and os.waitstatus_to_exitcode(status) == 0  # accepted, then EOF from our close above
+    else:
+        assert not ok and not peers
+        assert os.waitstatus_to_exitcode(status) == 0, "the stranger's connection was not closed"
