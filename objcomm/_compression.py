@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Dict, Optional
 
-from ._errors import DecodeError, ObjcommError, TooLargeError
+from ._errors import DecodeError, ObjcommError
+from ._limits import too_large
 
 NONE, ZSTD, LZ4 = 0, 1, 2
 CODES: Dict[str, int] = {"zstd": ZSTD, "lz4": LZ4}
@@ -86,7 +87,8 @@ def decompress(code: int, data: memoryview, raw_len: int, max_bytes: int) -> Any
     if code not in NAMES:
         raise DecodeError(f"frame uses unknown compression code {code}")
     if raw_len > max_bytes:
-        raise TooLargeError(f"compressed payload expands to {raw_len:,} bytes, above max_bytes={max_bytes:,}")
+        raise too_large(f"a compressed payload expands to {raw_len:,} bytes, above this rank's max_bytes={max_bytes:,}",
+                        outcome="it was not decompressed", where="here")
     module = _module(code)
     try:
         out = _zstd_exact(module, data, raw_len) if code == ZSTD else _lz4_exact(module, data, raw_len)

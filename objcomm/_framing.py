@@ -39,10 +39,10 @@ from ._errors import (
     DecodeError,
     FrameError,
     ObjcommError,
-    TooLargeError,
     UnknownSerializerError,
     original,
 )
+from ._limits import too_large
 from ._tensors import Entry, TensorLifter, WholeBytes, parse_table, restorer
 from ._wire import Incoming, Outgoing
 
@@ -152,10 +152,8 @@ def encode(
     )
     out = Outgoing(frame, oob)
     if out.total > max_bytes:
-        raise TooLargeError(
-            f"the encoded object is {out.total:,} bytes, above max_bytes={max_bytes:,}; "
-            "raise max_bytes (per call, on the Communicator or with objcomm.configure) or send less"
-        )
+        raise too_large(f"the encoded object is {out.total:,} bytes, above max_bytes={max_bytes:,}",
+                        outcome="nothing was sent", where="on this rank")
     return out
 
 

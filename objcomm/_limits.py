@@ -69,10 +69,13 @@ def inconsistent(op: str, sender: int, problem: str) -> FrameError:
     )
 
 
-def too_large(op: str, sender: int, total: int, limit: int, who: str) -> TooLargeError:
+def too_large(what: str, *, outcome: str = "nothing was transferred", where: str = "on the receiving ranks",
+              ) -> TooLargeError:
+    """The one builder of :class:`TooLargeError` messages: ``what`` is too large (and whose limit it
+    passes), then what happened and what to do."""
     return TooLargeError(
-        f"{op}: rank {sender} sends {total:,} bytes, above the max_bytes={limit:,} of {who}; nothing was "
-        "transferred. Raise max_bytes on the receiving ranks (per call, Communicator or objcomm.configure) or send less"
+        f"{what}; {outcome}. Raise max_bytes {where} (per call, on the Communicator or with objcomm.configure) "
+        "or send less"
     )
 
 
@@ -82,20 +85,20 @@ def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str) -> Non
         limit = infos[receiver].limit
         for sender, info in enumerate(infos):
             if sender != receiver and not info.error and info.total > limit:
-                raise too_large(op, sender, info.total, limit, f"receiving rank {receiver}")
+                raise too_large(f"{op}: rank {sender} sends {info.total:,} bytes, above the max_bytes={limit:,} "
+                                f"of receiving rank {receiver}")
 
 
 def refused(op: str, sender: int, wire: Any, total: int, problem: Optional[str], drained: bool = False) -> Exception:
     """Why this receiver refused ``sender``'s payload: its sizes disagree, or they exceed ``wire.max_bytes``."""
     if problem:
         return inconsistent(op, sender, problem)
+    what = f"{op}: rank {sender} sends {total:,} bytes, above this rank's max_bytes={wire.max_bytes:,}"
     if not drained:
-        return too_large(op, sender, total, wire.max_bytes, "this rank")
-    return TooLargeError(
-        f"{op}: rank {sender} sent {total:,} bytes, above this rank's max_bytes={wire.max_bytes:,}; they were "
-        f"received into a scratch buffer of at most chunk_bytes={wire.chunk:,} and {SCRATCH_BYTES:,} bytes, "
-        "and dropped. Raise max_bytes here or send less"
-    )
+        return too_large(what, where="here")
+    return too_large(what, where="here", outcome=(
+        f"they were received into a scratch buffer of at most chunk_bytes={wire.chunk:,} and {SCRATCH_BYTES:,} "
+        "bytes, and dropped"))
 
 
 # -- a transport slot (objcomm._slots.SlotInfo: length, error, total, inline, sizes) ---------

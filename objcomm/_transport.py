@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from . import _limits
 from ._bytes import Batch, all_gather_equal, all_to_all_bytes, broadcast_bytes, empty, host_view, recv_bytes, to_device
-from ._errors import FrameError, TooLargeError
+from ._errors import FrameError
 from ._slots import SlotInfo, fill_slot, outgoing_second_round_bytes, read_slot, read_slots
 from ._wire import NOT_USED, Incoming, Outgoing, SizesOf, Wire, all_gather_single, guarded
 
@@ -76,10 +76,8 @@ def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, p
     if code == REFUSE_MALFORMED:
         raise _limits.inconsistent(op, src, problem or "a receiving rank found the sizes in its slot inconsistent")
     if code:
-        raise TooLargeError(
-            f"{op}: rank {src} sends {info.total:,} bytes to a rank whose max_bytes it exceeds (this rank's "
-            f"max_bytes: {wire.max_bytes:,}); nothing was transferred. Raise max_bytes there or send less"
-        )
+        raise _limits.too_large(f"{op}: rank {src} sends {info.total:,} bytes to a rank whose max_bytes it exceeds "
+                                f"(this rank's max_bytes: {wire.max_bytes:,})", where="there")
 
 
 # -- all_gather ------------------------------------------------------------------------------
@@ -283,10 +281,8 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
                 "nothing more was sent"
             )
         if answer.item():
-            raise TooLargeError(
-                f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes; nothing more was sent. "
-                "Raise max_bytes on the receiver or send less"
-            )
+            raise _limits.too_large(f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes",
+                                    outcome="nothing more was sent", where="on the receiver")
         if wire.second_round.send(wire, out, dst, op):
             return
     batch = Batch(wire, op)
@@ -381,9 +377,8 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
         raise _limits.inconsistent(op, *problems[0]) if problems else FrameError(
             f"{op}: a receiving rank found the sizes in its slots inconsistent; nothing more was transferred")
     if code:
-        raise _limits.refused(op, over[0], wire, infos[over[0]].total, None) if over else TooLargeError(
-            f"{op}: this rank sends a receiving rank more than its max_bytes; nothing more was transferred. "
-            "Raise max_bytes there or send less")
+        raise _limits.refused(op, over[0], wire, infos[over[0]].total, None) if over else _limits.too_large(
+            f"{op}: this rank sends a receiving rank more than its max_bytes", where="there")
     taken = wire.second_round.all_to_all(wire, outs, infos, _limits.checked_sizes(sizes_of, infos), longest, op)
     if taken is not NOT_USED:
         return taken
