@@ -47,7 +47,8 @@ from ._tensors import Entry, TensorLifter, WholeBytes, parse_table, restorer
 from ._wire import Incoming, Outgoing
 
 MAGIC = b"OBJC"
-VERSION = 1
+VERSION = 2  # the newest format: a tensor table may carry numpy arrays and whole bytes (objcomm._tensors.KINDS)
+VERSIONS = (1, 2)  # what this objcomm reads; it writes the lowest that can carry a frame
 HEADER = struct.Struct("<4sBBBBIIQQQ")
 FLAG_ERROR = 1
 MAX_ERROR_REPORT = 1 << 20
@@ -57,6 +58,7 @@ NO_COMPRESSION = _compression.NONE
 class Header(NamedTuple):
     """The parsed fixed header of a frame (a tuple: built on every decode, so it must be cheap)."""
 
+    version: int
     flags: int
     compression: int
     serializer: str
@@ -90,6 +92,7 @@ def _assemble(
     table: bytes = b"",
     n_tensors: int = 0,
     inline: Sequence[torch.Tensor] = (),
+    version: int = 1,
 ) -> memoryview:
     """Header, name, tensor table, payload and inline tensors, written once into a fresh buffer
     that is sent as is (the payload is copied exactly once)."""
@@ -102,7 +105,7 @@ def _assemble(
         view,
         0,
         MAGIC,
-        VERSION,
+        version,
         flags,
         compression,
         len(name_bytes),
@@ -149,6 +152,7 @@ def encode(
         table=table,
         n_tensors=len(lifter.tensors),
         inline=inline,
+        version=2 if any(lifter.kinds) else 1,  # a version 1 reader would take numpy or bytes for tensors
     )
     out = Outgoing(frame, oob)
     if out.total > max_bytes:
@@ -183,9 +187,10 @@ def parse_header(view: memoryview) -> Header:
             f"not an objcomm frame (magic {bytes(magic)!r}, expected {MAGIC!r}); "
             "is every rank running objcomm, and the same version?"
         )
-    if version != VERSION:
+    if version not in VERSIONS:
         raise FrameError(
-            f"frame format version {version} is unknown here (this objcomm reads {VERSION}); upgrade objcomm"
+            f"frame format version {version} is unknown here (this objcomm reads {', '.join(map(str, VERSIONS))}); "
+            "upgrade objcomm"
         )
     expected = frame_length(name_len, table_len, payload_len, inline_len)
     if expected != size:
@@ -195,7 +200,7 @@ def parse_header(view: memoryview) -> Header:
         name = name_bytes.decode("ascii")
     except UnicodeDecodeError:
         raise FrameError(f"frame names a serializer that is not ASCII: {name_bytes!r}") from None
-    return Header(flags, compression, name, table_len, n_tensors, payload_len, raw_len, inline_len)
+    return Header(version, flags, compression, name, table_len, n_tensors, payload_len, raw_len, inline_len)
 
 
 def read_error(view: memoryview, header: Header) -> tuple[str, str]:
@@ -225,7 +230,8 @@ def tensor_sizes(view: memoryview) -> List[int]:
 
 def _table(view: memoryview, header: Header) -> List[Entry]:
     start = HEADER.size + len(header.serializer)
-    return parse_table(view[start : start + header.table_len], header.n_tensors, header.inline_len)
+    kinds = header.version >= 2  # numpy arrays and whole bytes came with version 2
+    return parse_table(view[start : start + header.table_len], header.n_tensors, header.inline_len, kinds)
 
 
 def decode(

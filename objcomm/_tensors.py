@@ -39,8 +39,8 @@ _CODES: Dict[torch.dtype, int] = {getattr(torch, n): i for i, n in enumerate(DTY
 ENTRY = struct.Struct("<BBB5xQQ")
 DIM = struct.Struct("<q")
 INLINE, REQUIRES_GRAD, PARAMETER, NUMPY, BYTES, BYTEARRAY = 1, 2, 4, 8, 16, 32
-_KINDS = NUMPY | BYTES | BYTEARRAY  # what the entry becomes on the receiver, other than a tensor
-_FLAGS = INLINE | REQUIRES_GRAD | PARAMETER | _KINDS
+KINDS = NUMPY | BYTES | BYTEARRAY  # what the entry becomes on the receiver, other than a tensor (format 2)
+_FLAGS = INLINE | REQUIRES_GRAD | PARAMETER | KINDS
 MAX_NDIM = 64
 MAX_NBYTES = 1 << 62  # no tensor announces this much; keeps every size an int64 for torch
 
@@ -161,8 +161,9 @@ class TensorLifter:
         return bytes(table), inline, oob
 
 
-def parse_table(view: memoryview, count: int, inline_len: int) -> List[Entry]:
-    """Parse and validate a tensor table; raise :class:`FrameError` on anything inconsistent."""
+def parse_table(view: memoryview, count: int, inline_len: int, kinds: bool = True) -> List[Entry]:
+    """Parse and validate a tensor table; raise :class:`FrameError` on anything inconsistent.
+    ``kinds``: the frame's format may carry :data:`KINDS` (version 2)."""
     entries, position, oob, inline_end = [], 0, 0, 0
     for _ in range(count):
         if position + ENTRY.size > view.nbytes:
@@ -176,10 +177,10 @@ def parse_table(view: memoryview, count: int, inline_len: int) -> List[Entry]:
         shape = tuple(DIM.unpack_from(view, position + i * DIM.size)[0] for i in range(ndim))
         position += ndim * DIM.size
         dtype, itemsize = _dtype_of(code)
-        kinds = flags & _KINDS
-        if flags & ~_FLAGS or kinds & (kinds - 1) or kinds and flags & (REQUIRES_GRAD | PARAMETER):
+        kind = flags & KINDS
+        if flags & ~_FLAGS or kind & (kind - 1) or kind and (flags & (REQUIRES_GRAD | PARAMETER) or not kinds):
             raise FrameError(f"tensor table entry with flags {flags:#x}: unknown or contradictory")
-        if kinds & (BYTES | BYTEARRAY) and (dtype != torch.uint8 or ndim != 1):
+        if kind & (BYTES | BYTEARRAY) and (dtype != torch.uint8 or ndim != 1):
             raise FrameError("tensor table entry: bytes must be a flat uint8 entry")
         # checked before anything of this size exists: no negative or overflowing shape, nbytes in range
         if nbytes >= MAX_NBYTES or any(not 0 <= d < MAX_NBYTES for d in shape) or _product(shape) * itemsize != nbytes:

@@ -164,6 +164,8 @@ def test_numpy_arrays_and_whole_bytes_leave_the_byte_stream(serializer):
     assert sorted(t.numel() for t in out.tensors) == sorted([BIG * 8, 256_000, BIG * 4])
     assert out.frame.nbytes < BIG * 4 + 10_000  # only the big-endian array is in the payload
     assert_arrays(_framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None, own=True), expected)
+    assert _framing.parse_header(out.frame).version == 2  # a version-1 reader must refuse it, not misread it
+    assert _framing.parse_header(_framing.encode({"t": torch.ones(BIG)}, chosen, max_bytes=1 << 30).frame).version == 1
     for whole in (b"b" * (2 * BIG), bytearray(b"a" * (2 * BIG))):
         out = _framing.encode(whole, chosen, max_bytes=1 << 30)
         assert [t.numel() for t in out.tensors] == [2 * BIG] and out.frame.nbytes < 1000
@@ -184,6 +186,8 @@ def test_the_tensor_table_refuses_unknown_or_contradictory_flags():
         with pytest.raises(objcomm.FrameError, match="flags|bytes must be"):
             _tensors.parse_table(memoryview(bad), 1, 0)
     assert _tensors.parse_table(memoryview(entry(_tensors.BYTES, uint8, (8,))), 1, 0)[0].flags == _tensors.BYTES
+    with pytest.raises(objcomm.FrameError, match="flags"):  # version 1 frames have no such entries
+        _tensors.parse_table(memoryview(entry(_tensors.BYTES, uint8, (8,))), 1, 0, kinds=False)
 
 
 def arrays_through_every_op(serializer: str, shm: bool) -> bool:

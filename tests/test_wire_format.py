@@ -324,7 +324,7 @@ def stated_constants() -> Dict[str, Any]:
 EXT_NAMES = ["TUPLE", "SET", "FROZENSET", "BIGINT", "DATETIME", "DATE", "TIMEDELTA", "NDARRAY", "NPSCALAR",
              "COMPLEX", "ODICT", "EXTERNAL", "CODEC"]
 MUST_STATE = {
-    *(f"objcomm._framing.{n}" for n in ("MAGIC", "VERSION", "FLAG_ERROR", "MAX_ERROR_REPORT")),
+    *(f"objcomm._framing.{n}" for n in ("MAGIC", "VERSION", "VERSIONS", "FLAG_ERROR", "MAX_ERROR_REPORT")),
     *(f"objcomm._compression.{n}" for n in ("NONE", "ZSTD", "LZ4", "CODES")),
     *(f"objcomm._tensors.{n}" for n in ("INLINE", "REQUIRES_GRAD", "PARAMETER", "NUMPY", "BYTES", "BYTEARRAY",
                                        "MAX_NDIM")),
