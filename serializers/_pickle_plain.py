@@ -22,6 +22,11 @@ Why what it skips is safe to skip, for a payload made only of these opcodes:
   (``DecodeError``); every value on the stack is a builtin scalar or container, so no hook runs.
   Values left under the result at STOP are dropped, as ``pickle.loads`` drops them.
 - **Hash flooding** needs non-string keys and is outside the guarantee (docs/security.md).
+- **Comparing equal keys**: a key or set member equal to one already present but not the same
+  object is compared. The memo lets a payload reuse one string as a key for two bytes a use, so a
+  plain payload holds no str or bytes longer than 255 bytes (each reuse compares at most that
+  much), no FROZENSET (comparing equal frozensets compares their members, recursively) and no
+  DUP; the full walk charges those to its work budget.
 
 How it stays an exact parse although it runs in ``re``: every alternative of the run pattern is one
 opcode byte followed by exactly its argument (fixed widths, or for SHORT_BINUNICODE one
@@ -41,6 +46,8 @@ from typing import List
 
 _STOP, _PROTO = ord("."), 0x80
 _BINSTRING = ord("T")  # its length is signed; a negative one is malformed
+_BYTEARRAY8 = 0x96  # unhashable: never a key, so any length is plain
+_LONGEST_KEY = 255  # longest str or bytes a plain payload holds (as SHORT_BINUNICODE's length byte allows)
 
 
 def _opcode(code: bytes, width: int) -> bytes:
@@ -58,8 +65,9 @@ def _run_pattern() -> re.Pattern[bytes]:
         _opcode(b"\x94", 0), _opcode(b"h", 1), short_unicode, _opcode(b"J", 4), _opcode(b"K", 1),
         _opcode(b"(", 0), _opcode(b"e", 0), _opcode(b"u", 0), _opcode(b"}", 0), _opcode(b"]", 0),
         _opcode(b"M", 2), _opcode(b"j", 4), _opcode(b"\x95", 8),  # BININT2, LONG_BINGET, FRAME
-        # NONE NEWTRUE NEWFALSE APPEND SETITEM EMPTY_SET ADDITEMS LIST DICT FROZENSET POP POP_MARK DUP EMPTY_TUPLE
-        *(_opcode(bytes([c]), 0) for c in b"N\x88\x89as\x8f\x90ld\x91012)"),
+        # NONE NEWTRUE NEWFALSE APPEND SETITEM EMPTY_SET ADDITEMS LIST DICT POP POP_MARK EMPTY_TUPLE
+        # (not FROZENSET or DUP: the full walk charges comparing equal frozensets and reused strings)
+        *(_opcode(bytes([c]), 0) for c in b"N\x88\x89as\x8f\x90ld01)"),
     ]
     # Possessive (3.11+): the engine keeps no backtracking state per opcode. Before 3.11 a bounded
     # greedy repeat keeps it to 1,000 opcodes per call instead.
@@ -105,8 +113,8 @@ def is_plain(raw: bytes) -> bool:
             else:
                 length = int.from_bytes(raw[end + 1 : start], "little", signed=code == _BINSTRING)
             at = start + length
-            if length < 0 or at > size:
-                return False
+            if length < 0 or at > size or length > _LONGEST_KEY and code != _BYTEARRAY8:
+                return False  # a long str or bytes reused as a key is compared each time: the full walk charges it
         elif code == 0x47:  # BINFLOAT followed by another: every 9th byte from here must say G
             stride = raw[end : min(size - 8, end + 9 * _FLOAT_RUN) : 9]
             floats = len(stride) - len(stride.lstrip(_FLOATS))

@@ -13,7 +13,10 @@ or hashes anything:
   key overflows the C stack;
 - hashing work past a budget proportional to the input: tuples are not hash-cached, so a tuple
   built from two references to the previous one, 60 times over, costs 2**60 to hash; nor are
-  ints, so each use of a memoized LONG4 int as a key costs its size again;
+  ints, so each use of a memoized LONG4 int as a key costs its size again; and a key or member
+  equal to one already present but not the same object is compared, so each use of a long
+  string or bytes costs its size, and of a frozenset what its members cost (nested ones would
+  double per level);
 - a global (a class or function the payload names) used as anything but the callable of a call
   or a direct argument of a call: globals travel only as constructors, never as values.
 
@@ -104,6 +107,11 @@ _FIXED = [kind[1] if kind is not None and kind[0] == 0 else -1 for kind in _ARGU
 _STOP = ord(".")
 _TEXT_NUMBERS = {ord("I"), ord("L"), ord("F"), ord("p"), ord("g")}
 _LONG4 = 0x8B
+# str and bytes cache their hash, but a key or member equal to one already in a dict or set and
+# not the same object is compared byte by byte, and the memo (or DUP) lets a payload use one long
+# string as a key many times for a few bytes each: such a use costs 1 per COMPARED_BYTES bytes.
+_STRINGS = frozenset(b"\x8cX\x8dCB\x8eUTSV")  # SHORT_BINUNICODE .. UNICODE; not BYTEARRAY8 (unhashable)
+COMPARED_BYTES = 64
 _SIGNED_LENGTHS = {_LONG4, 0x54}  # LONG4, BINSTRING
 
 
@@ -175,6 +183,9 @@ def scan(data: Buffer) -> ScanResult:
             if effect == _PUSH:
                 if code == _LONG4:  # ints do not cache their hash: a big one costs its size per key use
                     stack.append((PLAIN, 0, 1 + (end - start) // 8))
+                    tracking = True
+                elif end - start > COMPARED_BYTES and code in _STRINGS:  # costs its size per equal key use
+                    stack.append((PLAIN, 0, 1 + (end - start) // COMPARED_BYTES))
                     tracking = True
                 else:
                     stack.append(_PLAIN)
@@ -264,7 +275,13 @@ def scan(data: Buffer) -> ScanResult:
                         _as_value(item, at)
                     if effect != _LIST:
                         budget -= sum(k[2] for k in (items[::2] if effect == _DICT else items))
-                    stack.append(_PLAIN)
+                    if effect == _FROZENSET and items:
+                        # comparing equal frozensets compares their members: a use as a key or member
+                        # costs what its members cost (nested ones double per level without this)
+                        stack.append((PLAIN, 0, min(1 + sum(k[2] for k in items), budget + 1)))
+                        tracking = True
+                    else:
+                        stack.append(_PLAIN)
             elif effect == _OBJ or effect == _INST:
                 tracking = True
                 mark = marks.pop()
