@@ -130,7 +130,11 @@ def _killed_peer_rank(rank: int, world: int, store: str, victim: int, results: A
             channel.all_gather(b"after")
         results.put((rank, "no error", 0.0, []))
     except CommunicationError as exc:
-        results.put((rank, str(exc), time.monotonic() - start, _names(pids)))
+        elapsed = time.monotonic() - start
+        deadline = time.monotonic() + 5.0  # the other survivor closes when it reads the EOF too: not the same instant
+        while _names(pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        results.put((rank, str(exc), elapsed, _names(pids)))
 
 
 @pytest.mark.timeout(120)
