@@ -2,7 +2,7 @@
 
 :class:`Call` encodes (a failure becomes an error report that still travels), decodes and raises
 the failures of a call; the functions below build a call's wire (membership and device, learned
-once per group; the second-round strategy; the tag) and check or encode per-rank inputs.
+once per group; the first- and second-round strategies; the tag) and check or encode per-rank inputs.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import torch.distributed as dist
 
 from serializers import SerializerProtocol
 
-from . import _framing, _reduce, _shm, _state, _transport
+from . import _first, _framing, _reduce, _shm, _state, _transport
 from ._device import group_backend, resolve_device
 from ._errors import CommunicationError, Failure, ObjcommError, remote_error
 from ._segments import SegmentBook
 from ._settings import CallOptions
 from ._transport import Incoming, Outgoing
-from ._wire import DIRECT, SecondRound
+from ._wire import BACKEND, DIRECT, FirstRound, SecondRound
 
 Device = Union[str, torch.device, None]
 
@@ -105,6 +105,12 @@ def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound
         return DIRECT
     return _shm.SharedMemory(threshold=options.shm_threshold, directory=options.shm_dir or _shm.DEFAULT_DIRECTORY,
                              separate=options.separate_hosts, book=segments)
+
+
+def first_round_for(options: CallOptions) -> FirstRound:
+    """Who may move a call's round-1 slots: the same-host channel when switched on (it decides per group
+    whether it opens), else the group."""
+    return _first.SAME_HOST[options.separate_hosts] if options.local else BACKEND
 
 
 MAX_TAG = _reduce.REDUCE_TAG - 1  # the backend carries 2 * tag + 1 (see objcomm._wire.Wire.data_tag)

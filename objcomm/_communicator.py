@@ -15,6 +15,7 @@ from ._call import (
     Device,
     encode_each,
     final_report,
+    first_round_for,
     membership,
     only,
     per_rank,
@@ -49,6 +50,8 @@ class Communicator:
         Size limits (see :class:`objcomm.Settings`); ``None`` uses the process-wide default.
     shm, shm_threshold, shm_dir:
         Same-host shared memory for payloads of at least ``shm_threshold`` bytes (see :class:`objcomm.Settings`).
+    local:
+        Same-host channel for the first round of collectives (see :class:`objcomm.Settings`).
 
     Every argument left ``None`` falls back to :func:`objcomm.configure`, then the environment, then
     the default; a call's own arguments beat these (see :mod:`objcomm._settings`). Values are checked
@@ -76,6 +79,7 @@ class Communicator:
         shm: Optional[bool] = None,
         shm_threshold: Optional[int] = None,
         shm_dir: Optional[str] = None,
+        local: Optional[bool] = None,
     ) -> None:
         self.group = group
         self.serializer = serializer
@@ -84,6 +88,7 @@ class Communicator:
             serializer=serializer, accept=accept, map_location=map_location, compression=compression,
             max_bytes=max_bytes, slot_bytes=slot_bytes, chunk_bytes=chunk_bytes,
             inline_tensor_bytes=inline_tensor_bytes, shm=shm, shm_threshold=shm_threshold, shm_dir=shm_dir,
+            local=local,
         )
         # Tests only: True treats every rank as on its own host; None follows OBJCOMM_FORCE_SEPARATE_HOSTS.
         self._separate_hosts: Optional[bool] = None
@@ -117,6 +122,7 @@ class Communicator:
             chunk=options.chunk_bytes,
             max_bytes=options.max_bytes,
             second_round=second_round_for(options, self._segments),
+            first_round=first_round_for(options),
         )
 
     @staticmethod

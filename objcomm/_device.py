@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -84,3 +84,14 @@ def resolve_device(
     if device is not None:
         return torch.device(device)
     return device_for_backend(backend, lambda: current_cuda_device(group))
+
+
+def group_timeout(group: Any) -> Any:
+    """The group's own timeout (a ``timedelta``), so that what objcomm adds gives up when the group
+    would; None when torch does not tell (its default then applies)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # private and version-dependent
+            continue
+    return None

@@ -1,8 +1,8 @@
 """Same-host channel for small messages: Unix-domain sockets between the ranks of one group (issue 14).
 
-A prototype, not wired into the transport yet. When every rank of a group runs on one host, the
-round-1 slots (and whole small operations) can move between the processes directly instead of
-through the backend (gloo over loopback TCP).
+When every rank of a group runs on one host, the round-1 slots of collectives move between the
+processes directly instead of through the backend (gloo over loopback TCP): :mod:`objcomm._first`
+opens one channel per group and routes them here (``local`` setting, ``OBJCOMM_LOCAL=0`` to turn off).
 
 Why Unix-domain sockets (SOCK_SEQPACKET, full mesh, abstract names)
 -------------------------------------------------------------------
@@ -39,20 +39,19 @@ ranks calling different operations raise) or a tag (send/recv). Messages that ar
 are wanted wait in a per-peer stash. A forked child closes its copies of the sockets at once
 (``os.register_at_fork``), so that a DataLoader worker never keeps a dead rank's connections open.
 
-How it would plug in
---------------------
-A ``FirstRound`` strategy next to :class:`objcomm._wire.SecondRound`: ``Wire.first_round``,
-asked by ``_exchange_slots``, ``broadcast``, ``scatter``, ``all_to_all`` and ``send``/``recv`` of
-:mod:`objcomm._transport` to move the slot bytes (``bytes`` in, ``bytes`` out, no tensor, no
-device), the channel opened on the first call of a group and kept in
-:func:`objcomm._state.group_facts` (next to the hosts, which it could reuse instead of its own
-discovery), off with ``OBJCOMM_LOCAL=0`` / ``configure(local=False)`` through
-:mod:`objcomm._settings`. The small votes (one int per rank) could take the same path.
-Still open there: concurrent send/recv from several threads (one lock per tag instead of one per
-channel), the async lanes' shadow group (a channel of its own), NCCL groups (slots are on the
-GPU today; the channel moves host bytes only, which is the point), and a group's timeout as the
-channel's; and the prototype's own cost: its bookkeeping (header, stash, checks) doubles the bare
-mesh's time, and gloo's barrier skew between calls is most of what remains.
+How it plugs in
+---------------
+:class:`objcomm._first.SameHostSlots`, a :class:`objcomm._wire.FirstRound` strategy
+(``Wire.first_round``), moves the slots of ``_exchange_slots`` (all_gather, gather, the
+reductions' last step), ``broadcast``, ``scatter`` and ``all_to_all`` of :mod:`objcomm._transport`;
+the channel is opened on the first such call of a group with the group's timeout, kept in
+:func:`objcomm._state.group_facts` and closed with the group or at exit. Async collectives run on
+the shadow group, which gets a channel of its own.
+Still open: ``send``/``recv`` (several threads at once: one lock per tag instead of one per
+channel), the small votes (one int per rank) and the shared-memory control collectives, NCCL
+groups (slots are on the GPU today; the channel moves host bytes only, which is the point), reusing
+:mod:`objcomm._hosts` instead of the channel's own discovery; and the channel's own cost: its
+bookkeeping (header, stash, checks) doubles the bare mesh's time.
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ import torch.distributed as dist
 
 from . import _hosts
 from ._errors import CommunicationError
-from ._wire import Wire, all_gather_single, guarded
+from ._wire import Slot, Wire, all_gather_single, guarded
 
 DEFAULT_TIMEOUT = 300.0  # seconds any one wait may take
 SETUP_TIMEOUT = 30.0  # seconds to connect the mesh
@@ -201,12 +200,12 @@ class LocalChannel:
         return True
 
     # -- operations --------------------------------------------------------------------------
-    def all_gather(self, data: bytes) -> List[bytes]:
+    def all_gather(self, data: Slot) -> List[Slot]:
         """Every rank's ``data``, in group-rank order."""
         got = self._collective(_ALL_GATHER, {r: data for r in self._peers}, self._peers)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
-    def broadcast(self, data: Optional[bytes], src: int) -> bytes:
+    def broadcast(self, data: Optional[Slot], src: int) -> Slot:
         """``src``'s ``data`` on every rank (ignored elsewhere)."""
         if self.rank == src:
             assert data is not None
@@ -214,7 +213,7 @@ class LocalChannel:
             return data
         return self._collective(_BROADCAST, {}, (src,))[src]
 
-    def scatter(self, parts: Optional[Sequence[bytes]], src: int) -> bytes:
+    def scatter(self, parts: Optional[Sequence[Slot]], src: int) -> Slot:
         """``src``'s ``parts[r]`` on group rank ``r``."""
         if self.rank == src:
             assert parts is not None and len(parts) == self.size
@@ -222,13 +221,13 @@ class LocalChannel:
             return parts[src]
         return self._collective(_SCATTER, {}, (src,))[src]
 
-    def all_to_all(self, parts: Sequence[bytes]) -> List[bytes]:
+    def all_to_all(self, parts: Sequence[Slot]) -> List[Slot]:
         """``parts[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``."""
         assert len(parts) == self.size
         got = self._collective(_ALL_TO_ALL, {r: parts[r] for r in self._peers}, self._peers)
         return [parts[r] if r == self.rank else got[r] for r in range(self.size)]
 
-    def send(self, data: bytes, dst: int, tag: int = 0) -> None:
+    def send(self, data: Slot, dst: int, tag: int = 0) -> None:
         """Send ``data`` to group rank ``dst`` under ``tag``; returns once the kernel holds it."""
         with self._using("send"):
             self._send(dst, _P2P, 0, tag, data, "send")
@@ -266,7 +265,7 @@ class LocalChannel:
                                      "close()); the group's other ranks have raised too")
         return self._lock
 
-    def _collective(self, kind: int, outgoing: Dict[int, bytes], sources: Iterable[int]) -> Dict[int, bytes]:
+    def _collective(self, kind: int, outgoing: Dict[int, Slot], sources: Iterable[int]) -> Dict[int, bytes]:
         op = _NAMES[kind]
         with self._using(op):
             self._seq = (self._seq + 1) & 0xFFFFFFFF
@@ -274,7 +273,7 @@ class LocalChannel:
                 self._send(peer, kind, self._seq, 0, data, op)
             return self._wait(list(sources), (True, self._seq), kind, op)
 
-    def _send(self, peer: int, kind: int, seq: int, tag: int, data: bytes, op: str) -> None:
+    def _send(self, peer: int, kind: int, seq: int, tag: int, data: Slot, op: str) -> None:
         if len(data) > MAX_PAYLOAD:
             raise ValueError(f"{op}: {len(data):,} bytes exceed the local channel's {MAX_PAYLOAD:,}-byte messages")
         if peer in self._gone:
@@ -288,7 +287,7 @@ class LocalChannel:
             except BlockingIOError:  # the peer's queue is full: wait until it reads, bounded
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not select.select([], [sock], [], remaining)[1]:
-                    self._fail(op, f"rank {peer} did not read for {self.timeout:.0f}s")
+                    self._fail(op, f"rank {peer} did not read within the timeout of {self.timeout:.0f}s")
             except OSError as exc:  # EPIPE, ECONNRESET: it is gone
                 self._fail(op, f"rank {peer} (pid {self._pids[peer]}) closed its connection ({exc.strerror})", exc)
 
@@ -316,7 +315,7 @@ class LocalChannel:
                 return got
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._fail(op, f"no message from rank(s) {pending} within {self.timeout:.0f}s")
+                self._fail(op, f"no message from rank(s) {pending} within the timeout of {self.timeout:.0f}s")
             if len(pending) == 1:  # one blocking recv, bounded by SO_RCVTIMEO: no poll, one wake-up
                 self._read(pending[0], op, block=True)
                 continue
@@ -330,7 +329,7 @@ class LocalChannel:
             length = self._peers[peer].recv_into(self._buffer, 0, 0 if block else socket.MSG_DONTWAIT)
         except BlockingIOError:
             if block:  # SO_RCVTIMEO ran out
-                self._fail(op, f"no message from rank {peer} within {self.timeout:.0f}s")
+                self._fail(op, f"no message from rank {peer} within the timeout of {self.timeout:.0f}s")
             return
         except OSError as exc:
             length, why = 0, f"reset its connection ({exc.strerror})"

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import _state
-from ._device import device_for_backend, group_backend
+from ._device import device_for_backend, group_backend, group_timeout
 from ._errors import ObjcommError, WaitTimeoutError
 
 Job = Tuple[concurrent.futures.Future, Callable[[], Any]]
@@ -267,23 +267,13 @@ def check_blocking(group: Any, direction: str, peer: Optional[int], tag: Any) ->
 def _make_shadow(group: Any) -> Any:
     """A process group with ``group``'s ranks (in its order) and backend, for async collectives."""
     ranks = list(dist.get_process_group_ranks(group))
-    options: Dict[str, Any] = {"backend": group_backend(group), "timeout": _timeout(group)}
+    options: Dict[str, Any] = {"backend": group_backend(group), "timeout": group_timeout(group)}
     if ranks != sorted(ranks):
         options["sort_ranks"] = False
     if len(ranks) == dist.get_world_size():  # every rank is here: torch names it by its group counter
         return dist.new_group(ranks, **options)
     _check_names_agree(group)
     return dist.new_group(ranks, use_local_synchronization=True, **options)
-
-
-def _timeout(group: Any) -> Any:
-    """The group's own timeout, so the shadow gives up when the group would (None: torch's default)."""
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except Exception:  # private and version-dependent: fall back to torch's default
-            continue
-    return None
 
 
 def _check_names_agree(group: Any) -> None:

@@ -25,7 +25,9 @@ variable                          effect
 ================================  ==========================================================
 ``OBJCOMM_SHM``                   ``shm``: ``0``/``false``/``no``/``off`` turn it off, ``1``/``true``/``yes``/``on`` on
 ``OBJCOMM_SHM_DIR``               ``shm_dir``: where shared-memory segments live (default ``/dev/shm``)
-``OBJCOMM_FORCE_SEPARATE_HOSTS``  tests only: ``1`` treats every rank as on its own host (no shared memory)
+``OBJCOMM_LOCAL``                 ``local`` (same-host channel): ``0``/``false``/``no``/``off`` off, ``1``/... on
+``OBJCOMM_FORCE_SEPARATE_HOSTS``  tests only: ``1`` treats every rank as on its own host (no shared memory,
+                                  no same-host channel)
 ``LOCAL_RANK``                    set by torchrun; NCCL groups check the current CUDA device against it
 ``WORLD_SIZE``                    with ``RANK`` and ``MASTER_ADDR``, set by torchrun (or any env:// launcher):
                                   ``objcomm bench`` runs inside that launch instead of spawning ranks
@@ -75,6 +77,9 @@ class Settings:
     - ``shm``: ranks on one host move large payloads through shared memory (``OBJCOMM_SHM=0`` turns it off);
       ``shm_threshold``: from how many bytes; ``shm_dir``: where segments live (``None``: ``OBJCOMM_SHM_DIR``,
       else ``/dev/shm``). All ranks of a group must agree on these, as on ``slot_bytes``.
+    - ``local``: when every rank of a group runs on one host, the first round of collectives (the slots)
+      moves through Unix-domain sockets between the processes instead of the backend
+      (:mod:`objcomm._first`; ``OBJCOMM_LOCAL=0`` turns it off). All ranks of a group must agree.
     """
 
     serializer: SerializerLike = "pickle"
@@ -87,6 +92,7 @@ class Settings:
     shm: bool = True
     shm_threshold: int = DEFAULT_SHM_THRESHOLD
     shm_dir: Optional[str] = None
+    local: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(Settings):
@@ -157,6 +163,7 @@ _CHECKS: Dict[str, Callable[[str, Any], None]] = {
     "shm": _check_bool,
     "shm_threshold": _check_not_negative,
     "shm_dir": _check_directory,
+    "local": _check_bool,
     "map_location": lambda name, value: None,  # torch.device() judges it, in the communicator
     "separate_hosts": _check_bool,
 }
@@ -212,7 +219,8 @@ class _Environment:
 
     @staticmethod
     def read() -> _Environment:
-        knobs = {"shm": _flag("OBJCOMM_SHM"), "shm_dir": os.environ.get("OBJCOMM_SHM_DIR") or None}
+        knobs = {"shm": _flag("OBJCOMM_SHM"), "shm_dir": os.environ.get("OBJCOMM_SHM_DIR") or None,
+                 "local": _flag("OBJCOMM_LOCAL")}
         return _Environment(
             knobs={name: value for name, value in knobs.items() if value is not None},
             separate_hosts=bool(_flag("OBJCOMM_FORCE_SEPARATE_HOSTS")),

@@ -24,7 +24,9 @@ listed (scatter always), a transfer is larger, or shared memory may be used, the
 first: a one-element vote (collectives) or acknowledgement (send/recv), before any buffer exists.
 
 Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat uint8 tensors on
-the wire's device. The slot's layout is :mod:`objcomm._slots`. After round 1 each operation asks the
+the wire's device. The slot's layout is :mod:`objcomm._slots`. The collectives' round 1 goes through
+the wire's first-round strategy (:class:`objcomm._wire.FirstRound`; the same-host channel) when it
+takes the slots, else through the group; send/recv always use the group. After round 1 each operation asks the
 wire's second-round strategy (:class:`objcomm._wire.SecondRound`; shared memory on one host) once
 whether it takes the rest; when it answers ``NOT_USED`` the transport moves it.
 """
@@ -46,10 +48,14 @@ SCRATCH = _limits.SCRATCH_BYTES
 REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
 
 
-def _make_slot(wire: Wire, out: Outgoing) -> torch.Tensor:
+def _slot(wire: Wire, out: Outgoing) -> bytearray:
     slot = bytearray(wire.slot)
     fill_slot(memoryview(slot), out, wire.max_bytes)
-    return to_device(torch.frombuffer(slot, dtype=torch.uint8), wire)
+    return slot
+
+
+def _on_device(wire: Wire, raw: bytearray) -> torch.Tensor:
+    return to_device(torch.frombuffer(raw, dtype=torch.uint8), wire)
 
 
 def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
@@ -115,8 +121,12 @@ def _round_one(infos: List[SlotInfo]) -> Sequence[Optional[Incoming]]:
 
 
 def _exchange_slots(wire: Wire, out: Outgoing, op: str) -> List[SlotInfo]:
+    raw = _slot(wire, out)
+    slots = wire.first_round.all_gather(wire, raw, op)
+    if slots is not NOT_USED:
+        return [read_slot(memoryview(s)) for s in slots]
     recv = empty(wire.slot * wire.size, wire)
-    guarded(op, wire, all_gather_single, recv, _make_slot(wire, out), group=wire.group)
+    guarded(op, wire, all_gather_single, recv, _on_device(wire, raw), group=wire.group)
     return read_slots(host_view(recv), wire.size, wire.slot)
 
 
@@ -183,9 +193,13 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
 def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) -> Incoming:
     """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere)."""
     op = "broadcast"
-    slot = _make_slot(wire, out) if wire.rank == src and out is not None else empty(wire.slot, wire)
-    guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
-    info = read_slot(host_view(slot))
+    raw = (_slot(wire, out) if out is not None else bytearray(wire.slot)) if wire.rank == src else None
+    got = wire.first_round.broadcast(wire, raw, src, op)
+    if got is NOT_USED:
+        slot = _on_device(wire, raw) if raw is not None else empty(wire.slot, wire)
+        guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
+        got = host_view(slot)
+    info = read_slot(memoryview(got))
     sizes, problem = _limits.plan(info, sizes_of)
     if problem:  # every rank holds the same slot: all raise alike
         raise _limits.inconsistent(op, src, problem)
@@ -219,18 +233,17 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
 def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, src: int) -> Incoming:
     """``src``'s ``outs[r]`` on group rank ``r``."""
     op = "scatter"
-    recv = empty(wire.slot, wire)
-    scatter_list = None
+    table = None
     if wire.rank == src:
         assert outs is not None
-        table = bytearray(wire.size * wire.slot)
-        view = memoryview(table)
-        round2 = any(not o.complete(wire) for o in outs)
-        for r, o in enumerate(outs):
-            fill_slot(view[r * wire.slot : (r + 1) * wire.slot], o, wire.max_bytes, round2)
-        scatter_list = list(to_device(torch.frombuffer(table, dtype=torch.uint8), wire).chunk(wire.size))
-    guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
-    info = read_slot(host_view(recv))
+        table = _slot_table(wire, outs)
+    got = wire.first_round.scatter(wire, None if table is None else _per_rank(wire, table), src, op)
+    if got is NOT_USED:
+        recv = empty(wire.slot, wire)
+        scatter_list = None if table is None else list(_on_device(wire, table).chunk(wire.size))
+        guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
+        got = host_view(recv)
+    info = read_slot(memoryview(got))
     sizes, problem = _limits.plan(info, sizes_of)
     if info.error or not info.round2:
         if not (problem or info.error or _limits.complete(info)):
@@ -262,10 +275,8 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
 def send(wire: Wire, out: Outgoing, dst: int) -> None:
     """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must)."""
     op = "send"
-    raw = bytearray(wire.slot)
-    fill_slot(memoryview(raw), out, wire.max_bytes)
-    slot = to_device(torch.frombuffer(raw, dtype=torch.uint8), wire)
-    guarded(op, wire, dist.send, slot, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
+    raw = _slot(wire, out)
+    guarded(op, wire, dist.send, _on_device(wire, raw), dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
     info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
     problem = _limits.slot_problem_of(info)
     if problem:  # the receiver finds the same and raises too
@@ -348,15 +359,14 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
     uneven all_to_all per ``chunk``. ``None`` marks frames not moved after an error.
     """
     op = "all_to_all"
-    table = bytearray(wire.size * wire.slot)
-    view = memoryview(table)
-    round2 = any(not o.complete(wire) for o in outs)
-    for r, o in enumerate(outs):
-        fill_slot(view[r * wire.slot : (r + 1) * wire.slot], o, wire.max_bytes, round2)
-    received = empty(wire.size * wire.slot, wire)
-    guarded(op, wire, dist.all_to_all_single, received, to_device(torch.frombuffer(table, dtype=torch.uint8), wire),
-            group=wire.group)
-    infos = read_slots(host_view(received), wire.size, wire.slot)
+    table = _slot_table(wire, outs)
+    slots = wire.first_round.all_to_all(wire, _per_rank(wire, table), op)
+    if slots is not NOT_USED:
+        infos = [read_slot(memoryview(s)) for s in slots]
+    else:
+        received = empty(wire.size * wire.slot, wire)
+        guarded(op, wire, dist.all_to_all_single, received, _on_device(wire, table), group=wire.group)
+        infos = read_slots(host_view(received), wire.size, wire.slot)
     if any(info.error for info in infos):
         return _round_one(infos)
     plans = [_limits.plan(info, sizes_of) for info in infos]
@@ -398,6 +408,20 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
             sizes = _limits.frame_sizes(sizes_of, frame, info, r, op)
         incoming.append(Incoming(frame, list(rest.split(sizes)) if sizes else []))
     return incoming
+
+
+def _slot_table(wire: Wire, outs: Sequence[Outgoing]) -> bytearray:
+    """One slot per receiving rank (scatter, all_to_all); ROUND2_BIT in each when any part needs a second round."""
+    table = bytearray(wire.size * wire.slot)
+    round2 = any(not o.complete(wire) for o in outs)
+    for o, slot in zip(outs, _per_rank(wire, table)):
+        fill_slot(slot, o, wire.max_bytes, round2)
+    return table
+
+
+def _per_rank(wire: Wire, table: bytearray) -> List[memoryview]:
+    view = memoryview(table)
+    return [view[r * wire.slot : (r + 1) * wire.slot] for r in range(wire.size)]
 
 
 def _rest(wire: Wire, out: Outgoing) -> torch.Tensor:

@@ -93,6 +93,44 @@ class _Direct:
 DIRECT: SecondRound = _Direct()
 
 
+# -- who moves the first round -----------------------------------------------------------------
+Slot = Union[bytes, bytearray, memoryview]  # one rank's round-1 slot (``Wire.slot`` bytes), host memory
+
+
+class FirstRound(Protocol):
+    """Another way to move round 1's slots, asked by the transport before it uses the group.
+
+    Each method takes this rank's slot bytes (host memory, ``wire.slot`` long) and returns what the
+    group's collective would have delivered, as host bytes, or :data:`NOT_USED` (the same answer on
+    every rank of the call, decided without talking to the others) and the transport moves the slots
+    itself. Every rank of the group calls the method of its operation, in the same order. The same-host
+    channel (:class:`objcomm._first.SameHostSlots`) is one; :data:`BACKEND` is none.
+    """
+
+    def all_gather(self, wire: Wire, slot: Slot, op: str) -> Union[Sequence[Slot], NotUsed]: ...
+
+    def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]: ...
+
+    def scatter(self, wire: Wire, slots: Optional[Sequence[Slot]], src: int, op: str) -> Union[Slot, NotUsed]: ...
+
+    def all_to_all(self, wire: Wire, slots: Sequence[Slot], op: str) -> Union[Sequence[Slot], NotUsed]: ...
+
+
+class _Backend:
+    """No strategy: the group's backend moves every round-1 slot."""
+
+    def all_gather(self, *args: Any) -> NotUsed:
+        return NOT_USED
+
+    broadcast = scatter = all_to_all = all_gather
+
+    def __repr__(self) -> str:
+        return "BACKEND"
+
+
+BACKEND: FirstRound = _Backend()
+
+
 class Wire(NamedTuple):
     """Where and how frames move: the group, this rank's place in it, and the size limits."""
 
@@ -104,6 +142,7 @@ class Wire(NamedTuple):
     chunk: int  # largest single transfer in round 2
     max_bytes: int  # largest payload (frame plus tensors) this rank accepts
     second_round: SecondRound = DIRECT  # who may move the second round instead of the transport
+    first_round: FirstRound = BACKEND  # who may move the round-1 slots of collectives instead of the group
     tag: int = 0  # send/recv: the caller's tag (see data_tag, answer_tag)
 
     @property

@@ -12,7 +12,7 @@ import signal
 import socket
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import pytest
 import torch
@@ -29,10 +29,17 @@ def _wire(group: Any = None) -> Wire:
                 device=torch.device("cpu"), slot=4096, chunk=1 << 20, max_bytes=1 << 30)
 
 
-def _names(pids: List[int]) -> List[str]:
-    """Abstract socket names in /proc/net/unix that belong to ``pids``' channels (``@objcomm-<pid>-``)."""
+def _names(pids: List[int], besides: Iterable[str] = ()) -> List[str]:
+    """Abstract socket names in /proc/net/unix that belong to ``pids``' channels (``@objcomm-<pid>-``),
+    other than ``besides`` (those of channels objcomm itself keeps open for the group)."""
     with open("/proc/net/unix") as table:
-        return [line.split()[-1] for line in table if any(f"@objcomm-{p}-" in line for p in pids)]
+        names = [line.split()[-1] for line in table if any(f"@objcomm-{p}-" in line for p in pids)]
+    return [n for n in names if n not in set(besides)]
+
+
+def _all_names() -> List[str]:
+    with open("/proc/net/unix") as table:
+        return [line.split()[-1] for line in table if "@objcomm-" in line]
 
 
 def _payload(rank: int, step: int, size: int = 4096) -> bytes:
@@ -41,6 +48,7 @@ def _payload(rank: int, step: int, size: int = 4096) -> bytes:
 
 def every_operation(rounds: int) -> Dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
+    before = _all_names()
     channel = _local.LocalChannel.open(_wire(), timeout=30)
     assert channel is not None
     with channel:
@@ -62,7 +70,7 @@ def every_operation(rounds: int) -> Dict[str, Any]:
         assert channel.all_gather(b"") == [b""] * world
         pids = [int(p) for p in channel.all_gather(str(os.getpid()).encode())]
     dist.barrier()  # every rank has closed
-    return {"pids": pids, "left": _names(pids)}
+    return {"pids": pids, "left": _names(pids, before)}
 
 
 @pytest.mark.timeout(120)
@@ -122,7 +130,11 @@ def _killed_peer_rank(rank: int, world: int, store: str, victim: int, results: A
             channel.all_gather(b"after")
         results.put((rank, "no error", 0.0, []))
     except CommunicationError as exc:
-        results.put((rank, str(exc), time.monotonic() - start, _names(pids)))
+        elapsed = time.monotonic() - start
+        deadline = time.monotonic() + 5.0  # the other survivor closes when it reads the EOF too: not the same instant
+        while _names(pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        results.put((rank, str(exc), elapsed, _names(pids)))
 
 
 @pytest.mark.timeout(120)

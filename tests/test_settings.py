@@ -15,7 +15,7 @@ from objcomm import _settings
 
 pytestmark = pytest.mark.timeout(60)
 
-VARIABLES = ("OBJCOMM_SHM", "OBJCOMM_SHM_DIR", "OBJCOMM_FORCE_SEPARATE_HOSTS")
+VARIABLES = ("OBJCOMM_SHM", "OBJCOMM_SHM_DIR", "OBJCOMM_LOCAL", "OBJCOMM_FORCE_SEPARATE_HOSTS")
 NOT_GIVEN: Any = object()
 
 # knob: (default, (variable, text, value) or None, configure(), Communicator(), a call — NOT_GIVEN where none)
@@ -30,6 +30,7 @@ LAYERS = {
     "shm": (True, ("OBJCOMM_SHM", "0", False), True, False, NOT_GIVEN),
     "shm_threshold": (4 << 20, None, 1, 2, NOT_GIVEN),
     "shm_dir": (None, ("OBJCOMM_SHM_DIR", "/from-env", "/from-env"), "/configured", "/communicator", NOT_GIVEN),
+    "local": (True, ("OBJCOMM_LOCAL", "0", False), True, False, NOT_GIVEN),
 }
 
 

@@ -1,0 +1,83 @@
+"""Small objects with round 1 through the same-host channel (``local=True``) and through gloo (``local=False``).
+
+    PYTHONPATH=. python benchmarks/bench_first_round.py [--world-sizes 2 4] [--repeat 300]
+
+Candidates, on the same ranks, round-robin with a gloo barrier before every call (a sample is the
+slowest rank's time, a timing the median: ``objcomm._bench._measure.interleaved``):
+
+- ``all_gather``/``broadcast`` of a small dict (one slot, no second round) through a
+  ``Communicator(local=True)`` and a ``Communicator(local=False)``;
+- ``raw gloo``: ``all_gather_single`` of one 4096-byte slot per rank, the baseline.
+
+The machine is shared and small: compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+SLOT = 4096
+OBJ = {"loss": 0.25, "step": 1000, "tag": "train"}
+
+
+def measure(repeat: int) -> Dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    import objcomm
+    from objcomm._bench._measure import interleaved
+    from objcomm._wire import all_gather_single
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    on, off = objcomm.Communicator(local=True), objcomm.Communicator(local=False)
+    send, recv = torch.zeros(SLOT, dtype=torch.uint8), torch.empty(world * SLOT, dtype=torch.uint8)
+    candidates: Dict[str, Callable[[], Any]] = {
+        "all_gather, channel": lambda: on.all_gather(OBJ),
+        "all_gather, gloo": lambda: off.all_gather(OBJ),
+        "broadcast, channel": lambda: on.broadcast(OBJ),
+        "broadcast, gloo": lambda: off.broadcast(OBJ),
+        "raw gloo all_gather (4096 B)": lambda: all_gather_single(recv, send),
+    }
+    return {k: t.median_s for k, t in interleaved(candidates, repeat=repeat, warmup=20).items()}
+
+
+def _task(repeat: int, send: Any) -> Dict[str, float]:
+    return measure(repeat)
+
+
+def report(world: int, medians: Dict[str, float], repeat: int) -> str:
+    gloo = medians["raw gloo all_gather (4096 B)"]
+    lines = [f"### W={world} ({os.cpu_count()} CPUs, {repeat} rounds)", "",
+             "| candidate | median | ÷ raw gloo | channel ÷ gloo |", "|---|---:|---:|---:|"]
+    for name, t in medians.items():
+        pair = ""
+        if name.endswith(", channel"):
+            pair = f"{t / medians[name.replace('channel', 'gloo')]:.2f}x"
+        lines.append(f"| {name} | {t * 1e6:.0f} µs | {t / gloo:.2f}x | {pair} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeat", type=int, default=300)
+    parser.add_argument("--append", help="append the tables to this file")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from objcomm._launch import run_local
+
+    for world in args.world_sizes:
+        text = report(world, run_local(_task, args.repeat, world_size=world, timeout_s=1200), args.repeat)
+        print(text, flush=True)
+        if args.append:
+            with open(args.append, "a") as f:
+                f.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

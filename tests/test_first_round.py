@@ -1,0 +1,248 @@
+"""Round 1 through the same-host channel (objcomm._first): every routed collective at W=1..4 and in
+a sub-group gives what the backend gives; the fallbacks; failures; a killed rank; no growth."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import resource
+import signal
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch.distributed as dist
+from _ranks import get_pool
+
+import objcomm
+from objcomm import _state
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _channel(group: Any = None, separate: bool = False) -> Any:
+    """This rank's channel for ``group``: a LocalChannel, None (not usable), or "never opened"."""
+    known = _state.group_facts(group if group is not None else dist.group.WORLD).local
+    return known.get(separate, "never opened")
+
+
+def _payloads(rank: int) -> List[Any]:
+    """Small (round 1 only), one overflowing its slot, and tensors: every path after round 1 too."""
+    import torch
+
+    return [rank, {"rank": rank, "s": "x" * (rank * 50)}, "big" * (3000 + rank), torch.arange(rank + 3), None]
+
+
+def every_collective(local: bool, slot_bytes: int, group_ranks: Optional[List[int]] = None) -> Dict[str, Any]:
+    rank = dist.get_rank()
+    group = dist.new_group(group_ranks) if group_ranks is not None else None
+    if group_ranks is not None and rank not in group_ranks:
+        return {}
+    members = group_ranks if group_ranks is not None else list(range(dist.get_world_size()))
+    comm = objcomm.Communicator(group, local=local, slot_bytes=slot_bytes)
+    channel = _channel(group)
+    seq_before = channel._seq if channel not in (None, "never opened") else 0
+    results: List[Any] = []
+    for mine, everyone in zip(_payloads(rank), zip(*[_payloads(r) for r in members])):
+        results.append(comm.all_gather(mine))
+        for root in sorted({members[0], members[-1]}):
+            results.append(comm.gather(mine, dst=root))
+            results.append(comm.broadcast(mine if rank == root else None, src=root))
+            results.append(comm.scatter(list(everyone) if rank == root else None, src=root))
+        results.append(comm.all_to_all([(mine, r) for r in members]))
+    results.append(comm.all_reduce(rank, "sum"))
+    results.append(comm.reduce(rank, "max", dst=members[-1]))
+    channel = _channel(group)
+    used = channel not in (None, "never opened")
+    return {"results": [_plain(r) for r in results], "used": used,
+            "seq": (channel._seq - seq_before) if used else 0}
+
+
+def _plain(value: Any) -> Any:
+    """Tensors as lists, so that results compare with ==."""
+    if hasattr(value, "tolist"):
+        return ("tensor", value.tolist())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+@pytest.mark.parametrize("slot_bytes", [4096, 128])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_collective_the_same_with_the_channel_on_and_off(world, slot_bytes):
+    pool = get_pool(world)
+    on = pool.run(every_collective, True, slot_bytes)
+    off = pool.run(every_collective, False, slot_bytes)
+    assert [r["results"] for r in on] == [r["results"] for r in off]
+    assert all(r["used"] == (world > 1) for r in on)
+    if world > 1:  # every slot exchange went through the channel: 5 payloads x ops, the reductions' last step
+        roots = len({0, world - 1})
+        assert [r["seq"] for r in on] == [5 * (2 + 3 * roots) + 2] * world
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_a_sub_group_gets_its_own_channel(world):
+    pool = get_pool(world)
+    members = list(range(1, world))
+    on = pool.run(every_collective, True, 4096, members)
+    off = pool.run(every_collective, False, 4096, members)
+    assert on[0] == off[0] == {}
+    assert [r["results"] for r in on[1:]] == [r["results"] for r in off[1:]]
+    assert all(r["used"] for r in on[1:])
+
+
+def switched_off() -> List[Any]:
+    group = dist.new_group(list(range(dist.get_world_size())))  # a fresh group: nothing opened on it yet
+    seen = []
+    previous = objcomm.configure(local=False)
+    try:
+        assert objcomm.Communicator(group).all_gather(1) == [1] * dist.get_world_size()
+        seen.append(_channel(group))
+    finally:
+        objcomm.restore(previous)
+    objcomm.Communicator(group, local=False).broadcast(2)
+    seen.append(_channel(group))
+    objcomm.Communicator(group).broadcast(3)  # the default: on
+    seen.append(_channel(group) is not None)
+    return seen
+
+
+def test_switched_off_by_configure_and_communicator():
+    assert get_pool(2).run(switched_off) == [["never opened", "never opened", True]] * 2
+
+
+def on_separate_hosts() -> Any:
+    comm = objcomm.Communicator()
+    comm._separate_hosts = True
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert comm.all_gather(rank) == list(range(world))
+    assert comm.broadcast("x" * 5000 if rank == 0 else None) == "x" * 5000
+    assert comm.all_to_all([rank] * world) == list(range(world))
+    return _channel(separate=True)
+
+
+def test_ranks_on_separate_hosts_keep_the_backend():
+    assert get_pool(3).run(on_separate_hosts) == [None] * 3  # decided once, the same on every rank
+
+
+def encode_fails_on_one_rank() -> List[str]:
+    rank = dist.get_rank()
+    comm = objcomm.Communicator()
+    seen = []
+    for op in ("all_gather", "broadcast", "scatter", "all_to_all"):
+        obj: Any = (lambda: None) if rank == 1 else rank  # pickle refuses a lambda
+        try:
+            if op == "all_gather":
+                comm.all_gather(obj)
+            elif op == "broadcast":
+                comm.broadcast(obj, src=1)
+            elif op == "scatter":
+                comm.scatter([obj] * dist.get_world_size() if rank == 1 else None, src=1)
+            else:
+                comm.all_to_all([obj] * dist.get_world_size())
+            seen.append("returned")
+        except objcomm.RemoteError as exc:
+            seen.append("RemoteError" if "rank 1" in str(exc) else str(exc))
+        assert comm.all_gather(rank) == list(range(dist.get_world_size()))  # the group is still usable
+    assert _channel() is not None and not _channel().closed
+    return seen
+
+
+def test_an_encode_failure_raises_on_every_rank_through_the_channel():
+    seen = get_pool(3).run(encode_fails_on_one_rank)
+    assert seen == [["RemoteError"] * 4] * 3  # naming rank 1, on rank 1 too
+
+
+def waits_for_a_late_peer() -> List[float]:
+    comm = objcomm.Communicator()
+    comm.all_gather(0)  # the channel is open
+    if dist.get_rank() == 1:
+        time.sleep(0.3)
+    wall, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    comm.all_gather(1)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return [time.perf_counter() - wall, (after.ru_utime + after.ru_stime) - (cpu.ru_utime + cpu.ru_stime)]
+
+
+def test_a_waiting_rank_does_not_burn_the_cpu():
+    wall, cpu = get_pool(2).run(waits_for_a_late_peer)[0]
+    assert wall >= 0.25
+    assert cpu < 0.1 * wall, f"rank 0 used {cpu * 1e3:.1f} ms of CPU while waiting {wall * 1e3:.0f} ms"
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+def many_small_calls(count: int) -> Dict[str, int]:
+    comm = objcomm.Communicator()
+    rank = dist.get_rank()
+    for i in range(1000):  # warm: allocator, caches
+        comm.all_gather(i)
+        comm.broadcast(i if rank == 0 else None)
+    fds, rss = _open_fds(), _rss_kib()
+    for i in range(count // 2):
+        assert comm.all_gather(i)[0] == i
+        assert comm.broadcast(i if rank == 0 else None) == i
+    return {"fds": _open_fds() - fds, "rss_kib": _rss_kib() - rss, "used": int(_channel() is not None)}
+
+
+@pytest.mark.timeout(300)
+def test_ten_thousand_small_calls_leave_nothing_behind():
+    for grown in get_pool(2).run(many_small_calls, 10_000):
+        assert grown["used"] == 1
+        assert grown["fds"] == 0, grown
+        assert grown["rss_kib"] < 4096, grown  # flat: well under 1 byte per call kept
+
+
+# -- a SIGKILLed rank mid-call: a group of our own, so that the survivors can report (the pool kills everyone) --
+def _killed_rank(rank: int, world: int, store: str, victim: int, results: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    assert objcomm.all_gather(rank) == list(range(world))  # opens the channel
+    assert _channel() is not None
+    if rank == victim:
+        time.sleep(0.5)  # the others are waiting in the all_gather below by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        objcomm.all_gather("after")
+        results.put((rank, "no error", 0.0))
+    except objcomm.CommunicationError as exc:
+        results.put((rank, str(exc), time.monotonic() - start))
+
+
+def test_a_rank_killed_mid_call_makes_the_others_raise_within_seconds():
+    world, victim = 3, 2
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    got: Dict[int, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [context.Process(target=_killed_rank, args=(r, world, os.path.join(tmp, "store"), victim, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            for _ in range(world - 1):
+                rank, message, elapsed = results.get(timeout=120)
+                got[rank] = (message, elapsed)
+        except queue.Empty:
+            pytest.fail(f"the survivors did not report; got {got}")
+        finally:
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+    assert procs[victim].exitcode == -signal.SIGKILL
+    for rank, (message, elapsed) in got.items():
+        assert "local channel failed" in message, (rank, message)
+        assert "closed its connection" in message or "reset its connection" in message, (rank, message)
+        assert elapsed < 5.0, (rank, elapsed)
