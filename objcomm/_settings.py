@@ -79,7 +79,8 @@ class Settings:
       else ``/dev/shm``). All ranks of a group must agree on these, as on ``slot_bytes``.
     - ``local``: when every rank of a group runs on one host, the first round of collectives (the slots)
       moves through Unix-domain sockets between the processes instead of the backend
-      (:mod:`objcomm._first`; ``OBJCOMM_LOCAL=0`` turns it off). All ranks of a group must agree.
+      (:mod:`objcomm._first`). Off by default in this version (``OBJCOMM_LOCAL=1`` turns it on): it does
+      not yet carry send/recv or the small control collectives. All ranks of a group must agree.
     """
 
     serializer: SerializerLike = "pickle"
@@ -92,7 +93,7 @@ class Settings:
     shm: bool = True
     shm_threshold: int = DEFAULT_SHM_THRESHOLD
     shm_dir: Optional[str] = None
-    local: bool = True
+    local: bool = False  # opt in for now: see the docstring
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(Settings):

@@ -106,17 +106,19 @@ def switched_off() -> List[Any]:
         objcomm.restore(previous)
     objcomm.Communicator(group, local=False).broadcast(2)
     seen.append(_channel(group))
-    objcomm.Communicator(group).broadcast(3)  # the default: on
+    objcomm.Communicator(group).broadcast(3)  # the default: off in this version (opt in)
+    seen.append(_channel(group))
+    objcomm.Communicator(group, local=True).broadcast(4)
     seen.append(_channel(group) is not None)
     return seen
 
 
 def test_switched_off_by_configure_and_communicator():
-    assert get_pool(2).run(switched_off) == [["never opened", "never opened", True]] * 2
+    assert get_pool(2).run(switched_off) == [["never opened", "never opened", "never opened", True]] * 2
 
 
 def on_separate_hosts() -> Any:
-    comm = objcomm.Communicator()
+    comm = objcomm.Communicator(local=True)
     comm._separate_hosts = True
     rank, world = dist.get_rank(), dist.get_world_size()
     assert comm.all_gather(rank) == list(range(world))
@@ -131,7 +133,7 @@ def test_ranks_on_separate_hosts_keep_the_backend():
 
 def encode_fails_on_one_rank() -> List[str]:
     rank = dist.get_rank()
-    comm = objcomm.Communicator()
+    comm = objcomm.Communicator(local=True)
     seen = []
     for op in ("all_gather", "broadcast", "scatter", "all_to_all"):
         obj: Any = (lambda: None) if rank == 1 else rank  # pickle refuses a lambda
@@ -158,7 +160,7 @@ def test_an_encode_failure_raises_on_every_rank_through_the_channel():
 
 
 def waits_for_a_late_peer() -> List[float]:
-    comm = objcomm.Communicator()
+    comm = objcomm.Communicator(local=True)
     comm.all_gather(0)  # the channel is open
     if dist.get_rank() == 1:
         time.sleep(0.3)
@@ -184,7 +186,7 @@ def _rss_kib() -> int:
 
 
 def many_small_calls(count: int) -> Dict[str, int]:
-    comm = objcomm.Communicator()
+    comm = objcomm.Communicator(local=True)
     rank = dist.get_rank()
     for i in range(1000):  # warm: allocator, caches
         comm.all_gather(i)
@@ -207,6 +209,7 @@ def test_ten_thousand_small_calls_leave_nothing_behind():
 # -- a SIGKILLed rank mid-call: a group of our own, so that the survivors can report (the pool kills everyone) --
 def _killed_rank(rank: int, world: int, store: str, victim: int, results: Any) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    objcomm.configure(local=True)  # a process of its own: nothing to restore
     assert objcomm.all_gather(rank) == list(range(world))  # opens the channel
     assert _channel() is not None
     if rank == victim:

@@ -30,7 +30,7 @@ LAYERS = {
     "shm": (True, ("OBJCOMM_SHM", "0", False), True, False, NOT_GIVEN),
     "shm_threshold": (4 << 20, None, 1, 2, NOT_GIVEN),
     "shm_dir": (None, ("OBJCOMM_SHM_DIR", "/from-env", "/from-env"), "/configured", "/communicator", NOT_GIVEN),
-    "local": (True, ("OBJCOMM_LOCAL", "0", False), True, False, NOT_GIVEN),
+    "local": (False, ("OBJCOMM_LOCAL", "1", True), False, True, NOT_GIVEN),
 }
 
 
