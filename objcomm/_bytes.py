@@ -120,17 +120,18 @@ def all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> Lis
 
 
 def all_to_all_bytes(
-    wire: Wire, streams: Sequence[torch.Tensor], lengths: Sequence[int], longest: int, op: str
+    wire: Wire, streams: Sequence[Sequence[torch.Tensor]], lengths: Sequence[int], longest: int, op: str
 ) -> List[torch.Tensor]:
-    """Send ``streams[j]`` to group rank ``j`` and receive ``lengths[i]`` bytes from rank ``i``, at exact sizes.
+    """Send ``streams[j]`` (flat uint8 parts, back to back) to group rank ``j`` and receive ``lengths[i]``
+    bytes from rank ``i``, at exact sizes; the parts are copied once, into the send buffer.
 
     ``longest`` is the longest stream of any pair, the same on every rank: transfers go in rounds of at
     most ``wire.chunk`` bytes per pair, so every rank runs the same number of collectives.
     """
-    sent = [s.numel() for s in streams]
+    sent = [sum(p.numel() for p in parts) for parts in streams]
     if longest <= wire.chunk:  # the common case: one collective, straight into one buffer
         received = empty(sum(lengths), wire)
-        send = torch.cat([to_device(s, wire) for s in streams])
+        send = _joined([p for parts in streams for p in parts], wire)
         guarded(op, wire, dist.all_to_all_single, received, send, output_split_sizes=list(lengths),
                 input_split_sizes=sent, group=wire.group)
         return list(received.split(list(lengths)))
@@ -138,10 +139,26 @@ def all_to_all_bytes(
     for start in pieces(longest, wire.chunk):  # extra memory bounded by size * chunk
         outs = [max(0, min(wire.chunk, n - start)) for n in sent]
         ins = [max(0, min(wire.chunk, n - start)) for n in lengths]
-        send = torch.cat([to_device(s[start : start + k], wire) for s, k in zip(streams, outs)])
+        send = _joined([p for parts, k in zip(streams, outs) for p in _window(parts, start, k)], wire)
         received = empty(sum(ins), wire)
         guarded(op, wire, dist.all_to_all_single, received, send, output_split_sizes=ins, input_split_sizes=outs,
                 group=wire.group)
         for result, part, k in zip(results, received.split(ins), ins):
             result[start : start + k] = part
     return results
+
+
+def _joined(parts: Sequence[torch.Tensor], wire: Wire) -> torch.Tensor:
+    return torch.cat([to_device(p, wire) for p in parts]) if parts else empty(0, wire)
+
+
+def _window(parts: Sequence[torch.Tensor], start: int, length: int) -> List[torch.Tensor]:
+    """Bytes ``start`` to ``start + length`` of ``parts`` laid back to back, as views on them."""
+    window, at = [], 0
+    for part in parts:
+        n = part.numel()
+        lo, hi = max(start - at, 0), min(start + length - at, n)
+        if lo < hi:
+            window.append(part[lo:hi])
+        at += n
+    return window

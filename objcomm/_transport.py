@@ -392,7 +392,7 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
     taken = wire.second_round.all_to_all(wire, outs, infos, _limits.checked_sizes(sizes_of, infos), longest, op)
     if taken is not NOT_USED:
         return taken
-    streams = [_rest(wire, o) if mine[r] else empty(0, wire) for r, o in enumerate(outs)]
+    streams = [_rest(wire, o) if mine[r] else [] for r, o in enumerate(outs)]
     lengths = [0 if r == wire.rank else info.second_round_bytes for r, info in enumerate(infos)]
     moved = all_to_all_bytes(wire, streams, lengths, longest, op)
     incoming: List[Optional[Incoming]] = []
@@ -424,10 +424,7 @@ def _per_rank(wire: Wire, table: bytearray) -> List[memoryview]:
     return [view[r * wire.slot : (r + 1) * wire.slot] for r in range(wire.size)]
 
 
-def _rest(wire: Wire, out: Outgoing) -> torch.Tensor:
-    """What a sender moves after round 1, as one stream on the wire's device: an overflowing frame,
-    then its tensors."""
-    parts = [to_device(t, wire) for t in out.tensors]
-    if out.frame.nbytes > wire.inline_capacity:
-        parts.insert(0, to_device(out.frame_tensor(), wire))
-    return torch.cat(parts)
+def _rest(wire: Wire, out: Outgoing) -> List[torch.Tensor]:
+    """What a sender moves after round 1, as the parts of one stream: an overflowing frame, then its tensors."""
+    frame = [out.frame_tensor()] if out.frame.nbytes > wire.inline_capacity else []
+    return frame + list(out.tensors)
