@@ -23,10 +23,12 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import queue
 import resource
 import signal
+import tempfile
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 __all__ = ["ChildCrashed", "ChildTimeout", "ChildRaised", "run_in_child"]
 
@@ -105,3 +107,33 @@ def run_in_child(
     if kind == "raised":
         raise ChildRaised(*value)
     return value
+
+
+def run_group_losing_a_rank(
+    target: Callable[..., None], world: int, victim: int, timeout: float = 120.0
+) -> Tuple[Dict[int, tuple], Optional[int]]:
+    """Run ``target(rank, world, store, victim, results)`` in ``world`` spawned ranks of a group of their own
+    (the test pool would kill every rank when one dies), the victim killing itself; return what each
+    survivor put on ``results`` as ``(rank, *report)`` -> ``{rank: report}``, and the victim's exit code.
+    Every rank is reaped."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    got: Dict[int, tuple] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [context.Process(target=target, args=(r, world, os.path.join(tmp, "store"), victim, results))
+                 for r in range(world)]
+        for proc in procs:
+            proc.start()
+        try:
+            for _ in range(world - 1):
+                rank, *report = results.get(timeout=timeout)
+                got[rank] = tuple(report)
+        except queue.Empty:
+            raise ChildTimeout(f"the survivors did not report within {timeout:.0f} s; got {got}") from None
+        finally:
+            for proc in procs:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+    return got, procs[victim].exitcode

@@ -3,17 +3,15 @@ a sub-group gives what the backend gives; the fallbacks; failures; a killed rank
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import queue
 import resource
 import signal
-import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
 import pytest
 import torch.distributed as dist
+from _child import run_group_losing_a_rank
 from _ranks import get_pool
 
 import objcomm
@@ -225,26 +223,8 @@ def _killed_rank(rank: int, world: int, store: str, victim: int, results: Any) -
 
 def test_a_rank_killed_mid_call_makes_the_others_raise_within_seconds():
     world, victim = 3, 2
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    got: Dict[int, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [context.Process(target=_killed_rank, args=(r, world, os.path.join(tmp, "store"), victim, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            for _ in range(world - 1):
-                rank, message, elapsed = results.get(timeout=120)
-                got[rank] = (message, elapsed)
-        except queue.Empty:
-            pytest.fail(f"the survivors did not report; got {got}")
-        finally:
-            for p in procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-    assert procs[victim].exitcode == -signal.SIGKILL
+    got, victim_exit = run_group_losing_a_rank(_killed_rank, world, victim)
+    assert victim_exit == -signal.SIGKILL
     for rank, (message, elapsed) in got.items():
         assert "local channel failed" in message, (rank, message)
         assert "closed its connection" in message or "reset its connection" in message, (rank, message)

@@ -3,20 +3,18 @@ while waiting, nothing left behind, strangers refused."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import queue
 import resource
 import secrets
 import signal
 import socket
-import tempfile
 import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
+from _child import run_group_losing_a_rank
 from _ranks import get_pool
 
 from objcomm import CommunicationError, _local
@@ -140,26 +138,8 @@ def _killed_peer_rank(rank: int, world: int, store: str, victim: int, results: A
 @pytest.mark.timeout(120)
 def test_a_killed_peer_makes_the_others_raise_at_once():
     world, victim = 3, 1
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [context.Process(target=_killed_peer_rank, args=(r, world, os.path.join(tmp, "store"), victim, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            got = {}
-            for _ in range(world - 1):
-                rank, message, elapsed, left = results.get(timeout=90)
-                got[rank] = (message, elapsed, left)
-        except queue.Empty:
-            pytest.fail(f"the survivors did not report; got {got}")
-        finally:
-            for p in procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-    assert procs[victim].exitcode == -signal.SIGKILL
+    got, victim_exit = run_group_losing_a_rank(_killed_peer_rank, world, victim, timeout=90)
+    assert victim_exit == -signal.SIGKILL
     for rank, (message, elapsed, left) in got.items():
         assert "local channel failed" in message, (rank, message)
         assert "closed its connection" in message, (rank, message)
