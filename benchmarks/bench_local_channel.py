@@ -202,14 +202,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     texts = []
     if comm is not None:
         import torch.distributed as dist
+        from bench_peers import join_gloo  # this script's folder is on sys.path
 
-        port = None
-        if comm.rank == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        port = comm.bcast(port, root=0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size)
+        join_gloo(comm)
         results = measure(comm, args.repeat)
         if comm.rank == 0:
             texts.append(report(comm.size, results, args.repeat) + "(under mpiexec: MPICH busy-polls)\n")

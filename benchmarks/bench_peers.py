@@ -60,7 +60,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 # -- joining gloo from MPI ---------------------------------------------------------------------
-def _join_gloo(comm: Any) -> None:
+def join_gloo(comm: Any) -> None:
     """A gloo group over the MPI ranks: rank 0 picks a free port, MPI tells the others."""
     import torch.distributed as dist
 
@@ -367,7 +367,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
-    _join_gloo(comm)
+    join_gloo(comm)
     parts = args.only or ["memory", "large", "small", "breakdown"]
     peers = Peers(comm)
 
