@@ -41,6 +41,7 @@ import torch.distributed as dist
 from . import _state
 from ._device import device_for_backend, group_backend, group_timeout
 from ._errors import ObjcommError, WaitTimeoutError
+from ._wire import all_gather_single
 
 Job = Tuple[concurrent.futures.Future, Callable[[], Any]]
 Key = Tuple[str, Any, Any]  # a lane: ("send" | "recv", peer, tag), or COLLECTIVES
@@ -282,8 +283,12 @@ def _check_names_agree(group: Any) -> None:
     world = getattr(dist.distributed_c10d, "_world", None)
     if world is None or not hasattr(world, "pg_names"):
         return
-    counts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(counts, len(world.pg_names), group=group)
+    # an int64 per rank, not all_gather_object: nothing a peer sends here is unpickled
+    device = _cuda_device(group)
+    mine = torch.tensor([len(world.pg_names)], dtype=torch.int64, device="cpu" if device is None else device)
+    every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=mine.device)
+    all_gather_single(every, mine, group=group)
+    counts = every.tolist()
     if len(set(counts)) > 1:
         raise ObjcommError(
             "async collectives on this subgroup need a second process group with its ranks, which torch can only "
