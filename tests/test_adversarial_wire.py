@@ -104,6 +104,8 @@ def under_reported(op: str) -> tuple:
                 _transport.send(_wire(), lie, 0)
             elif op == "all_gather":
                 _transport.all_gather(_wire(), lie, _framing.tensor_sizes)
+            elif op == "all_to_all":
+                _transport.all_to_all(_wire(), [lie, lie], _framing.tensor_sizes)
             else:
                 _transport.broadcast(_wire(), lie, _framing.tensor_sizes, 1)
         except ObjcommError as exc:
@@ -115,6 +117,8 @@ def under_reported(op: str) -> tuple:
             outcome = comm.recv(src=1)
         elif op == "all_gather":
             outcome = comm.all_gather("small")
+        elif op == "all_to_all":
+            outcome = comm.all_to_all(["small", "small"])
         else:
             outcome = comm.broadcast(None, src=1)
         outcome = f"returned {type(outcome).__name__}"
@@ -124,7 +128,7 @@ def under_reported(op: str) -> tuple:
     return outcome, growth, _still_usable()
 
 
-@pytest.mark.parametrize("op", ["send/recv", "all_gather", "broadcast"])
+@pytest.mark.parametrize("op", ["send/recv", "all_gather", "broadcast", "all_to_all"])
 def test_under_reported_total_is_refused_before_allocating(op):
     results = get_pool(2).run(under_reported, op, timeout=120)
     (outcome, growth, usable), sender = results[0], results[1]
@@ -177,6 +181,27 @@ def test_tensor_table_entry_of_2_to_the_40_is_a_clean_frame_error():
     results = get_pool(2).run(huge_table_entry, timeout=90)
     assert results[0] == ["FrameError", "FrameError"]
     assert results[1] == ["FrameError", "no error"]  # a sender learns only where it takes part in round 1
+
+
+def huge_table_entry_all_to_all() -> str:
+    """The same forged frame as rank 1's part for every rank of an all_to_all."""
+    forged = _forged_table(1 << 40)
+    try:
+        if dist.get_rank() == 1:
+            _transport.all_to_all(_wire(), [forged, forged], _framing.tensor_sizes)
+        else:
+            objcomm.all_to_all(["small", "small"])
+        outcome = "no error"
+    except ObjcommError as exc:
+        outcome = type(exc).__name__
+    except Exception as exc:
+        outcome = f"raw {type(exc).__name__}"
+    assert _still_usable()
+    return outcome
+
+
+def test_tensor_table_entry_of_2_to_the_40_in_all_to_all_is_refused_by_every_rank():
+    assert get_pool(2).run(huge_table_entry_all_to_all, timeout=90) == ["FrameError", "FrameError"]
 
 
 # -- C: a refusing receiver never allocates up to chunk_bytes ---------------------------------------
