@@ -104,7 +104,7 @@ def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound
     if not options.shm:
         return DIRECT
     return _shm.SharedMemory(threshold=options.shm_threshold, directory=options.shm_dir or _shm.DEFAULT_DIRECTORY,
-                             separate=options.separate_hosts, book=segments)
+                             separate=options.separate_hosts, zero_copy=options.shm_zero_copy, book=segments)
 
 
 def first_round_for(options: CallOptions) -> FirstRound:

@@ -48,8 +48,9 @@ class Communicator:
         ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for what this rank sends.
     max_bytes, slot_bytes, chunk_bytes, inline_tensor_bytes:
         Size limits (see :class:`objcomm.Settings`); ``None`` uses the process-wide default.
-    shm, shm_threshold, shm_dir:
-        Same-host shared memory for payloads of at least ``shm_threshold`` bytes (see :class:`objcomm.Settings`).
+    shm, shm_threshold, shm_dir, shm_zero_copy:
+        Same-host shared memory for payloads of at least ``shm_threshold`` bytes, received as views
+        unless ``shm_zero_copy=False`` (see :class:`objcomm.Settings`).
     local:
         Same-host channel for the first round of collectives (see :class:`objcomm.Settings`).
 
@@ -79,6 +80,7 @@ class Communicator:
         shm: Optional[bool] = None,
         shm_threshold: Optional[int] = None,
         shm_dir: Optional[str] = None,
+        shm_zero_copy: Optional[bool] = None,
         local: Optional[bool] = None,
     ) -> None:
         self.group = group
@@ -88,7 +90,7 @@ class Communicator:
             serializer=serializer, accept=accept, map_location=map_location, compression=compression,
             max_bytes=max_bytes, slot_bytes=slot_bytes, chunk_bytes=chunk_bytes,
             inline_tensor_bytes=inline_tensor_bytes, shm=shm, shm_threshold=shm_threshold, shm_dir=shm_dir,
-            local=local,
+            shm_zero_copy=shm_zero_copy, local=local,
         )
         # Tests only: True treats every rank as on its own host; None follows OBJCOMM_FORCE_SEPARATE_HOSTS.
         self._separate_hosts: Optional[bool] = None

@@ -47,6 +47,7 @@ import torch
 
 from . import _hosts
 from ._errors import FrameError
+from ._sealed import SealedSegment, foreign, write_sealed
 from ._wire import Incoming
 
 log = logging.getLogger("objcomm")
@@ -94,6 +95,11 @@ class SegmentBook:
         finally:
             os.close(fd)
         return _Segment(path, self)
+
+    def create_sealed(self, frame: Optional[memoryview], tensors: Sequence[torch.Tensor]) -> SealedSegment:
+        """Write ``frame`` then ``tensors`` into a new sealed memory file (:mod:`objcomm._sealed`); nothing to
+        track: the file has no name, and goes when its writer closes it and the last reader drops its views."""
+        return write_sealed(f"{PREFIX}{self.token:016x}", frame, [_host_bytes(t) for t in tensors])
 
     def unlink(self, path: str) -> None:
         """Remove a segment this process wrote; whatever another process put at its name stays (and is logged)."""
@@ -171,14 +177,10 @@ def read_segment(
 def _check_segment(fd: int, path: str, size: int) -> None:
     """Refuse what a writer of this user could not have made: see :func:`read_segment`."""
     found = os.fstat(fd)
-    problem = ""
-    if not stat.S_ISREG(found.st_mode):
-        problem = "is not a regular file"
-    elif found.st_uid != os.geteuid():
-        problem = f"belongs to uid {found.st_uid}, not to this process's uid {os.geteuid()}"
-    elif found.st_mode & 0o022:
+    problem = foreign(found)
+    if not problem and found.st_mode & 0o022:
         problem = f"is writable by group or others (mode {stat.S_IMODE(found.st_mode):04o})"
-    elif found.st_size != size:
+    if not problem and found.st_size != size:
         problem = f"holds {found.st_size:,} bytes, the sender announced {size:,}"
     if problem:
         raise FrameError(f"shared-memory segment {path} {problem}; refused")

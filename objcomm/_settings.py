@@ -24,7 +24,9 @@ The environment is read when objcomm is imported and again by :func:`configure` 
 variable                          effect
 ================================  ==========================================================
 ``OBJCOMM_SHM``                   ``shm``: ``0``/``false``/``no``/``off`` turn it off, ``1``/``true``/``yes``/``on`` on
-``OBJCOMM_SHM_DIR``               ``shm_dir``: where shared-memory segments live (default ``/dev/shm``)
+``OBJCOMM_SHM_DIR``               ``shm_dir``: where shared-memory segment files live (default ``/dev/shm``)
+``OBJCOMM_SHM_ZERO_COPY``         ``shm_zero_copy``: ``0``/``false``/``no``/``off`` copy what arrives through shared
+                                  memory into private memory instead of mapping it, ``1``/... map it (default)
 ``OBJCOMM_LOCAL``                 ``local`` (same-host channel): ``0``/``false``/``no``/``off`` off, ``1``/... on
 ``OBJCOMM_FORCE_SEPARATE_HOSTS``  tests only: ``1`` treats every rank as on its own host (no shared memory,
                                   no same-host channel)
@@ -76,7 +78,10 @@ class Settings:
     - ``compression``: ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for payloads a rank sends.
     - ``shm``: ranks on one host move large payloads through shared memory (``OBJCOMM_SHM=0`` turns it off);
       ``shm_threshold``: from how many bytes; ``shm_dir``: where segments live (``None``: ``OBJCOMM_SHM_DIR``,
-      else ``/dev/shm``). All ranks of a group must agree on these, as on ``slot_bytes``.
+      else ``/dev/shm``). ``shm_zero_copy`` (default on): tensors and numpy arrays received through shared
+      memory are views on the sender's sealed memory file, mapped copy-on-write (no copy; see
+      :mod:`objcomm._sealed`); off, or where ``/proc/<pid>/fd`` of the peers cannot be opened, segments
+      are files in ``shm_dir`` that receivers copy. All ranks of a group must agree on these, as on ``slot_bytes``.
     - ``local``: when every rank of a group runs on one host, the first round of collectives (the slots)
       moves through Unix-domain sockets between the processes instead of the backend
       (:mod:`objcomm._first`). Off by default in this version (``OBJCOMM_LOCAL=1`` turns it on): it does
@@ -93,6 +98,7 @@ class Settings:
     shm: bool = True
     shm_threshold: int = DEFAULT_SHM_THRESHOLD
     shm_dir: Optional[str] = None
+    shm_zero_copy: bool = True
     local: bool = False  # opt in for now: see the docstring
 
     def __post_init__(self) -> None:
@@ -164,6 +170,7 @@ _CHECKS: Dict[str, Callable[[str, Any], None]] = {
     "shm": _check_bool,
     "shm_threshold": _check_not_negative,
     "shm_dir": _check_directory,
+    "shm_zero_copy": _check_bool,
     "local": _check_bool,
     "map_location": lambda name, value: None,  # torch.device() judges it, in the communicator
     "separate_hosts": _check_bool,
@@ -221,7 +228,7 @@ class _Environment:
     @staticmethod
     def read() -> _Environment:
         knobs = {"shm": _flag("OBJCOMM_SHM"), "shm_dir": os.environ.get("OBJCOMM_SHM_DIR") or None,
-                 "local": _flag("OBJCOMM_LOCAL")}
+                 "shm_zero_copy": _flag("OBJCOMM_SHM_ZERO_COPY"), "local": _flag("OBJCOMM_LOCAL")}
         return _Environment(
             knobs={name: value for name, value in knobs.items() if value is not None},
             separate_hosts=bool(_flag("OBJCOMM_FORCE_SEPARATE_HOSTS")),

@@ -2,18 +2,22 @@
 
 When every rank a call involves runs on one host (see :mod:`objcomm._hosts`) and the bytes of the
 second round (frames that overflow their slot, plus out-of-band CPU tensors) reach ``threshold``,
-each sending rank writes its bytes into one segment file in ``directory`` (``/dev/shm``) and the group
-only carries small integers:
+each sending rank writes its bytes into one segment and the group only carries small integers. A
+segment is a sealed memory file (:mod:`objcomm._sealed`; receivers map it, so what they get are
+views, no copy) when ``zero_copy`` is on and every rank shares one pid namespace, else a file in
+``directory`` (``/dev/shm``) that receivers copy:
 
-1. every rank announces, in one ``all_gather`` of an int64, the sequence number of the segment it
-   wrote (0: it sends nothing more; -1: it could not write, e.g. no space);
-2. receivers read the segments they need into fresh memory (:func:`objcomm._segments.read_segment`,
-   ``pread``, no mapping);
+1. every rank announces, in one ``all_gather`` of ``1 + W`` int64s, the sequence number of what it
+   wrote (0: it sends nothing more; -1: it could not write, e.g. no space) and the descriptor of
+   each sealed part;
+2. receivers map the sealed segments they need (:func:`objcomm._sealed.map_sealed`), or read the
+   files into fresh memory (:func:`objcomm._segments.read_segment`, ``pread``, no mapping);
 3. one ``all_reduce`` says whether every reader is done, one could not read, or one refused a segment;
    then each writer unlinks its segment.
 
-A reader that could not read (an ``OSError``: the file is gone, ...) sends *every* rank back to the
-normal transport for this call (one debug line on the ``objcomm`` logger says why). A reader that
+A reader that could not read (an ``OSError``: the file is gone, ``/proc/<pid>/fd`` cannot be opened,
+...) sends *every* rank back to the normal transport for this call (one debug line on the ``objcomm``
+logger says why); after such a failure with sealed segments, the group uses files. A reader that
 *refuses* a segment raises :class:`~objcomm.FrameError` alone, like a rank that cannot decode what
 arrived; the others keep their results and the group stays in step.
 
@@ -42,6 +46,7 @@ import torch.distributed as dist
 
 from . import _hosts, _state
 from ._errors import CommunicationError
+from ._sealed import Sealed, SealedSegment, map_sealed
 from ._segments import DEFAULT_DIRECTORY, SegmentBook, _me, _name, _Segment, _this_host, _Writer, read_segment, sweep
 from ._settings import DEFAULT_SHM_THRESHOLD
 from ._slots import SlotInfo, outgoing_second_round_bytes
@@ -50,12 +55,14 @@ from ._wire import NOT_USED, Incoming, NotUsed, Outgoing, SizesOf, Wire, all_gat
 log = logging.getLogger("objcomm")
 
 DEFAULT_THRESHOLD = DEFAULT_SHM_THRESHOLD
-PathOf = Callable[[int, int], str]  # (writer's group rank, part) -> path of that segment
+Source = Union[str, Sealed]  # a segment file's path, or where a sealed segment is
+SourceOf = Callable[[int, int], Source]  # (writer's group rank, part) -> where that segment is
 T = TypeVar("T")
 Part = Tuple[Optional[memoryview], Sequence[torch.Tensor]]  # a frame (None: round 1 carried it) and tensors
 
 _READ, _FELL_BACK, _REFUSED = 0, 1, 2  # what a reader reports after step 2; the largest wins
-_P2P = 5  # seq (or -1), pid, token, host key, pid namespace
+_P2P = 6  # seq (or -1), pid, token, host key, pid namespace, sealed descriptor (0: a file)
+_COLLECTIVES = -1  # the key under which a group remembers that its collectives cannot use sealed segments
 _SENT, _OTHER_HOST, _RESEND, _REFUSED_P2P = 0, 1, 2, 3  # the receiver's answer
 
 
@@ -66,6 +73,7 @@ class SharedMemory:
     threshold: int = DEFAULT_THRESHOLD  # second-round bytes (largest sender) from which shared memory is used
     directory: str = DEFAULT_DIRECTORY
     separate: bool = False  # pretend every rank is on its own host (tests)
+    zero_copy: bool = True  # sealed segments received as views where possible; False: files, read by copy
     book: SegmentBook = field(default=_state.SEGMENTS, compare=False)
 
     # -- the decision ----------------------------------------------------------------------------
@@ -96,11 +104,20 @@ class SharedMemory:
         return hosts
 
     # -- control ---------------------------------------------------------------------------------
-    def _gather_ints(self, wire: Wire, value: int, op: str) -> List[int]:
-        every = torch.empty(wire.size, dtype=torch.int64)
-        mine = torch.tensor([value], dtype=torch.int64)
+    def _gather_rows(self, wire: Wire, row: List[int], op: str) -> List[List[int]]:
+        """Every rank's ``row`` (equal lengths), in rank order."""
+        every = torch.empty(wire.size * len(row), dtype=torch.int64)
+        mine = torch.tensor(row, dtype=torch.int64)
         guarded(op, wire, all_gather_single, every, mine, group=wire.group)
-        return every.tolist()
+        return every.view(wire.size, len(row)).tolist()
+
+    def _sealed(self, hosts: _hosts.Hosts, peer: int, wire: Wire) -> bool:
+        """Whether segments for ``peer`` (:data:`_COLLECTIVES`: the group's collectives) are sealed: the same
+        answer on the ranks concerned. Sealed segments are opened through ``/proc/<pid>``, so every rank
+        must share one known pid namespace; a group whose readers once could not open one uses files."""
+        if not self.zero_copy or (peer, self.separate) in _state.group_facts(wire.group).unsealed:
+            return False
+        return len(set(hosts.pid_namespaces)) == 1 and hosts.pid_namespaces[0] != 0
 
     def _any(self, wire: Wire, value: int, op: str) -> int:
         """The largest ``value`` any rank gave."""
@@ -108,34 +125,46 @@ class SharedMemory:
         guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
         return int(largest.item())
 
-    def _collective(self, wire: Wire, hosts: _hosts.Hosts, parts: Dict[int, Part], read: Callable[[PathOf], T],
+    def _collective(self, wire: Wire, hosts: _hosts.Hosts, parts: Dict[int, Part], read: Callable[[SourceOf], T],
                     op: str) -> Union[T, NotUsed]:
-        """Write ``parts`` (part number -> frame or None, tensors), agree, let ``read`` read what it needs, unlink."""
-        written: List[_Segment] = []
-        seq = 0
+        """Write ``parts`` (part number -> frame or None, tensors), agree, let ``read`` read what it needs, unlink.
+
+        Each rank announces a row: its sequence number (0: nothing written, -1: could not write), then
+        for sealed segments the descriptor of each part (a part is a receiving rank, or 0)."""
+        written: List[Union[_Segment, SealedSegment]] = []
+        sealed = self._sealed(hosts, _COLLECTIVES, wire)
+        row = [0] * (1 + wire.size)
         try:
             if parts:
-                seq = self.book.next_seq()
+                row[0] = self.book.next_seq()
                 try:
                     for part, (frame, tensors) in parts.items():
-                        path = _name(self.directory, _me(hosts.token), seq, part)
-                        written.append(self.book.create(path, frame, tensors))
+                        if sealed:
+                            sealed_segment = self.book.create_sealed(frame, tensors)
+                            written.append(sealed_segment)
+                            row[1 + part] = sealed_segment.fd
+                        else:
+                            path = _name(self.directory, _me(hosts.token), row[0], part)
+                            written.append(self.book.create(path, frame, tensors))
                 except OSError as exc:
                     log.debug("objcomm shm: %s on rank %d could not write shared memory (%s); normal transport",
                               op, wire.rank, exc)
-                    seq = -1
-            seqs = self._gather_ints(wire, seq, op)
+                    row[0] = -1
+            rows = self._gather_rows(wire, row, op)
+            seqs = [r[0] for r in rows]
             if min(seqs) < 0 or not any(seqs):  # a writer failed, or nobody wrote (scatter below the threshold)
                 return NOT_USED
 
-            def path_of(writer: int, part: int) -> str:
+            def source_of(writer: int, part: int) -> Source:
+                if sealed:
+                    return Sealed(hosts.pids[writer], rows[writer][1 + part])
                 who = _Writer(_this_host(), hosts.pid_namespaces[writer], hosts.token, hosts.pids[writer])
                 return _name(self.directory, who, seqs[writer], part)
 
             failure: Optional[Exception] = None
             result: Union[T, NotUsed]
             try:
-                result, outcome = read(path_of), _READ
+                result, outcome = read(source_of), _READ
             except OSError as exc:
                 log.debug("objcomm shm: %s on rank %d could not read shared memory (%s); normal transport",
                           op, wire.rank, exc)
@@ -144,6 +173,8 @@ class SharedMemory:
                 result, outcome, failure = NOT_USED, _REFUSED, exc
             worst = self._any(wire, outcome, op)
             if worst == _FELL_BACK:
+                if sealed:  # e.g. /proc/<pid>/fd cannot be opened here: files from now on
+                    _state.group_facts(wire.group).unsealed.add((_COLLECTIVES, self.separate))
                 return NOT_USED
             if isinstance(failure, OSError):  # another rank refused, so nobody takes the normal transport
                 problem = f"{op} on rank {wire.rank} could not read shared memory: {failure}"
@@ -155,8 +186,8 @@ class SharedMemory:
             sweep(self.directory)  # a peer that died mid-call may have left its segments
             raise
         finally:
-            for segment in written:
-                segment.release()
+            for each in written:
+                each.release()
 
     # -- collectives -----------------------------------------------------------------------------
     def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
@@ -168,8 +199,8 @@ class SharedMemory:
         me = wire.rank
         parts = {0: _part(out, infos[me].inline is not None)} if moved[me] else {}
 
-        def read(path_of: PathOf) -> List[Incoming]:
-            return _read_every_rank(infos, moved, me, out, sizes_of, path_of, copy_own=True)  # never alias input
+        def read(source_of: SourceOf) -> List[Incoming]:
+            return _read_every_rank(infos, moved, me, out, sizes_of, source_of, copy_own=True)  # never alias input
 
         return self._collective(wire, hosts, parts, read, op)
 
@@ -182,11 +213,11 @@ class SharedMemory:
         me = wire.rank
         parts = {0: _part(out, infos[me].inline is not None)} if moved[me] else {}
 
-        def read(path_of: PathOf) -> Optional[List[Incoming]]:
+        def read(source_of: SourceOf) -> Optional[List[Incoming]]:
             if me != dst:
                 return None
             # the caller decodes its own with own=True, so no copy here
-            return _read_every_rank(infos, moved, me, out, sizes_of, path_of, copy_own=False)
+            return _read_every_rank(infos, moved, me, out, sizes_of, source_of, copy_own=False)
 
         return self._collective(wire, hosts, parts, read, op)
 
@@ -198,11 +229,11 @@ class SharedMemory:
             return NOT_USED
         parts = {0: _part(out, info.inline is not None)} if wire.rank == src and out is not None else {}
 
-        def read(path_of: PathOf) -> Incoming:
+        def read(source_of: SourceOf) -> Incoming:
             if wire.rank == src:
                 assert out is not None
                 return _own(out, copy=False)  # the caller decodes its own with own=True
-            return read_segment(path_of(src, 0), moved, info.inline, info.length, sizes_of)
+            return fetch(source_of(src, 0), moved, info.inline, info.length, sizes_of)
 
         return self._collective(wire, hosts, parts, read, op)
 
@@ -220,14 +251,14 @@ class SharedMemory:
             if self.worth(wire, max(moved), op):
                 parts = {r: _part(o, o.frame.nbytes <= wire.inline_capacity) for r, o in enumerate(outs) if moved[r]}
 
-        def read(path_of: PathOf) -> Incoming:
+        def read(source_of: SourceOf) -> Incoming:
             if wire.rank == src:
                 assert outs is not None
                 return _own(outs[src], copy=False)
             size = info.second_round_bytes
             if not size:
                 return Incoming(info.inline)  # type: ignore[arg-type]
-            return read_segment(path_of(src, wire.rank), size, info.inline, info.length, sizes_of)
+            return fetch(source_of(src, wire.rank), size, info.inline, info.length, sizes_of)
 
         return self._collective(wire, hosts, parts, read, op)
 
@@ -241,9 +272,9 @@ class SharedMemory:
         parts = {r: _part(o, o.frame.nbytes <= capacity) for r, o in enumerate(outs)
                  if r != me and outgoing_second_round_bytes(o, capacity)}
 
-        def read(path_of: PathOf) -> List[Incoming]:
+        def read(source_of: SourceOf) -> List[Incoming]:
             moved = [info.second_round_bytes for info in infos]  # the caller decodes its own with own=True
-            return _read_every_rank(infos, moved, me, outs[me], sizes_of, path_of, copy_own=False, part=me)
+            return _read_every_rank(infos, moved, me, outs[me], sizes_of, source_of, copy_own=False, part=me)
 
         return self._collective(wire, hosts, parts, read, op)
 
@@ -252,30 +283,37 @@ class SharedMemory:
         """Send the second round through shared memory; False: the caller sends it the normal way."""
         if not self.worth(wire, outgoing_second_round_bytes(out, wire.inline_capacity), op):
             return False
-        remote = _state.group_facts(wire.group).remote_peers
-        segment: Optional[_Segment] = None
-        seq = -1
+        facts = _state.group_facts(wire.group)
+        sealed = self.zero_copy and (dst, self.separate) not in facts.unsealed
+        segment: Optional[Union[_Segment, SealedSegment]] = None
+        seq, fd = -1, 0
         try:
-            if (dst, self.separate) in remote:
+            if (dst, self.separate) in facts.remote_peers:
                 log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
             else:
                 try:
                     seq = self.book.next_seq()
-                    path = _name(self.directory, _me(self.book.token), seq, 0)
-                    segment = self.book.create(path, *_part(out, out.frame.nbytes <= wire.inline_capacity))
+                    part = _part(out, out.frame.nbytes <= wire.inline_capacity)
+                    if sealed:
+                        segment = self.book.create_sealed(*part)
+                        fd = segment.fd
+                    else:
+                        segment = self.book.create(_name(self.directory, _me(self.book.token), seq, 0), *part)
                 except OSError as exc:
                     log.debug("objcomm shm: %s could not write shared memory (%s); normal transport", op, exc)
                     seq = -1
             status = torch.tensor([seq, os.getpid(), self.book.token, _hosts.host_key(self.separate),
-                                   _hosts.pid_namespace()], dtype=torch.int64)
+                                   _hosts.pid_namespace(), fd], dtype=torch.int64)
             guarded(op, wire, dist.send, status, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
             if seq < 0:
                 return False
             answer = torch.empty(1, dtype=torch.int64)
             guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
             if answer.item() == _OTHER_HOST:
-                remote.add((dst, self.separate))
+                facts.remote_peers.add((dst, self.separate))
                 log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
+            elif answer.item() == _RESEND and fd:  # the receiver cannot open sealed segments: files from now on
+                facts.unsealed.add((dst, self.separate))
             return answer.item() in (_SENT, _REFUSED_P2P)  # a refusing receiver raises; it expects nothing more
         finally:
             if segment is not None:
@@ -287,15 +325,17 @@ class SharedMemory:
             return NOT_USED
         status = torch.empty(_P2P, dtype=torch.int64)
         guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
-        seq, pid, token, key, namespace = status.tolist()
+        seq, pid, token, key, namespace, fd = status.tolist()
         if seq < 0:
             return NOT_USED
         answer, failure = _OTHER_HOST, None
         result: Union[Incoming, NotUsed] = NOT_USED
         if key == _hosts.host_key(self.separate):
-            path = _name(self.directory, _Writer(_this_host(), namespace, token, pid), seq, 0)
+            source: Source = _name(self.directory, _Writer(_this_host(), namespace, token, pid), seq, 0)
+            if fd:  # opened through /proc/<pid>: in another pid namespace that pid names nothing (-1)
+                source = Sealed(pid if namespace == _hosts.pid_namespace() != 0 else -1, fd)
             try:
-                result, answer = read_segment(path, info.second_round_bytes, info.inline, info.length, sizes_of), _SENT
+                result, answer = fetch(source, info.second_round_bytes, info.inline, info.length, sizes_of), _SENT
             except OSError as exc:
                 log.debug("objcomm shm: %s could not read shared memory (%s); normal transport", op, exc)
                 answer = _RESEND
@@ -320,16 +360,25 @@ def _own(out: Outgoing, copy: bool) -> Incoming:
 
 
 def _read_every_rank(
-    infos: Sequence[SlotInfo], moved: Sequence[int], me: int, out: Outgoing, sizes_of: SizesOf, path_of: PathOf,
+    infos: Sequence[SlotInfo], moved: Sequence[int], me: int, out: Outgoing, sizes_of: SizesOf, source_of: SourceOf,
     copy_own: bool, part: int = 0,
 ) -> List[Incoming]:
-    """Each rank's ``part``: this rank's own, a segment for those that wrote one, else what round 1 carried."""
+    """Each rank's ``part``: a segment for those that wrote one, else what round 1 carried, and this rank's
+    own. ``copy_own``: its own must not alias its input; when it wrote a sealed segment, that is its copy
+    (mapped: no copy either)."""
     incoming = []
     for r, info in enumerate(infos):
-        if r == me:
+        if r == me and not (copy_own and moved[r] and isinstance(source_of(r, part), Sealed)):
             incoming.append(_own(out, copy=copy_own))
         elif moved[r]:
-            incoming.append(read_segment(path_of(r, part), moved[r], info.inline, info.length, sizes_of))
+            incoming.append(fetch(source_of(r, part), moved[r], info.inline, info.length, sizes_of))
         else:
             incoming.append(Incoming(info.inline))  # type: ignore[arg-type]
     return incoming
+
+
+def fetch(source: Source, size: int, inline: Optional[memoryview], length: int, sizes_of: SizesOf) -> Incoming:
+    """A writer's segment: mapped when sealed (views, no copy), else read into fresh memory."""
+    if isinstance(source, Sealed):
+        return map_sealed(source, size, inline, length, sizes_of)
+    return read_segment(source, size, inline, length, sizes_of)

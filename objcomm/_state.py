@@ -40,6 +40,7 @@ class GroupFacts:
     membership: Dict[Any, tuple] = field(default_factory=dict)  # device asked for -> (ranks, rank, device)
     hosts: Dict[bool, Hosts] = field(default_factory=dict)  # separate -> who shares a host
     remote_peers: Set[Tuple[int, bool]] = field(default_factory=set)  # (peer, separate): send/recv crosses hosts
+    unsealed: Set[Tuple[int, bool]] = field(default_factory=set)  # (peer or -1: collectives, separate): files only
     requests: Optional[_Lanes] = None  # async state, made on the first non-blocking call (objcomm._requests)
     local: Dict[bool, Optional[LocalChannel]] = field(default_factory=dict)  # separate -> same-host channel or None
 

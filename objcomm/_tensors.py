@@ -241,7 +241,7 @@ def restorer(
             raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         else:
             raw = oob[entry.offset]
-            raw = raw.clone() if own else raw
+            raw = raw.clone() if own and not entry.flags & (BYTES | BYTEARRAY) else raw  # those are copied below
         if entry.flags & (BYTES | BYTEARRAY):
             arrived = raw.cpu().numpy().data  # one copy into the bytes object (which owns its memory)
             return bytes(arrived) if entry.flags & BYTES else bytearray(arrived)

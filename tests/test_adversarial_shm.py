@@ -166,7 +166,7 @@ def _same(got: Any, tag: int) -> bool:
 def tampered_then_clean(directory: str, decoy: str, how: str, op: str) -> Dict[str, Any]:
     """One call where rank 0 tampers with the segment it wrote, then clean calls on the same group."""
     rank = dist.get_rank()
-    comm = objcomm.Communicator(shm_threshold=THRESHOLD, shm_dir=directory)
+    comm = objcomm.Communicator(shm_threshold=THRESHOLD, shm_dir=directory, shm_zero_copy=False)  # files
     names: List[str] = []
 
     def call(tag: int) -> Any:

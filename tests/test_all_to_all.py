@@ -148,6 +148,10 @@ def counted_segments(shm: bool) -> int:
             Counting.created += 1
             return super().create(path, frame, tensors)
 
+        def create_sealed(self, frame: Any, tensors: Any) -> Any:
+            Counting.created += 1
+            return super().create_sealed(frame, tensors)
+
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = objcomm.Communicator(shm=shm, shm_threshold=1024)
     comm._segments = Counting()

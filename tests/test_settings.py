@@ -30,6 +30,7 @@ LAYERS = {
     "shm": (True, ("OBJCOMM_SHM", "0", False), True, False, NOT_GIVEN),
     "shm_threshold": (4 << 20, None, 1, 2, NOT_GIVEN),
     "shm_dir": (None, ("OBJCOMM_SHM_DIR", "/from-env", "/from-env"), "/configured", "/communicator", NOT_GIVEN),
+    "shm_zero_copy": (True, ("OBJCOMM_SHM_ZERO_COPY", "0", False), True, False, NOT_GIVEN),
     "local": (False, ("OBJCOMM_LOCAL", "1", True), False, True, NOT_GIVEN),
 }
 
@@ -115,6 +116,7 @@ BAD = [
     ("serializer", "yaml", objcomm.UnknownSerializerError, "yaml"),
     ("shm", "yes", TypeError, "shm must be True or False"),
     ("shm_dir", 3, TypeError, "shm_dir must be a directory path"),
+    ("shm_zero_copy", "yes", TypeError, "shm_zero_copy must be True or False"),
     ("accept", [1], TypeError, "accept must be serializer names"),
 ]
 

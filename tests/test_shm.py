@@ -47,12 +47,13 @@ def _logged(fn: Any, *args: Any) -> tuple[Any, List[str]]:
 
 
 def _wire(directory: str, separate: bool, group: Any = None, threshold: int = THRESHOLD,
-          strategy: type = _shm.SharedMemory) -> _transport.Wire:
+          strategy: type = _shm.SharedMemory, zero_copy: bool = False) -> _transport.Wire:
+    """A wire whose second round may take shared memory: files in ``directory`` unless ``zero_copy``."""
     group = group if group is not None else dist.group.WORLD
     return _transport.Wire(
         group=group, ranks=dist.get_process_group_ranks(group), rank=dist.get_rank(group), device=torch.device("cpu"),
         slot=SLOT, chunk=1 << 20, max_bytes=1 << 30,
-        second_round=strategy(threshold=threshold, directory=directory, separate=separate),
+        second_round=strategy(threshold=threshold, directory=directory, separate=separate, zero_copy=zero_copy),
     )
 
 
@@ -86,10 +87,10 @@ def _moved(frame: int, tensors: List[int]) -> int:
     return (frame if frame > CAPACITY else 0) + sum(tensors)
 
 
-def every_op(directory: str, separate: bool) -> Dict[str, List[bool]]:
+def every_op(directory: str, separate: bool, zero_copy: bool) -> Dict[str, List[bool]]:
     """Each op at each shape; for each, did rank 0 take the normal transport (it logs why)?"""
     rank, world = dist.get_rank(), dist.get_world_size()
-    wire = _wire(directory, separate)
+    wire = _wire(directory, separate, zero_copy=zero_copy)
     sizes = lambda view: tensors  # noqa: E731 - every rank sends the same shape
     fell_back: Dict[str, List[bool]] = {op: [] for op in ("all_gather", "gather", "broadcast", "scatter", "send/recv")}
     for frame, tensors in SHAPES:
@@ -128,8 +129,9 @@ def every_op(directory: str, separate: bool) -> Dict[str, List[bool]]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("separate", [False, True], ids=["same-host", "separate-hosts"])
-def test_every_op_both_paths_at_the_threshold(world, separate, shm_dir):
-    results = get_pool(world).run(every_op, shm_dir, separate)
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["files", "sealed"])
+def test_every_op_both_paths_at_the_threshold(world, separate, zero_copy, shm_dir):
+    results = get_pool(world).run(every_op, shm_dir, separate, zero_copy)
     expected = [separate or _moved(frame, tensors) < THRESHOLD for frame, tensors in SHAPES]
     for op, fell_back in results[0].items():
         assert fell_back == expected, op
@@ -137,9 +139,10 @@ def test_every_op_both_paths_at_the_threshold(world, separate, shm_dir):
 
 
 def objects_roundtrip(directory: str) -> List[str]:
-    """Every op through the Communicator, tensors of several dtypes; results never point into shared memory."""
+    """Every op through the Communicator, tensors of several dtypes; with ``shm_zero_copy=False`` results never
+    point into shared memory."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm = objcomm.Communicator(shm_threshold=THRESHOLD, shm_dir=directory)
+    comm = objcomm.Communicator(shm_threshold=THRESHOLD, shm_dir=directory, shm_zero_copy=False)
 
     def obj(r: int) -> Any:
         return {"r": r, "blob": bytes([r]) * 3 * THRESHOLD, "f": torch.arange(2000, dtype=torch.float64) * r,
@@ -210,7 +213,7 @@ def test_mixed_group_keeps_the_normal_transport_where_hosts_differ(shm_dir):
 
 def fallback(directory: str, enabled: bool) -> tuple[int, List[str]]:
     rank = dist.get_rank()
-    comm = objcomm.Communicator(shm=enabled, shm_threshold=THRESHOLD, shm_dir=directory)
+    comm = objcomm.Communicator(shm=enabled, shm_threshold=THRESHOLD, shm_dir=directory, shm_zero_copy=False)
     got, lines = _logged(comm.all_gather, bytes([rank]) * 2 * THRESHOLD)
     assert got == [bytes([r]) * 2 * THRESHOLD for r in range(dist.get_world_size())]
     return len(got), lines
@@ -252,6 +255,11 @@ def test_config_reads_the_environment_through_configure(monkeypatch):
         assert _shm_config(objcomm.Communicator(shm_threshold=5)) == expected
         assert _shm_config(objcomm.Communicator(shm=False, shm_threshold=5)) is None
         assert _shm_config(objcomm.Communicator(shm_dir="/here")).directory == "/here"  # explicit beats variable
+        assert _shm_config(objcomm.Communicator()).zero_copy  # the default
+        monkeypatch.setenv("OBJCOMM_SHM_ZERO_COPY", "0")
+        objcomm.configure()
+        assert not _shm_config(objcomm.Communicator()).zero_copy
+        assert _shm_config(objcomm.Communicator(shm_zero_copy=True)).zero_copy
     finally:
         monkeypatch.undo()
         objcomm.restore(previous)
@@ -270,7 +278,7 @@ def test_too_little_space_is_refused_before_creating(shm_dir):
 # -- lifetime -------------------------------------------------------------------------------------
 def many_calls(directory: str, calls: int) -> List[int]:
     rank = dist.get_rank()
-    wire = _wire(directory, separate=False, threshold=256)
+    wire = _wire(directory, separate=False, threshold=256)  # files: the directory shows what is left
     sizes = lambda view: [300]  # noqa: E731
     for i in range(calls):
         op = i % 4
@@ -301,7 +309,7 @@ def test_a_thousand_calls_leave_no_segments(shm_dir):
 def die_after_writing(directory: str) -> None:
     """Rank 1 is SIGKILLed after writing its segment, before anyone could read or unlink it."""
     class Killed(_shm.SharedMemory):
-        def _gather_ints(self, *args: Any) -> Any:
+        def _gather_rows(self, *args: Any) -> Any:
             os.kill(os.getpid(), signal.SIGKILL)
 
     rank = dist.get_rank()

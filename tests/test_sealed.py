@@ -1,0 +1,285 @@
+"""Sealed segments (objcomm._sealed): zero-copy results that no writer can change, and their lifetime.
+
+Reads of hostile descriptors run in a child process (``_child.run_in_child``), so a crash would fail
+one test instead of killing pytest.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from _child import run_in_child
+from _ranks import get_pool
+
+import objcomm
+from objcomm import _sealed, _segments, _state
+from objcomm._sealed import Sealed
+
+THRESHOLD = 4096
+FRAME = b"frame-bytes" * 10
+
+
+def _pieces() -> List[memoryview]:
+    return [memoryview(bytes(range(7)) * 100), memoryview(b""), memoryview(np.arange(1000, dtype=np.float64))]
+
+
+def _sizes(view: memoryview) -> List[int]:
+    return [piece.nbytes for piece in _pieces()]
+
+
+def _size() -> int:
+    return len(FRAME) + sum(_sizes(memoryview(b"")))
+
+
+def _outcome(fn: Any) -> Tuple[str, str]:
+    try:
+        fn()
+        return "mapped", ""
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+# -- in one process ------------------------------------------------------------------------------
+def round_trip() -> Dict[str, Any]:
+    segment = _sealed.write_sealed("objcomm-test", memoryview(FRAME), _pieces())
+    where = Sealed(os.getpid(), segment.fd)
+    got = _sealed.map_sealed(where, _size(), None, len(FRAME), _sizes)
+    tensors = got.tensors
+    report = {
+        "frame": bytes(got.frame) == FRAME,
+        "tensors": [bytes(t.numpy()) for t in tensors] == [bytes(p) for p in _pieces()],
+        "aligned": all(t.data_ptr() % _sealed.ALIGN == 0 for t in tensors if t.numel()),
+        "seals": fcntl.fcntl(segment.fd, fcntl.F_GET_SEALS) & _sealed.SEALS == _sealed.SEALS,
+    }
+    tensors[0][:5] = 255  # copy on write: the file (and every other reader) keeps the original
+    again = _sealed.map_sealed(where, _size(), None, len(FRAME), _sizes)
+    report["private"] = bytes(again.tensors[0].numpy()) == bytes(_pieces()[0]) and int(tensors[0][0]) == 255
+    report["writer write"] = _outcome(lambda: os.pwrite(segment.fd, b"x", 0))[0]
+    report["writer truncate"] = _outcome(lambda: os.ftruncate(segment.fd, 1))[0]
+    segment.release()  # the writer is done; what readers hold stays valid
+    report["after release"] = bytes(got.tensors[2].numpy()) == bytes(_pieces()[2])
+    return report
+
+
+def test_round_trip_is_aligned_private_and_immutable_for_the_writer():
+    report = run_in_child(round_trip, memory_budget=256 << 20)
+    assert report == {"frame": True, "tensors": True, "aligned": True, "seals": True, "private": True,
+                      "writer write": "PermissionError", "writer truncate": "PermissionError",
+                      "after release": True}
+
+
+def _memfd(data: bytes, seals: int) -> int:
+    fd = os.memfd_create("objcomm-hostile", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, data)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def hostile_descriptors(tmp: str) -> Dict[str, Tuple[str, str]]:
+    """What a reader makes of descriptors a lying writer could announce."""
+    segment = _sealed.write_sealed("objcomm-test", memoryview(FRAME), _pieces())
+    with open(f"/proc/self/fd/{segment.fd}", "rb") as handle:
+        content = handle.read()
+    plain = os.path.join(tmp, "plain")
+    with open(plain, "wb") as handle:
+        handle.write(content)
+    reading, writing = os.pipe()
+    fds = {
+        "unsealed memfd": _memfd(content, 0),
+        "writable memfd": _memfd(content, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW),
+        "shrinkable memfd": _memfd(content, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW),
+        "file on disk": os.open(plain, os.O_RDONLY),
+        "pipe": reading,
+        "longer than its layout": _memfd(content + b"\0" * 64, _sealed.SEALS),
+        "shorter than its layout": _memfd(content[:-8], _sealed.SEALS),
+        "far longer than announced": _memfd(content + b"\0" * (1 << 20), _sealed.SEALS),
+    }
+    me = os.getpid()
+    outcomes = {kind: _outcome(lambda fd=fd: _sealed.map_sealed(Sealed(me, fd), _size(), None, len(FRAME), _sizes))
+                for kind, fd in fds.items()}
+    right = Sealed(me, segment.fd)
+    outcomes["tensors announced beyond the size"] = _outcome(
+        lambda: _sealed.map_sealed(right, _size(), None, len(FRAME), lambda view: [10**12]))
+    outcomes["frame longer than the size"] = _outcome(
+        lambda: _sealed.map_sealed(right, _size(), None, _size() + 1, _sizes))
+    outcomes["size understated"] = _outcome(lambda: _sealed.map_sealed(right, 10, None, len(FRAME), _sizes))
+    outcomes["no such descriptor"] = _outcome(
+        lambda: _sealed.map_sealed(Sealed(me, 10**6), _size(), None, len(FRAME), _sizes))
+    outcomes["no such process"] = _outcome(
+        lambda: _sealed.map_sealed(Sealed(-1, segment.fd), _size(), None, len(FRAME), _sizes))
+    os.close(writing)
+    return outcomes
+
+
+def test_hostile_descriptors_are_refused_or_fall_back(tmp_path):
+    outcomes = run_in_child(hostile_descriptors, str(tmp_path), memory_budget=256 << 20)
+    refused = {kind: message for kind, (name, message) in outcomes.items() if name == "FrameError"}
+    assert set(refused) == {
+        "unsealed memfd", "writable memfd", "shrinkable memfd", "file on disk", "pipe", "longer than its layout",
+        "shorter than its layout", "far longer than announced", "tensors announced beyond the size",
+        "frame longer than the size", "size understated",
+    }, outcomes
+    assert all("sealed segment" in message and "refused" in message for message in refused.values())
+    # what cannot be opened is not an attack the reader can tell from a gone writer: the call falls back
+    assert outcomes["no such descriptor"][0] == outcomes["no such process"][0] == "FileNotFoundError"
+
+
+# -- on a group ------------------------------------------------------------------------------------
+def _mapped() -> int:
+    """How many of this process's mappings are objcomm's sealed files."""
+    with open("/proc/self/maps") as maps:
+        return sum("memfd:objcomm" in line for line in maps)
+
+
+def _open_sealed() -> int:
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += "memfd:objcomm" in os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    return count
+
+
+def _shmem_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssShmem:"))
+
+
+def lifetime() -> Dict[str, Any]:
+    """Zero-copy results through all_gather at W=3: views, private, kept, re-sent, dropped."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(shm_threshold=THRESHOLD)
+    n = 1 << 18  # 2 MiB of float64
+    value = rank + 1  # rank r sends r + 1 everywhere
+    mine = {"a": np.full(n, float(value)), "t": torch.full((n,), value, dtype=torch.int32), "b": bytes([value]) * n}
+    baseline = _shmem_kib()
+    got = comm.all_gather(mine)
+    report: Dict[str, Any] = {
+        "values": all(np.all(g["a"] == r + 1) and torch.equal(g["t"], torch.full((n,), r + 1, dtype=torch.int32))
+                      and g["b"] == bytes([r + 1]) * n for r, g in enumerate(got)),
+        "mapped": _mapped() > 0,
+        "types": [type(got[0]["a"]).__name__, type(got[0]["t"]).__name__, type(got[0]["b"]).__name__],
+        "writable": bool(got[0]["a"].flags.writeable),
+    }
+    if rank == 1:  # mutate what arrived from rank 0, and this rank's own result
+        got[0]["a"][:] = 99.0
+        got[0]["t"].add_(1000)
+        got[1]["a"][:] = -1.0
+    sums = comm.all_gather((float(got[0]["a"].sum()), int(got[0]["t"].sum()), float(mine["a"].sum())))
+    report["writer and others unchanged"] = sums[0][:2] == sums[2][:2] == (1.0 * n, n)  # rank 0's own, rank 2's view
+    report["mutated here"] = sums[1][:2] == (99.0 * n, 1001 * n)
+    report["input unchanged"] = bool(np.all(mine["a"] == value)) and [s[2] for s in sums] == [n, 2.0 * n, 3.0 * n]
+    for _ in range(5):  # more calls through sealed segments; the kept results stay intact
+        comm.broadcast({"a": np.zeros(n)} if rank == 0 else None, src=0)
+    report["kept"] = bool(np.all(got[2]["a"] == 3)) and got[2]["b"] == bytes([3]) * n
+    if rank == 1:  # re-send a mutated zero-copy result
+        comm.send(got[0], dst=2)
+    elif rank == 2:
+        again = comm.recv(src=1)
+        report["re-sent"] = bool(np.all(again["a"] == 99.0)) and torch.equal(again["t"], torch.full((n,), 1001,
+                                                                                                  dtype=torch.int32))
+        del again
+    dist.barrier()  # writers close their files once their readers are done, maybe just after those return
+    del got
+    gc.collect()
+    report["dropped"] = (_mapped(), _open_sealed())
+    report["shmem back to baseline"] = _shmem_kib() <= baseline + 64
+    return report
+
+
+@pytest.mark.timeout(90)
+def test_zero_copy_results_are_private_views_that_outlive_the_call_and_go_when_dropped():
+    reports = get_pool(3).run(lifetime)
+    for rank, report in enumerate(reports):
+        assert report.pop("types") == ["ndarray", "Tensor", "bytes"]
+        assert report.pop("re-sent", True) is True
+        assert report == {"values": True, "mapped": True, "writable": True, "writer and others unchanged": True,
+                          "mutated here": True, "input unchanged": True, "kept": True,
+                          "dropped": (0, 0), "shmem back to baseline": True}, (rank, report)
+
+
+class _Lying(_segments.SegmentBook):
+    """Writes a proper sealed segment, then announces another descriptor: ``how`` says which."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def create_sealed(self, frame: Optional[memoryview], tensors: Any) -> Any:
+        segment = super().create_sealed(frame, tensors)
+        with open(f"/proc/self/fd/{segment.fd}", "rb") as handle:
+            content = handle.read()
+        os.close(segment.fd)
+        if self.how == "unsealed":
+            segment.fd = _memfd(content, 0)
+        elif self.how == "writable":
+            segment.fd = _memfd(content, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        else:  # a descriptor number that does not exist: readers cannot open it, as where /proc is closed
+            segment = _Unopenable(1 << 20)
+        return segment
+
+
+class _Unopenable(_sealed.SealedSegment):
+    def release(self) -> None:  # nothing was opened
+        pass
+
+
+def lying_writer(how: str, directory: str) -> Dict[str, Any]:
+    """Rank 0 announces a descriptor that is not what sealed segments must be; then clean calls follow."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])  # a fresh group: what the group learns stays with it
+    comm = objcomm.Communicator(group, shm_threshold=THRESHOLD, shm_dir=directory)
+    big = lambda tag: {"a": np.full(THRESHOLD, float(tag)), "blob": bytes([tag]) * THRESHOLD}  # noqa: E731
+    if rank == 0:
+        comm._segments = _Lying(how)
+    error = None
+    try:
+        got = comm.broadcast(big(1) if rank == 0 else None, src=0)
+        first = bool(np.all(got["a"] == 1.0))
+    except objcomm.ObjcommError as exc:
+        error, first = (type(exc).__name__, str(exc)), False
+    finally:
+        comm._segments = _state.SEGMENTS
+    counted: List[int] = []
+
+    class Counting(_segments.SegmentBook):
+        def create(self, path: str, frame: Any, tensors: Any) -> Any:
+            counted.append(1)
+            return super().create(path, frame, tensors)
+
+    comm._segments = Counting()
+    after = comm.broadcast(big(2) if rank == 0 else None, src=0)
+    unsealed = (-1, False) in _state.group_facts(group).unsealed
+    dist.barrier(group)
+    dist.destroy_process_group(group)
+    return {"error": error, "first": first, "clean": bool(np.all(after["a"] == 2.0)), "files after": len(counted),
+            "remembered": unsealed}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["unsealed", "writable"])
+def test_a_descriptor_that_is_not_sealed_is_refused_and_the_group_stays_usable(how, shm_dir):
+    writer, reader = get_pool(2).run(lying_writer, how, shm_dir)
+    assert writer["error"] is None and writer["first"]  # the writer's own result is its own; the reader refuses
+    assert reader["error"] is not None and reader["error"][0] == "FrameError", reader["error"]
+    assert "is not sealed against writing and resizing" in reader["error"][1]
+    assert writer["clean"] and reader["clean"]
+    assert (writer["files after"], writer["remembered"], reader["remembered"]) == (0, False, False)
+
+
+@pytest.mark.timeout(90)
+def test_a_descriptor_readers_cannot_open_falls_back_and_the_group_uses_files_from_then_on(shm_dir):
+    writer, reader = get_pool(2).run(lying_writer, "unopenable", shm_dir)
+    assert writer["error"] is None and reader["error"] is None  # the normal transport carried it
+    assert writer["first"] and reader["first"] and writer["clean"] and reader["clean"]
+    assert writer["remembered"] and reader["remembered"]
+    assert writer["files after"] == 1  # the next call wrote a segment file
