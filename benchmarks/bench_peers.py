@@ -15,7 +15,10 @@ them to a file. Absolute times are context only: only ratios within one run mean
 
 Also measured: peak extra resident memory of one all_gather (``VmHWM`` reset through
 ``/proc/self/clear_refs`` before each call, so one process measures several; the slowest rank's
-figure, in units of W ranks x S bytes per rank), and where objcomm's time goes in one small and one
+figure, in units of W ranks x S bytes per rank), next to the shared memory the results hold on the
+whole host (growth of ``Shmem`` in ``/proc/meminfo`` while they are alive: the sealed memory files
+behind objcomm's zero-copy results, which resident-set figures do not show until pages are
+touched), and where objcomm's time goes in one small and one
 64 MB all_gather (encode, round 1 alone, both rounds, decode; each after a barrier).
 """
 
@@ -211,23 +214,38 @@ def _hwm_kb() -> int:
         return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1))  # type: ignore[union-attr]
 
 
-def _peak_extra(fn: Callable[[], Any]) -> Optional[int]:
-    """Bytes the peak resident set grew by during ``fn()``; None where the peak cannot be reset."""
+def _shmem_kb() -> int:
+    with open("/proc/meminfo") as f:
+        return int(re.search(r"\nShmem:\s+(\d+)", f.read()).group(1))  # type: ignore[union-attr]
+
+
+def _peak_extra(fn: Callable[[], Any]) -> Tuple[Optional[int], int]:
+    """Bytes the peak resident set grew by during ``fn()`` (None where the peak cannot be reset), and
+    bytes the host's shared memory grew by while its result is alive (read after a barrier, so every
+    rank's result is alive)."""
+    import torch.distributed as dist
+
     gc.collect()
+    shmem = _shmem_kb()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM (and ru_maxrss) to the current RSS
     except OSError:
-        return None
-    base = _hwm_kb()
+        base = None
+    else:
+        base = _hwm_kb()
     result = fn()
     peak = _hwm_kb()
+    dist.barrier()
+    held = _shmem_kb() - shmem
+    dist.barrier()
     del result
-    return (peak - base) * 1024
+    return (None if base is None else (peak - base) * 1024), max(held, 0) * 1024
 
 
-def memory_task(peers: Peers, mb: int) -> Dict[str, Optional[float]]:
-    """Peak extra RSS of one all_gather per candidate, slowest rank, in units of W x S."""
+def memory_task(peers: Peers, mb: int) -> Dict[str, Tuple[Optional[float], float]]:
+    """Peak extra RSS of one all_gather per candidate (slowest rank) and the host's shared memory its
+    results hold (rank 0's reading), in units of W x S."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -253,14 +271,14 @@ def memory_task(peers: Peers, mb: int) -> Dict[str, Optional[float]]:
     ]
     peers.default.all_gather(1)  # lazy imports, first buffers
     peers.comm5.allgather(1)
-    found: Dict[str, Optional[float]] = {}
+    found: Dict[str, Tuple[Optional[float], float]] = {}
     for who, kind, make in checks:
         obj = payloads[kind]()
         dist.barrier()
-        extra = _peak_extra(make(obj))
+        extra, held = _peak_extra(make(obj))
         del obj
         slowest = reduce_max(torch.tensor([-1.0 if extra is None else float(extra)], dtype=torch.float64))[0]
-        found[f"{who}, {kind}"] = None if slowest < 0 else slowest / (world * size)
+        found[f"{who}, {kind}"] = (None if slowest < 0 else slowest / (world * size), held / (world * size))
     return found
 
 
@@ -323,7 +341,7 @@ def _timing_table(results: List[Tuple[str, Dict[str, float], List[Ratio], str, i
     return lines
 
 
-def _report(world: int, argv: List[str], timings: List[Any], memory: Dict[str, Optional[float]],
+def _report(world: int, argv: List[str], timings: List[Any], memory: Dict[str, Tuple[Optional[float], float]],
             breakdown: Dict[str, Dict[str, float]]) -> str:
     import mpi4py
     import torch
@@ -341,9 +359,11 @@ def _report(world: int, argv: List[str], timings: List[Any], memory: Dict[str, O
     if timings:
         lines += _timing_table(timings) + [""]
     if memory:
-        lines += ["Peak extra RSS of one all_gather (slowest rank), in units of W x S:", "",
-                  "| candidate, payload | peak extra |", "|---|---:|"]
-        lines += [f"| {k} | {'n/a' if v is None else f'{v:.2f} x W x S'} |" for k, v in memory.items()]
+        lines += ["Memory of one all_gather, in units of W x S: peak extra RSS (slowest rank), and the shared "
+                  "memory its results hold on the whole host (all ranks together):", "",
+                  "| candidate, payload | peak extra RSS | shared memory held |", "|---|---:|---:|"]
+        lines += [f"| {k} | {'n/a' if rss is None else f'{rss:.2f} x W x S'} | {held:.2f} x W x S |"
+                  for k, (rss, held) in memory.items()]
         lines.append("")
     for name, stages in breakdown.items():
         lines.append(f"Where objcomm's time goes, {name} (median of the slowest rank, each stage after a barrier): "
