@@ -8,11 +8,14 @@ wire). Point-to-point pieces travel under the wire's data tag.
 
 from __future__ import annotations
 
+import time
 from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ._device import timeout_seconds
+from ._errors import CommunicationError
 from ._limits import SCRATCH_BYTES as SCRATCH
 from ._wire import Outgoing, Wire, all_gather_single, guarded
 
@@ -126,7 +129,10 @@ def all_to_all_bytes(
     bytes from rank ``i``, at exact sizes; the parts are copied once, into the send buffer.
 
     ``longest`` is the longest stream of any pair, the same on every rank: transfers go in rounds of at
-    most ``wire.chunk`` bytes per pair, so every rank runs the same number of collectives.
+    most ``wire.chunk`` bytes per pair, so every rank runs the same number of collectives. No rank can
+    check that number (it is a vote over streams between other ranks), and each round completes, so
+    the group's timeout would never end a vote inflated by a lying rank: the rounds stop, with a
+    ``CommunicationError``, once they have taken longer than that timeout.
     """
     sent = [sum(p.numel() for p in parts) for parts in streams]
     if longest <= wire.chunk:  # the common case: one collective, straight into one buffer
@@ -136,7 +142,16 @@ def all_to_all_bytes(
                 input_split_sizes=sent, group=wire.group)
         return list(received.split(list(lengths)))
     results = [empty(n, wire) for n in lengths]
+    limit = timeout_seconds(wire.group)
+    deadline = time.monotonic() + limit
     for start in pieces(longest, wire.chunk):  # extra memory bounded by size * chunk
+        if time.monotonic() > deadline:
+            rounds = -(-longest // wire.chunk)
+            raise CommunicationError(
+                f"{op}: the second round, voted at {longest:,} bytes for the longest pair ({rounds:,} "
+                f"rounds of chunk_bytes={wire.chunk:,}), was not done after the group's timeout of {limit:,.0f} s "
+                f"(rank {wire.rank} had reached byte {start:,}). A rank announced more than it sends, or the "
+                "transfer is too slow for this timeout; the group may be out of step, so create a new one.")
         outs = [max(0, min(wire.chunk, n - start)) for n in sent]
         ins = [max(0, min(wire.chunk, n - start)) for n in lengths]
         send = _joined([p for parts, k in zip(streams, outs) for p in _window(parts, start, k)], wire)

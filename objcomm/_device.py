@@ -86,6 +86,16 @@ def resolve_device(
     return device_for_backend(backend, lambda: current_cuda_device(group))
 
 
+def timeout_seconds(group: Any) -> float:
+    """:func:`group_timeout` in seconds; torch's default process-group timeout when it does not tell."""
+    timeout = group_timeout(group)
+    if timeout is None:
+        from torch.distributed.constants import default_pg_timeout
+
+        timeout = default_pg_timeout
+    return max(timeout.total_seconds(), 0.001)
+
+
 def group_timeout(group: Any) -> Any:
     """The group's own timeout (a ``timedelta``), so that what objcomm adds gives up when the group
     would; None when torch does not tell (its default then applies)."""

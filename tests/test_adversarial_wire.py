@@ -515,3 +515,40 @@ def _read_escaped_quotes(size: int) -> tuple:
 def test_an_error_report_is_parsed_in_linear_time():
     result, seconds = run_in_child(_read_escaped_quotes, 512 << 10)  # quadratic parsing took ~15 min here
     assert result == "FrameError" and seconds < 10
+
+
+# -- A: an inflated vote on the length of all_to_all's second round ---------------------------------
+def inflated_rounds() -> tuple:
+    """Rank 1 votes 2**50 bytes for its longest stream (it sends 2 MiB): without a bound every rank would
+    run 2**30 empty rounds, each completing, so the group's timeout (3 s here) would never fire."""
+    import datetime
+    import time
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    parts = [b"z" * (2 * MiB), b"z" * (2 * MiB)]
+    started = time.monotonic()
+    try:
+        if rank == 1:
+            real = _transport.outgoing_second_round_bytes
+            _transport.outgoing_second_round_bytes = lambda out, capacity: 1 << 50  # type: ignore[assignment]
+            try:
+                wire = _wire(chunk=MiB)._replace(group=group, ranks=[0, 1])
+                outs = [_framing.encode(p, serializers.get("pickle"), max_bytes=1 << 30) for p in parts]
+                _transport.all_to_all(wire, outs, _framing.tensor_sizes)
+            finally:
+                _transport.outgoing_second_round_bytes = real  # type: ignore[assignment]
+        else:
+            objcomm.Communicator(group, shm=False, chunk_bytes=MiB).all_to_all(parts)
+        outcome: object = "no error"
+    except ObjcommError as exc:
+        outcome = (type(exc).__name__, str(exc)[:400])
+    return outcome, time.monotonic() - started, _still_usable()
+
+
+def test_an_inflated_all_to_all_vote_ends_at_the_group_timeout():
+    (honest, honest_took, usable), (liar, _, liar_usable) = get_pool(2).run(inflated_rounds, timeout=120)
+    assert honest[0] == "CommunicationError" and "was not done after the group's timeout of 3 s" in honest[1], honest
+    assert honest_took < 60  # a bound on a hang, not a speed figure: unbounded, this took 2**30 rounds
+    assert liar[0] == "CommunicationError", liar
+    assert usable and liar_usable  # the world group was not involved
