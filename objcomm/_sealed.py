@@ -24,8 +24,10 @@ the next multiple of 64 bytes (:func:`layout`), so views of any dtype are aligne
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import stat
@@ -38,7 +40,8 @@ from ._wire import Incoming
 
 ALIGN = 64
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK  # /proc/<pid>/fd/<n> is a link to follow
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY  # of a regular file (see _open_regular)
+TMPFS_MAGIC = 0x01021994  # statfs f_type of shared memory (memfd, /dev/shm); hugetlbfs and others are refused
 
 
 class Sealed(NamedTuple):
@@ -106,37 +109,67 @@ def _write_at(fd: int, piece: memoryview, offset: int) -> None:
         done += os.pwrite(fd, piece[done:], offset + done)
 
 
+class Unopenable(OSError):
+    """A sealed segment this process cannot open: the writer is gone, or ``/proc/<pid>/fd`` is closed to it
+    (another pid namespace, a locked-down ``/proc``). The call falls back, and the group uses files after."""
+
+
 def map_sealed(
     where: Sealed, size: int, inline: Optional[memoryview], length: int, sizes_of: Callable[[memoryview], List[int]],
 ) -> Incoming:
     """The frame (unless round 1 carried it ``inline``; ``length`` bytes) and tensors a writer sealed at
     ``where``, as views on a private mapping. ``size``: the bytes the sender announced (frame and
     tensors, without alignment). Raises ``FrameError`` for a file to refuse (see the module
-    docstring), ``OSError`` for one that cannot be opened (the writer is gone, /proc is not there)."""
-    fd = os.open(where.path, _OPEN_FLAGS)
+    docstring), :class:`Unopenable` for one that cannot be opened, ``OSError`` from ``sizes_of``.
+
+    What the announced descriptor names is first opened ``O_PATH`` (no driver is opened: a terminal
+    cannot become this process's controlling terminal) and must be a regular file before it is
+    opened for reading, through that pinned descriptor. Nothing is mapped before the file's size is
+    known to be exactly what the frame lays out; the frame is parsed from a mapping of its own bytes."""
+    fd = _open_regular(where)
     try:
         held = _check_sealed(fd, where).st_size
-        # Tensors need at most ALIGN - 1 bytes of padding each, and each takes bytes of the frame's table.
-        most = size + ALIGN * (length + 1)
-        if not size <= held <= most or (inline is None and length > size):
-            raise FrameError(f"sealed segment {where.path} holds {held:,} bytes for the {size:,} the sender "
-                             "announced; refused")
+        position = 0 if inline is not None else length
+        if held < size or position > size or (inline is None and not length):
+            raise FrameError(f"sealed segment {where.path} holds {held:,} bytes for the {size:,} (frame: "
+                             f"{length:,}) the sender announced; refused")
+        if inline is None:
+            prefix = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+            sizes = sizes_of(memoryview(prefix))
+            del prefix  # unmapped when the last view of it goes (sizes_of keeps none)
+        else:
+            sizes = sizes_of(inline)
+        if sum(sizes) != size - position:
+            raise FrameError(f"sealed segment {where.path}: its frame announces {sum(sizes):,} bytes of tensors, "
+                             f"the sender announced {size - position:,}; refused")
+        offsets, end = layout(position, sizes)
+        if end != held:
+            raise FrameError(f"sealed segment {where.path} holds {held:,} bytes, its layout needs {end:,}; refused")
         mapping = mmap.mmap(fd, held, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if held else None
     finally:
         os.close(fd)
-    whole = memoryview(mapping if mapping is not None else b"")
-    frame = inline if inline is not None else whole[:length]
-    position = 0 if inline is not None else length
-    sizes = sizes_of(frame)
-    if sum(sizes) != size - position:
-        raise FrameError(f"sealed segment {where.path}: its frame announces {sum(sizes):,} bytes of tensors, "
-                         f"the sender announced {size - position:,}; refused")
-    offsets, end = layout(position, sizes)
-    if end != held:
-        raise FrameError(f"sealed segment {where.path} holds {held:,} bytes, its layout needs {end:,}; refused")
+    frame = inline if inline is not None else memoryview(mapping)[:length]  # type: ignore[arg-type]
     tensors = [torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=o) if n  # type: ignore[arg-type]
                else torch.empty(0, dtype=torch.uint8) for o, n in zip(offsets, sizes)]
     return Incoming(frame, tensors)
+
+
+def _open_regular(where: Sealed) -> int:
+    """``where`` opened for reading, once it is known to be a regular file of this user (else FrameError)."""
+    try:
+        pinned = os.open(where.path, os.O_PATH | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Unopenable(exc.errno, f"cannot open sealed segment {where.path}: {exc.strerror}") from exc
+    try:
+        problem = foreign(os.fstat(pinned))
+        if problem:
+            raise FrameError(f"sealed segment {where.path} {problem}; refused")
+        try:
+            return os.open(f"/proc/self/fd/{pinned}", _OPEN_FLAGS)
+        except OSError as exc:
+            raise Unopenable(exc.errno, f"cannot open sealed segment {where.path}: {exc.strerror}") from exc
+    finally:
+        os.close(pinned)
 
 
 def foreign(found: os.stat_result) -> str:
@@ -160,6 +193,30 @@ def _check_sealed(fd: int, where: Sealed) -> os.stat_result:
             seals = 0
         if seals & SEALS != SEALS:
             problem = "is not sealed against writing and resizing"
+        elif _filesystem(fd) != TMPFS_MAGIC:  # e.g. huge pages: a private mapping would draw on their pool
+            problem = "is not ordinary shared memory (a memory file of huge pages, ...)"
     if problem:
         raise FrameError(f"sealed segment {where.path} {problem}; refused")
     return found
+
+
+class _StatFs(ctypes.Structure):
+    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 256)]  # only the type is read
+
+
+@functools.lru_cache(maxsize=1)
+def _fstatfs() -> Optional[Callable[..., int]]:
+    try:
+        call = ctypes.CDLL(None, use_errno=True).fstatfs
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.POINTER(_StatFs)]
+    return call  # type: ignore[no-any-return]
+
+
+def _filesystem(fd: int) -> Optional[int]:
+    """The ``f_type`` of the file system holding ``fd`` (``fstatfs``), or None where it cannot be learned."""
+    call, found = _fstatfs(), _StatFs()
+    if call is None or call(fd, ctypes.byref(found)) != 0:
+        return None
+    return found.f_type & 0xFFFFFFFF

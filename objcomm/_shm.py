@@ -17,7 +17,8 @@ views, no copy) when ``zero_copy`` is on and every rank shares one pid namespace
 
 A reader that could not read (an ``OSError``: the file is gone, ``/proc/<pid>/fd`` cannot be opened,
 ...) sends *every* rank back to the normal transport for this call (one debug line on the ``objcomm``
-logger says why); after such a failure with sealed segments, the group uses files. A reader that
+logger says why); when a rank could not open a sealed segment at all
+(:class:`objcomm._sealed.Unopenable`), the group uses files from then on. A reader that
 *refuses* a segment raises :class:`~objcomm.FrameError` alone, like a rank that cannot decode what
 arrived; the others keep their results and the group stays in step.
 
@@ -46,7 +47,7 @@ import torch.distributed as dist
 
 from . import _hosts, _state
 from ._errors import CommunicationError
-from ._sealed import Sealed, SealedSegment, map_sealed
+from ._sealed import Sealed, SealedSegment, Unopenable, map_sealed
 from ._segments import DEFAULT_DIRECTORY, SegmentBook, _me, _name, _Segment, _this_host, _Writer, read_segment, sweep
 from ._settings import DEFAULT_SHM_THRESHOLD
 from ._slots import SlotInfo, outgoing_second_round_bytes
@@ -63,7 +64,7 @@ Part = Tuple[Optional[memoryview], Sequence[torch.Tensor]]  # a frame (None: rou
 _READ, _FELL_BACK, _REFUSED = 0, 1, 2  # what a reader reports after step 2; the largest wins
 _P2P = 6  # seq (or -1), pid, token, host key, pid namespace, sealed descriptor (0: a file)
 _COLLECTIVES = -1  # the key under which a group remembers that its collectives cannot use sealed segments
-_SENT, _OTHER_HOST, _RESEND, _REFUSED_P2P = 0, 1, 2, 3  # the receiver's answer
+_SENT, _OTHER_HOST, _RESEND, _REFUSED_P2P, _UNOPENABLE = 0, 1, 2, 3, 4  # the receiver's answer
 
 
 @dataclass(frozen=True)
@@ -119,11 +120,11 @@ class SharedMemory:
             return False
         return len(set(hosts.pid_namespaces)) == 1 and hosts.pid_namespaces[0] != 0
 
-    def _any(self, wire: Wire, value: int, op: str) -> int:
-        """The largest ``value`` any rank gave."""
-        largest = torch.tensor([value], dtype=torch.int64)
+    def _any(self, wire: Wire, values: List[int], op: str) -> List[int]:
+        """The largest of each of ``values`` any rank gave."""
+        largest = torch.tensor(values, dtype=torch.int64)
         guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
-        return int(largest.item())
+        return largest.tolist()
 
     def _collective(self, wire: Wire, hosts: _hosts.Hosts, parts: Dict[int, Part], read: Callable[[SourceOf], T],
                     op: str) -> Union[T, NotUsed]:
@@ -165,16 +166,20 @@ class SharedMemory:
             result: Union[T, NotUsed]
             try:
                 result, outcome = read(source_of), _READ
+            except Unopenable as exc:  # a sealed segment: this rank cannot open what it names
+                log.debug("objcomm shm: %s on rank %d could not open a sealed segment (%s); normal transport, and "
+                          "files from now on", op, wire.rank, exc)
+                result, outcome, failure = NOT_USED, _FELL_BACK, exc
             except OSError as exc:
                 log.debug("objcomm shm: %s on rank %d could not read shared memory (%s); normal transport",
                           op, wire.rank, exc)
                 result, outcome, failure = NOT_USED, _FELL_BACK, exc
             except Exception as exc:  # a refused segment: raised below, once every rank knows
                 result, outcome, failure = NOT_USED, _REFUSED, exc
-            worst = self._any(wire, outcome, op)
+            worst, unopenable = self._any(wire, [outcome, isinstance(failure, Unopenable)], op)
+            if unopenable:  # e.g. /proc/<pid>/fd is closed to a rank: files from now on, on every rank
+                _state.group_facts(wire.group).unsealed.add((_COLLECTIVES, self.separate))
             if worst == _FELL_BACK:
-                if sealed:  # e.g. /proc/<pid>/fd cannot be opened here: files from now on
-                    _state.group_facts(wire.group).unsealed.add((_COLLECTIVES, self.separate))
                 return NOT_USED
             if isinstance(failure, OSError):  # another rank refused, so nobody takes the normal transport
                 problem = f"{op} on rank {wire.rank} could not read shared memory: {failure}"
@@ -312,7 +317,7 @@ class SharedMemory:
             if answer.item() == _OTHER_HOST:
                 facts.remote_peers.add((dst, self.separate))
                 log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
-            elif answer.item() == _RESEND and fd:  # the receiver cannot open sealed segments: files from now on
+            elif answer.item() == _UNOPENABLE:  # the receiver cannot open sealed segments: files from now on
                 facts.unsealed.add((dst, self.separate))
             return answer.item() in (_SENT, _REFUSED_P2P)  # a refusing receiver raises; it expects nothing more
         finally:
@@ -336,6 +341,9 @@ class SharedMemory:
                 source = Sealed(pid if namespace == _hosts.pid_namespace() != 0 else -1, fd)
             try:
                 result, answer = fetch(source, info.second_round_bytes, info.inline, info.length, sizes_of), _SENT
+            except Unopenable as exc:
+                log.debug("objcomm shm: %s could not open a sealed segment (%s); normal transport", op, exc)
+                answer = _UNOPENABLE
             except OSError as exc:
                 log.debug("objcomm shm: %s could not read shared memory (%s); normal transport", op, exc)
                 answer = _RESEND

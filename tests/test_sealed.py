@@ -92,6 +92,9 @@ def hostile_descriptors(tmp: str) -> Dict[str, Tuple[str, str]]:
     with open(plain, "wb") as handle:
         handle.write(content)
     reading, writing = os.pipe()
+    sparse = _memfd(b"", 0)
+    os.ftruncate(sparse, 4 << 30)  # 4 GiB of holes, sealed: mapping it would exceed the child's address space
+    fcntl.fcntl(sparse, fcntl.F_ADD_SEALS, _sealed.SEALS)
     fds = {
         "unsealed memfd": _memfd(content, 0),
         "writable memfd": _memfd(content, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW),
@@ -101,7 +104,15 @@ def hostile_descriptors(tmp: str) -> Dict[str, Tuple[str, str]]:
         "longer than its layout": _memfd(content + b"\0" * 64, _sealed.SEALS),
         "shorter than its layout": _memfd(content[:-8], _sealed.SEALS),
         "far longer than announced": _memfd(content + b"\0" * (1 << 20), _sealed.SEALS),
+        "4 GiB sparse": sparse,
     }
+    try:
+        huge = os.memfd_create("objcomm-huge", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+        os.ftruncate(huge, 2 << 20)
+        fcntl.fcntl(huge, fcntl.F_ADD_SEALS, _sealed.SEALS)
+        fds["huge pages"] = huge
+    except OSError:  # no hugetlbfs here: nothing to announce
+        pass
     me = os.getpid()
     outcomes = {kind: _outcome(lambda fd=fd: _sealed.map_sealed(Sealed(me, fd), _size(), None, len(FRAME), _sizes))
                 for kind, fd in fds.items()}
@@ -115,8 +126,35 @@ def hostile_descriptors(tmp: str) -> Dict[str, Tuple[str, str]]:
         lambda: _sealed.map_sealed(Sealed(me, 10**6), _size(), None, len(FRAME), _sizes))
     outcomes["no such process"] = _outcome(
         lambda: _sealed.map_sealed(Sealed(-1, segment.fd), _size(), None, len(FRAME), _sizes))
+    outcomes["socket"] = _outcome(lambda: _sealed.map_sealed(Sealed(me, _socket()), _size(), None, len(FRAME), _sizes))
     os.close(writing)
     return outcomes
+
+
+def _socket() -> int:
+    import socket
+
+    return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).detach()
+
+
+def a_terminal_announced() -> Dict[str, Any]:
+    """A session leader without a terminal (a torchrun worker) is told to read a pseudo-terminal."""
+    os.setsid()
+    master, terminal = os.openpty()
+    outcome = _outcome(lambda: _sealed.map_sealed(Sealed(os.getpid(), terminal), _size(), None, len(FRAME), _sizes))
+    try:
+        os.close(os.open("/dev/tty", os.O_RDWR))
+        controlling = True
+    except OSError:
+        controlling = False
+    os.write(master, b"\x1c")  # ^\ : SIGQUIT to the foreground group of that terminal, if it were ours
+    return {"outcome": outcome, "controlling terminal": controlling}
+
+
+def test_a_terminal_announced_is_refused_without_becoming_the_readers_terminal():
+    report = run_in_child(a_terminal_announced)
+    assert report["outcome"][0] == "FrameError" and "is not a regular file" in report["outcome"][1], report
+    assert report["controlling terminal"] is False
 
 
 def test_hostile_descriptors_are_refused_or_fall_back(tmp_path):
@@ -125,11 +163,12 @@ def test_hostile_descriptors_are_refused_or_fall_back(tmp_path):
     assert set(refused) == {
         "unsealed memfd", "writable memfd", "shrinkable memfd", "file on disk", "pipe", "longer than its layout",
         "shorter than its layout", "far longer than announced", "tensors announced beyond the size",
-        "frame longer than the size", "size understated",
+        "frame longer than the size", "size understated", "4 GiB sparse", "socket",
+        *(["huge pages"] if "huge pages" in outcomes else []),
     }, outcomes
     assert all("sealed segment" in message and "refused" in message for message in refused.values())
     # what cannot be opened is not an attack the reader can tell from a gone writer: the call falls back
-    assert outcomes["no such descriptor"][0] == outcomes["no such process"][0] == "FileNotFoundError"
+    assert {outcomes[k][0] for k in ("no such descriptor", "no such process")} == {"Unopenable"}, outcomes
 
 
 # -- on a group ------------------------------------------------------------------------------------
