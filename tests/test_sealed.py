@@ -19,6 +19,7 @@ from _child import run_in_child
 from _ranks import get_pool
 
 import objcomm
+import serializers
 from objcomm import _sealed, _segments, _state
 from objcomm._sealed import Sealed
 
@@ -322,3 +323,52 @@ def test_a_descriptor_readers_cannot_open_falls_back_and_the_group_uses_files_fr
     assert writer["first"] and reader["first"] and writer["clean"] and reader["clean"]
     assert writer["remembered"] and reader["remembered"]
     assert writer["files after"] == 1  # the next call wrote a segment file
+
+
+def every_serializer(names: List[str]) -> Dict[str, bool]:
+    """The same large object through sealed segments and without shared memory, for each serializer:
+    equal values on every rank (what each serializer can carry: tensors and arrays where it lifts them)."""
+    rank = dist.get_rank()
+    found = {}
+    for name in names:
+        plain = {"rank": rank, "text": "é" * 3000, "floats": [0.5 * i for i in range(THRESHOLD)],
+                 "nested": {"k": [1, 2, {"x": None}]}}
+        n = 32 * THRESHOLD  # above inline_tensor_bytes: out of band, so results are views on the mapping
+        rich = {**plain, "t": torch.arange(n, dtype=torch.float32) + rank, "a": np.arange(n, dtype=np.int64) * rank,
+                "b": bytes([rank]) * n}
+        obj = plain if name == "json" else rich
+        comm = objcomm.Communicator(serializer=name, shm_threshold=THRESHOLD)
+        comm._segments = counting = _Counting()
+        sealed = comm.all_gather(obj)
+        normal = objcomm.Communicator(serializer=name, shm=False).all_gather(obj)
+        viewed = _mapped() > 0 or name == "json"  # json lifts nothing: its results are built from the frame
+        found[name] = counting.sealed == 1 and viewed and _equal(sealed, normal)
+        del sealed
+    return found
+
+
+class _Counting(_segments.SegmentBook):
+    sealed = 0
+
+    def create_sealed(self, frame: Optional[memoryview], tensors: Any) -> Any:
+        self.sealed += 1
+        return super().create_sealed(frame, tensors)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.timeout(120)
+def test_every_serializer_gives_the_same_values_through_sealed_segments():
+    names = sorted(serializers.registry.available())
+    for found in get_pool(2).run(every_serializer, names):
+        assert found == {name: True for name in names}
