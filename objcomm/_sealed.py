@@ -11,8 +11,10 @@ Why this is safe where a mapping of a ``/dev/shm`` file is not (:mod:`objcomm._s
 those): the seals are checked by the reader before mapping, and once set they cannot be removed, so
 the writer can neither change nor truncate what a reader holds (no SIGBUS, no data changing under a
 result). A reader that writes into its result gets its own copy of that page (copy on write); the
-writer and the other readers see nothing. Anything else is refused: a descriptor that is not a
-regular file of this user, a file without the seals, or one shorter than its layout needs.
+writer and the other readers see nothing. Anything else is refused (:class:`~objcomm.FrameError`): a
+descriptor that is not a regular file of this user (it is opened ``O_PATH`` first, so no device or
+terminal it names is ever opened), a file without the seals or not on ordinary shared memory (huge
+pages), or one whose size is not exactly what its frame lays out (checked before it is mapped).
 
 Lifetime: the writer closes its descriptor at the end of the call; the memory lives on while any
 reader still holds a view of it, and is freed when the last one goes (the views keep the mapping
