@@ -7,8 +7,7 @@ once per group; the first- and second-round strategies; the tag) and check or en
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -26,8 +25,7 @@ from ._wire import BACKEND, DIRECT, FirstRound, SecondRound
 Device = Union[str, torch.device, None]
 
 
-@dataclass(frozen=True)
-class Call:
+class Call(NamedTuple):
     """One call, resolved: its settings, the serializer object and the wire (None: no group)."""
 
     options: CallOptions
@@ -97,6 +95,35 @@ def membership(group: Any, device: Device) -> tuple:
             tuple(dist.get_process_group_ranks(group)), rank, resolve_device(group_backend(group), group, device)
         )
     return found
+
+
+WIRES_KEPT = 16  # wires kept per group: one per set of options in use
+
+
+def wire_for(group: Any, device: Device, options: CallOptions, segments: SegmentBook) -> _transport.Wire:
+    """The wire of a call on ``group`` with ``options``, built once per group, device, options object
+    (:func:`objcomm._settings.resolve` hands repeated calls the same one) and segment book."""
+    known = _state.group_facts(group).wires
+    key = (device, id(options), id(segments))
+    found = known.get(key)
+    if found is not None and found[0] is options and found[1] is segments:  # the ids are of live objects
+        return found[2]  # type: ignore[no-any-return]
+    ranks, rank, transport_device = membership(group, device)
+    wire = _transport.Wire(
+        group=group,
+        ranks=ranks,
+        rank=rank,
+        device=transport_device,
+        slot=options.slot_bytes,
+        chunk=options.chunk_bytes,
+        max_bytes=options.max_bytes,
+        second_round=second_round_for(options, segments),
+        first_round=first_round_for(options),
+    )
+    if len(known) >= WIRES_KEPT:
+        known.clear()
+    known[key] = (options, segments, wire)
+    return wire
 
 
 def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound:
