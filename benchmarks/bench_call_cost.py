@@ -101,7 +101,7 @@ ALL_GATHER_STAGES = ("settings resolution", "encode (dumps + framing)", "slot fi
 def all_gather_stages(serializer: str) -> Callable[[List[int]], Any]:
     """:meth:`objcomm.Communicator.all_gather` of OBJ through gloo, cut into ALL_GATHER_STAGES."""
     from objcomm import Communicator, _framing, _limits, _settings, _transport
-    from objcomm._bytes import empty, host_view
+    from objcomm._bytes import host_view, receive_buffer
     from objcomm._slots import read_slots
     from objcomm._wire import all_gather_single, guarded
 
@@ -115,11 +115,11 @@ def all_gather_stages(serializer: str) -> Callable[[List[int]], Any]:
         stamps.append(perf_counter_ns())
         raw = _transport._slot(wire, out)
         mine = _transport._on_device(wire, raw)
-        received = empty(wire.slot * wire.size, wire)
+        received, host = receive_buffer(wire.slot * wire.size, wire)
         stamps.append(perf_counter_ns())
         guarded("all_gather", wire, all_gather_single, received, mine, group=wire.group)
         stamps.append(perf_counter_ns())
-        infos = read_slots(host_view(received), wire.size, wire.slot)
+        infos = read_slots(host if host is not None else host_view(received), wire.size, wire.slot)
         _limits.plans(infos, _framing.tensor_sizes, "all_gather")
         assert not any(info.error for info in infos) and all(_limits.complete(info) for info in infos)
         incoming = _transport._round_one(infos)
