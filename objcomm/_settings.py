@@ -45,7 +45,7 @@ import dataclasses
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Dict, FrozenSet, Hashable, Mapping, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, FrozenSet, Hashable, Mapping, Optional
 
 from serializers import SerializerLike, registry
 
@@ -292,15 +292,6 @@ def restore(previous: Settings) -> None:
 # equal as keys, never share an entry); a memo entry is a CallOptions, which is immutable.
 _MEMO_TYPES = frozenset({type(None), str, int, bool, frozenset})
 _MEMO_SIZE = 64
-# Knobs whose check asks something outside the settings (the serializer registry, whether a compression
-# library imports): a call's own value is checked again on every call, memoized or not.
-_STATEFUL = ("serializer", "compression")
-
-
-def _memo_key(layer: Mapping[str, Any]) -> Optional[Tuple[Any, ...]]:
-    values = tuple(layer.values())
-    types = tuple(map(type, values))
-    return (tuple(layer), values, types) if _MEMO_TYPES.issuperset(types) else None
 
 
 def resolve(call: Mapping[str, Any], communicator: Mapping[str, Any]) -> CallOptions:
@@ -311,20 +302,21 @@ def resolve(call: Mapping[str, Any], communicator: Mapping[str, Any]) -> CallOpt
     state (no :func:`configure` or :func:`restore` since) gets the same :class:`CallOptions` object.
     """
     state = _state
-    key = (_memo_key(call), _memo_key(communicator))
-    memoize = key[0] is not None and key[1] is not None
-    if memoize:
+    values = (*call.values(), *communicator.values())
+    types = tuple(map(type, values))
+    key = (tuple(call), tuple(communicator), values, types) if _MEMO_TYPES.issuperset(types) else None
+    if key is not None:
         found = state.resolved.get(key)
         if found is not None:
-            for name in _STATEFUL:
-                value = call.get(name)
-                if value is not None:
-                    _CHECKS[name](name, value)
+            # The one check that asks something outside the settings and the call: whether a compression
+            # library imports. (A serializer name is looked up in the registry by every call anyway.)
+            if call.get("compression") is not None:
+                _compression.check(call["compression"])
             return found
     base = {name: getattr(state.settings, name) for name in KNOBS}
     separate = state.environment.separate_hosts
     options = CallOptions(**{**base, "separate_hosts": separate, **communicator, **given(**call)})
-    if memoize:
+    if key is not None:
         if len(state.resolved) >= _MEMO_SIZE:
             state.resolved.clear()
         state.resolved[key] = options
