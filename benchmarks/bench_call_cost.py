@@ -18,8 +18,9 @@ One process, no network: a gloo group of world size 1 on a ``HashStore``. For a 
 - **send and recv** without a peer: the sender's settings, encode and slot, and the receiver's
   slot checks and decode (the backend's send/recv themselves are left out).
 
-Every number is the median over rounds of ``--calls`` calls (µs per call; a clock read costs
-about 0.1 µs). The machine is shared: compare numbers within one run. ``--write`` appends the
+Every time is the median over rounds of ``--calls`` calls (µs per call; a clock read costs
+about 0.1 µs); two rows count the function calls (Python and C) one call makes, which noise does not
+change. The machine is shared: compare numbers within one run. ``--write`` appends the
 tables to benchmarks/RESULTS.md.
 """
 
@@ -75,6 +76,23 @@ def _per_call(fn: Callable[[], Any], calls: int) -> float:
             fn()
         rounds.append((perf_counter_ns() - start) / calls / 1e3)
     return statistics.median(rounds)
+
+
+def _function_calls(fn: Callable[[], Any]) -> float:
+    """Python and C function calls one call of ``fn`` makes (a count, so free of the machine's noise)."""
+    fn()
+    count = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal count
+        count += event in ("call", "c_call")
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count - 1  # the profiler sees its own sys.setprofile(None)
 
 
 def _staged(stages: Callable[[List[int]], Any], names: Sequence[str], calls: int) -> Dict[str, float]:
@@ -199,6 +217,10 @@ def measure(serializers: Sequence[str], calls: int) -> Dict[str, Dict[str, float
         }
         raw = functools.partial(all_gather_single, recv, send)
         column["raw gloo all_gather_single (1 slot)"] = _per_call(raw, calls)
+        column["function calls in one all_gather (a count)"] = _function_calls(
+            functools.partial(objcomm.all_gather, OBJ, serializer=name))
+        column["function calls in one broadcast (a count)"] = _function_calls(
+            functools.partial(objcomm.broadcast, OBJ, serializer=name))
         staged = _staged(all_gather_stages(name), ALL_GATHER_STAGES, calls)
         column.update({f"all_gather: {k}": v for k, v in staged.items()})
         column["all_gather: sum of stages"] = sum(staged.values())
@@ -214,7 +236,8 @@ def report(table: Dict[str, Dict[str, float]], calls: int) -> str:
     lines = [f"### A small dict, one process ({os.cpu_count()} CPUs, medians of {ROUNDS} x {calls} calls)", "",
              "| µs per call | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for row in rows:
-        lines.append(f"| {row} | " + " | ".join(f"{table[n][row]:.1f}" for n in names) + " |")
+        cells = [f"{table[n][row]:.0f}" if "(a count)" in row else f"{table[n][row]:.1f}" for n in names]
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
