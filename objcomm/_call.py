@@ -101,29 +101,20 @@ WIRES_KEPT = 16  # wires kept per group: one per set of options in use
 
 
 def wire_for(group: Any, device: Device, options: CallOptions, segments: SegmentBook) -> _transport.Wire:
-    """The wire of a call on ``group`` with ``options``, built once per group, device, options object
-    (:func:`objcomm._settings.resolve` hands repeated calls the same one) and segment book."""
+    """The wire of a call on ``group`` with ``options``. All but the group is worked out once per group,
+    device, options object (:func:`objcomm._settings.resolve` hands repeated calls the same one) and
+    segment book, and kept without the group, so that the group's facts never keep the group alive."""
     known = _state.group_facts(group).wires
     key = (device, id(options), id(segments))
     found = known.get(key)
-    if found is not None and found[0] is options and found[1] is segments:  # the ids are of live objects
-        return found[2]  # type: ignore[no-any-return]
-    ranks, rank, transport_device = membership(group, device)
-    wire = _transport.Wire(
-        group=group,
-        ranks=ranks,
-        rank=rank,
-        device=transport_device,
-        slot=options.slot_bytes,
-        chunk=options.chunk_bytes,
-        max_bytes=options.max_bytes,
-        second_round=second_round_for(options, segments),
-        first_round=first_round_for(options),
-    )
-    if len(known) >= WIRES_KEPT:
-        known.clear()
-    known[key] = (options, segments, wire)
-    return wire
+    if found is None or found[0] is not options or found[1] is not segments:  # the ids are of live objects
+        ranks, rank, transport_device = membership(group, device)
+        rest = (ranks, rank, transport_device, options.slot_bytes, options.chunk_bytes, options.max_bytes,
+                second_round_for(options, segments), first_round_for(options))
+        if len(known) >= WIRES_KEPT:
+            known.clear()
+        found = known[key] = (options, segments, rest)
+    return _transport.Wire(group, *found[2])  # Wire's fields in order: the group, then the rest
 
 
 def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound:

@@ -44,7 +44,7 @@ class GroupFacts:
     remote_peers: Set[Tuple[int, bool]] = field(default_factory=set)  # (peer, separate): send/recv crosses hosts
     requests: Optional[_Lanes] = None  # async state, made on the first non-blocking call (objcomm._requests)
     local: Dict[bool, Optional[LocalChannel]] = field(default_factory=dict)  # separate -> same-host channel or None
-    wires: Dict[Any, tuple] = field(default_factory=dict)  # (device, options, segments) -> wire (objcomm._call)
+    wires: Dict[Any, tuple] = field(default_factory=dict)  # (device, options, segments) -> a wire less its group
 
 
 _GROUPS: weakref.WeakKeyDictionary[Any, GroupFacts] = weakref.WeakKeyDictionary()

@@ -188,6 +188,30 @@ def test_a_live_group_sees_configure_between_calls(world):
     assert get_pool(world).run(_configure_between_calls) == [["x" * 100] * world] * world
 
 
+def _a_group_is_forgotten_after_calls() -> bool:
+    """What a call on a group keeps between calls (its wire, less the group) does not keep the group alive."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from objcomm import _state
+
+    group = dist.new_group(backend="gloo")
+    for _ in range(2):
+        assert objcomm.all_gather("x", group=group) == ["x"] * dist.get_world_size()
+    assert len(_state.group_facts(group).wires) == 1
+    alive = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    return alive() is None
+
+
+def test_a_group_is_forgotten_after_calls():
+    assert get_pool(2).run(_a_group_is_forgotten_after_calls) == [True, True]
+
+
 def test_the_environment_is_read_at_import():
     env = {**os.environ, "OBJCOMM_SHM": "0", "OBJCOMM_SHM_DIR": "/from-env",
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
