@@ -118,7 +118,7 @@ class Communicator:
             raise TypeError(f"{what} must be an int rank, got {global_rank!r}")
         if global_rank not in wire.ranks:
             raise ValueError(f"{what}={global_rank} is not a rank of this group (its ranks: {list(wire.ranks)})")
-        return list(wire.ranks).index(global_rank)
+        return wire.ranks.index(global_rank)
 
     # -- collectives ---------------------------------------------------------------------------
     def all_gather(
