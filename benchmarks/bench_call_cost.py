@@ -118,10 +118,12 @@ ALL_GATHER_STAGES = ("settings resolution", "encode (dumps + framing)", "slot fi
 
 def all_gather_stages(serializer: str) -> Callable[[List[int]], Any]:
     """:meth:`objcomm.Communicator.all_gather` of OBJ through gloo, cut into ALL_GATHER_STAGES."""
-    from objcomm import Communicator, _framing, _limits, _settings, _transport
-    from objcomm._bytes import host_view, receive_buffer
+    from objcomm import Communicator, _bytes, _framing, _limits, _settings, _transport
+    from objcomm._bytes import empty, host_view
     from objcomm._slots import read_slots
     from objcomm._wire import all_gather_single, guarded
+
+    receive_buffer = getattr(_bytes, "receive_buffer", None)  # None: a revision before it (to compare with)
 
     def stages(stamps: List[int]) -> Any:
         kwargs = _settings.call_kwargs({"serializer": serializer, "accept": None, "max_bytes": None,
@@ -133,7 +135,8 @@ def all_gather_stages(serializer: str) -> Callable[[List[int]], Any]:
         stamps.append(perf_counter_ns())
         raw = _transport._slot(wire, out)
         mine = _transport._on_device(wire, raw)
-        received, host = receive_buffer(wire.slot * wire.size, wire)
+        received, host = receive_buffer(wire.slot * wire.size, wire) if receive_buffer else (
+            empty(wire.slot * wire.size, wire), None)
         stamps.append(perf_counter_ns())
         guarded("all_gather", wire, all_gather_single, received, mine, group=wire.group)
         stamps.append(perf_counter_ns())
