@@ -21,8 +21,9 @@ One process, no network: a gloo group of world size 1 on a ``HashStore``. For a 
 Every time is µs per call in the quickest of 30 rounds of ``--calls`` calls (other processes only
 ever add time; a clock read costs about 0.1 µs), so the sum of stages is not a whole call's time;
 two rows count the function calls (Python and C) one call makes, which noise does not change. The
-machine is shared: compare numbers within one run, or runs of two revisions made back to back. ``--write`` appends the
-tables to benchmarks/RESULTS.md.
+machine is shared: compare numbers within one run, or runs of two revisions made back to back
+(``PYTHONPATH=<other checkout> python benchmarks/bench_call_cost.py``). ``--write`` appends the
+table to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
