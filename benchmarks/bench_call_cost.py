@@ -119,17 +119,19 @@ ALL_GATHER_STAGES = ("settings resolution", "encode (dumps + framing)", "slot fi
 
 def all_gather_stages(serializer: str) -> Callable[[List[int]], Any]:
     """:meth:`objcomm.Communicator.all_gather` of OBJ through gloo, cut into ALL_GATHER_STAGES."""
-    from objcomm import Communicator, _bytes, _framing, _limits, _settings, _transport
+    from objcomm import Communicator, _api, _bytes, _framing, _limits, _settings, _transport
     from objcomm._bytes import empty, host_view
     from objcomm._slots import read_slots
     from objcomm._wire import all_gather_single, guarded
 
-    receive_buffer = getattr(_bytes, "receive_buffer", None)  # None: a revision before it (to compare with)
+    # as objcomm.all_gather gets its communicator; getattr: revisions before these existed (to compare with)
+    communicator = getattr(_api, "_communicator", Communicator)
+    receive_buffer = getattr(_bytes, "receive_buffer", None)
 
     def stages(stamps: List[int]) -> Any:
         kwargs = _settings.call_kwargs({"serializer": serializer, "accept": None, "max_bytes": None,
                                         "map_location": None, "compression": None})
-        call = Communicator(None)._call(kwargs)
+        call = communicator(None)._call(kwargs)
         wire = call.wire
         stamps.append(perf_counter_ns())
         out, local = call.encode(OBJ)
