@@ -16,7 +16,8 @@ One process, no network: a gloo group of world size 1 on a ``HashStore``. For a 
   slot and its tensor), the collective, slot read (the slot checks and what round 1 delivered),
   decode (framing checks and ``loads``) and result assembly;
 - **send and recv** without a peer: the sender's settings, encode and slot, and the receiver's
-  slot checks and decode (the backend's send/recv themselves are left out).
+  settings, slot checks and decode (the backend's send/recv themselves are left out, and so is
+  finding the peer's group rank, which a group of one cannot have).
 
 Every time is µs per call in the quickest of 30 rounds of ``--calls`` calls (other processes only
 ever add time; a clock read costs about 0.1 µs), so the sum of stages is not a whole call's time;
@@ -158,21 +159,24 @@ def all_gather_stages(serializer: str) -> Callable[[List[int]], Any]:
     return stages
 
 
-SEND_RECV_STAGES = ("send: settings (+ tag, peer)", "send: encode", "send: slot fill (+ tensor, check)",
-                    "recv: settings", "recv: slot read (+ checks)", "recv: decode")
+SEND_RECV_STAGES = ("send: settings (+ tag, async check)", "send: encode", "send: slot fill (+ tensor, check)",
+                    "recv: settings (+ tag, async check)", "recv: slot read (+ checks)", "recv: decode")
 
 
 def send_recv_stages(serializer: str) -> Callable[[List[int]], Any]:
     """A sender's and a receiver's own work for OBJ, without the backend's send and recv between them."""
-    from objcomm import Communicator, _limits, _settings, _transport
+    from objcomm import Communicator, _api, _limits, _requests, _settings, _transport
     from objcomm._bytes import host_view
     from objcomm._call import tagged
     from objcomm._slots import read_slot
 
+    communicator = getattr(_api, "_communicator", Communicator)  # as objcomm.send and objcomm.recv get it
+
     def stages(stamps: List[int]) -> Any:
-        call = Communicator(None)._call(_settings.call_kwargs({"serializer": serializer, "max_bytes": None,
+        call = communicator(None)._call(_settings.call_kwargs({"serializer": serializer, "max_bytes": None,
                                                               "compression": None}))
         wire = tagged(call.wire, 0, "send")
+        _requests.check_blocking(wire.group, "send", 0, 0)
         stamps.append(perf_counter_ns())
         out, _ = call.encode(OBJ)
         stamps.append(perf_counter_ns())
@@ -181,9 +185,10 @@ def send_recv_stages(serializer: str) -> Callable[[List[int]], Any]:
         info = read_slot(memoryview(raw))
         assert _limits.slot_problem_of(info) is None and _limits.complete(info)
         stamps.append(perf_counter_ns())
-        call = Communicator(None)._call(_settings.call_kwargs({"accept": None, "max_bytes": None,
+        call = communicator(None)._call(_settings.call_kwargs({"accept": None, "max_bytes": None,
                                                               "map_location": None}))
         wire = tagged(call.wire, 0, "recv")
+        _requests.check_blocking(wire.group, "recv", 0, 0)
         stamps.append(perf_counter_ns())
         info = read_slot(host_view(slot))
         assert _limits.slot_problem_of(info) is None and _limits.complete(info)
