@@ -206,8 +206,10 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
     raw = (_slot(wire, out) if out is not None else bytearray(wire.slot)) if wire.rank == src else None
     got = wire.first_round.broadcast(wire, raw, src, op)
     if got is NOT_USED:
-        # the source reads its own slot; the others read what arrived
-        slot, host = (_on_device(wire, raw), memoryview(raw)) if raw is not None else receive_buffer(wire.slot, wire)
+        if raw is None:
+            slot, host = receive_buffer(wire.slot, wire)
+        else:  # on the CPU the source reads its own slot; on a device it waits for the broadcast, as it did
+            slot, host = _on_device(wire, raw), memoryview(raw) if wire.device.type == "cpu" else None
         guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
         got = host if host is not None else host_view(slot)
     info = read_slot(memoryview(got))
