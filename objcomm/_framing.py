@@ -264,9 +264,10 @@ def decode(
     payload = view[start : start + header.payload_len]
     if header.compression != NO_COMPRESSION:
         payload = memoryview(_compression.decompress(header.compression, payload, header.raw_len, max_bytes))
-    inline = view[start + header.payload_len :]
     try:
-        restore = restorer(entries, inline, incoming.tensors, device, own=own) if entries else None
+        restore = None
+        if entries:  # the inline tensor data follows the payload
+            restore = restorer(entries, view[start + header.payload_len :], incoming.tensors, device, own=own)
         if restore is not None and not serializer.supports_external:
             raise DecodeError(f"{header.serializer!r} cannot take tensors out of band, yet the frame carries some")
         return serializer.loads(payload, restore=restore)
