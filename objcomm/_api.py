@@ -18,6 +18,14 @@ from ._settings import call_kwargs
 
 Device = Optional[Union[str, torch.device]]
 
+# What a call with group=None goes through: a Communicator that holds no settings of its own (and is
+# never changed), so building one per call would only cost time.
+_DEFAULT = Communicator()
+
+
+def _communicator(group: Any) -> Communicator:
+    return _DEFAULT if group is None else Communicator(group)
+
 
 def all_gather(
     obj: Any,
@@ -59,7 +67,7 @@ def all_gather(
         for part in objcomm.all_gather({rank: 1} if rank % 2 == 0 else {}):
             merged.update(part)
     """
-    return Communicator(group).all_gather(obj, async_op=async_op, **call_kwargs(locals()))
+    return _communicator(group).all_gather(obj, async_op=async_op, **call_kwargs(locals()))
 
 
 def gather(
@@ -80,7 +88,7 @@ def gather(
 
         everyone = objcomm.gather(predictions, dst=0)   # a list on rank 0, None elsewhere
     """
-    return Communicator(group).gather(obj, dst, async_op=async_op, **call_kwargs(locals()))
+    return _communicator(group).gather(obj, dst, async_op=async_op, **call_kwargs(locals()))
 
 
 def broadcast(
@@ -101,7 +109,7 @@ def broadcast(
 
         config = objcomm.broadcast(load_config() if rank == 0 else None, src=0)
     """
-    return Communicator(group).broadcast(obj, src, async_op=async_op, **call_kwargs(locals()))
+    return _communicator(group).broadcast(obj, src, async_op=async_op, **call_kwargs(locals()))
 
 
 def scatter(
@@ -122,7 +130,7 @@ def scatter(
 
         shard = objcomm.scatter(split(work, world_size) if rank == 0 else None, src=0)
     """
-    return Communicator(group).scatter(objs, src, async_op=async_op, **call_kwargs(locals()))
+    return _communicator(group).scatter(objs, src, async_op=async_op, **call_kwargs(locals()))
 
 
 def all_to_all(
@@ -155,7 +163,7 @@ def all_to_all(
             outbox[hash(record["key"]) % world_size].append(record)
         mine = [r for part in objcomm.all_to_all(outbox) for r in part]
     """
-    return Communicator(group).all_to_all(objs, async_op=async_op, **call_kwargs(locals()))
+    return _communicator(group).all_to_all(objs, async_op=async_op, **call_kwargs(locals()))
 
 
 def reduce(
@@ -189,7 +197,7 @@ def reduce(
         confusion = objcomm.reduce(local_counts, "merge_sum", dst=0)  # {(label, pred): n} on rank 0
         best = objcomm.reduce(record, lambda a, b: b if b["score"] > a["score"] else a)
     """
-    return Communicator(group).reduce(obj, op, dst, async_op=async_op, **call_kwargs(locals()))
+    return _communicator(group).reduce(obj, op, dst, async_op=async_op, **call_kwargs(locals()))
 
 
 def all_reduce(
@@ -213,7 +221,7 @@ def all_reduce(
 
         totals = objcomm.all_reduce({"seen": n_seen, "correct": n_correct}, "merge_sum")
     """
-    return Communicator(group).all_reduce(obj, op, async_op=async_op, **call_kwargs(locals()))
+    return _communicator(group).all_reduce(obj, op, async_op=async_op, **call_kwargs(locals()))
 
 
 def send(
@@ -237,7 +245,7 @@ def send(
             objcomm.send({"done": True}, dst=0)
             objcomm.send(["log line"], dst=0, tag=7)  # a second stream
     """
-    Communicator(group).send(obj, dst, tag, **call_kwargs(locals()))
+    _communicator(group).send(obj, dst, tag, **call_kwargs(locals()))
 
 
 def recv(
@@ -263,7 +271,7 @@ def recv(
             lines = objcomm.recv(src=1, tag=7)
             sender, item = objcomm.recv(return_sender=True)  # from whichever rank sends first
     """
-    return Communicator(group).recv(src, tag, return_sender=return_sender, **call_kwargs(locals()))
+    return _communicator(group).recv(src, tag, return_sender=return_sender, **call_kwargs(locals()))
 
 
 def isend(
@@ -287,7 +295,7 @@ def isend(
         for request in pending:
             request.wait()
     """
-    return Communicator(group).isend(obj, dst, tag, **call_kwargs(locals()))
+    return _communicator(group).isend(obj, dst, tag, **call_kwargs(locals()))
 
 
 def irecv(
@@ -310,4 +318,4 @@ def irecv(
         first, second = objcomm.irecv(src=1, tag=1), objcomm.irecv(src=1, tag=1)
         assert first.wait()["step"] == 0 and second.wait()["step"] == 1
     """
-    return Communicator(group).irecv(src, tag, return_sender=return_sender, **call_kwargs(locals()))
+    return _communicator(group).irecv(src, tag, return_sender=return_sender, **call_kwargs(locals()))

@@ -9,7 +9,7 @@ wire). Point-to-point pieces travel under the wire's data tag.
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,15 @@ def to_device(tensor: torch.Tensor, wire: Wire) -> torch.Tensor:
 
 def empty(length: int, wire: Wire) -> torch.Tensor:
     return torch.empty(length, dtype=torch.uint8, device=wire.device)
+
+
+def receive_buffer(length: int, wire: Wire) -> Tuple[torch.Tensor, Optional[memoryview]]:
+    """A buffer of ``length`` bytes on the wire's device and, on the CPU, a view of the same bytes (so that
+    small round-1 receives need no conversion afterwards); ``None`` elsewhere (use :func:`host_view`)."""
+    if wire.device.type != "cpu":
+        return empty(length, wire), None
+    raw = bytearray(length)
+    return torch.frombuffer(raw, dtype=torch.uint8), memoryview(raw)
 
 
 def pieces(length: int, chunk: int) -> range:

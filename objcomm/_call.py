@@ -7,8 +7,7 @@ once per group; the first- and second-round strategies; the tag) and check or en
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -26,8 +25,7 @@ from ._wire import BACKEND, DIRECT, FirstRound, SecondRound
 Device = Union[str, torch.device, None]
 
 
-@dataclass(frozen=True)
-class Call:
+class Call(NamedTuple):
     """One call, resolved: its settings, the serializer object and the wire (None: no group)."""
 
     options: CallOptions
@@ -97,6 +95,26 @@ def membership(group: Any, device: Device) -> tuple:
             tuple(dist.get_process_group_ranks(group)), rank, resolve_device(group_backend(group), group, device)
         )
     return found
+
+
+WIRES_KEPT = 16  # wires kept per group: one per set of options in use
+
+
+def wire_for(group: Any, device: Device, options: CallOptions, segments: SegmentBook) -> _transport.Wire:
+    """The wire of a call on ``group`` with ``options``. All but the group is worked out once per group,
+    device, options object (:func:`objcomm._settings.resolve` hands repeated calls the same one) and
+    segment book, and kept without the group, so that the group's facts never keep the group alive."""
+    known = _state.group_facts(group).wires
+    key = (device, id(options), id(segments))
+    found = known.get(key)
+    if found is None or found[0] is not options or found[1] is not segments:  # the ids are of live objects
+        ranks, rank, transport_device = membership(group, device)
+        rest = (ranks, rank, transport_device, options.slot_bytes, options.chunk_bytes, options.max_bytes,
+                second_round_for(options, segments), first_round_for(options))
+        if len(known) >= WIRES_KEPT:
+            known.clear()
+        found = known[key] = (options, segments, rest)
+    return _transport.Wire(group, *found[2])  # Wire's fields in order: the group, then the rest
 
 
 def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound:

@@ -15,12 +15,10 @@ from ._call import (
     Device,
     encode_each,
     final_report,
-    first_round_for,
-    membership,
     only,
     per_rank,
-    second_round_for,
     tagged,
+    wire_for,
 )
 from ._errors import ObjcommError, with_original_type
 from ._requests import Request
@@ -114,18 +112,7 @@ class Communicator:
                 )
             return None
         group = self.group if self.group is not None else dist.group.WORLD
-        ranks, rank, device = membership(group, self.device)
-        return _transport.Wire(
-            group=group,
-            ranks=ranks,
-            rank=rank,
-            device=device,
-            slot=options.slot_bytes,
-            chunk=options.chunk_bytes,
-            max_bytes=options.max_bytes,
-            second_round=second_round_for(options, self._segments),
-            first_round=first_round_for(options),
-        )
+        return wire_for(group, self.device, options, self._segments)
 
     @staticmethod
     def _group_rank(wire: _transport.Wire, global_rank: Any, what: str) -> int:
@@ -133,7 +120,7 @@ class Communicator:
             raise TypeError(f"{what} must be an int rank, got {global_rank!r}")
         if global_rank not in wire.ranks:
             raise ValueError(f"{what}={global_rank} is not a rank of this group (its ranks: {list(wire.ranks)})")
-        return list(wire.ranks).index(global_rank)
+        return wire.ranks.index(global_rank)
 
     # -- collectives ---------------------------------------------------------------------------
     def all_gather(

@@ -97,13 +97,14 @@ def _assemble(
     """Header, name, tensor table, payload and inline tensors, written once into a fresh buffer
     that is sent as is (the payload is copied exactly once)."""
     name_bytes = name.encode("ascii")
-    body = memoryview(payload).cast("B")
-    inline_len = sum(t.numel() for t in inline)
-    total = frame_length(len(name_bytes), len(table), body.nbytes, inline_len)
-    view = memoryview(bytearray(total))
-    HEADER.pack_into(
-        view,
-        0,
+    body = payload if type(payload) is memoryview and payload.format == "B" and payload.ndim == 1 else (
+        memoryview(payload).cast("B"))
+    parts: List[Any] = [b"", name_bytes, table, body]
+    inline_len = 0
+    for t in inline:
+        parts.append(t.numpy().data)
+        inline_len += t.numel()
+    parts[0] = HEADER.pack(
         MAGIC,
         version,
         flags,
@@ -115,13 +116,7 @@ def _assemble(
         body.nbytes if raw_len is None else raw_len,
         inline_len,
     )
-    at = HEADER.size
-    parts: List[Any] = [name_bytes, table, body, *(t.numpy().data for t in inline)]
-    for part in parts:
-        size = memoryview(part).nbytes
-        view[at : at + size] = part
-        at += size
-    return view
+    return memoryview(bytearray().join(parts))
 
 
 def encode(
@@ -141,24 +136,24 @@ def encode(
     if type(obj) in (bytes, bytearray) and len(obj) > inline_tensor_bytes and serializer.supports_external:
         obj = WholeBytes(obj)  # travels like a tensor: never copied into the payload
     payload = serializer.dumps(obj, lift=lifter)
-    table, inline, oob = lifter.pack(inline_tensor_bytes)
+    packed = lifter.pack(inline_tensor_bytes) if lifter.tensors else None
     raw = memoryview(payload).cast("B")
     code, stored = _compression.compress(compression, raw)
-    frame = _assemble(
-        serializer.name,
-        stored,
-        compression=code,
-        raw_len=raw.nbytes,
-        table=table,
-        n_tensors=len(lifter.tensors),
-        inline=inline,
-        version=2 if any(lifter.kinds) else 1,  # a version 1 reader would take numpy or bytes for tensors
-    )
-    out = Outgoing(frame, oob)
-    if out.total > max_bytes:
-        raise too_large(f"the encoded object is {out.total:,} bytes, above max_bytes={max_bytes:,}",
+    if packed is not None:
+        table, inline, oob = packed
+        version = 2 if any(lifter.kinds) else 1  # a version 1 reader would take numpy or bytes for tensors
+        frame = _assemble(
+            serializer.name, stored, compression=code, raw_len=raw.nbytes, table=table, n_tensors=len(lifter.tensors),
+            inline=inline, version=version,
+        )
+        total = frame.nbytes + sum(t.numel() for t in oob)
+    else:  # the common small case: no tensor table, nothing out of band
+        frame, oob = _assemble(serializer.name, stored, compression=code, raw_len=raw.nbytes), []
+        total = frame.nbytes
+    if total > max_bytes:
+        raise too_large(f"the encoded object is {total:,} bytes, above max_bytes={max_bytes:,}",
                         outcome="nothing was sent", where="on this rank")
-    return out
+    return Outgoing(frame, oob)
 
 
 def error_frame(exc: BaseException, limit: int) -> Outgoing:
@@ -192,13 +187,13 @@ def parse_header(view: memoryview) -> Header:
             f"frame format version {version} is unknown here (this objcomm reads {', '.join(map(str, VERSIONS))}); "
             "upgrade objcomm"
         )
-    expected = frame_length(name_len, table_len, payload_len, inline_len)
+    expected = HEADER.size + name_len + table_len + payload_len + inline_len  # frame_length(), without a call
     if expected != size:
         raise FrameError(f"frame lengths disagree: the header declares {expected:,} bytes, {size:,} were received")
-    name_bytes = bytes(view[HEADER.size : HEADER.size + name_len])
     try:
-        name = name_bytes.decode("ascii")
+        name = str(view[HEADER.size : HEADER.size + name_len], "ascii")
     except UnicodeDecodeError:
+        name_bytes = bytes(view[HEADER.size : HEADER.size + name_len])
         raise FrameError(f"frame names a serializer that is not ASCII: {name_bytes!r}") from None
     return Header(version, flags, compression, name, table_len, n_tensors, payload_len, raw_len, inline_len)
 
@@ -269,9 +264,10 @@ def decode(
     payload = view[start : start + header.payload_len]
     if header.compression != NO_COMPRESSION:
         payload = memoryview(_compression.decompress(header.compression, payload, header.raw_len, max_bytes))
-    inline = view[start + header.payload_len :]
     try:
-        restore = restorer(entries, inline, incoming.tensors, device, own=own) if entries else None
+        restore = None
+        if entries:  # the inline tensor data follows the payload
+            restore = restorer(entries, view[start + header.payload_len :], incoming.tensors, device, own=own)
         if restore is not None and not serializer.supports_external:
             raise DecodeError(f"{header.serializer!r} cannot take tensors out of band, yet the frame carries some")
         return serializer.loads(payload, restore=restore)

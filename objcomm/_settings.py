@@ -47,7 +47,7 @@ import dataclasses
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Dict, FrozenSet, Mapping, Optional
+from typing import Any, Callable, Collection, Dict, FrozenSet, Hashable, Mapping, Optional
 
 from serializers import SerializerLike, registry
 
@@ -237,11 +237,13 @@ class _Environment:
 
 @dataclass(frozen=True)
 class _State:
-    """The process-wide layers, replaced atomically: the environment, what configure() set, their merge."""
+    """The process-wide layers, replaced atomically: the environment, what configure() set, their merge;
+    and :func:`resolve`'s memo of the calls resolved against them, which goes when they are replaced."""
 
     environment: _Environment
     configured: Mapping[str, Any]
     settings: Settings
+    resolved: Dict[Hashable, CallOptions] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def build(environment: _Environment, configured: Mapping[str, Any]) -> _State:
@@ -293,12 +295,36 @@ def restore(previous: Settings) -> None:
         _state = _State(environment, configured, previous)
 
 
+# resolve() memoizes a call whose layers hold only values of these exact types (so that 1 and True,
+# equal as keys, never share an entry); a memo entry is a CallOptions, which is immutable.
+_MEMO_TYPES = frozenset({type(None), str, int, bool, frozenset})
+_MEMO_SIZE = 64
+
+
 def resolve(call: Mapping[str, Any], communicator: Mapping[str, Any]) -> CallOptions:
     """The one resolution of a call's settings: call > communicator > configure() > environment > default.
 
     ``call`` holds the call's keyword arguments (``None``: not given; checked here); ``communicator``
-    a layer already checked by :func:`given`.
+    a layer already checked by :func:`given`. A call resolved before against the same process-wide
+    state (no :func:`configure` or :func:`restore` since) gets the same :class:`CallOptions` object.
     """
     state = _state
+    values = (*call.values(), *communicator.values())
+    types = tuple(map(type, values))
+    key = (tuple(call), tuple(communicator), values, types) if _MEMO_TYPES.issuperset(types) else None
+    if key is not None:
+        found = state.resolved.get(key)
+        if found is not None:
+            # The one check that asks something outside the settings and the call: whether a compression
+            # library imports. (A serializer name is looked up in the registry by every call anyway.)
+            if call.get("compression") is not None:
+                _compression.check(call["compression"])
+            return found
     base = {name: getattr(state.settings, name) for name in KNOBS}
-    return CallOptions(**{**base, "separate_hosts": state.environment.separate_hosts, **communicator, **given(**call)})
+    separate = state.environment.separate_hosts
+    options = CallOptions(**{**base, "separate_hosts": separate, **communicator, **given(**call)})
+    if key is not None:
+        if len(state.resolved) >= _MEMO_SIZE:
+            state.resolved.clear()
+        state.resolved[key] = options
+    return options

@@ -60,7 +60,7 @@ def fill_slot(slot: memoryview, out: Outgoing, limit: int, round2: bool = False)
     at = PREFIX.size + (length if inline else 0)  # list the tensor sizes here, so a receiver knows every transfer
     listed = bool(sizes or not inline) and at + COUNT.size + 8 * len(sizes) <= slot.nbytes
     word = length | (ERROR_BIT if out.error else 0) | (ROUND2_BIT if round2 else 0)
-    PREFIX.pack_into(slot, 0, word | (LISTED_BIT if inline and listed else 0), limit, out.total)
+    PREFIX.pack_into(slot, 0, word | (LISTED_BIT if inline and listed else 0), limit, length + sum(sizes))  # out.total
     if inline:
         slot[PREFIX.size : at] = out.frame
     if listed:

@@ -8,12 +8,14 @@
   (:class:`objcomm._local.LocalChannel`, opened by the first collective that may use it, closed with
   the group or at exit; ``None`` when the group spans hosts); and, once this rank issues a
   non-blocking operation on it, its async state (:class:`objcomm._requests._Lanes`: the shadow group,
-  the lanes and which point-to-point keys are busy).
+  the lanes and which point-to-point keys are busy); and the wires of the calls made on it, one per
+  set of options (:func:`objcomm._call.wire_for`).
 
 The one other piece of process state is the ``configure()`` layer of the settings, which
 :mod:`objcomm._settings` owns with its lock. Besides these there are only pure memos
 (``functools.lru_cache``: this host's key, the combined exception classes of
-:func:`objcomm._errors.also_instance_of`) and locks.
+:func:`objcomm._errors.also_instance_of`; the settings' memo of resolved calls, kept on the state it
+was resolved against) and locks.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class GroupFacts:
     unsealed: Set[Tuple[int, bool]] = field(default_factory=set)  # (peer or -1: collectives, separate): files only
     requests: Optional[_Lanes] = None  # async state, made on the first non-blocking call (objcomm._requests)
     local: Dict[bool, Optional[LocalChannel]] = field(default_factory=dict)  # separate -> same-host channel or None
+    wires: Dict[Any, tuple] = field(default_factory=dict)  # (device, options, segments) -> a wire less its group
 
 
 _GROUPS: weakref.WeakKeyDictionary[Any, GroupFacts] = weakref.WeakKeyDictionary()

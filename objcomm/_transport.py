@@ -39,7 +39,17 @@ import torch
 import torch.distributed as dist
 
 from . import _limits
-from ._bytes import Batch, all_gather_equal, all_to_all_bytes, broadcast_bytes, empty, host_view, recv_bytes, to_device
+from ._bytes import (
+    Batch,
+    all_gather_equal,
+    all_to_all_bytes,
+    broadcast_bytes,
+    empty,
+    host_view,
+    receive_buffer,
+    recv_bytes,
+    to_device,
+)
 from ._errors import FrameError
 from ._slots import SlotInfo, fill_slot, outgoing_second_round_bytes, read_slot, read_slots
 from ._wire import NOT_USED, Incoming, Outgoing, SizesOf, Wire, all_gather_single, guarded
@@ -125,9 +135,9 @@ def _exchange_slots(wire: Wire, out: Outgoing, op: str) -> List[SlotInfo]:
     slots = wire.first_round.all_gather(wire, raw, op)
     if slots is not NOT_USED:
         return [read_slot(memoryview(s)) for s in slots]
-    recv = empty(wire.slot * wire.size, wire)
+    recv, host = receive_buffer(wire.slot * wire.size, wire)
     guarded(op, wire, all_gather_single, recv, _on_device(wire, raw), group=wire.group)
-    return read_slots(host_view(recv), wire.size, wire.slot)
+    return read_slots(host if host is not None else host_view(recv), wire.size, wire.slot)
 
 
 def _all_gather_frames(wire: Wire, out: Outgoing, infos: List[SlotInfo], op: str) -> List[memoryview]:
@@ -196,9 +206,12 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
     raw = (_slot(wire, out) if out is not None else bytearray(wire.slot)) if wire.rank == src else None
     got = wire.first_round.broadcast(wire, raw, src, op)
     if got is NOT_USED:
-        slot = _on_device(wire, raw) if raw is not None else empty(wire.slot, wire)
+        if raw is None:
+            slot, host = receive_buffer(wire.slot, wire)
+        else:  # on the CPU the source reads its own slot; on a device it waits for the broadcast, as it did
+            slot, host = _on_device(wire, raw), memoryview(raw) if wire.device.type == "cpu" else None
         guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
-        got = host_view(slot)
+        got = host if host is not None else host_view(slot)
     info = read_slot(memoryview(got))
     sizes, problem = _limits.plan(info, sizes_of)
     if problem:  # every rank holds the same slot: all raise alike
@@ -239,10 +252,10 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         table = _slot_table(wire, outs)
     got = wire.first_round.scatter(wire, None if table is None else _per_rank(wire, table), src, op)
     if got is NOT_USED:
-        recv = empty(wire.slot, wire)
+        recv, host = receive_buffer(wire.slot, wire)
         scatter_list = None if table is None else list(_on_device(wire, table).chunk(wire.size))
         guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
-        got = host_view(recv)
+        got = host if host is not None else host_view(recv)
     info = read_slot(memoryview(got))
     sizes, problem = _limits.plan(info, sizes_of)
     if info.error or not info.round2:

@@ -32,9 +32,7 @@ def _lifting(base: type) -> type:
     """A Pickler subclass of ``base`` that offers each non-builtin value to ``lift``."""
 
     class LiftingPickler(base):  # type: ignore[misc, valid-type]
-        def __init__(self, file: Any, lift: Lift) -> None:
-            super().__init__(file, protocol=PROTOCOL)
-            self._lift = lift
+        _lift: Lift  # set by dumps() on each new pickler (no __init__ of its own: one less Python call per dumps)
 
         def reducer_override(self, obj: Any) -> Any:
             key = self._lift(obj)
@@ -80,7 +78,9 @@ class PickleSerializer(Serializer):
             if lift is None:
                 return self._dumps_plain(obj)
             file = io.BytesIO()
-            _lifting(self._pickler_base())(file, lift).dump(obj)
+            pickler = _lifting(self._pickler_base())(file, protocol=PROTOCOL)
+            pickler._lift = lift
+            pickler.dump(obj)
             return file.getbuffer()
         except Exception as exc:
             raise self._encode_error(obj, exc) from exc

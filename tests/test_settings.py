@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from _ranks import get_pool
 
 import objcomm
+import serializers
 from objcomm import _settings
 
 pytestmark = pytest.mark.timeout(60)
@@ -133,6 +135,83 @@ def test_one_validation_for_every_layer(clean, knob, value, error, message):
         with pytest.raises(error, match=message):
             objcomm.Communicator().all_gather("x", **{knob: value})
     assert objcomm.settings() == objcomm.Settings()  # a refused configure() changes nothing
+
+
+def test_a_repeated_call_sees_configure_and_restore(clean):
+    comm = objcomm.Communicator(serializer="json")
+    for _ in range(2):  # the second call is answered from resolve()'s memo
+        assert _resolved(comm, compression="lz4").max_bytes == 8 << 30
+        assert _resolved(objcomm.Communicator(), serializer="msgpack").max_bytes == 8 << 30
+    previous = objcomm.configure(max_bytes=1 << 20)
+    assert _resolved(comm, compression="lz4").max_bytes == 1 << 20
+    assert _resolved(objcomm.Communicator(), serializer="msgpack").max_bytes == 1 << 20
+    objcomm.restore(previous)
+    assert _resolved(comm, compression="lz4").max_bytes == 8 << 30
+    assert _resolved(objcomm.Communicator(), serializer="msgpack").max_bytes == 8 << 30
+
+
+def test_a_repeated_call_sees_the_environment_once_configure_reads_it(clean):
+    assert [_resolved(objcomm.Communicator()).shm for _ in range(2)] == [True, True]
+    clean.setenv("OBJCOMM_SHM", "0")
+    assert _resolved(objcomm.Communicator()).shm is True  # not read per call, memoized or not
+    objcomm.configure()
+    assert _resolved(objcomm.Communicator()).shm is False
+
+
+def test_a_repeated_call_is_checked_again(clean):
+    comm = objcomm.Communicator()
+    assert [_resolved(comm, max_bytes=1).max_bytes for _ in range(2)] == [1, 1]
+    with pytest.raises(ValueError, match="max_bytes must be a positive int, got True"):
+        _resolved(comm, max_bytes=True)  # True == 1 as a key: it must not be served what 1 resolved to
+    serializers.register("memo-probe", dumps=lambda obj: b"", loads=lambda data: None)
+    try:
+        assert [_resolved(comm, serializer="memo-probe").serializer for _ in range(2)] == ["memo-probe"] * 2
+    finally:
+        serializers.unregister("memo-probe")
+    with pytest.raises(objcomm.UnknownSerializerError, match="memo-probe"):
+        _resolved(comm, serializer="memo-probe")
+
+
+def _configure_between_calls() -> list:
+    """Calls on a live group before, during and after a configure() that makes them fail."""
+    obj = "x" * 100
+    assert [objcomm.all_gather(obj) for _ in range(2)] == [[obj] * objcomm.Communicator()._call({}).wire.size] * 2
+    previous = objcomm.configure(max_bytes=64)
+    try:
+        with pytest.raises(objcomm.TooLargeError, match="above max_bytes=64"):
+            objcomm.all_gather(obj)
+    finally:
+        objcomm.restore(previous)
+    return objcomm.all_gather(obj)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_live_group_sees_configure_between_calls(world):
+    assert get_pool(world).run(_configure_between_calls) == [["x" * 100] * world] * world
+
+
+def _a_group_is_forgotten_after_calls() -> bool:
+    """What a call on a group keeps between calls (its wire, less the group) does not keep the group alive."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from objcomm import _state
+
+    group = dist.new_group(backend="gloo")
+    for _ in range(2):
+        assert objcomm.all_gather("x", group=group) == ["x"] * dist.get_world_size()
+    assert len(_state.group_facts(group).wires) == 1
+    alive = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    return alive() is None
+
+
+def test_a_group_is_forgotten_after_calls():
+    assert get_pool(2).run(_a_group_is_forgotten_after_calls) == [True, True]
 
 
 def test_the_environment_is_read_at_import():
