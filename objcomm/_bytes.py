@@ -88,7 +88,7 @@ class Batch:
 
     def send_rest(self, out: Outgoing, dst: int) -> None:
         """The part of ``out`` round 1 did not carry: an overflowing frame, then the tensors."""
-        if out.frame.nbytes > self.wire.inline_capacity:
+        if out.frame_nbytes > self.wire.inline_capacity:
             self.send(out.frame_tensor(), dst)
         for tensor in out.tensors:
             self.send(tensor, dst)

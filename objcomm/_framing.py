@@ -82,7 +82,12 @@ def frame_length(name_len: int, table_len: int, payload_len: int, inline_len: in
     return HEADER.size + name_len + table_len + payload_len + inline_len
 
 
-def _assemble(
+def _assemble(name: str, payload: Any, **fields: Any) -> memoryview:
+    """The frame of :func:`_frame_parts` as one buffer."""
+    return memoryview(bytearray().join(_frame_parts(name, payload, **fields)))
+
+
+def _frame_parts(
     name: str,
     payload: Any,
     *,
@@ -93,9 +98,9 @@ def _assemble(
     n_tensors: int = 0,
     inline: Sequence[torch.Tensor] = (),
     version: int = 1,
-) -> memoryview:
-    """Header, name, tensor table, payload and inline tensors, written once into a fresh buffer
-    that is sent as is (the payload is copied exactly once)."""
+) -> List[Any]:
+    """Header, name, tensor table, payload and inline tensors: a frame's parts, in order, not joined
+    (:class:`~objcomm._wire.Outgoing` joins them only where one buffer is needed)."""
     name_bytes = name.encode("ascii")
     body = payload if type(payload) is memoryview and payload.format == "B" and payload.ndim == 1 else (
         memoryview(payload).cast("B"))
@@ -116,7 +121,7 @@ def _assemble(
         body.nbytes if raw_len is None else raw_len,
         inline_len,
     )
-    return memoryview(bytearray().join(parts))
+    return parts
 
 
 def encode(
@@ -142,18 +147,17 @@ def encode(
     if packed is not None:
         table, inline, oob = packed
         version = 2 if any(lifter.kinds) else 1  # a version 1 reader would take numpy or bytes for tensors
-        frame = _assemble(
+        parts = _frame_parts(
             serializer.name, stored, compression=code, raw_len=raw.nbytes, table=table, n_tensors=len(lifter.tensors),
             inline=inline, version=version,
         )
-        total = frame.nbytes + sum(t.numel() for t in oob)
     else:  # the common small case: no tensor table, nothing out of band
-        frame, oob = _assemble(serializer.name, stored, compression=code, raw_len=raw.nbytes), []
-        total = frame.nbytes
-    if total > max_bytes:
-        raise too_large(f"the encoded object is {total:,} bytes, above max_bytes={max_bytes:,}",
+        parts, oob = _frame_parts(serializer.name, stored, compression=code, raw_len=raw.nbytes), []
+    out = Outgoing(parts=parts, tensors=oob)
+    if out.total > max_bytes:
+        raise too_large(f"the encoded object is {out.total:,} bytes, above max_bytes={max_bytes:,}",
                         outcome="nothing was sent", where="on this rank")
-    return Outgoing(frame, oob)
+    return out
 
 
 def error_frame(exc: BaseException, limit: int) -> Outgoing:

@@ -33,7 +33,7 @@ import functools
 import mmap
 import os
 import stat
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -80,8 +80,18 @@ def layout(position: int, sizes: Sequence[int]) -> Tuple[List[int], int]:
     return offsets, position
 
 
-def write_sealed(name: str, frame: Optional[memoryview], pieces: Sequence[memoryview]) -> SealedSegment:
-    """A new sealed memory file holding ``frame`` then ``pieces`` (laid out by :func:`layout`).
+def frame_parts(frame: Any) -> List[memoryview]:
+    """A frame given as one buffer, as its parts, or None (round 1 carried it), as a list of byte views."""
+    if frame is None:
+        return []
+    if isinstance(frame, (memoryview, bytes, bytearray)):
+        return [memoryview(frame).cast("B")]
+    return [memoryview(part).cast("B") for part in frame]
+
+
+def write_sealed(name: str, frame: Any, pieces: Sequence[memoryview]) -> SealedSegment:
+    """A new sealed memory file holding ``frame`` (one buffer, its parts, or None) then ``pieces`` (laid
+    out by :func:`layout`).
 
     Plain writes, not a mapping: the kernel fills the pages without a fault per page, and the write
     seal needs no writable mapping to exist. Raises ``OSError`` where memory files are unavailable.
@@ -89,13 +99,13 @@ def write_sealed(name: str, frame: Optional[memoryview], pieces: Sequence[memory
     create = getattr(os, "memfd_create", None)
     if create is None:
         raise OSError(errno.ENOSYS, "memfd_create is not available on this platform")
-    start = frame.nbytes if frame is not None else 0
-    offsets, end = layout(start, [piece.nbytes for piece in pieces])
+    head = frame_parts(frame)
+    offsets, end = layout(sum(part.nbytes for part in head), [piece.nbytes for piece in pieces])
     fd = create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, end)
-        if frame is not None:
-            _write_at(fd, frame, 0)
+        for offset, part in zip(_consecutive(head), head):
+            _write_at(fd, part, offset)
         for offset, piece in zip(offsets, pieces):
             _write_at(fd, piece, offset)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
@@ -103,6 +113,15 @@ def write_sealed(name: str, frame: Optional[memoryview], pieces: Sequence[memory
         os.close(fd)
         raise
     return SealedSegment(fd)
+
+
+def _consecutive(parts: Sequence[memoryview]) -> List[int]:
+    """The offsets of ``parts`` laid back to back from 0."""
+    offsets, at = [], 0
+    for part in parts:
+        offsets.append(at)
+        at += part.nbytes
+    return offsets
 
 
 def _write_at(fd: int, piece: memoryview, offset: int) -> None:

@@ -41,13 +41,13 @@ import secrets
 import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, NamedTuple, Optional, Sequence, Set
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Set
 
 import torch
 
 from . import _hosts
 from ._errors import FrameError
-from ._sealed import SealedSegment, foreign, write_sealed
+from ._sealed import SealedSegment, foreign, frame_parts, write_sealed
 from ._wire import Incoming
 
 log = logging.getLogger("objcomm")
@@ -76,16 +76,18 @@ class SegmentBook:
     def next_seq(self) -> int:
         return next(self._seq)
 
-    def create(self, path: str, frame: Optional[memoryview], tensors: Sequence[torch.Tensor]) -> _Segment:
-        """Write ``frame`` then ``tensors`` into a new file. Plain writes, not a mapping: a full
-        filesystem raises ENOSPC here instead of SIGBUS, and the kernel fills pages faster than faults do.
-        ``O_EXCL | O_NOFOLLOW``: whatever already sits at the name (a planted link) makes this fail."""
-        size = (frame.nbytes if frame is not None else 0) + sum(t.numel() for t in tensors)
+    def create(self, path: str, frame: Any, tensors: Sequence[torch.Tensor]) -> _Segment:
+        """Write ``frame`` (one buffer, its parts, or None) then ``tensors`` into a new file. Plain writes,
+        not a mapping: a full filesystem raises ENOSPC here instead of SIGBUS, and the kernel fills pages
+        faster than faults do. ``O_EXCL | O_NOFOLLOW``: whatever already sits at the name (a planted
+        link) makes this fail."""
+        head = frame_parts(frame)
+        size = sum(part.nbytes for part in head) + sum(t.numel() for t in tensors)
         _check_space(os.path.dirname(path), size)
         fd = os.open(path, _CREATE_FLAGS, 0o600)
         self._track(path)
         try:
-            pieces = ([frame] if frame is not None else []) + [_host_bytes(t) for t in tensors if t.numel()]
+            pieces = head + [_host_bytes(t) for t in tensors if t.numel()]
             for piece in pieces:
                 while piece.nbytes:
                     piece = piece[os.write(fd, piece):]
@@ -96,7 +98,7 @@ class SegmentBook:
             os.close(fd)
         return _Segment(path, self)
 
-    def create_sealed(self, frame: Optional[memoryview], tensors: Sequence[torch.Tensor]) -> SealedSegment:
+    def create_sealed(self, frame: Any, tensors: Sequence[torch.Tensor]) -> SealedSegment:
         """Write ``frame`` then ``tensors`` into a new sealed memory file (:mod:`objcomm._sealed`); nothing to
         track: the file has no name, and goes when its writer closes it and the last reader drops its views."""
         return write_sealed(f"{PREFIX}{self.token:016x}", frame, [_host_bytes(t) for t in tensors])

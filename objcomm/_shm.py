@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ DEFAULT_THRESHOLD = DEFAULT_SHM_THRESHOLD
 Source = Union[str, Sealed]  # a segment file's path, or where a sealed segment is
 SourceOf = Callable[[int, int], Source]  # (writer's group rank, part) -> where that segment is
 T = TypeVar("T")
-Part = Tuple[Optional[memoryview], Sequence[torch.Tensor]]  # a frame (None: round 1 carried it) and tensors
+Part = Tuple[Optional[Sequence[Any]], Sequence[torch.Tensor]]  # a frame's parts (None: round 1 carried it), tensors
 
 _READ, _FELL_BACK, _REFUSED = 0, 1, 2  # what a reader reports after step 2; the largest wins
 _P2P = 6  # seq (or -1), pid, token, host key, pid namespace, sealed descriptor (0: a file)
@@ -254,7 +254,7 @@ class SharedMemory:
             capacity = wire.inline_capacity
             moved = [0 if r == src else outgoing_second_round_bytes(o, capacity) for r, o in enumerate(outs)]
             if self.worth(wire, max(moved), op):
-                parts = {r: _part(o, o.frame.nbytes <= wire.inline_capacity) for r, o in enumerate(outs) if moved[r]}
+                parts = {r: _part(o, o.frame_nbytes <= wire.inline_capacity) for r, o in enumerate(outs) if moved[r]}
 
         def read(source_of: SourceOf) -> Incoming:
             if wire.rank == src:
@@ -274,7 +274,7 @@ class SharedMemory:
         if hosts is None:
             return NOT_USED
         me, capacity = wire.rank, wire.inline_capacity
-        parts = {r: _part(o, o.frame.nbytes <= capacity) for r, o in enumerate(outs)
+        parts = {r: _part(o, o.frame_nbytes <= capacity) for r, o in enumerate(outs)
                  if r != me and outgoing_second_round_bytes(o, capacity)}
 
         def read(source_of: SourceOf) -> List[Incoming]:
@@ -298,7 +298,7 @@ class SharedMemory:
             else:
                 try:
                     seq = self.book.next_seq()
-                    part = _part(out, out.frame.nbytes <= wire.inline_capacity)
+                    part = _part(out, out.frame_nbytes <= wire.inline_capacity)
                     if sealed:
                         segment = self.book.create_sealed(*part)
                         fd = segment.fd
@@ -360,7 +360,7 @@ class SharedMemory:
 
 def _part(out: Optional[Outgoing], frame_inline: bool) -> Part:
     assert out is not None
-    return (None if frame_inline else out.frame), out.tensors
+    return (None if frame_inline else out.parts), out.tensors  # written part by part: never joined for this
 
 
 def _own(out: Outgoing, copy: bool) -> Incoming:

@@ -49,20 +49,20 @@ def second_round_bytes(length: int, total: int, inline: bool) -> int:
 
 def outgoing_second_round_bytes(out: Outgoing, capacity: int) -> int:
     """:func:`second_round_bytes` of what this rank sends, with slots of ``capacity`` bytes after the prefix."""
-    return second_round_bytes(out.frame.nbytes, out.total, out.frame.nbytes <= capacity)
+    return second_round_bytes(out.frame_nbytes, out.total, out.frame_nbytes <= capacity)
 
 
 def fill_slot(slot: memoryview, out: Outgoing, limit: int, round2: bool = False) -> None:
     """Write the slot describing ``out`` (``limit``: the sender's ``max_bytes``) into ``slot``, zeroed."""
-    length = out.frame.nbytes
+    length = out.frame_nbytes
     sizes = [t.numel() for t in out.tensors]
     inline = length <= slot.nbytes - PREFIX.size
     at = PREFIX.size + (length if inline else 0)  # list the tensor sizes here, so a receiver knows every transfer
     listed = bool(sizes or not inline) and at + COUNT.size + 8 * len(sizes) <= slot.nbytes
     word = length | (ERROR_BIT if out.error else 0) | (ROUND2_BIT if round2 else 0)
-    PREFIX.pack_into(slot, 0, word | (LISTED_BIT if inline and listed else 0), limit, length + sum(sizes))  # out.total
+    PREFIX.pack_into(slot, 0, word | (LISTED_BIT if inline and listed else 0), limit, out.total)
     if inline:
-        slot[PREFIX.size : at] = out.frame
+        out.copy_frame_into(slot[PREFIX.size : at])
     if listed:
         COUNT.pack_into(slot, at, len(sizes))
         struct.pack_into(f"<{len(sizes)}Q", slot, at + COUNT.size, *sizes)

@@ -439,5 +439,5 @@ def _per_rank(wire: Wire, table: bytearray) -> List[memoryview]:
 
 def _rest(wire: Wire, out: Outgoing) -> List[torch.Tensor]:
     """What a sender moves after round 1, as the parts of one stream: an overflowing frame, then its tensors."""
-    frame = [out.frame_tensor()] if out.frame.nbytes > wire.inline_capacity else []
+    frame = [out.frame_tensor()] if out.frame_nbytes > wire.inline_capacity else []
     return frame + list(out.tensors)

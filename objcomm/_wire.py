@@ -164,25 +164,59 @@ class Wire(NamedTuple):
         return 2 * self.tag + 1
 
 
-@dataclass
 class Outgoing:
-    """What one rank sends: a frame (bytes-like, host memory) and flat uint8 tensors (on any device)."""
+    """What one rank sends: a frame (host memory) and flat uint8 tensors (on any device).
 
-    frame: memoryview
-    tensors: Sequence[torch.Tensor] = ()
-    error: bool = False
+    The frame may be given whole (``frame``) or as the ``parts`` it is made of, back to back (a
+    header and the serializer's own output): they are joined into one buffer only where one is
+    needed (:attr:`frame`), so that paths that write parts where they go (a slot, a shared-memory
+    segment) never copy the payload just to glue it to its header.
+    """
+
+    __slots__ = ("parts", "tensors", "error", "frame_nbytes", "_frame")
+
+    def __init__(self, frame: Any = None, tensors: Sequence[torch.Tensor] = (), error: bool = False, *,
+                 parts: Sequence[Any] = ()) -> None:
+        if frame is not None:
+            frame = memoryview(frame)
+            parts = (frame,)
+        self.parts: Sequence[Any] = parts
+        self.tensors = tensors
+        self.error = error
+        self.frame_nbytes = sum(memoryview(p).nbytes for p in parts)
+        self._frame: Optional[memoryview] = frame
+
+    @property
+    def frame(self) -> memoryview:
+        """The frame as one buffer (its parts joined on first use: the one copy a frame may take)."""
+        if self._frame is None:
+            parts = self.parts  # joined into writable memory: frame_tensor() views it
+            one = len(parts) == 1 and not memoryview(parts[0]).readonly
+            self._frame = memoryview(parts[0]) if one else memoryview(bytearray().join(parts))
+        return self._frame
 
     @property
     def total(self) -> int:
-        return self.frame.nbytes + sum(t.numel() for t in self.tensors)
+        return self.frame_nbytes + sum(t.numel() for t in self.tensors)
 
     def complete(self, wire: Wire) -> bool:
         """Round 1 carries all of it: the frame fits the slot and there are no tensors."""
-        return self.frame.nbytes <= wire.inline_capacity and not self.tensors
+        return self.frame_nbytes <= wire.inline_capacity and not self.tensors
 
     def frame_tensor(self) -> torch.Tensor:
         """The frame as a uint8 tensor sharing its memory (for the second round)."""
         return torch.frombuffer(self.frame, dtype=torch.uint8)
+
+    def copy_frame_into(self, view: memoryview) -> None:
+        """Write the frame's bytes at the start of ``view`` (its parts one after another, not joined first)."""
+        at = 0
+        for part in self.parts:
+            n = memoryview(part).nbytes
+            view[at : at + n] = part
+            at += n
+
+    def __repr__(self) -> str:
+        return f"Outgoing({self.frame_nbytes:,}-byte frame, {len(self.tensors)} tensors, error={self.error})"
 
 
 @dataclass

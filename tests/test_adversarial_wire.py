@@ -11,7 +11,6 @@ from __future__ import annotations
 import pickle
 import struct
 import tracemalloc
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -40,11 +39,14 @@ FUZZ = settings(
 )
 
 
-@dataclass
 class Lying(Outgoing):
     """An Outgoing whose slot announces ``claimed`` bytes in total, whatever it really moves."""
 
-    claimed: int = 0
+    __slots__ = ("claimed",)
+
+    def __init__(self, frame: memoryview, claimed: int) -> None:
+        super().__init__(frame)
+        self.claimed = claimed
 
     @property
     def total(self) -> int:  # type: ignore[override]
@@ -132,7 +134,8 @@ def under_reported(op: str) -> tuple:
 def test_under_reported_total_is_refused_before_allocating(op):
     results = get_pool(2).run(under_reported, op, timeout=120)
     (outcome, growth, usable), sender = results[0], results[1]
-    assert isinstance(outcome, tuple) and outcome[0] in ("FrameError", "TooLargeError"), outcome
+    assert isinstance(outcome, tuple) and outcome[0] == "FrameError", outcome
+    assert "announces in total" in outcome[1], outcome  # the lie itself was seen, not just the size
     assert growth < 16 * MiB, f"the receiver's peak RSS grew by {growth:,} bytes"
     assert usable and sender[2]
 
@@ -548,7 +551,9 @@ def inflated_rounds() -> tuple:
 
 def test_an_inflated_all_to_all_vote_ends_at_the_group_timeout():
     (honest, honest_took, usable), (liar, _, liar_usable) = get_pool(2).run(inflated_rounds, timeout=120)
-    assert honest[0] == "CommunicationError" and "was not done after the group's timeout of 3 s" in honest[1], honest
+    assert honest[0] == liar[0] == "CommunicationError", (honest, liar)
     assert honest_took < 60  # a bound on a hang, not a speed figure: unbounded, this took 2**30 rounds
-    assert liar[0] == "CommunicationError", liar
+    # The rounds' limit ended it on at least one rank; a rank still inside a round when the other stopped
+    # raises the group's own timeout error there.
+    assert any("was not done after the group's timeout of 3 s" in r[1] for r in (honest, liar)), (honest, liar)
     assert usable and liar_usable  # the world group was not involved
