@@ -147,13 +147,14 @@ class LocalChannel:
     @classmethod
     def open(cls, wire: Wire, *, timeout: float = DEFAULT_TIMEOUT, setup_timeout: float = SETUP_TIMEOUT,
              separate: bool = False, op: str = "local channel set-up", ready: bool = False,
-             history: Tuple[int, int] = (0, 0)) -> Optional[LocalChannel]:
+             history: Tuple[int, int] = (0, 0), stash_bytes: int = STASH_BYTES) -> Optional[LocalChannel]:
         """Connect every rank of ``wire``'s group (a collective); ``None`` on every rank when they are
         not all on this host with one uid and pid namespace, or when any rank could not connect.
 
         ``ready``: this rank has no send/recv in flight (the channel takes send/recv when every rank is).
         ``history``: ``(generation, failure point)`` of the group's previous channel (``(0, 0)``: none);
-        ranks that tell different ones are out of step, and every rank raises."""
+        ranks that tell different ones are out of step, and every rank raises. ``stash_bytes``: see
+        :mod:`objcomm._inbox`."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         nonce, secret = secrets.randbits(63), secrets.randbits(63)
         try:
@@ -189,7 +190,8 @@ class LocalChannel:
             for s in peers.values():
                 s.close()
             return None
-        return cls(wire.rank, peers, pids, timeout, p2p=all(readies), generation=history[0] + 1)
+        return cls(wire.rank, peers, pids, timeout, p2p=all(readies), generation=history[0] + 1,
+                   stash_bytes=stash_bytes)
 
     @staticmethod
     def _connect(rank: int, peers: Dict[int, socket.socket], pids: Sequence[int], nonces: Sequence[int],
