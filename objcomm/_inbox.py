@@ -84,70 +84,103 @@ class Inbox:
              first: bool = False) -> Tuple[Dict[int, bytes], bool]:
         """One message under ``key`` from each of ``sources`` (``first``: from whichever has one first),
         and whether every one of them carried :data:`READY`."""
+        deadline = time.monotonic() + self.timeout
+        with self.cond:
+            if len(sources) == 1 and not self._waiting and self.closed is None:
+                fast = self._alone(sources[0], key, kind, op)
+                if fast is not None:
+                    return fast
+            return self._take(sources, key, kind, op, first, deadline)
+
+    def _alone(self, peer: int, key: Key, kind: int, op: str) -> Optional[Tuple[Dict[int, bytes], bool]]:
+        """The common case, one thread and one source: read its socket once; the message, if it is the one
+        wanted (nothing filed), else None (anything read is filed)."""
+        if peer in self._readers or self._stash[peer] or peer in self.gone:
+            return None
+        self._readers[peer] = threading.get_ident()
+        self.cond.release()
+        try:
+            length = self._recv(peer, block=True)
+        finally:
+            self.cond.acquire()
+            del self._readers[peer]
+            if self._waiting:  # a thread came meanwhile, waiting for this socket
+                self._notify()
+        parsed = self._parse(peer, length, op) if length != -3 else None
+        if parsed is None:
+            return None
+        if parsed[0] != key:
+            self._put(peer, *parsed, op)
+            return None
+        their_kind, flags, data = parsed[1]
+        if their_kind != kind:
+            self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+        return {peer: data}, bool(flags & READY)
+
+    def _take(self, sources: Sequence[int], key: Key, kind: int, op: str, first: bool,
+              deadline: float) -> Tuple[Dict[int, bytes], bool]:
         got: Dict[int, bytes] = {}
         ready = True
         pending = list(sources)
-        deadline = time.monotonic() + self.timeout
         me = threading.get_ident()
         mine: List[int] = []
         wake = -1
-        with self.cond:
-            self._waiting += 1
-            try:
-                while True:
-                    if self.closed is not None:
-                        self._fail(op, self.closed)
-                    for peer in list(pending):
-                        entry = self._pop(peer, key)
-                        if entry is not None:
-                            their_kind, flags, data = entry
-                            if their_kind != kind:
-                                self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
-                            got[peer] = data
-                            ready = ready and bool(flags & READY)
-                            pending.remove(peer)
-                            if first:
-                                return got, ready
-                        elif peer in self.gone:
-                            self._fail(op, self.gone[peer])
-                        elif key[0] and peer in self._last and after(self._last[peer], key[1]):
-                            self._fail(op, f"rank {peer} sent collective #{self._last[peer]} but not #{key[1]}: "
-                                           "it called a different operation")
-                    if not pending:
-                        return got, ready
-                    if any(p not in pending for p in mine):  # let others read what this thread no longer needs
-                        mine = [p for p in mine if p in pending]
-                        self._release(me, pending)
-                    for peer in pending:
-                        if peer not in self._readers:
-                            self._readers[peer] = me
-                            mine.append(peer)
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        why = f"no message from rank(s) {pending} within the timeout of {self.timeout:.0f}s"
-                        if key[0]:  # the others wait in the same collective: close, so that they learn at once
-                            self._fail(op, why)
-                        raise CommunicationError(f"{op} over the local channel: {why}; the channel stays open")
-                    if not mine:  # another thread reads every socket this one waits on: it files and notifies
-                        self.cond.wait(remaining)
-                        continue
-                    if first and len(mine) < len(pending) and wake < 0:
-                        wake = self._wakes[me] = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-                    self.cond.release()
-                    try:
-                        arrived = self._read(mine, wake, remaining)
-                    finally:
-                        self.cond.acquire()
-                    for peer, length in arrived:
-                        self._file(peer, length, op)
-                    if arrived and self._waiting > 1:
-                        self._notify()
-            finally:
-                self._waiting -= 1
-                self._release(me, ())
-                if wake >= 0:
-                    del self._wakes[me]
-                    os.close(wake)
+        self._waiting += 1
+        try:
+            while True:
+                if self.closed is not None:
+                    self._fail(op, self.closed)
+                for peer in list(pending):
+                    entry = self._pop(peer, key)
+                    if entry is not None:
+                        their_kind, flags, data = entry
+                        if their_kind != kind:
+                            self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+                        got[peer] = data
+                        ready = ready and bool(flags & READY)
+                        pending.remove(peer)
+                        if first:
+                            return got, ready
+                    elif peer in self.gone:
+                        self._fail(op, self.gone[peer])
+                    elif key[0] and peer in self._last and after(self._last[peer], key[1]):
+                        self._fail(op, f"rank {peer} sent collective #{self._last[peer]} but not #{key[1]}: "
+                                       "it called a different operation")
+                if not pending:
+                    return got, ready
+                if any(p not in pending for p in mine):  # let others read what this thread no longer needs
+                    mine = [p for p in mine if p in pending]
+                    self._release(me, pending)
+                for peer in pending:
+                    if peer not in self._readers:
+                        self._readers[peer] = me
+                        mine.append(peer)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    why = f"no message from rank(s) {pending} within the timeout of {self.timeout:.0f}s"
+                    if key[0]:  # the others wait in the same collective: close, so that they learn at once
+                        self._fail(op, why)
+                    raise CommunicationError(f"{op} over the local channel: {why}; the channel stays open")
+                if not mine:  # another thread reads every socket this one waits on: it files and notifies
+                    self.cond.wait(remaining)
+                    continue
+                if first and len(mine) < len(pending) and wake < 0:
+                    wake = self._wakes[me] = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                self.cond.release()
+                try:
+                    arrived = self._read(mine, wake, remaining)
+                finally:
+                    self.cond.acquire()
+                for peer, length in arrived:
+                    self._file(peer, length, op)
+                if arrived and self._waiting > 1:
+                    self._notify()
+        finally:
+            self._waiting -= 1
+            self._release(me, ())
+            if wake >= 0:
+                del self._wakes[me]
+                os.close(wake)
 
     def _pop(self, peer: int, key: Key) -> Optional[Entry]:
         queue = self._stash[peer].get(key)
@@ -199,7 +232,7 @@ class Inbox:
     def _recv(self, peer: int, block: bool) -> int:
         sock = self._peers[peer]
         try:
-            length = sock.recv_into(self._buffers[peer], self._size, socket.MSG_TRUNC | (0 if block else _DONTWAIT))
+            length = sock.recv_into(self._buffers[peer], self._size, _TRUNC if block else _TRUNC | _DONTWAIT)
         except BlockingIOError:
             return -3
         except OSError:
@@ -207,7 +240,7 @@ class Inbox:
         if length:
             return length
         try:  # 0: EOF, or an empty datagram (then the socket still works)
-            sock.recv(1, socket.MSG_PEEK | _DONTWAIT)
+            sock.recv(1, _PEEK | _DONTWAIT)
         except BlockingIOError:
             return -2
         except OSError:
@@ -217,41 +250,52 @@ class Inbox:
     # -- filing (under the lock) ------------------------------------------------------------------
     def _file(self, peer: int, length: int, op: str) -> None:
         """Check the message ``peer`` sent and put it in the stash, or note EOF."""
-        who = f"rank {peer} (pid {self._pids[peer]})"
+        parsed = self._parse(peer, length, op)
+        if parsed is not None:
+            self._put(peer, *parsed, op)
+
+    def _parse(self, peer: int, length: int, op: str) -> Optional[Tuple[Key, Entry]]:
+        """The key and entry of the message in ``peer``'s buffer, checked (see the module docstring); None at EOF."""
         if length == -1:
             if peer not in self.gone:
-                self.gone[peer] = f"{who} closed its connection: it died, or failed and closed the channel"
-            return
-        if length == -2 or length < HEADER.size:
-            self._fail(op, f"{who} sent a {max(length, 0)}-byte message, shorter than the {HEADER.size}-byte "
-                           "header: a protocol error")
+                self.gone[peer] = f"{self._who(peer)} closed its connection: it died, or failed and closed the channel"
+            return None
+        if length < HEADER.size:  # -2: an empty datagram
+            self._fail(op, f"{self._who(peer)} sent a {max(length, 0)}-byte message, shorter than the "
+                           f"{HEADER.size}-byte header: a protocol error")
         if length > self._size:
-            self._fail(op, f"{who} sent a {length:,}-byte message, above the {self._size:,} bytes a message may "
-                           "have: a protocol error")
+            self._fail(op, f"{self._who(peer)} sent a {length:,}-byte message, above the {self._size:,} bytes a "
+                           "message may have: a protocol error")
         kind, flags, seq, tag = HEADER.unpack_from(self._buffers[peer])
         if kind == P2P:
             if seq or flags or tag < 0:
-                self._fail(op, f"{who} sent a point-to-point message with a bad header (sequence number {seq}, "
-                               f"flags {flags}, tag {tag}): a protocol error")
+                self._fail(op, f"{self._who(peer)} sent a point-to-point message with a bad header (sequence number "
+                               f"{seq}, flags {flags}, tag {tag}): a protocol error")
             key: Key = (False, tag)
         elif kind in NAMES:
-            if tag or flags & ~READY:
-                self._fail(op, f"{who} sent a {NAMES[kind]} message with a bad header (tag {tag}, flags {flags}): "
-                               "a protocol error")
-            if not after(seq, self.done) or (peer in self._last and not after(seq, self._last[peer])):
-                self._fail(op, f"{who} sent a message for collective #{seq}, after #{self._last.get(peer, 0)} and "
-                               f"with #{self.done} finished here: a duplicate or stale message, a protocol error")
+            last = self._last.get(peer)
+            if tag or flags & ~READY or not after(seq, self.done) or (last is not None and not after(seq, last)):
+                self._fail(op, f"{self._who(peer)} sent a {NAMES[kind]} message with a bad header (collective "
+                               f"#{seq} after #{last} and with #{self.done} finished here, tag {tag}, flags {flags}): "
+                               "a duplicate or stale message, or a protocol error")
             self._last[peer] = seq
             key = (True, seq)
         else:
-            self._fail(op, f"{who} sent a message of unknown kind {kind}: a protocol error")
-        size = length - HEADER.size + ENTRY_OVERHEAD
+            self._fail(op, f"{self._who(peer)} sent a message of unknown kind {kind}: a protocol error")
+        return key, (kind, flags, bytes(memoryview(self._buffers[peer])[HEADER.size : length]))
+
+    def _put(self, peer: int, key: Key, entry: Entry, op: str) -> None:
+        size = len(entry[2]) + ENTRY_OVERHEAD
         if self._stashed + size > self._limit:
-            self._fail(op, f"{who} sent more than this rank has asked for: the stash of messages for calls not yet "
-                           f"made would pass {self._limit:,} bytes. A rank that far ahead, or flooding the channel")
+            self._fail(op, f"{self._who(peer)} sent more than this rank has asked for: the stash of messages for "
+                           f"calls not yet made would pass {self._limit:,} bytes. A rank that far ahead, or flooding "
+                           "the channel")
         self._stashed += size
-        data = bytes(memoryview(self._buffers[peer])[HEADER.size : length])
-        self._stash[peer].setdefault(key, deque()).append((kind, flags, data))
+        self._stash[peer].setdefault(key, deque()).append(entry)
 
+    def _who(self, peer: int) -> str:
+        return f"rank {peer} (pid {self._pids[peer]})"
 
-_DONTWAIT = socket.MSG_DONTWAIT
+_DONTWAIT = int(socket.MSG_DONTWAIT)  # ints: an enum.IntFlag's | costs more than the recv's bookkeeping
+_TRUNC = int(socket.MSG_TRUNC)
+_PEEK = int(socket.MSG_PEEK)
