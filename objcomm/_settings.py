@@ -78,9 +78,10 @@ class Settings:
       ``shm_threshold``: from how many bytes; ``shm_dir``: where segments live (``None``: ``OBJCOMM_SHM_DIR``,
       else ``/dev/shm``). All ranks of a group must agree on these, as on ``slot_bytes``.
     - ``local``: when every rank of a group runs on one host, the first round of collectives (the slots)
-      moves through Unix-domain sockets between the processes instead of the backend
-      (:mod:`objcomm._first`). Off by default in this version (``OBJCOMM_LOCAL=1`` turns it on): it does
-      not yet carry send/recv or the small control collectives. All ranks of a group must agree.
+      moves through Unix-domain sockets between the processes instead of the backend, and so does that of
+      send/recv once a collective has opened them (:mod:`objcomm._first`). Off by default in this version
+      (``OBJCOMM_LOCAL=1`` turns it on): it does not yet carry the small control collectives. All ranks of a
+      group must agree.
     """
 
     serializer: SerializerLike = "pickle"
