@@ -131,6 +131,31 @@ def test_send_recv_move_to_the_channel_only_when_nothing_is_in_flight():
         [False, "early", False, True, "late"], [False, False, True]]
 
 
+def starts_during_a_vote() -> List[Any]:
+    """A send that another thread starts while this rank's yes-vote is out waits for the outcome, then takes
+    the channel like its receiver (through the group it would wait for a receiver that never posts there)."""
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    comm = objcomm.Communicator(group, local=True)
+    pending = comm.irecv(1, tag=1) if rank == 0 else None
+    comm.broadcast(0)  # opens the channel; rank 0's irecv is in flight: send/recv stay on the group
+    if rank == 0:
+        seen: List[Any] = [pending.wait(60), _state_of(group).channel.p2p]
+        sender = threading.Thread(target=lambda: (time.sleep(0.2), comm.send("b", 1, tag=2)))
+        sender.start()
+        comm.all_gather(0)  # rank 1 comes 0.6 s late: the thread starts its send while the vote is out
+        sender.join(60)
+        return seen + [not sender.is_alive(), _state_of(group).channel.p2p]
+    comm.send("a", 0, tag=1)
+    time.sleep(0.6)
+    comm.all_gather(1)
+    return [comm.recv(0, tag=2), _state_of(group).channel.p2p]
+
+
+def test_a_send_started_during_the_vote_waits_for_its_outcome():
+    assert get_pool(2).run(starts_during_a_vote) == [["a", False, True, True], ["b", True]]
+
+
 def many_threads(rounds: int) -> Dict[str, Any]:
     """Per rank: a thread per (peer, tag) sending, one receiving from any rank on its own tag, isend/irecv
     lanes, and collectives on the main thread, all at once on one channel; nothing is lost or mixed."""

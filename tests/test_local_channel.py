@@ -280,3 +280,31 @@ def floods_the_stash() -> Any:
 @pytest.mark.timeout(60)
 def test_the_stash_keeps_what_fits_in_order():
     assert get_pool(2).run(floods_the_stash)[0] == [(1, b"now")] + [(1, bytes([i]) * 1000) for i in range(3)]
+
+
+def recv_times_out() -> List[str]:
+    """A recv that waits past the timeout raises, and the channel stays open (nothing else was waiting);
+    a collective that does closes it, so that the others raise at once."""
+    channel = _local.LocalChannel.open(_wire(), timeout=0.5)
+    assert channel is not None
+    seen = []
+    with channel:
+        if dist.get_rank() == 0:
+            try:
+                channel.recv(1, tag=3)
+            except CommunicationError as exc:
+                seen.append("stays open" if "within the timeout" in str(exc) and not channel.closed else str(exc))
+        dist.barrier()
+        seen.append(channel.all_gather(b"still") == [b"still"] * 2)
+        if dist.get_rank() == 1:
+            time.sleep(1.5)
+        try:
+            channel.all_gather(b"late")
+        except CommunicationError as exc:
+            seen.append("closed" if channel.closed else str(exc))
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_a_recv_past_the_timeout_raises_and_leaves_the_channel_open():
+    assert get_pool(2).run(recv_times_out) == [["stays open", True, "closed"], [True, "closed"]]
