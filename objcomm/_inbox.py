@@ -28,6 +28,7 @@ cannot lie.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -78,6 +79,9 @@ class Inbox:
         self._readers: Dict[int, int] = {}  # peer -> thread reading its socket
         self._wakes: Dict[int, int] = {}  # thread -> eventfd, for receivers from any rank that poll
         self._waiting = 0
+        self._poll_all = select.poll()  # every live peer's socket, for a collective read by one thread
+        for sock in peers.values():
+            self._poll_all.register(sock.fileno(), select.POLLIN)
 
     # -- waiting ---------------------------------------------------------------------------------
     def take(self, sources: Sequence[int], key: Key, kind: int, op: str,
@@ -86,16 +90,97 @@ class Inbox:
         and whether every one of them carried :data:`READY`."""
         deadline = time.monotonic() + self.timeout
         with self.cond:
-            if len(sources) == 1 and not self._waiting and self.closed is None:
-                fast = self._alone(sources[0], key, kind, op)
-                if fast is not None:
-                    return fast
+            if not self._waiting and self.closed is None:  # no other thread waits: the lean paths
+                if len(sources) == 1:
+                    fast = self._alone(sources[0], key, kind, op)
+                    if fast is not None:
+                        return fast
+                elif not first and not any(p in self._readers or p in self.gone for p in sources):
+                    got, ready, pending = self._together(sources, key, kind, op, deadline)
+                    if not pending:
+                        return got, ready
+                    return self._take(pending, key, kind, op, first, deadline, got, ready)
             return self._take(sources, key, kind, op, first, deadline)
+
+    def _free(self, peer: int) -> bool:
+        """Nobody reads ``peer``'s socket, nothing of it waits in the stash, and it is not gone."""
+        return peer not in self._readers and not self._stash[peer] and peer not in self.gone
+
+    def _together(self, sources: Sequence[int], key: Key, kind: int, op: str,
+                  deadline: float) -> Tuple[Dict[int, bytes], bool, List[int]]:
+        """One thread and several sources nobody else reads (a collective at W > 2): take what the stash
+        holds, read the rest, taking the messages wanted directly and filing the others; ``(got, ready,
+        pending)``, pending non-empty when it stopped early (EOF, the deadline: the general path says why).
+        When the sources are every live peer, the poll registered once at set-up serves (a peer done with this
+        call keeps being read: what it sends next is filed)."""
+        me = threading.get_ident()
+        got: Dict[int, bytes] = {}
+        ready, pending = True, []
+        for peer in sources:
+            entry = self._pop(peer, key)
+            if entry is None:
+                pending.append(peer)
+                continue
+            if entry[0] != kind:
+                self._fail(op, f"rank {peer} called {NAMES[entry[0]]} instead")
+            got[peer] = entry[2]
+            ready = ready and bool(entry[1] & READY)
+        if not pending:
+            return got, ready, pending
+        everyone = len(sources) == len(self._peers)  # none gone: checked by the caller
+        mine = list(sources) if everyone else list(pending)
+        fds = {self._peers[p].fileno(): p for p in mine}
+        poll = self._poll_all if everyone else select.poll()
+        for fd, peer in fds.items():
+            self._readers[peer] = me
+            if not everyone:
+                poll.register(fd, select.POLLIN)
+        try:
+            while pending and time.monotonic() < deadline:
+                self.cond.release()
+                try:
+                    if len(pending) == 1:  # one blocking recv, bounded by SO_RCVTIMEO: no poll
+                        arrived = [(pending[0], self._recv(pending[0], block=True))]
+                    else:
+                        events = poll.poll((deadline - time.monotonic()) * 1000)
+                        arrived = [(fds[fd], self._recv(fds[fd], block=False)) for fd, _ in events]
+                finally:
+                    self.cond.acquire()
+                for peer, length in arrived:
+                    parsed = self._parse(peer, length, op) if length != -3 else None
+                    if parsed is None:
+                        if peer in self.gone:
+                            with contextlib.suppress(KeyError, ValueError):
+                                self._poll_all.unregister(self._peers[peer].fileno())
+                            if peer in pending:
+                                return got, ready, pending
+                        continue
+                    if parsed[0] != key or peer not in pending:
+                        self._put(peer, *parsed, op)
+                    else:
+                        their_kind, flags, data = parsed[1]
+                        if their_kind != kind:
+                            self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+                        got[peer] = data
+                        ready = ready and bool(flags & READY)
+                        pending.remove(peer)
+                        if not everyone:
+                            poll.unregister(self._peers[peer].fileno())
+                            del self._readers[peer]
+                    if self._waiting:  # a thread came meanwhile: it may want what was filed, or the socket
+                        self._notify()
+            return got, ready, pending
+        finally:
+            for peer in mine:
+                if self._readers.get(peer) == me:
+                    del self._readers[peer]
+            if self._waiting:
+                self._notify()
 
     def _alone(self, peer: int, key: Key, kind: int, op: str) -> Optional[Tuple[Dict[int, bytes], bool]]:
         """The common case, one thread and one source: read its socket once; the message, if it is the one
         wanted (nothing filed), else None (anything read is filed)."""
-        if peer in self._readers or self._stash[peer] or peer in self.gone:
+        if not self._free(peer):
             return None
         self._readers[peer] = threading.get_ident()
         self.cond.release()
@@ -117,10 +202,10 @@ class Inbox:
             self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
         return {peer: data}, bool(flags & READY)
 
-    def _take(self, sources: Sequence[int], key: Key, kind: int, op: str, first: bool,
-              deadline: float) -> Tuple[Dict[int, bytes], bool]:
-        got: Dict[int, bytes] = {}
-        ready = True
+    def _take(self, sources: Sequence[int], key: Key, kind: int, op: str, first: bool, deadline: float,
+              got: Optional[Dict[int, bytes]] = None, ready: bool = True) -> Tuple[Dict[int, bytes], bool]:
+        """The general path: any number of threads; ``got``/``ready``: what a lean path already took."""
+        got = {} if got is None else got
         pending = list(sources)
         me = threading.get_ident()
         mine: List[int] = []
