@@ -8,9 +8,12 @@ time: a waiting thread claims the sockets of the peers it waits for that nobody 
 peer and key (a collective's sequence number, or a point-to-point tag); threads waiting for a
 socket another thread reads sleep on a condition until that thread files something or lets go.
 A receive from any rank (``first``) also polls an eventfd, so that a message another thread files
-for it wakes it. Messages wait in the stash until a call asks for them; it holds at most
-``stash_bytes`` (payload plus :data:`ENTRY_OVERHEAD` per message), beyond which the channel fails:
-a peer that runs that far ahead of this rank, or floods it, cannot grow its memory without bound.
+for it wakes it. When no other thread waits (the common case) a call takes leaner paths to the same
+result: it reads its sources itself and keeps the message it wants without filing it (one blocking
+``recv`` for one source; for a collective over every peer, the ``poll`` registered at set-up).
+Messages wait in the stash until a call asks for them; it holds at most ``stash_bytes`` (payload
+plus :data:`ENTRY_OVERHEAD` per message), beyond which the channel fails: a peer that runs that far
+ahead of this rank, or floods it, cannot grow its memory without bound.
 
 Every message is checked on arrival, before it is filed, and any violation fails the channel with
 a :class:`~objcomm.CommunicationError` naming the peer (the channel then closes, so the others
@@ -157,6 +160,9 @@ class Inbox:
                         continue
                     if parsed[0] != key or peer not in pending:
                         self._put(peer, *parsed, op)
+                        if peer in pending and after(parsed[0][1], key[1]):
+                            self._fail(op, f"rank {peer} sent collective #{parsed[0][1]} but not #{key[1]}: it "
+                                           "called a different operation")
                     else:
                         their_kind, flags, data = parsed[1]
                         if their_kind != kind:

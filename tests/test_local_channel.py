@@ -308,3 +308,27 @@ def recv_times_out() -> List[str]:
 @pytest.mark.timeout(60)
 def test_a_recv_past_the_timeout_raises_and_leaves_the_channel_open():
     assert get_pool(2).run(recv_times_out) == [["stays open", True, "closed"], [True, "closed"]]
+
+
+def skips_a_collective_at_three() -> Any:
+    """At W=3 (the path that reads several peers at once): rank 1 sends collective #2 where #1 was due; rank 0
+    raises at once instead of waiting out the timeout."""
+    channel = _local.LocalChannel.open(_wire(), timeout=20)
+    assert channel is not None
+    with channel:
+        rank = dist.get_rank()
+        if rank == 1:
+            channel._peers[0].sendmsg([_header(_GATHER, seq=2) + b"x"])
+        start = time.monotonic()
+        try:
+            channel.all_gather(b"x") if rank != 1 else channel.recv(0)
+        except CommunicationError as exc:
+            return str(exc) if rank == 0 else "raised", time.monotonic() - start
+        return "no error", time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+def test_a_skipped_collective_is_refused_when_reading_several_peers():
+    (message, elapsed), *others = get_pool(3).run(skips_a_collective_at_three)
+    assert "rank 1 sent collective #2 but not #1" in message and elapsed < 10.0, (message, elapsed)
+    assert [o[0] for o in others] == ["raised", "raised"]
