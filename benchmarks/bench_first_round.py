@@ -7,6 +7,9 @@ slowest rank's time, a timing the median: ``objcomm._bench._measure.interleaved`
 
 - ``all_gather``/``broadcast`` of a small dict (one slot, no second round) through a
   ``Communicator(local=True)`` and a ``Communicator(local=False)``;
+- ``send/recv``: a round trip of the same dict between ranks 0 and 1 (``send`` then ``recv`` on rank 0,
+  the reverse on rank 1; the other ranks idle), through the channel (after an all_gather voted send/recv
+  in) and through gloo;
 - ``raw gloo``: ``all_gather_single`` of one 4096-byte slot per rank, the baseline.
 
 The machine is shared and small: compare ratios within one run.
@@ -34,15 +37,29 @@ def measure(repeat: int) -> Dict[str, float]:
     torch.set_num_threads(1)
     world = dist.get_world_size()
     on, off = objcomm.Communicator(local=True), objcomm.Communicator(local=False)
+    on.all_gather(None)  # opens the channel; nothing in flight, so send/recv go through it from now on
     send, recv = torch.zeros(SLOT, dtype=torch.uint8), torch.empty(world * SLOT, dtype=torch.uint8)
     candidates: Dict[str, Callable[[], Any]] = {
         "all_gather, channel": lambda: on.all_gather(OBJ),
         "all_gather, gloo": lambda: off.all_gather(OBJ),
         "broadcast, channel": lambda: on.broadcast(OBJ),
         "broadcast, gloo": lambda: off.broadcast(OBJ),
+        "send/recv round trip, channel": lambda: _round_trip(on),
+        "send/recv round trip, gloo": lambda: _round_trip(off),
         "raw gloo all_gather (4096 B)": lambda: all_gather_single(recv, send),
     }
     return {k: t.median_s for k, t in interleaved(candidates, repeat=repeat, warmup=20).items()}
+
+
+def _round_trip(comm: Any) -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 0:
+        comm.send(OBJ, 1)
+        comm.recv(1)
+    elif rank == 1:
+        comm.send(comm.recv(0), 0)
 
 
 def _task(repeat: int, send: Any) -> Dict[str, float]:

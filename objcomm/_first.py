@@ -1,35 +1,121 @@
-"""Round 1 through the same-host channel: the slots of collectives between the processes of one host.
+"""Round 1 through the same-host channel: the slots of collectives and of send/recv between the
+processes of one host.
 
 :class:`SameHostSlots` is a first-round strategy (:class:`objcomm._wire.FirstRound`): when every rank
 of a group runs on this host, the slots of ``all_gather``/``gather``, ``broadcast``, ``scatter`` and
-``all_to_all`` (and of the reductions, which end in one of these) move through a
-:class:`objcomm._local.LocalChannel` and never touch the group's backend. Everything after round 1
-(votes, second rounds, shared memory) is unchanged, and so is every failure: a slot carries an
-error report as before, and a dead peer or a wait past the group's timeout raises
-:class:`~objcomm.CommunicationError` (the channel then closes, so the others raise at once too).
+``all_to_all`` (and of the reductions, which end in one of these), and those of ``send``/``recv``
+(``isend``/``irecv``, any source, tags), move through a :class:`objcomm._local.LocalChannel` and never
+touch the group's backend. Everything after round 1 (votes, a receiver's answer, second rounds,
+shared memory) is unchanged, and so is every failure: a slot carries an error report as before, and
+a dead peer or a wait past the group's timeout raises :class:`~objcomm.CommunicationError` (a failed
+collective closes the channel, so the others raise at once too; a recv that only timed out leaves it open).
 
 When the channel is used (the same answer on every rank, decided without talking to the others):
 ``local`` is on, the group has two ranks or more, its bytes move on the CPU (not NCCL) and a slot
-fits one channel message. The first such call on a group opens the channel, a collective over the
-group itself (:meth:`LocalChannel.open`: one ``all_gather`` of identities, one ``all_reduce``); a
-group whose ranks are not all on this host gets ``None``, kept too, so later calls go straight to
-the backend. The channel is kept in :func:`objcomm._state.group_facts` and closed when the group is
-collected or at exit. Not routed here: ``send``/``recv`` (their slots may come from several threads
-at once, ``isend``/``irecv`` lanes, and the channel takes one thread at a time). Async collectives run on
-the group's shadow (:mod:`objcomm._requests`), a group of its own, with a channel of its own.
+fits one channel message. The first such collective on a group opens the channel, a collective over
+the group itself (:meth:`LocalChannel.open`: one ``all_gather`` of identities, one ``all_reduce``); a
+group whose ranks are not all on this host gets none, kept too, so later calls go straight to the
+backend. The channel is kept in :func:`objcomm._state.group_facts` (a :class:`SameHost`) and closed
+when the group is collected or at exit. Async collectives run on the group's shadow
+(:mod:`objcomm._requests`), a group of its own, with a channel of its own; ``isend``/``irecv`` run on
+the group itself.
+
+send/recv cannot open the channel (only two ranks take part), and a sender and its receiver must
+route a message the same way: a send through the group waits for a recv through the group. So they
+move to the channel at a collective where every rank votes that it has no send/recv in flight
+(blocking ones, and ``isend``/``irecv`` issued and not finished): the set-up, or an all_gather or
+all_to_all through the channel (a flag in its header). A send/recv after that vote on one rank is
+matched by one after it on the other (a send/recv in flight across it would have made some rank
+vote no), so both take the channel; until every rank votes yes they keep the group. While this
+rank's yes-vote is out, a send/recv that starts on another thread waits for the outcome (a program
+whose peer needs that very send/recv before joining the collective then waits until the timeout).
+
+After a failure: send/recv on the group raise until a collective opens a new channel. That
+collective does so only if every rank failed at the same point (the set-up carries each rank's
+``(generation, failure point)``): ranks that failed at different calls (one finished a call the
+others failed, or a send/recv failed on two ranks only) are out of step, and every rank raises at
+that call and at every later one that may use the channel, rather than match calls that do not belong
+together.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, ContextManager, Optional, Sequence, Tuple, Union
 
 from . import _local, _state
 from ._device import group_timeout
 from ._errors import CommunicationError
 from ._wire import NOT_USED, NotUsed, Slot, Wire
+
+_BACKEND = contextlib.nullcontext(None)  # send/recv through the group
+
+
+class SameHost:
+    """One group's same-host state on this rank: its channel, and what decides whether send/recv use it."""
+
+    def __init__(self) -> None:
+        self.channel: Optional[_local.LocalChannel] = None  # the open one, or the last one (failed)
+        self.decided = False  # opened once: ``channel`` None then means "not all on one host"
+        self.broken: Optional[str] = None  # the ranks disagreed at a reopen: why
+        self.cond = threading.Condition()
+        self.in_flight = 0  # send/recv of this rank through the group, not finished
+        self.voting = False  # a collective carries this rank's READY vote now
+
+    def begin_vote(self, group: Any) -> bool:
+        """Whether this rank has no send/recv in flight (blocking, or ``isend``/``irecv`` issued and not
+        finished); until :meth:`end_vote`, a send/recv that starts meanwhile waits for the outcome."""
+        lanes = _state.group_facts(group).requests
+        with self.cond:
+            self.voting = self.in_flight == 0 and not (lanes is not None and lanes.busy)
+            return self.voting
+
+    def end_vote(self) -> None:
+        with self.cond:
+            self.voting = False
+            self.cond.notify_all()
+
+
+class _Via:
+    """send/recv through a channel: the route :meth:`SameHostSlots.p2p` gives once the channel takes them."""
+
+    __slots__ = ("channel",)
+
+    def __init__(self, channel: _local.LocalChannel) -> None:
+        self.channel = channel
+
+    def __enter__(self) -> _Via:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def send(self, wire: Wire, slot: Slot, dst: int) -> None:
+        self.channel.send(slot, dst, wire.tag)
+
+    def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot]:
+        sender, slot = self.channel.recv(src, wire.tag)
+        return sender, _checked(wire, self.channel, [slot], op)[0]
+
+
+class _Counted:
+    """send/recv through the group, counted while they run (a collective's vote looks at the count)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: SameHost) -> None:
+        self.state = state
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        with self.state.cond:
+            self.state.in_flight -= 1
 
 
 @dataclass(frozen=True)
@@ -38,8 +124,9 @@ class SameHostSlots:
 
     separate: bool = False  # tests: every rank looks like a host of its own (the channel never opens)
 
-    def channel(self, wire: Wire, op: str) -> Optional[_local.LocalChannel]:
-        """The group's channel, or None (the backend moves the slots): the same answer on every rank."""
+    def state(self, wire: Wire) -> Optional[SameHost]:
+        """The group's same-host state, or None when the channel can never take this wire's slots (the
+        same answer on every rank): one rank, bytes on a GPU, slots above a message, no group to keep it on."""
         if wire.size < 2 or wire.device.type != "cpu" or wire.slot > _local.MAX_PAYLOAD:
             return None
         try:
@@ -47,19 +134,54 @@ class SameHostSlots:
         except TypeError:  # nowhere to keep a channel: it would be opened again on every call
             return None
         known = _state.group_facts(wire.group).local
-        if self.separate not in known:
+        found = known.get(self.separate)
+        if found is None:
+            found = known.setdefault(self.separate, SameHost())
+        return found
+
+    def channel(self, wire: Wire, op: str) -> Optional[_local.LocalChannel]:
+        """The group's channel for a collective, or None (the backend moves the slots): the same answer on
+        every rank. Opens it on the first call, and again on the first call after it failed."""
+        state = self.state(wire)
+        if state is None:
+            return None
+        channel = state.channel
+        if channel is not None and not channel.closed:
+            return channel
+        if state.broken:
+            raise CommunicationError(f"{op}: {state.broken}")
+        if state.decided and channel is None:
+            return None  # not all on one host
+        if channel is not None and channel.failed_at is None:  # closed, not failed: a forked child, or at exit
+            channel.check(op)  # raises
+        history = (0, 0) if channel is None else (channel.generation, channel.failed_at or 0)
+        ready = state.begin_vote(wire.group)
+        try:
             channel = _local.LocalChannel.open(wire, timeout=_seconds(group_timeout(wire.group)),
-                                               separate=self.separate, op=f"{op} (opening the same-host channel)")
-            known[self.separate] = channel
-            if channel is not None:  # also runs at exit
-                weakref.finalize(wire.group, channel.close)
-        return known[self.separate]
+                                               separate=self.separate, op=f"{op} (opening the same-host channel)",
+                                               ready=ready, history=history)
+        except _local.OutOfStep as exc:
+            state.broken = str(exc)
+            raise
+        finally:
+            state.end_vote()
+        state.channel, state.decided = channel, True
+        if channel is not None:  # also runs at exit
+            weakref.finalize(wire.group, channel.close)
+        return channel
 
     def all_gather(self, wire: Wire, slot: Slot, op: str) -> Union[Sequence[Slot], NotUsed]:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
-        return _checked(wire, channel, channel.all_gather(slot), op)
+        if channel.p2p:
+            return _checked(wire, channel, channel.all_gather(slot), op)
+        state = self.state(wire)
+        assert state is not None
+        try:
+            return _checked(wire, channel, channel.all_gather(slot, state.begin_vote(wire.group)), op)
+        finally:
+            state.end_vote()
 
     def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]:
         channel = self.channel(wire, op)
@@ -77,7 +199,40 @@ class SameHostSlots:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
-        return _checked(wire, channel, channel.all_to_all(slots), op)
+        if channel.p2p:
+            return _checked(wire, channel, channel.all_to_all(slots), op)
+        state = self.state(wire)
+        assert state is not None
+        try:
+            return _checked(wire, channel, channel.all_to_all(slots, state.begin_vote(wire.group)), op)
+        finally:
+            state.end_vote()
+
+    def p2p(self, wire: Wire, op: str) -> ContextManager[Any]:
+        """The route of one send/recv: entering gives an object with ``send``/``recv`` (the channel), or
+        None (the group); see the module docstring for when it is which."""
+        state = self.state(wire)
+        if state is None:
+            return _BACKEND
+        channel = state.channel
+        if channel is not None and channel.p2p and not channel.closed:
+            return _Via(channel)
+        with state.cond:
+            timeout = _seconds(group_timeout(wire.group))
+            if state.voting and not state.cond.wait_for(lambda: not state.voting, timeout):
+                raise CommunicationError(f"{op}: a collective on this group has decided for {timeout:.0f}s whether "
+                                         "send/recv may use the same-host channel; it has not finished")
+            channel = state.channel
+            if state.broken:
+                raise CommunicationError(f"{op}: {state.broken}")
+            if channel is not None and channel.closed and channel.failed_at is not None:
+                raise CommunicationError(
+                    f"{op}: this group's same-host channel failed earlier (on this rank: {channel.failed_at}); "
+                    "send/recv on it raise until a collective on the group has opened it again")
+            if channel is not None and channel.p2p and not channel.closed:
+                return _Via(channel)
+            state.in_flight += 1
+            return _Counted(state)
 
     def __repr__(self) -> str:
         return f"SameHostSlots(separate={self.separate})"
@@ -94,12 +249,9 @@ def _seconds(timeout: Any) -> float:
 
 def _checked(wire: Wire, channel: _local.LocalChannel, slots: Sequence[Slot], op: str) -> Sequence[Slot]:
     """``slots``, each ``wire.slot`` bytes long; else ranks disagree on ``slot_bytes`` (the backend would fail
-    too): the channel closes, so that the others raise as well."""
+    too): the channel fails, so that the others raise as well."""
     for slot in slots:
         if len(slot) != wire.slot:
-            channel.close()
-            raise CommunicationError(
-                f"{op}: rank {wire.rank} received a {len(slot):,}-byte slot over the same-host channel but uses "
-                f"slot_bytes={wire.slot:,}; every rank of a group must use the same slot_bytes"
-            )
+            channel.fail(op, f"rank {wire.rank} received a {len(slot):,}-byte slot but uses slot_bytes={wire.slot:,}; "
+                             "every rank of a group must use the same slot_bytes")
     return slots

@@ -27,7 +27,8 @@ a reuse protocol, while a socket gives the rest from the kernel:
   announced, and the connector must show a per-rank secret that only travelled through the group.
 
 Set-up (once per group, collective): every rank binds a listening socket, one ``all_gather``
-through the group carries each rank's host key, pid, uid, pid namespace, socket nonce and secret;
+through the group carries each rank's host key, pid, uid, pid namespace, socket nonce and secret
+(and its send/recv vote and the history of the group's channels);
 if they are not all on one host (or differ in uid or pid namespace) every rank returns ``None``
 from :meth:`LocalChannel.open` and the caller keeps the backend. Otherwise rank ``i`` connects to
 every rank below it and accepts from every rank above; the listeners close; one ``all_reduce``
@@ -35,24 +36,32 @@ makes the outcome the same everywhere.
 
 Messages are eager (a send returns once the kernel holds the bytes): every operation is one
 ``sendmsg`` per peer and one ``recv`` per message received (``poll`` first when several are
-awaited). Each message carries a 12-byte header: kind, a sequence number (collectives, checked:
-ranks calling different operations raise) or a tag (send/recv). Messages that arrive before they
-are wanted wait in a per-peer stash. A forked child closes its copies of the sockets at once
+awaited). Each message carries a 12-byte header: kind, flags, a sequence number (collectives,
+checked: ranks calling different operations raise) and a tag (send/recv). Receiving is
+:mod:`objcomm._inbox`: several threads may wait at once (collectives on the caller's thread,
+send/recv on ``isend``/``irecv`` lanes), each socket read by one of them at a time; messages that
+arrive before they are wanted wait in a bounded stash, and every message is checked on arrival (a
+member that breaks the protocol fails the channel with a clear error, never a hang or an allocation
+beyond the stash). A forked child closes its copies of the sockets at once
 (``os.register_at_fork``), so that a DataLoader worker never keeps a dead rank's connections open.
 
 How it plugs in
 ---------------
 :class:`objcomm._first.SameHostSlots`, a :class:`objcomm._wire.FirstRound` strategy
 (``Wire.first_round``), moves the slots of ``_exchange_slots`` (all_gather, gather, the
-reductions' last step), ``broadcast``, ``scatter`` and ``all_to_all`` of :mod:`objcomm._transport`;
-the channel is opened on the first such call of a group with the group's timeout, kept in
-:func:`objcomm._state.group_facts` and closed with the group or at exit. Async collectives run on
-the shadow group, which gets a channel of its own.
-Still open: ``send``/``recv`` (several threads at once: one lock per tag instead of one per
-channel), the small votes (one int per rank) and the shared-memory control collectives, NCCL
-groups (slots are on the GPU today; the channel moves host bytes only, which is the point), reusing
-:mod:`objcomm._hosts` instead of the channel's own discovery; and the channel's own cost: its
-bookkeeping (header, stash, checks) doubles the bare mesh's time.
+reductions' last step), ``broadcast``, ``scatter`` and ``all_to_all`` of :mod:`objcomm._transport`,
+and the slots of ``send``/``recv`` once every rank has voted them in (the ``READY`` flag of an
+all_gather or all_to_all, or the set-up's ``ready`` word; see :mod:`objcomm._first`). The channel is
+opened on the first collective of a group that may use it, with the group's timeout, kept in
+:func:`objcomm._state.group_facts` and closed with the group or at exit; after a failure the next
+collective opens a new one when every rank failed at the same call (the set-up carries each rank's
+``(generation, failure point)``; ranks that disagree are out of step, and raise from then on).
+Async collectives run on the shadow group, which gets a channel of its own.
+Still open: the small votes (one int per rank), the answers and second rounds of send/recv and the
+shared-memory control collectives, NCCL groups (slots are on the GPU today; the channel moves host
+bytes only, which is the point), reusing :mod:`objcomm._hosts` instead of the channel's own
+discovery; and the channel's own cost: its bookkeeping (header, stash, checks) doubles the bare
+mesh's time.
 """
 
 from __future__ import annotations
@@ -65,29 +74,29 @@ import struct
 import threading
 import time
 import weakref
-from collections import deque
-from typing import Any, Deque, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import _hosts
 from ._errors import CommunicationError
+from ._inbox import ALL_GATHER, ALL_TO_ALL, BROADCAST, HEADER, MASK, NAMES, P2P, READY, SCATTER, STASH_BYTES, Inbox
 from ._wire import Slot, Wire, all_gather_single, guarded
 
 DEFAULT_TIMEOUT = 300.0  # seconds any one wait may take
 SETUP_TIMEOUT = 30.0  # seconds to connect the mesh
 MAX_PAYLOAD = 64 << 10  # bytes in one message; a SEQPACKET message must fit the socket's send buffer
 
-_HEADER = struct.Struct("<B3xIi")  # kind, collective sequence number, tag
 _HELLO = struct.Struct("<iq")  # connector's group rank, the acceptor's secret
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
-_WORDS = 7  # ok, host key, pid, uid, pid namespace, socket nonce, secret
+_WORDS = 10  # ok, host key, pid, uid, pid namespace, socket nonce, secret, ready, generation, failure point
 _FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
-_ALL_GATHER, _BROADCAST, _SCATTER, _ALL_TO_ALL, _P2P = 1, 2, 3, 4, 5
-_NAMES = {_ALL_GATHER: "all_gather", _BROADCAST: "broadcast", _SCATTER: "scatter", _ALL_TO_ALL: "all_to_all"}
-Key = Tuple[bool, int]  # (collective?, sequence number or tag)
 _OPEN: weakref.WeakSet[LocalChannel] = weakref.WeakSet()  # closed in a forked child (see _forget_in_child)
+
+
+class OutOfStep(CommunicationError):
+    """A reopen found the ranks at different calls (see :meth:`LocalChannel.open`)."""
 
 
 def _address(pid: int, nonce: int) -> str:
@@ -103,40 +112,49 @@ class LocalChannel:
     """A full mesh of Unix-domain sockets between the ranks of one group on one host.
 
     Made collectively by :meth:`open`; then :meth:`all_gather`, :meth:`broadcast`, :meth:`scatter`,
-    :meth:`all_to_all` (every rank of the group calls them in the same order) and :meth:`send` /
-    :meth:`recv` move small byte strings. A peer that dies, a wait longer than ``timeout`` or ranks
-    calling different operations raise :class:`~objcomm.CommunicationError` and close the channel,
-    so that the other ranks learn of it at once too. One thread at a time.
+    :meth:`all_to_all` (every rank of the group calls them in the same order, from one thread at a
+    time) and :meth:`send` / :meth:`recv` (from any number of threads, also while a collective runs)
+    move small byte strings. A peer that dies, a wait longer than ``timeout``, ranks calling
+    different operations or a message that breaks the protocol raise :class:`~objcomm.CommunicationError`
+    and close the channel, so that the other ranks learn of it at once too.
+
+    ``generation`` counts this group's channels up to this one; ``failed_at`` is the sequence number of
+    the last collective this rank started on it when it failed (``None`` while it works).
+    ``p2p``: whether send/recv of objcomm's transport may use it (see :mod:`objcomm._first`).
     """
 
-    def __init__(self, rank: int, peers: Dict[int, socket.socket], pids: Sequence[int], timeout: float) -> None:
+    def __init__(self, rank: int, peers: Dict[int, socket.socket], pids: Sequence[int], timeout: float, *,
+                 p2p: bool = False, generation: int = 0, stash_bytes: int = STASH_BYTES) -> None:
         self.rank = rank
         self.size = len(pids)
         self.timeout = timeout
+        self.p2p = p2p
+        self.generation = generation
+        self.failed_at: Optional[int] = None
         self._pids = tuple(pids)
         self._peers = peers
-        self._by_fd = {s.fileno(): r for r, s in peers.items()}
-        self._poll = select.poll()
         timeval = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))  # bounds a blocking recv in the kernel
-        for fd, r in self._by_fd.items():
-            self._poll.register(fd, select.POLLIN)
-            peers[r].setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        self._stash: Dict[int, Dict[Key, Deque[Tuple[int, bytes]]]] = {r: {} for r in peers}
-        self._buffer = bytearray(_HEADER.size + MAX_PAYLOAD)  # every message lands here first
-        self._view = memoryview(self._buffer)
-        self._gone: Dict[int, str] = {}  # peers whose connection ended: why
+        for sock in peers.values():
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        self._inbox = Inbox(peers, pids, timeout, MAX_PAYLOAD, self._fail, stash_bytes)
         self._seq = 0
         self._owner = os.getpid()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one collective at a time
         self.closed = False
         _OPEN.add(self)
 
     # -- set-up ------------------------------------------------------------------------------
     @classmethod
     def open(cls, wire: Wire, *, timeout: float = DEFAULT_TIMEOUT, setup_timeout: float = SETUP_TIMEOUT,
-             separate: bool = False, op: str = "local channel set-up") -> Optional[LocalChannel]:
+             separate: bool = False, op: str = "local channel set-up", ready: bool = False,
+             history: Tuple[int, int] = (0, 0), stash_bytes: int = STASH_BYTES) -> Optional[LocalChannel]:
         """Connect every rank of ``wire``'s group (a collective); ``None`` on every rank when they are
-        not all on this host with one uid and pid namespace, or when any rank could not connect."""
+        not all on this host with one uid and pid namespace, or when any rank could not connect.
+
+        ``ready``: this rank has no send/recv in flight (the channel takes send/recv when every rank is).
+        ``history``: ``(generation, failure point)`` of the group's previous channel (``(0, 0)``: none);
+        ranks that tell different ones are out of step, and every rank raises. ``stash_bytes``: see
+        :mod:`objcomm._inbox`."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         nonce, secret = secrets.randbits(63), secrets.randbits(63)
         try:
@@ -145,13 +163,21 @@ class LocalChannel:
             ok = 1
         except OSError:
             ok = 0
-        mine = [ok, _hosts.host_key(separate), os.getpid(), os.getuid(), _hosts.pid_namespace(), nonce, secret]
+        mine = [ok, _hosts.host_key(separate), os.getpid(), os.getuid(), _hosts.pid_namespace(), nonce, secret,
+                int(ready), *history]
         everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64)
         guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64), group=wire.group)
         words: List[int] = everyone.tolist()
-        oks, keys, pids, uids, namespaces, nonces = (words[i::_WORDS] for i in range(6))
+        oks, keys, pids, uids, namespaces, nonces, _, readies, generations, points = (
+            words[i::_WORDS] for i in range(_WORDS))
         peers: Dict[int, socket.socket] = {}
         try:
+            if len({*zip(generations, points)}) > 1:
+                raise OutOfStep(
+                    f"{op}: the ranks of this group disagree about where its same-host channel failed (channel, "
+                    f"failure point per rank: {list(zip(generations, points))}): they are not at the same call. "
+                    "The group's calls are out of step; it cannot be used any more"
+                )
             usable = all(oks) and len({*keys}) == 1 and len({*uids}) == 1 and len({*namespaces}) == 1
             if usable:
                 deadline = time.monotonic() + setup_timeout
@@ -164,7 +190,8 @@ class LocalChannel:
             for s in peers.values():
                 s.close()
             return None
-        return cls(wire.rank, peers, pids, timeout)
+        return cls(wire.rank, peers, pids, timeout, p2p=all(readies), generation=history[0] + 1,
+                   stash_bytes=stash_bytes)
 
     @staticmethod
     def _connect(rank: int, peers: Dict[int, socket.socket], pids: Sequence[int], nonces: Sequence[int],
@@ -201,49 +228,65 @@ class LocalChannel:
         return True
 
     # -- operations --------------------------------------------------------------------------
-    def all_gather(self, data: Slot) -> List[Slot]:
-        """Every rank's ``data``, in group-rank order."""
-        got = self._collective(_ALL_GATHER, {r: data for r in self._peers}, self._peers)
+    def all_gather(self, data: Slot, ready: bool = False) -> List[Slot]:
+        """Every rank's ``data``, in group-rank order. ``ready``: this rank votes to let send/recv in
+        (:attr:`p2p` turns on when every rank did)."""
+        got = self._collective(ALL_GATHER, {r: data for r in self._peers}, self._peers, ready)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
     def broadcast(self, data: Optional[Slot], src: int) -> Slot:
         """``src``'s ``data`` on every rank (ignored elsewhere)."""
         if self.rank == src:
             assert data is not None
-            self._collective(_BROADCAST, {r: data for r in self._peers}, ())
+            self._collective(BROADCAST, {r: data for r in self._peers}, ())
             return data
-        return self._collective(_BROADCAST, {}, (src,))[src]
+        return self._collective(BROADCAST, {}, (src,))[src]
 
     def scatter(self, parts: Optional[Sequence[Slot]], src: int) -> Slot:
         """``src``'s ``parts[r]`` on group rank ``r``."""
         if self.rank == src:
             assert parts is not None and len(parts) == self.size
-            self._collective(_SCATTER, {r: parts[r] for r in self._peers}, ())
+            self._collective(SCATTER, {r: parts[r] for r in self._peers}, ())
             return parts[src]
-        return self._collective(_SCATTER, {}, (src,))[src]
+        return self._collective(SCATTER, {}, (src,))[src]
 
-    def all_to_all(self, parts: Sequence[Slot]) -> List[Slot]:
-        """``parts[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``."""
+    def all_to_all(self, parts: Sequence[Slot], ready: bool = False) -> List[Slot]:
+        """``parts[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``. ``ready``:
+        as in :meth:`all_gather`."""
         assert len(parts) == self.size
-        got = self._collective(_ALL_TO_ALL, {r: parts[r] for r in self._peers}, self._peers)
+        got = self._collective(ALL_TO_ALL, {r: parts[r] for r in self._peers}, self._peers, ready)
         return [parts[r] if r == self.rank else got[r] for r in range(self.size)]
 
     def send(self, data: Slot, dst: int, tag: int = 0) -> None:
         """Send ``data`` to group rank ``dst`` under ``tag``; returns once the kernel holds it."""
-        with self._using("send"):
-            self._send(dst, _P2P, 0, tag, data, "send")
+        self.check("send")
+        self._send(dst, P2P, 0, tag, 0, data, "send")
 
     def recv(self, src: Optional[int] = None, tag: int = 0) -> Tuple[int, bytes]:
         """The next message under ``tag`` from group rank ``src`` (``None``: any); ``(sender, data)``."""
-        with self._using("recv"):
-            sources = list(self._peers) if src is None else [src]
-            return self._wait(sources, (False, tag), _P2P, "recv", first=True).popitem()
+        self.check("recv")
+        sources = list(self._peers) if src is None else [src]
+        return self._inbox.take(sources, (False, tag), P2P, "recv", first=True)[0].popitem()
 
-    def close(self) -> None:
-        """Close every connection (the peers read EOF); idempotent."""
-        self.closed = True
-        for sock in self._peers.values():
-            sock.close()
+    def close(self, why: Optional[str] = None) -> None:
+        """Close every connection (the peers read EOF, and threads of this rank waiting on it raise); idempotent."""
+        with self._inbox.cond:
+            self.closed = True
+            if self._inbox.closed is None:
+                self._inbox.closed = why or (f"the local channel of rank {self.rank} was closed (after an error, or "
+                                             "close()); the group's other ranks raise too")
+            for sock in self._peers.values():
+                if self._owner == os.getpid():  # wakes a thread blocked in recv; a forked child must not
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                sock.close()
+            self._inbox.cond.notify_all()
+
+    def fail(self, op: str, why: str, cause: Optional[BaseException] = None) -> NoReturn:
+        """Close the channel and raise :class:`~objcomm.CommunicationError` (``why``: what went wrong)."""
+        self._fail(op, why, cause)
 
     def _forget(self) -> None:
         """In a forked child: drop the copies of the descriptors, so that the parent's death still
@@ -258,28 +301,33 @@ class LocalChannel:
         self.close()
 
     # -- moving messages ---------------------------------------------------------------------
-    def _using(self, op: str) -> Any:
+    def check(self, op: str) -> None:
+        """Raise :class:`~objcomm.CommunicationError` if this channel cannot be used (closed, or a forked child's)."""
         if os.getpid() != self._owner:
             raise CommunicationError(f"{op}: a local channel cannot be used in a forked child; open one there")
         if self.closed:
-            raise CommunicationError(f"{op}: the local channel of rank {self.rank} is closed (after an error, or "
-                                     "close()); the group's other ranks have raised too")
-        return self._lock
+            self._fail(op, "")
 
-    def _collective(self, kind: int, outgoing: Dict[int, Slot], sources: Iterable[int]) -> Dict[int, bytes]:
-        op = _NAMES[kind]
-        with self._using(op):
-            self._seq = (self._seq + 1) & 0xFFFFFFFF
+    def _collective(self, kind: int, outgoing: Dict[int, Slot], sources: Iterable[int],
+                    ready: bool = False) -> Dict[int, bytes]:
+        op = NAMES[kind]
+        self.check(op)
+        with self._lock:
+            self._seq = seq = (self._seq + 1) & MASK
             for peer, data in outgoing.items():
-                self._send(peer, kind, self._seq, 0, data, op)
-            return self._wait(list(sources), (True, self._seq), kind, op)
+                self._send(peer, kind, seq, 0, READY if ready else 0, data, op)
+            got, everyone_ready = self._inbox.take(list(sources), (True, seq), kind, op)
+            self._inbox.done = seq
+            if ready and everyone_ready and len(got) == self.size - 1:
+                self.p2p = True
+            return got
 
-    def _send(self, peer: int, kind: int, seq: int, tag: int, data: Slot, op: str) -> None:
+    def _send(self, peer: int, kind: int, seq: int, tag: int, flags: int, data: Slot, op: str) -> None:
         if len(data) > MAX_PAYLOAD:
-            raise ValueError(f"{op}: {len(data):,} bytes exceed the local channel's {MAX_PAYLOAD:,}-byte messages")
-        if peer in self._gone:
-            self._fail(op, self._gone[peer])
-        sock, parts = self._peers[peer], [_HEADER.pack(kind, seq, tag), data]
+            self._fail(op, f"{len(data):,} bytes exceed the local channel's {MAX_PAYLOAD:,}-byte messages")
+        if peer in self._inbox.gone:
+            self._fail(op, self._inbox.gone[peer])
+        sock, parts = self._peers[peer], [HEADER.pack(kind, flags, seq, tag), data]
         deadline = time.monotonic() + self.timeout
         while True:
             try:
@@ -289,66 +337,18 @@ class LocalChannel:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not select.select([], [sock], [], remaining)[1]:
                     self._fail(op, f"rank {peer} did not read within the timeout of {self.timeout:.0f}s")
-            except OSError as exc:  # EPIPE, ECONNRESET: it is gone
+            except OSError as exc:  # EPIPE, ECONNRESET: it is gone (EBADF: closed here meanwhile)
                 self._fail(op, f"rank {peer} (pid {self._pids[peer]}) closed its connection ({exc.strerror})", exc)
 
-    def _wait(self, sources: List[int], key: Key, kind: int, op: str, first: bool = False) -> Dict[int, bytes]:
-        """One message under ``key`` from each of ``sources`` (``first``: from whichever has one first)."""
-        got: Dict[int, bytes] = {}
-        pending = list(sources)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            for peer in list(pending):
-                queue = self._stash[peer].get(key)
-                if queue:
-                    their_kind, data = queue.popleft()
-                    if not queue:
-                        del self._stash[peer][key]
-                    if their_kind != kind:
-                        self._fail(op, f"rank {peer} called {_NAMES.get(their_kind, 'send')} instead")
-                    got[peer] = data
-                    pending.remove(peer)
-                    if first:
-                        return got
-                elif peer in self._gone:
-                    self._fail(op, self._gone[peer])
-            if not pending:
-                return got
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._fail(op, f"no message from rank(s) {pending} within the timeout of {self.timeout:.0f}s")
-            if len(pending) == 1:  # one blocking recv, bounded by SO_RCVTIMEO: no poll, one wake-up
-                self._read(pending[0], op, block=True)
-                continue
-            for fd, _ in self._poll.poll(remaining * 1000):  # every live peer: EOF of one we wait on ends it
-                self._read(self._by_fd[fd], op)
-
-    def _read(self, peer: int, op: str, block: bool = False) -> None:
-        """Move one message from ``peer``'s socket into its stash; note the peer gone at EOF (messages it
-        sent before closing still count: a rank may finish a call and close while another still reads)."""
-        try:
-            length = self._peers[peer].recv_into(self._buffer, 0, 0 if block else socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            if block:  # SO_RCVTIMEO ran out
-                self._fail(op, f"no message from rank {peer} within the timeout of {self.timeout:.0f}s")
-            return
-        except OSError as exc:
-            length, why = 0, f"reset its connection ({exc.strerror})"
-        else:
-            why = "closed its connection: it died, or failed and closed the channel"
-        if length < _HEADER.size:  # 0: EOF
-            self._gone[peer] = f"rank {peer} (pid {self._pids[peer]}) {why}"
-            self._poll.unregister(self._peers[peer])
-            return
-        kind, seq, tag = _HEADER.unpack_from(self._buffer)
-        key = (True, seq) if kind != _P2P else (False, tag)
-        self._stash[peer].setdefault(key, deque()).append((kind, bytes(self._view[_HEADER.size : length])))
-
     def _fail(self, op: str, why: str, cause: Optional[BaseException] = None) -> NoReturn:
-        self.close()  # the peers read EOF and raise too
-        raise CommunicationError(
-            f"{op} over the local channel failed on rank {self.rank} of {self.size}: {why}. The channel is closed"
-        ) from cause
+        if self.closed:  # an earlier call, another thread or close(): say why it closed
+            raise CommunicationError(f"{op} over the local channel failed on rank {self.rank}: the channel closed "
+                                     f"before. {self._inbox.closed}") from cause
+        message = f"{op} over the local channel failed on rank {self.rank} of {self.size}: {why}. The channel is closed"
+        if self.failed_at is None:
+            self.failed_at = self._seq
+        self.close(message)
+        raise CommunicationError(message) from cause
 
 
 def _forget_in_child() -> None:

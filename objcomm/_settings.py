@@ -83,9 +83,10 @@ class Settings:
       :mod:`objcomm._sealed`); off, or where ``/proc/<pid>/fd`` of the peers cannot be opened, segments
       are files in ``shm_dir`` that receivers copy. All ranks of a group must agree on these, as on ``slot_bytes``.
     - ``local``: when every rank of a group runs on one host, the first round of collectives (the slots)
-      moves through Unix-domain sockets between the processes instead of the backend
-      (:mod:`objcomm._first`). Off by default in this version (``OBJCOMM_LOCAL=1`` turns it on): it does
-      not yet carry send/recv or the small control collectives. All ranks of a group must agree.
+      moves through Unix-domain sockets between the processes instead of the backend, and so does that of
+      send/recv once a collective has opened them (:mod:`objcomm._first`). Off by default in this version
+      (``OBJCOMM_LOCAL=1`` turns it on): it does not yet carry the small control collectives. All ranks of a
+      group must agree.
     """
 
     serializer: SerializerLike = "pickle"

@@ -4,9 +4,11 @@
   at exit), with the counter and token that name them (:class:`objcomm._segments.SegmentBook`).
 - :func:`group_facts`: what never changes for a group's lifetime, learned once per group and
   forgotten with the group (a weak cache): its membership and transport device, which ranks share a
-  host, and which send/recv peers turned out to be on another host; its same-host channel
-  (:class:`objcomm._local.LocalChannel`, opened by the first collective that may use it, closed with
-  the group or at exit; ``None`` when the group spans hosts); and, once this rank issues a
+  host, which send/recv peers turned out to be on another host, and whether its readers could not
+  open sealed shared-memory segments (:mod:`objcomm._sealed`: files from then on); its same-host channel and the
+  state around it (:class:`objcomm._first.SameHost`: the :class:`objcomm._local.LocalChannel`, opened by
+  the first collective that may use it and again after it failed, closed with the group or at exit;
+  none when the group spans hosts); and, once this rank issues a
   non-blocking operation on it, its async state (:class:`objcomm._requests._Lanes`: the shadow group,
   the lanes and which point-to-point keys are busy); and the wires of the calls made on it, one per
   set of options (:func:`objcomm._call.wire_for`).
@@ -28,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 from ._segments import SegmentBook
 
 if TYPE_CHECKING:
+    from ._first import SameHost
     from ._hosts import Hosts
-    from ._local import LocalChannel
     from ._requests import _Lanes
 
 SEGMENTS = SegmentBook()
@@ -44,7 +46,7 @@ class GroupFacts:
     remote_peers: Set[Tuple[int, bool]] = field(default_factory=set)  # (peer, separate): send/recv crosses hosts
     unsealed: Set[Tuple[int, bool]] = field(default_factory=set)  # (peer or -1: collectives, separate): files only
     requests: Optional[_Lanes] = None  # async state, made on the first non-blocking call (objcomm._requests)
-    local: Dict[bool, Optional[LocalChannel]] = field(default_factory=dict)  # separate -> same-host channel or None
+    local: Dict[bool, SameHost] = field(default_factory=dict)  # separate -> same-host channel and its state
     wires: Dict[Any, tuple] = field(default_factory=dict)  # (device, options, segments) -> a wire less its group
 
 

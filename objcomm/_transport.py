@@ -26,7 +26,8 @@ first: a one-element vote (collectives) or acknowledgement (send/recv), before a
 Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat uint8 tensors on
 the wire's device. The slot's layout is :mod:`objcomm._slots`. The collectives' round 1 goes through
 the wire's first-round strategy (:class:`objcomm._wire.FirstRound`; the same-host channel) when it
-takes the slots, else through the group; send/recv always use the group. After round 1 each operation asks the
+takes the slots, else through the group; so does the slot of a send/recv (:meth:`~objcomm._wire.FirstRound.p2p`),
+whose answer and second round always use the group. After round 1 each operation asks the
 wire's second-round strategy (:class:`objcomm._wire.SecondRound`; shared memory on one host) once
 whether it takes the rest; when it answers ``NOT_USED`` the transport moves it.
 """
@@ -52,7 +53,7 @@ from ._bytes import (
 )
 from ._errors import FrameError
 from ._slots import SlotInfo, fill_slot, outgoing_second_round_bytes, read_slot, read_slots
-from ._wire import NOT_USED, Incoming, Outgoing, SizesOf, Wire, all_gather_single, guarded
+from ._wire import NOT_USED, Incoming, Outgoing, Route, SizesOf, Wire, all_gather_single, guarded
 
 SCRATCH = _limits.SCRATCH_BYTES
 REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
@@ -287,9 +288,17 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
 # -- point to point --------------------------------------------------------------------------
 def send(wire: Wire, out: Outgoing, dst: int) -> None:
     """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must)."""
+    with wire.first_round.p2p(wire, "send") as route:
+        _send(wire, out, dst, route)
+
+
+def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route]) -> None:
     op = "send"
     raw = _slot(wire, out)
-    guarded(op, wire, dist.send, _on_device(wire, raw), dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
+    if route is not None:
+        route.send(wire, raw, dst)
+    else:
+        guarded(op, wire, dist.send, _on_device(wire, raw), dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
     info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
     problem = _limits.slot_problem_of(info)
     if problem:  # the receiver finds the same and raises too
@@ -316,12 +325,21 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
 
 def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incoming, bool]:
     """Receive from group rank ``src`` (``None``: any); return ``(sender, incoming, is_error)``."""
+    with wire.first_round.p2p(wire, "recv") as route:
+        return _recv(wire, src, sizes_of, route)
+
+
+def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Route]) -> tuple[int, Incoming, bool]:
     op = "recv"
-    slot = empty(wire.slot, wire)
-    peer = None if src is None else wire.ranks[src]
-    sender_global = guarded(op, wire, dist.recv, slot, src=peer, group=wire.group, tag=wire.data_tag)
-    sender = list(wire.ranks).index(sender_global) if src is None else src
-    info = read_slot(host_view(slot))
+    if route is not None:
+        sender, got = route.recv(wire, src, op)
+        info = read_slot(memoryview(got))
+    else:
+        slot = empty(wire.slot, wire)
+        peer = None if src is None else wire.ranks[src]
+        sender_global = guarded(op, wire, dist.recv, slot, src=peer, group=wire.group, tag=wire.data_tag)
+        sender = list(wire.ranks).index(sender_global) if src is None else src
+        info = read_slot(host_view(slot))
     problem = _limits.slot_problem_of(info)
     if problem:  # the sender finds the same in its slot and raises too
         raise _limits.inconsistent(op, sender, problem)

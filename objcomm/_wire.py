@@ -8,9 +8,22 @@ private names, so there is no import cycle among them.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, List, NamedTuple, Optional, Protocol, Sequence, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    ContextManager,
+    List,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import torch
 import torch.distributed as dist
@@ -103,8 +116,9 @@ class FirstRound(Protocol):
     Each method takes this rank's slot bytes (host memory, ``wire.slot`` long) and returns what the
     group's collective would have delivered, as host bytes, or :data:`NOT_USED` (the same answer on
     every rank of the call, decided without talking to the others) and the transport moves the slots
-    itself. Every rank of the group calls the method of its operation, in the same order. The same-host
-    channel (:class:`objcomm._first.SameHostSlots`) is one; :data:`BACKEND` is none.
+    itself; :meth:`p2p` routes the slot of a send/recv. Every rank of the group calls the method of its
+    operation, in the same order. The same-host channel (:class:`objcomm._first.SameHostSlots`) is one;
+    :data:`BACKEND` is none.
     """
 
     def all_gather(self, wire: Wire, slot: Slot, op: str) -> Union[Sequence[Slot], NotUsed]: ...
@@ -115,6 +129,23 @@ class FirstRound(Protocol):
 
     def all_to_all(self, wire: Wire, slots: Sequence[Slot], op: str) -> Union[Sequence[Slot], NotUsed]: ...
 
+    def p2p(self, wire: Wire, op: str) -> ContextManager[Optional[Route]]:
+        """The route of one send or recv's slot, held for the whole call (round 2 included): entering it
+        gives a :class:`Route`, or None when the group moves the slot. Sender and receiver get the same."""
+
+
+class Route(Protocol):
+    """Where a send/recv slot goes instead of the group (see :meth:`FirstRound.p2p`)."""
+
+    def send(self, wire: Wire, slot: Slot, dst: int) -> None:
+        """Send ``slot`` to group rank ``dst`` under ``wire.tag``."""
+
+    def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot]:
+        """``(sender, slot)``: the next slot under ``wire.tag`` from group rank ``src`` (``None``: any)."""
+
+
+_THROUGH_GROUP = contextlib.nullcontext(None)
+
 
 class _Backend:
     """No strategy: the group's backend moves every round-1 slot."""
@@ -123,6 +154,9 @@ class _Backend:
         return NOT_USED
 
     broadcast = scatter = all_to_all = all_gather
+
+    def p2p(self, wire: Wire, op: str) -> ContextManager[Optional[Route]]:
+        return _THROUGH_GROUP
 
     def __repr__(self) -> str:
         return "BACKEND"

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.timeout(180)
 
 def _channel(group: Any = None, separate: bool = False) -> Any:
     """This rank's channel for ``group``: a LocalChannel, None (not usable), or "never opened"."""
-    known = _state.group_facts(group if group is not None else dist.group.WORLD).local
-    return known.get(separate, "never opened")
+    state = _state.group_facts(group if group is not None else dist.group.WORLD).local.get(separate)
+    return state.channel if state is not None and state.decided else "never opened"
 
 
 def _payloads(rank: int) -> List[Any]:

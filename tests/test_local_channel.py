@@ -17,7 +17,7 @@ import torch.distributed as dist
 from _child import run_group_losing_a_rank
 from _ranks import get_pool
 
-from objcomm import CommunicationError, _local
+from objcomm import CommunicationError, _inbox, _local
 from objcomm._wire import Wire
 
 
@@ -195,3 +195,140 @@ def test_set_up_refuses_strangers(who):
     else:
         assert not ok and not peers
         assert os.waitstatus_to_exitcode(status) == 0, "the stranger's connection was not closed"
+
+
+# -- a hostile (or buggy) member: authenticated, then breaking the protocol ------------------------------
+def _header(kind: int, seq: int = 0, tag: int = 0, flags: int = 0) -> bytes:
+    return _inbox.HEADER.pack(kind, flags, seq, tag)
+
+
+_P2P, _GATHER = _inbox.P2P, _inbox.ALL_GATHER
+HOSTILE = {  # what rank 1 sends rank 0, and the error rank 0 must raise
+    "short": ([b"12345"], "5-byte message, shorter than the 12-byte header"),
+    "empty": ([b""], "0-byte message, shorter than the 12-byte header"),
+    "too long": ([_header(_P2P) + b"x" * (_local.MAX_PAYLOAD + 1)], "above the 65,548 bytes a message may have"),
+    "unknown kind": ([_header(9) + b"x"], "unknown kind 9"),
+    "flags": ([_header(_P2P, flags=4)], "point-to-point message with a bad header"),
+    "p2p with a seq": ([_header(_P2P, seq=7)], "point-to-point message with a bad header"),
+    "negative tag": ([_header(_P2P, tag=-1)], "point-to-point message with a bad header"),
+    "collective with a tag": ([_header(_GATHER, seq=1, tag=5)], "all_gather message with a bad header"),
+    "stale seq": ([_header(_GATHER, seq=0)], "a duplicate or stale message"),
+    "duplicate seq": ([_header(_GATHER, seq=1) + b"x", _header(_GATHER, seq=1) + b"x"],
+                      "a duplicate or stale message"),
+    "skipped seq": ([_header(_GATHER, seq=2) + b"x"], "sent collective #2 but not #1"),
+    "flood": ([_header(_P2P, tag=99) + b"f" * 4000] * 200, "the stash of messages for calls not yet made would pass"),
+}
+
+
+def hostile_member(case: str) -> Tuple[str, float]:
+    """Rank 1 (authenticated at set-up like any rank) sends rank 0 what HOSTILE[case] says, raw; rank 0 waits
+    in a recv or an all_gather and reports what it raised, and how long that took."""
+    messages, _ = HOSTILE[case]
+    channel = _local.LocalChannel.open(_wire(), timeout=20, stash_bytes=64 << 10)
+    assert channel is not None
+    with channel:
+        if dist.get_rank() == 1:
+            for message in messages:
+                try:
+                    channel._peers[0].sendmsg([message])
+                except OSError:  # rank 0 closed the channel: the flood is over
+                    break
+            try:
+                channel.recv(0)
+            except CommunicationError as exc:  # rank 0 closed: EOF here
+                return "closed its connection" in str(exc), 0.0
+            return "no error", 0.0
+        start = time.monotonic()
+        try:
+            for _ in range(2):  # a duplicate shows in the second call
+                if "seq" in case or "collective" in case:
+                    channel.all_gather(b"x")
+                else:
+                    channel.recv(1)
+        except CommunicationError as exc:
+            return str(exc), time.monotonic() - start
+        return "no error", time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", HOSTILE)
+def test_a_member_that_breaks_the_protocol_gets_a_clear_error_not_a_hang(case):
+    (message, elapsed), (closed, _) = get_pool(2).run(hostile_member, case)
+    assert HOSTILE[case][1] in message and "local channel failed on rank 0" in message, message
+    assert "a protocol error" in message or case in ("flood", "skipped seq"), message
+    assert elapsed < 10.0, elapsed  # never the 20 s timeout: refused on arrival
+    assert closed is True  # the channel closed: the hostile rank reads EOF
+
+
+def floods_the_stash() -> Any:
+    """The stash holds what no call asked for yet, up to its limit: one message under it is kept (and taken
+    later, in order), beyond it the channel fails."""
+    channel = _local.LocalChannel.open(_wire(), timeout=20, stash_bytes=4 * (1000 + _inbox.ENTRY_OVERHEAD))
+    assert channel is not None
+    with channel:
+        if dist.get_rank() == 1:
+            for i in range(3):
+                channel.send(bytes([i]) * 1000, 0, tag=5)
+            channel.send(b"now", 0, tag=6)
+            channel.all_gather(b"")
+            return None
+        got = [channel.recv(1, tag=6), *(channel.recv(1, tag=5) for _ in range(3))]
+        channel.all_gather(b"")
+        return got
+
+
+@pytest.mark.timeout(60)
+def test_the_stash_keeps_what_fits_in_order():
+    assert get_pool(2).run(floods_the_stash)[0] == [(1, b"now")] + [(1, bytes([i]) * 1000) for i in range(3)]
+
+
+def recv_times_out() -> List[str]:
+    """A recv that waits past the timeout raises, and the channel stays open (nothing else was waiting);
+    a collective that does closes it, so that the others raise at once."""
+    channel = _local.LocalChannel.open(_wire(), timeout=0.5)
+    assert channel is not None
+    seen = []
+    with channel:
+        if dist.get_rank() == 0:
+            try:
+                channel.recv(1, tag=3)
+            except CommunicationError as exc:
+                seen.append("stays open" if "within the timeout" in str(exc) and not channel.closed else str(exc))
+        dist.barrier()
+        seen.append(channel.all_gather(b"still") == [b"still"] * 2)
+        if dist.get_rank() == 1:
+            time.sleep(1.5)
+        try:
+            channel.all_gather(b"late")
+        except CommunicationError as exc:
+            seen.append("closed" if channel.closed else str(exc))
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_a_recv_past_the_timeout_raises_and_leaves_the_channel_open():
+    assert get_pool(2).run(recv_times_out) == [["stays open", True, "closed"], [True, "closed"]]
+
+
+def skips_a_collective_at_three() -> Any:
+    """At W=3 (the path that reads several peers at once): rank 1 sends collective #2 where #1 was due; rank 0
+    raises at once instead of waiting out the timeout."""
+    channel = _local.LocalChannel.open(_wire(), timeout=20)
+    assert channel is not None
+    with channel:
+        rank = dist.get_rank()
+        if rank == 1:
+            channel._peers[0].sendmsg([_header(_GATHER, seq=2) + b"x"])
+        start = time.monotonic()
+        try:
+            channel.all_gather(b"x") if rank != 1 else channel.recv(0)
+        except CommunicationError as exc:
+            return str(exc) if rank == 0 else "raised", time.monotonic() - start
+        return "no error", time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+def test_a_skipped_collective_is_refused_when_reading_several_peers():
+    (message, elapsed), *others = get_pool(3).run(skips_a_collective_at_three)
+    assert "rank 1 sent collective #2 but not #1" in message and elapsed < 10.0, (message, elapsed)
+    assert [o[0] for o in others] == ["raised", "raised"]

@@ -1,0 +1,392 @@
+"""The receiving side of the same-host channel (:mod:`objcomm._local`): reads shared between threads,
+a bounded stash, and the checks every message passes.
+
+Several threads may wait on one channel at once: the caller's collectives, and ``send``/``recv`` on
+``isend``/``irecv`` lanes under different peers and tags. Each socket has at most one reader at a
+time: a waiting thread claims the sockets of the peers it waits for that nobody reads, reads them
+(one blocking ``recv`` when it is one socket, else ``poll``) and files every message under its
+peer and key (a collective's sequence number, or a point-to-point tag); threads waiting for a
+socket another thread reads sleep on a condition until that thread files something or lets go.
+A receive from any rank (``first``) also polls an eventfd, so that a message another thread files
+for it wakes it. When no other thread waits (the common case) a call takes leaner paths to the same
+result: it reads its sources itself and keeps the message it wants without filing it (one blocking
+``recv`` for one source; for a collective over every peer, the ``poll`` registered at set-up).
+Messages wait in the stash until a call asks for them; it holds at most ``stash_bytes`` (payload
+plus :data:`ENTRY_OVERHEAD` per message), beyond which the channel fails: a peer that runs that far
+ahead of this rank, or floods it, cannot grow its memory without bound.
+
+Every message is checked on arrival, before it is filed, and any violation fails the channel with
+a :class:`~objcomm.CommunicationError` naming the peer (the channel then closes, so the others
+raise too): a datagram shorter than the header (an empty one is told apart from EOF) or longer than
+a message may be (``MSG_TRUNC`` gives its real length; nothing of that size is allocated), an unknown
+kind, unknown flag bits, a collective message that carries a tag, a point-to-point message that
+carries a sequence number or a negative tag, and a collective sequence number that does not move
+forward: at or before the last collective this rank finished, or not after the peer's previous one.
+A waiter for collective ``s`` from a peer whose later collective already arrived fails at once (the
+peer called a different operation). A wait past the timeout fails the channel in a collective (the
+others wait in the same call); a recv that times out raises and leaves it open. The sender and the
+length are the kernel's (the socket it came on, the datagram's size), not the header's, so they
+cannot lie.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from typing import Callable, Deque, Dict, List, NoReturn, Optional, Sequence, Tuple
+
+from ._errors import CommunicationError
+
+HEADER = struct.Struct("<BBxxIi")  # kind, flags, collective sequence number, tag
+ALL_GATHER, BROADCAST, SCATTER, ALL_TO_ALL, P2P = 1, 2, 3, 4, 5
+NAMES = {ALL_GATHER: "all_gather", BROADCAST: "broadcast", SCATTER: "scatter", ALL_TO_ALL: "all_to_all", P2P: "send"}
+READY = 1  # flag of a collective message: its sender had no send/recv in flight (see objcomm._first)
+ENTRY_OVERHEAD = 256  # bytes a stashed message is counted for besides its payload
+STASH_BYTES = 64 << 20  # the most one channel keeps for calls not yet made
+MASK = 0xFFFFFFFF
+Key = Tuple[bool, int]  # (collective?, sequence number or tag)
+Entry = Tuple[int, int, bytes]  # kind, flags, payload
+Fail = Callable[..., NoReturn]  # (op, why, cause=None): close the channel and raise
+
+
+def after(a: int, b: int) -> bool:
+    """Whether sequence number ``a`` comes after ``b`` (32 bits, wrapping)."""
+    return a != b and (a - b) & MASK < 1 << 31
+
+
+class Inbox:
+    """What has arrived on one channel's sockets and who is reading them (see the module docstring)."""
+
+    def __init__(self, peers: Dict[int, socket.socket], pids: Sequence[int], timeout: float, largest: int,
+                 fail: Fail, stash_bytes: int = STASH_BYTES) -> None:
+        self.timeout = timeout
+        self.done = 0  # sequence number of the last collective this rank finished
+        self.closed: Optional[str] = None  # why the channel closed, once it has
+        self.gone: Dict[int, str] = {}  # peers whose connection ended: why
+        self.cond = threading.Condition(threading.RLock())  # guards everything below
+        self._peers = peers
+        self._pids = pids
+        self._fail = fail
+        self._limit = stash_bytes
+        self._size = HEADER.size + largest
+        self._buffers = {r: bytearray(self._size) for r in peers}  # one reader per socket: one buffer each
+        self._stash: Dict[int, Dict[Key, Deque[Entry]]] = {r: {} for r in peers}
+        self._stashed = 0
+        self._last: Dict[int, int] = {}  # peer -> sequence number of its latest collective message
+        self._readers: Dict[int, int] = {}  # peer -> thread reading its socket
+        self._wakes: Dict[int, int] = {}  # thread -> eventfd, for receivers from any rank that poll
+        self._waiting = 0
+        self._poll_all = select.poll()  # every live peer's socket, for a collective read by one thread
+        for sock in peers.values():
+            self._poll_all.register(sock.fileno(), select.POLLIN)
+
+    # -- waiting ---------------------------------------------------------------------------------
+    def take(self, sources: Sequence[int], key: Key, kind: int, op: str,
+             first: bool = False) -> Tuple[Dict[int, bytes], bool]:
+        """One message under ``key`` from each of ``sources`` (``first``: from whichever has one first),
+        and whether every one of them carried :data:`READY`."""
+        deadline = time.monotonic() + self.timeout
+        with self.cond:
+            if not self._waiting and self.closed is None:  # no other thread waits: the lean paths
+                if len(sources) == 1:
+                    fast = self._alone(sources[0], key, kind, op)
+                    if fast is not None:
+                        return fast
+                elif not first and not any(p in self._readers or p in self.gone for p in sources):
+                    got, ready, pending = self._together(sources, key, kind, op, deadline)
+                    if not pending:
+                        return got, ready
+                    return self._take(pending, key, kind, op, first, deadline, got, ready)
+            return self._take(sources, key, kind, op, first, deadline)
+
+    def _free(self, peer: int) -> bool:
+        """Nobody reads ``peer``'s socket, nothing of it waits in the stash, and it is not gone."""
+        return peer not in self._readers and not self._stash[peer] and peer not in self.gone
+
+    def _together(self, sources: Sequence[int], key: Key, kind: int, op: str,
+                  deadline: float) -> Tuple[Dict[int, bytes], bool, List[int]]:
+        """One thread and several sources nobody else reads (a collective at W > 2): take what the stash
+        holds, read the rest, taking the messages wanted directly and filing the others; ``(got, ready,
+        pending)``, pending non-empty when it stopped early (EOF, the deadline: the general path says why).
+        When the sources are every live peer, the poll registered once at set-up serves (a peer done with this
+        call keeps being read: what it sends next is filed)."""
+        me = threading.get_ident()
+        got: Dict[int, bytes] = {}
+        ready, pending = True, []
+        for peer in sources:
+            entry = self._pop(peer, key)
+            if entry is None:
+                pending.append(peer)
+                continue
+            if entry[0] != kind:
+                self._fail(op, f"rank {peer} called {NAMES[entry[0]]} instead")
+            got[peer] = entry[2]
+            ready = ready and bool(entry[1] & READY)
+        if not pending:
+            return got, ready, pending
+        everyone = len(sources) == len(self._peers)  # none gone: checked by the caller
+        mine = list(sources) if everyone else list(pending)
+        fds = {self._peers[p].fileno(): p for p in mine}
+        poll = self._poll_all if everyone else select.poll()
+        for fd, peer in fds.items():
+            self._readers[peer] = me
+            if not everyone:
+                poll.register(fd, select.POLLIN)
+        try:
+            while pending and time.monotonic() < deadline:
+                self.cond.release()
+                try:
+                    if len(pending) == 1:  # one blocking recv, bounded by SO_RCVTIMEO: no poll
+                        arrived = [(pending[0], self._recv(pending[0], block=True))]
+                    else:
+                        events = poll.poll((deadline - time.monotonic()) * 1000)
+                        arrived = [(fds[fd], self._recv(fds[fd], block=False)) for fd, _ in events]
+                finally:
+                    self.cond.acquire()
+                for peer, length in arrived:
+                    parsed = self._parse(peer, length, op) if length != -3 else None
+                    if parsed is None:
+                        if peer in self.gone:
+                            with contextlib.suppress(KeyError, ValueError):
+                                self._poll_all.unregister(self._peers[peer].fileno())
+                            if peer in pending:
+                                return got, ready, pending
+                        continue
+                    if parsed[0] != key or peer not in pending:
+                        self._put(peer, *parsed, op)
+                        if peer in pending and after(parsed[0][1], key[1]):
+                            self._fail(op, f"rank {peer} sent collective #{parsed[0][1]} but not #{key[1]}: it "
+                                           "called a different operation")
+                    else:
+                        their_kind, flags, data = parsed[1]
+                        if their_kind != kind:
+                            self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+                        got[peer] = data
+                        ready = ready and bool(flags & READY)
+                        pending.remove(peer)
+                        if not everyone:
+                            poll.unregister(self._peers[peer].fileno())
+                            del self._readers[peer]
+                    if self._waiting:  # a thread came meanwhile: it may want what was filed, or the socket
+                        self._notify()
+            return got, ready, pending
+        finally:
+            for peer in mine:
+                if self._readers.get(peer) == me:
+                    del self._readers[peer]
+            if self._waiting:
+                self._notify()
+
+    def _alone(self, peer: int, key: Key, kind: int, op: str) -> Optional[Tuple[Dict[int, bytes], bool]]:
+        """The common case, one thread and one source: read its socket once; the message, if it is the one
+        wanted (nothing filed), else None (anything read is filed)."""
+        if not self._free(peer):
+            return None
+        self._readers[peer] = threading.get_ident()
+        self.cond.release()
+        try:
+            length = self._recv(peer, block=True)
+        finally:
+            self.cond.acquire()
+            del self._readers[peer]
+            if self._waiting:  # a thread came meanwhile, waiting for this socket
+                self._notify()
+        parsed = self._parse(peer, length, op) if length != -3 else None
+        if parsed is None:
+            return None
+        if parsed[0] != key:
+            self._put(peer, *parsed, op)
+            return None
+        their_kind, flags, data = parsed[1]
+        if their_kind != kind:
+            self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+        return {peer: data}, bool(flags & READY)
+
+    def _take(self, sources: Sequence[int], key: Key, kind: int, op: str, first: bool, deadline: float,
+              got: Optional[Dict[int, bytes]] = None, ready: bool = True) -> Tuple[Dict[int, bytes], bool]:
+        """The general path: any number of threads; ``got``/``ready``: what a lean path already took."""
+        got = {} if got is None else got
+        pending = list(sources)
+        me = threading.get_ident()
+        mine: List[int] = []
+        wake = -1
+        self._waiting += 1
+        try:
+            while True:
+                if self.closed is not None:
+                    self._fail(op, self.closed)
+                for peer in list(pending):
+                    entry = self._pop(peer, key)
+                    if entry is not None:
+                        their_kind, flags, data = entry
+                        if their_kind != kind:
+                            self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+                        got[peer] = data
+                        ready = ready and bool(flags & READY)
+                        pending.remove(peer)
+                        if first:
+                            return got, ready
+                    elif peer in self.gone:
+                        self._fail(op, self.gone[peer])
+                    elif key[0] and peer in self._last and after(self._last[peer], key[1]):
+                        self._fail(op, f"rank {peer} sent collective #{self._last[peer]} but not #{key[1]}: "
+                                       "it called a different operation")
+                if not pending:
+                    return got, ready
+                if any(p not in pending for p in mine):  # let others read what this thread no longer needs
+                    mine = [p for p in mine if p in pending]
+                    self._release(me, pending)
+                for peer in pending:
+                    if peer not in self._readers:
+                        self._readers[peer] = me
+                        mine.append(peer)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    why = f"no message from rank(s) {pending} within the timeout of {self.timeout:.0f}s"
+                    if key[0]:  # the others wait in the same collective: close, so that they learn at once
+                        self._fail(op, why)
+                    raise CommunicationError(f"{op} over the local channel: {why}; the channel stays open")
+                if not mine:  # another thread reads every socket this one waits on: it files and notifies
+                    self.cond.wait(remaining)
+                    continue
+                if first and len(mine) < len(pending) and wake < 0:
+                    wake = self._wakes[me] = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                self.cond.release()
+                try:
+                    arrived = self._read(mine, wake, remaining)
+                finally:
+                    self.cond.acquire()
+                for peer, length in arrived:
+                    self._file(peer, length, op)
+                if arrived and self._waiting > 1:
+                    self._notify()
+        finally:
+            self._waiting -= 1
+            self._release(me, ())
+            if wake >= 0:
+                del self._wakes[me]
+                os.close(wake)
+
+    def _pop(self, peer: int, key: Key) -> Optional[Entry]:
+        queue = self._stash[peer].get(key)
+        if not queue:
+            return None
+        entry = queue.popleft()
+        if not queue:
+            del self._stash[peer][key]
+        self._stashed -= len(entry[2]) + ENTRY_OVERHEAD
+        return entry
+
+    def _release(self, me: int, keep: Sequence[int]) -> None:
+        """Stop reading the sockets this thread claimed, but those of ``keep``; wake whoever waits for them."""
+        let_go = [p for p, reader in self._readers.items() if reader == me and p not in keep]
+        for peer in let_go:
+            del self._readers[peer]
+        if let_go and self._waiting > 1:
+            self._notify()
+
+    def _notify(self) -> None:
+        self.cond.notify_all()
+        for fd in self._wakes.values():
+            os.eventfd_write(fd, 1)
+
+    # -- reading (without the lock: this thread alone reads these sockets) ----------------------------
+    def _read(self, mine: List[int], wake: int, remaining: float) -> List[Tuple[int, int]]:
+        """Receive at least one message (or EOF) from the sockets of ``mine``, unless woken or timed out:
+        ``[(peer, datagram length, or -1 at EOF / -2 for an empty datagram)]``."""
+        if len(mine) == 1 and wake < 0:  # one blocking recv, bounded by SO_RCVTIMEO: no poll, one wake-up
+            length = self._recv(mine[0], block=True)
+            return [] if length == -3 else [(mine[0], length)]  # -3: SO_RCVTIMEO ran out (the caller's deadline)
+        poll = select.poll()
+        fds = {self._peers[p].fileno(): p for p in mine}
+        for fd in fds:
+            poll.register(fd, select.POLLIN)
+        if wake >= 0:
+            poll.register(wake, select.POLLIN)
+        arrived = []
+        for fd, _ in poll.poll(remaining * 1000):
+            if fd == wake:
+                try:
+                    os.eventfd_read(wake)
+                except BlockingIOError:
+                    pass
+            elif fd in fds:
+                arrived.append((fds[fd], self._recv(fds[fd], block=False)))
+        return [(p, n) for p, n in arrived if n != -3]  # -3: nothing to read after all
+
+    def _recv(self, peer: int, block: bool) -> int:
+        sock = self._peers[peer]
+        try:
+            length = sock.recv_into(self._buffers[peer], self._size, _TRUNC if block else _TRUNC | _DONTWAIT)
+        except BlockingIOError:
+            return -3
+        except OSError:
+            return -1  # reset, or closed under us
+        if length:
+            return length
+        try:  # 0: EOF, or an empty datagram (then the socket still works)
+            sock.recv(1, _PEEK | _DONTWAIT)
+        except BlockingIOError:
+            return -2
+        except OSError:
+            return -1
+        return -1
+
+    # -- filing (under the lock) ------------------------------------------------------------------
+    def _file(self, peer: int, length: int, op: str) -> None:
+        """Check the message ``peer`` sent and put it in the stash, or note EOF."""
+        parsed = self._parse(peer, length, op)
+        if parsed is not None:
+            self._put(peer, *parsed, op)
+
+    def _parse(self, peer: int, length: int, op: str) -> Optional[Tuple[Key, Entry]]:
+        """The key and entry of the message in ``peer``'s buffer, checked (see the module docstring); None at EOF."""
+        if length == -1:
+            if peer not in self.gone:
+                self.gone[peer] = f"{self._who(peer)} closed its connection: it died, or failed and closed the channel"
+            return None
+        if length < HEADER.size:  # -2: an empty datagram
+            self._fail(op, f"{self._who(peer)} sent a {max(length, 0)}-byte message, shorter than the "
+                           f"{HEADER.size}-byte header: a protocol error")
+        if length > self._size:
+            self._fail(op, f"{self._who(peer)} sent a {length:,}-byte message, above the {self._size:,} bytes a "
+                           "message may have: a protocol error")
+        kind, flags, seq, tag = HEADER.unpack_from(self._buffers[peer])
+        if kind == P2P:
+            if seq or flags or tag < 0:
+                self._fail(op, f"{self._who(peer)} sent a point-to-point message with a bad header (sequence number "
+                               f"{seq}, flags {flags}, tag {tag}): a protocol error")
+            key: Key = (False, tag)
+        elif kind in NAMES:
+            last = self._last.get(peer)
+            if tag or flags & ~READY or not after(seq, self.done) or (last is not None and not after(seq, last)):
+                self._fail(op, f"{self._who(peer)} sent a {NAMES[kind]} message with a bad header (collective "
+                               f"#{seq} after #{last} and with #{self.done} finished here, tag {tag}, flags {flags}): "
+                               "a duplicate or stale message, or a protocol error")
+            self._last[peer] = seq
+            key = (True, seq)
+        else:
+            self._fail(op, f"{self._who(peer)} sent a message of unknown kind {kind}: a protocol error")
+        return key, (kind, flags, bytes(memoryview(self._buffers[peer])[HEADER.size : length]))
+
+    def _put(self, peer: int, key: Key, entry: Entry, op: str) -> None:
+        size = len(entry[2]) + ENTRY_OVERHEAD
+        if self._stashed + size > self._limit:
+            self._fail(op, f"{self._who(peer)} sent more than this rank has asked for: the stash of messages for "
+                           f"calls not yet made would pass {self._limit:,} bytes. A rank that far ahead, or flooding "
+                           "the channel")
+        self._stashed += size
+        self._stash[peer].setdefault(key, deque()).append(entry)
+
+    def _who(self, peer: int) -> str:
+        return f"rank {peer} (pid {self._pids[peer]})"
+
+_DONTWAIT = int(socket.MSG_DONTWAIT)  # ints: an enum.IntFlag's | costs more than the recv's bookkeeping
+_TRUNC = int(socket.MSG_TRUNC)
+_PEEK = int(socket.MSG_PEEK)

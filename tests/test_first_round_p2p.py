@@ -1,0 +1,305 @@
+"""send/recv through the same-host channel (objcomm._first): the backend's point-to-point scenarios give
+the same results through it; when send/recv may start using it; threads; a killed peer; a failed channel."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable, Dict, List
+
+import pytest
+import test_collectives
+import test_failures
+import test_requests
+import test_tags
+import torch.distributed as dist
+from _child import run_group_losing_a_rank
+from _ranks import get_pool
+
+import objcomm
+from objcomm import _state
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _state_of(group: Any = None) -> Any:
+    return _state.group_facts(group if group is not None else dist.group.WORLD).local.get(False)
+
+
+def through_the_channel(scenario: Callable[..., Any], *args: Any) -> Any:
+    """``scenario(*args)`` with ``local`` on, after an all_gather that opened the default group's channel and
+    let send/recv in; the channel must still be open (and carrying send/recv) at the end."""
+    previous = objcomm.configure(local=True)
+    try:
+        objcomm.all_gather(None)
+        state = _state_of()
+        assert state.channel is not None and state.channel.p2p, "send/recv do not go through the channel"
+        result = scenario(*args)
+        assert state.channel.p2p and not state.channel.closed
+        return result
+    finally:
+        objcomm.restore(previous)
+
+
+SCENARIOS = [  # (scenario, args, world): every send/recv scenario of the backend's tests
+    (test_tags.concurrent_streams, (10, False), 2),
+    (test_tags.concurrent_streams, (test_tags.BIG, False), 2),
+    (test_tags.concurrent_streams, (test_tags.BIG, True), 2),
+    (test_tags.interleaved_streams, (10, False), 2),
+    (test_tags.interleaved_streams, (test_tags.BIG, True), 2),
+    (test_tags.from_any_rank, (), 2),
+    (test_tags.from_any_rank, (), 4),
+    (test_tags.bad_tags, (), 2),
+    (test_requests.point_to_point, (10,), 2),
+    (test_requests.point_to_point, (test_requests.BIG,), 2),
+    (test_requests.failures_travel, (), 3),
+    (test_failures.sender_fails_point_to_point, (), 3),
+    (test_failures.limits_on_both_sides, (), 3),
+    (test_failures.original_type_on_the_failing_rank, (), 3),
+    (test_collectives.ops_on_subgroup, (), 4),
+]
+
+
+@pytest.mark.parametrize("scenario, args, world", SCENARIOS,
+                         ids=[f"{s.__module__}.{s.__name__}-{a}-w{w}" for s, a, w in SCENARIOS])
+def test_backend_scenarios_give_the_same_through_the_channel(scenario, args, world):
+    pool = get_pool(world)
+    assert pool.run(through_the_channel, scenario, *args) == pool.run(scenario, *args)
+
+
+@pytest.mark.parametrize("layout", ["default", "tiny"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_op_with_a_ring_of_send_recv_through_the_channel(world, layout):
+    kinds = test_collectives.KINDS_FOR[layout]
+    got = get_pool(world).run(through_the_channel, test_collectives.run_all_ops, "msgpack",
+                              test_collectives.LAYOUTS[layout], kinds)
+    assert got == [len(kinds)] * world
+
+
+# -- the channel is really used, and only once it is safe ----------------------------------------------
+def sends_before_the_receiver_asks() -> List[Any]:
+    """Rank 0 sends three small objects and then joins an all_gather, before rank 1 posts any recv: through
+    the channel a send returns once the kernel holds it; gloo's would wait for its receiver (here: forever)."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=True)
+    comm.all_gather(0)
+    if rank == 0:
+        done = threading.Event()
+        sender = threading.Thread(target=lambda: ([comm.send(i, 1, tag=7) for i in range(3)], done.set()))
+        sender.start()
+        returned = done.wait(30)
+        comm.all_gather(1)
+        sender.join(60)
+        return [returned]
+    comm.all_gather(1)
+    return [comm.recv(0, tag=7) for _ in range(3)]
+
+
+def test_a_send_returns_before_its_receive_is_posted():
+    assert get_pool(2).run(sends_before_the_receiver_asks) == [[True], [0, 1, 2]]
+
+
+def in_flight_at_the_first_collective() -> List[Any]:
+    """An irecv outstanding at the collective that opens the channel keeps send/recv on the group (its
+    sender may have decided before); the first all_gather with nothing in flight anywhere lets them in."""
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())))  # nothing opened on it yet
+    comm = objcomm.Communicator(group, local=True)
+    seen: List[Any] = []
+    pending = comm.irecv(1, tag=2) if rank == 0 else None
+    comm.all_gather(0)
+    seen.append(_state_of(group).channel.p2p)
+    if rank == 1:
+        comm.send("early", 0, tag=2)  # through the group, as rank 0's irecv
+    else:
+        seen.append(pending.wait(60))
+    comm.broadcast(1)  # no vote in a broadcast
+    seen.append(_state_of(group).channel.p2p)
+    comm.all_gather(2)  # nothing in flight now
+    seen.append(_state_of(group).channel.p2p)
+    if rank == 1:
+        comm.send("late", 0, tag=2)
+    else:
+        seen.append(comm.recv(1, tag=2))
+    return seen
+
+
+def test_send_recv_move_to_the_channel_only_when_nothing_is_in_flight():
+    assert get_pool(2).run(in_flight_at_the_first_collective) == [
+        [False, "early", False, True, "late"], [False, False, True]]
+
+
+def starts_during_a_vote() -> List[Any]:
+    """A send that another thread starts while this rank's yes-vote is out waits for the outcome, then takes
+    the channel like its receiver (through the group it would wait for a receiver that never posts there)."""
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    comm = objcomm.Communicator(group, local=True)
+    pending = comm.irecv(1, tag=1) if rank == 0 else None
+    comm.broadcast(0)  # opens the channel; rank 0's irecv is in flight: send/recv stay on the group
+    if rank == 0:
+        seen: List[Any] = [pending.wait(60), _state_of(group).channel.p2p]
+        sender = threading.Thread(target=lambda: (time.sleep(0.2), comm.send("b", 1, tag=2)))
+        sender.start()
+        comm.all_gather(0)  # rank 1 comes 0.6 s late: the thread starts its send while the vote is out
+        sender.join(60)
+        return seen + [not sender.is_alive(), _state_of(group).channel.p2p]
+    comm.send("a", 0, tag=1)
+    time.sleep(0.6)
+    comm.all_gather(1)
+    return [comm.recv(0, tag=2), _state_of(group).channel.p2p]
+
+
+def test_a_send_started_during_the_vote_waits_for_its_outcome():
+    assert get_pool(2).run(starts_during_a_vote) == [["a", False, True, True], ["b", True]]
+
+
+def many_threads(rounds: int) -> Dict[str, Any]:
+    """Per rank: a thread per (peer, tag) sending, one receiving from any rank on its own tag, isend/irecv
+    lanes, and collectives on the main thread, all at once on one channel; nothing is lost or mixed."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = objcomm.Communicator(local=True, slot_bytes=256)
+    comm.all_gather(0)
+    peers = [r for r in range(world) if r != rank]
+    got: Dict[str, List[Any]] = {}
+    errors: List[BaseException] = []
+
+    def guard(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: B036 - reported below
+                errors.append(exc)
+        return run
+
+    def sender(peer: int, tag: int) -> None:
+        for i in range(rounds):
+            comm.send((rank, tag, i, "x" * (i % 3 * 200)), peer, tag=tag)  # some overflow the slot
+
+    def receiver(peer: int, tag: int) -> None:
+        got[f"{peer}/{tag}"] = [comm.recv(peer, tag=tag) for _ in range(rounds)]
+
+    def from_anyone() -> None:
+        got["any"] = sorted(comm.recv(tag=9, return_sender=True)[0] for _ in range(len(peers) * rounds))
+
+    threads = [threading.Thread(target=guard(lambda p=p, t=t: sender(p, t))) for p in peers for t in (1, 2)]
+    threads += [threading.Thread(target=guard(lambda p=p, t=t: receiver(p, t))) for p in peers for t in (1, 2)]
+    threads.append(threading.Thread(target=guard(from_anyone)))
+    for thread in threads:
+        thread.start()
+    asynchronous = [comm.isend(rank, p, tag=9) for p in peers for _ in range(rounds)]
+    gathered = [comm.all_gather((rank, i)) for i in range(rounds)]
+    for request in asynchronous:
+        request.wait(60)
+    for thread in threads:
+        thread.join(120)
+    return {"errors": [repr(e) for e in errors], "gathered": gathered == [[(r, i) for r in range(world)]
+                                                                           for i in range(rounds)],
+            "streams": all(got[f"{p}/{t}"] == [(p, t, i, "x" * (i % 3 * 200)) for i in range(rounds)]
+                           for p in peers for t in (1, 2)),
+            "any": got.get("any") == sorted(p for p in peers for _ in range(rounds)),
+            "p2p": _state_of().channel.p2p}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_threads_on_different_tags_and_peers_and_collectives_share_the_channel(world):
+    for result in get_pool(world).run(many_threads, 20):
+        assert result == {"errors": [], "gathered": True, "streams": True, "any": True, "p2p": True}
+
+
+# -- failures ------------------------------------------------------------------------------------
+def _killed_mid_recv_rank(rank: int, world: int, store: str, victim: int, results: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    objcomm.configure(local=True)  # a process of its own: nothing to restore
+    objcomm.all_gather(rank)  # opens the channel; send/recv through it from now on
+    assert _state_of().channel.p2p
+    if rank == victim:
+        time.sleep(0.5)  # the others wait in their recv by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            objcomm.recv(victim, tag=3)
+        else:
+            objcomm.recv(tag=3)  # from any rank
+        results.put((rank, "no error", 0.0))
+    except objcomm.CommunicationError as exc:
+        results.put((rank, str(exc), time.monotonic() - start))
+
+
+def test_a_peer_killed_mid_recv_makes_the_receiver_raise_within_seconds():
+    got, victim_exit = run_group_losing_a_rank(_killed_mid_recv_rank, 3, 2)
+    assert victim_exit == -signal.SIGKILL
+    for rank, (message, elapsed) in got.items():
+        assert "local channel failed" in message, (rank, message)
+        assert elapsed < 5.0, (rank, elapsed)
+    assert "closed its connection" in got[0][0] or "reset its connection" in got[0][0]
+
+
+def slot_bytes_disagree() -> List[Any]:
+    """A call whose ranks disagree on slot_bytes fails the channel on every rank; the next call opens a new
+    one (every rank failed at the same call, so they agree), and send/recv go through it again."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    comm = objcomm.Communicator(group, local=True)
+    seen: List[Any] = [comm.all_gather(rank)]
+    first = _state_of(group).channel
+    try:
+        objcomm.Communicator(group, local=True, slot_bytes=512 if rank == 1 else 256).all_gather(rank)
+        seen.append("returned")
+    except objcomm.CommunicationError as exc:
+        seen.append("slot_bytes" in str(exc) or "closed its connection" in str(exc))
+    if rank == 0:
+        try:
+            comm.send("x", 1)
+        except objcomm.CommunicationError as exc:
+            seen.append("until a collective" in str(exc))
+    seen.append(comm.all_gather(rank))  # reopens
+    second = _state_of(group).channel
+    seen.append((first.closed, second is not first, second.generation, second.p2p))
+    if rank == 0:
+        comm.send("after", 1)
+    elif rank == 1:
+        seen.append(comm.recv(0))
+    return seen
+
+
+def test_the_group_is_usable_after_a_failed_channel_call():
+    everyone = [0, 1, 2]
+    results = get_pool(3).run(slot_bytes_disagree)
+    assert results[0] == [everyone, True, True, everyone, (True, True, 2, True)]
+    assert results[1] == [everyone, True, everyone, (True, True, 2, True), "after"]
+    assert results[2] == [everyone, True, everyone, (True, True, 2, True)]
+
+
+def fails_on_one_rank_only() -> List[Any]:
+    """Only rank 0's channel fails (between calls); rank 1 learns of it one call later. They cannot agree
+    where it failed, so no rank reopens: every rank raises, at once, at each later call."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    comm = objcomm.Communicator(group, local=True)
+    comm.all_gather(rank)
+    if rank == 0:
+        try:
+            _state_of(group).channel.fail("test", "failed on purpose")
+        except objcomm.CommunicationError:
+            pass
+    seen = []
+    for _ in range(3):
+        start = time.monotonic()
+        try:
+            comm.all_gather(rank)
+            seen.append("returned")
+        except objcomm.CommunicationError as exc:
+            text = str(exc)
+            seen.append("out of step" if "out of step" in text else "failed" if "failed" in text else text)
+        assert time.monotonic() - start < 30
+    return seen
+
+
+def test_ranks_that_failed_at_different_calls_do_not_reopen():
+    results = get_pool(2).run(fails_on_one_rank_only)
+    assert results[0] == ["out of step"] * 3
+    assert results[1] == ["failed", "out of step", "out of step"]
