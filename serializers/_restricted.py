@@ -40,7 +40,7 @@ import pickle
 from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
 from . import _rebuild
-from ._errors import ContentRefusedError, DecodeError, decoding
+from ._errors import ContentRefusedError, DecodeError, ObjcommError, decode_error
 from ._pickle import EXTERNAL, PROTOCOL, PickleSerializer, external_ref
 from ._pickle_scan import ScanError, scan
 from ._protocol import Buffer, Restore
@@ -205,6 +205,9 @@ class _Guards:
             self.real[key] = _guard(label, call, newobj, factory)
             self.probe[key] = _probe_guard(label, kind, newobj is not None, factory)
         self._allowed = allowed
+        # built once: a load without restore= constructs one with C's __init__ only
+        self.unpickler = _unpickler_class(self, False)
+        self.probe_unpickler = _unpickler_class(self, True)
 
     def lookup(self, module: str, name: str, probing: bool) -> Any:
         key = (module, name)
@@ -259,19 +262,32 @@ def _why_refused(module: str, name: str) -> str:
     )
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, guards: _Guards, restore: Optional[Restore], probing: bool) -> None:
+def _unpickler_class(guards: _Guards, probing: bool) -> type:
+    """An Unpickler subclass whose ``find_class`` answers from ``guards`` (no ``restore=``)."""
+    lookup = guards.lookup
+    external = _EXTERNAL_PROBE if probing else external_ref
+
+    def find_class(self: Any, module: str, name: str) -> Any:
+        if (module, name) == EXTERNAL:
+            return external
+        return lookup(module, name, probing)
+
+    kind = "Probing" if probing else "Guarded"
+    return type(f"_{kind}Unpickler", (pickle.Unpickler,), {"__slots__": (), "find_class": find_class})
+
+
+class _RestoringUnpickler(pickle.Unpickler):
+    """The real pass of a load with ``restore=``: out-of-band references resolve to ``restore``."""
+
+    def __init__(self, file: Any, guards: _Guards, restore: Restore) -> None:
         super().__init__(file)
         self._guards = guards
         self._restore = restore
-        self._probing = probing
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == EXTERNAL:
-            if self._probing:
-                return _EXTERNAL_PROBE
-            return self._restore if self._restore is not None else external_ref
-        return self._guards.lookup(module, name, self._probing)
+            return self._restore
+        return self._guards.lookup(module, name, False)
 
 
 # -- the serializer ----------------------------------------------------------------------------
@@ -342,8 +358,18 @@ class RestrictedPickleSerializer(PickleSerializer):
                 raise ContentRefusedError(f"{self.name} refused the payload: {exc}; nothing was run") from None
             raise DecodeError(f"{self.name} refused a malformed payload: {type(exc).__name__}: {exc}") from None
         guards = self._guards
-        # BytesIO over bytes shares them: neither pass copies the payload again
-        with decoding(self.name, data), _rebuild.work_budget(WORK_PER_BYTE * len(raw) + _WORK_FLOOR):
+        # What ``with decoding(...), work_budget(...)`` does, without two context managers per load.
+        # BytesIO over bytes shares them: neither pass copies the payload again.
+        outer = _rebuild.start_budget(WORK_PER_BYTE * len(raw) + _WORK_FLOOR)
+        try:
             if needs_probe:
-                _Unpickler(io.BytesIO(raw), guards, None, probing=True).load()
-            return _Unpickler(io.BytesIO(raw), guards, restore, probing=False).load()
+                guards.probe_unpickler(io.BytesIO(raw)).load()
+            if restore is None:
+                return guards.unpickler(io.BytesIO(raw)).load()
+            return _RestoringUnpickler(io.BytesIO(raw), guards, restore).load()
+        except ObjcommError:
+            raise
+        except Exception as exc:
+            raise decode_error(self.name, data, exc) from exc
+        finally:
+            _rebuild.end_budget(outer)
