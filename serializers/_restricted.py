@@ -6,8 +6,9 @@ How a hostile payload is kept harmless (``docs/security.md`` states the guarante
    values: it checks every declared length, memo index and text number against the bytes present,
    bounds tuple nesting and hashing work, keeps globals out of values, and refuses opcodes objcomm
    never writes — before the C unpickler allocates or hashes anything. Plain data (no global,
-   call, tuple or state) is recognised first by a fast walk in the regex engine
-   (``_pickle_plain``), which checks the one rule such a payload can break: declared lengths.
+   call or state; tuples only of the scalars just before them) is recognised first by a fast walk
+   in the regex engine (``_pickle_plain``), which checks the one rule such a payload can break:
+   declared lengths.
 2. **Guards, not globals.** ``find_class`` never imports or returns what the payload names. It
    returns a *guard*: a class (so NEWOBJ accepts it) whose metaclass routes a call (REDUCE, OBJ,
    INST) to a validating constructor, whose ``__new__`` routes NEWOBJ likewise, and whose

@@ -8,6 +8,7 @@ One test per attack class of the security issue; the structured fuzzing is at th
 
 from __future__ import annotations
 
+import pickle
 import random
 import struct
 import sys
@@ -284,6 +285,59 @@ def test_the_fast_walk_reads_arguments_as_arguments():
     after = payload(b"(" + b"G" + b"\x00" * 8 + b"G" * 9 * 5 + b"\x8c\x01x" + glob("os", "system") + b"l")
     results = run_in_child(_decode_all, "restricted-pickle", {"global after floats": after}, memory_budget=BUDGET)
     assert results["global after floats"][0] == "ContentRefusedError"
+
+
+def _is_plain(body: bytes) -> bool:
+    from serializers._pickle_plain import is_plain
+
+    return is_plain(payload(body))
+
+
+def test_the_fast_walk_takes_tuples_only_of_the_scalars_just_pushed():
+    """TUPLE1/2/3 of the scalars right before them are plain (one level, a few units of hashing);
+    a tuple of anything else (a tuple, a memo read, a string over 255 bytes) is left to the full walk."""
+    shown = [(1, 2), (1.5, 2.5, 3.5), ("a", None, True), {(1, "x"): 2}, [(1.0, 2.0)] * 3,
+             {"k": (3, 3), "b": (0.9, 1.0)}]
+    for value in shown:
+        assert _is_plain(pickle.dumps(value, protocol=5)[2:-1]), value
+    not_shown = {
+        "a tuple of a tuple": b"K\x01\x85\x85",
+        "TUPLE2 after one scalar": b"]K\x01\x86",
+        "TUPLE3 after two scalars": b"]K\x01K\x02\x87",
+        "a memo read in a tuple": b"K\x01\x94h\x00h\x00\x86",
+        "TUPLE of a mark": b"(K\x01K\x02t",
+        "TUPLE2 after a long string": b"K\x01X" + struct.pack("<I", 300) + b"a" * 300 + b"\x86",
+        "TUPLE3 after two floats": b"]G" + b"\x00" * 8 + b"G" + b"\x00" * 8 + b"\x87",
+    }
+    for label, body in not_shown.items():
+        assert not _is_plain(body), label
+    assert _is_plain(b"G" + b"\x00" * 8 + b"G" + b"\x01" * 8 + b"G" + b"\x02" * 8 + b"\x87")  # floats by stride
+    s = serializers.get("restricted-pickle")
+    value = {"kernel": (3, 3), "betas": (0.9, 0.999), "xyz": [(1.0, 2.0, 3.0)] * 5, ("a", 1): None}
+    assert s.loads(s.dumps(value)) == value
+
+
+def test_deep_tuples_are_refused_at_the_same_depth_with_the_fast_walk():
+    """The fast walk takes one level of tuples; deeper ones reach the full walk and its 512 limit."""
+    payloads = {depth: payload(b"}" + b"K\x01" + b"\x85" * depth + b"Ns") for depth in (511, 512, 513, 100_000)}
+    results = run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET)
+    assert results[511][0] == results[512][0] == "ok"
+    _assert_refused({k: results[k] for k in (513, 100_000)})
+
+
+def test_hashing_tuples_stays_bounded_with_the_fast_walk():
+    """A long tuple used as a key again and again is refused in milliseconds (full walk); a tuple of
+    three 255-byte strings, equal to another and used as a key 300,000 times, is plain and stays cheap."""
+    long_key = b"".join(b"\x8c\xff" + bytes([65 + i]) * 255 for i in range(3)) + b"\x87\x94"
+    payloads = {
+        "a long tuple as a key": payload(b"}(" + b"N" * 20_000 + b"t\x940" + b"h\x00Ns" * 300_000),
+        "a tuple dag through TUPLE2": payload(b"}" + tuple_dag(60) + b"Ns"),
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET), max_seconds=0.5)
+    body = b"}" + long_key + b"0" + long_key + b"0(" + b"h\x00Nh\x01N" * 150_000 + b"u"
+    assert _is_plain(body)
+    results = run_in_child(_decode_all, "restricted-pickle", {"equal keys": payload(body)}, memory_budget=BUDGET)
+    assert results["equal keys"][0] == "ok" and results["equal keys"][1] < 0.5
 
 
 def test_error_messages_never_render_payload_values():
@@ -592,3 +646,4 @@ def test_fuzz_msgpack_extension_trees():
     found = run_in_child(_fuzz, "msgpack", _msgpack_tree, 6000 * FUZZ_SCALE, timeout=280 * FUZZ_SCALE,
                          memory_budget=512 << 20)
     assert found == []
+
