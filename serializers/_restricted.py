@@ -21,11 +21,12 @@ How a hostile payload is kept harmless (``docs/security.md`` states the guarante
    reconstructors are never reachable. The allow-list is checked before any import.
 3. **The probe pass.** BUILD (``__setstate__`` or attribute updates) is allowed only on instances
    of classes the user allowed, APPEND/SETITEM only on the containers that take them. When one of
-   those opcodes follows the first global, call or tuple, the payload is first run through the C
-   unpickler with every guard returning an inert *probe* that knows only what kind of value it
-   stands for; a BUILD, APPEND or SETITEM on a probe of the wrong kind refuses the payload. Pickle
-   is straight-line code, so the real pass that follows applies BUILD only where the probe pass
-   allowed it. Both passes run at C speed.
+   those opcodes acts on anything but a list, dict or set the payload's own opcodes built (which
+   the scan's model of pickle's stack and memo tells exactly, ``_pickle_scan._target``), the
+   payload is first run through the C unpickler with every guard returning an inert *probe* that
+   knows only what kind of value it stands for; a BUILD, APPEND or SETITEM on a probe of the wrong
+   kind refuses the payload. Pickle is straight-line code, so the real pass that follows applies
+   BUILD only where the probe pass allowed it. Both passes run at C speed.
 4. **Classes travel only as constructors.** The scan refuses a global used as anything but a
    callable or a direct argument of a call; guards refuse guards as arguments (but for a
    defaultdict's factory).
