@@ -16,7 +16,7 @@ Why what it skips is safe to skip, for a payload made only of these opcodes:
 - **Nesting** concerns tuples (and calls, which it refuses). A tuple it accepts holds only
   scalars pushed by the opcodes right before the tuple opcode (BININT, BININT1, BININT2,
   BINFLOAT, SHORT_BINUNICODE of at most 255 bytes, NONE, NEWTRUE, NEWFALSE, each maybe followed
-  by MEMOIZE, which leaves the stack alone): it nests one deep, and no tuple can be an item of
+  by MEMOIZE or FRAME, which leave the stack alone): it nests one deep, and no tuple can be an item of
   another, since a tuple is not a scalar and a memo read is not accepted as an item. Lists and
   dicts may nest deep, as the full walk allows too: unpickling is iterative, deallocation uses
   the trashcan, and restricted-pickle never renders values.
@@ -47,16 +47,16 @@ sequence of whole opcodes, each one opcode byte followed by exactly its argument
 or for SHORT_BINUNICODE one alternative per length byte, followed by that many bytes), and where
 alternatives start with the same byte they parse the same first opcode. So a match starting on
 an opcode boundary can only follow the one parse the C unpickler follows, and it ends on an
-opcode boundary; argument bytes are never read as opcodes. The lookaheads after BINFLOAT read
-the following opcodes from that boundary too. A tuple opcode is accepted only at the end of an
+opcode boundary; argument bytes are never read as opcodes. The lookahead after BINFLOAT reads
+the next opcode from that boundary too. A tuple opcode is accepted only at the end of an
 alternative that itself parsed at least that many scalars just before it. Where the run stops, a
 short Python step parses one length-prefixed opcode (checking the length against the bytes
 present), or checks a run of BINFLOATs by stride (every 9th byte, from a BINFLOAT, is the next
-opcode) and a TUPLE1/2/3 right after at least that many of them, and resumes the run.
+opcode; the pattern without tuples only), and resumes the run.
 
 Payloads without TUPLE1/2/3 are walked by a pattern without tuples (the alternatives above cost
-time on every scalar); one that stops at a tuple opcode is walked again, from the start, by the
-pattern with them.
+time on every scalar, and it leaves runs of floats to the much faster stride check); one that
+stops at a tuple opcode is walked again, from the start, by the pattern with them.
 """
 
 from __future__ import annotations
@@ -88,12 +88,13 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
     repeat = b"*+" if sys.version_info >= (3, 11) else b"{0,1000}"
     if tuples:
         # A scalar (BINFLOAT, SHORT_BINUNICODE, BININT, BININT1, BININT2, NONE, NEWTRUE, NEWFALSE)
-        # with the MEMOIZEs that follow it. The lookahead parses too (from the opcode boundary
-        # after the float): a run of three or more BINFLOATs is left to the stride check.
+        # with the MEMOIZEs and FRAMEs that follow it (neither touches the stack; the pickler
+        # starts a frame wherever one fills, also between a tuple's items). Runs of BINFLOATs are
+        # read here too, not by the stride check, so that a FRAME may sit anywhere among them.
         scalar = b"(?:" + b"|".join([
-            _opcode(b"G", 8) + b"(?!G.{8}G)", short_unicode, _opcode(b"J", 4), _opcode(b"K", 1),
+            _opcode(b"G", 8), short_unicode, _opcode(b"J", 4), _opcode(b"K", 1),
             _opcode(b"M", 2), *(_opcode(bytes([c]), 0) for c in b"N\x88\x89"),
-        ]) + b")\x94*"
+        ]) + b")(?:\x94|" + _opcode(b"\x95", 8) + b")*"
         # Consecutive scalars, optionally closed by TUPLE1/2/3 when at least that many precede it
         # in this alternative: the tuple's items are exactly the scalars just pushed.
         scalars = [
@@ -176,8 +177,6 @@ def _walk(raw: bytes, tuples: bool) -> Optional[bool]:
             if not floats:
                 return False
             at = end + 9 * floats
-            if tuples and at < size and 0 < _TUPLE_SIZE[raw[at]] <= floats:
-                at += 1  # TUPLE1/2/3 of the floats just checked
         elif code == _STOP:
             return True
         elif code == _PROTO:

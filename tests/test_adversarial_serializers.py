@@ -312,8 +312,12 @@ def test_the_fast_walk_takes_tuples_only_of_the_scalars_just_pushed():
     }
     for label, body in not_shown.items():
         assert not _is_plain(body), label
-    assert _is_plain(b"G" + b"\x00" * 8 + b"G" + b"\x01" * 8 + b"G" + b"\x02" * 8 + b"\x87")  # floats by stride
+    assert _is_plain(b"G" + b"\x00" * 8 + b"G" + b"\x01" * 8 + b"G" + b"\x02" * 8 + b"\x87")
+    frame = b"\x95" + struct.pack("<Q", 9)
+    assert _is_plain(b"]G" + b"\x00" * 8 + frame + b"G" + b"\x01" * 8 + b"\x86\x94")  # a FRAME between items
     s = serializers.get("restricted-pickle")
+    pairs = [(float(i), 0.5) for i in range(200_000)]  # frames start between some tuples' items
+    assert _is_plain(bytes(s.dumps(pairs))[2:-1]) and s.loads(s.dumps(pairs)) == pairs
     value = {"kernel": (3, 3), "betas": (0.9, 0.999), "xyz": [(1.0, 2.0, 3.0)] * 5, ("a", 1): None}
     assert s.loads(s.dumps(value)) == value
 
