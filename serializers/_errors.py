@@ -63,11 +63,16 @@ class _Decoding:
     def __exit__(self, kind: Optional[type], exc: Optional[BaseException], tb: Any) -> None:
         if exc is None or isinstance(exc, ObjcommError) or not isinstance(exc, Exception):
             return
-        try:
-            size = f"{memoryview(self.data).nbytes:,} bytes"
-        except TypeError:
-            size = f"a {type(self.data).__name__}"
-        raise DecodeError(f"{self.serializer} cannot decode {size}: {type(exc).__name__}: {exc}") from exc
+        raise decode_error(self.serializer, self.data, exc) from exc
+
+
+def decode_error(serializer: str, data: Any, exc: BaseException) -> DecodeError:
+    """The DecodeError :func:`decoding` raises for ``exc`` (for hot paths that catch it themselves)."""
+    try:
+        size = f"{memoryview(data).nbytes:,} bytes"
+    except TypeError:
+        size = f"a {type(data).__name__}"
+    return DecodeError(f"{serializer} cannot decode {size}: {type(exc).__name__}: {exc}")
 
 
 def decoding(serializer: str, data: Any) -> _Decoding:

@@ -1,40 +1,62 @@
 """The fast walk: proves, at regular-expression speed, that a pickle holds nothing but plain data.
 
-Most payloads (metrics, records, lists of floats or strings, int-keyed dicts) are built from
-opcodes that cannot reach a global, a call, a tuple or state: scalars, strings, bytes, empty
-containers, marks, APPEND(S)/SETITEM(S)/ADDITEMS, LIST/DICT/FROZENSET, POP, DUP, MEMOIZE and
-memo reads. For such a payload the only rule of ``_pickle_scan`` that can fail is a declared
-length past the bytes present (the C unpickler allocates what BINBYTES8 and friends declare
-before reading), so this walk checks exactly that, and answers *plain* only when the payload
-reaches STOP through nothing else. Anything else (a global, a tuple, BUILD, PUT, text opcodes,
-an unknown or truncated opcode) answers *not shown plain*, and the full walk runs from the start
-and decides, with its own error messages.
+Most payloads (metrics, records, lists of floats or strings, int-keyed dicts, configs) are built
+from opcodes that cannot reach a global, a call or state: scalars, strings, bytes, empty
+containers, marks, APPEND(S)/SETITEM(S)/ADDITEMS, LIST/DICT, POP, POP_MARK, MEMOIZE, memo reads,
+and TUPLE1/2/3 of the scalars pushed right before them. For such a payload the only rule of
+``_pickle_scan`` that can fail is a declared length past the bytes present (the C unpickler
+allocates what BINBYTES8 and friends declare before reading), so this walk checks exactly that,
+and answers *plain* only when the payload reaches STOP through nothing else. Anything else (a
+global, any other tuple, FROZENSET, DUP, BUILD, PUT, text opcodes, an unknown or truncated
+opcode) answers *not shown plain*, and the full walk runs from the start and decides, with its
+own error messages.
 
 Why what it skips is safe to skip, for a payload made only of these opcodes:
 
-- **Nesting and hashing work** concern tuples and calls, which it refuses. Lists and dicts may
-  nest deep, as the full walk allows too: unpickling is iterative, deallocation uses the
-  trashcan, and restricted-pickle never renders values.
+- **Nesting** concerns tuples (and calls, which it refuses). A tuple it accepts holds only
+  scalars pushed by the opcodes right before the tuple opcode (BININT, BININT1, BININT2,
+  BINFLOAT, SHORT_BINUNICODE of at most 255 bytes, NONE, NEWTRUE, NEWFALSE, each maybe followed
+  by MEMOIZE or FRAME, which leave the stack alone): it nests one deep, and no tuple can be an item of
+  another, since a tuple is not a scalar and a memo read is not accepted as an item. Lists and
+  dicts may nest deep, as the full walk allows too: unpickling is iterative, deallocation uses
+  the trashcan, and restricted-pickle never renders values.
+- **Hashing work**: each use of a value as a dict key or set member takes a value off the stack
+  that exactly one opcode pushed. The full walk charges such a use 1 for a scalar, 1 + n/64 for
+  a string of n bytes (at most 4 here) and, for a tuple, 1 plus its items' charges: at most 13
+  for the tuples above. A value reaches the stack only through the opcodes that spell it (at
+  least one byte per unit it is charged: a scalar's opcode, or a tuple opcode with its items)
+  or through a memo read (2 or 5 bytes, at most 13 units). So a plain payload's charges stay
+  under 6.5 per byte, below the full walk's
+  budget of 16 per byte (``HASH_WORK_PER_BYTE``): the full walk would never refuse it for
+  hashing work, and the C unpickler's hashing is linear in the payload.
 - **Memo reads** (BINGET, LONG_BINGET): the C unpickler checks the index against its memo and
   raises on an empty slot. MEMOIZE grows the memo by one slot per opcode. PUT opcodes, which
   could size the memo by a number the sender wrote, are left to the full walk.
 - **Stack and mark underflow, APPEND or SETITEM on a value without them**: the C unpickler raises
-  (``DecodeError``); every value on the stack is a builtin scalar or container, so no hook runs.
-  Values left under the result at STOP are dropped, as ``pickle.loads`` drops them.
+  (``DecodeError``); every value on the stack is a builtin scalar, tuple or container, so no hook
+  runs. Values left under the result at STOP are dropped, as ``pickle.loads`` drops them.
 - **Hash flooding** needs non-string keys and is outside the guarantee (docs/security.md).
 - **Comparing equal keys**: a key or set member equal to one already present but not the same
   object is compared. The memo lets a payload reuse one string as a key for two bytes a use, so a
   plain payload holds no str or bytes longer than 255 bytes (each reuse compares at most that
-  much), no FROZENSET (comparing equal frozensets compares their members, recursively) and no
-  DUP; the full walk charges those to its work budget.
+  much, three times for a tuple), no FROZENSET (comparing equal frozensets compares their
+  members, recursively) and no DUP; the full walk charges those to its work budget.
 
-How it stays an exact parse although it runs in ``re``: every alternative of the run pattern is one
-opcode byte followed by exactly its argument (fixed widths, or for SHORT_BINUNICODE one
-alternative per length byte, followed by that many bytes), and no two alternatives start with
-the same opcode byte. So a match starting on an opcode boundary can only follow the one parse the
-C unpickler follows, and it ends on an opcode boundary; argument bytes are never read as
-opcodes. Where the run stops, a short Python step parses one length-prefixed opcode (checking the
-length against the bytes present) and resumes the run.
+How it stays an exact parse although it runs in ``re``: every alternative of the run pattern is a
+sequence of whole opcodes, each one opcode byte followed by exactly its argument (fixed widths,
+or for SHORT_BINUNICODE one alternative per length byte, followed by that many bytes), and where
+alternatives start with the same byte they parse the same first opcode. So a match starting on
+an opcode boundary can only follow the one parse the C unpickler follows, and it ends on an
+opcode boundary; argument bytes are never read as opcodes. The lookahead after BINFLOAT reads
+the next opcode from that boundary too. A tuple opcode is accepted only at the end of an
+alternative that itself parsed at least that many scalars just before it. Where the run stops, a
+short Python step parses one length-prefixed opcode (checking the length against the bytes
+present), or checks a run of BINFLOATs by stride (every 9th byte, from a BINFLOAT, is the next
+opcode; the pattern without tuples only), and resumes the run.
+
+Payloads without TUPLE1/2/3 are walked by a pattern without tuples (the alternatives above cost
+time on every scalar, and it leaves runs of floats to the much faster stride check); one that
+stops at a tuple opcode is walked again, from the start, by the pattern with them.
 """
 
 from __future__ import annotations
@@ -42,7 +64,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from typing import List
+from typing import List, Optional
 
 _STOP, _PROTO = ord("."), 0x80
 _BINSTRING = ord("T")  # its length is signed; a negative one is malformed
@@ -54,24 +76,46 @@ def _opcode(code: bytes, width: int) -> bytes:
     return re.escape(code) + (b".{%d}" % width if width else b"")
 
 
-@functools.cache  # compiled on the first load (~15 ms), not at import
-def _run_pattern() -> re.Pattern[bytes]:
+@functools.cache  # compiled on first use (~15 ms each), not at import
+def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
+    """The run of plain opcodes; with ``tuples``, also TUPLE1/2/3 of the scalars right before them."""
     # The C engine tries alternatives in order, skipping one whose first byte differs in a few
     # nanoseconds: the most frequent opcodes come first, and short strings by their length byte
     # (a string of length n costs n skips, still cheaper than leaving the engine).
     short_unicode = b"\x8c(?:" + b"|".join(_opcode(bytes([n]), n) for n in range(256)) + b")"
-    alternatives = [
-        _opcode(b"G", 8) + b"(?!G)",  # BINFLOAT; a run of them is left to the stride check below
-        _opcode(b"\x94", 0), _opcode(b"h", 1), short_unicode, _opcode(b"J", 4), _opcode(b"K", 1),
-        _opcode(b"(", 0), _opcode(b"e", 0), _opcode(b"u", 0), _opcode(b"}", 0), _opcode(b"]", 0),
-        _opcode(b"M", 2), _opcode(b"j", 4), _opcode(b"\x95", 8),  # BININT2, LONG_BINGET, FRAME
-        # NONE NEWTRUE NEWFALSE APPEND SETITEM EMPTY_SET ADDITEMS LIST DICT POP POP_MARK EMPTY_TUPLE
-        # (not FROZENSET or DUP: the full walk charges comparing equal frozensets and reused strings)
-        *(_opcode(bytes([c]), 0) for c in b"N\x88\x89as\x8f\x90ld01)"),
-    ]
     # Possessive (3.11+): the engine keeps no backtracking state per opcode. Before 3.11 a bounded
     # greedy repeat keeps it to 1,000 opcodes per call instead.
     repeat = b"*+" if sys.version_info >= (3, 11) else b"{0,1000}"
+    if tuples:
+        # A scalar (BINFLOAT, SHORT_BINUNICODE, BININT, BININT1, BININT2, NONE, NEWTRUE, NEWFALSE)
+        # with the MEMOIZEs and FRAMEs that follow it (neither touches the stack; the pickler
+        # starts a frame wherever one fills, also between a tuple's items). Runs of BINFLOATs are
+        # read here too, not by the stride check, so that a FRAME may sit anywhere among them.
+        scalar = b"(?:" + b"|".join([
+            _opcode(b"G", 8), short_unicode, _opcode(b"J", 4), _opcode(b"K", 1),
+            _opcode(b"M", 2), *(_opcode(bytes([c]), 0) for c in b"N\x88\x89"),
+        ]) + b")(?:\x94|" + _opcode(b"\x95", 8) + b")*"
+        # Consecutive scalars, optionally closed by TUPLE1/2/3 when at least that many precede it
+        # in this alternative: the tuple's items are exactly the scalars just pushed.
+        scalars = [
+            scalar + b"(?:\x85|" + scalar + b"(?:[\x85\x86]|" + scalar + b"(?:" + scalar + b")" + repeat
+            + b"[\x85\x86\x87]?)?)?"
+        ]
+        alternatives = [
+            *scalars, _opcode(b"\x94", 0), _opcode(b"h", 1),
+            *(_opcode(bytes([c]), 0) for c in b"(eu}]"), _opcode(b"j", 4), _opcode(b"\x95", 8),
+            *(_opcode(bytes([c]), 0) for c in b"as\x8f\x90ld01)"),
+        ]
+    else:
+        alternatives = [
+            _opcode(b"G", 8) + b"(?!G)",  # BINFLOAT; a run of them is left to the stride check below
+            _opcode(b"\x94", 0), _opcode(b"h", 1), short_unicode, _opcode(b"J", 4), _opcode(b"K", 1),
+            _opcode(b"(", 0), _opcode(b"e", 0), _opcode(b"u", 0), _opcode(b"}", 0), _opcode(b"]", 0),
+            _opcode(b"M", 2), _opcode(b"j", 4), _opcode(b"\x95", 8),  # BININT2, LONG_BINGET, FRAME
+            # NONE NEWTRUE NEWFALSE APPEND SETITEM EMPTY_SET ADDITEMS LIST DICT POP POP_MARK EMPTY_TUPLE
+            # (not FROZENSET or DUP: the full walk charges comparing equal frozensets and reused strings)
+            *(_opcode(bytes([c]), 0) for c in b"N\x88\x89as\x8f\x90ld01)"),
+        ]
     return re.compile(b"(?:" + b"|".join(alternatives) + b")" + repeat, re.DOTALL)
 
 
@@ -86,16 +130,28 @@ def _length_widths() -> List[int]:
 
 _WIDTHS = _length_widths()  # per opcode byte: the size of its length prefix; 0 for other opcodes
 _FLOATS = b"G"
+_TUPLE_SIZE = [0] * 256  # per opcode byte: n for TUPLE1/2/3, else 0
+_TUPLE_SIZE[0x85], _TUPLE_SIZE[0x86], _TUPLE_SIZE[0x87] = 1, 2, 3
 _FLOAT_RUN = 4096  # BINFLOATs checked per stride slice
 
 
 def is_plain(raw: bytes) -> bool:
     """True if ``raw`` reaches STOP through plain-data opcodes only, every declared length in bounds.
 
-    False says nothing about the payload: the full walk (``_pickle_scan.scan``) then decides.
+    False says nothing about the payload: the full walk (``_pickle_scan.scan``) then decides. A
+    payload holding TUPLE1/2/3 is walked again by the pattern that reads them (slower per opcode,
+    so payloads without tuples never pay for it).
     """
+    shown = _walk(raw, False)
+    if shown is None:
+        shown = _walk(raw, True)
+    return bool(shown)
+
+
+def _walk(raw: bytes, tuples: bool) -> Optional[bool]:
+    """True: plain; False: not shown plain; None: stopped at a tuple opcode (``tuples`` False)."""
     size, at = len(raw), 0
-    run, widths = _run_pattern().match, _WIDTHS
+    run, widths = _run_pattern(tuples).match, _WIDTHS
     while True:
         match = run(raw, at)
         assert match is not None  # the repeat matches the empty string
@@ -125,6 +181,8 @@ def is_plain(raw: bytes) -> bool:
             return True
         elif code == _PROTO:
             at = end + 2
+        elif _TUPLE_SIZE[code]:
+            return False if tuples else None
         elif end > at:
             at = end  # the run stopped at its repeat bound (before 3.11) or before a truncated opcode
         else:

@@ -21,7 +21,10 @@ or hashes anything:
   or a direct argument of a call: globals travel only as constructors, never as values.
 
 It reports whether the real load needs the probe pass: whether BUILD, APPEND(S), SETITEM(S) or
-ADDITEMS act on a value a call built (see ``_restricted``).
+ADDITEMS act on a value a call built (see ``_restricted``). For that answer the walk's stack and
+memo must be pickle's own: every opcode it accepts moves values exactly as the C unpickler does
+whenever the C unpickler gets past that opcode (where the two differ, the C unpickler raises:
+a PUT or MEMOIZE below a mark, a negative memo index, APPENDS into a value below an outer mark).
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ MAX_NESTING = 512  # tuples and calls inside each other
 HASH_WORK_PER_BYTE = 16  # tuple elements hashed, per input byte, across the whole load
 
 # Value summaries: (tag, nesting, hash work). Tags: a plain value, a global, a tuple holding a
-# global directly (a call's arguments), a value a call built.
-PLAIN, GLOBAL, ARGS, BUILT = 0, 1, 2, 3
+# global directly (a call's arguments), a value a call built, and the plain values of exactly the
+# types list, dict and set (which take items through their type's own C code).
+PLAIN, GLOBAL, ARGS, BUILT, LIST, DICT, SET = range(7)
 _PLAIN = (PLAIN, 0, 1)
+_LIST_VALUE, _DICT_VALUE, _SET_VALUE = (LIST, 0, 1), (DICT, 0, 1), (SET, 0, 1)
 
 
 class ScanResult(NamedTuple):
@@ -105,6 +110,9 @@ _TUPLE_SIZE = {ord("\x85"): 1, ord("\x86"): 2, ord("\x87"): 3}
 _PUT_TEXT, _GET_TEXT = ord("p"), ord("g")
 _FIXED = [kind[1] if kind is not None and kind[0] == 0 else -1 for kind in _ARGUMENTS]  # fixed argument widths
 _STOP = ord(".")
+_PUSHED = [_PLAIN] * 256  # the summary each push opcode pushes (but for LONG4 and long strings)
+_PUSHED[ord("]")], _PUSHED[ord("}")], _PUSHED[0x8F] = _LIST_VALUE, _DICT_VALUE, _SET_VALUE
+_BUILD_TARGET = -1  # no target kind takes BUILD without the probe pass
 _TEXT_NUMBERS = {ord("I"), ord("L"), ord("F"), ord("p"), ord("g")}
 _LONG4 = 0x8B
 # str and bytes cache their hash, but a key or member equal to one already in a dict or set and
@@ -188,7 +196,7 @@ def scan(data: Buffer) -> ScanResult:
                     stack.append((PLAIN, 0, 1 + (end - start) // COMPARED_BYTES))
                     tracking = True
                 else:
-                    stack.append(_PLAIN)
+                    stack.append(_PUSHED[code])
             elif effect == _SETITEMS or effect == _APPENDS or effect == _ADDITEMS:
                 mark = marks.pop()
                 if tracking:
@@ -198,7 +206,8 @@ def scan(data: Buffer) -> ScanResult:
                     if effect != _APPENDS:
                         budget -= sum(k[2] for k in (items[::2] if effect == _SETITEMS else items))
                     del stack[mark:]
-                    needs_probe = _target(stack[-1], at) or needs_probe
+                    takes = DICT if effect == _SETITEMS else LIST if effect == _APPENDS else SET
+                    needs_probe = _target(stack[-1], takes, at) or needs_probe
                 else:
                     if effect != _APPENDS:
                         budget -= (len(stack) - mark) >> (effect == _SETITEMS)
@@ -231,7 +240,8 @@ def scan(data: Buffer) -> ScanResult:
                     _as_value(stack.pop(), at)
                     if effect == _SETITEM:
                         budget -= _as_value(stack.pop(), at)[2]
-                    needs_probe = _target(stack[-1], at) or needs_probe
+                    takes = DICT if effect == _SETITEM else LIST if effect == _APPEND else _BUILD_TARGET
+                    needs_probe = _target(stack[-1], takes, at) or needs_probe
                 else:
                     del stack[len(stack) - popped :]
                     budget -= effect == _SETITEM
@@ -281,7 +291,7 @@ def scan(data: Buffer) -> ScanResult:
                         stack.append((PLAIN, 0, min(1 + sum(k[2] for k in items), budget + 1)))
                         tracking = True
                     else:
-                        stack.append(_PLAIN)
+                        stack.append(_LIST_VALUE if effect == _LIST else _DICT_VALUE if effect == _DICT else _PLAIN)
             elif effect == _OBJ or effect == _INST:
                 tracking = True
                 mark = marks.pop()
@@ -326,17 +336,21 @@ def _above_mark(stack: List[Tuple[int, int, int]], marks: List[int], count: int,
         raise ScanError(f"stack underflow at byte {at}")
 
 
-def _target(target: Tuple[int, int, int], at: int) -> bool:
+def _target(target: Tuple[int, int, int], takes: int, at: int) -> bool:
     """Refuse state or items set on a global; True: the probe pass must run.
 
-    The probe pass runs for every BUILD, APPEND(S), SETITEM(S) or ADDITEMS once the payload has a
-    global, a call or a tuple, whatever the walk believes the target is: the walk's picture of the
-    stack only has to be right about globals, nesting and hashing, and the probe pass (the C
-    unpickler itself, over probes) judges targets exactly.
+    The probe pass is skipped only for APPEND(S) on a list, SETITEM(S) on a dict and ADDITEMS on a
+    set that the payload's own opcodes built (EMPTY_LIST/LIST, EMPTY_DICT/DICT, EMPTY_SET), as
+    ``takes`` names: the C unpickler then takes the exact type's own path (``PyList_CheckExact``,
+    ``PyDict_CheckExact``, ``PySet_Check``), which reaches no hook of the target, and with probes
+    for arguments it would have failed only where the real values fail too. Every other target (a
+    value a call built, a bytearray or list taking a slice through ``__setitem__``, anything taking
+    BUILD) goes through the probe pass, which judges it exactly. This relies on the walk's stack
+    and memo being pickle's own (module docstring).
     """
     if target[0] == GLOBAL or target[0] == ARGS:
         raise ScanError(f"the opcode at byte {at} sets state or items on a class or function")
-    return True
+    return target[0] != takes
 
 
 def _tuple(items: List[Tuple[int, int, int]], at: int, budget: int) -> Tuple[int, int, int]:

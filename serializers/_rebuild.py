@@ -65,11 +65,22 @@ class work_budget:  # used like the function it replaced, and cheaper on every l
         self.outer: Optional[list] = None
 
     def __enter__(self) -> None:
-        self.outer = getattr(_work, "remaining", None)
-        _work.remaining = [self.units]
+        self.outer = start_budget(self.units)
 
     def __exit__(self, *exc: Any) -> None:
         _work.remaining = self.outer
+
+
+def start_budget(units: int) -> Optional[list]:
+    """Start a budget of ``units`` without a ``with`` block; return what :func:`end_budget` restores."""
+    outer = getattr(_work, "remaining", None)
+    _work.remaining = [units]
+    return outer
+
+
+def end_budget(outer: Optional[list]) -> None:
+    """End the budget :func:`start_budget` began (in a ``finally``), restoring the one it returned."""
+    _work.remaining = outer
 
 
 def charge(units: int, what: str) -> None:

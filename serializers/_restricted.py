@@ -6,8 +6,9 @@ How a hostile payload is kept harmless (``docs/security.md`` states the guarante
    values: it checks every declared length, memo index and text number against the bytes present,
    bounds tuple nesting and hashing work, keeps globals out of values, and refuses opcodes objcomm
    never writes — before the C unpickler allocates or hashes anything. Plain data (no global,
-   call, tuple or state) is recognised first by a fast walk in the regex engine
-   (``_pickle_plain``), which checks the one rule such a payload can break: declared lengths.
+   call or state; tuples only of the scalars just before them) is recognised first by a fast walk
+   in the regex engine (``_pickle_plain``), which checks the one rule such a payload can break:
+   declared lengths.
 2. **Guards, not globals.** ``find_class`` never imports or returns what the payload names. It
    returns a *guard*: a class (so NEWOBJ accepts it) whose metaclass routes a call (REDUCE, OBJ,
    INST) to a validating constructor, whose ``__new__`` routes NEWOBJ likewise, and whose
@@ -20,11 +21,12 @@ How a hostile payload is kept harmless (``docs/security.md`` states the guarante
    reconstructors are never reachable. The allow-list is checked before any import.
 3. **The probe pass.** BUILD (``__setstate__`` or attribute updates) is allowed only on instances
    of classes the user allowed, APPEND/SETITEM only on the containers that take them. When one of
-   those opcodes follows the first global, call or tuple, the payload is first run through the C
-   unpickler with every guard returning an inert *probe* that knows only what kind of value it
-   stands for; a BUILD, APPEND or SETITEM on a probe of the wrong kind refuses the payload. Pickle
-   is straight-line code, so the real pass that follows applies BUILD only where the probe pass
-   allowed it. Both passes run at C speed.
+   those opcodes acts on anything but a list, dict or set the payload's own opcodes built (which
+   the scan's model of pickle's stack and memo tells exactly, ``_pickle_scan._target``), the
+   payload is first run through the C unpickler with every guard returning an inert *probe* that
+   knows only what kind of value it stands for; a BUILD, APPEND or SETITEM on a probe of the wrong
+   kind refuses the payload. Pickle is straight-line code, so the real pass that follows applies
+   BUILD only where the probe pass allowed it. Both passes run at C speed.
 4. **Classes travel only as constructors.** The scan refuses a global used as anything but a
    callable or a direct argument of a call; guards refuse guards as arguments (but for a
    defaultdict's factory).
@@ -40,7 +42,7 @@ import pickle
 from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
 from . import _rebuild
-from ._errors import ContentRefusedError, DecodeError, decoding
+from ._errors import ContentRefusedError, DecodeError, ObjcommError, decode_error
 from ._pickle import EXTERNAL, PROTOCOL, PickleSerializer, external_ref
 from ._pickle_scan import ScanError, scan
 from ._protocol import Buffer, Restore
@@ -205,6 +207,9 @@ class _Guards:
             self.real[key] = _guard(label, call, newobj, factory)
             self.probe[key] = _probe_guard(label, kind, newobj is not None, factory)
         self._allowed = allowed
+        # built once: a load without restore= constructs one with C's __init__ only
+        self.unpickler = _unpickler_class(self, False)
+        self.probe_unpickler = _unpickler_class(self, True)
 
     def lookup(self, module: str, name: str, probing: bool) -> Any:
         key = (module, name)
@@ -259,19 +264,32 @@ def _why_refused(module: str, name: str) -> str:
     )
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, guards: _Guards, restore: Optional[Restore], probing: bool) -> None:
+def _unpickler_class(guards: _Guards, probing: bool) -> type:
+    """An Unpickler subclass whose ``find_class`` answers from ``guards`` (no ``restore=``)."""
+    lookup = guards.lookup
+    external = _EXTERNAL_PROBE if probing else external_ref
+
+    def find_class(self: Any, module: str, name: str) -> Any:
+        if (module, name) == EXTERNAL:
+            return external
+        return lookup(module, name, probing)
+
+    kind = "Probing" if probing else "Guarded"
+    return type(f"_{kind}Unpickler", (pickle.Unpickler,), {"__slots__": (), "find_class": find_class})
+
+
+class _RestoringUnpickler(pickle.Unpickler):
+    """The real pass of a load with ``restore=``: out-of-band references resolve to ``restore``."""
+
+    def __init__(self, file: Any, guards: _Guards, restore: Restore) -> None:
         super().__init__(file)
         self._guards = guards
         self._restore = restore
-        self._probing = probing
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == EXTERNAL:
-            if self._probing:
-                return _EXTERNAL_PROBE
-            return self._restore if self._restore is not None else external_ref
-        return self._guards.lookup(module, name, self._probing)
+            return self._restore
+        return self._guards.lookup(module, name, False)
 
 
 # -- the serializer ----------------------------------------------------------------------------
@@ -342,8 +360,18 @@ class RestrictedPickleSerializer(PickleSerializer):
                 raise ContentRefusedError(f"{self.name} refused the payload: {exc}; nothing was run") from None
             raise DecodeError(f"{self.name} refused a malformed payload: {type(exc).__name__}: {exc}") from None
         guards = self._guards
-        # BytesIO over bytes shares them: neither pass copies the payload again
-        with decoding(self.name, data), _rebuild.work_budget(WORK_PER_BYTE * len(raw) + _WORK_FLOOR):
+        # What ``with decoding(...), work_budget(...)`` does, without two context managers per load.
+        # BytesIO over bytes shares them: neither pass copies the payload again.
+        outer = _rebuild.start_budget(WORK_PER_BYTE * len(raw) + _WORK_FLOOR)
+        try:
             if needs_probe:
-                _Unpickler(io.BytesIO(raw), guards, None, probing=True).load()
-            return _Unpickler(io.BytesIO(raw), guards, restore, probing=False).load()
+                guards.probe_unpickler(io.BytesIO(raw)).load()
+            if restore is None:
+                return guards.unpickler(io.BytesIO(raw)).load()
+            return _RestoringUnpickler(io.BytesIO(raw), guards, restore).load()
+        except ObjcommError:
+            raise
+        except Exception as exc:
+            raise decode_error(self.name, data, exc) from exc
+        finally:
+            _rebuild.end_budget(outer)

@@ -8,6 +8,8 @@ One test per attack class of the security issue; the structured fuzzing is at th
 
 from __future__ import annotations
 
+import io
+import pickle
 import random
 import struct
 import sys
@@ -284,6 +286,95 @@ def test_the_fast_walk_reads_arguments_as_arguments():
     after = payload(b"(" + b"G" + b"\x00" * 8 + b"G" * 9 * 5 + b"\x8c\x01x" + glob("os", "system") + b"l")
     results = run_in_child(_decode_all, "restricted-pickle", {"global after floats": after}, memory_budget=BUDGET)
     assert results["global after floats"][0] == "ContentRefusedError"
+
+
+def _is_plain(body: bytes) -> bool:
+    from serializers._pickle_plain import is_plain
+
+    return is_plain(payload(body))
+
+
+def test_the_fast_walk_takes_tuples_only_of_the_scalars_just_pushed():
+    """TUPLE1/2/3 of the scalars right before them are plain (one level, a few units of hashing);
+    a tuple of anything else (a tuple, a memo read, a string over 255 bytes) is left to the full walk."""
+    shown = [(1, 2), (1.5, 2.5, 3.5), ("a", None, True), {(1, "x"): 2}, [(1.0, 2.0)] * 3,
+             {"k": (3, 3), "b": (0.9, 1.0)}]
+    for value in shown:
+        assert _is_plain(pickle.dumps(value, protocol=5)[2:-1]), value
+    not_shown = {
+        "a tuple of a tuple": b"K\x01\x85\x85",
+        "TUPLE2 after one scalar": b"]K\x01\x86",
+        "TUPLE3 after two scalars": b"]K\x01K\x02\x87",
+        "a memo read in a tuple": b"K\x01\x94h\x00h\x00\x86",
+        "TUPLE of a mark": b"(K\x01K\x02t",
+        "TUPLE2 after a long string": b"K\x01X" + struct.pack("<I", 300) + b"a" * 300 + b"\x86",
+        "TUPLE3 after two floats": b"]G" + b"\x00" * 8 + b"G" + b"\x00" * 8 + b"\x87",
+    }
+    for label, body in not_shown.items():
+        assert not _is_plain(body), label
+    assert _is_plain(b"G" + b"\x00" * 8 + b"G" + b"\x01" * 8 + b"G" + b"\x02" * 8 + b"\x87")
+    frame = b"\x95" + struct.pack("<Q", 9)
+    assert _is_plain(b"]G" + b"\x00" * 8 + frame + b"G" + b"\x01" * 8 + b"\x86\x94")  # a FRAME between items
+    s = serializers.get("restricted-pickle")
+    pairs = [(float(i), 0.5) for i in range(200_000)]  # frames start between some tuples' items
+    assert _is_plain(bytes(s.dumps(pairs))[2:-1]) and s.loads(s.dumps(pairs)) == pairs
+    value = {"kernel": (3, 3), "betas": (0.9, 0.999), "xyz": [(1.0, 2.0, 3.0)] * 5, ("a", 1): None}
+    assert s.loads(s.dumps(value)) == value
+
+
+def test_deep_tuples_are_refused_at_the_same_depth_with_the_fast_walk():
+    """The fast walk takes one level of tuples; deeper ones reach the full walk and its 512 limit."""
+    payloads = {depth: payload(b"}" + b"K\x01" + b"\x85" * depth + b"Ns") for depth in (511, 512, 513, 100_000)}
+    results = run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET)
+    assert results[511][0] == results[512][0] == "ok"
+    _assert_refused({k: results[k] for k in (513, 100_000)})
+
+
+def test_hashing_tuples_stays_bounded_with_the_fast_walk():
+    """A long tuple used as a key again and again is refused in milliseconds (full walk); a tuple of
+    three 255-byte strings, equal to another and used as a key 300,000 times, is plain and stays cheap."""
+    long_key = b"".join(b"\x8c\xff" + bytes([65 + i]) * 255 for i in range(3)) + b"\x87\x94"
+    payloads = {
+        "a long tuple as a key": payload(b"}(" + b"N" * 20_000 + b"t\x940" + b"h\x00Ns" * 300_000),
+        "a tuple dag through TUPLE2": payload(b"}" + tuple_dag(60) + b"Ns"),
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET), max_seconds=0.5)
+    body = b"}" + long_key + b"0" + long_key + b"0(" + b"h\x00Nh\x01N" * 150_000 + b"u"
+    assert _is_plain(body)
+    results = run_in_child(_decode_all, "restricted-pickle", {"equal keys": payload(body)}, memory_budget=BUDGET)
+    assert results["equal keys"][0] == "ok" and results["equal keys"][1] < 0.5
+
+
+def test_the_probe_pass_is_skipped_only_for_items_into_payload_built_containers():
+    """numpy and tensor payloads in a dict skip the probe pass; items into anything a call built, a
+    bytearray, or a list through ``__setitem__`` do not: a slice from a call could otherwise copy a
+    big value into a list or bytearray for a few bytes a time (found while skipping the probe)."""
+    import numpy as np
+
+    from serializers._pickle_scan import scan
+
+    s = serializers.get("restricted-pickle")
+    assert not scan(s.dumps({"a": np.zeros(3), "b": [np.ones(2)] * 2, "c": {np.int8(3), 4}})).needs_probe
+    import collections
+
+    for value in (collections.OrderedDict(a=1), collections.deque([1])):
+        assert scan(s.dumps(value)).needs_probe, value
+    insert = call(glob("builtins", "slice"), v(0), v(0)) + put(2) + b"0"
+    big_list = b"](" + b"N" * 100_000 + b"e" + put(1) + b"0"
+    big_bytes = b"B" + struct.pack("<I", 1 << 20) + b"x" * (1 << 20) + put(1) + b"0"
+    array = call(glob("serializers._rebuild", "ndarray"), v("<f8"), v((1,)), v("C"), v(bytearray(8)))
+    payloads = {
+        "list slice bomb": payload(b"]" + put(0) + b"0" + big_list + insert + get(0) + b"(" + (get(2) + get(1)) * 2000
+                                   + b"u"),
+        "bytearray slice bomb": payload(b"\x96" + struct.pack("<Q", 1) + b"x" + put(0) + b"0" + big_bytes + insert
+                                        + get(0) + b"(" + (get(2) + get(1)) * 2000 + b"u"),
+        "memo slot rewritten": payload(b"}" + put(0) + b"0" + array + put(0) + b"0" + get(0) + b"(" + v(0) + v(1.0)
+                                       + b"u"),
+        "DUP of a call": payload(array + b"2" + b"0" + b"(" + v(0) + v(1.0) + b"u"),
+    }
+    for label, data in payloads.items():
+        assert scan(data).needs_probe, label
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET))
 
 
 def test_error_messages_never_render_payload_values():
@@ -592,3 +683,85 @@ def test_fuzz_msgpack_extension_trees():
     found = run_in_child(_fuzz, "msgpack", _msgpack_tree, 6000 * FUZZ_SCALE, timeout=280 * FUZZ_SCALE,
                          memory_budget=512 << 20)
     assert found == []
+
+
+# Memo writes and reads, marks and pops: what could make the walk's picture of the stack differ from pickle's.
+_MEMO_OPS = [b"q\x00", b"q\x01", b"r\x02\x00\x00\x00", b"p1\n", b"g0\n", b"j\x01\x00\x00\x00", b"2", b"1",
+             b"]", b"}", b"\x8f", b"d", b"l", b"(", b"0"]
+
+
+_GOOD_CALLS = [  # calls that build a value, so that the real pass gets past them
+    call(glob("serializers._rebuild", "ndarray"), v("<i8"), v((2,)), v("C"), v(bytearray(16))),
+    call(glob("serializers._rebuild", "tensor"), v("int64"), v((2,)), v(bytearray(16)), v(False)),
+    call(glob("collections", "OrderedDict")), call(glob("collections", "deque")), call(glob("builtins", "set")),
+    call(glob("builtins", "bytearray"), v(b"ab")), call(glob("builtins", "slice"), v(0), v(0)),
+    call(glob("builtins", "slice"), v(None)), call(glob("collections", "Counter")),
+    call(glob("decimal", "Decimal"), v("1.5")), call(glob("builtins", "range"), v(3)),
+    call(glob("torch", "Size"), v((2,))),
+]
+
+
+def _memo_program(seed: int) -> bytes:
+    """Containers in memo slots taking items (values, calls, memo reads and writes), and random opcodes."""
+    rng = random.Random(seed)
+    ops = _OPS + _MEMO_OPS
+
+    def item() -> bytes:
+        kind = rng.randrange(8)
+        if kind < 3:
+            return v(_value(rng))
+        if kind < 5:
+            memo = rng.choice([b"", b"\x94", b"q\x02", b"2"])
+            if rng.random() < 0.7:
+                return rng.choice(_GOOD_CALLS) + memo
+            fn = glob(*rng.choice(_GLOBALS[:22]))
+            return call(fn, *[v(_value(rng)) for _ in range(rng.randrange(3))]) + memo
+        if kind < 7:
+            return b"h" + bytes([rng.randrange(4)])
+        return rng.choice(ops)
+
+    parts = [rng.choice([b"]", b"}", b"\x8f"]) + b"\x94]\x94}\x94\x8f\x94000"]  # memo slots 0-3
+    for _ in range(rng.randrange(1, 5)):
+        target = rng.choice([b"h\x00", b"h\x01", b"h\x02", b"h\x03", b"h\x00", b"h\x01", b"h\x02", item()])
+        body = rng.choice([
+            b"(" + b"".join(item() for _ in range(rng.randrange(5))) + rng.choice([b"e", b"u", b"\x90"]),
+            item() + b"a", item() + item() + b"s", item() + b"b",
+        ])
+        parts.append(target + body + b"0")
+    return payload(b"".join(parts))
+
+
+def _probe_skips(examples: int) -> tuple:
+    """Programs the walk lets skip the probe pass: (how many had a call, the ones where the probe pass
+    refuses but the real pass alone decodes)."""
+    from serializers import _rebuild
+    from serializers._pickle_scan import scan
+
+    s = serializers.get("restricted-pickle")
+    guards = s._guards  # noqa: SLF001 - the two passes, run one at a time
+    skipped, bad = 0, []
+    for seed in range(examples):
+        data = _memo_program(seed)
+        try:
+            needs_probe, raw = scan(data)
+        except ValueError:
+            continue
+        if needs_probe:
+            continue
+        skipped += b"R" in raw
+
+        def run(unpickler: type, raw: bytes = raw) -> None:
+            with _rebuild.work_budget(1 << 24):
+                unpickler(io.BytesIO(raw)).load()
+
+        if outcome(lambda: run(guards.probe_unpickler)) != "ok" and outcome(lambda: run(guards.unpickler)) == "ok":
+            bad.append(data)
+    return skipped, bad[:5]
+
+
+def test_fuzz_skipping_the_probe_pass_never_lets_through_what_it_refuses():
+    """Wherever the walk skips the probe pass, running it anyway refuses nothing the real pass accepts."""
+    skipped, bad = run_in_child(_probe_skips, 4000 * FUZZ_SCALE, timeout=280 * FUZZ_SCALE, memory_budget=512 << 20,
+                                preload=WITH_TORCH)
+    assert bad == []
+    assert skipped > 50 * FUZZ_SCALE  # the programs do reach the skip with calls in them
