@@ -91,7 +91,7 @@ class Peers:
         self.shm_on = objcomm.Communicator(shm=True)
         self.shm_off = objcomm.Communicator(shm=False)
         self.default = objcomm.Communicator()
-        self.local = objcomm.Communicator(local=True)  # round 1 through the same-host channel
+        self.backend = objcomm.Communicator(local=False)  # round 1 through gloo, not the same-host channel
 
     def all_gather(self, obj: Any, nbytes: int, *, shm: bool) -> Candidates:
         import torch.distributed as dist
@@ -101,7 +101,7 @@ class Peers:
         if shm:
             candidates["objcomm shm=False"] = lambda: self.shm_off.all_gather(obj)
         else:
-            candidates["objcomm local"] = lambda: self.local.all_gather(obj)
+            candidates["objcomm local=False"] = lambda: self.backend.all_gather(obj)
         candidates.update({
             "mpi4py": lambda: self.comm.allgather(obj),
             "mpi4py pkl5": lambda: self.comm5.allgather(obj),
@@ -121,7 +121,7 @@ class Peers:
         mpi_buf = np.zeros(nbytes, dtype=np.uint8)
         return {
             "objcomm": lambda: self.default.broadcast(mine, src=0),
-            "objcomm local": lambda: self.local.broadcast(mine, src=0),
+            "objcomm local=False": lambda: self.backend.broadcast(mine, src=0),
             "mpi4py": lambda: self.comm.bcast(mine, root=0),
             "mpi4py pkl5": lambda: self.comm5.bcast(mine, root=0),
             "torch": lambda: dist.broadcast_object_list([mine], src=0),
@@ -140,7 +140,7 @@ class Peers:
         box: List[Any] = [None]
         pairs = {
             "objcomm": (lambda: self.default.send(obj, dst=1), lambda: self.default.recv(src=0)),
-            "objcomm local": (lambda: self.local.send(obj, dst=1), lambda: self.local.recv(src=0)),
+            "objcomm local=False": (lambda: self.backend.send(obj, dst=1), lambda: self.backend.recv(src=0)),
             "mpi4py": (lambda: self.comm.send(obj, dest=1), lambda: self.comm.recv(source=0)),
             "mpi4py pkl5": (lambda: self.comm5.send(obj, dest=1), lambda: self.comm5.recv(source=0)),
             "torch": (lambda: dist.send_object_list([obj], dst=1), lambda: dist.recv_object_list(box, src=0)),
@@ -204,7 +204,7 @@ def _scenarios(peers: Peers, parts: List[str], scale: float, mb: int) -> List[Sc
     if "small" in parts:
         slot = objcomm.settings().slot_bytes
         small_ratios = [("objcomm", "raw gloo"), ("objcomm", "mpi4py"), ("objcomm", "torch"),
-                        ("objcomm local", "raw gloo"), ("objcomm local", "mpi4py")]
+                        ("objcomm local=False", "raw gloo")]
         note = f"{_pickled(SMALL)} B pickled; raw = one {slot} B slot (objcomm's round 1)"
         gather = peers.all_gather(SMALL, slot, shm=False)
         found.append(("small dict all_gather", rounds(200), gather, small_ratios, note))

@@ -2,8 +2,8 @@
 
 When every rank of a group runs on one host, the round-1 slots of collectives move between the
 processes directly instead of through the backend (gloo over loopback TCP): :mod:`objcomm._first`
-opens one channel per group and routes them here (the ``local`` setting; off by default for now,
-``OBJCOMM_LOCAL=1`` turns it on).
+opens one channel per group and routes them here (the ``local`` setting; on by default,
+``OBJCOMM_LOCAL=0`` turns it off).
 
 Why Unix-domain sockets (SOCK_SEQPACKET, full mesh, abstract names)
 -------------------------------------------------------------------

@@ -84,9 +84,9 @@ class Settings:
       are files in ``shm_dir`` that receivers copy. All ranks of a group must agree on these, as on ``slot_bytes``.
     - ``local``: when every rank of a group runs on one host, the first round of collectives (the slots)
       moves through Unix-domain sockets between the processes instead of the backend, and so does that of
-      send/recv once a collective has opened them (:mod:`objcomm._first`). Off by default in this version
-      (``OBJCOMM_LOCAL=1`` turns it on): it does not yet carry the small control collectives. All ranks of a
-      group must agree.
+      send/recv once a collective has opened them (:mod:`objcomm._first`). On by default
+      (``OBJCOMM_LOCAL=0`` turns it off); it does not yet carry the small control collectives of large
+      calls, nor NCCL groups' slots. All ranks of a group must agree.
     """
 
     serializer: SerializerLike = "pickle"
@@ -100,7 +100,7 @@ class Settings:
     shm_threshold: int = DEFAULT_SHM_THRESHOLD
     shm_dir: Optional[str] = None
     shm_zero_copy: bool = True
-    local: bool = False  # opt in for now: see the docstring
+    local: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(Settings):

@@ -104,15 +104,25 @@ def switched_off() -> List[Any]:
         objcomm.restore(previous)
     objcomm.Communicator(group, local=False).broadcast(2)
     seen.append(_channel(group))
-    objcomm.Communicator(group).broadcast(3)  # the default: off in this version (opt in)
-    seen.append(_channel(group))
-    objcomm.Communicator(group, local=True).broadcast(4)
+    objcomm.Communicator(group, local=True).broadcast(3)
     seen.append(_channel(group) is not None)
     return seen
 
 
 def test_switched_off_by_configure_and_communicator():
-    assert get_pool(2).run(switched_off) == [["never opened", "never opened", "never opened", True]] * 2
+    assert get_pool(2).run(switched_off) == [["never opened", "never opened", True]] * 2
+
+
+def on_by_default() -> bool:
+    group = dist.new_group(list(range(dist.get_world_size())))
+    objcomm.Communicator(group).broadcast(1)
+    return _channel(group) is not None
+
+
+def test_on_by_default(monkeypatch):
+    monkeypatch.delenv("OBJCOMM_LOCAL", raising=False)
+    assert objcomm.Settings().local is True
+    assert get_pool(2).run(on_by_default) == [True, True]
 
 
 def on_separate_hosts() -> Any:

@@ -33,7 +33,7 @@ LAYERS = {
     "shm_threshold": (4 << 20, None, 1, 2, NOT_GIVEN),
     "shm_dir": (None, ("OBJCOMM_SHM_DIR", "/from-env", "/from-env"), "/configured", "/communicator", NOT_GIVEN),
     "shm_zero_copy": (True, ("OBJCOMM_SHM_ZERO_COPY", "0", False), True, False, NOT_GIVEN),
-    "local": (False, ("OBJCOMM_LOCAL", "1", True), False, True, NOT_GIVEN),
+    "local": (True, ("OBJCOMM_LOCAL", "0", False), True, False, NOT_GIVEN),
 }
 
 
