@@ -18,8 +18,8 @@ Also measured: peak extra resident memory of one all_gather (``VmHWM`` reset thr
 figure, in units of W ranks x S bytes per rank), next to the shared memory the results hold on the
 whole host (growth of ``Shmem`` in ``/proc/meminfo`` while they are alive: the sealed memory files
 behind objcomm's zero-copy results, which resident-set figures do not show until pages are
-touched), and where objcomm's time goes in one small and one
-64 MB all_gather (encode, round 1 alone, both rounds, decode; each after a barrier).
+touched), and where objcomm's time goes in a small, a 64 MB tensor and a 1M-floats all_gather
+(encode, round 1 alone, both rounds, decode; each after a barrier).
 """
 
 from __future__ import annotations
@@ -417,6 +417,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         big = {"weights": torch.ones(args.mb * MB // 4)}
         name = f"dict with a {args.mb} MB tensor all_gather"
         breakdown[name] = breakdown_task(big, max(3, int(5 * args.repeat_scale)))
+        floats = [float(i) * 0.5 for i in range(1_000_000)]
+        breakdown["1M floats all_gather"] = breakdown_task(floats, max(3, int(5 * args.repeat_scale)))
         say("breakdown done")
     if comm.rank == 0:
         text = _report(comm.size, list(sys.argv[1:] if argv is None else argv), timings, memory, breakdown)
