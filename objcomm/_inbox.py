@@ -12,7 +12,8 @@ for it wakes it. When no other thread waits (the common case) a call takes leane
 result: it reads its sources itself and keeps the message it wants without filing it (one blocking
 ``recv`` for one source; for a collective over every peer, the ``poll`` registered at set-up).
 Messages wait in the stash until a call asks for them; it holds at most ``stash_bytes`` (payload
-plus :data:`ENTRY_OVERHEAD` per message), beyond which the channel fails: a peer that runs that far
+plus :data:`ENTRY_OVERHEAD` per message and :data:`KEY_OVERHEAD` per key with messages waiting,
+about what Python takes for them), beyond which the channel fails: a peer that runs that far
 ahead of this rank, or floods it, cannot grow its memory without bound.
 
 Every message is checked on arrival, before it is filed, and any violation fails the channel with
@@ -48,6 +49,7 @@ ALL_GATHER, BROADCAST, SCATTER, ALL_TO_ALL, P2P = 1, 2, 3, 4, 5
 NAMES = {ALL_GATHER: "all_gather", BROADCAST: "broadcast", SCATTER: "scatter", ALL_TO_ALL: "all_to_all", P2P: "send"}
 READY = 1  # flag of a collective message: its sender had no send/recv in flight (see objcomm._first)
 ENTRY_OVERHEAD = 256  # bytes a stashed message is counted for besides its payload
+KEY_OVERHEAD = 768  # and a key (a tag, a sequence number) that has messages waiting: its queue and dict slot
 STASH_BYTES = 64 << 20  # the most one channel keeps for calls not yet made
 MASK = 0xFFFFFFFF
 Key = Tuple[bool, int]  # (collective?, sequence number or tag)
@@ -280,6 +282,7 @@ class Inbox:
         entry = queue.popleft()
         if not queue:
             del self._stash[peer][key]
+            self._stashed -= KEY_OVERHEAD
         self._stashed -= len(entry[2]) + ENTRY_OVERHEAD
         return entry
 
@@ -330,13 +333,13 @@ class Inbox:
             return -1  # reset, or closed under us
         if length:
             return length
-        try:  # 0: EOF, or an empty datagram (then the socket still works)
-            sock.recv(1, _PEEK | _DONTWAIT)
+        try:  # 0: EOF, or an empty datagram (then the socket still works, and may hold more)
+            peeked = sock.recv(1, _PEEK | _DONTWAIT)
         except BlockingIOError:
             return -2
         except OSError:
             return -1
-        return -1
+        return -2 if peeked else -1
 
     # -- filing (under the lock) ------------------------------------------------------------------
     def _file(self, peer: int, length: int, op: str) -> None:
@@ -368,7 +371,8 @@ class Inbox:
             if tag or flags & ~READY or not after(seq, self.done) or (last is not None and not after(seq, last)):
                 self._fail(op, f"{self._who(peer)} sent a {NAMES[kind]} message with a bad header (collective "
                                f"#{seq} after #{last} and with #{self.done} finished here, tag {tag}, flags {flags}): "
-                               "a duplicate or stale message, or a protocol error")
+                               "a duplicate or stale message (did the ranks call different collectives, or broadcast "
+                               "or scatter with different src?), or a protocol error")
             self._last[peer] = seq
             key = (True, seq)
         else:
@@ -376,13 +380,14 @@ class Inbox:
         return key, (kind, flags, bytes(memoryview(self._buffers[peer])[HEADER.size : length]))
 
     def _put(self, peer: int, key: Key, entry: Entry, op: str) -> None:
-        size = len(entry[2]) + ENTRY_OVERHEAD
+        queues = self._stash[peer]
+        size = len(entry[2]) + ENTRY_OVERHEAD + (0 if key in queues else KEY_OVERHEAD)
         if self._stashed + size > self._limit:
             self._fail(op, f"{self._who(peer)} sent more than this rank has asked for: the stash of messages for "
                            f"calls not yet made would pass {self._limit:,} bytes. A rank that far ahead, or flooding "
                            "the channel")
         self._stashed += size
-        self._stash[peer].setdefault(key, deque()).append(entry)
+        queues.setdefault(key, deque()).append(entry)
 
     def _who(self, peer: int) -> str:
         return f"rank {peer} (pid {self._pids[peer]})"

@@ -214,11 +214,17 @@ class LocalChannel:
             if remaining <= 0 or not select.select([listener], [], [], remaining)[0]:
                 return False
             sock, _ = listener.accept()
-            sock.settimeout(max(0.0, deadline - time.monotonic()))
             try:
+                # Who connected is the kernel's word, checked before anything is read: a process that is
+                # not one of the ranks still expected (any user can find and connect to an abstract name)
+                # is refused at once, instead of holding set-up while it says nothing.
+                pid, peer_uid = _peer_cred(sock)
+                expected = {pids[r]: r for r in range(rank + 1, len(pids)) if r not in peers}
+                if peer_uid != uid or pid not in expected:
+                    raise ValueError("not a rank of this group")
+                sock.settimeout(max(0.0, deadline - time.monotonic()))
                 who, shown = _HELLO.unpack(sock.recv(_HELLO.size + 1))
-                known = rank < who < len(pids) and who not in peers
-                if not known or shown != secret or _peer_cred(sock) != (pids[who], uid):
+                if who != expected[pid] or shown != secret:
                     raise ValueError("not a rank of this group")
             except (OSError, ValueError, struct.error):  # a stranger: refuse it, keep waiting for the ranks
                 sock.close()
