@@ -45,7 +45,7 @@ import datetime
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, ContextManager, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple, Union
 
 from . import _local, _state
 from ._device import group_timeout
@@ -174,14 +174,7 @@ class SameHostSlots:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
-        if channel.p2p:
-            return _checked(wire, channel, channel.all_gather(slot), op)
-        state = self.state(wire)
-        assert state is not None
-        try:
-            return _checked(wire, channel, channel.all_gather(slot, state.begin_vote(wire.group)), op)
-        finally:
-            state.end_vote()
+        return self._voting(wire, channel, lambda ready: channel.all_gather(slot, ready), op)
 
     def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]:
         channel = self.channel(wire, op)
@@ -199,12 +192,18 @@ class SameHostSlots:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
+        return self._voting(wire, channel, lambda ready: channel.all_to_all(slots, ready), op)
+
+    def _voting(self, wire: Wire, channel: _local.LocalChannel, exchange: Callable[[bool], Sequence[Slot]],
+                op: str) -> Sequence[Slot]:
+        """``exchange(ready)``, an all_gather or all_to_all carrying this rank's send/recv vote until
+        send/recv are on the channel (``ready``: False once they are, since nothing is voted then)."""
         if channel.p2p:
-            return _checked(wire, channel, channel.all_to_all(slots), op)
+            return _checked(wire, channel, exchange(False), op)
         state = self.state(wire)
         assert state is not None
         try:
-            return _checked(wire, channel, channel.all_to_all(slots, state.begin_vote(wire.group)), op)
+            return _checked(wire, channel, exchange(state.begin_vote(wire.group)), op)
         finally:
             state.end_vote()
 
