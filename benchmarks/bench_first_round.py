@@ -1,9 +1,11 @@
 """Small objects with round 1 through the same-host channel (``local=True``) and through gloo (``local=False``).
 
-    PYTHONPATH=. python benchmarks/bench_first_round.py [--world-sizes 2 4] [--repeat 300]
+    PYTHONPATH=. python benchmarks/bench_first_round.py [--world-sizes 2 4] [--repeat 40] [--batch 25]
 
-Candidates, on the same ranks, round-robin with a gloo barrier before every call (a sample is the
-slowest rank's time, a timing the median: ``objcomm._bench._measure.interleaved``):
+Candidates, on the same ranks, round-robin with a gloo barrier before every sample of ``--batch`` calls
+back to back (a sample is the slowest rank's time per call, a timing the median:
+``objcomm._bench._measure.interleaved``; ``--batch 1`` times single calls from the barrier, which on a
+small machine mostly measures how far apart the ranks leave it):
 
 - ``all_gather``/``broadcast`` of a small dict (one slot, no second round) through a
   ``Communicator(local=True)`` and a ``Communicator(local=False)``;
@@ -20,13 +22,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 SLOT = 4096
 OBJ = {"loss": 0.25, "step": 1000, "tag": "train"}
 
 
-def measure(repeat: int) -> Dict[str, float]:
+def measure(repeat: int, batch: int = 1) -> Dict[str, float]:
     import torch
     import torch.distributed as dist
 
@@ -48,7 +50,7 @@ def measure(repeat: int) -> Dict[str, float]:
         "send/recv round trip, gloo": lambda: _round_trip(off),
         "raw gloo all_gather (4096 B)": lambda: all_gather_single(recv, send),
     }
-    return {k: t.median_s for k, t in interleaved(candidates, repeat=repeat, warmup=20).items()}
+    return {k: t.median_s for k, t in interleaved(candidates, repeat=repeat, warmup=20, batch=batch).items()}
 
 
 def _round_trip(comm: Any) -> None:
@@ -62,13 +64,13 @@ def _round_trip(comm: Any) -> None:
         comm.send(comm.recv(0), 0)
 
 
-def _task(repeat: int, send: Any) -> Dict[str, float]:
-    return measure(repeat)
+def _task(plan: Tuple[int, int], send: Any) -> Dict[str, float]:
+    return measure(*plan)
 
 
-def report(world: int, medians: Dict[str, float], repeat: int) -> str:
+def report(world: int, medians: Dict[str, float], repeat: int, batch: int) -> str:
     gloo = medians["raw gloo all_gather (4096 B)"]
-    lines = [f"### W={world} ({os.cpu_count()} CPUs, {repeat} rounds)", "",
+    lines = [f"### W={world} ({os.cpu_count()} CPUs, {repeat} rounds of {batch} calls back to back)", "",
              "| candidate | median | ÷ raw gloo | channel ÷ gloo |", "|---|---:|---:|---:|"]
     for name, t in medians.items():
         pair = ""
@@ -81,14 +83,16 @@ def report(world: int, medians: Dict[str, float], repeat: int) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--repeat", type=int, default=300)
+    parser.add_argument("--repeat", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=25, help="calls per sample, back to back after a barrier")
     parser.add_argument("--append", help="append the tables to this file")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from objcomm._launch import run_local
 
     for world in args.world_sizes:
-        text = report(world, run_local(_task, args.repeat, world_size=world, timeout_s=1200), args.repeat)
+        medians = run_local(_task, (args.repeat, args.batch), world_size=world, timeout_s=1200)
+        text = report(world, medians, args.repeat, args.batch)
         print(text, flush=True)
         if args.append:
             with open(args.append, "a") as f:

@@ -7,9 +7,12 @@
 The MPI ranks join a gloo group (rank 0 picks a free port and broadcasts it over MPI), so every
 candidate runs on the same processes: objcomm, mpi4py's pickle-based ``allgather``/``bcast``/``send``
 and its ``pkl5`` communicator, torch's ``all_gather_object`` and friends, and raw ``Allgather`` /
-``all_gather_single`` (and broadcast, send/recv) of the same number of bytes. Candidates of a scenario
-run round-robin with a gloo barrier before every call (``objcomm._bench._measure.interleaved``); a
-sample is the slowest rank's time, a timing the median of the samples. Rank 0 prints markdown tables
+``all_gather_single`` (and broadcast, a send/recv round trip) of the same number of bytes. Candidates of
+a scenario run round-robin with a gloo barrier before every sample (``objcomm._bench._measure.interleaved``);
+a sample is the slowest rank's time per call, a timing the median of the samples. A large call is one
+sample; small calls are timed 25 back to back per sample, as MPI's own latency benchmarks do, because
+ranks leave a gloo barrier up to a few hundred microseconds apart on a small machine, which would
+otherwise be most of every sample. Rank 0 prints markdown tables
 of medians and the ratios the targets of the issues are stated in, then, with ``--append``, appends
 them to a file. Absolute times are context only: only ratios within one run mean much.
 
@@ -130,7 +133,7 @@ class Peers:
         }
 
     def send_recv(self, obj: Any, nbytes: int) -> Candidates:
-        """Rank 0 sends, rank 1 receives, the others idle."""
+        """A round trip: rank 0 sends and then receives, rank 1 receives and sends back; the others idle."""
         import numpy as np
         import torch
         import torch.distributed as dist
@@ -139,17 +142,22 @@ class Peers:
         mpi_buf = np.zeros(nbytes, dtype=np.uint8)
         box: List[Any] = [None]
         pairs = {
-            "objcomm": (lambda: self.default.send(obj, dst=1), lambda: self.default.recv(src=0)),
-            "objcomm local=False": (lambda: self.backend.send(obj, dst=1), lambda: self.backend.recv(src=0)),
-            "mpi4py": (lambda: self.comm.send(obj, dest=1), lambda: self.comm.recv(source=0)),
-            "mpi4py pkl5": (lambda: self.comm5.send(obj, dest=1), lambda: self.comm5.recv(source=0)),
-            "torch": (lambda: dist.send_object_list([obj], dst=1), lambda: dist.recv_object_list(box, src=0)),
-            "raw MPI": (lambda: self.comm.Send(mpi_buf, dest=1), lambda: self.comm.Recv(mpi_buf, source=0)),
-            "raw gloo": (lambda: dist.send(gloo_buf, dst=1), lambda: dist.recv(gloo_buf, src=0)),
+            "objcomm": (lambda: self.default.send(obj, dst=1), lambda: self.default.recv(src=0),
+                        lambda: self.default.send(obj, dst=0), lambda: self.default.recv(src=1)),
+            "objcomm local=False": (lambda: self.backend.send(obj, dst=1), lambda: self.backend.recv(src=0),
+                                    lambda: self.backend.send(obj, dst=0), lambda: self.backend.recv(src=1)),
+            "mpi4py": (lambda: self.comm.send(obj, dest=1), lambda: self.comm.recv(source=0),
+                       lambda: self.comm.send(obj, dest=0), lambda: self.comm.recv(source=1)),
+            "mpi4py pkl5": (lambda: self.comm5.send(obj, dest=1), lambda: self.comm5.recv(source=0),
+                            lambda: self.comm5.send(obj, dest=0), lambda: self.comm5.recv(source=1)),
+            "torch": (lambda: dist.send_object_list([obj], dst=1), lambda: dist.recv_object_list(box, src=0),
+                      lambda: dist.send_object_list([obj], dst=0), lambda: dist.recv_object_list(box, src=1)),
+            "raw MPI": (lambda: self.comm.Send(mpi_buf, dest=1), lambda: self.comm.Recv(mpi_buf, source=0),
+                        lambda: self.comm.Send(mpi_buf, dest=0), lambda: self.comm.Recv(mpi_buf, source=1)),
+            "raw gloo": (lambda: dist.send(gloo_buf, dst=1), lambda: dist.recv(gloo_buf, src=0),
+                         lambda: dist.send(gloo_buf, dst=0), lambda: dist.recv(gloo_buf, src=1)),
         }
-        idle: Callable[[], Any] = lambda: None  # noqa: E731
-        mine = 0 if self.rank == 0 else 1 if self.rank == 1 else None
-        return {name: idle if mine is None else pair[mine] for name, pair in pairs.items()}
+        return {name: _round_trip(self.rank, *calls) for name, calls in pairs.items()}
 
     def _raw_mpi_all_gather(self, nbytes: int) -> Callable[[], Any]:
         import numpy as np
@@ -164,6 +172,16 @@ class Peers:
         send = torch.zeros(nbytes, dtype=torch.uint8)
         recv = torch.empty(nbytes * self.size, dtype=torch.uint8)
         return lambda: _all_gather_single(recv, send)
+
+
+def _round_trip(rank: int, send_there: Callable[[], Any], recv_there: Callable[[], Any],
+                send_back: Callable[[], Any], recv_back: Callable[[], Any]) -> Callable[[], Any]:
+    """Rank 0's half of a round trip (send to 1, receive from 1), rank 1's (the other way), or nothing."""
+    if rank == 0:
+        return lambda: (send_there(), recv_back())
+    if rank == 1:
+        return lambda: (recv_there(), send_back())
+    return lambda: None
 
 
 def _pickled(obj: Any) -> int:
@@ -188,7 +206,9 @@ def _large_payloads(mb: int) -> List[Tuple[str, Any, int, List[Ratio]]]:
     ]
 
 
-Scenario = Tuple[str, int, Candidates, List[Ratio], str]  # name, rounds, candidates, ratios, note
+# name, rounds, calls per sample, candidates, ratios, note
+Scenario = Tuple[str, int, int, Candidates, List[Ratio], str]
+SMALL_BATCH = 25  # small calls per sample, back to back after the barrier (see interleaved's batch)
 
 
 def _scenarios(peers: Peers, parts: List[str], scale: float, mb: int) -> List[Scenario]:
@@ -200,17 +220,20 @@ def _scenarios(peers: Peers, parts: List[str], scale: float, mb: int) -> List[Sc
         for name, obj, nbytes, ratios in _large_payloads(mb):
             shm = nbytes >= objcomm.settings().shm_threshold
             note = f"{_pickled(obj) / MB:.1f} MB pickled per rank; raw = {nbytes / MB:.1f} MB per rank"
-            found.append((f"{name} all_gather", rounds(5), peers.all_gather(obj, nbytes, shm=shm), ratios, note))
+            found.append((f"{name} all_gather", rounds(5), 1, peers.all_gather(obj, nbytes, shm=shm), ratios, note))
     if "small" in parts:
         slot = objcomm.settings().slot_bytes
         small_ratios = [("objcomm", "raw gloo"), ("objcomm", "mpi4py"), ("objcomm", "torch"),
                         ("objcomm local=False", "raw gloo")]
-        note = f"{_pickled(SMALL)} B pickled; raw = one {slot} B slot (objcomm's round 1)"
+        note = (f"{_pickled(SMALL)} B pickled; raw = one {slot} B slot (objcomm's round 1); per call, "
+                f"{SMALL_BATCH} back to back per sample")
         gather = peers.all_gather(SMALL, slot, shm=False)
-        found.append(("small dict all_gather", rounds(200), gather, small_ratios, note))
-        found.append(("small dict broadcast", rounds(200), peers.broadcast(SMALL, slot), small_ratios, note))
+        found.append(("small dict all_gather", rounds(40), SMALL_BATCH, gather, small_ratios, note))
+        found.append(("small dict broadcast", rounds(40), SMALL_BATCH, peers.broadcast(SMALL, slot), small_ratios,
+                      note))
         if peers.size > 1:
-            found.append(("small dict send/recv", rounds(200), peers.send_recv(SMALL, slot), small_ratios, note))
+            found.append(("small dict send/recv round trip", rounds(40), SMALL_BATCH, peers.send_recv(SMALL, slot),
+                          small_ratios, note))
     return found
 
 
@@ -404,9 +427,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     memory = memory_task(peers, args.mb) if "memory" in parts else {}
     say("memory done")
     timings = []
-    for name, repeat, candidates, ratios, note in _scenarios(peers, parts, args.repeat_scale, args.mb):
-        warmup = 1 if repeat < 20 else 5
-        medians = {k: t.median_s for k, t in interleaved(candidates, repeat=repeat, warmup=warmup).items()}
+    for name, repeat, batch, candidates, ratios, note in _scenarios(peers, parts, args.repeat_scale, args.mb):
+        warmup = 1 if repeat * batch < 20 else 5
+        timed = interleaved(candidates, repeat=repeat, warmup=warmup, batch=batch)
+        medians = {k: t.median_s for k, t in timed.items()}
         timings.append((name, medians, ratios, note, repeat))
         del candidates
         gc.collect()

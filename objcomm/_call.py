@@ -128,7 +128,7 @@ def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound
 def first_round_for(options: CallOptions) -> FirstRound:
     """Who may move a call's round-1 slots: the same-host channel when switched on (it decides per group
     whether it opens), else the group."""
-    return _first.SAME_HOST[options.separate_hosts] if options.local else BACKEND
+    return _first.same_host(options.separate_hosts, options.local_spin_us) if options.local else BACKEND
 
 
 MAX_TAG = _reduce.REDUCE_TAG - 1  # the backend carries 2 * tag + 1 (see objcomm._wire.Wire.data_tag)

@@ -49,8 +49,9 @@ class Communicator:
     shm, shm_threshold, shm_dir, shm_zero_copy:
         Same-host shared memory for payloads of at least ``shm_threshold`` bytes, received as views
         unless ``shm_zero_copy=False`` (see :class:`objcomm.Settings`).
-    local:
-        Same-host channel for the first round of collectives (see :class:`objcomm.Settings`).
+    local, local_spin_us:
+        Same-host channel for the first round of collectives, and how long its waits poll before they
+        sleep (see :class:`objcomm.Settings`).
 
     Every argument left ``None`` falls back to :func:`objcomm.configure`, then the environment, then
     the default; a call's own arguments beat these (see :mod:`objcomm._settings`). Values are checked
@@ -80,6 +81,7 @@ class Communicator:
         shm_dir: Optional[str] = None,
         shm_zero_copy: Optional[bool] = None,
         local: Optional[bool] = None,
+        local_spin_us: Optional[int] = None,
     ) -> None:
         self.group = group
         self.serializer = serializer
@@ -88,7 +90,7 @@ class Communicator:
             serializer=serializer, accept=accept, map_location=map_location, compression=compression,
             max_bytes=max_bytes, slot_bytes=slot_bytes, chunk_bytes=chunk_bytes,
             inline_tensor_bytes=inline_tensor_bytes, shm=shm, shm_threshold=shm_threshold, shm_dir=shm_dir,
-            shm_zero_copy=shm_zero_copy, local=local,
+            shm_zero_copy=shm_zero_copy, local=local, local_spin_us=local_spin_us,
         )
         # Tests only: True treats every rank as on its own host; None follows OBJCOMM_FORCE_SEPARATE_HOSTS.
         self._separate_hosts: Optional[bool] = None

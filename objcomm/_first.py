@@ -45,7 +45,7 @@ import datetime
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Tuple, Union
 
 from . import _local, _state
 from ._device import group_timeout
@@ -83,10 +83,11 @@ class SameHost:
 class _Via:
     """send/recv through a channel: the route :meth:`SameHostSlots.p2p` gives once the channel takes them."""
 
-    __slots__ = ("channel",)
+    __slots__ = ("channel", "spin")
 
-    def __init__(self, channel: _local.LocalChannel) -> None:
+    def __init__(self, channel: _local.LocalChannel, spin: Optional[float]) -> None:
         self.channel = channel
+        self.spin = spin
 
     def __enter__(self) -> _Via:
         return self
@@ -98,7 +99,7 @@ class _Via:
         self.channel.send(slot, dst, wire.tag)
 
     def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot]:
-        sender, slot = self.channel.recv(src, wire.tag)
+        sender, slot = self.channel.recv(src, wire.tag, self.spin)
         return sender, _checked(wire, self.channel, [slot], op)[0]
 
 
@@ -123,6 +124,11 @@ class SameHostSlots:
     """Round-1 slots through the group's same-host channel, opened on the first call that may use it."""
 
     separate: bool = False  # tests: every rank looks like a host of its own (the channel never opens)
+    spin_us: Optional[int] = None  # the local_spin_us setting: µs a wait polls before sleeping; None: automatic
+
+    @property
+    def spin(self) -> Optional[float]:
+        return None if self.spin_us is None else self.spin_us * 1e-6
 
     def state(self, wire: Wire) -> Optional[SameHost]:
         """The group's same-host state, or None when the channel can never take this wire's slots (the
@@ -174,25 +180,25 @@ class SameHostSlots:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
-        return self._voting(wire, channel, lambda ready: channel.all_gather(slot, ready), op)
+        return self._voting(wire, channel, lambda ready: channel.all_gather(slot, ready, self.spin), op)
 
     def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
-        return _checked(wire, channel, [channel.broadcast(slot, src)], op)[0]
+        return _checked(wire, channel, [channel.broadcast(slot, src, self.spin)], op)[0]
 
     def scatter(self, wire: Wire, slots: Optional[Sequence[Slot]], src: int, op: str) -> Union[Slot, NotUsed]:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
-        return _checked(wire, channel, [channel.scatter(slots, src)], op)[0]
+        return _checked(wire, channel, [channel.scatter(slots, src, self.spin)], op)[0]
 
     def all_to_all(self, wire: Wire, slots: Sequence[Slot], op: str) -> Union[Sequence[Slot], NotUsed]:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
-        return self._voting(wire, channel, lambda ready: channel.all_to_all(slots, ready), op)
+        return self._voting(wire, channel, lambda ready: channel.all_to_all(slots, ready, self.spin), op)
 
     def _voting(self, wire: Wire, channel: _local.LocalChannel, exchange: Callable[[bool], Sequence[Slot]],
                 op: str) -> Sequence[Slot]:
@@ -215,7 +221,7 @@ class SameHostSlots:
             return _BACKEND
         channel = state.channel
         if channel is not None and channel.p2p and not channel.closed:
-            return _Via(channel)
+            return _Via(channel, self.spin)
         with state.cond:
             timeout = _seconds(group_timeout(wire.group))
             if state.voting and not state.cond.wait_for(lambda: not state.voting, timeout):
@@ -229,15 +235,21 @@ class SameHostSlots:
                     f"{op}: this group's same-host channel failed earlier (on this rank: {channel.failed_at}); "
                     "send/recv on it raise until a collective on the group has opened it again")
             if channel is not None and channel.p2p and not channel.closed:
-                return _Via(channel)
+                return _Via(channel, self.spin)
             state.in_flight += 1
             return _Counted(state)
 
-    def __repr__(self) -> str:
-        return f"SameHostSlots(separate={self.separate})"
 
 
-SAME_HOST = {False: SameHostSlots(False), True: SameHostSlots(True)}  # built once: one per call would do
+_STRATEGIES: Dict[Tuple[bool, Optional[int]], SameHostSlots] = {}
+
+
+def same_host(separate: bool, spin_us: Optional[int]) -> SameHostSlots:
+    """The strategy for these settings, built once (the wire of every call holds one)."""
+    found = _STRATEGIES.get((separate, spin_us))
+    if found is None:
+        found = _STRATEGIES.setdefault((separate, spin_us), SameHostSlots(separate, spin_us))
+    return found
 
 
 def _seconds(timeout: Any) -> float:

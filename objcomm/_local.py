@@ -20,7 +20,11 @@ a reuse protocol, while a socket gives the rest from the kernel:
 
 - a peer that dies, even by SIGKILL, closes its end: the others read EOF (or ECONNRESET) at once;
 - waits block in the kernel (``recv`` under ``SO_RCVTIMEO``, or ``poll``): a rank waiting 100 ms
-  for a late peer spends < 1 ms of CPU (MPICH, busy-polling: 64-100 ms);
+  for a late peer spends < 1 ms of CPU (MPICH, busy-polling: 64-100 ms). Before it blocks, a wait
+  polls its sockets for a moment (the ``local_spin_us`` setting; automatic: 100 µs where the host
+  has a CPU per rank, else none), once per call: waking a sleeping rank costs ~50 µs a hop on this
+  machine's virtual CPUs, which is most of a small call (a back-to-back all_gather at W=2: 108 µs
+  sleeping at once, 90 µs with the spin; a send/recv round trip: 253 and 155 µs);
 - abstract names (``\\0objcomm-...``) live in the network namespace, never in the file system,
   and vanish with the last descriptor: nothing to clean up after exit, crash or SIGKILL;
 - ``SO_PEERCRED`` tells who connected: its pid and uid are checked against what the group
@@ -87,6 +91,7 @@ from ._wire import Slot, Wire, all_gather_single, guarded
 DEFAULT_TIMEOUT = 300.0  # seconds any one wait may take
 SETUP_TIMEOUT = 30.0  # seconds to connect the mesh
 MAX_PAYLOAD = 64 << 10  # bytes in one message; a SEQPACKET message must fit the socket's send buffer
+AUTO_SPIN = 100e-6  # seconds a wait polls before sleeping, where every rank has a CPU (see auto_spin)
 
 _HELLO = struct.Struct("<iq")  # connector's group rank, the acceptor's secret
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
@@ -137,6 +142,7 @@ class LocalChannel:
         for sock in peers.values():
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         self._inbox = Inbox(peers, pids, timeout, MAX_PAYLOAD, self._fail, stash_bytes)
+        self.auto_spin = auto_spin(self.size)
         self._seq = 0
         self._owner = os.getpid()
         self._lock = threading.Lock()  # one collective at a time
@@ -234,33 +240,34 @@ class LocalChannel:
         return True
 
     # -- operations --------------------------------------------------------------------------
-    def all_gather(self, data: Slot, ready: bool = False) -> List[Slot]:
+    def all_gather(self, data: Slot, ready: bool = False, spin: Optional[float] = None) -> List[Slot]:
         """Every rank's ``data``, in group-rank order. ``ready``: this rank votes to let send/recv in
-        (:attr:`p2p` turns on when every rank did)."""
-        got = self._collective(ALL_GATHER, {r: data for r in self._peers}, self._peers, ready)
+        (:attr:`p2p` turns on when every rank did). ``spin`` (every operation that waits): seconds a wait
+        polls before it sleeps; ``None``: :attr:`auto_spin`."""
+        got = self._collective(ALL_GATHER, {r: data for r in self._peers}, self._peers, ready, spin)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
-    def broadcast(self, data: Optional[Slot], src: int) -> Slot:
+    def broadcast(self, data: Optional[Slot], src: int, spin: Optional[float] = None) -> Slot:
         """``src``'s ``data`` on every rank (ignored elsewhere)."""
         if self.rank == src:
             assert data is not None
             self._collective(BROADCAST, {r: data for r in self._peers}, ())
             return data
-        return self._collective(BROADCAST, {}, (src,))[src]
+        return self._collective(BROADCAST, {}, (src,), spin=spin)[src]
 
-    def scatter(self, parts: Optional[Sequence[Slot]], src: int) -> Slot:
+    def scatter(self, parts: Optional[Sequence[Slot]], src: int, spin: Optional[float] = None) -> Slot:
         """``src``'s ``parts[r]`` on group rank ``r``."""
         if self.rank == src:
             assert parts is not None and len(parts) == self.size
             self._collective(SCATTER, {r: parts[r] for r in self._peers}, ())
             return parts[src]
-        return self._collective(SCATTER, {}, (src,))[src]
+        return self._collective(SCATTER, {}, (src,), spin=spin)[src]
 
-    def all_to_all(self, parts: Sequence[Slot], ready: bool = False) -> List[Slot]:
+    def all_to_all(self, parts: Sequence[Slot], ready: bool = False, spin: Optional[float] = None) -> List[Slot]:
         """``parts[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``. ``ready``:
         as in :meth:`all_gather`."""
         assert len(parts) == self.size
-        got = self._collective(ALL_TO_ALL, {r: parts[r] for r in self._peers}, self._peers, ready)
+        got = self._collective(ALL_TO_ALL, {r: parts[r] for r in self._peers}, self._peers, ready, spin)
         return [parts[r] if r == self.rank else got[r] for r in range(self.size)]
 
     def send(self, data: Slot, dst: int, tag: int = 0) -> None:
@@ -268,11 +275,12 @@ class LocalChannel:
         self.check("send")
         self._send(dst, P2P, 0, tag, 0, data, "send")
 
-    def recv(self, src: Optional[int] = None, tag: int = 0) -> Tuple[int, bytes]:
+    def recv(self, src: Optional[int] = None, tag: int = 0, spin: Optional[float] = None) -> Tuple[int, bytes]:
         """The next message under ``tag`` from group rank ``src`` (``None``: any); ``(sender, data)``."""
         self.check("recv")
         sources = list(self._peers) if src is None else [src]
-        return self._inbox.take(sources, (False, tag), P2P, "recv", first=True)[0].popitem()
+        spin = self.auto_spin if spin is None else spin
+        return self._inbox.take(sources, (False, tag), P2P, "recv", first=True, spin=spin)[0].popitem()
 
     def close(self, why: Optional[str] = None) -> None:
         """Close every connection (the peers read EOF, and threads of this rank waiting on it raise); idempotent."""
@@ -315,14 +323,15 @@ class LocalChannel:
             self._fail(op, "")
 
     def _collective(self, kind: int, outgoing: Dict[int, Slot], sources: Iterable[int],
-                    ready: bool = False) -> Dict[int, bytes]:
+                    ready: bool = False, spin: Optional[float] = None) -> Dict[int, bytes]:
         op = NAMES[kind]
         self.check(op)
         with self._lock:
             self._seq = seq = (self._seq + 1) & MASK
             for peer, data in outgoing.items():
                 self._send(peer, kind, seq, 0, READY if ready else 0, data, op)
-            got, everyone_ready = self._inbox.take(list(sources), (True, seq), kind, op)
+            got, everyone_ready = self._inbox.take(list(sources), (True, seq), kind, op,
+                                                   spin=self.auto_spin if spin is None else spin)
             self._inbox.done = seq
             if ready and everyone_ready and len(got) == self.size - 1:
                 self.p2p = True
@@ -355,6 +364,18 @@ class LocalChannel:
             self.failed_at = self._seq
         self.close(message)
         raise CommunicationError(message) from cause
+
+
+def auto_spin(ranks: int) -> float:
+    """Seconds a wait polls before it sleeps when the ``spin`` setting is automatic: :data:`AUTO_SPIN`
+    when this host has a CPU for each of the group's ``ranks`` (those this process may run on), else 0:
+    oversubscribed, a spinning rank takes the CPU the peer it waits for needs (measured at W=4 on 2 CPUs:
+    a small all_gather 500 µs without spinning, 597 µs with)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return AUTO_SPIN if ranks <= cpus else 0.0
 
 
 def _forget_in_child() -> None:

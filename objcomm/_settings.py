@@ -28,6 +28,8 @@ variable                          effect
 ``OBJCOMM_SHM_ZERO_COPY``         ``shm_zero_copy``: ``0``/``false``/``no``/``off`` copy what arrives through shared
                                   memory into private memory instead of mapping it, ``1``/... map it (default)
 ``OBJCOMM_LOCAL``                 ``local`` (same-host channel): ``0``/``false``/``no``/``off`` off, ``1``/... on
+``OBJCOMM_LOCAL_SPIN_US``         ``local_spin_us``: microseconds a rank waiting on the channel polls before it
+                                  sleeps (a whole number; ``auto`` or unset: automatic)
 ``OBJCOMM_FORCE_SEPARATE_HOSTS``  tests only: ``1`` treats every rank as on its own host (no shared memory,
                                   no same-host channel)
 ``LOCAL_RANK``                    set by torchrun; NCCL groups check the current CUDA device against it
@@ -87,6 +89,10 @@ class Settings:
       send/recv once a collective has opened them (:mod:`objcomm._first`). On by default
       (``OBJCOMM_LOCAL=0`` turns it off); it does not yet carry the small control collectives of large
       calls, nor NCCL groups' slots. All ranks of a group must agree.
+    - ``local_spin_us``: microseconds a rank waiting for a message of the same-host channel polls its sockets
+      before it sleeps in the kernel (a sleeping rank's wake-up costs ~50 µs here; spinning, ~3 µs). ``None``
+      (automatic): 100 when the host has a CPU for each rank of the group, else 0 (a spinning rank would take
+      the CPU of the peer it waits for). At most once per call, so a rank waiting long spends little CPU.
     """
 
     serializer: SerializerLike = "pickle"
@@ -101,6 +107,7 @@ class Settings:
     shm_dir: Optional[str] = None
     shm_zero_copy: bool = True
     local: bool = True
+    local_spin_us: Optional[int] = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(Settings):
@@ -141,6 +148,15 @@ def _check_not_negative(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
+MAX_SPIN_US = 1_000_000
+
+
+def _check_spin(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SPIN_US):
+        raise ValueError(f"{name} must be a whole number of microseconds from 0 to {MAX_SPIN_US:,}, or None "
+                         f"(automatic), got {value!r}")
+
+
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -173,6 +189,7 @@ _CHECKS: Dict[str, Callable[[str, Any], None]] = {
     "shm_dir": _check_directory,
     "shm_zero_copy": _check_bool,
     "local": _check_bool,
+    "local_spin_us": _check_spin,
     "map_location": lambda name, value: None,  # torch.device() judges it, in the communicator
     "separate_hosts": _check_bool,
 }
@@ -219,6 +236,16 @@ def _flag(variable: str) -> Optional[bool]:
     return True if word in _ON else False if word in _OFF else None
 
 
+def _microseconds(variable: str) -> Optional[int]:
+    """A whole number of microseconds; ``None`` when unset or ``auto``; anything else raises, naming the variable."""
+    word = os.environ.get(variable, "").strip().lower()
+    if word in ("", "auto"):
+        return None
+    if not word.isdigit():
+        raise ValueError(f"{variable}={os.environ[variable]!r}: expected a whole number of microseconds or 'auto'")
+    return int(word)
+
+
 @dataclass(frozen=True)
 class _Environment:
     """What the environment says, read at import and by :func:`configure`."""
@@ -229,7 +256,8 @@ class _Environment:
     @staticmethod
     def read() -> _Environment:
         knobs = {"shm": _flag("OBJCOMM_SHM"), "shm_dir": os.environ.get("OBJCOMM_SHM_DIR") or None,
-                 "shm_zero_copy": _flag("OBJCOMM_SHM_ZERO_COPY"), "local": _flag("OBJCOMM_LOCAL")}
+                 "shm_zero_copy": _flag("OBJCOMM_SHM_ZERO_COPY"), "local": _flag("OBJCOMM_LOCAL"),
+                 "local_spin_us": _microseconds("OBJCOMM_LOCAL_SPIN_US")}
         return _Environment(
             knobs={name: value for name, value in knobs.items() if value is not None},
             separate_hosts=bool(_flag("OBJCOMM_FORCE_SEPARATE_HOSTS")),

@@ -184,6 +184,24 @@ def test_a_waiting_rank_does_not_burn_the_cpu():
     assert cpu < 0.1 * wall, f"rank 0 used {cpu * 1e3:.1f} ms of CPU while waiting {wall * 1e3:.0f} ms"
 
 
+def spins_as_set(spin_us: Optional[int]) -> List[Any]:
+    comm = objcomm.Communicator(local_spin_us=spin_us)
+    rank = dist.get_rank()
+    got = [comm._call({}).wire.first_round.spin, comm.all_gather(rank), comm.broadcast("b" if rank == 0 else None)]
+    if rank < 2:  # send/recv through the channel (the all_gather above voted them in)
+        comm.send(f"from {rank}", 1 - rank)
+        got.append(comm.recv(1 - rank))
+    return got + [_channel() not in (None, "never opened")]
+
+
+@pytest.mark.parametrize("spin_us", [0, 20_000, None])
+def test_the_spin_setting_reaches_every_wait(spin_us):
+    seen = get_pool(3).run(spins_as_set, spin_us)
+    spin = None if spin_us is None else spin_us * 1e-6
+    assert seen == [[spin, [0, 1, 2], "b", "from 1", True], [spin, [0, 1, 2], "b", "from 0", True],
+                    [spin, [0, 1, 2], "b", True]]
+
+
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -93,24 +93,48 @@ def test_ranks_on_other_hosts_fall_back_on_every_rank():
     assert pool.run(falls_back, False) == ["opened"] * 3
 
 
-def waits_for_a_late_peer(late_s: float) -> Tuple[float, float]:
+def waits_for_a_late_peer(late_s: float, spin: Optional[float]) -> Tuple[float, float, List[bool]]:
+    """Rank 0's wall and CPU seconds in an all_gather that rank 1 joins ``late_s`` late, and what each
+    spin of the wait gave (True: a message came while polling)."""
     channel = _local.LocalChannel.open(_wire())
     assert channel is not None
-    with channel:
-        channel.all_gather(b"warm")
-        if dist.get_rank() == 1:
-            time.sleep(late_s)
-        wall, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-        channel.all_gather(b"x" * 4096)
-        after = resource.getrusage(resource.RUSAGE_SELF)
-        return time.perf_counter() - wall, (after.ru_utime + after.ru_stime) - (cpu.ru_utime + cpu.ru_stime)
+    spins: List[bool] = []
+    real = _inbox.poll_briefly
+
+    def watched(poll: Any, until: float) -> bool:
+        spins.append(real(poll, until))
+        return spins[-1]
+
+    _inbox.poll_briefly = watched  # type: ignore[assignment]
+    try:
+        with channel:
+            channel.all_gather(b"warm", spin=spin)
+            spins.clear()
+            if dist.get_rank() == 1:
+                time.sleep(late_s)
+            wall, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+            channel.all_gather(b"x" * 4096, spin=spin)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            return time.perf_counter() - wall, (after.ru_utime + after.ru_stime) - (cpu.ru_utime + cpu.ru_stime), spins
+    finally:
+        _inbox.poll_briefly = real  # type: ignore[assignment]
 
 
 @pytest.mark.timeout(60)
-def test_a_waiting_rank_does_not_burn_the_cpu():
-    wall, cpu = get_pool(2).run(waits_for_a_late_peer, 0.3)[0]
+@pytest.mark.parametrize("spin", [None, 0.0, 0.02], ids=["automatic", "no spin", "20 ms spin"])
+def test_a_waiting_rank_does_not_burn_the_cpu(spin):
+    """A wait polls for at most its spin, once per call, then sleeps in the kernel until the peer comes."""
+    wall, cpu, spins = get_pool(2).run(waits_for_a_late_peer, 0.3, spin)[0]
     assert wall >= 0.25
     assert cpu < 0.1 * wall, f"rank 0 used {cpu * 1e3:.1f} ms of CPU while waiting {wall * 1e3:.0f} ms"
+    expected = _local.auto_spin(2) if spin is None else spin
+    assert spins == ([False] if expected else [])  # polled once, in vain, then slept; or slept at once
+
+
+def test_automatic_spin_only_where_every_rank_has_a_cpu():
+    cpus = len(os.sched_getaffinity(0))
+    assert _local.auto_spin(cpus) == _local.AUTO_SPIN > 0
+    assert _local.auto_spin(cpus + 1) == 0.0
 
 
 # -- a SIGKILLed peer: a group of our own, so that the survivors can report (the pool kills everyone) --

@@ -17,7 +17,8 @@ from objcomm import _settings
 
 pytestmark = pytest.mark.timeout(60)
 
-VARIABLES = ("OBJCOMM_SHM", "OBJCOMM_SHM_DIR", "OBJCOMM_LOCAL", "OBJCOMM_FORCE_SEPARATE_HOSTS")
+VARIABLES = ("OBJCOMM_SHM", "OBJCOMM_SHM_DIR", "OBJCOMM_SHM_ZERO_COPY", "OBJCOMM_LOCAL", "OBJCOMM_LOCAL_SPIN_US",
+             "OBJCOMM_FORCE_SEPARATE_HOSTS")
 NOT_GIVEN: Any = object()
 
 # knob: (default, (variable, text, value) or None, configure(), Communicator(), a call — NOT_GIVEN where none)
@@ -34,6 +35,7 @@ LAYERS = {
     "shm_dir": (None, ("OBJCOMM_SHM_DIR", "/from-env", "/from-env"), "/configured", "/communicator", NOT_GIVEN),
     "shm_zero_copy": (True, ("OBJCOMM_SHM_ZERO_COPY", "0", False), True, False, NOT_GIVEN),
     "local": (True, ("OBJCOMM_LOCAL", "0", False), True, False, NOT_GIVEN),
+    "local_spin_us": (None, ("OBJCOMM_LOCAL_SPIN_US", "7", 7), 5, 0, NOT_GIVEN),
 }
 
 
@@ -120,10 +122,12 @@ BAD = [
     ("shm_dir", 3, TypeError, "shm_dir must be a directory path"),
     ("shm_zero_copy", "yes", TypeError, "shm_zero_copy must be True or False"),
     ("accept", [1], TypeError, "accept must be serializer names"),
+    ("local_spin_us", -1, ValueError, "local_spin_us must be a whole number of microseconds from 0 to 1,000,000"),
+    ("local_spin_us", 0.5, ValueError, "local_spin_us must be a whole number of microseconds"),
 ]
 
 
-@pytest.mark.parametrize("knob, value, error, message", BAD, ids=[b[0] for b in BAD])
+@pytest.mark.parametrize("knob, value, error, message", BAD, ids=[f"{b[0]}={b[1]!r}" for b in BAD])
 def test_one_validation_for_every_layer(clean, knob, value, error, message):
     with pytest.raises(error, match=message):
         objcomm.configure(**{knob: value})
@@ -220,6 +224,15 @@ def test_the_environment_is_read_at_import():
     code = "import objcomm; s = objcomm.settings(); print(s.shm, s.shm_dir)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "/from-env"]
+
+
+def test_a_bad_spin_in_the_environment_says_which_variable(clean):
+    clean.setenv("OBJCOMM_LOCAL_SPIN_US", "fast")
+    with pytest.raises(ValueError, match=r"OBJCOMM_LOCAL_SPIN_US='fast': expected a whole number of microseconds"):
+        objcomm.configure()
+    clean.setenv("OBJCOMM_LOCAL_SPIN_US", "auto")
+    objcomm.configure()
+    assert objcomm.settings().local_spin_us is None
 
 
 def test_every_variable_is_documented():

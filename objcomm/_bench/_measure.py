@@ -75,6 +75,7 @@ def interleaved(
     warmup: int = 1,
     group: Any = None,
     budget_s: Optional[float] = None,
+    batch: int = 1,
 ) -> Dict[str, Timing]:
     """Time each callable on every rank, round-robin, and return ``{name: Timing}`` (same on every rank).
 
@@ -91,16 +92,20 @@ def interleaved(
     budget_s:
         When given, use fewer rounds (at least 3) if ``repeat`` rounds would take longer than
         this; the decision uses the slowest rank's warm-up, so every rank agrees.
+    batch:
+        Calls per sample, back to back after the barrier; a sample is their time divided by
+        ``batch``. For calls of tens of microseconds: how far apart ranks leave a barrier (on a
+        small machine, tens to hundreds of microseconds) would otherwise be most of every sample.
     """
-    if repeat < 1:
-        raise ValueError(f"repeat must be at least 1, got {repeat}")
+    if repeat < 1 or batch < 1:
+        raise ValueError(f"repeat and batch must be at least 1, got {repeat} and {batch}")
     names = list(candidates)
     for index in range(warmup):
-        warm = _round(candidates, names, index, group)
+        warm = _round(candidates, names, index, group, batch)
     if budget_s is not None and warmup:
         slowest = reduce_max(torch.tensor([sum(warm)], dtype=torch.float64), group)[0]
         repeat = min(repeat, max(MIN_REPEAT, math.ceil(budget_s / max(slowest, 1e-9))))
-    rows = [_round(candidates, names, index, group) for index in range(repeat)]
+    rows = [_round(candidates, names, index, group, batch) for index in range(repeat)]
     slowest_rows = reduce_max(torch.tensor(rows, dtype=torch.float64), group)
     return {
         name: Timing(statistics.median(r[i] for r in slowest_rows), tuple(r[i] for r in slowest_rows))
@@ -108,15 +113,19 @@ def interleaved(
     }
 
 
-def _round(candidates: Mapping[str, Callable[[], Any]], names: Sequence[str], index: int, group: Any) -> list:
-    """Seconds per name, in ``names`` order; round ``index`` starts at name ``index``, so none always goes first."""
+def _round(candidates: Mapping[str, Callable[[], Any]], names: Sequence[str], index: int, group: Any,
+           batch: int = 1) -> list:
+    """Seconds per call per name, in ``names`` order; round ``index`` starts at name ``index``, so none always
+    goes first."""
     seconds = [0.0] * len(names)
     for k in range(len(names)):
         position = (index + k) % len(names)
+        call = candidates[names[position]]
         dist.barrier(group=group)
         start = time.perf_counter()
-        candidates[names[position]]()
-        seconds[position] = time.perf_counter() - start
+        for _ in range(batch):
+            call()
+        seconds[position] = (time.perf_counter() - start) / batch
     return seconds
 
 
