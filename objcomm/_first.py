@@ -11,9 +11,10 @@ a dead peer or a wait past the group's timeout raises :class:`~objcomm.Communica
 collective closes the channel, so the others raise at once too; a recv that only timed out leaves it open).
 
 When the channel is used (the same answer on every rank, decided without talking to the others):
-``local`` is on, the group has two ranks or more, its bytes move on the CPU (not NCCL) and a slot
-fits one channel message. The first such collective on a group opens the channel, a collective over
-the group itself (:meth:`LocalChannel.open`: one ``all_gather`` of identities, one ``all_reduce``); a
+``local`` is on, the group has two ranks or more (any backend: NCCL groups' round 1 is host bytes
+too, and stays off the GPU) and a slot fits one channel message. The first such collective on a
+group opens the channel, a collective over the group itself (:meth:`LocalChannel.open`: one
+``all_gather`` of identities, one ``all_reduce``, on the group's device); a
 group whose ranks are not all on this host gets none, kept too, so later calls go straight to the
 backend. The channel is kept in :func:`objcomm._state.group_facts` (a :class:`SameHost`) and closed
 when the group is collected or at exit. Async collectives run on the group's shadow
@@ -132,8 +133,10 @@ class SameHostSlots:
 
     def state(self, wire: Wire) -> Optional[SameHost]:
         """The group's same-host state, or None when the channel can never take this wire's slots (the
-        same answer on every rank): one rank, bytes on a GPU, slots above a message, no group to keep it on."""
-        if wire.size < 2 or wire.device.type != "cpu" or wire.slot > _local.MAX_PAYLOAD:
+        same answer on every rank): one rank, slots above a message, no group to keep it on. NCCL groups
+        take it too: round 1 is host bytes either way, and the channel spares them a copy to the GPU, a
+        collective and a copy back."""
+        if wire.size < 2 or wire.slot > _local.MAX_PAYLOAD:
             return None
         try:
             weakref.ref(wire.group)

@@ -62,8 +62,7 @@ collective opens a new one when every rank failed at the same call (the set-up c
 ``(generation, failure point)``; ranks that disagree are out of step, and raise from then on).
 Async collectives run on the shadow group, which gets a channel of its own.
 Still open: the small votes (one int per rank), the answers and second rounds of send/recv and the
-shared-memory control collectives, NCCL groups (slots are on the GPU today; the channel moves host
-bytes only, which is the point), reusing :mod:`objcomm._hosts` instead of the channel's own
+shared-memory control collectives, reusing :mod:`objcomm._hosts` instead of the channel's own
 discovery; and the channel's own cost: its bookkeeping (header, stash, checks) doubles the bare
 mesh's time.
 """
@@ -171,8 +170,10 @@ class LocalChannel:
             ok = 0
         mine = [ok, _hosts.host_key(separate), os.getpid(), os.getuid(), _hosts.pid_namespace(), nonce, secret,
                 int(ready), *history]
-        everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64)
-        guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64), group=wire.group)
+        # On the wire's device: an NCCL group's set-up goes through NCCL, once; the channel then moves host bytes.
+        everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=wire.device)
+        guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=wire.device),
+                group=wire.group)
         words: List[int] = everyone.tolist()
         oks, keys, pids, uids, namespaces, nonces, _, readies, generations, points = (
             words[i::_WORDS] for i in range(_WORDS))
@@ -190,7 +191,7 @@ class LocalChannel:
                 usable = cls._connect(wire.rank, peers, pids, nonces, words[6::_WORDS], secret, listener, deadline)
         finally:
             listener.close()  # the name disappears with it
-        agreed = torch.tensor([1 if usable else 0], dtype=torch.int64)
+        agreed = torch.tensor([1 if usable else 0], dtype=torch.int64, device=wire.device)
         guarded(op, wire, dist.all_reduce, agreed, op=dist.ReduceOp.MIN, group=wire.group)
         if not agreed.item():
             for s in peers.values():

@@ -338,3 +338,35 @@ def test_gloo_two_ranks_cuda_tensors_in_objects(op, map_location, path):
     default and on the receiver's current CUDA device with map_location="cuda", values and kinds kept,
     through shared memory, plain gloo and 1 MiB chunks."""
     get_pool(2).run(_gloo_cuda_objects, op, map_location, PATHS[path], timeout=120)
+
+
+# -- NCCL with two ranks: round 1 through the same-host channel (needs a GPU per rank) -------------
+def _nccl_two_ranks(_: Any, send: Any) -> Dict[str, Any]:
+    """Small objects through the channel, a CUDA-tensor object's tensors through NCCL, on each rank."""
+    import torch.distributed as dist
+
+    from objcomm import _state
+
+    rank, device = dist.get_rank(), current_cuda()
+    comm = objcomm.Communicator()
+    assert comm.all_gather({"rank": rank}) == [{"rank": 0}, {"rank": 1}]
+    assert comm.broadcast("from 0" if rank == 0 else None) == "from 0"
+    assert comm.all_to_all([(rank, r) for r in range(2)]) == [(0, rank), (1, rank)]
+    if rank == 0:
+        comm.send({"ping": 0}, 1)
+        assert comm.recv(1) == {"pong": 1}
+    else:
+        assert comm.recv(0) == {"ping": 0}
+        comm.send({"pong": 1}, 0)
+    for other, got in enumerate(comm.all_gather(sample(rank, device))):
+        check(got, other, device)
+    channel = _state.group_facts(dist.group.WORLD).local[False].channel
+    assert channel is not None and not channel.closed and channel.p2p, "round 1 did not go through the channel"
+    return {"channel": True}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
+def test_nccl_two_ranks_take_the_same_host_channel():
+    from objcomm._launch import run_local
+
+    assert run_local(_nccl_two_ranks, None, world_size=2, backend="nccl", timeout_s=CHILD_TIMEOUT) == {"channel": True}
