@@ -77,7 +77,7 @@ import struct
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -137,6 +137,7 @@ class LocalChannel:
         self.failed_at: Optional[int] = None
         self._pids = tuple(pids)
         self._peers = peers
+        self._others = sorted(peers)  # every other rank
         timeval = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))  # bounds a blocking recv in the kernel
         for sock in peers.values():
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
@@ -245,14 +246,14 @@ class LocalChannel:
         """Every rank's ``data``, in group-rank order. ``ready``: this rank votes to let send/recv in
         (:attr:`p2p` turns on when every rank did). ``spin`` (every operation that waits): seconds a wait
         polls before it sleeps; ``None``: :attr:`auto_spin`."""
-        got = self._collective(ALL_GATHER, {r: data for r in self._peers}, self._peers, ready, spin)
+        got = self._collective(ALL_GATHER, dict.fromkeys(self._others, data), self._others, ready, spin)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
     def broadcast(self, data: Optional[Slot], src: int, spin: Optional[float] = None) -> Slot:
         """``src``'s ``data`` on every rank (ignored elsewhere)."""
         if self.rank == src:
             assert data is not None
-            self._collective(BROADCAST, {r: data for r in self._peers}, ())
+            self._collective(BROADCAST, dict.fromkeys(self._others, data), ())
             return data
         return self._collective(BROADCAST, {}, (src,), spin=spin)[src]
 
@@ -260,7 +261,7 @@ class LocalChannel:
         """``src``'s ``parts[r]`` on group rank ``r``."""
         if self.rank == src:
             assert parts is not None and len(parts) == self.size
-            self._collective(SCATTER, {r: parts[r] for r in self._peers}, ())
+            self._collective(SCATTER, {r: parts[r] for r in self._others}, ())
             return parts[src]
         return self._collective(SCATTER, {}, (src,), spin=spin)[src]
 
@@ -268,18 +269,18 @@ class LocalChannel:
         """``parts[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``. ``ready``:
         as in :meth:`all_gather`."""
         assert len(parts) == self.size
-        got = self._collective(ALL_TO_ALL, {r: parts[r] for r in self._peers}, self._peers, ready, spin)
+        got = self._collective(ALL_TO_ALL, {r: parts[r] for r in self._others}, self._others, ready, spin)
         return [parts[r] if r == self.rank else got[r] for r in range(self.size)]
 
     def send(self, data: Slot, dst: int, tag: int = 0) -> None:
         """Send ``data`` to group rank ``dst`` under ``tag``; returns once the kernel holds it."""
         self.check("send")
-        self._send(dst, P2P, 0, tag, 0, data, "send")
+        self._send(dst, HEADER.pack(P2P, 0, 0, tag), data, "send")
 
     def recv(self, src: Optional[int] = None, tag: int = 0, spin: Optional[float] = None) -> Tuple[int, bytes]:
         """The next message under ``tag`` from group rank ``src`` (``None``: any); ``(sender, data)``."""
         self.check("recv")
-        sources = list(self._peers) if src is None else [src]
+        sources = self._others if src is None else [src]
         spin = self.auto_spin if spin is None else spin
         return self._inbox.take(sources, (False, tag), P2P, "recv", first=True, spin=spin)[0].popitem()
 
@@ -323,35 +324,39 @@ class LocalChannel:
         if self.closed:
             self._fail(op, "")
 
-    def _collective(self, kind: int, outgoing: Dict[int, Slot], sources: Iterable[int],
+    def _collective(self, kind: int, outgoing: Dict[int, Slot], sources: Sequence[int],
                     ready: bool = False, spin: Optional[float] = None) -> Dict[int, bytes]:
         op = NAMES[kind]
         self.check(op)
         with self._lock:
             self._seq = seq = (self._seq + 1) & MASK
+            header = HEADER.pack(kind, READY if ready else 0, seq, 0)
             for peer, data in outgoing.items():
-                self._send(peer, kind, seq, 0, READY if ready else 0, data, op)
-            got, everyone_ready = self._inbox.take(list(sources), (True, seq), kind, op,
-                                                   spin=self.auto_spin if spin is None else spin)
+                self._send(peer, header, data, op)
+            got: Dict[int, bytes] = {}
+            if sources:  # not the root of a broadcast or scatter, which only sends
+                got, everyone_ready = self._inbox.take(sources, (True, seq), kind, op,
+                                                       spin=self.auto_spin if spin is None else spin)
+                if ready and everyone_ready and len(got) == self.size - 1:
+                    self.p2p = True
             self._inbox.done = seq
-            if ready and everyone_ready and len(got) == self.size - 1:
-                self.p2p = True
             return got
 
-    def _send(self, peer: int, kind: int, seq: int, tag: int, flags: int, data: Slot, op: str) -> None:
+    def _send(self, peer: int, header: bytes, data: Slot, op: str) -> None:
         if len(data) > MAX_PAYLOAD:
             self._fail(op, f"{len(data):,} bytes exceed the local channel's {MAX_PAYLOAD:,}-byte messages")
         if peer in self._inbox.gone:
             self._fail(op, self._inbox.gone[peer])
-        sock, parts = self._peers[peer], [HEADER.pack(kind, flags, seq, tag), data]
-        deadline = time.monotonic() + self.timeout
+        sock, parts = self._peers[peer], [header, data]
+        deadline = None
         while True:
             try:
                 sock.sendmsg(parts, [], _FLAGS)
                 return
             except BlockingIOError:  # the peer's queue is full: wait until it reads, bounded
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not select.select([], [sock], [], remaining)[1]:
+                now = time.monotonic()
+                deadline = now + self.timeout if deadline is None else deadline
+                if now >= deadline or not select.select([], [sock], [], deadline - now)[1]:
                     self._fail(op, f"rank {peer} did not read within the timeout of {self.timeout:.0f}s")
             except OSError as exc:  # EPIPE, ECONNRESET: it is gone (EBADF: closed here meanwhile)
                 self._fail(op, f"rank {peer} (pid {self._pids[peer]}) closed its connection ({exc.strerror})", exc)
