@@ -52,6 +52,7 @@ READY = 1  # flag of a collective message: its sender had no send/recv in flight
 ENTRY_OVERHEAD = 256  # bytes a stashed message is counted for besides its payload
 KEY_OVERHEAD = 768  # and a key (a tag, a sequence number) that has messages waiting: its queue and dict slot
 STASH_BYTES = 64 << 20  # the most one channel keeps for calls not yet made
+RECV_SLACK = 0.25  # seconds a blocking recv (SO_RCVTIMEO: the whole timeout) may outlast a call's deadline
 MASK = 0xFFFFFFFF
 Key = Tuple[bool, int]  # (collective?, sequence number or tag)
 Entry = Tuple[int, int, bytes]  # kind, flags, payload
@@ -150,10 +151,10 @@ class Inbox:
             while pending and time.monotonic() < deadline:
                 self.cond.release()
                 try:
-                    if len(pending) == 1:  # one blocking recv, bounded by SO_RCVTIMEO: no poll
+                    if len(pending) == 1:  # one recv, no poll while the whole timeout is left
                         if spin_until:
                             poll_briefly(self._poll_one[pending[0]], spin_until)
-                        arrived = [(pending[0], self._recv(pending[0], block=True))]
+                        arrived = [(pending[0], self._recv_by(pending[0], deadline))]
                     else:
                         if spin_until:
                             poll_briefly(poll, spin_until)
@@ -316,9 +317,9 @@ class Inbox:
     def _read(self, mine: List[int], wake: int, remaining: float) -> List[Tuple[int, int]]:
         """Receive at least one message (or EOF) from the sockets of ``mine``, unless woken or timed out:
         ``[(peer, datagram length, or -1 at EOF / -2 for an empty datagram)]``."""
-        if len(mine) == 1 and wake < 0:  # one blocking recv, bounded by SO_RCVTIMEO: no poll, one wake-up
-            length = self._recv(mine[0], block=True)
-            return [] if length == -3 else [(mine[0], length)]  # -3: SO_RCVTIMEO ran out (the caller's deadline)
+        if len(mine) == 1 and wake < 0:  # one recv: no poll while the whole timeout is left, one wake-up
+            length = self._recv_by(mine[0], time.monotonic() + remaining)
+            return [] if length == -3 else [(mine[0], length)]  # -3: the caller's deadline came
         poll = select.poll()
         fds = {self._peers[p].fileno(): p for p in mine}
         for fd in fds:
@@ -335,6 +336,19 @@ class Inbox:
             elif fd in fds:
                 arrived.append((fds[fd], self._recv(fds[fd], block=False)))
         return [(p, n) for p, n in arrived if n != -3]  # -3: nothing to read after all
+
+    def _recv_by(self, peer: int, deadline: float) -> int:
+        """:meth:`_recv` from ``peer``'s socket, waiting until ``deadline`` at most (-3: nothing came by then).
+
+        A blocking ``recv`` (one system call) while about the whole timeout is left, since ``SO_RCVTIMEO``
+        bounds it by the timeout; with less left, ``poll`` first: a wait that began after others in the
+        same call must not add a whole timeout to theirs."""
+        remaining = deadline - time.monotonic()
+        if remaining > self.timeout - RECV_SLACK:
+            return self._recv(peer, block=True)
+        if remaining <= 0 or not self._poll_one[peer].poll(remaining * 1000):
+            return -3
+        return self._recv(peer, block=False)
 
     def _recv(self, peer: int, block: bool) -> int:
         sock = self._peers[peer]

@@ -385,6 +385,32 @@ def test_a_recv_past_the_timeout_raises_and_leaves_the_channel_open():
     assert get_pool(2).run(recv_times_out) == [["stays open", True, "closed"], [True, "closed"]]
 
 
+def one_late_peer_one_missing(timeout: float) -> Tuple[int, float, str]:
+    """At W=3 rank 1 comes to an all_gather at 3/4 of the timeout, rank 2 long after it: rank 0's wait, begun
+    on both, must end at its deadline, not a whole timeout after rank 1's message (a blocking recv is bounded
+    by ``SO_RCVTIMEO``, the whole timeout)."""
+    channel = _local.LocalChannel.open(_wire(), timeout=timeout)
+    assert channel is not None
+    rank = dist.get_rank()
+    with channel:
+        start = time.monotonic()
+        if rank > 0:
+            time.sleep(timeout * 0.75 if rank == 1 else timeout * 1.5)
+        try:
+            channel.all_gather(b"x")
+            return rank, time.monotonic() - start, "no error"
+        except CommunicationError as exc:
+            return rank, time.monotonic() - start, str(exc)
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_ends_at_its_deadline_when_one_peer_came_late():
+    timeout = 4.0
+    rank, took, error = get_pool(3).run(one_late_peer_one_missing, timeout)[0]
+    assert "no message from rank(s) [2] within the timeout of 4s" in error, error
+    assert timeout - 0.1 < took < timeout + 2 * _inbox.RECV_SLACK + 1.0, took  # before: 7 s (3 + a whole 4)
+
+
 def skips_a_collective_at_three() -> Any:
     """At W=3 (the path that reads several peers at once): rank 1 sends collective #2 where #1 was due; rank 0
     raises at once instead of waiting out the timeout."""
