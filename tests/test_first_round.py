@@ -212,22 +212,32 @@ def _rss_kib() -> int:
 
 
 def many_small_calls(count: int) -> Dict[str, int]:
+    """``count`` small calls on each rank: all_gather, broadcast and a send/recv round trip, in turn."""
     comm = objcomm.Communicator(local=True)
     rank = dist.get_rank()
-    for i in range(1000):  # warm: allocator, caches
-        comm.all_gather(i)
-        comm.broadcast(i if rank == 0 else None)
-    fds, rss = _open_fds(), _rss_kib()
-    for i in range(count // 2):
+
+    def four(i: int) -> None:
         assert comm.all_gather(i)[0] == i
         assert comm.broadcast(i if rank == 0 else None) == i
-    return {"fds": _open_fds() - fds, "rss_kib": _rss_kib() - rss, "used": int(_channel() is not None)}
+        if rank == 0:
+            comm.send(i, 1)
+            assert comm.recv(1) == -i
+        else:
+            comm.send(-comm.recv(0), 0)
+
+    for i in range(1000):  # warm: allocator, caches
+        four(i)
+    fds, rss = _open_fds(), _rss_kib()
+    for i in range(count // 4):
+        four(i)
+    return {"fds": _open_fds() - fds, "rss_kib": _rss_kib() - rss, "used": int(_channel() is not None),
+            "p2p": int(_channel().p2p)}
 
 
-@pytest.mark.timeout(300)
-def test_ten_thousand_small_calls_leave_nothing_behind():
-    for grown in get_pool(2).run(many_small_calls, 10_000):
-        assert grown["used"] == 1
+@pytest.mark.timeout(400)
+def test_a_hundred_thousand_small_calls_leave_nothing_behind():
+    for grown in get_pool(2).run(many_small_calls, 100_000):
+        assert grown["used"] == grown["p2p"] == 1  # every call through the channel, send/recv too
         assert grown["fds"] == 0, grown
         assert grown["rss_kib"] < 4096, grown  # flat: well under 1 byte per call kept
 
