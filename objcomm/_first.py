@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import struct
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _local, _state
 from ._device import group_timeout
@@ -203,6 +205,18 @@ class SameHostSlots:
             return NOT_USED
         return self._voting(wire, channel, lambda ready: channel.all_to_all(slots, ready, self.spin), op)
 
+    def gather_words(self, wire: Wire, words: Sequence[int], op: str) -> Union[List[List[int]], NotUsed]:
+        channel = self.channel(wire, op)
+        if channel is None:
+            return NOT_USED
+        packing = _words(len(words))
+        got = channel.all_gather(packing.pack(*words), False, self.spin)
+        for r, data in enumerate(got):
+            if len(data) != packing.size:
+                channel.fail(op, f"rank {r} sent {len(data)} bytes of control words where {packing.size} were due "
+                                 "(the ranks are at different calls, or a protocol error)")
+        return [list(packing.unpack(data)) for data in got]
+
     def _voting(self, wire: Wire, channel: _local.LocalChannel, exchange: Callable[[bool], Sequence[Slot]],
                 op: str) -> Sequence[Slot]:
         """``exchange(ready)``, an all_gather or all_to_all carrying this rank's send/recv vote until
@@ -253,6 +267,11 @@ def same_host(separate: bool, spin_us: Optional[int]) -> SameHostSlots:
     if found is None:
         found = _STRATEGIES.setdefault((separate, spin_us), SameHostSlots(separate, spin_us))
     return found
+
+
+@functools.lru_cache(maxsize=16)
+def _words(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}q")
 
 
 def _seconds(timeout: Any) -> float:

@@ -45,7 +45,7 @@ from typing import Any, Callable, Deque, Dict, List, NoReturn, Optional, Sequenc
 
 from ._errors import CommunicationError
 
-HEADER = struct.Struct("<BBxxIi")  # kind, flags, collective sequence number, tag
+HEADER = struct.Struct("<BB2xIi")  # kind, flags, collective sequence number, tag
 ALL_GATHER, BROADCAST, SCATTER, ALL_TO_ALL, P2P = 1, 2, 3, 4, 5
 NAMES = {ALL_GATHER: "all_gather", BROADCAST: "broadcast", SCATTER: "scatter", ALL_TO_ALL: "all_to_all", P2P: "send"}
 READY = 1  # flag of a collective message: its sender had no send/recv in flight (see objcomm._first)

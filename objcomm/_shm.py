@@ -1,4 +1,5 @@
-"""Same-host fast path: the second round's bytes through POSIX shared memory, the control on the group.
+"""Same-host fast path: the second round's bytes through POSIX shared memory, the control words through
+the group's same-host channel (:mod:`objcomm._local`) or, without one, the group.
 
 When every rank a call involves runs on one host (see :mod:`objcomm._hosts`) and the bytes of the
 second round (frames that overflow their slot, plus out-of-band CPU tensors) reach ``threshold``,
@@ -106,7 +107,11 @@ class SharedMemory:
 
     # -- control ---------------------------------------------------------------------------------
     def _gather_rows(self, wire: Wire, row: List[int], op: str) -> List[List[int]]:
-        """Every rank's ``row`` (equal lengths), in rank order."""
+        """Every rank's ``row`` (equal lengths), in rank order: through the same-host channel when the group
+        has one (see :meth:`objcomm._wire.FirstRound.gather_words`), else through the group."""
+        rows = wire.first_round.gather_words(wire, row, op)
+        if rows is not NOT_USED:
+            return rows
         every = torch.empty(wire.size * len(row), dtype=torch.int64)
         mine = torch.tensor(row, dtype=torch.int64)
         guarded(op, wire, all_gather_single, every, mine, group=wire.group)
@@ -122,6 +127,9 @@ class SharedMemory:
 
     def _any(self, wire: Wire, values: List[int], op: str) -> List[int]:
         """The largest of each of ``values`` any rank gave."""
+        rows = wire.first_round.gather_words(wire, values, op)
+        if rows is not NOT_USED:
+            return [max(column) for column in zip(*rows)]
         largest = torch.tensor(values, dtype=torch.int64)
         guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
         return largest.tolist()

@@ -129,6 +129,10 @@ class FirstRound(Protocol):
 
     def all_to_all(self, wire: Wire, slots: Sequence[Slot], op: str) -> Union[Sequence[Slot], NotUsed]: ...
 
+    def gather_words(self, wire: Wire, words: Sequence[int], op: str) -> Union[List[List[int]], NotUsed]:
+        """Every rank's ``words`` (int64s, as many on every rank), in group-rank order: the small control
+        collectives of a call's later rounds (see :mod:`objcomm._shm`)."""
+
     def p2p(self, wire: Wire, op: str) -> ContextManager[Optional[Route]]:
         """The route of one send or recv's slot, held for the whole call (round 2 included): entering it
         gives a :class:`Route`, or None when the group moves the slot. Sender and receiver get the same."""
@@ -153,7 +157,7 @@ class _Backend:
     def all_gather(self, *args: Any) -> NotUsed:
         return NOT_USED
 
-    broadcast = scatter = all_to_all = all_gather
+    broadcast = scatter = all_to_all = gather_words = all_gather
 
     def p2p(self, wire: Wire, op: str) -> ContextManager[Optional[Route]]:
         return _THROUGH_GROUP

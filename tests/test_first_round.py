@@ -77,9 +77,12 @@ def test_every_collective_the_same_with_the_channel_on_and_off(world, slot_bytes
     off = pool.run(every_collective, False, slot_bytes)
     assert [r["results"] for r in on] == [r["results"] for r in off]
     assert all(r["used"] == (world > 1) for r in on)
-    if world > 1:  # every slot exchange went through the channel: 5 payloads x ops, the reductions' last step
-        roots = len({0, world - 1})
-        assert [r["seq"] for r in on] == [5 * (2 + 3 * roots) + 2] * world
+    if world > 1:  # every slot exchange went through the channel: 5 payloads x ops, the reductions' last step,
+        # and the shared-memory announcement of each scatter with a second round (only its root knows the sizes,
+        # so every rank asks; nobody writes below the threshold): per root, each payload that overflows its slot
+        # (the long string; in 128 bytes, the dict and the tensor too)
+        roots, overflowing = len({0, world - 1}), {4096: 1, 128: 3}[slot_bytes]
+        assert [r["seq"] for r in on] == [5 * (2 + 3 * roots) + 2 + overflowing * roots] * world
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -200,6 +203,27 @@ def test_the_spin_setting_reaches_every_wait(spin_us):
     spin = None if spin_us is None else spin_us * 1e-6
     assert seen == [[spin, [0, 1, 2], "b", "from 1", True], [spin, [0, 1, 2], "b", "from 0", True],
                     [spin, [0, 1, 2], "b", True]]
+
+
+def control_words(mismatch: bool) -> Any:
+    from objcomm import _first
+
+    comm = objcomm.Communicator()
+    wire = comm._call({}).wire
+    assert isinstance(wire.first_round, _first.SameHostSlots)
+    rank = dist.get_rank()
+    words = [rank, -rank, 1 << 62] if not (mismatch and rank == 1) else [rank, 0]
+    try:
+        return wire.first_round.gather_words(wire, words, "control")
+    except objcomm.CommunicationError as exc:
+        return str(exc)
+
+
+def test_control_words_through_the_channel():
+    assert get_pool(3).run(control_words, False) == [[[r, -r, 1 << 62] for r in range(3)]] * 3
+    seen = get_pool(3).run(control_words, True)
+    assert "rank 1 sent 16 bytes of control words where 24 were due" in seen[0], seen
+    assert "rank 0 sent 24 bytes of control words where 16 were due" in seen[1], seen
 
 
 def _open_fds() -> int:

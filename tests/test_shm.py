@@ -14,10 +14,10 @@ import torch.distributed as dist
 from _ranks import RankDied, RankPool, get_pool
 
 import objcomm
-from objcomm import _segments, _shm, _slots, _transport
+from objcomm import _first, _segments, _shm, _slots, _state, _transport
 from objcomm._call import second_round_for as _second_round
 from objcomm._transport import Outgoing
-from objcomm._wire import DIRECT
+from objcomm._wire import BACKEND, DIRECT
 
 SLOT = 128
 CAPACITY = SLOT - _slots.PREFIX.size
@@ -47,13 +47,15 @@ def _logged(fn: Any, *args: Any) -> tuple[Any, List[str]]:
 
 
 def _wire(directory: str, separate: bool, group: Any = None, threshold: int = THRESHOLD,
-          strategy: type = _shm.SharedMemory, zero_copy: bool = False) -> _transport.Wire:
-    """A wire whose second round may take shared memory: files in ``directory`` unless ``zero_copy``."""
+          strategy: type = _shm.SharedMemory, zero_copy: bool = False, local: bool = False) -> _transport.Wire:
+    """A wire whose second round may take shared memory: files in ``directory`` unless ``zero_copy``; round 1
+    and the control words through the same-host channel when ``local``."""
     group = group if group is not None else dist.group.WORLD
     return _transport.Wire(
         group=group, ranks=dist.get_process_group_ranks(group), rank=dist.get_rank(group), device=torch.device("cpu"),
         slot=SLOT, chunk=1 << 20, max_bytes=1 << 30,
         second_round=strategy(threshold=threshold, directory=directory, separate=separate, zero_copy=zero_copy),
+        first_round=_first.same_host(separate, None) if local else BACKEND,
     )
 
 
@@ -87,15 +89,20 @@ def _moved(frame: int, tensors: List[int]) -> int:
     return (frame if frame > CAPACITY else 0) + sum(tensors)
 
 
-def every_op(directory: str, separate: bool, zero_copy: bool) -> Dict[str, List[bool]]:
-    """Each op at each shape; for each, did rank 0 take the normal transport (it logs why)?"""
+def every_op(directory: str, separate: bool, zero_copy: bool, local: bool = False) -> Dict[str, List[Any]]:
+    """Each op at each shape; for each, did rank 0 take the normal transport (it logs why)? With ``local``, also
+    how many channel collectives each all_gather took (round 1 and, through shared memory, its two control words)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    wire = _wire(directory, separate, zero_copy=zero_copy)
+    group = dist.new_group(list(range(world))) if local else None  # a channel of its own, opened here
+    wire = _wire(directory, separate, group=group, zero_copy=zero_copy, local=local)
     sizes = lambda view: tensors  # noqa: E731 - every rank sends the same shape
-    fell_back: Dict[str, List[bool]] = {op: [] for op in ("all_gather", "gather", "broadcast", "scatter", "send/recv")}
+    fell_back: Dict[str, List[Any]] = {op: [] for op in ("all_gather", "gather", "broadcast", "scatter", "send/recv")}
+    fell_back["channel collectives"] = []
     for frame, tensors in SHAPES:
+        before = _channel_seq(wire)
         got, lines = _logged(_transport.all_gather, wire, _payload(rank, frame, tensors), sizes)
         fell_back["all_gather"].append(any("normal transport" in line for line in lines))
+        fell_back["channel collectives"].append(_channel_seq(wire) - before)
         for r in range(world):
             _check(got[r], r, frame, tensors)
 
@@ -126,15 +133,26 @@ def every_op(directory: str, separate: bool, zero_copy: bool) -> Dict[str, List[
     return fell_back
 
 
+def _channel_seq(wire: _transport.Wire) -> int:
+    """How many collectives the group's same-host channel has carried (0: it has none)."""
+    state = _state.group_facts(wire.group).local.get(False)
+    return state.channel._seq if state is not None and state.channel is not None else 0
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("separate", [False, True], ids=["same-host", "separate-hosts"])
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["files", "sealed"])
-def test_every_op_both_paths_at_the_threshold(world, separate, zero_copy, shm_dir):
-    results = get_pool(world).run(every_op, shm_dir, separate, zero_copy)
+@pytest.mark.parametrize("local", [False, True], ids=["group", "channel"])
+def test_every_op_both_paths_at_the_threshold(world, separate, zero_copy, local, shm_dir):
+    results = get_pool(world).run(every_op, shm_dir, separate, zero_copy, local)
     expected = [separate or _moved(frame, tensors) < THRESHOLD for frame, tensors in SHAPES]
+    counts = results[0].pop("channel collectives")
     for op, fell_back in results[0].items():
         assert fell_back == expected, op
+    # Through the channel: round 1, then, through shared memory, the announcement and the outcome (the set-up
+    # of the first call goes through the group). Never when the ranks are "elsewhere", nor with it off.
+    assert counts == ([0] * len(SHAPES) if separate or not local else [1 if normal else 3 for normal in expected])
     assert os.listdir(shm_dir) == []
 
 

@@ -335,6 +335,8 @@ MUST_STATE = {
     "objcomm._hosts._WORDS", "objcomm._segments.PREFIX", "objcomm._call.MAX_TAG", "objcomm._reduce.REDUCE_TAG",
     *(f"objcomm._shm.{n}" for n in ("_P2P", "_READ", "_FELL_BACK", "_REFUSED", "_SENT", "_OTHER_HOST", "_RESEND",
                                    "_REFUSED_P2P")),
+    *(f"objcomm._inbox.{n}" for n in ("ALL_GATHER", "BROADCAST", "SCATTER", "ALL_TO_ALL", "P2P", "READY")),
+    "objcomm._local.MAX_PAYLOAD", "objcomm._local._WORDS",
 }
 
 
@@ -355,7 +357,7 @@ def test_the_page_lists_every_compression_code_and_msgpack_extension():
     assert exts == documented_in_module == set(range(1, 14))
 
 
-_TYPES = {"u8": "B", "u32": "I", "u64": "Q", "i64": "q"}
+_TYPES = {"u8": "B", "u32": "I", "i32": "i", "u64": "Q", "i64": "q"}
 
 
 def _format(kind: str) -> str:
@@ -382,7 +384,7 @@ def test_byte_layouts_on_the_page_are_the_structs():
         assert "<" + "".join(formats) == layout.format and at == layout.size == int(found[2])
         checked.add(found[1])
     assert checked == {"objcomm._framing.HEADER", "objcomm._tensors.ENTRY", "objcomm._tensors.DIM",
-                       "objcomm._slots.PREFIX", "objcomm._slots.COUNT"}
+                       "objcomm._slots.PREFIX", "objcomm._slots.COUNT", "objcomm._inbox.HEADER"}
     assert _framing.HEADER.size == 40
 
 
