@@ -271,7 +271,8 @@ def decode(
     try:
         restore = None
         if entries:  # the inline tensor data follows the payload
-            restore = restorer(entries, view[start + header.payload_len :], incoming.tensors, device, own=own)
+            restore = restorer(entries, view[start + header.payload_len :], incoming.tensors, device, own=own,
+                               copy_out=incoming.copy_out)
         if restore is not None and not serializer.supports_external:
             raise DecodeError(f"{header.serializer!r} cannot take tensors out of band, yet the frame carries some")
         return serializer.loads(payload, restore=restore)

@@ -4,8 +4,11 @@ The writer puts its frame (unless round 1 carried it) and its out-of-band tensor
 memory file (``memfd_create``), then seals it against writes, shrinking and growing
 (``F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW``, and ``F_SEAL_SEAL``). It announces the descriptor
 number; readers on the same host and in the same pid namespace open ``/proc/<writer pid>/fd/<fd>``
-and map the file privately (``MAP_PRIVATE``, readable and writable): the tensors, numpy arrays and
-the frame they get are views on that mapping, with no copy.
+and map the file privately (``MAP_PRIVATE``, readable and writable): the tensors and numpy arrays
+they get are views on that mapping, with no copy. A ``bytes`` or ``bytearray`` result must own its
+memory, so it is copied, with ``pread`` from the file (:class:`Buffers`): copied from the mapping,
+the pages it reads would count in the reader's resident set on top of the copy. A small frame is
+read the same way; a large one is mapped on its own.
 
 Why this is safe where a mapping of a ``/dev/shm`` file is not (:mod:`objcomm._segments` copies
 those): the seals are checked by the reader before mapping, and once set they cannot be removed, so
@@ -18,7 +21,8 @@ pages), or one whose size is not exactly what its frame lays out (checked before
 
 Lifetime: the writer closes its descriptor at the end of the call; the memory lives on while any
 reader still holds a view of it, and is freed when the last one goes (the views keep the mapping
-alive). Nothing is ever left in a file system, whatever happens to the processes.
+alive; a reader's :class:`Buffers` keeps its descriptor until what it received is dropped, after
+decoding). Nothing is ever left in a file system, whatever happens to the processes.
 
 Layout: the frame at offset 0 (``length`` bytes, when not inline), then each non-empty tensor at
 the next multiple of 64 bytes (:func:`layout`), so views of any dtype are aligned.
@@ -33,16 +37,19 @@ import functools
 import mmap
 import os
 import stat
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ._errors import FrameError
-from ._wire import Incoming
+from ._wire import Incoming, SizesOf
 
 ALIGN = 64
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY  # of a regular file (see _open_regular)
+MAX_READ = 0x7FFFF000  # the most one read(2) moves on Linux (MAX_RW_COUNT)
+READ_FRAME = 1 << 20  # frames up to this size are read, not mapped (see _frame)
 TMPFS_MAGIC = 0x01021994  # statfs f_type of shared memory (memfd, /dev/shm); hugetlbfs and others are refused
 
 
@@ -146,33 +153,100 @@ def map_sealed(
     What the announced descriptor names is first opened ``O_PATH`` (no driver is opened: a terminal
     cannot become this process's controlling terminal) and must be a regular file before it is
     opened for reading, through that pinned descriptor. Nothing is mapped before the file's size is
-    known to be exactly what the frame lays out; the frame is parsed from a mapping of its own bytes."""
+    known to be exactly what the frame lays out (the frame itself is read, or mapped on its own when
+    large). The descriptor stays open in the result's :class:`Buffers`: ``bytes`` values are read from
+    it, never through the mapping."""
     fd = _open_regular(where)
     try:
-        held = _check_sealed(fd, where).st_size
-        position = 0 if inline is not None else length
-        if held < size or position > size or (inline is None and not length):
-            raise FrameError(f"sealed segment {where.path} holds {held:,} bytes for the {size:,} (frame: "
-                             f"{length:,}) the sender announced; refused")
-        if inline is None:
-            prefix = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
-            sizes = sizes_of(memoryview(prefix))
-            del prefix  # unmapped when the last view of it goes (sizes_of keeps none)
-        else:
-            sizes = sizes_of(inline)
-        if sum(sizes) != size - position:
-            raise FrameError(f"sealed segment {where.path}: its frame announces {sum(sizes):,} bytes of tensors, "
-                             f"the sender announced {size - position:,}; refused")
-        offsets, end = layout(position, sizes)
-        if end != held:
-            raise FrameError(f"sealed segment {where.path} holds {held:,} bytes, its layout needs {end:,}; refused")
-        mapping = mmap.mmap(fd, held, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if held else None
-    finally:
+        incoming = _map_checked(fd, where, size, inline, length, sizes_of)
+    except BaseException:
         os.close(fd)
-    frame = inline if inline is not None else memoryview(mapping)[:length]  # type: ignore[arg-type]
+        raise
+    if incoming.copy_out is None:  # nothing out of band: no descriptor to keep
+        os.close(fd)
+    return incoming
+
+
+def _map_checked(
+    fd: int, where: Sealed, size: int, inline: Optional[memoryview], length: int, sizes_of: SizesOf,
+) -> Incoming:
+    """:func:`map_sealed` on the opened descriptor, which the result's :class:`Buffers` keeps (when any)."""
+    held = _check_sealed(fd, where).st_size
+    position = 0 if inline is not None else length
+    if held < size or position > size or (inline is None and not length):
+        raise FrameError(f"sealed segment {where.path} holds {held:,} bytes for the {size:,} (frame: "
+                         f"{length:,}) the sender announced; refused")
+    frame = inline if inline is not None else _frame(fd, where, length)
+    sizes = sizes_of(frame)
+    if sum(sizes) != size - position:
+        raise FrameError(f"sealed segment {where.path}: its frame announces {sum(sizes):,} bytes of tensors, "
+                         f"the sender announced {size - position:,}; refused")
+    offsets, end = layout(position, sizes)
+    if end != held:
+        raise FrameError(f"sealed segment {where.path} holds {held:,} bytes, its layout needs {end:,}; refused")
+    if not any(sizes):
+        return Incoming(frame, [torch.empty(0, dtype=torch.uint8) for _ in sizes])
+    # tensors and arrays are views on a mapping of the whole file (its frame pages stay untouched there)
+    mapping = _private(fd, held)
     tensors = [torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=o) if n  # type: ignore[arg-type]
                else torch.empty(0, dtype=torch.uint8) for o, n in zip(offsets, sizes)]
-    return Incoming(frame, tensors)
+    return Incoming(frame, tensors, copy_out=Buffers(fd, where, offsets, sizes))  # the last step: it owns fd now
+
+
+def _frame(fd: int, where: Sealed, length: int) -> memoryview:
+    """The frame at the start of the file: read when small (a mapping costs more, and holds a descriptor
+    of its own: ``mmap`` keeps a duplicate), else a view on a mapping of its own bytes alone (which a
+    ``bytes`` value after it never enters beyond the frame's last page)."""
+    if length <= READ_FRAME:
+        return memoryview(read_at(fd, where, length, 0, bytearray))
+    return memoryview(_private(fd, length))
+
+
+def _private(fd: int, length: int) -> mmap.mmap:
+    """The first ``length`` bytes of ``fd``, mapped privately (copy on write: writes stay in this process)."""
+    return mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def read_at(fd: int, where: Sealed, size: int, offset: int, kind: type) -> Union[bytes, bytearray]:
+    """``size`` bytes of ``fd`` from ``offset``, as a new ``kind`` (``bytes``: one copy, straight from the
+    file, up to :data:`MAX_READ`); every byte or ``FrameError`` (the seals forbid shrinking: only a
+    lying file reads short)."""
+    if kind is bytes and size <= MAX_READ:
+        data = os.pread(fd, size, offset)
+        _whole(len(data), size, offset, where)
+        return data
+    out = bytearray(size)  # a read(2) moves at most MAX_READ bytes: larger ones in pieces (bytes: then a copy)
+    view = memoryview(out)
+    for start in range(0, size, MAX_READ):
+        piece = view[start : start + MAX_READ]
+        _whole(os.preadv(fd, [piece], offset + start), piece.nbytes, offset + start, where)
+    return out if kind is bytearray else bytes(out)
+
+
+def _whole(got: int, wanted: int, offset: int, where: Sealed) -> None:
+    if got != wanted:
+        raise FrameError(f"sealed segment {where.path}: {got:,} of the {wanted:,} bytes at offset {offset:,} "
+                         "could be read; refused")
+
+
+class Buffers:
+    """The out-of-band buffers of a mapped sealed segment, copied out with ``pread`` on request
+    (:attr:`objcomm._wire.Incoming.copy_out`).
+
+    A ``bytes`` result must own its memory: copied from the mapping, the pages it reads would also
+    count in this process's resident set for as long as the mapping lives (twice the value's size);
+    read from the file, they are never mapped. Reads use the descriptor :func:`map_sealed` checked, at
+    the offsets and sizes of the layout it checked, and must return every byte (else ``FrameError``).
+    The descriptor is closed when this object goes (the ``Incoming`` holding it)."""
+
+    def __init__(self, fd: int, where: Sealed, offsets: Sequence[int], sizes: Sequence[int]) -> None:
+        self.fd, self.where, self.spans = fd, where, list(zip(offsets, sizes))
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def __call__(self, index: int, kind: type) -> Union[bytes, bytearray]:
+        """Buffer ``index`` as a new ``kind`` (``bytes`` or ``bytearray``)."""
+        offset, size = self.spans[index]
+        return read_at(self.fd, self.where, size, offset, kind)
 
 
 def _open_regular(where: Sealed) -> int:

@@ -24,7 +24,7 @@ import functools
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -210,11 +210,13 @@ def _dtype_of(code: int) -> Tuple[torch.dtype, int]:
 
 def restorer(
     entries: Sequence[Entry], inline: memoryview, oob: Sequence[torch.Tensor], device: torch.device,
-    own: bool = False,
+    own: bool = False, copy_out: Optional[Callable[[int, type], Any]] = None,
 ) -> Any:
     """The ``restore`` hook for serializers: key -> tensor on ``device``.
 
     ``own``: the out-of-band buffers alias the caller's input (a root's own tensors), so copy them.
+    ``copy_out``: builds out-of-band ``bytes``/``bytearray`` values from where they lie instead of from
+    their tensor (:attr:`objcomm._wire.Incoming.copy_out`).
     """
     out_of_band = [e for e in entries if not e.inline]
     if len(out_of_band) != len(oob) or any(e.nbytes != t.numel() for e, t in zip(out_of_band, oob)):
@@ -243,8 +245,10 @@ def restorer(
             raw = oob[entry.offset]
             raw = raw.clone() if own and not entry.flags & (BYTES | BYTEARRAY) else raw  # those are copied below
         if entry.flags & (BYTES | BYTEARRAY):
-            arrived = raw.cpu().numpy().data  # one copy into the bytes object (which owns its memory)
-            return bytes(arrived) if entry.flags & BYTES else bytearray(arrived)
+            kind = bytes if entry.flags & BYTES else bytearray
+            if copy_out is not None and not entry.inline:  # never through the tensor's pages (a mapping)
+                return copy_out(entry.offset, kind)
+            return kind(raw.cpu().numpy().data)  # one copy into the bytes object (which owns its memory)
         if entry.flags & NUMPY:  # a view on what arrived, on the CPU wherever tensors go
             return raw.cpu().view(entry.dtype).reshape(entry.shape).numpy()
         tensor = raw.view(entry.dtype).reshape(entry.shape).to(device)

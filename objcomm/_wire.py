@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # a type only: slots are read in objcomm._slots, which import
 
 SLOT_PREFIX_BYTES = 24  # frame length word, sender's max_bytes, sender's total (see objcomm._slots)
 SizesOf = Callable[[memoryview], List[int]]  # tensor byte sizes announced in a frame
+CopyOut = Callable[[int, type], Union[bytes, bytearray]]  # (out-of-band index, bytes or bytearray) -> a new one
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -259,11 +260,17 @@ class Outgoing:
 
 @dataclass
 class Incoming:
-    """What arrived from one rank: its frame (CPU) and its tensors (on the wire's device)."""
+    """What arrived from one rank: its frame (CPU) and its tensors (on the wire's device).
+
+    ``copy_out``, where set, builds out-of-band buffer ``i`` as a new ``bytes`` or ``bytearray`` straight
+    from where it lies (a sealed segment: ``pread``), so that a result that must own its memory is copied
+    once without faulting the pages of a view on top of the copy (see :class:`objcomm._sealed.Buffers`).
+    """
 
     frame: memoryview
     tensors: List[torch.Tensor] = field(default_factory=list)
     error: bool = False  # the frame is an error report
+    copy_out: Optional[CopyOut] = None
 
 
 def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:

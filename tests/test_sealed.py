@@ -20,7 +20,7 @@ from _ranks import get_pool
 
 import objcomm
 import serializers
-from objcomm import _sealed, _segments, _state
+from objcomm import _framing, _sealed, _segments, _state
 from objcomm._sealed import Sealed
 
 THRESHOLD = 4096
@@ -48,7 +48,8 @@ def _outcome(fn: Any) -> Tuple[str, str]:
 
 
 # -- in one process ------------------------------------------------------------------------------
-def round_trip() -> Dict[str, Any]:
+def round_trip(read_frame: int) -> Dict[str, Any]:
+    _sealed.READ_FRAME = read_frame  # 0: the frame is mapped (as a large one is), else read
     segment = _sealed.write_sealed("objcomm-test", memoryview(FRAME), _pieces())
     where = Sealed(os.getpid(), segment.fd)
     got = _sealed.map_sealed(where, _size(), None, len(FRAME), _sizes)
@@ -69,8 +70,9 @@ def round_trip() -> Dict[str, Any]:
     return report
 
 
-def test_round_trip_is_aligned_private_and_immutable_for_the_writer():
-    report = run_in_child(round_trip, memory_budget=256 << 20)
+@pytest.mark.parametrize("read_frame", [0, _sealed.READ_FRAME])
+def test_round_trip_is_aligned_private_and_immutable_for_the_writer(read_frame):
+    report = run_in_child(round_trip, read_frame, memory_budget=256 << 20)
     assert report == {"frame": True, "tensors": True, "aligned": True, "seals": True, "private": True,
                       "writer write": "PermissionError", "writer truncate": "PermissionError",
                       "after release": True}
@@ -170,6 +172,75 @@ def test_hostile_descriptors_are_refused_or_fall_back(tmp_path):
     assert all("sealed segment" in message and "refused" in message for message in refused.values())
     # what cannot be opened is not an attack the reader can tell from a gone writer: the call falls back
     assert {outcomes[k][0] for k in ("no such descriptor", "no such process")} == {"Unopenable"}, outcomes
+
+
+def _memfd_rss_kib() -> int:
+    """Resident KiB of this process's mappings of objcomm's sealed files (from the page tables: exact)."""
+    total, ours = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:  # a mapping's header line
+                ours = "memfd:objcomm" in line
+            elif ours and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def bytes_received(kind_name: str) -> Dict[str, Any]:
+    """A large ``bytes``/``bytearray`` through a sealed segment, decoded as a receiver does."""
+    n = 8 << 20
+    value = {"bytes": bytes, "bytearray": bytearray}[kind_name](bytes(range(256)) * (n // 256))
+    out = _framing.encode(value, serializers.registry.guarded("pickle"), max_bytes=1 << 30)
+    segment = _sealed.write_sealed("objcomm-test", out.parts, [t.numpy().data for t in out.tensors])
+    got = _sealed.map_sealed(Sealed(os.getpid(), segment.fd), out.total, None, out.frame_nbytes,
+                             _framing.tensor_sizes)
+    segment.release()
+    back = _framing.decode(got, sender=0, accept=None)
+    report = {"type": type(back).__name__, "equal": back == value, "mapped KiB": _memfd_rss_kib(),
+              "open while held": _open_sealed()}
+    del got
+    gc.collect()
+    report["open after"] = _open_sealed()
+    return report
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bytearray"])
+def test_bytes_from_a_sealed_segment_are_read_not_mapped(kind):
+    """Its pages never enter the reader's mappings (the copy is read from the file), whose descriptor the
+    received buffers hold until they go."""
+    report = run_in_child(bytes_received, kind, memory_budget=256 << 20)
+    assert report.pop("mapped KiB") < 1024, report  # 8 MiB when copied from the mapping; the frame's page here
+    assert report.pop("open while held") >= 1  # the reader's descriptor (the writer's is closed)
+    assert report == {"type": kind, "equal": True, "open after": 0}
+
+
+def _read(buffers: _sealed.Buffers, index: int, kind: type) -> Tuple[str, str]:
+    try:
+        got = buffers(index, kind)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return type(got).__name__, bytes(got).hex()
+
+
+def short_reads() -> Dict[Tuple[str, int], Tuple[str, str]]:
+    """:class:`Buffers` over a sealed file of 100 bytes, given a layout that claims 164: each buffer read."""
+    fd = _memfd(bytes(range(100)), _sealed.SEALS)
+    buffers = _sealed.Buffers(fd, Sealed(os.getpid(), fd), [0, 64, 0], [100, 100, 0])
+    found = {(kind.__name__, index): _read(buffers, index, kind) for kind in (bytes, bytearray) for index in range(3)}
+    _sealed.MAX_READ = 32  # beyond one read(2): read in pieces, each of which must be whole
+    found.update({("pieces", index): _read(buffers, index, bytes) for index in range(2)})
+    return found
+
+
+def test_a_read_past_what_a_sealed_file_holds_is_refused():
+    found = run_in_child(short_reads)
+    whole = bytes(range(100)).hex()
+    assert {key: kind for key, (kind, _) in found.items() if kind == "FrameError"} == {
+        ("bytes", 1): "FrameError", ("bytearray", 1): "FrameError", ("pieces", 1): "FrameError"}, found
+    assert all("bytes at offset" in text and "could be read; refused" in text
+               for kind, text in found.values() if kind == "FrameError"), found
+    assert [found[key] for key in [("bytes", 0), ("bytearray", 0), ("pieces", 0), ("bytes", 2), ("bytearray", 2)]] == [
+        ("bytes", whole), ("bytearray", whole), ("bytes", whole), ("bytes", ""), ("bytearray", "")]
 
 
 # -- on a group ------------------------------------------------------------------------------------
