@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Collection, List, Mapping, Optional, Sequence
+import weakref
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -11,6 +12,7 @@ from serializers import SerializerLike, registry
 
 from . import _framing, _reduce, _requests, _state, _transport
 from ._call import (
+    WIRES_KEPT,
     Call,
     Device,
     encode_each,
@@ -25,6 +27,14 @@ from ._requests import Request
 from ._segments import SegmentBook
 from ._settings import CallOptions, call_kwargs, given, resolve
 from ._transport import Outgoing
+
+_DISTRIBUTED = dist.is_available()
+_new = tuple.__new__
+
+
+def _no_group() -> None:
+    """What :meth:`Communicator._remember` holds for "no group", called like a weak reference."""
+    return None
 
 
 class Communicator:
@@ -95,26 +105,59 @@ class Communicator:
         # Tests only: True treats every rank as on its own host; None follows OBJCOMM_FORCE_SEPARATE_HOSTS.
         self._separate_hosts: Optional[bool] = None
         self._segments: SegmentBook = _state.SEGMENTS  # tests only: their own, to watch or tamper with segments
+        self._calls: Dict[int, tuple] = {}  # id(options) -> what _call() worked out for them (see _remember)
 
     def __repr__(self) -> str:
         return f"Communicator(group={self.group!r}, serializer={self.serializer!r}, device={self.device!r})"
 
     # -- resolution ----------------------------------------------------------------------------
     def _call(self, kwargs: Mapping[str, Any]) -> Call:
-        """Resolve one call from its per-call keyword arguments (see :func:`objcomm._settings.resolve`)."""
+        """Resolve one call from its per-call keyword arguments (see :func:`objcomm._settings.resolve`).
+
+        What follows from the options (the serializer object, the wire less its group) is kept per options
+        object, as long as the registry, the group, the device and the segment book are the ones it was
+        worked out for; the group is held weakly, so that the default group can go when it is destroyed.
+        """
         layer = self._given if self._separate_hosts is None else {**self._given, "separate_hosts": self._separate_hosts}
         options = resolve(kwargs, layer)
-        return Call(options, registry.guarded(options.serializer), self._wire(options))
+        group = self._group()
+        found = self._calls.get(id(options))
+        if (found is None or found[0] is not options or found[1] != registry.version or found[2]() is not group
+                or found[3] is not self.device or found[4] is not self._segments):
+            found = self._remember(options, group)
+        # tuple.__new__: the named tuples' own __new__ is a Python function, one more call on every call
+        wire = None if group is None else _new(_transport.Wire, (group, *found[6]))
+        return _new(Call, (options, found[5], wire))
 
-    def _wire(self, options: CallOptions) -> Optional[_transport.Wire]:
-        if not (dist.is_available() and dist.is_initialized()):
+    def _remember(self, options: CallOptions, group: Any) -> tuple:
+        """What :meth:`_call` keeps for ``options`` on ``group`` (kept only where the group is weakly referable)."""
+        serializer, wire = registry.guarded(options.serializer), self._wire(options)
+        try:
+            held = _no_group if group is None else weakref.ref(group)
+        except TypeError:
+            held = None
+        found = (options, registry.version, held, self.device, self._segments, serializer,
+                 None if wire is None else tuple(wire)[1:])
+        if held is not None:
+            if len(self._calls) >= WIRES_KEPT:
+                self._calls.clear()
+            self._calls[id(options)] = found
+        return found
+
+    def _group(self) -> Any:
+        """The group this communicator's calls use; None when torch.distributed is not initialised."""
+        world = dist.group.WORLD if _DISTRIBUTED else None  # None: not initialised (dist.is_initialized())
+        if world is None:
             if self.group is not None:
                 raise ObjcommError(
                     "a group was given but torch.distributed is not initialised; call init_process_group()"
                 )
             return None
-        group = self.group if self.group is not None else dist.group.WORLD
-        return wire_for(group, self.device, options, self._segments)
+        return self.group if self.group is not None else world
+
+    def _wire(self, options: CallOptions) -> Optional[_transport.Wire]:
+        group = self._group()
+        return None if group is None else wire_for(group, self.device, options, self._segments)
 
     @staticmethod
     def _group_rank(wire: _transport.Wire, global_rank: Any, what: str) -> int:
@@ -179,7 +222,8 @@ class Communicator:
         root = self._group_rank(call.wire, src, "src")
         out, local = call.encode(obj) if call.wire.rank == root else (None, None)
         item = _transport.broadcast(call.wire, out, _framing.tensor_sizes, root)
-        call.raise_failures("broadcast", only(root, item, call.wire.size), local)
+        if item.error:  # the root's error report (its own encode failure among them)
+            call.raise_failures("broadcast", only(root, item, call.wire.size), local)
         return call.decode(item, root, own=call.wire.rank == root)
 
     def scatter(
@@ -335,6 +379,7 @@ class Communicator:
     def _on(self, group: Any) -> Communicator:
         other = copy.copy(self)
         other.group = group
+        other._calls = {}
         return other
 
     @staticmethod

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Collection, List, NamedTuple, Optional, Sequence
+from typing import Any, Collection, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -53,6 +53,7 @@ HEADER = struct.Struct("<4sBBBBIIQQQ")
 FLAG_ERROR = 1
 MAX_ERROR_REPORT = 1 << 20
 NO_COMPRESSION = _compression.NONE
+_new = tuple.__new__
 
 
 class Header(NamedTuple):
@@ -84,7 +85,7 @@ def frame_length(name_len: int, table_len: int, payload_len: int, inline_len: in
 
 def _assemble(name: str, payload: Any, **fields: Any) -> memoryview:
     """The frame of :func:`_frame_parts` as one buffer."""
-    return memoryview(bytearray().join(_frame_parts(name, payload, **fields)))
+    return memoryview(bytearray().join(_frame_parts(name, payload, **fields)[0]))
 
 
 def _frame_parts(
@@ -98,9 +99,9 @@ def _frame_parts(
     n_tensors: int = 0,
     inline: Sequence[torch.Tensor] = (),
     version: int = 1,
-) -> List[Any]:
-    """Header, name, tensor table, payload and inline tensors: a frame's parts, in order, not joined
-    (:class:`~objcomm._wire.Outgoing` joins them only where one buffer is needed)."""
+) -> Tuple[List[Any], int]:
+    """``(parts, length)``: header, name, tensor table, payload and inline tensors, a frame's parts in order,
+    not joined (:class:`~objcomm._wire.Outgoing` joins them only where one buffer is needed), and their bytes."""
     name_bytes = name.encode("ascii")
     body = payload if type(payload) is memoryview and payload.format == "B" and payload.ndim == 1 else (
         memoryview(payload).cast("B"))
@@ -121,7 +122,7 @@ def _frame_parts(
         body.nbytes if raw_len is None else raw_len,
         inline_len,
     )
-    return parts
+    return parts, HEADER.size + len(name_bytes) + len(table) + body.nbytes + inline_len
 
 
 def encode(
@@ -143,17 +144,17 @@ def encode(
     payload = serializer.dumps(obj, lift=lifter)
     packed = lifter.pack(inline_tensor_bytes) if lifter.tensors else None
     raw = memoryview(payload).cast("B")
-    code, stored = _compression.compress(compression, raw)
+    code, stored = (NO_COMPRESSION, raw) if compression is None else _compression.compress(compression, raw)
     if packed is not None:
         table, inline, oob = packed
         version = 2 if any(lifter.kinds) else 1  # a version 1 reader would take numpy or bytes for tensors
-        parts = _frame_parts(
+        parts, length = _frame_parts(
             serializer.name, stored, compression=code, raw_len=raw.nbytes, table=table, n_tensors=len(lifter.tensors),
             inline=inline, version=version,
         )
     else:  # the common small case: no tensor table, nothing out of band
-        parts, oob = _frame_parts(serializer.name, stored, compression=code, raw_len=raw.nbytes), []
-    out = Outgoing(parts=parts, tensors=oob)
+        (parts, length), oob = _frame_parts(serializer.name, stored, compression=code, raw_len=raw.nbytes), []
+    out = Outgoing(parts=parts, tensors=oob, nbytes=length)
     if out.total > max_bytes:
         raise too_large(f"the encoded object is {out.total:,} bytes, above max_bytes={max_bytes:,}",
                         outcome="nothing was sent", where="on this rank")
@@ -199,7 +200,8 @@ def parse_header(view: memoryview) -> Header:
     except UnicodeDecodeError:
         name_bytes = bytes(view[HEADER.size : HEADER.size + name_len])
         raise FrameError(f"frame names a serializer that is not ASCII: {name_bytes!r}") from None
-    return Header(version, flags, compression, name, table_len, n_tensors, payload_len, raw_len, inline_len)
+    # tuple.__new__: Header's own __new__ is a Python function, one more call on every decode
+    return _new(Header, (version, flags, compression, name, table_len, n_tensors, payload_len, raw_len, inline_len))
 
 
 def read_error(view: memoryview, header: Header) -> tuple[str, str]:
@@ -250,7 +252,7 @@ def decode(
     """
     view = incoming.frame
     header = parse_header(view)
-    if header.is_error:
+    if header.flags & FLAG_ERROR:  # header.is_error, without a call
         raise FrameError(f"rank {sender} sent an error report where data was expected")
     if accept is not None and header.serializer not in accept:
         raise ContentRefusedError(
@@ -264,7 +266,7 @@ def decode(
             f"rank {sender} sent a frame encoded with {header.serializer!r}, but {exc}"
         ) from None
     entries = _table(view, header) if header.n_tensors else []
-    start = header.payload_offset
+    start = HEADER.size + len(header.serializer) + header.table_len  # header.payload_offset, without a call
     payload = view[start : start + header.payload_len]
     if header.compression != NO_COMPRESSION:
         payload = memoryview(_compression.decompress(header.compression, payload, header.raw_len, max_bytes))

@@ -107,6 +107,16 @@ def complete(info: Any) -> bool:
     return info.inline is not None and info.total == info.length
 
 
+def round_one_ends(infos: Sequence[Any]) -> bool:
+    """Whether a collective ends after round 1: some sender reported an error, or every slot is :func:`complete`."""
+    ends = True
+    for info in infos:  # a loop, not any() and all(): no generator on the path of every small call
+        if info.error:
+            return True
+        ends = ends and info.inline is not None and info.total == info.length
+    return ends
+
+
 def slot_problem_of(info: Any) -> Optional[str]:
     return slot_problem(info.length, info.total, info.error, info.inline is not None, info.sizes)
 
@@ -114,6 +124,8 @@ def slot_problem_of(info: Any) -> Optional[str]:
 def plan(info: Any, sizes_of: SizesOf) -> tuple[Optional[List[int]], Optional[str]]:
     """``(sizes, problem)`` from round 1 alone: the tensor sizes that follow (None: only the frame can tell)
     and what disagrees among slot, frame and table. Every rank holding the slot gets the same answer."""
+    if info.inline is not None and info.total == info.length and not info.sizes:
+        return info.sizes, None  # complete, nothing listed: slot_problem() finds nothing in such a slot
     problem = slot_problem_of(info)
     if problem or info.error or info.inline is None or (complete(info) and not info.sizes):
         return info.sizes, problem

@@ -23,6 +23,7 @@ ERROR_BIT = 1 << 63  # the frame is an error report
 ROUND2_BIT = 1 << 62  # scatter: some rank's part needs a second round
 LISTED_BIT = 1 << 61  # tensor sizes follow the inline frame
 LENGTH_MASK = LISTED_BIT - 1
+_new = tuple.__new__
 
 
 class SlotInfo(NamedTuple):
@@ -55,7 +56,7 @@ def outgoing_second_round_bytes(out: Outgoing, capacity: int) -> int:
 def fill_slot(slot: memoryview, out: Outgoing, limit: int, round2: bool = False) -> None:
     """Write the slot describing ``out`` (``limit``: the sender's ``max_bytes``) into ``slot``, zeroed."""
     length = out.frame_nbytes
-    sizes = [t.numel() for t in out.tensors]
+    sizes = [t.numel() for t in out.tensors] if out.tensors else []
     inline = length <= slot.nbytes - PREFIX.size
     at = PREFIX.size + (length if inline else 0)  # list the tensor sizes here, so a receiver knows every transfer
     listed = bool(sizes or not inline) and at + COUNT.size + 8 * len(sizes) <= slot.nbytes
@@ -81,7 +82,8 @@ def read_slot(view: memoryview) -> SlotInfo:
         count = COUNT.unpack_from(view, at)[0]
         if count != SIZES_UNLISTED and at + COUNT.size + 8 * count <= view.nbytes:
             sizes = list(struct.unpack_from(f"<{count}Q", view, at + COUNT.size))
-    return SlotInfo(length, bool(word & ERROR_BIT), bool(word & ROUND2_BIT), limit, total, inline, sizes)
+    # tuple.__new__: SlotInfo's own __new__ is a Python function, one more call per slot read
+    return _new(SlotInfo, (length, bool(word & ERROR_BIT), bool(word & ROUND2_BIT), limit, total, inline, sizes))
 
 
 def read_slots(host: memoryview, count: int, slot: int) -> List[SlotInfo]:

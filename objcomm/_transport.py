@@ -66,7 +66,8 @@ def _slot(wire: Wire, out: Outgoing) -> bytearray:
 
 
 def _on_device(wire: Wire, raw: bytearray) -> torch.Tensor:
-    return to_device(torch.frombuffer(raw, dtype=torch.uint8), wire)
+    tensor = torch.frombuffer(raw, dtype=torch.uint8)  # on the CPU
+    return tensor if wire.device.type == "cpu" else tensor.to(wire.device)
 
 
 def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
@@ -102,9 +103,7 @@ def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gath
     """Every rank's frame and tensors, on every rank. ``None`` marks frames not moved after an error."""
     infos = _exchange_slots(wire, out, op)
     plans = _limits.plans(infos, sizes_of, op)
-    if any(info.error for info in infos):
-        return _round_one(infos)
-    if all(_limits.complete(info) for info in infos):  # the common small case: one collective, done
+    if _limits.round_one_ends(infos):  # after an error, or in the common small case: one collective, done
         return _round_one(infos)
     _limits.check_limits(infos, range(wire.size), op)
     taken = wire.second_round.all_gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), op)

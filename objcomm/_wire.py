@@ -203,6 +203,9 @@ class Wire(NamedTuple):
         return 2 * self.tag + 1
 
 
+JOIN_BELOW = 1 << 16  # frames up to this many bytes are joined to be copied (Outgoing.copy_frame_into)
+
+
 class Outgoing:
     """What one rank sends: a frame (host memory) and flat uint8 tensors (on any device).
 
@@ -215,14 +218,16 @@ class Outgoing:
     __slots__ = ("parts", "tensors", "error", "frame_nbytes", "_frame")
 
     def __init__(self, frame: Any = None, tensors: Sequence[torch.Tensor] = (), error: bool = False, *,
-                 parts: Sequence[Any] = ()) -> None:
+                 parts: Sequence[Any] = (), nbytes: Optional[int] = None) -> None:
         if frame is not None:
             frame = memoryview(frame)
             parts = (frame,)
+            nbytes = frame.nbytes
         self.parts: Sequence[Any] = parts
         self.tensors = tensors
         self.error = error
-        self.frame_nbytes = sum(memoryview(p).nbytes for p in parts)
+        # nbytes: the parts' length when the caller knows it (the encoder does), so they need not be measured
+        self.frame_nbytes = sum(memoryview(p).nbytes for p in parts) if nbytes is None else nbytes
         self._frame: Optional[memoryview] = frame
 
     @property
@@ -236,6 +241,8 @@ class Outgoing:
 
     @property
     def total(self) -> int:
+        if not self.tensors:  # the common small case, without summing nothing
+            return self.frame_nbytes
         return self.frame_nbytes + sum(t.numel() for t in self.tensors)
 
     def complete(self, wire: Wire) -> bool:
@@ -247,7 +254,11 @@ class Outgoing:
         return torch.frombuffer(self.frame, dtype=torch.uint8)
 
     def copy_frame_into(self, view: memoryview) -> None:
-        """Write the frame's bytes at the start of ``view`` (its parts one after another, not joined first)."""
+        """Write the frame's bytes at the start of ``view``: a small frame joined first (one C call, not a
+        loop over its parts), a large one part after part (never a second copy of all of it in memory)."""
+        if self._frame is not None or self.frame_nbytes <= JOIN_BELOW:
+            view[: self.frame_nbytes] = self._frame if self._frame is not None else b"".join(self.parts)
+            return
         at = 0
         for part in self.parts:
             n = memoryview(part).nbytes

@@ -11,7 +11,7 @@ import io
 import pickle
 from typing import Any
 
-from ._errors import DecodeError, EncodeError, decoding
+from ._errors import DecodeError, EncodeError, ObjcommError, decode_error
 from ._path import describe, locate
 from ._protocol import Buffer, Lift, Restore, Serializer
 
@@ -92,10 +92,14 @@ class PickleSerializer(Serializer):
         return pickle.loads(data)
 
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
-        with decoding(self.name, data):
+        try:  # what ``with decoding(self.name, data)`` does, without a context manager's three calls per load
             if restore is None and type(self)._unpickler is PickleSerializer._unpickler:
                 return self._loads_plain(data)  # the C fast path: no hooks to install
             return self._unpickler(io.BytesIO(data), restore).load()
+        except ObjcommError:
+            raise
+        except Exception as exc:
+            raise decode_error(self.name, data, exc) from exc
 
     def _encode_error(self, obj: Any, exc: BaseException) -> EncodeError:
         def rejects(value: Any, is_key: bool) -> bool:

@@ -78,6 +78,7 @@ class SerializerRegistry:
         self._by_name: Dict[str, _Entry] = {}
         self._lock = threading.RLock()
         self._entry_points_loaded = False
+        self.version = 0  # counts changes, so that a caller may keep what guarded() returned until the next one
 
     def register(
         self,
@@ -110,6 +111,7 @@ class SerializerRegistry:
                 )
             if taken is None or taken.registered is not serializer:
                 self._by_name[serializer.name] = _Entry(serializer, _guard(serializer))
+                self.version += 1
         return serializer
 
     def unregister(self, name: str) -> None:
@@ -117,6 +119,7 @@ class SerializerRegistry:
         with self._lock:
             if self._by_name.pop(name, None) is None:
                 raise UnknownSerializerError(self._unknown_message(name))
+            self.version += 1
 
     def get(self, serializer: Optional[SerializerLike] = None, default: str = "pickle") -> SerializerProtocol:
         """The serializer for a name (or a serializer object, returned as is); ``None`` means ``default``."""
@@ -136,7 +139,8 @@ class SerializerRegistry:
         if serializer is None:
             serializer = default
         if isinstance(serializer, str):
-            return self._entry(serializer).guarded
+            found = self._by_name.get(serializer)  # the common case, without a call
+            return (found if found is not None else self._entry(serializer)).guarded
         _check_serializer(serializer)
         found = self._by_name.get(serializer.name)
         if found is not None and found.registered is serializer:

@@ -176,6 +176,17 @@ def test_a_repeated_call_is_checked_again(clean):
         _resolved(comm, serializer="memo-probe")
 
 
+def test_a_repeated_call_uses_the_serializer_registered_now(clean):
+    comm = objcomm.Communicator()  # it keeps each call's serializer object until the registry changes
+    serializers.register("memo-probe", dumps=lambda obj: b"1", loads=lambda data: bytes(data))
+    try:
+        assert [comm.broadcast("x", serializer="memo-probe") for _ in range(2)] == [b"1", b"1"]
+        serializers.register("memo-probe", dumps=lambda obj: b"2", loads=lambda data: bytes(data), replace=True)
+        assert comm.broadcast("x", serializer="memo-probe") == b"2"
+    finally:
+        serializers.unregister("memo-probe")
+
+
 def _configure_between_calls() -> list:
     """Calls on a live group before, during and after a configure() that makes them fail."""
     obj = "x" * 100
