@@ -159,7 +159,12 @@ class _Lanes:
         return None
 
 
-_LOCAL = threading.local()  # .inside: this thread runs a lane (its blocking calls are the requests)
+class _ThreadState(threading.local):
+    inside = False  # this thread runs a lane (its blocking calls are the requests); a class default: a missing
+    # attribute of a threading.local costs an AttributeError on every blocking send/recv
+
+
+_LOCAL = _ThreadState()
 _LANES_LOCK = threading.Lock()
 
 
@@ -249,7 +254,7 @@ def point_to_point(group: Any, direction: str, peer: Optional[int], tag: Any, fn
 
 def check_blocking(group: Any, direction: str, peer: Optional[int], tag: Any) -> None:
     """Raise if a blocking ``send``/``recv`` would race with an outstanding ``isend``/``irecv`` of this rank."""
-    if getattr(_LOCAL, "inside", False) or not _initialized():
+    if _LOCAL.inside or not _initialized():
         return
     facts = _state.group_facts(_resolved(group))
     if facts.requests is None:
