@@ -12,7 +12,10 @@ small machine mostly measures how far apart the ranks leave it):
 - ``send/recv``: a round trip of the same dict between ranks 0 and 1 (``send`` then ``recv`` on rank 0,
   the reverse on rank 1; the other ranks idle), through the channel (after an all_gather voted send/recv
   in) and through gloo;
-- ``raw gloo``: ``all_gather_single`` of one 4096-byte slot per rank, the baseline.
+- ``raw gloo``: ``all_gather_single`` of one 4096-byte slot per rank, the baseline;
+- ``bare channel``: the group's :class:`objcomm._local.LocalChannel` itself moving 4096 bytes (an all_gather,
+  a broadcast, a send/recv round trip), without objcomm's encode, slots, checks and decode: the floor the
+  channel sets, so that the rest of each call is objcomm's own Python.
 
 The machine is shared and small: compare ratios within one run.
 """
@@ -33,6 +36,7 @@ def measure(repeat: int, batch: int = 1) -> Dict[str, float]:
     import torch.distributed as dist
 
     import objcomm
+    from objcomm import _state
     from objcomm._bench._measure import interleaved
     from objcomm._wire import all_gather_single
 
@@ -41,6 +45,9 @@ def measure(repeat: int, batch: int = 1) -> Dict[str, float]:
     on, off = objcomm.Communicator(local=True), objcomm.Communicator(local=False)
     on.all_gather(None)  # opens the channel; nothing in flight, so send/recv go through it from now on
     send, recv = torch.zeros(SLOT, dtype=torch.uint8), torch.empty(world * SLOT, dtype=torch.uint8)
+    channel = _state.group_facts(dist.group.WORLD).local[False].channel
+    assert channel is not None, "the same-host channel did not open"
+    data = bytes(SLOT)
     candidates: Dict[str, Callable[[], Any]] = {
         "all_gather, channel": lambda: on.all_gather(OBJ),
         "all_gather, gloo": lambda: off.all_gather(OBJ),
@@ -49,6 +56,9 @@ def measure(repeat: int, batch: int = 1) -> Dict[str, float]:
         "send/recv round trip, channel": lambda: _round_trip(on),
         "send/recv round trip, gloo": lambda: _round_trip(off),
         "raw gloo all_gather (4096 B)": lambda: all_gather_single(recv, send),
+        "bare channel all_gather (4096 B)": lambda: channel.all_gather(data),
+        "bare channel broadcast (4096 B)": lambda: channel.broadcast(data, 0),
+        "bare channel send/recv round trip (4096 B)": lambda: _bare_round_trip(channel, data),
     }
     return {k: t.median_s for k, t in interleaved(candidates, repeat=repeat, warmup=20, batch=batch).items()}
 
@@ -62,6 +72,14 @@ def _round_trip(comm: Any) -> None:
         comm.recv(1)
     elif rank == 1:
         comm.send(comm.recv(0), 0)
+
+
+def _bare_round_trip(channel: Any, data: bytes) -> None:
+    if channel.rank == 0:
+        channel.send(data, 1)
+        channel.recv(1)
+    elif channel.rank == 1:
+        channel.send(channel.recv(0)[1], 0)
 
 
 def _task(plan: Tuple[int, int], send: Any) -> Dict[str, float]:
