@@ -156,21 +156,22 @@ def map_sealed(
     known to be exactly what the frame lays out (the frame itself is read, or mapped on its own when
     large). The descriptor stays open in the result's :class:`Buffers`: ``bytes`` values are read from
     it, never through the mapping."""
-    fd = _open_regular(where)
+    buffers = Buffers(_open_regular(where), where)  # the descriptor's one owner from here: closed once
     try:
-        incoming = _map_checked(fd, where, size, inline, length, sizes_of)
+        incoming = _map_checked(buffers, size, inline, length, sizes_of)
     except BaseException:
-        os.close(fd)
+        buffers.close()
         raise
     if incoming.copy_out is None:  # nothing out of band: no descriptor to keep
-        os.close(fd)
+        buffers.close()
     return incoming
 
 
 def _map_checked(
-    fd: int, where: Sealed, size: int, inline: Optional[memoryview], length: int, sizes_of: SizesOf,
+    buffers: Buffers, size: int, inline: Optional[memoryview], length: int, sizes_of: SizesOf,
 ) -> Incoming:
-    """:func:`map_sealed` on the opened descriptor, which the result's :class:`Buffers` keeps (when any)."""
+    """:func:`map_sealed` on the opened descriptor of ``buffers``, which the result keeps (when any)."""
+    fd, where = buffers.fd, buffers.where
     held = _check_sealed(fd, where).st_size
     position = 0 if inline is not None else length
     if held < size or position > size or (inline is None and not length):
@@ -190,7 +191,8 @@ def _map_checked(
     mapping = _private(fd, held)
     tensors = [torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=o) if n  # type: ignore[arg-type]
                else torch.empty(0, dtype=torch.uint8) for o, n in zip(offsets, sizes)]
-    return Incoming(frame, tensors, copy_out=Buffers(fd, where, offsets, sizes))  # the last step: it owns fd now
+    buffers.spans = list(zip(offsets, sizes))
+    return Incoming(frame, tensors, copy_out=buffers)
 
 
 def _frame(fd: int, where: Sealed, length: int) -> memoryview:
@@ -237,11 +239,13 @@ class Buffers:
     count in this process's resident set for as long as the mapping lives (twice the value's size);
     read from the file, they are never mapped. Reads use the descriptor :func:`map_sealed` checked, at
     the offsets and sizes of the layout it checked, and must return every byte (else ``FrameError``).
-    The descriptor is closed when this object goes (the ``Incoming`` holding it)."""
+    The descriptor is closed once: by :meth:`close`, or when this object goes (the ``Incoming`` holding
+    it), whichever comes first; an exception anywhere after the open cannot close it twice (a second
+    ``close`` of a number could close whatever reused it)."""
 
-    def __init__(self, fd: int, where: Sealed, offsets: Sequence[int], sizes: Sequence[int]) -> None:
-        self.fd, self.where, self.spans = fd, where, list(zip(offsets, sizes))
-        self._close = weakref.finalize(self, os.close, fd)
+    def __init__(self, fd: int, where: Sealed, spans: Sequence[Tuple[int, int]] = ()) -> None:
+        self.fd, self.where, self.spans = fd, where, list(spans)  # spans: (offset, size) of each buffer
+        self.close = weakref.finalize(self, os.close, fd)
 
     def __call__(self, index: int, kind: type) -> Union[bytes, bytearray]:
         """Buffer ``index`` as a new ``kind`` (``bytes`` or ``bytearray``)."""

@@ -189,11 +189,14 @@ class SharedMemory:
                 _state.group_facts(wire.group).unsealed.add((_COLLECTIVES, self.separate))
             if worst == _FELL_BACK:
                 return NOT_USED
-            if isinstance(failure, OSError):  # another rank refused, so nobody takes the normal transport
-                problem = f"{op} on rank {wire.rank} could not read shared memory: {failure}"
-                raise CommunicationError(problem) from failure
-            if failure is not None:
-                raise failure
+            try:
+                if isinstance(failure, OSError):  # another rank refused, so nobody takes the normal transport
+                    problem = f"{op} on rank {wire.rank} could not read shared memory: {failure}"
+                    raise CommunicationError(problem) from failure
+                if failure is not None:
+                    raise failure
+            finally:  # the error's traceback holds this frame: no cycle through it (a caller's gc.disable()
+                failure = None  # would otherwise keep each failed call's segments mapped until a collection)
             return result
         except BaseException:
             sweep(self.directory)  # a peer that died mid-call may have left its segments
@@ -382,14 +385,18 @@ def _read_every_rank(
     """Each rank's ``part``: a segment for those that wrote one, else what round 1 carried, and this rank's
     own. ``copy_own``: its own must not alias its input; when it wrote a sealed segment, that is its copy
     (mapped: no copy either)."""
-    incoming = []
-    for r, info in enumerate(infos):
-        if r == me and not (copy_own and moved[r] and isinstance(source_of(r, part), Sealed)):
-            incoming.append(_own(out, copy=copy_own))
-        elif moved[r]:
-            incoming.append(fetch(source_of(r, part), moved[r], info.inline, info.length, sizes_of))
-        else:
-            incoming.append(Incoming(info.inline))  # type: ignore[arg-type]
+    incoming: List[Incoming] = []
+    try:
+        for r, info in enumerate(infos):
+            if r == me and not (copy_own and moved[r] and isinstance(source_of(r, part), Sealed)):
+                incoming.append(_own(out, copy=copy_own))
+            elif moved[r]:
+                incoming.append(fetch(source_of(r, part), moved[r], info.inline, info.length, sizes_of))
+            else:
+                incoming.append(Incoming(info.inline))  # type: ignore[arg-type]
+    except BaseException:
+        incoming.clear()  # the traceback keeps this frame: what was mapped must not live as long as the error
+        raise
     return incoming
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import gc
 import os
+import socket
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -225,7 +226,7 @@ def _read(buffers: _sealed.Buffers, index: int, kind: type) -> Tuple[str, str]:
 def short_reads() -> Dict[Tuple[str, int], Tuple[str, str]]:
     """:class:`Buffers` over a sealed file of 100 bytes, given a layout that claims 164: each buffer read."""
     fd = _memfd(bytes(range(100)), _sealed.SEALS)
-    buffers = _sealed.Buffers(fd, Sealed(os.getpid(), fd), [0, 64, 0], [100, 100, 0])
+    buffers = _sealed.Buffers(fd, Sealed(os.getpid(), fd), [(0, 100), (64, 100), (0, 0)])
     found = {(kind.__name__, index): _read(buffers, index, kind) for kind in (bytes, bytearray) for index in range(3)}
     _sealed.MAX_READ = 32  # beyond one read(2): read in pieces, each of which must be whole
     found.update({("pieces", index): _read(buffers, index, bytes) for index in range(2)})
@@ -241,6 +242,40 @@ def test_a_read_past_what_a_sealed_file_holds_is_refused():
                for kind, text in found.values() if kind == "FrameError"), found
     assert [found[key] for key in [("bytes", 0), ("bytearray", 0), ("pieces", 0), ("bytes", 2), ("bytearray", 2)]] == [
         ("bytes", whole), ("bytearray", whole), ("bytes", whole), ("bytes", ""), ("bytearray", "")]
+
+
+def interrupted_after_the_open() -> Dict[str, Any]:
+    """map_sealed interrupted after it built the result (as a KeyboardInterrupt would): its descriptor is
+    closed once. Before, the error path closed it and the result's finalizer closed the same number again,
+    by then a socket opened meanwhile."""
+    frame = bytes(16)
+    fd = _memfd(frame + bytes(48) + bytes(range(64)), _sealed.SEALS)
+    real, seen = _sealed.Incoming, {}
+
+    def fails_once_built(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt("in the last step")
+
+    _sealed.Incoming = fails_once_built  # type: ignore[misc]
+    held: Optional[BaseException] = None
+    try:
+        _sealed.map_sealed(Sealed(os.getpid(), fd), 16 + 64, None, 16, lambda view: [64])
+    except KeyboardInterrupt as exc:
+        held = exc  # kept, with its traceback, as a caller's handler may
+    finally:
+        _sealed.Incoming = real  # type: ignore[misc]
+    bystander = socket.socketpair()  # takes the lowest free numbers, the one just closed among them
+    del held
+    gc.collect()  # whatever the failed call left behind goes now
+    try:
+        bystander[0].send(b"still open")
+        seen["bystander"] = bystander[1].recv(100).decode()
+    except OSError as exc:
+        seen["bystander"] = f"closed under it: {exc}"
+    return seen
+
+
+def test_a_descriptor_is_closed_once_when_a_map_is_interrupted():
+    assert run_in_child(interrupted_after_the_open) == {"bystander": "still open"}
 
 
 # -- on a group ------------------------------------------------------------------------------------
@@ -374,6 +409,52 @@ def lying_writer(how: str, directory: str) -> Dict[str, Any]:
     dist.destroy_process_group(group)
     return {"error": error, "first": first, "clean": bool(np.all(after["a"] == 2.0)), "files after": len(counted),
             "remembered": unsealed}
+
+
+def _memfds() -> int:
+    """This process's open descriptors that are memory files (sealed segments among them)."""
+    found = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            found += os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:")
+        except OSError:
+            pass
+    return found
+
+
+def refused_again_and_again(calls: int) -> Dict[str, Any]:
+    """Rank 1 announces an unsealed file in every all_gather; rank 0 refuses each, with the cyclic garbage
+    collector off (as some training loops run): what it mapped of its own segment must go with each error,
+    not wait for a collection (the re-raised error's traceback once closed a cycle through the call)."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    comm = objcomm.Communicator(group, shm_threshold=THRESHOLD)
+    if rank == 1:
+        comm._segments = _Lying("unsealed")
+    value = {"t": torch.zeros(1 << 17), "a": np.zeros(1 << 16)}  # out of band: views on the mapping
+    errors, grown = 0, []
+    gc.collect()
+    gc.disable()
+    try:
+        before = _memfds()
+        for _ in range(calls):
+            try:
+                comm.all_gather(value)
+            except objcomm.FrameError:
+                errors += 1
+            grown.append(_memfds() - before)
+    finally:
+        gc.enable()
+        comm._segments = _state.SEGMENTS
+    dist.barrier(group)
+    dist.destroy_process_group(group)
+    return {"errors": errors, "most memfds held after a call": max(grown)}
+
+
+@pytest.mark.timeout(90)
+def test_refused_segments_release_what_was_mapped_without_a_garbage_collection():
+    refuser, _ = get_pool(2).run(refused_again_and_again, 20)
+    assert refuser == {"errors": 20, "most memfds held after a call": 0}
 
 
 @pytest.mark.timeout(90)
