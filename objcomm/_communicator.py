@@ -131,12 +131,13 @@ class Communicator:
 
     def _remember(self, options: CallOptions, group: Any) -> tuple:
         """What :meth:`_call` keeps for ``options`` on ``group`` (kept only where the group is weakly referable)."""
+        version = registry.version  # before the lookup: a registration meanwhile then makes the entry stale
         serializer, wire = registry.guarded(options.serializer), self._wire(options)
         try:
             held = _no_group if group is None else weakref.ref(group)
         except TypeError:
             held = None
-        found = (options, registry.version, held, self.device, self._segments, serializer,
+        found = (options, version, held, self.device, self._segments, serializer,
                  None if wire is None else tuple(wire)[1:])
         if held is not None:
             if len(self._calls) >= WIRES_KEPT:

@@ -131,6 +131,7 @@ class SameHostSlots:
 
     @property
     def spin(self) -> Optional[float]:
+        """The spin in seconds, as the channel's operations take it (None: the channel's automatic one)."""
         return None if self.spin_us is None else self.spin_us * 1e-6
 
     def state(self, wire: Wire) -> Optional[SameHost]:
@@ -255,7 +256,6 @@ class SameHostSlots:
                 return _Via(channel, self.spin)
             state.in_flight += 1
             return _Counted(state)
-
 
 
 _STRATEGIES: Dict[Tuple[bool, Optional[int]], SameHostSlots] = {}

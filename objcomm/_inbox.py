@@ -419,6 +419,7 @@ class Inbox:
     def _who(self, peer: int) -> str:
         return f"rank {peer} (pid {self._pids[peer]})"
 
+
 def poll_briefly(poll: Any, until: float) -> bool:
     """Poll ``poll`` without sleeping until ``time.perf_counter()`` reaches ``until``; whether something arrived.
 

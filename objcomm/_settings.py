@@ -29,7 +29,8 @@ variable                          effect
                                   memory into private memory instead of mapping it, ``1``/... map it (default)
 ``OBJCOMM_LOCAL``                 ``local`` (same-host channel): ``0``/``false``/``no``/``off`` off, ``1``/... on
 ``OBJCOMM_LOCAL_SPIN_US``         ``local_spin_us``: microseconds a rank waiting on the channel polls before it
-                                  sleeps (a whole number; ``auto`` or unset: automatic)
+                                  sleeps (a whole number up to 1,000,000; ``auto`` or unset: automatic; anything
+                                  else raises when objcomm's settings are first used, naming the variable)
 ``OBJCOMM_FORCE_SEPARATE_HOSTS``  tests only: ``1`` treats every rank as on its own host (no shared memory,
                                   no same-host channel)
 ``LOCAL_RANK``                    set by torchrun; NCCL groups check the current CUDA device against it
@@ -87,8 +88,9 @@ class Settings:
     - ``local``: when every rank of a group runs on one host, the first round of collectives (the slots)
       moves through Unix-domain sockets between the processes instead of the backend, and so does that of
       send/recv once a collective has opened them (:mod:`objcomm._first`). On by default
-      (``OBJCOMM_LOCAL=0`` turns it off); NCCL groups too (their slots then never touch the GPU). It does not
-      yet carry the small control collectives of large calls. All ranks of a group must agree.
+      (``OBJCOMM_LOCAL=0`` turns it off); NCCL groups too (their slots then never touch the GPU), and the
+      control words of shared-memory collectives. It does not yet carry the transport's small votes nor the
+      answers of large send/recv. All ranks of a group must agree.
     - ``local_spin_us``: microseconds a rank waiting for a message of the same-host channel polls its sockets
       before it sleeps in the kernel (a sleeping rank's wake-up costs ~50 µs here; spinning, ~3 µs). ``None``
       (automatic): 100 when the host has a CPU for each rank of the group, else 0 (a spinning rank would take
@@ -241,8 +243,9 @@ def _microseconds(variable: str) -> Optional[int]:
     word = os.environ.get(variable, "").strip().lower()
     if word in ("", "auto"):
         return None
-    if not word.isdigit():
-        raise ValueError(f"{variable}={os.environ[variable]!r}: expected a whole number of microseconds or 'auto'")
+    if not word.isdigit() or int(word) > MAX_SPIN_US:
+        raise ValueError(f"{variable}={os.environ[variable]!r}: expected a whole number of microseconds from 0 to "
+                         f"{MAX_SPIN_US:,}, or 'auto'")
     return int(word)
 
 

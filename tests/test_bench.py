@@ -118,6 +118,21 @@ def test_interleaved_times_any_callable():
     assert set(results[0]) == {"raw", "objects"} and all(t.repeats == 4 for t in results[0].values())
 
 
+def batched(batch: int) -> list:
+    """Each sample of ``batch`` calls back to back, a round at least 10 ms x ``batch``; 0.3 s of budget."""
+    import time
+
+    calls = []
+    timed = interleaved({"sleep": lambda: (calls.append(1), time.sleep(0.01))}, repeat=100, warmup=1,
+                        budget_s=0.3, batch=batch)["sleep"]
+    return [timed.repeats, len(calls), timed.median_s >= 0.01]
+
+
+def test_interleaved_batches_calls_and_budgets_whole_rounds():
+    # 0.3 s at >= 0.1 s a round: the fewest rounds, 3 (the budget once counted one call a round: 30)
+    assert get_pool(1).run(batched, 10) == [[3, (1 + 3) * 10, True]]
+
+
 def send_recv_alone() -> str:
     try:
         compare_op("send/recv", _records)

@@ -187,6 +187,30 @@ def test_a_repeated_call_uses_the_serializer_registered_now(clean):
         serializers.unregister("memo-probe")
 
 
+def test_a_registration_during_a_lookup_is_not_hidden_by_the_memo(clean, monkeypatch):
+    """Another thread registers the name again while a call looks it up: the entry kept is stale, not the
+    old serializer filed under the new registry version (later calls would keep the old one)."""
+    from serializers import registry
+
+    comm = objcomm.Communicator()
+    serializers.register("memo-race", dumps=lambda obj: b"1", loads=lambda data: bytes(data))
+    real = registry.guarded
+
+    def then_another_thread_registers(name: Any) -> Any:
+        found = real(name)
+        if name == "memo-race":
+            monkeypatch.setattr(registry, "guarded", real)  # once
+            serializers.register("memo-race", dumps=lambda obj: b"2", loads=lambda data: bytes(data), replace=True)
+        return found
+
+    monkeypatch.setattr(registry, "guarded", then_another_thread_registers)
+    try:
+        assert comm.broadcast("x", serializer="memo-race") == b"1"  # looked up before the registration
+        assert [comm.broadcast("x", serializer="memo-race") for _ in range(2)] == [b"2", b"2"]
+    finally:
+        serializers.unregister("memo-race")
+
+
 def _configure_between_calls() -> list:
     """Calls on a live group before, during and after a configure() that makes them fail."""
     obj = "x" * 100
@@ -240,6 +264,9 @@ def test_the_environment_is_read_at_import():
 def test_a_bad_spin_in_the_environment_says_which_variable(clean):
     clean.setenv("OBJCOMM_LOCAL_SPIN_US", "fast")
     with pytest.raises(ValueError, match=r"OBJCOMM_LOCAL_SPIN_US='fast': expected a whole number of microseconds"):
+        objcomm.configure()
+    clean.setenv("OBJCOMM_LOCAL_SPIN_US", "2000000")
+    with pytest.raises(ValueError, match=r"OBJCOMM_LOCAL_SPIN_US='2000000': expected .* from 0 to 1,000,000"):
         objcomm.configure()
     clean.setenv("OBJCOMM_LOCAL_SPIN_US", "auto")
     objcomm.configure()

@@ -103,7 +103,7 @@ def interleaved(
     for index in range(warmup):
         warm = _round(candidates, names, index, group, batch)
     if budget_s is not None and warmup:
-        slowest = reduce_max(torch.tensor([sum(warm)], dtype=torch.float64), group)[0]
+        slowest = reduce_max(torch.tensor([sum(warm) * batch], dtype=torch.float64), group)[0]  # warm: per call
         repeat = min(repeat, max(MIN_REPEAT, math.ceil(budget_s / max(slowest, 1e-9))))
     rows = [_round(candidates, names, index, group, batch) for index in range(repeat)]
     slowest_rows = reduce_max(torch.tensor(rows, dtype=torch.float64), group)
