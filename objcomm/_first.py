@@ -42,7 +42,6 @@ together.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import struct
 import threading
@@ -51,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _local, _state
-from ._device import group_timeout
+from ._device import timeout_seconds
 from ._errors import CommunicationError
 from ._wire import NOT_USED, NotUsed, Slot, Wire
 
@@ -169,7 +168,7 @@ class SameHostSlots:
         history = (0, 0) if channel is None else (channel.generation, channel.failed_at or 0)
         ready = state.begin_vote(wire.group)
         try:
-            channel = _local.LocalChannel.open(wire, timeout=_seconds(group_timeout(wire.group)),
+            channel = _local.LocalChannel.open(wire, timeout=timeout_seconds(wire.group),
                                                separate=self.separate, op=f"{op} (opening the same-host channel)",
                                                ready=ready, history=history)
         except _local.OutOfStep as exc:
@@ -241,7 +240,7 @@ class SameHostSlots:
         if channel is not None and channel.p2p and not channel.closed:
             return _Via(channel, self.spin)
         with state.cond:
-            timeout = _seconds(group_timeout(wire.group))
+            timeout = timeout_seconds(wire.group)
             if state.voting and not state.cond.wait_for(lambda: not state.voting, timeout):
                 raise CommunicationError(f"{op}: a collective on this group has decided for {timeout:.0f}s whether "
                                          "send/recv may use the same-host channel; it has not finished")
@@ -272,12 +271,6 @@ def same_host(separate: bool, spin_us: Optional[int]) -> SameHostSlots:
 @functools.lru_cache(maxsize=16)
 def _words(count: int) -> struct.Struct:
     return struct.Struct(f"<{count}q")
-
-
-def _seconds(timeout: Any) -> float:
-    if isinstance(timeout, datetime.timedelta):
-        return max(timeout.total_seconds(), 0.001)
-    return _local.DEFAULT_TIMEOUT
 
 
 def _checked(wire: Wire, channel: _local.LocalChannel, slots: Sequence[Slot], op: str) -> Sequence[Slot]:
