@@ -61,9 +61,9 @@ opened on the first collective of a group that may use it, with the group's time
 collective opens a new one when every rank failed at the same call (the set-up carries each rank's
 ``(generation, failure point)``; ranks that disagree are out of step, and raise from then on).
 Async collectives run on the shadow group, which gets a channel of its own.
-The shared-memory control words of large collectives go through it too
-(:meth:`objcomm._first.SameHostSlots.gather_words`). Still open: the transport's small votes (one
-int per rank), the answers and second rounds of send/recv, reusing :mod:`objcomm._hosts` instead of the channel's own
+The small words of large collectives go through it too: the receivers' votes and the shared-memory
+control words (:meth:`objcomm._first.SameHostSlots.gather_words`, :func:`objcomm._wire.largest_of`).
+Still open: the answers and second rounds of send/recv, reusing :mod:`objcomm._hosts` instead of the channel's own
 discovery; and the channel's own cost: its bookkeeping (header, stash, checks) doubles the bare
 mesh's time.
 """

@@ -89,8 +89,8 @@ class Settings:
       moves through Unix-domain sockets between the processes instead of the backend, and so does that of
       send/recv once a collective has opened them (:mod:`objcomm._first`). On by default
       (``OBJCOMM_LOCAL=0`` turns it off); NCCL groups too (their slots then never touch the GPU), and the
-      control words of shared-memory collectives. It does not yet carry the transport's small votes nor the
-      answers of large send/recv. All ranks of a group must agree.
+      small votes and control words of large collectives. It does not yet carry the answers of large
+      send/recv. All ranks of a group must agree.
     - ``local_spin_us``: microseconds a rank waiting for a message of the same-host channel polls its sockets
       before it sleeps in the kernel (a sleeping rank's wake-up costs ~50 µs here; spinning, ~3 µs). ``None``
       (automatic): 100 when the host has a CPU for each rank of the group, else 0 (a spinning rank would take

@@ -52,7 +52,7 @@ from ._sealed import Sealed, SealedSegment, Unopenable, map_sealed
 from ._segments import DEFAULT_DIRECTORY, SegmentBook, _me, _name, _Segment, _this_host, _Writer, read_segment, sweep
 from ._settings import DEFAULT_SHM_THRESHOLD
 from ._slots import SlotInfo, outgoing_second_round_bytes
-from ._wire import NOT_USED, Incoming, NotUsed, Outgoing, SizesOf, Wire, all_gather_single, guarded
+from ._wire import NOT_USED, Incoming, NotUsed, Outgoing, SizesOf, Wire, all_gather_single, guarded, largest_of
 
 log = logging.getLogger("objcomm")
 
@@ -127,12 +127,7 @@ class SharedMemory:
 
     def _any(self, wire: Wire, values: List[int], op: str) -> List[int]:
         """The largest of each of ``values`` any rank gave."""
-        rows = wire.first_round.gather_words(wire, values, op)
-        if rows is not NOT_USED:
-            return [max(column) for column in zip(*rows)]
-        largest = torch.tensor(values, dtype=torch.int64)
-        guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
-        return largest.tolist()
+        return largest_of(wire, values, op)
 
     def _collective(self, wire: Wire, hosts: _hosts.Hosts, parts: Dict[int, Part], read: Callable[[SourceOf], T],
                     op: str) -> Union[T, NotUsed]:

@@ -53,7 +53,7 @@ from ._bytes import (
 )
 from ._errors import FrameError
 from ._slots import SlotInfo, fill_slot, outgoing_second_round_bytes, read_slot, read_slots
-from ._wire import NOT_USED, Incoming, Outgoing, Route, SizesOf, Wire, all_gather_single, guarded
+from ._wire import NOT_USED, Incoming, Outgoing, Route, SizesOf, Wire, all_gather_single, guarded, largest_of
 
 SCRATCH = _limits.SCRATCH_BYTES
 REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
@@ -88,9 +88,7 @@ def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
 def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, problem: Optional[str] = None) -> None:
     """Raise the same error on every rank if any receiver refuses ``src``'s payload (``refuse``: this rank's
     REFUSE_* code, 0 to accept). One tiny all_reduce ahead of a second round that not every receiver may take."""
-    flag = torch.tensor([refuse], dtype=torch.int32, device=wire.device)
-    guarded(op, wire, dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=wire.group)
-    code = int(flag.item())
+    code, = largest_of(wire, [refuse], op, torch.int32)
     if code == REFUSE_MALFORMED:
         raise _limits.inconsistent(op, src, problem or "a receiving rank found the sizes in its slot inconsistent")
     if code:
@@ -410,9 +408,7 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
     over = [r for r, info in enumerate(infos) if r != wire.rank and info.total > wire.max_bytes]
     refuse = REFUSE_MALFORMED if problems else REFUSE_LIMIT if over else 0
     mine = [0 if r == wire.rank else outgoing_second_round_bytes(o, wire.inline_capacity) for r, o in enumerate(outs)]
-    votes = torch.tensor([refuse, max(mine)], dtype=torch.int64, device=wire.device)
-    guarded(op, wire, dist.all_reduce, votes, op=dist.ReduceOp.MAX, group=wire.group)
-    code, longest = votes.tolist()
+    code, longest = largest_of(wire, [refuse, max(mine)], op)
     if code == REFUSE_MALFORMED:
         raise _limits.inconsistent(op, *problems[0]) if problems else FrameError(
             f"{op}: a receiving rank found the sizes in its slots inconsistent; nothing more was transferred")

@@ -295,3 +295,14 @@ def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
             "the group's timeout (init_process_group(timeout=...)) bounds how long ranks wait"
         ) from exc
 
+
+def largest_of(wire: Wire, values: Sequence[int], op: str, dtype: torch.dtype = torch.int64) -> List[int]:
+    """The element-wise maximum of ``values`` over the ranks of ``wire``'s group (every rank calls it): through
+    the first-round strategy when it moves words (the same-host channel, as int64), else one
+    ``all_reduce(MAX)`` of ``dtype`` on the group. The small votes and outcomes ahead of a second round."""
+    rows = wire.first_round.gather_words(wire, values, op)
+    if rows is not NOT_USED:
+        return [max(column) for column in zip(*rows)]
+    largest = torch.tensor(list(values), dtype=dtype, device=wire.device)
+    guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
+    return largest.tolist()

@@ -78,11 +78,12 @@ def test_every_collective_the_same_with_the_channel_on_and_off(world, slot_bytes
     assert [r["results"] for r in on] == [r["results"] for r in off]
     assert all(r["used"] == (world > 1) for r in on)
     if world > 1:  # every slot exchange went through the channel: 5 payloads x ops, the reductions' last step,
-        # and the shared-memory announcement of each scatter with a second round (only its root knows the sizes,
-        # so every rank asks; nobody writes below the threshold): per root, each payload that overflows its slot
-        # (the long string; in 128 bytes, the dict and the tensor too)
+        # and, for each payload that overflows its slot (the long string; in 128 bytes, the dict and the tensor
+        # too), the small words ahead of a second round: each scatter's vote and its shared-memory announcement
+        # (only its root knows the sizes, so every rank asks; nobody writes below the threshold), per root, and
+        # all_to_all's vote
         roots, overflowing = len({0, world - 1}), {4096: 1, 128: 3}[slot_bytes]
-        assert [r["seq"] for r in on] == [5 * (2 + 3 * roots) + 2 + overflowing * roots] * world
+        assert [r["seq"] for r in on] == [5 * (2 + 3 * roots) + 2 + overflowing * (2 * roots + 1)] * world
 
 
 @pytest.mark.parametrize("world", [3, 4])
