@@ -1,6 +1,7 @@
 """Small objects with round 1 through the same-host channel (``local=True``) and through gloo (``local=False``).
 
     PYTHONPATH=. python benchmarks/bench_first_round.py [--world-sizes 2 4] [--repeat 40] [--batch 25]
+    PYTHONPATH=. python benchmarks/bench_first_round.py --above-round-one [--sizes 16K 256K 2M 16M]
 
 Candidates, on the same ranks, round-robin with a gloo barrier before every sample of ``--batch`` calls
 back to back (a sample is the slowest rank's time per call, a timing the median:
@@ -16,6 +17,11 @@ small machine mostly measures how far apart the ranks leave it):
 - ``bare channel``: the group's :class:`objcomm._local.LocalChannel` itself moving 4096 bytes (an all_gather,
   a broadcast, a send/recv round trip), without objcomm's encode, slots, checks and decode: the floor the
   channel sets, so that the rest of each call is objcomm's own Python.
+
+``--above-round-one``: objects whose frames overflow the slot (a ``bytes`` of each ``--sizes``, then a list
+of floats of about that size), all_gather and broadcast with ``local=True`` and ``local=False``, one call per
+sample (after a barrier): with the channel on, only round 1 and the small words before a second round change
+route, so the ratio shows whether anything above round 1 got slower.
 
 The machine is shared and small: compare ratios within one run.
 """
@@ -82,8 +88,50 @@ def _bare_round_trip(channel: Any, data: bytes) -> None:
         channel.send(channel.recv(0)[1], 0)
 
 
+def measure_above(repeat: int, sizes: List[int]) -> Dict[str, float]:
+    """all_gather/broadcast of objects past the slot, channel on and off (see the module docstring)."""
+    import torch
+
+    import objcomm
+    from objcomm._bench._measure import interleaved
+
+    torch.set_num_threads(1)
+    on, off = objcomm.Communicator(local=True), objcomm.Communicator(local=False)
+    on.all_gather(None)
+    off.all_gather(None)
+    medians: Dict[str, float] = {}
+    for size in sizes:
+        for kind, obj in (("bytes", bytes(size)), ("floats", [0.5] * (size // 9))):
+            candidates: Dict[str, Callable[[], Any]] = {}
+            for label, comm in (("channel", on), ("gloo", off)):
+                candidates[f"{kind} {size:,} B all_gather, {label}"] = lambda comm=comm, obj=obj: comm.all_gather(obj)
+                candidates[f"{kind} {size:,} B broadcast, {label}"] = lambda comm=comm, obj=obj: comm.broadcast(obj)
+            rounds = max(3, repeat if size < 1 << 20 else repeat // 4)
+            medians.update({k: t.median_s for k, t in interleaved(candidates, repeat=rounds, warmup=2).items()})
+    return medians
+
+
+def report_above(world: int, medians: Dict[str, float], repeat: int) -> str:
+    lines = [f"### Above round 1, W={world} ({os.cpu_count()} CPUs, up to {repeat} rounds, one call a sample)", "",
+             "| payload, op | channel (local=True) | gloo (local=False) | channel ÷ gloo |", "|---|---:|---:|---:|"]
+    for name, t in medians.items():
+        if name.endswith(", channel"):
+            gloo = medians[name.replace(", channel", ", gloo")]
+            lines.append(f"| {name[: -len(', channel')]} | {t * 1e3:.2f} ms | {gloo * 1e3:.2f} ms | {t / gloo:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def _task(plan: Tuple[int, int], send: Any) -> Dict[str, float]:
     return measure(*plan)
+
+
+def _task_above(plan: Tuple[int, List[int]], send: Any) -> Dict[str, float]:
+    return measure_above(*plan)
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
 
 
 def report(world: int, medians: Dict[str, float], repeat: int, batch: int) -> str:
@@ -104,13 +152,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--repeat", type=int, default=40)
     parser.add_argument("--batch", type=int, default=25, help="calls per sample, back to back after a barrier")
     parser.add_argument("--append", help="append the tables to this file")
+    parser.add_argument("--above-round-one", action="store_true", help="objects past the slot, channel on and off")
+    parser.add_argument("--sizes", nargs="+", default=["16K", "256K", "2M", "16M"], help="with --above-round-one")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from objcomm._launch import run_local
 
     for world in args.world_sizes:
-        medians = run_local(_task, (args.repeat, args.batch), world_size=world, timeout_s=1200)
-        text = report(world, medians, args.repeat, args.batch)
+        if args.above_round_one:
+            plan = (args.repeat, [_size(s) for s in args.sizes])
+            text = report_above(world, run_local(_task_above, plan, world_size=world, timeout_s=1200), args.repeat)
+        else:
+            medians = run_local(_task, (args.repeat, args.batch), world_size=world, timeout_s=1200)
+            text = report(world, medians, args.repeat, args.batch)
         print(text, flush=True)
         if args.append:
             with open(args.append, "a") as f:
