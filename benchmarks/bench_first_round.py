@@ -16,7 +16,9 @@ small machine mostly measures how far apart the ranks leave it):
 - ``raw gloo``: ``all_gather_single`` of one 4096-byte slot per rank, the baseline;
 - ``bare channel``: the group's :class:`objcomm._local.LocalChannel` itself moving 4096 bytes (an all_gather,
   a broadcast, a send/recv round trip), without objcomm's encode, slots, checks and decode: the floor the
-  channel sets, so that the rest of each call is objcomm's own Python.
+  channel sets, so that the rest of each call is objcomm's own Python; and ``framing + bare channel``: a
+  round trip of the dict as objcomm frames it (encode, slot; slot read, decode) over the bare channel, without
+  the Communicator's and the transport's layers: what the frame format itself costs.
 
 ``--above-round-one``: objects whose frames overflow the slot (a ``bytes`` of each ``--sizes``, then a list
 of floats of about that size), all_gather and broadcast with ``local=True`` and ``local=False``, one call per
@@ -65,6 +67,7 @@ def measure(repeat: int, batch: int = 1) -> Dict[str, float]:
         "bare channel all_gather (4096 B)": lambda: channel.all_gather(data),
         "bare channel broadcast (4096 B)": lambda: channel.broadcast(data, 0),
         "bare channel send/recv round trip (4096 B)": lambda: _bare_round_trip(channel, data),
+        "framing + bare channel, send/recv round trip": lambda: _framed_round_trip(on, channel),
     }
     return {k: t.median_s for k, t in interleaved(candidates, repeat=repeat, warmup=20, batch=batch).items()}
 
@@ -119,6 +122,27 @@ def report_above(world: int, medians: Dict[str, float], repeat: int) -> str:
             gloo = medians[name.replace(", channel", ", gloo")]
             lines.append(f"| {name[: -len(', channel')]} | {t * 1e3:.2f} ms | {gloo * 1e3:.2f} ms | {t / gloo:.2f}x |")
     return "\n".join(lines) + "\n"
+
+
+def _framed_round_trip(comm: Any, channel: Any) -> None:
+    """A round trip of ``OBJ`` as objcomm frames it (encode, slot; slot read, decode) over the bare channel,
+    without the Communicator's and transport's layers around it: what the frame format itself costs."""
+    from objcomm import _slots, _transport
+
+    call = comm._call({})
+
+    def there(dst: int) -> None:
+        channel.send(_transport._slot(call.wire, call.encode(OBJ)[0]), dst)
+
+    def back(src: int) -> Any:
+        return call.decode(_transport.Incoming(_slots.read_slot(memoryview(channel.recv(src)[1])).inline), src)
+
+    if channel.rank == 0:
+        there(1)
+        back(1)
+    elif channel.rank == 1:
+        back(0)
+        there(0)
 
 
 def _task(plan: Tuple[int, int], send: Any) -> Dict[str, float]:
