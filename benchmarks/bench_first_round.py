@@ -1,7 +1,7 @@
 """Small objects with round 1 through the same-host channel (``local=True``) and through gloo (``local=False``).
 
     PYTHONPATH=. python benchmarks/bench_first_round.py [--world-sizes 2 4] [--repeat 40] [--batch 25]
-    PYTHONPATH=. python benchmarks/bench_first_round.py --above-round-one [--sizes 16K 256K 2M 16M]
+    PYTHONPATH=. python benchmarks/bench_first_round.py --above-round-one [--sizes 16KB 256KB 2MB 16MB]
 
 Candidates, on the same ranks, round-robin with a gloo barrier before every sample of ``--batch`` calls
 back to back (a sample is the slowest rank's time per call, a timing the median:
@@ -153,11 +153,6 @@ def _task_above(plan: Tuple[int, List[int]], send: Any) -> Dict[str, float]:
     return measure_above(*plan)
 
 
-def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
-
-
 def report(world: int, medians: Dict[str, float], repeat: int, batch: int) -> str:
     gloo = medians["raw gloo all_gather (4096 B)"]
     lines = [f"### W={world} ({os.cpu_count()} CPUs, {repeat} rounds of {batch} calls back to back)", "",
@@ -177,14 +172,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--batch", type=int, default=25, help="calls per sample, back to back after a barrier")
     parser.add_argument("--append", help="append the tables to this file")
     parser.add_argument("--above-round-one", action="store_true", help="objects past the slot, channel on and off")
-    parser.add_argument("--sizes", nargs="+", default=["16K", "256K", "2M", "16M"], help="with --above-round-one")
+    parser.add_argument("--sizes", nargs="+", default=["16KB", "256KB", "2MB", "16MB"], help="with --above-round-one")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from objcomm._bench._payloads import parse_size
     from objcomm._launch import run_local
 
     for world in args.world_sizes:
         if args.above_round_one:
-            plan = (args.repeat, [_size(s) for s in args.sizes])
+            plan = (args.repeat, [parse_size(s) for s in args.sizes])
             text = report_above(world, run_local(_task_above, plan, world_size=world, timeout_s=1200), args.repeat)
         else:
             medians = run_local(_task, (args.repeat, args.batch), world_size=world, timeout_s=1200)

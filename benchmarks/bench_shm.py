@@ -2,10 +2,15 @@
 
     PYTHONPATH=. python benchmarks/bench_shm.py                 # world sizes 2 and 4
     PYTHONPATH=. python benchmarks/bench_shm.py --world-sizes 2 --scale 0.5
+    PYTHONPATH=. python benchmarks/bench_shm.py --lower-threshold 256KB # the default against a lower one
 
 Local gloo ranks; the candidates of a scenario run round-robin (interleaved), with a barrier before
 every call; a sample is the slowest rank's time. Reports medians and the ratios the targets are
 stated in: 64 MB shm <= 0.3x raw gloo, 1 MB shm no slower than normal, small payloads unaffected.
+
+``--lower-threshold``: all_gather and broadcast of ``bytes``, a list of floats and a dict with a tensor of
+256 KB to 3 MB (below the default ``shm_threshold``), with the default threshold and with the one given,
+round-robin (``objcomm._bench._measure.interleaved``): whether shared memory would pay from lower down.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from typing import Any, Callable, Dict, List
 import torch
 import torch.distributed as dist
 
+from objcomm._bench._payloads import parse_size
 from objcomm._launch import run_local
+from objcomm._settings import DEFAULT_SHM_THRESHOLD as DEFAULT_THRESHOLD
 
 MB = 1 << 20
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -72,6 +79,40 @@ def _task(scale: float, send: Any) -> Dict[str, Dict[str, float]]:
     return results
 
 
+SWEEP = (256 << 10, 1 << 20, 2 << 20, 3 << 20)
+
+
+def _threshold_task(lower: int, send: Any) -> Dict[str, float]:
+    """One rank: every size, kind and op with the default threshold and with ``lower``; slowest-rank medians."""
+    import objcomm
+    from objcomm._bench._measure import interleaved
+
+    torch.set_num_threads(1)
+    default, low = objcomm.Communicator(), objcomm.Communicator(shm_threshold=lower)
+    default.all_gather(None)
+    low.all_gather(None)
+    medians: Dict[str, float] = {}
+    for size in SWEEP:
+        for kind, obj in (("bytes", bytes(size)), ("floats", [0.5] * (size // 9)),
+                          ("tensor dict", {"t": torch.ones(size // 4)})):
+            candidates: Dict[str, Callable[[], Any]] = {}
+            for label, comm in (("default", default), ("lower", low)):
+                candidates[f"{kind} {size >> 10} KB all_gather|{label}"] = lambda c=comm, o=obj: c.all_gather(o)
+                candidates[f"{kind} {size >> 10} KB broadcast|{label}"] = lambda c=comm, o=obj: c.broadcast(o)
+            medians.update({k: t.median_s for k, t in interleaved(candidates, repeat=15, warmup=2).items()})
+    return medians
+
+
+def _threshold_markdown(world: int, lower: int, medians: Dict[str, float]) -> str:
+    lines = [f"### world size {world}: shm_threshold {DEFAULT_THRESHOLD >> 10:,} KB (default) and {lower >> 10:,} KB",
+             "", "| payload, op | default | lower | lower / default |", "|---|---:|---:|---:|"]
+    for name, t in medians.items():
+        if name.endswith("|default"):
+            low = medians[name.replace("|default", "|lower")]
+            lines.append(f"| {name[: -len('|default')]} | {t * 1e3:.2f} ms | {low * 1e3:.2f} ms | {low / t:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def run(world: int, scale: float) -> Dict[str, Dict[str, float]]:
     """Local gloo ranks from objcomm's launcher; rank 0's medians."""
     return run_local(_task, scale, world_size=world, timeout_s=1800)  # type: ignore[no-any-return]
@@ -95,10 +136,16 @@ def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the number of rounds")
+    parser.add_argument("--lower-threshold", help="compare the default shm_threshold with this one (e.g. 256KB)")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs; medians, slowest rank\n")
     for world in args.world_sizes:
-        print(_markdown(world, run(world, args.scale)), flush=True)
+        if args.lower_threshold:
+            lower = parse_size(args.lower_threshold)
+            medians = run_local(_threshold_task, lower, world_size=world, timeout_s=1800)
+            print(_threshold_markdown(world, lower, medians), flush=True)
+        else:
+            print(_markdown(world, run(world, args.scale)), flush=True)
     return 0
 
 

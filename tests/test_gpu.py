@@ -37,7 +37,7 @@ pytestmark = [
     pytest.mark.timeout(300),
 ]
 
-BIG = 2 << 20  # float32 elements: 8 MiB, out of band and above the 4 MiB shared-memory threshold
+BIG = 2 << 20  # float32 elements: 8 MiB, out of band and above the 2 MiB shared-memory threshold
 CHILD_TIMEOUT = 240.0  # a fresh process: import torch, start CUDA, start NCCL, then the checks
 SERIALIZERS = ["pickle", "msgpack"]  # json carries no tensors
 # Tiny slots and chunks: overflowing frames and tensors moved in 1 MiB pieces, on the wire's device.

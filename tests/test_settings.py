@@ -31,7 +31,7 @@ LAYERS = {
     "inline_tensor_bytes": (64 << 10, None, 0, 10, NOT_GIVEN),
     "compression": (None, None, "zstd", "lz4", "auto"),
     "shm": (True, ("OBJCOMM_SHM", "0", False), True, False, NOT_GIVEN),
-    "shm_threshold": (4 << 20, None, 1, 2, NOT_GIVEN),
+    "shm_threshold": (2 << 20, None, 1, 2, NOT_GIVEN),
     "shm_dir": (None, ("OBJCOMM_SHM_DIR", "/from-env", "/from-env"), "/configured", "/communicator", NOT_GIVEN),
     "shm_zero_copy": (True, ("OBJCOMM_SHM_ZERO_COPY", "0", False), True, False, NOT_GIVEN),
     "local": (True, ("OBJCOMM_LOCAL", "0", False), True, False, NOT_GIVEN),
