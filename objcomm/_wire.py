@@ -132,7 +132,8 @@ class FirstRound(Protocol):
 
     def gather_words(self, wire: Wire, words: Sequence[int], op: str) -> Union[List[List[int]], NotUsed]:
         """Every rank's ``words`` (int64s, as many on every rank), in group-rank order: the small control
-        collectives of a call's later rounds (see :mod:`objcomm._shm`)."""
+        collectives of a call's later rounds (the receivers' votes, :func:`largest_of`; the shared-memory
+        announcement, :mod:`objcomm._shm`)."""
 
     def p2p(self, wire: Wire, op: str) -> ContextManager[Optional[Route]]:
         """The route of one send or recv's slot, held for the whole call (round 2 included): entering it

@@ -68,7 +68,7 @@ class work_budget:  # used like the function it replaced, and cheaper on every l
         self.outer = start_budget(self.units)
 
     def __exit__(self, *exc: Any) -> None:
-        _work.remaining = self.outer
+        end_budget(self.outer)
 
 
 def start_budget(units: int) -> Optional[list]:
