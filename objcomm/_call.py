@@ -72,6 +72,13 @@ class Call(NamedTuple):
             own=own,
         )
 
+    def received(self, sender: int, item: Incoming, is_error: bool) -> Any:
+        """The object of a send/recv from group rank ``sender`` (what :func:`objcomm._transport.recv` returned)."""
+        if is_error:
+            assert self.wire is not None
+            self.raise_failures("send/recv", only(sender, item, self.wire.size), None)
+        return self.decode(item, sender)
+
     def roundtrip(self, obj: Any) -> Any:
         """What a group of one returns: the object encoded and decoded, so failures match."""
         out, error = self.encode(obj)

@@ -23,9 +23,10 @@ from ._call import (
     wire_for,
 )
 from ._errors import ObjcommError, with_original_type
+from ._express import NOT_TAKEN, Express
 from ._requests import Request
 from ._segments import SegmentBook
-from ._settings import CallOptions, call_kwargs, given, resolve
+from ._settings import CallOptions, call_kwargs, given, resolve, settings_state
 from ._transport import Outgoing
 
 _DISTRIBUTED = dist.is_available()
@@ -106,6 +107,7 @@ class Communicator:
         self._separate_hosts: Optional[bool] = None
         self._segments: SegmentBook = _state.SEGMENTS  # tests only: their own, to watch or tamper with segments
         self._calls: Dict[int, tuple] = {}  # id(options) -> what _call() worked out for them (see _remember)
+        self._held: Optional[tuple] = None  # the express path of send/recv and what it is valid for (see _express)
 
     def __repr__(self) -> str:
         return f"Communicator(group={self.group!r}, serializer={self.serializer!r}, device={self.device!r})"
@@ -144,6 +146,25 @@ class Communicator:
                 self._calls.clear()
             self._calls[id(options)] = found
         return found
+
+    def _express(self) -> Optional[Express]:
+        """The express path of this communicator's default-option send/recv (:mod:`objcomm._express`), or
+        None; kept while the settings, the registry, the group and this communicator's fields are the ones
+        it was worked out for (the checks of :meth:`_call`, without resolving a call)."""
+        group = self._group()
+        held = self._held
+        if (held is not None and held[0] is settings_state() and held[1] == registry.version and held[2]() is group
+                and held[3] is self.device and held[4] is self._segments and held[5] is self._separate_hosts):
+            return held[6]
+        if group is None:
+            return None
+        stamp = (settings_state(), registry.version)  # before the work: a change meanwhile makes it stale
+        express = Express.of(self._call({}))
+        try:
+            self._held = (*stamp, weakref.ref(group), self.device, self._segments, self._separate_hosts, express)
+        except TypeError:  # a group that cannot be referenced weakly: worked out again on every call
+            pass
+        return express
 
     def _group(self) -> Any:
         """The group this communicator's calls use; None when torch.distributed is not initialised."""
@@ -317,6 +338,10 @@ class Communicator:
         receiver gets the error report (and raises ``RemoteError``) and this rank raises the original
         error: nobody is left waiting.
         """
+        if serializer is None and max_bytes is None and compression is None:
+            express = self._express()
+            if express is not None and express.send(obj, dst, tag):
+                return
         call = self._call(call_kwargs(locals()))
         wire = tagged(self._require_group(call, "send"), tag, "send")
         peer = self._group_rank(wire, dst, "dst")
@@ -334,6 +359,12 @@ class Communicator:
     ) -> Any:
         """Receive the object global rank ``src`` sends with ``tag``; ``src=None`` takes it from any rank
         (gloo only). ``return_sender=True`` returns ``(sender's global rank, object)``."""
+        if accept is None and max_bytes is None and map_location is None:
+            express = self._express()
+            if express is not None:
+                got = express.recv(src, tag, self._group)
+                if got is not NOT_TAKEN:
+                    return got if return_sender else got[1]
         call = self._call(call_kwargs(locals()))
         wire = tagged(self._require_group(call, "recv"), tag, "recv")
         peer = None if src is None else self._group_rank(wire, src, "src")
@@ -346,9 +377,7 @@ class Communicator:
             )
         _requests.check_blocking(wire.group, "recv", src, tag)
         sender, item, is_error = _transport.recv(wire, peer, _framing.tensor_sizes)
-        if is_error:
-            call.raise_failures("send/recv", only(sender, item, wire.size), None)
-        obj = call.decode(item, sender)
+        obj = call._replace(wire=wire).received(sender, item, is_error)
         return (wire.ranks[sender], obj) if return_sender else obj
 
     # -- non-blocking (see objcomm._requests) --------------------------------------------------------
@@ -380,7 +409,7 @@ class Communicator:
     def _on(self, group: Any) -> Communicator:
         other = copy.copy(self)
         other.group = group
-        other._calls = {}
+        other._calls, other._held = {}, None
         return other
 
     @staticmethod

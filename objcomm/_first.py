@@ -52,7 +52,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 from . import _local, _state
 from ._device import timeout_seconds
 from ._errors import CommunicationError
-from ._wire import NOT_USED, NotUsed, Slot, Wire
+from ._wire import NOT_USED, SLOT_PREFIX_BYTES, NotUsed, Slot, Wire
 
 _BACKEND = contextlib.nullcontext(None)  # send/recv through the group
 
@@ -102,6 +102,8 @@ class _Via:
 
     def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot]:
         sender, slot = self.channel.recv(src, wire.tag, self.spin)
+        if trimmed(slot, wire.slot):
+            return sender, padded(slot, wire.slot)
         return sender, _checked(wire, self.channel, [slot], op)[0]
 
 
@@ -271,6 +273,22 @@ def same_host(separate: bool, spin_us: Optional[int]) -> SameHostSlots:
 @functools.lru_cache(maxsize=16)
 def _words(count: int) -> struct.Struct:
     return struct.Struct(f"<{count}q")
+
+
+def trimmed(slot: Slot, size: int) -> bool:
+    """Whether ``slot``, a send/recv message, is a slot of ``size`` bytes trimmed after its frame: shorter,
+    and exactly a prefix without flag bits and the frame it announces. The express path sends small
+    messages so (:func:`objcomm._framing.small_slot`): the rest of such a slot is zeros, never read."""
+    n = len(slot)
+    return SLOT_PREFIX_BYTES <= n < size and _FRAME_LENGTH.unpack_from(slot)[0] == n - SLOT_PREFIX_BYTES
+
+
+def padded(slot: Slot, size: int) -> bytes:
+    """A :func:`trimmed` slot as its sender's general path would have written it."""
+    return bytes(slot) + bytes(size - len(slot))
+
+
+_FRAME_LENGTH = struct.Struct("<Q")  # a slot's first word: its frame's length, and flag bits above it
 
 
 def _checked(wire: Wire, channel: _local.LocalChannel, slots: Sequence[Slot], op: str) -> Sequence[Slot]:

@@ -43,6 +43,7 @@ from ._errors import (
     original,
 )
 from ._limits import too_large
+from ._slots import PREFIX
 from ._tensors import Entry, TensorLifter, WholeBytes, parse_table, restorer
 from ._wire import Incoming, Outgoing
 
@@ -50,6 +51,7 @@ MAGIC = b"OBJC"
 VERSION = 2  # the newest format: a tensor table may carry numpy arrays and whole bytes (objcomm._tensors.KINDS)
 VERSIONS = (1, 2)  # what this objcomm reads; it writes the lowest that can carry a frame
 HEADER = struct.Struct("<4sBBBBIIQQQ")
+_SLOT_HEADER = struct.Struct(PREFIX.format + HEADER.format[1:])  # a round-1 slot's prefix, then a frame's header
 FLAG_ERROR = 1
 MAX_ERROR_REPORT = 1 << 20
 NO_COMPRESSION = _compression.NONE
@@ -161,6 +163,45 @@ def encode(
     return out
 
 
+def small_slot(name: bytes, payload: Any, slot_bytes: int, limit: int) -> Optional[bytes]:
+    """The round-1 slot of a frame of ``payload`` with no tensor table and no compression, written in
+    one pass and *trimmed* after the frame: byte for byte the start of what :func:`encode` and
+    :func:`objcomm._slots.fill_slot` write for it, whose rest is zeros (``limit``: the sender's
+    ``max_bytes``). A send/recv through the same-host channel may travel so (:func:`objcomm._first.trimmed`).
+    None when the frame does not fit the slot or ``limit``: :func:`encode` then says why, or the slot's
+    second round moves it.
+    """
+    body = payload if type(payload) is bytes else memoryview(payload).cast("B")
+    size = len(body)  # bytes, or a 1-d view of unsigned bytes: its length is its size
+    length = HEADER.size + len(name) + size
+    if PREFIX.size + length > slot_bytes or length > limit:
+        return None
+    # the slot's prefix (no flag bits: not an error, nothing listed), then the frame's header
+    head = _SLOT_HEADER.pack(length, limit, length, MAGIC, 1, 0, NO_COMPRESSION, len(name), 0, 0, size, size, 0)
+    return b"".join((head, name, body))
+
+
+def plain_in_slot(slot: Any) -> Optional[Tuple[memoryview, Header]]:
+    """``(frame, header)`` of a round-1 slot that holds a whole *plain* frame, read in one step: no flag
+    bits, nothing out of band or listed, no compression, every length consistent. None for any other slot:
+    :func:`objcomm._slots.read_slot`, :mod:`objcomm._limits` and :func:`parse_header` then read and judge
+    it, with their own errors. Whatever this accepts, they accept too and read the same way."""
+    if len(slot) < _SLOT_HEADER.size:
+        return None
+    (word, _, total, magic, version, flags, compression, name_len, table_len, n_tensors, payload_len, raw_len,
+     inline_len) = _SLOT_HEADER.unpack_from(slot, 0)
+    if (word != total or word > len(slot) - PREFIX.size or magic != MAGIC or version not in VERSIONS or flags
+            or compression != NO_COMPRESSION or table_len or n_tensors or inline_len
+            or HEADER.size + name_len + payload_len != word):
+        return None  # word == total, within the slot: no flag bits, and the frame and nothing else follows
+    try:
+        name = str(slot[_SLOT_HEADER.size : _SLOT_HEADER.size + name_len], "ascii")
+    except UnicodeDecodeError:
+        return None
+    frame = memoryview(slot)[PREFIX.size : PREFIX.size + word]
+    return frame, _new(Header, (version, 0, NO_COMPRESSION, name, 0, 0, payload_len, raw_len, 0))
+
+
 def error_frame(exc: BaseException, limit: int) -> Outgoing:
     """An error report about ``exc`` in at most ``limit`` bytes (the message is cut to fit). The type
     is what really failed (an :class:`EncodeError`'s cause, e.g. ``PicklingError``), the message ``exc``'s."""
@@ -251,7 +292,12 @@ def decode(
     ``own``: the tensors are the caller's own input (a root keeping its own object): copy them.
     """
     view = incoming.frame
-    header = parse_header(view)
+    return decode_parsed(view, parse_header(view), incoming, sender, accept, device, max_bytes, own)
+
+
+def decode_parsed(view: memoryview, header: Header, incoming: Incoming, sender: int, accept: Optional[Collection[str]],
+                  device: torch.device, max_bytes: int, own: bool = False) -> Any:
+    """:func:`decode` of a frame whose header is parsed and checked already."""
     if header.flags & FLAG_ERROR:  # header.is_error, without a call
         raise FrameError(f"rank {sender} sent an error report where data was expected")
     if accept is not None and header.serializer not in accept:

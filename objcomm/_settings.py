@@ -288,6 +288,12 @@ _lock = threading.Lock()
 _state = _State.build(_Environment.read(), {})
 
 
+def settings_state() -> object:
+    """The process-wide layers in force: a new object after every :func:`configure` or :func:`restore`,
+    so that what was worked out from resolved settings can be kept while this stays the same object."""
+    return _state
+
+
 def settings() -> Settings:
     """The process-wide defaults in force now (environment and :func:`configure` applied)."""
     return _state.settings

@@ -337,6 +337,12 @@ def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Rou
         sender_global = guarded(op, wire, dist.recv, slot, src=peer, group=wire.group, tag=wire.data_tag)
         sender = list(wire.ranks).index(sender_global) if src is None else src
         info = read_slot(host_view(slot))
+    return received(wire, sender, info, sizes_of)
+
+
+def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf) -> tuple[int, Incoming, bool]:
+    """The rest of a receive from group rank ``sender`` once its slot (``info``) arrived, by either route."""
+    op = "recv"
     problem = _limits.slot_problem_of(info)
     if problem:  # the sender finds the same in its slot and raises too
         raise _limits.inconsistent(op, sender, problem)

@@ -96,6 +96,8 @@ def interleaved(
         Calls per sample, back to back after the barrier; a sample is their time divided by
         ``batch``. For calls of tens of microseconds: how far apart ranks leave a barrier (on a
         small machine, tens to hundreds of microseconds) would otherwise be most of every sample.
+        With ``batch`` above 1, one more call runs untimed right after the barrier: a call that waits
+        for the other ranks absorbs their lead, as the warm-up iterations of MPI's latency tests do.
     """
     if repeat < 1 or batch < 1:
         raise ValueError(f"repeat and batch must be at least 1, got {repeat} and {batch}")
@@ -122,6 +124,8 @@ def _round(candidates: Mapping[str, Callable[[], Any]], names: Sequence[str], in
         position = (index + k) % len(names)
         call = candidates[names[position]]
         dist.barrier(group=group)
+        if batch > 1:
+            call()  # untimed: it absorbs how far apart the ranks left the barrier
         start = time.perf_counter()
         for _ in range(batch):
             call()

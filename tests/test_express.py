@@ -1,0 +1,275 @@
+"""The express path of small send/recv (objcomm._express): the slot it writes is the general path's, byte
+for byte; it takes exactly the plain case and hands every other one to the general path with the same
+outcome; it notices changed settings, registry and groups; it reads hostile slots as the general path does."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import weakref
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from _ranks import get_pool
+
+import objcomm
+from objcomm import _first, _framing, _local, _state, _transport
+from objcomm._slots import ERROR_BIT, PREFIX, fill_slot
+from objcomm._tensors import TensorLifter
+from serializers import registry
+
+pytestmark = pytest.mark.timeout(120)
+
+SLOT = 4096
+LIMIT = 1 << 40
+OBJECTS = [None, 7, "text", {"loss": 0.25, "step": 3, "tags": ["a", "b"]}, [0.5] * 100, b"\x00" * 300, {"k": (1, 2)}]
+
+
+def _general_slot(obj: Any, name: str, slot: int = SLOT, limit: int = LIMIT) -> bytearray:
+    raw = bytearray(slot)
+    fill_slot(memoryview(raw), _framing.encode(obj, registry.guarded(name), max_bytes=limit), limit)
+    return raw
+
+
+def _express_slot(obj: Any, name: str, slot: int = SLOT, limit: int = LIMIT) -> Any:
+    """The express path's slot, trimmed after the frame, and checked to be read as the whole slot."""
+    payload = registry.guarded(name).dumps(obj, lift=TensorLifter())
+    raw = _framing.small_slot(name.encode("ascii"), payload, slot, limit)
+    if raw is None:
+        return None
+    assert len(raw) == PREFIX.size + PREFIX.unpack_from(raw)[0]  # the prefix and the frame, no zeros after it
+    if len(raw) == slot:  # a frame that fills its slot
+        return raw
+    assert _first.trimmed(raw, slot)
+    return _first.padded(raw, slot)
+
+
+@pytest.mark.parametrize("name", ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"])
+@pytest.mark.parametrize("index", range(len(OBJECTS)))
+def test_the_express_slot_is_the_general_paths_slot_byte_for_byte(name, index):
+    obj = OBJECTS[index]
+    if name == "json" and (isinstance(obj, bytes) or index == 6):
+        obj = "json carries neither bytes nor tuples"
+    assert _express_slot(obj, name) == _general_slot(obj, name)
+
+
+def test_a_frame_that_fills_the_slot_exactly_is_express_one_byte_more_is_not():
+    capacity = SLOT - PREFIX.size
+    fixed = len(_framing.encode(b"", registry.guarded("pickle"), max_bytes=LIMIT).frame) - len(
+        registry.guarded("pickle").dumps(b""))
+    n = 0
+    while fixed + len(registry.guarded("pickle").dumps(b"x" * n)) < capacity:
+        n += 1
+    exact = b"x" * n
+    assert len(_framing.encode(exact, registry.guarded("pickle"), max_bytes=LIMIT).frame) == capacity
+    assert _express_slot(exact, "pickle") == _general_slot(exact, "pickle")
+    assert _express_slot(exact + b"x", "pickle") is None  # the general path sends the frame in a second round
+    length = len(_framing.encode(b"abc", registry.guarded("pickle"), max_bytes=LIMIT).frame)
+    assert _express_slot(b"abc", "pickle", limit=length) == _general_slot(b"abc", "pickle", limit=length)
+    assert _express_slot(b"abc", "pickle", limit=length - 1) is None  # encode() says why: TooLargeError
+
+
+# -- on live ranks ------------------------------------------------------------------------------------------
+
+
+def _counting() -> Dict[str, int]:
+    """Count the general path's sends and receives (objcomm._transport.send/recv) from now on."""
+    counts = {"send": 0, "recv": 0}
+    for op in counts:
+        real = getattr(_transport, f"_real_{op}", None) or getattr(_transport, op)
+        setattr(_transport, f"_real_{op}", real)
+
+        def counted(*args: Any, _real: Any = real, _op: str = op) -> Any:
+            counts[_op] += 1
+            return _real(*args)
+
+        setattr(_transport, op, counted)
+    return counts
+
+
+def _uncount() -> None:
+    for op in ("send", "recv"):
+        setattr(_transport, op, getattr(_transport, f"_real_{op}"))
+
+
+def _outcome(fn: Any, message: bool = False) -> Any:
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # the outcome of a case is what it raised, by type (and message)
+        return ("raised", type(exc).__name__, str(exc)) if message else ("raised", type(exc).__name__)
+
+
+def routes_and_outcomes() -> List[Any]:
+    """Rank 0 sends to rank 1 case after case; each side reports the outcome and the route it took."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=True)
+    comm.all_gather(None)  # opens the channel and lets send/recv in
+    channel = _state.group_facts(dist.group.WORLD).local[False].channel
+    assert channel is not None and channel.p2p
+    cases = [  # (label, send, recv)
+        ("small dict", lambda: comm.send({"a": 1}, 1), lambda: comm.recv(0)),
+        ("tag 5", lambda: comm.send("five", 1, tag=5), lambda: comm.recv(0, tag=5)),
+        ("any source", lambda: comm.send([1, 2], 1), lambda: comm.recv(None, return_sender=True)),
+        ("a tensor", lambda: comm.send({"t": torch.arange(3)}, 1), lambda: comm.recv(0)["t"].tolist()),
+        ("past the slot", lambda: comm.send(b"y" * 10_000, 1), lambda: len(comm.recv(0))),
+        ("encode fails", lambda: comm.send(lambda: 0, 1), lambda: comm.recv(0)),
+        ("per-call serializer", lambda: comm.send({"m": 1}, 1, serializer="msgpack"), lambda: comm.recv(0)),
+        ("per-call recv option", lambda: comm.send({"b": 2}, 1), lambda: comm.recv(0, max_bytes=1 << 20)),
+        ("refused by accept", lambda: comm.send({"c": 3}, 1),
+         lambda: objcomm.Communicator(accept=["msgpack"], local=True).recv(0)),
+        ("after the refusal", lambda: comm.send("still fine", 1), lambda: comm.recv(0)),
+    ]
+    got = []
+    for label, send, recv in cases:
+        counts = _counting()
+        try:
+            outcome = _outcome(send if rank == 0 else recv)
+        finally:
+            _uncount()
+        got.append((label, outcome, counts["send"] + counts["recv"]))
+    # bad arguments: the general path's errors, on the calling rank alone
+    for label, call in [("dst True", lambda: comm.send(1, True)), ("dst outside", lambda: comm.send(1, 99)),
+                        ("dst self", lambda: comm.send(1, rank)), ("tag -1", lambda: comm.send(1, 1 - rank, tag=-1)),
+                        ("tag True", lambda: comm.recv(1 - rank, tag=True)), ("src self", lambda: comm.recv(rank))]:
+        got.append((label, _outcome(call)))
+    assert channel.p2p and not channel.closed
+    return got
+
+
+def test_the_express_path_takes_the_plain_cases_and_the_general_path_the_rest():
+    got = get_pool(2).run(routes_and_outcomes)
+    sender = {label: (outcome, general) for label, outcome, general in got[0][:10]}
+    receiver = {label: (outcome, general) for label, outcome, general in got[1][:10]}
+    # plain cases: no call of the general path on either side
+    assert sender["small dict"] == (("ok", None), 0) and receiver["small dict"] == (("ok", {"a": 1}), 0)
+    assert sender["tag 5"][1] == 0 and receiver["tag 5"] == (("ok", "five"), 0)
+    assert receiver["any source"] == (("ok", (0, [1, 2])), 0)
+    assert receiver["refused by accept"] == (("raised", "ContentRefusedError"), 0)  # the same check, in decode
+    assert sender["after the refusal"][1] == 0 and receiver["after the refusal"] == (("ok", "still fine"), 0)
+    # the rest: the general path, with its outcomes
+    assert sender["a tensor"][1] == 1 and receiver["a tensor"] == (("ok", [0, 1, 2]), 0)  # the slot said: more follows
+    assert sender["past the slot"][1] == 1 and receiver["past the slot"] == (("ok", 10_000), 0)
+    assert sender["encode fails"][0][0] == "raised" and sender["encode fails"][1] == 1
+    assert receiver["encode fails"] == (("raised", "RemoteError"), 0)
+    assert sender["per-call serializer"][1] == 1 and receiver["per-call serializer"] == (("ok", {"m": 1}), 0)
+    assert sender["per-call recv option"][1] == 0 and receiver["per-call recv option"] == (("ok", {"b": 2}), 1)
+    for rank_got in got:
+        errors = dict(rank_got[10:])
+        assert errors["dst True"] == ("raised", "TypeError")
+        assert errors["dst outside"] == errors["dst self"] == errors["tag -1"] == ("raised", "ValueError")
+        assert errors["tag True"] == errors["src self"] == ("raised", "ValueError")
+
+
+def changes_between_calls() -> List[Any]:
+    """The express path of a communicator follows configure(), the registry and the group."""
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    comm = objcomm.Communicator(local=True)
+    comm.all_gather(None)
+
+    def exchange(obj: Any, sender: Any = comm) -> Any:
+        return _outcome(lambda: sender.send(obj, peer) if rank == 0 else comm.recv(peer))
+
+    got: List[Any] = [exchange("warm")]
+    held = comm._express()
+    assert held is not None and comm._express() is held
+    previous = objcomm.configure(max_bytes=100)
+    try:
+        got.append(exchange("z" * 200))  # the sender refuses it now: TooLargeError, and the receiver hears of it
+    finally:
+        objcomm.restore(previous)
+    got.append(exchange("back to normal"))
+    assert comm._express() is not held  # worked out again after configure() and restore()
+
+    def marked(mark: bytes) -> Any:  # a serializer whose payloads say which one wrote them
+        return registry.register("marked", lambda o: mark + pickle.dumps(o),
+                                 lambda b: (bytes(b[:1]), pickle.loads(b[1:])), replace=True)
+
+    marked(b"1")
+    try:
+        on_marked = objcomm.Communicator(serializer="marked", local=True)
+        got.append(exchange("first", on_marked))
+        marked(b"2")  # replaced: the next send must use the new one
+        got.append(exchange("second", on_marked))
+    finally:
+        registry.unregister("marked")
+
+    sub = dist.new_group([0, 1])
+    on_sub = objcomm.Communicator(sub, local=True)
+    on_sub.all_gather(None)
+    got.append(_outcome(lambda c=on_sub: c.send("on a subgroup", peer) if rank == 0 else c.recv(peer)))
+    assert on_sub._express() is not None
+    kept = weakref.ref(sub)
+    dist.destroy_process_group(sub)
+    del sub, on_sub
+    gc.collect()
+    got.append(kept() is None)  # the express path kept no reference to the group
+    return got
+
+
+def test_the_express_path_follows_settings_registry_and_groups():
+    sender, receiver = get_pool(2).run(changes_between_calls)
+    assert sender[1] == ("raised", "TooLargeError") and receiver[1] == ("raised", "RemoteError")
+    assert receiver[2] == ("ok", "back to normal")
+    assert receiver[3] == ("ok", (b"1", "first")) and receiver[4] == ("ok", (b"2", "second"))
+    assert receiver[5] == ("ok", "on a subgroup")
+    assert sender[6] is True and receiver[6] is True
+
+
+def hostile_slots() -> List[Any]:
+    """Rank 1 writes slots straight into a subgroup's channel; rank 0 receives each through the express path
+    (subgroups: the cases that fail a channel must not touch the pool's default group; one channel each)."""
+    rank = dist.get_rank()
+    good = bytes(_general_slot({"ok": 1}, "pickle"))
+    length = PREFIX.unpack_from(good, 0)[0]
+    unknown = bytearray(good)
+    at = PREFIX.size + _framing.HEADER.size
+    unknown[at : at + len(b"pickle")] = b"pickl?"
+    survived = {
+        "good": good,
+        "bad magic": good[: PREFIX.size] + b"XXXX" + good[PREFIX.size + 4 :],
+        "frame shorter than its header says": PREFIX.pack(length - 3, LIMIT, length - 3) + good[PREFIX.size :],
+        "unknown serializer": bytes(unknown),
+        "error report that is not one": PREFIX.pack(length | ERROR_BIT, LIMIT, length) + good[PREFIX.size :],
+        "trimmed, shorter than a header": PREFIX.pack(10, LIMIT, 10) + b"x" * 10,  # read as a whole slot
+    }
+    fatal = {  # neither a slot nor a trimmed one: the channel fails, as on the general path
+        "trimmed with flag bits": _trimmed(PREFIX.pack(length | ERROR_BIT, LIMIT, length) + good[PREFIX.size :]),
+        "short slot": good[:100],
+    }
+    got: List[Any] = []
+    for cases in [survived, *({label: raw} for label, raw in fatal.items())]:
+        sub = dist.new_group([0, 1])
+        comm = objcomm.Communicator(sub, local=True)
+        comm.all_gather(None)
+        channel: _local.LocalChannel = _state.group_facts(sub).local[False].channel
+        assert channel.p2p and comm._express() is not None
+        for label, raw in cases.items():
+            if rank == 1:
+                channel.send(raw, 0, tag=7)
+            else:
+                got.append((label, _outcome(lambda c=comm: c.recv(1, tag=7), message=True)))
+        if rank == 1 and cases is not survived:
+            got.append(("peer", _outcome(lambda c=comm: c.recv(0, tag=9))))  # rank 0's channel closed: EOF here
+        dist.destroy_process_group(sub)
+    return got
+
+
+def _trimmed(slot: bytes) -> bytes:
+    return slot[: PREFIX.size + (PREFIX.unpack_from(slot)[0] & ((1 << 61) - 1))]
+
+
+def test_hostile_slots_through_the_express_path_raise_as_on_the_general_path():
+    receiver, peer = get_pool(2).run(hostile_slots)
+    got = {label: outcome[:2] for label, outcome in receiver}
+    assert got["good"] == ("ok", {"ok": 1})
+    assert got["bad magic"] == ("raised", "FrameError")
+    assert got["frame shorter than its header says"] == ("raised", "FrameError")
+    assert got["unknown serializer"] == ("raised", "UnknownSerializerError")
+    assert got["error report that is not one"] == ("raised", "FrameError")
+    assert got["trimmed, shorter than a header"] == ("raised", "FrameError")  # a truncated frame
+    for label in ("trimmed with flag bits", "short slot"):
+        kind, name, message = dict(receiver)[label]
+        assert name == "CommunicationError" and "every rank of a group must use the same slot_bytes" in message
+    assert [outcome for label, outcome in peer] == [("raised", "CommunicationError")] * 2
