@@ -5,10 +5,13 @@ processes of one host.
 of a group runs on this host, the slots of ``all_gather``/``gather``, ``broadcast``, ``scatter`` and
 ``all_to_all`` (and of the reductions, which end in one of these), and those of ``send``/``recv``
 (``isend``/``irecv``, any source, tags), move through a :class:`objcomm._local.LocalChannel` and never
-touch the group's backend. Everything after round 1 (votes, a receiver's answer, second rounds,
-shared memory) is unchanged, and so is every failure: a slot carries an error report as before, and
-a dead peer or a wait past the group's timeout raises :class:`~objcomm.CommunicationError` (a failed
-collective closes the channel, so the others raise at once too; a recv that only timed out leaves it open).
+touch the group's backend. A slot that holds a whole frame and nothing after it travels trimmed after
+the frame, and is padded back on arrival (:func:`trimmed`; ``docs/wire-format.md`` section 7): the
+zeros of a 4 KiB slot were most of what a small call allocated, copied and moved. Everything after
+round 1 (votes, a receiver's answer, second rounds, shared memory) is unchanged, and so is every
+failure: a slot carries an error report as before, and a dead peer or a wait past the group's
+timeout raises :class:`~objcomm.CommunicationError` (a failed collective closes the channel, so the
+others raise at once too; a recv that only timed out leaves it open).
 
 When the channel is used (the same answer on every rank, decided without talking to the others):
 ``local`` is on, the group has two ranks or more (any backend: NCCL groups' round 1 is host bytes
@@ -98,12 +101,10 @@ class _Via:
         pass
 
     def send(self, wire: Wire, slot: Slot, dst: int) -> None:
-        self.channel.send(slot, dst, wire.tag)
+        self.channel.send(_trim(slot), dst, wire.tag)
 
     def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot]:
         sender, slot = self.channel.recv(src, wire.tag, self.spin)
-        if trimmed(slot, wire.slot):
-            return sender, padded(slot, wire.slot)
         return sender, _checked(wire, self.channel, [slot], op)[0]
 
 
@@ -187,25 +188,33 @@ class SameHostSlots:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
-        return self._voting(wire, channel, lambda ready: channel.all_gather(slot, ready, self.spin), op)
+        return self._voting(wire, channel, lambda ready: channel.all_gather(_trim(slot), ready, self.spin), op, slot)
 
     def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
-        return _checked(wire, channel, [channel.broadcast(slot, src, self.spin)], op)[0]
+        if slot is not None:  # the root: its own slot is what it sent
+            channel.broadcast(_trim(slot), src, self.spin)
+            return slot
+        return _checked(wire, channel, [channel.broadcast(None, src, self.spin)], op)[0]
 
     def scatter(self, wire: Wire, slots: Optional[Sequence[Slot]], src: int, op: str) -> Union[Slot, NotUsed]:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
-        return _checked(wire, channel, [channel.scatter(slots, src, self.spin)], op)[0]
+        if slots is not None:  # the root
+            channel.scatter([_trim(s) for s in slots], src, self.spin)
+            return slots[src]
+        return _checked(wire, channel, [channel.scatter(None, src, self.spin)], op)[0]
 
     def all_to_all(self, wire: Wire, slots: Sequence[Slot], op: str) -> Union[Sequence[Slot], NotUsed]:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
-        return self._voting(wire, channel, lambda ready: channel.all_to_all(slots, ready, self.spin), op)
+        trimmed_slots = [_trim(s) for s in slots]
+        return self._voting(wire, channel, lambda ready: channel.all_to_all(trimmed_slots, ready, self.spin), op,
+                            slots[wire.rank])
 
     def gather_words(self, wire: Wire, words: Sequence[int], op: str) -> Union[List[List[int]], NotUsed]:
         channel = self.channel(wire, op)
@@ -220,15 +229,16 @@ class SameHostSlots:
         return [list(packing.unpack(data)) for data in got]
 
     def _voting(self, wire: Wire, channel: _local.LocalChannel, exchange: Callable[[bool], Sequence[Slot]],
-                op: str) -> Sequence[Slot]:
+                op: str, mine: Slot) -> Sequence[Slot]:
         """``exchange(ready)``, an all_gather or all_to_all carrying this rank's send/recv vote until
-        send/recv are on the channel (``ready``: False once they are, since nothing is voted then)."""
+        send/recv are on the channel (``ready``: False once they are, since nothing is voted then); ``mine``:
+        this rank's own slot, whole, in its place."""
         if channel.p2p:
-            return _checked(wire, channel, exchange(False), op)
+            return _checked(wire, channel, exchange(False), op, mine)
         state = self.state(wire)
         assert state is not None
         try:
-            return _checked(wire, channel, exchange(state.begin_vote(wire.group)), op)
+            return _checked(wire, channel, exchange(state.begin_vote(wire.group)), op, mine)
         finally:
             state.end_vote()
 
@@ -276,9 +286,10 @@ def _words(count: int) -> struct.Struct:
 
 
 def trimmed(slot: Slot, size: int) -> bool:
-    """Whether ``slot``, a send/recv message, is a slot of ``size`` bytes trimmed after its frame: shorter,
-    and exactly a prefix without flag bits and the frame it announces. The express path sends small
-    messages so (:func:`objcomm._framing.small_slot`): the rest of such a slot is zeros, never read."""
+    """Whether ``slot``, a message of the channel, is a slot of ``size`` bytes trimmed after its frame: shorter,
+    and exactly a prefix without flag bits and the frame it announces. Such a slot holds nothing after its
+    frame but zeros, which nobody reads: they stay behind (:func:`_trim`; :func:`objcomm._framing.small_slot`).
+    """
     n = len(slot)
     return SLOT_PREFIX_BYTES <= n < size and _FRAME_LENGTH.unpack_from(slot)[0] == n - SLOT_PREFIX_BYTES
 
@@ -288,14 +299,28 @@ def padded(slot: Slot, size: int) -> bytes:
     return bytes(slot) + bytes(size - len(slot))
 
 
+def _trim(slot: Slot) -> Slot:
+    """``slot`` without the zeros after its frame, where it holds a whole frame and nothing else (no flag bits:
+    not an error report, no sizes listed after the frame, no second round); else ``slot`` itself."""
+    end = SLOT_PREFIX_BYTES + _FRAME_LENGTH.unpack_from(slot)[0]  # flag bits make it far too large
+    return memoryview(slot)[:end] if end < len(slot) else slot
+
+
 _FRAME_LENGTH = struct.Struct("<Q")  # a slot's first word: its frame's length, and flag bits above it
 
 
-def _checked(wire: Wire, channel: _local.LocalChannel, slots: Sequence[Slot], op: str) -> Sequence[Slot]:
-    """``slots``, each ``wire.slot`` bytes long; else ranks disagree on ``slot_bytes`` (the backend would fail
-    too): the channel fails, so that the others raise as well."""
-    for slot in slots:
+def _checked(wire: Wire, channel: _local.LocalChannel, slots: Sequence[Slot], op: str,
+             mine: Optional[Slot] = None) -> List[Slot]:
+    """``slots``, each ``wire.slot`` bytes long (a :func:`trimmed` one padded back; ``mine``, when given, in
+    this rank's place as it is); else ranks disagree on ``slot_bytes`` (the backend would fail too): the
+    channel fails, so that the others raise as well."""
+    whole = list(slots)
+    if mine is not None:
+        whole[wire.rank] = mine
+    for r, slot in enumerate(whole):
         if len(slot) != wire.slot:
-            channel.fail(op, f"rank {wire.rank} received a {len(slot):,}-byte slot but uses slot_bytes={wire.slot:,}; "
-                             "every rank of a group must use the same slot_bytes")
-    return slots
+            if not trimmed(slot, wire.slot):
+                channel.fail(op, f"rank {wire.rank} received a {len(slot):,}-byte slot but uses "
+                                 f"slot_bytes={wire.slot:,}; every rank of a group must use the same slot_bytes")
+            whole[r] = padded(slot, wire.slot)
+    return whole

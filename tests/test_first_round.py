@@ -227,6 +227,48 @@ def test_control_words_through_the_channel():
     assert "rank 0 sent 24 bytes of control words where 16 were due" in seen[1], seen
 
 
+def message_sizes() -> Dict[str, List[int]]:
+    """The payload sizes of the channel messages each collective sends: a small object's slot travels trimmed
+    after its frame; a slot with anything after its frame (tensor sizes, a second round) travels whole."""
+    import torch
+
+    comm = objcomm.Communicator(local=True, slot_bytes=1024, inline_tensor_bytes=0)  # tensors out of band
+    comm.all_gather(None)
+    channel = _channel()
+    sent: List[int] = []
+    real = channel._send
+    channel._send = lambda peer, header, data, op: (sent.append(len(data)), real(peer, header, data, op))[1]
+    sizes: Dict[str, List[int]] = {}
+    rank = dist.get_rank()
+    try:
+        for label, obj in [("small", {"r": 1}), ("tensor", {"t": torch.zeros(3)}), ("past the slot", "x" * 2000)]:
+            for op, call in [("all_gather", lambda o: comm.all_gather(o)),
+                             ("broadcast", lambda o: comm.broadcast(o if rank == 0 else None, src=0)),
+                             ("scatter", lambda o: comm.scatter([o, o] if rank == 0 else None, src=0)),
+                             ("all_to_all", lambda o: comm.all_to_all([o, o])),
+                             ("send/recv", lambda o: comm.send(o, 1) if rank == 0 else comm.recv(0))]:
+                sent.clear()
+                result = call(obj)
+                if op != "send/recv" or rank == 1:
+                    assert _plain(result if op != "all_gather" and op != "all_to_all" else result[0]) == _plain(obj)
+                sizes[f"{label} {op}"] = list(sent)
+    finally:
+        channel._send = real
+    return sizes
+
+
+def test_slots_travel_trimmed_after_a_whole_frame_and_whole_otherwise():
+    sender, receiver = get_pool(2).run(message_sizes)
+    for label in ("small", "tensor", "past the slot"):
+        for op in ("all_gather", "broadcast", "scatter", "all_to_all", "send/recv"):
+            sizes = sender[f"{label} {op}"] + receiver[f"{label} {op}"]
+            assert sizes, f"{label} {op} sent nothing through the channel"
+            if label == "small":
+                assert all(n < 100 for n in sizes), (label, op, sizes)  # a 1024-byte slot, trimmed
+            else:  # sizes listed after the frame, or a frame past the slot: the whole slot
+                assert 1024 in sizes and all(n == 1024 or n < 100 for n in sizes), (label, op, sizes)  # or words
+
+
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

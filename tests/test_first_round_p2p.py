@@ -239,7 +239,8 @@ def test_a_peer_killed_mid_recv_makes_the_receiver_raise_within_seconds():
 
 
 def slot_bytes_disagree() -> List[Any]:
-    """A call whose ranks disagree on slot_bytes fails the channel on every rank; the next call opens a new
+    """A call whose ranks disagree on slot_bytes fails the channel on every rank (a frame that fits one slot
+    and not the other; one that fits both travels trimmed and reads the same); the next call opens a new
     one (every rank failed at the same call, so they agree), and send/recv go through it again."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)))
@@ -247,7 +248,7 @@ def slot_bytes_disagree() -> List[Any]:
     seen: List[Any] = [comm.all_gather(rank)]
     first = _state_of(group).channel
     try:
-        objcomm.Communicator(group, local=True, slot_bytes=512 if rank == 1 else 256).all_gather(rank)
+        objcomm.Communicator(group, local=True, slot_bytes=512 if rank == 1 else 256).all_gather("x" * 300)
         seen.append("returned")
     except objcomm.CommunicationError as exc:
         seen.append("slot_bytes" in str(exc) or "closed its connection" in str(exc))
