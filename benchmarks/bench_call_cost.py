@@ -4,11 +4,12 @@
 
 One process, no network: a gloo group of world size 1 on a ``HashStore``. For a small dict it times
 
-- **whole calls**: ``objcomm.all_gather`` and ``objcomm.broadcast`` end to end (gloo included: at
-  world size 1 its collective is a thread hand-off, tens to hundreds of µs, and noisy), the same
-  through a ``Communicator`` whose round 1 loops back in process (the pure Python cost of a call,
-  the bound issue 14 runs into once the collective is cheap), and a raw gloo ``all_gather_single``
-  of one slot;
+- **whole calls**: ``all_gather`` and ``broadcast`` of a ``Communicator(serializer=...)`` end to end
+  (gloo included: at world size 1 its collective is a thread hand-off, tens to hundreds of µs, and
+  noisy), the same through a ``Communicator`` whose round 1 loops back in process (the pure Python
+  cost of a call, the bound issue 14 runs into once the collective is cheap; once more with the
+  serializer given per call, which resolves the call's settings each time), and a raw gloo
+  ``all_gather_single`` of one slot;
 - **the pieces of one all_gather**, staged as :meth:`objcomm.Communicator.all_gather` runs them, with
   a clock read between pieces (so every piece runs with the caches as warm or cold as in a real
   call, not in a tight loop of its own): settings resolution (the communicator, the per-call
@@ -57,14 +58,14 @@ class _Loopback:
         return slots
 
 
-def _loopback_communicator() -> Any:
+def _loopback_communicator(serializer: str) -> Any:
     from objcomm import Communicator
 
     class LoopbackCommunicator(Communicator):
         def _wire(self, options: Any) -> Any:
             return super()._wire(options)._replace(first_round=_Loopback())
 
-    return LoopbackCommunicator()
+    return LoopbackCommunicator(serializer=serializer)
 
 
 def _per_call(fn: Callable[[], Any], calls: int) -> float:
@@ -212,26 +213,26 @@ def measure(serializers: Sequence[str], calls: int) -> Dict[str, Dict[str, float
     torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    loop = _loopback_communicator()
     slot = objcomm.settings().slot_bytes
     send, recv = torch.zeros(slot, dtype=torch.uint8), torch.empty(slot, dtype=torch.uint8)
     table: Dict[str, Dict[str, float]] = {}
     for name in serializers:
-        assert objcomm.all_gather(OBJ, serializer=name) == [OBJ]
-        assert loop.all_gather(OBJ, serializer=name) == [OBJ] and loop.broadcast(OBJ, serializer=name) == OBJ
+        # a communicator that holds the serializer (no per-call option: the settings are not resolved per call)
+        comm, loop = objcomm.Communicator(serializer=name), _loopback_communicator(name)
+        assert comm.all_gather(OBJ) == [OBJ] and loop.all_gather(OBJ) == [OBJ] and loop.broadcast(OBJ) == OBJ
         column = {
-            label: _per_call(functools.partial(fn, OBJ, serializer=name), calls)
-            for label, fn in (("objcomm.all_gather (gloo, W=1)", objcomm.all_gather),
-                              ("objcomm.broadcast (gloo, W=1)", objcomm.broadcast),
+            label: _per_call(functools.partial(fn, OBJ), calls)
+            for label, fn in (("objcomm all_gather (gloo, W=1)", comm.all_gather),
+                              ("objcomm broadcast (gloo, W=1)", comm.broadcast),
                               ("all_gather, round 1 looped back", loop.all_gather),
                               ("broadcast, round 1 looped back", loop.broadcast))
         }
+        column["all_gather, round 1 looped back, serializer given per call"] = _per_call(
+            functools.partial(_loopback_communicator("pickle").all_gather, OBJ, serializer=name), calls)
         raw = functools.partial(all_gather_single, recv, send)
         column["raw gloo all_gather_single (1 slot)"] = _per_call(raw, calls)
-        column["function calls in one all_gather (a count)"] = _function_calls(
-            functools.partial(objcomm.all_gather, OBJ, serializer=name))
-        column["function calls in one broadcast (a count)"] = _function_calls(
-            functools.partial(objcomm.broadcast, OBJ, serializer=name))
+        column["function calls in one all_gather (a count)"] = _function_calls(functools.partial(comm.all_gather, OBJ))
+        column["function calls in one broadcast (a count)"] = _function_calls(functools.partial(comm.broadcast, OBJ))
         staged = _staged(all_gather_stages(name), ALL_GATHER_STAGES, calls)
         column.update({f"all_gather: {k}": v for k, v in staged.items()})
         column["all_gather: sum of stages"] = sum(staged.values())

@@ -12,7 +12,8 @@ small machine mostly measures how far apart the ranks leave it):
   ``Communicator(local=True)`` and a ``Communicator(local=False)``;
 - ``send/recv``: a round trip of the same dict between ranks 0 and 1 (``send`` then ``recv`` on rank 0,
   the reverse on rank 1; the other ranks idle), through the channel (after an all_gather voted send/recv
-  in) and through gloo;
+  in) and through gloo; ``general path``: through the channel with a per-call option given (``max_bytes``
+  at its default), which leaves out the express path of :mod:`objcomm._express`;
 - ``raw gloo``: ``all_gather_single`` of one 4096-byte slot per rank, the baseline;
 - ``bare channel``: the group's :class:`objcomm._local.LocalChannel` itself moving 4096 bytes (an all_gather,
   a broadcast, a send/recv round trip), without objcomm's encode, slots, checks and decode: the floor the
@@ -56,6 +57,7 @@ def measure(repeat: int, batch: int = 1) -> Dict[str, float]:
     channel = _state.group_facts(dist.group.WORLD).local[False].channel
     assert channel is not None, "the same-host channel did not open"
     data = bytes(SLOT)
+    default_max_bytes = on._call({}).options.max_bytes  # given per call: the general path, with the same limit
     candidates: Dict[str, Callable[[], Any]] = {
         "all_gather, channel": lambda: on.all_gather(OBJ),
         "all_gather, gloo": lambda: off.all_gather(OBJ),
@@ -63,6 +65,7 @@ def measure(repeat: int, batch: int = 1) -> Dict[str, float]:
         "broadcast, gloo": lambda: off.broadcast(OBJ),
         "send/recv round trip, channel": lambda: _round_trip(on),
         "send/recv round trip, gloo": lambda: _round_trip(off),
+        "send/recv round trip, channel, general path": lambda: _round_trip(on, max_bytes=default_max_bytes),
         "raw gloo all_gather (4096 B)": lambda: all_gather_single(recv, send),
         "bare channel all_gather (4096 B)": lambda: channel.all_gather(data),
         "bare channel broadcast (4096 B)": lambda: channel.broadcast(data, 0),
@@ -72,15 +75,15 @@ def measure(repeat: int, batch: int = 1) -> Dict[str, float]:
     return {k: t.median_s for k, t in interleaved(candidates, repeat=repeat, warmup=20, batch=batch).items()}
 
 
-def _round_trip(comm: Any) -> None:
+def _round_trip(comm: Any, **options: Any) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank()
     if rank == 0:
-        comm.send(OBJ, 1)
-        comm.recv(1)
+        comm.send(OBJ, 1, **options)
+        comm.recv(1, **options)
     elif rank == 1:
-        comm.send(comm.recv(0), 0)
+        comm.send(comm.recv(0, **options), 0, **options)
 
 
 def _bare_round_trip(channel: Any, data: bytes) -> None:

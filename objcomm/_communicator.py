@@ -107,7 +107,7 @@ class Communicator:
         self._separate_hosts: Optional[bool] = None
         self._segments: SegmentBook = _state.SEGMENTS  # tests only: their own, to watch or tamper with segments
         self._calls: Dict[int, tuple] = {}  # id(options) -> what _call() worked out for them (see _remember)
-        self._held: Optional[tuple] = None  # the express path of send/recv and what it is valid for (see _express)
+        self._held: Optional[tuple] = None  # what calls without per-call options use (see _defaults)
 
     def __repr__(self) -> str:
         return f"Communicator(group={self.group!r}, serializer={self.serializer!r}, device={self.device!r})"
@@ -116,10 +116,23 @@ class Communicator:
     def _call(self, kwargs: Mapping[str, Any]) -> Call:
         """Resolve one call from its per-call keyword arguments (see :func:`objcomm._settings.resolve`).
 
-        What follows from the options (the serializer object, the wire less its group) is kept per options
-        object, as long as the registry, the group, the device and the segment book are the ones it was
-        worked out for; the group is held weakly, so that the default group can go when it is destroyed.
+        A call that gives none (most calls) takes what :meth:`_defaults` keeps, without resolving anything.
         """
+        for value in kwargs.values():
+            if value is not None:
+                return self._resolved(kwargs)
+        group = self._group()
+        held = self._defaults(group)
+        if held is None:  # no group, or one that cannot be held weakly
+            return self._resolved(kwargs)
+        # tuple.__new__: the named tuples' own __new__ is a Python function, one more call on every call
+        return _new(Call, (held[6], held[7], _new(_transport.Wire, (group, *held[8]))))
+
+    def _resolved(self, kwargs: Mapping[str, Any]) -> Call:
+        """:meth:`_call` by resolving ``kwargs``. What follows from the options (the serializer object, the
+        wire less its group) is kept per options object, as long as the registry, the group, the device and
+        the segment book are the ones it was worked out for; the group is held weakly, so that the default
+        group can go when it is destroyed."""
         layer = self._given if self._separate_hosts is None else {**self._given, "separate_hosts": self._separate_hosts}
         options = resolve(kwargs, layer)
         group = self._group()
@@ -127,7 +140,6 @@ class Communicator:
         if (found is None or found[0] is not options or found[1] != registry.version or found[2]() is not group
                 or found[3] is not self.device or found[4] is not self._segments):
             found = self._remember(options, group)
-        # tuple.__new__: the named tuples' own __new__ is a Python function, one more call on every call
         wire = None if group is None else _new(_transport.Wire, (group, *found[6]))
         return _new(Call, (options, found[5], wire))
 
@@ -147,24 +159,33 @@ class Communicator:
             self._calls[id(options)] = found
         return found
 
-    def _express(self) -> Optional[Express]:
-        """The express path of this communicator's default-option send/recv (:mod:`objcomm._express`), or
-        None; kept while the settings, the registry, the group and this communicator's fields are the ones
-        it was worked out for (the checks of :meth:`_call`, without resolving a call)."""
-        group = self._group()
+    def _defaults(self, group: Any) -> Optional[tuple]:
+        """What a call without per-call options on ``group`` uses: ``(stamps..., options, serializer, the wire
+        less its group, the express path of send/recv)``, kept while the process-wide settings, the
+        registry, the group and this communicator's fields are the ones it was worked out for (the checks
+        of :meth:`_resolved`, without resolving a call). None without a group, or for one that cannot be
+        held weakly."""
         held = self._held
         if (held is not None and held[0] is settings_state() and held[1] == registry.version and held[2]() is group
                 and held[3] is self.device and held[4] is self._segments and held[5] is self._separate_hosts):
-            return held[6]
+            return held
         if group is None:
             return None
         stamp = (settings_state(), registry.version)  # before the work: a change meanwhile makes it stale
-        express = Express.of(self._call({}))
+        call = self._resolved({})
+        assert call.wire is not None
         try:
-            self._held = (*stamp, weakref.ref(group), self.device, self._segments, self._separate_hosts, express)
-        except TypeError:  # a group that cannot be referenced weakly: worked out again on every call
-            pass
-        return express
+            held = (*stamp, weakref.ref(group), self.device, self._segments, self._separate_hosts,
+                    call.options, call.serializer, tuple(call.wire)[1:], Express.of(call))
+        except TypeError:
+            return None
+        self._held = held
+        return held
+
+    def _express(self) -> Optional[Express]:
+        """The express path of this communicator's default-option send/recv (:mod:`objcomm._express`), or None."""
+        held = self._defaults(self._group())
+        return None if held is None else held[9]
 
     def _group(self) -> Any:
         """The group this communicator's calls use; None when torch.distributed is not initialised."""
