@@ -33,6 +33,9 @@ _DISTRIBUTED = dist.is_available()
 _new = tuple.__new__
 
 
+_UNBUILT = object()  # the express path of _defaults, before the first send/recv needs it
+
+
 def _no_group() -> None:
     """What :meth:`Communicator._remember` holds for "no group", called like a weak reference."""
     return None
@@ -161,7 +164,7 @@ class Communicator:
 
     def _defaults(self, group: Any) -> Optional[tuple]:
         """What a call without per-call options on ``group`` uses: ``(stamps..., options, serializer, the wire
-        less its group, the express path of send/recv)``, kept while the process-wide settings, the
+        less its group, the express path of send/recv or ``_UNBUILT``)``, kept while the process-wide settings, the
         registry, the group and this communicator's fields are the ones it was worked out for (the checks
         of :meth:`_resolved`, without resolving a call). None without a group, or for one that cannot be
         held weakly."""
@@ -176,16 +179,24 @@ class Communicator:
         assert call.wire is not None
         try:
             held = (*stamp, weakref.ref(group), self.device, self._segments, self._separate_hosts,
-                    call.options, call.serializer, tuple(call.wire)[1:], Express.of(call))
+                    call.options, call.serializer, tuple(call.wire)[1:], _UNBUILT)
         except TypeError:
             return None
         self._held = held
         return held
 
     def _express(self) -> Optional[Express]:
-        """The express path of this communicator's default-option send/recv (:mod:`objcomm._express`), or None."""
-        held = self._defaults(self._group())
-        return None if held is None else held[9]
+        """The express path of this communicator's default-option send/recv (:mod:`objcomm._express`), or None;
+        built on the first send/recv (a communicator made for one collective never pays for it)."""
+        group = self._group()
+        held = self._defaults(group)
+        if held is None:
+            return None
+        express = held[9]
+        if express is _UNBUILT:
+            express = Express.of(_new(Call, (held[6], held[7], _new(_transport.Wire, (group, *held[8])))))
+            self._held = (*held[:9], express)
+        return express
 
     def _group(self) -> Any:
         """The group this communicator's calls use; None when torch.distributed is not initialised."""
