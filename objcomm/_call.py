@@ -39,12 +39,18 @@ class Call(NamedTuple):
             return torch.device(self.options.map_location)
         return self.wire.device if self.wire is not None else torch.device("cpu")
 
-    def encode(self, obj: Any) -> tuple[Outgoing, Optional[BaseException]]:
-        """``(outgoing, exception)``: a failure becomes an error report that still travels."""
+    def encode(self, obj: Any, serialized: Union[None, _framing.Serialized, BaseException] = None,
+               ) -> tuple[Outgoing, Optional[BaseException]]:
+        """``(outgoing, exception)``: a failure becomes an error report that still travels. ``serialized``:
+        what serializing ``obj`` with this call's serializer gave already (:func:`objcomm._framing.serialize`'s
+        result, or what it raised), so that it is not serialized twice."""
         try:
+            if isinstance(serialized, BaseException):
+                raise serialized
             out = _framing.encode(
                 obj, self.serializer, max_bytes=self.options.max_bytes,
                 inline_tensor_bytes=self.options.inline_tensor_bytes, compression=self.options.compression,
+                serialized=serialized,
             )
             return out, None
         except Exception as exc:

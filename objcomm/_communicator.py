@@ -370,17 +370,22 @@ class Communicator:
         receiver gets the error report (and raises ``RemoteError``) and this rank raises the original
         error: nobody is left waiting.
         """
+        express, serialized = None, None
         if serializer is None and max_bytes is None and compression is None:
             express = self._express()
-            if express is not None and express.send(obj, dst, tag):
-                return
+            if express is not None:
+                serialized = express.send(obj, dst, tag)
+                if serialized is True:
+                    return
         call = self._call(call_kwargs(locals()))
         wire = tagged(self._require_group(call, "send"), tag, "send")
         peer = self._group_rank(wire, dst, "dst")
         if peer == wire.rank:
             raise ValueError(f"send(dst={dst}) is this rank itself; send to another rank")
         _requests.check_blocking(wire.group, "send", dst, tag)
-        out, local = call.encode(obj)
+        if express is None or call.serializer is not express.call.serializer:
+            serialized = None  # the settings changed meanwhile (another thread): serialize again
+        out, local = call.encode(obj, serialized)
         _transport.send(wire, out, peer)
         if local is not None:
             raise with_original_type(local)

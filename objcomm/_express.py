@@ -16,10 +16,11 @@ whole one, :func:`objcomm._first.trimmed`; pinned by ``tests/test_express.py``):
 what the general path checks, then decodes with the same function. It takes only the
 plainest case and hands everything else to the general path *before anything has moved*: a send
 with per-call options, an argument the general path would refuse (it says why), an object with
-tensors or past the slot or failing to encode (the general path encodes it again and sends the error
-report), compression, an ``isend``/``irecv`` in flight on the group, a channel that does not carry
-send/recv (yet, or any more). A receive hands over once its slot has arrived when the slot is not
-the whole message (an error report, tensors, a second round): the general path's own steps finish it.
+tensors or past the slot or failing to encode (what serializing it gave goes along, so that nothing
+is serialized twice, and a failure becomes the general path's error report), compression, an
+``isend``/``irecv`` in flight on the group, a channel that does not carry send/recv (yet, or any
+more). A receive hands over once its slot has arrived when the slot is not the whole message (an
+error report, tensors, a second round): the general path's own steps finish it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from typing import Any, Callable, Optional
 from . import _first, _framing, _state
 from ._call import MAX_TAG, Call
 from ._slots import read_slot
-from ._tensors import TensorLifter
 from ._transport import Incoming, Wire, received
 
 NOT_TAKEN = object()  # what Express.recv returns when the general path must receive
@@ -54,7 +54,7 @@ class Express:
         self.name = call.serializer.name.encode("ascii")
         self.slot, self.limit, self.spin = wire.slot, wire.max_bytes, strategy.spin
         self.cpu = wire.device.type == "cpu"  # tags and recv(src=None) need a backend with tags (gloo)
-        self.whole_bytes = options.inline_tensor_bytes  # bytes past this travel out of band: the general path
+        self.whole_bytes = options.inline_tensor_bytes  # bytes past this travel out of band
         self.accept, self.device = options.accept, call.device
 
     @staticmethod
@@ -79,24 +79,26 @@ class Express:
         requests = self.facts.requests
         return None if requests is not None and requests.busy else channel
 
-    def send(self, obj: Any, dst: Any, tag: Any) -> bool:
-        """Send ``obj`` to global rank ``dst``; False (nothing sent) where the general path must."""
+    def send(self, obj: Any, dst: Any, tag: Any) -> Any:
+        """Send ``obj`` to global rank ``dst``: True once sent. Anything else is what the general path takes
+        over, nothing having moved: None (nothing done), or what serializing ``obj`` gave (the result of
+        :func:`objcomm._framing.serialize`, or the exception it raised), which it then does not do again."""
         peer = self.peers.get(dst) if type(dst) is int else None
         channel = self._channel(tag)
         if peer is None or channel is None:
-            return False
-        if type(obj) in (bytes, bytearray) and len(obj) > self.whole_bytes:
-            return False
-        lifter = TensorLifter()
+            return None
         try:
-            payload = self.call.serializer.dumps(obj, lift=lifter)
-        except Exception:
-            return False  # the general path encodes it again and sends the error report
-        if lifter.tensors:
-            return False
-        slot = _framing.small_slot(self.name, payload, self.slot, self.limit)
+            serialized = _framing.serialize(obj, self.call.serializer, self.whole_bytes)
+        except Exception as exc:  # the general path sends the error report
+            return exc
+        if serialized[1].tensors:
+            return serialized
+        try:
+            slot = _framing.small_slot(self.name, serialized[0], self.slot, self.limit)
+        except Exception:  # a payload that is no buffer: encode() raises it again, on the general path
+            return serialized
         if slot is None:
-            return False
+            return serialized
         channel.send(slot, peer, tag)
         return True
 

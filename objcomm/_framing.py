@@ -127,6 +127,17 @@ def _frame_parts(
     return parts, HEADER.size + len(name_bytes) + len(table) + body.nbytes + inline_len
 
 
+Serialized = Tuple[Any, TensorLifter]  # a serializer's payload and the out-of-band objects it lifted
+
+
+def serialize(obj: Any, serializer: SerializerProtocol, inline_tensor_bytes: int) -> Serialized:
+    """``(payload, lifter)``: the first step of :func:`encode`, the serializer's own work."""
+    lifter = TensorLifter()
+    if type(obj) in (bytes, bytearray) and len(obj) > inline_tensor_bytes and serializer.supports_external:
+        obj = WholeBytes(obj)  # travels like a tensor: never copied into the payload
+    return serializer.dumps(obj, lift=lifter), lifter
+
+
 def encode(
     obj: Any,
     serializer: SerializerProtocol,
@@ -134,16 +145,15 @@ def encode(
     max_bytes: int,
     inline_tensor_bytes: int = 64 << 10,
     compression: Optional[str] = None,
+    serialized: Optional[Serialized] = None,
 ) -> Outgoing:
     """Serialize ``obj`` into a frame plus out-of-band tensors; raise :class:`EncodeError` or :class:`TooLargeError`.
 
     ``serializer`` is one ``serializers.registry.guarded()`` returns, so it raises only objcomm's
-    errors. Tensors are lifted out when it supports that (the pickle family, msgpack).
+    errors. Tensors are lifted out when it supports that (the pickle family, msgpack). ``serialized``:
+    what :func:`serialize` returned for ``obj`` already, which is then not serialized again.
     """
-    lifter = TensorLifter()
-    if type(obj) in (bytes, bytearray) and len(obj) > inline_tensor_bytes and serializer.supports_external:
-        obj = WholeBytes(obj)  # travels like a tensor: never copied into the payload
-    payload = serializer.dumps(obj, lift=lifter)
+    payload, lifter = serialize(obj, serializer, inline_tensor_bytes) if serialized is None else serialized
     packed = lifter.pack(inline_tensor_bytes) if lifter.tensors else None
     raw = memoryview(payload).cast("B")
     code, stored = (NO_COMPRESSION, raw) if compression is None else _compression.compress(compression, raw)

@@ -138,6 +138,47 @@ def routes_and_outcomes() -> List[Any]:
     return got
 
 
+class Counted:
+    """Counts how often it is serialized (in this process)."""
+
+    reductions = 0
+
+    def __reduce__(self) -> Any:
+        Counted.reductions += 1
+        return (Counted, ())
+
+
+def serialized_once_and_failures_reported() -> List[Any]:
+    """What the express path cannot send goes to the general path with what serializing it gave: serialized
+    once; a serializer whose output is no buffer is reported to the receiver, not left waiting for."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=True)
+    comm.all_gather(None)
+    got: List[Any] = []
+    for obj in ({"c": Counted(), "t": torch.zeros(2)}, {"c": Counted(), "big": b"b" * 10_000}, {"c": Counted()}):
+        Counted.reductions = 0
+        if rank == 0:
+            comm.send(obj, 1)
+            got.append(Counted.reductions)
+        else:
+            got.append(type(comm.recv(0)["c"]).__name__)
+    registry.register("no-buffer", lambda o: "not bytes", lambda b: None, replace=True)
+    try:
+        on_it = objcomm.Communicator(serializer="no-buffer", local=True)
+        got.append(_outcome(lambda: on_it.send("x", 1) if rank == 0 else comm.recv(0)))
+        got.append(_outcome(lambda: comm.send("next", 1) if rank == 0 else comm.recv(0)))
+    finally:
+        registry.unregister("no-buffer")
+    return got
+
+
+def test_what_the_express_path_hands_over_is_serialized_once_and_failures_reach_the_receiver():
+    sender, receiver = get_pool(2).run(serialized_once_and_failures_reported)
+    assert sender[:3] == [1, 1, 1] and receiver[:3] == ["Counted"] * 3
+    assert sender[3][0] == "raised" and receiver[3] == ("raised", "RemoteError")  # not left waiting
+    assert receiver[4] == ("ok", "next")  # and the next message is the next one
+
+
 def test_the_express_path_takes_the_plain_cases_and_the_general_path_the_rest():
     got = get_pool(2).run(routes_and_outcomes)
     sender = {label: (outcome, general) for label, outcome, general in got[0][:10]}
