@@ -168,12 +168,12 @@ class Communicator:
         registry, the group and this communicator's fields are the ones it was worked out for (the checks
         of :meth:`_resolved`, without resolving a call). None without a group, or for one that cannot be
         held weakly."""
+        if group is None:  # first: a kept group that was collected reads as None too
+            return None
         held = self._held
         if (held is not None and held[0] is settings_state() and held[1] == registry.version and held[2]() is group
                 and held[3] is self.device and held[4] is self._segments and held[5] is self._separate_hosts):
             return held
-        if group is None:
-            return None
         stamp = (settings_state(), registry.version)  # before the work: a change meanwhile makes it stale
         call = self._resolved({})
         assert call.wire is not None

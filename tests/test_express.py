@@ -12,6 +12,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 import torch.distributed as dist
+from _child import run_in_child
 from _ranks import get_pool
 
 import objcomm
@@ -314,3 +315,20 @@ def test_hostile_slots_through_the_express_path_raise_as_on_the_general_path():
         kind, name, message = dict(receiver)[label]
         assert name == "CommunicationError" and "every rank of a group must use the same slot_bytes" in message
     assert [outcome for label, outcome in peer] == [("raised", "CommunicationError")] * 2
+
+
+def calls_after_the_group_is_gone() -> List[Any]:
+    """A communicator that kept what its calls use on the default group, after that group is destroyed and
+    collected: calls see no group (a group of one), as they did before anything was kept."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    comm = objcomm.Communicator()
+    got = [comm.all_gather(1), comm._express()]  # a group of one: no express path
+    assert comm._held is not None
+    dist.destroy_process_group()
+    gc.collect()
+    got += [comm.all_gather(2), comm.broadcast(3)]
+    return got
+
+
+def test_what_a_communicator_keeps_goes_with_its_group():
+    assert run_in_child(calls_after_the_group_is_gone, timeout=60, preload=("torch",)) == [[1], None, [2], 3]
