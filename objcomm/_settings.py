@@ -55,6 +55,7 @@ from typing import Any, Callable, Collection, Dict, FrozenSet, Hashable, Mapping
 from serializers import SerializerLike, registry
 
 from . import _compression
+from ._limits import MAX_SIZE
 
 DEFAULT_MAX_BYTES = 8 << 30  # 8 GiB
 DEFAULT_SLOT_BYTES = 4096
@@ -141,6 +142,12 @@ def check_positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _check_limit(name: str, value: Any) -> None:
+    check_positive(name, value)
+    if value >= MAX_SIZE:
+        raise ValueError(f"{name} must be below 2**62 bytes (no size objcomm moves reaches that), got {value:,}")
+
+
 def check_slot(value: Any) -> None:
     check_positive("slot_bytes", value)
     if value < MIN_SLOT_BYTES:
@@ -183,7 +190,7 @@ def _check_serializer(name: str, value: Any) -> None:
 _CHECKS: Dict[str, Callable[[str, Any], None]] = {
     "serializer": _check_serializer,
     "accept": _check_accept,
-    "max_bytes": check_positive,
+    "max_bytes": _check_limit,
     "slot_bytes": lambda name, value: check_slot(value),
     "chunk_bytes": check_positive,
     "inline_tensor_bytes": _check_not_negative,

@@ -112,6 +112,7 @@ def test_restore_lets_the_environment_speak_again(clean):
 
 BAD = [
     ("max_bytes", 0, ValueError, "max_bytes must be a positive int, got 0"),
+    ("max_bytes", 1 << 64, ValueError, r"max_bytes must be below 2\*\*62 bytes"),  # slots carry it in 64 bits
     ("slot_bytes", 8, ValueError, "slot_bytes must be at least 128"),
     ("chunk_bytes", -1, ValueError, "chunk_bytes must be a positive int, got -1"),
     ("inline_tensor_bytes", -1, ValueError, r"inline_tensor_bytes must be an int >= 0, got -1"),
