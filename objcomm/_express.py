@@ -123,8 +123,7 @@ class Express:
         plain = _framing.plain_in_slot(got)
         if plain is None:  # anything else: the general path's steps, from the whole slot on
             wire = self.wire(group(), tag)
-            whole = _first.padded(got, self.slot)
-            incoming = received(wire, sender, read_slot(memoryview(whole)), _framing.tensor_sizes)
+            incoming = received(wire, sender, read_slot(memoryview(got)), _framing.tensor_sizes)
             return self.ranks[sender], self.call._replace(wire=wire).received(*incoming)
         frame, header = plain
         obj = _framing.decode_parsed(frame, header, Incoming(frame), sender, self.accept, self.device, self.limit)

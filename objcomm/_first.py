@@ -6,7 +6,7 @@ of a group runs on this host, the slots of ``all_gather``/``gather``, ``broadcas
 ``all_to_all`` (and of the reductions, which end in one of these), and those of ``send``/``recv``
 (``isend``/``irecv``, any source, tags), move through a :class:`objcomm._local.LocalChannel` and never
 touch the group's backend. A slot that holds a whole frame and nothing after it travels trimmed after
-the frame, and is padded back on arrival (:func:`trimmed`; ``docs/wire-format.md`` section 7): the
+the frame, and is read as the whole slot on arrival (:func:`trimmed`; ``docs/wire-format.md`` section 7): the
 zeros of a 4 KiB slot were most of what a small call allocated, copied and moved. Everything after
 round 1 (votes, a receiver's answer, second rounds, shared memory) is unchanged, and so is every
 failure: a slot carries an error report as before, and a dead peer or a wait past the group's
@@ -294,11 +294,6 @@ def trimmed(slot: Slot, size: int) -> bool:
     return SLOT_PREFIX_BYTES <= n < size and _FRAME_LENGTH.unpack_from(slot)[0] == n - SLOT_PREFIX_BYTES
 
 
-def padded(slot: Slot, size: int) -> bytes:
-    """A :func:`trimmed` slot as its sender's general path would have written it."""
-    return bytes(slot) + bytes(size - len(slot))
-
-
 def _trim(slot: Slot) -> Slot:
     """``slot`` without the zeros after its frame, where it holds a whole frame and nothing else (no flag bits:
     not an error report, no sizes listed after the frame, no second round); else ``slot`` itself."""
@@ -311,16 +306,15 @@ _FRAME_LENGTH = struct.Struct("<Q")  # a slot's first word: its frame's length, 
 
 def _checked(wire: Wire, channel: _local.LocalChannel, slots: Sequence[Slot], op: str,
              mine: Optional[Slot] = None) -> List[Slot]:
-    """``slots``, each ``wire.slot`` bytes long (a :func:`trimmed` one padded back; ``mine``, when given, in
-    this rank's place as it is); else ranks disagree on ``slot_bytes`` (the backend would fail too): the
-    channel fails, so that the others raise as well."""
+    """``slots``, each ``wire.slot`` bytes long or :func:`trimmed` (which :func:`objcomm._slots.read_slot`
+    reads as the whole slot: a prefix without flag bits and its frame), ``mine``, when given, in this rank's
+    place; else ranks disagree on ``slot_bytes`` (the backend would fail too): the channel fails, so that the
+    others raise as well."""
     whole = list(slots)
     if mine is not None:
         whole[wire.rank] = mine
-    for r, slot in enumerate(whole):
-        if len(slot) != wire.slot:
-            if not trimmed(slot, wire.slot):
-                channel.fail(op, f"rank {wire.rank} received a {len(slot):,}-byte slot but uses "
-                                 f"slot_bytes={wire.slot:,}; every rank of a group must use the same slot_bytes")
-            whole[r] = padded(slot, wire.slot)
+    for slot in whole:
+        if len(slot) != wire.slot and not trimmed(slot, wire.slot):
+            channel.fail(op, f"rank {wire.rank} received a {len(slot):,}-byte slot but uses "
+                             f"slot_bytes={wire.slot:,}; every rank of a group must use the same slot_bytes")
     return whole
