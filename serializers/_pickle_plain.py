@@ -47,7 +47,9 @@ sequence of whole opcodes, each one opcode byte followed by exactly its argument
 or for SHORT_BINUNICODE one alternative per length byte, followed by that many bytes), and where
 alternatives start with the same byte they parse the same first opcode. So a match starting on
 an opcode boundary can only follow the one parse the C unpickler follows, and it ends on an
-opcode boundary; argument bytes are never read as opcodes. The lookahead after BINFLOAT reads
+opcode boundary; argument bytes are never read as opcodes. (Some alternatives read more than one
+opcode: a run of BININTs, a string and a MEMOIZE, a memo read and the value after it; each is
+still a sequence of whole opcodes, the same parse in one pass of the outer repeat.) The lookahead after BINFLOAT reads
 the next opcode from that boundary too. A tuple opcode is accepted only at the end of an
 alternative that itself parsed at least that many scalars just before it. Where the run stops, a
 short Python step parses one length-prefixed opcode (checking the length against the bytes
@@ -64,7 +66,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 _STOP, _PROTO = ord("."), 0x80
 _BINSTRING = ord("T")  # its length is signed; a negative one is malformed
@@ -107,9 +109,16 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
             *(_opcode(bytes([c]), 0) for c in b"as\x8f\x90ld01)"),
         ]
     else:
+        # A pass of the outer repeat costs more than a nested repeat or a second opcode in the same
+        # alternative, so the commonest sequences are read in one: a run of BININTs (an int-keyed
+        # dict, a list of ids), a string with the MEMOIZE the pickler writes after it, and a memo
+        # read (a dict's key, memoized on its first use) with the value after it.
+        floats = _opcode(b"G", 8) + b"(?!G)"  # BINFLOAT; a run of them is left to the stride check below
+        string = short_unicode + b"(?:" + _opcode(b"\x94", 0) + b"|)"
+        binints = _opcode(b"J", 4) + b"(?:" + _opcode(b"J", 4) + b")" + repeat
+        value = b"(?:" + b"|".join([floats, string, binints, _opcode(b"K", 1)]) + b"|)"
         alternatives = [
-            _opcode(b"G", 8) + b"(?!G)",  # BINFLOAT; a run of them is left to the stride check below
-            _opcode(b"\x94", 0), _opcode(b"h", 1), short_unicode, _opcode(b"J", 4), _opcode(b"K", 1),
+            floats, _opcode(b"\x94", 0), _opcode(b"h", 1) + value, string, binints, _opcode(b"K", 1),
             _opcode(b"(", 0), _opcode(b"e", 0), _opcode(b"u", 0), _opcode(b"}", 0), _opcode(b"]", 0),
             _opcode(b"M", 2), _opcode(b"j", 4), _opcode(b"\x95", 8),  # BININT2, LONG_BINGET, FRAME
             # NONE NEWTRUE NEWFALSE APPEND SETITEM EMPTY_SET ADDITEMS LIST DICT POP POP_MARK EMPTY_TUPLE
@@ -117,6 +126,15 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
             *(_opcode(bytes([c]), 0) for c in b"N\x88\x89as\x8f\x90ld01)"),
         ]
     return re.compile(b"(?:" + b"|".join(alternatives) + b")" + repeat, re.DOTALL)
+
+
+_RUNS: List[Optional[Callable[[bytes, int], Optional[re.Match[bytes]]]]] = [None, None]  # by ``tuples``
+
+
+def _compiled_run(tuples: bool) -> Callable[[bytes, int], Optional[re.Match[bytes]]]:
+    """``_run_pattern(tuples).match``, kept in ``_RUNS`` (one list index a walk, not a cached call)."""
+    run = _RUNS[tuples] = _run_pattern(tuples).match
+    return run
 
 
 def _length_widths() -> List[int]:
@@ -150,8 +168,9 @@ def is_plain(raw: bytes) -> bool:
 
 def _walk(raw: bytes, tuples: bool) -> Optional[bool]:
     """True: plain; False: not shown plain; None: stopped at a tuple opcode (``tuples`` False)."""
-    size, at = len(raw), 0
-    run, widths = _run_pattern(tuples).match, _WIDTHS
+    size, widths = len(raw), _WIDTHS
+    run = _RUNS[tuples] or _compiled_run(tuples)
+    at = 2 if raw[:1] == b"\x80" else 0  # PROTO, as the loop below would skip it, without a first match
     while True:
         match = run(raw, at)
         assert match is not None  # the repeat matches the empty string
