@@ -48,10 +48,11 @@ or for SHORT_BINUNICODE one alternative per length byte, followed by that many b
 alternatives start with the same byte they parse the same first opcode. So a match starting on
 an opcode boundary can only follow the one parse the C unpickler follows, and it ends on an
 opcode boundary; argument bytes are never read as opcodes. (Some alternatives read more than one
-opcode: a run of BININTs, a string and a MEMOIZE, a memo read and the value after it; each is
-still a sequence of whole opcodes, the same parse in one pass of the outer repeat.) The lookahead after BINFLOAT reads
-the next opcode from that boundary too. A tuple opcode is accepted only at the end of an
-alternative that itself parsed at least that many scalars just before it. Where the run stops, a
+opcode: a run of BININTs, a string and a MEMOIZE, a memo read and the value after it, a run of
+opcodes without argument; each is still a sequence of whole opcodes, the same parse in one pass of
+the outer repeat, and no other alternative starts with a byte the last one's class holds.) The
+lookahead after BINFLOAT reads the next opcode from that boundary too. A tuple opcode is accepted
+only at the end of an alternative that itself parsed at least that many scalars just before it. Where the run stops, a
 short Python step parses one length-prefixed opcode (checking the length against the bytes
 present), or checks a run of BINFLOATs by stride (every 9th byte, from a BINFLOAT, is the next
 opcode; the pattern without tuples only), and resumes the run.
@@ -88,6 +89,7 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
     # Possessive (3.11+): the engine keeps no backtracking state per opcode. Before 3.11 a bounded
     # greedy repeat keeps it to 1,000 opcodes per call instead.
     repeat = b"*+" if sys.version_info >= (3, 11) else b"{0,1000}"
+    one_or_more = b"++" if sys.version_info >= (3, 11) else b"+"
     if tuples:
         # A scalar (BINFLOAT, SHORT_BINUNICODE, BININT, BININT1, BININT2, NONE, NEWTRUE, NEWFALSE)
         # with the MEMOIZEs and FRAMEs that follow it (neither touches the stack; the pickler
@@ -103,27 +105,29 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
             scalar + b"(?:\x85|" + scalar + b"(?:[\x85\x86]|" + scalar + b"(?:" + scalar + b")" + repeat
             + b"[\x85\x86\x87]?)?)?"
         ]
-        alternatives = [
-            *scalars, _opcode(b"\x94", 0), _opcode(b"h", 1),
-            *(_opcode(bytes([c]), 0) for c in b"(eu}]"), _opcode(b"j", 4), _opcode(b"\x95", 8),
-            *(_opcode(bytes([c]), 0) for c in b"as\x8f\x90ld01)"),
-        ]
+        # The scalars come last: their alternative starts with a group, which the engine enters to
+        # try (it skips an alternative that starts with another byte or class without entering it).
+        # Opcodes without argument are read a run at a time, as below (NONE, NEWTRUE and NEWFALSE,
+        # scalars here, are not in the class: they may be a tuple's items).
+        no_argument = b"[" + re.escape(b"\x94(eu}]as\x8f\x90ld01)") + b"]" + one_or_more
+        alternatives = [_opcode(b"h", 1), no_argument, _opcode(b"j", 4), _opcode(b"\x95", 8), *scalars]
     else:
         # A pass of the outer repeat costs more than a nested repeat or a second opcode in the same
         # alternative, so the commonest sequences are read in one: a run of BININTs (an int-keyed
-        # dict, a list of ids), a string with the MEMOIZE the pickler writes after it, and a memo
-        # read (a dict's key, memoized on its first use) with the value after it.
+        # dict, a list of ids), a string with the MEMOIZE the pickler writes after it, a memo read
+        # (a dict's key, memoized on its first use) with the value after it, and a run of opcodes
+        # without argument (one character class: ``]\x94(``, ``u}\x94(``, ``\x94(``...).
         floats = _opcode(b"G", 8) + b"(?!G)"  # BINFLOAT; a run of them is left to the stride check below
         string = short_unicode + b"(?:" + _opcode(b"\x94", 0) + b"|)"
         binints = _opcode(b"J", 4) + b"(?:" + _opcode(b"J", 4) + b")" + repeat
         value = b"(?:" + b"|".join([floats, string, binints, _opcode(b"K", 1)]) + b"|)"
+        # MEMOIZE MARK APPENDS SETITEMS EMPTY_DICT EMPTY_LIST NONE NEWTRUE NEWFALSE APPEND SETITEM EMPTY_SET
+        # ADDITEMS LIST DICT POP POP_MARK EMPTY_TUPLE (not FROZENSET or DUP: the full walk charges
+        # comparing equal frozensets and reused strings)
+        no_argument = b"[" + re.escape(b"\x94(eu}]N\x88\x89as\x8f\x90ld01)") + b"]" + one_or_more
         alternatives = [
-            floats, _opcode(b"\x94", 0), _opcode(b"h", 1) + value, string, binints, _opcode(b"K", 1),
-            _opcode(b"(", 0), _opcode(b"e", 0), _opcode(b"u", 0), _opcode(b"}", 0), _opcode(b"]", 0),
+            floats, _opcode(b"h", 1) + value, string, binints, _opcode(b"K", 1), no_argument,
             _opcode(b"M", 2), _opcode(b"j", 4), _opcode(b"\x95", 8),  # BININT2, LONG_BINGET, FRAME
-            # NONE NEWTRUE NEWFALSE APPEND SETITEM EMPTY_SET ADDITEMS LIST DICT POP POP_MARK EMPTY_TUPLE
-            # (not FROZENSET or DUP: the full walk charges comparing equal frozensets and reused strings)
-            *(_opcode(bytes([c]), 0) for c in b"N\x88\x89as\x8f\x90ld01)"),
         ]
     return re.compile(b"(?:" + b"|".join(alternatives) + b")" + repeat, re.DOTALL)
 

@@ -443,6 +443,23 @@ def test_the_fast_walk_reads_a_memo_read_and_its_value_opcode_by_opcode():
     assert not _raw_plain(long_string) and s.loads(long_string) == ["k", "k", "a" * 256]
 
 
+def test_the_fast_walk_reads_runs_of_opcodes_without_argument_as_such():
+    """Opcodes without argument are read a run at a time (one character class); NONE, NEWTRUE and
+    NEWFALSE stay scalars a tuple may hold, and a tuple opcode after anything but the scalars just
+    pushed (a mark, a POP, a MEMOIZE run) is left to the full walk."""
+    s = serializers.get("restricted-pickle")
+    shown = [
+        b"](N\x85\x94N\x88\x86\x94\x89\x89\x89\x87e",
+        b"}\x94(\x8c\x01a\x94]\x94(NN\x88\x89e\x8c\x01b\x94\x8f(\x90u",
+        b"(((ll)\x94l",
+    ]
+    for body in shown:
+        assert _is_plain(body) and s.loads(payload(body)) == pickle.loads(payload(body)), body
+    for body in (b"](K\x01(\x85e", b"](K\x010\x85e", b"](K\x01K\x02\x94(1\x86e", b"]((\x87e"):
+        assert not _is_plain(body), body
+        assert outcome(lambda d=payload(body): s.loads(d)) in {"ok", *REFUSED}, body
+
+
 def _raw_plain(data: bytes) -> bool:
     from serializers._pickle_plain import is_plain
 
