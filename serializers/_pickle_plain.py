@@ -48,14 +48,14 @@ or for SHORT_BINUNICODE one alternative per length byte, followed by that many b
 alternatives start with the same byte they parse the same first opcode. So a match starting on
 an opcode boundary can only follow the one parse the C unpickler follows, and it ends on an
 opcode boundary; argument bytes are never read as opcodes. (Some alternatives read more than one
-opcode: a run of BININTs, a string and a MEMOIZE, a memo read and the value after it, a run of
-opcodes without argument; each is still a sequence of whole opcodes, the same parse in one pass of
-the outer repeat, and no other alternative starts with a byte the last one's class holds.) The
-lookahead after BINFLOAT reads the next opcode from that boundary too. A tuple opcode is accepted
-only at the end of an alternative that itself parsed at least that many scalars just before it. Where the run stops, a
-short Python step parses one length-prefixed opcode (checking the length against the bytes
-present), or checks a run of BINFLOATs by stride (every 9th byte, from a BINFLOAT, is the next
-opcode; the pattern without tuples only), and resumes the run.
+opcode: a run of BININTs, of strings each with a MEMOIZE, of memo reads each with the value after
+it, of opcodes without argument; each is still a sequence of whole opcodes, the same parse in one
+pass of the outer repeat, and no other alternative starts with a byte the last one's class holds.)
+The lookahead after BINFLOAT reads the next opcode from that boundary too. A tuple opcode is
+accepted only at the end of an alternative that itself parsed at least that many scalars just
+before it. Where the run stops, a short Python step parses one length-prefixed opcode (checking
+the length against the bytes present), or checks a run of BINFLOATs by stride (every 9th byte,
+from a BINFLOAT, is the next opcode; the pattern without tuples only), and resumes the run.
 
 Payloads without TUPLE1/2/3 are walked by a pattern without tuples (the alternatives above cost
 time on every scalar, and it leaves runs of floats to the much faster stride check); one that
@@ -114,9 +114,10 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
     else:
         # A pass of the outer repeat costs more than a nested repeat or a second opcode in the same
         # alternative, so the commonest sequences are read in one: a run of BININTs (an int-keyed
-        # dict, a list of ids), a string with the MEMOIZE the pickler writes after it, a memo read
-        # (a dict's key, memoized on its first use) with the value after it, and a run of opcodes
-        # without argument (one character class: ``]\x94(``, ``u}\x94(``, ``\x94(``...).
+        # dict, a list of ids), a run of strings, each with the MEMOIZE the pickler writes after it,
+        # a run of memo reads (a dict's keys, memoized on their first use), each with the value
+        # after it, and a run of opcodes without argument (one character class: ``]\x94(``,
+        # ``u}\x94(``, ``\x94(``...).
         floats = _opcode(b"G", 8) + b"(?!G)"  # BINFLOAT; a run of them is left to the stride check below
         string = short_unicode + b"(?:" + _opcode(b"\x94", 0) + b"|)"
         binints = _opcode(b"J", 4) + b"(?:" + _opcode(b"J", 4) + b")" + repeat
@@ -125,8 +126,10 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
         # ADDITEMS LIST DICT POP POP_MARK EMPTY_TUPLE (not FROZENSET or DUP: the full walk charges
         # comparing equal frozensets and reused strings)
         no_argument = b"[" + re.escape(b"\x94(eu}]N\x88\x89as\x8f\x90ld01)") + b"]" + one_or_more
+        keyed = _opcode(b"h", 1) + value
         alternatives = [
-            floats, _opcode(b"h", 1) + value, string, binints, _opcode(b"K", 1), no_argument,
+            floats, keyed + b"(?:" + keyed + b")" + repeat, string + b"(?:" + string + b")" + repeat, binints,
+            _opcode(b"K", 1), no_argument,
             _opcode(b"M", 2), _opcode(b"j", 4), _opcode(b"\x95", 8),  # BININT2, LONG_BINGET, FRAME
         ]
     return re.compile(b"(?:" + b"|".join(alternatives) + b")" + repeat, re.DOTALL)

@@ -433,6 +433,8 @@ def test_the_fast_walk_reads_a_memo_read_and_its_value_opcode_by_opcode():
         "a global after a memo read": payload(head + b"h\x00" + glob("os", "system") + b"e"),
         "a global after memo read and value": payload(head + b"h\x00K\x01" + glob("os", "system") + b"e"),
         "a global after a string and MEMOIZE": payload(head + key + glob("os", "system") + b"e"),
+        "a global after a run of strings": payload(head + b"\x8c\x03c(h\x94\x8c\x01J" * 40 + glob("os", "x") + b"e"),
+        "a global after a run of memo reads": payload(head + b"h\x00\x8c\x01h\x94h\x00" * 40 + glob("os", "x") + b"e"),
         "a truncated string after a memo read": b"\x80\x05" + head + b"h\x00\x8c\x09abc",
         "a memo read of an empty slot": payload(head + b"h\x05K\x01e"),
     }
