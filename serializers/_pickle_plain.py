@@ -167,17 +167,9 @@ def is_plain(raw: bytes) -> bool:
     payload holding TUPLE1/2/3 is walked again by the pattern that reads them (slower per opcode,
     so payloads without tuples never pay for it).
     """
-    shown = _walk(raw, False)
-    if shown is None:
-        shown = _walk(raw, True)
-    return bool(shown)
-
-
-def _walk(raw: bytes, tuples: bool) -> Optional[bool]:
-    """True: plain; False: not shown plain; None: stopped at a tuple opcode (``tuples`` False)."""
-    size, widths = len(raw), _WIDTHS
-    run = _RUNS[tuples] or _compiled_run(tuples)
-    at = 2 if raw[:1] == b"\x80" else 0  # PROTO, as the loop below would skip it, without a first match
+    size, widths, tuples = len(raw), _WIDTHS, False
+    run = _RUNS[False] or _compiled_run(False)
+    first = at = 2 if raw[:1] == b"\x80" else 0  # PROTO, as the loop below would skip it, without a match
     while True:
         match = run(raw, at)
         assert match is not None  # the repeat matches the empty string
@@ -208,7 +200,10 @@ def _walk(raw: bytes, tuples: bool) -> Optional[bool]:
         elif code == _PROTO:
             at = end + 2
         elif _TUPLE_SIZE[code]:
-            return False if tuples else None
+            if tuples:
+                return False
+            tuples, at = True, first  # walked again from the start by the pattern that reads tuples
+            run = _RUNS[True] or _compiled_run(True)
         elif end > at:
             at = end  # the run stopped at its repeat bound (before 3.11) or before a truncated opcode
         else:

@@ -40,6 +40,7 @@ import datetime
 import importlib
 import io
 import pickle
+from io import BytesIO
 from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
 from . import _rebuild
@@ -381,7 +382,7 @@ class RestrictedPickleSerializer(PickleSerializer):
             # No global, call or state: the plain unpickler refuses every global, so no constructor
             # runs (no work budget is needed) and no out-of-band reference can occur (restore unused).
             try:
-                return _PlainUnpickler(io.BytesIO(raw)).load()
+                return _PlainUnpickler(BytesIO(raw)).load()
             except ObjcommError:
                 raise
             except Exception as exc:
