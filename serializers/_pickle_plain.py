@@ -114,7 +114,8 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
     else:
         # A pass of the outer repeat costs more than a nested repeat or a second opcode in the same
         # alternative, so the commonest sequences are read in one: a run of BININTs (an int-keyed
-        # dict, a list of ids), a run of strings, each with the MEMOIZE the pickler writes after it,
+        # dict, a list of ids), a run of strings, each but the first with the MEMOIZE the pickler
+        # writes after it (a string without one ends the run, and the outer repeat goes on),
         # a run of memo reads (a dict's keys, memoized on their first use), each with the value
         # after it, and a run of opcodes without argument (one character class: ``]\x94(``,
         # ``u}\x94(``, ``\x94(``...).
@@ -127,9 +128,9 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
         # comparing equal frozensets and reused strings)
         no_argument = b"[" + re.escape(b"\x94(eu}]N\x88\x89as\x8f\x90ld01)") + b"]" + one_or_more
         keyed = _opcode(b"h", 1) + value
+        strings = string + b"(?:" + short_unicode + _opcode(b"\x94", 0) + b")" + repeat
         alternatives = [
-            floats, keyed + b"(?:" + keyed + b")" + repeat, string + b"(?:" + string + b")" + repeat, binints,
-            _opcode(b"K", 1), no_argument,
+            floats, keyed + b"(?:" + keyed + b")" + repeat, strings, binints, _opcode(b"K", 1), no_argument,
             _opcode(b"M", 2), _opcode(b"j", 4), _opcode(b"\x95", 8),  # BININT2, LONG_BINGET, FRAME
         ]
     return re.compile(b"(?:" + b"|".join(alternatives) + b")" + repeat, re.DOTALL)
