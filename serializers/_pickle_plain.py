@@ -47,12 +47,15 @@ sequence of whole opcodes, each one opcode byte followed by exactly its argument
 or for SHORT_BINUNICODE one alternative per length byte, followed by that many bytes), and where
 alternatives start with the same byte they parse the same first opcode. So a match starting on
 an opcode boundary can only follow the one parse the C unpickler follows, and it ends on an
-opcode boundary; argument bytes are never read as opcodes. The lookahead after BINFLOAT reads
-the next opcode from that boundary too. A tuple opcode is accepted only at the end of an
-alternative that itself parsed at least that many scalars just before it. Where the run stops, a
-short Python step parses one length-prefixed opcode (checking the length against the bytes
-present), or checks a run of BINFLOATs by stride (every 9th byte, from a BINFLOAT, is the next
-opcode; the pattern without tuples only), and resumes the run.
+opcode boundary; argument bytes are never read as opcodes. (Some alternatives read more than one
+opcode: a run of BININTs, of strings each with a MEMOIZE, of memo reads each with the value after
+it, of opcodes without argument; each is still a sequence of whole opcodes, the same parse in one
+pass of the outer repeat, and no other alternative starts with a byte the last one's class holds.)
+The lookahead after BINFLOAT reads the next opcode from that boundary too. A tuple opcode is
+accepted only at the end of an alternative that itself parsed at least that many scalars just
+before it. Where the run stops, a short Python step parses one length-prefixed opcode (checking
+the length against the bytes present), or checks a run of BINFLOATs by stride (every 9th byte,
+from a BINFLOAT, is the next opcode; the pattern without tuples only), and resumes the run.
 
 Payloads without TUPLE1/2/3 are walked by a pattern without tuples (the alternatives above cost
 time on every scalar, and it leaves runs of floats to the much faster stride check); one that
@@ -64,7 +67,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 _STOP, _PROTO = ord("."), 0x80
 _BINSTRING = ord("T")  # its length is signed; a negative one is malformed
@@ -86,6 +89,7 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
     # Possessive (3.11+): the engine keeps no backtracking state per opcode. Before 3.11 a bounded
     # greedy repeat keeps it to 1,000 opcodes per call instead.
     repeat = b"*+" if sys.version_info >= (3, 11) else b"{0,1000}"
+    one_or_more = b"++" if sys.version_info >= (3, 11) else b"+"
     if tuples:
         # A scalar (BINFLOAT, SHORT_BINUNICODE, BININT, BININT1, BININT2, NONE, NEWTRUE, NEWFALSE)
         # with the MEMOIZEs and FRAMEs that follow it (neither touches the stack; the pickler
@@ -101,22 +105,44 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
             scalar + b"(?:\x85|" + scalar + b"(?:[\x85\x86]|" + scalar + b"(?:" + scalar + b")" + repeat
             + b"[\x85\x86\x87]?)?)?"
         ]
-        alternatives = [
-            *scalars, _opcode(b"\x94", 0), _opcode(b"h", 1),
-            *(_opcode(bytes([c]), 0) for c in b"(eu}]"), _opcode(b"j", 4), _opcode(b"\x95", 8),
-            *(_opcode(bytes([c]), 0) for c in b"as\x8f\x90ld01)"),
-        ]
+        # The scalars come last: their alternative starts with a group, which the engine enters to
+        # try (it skips an alternative that starts with another byte or class without entering it).
+        # Opcodes without argument are read a run at a time, as below (NONE, NEWTRUE and NEWFALSE,
+        # scalars here, are not in the class: they may be a tuple's items).
+        no_argument = b"[" + re.escape(b"\x94(eu}]as\x8f\x90ld01)") + b"]" + one_or_more
+        alternatives = [_opcode(b"h", 1), no_argument, _opcode(b"j", 4), _opcode(b"\x95", 8), *scalars]
     else:
+        # A pass of the outer repeat costs more than a nested repeat or a second opcode in the same
+        # alternative, so the commonest sequences are read in one: a run of BININTs (an int-keyed
+        # dict, a list of ids), a run of strings, each but the first with the MEMOIZE the pickler
+        # writes after it (a string without one ends the run, and the outer repeat goes on),
+        # a run of memo reads (a dict's keys, memoized on their first use), each with the value
+        # after it, and a run of opcodes without argument (one character class: ``]\x94(``,
+        # ``u}\x94(``, ``\x94(``...).
+        floats = _opcode(b"G", 8) + b"(?!G)"  # BINFLOAT; a run of them is left to the stride check below
+        string = short_unicode + b"(?:" + _opcode(b"\x94", 0) + b"|)"
+        binints = _opcode(b"J", 4) + b"(?:" + _opcode(b"J", 4) + b")" + repeat
+        value = b"(?:" + b"|".join([floats, string, binints, _opcode(b"K", 1)]) + b"|)"
+        # MEMOIZE MARK APPENDS SETITEMS EMPTY_DICT EMPTY_LIST NONE NEWTRUE NEWFALSE APPEND SETITEM EMPTY_SET
+        # ADDITEMS LIST DICT POP POP_MARK EMPTY_TUPLE (not FROZENSET or DUP: the full walk charges
+        # comparing equal frozensets and reused strings)
+        no_argument = b"[" + re.escape(b"\x94(eu}]N\x88\x89as\x8f\x90ld01)") + b"]" + one_or_more
+        keyed = _opcode(b"h", 1) + value
+        strings = string + b"(?:" + short_unicode + _opcode(b"\x94", 0) + b")" + repeat
         alternatives = [
-            _opcode(b"G", 8) + b"(?!G)",  # BINFLOAT; a run of them is left to the stride check below
-            _opcode(b"\x94", 0), _opcode(b"h", 1), short_unicode, _opcode(b"J", 4), _opcode(b"K", 1),
-            _opcode(b"(", 0), _opcode(b"e", 0), _opcode(b"u", 0), _opcode(b"}", 0), _opcode(b"]", 0),
+            floats, keyed + b"(?:" + keyed + b")" + repeat, strings, binints, _opcode(b"K", 1), no_argument,
             _opcode(b"M", 2), _opcode(b"j", 4), _opcode(b"\x95", 8),  # BININT2, LONG_BINGET, FRAME
-            # NONE NEWTRUE NEWFALSE APPEND SETITEM EMPTY_SET ADDITEMS LIST DICT POP POP_MARK EMPTY_TUPLE
-            # (not FROZENSET or DUP: the full walk charges comparing equal frozensets and reused strings)
-            *(_opcode(bytes([c]), 0) for c in b"N\x88\x89as\x8f\x90ld01)"),
         ]
     return re.compile(b"(?:" + b"|".join(alternatives) + b")" + repeat, re.DOTALL)
+
+
+_RUNS: List[Optional[Callable[[bytes, int], Optional[re.Match[bytes]]]]] = [None, None]  # by ``tuples``
+
+
+def _compiled_run(tuples: bool) -> Callable[[bytes, int], Optional[re.Match[bytes]]]:
+    """``_run_pattern(tuples).match``, kept in ``_RUNS`` (one list index a walk, not a cached call)."""
+    run = _RUNS[tuples] = _run_pattern(tuples).match
+    return run
 
 
 def _length_widths() -> List[int]:
@@ -142,16 +168,9 @@ def is_plain(raw: bytes) -> bool:
     payload holding TUPLE1/2/3 is walked again by the pattern that reads them (slower per opcode,
     so payloads without tuples never pay for it).
     """
-    shown = _walk(raw, False)
-    if shown is None:
-        shown = _walk(raw, True)
-    return bool(shown)
-
-
-def _walk(raw: bytes, tuples: bool) -> Optional[bool]:
-    """True: plain; False: not shown plain; None: stopped at a tuple opcode (``tuples`` False)."""
-    size, at = len(raw), 0
-    run, widths = _run_pattern(tuples).match, _WIDTHS
+    size, widths, tuples = len(raw), _WIDTHS, False
+    run = _RUNS[False] or _compiled_run(False)
+    first = at = 2 if raw[:1] == b"\x80" else 0  # PROTO, as the loop below would skip it, without a match
     while True:
         match = run(raw, at)
         assert match is not None  # the repeat matches the empty string
@@ -182,7 +201,10 @@ def _walk(raw: bytes, tuples: bool) -> Optional[bool]:
         elif code == _PROTO:
             at = end + 2
         elif _TUPLE_SIZE[code]:
-            return False if tuples else None
+            if tuples:
+                return False
+            tuples, at = True, first  # walked again from the start by the pattern that reads tuples
+            run = _RUNS[True] or _compiled_run(True)
         elif end > at:
             at = end  # the run stopped at its repeat bound (before 3.11) or before a truncated opcode
         else:

@@ -139,8 +139,14 @@ def _as_value(item: Tuple[int, int, int], at: int) -> Tuple[int, int, int]:
 def scan(data: Buffer) -> ScanResult:
     """Walk ``data`` opcode by opcode without building anything; raise :class:`ScanError` on a broken rule."""
     raw = bytes(data)
-    if is_plain(raw):
-        return ScanResult(False, raw)
+    return ScanResult(not is_plain(raw) and full_walk(raw), raw)
+
+
+def full_walk(raw: bytes) -> bool:
+    """The walk of :func:`scan` without the fast walk first; True: the probe pass must run.
+
+    For a caller that has already tried ``is_plain(raw)`` (``_restricted`` does, to pick its plain path).
+    """
     size, at, count = len(raw), 0, 0
     budget = HASH_WORK_PER_BYTE * size + 4096
     table, effects, fixed = _ARGUMENTS, _BY_CODE, _FIXED
@@ -314,7 +320,7 @@ def scan(data: Buffer) -> ScanResult:
                 if len(stack) != 1 or marks:
                     raise ScanError(f"STOP at byte {at} with {len(stack)} values and {len(marks)} marks on the stack")
                 _as_value(stack[0], at)
-                return ScanResult(needs_probe, raw)
+                return needs_probe
             if budget < 0:
                 raise ScanError(f"hashing its dict keys and set members would exceed the work budget (byte {at})")
             at = end

@@ -8,7 +8,8 @@ How a hostile payload is kept harmless (``docs/security.md`` states the guarante
    never writes — before the C unpickler allocates or hashes anything. Plain data (no global,
    call or state; tuples only of the scalars just before them) is recognised first by a fast walk
    in the regex engine (``_pickle_plain``), which checks the one rule such a payload can break:
-   declared lengths.
+   declared lengths. Such a payload is loaded by ``_PlainUnpickler``, whose ``find_class`` refuses
+   every global (the backstop should the fast walk ever be wrong), so no constructor runs in it.
 2. **Guards, not globals.** ``find_class`` never imports or returns what the payload names. It
    returns a *guard*: a class (so NEWOBJ accepts it) whose metaclass routes a call (REDUCE, OBJ,
    INST) to a validating constructor, whose ``__new__`` routes NEWOBJ likewise, and whose
@@ -39,12 +40,14 @@ import datetime
 import importlib
 import io
 import pickle
+from io import BytesIO
 from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
 from . import _rebuild
 from ._errors import ContentRefusedError, DecodeError, ObjcommError, decode_error
 from ._pickle import EXTERNAL, PROTOCOL, PickleSerializer, external_ref
-from ._pickle_scan import ScanError, scan
+from ._pickle_plain import is_plain
+from ._pickle_scan import ScanError, full_walk
 from ._protocol import Buffer, Restore
 from ._stdlib_rebuild import (
     _bytearray,
@@ -278,6 +281,20 @@ def _unpickler_class(guards: _Guards, probing: bool) -> type:
     return type(f"_{kind}Unpickler", (pickle.Unpickler,), {"__slots__": (), "find_class": find_class})
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """The pass of a payload the fast walk showed plain: such a payload names no global, so none is built.
+
+    Its ``find_class`` is the backstop should the fast walk ever be wrong: it refuses every global,
+    which no plain payload holds (stricter than the guards, and so no constructor can run, which is
+    why a plain load needs no work budget).
+    """
+
+    __slots__ = ()
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise _refused(f"the global {module}.{name} in a payload the fast walk showed plain")
+
+
 class _RestoringUnpickler(pickle.Unpickler):
     """The real pass of a load with ``restore=``: out-of-band references resolve to ``restore``."""
 
@@ -354,11 +371,22 @@ class RestrictedPickleSerializer(PickleSerializer):
 
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
         try:
-            needs_probe, raw = scan(data)
+            raw = data if type(data) is bytes else bytes(data)
+            plain = is_plain(raw)
+            needs_probe = not plain and full_walk(raw)
         except Exception as exc:
             if isinstance(exc, ScanError) and "class or function" in str(exc):
                 raise ContentRefusedError(f"{self.name} refused the payload: {exc}; nothing was run") from None
             raise DecodeError(f"{self.name} refused a malformed payload: {type(exc).__name__}: {exc}") from None
+        if plain:
+            # No global, call or state: the plain unpickler refuses every global, so no constructor
+            # runs (no work budget is needed) and no out-of-band reference can occur (restore unused).
+            try:
+                return _PlainUnpickler(BytesIO(raw)).load()
+            except ObjcommError:
+                raise
+            except Exception as exc:
+                raise decode_error(self.name, data, exc) from exc
         guards = self._guards
         # What ``with decoding(...), work_budget(...)`` does, without two context managers per load.
         # BytesIO over bytes shares them: neither pass copies the payload again.

@@ -345,6 +345,129 @@ def test_hashing_tuples_stays_bounded_with_the_fast_walk():
     assert results["equal keys"][0] == "ok" and results["equal keys"][1] < 0.5
 
 
+def _decode_as_if_shown_plain(payloads: dict) -> dict:
+    """In the child: decode each payload as if the fast walk had (wrongly) shown it plain."""
+    from serializers import _rebuild, _restricted
+
+    _restricted.is_plain = lambda raw: True  # a flawed fast walk: only the plain path's backstop is left
+    s = serializers.get("restricted-pickle")
+    results = {}
+    for label, data in payloads.items():
+        imported = set(sys.modules)
+        before = getattr(_rebuild._work, "remaining", None)
+        start = time.perf_counter()
+        results[label] = (outcome(lambda d=data: s.loads(d)), time.perf_counter() - start)
+        assert getattr(_rebuild._work, "remaining", None) is before  # the plain path starts no budget
+        assert set(sys.modules) == imported, label  # nothing the payload names was imported
+    results["restore="] = (outcome(lambda: s.loads(payloads["out-of-band reference"], restore=lambda key: key)), 0.0)
+    return results
+
+
+def test_the_plain_path_refuses_every_global_should_the_fast_walk_be_wrong():
+    """A payload the fast walk shows plain is loaded by an unpickler whose ``find_class`` refuses
+    every global (no plain payload names one), with no work budget: so were the walk ever wrong,
+    the payload would be refused, not even handed to the guards' constructors."""
+    from serializers._pickle import EXTERNAL
+
+    payloads = {
+        "os.system": payload(call(glob("os", "system"), v("true"))),
+        "a STACK_GLOBAL": payload(v("os") + v("system") + b"\x93" + tup(v("true")) + b"R"),
+        "INST": payload(b"(" + v("true") + b"ios\nsystem\n"),
+        "an allowed constructor": payload(call(glob("builtins", "bytearray"), v(1 << 40))),
+        "an allowed global as a value": payload(b"]" + glob("builtins", "set") + b"a"),
+        "a never-imported module": payload(call(glob("antigravity", "fly"))),
+        "out-of-band reference": payload(call(glob(*EXTERNAL), v(0))),
+    }
+    results = run_in_child(_decode_as_if_shown_plain, payloads, memory_budget=BUDGET, preload=WITH_TORCH)
+    assert {k: r for k, (r, _) in results.items()} == dict.fromkeys([*payloads, "restore="], "ContentRefusedError")
+
+
+def test_the_fast_walk_skips_a_leading_proto_only():
+    """PROTO is skipped at the start without a first match; lengths after it are still checked."""
+    s = serializers.get("restricted-pickle")
+    for data in (b"", b"\x80", b"\x80\x05", b"\x80\x05\x8c\x05ab.", b"\x80\x05\x8c", b"\x80\x05\x95" + b"\x00" * 7):
+        assert not _raw_plain(data), data
+        assert outcome(lambda d=data: s.loads(d)) == "DecodeError", data
+    for body in (b"N", b"\x80\x05N", b"]\x94(K\x01K\x02e"):  # a second PROTO mid-stream stays accepted
+        assert _is_plain(body) and s.loads(payload(body)) == pickle.loads(payload(body))
+    assert _raw_plain(b"N.") and s.loads(b"N.") is None  # no PROTO at all
+
+
+def test_the_fast_walk_reads_runs_of_binints_opcode_by_opcode():
+    """A run of BININTs is read in one alternative: argument bytes that spell BININT or a global stay
+    data, a global or a truncated BININT right after the run is still seen."""
+    s = serializers.get("restricted-pickle")
+    looks_like = b"J" + b"JJJJ" + b"J" + b"cos\n" + b"J" + b"\x93JJJ"  # arguments that look like opcodes
+    body = b"(" + looks_like + b"J\x01\x00\x00\x00" * 1000 + b"l"
+    assert _is_plain(body) and s.loads(payload(body)) == pickle.loads(payload(body))
+    assert _is_plain(b"}(" + b"J\x07\x00\x00\x00J\x08\x00\x00\x00" * 500 + b"u")
+    run = b"(" + b"J\x00\x00\x00\x00" * 50
+    payloads = {
+        "a global after a run": payload(run + glob("os", "system") + b"l"),
+        "a STACK_GLOBAL after a run": payload(run + v("os") + v("system") + b"\x93l"),
+        "a truncated BININT ends a run": b"\x80\x05" + run + b"J\x00\x00",
+        "a run into a huge declared length": payload(run + b"B\xff\xff\xff\x7fl"),
+    }
+    for label, data in payloads.items():
+        assert not _raw_plain(data), label
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET))
+
+
+def test_the_fast_walk_reads_a_memo_read_and_its_value_opcode_by_opcode():
+    """A memo read and the value after it, and a string and its MEMOIZE, are read in one alternative:
+    argument bytes that spell opcodes stay data; a global, a truncated or an over-long string, or a
+    run of floats right after them is still seen."""
+    s = serializers.get("restricted-pickle")
+    key = b"\x8c\x01k\x94"  # memo slot 0
+    items = [
+        b"h\x00" + b"\x8c\x06cos\nhG\x94",  # a string whose bytes spell GLOBAL, BINGET, BINFLOAT (slot 1)
+        b"h\x01J\x94hJ\x8c",  # a BININT whose bytes spell MEMOIZE, BINGET, BININT, a string
+        b"h\x00G" + b"h\x00\x8c\x94" * 2,  # a float whose bytes spell memo reads and a string
+        b"h\x00K\x8c", b"h\x00\x8c\x02hJ\x94",  # a small int, a string, each spelling more opcodes
+        b"h\x00" + b"G" * 9 * 3 + b"h\x01",  # a memo read before a run of floats (read by stride)
+    ]
+    body = b"](" + key + b"".join(items) + b"e"
+    assert _is_plain(body) and s.loads(payload(body)) == pickle.loads(payload(body))
+    head = b"](" + key
+    payloads = {
+        "a global after a memo read": payload(head + b"h\x00" + glob("os", "system") + b"e"),
+        "a global after memo read and value": payload(head + b"h\x00K\x01" + glob("os", "system") + b"e"),
+        "a global after a string and MEMOIZE": payload(head + key + glob("os", "system") + b"e"),
+        "a global after a run of strings": payload(head + b"\x8c\x03c(h\x94\x8c\x01J" * 40 + glob("os", "x") + b"e"),
+        "a global after a run of memo reads": payload(head + b"h\x00\x8c\x01h\x94h\x00" * 40 + glob("os", "x") + b"e"),
+        "a truncated string after a memo read": b"\x80\x05" + head + b"h\x00\x8c\x09abc",
+        "a memo read of an empty slot": payload(head + b"h\x05K\x01e"),
+    }
+    for label, data in payloads.items():
+        assert not _raw_plain(data) or label == "a memo read of an empty slot", label
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET))
+    long_string = payload(head + b"h\x00X\x00\x01\x00\x00" + b"a" * 256 + b"e")  # left to the full walk
+    assert not _raw_plain(long_string) and s.loads(long_string) == ["k", "k", "a" * 256]
+
+
+def test_the_fast_walk_reads_runs_of_opcodes_without_argument_as_such():
+    """Opcodes without argument are read a run at a time (one character class); NONE, NEWTRUE and
+    NEWFALSE stay scalars a tuple may hold, and a tuple opcode after anything but the scalars just
+    pushed (a mark, a POP, a MEMOIZE run) is left to the full walk."""
+    s = serializers.get("restricted-pickle")
+    shown = [
+        b"](N\x85\x94N\x88\x86\x94\x89\x89\x89\x87e",
+        b"}\x94(\x8c\x01a\x94]\x94(NN\x88\x89e\x8c\x01b\x94\x8f(\x90u",
+        b"(((ll)\x94l",
+    ]
+    for body in shown:
+        assert _is_plain(body) and s.loads(payload(body)) == pickle.loads(payload(body)), body
+    for body in (b"](K\x01(\x85e", b"](K\x010\x85e", b"](K\x01K\x02\x94(1\x86e", b"]((\x87e"):
+        assert not _is_plain(body), body
+        assert outcome(lambda d=payload(body): s.loads(d)) in {"ok", *REFUSED}, body
+
+
+def _raw_plain(data: bytes) -> bool:
+    from serializers._pickle_plain import is_plain
+
+    return is_plain(data)
+
+
 def test_the_probe_pass_is_skipped_only_for_items_into_payload_built_containers():
     """numpy and tensor payloads in a dict skip the probe pass; items into anything a call built, a
     bytearray, or a list through ``__setitem__`` do not: a slice from a call could otherwise copy a
