@@ -121,7 +121,7 @@ class Express:
         if len(got) != self.slot and not _first.trimmed(got, self.slot):
             _first._checked(self.wire(group(), tag), channel, [got], "recv")  # raises, as the general path does
         plain = _framing.plain_in_slot(got)
-        if plain is None:  # anything else: the general path's steps, from the whole slot on
+        if plain is None:  # anything else: the general path's steps, from the slot on
             wire = self.wire(group(), tag)
             incoming = received(wire, sender, read_slot(memoryview(got)), _framing.tensor_sizes)
             return self.ranks[sender], self.call._replace(wire=wire).received(*incoming)
