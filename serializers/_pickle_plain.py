@@ -16,7 +16,7 @@ Why what it skips is safe to skip, for a payload made only of these opcodes:
 - **Nesting** concerns tuples (and calls, which it refuses). A tuple it accepts holds only
   scalars pushed by the opcodes right before the tuple opcode (BININT, BININT1, BININT2,
   BINFLOAT, SHORT_BINUNICODE of at most 255 bytes, NONE, NEWTRUE, NEWFALSE, each maybe followed
-  by MEMOIZE or FRAME, which leave the stack alone): it nests one deep, and no tuple can be an item of
+  by MEMOIZE, which leaves the stack alone): it nests one deep, and no tuple can be an item of
   another, since a tuple is not a scalar and a memo read is not accepted as an item. Lists and
   dicts may nest deep, as the full walk allows too: unpickling is iterative, deallocation uses
   the trashcan, and restricted-pickle never renders values.
@@ -57,6 +57,19 @@ before it. Where the run stops, a short Python step parses one length-prefixed o
 the length against the bytes present), or checks a run of BINFLOATs by stride (every 9th byte,
 from a BINFLOAT, is the next opcode; the pattern without tuples only), and resumes the run.
 
+**Frames are parsed as the C unpickler reads them from a file**, which is how restricted-pickle
+loads (``pickle.loads`` over bytes ignores them). After FRAME it buffers exactly the frame; an
+opcode whose argument runs past the frame's end makes it refill the buffer from the bytes *after*
+the frame, dropping the rest of the argument inside it, so that it would then run opcodes this walk
+took for an argument (a whole hostile pickle hidden in a BYTEARRAY8, found by review). So FRAME is
+no alternative of the patterns: the Python step reads it, and the run goes on with the frame's end
+as the end of the string the engine sees (``match(raw, at, end)``), so no match crosses it; a
+length-prefixed opcode or a float run must end inside it too, and a FRAME inside a frame is not
+plain. The pickler writes neither (it starts a frame only between opcodes, and large arguments
+outside frames). A frame that starts between a tuple's items ends the run there, and such a payload
+goes to the full walk (slower; at most once per 64 KiB frame of a large list of tuples), which
+applies the same frame rules.
+
 Payloads without TUPLE1/2/3 are walked by a pattern without tuples (the alternatives above cost
 time on every scalar, and it leaves runs of floats to the much faster stride check); one that
 stops at a tuple opcode is walked again, from the start, by the pattern with them.
@@ -69,7 +82,7 @@ import re
 import sys
 from typing import Callable, List, Optional
 
-_STOP, _PROTO = ord("."), 0x80
+_STOP, _PROTO, _FRAME = ord("."), 0x80, 0x95
 _BINSTRING = ord("T")  # its length is signed; a negative one is malformed
 _BYTEARRAY8 = 0x96  # unhashable: never a key, so any length is plain
 _LONGEST_KEY = 255  # longest str or bytes a plain payload holds (as SHORT_BINUNICODE's length byte allows)
@@ -92,13 +105,12 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
     one_or_more = b"++" if sys.version_info >= (3, 11) else b"+"
     if tuples:
         # A scalar (BINFLOAT, SHORT_BINUNICODE, BININT, BININT1, BININT2, NONE, NEWTRUE, NEWFALSE)
-        # with the MEMOIZEs and FRAMEs that follow it (neither touches the stack; the pickler
-        # starts a frame wherever one fills, also between a tuple's items). Runs of BINFLOATs are
-        # read here too, not by the stride check, so that a FRAME may sit anywhere among them.
+        # with the MEMOIZEs that follow it. Runs of BINFLOATs are read here too, not by the stride
+        # check. (A FRAME between a tuple's items ends the run, and the tuple is not shown plain.)
         scalar = b"(?:" + b"|".join([
             _opcode(b"G", 8), short_unicode, _opcode(b"J", 4), _opcode(b"K", 1),
             _opcode(b"M", 2), *(_opcode(bytes([c]), 0) for c in b"N\x88\x89"),
-        ]) + b")(?:\x94|" + _opcode(b"\x95", 8) + b")*"
+        ]) + b")\x94*"
         # Consecutive scalars, optionally closed by TUPLE1/2/3 when at least that many precede it
         # in this alternative: the tuple's items are exactly the scalars just pushed.
         scalars = [
@@ -110,7 +122,7 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
         # Opcodes without argument are read a run at a time, as below (NONE, NEWTRUE and NEWFALSE,
         # scalars here, are not in the class: they may be a tuple's items).
         no_argument = b"[" + re.escape(b"\x94(eu}]as\x8f\x90ld01)") + b"]" + one_or_more
-        alternatives = [_opcode(b"h", 1), no_argument, _opcode(b"j", 4), _opcode(b"\x95", 8), *scalars]
+        alternatives = [_opcode(b"h", 1), no_argument, _opcode(b"j", 4), *scalars]
     else:
         # A pass of the outer repeat costs more than a nested repeat or a second opcode in the same
         # alternative, so the commonest sequences are read in one: a run of BININTs (an int-keyed
@@ -131,15 +143,15 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
         strings = string + b"(?:" + short_unicode + _opcode(b"\x94", 0) + b")" + repeat
         alternatives = [
             floats, keyed + b"(?:" + keyed + b")" + repeat, strings, binints, _opcode(b"K", 1), no_argument,
-            _opcode(b"M", 2), _opcode(b"j", 4), _opcode(b"\x95", 8),  # BININT2, LONG_BINGET, FRAME
+            _opcode(b"M", 2), _opcode(b"j", 4),  # BININT2, LONG_BINGET
         ]
     return re.compile(b"(?:" + b"|".join(alternatives) + b")" + repeat, re.DOTALL)
 
 
-_RUNS: List[Optional[Callable[[bytes, int], Optional[re.Match[bytes]]]]] = [None, None]  # by ``tuples``
+_RUNS: List[Optional[Callable[[bytes, int, int], Optional[re.Match[bytes]]]]] = [None, None]  # by ``tuples``
 
 
-def _compiled_run(tuples: bool) -> Callable[[bytes, int], Optional[re.Match[bytes]]]:
+def _compiled_run(tuples: bool) -> Callable[[bytes, int, int], Optional[re.Match[bytes]]]:
     """``_run_pattern(tuples).match``, kept in ``_RUNS`` (one list index a walk, not a cached call)."""
     run = _RUNS[tuples] = _run_pattern(tuples).match
     return run
@@ -164,46 +176,61 @@ _FLOAT_RUN = 4096  # BINFLOATs checked per stride slice
 def is_plain(raw: bytes) -> bool:
     """True if ``raw`` reaches STOP through plain-data opcodes only, every declared length in bounds.
 
-    False says nothing about the payload: the full walk (``_pickle_scan.scan``) then decides. A
+    False says nothing about the payload: the full walk (``_pickle_scan.full_walk``) then decides. A
     payload holding TUPLE1/2/3 is walked again by the pattern that reads them (slower per opcode,
-    so payloads without tuples never pay for it).
+    so payloads without tuples never pay for it). Frames are read as the C unpickler reads them from
+    a file (see the module docstring): no opcode may run past the end of the frame it starts in, and no
+    FRAME may start inside another.
     """
     size, widths, tuples = len(raw), _WIDTHS, False
     run = _RUNS[False] or _compiled_run(False)
     first = at = 2 if raw[:1] == b"\x80" else 0  # PROTO, as the loop below would skip it, without a match
+    limit, framed = size, False  # the end of the frame being read (else of the payload), and whether in one
     while True:
-        match = run(raw, at)
+        match = run(raw, at, limit)  # the engine sees nothing past ``limit``: no match crosses it
         assert match is not None  # the repeat matches the empty string
         end = match.end()
-        if end >= size:
-            return False
+        if end >= limit:
+            if not framed or limit == size:
+                return False  # the payload ended before STOP
+            at, limit, framed = end, size, False  # the frame ended between two opcodes
+            continue
         code = raw[end]
         width = widths[code]
         if width:
             start = end + 1 + width
-            if start > size:
+            if start > limit:
                 return False
             if width == 1:
                 length = raw[end + 1]
             else:
                 length = int.from_bytes(raw[end + 1 : start], "little", signed=code == _BINSTRING)
             at = start + length
-            if length < 0 or at > size or length > _LONGEST_KEY and code != _BYTEARRAY8:
+            if length < 0 or at > limit or length > _LONGEST_KEY and code != _BYTEARRAY8:
                 return False  # a long str or bytes reused as a key is compared each time: the full walk charges it
         elif code == 0x47:  # BINFLOAT followed by another: every 9th byte from here must say G
-            stride = raw[end : min(size - 8, end + 9 * _FLOAT_RUN) : 9]
+            stride = raw[end : min(limit - 8, end + 9 * _FLOAT_RUN) : 9]
             floats = len(stride) - len(stride.lstrip(_FLOATS))
             if not floats:
                 return False
             at = end + 9 * floats
         elif code == _STOP:
             return True
+        elif code == _FRAME:
+            at = end + 9
+            if framed or at > limit:
+                return False  # a FRAME inside a frame, or a truncated one
+            limit, framed = at + int.from_bytes(raw[end + 1 : at], "little"), True
+            if limit > size:
+                return False
         elif code == _PROTO:
             at = end + 2
+            if at > limit:
+                return False
         elif _TUPLE_SIZE[code]:
             if tuples:
                 return False
-            tuples, at = True, first  # walked again from the start by the pattern that reads tuples
+            tuples, at, limit, framed = True, first, size, False  # walked again from the start, with tuples
             run = _RUNS[True] or _compiled_run(True)
         elif end > at:
             at = end  # the run stopped at its repeat bound (before 3.11) or before a truncated opcode

@@ -109,7 +109,7 @@ for _op in pickletools.opcodes:
 _TUPLE_SIZE = {ord("\x85"): 1, ord("\x86"): 2, ord("\x87"): 3}
 _PUT_TEXT, _GET_TEXT = ord("p"), ord("g")
 _FIXED = [kind[1] if kind is not None and kind[0] == 0 else -1 for kind in _ARGUMENTS]  # fixed argument widths
-_STOP = ord(".")
+_STOP, _FRAME = ord("."), 0x95
 _PUSHED = [_PLAIN] * 256  # the summary each push opcode pushes (but for LONG4 and long strings)
 _PUSHED[ord("]")], _PUSHED[ord("}")], _PUSHED[0x8F] = _LIST_VALUE, _DICT_VALUE, _SET_VALUE
 _BUILD_TARGET = -1  # no target kind takes BUILD without the probe pass
@@ -148,6 +148,7 @@ def full_walk(raw: bytes) -> bool:
     For a caller that has already tried ``is_plain(raw)`` (``_restricted`` does, to pick its plain path).
     """
     size, at, count = len(raw), 0, 0
+    frame_end = 0  # where the frame being read ends (see _pickle_plain: frames are read as from a file)
     budget = HASH_WORK_PER_BYTE * size + 4096
     table, effects, fixed = _ARGUMENTS, _BY_CODE, _FIXED
     stack: List[Tuple[int, int, int]] = []
@@ -193,6 +194,14 @@ def full_walk(raw: bytes) -> bool:
                     end = start + width + length
             if end > size:
                 raise ScanError("truncated payload")
+            if end > frame_end > at:  # the C unpickler would read the rest from after the frame: another parse
+                raise ScanError(f"the opcode at byte {at} runs past the end of its frame (byte {frame_end})")
+            if code == _FRAME:
+                if at < frame_end:
+                    raise ScanError(f"a FRAME at byte {at} inside the frame that ends at byte {frame_end}")
+                frame_end = end + int.from_bytes(raw[start:end], "little")
+                if frame_end > size:
+                    raise ScanError(f"the FRAME at byte {at} declares {frame_end - end:,} bytes, {size - end:,} remain")
             effect = effects[code]
             if effect == _PUSH:
                 if code == _LONG4:  # ints do not cache their hash: a big one costs its size per key use

@@ -314,10 +314,12 @@ def test_the_fast_walk_takes_tuples_only_of_the_scalars_just_pushed():
         assert not _is_plain(body), label
     assert _is_plain(b"G" + b"\x00" * 8 + b"G" + b"\x01" * 8 + b"G" + b"\x02" * 8 + b"\x87")
     frame = b"\x95" + struct.pack("<Q", 9)
-    assert _is_plain(b"]G" + b"\x00" * 8 + frame + b"G" + b"\x01" * 8 + b"\x86\x94")  # a FRAME between items
+    # a FRAME between a tuple's items ends the fast walk's run (no match may cross a frame's end): the full
+    # walk decides, and takes it
+    assert not _is_plain(b"]G" + b"\x00" * 8 + frame + b"G" + b"\x01" * 8 + b"\x86\x94")
     s = serializers.get("restricted-pickle")
     pairs = [(float(i), 0.5) for i in range(200_000)]  # frames start between some tuples' items
-    assert _is_plain(bytes(s.dumps(pairs))[2:-1]) and s.loads(s.dumps(pairs)) == pairs
+    assert s.loads(s.dumps(pairs)) == pairs
     value = {"kernel": (3, 3), "betas": (0.9, 0.999), "xyz": [(1.0, 2.0, 3.0)] * 5, ("a", 1): None}
     assert s.loads(s.dumps(value)) == value
 
@@ -575,6 +577,61 @@ def test_pop_right_after_mark_is_modelled_as_the_c_unpickler_does():
     }
     _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET,
                                  preload=WITH_TORCH))
+
+
+def _hidden_in_a_frame(hidden: bytes, tail: bytes = b"") -> bytes:
+    """``hidden`` inside a BYTEARRAY8, behind a FRAME whose end splits LONG1's argument: over a file the C
+    unpickler reads the rest of that argument from after the frame and then runs ``hidden`` as opcodes,
+    where a straight parse (the walks', ``pickle.loads``') sees bytes. ``tail``: opcodes before STOP."""
+    frame = b"\x8a\x0a" + bytes(9)  # LONG1's header and 9 of its 10 argument bytes: the frame's 11 bytes
+    return (b"\x80\x05\x95" + struct.pack("<Q", len(frame)) + frame + b"\x00\x96" + struct.pack("<Q", len(hidden))
+            + hidden + tail + b".")
+
+
+def test_opcodes_hidden_across_a_frame_end_are_refused():
+    hidden = {
+        "memo sized by its index": b"Nr\x00\x00\x00\x01.",  # LONG_BINPUT 2**24: 256 MiB of memo
+        "tuple keys doubling 60 times": b"}N" + b"2\x86" * 60 + b"Ns.",  # 2**60 hash calls
+        "a key nested 200,000 deep": b"})" + b"\x85" * 200_000 + b"Ns.",  # recursive hash: a crash
+        "a global": b"cos\nsystem\n(S'true'\ntR.",
+    }
+    payloads = {}
+    for label, opcodes in hidden.items():
+        payloads[label] = _hidden_in_a_frame(opcodes)  # the walks see plain data
+        payloads[label + ", full walk"] = _hidden_in_a_frame(opcodes, b"q\x00" + b"0")  # not plain: the full walk
+    frame = b"\x80\x05\x95" + struct.pack("<Q", 20) + b"]\x94(J\x01\x00\x00\x00" + b"\x95" + struct.pack("<Q", 3)
+    payloads["a FRAME inside a frame"] = frame + b"K\x02e." + bytes(6)
+    payloads["a BININT split by the frame's end"] = (b"\x80\x05\x95" + struct.pack("<Q", 3) + b"]J\x01"
+                                                     + b"\x00\x00\x00a.")
+    results = run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET, timeout=60)
+    _assert_refused(results)
+    reasons = run_in_child(_refusals, "restricted-pickle", payloads, memory_budget=BUDGET, timeout=60)
+    assert all("frame" in reason for reason in reasons.values()), reasons  # refused for the frame, not by luck
+
+
+def _refusals(name: str, payloads: dict) -> dict:
+    """In the child: the message each payload is refused with (or what it decoded to)."""
+    s = serializers.get(name)
+    found = {}
+    for label, data in payloads.items():
+        try:
+            found[label] = f"decoded: {type(s.loads(data)).__name__}"
+        except Exception as exc:
+            found[label] = str(exc)
+    return found
+
+
+def _multi_frame_payloads() -> dict:
+    """What the pickler writes past one 64 KiB frame, with the decode through restricted-pickle."""
+    values = {"floats": [i * 0.5 for i in range(200_000)], "pairs": [(i * 0.5, i) for i in range(50_000)],
+              "records": [{"id": i, "name": f"n{i}"} for i in range(20_000)], "big bytes": [b"x" * 300_000, "y"]}
+    s = serializers.get("restricted-pickle")
+    return {label: s.loads(pickle.dumps(value, protocol=5)) == value for label, value in values.items()}
+
+
+def test_payloads_of_many_frames_still_decode():
+    assert run_in_child(_multi_frame_payloads, timeout=120) == {
+        "floats": True, "pairs": True, "records": True, "big bytes": True}
 
 
 def test_inst_built_values_take_no_items():
