@@ -56,6 +56,7 @@ accepted only at the end of an alternative that itself parsed at least that many
 before it. Where the run stops, a short Python step parses one length-prefixed opcode (checking
 the length against the bytes present), or checks a run of BINFLOATs by stride (every 9th byte,
 from a BINFLOAT, is the next opcode; the pattern without tuples only), and resumes the run.
+A tuple opcode the pattern without tuples meets is stepped over (see below).
 
 **Frames are parsed as the C unpickler reads them from a file**, which is how restricted-pickle
 loads (``pickle.loads`` over bytes ignores them). After FRAME it buffers exactly the frame; an
@@ -66,13 +67,16 @@ no alternative of the patterns: the Python step reads it, and the run goes on wi
 as the end of the string the engine sees (``match(raw, at, end)``), so no match crosses it; a
 length-prefixed opcode or a float run must end inside it too, and a FRAME inside a frame is not
 plain. The pickler writes neither (it starts a frame only between opcodes, and large arguments
-outside frames). A frame that starts between a tuple's items ends the run there, and such a payload
-goes to the full walk (slower; at most once per 64 KiB frame of a large list of tuples), which
-applies the same frame rules.
+outside frames). The full walk applies the same rules.
 
-Payloads without TUPLE1/2/3 are walked by a pattern without tuples (the alternatives above cost
-time on every scalar, and it leaves runs of floats to the much faster stride check); one that
-stops at a tuple opcode is walked again, from the start, by the pattern with them.
+Every payload is walked first by the pattern without tuples (the tuple alternatives cost time on
+every scalar, and it leaves runs of floats to the much faster stride check), which steps over a
+TUPLE1/2/3 as the one-byte opcode it is (from the first one on, a pattern with them among the
+opcodes without argument reads them) and enforces the frame rules above. A payload that holds
+one is then walked a second time by the pattern with tuples, over a copy without its FRAME opcodes:
+the first walk showed that every frame begins and ends between two opcodes, and FRAME leaves the
+stack alone, so the C unpickler parses the copy alike, and a tuple whose items a frame separates
+(the pickler starts a frame wherever one fills) is still a tuple of the scalars just pushed.
 """
 
 from __future__ import annotations
@@ -93,8 +97,9 @@ def _opcode(code: bytes, width: int) -> bytes:
 
 
 @functools.cache  # compiled on first use (~15 ms each), not at import
-def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
-    """The run of plain opcodes; with ``tuples``, also TUPLE1/2/3 of the scalars right before them."""
+def _run_pattern(kind: int) -> re.Pattern[bytes]:
+    """The run of plain opcodes; :data:`TUPLES`: also TUPLE1/2/3 of the scalars right before them;
+    :data:`STEPPING`: also TUPLE1/2/3 as opcodes without argument, whatever their items."""
     # The C engine tries alternatives in order, skipping one whose first byte differs in a few
     # nanoseconds: the most frequent opcodes come first, and short strings by their length byte
     # (a string of length n costs n skips, still cheaper than leaving the engine).
@@ -103,7 +108,7 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
     # greedy repeat keeps it to 1,000 opcodes per call instead.
     repeat = b"*+" if sys.version_info >= (3, 11) else b"{0,1000}"
     one_or_more = b"++" if sys.version_info >= (3, 11) else b"+"
-    if tuples:
+    if kind == TUPLES:
         # A scalar (BINFLOAT, SHORT_BINUNICODE, BININT, BININT1, BININT2, NONE, NEWTRUE, NEWFALSE)
         # with the MEMOIZEs that follow it. Runs of BINFLOATs are read here too, not by the stride
         # check. (A FRAME between a tuple's items ends the run, and the tuple is not shown plain.)
@@ -131,14 +136,17 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
         # a run of memo reads (a dict's keys, memoized on their first use), each with the value
         # after it, and a run of opcodes without argument (one character class: ``]\x94(``,
         # ``u}\x94(``, ``\x94(``...).
-        floats = _opcode(b"G", 8) + b"(?!G)"  # BINFLOAT; a run of them is left to the stride check below
+        # BINFLOAT; a run of them is left to the stride check below (but after a tuple, where they
+        # come in twos and threes: read here)
+        floats = _opcode(b"G", 8) + (b"" if kind == STEPPING else b"(?!G)")
         string = short_unicode + b"(?:" + _opcode(b"\x94", 0) + b"|)"
         binints = _opcode(b"J", 4) + b"(?:" + _opcode(b"J", 4) + b")" + repeat
         value = b"(?:" + b"|".join([floats, string, binints, _opcode(b"K", 1)]) + b"|)"
         # MEMOIZE MARK APPENDS SETITEMS EMPTY_DICT EMPTY_LIST NONE NEWTRUE NEWFALSE APPEND SETITEM EMPTY_SET
         # ADDITEMS LIST DICT POP POP_MARK EMPTY_TUPLE (not FROZENSET or DUP: the full walk charges
         # comparing equal frozensets and reused strings)
-        no_argument = b"[" + re.escape(b"\x94(eu}]N\x88\x89as\x8f\x90ld01)") + b"]" + one_or_more
+        no_argument = b"[" + re.escape(b"\x94(eu}]N\x88\x89as\x8f\x90ld01)" + (b"\x85\x86\x87" if kind == STEPPING
+                                                                                    else b"")) + b"]" + one_or_more
         keyed = _opcode(b"h", 1) + value
         strings = string + b"(?:" + short_unicode + _opcode(b"\x94", 0) + b")" + repeat
         alternatives = [
@@ -148,12 +156,13 @@ def _run_pattern(tuples: bool) -> re.Pattern[bytes]:
     return re.compile(b"(?:" + b"|".join(alternatives) + b")" + repeat, re.DOTALL)
 
 
-_RUNS: List[Optional[Callable[[bytes, int, int], Optional[re.Match[bytes]]]]] = [None, None]  # by ``tuples``
+PLAIN, TUPLES, STEPPING = 0, 1, 2  # the run patterns (see _run_pattern)
+_RUNS: List[Optional[Callable[[bytes, int, int], Optional[re.Match[bytes]]]]] = [None, None, None]  # by kind
 
 
-def _compiled_run(tuples: bool) -> Callable[[bytes, int, int], Optional[re.Match[bytes]]]:
-    """``_run_pattern(tuples).match``, kept in ``_RUNS`` (one list index a walk, not a cached call)."""
-    run = _RUNS[tuples] = _run_pattern(tuples).match
+def _compiled_run(kind: int) -> Callable[[bytes, int, int], Optional[re.Match[bytes]]]:
+    """``_run_pattern(kind).match``, kept in ``_RUNS`` (one list index a walk, not a cached call)."""
+    run = _RUNS[kind] = _run_pattern(kind).match
     return run
 
 
@@ -176,16 +185,17 @@ _FLOAT_RUN = 4096  # BINFLOATs checked per stride slice
 def is_plain(raw: bytes) -> bool:
     """True if ``raw`` reaches STOP through plain-data opcodes only, every declared length in bounds.
 
-    False says nothing about the payload: the full walk (``_pickle_scan.full_walk``) then decides. A
-    payload holding TUPLE1/2/3 is walked again by the pattern that reads them (slower per opcode,
-    so payloads without tuples never pay for it). Frames are read as the C unpickler reads them from
-    a file (see the module docstring): no opcode may run past the end of the frame it starts in, and no
-    FRAME may start inside another.
+    False says nothing about the payload: the full walk (``_pickle_scan.full_walk``) then decides.
+    Frames are read as the C unpickler reads them from a file (see the module docstring): no opcode
+    may run past the end of the frame it starts in, and no FRAME may start inside another. A payload
+    holding TUPLE1/2/3 is walked a second time, without its FRAME opcodes, by the pattern that reads
+    tuples (slower per opcode, so payloads without tuples never pay for it).
     """
     size, widths, tuples = len(raw), _WIDTHS, False
-    run = _RUNS[False] or _compiled_run(False)
-    first = at = 2 if raw[:1] == b"\x80" else 0  # PROTO, as the loop below would skip it, without a match
+    run = _RUNS[PLAIN] or _compiled_run(PLAIN)
+    at = 2 if raw[:1] == b"\x80" else 0  # PROTO, as the loop below would skip it, without a match
     limit, framed = size, False  # the end of the frame being read (else of the payload), and whether in one
+    frames: List[int] = []  # where each FRAME opcode starts
     while True:
         match = run(raw, at, limit)  # the engine sees nothing past ``limit``: no match crosses it
         assert match is not None  # the repeat matches the empty string
@@ -198,16 +208,9 @@ def is_plain(raw: bytes) -> bool:
         code = raw[end]
         width = widths[code]
         if width:
-            start = end + 1 + width
-            if start > limit:
+            at = _past_counted(raw, end, width, limit)
+            if at < 0:
                 return False
-            if width == 1:
-                length = raw[end + 1]
-            else:
-                length = int.from_bytes(raw[end + 1 : start], "little", signed=code == _BINSTRING)
-            at = start + length
-            if length < 0 or at > limit or length > _LONGEST_KEY and code != _BYTEARRAY8:
-                return False  # a long str or bytes reused as a key is compared each time: the full walk charges it
         elif code == 0x47:  # BINFLOAT followed by another: every 9th byte from here must say G
             stride = raw[end : min(limit - 8, end + 9 * _FLOAT_RUN) : 9]
             floats = len(stride) - len(stride.lstrip(_FLOATS))
@@ -215,7 +218,7 @@ def is_plain(raw: bytes) -> bool:
                 return False
             at = end + 9 * floats
         elif code == _STOP:
-            return True
+            return not tuples or _tuples_plain(raw, frames)
         elif code == _FRAME:
             at = end + 9
             if framed or at > limit:
@@ -223,16 +226,74 @@ def is_plain(raw: bytes) -> bool:
             limit, framed = at + int.from_bytes(raw[end + 1 : at], "little"), True
             if limit > size:
                 return False
+            frames.append(end)
         elif code == _PROTO:
             at = end + 2
             if at > limit:
                 return False
         elif _TUPLE_SIZE[code]:
-            if tuples:
-                return False
-            tuples, at, limit, framed = True, first, size, False  # walked again from the start, with tuples
-            run = _RUNS[True] or _compiled_run(True)
+            if framed and limit == size:  # in a frame that ends with the payload, as every small pickle:
+                return _tuples_plain(raw, frames)  # any FRAME from here on is inside it, which that walk refuses
+            # one byte, no argument: stepped over from here on, its items checked by _tuples_plain
+            tuples, at, run = True, end + 1, _RUNS[STEPPING] or _compiled_run(STEPPING)
         elif end > at:
             at = end  # the run stopped at its repeat bound (before 3.11) or before a truncated opcode
         else:
             return False
+
+
+def _tuples_plain(raw: bytes, frames: List[int]) -> bool:
+    """The second walk of a payload in which :func:`is_plain` found TUPLE1/2/3: whether each tuple holds
+    only the scalars pushed right before it. It reads ``raw`` without its FRAME opcodes (at ``frames``),
+    a copy the C unpickler parses alike: the first walk showed that every frame starts and ends between
+    two opcodes (up to STOP, or up to a frame that ends with the payload, in which this walk refuses any
+    FRAME), and FRAME leaves the stack alone, so a tuple whose items a frame separates is still one of
+    the scalars just pushed."""
+    flat = raw
+    if frames:
+        pieces, at = [], 0
+        for start in frames:
+            pieces.append(raw[at:start])
+            at = start + 9
+        pieces.append(raw[at:])
+        flat = b"".join(pieces)
+    size, widths = len(flat), _WIDTHS
+    run = _RUNS[TUPLES] or _compiled_run(TUPLES)
+    at = 2 if flat[:1] == b"\x80" else 0
+    while True:
+        match = run(flat, at, size)
+        assert match is not None
+        end = match.end()
+        if end >= size:
+            return False
+        code = flat[end]
+        width = widths[code]
+        if width:
+            at = _past_counted(flat, end, width, size)
+            if at < 0:
+                return False
+        elif code == _STOP:
+            return True
+        elif code == _PROTO:
+            at = end + 2
+            if at > size:
+                return False
+        elif end > at:
+            at = end
+        else:
+            return False  # a tuple of anything else, or what the first walk read differently (a FRAME)
+
+
+def _past_counted(raw: bytes, end: int, width: int, limit: int) -> int:
+    """Where the length-prefixed opcode at ``end`` (a length of ``width`` bytes) ends, or -1 when it is not
+    plain: its length runs past ``limit`` or is negative, or a str or bytes is longer than a plain payload
+    holds (one reused as a key is compared each time: the full walk charges it)."""
+    start = end + 1 + width
+    if start > limit:
+        return -1
+    code = raw[end]
+    length = raw[end + 1] if width == 1 else int.from_bytes(raw[end + 1 : start], "little", signed=code == _BINSTRING)
+    past = start + length
+    if length < 0 or past > limit or length > _LONGEST_KEY and code != _BYTEARRAY8:
+        return -1
+    return past
