@@ -602,6 +602,9 @@ def test_opcodes_hidden_across_a_frame_end_are_refused():
         payloads[label + ", full walk"] = _hidden_in_a_frame(opcodes, b"q\x00" + b"0")  # not plain: the full walk
     frame = b"\x80\x05\x95" + struct.pack("<Q", 20) + b"]\x94(J\x01\x00\x00\x00" + b"\x95" + struct.pack("<Q", 3)
     payloads["a FRAME inside a frame"] = frame + b"K\x02e." + bytes(6)
+    inner = _hidden_in_a_frame(hidden["memo sized by its index"])[2:-1]  # its FRAME, inside a frame now
+    body = b"K\x01K\x02\x86" + b"0" + inner + b"."  # a tuple first: the second walk's shortcut
+    payloads["a tuple, then a FRAME inside the frame"] = b"\x80\x05\x95" + struct.pack("<Q", len(body)) + body
     payloads["a BININT split by the frame's end"] = (b"\x80\x05\x95" + struct.pack("<Q", 3) + b"]J\x01"
                                                      + b"\x00\x00\x00a.")
     results = run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET, timeout=60)
