@@ -33,7 +33,8 @@ _DISTRIBUTED = dist.is_available()
 _new = tuple.__new__
 
 
-_UNBUILT = object()  # the express path of _defaults, before the first send/recv needs it
+_UNBUILT = object()  # the express path of _defaults, before the first send/recv or collective needs it
+_NEXT = object()  # the same, after one collective: the next builds it
 
 
 def _no_group() -> None:
@@ -164,7 +165,7 @@ class Communicator:
 
     def _defaults(self, group: Any) -> Optional[tuple]:
         """What a call without per-call options on ``group`` uses: ``(stamps..., options, serializer, the wire
-        less its group, the express path of send/recv or ``_UNBUILT``)``, kept while the process-wide settings, the
+        less its group, the express path or ``_UNBUILT``/``_NEXT``)``, kept while the process-wide settings, the
         registry, the group and this communicator's fields are the ones it was worked out for (the checks
         of :meth:`_resolved`, without resolving a call). None without a group, or for one that cannot be
         held weakly."""
@@ -185,15 +186,19 @@ class Communicator:
         self._held = held
         return held
 
-    def _express(self) -> Optional[Express]:
-        """The express path of this communicator's default-option send/recv (:mod:`objcomm._express`), or None;
-        built on the first send/recv (a communicator made for one collective never pays for it)."""
+    def _express(self, now: bool = True) -> Optional[Express]:
+        """The express path of this communicator's default-option calls (:mod:`objcomm._express`), or None;
+        built on the first send/recv, or the second collective (``now=False``: a communicator made for one
+        collective, as ``objcomm.all_gather(obj, group=...)`` makes, never pays for it)."""
         group = self._group()
         held = self._defaults(group)
         if held is None:
             return None
         express = held[9]
-        if express is _UNBUILT:
+        if express is _UNBUILT and not now:
+            self._held = (*held[:9], _NEXT)
+            return None
+        if express is _UNBUILT or express is _NEXT:
             express = Express.of(_new(Call, (held[6], held[7], _new(_transport.Wire, (group, *held[8])))))
             self._held = (*held[:9], express)
         return express
@@ -231,10 +236,17 @@ class Communicator:
         ``async_op=True``: a :class:`~objcomm.Request` at once, as for every collective (:mod:`objcomm._requests`)."""
         if async_op:
             return self._submit("all_gather", Communicator.all_gather, obj, **call_kwargs(locals()))
+        express, serialized = None, None
+        if serializer is None and accept is None and max_bytes is None and map_location is None and compression is None:
+            express = self._express(now=False)
+            if express is not None:
+                done, serialized = express.all_gather(obj, self._group)
+                if done:
+                    return serialized
         call = self._call(call_kwargs(locals()))
         if call.wire is None:
             return [call.roundtrip(obj)]
-        out, local = call.encode(obj)
+        out, local = call.encode(obj, _still(serialized, express, call))
         incoming = _transport.all_gather(call.wire, out, _framing.tensor_sizes)
         call.raise_failures("all_gather", incoming, local)
         return [call.decode(item, r) for r, item in enumerate(incoming)]
@@ -269,12 +281,19 @@ class Communicator:
         """Global rank ``src``'s object, on every rank (``obj`` is ignored on the others)."""
         if async_op:
             return self._submit("broadcast", Communicator.broadcast, obj, src, **call_kwargs(locals()))
+        express, serialized = None, None
+        if serializer is None and accept is None and max_bytes is None and map_location is None and compression is None:
+            express = self._express(now=False)
+            if express is not None:
+                done, serialized = express.broadcast(obj, src, self._group)
+                if done:
+                    return serialized
         call = self._call(call_kwargs(locals()))
         if call.wire is None:
             self._check_single(src, "src")
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, src, "src")
-        out, local = call.encode(obj) if call.wire.rank == root else (None, None)
+        out, local = call.encode(obj, _still(serialized, express, call)) if call.wire.rank == root else (None, None)
         item = _transport.broadcast(call.wire, out, _framing.tensor_sizes, root)
         if item.error:  # the root's error report (its own encode failure among them)
             call.raise_failures("broadcast", only(root, item, call.wire.size), local)
@@ -383,9 +402,7 @@ class Communicator:
         if peer == wire.rank:
             raise ValueError(f"send(dst={dst}) is this rank itself; send to another rank")
         _requests.check_blocking(wire.group, "send", dst, tag)
-        if express is None or call.serializer is not express.call.serializer:
-            serialized = None  # the settings changed meanwhile (another thread): serialize again
-        out, local = call.encode(obj, serialized)
+        out, local = call.encode(obj, _still(serialized, express, call))
         _transport.send(wire, out, peer)
         if local is not None:
             raise with_original_type(local)
@@ -459,3 +476,9 @@ class Communicator:
     def _check_single(rank: Any, what: str) -> None:
         if rank != 0:
             raise ValueError(f"{what}={rank}, but there is no process group: the only rank is 0")
+
+
+def _still(serialized: Any, express: Optional[Express], call: Call) -> Any:
+    """What the express path serialized, for the general path to encode, unless the settings changed
+    meanwhile (another thread): then None, to serialize again."""
+    return None if express is None or call.serializer is not express.call.serializer else serialized

@@ -1,26 +1,30 @@
-"""The express path of a small send/recv: from the call to the same-host channel in one straight line.
+"""The express path of small calls (send/recv, all_gather, broadcast): from the call to the same-host
+channel in one straight line.
 
-Most point-to-point traffic on one host is small (per-step metrics, work items, replies) and sent
-with a communicator's defaults. Once a group's same-host channel carries send/recv
-(:mod:`objcomm._first`), such a message is one slot through the channel, and the general path's
-work around it (resolving the call's settings, routing, building an :class:`~objcomm._wire.Outgoing`,
-reading the slot back, its layers of checks) is most of its cost: ~25 µs of Python a call against a
-channel hop of ~6 µs. :class:`Express` holds what that work decides, worked out once per
-communicator, settings and group (:meth:`objcomm.Communicator._express` keeps it fresh), and does
-the rest per call.
+Most traffic between the ranks of one host is small (per-step metrics, stop/continue decisions, work
+items, replies) and sent with a communicator's defaults. Through a group's same-host channel
+(:mod:`objcomm._first`) such a call is one slot per rank, and the general path's work around it
+(resolving the call's settings, routing, building an :class:`~objcomm._wire.Outgoing`, filling and
+reading slots, its layers of checks) is most of its cost: ~25 µs of Python a call against a channel
+hop of ~6 µs. :class:`Express` holds what that work decides, worked out once per communicator,
+settings and group (:meth:`objcomm.Communicator._express` keeps it fresh; built on a communicator's
+first send/recv or second collective, so that a communicator made for one call never pays for it),
+and does the rest per call.
 
 What a peer receives is the general path's slot, byte for byte, less the zeros after the frame
 (:func:`objcomm._framing.small_slot`; a receiver on either path reads such a *trimmed* slot as the
 whole one, :func:`objcomm._first.trimmed`; pinned by ``tests/test_express.py``): a 4 KiB slot for a
-100-byte frame was most of the bytes a small message allocated, copied and moved. A receive checks
-what the general path checks, then decodes with the same function. It takes only the
-plainest case and hands everything else to the general path *before anything has moved*: a send
-with per-call options, an argument the general path would refuse (it says why), an object with
-tensors or past the slot or failing to encode (what serializing it gave goes along, so that nothing
-is serialized twice, and a failure becomes the general path's error report), compression, an
-``isend``/``irecv`` in flight on the group, a channel that does not carry send/recv (yet, or any
-more). A receive hands over once its slot has arrived when the slot is not the whole message (an
-error report, tensors, a second round): the general path's own steps finish it.
+100-byte frame was most of the bytes a small message allocated, copied and moved. A receiver checks
+what the general path checks, then decodes with the same function. A sender takes only the plainest
+case and hands everything else to the general path *before anything has moved*: a call with
+per-call options, an argument the general path would refuse (it says why), an object with tensors or
+past the slot or failing to encode (what serializing it gave goes along, so that nothing is
+serialized twice, and a failure becomes the general path's error report), compression, an
+``isend``/``irecv`` in flight on the group (send/recv), a channel that is not open or, for send/recv
+and all_gather, does not carry send/recv yet (until then an all_gather carries this rank's vote).
+Once slots have arrived, a slot that is not a whole plain frame (an error report, tensors, a second
+round) hands the call to the general path's own steps from the slots on, with the same outcome on
+every rank as if it had taken the general path throughout.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from . import _first, _framing, _state
-from ._call import MAX_TAG, Call
+from ._call import MAX_TAG, Call, only
 from ._slots import read_slot
-from ._transport import Incoming, Wire, received
+from ._transport import Incoming, Wire, all_gather_rest, broadcast_rest, received
 
 NOT_TAKEN = object()  # what Express.recv returns when the general path must receive
 
@@ -39,8 +43,8 @@ class Express:
     """What a default-option send/recv on one group works out once: valid for the settings, registry,
     group and communicator it was built for (the caller checks that); holds no reference to the group."""
 
-    __slots__ = ("call", "rest", "state", "facts", "ranks", "peers", "name", "slot", "limit", "spin", "cpu",
-                 "whole_bytes", "accept", "device")
+    __slots__ = ("call", "rest", "state", "facts", "ranks", "rank", "index", "peers", "name", "slot", "limit", "spin",
+                 "cpu", "whole_bytes", "accept", "device")
 
     def __init__(self, call: Call, strategy: _first.SameHostSlots, state: _first.SameHost) -> None:
         wire, options = call.wire, call.options
@@ -50,7 +54,9 @@ class Express:
         self.state = state  # the group's same-host state: its channel now (a failed one is replaced)
         self.facts = _state.group_facts(wire.group)  # its requests: none in flight, or the general path
         self.ranks = wire.ranks  # group rank -> global rank
-        self.peers = {g: r for r, g in enumerate(wire.ranks) if r != wire.rank}  # global rank -> group rank
+        self.rank = wire.rank  # this rank's group rank
+        self.index = {g: r for r, g in enumerate(wire.ranks)}  # global rank -> group rank
+        self.peers = {g: r for g, r in self.index.items() if r != wire.rank}  # the same, less this rank
         self.name = call.serializer.name.encode("ascii")
         self.slot, self.limit, self.spin = wire.slot, wire.max_bytes, strategy.spin
         self.cpu = wire.device.type == "cpu"  # tags and recv(src=None) need a backend with tags (gloo)
@@ -79,28 +85,97 @@ class Express:
         requests = self.facts.requests
         return None if requests is not None and requests.busy else channel
 
+    def _slot(self, obj: Any) -> Any:
+        """``(obj's trimmed slot, what serializing obj gave)``: the result of :func:`objcomm._framing.serialize`,
+        or the exception it raised, which the general path then does not do again. The slot is None where the
+        general path takes over, nothing having moved: a failure, tensors, a frame past the slot."""
+        try:
+            serialized = _framing.serialize(obj, self.call.serializer, self.whole_bytes)
+        except Exception as exc:  # the general path sends the error report
+            return None, exc
+        if serialized[1].tensors:
+            return None, serialized
+        try:
+            return _framing.small_slot(self.name, serialized[0], self.slot, self.limit), serialized
+        except Exception:  # a payload that is no buffer: encode() raises it again, on the general path
+            return None, serialized
+
     def send(self, obj: Any, dst: Any, tag: Any) -> Any:
         """Send ``obj`` to global rank ``dst``: True once sent. Anything else is what the general path takes
-        over, nothing having moved: None (nothing done), or what serializing ``obj`` gave (the result of
-        :func:`objcomm._framing.serialize`, or the exception it raised), which it then does not do again."""
+        over, nothing having moved: None (nothing done), or what serializing ``obj`` gave (see :meth:`_slot`)."""
         peer = self.peers.get(dst) if type(dst) is int else None
         channel = self._channel(tag)
         if peer is None or channel is None:
             return None
-        try:
-            serialized = _framing.serialize(obj, self.call.serializer, self.whole_bytes)
-        except Exception as exc:  # the general path sends the error report
-            return exc
-        if serialized[1].tensors:
-            return serialized
-        try:
-            slot = _framing.small_slot(self.name, serialized[0], self.slot, self.limit)
-        except Exception:  # a payload that is no buffer: encode() raises it again, on the general path
-            return serialized
+        slot, serialized = self._slot(obj)
         if slot is None:
             return serialized
         channel.send(slot, peer, tag)
         return True
+
+    def all_gather(self, obj: Any, group: Callable[[], Any]) -> Any:
+        """``(True, every rank's object in group-rank order)``, or ``(False, what the general path takes
+        over)``, nothing having moved (see :meth:`send`). Only once send/recv are on the channel (until then
+        an all_gather carries this rank's vote). Once the slots have arrived, slots that are not all plain
+        frames (an error report, tensors, a second round) are finished by the general path's steps."""
+        channel = self.state.channel
+        if channel is None or not channel.p2p or channel.closed:
+            return False, None
+        slot, serialized = self._slot(obj)
+        if slot is None:
+            return False, serialized
+        slots = channel.all_gather(slot, False, self.spin)
+        size = self.slot
+        for got in slots:
+            if len(got) != size and not _first.trimmed(got, size):
+                _first._checked(self.wire(group(), 0), channel, slots, "all_gather")  # raises, as the general path
+        plains = [_framing.plain_in_slot(got) for got in slots]
+        if None not in plains:
+            return True, [self._decode(plain, r) for r, plain in enumerate(plains)]
+        wire = self.wire(group(), 0)  # the general path's steps, from the slots on
+        call = self.call._replace(wire=wire)
+        out, local = call.encode(obj, serialized)
+        incoming = all_gather_rest(wire, out, [read_slot(memoryview(s)) for s in slots], _framing.tensor_sizes)
+        call.raise_failures("all_gather", incoming, local)
+        return True, [call.decode(item, r) for r, item in enumerate(incoming)]
+
+    def broadcast(self, obj: Any, src: Any, group: Callable[[], Any]) -> Any:
+        """``(True, global rank src's object)`` or ``(False, what the general path takes over)``, as
+        :meth:`all_gather`. The root takes it only for a plain frame; a receiver hands a slot that is not one
+        to the general path's steps."""
+        root = self.index.get(src) if type(src) is int else None
+        channel = self.state.channel
+        if root is None or channel is None or channel.closed:
+            return False, None
+        if root == self.rank:
+            slot, serialized = self._slot(obj)
+            if slot is None:
+                return False, serialized
+            channel.broadcast(slot, root, self.spin)
+            return True, self._plain(slot, root)
+        got = channel.broadcast(None, root, self.spin)
+        if len(got) != self.slot and not _first.trimmed(got, self.slot):
+            _first._checked(self.wire(group(), 0), channel, [got], "broadcast")  # raises, as the general path does
+        value = self._plain(got, root)
+        if value is not NOT_TAKEN:
+            return True, value
+        wire = self.wire(group(), 0)  # the general path's steps, from the slot on
+        call = self.call._replace(wire=wire)
+        item = broadcast_rest(wire, None, read_slot(memoryview(got)), _framing.tensor_sizes, root)
+        if item.error:
+            call.raise_failures("broadcast", only(root, item, wire.size), None)
+        return True, call.decode(item, root)
+
+    def _plain(self, slot: Any, sender: int) -> Any:
+        """The object in ``slot`` from group rank ``sender`` if it holds a plain frame, else :data:`NOT_TAKEN`."""
+        plain = _framing.plain_in_slot(slot)
+        return NOT_TAKEN if plain is None else self._decode(plain, sender)
+
+    def _decode(self, plain: Any, sender: int) -> Any:
+        """The object of a plain frame (``(frame, header)``: :func:`objcomm._framing.plain_in_slot`) from ``sender``."""
+        frame, header = plain
+        return _framing.decode_parsed(frame, header, Incoming(frame), sender, self.accept, self.device, self.limit,
+                                      own=sender == self.rank)
 
     def recv(self, src: Any, tag: Any, group: Callable[[], Any]) -> Any:
         """``(sender's global rank, object)`` from global rank ``src`` (None: any) under ``tag``, or
@@ -120,13 +195,11 @@ class Express:
         sender, got = channel.recv(peer, tag, self.spin)
         if len(got) != self.slot and not _first.trimmed(got, self.slot):
             _first._checked(self.wire(group(), tag), channel, [got], "recv")  # raises, as the general path does
-        plain = _framing.plain_in_slot(got)
-        if plain is None:  # anything else: the general path's steps, from the slot on
+        obj = self._plain(got, sender)
+        if obj is NOT_TAKEN:  # anything else: the general path's steps, from the slot on
             wire = self.wire(group(), tag)
             incoming = received(wire, sender, read_slot(memoryview(got)), _framing.tensor_sizes)
             return self.ranks[sender], self.call._replace(wire=wire).received(*incoming)
-        frame, header = plain
-        obj = _framing.decode_parsed(frame, header, Incoming(frame), sender, self.accept, self.device, self.limit)
         return self.ranks[sender], obj
 
     def wire(self, group: Any, tag: int) -> Wire:

@@ -99,7 +99,12 @@ def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, p
 # -- all_gather ------------------------------------------------------------------------------
 def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gather") -> Sequence[Optional[Incoming]]:
     """Every rank's frame and tensors, on every rank. ``None`` marks frames not moved after an error."""
-    infos = _exchange_slots(wire, out, op)
+    return all_gather_rest(wire, out, _exchange_slots(wire, out, op), sizes_of, op)
+
+
+def all_gather_rest(wire: Wire, out: Outgoing, infos: List[SlotInfo], sizes_of: SizesOf,
+                    op: str = "all_gather") -> Sequence[Optional[Incoming]]:
+    """:func:`all_gather` once round 1 has delivered every rank's slot (``infos``), by either route."""
     plans = _limits.plans(infos, sizes_of, op)
     if _limits.round_one_ends(infos):  # after an error, or in the common small case: one collective, done
         return _round_one(infos)
@@ -210,7 +215,12 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
             slot, host = _on_device(wire, raw), memoryview(raw) if wire.device.type == "cpu" else None
         guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
         got = host if host is not None else host_view(slot)
-    info = read_slot(memoryview(got))
+    return broadcast_rest(wire, out, read_slot(memoryview(got)), sizes_of, src)
+
+
+def broadcast_rest(wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int) -> Incoming:
+    """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route."""
+    op = "broadcast"
     sizes, problem = _limits.plan(info, sizes_of)
     if problem:  # every rank holds the same slot: all raise alike
         raise _limits.inconsistent(op, src, problem)

@@ -16,7 +16,7 @@ from _child import run_in_child
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _first, _framing, _local, _state, _transport
+from objcomm import _communicator, _express, _first, _framing, _local, _state, _transport
 from objcomm._slots import ERROR_BIT, PREFIX, fill_slot, read_slot
 from objcomm._tensors import TensorLifter
 from serializers import registry
@@ -334,3 +334,157 @@ def calls_after_the_group_is_gone() -> List[Any]:
 
 def test_what_a_communicator_keeps_goes_with_its_group():
     assert run_in_child(calls_after_the_group_is_gone, timeout=60, preload=("torch",)) == [[1], None, [2], 3]
+
+
+# -- all_gather and broadcast --------------------------------------------------------------------------------
+
+
+def _counting_collectives() -> Dict[str, int]:
+    """Count the general path's collectives (``general``) and its steps after slots the express path moved
+    (``rest``) from now on; :func:`_uncount_collectives` undoes it."""
+    counts = {"general": 0, "rest": 0}
+    for module, names, key in ((_transport, ("all_gather", "broadcast"), "general"),
+                               (_express, ("all_gather_rest", "broadcast_rest"), "rest")):
+        for name in names:
+            real = getattr(module, name)
+
+            def counted(*args: Any, _real: Any = real, _key: str = key) -> Any:
+                counts[_key] += 1
+                return _real(*args)
+
+            counted.real = real  # type: ignore[attr-defined]
+            setattr(module, name, counted)
+    return counts
+
+
+def _uncount_collectives() -> None:
+    for module, names in ((_transport, ("all_gather", "broadcast")), (_express, ("all_gather_rest", "broadcast_rest"))):
+        for name in names:
+            setattr(module, name, getattr(module, name).real)
+
+
+def _summary(value: Any) -> Any:
+    """What a case's result is compared by: lengths of bytes, tensors as lists."""
+    if isinstance(value, list):
+        return [_summary(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _summary(v) for k, v in value.items()}
+    if isinstance(value, bytes):
+        return ("bytes", len(value))
+    return value.tolist() if isinstance(value, torch.Tensor) else value
+
+
+def collective_routes_and_outcomes() -> List[Any]:
+    """Each case twice: with the communicator's defaults (the express path where it applies) and with a
+    per-call option (the general path); per rank, ``(label, express outcome, counts, general outcome)``."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=True)
+    comm.all_gather(None)  # opens the channel and lets send/recv in
+    assert comm._held is not None
+    got: List[Any] = [comm._held[9] is _communicator._NEXT]  # one collective: the express path is not built yet
+    big, limit = b"y" * 10_000, comm._call({}).options.max_bytes
+    refusing, packing = objcomm.Communicator(accept=["msgpack"], local=True), objcomm.Communicator(
+        serializer="msgpack", local=True)
+    for other in (refusing, packing):
+        _outcome(lambda c=other: c.all_gather(None))  # their first collective: the next builds the express path
+    cases = [  # (label, what a call does with the options it is given)
+        ("small", lambda **o: comm.all_gather({"r": rank}, **o)),
+        ("one past the slot", lambda **o: comm.all_gather(big if rank == 1 else rank, **o)),
+        ("one with a tensor", lambda **o: comm.all_gather({"t": torch.arange(rank + 1)} if rank == 2 else rank, **o)),
+        ("one fails to encode", lambda **o: comm.all_gather((lambda: 0) if rank == 0 else rank, **o)),
+        ("refused by accept", lambda **o: refusing.all_gather(rank, **o)),
+        ("msgpack", lambda **o: packing.all_gather([rank], **o)),
+        ("broadcast small", lambda **o: comm.broadcast({"from": rank}, src=1, **o)),
+        ("broadcast past the slot", lambda **o: comm.broadcast(big, src=1, **o)),
+        ("broadcast a tensor", lambda **o: comm.broadcast({"t": torch.arange(rank + 2)}, src=2, **o)),
+        ("broadcast fails to encode", lambda **o: comm.broadcast(lambda: 0, src=0, **o)),
+        ("broadcast refused by accept", lambda **o: refusing.broadcast(rank, src=0, **o)),
+        ("src outside", lambda **o: comm.broadcast(1, src=99, **o)),
+        ("src True", lambda **o: comm.broadcast(1, src=True, **o)),
+        ("after them", lambda **o: comm.all_gather(f"r{rank}", **o)),
+    ]
+    for label, call in cases:
+        counts = _counting_collectives()
+        try:
+            express = _outcome(lambda c=call: _summary(c()))
+        finally:
+            _uncount_collectives()
+        got.append((label, express, counts, _outcome(lambda c=call: _summary(c(max_bytes=limit)))))
+    return got
+
+
+def test_all_gather_and_broadcast_take_the_express_path_with_the_general_paths_outcomes():
+    per_rank = get_pool(3).run(collective_routes_and_outcomes)
+    for rank, got in enumerate(per_rank):
+        assert got[0] is True
+        cases = {label: (express, counts) for label, express, counts, general in got[1:]}
+        for label, express, _, general in got[1:]:
+            assert express == general, (rank, label)  # the same outcome as the general path's
+        none, general_only = {"general": 0, "rest": 0}, {"general": 1, "rest": 0}
+        mine_general = {"general": 1, "rest": 0}
+        assert cases["small"] == (("ok", [{"r": 0}, {"r": 1}, {"r": 2}]), none)
+        assert cases["one past the slot"][0] == ("ok", [0, ("bytes", 10_000), 2])
+        assert cases["one past the slot"][1] == (mine_general if rank == 1 else {"general": 0, "rest": 1})
+        assert cases["one with a tensor"][0] == ("ok", [0, 1, {"t": [0, 1, 2]}])
+        assert cases["one with a tensor"][1] == (mine_general if rank == 2 else {"general": 0, "rest": 1})
+        assert cases["one fails to encode"][0][0] == "raised"
+        assert cases["one fails to encode"][1] == (mine_general if rank == 0 else {"general": 0, "rest": 1})
+        assert cases["refused by accept"] == (("raised", "ContentRefusedError"), none)
+        assert cases["msgpack"] == (("ok", [[0], [1], [2]]), none)
+        assert cases["broadcast small"] == (("ok", {"from": 1}), none)
+        assert cases["broadcast past the slot"][0] == ("ok", ("bytes", 10_000))
+        assert cases["broadcast past the slot"][1] == (general_only if rank == 1 else {"general": 0, "rest": 1})
+        assert cases["broadcast a tensor"][0] == ("ok", {"t": [0, 1, 2, 3]})
+        assert cases["broadcast a tensor"][1] == (general_only if rank == 2 else {"general": 0, "rest": 1})
+        assert cases["broadcast fails to encode"][0] == ("raised", "RemoteError")  # on every rank, the root too
+        assert cases["broadcast refused by accept"] == (("raised", "ContentRefusedError"), none)
+        assert cases["src outside"] == (("raised", "ValueError"), none)
+        assert cases["src True"] == (("raised", "TypeError"), none)
+        assert cases["after them"] == (("ok", ["r0", "r1", "r2"]), none)
+
+
+def hostile_collective_slots() -> List[Any]:
+    """Rank 1 writes slots straight into a subgroup's channel, as a broadcast's root and as its part of an
+    all_gather; rank 0 takes each through the express path and through the general path."""
+    rank = dist.get_rank()
+    good = bytes(_general_slot({"ok": 1}, "pickle"))
+    length = PREFIX.unpack_from(good, 0)[0]
+    cases = {
+        "good": good,
+        "bad magic": good[: PREFIX.size] + b"XXXX" + good[PREFIX.size + 4 :],
+        "frame shorter than its header says": PREFIX.pack(length - 3, LIMIT, length - 3) + good[PREFIX.size :],
+        "error report that is not one": PREFIX.pack(length | ERROR_BIT, LIMIT, length) + good[PREFIX.size :],
+        "trimmed, shorter than a header": PREFIX.pack(10, LIMIT, 10) + b"x" * 10,
+        "short slot": good[:100],  # neither a slot nor a trimmed one: the channel fails
+    }
+    got: List[Any] = []
+    for label, raw in cases.items():
+        for op in ("broadcast", "all_gather"):
+            outcomes = []
+            for options in ({}, {"max_bytes": LIMIT}):  # the express path, then the general path
+                sub = dist.new_group([0, 1])
+                comm = objcomm.Communicator(sub, local=True)
+                comm.all_gather(None)
+                comm.all_gather(None)  # the second collective: the express path is built from now on
+                channel: _local.LocalChannel = _state.group_facts(sub).local[False].channel
+                assert channel.p2p and comm._express(now=False) is not None
+                if rank == 1:
+                    _outcome(lambda c=channel, r=raw, o=op: c.broadcast(r, 1) if o == "broadcast" else c.all_gather(r))
+                elif op == "broadcast":
+                    outcomes.append(_outcome(lambda c=comm, o=options: c.broadcast(None, src=1, **o), message=True))
+                else:
+                    outcomes.append(_outcome(lambda c=comm, o=options: c.all_gather("mine", **o), message=True))
+                dist.destroy_process_group(sub)
+            got.append((label, op, *outcomes))
+    return got
+
+
+def test_hostile_slots_through_the_express_collectives_raise_as_on_the_general_path():
+    receiver, _ = get_pool(2).run(hostile_collective_slots)
+    got = {(label, op): (express, general) for label, op, express, general in receiver}
+    for (label, op), (express, general) in got.items():
+        assert express[:2] == general[:2], (label, op)
+    assert got["good", "broadcast"][0] == ("ok", {"ok": 1})
+    assert got["good", "all_gather"][0] == ("ok", ["mine", {"ok": 1}])
+    assert got["bad magic", "broadcast"][0][:2] == ("raised", "FrameError")
+    assert got["short slot", "all_gather"][0][1] == "CommunicationError"
