@@ -73,7 +73,8 @@ class Inbox:
         self.done = 0  # sequence number of the last collective this rank finished
         self.closed: Optional[str] = None  # why the channel closed, once it has
         self.gone: Dict[int, str] = {}  # peers whose connection ended: why
-        self.cond = threading.Condition(threading.RLock())  # guards everything below
+        self._lock = threading.RLock()
+        self.cond = threading.Condition(self._lock)  # guards everything below
         self._peers = peers
         self._pids = pids
         self._fail = fail
@@ -99,24 +100,24 @@ class Inbox:
         """One message under ``key`` from each of ``sources`` (``first``: from whichever has one first),
         and whether every one of them carried :data:`READY`. ``spin``: seconds a wait polls before it
         sleeps in the kernel, over the whole call (the lean paths; see :func:`poll_briefly`)."""
-        deadline = time.monotonic() + self.timeout
         spin_until = time.perf_counter() + spin if spin > 0 else 0.0
-        with self.cond:
+        lock = self._lock
+        lock.acquire()  # self.cond, without its __enter__ and __exit__ (Python functions): a small call pays for them
+        try:
             if not self._waiting and self.closed is None:  # no other thread waits: the lean paths
                 if len(sources) == 1:
                     fast = self._alone(sources[0], key, kind, op, spin_until)
                     if fast is not None:
                         return fast
                 elif not first and not any(p in self._readers or p in self.gone for p in sources):
+                    deadline = time.monotonic() + self.timeout
                     got, ready, pending = self._together(sources, key, kind, op, deadline, spin_until)
                     if not pending:
                         return got, ready
                     return self._take(pending, key, kind, op, first, deadline, got, ready)
-            return self._take(sources, key, kind, op, first, deadline)
-
-    def _free(self, peer: int) -> bool:
-        """Nobody reads ``peer``'s socket, nothing of it waits in the stash, and it is not gone."""
-        return peer not in self._readers and not self._stash[peer] and peer not in self.gone
+            return self._take(sources, key, kind, op, first, time.monotonic() + self.timeout)
+        finally:
+            lock.release()
 
     def _together(self, sources: Sequence[int], key: Key, kind: int, op: str,
                   deadline: float, spin_until: float) -> Tuple[Dict[int, bytes], bool, List[int]]:
@@ -200,16 +201,19 @@ class Inbox:
                spin_until: float) -> Optional[Tuple[Dict[int, bytes], bool]]:
         """The common case, one thread and one source: read its socket once; the message, if it is the one
         wanted (nothing filed), else None (anything read is filed)."""
-        if not self._free(peer):
+        if peer in self._readers or self._stash[peer] or peer in self.gone:  # read by another thread, or filed
             return None
         self._readers[peer] = threading.get_ident()
-        self.cond.release()
+        lock = self._lock
+        lock.release()
         try:
             if spin_until:
-                poll_briefly(self._poll_one[peer], spin_until)
+                poll = self._poll_one[peer]
+                if not poll.poll(0):  # not there yet: spin
+                    poll_briefly(poll, spin_until)
             length = self._recv(peer, block=True)
         finally:
-            self.cond.acquire()
+            lock.acquire()
             del self._readers[peer]
             if self._waiting:  # a thread came meanwhile, waiting for this socket
                 self._notify()

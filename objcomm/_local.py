@@ -320,9 +320,9 @@ class LocalChannel:
     # -- moving messages ---------------------------------------------------------------------
     def check(self, op: str) -> None:
         """Raise :class:`~objcomm.CommunicationError` if this channel cannot be used (closed, or a forked child's)."""
-        if os.getpid() != self._owner:
-            raise CommunicationError(f"{op}: a local channel cannot be used in a forked child; open one there")
-        if self.closed:
+        if self.closed:  # a forked child's are closed at the fork (_forget_in_child): no getpid() per call
+            if os.getpid() != self._owner:
+                raise CommunicationError(f"{op}: a local channel cannot be used in a forked child; open one there")
             self._fail(op, "")
 
     def _collective(self, kind: int, outgoing: Dict[int, Slot], sources: Sequence[int],
