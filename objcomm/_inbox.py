@@ -100,6 +100,7 @@ class Inbox:
         """One message under ``key`` from each of ``sources`` (``first``: from whichever has one first),
         and whether every one of them carried :data:`READY`. ``spin``: seconds a wait polls before it
         sleeps in the kernel, over the whole call (the lean paths; see :func:`poll_briefly`)."""
+        deadline = time.monotonic() + self.timeout  # before any wait: a lean path that timed out used it up
         spin_until = time.perf_counter() + spin if spin > 0 else 0.0
         lock = self._lock
         lock.acquire()  # self.cond, without its __enter__ and __exit__ (Python functions): a small call pays for them
@@ -110,12 +111,11 @@ class Inbox:
                     if fast is not None:
                         return fast
                 elif not first and not any(p in self._readers or p in self.gone for p in sources):
-                    deadline = time.monotonic() + self.timeout
                     got, ready, pending = self._together(sources, key, kind, op, deadline, spin_until)
                     if not pending:
                         return got, ready
                     return self._take(pending, key, kind, op, first, deadline, got, ready)
-            return self._take(sources, key, kind, op, first, time.monotonic() + self.timeout)
+            return self._take(sources, key, kind, op, first, deadline)
         finally:
             lock.release()
 

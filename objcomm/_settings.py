@@ -75,7 +75,8 @@ class Settings:
 
     - ``serializer``: name used when a call names none (``"pickle"``).
     - ``accept``: serializer names this rank decodes; ``None`` accepts every registered one.
-    - ``max_bytes``: largest frame sent or accepted (default 8 GiB); checked before allocating.
+    - ``max_bytes``: largest frame sent or accepted (default 8 GiB); checked before allocating (a frame that fits
+      the first-round slot arrives with it, and is accepted whatever the receiver's limit).
     - ``slot_bytes``: per-rank bytes of the first round; smaller frames take one collective.
     - ``chunk_bytes``: largest single transfer of the second round; caps the extra memory a call needs.
       ``slot_bytes`` and ``chunk_bytes`` shape the messages, so every rank of a group must use the same.

@@ -8,6 +8,7 @@ import resource
 import secrets
 import signal
 import socket
+import struct as _struct
 import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -433,3 +434,24 @@ def test_a_skipped_collective_is_refused_when_reading_several_peers():
     (message, elapsed), *others = get_pool(3).run(skips_a_collective_at_three)
     assert "rank 1 sent collective #2 but not #1" in message and elapsed < 10.0, (message, elapsed)
     assert [o[0] for o in others] == ["raised", "raised"]
+
+
+@pytest.mark.parametrize("key, kind", [((False, 0), _inbox.P2P), ((True, 1), _inbox.ALL_GATHER)])
+def test_a_wait_on_one_silent_source_raises_after_one_timeout_not_two(key, kind):
+    """The lean path's blocking recv uses the call's timeout; the general path after it must not start another."""
+    timeout = 0.5
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mine.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _struct.pack("ll", 0, int(timeout * 1e6)))
+
+    def fail(op: str, why: str, cause: Any = None) -> Any:
+        raise CommunicationError(f"{op}: {why}")
+
+    inbox = _inbox.Inbox({1: mine}, [os.getpid(), os.getpid()], timeout, 4096, fail)
+    start = time.monotonic()
+    try:
+        with pytest.raises(CommunicationError, match="within the timeout"):
+            inbox.take([1], key, kind, "op")
+        assert time.monotonic() - start < 1.5 * timeout
+    finally:
+        mine.close()
+        theirs.close()
