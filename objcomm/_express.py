@@ -15,7 +15,10 @@ What a peer receives is the general path's slot, byte for byte, less the zeros a
 (:func:`objcomm._framing.small_slot`; a receiver on either path reads such a *trimmed* slot as the
 whole one, :func:`objcomm._first.trimmed`; pinned by ``tests/test_express.py``): a 4 KiB slot for a
 100-byte frame was most of the bytes a small message allocated, copied and moved. A receiver checks
-what the general path checks, then decodes with the same function. A sender takes only the plainest
+what the general path checks, then decodes as it does: a plain frame of this rank's own serializer
+with that serializer itself where the registry gives it for its name (:func:`_decoder`, worked out once
+per registry version; :func:`objcomm._framing.plain_payload`), any other frame through
+:func:`objcomm._framing.decode_parsed`; the same errors, word for word. A sender takes only the plainest
 case and hands everything else to the general path *before anything has moved*: a call with
 per-call options, an argument the general path would refuse (it says why), an object with tensors or
 past the slot or failing to encode (what serializing it gave goes along, so that nothing is
@@ -29,10 +32,13 @@ every rank as if it had taken the general path throughout.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
+
+from serializers import SerializerProtocol, registry
 
 from . import _first, _framing, _state
 from ._call import MAX_TAG, Call, only
+from ._errors import UnknownSerializerError
 from ._slots import read_slot
 from ._transport import Incoming, Wire, all_gather_rest, broadcast_rest, received
 
@@ -44,7 +50,7 @@ class Express:
     group and communicator it was built for (the caller checks that); holds no reference to the group."""
 
     __slots__ = ("call", "rest", "state", "facts", "ranks", "rank", "index", "peers", "name", "slot", "limit", "spin",
-                 "cpu", "whole_bytes", "accept", "device")
+                 "cpu", "whole_bytes", "accept", "device", "decoder", "version")
 
     def __init__(self, call: Call, strategy: _first.SameHostSlots, state: _first.SameHost) -> None:
         wire, options = call.wire, call.options
@@ -62,6 +68,8 @@ class Express:
         self.cpu = wire.device.type == "cpu"  # tags and recv(src=None) need a backend with tags (gloo)
         self.whole_bytes = options.inline_tensor_bytes  # bytes past this travel out of band
         self.accept, self.device = options.accept, call.device
+        self.version = registry.version  # the registry as self.decoder was found in it
+        self.decoder = _decoder(call.serializer, options.accept)
 
     @staticmethod
     def of(call: Call) -> Optional[Express]:
@@ -129,6 +137,13 @@ class Express:
         for got in slots:
             if len(got) != size and not _first.trimmed(got, size):
                 _first._checked(self.wire(group(), 0), channel, slots, "all_gather")  # raises, as the general path
+        decoder = self.decoder if self.version == registry.version else None
+        if decoder is not None:  # every slot a plain frame of this rank's serializer: decoded as they are
+            payloads = [_framing.plain_payload(got, self.name) for got in slots]
+            if None not in payloads:
+                name = self.call.serializer.name
+                return True, [_framing.loads_payload(decoder, name, cast(memoryview, payload), r)
+                              for r, payload in enumerate(payloads)]
         plains = [_framing.plain_in_slot(got) for got in slots]
         if None not in plains:
             return True, [self._decode(plain, r) for r, plain in enumerate(plains)]
@@ -168,6 +183,10 @@ class Express:
 
     def _plain(self, slot: Any, sender: int) -> Any:
         """The object in ``slot`` from group rank ``sender`` if it holds a plain frame, else :data:`NOT_TAKEN`."""
+        if self.decoder is not None and self.version == registry.version:
+            payload = _framing.plain_payload(slot, self.name)
+            if payload is not None:  # this rank's own serializer: decoded with it, as decode_parsed would find it
+                return _framing.loads_payload(self.decoder, self.call.serializer.name, payload, sender)
         plain = _framing.plain_in_slot(slot)
         return NOT_TAKEN if plain is None else self._decode(plain, sender)
 
@@ -205,3 +224,16 @@ class Express:
     def wire(self, group: Any, tag: int) -> Wire:
         """The wire of a send/recv on ``group`` under ``tag``, as the general path builds it."""
         return Wire(group, *self.rest)._replace(tag=tag)
+
+
+def _decoder(serializer: SerializerProtocol, accept: Any) -> Optional[SerializerProtocol]:
+    """``serializer`` if a frame naming it is decoded with ``serializer`` itself (what
+    :func:`objcomm._framing.decode_parsed` finds in the registry) and ``accept`` takes it; else None."""
+    name = serializer.name
+    if accept is not None and name not in accept:
+        return None
+    try:
+        found = registry.guarded(name)
+    except UnknownSerializerError:  # not registered: its frames are refused where they arrive (the general path)
+        return None
+    return serializer if found is serializer else None

@@ -25,9 +25,10 @@ declared size is allocated. Golden frames in ``tests/golden/`` pin this format.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
-from typing import Any, Collection, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -196,20 +197,42 @@ def plain_in_slot(slot: Any) -> Optional[Tuple[memoryview, Header]]:
     bits, nothing out of band or listed, no compression, every length consistent. None for any other slot:
     :func:`objcomm._slots.read_slot`, :mod:`objcomm._limits` and :func:`parse_header` then read and judge
     it, with their own errors. Whatever this accepts, they accept too and read the same way."""
-    if len(slot) < _SLOT_HEADER.size:
+    lengths = _plain_lengths(slot)
+    if lengths is None:
         return None
-    (word, _, total, magic, version, flags, compression, name_len, table_len, n_tensors, payload_len, raw_len,
-     inline_len) = _SLOT_HEADER.unpack_from(slot, 0)
-    if (word != total or word > len(slot) - PREFIX.size or magic != MAGIC or version not in VERSIONS or flags
-            or compression != NO_COMPRESSION or table_len or n_tensors or inline_len
-            or HEADER.size + name_len + payload_len != word):
-        return None  # word == total, within the slot: no flag bits, and the frame and nothing else follows
+    version, name_len, payload_len, word = lengths
     try:
         name = str(slot[_SLOT_HEADER.size : _SLOT_HEADER.size + name_len], "ascii")
     except UnicodeDecodeError:
         return None
     frame = memoryview(slot)[PREFIX.size : PREFIX.size + word]
-    return frame, _new(Header, (version, 0, NO_COMPRESSION, name, 0, 0, payload_len, raw_len, 0))
+    return frame, _new(Header, (version, 0, NO_COMPRESSION, name, 0, 0, payload_len, payload_len, 0))
+
+
+def plain_payload(slot: Any, name: bytes) -> Optional[memoryview]:
+    """The payload of the plain frame in ``slot`` (as :func:`plain_in_slot` reads it) if its serializer is
+    ``name`` (ASCII); else None. What a caller that already holds that serializer needs, without the header."""
+    lengths = _plain_lengths(slot)
+    if lengths is None:
+        return None
+    start = _SLOT_HEADER.size + lengths[1]
+    if slot[_SLOT_HEADER.size : start] != name:
+        return None
+    return memoryview(slot)[start : start + lengths[2]]
+
+
+def _plain_lengths(slot: Any) -> Optional[Tuple[int, int, int, int]]:
+    """``(version, name length, payload length, frame length)`` of the whole plain frame in ``slot``, or None
+    (see :func:`plain_in_slot`)."""
+    if len(slot) < _SLOT_HEADER.size:
+        return None
+    (word, _, total, magic, version, flags, compression, name_len, table_len, n_tensors, payload_len, raw_len,
+     inline_len) = _SLOT_HEADER.unpack_from(slot, 0)
+    if (word != total or word > len(slot) - PREFIX.size or magic != MAGIC or version not in VERSIONS or flags
+            or compression != NO_COMPRESSION or table_len or n_tensors or inline_len or raw_len != payload_len
+            or HEADER.size + name_len + payload_len != word):
+        return None  # word == total, within the slot: no flag bits, and the frame and nothing else follows
+    return version, name_len, payload_len, word
 
 
 def error_frame(exc: BaseException, limit: int) -> Outgoing:
@@ -326,17 +349,25 @@ def decode_parsed(view: memoryview, header: Header, incoming: Incoming, sender: 
     payload = view[start : start + header.payload_len]
     if header.compression != NO_COMPRESSION:
         payload = memoryview(_compression.decompress(header.compression, payload, header.raw_len, max_bytes))
+    restore_of = None
+    if entries:  # the inline tensor data follows the payload
+        restore_of = functools.partial(restorer, entries, view[start + header.payload_len :], incoming.tensors, device,
+                                       own=own, copy_out=incoming.copy_out)
+    return loads_payload(serializer, header.serializer, payload, sender, restore_of)
+
+
+def loads_payload(serializer: SerializerProtocol, name: str, payload: memoryview, sender: int,
+                  restore_of: Optional[Callable[[], Any]] = None) -> Any:
+    """``serializer.loads(payload)``, what goes wrong saying it came from group rank ``sender``; ``name``: the
+    serializer's. ``restore_of()``: the hook that restores the frame's tensors, where it has some."""
     try:
-        restore = None
-        if entries:  # the inline tensor data follows the payload
-            restore = restorer(entries, view[start + header.payload_len :], incoming.tensors, device, own=own,
-                               copy_out=incoming.copy_out)
+        restore = None if restore_of is None else restore_of()
         if restore is not None and not serializer.supports_external:
-            raise DecodeError(f"{header.serializer!r} cannot take tensors out of band, yet the frame carries some")
+            raise DecodeError(f"{name!r} cannot take tensors out of band, yet the frame carries some")
         return serializer.loads(payload, restore=restore)
     except ContentRefusedError as exc:
         raise ContentRefusedError(f"payload from rank {sender}: {exc}") from exc
     except FrameError:
         raise
     except ObjcommError as exc:  # the serializer's own DecodeError: say where the payload came from
-        raise DecodeError(f"could not decode the {header.serializer!r} payload from rank {sender}: {exc}") from exc
+        raise DecodeError(f"could not decode the {name!r} payload from rank {sender}: {exc}") from exc

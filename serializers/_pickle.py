@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import io
 import pickle
-from typing import Any
+from typing import Any, List, Tuple
 
 from ._errors import DecodeError, EncodeError, ObjcommError, decode_error
 from ._path import describe, locate
@@ -17,6 +17,8 @@ from ._protocol import Buffer, Lift, Restore, Serializer
 
 PROTOCOL = 5
 EXTERNAL = ("serializers._pickle", "external_ref")  # the stand-in global for out-of-band objects
+SPARE_BYTES = 64 << 10  # a pickler whose pickle stayed below this is kept for the next dumps (see _dump)
+SPARES = 4  # at most this many per pickler class (one per thread pickling at the same time)
 
 
 def external_ref(key: int) -> Any:
@@ -28,11 +30,12 @@ def external_ref(key: int) -> Any:
 
 
 @functools.cache
-def _lifting(base: type) -> type:
+def _lifting(base: type) -> Any:
     """A Pickler subclass of ``base`` that offers each non-builtin value to ``lift``."""
 
     class LiftingPickler(base):  # type: ignore[misc, valid-type]
-        _lift: Lift  # set by dumps() on each new pickler (no __init__ of its own: one less Python call per dumps)
+        _lift: Lift  # set by dumps() for each pickle (no __init__ of its own: one less Python call per dumps)
+        spares: List[Tuple[io.BytesIO, Any]] = []  # this class's (file, pickler) pairs kept for the next dumps (_dump)
 
         def reducer_override(self, obj: Any) -> Any:
             key = self._lift(obj)
@@ -42,6 +45,42 @@ def _lifting(base: type) -> type:
             return parent(obj) if parent is not None else NotImplemented
 
     return LiftingPickler
+
+
+def _lifts_nothing(obj: Any) -> None:
+    """What a kept pickler holds as its lift between pickles."""
+    return None
+
+
+def _dump(base: type, obj: Any, lift: Lift) -> Buffer:
+    """``obj`` pickled by the lifting pickler of ``base``, offering ``lift`` each non-builtin value.
+
+    Making a pickler costs more than pickling a small object with it (~0.6 µs), so a pickler that pickled
+    something small is kept, memo cleared, for the next call: taken from its class's spares by one thread
+    at a time (``list.pop``/``append`` are atomic), so threads and a ``dumps`` inside a reducer each get
+    their own. A pickle past :data:`SPARE_BYTES` is handed over as its file's buffer, without a copy, and
+    that pickler is not kept (nor one that raised, whose state is unknown). Only for picklers that keep no
+    state between pickles besides their memo (stdlib pickle's; not cloudpickle's).
+    """
+    cls = _lifting(base)
+    spares = cls.spares
+    try:
+        file, pickler = spares.pop()
+    except IndexError:
+        file = io.BytesIO()
+        pickler = cls(file, protocol=PROTOCOL)
+    pickler._lift = lift
+    pickler.dump(obj)
+    pickler._lift = _lifts_nothing  # the lifter and what it holds are not kept with the pickler
+    if file.tell() > SPARE_BYTES:
+        return file.getbuffer()
+    data = file.getvalue()
+    file.seek(0)
+    file.truncate()
+    pickler.clear_memo()
+    if len(spares) < SPARES:
+        spares.append((file, pickler))
+    return data
 
 
 class _Unpickler(pickle.Unpickler):
@@ -66,6 +105,11 @@ class PickleSerializer(Serializer):
     supports_external = True
     _raises_own_errors = True
     hint = "cloudpickle can carry lambdas, closures and classes defined in __main__"
+    _reusable = True  # its pickler keeps no state between pickles but its memo (see _dump)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._reusable = bool(vars(cls).get("_reusable", False))  # a subclass's pickler is kept only if it says so
 
     def _pickler_base(self) -> type:
         return pickle.Pickler
@@ -77,6 +121,8 @@ class PickleSerializer(Serializer):
         try:
             if lift is None:
                 return self._dumps_plain(obj)
+            if self._reusable:
+                return _dump(self._pickler_base(), obj, lift)
             file = io.BytesIO()
             pickler = _lifting(self._pickler_base())(file, protocol=PROTOCOL)
             pickler._lift = lift

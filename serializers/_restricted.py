@@ -340,6 +340,7 @@ class RestrictedPickleSerializer(PickleSerializer):
     description = "pickle whose loads only builds vetted types (containers, numpy, torch, yours); no code runs"
     _raises_own_errors = True
     hint = "restricted-pickle carries builtins, numpy, dense tensors and allowed classes; pickle carries more"
+    _reusable = True  # _SafePickler keeps no state between pickles but its memo
 
     def __init__(self) -> None:
         self._allowed: Set[Tuple[str, str]] = set(_BASE_ALLOWED)

@@ -212,8 +212,8 @@ def changes_between_calls() -> List[Any]:
     comm = objcomm.Communicator(local=True)
     comm.all_gather(None)
 
-    def exchange(obj: Any, sender: Any = comm) -> Any:
-        return _outcome(lambda: sender.send(obj, peer) if rank == 0 else comm.recv(peer))
+    def exchange(obj: Any, sender: Any = comm, receiver: Any = comm) -> Any:
+        return _outcome(lambda: sender.send(obj, peer) if rank == 0 else receiver.recv(peer))
 
     got: List[Any] = [exchange("warm")]
     held = comm._express()
@@ -226,16 +226,18 @@ def changes_between_calls() -> List[Any]:
     got.append(exchange("back to normal"))
     assert comm._express() is not held  # worked out again after configure() and restore()
 
-    def marked(mark: bytes) -> Any:  # a serializer whose payloads say which one wrote them
+    def marked(mark: bytes) -> Any:  # a serializer whose payloads say which one wrote them, and results which read
         return registry.register("marked", lambda o: mark + pickle.dumps(o),
-                                 lambda b: (bytes(b[:1]), pickle.loads(b[1:])), replace=True)
+                                 lambda b: (bytes(b[:1]), mark, pickle.loads(b[1:])), replace=True)
 
     marked(b"1")
     try:
         on_marked = objcomm.Communicator(serializer="marked", local=True)
         got.append(exchange("first", on_marked))
-        marked(b"2")  # replaced: the next send must use the new one
+        got.append(exchange("first, both on it", on_marked, on_marked))
+        marked(b"2")  # replaced: the next send must use the new one, and a receiver on it the new loads
         got.append(exchange("second", on_marked))
+        got.append(exchange("second, both on it", on_marked, on_marked))
     finally:
         registry.unregister("marked")
 
@@ -256,9 +258,10 @@ def test_the_express_path_follows_settings_registry_and_groups():
     sender, receiver = get_pool(2).run(changes_between_calls)
     assert sender[1] == ("raised", "TooLargeError") and receiver[1] == ("raised", "RemoteError")
     assert receiver[2] == ("ok", "back to normal")
-    assert receiver[3] == ("ok", (b"1", "first")) and receiver[4] == ("ok", (b"2", "second"))
-    assert receiver[5] == ("ok", "on a subgroup")
-    assert sender[6] is True and receiver[6] is True
+    assert receiver[3] == ("ok", (b"1", b"1", "first")) and receiver[4] == ("ok", (b"1", b"1", "first, both on it"))
+    assert receiver[5] == ("ok", (b"2", b"2", "second")) and receiver[6] == ("ok", (b"2", b"2", "second, both on it"))
+    assert receiver[7] == ("ok", "on a subgroup")
+    assert sender[8] is True and receiver[8] is True
 
 
 def hostile_slots() -> List[Any]:
@@ -277,6 +280,9 @@ def hostile_slots() -> List[Any]:
         "unknown serializer": bytes(unknown),
         "error report that is not one": PREFIX.pack(length | ERROR_BIT, LIMIT, length) + good[PREFIX.size :],
         "trimmed, shorter than a header": PREFIX.pack(10, LIMIT, 10) + b"x" * 10,  # read as a whole slot
+        "garbage pickle payload": _framing.small_slot(b"pickle", b"\x80\x05garbage", SLOT, LIMIT),
+        "empty pickle payload": _framing.small_slot(b"pickle", b"", SLOT, LIMIT),
+        "a msgpack frame": _framing.small_slot(b"msgpack", registry.guarded("msgpack").dumps({"m": 1}), SLOT, LIMIT),
     }
     fatal = {  # neither a slot nor a trimmed one: the channel fails, as on the general path
         "trimmed with flag bits": _trimmed(PREFIX.pack(length | ERROR_BIT, LIMIT, length) + good[PREFIX.size :]),
@@ -289,14 +295,35 @@ def hostile_slots() -> List[Any]:
         comm.all_gather(None)
         channel: _local.LocalChannel = _state.group_facts(sub).local[False].channel
         assert channel.p2p and comm._express() is not None
+        limit = comm._call({}).options.max_bytes  # given per call: the general path, with the same limit
         for label, raw in cases.items():
             if rank == 1:
                 channel.send(raw, 0, tag=7)
+                if cases is survived:
+                    channel.send(raw, 0, tag=7)
             else:
+                decoded = _counting_decodes()
                 got.append((label, _outcome(lambda c=comm: c.recv(1, tag=7), message=True)))
+                _framing.decode_parsed = decoded["real"]
+                got.append((label + ": decode_parsed calls", decoded["calls"]))
+                if cases is survived:
+                    got.append((label + ": general path",
+                                _outcome(lambda c=comm, m=limit: c.recv(1, tag=7, max_bytes=m), message=True)))
         if rank == 1 and cases is not survived:
             got.append(("peer", _outcome(lambda c=comm: c.recv(0, tag=9))))  # rank 0's channel closed: EOF here
         dist.destroy_process_group(sub)
+    return got
+
+
+def _counting_decodes() -> Dict[str, Any]:
+    """Count calls of objcomm._framing.decode_parsed until it is put back (``_framing.decode_parsed = got["real"]``)."""
+    got: Dict[str, Any] = {"calls": 0, "real": _framing.decode_parsed}
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        got["calls"] += 1
+        return got["real"](*args, **kwargs)
+
+    _framing.decode_parsed = counted
     return got
 
 
@@ -306,8 +333,17 @@ def _trimmed(slot: bytes) -> bytes:
 
 def test_hostile_slots_through_the_express_path_raise_as_on_the_general_path():
     receiver, peer = get_pool(2).run(hostile_slots)
-    got = {label: outcome[:2] for label, outcome in receiver}
-    assert got["good"] == ("ok", {"ok": 1})
+    everything = dict(receiver)
+    got = {label: outcome[:2] for label, outcome in receiver if isinstance(outcome, tuple)}
+    assert got["good"] == ("ok", {"ok": 1}) and got["a msgpack frame"] == ("ok", {"m": 1})
+    assert got["garbage pickle payload"] == got["empty pickle payload"] == ("raised", "DecodeError")
+    for label in ("good", "garbage pickle payload", "empty pickle payload"):  # this rank's serializer: decoded as is
+        assert everything[label + ": decode_parsed calls"] == 0
+    assert everything["a msgpack frame: decode_parsed calls"] == 1  # another one: found in the registry
+    for label in ("good", "bad magic", "frame shorter than its header says", "unknown serializer",
+                  "error report that is not one", "trimmed, shorter than a header", "garbage pickle payload",
+                  "empty pickle payload", "a msgpack frame"):  # type and message, as on the general path
+        assert everything[label] == everything[label + ": general path"], label
     assert got["bad magic"] == ("raised", "FrameError")
     assert got["frame shorter than its header says"] == ("raised", "FrameError")
     assert got["unknown serializer"] == ("raised", "UnknownSerializerError")
@@ -488,3 +524,44 @@ def test_hostile_slots_through_the_express_collectives_raise_as_on_the_general_p
     assert got["good", "all_gather"][0] == ("ok", ["mine", {"ok": 1}])
     assert got["bad magic", "broadcast"][0][:2] == ("raised", "FrameError")
     assert got["short slot", "all_gather"][0][1] == "CommunicationError"
+
+
+# -- the receiver's shortcut for its own serializer's plain frames ----------------------------------------------
+
+
+def _mutations(slot: bytes) -> List[bytes]:
+    """``slot`` with each byte of its prefix, header and name set to values that matter, and cut short."""
+    out = [slot]
+    head = _framing._SLOT_HEADER.size + 8
+    for at in range(min(head, len(slot))):
+        for value in (0, 1, 2, 0x7F, 0xFF, slot[at] ^ 1):
+            changed = bytearray(slot)
+            changed[at] = value
+            out.append(bytes(changed))
+    out += [slot[:n] for n in (0, 1, PREFIX.size, _framing._SLOT_HEADER.size - 1, _framing._SLOT_HEADER.size,
+                               len(slot) - 1)]
+    return out
+
+
+@pytest.mark.parametrize("name", ["pickle", "msgpack", "restricted-pickle"])
+def test_the_payload_shortcut_accepts_exactly_the_plain_frames_of_its_serializer(name):
+    slots = []
+    for sender in ("pickle", "msgpack", "json", "restricted-pickle"):
+        for obj in OBJECTS[:5]:
+            raw = _express_slot(obj, sender) if sender != "json" or not isinstance(obj, bytes) else None
+            if raw is not None:
+                slots += _mutations(bytes(raw[: PREFIX.size + PREFIX.unpack_from(raw)[0]]))  # trimmed, as sent
+                slots.append(bytes(raw))  # and whole
+    taken = 0
+    for raw in slots:
+        payload = _framing.plain_payload(raw, name.encode("ascii"))
+        plain = _framing.plain_in_slot(raw)
+        assert (payload is not None) == (plain is not None and plain[1].serializer == name), raw[:80]
+        if payload is None:
+            continue
+        taken += 1
+        frame, header = plain
+        assert bytes(payload) == bytes(frame[header.payload_offset : header.payload_offset + header.payload_len])
+        general = _framing.parse_header(read_slot(memoryview(raw)).inline)  # what the general path reads of it
+        assert (general.serializer, general.payload_len, general.n_tensors, general.flags) == (name, len(payload), 0, 0)
+    assert taken >= 5

@@ -153,3 +153,140 @@ def test_a_class_from_a_torch_submodule_is_named_with_its_module(name):
 
     with pytest.raises(EncodeError, match=r"torch\.nn\.modules\.linear\.Linear"):
         serializers.get(name).dumps({"model": torch.nn.Linear(1, 1)})
+
+
+# -- the lifting pickler kept between dumps (serializers._pickle._dump) -------------------------------------------
+
+
+class _Lifted:
+    """A value the test's lift takes out of band."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+class _Plain:
+    """A value pickled in band."""
+
+
+class _Lift:
+    """Lifts :class:`_Lifted` values; restores them by key."""
+
+    def __init__(self) -> None:
+        self.held: list = []
+
+    def __call__(self, value):
+        if isinstance(value, _Lifted):
+            self.held.append(value)
+            return len(self.held) - 1
+        return None
+
+
+def _lifted_round_trip(s, obj):
+    lift = _Lift()
+    return s.loads(s.dumps(obj, lift=lift), restore=lambda key: lift.held[key])
+
+
+@pytest.mark.parametrize("name", ["pickle", "restricted-pickle"])
+def test_a_kept_pickler_pickles_each_object_as_a_new_one_would(name):
+    import pickle as stdlib
+
+    from serializers import _pickle
+
+    s = serializers.registry.guarded(name)
+    base = s._pickler_base()
+    cls = _pickle._lifting(base)
+    fresh = []
+    for obj in [{"a": [1, 2]}, "shared", ["x", "x", ("x",)], {"a": [1, 2]}]:  # the memo does not carry over
+        file = __import__("io").BytesIO()
+        pickler = cls(file, protocol=_pickle.PROTOCOL)
+        pickler._lift = _Lift()
+        pickler.dump(obj)
+        fresh.append((obj, file.getvalue()))
+    kept = [(obj, s.dumps(obj, lift=_Lift())) for obj, _ in fresh]
+    assert [bytes(data) for _, data in kept] == [data for _, data in fresh]
+    assert cls.spares, "a small pickle leaves its pickler for the next call"
+    assert [stdlib.loads(data) for _, data in kept] == [obj for obj, _ in fresh]  # earlier results not overwritten
+    value = _lifted_round_trip(s, {"v": _Lifted(3), "w": [_Lifted(4)]})  # and lifts through the kept one
+    assert value["v"].n == 3 and value["w"][0].n == 4
+
+
+def test_a_kept_pickler_holds_nothing_of_the_last_call():
+    import gc
+    import weakref
+
+    from serializers import _pickle
+
+    s = serializers.registry.guarded("pickle")
+    lift, obj = _Lift(), {"pickled": _Plain(), "lifted": _Lifted(1)}
+    refs = [weakref.ref(lift), weakref.ref(obj["pickled"]), weakref.ref(obj["lifted"])]
+    s.dumps(obj, lift=lift)
+    del lift, obj
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * 3  # neither the lift (and what it lifted) nor the memo's objects
+    assert _pickle._lifting(s._pickler_base()).spares
+
+
+def test_a_pickler_that_raised_or_pickled_something_large_is_not_kept():
+    from serializers import _pickle
+
+    s = serializers.registry.guarded("pickle")
+    spares = _pickle._lifting(s._pickler_base()).spares
+    s.dumps("warm", lift=_Lift())
+    kept = len(spares)
+    with pytest.raises(EncodeError):
+        s.dumps({"ok": 1, "bad": lambda: 0}, lift=_Lift())
+    assert kept and len(spares) == kept - 1  # the pickler it took is not given back
+    assert s.loads(s.dumps({"ok": 2}, lift=_Lift())) == {"ok": 2}  # the next call is whole
+    taken = len(spares)
+    big = s.dumps(b"z" * (_pickle.SPARE_BYTES + 1), lift=_Lift())
+    assert isinstance(big, memoryview) and len(spares) == taken - 1  # handed over with its buffer, not kept
+    assert s.loads(big) == b"z" * (_pickle.SPARE_BYTES + 1)
+
+
+def test_threads_and_a_dumps_inside_a_reducer_each_get_their_own_pickler():
+    import threading
+
+    s = serializers.registry.guarded("pickle")
+
+    class Nested:
+        def __reduce__(self):
+            inner = bytes(s.dumps({"inner": [1, 2, 3]}, lift=_Lift()))  # while the outer pickler is busy
+            return (bytes, (inner,))
+
+    outer = s.loads(s.dumps({"outer": Nested(), "after": "x" * 50}, lift=_Lift()))
+    assert s.loads(outer["outer"]) == {"inner": [1, 2, 3]} and outer["after"] == "x" * 50
+
+    wrong: list = []
+
+    def work(t: int) -> None:
+        for i in range(500):
+            obj = {"thread": t, "i": i, "pad": "p" * (t * 7 % 50)}
+            if s.loads(s.dumps(obj, lift=_Lift())) != obj:
+                wrong.append((t, i))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+
+
+def test_only_picklers_that_say_they_keep_no_state_are_kept():
+    from serializers import _pickle
+
+    cloud = serializers.registry.guarded("cloudpickle")
+    assert not cloud._reusable  # cloudpickle's pickler keeps the globals of the functions it pickled
+    cloud.dumps({"f": lambda: 1}, lift=_Lift())
+    assert _pickle._lifting(cloud._pickler_base()).spares == []
+
+    class Mine(_pickle.PickleSerializer):  # a subclass may bring a pickler with state: not kept unless it says so
+        name = "mine"
+
+    class MineStateless(_pickle.PickleSerializer):
+        name = "mine-stateless"
+        _reusable = True
+
+    assert not Mine()._reusable and MineStateless()._reusable
+    assert all(serializers.registry.guarded(name)._reusable for name in ("pickle", "restricted-pickle"))
