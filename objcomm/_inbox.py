@@ -68,8 +68,9 @@ class Inbox:
     """What has arrived on one channel's sockets and who is reading them (see the module docstring)."""
 
     def __init__(self, peers: Dict[int, socket.socket], pids: Sequence[int], timeout: float, largest: int,
-                 fail: Fail, stash_bytes: int = STASH_BYTES) -> None:
+                 fail: Fail, stash_bytes: int = STASH_BYTES, yielding: bool = False) -> None:
         self.timeout = timeout
+        self.yielding = yielding  # a polling wait yields the CPU between polls (see poll_briefly)
         self.done = 0  # sequence number of the last collective this rank finished
         self.closed: Optional[str] = None  # why the channel closed, once it has
         self.gone: Dict[int, str] = {}  # peers whose connection ended: why
@@ -154,11 +155,11 @@ class Inbox:
                 try:
                     if len(pending) == 1:  # one recv, no poll while the whole timeout is left
                         if spin_until:
-                            poll_briefly(self._poll_one[pending[0]], spin_until)
+                            poll_briefly(self._poll_one[pending[0]], spin_until, self.yielding)
                         arrived = [(pending[0], self._recv_by(pending[0], deadline))]
                     else:
                         if spin_until:
-                            poll_briefly(poll, spin_until)
+                            poll_briefly(poll, spin_until, self.yielding)
                         events = poll.poll((deadline - time.monotonic()) * 1000)
                         arrived = [(fds[fd], self._recv(fds[fd], block=False)) for fd, _ in events]
                 finally:
@@ -210,7 +211,7 @@ class Inbox:
             if spin_until:
                 poll = self._poll_one[peer]
                 if not poll.poll(0):  # not there yet: spin
-                    poll_briefly(poll, spin_until)
+                    poll_briefly(poll, spin_until, self.yielding)
             length = self._recv(peer, block=True)
         finally:
             lock.acquire()
@@ -424,15 +425,22 @@ class Inbox:
         return f"rank {peer} (pid {self._pids[peer]})"
 
 
-def poll_briefly(poll: Any, until: float) -> bool:
+def poll_briefly(poll: Any, until: float, yielding: bool = False) -> bool:
     """Poll ``poll`` without sleeping until ``time.perf_counter()`` reaches ``until``; whether something arrived.
 
     A rank that sleeps in the kernel is woken by the peer's send, which on this machine's virtual CPUs
     costs ~50 µs a hop (a blocking round trip through a socket pair: ~106 µs; polling: ~6 µs). Waits
     shorter than the spin skip it; longer ones sleep after it, so the CPU a waiting rank spends is
-    bounded by the spin, once per call. Only where the group's ranks have a CPU each (see
-    :mod:`objcomm._local`): a rank spinning on a CPU its peer needs delays that very peer.
+    bounded by the spin, once per call. ``yielding`` (where the group's ranks outnumber the CPUs:
+    :func:`objcomm._local.yields`): ``sched_yield`` between polls, so that a peer that needs this CPU
+    gets it (a rank polling on a CPU its peer needs delays that very peer).
     """
+    if yielding:
+        while not poll.poll(0):
+            if time.perf_counter() >= until:
+                return False
+            os.sched_yield()
+        return True
     while not poll.poll(0):
         if time.perf_counter() >= until:
             return False

@@ -21,10 +21,11 @@ a reuse protocol, while a socket gives the rest from the kernel:
 - a peer that dies, even by SIGKILL, closes its end: the others read EOF (or ECONNRESET) at once;
 - waits block in the kernel (``recv`` under ``SO_RCVTIMEO``, or ``poll``): a rank waiting 100 ms
   for a late peer spends < 1 ms of CPU (MPICH, busy-polling: 64-100 ms). Before it blocks, a wait
-  polls its sockets for a moment (the ``local_spin_us`` setting; automatic: 100 µs where the host
-  has a CPU per rank, else none), once per call: waking a sleeping rank costs ~50 µs a hop on this
-  machine's virtual CPUs, which is most of a small call (a back-to-back all_gather at W=2: 108 µs
-  sleeping at once, 90 µs with the spin; a send/recv round trip: 253 and 155 µs);
+  polls its sockets for a moment (the ``local_spin_us`` setting; automatic: 100 µs), once per call,
+  yielding the CPU between polls where the group's ranks outnumber the host's CPUs (:func:`yields`):
+  waking a sleeping rank costs ~50 µs a hop on this machine's virtual CPUs, which is most of a small
+  call (a back-to-back all_gather at W=2: 108 µs sleeping at once, 90 µs with the spin; a send/recv
+  round trip: 253 and 155 µs);
 - abstract names (``\\0objcomm-...``) live in the network namespace, never in the file system,
   and vanish with the last descriptor: nothing to clean up after exit, crash or SIGKILL;
 - ``SO_PEERCRED`` tells who connected: its pid and uid are checked against what the group
@@ -91,7 +92,7 @@ from ._wire import Slot, Wire, all_gather_single, guarded
 DEFAULT_TIMEOUT = 300.0  # seconds any one wait may take
 SETUP_TIMEOUT = 30.0  # seconds to connect the mesh
 MAX_PAYLOAD = 64 << 10  # bytes in one message; a SEQPACKET message must fit the socket's send buffer
-AUTO_SPIN = 100e-6  # seconds a wait polls before sleeping, where every rank has a CPU (see auto_spin)
+AUTO_SPIN = 100e-6  # seconds a wait polls before sleeping when the spin setting is automatic (see yields)
 
 _HELLO = struct.Struct("<iq")  # connector's group rank, the acceptor's secret
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
@@ -142,8 +143,8 @@ class LocalChannel:
         timeval = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))  # bounds a blocking recv in the kernel
         for sock in peers.values():
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        self._inbox = Inbox(peers, pids, timeout, MAX_PAYLOAD, self._fail, stash_bytes)
-        self.auto_spin = auto_spin(self.size)
+        self._inbox = Inbox(peers, pids, timeout, MAX_PAYLOAD, self._fail, stash_bytes, yields(self.size))
+        self.auto_spin = AUTO_SPIN  # where the ranks outnumber the CPUs, polling yields (see yields)
         self._seq = 0
         self._owner = os.getpid()
         self._lock = threading.Lock()  # one collective at a time
@@ -373,16 +374,18 @@ class LocalChannel:
         raise CommunicationError(message) from cause
 
 
-def auto_spin(ranks: int) -> float:
-    """Seconds a wait polls before it sleeps when the ``spin`` setting is automatic: :data:`AUTO_SPIN`
-    when this host has a CPU for each of the group's ``ranks`` (those this process may run on), else 0:
-    oversubscribed, a spinning rank takes the CPU the peer it waits for needs (measured at W=4 on 2 CPUs:
-    a small all_gather 500 µs without spinning, 597 µs with)."""
+def yields(ranks: int) -> bool:
+    """Whether a polling wait yields the CPU between polls (``sched_yield``): where this host has fewer CPUs
+    (those this process may run on) than the group has ``ranks``. Oversubscribed, a rank that polls without
+    yielding takes the CPU the peer it waits for needs (measured at W=4 on 2 CPUs: a small all_gather 500 µs
+    without polling, 597 µs polling); yielding, it gives it up whenever another process can run, and polls
+    at full speed when none can (W=4 on 2 CPUs, ``bench_peers.py``: all_gather 305 -> 284 µs, broadcast
+    32 -> 12 µs, send/recv round trip 110 -> 39 µs, against sleeping at once)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    return AUTO_SPIN if ranks <= cpus else 0.0
+    return ranks > cpus
 
 
 def _forget_in_child() -> None:

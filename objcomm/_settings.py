@@ -97,8 +97,9 @@ class Settings:
       send/recv. All ranks of a group must agree.
     - ``local_spin_us``: microseconds a rank waiting for a message of the same-host channel polls its sockets
       before it sleeps in the kernel (a sleeping rank's wake-up costs ~50 µs here; spinning, ~3 µs). ``None``
-      (automatic): 100 when the host has a CPU for each rank of the group, else 0 (a spinning rank would take
-      the CPU of the peer it waits for). At most once per call, so a rank waiting long spends little CPU.
+      (automatic): 100. Where the group's ranks outnumber the host's CPUs, a polling rank yields the CPU
+      between polls (``sched_yield``), so that it never keeps the peer it waits for from running. At most
+      once per call, so a rank waiting long spends little CPU.
     """
 
     serializer: SerializerLike = "pickle"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import resource
 import secrets
+import select
 import signal
 import socket
 import struct as _struct
@@ -102,8 +103,8 @@ def waits_for_a_late_peer(late_s: float, spin: Optional[float]) -> Tuple[float, 
     spins: List[bool] = []
     real = _inbox.poll_briefly
 
-    def watched(poll: Any, until: float) -> bool:
-        spins.append(real(poll, until))
+    def watched(poll: Any, until: float, yielding: bool = False) -> bool:
+        spins.append(real(poll, until, yielding))
         return spins[-1]
 
     _inbox.poll_briefly = watched  # type: ignore[assignment]
@@ -122,20 +123,38 @@ def waits_for_a_late_peer(late_s: float, spin: Optional[float]) -> Tuple[float, 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("spin", [None, 0.0, 0.02], ids=["automatic", "no spin", "20 ms spin"])
-def test_a_waiting_rank_does_not_burn_the_cpu(spin):
+@pytest.mark.parametrize("spin, world", [(None, 2), (0.0, 2), (0.02, 2), (None, 3)],
+                         ids=["automatic", "no spin", "20 ms spin", "automatic, more ranks than CPUs"])
+def test_a_waiting_rank_does_not_burn_the_cpu(spin, world):
     """A wait polls for at most its spin, once per call, then sleeps in the kernel until the peer comes."""
-    wall, cpu, spins = get_pool(2).run(waits_for_a_late_peer, 0.3, spin)[0]
+    if world == 3 and not _local.yields(3):
+        pytest.skip("this host has a CPU for each of 3 ranks: no yielding wait to measure")
+    wall, cpu, spins = get_pool(world).run(waits_for_a_late_peer, 0.3, spin)[0]
     assert wall >= 0.25
     assert cpu < 0.1 * wall, f"rank 0 used {cpu * 1e3:.1f} ms of CPU while waiting {wall * 1e3:.0f} ms"
-    expected = _local.auto_spin(2) if spin is None else spin
-    assert spins == ([False] if expected else [])  # polled once, in vain, then slept; or slept at once
+    expected = _local.AUTO_SPIN if spin is None else spin
+    assert spins.count(False) == (1 if expected else 0)  # polled in vain once (the spin is the call's), then slept
+    if world == 2:
+        assert spins == ([False] if expected else [])  # polled once, in vain, then slept; or slept at once
 
 
-def test_automatic_spin_only_where_every_rank_has_a_cpu():
+def test_the_automatic_spin_yields_the_cpu_where_ranks_outnumber_cpus(monkeypatch):
     cpus = len(os.sched_getaffinity(0))
-    assert _local.auto_spin(cpus) == _local.AUTO_SPIN > 0
-    assert _local.auto_spin(cpus + 1) == 0.0
+    assert _local.AUTO_SPIN > 0
+    assert not _local.yields(cpus) and _local.yields(cpus + 1)
+    yielded: List[int] = []
+    monkeypatch.setattr(_inbox.os, "sched_yield", lambda: yielded.append(1))
+    a, b = socket.socketpair()
+    with a, b:
+        poll = select.poll()
+        poll.register(a.fileno(), select.POLLIN)
+        for yielding in (False, True):
+            yielded.clear()
+            assert _inbox.poll_briefly(poll, time.perf_counter() + 0.002, yielding) is False  # nothing came
+            assert bool(yielded) == yielding  # between polls, only where asked to
+        b.send(b"x")
+        yielded.clear()
+        assert _inbox.poll_briefly(poll, time.perf_counter() + 1.0, True) is True and not yielded  # already there
 
 
 # -- a SIGKILLed peer: a group of our own, so that the survivors can report (the pool kills everyone) --
