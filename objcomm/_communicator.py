@@ -72,6 +72,10 @@ class Communicator:
     the default; a call's own arguments beat these (see :mod:`objcomm._settings`). Values are checked
     here, with the same messages as :func:`objcomm.configure`.
 
+    ``copy.copy`` and ``copy.deepcopy`` (of a model or config that holds one) give a communicator on the same
+    group with the same settings; one on the default group (``group=None``) can also be pickled, e.g. to a
+    spawned process, where it uses that process's default group.
+
     Example::
 
         comm = objcomm.Communicator(serializer="msgpack", accept=["msgpack"])
@@ -115,6 +119,30 @@ class Communicator:
 
     def __repr__(self) -> str:
         return f"Communicator(group={self.group!r}, serializer={self.serializer!r}, device={self.device!r})"
+
+    # -- copies: a handle on a group, with settings; what its calls worked out is not copied (the next call
+    # works it out again), the group is shared, a pickle carries the settings alone ------------------------
+    def __copy__(self) -> Communicator:
+        twin = object.__new__(Communicator)
+        twin.__dict__.update(self.__dict__, _calls={}, _held=None)
+        return twin
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Communicator:
+        twin = self.__copy__()
+        memo[id(self)] = twin
+        twin._given = copy.deepcopy(self._given, memo)  # accept lists and the like; the group stays shared
+        return twin
+
+    def __getstate__(self) -> Dict[str, Any]:
+        if self.group is not None:
+            raise TypeError(
+                "a Communicator on an explicit group cannot be pickled: a process group belongs to its process. "
+                "Make the Communicator in the receiving process (its settings can travel: serializer=, max_bytes=, ...)"
+            )
+        return {**self.__dict__, "_calls": {}, "_held": None, "_segments": None}  # the receiver's own segment book
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state, _segments=_state.SEGMENTS if state["_segments"] is None else state["_segments"])
 
     # -- resolution ----------------------------------------------------------------------------
     def _call(self, kwargs: Mapping[str, Any]) -> Call:
@@ -461,9 +489,8 @@ class Communicator:
         return _requests.collective(self.group, op, lambda group: method(self._on(group), *args, **kwargs))
 
     def _on(self, group: Any) -> Communicator:
-        other = copy.copy(self)
+        other = copy.copy(self)  # nothing worked out: that was for this communicator's group
         other.group = group
-        other._calls, other._held = {}, None
         return other
 
     @staticmethod

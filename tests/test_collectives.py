@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _ranks import get_pool
 
 import objcomm
 
@@ -175,3 +176,46 @@ def test_bad_arguments_fail_on_every_rank_and_leave_the_group_usable(ranks3):
     results = ranks3.run(bad_arguments)
     assert results[0] == ["ValueError", "ValueError", "RemoteError", "UnknownSerializerError"]
     assert results[1] == results[2] == results[0]
+
+
+def copies_of_a_used_communicator() -> list:
+    """A communicator that has worked (settings kept, the same-host express path built), then copied: shallow,
+    deep (as ``copy.deepcopy`` of a model holding one), inside a module, and through pickle."""
+    import copy
+    import pickle
+
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    comm = objcomm.Communicator(serializer="msgpack", accept=["msgpack"], local=True)
+    comm.all_gather(None)
+    comm.all_gather(None)
+    comm.send(rank, peer) if rank == 0 else comm.recv(peer)  # builds what a default send/recv uses
+    assert comm._held is not None
+    model = torch.nn.Linear(2, 2)
+    model.comm = comm  # type: ignore[assignment]
+    sub = dist.new_group([0, 1])
+    on_sub = objcomm.Communicator(sub, serializer="msgpack")
+    copies = [copy.copy(comm), copy.deepcopy(comm), copy.deepcopy(model).comm, pickle.loads(pickle.dumps(comm)),
+              copy.deepcopy(on_sub)]
+    got = []
+    for twin in copies:
+        got.append((twin.serializer, twin._held is None, twin._given == comm._given or twin.group is sub,
+                    twin.all_gather({"from": rank}), twin.broadcast("b" if rank == 0 else None)))
+        if rank == 0:
+            twin.send([rank], peer)
+        else:
+            got.append(twin.recv(peer))
+    got.append(copies[4].group is sub and copies[1]._given is not comm._given)  # the group shared, options copied
+    try:
+        pickle.dumps(on_sub)
+    except TypeError as exc:
+        got.append("cannot be pickled" in str(exc))
+    assert comm.all_gather(rank) == [0, 1]  # the original works on
+    dist.destroy_process_group(sub)
+    return got
+
+
+def test_a_used_communicator_copies_deep_copies_and_pickles():
+    sender, receiver = get_pool(2).run(copies_of_a_used_communicator)
+    row = ("msgpack", True, True, [{"from": 0}, {"from": 1}], "b")
+    assert sender == [row] * 5 + [True, True]
+    assert receiver == [row, [0]] * 5 + [True, True]
