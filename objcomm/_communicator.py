@@ -120,17 +120,15 @@ class Communicator:
     def __repr__(self) -> str:
         return f"Communicator(group={self.group!r}, serializer={self.serializer!r}, device={self.device!r})"
 
-    # -- copies: a handle on a group, with settings; what its calls worked out is not copied (the next call
-    # works it out again), the group is shared, a pickle carries the settings alone ------------------------
+    # -- copies: a handle on a group, with settings; a copy, shallow or deep, shares both and not what the
+    # calls worked out (the next call works it out again); a pickle carries the settings alone -------------
     def __copy__(self) -> Communicator:
         twin = object.__new__(Communicator)
         twin.__dict__.update(self.__dict__, _calls={}, _held=None)
         return twin
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> Communicator:
-        twin = self.__copy__()
-        memo[id(self)] = twin
-        twin._given = copy.deepcopy(self._given, memo)  # accept lists and the like; the group stays shared
+        twin = memo[id(self)] = self.__copy__()  # the settings are checked values, shared as the group is
         return twin
 
     def __getstate__(self) -> Dict[str, Any]:

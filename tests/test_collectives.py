@@ -204,7 +204,7 @@ def copies_of_a_used_communicator() -> list:
             twin.send([rank], peer)
         else:
             got.append(twin.recv(peer))
-    got.append(copies[4].group is sub and copies[1]._given is not comm._given)  # the group shared, options copied
+    got.append(copies[4].group is sub and copies[1]._given is comm._given)  # a handle: group and settings shared
     try:
         pickle.dumps(on_sub)
     except TypeError as exc:
