@@ -144,7 +144,10 @@ class TensorLifter:
         inline_len = 0
         for tensor, kind in zip(self.tensors, self.kinds):
             data = tensor.detach().resolve_conj().resolve_neg().contiguous()
-            flat = data.reshape(-1).view(torch.uint8)
+            if data.numel():
+                flat = data.reshape(-1).view(torch.uint8)
+            else:  # empty: its strides may be 0 (numpy's empty arrays), which view() refuses
+                flat = torch.empty(0, dtype=torch.uint8, device=data.device)
             flags = kind | (REQUIRES_GRAD if tensor.requires_grad else 0) | (
                 PARAMETER if isinstance(tensor, torch.nn.Parameter) else 0
             )

@@ -173,6 +173,19 @@ def test_numpy_arrays_and_whole_bytes_leave_the_byte_stream(serializer):
         assert type(got) is type(whole) and got == whole
 
 
+@pytest.mark.parametrize("serializer", ["pickle", "cloudpickle", "restricted-pickle", "msgpack"])
+def test_empty_arrays_and_tensors_with_zero_strides_round_trip(serializer):
+    chosen = serializers.registry.guarded(serializer)
+    empty = {"full": np.full(0, 3), "float32": np.zeros(0, dtype=np.float32), "2-d": np.zeros((0, 3)),
+             "numpy's tensor": torch.from_numpy(np.zeros(0)), "tensor": torch.zeros(0, 5)}  # numpy's: stride 0
+    out = _framing.encode(empty, chosen, max_bytes=1 << 30, inline_tensor_bytes=0)  # out of band too
+    got = _framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None, own=True)
+    assert_arrays({k: v for k, v in got.items() if k in ("full", "float32", "2-d")},
+                  {k: empty[k] for k in ("full", "float32", "2-d")})
+    for key in ("numpy's tensor", "tensor"):
+        assert got[key].dtype == empty[key].dtype and got[key].shape == empty[key].shape
+
+
 def test_the_tensor_table_refuses_unknown_or_contradictory_flags():
     from objcomm import _tensors
 
