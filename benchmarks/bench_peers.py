@@ -10,11 +10,12 @@ and its ``pkl5`` communicator, torch's ``all_gather_object`` and friends, and ra
 ``all_gather_single`` (and broadcast, a send/recv round trip) of the same number of bytes. Candidates of
 a scenario run round-robin with a gloo barrier before every sample (``objcomm._bench._measure.interleaved``);
 a sample is the slowest rank's time per call, a timing the median of the samples. A large call is one
-sample; small calls are timed 25 back to back per sample, as MPI's own latency benchmarks do, because
-ranks leave a gloo barrier up to a few hundred microseconds apart on a small machine, which would
-otherwise be most of every sample. Rank 0 prints markdown tables
-of medians and the ratios the targets of the issues are stated in, then, with ``--append``, appends
-them to a file. Absolute times are context only: only ratios within one run mean much.
+sample; ``medium`` ones (lists of records of ~16 KB and ~256 KB pickled: past the slot, below the
+shared-memory threshold, where the second round goes through the same-host channel) are timed 5 back to
+back per sample, small calls 25, as MPI's own latency benchmarks do, because ranks leave a gloo barrier
+up to a few hundred microseconds apart on a small machine, which would otherwise be most of every sample.
+Rank 0 prints markdown tables of medians and the ratios the targets of the issues are stated in, then,
+with ``--append``, appends them to a file. Absolute times are context only: only ratios within one run mean much.
 
 Also measured: peak extra resident memory of one all_gather (``VmHWM`` reset through
 ``/proc/self/clear_refs`` before each call, so one process measures several; the slowest rank's
@@ -42,6 +43,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 MB = 1 << 20
 SMALL = {"loss": 0.2513, "accuracy": 0.9172, "step": 12_000, "lr": 3e-4, "run": "resnet50-ablation-7"}
+MEDIUM = (16 << 10, 256 << 10)  # about the bytes pickled: past the slot, below the shared-memory threshold
+MEDIUM_BATCH = 5
+
+
+def _medium(size: int) -> Any:
+    """Per-sample evaluation records of about ``size`` pickled bytes."""
+    return [{"id": i, "label": i % 10, "score": i * 0.001, "text": "sample text"} for i in range(size // 27)]
 Candidates = Dict[str, Callable[[], Any]]
 Ratio = Tuple[str, str]  # (numerator, denominator) candidate names
 
@@ -59,7 +67,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     )
     parser.add_argument("--repeat-scale", type=float, default=1.0, help="scale every scenario's rounds (min 3)")
     parser.add_argument("--mb", type=int, default=64, help="per-rank payload of the large scenarios, in MiB")
-    parser.add_argument("--only", choices=["large", "small", "memory", "breakdown"], nargs="+",
+    parser.add_argument("--only", choices=["large", "medium", "small", "memory", "breakdown"], nargs="+",
                         help="run only these parts (default: all)")
     parser.add_argument("--append", metavar="FILE", help="also append the tables to FILE (rank 0)")
     return parser.parse_args(argv)
@@ -221,6 +229,17 @@ def _scenarios(peers: Peers, parts: List[str], scale: float, mb: int) -> List[Sc
             shm = nbytes >= objcomm.settings().shm_threshold
             note = f"{_pickled(obj) / MB:.1f} MB pickled per rank; raw = {nbytes / MB:.1f} MB per rank"
             found.append((f"{name} all_gather", rounds(5), 1, peers.all_gather(obj, nbytes, shm=shm), ratios, note))
+    if "medium" in parts:  # past the slot, below shm_threshold: the second round through the same-host channel
+        ratios = [("objcomm", "mpi4py"), ("objcomm", "mpi4py pkl5"), ("objcomm", "torch"), ("objcomm", "raw gloo"),
+                  ("objcomm local=False", "raw gloo")]
+        for size in MEDIUM:
+            obj = _medium(size)
+            nbytes = _pickled(obj)
+            note = f"{nbytes / 1024:.0f} KB pickled; raw = the same bytes; per call, {MEDIUM_BATCH} a sample"
+            label = f"{size // 1024} KB records"
+            found.append((f"{label} all_gather", rounds(20), MEDIUM_BATCH, peers.all_gather(obj, nbytes, shm=False),
+                          ratios, note))
+            found.append((f"{label} broadcast", rounds(20), MEDIUM_BATCH, peers.broadcast(obj, nbytes), ratios, note))
     if "small" in parts:
         slot = objcomm.settings().slot_bytes
         small_ratios = [("objcomm", "raw gloo"), ("objcomm", "mpi4py"), ("objcomm", "torch"),
@@ -417,7 +436,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     join_gloo(comm)
-    parts = args.only or ["memory", "large", "small", "breakdown"]
+    parts = args.only or ["memory", "large", "medium", "small", "breakdown"]
     peers = Peers(comm)
 
     def say(text: str) -> None:

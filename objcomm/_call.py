@@ -15,6 +15,7 @@ import torch.distributed as dist
 from serializers import SerializerProtocol
 
 from . import _first, _framing, _reduce, _shm, _state, _transport
+from ._channel_round import ChannelRounds
 from ._device import group_backend, resolve_device
 from ._errors import CommunicationError, Failure, ObjcommError, remote_error
 from ._segments import SegmentBook
@@ -131,11 +132,15 @@ def wire_for(group: Any, device: Device, options: CallOptions, segments: Segment
 
 
 def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound:
-    """Who may move a call's second round: shared memory on one host when switched on, else the transport."""
-    if not options.shm:
-        return DIRECT
-    return _shm.SharedMemory(threshold=options.shm_threshold, directory=options.shm_dir or _shm.DEFAULT_DIRECTORY,
-                             separate=options.separate_hosts, zero_copy=options.shm_zero_copy, book=segments)
+    """Who may move a call's second round: shared memory on one host when switched on, else the transport;
+    below ``shm_threshold``, the same-host channel where it carried round 1 (``local``; all_gather and broadcast)."""
+    shared: SecondRound = DIRECT
+    if options.shm:
+        shared = _shm.SharedMemory(threshold=options.shm_threshold, directory=options.shm_dir or _shm.DEFAULT_DIRECTORY,
+                                   separate=options.separate_hosts, zero_copy=options.shm_zero_copy, book=segments)
+    if not options.local:
+        return shared
+    return ChannelRounds(shared, options.shm_threshold)
 
 
 def first_round_for(options: CallOptions) -> FirstRound:

@@ -89,16 +89,17 @@ def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str) -> Non
                                 f"of receiving rank {receiver}")
 
 
-def refused(op: str, sender: int, wire: Any, total: int, problem: Optional[str], drained: bool = False) -> Exception:
-    """Why this receiver refused ``sender``'s payload: its sizes disagree, or they exceed ``wire.max_bytes``."""
+def refused(op: str, sender: int, wire: Any, total: int, problem: Optional[str], drained: bool = False,
+            into: Optional[str] = None) -> Exception:
+    """Why this receiver refused ``sender``'s payload: its sizes disagree, or they exceed ``wire.max_bytes``.
+    ``drained``: the bytes were received and dropped, ``into`` what (default: the backend's scratch buffer)."""
     if problem:
         return inconsistent(op, sender, problem)
     what = f"{op}: rank {sender} sends {total:,} bytes, above this rank's max_bytes={wire.max_bytes:,}"
     if not drained:
         return too_large(what, where="here")
-    return too_large(what, where="here", outcome=(
-        f"they were received into a scratch buffer of at most chunk_bytes={wire.chunk:,} and {SCRATCH_BYTES:,} "
-        "bytes, and dropped"))
+    into = into or f"a scratch buffer of at most chunk_bytes={wire.chunk:,} and {SCRATCH_BYTES:,} bytes"
+    return too_large(what, where="here", outcome=f"they were received into {into}, and dropped")
 
 
 # -- a transport slot (objcomm._slots.SlotInfo: length, error, total, inline, sizes) ---------

@@ -87,7 +87,7 @@ class SegmentBook:
         fd = os.open(path, _CREATE_FLAGS, 0o600)
         self._track(path)
         try:
-            pieces = head + [_host_bytes(t) for t in tensors if t.numel()]
+            pieces = head + [host_bytes(t) for t in tensors if t.numel()]
             for piece in pieces:
                 while piece.nbytes:
                     piece = piece[os.write(fd, piece):]
@@ -101,7 +101,7 @@ class SegmentBook:
     def create_sealed(self, frame: Any, tensors: Sequence[torch.Tensor]) -> SealedSegment:
         """Write ``frame`` then ``tensors`` into a new sealed memory file (:mod:`objcomm._sealed`); nothing to
         track: the file has no name, and goes when its writer closes it and the last reader drops its views."""
-        return write_sealed(f"{PREFIX}{self.token:016x}", frame, [_host_bytes(t) for t in tensors])
+        return write_sealed(f"{PREFIX}{self.token:016x}", frame, [host_bytes(t) for t in tensors])
 
     def unlink(self, path: str) -> None:
         """Remove a segment this process wrote; whatever another process put at its name stays (and is logged)."""
@@ -209,7 +209,7 @@ def _read_piece(fd: int, view: memoryview, offset: int, path: str, size: int) ->
         done += got
 
 
-def _host_bytes(tensor: torch.Tensor) -> memoryview:
+def host_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().reshape(-1).cpu().contiguous().numpy()).cast("B")  # type: ignore[arg-type]
 
 

@@ -230,9 +230,10 @@ def broadcast_rest(wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of
     refuse = wire.rank != src and info.total > wire.max_bytes
     if _agreement_needed(wire, info, op):
         _vote_refusals(wire, REFUSE_LIMIT if refuse else 0, info, src, op)
-        taken = wire.second_round.broadcast(wire, out, info, _limits.checked_sizes(sizes_of, [info]), src, op)
-        if taken is not NOT_USED:
-            return taken
+    # asked after any vote; without one a receiver may still refuse, which the strategy then drains (the channel)
+    taken = wire.second_round.broadcast(wire, out, info, _limits.checked_sizes(sizes_of, [info]), src, op)
+    if taken is not NOT_USED:
+        return taken
     mine = out if wire.rank == src else None
     frame = info.inline
     if frame is None:

@@ -153,13 +153,16 @@ def limits_on_both_sides() -> dict:
         objcomm.TooLargeError, match=r"rank 0 sends [\d,]+ bytes, above the max_bytes=5,000 of receiving rank 2"
     ):
         objcomm.Communicator(max_bytes=limit).all_gather("y" * (20_000 if rank == 0 else 1))
-    # receiver side, broadcast: round 1 told rank 2 every transfer, so it drains them through a
-    # chunk-sized buffer and raises alone; the others receive
+    # receiver side, broadcast: round 1 told rank 2 every transfer, so it drains them (through a chunk-sized
+    # buffer of the backend, or the same-host channel's messages) and raises alone; the others receive
     comm = objcomm.Communicator(max_bytes=limit, chunk_bytes=4096)
-    try:
-        out["broadcast"] = len(comm.broadcast("z" * 50_000 if rank == 0 else None, src=0))
-    except objcomm.TooLargeError as exc:
-        out["broadcast"] = "drained" if "scratch buffer of at most chunk_bytes=4,096" in str(exc) else str(exc)
+    for key, drained, via in [("broadcast", "messages of at most 65,536 bytes of the same-host channel", comm),
+                              ("broadcast, backend", "scratch buffer of at most chunk_bytes=4,096",
+                               objcomm.Communicator(max_bytes=limit, chunk_bytes=4096, local=False))]:
+        try:
+            out[key] = len(via.broadcast("z" * 50_000 if rank == 0 else None, src=0))
+        except objcomm.TooLargeError as exc:
+            out[key] = "drained" if drained in str(exc) else str(exc)
     # too many tensors to list in a 128-byte slot: the receivers vote first, and every rank raises
     voting = objcomm.Communicator(max_bytes=limit, slot_bytes=128, inline_tensor_bytes=0)
     tensors = [torch.ones(200) for _ in range(20)]
@@ -186,7 +189,8 @@ def limits_on_both_sides() -> dict:
 
 def test_size_limits(ranks3):
     results = ranks3.run(limits_on_both_sides)
-    assert [r["broadcast"] for r in results] == [50_000, 50_000, "drained"]
+    for key in ("broadcast", "broadcast, backend"):
+        assert [r[key] for r in results] == [50_000, 50_000, "drained"], key
     assert [r["vote"] for r in results] == ["refused"] * 3
 
 

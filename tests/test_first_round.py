@@ -81,9 +81,12 @@ def test_every_collective_the_same_with_the_channel_on_and_off(world, slot_bytes
         # and, for each payload that overflows its slot (the long string; in 128 bytes, the dict and the tensor
         # too), the small words ahead of a second round: each scatter's vote and its shared-memory announcement
         # (only its root knows the sizes, so every rank asks; nobody writes below the threshold), per root, and
-        # all_to_all's vote
+        # all_to_all's vote; and the second round itself of all_gather and of each root's broadcast whose payload
+        # overflows (one message each: every payload is far below 64 KiB; in 128 bytes, rank 0's dict fits)
         roots, overflowing = len({0, world - 1}), {4096: 1, 128: 3}[slot_bytes]
-        assert [r["seq"] for r in on] == [5 * (2 + 3 * roots) + 2 + overflowing * (2 * roots + 1)] * world
+        second_rounds = overflowing * (1 + roots) - (slot_bytes == 128)
+        expected = 5 * (2 + 3 * roots) + 2 + overflowing * (2 * roots + 1) + second_rounds
+        assert [r["seq"] for r in on] == [expected] * world
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -229,7 +232,8 @@ def test_control_words_through_the_channel():
 
 def message_sizes() -> Dict[str, List[int]]:
     """The payload sizes of the channel messages each collective sends: a small object's slot travels trimmed
-    after its frame; a slot with anything after its frame (tensor sizes, a second round) travels whole."""
+    after its frame; a slot with anything after its frame (tensor sizes, a second round) travels whole; the
+    second round of all_gather and broadcast follows in messages of its own."""
     import torch
 
     comm = objcomm.Communicator(local=True, slot_bytes=1024, inline_tensor_bytes=0)  # tensors out of band
@@ -266,7 +270,13 @@ def test_slots_travel_trimmed_after_a_whole_frame_and_whole_otherwise():
             if label == "small":
                 assert all(n < 100 for n in sizes), (label, op, sizes)  # a 1024-byte slot, trimmed
             else:  # sizes listed after the frame, or a frame past the slot: the whole slot
-                assert 1024 in sizes and all(n == 1024 or n < 100 for n in sizes), (label, op, sizes)  # or words
+                # (or control words); and all_gather's and broadcast's second round (objcomm._channel_round):
+                # the 2,000-byte frame past the slot in one message, the tensor's 12 bytes
+                round_two = op in ("all_gather", "broadcast")
+                assert 1024 in sizes and all(n == 1024 or n < 100 or round_two for n in sizes), (label, op, sizes)
+                if round_two and label == "past the slot":
+                    from_every_sender = [2064] * (1 if op == "broadcast" else 2)  # W=2: the root, or both ranks
+                    assert [n for n in sizes if n != 1024 and n >= 100] == from_every_sender, (label, op, sizes)
 
 
 def _open_fds() -> int:

@@ -1,0 +1,186 @@
+"""Medium second rounds through the same-host channel: the bytes of an ``all_gather`` or ``broadcast``
+that overflow their slots, below the shared-memory threshold, in messages of the channel.
+
+A frame past its slot (or with tensors) has a second round, which the group's backend moves: on one host,
+gloo over loopback TCP, hundreds of microseconds a collective, where the bytes themselves take a few (a
+16 KB all_gather: ~0.8 ms, mpi4py ~0.02 ms). Shared memory (:mod:`objcomm._shm`) pays a file, a mapping
+and two control words per call, worth it from ``shm_threshold`` (4 MiB) on. Between the two, when round 1
+of the call went through the group's channel (:mod:`objcomm._first`), the second round does too: each
+sender's bytes (its frame unless the slot carried it, then its tensors, back to back: a segment file's
+layout) in messages of at most :data:`CHUNK` bytes, one channel collective per message, as many as the
+largest sender needs (every rank knows each sender's size from round 1, so every rank makes the same
+calls; a sender with fewer bytes sends empty messages). Receivers check each message's length against
+what the sender's slot announced (a mismatch fails the channel: the ranks are out of step), then read the
+bytes as a segment is read: the frame, its tensor sizes against the announced total (:class:`FrameError`
+on this rank alone, after every message moved, so the group stays in step), the tensors as views of the
+received bytes. A broadcast receiver over its ``max_bytes`` (which round 1 told it; no vote comes first when
+the slot listed every transfer) receives the messages, drops them and raises alone, as the backend's path does.
+
+:class:`ChannelRounds` is a second-round strategy (:class:`objcomm._wire.SecondRound`) around another
+one (shared memory, or none), which keeps everything it does not take: other operations, other sizes,
+other devices (the channel moves host bytes; an NCCL group's tensors stay on the GPU), groups without a
+channel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import _first, _limits, _local
+from ._errors import FrameError
+from ._segments import host_bytes
+from ._slots import SlotInfo
+from ._wire import Incoming, NotUsed, Outgoing, SecondRound, SizesOf, Slot, Wire
+
+CHUNK = _local.MAX_PAYLOAD  # bytes of one channel message
+
+
+@dataclass(frozen=True)
+class ChannelRounds:
+    """The second round of ``all_gather`` and ``broadcast`` through the same-host channel below ``limit``
+    bytes (the largest sender's); everything else by ``inner``."""
+
+    inner: SecondRound
+    limit: int
+
+    def _channel(self, wire: Wire, moved: int) -> Optional[Tuple[_local.LocalChannel, Optional[float]]]:
+        """The group's channel and its waits' spin if it takes ``moved`` bytes: the same answer on every rank of a
+        call whose round 1 went through it (a channel that failed since raised there, on every rank)."""
+        first = wire.first_round
+        if moved >= self.limit or wire.device.type != "cpu" or not isinstance(first, _first.SameHostSlots):
+            return None
+        state = first.state(wire)
+        channel = None if state is None else state.channel
+        return None if channel is None or channel.closed else (channel, first.spin)
+
+    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+        return self.inner.worth(wire, moved, op)  # nothing to agree on first: a refusing receiver drains
+
+    def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+        moved = [info.second_round_bytes for info in infos]
+        found = self._channel(wire, max(moved))
+        if found is None:
+            return self.inner.all_gather(wire, out, infos, sizes_of, op)
+        channel, spin = found
+        me = wire.rank
+        received: List[Optional[bytearray]] = [bytearray(n) if n and r != me else None for r, n in enumerate(moved)]
+        mine = _chunks(_pieces(out, infos[me]))
+        for index in range(-(-max(moved) // CHUNK)):
+            got = channel.all_gather(next(mine, b""), False, spin)
+            for r, into in enumerate(received):
+                if into is not None:
+                    _place(channel, into, got[r], index, r, op)
+        return [
+            Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors]) if r == me  # never the input itself
+            else _incoming(into, infos[r], sizes_of, r, op) if into is not None
+            else Incoming(infos[r].inline)  # type: ignore[arg-type]
+            for r, into in enumerate(received)
+        ]
+
+    def broadcast(self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int,
+                  op: str) -> Union[Incoming, NotUsed]:
+        moved = info.second_round_bytes
+        found = self._channel(wire, moved)
+        if found is None:
+            return self.inner.broadcast(wire, out, info, sizes_of, src, op)
+        channel, spin = found
+        if wire.rank == src:
+            assert out is not None
+            for chunk in _chunks(_pieces(out, info)):
+                channel.broadcast(chunk, src, spin)
+            return Incoming(out.frame, list(out.tensors))  # the caller decodes its own with own=True
+        if info.total > wire.max_bytes:  # above this rank's limit (no vote came first): received and dropped
+            for index in range(-(-moved // CHUNK)):
+                _checked(channel, channel.broadcast(None, src, spin), index, moved, src, op)
+            raise _limits.refused(op, src, wire, info.total, None, drained=True,
+                                  into=f"messages of at most {CHUNK:,} bytes of the same-host channel")
+        into = bytearray(moved)
+        for index in range(-(-moved // CHUNK)):
+            _place(channel, into, channel.broadcast(None, src, spin), index, src, op)
+        return _incoming(into, info, sizes_of, src, op)
+
+    def gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, dst: int,
+               op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
+        return self.inner.gather(wire, out, infos, sizes_of, dst, op)
+
+    def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf, src: int,
+                op: str) -> Union[Incoming, NotUsed]:
+        return self.inner.scatter(wire, outs, info, sizes_of, src, op)
+
+    def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+        return self.inner.all_to_all(wire, outs, infos, sizes_of, longest, op)
+
+    def send(self, wire: Wire, out: Outgoing, dst: int, op: str) -> bool:
+        return self.inner.send(wire, out, dst, op)
+
+    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str) -> Union[Incoming, NotUsed]:
+        return self.inner.recv(wire, info, sizes_of, src, op)
+
+
+def _pieces(out: Outgoing, info: SlotInfo) -> List[memoryview]:
+    """What this rank moves after round 1, as byte views: its frame's parts unless the slot carried it, then its
+    tensors (host memory: the channel is only used for CPU wires)."""
+    frame = [] if info.inline is not None else [memoryview(p).cast("B") for p in out.parts]
+    return [p for p in frame + [host_bytes(t) for t in out.tensors] if p.nbytes]
+
+
+def _chunks(pieces: List[memoryview]) -> Iterator[Slot]:
+    """``pieces`` back to back, in messages of :data:`CHUNK` bytes (the last one shorter)."""
+    pending: List[memoryview] = []
+    room = CHUNK
+    for piece in pieces:
+        while piece.nbytes:
+            take = piece[:room]
+            pending.append(take)
+            piece, room = piece[take.nbytes:], room - take.nbytes
+            if not room:
+                yield pending[0] if len(pending) == 1 else b"".join(pending)
+                pending, room = [], CHUNK
+    if pending:
+        yield pending[0] if len(pending) == 1 else b"".join(pending)
+
+
+def _place(channel: _local.LocalChannel, into: bytearray, chunk: Slot, index: int, sender: int, op: str) -> None:
+    """Message ``index`` of ``sender``'s second round, checked (:func:`_checked`), in its place in ``into``."""
+    at = _checked(channel, chunk, index, len(into), sender, op)
+    into[at : at + len(chunk)] = chunk
+
+
+def _checked(channel: _local.LocalChannel, chunk: Slot, index: int, total: int, sender: int, op: str) -> int:
+    """Where message ``index`` of ``sender``'s ``total`` second-round bytes goes, once its length is the one due
+    (else the channel fails: the ranks are out of step)."""
+    at = index * CHUNK
+    due = max(0, min(CHUNK, total - at))
+    if len(chunk) != due:
+        channel.fail(op, f"rank {sender} sent {len(chunk):,} bytes of its second round's message #{index} where "
+                         f"{due:,} were due (its slot announced {total:,}): the ranks are at different calls, or "
+                         "a protocol error")
+    return at
+
+
+def _incoming(data: bytearray, info: SlotInfo, sizes_of: SizesOf, sender: int, op: str) -> Incoming:
+    """``sender``'s frame (unless round 1 carried it) and tensors from its second round's bytes, read as a
+    segment is (:func:`objcomm._segments.read_segment`); the tensors are views of ``data``."""
+    view = memoryview(data)
+    position = 0
+    frame = info.inline
+    if frame is None:
+        if info.length > len(data):
+            raise FrameError(f"{op}: rank {sender}'s slot announces a {info.length:,}-byte frame in a second round of "
+                             f"{len(data):,} bytes; refused")
+        frame, position = view[: info.length], info.length
+    sizes = sizes_of(frame)
+    if sum(sizes) != len(data) - position:
+        raise FrameError(f"{op}: rank {sender}'s frame announces {sum(sizes):,} bytes of tensors, its slot "
+                         f"{len(data) - position:,}; refused")
+    tensors = []
+    for n in sizes:
+        tensors.append(torch.frombuffer(data, dtype=torch.uint8, count=n, offset=position) if n
+                       else torch.empty(0, dtype=torch.uint8))
+        position += n
+    return Incoming(frame, tensors)

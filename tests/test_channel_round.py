@@ -1,0 +1,234 @@
+"""Medium second rounds through the same-host channel (objcomm._channel_round): all_gather and broadcast of
+objects past their slots move no byte through the backend below shm_threshold, with the backend's results;
+the other operations, larger objects and groups without a channel keep their routes; a sender out of step
+fails the channel, a second round that disagrees with its frame is refused on the receiver alone, and a rank
+killed mid-round makes the others raise."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from _child import run_group_losing_a_rank
+from _ranks import get_pool
+
+import objcomm
+from objcomm import _channel_round, _shm, _transport
+from objcomm._channel_round import CHUNK, _chunks, _incoming, _place
+from objcomm._errors import FrameError
+from objcomm._slots import SlotInfo
+
+pytestmark = pytest.mark.timeout(180)
+
+SIZES = [0, 100, 5_000, CHUNK - 40, CHUNK, CHUNK + 1, 3 * CHUNK + 7]  # bytes of a payload's bulk
+
+
+def _payload(rank: int, size: int) -> Any:
+    """Frames past the slot (a str), whole bytes out of band, a tensor and a numpy array: every kind of piece."""
+    return {"rank": rank, "text": "t" * size, "blob": bytes([rank % 256]) * size,
+            "tensor": torch.arange(size // 8 + rank, dtype=torch.float64), "array": np.full(size // 16, rank)}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return bool(a == b)
+
+
+def _counting_backend() -> Dict[str, int]:
+    """Count the backend's second-round moves (objcomm._transport's byte collectives) and shared-memory calls."""
+    counts = {"backend": 0, "shm": 0}
+    for module, names, key in ((_transport, ("all_gather_equal", "broadcast_bytes"), "backend"),
+                               (_shm.SharedMemory, ("all_gather", "broadcast"), "shm")):
+        for name in names:
+            real = getattr(module, f"_real_{name}", None) or getattr(module, name)
+            setattr(module, f"_real_{name}", real)
+
+            def counted(*args: Any, _real: Any = real, _key: str = key) -> Any:
+                counts[_key] += 1
+                return _real(*args)
+
+            setattr(module, name, counted)
+    return counts
+
+
+def _uncount() -> None:
+    for module, names in ((_transport, ("all_gather_equal", "broadcast_bytes")),
+                          (_shm.SharedMemory, ("all_gather", "broadcast"))):
+        for name in names:
+            setattr(module, name, getattr(module, f"_real_{name}"))
+
+
+def medium_collectives(sizes: List[int]) -> List[Any]:
+    """For each mix of sizes (rank r takes sizes[(i + r) % len]), all_gather and broadcast from every root through
+    the channel and through the backend (local=False): whether the results agree, and where round 2 went."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    channel, backend = objcomm.Communicator(local=True), objcomm.Communicator(local=False)
+    channel.all_gather(None)
+    report = []
+    for i in range(len(sizes)):
+        mine = _payload(rank, sizes[(i + rank) % len(sizes)])
+        counts = _counting_backend()
+        try:
+            got = [channel.all_gather(mine)] + [channel.broadcast(mine if rank == root else None, src=root)
+                                                for root in range(world)]
+        finally:
+            _uncount()
+        expected = [backend.all_gather(mine)] + [backend.broadcast(mine if rank == root else None, src=root)
+                                                 for root in range(world)]
+        report.append((all(_same(a, b) for a, b in zip(got, expected)), counts["backend"], counts["shm"]))
+        own = got[0][rank]["tensor"]
+        own.add_(1)  # an own result never aliases the input
+        report[-1] += (own.numel() == 0 or not torch.equal(own, mine["tensor"]),)
+    return report
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_medium_all_gather_and_broadcast_move_round_two_through_the_channel_with_the_backends_results(world):
+    for rank_report in get_pool(world).run(medium_collectives, SIZES):
+        assert rank_report == [(True, 0, 0, True)] * len(SIZES)
+
+
+def routes_kept() -> List[Any]:
+    """What the channel does not take keeps its route: sizes at shm_threshold go to shared memory, gather, scatter
+    and send/recv to the backend, a communicator with local=False to the backend."""
+    rank = dist.get_rank()
+    small_threshold = objcomm.Communicator(local=True, shm_threshold=3 * CHUNK)
+    small_threshold.all_gather(None)
+    big = _payload(rank, 4 * CHUNK)  # past the threshold
+    got = []
+    for label, call in [
+        ("at the threshold", lambda: small_threshold.all_gather(big)),
+        ("below, without shared memory", lambda: objcomm.Communicator(local=True, shm=False).all_gather(
+            _payload(rank, CHUNK))),
+        ("gather", lambda: small_threshold.gather(_payload(rank, CHUNK), dst=0)),
+        ("send/recv", lambda: small_threshold.send(_payload(rank, CHUNK), 1) if rank == 0 else
+         small_threshold.recv(0)),
+    ]:
+        counts = _counting_backend()
+        try:
+            call()
+        finally:
+            _uncount()
+        got.append((label, dict(counts)))
+    return got
+
+
+def test_what_the_channel_does_not_take_keeps_its_route():
+    receiver = dict(get_pool(2).run(routes_kept)[1])
+    assert receiver["at the threshold"] == {"backend": 0, "shm": 1}
+    assert receiver["below, without shared memory"] == {"backend": 0, "shm": 0}
+    assert receiver["gather"]["shm"] == 0 and receiver["gather"]["backend"] == 0  # gather's rest: backend sends
+    assert receiver["send/recv"] == {"backend": 0, "shm": 0}  # point to point: the backend's send/recv
+
+
+def out_of_step_sender() -> List[Any]:
+    """Rank 1 sends one byte too few in each message of its second round: the channel fails on both ranks, and
+    later calls on the group raise."""
+    rank = dist.get_rank()
+    sub = dist.new_group([0, 1])
+    comm = objcomm.Communicator(sub, local=True)
+    comm.all_gather(None)
+    real = _channel_round._chunks
+    if rank == 1:
+        _channel_round._chunks = lambda pieces: (bytes(c)[:-1] for c in real(pieces))  # type: ignore[assignment]
+    try:
+        outcome = ("ok", None)
+        try:
+            comm.all_gather(_payload(rank, 2 * CHUNK))
+        except objcomm.CommunicationError as exc:
+            outcome = ("raised", str(exc))
+    finally:
+        _channel_round._chunks = real  # type: ignore[assignment]
+    try:  # the ranks failed at different messages: out of step, which every later call on the group says
+        after = ("ok", comm.all_gather(rank))
+    except objcomm.CommunicationError as exc:
+        after = ("raised", str(exc))
+    dist.destroy_process_group(sub)
+    return [outcome, after]
+
+
+def test_a_sender_out_of_step_fails_the_channel_on_every_rank():
+    receiver, sender = get_pool(2).run(out_of_step_sender)
+    assert receiver[0][0] == "raised" and "message #0 where" in receiver[0][1] and "rank 1" in receiver[0][1]
+    assert sender[0][0] == "raised"  # the channel closed under it: it raises too, instead of waiting
+    for rank_got in (receiver, sender):
+        assert rank_got[1][0] == "raised" and "out of step" in rank_got[1][1]
+
+
+class _Channel:
+    def fail(self, op: str, why: str) -> None:
+        raise objcomm.CommunicationError(f"{op}: {why}")
+
+
+def _info(length: int, total: int, inline: Any = None) -> SlotInfo:
+    return SlotInfo(length=length, error=False, round2=False, limit=1 << 40, total=total, inline=inline)
+
+
+def test_message_lengths_and_second_rounds_are_checked():
+    into = bytearray(CHUNK + 5)
+    _place(_Channel(), into, b"a" * CHUNK, 0, 1, "all_gather")
+    _place(_Channel(), into, b"b" * 5, 1, 1, "all_gather")
+    assert into == b"a" * CHUNK + b"b" * 5
+    for index, chunk in [(0, b"a" * (CHUNK - 1)), (1, b"b" * 6), (2, b"c")]:
+        with pytest.raises(objcomm.CommunicationError, match=f"message #{index} where"):
+            _place(_Channel(), into, chunk, index, 1, "all_gather")
+    frame = memoryview(b"f" * 10)
+    assert [bytes(t.numpy()) for t in _incoming(bytearray(b"f" * 10 + b"xyz"), _info(10, 13), lambda f: [1, 2], 1,
+                                                "op").tensors] == [b"x", b"yz"]
+    with pytest.raises(FrameError, match="announces 4 bytes of tensors"):
+        _incoming(bytearray(b"f" * 10 + b"xyz"), _info(10, 13), lambda f: [4], 1, "op")
+    with pytest.raises(FrameError, match="20-byte frame"):
+        _incoming(bytearray(13), _info(20, 13), lambda f: [], 1, "op")
+    assert _incoming(bytearray(b"xyz"), _info(10, 13, inline=frame), lambda f: [3], 1, "op").frame is frame
+
+
+def test_pieces_travel_back_to_back_in_whole_messages():
+    pieces = [memoryview(bytes([i]) * n) for i, n in enumerate([10, CHUNK - 10, 1, CHUNK + 3, 0, 2])]
+    chunks = [bytes(c) for c in _chunks([p for p in pieces if p.nbytes])]
+    assert [len(c) for c in chunks] == [CHUNK, CHUNK, 6]
+    assert b"".join(chunks) == b"".join(bytes(p) for p in pieces)
+    assert list(_chunks([])) == []
+
+
+# -- a SIGKILLed rank mid-round: a group of our own, so that the survivors can report -----------------------------
+def _killed_in_round_two(rank: int, world: int, store: str, victim: int, results: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    objcomm.configure(local=True)  # a process of its own: nothing to restore
+    assert objcomm.all_gather(rank) == list(range(world))  # opens the channel
+    if rank == victim:
+        real = _channel_round._chunks
+
+        def dying(pieces: Any) -> Any:
+            chunks = real(pieces)
+            yield next(chunks)
+            time.sleep(0.3)  # the others wait for message #1 by now
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        _channel_round._chunks = dying  # type: ignore[assignment]
+    start = time.monotonic()
+    try:
+        objcomm.all_gather(_payload(rank, 5 * CHUNK))
+        results.put((rank, "no error", 0.0))
+    except objcomm.CommunicationError as exc:
+        results.put((rank, str(exc), time.monotonic() - start))
+
+
+def test_a_rank_killed_in_round_two_makes_the_others_raise_within_seconds():
+    got, victim_exit = run_group_losing_a_rank(_killed_in_round_two, 3, 2)
+    assert victim_exit == -signal.SIGKILL
+    for rank, (message, elapsed) in got.items():
+        assert "local channel failed" in message and "closed its connection" in message, (rank, message)
+        assert elapsed < 5.0, (rank, elapsed)
