@@ -195,10 +195,12 @@ def encode_each(call: Call, objs: Optional[Sequence[Any]], size: int, op: str) -
         return [_framing.error_frame(exc, call.wire.inline_capacity)] * size, exc
 
 
-def final_report(call: Call, value: Any, complete: bool, own: Optional[BaseException]) -> Tuple[Outgoing, Any]:
-    """What a rank contributes to a reduction's last collective: group rank 0 the result, every rank
-    its own failure if it had one, the others a tiny frame."""
+def final_report(call: Call, value: Any, complete: bool, own: Optional[BaseException],
+                 carries: bool = True) -> Tuple[Outgoing, Any]:
+    """What a rank contributes to a reduction's last collective: group rank 0 the result where another rank
+    needs it (``carries``; not when group rank 0 is the reduce's destination), every rank its own failure if it
+    had one, the others a tiny frame."""
     assert call.wire is not None
     if own is not None:
         return _framing.error_frame(own, call.wire.inline_capacity), own
-    return call.encode(value if complete and call.wire.rank == 0 else None)
+    return call.encode(value if complete and carries and call.wire.rank == 0 else None)

@@ -71,8 +71,9 @@ def collect_results(
         ``.failures`` names the rank and the problem, and that rank's error is the ``__cause__``.
         Without a process group the ``ValueError``/``TypeError`` itself is raised.
     ValueError:
-        On every rank, when the ranks disagree: ``indices`` given on some ranks only, or (without
-        ``indices``) part lengths that cannot come from a strided shard.
+        On every rank, when the ranks disagree: ``indices`` given on some ranks only, ``size`` not the
+        same everywhere, or (without ``indices``) part lengths that cannot come from a strided shard or
+        a ``size`` that would drop results (more than a sampler's padding).
 
     Example::
 
@@ -84,7 +85,7 @@ def collect_results(
     items, index_list, problem = _prepare(part, indices, size)
     comm = Communicator(group)
     # Round 1, small: everyone learns every rank's shape and problems, so all raise alike.
-    meta = comm.all_gather([len(items), index_list is not None, _describe(problem)], serializer=serializer)
+    meta = comm.all_gather([len(items), index_list is not None, _describe(problem), size], serializer=serializer)
     _check_agreement(meta, problem)
     payload = [items, index_list]
     if dst is None:
@@ -102,8 +103,12 @@ def _prepare(
     part: Any, indices: Optional[Iterable[Any]], size: Any
 ) -> Tuple[List[Any], Optional[List[int]], Optional[Exception]]:
     """This rank's results and indices as lists, or the reason they are unusable."""
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
-        return [], None, ValueError(f"size must be a non-negative int or None, got {size!r}")
+    if size is not None:
+        try:
+            if isinstance(size, bool) or operator.index(size) < 0:
+                raise TypeError
+        except TypeError:
+            return [], None, ValueError(f"size must be a non-negative int or None, got {size!r}")
     if isinstance(part, (str, bytes, bytearray, Mapping)) or not isinstance(part, Iterable):
         return [], None, TypeError(
             f"part must be a sequence of per-item results (a list), got {type(part).__name__}"
@@ -145,6 +150,10 @@ def _check_agreement(meta: List[Any], problem: Optional[Exception]) -> None:
             f"collect_results: indices= was given on ranks {with_indices} but not on ranks {without}; "
             "give it on every rank or on none"
         )
+    sizes = [m[3] for m in meta]
+    if sizes != [sizes[0]] * len(meta):
+        raise ValueError(f"collect_results: size by rank is {sizes}; every rank must pass the same size (the "
+                         "dataset's length), or None")
     if not with_indices:
         lengths = [m[0] for m in meta]
         strided = all(a >= b for a, b in zip(lengths, lengths[1:])) and lengths[0] - lengths[-1] <= 1
@@ -152,6 +161,13 @@ def _check_agreement(meta: List[Any], problem: Optional[Exception]) -> None:
             raise ValueError(
                 f"collect_results: part lengths by rank are {lengths}, which a strided shard (rank r holds "
                 "items r, r+W, r+2W, ...) cannot produce; pass indices= with each result's dataset index"
+            )
+        size = sizes[0]
+        if size is not None and sum(lengths) - size >= len(meta):  # padding adds fewer than W items
+            raise ValueError(
+                f"collect_results: the ranks hold {sum(lengths)} results but size={size}, so "
+                f"{sum(lengths) - size} would be dropped, and a sampler pads at most {len(meta) - 1}; pass the "
+                "dataset's length (len(dataset), not len(sampler))"
             )
 
 

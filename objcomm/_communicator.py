@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 import weakref
 from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence
 
@@ -246,11 +247,15 @@ class Communicator:
 
     @staticmethod
     def _group_rank(wire: _transport.Wire, global_rank: Any, what: str) -> int:
-        if isinstance(global_rank, bool) or not isinstance(global_rank, int):
+        try:  # an int, or what stands for one (numpy's integers), as torch takes them; never a bool
+            rank = None if isinstance(global_rank, bool) else operator.index(global_rank)
+        except TypeError:
+            rank = None
+        if rank is None:
             raise TypeError(f"{what} must be an int rank, got {global_rank!r}")
-        if global_rank not in wire.ranks:
-            raise ValueError(f"{what}={global_rank} is not a rank of this group (its ranks: {list(wire.ranks)})")
-        return wire.ranks.index(global_rank)
+        if rank not in wire.ranks:
+            raise ValueError(f"{what}={rank} is not a rank of this group (its ranks: {list(wire.ranks)})")
+        return wire.ranks.index(rank)
 
     # -- collectives ---------------------------------------------------------------------------
     def all_gather(
@@ -378,7 +383,7 @@ class Communicator:
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, dst, "dst")
         value, complete, own = _reduce.tree(call, obj, op)
-        out, local = final_report(call, value, complete, own)
+        out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
         incoming = _transport.gather(call.wire, out, _framing.tensor_sizes, root)
         if incoming is None:
             return None

@@ -14,6 +14,7 @@ every rank which ranks failed (see :meth:`objcomm.Communicator.reduce`).
 
 from __future__ import annotations
 
+import copy
 import operator
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
@@ -25,11 +26,13 @@ REDUCE_TAG = (1 << 30) - 1  # above every tag a caller may pass (objcomm._call.M
 
 
 def _merge(a: Dict[Any, Any], b: Dict[Any, Any]) -> Dict[Any, Any]:
-    return {**a, **b}
+    merged = copy.copy(a)  # of a's type (a Counter, a defaultdict), as a group of one returns it
+    merged.update(b)
+    return merged
 
 
 def _merge_sum(a: Dict[Any, Any], b: Dict[Any, Any]) -> Dict[Any, Any]:
-    merged = dict(a)
+    merged = copy.copy(a)
     for key, value in b.items():
         merged[key] = merged[key] + value if key in merged else value
     return merged

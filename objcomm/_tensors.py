@@ -55,10 +55,16 @@ def _product(shape: Tuple[int, ...]) -> int:
     return count
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def liftable(value: Any) -> bool:
-    """A plain strided CPU or CUDA tensor of a dtype in :data:`DTYPES`."""
+    """A plain strided CPU or CUDA tensor (or Parameter) of a dtype in :data:`DTYPES`, without attributes of
+    its own. A subclass, or a tensor given attributes, is left to the serializer, which keeps them (pickle)
+    or refuses it: lifted, it would arrive as a plain tensor, its class and attributes silently lost."""
     return (
-        isinstance(value, torch.Tensor)
+        type(value) in _PLAIN_TENSORS
+        and not value.__dict__
         and value.layout == torch.strided
         and value.device.type in ("cpu", "cuda")
         and value.dtype in _CODES
@@ -252,6 +258,8 @@ def restorer(
             if copy_out is not None and not entry.inline:  # never through the tensor's pages (a mapping)
                 return copy_out(entry.offset, kind)
             return kind(raw.cpu().numpy().data)  # one copy into the bytes object (which owns its memory)
+        if raw.storage_offset() % entry.dtype.itemsize:  # bytes received at an offset the dtype cannot view
+            raw = raw.clone()  # (one receive buffer for several tensors: all_to_all's parts, back to back)
         if entry.flags & NUMPY:  # a view on what arrived, on the CPU wherever tensors go
             return raw.cpu().view(entry.dtype).reshape(entry.shape).numpy()
         tensor = raw.view(entry.dtype).reshape(entry.shape).to(device)

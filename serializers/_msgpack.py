@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import sys
 from collections import OrderedDict
 from contextvars import ContextVar
 from typing import Any, Callable, Dict, Optional
@@ -168,6 +169,10 @@ class MsgpackSerializer(Serializer):
             return ext(ODICT, pack([[k, v] for k, v in value.items()]))
         if _is_numpy(value):
             return self._numpy_ext(value, pack, ext)
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(value, torch.Tensor):  # what objcomm lifts never gets here
+            raise TypeError(f"no msgpack encoding for {describe(value)}: msgpack carries tensors only through "
+                            "objcomm, and only plain ones (no subclass, no attributes set on the tensor); use pickle")
         raise TypeError(f"no msgpack encoding for {describe(value)}")
 
     @staticmethod

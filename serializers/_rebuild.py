@@ -324,6 +324,9 @@ def reduce_torch(value: Any) -> Any:
             return parameter, (value.detach(), value.requires_grad)
         if type(value) is not torch.Tensor:
             raise TypeError(f"restricted-pickle cannot carry tensor subclass {type(value).__name__}; use pickle")
+        if value.__dict__:  # they would be lost: only the data and shape travel
+            raise TypeError(f"restricted-pickle cannot carry attributes set on a tensor ({', '.join(value.__dict__)}); "
+                            "use pickle")
         if value.layout != torch.strided or value.is_quantized or value.is_nested or value.device.type == "meta":
             raise TypeError("restricted-pickle carries dense tensors only; use pickle for sparse/quantized ones")
         name = str(value.dtype).rpartition(".")[2]
@@ -340,7 +343,8 @@ def reduce_any(value: Any) -> Any:
     module = type(value).__module__
     if module == "numpy" or module.startswith("numpy."):
         return reduce_numpy(value)
-    if module.startswith("torch"):
+    torch = sys.modules.get("torch")
+    if module.startswith("torch") or (torch is not None and isinstance(value, torch.Tensor)):  # subclasses too
         return reduce_torch(value)
     if module == "uuid" and type(value).__name__ == "UUID":
         return uuid, (value.int,)

@@ -164,3 +164,34 @@ def counted_segments(shm: bool) -> int:
 def test_big_parts_go_through_shared_memory_on_one_host():
     assert get_pool(3).run(counted_segments, True) == [2, 2, 2]  # one per other rank
     assert get_pool(3).run(counted_segments, False) == [0, 0, 0]
+
+
+def _outcome(fn: Any) -> Any:
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # the outcome is what it raised, by type
+        return ("raised", type(exc).__name__)
+
+
+def tensors_at_odd_offsets() -> List[Any]:
+    """Parts whose tensors land at offsets of one receive buffer their dtype cannot start at: an odd-length uint8
+    tensor from one rank next to float tensors from the others, and a frame of odd length past the slot."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def mine(s: int) -> torch.Tensor:
+        return torch.ones(70_001, dtype=torch.uint8) if s == 0 else torch.arange(100_000.0) + s
+
+    def framed(s: int) -> Dict[str, Any]:
+        return {"s": "x" * (5001 + s), "t": torch.arange(100_000.0) + s}
+
+    plain = objcomm.Communicator(shm=False)  # one receive buffer for every part
+    return [
+        _outcome(lambda: [torch.equal(g, mine(s)) for s, g in enumerate(plain.all_to_all([mine(rank)] * world))]),
+        _outcome(lambda: [torch.equal(g["t"], framed(s)["t"]) for s, g in
+                          enumerate(plain.all_to_all([framed(rank)] * world))]),
+    ]
+
+
+def test_tensors_arriving_at_any_offset_decode():
+    for got in get_pool(3).run(tensors_at_odd_offsets):
+        assert got == [("ok", [True] * 3)] * 2

@@ -142,7 +142,9 @@ def test_bad_input_raises_on_every_rank_and_names_the_culprit(ranks3):
 def test_without_a_process_group():
     assert not dist.is_initialized()
     assert collect_results([result(2), result(0), result(1)], indices=[2, 0, 1]) == [result(i) for i in range(3)]
-    assert collect_results(["a", "b", "a"], 2) == ["a", "b"]
+    assert collect_results(["a", "b"], 2) == ["a", "b"]
+    with pytest.raises(ValueError, match="1 would be dropped, and a sampler pads at most 0"):
+        collect_results(["a", "b", "a"], 2)  # a group of one is never padded
     assert collect_results(["x", "y"], dst=None, indices=[1, 1]) == ["x"]  # a repeated index is kept once
     with pytest.raises(ValueError, match="part has 2 results but indices has 3"):
         collect_results([1, 2], indices=[0, 1, 2])
@@ -154,3 +156,29 @@ def test_without_a_process_group():
         collect_results([1], -1)
     with pytest.raises(ValueError, match="no process group"):
         collect_results([1], dst=1)
+
+
+def sizes_that_lose_results() -> List[Any]:
+    """size differing by rank, and size too small for what the ranks hold (len(sampler) passed by mistake)."""
+    rank = dist.get_rank()
+    got = []
+    for part, size in [(list(range(rank, 8, 2)), 5 + rank), (list(range(rank, 40, 2)), 20)]:
+        try:
+            got.append(("ok", collect_results(part, size=size, dst=None)))
+        except ValueError as exc:
+            got.append(("raised", str(exc)))
+    got.append(collect_results(list(range(rank, 7, 2)), size=__import__("numpy").int64(7), dst=None))  # padded by 1
+    return got
+
+
+def test_a_size_that_would_lose_results_raises_on_every_rank():
+    for differ, too_small, padded in get_pool_2().run(sizes_that_lose_results):
+        assert differ[0] == "raised" and "size by rank is [5, 6]" in differ[1]
+        assert too_small[0] == "raised" and "20 would be dropped" in too_small[1]
+        assert padded == list(range(7))
+
+
+def get_pool_2() -> Any:
+    from _ranks import get_pool
+
+    return get_pool(2)

@@ -349,3 +349,39 @@ def test_without_a_process_group_the_collectives_act_as_a_group_of_one():
         compat.scatter_object_list([], ["only"], group_src=0)
     with pytest.raises(objcomm.ObjcommError, match="init_process_group"):
         compat.send_object_list([1], dst=1)
+
+
+def numpy_ranks(api_name: str) -> Any:
+    """src and dst given as numpy integers, as torch takes them."""
+    api = dist if api_name == "torch" else compat
+    rank, world = dist.get_rank(), dist.get_world_size()
+    import numpy as np
+
+    box = ["from 1"] if rank == 1 else [None]
+    api.broadcast_object_list(box, src=np.int64(1))
+    gathered = [None] * world if rank == 1 else None
+    api.gather_object(rank, gathered, dst=np.int64(1))
+    return box, gathered
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass (torchvision's BoundingBoxes and the like)."""
+
+
+def tensor_subclasses_and_attributes(api_name: str) -> Any:
+    api = dist if api_name == "torch" else compat
+    tagged = torch.arange(3.0).as_subclass(Tagged)
+    annotated = torch.zeros(2)
+    annotated.meta = "kept"  # type: ignore[attr-defined]
+    out = [None] * dist.get_world_size()
+    api.all_gather_object(out, [tagged, annotated, torch.ones(2)])
+    other = out[1 - dist.get_rank()]
+    return [type(t).__name__ for t in other], getattr(other[1], "meta", "lost"), other[0].tolist()
+
+
+@pytest.mark.parametrize("scenario", [numpy_ranks, tensor_subclasses_and_attributes])
+def test_numpy_ranks_and_tensor_subclasses_as_torch_has_them(scenario):
+    from _ranks import get_pool
+
+    pool = get_pool(2)
+    assert pool.run(scenario, "objcomm") == pool.run(scenario, "torch")

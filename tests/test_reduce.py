@@ -174,3 +174,24 @@ def test_without_a_group_the_object_comes_back():
     assert objcomm.reduce([1], "sum") == [1]
     with pytest.raises(ValueError, match="op must be a callable"):
         objcomm.all_reduce(1, "average")
+
+
+def result_that_cannot_be_encoded() -> Any:
+    """reduce to rank 0: rank 0 combined the result and keeps it, so it is never encoded (it cannot be: a lock)."""
+    try:
+        return type(objcomm.reduce(dist.get_rank(), lambda a, b: (a, b, threading.Lock()), dst=0)).__name__
+    except Exception as exc:  # the outcome is what it raised
+        return type(exc).__name__
+
+
+def test_a_reduce_to_rank_0_never_encodes_its_result():
+    assert get_pool(2).run(result_that_cannot_be_encoded) == ["tuple", "NoneType"]
+
+
+def merged_type() -> List[str]:
+    return [type(objcomm.all_reduce(Counter({"a": 1}), op)).__name__ for op in ("merge", "merge_sum")]
+
+
+def test_merges_keep_the_first_dicts_type_at_every_world_size():
+    assert get_pool(1).run(merged_type) == [["Counter", "Counter"]]
+    assert get_pool(2).run(merged_type) == [["Counter", "Counter"]] * 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -227,3 +229,25 @@ def arrays_through_every_op(serializer: str, shm: bool) -> bool:
 @pytest.mark.parametrize("serializer", ["pickle", "restricted-pickle", "msgpack"])
 def test_arrays_and_bytes_through_every_op(ranks3, serializer, shm):
     assert all(ranks3.run(arrays_through_every_op, serializer, shm))
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass (torchvision's BoundingBoxes and the like)."""
+
+
+@pytest.mark.parametrize("serializer", ["pickle", "cloudpickle", "restricted-pickle", "msgpack"])
+def test_tensor_subclasses_and_attributes_are_kept_or_refused_never_dropped(serializer):
+    chosen = serializers.registry.guarded(serializer)
+    annotated = torch.zeros(2)
+    annotated.meta = "kept"  # type: ignore[attr-defined]
+    for value, what in [(torch.arange(3.0).as_subclass(Tagged), "tensor subclass"), (annotated, "attributes")]:
+        if serializer in ("pickle", "cloudpickle"):  # kept: not lifted, pickled as torch pickles it
+            out = _framing.encode({"v": value}, chosen, max_bytes=1 << 30)
+            got = _framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)["v"]
+            assert type(got) is type(value) and torch.equal(got, value) and vars(got) == vars(value)
+        else:
+            refusal = "tensor subclass Tagged" if what == "tensor subclass" else "attributes set on a tensor (meta)"
+            if serializer == "msgpack":
+                refusal = "only plain ones"
+            with pytest.raises(serializers.EncodeError, match=re.escape(refusal)):
+                _framing.encode({"v": value}, chosen, max_bytes=1 << 30)
