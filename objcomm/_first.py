@@ -174,12 +174,13 @@ class SameHostSlots:
             channel = _local.LocalChannel.open(wire, timeout=timeout_seconds(wire.group),
                                                separate=self.separate, op=f"{op} (opening the same-host channel)",
                                                ready=ready, history=history)
+            with state.cond:  # before the vote ends: a send/recv waiting for it must see the new channel
+                state.channel, state.decided = channel, True
         except _local.OutOfStep as exc:
             state.broken = str(exc)
             raise
         finally:
             state.end_vote()
-        state.channel, state.decided = channel, True
         if channel is not None:  # also runs at exit
             weakref.finalize(wire.group, channel.close)
         return channel

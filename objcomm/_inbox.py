@@ -175,7 +175,7 @@ class Inbox:
                         continue
                     if parsed[0] != key or peer not in pending:
                         self._put(peer, *parsed, op)
-                        if peer in pending and after(parsed[0][1], key[1]):
+                        if peer in pending and parsed[0][0] and after(parsed[0][1], key[1]):  # a later collective
                             self._fail(op, f"rank {peer} sent collective #{parsed[0][1]} but not #{key[1]}: it "
                                            "called a different operation")
                     else:

@@ -127,7 +127,6 @@ class _Lanes:
 
     def _drain(self, key: Key) -> None:
         """Run the lane's jobs in order; the thread ends when the lane is empty."""
-        _LOCAL.inside = True
         while True:
             with self.lock:
                 queue = self.queues[key]
@@ -160,7 +159,7 @@ class _Lanes:
 
 
 class _ThreadState(threading.local):
-    inside = False  # this thread runs a lane (its blocking calls are the requests); a class default: a missing
+    inside = False  # this thread runs a lane's call (its blocking calls are the request); a class default: a missing
     # attribute of a threading.local costs an AttributeError on every blocking send/recv
 
 
@@ -169,13 +168,18 @@ _LANES_LOCK = threading.Lock()
 
 
 def _settle(future: concurrent.futures.Future, fn: Callable[[], Any], release: Callable[[], None]) -> None:
-    """Complete ``future`` with what ``fn`` returns or raises; ``release`` runs first (see :meth:`_Lanes._done`)."""
+    """Complete ``future`` with what ``fn`` returns or raises; ``release`` runs first (see :meth:`_Lanes._done`).
+    The lane's own blocking call runs ``inside``; the future's done-callbacks, which run on this thread as it
+    completes, do not: their calls are checked like any other thread's."""
+    _LOCAL.inside = True
     try:
         result = fn()
     except BaseException as exc:  # wait() raises it, on this rank as the blocking call would: nothing is swallowed
+        _LOCAL.inside = False
         release()
         future.set_exception(exc)
     else:
+        _LOCAL.inside = False
         release()
         future.set_result(result)
 

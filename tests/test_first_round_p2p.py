@@ -19,7 +19,7 @@ from _child import run_group_losing_a_rank
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _state
+from objcomm import _first, _state
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -304,3 +304,63 @@ def test_ranks_that_failed_at_different_calls_do_not_reopen():
     results = get_pool(2).run(fails_on_one_rank_only)
     assert results[0] == ["out of step"] * 3
     assert results[1] == ["failed", "out of step", "out of step"]
+
+
+def tagged_message_ahead_of_a_collective(tag: int) -> List[Any]:
+    """W=3: rank 1's tagged send reaches rank 2's socket before rank 1's all_gather message, and rank 2's collective
+    reads it first (its lean path, one thread): it is filed for the recv, not taken for a later collective."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1, 2])
+    comm = objcomm.Communicator(group)
+    comm.all_gather(rank)  # opens the channel; nothing in flight: send/recv take it from now on
+    if rank == 1:
+        comm.send("hello", 2, tag=tag)
+    got: List[Any] = [comm.all_gather(rank)]
+    if rank == 2:
+        got.append(comm.recv(1, tag=tag))
+    dist.destroy_process_group(group)
+    return got
+
+
+@pytest.mark.parametrize("tag", [0, 1000])
+def test_a_tagged_message_read_by_a_collective_waits_for_its_recv(tag):
+    assert get_pool(3).run(tagged_message_ahead_of_a_collective, tag) == [[[0, 1, 2]], [[0, 1, 2]],
+                                                                          [[0, 1, 2], "hello"]]
+
+
+def send_started_during_the_opening_vote() -> Any:
+    """Rank 0 starts a send in a thread while the collective that opens the channel has its vote out, and that
+    collective's thread is descheduled right after the vote ends (a pause there): the send must still see the new
+    channel, where rank 1 receives (the opening collective voted send/recv onto it)."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    comm = objcomm.Communicator(group, local=True)
+    if rank == 1:
+        time.sleep(0.6)  # rank 0's vote is out meanwhile
+        comm.all_gather(1)
+        try:
+            got = comm.irecv(0, tag=4).wait(10)
+        except objcomm.WaitTimeoutError:
+            got = "timed out: the send took the group, the recv the channel"
+        dist.destroy_process_group(group)
+        return got
+    real = _first.SameHost.end_vote
+
+    def end_vote(state: Any) -> None:
+        real(state)
+        time.sleep(0.3)  # the opening collective's thread, descheduled right after the vote ended
+
+    _first.SameHost.end_vote = end_vote  # type: ignore[method-assign]
+    try:
+        sender = threading.Thread(target=lambda: (time.sleep(0.2), comm.send("hello", 1, tag=4)))
+        sender.start()
+        comm.all_gather(0)  # opens the channel; nothing in flight when it votes
+        sender.join(20)
+    finally:
+        _first.SameHost.end_vote = real  # type: ignore[method-assign]
+    dist.destroy_process_group(group)
+    return "sent"
+
+
+def test_a_send_started_while_the_channel_opens_takes_the_channel():
+    assert get_pool(2).run(send_started_during_the_opening_vote) == ["sent", "hello"]

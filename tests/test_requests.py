@@ -286,3 +286,37 @@ def names_disagree() -> str:
 
 def test_a_subgroup_whose_shadow_cannot_be_named_alike_is_refused(ranks3):
     assert ranks3.run(names_disagree) == ["", "refused", "refused"]
+
+
+def blocking_recv_in_a_done_callback() -> Any:
+    """A done-callback runs on the lane's thread; its blocking recv next to an outstanding irecv on the same peer
+    and tag is refused, as from any thread, and the outstanding irecv gets the next message."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    comm = objcomm.Communicator(group)
+    if rank == 1:
+        for message in ("A", "B"):
+            comm.send(message, 0, tag=1)
+        dist.destroy_process_group(group)
+        return None
+    first, second = comm.irecv(1, tag=1), comm.irecv(1, tag=1)
+    seen: List[Any] = []
+    called = threading.Event()
+
+    def callback(_: Any) -> None:
+        try:
+            seen.append(("callback received", comm.recv(1, tag=1, max_bytes=1 << 20)))
+        except objcomm.ObjcommError as exc:
+            seen.append(("callback refused", type(exc).__name__))
+        called.set()
+
+    first.get_future().add_done_callback(callback)
+    got = [first.wait(30), second.wait(30)]
+    called.wait(30)
+    dist.destroy_process_group(group)
+    return got, seen
+
+
+def test_a_done_callbacks_calls_are_checked_like_any_threads():
+    got, seen = get_pool(2).run(blocking_recv_in_a_done_callback)[0]
+    assert got == ["A", "B"] and seen == [("callback refused", "ObjcommError")]
