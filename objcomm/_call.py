@@ -15,6 +15,7 @@ import torch.distributed as dist
 from serializers import SerializerProtocol
 
 from . import _first, _framing, _reduce, _shm, _state, _transport
+from ._channel_round import MOST as CHANNEL_MOST
 from ._channel_round import ChannelRounds
 from ._device import group_backend, resolve_device
 from ._errors import CommunicationError, Failure, ObjcommError, remote_error
@@ -140,7 +141,7 @@ def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound
                                    separate=options.separate_hosts, zero_copy=options.shm_zero_copy, book=segments)
     if not options.local:
         return shared
-    return ChannelRounds(shared, options.shm_threshold)
+    return ChannelRounds(shared, min(options.shm_threshold, CHANNEL_MOST))
 
 
 def first_round_for(options: CallOptions) -> FirstRound:

@@ -1,19 +1,20 @@
 """Medium second rounds through the same-host channel: the bytes of an ``all_gather`` or ``broadcast``
-that overflow their slots, below the shared-memory threshold, in messages of the channel.
+that overflow their slots, below the shared-memory threshold (and :data:`MOST`), in messages of the channel.
 
 A frame past its slot (or with tensors) has a second round, which the group's backend moves: on one host,
 gloo over loopback TCP, hundreds of microseconds a collective, where the bytes themselves take a few (a
 16 KB all_gather: ~0.8 ms, mpi4py ~0.02 ms). Shared memory (:mod:`objcomm._shm`) pays a file, a mapping
-and two control words per call, worth it from ``shm_threshold`` (4 MiB) on. Between the two, when round 1
+and two control words per call, worth it from ``shm_threshold`` (2 MiB) on. Between the two, when round 1
 of the call went through the group's channel (:mod:`objcomm._first`), the second round does too: each
 sender's bytes (its frame unless the slot carried it, then its tensors, back to back: a segment file's
 layout) in messages of at most :data:`CHUNK` bytes, one channel collective per message, as many as the
 largest sender needs (every rank knows each sender's size from round 1, so every rank makes the same
-calls; a sender with fewer bytes sends empty messages). Receivers check each message's length against
+calls; a sender with fewer bytes sends empty messages; a broadcast ends with an empty all_gather, so that its
+root never runs ahead of its receivers). Receivers check each message's length against
 what the sender's slot announced (a mismatch fails the channel: the ranks are out of step), then read the
-bytes as a segment is read: the frame, its tensor sizes against the announced total (:class:`FrameError`
-on this rank alone, after every message moved, so the group stays in step), the tensors as views of the
-received bytes. A broadcast receiver over its ``max_bytes`` (which round 1 told it; no vote comes first when
+bytes as a segment is read: the frame, its tensor table against its sender's slot (:class:`FrameError`, as
+on the backend's path, after every message moved, so the group stays in step), the tensors as views of
+the received bytes. A broadcast receiver over its ``max_bytes`` (which round 1 told it; no vote comes first when
 the slot listed every transfer) receives the messages, drops them and raises alone, as the backend's path does.
 
 :class:`ChannelRounds` is a second-round strategy (:class:`objcomm._wire.SecondRound`) around another
@@ -36,6 +37,8 @@ from ._slots import SlotInfo
 from ._wire import Incoming, NotUsed, Outgoing, SecondRound, SizesOf, Slot, Wire
 
 CHUNK = _local.MAX_PAYLOAD  # bytes of one channel message
+MOST = 16 << 20  # the most second-round bytes (largest sender's) the channel takes, whatever shm_threshold says:
+# what a receiver's other threads read meanwhile waits in its stash (objcomm._inbox.STASH_BYTES, 64 MiB)
 
 
 @dataclass(frozen=True)
@@ -92,15 +95,20 @@ class ChannelRounds:
             assert out is not None
             for chunk in _chunks(_pieces(out, info)):
                 channel.broadcast(chunk, src, spin)
+            _all_received(channel, spin, op)
             return Incoming(out.frame, list(out.tensors))  # the caller decodes its own with own=True
-        if info.total > wire.max_bytes:  # above this rank's limit (no vote came first): received and dropped
-            for index in range(-(-moved // CHUNK)):
-                _checked(channel, channel.broadcast(None, src, spin), index, moved, src, op)
+        refuse = info.total > wire.max_bytes  # above this rank's limit (no vote came first): received and dropped
+        into = None if refuse else bytearray(moved)
+        for index in range(-(-moved // CHUNK)):
+            chunk = channel.broadcast(None, src, spin)
+            if into is None:
+                _checked(channel, chunk, index, moved, src, op)
+            else:
+                _place(channel, into, chunk, index, src, op)
+        _all_received(channel, spin, op)
+        if into is None:
             raise _limits.refused(op, src, wire, info.total, None, drained=True,
                                   into=f"messages of at most {CHUNK:,} bytes of the same-host channel")
-        into = bytearray(moved)
-        for index in range(-(-moved // CHUNK)):
-            _place(channel, into, channel.broadcast(None, src, spin), index, src, op)
         return _incoming(into, info, sizes_of, src, op)
 
     def gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, dst: int,
@@ -145,6 +153,16 @@ def _chunks(pieces: List[memoryview]) -> Iterator[Slot]:
         yield pending[0] if len(pending) == 1 else b"".join(pending)
 
 
+def _all_received(channel: _local.LocalChannel, spin: Optional[float], op: str) -> None:
+    """The end of a broadcast's second round, on every rank: an empty all_gather, so that its root cannot run
+    ahead of its receivers (what a receiver's other threads read meanwhile waits in its stash, which is
+    bounded: one call's bytes, below ``shm_threshold``, at most)."""
+    got = channel.all_gather(b"", False, spin)
+    if any(got):
+        channel.fail(op, "a rank sent bytes where the end of a broadcast's second round was due: the ranks are at "
+                         "different calls, or a protocol error")
+
+
 def _place(channel: _local.LocalChannel, into: bytearray, chunk: Slot, index: int, sender: int, op: str) -> None:
     """Message ``index`` of ``sender``'s second round, checked (:func:`_checked`), in its place in ``into``."""
     at = _checked(channel, chunk, index, len(into), sender, op)
@@ -174,13 +192,18 @@ def _incoming(data: bytearray, info: SlotInfo, sizes_of: SizesOf, sender: int, o
             raise FrameError(f"{op}: rank {sender}'s slot announces a {info.length:,}-byte frame in a second round of "
                              f"{len(data):,} bytes; refused")
         frame, position = view[: info.length], info.length
-    sizes = sizes_of(frame)
+    # against its own sender's slot, as the backend's path checks it (not :class:`objcomm._limits.CheckedSizes`,
+    # whose OSError sends shared memory back to the backend: these bytes have moved)
+    sizes, problem = _limits.table_sizes(getattr(sizes_of, "raw", sizes_of), frame)
+    problem = problem or _limits.table_problem(info.length, info.total, sizes, info.sizes)
+    if problem:
+        raise _limits.inconsistent(op, sender, problem)
     if sum(sizes) != len(data) - position:
         raise FrameError(f"{op}: rank {sender}'s frame announces {sum(sizes):,} bytes of tensors, its slot "
                          f"{len(data) - position:,}; refused")
+    whole = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     tensors = []
-    for n in sizes:
-        tensors.append(torch.frombuffer(data, dtype=torch.uint8, count=n, offset=position) if n
-                       else torch.empty(0, dtype=torch.uint8))
+    for n in sizes:  # views at their offset in ``whole``: the restorer copies one its dtype cannot start at
+        tensors.append(whole[position : position + n])
         position += n
     return Incoming(frame, tensors)

@@ -155,16 +155,24 @@ def frame_sizes(sizes_of: SizesOf, frame: memoryview, info: Any, sender: int, op
     return table
 
 
-def checked_sizes(sizes_of: SizesOf, infos: Sequence[Any]) -> SizesOf:
+class CheckedSizes:
     """``sizes_of`` for a second-round strategy (shared memory), which reads frames round 1 did not carry.
     Sizes that no sender announced raise OSError: every rank goes back to the normal transport, which
-    raises FrameError."""
+    raises FrameError. ``raw``: the ``sizes_of`` it checks, for a strategy that checks each frame against its
+    own sender's slot itself (the same-host channel, which cannot go back)."""
 
-    def checked(frame: memoryview) -> List[int]:
-        table, problem = table_sizes(sizes_of, frame)
-        agrees = any(i.length == frame.nbytes and not table_problem(i.length, i.total, table, i.sizes) for i in infos)
+    def __init__(self, sizes_of: SizesOf, infos: Sequence[Any]) -> None:
+        self.raw, self.infos = sizes_of, infos
+
+    def __call__(self, frame: memoryview) -> List[int]:
+        table, problem = table_sizes(self.raw, frame)
+        agrees = any(i.length == frame.nbytes and not table_problem(i.length, i.total, table, i.sizes)
+                     for i in self.infos)
         if problem or not agrees:
             raise OSError(problem or "a shared-memory frame's tensor sizes disagree with its sender's slot")
         return table
 
-    return checked
+
+def checked_sizes(sizes_of: SizesOf, infos: Sequence[Any]) -> SizesOf:
+    """:class:`CheckedSizes` of ``sizes_of`` against ``infos``."""
+    return CheckedSizes(sizes_of, infos)

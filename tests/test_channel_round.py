@@ -19,7 +19,7 @@ from _child import run_group_losing_a_rank
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _channel_round, _shm, _transport
+from objcomm import _channel_round, _framing, _shm, _transport
 from objcomm._channel_round import CHUNK, _chunks, _incoming, _place
 from objcomm._errors import FrameError
 from objcomm._slots import SlotInfo
@@ -188,7 +188,7 @@ def test_message_lengths_and_second_rounds_are_checked():
     frame = memoryview(b"f" * 10)
     assert [bytes(t.numpy()) for t in _incoming(bytearray(b"f" * 10 + b"xyz"), _info(10, 13), lambda f: [1, 2], 1,
                                                 "op").tensors] == [b"x", b"yz"]
-    with pytest.raises(FrameError, match="announces 4 bytes of tensors"):
+    with pytest.raises(FrameError, match="make 14 bytes, but it announces 13 in total"):
         _incoming(bytearray(b"f" * 10 + b"xyz"), _info(10, 13), lambda f: [4], 1, "op")
     with pytest.raises(FrameError, match="20-byte frame"):
         _incoming(bytearray(13), _info(20, 13), lambda f: [], 1, "op")
@@ -232,3 +232,65 @@ def test_a_rank_killed_in_round_two_makes_the_others_raise_within_seconds():
     for rank, (message, elapsed) in got.items():
         assert "local channel failed" in message and "closed its connection" in message, (rank, message)
         assert elapsed < 5.0, (rank, elapsed)
+
+
+def tensors_split_against_their_table(local: bool, op: str) -> List[Any]:
+    """Rank 1 sends tensors split otherwise than its frame's table says (the same total): what every rank raises,
+    and whether the group works on."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=local)
+    comm.all_gather(None)
+    real = _framing.encode
+
+    def tampered(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        if len(out.tensors) == 2:
+            both = torch.cat([t.reshape(-1) for t in out.tensors])
+            out.tensors = [both[:150_000], both[150_000:]]
+        return out
+
+    if rank == 1:
+        _framing.encode = tampered  # type: ignore[assignment]
+    payload = {"a": torch.ones(100_000, dtype=torch.uint8), "b": torch.ones(100_000, dtype=torch.uint8),
+               "s": "x" * 9000}  # the frame past the slot, and its tensors out of band
+    try:
+        comm.all_gather(payload) if op == "all_gather" else comm.broadcast(payload if rank == 1 else None, src=1)
+        outcome = "ok"
+    except objcomm.ObjcommError as exc:
+        outcome = type(exc).__name__
+    finally:
+        _framing.encode = real  # type: ignore[assignment]
+    return [outcome, comm.all_gather(rank)]
+
+
+@pytest.mark.parametrize("op", ["all_gather", "broadcast"])
+def test_tensors_split_against_their_table_are_refused_as_on_the_backend(op):
+    pool = get_pool(2)
+    channel, backend = pool.run(tensors_split_against_their_table, True, op), \
+        pool.run(tensors_split_against_their_table, False, op)
+    assert channel == backend
+    assert [rank_got[0] for rank_got in channel] == ["FrameError", "FrameError"]  # the root's own frame too
+    assert [rank_got[1] for rank_got in channel] == [[0, 1], [0, 1]]  # and the group works on
+
+
+def root_ahead_of_a_busy_receiver() -> List[Any]:
+    """Rank 1 has an irecv outstanding (a thread reading its socket) and joins 40 broadcasts of 1.8 MB 3 s late:
+    the root waits for it at the end of each broadcast's second round, so the receiver's stash never holds more
+    than one call's bytes."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=True)
+    comm.all_gather(None)
+    payload = {"a": torch.ones(450_000, dtype=torch.float16), "b": torch.ones(450_000, dtype=torch.float16)}
+    request = comm.irecv(0, tag=9) if rank == 1 else None
+    if rank == 1:
+        time.sleep(3)
+    got = [comm.broadcast(payload if rank == 0 else None, src=0)["a"].shape[0] for _ in range(40)]
+    if rank == 0:
+        comm.send("done", 1, tag=9)
+        return [got[0], len(got), "sent"]
+    assert request is not None
+    return [got[0], len(got), request.wait(30)]
+
+
+def test_a_broadcast_root_does_not_run_ahead_of_its_receivers():
+    assert get_pool(2).run(root_ahead_of_a_busy_receiver) == [[450_000, 40, "sent"], [450_000, 40, "done"]]
