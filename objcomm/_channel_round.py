@@ -9,8 +9,8 @@ of the call went through the group's channel (:mod:`objcomm._first`), the second
 sender's bytes (its frame unless the slot carried it, then its tensors, back to back: a segment file's
 layout) in messages of at most :data:`CHUNK` bytes, one channel collective per message, as many as the
 largest sender needs (every rank knows each sender's size from round 1, so every rank makes the same
-calls; a sender with fewer bytes sends empty messages; a broadcast ends with an empty all_gather, so that its
-root never runs ahead of its receivers). Receivers check each message's length against
+calls; a sender with fewer bytes sends empty messages; every :data:`MOST` bytes of broadcasts, one ends with
+an empty all_gather, so that no root runs far ahead of its receivers). Receivers check each message's length against
 what the sender's slot announced (a mismatch fails the channel: the ranks are out of step), then read the
 bytes as a segment is read: the frame, its tensor table against its sender's slot (:class:`FrameError`, as
 on the backend's path, after every message moved, so the group stays in step), the tensors as views of
@@ -95,7 +95,7 @@ class ChannelRounds:
             assert out is not None
             for chunk in _chunks(_pieces(out, info)):
                 channel.broadcast(chunk, src, spin)
-            _all_received(channel, spin, op)
+            _all_received(channel, moved, spin, op)
             return Incoming(out.frame, list(out.tensors))  # the caller decodes its own with own=True
         refuse = info.total > wire.max_bytes  # above this rank's limit (no vote came first): received and dropped
         into = None if refuse else bytearray(moved)
@@ -105,7 +105,7 @@ class ChannelRounds:
                 _checked(channel, chunk, index, moved, src, op)
             else:
                 _place(channel, into, chunk, index, src, op)
-        _all_received(channel, spin, op)
+        _all_received(channel, moved, spin, op)
         if into is None:
             raise _limits.refused(op, src, wire, info.total, None, drained=True,
                                   into=f"messages of at most {CHUNK:,} bytes of the same-host channel")
@@ -153,10 +153,16 @@ def _chunks(pieces: List[memoryview]) -> Iterator[Slot]:
         yield pending[0] if len(pending) == 1 else b"".join(pending)
 
 
-def _all_received(channel: _local.LocalChannel, spin: Optional[float], op: str) -> None:
-    """The end of a broadcast's second round, on every rank: an empty all_gather, so that its root cannot run
-    ahead of its receivers (what a receiver's other threads read meanwhile waits in its stash, which is
-    bounded: one call's bytes, below ``shm_threshold``, at most)."""
+def _all_received(channel: _local.LocalChannel, moved: int, spin: Optional[float], op: str) -> None:
+    """After a broadcast's second round of ``moved`` bytes, on every rank: once the channel's broadcasts moved
+    :data:`MOST` bytes since the last time, an empty all_gather, so that a root cannot run further ahead of its
+    receivers (what a receiver's other threads read meanwhile waits in its stash: at most twice :data:`MOST`,
+    below the stash's limit). Every rank counts the same bytes (from the slots), so all of them take part; in
+    between, a root goes on while its receivers decode, as through the backend."""
+    channel.unsynced += moved
+    if channel.unsynced < MOST:
+        return
+    channel.unsynced = 0
     got = channel.all_gather(b"", False, spin)
     if any(got):
         channel.fail(op, "a rank sent bytes where the end of a broadcast's second round was due: the ranks are at "

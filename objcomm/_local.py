@@ -145,6 +145,7 @@ class LocalChannel:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         self._inbox = Inbox(peers, pids, timeout, MAX_PAYLOAD, self._fail, stash_bytes, yields(self.size))
         self.auto_spin = AUTO_SPIN  # where the ranks outnumber the CPUs, polling yields (see yields)
+        self.unsynced = 0  # bytes of broadcasts' second rounds since their last all_gather (objcomm._channel_round)
         self._seq = 0
         self._owner = os.getpid()
         self._lock = threading.Lock()  # one collective at a time

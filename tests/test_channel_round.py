@@ -274,9 +274,8 @@ def test_tensors_split_against_their_table_are_refused_as_on_the_backend(op):
 
 
 def root_ahead_of_a_busy_receiver() -> List[Any]:
-    """Rank 1 has an irecv outstanding (a thread reading its socket) and joins 40 broadcasts of 1.8 MB 3 s late:
-    the root waits for it at the end of each broadcast's second round, so the receiver's stash never holds more
-    than one call's bytes."""
+    """Rank 1 has an irecv outstanding (a thread reading its socket) and joins 40 broadcasts of 1.8 MB (72 MB) 3 s
+    late: the root waits for it every 16 MiB of broadcasts, so the receiver's stash never holds much more."""
     rank = dist.get_rank()
     comm = objcomm.Communicator(local=True)
     comm.all_gather(None)
