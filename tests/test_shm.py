@@ -384,3 +384,41 @@ def test_discovery_removes_segments_of_dead_processes(shm_dir):
     for path in (stale, alive):
         open(path, "wb").close()
     assert get_pool(2).run(new_group_discovers, shm_dir) == [[os.path.basename(alive)]] * 2
+
+
+def tensors_split_against_their_table(shm_threshold: int, local: bool = True, zero_copy: bool = True) -> Any:
+    """Rank 1's tensors split otherwise than its frame's table says (the same total, frames of equal length on
+    both ranks, so the table agrees with the other rank's slot): what each rank raises, and the group after."""
+    import torch
+
+    from objcomm import _framing
+
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(shm_threshold=shm_threshold, local=local, shm_zero_copy=zero_copy)
+    real = _framing.encode
+
+    def tampered(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        if len(out.tensors) == 2:
+            both = torch.cat([t.reshape(-1) for t in out.tensors])
+            out.tensors = [both[:150_000], both[150_000:]]
+        return out
+
+    if rank == 1:
+        _framing.encode = tampered  # type: ignore[assignment]
+    try:
+        comm.all_gather({"a": torch.ones(100_000, dtype=torch.uint8), "b": torch.ones(100_000, dtype=torch.uint8)})
+        outcome = "ok"
+    except objcomm.ObjcommError as exc:
+        outcome = type(exc).__name__
+    finally:
+        _framing.encode = real  # type: ignore[assignment]
+    return outcome, comm.all_gather(rank)
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["sealed", "files"])
+def test_a_frame_is_checked_against_its_own_senders_slot(zero_copy):
+    pool = get_pool(2)
+    through_shared_memory = pool.run(tensors_split_against_their_table, 1, True, zero_copy)
+    assert through_shared_memory == pool.run(tensors_split_against_their_table, 1 << 30, False)  # the backend's
+    assert through_shared_memory == [("FrameError", [0, 1])] * 2
