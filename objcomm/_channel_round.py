@@ -202,11 +202,8 @@ def _incoming(data: bytearray, info: SlotInfo, sizes_of: SizesOf, sender: int, o
     # whose OSError sends shared memory back to the backend: these bytes have moved)
     sizes, problem = _limits.table_sizes(getattr(sizes_of, "raw", sizes_of), frame)
     problem = problem or _limits.table_problem(info.length, info.total, sizes, info.sizes)
-    if problem:
+    if problem:  # (the frame and its table make the slot's total: the rest of ``data`` is the tensors)
         raise _limits.inconsistent(op, sender, problem)
-    if sum(sizes) != len(data) - position:
-        raise FrameError(f"{op}: rank {sender}'s frame announces {sum(sizes):,} bytes of tensors, its slot "
-                         f"{len(data) - position:,}; refused")
     whole = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     tensors = []
     for n in sizes:  # views at their offset in ``whole``: the restorer copies one its dtype cannot start at

@@ -6,11 +6,12 @@ name any global and feed any state without the attacker's side importing or runn
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import pickletools
 import struct
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import msgpack
 
@@ -117,3 +118,29 @@ def outcome(fn: Callable[[], Any]) -> str:
                 return "MemoryError"
             seen = seen.__cause__ or seen.__context__
         return type(exc).__name__
+
+
+@contextlib.contextmanager
+def tensor_tables_that_lie(active: bool = True) -> Iterator[None]:
+    """Inside, where ``active`` (one rank), objcomm's encoder sends an object's two out-of-band tensors split
+    150,000 bytes / the rest, whatever its frame's tensor table says (the same total): a sender whose slot and
+    frame disagree."""
+    import torch
+
+    from objcomm import _framing
+
+    real = _framing.encode
+
+    def lying(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        if len(out.tensors) == 2:
+            both = torch.cat([t.reshape(-1) for t in out.tensors])
+            out.tensors = [both[:150_000], both[150_000:]]
+        return out
+
+    if active:
+        _framing.encode = lying  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _framing.encode = real  # type: ignore[assignment]

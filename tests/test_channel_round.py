@@ -9,17 +9,19 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, Dict, List
+from typing import Any, List
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from _child import run_group_losing_a_rank
+from _counting import counting
+from _hostile import tensor_tables_that_lie
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _channel_round, _framing, _shm, _transport
+from objcomm import _channel_round, _shm, _transport
 from objcomm._channel_round import CHUNK, _chunks, _incoming, _place
 from objcomm._errors import FrameError
 from objcomm._slots import SlotInfo
@@ -47,28 +49,8 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _counting_backend() -> Dict[str, int]:
-    """Count the backend's second-round moves (objcomm._transport's byte collectives) and shared-memory calls."""
-    counts = {"backend": 0, "shm": 0}
-    for module, names, key in ((_transport, ("all_gather_equal", "broadcast_bytes"), "backend"),
-                               (_shm.SharedMemory, ("all_gather", "broadcast"), "shm")):
-        for name in names:
-            real = getattr(module, f"_real_{name}", None) or getattr(module, name)
-            setattr(module, f"_real_{name}", real)
-
-            def counted(*args: Any, _real: Any = real, _key: str = key) -> Any:
-                counts[_key] += 1
-                return _real(*args)
-
-            setattr(module, name, counted)
-    return counts
-
-
-def _uncount() -> None:
-    for module, names in ((_transport, ("all_gather_equal", "broadcast_bytes")),
-                          (_shm.SharedMemory, ("all_gather", "broadcast"))):
-        for name in names:
-            setattr(module, name, getattr(module, f"_real_{name}"))
+ROUTES = {"backend": [(_transport, "all_gather_equal"), (_transport, "broadcast_bytes")],  # round 2's moves
+          "shm": [(_shm.SharedMemory, "all_gather"), (_shm.SharedMemory, "broadcast")]}
 
 
 def medium_collectives(sizes: List[int]) -> List[Any]:
@@ -80,12 +62,9 @@ def medium_collectives(sizes: List[int]) -> List[Any]:
     report = []
     for i in range(len(sizes)):
         mine = _payload(rank, sizes[(i + rank) % len(sizes)])
-        counts = _counting_backend()
-        try:
+        with counting(ROUTES) as counts:
             got = [channel.all_gather(mine)] + [channel.broadcast(mine if rank == root else None, src=root)
                                                 for root in range(world)]
-        finally:
-            _uncount()
         expected = [backend.all_gather(mine)] + [backend.broadcast(mine if rank == root else None, src=root)
                                                  for root in range(world)]
         report.append((all(_same(a, b) for a, b in zip(got, expected)), counts["backend"], counts["shm"]))
@@ -117,11 +96,8 @@ def routes_kept() -> List[Any]:
         ("send/recv", lambda: small_threshold.send(_payload(rank, CHUNK), 1) if rank == 0 else
          small_threshold.recv(0)),
     ]:
-        counts = _counting_backend()
-        try:
+        with counting(ROUTES) as counts:
             call()
-        finally:
-            _uncount()
         got.append((label, dict(counts)))
     return got
 
@@ -240,26 +216,14 @@ def tensors_split_against_their_table(local: bool, op: str) -> List[Any]:
     rank = dist.get_rank()
     comm = objcomm.Communicator(local=local)
     comm.all_gather(None)
-    real = _framing.encode
-
-    def tampered(*args: Any, **kwargs: Any) -> Any:
-        out = real(*args, **kwargs)
-        if len(out.tensors) == 2:
-            both = torch.cat([t.reshape(-1) for t in out.tensors])
-            out.tensors = [both[:150_000], both[150_000:]]
-        return out
-
-    if rank == 1:
-        _framing.encode = tampered  # type: ignore[assignment]
     payload = {"a": torch.ones(100_000, dtype=torch.uint8), "b": torch.ones(100_000, dtype=torch.uint8),
                "s": "x" * 9000}  # the frame past the slot, and its tensors out of band
     try:
-        comm.all_gather(payload) if op == "all_gather" else comm.broadcast(payload if rank == 1 else None, src=1)
+        with tensor_tables_that_lie(rank == 1):
+            comm.all_gather(payload) if op == "all_gather" else comm.broadcast(payload if rank == 1 else None, src=1)
         outcome = "ok"
     except objcomm.ObjcommError as exc:
         outcome = type(exc).__name__
-    finally:
-        _framing.encode = real  # type: ignore[assignment]
     return [outcome, comm.all_gather(rank)]
 
 

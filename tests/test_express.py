@@ -7,12 +7,13 @@ from __future__ import annotations
 import gc
 import pickle
 import weakref
-from typing import Any, Dict, List
+from typing import Any, List
 
 import pytest
 import torch
 import torch.distributed as dist
 from _child import run_in_child
+from _counting import counting
 from _ranks import get_pool
 
 import objcomm
@@ -77,24 +78,7 @@ def test_a_frame_that_fills_the_slot_exactly_is_express_one_byte_more_is_not():
 # -- on live ranks ------------------------------------------------------------------------------------------
 
 
-def _counting() -> Dict[str, int]:
-    """Count the general path's sends and receives (objcomm._transport.send/recv) from now on."""
-    counts = {"send": 0, "recv": 0}
-    for op in counts:
-        real = getattr(_transport, f"_real_{op}", None) or getattr(_transport, op)
-        setattr(_transport, f"_real_{op}", real)
-
-        def counted(*args: Any, _real: Any = real, _op: str = op) -> Any:
-            counts[_op] += 1
-            return _real(*args)
-
-        setattr(_transport, op, counted)
-    return counts
-
-
-def _uncount() -> None:
-    for op in ("send", "recv"):
-        setattr(_transport, op, getattr(_transport, f"_real_{op}"))
+GENERAL_SEND_RECV = {"send": [(_transport, "send")], "recv": [(_transport, "recv")]}  # the general path's
 
 
 def _outcome(fn: Any, message: bool = False) -> Any:
@@ -126,11 +110,8 @@ def routes_and_outcomes() -> List[Any]:
     ]
     got = []
     for label, send, recv in cases:
-        counts = _counting()
-        try:
+        with counting(GENERAL_SEND_RECV) as counts:
             outcome = _outcome(send if rank == 0 else recv)
-        finally:
-            _uncount()
         got.append((label, outcome, counts["send"] + counts["recv"]))
     # bad arguments: the general path's errors, on the calling rank alone
     for label, call in [("dst True", lambda: comm.send(1, True)), ("dst outside", lambda: comm.send(1, 99)),
@@ -302,9 +283,8 @@ def hostile_slots() -> List[Any]:
                 if cases is survived:
                     channel.send(raw, 0, tag=7)
             else:
-                decoded = _counting_decodes()
-                got.append((label, _outcome(lambda c=comm: c.recv(1, tag=7), message=True)))
-                _framing.decode_parsed = decoded["real"]
+                with counting({"calls": [(_framing, "decode_parsed")]}) as decoded:
+                    got.append((label, _outcome(lambda c=comm: c.recv(1, tag=7), message=True)))
                 got.append((label + ": decode_parsed calls", decoded["calls"]))
                 if cases is survived:
                     got.append((label + ": general path",
@@ -312,18 +292,6 @@ def hostile_slots() -> List[Any]:
         if rank == 1 and cases is not survived:
             got.append(("peer", _outcome(lambda c=comm: c.recv(0, tag=9))))  # rank 0's channel closed: EOF here
         dist.destroy_process_group(sub)
-    return got
-
-
-def _counting_decodes() -> Dict[str, Any]:
-    """Count calls of objcomm._framing.decode_parsed until it is put back (``_framing.decode_parsed = got["real"]``)."""
-    got: Dict[str, Any] = {"calls": 0, "real": _framing.decode_parsed}
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        got["calls"] += 1
-        return got["real"](*args, **kwargs)
-
-    _framing.decode_parsed = counted
     return got
 
 
@@ -375,28 +343,10 @@ def test_what_a_communicator_keeps_goes_with_its_group():
 # -- all_gather and broadcast --------------------------------------------------------------------------------
 
 
-def _counting_collectives() -> Dict[str, int]:
-    """Count the general path's collectives (``general``) and its steps after slots the express path moved
-    (``rest``) from now on; :func:`_uncount_collectives` undoes it."""
-    counts = {"general": 0, "rest": 0}
-    for module, names, key in ((_transport, ("all_gather", "broadcast"), "general"),
-                               (_express, ("all_gather_rest", "broadcast_rest"), "rest")):
-        for name in names:
-            real = getattr(module, name)
-
-            def counted(*args: Any, _real: Any = real, _key: str = key) -> Any:
-                counts[_key] += 1
-                return _real(*args)
-
-            counted.real = real  # type: ignore[attr-defined]
-            setattr(module, name, counted)
-    return counts
-
-
-def _uncount_collectives() -> None:
-    for module, names in ((_transport, ("all_gather", "broadcast")), (_express, ("all_gather_rest", "broadcast_rest"))):
-        for name in names:
-            setattr(module, name, getattr(module, name).real)
+COLLECTIVE_ROUTES = {  # the general path's collectives, and its steps after slots the express path moved
+    "general": [(_transport, "all_gather"), (_transport, "broadcast")],
+    "rest": [(_express, "all_gather_rest"), (_express, "broadcast_rest")],
+}
 
 
 def _summary(value: Any) -> Any:
@@ -440,11 +390,8 @@ def collective_routes_and_outcomes() -> List[Any]:
         ("after them", lambda **o: comm.all_gather(f"r{rank}", **o)),
     ]
     for label, call in cases:
-        counts = _counting_collectives()
-        try:
+        with counting(COLLECTIVE_ROUTES) as counts:
             express = _outcome(lambda c=call: _summary(c()))
-        finally:
-            _uncount_collectives()
         got.append((label, express, counts, _outcome(lambda c=call: _summary(c(max_bytes=limit)))))
     return got
 

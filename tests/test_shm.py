@@ -390,29 +390,16 @@ def tensors_split_against_their_table(shm_threshold: int, local: bool = True, ze
     """Rank 1's tensors split otherwise than its frame's table says (the same total, frames of equal length on
     both ranks, so the table agrees with the other rank's slot): what each rank raises, and the group after."""
     import torch
-
-    from objcomm import _framing
+    from _hostile import tensor_tables_that_lie
 
     rank = dist.get_rank()
     comm = objcomm.Communicator(shm_threshold=shm_threshold, local=local, shm_zero_copy=zero_copy)
-    real = _framing.encode
-
-    def tampered(*args: Any, **kwargs: Any) -> Any:
-        out = real(*args, **kwargs)
-        if len(out.tensors) == 2:
-            both = torch.cat([t.reshape(-1) for t in out.tensors])
-            out.tensors = [both[:150_000], both[150_000:]]
-        return out
-
-    if rank == 1:
-        _framing.encode = tampered  # type: ignore[assignment]
     try:
-        comm.all_gather({"a": torch.ones(100_000, dtype=torch.uint8), "b": torch.ones(100_000, dtype=torch.uint8)})
+        with tensor_tables_that_lie(rank == 1):
+            comm.all_gather({"a": torch.ones(100_000, dtype=torch.uint8), "b": torch.ones(100_000, dtype=torch.uint8)})
         outcome = "ok"
     except objcomm.ObjcommError as exc:
         outcome = type(exc).__name__
-    finally:
-        _framing.encode = real  # type: ignore[assignment]
     return outcome, comm.all_gather(rank)
 
 
