@@ -240,6 +240,9 @@ def _scenarios(peers: Peers, parts: List[str], scale: float, mb: int) -> List[Sc
             found.append((f"{label} all_gather", rounds(20), MEDIUM_BATCH, peers.all_gather(obj, nbytes, shm=False),
                           ratios, note))
             found.append((f"{label} broadcast", rounds(20), MEDIUM_BATCH, peers.broadcast(obj, nbytes), ratios, note))
+            if peers.size > 1:
+                found.append((f"{label} send/recv round trip", rounds(20), MEDIUM_BATCH, peers.send_recv(obj, nbytes),
+                              ratios, note))
     if "small" in parts:
         slot = objcomm.settings().slot_bytes
         small_ratios = [("objcomm", "raw gloo"), ("objcomm", "mpi4py"), ("objcomm", "torch"),

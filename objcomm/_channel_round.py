@@ -1,5 +1,6 @@
-"""Medium second rounds through the same-host channel: the bytes of an ``all_gather`` or ``broadcast``
-that overflow their slots, below the shared-memory threshold (and :data:`MOST`), in messages of the channel.
+"""Medium second rounds through the same-host channel: the bytes of an ``all_gather``, ``broadcast`` or
+send/recv that overflow their slots, below the shared-memory threshold (and :data:`MOST`), in messages of the
+channel.
 
 A frame past its slot (or with tensors) has a second round, which the group's backend moves: on one host,
 gloo over loopback TCP, hundreds of microseconds a collective, where the bytes themselves take a few (a
@@ -21,6 +22,13 @@ the slot listed every transfer) receives the messages, drops them and raises alo
 one (shared memory, or none), which keeps everything it does not take: other operations, other sizes,
 other devices (the channel moves host bytes; an NCCL group's tensors stay on the GPU), groups without a
 channel.
+
+send/recv (:func:`send_p2p`, :func:`recv_p2p`, called by :class:`objcomm._first.ChannelRoute`) move the same
+bytes in the same messages, without a collective: kind ``REST`` under the send's message id, which its slot
+carried, so that concurrent sends under one tag (threads, ``isend`` lanes) never take each other's. They follow
+the slot at once when they are few (``objcomm._transport.EAGER_REST``; a refusing receiver drops them), else
+after the receiver's answer (``REST_ON_ROUTE``, when :func:`takes_p2p`; the answer also paces the sender, so
+that a receiver's stash holds at most the rests it asked for).
 """
 
 from __future__ import annotations
@@ -30,8 +38,9 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _first, _limits, _local
+from . import _limits, _local
 from ._errors import FrameError
+from ._inbox import REST
 from ._segments import host_bytes
 from ._slots import SlotInfo
 from ._wire import Incoming, NotUsed, Outgoing, SecondRound, SizesOf, Slot, Wire
@@ -52,12 +61,9 @@ class ChannelRounds:
     def _channel(self, wire: Wire, moved: int) -> Optional[Tuple[_local.LocalChannel, Optional[float]]]:
         """The group's channel and its waits' spin if it takes ``moved`` bytes: the same answer on every rank of a
         call whose round 1 went through it (a channel that failed since raised there, on every rank)."""
-        first = wire.first_round
-        if moved >= self.limit or wire.device.type != "cpu" or not isinstance(first, _first.SameHostSlots):
+        if moved >= self.limit or wire.device.type != "cpu":
             return None
-        state = first.state(wire)
-        channel = None if state is None else state.channel
-        return None if channel is None or channel.closed else (channel, first.spin)
+        return wire.first_round.channel_of(wire)
 
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
         return self.inner.worth(wire, moved, op)  # nothing to agree on first: a refusing receiver drains
@@ -128,6 +134,39 @@ class ChannelRounds:
 
     def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str) -> Union[Incoming, NotUsed]:
         return self.inner.recv(wire, info, sizes_of, src, op)
+
+
+# -- send/recv: the rest of a message whose slot the channel carried (objcomm._first's route) ----------------
+def takes_p2p(wire: Wire, info: SlotInfo) -> bool:
+    """Whether the channel that carried a send's slot ``info`` moves its rest too: host bytes below the limit of
+    the wire's :class:`ChannelRounds` (the receiver decides, and its answer tells the sender)."""
+    strategy = wire.second_round
+    return (isinstance(strategy, ChannelRounds) and wire.device.type == "cpu"
+            and info.second_round_bytes < strategy.limit)
+
+
+def send_p2p(channel: _local.LocalChannel, wire: Wire, out: Outgoing, info: SlotInfo, dst: int,
+             message: int) -> None:
+    """The rest of message ``message`` to group rank ``dst``, once it answered for it: its frame unless the slot
+    carried it, then its tensors, in messages of :data:`CHUNK` bytes under ``(tag, REST, message)``."""
+    for chunk in _chunks(_pieces(out, info)):
+        channel.send_part(REST, chunk, dst, wire.tag, message)
+
+
+def recv_p2p(channel: _local.LocalChannel, spin: Optional[float], wire: Wire, info: SlotInfo, sizes_of: SizesOf,
+             src: int, message: int, op: str, keep: bool = True) -> Optional[Incoming]:
+    """The rest of group rank ``src``'s message ``message`` (see :func:`send_p2p`), each message's length checked
+    against what its slot ``info`` announced; read as a segment is (:func:`_incoming`). ``keep=False``: received
+    and dropped (None), by a receiver that refused it."""
+    moved = info.second_round_bytes
+    into = bytearray(moved) if keep else None
+    for index in range(-(-moved // CHUNK)):
+        chunk = channel.recv_part(REST, src, wire.tag, message, spin)
+        if into is None:
+            _checked(channel, chunk, index, moved, src, op)
+        else:
+            _place(channel, into, chunk, index, src, op)
+    return None if into is None else _incoming(into, info, sizes_of, src, op)
 
 
 def _pieces(out: Outgoing, info: SlotInfo) -> List[memoryview]:

@@ -211,13 +211,14 @@ class Express:
         channel = self._channel(tag)
         if channel is None:
             return NOT_TAKEN
-        sender, got = channel.recv(peer, tag, self.spin)
+        sender, got, message = channel.recv(peer, tag, self.spin)
         if len(got) != self.slot and not _first.trimmed(got, self.slot):
             _first._checked(self.wire(group(), tag), channel, [got], "recv")  # raises, as the general path does
         obj = self._plain(got, sender)
         if obj is NOT_TAKEN:  # anything else: the general path's steps, from the slot on
             wire = self.wire(group(), tag)
-            incoming = received(wire, sender, read_slot(memoryview(got)), _framing.tensor_sizes)
+            incoming = received(wire, sender, read_slot(memoryview(got)), _framing.tensor_sizes,
+                                _first.ChannelRoute(channel, self.spin), message)
             return self.ranks[sender], self.call._replace(wire=wire).received(*incoming)
         return self.ranks[sender], obj
 

@@ -7,9 +7,11 @@ of a group runs on this host, the slots of ``all_gather``/``gather``, ``broadcas
 (``isend``/``irecv``, any source, tags), move through a :class:`objcomm._local.LocalChannel` and never
 touch the group's backend. A slot that holds a whole frame and nothing after it travels trimmed after
 the frame, and is read as the whole slot on arrival (:func:`trimmed`; ``docs/wire-format.md`` section 7): the
-zeros of a 4 KiB slot were most of what a small call allocated, copied and moved. Everything after
-round 1 (votes, a receiver's answer, second rounds, shared memory) is unchanged, and so is every
-failure: a slot carries an error report as before, and a dead peer or a wait past the group's
+zeros of a 4 KiB slot were most of what a small call allocated, copied and moved. After round 1 the
+collectives' votes and control words go through the channel too; a send/recv's answer and, below the
+shared-memory threshold, its second round go through it as well (:class:`ChannelRoute`,
+:mod:`objcomm._channel_round`); shared memory and the group move the rest as before, and every
+failure is unchanged: a slot carries an error report as before, and a dead peer or a wait past the group's
 timeout raises :class:`~objcomm.CommunicationError` (a failed collective closes the channel, so the
 others raise at once too; a recv that only timed out leaves it open).
 
@@ -52,10 +54,12 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
-from . import _local, _state
+from . import _channel_round, _local, _state
 from ._device import timeout_seconds
 from ._errors import CommunicationError
-from ._wire import NOT_USED, SLOT_PREFIX_BYTES, NotUsed, Slot, Wire
+from ._inbox import ANSWER
+from ._slots import SlotInfo
+from ._wire import NOT_USED, SLOT_PREFIX_BYTES, Incoming, NotUsed, Outgoing, SizesOf, Slot, Wire
 
 _BACKEND = contextlib.nullcontext(None)  # send/recv through the group
 
@@ -85,7 +89,7 @@ class SameHost:
             self.cond.notify_all()
 
 
-class _Via:
+class ChannelRoute:
     """send/recv through a channel: the route :meth:`SameHostSlots.p2p` gives once the channel takes them."""
 
     __slots__ = ("channel", "spin")
@@ -94,18 +98,40 @@ class _Via:
         self.channel = channel
         self.spin = spin
 
-    def __enter__(self) -> _Via:
+    def __enter__(self) -> ChannelRoute:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         pass
 
-    def send(self, wire: Wire, slot: Slot, dst: int) -> None:
-        self.channel.send(_trim(slot), dst, wire.tag)
+    def send(self, wire: Wire, slot: Slot, dst: int) -> int:
+        message = self.channel.new_message()
+        self.channel.send(_trim(slot), dst, wire.tag, message)
+        return message
 
-    def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot]:
-        sender, slot = self.channel.recv(src, wire.tag, self.spin)
-        return sender, _checked(wire, self.channel, [slot], op)[0]
+    def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot, int]:
+        sender, slot, message = self.channel.recv(src, wire.tag, self.spin)
+        return sender, _checked(wire, self.channel, [slot], op)[0], message
+
+    def answer(self, wire: Wire, dst: int, message: int, code: int) -> None:
+        self.channel.send_part(ANSWER, bytes((code,)), dst, wire.tag, message)
+
+    def answer_of(self, wire: Wire, src: int, message: int, op: str) -> int:
+        got = self.channel.recv_part(ANSWER, src, wire.tag, message, self.spin)
+        if len(got) != 1:
+            self.channel.fail(op, f"rank {src} answered message #{message} with {len(got):,} bytes where 1 was due: a "
+                                  "protocol error")
+        return got[0]
+
+    def takes_rest(self, wire: Wire, info: SlotInfo) -> bool:
+        return _channel_round.takes_p2p(wire, info)
+
+    def send_rest(self, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
+        _channel_round.send_p2p(self.channel, wire, out, info, dst, message)
+
+    def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str,
+                  keep: bool = True) -> Optional[Incoming]:
+        return _channel_round.recv_p2p(self.channel, self.spin, wire, info, sizes_of, src, message, op, keep)
 
 
 class _Counted:
@@ -152,6 +178,11 @@ class SameHostSlots:
         if found is None:
             found = known.setdefault(self.separate, SameHost())
         return found
+
+    def channel_of(self, wire: Wire) -> Optional[Tuple[_local.LocalChannel, Optional[float]]]:
+        state = self.state(wire)
+        channel = None if state is None else state.channel
+        return None if channel is None or channel.closed else (channel, self.spin)
 
     def channel(self, wire: Wire, op: str) -> Optional[_local.LocalChannel]:
         """The group's channel for a collective, or None (the backend moves the slots): the same answer on
@@ -251,7 +282,7 @@ class SameHostSlots:
             return _BACKEND
         channel = state.channel
         if channel is not None and channel.p2p and not channel.closed:
-            return _Via(channel, self.spin)
+            return ChannelRoute(channel, self.spin)
         with state.cond:
             timeout = timeout_seconds(wire.group)
             if state.voting and not state.cond.wait_for(lambda: not state.voting, timeout):
@@ -265,7 +296,7 @@ class SameHostSlots:
                     f"{op}: this group's same-host channel failed earlier (on this rank: {channel.failed_at}); "
                     "send/recv on it raise until a collective on the group has opened it again")
             if channel is not None and channel.p2p and not channel.closed:
-                return _Via(channel, self.spin)
+                return ChannelRoute(channel, self.spin)
             state.in_flight += 1
             return _Counted(state)
 

@@ -22,8 +22,12 @@ a :class:`~objcomm.CommunicationError` naming the peer (the channel then closes,
 raise too): a datagram shorter than the header (an empty one is told apart from EOF) or longer than
 a message may be (``MSG_TRUNC`` gives its real length; nothing of that size is allocated), an unknown
 kind, unknown flag bits, a collective message that carries a tag, a point-to-point message that
-carries a sequence number or a negative tag, and a collective sequence number that does not move
+carries flags or a negative tag, and a collective sequence number that does not move
 forward: at or before the last collective this rank finished, or not after the peer's previous one.
+Point-to-point messages carry a message id where collectives carry their sequence number: a send's
+slot (taken by tag, in order) tells the receiver its id, and the receiver's answer and the rest of
+the send (:mod:`objcomm._channel_round`) travel under ``(tag, kind, id)``, so that concurrent sends
+under one tag never take each other's.
 A waiter for collective ``s`` from a peer whose later collective already arrived fails at once (the
 peer called a different operation). A wait past the timeout fails the channel in a collective (the
 others wait in the same call); a recv that times out raises and leaves it open. The sender and the
@@ -45,17 +49,21 @@ from typing import Any, Callable, Deque, Dict, List, NoReturn, Optional, Sequenc
 
 from ._errors import CommunicationError
 
-HEADER = struct.Struct("<BB2xIi")  # kind, flags, collective sequence number, tag
+HEADER = struct.Struct("<BB2xIi")  # kind, flags, collective sequence number or message id, tag
 ALL_GATHER, BROADCAST, SCATTER, ALL_TO_ALL, P2P = 1, 2, 3, 4, 5
-NAMES = {ALL_GATHER: "all_gather", BROADCAST: "broadcast", SCATTER: "scatter", ALL_TO_ALL: "all_to_all", P2P: "send"}
+ANSWER, REST = 6, 7  # of a send's message (its id): the receiver's answer, and the bytes after the slot
+NAMES = {ALL_GATHER: "all_gather", BROADCAST: "broadcast", SCATTER: "scatter", ALL_TO_ALL: "all_to_all", P2P: "send",
+         ANSWER: "recv", REST: "send"}
+_POINT_TO_POINT = (P2P, ANSWER, REST)
 READY = 1  # flag of a collective message: its sender had no send/recv in flight (see objcomm._first)
 ENTRY_OVERHEAD = 256  # bytes a stashed message is counted for besides its payload
 KEY_OVERHEAD = 768  # and a key (a tag, a sequence number) that has messages waiting: its queue and dict slot
 STASH_BYTES = 64 << 20  # the most one channel keeps for calls not yet made
 RECV_SLACK = 0.25  # seconds a blocking recv (SO_RCVTIMEO: the whole timeout) may outlast a call's deadline
 MASK = 0xFFFFFFFF
-Key = Tuple[bool, int]  # (collective?, sequence number or tag)
-Entry = Tuple[int, int, bytes]  # kind, flags, payload
+# (True, sequence number) of a collective, (False, tag) of a send's slot, (False, tag, kind, id) of its answer and rest
+Key = Tuple[Any, ...]
+Entry = Tuple[int, int, bytes]  # kind, flags (a send's slot: its message id), payload
 Fail = Callable[..., NoReturn]  # (op, why, cause=None): close the channel and raise
 
 
@@ -97,10 +105,11 @@ class Inbox:
 
     # -- waiting ---------------------------------------------------------------------------------
     def take(self, sources: Sequence[int], key: Key, kind: int, op: str,
-             first: bool = False, spin: float = 0.0) -> Tuple[Dict[int, bytes], bool]:
+             first: bool = False, spin: float = 0.0) -> Tuple[Dict[int, bytes], int]:
         """One message under ``key`` from each of ``sources`` (``first``: from whichever has one first),
-        and whether every one of them carried :data:`READY`. ``spin``: seconds a wait polls before it
-        sleeps in the kernel, over the whole call (the lean paths; see :func:`poll_briefly`)."""
+        and the AND of their flags (:data:`READY` when every one carried it; a send's slot: its message id).
+        ``spin``: seconds a wait polls before it sleeps in the kernel, over the whole call (the lean paths; see
+        :func:`poll_briefly`)."""
         deadline = time.monotonic() + self.timeout  # before any wait: a lean path that timed out used it up
         spin_until = time.perf_counter() + spin if spin > 0 else 0.0
         lock = self._lock
@@ -121,7 +130,7 @@ class Inbox:
             lock.release()
 
     def _together(self, sources: Sequence[int], key: Key, kind: int, op: str,
-                  deadline: float, spin_until: float) -> Tuple[Dict[int, bytes], bool, List[int]]:
+                  deadline: float, spin_until: float) -> Tuple[Dict[int, bytes], int, List[int]]:
         """One thread and several sources nobody else reads (a collective at W > 2): take what the stash
         holds, read the rest, taking the messages wanted directly and filing the others; ``(got, ready,
         pending)``, pending non-empty when it stopped early (EOF, the deadline: the general path says why).
@@ -129,7 +138,7 @@ class Inbox:
         call keeps being read: what it sends next is filed)."""
         me = threading.get_ident()
         got: Dict[int, bytes] = {}
-        ready, pending = True, []
+        ready, pending = -1, []
         for peer in sources:
             entry = self._pop(peer, key)
             if entry is None:
@@ -138,7 +147,7 @@ class Inbox:
             if entry[0] != kind:
                 self._fail(op, f"rank {peer} called {NAMES[entry[0]]} instead")
             got[peer] = entry[2]
-            ready = ready and bool(entry[1] & READY)
+            ready &= entry[1]
         if not pending:
             return got, ready, pending
         everyone = len(sources) == len(self._peers)  # none gone: checked by the caller
@@ -183,7 +192,7 @@ class Inbox:
                         if their_kind != kind:
                             self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
                         got[peer] = data
-                        ready = ready and bool(flags & READY)
+                        ready &= flags
                         pending.remove(peer)
                         if not everyone:
                             poll.unregister(self._peers[peer].fileno())
@@ -199,7 +208,7 @@ class Inbox:
                 self._notify()
 
     def _alone(self, peer: int, key: Key, kind: int, op: str,
-               spin_until: float) -> Optional[Tuple[Dict[int, bytes], bool]]:
+               spin_until: float) -> Optional[Tuple[Dict[int, bytes], int]]:
         """The common case, one thread and one source: read its socket once; the message, if it is the one
         wanted (nothing filed), else None (anything read is filed)."""
         if peer in self._readers or self._stash[peer] or peer in self.gone:  # read by another thread, or filed
@@ -227,10 +236,10 @@ class Inbox:
         their_kind, flags, data = parsed[1]
         if their_kind != kind:
             self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
-        return {peer: data}, bool(flags & READY)
+        return {peer: data}, flags
 
     def _take(self, sources: Sequence[int], key: Key, kind: int, op: str, first: bool, deadline: float,
-              got: Optional[Dict[int, bytes]] = None, ready: bool = True) -> Tuple[Dict[int, bytes], bool]:
+              got: Optional[Dict[int, bytes]] = None, ready: int = -1) -> Tuple[Dict[int, bytes], int]:
         """The general path: any number of threads; ``got``/``ready``: what a lean path already took."""
         got = {} if got is None else got
         pending = list(sources)
@@ -249,7 +258,7 @@ class Inbox:
                         if their_kind != kind:
                             self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
                         got[peer] = data
-                        ready = ready and bool(flags & READY)
+                        ready &= flags
                         pending.remove(peer)
                         if first:
                             return got, ready
@@ -393,11 +402,13 @@ class Inbox:
             self._fail(op, f"{self._who(peer)} sent a {length:,}-byte message, above the {self._size:,} bytes a "
                            "message may have: a protocol error")
         kind, flags, seq, tag = HEADER.unpack_from(self._buffers[peer])
-        if kind == P2P:
-            if seq or flags or tag < 0:
-                self._fail(op, f"{self._who(peer)} sent a point-to-point message with a bad header (sequence number "
-                               f"{seq}, flags {flags}, tag {tag}): a protocol error")
-            key: Key = (False, tag)
+        if kind in _POINT_TO_POINT:
+            if flags or tag < 0:
+                self._fail(op, f"{self._who(peer)} sent a point-to-point message with a bad header (flags {flags}, "
+                               f"tag {tag}): a protocol error")
+            if kind == P2P:  # a slot: keyed by its tag alone (a recv takes the next one), its id as its flags
+                return (False, tag), (kind, seq, bytes(memoryview(self._buffers[peer])[HEADER.size : length]))
+            key: Key = (False, tag, kind, seq)
         elif kind in NAMES:
             last = self._last.get(peer)
             if tag or flags & ~READY or not after(seq, self.done) or (last is not None and not after(seq, last)):

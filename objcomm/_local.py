@@ -64,13 +64,15 @@ collective opens a new one when every rank failed at the same call (the set-up c
 Async collectives run on the shadow group, which gets a channel of its own.
 The small words of large collectives go through it too: the receivers' votes and the shared-memory
 control words (:meth:`objcomm._first.SameHostSlots.gather_words`, :func:`objcomm._wire.largest_of`).
-Still open: the answers and second rounds of send/recv, reusing :mod:`objcomm._hosts` instead of the channel's own
-discovery; and the channel's own cost: its bookkeeping (header, stash, checks) doubles the bare
-mesh's time.
+So do the answers and second rounds of send/recv below the shared-memory threshold (messages of
+their own kinds, under the send's message id: :mod:`objcomm._channel_round`). Still open: reusing
+:mod:`objcomm._hosts` instead of the channel's own discovery; and the channel's own cost: its bookkeeping
+(header, stash, checks) doubles the bare mesh's time.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import select
@@ -86,7 +88,19 @@ import torch.distributed as dist
 
 from . import _hosts
 from ._errors import CommunicationError
-from ._inbox import ALL_GATHER, ALL_TO_ALL, BROADCAST, HEADER, MASK, NAMES, P2P, READY, SCATTER, STASH_BYTES, Inbox
+from ._inbox import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    BROADCAST,
+    HEADER,
+    MASK,
+    NAMES,
+    P2P,
+    READY,
+    SCATTER,
+    STASH_BYTES,
+    Inbox,
+)
 from ._wire import Slot, Wire, all_gather_single, guarded
 
 DEFAULT_TIMEOUT = 300.0  # seconds any one wait may take
@@ -147,6 +161,7 @@ class LocalChannel:
         self.auto_spin = AUTO_SPIN  # where the ranks outnumber the CPUs, polling yields (see yields)
         self.unsynced = 0  # bytes of broadcasts' second rounds since their last all_gather (objcomm._channel_round)
         self._seq = 0
+        self._messages = itertools.count(1)  # ids of sends (itertools.count: atomic under the GIL)
         self._owner = os.getpid()
         self._lock = threading.Lock()  # one collective at a time
         self.closed = False
@@ -275,17 +290,38 @@ class LocalChannel:
         got = self._collective(ALL_TO_ALL, {r: parts[r] for r in self._others}, self._others, ready, spin)
         return [parts[r] if r == self.rank else got[r] for r in range(self.size)]
 
-    def send(self, data: Slot, dst: int, tag: int = 0) -> None:
-        """Send ``data`` to group rank ``dst`` under ``tag``; returns once the kernel holds it."""
+    def send(self, data: Slot, dst: int, tag: int = 0, message: int = 0) -> None:
+        """Send ``data`` to group rank ``dst`` under ``tag``; returns once the kernel holds it. ``message``:
+        its id (:meth:`new_message`), under which the answer and the rest of a send travel (:meth:`send_part`)."""
         self.check("send")
-        self._send(dst, HEADER.pack(P2P, 0, 0, tag), data, "send")
+        self._send(dst, HEADER.pack(P2P, 0, message, tag), data, "send")
 
-    def recv(self, src: Optional[int] = None, tag: int = 0, spin: Optional[float] = None) -> Tuple[int, bytes]:
-        """The next message under ``tag`` from group rank ``src`` (``None``: any); ``(sender, data)``."""
+    def recv(self, src: Optional[int] = None, tag: int = 0,
+             spin: Optional[float] = None) -> Tuple[int, bytes, int]:
+        """The next message under ``tag`` from group rank ``src`` (``None``: any); ``(sender, data, its id)``."""
         self.check("recv")
         sources = self._others if src is None else [src]
         spin = self.auto_spin if spin is None else spin
-        return self._inbox.take(sources, (False, tag), P2P, "recv", first=True, spin=spin)[0].popitem()
+        got, message = self._inbox.take(sources, (False, tag), P2P, "recv", first=True, spin=spin)
+        sender, data = got.popitem()
+        return sender, data, message
+
+    def new_message(self) -> int:
+        """A message id for :meth:`send`, distinct from this rank's others until 2**32 sends later."""
+        return next(self._messages) & MASK
+
+    def send_part(self, kind: int, data: Slot, dst: int, tag: int, message: int) -> None:
+        """Send ``data`` to group rank ``dst`` as ``kind`` (:data:`ANSWER` or :data:`REST`) of message ``message``
+        under ``tag``: what :meth:`recv_part` with the same four takes there."""
+        self.check(NAMES[kind])
+        self._send(dst, HEADER.pack(kind, 0, message, tag), data, NAMES[kind])
+
+    def recv_part(self, kind: int, src: int, tag: int, message: int, spin: Optional[float] = None) -> bytes:
+        """The next ``kind`` of message ``message`` under ``tag`` from group rank ``src`` (see :meth:`send_part`)."""
+        op = NAMES[kind]
+        self.check(op)
+        spin = self.auto_spin if spin is None else spin
+        return self._inbox.take([src], (False, tag, kind, message), kind, op, first=True, spin=spin)[0][src]
 
     def close(self, why: Optional[str] = None) -> None:
         """Close every connection (the peers read EOF, and threads of this rank waiting on it raise); idempotent."""
@@ -338,9 +374,9 @@ class LocalChannel:
                 self._send(peer, header, data, op)
             got: Dict[int, bytes] = {}
             if sources:  # not the root of a broadcast or scatter, which only sends
-                got, everyone_ready = self._inbox.take(sources, (True, seq), kind, op,
-                                                       spin=self.auto_spin if spin is None else spin)
-                if ready and everyone_ready and len(got) == self.size - 1:
+                got, flags = self._inbox.take(sources, (True, seq), kind, op,
+                                              spin=self.auto_spin if spin is None else spin)
+                if ready and flags & READY and len(got) == self.size - 1:
                     self.p2p = True
             self._inbox.done = seq
             return got

@@ -27,7 +27,10 @@ Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat ui
 the wire's device. The slot's layout is :mod:`objcomm._slots`. The collectives' round 1 goes through
 the wire's first-round strategy (:class:`objcomm._wire.FirstRound`; the same-host channel) when it
 takes the slots, else through the group; so does the slot of a send/recv (:meth:`~objcomm._wire.FirstRound.p2p`),
-whose answer and second round always use the group. After round 1 each operation asks the
+and then its route (:class:`objcomm._wire.Route`) carries the receiver's answer too, always (a few µs), and
+the rest where the receiver answers so (below the shared-memory threshold) or, for at most
+:data:`EAGER_REST` bytes that the group's path would send without asking, right after the slot without an
+answer (a refusing receiver drops them). After round 1 each operation asks the
 wire's second-round strategy (:class:`objcomm._wire.SecondRound`; shared memory on one host) once
 whether it takes the rest; when it answers ``NOT_USED`` the transport moves it.
 """
@@ -53,10 +56,22 @@ from ._bytes import (
 )
 from ._errors import FrameError
 from ._slots import SlotInfo, fill_slot, outgoing_second_round_bytes, read_slot, read_slots
-from ._wire import NOT_USED, Incoming, Outgoing, Route, SizesOf, Wire, all_gather_single, guarded, largest_of
+from ._wire import (
+    NOT_USED,
+    REST_ON_ROUTE,
+    Incoming,
+    Outgoing,
+    Route,
+    SizesOf,
+    Wire,
+    all_gather_single,
+    guarded,
+    largest_of,
+)
 
 SCRATCH = _limits.SCRATCH_BYTES
-REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
+REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead; 3: REST_ON_ROUTE)
+EAGER_REST = 64 << 10  # the most bytes after a send's slot that the same-host channel moves without an answer first
 
 
 def _slot(wire: Wire, out: Outgoing) -> bytearray:
@@ -83,6 +98,14 @@ def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
     if _limits.largest_piece(0 if info.inline is not None else info.length, info.sizes, wire.chunk) > SCRATCH:
         return True
     return wire.second_round.worth(wire, info.second_round_bytes, op)
+
+
+def _eager(wire: Wire, info: SlotInfo, agreed: bool) -> bool:
+    """Whether the rest of a send/recv whose slot a route carried follows it at once on the route, without the
+    receiver's answer: host bytes, at most :data:`EAGER_REST`, that the group's path would send without asking
+    either (``agreed``: :func:`_agreement_needed`). Decided from the slot and the settings every rank shares, as
+    :func:`_agreement_needed` is, so sender and receiver agree."""
+    return not agreed and info.second_round_bytes <= EAGER_REST and wire.device.type == "cpu"
 
 
 def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, problem: Optional[str] = None) -> None:
@@ -303,8 +326,9 @@ def send(wire: Wire, out: Outgoing, dst: int) -> None:
 def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route]) -> None:
     op = "send"
     raw = _slot(wire, out)
+    message = 0
     if route is not None:
-        route.send(wire, raw, dst)
+        message = route.send(wire, raw, dst)
     else:
         guarded(op, wire, dist.send, _on_device(wire, raw), dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
     info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
@@ -313,19 +337,32 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route]) -> None:
         raise _limits.inconsistent(op, wire.rank, problem)
     if info.error or _limits.complete(info):
         return
-    if _agreement_needed(wire, info, op):
-        answer = empty(1, wire)
-        guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
-        if answer.item() == REFUSE_MALFORMED:
-            raise FrameError(
-                f"send: rank {dst} refused this frame: its tensor table disagrees with the sizes in its slot; "
-                "nothing more was sent"
-            )
-        if answer.item():
-            raise _limits.too_large(f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes",
-                                    outcome="nothing more was sent", where="on the receiver")
-        if wire.second_round.send(wire, out, dst, op):
-            return
+    answer: Optional[int] = None
+    agreed = _agreement_needed(wire, info, op)
+    if route is not None and _eager(wire, info, agreed):
+        route.send_rest(wire, out, info, dst, message)  # a receiver that refuses it drops it and raises alone
+        return
+    if route is not None:  # else the receiver answers on the route: a few µs there
+        answer = route.answer_of(wire, dst, message, op)
+        if answer and answer != REST_ON_ROUTE and not agreed:
+            return  # refused where the group's path sends without asking: there the receiver drains and raises alone
+    elif agreed:
+        reply = empty(1, wire)
+        guarded(op, wire, dist.recv, reply, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
+        answer = int(reply.item())
+    if answer == REFUSE_MALFORMED:
+        raise FrameError(
+            f"send: rank {dst} refused this frame: its tensor table disagrees with the sizes in its slot; "
+            "nothing more was sent"
+        )
+    if answer == REST_ON_ROUTE and route is not None:
+        route.send_rest(wire, out, info, dst, message)
+        return
+    if answer:
+        raise _limits.too_large(f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes",
+                                outcome="nothing more was sent", where="on the receiver")
+    if answer is not None and wire.second_round.send(wire, out, dst, op):
+        return
     batch = Batch(wire, op)
     batch.send_rest(out, dst)
     batch.wait()
@@ -340,19 +377,19 @@ def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incomi
 def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Route]) -> tuple[int, Incoming, bool]:
     op = "recv"
     if route is not None:
-        sender, got = route.recv(wire, src, op)
-        info = read_slot(memoryview(got))
-    else:
-        slot = empty(wire.slot, wire)
-        peer = None if src is None else wire.ranks[src]
-        sender_global = guarded(op, wire, dist.recv, slot, src=peer, group=wire.group, tag=wire.data_tag)
-        sender = list(wire.ranks).index(sender_global) if src is None else src
-        info = read_slot(host_view(slot))
-    return received(wire, sender, info, sizes_of)
+        sender, got, message = route.recv(wire, src, op)
+        return received(wire, sender, read_slot(memoryview(got)), sizes_of, route, message)
+    slot = empty(wire.slot, wire)
+    peer = None if src is None else wire.ranks[src]
+    sender_global = guarded(op, wire, dist.recv, slot, src=peer, group=wire.group, tag=wire.data_tag)
+    sender = list(wire.ranks).index(sender_global) if src is None else src
+    return received(wire, sender, read_slot(host_view(slot)), sizes_of)
 
 
-def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf) -> tuple[int, Incoming, bool]:
-    """The rest of a receive from group rank ``sender`` once its slot (``info``) arrived, by either route."""
+def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: Optional[Route] = None,
+             message: int = 0) -> tuple[int, Incoming, bool]:
+    """The rest of a receive from group rank ``sender`` once its slot (``info``) arrived, through the group or
+    ``route`` (which carried the slot of message ``message``)."""
     op = "recv"
     problem = _limits.slot_problem_of(info)
     if problem:  # the sender finds the same in its slot and raises too
@@ -362,9 +399,26 @@ def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf) -> tupl
         return sender, Incoming(info.inline, error=info.error), info.error
     sizes, problem = _limits.plan(info, sizes_of)
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if info.total > wire.max_bytes else 0
-    if _agreement_needed(wire, info, op):
-        answer = torch.tensor([refuse], dtype=torch.uint8, device=wire.device)
-        guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group, tag=wire.answer_tag)
+    agreed = _agreement_needed(wire, info, op)
+    if route is not None and _eager(wire, info, agreed):
+        incoming = route.recv_rest(wire, info, sizes_of, sender, message, op, keep=not refuse)
+        if refuse:
+            raise _limits.refused(op, sender, wire, info.total, problem, drained=True,
+                                  into=f"messages of the same-host channel (at most {EAGER_REST:,} bytes)")
+        assert incoming is not None
+        return sender, incoming, False
+    if route is not None or agreed:  # a route always answers (but an eager rest): a few µs there
+        on_route = route is not None and not refuse and route.takes_rest(wire, info)
+        if route is not None:
+            route.answer(wire, sender, message, REST_ON_ROUTE if on_route else refuse)
+        else:
+            answer = torch.tensor([refuse], dtype=torch.uint8, device=wire.device)
+            guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group, tag=wire.answer_tag)
+        if on_route:
+            assert route is not None
+            incoming = route.recv_rest(wire, info, sizes_of, sender, message, op)
+            assert incoming is not None
+            return sender, incoming, False
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem)
         taken = wire.second_round.recv(wire, info, _limits.checked_sizes(sizes_of, [info]), sender, op)

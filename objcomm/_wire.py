@@ -139,15 +139,43 @@ class FirstRound(Protocol):
         """The route of one send or recv's slot, held for the whole call (round 2 included): entering it
         gives a :class:`Route`, or None when the group moves the slot. Sender and receiver get the same."""
 
+    def channel_of(self, wire: Wire) -> Optional[Tuple[Any, Optional[float]]]:
+        """The open same-host channel (:class:`objcomm._local.LocalChannel`) that carries this wire's round 1,
+        and the spin of its waits; None when there is none (the same answer on every rank of a call whose
+        round 1 went through it)."""
+
 
 class Route(Protocol):
-    """Where a send/recv slot goes instead of the group (see :meth:`FirstRound.p2p`)."""
+    """Where a send/recv goes instead of the group (see :meth:`FirstRound.p2p`): its slot, then, when a second
+    round follows, the receiver's answer (one byte: a ``REFUSE_*`` code of :mod:`objcomm._transport`, 0 to go
+    ahead, or :data:`REST_ON_ROUTE`) and, when the receiver answered that, the rest."""
 
-    def send(self, wire: Wire, slot: Slot, dst: int) -> None:
-        """Send ``slot`` to group rank ``dst`` under ``wire.tag``."""
+    def send(self, wire: Wire, slot: Slot, dst: int) -> int:
+        """Send ``slot`` to group rank ``dst`` under ``wire.tag``; the message's id (for its answer and rest)."""
 
-    def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot]:
-        """``(sender, slot)``: the next slot under ``wire.tag`` from group rank ``src`` (``None``: any)."""
+    def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot, int]:
+        """``(sender, slot, message id)``: the next slot under ``wire.tag`` from group rank ``src`` (``None``: any)."""
+
+    def answer(self, wire: Wire, dst: int, message: int, code: int) -> None:
+        """Answer message ``message`` of group rank ``dst`` (the receiver, after its slot)."""
+
+    def answer_of(self, wire: Wire, src: int, message: int, op: str) -> int:
+        """The answer of group rank ``src`` to this rank's message ``message`` (the sender waits for it)."""
+
+    def takes_rest(self, wire: Wire, info: SlotInfo) -> bool:
+        """Whether the route moves the rest of a message with slot ``info`` (the receiver decides, and answers
+        :data:`REST_ON_ROUTE`)."""
+
+    def send_rest(self, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
+        """Send what follows the slot of message ``message`` to group rank ``dst``."""
+
+    def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str,
+                  keep: bool = True) -> Optional[Incoming]:
+        """What follows the slot ``info`` of group rank ``src``'s message ``message``; ``keep=False``: received and
+        dropped (None)."""
+
+
+REST_ON_ROUTE = 3  # a receiver's answer: send the rest on the route (the REFUSE_* codes are 1 and 2)
 
 
 _THROUGH_GROUP = contextlib.nullcontext(None)
@@ -163,6 +191,9 @@ class _Backend:
 
     def p2p(self, wire: Wire, op: str) -> ContextManager[Optional[Route]]:
         return _THROUGH_GROUP
+
+    def channel_of(self, wire: Wire) -> None:
+        return None
 
     def __repr__(self) -> str:
         return "BACKEND"

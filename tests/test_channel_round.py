@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any, List
+from typing import Any, Callable, List, Tuple
 
 import numpy as np
 import pytest
@@ -81,8 +81,8 @@ def test_medium_all_gather_and_broadcast_move_round_two_through_the_channel_with
 
 
 def routes_kept() -> List[Any]:
-    """What the channel does not take keeps its route: sizes at shm_threshold go to shared memory, gather, scatter
-    and send/recv to the backend, a communicator with local=False to the backend."""
+    """What the channel does not take keeps its route: sizes at shm_threshold go to shared memory, gather to the
+    backend (send/recv: tests/test_channel_round_p2p.py)."""
     rank = dist.get_rank()
     small_threshold = objcomm.Communicator(local=True, shm_threshold=3 * CHUNK)
     small_threshold.all_gather(None)
@@ -93,8 +93,6 @@ def routes_kept() -> List[Any]:
         ("below, without shared memory", lambda: objcomm.Communicator(local=True, shm=False).all_gather(
             _payload(rank, CHUNK))),
         ("gather", lambda: small_threshold.gather(_payload(rank, CHUNK), dst=0)),
-        ("send/recv", lambda: small_threshold.send(_payload(rank, CHUNK), 1) if rank == 0 else
-         small_threshold.recv(0)),
     ]:
         with counting(ROUTES) as counts:
             call()
@@ -107,7 +105,6 @@ def test_what_the_channel_does_not_take_keeps_its_route():
     assert receiver["at the threshold"] == {"backend": 0, "shm": 1}
     assert receiver["below, without shared memory"] == {"backend": 0, "shm": 0}
     assert receiver["gather"]["shm"] == 0 and receiver["gather"]["backend"] == 0  # gather's rest: backend sends
-    assert receiver["send/recv"] == {"backend": 0, "shm": 0}  # point to point: the backend's send/recv
 
 
 def out_of_step_sender() -> List[Any]:
@@ -121,19 +118,20 @@ def out_of_step_sender() -> List[Any]:
     if rank == 1:
         _channel_round._chunks = lambda pieces: (bytes(c)[:-1] for c in real(pieces))  # type: ignore[assignment]
     try:
-        outcome = ("ok", None)
-        try:
-            comm.all_gather(_payload(rank, 2 * CHUNK))
-        except objcomm.CommunicationError as exc:
-            outcome = ("raised", str(exc))
+        outcome = outcome_of(lambda: comm.all_gather(_payload(rank, 2 * CHUNK)) and None)
     finally:
         _channel_round._chunks = real  # type: ignore[assignment]
-    try:  # the ranks failed at different messages: out of step, which every later call on the group says
-        after = ("ok", comm.all_gather(rank))
-    except objcomm.CommunicationError as exc:
-        after = ("raised", str(exc))
+    after = outcome_of(lambda: comm.all_gather(rank))  # the ranks failed at different messages: out of step
     dist.destroy_process_group(sub)
     return [outcome, after]
+
+
+def outcome_of(call: Callable[[], Any]) -> Tuple[str, Any]:
+    """``("ok", what call() returned)``, or ``("raised", its CommunicationError's message)``."""
+    try:
+        return "ok", call()
+    except objcomm.CommunicationError as exc:
+        return "raised", str(exc)
 
 
 def test_a_sender_out_of_step_fails_the_channel_on_every_rank():
@@ -180,20 +178,26 @@ def test_pieces_travel_back_to_back_in_whole_messages():
 
 
 # -- a SIGKILLed rank mid-round: a group of our own, so that the survivors can report -----------------------------
+def die_after_one_message() -> None:
+    """From now on, this process SIGKILLs itself 0.3 s after the first message of its next second round on the
+    channel (the others wait for message #1 by then)."""
+    real = _channel_round._chunks
+
+    def dying(pieces: Any) -> Any:
+        chunks = real(pieces)
+        yield next(chunks)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _channel_round._chunks = dying  # type: ignore[assignment]
+
+
 def _killed_in_round_two(rank: int, world: int, store: str, victim: int, results: Any) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     objcomm.configure(local=True)  # a process of its own: nothing to restore
     assert objcomm.all_gather(rank) == list(range(world))  # opens the channel
     if rank == victim:
-        real = _channel_round._chunks
-
-        def dying(pieces: Any) -> Any:
-            chunks = real(pieces)
-            yield next(chunks)
-            time.sleep(0.3)  # the others wait for message #1 by now
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        _channel_round._chunks = dying  # type: ignore[assignment]
+        die_after_one_message()
     start = time.monotonic()
     try:
         objcomm.all_gather(_payload(rank, 5 * CHUNK))

@@ -234,7 +234,7 @@ def test_control_words_through_the_channel():
 def message_sizes() -> Dict[str, List[int]]:
     """The payload sizes of the channel messages each collective sends: a small object's slot travels trimmed
     after its frame; a slot with anything after its frame (tensor sizes, a second round) travels whole; the
-    second round of all_gather and broadcast follows in messages of its own."""
+    second round of all_gather, broadcast and send/recv follows in messages of its own."""
     import torch
 
     comm = objcomm.Communicator(local=True, slot_bytes=1024, inline_tensor_bytes=0)  # tensors out of band
@@ -271,12 +271,12 @@ def test_slots_travel_trimmed_after_a_whole_frame_and_whole_otherwise():
             if label == "small":
                 assert all(n < 100 for n in sizes), (label, op, sizes)  # a 1024-byte slot, trimmed
             else:  # sizes listed after the frame, or a frame past the slot: the whole slot
-                # (or control words); and all_gather's and broadcast's second round (objcomm._channel_round):
-                # the 2,000-byte frame past the slot in one message, the tensor's 12 bytes
-                round_two = op in ("all_gather", "broadcast")
+                # (or control words); and the second round of all_gather, broadcast and send/recv
+                # (objcomm._channel_round): the 2,000-byte frame past the slot in one message, the tensor's 12 bytes
+                round_two = op in ("all_gather", "broadcast", "send/recv")
                 assert 1024 in sizes and all(n == 1024 or n < 100 or round_two for n in sizes), (label, op, sizes)
                 if round_two and label == "past the slot":
-                    from_every_sender = [2064] * (1 if op == "broadcast" else 2)  # W=2: the root, or both ranks
+                    from_every_sender = [2064] * (2 if op == "all_gather" else 1)  # W=2: both ranks, or the sender
                     assert [n for n in sizes if n != 1024 and n >= 100] == from_every_sender, (label, op, sizes)
 
 

@@ -63,10 +63,10 @@ def every_operation(rounds: int) -> Dict[str, Any]:
             assert channel.all_to_all(parts) == [_payload(r * world + rank, step, step % 7) for r in range(world)]
             if world > 1:  # a ring of send/recv under two tags, received in the other order
                 right, left = (rank + 1) % world, (rank - 1) % world
-                channel.send(b"tag1:%d" % step, right, tag=1)
-                channel.send(b"tag2:%d" % step, right, tag=2)
-                assert channel.recv(left, tag=2) == (left, b"tag2:%d" % step)
-                assert channel.recv(None, tag=1) == (left, b"tag1:%d" % step)
+                channel.send(b"tag1:%d" % step, right, tag=1, message=step)
+                channel.send(b"tag2:%d" % step, right, tag=2, message=1000 + step)
+                assert channel.recv(left, tag=2) == (left, b"tag2:%d" % step, 1000 + step)  # its id, too
+                assert channel.recv(None, tag=1) == (left, b"tag1:%d" % step, step)
         assert channel.all_gather(b"") == [b""] * world
         pids = [int(p) for p in channel.all_gather(str(os.getpid()).encode())]
     dist.barrier()  # every rank has closed
@@ -133,7 +133,10 @@ def test_a_waiting_rank_does_not_burn_the_cpu(spin, world):
     assert wall >= 0.25
     assert cpu < 0.1 * wall, f"rank 0 used {cpu * 1e3:.1f} ms of CPU while waiting {wall * 1e3:.0f} ms"
     expected = _local.AUTO_SPIN if spin is None else spin
-    assert spins.count(False) == (1 if expected else 0)  # polled in vain once (the spin is the call's), then slept
+    if world == 2 or not expected:
+        assert spins.count(False) == (1 if expected else 0)  # polled in vain once (the spin is the call's), then slept
+    else:  # a poll per wait, but the spin is the call's: only the first can spin (rank 2 may come after it, loaded)
+        assert 1 <= spins.count(False) <= len(spins) <= world - 1, spins
     if world == 2:
         assert spins == ([False] if expected else [])  # polled once, in vain, then slept; or slept at once
 
@@ -300,7 +303,8 @@ HOSTILE = {  # what rank 1 sends rank 0, and the error rank 0 must raise
     "too long": ([_header(_P2P) + b"x" * (_local.MAX_PAYLOAD + 1)], "above the 65,548 bytes a message may have"),
     "unknown kind": ([_header(9) + b"x"], "unknown kind 9"),
     "flags": ([_header(_P2P, flags=4)], "point-to-point message with a bad header"),
-    "p2p with a seq": ([_header(_P2P, seq=7)], "point-to-point message with a bad header"),
+    "answer with flags": ([_header(_inbox.ANSWER, seq=7, flags=1)], "point-to-point message with a bad header"),
+    "rest with a negative tag": ([_header(_inbox.REST, seq=7, tag=-2)], "point-to-point message with a bad header"),
     "negative tag": ([_header(_P2P, tag=-1)], "point-to-point message with a bad header"),
     "collective with a tag": ([_header(_GATHER, seq=1, tag=5)], "all_gather message with a bad header"),
     "stale seq": ([_header(_GATHER, seq=0)], "a duplicate or stale message"),
@@ -367,7 +371,7 @@ def floods_the_stash() -> Any:
             channel.send(b"now", 0, tag=6)
             channel.all_gather(b"")
             return None
-        got = [channel.recv(1, tag=6), *(channel.recv(1, tag=5) for _ in range(3))]
+        got = [channel.recv(1, tag=6)[:2], *(channel.recv(1, tag=5)[:2] for _ in range(3))]
         channel.all_gather(b"")
         return got
 

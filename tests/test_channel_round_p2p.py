@@ -1,0 +1,290 @@
+"""Medium send/recv through the same-host channel (objcomm._channel_round, objcomm._first.ChannelRoute): the bytes
+after a send's slot follow it on the channel below shm_threshold, at once up to EAGER_REST bytes and after the
+receiver's answer above, with the backend's results and outcomes; concurrent sends under one tag never take each
+other's bytes; a sender out of step or a malformed answer fails the channel; a sender killed mid-message makes
+its receiver raise."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any, Dict, List
+
+import pytest
+import torch.distributed as dist
+from _child import run_group_losing_a_rank
+from _counting import counting
+from _ranks import get_pool
+from test_channel_round import _payload, _same, die_after_one_message, outcome_of
+
+import objcomm
+import serializers
+from objcomm import _bytes, _channel_round, _first, _framing, _shm, _state, _transport
+from objcomm._channel_round import CHUNK
+from objcomm._inbox import REST
+from objcomm._slots import outgoing_second_round_bytes
+from objcomm._wire import SLOT_PREFIX_BYTES
+
+pytestmark = pytest.mark.timeout(180)
+
+EAGER = _transport.EAGER_REST
+SIZES = [0, 100, 5_000, EAGER // 4 - 300, EAGER // 4, CHUNK, 3 * CHUNK + 7, 150_000, 700_000]  # _payload's bulk
+SHARED = 700_000  # past shm_threshold (2 MiB): the rest goes through shared memory, after the channel's answer
+ROUTES = {"backend": [(_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_transport, "recv_bytes")],
+          "shm": [(_shm.SharedMemory, "_collective"), (_shm, "fetch")],
+          "channel": [(_channel_round, "send_p2p"), (_channel_round, "recv_p2p")],
+          "answers": [(_first.ChannelRoute, "answer")]}
+
+
+def _channel() -> Any:
+    return _state.group_facts(dist.group.WORLD).local[False].channel
+
+
+def _text_with_rest(rest: int) -> str:
+    """A str whose frame, past the default slot, is exactly ``rest`` bytes: all a send moves after its slot."""
+    capacity = objcomm.Settings().slot_bytes - SLOT_PREFIX_BYTES
+    for n in range(rest - 200, rest):
+        text = "x" * n
+        out = _framing.encode(text, serializers.get("pickle"), max_bytes=1 << 30)
+        if outgoing_second_round_bytes(out, capacity) == rest:
+            return text
+    raise AssertionError(f"no str has a {rest}-byte frame")
+
+
+def medium_send_recv(sizes: List[int]) -> List[Any]:
+    """Rank 0 sends each size to rank 1 (which names its source), rank 1 sends it back (received from any source):
+    whether each arrived whole, and where the bytes after the slot went (counted on both ranks)."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=True)
+    comm.all_gather(None)
+    report = []
+    for size in sizes:
+        sent = _payload(0, size)
+        with counting(ROUTES) as counts:
+            if rank == 0:
+                comm.send(sent, 1, tag=3)
+                back = comm.recv(tag=3)
+            else:
+                back = comm.recv(0, tag=3)
+                comm.send(back, 0, tag=3)
+        report.append((size, _same(back, sent), dict(counts)))
+    return report
+
+
+def test_medium_send_recv_moves_its_rest_through_the_channel():
+    for rank_report in get_pool(2).run(medium_send_recv, SIZES):
+        for size, whole, counts in rank_report:
+            assert whole, size
+            assert counts["backend"] == 0, (size, counts)
+            if size == SHARED:  # each rank fetched one segment, after it answered
+                assert (counts["shm"], counts["channel"], counts["answers"]) == (1, 0, 1), (size, counts)
+            elif size > 100:  # past the slot: each rank sent one rest and received one
+                assert counts["shm"] == 0 and counts["channel"] == 2, (size, counts)
+                assert counts["answers"] == (0 if size < CHUNK else 1), (size, counts)  # eager, then answered
+
+
+def eager_boundary() -> List[Any]:
+    """A rest of EAGER_REST bytes follows its slot at once; one byte more waits for the receiver's answer."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=True)
+    comm.all_gather(None)
+    got = []
+    for rest in (EAGER, EAGER + 1):
+        text = _text_with_rest(rest)
+        with counting(ROUTES) as counts:
+            if rank == 0:
+                comm.send(text, 1)
+            else:
+                assert comm.recv(0) == text
+        got.append((rest, counts["answers"], counts["channel"], counts["backend"]))
+    return got
+
+
+def test_the_rest_follows_at_once_up_to_eager_rest_bytes():
+    for rank_got in get_pool(2).run(eager_boundary):
+        assert rank_got == [(EAGER, 0, 1, 0), (EAGER + 1, rank_got[1][1], 1, 0)]
+    assert [rank_got[1][1] for rank_got in get_pool(2).run(eager_boundary)] == [0, 1]  # the receiver answered
+
+
+# -- refusals: the same outcome on every rank as through the backend ----------------------------------------------
+REFUSED = {"eager": 20_000, "answered": 200_000, "agreed": 1_500_000}  # a str's length; receiver's max_bytes 5,000
+
+
+def refusals(local: bool) -> Dict[str, Any]:
+    """Rank 0 sends strs past rank 1's max_bytes: what each rank raises (a rest of at most EAGER_REST: drained;
+    above, the receiver answers; the sender learns of it where the backend's path asks first: past 1 MiB), and
+    whether the pair works on."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=local)
+    comm.all_gather(None)
+    outcomes: Dict[str, Any] = {}
+    for label, size in REFUSED.items():
+        try:
+            if rank == 0:
+                comm.send("r" * size, 1)
+            else:
+                comm.recv(0, max_bytes=5_000)
+            outcomes[label] = "ok"
+        except objcomm.TooLargeError as exc:
+            outcomes[label] = ("TooLargeError", "dropped" in str(exc))
+        outcomes[label + ", then"] = comm.recv(0) if rank == 1 else comm.send("after", 1)
+    return outcomes
+
+
+def test_a_refused_send_ends_as_through_the_backend():
+    pool = get_pool(2)
+    channel, backend = pool.run(refusals, True), pool.run(refusals, False)
+    assert [{k: v for k, v in r.items() if k != "answered"} for r in channel] == \
+        [{k: v for k, v in r.items() if k != "answered"} for r in backend]
+    sender, receiver = channel
+    assert sender == {"eager": "ok", "eager, then": None, "answered": "ok", "answered, then": None,
+                      "agreed": ("TooLargeError", False), "agreed, then": None}
+    assert receiver["eager"] == ("TooLargeError", True)  # its rest received and dropped, as the backend drains it
+    assert receiver["answered"] == ("TooLargeError", False)  # refused before it moved (the backend drains it)
+    assert backend[1]["answered"] == ("TooLargeError", True)
+    assert receiver["agreed"] == ("TooLargeError", False)
+    assert all(receiver[k + ", then"] == "after" for k in REFUSED)
+
+
+# -- concurrent sends under one tag ------------------------------------------------------------------------------
+def concurrent_sends() -> List[Any]:
+    """Ranks 1 and 2 isend 6 medium objects each to rank 0 under tags 1 and 2 at once (eager and answered rests,
+    several lanes), while rank 0 receives them from any source with irecvs posted at once: every object whole."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = objcomm.Communicator(local=True)
+    comm.all_gather(None)
+    sizes = [5_000, CHUNK, 150_000]
+
+    def obj(sender: int, tag: int, i: int) -> Any:
+        return {"who": (sender, tag, i), **_payload(sender, sizes[i % len(sizes)] + tag)}
+
+    if rank == 0:
+        requests = [comm.irecv(None, tag=tag, return_sender=True) for tag in (1, 2) for _ in range(3 * (world - 1))]
+        got = [request.wait(120) for request in requests]
+        wrong = [(sender, o["who"]) for sender, o in got if o["who"][0] != sender or not _same(o, obj(*o["who"]))]
+        comm.all_gather(None)
+        return [sorted(o["who"] for _, o in got), wrong]
+    requests = [comm.isend(obj(rank, tag, i), 0, tag=tag) for i in range(3) for tag in (1, 2)]
+    for request in requests:
+        request.wait(120)
+    comm.all_gather(None)  # after rank 0 received everything
+    return []
+
+
+def test_concurrent_sends_under_one_tag_keep_their_own_rests():
+    received, wrong = get_pool(3).run(concurrent_sends)[0]
+    assert received == sorted((sender, tag, i) for sender in (1, 2) for tag in (1, 2) for i in range(3))
+    assert wrong == []
+
+
+def threads_under_one_tag() -> List[Any]:
+    """Two threads of rank 1 send 4 answered-size objects each to rank 0 under one tag at once, two threads of rank
+    0 receive them: every object whole (their rests interleave on the socket; their message ids keep them apart)."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=True)
+    comm.all_gather(None)
+    results: List[Any] = []
+
+    def work(thread: int) -> None:
+        for i in range(4):
+            if rank == 1:
+                comm.send({"who": (thread, i), **_payload(thread, 3 * CHUNK + i)}, 0, tag=5)
+            else:
+                got = comm.recv(1, tag=5)
+                thread_, i_ = got["who"]
+                results.append((got["who"], _same(got, {"who": (thread_, i_), **_payload(thread_, 3 * CHUNK + i_)})))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    comm.all_gather(None)
+    return sorted(results)
+
+
+def test_threads_sending_under_one_tag_keep_their_own_rests():
+    assert get_pool(2).run(threads_under_one_tag)[0] == [((t, i), True) for t in range(2) for i in range(4)]
+
+
+def strays_under_other_ids() -> Any:
+    """Rest messages under ids no message has (a buggy or hostile peer) wait in the stash; they are never taken as
+    the rest of a real message."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=True)
+    comm.all_gather(None)
+    if rank == 1:
+        for stray in range(1, 6):
+            _channel().send_part(REST, b"s" * 5_000, 0, 4, stray)
+        comm.send(_payload(1, 5_000), 0, tag=4)
+        comm.send(_payload(1, 150_000), 0, tag=4)
+        return None
+    return [_same(comm.recv(1, tag=4), _payload(1, size)) for size in (5_000, 150_000)]
+
+
+def test_rests_under_other_ids_are_never_taken():
+    assert get_pool(2).run(strays_under_other_ids)[0] == [True, True]
+
+
+# -- a peer out of step, or one that answers wrong -------------------------------------------------------------------
+def out_of_step(mode: str) -> Any:
+    """``short``: rank 1 sends one byte too few in each rest message; ``answer``: rank 0, receiving, answers with
+    two bytes. What each rank raises, and what a later collective does (both ranks failed at the same point, no
+    collective between: it opens a new channel)."""
+    rank = dist.get_rank()
+    sub = dist.new_group([0, 1])
+    comm = objcomm.Communicator(sub, local=True)
+    comm.all_gather(None)
+    real_chunks, real_answer = _channel_round._chunks, _first.ChannelRoute.answer
+    if mode == "short" and rank == 1:
+        _channel_round._chunks = lambda pieces: (bytes(c)[:-1] for c in real_chunks(pieces))  # type: ignore
+    if mode == "answer" and rank == 0:
+        _first.ChannelRoute.answer = lambda self, wire, dst, message, code: self.channel.send_part(  # type: ignore
+            _first.ANSWER, b"\x03\x03", dst, wire.tag, message)
+    try:
+        outcome = outcome_of(lambda: comm.send(_payload(1, 3 * CHUNK), 0) if rank == 1 else comm.recv(1) and None)
+    finally:
+        _channel_round._chunks, _first.ChannelRoute.answer = real_chunks, real_answer  # type: ignore
+    after = outcome_of(lambda: comm.all_gather(rank))
+    dist.destroy_process_group(sub)
+    return [outcome[1] or "ok", after]
+
+
+def test_a_short_rest_message_fails_the_channel():
+    receiver, sender = get_pool(2).run(out_of_step, "short")
+    assert "rank 1 sent 65,535 bytes of its second round's message #0 where 65,536 were due" in receiver[0]
+    assert sender[0] == "ok" or "closed" in sender[0], sender  # it may have sent every message before the close
+    assert receiver[1] == sender[1] == ("ok", [0, 1])  # a new channel
+
+
+def test_an_answer_of_two_bytes_fails_the_channel():
+    receiver, sender = get_pool(2).run(out_of_step, "answer")
+    assert "rank 0 answered message #" in sender[0] and "with 2 bytes where 1 was due" in sender[0], sender
+    assert "local channel failed" in receiver[0] and "closed its connection" in receiver[0], receiver  # it waited
+    assert receiver[1] == sender[1] == ("ok", [0, 1])  # a new channel
+
+
+# -- a sender SIGKILLed mid-message ---------------------------------------------------------------------------------
+def _killed_mid_rest(rank: int, world: int, store: str, victim: int, results: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    objcomm.configure(local=True)  # a process of its own: nothing to restore
+    assert objcomm.all_gather(rank) == list(range(world))  # opens the channel, and lets send/recv on it
+    if rank == victim:
+        die_after_one_message()
+        objcomm.send(_payload(rank, 5 * CHUNK), 0)
+        return
+    start = time.monotonic()
+    try:
+        objcomm.recv(victim)
+        results.put((rank, "no error", 0.0))
+    except objcomm.CommunicationError as exc:
+        results.put((rank, str(exc), time.monotonic() - start))
+
+
+def test_a_sender_killed_mid_message_makes_its_receiver_raise_within_seconds():
+    got, victim_exit = run_group_losing_a_rank(_killed_mid_rest, 2, 1)
+    assert victim_exit == -signal.SIGKILL
+    message, elapsed = got[0]
+    assert "closed its connection" in message, message
+    assert elapsed < 5.0, elapsed
