@@ -1,14 +1,17 @@
-"""Where round 2 of an all_gather goes, by size: the backend (gloo), the same-host channel, shared memory.
+"""Where round 2 of an all_gather (gather, send/recv) goes, by size: the backend (gloo), the same-host channel,
+shared memory.
 
     PYTHONPATH=. python benchmarks/bench_second_round.py [--world-sizes 2 4] [--sizes 16KB 128KB 512KB 1MB 2MB 4MB]
+    PYTHONPATH=. python benchmarks/bench_second_round.py --ops gather send/recv --world-sizes 2
 
 Each rank all_gathers ``{"data": <bytes of the size>, "meta": [...]}`` (the bytes travel out of band, as a
-tensor: the second round is the size itself) through three communicators on the same ranks, whose settings
-force each route at every size: ``shm=False, shm_threshold=1`` (round 2 through gloo), ``shm=False,
+tensor: the second round is the size itself; ``gather``: to rank 0; ``send/recv``: a round trip between ranks 0
+and 1, the others idle) through three communicators on the same ranks, whose settings force each route at
+every size: ``shm=False, shm_threshold=1`` (round 2 through gloo), ``shm=False,
 shm_threshold=2**30`` (the same-host channel, ``objcomm._channel_round``) and ``shm_threshold=1`` (shared
 memory). By default the channel takes what is below ``shm_threshold`` (2 MiB) and shared memory the rest; the
 table shows where that line should be on this machine. Round-robin after a barrier, 4 calls per sample, the
-median of 9 samples on rank 0, µs per call. The machine is shared: compare within one run.
+median of 9 samples on rank 0, µs per call (per round trip). The machine is shared: compare within one run.
 """
 
 from __future__ import annotations
@@ -24,12 +27,26 @@ ROUTES = {"gloo": {"shm": False, "shm_threshold": 1}, "channel": {"shm": False, 
           "shared memory": {"shm_threshold": 1}}
 
 
-def measure(plan: Tuple[List[int], int], send: Any) -> Dict[int, Dict[str, float]]:
+def _call(comm: Any, op: str, obj: Any, rank: int) -> None:
+    """One ``op`` of ``obj``: an all_gather, a gather to rank 0, or a send/recv round trip between ranks 0 and 1."""
+    if op == "all_gather":
+        comm.all_gather(obj)
+    elif op == "gather":
+        comm.gather(obj, dst=0)
+    elif rank == 0:
+        comm.send(obj, 1)
+        comm.recv(1)
+    elif rank == 1:
+        comm.send(comm.recv(0), 0)
+
+
+def measure(plan: Tuple[List[int], int, str], send: Any) -> Dict[int, Dict[str, float]]:
     import torch.distributed as dist
 
     import objcomm
 
-    sizes, rounds = plan
+    sizes, rounds, op = plan
+    rank = dist.get_rank()
     comms = {name: objcomm.Communicator(local=True, **settings) for name, settings in ROUTES.items()}
     for comm in comms.values():
         comm.all_gather(None)  # opens the channel
@@ -40,17 +57,18 @@ def measure(plan: Tuple[List[int], int], send: Any) -> Dict[int, Dict[str, float
         for _ in range(rounds):
             for name, comm in comms.items():
                 dist.barrier()
-                comm.all_gather(obj)  # absorbs how far apart the ranks left the barrier
+                _call(comm, op, obj, rank)  # absorbs how far apart the ranks left the barrier
                 start = time.perf_counter()
                 for _ in range(4):
-                    comm.all_gather(obj)
+                    _call(comm, op, obj, rank)
                 samples[name].append((time.perf_counter() - start) / 4)
         medians[size] = {name: statistics.median(s) for name, s in samples.items()}
     return medians
 
 
-def report(world: int, medians: Dict[int, Dict[str, float]]) -> str:
-    lines = [f"### W={world} ({os.cpu_count()} CPUs), µs per all_gather", "",
+def report(world: int, op: str, medians: Dict[int, Dict[str, float]]) -> str:
+    what = "round trip" if op == "send/recv" else op
+    lines = [f"### W={world} ({os.cpu_count()} CPUs), µs per {what}", "",
              "| per rank | " + " | ".join(ROUTES) + " |", "|---:|" + "---:|" * len(ROUTES)]
     for size, by_route in medians.items():
         fastest = min(by_route.values())
@@ -64,14 +82,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", nargs="+", default=["16KB", "128KB", "512KB", "1MB", "2MB", "4MB"])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--ops", nargs="+", choices=["all_gather", "gather", "send/recv"], default=["all_gather"])
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from objcomm._bench._payloads import parse_size
     from objcomm._launch import run_local
 
     sizes = [parse_size(s) for s in args.sizes]
-    for world in args.world_sizes:
-        print(report(world, run_local(measure, (sizes, args.rounds), world_size=world, timeout_s=1200)), flush=True)
+    for op in args.ops:
+        for world in args.world_sizes:
+            medians = run_local(measure, (sizes, args.rounds, op), world_size=world, timeout_s=1200)
+            print(report(world, op, medians), flush=True)
     return 0
 
 

@@ -1,5 +1,5 @@
-"""Medium second rounds through the same-host channel: the bytes of an ``all_gather``, ``broadcast`` or
-send/recv that overflow their slots, below the shared-memory threshold (and :data:`MOST`), in messages of the
+"""Medium second rounds through the same-host channel: the bytes of an ``all_gather``, ``gather``, ``broadcast``
+or send/recv that overflow their slots, below the shared-memory threshold (and :data:`MOST`), in messages of the
 channel.
 
 A frame past its slot (or with tensors) has a second round, which the group's backend moves: on one host,
@@ -8,10 +8,11 @@ gloo over loopback TCP, hundreds of microseconds a collective, where the bytes t
 and two control words per call, worth it from ``shm_threshold`` (2 MiB) on. Between the two, when round 1
 of the call went through the group's channel (:mod:`objcomm._first`), the second round does too: each
 sender's bytes (its frame unless the slot carried it, then its tensors, back to back: a segment file's
-layout) in messages of at most :data:`CHUNK` bytes, one channel collective per message, as many as the
-largest sender needs (every rank knows each sender's size from round 1, so every rank makes the same
-calls; a sender with fewer bytes sends empty messages; every :data:`MOST` bytes of broadcasts, one ends with
-an empty all_gather, so that no root runs far ahead of its receivers). Receivers check each message's length against
+layout) in messages of at most :data:`CHUNK` bytes, one channel collective per message (a gather's: each
+rank's message to the destination alone), as many as the largest sender needs (every rank knows each
+sender's size from round 1, so every rank makes the same calls; a sender with fewer bytes sends empty
+messages; every :data:`MOST` bytes of broadcasts and gathers, one ends with an empty all_gather, so that no
+root, or gather's sender, runs far ahead of its receivers). Receivers check each message's length against
 what the sender's slot announced (a mismatch fails the channel: the ranks are out of step), then read the
 bytes as a segment is read: the frame, its tensor table against its sender's slot (:class:`FrameError`, as
 on the backend's path, after every message moved, so the group stays in step), the tensors as views of
@@ -52,7 +53,7 @@ MOST = 16 << 20  # the most second-round bytes (largest sender's) the channel ta
 
 @dataclass(frozen=True)
 class ChannelRounds:
-    """The second round of ``all_gather`` and ``broadcast`` through the same-host channel below ``limit``
+    """The second round of ``all_gather``, ``gather`` and ``broadcast`` through the same-host channel below ``limit``
     bytes (the largest sender's); everything else by ``inner``."""
 
     inner: SecondRound
@@ -119,7 +120,31 @@ class ChannelRounds:
 
     def gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, dst: int,
                op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
-        return self.inner.gather(wire, out, infos, sizes_of, dst, op)
+        moved = [0 if r == dst else info.second_round_bytes for r, info in enumerate(infos)]
+        found = self._channel(wire, max(moved))
+        if found is None:
+            return self.inner.gather(wire, out, infos, sizes_of, dst, op)
+        channel, spin = found
+        me, messages = wire.rank, -(-max(moved) // CHUNK)
+        if me != dst:
+            mine = _chunks(_pieces(out, infos[me]))
+            for _ in range(messages):
+                channel.gather(next(mine, b""), dst, spin)
+            _all_received(channel, sum(moved), spin, op)
+            return None
+        received: List[Optional[bytearray]] = [bytearray(n) if n else None for n in moved]
+        for index in range(messages):
+            got = channel.gather(None, dst, spin)
+            for r, into in enumerate(received):
+                if into is not None:
+                    _place(channel, into, got[r], index, r, op)
+        _all_received(channel, sum(moved), spin, op)
+        return [
+            Incoming(out.frame, list(out.tensors)) if r == me  # the caller decodes its own with own=True
+            else _incoming(into, infos[r], sizes_of, r, op) if into is not None
+            else Incoming(infos[r].inline)  # type: ignore[arg-type]
+            for r, into in enumerate(received)
+        ]
 
     def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf, src: int,
                 op: str) -> Union[Incoming, NotUsed]:
@@ -193,18 +218,19 @@ def _chunks(pieces: List[memoryview]) -> Iterator[Slot]:
 
 
 def _all_received(channel: _local.LocalChannel, moved: int, spin: Optional[float], op: str) -> None:
-    """After a broadcast's second round of ``moved`` bytes, on every rank: once the channel's broadcasts moved
-    :data:`MOST` bytes since the last time, an empty all_gather, so that a root cannot run further ahead of its
-    receivers (what a receiver's other threads read meanwhile waits in its stash: at most twice :data:`MOST`,
-    below the stash's limit). Every rank counts the same bytes (from the slots), so all of them take part; in
-    between, a root goes on while its receivers decode, as through the backend."""
+    """After a broadcast's or a gather's second round of ``moved`` bytes, on every rank: once the channel's
+    broadcasts and gathers moved :data:`MOST` bytes since the last time, an empty all_gather, so that a sender
+    (a root, a gather's non-destination) cannot run further ahead of its receivers (what a receiver's other
+    threads read meanwhile waits in its stash: at most twice :data:`MOST`, below the stash's limit). Every rank
+    counts the same bytes (from the slots), so all of them take part; in between, a sender goes on while its
+    receivers decode, as through the backend."""
     channel.unsynced += moved
     if channel.unsynced < MOST:
         return
     channel.unsynced = 0
     got = channel.all_gather(b"", False, spin)
     if any(got):
-        channel.fail(op, "a rank sent bytes where the end of a broadcast's second round was due: the ranks are at "
+        channel.fail(op, f"a rank sent bytes where the end of a {op}'s second round was due: the ranks are at "
                          "different calls, or a protocol error")
 
 

@@ -52,8 +52,9 @@ from ._errors import CommunicationError
 HEADER = struct.Struct("<BB2xIi")  # kind, flags, collective sequence number or message id, tag
 ALL_GATHER, BROADCAST, SCATTER, ALL_TO_ALL, P2P = 1, 2, 3, 4, 5
 ANSWER, REST = 6, 7  # of a send's message (its id): the receiver's answer, and the bytes after the slot
+GATHER = 8
 NAMES = {ALL_GATHER: "all_gather", BROADCAST: "broadcast", SCATTER: "scatter", ALL_TO_ALL: "all_to_all", P2P: "send",
-         ANSWER: "recv", REST: "send"}
+         ANSWER: "recv", REST: "send", GATHER: "gather"}
 _POINT_TO_POINT = (P2P, ANSWER, REST)
 READY = 1  # flag of a collective message: its sender had no send/recv in flight (see objcomm._first)
 ENTRY_OVERHEAD = 256  # bytes a stashed message is counted for besides its payload

@@ -92,6 +92,7 @@ from ._inbox import (
     ALL_GATHER,
     ALL_TO_ALL,
     BROADCAST,
+    GATHER,
     HEADER,
     MASK,
     NAMES,
@@ -274,6 +275,14 @@ class LocalChannel:
             self._collective(BROADCAST, dict.fromkeys(self._others, data), ())
             return data
         return self._collective(BROADCAST, {}, (src,), spin=spin)[src]
+
+    def gather(self, data: Optional[Slot], dst: int, spin: Optional[float] = None) -> Dict[int, bytes]:
+        """Every other rank's ``data`` on group rank ``dst``, by rank (``data`` ignored there); ``{}`` elsewhere."""
+        if self.rank == dst:
+            return self._collective(GATHER, {}, self._others, spin=spin)
+        assert data is not None
+        self._collective(GATHER, {dst: data}, ())
+        return {}
 
     def scatter(self, parts: Optional[Sequence[Slot]], src: int, spin: Optional[float] = None) -> Slot:
         """``src``'s ``parts[r]`` on group rank ``r``."""

@@ -100,12 +100,13 @@ def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
     return wire.second_round.worth(wire, info.second_round_bytes, op)
 
 
-def _eager(wire: Wire, info: SlotInfo, agreed: bool) -> bool:
-    """Whether the rest of a send/recv whose slot a route carried follows it at once on the route, without the
-    receiver's answer: host bytes, at most :data:`EAGER_REST`, that the group's path would send without asking
-    either (``agreed``: :func:`_agreement_needed`). Decided from the slot and the settings every rank shares, as
-    :func:`_agreement_needed` is, so sender and receiver agree."""
-    return not agreed and info.second_round_bytes <= EAGER_REST and wire.device.type == "cpu"
+def _eager(wire: Wire, info: SlotInfo, route: Route, agreed: bool) -> bool:
+    """Whether the rest of a send/recv whose slot ``route`` carried follows it at once, without the receiver's
+    answer: at most :data:`EAGER_REST` bytes that the route takes (:meth:`~objcomm._wire.Route.takes_rest`) and
+    that the group's path would send without asking either (``agreed``: :func:`_agreement_needed`). Decided from
+    the slot and the settings every rank of a group shares (as :func:`_agreement_needed` is), so sender and
+    receiver agree."""
+    return not agreed and info.second_round_bytes <= EAGER_REST and route.takes_rest(wire, info)
 
 
 def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, problem: Optional[str] = None) -> None:
@@ -339,7 +340,7 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route]) -> None:
         return
     answer: Optional[int] = None
     agreed = _agreement_needed(wire, info, op)
-    if route is not None and _eager(wire, info, agreed):
+    if route is not None and _eager(wire, info, route, agreed):
         route.send_rest(wire, out, info, dst, message)  # a receiver that refuses it drops it and raises alone
         return
     if route is not None:  # else the receiver answers on the route: a few µs there
@@ -400,7 +401,7 @@ def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: 
     sizes, problem = _limits.plan(info, sizes_of)
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if info.total > wire.max_bytes else 0
     agreed = _agreement_needed(wire, info, op)
-    if route is not None and _eager(wire, info, agreed):
+    if route is not None and _eager(wire, info, route, agreed):
         incoming = route.recv_rest(wire, info, sizes_of, sender, message, op, keep=not refuse)
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem, drained=True,

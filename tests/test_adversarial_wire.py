@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import objcomm
 import serializers
 from objcomm import ObjcommError, _call, _compression, _framing, _settings, _slots, _tensors, _transport
+from objcomm._segments import SegmentBook
 from objcomm._transport import Incoming, Outgoing
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,14 +55,17 @@ class Lying(Outgoing):
 
 
 def _wire(**kw) -> _transport.Wire:
-    """The transport as objcomm's defaults set it up, without shared memory (round 1 as a Communicator
-    moves it: the peers here use one, and every rank of a group must move round 1 the same way)."""
+    """The transport as objcomm's defaults set it up, without shared memory (rounds 1 and 2 as a Communicator
+    moves them below the shared-memory threshold: the peers here use one, and every rank of a group must move
+    them the same way)."""
     settings_ = objcomm.Settings()
     fields = dict(slot=settings_.slot_bytes, chunk=settings_.chunk_bytes, max_bytes=settings_.max_bytes)
     fields.update(kw)
+    options = _settings.resolve({"shm": False}, {})
     return _transport.Wire(
         group=dist.group.WORLD, ranks=list(range(dist.get_world_size())), rank=dist.get_rank(),
-        device=torch.device("cpu"), first_round=_call.first_round_for(_settings.resolve({}, {})), **fields,
+        device=torch.device("cpu"), first_round=_call.first_round_for(options),
+        second_round=_call.second_round_for(options, SegmentBook()), **fields,
     )
 
 

@@ -21,7 +21,7 @@ from _hostile import tensor_tables_that_lie
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _channel_round, _shm, _transport
+from objcomm import _bytes, _channel_round, _shm, _transport
 from objcomm._channel_round import CHUNK, _chunks, _incoming, _place
 from objcomm._errors import FrameError
 from objcomm._slots import SlotInfo
@@ -49,40 +49,47 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-ROUTES = {"backend": [(_transport, "all_gather_equal"), (_transport, "broadcast_bytes")],  # round 2's moves
-          "shm": [(_shm.SharedMemory, "all_gather"), (_shm.SharedMemory, "broadcast")]}
+ROUTES = {"backend": [(_transport, "all_gather_equal"), (_transport, "broadcast_bytes"),  # round 2's moves
+                      (_bytes.Batch, "send_rest"), (_bytes.Batch, "recv")],
+          "shm": [(_shm.SharedMemory, "_collective")]}
+
+
+def _every_medium_collective(comm: objcomm.Communicator, mine: Any) -> List[Any]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return [comm.all_gather(mine)] + [comm.broadcast(mine if rank == root else None, src=root)
+                                      for root in range(world)] + [comm.gather(mine, dst=root) for root in range(world)]
 
 
 def medium_collectives(sizes: List[int]) -> List[Any]:
-    """For each mix of sizes (rank r takes sizes[(i + r) % len]), all_gather and broadcast from every root through
-    the channel and through the backend (local=False): whether the results agree, and where round 2 went."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """For each mix of sizes (rank r takes sizes[(i + r) % len]), all_gather, and broadcast and gather with every
+    root, through the channel and through the backend (local=False): whether the results agree, and where round 2
+    went."""
+    rank = dist.get_rank()
     channel, backend = objcomm.Communicator(local=True), objcomm.Communicator(local=False)
     channel.all_gather(None)
     report = []
     for i in range(len(sizes)):
         mine = _payload(rank, sizes[(i + rank) % len(sizes)])
         with counting(ROUTES) as counts:
-            got = [channel.all_gather(mine)] + [channel.broadcast(mine if rank == root else None, src=root)
-                                                for root in range(world)]
-        expected = [backend.all_gather(mine)] + [backend.broadcast(mine if rank == root else None, src=root)
-                                                 for root in range(world)]
+            got = _every_medium_collective(channel, mine)
+        expected = _every_medium_collective(backend, mine)
         report.append((all(_same(a, b) for a, b in zip(got, expected)), counts["backend"], counts["shm"]))
-        own = got[0][rank]["tensor"]
-        own.add_(1)  # an own result never aliases the input
-        report[-1] += (own.numel() == 0 or not torch.equal(own, mine["tensor"]),)
+        owns = [got[0][rank]["tensor"], got[1 + dist.get_world_size() + rank][rank]["tensor"]]  # all_gather, gather
+        for own in owns:
+            own.add_(1)  # an own result never aliases the input (nor each other)
+        report[-1] += (all(torch.equal(own, mine["tensor"] + 1) for own in owns),)
     return report
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_medium_all_gather_and_broadcast_move_round_two_through_the_channel_with_the_backends_results(world):
+def test_medium_all_gather_broadcast_and_gather_move_round_two_through_the_channel_with_the_backends_results(world):
     for rank_report in get_pool(world).run(medium_collectives, SIZES):
         assert rank_report == [(True, 0, 0, True)] * len(SIZES)
 
 
 def routes_kept() -> List[Any]:
-    """What the channel does not take keeps its route: sizes at shm_threshold go to shared memory, gather to the
-    backend (send/recv: tests/test_channel_round_p2p.py)."""
+    """What the channel does not take keeps its route: sizes at shm_threshold go to shared memory; without shared
+    memory the channel takes them (send/recv: tests/test_channel_round_p2p.py)."""
     rank = dist.get_rank()
     small_threshold = objcomm.Communicator(local=True, shm_threshold=3 * CHUNK)
     small_threshold.all_gather(None)
@@ -92,7 +99,6 @@ def routes_kept() -> List[Any]:
         ("at the threshold", lambda: small_threshold.all_gather(big)),
         ("below, without shared memory", lambda: objcomm.Communicator(local=True, shm=False).all_gather(
             _payload(rank, CHUNK))),
-        ("gather", lambda: small_threshold.gather(_payload(rank, CHUNK), dst=0)),
     ]:
         with counting(ROUTES) as counts:
             call()
@@ -104,7 +110,6 @@ def test_what_the_channel_does_not_take_keeps_its_route():
     receiver = dict(get_pool(2).run(routes_kept)[1])
     assert receiver["at the threshold"] == {"backend": 0, "shm": 1}
     assert receiver["below, without shared memory"] == {"backend": 0, "shm": 0}
-    assert receiver["gather"]["shm"] == 0 and receiver["gather"]["backend"] == 0  # gather's rest: backend sends
 
 
 def out_of_step_sender() -> List[Any]:
@@ -224,20 +229,26 @@ def tensors_split_against_their_table(local: bool, op: str) -> List[Any]:
                "s": "x" * 9000}  # the frame past the slot, and its tensors out of band
     try:
         with tensor_tables_that_lie(rank == 1):
-            comm.all_gather(payload) if op == "all_gather" else comm.broadcast(payload if rank == 1 else None, src=1)
+            if op == "gather":
+                comm.gather(payload, dst=0)
+            elif op == "all_gather":
+                comm.all_gather(payload)
+            else:
+                comm.broadcast(payload if rank == 1 else None, src=1)
         outcome = "ok"
     except objcomm.ObjcommError as exc:
         outcome = type(exc).__name__
     return [outcome, comm.all_gather(rank)]
 
 
-@pytest.mark.parametrize("op", ["all_gather", "broadcast"])
+@pytest.mark.parametrize("op", ["all_gather", "broadcast", "gather"])
 def test_tensors_split_against_their_table_are_refused_as_on_the_backend(op):
     pool = get_pool(2)
     channel, backend = pool.run(tensors_split_against_their_table, True, op), \
         pool.run(tensors_split_against_their_table, False, op)
     assert channel == backend
-    assert [rank_got[0] for rank_got in channel] == ["FrameError", "FrameError"]  # the root's own frame too
+    refused = ["FrameError", "ok"] if op == "gather" else ["FrameError", "FrameError"]  # a root's own frame too
+    assert [rank_got[0] for rank_got in channel] == refused  # (a gather's sender does not decode)
     assert [rank_got[1] for rank_got in channel] == [[0, 1], [0, 1]]  # and the group works on
 
 
