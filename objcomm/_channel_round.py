@@ -1,6 +1,6 @@
-"""Medium second rounds through the same-host channel: the bytes of an ``all_gather``, ``gather``, ``broadcast``
-or send/recv that overflow their slots, below the shared-memory threshold (and :data:`MOST`), in messages of the
-channel.
+"""Medium second rounds through the same-host channel: the bytes of an ``all_gather``, ``gather``, ``broadcast``,
+``all_to_all`` or send/recv that overflow their slots, below the shared-memory threshold (and :data:`MOST`), in
+messages of the channel.
 
 A frame past its slot (or with tensors) has a second round, which the group's backend moves: on one host,
 gloo over loopback TCP, hundreds of microseconds a collective, where the bytes themselves take a few (a
@@ -9,8 +9,9 @@ and two control words per call, worth it from ``shm_threshold`` (2 MiB) on. Betw
 of the call went through the group's channel (:mod:`objcomm._first`), the second round does too: each
 sender's bytes (its frame unless the slot carried it, then its tensors, back to back: a segment file's
 layout) in messages of at most :data:`CHUNK` bytes, one channel collective per message (a gather's: each
-rank's message to the destination alone), as many as the largest sender needs (every rank knows each
-sender's size from round 1, so every rank makes the same calls; a sender with fewer bytes sends empty
+rank's message to the destination alone; an all_to_all's: each pair's), as many as the largest sender needs
+(every rank knows each sender's size from round 1, or an all_to_all's longest stream from its vote, so every
+rank makes the same calls; a sender with fewer bytes sends empty
 messages; every :data:`MOST` bytes of broadcasts and gathers, one ends with an empty all_gather, so that no
 root, or gather's sender, runs far ahead of its receivers). Receivers check each message's length against
 what the sender's slot announced (a mismatch fails the channel: the ranks are out of step), then read the
@@ -43,7 +44,7 @@ from . import _limits, _local
 from ._errors import FrameError
 from ._inbox import REST
 from ._segments import host_bytes
-from ._slots import SlotInfo
+from ._slots import SlotInfo, outgoing_second_round_bytes
 from ._wire import Incoming, NotUsed, Outgoing, SecondRound, SizesOf, Slot, Wire
 
 CHUNK = _local.MAX_PAYLOAD  # bytes of one channel message
@@ -53,8 +54,9 @@ MOST = 16 << 20  # the most second-round bytes (largest sender's) the channel ta
 
 @dataclass(frozen=True)
 class ChannelRounds:
-    """The second round of ``all_gather``, ``gather`` and ``broadcast`` through the same-host channel below ``limit``
-    bytes (the largest sender's); everything else by ``inner``."""
+    """The second round of ``all_gather``, ``gather``, ``broadcast`` and ``all_to_all`` through the same-host channel
+    below ``limit`` bytes (the largest sender's); everything else by ``inner`` (scatter: its receivers do not know
+    how many messages the others get)."""
 
     inner: SecondRound
     limit: int
@@ -78,7 +80,7 @@ class ChannelRounds:
         channel, spin = found
         me = wire.rank
         received: List[Optional[bytearray]] = [bytearray(n) if n and r != me else None for r, n in enumerate(moved)]
-        mine = _chunks(_pieces(out, infos[me]))
+        mine = _chunks(_pieces(out, infos[me].inline is not None))
         for index in range(-(-max(moved) // CHUNK)):
             got = channel.all_gather(next(mine, b""), False, spin)
             for r, into in enumerate(received):
@@ -100,7 +102,7 @@ class ChannelRounds:
         channel, spin = found
         if wire.rank == src:
             assert out is not None
-            for chunk in _chunks(_pieces(out, info)):
+            for chunk in _chunks(_pieces(out, info.inline is not None)):
                 channel.broadcast(chunk, src, spin)
             _all_received(channel, moved, spin, op)
             return Incoming(out.frame, list(out.tensors))  # the caller decodes its own with own=True
@@ -127,7 +129,7 @@ class ChannelRounds:
         channel, spin = found
         me, messages = wire.rank, -(-max(moved) // CHUNK)
         if me != dst:
-            mine = _chunks(_pieces(out, infos[me]))
+            mine = _chunks(_pieces(out, infos[me].inline is not None))
             for _ in range(messages):
                 channel.gather(next(mine, b""), dst, spin)
             _all_received(channel, sum(moved), spin, op)
@@ -152,7 +154,27 @@ class ChannelRounds:
 
     def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
                    longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
-        return self.inner.all_to_all(wire, outs, infos, sizes_of, longest, op)
+        found = self._channel(wire, longest)  # the longest stream of any pair, which every rank's vote carried
+        if found is None:
+            return self.inner.all_to_all(wire, outs, infos, sizes_of, longest, op)
+        channel, spin = found
+        me, capacity = wire.rank, wire.inline_capacity
+        streams = [_chunks(_pieces(o, o.frame_nbytes <= capacity))
+                   if r != me and outgoing_second_round_bytes(o, capacity) else iter(()) for r, o in enumerate(outs)]
+        received: List[Optional[bytearray]] = [
+            bytearray(info.second_round_bytes) if r != me and info.second_round_bytes else None
+            for r, info in enumerate(infos)]
+        for index in range(-(-longest // CHUNK)):  # every pair's message #index at once; b"" once a stream ended
+            got = channel.all_to_all([next(stream, b"") for stream in streams], False, spin)
+            for r, into in enumerate(received):
+                if into is not None:
+                    _place(channel, into, got[r], index, r, op)
+        return [
+            Incoming(outs[r].frame, list(outs[r].tensors)) if r == me  # the caller decodes its own with own=True
+            else _incoming(into, infos[r], sizes_of, r, op) if into is not None
+            else Incoming(infos[r].inline)  # type: ignore[arg-type]
+            for r, into in enumerate(received)
+        ]
 
     def send(self, wire: Wire, out: Outgoing, dst: int, op: str) -> bool:
         return self.inner.send(wire, out, dst, op)
@@ -174,7 +196,7 @@ def send_p2p(channel: _local.LocalChannel, wire: Wire, out: Outgoing, info: Slot
              message: int) -> None:
     """The rest of message ``message`` to group rank ``dst``, once it answered for it: its frame unless the slot
     carried it, then its tensors, in messages of :data:`CHUNK` bytes under ``(tag, REST, message)``."""
-    for chunk in _chunks(_pieces(out, info)):
+    for chunk in _chunks(_pieces(out, info.inline is not None)):
         channel.send_part(REST, chunk, dst, wire.tag, message)
 
 
@@ -194,10 +216,10 @@ def recv_p2p(channel: _local.LocalChannel, spin: Optional[float], wire: Wire, in
     return None if into is None else _incoming(into, info, sizes_of, src, op)
 
 
-def _pieces(out: Outgoing, info: SlotInfo) -> List[memoryview]:
-    """What this rank moves after round 1, as byte views: its frame's parts unless the slot carried it, then its
-    tensors (host memory: the channel is only used for CPU wires)."""
-    frame = [] if info.inline is not None else [memoryview(p).cast("B") for p in out.parts]
+def _pieces(out: Outgoing, inline: bool) -> List[memoryview]:
+    """What this rank moves after round 1, as byte views: its frame's parts unless the slot carried it
+    (``inline``), then its tensors (host memory: the channel is only used for CPU wires)."""
+    frame = [] if inline else [memoryview(p).cast("B") for p in out.parts]
     return [p for p in frame + [host_bytes(t) for t in out.tensors] if p.nbytes]
 
 
@@ -269,6 +291,8 @@ def _incoming(data: bytearray, info: SlotInfo, sizes_of: SizesOf, sender: int, o
     problem = problem or _limits.table_problem(info.length, info.total, sizes, info.sizes)
     if problem:  # (the frame and its table make the slot's total: the rest of ``data`` is the tensors)
         raise _limits.inconsistent(op, sender, problem)
+    if not sizes:
+        return Incoming(frame, [])
     whole = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     tensors = []
     for n in sizes:  # views at their offset in ``whole``: the restorer copies one its dtype cannot start at

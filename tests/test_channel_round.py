@@ -50,39 +50,41 @@ def _same(a: Any, b: Any) -> bool:
 
 
 ROUTES = {"backend": [(_transport, "all_gather_equal"), (_transport, "broadcast_bytes"),  # round 2's moves
-                      (_bytes.Batch, "send_rest"), (_bytes.Batch, "recv")],
+                      (_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_transport, "all_to_all_bytes")],
           "shm": [(_shm.SharedMemory, "_collective")]}
 
 
-def _every_medium_collective(comm: objcomm.Communicator, mine: Any) -> List[Any]:
+def _every_medium_collective(comm: objcomm.Communicator, mine: Any, parts: List[Any]) -> List[Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
-    return [comm.all_gather(mine)] + [comm.broadcast(mine if rank == root else None, src=root)
-                                      for root in range(world)] + [comm.gather(mine, dst=root) for root in range(world)]
+    return [comm.all_gather(mine), *(comm.broadcast(mine if rank == root else None, src=root) for root in range(world)),
+            *(comm.gather(mine, dst=root) for root in range(world)), comm.all_to_all(parts)]
 
 
 def medium_collectives(sizes: List[int]) -> List[Any]:
-    """For each mix of sizes (rank r takes sizes[(i + r) % len]), all_gather, and broadcast and gather with every
-    root, through the channel and through the backend (local=False): whether the results agree, and where round 2
-    went."""
-    rank = dist.get_rank()
+    """For each mix of sizes (rank r takes sizes[(i + r) % len]; its all_to_all part for rank j sizes[(i + r + j) %
+    len]), all_gather, broadcast and gather with every root, and all_to_all, through the channel and through the
+    backend (local=False): whether the results agree, and where round 2 went."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     channel, backend = objcomm.Communicator(local=True), objcomm.Communicator(local=False)
     channel.all_gather(None)
     report = []
     for i in range(len(sizes)):
         mine = _payload(rank, sizes[(i + rank) % len(sizes)])
+        parts = [_payload(rank * world + j, sizes[(i + rank + j) % len(sizes)]) for j in range(world)]
         with counting(ROUTES) as counts:
-            got = _every_medium_collective(channel, mine)
-        expected = _every_medium_collective(backend, mine)
+            got = _every_medium_collective(channel, mine, parts)
+        expected = _every_medium_collective(backend, mine, parts)
         report.append((all(_same(a, b) for a, b in zip(got, expected)), counts["backend"], counts["shm"]))
-        owns = [got[0][rank]["tensor"], got[1 + dist.get_world_size() + rank][rank]["tensor"]]  # all_gather, gather
-        for own in owns:
+        owns = [got[0][rank]["tensor"], got[1 + world + rank][rank]["tensor"]]  # all_gather's, gather's
+        for own in owns + [got[-1][rank]["tensor"]]:  # and all_to_all's
             own.add_(1)  # an own result never aliases the input (nor each other)
-        report[-1] += (all(torch.equal(own, mine["tensor"] + 1) for own in owns),)
+        report[-1] += (all(torch.equal(own, mine["tensor"] + 1) for own in owns)
+                       and torch.equal(got[-1][rank]["tensor"], parts[rank]["tensor"] + 1),)
     return report
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_medium_all_gather_broadcast_and_gather_move_round_two_through_the_channel_with_the_backends_results(world):
+def test_medium_collectives_move_round_two_through_the_channel_with_the_backends_results(world):
     for rank_report in get_pool(world).run(medium_collectives, SIZES):
         assert rank_report == [(True, 0, 0, True)] * len(SIZES)
 
@@ -233,6 +235,8 @@ def tensors_split_against_their_table(local: bool, op: str) -> List[Any]:
                 comm.gather(payload, dst=0)
             elif op == "all_gather":
                 comm.all_gather(payload)
+            elif op == "all_to_all":
+                comm.all_to_all([payload, payload])
             else:
                 comm.broadcast(payload if rank == 1 else None, src=1)
         outcome = "ok"
@@ -241,7 +245,7 @@ def tensors_split_against_their_table(local: bool, op: str) -> List[Any]:
     return [outcome, comm.all_gather(rank)]
 
 
-@pytest.mark.parametrize("op", ["all_gather", "broadcast", "gather"])
+@pytest.mark.parametrize("op", ["all_gather", "broadcast", "gather", "all_to_all"])
 def test_tensors_split_against_their_table_are_refused_as_on_the_backend(op):
     pool = get_pool(2)
     channel, backend = pool.run(tensors_split_against_their_table, True, op), \
