@@ -129,9 +129,8 @@ class ChannelRoute:
     def send_rest(self, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
         _channel_round.send_p2p(self.channel, wire, out, info, dst, message)
 
-    def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str,
-                  keep: bool = True) -> Optional[Incoming]:
-        return _channel_round.recv_p2p(self.channel, self.spin, wire, info, sizes_of, src, message, op, keep)
+    def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str) -> Incoming:
+        return _channel_round.recv_p2p(self.channel, self.spin, wire, info, sizes_of, src, message, op)
 
 
 class _Counted:

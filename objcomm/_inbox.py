@@ -27,7 +27,9 @@ forward: at or before the last collective this rank finished, or not after the p
 Point-to-point messages carry a message id where collectives carry their sequence number: a send's
 slot (taken by tag, in order) tells the receiver its id, and the receiver's answer and the rest of
 the send (:mod:`objcomm._channel_round`) travel under ``(tag, kind, id)``, so that concurrent sends
-under one tag never take each other's.
+under one tag never take each other's here (shared memory's handshake, at or above its threshold, goes
+through the group, where they can). After a wait for one of those timed out, later ones under its key are
+dropped on arrival (:meth:`Inbox.abandon`).
 A waiter for collective ``s`` from a peer whose later collective already arrived fails at once (the
 peer called a different operation). A wait past the timeout fails the channel in a collective (the
 others wait in the same call); a recv that times out raises and leaves it open. The sender and the
@@ -45,7 +47,7 @@ import struct
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, NoReturn, Optional, Sequence, Set, Tuple
 
 from ._errors import CommunicationError
 
@@ -92,6 +94,7 @@ class Inbox:
         self._size = HEADER.size + largest
         self._buffers = {r: bytearray(self._size) for r in peers}  # one reader per socket: one buffer each
         self._stash: Dict[int, Dict[Key, Deque[Entry]]] = {r: {} for r in peers}
+        self._abandoned: Dict[int, Set[Key]] = {r: set() for r in peers}  # keys nobody will take: dropped on arrival
         self._stashed = 0
         self._last: Dict[int, int] = {}  # peer -> sequence number of its latest collective message
         self._readers: Dict[int, int] = {}  # peer -> thread reading its socket
@@ -423,7 +426,17 @@ class Inbox:
             self._fail(op, f"{self._who(peer)} sent a message of unknown kind {kind}: a protocol error")
         return key, (kind, flags, bytes(memoryview(self._buffers[peer])[HEADER.size : length]))
 
+    def abandon(self, peer: int, key: Key) -> None:
+        """Nobody will take ``peer``'s messages under ``key`` (a wait for them timed out): drop those stashed, and
+        those that come later on arrival, so that a late peer cannot fill the stash with them."""
+        with self.cond:
+            self._abandoned[peer].add(key)
+            while self._pop(peer, key) is not None:
+                pass
+
     def _put(self, peer: int, key: Key, entry: Entry, op: str) -> None:
+        if key in self._abandoned[peer]:
+            return
         queues = self._stash[peer]
         size = len(entry[2]) + ENTRY_OVERHEAD + (0 if key in queues else KEY_OVERHEAD)
         if self._stashed + size > self._limit:

@@ -91,6 +91,7 @@ from ._errors import CommunicationError
 from ._inbox import (
     ALL_GATHER,
     ALL_TO_ALL,
+    ANSWER,
     BROADCAST,
     GATHER,
     HEADER,
@@ -98,6 +99,7 @@ from ._inbox import (
     NAMES,
     P2P,
     READY,
+    REST,
     SCATTER,
     STASH_BYTES,
     Inbox,
@@ -107,6 +109,7 @@ from ._wire import Slot, Wire, all_gather_single, guarded
 DEFAULT_TIMEOUT = 300.0  # seconds any one wait may take
 SETUP_TIMEOUT = 30.0  # seconds to connect the mesh
 MAX_PAYLOAD = 64 << 10  # bytes in one message; a SEQPACKET message must fit the socket's send buffer
+_WAITER = {ANSWER: "send", REST: "recv"}  # the operation that waits for each part of a send
 AUTO_SPIN = 100e-6  # seconds a wait polls before sleeping when the spin setting is automatic (see yields)
 
 _HELLO = struct.Struct("<iq")  # connector's group rank, the acceptor's secret
@@ -326,11 +329,19 @@ class LocalChannel:
         self._send(dst, HEADER.pack(kind, 0, message, tag), data, NAMES[kind])
 
     def recv_part(self, kind: int, src: int, tag: int, message: int, spin: Optional[float] = None) -> bytes:
-        """The next ``kind`` of message ``message`` under ``tag`` from group rank ``src`` (see :meth:`send_part`)."""
-        op = NAMES[kind]
+        """The next ``kind`` of message ``message`` under ``tag`` from group rank ``src`` (see :meth:`send_part`).
+        After a wait that timed out (the channel stays open), what comes later under the same key is dropped on
+        arrival: nobody waits for it any more."""
+        op = _WAITER[kind]
         self.check(op)
         spin = self.auto_spin if spin is None else spin
-        return self._inbox.take([src], (False, tag, kind, message), kind, op, first=True, spin=spin)[0][src]
+        key = (False, tag, kind, message)
+        try:
+            return self._inbox.take([src], key, kind, op, first=True, spin=spin)[0][src]
+        except CommunicationError:
+            if not self.closed:
+                self._inbox.abandon(src, key)
+            raise
 
     def close(self, why: Optional[str] = None) -> None:
         """Close every connection (the peers read EOF, and threads of this rank waiting on it raise); idempotent."""

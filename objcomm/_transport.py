@@ -27,10 +27,9 @@ Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat ui
 the wire's device. The slot's layout is :mod:`objcomm._slots`. The collectives' round 1 goes through
 the wire's first-round strategy (:class:`objcomm._wire.FirstRound`; the same-host channel) when it
 takes the slots, else through the group; so does the slot of a send/recv (:meth:`~objcomm._wire.FirstRound.p2p`),
-and then its route (:class:`objcomm._wire.Route`) carries the receiver's answer too, always (a few µs), and
-the rest where the receiver answers so (below the shared-memory threshold) or, for at most
-:data:`EAGER_REST` bytes that the group's path would send without asking, right after the slot without an
-answer (a refusing receiver drops them). After round 1 each operation asks the
+and then its route (:class:`objcomm._wire.Route`) carries the receiver's answer too, always (a few µs; it
+also paces the sender, as the group's rendezvous does), and the rest where the receiver answers so (below
+the shared-memory threshold). After round 1 each operation asks the
 wire's second-round strategy (:class:`objcomm._wire.SecondRound`; shared memory on one host) once
 whether it takes the rest; when it answers ``NOT_USED`` the transport moves it.
 """
@@ -71,7 +70,6 @@ from ._wire import (
 
 SCRATCH = _limits.SCRATCH_BYTES
 REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead; 3: REST_ON_ROUTE)
-EAGER_REST = 64 << 10  # the most bytes after a send's slot that the same-host channel moves without an answer first
 
 
 def _slot(wire: Wire, out: Outgoing) -> bytearray:
@@ -98,15 +96,6 @@ def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
     if _limits.largest_piece(0 if info.inline is not None else info.length, info.sizes, wire.chunk) > SCRATCH:
         return True
     return wire.second_round.worth(wire, info.second_round_bytes, op)
-
-
-def _eager(wire: Wire, info: SlotInfo, route: Route, agreed: bool) -> bool:
-    """Whether the rest of a send/recv whose slot ``route`` carried follows it at once, without the receiver's
-    answer: at most :data:`EAGER_REST` bytes that the route takes (:meth:`~objcomm._wire.Route.takes_rest`) and
-    that the group's path would send without asking either (``agreed``: :func:`_agreement_needed`). Decided from
-    the slot and the settings every rank of a group shares (as :func:`_agreement_needed` is), so sender and
-    receiver agree."""
-    return not agreed and info.second_round_bytes <= EAGER_REST and route.takes_rest(wire, info)
 
 
 def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, problem: Optional[str] = None) -> None:
@@ -340,10 +329,7 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route]) -> None:
         return
     answer: Optional[int] = None
     agreed = _agreement_needed(wire, info, op)
-    if route is not None and _eager(wire, info, route, agreed):
-        route.send_rest(wire, out, info, dst, message)  # a receiver that refuses it drops it and raises alone
-        return
-    if route is not None:  # else the receiver answers on the route: a few µs there
+    if route is not None:  # the receiver always answers on the route (a few µs), which also paces this sender
         answer = route.answer_of(wire, dst, message, op)
         if answer and answer != REST_ON_ROUTE and not agreed:
             return  # refused where the group's path sends without asking: there the receiver drains and raises alone
@@ -400,15 +386,7 @@ def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: 
         return sender, Incoming(info.inline, error=info.error), info.error
     sizes, problem = _limits.plan(info, sizes_of)
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if info.total > wire.max_bytes else 0
-    agreed = _agreement_needed(wire, info, op)
-    if route is not None and _eager(wire, info, route, agreed):
-        incoming = route.recv_rest(wire, info, sizes_of, sender, message, op, keep=not refuse)
-        if refuse:
-            raise _limits.refused(op, sender, wire, info.total, problem, drained=True,
-                                  into=f"messages of the same-host channel (at most {EAGER_REST:,} bytes)")
-        assert incoming is not None
-        return sender, incoming, False
-    if route is not None or agreed:  # a route always answers (but an eager rest): a few µs there
+    if route is not None or _agreement_needed(wire, info, op):  # a route always answers: a few µs there
         on_route = route is not None and not refuse and route.takes_rest(wire, info)
         if route is not None:
             route.answer(wire, sender, message, REST_ON_ROUTE if on_route else refuse)
@@ -417,9 +395,7 @@ def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: 
             guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group, tag=wire.answer_tag)
         if on_route:
             assert route is not None
-            incoming = route.recv_rest(wire, info, sizes_of, sender, message, op)
-            assert incoming is not None
-            return sender, incoming, False
+            return sender, route.recv_rest(wire, info, sizes_of, sender, message, op), False
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem)
         taken = wire.second_round.recv(wire, info, _limits.checked_sizes(sizes_of, [info]), sender, op)

@@ -169,10 +169,9 @@ class Route(Protocol):
     def send_rest(self, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
         """Send what follows the slot of message ``message`` to group rank ``dst``."""
 
-    def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str,
-                  keep: bool = True) -> Optional[Incoming]:
-        """What follows the slot ``info`` of group rank ``src``'s message ``message``; ``keep=False``: received and
-        dropped (None)."""
+    def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int,
+                  op: str) -> Incoming:
+        """What follows the slot ``info`` of group rank ``src``'s message ``message``."""
 
 
 REST_ON_ROUTE = 3  # a receiver's answer: send the rest on the route (the REFUSE_* codes are 1 and 2)

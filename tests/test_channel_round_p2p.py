@@ -1,14 +1,15 @@
-"""Medium send/recv through the same-host channel (objcomm._channel_round, objcomm._first.ChannelRoute): the bytes
-after a send's slot follow it on the channel below shm_threshold, at once up to EAGER_REST bytes and after the
-receiver's answer above, with the backend's results and outcomes; concurrent sends under one tag never take each
-other's bytes; a sender out of step or a malformed answer fails the channel; a sender killed mid-message makes
-its receiver raise."""
+"""Medium send/recv through the same-host channel (objcomm._channel_round, objcomm._first.ChannelRoute): the
+receiver's answer and, below shm_threshold, the bytes after a send's slot go through the channel, with the
+backend's results and outcomes; concurrent sends under one tag never take each other's bytes; a sender out of
+step or a malformed answer fails the channel; a wait that times out names its operation, and what comes late
+for it is dropped; a sender killed mid-message makes its receiver raise."""
 
 from __future__ import annotations
 
 import signal
 import threading
 import time
+from datetime import timedelta
 from typing import Any, Dict, List
 
 import pytest
@@ -19,17 +20,13 @@ from _ranks import get_pool
 from test_channel_round import _payload, _same, die_after_one_message, outcome_of
 
 import objcomm
-import serializers
-from objcomm import _bytes, _channel_round, _first, _framing, _shm, _state, _transport
+from objcomm import _bytes, _channel_round, _first, _shm, _state, _transport
 from objcomm._channel_round import CHUNK
 from objcomm._inbox import REST
-from objcomm._slots import outgoing_second_round_bytes
-from objcomm._wire import SLOT_PREFIX_BYTES
 
 pytestmark = pytest.mark.timeout(180)
 
-EAGER = _transport.EAGER_REST
-SIZES = [0, 100, 5_000, EAGER // 4 - 300, EAGER // 4, CHUNK, 3 * CHUNK + 7, 150_000, 700_000]  # _payload's bulk
+SIZES = [0, 100, 5_000, CHUNK // 4 - 300, CHUNK // 4, CHUNK, 3 * CHUNK + 7, 150_000, 700_000]  # _payload's bulk
 SHARED = 700_000  # past shm_threshold (2 MiB): the rest goes through shared memory, after the channel's answer
 ROUTES = {"backend": [(_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_transport, "recv_bytes")],
           "shm": [(_shm.SharedMemory, "_collective"), (_shm, "fetch")],
@@ -39,17 +36,6 @@ ROUTES = {"backend": [(_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_tra
 
 def _channel() -> Any:
     return _state.group_facts(dist.group.WORLD).local[False].channel
-
-
-def _text_with_rest(rest: int) -> str:
-    """A str whose frame, past the default slot, is exactly ``rest`` bytes: all a send moves after its slot."""
-    capacity = objcomm.Settings().slot_bytes - SLOT_PREFIX_BYTES
-    for n in range(rest - 200, rest):
-        text = "x" * n
-        out = _framing.encode(text, serializers.get("pickle"), max_bytes=1 << 30)
-        if outgoing_second_round_bytes(out, capacity) == rest:
-            return text
-    raise AssertionError(f"no str has a {rest}-byte frame")
 
 
 def medium_send_recv(sizes: List[int]) -> List[Any]:
@@ -79,42 +65,18 @@ def test_medium_send_recv_moves_its_rest_through_the_channel():
             assert counts["backend"] == 0, (size, counts)
             if size == SHARED:  # each rank fetched one segment, after it answered
                 assert (counts["shm"], counts["channel"], counts["answers"]) == (1, 0, 1), (size, counts)
-            elif size > 100:  # past the slot: each rank sent one rest and received one
-                assert counts["shm"] == 0 and counts["channel"] == 2, (size, counts)
-                assert counts["answers"] == (0 if size < CHUNK else 1), (size, counts)  # eager, then answered
-
-
-def eager_boundary() -> List[Any]:
-    """A rest of EAGER_REST bytes follows its slot at once; one byte more waits for the receiver's answer."""
-    rank = dist.get_rank()
-    comm = objcomm.Communicator(local=True)
-    comm.all_gather(None)
-    got = []
-    for rest in (EAGER, EAGER + 1):
-        text = _text_with_rest(rest)
-        with counting(ROUTES) as counts:
-            if rank == 0:
-                comm.send(text, 1)
-            else:
-                assert comm.recv(0) == text
-        got.append((rest, counts["answers"], counts["channel"], counts["backend"]))
-    return got
-
-
-def test_the_rest_follows_at_once_up_to_eager_rest_bytes():
-    for rank_got in get_pool(2).run(eager_boundary):
-        assert rank_got == [(EAGER, 0, 1, 0), (EAGER + 1, rank_got[1][1], 1, 0)]
-    assert [rank_got[1][1] for rank_got in get_pool(2).run(eager_boundary)] == [0, 1]  # the receiver answered
+            elif size > 100:  # past the slot: each rank answered, sent one rest and received one
+                assert (counts["shm"], counts["channel"], counts["answers"]) == (0, 2, 1), (size, counts)
 
 
 # -- refusals: the same outcome on every rank as through the backend ----------------------------------------------
-REFUSED = {"eager": 20_000, "answered": 200_000, "agreed": 1_500_000}  # a str's length; receiver's max_bytes 5,000
+REFUSED = {"small": 20_000, "medium": 200_000, "agreed": 1_500_000}  # a str's length; receiver's max_bytes 5,000
 
 
 def refusals(local: bool) -> Dict[str, Any]:
-    """Rank 0 sends strs past rank 1's max_bytes: what each rank raises (a rest of at most EAGER_REST: drained;
-    above, the receiver answers; the sender learns of it where the backend's path asks first: past 1 MiB), and
-    whether the pair works on."""
+    """Rank 0 sends strs past rank 1's max_bytes: what each rank raises (the sender too where the backend's path
+    asks the receiver first: past 1 MiB; through the backend a receiver drains what it was not asked about, through
+    the channel it answers and nothing moves), and whether the pair works on."""
     rank = dist.get_rank()
     comm = objcomm.Communicator(local=local)
     comm.all_gather(None)
@@ -135,16 +97,12 @@ def refusals(local: bool) -> Dict[str, Any]:
 def test_a_refused_send_ends_as_through_the_backend():
     pool = get_pool(2)
     channel, backend = pool.run(refusals, True), pool.run(refusals, False)
-    assert [{k: v for k, v in r.items() if k != "answered"} for r in channel] == \
-        [{k: v for k, v in r.items() if k != "answered"} for r in backend]
     sender, receiver = channel
-    assert sender == {"eager": "ok", "eager, then": None, "answered": "ok", "answered, then": None,
-                      "agreed": ("TooLargeError", False), "agreed, then": None}
-    assert receiver["eager"] == ("TooLargeError", True)  # its rest received and dropped, as the backend drains it
-    assert receiver["answered"] == ("TooLargeError", False)  # refused before it moved (the backend drains it)
-    assert backend[1]["answered"] == ("TooLargeError", True)
-    assert receiver["agreed"] == ("TooLargeError", False)
-    assert all(receiver[k + ", then"] == "after" for k in REFUSED)
+    assert sender == backend[0] == {"small": "ok", "small, then": None, "medium": "ok", "medium, then": None,
+                                    "agreed": ("TooLargeError", False), "agreed, then": None}
+    assert receiver == {"small": ("TooLargeError", False), "medium": ("TooLargeError", False),  # nothing moved
+                        "agreed": ("TooLargeError", False), **{k + ", then": "after" for k in REFUSED}}
+    assert backend[1] == {**receiver, "small": ("TooLargeError", True), "medium": ("TooLargeError", True)}  # drained
 
 
 # -- concurrent sends under one tag ------------------------------------------------------------------------------
@@ -208,6 +166,32 @@ def test_threads_sending_under_one_tag_keep_their_own_rests():
     assert get_pool(2).run(threads_under_one_tag)[0] == [((t, i), True) for t in range(2) for i in range(4)]
 
 
+def producer_ahead_of_its_consumer() -> Any:
+    """Rank 0 sends 1,300 objects of 60 KB (78 MB, past the 64 MiB stash) as fast as it can; rank 1 receives them
+    slowly while an irecv is outstanding (a thread reading its socket ahead, filing what comes): the receiver's
+    answers pace the sender, so the stash never holds much (found by review: rests sent without an answer failed
+    the channel within 0.3 s)."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=True)
+    comm.all_gather(None)
+    blob = b"p" * 60_000
+    if rank == 0:
+        for i in range(1_300):
+            comm.send((i, blob), 1, tag=1)
+        comm.send("stop", 1, tag=9)
+        return None
+    stop = comm.irecv(0, tag=9)
+    got = []
+    for _ in range(1_300):
+        got.append(comm.recv(0, tag=1)[0])
+        time.sleep(0.002)
+    return [got == list(range(1_300)), stop.wait(60)]
+
+
+def test_a_sender_does_not_run_ahead_of_a_slow_receiver():
+    assert get_pool(2).run(producer_ahead_of_its_consumer)[1] == [True, "stop"]
+
+
 def strays_under_other_ids() -> Any:
     """Rest messages under ids no message has (a buggy or hostile peer) wait in the stash; they are never taken as
     the rest of a real message."""
@@ -263,6 +247,70 @@ def test_an_answer_of_two_bytes_fails_the_channel():
     assert "rank 0 answered message #" in sender[0] and "with 2 bytes where 1 was due" in sender[0], sender
     assert "local channel failed" in receiver[0] and "closed its connection" in receiver[0], receiver  # it waited
     assert receiver[1] == sender[1] == ("ok", [0, 1])  # a new channel
+
+
+# -- waits that time out ----------------------------------------------------------------------------------------------
+def stalls(mode: str) -> List[Any]:
+    """A group with a 3 s timeout. ``rest``: rank 1 stalls 5 s after the first message of a rest, so rank 0's recv
+    times out, and the rest of the rest arrives late; ``answer``: rank 1 receives 4 s late, so rank 0's send times
+    out waiting for its answer. What rank 0 raised, whether anything late stayed in its stash, and whether the
+    pair and the group work on."""
+    rank = dist.get_rank()
+    sub = dist.new_group([0, 1], timeout=timedelta(seconds=3))
+    comm = objcomm.Communicator(sub, local=True)
+    comm.all_gather(None)
+    raised = None
+    if rank == 1:
+        if mode == "rest":
+            real = _channel_round._chunks
+
+            def stalling(pieces: Any) -> Any:
+                chunks = real(pieces)
+                yield next(chunks)
+                time.sleep(5)
+                yield from chunks
+
+            _channel_round._chunks = stalling  # type: ignore[assignment]
+            try:
+                comm.send(_payload(1, 3 * CHUNK), 0, tag=2)
+            finally:
+                _channel_round._chunks = real  # type: ignore[assignment]
+            comm.send("done", 0, tag=3)
+        else:
+            time.sleep(4)
+            comm.send("done", 0, tag=3)
+            raised = outcome_of(lambda: comm.recv(0, tag=2))[1]  # answers at once; the sender gave up: no rest
+    else:
+        try:
+            comm.recv(1, tag=2) if mode == "rest" else comm.send(_payload(0, 3 * CHUNK), 1, tag=2)
+        except objcomm.CommunicationError as exc:
+            raised = str(exc)
+        assert comm.recv(1, tag=3) == "done"  # meanwhile what comes late is read (the rest)
+        if mode == "answer":
+            time.sleep(2)  # rank 1 waits for a rest until its timeout
+    comm.send("again", 1 - rank, tag=2) if rank == 0 else None
+    again = comm.recv(0, tag=2) if rank == 1 else None
+    after = comm.all_gather(rank)
+    stash = _state.group_facts(sub).local[False].channel._inbox._stash
+    left = sum(len(queue) for queue in stash[1 - rank].values())
+    dist.destroy_process_group(sub)
+    return [raised, left, again, after]
+
+
+def test_a_recv_that_times_out_mid_rest_names_itself_and_drops_what_comes_late():
+    receiver, sender = get_pool(2).run(stalls, "rest")
+    assert receiver[0].startswith("recv over the local channel: no message from rank(s) [1] within the timeout")
+    assert "the channel stays open" in receiver[0]
+    assert receiver[1] == 0  # the two late messages of the rest were dropped on arrival
+    assert sender[2] == "again" and receiver[3] == sender[3] == [0, 1]
+
+
+def test_a_send_that_times_out_waiting_for_its_answer_names_itself():
+    sender, receiver = get_pool(2).run(stalls, "answer")
+    assert sender[0].startswith("send over the local channel: no message from rank(s) [1] within the timeout")
+    assert receiver[0].startswith("recv over the local channel"), receiver  # it answered, and no rest came
+    assert sender[1] == 0  # the late answer was dropped on arrival
+    assert receiver[2] == "again" and sender[3] == receiver[3] == [0, 1]
 
 
 # -- a sender SIGKILLed mid-message ---------------------------------------------------------------------------------
