@@ -5,10 +5,10 @@ shared memory.
     PYTHONPATH=. python benchmarks/bench_second_round.py --ops gather send/recv --world-sizes 2
 
 Each rank all_gathers ``{"data": <bytes of the size>, "meta": [...]}`` (the bytes travel out of band, as a
-tensor: the second round is the size itself; ``gather``: to rank 0; ``send/recv``: a round trip between ranks 0
-and 1, the others idle) through three communicators on the same ranks, whose settings force each route at
-every size: ``shm=False, shm_threshold=1`` (round 2 through gloo), ``shm=False,
-shm_threshold=2**30`` (the same-host channel, ``objcomm._channel_round``) and ``shm_threshold=1`` (shared
+tensor: the second round is the size itself; ``all_to_all``: the same object to every rank; ``gather``: to rank 0;
+``send/recv``: a round trip between ranks 0 and 1, the others idle) through three communicators on the same
+ranks, whose settings force each route at every size: ``shm=False, shm_threshold=1`` (round 2 through gloo),
+``shm=False, shm_threshold=2**30`` (the same-host channel, ``objcomm._channel_round``) and ``shm_threshold=1`` (shared
 memory). By default the channel takes what is below ``shm_threshold`` (2 MiB) and shared memory the rest; the
 table shows where that line should be on this machine. Round-robin after a barrier, 4 calls per sample, the
 median of 9 samples on rank 0, µs per call (per round trip). The machine is shared: compare within one run.
@@ -27,10 +27,19 @@ ROUTES = {"gloo": {"shm": False, "shm_threshold": 1}, "channel": {"shm": False, 
           "shared memory": {"shm_threshold": 1}}
 
 
+def dist_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
 def _call(comm: Any, op: str, obj: Any, rank: int) -> None:
-    """One ``op`` of ``obj``: an all_gather, a gather to rank 0, or a send/recv round trip between ranks 0 and 1."""
+    """One ``op`` of ``obj``: an all_gather, ``obj`` to every rank by all_to_all, a gather to rank 0, or a send/recv
+    round trip between ranks 0 and 1."""
     if op == "all_gather":
         comm.all_gather(obj)
+    elif op == "all_to_all":
+        comm.all_to_all([obj] * dist_size())
     elif op == "gather":
         comm.gather(obj, dst=0)
     elif rank == 0:
@@ -82,7 +91,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", nargs="+", default=["16KB", "128KB", "512KB", "1MB", "2MB", "4MB"])
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--ops", nargs="+", choices=["all_gather", "gather", "send/recv"], default=["all_gather"])
+    parser.add_argument("--ops", nargs="+", choices=["all_gather", "all_to_all", "gather", "send/recv"],
+                        default=["all_gather"])
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from objcomm._bench._payloads import parse_size
