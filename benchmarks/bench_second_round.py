@@ -5,7 +5,8 @@ shared memory.
     PYTHONPATH=. python benchmarks/bench_second_round.py --ops gather send/recv --world-sizes 2
 
 Each rank all_gathers ``{"data": <bytes of the size>, "meta": [...]}`` (the bytes travel out of band, as a
-tensor: the second round is the size itself; ``all_to_all``: the same object to every rank; ``gather``: to rank 0;
+tensor: the second round is the size itself; ``all_to_all``, ``scatter`` (from rank 0): the same object to every
+rank; ``gather``: to rank 0;
 ``send/recv``: a round trip between ranks 0 and 1, the others idle) through three communicators on the same
 ranks, whose settings force each route at every size: ``shm=False, shm_threshold=1`` (round 2 through gloo),
 ``shm=False, shm_threshold=2**30`` (the same-host channel, ``objcomm._channel_round``) and ``shm_threshold=1`` (shared
@@ -34,12 +35,14 @@ def dist_size() -> int:
 
 
 def _call(comm: Any, op: str, obj: Any, rank: int) -> None:
-    """One ``op`` of ``obj``: an all_gather, ``obj`` to every rank by all_to_all, a gather to rank 0, or a send/recv
-    round trip between ranks 0 and 1."""
+    """One ``op`` of ``obj``: an all_gather, ``obj`` to every rank by all_to_all or by scatter from rank 0, a gather
+    to rank 0, or a send/recv round trip between ranks 0 and 1."""
     if op == "all_gather":
         comm.all_gather(obj)
     elif op == "all_to_all":
         comm.all_to_all([obj] * dist_size())
+    elif op == "scatter":
+        comm.scatter([obj] * dist_size() if rank == 0 else None, src=0)
     elif op == "gather":
         comm.gather(obj, dst=0)
     elif rank == 0:
@@ -91,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", nargs="+", default=["16KB", "128KB", "512KB", "1MB", "2MB", "4MB"])
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--ops", nargs="+", choices=["all_gather", "all_to_all", "gather", "send/recv"],
+    parser.add_argument("--ops", nargs="+", choices=["all_gather", "all_to_all", "gather", "scatter", "send/recv"],
                         default=["all_gather"])
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

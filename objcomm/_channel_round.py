@@ -1,6 +1,6 @@
 """Medium second rounds through the same-host channel: the bytes of an ``all_gather``, ``gather``, ``broadcast``,
-``all_to_all`` or send/recv that overflow their slots, below the shared-memory threshold (and :data:`MOST`), in
-messages of the channel.
+``scatter``, ``all_to_all`` or send/recv that overflow their slots, below the shared-memory threshold (and
+:data:`MOST`), in messages of the channel.
 
 A frame past its slot (or with tensors) has a second round, which the group's backend moves: on one host,
 gloo over loopback TCP, hundreds of microseconds a collective, where the bytes themselves take a few (a
@@ -10,10 +10,10 @@ of the call went through the group's channel (:mod:`objcomm._first`), the second
 sender's bytes (its frame unless the slot carried it, then its tensors, back to back: a segment file's
 layout) in messages of at most :data:`CHUNK` bytes, one channel collective per message (a gather's: each
 rank's message to the destination alone; an all_to_all's: each pair's), as many as the largest sender needs
-(every rank knows each sender's size from round 1, or an all_to_all's longest stream from its vote, so every
-rank makes the same calls; a sender with fewer bytes sends empty
-messages; every :data:`MOST` bytes of broadcasts and gathers, one ends with an empty all_gather, so that no
-root, or gather's sender, runs far ahead of its receivers). Receivers check each message's length against
+(every rank knows each sender's size from round 1, or a scatter's or all_to_all's longest stream from its vote,
+so every rank makes the same calls; a sender with fewer bytes sends empty
+messages; every :data:`MOST` bytes of broadcasts, gathers and scatters, one ends with an empty all_gather, so
+that no root, or gather's sender, runs far ahead of its receivers). Receivers check each message's length against
 what the sender's slot announced (a mismatch fails the channel: the ranks are out of step), then read the
 bytes as a segment is read: the frame, its tensor table against its sender's slot (:class:`FrameError`, as
 on the backend's path, after every message moved, so the group stays in step), the tensors as views of
@@ -55,9 +55,8 @@ MOST = 16 << 20  # the most second-round bytes (largest sender's) the channel ta
 
 @dataclass(frozen=True)
 class ChannelRounds:
-    """The second round of ``all_gather``, ``gather``, ``broadcast`` and ``all_to_all`` through the same-host channel
-    below ``limit`` bytes (the largest sender's); everything else by ``inner`` (scatter: its receivers do not know
-    how many messages the others get)."""
+    """The second round of every collective through the same-host channel below ``limit`` bytes (the largest
+    sender's); everything else by ``inner``."""
 
     inner: SecondRound
     limit: int
@@ -150,8 +149,28 @@ class ChannelRounds:
         ]
 
     def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf, src: int,
-                op: str) -> Union[Incoming, NotUsed]:
-        return self.inner.scatter(wire, outs, info, sizes_of, src, op)
+                longest: int, op: str) -> Union[Incoming, NotUsed]:
+        found = self._channel(wire, longest)  # the root's longest second round, which the vote carried to every rank
+        if found is None:
+            return self.inner.scatter(wire, outs, info, sizes_of, src, longest, op)
+        channel, spin = found
+        me, messages = wire.rank, -(-longest // CHUNK)
+        if me == src:
+            assert outs is not None
+            streams = _streams(wire, outs)
+            for _ in range(messages):
+                channel.scatter([next(stream, b"") for stream in streams], src, spin)
+            _all_received(channel, longest, spin, op)
+            return Incoming(outs[me].frame, list(outs[me].tensors))  # the caller decodes its own with own=True
+        moved = info.second_round_bytes
+        if moved > longest:
+            channel.fail(op, f"rank {src}'s slot announces a {moved:,}-byte second round to this rank, but its vote "
+                             f"{longest:,} at most: a protocol error")
+        into = bytearray(moved)
+        for index in range(messages):
+            _place(channel, into, channel.scatter(None, src, spin), index, src, op)
+        _all_received(channel, longest, spin, op)
+        return _incoming(into, info, sizes_of, src, op) if moved else Incoming(info.inline)  # type: ignore[arg-type]
 
     def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
                    longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
@@ -159,9 +178,7 @@ class ChannelRounds:
         if found is None:
             return self.inner.all_to_all(wire, outs, infos, sizes_of, longest, op)
         channel, spin = found
-        me, capacity = wire.rank, wire.inline_capacity
-        streams = [_chunks(_pieces(o, o.frame_nbytes <= capacity))
-                   if r != me and outgoing_second_round_bytes(o, capacity) else iter(()) for r, o in enumerate(outs)]
+        me, streams = wire.rank, _streams(wire, outs)
         received: List[Optional[bytearray]] = [
             bytearray(info.second_round_bytes) if r != me and info.second_round_bytes else None
             for r, info in enumerate(infos)]
@@ -212,6 +229,14 @@ def recv_p2p(channel: _local.LocalChannel, spin: Optional[float], wire: Wire, in
     return _incoming(into, info, sizes_of, src, op)
 
 
+def _streams(wire: Wire, outs: Sequence[Outgoing]) -> List[Iterator[Slot]]:
+    """The messages of each rank's part (scatter, all_to_all): none for this rank's own, nor for a part its slot
+    carried whole."""
+    capacity = wire.inline_capacity
+    return [_chunks(_pieces(o, o.frame_nbytes <= capacity))
+            if r != wire.rank and outgoing_second_round_bytes(o, capacity) else iter(()) for r, o in enumerate(outs)]
+
+
 def _pieces(out: Outgoing, inline: bool) -> List[memoryview]:
     """What this rank moves after round 1, as byte views: its frame's parts unless the slot carried it
     (``inline``), then its tensors (host memory: the channel is only used for CPU wires)."""
@@ -236,8 +261,8 @@ def _chunks(pieces: List[memoryview]) -> Iterator[Slot]:
 
 
 def _all_received(channel: _local.LocalChannel, moved: int, spin: Optional[float], op: str) -> None:
-    """After a broadcast's or a gather's second round of ``moved`` bytes, on every rank: once the channel's
-    broadcasts and gathers moved :data:`MOST` bytes since the last time, an empty all_gather, so that a sender
+    """After a broadcast's, gather's or scatter's second round of ``moved`` bytes, on every rank: once the channel's
+    broadcasts, gathers and scatters moved :data:`MOST` bytes since the last time, an empty all_gather, so that a sender
     (a root, a gather's non-destination) cannot run further ahead of its receivers (what a receiver's other
     threads read meanwhile waits in its stash: at most twice :data:`MOST`, below the stash's limit). Every rank
     counts the same bytes (from the slots), so all of them take part; in between, a sender goes on while its

@@ -249,9 +249,9 @@ class SharedMemory:
         return self._collective(wire, hosts, parts, read, op)
 
     def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf, src: int,
-                op: str) -> Union[Incoming, NotUsed]:
-        """Receivers cannot see the others' sizes, so ``src`` decides and the first exchange tells them."""
-        hosts = self.hosts_for(wire, self.threshold, op)  # every rank reaches here: the threshold is checked below
+                longest: int, op: str) -> Union[Incoming, NotUsed]:
+        """``longest``: the root's longest second round to any rank, which the vote told every rank."""
+        hosts = self.hosts_for(wire, longest, op)
         if hosts is None:
             return NOT_USED
         parts: Dict[int, Part] = {}

@@ -98,15 +98,22 @@ def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
     return wire.second_round.worth(wire, info.second_round_bytes, op)
 
 
-def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, problem: Optional[str] = None) -> None:
+def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, problem: Optional[str] = None,
+                   longest: Optional[int] = None) -> int:
     """Raise the same error on every rank if any receiver refuses ``src``'s payload (``refuse``: this rank's
-    REFUSE_* code, 0 to accept). One tiny all_reduce ahead of a second round that not every receiver may take."""
-    code, = largest_of(wire, [refuse], op, torch.int32)
+    REFUSE_* code, 0 to accept). One tiny all_reduce ahead of a second round that not every receiver may take.
+    ``longest`` (scatter): the root's longest second round to any rank, 0 elsewhere, which the vote carries to
+    every rank (its receivers know only their own); returned (0 without it)."""
+    if longest is None:
+        (code,), longest = largest_of(wire, [refuse], op, torch.int32), 0
+    else:  # int64: a second round may pass 2 GiB
+        code, longest = largest_of(wire, [refuse, longest], op)
     if code == REFUSE_MALFORMED:
         raise _limits.inconsistent(op, src, problem or "a receiving rank found the sizes in its slot inconsistent")
     if code:
         raise _limits.too_large(f"{op}: rank {src} sends {info.total:,} bytes to a rank whose max_bytes it exceeds "
                                 f"(this rank's max_bytes: {wire.max_bytes:,})", where="there")
+    return longest
 
 
 # -- all_gather ------------------------------------------------------------------------------
@@ -288,8 +295,10 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         assert info.inline is not None
         return Incoming(info.inline, error=info.error)
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if wire.rank != src and info.total > wire.max_bytes else 0
-    _vote_refusals(wire, refuse, info, src, op, problem)
-    taken = wire.second_round.scatter(wire, outs, info, _limits.checked_sizes(sizes_of, [info]), src, op)
+    capacity = wire.inline_capacity  # the root's longest second round: its receivers know only their own
+    sent = [outgoing_second_round_bytes(o, capacity) for r, o in enumerate(outs or ()) if r != src]
+    longest = _vote_refusals(wire, refuse, info, src, op, problem, longest=max(sent, default=0))
+    taken = wire.second_round.scatter(wire, outs, info, _limits.checked_sizes(sizes_of, [info]), src, longest, op)
     if taken is not NOT_USED:
         return taken
     if wire.rank == src:

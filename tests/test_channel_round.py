@@ -57,13 +57,14 @@ ROUTES = {"backend": [(_transport, "all_gather_equal"), (_transport, "broadcast_
 def _every_medium_collective(comm: objcomm.Communicator, mine: Any, parts: List[Any]) -> List[Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     return [comm.all_gather(mine), *(comm.broadcast(mine if rank == root else None, src=root) for root in range(world)),
-            *(comm.gather(mine, dst=root) for root in range(world)), comm.all_to_all(parts)]
+            *(comm.gather(mine, dst=root) for root in range(world)), comm.all_to_all(parts),
+            *(comm.scatter(parts if rank == root else None, src=root) for root in range(world))]
 
 
 def medium_collectives(sizes: List[int]) -> List[Any]:
-    """For each mix of sizes (rank r takes sizes[(i + r) % len]; its all_to_all part for rank j sizes[(i + r + j) %
-    len]), all_gather, broadcast and gather with every root, and all_to_all, through the channel and through the
-    backend (local=False): whether the results agree, and where round 2 went."""
+    """For each mix of sizes (rank r takes sizes[(i + r) % len]; its all_to_all and scatter part for rank j
+    sizes[(i + r + j) % len]), all_gather, all_to_all, and broadcast, gather and scatter with every root, through the
+    channel and through the backend (local=False): whether the results agree, and where round 2 went."""
     rank, world = dist.get_rank(), dist.get_world_size()
     channel, backend = objcomm.Communicator(local=True), objcomm.Communicator(local=False)
     channel.all_gather(None)
@@ -76,10 +77,11 @@ def medium_collectives(sizes: List[int]) -> List[Any]:
         expected = _every_medium_collective(backend, mine, parts)
         report.append((all(_same(a, b) for a, b in zip(got, expected)), counts["backend"], counts["shm"]))
         owns = [got[0][rank]["tensor"], got[1 + world + rank][rank]["tensor"]]  # all_gather's, gather's
-        for own in owns + [got[-1][rank]["tensor"]]:  # and all_to_all's
+        parted = [got[1 + 2 * world][rank]["tensor"], got[2 + 2 * world + rank]["tensor"]]  # all_to_all's, scatter's
+        for own in owns + parted:
             own.add_(1)  # an own result never aliases the input (nor each other)
         report[-1] += (all(torch.equal(own, mine["tensor"] + 1) for own in owns)
-                       and torch.equal(got[-1][rank]["tensor"], parts[rank]["tensor"] + 1),)
+                       and all(torch.equal(own, parts[rank]["tensor"] + 1) for own in parted),)
     return report
 
 
@@ -237,6 +239,8 @@ def tensors_split_against_their_table(local: bool, op: str) -> List[Any]:
                 comm.all_gather(payload)
             elif op == "all_to_all":
                 comm.all_to_all([payload, payload])
+            elif op == "scatter":
+                comm.scatter([payload, payload] if rank == 1 else None, src=1)
             else:
                 comm.broadcast(payload if rank == 1 else None, src=1)
         outcome = "ok"
@@ -245,7 +249,7 @@ def tensors_split_against_their_table(local: bool, op: str) -> List[Any]:
     return [outcome, comm.all_gather(rank)]
 
 
-@pytest.mark.parametrize("op", ["all_gather", "broadcast", "gather", "all_to_all"])
+@pytest.mark.parametrize("op", ["all_gather", "broadcast", "gather", "all_to_all", "scatter"])
 def test_tensors_split_against_their_table_are_refused_as_on_the_backend(op):
     pool = get_pool(2)
     channel, backend = pool.run(tensors_split_against_their_table, True, op), \

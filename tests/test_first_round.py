@@ -79,16 +79,16 @@ def test_every_collective_the_same_with_the_channel_on_and_off(world, slot_bytes
     assert all(r["used"] == (world > 1) for r in on)
     if world > 1:  # every slot exchange went through the channel: 5 payloads x ops, the reductions' last step,
         # and, for each payload that overflows its slot (the long string; in 128 bytes, the dict and the tensor
-        # too), the small words ahead of a second round: each scatter's vote and its shared-memory announcement
-        # (only its root knows the sizes, so every rank asks; nobody writes below the threshold), per root, and
-        # all_to_all's vote; and the second round itself of all_gather and all_to_all, and of each root's broadcast
-        # and gather, whose payload overflows (one message each: every payload is far below 64 KiB; in 128 bytes,
-        # rank 0's dict fits: its broadcast has none, nor a gather whose only sender it is, at W=2)
+        # too), the small words ahead of a second round: each scatter's vote (which carries its longest second
+        # round: below the threshold, shared memory is not asked), per root, and all_to_all's vote; and the second
+        # round itself of all_gather and all_to_all, and of each root's broadcast, gather and scatter, whose payload
+        # overflows (one message each: every payload is far below 64 KiB; in 128 bytes, rank 0's dict fits: its
+        # broadcast has none, nor, at W=2, a gather whose only sender it is or a scatter that sends only it)
         roots, overflowing = len({0, world - 1}), {4096: 1, 128: 3}[slot_bytes]
         broadcasts = overflowing * roots - (slot_bytes == 128)
-        gathers = overflowing * roots - (slot_bytes == 128 and world == 2)
-        second_rounds = 2 * overflowing + broadcasts + gathers
-        expected = 5 * (2 + 3 * roots) + 2 + overflowing * (2 * roots + 1) + second_rounds
+        gathers = scatters = overflowing * roots - (slot_bytes == 128 and world == 2)
+        second_rounds = 2 * overflowing + broadcasts + gathers + scatters
+        expected = 5 * (2 + 3 * roots) + 2 + overflowing * (roots + 1) + second_rounds
         assert [r["seq"] for r in on] == [expected] * world
 
 
@@ -237,7 +237,7 @@ def test_control_words_through_the_channel():
 def message_sizes() -> Dict[str, List[int]]:
     """The payload sizes of the channel messages each collective sends: a small object's slot travels trimmed
     after its frame; a slot with anything after its frame (tensor sizes, a second round) travels whole; the
-    second round (but scatter's) follows in messages of its own."""
+    second round follows in messages of its own."""
     import torch
 
     comm = objcomm.Communicator(local=True, slot_bytes=1024, inline_tensor_bytes=0)  # tensors out of band
@@ -274,11 +274,10 @@ def test_slots_travel_trimmed_after_a_whole_frame_and_whole_otherwise():
             if label == "small":
                 assert all(n < 100 for n in sizes), (label, op, sizes)  # a 1024-byte slot, trimmed
             else:  # sizes listed after the frame, or a frame past the slot: the whole slot
-                # (or control words); and the second round (objcomm._channel_round) but scatter's: the 2,000-byte
-                # frame past the slot in one message, the tensor's 12 bytes
-                round_two = op != "scatter"
-                assert 1024 in sizes and all(n == 1024 or n < 100 or round_two for n in sizes), (label, op, sizes)
-                if round_two and label == "past the slot":
+                # (or control words); and the second round (objcomm._channel_round): the 2,000-byte frame past the
+                # slot in one message, the tensor's 12 bytes
+                assert 1024 in sizes and all(n == 1024 or n < 100 or n == 2064 for n in sizes), (label, op, sizes)
+                if label == "past the slot":
                     from_every_sender = [2064] * (2 if op in ("all_gather", "all_to_all") else 1)  # W=2: both ranks,
                     # or the root, or the sender
                     assert [n for n in sizes if n != 1024 and n >= 100] == from_every_sender, (label, op, sizes)
