@@ -49,8 +49,9 @@ from ._slots import SlotInfo, outgoing_second_round_bytes
 from ._wire import Incoming, NotUsed, Outgoing, SecondRound, SizesOf, Slot, Wire
 
 CHUNK = _local.MAX_PAYLOAD  # bytes of one channel message
-MOST = 16 << 20  # the most second-round bytes (largest sender's) the channel takes, whatever shm_threshold says:
-# what a receiver's other threads read meanwhile waits in its stash (objcomm._inbox.STASH_BYTES, 64 MiB)
+MOST = 16 << 20  # the most second-round bytes (largest sender's; a gather's, all senders') the channel takes,
+# whatever shm_threshold says: what a receiver's other threads read meanwhile waits in its stash
+# (objcomm._inbox.STASH_BYTES, 64 MiB)
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,13 @@ class ChannelRounds:
     inner: SecondRound
     limit: int
 
-    def _channel(self, wire: Wire, moved: int) -> Optional[Tuple[_local.LocalChannel, Optional[float]]]:
+    def _channel(self, wire: Wire, moved: int, op: str) -> Optional[Tuple[_local.LocalChannel, Optional[float]]]:
         """The group's channel and its waits' spin if it takes ``moved`` bytes: the same answer on every rank of a
-        call whose round 1 went through it (a channel that failed since raised there, on every rank)."""
+        call whose round 1 went through it. A channel that closed since (another thread's call failed it) raises
+        here, so that the others, which go on through it, raise too."""
         if moved >= self.limit or wire.device.type != "cpu":
             return None
-        return wire.first_round.channel_of(wire)
+        return wire.first_round.channel_of(wire, op)
 
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
         return self.inner.worth(wire, moved, op)  # nothing to agree on first: a refusing receiver drains
@@ -74,7 +76,7 @@ class ChannelRounds:
     def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
                    op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
         moved = [info.second_round_bytes for info in infos]
-        found = self._channel(wire, max(moved))
+        found = self._channel(wire, max(moved), op)
         if found is None:
             return self.inner.all_gather(wire, out, infos, sizes_of, op)
         channel, spin = found
@@ -96,7 +98,7 @@ class ChannelRounds:
     def broadcast(self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int,
                   op: str) -> Union[Incoming, NotUsed]:
         moved = info.second_round_bytes
-        found = self._channel(wire, moved)
+        found = self._channel(wire, moved, op)
         if found is None:
             return self.inner.broadcast(wire, out, info, sizes_of, src, op)
         channel, spin = found
@@ -123,7 +125,9 @@ class ChannelRounds:
     def gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, dst: int,
                op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
         moved = [0 if r == dst else info.second_round_bytes for r, info in enumerate(infos)]
-        found = self._channel(wire, max(moved))
+        # the senders do not wait for the destination, which may stash what the fast ones send while it waits for a
+        # slow one: at most MOST bytes a gather (as a broadcast or scatter receiver gets at most MOST from its root)
+        found = self._channel(wire, max(moved), op) if sum(moved) <= MOST else None
         if found is None:
             return self.inner.gather(wire, out, infos, sizes_of, dst, op)
         channel, spin = found
@@ -150,7 +154,7 @@ class ChannelRounds:
 
     def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf, src: int,
                 longest: int, op: str) -> Union[Incoming, NotUsed]:
-        found = self._channel(wire, longest)  # the root's longest second round, which the vote carried to every rank
+        found = self._channel(wire, longest, op)  # the root's longest second round: the vote carried it to every rank
         if found is None:
             return self.inner.scatter(wire, outs, info, sizes_of, src, longest, op)
         channel, spin = found
@@ -174,7 +178,7 @@ class ChannelRounds:
 
     def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
                    longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
-        found = self._channel(wire, longest)  # the longest stream of any pair, which every rank's vote carried
+        found = self._channel(wire, longest, op)  # the longest stream of any pair, which every rank's vote carried
         if found is None:
             return self.inner.all_to_all(wire, outs, infos, sizes_of, longest, op)
         channel, spin = found

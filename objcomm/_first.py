@@ -178,10 +178,13 @@ class SameHostSlots:
             found = known.setdefault(self.separate, SameHost())
         return found
 
-    def channel_of(self, wire: Wire) -> Optional[Tuple[_local.LocalChannel, Optional[float]]]:
+    def channel_of(self, wire: Wire, op: str) -> Optional[Tuple[_local.LocalChannel, Optional[float]]]:
         state = self.state(wire)
         channel = None if state is None else state.channel
-        return None if channel is None or channel.closed else (channel, self.spin)
+        if channel is None:
+            return None
+        channel.check(op)  # round 1 went through it (a call that finds it closed opens a new one, or raises)
+        return channel, self.spin
 
     def channel(self, wire: Wire, op: str) -> Optional[_local.LocalChannel]:
         """The group's channel for a collective, or None (the backend moves the slots): the same answer on

@@ -139,10 +139,11 @@ class FirstRound(Protocol):
         """The route of one send or recv's slot, held for the whole call (round 2 included): entering it
         gives a :class:`Route`, or None when the group moves the slot. Sender and receiver get the same."""
 
-    def channel_of(self, wire: Wire) -> Optional[Tuple[Any, Optional[float]]]:
-        """The open same-host channel (:class:`objcomm._local.LocalChannel`) that carries this wire's round 1,
-        and the spin of its waits; None when there is none (the same answer on every rank of a call whose
-        round 1 went through it)."""
+    def channel_of(self, wire: Wire, op: str) -> Optional[Tuple[Any, Optional[float]]]:
+        """The same-host channel (:class:`objcomm._local.LocalChannel`) that carried this call's round 1, and the
+        spin of its waits; None when round 1 went through the group (the same answer on every rank). Raises
+        :class:`~objcomm.CommunicationError` when that channel has closed since (another thread's call failed it):
+        the others, which go on through it, then raise too, instead of this rank moving on through the group."""
 
 
 class Route(Protocol):
@@ -191,7 +192,7 @@ class _Backend:
     def p2p(self, wire: Wire, op: str) -> ContextManager[Optional[Route]]:
         return _THROUGH_GROUP
 
-    def channel_of(self, wire: Wire) -> None:
+    def channel_of(self, wire: Wire, op: str) -> None:
         return None
 
     def __repr__(self) -> str:

@@ -21,7 +21,7 @@ from _hostile import tensor_tables_that_lie
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _bytes, _channel_round, _shm, _transport
+from objcomm import _bytes, _channel_round, _limits, _shm, _state, _transport
 from objcomm._channel_round import CHUNK, _chunks, _incoming, _place
 from objcomm._errors import FrameError
 from objcomm._slots import SlotInfo
@@ -114,6 +114,77 @@ def test_what_the_channel_does_not_take_keeps_its_route():
     receiver = dict(get_pool(2).run(routes_kept)[1])
     assert receiver["at the threshold"] == {"backend": 0, "shm": 1}
     assert receiver["below, without shared memory"] == {"backend": 0, "shm": 0}
+
+
+def gather_past_most() -> List[Any]:
+    """With MOST lowered to 3 messages on every rank, a gather whose senders move 2 messages each at W=3 (4 in all)
+    goes through the backend, one whose senders move 1 each through the channel: the destination never stashes
+    more than MOST of one gather while it waits for a slow sender (found by review at W=7, 16 MiB each)."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=True)
+    comm.all_gather(None)
+    real, _channel_round.MOST = _channel_round.MOST, 3 * CHUNK
+    got = []
+    try:
+        for size in (2 * CHUNK - 100, CHUNK - 100):
+            obj = {"rank": rank, "blob": bytes([rank]) * size}
+            with counting(ROUTES) as counts:
+                result = comm.gather(obj, dst=0)
+            whole = result is None or [r["blob"][:1] for r in result] == [b"\0", b"\1", b"\2"]
+            got.append((counts["backend"] > 0, whole))
+    finally:
+        _channel_round.MOST = real
+    return got
+
+
+def test_a_gather_past_most_in_all_keeps_the_backend():
+    for rank_got in get_pool(3).run(gather_past_most):
+        assert rank_got == [(True, True), (False, True)]
+
+
+def closed_between_rounds(op: str) -> Any:
+    """Rank 0's channel closes between round 1 and round 2 of ``op`` (another thread's call failed it): rank 0
+    raises at round 2 instead of moving on through the group (where it would wait for rank 1 until the group's
+    timeout, rank 1 having sent through the channel), and so does rank 1 where it waits for rank 0, within
+    seconds (a gather's sender may have sent everything before the channel closed: it returns)."""
+    rank = dist.get_rank()
+    sub = dist.new_group([0, 1])
+    comm = objcomm.Communicator(sub, local=True)
+    comm.all_gather(None)
+    real = _limits.checked_sizes
+    if rank == 0:
+        def failing(*args: Any) -> Any:
+            channel = _state.group_facts(sub).local[False].channel
+            with pytest.raises(objcomm.CommunicationError):
+                channel.fail(op, "failed by another thread (a test)")
+            return real(*args)
+
+        _limits.checked_sizes = failing  # type: ignore[assignment]
+    payload = {"blob": b"b" * 200_000}
+    start = time.monotonic()
+    try:
+        try:
+            if op == "gather":
+                comm.gather(payload, dst=0)
+            elif op == "all_gather":
+                comm.all_gather(payload)
+            else:
+                comm.broadcast(payload if rank == 1 else None, src=1)
+            outcome = "ok"
+        except objcomm.CommunicationError as exc:
+            outcome = "raised" if "failed by another thread" in str(exc) or "closed" in str(exc) else str(exc)
+    finally:
+        _limits.checked_sizes = real  # type: ignore[assignment]
+    elapsed = time.monotonic() - start
+    dist.destroy_process_group(sub)
+    return [outcome, elapsed < 10]
+
+
+@pytest.mark.parametrize("op", ["gather", "all_gather", "broadcast"])
+def test_a_channel_closed_between_the_rounds_raises_on_every_rank(op):
+    closed, other = get_pool(2).run(closed_between_rounds, op, timeout=120)
+    assert closed == ["raised", True]
+    assert other == ["raised", True] or (op == "gather" and other == ["ok", True]), other
 
 
 def out_of_step_sender() -> List[Any]:
