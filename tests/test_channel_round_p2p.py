@@ -17,7 +17,7 @@ import torch.distributed as dist
 from _child import run_group_losing_a_rank
 from _counting import counting
 from _ranks import get_pool
-from test_channel_round import _payload, _same, die_after_one_message, outcome_of
+from test_channel_round import _payload, _same, die_after_one_message, on_a_pair, outcome_of
 
 import objcomm
 from objcomm import _bytes, _channel_round, _first, _shm, _state, _transport
@@ -216,10 +216,7 @@ def out_of_step(mode: str) -> Any:
     """``short``: rank 1 sends one byte too few in each rest message; ``answer``: rank 0, receiving, answers with
     two bytes. What each rank raises, and what a later collective does (both ranks failed at the same point, no
     collective between: it opens a new channel)."""
-    rank = dist.get_rank()
-    sub = dist.new_group([0, 1])
-    comm = objcomm.Communicator(sub, local=True)
-    comm.all_gather(None)
+    rank, sub, comm = on_a_pair()
     real_chunks, real_answer = _channel_round._chunks, _first.ChannelRoute.answer
     if mode == "short" and rank == 1:
         _channel_round._chunks = lambda pieces: (bytes(c)[:-1] for c in real_chunks(pieces))  # type: ignore
