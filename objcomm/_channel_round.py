@@ -28,7 +28,7 @@ channel.
 send/recv (:func:`send_p2p`, :func:`recv_p2p`, called by :class:`objcomm._first.ChannelRoute`) move the same
 bytes in the same messages, without a collective: kind ``REST`` under the send's message id, which its slot
 carried, so that concurrent sends under one tag (threads, ``isend`` lanes) never take each other's (at or above
-``shm_threshold``, shared memory's handshake goes through the group, where they can). They follow
+``shm_threshold``, shared memory's words go under the id too, and what it does not take follows here). They follow
 the receiver's answer (``REST_ON_ROUTE``, when :func:`takes_p2p`), which also paces the sender: a receiver's
 stash holds at most the rests of the messages it is receiving (sending them right after the slot saved ~15% of
 a 16 KB round trip, but let a sender run ahead of a slow receiver by 64 KiB a message, found by review).
@@ -46,7 +46,7 @@ from ._errors import FrameError
 from ._inbox import REST
 from ._segments import host_bytes
 from ._slots import SlotInfo, outgoing_second_round_bytes
-from ._wire import Incoming, NotUsed, Outgoing, SecondRound, SizesOf, Slot, Wire
+from ._wire import Incoming, NotUsed, Outgoing, Route, SecondRound, SizesOf, Slot, Wire
 
 CHUNK = _local.MAX_PAYLOAD  # bytes of one channel message
 MOST = 16 << 20  # the most second-round bytes (largest sender's; a gather's, all senders') the channel takes,
@@ -198,11 +198,13 @@ class ChannelRounds:
             for r, into in enumerate(received)
         ]
 
-    def send(self, wire: Wire, out: Outgoing, dst: int, op: str) -> bool:
-        return self.inner.send(wire, out, dst, op)
+    def send(self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> bool:
+        return self.inner.send(wire, out, dst, op, route, message)  # (below the limit the route's answer took it)
 
-    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str) -> Union[Incoming, NotUsed]:
-        return self.inner.recv(wire, info, sizes_of, src, op)
+    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> Union[Incoming, NotUsed]:
+        return self.inner.recv(wire, info, sizes_of, src, op, route, message)
 
 
 # -- send/recv: the rest of a message whose slot the channel carried (objcomm._first's route) ----------------

@@ -57,7 +57,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 from . import _channel_round, _local, _state
 from ._device import timeout_seconds
 from ._errors import CommunicationError
-from ._inbox import ANSWER
+from ._inbox import ANSWER, REST
 from ._slots import SlotInfo
 from ._wire import NOT_USED, SLOT_PREFIX_BYTES, Incoming, NotUsed, Outgoing, SizesOf, Slot, Wire
 
@@ -122,6 +122,16 @@ class ChannelRoute:
             self.channel.fail(op, f"rank {src} answered message #{message} with {len(got):,} bytes where 1 was due: a "
                                   "protocol error")
         return got[0]
+
+    def send_words(self, wire: Wire, words: Sequence[int], dst: int, message: int) -> None:
+        self.channel.send_part(REST, struct.pack(f"<{len(words)}q", *words), dst, wire.tag, message)
+
+    def recv_words(self, wire: Wire, count: int, src: int, message: int, op: str) -> List[int]:
+        got = self.channel.recv_part(REST, src, wire.tag, message, self.spin)
+        if len(got) != 8 * count:
+            self.channel.fail(op, f"rank {src} sent {len(got):,} bytes of control words for message #{message} where "
+                                  f"{8 * count} were due: a protocol error")
+        return list(struct.unpack(f"<{count}q", got))
 
     def takes_rest(self, wire: Wire, info: SlotInfo) -> bool:
         return _channel_round.takes_p2p(wire, info)

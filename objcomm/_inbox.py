@@ -27,8 +27,8 @@ forward: at or before the last collective this rank finished, or not after the p
 Point-to-point messages carry a message id where collectives carry their sequence number: a send's
 slot (taken by tag, in order) tells the receiver its id, and the receiver's answer and the rest of
 the send (:mod:`objcomm._channel_round`) travel under ``(tag, kind, id)``, so that concurrent sends
-under one tag never take each other's here (shared memory's handshake, at or above its threshold, goes
-through the group, where they can). After a wait for one of those timed out, later ones under its key are
+under one tag never take each other's (shared memory's words, at or above its threshold, go under the
+id too). After a wait for one of those timed out, later ones under its key are
 dropped on arrival (:meth:`Inbox.abandon`).
 A waiter for collective ``s`` from a peer whose later collective already arrived fails at once (the
 peer called a different operation). A wait past the timeout fails the channel in a collective (the

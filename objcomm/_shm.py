@@ -52,7 +52,18 @@ from ._sealed import Sealed, SealedSegment, Unopenable, map_sealed
 from ._segments import DEFAULT_DIRECTORY, SegmentBook, _me, _name, _Segment, _this_host, _Writer, read_segment, sweep
 from ._settings import DEFAULT_SHM_THRESHOLD
 from ._slots import SlotInfo, outgoing_second_round_bytes
-from ._wire import NOT_USED, Incoming, NotUsed, Outgoing, SizesOf, Wire, all_gather_single, guarded, largest_of
+from ._wire import (
+    NOT_USED,
+    Incoming,
+    NotUsed,
+    Outgoing,
+    Route,
+    SizesOf,
+    Wire,
+    all_gather_single,
+    guarded,
+    largest_of,
+)
 
 log = logging.getLogger("objcomm")
 
@@ -290,8 +301,11 @@ class SharedMemory:
         return self._collective(wire, hosts, parts, read, op)
 
     # -- point to point (the two ranks' hosts are learned per call, and remembered when they differ) --
-    def send(self, wire: Wire, out: Outgoing, dst: int, op: str) -> bool:
-        """Send the second round through shared memory; False: the caller sends it the normal way."""
+    def send(self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> bool:
+        """Send the second round through shared memory; False: the caller sends it the normal way. The status and
+        the receiver's answer go through ``route`` when the slot of message ``message`` did (the same-host channel:
+        concurrent sends under one tag then never take each other's), else through the group."""
         if not self.worth(wire, outgoing_second_round_bytes(out, wire.inline_capacity), op):
             return False
         facts = _state.group_facts(wire.group)
@@ -313,30 +327,42 @@ class SharedMemory:
                 except OSError as exc:
                     log.debug("objcomm shm: %s could not write shared memory (%s); normal transport", op, exc)
                     seq = -1
-            status = torch.tensor([seq, os.getpid(), self.book.token, _hosts.host_key(self.separate),
-                                   _hosts.pid_namespace(), fd], dtype=torch.int64)
-            guarded(op, wire, dist.send, status, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
+            words = [seq, os.getpid(), self.book.token, _hosts.host_key(self.separate), _hosts.pid_namespace(), fd]
+            if route is not None:
+                route.send_words(wire, words, dst, message)
+            else:
+                status = torch.tensor(words, dtype=torch.int64)
+                guarded(op, wire, dist.send, status, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
             if seq < 0:
                 return False
-            answer = torch.empty(1, dtype=torch.int64)
-            guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
-            if answer.item() == _OTHER_HOST:
+            if route is not None:
+                reply = route.answer_of(wire, dst, message, op)
+            else:
+                answer = torch.empty(1, dtype=torch.int64)
+                guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
+                reply = int(answer.item())
+            if reply == _OTHER_HOST:
                 facts.remote_peers.add((dst, self.separate))
                 log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
-            elif answer.item() == _UNOPENABLE:  # the receiver cannot open sealed segments: files from now on
+            elif reply == _UNOPENABLE:  # the receiver cannot open sealed segments: files from now on
                 facts.unsealed.add((dst, self.separate))
-            return answer.item() in (_SENT, _REFUSED_P2P)  # a refusing receiver raises; it expects nothing more
+            return reply in (_SENT, _REFUSED_P2P)  # a refusing receiver raises; it expects nothing more
         finally:
             if segment is not None:
                 segment.release()
 
-    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str) -> Union[Incoming, NotUsed]:
-        """The sender's second round from shared memory, or NOT_USED: the caller receives it the normal way."""
+    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> Union[Incoming, NotUsed]:
+        """The sender's second round from shared memory, or NOT_USED: the caller receives it the normal way (the
+        status and answer through ``route``, as in :meth:`send`)."""
         if not self.worth(wire, info.second_round_bytes, op):
             return NOT_USED
-        status = torch.empty(_P2P, dtype=torch.int64)
-        guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
-        seq, pid, token, key, namespace, fd = status.tolist()
+        if route is not None:
+            seq, pid, token, key, namespace, fd = route.recv_words(wire, _P2P, src, message, op)
+        else:
+            status = torch.empty(_P2P, dtype=torch.int64)
+            guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
+            seq, pid, token, key, namespace, fd = status.tolist()
         if seq < 0:
             return NOT_USED
         answer, failure = _OTHER_HOST, None
@@ -357,8 +383,11 @@ class SharedMemory:
                 answer, failure = _REFUSED_P2P, exc
         else:
             log.debug("objcomm shm: %s from rank %d crosses hosts; normal transport", op, src)
-        reply = torch.tensor([answer], dtype=torch.int64)
-        guarded(op, wire, dist.send, reply, dst=wire.ranks[src], group=wire.group, tag=wire.answer_tag)
+        if route is not None:
+            route.answer(wire, src, message, answer)
+        else:
+            reply = torch.tensor([answer], dtype=torch.int64)
+            guarded(op, wire, dist.send, reply, dst=wire.ranks[src], group=wire.group, tag=wire.answer_tag)
         if failure is not None:
             raise failure
         return result

@@ -29,7 +29,8 @@ the wire's first-round strategy (:class:`objcomm._wire.FirstRound`; the same-hos
 takes the slots, else through the group; so does the slot of a send/recv (:meth:`~objcomm._wire.FirstRound.p2p`),
 and then its route (:class:`objcomm._wire.Route`) carries the receiver's answer too, always (a few µs; it
 also paces the sender, as the group's rendezvous does), and the rest where the receiver answers so (below
-the shared-memory threshold). After round 1 each operation asks the
+the shared-memory threshold), and on CPU wires also what shared memory does not take (whose own words travel
+on the route then). After round 1 each operation asks the
 wire's second-round strategy (:class:`objcomm._wire.SecondRound`; shared memory on one host) once
 whether it takes the rest; when it answers ``NOT_USED`` the transport moves it.
 """
@@ -357,7 +358,10 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route]) -> None:
     if answer:
         raise _limits.too_large(f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes",
                                 outcome="nothing more was sent", where="on the receiver")
-    if answer is not None and wire.second_round.send(wire, out, dst, op):
+    if answer is not None and wire.second_round.send(wire, out, dst, op, route, message):
+        return
+    if route is not None and wire.device.type == "cpu":  # shared memory did not take it: the route, not the group,
+        route.send_rest(wire, out, info, dst, message)  # whose transfers concurrent sends under one tag would mix
         return
     batch = Batch(wire, op)
     batch.send_rest(out, dst)
@@ -407,9 +411,11 @@ def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: 
             return sender, route.recv_rest(wire, info, sizes_of, sender, message, op), False
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem)
-        taken = wire.second_round.recv(wire, info, _limits.checked_sizes(sizes_of, [info]), sender, op)
+        taken = wire.second_round.recv(wire, info, _limits.checked_sizes(sizes_of, [info]), sender, op, route, message)
         if taken is not NOT_USED:
             return sender, taken, False
+        if route is not None and wire.device.type == "cpu":  # as the sender does
+            return sender, route.recv_rest(wire, info, sizes_of, sender, message, op), False
     if sizes is not None and not refuse:  # every size known: post all receives at once
         batch = Batch(wire, op)
         data = batch.recv(info.length, sender) if info.inline is None else None

@@ -80,10 +80,13 @@ class SecondRound(Protocol):
                    longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
         """``longest``: the most bytes any rank moves to any other after round 1 (the same on every rank)."""
 
-    def send(self, wire: Wire, out: Outgoing, dst: int, op: str) -> bool:
-        """True when the second round went this way (the receiver answered it took it)."""
+    def send(self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> bool:
+        """True when the second round went this way (the receiver answered it took it). ``route``: where the slot
+        of message ``message`` went (else the group): the strategy's own words travel there too."""
 
-    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str) -> Union[Incoming, NotUsed]: ...
+    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> Union[Incoming, NotUsed]: ...
 
 
 class _Direct:
@@ -161,7 +164,14 @@ class Route(Protocol):
         """Answer message ``message`` of group rank ``dst`` (the receiver, after its slot)."""
 
     def answer_of(self, wire: Wire, src: int, message: int, op: str) -> int:
-        """The answer of group rank ``src`` to this rank's message ``message`` (the sender waits for it)."""
+        """The answer of group rank ``src`` to this rank's message ``message`` (the sender waits for it); a second
+        call, the next answer to it (a second-round strategy's own, after the first)."""
+
+    def send_words(self, wire: Wire, words: Sequence[int], dst: int, message: int) -> None:
+        """int64 words of message ``message`` to group rank ``dst`` (a second-round strategy's own, before its rest)."""
+
+    def recv_words(self, wire: Wire, count: int, src: int, message: int, op: str) -> List[int]:
+        """``count`` int64 words of group rank ``src``'s message ``message`` (see :meth:`send_words`)."""
 
     def takes_rest(self, wire: Wire, info: SlotInfo) -> bool:
         """Whether the route moves the rest of a message with slot ``info`` (the receiver decides, and answers
