@@ -8,7 +8,8 @@ Each rank all_gathers ``{"data": <bytes of the size>, "meta": [...]}`` (the byte
 tensor: the second round is the size itself; ``all_to_all``, ``scatter`` (from rank 0): the same object to every
 rank; ``gather``: to rank 0;
 ``send/recv``: a round trip between ranks 0 and 1, the others idle) through three communicators on the same
-ranks, whose settings force each route at every size: ``shm=False, shm_threshold=1`` (round 2 through gloo),
+ranks, whose settings force each route at every size: ``shm=False, shm_threshold=1`` (round 2 through gloo;
+send/recv: ``local=False``, both rounds, since a slot that went through the channel takes its rest there too),
 ``shm=False, shm_threshold=2**30`` (the same-host channel, ``objcomm._channel_round``) and ``shm_threshold=1`` (shared
 memory). By default the channel takes what is below ``shm_threshold`` (2 MiB) and shared memory the rest; the
 table shows where that line should be on this machine. Round-robin after a barrier, 4 calls per sample, the
@@ -59,7 +60,10 @@ def measure(plan: Tuple[List[int], int, str], send: Any) -> Dict[int, Dict[str, 
 
     sizes, rounds, op = plan
     rank = dist.get_rank()
-    comms = {name: objcomm.Communicator(local=True, **settings) for name, settings in ROUTES.items()}
+    # a send/recv whose slot went through the channel moves its rest there whatever shm_threshold says (when shared
+    # memory does not take it), so its "gloo" route is local=False: round 1 through gloo too
+    routes = {**ROUTES, "gloo": {"local": False}} if op == "send/recv" else ROUTES
+    comms = {name: objcomm.Communicator(**{"local": True, **settings}) for name, settings in routes.items()}
     for comm in comms.values():
         comm.all_gather(None)  # opens the channel
     medians: Dict[int, Dict[str, float]] = {}
