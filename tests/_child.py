@@ -27,6 +27,7 @@ import queue
 import resource
 import signal
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -107,6 +108,19 @@ def run_in_child(
     if kind == "raised":
         raise ChildRaised(*value)
     return value
+
+
+def report_raised(results: Any, rank: int, call: Callable[[], Any]) -> None:
+    """A survivor's report for :func:`run_group_losing_a_rank`: ``(rank, message, seconds)`` of the
+    ``CommunicationError`` that ``call()`` raised, or ``(rank, "no error", 0.0)``."""
+    from objcomm import CommunicationError
+
+    start = time.monotonic()
+    try:
+        call()
+        results.put((rank, "no error", 0.0))
+    except CommunicationError as exc:
+        results.put((rank, str(exc), time.monotonic() - start))
 
 
 def run_group_losing_a_rank(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from _child import run_group_losing_a_rank
+from _child import report_raised, run_group_losing_a_rank
 from _counting import counting
 from _hostile import tensor_tables_that_lie
 from _ranks import get_pool
@@ -282,12 +282,7 @@ def _killed_in_round_two(rank: int, world: int, store: str, victim: int, results
     assert objcomm.all_gather(rank) == list(range(world))  # opens the channel
     if rank == victim:
         die_after_one_message()
-    start = time.monotonic()
-    try:
-        objcomm.all_gather(_payload(rank, 5 * CHUNK))
-        results.put((rank, "no error", 0.0))
-    except objcomm.CommunicationError as exc:
-        results.put((rank, str(exc), time.monotonic() - start))
+    report_raised(results, rank, lambda: objcomm.all_gather(_payload(rank, 5 * CHUNK)))
 
 
 def test_a_rank_killed_in_round_two_makes_the_others_raise_within_seconds():

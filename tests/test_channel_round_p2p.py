@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch.distributed as dist
-from _child import run_group_losing_a_rank
+from _child import report_raised, run_group_losing_a_rank
 from _counting import counting
 from _ranks import get_pool
 from test_channel_round import _payload, _same, die_after_one_message, on_a_pair, outcome_of
@@ -326,12 +326,7 @@ def _killed_mid_rest(rank: int, world: int, store: str, victim: int, results: An
         die_after_one_message()
         objcomm.send(_payload(rank, 5 * CHUNK), 0)
         return
-    start = time.monotonic()
-    try:
-        objcomm.recv(victim)
-        results.put((rank, "no error", 0.0))
-    except objcomm.CommunicationError as exc:
-        results.put((rank, str(exc), time.monotonic() - start))
+    report_raised(results, rank, lambda: objcomm.recv(victim))
 
 
 def test_a_sender_killed_mid_message_makes_its_receiver_raise_within_seconds():

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 import torch.distributed as dist
-from _child import run_group_losing_a_rank
+from _child import report_raised, run_group_losing_a_rank
 from _ranks import get_pool
 
 import objcomm
@@ -332,12 +332,7 @@ def _killed_rank(rank: int, world: int, store: str, victim: int, results: Any) -
     if rank == victim:
         time.sleep(0.5)  # the others are waiting in the all_gather below by now
         os.kill(os.getpid(), signal.SIGKILL)
-    start = time.monotonic()
-    try:
-        objcomm.all_gather("after")
-        results.put((rank, "no error", 0.0))
-    except objcomm.CommunicationError as exc:
-        results.put((rank, str(exc), time.monotonic() - start))
+    report_raised(results, rank, lambda: objcomm.all_gather("after"))
 
 
 def test_a_rank_killed_mid_call_makes_the_others_raise_within_seconds():

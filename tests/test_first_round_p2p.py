@@ -15,7 +15,7 @@ import test_failures
 import test_requests
 import test_tags
 import torch.distributed as dist
-from _child import run_group_losing_a_rank
+from _child import report_raised, run_group_losing_a_rank
 from _ranks import get_pool
 
 import objcomm
@@ -218,15 +218,7 @@ def _killed_mid_recv_rank(rank: int, world: int, store: str, victim: int, result
     if rank == victim:
         time.sleep(0.5)  # the others wait in their recv by now
         os.kill(os.getpid(), signal.SIGKILL)
-    start = time.monotonic()
-    try:
-        if rank == 0:
-            objcomm.recv(victim, tag=3)
-        else:
-            objcomm.recv(tag=3)  # from any rank
-        results.put((rank, "no error", 0.0))
-    except objcomm.CommunicationError as exc:
-        results.put((rank, str(exc), time.monotonic() - start))
+    report_raised(results, rank, lambda: objcomm.recv(victim, tag=3) if rank == 0 else objcomm.recv(tag=3))  # any rank
 
 
 def test_a_peer_killed_mid_recv_makes_the_receiver_raise_within_seconds():
