@@ -27,11 +27,11 @@ channel.
 
 send/recv (:func:`send_p2p`, :func:`recv_p2p`, called by :class:`objcomm._first.ChannelRoute`) move the same
 bytes in the same messages, without a collective: kind ``REST`` under the send's message id, which its slot
-carried, so that concurrent sends under one tag (threads, ``isend`` lanes) never take each other's (at or above
-``shm_threshold``, shared memory's words go under the id too, and what it does not take follows here). They follow
-the receiver's answer (``REST_ON_ROUTE``, when :func:`takes_p2p`), which also paces the sender: a receiver's
-stash holds at most the rests of the messages it is receiving (sending them right after the slot saved ~15% of
-a 16 KB round trip, but let a sender run ahead of a slow receiver by 64 KiB a message, found by review).
+carried, so that concurrent sends under one tag (threads, ``isend`` lanes) never take each other's: everything
+shared memory does not take (below ``shm_threshold`` all of it; shared memory's own words go under the id too).
+They follow the receiver's answer, which also paces the sender: a receiver's stash holds at most the rests of
+the messages it is receiving (sending them right after the slot saved ~15% of a 16 KB round trip, but let a
+sender run ahead of a slow receiver by 64 KiB a message, found by review).
 """
 
 from __future__ import annotations
@@ -208,14 +208,6 @@ class ChannelRounds:
 
 
 # -- send/recv: the rest of a message whose slot the channel carried (objcomm._first's route) ----------------
-def takes_p2p(wire: Wire, info: SlotInfo) -> bool:
-    """Whether the channel that carried a send's slot ``info`` moves its rest too: host bytes below the limit of
-    the wire's :class:`ChannelRounds` (the receiver decides, and its answer tells the sender)."""
-    strategy = wire.second_round
-    return (isinstance(strategy, ChannelRounds) and wire.device.type == "cpu"
-            and info.second_round_bytes < strategy.limit)
-
-
 def send_p2p(channel: _local.LocalChannel, wire: Wire, out: Outgoing, info: SlotInfo, dst: int,
              message: int) -> None:
     """The rest of message ``message`` to group rank ``dst``, once it answered for it: its frame unless the slot

@@ -133,9 +133,6 @@ class ChannelRoute:
                                   f"{8 * count} were due: a protocol error")
         return list(struct.unpack(f"<{count}q", got))
 
-    def takes_rest(self, wire: Wire, info: SlotInfo) -> bool:
-        return _channel_round.takes_p2p(wire, info)
-
     def send_rest(self, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
         _channel_round.send_p2p(self.channel, wire, out, info, dst, message)
 

@@ -28,11 +28,10 @@ the wire's device. The slot's layout is :mod:`objcomm._slots`. The collectives' 
 the wire's first-round strategy (:class:`objcomm._wire.FirstRound`; the same-host channel) when it
 takes the slots, else through the group; so does the slot of a send/recv (:meth:`~objcomm._wire.FirstRound.p2p`),
 and then its route (:class:`objcomm._wire.Route`) carries the receiver's answer too, always (a few µs; it
-also paces the sender, as the group's rendezvous does), and the rest where the receiver answers so (below
-the shared-memory threshold), and on CPU wires also what shared memory does not take (whose own words travel
-on the route then). After round 1 each operation asks the
-wire's second-round strategy (:class:`objcomm._wire.SecondRound`; shared memory on one host) once
-whether it takes the rest; when it answers ``NOT_USED`` the transport moves it.
+also paces the sender, as the group's rendezvous does), and on CPU wires the rest wherever shared memory does
+not take it (below its threshold, all of it; shared memory's own words travel on the route then). After
+round 1 each operation asks the wire's second-round strategy (:class:`objcomm._wire.SecondRound`; shared
+memory on one host) once whether it takes the rest; when it answers ``NOT_USED`` the transport moves it.
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ from ._errors import FrameError
 from ._slots import SlotInfo, fill_slot, outgoing_second_round_bytes, read_slot, read_slots
 from ._wire import (
     NOT_USED,
-    REST_ON_ROUTE,
     Incoming,
     Outgoing,
     Route,
@@ -70,7 +68,7 @@ from ._wire import (
 )
 
 SCRATCH = _limits.SCRATCH_BYTES
-REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead; 3: REST_ON_ROUTE)
+REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
 
 
 def _slot(wire: Wire, out: Outgoing) -> bytearray:
@@ -341,7 +339,7 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route]) -> None:
     agreed = _agreement_needed(wire, info, op)
     if route is not None:  # the receiver always answers on the route (a few µs), which also paces this sender
         answer = route.answer_of(wire, dst, message, op)
-        if answer and answer != REST_ON_ROUTE and not agreed:
+        if answer and not agreed:
             return  # refused where the group's path sends without asking: there the receiver drains and raises alone
     elif agreed:
         reply = empty(1, wire)
@@ -352,17 +350,14 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route]) -> None:
             f"send: rank {dst} refused this frame: its tensor table disagrees with the sizes in its slot; "
             "nothing more was sent"
         )
-    if answer == REST_ON_ROUTE and route is not None:
-        route.send_rest(wire, out, info, dst, message)
-        return
     if answer:
         raise _limits.too_large(f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes",
                                 outcome="nothing more was sent", where="on the receiver")
     if answer is not None and wire.second_round.send(wire, out, dst, op, route, message):
         return
-    if route is not None and wire.device.type == "cpu":  # shared memory did not take it: the route, not the group,
-        route.send_rest(wire, out, info, dst, message)  # whose transfers concurrent sends under one tag would mix
-        return
+    if route is not None and wire.device.type == "cpu":  # shared memory did not take it (below its threshold: never):
+        route.send_rest(wire, out, info, dst, message)  # the route, not the group, whose transfers concurrent sends
+        return  # under one tag would mix
     batch = Batch(wire, op)
     batch.send_rest(out, dst)
     batch.wait()
@@ -400,15 +395,11 @@ def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: 
     sizes, problem = _limits.plan(info, sizes_of)
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if info.total > wire.max_bytes else 0
     if route is not None or _agreement_needed(wire, info, op):  # a route always answers: a few µs there
-        on_route = route is not None and not refuse and route.takes_rest(wire, info)
         if route is not None:
-            route.answer(wire, sender, message, REST_ON_ROUTE if on_route else refuse)
+            route.answer(wire, sender, message, refuse)
         else:
             answer = torch.tensor([refuse], dtype=torch.uint8, device=wire.device)
             guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group, tag=wire.answer_tag)
-        if on_route:
-            assert route is not None
-            return sender, route.recv_rest(wire, info, sizes_of, sender, message, op), False
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem)
         taken = wire.second_round.recv(wire, info, _limits.checked_sizes(sizes_of, [info]), sender, op, route, message)

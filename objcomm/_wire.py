@@ -152,7 +152,7 @@ class FirstRound(Protocol):
 class Route(Protocol):
     """Where a send/recv goes instead of the group (see :meth:`FirstRound.p2p`): its slot, then, when a second
     round follows, the receiver's answer (one byte: a ``REFUSE_*`` code of :mod:`objcomm._transport`, 0 to go
-    ahead, or :data:`REST_ON_ROUTE`) and, when the receiver answered that, the rest."""
+    ahead), and on CPU wires the rest wherever the second-round strategy (shared memory) does not take it."""
 
     def send(self, wire: Wire, slot: Slot, dst: int) -> int:
         """Send ``slot`` to group rank ``dst`` under ``wire.tag``; the message's id (for its answer and rest)."""
@@ -173,19 +173,12 @@ class Route(Protocol):
     def recv_words(self, wire: Wire, count: int, src: int, message: int, op: str) -> List[int]:
         """``count`` int64 words of group rank ``src``'s message ``message`` (see :meth:`send_words`)."""
 
-    def takes_rest(self, wire: Wire, info: SlotInfo) -> bool:
-        """Whether the route moves the rest of a message with slot ``info`` (the receiver decides, and answers
-        :data:`REST_ON_ROUTE`)."""
-
     def send_rest(self, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
         """Send what follows the slot of message ``message`` to group rank ``dst``."""
 
     def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int,
                   op: str) -> Incoming:
         """What follows the slot ``info`` of group rank ``src``'s message ``message``."""
-
-
-REST_ON_ROUTE = 3  # a receiver's answer: send the rest on the route (the REFUSE_* codes are 1 and 2)
 
 
 _THROUGH_GROUP = contextlib.nullcontext(None)
