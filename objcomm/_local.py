@@ -163,7 +163,7 @@ class LocalChannel:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         self._inbox = Inbox(peers, pids, timeout, MAX_PAYLOAD, self._fail, stash_bytes, yields(self.size))
         self.auto_spin = AUTO_SPIN  # where the ranks outnumber the CPUs, polling yields (see yields)
-        self.unsynced = 0  # bytes of broadcasts' second rounds since their last all_gather (objcomm._channel_round)
+        self.unsynced = 0  # second-round bytes of broadcasts, gathers, scatters since the last all_gather after them
         self._seq = 0
         self._messages = itertools.count(1)  # ids of sends (itertools.count: atomic under the GIL)
         self._owner = os.getpid()

@@ -266,12 +266,11 @@ class SharedMemory:
         if hosts is None:
             return NOT_USED
         parts: Dict[int, Part] = {}
-        if wire.rank == src:
+        if wire.rank == src:  # (its longest part is ``longest``: worth it, as hosts_for found)
             assert outs is not None
             capacity = wire.inline_capacity
-            moved = [0 if r == src else outgoing_second_round_bytes(o, capacity) for r, o in enumerate(outs)]
-            if self.worth(wire, max(moved), op):
-                parts = {r: _part(o, o.frame_nbytes <= wire.inline_capacity) for r, o in enumerate(outs) if moved[r]}
+            parts = {r: _part(o, o.frame_nbytes <= capacity) for r, o in enumerate(outs)
+                     if r != src and outgoing_second_round_bytes(o, capacity)}
 
         def read(source_of: SourceOf) -> Incoming:
             if wire.rank == src:
