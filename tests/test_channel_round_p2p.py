@@ -221,19 +221,26 @@ def test_rests_under_other_ids_are_never_taken():
 # -- a peer out of step, or one that answers wrong -------------------------------------------------------------------
 def out_of_step(mode: str) -> Any:
     """``short``: rank 1 sends one byte too few in each rest message; ``answer``: rank 0, receiving, answers with
-    two bytes. What each rank raises, and what a later collective does (both ranks failed at the same point, no
-    collective between: it opens a new channel)."""
+    two bytes; ``words``: rank 1 sends shared memory's status words one word short (a send past shm_threshold).
+    What each rank raises, and what a later collective does (both ranks failed at the same point, no collective
+    between: it opens a new channel)."""
     rank, sub, comm = on_a_pair()
-    real_chunks, real_answer = _channel_round._chunks, _first.ChannelRoute.answer
+    real_chunks, real_answer, real_words = _channel_round._chunks, _first.ChannelRoute.answer, \
+        _first.ChannelRoute.send_words
     if mode == "short" and rank == 1:
         _channel_round._chunks = lambda pieces: (bytes(c)[:-1] for c in real_chunks(pieces))  # type: ignore
     if mode == "answer" and rank == 0:
         _first.ChannelRoute.answer = lambda self, wire, dst, message, code: self.channel.send_part(  # type: ignore
             _first.ANSWER, b"\x03\x03", dst, wire.tag, message)
+    if mode == "words" and rank == 1:
+        _first.ChannelRoute.send_words = lambda self, wire, words, dst, message: real_words(  # type: ignore
+            self, wire, words[:-1], dst, message)
+    bulk = SHARED if mode == "words" else 3 * CHUNK
     try:
-        outcome = outcome_of(lambda: comm.send(_payload(1, 3 * CHUNK), 0) if rank == 1 else comm.recv(1) and None)
+        outcome = outcome_of(lambda: comm.send(_payload(1, bulk), 0) if rank == 1 else comm.recv(1) and None)
     finally:
         _channel_round._chunks, _first.ChannelRoute.answer = real_chunks, real_answer  # type: ignore
+        _first.ChannelRoute.send_words = real_words  # type: ignore
     after = outcome_of(lambda: comm.all_gather(rank))
     dist.destroy_process_group(sub)
     return [outcome[1] or "ok", after]
@@ -243,6 +250,14 @@ def test_a_short_rest_message_fails_the_channel():
     receiver, sender = get_pool(2).run(out_of_step, "short")
     assert "rank 1 sent 65,535 bytes of its second round's message #0 where 65,536 were due" in receiver[0]
     assert sender[0] == "ok" or "closed" in sender[0], sender  # it may have sent every message before the close
+    assert receiver[1] == sender[1] == ("ok", [0, 1])  # a new channel
+
+
+def test_shared_memory_words_one_short_fail_the_channel():
+    receiver, sender = get_pool(2).run(out_of_step, "words")
+    assert "rank 1 sent 40 bytes of control words for message #" in receiver[0], receiver
+    assert "where 48 were due" in receiver[0], receiver
+    assert "local channel failed" in sender[0] and "closed its connection" in sender[0], sender  # waited to be answered
     assert receiver[1] == sender[1] == ("ok", [0, 1])  # a new channel
 
 
