@@ -4,7 +4,9 @@
     python benchmarks/bench_restricted.py --sizes 1K,1M --profile records:1M
 
 Prints a Markdown table: per payload and size, the median time of ``pickle.loads`` and of
-restricted-pickle's ``loads`` on the same restricted-pickle bytes, and their ratio.
+restricted-pickle's ``loads`` on the same restricted-pickle bytes, and their ratio; and the same
+``loads`` with both walks in pure Python (``is_plain_python``, ``full_walk_python``: what an install
+without a compiler runs), where the C walks were built.
 """
 
 from __future__ import annotations
@@ -16,39 +18,55 @@ import pickle
 import pstats
 import statistics
 import time
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Sequence
 
 import serializers
 from objcomm._bench._payloads import BUILTIN
+from serializers import _pickle_plain, _pickle_scan, _restricted
 
 _SIZES = {"1K": 1 << 10, "1M": 1 << 20, "16M": 16 << 20}
 
 
-def _medians(a: Callable[[], Any], b: Callable[[], Any], budget_s: float) -> Tuple[float, float]:
-    """Median wall times of ``a`` and ``b``, called alternately to fill about ``budget_s`` (at least 7 each).
+def _medians(fns: Sequence[Callable[[], Any]], budget_s: float) -> List[float]:
+    """Median wall times of ``fns``, called in turn to fill about ``budget_s`` (at least 7 each).
 
-    The cyclic garbage collector is paused while timing: it would add the same work to both (the
+    The cyclic garbage collector is paused while timing: it would add the same work to all (the
     values are the same) and most of the run-to-run noise.
     """
     start = time.perf_counter()
-    a()
-    b()
+    for fn in fns:
+        fn()
     repeats = max(7, min(2000, int(budget_s / max(time.perf_counter() - start, 1e-7))))
-    times: Tuple[List[float], List[float]] = ([], [])
+    times: List[List[float]] = [[] for _ in fns]
     gc.collect()
     gc.disable()
     try:
         for _ in range(repeats):
-            for fn, into in ((a, times[0]), (b, times[1])):
+            for fn, into in zip(fns, times):
                 start = time.perf_counter()
                 fn()
                 into.append(time.perf_counter() - start)
     finally:
         gc.enable()
-    return statistics.median(times[0]), statistics.median(times[1])
+    return [statistics.median(each) for each in times]
+
+
+def _python_walk_loads(restricted: Any) -> Callable[[bytes], Any]:
+    """restricted-pickle's ``loads`` with both walks in pure Python, as without the C build."""
+
+    def loads(data: bytes) -> Any:
+        _restricted.is_plain, _restricted.full_walk = _pickle_plain.is_plain_python, _pickle_scan.full_walk_python
+        try:
+            return restricted.loads(data)
+        finally:
+            _restricted.is_plain, _restricted.full_walk = _pickle_plain.is_plain, _pickle_scan.full_walk
+
+    return loads
 
 
 def _fmt(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.2f} µs"
     return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
@@ -77,15 +95,23 @@ def main() -> None:
         print(f"{calls} loads of {len(data):,} bytes, cyclic GC paused")
         pstats.Stats(profile).sort_stats("tottime").print_stats(12)
         return
-    print("| payload | size | pickle bytes | pickle.loads | restricted loads | ratio |")
-    print("|---|---|---|---|---|---|")
+    with_c = _pickle_plain.is_plain_c is not None and _pickle_scan._full_walk_c is not None
+    python_walk = _python_walk_loads(restricted)
+    extra = " | restricted loads, Python walks | ratio" if with_c else ""
+    print(f"| payload | size | pickle bytes | pickle.loads | restricted loads | ratio{extra} |")
+    print("|---|---|---|---|---|---|" + ("---|---|" if with_c else ""))
     for name in args.payloads.split(","):
         payload = BUILTIN[name]
         for label in args.sizes.split(",") if payload.scalable else ["fixed"]:
             data = bytes(restricted.dumps(payload.make(0, _SIZES.get(label, 0))))
-            plain, safe = _medians(lambda d=data: pickle.loads(d), lambda d=data: restricted.loads(d), args.budget)
-            print(f"| {name} | {label} | {len(data):,} | {_fmt(plain)} | {_fmt(safe)} | {safe / plain:.2f}x |",
-                  flush=True)
+            fns = [lambda d=data: pickle.loads(d), lambda d=data: restricted.loads(d)]
+            if with_c:
+                fns.append(lambda d=data: python_walk(d))
+            plain, safe, *slow = _medians(fns, args.budget)
+            row = f"| {name} | {label} | {len(data):,} | {_fmt(plain)} | {_fmt(safe)} | {safe / plain:.2f}x |"
+            if slow:
+                row += f" {_fmt(slow[0])} | {slow[0] / plain:.2f}x |"
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

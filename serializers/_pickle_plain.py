@@ -1,5 +1,10 @@
 """The fast walk: proves, at regular-expression speed, that a pickle holds nothing but plain data.
 
+Two implementations give the same answer on every input: :func:`is_plain_python` (this module, in the
+regular-expression engine) and ``is_plain_c`` (``_pickle_walks_c.c``, an opcode at a time, about 10-40x
+faster; built at install where a compiler is at hand). restricted-pickle runs :data:`is_plain`, the C
+one where it was built. ``tests/test_pickle_plain.py`` compares the two.
+
 Most payloads (metrics, records, lists of floats or strings, int-keyed dicts, configs) are built
 from opcodes that cannot reach a global, a call or state: scalars, strings, bytes, empty
 containers, marks, APPEND(S)/SETITEM(S)/ADDITEMS, LIST/DICT, POP, POP_MARK, MEMOIZE, memo reads,
@@ -59,7 +64,9 @@ from a BINFLOAT, is the next opcode; the pattern without tuples only), and resum
 A tuple opcode the pattern without tuples meets is stepped over (see below).
 
 **Frames are parsed as the C unpickler reads them from a file**, which is how restricted-pickle
-loads (``pickle.loads`` over bytes ignores them). After FRAME it buffers exactly the frame; an
+loads what is not plain (``pickle.loads`` over bytes, which loads plain payloads, ignores them: for a
+payload whose frames begin and end between opcodes, as this walk requires, both parse alike).
+After FRAME it buffers exactly the frame; an
 opcode whose argument runs past the frame's end makes it refill the buffer from the bytes *after*
 the frame, dropping the rest of the argument inside it, so that it would then run opcodes this walk
 took for an argument (a whole hostile pickle hidden in a BYTEARRAY8, found by review). So FRAME is
@@ -182,7 +189,7 @@ _TUPLE_SIZE[0x85], _TUPLE_SIZE[0x86], _TUPLE_SIZE[0x87] = 1, 2, 3
 _FLOAT_RUN = 4096  # BINFLOATs checked per stride slice
 
 
-def is_plain(raw: bytes) -> bool:
+def is_plain_python(raw: bytes) -> bool:
     """True if ``raw`` reaches STOP through plain-data opcodes only, every declared length in bounds.
 
     False says nothing about the payload: the full walk (``_pickle_scan.full_walk``) then decides.
@@ -297,3 +304,12 @@ def _past_counted(raw: bytes, end: int, width: int, limit: int) -> int:
     if length < 0 or past > limit or length > _LONGEST_KEY and code != _BYTEARRAY8:
         return -1
     return past
+
+
+try:  # the same walk in C (``_pickle_walks_c.c``), built where a compiler was at hand
+    from ._pickle_walks_c import is_plain as is_plain_c
+except ImportError:  # pragma: no cover - an install without a compiler
+    is_plain_c = None
+
+is_plain: Callable[[bytes], bool] = is_plain_c or is_plain_python
+"""The fast walk restricted-pickle runs: the C one where it was built, else :func:`is_plain_python`."""

@@ -20,6 +20,10 @@ or hashes anything:
 - a global (a class or function the payload names) used as anything but the callable of a call
   or a direct argument of a call: globals travel only as constructors, never as values.
 
+:func:`full_walk` runs the same walk in C first (``_pickle_walks_c.c``, where it was built), which
+answers only for payloads of binary opcodes that :func:`full_walk_python` accepts, with the same
+answer, and leaves every other payload to it (tests/test_pickle_scan.py compares the two).
+
 It reports whether the real load needs the probe pass: whether BUILD, APPEND(S), SETITEM(S) or
 ADDITEMS act on a value a call built (see ``_restricted``). For that answer the walk's stack and
 memo must be pickle's own: every opcode it accepts moves values exactly as the C unpickler does
@@ -146,7 +150,18 @@ def full_walk(raw: bytes) -> bool:
     """The walk of :func:`scan` without the fast walk first; True: the probe pass must run.
 
     For a caller that has already tried ``is_plain(raw)`` (``_restricted`` does, to pick its plain path).
+    The C walk (``_pickle_walks_c.c``, where it was built) answers for the payloads :func:`full_walk_python`
+    accepts and that hold binary opcodes only; for any other, the Python walk decides and words the refusal.
     """
+    if _full_walk_c is not None:
+        answer = _full_walk_c(raw)
+        if answer is not None:
+            return answer
+    return full_walk_python(raw)
+
+
+def full_walk_python(raw: bytes) -> bool:
+    """:func:`full_walk` in pure Python: the reference the C walk answers as."""
     size, at, count = len(raw), 0, 0
     frame_end = 0  # where the frame being read ends (see _pickle_plain: frames are read as from a file)
     budget = HASH_WORK_PER_BYTE * size + 4096
@@ -388,3 +403,30 @@ def _built(items: Sequence[Tuple[int, int, int]], at: int, budget: int) -> Tuple
     if nesting >= MAX_NESTING:
         raise ScanError(f"tuples or calls nested over {MAX_NESTING} deep (byte {at})")
     return (BUILT, nesting + 1, min(1 + sum(item[2] for item in items), budget + 1))
+
+
+def _c_tables() -> Tuple[bytes, bytes, bytes]:
+    """The opcode tables of the C walk (see ``_pickle_walks_c.c``), from this module's."""
+    fixed, prefixed, signed, string, lines = 0x100, 0x200, 0x400, 0x800, 0x1000
+    arguments = []
+    for code, kind in enumerate(_ARGUMENTS):
+        if kind is None:
+            entry = 0
+        elif kind[0] == 0:
+            entry = fixed | kind[1]
+        elif kind[0] == 1:
+            entry = lines
+        else:
+            entry = prefixed | kind[1] | (signed if code in _SIGNED_LENGTHS else 0)
+            entry |= string if code in _STRINGS else 0
+        arguments.append(entry.to_bytes(2, "little"))
+    return b"".join(arguments), bytes(_BY_CODE), bytes(summary[0] for summary in _PUSHED)
+
+
+try:  # the same walk in C, for binary opcodes, built where a compiler was at hand
+    from ._pickle_walks_c import configure as _configure_c
+    from ._pickle_walks_c import full_walk as _full_walk_c
+except ImportError:  # pragma: no cover - an install without a compiler
+    _full_walk_c = None
+else:
+    _configure_c(*_c_tables())

@@ -7,9 +7,10 @@ How a hostile payload is kept harmless (``docs/security.md`` states the guarante
    bounds tuple nesting and hashing work, keeps globals out of values, and refuses opcodes objcomm
    never writes — before the C unpickler allocates or hashes anything. Plain data (no global,
    call or state; tuples only of the scalars just before them) is recognised first by a fast walk
-   in the regex engine (``_pickle_plain``), which checks the one rule such a payload can break:
-   declared lengths. Such a payload is loaded by ``_PlainUnpickler``, whose ``find_class`` refuses
-   every global (the backstop should the fast walk ever be wrong), so no constructor runs in it.
+   (``_pickle_plain``; in C where it was built), which checks the one rule such a payload can break:
+   declared lengths. Such a payload is loaded by ``pickle.loads`` in a
+   namespace whose ``__import__`` refuses (``_plain_load``: the backstop should the fast walk ever be
+   wrong, as every global the C unpickler resolves is imported first), so no constructor runs in it.
 2. **Guards, not globals.** ``find_class`` never imports or returns what the payload names. It
    returns a *guard*: a class (so NEWOBJ accepts it) whose metaclass routes a call (REDUCE, OBJ,
    INST) to a validating constructor, whose ``__new__`` routes NEWOBJ likewise, and whose
@@ -40,6 +41,7 @@ import datetime
 import importlib
 import io
 import pickle
+import types
 from io import BytesIO
 from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
@@ -281,18 +283,47 @@ def _unpickler_class(guards: _Guards, probing: bool) -> type:
     return type(f"_{kind}Unpickler", (pickle.Unpickler,), {"__slots__": (), "find_class": find_class})
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    """The pass of a payload the fast walk showed plain: such a payload names no global, so none is built.
+def _refuse_import(name: str, *args: Any, **kwargs: Any) -> Any:
+    raise _refused(f"importing {name} for a payload the fast walk showed plain")
 
-    Its ``find_class`` is the backstop should the fast walk ever be wrong: it refuses every global,
-    which no plain payload holds (stricter than the guards, and so no constructor can run, which is
-    why a plain load needs no work budget).
-    """
+
+def _plain_load(raw: bytes) -> Any:
+    return _loads(raw)  # type: ignore[name-defined]  # noqa: F821 - from the namespace given below
+
+
+# The load of a payload the fast walk showed plain: ``pickle.loads`` over the bytes (no file, no
+# Unpickler object), called from a function whose builtins hold only an ``__import__`` that refuses.
+# The C unpickler resolves every global through ``PyImport_Import``, which calls the ``__import__``
+# of the calling frame's builtins: should the fast walk ever be wrong, a global in a "plain" payload
+# is refused before anything is imported or looked up (the backstop), so no constructor runs in a
+# plain load, which is why it needs no work budget. ``pickle.loads`` over bytes reads frames as
+# bytes among the others, which parses alike: the fast walk showed every frame begins and ends
+# between two opcodes. Checked at import (``_backstop_holds``): where a Python resolved a global
+# another way, plain payloads load through ``_PlainUnpickler``, whose ``find_class`` refuses.
+_plain_load = types.FunctionType(
+    _plain_load.__code__, {"__builtins__": {"__import__": _refuse_import}, "_loads": pickle.loads}, "_plain_load"
+)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """The load of a plain payload where :func:`_plain_load`'s backstop does not hold: it refuses every global."""
 
     __slots__ = ()
 
     def find_class(self, module: str, name: str) -> Any:
         raise _refused(f"the global {module}.{name} in a payload the fast walk showed plain")
+
+
+def _backstop_holds() -> bool:
+    try:
+        _plain_load(pickle.dumps(len, protocol=PROTOCOL))
+    except ContentRefusedError:
+        return True
+    return False  # pragma: no cover - a Python whose unpickler resolves globals without __import__
+
+
+if not _backstop_holds():  # pragma: no cover
+    _plain_load = lambda raw: _PlainUnpickler(BytesIO(raw)).load()  # noqa: E731
 
 
 class _RestoringUnpickler(pickle.Unpickler):
@@ -380,10 +411,10 @@ class RestrictedPickleSerializer(PickleSerializer):
                 raise ContentRefusedError(f"{self.name} refused the payload: {exc}; nothing was run") from None
             raise DecodeError(f"{self.name} refused a malformed payload: {type(exc).__name__}: {exc}") from None
         if plain:
-            # No global, call or state: the plain unpickler refuses every global, so no constructor
-            # runs (no work budget is needed) and no out-of-band reference can occur (restore unused).
+            # No global, call or state: the plain load refuses every global, so no constructor runs
+            # (no work budget is needed) and no out-of-band reference can occur (restore unused).
             try:
-                return _PlainUnpickler(BytesIO(raw)).load()
+                return _plain_load(raw)
             except ObjcommError:
                 raise
             except Exception as exc:

@@ -1,0 +1,103 @@
+"""The full walk of restricted-pickle (``serializers._pickle_scan``): its C build answers as the Python one.
+
+The C walk (``_pickle_walks_c.c``) answers only for payloads of binary opcodes that the Python walk
+accepts, and must then give the same answer (whether the probe pass runs); for every other payload it
+answers None and the Python walk decides. Every comparison runs in a child process, so a crash of the
+C walk fails a test instead of pytest. The hostile-input tests of the full walk are in
+``test_adversarial_serializers.py``: they go through the C walk first wherever it was built.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Dict, List, Optional, Union
+
+import pytest
+from _child import run_in_child
+from _hostile import FUZZ_SCALE, dag, glob, payload, tuple_dag, v
+from _pickles import random_call_pickle, rich_value
+
+import serializers
+from serializers import _pickle_scan
+
+needs_c_walk = pytest.mark.skipif(
+    _pickle_scan._full_walk_c is None, reason="the C walk was not built here (no compiler at install)"
+)
+Answer = Union[bool, str, None]
+
+
+def _answers(cases: List[bytes]) -> List[tuple]:
+    """In the child: each case's answer from the Python walk ("refused" where it raises) and the C walk."""
+    answers = []
+    for data in cases:
+        try:
+            python: Answer = _pickle_scan.full_walk_python(data)
+        except Exception:
+            python = "refused"
+        answers.append((python, _pickle_scan._full_walk_c(data)))
+    return answers
+
+
+@needs_c_walk
+@pytest.mark.timeout(400)
+def test_the_c_walk_answers_as_the_python_walk_on_random_and_mutated_pickles():
+    rng = random.Random(20261201)
+    cases = [random_call_pickle(rng) for _ in range(3000 * FUZZ_SCALE)]
+    answers = run_in_child(_answers, cases, memory_budget=512 << 20, timeout=300, preload=("numpy", "torch"))
+    wrong = {data[:150]: pair for data, pair in zip(cases, answers) if pair[1] is not None and pair[0] != pair[1]}
+    assert not wrong
+    decided = [pair for pair in answers if pair[1] is not None]
+    # both answers are well represented, and the C walk leaves few accepted payloads to the Python one
+    assert sum(pair[1] is True for pair in decided) > 100 and sum(pair[1] is False for pair in decided) > 100
+    left = [pair for pair in answers if pair[1] is None and pair[0] != "refused"]
+    assert len(left) < len(cases) // 20
+
+
+@needs_c_walk
+def test_the_c_walk_decides_restricted_pickles_own_payloads():
+    """What restricted-pickle writes (protocol 5, binary opcodes only) is decided by the C walk."""
+    rng = random.Random(7)
+    cases = [bytes(serializers.get("restricted-pickle").dumps(rich_value(rng))) for _ in range(300)]
+    answers = run_in_child(_answers, cases, memory_budget=512 << 20, preload=("numpy", "torch"))
+    assert [pair for pair in answers if pair[0] != pair[1]] == []
+
+
+@needs_c_walk
+def test_the_c_walk_leaves_every_hostile_payload_to_the_python_walk():
+    """Globals as values, state on globals, deep and exponential tuples, memo past the opcodes, a
+    budget-breaking frozenset nest, stack underflow below a mark: the C walk never accepts one."""
+    frozen = b")"  # frozensets of two references to the one before: comparing them doubles per level
+    for level in range(40):
+        frozen += b"\x94(h" + bytes([level]) + b"h" + bytes([level]) + b"\x91"
+    cases = {
+        "a global as a value": payload(b"]" + v("builtins") + v("set") + b"\x93a"),
+        "state on a global": payload(v("builtins") + v("set") + b"\x93}b"),
+        "a global as a dict key": payload(b"}" + v("builtins") + v("set") + b"\x93Ns"),
+        "a call of a call's arguments": payload(v("builtins") + v("set") + b"\x93\x85\x85R"),
+        "tuples 513 deep": payload(b"K\x01" + b"\x85" * 513),
+        "a tuple dag as a key": payload(b"}" + tuple_dag(60) + b"Ns"),
+        "a tuple dag as a key through DICT": payload(b"(" + tuple_dag(60) + b"Nd"),
+        "nested frozensets as a key": payload(b"}" + frozen + b"Ns"),
+        "a list dag": payload(dag(40)),
+        "a memo slot past the opcodes": payload(b"N" + b"r\xff\xff\x00\x00"),
+        "a memo read of an empty slot": payload(b"h\x05"),
+        "STACK_GLOBAL below a mark": payload(v("a") + b"(" + v("b") + b"\x93" + b"\x85" + b"1"),
+        "no STOP": b"\x80\x05N",
+        "two values at STOP": payload(b"NN"),
+        "an EXT1": payload(b"\x82\x01"),
+        "a persistent id": payload(b"N" + b"Q"),
+        "GLOBAL (a text opcode)": payload(glob("builtins", "set") + b")R"),
+    }
+    answers = run_in_child(_answers, list(cases.values()), memory_budget=256 << 20, preload=("numpy", "torch"))
+    decided: Dict[str, Optional[bool]] = {label: pair[1] for label, pair in zip(cases, answers) if pair[1] is not None}
+    accepted_by_python = {label for label, pair in zip(cases, answers) if pair[0] != "refused"}
+    assert decided == {label: answers[i][0] for i, label in enumerate(cases) if label in decided}
+    assert not decided.keys() - accepted_by_python
+    assert "a list dag" in accepted_by_python and "a list dag" in decided  # a dag of lists is fine: no hashing
+
+
+@needs_c_walk
+def test_the_c_walk_takes_bytes_only():
+    for data in (bytearray(b"N."), memoryview(b"N.")):
+        with pytest.raises(TypeError, match="takes bytes"):
+            _pickle_scan._full_walk_c(data)
