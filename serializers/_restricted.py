@@ -293,10 +293,12 @@ def _plain_load(raw: bytes) -> Any:
 
 # The load of a payload the fast walk showed plain: ``pickle.loads`` over the bytes (no file, no
 # Unpickler object), called from a function whose builtins hold only an ``__import__`` that refuses.
-# The C unpickler resolves every global through ``PyImport_Import``, which calls the ``__import__``
-# of the calling frame's builtins: should the fast walk ever be wrong, a global in a "plain" payload
-# is refused before anything is imported or looked up (the backstop), so no constructor runs in a
-# plain load, which is why it needs no work budget. ``pickle.loads`` over bytes reads frames as
+# The C unpickler resolves every global it looks up by name through ``PyImport_Import``, which calls
+# the ``__import__`` of the calling frame's builtins: should the fast walk ever be wrong, a global in
+# a "plain" payload is refused before anything is imported or looked up (the backstop), so no
+# constructor runs in a plain load, which is why it needs no work budget. (Not so an extension code
+# an application registered with ``copyreg`` and loaded once: answered from copyreg's cache. Neither
+# walk accepts EXT1/2/4.) ``pickle.loads`` over bytes reads frames as
 # bytes among the others, which parses alike: the fast walk showed every frame begins and ends
 # between two opcodes. Checked at import (``_backstop_holds``): where a Python resolved a global
 # another way, plain payloads load through ``_PlainUnpickler``, whose ``find_class`` refuses.
