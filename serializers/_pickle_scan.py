@@ -429,4 +429,4 @@ try:  # the same walk in C, for binary opcodes, built where a compiler was at ha
 except ImportError:  # pragma: no cover - an install without a compiler
     _full_walk_c = None
 else:
-    _configure_c(*_c_tables())
+    _configure_c(*_c_tables(), MAX_NESTING, HASH_WORK_PER_BYTE, COMPARED_BYTES)

@@ -241,9 +241,6 @@ enum {
 #define STRING 0x800
 #define LINES 0x1000
 
-#define MAX_NESTING 512
-#define HASH_WORK_PER_BYTE 16
-#define COMPARED_BYTES 64
 #define LONG4 0x8b
 #define FRAME 0x95
 #define STOP '.'
@@ -251,6 +248,9 @@ enum {
 static int arguments[256];
 static unsigned char effects[256];
 static unsigned char pushed[256];
+/* _pickle_scan's MAX_NESTING, HASH_WORK_PER_BYTE and COMPARED_BYTES */
+static int max_nesting;
+static int64_t hash_work_per_byte, compared_bytes;
 static int configured;
 
 typedef struct {
@@ -303,6 +303,10 @@ min64(int64_t a, int64_t b)
     return a < b ? a : b;
 }
 
+/* Sums of hashing work saturate at budget + 1: each item is at most budget + 1 (and budget at most
+ * 16 bytes of work per payload byte), so an exact sum of a payload's worth of them would overflow
+ * int64 from ~760 MB of payload on. Past budget + 1 the answer is the same: refused. */
+
 #define REFUSE return UNDECIDED
 #define AS_VALUE(v) do { if ((v).tag == GLOBAL || (v).tag == ARGS) REFUSE; } while (0)
 /* the C unpickler pops nothing from below the latest mark; neither does the walk */
@@ -324,13 +328,13 @@ combine(const Value *items, Py_ssize_t n, int built, int64_t budget, Value *out)
         }
         if (items[i].nesting > nesting)
             nesting = items[i].nesting;
-        work += items[i].work;
+        work = min64(work + items[i].work, budget + 1); /* as Python's min(sum, budget + 1): no overflow */
     }
-    if (nesting >= MAX_NESTING)
+    if (nesting >= max_nesting)
         return -1;
     out->tag = built ? BUILT : tag;
     out->nesting = nesting + 1;
-    out->work = min64(work, budget + 1);
+    out->work = work;
     return 0;
 }
 
@@ -338,7 +342,9 @@ static int
 full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *marks, Values *memo)
 {
     Py_ssize_t at = 0, count = 0, frame_end = 0, filled = 0;
-    int64_t budget = (int64_t)HASH_WORK_PER_BYTE * size + 4096;
+    if (size > (((int64_t)1 << 61) - 4096) / hash_work_per_byte)
+        REFUSE; /* a budget past 2**61: left to the Python walk (sums of two stay within int64) */
+    int64_t budget = hash_work_per_byte * size + 4096;
     int needs_probe = 0, tracking = 0;
     const Value plain = {PLAIN, 0, 1};
 
@@ -384,8 +390,8 @@ full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *ma
                 value.tag = PLAIN; value.nesting = 0; value.work = 1 + (end - start) / 8;
                 tracking = 1;
             }
-            else if (end - start > COMPARED_BYTES && (argument & STRING)) {
-                value.tag = PLAIN; value.nesting = 0; value.work = 1 + (end - start) / COMPARED_BYTES;
+            else if (end - start > compared_bytes && (argument & STRING)) {
+                value.tag = PLAIN; value.nesting = 0; value.work = 1 + (end - start) / compared_bytes;
                 tracking = 1;
             }
             else {
@@ -405,7 +411,7 @@ full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *ma
                 for (Py_ssize_t i = mark; i < stack->size; i++) {
                     AS_VALUE(stack->items[i]);
                     if (effect == E_ADDITEMS || (effect == E_SETITEMS && (i - mark) % 2 == 0))
-                        charged += stack->items[i].work;
+                        charged = min64(charged + stack->items[i].work, budget + 1);
                 }
                 budget -= charged;
                 stack->size = mark;
@@ -549,7 +555,7 @@ full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *ma
             for (Py_ssize_t i = mark; i < stack->size; i++) {
                 AS_VALUE(stack->items[i]);
                 if (effect == E_FROZENSET || (effect == E_DICT && (i - mark) % 2 == 0))
-                    charged += stack->items[i].work;
+                    charged = min64(charged + stack->items[i].work, budget + 1);
             }
             int any = stack->size > mark;
             stack->size = mark;
@@ -657,9 +663,10 @@ full_walk(PyObject *module, PyObject *raw)
 }
 
 PyDoc_STRVAR(configure_doc,
-"configure(arguments: bytes, effects: bytes, pushed: bytes) -> None\n\n"
+"configure(arguments: bytes, effects: bytes, pushed: bytes, max_nesting: int, hash_work_per_byte: int,\n"
+"          compared_bytes: int) -> None\n\n"
 "The opcode tables, 256 entries each: arguments as little-endian uint16 (see the C source), each\n"
-"opcode's stack effect, and the tag a push opcode pushes.");
+"opcode's stack effect, and the tag a push opcode pushes; then the walk's limits.");
 
 static PyObject *
 configure(PyObject *module, PyObject *args)
@@ -667,11 +674,18 @@ configure(PyObject *module, PyObject *args)
     (void)module;
     const char *argument_table, *effect_table, *pushed_table;
     Py_ssize_t argument_size, effect_size, pushed_size;
-    if (!PyArg_ParseTuple(args, "y#y#y#", &argument_table, &argument_size, &effect_table, &effect_size,
-                          &pushed_table, &pushed_size))
+    int nesting;
+    long long per_byte, compared;
+    if (!PyArg_ParseTuple(args, "y#y#y#iLL", &argument_table, &argument_size, &effect_table, &effect_size,
+                          &pushed_table, &pushed_size, &nesting, &per_byte, &compared))
         return NULL;
     if (argument_size != 512 || effect_size != 256 || pushed_size != 256) {
         PyErr_SetString(PyExc_ValueError, "configure() takes tables of 256 entries");
+        return NULL;
+    }
+    /* tests raise per_byte to bring the work sums' saturation within reach of small payloads */
+    if (nesting < 1 || per_byte < 1 || per_byte > ((long long)1 << 52) || compared < 1) {
+        PyErr_SetString(PyExc_ValueError, "configure(): limits out of range");
         return NULL;
     }
     for (int code = 0; code < 256; code++) {
@@ -683,6 +697,9 @@ configure(PyObject *module, PyObject *args)
             return NULL;
         }
     }
+    max_nesting = nesting;
+    hash_work_per_byte = per_byte;
+    compared_bytes = compared;
     configured = 1;
     Py_RETURN_NONE;
 }

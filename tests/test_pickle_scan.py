@@ -101,3 +101,27 @@ def test_the_c_walk_takes_bytes_only():
     for data in (bytearray(b"N."), memoryview(b"N.")):
         with pytest.raises(TypeError, match="takes bytes"):
             _pickle_scan._full_walk_c(data)
+
+
+def _answers_with_a_larger_budget(cases: List[bytes], per_byte: int) -> List[tuple]:
+    """In the child: :func:`_answers` with both walks' hashing budget at ``per_byte`` per payload byte."""
+    _pickle_scan.HASH_WORK_PER_BYTE = per_byte
+    _pickle_scan._configure_c(*_pickle_scan._c_tables(), _pickle_scan.MAX_NESTING, per_byte,
+                              _pickle_scan.COMPARED_BYTES)
+    return _answers(cases)
+
+
+@needs_c_walk
+def test_the_c_walks_sums_of_hashing_work_never_overflow():
+    """A frozenset (or a tuple used as a key) of n references to a tuple dag whose hashing work is capped
+    at the budget: its work sums n capped values. At 16 units a byte that overflows int64 only from
+    ~760 MB of payload on, so the budget is raised to 2**50 a byte here (both walks alike) to bring it
+    within a few hundred bytes. Python refuses each; an overflowing C sum would wrap negative and accept."""
+    dag = b"K\x01\x85" + b"2\x86" * 60 + b"\x940(h\x00"
+    cases = []
+    for n in (1, 2, 8, 64, 150, 200, 400):
+        cases += [payload(dag + b"2" * (n - 1) + b"\x91"), payload(b"}" + dag + b"2" * (n - 1) + b"tNs"),
+                  payload(b"(" + dag + b"2" * (n - 1) + b"tNd"), payload(b"\x8f(" + dag + b"2" * (n - 1) + b"\x90")]
+    answers = run_in_child(_answers_with_a_larger_budget, cases, 2**50, memory_budget=256 << 20)
+    assert {pair[0] for pair in answers} == {"refused"}  # one capped dag already passes the budget
+    assert [data.hex() for data, pair in zip(cases, answers) if pair[1] is not None] == []  # left to Python
