@@ -1,9 +1,10 @@
 """The fast walk: proves, at regular-expression speed, that a pickle holds nothing but plain data.
 
-Two implementations give the same answer on every input: :func:`is_plain_python` (this module, in the
-regular-expression engine) and ``is_plain_c`` (``_pickle_walks_c.c``, an opcode at a time, about 10-40x
-faster; built at install where a compiler is at hand). restricted-pickle runs :data:`is_plain`, the C
-one where it was built. ``tests/test_pickle_plain.py`` compares the two.
+Two implementations give the same answer on every input: :func:`is_plain_python` (this module, in
+the regular-expression engine) and ``is_plain_c`` (``_pickle_walks_c.c``, an opcode at a time,
+13-30x faster on the bench payloads; built at install where a compiler is at hand).
+restricted-pickle runs :data:`is_plain`, the C one where it was built.
+``tests/test_pickle_plain.py`` compares the two.
 
 Most payloads (metrics, records, lists of floats or strings, int-keyed dicts, configs) are built
 from opcodes that cannot reach a global, a call or state: scalars, strings, bytes, empty
@@ -64,17 +65,17 @@ from a BINFLOAT, is the next opcode; the pattern without tuples only), and resum
 A tuple opcode the pattern without tuples meets is stepped over (see below).
 
 **Frames are parsed as the C unpickler reads them from a file**, which is how restricted-pickle
-loads what is not plain (``pickle.loads`` over bytes, which loads plain payloads, ignores them: for a
-payload whose frames begin and end between opcodes, as this walk requires, both parse alike).
-After FRAME it buffers exactly the frame; an
-opcode whose argument runs past the frame's end makes it refill the buffer from the bytes *after*
-the frame, dropping the rest of the argument inside it, so that it would then run opcodes this walk
-took for an argument (a whole hostile pickle hidden in a BYTEARRAY8, found by review). So FRAME is
-no alternative of the patterns: the Python step reads it, and the run goes on with the frame's end
-as the end of the string the engine sees (``match(raw, at, end)``), so no match crosses it; a
-length-prefixed opcode or a float run must end inside it too, and a FRAME inside a frame is not
-plain. The pickler writes neither (it starts a frame only between opcodes, and large arguments
-outside frames). The full walk applies the same rules.
+loads what is not plain (``pickle.loads`` over bytes, which loads plain payloads, ignores them: for
+a payload whose frames begin and end between opcodes, as this walk requires, both parse alike).
+After FRAME it buffers exactly the frame; an opcode whose argument runs past the frame's end makes
+it refill the buffer from the bytes *after* the frame, dropping the rest of the argument inside it,
+so that it would then run opcodes this walk took for an argument (a whole hostile pickle hidden in a
+BYTEARRAY8, found by review). So FRAME is no alternative of the patterns: the Python step reads it,
+and the run goes on with the frame's end as the end of the string the engine sees
+(``match(raw, at, end)``), so no match crosses it; a length-prefixed opcode or a float run must end
+inside it too, and a FRAME inside a frame is not plain. The pickler writes neither (it starts a
+frame only between opcodes, and large arguments outside frames). The full walk applies the same
+rules.
 
 Every payload is walked first by the pattern without tuples (the tuple alternatives cost time on
 every scalar, and it leaves runs of floats to the much faster stride check), which steps over a
