@@ -31,6 +31,8 @@ def _worst_cases() -> dict:
     return {
         ("restricted-pickle", "empty lists"): b"\x80\x05](" + b"]" * N + b"e.",
         ("restricted-pickle", "empty dicts"): b"\x80\x05](" + b"}" * N + b"e.",
+        ("restricted-pickle", "empty sets"): b"\x80\x05](" + b"\x8f" * N + b"e.",
+        ("restricted-pickle", "empty frozensets"): b"\x80\x05](" + b"(\x91" * (N // 2) + b"e.",
         ("restricted-pickle", "memo references"): b"\x80\x05]\x94(" + b"h\x00" * N + b"e.",
         ("msgpack", "empty arrays"): b"\xdd" + n4 + b"\x90" * N,
         ("msgpack", "empty maps"): b"\xdd" + n4 + b"\x80" * N,
