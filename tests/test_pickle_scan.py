@@ -125,3 +125,39 @@ def test_the_c_walks_sums_of_hashing_work_never_overflow():
     answers = run_in_child(_answers_with_a_larger_budget, cases, 2**50, memory_budget=256 << 20)
     assert {pair[0] for pair in answers} == {"refused"}  # one capped dag already passes the budget
     assert [data.hex() for data, pair in zip(cases, answers) if pair[1] is not None] == []  # left to Python
+
+
+def _loads_both_ways(cases: List[bytes]) -> List[tuple]:
+    """In the child: each case's outcome through restricted-pickle's ``loads`` with the C walks, then with
+    both walks in pure Python (as an install without a compiler runs): the outcome, and repr of the value."""
+    from _hostile import outcome
+
+    from serializers import _pickle_plain, _restricted
+
+    restricted = serializers.get("restricted-pickle")
+
+    def load(data: bytes) -> tuple:
+        values: list = []
+        result = outcome(lambda: values.append(restricted.loads(data)))
+        return result, repr(values[0]) if values else None
+
+    answers = []
+    for data in cases:
+        with_c = load(data)
+        _restricted.is_plain, _restricted.full_walk = _pickle_plain.is_plain_python, _pickle_scan.full_walk_python
+        try:
+            answers.append((with_c, load(data)))
+        finally:
+            _restricted.is_plain, _restricted.full_walk = _pickle_plain.is_plain, _pickle_scan.full_walk
+    return answers
+
+
+@needs_c_walk
+@pytest.mark.timeout(400)
+def test_restricted_pickle_decodes_alike_with_and_without_the_c_walks():
+    """The same outcome (value, or the kind of refusal) for random, mutated and call-heavy pickles."""
+    rng = random.Random(11)
+    cases = [random_call_pickle(rng) for _ in range(1500 * FUZZ_SCALE)]
+    answers = run_in_child(_loads_both_ways, cases, memory_budget=1 << 30, timeout=300, preload=("numpy", "torch"))
+    assert [(data[:100], pair) for data, pair in zip(cases, answers) if pair[0] != pair[1]] == []
+    assert sum(pair[0][0] == "ok" for pair in answers) > len(cases) // 4
