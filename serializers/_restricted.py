@@ -8,9 +8,9 @@ How a hostile payload is kept harmless (``docs/security.md`` states the guarante
    never writes — before the C unpickler allocates or hashes anything. Plain data (no global,
    call or state; tuples only of the scalars just before them) is recognised first by a fast walk
    (``_pickle_plain``; in C where it was built), which checks the one rule such a payload can break:
-   declared lengths. Such a payload is loaded by ``pickle.loads`` in a
-   namespace whose ``__import__`` refuses (``_plain_load``: the backstop should the fast walk ever be
-   wrong, as every global the C unpickler resolves is imported first), so no constructor runs in it.
+   declared lengths. Such a payload is loaded by ``pickle.loads`` in a namespace whose
+   ``__import__`` refuses (``_plain_load``: the backstop should the fast walk ever be wrong, as the C
+   unpickler imports every global it looks up by name), so no constructor runs in it.
 2. **Guards, not globals.** ``find_class`` never imports or returns what the payload names. It
    returns a *guard*: a class (so NEWOBJ accepts it) whose metaclass routes a call (REDUCE, OBJ,
    INST) to a validating constructor, whose ``__new__`` routes NEWOBJ likewise, and whose
@@ -294,14 +294,14 @@ def _plain_load(raw: bytes) -> Any:
 # The load of a payload the fast walk showed plain: ``pickle.loads`` over the bytes (no file, no
 # Unpickler object), called from a function whose builtins hold only an ``__import__`` that refuses.
 # The C unpickler resolves every global it looks up by name through ``PyImport_Import``, which calls
-# the ``__import__`` of the calling frame's builtins: should the fast walk ever be wrong, a global in
-# a "plain" payload is refused before anything is imported or looked up (the backstop), so no
+# the ``__import__`` of the calling frame's builtins: should the fast walk ever be wrong, a global
+# in a "plain" payload is refused before anything is imported or looked up (the backstop), so no
 # constructor runs in a plain load, which is why it needs no work budget. (Not so an extension code
 # an application registered with ``copyreg`` and loaded once: answered from copyreg's cache. Neither
-# walk accepts EXT1/2/4.) ``pickle.loads`` over bytes reads frames as
-# bytes among the others, which parses alike: the fast walk showed every frame begins and ends
-# between two opcodes. Checked at import (``_backstop_holds``): where a Python resolved a global
-# another way, plain payloads load through ``_PlainUnpickler``, whose ``find_class`` refuses.
+# walk accepts EXT1/2/4.) ``pickle.loads`` over bytes reads a FRAME's contents as the opcodes
+# after it, which parses alike: the fast walk showed every frame begins and ends between opcodes. Checked at
+# import (``_backstop_holds``): where a Python resolved a global another way, plain payloads load
+# through ``_PlainUnpickler``, whose ``find_class`` refuses.
 _plain_load = types.FunctionType(
     _plain_load.__code__, {"__builtins__": {"__import__": _refuse_import}, "_loads": pickle.loads}, "_plain_load"
 )
