@@ -23,7 +23,7 @@ little_endian(const unsigned char *p, int width)
 /* ---- The fast walk of serializers._pickle_plain, in C: whether a pickle holds nothing but plain data.
  *
  * The same answer as serializers._pickle_plain.is_plain_python for every input (tests/test_pickle_plain.py
- * compares the two over millions of random and mutated pickles), an opcode at a time instead of a
+ * compares the two on random, mutated and edge-case pickles), an opcode at a time instead of a
  * regular expression: read that module's docstring for the rules and why they suffice. In short,
  * a payload is plain when it reaches STOP through these opcodes only:
  *
@@ -226,7 +226,7 @@ is_plain(PyObject *module, PyObject *raw)
 enum { PLAIN, GLOBAL, ARGS, BUILT, LIST, DICT, SET };
 #define BUILD_TARGET (-1)
 
-/* stack effects, in _pickle_scan's order */
+/* stack effects, in _pickle_scan's order (configure() passes each opcode's as that module numbers it) */
 enum {
     E_PUSH, E_PUSH_GLOBAL, E_STACK_GLOBAL, E_MARK, E_POP, E_POP_MARK, E_DUP, E_PUT, E_MEMOIZE, E_GET,
     E_TUPLE_MARK, E_TUPLE_N, E_LIST, E_DICT, E_FROZENSET, E_APPEND, E_APPENDS, E_SETITEM, E_SETITEMS,
