@@ -55,11 +55,8 @@ def _python_walk_loads(restricted: Any) -> Callable[[bytes], Any]:
     """restricted-pickle's ``loads`` with both walks in pure Python, as without the C build."""
 
     def loads(data: bytes) -> Any:
-        _restricted.is_plain, _restricted.full_walk = _pickle_plain.is_plain_python, _pickle_scan.full_walk_python
-        try:
+        with _restricted.python_walks():
             return restricted.loads(data)
-        finally:
-            _restricted.is_plain, _restricted.full_walk = _pickle_plain.is_plain, _pickle_scan.full_walk
 
     return loads
 

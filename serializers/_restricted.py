@@ -48,8 +48,8 @@ from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
 from . import _rebuild
 from ._errors import ContentRefusedError, DecodeError, ObjcommError, decode_error
 from ._pickle import EXTERNAL, PROTOCOL, PickleSerializer, external_ref
-from ._pickle_plain import is_plain
-from ._pickle_scan import ScanError, full_walk
+from ._pickle_plain import is_plain, is_plain_python
+from ._pickle_scan import ScanError, full_walk, full_walk_python
 from ._protocol import Buffer, Restore
 from ._stdlib_rebuild import (
     _bytearray,
@@ -351,6 +351,21 @@ class _SafePickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         reduced = _rebuild.reduce_any(obj)
         return NotImplemented if reduced is None else reduced
+
+
+class python_walks:
+    """Inside ``with python_walks():``, restricted-pickle runs both walks in pure Python, as an install
+    without a compiler does (for tests and benchmarks; it swaps this module's globals, so not for
+    threads that decode meanwhile)."""
+
+    def __enter__(self) -> None:
+        global is_plain, full_walk
+        self._saved = is_plain, full_walk
+        is_plain, full_walk = is_plain_python, full_walk_python
+
+    def __exit__(self, *exc: Any) -> None:
+        global is_plain, full_walk
+        is_plain, full_walk = self._saved
 
 
 _BASE_ALLOWED: Set[Tuple[str, str]] = set()

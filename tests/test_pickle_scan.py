@@ -132,7 +132,7 @@ def _loads_both_ways(cases: List[bytes]) -> List[tuple]:
     both walks in pure Python (as an install without a compiler runs): the outcome, and repr of the value."""
     from _hostile import outcome
 
-    from serializers import _pickle_plain, _restricted
+    from serializers import _restricted
 
     restricted = serializers.get("restricted-pickle")
 
@@ -144,11 +144,8 @@ def _loads_both_ways(cases: List[bytes]) -> List[tuple]:
     answers = []
     for data in cases:
         with_c = load(data)
-        _restricted.is_plain, _restricted.full_walk = _pickle_plain.is_plain_python, _pickle_scan.full_walk_python
-        try:
+        with _restricted.python_walks():
             answers.append((with_c, load(data)))
-        finally:
-            _restricted.is_plain, _restricted.full_walk = _pickle_plain.is_plain, _pickle_scan.full_walk
     return answers
 
 
