@@ -10,7 +10,10 @@ reports with lying fields, each in a child process with its address space capped
 
 ``--amplification`` decodes one-megabyte payloads built to maximise memory per input byte (empty
 containers) and reports peak traced memory and decode time per byte for each safe serializer: the
-constants docs/security.md quotes.
+constants docs/security.md quotes. Then, for every constructor restricted-pickle allows, the worst of
+its hostile cases (tests/test_restricted_constructor_work.py: one argument memoized, the constructor
+called on it five bytes a call; and what it built used as set members, as often as the walk lets
+through): peak memory (traced, or RSS growth where larger) and decode CPU per input byte (~5 minutes).
 """
 
 from __future__ import annotations
@@ -57,6 +60,31 @@ def amplification() -> None:
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         print(f"| {name} | {label} | {len(data):,} | {peak / len(data):.1f} | {elapsed / len(data) * 1e9:.0f} |")
+    print()
+    constructor_amplification()
+
+
+def constructor_amplification() -> None:
+    """The worst case of each allowed constructor, from the test that bounds them (its cases, 1 MiB each)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_restricted_constructor_work import AS_KEYS, measure_all
+
+    worst: dict = {}
+    for label, (_, size, cpu, peak, _) in measure_all(size=N).items():
+        constructor, _, case = label.partition(": ")
+        row = worst.setdefault(constructor, {"memory": (0.0, ""), "cpu": (0.0, ""), "keys": (0.0, "")})
+        if case.endswith(AS_KEYS):
+            row["keys"] = max(row["keys"], (cpu / size * 1e9, case[: -len(AS_KEYS)]))
+        else:
+            row["memory"] = max(row["memory"], (peak / size, case))
+            row["cpu"] = max(row["cpu"], (cpu / size * 1e9, case))
+    print("| restricted-pickle constructor | worst peak memory / input byte | worst decode CPU ns / input byte "
+          "| worst CPU ns / input byte, what it built used as keys |")
+    print("|---|---|---|---|")
+    for constructor, row in sorted(worst.items()):
+        cells = [f"{value:.1f} ({case})" if kind == "memory" else f"{value:.0f} ({case})"
+                 for kind, (value, case) in row.items()]
+        print(f"| {constructor} | " + " | ".join(cells) + " |")
 
 
 def fuzz(scale: int) -> int:

@@ -34,7 +34,9 @@ Why what it skips is safe to skip, for a payload made only of these opcodes:
   or through a memo read (2 or 5 bytes, at most 13 units). So a plain payload's charges stay
   under 6.5 per byte, below the full walk's
   budget of 16 per byte (``HASH_WORK_PER_BYTE``): the full walk would never refuse it for
-  hashing work, and the C unpickler's hashing is linear in the payload.
+  hashing work, and the C unpickler's hashing is linear in the payload. (A list, dict or set
+  used as a key or member, which the full walk charges ``CONTAINER_WORK``, fails the load as
+  unhashable at its first use.)
 - **Memo reads** (BINGET, LONG_BINGET): the C unpickler checks the index against its memo and
   raises on an empty slot. MEMOIZE grows the memo by one slot per opcode. PUT opcodes, which
   could size the memo by a number the sender wrote, are left to the full walk.

@@ -16,7 +16,9 @@ or hashes anything:
   ints, so each use of a memoized LONG4 int as a key costs its size again; and a key or member
   equal to one already present but not the same object is compared, so each use of a long
   string or bytes costs its size, and of a frozenset what its members cost (nested ones would
-  double per level);
+  double per level); a value built from a list, dict or set (a call's argument, or a tuple's item)
+  costs ``CONTAINER_WORK``, as the walk does not count their items (comparing two equal structured
+  dtypes built from one memoized field list compares all their fields);
 - a global (a class or function the payload names) used as anything but the callable of a call
   or a direct argument of a call: globals travel only as constructors, never as values.
 
@@ -42,13 +44,19 @@ from ._protocol import Buffer
 MAX_TEXT_NUMBER = 4400  # chars of a text INT/LONG/FLOAT argument (CPython 3.11 refuses > 4300 digits anyway)
 MAX_NESTING = 512  # tuples and calls inside each other
 HASH_WORK_PER_BYTE = 16  # tuple elements hashed, per input byte, across the whole load
+# What a list, dict or set counts for in the hashing work of a tuple or call holding it. Their items
+# are not counted (a memoized list grows after it is pushed), and only a call can turn one into a
+# hashable value: restricted-pickle's constructors that take a list and build something hashable from
+# its items build a numpy dtype (at most 256 fields, ~14 µs to compare two equal ones); frozenset and
+# torch.Size take tuples only. Lists, dicts and sets are unhashable themselves.
+CONTAINER_WORK = 1024
 
 # Value summaries: (tag, nesting, hash work). Tags: a plain value, a global, a tuple holding a
 # global directly (a call's arguments), a value a call built, and the plain values of exactly the
 # types list, dict and set (which take items through their type's own C code).
 PLAIN, GLOBAL, ARGS, BUILT, LIST, DICT, SET = range(7)
 _PLAIN = (PLAIN, 0, 1)
-_LIST_VALUE, _DICT_VALUE, _SET_VALUE = (LIST, 0, 1), (DICT, 0, 1), (SET, 0, 1)
+_LIST_VALUE, _DICT_VALUE, _SET_VALUE = ((tag, 0, CONTAINER_WORK) for tag in (LIST, DICT, SET))
 
 
 class ScanResult(NamedTuple):
@@ -172,8 +180,9 @@ def full_walk_python(raw: bytes) -> bool:
     memo: List[Optional[Tuple[int, int, int]]] = []
     filled = 0
     needs_probe = False
-    # Until the first global or tuple every value is plain (tag PLAIN, nesting 0, hash work 1), so the
-    # per-item checks can be skipped: plain data (the common case) pays only for its lengths.
+    # Until the first global or tuple every value is plain (tag PLAIN, nesting 0, hash work 1) or a list,
+    # dict or set (unhashable: its use as a key fails the load), so the per-item checks can be skipped:
+    # plain data (the common case) pays only for its lengths.
     tracking = False
     try:
         while at < size:
@@ -429,4 +438,4 @@ try:  # the same walk in C, for binary opcodes, built where a compiler was at ha
 except ImportError:  # pragma: no cover - an install without a compiler
     _full_walk_c = None
 else:
-    _configure_c(*_c_tables(), MAX_NESTING, HASH_WORK_PER_BYTE, COMPARED_BYTES)
+    _configure_c(*_c_tables(), MAX_NESTING, HASH_WORK_PER_BYTE, COMPARED_BYTES, CONTAINER_WORK)

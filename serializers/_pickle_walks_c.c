@@ -248,9 +248,9 @@ enum {
 static int arguments[256];
 static unsigned char effects[256];
 static unsigned char pushed[256];
-/* _pickle_scan's MAX_NESTING, HASH_WORK_PER_BYTE and COMPARED_BYTES */
+/* _pickle_scan's MAX_NESTING, HASH_WORK_PER_BYTE, COMPARED_BYTES and CONTAINER_WORK */
 static int max_nesting;
-static int64_t hash_work_per_byte, compared_bytes;
+static int64_t hash_work_per_byte, compared_bytes, container_work = 1;
 static int configured;
 
 typedef struct {
@@ -395,7 +395,8 @@ full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *ma
                 tracking = 1;
             }
             else {
-                value.tag = pushed[code]; value.nesting = 0; value.work = 1;
+                value.tag = pushed[code]; value.nesting = 0;
+                value.work = value.tag == LIST || value.tag == DICT || value.tag == SET ? container_work : 1;
             }
             if (push(stack, value) < 0)
                 return NO_MEMORY;
@@ -567,7 +568,7 @@ full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *ma
             }
             else {
                 value.tag = effect == E_LIST ? LIST : effect == E_DICT ? DICT : PLAIN;
-                value.nesting = 0; value.work = 1;
+                value.nesting = 0; value.work = effect == E_FROZENSET ? 1 : container_work;
             }
             if (push(stack, value) < 0)
                 return NO_MEMORY;
@@ -664,9 +665,10 @@ full_walk(PyObject *module, PyObject *raw)
 
 PyDoc_STRVAR(configure_doc,
 "configure(arguments: bytes, effects: bytes, pushed: bytes, max_nesting: int, hash_work_per_byte: int,\n"
-"          compared_bytes: int) -> None\n\n"
+"          compared_bytes: int, container_work: int = <as before>) -> None\n\n"
 "The opcode tables, 256 entries each: arguments as little-endian uint16 (see the C source), each\n"
-"opcode's stack effect, and the tag a push opcode pushes; then the walk's limits.");
+"opcode's stack effect, and the tag a push opcode pushes; then the walk's limits (container_work\n"
+"keeps its value when not given).");
 
 static PyObject *
 configure(PyObject *module, PyObject *args)
@@ -675,16 +677,17 @@ configure(PyObject *module, PyObject *args)
     const char *argument_table, *effect_table, *pushed_table;
     Py_ssize_t argument_size, effect_size, pushed_size;
     int nesting;
-    long long per_byte, compared;
-    if (!PyArg_ParseTuple(args, "y#y#y#iLL", &argument_table, &argument_size, &effect_table, &effect_size,
-                          &pushed_table, &pushed_size, &nesting, &per_byte, &compared))
+    long long per_byte, compared, container = container_work;
+    if (!PyArg_ParseTuple(args, "y#y#y#iLL|L", &argument_table, &argument_size, &effect_table, &effect_size,
+                          &pushed_table, &pushed_size, &nesting, &per_byte, &compared, &container))
         return NULL;
     if (argument_size != 512 || effect_size != 256 || pushed_size != 256) {
         PyErr_SetString(PyExc_ValueError, "configure() takes tables of 256 entries");
         return NULL;
     }
     /* tests raise per_byte to bring the work sums' saturation within reach of small payloads */
-    if (nesting < 1 || per_byte < 1 || per_byte > ((long long)1 << 52) || compared < 1) {
+    if (nesting < 1 || per_byte < 1 || per_byte > ((long long)1 << 52) || compared < 1 || container < 1
+        || container > ((long long)1 << 40)) {
         PyErr_SetString(PyExc_ValueError, "configure(): limits out of range");
         return NULL;
     }
@@ -700,6 +703,7 @@ configure(PyObject *module, PyObject *args)
     max_nesting = nesting;
     hash_work_per_byte = per_byte;
     compared_bytes = compared;
+    container_work = container;
     configured = 1;
     Py_RETURN_NONE;
 }

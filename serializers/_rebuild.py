@@ -8,10 +8,13 @@ the value from a dtype string, a shape and the bytes actually present — and re
 else. Their ``module.name`` is part of the wire format (``docs/security.md``).
 
 Every function raises :class:`DecodeError` for input it will not build. While restricted-pickle
-loads, copying work is charged to a per-load budget (``work_budget``): a payload can name one big
-value many times (pickle's memo), so each copy must be paid for, not only bounded by its argument.
-Error messages describe payload values with :func:`brief`, never ``repr`` (a memo-shared list
-has an exponentially long ``repr``).
+loads, the work its constructors do is charged to a per-load budget (``work_budget``, in units of
+about one byte copied, eight bytes of memory built or 20 ns of CPU): a payload can name one big
+value many times (pickle's memo), so each call must pay for what it builds, not only be bounded by
+its argument. restricted-pickle's guards charge every call a fixed cost and the size of what it
+returns; the functions here charge what that misses (the fields of a structured dtype, copies,
+scans of the data). Error messages describe payload values with :func:`brief`, never ``repr`` (a
+memo-shared list has an exponentially long ``repr``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from ._errors import DecodeError
 MAX_DIMS = 32
 MAX_DTYPE_TEXT = 64
 MAX_FIELDS = 256
+FIELD_UNITS = 128  # work units a structured dtype's field costs (~1 µs and ~120 bytes measured)
+DIM_UNITS = 32  # work units a tensor's dimension costs (torch's views and reshape: ~1 µs a dimension)
 MAX_INT_DIGITS = 4300  # CPython's own int/str conversion limit (3.11+), applied on every version
 _SIMPLE_KINDS = frozenset("biufcmMSUV")
 _TORCH_DTYPES = frozenset(
@@ -56,7 +61,7 @@ _work = threading.local()  # .remaining: a one-element list while a budget is ac
 
 
 class work_budget:  # used like the function it replaced, and cheaper on every load
-    """Charge the copying and hashing done by constructors inside this block against ``units``."""
+    """Charge the work done by constructors inside this block (copies, hashing, what they build) against ``units``."""
 
     __slots__ = ("units", "outer")
 
@@ -89,7 +94,8 @@ def charge(units: int, what: str) -> None:
     if remaining is not None:
         remaining[0] -= units
         if remaining[0] < 0:
-            raise _refuse(f"{what}: the payload asks for more copying and hashing than its size allows")
+            raise _refuse(f"{what}: the payload asks for more work (bytes copied, keys hashed, values built) "
+                          "than its size allows: restricted-pickle's work budget is exhausted")
 
 
 def _byte_string(data: Any, what: str) -> Any:
@@ -138,6 +144,8 @@ def numpy_dtype(descr: Any) -> Any:
         return _simple_numpy_dtype(descr)
     if type(descr) not in (list, tuple) or not 0 < len(descr) <= MAX_FIELDS:
         raise _refuse(f"numpy dtype {brief(descr)}: expected a dtype string or a list of (name, dtype string)")
+    # Paid for each time: the memo lets a payload pass one field list to many calls for a few bytes each.
+    charge(FIELD_UNITS * len(descr), "a structured numpy dtype")
     fields = []
     for field in descr:
         if type(field) not in (list, tuple) or len(field) != 2 or type(field[0]) is not str or len(field[0]) > 256:
@@ -161,6 +169,7 @@ def _check_code_points(dtype: Any, data: Any) -> None:
             raise _refuse(f"structured dtype {dtype} with unicode fields")
         return
     if dtype.kind == "U" and data:
+        charge(len(data) >> 2, "checking unicode array data")  # the data may be a memoized bytearray: no copy pays
         units = np.frombuffer(data, dtype=np.dtype("u4").newbyteorder(dtype.byteorder))
         if int(units.max()) > 0x10FFFF:
             raise _refuse(f"{dtype} data holding code points above U+10FFFF")
@@ -196,8 +205,13 @@ def numpy_scalar(descr: Any, data: Any) -> Any:
     data = _byte_string(data, "scalar data")
     if len(data) != dtype.itemsize:
         raise _refuse(f"a {dtype} scalar: {len(data)} bytes given, {dtype.itemsize} needed")
+    charge(dtype.itemsize, "a numpy scalar")  # a bytes, str or void scalar copies its data
     _check_code_points(dtype, data)
-    return np.frombuffer(data, dtype=dtype)[0]
+    scalar = np.frombuffer(data, dtype=dtype)[0]
+    # A structured scalar indexed from read-only bytes is a read-only view, and hashable: hashing one
+    # walks every field (~100 µs for 256), each time it is used as a key. The sender's was writable
+    # (and unhashable), as numpy's own unpickling builds it: so is this copy.
+    return scalar.copy() if dtype.fields is not None else scalar
 
 
 def torch_dtype(name: Any) -> Any:
@@ -221,7 +235,8 @@ def tensor(dtype_name: Any, shape: Any, data: Any, requires_grad: Any) -> Any:
     data = _byte_string(data, "tensor data")
     if type(requires_grad) is not bool:
         raise _refuse("tensor requires_grad: expected a bool")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    charge(DIM_UNITS * len(shape), "a tensor's shape")
+    itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else torch.empty((), dtype=dtype).element_size()
     expected = _count(shape) * itemsize
     if len(data) != expected:
         raise _refuse(f"a tensor of shape {shape} and dtype {dtype}: {len(data):,} bytes given, {expected:,} needed")

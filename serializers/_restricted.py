@@ -16,9 +16,12 @@ How a hostile payload is kept harmless (``docs/security.md`` states the guarante
    INST) to a validating constructor, whose ``__new__`` routes NEWOBJ likewise, and whose
    ``__setstate__`` refuses BUILD on the global itself. Constructors take only values built from
    the payload (lists, tuples, dicts, bytes) and bound every size by them: ``bytearray(10**9)``,
-   ``set(range(10**9))`` or ``Fraction("1e30000000")`` are refused, and what they copy or hash is
-   charged to a budget proportional to the payload (pickle's memo lets a payload pass one big value
-   to many calls). stdlib types are built by ``_stdlib_rebuild``; numpy and torch values are
+   ``set(range(10**9))`` or ``Fraction("1e30000000")`` are refused. Pickle's memo lets a payload
+   pass one value to many calls for a few bytes each, so no call is paid for by its arguments'
+   size: each is charged to a budget proportional to the payload (``WORK_PER_BYTE``) what it costs,
+   whatever its arguments: the guard charges its fixed cost (``units`` in ``_SPECS``) and the size
+   of what it returned, the constructor what it copies, hashes or builds beyond that (a structured
+   dtype's fields). stdlib types are built by ``_stdlib_rebuild``; numpy and torch values are
    rebuilt by ``_rebuild`` from dtype, shape and the bytes present; numpy's and torch's own
    reconstructors are never reachable. The allow-list is checked before any import.
 3. **The probe pass.** BUILD (``__setstate__`` or attribute updates) is allowed only on instances
@@ -43,6 +46,7 @@ import io
 import pickle
 import types
 from io import BytesIO
+from sys import getsizeof
 from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
 from . import _rebuild
@@ -61,6 +65,7 @@ from ._stdlib_rebuild import (
     _defaultdict,
     _deque,
     _fraction,
+    _frozenset,
     _ints_or_none,
     _no_args,
     _object,
@@ -69,8 +74,14 @@ from ._stdlib_rebuild import (
 )
 
 SEALED, MAPPING, SEQUENCE, USER = "sealed", "mapping", "sequence", "user"
-WORK_PER_BYTE = 32  # bytes copied (and tuple elements hashed, at 8 each) by constructors, per payload byte
+# The work constructors may do, in units per payload byte. A unit is about one byte copied, eight
+# bytes of memory built or 20 ns of CPU (a tuple element hashed: 8), so what constructors build stays
+# within 256 bytes and a few µs per payload byte (the bounds docs/security.md states and
+# tests/test_restricted_constructor_work.py enforces for every constructor below).
+WORK_PER_BYTE = 32
 _WORK_FLOOR = 1 << 20
+_MEMORY_SHIFT = 3  # a call is charged the size of what it returns, at a unit per 8 bytes
+CALL_UNITS = 64  # a call of a class or function allowed with ``allow`` (about 1 µs)
 
 
 # -- the allow-list: what each named global builds (stdlib types: ``_stdlib_rebuild``) ----------
@@ -79,7 +90,9 @@ _WORK_FLOOR = 1 << 20
 def _torch_size(sizes: Any = ()) -> Any:
     import torch
 
-    if type(sizes) not in (list, tuple) or any(type(s) is not int or not 0 <= s < 2**63 for s in sizes):
+    # a tuple only: hashing a Size hashes every size again, each use as a key (the walk charges that for
+    # a tuple's items, not for a list's)
+    if type(sizes) is not tuple or any(type(s) is not int or not 0 <= s < 2**63 for s in sizes):
         raise _refused("torch.Size() of anything but a tuple of sizes")
     _rebuild.charge(8 * len(sizes), "torch.Size")
     return torch.Size(sizes)
@@ -96,31 +109,33 @@ def _torch_device(kind: Any, index: Any = None) -> Any:
     return device
 
 
-# (module, name) -> (call, NEWOBJ, kind of the result, the real class for defaultdict factories)
-_Spec = Tuple[Optional[Callable[..., Any]], Optional[Callable[..., Any]], str, Optional[type]]
+# (module, name) -> (call, NEWOBJ, kind of the result, the real class for defaultdict factories,
+# units: what each call is charged besides the size of its result and what the constructor charges
+# itself; its CPU at the least, at about 20 ns a unit, measured by tests/test_restricted_constructor_work.py)
+_Spec = Tuple[Optional[Callable[..., Any]], Optional[Callable[..., Any]], str, Optional[type], int]
 _SPECS: Dict[Tuple[str, str], _Spec] = {
-    ("builtins", "set"): (_collection(set), None, SEALED, set),
-    ("builtins", "frozenset"): (_collection(frozenset), None, SEALED, frozenset),
-    ("builtins", "complex"): (_complex, None, SEALED, complex),
-    ("builtins", "bytearray"): (_bytearray, None, SEALED, bytearray),
-    ("builtins", "slice"): (_ints_or_none("slice", slice, 3), None, SEALED, None),
-    ("builtins", "range"): (_ints_or_none("range", range, 3), None, SEALED, None),
-    ("builtins", "object"): (_object, _object, SEALED, object),
-    **{("builtins", t.__name__): (_no_args(t), None, SEALED, t)
+    ("builtins", "set"): (_collection(set), None, SEALED, set, 32),
+    ("builtins", "frozenset"): (_frozenset, None, SEALED, frozenset, 32),
+    ("builtins", "complex"): (_complex, None, SEALED, complex, 32),
+    ("builtins", "bytearray"): (_bytearray, None, SEALED, bytearray, 32),
+    ("builtins", "slice"): (_ints_or_none("slice", slice, 3), None, SEALED, None, 32),
+    ("builtins", "range"): (_ints_or_none("range", range, 3), None, SEALED, None, 32),
+    ("builtins", "object"): (_object, _object, SEALED, object, 32),
+    **{("builtins", t.__name__): (_no_args(t), None, SEALED, t, 32)
        for t in (list, dict, tuple, int, float, str, bytes, bool)},
-    ("collections", "OrderedDict"): (_odict, None, MAPPING, collections.OrderedDict),
-    ("collections", "Counter"): (_counter, None, MAPPING, collections.Counter),
-    ("collections", "defaultdict"): (_defaultdict, None, MAPPING, None),
-    ("collections", "deque"): (_deque, None, SEQUENCE, collections.deque),
-    **{("datetime", t.__name__): (_datetime(t), None, SEALED, None)
+    ("collections", "OrderedDict"): (_odict, None, MAPPING, collections.OrderedDict, 64),
+    ("collections", "Counter"): (_counter, None, MAPPING, collections.Counter, 192),
+    ("collections", "defaultdict"): (_defaultdict, None, MAPPING, None, 64),
+    ("collections", "deque"): (_deque, None, SEQUENCE, collections.deque, 32),
+    **{("datetime", t.__name__): (_datetime(t), None, SEALED, None, 256)
        for t in (datetime.datetime, datetime.date, datetime.time, datetime.timedelta, datetime.timezone)},
-    ("decimal", "Decimal"): (_decimal, None, SEALED, None),
-    ("fractions", "Fraction"): (_fraction, None, SEALED, None),
-    ("torch", "Size"): (_torch_size, None, SEALED, None),
-    ("torch", "device"): (_torch_device, None, SEALED, None),
-    **{("serializers._rebuild", f.__name__): (f, None, SEALED, None)
-       for f in (_rebuild.ndarray, _rebuild.numpy_scalar, _rebuild.numpy_dtype, _rebuild.tensor,
-                 _rebuild.parameter, _rebuild.uuid)},
+    ("decimal", "Decimal"): (_decimal, None, SEALED, None, 64),
+    ("fractions", "Fraction"): (_fraction, None, SEALED, None, 192),
+    ("torch", "Size"): (_torch_size, None, SEALED, None, 64),
+    ("torch", "device"): (_torch_device, None, SEALED, None, 64),
+    **{("serializers._rebuild", f.__name__): (f, None, SEALED, None, units)
+       for f, units in ((_rebuild.ndarray, 256), (_rebuild.numpy_scalar, 256), (_rebuild.numpy_dtype, 64),
+                        (_rebuild.tensor, 512), (_rebuild.parameter, 384), (_rebuild.uuid, 128))},
 }
 _NUMPY_OWN = {"_reconstruct", "scalar", "_frombuffer", "ndarray", "dtype"}
 
@@ -129,26 +144,44 @@ _NUMPY_OWN = {"_reconstruct", "scalar", "_frombuffer", "ndarray", "dtype"}
 
 
 class _GuardMeta(type):
-    """The type of every guard: calling a guard runs its validating constructor."""
+    """The type of every guard: calling a guard runs its validating constructor and charges what it built."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:  # REDUCE, OBJ, INST
-        return cls._call(*args, **kwargs)  # type: ignore[attr-defined]
+        built = cls._call(*args, **kwargs)  # type: ignore[attr-defined]
+        _rebuild.charge(cls._units + (getsizeof(built) >> _MEMORY_SHIFT), cls._what)  # type: ignore[attr-defined]
+        return built
 
     def __setstate__(cls, state: Any) -> None:  # BUILD on the global itself
         raise _refused(f"setting state on the global {cls.__name__}")
 
 
-def _guard(label: str, call: Optional[Callable[..., Any]], newobj: Optional[Callable[..., Any]], factory: Any) -> type:
+class _ProbeMeta(_GuardMeta):
+    """The type of probe guards: what they build is an inert probe, charged nothing."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return cls._call(*args, **kwargs)  # type: ignore[attr-defined]
+
+
+def _guard(
+    label: str, call: Optional[Callable[..., Any]], newobj: Optional[Callable[..., Any]], factory: Any,
+    units: Optional[int] = None,
+) -> type:
+    """A guard for ``label``; ``units``: what each call is charged besides its result's size (None: a probe's)."""
+
     def refuse_call(*args: Any, **kwargs: Any) -> Any:
         raise _refused(f"calling {label}")
 
     def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:  # NEWOBJ
         if newobj is None:
             raise _refused(f"creating {label} without its constructor (NEWOBJ)")
-        return newobj(*args, **kwargs)
+        built = newobj(*args, **kwargs)
+        if units is not None:
+            _rebuild.charge(units + (getsizeof(built) >> _MEMORY_SHIFT), f"creating {label}")
+        return built
 
-    namespace = {"__slots__": (), "__new__": __new__, "_call": staticmethod(call or refuse_call), "_factory": factory}
-    return _GuardMeta(label, (), namespace)
+    namespace = {"__slots__": (), "__new__": __new__, "_call": staticmethod(call or refuse_call), "_factory": factory,
+                 "_units": units, "_what": f"calling {label}"}
+    return (_ProbeMeta if units is None else _GuardMeta)(label, (), namespace)
 
 
 class _Probe:
@@ -207,9 +240,9 @@ class _Guards:
     def __init__(self, allowed: Set[Tuple[str, str]]) -> None:
         self.real: Dict[Tuple[str, str], Any] = {}
         self.probe: Dict[Tuple[str, str], Any] = {}
-        for key, (call, newobj, kind, factory) in _SPECS.items():
+        for key, (call, newobj, kind, factory, units) in _SPECS.items():
             label = ".".join(key)
-            self.real[key] = _guard(label, call, newobj, factory)
+            self.real[key] = _guard(label, call, newobj, factory, units)
             self.probe[key] = _probe_guard(label, kind, newobj is not None, factory)
         self._allowed = allowed
         # built once: a load without restore= constructs one with C's __init__ only
@@ -238,10 +271,10 @@ class _Guards:
         if isinstance(target, type):
             cls = target
             call, newobj = _no_guard_args(label, cls), _no_guard_args(label, lambda *a, **k: cls.__new__(cls, *a, **k))
-            self.real[key] = _guard(label, call, newobj, None)
+            self.real[key] = _guard(label, call, newobj, None, CALL_UNITS)
             self.probe[key] = _probe_guard(label, USER, True, None, cls)
         else:
-            self.real[key] = _guard(label, _no_guard_args(label, target), None, None)
+            self.real[key] = _guard(label, _no_guard_args(label, target), None, None, CALL_UNITS)
             self.probe[key] = _probe_guard(label, SEALED, False, None)
 
 

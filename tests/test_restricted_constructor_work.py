@@ -1,0 +1,371 @@
+"""What restricted-pickle's allowed constructors build is paid for, whatever their arguments' encoded size.
+
+Pickle's memo lets a payload spell one large argument once and pass it to a constructor again and
+again for five bytes a call (``BINGET`` the constructor, ``BINGET`` the arguments, ``REDUCE``). So
+the encoded size of a call says nothing of its cost: issue 25 decoded a 43 KB frame into 8,000
+structured dtypes of 256 fields each (+201 MB, 2.7 s). Every call is charged to the load's work
+budget (``_restricted.WORK_PER_BYTE`` units per payload byte) for what it costs.
+
+:func:`constructor_cases` holds such a payload for every constructor on the allow-list
+(``_restricted._SPECS``): a constructor added there without a case here fails
+:func:`test_every_allowed_constructor_has_a_hostile_case`. Each case is decoded in a child process
+with its address space capped and must stay within the bounds docs/security.md states:
+:data:`MEMORY_PER_BYTE` bytes of memory and :data:`CPU_PER_BYTE` of CPU per input byte, plus
+constants for the budget's floor. ``python benchmarks/fuzz_hostile.py --amplification`` prints the
+measured table.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import io
+import pickle
+import pickletools
+import time
+import tracemalloc
+from typing import Any, Dict, List, Tuple
+
+import pytest
+from _child import run_in_child
+from _hostile import outcome, payload
+
+import serializers
+from serializers import _pickle_scan, _restricted
+
+# The bounds: per input byte, plus constants for the budget's floor (1 MiB units: 8 MiB built, ~20 ms).
+MEMORY_PER_BYTE = 256
+MEMORY_CONSTANT = 16 << 20
+CPU_PER_BYTE = 10e-6  # seconds; the worst measured is ~1.7 µs (two loaded cores), the issue-25 attack 63 µs
+CPU_CONSTANT = 0.2
+TARGET_BYTES = 32 << 10  # each hostile payload is about this long (fuzz_hostile --amplification: 1 MiB)
+REFUSED = {"ContentRefusedError", "DecodeError"}
+AS_KEYS = ", as keys"  # how the label of a :func:`used_as_keys` payload ends
+WITH_TORCH = ("numpy", "torch")
+FIELDS_256 = [(f"f{i}", "<f8") for i in range(256)]
+
+
+def ops(value: Any) -> bytes:
+    """The binary opcodes that push ``value``, without memo writes or reads (the payload keeps its own
+    slots) or frames."""
+    file = io.BytesIO()
+    pickler = pickle.Pickler(file, protocol=5)
+    pickler.fast = True  # no memo: a value used twice is spelled twice
+    pickler.dump(value)
+    data = file.getvalue()
+    starts = [pos for _, _, pos in pickletools.genops(data)] + [len(data)]
+    return b"".join(data[a:b] for a, b in zip(starts, starts[1:]) if data[a] not in b"\x80\x95.")
+
+
+def stack_global(module: str, name: str) -> bytes:
+    """A global by binary opcodes (text ones would leave the walk to Python: the C walk reads binary ones)."""
+    return ops(module) + ops(name) + b"\x93"
+
+
+def args(*values: Any) -> bytes:
+    """The opcodes of an argument tuple of plain values."""
+    return b"(" + b"".join(ops(v) for v in values) + b"t"
+
+
+def _call(module: str, name: str, arguments: bytes) -> bytes:
+    return stack_global(module, name) + arguments + b"R"
+
+
+# (module, name) -> [(label, argument tuple opcodes, call opcode)]; a class or a nested call among the
+# arguments is spelled out by hand. One case per way a constructor's cost can grow with its arguments.
+def constructor_cases() -> Dict[Tuple[str, str], List[Tuple[str, bytes, bytes]]]:
+    ints = list(range(20_000))
+    none = [None] * 20_000
+    pairs = {i: i for i in range(20_000)}
+    big = (1 << 14_300) - 1
+    timedelta = _call("datetime", "timedelta", args(0, 3600))
+    tensor = _call("serializers._rebuild", "tensor", args("float32", (16,), bytearray(64), False))
+    cases: Dict[Tuple[str, str], List[Tuple[str, bytes, bytes]]] = {
+        ("builtins", "set"): [("20,000 ints", args(ints), b"R"), ("empty", b")", b"R")],
+        ("builtins", "frozenset"): [("20,000 ints", args(tuple(ints)), b"R"), ("empty", b")", b"R")],
+        ("builtins", "complex"): [("two floats", args(1.5, 2.5), b"R")],
+        ("builtins", "bytearray"): [("64 KB bytes", args(bytes(64 << 10)), b"R"),
+                                    ("64 KB text", args("x" * (64 << 10), "latin-1"), b"R")],
+        ("builtins", "slice"): [("three ints", args(1, 2, 3), b"R"), ("a 14,300-bit int", args(big), b"R")],
+        ("builtins", "range"): [("three ints", args(0, 1 << 62, 3), b"R"), ("a 14,300-bit int", args(big), b"R")],
+        ("builtins", "object"): [("REDUCE", b")", b"R"), ("NEWOBJ", b")", b"\x81")],
+        **{("builtins", name): [("empty", b")", b"R")]
+           for name in ("list", "dict", "tuple", "int", "float", "str", "bytes", "bool")},
+        ("collections", "OrderedDict"): [("20,000 pairs", args(pairs), b"R"), ("empty", b")", b"R")],
+        ("collections", "Counter"): [("20,000 ints", args(ints), b"R"), ("empty", b")", b"R")],
+        ("collections", "defaultdict"): [
+            ("list factory, 20,000 pairs", b"(" + stack_global("builtins", "list") + ops(pairs) + b"t", b"R"),
+            ("empty", b")", b"R")],
+        ("collections", "deque"): [("20,000 items", args(none), b"R"), ("maxlen", args(none, 10), b"R"),
+                                   ("empty", b")", b"R")],
+        ("datetime", "datetime"): [("fields", args(2024, 1, 2, 3, 4, 5, 6), b"R")],
+        ("datetime", "date"): [("fields", args(2024, 1, 2), b"R")],
+        ("datetime", "time"): [("fields", args(3, 4, 5, 6), b"R")],
+        ("datetime", "timedelta"): [("fields", args(1, 2, 3), b"R")],
+        ("datetime", "timezone"): [("an offset", b"(" + timedelta + b"t", b"R")],
+        ("decimal", "Decimal"): [("200,000 digits", args("9" * 200_000), b"R"),
+                                 ("a 50,000-digit tuple", args((0, (9,) * 50_000, 0)), b"R"),
+                                 ("a 50,000-digit list", args((0, [9] * 50_000, 0)), b"R"),
+                                 ("short text", args("1.5"), b"R")],
+        ("fractions", "Fraction"): [("4,300/4,300 digits", args("7" * 4300 + "/" + "3" * 4299 + "1"), b"R"),
+                                    ("14,300-bit ints", args(big, big - 2), b"R"), ("short text", args("1/3"), b"R")],
+        ("torch", "Size"): [("20,000 sizes", args(tuple(ints)), b"R"), ("empty", b")", b"R")],
+        ("torch", "device"): [("cpu", args("cpu"), b"R"), ("cuda:1", args("cuda", 1), b"R")],
+        ("serializers._rebuild", "ndarray"): [
+            ("256 fields, empty", args(FIELDS_256, (0,), "C", b""), b"R"),
+            ("unicode over a bytearray", args("<U1", (16_384,), "C", bytearray(64 << 10)), b"R"),
+            ("64 KB bytes copied", args("|u1", (64 << 10,), "C", bytes(64 << 10)), b"R"),
+            ("32 dimensions", args("|u1", (1,) * 32, "F", bytearray(1)), b"R")],
+        ("serializers._rebuild", "numpy_scalar"): [
+            ("256 fields", args(FIELDS_256, bytes(2048)), b"R"),
+            ("|S65536", args("|S65536", bytes(64 << 10)), b"R"),
+            ("<U16384", args("<U16384", bytes(64 << 10)), b"R"), ("<f8", args("<f8", bytes(8)), b"R")],
+        ("serializers._rebuild", "numpy_dtype"): [("256 fields", args(FIELDS_256), b"R"), ("<f8", args("<f8"), b"R")],
+        ("serializers._rebuild", "tensor"): [
+            ("64 KB bytes copied", args("float32", (16_384,), bytes(64 << 10), False), b"R"),
+            ("over a bytearray", args("float32", (16,), bytearray(64), True), b"R"),
+            ("32 dimensions", args("uint8", (1,) * 32, bytearray(1), False), b"R")],
+        ("serializers._rebuild", "parameter"): [("a tensor", b"(" + tensor + ops(True) + b"t", b"R")],
+        ("serializers._rebuild", "uuid"): [("an int", args(2**128 - 1), b"R")],
+    }
+    return cases
+
+
+def repeated_call(
+    module: str, name: str, arguments: bytes, opcode: bytes = b"R", calls: int = 0, size: int = TARGET_BYTES
+) -> bytes:
+    """A payload that memoizes the constructor and ``arguments`` once, then calls it ``calls`` times
+    (by default: enough for about ``size`` bytes), five bytes a call, into one list."""
+    head = stack_global(module, name) + b"\x94" + b"0" + arguments + b"\x94" + b"0"  # memo slots 0 and 1
+    if not calls:
+        calls = max(1000, (size - len(head)) // 5)
+    return payload(head + b"](" + b"h\x00h\x01" + opcode + (b"h\x00h\x01" + opcode) * (calls - 1) + b"e")
+
+
+def used_as_keys(module: str, name: str, arguments: bytes, opcode: bytes = b"R", size: int = TARGET_BYTES) -> bytes:
+    """A payload that builds two values by equal calls, then a set of the first and as many uses of the
+    second (two bytes each) as the walk lets through, padded to about ``size`` bytes: each use hashes
+    the value and compares it with the first (equal, not the same object)."""
+    head = stack_global(module, name) + b"\x94" + b"0" + arguments + b"\x94" + b"0"
+    head += (b"h\x00h\x01" + opcode + b"\x94" + b"0") * 2  # memo slots 2 and 3
+
+    def build(uses: int) -> bytes:
+        pad = max(0, size - len(head) - 2 * uses - 16)
+        return payload(head + b"B" + pad.to_bytes(4, "little") + bytes(pad) + b"0"
+                       + b"\x8f(" + b"h\x02" + b"h\x03" * uses + b"\x90")
+
+    low, high = 1, (size - len(head)) // 2  # the most uses the walk accepts: it charges each the same
+    while low < high:
+        middle = (low + high + 1) // 2
+        try:
+            _pickle_scan.full_walk(build(middle))
+            low = middle
+        except _pickle_scan.ScanError:
+            high = middle - 1
+    return build(low)
+
+
+def _needs_torch(key: Tuple[str, str]) -> bool:
+    return key[0] == "torch" or key[1] in ("tensor", "parameter")
+
+
+def hostile_payloads(torch: bool, size: int = TARGET_BYTES, as_keys: bool = False) -> Dict[str, Tuple[bytes, bytes]]:
+    """``label -> (payload, a small warm-up payload of the same calls)`` for every case (with or without torch):
+    :func:`repeated_call` payloads, or with ``as_keys`` :func:`used_as_keys` ones."""
+    out = {}
+    for key, cases in constructor_cases().items():
+        if _needs_torch(key) != torch:
+            continue
+        for label, arguments, opcode in cases:
+            warm = repeated_call(*key, arguments, opcode, calls=3)
+            if as_keys:
+                out[f"{'.'.join(key)}: {label}{AS_KEYS}"] = (used_as_keys(*key, arguments, opcode, size=size), warm)
+            else:
+                out[f"{'.'.join(key)}: {label}"] = (repeated_call(*key, arguments, opcode, size=size), warm)
+    return out
+
+
+def _rss_peak_reset() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # resets VmHWM to the current RSS (Linux)
+        return True
+    except OSError:
+        return False
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _release() -> None:
+    gc.collect(1)  # a refused decode leaves cycles (exception, traceback, frames); a full collection is slow
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
+
+
+Measured = Tuple[str, int, float, int, str]
+
+
+def measure(cases: Dict[str, Tuple[bytes, bytes]]) -> Dict[str, Measured]:
+    """In the child: ``label -> (outcome, input bytes, CPU seconds, peak bytes, the warm-up's outcome)``.
+
+    The peak is the larger of tracemalloc's peak (Python objects, numpy data, decimal digits) and the
+    growth of the peak RSS over a decode (where Linux lets a process reset it: it counts torch's
+    allocations too, but not memory an earlier decode freed and this one reused).
+    """
+    s = serializers.get("restricted-pickle")
+    results = {}
+    for label, (data, warm) in cases.items():
+        warmed = outcome(lambda warm=warm: s.loads(warm))  # first-use costs (imports, caches) are not the payload's
+        _release()
+        rss = _rss_peak_reset()
+        before = _status("VmRSS")
+        start = time.process_time()
+        result = outcome(lambda data=data: s.loads(data))
+        cpu = time.process_time() - start
+        peak = _status("VmHWM") - before if rss else 0
+        _release()
+        tracemalloc.start()
+        outcome(lambda data=data: s.loads(data))
+        peak = max(peak, tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        _release()
+        results[label] = (result, len(data), cpu, peak, warmed)
+    return results
+
+
+def measure_all(size: int = TARGET_BYTES, memory_budget: int = 1 << 30) -> Dict[str, Measured]:
+    """Every case, both kinds of payload, of about ``size`` bytes, in two child processes (one with torch)."""
+    results = {}
+    for torch in (False, True):
+        payloads = {**hostile_payloads(torch, size), **hostile_payloads(torch, size, as_keys=True)}
+        results.update(run_in_child(measure, payloads, memory_budget=memory_budget, timeout=900,
+                                    preload=WITH_TORCH if torch else ("numpy",)))
+    return results
+
+
+def _over_bounds(results: Dict[str, Measured]) -> Dict[str, str]:
+    bad = {}
+    for label, (result, size, cpu, peak, warmed) in results.items():
+        if warmed != "ok":  # the case must exercise the constructor: three calls of it decode
+            bad[label] = f"three calls: {warmed}"
+        elif result not in REFUSED and result != "ok":
+            bad[label] = result
+        elif peak > MEMORY_PER_BYTE * size + MEMORY_CONSTANT or cpu > CPU_PER_BYTE * size + CPU_CONSTANT:
+            bad[label] = f"{peak / size:.0f} bytes and {cpu / size * 1e6:.2f} µs per input byte ({result})"
+    return bad
+
+
+# -- the tests ---------------------------------------------------------------------------------
+
+
+def test_every_allowed_constructor_has_a_hostile_case():
+    missing = set(_restricted._SPECS) - set(constructor_cases())
+    assert not missing, f"add a hostile case for {sorted(missing)} to constructor_cases()"
+    assert not set(constructor_cases()) - set(_restricted._SPECS), "a case for a constructor no longer allowed"
+
+
+def _decode_all(payloads: Dict[str, bytes]) -> Dict[str, Tuple[str, str, float]]:
+    s = serializers.get("restricted-pickle")
+    results = {}
+    for label, data in payloads.items():
+        start = time.process_time()
+        try:
+            s.loads(data)
+            results[label] = ("ok", "", time.process_time() - start)
+        except Exception as exc:  # its type and message
+            results[label] = (type(exc).__name__, str(exc), time.process_time() - start)
+    return results
+
+
+def test_the_issue_25_dtype_bomb_is_refused():
+    """43 KB of ``numpy_dtype(fields)`` calls on one memoized 256-field list: 8,000 dtypes, +201 MB before."""
+    fields = args(FIELDS_256)
+    payloads = {
+        "numpy_dtype": repeated_call("serializers._rebuild", "numpy_dtype", fields, calls=8000),
+        "ndarray": repeated_call("serializers._rebuild", "ndarray", fields[:-1] + args((0,), "C", b"")[1:],
+                                 calls=8000),
+        "numpy_scalar": repeated_call("serializers._rebuild", "numpy_scalar", fields[:-1] + args(bytes(2048))[1:],
+                                      calls=8000),
+    }
+    results = run_in_child(_decode_all, payloads, memory_budget=128 << 20)
+    for label, (result, message, cpu) in results.items():
+        assert result == "DecodeError" and "work budget" in message, (label, result, message)
+        assert cpu < 1.0, (label, cpu)
+
+
+@pytest.fixture(scope="module")
+def measured() -> Dict[str, Measured]:
+    return measure_all()
+
+
+@pytest.mark.timeout(900)  # the module's measurements (~40 s on two idle cores) run in the first test
+def test_allowed_constructors_stay_within_the_documented_bounds(measured):
+    results = {label: m for label, m in measured.items() if not label.endswith(AS_KEYS)}
+    assert len(results) == sum(len(cases) for cases in constructor_cases().values())
+    bad = _over_bounds(results)
+    assert not bad, f"over {MEMORY_PER_BYTE} bytes or {CPU_PER_BYTE * 1e6:.0f} µs per input byte: {bad}"
+
+
+@pytest.mark.timeout(900)
+def test_what_constructors_build_costs_no_more_used_as_keys(measured):
+    """Hashing a value, and comparing it with an equal one, can cost what building it did, each use: a
+    structured dtype compares its fields, a frozenset its members, a torch.Size hashes its sizes. The
+    walk charges each use for what the call's arguments hold (a tuple's items; a list, dict or set
+    ``CONTAINER_WORK``), so as many uses as it lets through stay within the same bounds."""
+    results = {label: m for label, m in measured.items() if label.endswith(AS_KEYS)}
+    assert len(results) == sum(len(cases) for cases in constructor_cases().values())
+    bad = _over_bounds(results)
+    assert not bad, f"over {MEMORY_PER_BYTE} bytes or {CPU_PER_BYTE * 1e6:.0f} µs per input byte: {bad}"
+
+
+def test_normal_values_built_by_constructors_still_decode():
+    """The budget refuses payloads that reuse arguments, not many small values each spelled out: enough of
+    each kind that what they are charged passes the budget's floor (1 MiB units), so the budget per byte
+    decides, for the smallest encoding of each (an empty deque or OrderedDict: five bytes)."""
+    import collections
+    import datetime
+    import decimal
+    import fractions
+    import uuid
+
+    import numpy as np
+    import torch
+
+    s = serializers.get("restricted-pickle")
+    values = [
+        [collections.OrderedDict() for _ in range(30_000)],
+        [collections.deque() for _ in range(20_000)],
+        [collections.Counter() for _ in range(10_000)],
+        [collections.defaultdict(list) for _ in range(30_000)],
+        [datetime.datetime(2024, 1, 1, 0, 0, i % 60) for i in range(10_000)],
+        [decimal.Decimal(i) / 7 for i in range(20_000)],
+        [fractions.Fraction(i, 7) for i in range(10_000)],
+        [uuid.UUID(int=i) for i in range(20_000)],
+        [np.float64(i) for i in range(10_000)],
+        [np.zeros(0, dtype=[("a", "<f8"), ("b", "<i4")]) for _ in range(5_000)],
+        [torch.zeros(0) for _ in range(5_000)],
+        [torch.nn.Parameter(torch.ones(1)) for _ in range(2_000)],
+    ]
+    for value in values:
+        decoded = s.loads(s.dumps(value))
+        assert len(decoded) == len(value) and type(decoded[0]) is type(value[0])
+
+
+def test_torch_dtype_globals_build_nothing():
+    """The other globals a payload may name, torch dtypes, are looked up, not built: no work to charge."""
+    torch = pytest.importorskip("torch")
+    from serializers._rebuild import _TORCH_DTYPES
+
+    guards = _restricted._Guards(set())
+    for name in _TORCH_DTYPES:
+        value = torch.__dict__.get(name)
+        if value is not None:
+            assert guards.lookup("torch", name, False) is value, name
