@@ -8,7 +8,9 @@ Example (under ``torchrun``, or in a plain process where every call acts as a gr
     config = objcomm.broadcast(config if rank == 0 else None, src=0)
     pending = objcomm.all_gather(stats, async_op=True)   # a Request; pending.wait() gives the list
 
-Serializers live in the torch-free ``serializers`` package; see ``serializers.available()``.
+Serializers live in the torch-free ``serializers`` package, reached as ``objcomm.serializers``
+(``from objcomm import serializers``; the same module object as ``import serializers``); see
+``serializers.available()``. Exceptions carry their public names (``objcomm.DecodeError``).
 
 Each public name is imported from its private module on first use (PEP 562), so ``import objcomm``
 and ``objcomm --help`` do not import torch; ``_PUBLIC`` says where each name lives.
@@ -54,6 +56,7 @@ __all__ = [
     "restore",
     "scatter",
     "send",
+    "serializers",
     "settings",
 ]
 
@@ -71,11 +74,11 @@ _PUBLIC: Dict[str, Tuple[str, ...]] = {
     "._requests": ("Request",),
     "._settings": ("Settings", "configure", "restore", "settings"),
 }
-_SUBMODULES = ("compat",)  # public modules
+_SUBMODULES = ("compat", "serializers")  # public modules
 _HOME = {name: module for module, names in _PUBLIC.items() for name in names}
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
-    from . import compat
+    from . import compat, serializers
     from ._api import all_gather, all_reduce, all_to_all, broadcast, gather, irecv, isend, recv, reduce, scatter, send
     from ._collect import collect_results
     from ._communicator import Communicator
@@ -104,7 +107,9 @@ else:
             return importlib.import_module(f".{name}", __name__)  # the import binds it here too
         home = _HOME.get(name)
         if home is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+            if name.startswith("_"):  # probes such as __path__ or __wrapped__: no torch import for them
+                raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+            raise importlib.import_module("._api", __name__).no_attribute(name)  # mpi4py names: "did you mean"
         value = getattr(importlib.import_module(home, __name__), name)
         globals()[name] = value
         return value

@@ -1,7 +1,9 @@
 """Module-level object collectives: each one a :class:`Communicator` call with per-call settings.
 
 The signatures are spelled out (they mirror torch and help IDEs); each body hands its per-call
-options on in one line, ``**call_kwargs(locals())`` (see :mod:`objcomm._settings`).
+options on in one line, ``**call_kwargs(locals())`` (see :mod:`objcomm._settings`). Each function
+answers mpi4py's keywords (``dest=``, ``root=``) with what to write instead
+(:func:`objcomm._call.mpi4py_keywords`), and :func:`no_attribute` mpi4py's names (``objcomm.bcast``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import torch
 
 from serializers import SerializerLike
 
+from ._call import mpi4py_keywords
+from ._call import no_attribute as _no_attribute
 from ._communicator import Communicator
 from ._requests import Request
 from ._settings import call_kwargs
@@ -27,6 +31,13 @@ def _communicator(group: Any) -> Communicator:
     return _DEFAULT if group is None else Communicator(group)
 
 
+def no_attribute(name: str) -> AttributeError:
+    """What ``objcomm.<name>`` raises for a name objcomm lacks: for mpi4py's (``bcast``, ``allreduce``, ``SUM``, ...,
+    :data:`objcomm._call.MPI4PY_NAMES`), one that says what to write instead."""
+    return _no_attribute(f"module {__package__!r}", "objcomm", name)
+
+
+@mpi4py_keywords
 def all_gather(
     obj: Any,
     *,
@@ -70,6 +81,7 @@ def all_gather(
     return _communicator(group).all_gather(obj, async_op=async_op, **call_kwargs(locals()))
 
 
+@mpi4py_keywords
 def gather(
     obj: Any,
     dst: int = 0,
@@ -91,6 +103,7 @@ def gather(
     return _communicator(group).gather(obj, dst, async_op=async_op, **call_kwargs(locals()))
 
 
+@mpi4py_keywords
 def broadcast(
     obj: Any = None,
     src: int = 0,
@@ -112,6 +125,7 @@ def broadcast(
     return _communicator(group).broadcast(obj, src, async_op=async_op, **call_kwargs(locals()))
 
 
+@mpi4py_keywords
 def scatter(
     objs: Optional[Sequence[Any]] = None,
     src: int = 0,
@@ -133,6 +147,7 @@ def scatter(
     return _communicator(group).scatter(objs, src, async_op=async_op, **call_kwargs(locals()))
 
 
+@mpi4py_keywords
 def all_to_all(
     objs: Sequence[Any],
     *,
@@ -166,6 +181,7 @@ def all_to_all(
     return _communicator(group).all_to_all(objs, async_op=async_op, **call_kwargs(locals()))
 
 
+@mpi4py_keywords
 def reduce(
     obj: Any,
     op: Union[str, Callable[[Any, Any], Any]],
@@ -184,7 +200,7 @@ def reduce(
     ``op(a, b) -> c`` is any associative function (it need not be commutative: objects are
     combined in group-rank order, ``op(op(obj_0, obj_1), obj_2)...``), or a name: ``"sum"``,
     ``"prod"``, ``"min"``, ``"max"``, ``"merge"`` (dict union, a later rank wins) or
-    ``"merge_sum"`` (dicts of counts: values of the same key added). A binomial tree: ⌈log2 W⌉
+    ``"merge_sum"`` (dicts of counts: values of the same key added), in any case (``"SUM"``). A binomial tree: ⌈log2 W⌉
     rounds, and no rank decodes more than ⌈log2 W⌉ objects. Group rank 0 returns what ``op``
     returned itself; the others get it through the serializer.
 
@@ -200,6 +216,7 @@ def reduce(
     return _communicator(group).reduce(obj, op, dst, async_op=async_op, **call_kwargs(locals()))
 
 
+@mpi4py_keywords
 def all_reduce(
     obj: Any,
     op: Union[str, Callable[[Any, Any], Any]],
@@ -224,6 +241,7 @@ def all_reduce(
     return _communicator(group).all_reduce(obj, op, async_op=async_op, **call_kwargs(locals()))
 
 
+@mpi4py_keywords
 def send(
     obj: Any,
     dst: int,
@@ -237,7 +255,13 @@ def send(
     """Send one object to global rank ``dst``, which must call :func:`recv` with the same ``tag``.
 
     Messages with different tags between the same two ranks never mix (gloo; on NCCL only
-    ``tag=0`` is accepted, since NCCL ignores tags).
+    ``tag=0`` is accepted, since NCCL ignores tags). A small object (one whose frame fits the slot,
+    without tensors out of band) is sent eagerly, wherever the ranks run: this returns before
+    ``dst`` receives it, as MPI's eager sends do, with a bounded amount of such sends waiting per
+    group (see ``docs/non-blocking.md``); a larger one returns once ``dst`` took it. On NCCL a send
+    that goes through the backend (across hosts, or with ``local`` off) still waits for its receiver.
+    ``dst`` may be this rank itself, as in mpi4py (and is, without a process group): the message waits,
+    encoded, until this rank receives it, and this returns at once (see ``docs/from-mpi4py.md``).
 
     Example::
 
@@ -248,6 +272,7 @@ def send(
     _communicator(group).send(obj, dst, tag, **call_kwargs(locals()))
 
 
+@mpi4py_keywords
 def recv(
     src: Optional[int] = None,
     tag: int = 0,
@@ -262,7 +287,11 @@ def recv(
     sent with ``tag``.
 
     ``return_sender=True`` returns ``(sender's global rank, object)``: the way to learn who sent
-    it when ``src=None``.
+    it when ``src=None``. From this rank itself (``src`` its rank; without a process group, or with
+    ``src=None`` in a group of one), it takes the oldest message this rank sent itself under ``tag``,
+    or raises ``ObjcommError`` at once if there is none, since none could arrive while it blocks
+    (:func:`irecv` waits for another thread's); ``src=None`` takes such a message, where one waits,
+    before it waits for other ranks.
 
     Example::
 
@@ -274,6 +303,7 @@ def recv(
     return _communicator(group).recv(src, tag, return_sender=return_sender, **call_kwargs(locals()))
 
 
+@mpi4py_keywords
 def isend(
     obj: Any,
     dst: int,
@@ -287,7 +317,10 @@ def isend(
     """Start sending one object to global rank ``dst`` and return a :class:`Request` at once.
 
     ``wait()`` returns ``None`` once sent, or raises what :func:`send` would. Sends to the same rank
-    with the same tag leave in issue order; leave ``obj`` unchanged until the handle completes.
+    with the same tag leave in issue order. ``obj`` is encoded here and what shares memory
+    with it (tensors, numpy arrays, buffers) is copied, so it may change as soon as this returns; a
+    bad ``dst`` or ``tag`` raises here, as :func:`send` does. To this rank itself the message is
+    delivered here and the handle comes back completed.
 
     Example::
 
@@ -298,6 +331,7 @@ def isend(
     return _communicator(group).isend(obj, dst, tag, **call_kwargs(locals()))
 
 
+@mpi4py_keywords
 def irecv(
     src: Optional[int] = None,
     tag: int = 0,
@@ -311,7 +345,9 @@ def irecv(
     """Start receiving one object from global rank ``src`` sent with ``tag``; return a :class:`Request` at once.
 
     ``wait()`` returns the object (``(sender, object)`` with ``return_sender=True``), or raises what
-    :func:`recv` would. Receives from the same rank with the same tag complete in issue order.
+    :func:`recv` would. Receives from the same rank with the same tag complete in issue order. From
+    this rank itself, it completes at the send to this rank under ``tag`` that delivers its message
+    (or at once, if one waits): the way to wait for another thread's send to this rank.
 
     Example::
 

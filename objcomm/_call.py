@@ -3,11 +3,16 @@
 :class:`Call` encodes (a failure becomes an error report that still travels), decodes and raises
 the failures of a call; the functions below build a call's wire (membership and device, learned
 once per group; the first- and second-round strategies; the tag) and check or encode per-rank inputs.
+The last section speaks mpi4py's vocabulary: what a program ported from it writes (``dest=``,
+``root=``, ``bcast``, ``"SUM"``) and what to write instead (``docs/from-mpi4py.md``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+import difflib
+import functools
+import inspect
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -19,10 +24,11 @@ from ._channel_round import MOST as CHANNEL_MOST
 from ._channel_round import ChannelRounds
 from ._device import group_backend, resolve_device
 from ._errors import CommunicationError, Failure, ObjcommError, remote_error
+from ._limits import too_large
 from ._segments import SegmentBook
 from ._settings import CallOptions
 from ._transport import Incoming, Outgoing
-from ._wire import BACKEND, DIRECT, FirstRound, SecondRound
+from ._wire import BACKEND, DIRECT, SLOT_PREFIX_BYTES, FirstRound, SecondRound
 
 Device = Union[str, torch.device, None]
 
@@ -86,6 +92,23 @@ class Call(NamedTuple):
             assert self.wire is not None
             self.raise_failures("send/recv", only(sender, item, self.wire.size), None)
         return self.decode(item, sender)
+
+    def own(self, out: Outgoing, return_sender: bool = False) -> Any:
+        """The object of message ``out``, which this rank sent itself (:mod:`objcomm._requests`), judged as a peer's
+        with this call's settings: an error report raises ``RemoteError``, a payload past the slot and above
+        ``max_bytes`` ``TooLargeError`` (dropped, as a peer's would be), a serializer ``accept`` lacks
+        ``ContentRefusedError``. ``return_sender``: ``(this rank's global rank, object)``."""
+        rank, size = (0, 1) if self.wire is None else (self.wire.rank, self.wire.size)
+        item = Incoming(out.frame, list(out.tensors), error=out.error)
+        if out.error:
+            self.raise_failures("send/recv", only(rank, item, size), None)
+        inline = self.wire.inline_capacity if self.wire is not None else self.options.slot_bytes - SLOT_PREFIX_BYTES
+        limit = self.options.max_bytes
+        if out.total > limit and (out.tensors or out.frame_nbytes > inline):
+            raise too_large(f"recv: rank {rank} (this rank, to itself) sends {out.total:,} bytes, above this rank's "
+                            f"max_bytes={limit:,}", outcome="the message was dropped", where="here")
+        obj = self.decode(item, rank)
+        return ((0 if self.wire is None else self.wire.ranks[rank]), obj) if return_sender else obj
 
     def roundtrip(self, obj: Any) -> Any:
         """What a group of one returns: the object encoded and decoded, so failures match."""
@@ -153,10 +176,14 @@ def first_round_for(options: CallOptions) -> FirstRound:
 MAX_TAG = _reduce.REDUCE_TAG - 1  # the backend carries 2 * tag + 1 (see objcomm._wire.Wire.data_tag)
 
 
-def tagged(wire: _transport.Wire, tag: Any, op: str) -> _transport.Wire:
-    """``wire`` for messages with ``tag``; NCCL has no tags, so only tag 0 goes there."""
+def check_tag(tag: Any, op: str) -> None:
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
         raise ValueError(f"{op}: tag must be an int from 0 to {MAX_TAG:,}, got {tag!r}")
+
+
+def tagged(wire: _transport.Wire, tag: Any, op: str) -> _transport.Wire:
+    """``wire`` for messages with ``tag``; NCCL has no tags, so only tag 0 goes there."""
+    check_tag(tag, op)
     if tag and wire.device.type != "cpu":
         raise ValueError(
             f"{op}(tag={tag}): this group moves bytes on {wire.device} (NCCL), which ignores tags and would mix "
@@ -205,3 +232,102 @@ def final_report(call: Call, value: Any, complete: bool, own: Optional[BaseExcep
     if own is not None:
         return _framing.error_frame(own, call.wire.inline_capacity), own
     return call.encode(value if complete and carries and call.wire.rank == 0 else None)
+
+
+# -- mpi4py's vocabulary (docs/from-mpi4py.md) ----------------------------------------------------------------------
+FROM_MPI4PY = " (objcomm follows torch.distributed's names: see docs/from-mpi4py.md)"
+
+# mpi4py's keyword -> the parameters that mean the same here; a function takes at most one of them
+MPI4PY_KEYWORDS: Dict[str, Tuple[str, ...]] = {
+    "dest": ("dst",),
+    "source": ("src",),
+    "root": ("src", "dst"),  # the root sends (bcast, scatter) or receives (gather, reduce)
+    "sendobj": ("obj", "objs"),
+    "status": ("return_sender",),
+}
+
+# mpi4py's names (of its Comm methods and MPI module) -> what to write instead; {on}: "objcomm" or "Communicator"
+MPI4PY_NAMES: Dict[str, str] = {
+    "bcast": "did you mean {on}.broadcast?",
+    "allgather": "did you mean {on}.all_gather?",
+    "allreduce": "did you mean {on}.all_reduce?",
+    "alltoall": "did you mean {on}.all_to_all?",
+    "sendrecv": "there is no sendrecv: {on}.isend(obj, dst, tag) then {on}.recv(src, tag) does what it does",
+    "scan": "there is no scan: {on}.all_gather(obj) gives every rank's object, to combine those up to this rank's",
+    "exscan": "there is no exscan: {on}.all_gather(obj) gives every rank's object, to combine those before this rank's",
+    "probe": "there is no probe: {on}.irecv(src, tag) gives a Request; its is_completed() says whether it arrived",
+    "iprobe": "there is no iprobe: {on}.irecv(src, tag) gives a Request; its is_completed() says whether it arrived",
+    "barrier": "use torch.distributed.barrier(group)",
+    "Barrier": "use torch.distributed.barrier(group)",
+    "Get_rank": "use torch.distributed.get_rank(group)",
+    "Get_size": "use torch.distributed.get_world_size(group)",
+    "rank": "use torch.distributed.get_rank(group)",
+    "size": "use torch.distributed.get_world_size(group)",
+    "COMM_WORLD": "every call takes group=None, the default group (objcomm.Communicator() holds settings for one)",
+    "ANY_SOURCE": "pass src=None to receive from any rank",
+    "ANY_TAG": "there is no receive from any tag: each recv names its tag",
+    "Status": "recv(..., return_sender=True) returns (sender's global rank, obj)",
+    "SUM": 'pass op="sum"',
+    "PROD": 'pass op="prod"',
+    "MIN": 'pass op="min"',
+    "MAX": 'pass op="max"',
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def keyword_hint(name: str, params: Sequence[str], function: str) -> Optional[str]:
+    """What to say about keyword ``name``, which ``function`` (with parameters ``params``) does not take; None:
+    nothing better than Python's own message."""
+    for meant in MPI4PY_KEYWORDS.get(name, ()):
+        if meant == "return_sender" and meant in params:
+            return "did you mean return_sender=True? It returns (sender's global rank, obj)" + FROM_MPI4PY
+        if meant in params:
+            return f"did you mean {meant}=?" + FROM_MPI4PY
+    if name == "root":
+        return f"{function}() has no root: every rank takes part and gets the result" + FROM_MPI4PY
+    if name == "buf":
+        return "objcomm allocates what it receives: leave buf out" + FROM_MPI4PY
+    close = difflib.get_close_matches(name, [p for p in params if p != "self"], n=1, cutoff=0.8)
+    return f"did you mean {close[0]}=?" if close else None
+
+
+def mpi4py_keywords(fn: F) -> F:
+    """``fn``, whose unexpected keyword arguments (mpi4py's ``dest=``, ``source=``, ``root=``, a misspelt one) raise a
+    TypeError that says what to write instead. A call that binds pays nothing but this frame: the names are looked at
+    only once Python refused them."""
+    params = tuple(inspect.signature(fn).parameters)
+    function = fn.__qualname__
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except TypeError:
+            unknown = [key for key in kwargs if key not in params]  # none: the TypeError came from inside fn
+            hint = keyword_hint(unknown[0], params, function) if unknown else None
+            if hint is None:
+                raise
+            raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}; {hint}") from None
+
+    return cast(F, checked)
+
+
+def no_attribute(owner: str, on: str, name: str) -> AttributeError:
+    """The AttributeError for ``name``, which ``owner`` (``"module 'objcomm'"``) lacks: for mpi4py's names, it says
+    what to write instead (``on``: what the calls are made on, ``"objcomm"`` or ``"Communicator"``)."""
+    hint = MPI4PY_NAMES.get(name)
+    message = f"{owner} has no attribute {name!r}"
+    if hint is not None:
+        message += "; " + hint.format(on=on) + FROM_MPI4PY
+    return AttributeError(message)
+
+
+def named_op(op: Any) -> Any:
+    """``op``, with a named op spelt in another case (``"SUM"``, ``"Max"``: mpi4py's ``MPI.SUM`` written as a string) as
+    objcomm names it, so that every rank reduces with the same function whatever case each wrote."""
+    if type(op) is str and op not in _reduce.NAMED_OPS:
+        lower = op.lower()
+        if lower in _reduce.NAMED_OPS:
+            return lower
+    return op

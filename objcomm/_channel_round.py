@@ -29,9 +29,11 @@ send/recv (:func:`send_p2p`, :func:`recv_p2p`, called by :class:`objcomm._first.
 bytes in the same messages, without a collective: kind ``REST`` under the send's message id, which its slot
 carried, so that concurrent sends under one tag (threads, ``isend`` lanes) never take each other's: everything
 shared memory does not take (below ``shm_threshold`` all of it; shared memory's own words go under the id too).
-They follow the receiver's answer, which also paces the sender: a receiver's stash holds at most the rests of
-the messages it is receiving (sending them right after the slot saved ~15% of a 16 KB round trip, but let a
-sender run ahead of a slow receiver by 64 KiB a message, found by review).
+Where the receiver need not agree first (every size listed in the slot, none past 1 MiB: see
+:func:`objcomm._transport._agreement_needed`) they follow the slot at once, paced by the channel's credit
+(:mod:`objcomm._inbox`, "Flow control": before it, a sender that ran ahead of a slow receiver filled its stash, so
+rests waited for the receiver's answer, a wake-up more per message); a refusing receiver reads and drops them
+(``drain``). Otherwise they follow the receiver's answer.
 """
 
 from __future__ import annotations
@@ -84,10 +86,12 @@ class ChannelRounds:
         received: List[Optional[bytearray]] = [bytearray(n) if n and r != me else None for r, n in enumerate(moved)]
         mine = _chunks(_pieces(out, infos[me].inline is not None))
         for index in range(-(-max(moved) // CHUNK)):
-            got = channel.all_gather(next(mine, b""), False, spin)
+            got = channel.all_gather(next(mine, b""), spin)
             for r, into in enumerate(received):
                 if into is not None:
                     _place(channel, into, got[r], index, r, op)
+                elif r != me:
+                    _checked(channel, got[r], index, 0, r, op)
         return [
             Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors]) if r == me  # never the input itself
             else _incoming(into, infos[r], sizes_of, r, op) if into is not None
@@ -144,6 +148,8 @@ class ChannelRounds:
             for r, into in enumerate(received):
                 if into is not None:
                     _place(channel, into, got[r], index, r, op)
+                elif r != me:
+                    _checked(channel, got[r], index, 0, r, op)
         _all_received(channel, sum(moved), spin, op)
         return [
             Incoming(out.frame, list(out.tensors)) if r == me  # the caller decodes its own with own=True
@@ -187,10 +193,12 @@ class ChannelRounds:
             bytearray(info.second_round_bytes) if r != me and info.second_round_bytes else None
             for r, info in enumerate(infos)]
         for index in range(-(-longest // CHUNK)):  # every pair's message #index at once; b"" once a stream ended
-            got = channel.all_to_all([next(stream, b"") for stream in streams], False, spin)
+            got = channel.all_to_all([next(stream, b"") for stream in streams], spin)
             for r, into in enumerate(received):
                 if into is not None:
                     _place(channel, into, got[r], index, r, op)
+                elif r != me:
+                    _checked(channel, got[r], index, 0, r, op)
         return [
             Incoming(outs[r].frame, list(outs[r].tensors)) if r == me  # the caller decodes its own with own=True
             else _incoming(into, infos[r], sizes_of, r, op) if into is not None
@@ -217,14 +225,19 @@ def send_p2p(channel: _local.LocalChannel, wire: Wire, out: Outgoing, info: Slot
 
 
 def recv_p2p(channel: _local.LocalChannel, spin: Optional[float], wire: Wire, info: SlotInfo, sizes_of: SizesOf,
-             src: int, message: int, op: str) -> Incoming:
+             src: int, message: int, op: str, drain: bool = False) -> Incoming:
     """The rest of group rank ``src``'s message ``message`` (see :func:`send_p2p`), each message's length checked
-    against what its slot ``info`` announced; read as a segment is (:func:`_incoming`)."""
+    against what its slot ``info`` announced; read as a segment is (:func:`_incoming`). ``drain``: a refusing
+    receiver's, read and dropped (an empty result)."""
     moved = info.second_round_bytes
-    into = bytearray(moved)
+    into = bytearray(0 if drain else moved)
     for index in range(-(-moved // CHUNK)):
-        _place(channel, into, channel.recv_part(REST, src, wire.tag, message, spin), index, src, op)
-    return _incoming(into, info, sizes_of, src, op)
+        chunk = channel.recv_part(REST, src, wire.tag, message, spin)
+        if drain:
+            _checked(channel, chunk, index, moved, src, op)
+        else:
+            _place(channel, into, chunk, index, src, op)
+    return Incoming(memoryview(b"")) if drain else _incoming(into, info, sizes_of, src, op)
 
 
 def _streams(wire: Wire, outs: Sequence[Outgoing]) -> List[Iterator[Slot]]:
@@ -269,7 +282,7 @@ def _all_received(channel: _local.LocalChannel, moved: int, spin: Optional[float
     if channel.unsynced < MOST:
         return
     channel.unsynced = 0
-    got = channel.all_gather(b"", False, spin)
+    got = channel.all_gather(b"", spin)
     if any(got):
         channel.fail(op, f"a rank sent bytes where the end of a {op}'s second round was due: the ranks are at "
                          "different calls, or a protocol error")

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, cast
 import serializers
 
 from ._bench import _launch
-from ._bench._config import DEFAULT_OPS, OPS, BenchConfig, import_modules
+from ._bench._config import DEFAULT_OPS, OPS, BenchConfig, cwd_first, import_modules
 from ._bench._payloads import BUILTIN, parse_size, resolve_payload
 
 DEFAULT_SIZES = "1KB,64KB,1MB"
@@ -96,6 +96,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
+        if getattr(args, "imports", None) or getattr(args, "payload", None):
+            cwd_first()  # the user's modules are found in the current directory, as under python -m
         return {"bench": _bench, "serializers": _serializers, "demo": _demo}[args.command](args)
     except UsageError as exc:
         print(f"{exc.prog or command}: error: {exc}", file=sys.stderr)

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 import weakref
-from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
 from serializers import SerializerLike, registry
 
-from . import _framing, _reduce, _requests, _state, _transport
+from . import _framing, _pending, _reduce, _requests, _state, _transport
 from ._call import (
     WIRES_KEPT,
     Call,
     Device,
+    check_tag,
     encode_each,
     final_report,
+    mpi4py_keywords,
+    named_op,
+    no_attribute,
     only,
     per_rank,
     tagged,
@@ -120,6 +125,12 @@ class Communicator:
 
     def __repr__(self) -> str:
         return f"Communicator(group={self.group!r}, serializer={self.serializer!r}, device={self.device!r})"
+
+    if not TYPE_CHECKING:  # type checkers keep refusing unknown attributes
+
+        def __getattr__(self, name: str) -> Any:
+            """Only for names this class lacks: mpi4py's (``bcast``, ``allreduce``, ``Get_rank``) say what to write."""
+            raise no_attribute("'Communicator' object", "Communicator", name)
 
     # -- copies: a handle on a group, with settings; a copy, shallow or deep, shares both and not what the
     # calls worked out (the next call works it out again); a pickle carries the settings alone -------------
@@ -258,6 +269,7 @@ class Communicator:
         return wire.ranks.index(rank)
 
     # -- collectives ---------------------------------------------------------------------------
+    @mpi4py_keywords
     def all_gather(
         self, obj: Any, *, serializer: Optional[SerializerLike] = None, accept: Optional[Collection[str]] = None,
         max_bytes: Optional[int] = None, map_location: Device = None, compression: Optional[str] = None,
@@ -282,6 +294,7 @@ class Communicator:
         call.raise_failures("all_gather", incoming, local)
         return [call.decode(item, r) for r, item in enumerate(incoming)]
 
+    @mpi4py_keywords
     def gather(
         self, obj: Any, dst: int = 0, *, serializer: Optional[SerializerLike] = None,
         accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
@@ -304,6 +317,7 @@ class Communicator:
             return None
         return [call.decode(item, r, own=r == root) for r, item in enumerate(incoming)]
 
+    @mpi4py_keywords
     def broadcast(
         self, obj: Any = None, src: int = 0, *, serializer: Optional[SerializerLike] = None,
         accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
@@ -330,6 +344,7 @@ class Communicator:
             call.raise_failures("broadcast", only(root, item, call.wire.size), local)
         return call.decode(item, root, own=call.wire.rank == root)
 
+    @mpi4py_keywords
     def scatter(
         self, objs: Optional[Sequence[Any]] = None, src: int = 0, *, serializer: Optional[SerializerLike] = None,
         accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
@@ -352,6 +367,7 @@ class Communicator:
         call.raise_failures("scatter", only(root, item, wire.size), local)
         return call.decode(item, root, own=wire.rank == root)
 
+    @mpi4py_keywords
     def all_to_all(
         self, objs: Sequence[Any], *, serializer: Optional[SerializerLike] = None,
         accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
@@ -368,12 +384,14 @@ class Communicator:
         call.raise_failures("all_to_all", incoming, local)
         return [call.decode(item, r, own=r == call.wire.rank) for r, item in enumerate(incoming)]
 
+    @mpi4py_keywords
     def reduce(
         self, obj: Any, op: _reduce.Op, dst: int = 0, *, serializer: Optional[SerializerLike] = None,
         accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
         compression: Optional[str] = None, async_op: bool = False,
     ) -> Any:
         """Every rank's object combined with ``op`` in group-rank order, on global rank ``dst``; ``None`` elsewhere."""
+        op = named_op(op)
         if async_op:
             return self._submit("reduce", Communicator.reduce, obj, op, dst, **call_kwargs(locals()))
         call = self._call(call_kwargs(locals()))
@@ -392,12 +410,14 @@ class Communicator:
             return None
         return value if root == 0 else call.decode(incoming[0], 0)  # group rank 0 combined it: no decoding
 
+    @mpi4py_keywords
     def all_reduce(
         self, obj: Any, op: _reduce.Op, *, serializer: Optional[SerializerLike] = None,
         accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
         compression: Optional[str] = None, async_op: bool = False,
     ) -> Any:
         """Every rank's object combined with ``op`` in group-rank order, on every rank."""
+        op = named_op(op)
         if async_op:
             return self._submit("all_reduce", Communicator.all_reduce, obj, op, **call_kwargs(locals()))
         call = self._call(call_kwargs(locals()))
@@ -410,6 +430,7 @@ class Communicator:
         call.raise_failures("all_reduce", incoming, local)
         return value if call.wire.rank == 0 else call.decode(incoming[0], 0)  # group rank 0 combined it
 
+    @mpi4py_keywords
     def send(
         self, obj: Any, dst: int, tag: int = 0, *, serializer: Optional[SerializerLike] = None,
         max_bytes: Optional[int] = None, compression: Optional[str] = None,
@@ -418,7 +439,11 @@ class Communicator:
 
         Messages with different tags between the same two ranks never mix. If encoding fails, the
         receiver gets the error report (and raises ``RemoteError``) and this rank raises the original
-        error: nobody is left waiting.
+        error: nobody is left waiting. A small message (one that fits the slot: no second round) is sent
+        eagerly on every path: this returns before its receiver takes it, within a bound per group
+        (:mod:`objcomm._pending`); a large one returns once its receiver took it. Through an NCCL group's
+        backend every send waits for its receiver. ``dst`` may be this rank itself (and is, without a process
+        group): the message waits here, encoded, until this rank receives it, and this returns at once.
         """
         express, serialized = None, None
         if serializer is None and max_bytes is None and compression is None:
@@ -428,61 +453,147 @@ class Communicator:
                 if serialized is True:
                     return
         call = self._call(call_kwargs(locals()))
-        wire = tagged(self._require_group(call, "send"), tag, "send")
-        peer = self._group_rank(wire, dst, "dst")
-        if peer == wire.rank:
-            raise ValueError(f"send(dst={dst}) is this rank itself; send to another rank")
+        wire, peer = self._destination(call, dst, tag, "send")
+        if wire is None or peer == wire.rank:
+            local = self._send_own(call, wire, obj, tag, _still(serialized, express, call))
+            if local is not None:
+                raise with_original_type(local)
+            return
         _requests.check_blocking(wire.group, "send", dst, tag)
         out, local = call.encode(obj, _still(serialized, express, call))
-        _transport.send(wire, out, peer)
+        self._deliver(wire, out, local, peer)
+
+    @staticmethod
+    def _deliver(wire: _transport.Wire, out: Outgoing, local: Optional[BaseException], peer: int,
+                 eager: bool = True) -> None:
+        """Send what encoding gave (``local``: its failure, whose report ``out`` is) to group rank ``peer``."""
+        _pending.check(wire.group, "send")
+        _transport.send(wire, out, peer, eager)
         if local is not None:
             raise with_original_type(local)
 
+    def _destination(self, call: Call, dst: Any, tag: Any, op: str) -> tuple[Optional[_transport.Wire], int]:
+        """``(the wire of a send to global rank dst under tag, dst's group rank)``; raises for a bad tag or dst.
+        Without a process group: ``(None, 0)``, for ``dst=0``, the only rank."""
+        if call.wire is None:
+            check_tag(tag, op)
+            self._only_rank(dst, "dst", op)
+            return None, 0
+        wire = tagged(call.wire, tag, op)
+        return wire, self._group_rank(wire, dst, "dst")
+
+    def _source(self, call: Call, src: Any, tag: Any, op: str) -> tuple[Optional[_transport.Wire], Optional[int]]:
+        """``(the wire of a receive from global rank src under tag, src's group rank)``: None for ``src=None`` (any
+        rank), this rank's own in a group of one (and ``(None, 0)`` without a process group); raises for a bad tag or
+        src."""
+        if call.wire is None:
+            check_tag(tag, op)
+            if src is not None:
+                self._only_rank(src, "src", op)
+            return None, 0
+        wire = tagged(call.wire, tag, op)
+        if src is None:
+            return wire, (wire.rank if wire.size == 1 else None)
+        return wire, self._group_rank(wire, src, "src")
+
+    # -- messages to oneself: held by objcomm._requests._OwnBox, encoded, until this rank receives them -------------
+    @staticmethod
+    def _send_own(call: Call, wire: Optional[_transport.Wire], obj: Any, tag: int,
+                  serialized: Any = None) -> Optional[BaseException]:
+        """Send ``obj`` to this rank itself under ``tag``: encoded as for a peer (a failure: its report, which the
+        receive raises as ``RemoteError``), and owning its bytes, tensors included, so that the receiver decodes a
+        copy of ``obj`` as it was now. Returns the encoding's failure, for the caller to raise."""
+        if wire is not None:
+            _pending.check(wire.group, "send")
+        out, local = call.encode(obj, serialized)
+        _requests.own_box(None if wire is None else wire.group).post(tag, _pending.captured(out))
+        return local
+
+    @mpi4py_keywords
     def recv(
         self, src: Optional[int] = None, tag: int = 0, *, accept: Optional[Collection[str]] = None,
         max_bytes: Optional[int] = None, map_location: Device = None, return_sender: bool = False,
     ) -> Any:
         """Receive the object global rank ``src`` sends with ``tag``; ``src=None`` takes it from any rank
-        (gloo only). ``return_sender=True`` returns ``(sender's global rank, object)``."""
+        (gloo only). ``return_sender=True`` returns ``(sender's global rank, object)``.
+
+        ``src`` may be this rank itself (and is, without a process group or with ``src=None`` in a group of one):
+        the oldest message it sent itself under ``tag``; when there is none, this raises ``ObjcommError`` at once,
+        since nothing could arrive while it blocks. ``src=None`` takes a message this rank sent itself, where one
+        waits, before it waits for the other ranks.
+        """
         if accept is None and max_bytes is None and map_location is None:
             express = self._express()
-            if express is not None:
+            if express is not None and (src is not None or (express.peers and not _requests.own_waiting(
+                    express.facts, tag))):
                 got = express.recv(src, tag, self._group)
                 if got is not NOT_TAKEN:
                     return got if return_sender else got[1]
         call = self._call(call_kwargs(locals()))
-        wire = tagged(self._require_group(call, "recv"), tag, "recv")
-        peer = None if src is None else self._group_rank(wire, src, "src")
-        if peer == wire.rank:
-            raise ValueError(f"recv(src={src}) is this rank itself; receive from another rank")
-        if peer is None and wire.device.type != "cpu":
-            raise ValueError(
-                f"recv(src=None) needs a backend that can receive from any rank (gloo); this group moves bytes on "
-                f"{wire.device} — pass the sender's rank as src"
-            )
-        _requests.check_blocking(wire.group, "recv", src, tag)
+        wire, peer = self._source(call, src, tag, "recv")
+        if wire is not None:
+            if peer is None and wire.device.type != "cpu":
+                raise ValueError(
+                    f"recv(src=None) needs a backend that can receive from any rank (gloo); this group moves bytes on "
+                    f"{wire.device} — pass the sender's rank as src"
+                )
+            _requests.check_blocking(wire.group, "recv", src, tag)
+            _pending.check(wire.group, "recv")
+        if wire is None or peer is None or peer == wire.rank:  # this rank's own message, where one waits
+            message = _requests.own_message(None if wire is None else wire.group, tag)
+            if message is not _requests.NOTHING:
+                return call.own(message, return_sender)
+            if wire is None or peer is not None:
+                raise _requests.nothing_waiting("recv", src, tag)
         sender, item, is_error = _transport.recv(wire, peer, _framing.tensor_sizes)
         obj = call._replace(wire=wire).received(sender, item, is_error)
         return (wire.ranks[sender], obj) if return_sender else obj
 
     # -- non-blocking (see objcomm._requests) --------------------------------------------------------
+    @mpi4py_keywords
     def isend(
         self, obj: Any, dst: int, tag: int = 0, *, serializer: Optional[SerializerLike] = None,
         max_bytes: Optional[int] = None, compression: Optional[str] = None,
     ) -> Request:
         """Non-blocking :meth:`send`: a :class:`~objcomm.Request` whose ``wait()`` returns ``None`` once sent.
 
-        ``obj`` is encoded when the send starts in the background: leave it (and its tensors) unchanged until then.
+        ``obj`` is encoded here, in the caller's thread, and what shares memory with it is copied (its tensors and
+        arrays among them: :func:`objcomm._pending.captured`), so it may change as soon as this returns. A bad
+        ``dst`` or ``tag`` raises here, as :meth:`send` does; an object that cannot be encoded fails as there: the
+        receiver gets the error report and ``wait()`` raises the original error. To this rank itself (and without a
+        process group), the message is delivered here, and the handle comes back completed.
         """
         kwargs = call_kwargs(locals())
-        return _requests.point_to_point(self.group, "send", dst, tag, lambda: self.send(obj, dst, tag, **kwargs))
+        _requests.issuable(self.group, "isend")  # raises on NCCL
+        call = self._call(kwargs)
+        wire, peer = self._destination(call, dst, tag, "isend")
+        if wire is None or peer == wire.rank:
+            local = self._send_own(call, wire, obj, tag)
+            return _requests.completed("isend", functools.partial(_raise, local))
+        out, local = call.encode(obj)
+        out = _pending.captured(out)
+        # not eager: wait() returns once the receiver took it, as before (a later blocking send on its dst and tag,
+        # refused while it is outstanding, can then never overtake it)
+        return _requests.point_to_point(self.group, "send", dst, tag,
+                                        lambda: self._deliver(wire, out, local, peer, eager=False))
 
+    @mpi4py_keywords
     def irecv(
         self, src: Optional[int] = None, tag: int = 0, *, accept: Optional[Collection[str]] = None,
         max_bytes: Optional[int] = None, map_location: Device = None, return_sender: bool = False,
     ) -> Request:
-        """Non-blocking :meth:`recv`: a :class:`~objcomm.Request` whose ``wait()`` returns the object."""
+        """Non-blocking :meth:`recv`: a :class:`~objcomm.Request` whose ``wait()`` returns the object. A bad ``src``
+        or ``tag`` raises here, as :meth:`recv` does. From this rank itself (and without a process group, or with
+        ``src=None`` in a group of one), it completes with the oldest message this rank sent itself under ``tag``:
+        one waiting now, else the next one sent (in the sending thread; ``wait(timeout)`` to wait for another
+        thread's)."""
         kwargs = call_kwargs(locals())
+        _requests.issuable(self.group, "irecv")  # raises on NCCL
+        call = self._call(kwargs)
+        wire, peer = self._source(call, src, tag, "irecv")
+        if wire is None or peer == wire.rank:
+            return _requests.receive_own(None if wire is None else wire.group, src, tag,
+                                         lambda out: call.own(out, return_sender))
         return _requests.point_to_point(
             self.group, "recv", src, tag, lambda: self.recv(src, tag, return_sender=return_sender, **kwargs)
         )
@@ -497,15 +608,27 @@ class Communicator:
         return other
 
     @staticmethod
-    def _require_group(call: Call, op: str) -> _transport.Wire:
-        if call.wire is None:
-            raise ObjcommError(f"{op} needs an initialised process group with another rank; call init_process_group()")
-        return call.wire
+    def _only_rank(rank: Any, what: str, op: str) -> None:
+        """Raise unless ``rank`` is 0, the only rank there is without a process group."""
+        try:  # as _group_rank judges it
+            index = None if isinstance(rank, bool) else operator.index(rank)
+        except TypeError:
+            index = None
+        if index is None:
+            raise TypeError(f"{what} must be an int rank, got {rank!r}")
+        if index != 0:
+            raise ObjcommError(f"{op}({what}={rank}) needs an initialised process group with that rank; without one "
+                               "this process is the only rank, 0: call init_process_group()")
 
     @staticmethod
     def _check_single(rank: Any, what: str) -> None:
         if rank != 0:
             raise ValueError(f"{what}={rank}, but there is no process group: the only rank is 0")
+
+
+def _raise(error: Optional[BaseException]) -> None:
+    if error is not None:
+        raise with_original_type(error)
 
 
 def _still(serialized: Any, express: Optional[Express], call: Call) -> Any:

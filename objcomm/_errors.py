@@ -14,11 +14,14 @@
     ├── CommunicationError       the collective itself failed: a rank never arrived, the group timed out
     ├── WaitTimeoutError         ``Request.wait(timeout)`` ran out; the operation goes on (also a TimeoutError)
     ├── MissingDependencyError   an optional library (zstandard, lz4) is not installed (also an ImportError)
-    └── LaunchError              a local rank (``objcomm bench``/``demo``, ``benchmarks/``) failed, died or timed out
+    ├── LaunchError              a local rank (``objcomm bench``/``demo``, ``benchmarks/``) failed, died or timed out
+    └── OpError                  the op function of ``reduce``/``all_reduce`` raised (its ``RemoteError`` quotes it)
 
 The first five come from the torch-free ``serializers`` package and are re-exported here.
 ``MissingDependencyError`` is defined in ``_compression`` and exported; ``LaunchError`` is
-private to ``_launch`` (the command line reports it and exits with status 1).
+private to ``_launch`` (the command line reports it and exits with status 1). ``OpError`` is
+private too: it travels as its cause's type (see :func:`original`) and every rank raises a
+``RemoteError`` quoting its message. The classes exported here show, and pickle, as ``objcomm.<Name>``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from serializers import (
     SerializationError,
     UnknownSerializerError,
 )
+from serializers._errors import PUBLIC_MODULE
 
 __all__ = [
     "CommunicationError",
@@ -53,17 +57,25 @@ __all__ = [
 class FrameError(ObjcommError, ValueError):
     """A frame is malformed: wrong magic, unknown format version, truncated, or inconsistent lengths."""
 
+    __module__ = PUBLIC_MODULE
+
 
 class TooLargeError(ObjcommError, ValueError):
     """A frame is larger than the ``max_bytes`` limit of the sender or of a receiver."""
+
+    __module__ = PUBLIC_MODULE
 
 
 class CommunicationError(ObjcommError, RuntimeError):
     """The underlying torch.distributed call failed (a rank never arrived, the group timed out, ...)."""
 
+    __module__ = PUBLIC_MODULE
+
 
 class WaitTimeoutError(ObjcommError, TimeoutError):
     """``Request.wait(timeout)`` returned before the operation completed; it is still in progress."""
+
+    __module__ = PUBLIC_MODULE
 
 
 Failure = Tuple[str, str]  # (exception type name, message)
@@ -75,6 +87,8 @@ class RemoteError(ObjcommError, RuntimeError):
     ``failures`` maps each failing rank (in the group) to ``(exception type name, message)``.
     """
 
+    __module__ = PUBLIC_MODULE
+
     def __init__(self, op: str, failures: Dict[int, Failure]) -> None:
         self.op = op
         self.failures = dict(sorted(failures.items()))
@@ -83,7 +97,7 @@ class RemoteError(ObjcommError, RuntimeError):
         plural = "s" if len(self.failures) > 1 else ""
         super().__init__(
             f"{op} failed on rank{plural} {ranks}, so no rank received a result. {details}. "
-            "The group is still usable; fix the failing object (or pick a serializer that can carry it) and retry."
+            "The group is still usable; fix what failed there and retry."
         )
 
     @property
@@ -100,11 +114,19 @@ def _unpickle_remote_error(op: str, failures: Dict[int, Failure], kind: type | N
     return (RemoteError if kind is None else also_instance_of(RemoteError, kind))(op, failures)
 
 
+class OpError(ObjcommError):
+    """The function given to ``reduce``/``all_reduce`` raised; ``__cause__`` is what it raised.
+
+    The message names the function and where it raised, so that every rank's :class:`RemoteError`
+    says the caller's code failed (no serializer would help); :func:`original` reports the cause's type.
+    """
+
+
 # -- the failing rank's own exception type ---------------------------------------------------------
 def original(exc: BaseException) -> BaseException:
     """What really failed: an :class:`EncodeError`'s cause (the serializer's own exception, e.g.
-    ``pickle.PicklingError``), else ``exc`` itself."""
-    while isinstance(exc, EncodeError) and exc.__cause__ is not None:
+    ``pickle.PicklingError``) or an :class:`OpError`'s (what the op function raised), else ``exc`` itself."""
+    while isinstance(exc, (EncodeError, OpError)) and exc.__cause__ is not None:
         exc = exc.__cause__
     return exc
 

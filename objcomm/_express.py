@@ -132,7 +132,7 @@ class Express:
         slot, serialized = self._slot(obj)
         if slot is None:
             return False, serialized
-        slots = channel.all_gather(slot, False, self.spin)
+        slots = channel.all_gather(slot, self.spin)
         size = self.slot
         for got in slots:
             if len(got) != size and not _first.trimmed(got, size):

@@ -29,8 +29,12 @@ the group itself.
 send/recv cannot open the channel (only two ranks take part), and a sender and its receiver must
 route a message the same way: a send through the group waits for a recv through the group. So they
 move to the channel at a collective where every rank votes that it has no send/recv in flight
-(blocking ones, and ``isend``/``irecv`` issued and not finished): the set-up, or an all_gather or
-all_to_all through the channel (a flag in its header). A send/recv after that vote on one rank is
+(blocking ones, ``isend``/``irecv`` issued and not finished, and eager sends not yet received,
+:mod:`objcomm._pending`): the set-up, or an all_gather or all_to_all through the channel (the first 16 after
+set-up, then every 64th), which then takes one more collective through the group, of the set-up's shape
+(:meth:`objcomm._local.LocalChannel.vote`). Both are values every rank sees alike: a vote in the channel's own
+messages could be told differently to different ranks by a lying one, splitting the routes of honest ones (issue
+25). A send/recv after that vote on one rank is
 matched by one after it on the other (a send/recv in flight across it would have made some rank
 vote no), so both take the channel; until every rank votes yes they keep the group. While this
 rank's yes-vote is out, a send/recv that starts on another thread waits for the outcome (a program
@@ -48,13 +52,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import struct
 import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
-from . import _channel_round, _local, _state
+from . import _channel_round, _local, _pending, _state
 from ._device import timeout_seconds
 from ._errors import CommunicationError
 from ._inbox import ANSWER, REST
@@ -62,6 +67,7 @@ from ._slots import SlotInfo
 from ._wire import NOT_USED, SLOT_PREFIX_BYTES, Incoming, NotUsed, Outgoing, SizesOf, Slot, Wire
 
 _BACKEND = contextlib.nullcontext(None)  # send/recv through the group
+PENDING_WAIT = 0.5  # seconds a vote waits for this rank's pending sends to be received (objcomm._pending)
 
 
 class SameHost:
@@ -73,14 +79,15 @@ class SameHost:
         self.broken: Optional[str] = None  # the ranks disagreed at a reopen: why
         self.cond = threading.Condition()
         self.in_flight = 0  # send/recv of this rank through the group, not finished
-        self.voting = False  # a collective carries this rank's READY vote now
+        self.voting = False  # this rank's vote is out now
 
     def begin_vote(self, group: Any) -> bool:
         """Whether this rank has no send/recv in flight (blocking, or ``isend``/``irecv`` issued and not
         finished); until :meth:`end_vote`, a send/recv that starts meanwhile waits for the outcome."""
         lanes = _state.group_facts(group).requests
+        _pending.idle(group, PENDING_WAIT)  # a moment for sends received just now to be known as received
         with self.cond:
-            self.voting = self.in_flight == 0 and not (lanes is not None and lanes.busy)
+            self.voting = self.in_flight == 0 and not (lanes is not None and lanes.busy) and _pending.idle(group)
             return self.voting
 
     def end_vote(self) -> None:
@@ -136,8 +143,9 @@ class ChannelRoute:
     def send_rest(self, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
         _channel_round.send_p2p(self.channel, wire, out, info, dst, message)
 
-    def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str) -> Incoming:
-        return _channel_round.recv_p2p(self.channel, self.spin, wire, info, sizes_of, src, message, op)
+    def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str,
+                  drain: bool = False) -> Incoming:
+        return _channel_round.recv_p2p(self.channel, self.spin, wire, info, sizes_of, src, message, op, drain)
 
 
 class _Counted:
@@ -229,7 +237,7 @@ class SameHostSlots:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
-        return self._voting(wire, channel, lambda ready: channel.all_gather(_trim(slot), ready, self.spin), op, slot)
+        return self._voting(wire, channel, lambda: channel.all_gather(_trim(slot), self.spin), op, slot)
 
     def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]:
         channel = self.channel(wire, op)
@@ -254,34 +262,58 @@ class SameHostSlots:
         if channel is None:
             return NOT_USED
         trimmed_slots = [_trim(s) for s in slots]
-        return self._voting(wire, channel, lambda ready: channel.all_to_all(trimmed_slots, ready, self.spin), op,
-                            slots[wire.rank])
+        return self._voting(wire, channel, lambda: channel.all_to_all(trimmed_slots, self.spin), op, slots[wire.rank])
 
     def gather_words(self, wire: Wire, words: Sequence[int], op: str) -> Union[List[List[int]], NotUsed]:
-        channel = self.channel(wire, op)
-        if channel is None:
+        found = self.channel_of(wire, op)  # round 1 opened it, or found none: never opened here, mid-call
+        if found is None:
             return NOT_USED
+        channel = found[0]
         packing = _words(len(words))
-        got = channel.all_gather(packing.pack(*words), False, self.spin)
+        got = channel.all_gather(packing.pack(*words), self.spin)
         for r, data in enumerate(got):
             if len(data) != packing.size:
                 channel.fail(op, f"rank {r} sent {len(data)} bytes of control words where {packing.size} were due "
                                  "(the ranks are at different calls, or a protocol error)")
+        _echo(channel, b"".join(got), self.spin, op, "control words")  # what every rank acts on: the same rows
         return [list(packing.unpack(data)) for data in got]
 
-    def _voting(self, wire: Wire, channel: _local.LocalChannel, exchange: Callable[[bool], Sequence[Slot]],
+    def agree(self, wire: Wire, infos: Sequence[SlotInfo], op: str) -> None:
+        found = self.channel_of(wire, op)
+        if found is not None:
+            view = [(i.length, i.error, i.round2, i.limit, i.total, i.inline is None, i.sizes) for i in infos]
+            _echo(found[0], repr(view).encode(), found[1], op, "round-1 slots")
+
+    def _voting(self, wire: Wire, channel: _local.LocalChannel, exchange: Callable[[], Sequence[Slot]],
                 op: str, mine: Slot) -> Sequence[Slot]:
-        """``exchange(ready)``, an all_gather or all_to_all carrying this rank's send/recv vote until
-        send/recv are on the channel (``ready``: False once they are, since nothing is voted then); ``mine``:
-        this rank's own slot, whole, in its place."""
-        if channel.p2p:
-            return _checked(wire, channel, exchange(False), op, mine)
+        """``exchange()``, an all_gather or all_to_all, then, until send/recv are on the channel and where a vote is
+        due (:meth:`~objcomm._local.LocalChannel.vote_due`), this rank's send/recv vote; ``mine``: this rank's own
+        slot, whole, in its place. The vote goes through the group (:meth:`~objcomm._local.LocalChannel.vote`), whose
+        result every rank sees alike; a rank whose exchange failed still votes (no) before it raises, so that the
+        others' vote never meets its next call."""
+        if channel.p2p or not channel.vote_due():
+            return _checked(wire, channel, exchange(), op, mine)
         state = self.state(wire)
         assert state is not None
-        try:
-            return _checked(wire, channel, exchange(state.begin_vote(wire.group)), op, mine)
+        what = f"{op} (voting send/recv onto the same-host channel)"
+        try:  # the vote is out from here: a send/recv that starts meanwhile waits for the outcome
+            ready = state.begin_vote(wire.group)
+            try:
+                got = _checked(wire, channel, exchange(), op, mine)
+            except CommunicationError:  # still vote (no): the others' vote must not meet this rank's next call
+                with contextlib.suppress(CommunicationError):
+                    channel.vote(wire, False, what)
+                raise
+            try:
+                agreed = channel.vote(wire, ready, what)
+            except _local.OutOfStep as exc:
+                state.broken = str(exc)
+                channel.fail(op, str(exc))
+            with state.cond:  # before the vote ends: a send/recv waiting for it must see the outcome
+                channel.p2p = agreed
         finally:
             state.end_vote()
+        return got
 
     def p2p(self, wire: Wire, op: str) -> ContextManager[Any]:
         """The route of one send/recv: entering gives an object with ``send``/``recv`` (the channel), or
@@ -319,6 +351,17 @@ def same_host(separate: bool, spin_us: Optional[int]) -> SameHostSlots:
     if found is None:
         found = _STRATEGIES.setdefault((separate, spin_us), SameHostSlots(separate, spin_us))
     return found
+
+
+def _echo(channel: _local.LocalChannel, seen: bytes, spin: Optional[float], op: str, what: str) -> None:
+    """Check that every rank saw ``seen`` (one channel hop: a 16-byte digest each); else fail the channel, so that
+    every rank raises rather than act on different views. A digest, not the bytes: cheap at any size, and 128 bits,
+    beyond a lying rank's reach for two messages with one digest."""
+    digest = hashlib.blake2b(seen, digest_size=16).digest()
+    for r, theirs in enumerate(channel.echo(digest, spin)):
+        if theirs != digest:
+            channel.fail(op, f"rank {r} read other {what} than rank {channel.rank} did in this {op}: a rank told "
+                             "different ranks different things, or the ranks are at different calls")
 
 
 @functools.lru_cache(maxsize=16)

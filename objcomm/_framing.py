@@ -100,7 +100,7 @@ def _frame_parts(
     raw_len: Optional[int] = None,
     table: bytes = b"",
     n_tensors: int = 0,
-    inline: Sequence[torch.Tensor] = (),
+    inline: Sequence[memoryview] = (),
     version: int = 1,
 ) -> Tuple[List[Any], int]:
     """``(parts, length)``: header, name, tensor table, payload and inline tensors, a frame's parts in order,
@@ -110,9 +110,9 @@ def _frame_parts(
         memoryview(payload).cast("B"))
     parts: List[Any] = [b"", name_bytes, table, body]
     inline_len = 0
-    for t in inline:
-        parts.append(t.numpy().data)
-        inline_len += t.numel()
+    for part in inline:  # flat unsigned-byte buffers (TensorLifter.pack)
+        parts.append(part)
+        inline_len += part.nbytes
     parts[0] = HEADER.pack(
         MAGIC,
         version,
@@ -132,8 +132,13 @@ Serialized = Tuple[Any, TensorLifter]  # a serializer's payload and the out-of-b
 
 
 def serialize(obj: Any, serializer: SerializerProtocol, inline_tensor_bytes: int) -> Serialized:
-    """``(payload, lifter)``: the first step of :func:`encode`, the serializer's own work."""
-    lifter = TensorLifter()
+    """``(payload, lifter)``: the first step of :func:`encode`, the serializer's own work.
+
+    Small numpy arrays stay in the payload where the serializer writes them exactly itself: up to its
+    ``in_band_array_bytes`` (none where it has none) and ``inline_tensor_bytes``; see
+    :class:`~objcomm._tensors.TensorLifter`. Tensors are always lifted: they arrive on the receiver's device.
+    """
+    lifter = TensorLifter(min(inline_tensor_bytes, getattr(serializer, "in_band_array_bytes", -1)))
     if type(obj) in (bytes, bytearray) and len(obj) > inline_tensor_bytes and serializer.supports_external:
         obj = WholeBytes(obj)  # travels like a tensor: never copied into the payload
     return serializer.dumps(obj, lift=lifter), lifter

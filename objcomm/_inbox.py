@@ -17,6 +17,19 @@ plus :data:`ENTRY_OVERHEAD` per message and :data:`KEY_OVERHEAD` per key with me
 about what Python takes for them), beyond which the channel fails: a peer that runs that far
 ahead of this rank, or floods it, cannot grow its memory without bound.
 
+Flow control: a sender never makes a receiver fail. Each message of a collective (a root or a gather's sender
+may run ahead of its receivers) and of send/recv (a slot, a rest) costs its sender credit at that receiver: its
+length plus :data:`ENTRY_OVERHEAD` and :data:`KEY_OVERHEAD`, what the stash would count for it. Per peer and
+class (collectives, point to point) a sender has :func:`window_for` bytes of credit (8 MiB up to four ranks); a
+send that would pass it waits, reading the receiver's socket, until the receiver has taken enough of what came
+before: a receiver that hands messages to its calls (or drops them, :meth:`Inbox.abandon`) tells the sender its
+running totals in a ``CREDIT`` message once they grew by a quarter of the window since it last told them. The two
+classes keep apart so that sends nobody received yet never hold up a collective. So an honest sender that runs
+ahead is slowed down to its receiver's pace, and the stash, sized to hold every peer's two windows, never fills
+from honest peers; a peer that ignores its credit fills it and fails the channel as before. Answers and
+``CREDIT`` messages take no credit: a sender waits for an answer before it sends more under that message, so
+there are never more of them than sends in flight.
+
 Every message is checked on arrival, before it is filed, and any violation fails the channel with
 a :class:`~objcomm.CommunicationError` naming the peer (the channel then closes, so the others
 raise too): a datagram shorter than the header (an empty one is told apart from EOF) or longer than
@@ -55,19 +68,42 @@ HEADER = struct.Struct("<BB2xIi")  # kind, flags, collective sequence number or 
 ALL_GATHER, BROADCAST, SCATTER, ALL_TO_ALL, P2P = 1, 2, 3, 4, 5
 ANSWER, REST = 6, 7  # of a send's message (its id): the receiver's answer, and the bytes after the slot
 GATHER = 8
+CREDIT = 10  # the receiver's running totals of what it took, per class (see "Flow control")
+ECHO = 11  # a collective: a digest of what this rank read in round 1 (objcomm._first.SameHostSlots.agree)
 NAMES = {ALL_GATHER: "all_gather", BROADCAST: "broadcast", SCATTER: "scatter", ALL_TO_ALL: "all_to_all", P2P: "send",
-         ANSWER: "recv", REST: "send", GATHER: "gather"}
+         ANSWER: "recv", REST: "send", GATHER: "gather", CREDIT: "credit", ECHO: "echo"}
 _POINT_TO_POINT = (P2P, ANSWER, REST)
-READY = 1  # flag of a collective message: its sender had no send/recv in flight (see objcomm._first)
+COLLECTIVES, POINT_TO_POINT = 0, 1  # the two classes of messages that take credit (ANSWER and CREDIT take none)
+CLASS_OF = {ALL_GATHER: COLLECTIVES, BROADCAST: COLLECTIVES, SCATTER: COLLECTIVES, ALL_TO_ALL: COLLECTIVES,
+            GATHER: COLLECTIVES, ECHO: COLLECTIVES, P2P: POINT_TO_POINT, REST: POINT_TO_POINT}
 ENTRY_OVERHEAD = 256  # bytes a stashed message is counted for besides its payload
 KEY_OVERHEAD = 768  # and a key (a tag, a sequence number) that has messages waiting: its queue and dict slot
-STASH_BYTES = 64 << 20  # the most one channel keeps for calls not yet made
+STASH_BYTES = 64 << 20  # the most one channel keeps for calls not yet made (up to 30 peers: see stash_for)
+WINDOW_BYTES = 8 << 20  # the most credit one peer gets for one class (up to 4 peers; less with more)
+MIN_WINDOW = 1 << 20  # and the least: a quarter of it, when credit is granted back, holds the largest message
+RESERVE = 4 << 20  # the stash's room for what takes no credit (answers, keys) besides the windows
+_CREDIT = struct.Struct("<qq")  # CREDIT's payload: what the receiver took of each class, in credit bytes, since set-up
 RECV_SLACK = 0.25  # seconds a blocking recv (SO_RCVTIMEO: the whole timeout) may outlast a call's deadline
 MASK = 0xFFFFFFFF
 # (True, sequence number) of a collective, (False, tag) of a send's slot, (False, tag, kind, id) of its answer and rest
 Key = Tuple[Any, ...]
 Entry = Tuple[int, int, bytes]  # kind, flags (a send's slot: its message id), payload
 Fail = Callable[..., NoReturn]  # (op, why, cause=None): close the channel and raise
+
+
+def window_for(peers: int) -> int:
+    """A sender's credit per class at one receiver of a channel of ``peers`` other ranks (see "Flow control")."""
+    return max(MIN_WINDOW, min(WINDOW_BYTES, (STASH_BYTES - RESERVE) // (2 * max(peers, 1))))
+
+
+def stash_for(peers: int) -> int:
+    """The stash a receiver needs so that every peer's two windows fit, with :data:`RESERVE` to spare."""
+    return max(STASH_BYTES, 2 * peers * window_for(peers) + RESERVE)
+
+
+def credit_cost(data_bytes: int) -> int:
+    """What a message of ``data_bytes`` costs its sender's credit: what the receiver's stash counts for it at most."""
+    return data_bytes + ENTRY_OVERHEAD + KEY_OVERHEAD
 
 
 def after(a: int, b: int) -> bool:
@@ -79,7 +115,7 @@ class Inbox:
     """What has arrived on one channel's sockets and who is reading them (see the module docstring)."""
 
     def __init__(self, peers: Dict[int, socket.socket], pids: Sequence[int], timeout: float, largest: int,
-                 fail: Fail, stash_bytes: int = STASH_BYTES, yielding: bool = False) -> None:
+                 fail: Fail, stash_bytes: Optional[int] = None, yielding: bool = False) -> None:
         self.timeout = timeout
         self.yielding = yielding  # a polling wait yields the CPU between polls (see poll_briefly)
         self.done = 0  # sequence number of the last collective this rank finished
@@ -90,12 +126,21 @@ class Inbox:
         self._peers = peers
         self._pids = pids
         self._fail = fail
-        self._limit = stash_bytes
+        self._limit = stash_for(len(peers)) if stash_bytes is None else stash_bytes
+        self.window = window_for(len(peers))
+        # flow control, per peer and class: credit bytes this rank sent it, and what it said it took of them;
+        # what this rank took of the peer's, and what it last told the peer (see "Flow control")
+        self._sent = {r: [0, 0] for r in peers}
+        self._credit = {r: [0, 0] for r in peers}
+        self._taken = {r: [0, 0] for r in peers}
+        self._told = {r: [0, 0] for r in peers}
+        self._owing: Set[int] = set()  # peers whose totals grew by a quarter of the window since they were told
         self._size = HEADER.size + largest
         self._buffers = {r: bytearray(self._size) for r in peers}  # one reader per socket: one buffer each
         self._stash: Dict[int, Dict[Key, Deque[Entry]]] = {r: {} for r in peers}
         self._abandoned: Dict[int, Set[Key]] = {r: set() for r in peers}  # keys nobody will take: dropped on arrival
         self._stashed = 0
+        self.peak = 0  # the most the stash held
         self._last: Dict[int, int] = {}  # peer -> sequence number of its latest collective message
         self._readers: Dict[int, int] = {}  # peer -> thread reading its socket
         self._wakes: Dict[int, int] = {}  # thread -> eventfd, for receivers from any rank that poll
@@ -111,7 +156,7 @@ class Inbox:
     def take(self, sources: Sequence[int], key: Key, kind: int, op: str,
              first: bool = False, spin: float = 0.0) -> Tuple[Dict[int, bytes], int]:
         """One message under ``key`` from each of ``sources`` (``first``: from whichever has one first),
-        and the AND of their flags (:data:`READY` when every one carried it; a send's slot: its message id).
+        and the AND of their flags (a send's slot: its message id; collectives carry none).
         ``spin``: seconds a wait polls before it sleeps in the kernel, over the whole call (the lean paths; see
         :func:`poll_briefly`)."""
         deadline = time.monotonic() + self.timeout  # before any wait: a lean path that timed out used it up
@@ -195,6 +240,7 @@ class Inbox:
                         their_kind, flags, data = parsed[1]
                         if their_kind != kind:
                             self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+                        self._took(peer, kind, len(data))
                         got[peer] = data
                         ready &= flags
                         pending.remove(peer)
@@ -240,6 +286,7 @@ class Inbox:
         their_kind, flags, data = parsed[1]
         if their_kind != kind:
             self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+        self._took(peer, kind, len(data))
         return {peer: data}, flags
 
     def _take(self, sources: Sequence[int], key: Key, kind: int, op: str, first: bool, deadline: float,
@@ -316,6 +363,7 @@ class Inbox:
             del self._stash[peer][key]
             self._stashed -= KEY_OVERHEAD
         self._stashed -= len(entry[2]) + ENTRY_OVERHEAD
+        self._took(peer, entry[0], len(entry[2]))
         return entry
 
     def _release(self, me: int, keep: Sequence[int]) -> None:
@@ -406,6 +454,15 @@ class Inbox:
             self._fail(op, f"{self._who(peer)} sent a {length:,}-byte message, above the {self._size:,} bytes a "
                            "message may have: a protocol error")
         kind, flags, seq, tag = HEADER.unpack_from(self._buffers[peer])
+        if kind == CREDIT:
+            if flags or seq or tag or length != HEADER.size + _CREDIT.size:
+                self._fail(op, f"{self._who(peer)} sent a {length}-byte credit message with a bad header (flags "
+                               f"{flags}, #{seq}, tag {tag}): a protocol error")
+            credit = self._credit[peer]  # running totals: a late or repeated one changes nothing
+            for cls, total in enumerate(_CREDIT.unpack_from(self._buffers[peer], HEADER.size)):
+                credit[cls] = max(credit[cls], total)  # a receiver that lies lets this rank run ahead of itself alone
+            self.cond.notify_all()  # a sender waiting for credit while another thread reads this socket
+            return None
         if kind in _POINT_TO_POINT:
             if flags or tag < 0:
                 self._fail(op, f"{self._who(peer)} sent a point-to-point message with a bad header (flags {flags}, "
@@ -415,7 +472,7 @@ class Inbox:
             key: Key = (False, tag, kind, seq)
         elif kind in NAMES:
             last = self._last.get(peer)
-            if tag or flags & ~READY or not after(seq, self.done) or (last is not None and not after(seq, last)):
+            if tag or flags or not after(seq, self.done) or (last is not None and not after(seq, last)):
                 self._fail(op, f"{self._who(peer)} sent a {NAMES[kind]} message with a bad header (collective "
                                f"#{seq} after #{last} and with #{self.done} finished here, tag {tag}, flags {flags}): "
                                "a duplicate or stale message (did the ranks call different collectives, or broadcast "
@@ -425,6 +482,102 @@ class Inbox:
         else:
             self._fail(op, f"{self._who(peer)} sent a message of unknown kind {kind}: a protocol error")
         return key, (kind, flags, bytes(memoryview(self._buffers[peer])[HEADER.size : length]))
+
+    # -- flow control (see "Flow control" in the module docstring) ------------------------------------
+    def reserve(self, peer: int, kind: int, data_bytes: int, op: str, flush: Callable[[], None]) -> None:
+        """Take the credit a ``kind`` message of ``data_bytes`` to ``peer`` costs, first waiting (reading ``peer``'s
+        socket, or while another thread reads it) until ``peer`` has taken enough of what this rank sent it before.
+        ``flush``: sends the credit this rank owes (called while it waits, so that two ranks waiting for each other
+        tell each other). Past the timeout it raises; in a collective it fails the channel (the others wait in it)."""
+        cls = CLASS_OF.get(kind)
+        if cls is None:
+            return
+        cost = credit_cost(data_bytes)
+        with self.cond:
+            if not self._allowed(peer, cls, cost):
+                self._await_credit(peer, cls, cost, op, flush, kind != P2P and kind != REST)
+            self._sent[peer][cls] += cost
+
+    def _allowed(self, peer: int, cls: int, cost: int) -> bool:
+        outstanding = self._sent[peer][cls] - self._credit[peer][cls]
+        return outstanding <= 0 or outstanding + cost <= self.window  # one message always goes when none is out
+
+    def _await_credit(self, peer: int, cls: int, cost: int, op: str, flush: Callable[[], None],
+                      collective: bool) -> None:
+        me = threading.get_ident()
+        deadline = time.monotonic() + self.timeout
+        mine = False
+        self._waiting += 1
+        try:
+            while not self._allowed(peer, cls, cost):
+                if self.closed is not None:
+                    self._fail(op, self.closed)
+                if peer in self.gone:
+                    self._fail(op, self.gone[peer])
+                if self._owing:
+                    self.cond.release()
+                    try:
+                        flush()
+                    finally:
+                        self.cond.acquire()
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    why = (f"{self._who(peer)} took none of the {self.window:,} bytes this rank sent it ahead within "
+                           f"the timeout of {self.timeout:.0f}s (a sender waits for its receiver to take what it sent)")
+                    if collective:
+                        self._fail(op, why)
+                    raise CommunicationError(f"{op} over the local channel: {why}; the channel stays open")
+                if not mine and peer not in self._readers:
+                    self._readers[peer] = me
+                    mine = True
+                if not mine:  # another thread reads the socket: it files the credit and notifies
+                    self.cond.wait(remaining)
+                    continue
+                self.cond.release()
+                try:
+                    arrived = self._read([peer], -1, remaining)
+                finally:
+                    self.cond.acquire()
+                for p, length in arrived:
+                    self._file(p, length, op)
+                if arrived and self._waiting > 1:
+                    self._notify()
+        finally:
+            self._waiting -= 1
+            if mine:
+                self._release(me, ())
+
+    def _took(self, peer: int, kind: int, data_bytes: int) -> None:
+        """A ``kind`` message from ``peer`` left this rank's hands (taken by a call, or dropped): count its credit."""
+        cls = CLASS_OF.get(kind)
+        if cls is None:
+            return
+        taken = self._taken[peer]
+        taken[cls] += credit_cost(data_bytes)
+        if taken[cls] - self._told[peer][cls] >= self.window >> 2:
+            self._owing.add(peer)
+
+    @property
+    def owing(self) -> bool:
+        """Whether some peer is owed a ``CREDIT`` message (:meth:`grants`)."""
+        return bool(self._owing)
+
+    def grants(self) -> List[Tuple[int, bytes]]:
+        """The ``CREDIT`` payloads owed, ``(peer, payload)``, counted as told; one that could not be sent goes back
+        with :meth:`owe`."""
+        with self.cond:
+            out = []
+            for peer in self._owing:
+                self._told[peer] = list(self._taken[peer])
+                out.append((peer, _CREDIT.pack(*self._taken[peer])))
+            self._owing.clear()
+            return out
+
+    def owe(self, peer: int) -> None:
+        """The ``CREDIT`` message for ``peer`` could not be sent now (its queue is full): send it at the next call."""
+        with self.cond:
+            self._owing.add(peer)
 
     def abandon(self, peer: int, key: Key) -> None:
         """Nobody will take ``peer``'s messages under ``key`` (a wait for them timed out): drop those stashed, and
@@ -436,6 +589,7 @@ class Inbox:
 
     def _put(self, peer: int, key: Key, entry: Entry, op: str) -> None:
         if key in self._abandoned[peer]:
+            self._took(peer, entry[0], len(entry[2]))  # dropped: its sender may send as much again
             return
         queues = self._stash[peer]
         size = len(entry[2]) + ENTRY_OVERHEAD + (0 if key in queues else KEY_OVERHEAD)
@@ -444,6 +598,8 @@ class Inbox:
                            f"calls not yet made would pass {self._limit:,} bytes. A rank that far ahead, or flooding "
                            "the channel")
         self._stashed += size
+        if self._stashed > self.peak:
+            self.peak = self._stashed
         queues.setdefault(key, deque()).append(entry)
 
     def _who(self, peer: int) -> str:

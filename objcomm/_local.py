@@ -55,8 +55,9 @@ How it plugs in
 :class:`objcomm._first.SameHostSlots`, a :class:`objcomm._wire.FirstRound` strategy
 (``Wire.first_round``), moves the slots of ``_exchange_slots`` (all_gather, gather, the
 reductions' last step), ``broadcast``, ``scatter`` and ``all_to_all`` of :mod:`objcomm._transport`,
-and the slots of ``send``/``recv`` once every rank has voted them in (the ``READY`` flag of an
-all_gather or all_to_all, or the set-up's ``ready`` word; see :mod:`objcomm._first`). The channel is
+and the slots of ``send``/``recv`` once every rank has voted them in (the set-up's ``ready`` word, or a
+vote through the group after an all_gather or all_to_all, :meth:`LocalChannel.vote`: values every rank sees alike; see
+:mod:`objcomm._first`). The channel is
 opened on the first collective of a group that may use it, with the group's timeout, kept in
 :func:`objcomm._state.group_facts` and closed with the group or at exit; after a failure the next
 collective opens a new one when every rank failed at the same call (the set-up carries each rank's
@@ -93,15 +94,15 @@ from ._inbox import (
     ALL_TO_ALL,
     ANSWER,
     BROADCAST,
+    CREDIT,
+    ECHO,
     GATHER,
     HEADER,
     MASK,
     NAMES,
     P2P,
-    READY,
     REST,
     SCATTER,
-    STASH_BYTES,
     Inbox,
 )
 from ._wire import Slot, Wire, all_gather_single, guarded
@@ -117,6 +118,9 @@ _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 _WORDS = 10  # ok, host key, pid, uid, pid namespace, socket nonce, secret, ready, generation, failure point
 _FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 _OPEN: weakref.WeakSet[LocalChannel] = weakref.WeakSet()  # closed in a forked child (see _forget_in_child)
+_CREDIT_HEADER = HEADER.pack(CREDIT, 0, 0, 0)
+EVERY_VOTE, LATER_VOTES = 16, 64  # send/recv votes: at the first 16 all_gathers and all_to_alls, then every 64th
+VOTE = 2  # first word of a vote (LocalChannel.vote), where set-up has 0 or 1
 
 
 class OutOfStep(CommunicationError):
@@ -148,7 +152,7 @@ class LocalChannel:
     """
 
     def __init__(self, rank: int, peers: Dict[int, socket.socket], pids: Sequence[int], timeout: float, *,
-                 p2p: bool = False, generation: int = 0, stash_bytes: int = STASH_BYTES) -> None:
+                 p2p: bool = False, generation: int = 0, stash_bytes: Optional[int] = None) -> None:
         self.rank = rank
         self.size = len(pids)
         self.timeout = timeout
@@ -164,6 +168,7 @@ class LocalChannel:
         self._inbox = Inbox(peers, pids, timeout, MAX_PAYLOAD, self._fail, stash_bytes, yields(self.size))
         self.auto_spin = AUTO_SPIN  # where the ranks outnumber the CPUs, polling yields (see yields)
         self.unsynced = 0  # second-round bytes of broadcasts, gathers, scatters since the last all_gather after them
+        self._votes = 0  # all_gathers and all_to_alls that could have voted send/recv in (see vote_due)
         self._seq = 0
         self._messages = itertools.count(1)  # ids of sends (itertools.count: atomic under the GIL)
         self._owner = os.getpid()
@@ -175,14 +180,14 @@ class LocalChannel:
     @classmethod
     def open(cls, wire: Wire, *, timeout: float = DEFAULT_TIMEOUT, setup_timeout: float = SETUP_TIMEOUT,
              separate: bool = False, op: str = "local channel set-up", ready: bool = False,
-             history: Tuple[int, int] = (0, 0), stash_bytes: int = STASH_BYTES) -> Optional[LocalChannel]:
+             history: Tuple[int, int] = (0, 0), stash_bytes: Optional[int] = None) -> Optional[LocalChannel]:
         """Connect every rank of ``wire``'s group (a collective); ``None`` on every rank when they are
         not all on this host with one uid and pid namespace, or when any rank could not connect.
 
         ``ready``: this rank has no send/recv in flight (the channel takes send/recv when every rank is).
         ``history``: ``(generation, failure point)`` of the group's previous channel (``(0, 0)``: none);
         ranks that tell different ones are out of step, and every rank raises. ``stash_bytes``: see
-        :mod:`objcomm._inbox`."""
+        :mod:`objcomm._inbox` (``None``: room for every peer's credit)."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         nonce, secret = secrets.randbits(63), secrets.randbits(63)
         try:
@@ -202,6 +207,10 @@ class LocalChannel:
             words[i::_WORDS] for i in range(_WORDS))
         peers: Dict[int, socket.socket] = {}
         try:
+            if VOTE in oks:
+                raise OutOfStep(f"{op}: rank {oks.index(VOTE)} voted on send/recv through its same-host channel "
+                                "while this rank opened a new one: the group's calls are out of step; it cannot be "
+                                "used any more")
             if len({*zip(generations, points)}) > 1:
                 raise OutOfStep(
                     f"{op}: the ranks of this group disagree about where its same-host channel failed (channel, "
@@ -210,7 +219,9 @@ class LocalChannel:
                 )
             usable = all(oks) and len({*keys}) == 1 and len({*uids}) == 1 and len({*namespaces}) == 1
             if usable:
-                deadline = time.monotonic() + setup_timeout
+                # Half the group's timeout at most: ranks that gave up at once wait for this one in the
+                # all_reduce below, under that timeout, and must still be there when it comes.
+                deadline = time.monotonic() + min(setup_timeout, timeout / 2)
                 usable = cls._connect(wire.rank, peers, pids, nonces, words[6::_WORDS], secret, listener, deadline)
         finally:
             listener.close()  # the name disappears with it
@@ -222,6 +233,23 @@ class LocalChannel:
             return None
         return cls(wire.rank, peers, pids, timeout, p2p=all(readies), generation=history[0] + 1,
                    stash_bytes=stash_bytes)
+
+    def vote(self, wire: Wire, ready: bool, op: str) -> bool:
+        """Whether every rank of the group is ``ready`` for send/recv through this channel (a collective through the
+        group, whose result every rank sees alike). It has the set-up's shape, one all_gather of ``_WORDS`` words
+        per rank, so that a vote that meets a rank's set-up (a rank whose channel failed and reopens) is one
+        collective on both, and both raise :class:`OutOfStep`."""
+        mine = [VOTE, 0, os.getpid(), 0, 0, 0, 0, int(ready), self.generation, 0]
+        everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=wire.device)
+        guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=wire.device),
+                group=wire.group)
+        words: List[int] = everyone.tolist()
+        kinds, generations = words[0::_WORDS], words[8::_WORDS]
+        if any(k != VOTE for k in kinds) or len({*generations}) > 1:
+            raise OutOfStep(f"{op}: the ranks are not all voting on send/recv through the same-host channel of one "
+                            f"generation (vote marks {kinds}, channels {generations}): the group's calls are out "
+                            "of step; it cannot be used any more")
+        return all(words[7::_WORDS])
 
     @staticmethod
     def _connect(rank: int, peers: Dict[int, socket.socket], pids: Sequence[int], nonces: Sequence[int],
@@ -264,11 +292,10 @@ class LocalChannel:
         return True
 
     # -- operations --------------------------------------------------------------------------
-    def all_gather(self, data: Slot, ready: bool = False, spin: Optional[float] = None) -> List[Slot]:
-        """Every rank's ``data``, in group-rank order. ``ready``: this rank votes to let send/recv in
-        (:attr:`p2p` turns on when every rank did). ``spin`` (every operation that waits): seconds a wait
+    def all_gather(self, data: Slot, spin: Optional[float] = None) -> List[Slot]:
+        """Every rank's ``data``, in group-rank order. ``spin`` (every operation that waits): seconds a wait
         polls before it sleeps; ``None``: :attr:`auto_spin`."""
-        got = self._collective(ALL_GATHER, dict.fromkeys(self._others, data), self._others, ready, spin)
+        got = self._collective(ALL_GATHER, dict.fromkeys(self._others, data), self._others, spin)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
     def broadcast(self, data: Optional[Slot], src: int, spin: Optional[float] = None) -> Slot:
@@ -295,12 +322,18 @@ class LocalChannel:
             return parts[src]
         return self._collective(SCATTER, {}, (src,), spin=spin)[src]
 
-    def all_to_all(self, parts: Sequence[Slot], ready: bool = False, spin: Optional[float] = None) -> List[Slot]:
-        """``parts[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``. ``ready``:
-        as in :meth:`all_gather`."""
+    def all_to_all(self, parts: Sequence[Slot], spin: Optional[float] = None) -> List[Slot]:
+        """``parts[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``."""
         assert len(parts) == self.size
-        got = self._collective(ALL_TO_ALL, {r: parts[r] for r in self._others}, self._others, ready, spin)
+        got = self._collective(ALL_TO_ALL, {r: parts[r] for r in self._others}, self._others, spin)
         return [parts[r] if r == self.rank else got[r] for r in range(self.size)]
+
+    def echo(self, data: Slot, spin: Optional[float] = None) -> List[Slot]:
+        """An all_gather of kind ``ECHO``: what every rank read in round 1, so that a rank that skipped this step
+        (it read round 1 differently) is told apart from one at its next call (see
+        :meth:`objcomm._first.SameHostSlots.agree`)."""
+        got = self._collective(ECHO, dict.fromkeys(self._others, data), self._others, spin)
+        return [data if r == self.rank else got[r] for r in range(self.size)]
 
     def send(self, data: Slot, dst: int, tag: int = 0, message: int = 0) -> None:
         """Send ``data`` to group rank ``dst`` under ``tag``; returns once the kernel holds it. ``message``:
@@ -315,6 +348,8 @@ class LocalChannel:
         sources = self._others if src is None else [src]
         spin = self.auto_spin if spin is None else spin
         got, message = self._inbox.take(sources, (False, tag), P2P, "recv", first=True, spin=spin)
+        if self._inbox.owing:
+            self._grant()
         sender, data = got.popitem()
         return sender, data, message
 
@@ -337,7 +372,10 @@ class LocalChannel:
         spin = self.auto_spin if spin is None else spin
         key = (False, tag, kind, message)
         try:
-            return self._inbox.take([src], key, kind, op, first=True, spin=spin)[0][src]
+            got = self._inbox.take([src], key, kind, op, first=True, spin=spin)[0][src]
+            if self._inbox.owing:
+                self._grant()
+            return got
         except CommunicationError:
             if not self.closed:
                 self._inbox.abandon(src, key)
@@ -383,29 +421,47 @@ class LocalChannel:
                 raise CommunicationError(f"{op}: a local channel cannot be used in a forked child; open one there")
             self._fail(op, "")
 
+    def vote_due(self) -> bool:
+        """Whether this all_gather or all_to_all votes on letting send/recv in: the first :data:`EVERY_VOTE`, then
+        every :data:`LATER_VOTES`-th (the same calls on every rank; a vote costs one small collective through the
+        group, :meth:`vote`)."""
+        self._votes += 1
+        return self._votes <= EVERY_VOTE or self._votes % LATER_VOTES == 0
+
     def _collective(self, kind: int, outgoing: Dict[int, Slot], sources: Sequence[int],
-                    ready: bool = False, spin: Optional[float] = None) -> Dict[int, bytes]:
+                    spin: Optional[float] = None) -> Dict[int, bytes]:
         op = NAMES[kind]
         self.check(op)
         with self._lock:
             self._seq = seq = (self._seq + 1) & MASK
-            header = HEADER.pack(kind, READY if ready else 0, seq, 0)
+            header = HEADER.pack(kind, 0, seq, 0)
             for peer, data in outgoing.items():
                 self._send(peer, header, data, op)
             got: Dict[int, bytes] = {}
             if sources:  # not the root of a broadcast or scatter, which only sends
-                got, flags = self._inbox.take(sources, (True, seq), kind, op,
-                                              spin=self.auto_spin if spin is None else spin)
-                if ready and flags & READY and len(got) == self.size - 1:
-                    self.p2p = True
+                got = self._inbox.take(sources, (True, seq), kind, op, spin=self.auto_spin if spin is None else spin)[0]
             self._inbox.done = seq
-            return got
+        if self._inbox.owing:
+            self._grant()
+        return got
+
+    def _grant(self) -> None:
+        """Tell the peers owed credit what this rank took of theirs (:mod:`objcomm._inbox`, "Flow control"); never
+        waits: a peer whose queue is full is told at the next call, one that is gone is found out by the next call."""
+        for peer, payload in self._inbox.grants():
+            try:
+                self._peers[peer].sendmsg([_CREDIT_HEADER, payload], [], _FLAGS)
+            except BlockingIOError:
+                self._inbox.owe(peer)
+            except OSError:
+                pass
 
     def _send(self, peer: int, header: bytes, data: Slot, op: str) -> None:
         if len(data) > MAX_PAYLOAD:
             self._fail(op, f"{len(data):,} bytes exceed the local channel's {MAX_PAYLOAD:,}-byte messages")
         if peer in self._inbox.gone:
             self._fail(op, self._inbox.gone[peer])
+        self._inbox.reserve(peer, header[0], len(data), op, self._grant)  # header[0]: the kind
         sock, parts = self._peers[peer], [header, data]
         deadline = None
         while True:

@@ -9,17 +9,20 @@ bit ``k`` set sends what it holds to ``rank - 2**k`` and is done; the others rec
 
 A failure (encoding, decoding, ``op`` raising, an unknown name) never stops a rank from taking part:
 it sends an error report up the tree instead of a value, and the caller's final collective tells
-every rank which ranks failed (see :meth:`objcomm.Communicator.reduce`).
+every rank which ranks failed (see :meth:`objcomm.Communicator.reduce`). When ``op`` raises, the
+report is an :class:`~objcomm._errors.OpError` that names the function, where it raised and which
+ranks' objects it was combining: the caller's code failed, not a serializer.
 """
 
 from __future__ import annotations
 
 import copy
 import operator
+import os
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from . import _framing, _transport
-from ._errors import CommunicationError, ObjcommError
+from ._errors import CommunicationError, ObjcommError, OpError
 
 Op = Union[str, Callable[[Any, Any], Any]]
 REDUCE_TAG = (1 << 30) - 1  # above every tag a caller may pass (objcomm._call.MAX_TAG)
@@ -59,6 +62,34 @@ def resolve(op: Op) -> Callable[[Any, Any], Any]:
     )
 
 
+def _ranks(first: int, last: int) -> str:
+    return f"group rank {first}" if first == last else f"group ranks {first}-{last}"
+
+
+def op_error(op: Op, fn: Callable[[Any, Any], Any], exc: BaseException, left: str, right: str) -> OpError:
+    """The :class:`OpError` for ``fn`` (what ``op`` names) raising ``exc`` on ``op(a, b)``, where ``a``
+    combines the objects of ``left`` and ``b`` those of ``right``."""
+    raised = f"{type(exc).__name__}: {exc}"
+    combining = f"combining op(a, b) with a from {left} and b from {right}"
+    if isinstance(op, str):  # a named op: the objects do not support it
+        return OpError(f"op {op!r} raised {raised}, {combining}; {op!r} cannot combine these objects: "
+                       "choose another op or pass a function op(a, b)")
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__qualname__", None)
+    if name is None:  # a callable object, a functools.partial
+        name = f"{type(fn).__qualname__} object"
+    elif code is None and getattr(fn, "__module__", None) not in (None, "builtins"):  # no file to show
+        name = f"{fn.__module__}.{name}"
+    tb, where = exc.__traceback__, ""
+    while tb is not None and code is not None:
+        if tb.tb_frame.f_code is code:
+            where = f" ({os.path.basename(code.co_filename)}, line {tb.tb_lineno})"
+            break
+        tb = tb.tb_next
+    return OpError(f"the op function {name}{where} raised {raised}, {combining}; that is the caller's code, "
+                   f"not objcomm's: fix {name}")
+
+
 def tree(call: Any, obj: Any, op: Op) -> Tuple[Optional[Any], bool, Optional[BaseException]]:
     """Combine every rank's ``obj`` onto group rank 0 over ``call.wire``.
 
@@ -95,7 +126,12 @@ def tree(call: Any, obj: Any, op: Op) -> Tuple[Optional[Any], bool, Optional[Bas
                 if is_error:
                     complete = False
                 elif complete:
-                    value = fn(value, call.decode(item, child))
+                    theirs = call.decode(item, child)
+                    try:
+                        value = fn(value, theirs)
+                    except Exception as exc:
+                        left, right = _ranks(wire.rank, child - 1), _ranks(child, min(child + step, wire.size) - 1)
+                        raise op_error(op, fn, exc, left, right) from exc
             except CommunicationError:
                 raise
             except Exception as exc:  # refused, undecodable, or op raised: reported at the end

@@ -22,6 +22,12 @@ background thread and return a :class:`Request` at once. The rules, per process 
   :class:`~objcomm.ObjcommError` at once. Point to point on NCCL is refused (its one communicator
   cannot take sends from several threads); NCCL collectives use the shadow like gloo's.
 
+- **Messages to oneself** (``send``/``isend`` to this rank, and every one without a process group) never
+  touch the backend: :class:`_OwnBox`, one per group, holds them, encoded, until this rank receives them,
+  in order per tag. An ``irecv`` from oneself needs no lane either: it waits in the box, and the next send
+  to oneself under its tag completes it (the receives posted under a tag, in posting order); it counts as
+  outstanding for the rules above, as an ``irecv`` from a peer does.
+
 A lane is a queue with a thread that exists only while the queue has work, so idle groups hold no
 thread and thousands of handles leave none behind. Without a process group, the operation runs
 at once and the handle is returned completed. Failures are the blocking call's: ``wait()`` raises
@@ -44,6 +50,7 @@ from ._errors import ObjcommError, WaitTimeoutError
 from ._wire import all_gather_single
 
 Job = Tuple[concurrent.futures.Future, Callable[[], Any]]
+Posted = Tuple[concurrent.futures.Future, Callable[[Any], Any], Callable[[], None]]  # an irecv from oneself
 Key = Tuple[str, Any, Any]  # a lane: ("send" | "recv", peer, tag), or COLLECTIVES
 COLLECTIVES: Key = ("collective", None, None)
 
@@ -101,14 +108,94 @@ class Request:
         return f"<objcomm.Request {self.op} {state}>"
 
 
+class _OwnBox:
+    """The messages a rank sent itself on one group (or without one) and has not received yet, per tag in the
+    order sent; and its receives from itself that wait for their message (``irecv``), per tag in the order posted.
+
+    A message is what the sender's encoding gave (an :class:`~objcomm._wire.Outgoing` that owns its bytes, or an
+    error report): the receiver decodes it with its own settings, as a peer's. Both queues hold only non-empty
+    deques, so ``tag in queued`` says whether a message waits.
+    """
+
+    __slots__ = ("lock", "queued", "posted")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queued: Dict[int, Deque[Any]] = {}  # tag -> messages not received yet
+        self.posted: Dict[int, Deque[Posted]] = {}  # tag -> irecv from oneself: (future, take, release)
+
+    def post(self, tag: int, message: Any) -> None:
+        """Deliver ``message``: to the oldest receive waiting under ``tag`` (decoded now, in this thread), else to the
+        queue."""
+        with self.lock:
+            waiting = self.posted.get(tag)
+            if not waiting:
+                self.queued.setdefault(tag, deque()).append(message)
+                return
+            future, take, release = waiting.popleft()
+            if not waiting:
+                del self.posted[tag]
+        _complete(future, lambda: take(message), release)
+
+    def take(self, tag: int) -> Any:
+        """The oldest message under ``tag``, or :data:`NOTHING`."""
+        with self.lock:
+            queue = self.queued.get(tag)
+            if not queue:
+                return NOTHING
+            message = queue.popleft()
+            if not queue:
+                del self.queued[tag]
+            return message
+
+    def receive(self, tag: int, take: Callable[[Any], Any], hold: Callable[[], None],
+                release: Callable[[], None]) -> Request:
+        """An ``irecv`` from oneself: completed with ``take(message)`` now if a message waits under ``tag``, else
+        once one is sent. ``hold()`` runs as it starts to wait, ``release()`` before it completes."""
+        with self.lock:
+            queue = self.queued.get(tag)
+            if not queue:
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                future.set_running_or_notify_cancel()
+                hold()
+                self.posted.setdefault(tag, deque()).append((future, take, release))
+                return Request("irecv", future)
+            message = queue.popleft()
+            if not queue:
+                del self.queued[tag]
+        return completed("irecv", lambda: take(message))
+
+
+NOTHING = object()  # what _OwnBox.take returns when no message waits
+
+
+def _complete(future: concurrent.futures.Future, fn: Callable[[], Any], release: Callable[[], None]) -> None:
+    """Complete ``future`` with what ``fn`` returns or raises (in the caller's thread), ``release`` first."""
+    try:
+        result = fn()
+    except BaseException as exc:  # wait() raises it
+        release()
+        future.set_exception(exc)
+    else:
+        release()
+        future.set_result(result)
+
+
 class _Lanes:
-    """One group's async state: its shadow group, its lanes, and which point-to-point keys are busy."""
+    """One group's async state: its shadow group, its lanes, which point-to-point keys are busy, and the messages
+    this rank sends itself on it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.shadow: Any = None
         self.queues: Dict[Key, Deque[Job]] = {}  # a lane exists while it has work and its thread
         self.busy: Dict[Key, int] = {}  # (direction, peer, tag) -> outstanding requests
+        self.own = _OwnBox()
+
+    def hold(self, key: Key) -> None:
+        """One more outstanding request on ``key``, released by :meth:`_done`."""
+        with self.lock:
+            self.busy[key] = self.busy.get(key, 0) + 1
 
     def submit(self, op: str, key: Key, fn: Callable[[], Any]) -> Request:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -119,7 +206,7 @@ class _Lanes:
             if queue is None:
                 queue = self.queues[key] = deque()
             queue.append((future, fn))
-            if key != COLLECTIVES:
+            if key != COLLECTIVES:  # under the lock: the lane's thread may run the job and release it at once
                 self.busy[key] = self.busy.get(key, 0) + 1
         if start:
             threading.Thread(target=self._drain, args=(key,), name=f"objcomm-{op}", daemon=True).start()
@@ -233,27 +320,91 @@ def _cuda_device(group: Any) -> Optional[int]:
     return None if device.type == "cpu" else device.index
 
 
-def point_to_point(group: Any, direction: str, peer: Optional[int], tag: Any, fn: Callable[[], Any]) -> Request:
-    """Issue ``fn`` (a blocking send or recv on ``group``) on the lane of ``(direction, peer, tag)``."""
-    op = "isend" if direction == "send" else "irecv"
+def issuable(group: Any, op: str) -> bool:
+    """Whether ``op`` (``isend``/``irecv``) on ``group`` runs on a lane: False without a process group (it runs at
+    once, its handle completed); raises on NCCL (see :func:`point_to_point`)."""
     if not _initialized():
-        return completed(op, fn)
-    group = _resolved(group)
-    if _cuda_device(group) is not None:
+        return False
+    if _cuda_device(_resolved(group)) is not None:
         raise ObjcommError(
             f"{op}: this group uses NCCL, whose one communicator cannot take sends and receives from several "
             "threads; use blocking send/recv there, async collectives (async_op=True), or a gloo group for isend/irecv"
         )
+    return True
+
+
+def point_to_point(group: Any, direction: str, peer: Optional[int], tag: Any, fn: Callable[[], Any]) -> Request:
+    """Issue ``fn`` (a blocking send or recv on ``group``) on the lane of ``(direction, peer, tag)``."""
+    op = "isend" if direction == "send" else "irecv"
+    if not issuable(group, op):
+        return completed(op, fn)
+    group = _resolved(group)
     lanes = _lanes(group)
     if direction == "recv":
-        clash = lanes.conflict("recv", peer, tag)
-        if clash is not None and clash[1] != peer:
-            raise ObjcommError(
-                f"irecv(src={peer}, tag={tag}) while an irecv(src={clash[1]}, tag={tag}) is outstanding: a receive "
-                "from any rank and one from a given rank with the same tag would take each other's messages. "
-                "Wait for the outstanding one first, or use different tags"
-            )
+        _check_sources(lanes, peer, tag)
     return lanes.submit(op, (direction, peer, tag), fn)
+
+
+def _check_sources(lanes: _Lanes, peer: Optional[int], tag: Any) -> None:
+    """Raise if an ``irecv(src=peer, tag)`` would take the messages of an outstanding one from another source."""
+    clash = lanes.conflict("recv", peer, tag)
+    if clash is not None and clash[1] != peer:
+        raise ObjcommError(
+            f"irecv(src={peer}, tag={tag}) while an irecv(src={clash[1]}, tag={tag}) is outstanding: a receive "
+            "from any rank and one from a given rank with the same tag would take each other's messages. "
+            "Wait for the outstanding one first, or use different tags"
+        )
+
+
+# -- messages to oneself (see _OwnBox) ---------------------------------------------------------------------------------
+_NO_GROUP = _OwnBox()  # without a process group: the one rank's messages to itself
+
+
+def own_box(group: Any) -> _OwnBox:
+    """The box of this rank's messages to itself on ``group`` (a process group; None: without one)."""
+    return _NO_GROUP if group is None else _lanes(group).own
+
+
+def own_message(group: Any, tag: int) -> Any:
+    """The oldest message this rank sent itself on ``group`` (None: without a process group) under ``tag``, or
+    :data:`NOTHING`."""
+    if group is None:
+        return _NO_GROUP.take(tag)
+    lanes = _state.group_facts(group).requests
+    return NOTHING if lanes is None else lanes.own.take(tag)
+
+
+def nothing_waiting(op: str, src: Any, tag: int) -> ObjcommError:
+    """What a blocking receive from this rank itself raises when no message waits: none could arrive while it blocks."""
+    any_rank = " (from any rank, in a group of one: from this rank itself)" if src is None else ""
+    return ObjcommError(
+        f"{op}(src={src}, tag={tag}){any_rank}: nothing this rank sent itself waits under tag {tag}, and nothing "
+        "can arrive while this call blocks the thread that would send it (mpi4py would wait forever here). "
+        "Send to this rank first (a send to oneself returns at once), or, where another thread sends it, "
+        f"wait with objcomm.irecv(src={src}, tag={tag}).wait(timeout)"
+    )
+
+
+def own_waiting(facts: _state.GroupFacts, tag: Any) -> bool:
+    """Whether a message this rank sent itself waits under ``tag`` on the group of ``facts`` (a look, no lock)."""
+    lanes = facts.requests
+    return lanes is not None and tag in lanes.own.queued
+
+
+def receive_own(group: Any, src: Optional[int], tag: int, take: Callable[[Any], Any]) -> Request:
+    """An ``irecv(src, tag)`` from this rank itself on ``group`` (None: without a process group): completed with
+    ``take(message)`` by the message this rank sent itself under ``tag``, now or at its send. On a group it is
+    outstanding on ``("recv", src, tag)`` until then, as an ``irecv`` from a peer is on its lane."""
+    if group is None:
+        return _NO_GROUP.receive(tag, take, _nothing, _nothing)
+    lanes = _lanes(group)
+    _check_sources(lanes, src, tag)
+    key = ("recv", src, tag)
+    return lanes.own.receive(tag, take, lambda: lanes.hold(key), lambda: lanes._done(key))
+
+
+def _nothing() -> None:
+    return None
 
 
 def check_blocking(group: Any, direction: str, peer: Optional[int], tag: Any) -> None:

@@ -6,9 +6,13 @@ writer creates it (:class:`_Segment`), readers copy it into fresh memory (:func:
 the writer unlinks it. When and for whom segments are written is :mod:`objcomm._shm`'s business.
 
 The file system is not trusted. Writers create segments with ``O_CREAT | O_EXCL | O_NOFOLLOW``, mode
-0600. Readers open with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO cannot block them) and refuse a link, a
-file that is not regular, is another user's, is writable by group or others, or is not the announced
-size. Nothing is mapped, so a file truncated while read gives a short read (refused), never SIGBUS.
+0600, and announce the file's identity (:func:`identity`: its device and inode) with its sequence
+number; they keep the file open until they unlink it, so no other file can get that inode meanwhile.
+Readers open with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO cannot block them) and refuse a link, a file
+that is not regular, is another user's, is writable by group or others, is not the file announced
+(``fstat`` of the opened descriptor: a file renamed over the name, even at the last moment, is caught),
+or is not the announced size. Nothing is mapped, so a file truncated while read gives a short read
+(refused), never SIGBUS.
 
 Names are ``objcomm-<host>-<pidns>-<token>-<pid>-<seq>-<part>``: ``host``, 16 hex digits, is
 :func:`objcomm._hosts.host_key` of the writer's host; ``pidns`` the decimal inode number of its pid
@@ -33,12 +37,14 @@ from __future__ import annotations
 import atexit
 import errno
 import functools
+import hashlib
 import itertools
 import logging
 import os
 import re
 import secrets
 import stat
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Set
@@ -91,12 +97,11 @@ class SegmentBook:
             for piece in pieces:
                 while piece.nbytes:
                     piece = piece[os.write(fd, piece):]
+            return _Segment(path, self, fd, identity(os.fstat(fd)))  # keeps fd: see the module docstring
         except BaseException:
+            os.close(fd)
             self.unlink(path)
             raise
-        finally:
-            os.close(fd)
-        return _Segment(path, self)
 
     def create_sealed(self, frame: Any, tensors: Sequence[torch.Tensor]) -> SealedSegment:
         """Write ``frame`` then ``tensors`` into a new sealed memory file (:mod:`objcomm._sealed`); nothing to
@@ -129,21 +134,43 @@ class SegmentBook:
 
 
 class _Segment:
-    """One file in the shared-memory directory, written with ``write(2)`` by its owner, who unlinks it."""
+    """One file in the shared-memory directory, written with ``write(2)`` by its owner, who unlinks it.
+    ``identity``: what readers check the file they open against (:func:`identity`). The owner keeps ``fd``
+    open until :meth:`release`: while it is, no other file can take the inode, so the identity stays unique."""
 
-    def __init__(self, path: str, book: SegmentBook) -> None:
-        self.path, self.book = path, book
+    def __init__(self, path: str, book: SegmentBook, fd: int, identity: int) -> None:
+        self.path, self.book, self.fd, self.identity = path, book, fd, identity
 
     def release(self) -> None:
-        self.book.unlink(self.path)
+        try:
+            self.book.unlink(self.path)
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+
+class SegmentFile(NamedTuple):
+    """Where a segment file is, and the identity its writer announced (:func:`identity`)."""
+
+    path: str
+    identity: int
+
+
+def identity(found: os.stat_result) -> int:
+    """A file's identity as one positive int64 word (never 0): 63 bits of a hash of its device and inode."""
+    digest = hashlib.blake2b(struct.pack("<QQ", found.st_dev, found.st_ino), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1 or 1
 
 
 def read_segment(
     path: str, size: int, inline: Optional[memoryview], length: int, sizes_of: Callable[[memoryview], List[int]],
+    expected: Optional[int] = None,
 ) -> Incoming:
     """The frame (unless round 1 carried it ``inline``; ``length`` bytes) and tensors a writer put at ``path``,
-    copied into fresh memory. ``size``: the bytes the sender announced. Raises ``FrameError`` for a segment
-    to refuse (see the module docstring), ``OSError`` for one that cannot be opened (e.g. it is gone)."""
+    copied into fresh memory. ``size``: the bytes the sender announced; ``expected``: the identity it announced
+    (None: not checked). Raises ``FrameError`` for a segment to refuse (see the module docstring), ``OSError``
+    for one that cannot be opened (e.g. it is gone)."""
     try:
         fd = os.open(path, _READ_FLAGS)
     except OSError as exc:
@@ -151,7 +178,7 @@ def read_segment(
             raise FrameError(f"shared-memory segment {path} is a symbolic link; refused") from exc
         raise
     try:
-        _check_segment(fd, path, size)
+        _check_segment(fd, path, size, expected)
         position = 0
         if inline is None:
             frame = memoryview(bytearray(length))
@@ -176,12 +203,15 @@ def read_segment(
     return Incoming(frame, tensors)
 
 
-def _check_segment(fd: int, path: str, size: int) -> None:
-    """Refuse what a writer of this user could not have made: see :func:`read_segment`."""
-    found = os.fstat(fd)
+def _check_segment(fd: int, path: str, size: int, expected: Optional[int]) -> None:
+    """Refuse what a writer of this user could not have made, or not the file it announced: see :func:`read_segment`."""
+    found = os.fstat(fd)  # of what was opened: a file renamed over the name after this cannot slip in
     problem = foreign(found)
     if not problem and found.st_mode & 0o022:
         problem = f"is writable by group or others (mode {stat.S_IMODE(found.st_mode):04o})"
+    if not problem and expected is not None and identity(found) != expected:
+        problem = ("is not the file its writer created (another file was put at its name: its device and inode "
+                   "differ from those the writer announced)")
     if not problem and found.st_size != size:
         problem = f"holds {found.st_size:,} bytes, the sender announced {size:,}"
     if problem:

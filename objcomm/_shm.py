@@ -9,8 +9,8 @@ views, no copy) when ``zero_copy`` is on and every rank shares one pid namespace
 ``directory`` (``/dev/shm``) that receivers copy:
 
 1. every rank announces, in one ``all_gather`` of ``1 + W`` int64s, the sequence number of what it
-   wrote (0: it sends nothing more; -1: it could not write, e.g. no space) and the descriptor of
-   each sealed part;
+   wrote (0: it sends nothing more; -1: it could not write, e.g. no space) and, per part, where it
+   is (:func:`_where`: the descriptor of a sealed segment, or minus the identity of a file);
 2. receivers map the sealed segments they need (:func:`objcomm._sealed.map_sealed`), or read the
    files into fresh memory (:func:`objcomm._segments.read_segment`, ``pread``, no mapping);
 3. one ``all_reduce`` says whether every reader is done, one could not read, or one refused a segment;
@@ -49,7 +49,18 @@ import torch.distributed as dist
 from . import _hosts, _state
 from ._errors import CommunicationError
 from ._sealed import Sealed, SealedSegment, Unopenable, map_sealed
-from ._segments import DEFAULT_DIRECTORY, SegmentBook, _me, _name, _Segment, _this_host, _Writer, read_segment, sweep
+from ._segments import (
+    DEFAULT_DIRECTORY,
+    SegmentBook,
+    SegmentFile,
+    _me,
+    _name,
+    _Segment,
+    _this_host,
+    _Writer,
+    read_segment,
+    sweep,
+)
 from ._settings import DEFAULT_SHM_THRESHOLD
 from ._slots import SlotInfo, outgoing_second_round_bytes
 from ._wire import (
@@ -68,13 +79,13 @@ from ._wire import (
 log = logging.getLogger("objcomm")
 
 DEFAULT_THRESHOLD = DEFAULT_SHM_THRESHOLD
-Source = Union[str, Sealed]  # a segment file's path, or where a sealed segment is
+Source = Union[SegmentFile, Sealed]  # a segment file's path and identity, or where a sealed segment is
 SourceOf = Callable[[int, int], Source]  # (writer's group rank, part) -> where that segment is
 T = TypeVar("T")
 Part = Tuple[Optional[Sequence[Any]], Sequence[torch.Tensor]]  # a frame's parts (None: round 1 carried it), tensors
 
 _READ, _FELL_BACK, _REFUSED = 0, 1, 2  # what a reader reports after step 2; the largest wins
-_P2P = 6  # seq (or -1), pid, token, host key, pid namespace, sealed descriptor (0: a file)
+_P2P = 6  # seq (or -1), pid, token, host key, pid namespace, where (see _where)
 _COLLECTIVES = -1  # the key under which a group remembers that its collectives cannot use sealed segments
 _SENT, _OTHER_HOST, _RESEND, _REFUSED_P2P, _UNOPENABLE = 0, 1, 2, 3, 4  # the receiver's answer
 
@@ -145,7 +156,7 @@ class SharedMemory:
         """Write ``parts`` (part number -> frame or None, tensors), agree, let ``read`` read what it needs, unlink.
 
         Each rank announces a row: its sequence number (0: nothing written, -1: could not write), then
-        for sealed segments the descriptor of each part (a part is a receiving rank, or 0)."""
+        for each part (a receiving rank, or 0) where it is (:func:`_where`)."""
         written: List[Union[_Segment, SealedSegment]] = []
         sealed = self._sealed(hosts, _COLLECTIVES, wire)
         row = [0] * (1 + wire.size)
@@ -157,10 +168,12 @@ class SharedMemory:
                         if sealed:
                             sealed_segment = self.book.create_sealed(frame, tensors)
                             written.append(sealed_segment)
-                            row[1 + part] = sealed_segment.fd
+                            row[1 + part] = _where(sealed_segment)
                         else:
                             path = _name(self.directory, _me(hosts.token), row[0], part)
-                            written.append(self.book.create(path, frame, tensors))
+                            segment = self.book.create(path, frame, tensors)
+                            written.append(segment)
+                            row[1 + part] = _where(segment)
                 except OSError as exc:
                     log.debug("objcomm shm: %s on rank %d could not write shared memory (%s); normal transport",
                               op, wire.rank, exc)
@@ -174,7 +187,7 @@ class SharedMemory:
                 if sealed:
                     return Sealed(hosts.pids[writer], rows[writer][1 + part])
                 who = _Writer(_this_host(), hosts.pid_namespaces[writer], hosts.token, hosts.pids[writer])
-                return _name(self.directory, who, seqs[writer], part)
+                return SegmentFile(_name(self.directory, who, seqs[writer], part), -rows[writer][1 + part])
 
             failure: Optional[Exception] = None
             result: Union[T, NotUsed]
@@ -310,7 +323,7 @@ class SharedMemory:
         facts = _state.group_facts(wire.group)
         sealed = self.zero_copy and (dst, self.separate) not in facts.unsealed
         segment: Optional[Union[_Segment, SealedSegment]] = None
-        seq, fd = -1, 0
+        seq, where = -1, 0
         try:
             if (dst, self.separate) in facts.remote_peers:
                 log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
@@ -320,13 +333,13 @@ class SharedMemory:
                     part = _part(out, out.frame_nbytes <= wire.inline_capacity)
                     if sealed:
                         segment = self.book.create_sealed(*part)
-                        fd = segment.fd
                     else:
                         segment = self.book.create(_name(self.directory, _me(self.book.token), seq, 0), *part)
+                    where = _where(segment)
                 except OSError as exc:
                     log.debug("objcomm shm: %s could not write shared memory (%s); normal transport", op, exc)
                     seq = -1
-            words = [seq, os.getpid(), self.book.token, _hosts.host_key(self.separate), _hosts.pid_namespace(), fd]
+            words = [seq, os.getpid(), self.book.token, _hosts.host_key(self.separate), _hosts.pid_namespace(), where]
             if route is not None:
                 route.send_words(wire, words, dst, message)
             else:
@@ -357,19 +370,20 @@ class SharedMemory:
         if not self.worth(wire, info.second_round_bytes, op):
             return NOT_USED
         if route is not None:
-            seq, pid, token, key, namespace, fd = route.recv_words(wire, _P2P, src, message, op)
+            seq, pid, token, key, namespace, where = route.recv_words(wire, _P2P, src, message, op)
         else:
             status = torch.empty(_P2P, dtype=torch.int64)
             guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
-            seq, pid, token, key, namespace, fd = status.tolist()
+            seq, pid, token, key, namespace, where = status.tolist()
         if seq < 0:
             return NOT_USED
         answer, failure = _OTHER_HOST, None
         result: Union[Incoming, NotUsed] = NOT_USED
         if key == _hosts.host_key(self.separate):
-            source: Source = _name(self.directory, _Writer(_this_host(), namespace, token, pid), seq, 0)
-            if fd:  # opened through /proc/<pid>: in another pid namespace that pid names nothing (-1)
-                source = Sealed(pid if namespace == _hosts.pid_namespace() != 0 else -1, fd)
+            source: Source = SegmentFile(_name(self.directory, _Writer(_this_host(), namespace, token, pid), seq, 0),
+                                         -where)
+            if where > 0:  # opened through /proc/<pid>: in another pid namespace that pid names nothing (-1)
+                source = Sealed(pid if namespace == _hosts.pid_namespace() != 0 else -1, where)
             try:
                 result, answer = fetch(source, info.second_round_bytes, info.inline, info.length, sizes_of), _SENT
             except Unopenable as exc:
@@ -390,6 +404,12 @@ class SharedMemory:
         if failure is not None:
             raise failure
         return result
+
+
+def _where(segment: Union[_Segment, SealedSegment]) -> int:
+    """The control word that says where a segment is: the descriptor of a sealed one (> 0), or minus the
+    identity of a file (< 0; :func:`objcomm._segments.identity`), which readers check the file they open against."""
+    return segment.fd if isinstance(segment, SealedSegment) else -segment.identity
 
 
 def _part(out: Optional[Outgoing], frame_inline: bool) -> Part:
@@ -427,4 +447,4 @@ def fetch(source: Source, size: int, inline: Optional[memoryview], length: int, 
     """A writer's segment: mapped when sealed (views, no copy), else read into fresh memory."""
     if isinstance(source, Sealed):
         return map_sealed(source, size, inline, length, sizes_of)
-    return read_segment(source, size, inline, length, sizes_of)
+    return read_segment(source.path, size, inline, length, sizes_of, expected=source.identity)

@@ -41,7 +41,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _limits
+from . import _limits, _pending
 from ._bytes import (
     Batch,
     all_gather_equal,
@@ -124,8 +124,11 @@ def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gath
 def all_gather_rest(wire: Wire, out: Outgoing, infos: List[SlotInfo], sizes_of: SizesOf,
                     op: str = "all_gather") -> Sequence[Optional[Incoming]]:
     """:func:`all_gather` once round 1 has delivered every rank's slot (``infos``), by either route."""
+    ends = _limits.round_one_ends(infos)
+    if not ends:  # a second round or a refusal follows: only on slots every rank read alike
+        wire.first_round.agree(wire, infos, op)
     plans = _limits.plans(infos, sizes_of, op)
-    if _limits.round_one_ends(infos):  # after an error, or in the common small case: one collective, done
+    if ends:  # after an error, or in the common small case: one collective, done
         return _round_one(infos)
     _limits.check_limits(infos, range(wire.size), op)
     taken = wire.second_round.all_gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), op)
@@ -189,6 +192,8 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
     """
     op = "gather"
     infos = _exchange_slots(wire, out, op)
+    if not _limits.round_one_ends(infos):
+        wire.first_round.agree(wire, infos, op)
     plans = _limits.plans(infos, sizes_of, op)
     if any(info.error for info in infos):
         return _round_one(infos)
@@ -240,6 +245,8 @@ def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) 
 def broadcast_rest(wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int) -> Incoming:
     """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route."""
     op = "broadcast"
+    if not _limits.round_one_ends([info]):
+        wire.first_round.agree(wire, [info], op)
     sizes, problem = _limits.plan(info, sizes_of)
     if problem:  # every rank holds the same slot: all raise alike
         raise _limits.inconsistent(op, src, problem)
@@ -315,20 +322,21 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
 
 
 # -- point to point --------------------------------------------------------------------------
-def send(wire: Wire, out: Outgoing, dst: int) -> None:
-    """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must)."""
+def send(wire: Wire, out: Outgoing, dst: int, eager: bool = True) -> None:
+    """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must). ``eager``: a
+    whole message in its slot may return before its receiver takes it (see :func:`_post_slot`)."""
     with wire.first_round.p2p(wire, "send") as route:
-        _send(wire, out, dst, route)
+        _send(wire, out, dst, route, eager)
 
 
-def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route]) -> None:
+def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bool = True) -> None:
     op = "send"
     raw = _slot(wire, out)
     message = 0
     if route is not None:
         message = route.send(wire, raw, dst)
     else:
-        guarded(op, wire, dist.send, _on_device(wire, raw), dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
+        _post_slot(wire, raw, dst, op, eager)
     info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
     problem = _limits.slot_problem_of(info)
     if problem:  # the receiver finds the same and raises too
@@ -337,7 +345,10 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route]) -> None:
         return
     answer: Optional[int] = None
     agreed = _agreement_needed(wire, info, op)
-    if route is not None:  # the receiver always answers on the route (a few µs), which also paces this sender
+    if route is not None and not agreed and wire.device.type == "cpu":  # eager: the rest follows at once, paced by
+        route.send_rest(wire, out, info, dst, message)  # the channel's credit; a refusing receiver drains it alone
+        return
+    if route is not None:  # the receiver answers on the route (a few µs) where it must agree first
         answer = route.answer_of(wire, dst, message, op)
         if answer and not agreed:
             return  # refused where the group's path sends without asking: there the receiver drains and raises alone
@@ -361,6 +372,21 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route]) -> None:
     batch = Batch(wire, op)
     batch.send_rest(out, dst)
     batch.wait()
+
+
+def _post_slot(wire: Wire, raw: bytearray, dst: int, op: str, eager: bool) -> None:
+    """Send a slot through the group. gloo's send waits until its receiver posts the receive, where the channel's
+    returns once the kernel holds the bytes: so that small sends return at once on every path, a slot that carries
+    the whole message or an error report (no second round follows) is posted and left to :mod:`objcomm._pending`
+    (``eager``; bounded per group). A slot that a second round follows, and every slot on NCCL, wait for the
+    receiver as before."""
+    slot = _on_device(wire, raw)
+    if eager and wire.device.type == "cpu":
+        info = read_slot(memoryview(raw))
+        if info.error or _limits.complete(info):
+            _pending.post(wire, slot, dst, op)
+            return
+    guarded(op, wire, dist.send, slot, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
 
 
 def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incoming, bool]:
@@ -394,7 +420,13 @@ def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: 
         return sender, Incoming(info.inline, error=info.error), info.error
     sizes, problem = _limits.plan(info, sizes_of)
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if info.total > wire.max_bytes else 0
-    if route is not None or _agreement_needed(wire, info, op):  # a route always answers: a few µs there
+    agreed = _agreement_needed(wire, info, op)
+    if route is not None and not agreed and wire.device.type == "cpu":  # the rest came right after the slot
+        got = route.recv_rest(wire, info, sizes_of, sender, message, op, drain=bool(refuse))
+        if refuse:
+            raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
+        return sender, got, False
+    if route is not None or agreed:  # a route answers: a few µs there
         if route is not None:
             route.answer(wire, sender, message, refuse)
         else:

@@ -138,6 +138,13 @@ class FirstRound(Protocol):
         collectives of a call's later rounds (the receivers' votes, :func:`largest_of`; the shared-memory
         announcement, :mod:`objcomm._shm`)."""
 
+    def agree(self, wire: Wire, infos: Sequence[Any], op: str) -> None:
+        """Before a call acts on round 1 beyond "it ended" (a second round, a refusal, a vote), check that every rank
+        read the same slots (``infos``, this rank's reading of them) where they came one message per peer (the
+        same-host channel: a lying rank could tell each rank something different, and honest ranks would then take
+        different routes); on a difference every rank raises :class:`~objcomm.CommunicationError`. Through the
+        group, every rank saw the same: nothing to do."""
+
     def p2p(self, wire: Wire, op: str) -> ContextManager[Optional[Route]]:
         """The route of one send or recv's slot, held for the whole call (round 2 included): entering it
         gives a :class:`Route`, or None when the group moves the slot. Sender and receiver get the same."""
@@ -177,8 +184,9 @@ class Route(Protocol):
         """Send what follows the slot of message ``message`` to group rank ``dst``."""
 
     def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int,
-                  op: str) -> Incoming:
-        """What follows the slot ``info`` of group rank ``src``'s message ``message``."""
+                  op: str, drain: bool = False) -> Incoming:
+        """What follows the slot ``info`` of group rank ``src``'s message ``message`` (``drain``: read and dropped, by a
+        receiver that refuses it)."""
 
 
 _THROUGH_GROUP = contextlib.nullcontext(None)
@@ -191,6 +199,9 @@ class _Backend:
         return NOT_USED
 
     broadcast = scatter = all_to_all = gather_words = all_gather
+
+    def agree(self, wire: Wire, infos: Sequence[Any], op: str) -> None:
+        pass
 
     def p2p(self, wire: Wire, op: str) -> ContextManager[Optional[Route]]:
         return _THROUGH_GROUP

@@ -1,16 +1,24 @@
 """Drop-in replacements for ``torch.distributed``'s object collectives, built on objcomm.
 
-Swap the import and leave the rest of the program as it is::
+Two ways in. Swap the import::
 
     # from torch.distributed import all_gather_object, broadcast_object_list
     from objcomm.compat import all_gather_object, broadcast_object_list
+
+or leave the program as it is and route torch's own names through objcomm, for the whole process
+or for a block (:func:`patch`, :func:`unpatch`)::
+
+    objcomm.compat.patch()                      # dist.all_gather_object(...) now runs here
+    with objcomm.compat.patch(serializer="msgpack", accept=["msgpack"]):
+        dist.all_gather_object(out, metrics)
 
 Each function has the signature of its torch 2.13 namesake (argument names, order and defaults,
 ``group_dst``/``group_src`` included, whichever torch >= 2.2 is installed), fills the caller's
 list in place as torch does, and returns what torch returns. ``dst``/``src`` are global ranks,
 ``group_dst``/``group_src`` ranks within ``group``, exactly as in torch. A keyword-only
 ``serializer=`` picks how this rank encodes; the default is objcomm's default, ``"pickle"``, which
-is what torch uses.
+is what torch uses. Bad arguments raise torch's exception type with torch's sentence first, then
+objcomm's explanation.
 
 Where the shims differ from torch, it is on purpose:
 
@@ -28,21 +36,29 @@ Where the shims differ from torch, it is on purpose:
   does); torch raises.
 - Bytes travel in objcomm's frame format: both ends of a ``send_object_list``/``recv_object_list``
   pair must use objcomm (``objcomm.send``/``objcomm.recv`` interoperate with these shims).
+
+``__all__`` names the six drop-in functions only, so that ``from objcomm.compat import *`` replaces
+exactly torch's names (and no ``patch`` shadows ``unittest.mock.patch``); :func:`patch` and
+:func:`unpatch` are public all the same.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import threading
 import warnings
-from typing import Any, List, Optional
+from types import ModuleType, TracebackType
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
 from serializers import SerializerLike, registry
 
-from ._api import all_gather, gather, scatter
+from ._api import Device, all_gather, gather, scatter
 from ._communicator import Communicator
-from ._errors import RemoteError
+from ._settings import CALL_KNOBS, given
 
 __all__ = [
     "all_gather_object",
@@ -52,6 +68,8 @@ __all__ = [
     "scatter_object_list",
     "send_object_list",
 ]
+
+Options = Mapping[str, Any]  # per-call settings handed to objcomm (serializer=, accept=, ...); None: not given
 
 
 def all_gather_object(
@@ -80,12 +98,7 @@ def all_gather_object(
         output = [None] * dist.get_world_size()
         all_gather_object(output, {"rank": rank}, serializer="msgpack")
     """
-    if _not_in_group(group):
-        _warn_not_in_group("all_gather_object")
-        return None
-    for i, item in enumerate(all_gather(obj, group=group, serializer=serializer)):
-        object_list[i] = item
-    return None
+    return _all_gather_object(object_list, obj, group, options={"serializer": serializer})
 
 
 def gather_object(
@@ -114,8 +127,8 @@ def gather_object(
 
     Raises
     ------
-    ValueError: a list missing on the destination or given elsewhere (after the collective), or
-        both ``dst`` and ``group_dst``.
+    ValueError: a list missing on the destination or given elsewhere (after the collective), both
+        ``dst`` and ``group_dst``, or a ``dst`` outside ``group`` (torch's sentences first).
     RemoteError: on every rank, when any rank could not encode its object.
 
     Example::
@@ -123,26 +136,7 @@ def gather_object(
         output = [None] * dist.get_world_size() if rank == 0 else None
         gather_object(predictions, output, dst=0)
     """
-    if _not_in_group(group):
-        _warn_not_in_group("gather_object")
-        return None
-    root = _global_rank(group, dst, group_dst, "dst", default=0)
-    gathered = gather(obj, dst=root, group=group, serializer=serializer)
-    if gathered is None:
-        if object_gather_list:
-            raise ValueError(
-                f"gather_object: object_gather_list must be None on ranks other than the destination "
-                f"(global rank {root}); this is global rank {_my_rank()}"
-            )
-        return None
-    if not object_gather_list:
-        raise ValueError(
-            f"gather_object: the destination (global rank {root}) must pass object_gather_list, "
-            f"a list of {len(gathered)} slots; the gathered objects were dropped"
-        )
-    for i, item in enumerate(gathered):
-        object_gather_list[i] = item
-    return None
+    return _gather_object(obj, object_gather_list, dst, group, group_dst, options={"serializer": serializer})
 
 
 def broadcast_object_list(
@@ -174,7 +168,8 @@ def broadcast_object_list(
 
     Raises
     ------
-    ValueError: a receiving list whose length differs from the source's (after the collective).
+    ValueError: a receiving list whose length differs from the source's (after the collective), both
+        ``src`` and ``group_src``, or a ``src`` outside ``group`` (torch's sentences first).
     RemoteError: on every rank, when the source could not encode its list.
 
     Example::
@@ -182,17 +177,7 @@ def broadcast_object_list(
         config = [load_config() if rank == 0 else None]
         broadcast_object_list(config, src=0)
     """
-    if _not_in_group(group):
-        _warn_not_in_group("broadcast_object_list")
-        return None
-    root = _global_rank(group, src, group_src, "src", default=0)
-    is_root = _my_rank() == root
-    received = Communicator(group, device=device).broadcast(
-        list(object_list) if is_root else None, root, serializer=serializer
-    )
-    if not is_root:
-        _fill(object_list, received, "broadcast_object_list", f"source (global rank {root})")
-    return None
+    return _broadcast_object_list(object_list, src, group, device, group_src, options={"serializer": serializer})
 
 
 def scatter_object_list(
@@ -221,7 +206,9 @@ def scatter_object_list(
 
     Raises
     ------
-    ValueError: no input list on the source, or an output list that is not a non-empty list.
+    ValueError: an output list that is not a non-empty list, no input list on the source (both after
+        the collective), both ``src`` and ``group_src``, or a ``src`` outside ``group`` (torch's
+        sentences first).
     RemoteError: on every rank, when the source's input is unusable (other ranks than the source)
         or could not be encoded.
 
@@ -230,28 +217,9 @@ def scatter_object_list(
         out = [None]
         scatter_object_list(out, [{"shard": r} for r in range(world)] if rank == 0 else None, src=0)
     """
-    if _not_in_group(group):
-        _warn_not_in_group("scatter_object_list")
-        return None
-    root = _global_rank(group, src, group_src, "src", default=0)
-    try:
-        item = scatter(scatter_object_input_list, src=root, group=group, serializer=serializer)
-    except (RemoteError, TypeError) as exc:
-        if _my_rank() == root and scatter_object_input_list is None:
-            raise ValueError("scatter_object_list: the source rank must pass scatter_object_input_list") from exc
-        raise
-    if not isinstance(scatter_object_output_list, list):
-        raise ValueError(
-            "scatter_object_list: scatter_object_output_list must be a list of at least one element, "
-            f"got {type(scatter_object_output_list).__name__}; the received object was dropped"
-        )
-    if not scatter_object_output_list:
-        raise ValueError(
-            "scatter_object_list: scatter_object_output_list is empty; pass a list of at least one element "
-            "(e.g. [None]), whose element 0 receives this rank's object. The received object was dropped"
-        )
-    scatter_object_output_list[0] = item
-    return None
+    return _scatter_object_list(
+        scatter_object_output_list, scatter_object_input_list, src, group, group_src, options={"serializer": serializer}
+    )
 
 
 def send_object_list(
@@ -281,7 +249,8 @@ def send_object_list(
 
     Raises
     ------
-    ValueError: no destination, both ``dst`` and ``group_dst``, or this rank itself.
+    ValueError: no destination, both ``dst`` and ``group_dst``, this rank itself, or a ``dst`` outside
+        ``group`` (torch's sentences first).
     EncodeError: the list could not be encoded (the receiver raises ``RemoteError``, so it is not left waiting).
 
     Example::
@@ -289,12 +258,7 @@ def send_object_list(
         if rank == 0:
             send_object_list([{"step": 10}, "done"], dst=1)
     """
-    if _not_in_group(group):
-        _warn_not_in_group("send_object_list")
-        return None
-    peer = _global_rank(group, dst, group_dst, "dst", default=None)
-    Communicator(group, device=device).send(list(object_list), peer, serializer=serializer)
-    return None
+    return _send_object_list(object_list, dst, group, device, group_dst, use_batch, options={"serializer": serializer})
 
 
 def recv_object_list(
@@ -327,7 +291,8 @@ def recv_object_list(
 
     Raises
     ------
-    ValueError: no source, both ``src`` and ``group_src``, this rank itself, or a length mismatch.
+    ValueError: no source, both ``src`` and ``group_src``, this rank itself, a ``src`` outside ``group``
+        (torch's sentences first), or a length mismatch.
     RemoteError: the sender could not encode its list.
     ContentRefusedError: the list arrived in a serializer other than ``serializer``.
 
@@ -337,14 +302,156 @@ def recv_object_list(
             box = [None, None]
             sender = recv_object_list(box, src=0)
     """
+    return _recv_object_list(object_list, src, group, device, group_src, use_batch, options=_only(serializer))
+
+
+# -- the six, taking objcomm's per-call settings (the shims above and the patched names below) ----------
+
+
+def _all_gather_object(object_list: List[Any], obj: Any, group: Any = None, *, options: Options) -> None:
+    if _not_in_group(group):
+        _warn_not_in_group("all_gather_object")
+        return None
+    for i, item in enumerate(all_gather(obj, group=group, **options)):
+        object_list[i] = item
+    return None
+
+
+def _gather_object(
+    obj: Any,
+    object_gather_list: Optional[List[Any]] = None,
+    dst: Optional[int] = None,
+    group: Any = None,
+    group_dst: Optional[int] = None,
+    *,
+    options: Options,
+) -> None:
+    dst = _one_of(dst, group_dst, "dst", default=0)
+    if _not_in_group(group):
+        _warn_not_in_group("gather_object")
+        return None
+    root = _global_rank(group, dst, group_dst, "dst")
+    gathered = gather(obj, dst=root, group=group, **options)
+    if gathered is None:
+        if object_gather_list:
+            raise ValueError(_torch_says(
+                "Argument ``gather_list`` must NOT be specified on non-destination ranks.",
+                f"object_gather_list must be None on ranks other than the destination (global rank {root}); this is "
+                f"global rank {_my_rank()}",
+            ))
+        return None
+    if not object_gather_list:
+        raise ValueError(_torch_says(
+            "Argument ``gather_list`` must be specified on destination rank.",
+            f"the destination (global rank {root}) must pass object_gather_list, a list of {len(gathered)} slots; "
+            "the gathered objects were dropped. Reported after the collective, so no rank is left waiting",
+        ))
+    for i, item in enumerate(gathered):
+        object_gather_list[i] = item
+    return None
+
+
+def _broadcast_object_list(
+    object_list: List[Any],
+    src: Optional[int] = None,
+    group: Any = None,
+    device: Optional[torch.device] = None,
+    group_src: Optional[int] = None,
+    *,
+    options: Options,
+) -> None:
+    src = _one_of(src, group_src, "src", default=0)
+    if _not_in_group(group):
+        _warn_not_in_group("broadcast_object_list")
+        return None
+    root = _global_rank(group, src, group_src, "src")
+    is_root = _my_rank() == root
+    received = Communicator(group, device=device).broadcast(list(object_list) if is_root else None, root, **options)
+    if not is_root:
+        _fill(object_list, received, "broadcast_object_list", f"source (global rank {root})")
+    return None
+
+
+def _scatter_object_list(
+    scatter_object_output_list: List[Any],
+    scatter_object_input_list: Optional[List[Any]] = None,
+    src: Optional[int] = None,
+    group: Any = None,
+    group_src: Optional[int] = None,
+    *,
+    options: Options,
+) -> None:
+    src = _one_of(src, group_src, "src", default=0)
+    if _not_in_group(group):
+        _warn_not_in_group("scatter_object_list")
+        return None
+    root = _global_rank(group, src, group_src, "src")
+    item, failure = None, None
+    try:
+        item = scatter(scatter_object_input_list, src=root, group=group, **options)
+    except Exception as exc:  # reported below, after what torch checks first
+        failure = exc
+    output = scatter_object_output_list
+    if not isinstance(output, list) or not output:
+        what = "is empty" if isinstance(output, list) else f"is a {type(output).__name__}"
+        raise ValueError(_torch_says(
+            "Expected argument scatter_object_output_list to be a list of size at least 1.",
+            f"scatter_object_output_list {what}; pass a list of at least one element (e.g. [None]), whose element 0 "
+            "receives this rank's object. The received object was dropped",
+        )) from failure
+    if failure is not None:
+        if _my_rank() == root and scatter_object_input_list is None:
+            raise ValueError(_torch_says(
+                "source rank must provide non-None scatter_object_input_list",
+                f"this rank (global rank {root}) is the source; the other ranks raise RemoteError",
+            )) from failure
+        raise failure
+    output[0] = item
+    return None
+
+
+def _send_object_list(
+    object_list: List[Any],
+    dst: Optional[int] = None,
+    group: Any = None,
+    device: Optional[torch.device] = None,
+    group_dst: Optional[int] = None,
+    use_batch: bool = False,
+    *,
+    options: Options,
+) -> None:
+    dst = _one_of(dst, group_dst, "dst", default=None)
+    if _not_in_group(group):
+        _warn_not_in_group("send_object_list")
+        return None
+    peer = _not_self(_global_rank(group, dst, group_dst, "dst"), "destination", "dst")
+    Communicator(group, device=device).send(list(object_list), peer, **options)
+    return None
+
+
+def _recv_object_list(
+    object_list: List[Any],
+    src: Optional[int] = None,
+    group: Any = None,
+    device: Optional[torch.device] = None,
+    group_src: Optional[int] = None,
+    use_batch: bool = False,
+    *,
+    options: Options,
+) -> int:
+    src = _one_of(src, group_src, "src", default=None)
     if _not_in_group(group):
         _warn_not_in_group("recv_object_list")
         return -1
-    peer = _global_rank(group, src, group_src, "src", default=None)
-    accept = None if serializer is None else [registry.get(serializer).name]
-    received = Communicator(group, device=device).recv(peer, accept=accept)
+    peer = _not_self(_global_rank(group, src, group_src, "src"), "source", "src")
+    received = Communicator(group, device=device).recv(peer, **options)
     _fill(object_list, received, "recv_object_list", f"sender (global rank {peer})")
     return peer
+
+
+def _only(serializer: Optional[SerializerLike]) -> Dict[str, Any]:
+    """A receiver's ``serializer=``: the one serializer it accepts."""
+    return {"accept": None if serializer is None else [registry.get(serializer).name]}
 
 
 def _fill(object_list: List[Any], received: Any, op: str, who: str) -> None:
@@ -360,7 +467,11 @@ def _fill(object_list: List[Any], received: Any, op: str, who: str) -> None:
 
 
 def _my_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _initialized() else 0
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def _not_in_group(group: Any) -> bool:
@@ -371,21 +482,210 @@ def _warn_not_in_group(op: str) -> None:
     warnings.warn(
         f"Running {op} on global rank {_my_rank()} which does not belong to the given group.",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller of the shim (or of the patched torch name)
     )
 
 
-def _global_rank(group: Any, rank: Optional[int], group_rank: Optional[int], what: str, default: Optional[int]) -> int:
-    """The global rank meant by ``dst``/``src`` or by ``group_dst``/``group_src``, as torch resolves them."""
+# -- arguments, checked as torch checks them: torch's exception type, torch's sentence first ---------------
+
+
+def _torch_says(sentence: str, explanation: str) -> str:
+    return f"{sentence} (objcomm.compat: {explanation})"
+
+
+def _one_of(rank: Optional[int], group_rank: Optional[int], what: str, default: Optional[int]) -> Optional[int]:
+    """``rank``, or ``default`` when neither it nor ``group_rank`` is given; raise as torch does for both or neither."""
     if group_rank is not None:
         if rank is not None:
-            raise ValueError(f"pass {what} (a global rank) or group_{what} (a rank in the group), not both")
-        if not (dist.is_available() and dist.is_initialized()):
-            return group_rank  # a group of one: its rank 0 is the only rank
-        resolved: Any = group if group is not None else dist.group.WORLD
-        return dist.get_global_rank(resolved, group_rank)
+            raise ValueError(_torch_says(
+                "Can't specify both group_rank and global_rank",
+                f"pass {what} (a global rank) or group_{what} (a rank within group), not both",
+            ))
+        return None
     if rank is None:
         if default is None:
-            raise ValueError(f"pass {what} (a global rank) or group_{what} (a rank in the group)")
+            raise ValueError(_torch_says(
+                "Must specify global_rank or group_rank",
+                f"pass {what} (a global rank) or group_{what} (a rank within group)",
+            ))
         return default
     return rank
+
+
+def _global_rank(group: Any, rank: Optional[int], group_rank: Optional[int], what: str) -> int:
+    """The global rank meant by ``rank`` or ``group_rank`` (one of them given); torch's own lookups judge them."""
+    if not _initialized():
+        return group_rank if group_rank is not None else rank  # type: ignore[return-value]  # a group of one
+    resolved: Any = group if group is not None else dist.group.WORLD
+    if group_rank is not None:
+        return dist.get_global_rank(resolved, group_rank)
+    try:
+        dist.get_group_rank(resolved, rank)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(_torch_says(
+            str(exc), f"{what} is a global rank; this group's are {dist.get_process_group_ranks(resolved)}"
+        )) from exc
+    return rank  # type: ignore[return-value]
+
+
+def _not_self(peer: int, role: str, what: str) -> int:
+    if _initialized() and peer == dist.get_rank():
+        raise ValueError(_torch_says(
+            f"Invalid {role} rank: {role} rank should not be the same as the rank of the current process.",
+            f"{what} resolves to global rank {peer}, this rank itself",
+        ))
+    return peer
+
+
+# -- patch(): torch.distributed's own names, through objcomm --------------------------------------------
+
+# The per-call settings each of the six hands on (a sender decodes nothing, a receiver encodes nothing).
+_TAKES: Dict[str, Tuple[str, ...]] = {
+    "send_object_list": ("serializer", "max_bytes", "compression"),
+    "recv_object_list": ("accept", "max_bytes", "map_location"),
+}
+_IMPLEMENTATIONS: Dict[str, Callable[..., Any]] = {
+    "all_gather_object": _all_gather_object,
+    "gather_object": _gather_object,
+    "broadcast_object_list": _broadcast_object_list,
+    "scatter_object_list": _scatter_object_list,
+    "send_object_list": _send_object_list,
+    "recv_object_list": _recv_object_list,
+}
+
+
+def _modules() -> Tuple[ModuleType, ...]:
+    """Where torch's six names live: ``torch.distributed`` and ``torch.distributed.distributed_c10d``."""
+    return dist, importlib.import_module("torch.distributed.distributed_c10d")
+
+
+class _Patcher:
+    """Who holds torch's six names: torch's originals, while patched, and the settings in force."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._originals: Dict[Tuple[ModuleType, str], Any] = {}
+        self.settings: Optional[Dict[str, Options]] = None  # per name; None: not patched
+        self.functions = {name: _patched(name) for name in __all__}
+
+    def switch(self, settings: Optional[Dict[str, Options]]) -> Optional[Dict[str, Options]]:
+        """Put ``settings`` in force (``None``: torch's own functions back); return what was in force."""
+        with self._lock:
+            previous = self.settings
+            if settings is not None and previous is None:
+                self._install()
+            elif settings is None and previous is not None:
+                self._restore()
+            self.settings = settings
+            return previous
+
+    def _install(self) -> None:
+        if not dist.is_available():
+            raise RuntimeError("objcomm.compat.patch(): this torch build has no torch.distributed")
+        for module in _modules():
+            for name, function in self.functions.items():
+                current = getattr(module, name)
+                if current is not function:
+                    self._originals[(module, name)] = current
+                    setattr(module, name, function)
+
+    def _restore(self) -> None:
+        for (module, name), original in self._originals.items():
+            if getattr(module, name) is self.functions[name]:  # a name someone else replaced since stays theirs
+                setattr(module, name, original)
+        self._originals.clear()
+
+
+def _patched(name: str) -> Callable[..., Any]:
+    """What :func:`patch` puts in torch's place: the shim, with the patch's settings in force when called."""
+    implementation, shim = _IMPLEMENTATIONS[name], globals()[name]
+    receives = name == "recv_object_list"
+
+    @functools.wraps(shim)
+    def patched(*args: Any, serializer: Optional[SerializerLike] = None, **kwargs: Any) -> Any:
+        settings = _PATCHER.settings
+        options = {} if settings is None else settings[name]
+        if serializer is not None:  # a call that names one, as with the shim
+            options = {**options, **(_only(serializer) if receives else {"serializer": serializer})}
+        return implementation(*args, options=options, **kwargs)
+
+    return patched
+
+
+_PATCHER = _Patcher()
+
+
+class _Patch:
+    """What :func:`patch` returns: the patch is in force already; as a context manager, leaving puts back what
+    was in force before it (torch's functions, or the settings of the patch before)."""
+
+    def __init__(self, previous: Optional[Dict[str, Options]]) -> None:
+        self._previous = previous
+
+    def __enter__(self) -> _Patch:
+        return self
+
+    def __exit__(
+        self, kind: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        _PATCHER.switch(self._previous)
+
+
+def patch(
+    *,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+) -> _Patch:
+    """Make ``torch.distributed``'s six object functions run through objcomm, with these settings.
+
+    Replaces ``all_gather_object``, ``gather_object``, ``broadcast_object_list``,
+    ``scatter_object_list``, ``send_object_list`` and ``recv_object_list`` on ``torch.distributed``
+    and ``torch.distributed.distributed_c10d`` by the shims of this module, so code that looks them
+    up when it calls (``dist.all_gather_object(...)``) goes through objcomm unchanged. A module that
+    bound one earlier (``from torch.distributed import all_gather_object``) keeps torch's: patch
+    before importing it. Patching again only changes the settings; :func:`unpatch` puts torch's
+    exact functions back. The patch is process-wide, for every thread.
+
+    Parameters
+    ----------
+    serializer: how this rank encodes (default ``"pickle"``, as torch).
+    accept: serializer names this rank decodes (default: every registered one).
+    max_bytes: largest payload sent or accepted.
+    map_location: where received tensors go (default: the transport device, never the sender's).
+    compression: ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for what this rank sends.
+    A setting not given follows :func:`objcomm.configure`, then the environment, then the default.
+
+    Returns
+    -------
+    A context manager: the patch is in force already, and leaving the ``with`` block puts back what
+    was in force before it (torch's functions, or an outer patch's settings).
+
+    Raises
+    ------
+    UnknownSerializerError, ValueError, TypeError: a setting is not valid (nothing is patched).
+
+    Example::
+
+        objcomm.compat.patch()                    # once, before importing the libraries that call them
+        with objcomm.compat.patch(serializer="msgpack", accept=["msgpack"]):
+            dist.all_gather_object(out, metrics)  # objcomm, msgpack only
+    """
+    checked = given(
+        serializer=serializer, accept=accept, max_bytes=max_bytes, map_location=map_location, compression=compression
+    )
+    settings: Dict[str, Options] = {
+        name: {knob: checked[knob] for knob in _TAKES.get(name, CALL_KNOBS) if knob in checked} for name in __all__
+    }
+    return _Patch(_PATCHER.switch(settings))
+
+
+def unpatch() -> None:
+    """Put ``torch.distributed``'s own six object functions back (nothing happens when none is patched).
+
+    Restores the exact objects :func:`patch` replaced, on ``torch.distributed`` and
+    ``torch.distributed.distributed_c10d``, whatever patches and ``with`` blocks came before.
+    """
+    _PATCHER.switch(None)

@@ -27,7 +27,11 @@ so extension values nest at most ``MAX_EXT_DEPTH`` (16) deep — deeper is a :cl
 not a stack overflow. Plain arrays and maps nest at most 1024 deep inside one extension level
 (msgpack's own limit). msgpack's timestamp extension (-1) decodes to a UTC ``datetime``.
 Every extension's fields are checked before anything is built (dtype, shape against the bytes
-present, digit counts of big ints).
+present, digit counts of big ints). The fields of an array (8) and an out-of-band key (12), the
+ones a payload holds by the hundred, are read first without the walk, by an unpacker that takes
+arrays of at most 32 items and no map or extension: whatever the bytes declare, it pre-allocates at
+most 32 slots per nesting level (256 KiB at msgpack's 1024 levels, freed when it refuses), and
+whatever it refuses is then read the walked way, with the same errors as any other extension.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import sys
+import threading
 from collections import OrderedDict
 from contextvars import ContextVar
 from typing import Any, Callable, Dict, Optional
@@ -81,6 +86,9 @@ class MsgpackSerializer(Serializer):
     safe = True
     description = "msgpack: compact, safe; builtins, numpy, datetime exact via ext types; codecs for the rest"
     supports_external = True
+    # numpy arrays up to this size travel in the payload (extension 8, exact); objcomm lifts larger ones: the
+    # extension copies an array's data five times between dumps and loads, a lift twice (docs/bench.md)
+    in_band_array_bytes = 4 << 10
     _raises_own_errors = True
 
     def __init__(self, registry: CodecRegistry = codecs) -> None:
@@ -101,7 +109,7 @@ class MsgpackSerializer(Serializer):
             NDARRAY: lambda raw: _decode_ndarray(*_array(unpack(raw), 3)),
             NPSCALAR: lambda raw: _rebuild.numpy_scalar(*_array(unpack(raw), 2)),
             CODEC: lambda raw: self._decode_codec(*_array(unpack(raw), 2)),
-            EXTERNAL: lambda raw: _restore_external(_DECODING.get().restore, unpack(raw)),
+            EXTERNAL: lambda raw: _restore_external(_DECODING.get().restore, self._unpack_small(raw)),
         }
 
     @functools.cached_property
@@ -114,6 +122,13 @@ class MsgpackSerializer(Serializer):
     def _packb(self) -> Callable[[Any], bytes]:
         """``msgpack.packb`` with this serializer's ``default=`` hook."""
         return functools.partial(self._msgpack.packb, default=self._default, use_bin_type=True, strict_types=True)
+
+    @functools.cached_property
+    def _unpack_array_fields(self) -> Callable[[Any], Any]:
+        """``msgpack.unpackb`` for an array extension's fields: arrays of at most ``MAX_DIMS`` items, no maps and
+        no extensions, so that it pre-allocates little whatever the bytes declare (no walk needed first)."""
+        return functools.partial(self._msgpack.unpackb, raw=False, max_array_len=_rebuild.MAX_DIMS, max_map_len=0,
+                                 max_ext_len=0)
 
     @functools.cached_property
     def _unpackb(self) -> Callable[[Any], Any]:
@@ -149,6 +164,8 @@ class MsgpackSerializer(Serializer):
         codec = self._codecs.for_value(value)
         if codec is not None:
             return ext(CODEC, pack([codec.name, codec.encode(value)]))
+        if cls.__module__ == "numpy":  # first (exact types below: none is numpy's): many small arrays are common
+            return self._numpy_ext(value, pack, ext)
         if cls is tuple:
             return ext(TUPLE, pack(list(value)))
         if cls is set:
@@ -167,7 +184,7 @@ class MsgpackSerializer(Serializer):
             return ext(COMPLEX, pack([value.real, value.imag]))
         if cls is OrderedDict:
             return ext(ODICT, pack([[k, v] for k, v in value.items()]))
-        if _is_numpy(value):
+        if _is_numpy(value):  # a subclass of a numpy type defined elsewhere (np.matrix is numpy's own)
             return self._numpy_ext(value, pack, ext)
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(value, torch.Tensor):  # what objcomm lifts never gets here
@@ -182,9 +199,11 @@ class MsgpackSerializer(Serializer):
         if isinstance(value, np.ndarray):
             if value.dtype.hasobject:
                 raise TypeError("numpy arrays of dtype=object have no msgpack encoding")
-            data = np.ascontiguousarray(value)
-            raw = data.reshape(-1).data.cast("B") if data.size else b""
-            return ext(NDARRAY, pack([data.dtype.str, list(data.shape), raw]))
+            data = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # that makes 0-d arrays 1-d:
+            raw = data.reshape(-1).data.cast("B") if data.size else b""  # the shape written is value's
+            if data.nbytes <= _FIELDS_PACKER_BYTES:  # no packer built for each small array
+                pack = _fields_packer()
+            return ext(NDARRAY, pack([data.dtype.str, list(value.shape), raw]))
         if isinstance(value, np.generic) and not value.dtype.hasobject:
             return ext(NPSCALAR, pack([value.dtype.str, value.tobytes()]))
         raise TypeError(f"no msgpack encoding for {describe(value)}")
@@ -223,6 +242,10 @@ class MsgpackSerializer(Serializer):
 
     def _ext_hook(self, code: int, raw: bytes) -> Any:
         """The ``ext_hook=``: decode one extension value, at most ``MAX_EXT_DEPTH`` deep."""
+        if code == NDARRAY:  # the hot one (a dict of many small arrays): its fields hold no extension, no nesting
+            found = self._plain_ndarray(raw)
+            if found is not None:
+                return found
         decoder = self._decoders.get(code)
         if decoder is None:
             raise DecodeError(f"msgpack payload holds unknown extension type {code}; was it written by objcomm?")
@@ -235,6 +258,42 @@ class MsgpackSerializer(Serializer):
         finally:
             state.depth -= 1
 
+    def _unpack_small(self, raw: bytes) -> Any:
+        """An extension's fields as :meth:`_unpack` reads them, without its walk where they are small enough for
+        :attr:`_unpack_array_fields`, which then has nothing to pre-allocate (an out-of-band key: one int)."""
+        try:
+            return self._unpack_array_fields(raw)
+        except Exception:
+            return self._unpack(raw)  # what is wrong, said as for every other extension
+
+    def _plain_ndarray(self, raw: bytes) -> Any:
+        """Extension 8, ``[dtype.str, shape, C-order bytes]``, straight from its fields where they are plain: a
+        dtype whose every byte pattern is a value, a shape of ints whose size is the bytes'. None for anything
+        else, or anything wrong: the extension is then decoded as every other, with
+        :func:`serializers._rebuild.ndarray`'s checks and errors."""
+        try:
+            fields = self._unpack_array_fields(raw)
+        except Exception:
+            return None
+        if type(fields) is not list or len(fields) != 3:
+            return None
+        descr, shape, data = fields
+        if (type(descr) is not str or type(shape) is not list or type(data) is not bytes or not data
+                or len(descr) > _rebuild.MAX_DTYPE_TEXT):
+            return None
+        dtype = _plain_dtype(descr)
+        if dtype is None:
+            return None
+        count = dtype.itemsize
+        for size in shape:  # at most MAX_DIMS (_unpack_array_fields)
+            if type(size) is not int or not 0 <= size < 2**62:
+                return None
+            count *= size
+        if count != len(data):
+            return None
+        _rebuild.charge(count, "an array copy")
+        return _numpy().ndarray(shape, dtype, bytearray(data))  # over a copy it owns: writable
+
     def _decode_codec(self, name: str, value: Any) -> Any:
         codec = self._codecs.by_name(name) if type(name) is str else None
         if codec is None:
@@ -243,6 +302,22 @@ class MsgpackSerializer(Serializer):
                 f"registered on this rank (known: {self._codecs.names()}); call serializers.register_type() here too"
             )
         return codec.decode_received(value)
+
+
+_FIELDS = threading.local()
+_FIELDS_PACKER_BYTES = 64 << 10  # what a kept packer's buffer may grow to (it keeps its largest)
+
+
+def _fields_packer() -> Callable[[Any], bytes]:
+    """``pack`` for plain fields that call no hook (str, ints, bytes), as ``_packb`` packs them, byte for byte;
+    from a packer kept per thread, where ``packb`` builds and frees one (with its buffer) for every value."""
+    try:
+        return _FIELDS.pack
+    except AttributeError:
+        import msgpack
+
+        _FIELDS.pack = msgpack.Packer(use_bin_type=True, strict_types=True, autoreset=True).pack
+        return _FIELDS.pack
 
 
 def _check_complete(msgpack: Any, raw: Any) -> None:
@@ -282,6 +357,26 @@ def _short_text(raw: bytes) -> str:
 def _decode_ndarray(dtype: Any, shape: Any, raw: Any) -> Any:
     """An array from ``[dtype.str, shape, C-order bytes]``: the bytes must be exactly what the shape needs."""
     return _rebuild.ndarray(dtype, shape, "C", raw)  # copies out of the read-only payload
+
+
+@functools.cache
+def _numpy() -> Any:
+    """numpy, imported on first use (not when serializers is imported)."""
+    import numpy
+
+    return numpy
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_dtype(descr: str) -> Any:
+    """The dtype of ``descr`` as :func:`serializers._rebuild.numpy_dtype` builds and checks it, if it is one whose
+    every byte pattern is a valid value (not unicode: its code points are checked); else None. Cached: the
+    same few dtypes come again and again, and building one costs more than the rest of a small array."""
+    try:
+        dtype = _rebuild.numpy_dtype(descr)
+    except DecodeError:
+        return None
+    return None if dtype.fields is not None or dtype.kind == "U" else dtype
 
 
 def _restore_external(restore: Restore | None, key: int) -> Any:

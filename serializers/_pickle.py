@@ -11,7 +11,7 @@ import io
 import pickle
 from typing import Any, List, Tuple
 
-from ._errors import DecodeError, EncodeError, ObjcommError, decode_error
+from ._errors import DecodeError, EncodeError, ObjcommError, decode_error, raised_by
 from ._path import describe, locate
 from ._protocol import Buffer, Lift, Restore, Serializer
 
@@ -33,16 +33,21 @@ def external_ref(key: int) -> Any:
 def _lifting(base: type) -> Any:
     """A Pickler subclass of ``base`` that offers each non-builtin value to ``lift``."""
 
+    # the base's own hook, found once: it runs for every value offered and declined (each small numpy array)
+    parent = getattr(base, "reducer_override", None)
+
     class LiftingPickler(base):  # type: ignore[misc, valid-type]
         _lift: Lift  # set by dumps() for each pickle (no __init__ of its own: one less Python call per dumps)
         spares: List[Tuple[io.BytesIO, Any]] = []  # this class's (file, pickler) pairs kept for the next dumps (_dump)
 
-        def reducer_override(self, obj: Any) -> Any:
-            key = self._lift(obj)
-            if key is not None:
-                return external_ref, (key,)
-            parent = getattr(super(), "reducer_override", None)
-            return parent(obj) if parent is not None else NotImplemented
+        if parent is None:
+            def reducer_override(self, obj: Any) -> Any:
+                key = self._lift(obj)
+                return NotImplemented if key is None else (external_ref, (key,))
+        else:
+            def reducer_override(self, obj: Any) -> Any:
+                key = self._lift(obj)
+                return parent(self, obj) if key is None else (external_ref, (key,))
 
     return LiftingPickler
 
@@ -103,13 +108,25 @@ class PickleSerializer(Serializer):
     safe = False
     description = "stdlib pickle (protocol 5): any picklable object, exact; loads can run arbitrary code"
     supports_external = True
+    # numpy arrays up to this size are pickled in place (protocol 5, in band), exactly: objcomm lifts larger
+    # ones out of the payload. Measured (docs/bench.md, many small arrays): below it, pickling an array costs
+    # less than lifting it; above, the lift's fewer copies win. Not inherited (see __init_subclass__).
+    in_band_array_bytes = 4 << 10
     _raises_own_errors = True
-    hint = "cloudpickle can carry lambdas, closures and classes defined in __main__"
+    # what an encode error suggests, by cause (see _encode_error): pickle found no importable name for
+    # a value (a lambda, a local function, a class defined in __main__), which cloudpickle carries by value
+    by_value_hint = "cloudpickle can carry lambdas, closures and classes defined in __main__"
+    # ... or the value holds something that has no pickled form at all
+    hint = ("no pickle carries it (a lock, a socket, a generator?): leave it out of the object, "
+            "or give its class a __getstate__ that drops it")
     _reusable = True  # its pickler keeps no state between pickles but its memo (see _dump)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._reusable = bool(vars(cls).get("_reusable", False))  # a subclass's pickler is kept only if it says so
+        # and keeps arrays in band only if it says so: its loads may build them otherwise (restricted-pickle's
+        # guards cost more per array than a lifted array does, so it lifts them all)
+        cls.in_band_array_bytes = vars(cls).get("in_band_array_bytes", -1)
 
     def _pickler_base(self) -> type:
         return pickle.Pickler
@@ -157,7 +174,16 @@ class PickleSerializer(Serializer):
 
         found = locate(obj, rejects)
         path, value, _ = found if found is not None else ("$", obj, False)
-        return EncodeError(f"{self.name} cannot encode {describe(value)} at {path}: {exc}; {self.hint}")
+        where = f"{self.name} cannot encode {describe(value)} at {path}"
+        own = raised_by(exc)
+        if own is not None:  # a __reduce__ or __getstate__ raised: no other serializer would fix that
+            return EncodeError(f"{where}: {own} raised {type(exc).__name__}: {exc}; that is the object's own code, "
+                               f"not a limit of {self.name}: fix it there")
+        # pickle found no importable name for the value (a lambda, a local function or class): cloudpickle
+        # pickles such values by value
+        by_name = isinstance(exc, pickle.PicklingError) or (
+            isinstance(exc, AttributeError) and "local object" in str(exc))
+        return EncodeError(f"{where}: {exc}; {self.by_value_hint if by_name else self.hint}")
 
 
 class CloudpickleSerializer(PickleSerializer):
@@ -166,7 +192,9 @@ class CloudpickleSerializer(PickleSerializer):
     name = "cloudpickle"
     description = "cloudpickle: pickle plus lambdas, closures, __main__ classes; loads can run arbitrary code"
     _raises_own_errors = True
-    hint = "the value holds something cloudpickle cannot pickle (a lock, a socket, an open file?)"
+    hint = "the value holds something cloudpickle cannot pickle (a lock, a socket, a generator?)"
+    by_value_hint = hint
+    in_band_array_bytes = PickleSerializer.in_band_array_bytes  # it pickles arrays as pickle does
 
     def _pickler_base(self) -> type:
         import cloudpickle

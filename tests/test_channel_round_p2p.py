@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(180)
 
 SIZES = [0, 100, 5_000, CHUNK // 4 - 300, CHUNK // 4, CHUNK, 3 * CHUNK + 7, 150_000, 700_000]  # _payload's bulk
 SHARED = 700_000  # past shm_threshold (2 MiB): the rest goes through shared memory, after the channel's answer
+ASKED = "a" * 1_100_000  # a frame past 1 MiB, below shm_threshold: the receiver answers first, then the channel
 ROUTES = {"backend": [(_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_transport, "recv_bytes")],
           "shm": [(_shm.SharedMemory, "_collective"), (_shm, "fetch")],
           "channel": [(_channel_round, "send_p2p"), (_channel_round, "recv_p2p")],
@@ -65,8 +66,9 @@ def test_medium_send_recv_moves_its_rest_through_the_channel():
             assert counts["backend"] == 0, (size, counts)
             if size == SHARED:  # each rank fetched one segment, after it answered, then answered shared memory
                 assert (counts["shm"], counts["channel"], counts["answers"]) == (1, 0, 2), (size, counts)
-            elif size > 100:  # past the slot: each rank answered, sent one rest and received one
-                assert (counts["shm"], counts["channel"], counts["answers"]) == (0, 2, 1), (size, counts)
+            elif size > 100:  # past the slot: each rank sent one rest right after its slot (eager, within the channel's
+                # credit: issue 25) and received one; nobody answered
+                assert (counts["shm"], counts["channel"], counts["answers"]) == (0, 2, 0), (size, counts)
 
 
 # -- refusals: the same outcome on every rank as through the backend ----------------------------------------------
@@ -75,8 +77,8 @@ REFUSED = {"small": 20_000, "medium": 200_000, "agreed": 1_500_000}  # a str's l
 
 def refusals(local: bool) -> Dict[str, Any]:
     """Rank 0 sends strs past rank 1's max_bytes: what each rank raises (the sender too where the backend's path
-    asks the receiver first: past 1 MiB; through the backend a receiver drains what it was not asked about, through
-    the channel it answers and nothing moves), and whether the pair works on."""
+    asks the receiver first: past 1 MiB; below it a receiver drains what it was not asked about, through the
+    channel too, where the rest follows its slot at once), and whether the pair works on."""
     rank = dist.get_rank()
     comm = objcomm.Communicator(local=local)
     comm.all_gather(None)
@@ -100,9 +102,9 @@ def test_a_refused_send_ends_as_through_the_backend():
     sender, receiver = channel
     assert sender == backend[0] == {"small": "ok", "small, then": None, "medium": "ok", "medium, then": None,
                                     "agreed": ("TooLargeError", False), "agreed, then": None}
-    assert receiver == {"small": ("TooLargeError", False), "medium": ("TooLargeError", False),  # nothing moved
+    assert receiver == {"small": ("TooLargeError", True), "medium": ("TooLargeError", True),  # drained
                         "agreed": ("TooLargeError", False), **{k + ", then": "after" for k in REFUSED}}
-    assert backend[1] == {**receiver, "small": ("TooLargeError", True), "medium": ("TooLargeError", True)}  # drained
+    assert backend[1] == receiver
 
 
 # -- concurrent sends under one tag ------------------------------------------------------------------------------
@@ -235,9 +237,9 @@ def out_of_step(mode: str) -> Any:
     if mode == "words" and rank == 1:
         _first.ChannelRoute.send_words = lambda self, wire, words, dst, message: real_words(  # type: ignore
             self, wire, words[:-1], dst, message)
-    bulk = SHARED if mode == "words" else 3 * CHUNK
+    sent = _payload(1, SHARED) if mode == "words" else ASKED if mode == "answer" else _payload(1, 3 * CHUNK)
     try:
-        outcome = outcome_of(lambda: comm.send(_payload(1, bulk), 0) if rank == 1 else comm.recv(1) and None)
+        outcome = outcome_of(lambda: comm.send(sent, 0) if rank == 1 else comm.recv(1) and None)
     finally:
         _channel_round._chunks, _first.ChannelRoute.answer = real_chunks, real_answer  # type: ignore
         _first.ChannelRoute.send_words = real_words  # type: ignore
@@ -271,9 +273,9 @@ def test_an_answer_of_two_bytes_fails_the_channel():
 # -- waits that time out ----------------------------------------------------------------------------------------------
 def stalls(mode: str) -> List[Any]:
     """A group with a 3 s timeout. ``rest``: rank 1 stalls 5 s after the first message of a rest, so rank 0's recv
-    times out, and the rest of the rest arrives late; ``answer``: rank 1 receives 4 s late, so rank 0's send times
-    out waiting for its answer. What rank 0 raised, whether anything late stayed in its stash, and whether the
-    pair and the group work on."""
+    times out, and the rest of the rest arrives late; ``answer``: rank 1 receives 4 s late, so rank 0's send (past
+    1 MiB: it waits to be answered) times out waiting for its answer. What rank 0 raised, whether anything late
+    stayed in its stash, and whether the pair and the group work on."""
     rank = dist.get_rank()
     sub = dist.new_group([0, 1], timeout=timedelta(seconds=3))
     comm = objcomm.Communicator(sub, local=True)
@@ -301,7 +303,7 @@ def stalls(mode: str) -> List[Any]:
             raised = outcome_of(lambda: comm.recv(0, tag=2))[1]  # answers at once; the sender gave up: no rest
     else:
         try:
-            comm.recv(1, tag=2) if mode == "rest" else comm.send(_payload(0, 3 * CHUNK), 1, tag=2)
+            comm.recv(1, tag=2) if mode == "rest" else comm.send(ASKED, 1, tag=2)
         except objcomm.CommunicationError as exc:
             raised = str(exc)
         assert comm.recv(1, tag=3) == "done"  # meanwhile what comes late is read (the rest)

@@ -218,6 +218,54 @@ def test_user_payload_and_user_serializers_join_the_matrix(tmp_path):
     assert "bench_user_payload:make" in out
 
 
+CONSOLE_SCRIPT = """
+import sys
+from objcomm.__main__ import main
+if __name__ == "__main__":
+    sys.exit(main())
+"""  # what pip writes for the ``objcomm`` entry point
+
+
+@pytest.mark.timeout(180)
+def test_the_command_finds_user_modules_in_the_current_directory(tmp_path):
+    """``objcomm bench --payload mymodule:make_obj`` where mymodule.py is, as ``python -m objcomm`` does.
+
+    Run as pip's console script runs: a script in another folder (so ``sys.path[0]`` is that folder,
+    not the current directory), with only objcomm's source on ``PYTHONPATH``."""
+    script = tmp_path / "bin" / "objcomm-script.py"
+    script.parent.mkdir()
+    script.write_text(CONSOLE_SCRIPT)
+    work, made = tmp_path / "work", tmp_path / "made"
+    made.mkdir()
+    write_module(work, "mymodule", f"""
+        import os
+
+        def make_obj(rank):
+            open(os.path.join({str(made)!r}, str(os.getpid())), "w").close()
+            return {{"rank": rank, "tags": ["a", "b"]}}
+        """)
+    write_module(work, "my_serializers", """
+        import json
+        from objcomm import serializers
+
+        serializers.register("cwd-json", dumps=lambda o: json.dumps(o).encode(),
+                             loads=lambda b: json.loads(bytes(b)), safe=True, description="from the cwd")
+        """)
+    out_json = tmp_path / "r.json"
+    done = subprocess.run(
+        [sys.executable, str(script), *QUICK, "--payload", "mymodule:make_obj", "--import", "my_serializers",
+         "--serializers", "pickle,cwd-json", "--ops", "all_gather", "--json", str(out_json)],
+        env=_env(), cwd=work, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=150,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {(r["payload"], r["serializer"]) for r in rows} == {("mymodule:make_obj", "pickle"),
+                                                                ("mymodule:make_obj", "cwd-json")}
+    assert all(r["latency_s"] > 0 for r in rows)
+    ranks = json.loads(out_json.read_text())["meta"]["ranks"]
+    assert {int(p.name) for p in made.iterdir()} >= {r["pid"] for r in ranks}, "each rank imported mymodule"
+
+
 @pytest.mark.timeout(120)
 def test_a_failing_rank_is_reported_and_every_rank_reaped(tmp_path):
     pids = tmp_path / "pids"

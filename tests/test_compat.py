@@ -10,8 +10,9 @@ on sub-groups, with ``group_dst``/``group_src``, and on a rank outside the group
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -385,3 +386,91 @@ def test_numpy_ranks_and_tensor_subclasses_as_torch_has_them(scenario):
 
     pool = get_pool(2)
     assert pool.run(scenario, "objcomm") == pool.run(scenario, "torch")
+
+
+# -- bad arguments: torch's exception type, torch's sentence first ------------------------------------
+
+
+def bad_arguments(api_name: str) -> list:
+    """Each bad call, made so that torch raises on every rank that makes it before communicating (so nobody
+    waits), through torch, the shims, or torch's names patched; ``(type, text)`` of what each raised."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = dist.new_group([0])  # global rank 1 is not part of it
+    fn: Any = compat if api_name == "compat" else dist
+    inputs = list(range(world)) if rank == 0 else None
+    cases: list = [
+        lambda: fn.gather_object(rank, None if rank == 0 else [None] * world, dst=0),  # missing / not wanted
+        lambda: fn.scatter_object_list([], inputs, src=0),
+        lambda: fn.scatter_object_list("out", inputs, src=0),
+        lambda: fn.scatter_object_list([None] if rank == 0 else [], None, src=0),  # no input on the source
+        lambda: fn.gather_object(rank, None, dst=0, group_dst=0),
+        lambda: fn.broadcast_object_list([1], src=0, group_src=0),
+        lambda: fn.scatter_object_list([None], inputs, src=0, group_src=0),
+        lambda: fn.send_object_list([1], dst=1 - rank, group_dst=1 - rank),
+        lambda: fn.recv_object_list([None], src=1 - rank, group_src=1 - rank),
+        lambda: fn.send_object_list([1]),
+        lambda: fn.recv_object_list([None]),
+        lambda: fn.send_object_list([1], dst=rank),
+        lambda: fn.recv_object_list([None], src=rank),
+        lambda: fn.send_object_list([1], group_dst=rank),
+    ]
+    if rank == 0:  # a global rank outside the group, and this rank itself within it
+        cases += [
+            lambda: fn.gather_object(rank, [None], dst=1, group=mine),
+            lambda: fn.broadcast_object_list([1], src=1, group=mine),
+            lambda: fn.scatter_object_list([None], None, src=1, group=mine),
+            lambda: fn.send_object_list([1], dst=1, group=mine),
+            lambda: fn.recv_object_list([None], src=1, group=mine),
+            lambda: fn.send_object_list([1], group=mine, group_dst=0),
+        ]
+    seen: List[Tuple[str, ...]] = []
+    if api_name == "patched":
+        compat.patch()
+    try:
+        for case in cases:
+            try:
+                case()
+                seen.append(("returned",))
+            except Exception as exc:
+                seen.append((type(exc).__name__, re.sub(r" at 0x[0-9a-f]+", "", str(exc))))  # each run, its group
+    finally:
+        compat.unpatch()
+    out: list = [None] * world
+    compat.all_gather_object(out, rank)  # the group is still in step
+    return seen + [out]
+
+
+def test_bad_arguments_raise_torchs_type_with_torchs_sentence_first():
+    from _ranks import get_pool
+
+    pool = get_pool(2)
+    theirs = pool.run(bad_arguments, "torch")
+    ours = pool.run(bad_arguments, "compat")
+    patched = pool.run(bad_arguments, "patched")
+    for rank, (t, o, p) in enumerate(zip(theirs, ours, patched)):
+        assert t[-1] == o[-1] == p[-1] == [0, 1]
+        assert len(t) == len(o) == len(p) == (21 if rank == 0 else 15)
+        for case, (their, our, through_torchs_names) in enumerate(zip(t[:-1], o[:-1], p[:-1])):
+            for mine in (our, through_torchs_names):
+                assert their[0] == mine[0] == "ValueError", (rank, case, their, mine)
+                assert mine[1].startswith(their[1] + " (objcomm.compat: "), (rank, case, their, mine)
+    sentences = {o[1].split(" (objcomm.compat: ")[0] for o in ours[0][:-1] + ours[1][:-1]}
+    assert {
+        "Argument ``gather_list`` must be specified on destination rank.",
+        "Argument ``gather_list`` must NOT be specified on non-destination ranks.",
+        "Expected argument scatter_object_output_list to be a list of size at least 1.",
+        "source rank must provide non-None scatter_object_input_list",
+        "Can't specify both group_rank and global_rank",
+        "Must specify global_rank or group_rank",
+        "Invalid destination rank: destination rank should not be the same as the rank of the current process.",
+        "Invalid source rank: source rank should not be the same as the rank of the current process.",
+    } < sentences
+    assert "Global rank 1 is not part of group <torch.distributed.distributed_c10d.ProcessGroup object>" in sentences
+
+
+def test_scatter_into_an_empty_list_says_torchs_sentence_first():
+    with pytest.raises(ValueError) as caught:
+        compat.scatter_object_list([], ["only"])
+    text = str(caught.value)
+    assert text.startswith("Expected argument scatter_object_output_list to be a list of size at least 1. (objcomm")
+    assert "pass a list of at least one element (e.g. [None])" in text

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import pickle
+import subprocess
+import sys
+import traceback
 
 import pytest
 
@@ -19,7 +23,7 @@ def test_objcomm_exports():
         "compat", "device_for_backend", "ObjcommError", "EncodeError", "DecodeError", "RemoteError", "FrameError",
         "TooLargeError", "UnknownSerializerError", "ContentRefusedError", "CommunicationError", "SerializationError",
         "MissingDependencyError", "configure", "restore", "settings", "Settings", "__version__",
-        "isend", "irecv", "Request", "WaitTimeoutError",
+        "isend", "irecv", "Request", "WaitTimeoutError", "serializers",
     ])
     for name in objcomm.__all__:
         assert hasattr(objcomm, name), name
@@ -37,6 +41,65 @@ def test_serializers_exports():
         "JsonSerializer", "ObjcommError", "SerializationError", "EncodeError", "DecodeError",
         "UnknownSerializerError", "ContentRefusedError",
     ])
+
+
+OBJCOMM_SERIALIZERS = """
+import sys
+import objcomm
+assert "serializers" not in sys.modules, "import objcomm imports no serializer yet"
+from objcomm import serializers as a
+import objcomm.serializers as b
+import serializers as c
+assert a is b is c is objcomm.serializers is sys.modules["objcomm.serializers"], (a, b, c)
+assert a.get("msgpack").loads(a.get("msgpack").dumps({0: (1, 2)})) == {0: (1, 2)}
+assert "torch" not in sys.modules, "torch was imported"
+"""
+
+
+def test_objcomm_serializers_is_the_serializers_package():
+    """``objcomm.serializers`` is the documented name: the same module object as ``import serializers``."""
+    done = subprocess.run([sys.executable, "-c", OBJCOMM_SERIALIZERS], capture_output=True, text=True, timeout=25)
+    assert done.returncode == 0, done.stderr
+    assert objcomm.serializers is serializers
+    assert "serializers" in dir(objcomm)
+
+
+ERRORS = ["ObjcommError", "SerializationError", "EncodeError", "DecodeError", "UnknownSerializerError",
+          "ContentRefusedError", "FrameError", "TooLargeError", "CommunicationError", "WaitTimeoutError", "RemoteError"]
+
+UNPICKLE = """
+import pickle, sys
+errors = pickle.loads(sys.stdin.buffer.read())
+print(" ".join(f"{type(e).__module__}.{type(e).__qualname__}:{e.args[0] if e.args else ''}" for e in errors))
+assert "torch" not in sys.modules, "torch was imported"
+"""
+
+
+def _instance(name: str) -> BaseException:
+    cls = getattr(objcomm, name)
+    return cls("all_gather", {1: ("KeyError", "boom")}) if name == "RemoteError" else cls(f"{name}-message")
+
+
+@pytest.mark.parametrize("name", ERRORS)
+def test_errors_show_their_public_names(name):
+    cls = getattr(objcomm, name)
+    assert cls.__module__ == "objcomm" and getattr(objcomm, cls.__qualname__) is cls
+    error = _instance(name)
+    assert repr(error).startswith(f"{name}(")
+    shown = traceback.format_exception_only(type(error), error)[-1]
+    assert shown.startswith(f"objcomm.{name}: "), shown
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is cls and copy.args == error.args
+
+
+def test_errors_unpickle_in_a_fresh_process_through_objcomm():
+    """A pickled error names ``objcomm.DecodeError``; unpickling it imports objcomm (no torch) and finds it."""
+    errors = [_instance(name) for name in ERRORS if name != "RemoteError"]
+    data = pickle.dumps(errors)
+    assert b"serializers._errors" not in data and b"objcomm._errors" not in data
+    done = subprocess.run([sys.executable, "-c", UNPICKLE], input=data, capture_output=True, timeout=25)
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode().split() == [f"objcomm.{type(e).__name__}:{e.args[0]}" for e in errors]
 
 
 def test_one_exception_root():

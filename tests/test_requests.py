@@ -233,11 +233,20 @@ def _settled_threads(baseline: int) -> int:
     return threading.active_count()
 
 
+def _transient_threads_ended() -> None:
+    """Wait (30 s at most) until no lane or eager-send thread of an earlier call is alive: the baseline."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(
+            t.name.startswith("objcomm-") and t.name != "objcomm-watch-parent" for t in threading.enumerate()):
+        time.sleep(0.01)
+
+
 def soak(calls: int) -> Dict[str, Any]:
     """``calls`` async calls per rank, eight in flight at a time: collectives and isend/irecv pairs."""
     rank, world = dist.get_rank(), dist.get_world_size()
     peer = (rank + 1) % world
     objcomm.all_gather(0, async_op=True).wait(timeout=120)  # the group's shadow exists before measuring
+    _transient_threads_ended()  # a lane's thread ends just after its last job; an eager send's reaper lingers
     threads, rss = threading.active_count(), []
     done = 0
     while done < calls:

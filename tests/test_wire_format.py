@@ -335,7 +335,7 @@ MUST_STATE = {
     "objcomm._hosts._WORDS", "objcomm._segments.PREFIX", "objcomm._call.MAX_TAG", "objcomm._reduce.REDUCE_TAG",
     *(f"objcomm._shm.{n}" for n in ("_P2P", "_READ", "_FELL_BACK", "_REFUSED", "_SENT", "_OTHER_HOST", "_RESEND",
                                    "_REFUSED_P2P")),
-    *(f"objcomm._inbox.{n}" for n in ("ALL_GATHER", "BROADCAST", "SCATTER", "ALL_TO_ALL", "P2P", "READY")),
+    *(f"objcomm._inbox.{n}" for n in ("ALL_GATHER", "BROADCAST", "SCATTER", "ALL_TO_ALL", "P2P", "CREDIT")),
     "objcomm._local.MAX_PAYLOAD", "objcomm._local._WORDS",
 }
 

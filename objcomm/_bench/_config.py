@@ -1,11 +1,15 @@
 """What a benchmark run is asked to do: the ops, the validated config, the user's modules.
 
-Needs no torch, so ``objcomm --help`` and the CLI's argument checks start without it.
+Needs no torch, so ``objcomm --help`` and the CLI's argument checks start without it. User modules
+(``--payload``, ``--import``) are found as ``python -m`` finds them: the current directory first
+(:func:`cwd_first`), then ``PYTHONPATH``; local ranks are spawned with the parent's ``sys.path``.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from dataclasses import dataclass
 from typing import Sequence, Tuple
 
@@ -31,6 +35,15 @@ class BenchConfig:
     adaptive: bool = True
     imports: Tuple[str, ...] = ()
     cell_budget_s: float = 0.4
+
+
+def cwd_first() -> None:
+    """Put the current directory first on ``sys.path``, as ``python -m`` does: for the ``objcomm`` script
+    Python put the script's own folder there, so ``--payload``/``--import`` modules in the current
+    directory were not found. Spawned local ranks inherit ``sys.path``."""
+    cwd = os.getcwd()
+    if not sys.path or sys.path[0] not in (cwd, ""):  # "": python -c and the REPL already search it
+        sys.path.insert(0, cwd)
 
 
 def import_modules(names: Sequence[str]) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List
 
 _CALIBRATION_ITEMS = 64
+ARRAY_LENGTH = 100  # "arrays": each array's float64s (about 1 KB); the payload's size sets how many arrays
 _WORDS = (
     "the model predicts a label for every sample in the batch while the loss goes down slowly "
     "and gradients flow through attention layers across ranks of the cluster"
@@ -110,6 +111,13 @@ def _numpy(rng: random.Random, rank: int, n: int) -> Dict[str, Any]:
     return {"embeddings": gen.standard_normal((n, 64), dtype=np.float32), "labels": gen.integers(0, 10, n)}
 
 
+def _arrays(rng: random.Random, rank: int, n: int) -> Dict[str, Any]:
+    import numpy as np
+
+    gen = np.random.default_rng(rng.randrange(1 << 30))
+    return {f"layer{i:04d}.stats": gen.standard_normal(ARRAY_LENGTH) for i in range(n)}
+
+
 def _tensors(rng: random.Random, rank: int, n: int) -> Dict[str, Any]:
     import torch
 
@@ -128,6 +136,8 @@ BUILTIN: Dict[str, Payload] = {
         Payload("int-keys", "a dict with int keys (id -> count)", _scaled(_int_keys)),
         Payload("config", "a nested config with tuples and None (fixed size)", _config, scalable=False),
         Payload("numpy", "numpy arrays: float32 embeddings and int64 labels", _scaled(_numpy)),
+        Payload("arrays", f"many small numpy arrays: a dict of {ARRAY_LENGTH}-float64 arrays (about 100 at 80KB)",
+                _scaled(_arrays)),
         Payload("tensors", "a dict holding torch tensors", _scaled(_tensors)),
     ]
 }
@@ -144,7 +154,8 @@ def user_payload(spec: str) -> Payload:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"--payload {spec}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?") from exc
+        raise ValueError(f"--payload {spec}: cannot import {module_name!r} ({exc}); "
+                         "is it in the current directory or on PYTHONPATH?") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"--payload {spec}: module {module_name!r} has no function {attr!r}")

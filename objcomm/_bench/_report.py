@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ._config import DEFAULT_OPS
 from ._measure import TORCH, TORCH_EQUIVALENT
@@ -44,7 +44,7 @@ def format_table(result: Result) -> str:
                         notes.setdefault(f"{row.serializer}: {row.fidelity}", row.note)
         if notes:
             lines.extend([*(f"  {who}: {note}" for who, note in notes.items()), ""])
-    lines.extend(format_recommendations(result.recommendations()))
+    lines.extend(format_recommendations(result.recommendations(), ops))
     return "\n".join(lines)
 
 
@@ -108,17 +108,43 @@ def _mb_per_s(bps: Optional[float]) -> str:
     return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
 
 
-def format_recommendations(recommendations: List[Recommendation]) -> List[str]:
-    """One line per payload: the fastest exact serializer and the fastest safe one."""
+def format_recommendations(recommendations: List[Recommendation], ops: Sequence[str] = ()) -> List[str]:
+    """One line per payload: the fastest exact serializer and the fastest safe one, each with its time relative to
+    torch's; where torch.distributed was faster, the line says so and to keep torch's collective (``ops``: the
+    ops measured, to name it)."""
     lines = ["recommendations (× is the geometric mean over sizes and ops):"]
-    cells = [(rec.payload, _choice(rec.exact) if rec.exact else "none round-trips it exactly",
-              _choice(rec.safe, with_fidelity=True) if rec.safe else "no safe serializer carries it")
-             for rec in recommendations]
+    torch_names = _torch_names(ops)
+    cells = [(rec.payload, _exact_cell(rec.exact, torch_names), _safe_cell(rec.safe)) for rec in recommendations]
     width = max((len(c[0]) for c in cells), default=0)
     exact_width = max((len(c[1]) for c in cells), default=0)
     for payload, exact, safe in cells:
-        lines.append(f"  {payload:<{width}}  fastest exact: {exact:<{exact_width}}  fastest safe: {safe}")
+        lines.append(f"  {payload:<{width}}  {exact:<{exact_width}}  {safe}")
     return lines
+
+
+def _torch_names(ops: Sequence[str]) -> str:
+    """What torch.distributed calls the object collective of ``ops``: ``all_gather_object``; for several, all."""
+    names = list(dict.fromkeys(TORCH_EQUIVALENT[op].split(",")[0].split(" ")[0] for op in ops
+                               if op in TORCH_EQUIVALENT))
+    return names[0] if len(names) == 1 else "its object collectives"
+
+
+def _exact_cell(choice: Optional[Choice], torch_names: str) -> str:
+    if choice is None:
+        return "fastest exact: none round-trips it exactly"
+    if choice.beats_torch:
+        return f"fastest exact: {_choice(choice)}"
+    # torch round-trips everything pickle does: an exact serializer slower than it is no advice
+    return f"torch.distributed is faster here (fastest exact: {_choice(choice)}): keep {torch_names} for this payload"
+
+
+def _safe_cell(choice: Optional[Choice]) -> str:
+    if choice is None:
+        return "no safe serializer carries it"
+    if choice.beats_torch:
+        return f"fastest safe: {_choice(choice, with_fidelity=True)}"
+    # torch is faster, but it unpickles: whoever needs a safe decoder pays this much for it
+    return f"fastest safe: {_choice(choice, with_fidelity=True)}, slower than torch, whose pickle is not safe"
 
 
 def _choice(choice: Choice, with_fidelity: bool = False) -> str:

@@ -64,14 +64,24 @@ class Choice:
     vs_torch: float
     fidelity: str
 
+    @property
+    def beats_torch(self) -> bool:
+        """Faster than torch.distributed's object collectives on the payload (a ratio below 1)."""
+        return self.vs_torch < 1.0
+
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The fastest serializer whose every round trip was exact, and the fastest safe one that ran everywhere."""
+    """The fastest serializer whose every round trip was exact, and the fastest safe one that ran everywhere.
+
+    ``torch_faster``: no serializer that carried the payload without loss beat torch.distributed on it, so the
+    advice is to keep torch's object collectives for it (torch pickles: exact, not safe).
+    """
 
     payload: str
     exact: Optional[Choice]
     safe: Optional[Choice]
+    torch_faster: bool = False
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -92,7 +102,8 @@ def recommend(payload: str, rows: List[Row]) -> Recommendation:
     choices.sort()
     exact = next((Choice(n, g, f) for g, n, f, _ in choices if f == "exact"), None)
     safe = next((Choice(n, g, f) for g, n, f, s in choices if s and f != "lossy"), None)
-    return Recommendation(payload, exact, safe)
+    torch_faster = not any(g < 1.0 for g, _, f, _ in choices if f != "lossy")
+    return Recommendation(payload, exact, safe, torch_faster)
 
 
 def _worst(rows: List[Row]) -> str:

@@ -1,0 +1,197 @@
+"""mpi4py's vocabulary gets an answer (issue 29, item 4): its keywords (``dest=``, ``source=``, ``root=``), its names
+(``objcomm.bcast``, ``comm.allreduce``) and its op names in capitals (``"SUM"``) say what to write instead."""
+
+from __future__ import annotations
+
+import inspect
+import pathlib
+import re
+
+import pytest
+import torch.distributed as dist
+from _ranks import get_pool
+
+import objcomm
+from objcomm import _api, _call, _reduce
+
+pytestmark = pytest.mark.timeout(60)
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "from-mpi4py.md"
+POINTER = " (objcomm follows torch.distributed's names: see docs/from-mpi4py.md)"
+FUNCTIONS = ["all_gather", "gather", "broadcast", "scatter", "all_to_all", "reduce", "all_reduce", "send", "recv",
+             "isend", "irecv"]
+
+
+def _type_error(fn, *args, **kwargs) -> str:
+    with pytest.raises(TypeError) as raised:
+        fn(*args, **kwargs)
+    return str(raised.value)
+
+
+def _arguments(name: str) -> tuple:
+    """Positional arguments that bind for ``name`` (the call never runs: a keyword is refused first)."""
+    return {"reduce": (1, "sum"), "all_reduce": (1, "sum"), "send": (1, 0), "isend": (1, 0), "recv": (),
+            "irecv": (), "scatter": ([1],), "all_to_all": ([1],)}.get(name, (1,))
+
+
+def test_the_issues_example_word_for_word():
+    assert _type_error(objcomm.send, {"x": 1}, dest=1) == (
+        "send() got an unexpected keyword argument 'dest'; did you mean dst=? (objcomm follows torch.distributed's "
+        "names: see docs/from-mpi4py.md)"
+    )
+
+
+# (function, mpi4py keyword) -> what objcomm's message suggests
+SUGGESTIONS = {
+    ("send", "dest"): "did you mean dst=?",
+    ("isend", "dest"): "did you mean dst=?",
+    ("recv", "source"): "did you mean src=?",
+    ("irecv", "source"): "did you mean src=?",
+    ("broadcast", "root"): "did you mean src=?",
+    ("scatter", "root"): "did you mean src=?",
+    ("gather", "root"): "did you mean dst=?",
+    ("reduce", "root"): "did you mean dst=?",
+    ("all_gather", "root"): "all_gather() has no root: every rank takes part and gets the result",
+    ("all_reduce", "root"): "all_reduce() has no root: every rank takes part and gets the result",
+    ("all_to_all", "root"): "all_to_all() has no root: every rank takes part and gets the result",
+    ("send", "sendobj"): "did you mean obj=?",
+    ("scatter", "sendobj"): "did you mean objs=?",
+    ("all_to_all", "sendobj"): "did you mean objs=?",
+    ("recv", "status"): "did you mean return_sender=True? It returns (sender's global rank, obj)",
+    ("irecv", "buf"): "objcomm allocates what it receives: leave buf out",
+}
+
+
+@pytest.mark.parametrize("name,keyword", sorted(SUGGESTIONS))
+def test_mpi4py_keywords_on_module_functions(name, keyword):
+    message = _type_error(getattr(objcomm, name), *_arguments(name), **{keyword: 0})
+    assert message == f"{name}() got an unexpected keyword argument {keyword!r}; {SUGGESTIONS[name, keyword]}{POINTER}"
+
+
+@pytest.mark.parametrize("name,keyword", sorted(SUGGESTIONS))
+def test_mpi4py_keywords_on_communicator_methods(name, keyword):
+    comm = objcomm.Communicator()
+    message = _type_error(getattr(comm, name), *_arguments(name), **{keyword: 0})
+    hint = SUGGESTIONS[name, keyword].replace(f"{name}()", f"Communicator.{name}()")
+    assert message == (f"Communicator.{name}() got an unexpected keyword argument {keyword!r}; {hint}{POINTER}")
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_every_public_function_and_method_answers_every_root(name):
+    """``root=`` gets an answer everywhere: the parameter it means, or that there is no root."""
+    for fn in (getattr(objcomm, name), getattr(objcomm.Communicator(), name)):
+        message = _type_error(fn, *_arguments(name), root=0)
+        assert message.endswith(POINTER) and ("did you mean" in message or "has no root" in message), message
+
+
+def test_misspelt_keywords_get_a_close_match_and_others_pythons_own_message():
+    assert _type_error(objcomm.all_gather, 1, max_byte=10) == (
+        "all_gather() got an unexpected keyword argument 'max_byte'; did you mean max_bytes=?")
+    assert _type_error(objcomm.Communicator().recv, return_sendr=True) == (
+        "Communicator.recv() got an unexpected keyword argument 'return_sendr'; did you mean return_sender=?")
+    assert _type_error(objcomm.broadcast, 1, color="red") == "broadcast() got an unexpected keyword argument 'color'"
+    assert _type_error(objcomm.recv, dest=1) == "recv() got an unexpected keyword argument 'dest'"  # no dst here
+
+
+def test_errors_raised_inside_a_call_are_untouched():
+    with pytest.raises(TypeError, match="scatter needs a sequence"):
+        objcomm.scatter(5)
+    with pytest.raises(TypeError, match="dst must be an int rank"):
+        objcomm.send(1, dst="zero")
+
+
+def test_signatures_and_docstrings_stay_the_functions_own():
+    for name in FUNCTIONS:
+        fn, method = getattr(objcomm, name), getattr(objcomm.Communicator, name)
+        assert fn.__name__ == name and fn.__doc__ and method.__doc__, name
+        assert "dest" not in inspect.signature(fn).parameters
+        assert list(inspect.signature(fn).parameters) == list(inspect.signature(fn.__wrapped__).parameters)
+    assert str(inspect.signature(objcomm.send)).startswith("(obj: 'Any', dst: 'int', tag: 'int' = 0, *, group")
+
+
+# -- names -----------------------------------------------------------------------------------------------------------
+NAMES = {
+    "bcast": "did you mean objcomm.broadcast?",
+    "allgather": "did you mean objcomm.all_gather?",
+    "allreduce": "did you mean objcomm.all_reduce?",
+    "alltoall": "did you mean objcomm.all_to_all?",
+    "sendrecv": "there is no sendrecv: objcomm.isend(obj, dst, tag) then objcomm.recv(src, tag) does what it does",
+    "Get_rank": "use torch.distributed.get_rank(group)",
+    "ANY_SOURCE": "pass src=None to receive from any rank",
+    "SUM": 'pass op="sum"',
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_mpi4py_names_for_the_module(name):
+    assert str(_api.no_attribute(name)) == f"module 'objcomm' has no attribute {name!r}; {NAMES[name]}{POINTER}"
+    assert str(_api.no_attribute("nonesuch")) == "module 'objcomm' has no attribute 'nonesuch'"
+
+
+def test_mpi4py_names_on_the_module_itself():
+    with pytest.raises(AttributeError, match=re.escape("did you mean objcomm.broadcast?")):
+        objcomm.bcast  # noqa: B018
+
+
+def test_mpi4py_names_on_a_communicator():
+    comm = objcomm.Communicator()
+    with pytest.raises(AttributeError) as raised:
+        comm.allreduce(1, "sum")
+    assert str(raised.value) == (
+        f"'Communicator' object has no attribute 'allreduce'; did you mean Communicator.all_reduce?{POINTER}")
+    with pytest.raises(AttributeError, match=re.escape("torch.distributed.get_rank(group)")):
+        comm.Get_rank()
+    with pytest.raises(AttributeError, match="^'Communicator' object has no attribute 'nonesuch'$"):
+        comm.nonesuch  # noqa: B018
+    assert not hasattr(comm, "bcast") and hasattr(comm, "broadcast")
+
+
+def test_every_name_a_hint_points_to_exists():
+    for hint in _call.MPI4PY_NAMES.values():
+        for module, name in re.findall(r"\{on\}\.(\w+)|torch\.distributed\.(\w+)", hint):
+            assert (hasattr(objcomm, module) and hasattr(objcomm.Communicator, module)) if module else hasattr(
+                dist, name), hint
+
+
+MPI4PY_ON_THE_PAGE = {"bcast", "allreduce", "ANY_SOURCE", "SUM"}  # what the page says objcomm answers
+
+
+def test_the_doc_names_only_what_exists():
+    """Every ``objcomm.x`` and ``dist.x`` the page writes exists (but the mpi4py names it says objcomm answers), and
+    it names every op objcomm has."""
+    text = DOC.read_text()
+    for name in set(re.findall(r"\bobjcomm\.(\w+)", text)) - MPI4PY_ON_THE_PAGE:
+        assert hasattr(objcomm, name), name
+    assert MPI4PY_ON_THE_PAGE <= set(_call.MPI4PY_NAMES)
+    for name in set(re.findall(r"\bdist\.(\w+)", text)):
+        assert hasattr(dist, name), name
+    for op in _reduce.NAMED_OPS:
+        assert f'"{op}"' in text, op
+
+
+def test_the_docs_objcomm_example_runs_in_a_world_of_one():
+    blocks = re.findall(r"```python\n(# objcomm.*?)```", DOC.read_text(), re.S)
+    assert len(blocks) == 1
+    scope: dict = {}
+    exec(compile(blocks[0], str(DOC), "exec"), scope)
+    assert scope["got"] == {"from": 0} and scope["total"] == 0 and scope["request"].is_completed()
+
+
+# -- op names ----------------------------------------------------------------------------------------------------------
+def test_op_names_in_any_case_without_a_process_group():
+    assert objcomm.all_reduce(3, "SUM") == 3
+    assert objcomm.reduce({"a": 1}, "Merge_Sum", dst=0) == {"a": 1}
+    assert objcomm.all_reduce(2, "MAX", async_op=True).wait(timeout=5) == 2
+    with pytest.raises(ValueError, match="op must be a callable"):
+        objcomm.all_reduce(3, "add")
+
+
+def reduce_with_capitals() -> list:
+    rank = dist.get_rank()
+    return [objcomm.all_reduce(rank + 1, "SUM"), objcomm.reduce(rank + 1, "Max", dst=0),
+            objcomm.all_reduce(str(rank), "sum" if rank else "SUM"),  # ranks may differ in case
+            objcomm.Communicator().all_reduce(rank + 2, "PROD", async_op=True).wait(timeout=30)]
+
+
+def test_op_names_in_any_case_on_a_group():
+    assert get_pool(2).run(reduce_with_capitals) == [[3, 2, "01", 6], [3, None, "01", 6]]

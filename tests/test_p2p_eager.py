@@ -1,0 +1,355 @@
+"""Sends that outlive their call, on real gloo groups (issue 25, items 4 and 5): ``isend`` captures its object when
+it is called, and a small blocking ``send`` returns at once on every path, the backend's as the channel's.
+
+Each scenario runs through the same-host channel (``local`` on, after a collective that opened it and let
+send/recv in) and through the backend (``local`` off), so that a program behaves the same wherever its
+ranks run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from _child import run_group_losing_a_rank
+from _ranks import get_pool
+
+import objcomm
+from objcomm import _framing, _pending, _state
+from serializers import registry
+
+pytestmark = pytest.mark.timeout(120)
+
+PATHS = ["channel", "backend"]
+BIG = 200_000  # above the slot: a second round, whose sender waits for its receiver
+OOB = 20_000  # float32 elements: 80 KB, above inline_tensor_bytes, so the tensor travels out of band
+SHORT_TIMEOUT = 10  # seconds: the timeout of the scenarios' own groups, so that a hang fails fast
+
+
+def _on(path: str, group: Any = None) -> None:
+    """Route this rank's default-option calls on ``group`` through ``path``; through the channel, after a collective
+    has opened it and let send/recv in."""
+    objcomm.configure(local=path == "channel")
+    if path == "channel":
+        objcomm.all_gather(None, group=group)
+        state = _state.group_facts(group if group is not None else dist.group.WORLD).local.get(False)
+        assert state is not None and state.channel is not None and state.channel.p2p, "send/recv are not on it"
+
+
+def _on_path(path: str, scenario: Any, *args: Any) -> Any:
+    previous = objcomm.configure()
+    try:
+        _on(path)
+        return scenario(*args)
+    finally:
+        objcomm.restore(previous)
+
+
+# -- item 4: what isend sends is what obj was when isend was called ----------------------------------------------------
+def _message(kind: str, i: int) -> Dict[str, Any]:
+    if kind == "dict":
+        return {"i": i, "list": [i] * 3, "bytes": bytearray([i]) * 8}
+    if kind == "inline_tensor":  # small: copied into the frame, from the tensor's memory
+        return {"i": i, "t": torch.full((4,), i)}
+    return {"i": i, "t": torch.full((OOB,), float(i))}  # out of band: moved as a tensor, in a second round
+
+
+def _mutate(buf: Dict[str, Any], kind: str, i: int) -> None:
+    buf["i"] = i
+    if kind == "dict":
+        buf["list"][:] = [i] * 3
+        buf["bytes"][:] = bytearray([i]) * 8
+    else:
+        buf["t"].fill_(i)  # in place: the same tensor object
+
+
+def _seen(got: Dict[str, Any], kind: str) -> Any:
+    if kind == "dict":
+        return got["i"], got["list"], bytes(got["bytes"])
+    return got["i"], sorted(set(got["t"].tolist()))
+
+
+def mutate_after_isend(kind: str) -> List[Any]:
+    """Rank 0 isends one buffer five times, changing it in place in between and after; rank 1 receives late, so that
+    every send is still in progress (behind a large first message) while rank 0 changes the buffer."""
+    rank = dist.get_rank()
+    if rank == 0:
+        first = objcomm.isend({"big": b"b" * BIG}, dst=1, tag=11)  # its lane waits for rank 1's answer
+        buf = _message(kind, 250)
+        requests = []
+        for i in range(5):
+            _mutate(buf, kind, i)
+            requests.append(objcomm.isend(buf, dst=1, tag=11))
+        _mutate(buf, kind, 99)
+        for request in [first, *requests]:
+            assert request.wait(timeout=60) is None
+        return []
+    if rank == 1:
+        time.sleep(0.5)
+        assert objcomm.recv(0, tag=11) == {"big": b"b" * BIG}
+        return [_seen(objcomm.recv(0, tag=11), kind) for _ in range(5)]
+    return []
+
+
+@pytest.mark.parametrize("kind", ["dict", "inline_tensor", "oob_tensor"])
+@pytest.mark.parametrize("path", PATHS)
+def test_isend_sends_the_object_as_it_was_at_the_call(path, kind):
+    got = get_pool(2).run(_on_path, path, mutate_after_isend, kind)[1]
+    assert got == [_seen(_message(kind, i), kind) for i in range(5)]
+
+
+def test_captured_owns_every_byte_it_sends():
+    """What isend keeps of an encoded object: nothing shares memory with the object any more (its frame's inline
+    tensor bytes, its out-of-band tensors and arrays), while the plain encoding still does."""
+    t, array, big = torch.zeros(4), np.zeros(OOB), torch.zeros(OOB)
+    out = _framing.encode({"t": t, "a": array, "big": big}, registry.guarded("pickle"), max_bytes=1 << 30)
+    kept = _pending.captured(out)
+
+    def joined(o: Any) -> bytes:  # the parts as they are now (Outgoing.frame would keep its first join)
+        return b"".join(bytes(memoryview(part)) for part in o.parts)
+
+    frame, tensors = joined(kept), [x.clone() for x in kept.tensors]
+    assert len(tensors) == 2
+    t.fill_(1)
+    array.fill(1)
+    big.fill_(1)
+    assert joined(kept) == frame and all(torch.equal(a, b) for a, b in zip(kept.tensors, tensors))
+    assert joined(out) != frame and not any(torch.equal(a, b) for a, b in zip(out.tensors, tensors))
+
+
+def isend_argument_errors() -> List[str]:
+    """A bad dst or tag raise at the isend (as the blocking send does), not at wait(). (dst == this rank is a
+    message to oneself, delivered: tests/test_self_messages.py.)"""
+    rank = dist.get_rank()
+    seen = []
+    for dst, tag in ((5, 0), ("1", 0), (1 - rank, -1), (1 - rank, 1.5), (1 - rank, True)):
+        try:
+            request = objcomm.isend("x", dst=dst, tag=tag)
+        except (TypeError, ValueError) as exc:
+            seen.append(type(exc).__name__)
+        else:
+            seen.append(f"a handle ({request})")
+    for src, tag in ((1 - rank, -1), (1 - rank, 1 << 30)):
+        try:
+            request = objcomm.irecv(src=src, tag=tag)
+        except ValueError as exc:
+            seen.append("tag must be" in str(exc) and type(exc).__name__)
+        else:
+            seen.append(f"a handle ({request})")
+    return seen
+
+
+def test_isend_and_irecv_refuse_bad_arguments_at_the_call():
+    for seen in get_pool(2).run(isend_argument_errors):
+        assert seen == ["ValueError", "TypeError", "ValueError", "ValueError", "ValueError", "ValueError", "ValueError"]
+
+
+def isend_encode_failure() -> Any:
+    """An object that cannot be encoded: wait() raises the original error, the receiver gets the report."""
+    rank = dist.get_rank()
+
+    class Unpicklable:
+        def __reduce__(self) -> Any:
+            raise RuntimeError("deliberate")
+
+    if rank == 0:
+        request = objcomm.isend(Unpicklable(), dst=1, tag=12)
+        try:
+            request.wait(timeout=60)
+        except objcomm.EncodeError as exc:
+            return "deliberate" in str(exc) and isinstance(exc, RuntimeError)
+        return "no error"
+    try:
+        objcomm.recv(0, tag=12)
+    except objcomm.RemoteError as exc:
+        return exc.ranks
+    return "no error"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_isend_that_cannot_encode_fails_as_the_blocking_send_does(path):
+    assert get_pool(2).run(_on_path, path, isend_encode_failure) == [True, [0]]
+
+
+# -- item 5: small blocking sends return at once, on every path ------------------------------------------------------
+def in_short_group(path: str, scenario: Any, *args: Any) -> Any:
+    """``scenario(group, *args)`` on a group of every rank with a short timeout, so that sends that wait for their
+    receivers fail fast instead of hanging; a CommunicationError comes back as a string."""
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=SHORT_TIMEOUT))
+    previous = objcomm.configure()
+    try:
+        _on(path, group)
+        result = scenario(group, *args)
+        dist.barrier(group)
+        return result
+    except objcomm.CommunicationError as exc:
+        return f"failed: {exc}"[:300]
+    finally:
+        objcomm.restore(previous)
+        dist.destroy_process_group(group)
+
+
+def ring(group: Any, rounds: int) -> List[Any]:
+    """Each rank sends to the next, then receives from the previous: what mpi4py programs do."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    got = []
+    for step in range(rounds):
+        objcomm.send({"from": rank, "step": step}, dst=(rank + 1) % world, group=group)
+        got.append(objcomm.recv(src=(rank - 1) % world, group=group))
+    return got
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_ring_of_small_blocking_sends_completes(world, path):
+    got = get_pool(world).run(in_short_group, path, ring, 3, timeout=60)
+    for rank, received in enumerate(got):
+        assert received == [{"from": (rank - 1) % world, "step": s} for s in range(3)]
+
+
+def mutate_after_send() -> Any:
+    """A blocking send that returns before its receiver takes it sent the object as it was: changing it after the
+    send returned changes nothing on the receiver."""
+    rank = dist.get_rank()
+    if rank == 0:
+        buf = {"i": 0, "t": torch.zeros(4)}
+        for i in range(5):
+            buf["i"] = i
+            buf["t"].fill_(i)
+            objcomm.send(buf, 1, tag=15)
+        buf["t"].fill_(99)
+        return None
+    time.sleep(0.3)
+    return [(got["i"], got["t"].tolist()) for got in (objcomm.recv(0, tag=15) for _ in range(5))]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_eager_send_sent_the_object_as_it_was(path):
+    assert get_pool(2).run(_on_path, path, mutate_after_send)[1] == [(i, [float(i)] * 4) for i in range(5)]
+
+
+def _big(i: int) -> Dict[str, Any]:
+    return {"i": i, "pad": b"p" * BIG, "t": torch.arange(OOB) + i}
+
+
+def eager_order(count: int) -> Any:
+    """Rank 0 sends ``count`` small messages, a large one (a second round under the same tag), then more small ones,
+    while rank 1 starts receiving only after a while: they arrive in order. The first small ones return at once."""
+    rank = dist.get_rank()
+    if rank == 0:
+        start = time.monotonic()
+        for i in range(32):  # within the bound: none waits for rank 1
+            objcomm.send(i, 1, tag=13)
+        quick = time.monotonic() - start
+        for i in range(32, count):  # past it: the oldest wait until rank 1 takes them
+            objcomm.send(i, 1, tag=13)
+        objcomm.send(_big(count), 1, tag=13)
+        for i in range(count + 1, count + 11):
+            objcomm.send(i, 1, tag=13)
+        objcomm.send(_big(count + 11), 1, tag=13)
+        return quick
+    if rank == 1:
+        time.sleep(1.0)
+        got = [objcomm.recv(0, tag=13) for _ in range(count)]
+        big = objcomm.recv(0, tag=13)
+        got.append(big["i"] if big["pad"] == b"p" * BIG and torch.equal(big["t"], torch.arange(OOB) + count) else big)
+        got += [objcomm.recv(0, tag=13) for _ in range(10)]
+        big = objcomm.recv(0, tag=13)
+        got.append(big["i"] if torch.equal(big["t"], torch.arange(OOB) + count + 11) else big)
+        return got
+    return None
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_eager_sends_and_a_large_send_under_one_tag_arrive_in_order(path):
+    quick, got = get_pool(2).run(_on_path, path, eager_order, 100)
+    assert got == list(range(112))
+    assert quick < 0.5, f"32 small sends took {quick:.2f} s while their receiver slept 1 s: they waited for it"
+
+
+def many_eager_peers(group: Any) -> Any:
+    """Every rank sends small messages to every other before receiving any: nobody waits for anybody."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i in range(5):
+        for peer in range(world):
+            if peer != rank:
+                objcomm.send((rank, i), peer, tag=14, group=group)
+    return [[objcomm.recv(peer, tag=14, group=group) for _ in range(5)] for peer in range(world) if peer != rank]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_rank_sends_to_every_other_before_receiving(path):
+    got = get_pool(3).run(in_short_group, path, many_eager_peers, timeout=60)
+    for rank, received in enumerate(got):
+        assert received == [[(peer, i) for i in range(5)] for peer in range(3) if peer != rank]
+
+
+# -- a pending send that fails is reported, not dropped --------------------------------------------------------------
+def _receiver_killed(rank: int, world: int, store: str, victim: int, results: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    objcomm.configure(local=False)  # a process of its own: nothing to restore
+    dist.barrier()
+    if rank == victim:
+        time.sleep(1.0)  # never receives
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        for i in range(3):
+            objcomm.send(i, victim)
+        sent = time.monotonic() - start
+        time.sleep(3.0)  # the victim dies meanwhile
+        objcomm.send(3, victim)
+        results.put((rank, "no error", sent))
+    except objcomm.CommunicationError as exc:
+        results.put((rank, str(exc), time.monotonic() - start))
+
+
+def test_a_pending_send_whose_receiver_died_is_reported_by_the_next_call():
+    got, victim_exit = run_group_losing_a_rank(_receiver_killed, 2, 1, timeout=60)
+    assert victim_exit == -signal.SIGKILL
+    message, elapsed = got[0]
+    assert "an earlier send of this rank to rank 1" in message, message
+    assert "was not received" in message, message
+
+
+def _sender_ends(rank: int, world: int, store: str, victim: int, results: Any, destroy: bool) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    objcomm.configure(local=False)
+    dist.barrier()
+    if rank == victim:  # sends and ends at once, before its receiver asks: delivered all the same
+        for i in range(3):
+            objcomm.send(i, 0)
+        if destroy:
+            dist.destroy_process_group()
+        return
+    time.sleep(1.0)
+    try:
+        results.put((rank, [objcomm.recv(victim) for _ in range(3)]))
+    except objcomm.CommunicationError as exc:
+        results.put((rank, str(exc)))
+
+
+def _sender_exits(rank: int, world: int, store: str, victim: int, results: Any) -> None:
+    _sender_ends(rank, world, store, victim, results, destroy=False)
+
+
+def _sender_destroys_and_exits(rank: int, world: int, store: str, victim: int, results: Any) -> None:
+    _sender_ends(rank, world, store, victim, results, destroy=True)
+
+
+def test_pending_sends_are_delivered_when_their_sender_ends():
+    got, sender_exit = run_group_losing_a_rank(_sender_exits, 2, 1, timeout=60)
+    assert got[0] == ([0, 1, 2],) and sender_exit == 0
+    # destroy_process_group() first: delivered too (the process then aborts in torch's teardown, with blocking sends
+    # as well: not asserted)
+    got, _ = run_group_losing_a_rank(_sender_destroys_and_exits, 2, 1, timeout=60)
+    assert got[0] == ([0, 1, 2],)

@@ -1,0 +1,151 @@
+"""A segment file swapped for another file of the same user, mode and size is refused, not decoded.
+
+A process of the same user may rename a file of its own over a segment's name between the writer
+creating it and a reader opening it. Everything the reader checked before (a regular file of this
+user, 0600, the announced size) holds for that file: only its identity (device and inode, which the
+writer announces with the segment) gives it away. Applies to segment *files* (``shm_zero_copy=False``,
+or where sealed memory files cannot be used); sealed segments cannot be swapped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from _ranks import get_pool
+
+import objcomm
+from objcomm import _segments, _state
+
+THRESHOLD = 4096
+REFUSAL = "is not the file its writer created"
+
+
+def _swap(path: str) -> None:
+    """Rename over ``path`` a private file of the same size whose last byte differs: what a hostile process
+    of this user can do, and whose content would decode (the last byte is tensor or blob data)."""
+    with open(path, "rb") as handle:
+        content = bytearray(handle.read())
+    content[-1] ^= 0xFF
+    forged = path + ".forged"
+    fd = os.open(forged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, bytes(content))
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    os.rename(forged, path)
+
+
+def _big(tag: int) -> Dict[str, Any]:
+    return {"tag": tag, "blob": bytes([tag]) * 4 * THRESHOLD, "t": torch.arange(5000, dtype=torch.float32) + tag}
+
+
+def _same(got: Any, tag: int) -> bool:
+    return got["tag"] == tag and got["blob"] == bytes([tag]) * 4 * THRESHOLD and torch.equal(got["t"], _big(tag)["t"])
+
+
+def swapped_then_clean(directory: str, op: str) -> Dict[str, Any]:
+    """One call in which rank 0 swaps each segment file it wrote for a forged one, then a clean call."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(shm_threshold=THRESHOLD, shm_dir=directory, shm_zero_copy=False)  # files
+    swapped: List[str] = []
+
+    def call(tag: int) -> Any:  # what rank 1 receives from rank 0 (None on rank 0, unless it receives too)
+        if op == "broadcast":
+            return comm.broadcast(_big(tag) if rank == 0 else None, src=0)
+        if op == "all_gather":
+            return comm.all_gather(_big(tag))[0]
+        if op == "scatter":
+            return comm.scatter([_big(tag), _big(tag)] if rank == 0 else None, src=0)
+        if op == "all_to_all":
+            return comm.all_to_all([_big(tag), _big(tag)])[0]
+        if rank == 0:
+            return comm.send(_big(tag), 1)
+        return comm.recv(0)
+
+    class Swapping(_segments.SegmentBook):
+        def create(self, path: str, frame: Optional[memoryview], tensors: Any) -> Any:
+            segment = super().create(path, frame, tensors)
+            _swap(path)
+            swapped.append(os.path.basename(path))
+            return segment
+
+    error: Optional[Tuple[str, str]] = None
+    forged_decoded = False
+    if rank == 0:
+        comm._segments = Swapping()
+    try:
+        got = call(1)
+        forged_decoded = rank == 1 and not _same(got, 1)  # what the bug did: the forged bytes, decoded
+    except objcomm.ObjcommError as exc:
+        error = (type(exc).__name__, str(exc))
+    finally:
+        comm._segments = _state.SEGMENTS
+    after = call(2)
+    clean = op == "send" and rank == 0 or _same(after, 2)
+    dist.barrier()  # writers unlink once their readers are done, maybe just after those return
+    return {"error": error, "forged decoded": forged_decoded, "clean": clean, "swapped": swapped,
+            "left": sorted(os.listdir(directory))}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", ["broadcast", "all_gather", "scatter", "all_to_all", "send"])
+def test_swapped_segment_file_is_refused_and_the_group_stays_usable(shm_dir, op):
+    writer, reader = get_pool(2).run(swapped_then_clean, shm_dir, op)
+    assert writer["swapped"], "rank 0 wrote no segment file: the test no longer reaches the file path"
+    assert not reader["forged decoded"], "the reader decoded the forged file's content"
+    assert writer["error"] is None, writer["error"]  # the writer's call completes; the refusing reader raises alone
+    assert reader["error"] is not None and reader["error"][0] == "FrameError", reader["error"]
+    assert "shared-memory segment" in reader["error"][1] and REFUSAL in reader["error"][1], reader["error"]
+    assert writer["clean"] and reader["clean"]  # a refused frame leaves the group usable: the next call works
+    assert writer["left"] == reader["left"] == []
+
+
+# -- the reader's check itself ------------------------------------------------------------------------
+def test_reader_checks_the_identity_of_the_file_it_opened(shm_dir):
+    data = bytes(range(256)) * 64
+    book = _segments.SegmentBook()
+    segment = book.create(os.path.join(shm_dir, "objcomm-swap"), memoryview(data), [])
+    try:
+        assert segment.identity > 0
+        got = _segments.read_segment(segment.path, len(data), None, len(data), lambda view: [],
+                                     expected=segment.identity)
+        assert bytes(got.frame) == data
+        _swap(segment.path)  # same user, mode 0600, same size: only the identity differs
+        with pytest.raises(objcomm.FrameError, match=REFUSAL):
+            _segments.read_segment(segment.path, len(data), None, len(data), lambda view: [],
+                                   expected=segment.identity)
+    finally:
+        segment.release()
+    assert os.listdir(shm_dir) == []
+
+
+def test_writer_holds_its_file_until_release_so_no_other_file_takes_its_identity(shm_dir):
+    """Unlinked and recreated at once, a file could get the freed inode (ext4 reuses them): the writer keeps
+    its file open, so the inode cannot be freed while readers may still check it."""
+    path = os.path.join(shm_dir, "objcomm-held")
+    segment = _segments.SegmentBook().create(path, memoryview(b"x" * 100), [])
+    try:
+        os.unlink(path)
+        recreated = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            assert _segments.identity(os.fstat(recreated)) != segment.identity
+        finally:
+            os.close(recreated)
+        assert os.fstat(segment.fd).st_nlink == 0  # the writer's descriptor still holds the unlinked original
+    finally:
+        segment.release()
+    assert segment.fd == -1
+
+
+def test_identity_is_what_the_wire_format_page_says(shm_dir):
+    found = os.stat(shm_dir)
+    digest = hashlib.blake2b(struct.pack("<QQ", found.st_dev, found.st_ino), digest_size=8).digest()
+    assert _segments.identity(found) == (int.from_bytes(digest, "little") >> 1 or 1)
+    assert 0 < _segments.identity(found) < 1 << 63  # one positive int64 word
