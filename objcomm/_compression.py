@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Dict, Optional
 
+from serializers._errors import PUBLIC_MODULE
+
 from ._errors import DecodeError, ObjcommError
 from ._limits import too_large
 
@@ -24,6 +26,8 @@ AUTO_MIN_GAIN = 0.9
 
 class MissingDependencyError(ObjcommError, ImportError):
     """An optional library (a compressor) is not installed."""
+
+    __module__ = PUBLIC_MODULE
 
 
 def _module(code: int) -> Any:
