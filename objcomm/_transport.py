@@ -332,12 +332,12 @@ def send(wire: Wire, out: Outgoing, dst: int, eager: bool = True) -> None:
 def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bool = True) -> None:
     op = "send"
     raw = _slot(wire, out)
+    info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
     message = 0
     if route is not None:
         message = route.send(wire, raw, dst)
     else:
-        _post_slot(wire, raw, dst, op, eager)
-    info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
+        _post_slot(wire, raw, info, dst, op, eager)
     problem = _limits.slot_problem_of(info)
     if problem:  # the receiver finds the same and raises too
         raise _limits.inconsistent(op, wire.rank, problem)
@@ -374,7 +374,7 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
     batch.wait()
 
 
-def _post_slot(wire: Wire, raw: bytearray, dst: int, op: str, eager: bool) -> None:
+def _post_slot(wire: Wire, raw: bytearray, info: SlotInfo, dst: int, op: str, eager: bool) -> None:
     """Send a slot through the group. gloo's send waits until its receiver posts the receive, where the channel's
     returns once the kernel holds the bytes: so that small sends return at once on every path, a slot that carries
     the whole message or an error report (no second round follows) is posted and left to :mod:`objcomm._pending`
@@ -382,7 +382,6 @@ def _post_slot(wire: Wire, raw: bytearray, dst: int, op: str, eager: bool) -> No
     receiver as before."""
     slot = _on_device(wire, raw)
     if eager and wire.device.type == "cpu":
-        info = read_slot(memoryview(raw))
         if info.error or _limits.complete(info):
             _pending.post(wire, slot, dst, op)
             return
