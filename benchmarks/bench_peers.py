@@ -106,6 +106,9 @@ class Peers:
         self.backend = objcomm.Communicator(local=False)  # round 1 through gloo, not the same-host channel
         # a group of its own that never runs a collective: what a program that only calls send/recv gets
         self.p2p_only = objcomm.Communicator(dist.new_group(list(range(comm.size))))
+        # the same after objcomm.connect() (every rank, once, before its first send/recv)
+        self.connected = objcomm.Communicator(dist.new_group(list(range(comm.size))))
+        self.connected.connect()
 
     def all_gather(self, obj: Any, nbytes: int, *, shm: bool) -> Candidates:
         import torch.distributed as dist
@@ -159,6 +162,9 @@ class Peers:
                                     lambda: self.backend.send(obj, dst=0), lambda: self.backend.recv(src=1)),
             "objcomm send/recv only": (lambda: self.p2p_only.send(obj, dst=1), lambda: self.p2p_only.recv(src=0),
                                        lambda: self.p2p_only.send(obj, dst=0), lambda: self.p2p_only.recv(src=1)),
+            "objcomm send/recv only, connect()": (
+                lambda: self.connected.send(obj, dst=1), lambda: self.connected.recv(src=0),
+                lambda: self.connected.send(obj, dst=0), lambda: self.connected.recv(src=1)),
             "mpi4py": (lambda: self.comm.send(obj, dest=1), lambda: self.comm.recv(source=0),
                        lambda: self.comm.send(obj, dest=0), lambda: self.comm.recv(source=1)),
             "mpi4py pkl5": (lambda: self.comm5.send(obj, dest=1), lambda: self.comm5.recv(source=0),
@@ -247,7 +253,8 @@ def _scenarios(peers: Peers, parts: List[str], scale: float, mb: int) -> List[Sc
             found.append((f"{label} broadcast", rounds(20), MEDIUM_BATCH, peers.broadcast(obj, nbytes), ratios, note))
             if peers.size > 1:
                 found.append((f"{label} send/recv round trip", rounds(20), MEDIUM_BATCH, peers.send_recv(obj, nbytes),
-                              [*ratios, ("objcomm send/recv only", "mpi4py")], note))
+                              [*ratios, ("objcomm send/recv only", "mpi4py"),
+                               ("objcomm send/recv only, connect()", "mpi4py")], note))
     if "small" in parts:
         slot = objcomm.settings().slot_bytes
         small_ratios = [("objcomm", "raw gloo"), ("objcomm", "mpi4py"), ("objcomm", "torch"),
@@ -260,7 +267,8 @@ def _scenarios(peers: Peers, parts: List[str], scale: float, mb: int) -> List[Sc
                       note))
         if peers.size > 1:
             found.append(("small dict send/recv round trip", rounds(40), SMALL_BATCH, peers.send_recv(SMALL, slot),
-                          [*small_ratios, ("objcomm send/recv only", "mpi4py")], note))
+                          [*small_ratios, ("objcomm send/recv only", "mpi4py"),
+                           ("objcomm send/recv only, connect()", "mpi4py")], note))
     return found
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "collect_results",
     "compat",
     "configure",
+    "connect",
     "device_for_backend",
     "gather",
     "irecv",
@@ -62,8 +63,8 @@ __all__ = [
 
 # Where each public name lives: a module is imported the first time one of its names is used.
 _PUBLIC: Dict[str, Tuple[str, ...]] = {
-    "._api": ("all_gather", "all_reduce", "all_to_all", "broadcast", "gather", "irecv", "isend", "recv", "reduce",
-              "scatter", "send"),
+    "._api": ("all_gather", "all_reduce", "all_to_all", "broadcast", "connect", "gather", "irecv", "isend", "recv",
+              "reduce", "scatter", "send"),
     "._collect": ("collect_results",),
     "._communicator": ("Communicator",),
     "._compression": ("MissingDependencyError",),
@@ -79,7 +80,20 @@ _HOME = {name: module for module, names in _PUBLIC.items() for name in names}
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from . import compat, serializers
-    from ._api import all_gather, all_reduce, all_to_all, broadcast, gather, irecv, isend, recv, reduce, scatter, send
+    from ._api import (
+        all_gather,
+        all_reduce,
+        all_to_all,
+        broadcast,
+        connect,
+        gather,
+        irecv,
+        isend,
+        recv,
+        reduce,
+        scatter,
+        send,
+    )
     from ._collect import collect_results
     from ._communicator import Communicator
     from ._compression import MissingDependencyError

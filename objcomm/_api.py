@@ -355,3 +355,17 @@ def irecv(
         assert first.wait()["step"] == 0 and second.wait()["step"] == 1
     """
     return _communicator(group).irecv(src, tag, return_sender=return_sender, **call_kwargs(locals()))
+
+
+def connect(group: Any = None) -> bool:
+    """Open ``group``'s same-host channel now, with send/recv on it (a collective: every rank of the group calls
+    it); whether send/recv now take it, alike on every rank. For programs whose first calls are send/recv: the
+    channel otherwise opens at the group's first collective. See :meth:`Communicator.connect`.
+
+    Example::
+
+        dist.init_process_group("gloo")
+        objcomm.connect()
+        objcomm.send({"step": 0}, dst=1)   # the same-host channel from the first message
+    """
+    return _communicator(group).connect()

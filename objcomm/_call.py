@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 import torch.distributed as dist
 
-from serializers import SerializerProtocol
+from serializers import AutoSerializer, SerializerProtocol
 
 from . import _first, _framing, _reduce, _shm, _state, _transport
 from ._channel_round import MOST as CHANNEL_MOST
@@ -31,6 +31,12 @@ from ._transport import Incoming, Outgoing
 from ._wire import BACKEND, DIRECT, SLOT_PREFIX_BYTES, FirstRound, SecondRound
 
 Device = Union[str, torch.device, None]
+
+
+def chosen(serializer: SerializerProtocol, accept: Any) -> SerializerProtocol:
+    """The serializer a call uses: ``serializer``, or for ``"auto"`` the chooser limited to this rank's ``accept``
+    list (only safe serializers it names: what this rank would decode, a peer with the same list decodes)."""
+    return serializer.within(accept) if isinstance(serializer, AutoSerializer) else serializer
 
 
 class Call(NamedTuple):

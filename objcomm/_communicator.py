@@ -12,12 +12,13 @@ import torch.distributed as dist
 
 from serializers import SerializerLike, registry
 
-from . import _framing, _pending, _reduce, _requests, _state, _transport
+from . import _first, _framing, _pending, _reduce, _requests, _state, _transport
 from ._call import (
     WIRES_KEPT,
     Call,
     Device,
     check_tag,
+    chosen,
     encode_each,
     final_report,
     mpi4py_keywords,
@@ -188,7 +189,7 @@ class Communicator:
     def _remember(self, options: CallOptions, group: Any) -> tuple:
         """What :meth:`_call` keeps for ``options`` on ``group`` (kept only where the group is weakly referable)."""
         version = registry.version  # before the lookup: a registration meanwhile then makes the entry stale
-        serializer, wire = registry.guarded(options.serializer), self._wire(options)
+        serializer, wire = chosen(registry.guarded(options.serializer), options.accept), self._wire(options)
         try:
             held = _no_group if group is None else weakref.ref(group)
         except TypeError:
@@ -269,6 +270,27 @@ class Communicator:
         return wire.ranks.index(rank)
 
     # -- collectives ---------------------------------------------------------------------------
+    def connect(self) -> bool:
+        """Open this group's same-host channel now, with send/recv on it: a collective (every rank of the group
+        calls it, with no send/recv of its in flight). Returns whether send/recv now take the channel: the same
+        answer on every rank; False where its ranks are not all on one host, ``local`` is off, or without a group.
+
+        A program whose first calls are send/recv calls it once, after ``init_process_group``: otherwise the
+        channel opens at the group's first collective, and send/recv before it go through the group's backend.
+
+        Example::
+
+            dist.init_process_group("gloo")
+            objcomm.connect()               # every rank
+            objcomm.send(obj, dst=1)        # through the same-host channel, from the first message
+        """
+        call = self._resolved({})
+        wire = call.wire
+        if wire is None or not isinstance(wire.first_round, _first.SameHostSlots):
+            return False
+        channel = wire.first_round.channel(wire, "connect")
+        return bool(channel is not None and channel.p2p and not channel.closed)
+
     @mpi4py_keywords
     def all_gather(
         self, obj: Any, *, serializer: Optional[SerializerLike] = None, accept: Optional[Collection[str]] = None,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, cast
 
-from serializers import SerializerProtocol, registry
+from serializers import AutoSerializer, SerializerProtocol, registry
 
 from . import _first, _framing, _state
 from ._call import MAX_TAG, Call, only
@@ -76,8 +76,8 @@ class Express:
         """The express path of ``call``'s settings, or None where it can never apply (no same-host
         channel strategy, compression, one rank)."""
         wire = call.wire
-        if wire is None or call.options.compression is not None:
-            return None
+        if wire is None or call.options.compression is not None or isinstance(call.serializer, AutoSerializer):
+            return None  # "auto": the serializer, and the name in the frame, differ per object
         if not isinstance(wire.first_round, _first.SameHostSlots):
             return None
         state = wire.first_round.state(wire)

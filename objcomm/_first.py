@@ -281,7 +281,10 @@ class SameHostSlots:
     def agree(self, wire: Wire, infos: Sequence[SlotInfo], op: str) -> None:
         found = self.channel_of(wire, op)
         if found is not None:
-            view = [(i.length, i.error, i.round2, i.limit, i.total, i.inline is None, i.sizes) for i in infos]
+            # everything round 1 said that a decision reads: the words, and a frame the slot carried (its tensor
+            # table decides refusals and the second round's route)
+            view = [(i.length, i.error, i.round2, i.limit, i.total, i.sizes,
+                     None if i.inline is None else hashlib.blake2b(i.inline, digest_size=16).digest()) for i in infos]
             _echo(found[0], repr(view).encode(), found[1], op, "round-1 slots")
 
     def _voting(self, wire: Wire, channel: _local.LocalChannel, exchange: Callable[[], Sequence[Slot]],
@@ -356,12 +359,24 @@ def same_host(separate: bool, spin_us: Optional[int]) -> SameHostSlots:
 def _echo(channel: _local.LocalChannel, seen: bytes, spin: Optional[float], op: str, what: str) -> None:
     """Check that every rank saw ``seen`` (one channel hop: a 16-byte digest each); else fail the channel, so that
     every rank raises rather than act on different views. A digest, not the bytes: cheap at any size, and 128 bits,
-    beyond a lying rank's reach for two messages with one digest."""
+    beyond a lying rank's reach for two messages with one digest.
+
+    Then a second hop, :data:`PASSED` from every rank: a rank acts only once every other one found the digests
+    alike. A lying rank can send its digest right to one rank and wrong to another; the one that finds it wrong
+    fails the channel instead of passing, and every rank waiting for its pass reads that at once, rather than go on
+    alone into the group's backend (where the others would not join it, and a reopen would meet it)."""
     digest = hashlib.blake2b(seen, digest_size=16).digest()
     for r, theirs in enumerate(channel.echo(digest, spin)):
         if theirs != digest:
             channel.fail(op, f"rank {r} read other {what} than rank {channel.rank} did in this {op}: a rank told "
                              "different ranks different things, or the ranks are at different calls")
+    for r, theirs in enumerate(channel.echo(PASSED, spin)):
+        if theirs != PASSED:
+            channel.fail(op, f"rank {r} sent {len(theirs)} bytes where its pass of the {what} check was due: a "
+                             "protocol error")
+
+
+PASSED = b"\x01"  # what every rank echoes once it found every rank's digest alike (_echo)
 
 
 @functools.lru_cache(maxsize=16)

@@ -32,7 +32,9 @@ from typing import Any, Callable, Collection, List, NamedTuple, Optional, Sequen
 
 import torch
 
-from serializers import SerializerProtocol, registry
+from serializers import AutoSerializer, SerializerProtocol, registry
+from serializers._auto import exact as auto_exact
+from serializers._auto import no_candidate
 
 from . import _compression
 from ._errors import (
@@ -128,20 +130,44 @@ def _frame_parts(
     return parts, HEADER.size + len(name_bytes) + len(table) + body.nbytes + inline_len
 
 
-Serialized = Tuple[Any, TensorLifter]  # a serializer's payload and the out-of-band objects it lifted
+Serialized = Tuple[Any, TensorLifter, SerializerProtocol]  # a payload, what it lifted, who wrote it
 
 
 def serialize(obj: Any, serializer: SerializerProtocol, inline_tensor_bytes: int) -> Serialized:
-    """``(payload, lifter)``: the first step of :func:`encode`, the serializer's own work.
+    """``(payload, lifter, serializer used)``: the first step of :func:`encode`, the serializer's own work.
 
     Small numpy arrays stay in the payload where the serializer writes them exactly itself: up to its
     ``in_band_array_bytes`` (none where it has none) and ``inline_tensor_bytes``; see
     :class:`~objcomm._tensors.TensorLifter`. Tensors are always lifted: they arrive on the receiver's device.
+    ``serializer="auto"`` (:class:`serializers.AutoSerializer`) tries its candidates for ``obj`` in turn.
     """
+    if isinstance(serializer, AutoSerializer):
+        return _serialize_auto(obj, serializer, inline_tensor_bytes)
     lifter = TensorLifter(min(inline_tensor_bytes, getattr(serializer, "in_band_array_bytes", -1)))
     if type(obj) in (bytes, bytearray) and len(obj) > inline_tensor_bytes and serializer.supports_external:
         obj = WholeBytes(obj)  # travels like a tensor: never copied into the payload
-    return serializer.dumps(obj, lift=lifter), lifter
+    return serializer.dumps(obj, lift=lifter), lifter, serializer
+
+
+def _serialize_auto(obj: Any, chooser: AutoSerializer, inline_tensor_bytes: int) -> Serialized:
+    """The first candidate's that takes ``obj`` and, where :meth:`~serializers.AutoSerializer.candidates` says so,
+    gives it back exactly: decoded here (the lifted objects themselves restored) and judged."""
+    _, trusted = chooser.trusted(obj)
+    if trusted is not None:  # the common case: the one that took the last object of this signature
+        try:
+            return serialize(obj, trusted, inline_tensor_bytes)
+        except ObjcommError:
+            pass
+    for candidate, judged, outcome in chooser.candidates(obj):
+        try:
+            done = serialize(obj, candidate, inline_tensor_bytes)
+            took = not judged or auto_exact(obj, candidate.loads(done[0], restore=done[1].original))
+        except ObjcommError:  # refused to encode, or to decode what it wrote (restricted-pickle)
+            took = False
+        outcome(took)
+        if took:
+            return done
+    raise no_candidate(chooser, obj)
 
 
 def encode(
@@ -159,7 +185,7 @@ def encode(
     errors. Tensors are lifted out when it supports that (the pickle family, msgpack). ``serialized``:
     what :func:`serialize` returned for ``obj`` already, which is then not serialized again.
     """
-    payload, lifter = serialize(obj, serializer, inline_tensor_bytes) if serialized is None else serialized
+    payload, lifter, serializer = serialize(obj, serializer, inline_tensor_bytes) if serialized is None else serialized
     packed = lifter.pack(inline_tensor_bytes) if lifter.tensors else None
     raw = memoryview(payload).cast("B")
     code, stored = (NO_COMPRESSION, raw) if compression is None else _compression.compress(compression, raw)

@@ -416,14 +416,18 @@ class Inbox:
             return -3
         return self._recv(peer, block=False)
 
-    def _recv(self, peer: int, block: bool) -> int:
+    def _recv(self, peer: int, block: bool, reset: bool = False) -> int:
         sock = self._peers[peer]
         try:
             length = sock.recv_into(self._buffers[peer], self._size, _TRUNC if block else _TRUNC | _DONTWAIT)
         except BlockingIOError:
-            return -3
+            return -1 if reset else -3
+        except ConnectionResetError:
+            # The peer closed while messages of this rank's lay unread in its queue (credits it had no more use
+            # for): Linux says so once, ahead of what the peer sent before it closed, which is still queued here.
+            return -1 if reset else self._recv(peer, block=False, reset=True)
         except OSError:
-            return -1  # reset, or closed under us
+            return -1  # closed under us
         if length:
             return length
         try:  # 0: EOF, or an empty datagram (then the socket still works, and may hold more)
@@ -507,19 +511,21 @@ class Inbox:
         me = threading.get_ident()
         deadline = time.monotonic() + self.timeout
         mine = False
-        self._waiting += 1
+        flushed = False  # what this rank owes was offered since the last wake-up (a peer whose queue is full keeps
+        self._waiting += 1  # it owed: offered again after the next wake-up, never in a loop that waits for nothing)
         try:
             while not self._allowed(peer, cls, cost):
                 if self.closed is not None:
                     self._fail(op, self.closed)
                 if peer in self.gone:
                     self._fail(op, self.gone[peer])
-                if self._owing:
+                if self._owing and not flushed:
                     self.cond.release()
                     try:
                         flush()
                     finally:
                         self.cond.acquire()
+                    flushed = True
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -531,6 +537,7 @@ class Inbox:
                 if not mine and peer not in self._readers:
                     self._readers[peer] = me
                     mine = True
+                flushed = False
                 if not mine:  # another thread reads the socket: it files the credit and notifies
                     self.cond.wait(remaining)
                     continue

@@ -10,7 +10,7 @@ rank that must act on a disagreement learns of it in the same round.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ._errors import FrameError, ObjcommError, TooLargeError
 
@@ -80,13 +80,25 @@ def too_large(what: str, *, outcome: str = "nothing was transferred", where: str
 
 
 def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str) -> None:
-    """The same TooLargeError on every rank when a payload exceeds a receiver's limit (all seen in round 1)."""
+    """The same TooLargeError on every rank when a payload exceeds a receiver's limit (all seen in round 1): for the
+    first such receiver, the first sender past its limit. O(W): a receiver's limit matters only against the largest
+    total of the *other* senders, the largest of all unless that is its own (then the second largest)."""
+    first = second = -1  # the largest and second-largest totals of senders without an error, and who sent the first
+    biggest = -1
+    for sender, info in enumerate(infos):
+        if not info.error:
+            total = info.total
+            if total > first:
+                first, second, biggest = total, first, sender
+            elif total > second:
+                second = total
     for receiver in receivers:
         limit = infos[receiver].limit
-        for sender, info in enumerate(infos):
-            if sender != receiver and not info.error and info.total > limit:
-                raise too_large(f"{op}: rank {sender} sends {info.total:,} bytes, above the max_bytes={limit:,} "
-                                f"of receiving rank {receiver}")
+        if (second if receiver == biggest else first) > limit:
+            for sender, info in enumerate(infos):  # once: the message names the first sender past this limit
+                if sender != receiver and not info.error and info.total > limit:
+                    raise too_large(f"{op}: rank {sender} sends {info.total:,} bytes, above the "
+                                    f"max_bytes={limit:,} of receiving rank {receiver}")
 
 
 def refused(op: str, sender: int, wire: Any, total: int, problem: Optional[str], drained: bool = False,
@@ -163,11 +175,16 @@ class CheckedSizes:
 
     def __init__(self, sizes_of: SizesOf, infos: Sequence[Any]) -> None:
         self.raw, self.infos = sizes_of, infos
+        self._by_length: Optional[Dict[int, List[Any]]] = None  # the slots by frame length, made on first use
 
     def __call__(self, frame: memoryview) -> List[int]:
         table, problem = table_sizes(self.raw, frame)
-        agrees = any(i.length == frame.nbytes and not table_problem(i.length, i.total, table, i.sizes)
-                     for i in self.infos)
+        if self._by_length is None:  # once per call, not once per frame: O(W) in all, never O(W²)
+            self._by_length = {}
+            for i in self.infos:
+                self._by_length.setdefault(i.length, []).append(i)
+        agrees = any(not table_problem(i.length, i.total, table, i.sizes)
+                     for i in self._by_length.get(frame.nbytes, ()))
         if problem or not agrees:
             raise OSError(problem or "a shared-memory frame's tensor sizes disagree with its sender's slot")
         return table

@@ -390,6 +390,7 @@ class LocalChannel:
                                              "close()); the group's other ranks raise too")
             for sock in self._peers.values():
                 if self._owner == os.getpid():  # wakes a thread blocked in recv; a forked child must not
+                    _drop_unread(sock)
                     try:
                         sock.shutdown(socket.SHUT_RDWR)
                     except OSError:
@@ -485,6 +486,17 @@ class LocalChannel:
             self.failed_at = self._seq
         self.close(message)
         raise CommunicationError(message) from cause
+
+
+def _drop_unread(sock: socket.socket) -> None:
+    """Read and drop what is queued for this rank on ``sock`` before it closes (credits, mostly): closing with
+    unread messages makes Linux tell the peer ECONNRESET ahead of the messages this rank sent it last."""
+    try:
+        for _ in range(4096):  # bounded: a peer that keeps sending cannot hold the close
+            if not sock.recv(MAX_PAYLOAD + 1, socket.MSG_DONTWAIT):
+                return  # EOF (or an empty message: what follows it goes unread, as before)
+    except OSError:
+        pass
 
 
 def yields(ranks: int) -> bool:

@@ -4,14 +4,20 @@
 background thread and return a :class:`Request` at once. The rules, per process group:
 
 - **Collectives** (``all_gather(..., async_op=True)`` and the rest) run on the group's *shadow*: a
-  second process group with the same ranks and backend, created the first time this rank issues an
-  async collective on the group (in the caller's thread, a collective over the group's members, so
-  every member creates it at the same point of its call sequence). One lane per group runs them one
-  after another, in issue order. Since torch matches collectives of one process group by issue order
-  per thread, and the caller's thread never touches the shadow, the caller may keep running blocking
-  objcomm calls and tensor collectives on the group meanwhile: they neither wait for nor mix with the
-  outstanding ones. Every rank must issue a group's async collectives in the same order, as with
-  blocking ones.
+  second process group with the same ranks and backend. One lane per group runs them one after another,
+  in issue order. Since torch matches collectives of one process group by issue order per thread, and
+  the caller's thread never touches the shadow, the caller may keep running blocking objcomm calls and
+  tensor collectives on the group meanwhile: they neither wait for nor mix with the outstanding ones.
+  Every rank must issue a group's async collectives in the same order, as with blocking ones.
+- **The shadow is made in the lane** (:func:`_make_shadow`), by the first async collective's job, so issuing
+  never blocks: members may reach their first async collective at different points of their blocking calls
+  (or ``dist.new_group`` calls). It is named after the group's own torch name, which every member shares, so
+  neither group counts nor the order of creation matter; its set-up talks only to its members, through the
+  store, and gives up after the group's timeout (a member that never issues an async collective on the group:
+  ``wait()`` raises :class:`~objcomm.CommunicationError`, as does every later async collective there). It
+  joins torch's groups in the background, which recent torch counts when it names a group made with
+  ``use_local_synchronization`` or ``split_group``: create those before the first async collective on a group,
+  or after its ``wait()``.
 - **Point to point** (``isend``/``irecv``) runs on the group itself, in one lane per (direction, peer,
   tag): messages between the same pair with the same tag keep their issue order, while an ``isend``
   never waits behind an ``irecv`` (gloo's send waits for its receiver, so one lane for both would
@@ -46,8 +52,7 @@ import torch.distributed as dist
 
 from . import _state
 from ._device import device_for_backend, group_backend, group_timeout
-from ._errors import ObjcommError, WaitTimeoutError
-from ._wire import all_gather_single
+from ._errors import CommunicationError, ObjcommError, WaitTimeoutError
 
 Job = Tuple[concurrent.futures.Future, Callable[[], Any]]
 Posted = Tuple[concurrent.futures.Future, Callable[[Any], Any], Callable[[], None]]  # an irecv from oneself
@@ -187,10 +192,25 @@ class _Lanes:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.shadow: Any = None
+        self.shadow: Any = None  # the shadow group, or the exception that stopped its set-up (shadow_of)
         self.queues: Dict[Key, Deque[Job]] = {}  # a lane exists while it has work and its thread
         self.busy: Dict[Key, int] = {}  # (direction, peer, tag) -> outstanding requests
         self.own = _OwnBox()
+
+    def shadow_of(self, group: Any) -> Any:
+        """``group``'s shadow, made at the first call (only the collective lane calls this, one job at a time). A
+        failed set-up fails this and every later async collective on the group: its members are out of step."""
+        if self.shadow is None:
+            try:
+                self.shadow = _make_shadow(group)
+            except Exception as exc:
+                self.shadow = exc
+        if isinstance(self.shadow, Exception):
+            raise CommunicationError(
+                "async collectives on this group run on a second process group with its ranks, which each member "
+                "sets up at its first async collective on the group, waiting for the others up to the group's "
+                f"timeout; that set-up failed: {self.shadow}") from self.shadow
+        return self.shadow
 
     def hold(self, key: Key) -> None:
         """One more outstanding request on ``key``, released by :meth:`_done`."""
@@ -300,16 +320,14 @@ def collective(group: Any, op: str, fn: Callable[[Any], Any]) -> Request:
     process group it is given (the shadow; ``group`` itself when there is no process group)."""
     if not _initialized():
         return completed(op, lambda: fn(group))
-    lanes = _lanes(_resolved(group))
-    if lanes.shadow is None:  # only the caller's thread creates it, so no lock is needed around the collective
-        lanes.shadow = _make_shadow(_resolved(group))
-    shadow, device = lanes.shadow, _cuda_device(_resolved(group))
+    group = _resolved(group)
+    lanes, device = _lanes(group), _cuda_device(group)
     if device is None:
-        return lanes.submit(op, COLLECTIVES, lambda: fn(shadow))
+        return lanes.submit(op, COLLECTIVES, lambda: fn(lanes.shadow_of(group)))
 
-    def on_device() -> Any:  # a thread starts on CUDA device 0: give it the caller's
+    def on_device() -> Any:  # a thread starts on CUDA device 0: give it the caller's (the shadow's set-up too)
         with torch.cuda.device(device):
-            return fn(shadow)
+            return fn(lanes.shadow_of(group))
 
     return lanes.submit(op, COLLECTIVES, on_device)
 
@@ -426,33 +444,32 @@ def check_blocking(group: Any, direction: str, peer: Optional[int], tag: Any) ->
 
 
 def _make_shadow(group: Any) -> Any:
-    """A process group with ``group``'s ranks (in its order) and backend, for async collectives."""
+    """A process group with ``group``'s ranks (in its order) and backend, for async collectives; made in the lane.
+
+    Not ``dist.new_group``: it names a group after a counter that every rank of the world must advance in the same
+    order, or (``use_local_synchronization``) after the groups this rank knows; ranks that reach their first async
+    collective at different points of their own group creation would disagree. The shadow's name is ``group``'s own
+    (the same on all its members: torch's store keys are named by it) plus a suffix torch's names never have, so
+    two groups with the same ranks get two shadows. torch's private ``_new_process_group_helper`` makes it, as
+    ``new_group`` does (these arguments and the ``(group, store)`` result are those of torch 2.2 to 2.13), talking
+    only to the members, through a clone of the default store, for at most the group's timeout. ``Store.clone`` came
+    with torch 2.8; before it the lane shares the caller's store connection, which serves one request at a time, so
+    a ``dist.new_group`` in the caller's thread waits while a set-up waits for its peers.
+
+    NCCL is untested here (no GPU): its communicator forms at the shadow's first collective, in the lane; where
+    the default group is bound to a device, torch splits it from that group's communicator (``ncclCommSplit``),
+    which then runs next to the caller's own NCCL calls on the default group."""
+    c10d: Any = dist.distributed_c10d  # private names, typed differently across torch versions
+    world = c10d._world
     ranks = list(dist.get_process_group_ranks(group))
-    options: Dict[str, Any] = {"backend": group_backend(group), "timeout": group_timeout(group)}
-    if ranks != sorted(ranks):
-        options["sort_ranks"] = False
-    if len(ranks) == dist.get_world_size():  # every rank is here: torch names it by its group counter
-        return dist.new_group(ranks, **options)
-    _check_names_agree(group)
-    return dist.new_group(ranks, use_local_synchronization=True, **options)
-
-
-def _check_names_agree(group: Any) -> None:
-    """torch names a group made with ``use_local_synchronization`` after how many groups each member knows;
-    members that know different numbers would wait for each other forever. Raise on all of them instead."""
-    world = getattr(dist.distributed_c10d, "_world", None)
-    if world is None or not hasattr(world, "pg_names"):
-        return
-    # an int64 per rank, not all_gather_object: nothing a peer sends here is unpickled
-    device = _cuda_device(group)
-    mine = torch.tensor([len(world.pg_names)], dtype=torch.int64, device="cpu" if device is None else device)
-    every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=mine.device)
-    all_gather_single(every, mine, group=group)
-    counts = every.tolist()
-    if len(set(counts)) > 1:
-        raise ObjcommError(
-            "async collectives on this subgroup need a second process group with its ranks, which torch can only "
-            f"create when its members have created the same number of process groups (they have {counts}). "
-            "Use blocking calls on this group, async_op=True on a group of every rank, or issue the first async "
-            "collective before creating groups some members are not in"
-        )
+    timeout = group_timeout(group)
+    if timeout is None:
+        from torch.distributed.constants import default_pg_timeout as timeout
+    store = world.pg_map[c10d._get_default_group()][1]
+    if hasattr(store, "clone"):  # a connection of its own, so that waiting for peers holds up no other store user
+        store = store.clone()
+    shadow, _ = c10d._new_process_group_helper(
+        len(ranks), ranks.index(dist.get_rank()), ranks, dist.Backend(group_backend(group)), store,
+        group_name=f"{world.pg_names[group]}:objcomm-shadow", timeout=timeout)
+    world.pg_group_ranks[shadow] = {rank: index for index, rank in enumerate(ranks)}
+    return shadow

@@ -176,6 +176,11 @@ class TensorLifter:
         self._held.append(value)
         return key
 
+    def original(self, key: int) -> Any:
+        """The object lifted as ``key`` itself (a ``restore`` hook for a decode on this rank)."""
+        held = self._held[key]
+        return held.data if type(held) is WholeBytes else held
+
     def pack(self, inline_max: int) -> Tuple[bytes, List[Any], List[torch.Tensor]]:
         """``(table, inline parts: flat unsigned-byte buffers on the CPU, out-of-band flat uint8 tensors)``."""
         table: List[bytes] = []

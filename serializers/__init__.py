@@ -9,11 +9,15 @@ Example::
     serializers.available(safe=True)                   # ['json', 'msgpack', 'restricted-pickle']
     print(serializers.fidelity_table())                # what each one round-trips
 
-Built-ins: ``pickle``, ``cloudpickle``, ``restricted-pickle``, ``msgpack``, ``json`` (orjson).
+Built-ins: ``pickle``, ``cloudpickle``, ``restricted-pickle``, ``msgpack``, ``json`` (orjson), and ``msgspec``
+where msgspec is installed (``pip install "objcomm[msgspec]"``).
 """
 
 from __future__ import annotations
 
+from importlib.util import find_spec as _find_spec
+
+from ._auto import AutoSerializer
 from ._codecs import CodecRegistry, TypeCodec, codecs, register_type, unregister_type
 from ._errors import (
     ContentRefusedError,
@@ -26,6 +30,7 @@ from ._errors import (
 from ._fidelity import PROBES, Verdict, fidelity, fidelity_table
 from ._json import JsonSerializer
 from ._msgpack import MsgpackSerializer
+from ._msgspec import MsgspecSerializer
 from ._pickle import CloudpickleSerializer, PickleSerializer
 from ._protocol import FunctionSerializer, Serializer, SerializerProtocol
 from ._registry import (
@@ -49,8 +54,12 @@ for _builtin in (
 ):
     registry.register(_builtin)
 del _builtin
+if _find_spec("msgspec") is not None:  # an optional extra: pip install "objcomm[msgspec]"
+    registry.register(MsgspecSerializer())
+registry.register(AutoSerializer())  # serializer="auto": per object, the fastest that carries it exactly
 
 __all__ = [
+    "AutoSerializer",
     "CloudpickleSerializer",
     "CodecRegistry",
     "ContentRefusedError",
@@ -60,6 +69,7 @@ __all__ = [
     "FunctionSerializer",
     "JsonSerializer",
     "MsgpackSerializer",
+    "MsgspecSerializer",
     "ObjcommError",
     "PROBES",
     "PickleSerializer",

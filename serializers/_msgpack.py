@@ -139,23 +139,13 @@ class MsgpackSerializer(Serializer):
 
     # -- encoding ---------------------------------------------------------------------------
     def dumps(self, obj: Any, /, *, lift: Lift | None = None) -> Buffer:
-        token = _LIFT.set(lift)
-        try:
-            return self._packb(obj)
-        except EncodeError:
-            raise
-        except Exception as exc:
-            raise self._encode_error(obj, exc, lift) from exc
-        finally:
-            _LIFT.reset(token)
+        return encode_lifting(self._packb, self._encode_error, obj, lift)
 
     def _default(self, value: Any) -> Any:
         """The ``default=`` hook: out of band first (when this call lifts), then codecs and extension types."""
-        lift = _LIFT.get()
-        if lift is not None:
-            key = lift(value)
-            if key is not None:
-                return self._msgpack.ExtType(EXTERNAL, self._packb(key))
+        key = lifted(value)
+        if key is not None:
+            return self._msgpack.ExtType(EXTERNAL, self._packb(key))
         return self._ext_type(value)
 
     def _ext_type(self, value: Any) -> Any:
@@ -220,12 +210,7 @@ class MsgpackSerializer(Serializer):
                 return True
             return False
 
-        found = locate(obj, rejects)
-        path, value, _ = found if found is not None else ("$", obj, False)
-        return EncodeError(
-            f"msgpack cannot encode {describe(value)} at {path} ({exc}); "
-            "register a codec with serializers.register_type(), or use pickle"
-        )
+        return encode_refusal("msgpack", obj, rejects, exc, "pickle")
 
     # -- decoding ---------------------------------------------------------------------------
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
@@ -302,6 +287,39 @@ class MsgpackSerializer(Serializer):
                 f"registered on this rank (known: {self._codecs.names()}); call serializers.register_type() here too"
             )
         return codec.decode_received(value)
+
+
+EncodeErrorOf = Callable[[Any, BaseException, Optional[Lift]], EncodeError]
+
+
+def encode_lifting(encode: Callable[[Any], bytes], encode_error: EncodeErrorOf, obj: Any,
+                   lift: Optional[Lift]) -> bytes:
+    """``encode(obj)`` with this call's ``lift`` where the hooks find it (:func:`lifted`); a failure that is not an
+    :class:`EncodeError` already becomes ``encode_error(obj, exc, lift)`` (the msgpack and msgspec backends)."""
+    token = _LIFT.set(lift)
+    try:
+        return encode(obj)
+    except EncodeError:
+        raise
+    except Exception as exc:
+        raise encode_error(obj, exc, lift) from exc
+    finally:
+        _LIFT.reset(token)
+
+
+def encode_refusal(name: str, obj: Any, rejects: Callable[[Any, bool], bool], exc: BaseException,
+                   instead: str) -> EncodeError:
+    """The :class:`EncodeError` of backend ``name`` for ``obj``: the first value ``rejects`` and where it sits."""
+    found = locate(obj, rejects)
+    path, value, _ = found if found is not None else ("$", obj, False)
+    return EncodeError(f"{name} cannot encode {describe(value)} at {path} ({exc}); "
+                       f"register a codec with serializers.register_type(), or use {instead}")
+
+
+def lifted(value: Any) -> Optional[int]:
+    """The out-of-band key the current call's ``lift`` gives ``value`` (None: it stays in the payload)."""
+    lift = _LIFT.get()
+    return None if lift is None else lift(value)
 
 
 _FIELDS = threading.local()

@@ -21,6 +21,7 @@ from ._protocol import Buffer, FunctionSerializer, Lift, Restore, Serializer, Se
 
 ENTRY_POINT_GROUP = "objcomm.serializers"
 SerializerLike = Union[str, SerializerProtocol]
+OPTIONAL = {"msgspec": "msgspec"}  # built-ins registered only where their package is installed: name -> extra
 
 
 class _Foreign(Serializer):
@@ -184,10 +185,10 @@ class SerializerRegistry:
 
     def _unknown_message(self, name: str) -> str:
         known = ", ".join(sorted(self._by_name)) or "none"
-        return (
-            f"no serializer named {name!r} is registered on this rank (registered: {known}); "
-            "register it with serializers.register() or install the package that provides it"
-        )
+        extra = OPTIONAL.get(name)
+        fix = (f'install it on every rank: pip install "objcomm[{extra}]"' if extra is not None else
+               "register it with serializers.register() or install the package that provides it")
+        return f"no serializer named {name!r} is registered on this rank (registered: {known}); {fix}"
 
 
 def _instantiate(loaded: Any) -> SerializerProtocol:

@@ -6,6 +6,7 @@ honest ranks down different routes."""
 
 from __future__ import annotations
 
+import socket
 import time
 from datetime import timedelta
 from typing import Any, Dict, List
@@ -188,3 +189,197 @@ def test_a_lying_rank_cannot_send_honest_ranks_down_different_routes():
     assert zero["world"] == one["world"] == 3.0
     assert not ("item 2" in zero and "item 2" in one), (zero, one)  # both returned, holding different objects
     assert "raised" in one and "local channel failed on rank 1" in one["raised"], one
+
+
+# -- second attack round (issue 25): a lying echo, a frame the echo did not cover, a credit owed to a rank that never
+# reads, and a sender that closes with credits unread ---------------------------------------------------------------
+def _three_rank_group(**settings: Any) -> Any:
+    group = dist.new_group([0, 1, 2], timeout=timedelta(seconds=5))
+    comm = objcomm.Communicator(group, local=True, shm=False, **settings)
+    comm.all_gather(dist.get_rank())  # opens the channel
+    return group, comm
+
+
+def _resync(report: Dict[str, Any]) -> Dict[str, Any]:
+    import torch
+
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the world group: every rank gets here, whatever objcomm said
+    report["world"] = total.item()
+    return report
+
+
+def echoes_a_lie_to_one_rank() -> Dict[str, Any]:
+    """Rank 2 of 3 sends its true echo digest to rank 0 and another to rank 1, in an all_gather whose second round
+    the backend moves (4 MiB tensors, shared memory off). Before the pass round rank 1 failed alone and rank 0 went on
+    into the backend's all_gather, which nobody joined; rank 1's next call then reopened the channel with a backend
+    all_gather that met rank 0's, and gloo aborted the process. Now every rank raises at that call, and the next call
+    works or says the group is out of step: no rank is left in a backend collective of its own."""
+    import torch
+
+    from objcomm import _inbox
+
+    rank = dist.get_rank()
+    group, comm = _three_rank_group()
+    channel = _channel(group)
+    report: Dict[str, Any] = {}
+    if rank == 2:
+        real_send = channel._send
+
+        def lying_send(peer: int, header: bytes, data: Any, op: str) -> None:
+            real_send(peer, header, bytes(16) if header[0] == _inbox.ECHO and peer == 1 else data, op)
+
+        channel._send = lying_send
+    try:
+        comm.all_gather(torch.full((4 << 20,), rank, dtype=torch.uint8))
+        report["first"] = "returned"
+    except objcomm.ObjcommError as exc:
+        report["first"] = type(exc).__name__
+    if rank == 2:
+        channel._send = real_send
+    try:
+        report["next"] = comm.all_gather(f"next from {rank}")
+    except objcomm.ObjcommError as exc:
+        report["next"] = type(exc).__name__
+    return _resync(report)
+
+
+def test_a_lying_echo_makes_every_rank_raise_at_that_call():
+    reports = get_pool(3).run(echoes_a_lie_to_one_rank, timeout=120)
+    assert [r["world"] for r in reports] == [3.0] * 3  # every process alive, the world group in step
+    assert [r["first"] for r in reports] == ["CommunicationError"] * 3, reports
+    assert reports[0]["next"] == reports[1]["next"], reports  # the honest ranks agree on what came next
+
+
+def _slot_of(out: Any) -> bytes:
+    slot = bytearray(SLOT)
+    _slots.fill_slot(memoryview(slot), out, 8 << 30)
+    return bytes(slot)
+
+
+def tells_each_rank_another_table() -> Dict[str, Any]:
+    """A lying broadcast root (rank 2 of 3) sends rank 0 its slot and rank 1 the same slot words with another
+    inline frame of the same length: a tensor table of other sizes, which decides refusals and the second round's
+    route. The echo once covered the slot's words only: rank 1 refused while rank 0 went on into the second round."""
+    import torch
+
+    from serializers import registry
+
+    rank = dist.get_rank()
+    group, comm = _three_rank_group(slot_bytes=SLOT)
+    report: Dict[str, Any] = {}
+    size = 1 << 20
+    if rank == 2:
+        def encode(obj: Any) -> Any:
+            return _framing.encode(obj, registry.guarded("pickle"), max_bytes=1 << 40, inline_tensor_bytes=1 << 16)
+
+        real = [torch.full((size // 2,), 7, dtype=torch.uint8), torch.full((size // 2,), 9, dtype=torch.uint8)]
+        other = encode([torch.zeros(size // 4, dtype=torch.uint8), torch.zeros(3 * size // 4, dtype=torch.uint8)])
+        forged = bytearray(_slot_of(encode(real)))
+        forged[24:24 + other.frame_nbytes] = bytes(other.frame)  # the same words, another frame inline
+        channel = _channel(group)
+        real_send = channel._send
+        forged_sent = []
+
+        def lying_send(peer: int, header: bytes, data: Any, op: str) -> None:
+            lie = header[0] == _inbox.BROADCAST and peer == 1 and not forged_sent  # the broadcast's slot, to rank 1
+            forged_sent.extend([True] if lie else [])
+            real_send(peer, header, bytes(forged) if lie else data, op)
+
+        channel._send = lying_send
+        try:
+            comm.broadcast(real, src=2)
+            report["broadcast"] = "returned"
+        except objcomm.ObjcommError as exc:
+            report["broadcast"] = type(exc).__name__
+        channel._send = real_send
+    else:
+        try:
+            got = comm.broadcast(None, src=2)
+            report["broadcast"] = f"returned {[tuple(t.shape) for t in got]}"
+        except objcomm.ObjcommError as exc:
+            report["broadcast"] = type(exc).__name__
+    return _resync(report)
+
+
+def test_the_echo_covers_the_frame_a_slot_carries():
+    zero, one, _ = get_pool(3).run(tells_each_rank_another_table, timeout=120)
+    assert zero["world"] == one["world"] == 3.0
+    assert zero["broadcast"] == one["broadcast"] == "CommunicationError", (zero, one)
+
+
+def owes_credit_to_a_rank_that_never_reads() -> Dict[str, Any]:
+    """Rank 2 of 3 never reads its socket: rank 0 fills it, then takes 40 messages of 60 KB from it, so rank 0 owes
+    it a CREDIT message it cannot send. Rank 0 then sends 200 such messages to rank 1, which reads them slowly. Before
+    the fix, rank 0's wait for rank 1's credit offered the owed CREDIT in a loop that never waited (a CPU core, for as
+    long as rank 2 stayed alive); now its sends finish, and before rank 2 closes its channel."""
+    rank = dist.get_rank()
+    group, comm = _three_rank_group()
+    channel = _channel(group)
+    blob = b"x" * 60_000
+    store = dist.distributed_c10d._get_default_store()
+    key = f"credit-owed-{dist.distributed_c10d._world.pg_names[group]}"  # the group's name: alike on its ranks
+    report: Dict[str, Any] = {}
+    if rank == 0:
+        while True:  # fill rank 2's queue: what an eager send leaves in the kernel
+            try:
+                channel._peers[2].send(b"\0" * 60_000, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+        for _ in range(40):
+            comm.recv(2)
+        report["owing"] = channel._inbox.owing
+        for _ in range(200):
+            comm.send(blob, 1)
+        report["sent"] = time.monotonic()
+        store.set(key, "sent")
+    elif rank == 1:
+        time.sleep(0.5)
+        for i in range(200):
+            if i % 20 == 19:
+                time.sleep(0.02)
+            comm.recv(0)
+    else:
+        for _ in range(40):
+            comm.send(blob, 0)
+        deadline = time.monotonic() + 30  # until rank 0's sends are done, or 30 s (before the fix: they waited)
+        while time.monotonic() < deadline and not store.check([key]):
+            time.sleep(0.05)
+        report["closed"] = time.monotonic()
+        channel.close()
+    return _resync(report)
+
+
+def test_credit_owed_to_a_rank_that_never_reads_does_not_stall_a_sender():
+    zero, _, two = get_pool(3).run(owes_credit_to_a_rank_that_never_reads, timeout=120)
+    assert zero["owing"], zero  # the scenario: a CREDIT rank 2 cannot take
+    assert zero["sent"] < two["closed"], (zero, two)  # rank 0's sends did not wait for rank 2 to go
+
+
+def closes_with_credit_unread() -> Dict[str, Any]:
+    """Rank 0 sends 2,000 objects eagerly to rank 1, which takes them slowly and sends CREDIT as it does; rank 0 then
+    closes its channel at once, CREDIT unread. Linux then tells rank 1 ECONNRESET ahead of the messages still queued
+    for it: before the fix rank 1 lost the last of them."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=10))
+    comm = objcomm.Communicator(group, local=True)
+    comm.all_gather(rank)
+    got = 0
+    try:
+        if rank == 0:
+            for i in range(2000):
+                comm.send(_object(i), 1)
+            _channel(group).close()
+        else:
+            for i in range(2000):
+                if i % 100 == 99:
+                    time.sleep(0.05)
+                got += comm.recv(0) == _object(i)
+    except objcomm.ObjcommError as exc:
+        return {"got": got, "raised": str(exc)}
+    return {"got": got}
+
+
+def test_a_sender_that_closes_right_after_sending_loses_nothing():
+    _, one = get_pool(2).run(closes_with_credit_unread, timeout=120)
+    assert one == {"got": 2000}, one

@@ -100,6 +100,8 @@ def test_bench_prints_table_and_writes_json_csv_plot(tmp_path):
         assert verdict[(payload, rec["exact"]["serializer"])][0] == "exact"
         if rec["safe"] is not None:
             assert serializers.get(rec["safe"]["serializer"]).safe
+        assert rec["auto"]["fidelity"] == "exact" and rec["exact"]["serializer"] != "auto"  # auto: a row, not a pick
+    assert len(re.findall(r"auto: \d+\.\d\d× the fastest exact \(exact\)", out)) == len(payloads), out
 
     with open(out_csv, newline="") as f:
         table = list(csv.DictReader(f))

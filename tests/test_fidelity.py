@@ -10,22 +10,23 @@ import serializers
 
 pytestmark = pytest.mark.timeout(60)
 
-# probe: (pickle, cloudpickle, restricted-pickle, msgpack, json)
+TO_BYTES = "converted (bytearray → bytes)"
+# probe: (pickle, cloudpickle, restricted-pickle, msgpack, json, msgspec)
 EXPECTED = {
-    "None": ("exact",) * 5,
-    "int beyond 64 bits": ("exact", "exact", "exact", "exact", "refused"),
-    "float nan/inf": ("exact", "exact", "exact", "exact", "refused"),
-    "bytes": ("exact", "exact", "exact", "exact", "refused"),
-    "bytearray": ("exact", "exact", "exact", "converted (bytearray → bytes)", "refused"),
-    "tuple": ("exact", "exact", "exact", "exact", "converted (tuple → list)"),
-    "dict, int keys": ("exact", "exact", "exact", "exact", "refused"),
-    "set": ("exact", "exact", "exact", "exact", "refused"),
-    "datetime": ("exact", "exact", "exact", "exact", "refused"),
-    "numpy.ndarray": ("exact", "exact", "exact", "exact", "refused"),
-    "class instance": ("exact", "exact", "refused", "refused", "refused"),
-    "lambda": ("refused", "exact", "refused", "refused", "refused"),
+    "None": ("exact",) * 6,
+    "int beyond 64 bits": ("exact", "exact", "exact", "exact", "refused", "refused"),
+    "float nan/inf": ("exact", "exact", "exact", "exact", "refused", "exact"),
+    "bytes": ("exact", "exact", "exact", "exact", "refused", "exact"),
+    "bytearray": ("exact", "exact", "exact", TO_BYTES, "refused", TO_BYTES),
+    "tuple": ("exact", "exact", "exact", "exact", "converted (tuple → list)", "converted (tuple → list)"),
+    "dict, int keys": ("exact", "exact", "exact", "exact", "refused", "exact"),
+    "set": ("exact", "exact", "exact", "exact", "refused", "converted (set → list)"),
+    "datetime": ("exact", "exact", "exact", "exact", "refused", "exact"),
+    "numpy.ndarray": ("exact", "exact", "exact", "exact", "refused", "exact"),
+    "class instance": ("exact", "exact", "refused", "refused", "refused", "converted (Point → dict)"),
+    "lambda": ("refused", "exact", "refused", "refused", "refused", "refused"),
 }
-NAMES = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"]
+NAMES = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json", "msgspec"]
 
 
 @pytest.mark.parametrize("probe", EXPECTED)

@@ -89,8 +89,9 @@ def test_every_collective_the_same_with_the_channel_on_and_off(world, slot_bytes
         gathers = scatters = overflowing * roots - (slot_bytes == 128 and world == 2)
         second_rounds = 2 * overflowing + broadcasts + gathers + scatters
         # and one echo (issue 25: every rank read round 1 alike) before each second round of all_gather, gather
-        # (any slot overflows) and broadcast (the root's does), and after each vote (scatter's, all_to_all's)
-        echoes = 2 * overflowing * (roots + 1) + broadcasts
+        # (any slot overflows) and broadcast (the root's does), and after each vote (scatter's, all_to_all's): two
+        # channel collectives each, the digests, then every rank's pass
+        echoes = 2 * (2 * overflowing * (roots + 1) + broadcasts)
         expected = 5 * (2 + 3 * roots) + 2 + overflowing * (roots + 1) + second_rounds + echoes
         assert [r["seq"] for r in on] == [expected] * world
 

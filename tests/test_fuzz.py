@@ -20,7 +20,7 @@ from objcomm import ObjcommError, _framing
 
 pytestmark = pytest.mark.timeout(300)
 
-BUILTINS = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"]
+BUILTINS = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json", "msgspec"]
 SAMPLE = {"ids": [1, 2, 3], "t": (1.5, "x"), "b": b"\x00\x01", "n": None, 7: {"deep": [[{}]]}}
 FUZZ = settings(
     max_examples=1000,
@@ -33,7 +33,8 @@ FUZZ = settings(
 
 def _valid(name: str) -> bytes:
     s = serializers.get(name)
-    return bytes(s.dumps(SAMPLE if name != "json" else {"ids": [1, 2, 3], "s": "x", "n": None}))
+    plain = {"ids": [1, 2, 3], "s": "x", "n": None}
+    return bytes(s.dumps({"json": plain, "msgspec": {**plain, "b": b"\x00", "t": (1.5, "x")}}.get(name, SAMPLE)))
 
 
 @st.composite

@@ -23,7 +23,7 @@ def test_objcomm_exports():
         "compat", "device_for_backend", "ObjcommError", "EncodeError", "DecodeError", "RemoteError", "FrameError",
         "TooLargeError", "UnknownSerializerError", "ContentRefusedError", "CommunicationError", "SerializationError",
         "MissingDependencyError", "configure", "restore", "settings", "Settings", "__version__",
-        "isend", "irecv", "Request", "WaitTimeoutError", "serializers",
+        "isend", "irecv", "Request", "WaitTimeoutError", "serializers", "connect",
     ])
     for name in objcomm.__all__:
         assert hasattr(objcomm, name), name
@@ -39,7 +39,7 @@ def test_serializers_exports():
         "fidelity", "fidelity_table", "PROBES", "Verdict", "Serializer", "SerializerProtocol", "FunctionSerializer",
         "PickleSerializer", "CloudpickleSerializer", "RestrictedPickleSerializer", "MsgpackSerializer",
         "JsonSerializer", "ObjcommError", "SerializationError", "EncodeError", "DecodeError",
-        "UnknownSerializerError", "ContentRefusedError",
+        "UnknownSerializerError", "ContentRefusedError", "MsgspecSerializer", "AutoSerializer",
     ])
 
 

@@ -144,7 +144,14 @@ COLLECT = Page("docs/collect-results.md", PAIR, COLLECT_PRELUDE, skip={
 SECURITY = Page("docs/security.md", PAIR, "import objcomm\nimport torch.distributed as dist\nrank = dist.get_rank()\n",
                 section=SECURITY_SECTION)
 
-CHOOSING = Page("docs/choosing-a-serializer.md", ALONE, "class MyRecord:\n    pass\n", expect={
+CHOOSING = Page("docs/choosing-a-serializer.md", ALONE, "class MyRecord:\n    pass\nobj = {'loss': 0.25}\n", expect={
+    'objcomm.all_gather(obj, serializer="auto")  # any serializer this rank may use': {
+        "objcomm.all_gather(obj, serializer='auto') == [obj]": True,  # under accept=["msgpack", "json"] above
+        "serializers.get('auto').choose(obj)": "pickle",
+        "serializers.AutoSerializer(safe=True).choose(obj)": "restricted-pickle"},
+    "import msgspec": {"objcomm.gather(records, dst=0, serializer='records', accept=['records']) == [records]": True,
+                       "_raises(lambda: serializers.get('records').loads(serializers.get('msgspec').dumps([0])))":
+                           "DecodeError"},
     "import objcomm": {"sorted(objcomm.settings().accept)": ["json", "msgpack"],
                        "_raises(lambda: objcomm.all_gather(1))": "ContentRefusedError",  # pickle, by default
                        "_raises(lambda: objcomm.all_gather(1, serializer='msgpack'))": None,

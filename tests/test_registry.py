@@ -15,8 +15,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_builtins_available():
-    assert {"pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"} <= set(serializers.available())
-    assert serializers.available(safe=True) == ["json", "msgpack", "restricted-pickle"]
+    assert {"pickle", "cloudpickle", "restricted-pickle", "msgpack", "json", "msgspec", "auto"} <= set(
+        serializers.available())
+    assert serializers.available(safe=True) == ["json", "msgpack", "msgspec", "restricted-pickle"]
 
 
 def test_register_name_with_functions():

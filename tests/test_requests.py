@@ -278,25 +278,6 @@ def test_soak_of_async_calls_keeps_memory_and_threads_flat():
         assert result["growth_kib"] < 16 << 10, f"resident memory grew by {result['growth_kib']} KiB"
 
 
-def names_disagree() -> str:
-    """A subgroup whose members know different numbers of groups: its shadow cannot be named alike, so
-    every member raises instead of waiting forever. (Last in this file: it leaves the counts unequal.)"""
-    rank = dist.get_rank()
-    dist.new_group([0, 1])
-    group = dist.new_group([1, 2])
-    if rank == 0:
-        return ""
-    try:
-        objcomm.all_gather(rank, group=group, async_op=True)
-    except objcomm.ObjcommError as exc:
-        return "refused" if "same number of process groups" in str(exc) else str(exc)
-    return "issued"
-
-
-def test_a_subgroup_whose_shadow_cannot_be_named_alike_is_refused(ranks3):
-    assert ranks3.run(names_disagree) == ["", "refused", "refused"]
-
-
 def blocking_recv_in_a_done_callback() -> Any:
     """A done-callback runs on the lane's thread; its blocking recv next to an outstanding irecv on the same peer
     and tag is refused, as from any thread, and the outstanding irecv gets the next message."""

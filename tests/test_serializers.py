@@ -15,7 +15,7 @@ from serializers import DecodeError, EncodeError, SerializationError
 
 pytestmark = pytest.mark.timeout(60)
 
-BUILTINS = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"]
+BUILTINS = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json", "msgspec"]
 PICKLES = ["pickle", "cloudpickle", "restricted-pickle"]
 EXACT = PICKLES + ["msgpack"]
 
@@ -43,7 +43,7 @@ def test_metadata(name):
     s = serializers.get(name)
     assert s.name == name
     assert isinstance(s.safe, bool) and s.description
-    assert s.safe == (name in {"msgpack", "json", "restricted-pickle"})
+    assert s.safe == (name in {"msgpack", "json", "restricted-pickle", "msgspec"})
 
 
 @pytest.mark.parametrize("name", BUILTINS)
@@ -147,7 +147,7 @@ def test_serializers_import_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-@pytest.mark.parametrize("name", ["json", "msgpack"])
+@pytest.mark.parametrize("name", ["json", "msgpack", "msgspec"])
 def test_a_class_from_a_torch_submodule_is_named_with_its_module(name):
     import torch
 

@@ -151,9 +151,9 @@ def test_every_op_both_paths_at_the_threshold(world, separate, zero_copy, local,
     for op, fell_back in results[0].items():
         assert fell_back == expected, op
     # Through the channel: round 1 and its echo (issue 25), then, through shared memory, the announcement and the
-    # outcome, each with its echo (the set-up of the first call goes through the group). Never when the ranks are
-    # "elsewhere", nor with it off.
-    assert counts == ([0] * len(SHAPES) if separate or not local else [2 if normal else 6 for normal in expected])
+    # outcome, each with its echo (the set-up of the first call goes through the group); an echo is two channel
+    # collectives, the digests and then every rank's pass. Never when the ranks are "elsewhere", nor with it off.
+    assert counts == ([0] * len(SHAPES) if separate or not local else [3 if normal else 9 for normal in expected])
     assert os.listdir(shm_dir) == []
 
 

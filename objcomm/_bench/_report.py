@@ -117,9 +117,16 @@ def format_recommendations(recommendations: List[Recommendation], ops: Sequence[
     cells = [(rec.payload, _exact_cell(rec.exact, torch_names), _safe_cell(rec.safe)) for rec in recommendations]
     width = max((len(c[0]) for c in cells), default=0)
     exact_width = max((len(c[1]) for c in cells), default=0)
-    for payload, exact, safe in cells:
-        lines.append(f"  {payload:<{width}}  {exact:<{exact_width}}  {safe}")
+    for (payload, exact, safe), rec in zip(cells, recommendations):
+        lines.append(f"  {payload:<{width}}  {exact:<{exact_width}}  {safe}{_auto_cell(rec)}")
     return lines
+
+
+def _auto_cell(rec: Recommendation) -> str:
+    """serializer="auto" against the fastest exact serializer (its target: within 1.1×), where both ran."""
+    if rec.auto is None or rec.exact is None:
+        return ""
+    return f"  auto: {rec.auto.vs_torch / rec.exact.vs_torch:.2f}× the fastest exact ({rec.auto.fidelity})"
 
 
 def _torch_names(ops: Sequence[str]) -> str:

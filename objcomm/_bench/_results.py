@@ -82,6 +82,7 @@ class Recommendation:
     exact: Optional[Choice]
     safe: Optional[Choice]
     torch_faster: bool = False
+    auto: Optional[Choice] = None  # serializer="auto" (not a candidate above: it picks among them)
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -93,17 +94,21 @@ def recommend(payload: str, rows: List[Row]) -> Recommendation:
     for row in rows:
         by_serializer.setdefault(row.serializer, []).append(row)
     choices = []
+    auto = None
     for name, mine in by_serializer.items():
         ratios = [r.ratio for r in mine if r.ratio is not None]
         if len(ratios) < len(mine):
             continue  # refused somewhere: not a candidate for this payload
         geo = math.exp(sum(math.log(max(ratio, 1e-12)) for ratio in ratios) / len(ratios))
+        if name == "auto":
+            auto = Choice(name, geo, _worst(mine))
+            continue
         choices.append((geo, name, _worst(mine), mine[0].safe))
     choices.sort()
     exact = next((Choice(n, g, f) for g, n, f, _ in choices if f == "exact"), None)
     safe = next((Choice(n, g, f) for g, n, f, s in choices if s and f != "lossy"), None)
     torch_faster = not any(g < 1.0 for g, _, f, _ in choices if f != "lossy")
-    return Recommendation(payload, exact, safe, torch_faster)
+    return Recommendation(payload, exact, safe, torch_faster, auto)
 
 
 def _worst(rows: List[Row]) -> str:

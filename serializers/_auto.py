@@ -1,0 +1,193 @@
+"""``serializer="auto"``: per object, the fastest serializer that carries it exactly.
+
+What it knows comes from ``objcomm bench`` and :func:`serializers.fidelity`:
+
+- **Speed** (:data:`SPEED_ORDER`): the order in which ``objcomm bench`` ranks the built-ins on its payloads,
+  encode and decode together (docs/choosing-a-serializer.md). stdlib pickle's C pickler and unpickler lead on
+  almost everything; restricted-pickle writes the same bytes and reads them a little slower; msgspec and json
+  encode faster but decode slower; msgpack decodes slowest.
+- **Fidelity**: every candidate's first object of each type signature (below) is decoded on the sender and
+  checked by the fidelity judge ``objcomm bench`` uses; after that, a serializer whose measured fidelity table
+  holds only ``exact`` and ``refused`` (the pickle family) is trusted with objects of that signature. One that
+  converts some types (msgpack: bytearray → bytes; msgspec, json: tuples...) is judged on every object: the cost
+  of a decode and a Python walk, paid only where the faster candidates refused the object.
+
+Candidates are the registered ones in that order (others after them, by name) that this rank may use: every one
+by default; with ``safe=True``, or inside objcomm under an ``accept=`` list, only safe ones, and only those
+listed. Each object goes to the first candidate that takes it; a candidate that refuses an object is skipped for
+later objects of the same *type signature* (the types met in a bounded, breadth-first sample of the object), so
+the probe costs one failed attempt per signature, not per value. The frame records the serializer chosen, so
+receivers need nothing to know about ``auto``, and their own ``accept=`` still rules.
+
+>>> import serializers
+>>> serializers.get("auto").choose({"loss": 0.25})
+'pickle'
+>>> serializers.AutoSerializer(safe=True).choose({"loss": 0.25})
+'restricted-pickle'
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import threading
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
+
+from ._errors import DecodeError, EncodeError, ObjcommError
+from ._protocol import Buffer, Lift, Restore, Serializer, SerializerProtocol
+from ._registry import SerializerRegistry, registry
+
+SPEED_ORDER = ("pickle", "restricted-pickle", "cloudpickle", "msgspec", "json", "msgpack")
+SAMPLE = 256  # values of an object the type signature looks at, breadth first
+KEPT = 1024  # type signatures remembered per AutoSerializer
+Signature = Tuple[type, FrozenSet[type]]
+
+
+def signature(obj: Any) -> Signature:
+    """The object's type and the types met in its first :data:`SAMPLE` values, breadth first (in C:
+    ``gc.get_referents`` expands a level of containers at once)."""
+    seen: Set[type] = set()
+    level = [obj]
+    count = 0
+    while level and count < SAMPLE:
+        level = level[: SAMPLE - count]
+        count += len(level)
+        seen.update(map(type, level))
+        level = gc.get_referents(*level)
+    return type(obj), frozenset(seen)
+
+
+class AutoSerializer(Serializer):
+    """Chooses per object (see the module docstring); objcomm records the serializer chosen in each frame.
+
+    ``safe``: only serializers whose loads cannot run code; ``accept``: only these names (objcomm passes a
+    call's ``accept=`` list, which implies ``safe``).
+    """
+
+    name = "auto"
+    supports_external = True
+    _raises_own_errors = True
+
+    def __init__(self, *, safe: bool = False, accept: Optional[FrozenSet[str]] = None,
+                 registry: SerializerRegistry = registry) -> None:
+        self.safe = safe or accept is not None
+        self.accept = accept
+        self.description = ("per object, the fastest " + ("safe " if self.safe else "") +
+                            "serializer that carries it exactly (objcomm records the one chosen)")
+        self._registry = registry
+        self._refused: Dict[Signature, FrozenSet[str]] = {}  # by signature: the candidates that refused one
+        self._verified: Set[Tuple[Signature, str]] = set()  # a candidate gave back an object of the signature exactly
+        self._trusted: Dict[Signature, SerializerProtocol] = {}  # by signature: the trusted one that took the last
+        self._narrowed: Dict[FrozenSet[str], AutoSerializer] = {}
+        self._lock = threading.Lock()
+        self._known: Tuple[int, List[str]] = (-1, [])  # (registry version, candidate names then)
+
+    def within(self, accept: Optional[FrozenSet[str]]) -> AutoSerializer:
+        """This chooser limited to ``accept`` (None: itself), kept for the next call with the same list."""
+        if accept is None:
+            return self
+        found = self._narrowed.get(accept)
+        if found is None:
+            found = self._narrowed.setdefault(accept, AutoSerializer(accept=accept, registry=self._registry))
+        return found
+
+    def trusted(self, obj: Any) -> Tuple[Signature, Optional[SerializerProtocol]]:
+        """``obj``'s signature, and the serializer that last took an object of it and is trusted with it (exact or
+        refused by its fidelity table, judged exact on one such object): the one to try first, unjudged."""
+        sig = signature(obj)
+        return sig, self._trusted.get(sig)
+
+    def candidates(self, obj: Any) -> Iterator[Tuple[SerializerProtocol, bool, Callable[[bool], None]]]:
+        """``(serializer, whether its result must be decoded and judged exact, what to call with the outcome)``,
+        fastest first; candidates that refused an object of ``obj``'s signature before come last. A serializer
+        is judged on the first object of each signature (restricted-pickle, for one, refuses what it does not
+        allow only when decoding), and on every object where its fidelity table shows conversions."""
+        sig = signature(obj)
+        skip = self._refused.get(sig)
+        names = self._names()
+        if skip:
+            names = [n for n in names if n not in skip] + [n for n in names if n in skip]
+        guarded, verified = self._registry.guarded, self._verified
+        for name in names:
+            judged = (sig, name) not in verified or not _exact_or_refuse(name)
+            yield guarded(name), judged, functools.partial(self._outcome, sig, name)
+
+    def choose(self, obj: Any) -> str:
+        """The name of the serializer this chooser gives ``obj`` (its payload thrown away): for a look, or tests."""
+        for serializer, judged, outcome in self.candidates(obj):
+            try:
+                data = serializer.dumps(obj)
+                took = not judged or exact(obj, serializer.loads(data))
+            except ObjcommError:  # refused to encode, or to decode what it wrote (restricted-pickle)
+                took = False
+            outcome(took)
+            if took:
+                return serializer.name
+        raise no_candidate(self, obj)
+
+    def dumps(self, obj: Any, /, *, lift: Lift | None = None) -> Buffer:
+        raise EncodeError("serializer 'auto' chooses per object inside objcomm, which records its choice in the "
+                          "frame; outside objcomm, call serializers.get('auto').choose(obj) and use that serializer")
+
+    def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
+        raise DecodeError("no payload is encoded by 'auto': frames name the serializer it chose")
+
+    def _names(self) -> List[str]:
+        """The candidates' names, fastest first: worked out again only when the registry changed."""
+        version = self._registry.version
+        if self._known[0] != version:
+            known = self._registry.available()
+            names = [n for n in SPEED_ORDER if n in known] + sorted(n for n in known if n not in SPEED_ORDER)
+            self._known = (version, [
+                n for n in names if (self.accept is None or n in self.accept)
+                and (not self.safe or self._registry.get(n).safe)
+                and not isinstance(self._registry.get(n), AutoSerializer)])
+        return self._known[1]
+
+    def _outcome(self, sig: Signature, name: str, took: bool) -> None:
+        """Remember that ``name`` took (and gave back exactly) or refused an object of signature ``sig``."""
+        with self._lock:
+            if len(self._refused) + len(self._verified) >= KEPT:
+                self._refused.clear()
+                self._verified.clear()
+                self._trusted.clear()
+            if took:
+                self._verified.add((sig, name))
+                if _exact_or_refuse(name):
+                    self._trusted[sig] = self._registry.guarded(name)
+            elif self._trusted.get(sig) is not None and self._trusted[sig].name == name:
+                del self._trusted[sig]
+            else:
+                self._refused[sig] = self._refused.get(sig, frozenset()) | {name}
+
+
+_MEASURED: Dict[str, bool] = {}
+
+
+def _exact_or_refuse(name: str) -> bool:
+    """Whether ``name``'s measured fidelity table (:func:`serializers.fidelity`) holds only exact and refused, so that
+    whatever it accepts comes back exactly; measured once per name."""
+    found = _MEASURED.get(name)
+    if found is None:
+        from ._fidelity import fidelity
+
+        found = _MEASURED[name] = all(v.verdict in ("exact", "refused") for v in fidelity(name).values())
+    return found
+
+
+def exact(sent: Any, got: Any) -> bool:
+    """Whether ``got`` is ``sent`` exactly, by the judge ``objcomm bench`` and the fidelity table use (a comparison
+    that raises, as a user class's ``__eq__`` may: not exact)."""
+    from ._fidelity import judge
+
+    try:
+        return judge(sent, got)[0] == "exact"
+    except Exception:
+        return False
+
+
+def no_candidate(chooser: AutoSerializer, obj: Any) -> EncodeError:
+    names = ", ".join(chooser._names()) or "none"
+    return EncodeError(f"serializer 'auto' found no serializer that carries this {type(obj).__name__} exactly "
+                       f"among those it may use ({names}); name one, or register a codec with "
+                       "serializers.register_type()")

@@ -1,0 +1,148 @@
+"""serializer="auto": the fastest candidate that carries the object exactly, judged, cached per type signature."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import objcomm
+import serializers
+from objcomm import _framing
+from objcomm._wire import Incoming
+from serializers import AutoSerializer, EncodeError
+from serializers._auto import signature
+from serializers._fidelity import PROBES, judge
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+
+
+class Opaque:
+    """No codec, no allow-list entry: only the unsafe pickles carry it."""
+
+
+def _frame_name(obj, chooser):
+    out = _framing.encode(obj, chooser, max_bytes=1 << 30)
+    return _framing.parse_header(out.frame).serializer, out
+
+
+@pytest.mark.parametrize("label, make", PROBES, ids=[label for label, _ in PROBES])
+def test_auto_never_changes_a_probe_value(label, make):
+    for chooser in (serializers.registry.guarded("auto"), AutoSerializer(safe=True)):
+        value = make()
+        try:
+            name, out = _frame_name(value, chooser)
+        except EncodeError:
+            assert chooser.safe and label in ("lambda", "class instance"), label  # none safe carries these exactly
+            continue
+        got = _framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
+        assert judge(value, got)[0] == "exact", (label, name)
+
+
+def test_the_choice_is_the_fastest_exact_candidate_and_the_frame_names_it():
+    auto = AutoSerializer()
+    assert auto.choose({"loss": 0.25, "ids": [1, 2]}) == "pickle"
+    assert auto.choose({"f": lambda x: x}) == "cloudpickle"  # pickle refuses a lambda
+    safe = AutoSerializer(safe=True)
+    assert safe.choose({"loss": 0.25, (1, 2): {3}}) == "restricted-pickle"
+    name, _ = _frame_name({"f": lambda x: x}, serializers.registry.guarded("auto"))
+    assert name == "cloudpickle"
+
+
+def test_a_converting_candidate_is_used_only_when_the_judge_finds_the_object_exact():
+    only_json = AutoSerializer(accept=frozenset({"json", "msgpack"}))
+    assert only_json.choose({"a": [1, "x"]}) == "json"
+    assert only_json.choose({"a": (1, "x")}) == "msgpack"  # json turns the tuple into a list
+    with pytest.raises(EncodeError, match=r"'auto' found no serializer that carries this dict exactly among those it "
+                                          r"may use \(json, msgpack\)"):
+        only_json.choose({"a": bytearray(b"x")})  # msgpack gives bytes back; json refuses
+    hidden = {"rows": [{"i": i} for i in range(1000)] + [{"i": OrderedDict(a=bytearray(b"x"))}]}
+    with pytest.raises(EncodeError):  # deep past the sample: still judged, never converted
+        only_json.choose(hidden)
+
+
+def test_restricted_pickle_is_judged_on_the_first_object_of_each_signature():
+    safe = AutoSerializer(safe=True)
+    serializers.register_type(Point, dataclasses.astuple, lambda xy: Point(*xy), validate=lambda v: v)
+    try:
+        # restricted-pickle does not allow Point; msgspec turns the dataclass into a dict; json carries the codec
+        assert safe.choose({"p": Point(1, 2)}) == "json"
+        assert safe.choose({"p": Point(3, 4)}) == "json"
+        assert "restricted-pickle" in safe._refused[signature({"p": Point(3, 4)})]
+    finally:
+        serializers.unregister_type(Point)
+    with pytest.raises(EncodeError, match="'auto' found no serializer"):
+        safe.choose({"o": Opaque()})
+
+
+def test_refusals_are_remembered_per_signature_not_per_value():
+    auto = AutoSerializer()
+    calls = []
+    pickle = serializers.registry.guarded("pickle")
+    original = pickle.dumps
+
+    def counting(obj, /, *, lift=None):
+        calls.append(1)
+        return original(obj, lift=lift)
+
+    pickle.dumps = counting
+    try:
+        for k in range(5):
+            assert auto.choose({"f": lambda x, k=k: x + k}) == "cloudpickle"
+    finally:
+        del pickle.dumps
+    assert len(calls) == 1  # pickle was tried on the first lambda of that signature only
+
+
+def test_signature_reads_a_bounded_sample():
+    big = list(range(100_000))
+    assert signature(big) == (list, frozenset({list, int}))
+    # the values of a dict with str keys only (CPython does not visit such keys; they say nothing anyway)
+    assert signature({"a": (1, dt.date(2024, 1, 1))}) == (dict, frozenset({dict, tuple, int, dt.date}))
+
+
+def test_auto_outside_objcomm_says_what_to_do():
+    auto = serializers.get("auto")
+    with pytest.raises(EncodeError, match=r"choose\(obj\)"):
+        auto.dumps({"a": 1})
+
+
+def auto_through_a_group() -> list:
+    rank = dist.get_rank()
+    mine = {"rank": rank, "arr": np.arange(3) + rank, "t": torch.full((70_000,), float(rank)), "span": (rank, 2)}
+    got = objcomm.all_gather(mine, serializer="auto")
+    fn = objcomm.broadcast((lambda x: x * 10) if rank == 0 else None, src=0, serializer="auto")
+    safe = objcomm.all_gather({"r": rank, "tags": {"a", "b"}}, serializer="auto", accept=["msgpack",
+                                                                                          "restricted-pickle"])
+    try:  # a receiver's accept= still rules what it decodes
+        objcomm.broadcast({"f": (lambda: 1)} if rank == 0 else None, src=0, serializer="auto",
+                          accept=None if rank == 0 else ["msgpack"])
+        refused = "no error"
+    except objcomm.ObjcommError as exc:
+        refused = f"{type(exc).__name__}: {exc}"
+    return [[g["rank"] for g in got], [g["arr"].tolist() for g in got], [g["t"][0].item() for g in got],
+            [g["span"] for g in got], fn(2), safe, refused]
+
+
+def test_auto_through_a_real_group(ranks):
+    results = ranks.run(auto_through_a_group)
+    world = len(results)
+    for rank, result in enumerate(results):
+        assert result[:6] == [
+            list(range(world)), [[r, r + 1, r + 2] for r in range(world)], [float(r) for r in range(world)],
+            [(r, 2) for r in range(world)], 20, [{"r": r, "tags": {"a", "b"}} for r in range(world)],
+        ]
+        refused = ("ContentRefusedError: rank 0 sent a 'cloudpickle' payload, but this rank accepts only ['msgpack']; "
+                   "add it to accept= if you trust the sender, or send with an accepted serializer")
+        assert result[6] == ("no error" if world == 1 or rank == 0 else refused), result[6]

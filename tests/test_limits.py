@@ -1,0 +1,97 @@
+"""objcomm._limits at thousands of ranks: the same answers and messages as the pairwise checks, with O(W) work."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, List, NamedTuple, Optional
+
+import pytest
+
+from objcomm import TooLargeError
+from objcomm._limits import CheckedSizes, check_limits
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Info(NamedTuple):  # the fields of objcomm._slots.SlotInfo that the limit checks read
+    length: int
+    error: bool
+    total: int
+    limit: int
+    sizes: Optional[List[int]] = None
+
+
+class Counted:
+    """An info whose ``total`` counts how often it is read."""
+
+    reads = 0
+
+    def __init__(self, info: Info) -> None:
+        self._info = info
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "total":
+            Counted.reads += 1
+        return getattr(self._info, name)
+
+
+def pairwise(infos: List[Any], receivers: Any, op: str) -> None:
+    """The O(W²) check this module had: every (receiver, sender) pair in order."""
+    for receiver in receivers:
+        limit = infos[receiver].limit
+        for sender, info in enumerate(infos):
+            if sender != receiver and not info.error and info.total > limit:
+                raise TooLargeError(f"{op}: rank {sender} sends {info.total:,} bytes, above the max_bytes={limit:,} "
+                                    f"of receiving rank {receiver}")
+
+
+def outcome(check: Any, infos: List[Any], receivers: Any) -> Optional[str]:
+    try:
+        check(infos, receivers, "all_gather")
+    except TooLargeError as exc:
+        return str(exc).split(": ", 1)[1].split(";")[0]
+    return None
+
+
+def test_the_same_first_failure_as_every_pair_in_order():
+    rng = random.Random(25)
+    raised = 0
+    for _ in range(2000):
+        world = rng.choice([1, 2, 3, 5, 8, 33])
+        infos = [Info(10, rng.random() < 0.2, rng.choice([10, 100, 1000, 5000]), rng.choice([50, 500, 2000, 10**9]))
+                 for _ in range(world)]
+        receivers = [rng.randrange(world)] if rng.random() < 0.3 else range(world)
+        expected = outcome(pairwise, infos, receivers)
+        assert outcome(check_limits, infos, receivers) == expected, (infos, list(receivers))
+        raised += expected is not None
+    assert 500 < raised < 1500  # both outcomes were tried often
+
+
+def test_a_sender_is_never_held_to_its_own_limit():
+    infos = [Info(10, False, 10**6, 100), Info(10, False, 10, 100)]  # rank 0's own payload is above its limit
+    assert outcome(check_limits, infos, range(2)) == "rank 0 sends 1,000,000 bytes, above the max_bytes=100 of " \
+                                                     "receiving rank 1"
+    assert outcome(check_limits, infos, [0]) is None
+
+
+@pytest.mark.parametrize("failing", [False, True])
+def test_work_is_linear_in_the_world_size(failing):
+    world = 8192
+    infos = [Counted(Info(10, False, 1000 + r, 10**9)) for r in range(world)]
+    if failing:
+        infos[world - 1] = Counted(Info(10, False, 1000, 500))  # the last receiver refuses
+    Counted.reads = 0
+    assert (outcome(check_limits, infos, range(world)) is not None) == failing
+    assert Counted.reads <= 3 * world, Counted.reads  # pairwise: 8192 x 8191 reads
+
+
+def test_checked_sizes_looks_up_slots_by_frame_length():
+    world = 8192
+    infos = [Counted(Info(100 + r, False, 100 + r, 10**9, [])) for r in range(world)]
+    checked = CheckedSizes(lambda frame: [], infos)
+    Counted.reads = 0
+    for r in range(0, world, 64):
+        assert checked(memoryview(bytes(100 + r))) == []
+    assert Counted.reads <= 2 * world, Counted.reads
+    with pytest.raises(OSError, match="disagree with its sender's slot"):
+        checked(memoryview(bytes(99)))
