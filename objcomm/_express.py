@@ -76,8 +76,8 @@ class Express:
         """The express path of ``call``'s settings, or None where it can never apply (no same-host
         channel strategy, compression, one rank)."""
         wire = call.wire
-        if wire is None or call.options.compression is not None or isinstance(call.serializer, AutoSerializer):
-            return None  # "auto": the serializer, and the name in the frame, differ per object
+        if wire is None or call.options.compression is not None:
+            return None
         if not isinstance(wire.first_round, _first.SameHostSlots):
             return None
         state = wire.first_round.state(wire)
@@ -104,7 +104,9 @@ class Express:
         if serialized[1].tensors:
             return None, serialized
         try:
-            return _framing.small_slot(self.name, serialized[0], self.slot, self.limit), serialized
+            used = serialized[2]  # "auto" chose it, per object; else this call's serializer
+            name = self.name if used is self.call.serializer else used.name.encode("ascii")
+            return _framing.small_slot(name, serialized[0], self.slot, self.limit), serialized
         except Exception:  # a payload that is no buffer: encode() raises it again, on the general path
             return None, serialized
 
@@ -229,7 +231,10 @@ class Express:
 
 def _decoder(serializer: SerializerProtocol, accept: Any) -> Optional[SerializerProtocol]:
     """``serializer`` if a frame naming it is decoded with ``serializer`` itself (what
-    :func:`objcomm._framing.decode_parsed` finds in the registry) and ``accept`` takes it; else None."""
+    :func:`objcomm._framing.decode_parsed` finds in the registry) and ``accept`` takes it; else None ("auto": frames
+    name the serializer it chose, never "auto", and are decoded as any other rank's)."""
+    if isinstance(serializer, AutoSerializer):
+        return None
     name = serializer.name
     if accept is not None and name not in accept:
         return None

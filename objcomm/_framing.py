@@ -152,8 +152,14 @@ def serialize(obj: Any, serializer: SerializerProtocol, inline_tensor_bytes: int
 def _serialize_auto(obj: Any, chooser: AutoSerializer, inline_tensor_bytes: int) -> Serialized:
     """The first candidate's that takes ``obj`` and, where :meth:`~serializers.AutoSerializer.candidates` says so,
     gives it back exactly: decoded here (the lifted objects themselves restored) and judged."""
+    leader = chooser.leader(obj)
+    if leader is not None:  # the common case: pickle, first and exact by construction; nothing else worked out
+        try:
+            return serialize(obj, leader, inline_tensor_bytes)
+        except ObjcommError:
+            chooser.leader_refused(obj)
     _, trusted = chooser.trusted(obj)
-    if trusted is not None:  # the common case: the one that took the last object of this signature
+    if trusted is not None:  # the one that took the last object of this signature
         try:
             return serialize(obj, trusted, inline_tensor_bytes)
         except ObjcommError:

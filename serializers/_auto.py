@@ -2,10 +2,13 @@
 
 What it knows comes from ``objcomm bench`` and :func:`serializers.fidelity`:
 
-- **Speed** (:data:`SPEED_ORDER`): the order in which ``objcomm bench`` ranks the built-ins on its payloads,
-  encode and decode together (docs/choosing-a-serializer.md). stdlib pickle's C pickler and unpickler lead on
-  almost everything; restricted-pickle writes the same bytes and reads them a little slower; msgspec and json
-  encode faster but decode slower; msgpack decodes slowest.
+- **Order** (:data:`SPEED_ORDER`): pickle first. In ``objcomm bench`` it is the fastest of the serializers that
+  are exact by construction (restricted-pickle writes the same bytes and reads them a little slower); msgspec is
+  as fast or faster on JSON-like payloads, but converts tuples, sets and dataclasses silently, so it could only
+  be used after judging every object, which costs more than the difference.
+- **The leader** (:data:`LEADERS`): pickle and cloudpickle carry exactly whatever they take and refuse the rest
+  when encoding, so where one of them is the first candidate an object goes to it at once (:meth:`leader`), and
+  ``auto`` costs what it costs. An object it refuses sends its type through the steps below.
 - **Fidelity**: every candidate's first object of each type signature (below) is decoded on the sender and
   checked by the fidelity judge ``objcomm bench`` uses; after that, a serializer whose measured fidelity table
   holds only ``exact`` and ``refused`` (the pickle family) is trusted with objects of that signature. One that
@@ -14,9 +17,9 @@ What it knows comes from ``objcomm bench`` and :func:`serializers.fidelity`:
 
 Candidates are the registered ones in that order (others after them, by name) that this rank may use: every one
 by default; with ``safe=True``, or inside objcomm under an ``accept=`` list, only safe ones, and only those
-listed. Each object goes to the first candidate that takes it; a candidate that refuses an object is skipped for
-later objects of the same *type signature* (the types met in a bounded, breadth-first sample of the object), so
-the probe costs one failed attempt per signature, not per value. The frame records the serializer chosen, so
+listed. Each object goes to the first candidate that takes it; a candidate that refuses an object is tried last
+for later objects of the same *type signature* (the types met in a bounded, breadth-first sample of the object),
+so the probe costs one failed attempt per signature, not per value. The frame records the serializer chosen, so
 receivers need nothing to know about ``auto``, and their own ``accept=`` still rules.
 
 >>> import serializers
@@ -31,6 +34,7 @@ from __future__ import annotations
 import functools
 import gc
 import threading
+from itertools import compress
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
 
 from ._errors import DecodeError, EncodeError, ObjcommError
@@ -38,23 +42,29 @@ from ._protocol import Buffer, Lift, Restore, Serializer, SerializerProtocol
 from ._registry import SerializerRegistry, registry
 
 SPEED_ORDER = ("pickle", "restricted-pickle", "cloudpickle", "msgspec", "json", "msgpack")
-SAMPLE = 256  # values of an object the type signature looks at, breadth first
+LEADERS = frozenset({"pickle", "cloudpickle"})  # exact or refused, and refused when encoding: never judged
+SAMPLE = 128  # values of an object the type signature looks at, breadth first
 KEPT = 1024  # type signatures remembered per AutoSerializer
 Signature = Tuple[type, FrozenSet[type]]
 
 
 def signature(obj: Any) -> Signature:
     """The object's type and the types met in its first :data:`SAMPLE` values, breadth first (in C:
-    ``gc.get_referents`` expands a level of containers at once)."""
+    ``gc.get_referents`` expands a level of containers at once; other values, a tensor or an instance of a class,
+    say what they are by their type)."""
     seen: Set[type] = set()
     level = [obj]
     count = 0
     while level and count < SAMPLE:
         level = level[: SAMPLE - count]
         count += len(level)
-        seen.update(map(type, level))
-        level = gc.get_referents(*level)
+        kinds = list(map(type, level))
+        seen.update(kinds)
+        level = gc.get_referents(*compress(level, map(_OPEN.__contains__, kinds)))
     return type(obj), frozenset(seen)
+
+
+_OPEN = frozenset({dict, list, tuple, set, frozenset})  # what the sample looks into; the rest is known by its type
 
 
 class AutoSerializer(Serializer):
@@ -78,6 +88,7 @@ class AutoSerializer(Serializer):
         self._refused: Dict[Signature, FrozenSet[str]] = {}  # by signature: the candidates that refused one
         self._verified: Set[Tuple[Signature, str]] = set()  # a candidate gave back an object of the signature exactly
         self._trusted: Dict[Signature, SerializerProtocol] = {}  # by signature: the trusted one that took the last
+        self._led_astray: Set[type] = set()  # top-level types whose last object the leader refused
         self._narrowed: Dict[FrozenSet[str], AutoSerializer] = {}
         self._lock = threading.Lock()
         self._known: Tuple[int, List[str]] = (-1, [])  # (registry version, candidate names then)
@@ -90,6 +101,22 @@ class AutoSerializer(Serializer):
         if found is None:
             found = self._narrowed.setdefault(accept, AutoSerializer(accept=accept, registry=self._registry))
         return found
+
+    def leader(self, obj: Any) -> Optional[SerializerProtocol]:
+        """The first candidate, to try before anything is worked out about ``obj``, where it is one whose loads takes
+        whatever its dumps wrote, exactly (:data:`LEADERS`) and it did not refuse the last object of ``obj``'s type;
+        else None. Most calls end here: auto then costs what its leader costs."""
+        names = self._names()
+        if not names or names[0] not in LEADERS or type(obj) in self._led_astray:
+            return None
+        return self._registry.guarded(names[0])
+
+    def leader_refused(self, obj: Any) -> None:
+        """The leader refused ``obj``: objects of its type go through the signature's candidates from now on."""
+        with self._lock:
+            if len(self._led_astray) >= KEPT:
+                self._led_astray.clear()
+            self._led_astray.add(type(obj))
 
     def trusted(self, obj: Any) -> Tuple[Signature, Optional[SerializerProtocol]]:
         """``obj``'s signature, and the serializer that last took an object of it and is trusted with it (exact or

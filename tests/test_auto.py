@@ -135,6 +135,27 @@ def auto_through_a_group() -> list:
             [g["span"] for g in got], fn(2), safe, refused]
 
 
+def auto_on_the_express_path() -> list:
+    """Small objects with a communicator's defaults take the express path (objcomm._express): under "auto" too,
+    each frame naming the serializer chosen for its object."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = objcomm.Communicator(serializer="auto")
+    got = [comm.all_gather({"r": rank}) for _ in range(3)]  # the express path is built by the second collective
+    comm.send((lambda x, r=rank: x + r) if rank % 2 else {"r": rank}, dst=(rank + 1) % world)
+    received = comm.recv(src=(rank - 1) % world)
+    return [got[-1], received(10) if callable(received) else received, comm._express() is not None]
+
+
+def test_auto_on_the_express_path(ranks):
+    results = ranks.run(auto_on_the_express_path)
+    world = len(results)
+    for rank, (gathered, received, express) in enumerate(results):
+        sender = (rank - 1) % world
+        assert gathered == [{"r": r} for r in range(world)]
+        assert received == (10 + sender if sender % 2 else {"r": sender})  # cloudpickle for the lambda
+        assert express == (world > 1)
+
+
 def test_auto_through_a_real_group(ranks):
     results = ranks.run(auto_through_a_group)
     world = len(results)
