@@ -59,7 +59,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
-from . import _channel_round, _local, _pending, _state
+from . import _channel_round, _groups, _local, _pending, _state
 from ._device import timeout_seconds
 from ._errors import CommunicationError
 from ._inbox import ANSWER, REST
@@ -80,6 +80,7 @@ class SameHost:
         self.cond = threading.Condition()
         self.in_flight = 0  # send/recv of this rank through the group, not finished
         self.voting = False  # this rank's vote is out now
+        self.control: Any = None  # the control group: votes and reopenings (objcomm._groups.sibling), once opened
 
     def begin_vote(self, group: Any) -> bool:
         """Whether this rank has no send/recv in flight (blocking, or ``isend``/``irecv`` issued and not
@@ -221,7 +222,10 @@ class SameHostSlots:
         try:
             channel = _local.LocalChannel.open(wire, timeout=timeout_seconds(wire.group),
                                                separate=self.separate, op=f"{op} (opening the same-host channel)",
-                                               ready=ready, history=history)
+                                               ready=ready, history=history, control=state.control)
+            if channel is not None and state.control is None:  # every rank is here: the first set-up worked on all
+                state.control = channel.control = _groups.sibling(wire.group, "objcomm-channel", "gloo")
+                weakref.finalize(wire.group, _groups.forget, state.control).atexit = False
             with state.cond:  # before the vote ends: a send/recv waiting for it must see the new channel
                 state.channel, state.decided = channel, True
         except _local.OutOfStep as exc:

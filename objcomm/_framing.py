@@ -40,6 +40,7 @@ from . import _compression
 from ._errors import (
     ContentRefusedError,
     DecodeError,
+    EncodeError,
     FrameError,
     ObjcommError,
     UnknownSerializerError,
@@ -150,6 +151,16 @@ def serialize(obj: Any, serializer: SerializerProtocol, inline_tensor_bytes: int
 
 
 def _serialize_auto(obj: Any, chooser: AutoSerializer, inline_tensor_bytes: int) -> Serialized:
+    try:
+        return _choose_and_serialize(obj, chooser, inline_tensor_bytes)
+    except ObjcommError:
+        raise
+    except Exception as exc:  # the object's own code (a hash, an __eq__) raised while auto looked at it
+        raise EncodeError(f"serializer 'auto' could not look at this {type(obj).__name__} ({type(exc).__name__}: "
+                          f"{exc}); name a serializer instead") from exc
+
+
+def _choose_and_serialize(obj: Any, chooser: AutoSerializer, inline_tensor_bytes: int) -> Serialized:
     """The first candidate's that takes ``obj`` and, where :meth:`~serializers.AutoSerializer.candidates` says so,
     gives it back exactly: decoded here (the lifted objects themselves restored) and judged."""
     leader = chooser.leader(obj)

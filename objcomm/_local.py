@@ -8,7 +8,7 @@ opens one channel per group and routes them here (the ``local`` setting; on by d
 Why Unix-domain sockets (SOCK_SEQPACKET, full mesh, abstract names)
 -------------------------------------------------------------------
 ``benchmarks/bench_local_channel.py`` measured an all_gather of a 4096-byte slot on a shared,
-noisy 2-core machine (medians of the slowest rank from a barrier; benchmarks/RESULTS.md, "Same-host
+noisy 2-core machine (medians of the slowest rank from a barrier; benchmarks/history/RESULTS-log-2026-11.md, "Same-host
 channel prototype"). Against a raw gloo all_gather of the same slot, at W=2 / W=4: bare sockets in
 a full mesh 0.19x / 0.16x, a star through rank 0 0.19x / 0.16x, shared-memory mailboxes (a memfd,
 an eventfd doorbell per rank) 0.20x / 0.16x, this prototype 0.35x / 0.27x (143 µs / 842 µs; back
@@ -174,20 +174,24 @@ class LocalChannel:
         self._owner = os.getpid()
         self._lock = threading.Lock()  # one collective at a time
         self.closed = False
+        self.control: Any = None  # the group's control group (see open), which carries the votes once set
         _OPEN.add(self)
 
     # -- set-up ------------------------------------------------------------------------------
     @classmethod
     def open(cls, wire: Wire, *, timeout: float = DEFAULT_TIMEOUT, setup_timeout: float = SETUP_TIMEOUT,
              separate: bool = False, op: str = "local channel set-up", ready: bool = False,
-             history: Tuple[int, int] = (0, 0), stash_bytes: Optional[int] = None) -> Optional[LocalChannel]:
+             history: Tuple[int, int] = (0, 0), stash_bytes: Optional[int] = None,
+             control: Any = None) -> Optional[LocalChannel]:
         """Connect every rank of ``wire``'s group (a collective); ``None`` on every rank when they are
         not all on this host with one uid and pid namespace, or when any rank could not connect.
 
         ``ready``: this rank has no send/recv in flight (the channel takes send/recv when every rank is).
         ``history``: ``(generation, failure point)`` of the group's previous channel (``(0, 0)``: none);
         ranks that tell different ones are out of step, and every rank raises. ``stash_bytes``: see
-        :mod:`objcomm._inbox` (``None``: room for every peer's credit)."""
+        :mod:`objcomm._inbox` (``None``: room for every peer's credit). ``control``: the group's control group
+        (:func:`objcomm._groups.sibling`, gloo), which carries a reopening's collectives instead of the group, so that
+        they never meet a collective of the group another rank is still in; None at the first set-up."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         nonce, secret = secrets.randbits(63), secrets.randbits(63)
         try:
@@ -199,9 +203,10 @@ class LocalChannel:
         mine = [ok, _hosts.host_key(separate), os.getpid(), os.getuid(), _hosts.pid_namespace(), nonce, secret,
                 int(ready), *history]
         # On the wire's device: an NCCL group's set-up goes through NCCL, once; the channel then moves host bytes.
-        everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=wire.device)
-        guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=wire.device),
-                group=wire.group)
+        group, device = (wire.group, wire.device) if control is None else (control, torch.device("cpu"))
+        everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=device)
+        guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device),
+                group=group)
         words: List[int] = everyone.tolist()
         oks, keys, pids, uids, namespaces, nonces, _, readies, generations, points = (
             words[i::_WORDS] for i in range(_WORDS))
@@ -225,24 +230,27 @@ class LocalChannel:
                 usable = cls._connect(wire.rank, peers, pids, nonces, words[6::_WORDS], secret, listener, deadline)
         finally:
             listener.close()  # the name disappears with it
-        agreed = torch.tensor([1 if usable else 0], dtype=torch.int64, device=wire.device)
-        guarded(op, wire, dist.all_reduce, agreed, op=dist.ReduceOp.MIN, group=wire.group)
+        agreed = torch.tensor([1 if usable else 0], dtype=torch.int64, device=device)
+        guarded(op, wire, dist.all_reduce, agreed, op=dist.ReduceOp.MIN, group=group)
         if not agreed.item():
             for s in peers.values():
                 s.close()
             return None
-        return cls(wire.rank, peers, pids, timeout, p2p=all(readies), generation=history[0] + 1,
-                   stash_bytes=stash_bytes)
+        channel = cls(wire.rank, peers, pids, timeout, p2p=all(readies), generation=history[0] + 1,
+                      stash_bytes=stash_bytes)
+        channel.control = control
+        return channel
 
     def vote(self, wire: Wire, ready: bool, op: str) -> bool:
-        """Whether every rank of the group is ``ready`` for send/recv through this channel (a collective through the
-        group, whose result every rank sees alike). It has the set-up's shape, one all_gather of ``_WORDS`` words
-        per rank, so that a vote that meets a rank's set-up (a rank whose channel failed and reopens) is one
+        """Whether every rank of the group is ``ready`` for send/recv through this channel: a collective through the
+        control group (see :meth:`open`), whose result every rank sees alike. It has the set-up's shape, one all_gather
+        of ``_WORDS`` words per rank, so that a vote that meets a rank's reopening (on the control group too) is one
         collective on both, and both raise :class:`OutOfStep`."""
         mine = [VOTE, 0, os.getpid(), 0, 0, 0, 0, int(ready), self.generation, 0]
-        everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=wire.device)
-        guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=wire.device),
-                group=wire.group)
+        group, device = (wire.group, wire.device) if self.control is None else (self.control, torch.device("cpu"))
+        everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=device)
+        guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device),
+                group=group)
         words: List[int] = everyone.tolist()
         kinds, generations = words[0::_WORDS], words[8::_WORDS]
         if any(k != VOTE for k in kinds) or len({*generations}) > 1:

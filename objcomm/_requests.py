@@ -44,14 +44,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import weakref
 from collections import deque
 from typing import Any, Callable, Deque, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import _state
-from ._device import device_for_backend, group_backend, group_timeout
+from . import _groups, _state
+from ._device import device_for_backend, group_backend
 from ._errors import CommunicationError, ObjcommError, WaitTimeoutError
 
 Job = Tuple[concurrent.futures.Future, Callable[[], Any]]
@@ -444,32 +445,12 @@ def check_blocking(group: Any, direction: str, peer: Optional[int], tag: Any) ->
 
 
 def _make_shadow(group: Any) -> Any:
-    """A process group with ``group``'s ranks (in its order) and backend, for async collectives; made in the lane.
-
-    Not ``dist.new_group``: it names a group after a counter that every rank of the world must advance in the same
-    order, or (``use_local_synchronization``) after the groups this rank knows; ranks that reach their first async
-    collective at different points of their own group creation would disagree. The shadow's name is ``group``'s own
-    (the same on all its members: torch's store keys are named by it) plus a suffix torch's names never have, so
-    two groups with the same ranks get two shadows. torch's private ``_new_process_group_helper`` makes it, as
-    ``new_group`` does (these arguments and the ``(group, store)`` result are those of torch 2.2 to 2.13), talking
-    only to the members, through a clone of the default store, for at most the group's timeout. ``Store.clone`` came
-    with torch 2.8; before it the lane shares the caller's store connection, which serves one request at a time, so
-    a ``dist.new_group`` in the caller's thread waits while a set-up waits for its peers.
+    """A process group with ``group``'s ranks (in its order) and backend, for async collectives; made in the lane
+    (:func:`objcomm._groups.sibling`), and destroyed when ``group`` is collected.
 
     NCCL is untested here (no GPU): its communicator forms at the shadow's first collective, in the lane; where
     the default group is bound to a device, torch splits it from that group's communicator (``ncclCommSplit``),
     which then runs next to the caller's own NCCL calls on the default group."""
-    c10d: Any = dist.distributed_c10d  # private names, typed differently across torch versions
-    world = c10d._world
-    ranks = list(dist.get_process_group_ranks(group))
-    timeout = group_timeout(group)
-    if timeout is None:
-        from torch.distributed.constants import default_pg_timeout as timeout
-    store = world.pg_map[c10d._get_default_group()][1]
-    if hasattr(store, "clone"):  # a connection of its own, so that waiting for peers holds up no other store user
-        store = store.clone()
-    shadow, _ = c10d._new_process_group_helper(
-        len(ranks), ranks.index(dist.get_rank()), ranks, dist.Backend(group_backend(group)), store,
-        group_name=f"{world.pg_names[group]}:objcomm-shadow", timeout=timeout)
-    world.pg_group_ranks[shadow] = {rank: index for index, rank in enumerate(ranks)}
+    shadow = _groups.sibling(group, "objcomm-shadow")
+    weakref.finalize(group, _groups.forget, shadow).atexit = False  # at exit torch tears every group down itself
     return shadow

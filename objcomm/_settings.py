@@ -62,8 +62,8 @@ DEFAULT_SLOT_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 256 << 20  # 256 MiB
 DEFAULT_INLINE_TENSOR_BYTES = 64 << 10  # tensors up to 64 KiB ride inside the frame
 MIN_SLOT_BYTES = 128
-# Second-round bytes from which same-host ranks use shared memory. Measured (`bench_shm.py
-# --lower-threshold`, benchmarks/RESULTS.md), now that its control words take the same-host channel: from
+# Second-round bytes from which same-host ranks use shared memory. Measured (`bench_shm.py --lower-threshold`,
+# benchmarks/history/RESULTS-log-2026-11.md), now that its control words take the same-host channel: from
 # 256 KiB up an all_gather through shared memory takes 0.34-0.91x the time, a broadcast 0.68-1.17x, and
 # 1.04-1.45x at 1 MiB; from 2 MiB both gain or hold (0.34-0.99x in that run).
 DEFAULT_SHM_THRESHOLD = 2 << 20

@@ -55,15 +55,19 @@ def signature(obj: Any) -> Signature:
     seen: Set[type] = set()
     level = [obj]
     count = 0
-    while level and count < SAMPLE:
-        level = level[: SAMPLE - count]
-        count += len(level)
-        kinds = list(map(type, level))
-        seen.update(kinds)
-        level = gc.get_referents(*compress(level, map(_OPEN.__contains__, kinds)))
-    return type(obj), frozenset(seen)
+    try:
+        while level and count < SAMPLE:
+            level = level[: SAMPLE - count]
+            count += len(level)
+            kinds = list(map(type, level))
+            seen.update(kinds)
+            level = gc.get_referents(*compress(level, map(_OPEN.__contains__, kinds)))
+        return type(obj), frozenset(seen)
+    except Exception:  # a class whose metaclass cannot be hashed (or hashes by running code that raises)
+        return UNSIGNED
 
 
+UNSIGNED: Signature = (object, frozenset())  # the signature of objects whose types cannot be hashed
 _OPEN = frozenset({dict, list, tuple, set, frozenset})  # what the sample looks into; the rest is known by its type
 
 
@@ -88,7 +92,7 @@ class AutoSerializer(Serializer):
         self._refused: Dict[Signature, FrozenSet[str]] = {}  # by signature: the candidates that refused one
         self._verified: Set[Tuple[Signature, str]] = set()  # a candidate gave back an object of the signature exactly
         self._trusted: Dict[Signature, SerializerProtocol] = {}  # by signature: the trusted one that took the last
-        self._led_astray: Set[type] = set()  # top-level types whose last object the leader refused
+        self._led_astray: Set[Any] = set()  # top-level types whose last object the leader refused (see _top)
         self._narrowed: Dict[FrozenSet[str], AutoSerializer] = {}
         self._lock = threading.Lock()
         self._known: Tuple[int, List[str]] = (-1, [])  # (registry version, candidate names then)
@@ -107,7 +111,7 @@ class AutoSerializer(Serializer):
         whatever its dumps wrote, exactly (:data:`LEADERS`) and it did not refuse the last object of ``obj``'s type;
         else None. Most calls end here: auto then costs what its leader costs."""
         names = self._names()
-        if not names or names[0] not in LEADERS or type(obj) in self._led_astray:
+        if not names or names[0] not in LEADERS or _top(obj) in self._led_astray:
             return None
         return self._registry.guarded(names[0])
 
@@ -116,7 +120,7 @@ class AutoSerializer(Serializer):
         with self._lock:
             if len(self._led_astray) >= KEPT:
                 self._led_astray.clear()
-            self._led_astray.add(type(obj))
+            self._led_astray.add(_top(obj))
 
     def trusted(self, obj: Any) -> Tuple[Signature, Optional[SerializerProtocol]]:
         """``obj``'s signature, and the serializer that last took an object of it and is trusted with it (exact or
@@ -186,6 +190,16 @@ class AutoSerializer(Serializer):
                 del self._trusted[sig]
             else:
                 self._refused[sig] = self._refused.get(sig, frozenset()) | {name}
+
+
+def _top(obj: Any) -> Any:
+    """``obj``'s type, as a key: the type where it can be hashed, else its name."""
+    kind = type(obj)
+    try:
+        hash(kind)
+    except Exception:
+        return f"unhashable {kind.__qualname__}"
+    return kind
 
 
 _MEASURED: Dict[str, bool] = {}

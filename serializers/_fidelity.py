@@ -82,38 +82,51 @@ def _same_scalar_types(a: Any, b: Any) -> bool:
     return types == list(map(type, b)) and _SCALARS.issuperset(types)
 
 
-def _difference(a: Any, b: Any, path: str) -> Optional[str]:
-    """Where ``b`` first differs from ``a`` in type or value (``None``: exactly the same)."""
+def _difference(a: Any, b: Any, path: Any) -> Optional[str]:
+    """Where ``b`` first differs from ``a`` in type or value (``None``: exactly the same). ``path``: ``"$"``, or a
+    ``(parent path, key)`` pair, made into text only where something differs (a path built at every level would
+    cost as much as the keys are long, at every level)."""
     if type(a) is not type(b):
-        return f"{type(a).__name__} → {type(b).__name__} at {path}"
+        return f"{type(a).__name__} → {type(b).__name__} at {_where(path)}"
     if _is_tensor(a):
         if _tensors_equal(a, b):
             return None
         for what in ("dtype", "shape", "device"):
             if getattr(a, what) != getattr(b, what):
-                return f"tensor {what} {_plain(getattr(a, what))} → {_plain(getattr(b, what))} at {path}"
-        return f"tensor values changed at {path}"
+                return f"tensor {what} {_plain(getattr(a, what))} → {_plain(getattr(b, what))} at {_where(path)}"
+        return f"tensor values changed at {_where(path)}"
     if isinstance(a, dict):
-        if list(a) != list(b):
-            return f"keys changed at {path}"
+        if list(a) != list(b) or list(map(type, a)) != list(map(type, b)):  # keys, and their types (an IntEnum → int)
+            return f"keys changed at {_where(path)}"
         if _same_scalar_types(a, b) and _same_scalar_types(a.values(), b.values()) and a == b:
             return None  # a fast path for flat dicts; NaN values fall through to the slow one
         for key in a:
-            found = _difference(a[key], b[key], f"{path}[{key!r}]")
+            found = _difference(a[key], b[key], (path, key))
             if found is not None:
                 return found
         return None
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
-            return f"length {len(a)} → {len(b)} at {path}"
+            return f"length {len(a)} → {len(b)} at {_where(path)}"
         if _same_scalar_types(a, b) and a == b:
             return None
         for index, (x, y) in enumerate(zip(a, b)):
-            found = _difference(x, y, f"{path}[{index}]")
+            found = _difference(x, y, (path, index))
             if found is not None:
                 return found
         return None
-    return None if _same_leaf(a, b) else f"value changed at {path}"
+    if isinstance(a, (set, frozenset)):  # members, and their types ({1} == {True})
+        return None if {(type(x), x) for x in a} == {(type(y), y) for y in b} else f"members changed at {_where(path)}"
+    return None if _same_leaf(a, b) else f"value changed at {_where(path)}"
+
+
+def _where(path: Any) -> str:
+    """``$['a'][0]`` from ``(("$", "a"), 0)``."""
+    keys = []
+    while isinstance(path, tuple):
+        path, key = path
+        keys.append(f"[{key!r}]" if not isinstance(key, int) or isinstance(key, bool) else f"[{key}]")
+    return path + "".join(reversed(keys))
 
 
 def _same_leaf(a: Any, b: Any) -> bool:
@@ -124,6 +137,8 @@ def _same_leaf(a: Any, b: Any) -> bool:
         return bool(a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b))
     if isinstance(a, float):
         return a == b or (math.isnan(a) and math.isnan(b))
+    if isinstance(a, (_dt.datetime, _dt.time)):  # aware ones compare equal across time zones: the zone must match too
+        return bool(a == b and a.tzinfo == b.tzinfo)
     if isinstance(a, types.FunctionType):  # never called: the same code, defaults and captured values
         return bool(a.__code__ == b.__code__ and a.__defaults__ == b.__defaults__ and _cells(a) == _cells(b))
     return bool(a == b)

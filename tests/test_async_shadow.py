@@ -207,3 +207,23 @@ def test_a_member_that_never_issues_gives_the_groups_timeout_error(pool):
         assert len(errors) == 2, result
     pool.check()  # the pool is still in step
 
+
+
+def shadows_outlive_nothing() -> Dict[str, int]:
+    """Groups made, used for one async collective and destroyed, again and again: their shadows go with them."""
+    import gc
+
+    world = dist.distributed_c10d._world
+    before = len(world.pg_map)
+    for _ in range(5):
+        group = dist.new_group(list(range(dist.get_world_size())))
+        objcomm.all_gather(dist.get_rank(), group=group, async_op=True).wait(30)
+        dist.destroy_process_group(group)
+        del group
+        gc.collect()
+    return {"before": before, "after": len(world.pg_map)}
+
+
+def test_a_destroyed_groups_shadow_is_destroyed_too(pool):
+    for counts in pool.run(shadows_outlive_nothing, timeout=120):
+        assert counts["after"] == counts["before"], counts

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import enum
+import zoneinfo
 from collections import OrderedDict
 
 import numpy as np
@@ -167,3 +169,53 @@ def test_auto_through_a_real_group(ranks):
         refused = ("ContentRefusedError: rank 0 sent a 'cloudpickle' payload, but this rank accepts only ['msgpack']; "
                    "add it to accept= if you trust the sender, or send with an accepted serializer")
         assert result[6] == ("no error" if world == 1 or rank == 0 else refused), result[6]
+
+
+# -- what an attacker found (issue 25/28, second round): the judge checks key types, member types and time zones; it
+# costs O(n) whatever the keys; an object whose type cannot be hashed gets an EncodeError --------------------------
+class Color(enum.IntEnum):
+    RED = 1
+
+
+class Mode(str, enum.Enum):
+    TRAIN = "train"
+
+
+def test_a_converting_candidate_is_judged_on_key_types_members_and_time_zones():
+    only_safe = AutoSerializer(accept=frozenset({"msgspec", "msgpack", "json"}))
+    tokyo = dt.datetime(2024, 1, 1, 12, tzinfo=zoneinfo.ZoneInfo("Asia/Tokyo"))
+    for obj in ({Color.RED: "x"}, {Mode.TRAIN: 1}, {"when": tokyo}, {"s": {True, 2.5}}):
+        try:
+            name, out = _frame_name(obj, only_safe)
+        except EncodeError:
+            continue  # nothing safe carries it exactly: refused, never changed
+        got = _framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
+        assert judge(obj, got)[0] == "exact" and [type(k) for k in got] == [type(k) for k in obj], (obj, name, got)
+        if "when" in obj:
+            assert got["when"].tzinfo == tokyo.tzinfo and got["when"].hour == 12, got
+
+
+def test_judging_costs_what_the_object_holds_not_keys_times_depth():
+    key = "k" * (1 << 20)
+    deep: dict = {}
+    level = deep
+    for _ in range(100):  # one 1 MB key, 100 levels deep: paths built at every level once cost 5 GB and 12 s
+        level[key] = {}
+        level = level[key]
+    assert judge(deep, deep) == ("exact", "")
+    assert AutoSerializer(accept=frozenset({"msgpack"})).choose(deep) == "msgpack"
+
+
+class Unhashable(type):
+    __eq__ = type.__eq__  # defining __eq__ alone makes the metaclass's instances (classes) unhashable
+    __hash__ = None  # type: ignore[assignment]
+
+
+class Odd(metaclass=Unhashable):
+    pass
+
+
+def test_an_object_auto_cannot_look_at_is_an_encode_error():
+    for chooser in (serializers.registry.guarded("auto"), AutoSerializer(safe=True)):
+        with pytest.raises(EncodeError):
+            _frame_name({"odd": Odd()}, chooser)

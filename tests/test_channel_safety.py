@@ -209,12 +209,17 @@ def _resync(report: Dict[str, Any]) -> Dict[str, Any]:
     return report
 
 
-def echoes_a_lie_to_one_rank() -> Dict[str, Any]:
-    """Rank 2 of 3 sends its true echo digest to rank 0 and another to rank 1, in an all_gather whose second round
-    the backend moves (4 MiB tensors, shared memory off). Before the pass round rank 1 failed alone and rank 0 went on
+def lies_in_the_echo(what: str) -> Dict[str, Any]:
+    """Rank 2 of 3 lies to rank 1 only in the echo of an all_gather whose second round the backend moves (4 MiB
+    tensors, shared memory off); then every rank makes one more call.
+
+    ``digest``: rank 2 sends rank 1 another digest. Before the pass round rank 1 failed alone and rank 0 went on
     into the backend's all_gather, which nobody joined; rank 1's next call then reopened the channel with a backend
-    all_gather that met rank 0's, and gloo aborted the process. Now every rank raises at that call, and the next call
-    works or says the group is out of step: no rank is left in a backend collective of its own."""
+    all_gather that met rank 0's, and gloo aborted the process. Now every rank raises at that call.
+    ``pass``: the right digest to everyone, then something else than a pass to rank 1. Rank 1 fails at once; rank 0
+    saw every pass and goes on into the backend with rank 2, until the group's timeout; rank 1's next call reopens
+    the channel, before on the group (gloo aborted a process, as above), now on the control group: every honest rank
+    raises, none dies."""
     import torch
 
     from objcomm import _inbox
@@ -225,30 +230,34 @@ def echoes_a_lie_to_one_rank() -> Dict[str, Any]:
     report: Dict[str, Any] = {}
     if rank == 2:
         real_send = channel._send
+        lie = {"digest": (lambda data: len(data) == 16, bytes(16)), "pass": (lambda data: data == _first.PASSED, b"2")}
 
         def lying_send(peer: int, header: bytes, data: Any, op: str) -> None:
-            real_send(peer, header, bytes(16) if header[0] == _inbox.ECHO and peer == 1 else data, op)
+            told = header[0] == _inbox.ECHO and peer == 1 and lie[what][0](bytes(data))
+            real_send(peer, header, lie[what][1] if told else data, op)
 
         channel._send = lying_send
-    try:
-        comm.all_gather(torch.full((4 << 20,), rank, dtype=torch.uint8))
-        report["first"] = "returned"
-    except objcomm.ObjcommError as exc:
-        report["first"] = type(exc).__name__
+    for call in ("first", "next"):
+        try:
+            comm.all_gather(torch.full((4 << 20,), rank, dtype=torch.uint8) if call == "first" else f"{call} {rank}")
+            report[call] = "returned"
+        except objcomm.ObjcommError as exc:
+            report[call] = type(exc).__name__
     if rank == 2:
         channel._send = real_send
-    try:
-        report["next"] = comm.all_gather(f"next from {rank}")
-    except objcomm.ObjcommError as exc:
-        report["next"] = type(exc).__name__
     return _resync(report)
 
 
 def test_a_lying_echo_makes_every_rank_raise_at_that_call():
-    reports = get_pool(3).run(echoes_a_lie_to_one_rank, timeout=120)
+    reports = get_pool(3).run(lies_in_the_echo, "digest", timeout=120)
     assert [r["world"] for r in reports] == [3.0] * 3  # every process alive, the world group in step
     assert [r["first"] for r in reports] == ["CommunicationError"] * 3, reports
-    assert reports[0]["next"] == reports[1]["next"], reports  # the honest ranks agree on what came next
+
+
+def test_a_lying_pass_leaves_honest_ranks_raising_not_aborted():
+    reports = get_pool(3).run(lies_in_the_echo, "pass", timeout=120)
+    assert [r["world"] for r in reports] == [3.0] * 3  # every process alive: none aborted by gloo
+    assert [r["first"] for r in reports[:2]] == ["CommunicationError"] * 2, reports
 
 
 def _slot_of(out: Any) -> bytes:
