@@ -21,11 +21,13 @@ a reuse protocol, while a socket gives the rest from the kernel:
 - a peer that dies, even by SIGKILL, closes its end: the others read EOF (or ECONNRESET) at once;
 - waits block in the kernel (``recv`` under ``SO_RCVTIMEO``, or ``poll``): a rank waiting 100 ms
   for a late peer spends < 1 ms of CPU (MPICH, busy-polling: 64-100 ms). Before it blocks, a wait
-  polls its sockets for a moment (the ``local_spin_us`` setting; automatic: 100 µs), once per call,
+  polls its sockets for a moment (the ``local_spin_us`` setting; automatic: 1 ms), once per call,
   yielding the CPU between polls where the group's ranks outnumber the host's CPUs (:func:`yields`):
   waking a sleeping rank costs ~50 µs a hop on this machine's virtual CPUs, which is most of a small
-  call (a back-to-back all_gather at W=2: 108 µs sleeping at once, 90 µs with the spin; a send/recv
-  round trip: 253 and 155 µs);
+  call (a back-to-back all_gather at W=2: 108 µs sleeping at once, 90 µs with a 100 µs spin; a send/recv
+  round trip: 253 and 155 µs), and a receiver woken on a cold core decodes slower: a 16 KB send/recv round
+  trip took 17-18% less with a 1 ms spin than with 100 µs, in three runs out of three
+  (``benchmarks/bench_p2p_phases.py --spin-us``, issue 25);
 - abstract names (``\\0objcomm-...``) live in the network namespace, never in the file system,
   and vanish with the last descriptor: nothing to clean up after exit, crash or SIGKILL;
 - ``SO_PEERCRED`` tells who connected: its pid and uid are checked against what the group
@@ -111,7 +113,7 @@ DEFAULT_TIMEOUT = 300.0  # seconds any one wait may take
 SETUP_TIMEOUT = 30.0  # seconds to connect the mesh
 MAX_PAYLOAD = 64 << 10  # bytes in one message; a SEQPACKET message must fit the socket's send buffer
 _WAITER = {ANSWER: "send", REST: "recv"}  # the operation that waits for each part of a send
-AUTO_SPIN = 100e-6  # seconds a wait polls before sleeping when the spin setting is automatic (see yields)
+AUTO_SPIN = 1e-3  # seconds a wait polls before sleeping when the spin setting is automatic (see yields)
 
 _HELLO = struct.Struct("<iq")  # connector's group rank, the acceptor's secret
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
