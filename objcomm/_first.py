@@ -224,8 +224,7 @@ class SameHostSlots:
                                                separate=self.separate, op=f"{op} (opening the same-host channel)",
                                                ready=ready, history=history, control=state.control)
             if channel is not None and state.control is None:  # every rank is here: the first set-up worked on all
-                state.control = channel.control = _groups.sibling(wire.group, "objcomm-channel", "gloo")
-                weakref.finalize(wire.group, _groups.forget, state.control).atexit = False
+                state.control = channel.control = _control_group(wire.group)
             with state.cond:  # before the vote ends: a send/recv waiting for it must see the new channel
                 state.channel, state.decided = channel, True
         except _local.OutOfStep as exc:
@@ -347,6 +346,18 @@ class SameHostSlots:
                 return ChannelRoute(channel, self.spin)
             state.in_flight += 1
             return _Counted(state)
+
+
+def _control_group(group: Any) -> Any:
+    """``group``'s control group (:mod:`objcomm._groups`), destroyed with it; None where torch cannot make one (its
+    private group helper differs): the channel's votes and reopenings then go through ``group`` itself, as before
+    the control group existed."""
+    try:
+        control = _groups.sibling(group, "objcomm-channel", "gloo")
+    except Exception:
+        return None
+    weakref.finalize(group, _groups.forget, control).atexit = False
+    return control
 
 
 _STRATEGIES: Dict[Tuple[bool, Optional[int]], SameHostSlots] = {}

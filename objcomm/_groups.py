@@ -21,14 +21,12 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ._device import group_timeout
+from ._device import group_backend, group_timeout
 
 
 def sibling(group: Any, suffix: str, backend: Optional[str] = None) -> Any:
     """A process group with ``group``'s ranks (in its order), named ``<group's name>:<suffix>``, on ``backend``
     (``None``: ``group``'s); every member calls this once, and it waits for the others up to the group's timeout."""
-    from ._device import group_backend
-
     c10d: Any = dist.distributed_c10d  # private names, typed differently across torch versions
     world = c10d._world
     ranks = list(dist.get_process_group_ranks(group))
