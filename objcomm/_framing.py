@@ -163,19 +163,21 @@ def _serialize_auto(obj: Any, chooser: AutoSerializer, inline_tensor_bytes: int)
 def _choose_and_serialize(obj: Any, chooser: AutoSerializer, inline_tensor_bytes: int) -> Serialized:
     """The first candidate's that takes ``obj`` and, where :meth:`~serializers.AutoSerializer.candidates` says so,
     gives it back exactly: decoded here (the lifted objects themselves restored) and judged."""
+    refused: tuple = ()  # who refused obj itself already: not asked again
     leader = chooser.leader(obj)
     if leader is not None:  # the common case: pickle, first and exact by construction; nothing else worked out
         try:
             return serialize(obj, leader, inline_tensor_bytes)
         except ObjcommError:
             chooser.leader_refused(obj)
-    _, trusted = chooser.trusted(obj)
-    if trusted is not None:  # the one that took the last object of this signature
+            refused = (leader.name,)
+    sig, trusted = chooser.trusted(obj)
+    if trusted is not None and trusted.name not in refused:  # the one that took the last object of this signature
         try:
             return serialize(obj, trusted, inline_tensor_bytes)
         except ObjcommError:
-            pass
-    for candidate, judged, outcome in chooser.candidates(obj):
+            refused += (trusted.name,)
+    for candidate, judged, outcome in chooser.candidates(obj, sig, refused):
         try:
             done = serialize(obj, candidate, inline_tensor_bytes)
             took = not judged or auto_exact(obj, candidate.loads(done[0], restore=done[1].original))

@@ -338,15 +338,7 @@ class Inbox:
                     continue
                 if first and len(mine) < len(pending) and wake < 0:
                     wake = self._wakes[me] = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-                self.cond.release()
-                try:
-                    arrived = self._read(mine, wake, remaining)
-                finally:
-                    self.cond.acquire()
-                for peer, length in arrived:
-                    self._file(peer, length, op)
-                if arrived and self._waiting > 1:
-                    self._notify()
+                self._read_and_file(mine, wake, remaining, op)
         finally:
             self._waiting -= 1
             self._release(me, ())
@@ -380,6 +372,19 @@ class Inbox:
             os.eventfd_write(fd, 1)
 
     # -- reading (without the lock: this thread alone reads these sockets) ----------------------------
+    def _read_and_file(self, mine: List[int], wake: int, remaining: float, op: str) -> None:
+        """Called holding the lock: :meth:`_read` from ``mine`` without it, then file what came and wake the other
+        waiting threads (what came may be theirs)."""
+        self.cond.release()
+        try:
+            arrived = self._read(mine, wake, remaining)
+        finally:
+            self.cond.acquire()
+        for peer, length in arrived:
+            self._file(peer, length, op)
+        if arrived and self._waiting > 1:
+            self._notify()
+
     def _read(self, mine: List[int], wake: int, remaining: float) -> List[Tuple[int, int]]:
         """Receive at least one message (or EOF) from the sockets of ``mine``, unless woken or timed out:
         ``[(peer, datagram length, or -1 at EOF / -2 for an empty datagram)]``."""
@@ -541,15 +546,7 @@ class Inbox:
                 if not mine:  # another thread reads the socket: it files the credit and notifies
                     self.cond.wait(remaining)
                     continue
-                self.cond.release()
-                try:
-                    arrived = self._read([peer], -1, remaining)
-                finally:
-                    self.cond.acquire()
-                for p, length in arrived:
-                    self._file(p, length, op)
-                if arrived and self._waiting > 1:
-                    self._notify()
+                self._read_and_file([peer], -1, remaining, op)
         finally:
             self._waiting -= 1
             if mine:

@@ -205,7 +205,7 @@ class LocalChannel:
         mine = [ok, _hosts.host_key(separate), os.getpid(), os.getuid(), _hosts.pid_namespace(), nonce, secret,
                 int(ready), *history]
         # On the wire's device: an NCCL group's set-up goes through NCCL, once; the channel then moves host bytes.
-        group, device = (wire.group, wire.device) if control is None else (control, torch.device("cpu"))
+        group, device = _through(wire, control)
         everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=device)
         guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device),
                 group=group)
@@ -249,7 +249,7 @@ class LocalChannel:
         of ``_WORDS`` words per rank, so that a vote that meets a rank's reopening (on the control group too) is one
         collective on both, and both raise :class:`OutOfStep`."""
         mine = [VOTE, 0, os.getpid(), 0, 0, 0, 0, int(ready), self.generation, 0]
-        group, device = (wire.group, wire.device) if self.control is None else (self.control, torch.device("cpu"))
+        group, device = _through(wire, self.control)
         everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=device)
         guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device),
                 group=group)
@@ -496,6 +496,12 @@ class LocalChannel:
             self.failed_at = self._seq
         self.close(message)
         raise CommunicationError(message) from cause
+
+
+def _through(wire: Wire, control: Any) -> Tuple[Any, torch.device]:
+    """Where the channel's own collectives go: the control group (gloo, host memory) once there is one, else
+    ``wire``'s group on its device (the first set-up)."""
+    return (wire.group, wire.device) if control is None else (control, torch.device("cpu"))
 
 
 def _drop_unread(sock: socket.socket) -> None:

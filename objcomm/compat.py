@@ -309,8 +309,7 @@ def recv_object_list(
 
 
 def _all_gather_object(object_list: List[Any], obj: Any, group: Any = None, *, options: Options) -> None:
-    if _not_in_group(group):
-        _warn_not_in_group("all_gather_object")
+    if _outside(group, "all_gather_object"):
         return None
     for i, item in enumerate(all_gather(obj, group=group, **options)):
         object_list[i] = item
@@ -327,8 +326,7 @@ def _gather_object(
     options: Options,
 ) -> None:
     dst = _one_of(dst, group_dst, "dst", default=0)
-    if _not_in_group(group):
-        _warn_not_in_group("gather_object")
+    if _outside(group, "gather_object"):
         return None
     root = _global_rank(group, dst, group_dst, "dst")
     gathered = gather(obj, dst=root, group=group, **options)
@@ -361,8 +359,7 @@ def _broadcast_object_list(
     options: Options,
 ) -> None:
     src = _one_of(src, group_src, "src", default=0)
-    if _not_in_group(group):
-        _warn_not_in_group("broadcast_object_list")
+    if _outside(group, "broadcast_object_list"):
         return None
     root = _global_rank(group, src, group_src, "src")
     is_root = _my_rank() == root
@@ -382,8 +379,7 @@ def _scatter_object_list(
     options: Options,
 ) -> None:
     src = _one_of(src, group_src, "src", default=0)
-    if _not_in_group(group):
-        _warn_not_in_group("scatter_object_list")
+    if _outside(group, "scatter_object_list"):
         return None
     root = _global_rank(group, src, group_src, "src")
     item, failure = None, None
@@ -421,8 +417,7 @@ def _send_object_list(
     options: Options,
 ) -> None:
     dst = _one_of(dst, group_dst, "dst", default=None)
-    if _not_in_group(group):
-        _warn_not_in_group("send_object_list")
+    if _outside(group, "send_object_list"):
         return None
     peer = _not_self(_global_rank(group, dst, group_dst, "dst"), "destination", "dst")
     Communicator(group, device=device).send(list(object_list), peer, **options)
@@ -440,8 +435,7 @@ def _recv_object_list(
     options: Options,
 ) -> int:
     src = _one_of(src, group_src, "src", default=None)
-    if _not_in_group(group):
-        _warn_not_in_group("recv_object_list")
+    if _outside(group, "recv_object_list"):
         return -1
     peer = _not_self(_global_rank(group, src, group_src, "src"), "source", "src")
     received = Communicator(group, device=device).recv(peer, **options)
@@ -474,16 +468,17 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _not_in_group(group: Any) -> bool:
-    return group is not None and dist.is_available() and group == dist.GroupMember.NON_GROUP_MEMBER
-
-
-def _warn_not_in_group(op: str) -> None:
+def _outside(group: Any, op: str) -> bool:
+    """Whether this rank is outside ``group`` (torch's ``NON_GROUP_MEMBER``): then ``op`` does nothing here, and
+    says so with torch's warning."""
+    if group is None or not dist.is_available() or group != dist.GroupMember.NON_GROUP_MEMBER:
+        return False
     warnings.warn(
         f"Running {op} on global rank {_my_rank()} which does not belong to the given group.",
         UserWarning,
         stacklevel=4,  # the caller of the shim (or of the patched torch name)
     )
+    return True
 
 
 # -- arguments, checked as torch checks them: torch's exception type, torch's sentence first ---------------

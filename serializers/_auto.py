@@ -128,14 +128,20 @@ class AutoSerializer(Serializer):
         sig = signature(obj)
         return sig, self._trusted.get(sig)
 
-    def candidates(self, obj: Any) -> Iterator[Tuple[SerializerProtocol, bool, Callable[[bool], None]]]:
+    def candidates(self, obj: Any, sig: Optional[Signature] = None, refused: Tuple[str, ...] = (),
+                   ) -> Iterator[Tuple[SerializerProtocol, bool, Callable[[bool], None]]]:
         """``(serializer, whether its result must be decoded and judged exact, what to call with the outcome)``,
         fastest first; candidates that refused an object of ``obj``'s signature before come last. A serializer
         is judged on the first object of each signature (restricted-pickle, for one, refuses what it does not
-        allow only when decoding), and on every object where its fidelity table shows conversions."""
-        sig = signature(obj)
+        allow only when decoding), and on every object where its fidelity table shows conversions. ``sig``:
+        ``obj``'s signature where the caller has it; ``refused``: names that refused ``obj`` itself already (the
+        leader, the trusted one), remembered as such and not tried again."""
+        if sig is None:
+            sig = signature(obj)
+        for name in refused:
+            self._outcome(sig, name, False)
         skip = self._refused.get(sig)
-        names = self._names()
+        names = [n for n in self._names() if n not in refused]
         if skip:
             names = [n for n in names if n not in skip] + [n for n in names if n in skip]
         guarded, verified = self._registry.guarded, self._verified
