@@ -121,13 +121,18 @@ ALL_GATHER_STAGES = ("settings resolution", "encode (dumps + framing)", "slot fi
 
 def all_gather_stages(serializer: str) -> Callable[[List[int]], Any]:
     """:meth:`objcomm.Communicator.all_gather` of OBJ through gloo, cut into ALL_GATHER_STAGES."""
-    from objcomm import Communicator, _api, _bytes, _framing, _limits, _settings, _transport
-    from objcomm._bytes import empty, host_view
-    from objcomm._slots import read_slots
-    from objcomm._wire import all_gather_single, guarded
+    from objcomm import Communicator, _settings
+    from objcomm._api import functions as _functions
+    from objcomm._format import frame as _frame
+    from objcomm._format import limits as _limits
+    from objcomm._format.slot import read_slots
+    from objcomm._transport import bytes as _bytes
+    from objcomm._transport import rounds as _rounds
+    from objcomm._transport.base import all_gather_single, guarded
+    from objcomm._transport.bytes import empty, host_view
 
     # as objcomm.all_gather gets its communicator; getattr: revisions before these existed (to compare with)
-    communicator = getattr(_api, "_communicator", Communicator)
+    communicator = getattr(_functions, "_communicator", Communicator)
     receive_buffer = getattr(_bytes, "receive_buffer", None)
 
     def stages(stamps: List[int]) -> Any:
@@ -138,17 +143,17 @@ def all_gather_stages(serializer: str) -> Callable[[List[int]], Any]:
         stamps.append(perf_counter_ns())
         out, local = call.encode(OBJ)
         stamps.append(perf_counter_ns())
-        raw = _transport._slot(wire, out)
-        mine = _transport._on_device(wire, raw)
+        raw = _rounds._slot(wire, out)
+        mine = _rounds._on_device(wire, raw)
         received, host = receive_buffer(wire.slot * wire.size, wire) if receive_buffer else (
             empty(wire.slot * wire.size, wire), None)
         stamps.append(perf_counter_ns())
         guarded("all_gather", wire, all_gather_single, received, mine, group=wire.group)
         stamps.append(perf_counter_ns())
         infos = read_slots(host if host is not None else host_view(received), wire.size, wire.slot)
-        _limits.plans(infos, _framing.tensor_sizes, "all_gather")
+        _limits.plans(infos, _frame.tensor_sizes, "all_gather")
         assert not any(info.error for info in infos) and all(_limits.complete(info) for info in infos)
-        incoming = _transport._round_one(infos)
+        incoming = _rounds._round_one(infos)
         call.raise_failures("all_gather", incoming, local)
         stamps.append(perf_counter_ns())
         objs = [call.decode(item, r) for r, item in enumerate(incoming)]
@@ -166,12 +171,16 @@ SEND_RECV_STAGES = ("send: settings (+ tag, async check)", "send: encode", "send
 
 def send_recv_stages(serializer: str) -> Callable[[List[int]], Any]:
     """A sender's and a receiver's own work for OBJ, without the backend's send and recv between them."""
-    from objcomm import Communicator, _api, _limits, _requests, _settings, _transport
-    from objcomm._bytes import host_view
-    from objcomm._call import tagged
-    from objcomm._slots import read_slot
+    from objcomm import Communicator, _settings
+    from objcomm._api import functions as _functions
+    from objcomm._api import requests as _requests
+    from objcomm._api.call import tagged
+    from objcomm._format import limits as _limits
+    from objcomm._format.slot import read_slot
+    from objcomm._transport import rounds as _rounds
+    from objcomm._transport.bytes import host_view
 
-    communicator = getattr(_api, "_communicator", Communicator)  # as objcomm.send and objcomm.recv get it
+    communicator = getattr(_functions, "_communicator", Communicator)  # as objcomm.send and objcomm.recv get it
 
     def stages(stamps: List[int]) -> Any:
         call = communicator(None)._call(_settings.call_kwargs({"serializer": serializer, "max_bytes": None,
@@ -181,8 +190,8 @@ def send_recv_stages(serializer: str) -> Callable[[List[int]], Any]:
         stamps.append(perf_counter_ns())
         out, _ = call.encode(OBJ)
         stamps.append(perf_counter_ns())
-        raw = _transport._slot(wire, out)
-        slot = _transport._on_device(wire, raw)
+        raw = _rounds._slot(wire, out)
+        slot = _rounds._on_device(wire, raw)
         info = read_slot(memoryview(raw))
         assert _limits.slot_problem_of(info) is None and _limits.complete(info)
         stamps.append(perf_counter_ns())
@@ -194,7 +203,7 @@ def send_recv_stages(serializer: str) -> Callable[[List[int]], Any]:
         info = read_slot(host_view(slot))
         assert _limits.slot_problem_of(info) is None and _limits.complete(info)
         assert info.inline is not None
-        item = _transport.Incoming(info.inline, error=info.error)
+        item = _rounds.Incoming(info.inline, error=info.error)
         stamps.append(perf_counter_ns())
         obj = call.decode(item, 0)
         stamps.append(perf_counter_ns())
@@ -208,7 +217,7 @@ def measure(serializers: Sequence[str], calls: int) -> Dict[str, Dict[str, float
     import torch.distributed as dist
 
     import objcomm
-    from objcomm._wire import all_gather_single
+    from objcomm._transport.base import all_gather_single
 
     torch.set_num_threads(1)
     if not dist.is_initialized():

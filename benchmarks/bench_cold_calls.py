@@ -31,7 +31,7 @@ REPEAT, ROUNDS = 2000, 7
 
 
 def _work() -> Callable[[], None]:
-    from objcomm._tensors import TensorLifter
+    from objcomm._format.tensors import TensorLifter
     from serializers import registry
 
     serializer = registry.guarded("pickle")

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import objcomm
-from objcomm._bench._launch import run_local
-from objcomm._bench._measure import interleaved
+from objcomm._tools.bench.launch import run_local
+from objcomm._tools.bench.measure import interleaved
 
 SLOT = objcomm.settings().slot_bytes
 SMALL = {"loss": 0.2513, "accuracy": 0.9172, "step": 12_000, "lr": 3e-4, "run": "resnet50-ablation-7"}

@@ -5,7 +5,7 @@
 
 Candidates, on the same ranks, round-robin with a gloo barrier before every sample of ``--batch`` calls
 back to back (a sample is the slowest rank's time per call, a timing the median:
-``objcomm._bench._measure.interleaved``; ``--batch 1`` times single calls from the barrier, which on a
+``objcomm._tools.bench.measure.interleaved``; ``--batch 1`` times single calls from the barrier, which on a
 small machine mostly measures how far apart the ranks leave it):
 
 - ``all_gather``/``broadcast`` of a small dict (one slot, no second round) through a
@@ -13,9 +13,9 @@ small machine mostly measures how far apart the ranks leave it):
 - ``send/recv``: a round trip of the same dict between ranks 0 and 1 (``send`` then ``recv`` on rank 0,
   the reverse on rank 1; the other ranks idle), through the channel (after an all_gather voted send/recv
   in) and through gloo; ``general path``: through the channel with a per-call option given (``max_bytes``
-  at its default), which leaves out the express path of :mod:`objcomm._express`;
+  at its default), which leaves out the express path of :mod:`objcomm._api.express`;
 - ``raw gloo``: ``all_gather_single`` of one 4096-byte slot per rank, the baseline;
-- ``bare channel``: the group's :class:`objcomm._local.LocalChannel` itself moving 4096 bytes (an all_gather,
+- ``bare channel``: the group's :class:`objcomm._samehost.channel.LocalChannel` itself moving 4096 bytes (an all_gather,
   a broadcast, a send/recv round trip), without objcomm's encode, slots, checks and decode: the floor the
   channel sets, so that the rest of each call is objcomm's own Python; and ``framing + bare channel``: a
   round trip of the dict as objcomm frames it (encode, slot; slot read, decode) over the bare channel, without
@@ -46,8 +46,8 @@ def measure(repeat: int, batch: int = 1) -> Dict[str, float]:
 
     import objcomm
     from objcomm import _state
-    from objcomm._bench._measure import interleaved
-    from objcomm._wire import all_gather_single
+    from objcomm._tools.bench.measure import interleaved
+    from objcomm._transport.base import all_gather_single
 
     torch.set_num_threads(1)
     world = dist.get_world_size()
@@ -99,7 +99,7 @@ def measure_above(repeat: int, sizes: List[int]) -> Dict[str, float]:
     import torch
 
     import objcomm
-    from objcomm._bench._measure import interleaved
+    from objcomm._tools.bench.measure import interleaved
 
     torch.set_num_threads(1)
     on, off = objcomm.Communicator(local=True), objcomm.Communicator(local=False)
@@ -130,15 +130,15 @@ def report_above(world: int, medians: Dict[str, float], repeat: int) -> str:
 def _framed_round_trip(comm: Any, channel: Any) -> None:
     """A round trip of ``OBJ`` as objcomm frames it (encode, slot; slot read, decode) over the bare channel,
     without the Communicator's and transport's layers around it: what the frame format itself costs."""
-    from objcomm import _slots, _transport
-
+    from objcomm._format import slot as _slot
+    from objcomm._transport import rounds as _rounds
     call = comm._call({})
 
     def there(dst: int) -> None:
-        channel.send(_transport._slot(call.wire, call.encode(OBJ)[0]), dst)
+        channel.send(_rounds._slot(call.wire, call.encode(OBJ)[0]), dst)
 
     def back(src: int) -> Any:
-        return call.decode(_transport.Incoming(_slots.read_slot(memoryview(channel.recv(src)[1])).inline), src)
+        return call.decode(_rounds.Incoming(_slot.read_slot(memoryview(channel.recv(src)[1])).inline), src)
 
     if channel.rank == 0:
         there(1)
@@ -178,8 +178,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--sizes", nargs="+", default=["16KB", "256KB", "2MB", "16MB"], help="with --above-round-one")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from objcomm._bench._payloads import parse_size
-    from objcomm._launch import run_local
+    from objcomm._tools.bench.payloads import parse_size
+    from objcomm._tools.launch import run_local
 
     for world in args.world_sizes:
         if args.above_round_one:

@@ -81,7 +81,7 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--op", choices=["broadcast", "gather", "send"], default="broadcast")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from objcomm._launch import run_local
+    from objcomm._tools.launch import run_local
 
     results = run_local(both, (args.count, args.op), world_size=2, timeout_s=3600)
     print(f"| {args.op} x {args.count:,} | rank | µs per call | stash peak | credit window | peak RSS growth |")

@@ -5,7 +5,7 @@
 
 Every candidate is an all_gather of a 4096-byte slot (objcomm's round 1) on the same processes:
 
-- ``LocalChannel``: the prototype (:mod:`objcomm._local`): full mesh of SOCK_SEQPACKET sockets,
+- ``LocalChannel``: the prototype (:mod:`objcomm._samehost.channel`): full mesh of SOCK_SEQPACKET sockets,
   abstract names, a header per message, ``poll`` over every peer;
 - ``uds mesh``: the same sockets, bare (send to all, blocking recv from each in turn): the floor;
 - ``uds star``: through rank 0 (it receives W-1 slots, sends the W slots back in one message);
@@ -15,7 +15,7 @@ Every candidate is an all_gather of a 4096-byte slot (objcomm's round 1) on the 
 - under mpiexec: ``mpi4py allgather`` (pickle of a 4096-byte bytes) and ``raw MPI Allgather``.
 
 Candidates run round-robin with a gloo barrier before every call; a sample is the slowest rank's
-time, a timing the median (``objcomm._bench._measure.interleaved``). Also: the CPU seconds rank 0
+time, a timing the median (``objcomm._tools.bench.measure.interleaved``). Also: the CPU seconds rank 0
 spends (``getrusage``, whole process) in one call while rank 1 arrives 100 ms late, and the set-up
 time of a ``LocalChannel``. The machine is shared and small: compare ratios within one run.
 """
@@ -41,8 +41,8 @@ def _candidates(comm: Any) -> Candidates:
     import torch
     import torch.distributed as dist
 
-    from objcomm._local import LocalChannel
-    from objcomm._wire import Wire, all_gather_single
+    from objcomm._samehost.channel import LocalChannel
+    from objcomm._transport.base import Wire, all_gather_single
 
     rank, world = dist.get_rank(), dist.get_world_size()
     wire = Wire(group=dist.group.WORLD, ranks=list(range(world)), rank=rank, device=torch.device("cpu"),
@@ -139,8 +139,8 @@ def _setup_s(repeat: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from objcomm._local import LocalChannel
-    from objcomm._wire import Wire
+    from objcomm._samehost.channel import LocalChannel
+    from objcomm._transport.base import Wire
 
     world = dist.get_world_size()
     wire = Wire(group=dist.group.WORLD, ranks=list(range(world)), rank=dist.get_rank(), device=torch.device("cpu"),
@@ -160,7 +160,7 @@ def measure(comm: Any, repeat: int) -> Dict[str, Any]:
     """On every rank of the default group: medians, CPU while waiting, set-up time (same on every rank)."""
     import torch
 
-    from objcomm._bench._measure import interleaved
+    from objcomm._tools.bench.measure import interleaved
 
     torch.set_num_threads(1)
     candidates = _candidates(comm)
@@ -211,7 +211,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         dist.barrier()
         dist.destroy_process_group()
     else:
-        from objcomm._launch import run_local
+        from objcomm._tools.launch import run_local
 
         for world in args.world_sizes:
             texts.append(report(world, run_local(_task, args.repeat, world_size=world, timeout_s=1200), args.repeat))

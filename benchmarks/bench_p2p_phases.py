@@ -25,8 +25,9 @@ def phases(arg: Dict[str, int], send: Any) -> List[Dict[str, str]]:
     import torch.distributed as dist
 
     import objcomm
-    from objcomm import _channel_round, _framing, _transport
-
+    from objcomm._format import frame as _frame
+    from objcomm._samehost import channel_rounds as _channel_rounds
+    from objcomm._transport import rounds as _rounds
     spent: Dict[str, float] = collections.defaultdict(float)
 
     def timed(module: Any, name: str, label: str) -> None:
@@ -42,9 +43,9 @@ def phases(arg: Dict[str, int], send: Any) -> List[Dict[str, str]]:
 
         setattr(module, name, wrapper)
 
-    for module, name, label in [(_framing, "serialize", "serialize"), (_transport, "_send", "transport send"),
-                                (_channel_round, "recv_p2p", "transport receive, the rest"),
-                                (_framing, "decode_parsed", "decode"), (_framing, "loads_payload", "loads in decode")]:
+    for module, name, label in [(_frame, "serialize", "serialize"), (_rounds, "_send", "transport send"),
+                                (_channel_rounds, "recv_p2p", "transport receive, the rest"),
+                                (_frame, "decode_parsed", "decode"), (_frame, "loads_payload", "loads in decode")]:
         timed(module, name, label)
     rank, trips = dist.get_rank(), arg["trips"]
     obj = [{"id": i, "label": i % 10, "score": i * 0.001, "text": "sample text"} for i in range(arg["size"] // 27)]
@@ -85,7 +86,7 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--trips", type=int, default=300)
     parser.add_argument("--spin-us", type=int, default=100, help="local_spin_us (µs a wait polls before it sleeps)")
     args = parser.parse_args(argv)
-    from objcomm._launch import run_local
+    from objcomm._tools.launch import run_local
 
     rows = run_local(phases, {"size": args.size, "trips": args.trips, "spin_us": args.spin_us}, world_size=2)
     labels = list(rows[0])

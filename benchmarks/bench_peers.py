@@ -8,7 +8,7 @@ The MPI ranks join a gloo group (rank 0 picks a free port and broadcasts it over
 candidate runs on the same processes: objcomm, mpi4py's pickle-based ``allgather``/``bcast``/``send``
 and its ``pkl5`` communicator, torch's ``all_gather_object`` and friends, and raw ``Allgather`` /
 ``all_gather_single`` (and broadcast, a send/recv round trip) of the same number of bytes. Candidates of
-a scenario run round-robin with a gloo barrier before every sample (``objcomm._bench._measure.interleaved``);
+a scenario run round-robin with a gloo barrier before every sample (``objcomm._tools.bench.measure.interleaved``);
 a sample is the slowest rank's time per call, a timing the median of the samples. A large call is one
 sample; ``medium`` ones (lists of records of ~16 KB and ~256 KB pickled: past the slot, below the
 shared-memory threshold, where the second round goes through the same-host channel) are timed 5 back to
@@ -314,7 +314,7 @@ def memory_task(peers: Peers, mb: int) -> Dict[str, Tuple[Optional[float], float
     import torch
     import torch.distributed as dist
 
-    from objcomm._bench._measure import reduce_max
+    from objcomm._tools.bench.measure import reduce_max
 
     size, world = mb * MB, peers.size
     payloads: Dict[str, Callable[[], Any]] = {
@@ -353,8 +353,9 @@ def breakdown_task(obj: Any, repeat: int) -> Dict[str, float]:
     import torch.distributed as dist
 
     import objcomm
-    from objcomm import _framing, _transport
-    from objcomm._bench._measure import reduce_max
+    from objcomm._format import frame as _frame
+    from objcomm._tools.bench.measure import reduce_max
+    from objcomm._transport import rounds as _rounds
 
     comm = objcomm.Communicator()
     call = comm._call({})  # what Communicator.all_gather does, stage by stage
@@ -372,11 +373,11 @@ def breakdown_task(obj: Any, repeat: int) -> Dict[str, float]:
         times.append(time.perf_counter() - start)
         dist.barrier()
         start = time.perf_counter()
-        _transport._exchange_slots(call.wire, out, "all_gather")  # type: ignore[arg-type]
+        _rounds._exchange_slots(call.wire, out, "all_gather")  # type: ignore[arg-type]
         times.append(time.perf_counter() - start)
         dist.barrier()
         start = time.perf_counter()
-        incoming = _transport.all_gather(call.wire, out, _framing.tensor_sizes)  # type: ignore[arg-type]
+        incoming = _rounds.all_gather(call.wire, out, _frame.tensor_sizes)  # type: ignore[arg-type]
         times.append(time.perf_counter() - start)
         start = time.perf_counter()
         [call.decode(item, r) for r, item in enumerate(incoming)]
@@ -447,7 +448,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from objcomm._bench._measure import interleaved
+    from objcomm._tools.bench.measure import interleaved
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD

@@ -21,8 +21,10 @@ import time
 from typing import Any, Callable, List, Sequence
 
 import serializers
-from objcomm._bench._payloads import BUILTIN
-from serializers import _pickle_plain, _pickle_scan, _restricted
+from objcomm._tools.bench.payloads import BUILTIN
+from serializers import _restricted
+from serializers._restricted import plain as _plain
+from serializers._restricted import scan as _scan
 
 _SIZES = {"1K": 1 << 10, "1M": 1 << 20, "16M": 16 << 20}
 
@@ -92,7 +94,7 @@ def main() -> None:
         print(f"{calls} loads of {len(data):,} bytes, cyclic GC paused")
         pstats.Stats(profile).sort_stats("tottime").print_stats(12)
         return
-    with_c = _pickle_plain.is_plain_c is not None and _pickle_scan._full_walk_c is not None
+    with_c = _plain.is_plain_c is not None and _scan._full_walk_c is not None
     python_walk = _python_walk_loads(restricted)
     extra = " | restricted loads, Python walks | ratio" if with_c else ""
     print(f"| payload | size | pickle bytes | pickle.loads | restricted loads | ratio{extra} |")

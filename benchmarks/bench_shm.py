@@ -10,7 +10,7 @@ stated in: 64 MB shm <= 0.3x raw gloo, 1 MB shm no slower than normal, small pay
 
 ``--lower-threshold``: all_gather and broadcast of ``bytes``, a list of floats and a dict with a tensor of
 256 KB to 3 MB (below the default ``shm_threshold``), with the default threshold and with the one given,
-round-robin (``objcomm._bench._measure.interleaved``): whether shared memory would pay from lower down.
+round-robin (``objcomm._tools.bench.measure.interleaved``): whether shared memory would pay from lower down.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any, Callable, Dict, List
 import torch
 import torch.distributed as dist
 
-from objcomm._bench._payloads import parse_size
-from objcomm._launch import run_local
 from objcomm._settings import DEFAULT_SHM_THRESHOLD as DEFAULT_THRESHOLD
+from objcomm._tools.bench.payloads import parse_size
+from objcomm._tools.launch import run_local
 
 MB = 1 << 20
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -85,7 +85,7 @@ SWEEP = (256 << 10, 1 << 20, 2 << 20, 3 << 20)
 def _threshold_task(lower: int, send: Any) -> Dict[str, float]:
     """One rank: every size, kind and op with the default threshold and with ``lower``; slowest-rank medians."""
     import objcomm
-    from objcomm._bench._measure import interleaved
+    from objcomm._tools.bench.measure import interleaved
 
     torch.set_num_threads(1)
     default, low = objcomm.Communicator(), objcomm.Communicator(shm_threshold=lower)

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import objcomm
-from objcomm._bench._launch import run_local
-from objcomm._bench._measure import interleaved
+from objcomm._tools.bench.launch import run_local
+from objcomm._tools.bench.measure import interleaved
 
 MB = 1 << 20
 

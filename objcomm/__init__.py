@@ -63,24 +63,26 @@ __all__ = [
 
 # Where each public name lives: a module is imported the first time one of its names is used.
 _PUBLIC: Dict[str, Tuple[str, ...]] = {
-    "._api": ("all_gather", "all_reduce", "all_to_all", "broadcast", "connect", "gather", "irecv", "isend", "recv",
-              "reduce", "scatter", "send"),
-    "._collect": ("collect_results",),
-    "._communicator": ("Communicator",),
-    "._compression": ("MissingDependencyError",),
+    "._api.functions": ("all_gather", "all_reduce", "all_to_all", "broadcast", "connect", "gather", "irecv", "isend",
+                        "recv", "reduce", "scatter", "send"),
+    "._api.collect": ("collect_results",),
+    "._api.communicator": ("Communicator",),
+    "._format.compression": ("MissingDependencyError",),
     "._device": ("device_for_backend",),
     "._errors": ("CommunicationError", "ContentRefusedError", "DecodeError", "EncodeError", "FrameError",
                  "ObjcommError", "RemoteError", "SerializationError", "TooLargeError", "UnknownSerializerError",
                  "WaitTimeoutError"),
-    "._requests": ("Request",),
+    "._api.requests": ("Request",),
     "._settings": ("Settings", "configure", "restore", "settings"),
 }
 _SUBMODULES = ("compat", "serializers")  # public modules
 _HOME = {name: module for module, names in _PUBLIC.items() for name in names}
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
-    from . import compat, serializers
-    from ._api import (
+    from objcomm import compat, serializers
+    from objcomm._api.collect import collect_results
+    from objcomm._api.communicator import Communicator
+    from objcomm._api.functions import (
         all_gather,
         all_reduce,
         all_to_all,
@@ -94,11 +96,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         scatter,
         send,
     )
-    from ._collect import collect_results
-    from ._communicator import Communicator
-    from ._compression import MissingDependencyError
-    from ._device import device_for_backend
-    from ._errors import (
+    from objcomm._api.requests import Request
+    from objcomm._device import device_for_backend
+    from objcomm._errors import (
         CommunicationError,
         ContentRefusedError,
         DecodeError,
@@ -111,8 +111,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         UnknownSerializerError,
         WaitTimeoutError,
     )
-    from ._requests import Request
-    from ._settings import Settings, configure, restore, settings
+    from objcomm._format.compression import MissingDependencyError
+    from objcomm._settings import Settings, configure, restore, settings
 else:
 
     def __getattr__(name: str) -> Any:
@@ -123,7 +123,8 @@ else:
         if home is None:
             if name.startswith("_"):  # probes such as __path__ or __wrapped__: no torch import for them
                 raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-            raise importlib.import_module("._api", __name__).no_attribute(name)  # mpi4py names: "did you mean"
+            # mpi4py names: "did you mean"
+            raise importlib.import_module("._api.functions", __name__).no_attribute(name)
         value = getattr(importlib.import_module(home, __name__), name)
         globals()[name] = value
         return value

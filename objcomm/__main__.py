@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``objcomm`` command line with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
-    from ._cli import run
+    from objcomm._tools.cli import run
 
     return run(argv)
 

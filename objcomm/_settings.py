@@ -52,10 +52,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Dict, FrozenSet, Hashable, Mapping, Optional
 
+from objcomm._format import compression as _compression
+from objcomm._format.limits import MAX_SIZE
 from serializers import SerializerLike, registry
-
-from . import _compression
-from ._limits import MAX_SIZE
 
 DEFAULT_MAX_BYTES = 8 << 30  # 8 GiB
 DEFAULT_SLOT_BYTES = 4096
@@ -87,15 +86,15 @@ class Settings:
       ``shm_threshold``: from how many bytes; ``shm_dir``: where segments live (``None``: ``OBJCOMM_SHM_DIR``,
       else ``/dev/shm``). ``shm_zero_copy`` (default on): tensors and numpy arrays received through shared
       memory are views on the sender's sealed memory file, mapped copy-on-write (no copy; see
-      :mod:`objcomm._sealed`); off, or where ``/proc/<pid>/fd`` of the peers cannot be opened, segments
+      :mod:`objcomm._samehost.sealed`); off, or where ``/proc/<pid>/fd`` of the peers cannot be opened, segments
       are files in ``shm_dir`` that receivers copy. All ranks of a group must agree on these, as on ``slot_bytes``.
     - ``local``: when every rank of a group runs on one host, the first round of collectives (the slots)
       moves through Unix-domain sockets between the processes instead of the backend, and so does that of
-      send/recv once a collective has opened them (:mod:`objcomm._first`). On by default
+      send/recv once a collective has opened them (:mod:`objcomm._samehost.channel_slots`). On by default
       (``OBJCOMM_LOCAL=0`` turns it off); NCCL groups too (their slots then never touch the GPU), and the
       small votes and control words of large collectives and the answers of send/recv, and on CPU wires the
       second round of every collective and of send/recv below
-      ``shm_threshold`` and 16 MiB (:mod:`objcomm._channel_round`). All ranks of a group must agree.
+      ``shm_threshold`` and 16 MiB (:mod:`objcomm._samehost.channel_rounds`). All ranks of a group must agree.
     - ``local_spin_us``: microseconds a rank waiting for a message of the same-host channel polls its sockets
       before it sleeps in the kernel (a sleeping rank's wake-up costs ~50 µs here; spinning, ~3 µs). ``None``
       (automatic): 1,000. Where the group's ranks outnumber the host's CPUs, a polling rank yields the CPU

@@ -1,17 +1,15 @@
 """What objcomm keeps between calls in one process, all in one place.
 
-- :data:`SEGMENTS`: the shared-memory segments this process wrote and has not unlinked yet (removed
-  at exit), with the counter and token that name them (:class:`objcomm._segments.SegmentBook`).
 - :func:`group_facts`: what never changes for a group's lifetime, learned once per group and
   forgotten with the group (a weak cache): its membership and transport device, which ranks share a
   host, which send/recv peers turned out to be on another host, and whether its readers could not
-  open sealed shared-memory segments (:mod:`objcomm._sealed`: files from then on); its same-host channel and the
-  state around it (:class:`objcomm._first.SameHost`: the :class:`objcomm._local.LocalChannel`, opened by
-  the first collective that may use it and again after it failed, closed with the group or at exit;
-  none when the group spans hosts); and, once this rank issues a
-  non-blocking operation on it, its async state (:class:`objcomm._requests._Lanes`: the shadow group,
+  open sealed shared-memory segments (:mod:`objcomm._samehost.sealed`: files from then on); its same-host channel and
+  the state around it (:class:`objcomm._samehost.channel_slots.SameHost`: the
+  :class:`objcomm._samehost.channel.LocalChannel`, opened by the first collective that may use it and again after it
+  failed, closed with the group or at exit; none when the group spans hosts); and, once this rank issues a
+  non-blocking operation on it, its async state (:class:`objcomm._api.requests._Lanes`: the shadow group,
   the lanes and which point-to-point keys are busy); and the wires of the calls made on it, one per
-  set of options (:func:`objcomm._call.wire_for`).
+  set of options (:func:`objcomm._api.call.wire_for`).
 
 The one other piece of process state is the ``configure()`` layer of the settings, which
 :mod:`objcomm._settings` owns with its lock. Besides these there are only pure memos
@@ -25,28 +23,22 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
-
-from ._segments import SegmentBook
-
-if TYPE_CHECKING:
-    from ._first import SameHost
-    from ._hosts import Hosts
-    from ._requests import _Lanes
-
-SEGMENTS = SegmentBook()
+from typing import Any, Dict, Set, Tuple
 
 
 @dataclass
 class GroupFacts:
-    """What one process learned about one group (none of it changes while the group lives), and its async state."""
+    """What one process learned about one group (none of it changes while the group lives), and its async state.
+
+    The fields that hold an upper module's objects are typed ``Any`` here, so that this module imports nothing
+    above it; each owner reads its field into a variable of its own type."""
 
     membership: Dict[Any, tuple] = field(default_factory=dict)  # device asked for -> (ranks, rank, device)
-    hosts: Dict[bool, Hosts] = field(default_factory=dict)  # separate -> who shares a host
+    hosts: Dict[bool, Any] = field(default_factory=dict)  # separate -> Hosts (objcomm._samehost.hosts)
     remote_peers: Set[Tuple[int, bool]] = field(default_factory=set)  # (peer, separate): send/recv crosses hosts
     unsealed: Set[Tuple[int, bool]] = field(default_factory=set)  # (peer or -1: collectives, separate): files only
-    requests: Optional[_Lanes] = None  # async state, made on the first non-blocking call (objcomm._requests)
-    local: Dict[bool, SameHost] = field(default_factory=dict)  # separate -> same-host channel and its state
+    requests: Any = None  # _Lanes, made on the first non-blocking call (objcomm._api.requests)
+    local: Dict[bool, Any] = field(default_factory=dict)  # separate -> SameHost (objcomm._samehost.channel_slots)
     wires: Dict[Any, tuple] = field(default_factory=dict)  # (device, options, segments) -> a wire less its group
 
 

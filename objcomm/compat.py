@@ -54,11 +54,10 @@ from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Tup
 import torch
 import torch.distributed as dist
 
+from objcomm._api.communicator import Communicator
+from objcomm._api.functions import Device, all_gather, gather, scatter
+from objcomm._settings import CALL_KNOBS, given
 from serializers import SerializerLike, registry
-
-from ._api import Device, all_gather, gather, scatter
-from ._communicator import Communicator
-from ._settings import CALL_KNOBS, given
 
 __all__ = [
     "all_gather_object",

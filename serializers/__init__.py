@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from importlib.util import find_spec as _find_spec
 
-from ._auto import AutoSerializer
-from ._codecs import CodecRegistry, TypeCodec, codecs, register_type, unregister_type
-from ._errors import (
+from serializers._auto import AutoSerializer
+from serializers._codecs import CodecRegistry, TypeCodec, codecs, register_type, unregister_type
+from serializers._errors import (
     ContentRefusedError,
     DecodeError,
     EncodeError,
@@ -27,13 +27,13 @@ from ._errors import (
     SerializationError,
     UnknownSerializerError,
 )
-from ._fidelity import PROBES, Verdict, fidelity, fidelity_table
-from ._json import JsonSerializer
-from ._msgpack import MsgpackSerializer
-from ._msgspec import MsgspecSerializer
-from ._pickle import CloudpickleSerializer, PickleSerializer
-from ._protocol import FunctionSerializer, Serializer, SerializerProtocol
-from ._registry import (
+from serializers._fidelity import PROBES, Verdict, fidelity, fidelity_table
+from serializers._json import JsonSerializer
+from serializers._msgpack import MsgpackSerializer
+from serializers._msgspec import MsgspecSerializer
+from serializers._pickle import CloudpickleSerializer, PickleSerializer
+from serializers._protocol import FunctionSerializer, Serializer, SerializerProtocol
+from serializers._registry import (
     ENTRY_POINT_GROUP,
     SerializerLike,
     SerializerRegistry,
@@ -43,7 +43,7 @@ from ._registry import (
     registry,
     unregister,
 )
-from ._restricted import RestrictedPickleSerializer
+from serializers._restricted import RestrictedPickleSerializer
 
 for _builtin in (
     PickleSerializer(),

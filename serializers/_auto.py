@@ -37,9 +37,9 @@ import threading
 from itertools import compress
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
 
-from ._errors import DecodeError, EncodeError, ObjcommError
-from ._protocol import Buffer, Lift, Restore, Serializer, SerializerProtocol
-from ._registry import SerializerRegistry, registry
+from serializers._errors import DecodeError, EncodeError, ObjcommError
+from serializers._protocol import Buffer, Lift, Restore, Serializer, SerializerProtocol
+from serializers._registry import SerializerRegistry, registry
 
 SPEED_ORDER = ("pickle", "restricted-pickle", "cloudpickle", "msgspec", "json", "msgpack")
 LEADERS = frozenset({"pickle", "cloudpickle"})  # exact or refused, and refused when encoding: never judged
@@ -216,7 +216,7 @@ def _exact_or_refuse(name: str) -> bool:
     whatever it accepts comes back exactly; measured once per name."""
     found = _MEASURED.get(name)
     if found is None:
-        from ._fidelity import fidelity
+        from serializers._fidelity import fidelity
 
         found = _MEASURED[name] = all(v.verdict in ("exact", "refused") for v in fidelity(name).values())
     return found
@@ -225,7 +225,7 @@ def _exact_or_refuse(name: str) -> bool:
 def exact(sent: Any, got: Any) -> bool:
     """Whether ``got`` is ``sent`` exactly, by the judge ``objcomm bench`` and the fidelity table use (a comparison
     that raises, as a user class's ``__eq__`` may: not exact)."""
-    from ._fidelity import judge
+    from serializers._fidelity import judge
 
     try:
         return judge(sent, got)[0] == "exact"

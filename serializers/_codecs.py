@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Union
 
-from ._errors import DecodeError
+from serializers._errors import DecodeError
 
 
 @dataclass(frozen=True)

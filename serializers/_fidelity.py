@@ -18,9 +18,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ._errors import ObjcommError
-from ._protocol import SerializerProtocol
-from ._registry import SerializerLike, registry
+from serializers._errors import ObjcommError
+from serializers._protocol import SerializerProtocol
+from serializers._registry import SerializerLike, registry
 
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 

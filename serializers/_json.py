@@ -16,10 +16,10 @@ import math
 import re
 from typing import Any
 
-from ._codecs import CodecRegistry, codecs
-from ._errors import DecodeError, EncodeError, decoding
-from ._path import describe, locate
-from ._protocol import Buffer, Restore, Serializer
+from serializers._codecs import CodecRegistry, codecs
+from serializers._errors import DecodeError, EncodeError, decoding
+from serializers._path import describe, locate
+from serializers._protocol import Buffer, Restore, Serializer
 
 TAG = "__objcomm_type__"
 MAX_TAG_DEPTH = 256

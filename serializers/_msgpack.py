@@ -44,11 +44,11 @@ from collections import OrderedDict
 from contextvars import ContextVar
 from typing import Any, Callable, Dict, Optional
 
-from . import _rebuild
-from ._codecs import CodecRegistry, codecs
-from ._errors import DecodeError, EncodeError, decoding
-from ._path import describe, locate
-from ._protocol import Buffer, Lift, Restore, Serializer
+from serializers import _rebuild
+from serializers._codecs import CodecRegistry, codecs
+from serializers._errors import DecodeError, EncodeError, decoding
+from serializers._path import describe, locate
+from serializers._protocol import Buffer, Lift, Restore, Serializer
 
 TUPLE, SET, FROZENSET, BIGINT, DATETIME, DATE, TIMEDELTA = 1, 2, 3, 4, 5, 6, 7
 NDARRAY, NPSCALAR, COMPLEX, ODICT, EXTERNAL, CODEC = 8, 9, 10, 11, 12, 13

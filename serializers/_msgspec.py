@@ -43,10 +43,10 @@ import sys
 from contextvars import ContextVar
 from typing import Any, Callable, Tuple
 
-from . import _rebuild
-from ._codecs import CodecRegistry, codecs
-from ._errors import DecodeError, EncodeError
-from ._msgpack import (
+from serializers import _rebuild
+from serializers._codecs import CodecRegistry, codecs
+from serializers._errors import DecodeError, EncodeError
+from serializers._msgpack import (
     CODEC,
     COMPLEX,
     EXTERNAL,
@@ -59,8 +59,8 @@ from ._msgpack import (
     encode_refusal,
     lifted,
 )
-from ._path import describe
-from ._protocol import Buffer, Lift, Restore, Serializer
+from serializers._path import describe
+from serializers._protocol import Buffer, Lift, Restore, Serializer
 
 # Per call, as in the msgpack backend (whose encode_lifting holds the lift=): the restore= and extension depth.
 _DECODING: ContextVar[_Decoding] = ContextVar("objcomm_msgspec_decoding")

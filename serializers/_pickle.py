@@ -11,9 +11,9 @@ import io
 import pickle
 from typing import Any, List, Tuple
 
-from ._errors import DecodeError, EncodeError, ObjcommError, decode_error, raised_by
-from ._path import describe, locate
-from ._protocol import Buffer, Lift, Restore, Serializer
+from serializers._errors import DecodeError, EncodeError, ObjcommError, decode_error, raised_by
+from serializers._path import describe, locate
+from serializers._protocol import Buffer, Lift, Restore, Serializer
 
 PROTOCOL = 5
 EXTERNAL = ("serializers._pickle", "external_ref")  # the stand-in global for out-of-band objects

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
-from ._errors import decoding, encoding
+from serializers._errors import decoding, encoding
 
 Buffer = Any  # bytes, bytearray, memoryview or anything else with the buffer protocol
 Lift = Callable[[Any], Optional[int]]

@@ -23,7 +23,7 @@ import sys
 import threading
 from typing import Any, Optional, Sequence
 
-from ._errors import DecodeError
+from serializers._errors import DecodeError
 
 MAX_DIMS = 32
 MAX_DTYPE_TEXT = 64

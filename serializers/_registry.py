@@ -16,8 +16,8 @@ import threading
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
-from ._errors import UnknownSerializerError, decoding, encoding
-from ._protocol import Buffer, FunctionSerializer, Lift, Restore, Serializer, SerializerProtocol
+from serializers._errors import UnknownSerializerError, decoding, encoding
+from serializers._protocol import Buffer, FunctionSerializer, Lift, Restore, Serializer, SerializerProtocol
 
 ENTRY_POINT_GROUP = "objcomm.serializers"
 SerializerLike = Union[str, SerializerProtocol]

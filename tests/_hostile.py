@@ -127,9 +127,8 @@ def tensor_tables_that_lie(active: bool = True) -> Iterator[None]:
     frame disagree."""
     import torch
 
-    from objcomm import _framing
-
-    real = _framing.encode
+    from objcomm._format import frame as _frame
+    real = _frame.encode
 
     def lying(*args: Any, **kwargs: Any) -> Any:
         out = real(*args, **kwargs)
@@ -139,8 +138,8 @@ def tensor_tables_that_lie(active: bool = True) -> Iterator[None]:
         return out
 
     if active:
-        _framing.encode = lying  # type: ignore[assignment]
+        _frame.encode = lying  # type: ignore[assignment]
     try:
         yield
     finally:
-        _framing.encode = real  # type: ignore[assignment]
+        _frame.encode = real  # type: ignore[assignment]

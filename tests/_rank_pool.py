@@ -1,6 +1,6 @@
 """One rank pool: W live worker processes in a real gloo process group, and calls on them.
 
-The pool starts its workers with ``objcomm._launch`` (spawn, rank environment, parent-death
+The pool starts its workers with ``objcomm._tools.launch`` (spawn, rank environment, parent-death
 signal, reaping), waits until every one has joined the group, then sends each call to all of
 them and collects one reply per rank. A rank that raises, dies or hangs becomes a
 :class:`RankFailure`, :class:`RankDied` or :class:`RankTimeout` whose message quotes the
@@ -21,7 +21,7 @@ from _rank_errors import PoolBrokenError, PoolStartupError, RankDied, RankFailur
 from _rank_logs import RankLogs
 from _rank_worker import CLOSE_REQUEST, HEADER, barrier, describe, dumps_call, loads_exception, loads_reply, worker_main
 
-from objcomm import _launch
+from objcomm._tools import launch as _launch
 
 __all__ = ["RankPool", "live_pools"]
 

@@ -17,7 +17,7 @@ import traceback
 from contextlib import suppress
 from typing import Any
 
-from objcomm import _launch
+from objcomm._tools import launch as _launch
 
 __all__ = ["CLOSE_REQUEST", "HEADER", "describe", "dumps_call", "loads_exception", "loads_reply", "worker_main"]
 

@@ -25,7 +25,7 @@ pass ``capture_output=False`` to let workers write to the inherited terminal.
 
 Tests import everything from here. Spawning, the rank environment (OMP_NUM_THREADS
 etc., in place from interpreter start), parent-death signals and reaping come from
-``objcomm._launch``; the harness itself is one concern per module:
+``objcomm._tools.launch``; the harness itself is one concern per module:
 
 - ``_ranks`` (this module): the shared pool cache (:func:`get_pool`) and scenario helpers;
 - ``_rank_pool``: :class:`RankPool`, one pool's startup, calls, failure handling and shutdown;
@@ -46,7 +46,7 @@ from _rank_errors import PoolBrokenError, PoolStartupError, RankDied, RankFailur
 from _rank_pool import RankPool, live_pools
 from _rank_worker import barrier
 
-from objcomm import _launch
+from objcomm._tools import launch as _launch
 
 __all__ = [
     "RankPool",

@@ -465,7 +465,7 @@ def test_the_fast_walk_reads_runs_of_opcodes_without_argument_as_such():
 
 def _raw_plain(data: bytes) -> bool:
     """The fast walk's answer, the same from its Python and (where built) its C implementation."""
-    from serializers._pickle_plain import is_plain_c, is_plain_python
+    from serializers._restricted.plain import is_plain_c, is_plain_python
 
     answer = is_plain_python(data)
     assert is_plain_c is None or is_plain_c(data) is answer, data[:100]
@@ -478,7 +478,7 @@ def test_the_probe_pass_is_skipped_only_for_items_into_payload_built_containers(
     big value into a list or bytearray for a few bytes a time (found while skipping the probe)."""
     import numpy as np
 
-    from serializers._pickle_scan import scan
+    from serializers._restricted.scan import scan
 
     s = serializers.get("restricted-pickle")
     assert not scan(s.dumps({"a": np.zeros(3), "b": [np.ones(2)] * 2, "c": {np.int8(3), 4}})).needs_probe
@@ -742,7 +742,7 @@ def test_restricted_pickle_still_carries_what_users_send():
     import numpy as np
     import torch
 
-    from objcomm._bench._payloads import BUILTIN
+    from objcomm._tools.bench.payloads import BUILTIN
 
     s = serializers.RestrictedPickleSerializer()
     s.allow(Record)
@@ -920,7 +920,7 @@ def _probe_skips(examples: int) -> tuple:
     """Programs the walk lets skip the probe pass: (how many had a call, the ones where the probe pass
     refuses but the real pass alone decodes)."""
     from serializers import _rebuild
-    from serializers._pickle_scan import scan
+    from serializers._restricted.scan import scan
 
     s = serializers.get("restricted-pickle")
     guards = s._guards  # noqa: SLF001 - the two passes, run one at a time

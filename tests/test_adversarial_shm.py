@@ -21,7 +21,8 @@ from _child import run_in_child
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _hosts, _segments, _state
+from objcomm._samehost import hosts as _hosts
+from objcomm._samehost import segments as _segments
 
 THRESHOLD = 4096
 NOBODY = 65534
@@ -193,7 +194,7 @@ def tampered_then_clean(directory: str, decoy: str, how: str, op: str) -> Dict[s
     except objcomm.ObjcommError as exc:
         error = (type(exc).__name__, str(exc))
     finally:
-        comm._segments = _state.SEGMENTS
+        comm._segments = _segments.SEGMENTS
     after = call(2)
     clean = op == "send" and rank == 0 or _same(after, 2 if op != "all_gather" else 2 + (1 - rank))
     dist.barrier()  # writers unlink once their readers are done, maybe just after those return

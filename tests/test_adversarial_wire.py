@@ -23,9 +23,15 @@ from hypothesis import strategies as st
 
 import objcomm
 import serializers
-from objcomm import ObjcommError, _call, _compression, _framing, _settings, _slots, _tensors, _transport
-from objcomm._segments import SegmentBook
-from objcomm._transport import Incoming, Outgoing
+from objcomm import ObjcommError, _settings
+from objcomm._api import call as _call
+from objcomm._format import compression as _compression
+from objcomm._format import frame as _frame
+from objcomm._format import slot as _slot
+from objcomm._format import tensors as _tensors
+from objcomm._samehost.segments import SegmentBook
+from objcomm._transport import rounds as _rounds
+from objcomm._transport.rounds import Incoming, Outgoing
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,7 +60,7 @@ class Lying(Outgoing):
         return self.claimed
 
 
-def _wire(**kw) -> _transport.Wire:
+def _wire(**kw) -> _rounds.Wire:
     """The transport as objcomm's defaults set it up, without shared memory (rounds 1 and 2 as a Communicator
     moves them below the shared-memory threshold: the peers here use one, and every rank of a group must move
     them the same way)."""
@@ -62,7 +68,7 @@ def _wire(**kw) -> _transport.Wire:
     fields = dict(slot=settings_.slot_bytes, chunk=settings_.chunk_bytes, max_bytes=settings_.max_bytes)
     fields.update(kw)
     options = _settings.resolve({"shm": False}, {})
-    return _transport.Wire(
+    return _rounds.Wire(
         group=dist.group.WORLD, ranks=list(range(dist.get_world_size())), rank=dist.get_rank(),
         device=torch.device("cpu"), first_round=_call.first_round_for(options),
         second_round=_call.second_round_for(options, SegmentBook()), **fields,
@@ -85,7 +91,7 @@ def _status(field: str) -> int:
 
 
 def _big_frame() -> Outgoing:
-    return _framing.encode(b"x" * BIG, serializers.get("pickle"), max_bytes=1 << 40)
+    return _frame.encode(b"x" * BIG, serializers.get("pickle"), max_bytes=1 << 40)
 
 
 def _still_usable() -> bool:
@@ -107,13 +113,13 @@ def under_reported(op: str) -> tuple:
         lie = Lying(_big_frame().frame, claimed=100)
         try:
             if op == "send/recv":
-                _transport.send(_wire(), lie, 0)
+                _rounds.send(_wire(), lie, 0)
             elif op == "all_gather":
-                _transport.all_gather(_wire(), lie, _framing.tensor_sizes)
+                _rounds.all_gather(_wire(), lie, _frame.tensor_sizes)
             elif op == "all_to_all":
-                _transport.all_to_all(_wire(), [lie, lie], _framing.tensor_sizes)
+                _rounds.all_to_all(_wire(), [lie, lie], _frame.tensor_sizes)
             else:
-                _transport.broadcast(_wire(), lie, _framing.tensor_sizes, 1)
+                _rounds.broadcast(_wire(), lie, _frame.tensor_sizes, 1)
         except ObjcommError as exc:
             outcome = type(exc).__name__
         return outcome, 0, _still_usable()
@@ -147,11 +153,11 @@ def test_under_reported_total_is_refused_before_allocating(op):
 # -- A: a tensor table announcing 2**40 bytes ------------------------------------------------------
 def _forged_table(nbytes: int) -> Outgoing:
     """A frame carrying one 1,000-byte out-of-band tensor whose table entry announces ``nbytes``."""
-    out = _framing.encode({"t": torch.ones(1000, dtype=torch.uint8)}, serializers.get("pickle"),
+    out = _frame.encode({"t": torch.ones(1000, dtype=torch.uint8)}, serializers.get("pickle"),
                           max_bytes=1 << 30, inline_tensor_bytes=0)
     frame = bytearray(out.frame)
-    header = _framing.parse_header(memoryview(frame))
-    entry = _framing.HEADER.size + len(header.serializer)
+    header = _frame.parse_header(memoryview(frame))
+    entry = _frame.HEADER.size + len(header.serializer)
     struct.pack_into("<Q", frame, entry + 8, nbytes)  # nbytes
     struct.pack_into("<q", frame, entry + _tensors.ENTRY.size, nbytes)  # the one dimension, so the entry agrees
     return Outgoing(memoryview(frame), out.tensors)
@@ -164,9 +170,9 @@ def _lying_sender(forged: Outgoing) -> list:
     for op in ("all_gather", "send/recv"):
         try:
             if rank == 1 and op == "all_gather":
-                _transport.all_gather(_wire(), forged, _framing.tensor_sizes)
+                _rounds.all_gather(_wire(), forged, _frame.tensor_sizes)
             elif rank == 1:
-                _transport.send(_wire(), forged, 0)
+                _rounds.send(_wire(), forged, 0)
             elif op == "all_gather":
                 objcomm.all_gather("small")
             else:
@@ -195,7 +201,7 @@ def huge_table_entry_all_to_all() -> str:
     forged = _forged_table(1 << 40)
     try:
         if dist.get_rank() == 1:
-            _transport.all_to_all(_wire(), [forged, forged], _framing.tensor_sizes)
+            _rounds.all_to_all(_wire(), [forged, forged], _frame.tensor_sizes)
         else:
             objcomm.all_to_all(["small", "small"])
         outcome = "no error"
@@ -242,7 +248,7 @@ def test_refusing_receiver_drains_through_a_small_scratch(op, chunk):
 
 # -- D: a deeply nested error report ---------------------------------------------------------------
 def _nested_error(depth: int) -> Outgoing:
-    return Outgoing(_framing._assemble("", b"[" * depth, flags=_framing.FLAG_ERROR), error=True)
+    return Outgoing(_frame._assemble("", b"[" * depth, flags=_frame.FLAG_ERROR), error=True)
 
 
 def nested_error_report() -> list:
@@ -254,9 +260,9 @@ def test_nested_error_report_is_a_frame_error():
 
 
 def _read_error_report(payload: bytes) -> str:
-    view = _framing._assemble("", payload, flags=_framing.FLAG_ERROR)
+    view = _frame._assemble("", payload, flags=_frame.FLAG_ERROR)
     try:
-        return str(_framing.read_error(view, _framing.parse_header(view)))
+        return str(_frame.read_error(view, _frame.parse_header(view)))
     except ObjcommError as exc:
         return type(exc).__name__
 
@@ -273,7 +279,7 @@ def test_malformed_error_reports_in_a_child(payload):
 
 # -- B: decompression capped at raw_len ------------------------------------------------------------
 def _compressed_frame(code: int, stored: bytes, raw_len: int) -> bytes:
-    return bytes(_framing._assemble("pickle", stored, compression=code, raw_len=raw_len))
+    return bytes(_frame._assemble("pickle", stored, compression=code, raw_len=raw_len))
 
 
 def _decode_measured(frame: bytes) -> tuple:
@@ -281,7 +287,7 @@ def _decode_measured(frame: bytes) -> tuple:
     tracemalloc.start()
     cause = None
     try:
-        outcome = repr(_framing.decode(Incoming(memoryview(frame)), sender=1, accept=None, max_bytes=LIMIT))
+        outcome = repr(_frame.decode(Incoming(memoryview(frame)), sender=1, accept=None, max_bytes=LIMIT))
     except ObjcommError as exc:
         outcome, cause = type(exc).__name__, type(exc.__cause__).__name__
     peak = tracemalloc.get_traced_memory()[1]
@@ -338,11 +344,11 @@ def _valid_frames() -> list:
     pickle_ = serializers.get("pickle")
     tensors = {"a": torch.arange(6).reshape(2, 3), "b": torch.ones(40, dtype=torch.float16)}
     frames = [
-        _framing.encode({"x": [1, 2]}, serializers.get("msgpack"), max_bytes=1 << 20),
-        _framing.encode(tensors, pickle_, max_bytes=1 << 20),  # inline tensors
-        _framing.encode(tensors, pickle_, max_bytes=1 << 20, inline_tensor_bytes=0),  # out of band
-        _framing.encode(b"z" * 3000, pickle_, max_bytes=1 << 20, compression="zstd"),
-        _framing.encode(b"z" * 3000, pickle_, max_bytes=1 << 20, compression="lz4"),
+        _frame.encode({"x": [1, 2]}, serializers.get("msgpack"), max_bytes=1 << 20),
+        _frame.encode(tensors, pickle_, max_bytes=1 << 20),  # inline tensors
+        _frame.encode(tensors, pickle_, max_bytes=1 << 20, inline_tensor_bytes=0),  # out of band
+        _frame.encode(b"z" * 3000, pickle_, max_bytes=1 << 20, compression="zstd"),
+        _frame.encode(b"z" * 3000, pickle_, max_bytes=1 << 20, compression="lz4"),
     ]
     return [(bytes(f.frame), [t.clone() for t in f.tensors]) for f in frames]
 
@@ -361,7 +367,7 @@ def lying_frame(draw) -> tuple:
         field = draw(st.sampled_from(["table_len", "n_tensors", "payload_len", "raw_len", "inline_len",
                                       "entry_nbytes", "entry_offset", "entry_dim", "entry_ndim", "byte"]))
         value = draw(st.one_of(HUGE, st.integers(0, 2**16)))
-        table = _framing.HEADER.size + name_len
+        table = _frame.HEADER.size + name_len
         if field in ("table_len", "n_tensors"):
             struct.pack_into("<I", data, 8 if field == "table_len" else 12, value & 0xFFFFFFFF)
         elif field in ("payload_len", "raw_len", "inline_len"):
@@ -379,13 +385,13 @@ def lying_frame(draw) -> tuple:
 
 def _decode_frame(data: bytes, tensors: list) -> None:
     view = memoryview(data)
-    sizes = _framing.tensor_sizes(view)
-    header = _framing.parse_header(view)
+    sizes = _frame.tensor_sizes(view)
+    header = _frame.parse_header(view)
     if header.is_error:
-        _framing.read_error(view, header)
+        _frame.read_error(view, header)
         return
     assert sum(sizes) <= 2**62
-    _framing.decode(Incoming(view, list(tensors)), sender=1, accept=None, max_bytes=1 << 20)
+    _frame.decode(Incoming(view, list(tensors)), sender=1, accept=None, max_bytes=1 << 20)
 
 
 @settings(FUZZ, max_examples=3000 * FUZZ_SCALE)
@@ -401,17 +407,17 @@ def lying_slot(draw) -> bytes:
     base, tensors = draw(st.sampled_from(FRAMES))
     slot_size = draw(st.sampled_from([128, 256, 4096]))
     slot = bytearray(slot_size)
-    _slots.fill_slot(memoryview(slot), Outgoing(memoryview(base), tensors), 1 << 20)
-    prefix = _slots.PREFIX.size
+    _slot.fill_slot(memoryview(slot), Outgoing(memoryview(base), tensors), 1 << 20)
+    prefix = _slot.PREFIX.size
     for _ in range(draw(st.integers(1, 3))):
         field = draw(st.sampled_from(["length", "flags", "total", "count", "size", "byte"]))
         value = draw(st.one_of(HUGE, st.integers(0, 2**16)))
-        word, limit, total = _slots.PREFIX.unpack_from(slot, 0)
+        word, limit, total = _slot.PREFIX.unpack_from(slot, 0)
         if field == "length":
-            word = (word & ~_slots.LENGTH_MASK) | (value & _slots.LENGTH_MASK)
+            word = (word & ~_slot.LENGTH_MASK) | (value & _slot.LENGTH_MASK)
         elif field == "flags":
-            listed = getattr(_transport, "LISTED_BIT", 1 << 61)
-            word ^= draw(st.sampled_from([_slots.ERROR_BIT, _slots.ROUND2_BIT, listed]))
+            listed = getattr(_rounds, "LISTED_BIT", 1 << 61)
+            word ^= draw(st.sampled_from([_slot.ERROR_BIT, _slot.ROUND2_BIT, listed]))
         elif field == "total":
             total = value % 2**64
         elif field in ("count", "size"):
@@ -420,22 +426,24 @@ def lying_slot(draw) -> bytes:
             struct.pack_into(fmt, slot, at, value % modulus)
         else:
             slot[draw(st.integers(0, slot_size - 1))] = value & 0xFF
-        _slots.PREFIX.pack_into(slot, 0, word, limit, total)
+        _slot.PREFIX.pack_into(slot, 0, word, limit, total)
     return bytes(slot)
 
 
 def _check_slot(data: bytes) -> None:
-    from objcomm import _limits  # the receiver's checks (imported here so the module loads on older trees)
+    from objcomm._format import (
+        limits as _limits,  # the receiver's checks (imported here so the module loads on older trees)
+    )
 
-    info = _slots.read_slot(memoryview(data))
-    sizes, problem = _limits.plan(info, _framing.tensor_sizes)
+    info = _slot.read_slot(memoryview(data))
+    sizes, problem = _limits.plan(info, _frame.tensor_sizes)
     if problem is None and sizes is not None and not info.error:
         # what a receiver will allocate is exactly what the sender announced (and checked against limits)
         assert info.length + sum(sizes) == info.total
     if problem is None and info.error:
         assert info.inline is not None
-        header = _framing.parse_header(info.inline)
-        _framing.read_error(info.inline, header)
+        header = _frame.parse_header(info.inline)
+        _frame.read_error(info.inline, header)
 
 
 @settings(FUZZ, max_examples=2500 * FUZZ_SCALE)
@@ -453,8 +461,8 @@ def test_fuzz_slots_with_lying_fields(slot):
     ),
 ))
 def test_fuzz_error_reports(payload):
-    view = _framing._assemble("", payload, flags=_framing.FLAG_ERROR)
-    _bounded(lambda: _framing.read_error(view, _framing.parse_header(view)), len(payload))
+    view = _frame._assemble("", payload, flags=_frame.FLAG_ERROR)
+    _bounded(lambda: _frame.read_error(view, _frame.parse_header(view)), len(payload))
 
 
 # -- found by attacking the fixes ---------------------------------------------------------------
@@ -462,22 +470,22 @@ def test_fuzz_error_reports(payload):
 
 def _many_references(refs: int) -> bytes:
     """A msgpack frame whose one 1 MiB inline tensor the payload names ``refs`` times."""
-    out = _framing.encode({"t": torch.zeros(1 << 20, dtype=torch.uint8)}, serializers.get("msgpack"),
+    out = _frame.encode({"t": torch.zeros(1 << 20, dtype=torch.uint8)}, serializers.get("msgpack"),
                           max_bytes=1 << 30, inline_tensor_bytes=2 << 20)
     view = memoryview(out.frame)
-    header = _framing.parse_header(view)
+    header = _frame.parse_header(view)
     start = header.payload_offset
     payload = b"\xdd" + struct.pack(">I", refs) + b"\xd4\x0c\x00" * refs  # [ext 12 (tensor #0)] * refs
-    name = bytes(view[_framing.HEADER.size : _framing.HEADER.size + len(header.serializer)])
-    table = bytes(view[_framing.HEADER.size + len(name) : start])
+    name = bytes(view[_frame.HEADER.size : _frame.HEADER.size + len(header.serializer)])
+    table = bytes(view[_frame.HEADER.size + len(name) : start])
     inline = bytes(view[start + header.payload_len :])
-    fields = (_framing.MAGIC, _framing.VERSION, 0, 0, len(name), header.table_len, header.n_tensors,
+    fields = (_frame.MAGIC, _frame.VERSION, 0, 0, len(name), header.table_len, header.n_tensors,
               len(payload), len(payload), len(inline))
-    return _framing.HEADER.pack(*fields) + name + table + payload + inline
+    return _frame.HEADER.pack(*fields) + name + table + payload + inline
 
 
 def _decode_and_measure(frame: bytes) -> tuple:
-    tensors = _framing.decode(Incoming(memoryview(frame)), sender=1, accept=None, max_bytes=8 << 20)
+    tensors = _frame.decode(Incoming(memoryview(frame)), sender=1, accept=None, max_bytes=8 << 20)
     distinct = {t.untyped_storage().data_ptr() for t in tensors}
     return len(tensors), len(distinct)
 
@@ -489,11 +497,11 @@ def test_a_tensor_named_many_times_is_restored_once():
 
 
 def _overlapping_inline_entries() -> bytes:
-    out = _framing.encode([torch.zeros(1000, dtype=torch.uint8), torch.ones(1000, dtype=torch.uint8)],
+    out = _frame.encode([torch.zeros(1000, dtype=torch.uint8), torch.ones(1000, dtype=torch.uint8)],
                           serializers.get("pickle"), max_bytes=1 << 30, inline_tensor_bytes=1 << 20)
     frame = bytearray(out.frame)
-    header = _framing.parse_header(memoryview(frame))
-    second = _framing.HEADER.size + len(header.serializer) + _tensors.ENTRY.size + 8  # entry 2 (1 dim each)
+    header = _frame.parse_header(memoryview(frame))
+    second = _frame.HEADER.size + len(header.serializer) + _tensors.ENTRY.size + 8  # entry 2 (1 dim each)
     struct.pack_into("<Q", frame, second + 16, 0)  # its inline offset: the first tensor's bytes again
     return bytes(frame)
 
@@ -501,18 +509,18 @@ def _overlapping_inline_entries() -> bytes:
 def test_inline_tensors_may_not_share_bytes():
     frame = _overlapping_inline_entries()
     with pytest.raises(objcomm.FrameError, match="share"):
-        _framing.decode(Incoming(memoryview(frame)), sender=1, accept=None)
+        _frame.decode(Incoming(memoryview(frame)), sender=1, accept=None)
 
 
 def _read_escaped_quotes(size: int) -> tuple:
     payload = b'"' + b'\\"' * ((size - 2) // 2)  # an unterminated string of escaped quotes
-    frame = _framing.HEADER.pack(_framing.MAGIC, _framing.VERSION, _framing.FLAG_ERROR, 0, 0, 0, 0,
+    frame = _frame.HEADER.pack(_frame.MAGIC, _frame.VERSION, _frame.FLAG_ERROR, 0, 0, 0, 0,
                                  len(payload), len(payload), 0) + payload
     import time
 
     start = time.perf_counter()
     try:
-        _framing.read_error(memoryview(frame), _framing.parse_header(memoryview(frame)))
+        _frame.read_error(memoryview(frame), _frame.parse_header(memoryview(frame)))
         result = "read"
     except ObjcommError as exc:
         result = type(exc).__name__
@@ -537,14 +545,14 @@ def inflated_rounds() -> tuple:
     started = time.monotonic()
     try:
         if rank == 1:
-            real = _transport.outgoing_second_round_bytes
-            _transport.outgoing_second_round_bytes = lambda out, capacity: 1 << 50  # type: ignore[assignment]
+            real = _rounds.outgoing_second_round_bytes
+            _rounds.outgoing_second_round_bytes = lambda out, capacity: 1 << 50  # type: ignore[assignment]
             try:
                 wire = _wire(chunk=MiB)._replace(group=group, ranks=[0, 1])
-                outs = [_framing.encode(p, serializers.get("pickle"), max_bytes=1 << 30) for p in parts]
-                _transport.all_to_all(wire, outs, _framing.tensor_sizes)
+                outs = [_frame.encode(p, serializers.get("pickle"), max_bytes=1 << 30) for p in parts]
+                _rounds.all_to_all(wire, outs, _frame.tensor_sizes)
             finally:
-                _transport.outgoing_second_round_bytes = real  # type: ignore[assignment]
+                _rounds.outgoing_second_round_bytes = real  # type: ignore[assignment]
         else:
             objcomm.Communicator(group, shm=False, chunk_bytes=MiB).all_to_all(parts)
         outcome: object = "no error"

@@ -139,8 +139,7 @@ def test_a_subgroup_uses_group_ranks():
 
 def counted_segments(shm: bool) -> int:
     """How many segments this rank wrote for one all_to_all with big parts."""
-    from objcomm import _segments
-
+    from objcomm._samehost import segments as _segments
     class Counting(_segments.SegmentBook):
         created = 0
 

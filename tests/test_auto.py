@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import objcomm
 import serializers
-from objcomm import _framing
-from objcomm._wire import Incoming
+from objcomm._format import frame as _frame
+from objcomm._format.message import Incoming
 from serializers import AutoSerializer, EncodeError
 from serializers._auto import signature
 from serializers._fidelity import PROBES, judge
@@ -35,8 +35,8 @@ class Opaque:
 
 
 def _frame_name(obj, chooser):
-    out = _framing.encode(obj, chooser, max_bytes=1 << 30)
-    return _framing.parse_header(out.frame).serializer, out
+    out = _frame.encode(obj, chooser, max_bytes=1 << 30)
+    return _frame.parse_header(out.frame).serializer, out
 
 
 @pytest.mark.parametrize("label, make", PROBES, ids=[label for label, _ in PROBES])
@@ -48,7 +48,7 @@ def test_auto_never_changes_a_probe_value(label, make):
         except EncodeError:
             assert chooser.safe and label in ("lambda", "class instance"), label  # none safe carries these exactly
             continue
-        got = _framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
+        got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
         assert judge(value, got)[0] == "exact", (label, name)
 
 
@@ -138,7 +138,7 @@ def auto_through_a_group() -> list:
 
 
 def auto_on_the_express_path() -> list:
-    """Small objects with a communicator's defaults take the express path (objcomm._express): under "auto" too,
+    """Small objects with a communicator's defaults take the express path (objcomm._api.express): under "auto" too,
     each frame naming the serializer chosen for its object."""
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = objcomm.Communicator(serializer="auto")
@@ -189,7 +189,7 @@ def test_a_converting_candidate_is_judged_on_key_types_members_and_time_zones():
             name, out = _frame_name(obj, only_safe)
         except EncodeError:
             continue  # nothing safe carries it exactly: refused, never changed
-        got = _framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
+        got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
         assert judge(obj, got)[0] == "exact" and [type(k) for k in got] == [type(k) for k in obj], (obj, name, got)
         if "when" in obj:
             assert got["when"].tzinfo == tokyo.tzinfo and got["when"].hour == 12, got

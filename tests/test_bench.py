@@ -12,10 +12,10 @@ from _ranks import get_pool
 
 import objcomm
 import serializers
-from objcomm._bench._config import OPS
-from objcomm._bench._measure import TORCH, Timing, compare_op, interleaved
-from objcomm._bench._payloads import BUILTIN, format_size, parse_size, reference_size
-from objcomm._bench._roundtrip import check, judge
+from objcomm._tools.bench.config import OPS
+from objcomm._tools.bench.measure import TORCH, Timing, compare_op, interleaved
+from objcomm._tools.bench.payloads import BUILTIN, format_size, parse_size, reference_size
+from objcomm._tools.bench.roundtrip import check, judge
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""Medium second rounds through the same-host channel (objcomm._channel_round): all_gather and broadcast of
+"""Medium second rounds through the same-host channel (objcomm._samehost.channel_rounds): all_gather and broadcast of
 objects past their slots move no byte through the backend below shm_threshold, with the backend's results;
 the other operations, larger objects and groups without a channel keep their routes; a sender out of step
 fails the channel, a second round that disagrees with its frame is refused on the receiver alone, and a rank
@@ -21,10 +21,15 @@ from _hostile import tensor_tables_that_lie
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _bytes, _channel_round, _limits, _shm, _state, _transport
-from objcomm._channel_round import CHUNK, _chunks, _incoming, _place
+from objcomm import _state
 from objcomm._errors import FrameError
-from objcomm._slots import SlotInfo
+from objcomm._format import limits as _limits
+from objcomm._format.slot import SlotInfo
+from objcomm._samehost import channel_rounds as _channel_rounds
+from objcomm._samehost import shm as _shm
+from objcomm._samehost.channel_rounds import CHUNK, _chunks, _incoming, _place
+from objcomm._transport import bytes as _bytes
+from objcomm._transport import rounds as _rounds
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,8 +54,8 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-ROUTES = {"backend": [(_transport, "all_gather_equal"), (_transport, "broadcast_bytes"),  # round 2's moves
-                      (_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_transport, "all_to_all_bytes")],
+ROUTES = {"backend": [(_rounds, "all_gather_equal"), (_rounds, "broadcast_bytes"),  # round 2's moves
+                      (_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_rounds, "all_to_all_bytes")],
           "shm": [(_shm.SharedMemory, "_collective")]}
 
 
@@ -132,7 +137,7 @@ def gather_past_most() -> List[Any]:
     rank = dist.get_rank()
     comm = objcomm.Communicator(local=True)
     comm.all_gather(None)
-    real, _channel_round.MOST = _channel_round.MOST, 3 * CHUNK
+    real, _channel_rounds.MOST = _channel_rounds.MOST, 3 * CHUNK
     got = []
     try:
         for size in (2 * CHUNK - 100, CHUNK - 100):
@@ -142,7 +147,7 @@ def gather_past_most() -> List[Any]:
             whole = result is None or [r["blob"][:1] for r in result] == [b"\0", b"\1", b"\2"]
             got.append((counts["backend"] > 0, whole))
     finally:
-        _channel_round.MOST = real
+        _channel_rounds.MOST = real
     return got
 
 
@@ -198,13 +203,13 @@ def out_of_step_sender() -> List[Any]:
     """Rank 1 sends one byte too few in each message of its second round: the channel fails on both ranks, and
     later calls on the group raise."""
     rank, sub, comm = on_a_pair()
-    real = _channel_round._chunks
+    real = _channel_rounds._chunks
     if rank == 1:
-        _channel_round._chunks = lambda pieces: (bytes(c)[:-1] for c in real(pieces))  # type: ignore[assignment]
+        _channel_rounds._chunks = lambda pieces: (bytes(c)[:-1] for c in real(pieces))  # type: ignore[assignment]
     try:
         outcome = outcome_of(lambda: comm.all_gather(_payload(rank, 2 * CHUNK)) and None)
     finally:
-        _channel_round._chunks = real  # type: ignore[assignment]
+        _channel_rounds._chunks = real  # type: ignore[assignment]
     after = outcome_of(lambda: comm.all_gather(rank))  # the ranks failed at different messages: out of step
     dist.destroy_process_group(sub)
     return [outcome, after]
@@ -265,7 +270,7 @@ def test_pieces_travel_back_to_back_in_whole_messages():
 def die_after_one_message() -> None:
     """From now on, this process SIGKILLs itself 0.3 s after the first message of its next second round on the
     channel (the others wait for message #1 by then)."""
-    real = _channel_round._chunks
+    real = _channel_rounds._chunks
 
     def dying(pieces: Any) -> Any:
         chunks = real(pieces)
@@ -273,7 +278,7 @@ def die_after_one_message() -> None:
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    _channel_round._chunks = dying  # type: ignore[assignment]
+    _channel_rounds._chunks = dying  # type: ignore[assignment]
 
 
 def _killed_in_round_two(rank: int, world: int, store: str, victim: int, results: Any) -> None:

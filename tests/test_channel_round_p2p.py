@@ -1,8 +1,8 @@
-"""Medium send/recv through the same-host channel (objcomm._channel_round, objcomm._first.ChannelRoute): the
-receiver's answer and, below shm_threshold, the bytes after a send's slot go through the channel, with the
-backend's results and outcomes; concurrent sends under one tag never take each other's bytes; a sender out of
-step or a malformed answer fails the channel; a wait that times out names its operation, and what comes late
-for it is dropped; a sender killed mid-message makes its receiver raise."""
+"""Medium send/recv through the same-host channel (objcomm._samehost.channel_rounds,
+objcomm._samehost.channel_slots.ChannelRoute): the receiver's answer and, below shm_threshold, the bytes after a send's
+slot go through the channel, with the backend's results and outcomes; concurrent sends under one tag never take each
+other's bytes; a sender out of step or a malformed answer fails the channel; a wait that times out names its operation,
+and what comes late for it is dropped; a sender killed mid-message makes its receiver raise."""
 
 from __future__ import annotations
 
@@ -20,19 +20,24 @@ from _ranks import get_pool
 from test_channel_round import _payload, _same, die_after_one_message, on_a_pair, outcome_of
 
 import objcomm
-from objcomm import _bytes, _channel_round, _first, _shm, _state, _transport
-from objcomm._channel_round import CHUNK
-from objcomm._inbox import REST
+from objcomm import _state
+from objcomm._samehost import channel_rounds as _channel_rounds
+from objcomm._samehost import channel_slots as _channel_slots
+from objcomm._samehost import shm as _shm
+from objcomm._samehost.channel_rounds import CHUNK
+from objcomm._samehost.inbox import REST
+from objcomm._transport import bytes as _bytes
+from objcomm._transport import rounds as _rounds
 
 pytestmark = pytest.mark.timeout(180)
 
 SIZES = [0, 100, 5_000, CHUNK // 4 - 300, CHUNK // 4, CHUNK, 3 * CHUNK + 7, 150_000, 700_000]  # _payload's bulk
 SHARED = 700_000  # past shm_threshold (2 MiB): the rest goes through shared memory, after the channel's answer
 ASKED = "a" * 1_100_000  # a frame past 1 MiB, below shm_threshold: the receiver answers first, then the channel
-ROUTES = {"backend": [(_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_transport, "recv_bytes")],
+ROUTES = {"backend": [(_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_rounds, "recv_bytes")],
           "shm": [(_shm.SharedMemory, "_collective"), (_shm, "fetch")],
-          "channel": [(_channel_round, "send_p2p"), (_channel_round, "recv_p2p")],
-          "answers": [(_first.ChannelRoute, "answer")]}
+          "channel": [(_channel_rounds, "send_p2p"), (_channel_rounds, "recv_p2p")],
+          "answers": [(_channel_slots.ChannelRoute, "answer")]}
 
 
 def _channel() -> Any:
@@ -227,22 +232,22 @@ def out_of_step(mode: str) -> Any:
     What each rank raises, and what a later collective does (both ranks failed at the same point, no collective
     between: it opens a new channel)."""
     rank, sub, comm = on_a_pair()
-    real_chunks, real_answer, real_words = _channel_round._chunks, _first.ChannelRoute.answer, \
-        _first.ChannelRoute.send_words
+    real_chunks, real_answer, real_words = _channel_rounds._chunks, _channel_slots.ChannelRoute.answer, \
+        _channel_slots.ChannelRoute.send_words
     if mode == "short" and rank == 1:
-        _channel_round._chunks = lambda pieces: (bytes(c)[:-1] for c in real_chunks(pieces))  # type: ignore
+        _channel_rounds._chunks = lambda pieces: (bytes(c)[:-1] for c in real_chunks(pieces))  # type: ignore
     if mode == "answer" and rank == 0:
-        _first.ChannelRoute.answer = lambda self, wire, dst, message, code: self.channel.send_part(  # type: ignore
-            _first.ANSWER, b"\x03\x03", dst, wire.tag, message)
+        _channel_slots.ChannelRoute.answer = lambda self, wire, dst, message, code: self.channel.send_part(  # type: ignore
+            _channel_slots.ANSWER, b"\x03\x03", dst, wire.tag, message)
     if mode == "words" and rank == 1:
-        _first.ChannelRoute.send_words = lambda self, wire, words, dst, message: real_words(  # type: ignore
+        _channel_slots.ChannelRoute.send_words = lambda self, wire, words, dst, message: real_words(  # type: ignore
             self, wire, words[:-1], dst, message)
     sent = _payload(1, SHARED) if mode == "words" else ASKED if mode == "answer" else _payload(1, 3 * CHUNK)
     try:
         outcome = outcome_of(lambda: comm.send(sent, 0) if rank == 1 else comm.recv(1) and None)
     finally:
-        _channel_round._chunks, _first.ChannelRoute.answer = real_chunks, real_answer  # type: ignore
-        _first.ChannelRoute.send_words = real_words  # type: ignore
+        _channel_rounds._chunks, _channel_slots.ChannelRoute.answer = real_chunks, real_answer  # type: ignore
+        _channel_slots.ChannelRoute.send_words = real_words  # type: ignore
     after = outcome_of(lambda: comm.all_gather(rank))
     dist.destroy_process_group(sub)
     return [outcome[1] or "ok", after]
@@ -283,7 +288,7 @@ def stalls(mode: str) -> List[Any]:
     raised = None
     if rank == 1:
         if mode == "rest":
-            real = _channel_round._chunks
+            real = _channel_rounds._chunks
 
             def stalling(pieces: Any) -> Any:
                 chunks = real(pieces)
@@ -291,11 +296,11 @@ def stalls(mode: str) -> List[Any]:
                 time.sleep(5)
                 yield from chunks
 
-            _channel_round._chunks = stalling  # type: ignore[assignment]
+            _channel_rounds._chunks = stalling  # type: ignore[assignment]
             try:
                 comm.send(_payload(1, 3 * CHUNK), 0, tag=2)
             finally:
-                _channel_round._chunks = real  # type: ignore[assignment]
+                _channel_rounds._chunks = real  # type: ignore[assignment]
             comm.send("done", 0, tag=3)
         else:
             time.sleep(4)

@@ -1,8 +1,8 @@
-"""The same-host channel under a fast sender and a lying rank (issue 25): flow control (objcomm._inbox, "Flow
+"""The same-host channel under a fast sender and a lying rank (issue 25): flow control (objcomm._samehost.inbox, "Flow
 control") slows an honest sender that runs ahead of a slow receiver, never fails it, and keeps the receiver's stash
-bounded; the send/recv vote is a value every rank sees alike (objcomm._first); and before a call acts on round 1
-beyond "it ended", every rank checks that the others read the same slots (the echo), so a lying rank cannot send
-honest ranks down different routes."""
+bounded; the send/recv vote is a value every rank sees alike (objcomm._samehost.channel_slots); and before a call acts
+on round 1 beyond "it ended", every rank checks that the others read the same slots (the echo), so a lying rank cannot
+send honest ranks down different routes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ import torch.distributed as dist
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _first, _framing, _inbox, _slots, _state
+from objcomm import _state
+from objcomm._format import frame as _frame
+from objcomm._format import slot as _slot
+from objcomm._samehost import channel_slots as _channel_slots
+from objcomm._samehost import inbox as _inbox
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -91,8 +95,8 @@ def splits_the_vote() -> Dict[str, Any]:
     comm = objcomm.Communicator(group, local=True)
     report: Dict[str, Any] = {}
     if rank == 1:
-        real_vote = _first.SameHost.begin_vote
-        _first.SameHost.begin_vote = lambda self, group: False  # type: ignore[method-assign]
+        real_vote = _channel_slots.SameHost.begin_vote
+        _channel_slots.SameHost.begin_vote = lambda self, group: False  # type: ignore[method-assign]
         comm.broadcast(0)  # set-up: "not ready"
         channel = _channel(group)
         real_send = channel._send
@@ -102,7 +106,7 @@ def splits_the_vote() -> Dict[str, Any]:
             comm.all_gather(1)
         except objcomm.ObjcommError as exc:
             report["liar"] = type(exc).__name__
-        _first.SameHost.begin_vote = real_vote  # type: ignore[method-assign]
+        _channel_slots.SameHost.begin_vote = real_vote  # type: ignore[method-assign]
         return report
     comm.broadcast(0)
     try:
@@ -156,10 +160,10 @@ def tells_each_rank_another_slot() -> Dict[str, Any]:
     comm.all_gather(rank)  # opens the channel
     report: Dict[str, Any] = {}
     if rank == 2:
-        out = _framing.encode(b"x" * (3 << 20), registry.guarded("pickle"), max_bytes=1 << 40,
+        out = _frame.encode(b"x" * (3 << 20), registry.guarded("pickle"), max_bytes=1 << 40,
                               inline_tensor_bytes=1 << 16, compression=None)
         slot = bytearray(4096)
-        _slots.fill_slot(memoryview(slot), out, 8 << 30)
+        _slot.fill_slot(memoryview(slot), out, 8 << 30)
         channel = _channel(group)
         real_send = channel._send
         channel._send = lambda peer, header, data, op: real_send(peer, header, bytes(slot) if peer == 1 else data, op)
@@ -222,15 +226,15 @@ def lies_in_the_echo(what: str) -> Dict[str, Any]:
     raises, none dies."""
     import torch
 
-    from objcomm import _inbox
-
+    from objcomm._samehost import inbox as _inbox
     rank = dist.get_rank()
     group, comm = _three_rank_group()
     channel = _channel(group)
     report: Dict[str, Any] = {}
     if rank == 2:
         real_send = channel._send
-        lie = {"digest": (lambda data: len(data) == 16, bytes(16)), "pass": (lambda data: data == _first.PASSED, b"2")}
+        lie = {"digest": (lambda data: len(data) == 16, bytes(16)),
+               "pass": (lambda data: data == _channel_slots.PASSED, b"2")}
 
         def lying_send(peer: int, header: bytes, data: Any, op: str) -> None:
             told = header[0] == _inbox.ECHO and peer == 1 and lie[what][0](bytes(data))
@@ -262,7 +266,7 @@ def test_a_lying_pass_leaves_honest_ranks_raising_not_aborted():
 
 def _slot_of(out: Any) -> bytes:
     slot = bytearray(SLOT)
-    _slots.fill_slot(memoryview(slot), out, 8 << 30)
+    _slot.fill_slot(memoryview(slot), out, 8 << 30)
     return bytes(slot)
 
 
@@ -280,7 +284,7 @@ def tells_each_rank_another_table() -> Dict[str, Any]:
     size = 1 << 20
     if rank == 2:
         def encode(obj: Any) -> Any:
-            return _framing.encode(obj, registry.guarded("pickle"), max_bytes=1 << 40, inline_tensor_bytes=1 << 16)
+            return _frame.encode(obj, registry.guarded("pickle"), max_bytes=1 << 40, inline_tensor_bytes=1 << 16)
 
         real = [torch.full((size // 2,), 7, dtype=torch.uint8), torch.full((size // 2,), 9, dtype=torch.uint8)]
         other = encode([torch.zeros(size // 4, dtype=torch.uint8), torch.zeros(3 * size // 4, dtype=torch.uint8)])

@@ -19,8 +19,8 @@ import psutil
 import pytest
 
 import serializers
-from objcomm._bench._config import DEFAULT_OPS, OPS
-from objcomm._bench._payloads import BUILTIN
+from objcomm._tools.bench.config import DEFAULT_OPS, OPS
+from objcomm._tools.bench.payloads import BUILTIN
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["bench", "--quick", "--sizes", "1KB"]

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 import objcomm
 import serializers
-from objcomm import _compression, _framing
+from objcomm._format import compression as _compression
+from objcomm._format import frame as _frame
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,8 +20,8 @@ COMPRESSIBLE = {"text": "the same words again " * 5000, "ids": list(range(2000))
 
 
 def _header(obj, compression):
-    out = _framing.encode(obj, serializers.get("pickle"), max_bytes=1 << 30, compression=compression)
-    return out, _framing.parse_header(out.frame)
+    out = _frame.encode(obj, serializers.get("pickle"), max_bytes=1 << 30, compression=compression)
+    return out, _frame.parse_header(out.frame)
 
 
 @pytest.mark.parametrize("compression, code", [("zstd", 1), ("lz4", 2), ("auto", 2), (None, 0)])
@@ -29,7 +30,7 @@ def test_compression_is_recorded_and_round_trips(compression, code):
     assert header.compression == code
     if code:
         assert header.payload_len < header.raw_len / 5
-    assert _framing.decode(_framing.Incoming(out.frame), sender=0, accept=None) == COMPRESSIBLE
+    assert _frame.decode(_frame.Incoming(out.frame), sender=0, accept=None) == COMPRESSIBLE
 
 
 def test_auto_leaves_incompressible_and_small_payloads_alone():
@@ -42,7 +43,7 @@ def test_bad_setting_and_decompression_bomb_are_refused():
         objcomm.Communicator(compression="gzip")
     out, header = _header(COMPRESSIBLE, "zstd")
     with pytest.raises(objcomm.TooLargeError, match="expands to"):
-        _framing.decode(_framing.Incoming(out.frame), sender=0, accept=None, max_bytes=1000)
+        _frame.decode(_frame.Incoming(out.frame), sender=0, accept=None, max_bytes=1000)
 
 
 def test_missing_library_is_a_clear_error():

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _local, _state
+from objcomm import _state
+from objcomm._samehost import channel as _channel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,13 +24,13 @@ def connects(local: bool) -> Dict[str, Any]:
     comm = objcomm.Communicator(group, local=local)
     on = comm.connect()
     sent = []
-    real_send = _local.LocalChannel.send
-    _local.LocalChannel.send = lambda self, *a, **k: (sent.append(1), real_send(self, *a, **k))[1]
+    real_send = _channel.LocalChannel.send
+    _channel.LocalChannel.send = lambda self, *a, **k: (sent.append(1), real_send(self, *a, **k))[1]
     try:
         comm.send({"from": rank}, dst=(rank + 1) % world)
         got = comm.recv(src=(rank - 1) % world)
     finally:
-        _local.LocalChannel.send = real_send
+        _channel.LocalChannel.send = real_send
     state = _state.group_facts(group).local.get(False)
     return {"on": on, "got": got, "through channel": len(sent),
             "collectives": 0 if state is None or state.channel is None else state.channel._seq,

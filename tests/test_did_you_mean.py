@@ -12,7 +12,9 @@ import torch.distributed as dist
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _api, _call, _reduce
+from objcomm._api import call as _call
+from objcomm._api import functions as _functions
+from objcomm._api import reduce as _reduce
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,8 +126,8 @@ NAMES = {
 
 @pytest.mark.parametrize("name", sorted(NAMES))
 def test_mpi4py_names_for_the_module(name):
-    assert str(_api.no_attribute(name)) == f"module 'objcomm' has no attribute {name!r}; {NAMES[name]}{POINTER}"
-    assert str(_api.no_attribute("nonesuch")) == "module 'objcomm' has no attribute 'nonesuch'"
+    assert str(_functions.no_attribute(name)) == f"module 'objcomm' has no attribute {name!r}; {NAMES[name]}{POINTER}"
+    assert str(_functions.no_attribute("nonesuch")) == "module 'objcomm' has no attribute 'nonesuch'"
 
 
 def test_mpi4py_names_on_the_module_itself():

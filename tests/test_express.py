@@ -1,4 +1,4 @@
-"""The express path of small send/recv (objcomm._express): the slot it writes is the general path's, byte
+"""The express path of small send/recv (objcomm._api.express): the slot it writes is the general path's, byte
 for byte; it takes exactly the plain case and hands every other one to the general path with the same
 outcome; it notices changed settings, registry and groups; it reads hostile slots as the general path does."""
 
@@ -17,9 +17,15 @@ from _counting import counting
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _communicator, _express, _first, _framing, _local, _state, _transport
-from objcomm._slots import ERROR_BIT, PREFIX, fill_slot, read_slot
-from objcomm._tensors import TensorLifter
+from objcomm import _state
+from objcomm._api import communicator as _communicator
+from objcomm._api import express as _express
+from objcomm._format import frame as _frame
+from objcomm._format.slot import ERROR_BIT, PREFIX, fill_slot, read_slot
+from objcomm._format.tensors import TensorLifter
+from objcomm._samehost import channel as _channel
+from objcomm._samehost import channel_slots as _channel_slots
+from objcomm._transport import rounds as _rounds
 from serializers import registry
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,20 +37,20 @@ OBJECTS = [None, 7, "text", {"loss": 0.25, "step": 3, "tags": ["a", "b"]}, [0.5]
 
 def _general_slot(obj: Any, name: str, slot: int = SLOT, limit: int = LIMIT) -> bytearray:
     raw = bytearray(slot)
-    fill_slot(memoryview(raw), _framing.encode(obj, registry.guarded(name), max_bytes=limit), limit)
+    fill_slot(memoryview(raw), _frame.encode(obj, registry.guarded(name), max_bytes=limit), limit)
     return raw
 
 
 def _express_slot(obj: Any, name: str, slot: int = SLOT, limit: int = LIMIT) -> Any:
     """The express path's slot, trimmed after the frame, and checked to be read as the whole slot."""
     payload = registry.guarded(name).dumps(obj, lift=TensorLifter())
-    raw = _framing.small_slot(name.encode("ascii"), payload, slot, limit)
+    raw = _frame.small_slot(name.encode("ascii"), payload, slot, limit)
     if raw is None:
         return None
     assert len(raw) == PREFIX.size + PREFIX.unpack_from(raw)[0]  # the prefix and the frame, no zeros after it
     if len(raw) == slot:  # a frame that fills its slot
         return raw
-    assert _first.trimmed(raw, slot)
+    assert _channel_slots.trimmed(raw, slot)
     whole = bytes(raw) + bytes(slot - len(raw))
     assert read_slot(memoryview(raw)) == read_slot(memoryview(whole))  # what a receiver reads of it
     return whole
@@ -61,16 +67,16 @@ def test_the_express_slot_is_the_general_paths_slot_byte_for_byte(name, index):
 
 def test_a_frame_that_fills_the_slot_exactly_is_express_one_byte_more_is_not():
     capacity = SLOT - PREFIX.size
-    fixed = len(_framing.encode(b"", registry.guarded("pickle"), max_bytes=LIMIT).frame) - len(
+    fixed = len(_frame.encode(b"", registry.guarded("pickle"), max_bytes=LIMIT).frame) - len(
         registry.guarded("pickle").dumps(b""))
     n = 0
     while fixed + len(registry.guarded("pickle").dumps(b"x" * n)) < capacity:
         n += 1
     exact = b"x" * n
-    assert len(_framing.encode(exact, registry.guarded("pickle"), max_bytes=LIMIT).frame) == capacity
+    assert len(_frame.encode(exact, registry.guarded("pickle"), max_bytes=LIMIT).frame) == capacity
     assert _express_slot(exact, "pickle") == _general_slot(exact, "pickle")
     assert _express_slot(exact + b"x", "pickle") is None  # the general path sends the frame in a second round
-    length = len(_framing.encode(b"abc", registry.guarded("pickle"), max_bytes=LIMIT).frame)
+    length = len(_frame.encode(b"abc", registry.guarded("pickle"), max_bytes=LIMIT).frame)
     assert _express_slot(b"abc", "pickle", limit=length) == _general_slot(b"abc", "pickle", limit=length)
     assert _express_slot(b"abc", "pickle", limit=length - 1) is None  # encode() says why: TooLargeError
 
@@ -78,7 +84,7 @@ def test_a_frame_that_fills_the_slot_exactly_is_express_one_byte_more_is_not():
 # -- on live ranks ------------------------------------------------------------------------------------------
 
 
-GENERAL_SEND_RECV = {"send": [(_transport, "send")], "recv": [(_transport, "recv")]}  # the general path's
+GENERAL_SEND_RECV = {"send": [(_rounds, "send")], "recv": [(_rounds, "recv")]}  # the general path's
 
 
 def _outcome(fn: Any, message: bool = False) -> Any:
@@ -252,7 +258,7 @@ def hostile_slots() -> List[Any]:
     good = bytes(_general_slot({"ok": 1}, "pickle"))
     length = PREFIX.unpack_from(good, 0)[0]
     unknown = bytearray(good)
-    at = PREFIX.size + _framing.HEADER.size
+    at = PREFIX.size + _frame.HEADER.size
     unknown[at : at + len(b"pickle")] = b"pickl?"
     survived = {
         "good": good,
@@ -261,9 +267,9 @@ def hostile_slots() -> List[Any]:
         "unknown serializer": bytes(unknown),
         "error report that is not one": PREFIX.pack(length | ERROR_BIT, LIMIT, length) + good[PREFIX.size :],
         "trimmed, shorter than a header": PREFIX.pack(10, LIMIT, 10) + b"x" * 10,  # read as a whole slot
-        "garbage pickle payload": _framing.small_slot(b"pickle", b"\x80\x05garbage", SLOT, LIMIT),
-        "empty pickle payload": _framing.small_slot(b"pickle", b"", SLOT, LIMIT),
-        "a msgpack frame": _framing.small_slot(b"msgpack", registry.guarded("msgpack").dumps({"m": 1}), SLOT, LIMIT),
+        "garbage pickle payload": _frame.small_slot(b"pickle", b"\x80\x05garbage", SLOT, LIMIT),
+        "empty pickle payload": _frame.small_slot(b"pickle", b"", SLOT, LIMIT),
+        "a msgpack frame": _frame.small_slot(b"msgpack", registry.guarded("msgpack").dumps({"m": 1}), SLOT, LIMIT),
     }
     fatal = {  # neither a slot nor a trimmed one: the channel fails, as on the general path
         "trimmed with flag bits": _trimmed(PREFIX.pack(length | ERROR_BIT, LIMIT, length) + good[PREFIX.size :]),
@@ -274,7 +280,7 @@ def hostile_slots() -> List[Any]:
         sub = dist.new_group([0, 1])
         comm = objcomm.Communicator(sub, local=True)
         comm.all_gather(None)
-        channel: _local.LocalChannel = _state.group_facts(sub).local[False].channel
+        channel: _channel.LocalChannel = _state.group_facts(sub).local[False].channel
         assert channel.p2p and comm._express() is not None
         limit = comm._call({}).options.max_bytes  # given per call: the general path, with the same limit
         for label, raw in cases.items():
@@ -283,7 +289,7 @@ def hostile_slots() -> List[Any]:
                 if cases is survived:
                     channel.send(raw, 0, tag=7)
             else:
-                with counting({"calls": [(_framing, "decode_parsed")]}) as decoded:
+                with counting({"calls": [(_frame, "decode_parsed")]}) as decoded:
                     got.append((label, _outcome(lambda c=comm: c.recv(1, tag=7), message=True)))
                 got.append((label + ": decode_parsed calls", decoded["calls"]))
                 if cases is survived:
@@ -344,7 +350,7 @@ def test_what_a_communicator_keeps_goes_with_its_group():
 
 
 COLLECTIVE_ROUTES = {  # the general path's collectives, and its steps after slots the express path moved
-    "general": [(_transport, "all_gather"), (_transport, "broadcast")],
+    "general": [(_rounds, "all_gather"), (_rounds, "broadcast")],
     "rest": [(_express, "all_gather_rest"), (_express, "broadcast_rest")],
 }
 
@@ -449,7 +455,7 @@ def hostile_collective_slots() -> List[Any]:
                 comm = objcomm.Communicator(sub, local=True)
                 comm.all_gather(None)
                 comm.all_gather(None)  # the second collective: the express path is built from now on
-                channel: _local.LocalChannel = _state.group_facts(sub).local[False].channel
+                channel: _channel.LocalChannel = _state.group_facts(sub).local[False].channel
                 assert channel.p2p and comm._express(now=False) is not None
                 if rank == 1:
                     _outcome(lambda c=channel, r=raw, o=op: c.broadcast(r, 1) if o == "broadcast" else c.all_gather(r))
@@ -479,13 +485,13 @@ def test_hostile_slots_through_the_express_collectives_raise_as_on_the_general_p
 def _mutations(slot: bytes) -> List[bytes]:
     """``slot`` with each byte of its prefix, header and name set to values that matter, and cut short."""
     out = [slot]
-    head = _framing._SLOT_HEADER.size + 8
+    head = _frame._SLOT_HEADER.size + 8
     for at in range(min(head, len(slot))):
         for value in (0, 1, 2, 0x7F, 0xFF, slot[at] ^ 1):
             changed = bytearray(slot)
             changed[at] = value
             out.append(bytes(changed))
-    out += [slot[:n] for n in (0, 1, PREFIX.size, _framing._SLOT_HEADER.size - 1, _framing._SLOT_HEADER.size,
+    out += [slot[:n] for n in (0, 1, PREFIX.size, _frame._SLOT_HEADER.size - 1, _frame._SLOT_HEADER.size,
                                len(slot) - 1)]
     return out
 
@@ -501,14 +507,14 @@ def test_the_payload_shortcut_accepts_exactly_the_plain_frames_of_its_serializer
                 slots.append(bytes(raw))  # and whole
     taken = 0
     for raw in slots:
-        payload = _framing.plain_payload(raw, name.encode("ascii"))
-        plain = _framing.plain_in_slot(raw)
+        payload = _frame.plain_payload(raw, name.encode("ascii"))
+        plain = _frame.plain_in_slot(raw)
         assert (payload is not None) == (plain is not None and plain[1].serializer == name), raw[:80]
         if payload is None:
             continue
         taken += 1
         frame, header = plain
         assert bytes(payload) == bytes(frame[header.payload_offset : header.payload_offset + header.payload_len])
-        general = _framing.parse_header(read_slot(memoryview(raw)).inline)  # what the general path reads of it
+        general = _frame.parse_header(read_slot(memoryview(raw)).inline)  # what the general path reads of it
         assert (general.serializer, general.payload_len, general.n_tensors, general.flags) == (name, len(payload), 0, 0)
     assert taken >= 5

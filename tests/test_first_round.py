@@ -1,4 +1,4 @@
-"""Round 1 through the same-host channel (objcomm._first): every routed collective at W=1..4 and in
+"""Round 1 through the same-host channel (objcomm._samehost.channel_slots): every routed collective at W=1..4 and in
 a sub-group gives what the backend gives; the fallbacks; failures; a killed rank; no growth."""
 
 from __future__ import annotations
@@ -217,11 +217,10 @@ def test_the_spin_setting_reaches_every_wait(spin_us):
 
 
 def control_words(mismatch: bool) -> Any:
-    from objcomm import _first
-
+    from objcomm._samehost import channel_slots as _channel_slots
     comm = objcomm.Communicator()
     wire = comm._call({}).wire
-    assert isinstance(wire.first_round, _first.SameHostSlots)
+    assert isinstance(wire.first_round, _channel_slots.SameHostSlots)
     rank = dist.get_rank()
     words = [rank, -rank, 1 << 62] if not (mismatch and rank == 1) else [rank, 0]
     try:
@@ -278,7 +277,8 @@ def test_slots_travel_trimmed_after_a_whole_frame_and_whole_otherwise():
             if label == "small":
                 assert all(n < 100 for n in sizes), (label, op, sizes)  # a 1024-byte slot, trimmed
             else:  # sizes listed after the frame, or a frame past the slot: the whole slot
-                # (or control words); and the second round (objcomm._channel_round): the 2,000-byte frame past the
+                # (or control words); and the second round (objcomm._samehost.channel_rounds): the 2,000-byte frame
+                # past the
                 # slot in one message, the tensor's 12 bytes
                 assert 1024 in sizes and all(n == 1024 or n < 100 or n == 2064 for n in sizes), (label, op, sizes)
                 if label == "past the slot":

@@ -1,5 +1,5 @@
-"""send/recv through the same-host channel (objcomm._first): the backend's point-to-point scenarios give
-the same results through it; when send/recv may start using it; threads; a killed peer; a failed channel."""
+"""send/recv through the same-host channel (objcomm._samehost.channel_slots): the backend's point-to-point scenarios
+give the same results through it; when send/recv may start using it; threads; a killed peer; a failed channel."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from _child import report_raised, run_group_losing_a_rank
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _first, _state
+from objcomm import _state
+from objcomm._samehost import channel_slots as _channel_slots
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -336,20 +337,20 @@ def send_started_during_the_opening_vote() -> Any:
             got = "timed out: the send took the group, the recv the channel"
         dist.destroy_process_group(group)
         return got
-    real = _first.SameHost.end_vote
+    real = _channel_slots.SameHost.end_vote
 
     def end_vote(state: Any) -> None:
         real(state)
         time.sleep(0.3)  # the opening collective's thread, descheduled right after the vote ended
 
-    _first.SameHost.end_vote = end_vote  # type: ignore[method-assign]
+    _channel_slots.SameHost.end_vote = end_vote  # type: ignore[method-assign]
     try:
         sender = threading.Thread(target=lambda: (time.sleep(0.2), comm.send("hello", 1, tag=4)))
         sender.start()
         comm.all_gather(0)  # opens the channel; nothing in flight when it votes
         sender.join(20)
     finally:
-        _first.SameHost.end_vote = real  # type: ignore[method-assign]
+        _channel_slots.SameHost.end_vote = real  # type: ignore[method-assign]
     dist.destroy_process_group(group)
     return "sent"
 

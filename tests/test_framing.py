@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import serializers
-from objcomm import ContentRefusedError, FrameError, UnknownSerializerError, _framing
+from objcomm import ContentRefusedError, FrameError, UnknownSerializerError
+from objcomm._format import frame as _frame
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -18,26 +19,26 @@ GOLDEN_OBJECT = {"metrics": {"loss": 0.25}, "ids": [1, 2, 3], "name": "golden"}
 
 
 def frame_bytes(obj=GOLDEN_OBJECT, name="msgpack") -> bytearray:
-    return bytearray(_framing.encode(obj, serializers.get(name), max_bytes=1 << 30).frame)
+    return bytearray(_frame.encode(obj, serializers.get(name), max_bytes=1 << 30).frame)
 
 
 @pytest.mark.parametrize("name", ["pickle", "msgpack", "json"])
 def test_golden_frames_still_decode(name):
     data = (GOLDEN / f"v1-{name}.frame").read_bytes()
-    assert _framing.decode(_framing.Incoming(memoryview(data)), sender=0, accept=None) == GOLDEN_OBJECT
+    assert _frame.decode(_frame.Incoming(memoryview(data)), sender=0, accept=None) == GOLDEN_OBJECT
     # and today's encoder writes the very same bytes: a format change is never silent
     assert bytes(frame_bytes(name=name)) == data
 
 
 def test_golden_error_frame():
     view = memoryview((GOLDEN / "v1-error.frame").read_bytes())
-    header = _framing.parse_header(view)
+    header = _frame.parse_header(view)
     assert header.is_error and header.serializer == ""
-    assert _framing.read_error(view, header) == ("ValueError", "boom on rank 3")
+    assert _frame.read_error(view, header) == ("ValueError", "boom on rank 3")
 
 
 def test_header_layout_is_documented_size():
-    assert _framing.HEADER.size == 40
+    assert _frame.HEADER.size == 40
     data = frame_bytes()
     magic, version, flags, compression, name_len = struct.unpack_from("<4sBBBB", data)
     assert (magic, version, flags, compression, name_len) == (b"OBJC", 1, 0, 0, len("msgpack"))
@@ -61,7 +62,7 @@ def test_malformed_frames_raise_frame_error(mutate, message):
     data = frame_bytes()
     mutate(data)
     with pytest.raises(FrameError, match=message):
-        _framing.decode(_framing.Incoming(memoryview(data)), sender=2, accept=None)
+        _frame.decode(_frame.Incoming(memoryview(data)), sender=2, accept=None)
 
 
 def test_accept_refuses_before_the_payload_is_touched():
@@ -69,27 +70,27 @@ def test_accept_refuses_before_the_payload_is_touched():
     with pytest.raises(
         ContentRefusedError, match=r"rank 5 sent a 'pickle' payload.*accepts only \['json', 'msgpack'\]"
     ):
-        _framing.decode(_framing.Incoming(memoryview(data)), sender=5, accept=frozenset({"msgpack", "json"}))
+        _frame.decode(_frame.Incoming(memoryview(data)), sender=5, accept=frozenset({"msgpack", "json"}))
 
 
 def test_unknown_serializer_names_it_and_lists_registered():
     data = frame_bytes(name="json")
     data[40:44] = b"yaml"
     with pytest.raises(UnknownSerializerError, match=r"'yaml'.*registered: .*msgpack"):
-        _framing.decode(_framing.Incoming(memoryview(data)), sender=1, accept=None)
+        _frame.decode(_frame.Incoming(memoryview(data)), sender=1, accept=None)
 
 
 def test_error_frames_fit_their_limit():
     for limit in (128, 200, 4096):
-        frame = _framing.error_frame(RuntimeError("x" * 10_000), limit)
+        frame = _frame.error_frame(RuntimeError("x" * 10_000), limit)
         assert frame.error and frame.frame.nbytes <= limit
         view = frame.frame
-        kind, message = _framing.read_error(view, _framing.parse_header(view))
+        kind, message = _frame.read_error(view, _frame.parse_header(view))
         assert kind == "RuntimeError" and message.startswith("x")
 
 
 def test_frames_are_writable_host_buffers_that_become_tensors_without_copy():
-    out = _framing.encode([1, 2], serializers.get("pickle"), max_bytes=1 << 20)
+    out = _frame.encode([1, 2], serializers.get("pickle"), max_bytes=1 << 20)
     assert isinstance(out.frame, memoryview) and not out.frame.readonly
     tensor = out.frame_tensor()
     assert tensor.dtype == torch.uint8 and tensor.numel() == out.frame.nbytes

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import serializers
-from objcomm import ObjcommError, _framing
+from objcomm import ObjcommError
+from objcomm._format import frame as frame_format
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,7 +86,7 @@ def test_loads_random_and_mutated(name, data):
 
 def _frame(name: str, obj: object = None) -> bytes:
     obj = {"ids": [1, 2], "s": "x"} if obj is None else obj
-    return _framing.encode(obj, serializers.get(name), max_bytes=1 << 20).frame.tobytes()
+    return frame_format.encode(obj, serializers.get(name), max_bytes=1 << 20).frame.tobytes()
 
 
 # the last one carries a tensor table and inline tensor data
@@ -97,13 +98,14 @@ FRAMES = [_frame(n) for n in ("msgpack", "json", "restricted-pickle")] + [
 def _decode(data: bytes) -> None:
     view = memoryview(data)
     try:
-        header = _framing.parse_header(view)
+        header = frame_format.parse_header(view)
     except ObjcommError:
         return
     if header.is_error:
-        _framing.read_error(view, header)
+        frame_format.read_error(view, header)
     else:
-        _framing.decode(_framing.Incoming(view), sender=0, accept=frozenset({"msgpack", "json", "restricted-pickle"}))
+        accept = frozenset({"msgpack", "json", "restricted-pickle"})
+        frame_format.decode(frame_format.Incoming(view), sender=0, accept=accept)
 
 
 @FUZZ

@@ -367,6 +367,6 @@ def _nccl_two_ranks(_: Any, send: Any) -> Dict[str, Any]:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
 def test_nccl_two_ranks_take_the_same_host_channel():
-    from objcomm._launch import run_local
+    from objcomm._tools.launch import run_local
 
     assert run_local(_nccl_two_ranks, None, world_size=2, backend="nccl", timeout_s=CHILD_TIMEOUT) == {"channel": True}

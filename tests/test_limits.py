@@ -1,4 +1,4 @@
-"""objcomm._limits at thousands of ranks: the same answers and messages as the pairwise checks, with O(W) work."""
+"""objcomm._format.limits at thousands of ranks: the pairwise checks' answers and messages, with O(W) work."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Any, List, NamedTuple, Optional
 import pytest
 
 from objcomm import TooLargeError
-from objcomm._limits import CheckedSizes, check_limits
+from objcomm._format.limits import CheckedSizes, check_limits
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class Info(NamedTuple):  # the fields of objcomm._slots.SlotInfo that the limit checks read
+class Info(NamedTuple):  # the fields of objcomm._format.slot.SlotInfo that the limit checks read
     length: int
     error: bool
     total: int

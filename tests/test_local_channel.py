@@ -1,4 +1,4 @@
-"""The same-host channel prototype (objcomm._local): every operation at W=1..4, a killed peer, CPU
+"""The same-host channel prototype (objcomm._samehost.channel): every operation at W=1..4, a killed peer, CPU
 while waiting, nothing left behind, strangers refused."""
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import torch.distributed as dist
 from _child import run_group_losing_a_rank
 from _ranks import get_pool
 
-from objcomm import CommunicationError, _inbox, _local
-from objcomm._wire import Wire
+from objcomm import CommunicationError
+from objcomm._samehost import channel as _channel
+from objcomm._samehost import inbox as _inbox
+from objcomm._transport.base import Wire
 
 
 def _wire(group: Any = None) -> Wire:
@@ -49,7 +51,7 @@ def _payload(rank: int, step: int, size: int = 4096) -> bytes:
 def every_operation(rounds: int) -> Dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     before = _all_names()
-    channel = _local.LocalChannel.open(_wire(), timeout=30)
+    channel = _channel.LocalChannel.open(_wire(), timeout=30)
     assert channel is not None
     with channel:
         for step in range(rounds):
@@ -81,7 +83,7 @@ def test_every_operation(world):
 
 
 def falls_back(separate: bool) -> Optional[str]:
-    channel = _local.LocalChannel.open(_wire(), separate=separate)
+    channel = _channel.LocalChannel.open(_wire(), separate=separate)
     if channel is None:
         return None
     channel.close()
@@ -98,7 +100,7 @@ def test_ranks_on_other_hosts_fall_back_on_every_rank():
 def waits_for_a_late_peer(late_s: float, spin: Optional[float]) -> Tuple[float, float, List[bool]]:
     """Rank 0's wall and CPU seconds in an all_gather that rank 1 joins ``late_s`` late, and what each
     spin of the wait gave (True: a message came while polling)."""
-    channel = _local.LocalChannel.open(_wire())
+    channel = _channel.LocalChannel.open(_wire())
     assert channel is not None
     spins: List[bool] = []
     real = _inbox.poll_briefly
@@ -127,12 +129,12 @@ def waits_for_a_late_peer(late_s: float, spin: Optional[float]) -> Tuple[float, 
                          ids=["automatic", "no spin", "20 ms spin", "automatic, more ranks than CPUs"])
 def test_a_waiting_rank_does_not_burn_the_cpu(spin, world):
     """A wait polls for at most its spin, once per call, then sleeps in the kernel until the peer comes."""
-    if world == 3 and not _local.yields(3):
+    if world == 3 and not _channel.yields(3):
         pytest.skip("this host has a CPU for each of 3 ranks: no yielding wait to measure")
     wall, cpu, spins = get_pool(world).run(waits_for_a_late_peer, 0.3, spin)[0]
     assert wall >= 0.25
     assert cpu < 0.1 * wall, f"rank 0 used {cpu * 1e3:.1f} ms of CPU while waiting {wall * 1e3:.0f} ms"
-    expected = _local.AUTO_SPIN if spin is None else spin
+    expected = _channel.AUTO_SPIN if spin is None else spin
     if world == 2 or not expected:
         assert spins.count(False) == (1 if expected else 0)  # polled in vain once (the spin is the call's), then slept
     else:  # a poll per wait, but the spin is the call's: only the first can spin (rank 2 may come after it, loaded)
@@ -143,8 +145,8 @@ def test_a_waiting_rank_does_not_burn_the_cpu(spin, world):
 
 def test_the_automatic_spin_yields_the_cpu_where_ranks_outnumber_cpus(monkeypatch):
     cpus = len(os.sched_getaffinity(0))
-    assert _local.AUTO_SPIN > 0
-    assert not _local.yields(cpus) and _local.yields(cpus + 1)
+    assert _channel.AUTO_SPIN > 0
+    assert not _channel.yields(cpus) and _channel.yields(cpus + 1)
     yielded: List[int] = []
     monkeypatch.setattr(_inbox.os, "sched_yield", lambda: yielded.append(1))
     a, b = socket.socketpair()
@@ -163,7 +165,7 @@ def test_the_automatic_spin_yields_the_cpu_where_ranks_outnumber_cpus(monkeypatc
 # -- a SIGKILLed peer: a group of our own, so that the survivors can report (the pool kills everyone) --
 def _killed_peer_rank(rank: int, world: int, store: str, victim: int, results: Any) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    channel = _local.LocalChannel.open(_wire(), timeout=60)
+    channel = _channel.LocalChannel.open(_wire(), timeout=60)
     assert channel is not None
     pids = [int(p) for p in channel.all_gather(str(os.getpid()).encode())]
     if rank == victim:
@@ -224,15 +226,15 @@ def test_set_up_refuses_strangers(who):
         pytest.skip("needs root to become another user")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     nonce, secret = secrets.randbits(63), secrets.randbits(63)
-    address = _local._address(os.getpid(), nonce)
+    address = _channel._address(os.getpid(), nonce)
     listener.bind(address)
     listener.listen(4)
-    hello = _local._HELLO.pack(1, secret if who != "wrong secret" else secret ^ 1)
+    hello = _channel._HELLO.pack(1, secret if who != "wrong secret" else secret ^ 1)
     child = _stranger(address, hello, 65534 if who == "another uid" else None)
     announced = os.getpid() + 1_000_000 if who == "another pid" else child  # the pid the group announced for rank 1
     peers: Dict[int, socket.socket] = {}
     try:
-        ok = _local.LocalChannel._connect(0, peers, [os.getpid(), announced], [nonce, 0], [secret, 0], secret,
+        ok = _channel.LocalChannel._connect(0, peers, [os.getpid(), announced], [nonce, 0], [secret, 0], secret,
                                           listener, time.monotonic() + 2.0)
     finally:
         listener.close()
@@ -270,15 +272,15 @@ def _silent(address: str) -> int:
 def test_a_silent_stranger_ahead_of_the_rank_does_not_hold_up_set_up():
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     nonce, secret = secrets.randbits(63), secrets.randbits(63)
-    address = _local._address(os.getpid(), nonce)
+    address = _channel._address(os.getpid(), nonce)
     listener.bind(address)
     listener.listen(4)
     stranger = _silent(address)
-    rank1 = _stranger(address, _local._HELLO.pack(1, secret), None)  # the real rank 1, after it
+    rank1 = _stranger(address, _channel._HELLO.pack(1, secret), None)  # the real rank 1, after it
     peers: Dict[int, socket.socket] = {}
     started = time.monotonic()
     try:
-        ok = _local.LocalChannel._connect(0, peers, [os.getpid(), rank1], [nonce, 0], [secret, 0], secret,
+        ok = _channel.LocalChannel._connect(0, peers, [os.getpid(), rank1], [nonce, 0], [secret, 0], secret,
                                           listener, time.monotonic() + 20.0)
         took = time.monotonic() - started
     finally:
@@ -300,7 +302,7 @@ _P2P, _GATHER = _inbox.P2P, _inbox.ALL_GATHER
 HOSTILE = {  # what rank 1 sends rank 0, and the error rank 0 must raise
     "short": ([b"12345"], "5-byte message, shorter than the 12-byte header"),
     "empty": ([b""], "0-byte message, shorter than the 12-byte header"),
-    "too long": ([_header(_P2P) + b"x" * (_local.MAX_PAYLOAD + 1)], "above the 65,548 bytes a message may have"),
+    "too long": ([_header(_P2P) + b"x" * (_channel.MAX_PAYLOAD + 1)], "above the 65,548 bytes a message may have"),
     "unknown kind": ([_header(9) + b"x"], "unknown kind 9"),
     "flags": ([_header(_P2P, flags=4)], "point-to-point message with a bad header"),
     "answer with flags": ([_header(_inbox.ANSWER, seq=7, flags=1)], "point-to-point message with a bad header"),
@@ -322,7 +324,7 @@ def hostile_member(case: str) -> Tuple[str, float]:
     """Rank 1 (authenticated at set-up like any rank) sends rank 0 what HOSTILE[case] says, raw; rank 0 waits
     in a recv or an all_gather and reports what it raised, and how long that took."""
     messages, _ = HOSTILE[case]
-    channel = _local.LocalChannel.open(_wire(), timeout=20, stash_bytes=64 << 10)
+    channel = _channel.LocalChannel.open(_wire(), timeout=20, stash_bytes=64 << 10)
     assert channel is not None
     with channel:
         if dist.get_rank() == 1:
@@ -361,7 +363,7 @@ def test_a_member_that_breaks_the_protocol_gets_a_clear_error_not_a_hang(case):
 def floods_the_stash() -> Any:
     """The stash holds what no call asked for yet, up to its limit: one message under it is kept (and taken
     later, in order), beyond it the channel fails."""
-    channel = _local.LocalChannel.open(
+    channel = _channel.LocalChannel.open(
         _wire(), timeout=20, stash_bytes=4 * (1000 + _inbox.ENTRY_OVERHEAD) + 2 * _inbox.KEY_OVERHEAD)
     assert channel is not None
     with channel:
@@ -384,7 +386,7 @@ def test_the_stash_keeps_what_fits_in_order():
 def recv_times_out() -> List[str]:
     """A recv that waits past the timeout raises, and the channel stays open (nothing else was waiting);
     a collective that does closes it, so that the others raise at once."""
-    channel = _local.LocalChannel.open(_wire(), timeout=0.5)
+    channel = _channel.LocalChannel.open(_wire(), timeout=0.5)
     assert channel is not None
     seen = []
     with channel:
@@ -413,7 +415,7 @@ def one_late_peer_one_missing(timeout: float) -> Tuple[int, float, str]:
     """At W=3 rank 1 comes to an all_gather at 3/4 of the timeout, rank 2 long after it: rank 0's wait, begun
     on both, must end at its deadline, not a whole timeout after rank 1's message (a blocking recv is bounded
     by ``SO_RCVTIMEO``, the whole timeout)."""
-    channel = _local.LocalChannel.open(_wire(), timeout=timeout)
+    channel = _channel.LocalChannel.open(_wire(), timeout=timeout)
     assert channel is not None
     rank = dist.get_rank()
     with channel:
@@ -438,7 +440,7 @@ def test_a_wait_ends_at_its_deadline_when_one_peer_came_late():
 def skips_a_collective_at_three() -> Any:
     """At W=3 (the path that reads several peers at once): rank 1 sends collective #2 where #1 was due; rank 0
     raises at once instead of waiting out the timeout."""
-    channel = _local.LocalChannel.open(_wire(), timeout=20)
+    channel = _channel.LocalChannel.open(_wire(), timeout=20)
     assert channel is not None
     with channel:
         rank = dist.get_rank()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _local
+from objcomm._samehost import channel as _channel
 
 GROUP_TIMEOUT_S = 3
 
@@ -29,16 +29,16 @@ def a_rank_cannot_connect() -> Dict[str, Any]:
     rank = dist.get_rank()
     pair = dist.new_group([0, 1], timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     comm = objcomm.Communicator(pair, local=True)
-    real = _local._address
+    real = _channel._address
     if rank == 1:  # its listener and its connections use names nobody else knows: its connect() fails at once
-        _local._address = lambda pid, nonce: f"\0objcomm-test-nowhere-{pid}-{nonce:016x}"  # type: ignore[assignment]
+        _channel._address = lambda pid, nonce: f"\0objcomm-test-nowhere-{pid}-{nonce:016x}"  # type: ignore[assignment]
     start = time.monotonic()
     try:
         got: Any = comm.all_gather(rank)
     except objcomm.ObjcommError as exc:
         got = f"{type(exc).__name__}: {exc}"
     finally:
-        _local._address = real  # type: ignore[assignment]
+        _channel._address = real  # type: ignore[assignment]
     elapsed = time.monotonic() - start
     channel = _state.group_facts(pair).local[False].channel
     try:
@@ -59,4 +59,4 @@ def test_a_rank_that_cannot_connect_costs_less_than_the_group_timeout_and_no_err
 
 
 def test_the_default_set_up_wait_is_longer_than_the_group_timeout_above():
-    assert _local.SETUP_TIMEOUT > GROUP_TIMEOUT_S  # else the test above proves nothing
+    assert _channel.SETUP_TIMEOUT > GROUP_TIMEOUT_S  # else the test above proves nothing

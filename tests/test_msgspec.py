@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 import objcomm
 import serializers
-from objcomm import _framing
-from objcomm._wire import Incoming
+from objcomm._format import frame as _frame
+from objcomm._format.message import Incoming
 from serializers import DecodeError, EncodeError, MsgspecSerializer, UnknownSerializerError
 from tests._child import run_in_child
 
@@ -93,10 +93,10 @@ def test_an_uninstalled_optional_serializer_says_how_to_install_it():
 def test_large_arrays_and_tensors_leave_the_byte_stream():
     chosen = serializers.registry.guarded("msgspec")
     sent = {"big": np.arange(BIG, dtype=np.float64), "t": torch.arange(BIG), "small": np.arange(4), "n": [1, "x"]}
-    out = _framing.encode(sent, chosen, max_bytes=1 << 30)
+    out = _frame.encode(sent, chosen, max_bytes=1 << 30)
     assert sorted(t.numel() for t in out.tensors) == sorted([BIG * 8, BIG * 8])  # the small one stays in band
     assert out.frame.nbytes < 1000
-    got = _framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=frozenset({"msgspec"}))
+    got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=frozenset({"msgspec"}))
     assert np.array_equal(got["big"], sent["big"]) and torch.equal(got["t"], sent["t"])
     assert got["small"].tolist() == [0, 1, 2, 3] and got["n"] == [1, "x"]
 

@@ -22,7 +22,9 @@ from _child import run_group_losing_a_rank
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _framing, _pending, _state
+from objcomm import _state
+from objcomm._format import frame as _frame
+from objcomm._transport import pending as _pending
 from serializers import registry
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,7 +111,7 @@ def test_captured_owns_every_byte_it_sends():
     """What isend keeps of an encoded object: nothing shares memory with the object any more (its frame's inline
     tensor bytes, its out-of-band tensors and arrays), while the plain encoding still does."""
     t, array, big = torch.zeros(4), np.zeros(OOB), torch.zeros(OOB)
-    out = _framing.encode({"t": t, "a": array, "big": big}, registry.guarded("pickle"), max_bytes=1 << 30)
+    out = _frame.encode({"t": t, "a": array, "big": big}, registry.guarded("pickle"), max_bytes=1 << 30)
     kept = _pending.captured(out)
 
     def joined(o: Any) -> bytes:  # the parts as they are now (Outgoing.frame would keep its first join)

@@ -1,4 +1,4 @@
-"""The fast walk of restricted-pickle (``serializers._pickle_plain``): its C build answers as the Python one.
+"""The fast walk of restricted-pickle (``serializers._restricted.plain``): its C build answers as the Python one.
 
 restricted-pickle runs the C walk (``_pickle_walks_c.c``) where it was built and the regular-expression
 walk (``is_plain_python``) elsewhere; both must show exactly the same payloads plain. Every comparison
@@ -19,15 +19,16 @@ from _child import run_in_child
 from _hostile import FUZZ_SCALE, glob, payload, v
 from _pickles import PLAIN_OPCODES, random_pickle
 
-from serializers import _pickle_plain, _restricted
+from serializers import _restricted
+from serializers._restricted import plain as _plain
 
 needs_c_walk = pytest.mark.skipif(
-    _pickle_plain.is_plain_c is None, reason="the C walk was not built here (no compiler at install)"
+    _plain.is_plain_c is None, reason="the C walk was not built here (no compiler at install)"
 )
 
 def _answers(cases: List[bytes]) -> List[Tuple[bool, bool]]:
     """In the child: each case's answer from the Python walk and from the C walk."""
-    return [(_pickle_plain.is_plain_python(data), _pickle_plain.is_plain_c(data)) for data in cases]
+    return [(_plain.is_plain_python(data), _plain.is_plain_c(data)) for data in cases]
 
 
 def _differences(cases: List[bytes]) -> Dict[bytes, Tuple[bool, bool]]:
@@ -43,7 +44,7 @@ def test_the_c_walk_answers_as_the_python_walk_on_random_and_mutated_pickles():
     sequences and ones cut into frames of wrong sizes: both walks give the same answer on each."""
     rng = random.Random(20261201)
     cases = [random_pickle(rng) for _ in range(3000 * FUZZ_SCALE)]
-    assert sum(map(_pickle_plain.is_plain_python, cases)) > len(cases) // 5  # both answers are well represented
+    assert sum(map(_plain.is_plain_python, cases)) > len(cases) // 5  # both answers are well represented
     assert not _differences(cases)
 
 
@@ -106,7 +107,7 @@ def test_the_c_walk_takes_bytes_only():
     could change between the walk and the load."""
     for data in (bytearray(b"N."), memoryview(b"N.")):
         with pytest.raises(TypeError, match="takes bytes"):
-            _pickle_plain.is_plain_c(data)
+            _plain.is_plain_c(data)
 
 
 def _refusals_of_the_plain_loads(payloads: Dict[str, bytes]) -> Dict[str, Tuple[str, str]]:

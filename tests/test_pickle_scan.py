@@ -1,4 +1,4 @@
-"""The full walk of restricted-pickle (``serializers._pickle_scan``): its C build answers as the Python one.
+"""The full walk of restricted-pickle (``serializers._restricted.scan``): its C build answers as the Python one.
 
 The C walk (``_pickle_walks_c.c``) answers only for payloads of binary opcodes that the Python walk
 accepts, and must then give the same answer (whether the probe pass runs); for every other payload it
@@ -18,10 +18,10 @@ from _hostile import FUZZ_SCALE, dag, glob, payload, tuple_dag, v
 from _pickles import random_call_pickle, rich_value
 
 import serializers
-from serializers import _pickle_scan
+from serializers._restricted import scan as _scan
 
 needs_c_walk = pytest.mark.skipif(
-    _pickle_scan._full_walk_c is None, reason="the C walk was not built here (no compiler at install)"
+    _scan._full_walk_c is None, reason="the C walk was not built here (no compiler at install)"
 )
 Answer = Union[bool, str, None]
 
@@ -31,10 +31,10 @@ def _answers(cases: List[bytes]) -> List[tuple]:
     answers = []
     for data in cases:
         try:
-            python: Answer = _pickle_scan.full_walk_python(data)
+            python: Answer = _scan.full_walk_python(data)
         except Exception:
             python = "refused"
-        answers.append((python, _pickle_scan._full_walk_c(data)))
+        answers.append((python, _scan._full_walk_c(data)))
     return answers
 
 
@@ -100,14 +100,14 @@ def test_the_c_walk_leaves_every_hostile_payload_to_the_python_walk():
 def test_the_c_walk_takes_bytes_only():
     for data in (bytearray(b"N."), memoryview(b"N.")):
         with pytest.raises(TypeError, match="takes bytes"):
-            _pickle_scan._full_walk_c(data)
+            _scan._full_walk_c(data)
 
 
 def _answers_with_a_larger_budget(cases: List[bytes], per_byte: int) -> List[tuple]:
     """In the child: :func:`_answers` with both walks' hashing budget at ``per_byte`` per payload byte."""
-    _pickle_scan.HASH_WORK_PER_BYTE = per_byte
-    _pickle_scan._configure_c(*_pickle_scan._c_tables(), _pickle_scan.MAX_NESTING, per_byte,
-                              _pickle_scan.COMPARED_BYTES)
+    _scan.HASH_WORK_PER_BYTE = per_byte
+    _scan._configure_c(*_scan._c_tables(), _scan.MAX_NESTING, per_byte,
+                              _scan.COMPARED_BYTES)
     return _answers(cases)
 
 

@@ -342,8 +342,7 @@ def tensor_claims() -> Dict[str, str]:
 
 def serializer_listing() -> str:
     """What ``objcomm serializers`` prints, before any page registers a serializer of its own."""
-    from objcomm import _cli
-
+    from objcomm._tools import cli as _cli
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert _cli.run(["serializers"]) == 0

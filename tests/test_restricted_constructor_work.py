@@ -31,9 +31,12 @@ from _child import run_in_child
 from _hostile import outcome, payload
 
 import serializers
-from serializers import _pickle_scan, _restricted
+from serializers import (
+    # The bounds: per input byte, plus constants for the budget's floor (1 MiB units: 8 MiB built, ~20 ms).
+    _restricted,
+)
+from serializers._restricted import scan as _scan
 
-# The bounds: per input byte, plus constants for the budget's floor (1 MiB units: 8 MiB built, ~20 ms).
 MEMORY_PER_BYTE = 256
 MEMORY_CONSTANT = 16 << 20
 CPU_PER_BYTE = 10e-6  # seconds; the worst measured is ~1.7 µs (two loaded cores), the issue-25 attack 63 µs
@@ -158,9 +161,9 @@ def used_as_keys(module: str, name: str, arguments: bytes, opcode: bytes = b"R",
     while low < high:
         middle = (low + high + 1) // 2
         try:
-            _pickle_scan.full_walk(build(middle))
+            _scan.full_walk(build(middle))
             low = middle
-        except _pickle_scan.ScanError:
+        except _scan.ScanError:
             high = middle - 1
     return build(low)
 

@@ -1,4 +1,4 @@
-"""Sealed segments (objcomm._sealed): zero-copy results that no writer can change, and their lifetime.
+"""Sealed segments (objcomm._samehost.sealed): zero-copy results that no writer can change, and their lifetime.
 
 Reads of hostile descriptors run in a child process (``_child.run_in_child``), so a crash would fail
 one test instead of killing pytest.
@@ -21,8 +21,11 @@ from _ranks import get_pool
 
 import objcomm
 import serializers
-from objcomm import _framing, _sealed, _segments, _state
-from objcomm._sealed import Sealed
+from objcomm import _state
+from objcomm._format import frame as _frame
+from objcomm._samehost import sealed as _sealed
+from objcomm._samehost import segments as _segments
+from objcomm._samehost.sealed import Sealed
 
 THRESHOLD = 4096
 FRAME = b"frame-bytes" * 10
@@ -191,12 +194,12 @@ def bytes_received(kind_name: str) -> Dict[str, Any]:
     """A large ``bytes``/``bytearray`` through a sealed segment, decoded as a receiver does."""
     n = 8 << 20
     value = {"bytes": bytes, "bytearray": bytearray}[kind_name](bytes(range(256)) * (n // 256))
-    out = _framing.encode(value, serializers.registry.guarded("pickle"), max_bytes=1 << 30)
+    out = _frame.encode(value, serializers.registry.guarded("pickle"), max_bytes=1 << 30)
     segment = _sealed.write_sealed("objcomm-test", out.parts, [t.numpy().data for t in out.tensors])
     got = _sealed.map_sealed(Sealed(os.getpid(), segment.fd), out.total, None, out.frame_nbytes,
-                             _framing.tensor_sizes)
+                             _frame.tensor_sizes)
     segment.release()
-    back = _framing.decode(got, sender=0, accept=None)
+    back = _frame.decode(got, sender=0, accept=None)
     report = {"type": type(back).__name__, "equal": back == value, "mapped KiB": _memfd_rss_kib(),
               "open while held": _open_sealed()}
     del got
@@ -394,7 +397,7 @@ def lying_writer(how: str, directory: str) -> Dict[str, Any]:
     except objcomm.ObjcommError as exc:
         error, first = (type(exc).__name__, str(exc)), False
     finally:
-        comm._segments = _state.SEGMENTS
+        comm._segments = _segments.SEGMENTS
     counted: List[int] = []
 
     class Counting(_segments.SegmentBook):
@@ -445,7 +448,7 @@ def refused_again_and_again(calls: int) -> Dict[str, Any]:
             grown.append(_memfds() - before)
     finally:
         gc.enable()
-        comm._segments = _state.SEGMENTS
+        comm._segments = _segments.SEGMENTS
     dist.barrier(group)
     dist.destroy_process_group(group)
     return {"errors": errors, "most memfds held after a call": max(grown)}

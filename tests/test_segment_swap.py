@@ -20,7 +20,7 @@ import torch.distributed as dist
 from _ranks import get_pool
 
 import objcomm
-from objcomm import _segments, _state
+from objcomm._samehost import segments as _segments
 
 THRESHOLD = 4096
 REFUSAL = "is not the file its writer created"
@@ -86,7 +86,7 @@ def swapped_then_clean(directory: str, op: str) -> Dict[str, Any]:
     except objcomm.ObjcommError as exc:
         error = (type(exc).__name__, str(exc))
     finally:
-        comm._segments = _state.SEGMENTS
+        comm._segments = _segments.SEGMENTS
     after = call(2)
     clean = op == "send" and rank == 0 or _same(after, 2)
     dist.barrier()  # writers unlink once their readers are done, maybe just after those return

@@ -14,13 +14,18 @@ import torch.distributed as dist
 from _ranks import RankDied, RankPool, get_pool
 
 import objcomm
-from objcomm import _first, _segments, _shm, _slots, _state, _transport
-from objcomm._call import second_round_for as _second_round
-from objcomm._transport import Outgoing
-from objcomm._wire import BACKEND, DIRECT
+from objcomm import _state
+from objcomm._api.call import second_round_for as _second_round
+from objcomm._format import slot as _slot
+from objcomm._samehost import channel_slots as _channel_slots
+from objcomm._samehost import segments as _segments
+from objcomm._samehost import shm as _shm
+from objcomm._transport import rounds as _rounds
+from objcomm._transport.base import BACKEND, DIRECT
+from objcomm._transport.rounds import Outgoing
 
 SLOT = 128
-CAPACITY = SLOT - _slots.PREFIX.size
+CAPACITY = SLOT - _slot.PREFIX.size
 THRESHOLD = 4096
 
 
@@ -47,15 +52,15 @@ def _logged(fn: Any, *args: Any) -> tuple[Any, List[str]]:
 
 
 def _wire(directory: str, separate: bool, group: Any = None, threshold: int = THRESHOLD,
-          strategy: type = _shm.SharedMemory, zero_copy: bool = False, local: bool = False) -> _transport.Wire:
+          strategy: type = _shm.SharedMemory, zero_copy: bool = False, local: bool = False) -> _rounds.Wire:
     """A wire whose second round may take shared memory: files in ``directory`` unless ``zero_copy``; round 1
     and the control words through the same-host channel when ``local``."""
     group = group if group is not None else dist.group.WORLD
-    return _transport.Wire(
+    return _rounds.Wire(
         group=group, ranks=dist.get_process_group_ranks(group), rank=dist.get_rank(group), device=torch.device("cpu"),
         slot=SLOT, chunk=1 << 20, max_bytes=1 << 30,
         second_round=strategy(threshold=threshold, directory=directory, separate=separate, zero_copy=zero_copy),
-        first_round=_first.same_host(separate, None) if local else BACKEND,
+        first_round=_channel_slots.same_host(separate, None) if local else BACKEND,
     )
 
 
@@ -100,32 +105,32 @@ def every_op(directory: str, separate: bool, zero_copy: bool, local: bool = Fals
     fell_back["channel collectives"] = []
     for frame, tensors in SHAPES:
         before = _channel_seq(wire)
-        got, lines = _logged(_transport.all_gather, wire, _payload(rank, frame, tensors), sizes)
+        got, lines = _logged(_rounds.all_gather, wire, _payload(rank, frame, tensors), sizes)
         fell_back["all_gather"].append(any("normal transport" in line for line in lines))
         fell_back["channel collectives"].append(_channel_seq(wire) - before)
         for r in range(world):
             _check(got[r], r, frame, tensors)
 
-        got, lines = _logged(_transport.gather, wire, _payload(rank, frame, tensors), sizes, world - 1)
+        got, lines = _logged(_rounds.gather, wire, _payload(rank, frame, tensors), sizes, world - 1)
         fell_back["gather"].append(any("normal transport" in line for line in lines))
         if rank == world - 1:
             for r in range(world):
                 _check(got[r], r, frame, tensors)
 
-        item, lines = _logged(_transport.broadcast, wire, _payload(0, frame, tensors) if rank == 0 else None, sizes, 0)
+        item, lines = _logged(_rounds.broadcast, wire, _payload(0, frame, tensors) if rank == 0 else None, sizes, 0)
         fell_back["broadcast"].append(any("normal transport" in line for line in lines))
         _check(item, 0, frame, tensors)
 
         outs = [_payload(10 * r, frame, tensors) for r in range(world)] if rank == 0 else None
-        item, lines = _logged(_transport.scatter, wire, outs, sizes, 0)
+        item, lines = _logged(_rounds.scatter, wire, outs, sizes, 0)
         fell_back["scatter"].append(any("normal transport" in line for line in lines))
         _check(item, 10 * rank, frame, tensors)
 
         if rank == 0:
-            _, lines = _logged(_transport.send, wire, _payload(5, frame, tensors), 1)
+            _, lines = _logged(_rounds.send, wire, _payload(5, frame, tensors), 1)
             fell_back["send/recv"].append(any("normal transport" in line for line in lines))
         elif rank == 1:
-            sender, item, error = _transport.recv(wire, None, sizes)
+            sender, item, error = _rounds.recv(wire, None, sizes)
             assert (sender, error) == (0, False)
             _check(item, 5, frame, tensors)
     dist.barrier()  # writers unlink once their readers are done, maybe just after those return
@@ -133,7 +138,7 @@ def every_op(directory: str, separate: bool, zero_copy: bool, local: bool = Fals
     return fell_back
 
 
-def _channel_seq(wire: _transport.Wire) -> int:
+def _channel_seq(wire: _rounds.Wire) -> int:
     """How many collectives the group's same-host channel has carried (0: it has none)."""
     state = _state.group_facts(wire.group).local.get(False)
     return state.channel._seq if state is not None and state.channel is not None else 0
@@ -209,15 +214,15 @@ def mixed_group(directory: str) -> Dict[str, Any]:
     wire = _wire(directory, separate=rank == 2, group=group)
     sizes = lambda view: []  # noqa: E731
     frame = 2 * THRESHOLD
-    got, gather_lines = _logged(_transport.all_gather, wire, _payload(rank, frame, []), sizes)
+    got, gather_lines = _logged(_rounds.all_gather, wire, _payload(rank, frame, []), sizes)
     for r, item in enumerate(got):
         _check(item, r, frame, [])
     lines: List[str] = []
     for peer in (1, 2):
         if rank == 0:
-            lines += _logged(_transport.send, wire, _payload(peer, frame, []), peer)[1]
+            lines += _logged(_rounds.send, wire, _payload(peer, frame, []), peer)[1]
         elif rank == peer:
-            _check(_transport.recv(wire, 0, sizes)[1], peer, frame, [])
+            _check(_rounds.recv(wire, 0, sizes)[1], peer, frame, [])
     dist.destroy_process_group(group)
     return {"all_gather": gather_lines, "send": lines}
 
@@ -303,15 +308,15 @@ def many_calls(directory: str, calls: int) -> List[int]:
     for i in range(calls):
         op = i % 4
         if op == 0:
-            _transport.all_gather(wire, _payload(rank, 200, [300]), sizes)
+            _rounds.all_gather(wire, _payload(rank, 200, [300]), sizes)
         elif op == 1:
-            _transport.broadcast(wire, _payload(0, 200, [300]) if rank == 0 else None, sizes, 0)
+            _rounds.broadcast(wire, _payload(0, 200, [300]) if rank == 0 else None, sizes, 0)
         elif op == 2:
-            _transport.gather(wire, _payload(rank, 200, [300]), sizes, 0)
+            _rounds.gather(wire, _payload(rank, 200, [300]), sizes, 0)
         elif rank == 0:
-            _transport.send(wire, _payload(0, 200, [300]), 1)
+            _rounds.send(wire, _payload(0, 200, [300]), 1)
         elif rank == 1:
-            _transport.recv(wire, 0, sizes)
+            _rounds.recv(wire, 0, sizes)
     dist.barrier()  # a writer unlinks once its readers are done, which may be just after they return
     return [os.getpid(), len(os.listdir(directory))]
 
@@ -334,7 +339,7 @@ def die_after_writing(directory: str) -> None:
 
     rank = dist.get_rank()
     wire = _wire(directory, separate=False, strategy=Killed if rank == 1 else _shm.SharedMemory)
-    _transport.all_gather(wire, _payload(rank, 2 * THRESHOLD, []), lambda view: [])
+    _rounds.all_gather(wire, _payload(rank, 2 * THRESHOLD, []), lambda view: [])
 
 
 def interrupted(directory: str) -> int:
@@ -345,7 +350,7 @@ def interrupted(directory: str) -> int:
 
     try:
         wire = _wire(directory, separate=False, strategy=Interrupted)
-        _transport.all_gather(wire, _payload(dist.get_rank(), 2 * THRESHOLD, []), lambda v: [])
+        _rounds.all_gather(wire, _payload(dist.get_rank(), 2 * THRESHOLD, []), lambda v: [])
     except KeyboardInterrupt:
         pass
     dist.barrier()  # both ranks skipped the same collective, so they are still in step
@@ -370,7 +375,7 @@ def test_killed_rank_leaves_nothing_once_the_job_is_gone(shm_dir):
 def new_group_discovers(directory: str) -> List[str]:
     group = dist.new_group(list(range(dist.get_world_size())))
     wire = _wire(directory, separate=False, group=group)
-    _transport.all_gather(wire, _payload(dist.get_rank(), 2 * THRESHOLD, []), lambda view: [])
+    _rounds.all_gather(wire, _payload(dist.get_rank(), 2 * THRESHOLD, []), lambda view: [])
     dist.barrier(group)  # writers unlink once their readers are done, maybe just after those return
     dist.destroy_process_group(group)
     return sorted(os.listdir(directory))

@@ -17,11 +17,12 @@ from _ranks import get_pool
 
 import objcomm
 import serializers
-from objcomm import _framing, _tensors
-from objcomm._bench._payloads import ARRAY_LENGTH, BUILTIN, parse_size, reference_size
-from objcomm._bench._report import format_recommendations, format_table, to_json
-from objcomm._bench._results import Result, Row
-from objcomm._wire import Incoming
+from objcomm._format import frame as _frame
+from objcomm._format import tensors as _tensors
+from objcomm._format.message import Incoming
+from objcomm._tools.bench.payloads import ARRAY_LENGTH, BUILTIN, parse_size, reference_size
+from objcomm._tools.bench.report import format_recommendations, format_table, to_json
+from objcomm._tools.bench.results import Result, Row
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,9 +57,9 @@ def arrays(n: int) -> dict:
 
 def round_trip(obj, name: str, **options):
     chosen = serializers.registry.guarded(name)
-    out = _framing.encode(obj, chosen, max_bytes=1 << 30, **options)
-    header = _framing.parse_header(out.frame)
-    got = _framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None, own=True)
+    out = _frame.encode(obj, chosen, max_bytes=1 << 30, **options)
+    header = _frame.parse_header(out.frame)
+    got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None, own=True)
     return got, header, out
 
 
@@ -141,8 +142,8 @@ def test_a_subclass_of_pickle_lifts_arrays_unless_it_says_otherwise():
 
     small = {"a": np.arange(10.0)}
     for cls, lifted in ((Mine, 1), (Says, 0)):
-        out = _framing.encode(small, cls(), max_bytes=1 << 30)
-        assert _framing.parse_header(out.frame).n_tensors == lifted
+        out = _frame.encode(small, cls(), max_bytes=1 << 30)
+        assert _frame.parse_header(out.frame).n_tensors == lifted
 
 
 def tensors(n: int) -> dict:

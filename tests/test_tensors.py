@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 import objcomm
 import serializers
-from objcomm import _framing
-from objcomm._wire import Incoming
+from objcomm._format import frame as _frame
+from objcomm._format.message import Incoming
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -66,10 +66,10 @@ def assert_same(got, expected):
 
 @pytest.mark.parametrize("serializer", ["pickle", "cloudpickle", "restricted-pickle", "msgpack"])
 def test_large_tensors_leave_the_byte_stream(serializer):
-    out = _framing.encode(sample(0), serializers.get(serializer), max_bytes=1 << 30)
+    out = _frame.encode(sample(0), serializers.get(serializer), max_bytes=1 << 30)
     assert [t.numel() for t in out.tensors] == [BIG * 4]  # only "big" travels out of band
     assert out.frame.nbytes < 10_000  # the frame holds the small ones and the structure
-    header = _framing.parse_header(out.frame)
+    header = _frame.parse_header(out.frame)
     assert header.n_tensors == 10
 
 
@@ -162,16 +162,16 @@ def assert_arrays(got: dict, expected: dict) -> None:
 def test_numpy_arrays_and_whole_bytes_leave_the_byte_stream(serializer):
     chosen = serializers.registry.guarded(serializer)
     expected = arrays()
-    out = _framing.encode(expected, chosen, max_bytes=1 << 30)
+    out = _frame.encode(expected, chosen, max_bytes=1 << 30)
     assert sorted(t.numel() for t in out.tensors) == sorted([BIG * 8, 256_000, BIG * 4])
     assert out.frame.nbytes < BIG * 4 + 10_000  # only the big-endian array is in the payload
-    assert_arrays(_framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None, own=True), expected)
-    assert _framing.parse_header(out.frame).version == 2  # a version-1 reader must refuse it, not misread it
-    assert _framing.parse_header(_framing.encode({"t": torch.ones(BIG)}, chosen, max_bytes=1 << 30).frame).version == 1
+    assert_arrays(_frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None, own=True), expected)
+    assert _frame.parse_header(out.frame).version == 2  # a version-1 reader must refuse it, not misread it
+    assert _frame.parse_header(_frame.encode({"t": torch.ones(BIG)}, chosen, max_bytes=1 << 30).frame).version == 1
     for whole in (b"b" * (2 * BIG), bytearray(b"a" * (2 * BIG))):
-        out = _framing.encode(whole, chosen, max_bytes=1 << 30)
+        out = _frame.encode(whole, chosen, max_bytes=1 << 30)
         assert [t.numel() for t in out.tensors] == [2 * BIG] and out.frame.nbytes < 1000
-        got = _framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
+        got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
         assert type(got) is type(whole) and got == whole
 
 
@@ -180,8 +180,8 @@ def test_empty_arrays_and_tensors_with_zero_strides_round_trip(serializer):
     chosen = serializers.registry.guarded(serializer)
     empty = {"full": np.full(0, 3), "float32": np.zeros(0, dtype=np.float32), "2-d": np.zeros((0, 3)),
              "numpy's tensor": torch.from_numpy(np.zeros(0)), "tensor": torch.zeros(0, 5)}  # numpy's: stride 0
-    out = _framing.encode(empty, chosen, max_bytes=1 << 30, inline_tensor_bytes=0)  # out of band too
-    got = _framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None, own=True)
+    out = _frame.encode(empty, chosen, max_bytes=1 << 30, inline_tensor_bytes=0)  # out of band too
+    got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None, own=True)
     assert_arrays({k: v for k, v in got.items() if k in ("full", "float32", "2-d")},
                   {k: empty[k] for k in ("full", "float32", "2-d")})
     for key in ("numpy's tensor", "tensor"):
@@ -189,8 +189,7 @@ def test_empty_arrays_and_tensors_with_zero_strides_round_trip(serializer):
 
 
 def test_the_tensor_table_refuses_unknown_or_contradictory_flags():
-    from objcomm import _tensors
-
+    from objcomm._format import tensors as _tensors
     def entry(flags: int, dtype_code: int = 0, shape: tuple = (2,), nbytes: int = 8) -> bytes:
         return _tensors.ENTRY.pack(dtype_code, flags, len(shape), nbytes, 0) + b"".join(
             _tensors.DIM.pack(d) for d in shape)
@@ -242,12 +241,12 @@ def test_tensor_subclasses_and_attributes_are_kept_or_refused_never_dropped(seri
     annotated.meta = "kept"  # type: ignore[attr-defined]
     for value, what in [(torch.arange(3.0).as_subclass(Tagged), "tensor subclass"), (annotated, "attributes")]:
         if serializer in ("pickle", "cloudpickle"):  # kept: not lifted, pickled as torch pickles it
-            out = _framing.encode({"v": value}, chosen, max_bytes=1 << 30)
-            got = _framing.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)["v"]
+            out = _frame.encode({"v": value}, chosen, max_bytes=1 << 30)
+            got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)["v"]
             assert type(got) is type(value) and torch.equal(got, value) and vars(got) == vars(value)
         else:
             refusal = "tensor subclass Tagged" if what == "tensor subclass" else "attributes set on a tensor (meta)"
             if serializer == "msgpack":
                 refusal = "only plain ones"
             with pytest.raises(serializers.EncodeError, match=re.escape(refusal)):
-                _framing.encode({"v": value}, chosen, max_bytes=1 << 30)
+                _frame.encode({"v": value}, chosen, max_bytes=1 << 30)

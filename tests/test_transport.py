@@ -6,18 +6,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from objcomm import _slots, _transport
-from objcomm._transport import Outgoing
+from objcomm._format import slot as _slot
+from objcomm._transport import rounds as _rounds
+from objcomm._transport.rounds import Outgoing
 
 pytestmark = pytest.mark.timeout(180)
 
 SLOT, CHUNK = 128, 64
-CAPACITY = SLOT - _slots.PREFIX.size
+CAPACITY = SLOT - _slot.PREFIX.size
 LENGTHS = [0, 1, CAPACITY - 1, CAPACITY, CAPACITY + 1, CHUNK * 3 - 1, CHUNK * 3, CHUNK * 3 + 1, 1000]
 
 
-def _wire() -> _transport.Wire:
-    return _transport.Wire(
+def _wire() -> _rounds.Wire:
+    return _rounds.Wire(
         group=dist.group.WORLD,
         ranks=list(range(dist.get_world_size())),
         rank=dist.get_rank(),
@@ -51,22 +52,22 @@ def boundaries() -> int:
     for n in LENGTHS:
         lengths = [n + (r if n > CAPACITY else 0) for r in range(world)]  # unequal above the slot
         frames = [_frame(r, lengths[r]) for r in range(world)]
-        got = _transport.all_gather(wire, Outgoing(frames[rank]), _no_tensors)
+        got = _rounds.all_gather(wire, Outgoing(frames[rank]), _no_tensors)
         assert [bytes(g.frame) for g in got] == [bytes(f) for f in frames], n
-        got = _transport.gather(wire, Outgoing(frames[rank]), _no_tensors, world - 1)
+        got = _rounds.gather(wire, Outgoing(frames[rank]), _no_tensors, world - 1)
         if rank == world - 1:
             assert [bytes(g.frame) for g in got] == [bytes(f) for f in frames], n
         else:
             assert got is None
-        item = _transport.broadcast(wire, Outgoing(frames[0]) if rank == 0 else None, _no_tensors, 0)
+        item = _rounds.broadcast(wire, Outgoing(frames[0]) if rank == 0 else None, _no_tensors, 0)
         assert bytes(item.frame) == bytes(frames[0]), n
         outs = [Outgoing(f) for f in frames] if rank == 0 else None
-        assert bytes(_transport.scatter(wire, outs, _no_tensors, 0).frame) == bytes(frames[rank]), n
+        assert bytes(_rounds.scatter(wire, outs, _no_tensors, 0).frame) == bytes(frames[rank]), n
         if world > 1:
             if rank == 0:
-                _transport.send(wire, Outgoing(frames[0]), 1)
+                _rounds.send(wire, Outgoing(frames[0]), 1)
             elif rank == 1:
-                sender, item, error = _transport.recv(wire, None, _no_tensors)
+                sender, item, error = _rounds.recv(wire, None, _no_tensors)
                 assert (sender, bytes(item.frame), error) == (0, bytes(frames[0]), False), n
         checked += 1
     return checked
@@ -81,7 +82,7 @@ def tensors_at_chunk_boundaries() -> bool:
     wire = _wire()
     sizes = [CHUNK - 1, CHUNK, CHUNK + 1, 5 * CHUNK]
     tensors = [_tensor(rank + 1, n) for n in sizes]
-    got = _transport.all_gather(wire, Outgoing(_frame(rank, 10), tensors), lambda view: sizes)
+    got = _rounds.all_gather(wire, Outgoing(_frame(rank, 10), tensors), lambda view: sizes)
     for r in range(world):
         assert [bytes(t.numpy()) for t in got[r].tensors] == [bytes(_frame(r + 1, n)) for n in sizes]
     return True

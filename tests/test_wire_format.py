@@ -21,7 +21,13 @@ import pytest
 import torch
 
 import serializers
-from objcomm import _compression, _framing, _limits, _segments, _slots, _tensors, _transport
+from objcomm._format import compression as _compression
+from objcomm._format import frame as _frame
+from objcomm._format import limits as _limits
+from objcomm._format import slot as _slot
+from objcomm._format import tensors as _tensors
+from objcomm._samehost import segments as _segments
+from objcomm._transport import rounds as _rounds
 from serializers import _msgpack
 
 pytestmark = pytest.mark.timeout(30)
@@ -73,13 +79,13 @@ def oob_tensors() -> List[torch.Tensor]:
 
 
 def decode(data: bytes, tensors: List[torch.Tensor] = ()) -> Any:  # type: ignore[assignment]
-    return _framing.decode(_framing.Incoming(memoryview(data), list(tensors)), sender=0, accept=None)
+    return _frame.decode(_frame.Incoming(memoryview(data), list(tensors)), sender=0, accept=None)
 
 
 def payload(name: str) -> bytes:
     """The payload section of a golden frame, as stored."""
     data = golden(name)
-    header = _framing.parse_header(memoryview(data))
+    header = _frame.parse_header(memoryview(data))
     return data[header.payload_offset : header.payload_offset + header.payload_len]
 
 
@@ -113,7 +119,7 @@ UNCOMPRESSED = {
 @pytest.mark.parametrize("name", sorted(UNCOMPRESSED))
 def test_golden_frame_decodes_and_is_written_again_byte_for_byte(name):
     data = golden(name)
-    header = _framing.parse_header(memoryview(data))
+    header = _frame.parse_header(memoryview(data))
     tensors = oob_tensors() if header.n_tensors else []
     assert same(decode(data, tensors), UNCOMPRESSED[name]())
     out = gen.frames()[name]
@@ -125,9 +131,9 @@ def test_golden_frame_decodes_and_is_written_again_byte_for_byte(name):
 def test_tensor_table_is_as_documented(name):
     data = golden(name)
     view = memoryview(data)
-    header = _framing.parse_header(view)
+    header = _frame.parse_header(view)
     assert (header.n_tensors, header.table_len, header.inline_len) == (2, 2 * 24 + 3 * 8, 16)
-    assert _framing._table(view, header) == [
+    assert _frame._table(view, header) == [
         _tensors.Entry(torch.int32, _tensors.INLINE, (4,), 16, 0),
         _tensors.Entry(torch.float32, _tensors.REQUIRES_GRAD, (2, 4), 32, 0),
     ]
@@ -135,7 +141,7 @@ def test_tensor_table_is_as_documented(name):
     assert table[:24] == struct.pack("<BBB5xQQ", 7, 1, 1, 16, 0) and table[24:32] == struct.pack("<q", 4)
     assert data[-16:] == np.arange(4, dtype="<i4").tobytes()  # the inline section ends the frame
     assert golden("v1-tensors.oob0") == np.arange(8, dtype="<f4").tobytes()
-    assert _framing.tensor_sizes(view) == [32]
+    assert _frame.tensor_sizes(view) == [32]
     decoded = decode(data, oob_tensors())
     assert decoded["alias"] is decoded["inline"]  # one key, one tensor
 
@@ -159,8 +165,8 @@ def test_codec_payloads_use_ext_13_and_the_json_tag():
 
 def test_error_report_frame_is_as_documented():
     data = golden("v1-error.frame")
-    header = _framing.parse_header(memoryview(data))
-    assert (header.flags, header.serializer, header.compression, header.table_len) == (_framing.FLAG_ERROR, "", 0, 0)
+    header = _frame.parse_header(memoryview(data))
+    assert (header.flags, header.serializer, header.compression, header.table_len) == (_frame.FLAG_ERROR, "", 0, 0)
     assert data[40:] == b'{"type": "ValueError", "message": "boom on rank 3"}'
 
 
@@ -177,7 +183,7 @@ WRITTEN_WITH = {"zstd": (1, 5, 7), "lz4": "1.9.4"}  # the libraries that wrote t
 @pytest.mark.parametrize("name", ["zstd", "lz4"])
 def test_compressed_golden_frame_decodes_to_todays_payload(name):
     data = golden(f"v1-{name}.frame")
-    header = _framing.parse_header(memoryview(data))
+    header = _frame.parse_header(memoryview(data))
     plain = bytes(serializers.get("msgpack").dumps(gen.compressible_object()))
     assert header.compression == _compression.CODES[name] and header.raw_len == len(plain) == 560
     stored = memoryview(data)[header.payload_offset : header.payload_offset + header.payload_len]
@@ -185,7 +191,7 @@ def test_compressed_golden_frame_decodes_to_todays_payload(name):
     assert same(decode(data), gen.compressible_object())
     again = bytes(gen.frames()[f"v1-{name}.frame"].frame)  # whatever today's library writes must decode alike
     assert same(decode(again), gen.compressible_object())
-    assert _framing.parse_header(memoryview(again))._replace(payload_len=0) == header._replace(payload_len=0)
+    assert _frame.parse_header(memoryview(again))._replace(payload_len=0) == header._replace(payload_len=0)
 
 
 @pytest.mark.parametrize("name", ["zstd", "lz4"])
@@ -242,11 +248,11 @@ def test_golden_slot_parses_and_is_filled_again_byte_for_byte(shape):
     assert len(data) == gen.SLOT_BYTES
     assert gen.fill(shape, out) == data
     if shape != "round2":  # scatter writes round-2 slots; everything else builds them with _slot
-        wire = _transport.Wire(None, [0], 0, torch.device("cpu"), gen.SLOT_BYTES, 1 << 20, gen.SLOT_LIMIT)
-        assert bytes(_transport._slot(wire, out)) == data
+        wire = _rounds.Wire(None, [0], 0, torch.device("cpu"), gen.SLOT_BYTES, 1 << 20, gen.SLOT_LIMIT)
+        assert bytes(_rounds._slot(wire, out)) == data
 
     inline, sizes, listed_bit = SHAPES[shape]
-    info = _slots.read_slot(memoryview(data))
+    info = _slot.read_slot(memoryview(data))
     assert (info.length, info.error, info.round2, info.limit, info.total) == (
         out.frame.nbytes, shape == "error", shape == "round2", gen.SLOT_LIMIT, out.total
     )
@@ -265,7 +271,7 @@ def test_golden_slot_parses_and_is_filled_again_byte_for_byte(shape):
     assert not any(data[used:]), "unused slot bytes are zero"
     # and the receiver's checks accept it, learning every tensor size from slot or frame
     assert _limits.slot_problem_of(info) is None
-    planned, problem = _limits.plan(info, _framing.tensor_sizes)
+    planned, problem = _limits.plan(info, _frame.tensor_sizes)
     assert problem is None
     if inline and not info.error:
         assert (planned or []) == [t.numel() for t in out.tensors]
@@ -324,19 +330,20 @@ def stated_constants() -> Dict[str, Any]:
 EXT_NAMES = ["TUPLE", "SET", "FROZENSET", "BIGINT", "DATETIME", "DATE", "TIMEDELTA", "NDARRAY", "NPSCALAR",
              "COMPLEX", "ODICT", "EXTERNAL", "CODEC"]
 MUST_STATE = {
-    *(f"objcomm._framing.{n}" for n in ("MAGIC", "VERSION", "VERSIONS", "FLAG_ERROR", "MAX_ERROR_REPORT")),
-    *(f"objcomm._compression.{n}" for n in ("NONE", "ZSTD", "LZ4", "CODES")),
-    *(f"objcomm._tensors.{n}" for n in ("INLINE", "REQUIRES_GRAD", "PARAMETER", "NUMPY", "BYTES", "BYTEARRAY",
+    *(f"objcomm._format.frame.{n}" for n in ("MAGIC", "VERSION", "VERSIONS", "FLAG_ERROR", "MAX_ERROR_REPORT")),
+    *(f"objcomm._format.compression.{n}" for n in ("NONE", "ZSTD", "LZ4", "CODES")),
+    *(f"objcomm._format.tensors.{n}" for n in ("INLINE", "REQUIRES_GRAD", "PARAMETER", "NUMPY", "BYTES", "BYTEARRAY",
                                        "MAX_NDIM")),
     *(f"serializers._msgpack.{n}" for n in EXT_NAMES),
     "serializers._json.TAG", "serializers._pickle.PROTOCOL", "serializers._pickle.EXTERNAL",
-    *(f"objcomm._slots.{n}" for n in ("ERROR_BIT", "ROUND2_BIT", "LISTED_BIT", "LENGTH_MASK", "SIZES_UNLISTED")),
-    *(f"objcomm._transport.{n}" for n in ("REFUSE_LIMIT", "REFUSE_MALFORMED")),
-    "objcomm._hosts._WORDS", "objcomm._segments.PREFIX", "objcomm._call.MAX_TAG", "objcomm._reduce.REDUCE_TAG",
-    *(f"objcomm._shm.{n}" for n in ("_P2P", "_READ", "_FELL_BACK", "_REFUSED", "_SENT", "_OTHER_HOST", "_RESEND",
-                                   "_REFUSED_P2P")),
-    *(f"objcomm._inbox.{n}" for n in ("ALL_GATHER", "BROADCAST", "SCATTER", "ALL_TO_ALL", "P2P", "CREDIT")),
-    "objcomm._local.MAX_PAYLOAD", "objcomm._local._WORDS",
+    *(f"objcomm._format.slot.{n}" for n in ("ERROR_BIT", "ROUND2_BIT", "LISTED_BIT", "LENGTH_MASK", "SIZES_UNLISTED")),
+    *(f"objcomm._transport.rounds.{n}" for n in ("REFUSE_LIMIT", "REFUSE_MALFORMED")),
+    "objcomm._samehost.hosts._WORDS", "objcomm._samehost.segments.PREFIX", "objcomm._api.call.MAX_TAG",
+    "objcomm._api.reduce.REDUCE_TAG",
+    *(f"objcomm._samehost.shm.{n}" for n in ("_P2P", "_READ", "_FELL_BACK", "_REFUSED", "_SENT", "_OTHER_HOST",
+                                             "_RESEND", "_REFUSED_P2P")),
+    *(f"objcomm._samehost.inbox.{n}" for n in ("ALL_GATHER", "BROADCAST", "SCATTER", "ALL_TO_ALL", "P2P", "CREDIT")),
+    "objcomm._samehost.channel.MAX_PAYLOAD", "objcomm._samehost.channel._WORDS",
 }
 
 
@@ -350,7 +357,7 @@ def test_every_constant_the_page_states_is_the_codes():
 
 def test_the_page_lists_every_compression_code_and_msgpack_extension():
     stated = stated_constants()
-    codes = {v for k, v in stated.items() if k.startswith("objcomm._compression.") and isinstance(v, int)}
+    codes = {v for k, v in stated.items() if k.startswith("objcomm._format.compression.") and isinstance(v, int)}
     assert codes == {_compression.NONE, *_compression.NAMES}
     exts = {v for k, v in stated.items() if k.startswith("serializers._msgpack.") and not k.endswith("MAX_EXT_DEPTH")}
     documented_in_module = {int(c) for c in re.findall(r"^(\d+)\s{2,}\S", _msgpack.__doc__ or "", re.M)}
@@ -383,9 +390,9 @@ def test_byte_layouts_on_the_page_are_the_structs():
             at += size
         assert "<" + "".join(formats) == layout.format and at == layout.size == int(found[2])
         checked.add(found[1])
-    assert checked == {"objcomm._framing.HEADER", "objcomm._tensors.ENTRY", "objcomm._tensors.DIM",
-                       "objcomm._slots.PREFIX", "objcomm._slots.COUNT", "objcomm._inbox.HEADER"}
-    assert _framing.HEADER.size == 40
+    assert checked == {"objcomm._format.frame.HEADER", "objcomm._format.tensors.ENTRY", "objcomm._format.tensors.DIM",
+                       "objcomm._format.slot.PREFIX", "objcomm._format.slot.COUNT", "objcomm._samehost.inbox.HEADER"}
+    assert _frame.HEADER.size == 40
 
 
 def test_dtype_codes_on_the_page_are_the_tables():

@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 import serializers
-from objcomm import _framing, _slots, _transport
+from objcomm._format import frame as _frame
+from objcomm._format import slot as _slot
+from objcomm._transport import rounds as _rounds
 
 HERE = pathlib.Path(__file__).parent
 
@@ -106,11 +108,11 @@ def restricted_object() -> Dict[str, Any]:
 
 
 # -- frames, payloads and slots --------------------------------------------------------------------
-def encode(obj: Any, name: str, **options: Any) -> _transport.Outgoing:
-    return _framing.encode(obj, serializers.get(name), max_bytes=1 << 30, **options)
+def encode(obj: Any, name: str, **options: Any) -> _rounds.Outgoing:
+    return _frame.encode(obj, serializers.get(name), max_bytes=1 << 30, **options)
 
 
-def frames() -> Dict[str, _transport.Outgoing]:
+def frames() -> Dict[str, _rounds.Outgoing]:
     """File name -> what objcomm sends for it (codecs must be registered)."""
     return {
         "v1-tensors-msgpack.frame": encode(tensor_object(), "msgpack", inline_tensor_bytes=TENSOR_INLINE_BYTES),
@@ -129,34 +131,34 @@ def payloads() -> Dict[str, bytes]:
     return {"restricted-pickle.payload": bytes(serializers.get("restricted-pickle").dumps(restricted_object()))}
 
 
-def _frame_with_oob(obj: Any) -> _transport.Outgoing:
+def _frame_with_oob(obj: Any) -> _rounds.Outgoing:
     return encode(obj, "msgpack", inline_tensor_bytes=0)
 
 
-def slot_outgoing() -> Dict[str, _transport.Outgoing]:
+def slot_outgoing() -> Dict[str, _rounds.Outgoing]:
     """Shape -> the Outgoing whose slot shows it (frame lengths noted for SLOT_BYTES = 128: 104 inline)."""
     plain = (HERE / "v1-msgpack.frame").read_bytes()  # 91 bytes, no tensors
     error = (HERE / "v1-error.frame").read_bytes()  # 91 bytes
     overflowing = (HERE / "v1-pickle.frame").read_bytes()  # 123 bytes, no tensors
     one = torch.arange(4, dtype=torch.int8)
     return {
-        "inline": _transport.Outgoing(memoryview(bytearray(plain))),
+        "inline": _rounds.Outgoing(memoryview(bytearray(plain))),
         # 85-byte frame + count + 1 size: 24 + 85 + 12 <= 128
         "inline-listed": _frame_with_oob({"t": one}),
         # 100-byte frame: 24 + 100 + 12 > 128, so its one size is not listed (only the frame tells)
         "inline-unlisted": _frame_with_oob({"t" * 16: one}),
         "outside-listed": _frame_with_oob({"a": one, "b": one.clone(), "note": "x" * 20}),
-        "outside-no-tensors": _transport.Outgoing(memoryview(bytearray(overflowing))),
+        "outside-no-tensors": _rounds.Outgoing(memoryview(bytearray(overflowing))),
         # 13 sizes: 24 + 4 + 13 * 8 > 128
         "outside-unlisted": _frame_with_oob([torch.full((i + 1,), i, dtype=torch.int8) for i in range(13)]),
-        "error": _transport.Outgoing(memoryview(bytearray(error)), error=True),
-        "round2": _transport.Outgoing(memoryview(bytearray(plain))),
+        "error": _rounds.Outgoing(memoryview(bytearray(error)), error=True),
+        "round2": _rounds.Outgoing(memoryview(bytearray(plain))),
     }
 
 
-def fill(shape: str, out: _transport.Outgoing) -> bytes:
+def fill(shape: str, out: _rounds.Outgoing) -> bytes:
     slot = bytearray(SLOT_BYTES)
-    _slots.fill_slot(memoryview(slot), out, SLOT_LIMIT, round2=shape == "round2")
+    _slot.fill_slot(memoryview(slot), out, SLOT_LIMIT, round2=shape == "round2")
     return bytes(slot)
 
 

@@ -1,0 +1,249 @@
+"""The express path of small calls (send/recv, all_gather, broadcast): from the call to the same-host
+channel in one straight line.
+
+Most traffic between the ranks of one host is small (per-step metrics, stop/continue decisions, work
+items, replies) and sent with a communicator's defaults. Through a group's same-host channel
+(:mod:`objcomm._samehost.channel_slots`) such a call is one slot per rank, and the general path's work around it
+(resolving the call's settings, routing, building an :class:`~objcomm._transport.base.Outgoing`, filling and
+reading slots, its layers of checks) is most of its cost: ~25 µs of Python a call against a channel
+hop of ~6 µs. :class:`Express` holds what that work decides, worked out once per communicator,
+settings and group (:meth:`objcomm.Communicator._express` keeps it fresh; built on a communicator's
+first send/recv or second collective, so that a communicator made for one call never pays for it),
+and does the rest per call.
+
+What a peer receives is the general path's slot, byte for byte, less the zeros after the frame
+(:func:`objcomm._format.frame.small_slot`; a receiver on either path reads such a *trimmed* slot as the
+whole one, :func:`objcomm._samehost.channel_slots.trimmed`; pinned by ``tests/test_express.py``): a 4 KiB slot for a
+100-byte frame was most of the bytes a small message allocated, copied and moved. A receiver checks
+what the general path checks, then decodes as it does: a plain frame of this rank's own serializer
+with that serializer itself where the registry gives it for its name (:func:`_decoder`, worked out once
+per registry version; :func:`objcomm._format.frame.plain_payload`), any other frame through
+:func:`objcomm._format.frame.decode_parsed`; the same errors, word for word. A sender takes only the plainest
+case and hands everything else to the general path *before anything has moved*: a call with
+per-call options, an argument the general path would refuse (it says why), an object with tensors or
+past the slot or failing to encode (what serializing it gave goes along, so that nothing is
+serialized twice, and a failure becomes the general path's error report), compression, an
+``isend``/``irecv`` in flight on the group (send/recv), a channel that is not open or, for send/recv
+and all_gather, does not carry send/recv yet (until then an all_gather carries this rank's vote).
+Once slots have arrived, a slot that is not a whole plain frame (an error report, tensors, a second
+round) hands the call to the general path's own steps from the slots on, with the same outcome on
+every rank as if it had taken the general path throughout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, cast
+
+from objcomm import _state
+from objcomm._api.call import MAX_TAG, Call, only
+from objcomm._errors import UnknownSerializerError
+from objcomm._format import frame as _frame
+from objcomm._format.slot import read_slot
+from objcomm._samehost import channel_slots as _channel_slots
+from objcomm._transport import routes
+from objcomm._transport.rounds import Incoming, Wire, all_gather_rest, broadcast_rest, received
+from serializers import AutoSerializer, SerializerProtocol, registry
+
+NOT_TAKEN = object()  # what Express.recv returns when the general path must receive
+
+
+class Express:
+    """What a default-option send/recv on one group works out once: valid for the settings, registry,
+    group and communicator it was built for (the caller checks that); holds no reference to the group."""
+
+    __slots__ = ("call", "rest", "state", "facts", "ranks", "rank", "index", "peers", "name", "slot", "limit", "spin",
+                 "cpu", "whole_bytes", "accept", "device", "decoder", "version")
+
+    def __init__(self, call: Call, strategy: _channel_slots.SameHostSlots, state: _channel_slots.SameHost) -> None:
+        wire, options = call.wire, call.options
+        assert wire is not None
+        self.call = call._replace(wire=None)  # the settings and serializer, without the group
+        self.rest = tuple(wire)[1:]  # the wire less its group: rebuilt with it where the general path takes over
+        self.state = state  # the group's same-host state: its channel now (a failed one is replaced)
+        self.facts = _state.group_facts(wire.group)  # its requests: none in flight, or the general path
+        self.ranks = wire.ranks  # group rank -> global rank
+        self.rank = wire.rank  # this rank's group rank
+        self.index = {g: r for r, g in enumerate(wire.ranks)}  # global rank -> group rank
+        self.peers = {g: r for g, r in self.index.items() if r != wire.rank}  # the same, less this rank
+        self.name = call.serializer.name.encode("ascii")
+        self.slot, self.limit, self.spin = wire.slot, wire.max_bytes, strategy.spin
+        self.cpu = wire.device.type == "cpu"  # tags and recv(src=None) need a backend with tags (gloo)
+        self.whole_bytes = options.inline_tensor_bytes  # bytes past this travel out of band
+        self.accept, self.device = options.accept, call.device
+        self.version = registry.version  # the registry as self.decoder was found in it
+        self.decoder = _decoder(call.serializer, options.accept)
+
+    @staticmethod
+    def of(call: Call) -> Optional[Express]:
+        """The express path of ``call``'s settings, or None where it can never apply (no same-host
+        channel strategy, compression, one rank)."""
+        wire = call.wire
+        if wire is None or not isinstance(wire.first_round, _channel_slots.SameHostSlots):
+            return None  # the same-host channel is not this call's first-round medium
+        if not routes.express_possible(compression=call.options.compression is not None, channel_first=True):
+            return None
+        state = wire.first_round.state(wire)
+        return None if state is None else Express(call, wire.first_round, state)
+
+    def _channel(self, tag: Any) -> Any:
+        """The channel, if it carries send/recv under ``tag`` now and no request of this rank is in flight."""
+        channel = self.state.channel
+        if channel is None or not channel.p2p or channel.closed or type(tag) is not int or not 0 <= tag <= MAX_TAG:
+            return None
+        if tag and not self.cpu:
+            return None
+        requests = self.facts.requests
+        return None if requests is not None and requests.busy else channel
+
+    def _slot(self, obj: Any) -> Any:
+        """``(obj's trimmed slot, what serializing obj gave)``: the result of :func:`objcomm._format.frame.serialize`,
+        or the exception it raised, which the general path then does not do again. The slot is None where the
+        general path takes over, nothing having moved: a failure, tensors, a frame past the slot."""
+        try:
+            serialized = _frame.serialize(obj, self.call.serializer, self.whole_bytes)
+        except Exception as exc:  # the general path sends the error report
+            return None, exc
+        if serialized[1].tensors:
+            return None, serialized
+        try:
+            used = serialized[2]  # "auto" chose it, per object; else this call's serializer
+            name = self.name if used is self.call.serializer else used.name.encode("ascii")
+            return _frame.small_slot(name, serialized[0], self.slot, self.limit), serialized
+        except Exception:  # a payload that is no buffer: encode() raises it again, on the general path
+            return None, serialized
+
+    def send(self, obj: Any, dst: Any, tag: Any) -> Any:
+        """Send ``obj`` to global rank ``dst``: True once sent. Anything else is what the general path takes
+        over, nothing having moved: None (nothing done), or what serializing ``obj`` gave (see :meth:`_slot`)."""
+        peer = self.peers.get(dst) if type(dst) is int else None
+        channel = self._channel(tag)
+        if peer is None or channel is None:
+            return None
+        slot, serialized = self._slot(obj)
+        if slot is None:
+            return serialized
+        channel.send(slot, peer, tag)
+        return True
+
+    def all_gather(self, obj: Any, group: Callable[[], Any]) -> Any:
+        """``(True, every rank's object in group-rank order)``, or ``(False, what the general path takes
+        over)``, nothing having moved (see :meth:`send`). Only once send/recv are on the channel (until then
+        an all_gather carries this rank's vote). Once the slots have arrived, slots that are not all plain
+        frames (an error report, tensors, a second round) are finished by the general path's steps."""
+        channel = self.state.channel
+        if channel is None or not channel.p2p or channel.closed:
+            return False, None
+        slot, serialized = self._slot(obj)
+        if slot is None:
+            return False, serialized
+        slots = channel.all_gather(slot, self.spin)
+        size = self.slot
+        for got in slots:
+            if len(got) != size and not _channel_slots.trimmed(got, size):
+                # raises, as the general path
+                _channel_slots._checked(self.wire(group(), 0), channel, slots, "all_gather")
+        decoder = self.decoder if self.version == registry.version else None
+        if decoder is not None:  # every slot a plain frame of this rank's serializer: decoded as they are
+            payloads = [_frame.plain_payload(got, self.name) for got in slots]
+            if None not in payloads:
+                name = self.call.serializer.name
+                return True, [_frame.loads_payload(decoder, name, cast(memoryview, payload), r)
+                              for r, payload in enumerate(payloads)]
+        plains = [_frame.plain_in_slot(got) for got in slots]
+        if None not in plains:
+            return True, [self._decode(plain, r) for r, plain in enumerate(plains)]
+        wire = self.wire(group(), 0)  # the general path's steps, from the slots on
+        call = self.call._replace(wire=wire)
+        out, local = call.encode(obj, serialized)
+        incoming = all_gather_rest(wire, out, [read_slot(memoryview(s)) for s in slots], _frame.tensor_sizes)
+        call.raise_failures("all_gather", incoming, local)
+        return True, [call.decode(item, r) for r, item in enumerate(incoming)]
+
+    def broadcast(self, obj: Any, src: Any, group: Callable[[], Any]) -> Any:
+        """``(True, global rank src's object)`` or ``(False, what the general path takes over)``, as
+        :meth:`all_gather`. The root takes it only for a plain frame; a receiver hands a slot that is not one
+        to the general path's steps."""
+        root = self.index.get(src) if type(src) is int else None
+        channel = self.state.channel
+        if root is None or channel is None or channel.closed:
+            return False, None
+        if root == self.rank:
+            slot, serialized = self._slot(obj)
+            if slot is None:
+                return False, serialized
+            channel.broadcast(slot, root, self.spin)
+            return True, self._plain(slot, root)
+        got = channel.broadcast(None, root, self.spin)
+        if len(got) != self.slot and not _channel_slots.trimmed(got, self.slot):
+            # raises, as the general path does
+            _channel_slots._checked(self.wire(group(), 0), channel, [got], "broadcast")
+        value = self._plain(got, root)
+        if value is not NOT_TAKEN:
+            return True, value
+        wire = self.wire(group(), 0)  # the general path's steps, from the slot on
+        call = self.call._replace(wire=wire)
+        item = broadcast_rest(wire, None, read_slot(memoryview(got)), _frame.tensor_sizes, root)
+        if item.error:
+            call.raise_failures("broadcast", only(root, item, wire.size), None)
+        return True, call.decode(item, root)
+
+    def _plain(self, slot: Any, sender: int) -> Any:
+        """The object in ``slot`` from group rank ``sender`` if it holds a plain frame, else :data:`NOT_TAKEN`."""
+        if self.decoder is not None and self.version == registry.version:
+            payload = _frame.plain_payload(slot, self.name)
+            if payload is not None:  # this rank's own serializer: decoded with it, as decode_parsed would find it
+                return _frame.loads_payload(self.decoder, self.call.serializer.name, payload, sender)
+        plain = _frame.plain_in_slot(slot)
+        return NOT_TAKEN if plain is None else self._decode(plain, sender)
+
+    def _decode(self, plain: Any, sender: int) -> Any:
+        """The object of a plain frame (``(frame, header)`` of ``frame.plain_in_slot``) from ``sender``."""
+        frame, header = plain
+        return _frame.decode_parsed(frame, header, Incoming(frame), sender, self.accept, self.device, self.limit,
+                                      own=sender == self.rank)
+
+    def recv(self, src: Any, tag: Any, group: Callable[[], Any]) -> Any:
+        """``(sender's global rank, object)`` from global rank ``src`` (None: any) under ``tag``, or
+        :data:`NOT_TAKEN` (nothing received) where the general path must receive. ``group()``: the group,
+        asked for only where the general path takes over."""
+        if src is None:
+            peer = None
+            if not self.cpu:
+                return NOT_TAKEN
+        else:
+            peer = self.peers.get(src) if type(src) is int else None
+            if peer is None:
+                return NOT_TAKEN
+        channel = self._channel(tag)
+        if channel is None:
+            return NOT_TAKEN
+        sender, got, message = channel.recv(peer, tag, self.spin)
+        if len(got) != self.slot and not _channel_slots.trimmed(got, self.slot):
+            _channel_slots._checked(self.wire(group(), tag), channel, [got], "recv")  # raises, as the general path does
+        obj = self._plain(got, sender)
+        if obj is NOT_TAKEN:  # anything else: the general path's steps, from the slot on
+            wire = self.wire(group(), tag)
+            incoming = received(wire, sender, read_slot(memoryview(got)), _frame.tensor_sizes,
+                                _channel_slots.ChannelRoute(channel, self.spin), message)
+            return self.ranks[sender], self.call._replace(wire=wire).received(*incoming)
+        return self.ranks[sender], obj
+
+    def wire(self, group: Any, tag: int) -> Wire:
+        """The wire of a send/recv on ``group`` under ``tag``, as the general path builds it."""
+        return Wire(group, *self.rest)._replace(tag=tag)
+
+
+def _decoder(serializer: SerializerProtocol, accept: Any) -> Optional[SerializerProtocol]:
+    """``serializer`` if a frame naming it is decoded with ``serializer`` itself (what
+    :func:`objcomm._format.frame.decode_parsed` finds in the registry) and ``accept`` takes it; else None ("auto":
+    frames name the serializer it chose, never "auto", and are decoded as any other rank's)."""
+    if isinstance(serializer, AutoSerializer):
+        return None
+    name = serializer.name
+    if accept is not None and name not in accept:
+        return None
+    try:
+        found = registry.guarded(name)
+    except UnknownSerializerError:  # not registered: its frames are refused where they arrive (the general path)
+        return None
+    return serializer if found is serializer else None

@@ -1,0 +1,370 @@
+"""Module-level object collectives: each one a :class:`Communicator` call with per-call settings.
+
+The signatures are spelled out (they mirror torch and help IDEs); each body hands its per-call
+options on in one line, ``**call_kwargs(locals())`` (see :mod:`objcomm._settings`). Each function
+answers mpi4py's keywords (``dest=``, ``root=``) with what to write instead
+(:func:`objcomm._api.call.mpi4py_keywords`), and :func:`no_attribute` mpi4py's names (``objcomm.bcast``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Collection, Optional, Sequence, Union
+
+import torch
+
+from objcomm._api.call import mpi4py_keywords
+from objcomm._api.call import no_attribute as _no_attribute
+from objcomm._api.communicator import Communicator
+from objcomm._api.requests import Request
+from objcomm._settings import call_kwargs
+from serializers import SerializerLike
+
+Device = Optional[Union[str, torch.device]]
+
+# What a call with group=None goes through: a Communicator that holds no settings of its own (and is
+# never changed), so building one per call would only cost time.
+_DEFAULT = Communicator()
+
+
+def _communicator(group: Any) -> Communicator:
+    return _DEFAULT if group is None else Communicator(group)
+
+
+def no_attribute(name: str) -> AttributeError:
+    """What ``objcomm.<name>`` raises for a name objcomm lacks: for mpi4py's (``bcast``, ``allreduce``, ``SUM``, ...,
+    :data:`objcomm._api.call.MPI4PY_NAMES`), one that says what to write instead."""
+    return _no_attribute("module 'objcomm'", "objcomm", name)
+
+
+@mpi4py_keywords
+def all_gather(
+    obj: Any,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+    async_op: bool = False,
+) -> Any:
+    """Gather one object from every rank onto every rank.
+
+    Parameters
+    ----------
+    obj: this rank's object.
+    group: process group (default: the default group).
+    serializer: registered name or serializer object (default ``"pickle"``); ranks may differ.
+    accept: serializer names this rank agrees to decode (default: all registered).
+    max_bytes: largest payload (frame plus tensors) sent or accepted.
+    map_location: where received tensors go (default: the transport device, never the sender's).
+    compression: ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for what this rank sends.
+    async_op: return a :class:`Request` at once; its ``wait()`` returns (or raises) what this call would.
+        Every collective takes it (see the README's "Non-blocking calls").
+
+    Returns
+    -------
+    ``[obj_0, ..., obj_{n-1}]`` in group-rank order. Without a process group: ``[obj]``.
+
+    Raises
+    ------
+    RemoteError: on every rank, when any rank failed to encode (``.failures`` says who and why).
+    ContentRefusedError, DecodeError: on a rank that cannot or will not decode what arrived.
+
+    Example::
+
+        merged = {}
+        for part in objcomm.all_gather({rank: 1} if rank % 2 == 0 else {}):
+            merged.update(part)
+    """
+    return _communicator(group).all_gather(obj, async_op=async_op, **call_kwargs(locals()))
+
+
+@mpi4py_keywords
+def gather(
+    obj: Any,
+    dst: int = 0,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+    async_op: bool = False,
+) -> Any:
+    """Gather one object from every rank onto global rank ``dst``; other ranks get ``None``.
+
+    Example::
+
+        everyone = objcomm.gather(predictions, dst=0)   # a list on rank 0, None elsewhere
+    """
+    return _communicator(group).gather(obj, dst, async_op=async_op, **call_kwargs(locals()))
+
+
+@mpi4py_keywords
+def broadcast(
+    obj: Any = None,
+    src: int = 0,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+    async_op: bool = False,
+) -> Any:
+    """Send global rank ``src``'s object to every rank and return it there.
+
+    Example::
+
+        config = objcomm.broadcast(load_config() if rank == 0 else None, src=0)
+    """
+    return _communicator(group).broadcast(obj, src, async_op=async_op, **call_kwargs(locals()))
+
+
+@mpi4py_keywords
+def scatter(
+    objs: Optional[Sequence[Any]] = None,
+    src: int = 0,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+    async_op: bool = False,
+) -> Any:
+    """Give group rank ``r`` element ``r`` of ``objs``, a sequence given on global rank ``src``.
+
+    Example::
+
+        shard = objcomm.scatter(split(work, world_size) if rank == 0 else None, src=0)
+    """
+    return _communicator(group).scatter(objs, src, async_op=async_op, **call_kwargs(locals()))
+
+
+@mpi4py_keywords
+def all_to_all(
+    objs: Sequence[Any],
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+    async_op: bool = False,
+) -> Any:
+    """Send ``objs[j]`` to group rank ``j``, for every ``j``; return what every rank sent this one.
+
+    ``objs`` holds one object per group rank (each rank its own list; sizes may differ freely per
+    pair). Element ``i`` of the result came from group rank ``i``. Small parts finish in one
+    collective; big ones move at their exact sizes; tensors inside travel as tensors.
+
+    Raises
+    ------
+    RemoteError: on every rank, when any rank failed to encode or gave a list of the wrong length
+    (on that rank, from the original error).
+
+    Example::
+
+        # route each record to the rank that owns its key
+        outbox = [[] for _ in range(world_size)]
+        for record in records:
+            outbox[hash(record["key"]) % world_size].append(record)
+        mine = [r for part in objcomm.all_to_all(outbox) for r in part]
+    """
+    return _communicator(group).all_to_all(objs, async_op=async_op, **call_kwargs(locals()))
+
+
+@mpi4py_keywords
+def reduce(
+    obj: Any,
+    op: Union[str, Callable[[Any, Any], Any]],
+    dst: int = 0,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+    async_op: bool = False,
+) -> Any:
+    """Combine every rank's object with ``op`` on global rank ``dst``; other ranks get ``None``.
+
+    ``op(a, b) -> c`` is any associative function (it need not be commutative: objects are
+    combined in group-rank order, ``op(op(obj_0, obj_1), obj_2)...``), or a name: ``"sum"``,
+    ``"prod"``, ``"min"``, ``"max"``, ``"merge"`` (dict union, a later rank wins) or
+    ``"merge_sum"`` (dicts of counts: values of the same key added), in any case (``"SUM"``). A binomial tree: ⌈log2 W⌉
+    rounds, and no rank decodes more than ⌈log2 W⌉ objects. Group rank 0 returns what ``op``
+    returned itself; the others get it through the serializer.
+
+    Raises
+    ------
+    RemoteError: on every rank, when ``op``, encoding or decoding failed on any rank.
+
+    Example::
+
+        confusion = objcomm.reduce(local_counts, "merge_sum", dst=0)  # {(label, pred): n} on rank 0
+        best = objcomm.reduce(record, lambda a, b: b if b["score"] > a["score"] else a)
+    """
+    return _communicator(group).reduce(obj, op, dst, async_op=async_op, **call_kwargs(locals()))
+
+
+@mpi4py_keywords
+def all_reduce(
+    obj: Any,
+    op: Union[str, Callable[[Any, Any], Any]],
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+    async_op: bool = False,
+) -> Any:
+    """Combine every rank's object with ``op`` (see :func:`reduce`) and return the result on every rank.
+
+    The tree of :func:`reduce` towards group rank 0, then one all_gather that carries the result
+    and every rank's failure, if any, so that all ranks return the same or raise the same.
+
+    Example::
+
+        totals = objcomm.all_reduce({"seen": n_seen, "correct": n_correct}, "merge_sum")
+    """
+    return _communicator(group).all_reduce(obj, op, async_op=async_op, **call_kwargs(locals()))
+
+
+@mpi4py_keywords
+def send(
+    obj: Any,
+    dst: int,
+    tag: int = 0,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    max_bytes: Optional[int] = None,
+    compression: Optional[str] = None,
+) -> None:
+    """Send one object to global rank ``dst``, which must call :func:`recv` with the same ``tag``.
+
+    Messages with different tags between the same two ranks never mix (gloo; on NCCL only
+    ``tag=0`` is accepted, since NCCL ignores tags). A small object (one whose frame fits the slot,
+    without tensors out of band) is sent eagerly, wherever the ranks run: this returns before
+    ``dst`` receives it, as MPI's eager sends do, with a bounded amount of such sends waiting per
+    group (see ``docs/non-blocking.md``); a larger one returns once ``dst`` took it. On NCCL a send
+    that goes through the backend (across hosts, or with ``local`` off) still waits for its receiver.
+    ``dst`` may be this rank itself, as in mpi4py (and is, without a process group): the message waits,
+    encoded, until this rank receives it, and this returns at once (see ``docs/from-mpi4py.md``).
+
+    Example::
+
+        if rank == 1:
+            objcomm.send({"done": True}, dst=0)
+            objcomm.send(["log line"], dst=0, tag=7)  # a second stream
+    """
+    _communicator(group).send(obj, dst, tag, **call_kwargs(locals()))
+
+
+@mpi4py_keywords
+def recv(
+    src: Optional[int] = None,
+    tag: int = 0,
+    *,
+    group: Any = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    return_sender: bool = False,
+) -> Any:
+    """Receive one object from global rank ``src`` (``None``: whichever rank sends first; gloo only)
+    sent with ``tag``.
+
+    ``return_sender=True`` returns ``(sender's global rank, object)``: the way to learn who sent
+    it when ``src=None``. From this rank itself (``src`` its rank; without a process group, or with
+    ``src=None`` in a group of one), it takes the oldest message this rank sent itself under ``tag``,
+    or raises ``ObjcommError`` at once if there is none, since none could arrive while it blocks
+    (:func:`irecv` waits for another thread's); ``src=None`` takes such a message, where one waits,
+    before it waits for other ranks.
+
+    Example::
+
+        if rank == 0:
+            status = objcomm.recv(src=1)
+            lines = objcomm.recv(src=1, tag=7)
+            sender, item = objcomm.recv(return_sender=True)  # from whichever rank sends first
+    """
+    return _communicator(group).recv(src, tag, return_sender=return_sender, **call_kwargs(locals()))
+
+
+@mpi4py_keywords
+def isend(
+    obj: Any,
+    dst: int,
+    tag: int = 0,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    max_bytes: Optional[int] = None,
+    compression: Optional[str] = None,
+) -> Request:
+    """Start sending one object to global rank ``dst`` and return a :class:`Request` at once.
+
+    ``wait()`` returns ``None`` once sent, or raises what :func:`send` would. Sends to the same rank
+    with the same tag leave in issue order. ``obj`` is encoded here and what shares memory
+    with it (tensors, numpy arrays, buffers) is copied, so it may change as soon as this returns; a
+    bad ``dst`` or ``tag`` raises here, as :func:`send` does. To this rank itself the message is
+    delivered here and the handle comes back completed.
+
+    Example::
+
+        pending = [objcomm.isend({"step": step}, dst=0, tag=1) for step in range(3)]
+        for request in pending:
+            request.wait()
+    """
+    return _communicator(group).isend(obj, dst, tag, **call_kwargs(locals()))
+
+
+@mpi4py_keywords
+def irecv(
+    src: Optional[int] = None,
+    tag: int = 0,
+    *,
+    group: Any = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    return_sender: bool = False,
+) -> Request:
+    """Start receiving one object from global rank ``src`` sent with ``tag``; return a :class:`Request` at once.
+
+    ``wait()`` returns the object (``(sender, object)`` with ``return_sender=True``), or raises what
+    :func:`recv` would. Receives from the same rank with the same tag complete in issue order. From
+    this rank itself, it completes at the send to this rank under ``tag`` that delivers its message
+    (or at once, if one waits): the way to wait for another thread's send to this rank.
+
+    Example::
+
+        first, second = objcomm.irecv(src=1, tag=1), objcomm.irecv(src=1, tag=1)
+        assert first.wait()["step"] == 0 and second.wait()["step"] == 1
+    """
+    return _communicator(group).irecv(src, tag, return_sender=return_sender, **call_kwargs(locals()))
+
+
+def connect(group: Any = None) -> bool:
+    """Open ``group``'s same-host channel now, with send/recv on it (a collective: every rank of the group calls
+    it); whether send/recv now take it, alike on every rank. For programs whose first calls are send/recv: the
+    channel otherwise opens at the group's first collective. See :meth:`Communicator.connect`.
+
+    Example::
+
+        dist.init_process_group("gloo")
+        objcomm.connect()
+        objcomm.send({"step": 0}, dst=1)   # the same-host channel from the first message
+    """
+    return _communicator(group).connect()

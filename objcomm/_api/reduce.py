@@ -1,0 +1,141 @@
+"""Reductions of Python objects: named operations and the tree that combines ranks in order.
+
+A reduction combines every rank's object with ``op(a, b) -> c``, assumed associative, never
+assumed commutative: the result is ``op(...op(op(obj_0, obj_1), obj_2)..., obj_{n-1})`` in group-rank
+order. :func:`tree` runs a binomial tree towards group rank 0: in round ``k`` a rank whose rank has
+bit ``k`` set sends what it holds to ``rank - 2**k`` and is done; the others receive from
+``rank + 2**k`` and combine ``op(mine, theirs)``, so lower ranks stay on the left. That is
+⌈log2 W⌉ rounds, and a rank decodes at most one object per round.
+
+A failure (encoding, decoding, ``op`` raising, an unknown name) never stops a rank from taking part:
+it sends an error report up the tree instead of a value, and the caller's final collective tells
+every rank which ranks failed (see :meth:`objcomm.Communicator.reduce`). When ``op`` raises, the
+report is an :class:`~objcomm._errors.OpError` that names the function, where it raised and which
+ranks' objects it was combining: the caller's code failed, not a serializer.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import os
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+from objcomm._errors import CommunicationError, ObjcommError, OpError
+from objcomm._format import frame as _frame
+from objcomm._transport import rounds as _rounds
+
+Op = Union[str, Callable[[Any, Any], Any]]
+REDUCE_TAG = (1 << 30) - 1  # above every tag a caller may pass (objcomm._api.call.MAX_TAG)
+
+
+def _merge(a: Dict[Any, Any], b: Dict[Any, Any]) -> Dict[Any, Any]:
+    merged = copy.copy(a)  # of a's type (a Counter, a defaultdict), as a group of one returns it
+    merged.update(b)
+    return merged
+
+
+def _merge_sum(a: Dict[Any, Any], b: Dict[Any, Any]) -> Dict[Any, Any]:
+    merged = copy.copy(a)
+    for key, value in b.items():
+        merged[key] = merged[key] + value if key in merged else value
+    return merged
+
+
+NAMED_OPS: Dict[str, Callable[[Any, Any], Any]] = {
+    "sum": operator.add,  # numbers, tensors, arrays; concatenates lists, tuples and strings
+    "prod": operator.mul,
+    "min": min,
+    "max": max,
+    "merge": _merge,  # dicts: the union, a later rank's value wins for a key both have
+    "merge_sum": _merge_sum,  # dicts of counts: the union, values of a key both have added
+}
+
+
+def resolve(op: Op) -> Callable[[Any, Any], Any]:
+    """The function ``op`` names (one of :data:`NAMED_OPS`), or ``op`` itself when callable."""
+    if callable(op):
+        return op
+    if isinstance(op, str) and op in NAMED_OPS:
+        return NAMED_OPS[op]
+    raise ValueError(
+        f"op must be a callable op(a, b) -> c or one of {sorted(NAMED_OPS)}, got {op!r}"
+    )
+
+
+def _ranks(first: int, last: int) -> str:
+    return f"group rank {first}" if first == last else f"group ranks {first}-{last}"
+
+
+def op_error(op: Op, fn: Callable[[Any, Any], Any], exc: BaseException, left: str, right: str) -> OpError:
+    """The :class:`OpError` for ``fn`` (what ``op`` names) raising ``exc`` on ``op(a, b)``, where ``a``
+    combines the objects of ``left`` and ``b`` those of ``right``."""
+    raised = f"{type(exc).__name__}: {exc}"
+    combining = f"combining op(a, b) with a from {left} and b from {right}"
+    if isinstance(op, str):  # a named op: the objects do not support it
+        return OpError(f"op {op!r} raised {raised}, {combining}; {op!r} cannot combine these objects: "
+                       "choose another op or pass a function op(a, b)")
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__qualname__", None)
+    if name is None:  # a callable object, a functools.partial
+        name = f"{type(fn).__qualname__} object"
+    elif code is None and getattr(fn, "__module__", None) not in (None, "builtins"):  # no file to show
+        name = f"{fn.__module__}.{name}"
+    tb, where = exc.__traceback__, ""
+    while tb is not None and code is not None:
+        if tb.tb_frame.f_code is code:
+            where = f" ({os.path.basename(code.co_filename)}, line {tb.tb_lineno})"
+            break
+        tb = tb.tb_next
+    return OpError(f"the op function {name}{where} raised {raised}, {combining}; that is the caller's code, "
+                   f"not objcomm's: fix {name}")
+
+
+def tree(call: Any, obj: Any, op: Op) -> Tuple[Optional[Any], bool, Optional[BaseException]]:
+    """Combine every rank's ``obj`` onto group rank 0 over ``call.wire``.
+
+    Returns ``(value, complete, own_failure)``: ``value`` is the reduction on group rank 0 when
+    ``complete`` (no failure anywhere below it); ``own_failure`` is what failed on this rank (its
+    report travelled up the tree in place of a value).
+    """
+    wire = call.wire._replace(tag=REDUCE_TAG)
+    own: Optional[BaseException] = None
+    try:
+        fn = resolve(op)
+    except ValueError as exc:
+        fn, own = operator.add, exc  # never called: nothing is complete here
+    value, complete = obj, own is None
+    step = 1
+    while step < wire.size:
+        if wire.rank & step:  # send what this subtree holds to the parent, and stop
+            if complete:
+                out, failed = call.encode(value)
+                own = own or failed
+            else:
+                out = _frame.error_frame(own or ObjcommError("a rank below failed"), wire.inline_capacity)
+            try:
+                _rounds.send(wire, out, wire.rank - step)
+            except CommunicationError:
+                raise
+            except ObjcommError as exc:  # the parent refused it: it knows, and so will everyone else
+                own = own or exc
+            return None, False, own
+        child = wire.rank + step
+        if child < wire.size:
+            try:
+                _, item, is_error = _rounds.recv(wire, child, _frame.tensor_sizes)
+                if is_error:
+                    complete = False
+                elif complete:
+                    theirs = call.decode(item, child)
+                    try:
+                        value = fn(value, theirs)
+                    except Exception as exc:
+                        left, right = _ranks(wire.rank, child - 1), _ranks(child, min(child + step, wire.size) - 1)
+                        raise op_error(op, fn, exc, left, right) from exc
+            except CommunicationError:
+                raise
+            except Exception as exc:  # refused, undecodable, or op raised: reported at the end
+                own, complete = own or exc, False
+        step *= 2
+    return (value if complete else None), complete, own

@@ -1,0 +1,459 @@
+"""Non-blocking object messaging: :class:`Request` handles, and where their operations run.
+
+``isend``/``irecv`` and every collective with ``async_op=True`` hand the blocking operation to a
+background thread and return a :class:`Request` at once. The rules, per process group:
+
+- **Collectives** (``all_gather(..., async_op=True)`` and the rest) run on the group's *shadow*: a
+  second process group with the same ranks and backend. One lane per group runs them one after another,
+  in issue order. Since torch matches collectives of one process group by issue order per thread, and
+  the caller's thread never touches the shadow, the caller may keep running blocking objcomm calls and
+  tensor collectives on the group meanwhile: they neither wait for nor mix with the outstanding ones.
+  Every rank must issue a group's async collectives in the same order, as with blocking ones.
+- **The shadow is made in the lane** (:func:`_make_shadow`), by the first async collective's job, so issuing
+  never blocks: members may reach their first async collective at different points of their blocking calls
+  (or ``dist.new_group`` calls). It is named after the group's own torch name, which every member shares, so
+  neither group counts nor the order of creation matter; its set-up talks only to its members, through the
+  store, and gives up after the group's timeout (a member that never issues an async collective on the group:
+  ``wait()`` raises :class:`~objcomm.CommunicationError`, as does every later async collective there). It
+  joins torch's groups in the background, which recent torch counts when it names a group made with
+  ``use_local_synchronization`` or ``split_group``: create those before the first async collective on a group,
+  or after its ``wait()``.
+- **Point to point** (``isend``/``irecv``) runs on the group itself, in one lane per (direction, peer,
+  tag): messages between the same pair with the same tag keep their issue order, while an ``isend``
+  never waits behind an ``irecv`` (gloo's send waits for its receiver, so one lane for both would
+  deadlock two ranks that each post an irecv before their isend). Tags keep lanes apart on the wire.
+- **Misuse is an error, not a race or a hang**: a blocking ``send``/``recv`` on a (peer, tag) that an
+  outstanding ``isend``/``irecv`` of this rank also uses, and an ``irecv(src=None, tag)`` next to an
+  outstanding ``irecv`` from a given rank with the same tag (or the reverse), raise
+  :class:`~objcomm.ObjcommError` at once. Point to point on NCCL is refused (its one communicator
+  cannot take sends from several threads); NCCL collectives use the shadow like gloo's.
+
+- **Messages to oneself** (``send``/``isend`` to this rank, and every one without a process group) never
+  touch the backend: :class:`_OwnBox`, one per group, holds them, encoded, until this rank receives them,
+  in order per tag. An ``irecv`` from oneself needs no lane either: it waits in the box, and the next send
+  to oneself under its tag completes it (the receives posted under a tag, in posting order); it counts as
+  outstanding for the rules above, as an ``irecv`` from a peer does.
+
+A lane is a queue with a thread that exists only while the queue has work, so idle groups hold no
+thread and thousands of handles leave none behind. Without a process group, the operation runs
+at once and the handle is returned completed. Failures are the blocking call's: ``wait()`` raises
+them (``RemoteError`` on every rank when any rank failed to encode), nothing is swallowed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import weakref
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from objcomm import _state
+from objcomm._device import device_for_backend, group_backend
+from objcomm._errors import CommunicationError, ObjcommError, WaitTimeoutError
+from objcomm._transport import groups as _groups
+
+Job = Tuple[concurrent.futures.Future, Callable[[], Any]]
+Posted = Tuple[concurrent.futures.Future, Callable[[Any], Any], Callable[[], None]]  # an irecv from oneself
+Key = Tuple[str, Any, Any]  # a lane: ("send" | "recv", peer, tag), or COLLECTIVES
+COLLECTIVES: Key = ("collective", None, None)
+
+
+class Request:
+    """A handle on one non-blocking objcomm operation (``isend``, ``irecv``, ``async_op=True``).
+
+    ``wait()`` returns what the blocking call returns, or raises what it raises, on every rank alike.
+    A ``wait(timeout)`` that expires raises :class:`~objcomm.WaitTimeoutError` and leaves the handle
+    usable: the operation goes on, and a later ``wait()`` collects it. ``get_future()`` gives a
+    ``concurrent.futures.Future`` (see :meth:`get_future`).
+
+    Example::
+
+        pending = objcomm.all_gather(metrics, async_op=True)
+        loss.backward()                      # keep computing; tensor collectives are fine too
+        everyone = pending.wait()
+    """
+
+    __slots__ = ("_future", "op")
+
+    def __init__(self, op: str, future: concurrent.futures.Future) -> None:
+        self.op = op
+        self._future = future
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """The operation's result (``None`` for ``isend``), once it completes; or its exception.
+
+        ``timeout``: seconds to wait at most; when they pass first, :class:`~objcomm.WaitTimeoutError`.
+        """
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise WaitTimeoutError(
+                f"{self.op} did not complete within {timeout} s; it is still in progress and this handle stays "
+                "usable: call wait() again. If it never completes, a peer has not issued the matching call"
+            ) from None
+
+    def is_completed(self) -> bool:
+        """Whether the operation has finished, successfully or not (``wait()`` then returns at once)."""
+        return self._future.done()
+
+    def get_future(self) -> concurrent.futures.Future:
+        """A ``concurrent.futures.Future`` that completes with the operation.
+
+        That type because the operation runs in a plain thread: it works with
+        ``concurrent.futures.wait``/``as_completed``, ``asyncio.wrap_future`` and ``add_done_callback``,
+        and ``result(timeout)`` has a timeout; a ``torch.futures.Future`` has none, and its CUDA-stream
+        semantics promise nothing for Python objects. It cannot be cancelled: every rank must take part.
+        """
+        return self._future
+
+    def __repr__(self) -> str:
+        state = "completed" if self._future.done() else "pending"
+        return f"<objcomm.Request {self.op} {state}>"
+
+
+class _OwnBox:
+    """The messages a rank sent itself on one group (or without one) and has not received yet, per tag in the
+    order sent; and its receives from itself that wait for their message (``irecv``), per tag in the order posted.
+
+    A message is what the sender's encoding gave (an :class:`~objcomm._transport.base.Outgoing` that owns its bytes, or
+    an error report): the receiver decodes it with its own settings, as a peer's. Both queues hold only non-empty
+    deques, so ``tag in queued`` says whether a message waits.
+    """
+
+    __slots__ = ("lock", "queued", "posted")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queued: Dict[int, Deque[Any]] = {}  # tag -> messages not received yet
+        self.posted: Dict[int, Deque[Posted]] = {}  # tag -> irecv from oneself: (future, take, release)
+
+    def post(self, tag: int, message: Any) -> None:
+        """Deliver ``message``: to the oldest receive waiting under ``tag`` (decoded now, in this thread), else to the
+        queue."""
+        with self.lock:
+            waiting = self.posted.get(tag)
+            if not waiting:
+                self.queued.setdefault(tag, deque()).append(message)
+                return
+            future, take, release = waiting.popleft()
+            if not waiting:
+                del self.posted[tag]
+        _complete(future, lambda: take(message), release)
+
+    def take(self, tag: int) -> Any:
+        """The oldest message under ``tag``, or :data:`NOTHING`."""
+        with self.lock:
+            queue = self.queued.get(tag)
+            if not queue:
+                return NOTHING
+            message = queue.popleft()
+            if not queue:
+                del self.queued[tag]
+            return message
+
+    def receive(self, tag: int, take: Callable[[Any], Any], hold: Callable[[], None],
+                release: Callable[[], None]) -> Request:
+        """An ``irecv`` from oneself: completed with ``take(message)`` now if a message waits under ``tag``, else
+        once one is sent. ``hold()`` runs as it starts to wait, ``release()`` before it completes."""
+        with self.lock:
+            queue = self.queued.get(tag)
+            if not queue:
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                future.set_running_or_notify_cancel()
+                hold()
+                self.posted.setdefault(tag, deque()).append((future, take, release))
+                return Request("irecv", future)
+            message = queue.popleft()
+            if not queue:
+                del self.queued[tag]
+        return completed("irecv", lambda: take(message))
+
+
+NOTHING = object()  # what _OwnBox.take returns when no message waits
+
+
+def _complete(future: concurrent.futures.Future, fn: Callable[[], Any], release: Callable[[], None]) -> None:
+    """Complete ``future`` with what ``fn`` returns or raises (in the caller's thread), ``release`` first."""
+    try:
+        result = fn()
+    except BaseException as exc:  # wait() raises it
+        release()
+        future.set_exception(exc)
+    else:
+        release()
+        future.set_result(result)
+
+
+class _Lanes:
+    """One group's async state: its shadow group, its lanes, which point-to-point keys are busy, and the messages
+    this rank sends itself on it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.shadow: Any = None  # the shadow group, or the exception that stopped its set-up (shadow_of)
+        self.queues: Dict[Key, Deque[Job]] = {}  # a lane exists while it has work and its thread
+        self.busy: Dict[Key, int] = {}  # (direction, peer, tag) -> outstanding requests
+        self.own = _OwnBox()
+
+    def shadow_of(self, group: Any) -> Any:
+        """``group``'s shadow, made at the first call (only the collective lane calls this, one job at a time). A
+        failed set-up fails this and every later async collective on the group: its members are out of step."""
+        if self.shadow is None:
+            try:
+                self.shadow = _make_shadow(group)
+            except Exception as exc:
+                self.shadow = exc
+        if isinstance(self.shadow, Exception):
+            raise CommunicationError(
+                "async collectives on this group run on a second process group with its ranks, which each member "
+                "sets up at its first async collective on the group, waiting for the others up to the group's "
+                f"timeout; that set-up failed: {self.shadow}") from self.shadow
+        return self.shadow
+
+    def hold(self, key: Key) -> None:
+        """One more outstanding request on ``key``, released by :meth:`_done`."""
+        with self.lock:
+            self.busy[key] = self.busy.get(key, 0) + 1
+
+    def submit(self, op: str, key: Key, fn: Callable[[], Any]) -> Request:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()  # never cancellable: the other ranks would wait forever
+        with self.lock:
+            queue = self.queues.get(key)
+            start = queue is None
+            if queue is None:
+                queue = self.queues[key] = deque()
+            queue.append((future, fn))
+            if key != COLLECTIVES:  # under the lock: the lane's thread may run the job and release it at once
+                self.busy[key] = self.busy.get(key, 0) + 1
+        if start:
+            threading.Thread(target=self._drain, args=(key,), name=f"objcomm-{op}", daemon=True).start()
+        return Request(op, future)
+
+    def _drain(self, key: Key) -> None:
+        """Run the lane's jobs in order; the thread ends when the lane is empty."""
+        while True:
+            with self.lock:
+                queue = self.queues[key]
+                if not queue:
+                    del self.queues[key]
+                    return
+                future, fn = queue.popleft()
+            _settle(future, fn, lambda: self._done(key))
+            del future, fn  # hold nothing of a finished job
+
+    def _done(self, key: Key) -> None:
+        """Release ``key`` before the future completes, so a blocking call right after ``wait()`` is allowed."""
+        if key == COLLECTIVES:
+            return
+        with self.lock:
+            left = self.busy[key] - 1
+            if left:
+                self.busy[key] = left
+            else:
+                del self.busy[key]
+
+    def conflict(self, direction: str, peer: Optional[int], tag: int) -> Optional[Key]:
+        """An outstanding key that a ``direction`` operation with ``peer`` and ``tag`` would race with."""
+        with self.lock:
+            for key in self.busy:
+                kind, other, other_tag = key
+                if kind == direction and other_tag == tag and (other == peer or None in (other, peer)):
+                    return key
+        return None
+
+
+class _ThreadState(threading.local):
+    inside = False  # this thread runs a lane's call (its blocking calls are the request); a class default: a missing
+    # attribute of a threading.local costs an AttributeError on every blocking send/recv
+
+
+_LOCAL = _ThreadState()
+_LANES_LOCK = threading.Lock()
+
+
+def _settle(future: concurrent.futures.Future, fn: Callable[[], Any], release: Callable[[], None]) -> None:
+    """Complete ``future`` with what ``fn`` returns or raises; ``release`` runs first (see :meth:`_Lanes._done`).
+    The lane's own blocking call runs ``inside``; the future's done-callbacks, which run on this thread as it
+    completes, do not: their calls are checked like any other thread's."""
+    _LOCAL.inside = True
+    try:
+        result = fn()
+    except BaseException as exc:  # wait() raises it, on this rank as the blocking call would: nothing is swallowed
+        _LOCAL.inside = False
+        release()
+        future.set_exception(exc)
+    else:
+        _LOCAL.inside = False
+        release()
+        future.set_result(result)
+
+
+def _lanes(group: Any) -> _Lanes:
+    facts = _state.group_facts(group)
+    with _LANES_LOCK:
+        lanes: Optional[_Lanes] = facts.requests
+        if lanes is None:
+            lanes = facts.requests = _Lanes()
+        return lanes
+
+
+def _resolved(group: Any) -> Any:
+    return group if group is not None else dist.group.WORLD
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def completed(op: str, fn: Callable[[], Any]) -> Request:
+    """Run ``fn`` now (no process group: nothing to overlap) and return its completed handle."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+    _settle(future, fn, lambda: None)
+    return Request(op, future)
+
+
+def collective(group: Any, op: str, fn: Callable[[Any], Any]) -> Request:
+    """Issue ``fn(shadow)`` on ``group``'s collective lane; ``fn`` runs the blocking collective on the
+    process group it is given (the shadow; ``group`` itself when there is no process group)."""
+    if not _initialized():
+        return completed(op, lambda: fn(group))
+    group = _resolved(group)
+    lanes, device = _lanes(group), _cuda_device(group)
+    if device is None:
+        return lanes.submit(op, COLLECTIVES, lambda: fn(lanes.shadow_of(group)))
+
+    def on_device() -> Any:  # a thread starts on CUDA device 0: give it the caller's (the shadow's set-up too)
+        with torch.cuda.device(device):
+            return fn(lanes.shadow_of(group))
+
+    return lanes.submit(op, COLLECTIVES, on_device)
+
+
+def _cuda_device(group: Any) -> Optional[int]:
+    """The caller's current CUDA device when objcomm moves ``group``'s bytes there (NCCL), else None."""
+    device = device_for_backend(group_backend(group), torch.cuda.current_device)
+    return None if device.type == "cpu" else device.index
+
+
+def issuable(group: Any, op: str) -> bool:
+    """Whether ``op`` (``isend``/``irecv``) on ``group`` runs on a lane: False without a process group (it runs at
+    once, its handle completed); raises on NCCL (see :func:`point_to_point`)."""
+    if not _initialized():
+        return False
+    if _cuda_device(_resolved(group)) is not None:
+        raise ObjcommError(
+            f"{op}: this group uses NCCL, whose one communicator cannot take sends and receives from several "
+            "threads; use blocking send/recv there, async collectives (async_op=True), or a gloo group for isend/irecv"
+        )
+    return True
+
+
+def point_to_point(group: Any, direction: str, peer: Optional[int], tag: Any, fn: Callable[[], Any]) -> Request:
+    """Issue ``fn`` (a blocking send or recv on ``group``) on the lane of ``(direction, peer, tag)``."""
+    op = "isend" if direction == "send" else "irecv"
+    if not issuable(group, op):
+        return completed(op, fn)
+    group = _resolved(group)
+    lanes = _lanes(group)
+    if direction == "recv":
+        _check_sources(lanes, peer, tag)
+    return lanes.submit(op, (direction, peer, tag), fn)
+
+
+def _check_sources(lanes: _Lanes, peer: Optional[int], tag: Any) -> None:
+    """Raise if an ``irecv(src=peer, tag)`` would take the messages of an outstanding one from another source."""
+    clash = lanes.conflict("recv", peer, tag)
+    if clash is not None and clash[1] != peer:
+        raise ObjcommError(
+            f"irecv(src={peer}, tag={tag}) while an irecv(src={clash[1]}, tag={tag}) is outstanding: a receive "
+            "from any rank and one from a given rank with the same tag would take each other's messages. "
+            "Wait for the outstanding one first, or use different tags"
+        )
+
+
+# -- messages to oneself (see _OwnBox) ---------------------------------------------------------------------------------
+_NO_GROUP = _OwnBox()  # without a process group: the one rank's messages to itself
+
+
+def own_box(group: Any) -> _OwnBox:
+    """The box of this rank's messages to itself on ``group`` (a process group; None: without one)."""
+    return _NO_GROUP if group is None else _lanes(group).own
+
+
+def own_message(group: Any, tag: int) -> Any:
+    """The oldest message this rank sent itself on ``group`` (None: without a process group) under ``tag``, or
+    :data:`NOTHING`."""
+    if group is None:
+        return _NO_GROUP.take(tag)
+    lanes: Optional[_Lanes] = _state.group_facts(group).requests
+    return NOTHING if lanes is None else lanes.own.take(tag)
+
+
+def nothing_waiting(op: str, src: Any, tag: int) -> ObjcommError:
+    """What a blocking receive from this rank itself raises when no message waits: none could arrive while it blocks."""
+    any_rank = " (from any rank, in a group of one: from this rank itself)" if src is None else ""
+    return ObjcommError(
+        f"{op}(src={src}, tag={tag}){any_rank}: nothing this rank sent itself waits under tag {tag}, and nothing "
+        "can arrive while this call blocks the thread that would send it (mpi4py would wait forever here). "
+        "Send to this rank first (a send to oneself returns at once), or, where another thread sends it, "
+        f"wait with objcomm.irecv(src={src}, tag={tag}).wait(timeout)"
+    )
+
+
+def own_waiting(facts: _state.GroupFacts, tag: Any) -> bool:
+    """Whether a message this rank sent itself waits under ``tag`` on the group of ``facts`` (a look, no lock)."""
+    lanes: Optional[_Lanes] = facts.requests
+    return lanes is not None and tag in lanes.own.queued
+
+
+def receive_own(group: Any, src: Optional[int], tag: int, take: Callable[[Any], Any]) -> Request:
+    """An ``irecv(src, tag)`` from this rank itself on ``group`` (None: without a process group): completed with
+    ``take(message)`` by the message this rank sent itself under ``tag``, now or at its send. On a group it is
+    outstanding on ``("recv", src, tag)`` until then, as an ``irecv`` from a peer is on its lane."""
+    if group is None:
+        return _NO_GROUP.receive(tag, take, _nothing, _nothing)
+    lanes = _lanes(group)
+    _check_sources(lanes, src, tag)
+    key = ("recv", src, tag)
+    return lanes.own.receive(tag, take, lambda: lanes.hold(key), lambda: lanes._done(key))
+
+
+def _nothing() -> None:
+    return None
+
+
+def check_blocking(group: Any, direction: str, peer: Optional[int], tag: Any) -> None:
+    """Raise if a blocking ``send``/``recv`` would race with an outstanding ``isend``/``irecv`` of this rank."""
+    if _LOCAL.inside or not _initialized():
+        return
+    facts = _state.group_facts(_resolved(group))
+    lanes: Optional[_Lanes] = facts.requests
+    if lanes is None:
+        return
+    clash = lanes.conflict(direction, peer, tag)
+    if clash is not None:
+        blocking, pending = ("send", "isend") if direction == "send" else ("recv", "irecv")
+        where = "dst" if direction == "send" else "src"
+        raise ObjcommError(
+            f"{blocking}({where}={peer}, tag={tag}) while an {pending}({where}={clash[1]}, tag={tag}) is "
+            f"outstanding on this group: their messages would race. wait() for the {pending} first, or use "
+            "another tag"
+        )
+
+
+def _make_shadow(group: Any) -> Any:
+    """A process group with ``group``'s ranks (in its order) and backend, for async collectives; made in the lane
+    (:func:`objcomm._transport.groups.sibling`), and destroyed when ``group`` is collected.
+
+    NCCL is untested here (no GPU): its communicator forms at the shadow's first collective, in the lane; where
+    the default group is bound to a device, torch splits it from that group's communicator (``ncclCommSplit``),
+    which then runs next to the caller's own NCCL calls on the default group."""
+    shadow = _groups.sibling(group, "objcomm-shadow")
+    weakref.finalize(group, _groups.forget, shadow).atexit = False  # at exit torch tears every group down itself
+    return shadow

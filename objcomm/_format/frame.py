@@ -1,0 +1,423 @@
+"""The wire format: every payload travels as one self-describing frame.
+
+Frame, format version 1 (all integers little-endian)::
+
+    offset  size  field
+    0       4     magic            b"OBJC"
+    4       1     version          1
+    5       1     flags            bit 0: error report (payload is JSON {"type", "message"})
+    6       1     compression      0 none, 1 zstd, 2 lz4
+    7       1     name_len         length of the serializer name
+    8       4     table_len        bytes of the out-of-band tensor table
+    12      4     n_tensors        entries in that table
+    16      8     payload_len      payload bytes as stored (after compression)
+    24      8     raw_len          payload bytes before compression (== payload_len when none)
+    32      8     inline_len       bytes of small tensors stored inside the frame
+    40      n     serializer name  ASCII
+    40+n    t     tensor table
+    ...     p     payload          what the serializer wrote
+    ...     i     inline tensor data
+
+A frame is valid only when its length is exactly ``40 + name_len + table_len + payload_len +
+inline_len``; everything is checked against the bytes actually received before anything of a
+declared size is allocated. Golden frames in ``tests/golden/`` pin this format.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import struct
+from typing import Any, Callable, Collection, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from objcomm._errors import (
+    ContentRefusedError,
+    DecodeError,
+    EncodeError,
+    FrameError,
+    ObjcommError,
+    UnknownSerializerError,
+    original,
+)
+from objcomm._format import compression as _compression
+from objcomm._format.limits import too_large
+from objcomm._format.message import Incoming, Outgoing
+from objcomm._format.slot import PREFIX
+from objcomm._format.tensors import Entry, TensorLifter, WholeBytes, parse_table, restorer
+from serializers import AutoSerializer, SerializerProtocol, registry
+from serializers._auto import exact as auto_exact
+from serializers._auto import no_candidate
+
+MAGIC = b"OBJC"
+VERSION = 2  # the newest format: a tensor table may carry numpy arrays and whole bytes (objcomm._format.tensors.KINDS)
+VERSIONS = (1, 2)  # what this objcomm reads; it writes the lowest that can carry a frame
+HEADER = struct.Struct("<4sBBBBIIQQQ")
+_SLOT_HEADER = struct.Struct(PREFIX.format + HEADER.format[1:])  # a round-1 slot's prefix, then a frame's header
+FLAG_ERROR = 1
+MAX_ERROR_REPORT = 1 << 20
+NO_COMPRESSION = _compression.NONE
+_new = tuple.__new__
+
+
+class Header(NamedTuple):
+    """The parsed fixed header of a frame (a tuple: built on every decode, so it must be cheap)."""
+
+    version: int
+    flags: int
+    compression: int
+    serializer: str
+    table_len: int
+    n_tensors: int
+    payload_len: int
+    raw_len: int
+    inline_len: int
+
+    @property
+    def is_error(self) -> bool:
+        return bool(self.flags & FLAG_ERROR)
+
+    @property
+    def payload_offset(self) -> int:
+        return HEADER.size + len(self.serializer) + self.table_len
+
+
+def frame_length(name_len: int, table_len: int, payload_len: int, inline_len: int) -> int:
+    """Total bytes of a frame with these section lengths."""
+    return HEADER.size + name_len + table_len + payload_len + inline_len
+
+
+def _assemble(name: str, payload: Any, **fields: Any) -> memoryview:
+    """The frame of :func:`_frame_parts` as one buffer."""
+    return memoryview(bytearray().join(_frame_parts(name, payload, **fields)[0]))
+
+
+def _frame_parts(
+    name: str,
+    payload: Any,
+    *,
+    flags: int = 0,
+    compression: int = NO_COMPRESSION,
+    raw_len: Optional[int] = None,
+    table: bytes = b"",
+    n_tensors: int = 0,
+    inline: Sequence[memoryview] = (),
+    version: int = 1,
+) -> Tuple[List[Any], int]:
+    """``(parts, length)``: header, name, tensor table, payload and inline tensors, a frame's parts in order,
+    not joined (:class:`~objcomm._transport.base.Outgoing` joins them only where one buffer is needed), and their
+    bytes."""
+    name_bytes = name.encode("ascii")
+    body = payload if type(payload) is memoryview and payload.format == "B" and payload.ndim == 1 else (
+        memoryview(payload).cast("B"))
+    parts: List[Any] = [b"", name_bytes, table, body]
+    inline_len = 0
+    for part in inline:  # flat unsigned-byte buffers (TensorLifter.pack)
+        parts.append(part)
+        inline_len += part.nbytes
+    parts[0] = HEADER.pack(
+        MAGIC,
+        version,
+        flags,
+        compression,
+        len(name_bytes),
+        len(table),
+        n_tensors,
+        body.nbytes,
+        body.nbytes if raw_len is None else raw_len,
+        inline_len,
+    )
+    return parts, HEADER.size + len(name_bytes) + len(table) + body.nbytes + inline_len
+
+
+Serialized = Tuple[Any, TensorLifter, SerializerProtocol]  # a payload, what it lifted, who wrote it
+
+
+def serialize(obj: Any, serializer: SerializerProtocol, inline_tensor_bytes: int) -> Serialized:
+    """``(payload, lifter, serializer used)``: the first step of :func:`encode`, the serializer's own work.
+
+    Small numpy arrays stay in the payload where the serializer writes them exactly itself: up to its
+    ``in_band_array_bytes`` (none where it has none) and ``inline_tensor_bytes``; see
+    :class:`~objcomm._format.tensors.TensorLifter`. Tensors are always lifted: they arrive on the receiver's device.
+    ``serializer="auto"`` (:class:`serializers.AutoSerializer`) tries its candidates for ``obj`` in turn.
+    """
+    if isinstance(serializer, AutoSerializer):
+        return _serialize_auto(obj, serializer, inline_tensor_bytes)
+    lifter = TensorLifter(min(inline_tensor_bytes, getattr(serializer, "in_band_array_bytes", -1)))
+    if type(obj) in (bytes, bytearray) and len(obj) > inline_tensor_bytes and serializer.supports_external:
+        obj = WholeBytes(obj)  # travels like a tensor: never copied into the payload
+    return serializer.dumps(obj, lift=lifter), lifter, serializer
+
+
+def _serialize_auto(obj: Any, chooser: AutoSerializer, inline_tensor_bytes: int) -> Serialized:
+    try:
+        return _choose_and_serialize(obj, chooser, inline_tensor_bytes)
+    except ObjcommError:
+        raise
+    except Exception as exc:  # the object's own code (a hash, an __eq__) raised while auto looked at it
+        raise EncodeError(f"serializer 'auto' could not look at this {type(obj).__name__} ({type(exc).__name__}: "
+                          f"{exc}); name a serializer instead") from exc
+
+
+def _choose_and_serialize(obj: Any, chooser: AutoSerializer, inline_tensor_bytes: int) -> Serialized:
+    """The first candidate's that takes ``obj`` and, where :meth:`~serializers.AutoSerializer.candidates` says so,
+    gives it back exactly: decoded here (the lifted objects themselves restored) and judged."""
+    refused: tuple = ()  # who refused obj itself already: not asked again
+    leader = chooser.leader(obj)
+    if leader is not None:  # the common case: pickle, first and exact by construction; nothing else worked out
+        try:
+            return serialize(obj, leader, inline_tensor_bytes)
+        except ObjcommError:
+            chooser.leader_refused(obj)
+            refused = (leader.name,)
+    sig, trusted = chooser.trusted(obj)
+    if trusted is not None and trusted.name not in refused:  # the one that took the last object of this signature
+        try:
+            return serialize(obj, trusted, inline_tensor_bytes)
+        except ObjcommError:
+            refused += (trusted.name,)
+    for candidate, judged, outcome in chooser.candidates(obj, sig, refused):
+        try:
+            done = serialize(obj, candidate, inline_tensor_bytes)
+            took = not judged or auto_exact(obj, candidate.loads(done[0], restore=done[1].original))
+        except ObjcommError:  # refused to encode, or to decode what it wrote (restricted-pickle)
+            took = False
+        outcome(took)
+        if took:
+            return done
+    raise no_candidate(chooser, obj)
+
+
+def encode(
+    obj: Any,
+    serializer: SerializerProtocol,
+    *,
+    max_bytes: int,
+    inline_tensor_bytes: int = 64 << 10,
+    compression: Optional[str] = None,
+    serialized: Optional[Serialized] = None,
+) -> Outgoing:
+    """Serialize ``obj`` into a frame plus out-of-band tensors; raise :class:`EncodeError` or :class:`TooLargeError`.
+
+    ``serializer`` is one ``serializers.registry.guarded()`` returns, so it raises only objcomm's
+    errors. Tensors are lifted out when it supports that (the pickle family, msgpack). ``serialized``:
+    what :func:`serialize` returned for ``obj`` already, which is then not serialized again.
+    """
+    payload, lifter, serializer = serialize(obj, serializer, inline_tensor_bytes) if serialized is None else serialized
+    packed = lifter.pack(inline_tensor_bytes) if lifter.tensors else None
+    raw = memoryview(payload).cast("B")
+    code, stored = (NO_COMPRESSION, raw) if compression is None else _compression.compress(compression, raw)
+    if packed is not None:
+        table, inline, oob = packed
+        version = 2 if any(lifter.kinds) else 1  # a version 1 reader would take numpy or bytes for tensors
+        parts, length = _frame_parts(
+            serializer.name, stored, compression=code, raw_len=raw.nbytes, table=table, n_tensors=len(lifter.tensors),
+            inline=inline, version=version,
+        )
+    else:  # the common small case: no tensor table, nothing out of band
+        (parts, length), oob = _frame_parts(serializer.name, stored, compression=code, raw_len=raw.nbytes), []
+    out = Outgoing(parts=parts, tensors=oob, nbytes=length)
+    if out.total > max_bytes:
+        raise too_large(f"the encoded object is {out.total:,} bytes, above max_bytes={max_bytes:,}",
+                        outcome="nothing was sent", where="on this rank")
+    return out
+
+
+def small_slot(name: bytes, payload: Any, slot_bytes: int, limit: int) -> Optional[bytes]:
+    """The round-1 slot of a frame of ``payload`` with no tensor table and no compression, written in
+    one pass and *trimmed* after the frame: byte for byte the start of what :func:`encode` and
+    :func:`objcomm._format.slot.fill_slot` write for it, whose rest is zeros (``limit``: the sender's
+    ``max_bytes``). A send/recv through the same-host channel may travel so
+    (:func:`objcomm._samehost.channel_slots.trimmed`). None when the frame does not fit the slot or ``limit``:
+    :func:`encode` then says why, or the slot's second round moves it.
+    """
+    body = payload if type(payload) is bytes else memoryview(payload).cast("B")
+    size = len(body)  # bytes, or a 1-d view of unsigned bytes: its length is its size
+    length = HEADER.size + len(name) + size
+    if PREFIX.size + length > slot_bytes or length > limit:
+        return None
+    # the slot's prefix (no flag bits: not an error, nothing listed), then the frame's header
+    head = _SLOT_HEADER.pack(length, limit, length, MAGIC, 1, 0, NO_COMPRESSION, len(name), 0, 0, size, size, 0)
+    return b"".join((head, name, body))
+
+
+def plain_in_slot(slot: Any) -> Optional[Tuple[memoryview, Header]]:
+    """``(frame, header)`` of a round-1 slot that holds a whole *plain* frame, read in one step: no flag
+    bits, nothing out of band or listed, no compression, every length consistent. None for any other slot:
+    :func:`objcomm._format.slot.read_slot`, :mod:`objcomm._format.limits` and :func:`parse_header` then read and judge
+    it, with their own errors. Whatever this accepts, they accept too and read the same way."""
+    lengths = _plain_lengths(slot)
+    if lengths is None:
+        return None
+    version, name_len, payload_len, word = lengths
+    try:
+        name = str(slot[_SLOT_HEADER.size : _SLOT_HEADER.size + name_len], "ascii")
+    except UnicodeDecodeError:
+        return None
+    frame = memoryview(slot)[PREFIX.size : PREFIX.size + word]
+    return frame, _new(Header, (version, 0, NO_COMPRESSION, name, 0, 0, payload_len, payload_len, 0))
+
+
+def plain_payload(slot: Any, name: bytes) -> Optional[memoryview]:
+    """The payload of the plain frame in ``slot`` (as :func:`plain_in_slot` reads it) if its serializer is
+    ``name`` (ASCII); else None. What a caller that already holds that serializer needs, without the header."""
+    lengths = _plain_lengths(slot)
+    if lengths is None:
+        return None
+    start = _SLOT_HEADER.size + lengths[1]
+    if slot[_SLOT_HEADER.size : start] != name:
+        return None
+    return memoryview(slot)[start : start + lengths[2]]
+
+
+def _plain_lengths(slot: Any) -> Optional[Tuple[int, int, int, int]]:
+    """``(version, name length, payload length, frame length)`` of the whole plain frame in ``slot``, or None
+    (see :func:`plain_in_slot`)."""
+    if len(slot) < _SLOT_HEADER.size:
+        return None
+    (word, _, total, magic, version, flags, compression, name_len, table_len, n_tensors, payload_len, raw_len,
+     inline_len) = _SLOT_HEADER.unpack_from(slot, 0)
+    if (word != total or word > len(slot) - PREFIX.size or magic != MAGIC or version not in VERSIONS or flags
+            or compression != NO_COMPRESSION or table_len or n_tensors or inline_len or raw_len != payload_len
+            or HEADER.size + name_len + payload_len != word):
+        return None  # word == total, within the slot: no flag bits, and the frame and nothing else follows
+    return version, name_len, payload_len, word
+
+
+def error_frame(exc: BaseException, limit: int) -> Outgoing:
+    """An error report about ``exc`` in at most ``limit`` bytes (the message is cut to fit). The type
+    is what really failed (an :class:`EncodeError`'s cause, e.g. ``PicklingError``), the message ``exc``'s."""
+    message = str(exc)
+    kind = type(original(exc)).__name__
+    while True:
+        payload = json.dumps({"type": kind, "message": message}).encode()
+        frame = _assemble("", payload, flags=FLAG_ERROR)
+        if frame.nbytes <= limit or not message:
+            return Outgoing(frame, error=True)
+        message = message[: max(0, len(message) - (frame.nbytes - limit) - 4)] + "…" if len(message) > 8 else ""
+
+
+def parse_header(view: memoryview) -> Header:
+    """Parse and check a frame's header against the bytes received; raise :class:`FrameError`."""
+    size = view.nbytes
+    if size < HEADER.size:
+        raise FrameError(f"truncated frame: {size} bytes received, a header alone takes {HEADER.size}")
+    magic, version, flags, compression, name_len, table_len, n_tensors, payload_len, raw_len, inline_len = (
+        HEADER.unpack_from(view, 0)
+    )
+    if magic != MAGIC:
+        raise FrameError(
+            f"not an objcomm frame (magic {bytes(magic)!r}, expected {MAGIC!r}); "
+            "is every rank running objcomm, and the same version?"
+        )
+    if version not in VERSIONS:
+        raise FrameError(
+            f"frame format version {version} is unknown here (this objcomm reads {', '.join(map(str, VERSIONS))}); "
+            "upgrade objcomm"
+        )
+    expected = HEADER.size + name_len + table_len + payload_len + inline_len  # frame_length(), without a call
+    if expected != size:
+        raise FrameError(f"frame lengths disagree: the header declares {expected:,} bytes, {size:,} were received")
+    try:
+        name = str(view[HEADER.size : HEADER.size + name_len], "ascii")
+    except UnicodeDecodeError:
+        name_bytes = bytes(view[HEADER.size : HEADER.size + name_len])
+        raise FrameError(f"frame names a serializer that is not ASCII: {name_bytes!r}") from None
+    # tuple.__new__: Header's own __new__ is a Python function, one more call on every decode
+    return _new(Header, (version, flags, compression, name, table_len, n_tensors, payload_len, raw_len, inline_len))
+
+
+def read_error(view: memoryview, header: Header) -> tuple[str, str]:
+    """The ``(type name, message)`` an error frame carries; anything else there is a :class:`FrameError`."""
+    if header.payload_len > MAX_ERROR_REPORT:
+        raise FrameError(f"error report of {header.payload_len:,} bytes, above the {MAX_ERROR_REPORT:,} allowed")
+    start = header.payload_offset
+    text = bytes(view[start : start + header.payload_len])
+    try:
+        # json's C scanner checks its own recursion (RecursionError, not a crash), in linear time;
+        # a regex pre-scan for nesting was quadratic on an unterminated string of escaped quotes.
+        report = json.loads(text)
+        if not isinstance(report, dict) or not all(isinstance(report.get(k), str) for k in ("type", "message")):
+            raise TypeError("expected {\"type\": str, \"message\": str}")
+        return report["type"], report["message"]
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise FrameError(f"malformed error report in frame: {exc}") from None
+
+
+def tensor_sizes(view: memoryview) -> List[int]:
+    """Byte sizes of the out-of-band tensors a frame announces (the transport's ``sizes_of``)."""
+    header = parse_header(view)
+    if header.is_error or not header.n_tensors:
+        return []
+    return [e.nbytes for e in _table(view, header) if not e.inline]
+
+
+def _table(view: memoryview, header: Header) -> List[Entry]:
+    start = HEADER.size + len(header.serializer)
+    kinds = header.version >= 2  # numpy arrays and whole bytes came with version 2
+    return parse_table(view[start : start + header.table_len], header.n_tensors, header.inline_len, kinds)
+
+
+def decode(
+    incoming: Incoming,
+    *,
+    sender: int,
+    accept: Optional[Collection[str]],
+    device: torch.device = torch.device("cpu"),
+    max_bytes: int = 1 << 62,
+    own: bool = False,
+) -> Any:
+    """Decode what arrived from group rank ``sender``; tensors are placed on ``device``.
+
+    Raises :class:`FrameError`, :class:`ContentRefusedError` (serializer not in ``accept``, checked
+    before the payload is touched), :class:`UnknownSerializerError` or :class:`DecodeError`.
+    ``own``: the tensors are the caller's own input (a root keeping its own object): copy them.
+    """
+    view = incoming.frame
+    return decode_parsed(view, parse_header(view), incoming, sender, accept, device, max_bytes, own)
+
+
+def decode_parsed(view: memoryview, header: Header, incoming: Incoming, sender: int, accept: Optional[Collection[str]],
+                  device: torch.device, max_bytes: int, own: bool = False) -> Any:
+    """:func:`decode` of a frame whose header is parsed and checked already."""
+    if header.flags & FLAG_ERROR:  # header.is_error, without a call
+        raise FrameError(f"rank {sender} sent an error report where data was expected")
+    if accept is not None and header.serializer not in accept:
+        raise ContentRefusedError(
+            f"rank {sender} sent a {header.serializer!r} payload, but this rank accepts only {sorted(accept)}; "
+            "add it to accept= if you trust the sender, or send with an accepted serializer"
+        )
+    try:
+        serializer = registry.guarded(header.serializer)
+    except UnknownSerializerError as exc:
+        raise UnknownSerializerError(
+            f"rank {sender} sent a frame encoded with {header.serializer!r}, but {exc}"
+        ) from None
+    entries = _table(view, header) if header.n_tensors else []
+    start = HEADER.size + len(header.serializer) + header.table_len  # header.payload_offset, without a call
+    payload = view[start : start + header.payload_len]
+    if header.compression != NO_COMPRESSION:
+        payload = memoryview(_compression.decompress(header.compression, payload, header.raw_len, max_bytes))
+    restore_of = None
+    if entries:  # the inline tensor data follows the payload
+        restore_of = functools.partial(restorer, entries, view[start + header.payload_len :], incoming.tensors, device,
+                                       own=own, copy_out=incoming.copy_out)
+    return loads_payload(serializer, header.serializer, payload, sender, restore_of)
+
+
+def loads_payload(serializer: SerializerProtocol, name: str, payload: memoryview, sender: int,
+                  restore_of: Optional[Callable[[], Any]] = None) -> Any:
+    """``serializer.loads(payload)``, what goes wrong saying it came from group rank ``sender``; ``name``: the
+    serializer's. ``restore_of()``: the hook that restores the frame's tensors, where it has some."""
+    try:
+        restore = None if restore_of is None else restore_of()
+        if restore is not None and not serializer.supports_external:
+            raise DecodeError(f"{name!r} cannot take tensors out of band, yet the frame carries some")
+        return serializer.loads(payload, restore=restore)
+    except ContentRefusedError as exc:
+        raise ContentRefusedError(f"payload from rank {sender}: {exc}") from exc
+    except FrameError:
+        raise
+    except ObjcommError as exc:  # the serializer's own DecodeError: say where the payload came from
+        raise DecodeError(f"could not decode the {name!r} payload from rank {sender}: {exc}") from exc

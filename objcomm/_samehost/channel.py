@@ -1,0 +1,539 @@
+"""Same-host channel for small messages: Unix-domain sockets between the ranks of one group (issue 14).
+
+When every rank of a group runs on one host, the round-1 slots of collectives move between the
+processes directly instead of through the backend (gloo over loopback TCP): :mod:`objcomm._samehost.channel_slots`
+opens one channel per group and routes them here (the ``local`` setting; on by default,
+``OBJCOMM_LOCAL=0`` turns it off).
+
+Why Unix-domain sockets (SOCK_SEQPACKET, full mesh, abstract names)
+-------------------------------------------------------------------
+``benchmarks/bench_local_channel.py`` measured an all_gather of a 4096-byte slot on a shared,
+noisy 2-core machine (medians of the slowest rank from a barrier; benchmarks/history/RESULTS-log-2026-11.md, "Same-host
+channel prototype"). Against a raw gloo all_gather of the same slot, at W=2 / W=4: bare sockets in
+a full mesh 0.19x / 0.16x, a star through rank 0 0.19x / 0.16x, shared-memory mailboxes (a memfd,
+an eventfd doorbell per rank) 0.20x / 0.16x, this prototype 0.35x / 0.27x (143 µs / 842 µs; back
+to back without barriers 36-50 µs per all_gather at W=2, bare mesh 9-13 µs). The three mechanisms
+tie: a 4 KiB copy is noise next to the wake-up, which every one of them pays once. Mesh over star:
+one hop instead of two, and no rank on everyone's path. Sockets over mailboxes, because mailboxes
+learn nothing of a dead peer (they need a socket per peer anyway), need a memfd passed around and
+a reuse protocol, while a socket gives the rest from the kernel:
+
+- a peer that dies, even by SIGKILL, closes its end: the others read EOF (or ECONNRESET) at once;
+- waits block in the kernel (``recv`` under ``SO_RCVTIMEO``, or ``poll``): a rank waiting 100 ms
+  for a late peer spends < 1 ms of CPU (MPICH, busy-polling: 64-100 ms). Before it blocks, a wait
+  polls its sockets for a moment (the ``local_spin_us`` setting; automatic: 1 ms), once per call,
+  yielding the CPU between polls where the group's ranks outnumber the host's CPUs (:func:`yields`):
+  waking a sleeping rank costs ~50 µs a hop on this machine's virtual CPUs, which is most of a small
+  call (a back-to-back all_gather at W=2: 108 µs sleeping at once, 90 µs with a 100 µs spin; a send/recv
+  round trip: 253 and 155 µs), and a receiver woken on a cold core decodes slower: a 16 KB send/recv round
+  trip took 17-18% less with a 1 ms spin than with 100 µs, in three runs out of three
+  (``benchmarks/bench_p2p_phases.py --spin-us``, issue 25);
+- abstract names (``\\0objcomm-...``) live in the network namespace, never in the file system,
+  and vanish with the last descriptor: nothing to clean up after exit, crash or SIGKILL;
+- ``SO_PEERCRED`` tells who connected: its pid and uid are checked against what the group
+  announced, and the connector must show a per-rank secret that only travelled through the group.
+
+Set-up (once per group, collective): every rank binds a listening socket, one ``all_gather``
+through the group carries each rank's host key, pid, uid, pid namespace, socket nonce and secret
+(and its send/recv vote and the history of the group's channels);
+if they are not all on one host (or differ in uid or pid namespace) every rank returns ``None``
+from :meth:`LocalChannel.open` and the caller keeps the backend. Otherwise rank ``i`` connects to
+every rank below it and accepts from every rank above; the listeners close; one ``all_reduce``
+makes the outcome the same everywhere.
+
+Messages are eager (a send returns once the kernel holds the bytes): every operation is one
+``sendmsg`` per peer and one ``recv`` per message received (``poll`` first when several are
+awaited). Each message carries a 12-byte header: kind, flags, a sequence number (collectives,
+checked: ranks calling different operations raise) and a tag (send/recv). Receiving is
+:mod:`objcomm._samehost.inbox`: several threads may wait at once (collectives on the caller's thread,
+send/recv on ``isend``/``irecv`` lanes), each socket read by one of them at a time; messages that
+arrive before they are wanted wait in a bounded stash, and every message is checked on arrival (a
+member that breaks the protocol fails the channel with a clear error, never a hang or an allocation
+beyond the stash). A forked child closes its copies of the sockets at once
+(``os.register_at_fork``), so that a DataLoader worker never keeps a dead rank's connections open.
+
+How it plugs in
+---------------
+:class:`objcomm._samehost.channel_slots.SameHostSlots`, a :class:`objcomm._transport.base.FirstRound` strategy
+(``Wire.first_round``), moves the slots of ``_exchange_slots`` (all_gather, gather, the
+reductions' last step), ``broadcast``, ``scatter`` and ``all_to_all`` of :mod:`objcomm._transport.rounds`,
+and the slots of ``send``/``recv`` once every rank has voted them in (the set-up's ``ready`` word, or a
+vote through the group after an all_gather or all_to_all, :meth:`LocalChannel.vote`: values every rank sees alike; see
+:mod:`objcomm._samehost.channel_slots`). The channel is
+opened on the first collective of a group that may use it, with the group's timeout, kept in
+:func:`objcomm._state.group_facts` and closed with the group or at exit; after a failure the next
+collective opens a new one when every rank failed at the same call (the set-up carries each rank's
+``(generation, failure point)``; ranks that disagree are out of step, and raise from then on).
+Async collectives run on the shadow group, which gets a channel of its own.
+The small words of large collectives go through it too: the receivers' votes and the shared-memory
+control words (:meth:`objcomm._samehost.channel_slots.SameHostSlots.gather_words`,
+:func:`objcomm._transport.base.largest_of`). So do the answers and second rounds of send/recv below the shared-memory
+threshold (messages of their own kinds, under the send's message id: :mod:`objcomm._samehost.channel_rounds`). Still
+open: reusing
+:mod:`objcomm._samehost.hosts` instead of the channel's own discovery; and the channel's own cost: its bookkeeping
+(header, stash, checks) doubles the bare mesh's time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+import weakref
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from objcomm._errors import CommunicationError
+from objcomm._samehost import hosts as _hosts
+from objcomm._samehost.inbox import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    ANSWER,
+    BROADCAST,
+    CREDIT,
+    ECHO,
+    GATHER,
+    HEADER,
+    MASK,
+    NAMES,
+    P2P,
+    REST,
+    SCATTER,
+    Inbox,
+)
+from objcomm._transport.base import Slot, Wire, all_gather_single, guarded
+
+DEFAULT_TIMEOUT = 300.0  # seconds any one wait may take
+SETUP_TIMEOUT = 30.0  # seconds to connect the mesh
+MAX_PAYLOAD = 64 << 10  # bytes in one message; a SEQPACKET message must fit the socket's send buffer
+_WAITER = {ANSWER: "send", REST: "recv"}  # the operation that waits for each part of a send
+AUTO_SPIN = 1e-3  # seconds a wait polls before sleeping when the spin setting is automatic (see yields)
+
+_HELLO = struct.Struct("<iq")  # connector's group rank, the acceptor's secret
+_CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+_WORDS = 10  # ok, host key, pid, uid, pid namespace, socket nonce, secret, ready, generation, failure point
+_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
+_OPEN: weakref.WeakSet[LocalChannel] = weakref.WeakSet()  # closed in a forked child (see _forget_in_child)
+_CREDIT_HEADER = HEADER.pack(CREDIT, 0, 0, 0)
+EVERY_VOTE, LATER_VOTES = 16, 64  # send/recv votes: at the first 16 all_gathers and all_to_alls, then every 64th
+VOTE = 2  # first word of a vote (LocalChannel.vote), where set-up has 0 or 1
+
+
+class OutOfStep(CommunicationError):
+    """A reopen found the ranks at different calls (see :meth:`LocalChannel.open`)."""
+
+
+def _address(pid: int, nonce: int) -> str:
+    return f"\0objcomm-{pid}-{nonce:016x}"  # abstract namespace: never a file
+
+
+def _peer_cred(sock: socket.socket) -> Tuple[int, int]:
+    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return pid, uid
+
+
+class LocalChannel:
+    """A full mesh of Unix-domain sockets between the ranks of one group on one host.
+
+    Made collectively by :meth:`open`; then :meth:`all_gather`, :meth:`broadcast`, :meth:`scatter`,
+    :meth:`all_to_all` (every rank of the group calls them in the same order, from one thread at a
+    time) and :meth:`send` / :meth:`recv` (from any number of threads, also while a collective runs)
+    move small byte strings. A peer that dies, a wait longer than ``timeout``, ranks calling
+    different operations or a message that breaks the protocol raise :class:`~objcomm.CommunicationError`
+    and close the channel, so that the other ranks learn of it at once too.
+
+    ``generation`` counts this group's channels up to this one; ``failed_at`` is the sequence number of
+    the last collective this rank started on it when it failed (``None`` while it works).
+    ``p2p``: whether send/recv of objcomm's transport may use it (see :mod:`objcomm._samehost.channel_slots`).
+    """
+
+    def __init__(self, rank: int, peers: Dict[int, socket.socket], pids: Sequence[int], timeout: float, *,
+                 p2p: bool = False, generation: int = 0, stash_bytes: Optional[int] = None) -> None:
+        self.rank = rank
+        self.size = len(pids)
+        self.timeout = timeout
+        self.p2p = p2p
+        self.generation = generation
+        self.failed_at: Optional[int] = None
+        self._pids = tuple(pids)
+        self._peers = peers
+        self._others = sorted(peers)  # every other rank
+        timeval = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))  # bounds a blocking recv in the kernel
+        for sock in peers.values():
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        self._inbox = Inbox(peers, pids, timeout, MAX_PAYLOAD, self._fail, stash_bytes, yields(self.size))
+        self.auto_spin = AUTO_SPIN  # where the ranks outnumber the CPUs, polling yields (see yields)
+        self.unsynced = 0  # second-round bytes of broadcasts, gathers, scatters since the last all_gather after them
+        self._votes = 0  # all_gathers and all_to_alls that could have voted send/recv in (see vote_due)
+        self._seq = 0
+        self._messages = itertools.count(1)  # ids of sends (itertools.count: atomic under the GIL)
+        self._owner = os.getpid()
+        self._lock = threading.Lock()  # one collective at a time
+        self.closed = False
+        self.control: Any = None  # the group's control group (see open), which carries the votes once set
+        _OPEN.add(self)
+
+    # -- set-up ------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, wire: Wire, *, timeout: float = DEFAULT_TIMEOUT, setup_timeout: float = SETUP_TIMEOUT,
+             separate: bool = False, op: str = "local channel set-up", ready: bool = False,
+             history: Tuple[int, int] = (0, 0), stash_bytes: Optional[int] = None,
+             control: Any = None) -> Optional[LocalChannel]:
+        """Connect every rank of ``wire``'s group (a collective); ``None`` on every rank when they are
+        not all on this host with one uid and pid namespace, or when any rank could not connect.
+
+        ``ready``: this rank has no send/recv in flight (the channel takes send/recv when every rank is).
+        ``history``: ``(generation, failure point)`` of the group's previous channel (``(0, 0)``: none);
+        ranks that tell different ones are out of step, and every rank raises. ``stash_bytes``: see
+        :mod:`objcomm._samehost.inbox` (``None``: room for every peer's credit). ``control``: the group's control group
+        (:func:`objcomm._transport.groups.sibling`, gloo), which carries a reopening's collectives instead of the group,
+        so that they never meet a collective of the group another rank is still in; None at the first set-up."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        nonce, secret = secrets.randbits(63), secrets.randbits(63)
+        try:
+            listener.bind(_address(os.getpid(), nonce))
+            listener.listen(wire.size)
+            ok = 1
+        except OSError:
+            ok = 0
+        mine = [ok, _hosts.host_key(separate), os.getpid(), os.getuid(), _hosts.pid_namespace(), nonce, secret,
+                int(ready), *history]
+        # On the wire's device: an NCCL group's set-up goes through NCCL, once; the channel then moves host bytes.
+        group, device = _through(wire, control)
+        everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=device)
+        guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device),
+                group=group)
+        words: List[int] = everyone.tolist()
+        oks, keys, pids, uids, namespaces, nonces, _, readies, generations, points = (
+            words[i::_WORDS] for i in range(_WORDS))
+        peers: Dict[int, socket.socket] = {}
+        try:
+            if VOTE in oks:
+                raise OutOfStep(f"{op}: rank {oks.index(VOTE)} voted on send/recv through its same-host channel "
+                                "while this rank opened a new one: the group's calls are out of step; it cannot be "
+                                "used any more")
+            if len({*zip(generations, points)}) > 1:
+                raise OutOfStep(
+                    f"{op}: the ranks of this group disagree about where its same-host channel failed (channel, "
+                    f"failure point per rank: {list(zip(generations, points))}): they are not at the same call. "
+                    "The group's calls are out of step; it cannot be used any more"
+                )
+            usable = all(oks) and len({*keys}) == 1 and len({*uids}) == 1 and len({*namespaces}) == 1
+            if usable:
+                # Half the group's timeout at most: ranks that gave up at once wait for this one in the
+                # all_reduce below, under that timeout, and must still be there when it comes.
+                deadline = time.monotonic() + min(setup_timeout, timeout / 2)
+                usable = cls._connect(wire.rank, peers, pids, nonces, words[6::_WORDS], secret, listener, deadline)
+        finally:
+            listener.close()  # the name disappears with it
+        agreed = torch.tensor([1 if usable else 0], dtype=torch.int64, device=device)
+        guarded(op, wire, dist.all_reduce, agreed, op=dist.ReduceOp.MIN, group=group)
+        if not agreed.item():
+            for s in peers.values():
+                s.close()
+            return None
+        channel = cls(wire.rank, peers, pids, timeout, p2p=all(readies), generation=history[0] + 1,
+                      stash_bytes=stash_bytes)
+        channel.control = control
+        return channel
+
+    def vote(self, wire: Wire, ready: bool, op: str) -> bool:
+        """Whether every rank of the group is ``ready`` for send/recv through this channel: a collective through the
+        control group (see :meth:`open`), whose result every rank sees alike. It has the set-up's shape, one all_gather
+        of ``_WORDS`` words per rank, so that a vote that meets a rank's reopening (on the control group too) is one
+        collective on both, and both raise :class:`OutOfStep`."""
+        mine = [VOTE, 0, os.getpid(), 0, 0, 0, 0, int(ready), self.generation, 0]
+        group, device = _through(wire, self.control)
+        everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=device)
+        guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device),
+                group=group)
+        words: List[int] = everyone.tolist()
+        kinds, generations = words[0::_WORDS], words[8::_WORDS]
+        if any(k != VOTE for k in kinds) or len({*generations}) > 1:
+            raise OutOfStep(f"{op}: the ranks are not all voting on send/recv through the same-host channel of one "
+                            f"generation (vote marks {kinds}, channels {generations}): the group's calls are out "
+                            "of step; it cannot be used any more")
+        return all(words[7::_WORDS])
+
+    @staticmethod
+    def _connect(rank: int, peers: Dict[int, socket.socket], pids: Sequence[int], nonces: Sequence[int],
+                 secrets_: Sequence[int], secret: int, listener: socket.socket, deadline: float) -> bool:
+        """Connect to the ranks below, accept the ranks above (checking who they are); False on failure."""
+        uid = os.getuid()
+        for peer in range(rank):  # connect() completes against the backlog, before the peer accepts
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                sock.connect(_address(pids[peer], nonces[peer]))
+                if _peer_cred(sock) != (pids[peer], uid):
+                    raise OSError(f"rank {peer}'s address is held by another process")
+                sock.send(_HELLO.pack(rank, secrets_[peer]))
+            except OSError:
+                sock.close()
+                return False
+            peers[peer] = sock
+        while len(peers) < len(pids) - 1:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([listener], [], [], remaining)[0]:
+                return False
+            sock, _ = listener.accept()
+            try:
+                # Who connected is the kernel's word, checked before anything is read: a process that is
+                # not one of the ranks still expected (any user can find and connect to an abstract name)
+                # is refused at once, instead of holding set-up while it says nothing.
+                pid, peer_uid = _peer_cred(sock)
+                expected = {pids[r]: r for r in range(rank + 1, len(pids)) if r not in peers}
+                if peer_uid != uid or pid not in expected:
+                    raise ValueError("not a rank of this group")
+                sock.settimeout(max(0.0, deadline - time.monotonic()))
+                who, shown = _HELLO.unpack(sock.recv(_HELLO.size + 1))
+                if who != expected[pid] or shown != secret:
+                    raise ValueError("not a rank of this group")
+            except (OSError, ValueError, struct.error):  # a stranger: refuse it, keep waiting for the ranks
+                sock.close()
+                continue
+            sock.settimeout(None)
+            peers[who] = sock
+        return True
+
+    # -- operations --------------------------------------------------------------------------
+    def all_gather(self, data: Slot, spin: Optional[float] = None) -> List[Slot]:
+        """Every rank's ``data``, in group-rank order. ``spin`` (every operation that waits): seconds a wait
+        polls before it sleeps; ``None``: :attr:`auto_spin`."""
+        got = self._collective(ALL_GATHER, dict.fromkeys(self._others, data), self._others, spin)
+        return [data if r == self.rank else got[r] for r in range(self.size)]
+
+    def broadcast(self, data: Optional[Slot], src: int, spin: Optional[float] = None) -> Slot:
+        """``src``'s ``data`` on every rank (ignored elsewhere)."""
+        if self.rank == src:
+            assert data is not None
+            self._collective(BROADCAST, dict.fromkeys(self._others, data), ())
+            return data
+        return self._collective(BROADCAST, {}, (src,), spin=spin)[src]
+
+    def gather(self, data: Optional[Slot], dst: int, spin: Optional[float] = None) -> Dict[int, bytes]:
+        """Every other rank's ``data`` on group rank ``dst``, by rank (``data`` ignored there); ``{}`` elsewhere."""
+        if self.rank == dst:
+            return self._collective(GATHER, {}, self._others, spin=spin)
+        assert data is not None
+        self._collective(GATHER, {dst: data}, ())
+        return {}
+
+    def scatter(self, parts: Optional[Sequence[Slot]], src: int, spin: Optional[float] = None) -> Slot:
+        """``src``'s ``parts[r]`` on group rank ``r``."""
+        if self.rank == src:
+            assert parts is not None and len(parts) == self.size
+            self._collective(SCATTER, {r: parts[r] for r in self._others}, ())
+            return parts[src]
+        return self._collective(SCATTER, {}, (src,), spin=spin)[src]
+
+    def all_to_all(self, parts: Sequence[Slot], spin: Optional[float] = None) -> List[Slot]:
+        """``parts[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``."""
+        assert len(parts) == self.size
+        got = self._collective(ALL_TO_ALL, {r: parts[r] for r in self._others}, self._others, spin)
+        return [parts[r] if r == self.rank else got[r] for r in range(self.size)]
+
+    def echo(self, data: Slot, spin: Optional[float] = None) -> List[Slot]:
+        """An all_gather of kind ``ECHO``: what every rank read in round 1, so that a rank that skipped this step
+        (it read round 1 differently) is told apart from one at its next call (see
+        :meth:`objcomm._samehost.channel_slots.SameHostSlots.agree`)."""
+        got = self._collective(ECHO, dict.fromkeys(self._others, data), self._others, spin)
+        return [data if r == self.rank else got[r] for r in range(self.size)]
+
+    def send(self, data: Slot, dst: int, tag: int = 0, message: int = 0) -> None:
+        """Send ``data`` to group rank ``dst`` under ``tag``; returns once the kernel holds it. ``message``:
+        its id (:meth:`new_message`), under which the answer and the rest of a send travel (:meth:`send_part`)."""
+        self.check("send")
+        self._send(dst, HEADER.pack(P2P, 0, message, tag), data, "send")
+
+    def recv(self, src: Optional[int] = None, tag: int = 0,
+             spin: Optional[float] = None) -> Tuple[int, bytes, int]:
+        """The next message under ``tag`` from group rank ``src`` (``None``: any); ``(sender, data, its id)``."""
+        self.check("recv")
+        sources = self._others if src is None else [src]
+        spin = self.auto_spin if spin is None else spin
+        got, message = self._inbox.take(sources, (False, tag), P2P, "recv", first=True, spin=spin)
+        if self._inbox.owing:
+            self._grant()
+        sender, data = got.popitem()
+        return sender, data, message
+
+    def new_message(self) -> int:
+        """A message id for :meth:`send`, distinct from this rank's others until 2**32 sends later."""
+        return next(self._messages) & MASK
+
+    def send_part(self, kind: int, data: Slot, dst: int, tag: int, message: int) -> None:
+        """Send ``data`` to group rank ``dst`` as ``kind`` (:data:`ANSWER` or :data:`REST`) of message ``message``
+        under ``tag``: what :meth:`recv_part` with the same four takes there."""
+        self.check(NAMES[kind])
+        self._send(dst, HEADER.pack(kind, 0, message, tag), data, NAMES[kind])
+
+    def recv_part(self, kind: int, src: int, tag: int, message: int, spin: Optional[float] = None) -> bytes:
+        """The next ``kind`` of message ``message`` under ``tag`` from group rank ``src`` (see :meth:`send_part`).
+        After a wait that timed out (the channel stays open), what comes later under the same key is dropped on
+        arrival: nobody waits for it any more."""
+        op = _WAITER[kind]
+        self.check(op)
+        spin = self.auto_spin if spin is None else spin
+        key = (False, tag, kind, message)
+        try:
+            got = self._inbox.take([src], key, kind, op, first=True, spin=spin)[0][src]
+            if self._inbox.owing:
+                self._grant()
+            return got
+        except CommunicationError:
+            if not self.closed:
+                self._inbox.abandon(src, key)
+            raise
+
+    def close(self, why: Optional[str] = None) -> None:
+        """Close every connection (the peers read EOF, and threads of this rank waiting on it raise); idempotent."""
+        with self._inbox.cond:
+            self.closed = True
+            if self._inbox.closed is None:
+                self._inbox.closed = why or (f"the local channel of rank {self.rank} was closed (after an error, or "
+                                             "close()); the group's other ranks raise too")
+            for sock in self._peers.values():
+                if self._owner == os.getpid():  # wakes a thread blocked in recv; a forked child must not
+                    _drop_unread(sock)
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                sock.close()
+            self._inbox.cond.notify_all()
+
+    def fail(self, op: str, why: str, cause: Optional[BaseException] = None) -> NoReturn:
+        """Close the channel and raise :class:`~objcomm.CommunicationError` (``why``: what went wrong)."""
+        self._fail(op, why, cause)
+
+    def _forget(self) -> None:
+        """In a forked child: drop the copies of the descriptors, so that the parent's death still
+        reaches its peers as EOF (a child holding them would keep the connections open)."""
+        self._owner = -1
+        self.close()
+
+    def __enter__(self) -> LocalChannel:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- moving messages ---------------------------------------------------------------------
+    def check(self, op: str) -> None:
+        """Raise :class:`~objcomm.CommunicationError` if this channel cannot be used (closed, or a forked child's)."""
+        if self.closed:  # a forked child's are closed at the fork (_forget_in_child): no getpid() per call
+            if os.getpid() != self._owner:
+                raise CommunicationError(f"{op}: a local channel cannot be used in a forked child; open one there")
+            self._fail(op, "")
+
+    def vote_due(self) -> bool:
+        """Whether this all_gather or all_to_all votes on letting send/recv in: the first :data:`EVERY_VOTE`, then
+        every :data:`LATER_VOTES`-th (the same calls on every rank; a vote costs one small collective through the
+        group, :meth:`vote`)."""
+        self._votes += 1
+        return self._votes <= EVERY_VOTE or self._votes % LATER_VOTES == 0
+
+    def _collective(self, kind: int, outgoing: Dict[int, Slot], sources: Sequence[int],
+                    spin: Optional[float] = None) -> Dict[int, bytes]:
+        op = NAMES[kind]
+        self.check(op)
+        with self._lock:
+            self._seq = seq = (self._seq + 1) & MASK
+            header = HEADER.pack(kind, 0, seq, 0)
+            for peer, data in outgoing.items():
+                self._send(peer, header, data, op)
+            got: Dict[int, bytes] = {}
+            if sources:  # not the root of a broadcast or scatter, which only sends
+                got = self._inbox.take(sources, (True, seq), kind, op, spin=self.auto_spin if spin is None else spin)[0]
+            self._inbox.done = seq
+        if self._inbox.owing:
+            self._grant()
+        return got
+
+    def _grant(self) -> None:
+        """Tell the peers owed credit what this rank took of theirs (:mod:`objcomm._samehost.inbox`, "Flow control");
+        never waits: a peer whose queue is full is told at the next call, one that is gone is found out by the next
+        call."""
+        for peer, payload in self._inbox.grants():
+            try:
+                self._peers[peer].sendmsg([_CREDIT_HEADER, payload], [], _FLAGS)
+            except BlockingIOError:
+                self._inbox.owe(peer)
+            except OSError:
+                pass
+
+    def _send(self, peer: int, header: bytes, data: Slot, op: str) -> None:
+        if len(data) > MAX_PAYLOAD:
+            self._fail(op, f"{len(data):,} bytes exceed the local channel's {MAX_PAYLOAD:,}-byte messages")
+        if peer in self._inbox.gone:
+            self._fail(op, self._inbox.gone[peer])
+        self._inbox.reserve(peer, header[0], len(data), op, self._grant)  # header[0]: the kind
+        sock, parts = self._peers[peer], [header, data]
+        deadline = None
+        while True:
+            try:
+                sock.sendmsg(parts, [], _FLAGS)
+                return
+            except BlockingIOError:  # the peer's queue is full: wait until it reads, bounded
+                now = time.monotonic()
+                deadline = now + self.timeout if deadline is None else deadline
+                if now >= deadline or not select.select([], [sock], [], deadline - now)[1]:
+                    self._fail(op, f"rank {peer} did not read within the timeout of {self.timeout:.0f}s")
+            except OSError as exc:  # EPIPE, ECONNRESET: it is gone (EBADF: closed here meanwhile)
+                self._fail(op, f"rank {peer} (pid {self._pids[peer]}) closed its connection ({exc.strerror})", exc)
+
+    def _fail(self, op: str, why: str, cause: Optional[BaseException] = None) -> NoReturn:
+        if self.closed:  # an earlier call, another thread or close(): say why it closed
+            raise CommunicationError(f"{op} over the local channel failed on rank {self.rank}: the channel closed "
+                                     f"before. {self._inbox.closed}") from cause
+        message = f"{op} over the local channel failed on rank {self.rank} of {self.size}: {why}. The channel is closed"
+        if self.failed_at is None:
+            self.failed_at = self._seq
+        self.close(message)
+        raise CommunicationError(message) from cause
+
+
+def _through(wire: Wire, control: Any) -> Tuple[Any, torch.device]:
+    """Where the channel's own collectives go: the control group (gloo, host memory) once there is one, else
+    ``wire``'s group on its device (the first set-up)."""
+    return (wire.group, wire.device) if control is None else (control, torch.device("cpu"))
+
+
+def _drop_unread(sock: socket.socket) -> None:
+    """Read and drop what is queued for this rank on ``sock`` before it closes (credits, mostly): closing with
+    unread messages makes Linux tell the peer ECONNRESET ahead of the messages this rank sent it last."""
+    try:
+        for _ in range(4096):  # bounded: a peer that keeps sending cannot hold the close
+            if not sock.recv(MAX_PAYLOAD + 1, socket.MSG_DONTWAIT):
+                return  # EOF (or an empty message: what follows it goes unread, as before)
+    except OSError:
+        pass
+
+
+def yields(ranks: int) -> bool:
+    """Whether a polling wait yields the CPU between polls (``sched_yield``): where this host has fewer CPUs
+    (those this process may run on) than the group has ``ranks``. Oversubscribed, a rank that polls without
+    yielding takes the CPU the peer it waits for needs (measured at W=4 on 2 CPUs: a small all_gather 500 µs
+    without polling, 597 µs polling); yielding, it gives it up whenever another process can run, and polls
+    at full speed when none can (W=4 on 2 CPUs, ``bench_peers.py``: all_gather 305 -> 284 µs, broadcast
+    32 -> 12 µs, send/recv round trip 110 -> 39 µs, against sleeping at once)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return ranks > cpus
+
+
+def _forget_in_child() -> None:
+    for channel in list(_OPEN):
+        channel._forget()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

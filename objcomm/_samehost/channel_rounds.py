@@ -1,0 +1,335 @@
+"""Medium second rounds through the same-host channel: the bytes of an ``all_gather``, ``gather``, ``broadcast``,
+``scatter``, ``all_to_all`` or send/recv that overflow their slots, below the shared-memory threshold (and
+:data:`MOST`), in messages of the channel.
+
+A frame past its slot (or with tensors) has a second round, which the group's backend moves: on one host,
+gloo over loopback TCP, hundreds of microseconds a collective, where the bytes themselves take a few (a
+16 KB all_gather: ~0.8 ms, mpi4py ~0.02 ms). Shared memory (:mod:`objcomm._samehost.shm`) pays a file, a mapping
+and two control words per call, worth it from ``shm_threshold`` (2 MiB) on. Between the two, when round 1
+of the call went through the group's channel (:mod:`objcomm._samehost.channel_slots`), the second round does too: each
+sender's bytes (its frame unless the slot carried it, then its tensors, back to back: a segment file's
+layout) in messages of at most :data:`CHUNK` bytes, one channel collective per message (a gather's: each
+rank's message to the destination alone; an all_to_all's: each pair's), as many as the largest sender needs
+(every rank knows each sender's size from round 1, or a scatter's or all_to_all's longest stream from its vote,
+so every rank makes the same calls; a sender with fewer bytes sends empty
+messages; every :data:`MOST` bytes of broadcasts, gathers and scatters, one ends with an empty all_gather, so
+that no root, or gather's sender, runs far ahead of its receivers). Receivers check each message's length against
+what the sender's slot announced (a mismatch fails the channel: the ranks are out of step), then read the
+bytes as a segment is read: the frame, its tensor table against its sender's slot (:class:`FrameError`, as
+on the backend's path, after every message moved, so the group stays in step), the tensors as views of
+the received bytes. A broadcast receiver over its ``max_bytes`` (which round 1 told it; no vote comes first when
+the slot listed every transfer) receives the messages, drops them and raises alone, as the backend's path does.
+
+:class:`ChannelRounds` is a second-round strategy (:class:`objcomm._transport.base.SecondRound`) around another
+one (shared memory, or none), which keeps everything it does not take: other operations, other sizes,
+other devices (the channel moves host bytes; an NCCL group's tensors stay on the GPU), groups without a
+channel.
+
+send/recv (:func:`send_p2p`, :func:`recv_p2p`, called by :class:`objcomm._samehost.channel_slots.ChannelRoute`) move the
+same bytes in the same messages, without a collective: kind ``REST`` under the send's message id, which its slot
+carried, so that concurrent sends under one tag (threads, ``isend`` lanes) never take each other's: everything
+shared memory does not take (below ``shm_threshold`` all of it; shared memory's own words go under the id too).
+Where the receiver need not agree first (every size listed in the slot, none past 1 MiB: see
+:func:`objcomm._transport.rounds._agreement_needed`) they follow the slot at once, paced by the channel's credit
+(:mod:`objcomm._samehost.inbox`, "Flow control": before it, a sender that ran ahead of a slow receiver filled its stash,
+so rests waited for the receiver's answer, a wake-up more per message); a refusing receiver reads and drops them
+(``drain``). Otherwise they follow the receiver's answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from objcomm._errors import FrameError
+from objcomm._format import limits as _limits
+from objcomm._format.message import Incoming, Outgoing, SizesOf
+from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
+from objcomm._samehost import channel as _socket
+from objcomm._samehost.inbox import REST
+from objcomm._samehost.segments import host_bytes
+from objcomm._transport import routes
+from objcomm._transport.base import NotUsed, Route, SecondRound, Slot, Wire
+
+CHUNK = _socket.MAX_PAYLOAD  # bytes of one channel message
+MOST = routes.CHANNEL_MOST  # the most second-round bytes (largest sender's; a gather's, all senders') it takes
+
+
+@dataclass(frozen=True)
+class ChannelRounds:
+    """The second round of every collective through the same-host channel below ``limit`` bytes (the largest
+    sender's); everything else by ``inner``."""
+
+    inner: SecondRound
+    limit: int
+
+    def _channel(self, wire: Wire, moved: int, op: str) -> Optional[Tuple[_socket.LocalChannel, Optional[float]]]:
+        """The group's channel and its waits' spin if it takes ``moved`` bytes: the same answer on every rank of a
+        call whose round 1 went through it. A channel that closed since (another thread's call failed it) raises
+        here, so that the others, which go on through it, raise too."""
+        if not routes.channel_takes(moved, limit=self.limit, cpu=wire.device.type == "cpu"):
+            return None
+        return wire.first_round.channel_of(wire, op)
+
+    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+        return self.inner.worth(wire, moved, op)  # nothing to agree on first: a refusing receiver drains
+
+    def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+        moved = [info.second_round_bytes for info in infos]
+        found = self._channel(wire, max(moved), op)
+        if found is None:
+            return self.inner.all_gather(wire, out, infos, sizes_of, op)
+        channel, spin = found
+        me = wire.rank
+        received: List[Optional[bytearray]] = [bytearray(n) if n and r != me else None for r, n in enumerate(moved)]
+        mine = _chunks(_pieces(out, infos[me].inline is not None))
+        for index in range(-(-max(moved) // CHUNK)):
+            got = channel.all_gather(next(mine, b""), spin)
+            for r, into in enumerate(received):
+                if into is not None:
+                    _place(channel, into, got[r], index, r, op)
+                elif r != me:
+                    _checked(channel, got[r], index, 0, r, op)
+        return [
+            Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors]) if r == me  # never the input itself
+            else _incoming(into, infos[r], sizes_of, r, op) if into is not None
+            else Incoming(infos[r].inline)  # type: ignore[arg-type]
+            for r, into in enumerate(received)
+        ]
+
+    def broadcast(self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int,
+                  op: str) -> Union[Incoming, NotUsed]:
+        moved = info.second_round_bytes
+        found = self._channel(wire, moved, op)
+        if found is None:
+            return self.inner.broadcast(wire, out, info, sizes_of, src, op)
+        channel, spin = found
+        if wire.rank == src:
+            assert out is not None
+            for chunk in _chunks(_pieces(out, info.inline is not None)):
+                channel.broadcast(chunk, src, spin)
+            _all_received(channel, moved, spin, op)
+            return Incoming(out.frame, list(out.tensors))  # the caller decodes its own with own=True
+        refuse = info.total > wire.max_bytes  # above this rank's limit (no vote came first): received and dropped
+        into = None if refuse else bytearray(moved)
+        for index in range(-(-moved // CHUNK)):
+            chunk = channel.broadcast(None, src, spin)
+            if into is None:
+                _checked(channel, chunk, index, moved, src, op)
+            else:
+                _place(channel, into, chunk, index, src, op)
+        _all_received(channel, moved, spin, op)
+        if into is None:
+            raise _limits.refused(op, src, wire, info.total, None, drained=True,
+                                  into=f"messages of at most {CHUNK:,} bytes of the same-host channel")
+        return _incoming(into, info, sizes_of, src, op)
+
+    def gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, dst: int,
+               op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
+        moved = [0 if r == dst else info.second_round_bytes for r, info in enumerate(infos)]
+        # the senders do not wait for the destination, which may stash what the fast ones send while it waits for a
+        # slow one: at most MOST bytes a gather (as a broadcast or scatter receiver gets at most MOST from its root)
+        found = self._channel(wire, max(moved), op) if sum(moved) <= MOST else None
+        if found is None:
+            return self.inner.gather(wire, out, infos, sizes_of, dst, op)
+        channel, spin = found
+        me, messages = wire.rank, -(-max(moved) // CHUNK)
+        if me != dst:
+            mine = _chunks(_pieces(out, infos[me].inline is not None))
+            for _ in range(messages):
+                channel.gather(next(mine, b""), dst, spin)
+            _all_received(channel, sum(moved), spin, op)
+            return None
+        received: List[Optional[bytearray]] = [bytearray(n) if n else None for n in moved]
+        for index in range(messages):
+            got = channel.gather(None, dst, spin)
+            for r, into in enumerate(received):
+                if into is not None:
+                    _place(channel, into, got[r], index, r, op)
+                elif r != me:
+                    _checked(channel, got[r], index, 0, r, op)
+        _all_received(channel, sum(moved), spin, op)
+        return [
+            Incoming(out.frame, list(out.tensors)) if r == me  # the caller decodes its own with own=True
+            else _incoming(into, infos[r], sizes_of, r, op) if into is not None
+            else Incoming(infos[r].inline)  # type: ignore[arg-type]
+            for r, into in enumerate(received)
+        ]
+
+    def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf, src: int,
+                longest: int, op: str) -> Union[Incoming, NotUsed]:
+        found = self._channel(wire, longest, op)  # the root's longest second round: the vote carried it to every rank
+        if found is None:
+            return self.inner.scatter(wire, outs, info, sizes_of, src, longest, op)
+        channel, spin = found
+        me, messages = wire.rank, -(-longest // CHUNK)
+        if me == src:
+            assert outs is not None
+            streams = _streams(wire, outs)
+            for _ in range(messages):
+                channel.scatter([next(stream, b"") for stream in streams], src, spin)
+            _all_received(channel, longest, spin, op)
+            return Incoming(outs[me].frame, list(outs[me].tensors))  # the caller decodes its own with own=True
+        moved = info.second_round_bytes
+        if moved > longest:
+            channel.fail(op, f"rank {src}'s slot announces a {moved:,}-byte second round to this rank, but its vote "
+                             f"{longest:,} at most: a protocol error")
+        into = bytearray(moved)
+        for index in range(messages):
+            _place(channel, into, channel.scatter(None, src, spin), index, src, op)
+        _all_received(channel, longest, spin, op)
+        return _incoming(into, info, sizes_of, src, op) if moved else Incoming(info.inline)  # type: ignore[arg-type]
+
+    def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+        found = self._channel(wire, longest, op)  # the longest stream of any pair, which every rank's vote carried
+        if found is None:
+            return self.inner.all_to_all(wire, outs, infos, sizes_of, longest, op)
+        channel, spin = found
+        me, streams = wire.rank, _streams(wire, outs)
+        received: List[Optional[bytearray]] = [
+            bytearray(info.second_round_bytes) if r != me and info.second_round_bytes else None
+            for r, info in enumerate(infos)]
+        for index in range(-(-longest // CHUNK)):  # every pair's message #index at once; b"" once a stream ended
+            got = channel.all_to_all([next(stream, b"") for stream in streams], spin)
+            for r, into in enumerate(received):
+                if into is not None:
+                    _place(channel, into, got[r], index, r, op)
+                elif r != me:
+                    _checked(channel, got[r], index, 0, r, op)
+        return [
+            Incoming(outs[r].frame, list(outs[r].tensors)) if r == me  # the caller decodes its own with own=True
+            else _incoming(into, infos[r], sizes_of, r, op) if into is not None
+            else Incoming(infos[r].inline)  # type: ignore[arg-type]
+            for r, into in enumerate(received)
+        ]
+
+    def send(self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> bool:
+        return self.inner.send(wire, out, dst, op, route, message)  # (below the limit the route's answer took it)
+
+    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> Union[Incoming, NotUsed]:
+        return self.inner.recv(wire, info, sizes_of, src, op, route, message)
+
+
+# -- send/recv: the rest of a message whose slot the channel carried (objcomm._samehost.channel_slots's route)
+# ----------------
+def send_p2p(channel: _socket.LocalChannel, wire: Wire, out: Outgoing, info: SlotInfo, dst: int,
+             message: int) -> None:
+    """The rest of message ``message`` to group rank ``dst``, once it answered for it: its frame unless the slot
+    carried it, then its tensors, in messages of :data:`CHUNK` bytes under ``(tag, REST, message)``."""
+    for chunk in _chunks(_pieces(out, info.inline is not None)):
+        channel.send_part(REST, chunk, dst, wire.tag, message)
+
+
+def recv_p2p(channel: _socket.LocalChannel, spin: Optional[float], wire: Wire, info: SlotInfo, sizes_of: SizesOf,
+             src: int, message: int, op: str, drain: bool = False) -> Incoming:
+    """The rest of group rank ``src``'s message ``message`` (see :func:`send_p2p`), each message's length checked
+    against what its slot ``info`` announced; read as a segment is (:func:`_incoming`). ``drain``: a refusing
+    receiver's, read and dropped (an empty result)."""
+    moved = info.second_round_bytes
+    into = bytearray(0 if drain else moved)
+    for index in range(-(-moved // CHUNK)):
+        chunk = channel.recv_part(REST, src, wire.tag, message, spin)
+        if drain:
+            _checked(channel, chunk, index, moved, src, op)
+        else:
+            _place(channel, into, chunk, index, src, op)
+    return Incoming(memoryview(b"")) if drain else _incoming(into, info, sizes_of, src, op)
+
+
+def _streams(wire: Wire, outs: Sequence[Outgoing]) -> List[Iterator[Slot]]:
+    """The messages of each rank's part (scatter, all_to_all): none for this rank's own, nor for a part its slot
+    carried whole."""
+    capacity = wire.inline_capacity
+    return [_chunks(_pieces(o, o.frame_nbytes <= capacity))
+            if r != wire.rank and outgoing_second_round_bytes(o, capacity) else iter(()) for r, o in enumerate(outs)]
+
+
+def _pieces(out: Outgoing, inline: bool) -> List[memoryview]:
+    """What this rank moves after round 1, as byte views: its frame's parts unless the slot carried it
+    (``inline``), then its tensors (host memory: the channel is only used for CPU wires)."""
+    frame = [] if inline else [memoryview(p).cast("B") for p in out.parts]
+    return [p for p in frame + [host_bytes(t) for t in out.tensors] if p.nbytes]
+
+
+def _chunks(pieces: List[memoryview]) -> Iterator[Slot]:
+    """``pieces`` back to back, in messages of :data:`CHUNK` bytes (the last one shorter)."""
+    pending: List[memoryview] = []
+    room = CHUNK
+    for piece in pieces:
+        while piece.nbytes:
+            take = piece[:room]
+            pending.append(take)
+            piece, room = piece[take.nbytes:], room - take.nbytes
+            if not room:
+                yield pending[0] if len(pending) == 1 else b"".join(pending)
+                pending, room = [], CHUNK
+    if pending:
+        yield pending[0] if len(pending) == 1 else b"".join(pending)
+
+
+def _all_received(channel: _socket.LocalChannel, moved: int, spin: Optional[float], op: str) -> None:
+    """After a broadcast's, gather's or scatter's second round of ``moved`` bytes, on every rank: once the channel's
+    broadcasts, gathers and scatters moved :data:`MOST` bytes since the last time, an empty all_gather, so that a sender
+    (a root, a gather's non-destination) cannot run further ahead of its receivers (what a receiver's other
+    threads read meanwhile waits in its stash: at most twice :data:`MOST`, below the stash's limit). Every rank
+    counts the same bytes (from the slots), so all of them take part; in between, a sender goes on while its
+    receivers decode, as through the backend."""
+    channel.unsynced += moved
+    if channel.unsynced < MOST:
+        return
+    channel.unsynced = 0
+    got = channel.all_gather(b"", spin)
+    if any(got):
+        channel.fail(op, f"a rank sent bytes where the end of a {op}'s second round was due: the ranks are at "
+                         "different calls, or a protocol error")
+
+
+def _place(channel: _socket.LocalChannel, into: bytearray, chunk: Slot, index: int, sender: int, op: str) -> None:
+    """Message ``index`` of ``sender``'s second round, checked (:func:`_checked`), in its place in ``into``."""
+    at = _checked(channel, chunk, index, len(into), sender, op)
+    into[at : at + len(chunk)] = chunk
+
+
+def _checked(channel: _socket.LocalChannel, chunk: Slot, index: int, total: int, sender: int, op: str) -> int:
+    """Where message ``index`` of ``sender``'s ``total`` second-round bytes goes, once its length is the one due
+    (else the channel fails: the ranks are out of step)."""
+    at = index * CHUNK
+    due = max(0, min(CHUNK, total - at))
+    if len(chunk) != due:
+        channel.fail(op, f"rank {sender} sent {len(chunk):,} bytes of its second round's message #{index} where "
+                         f"{due:,} were due (its slot announced {total:,}): the ranks are at different calls, or "
+                         "a protocol error")
+    return at
+
+
+def _incoming(data: bytearray, info: SlotInfo, sizes_of: SizesOf, sender: int, op: str) -> Incoming:
+    """``sender``'s frame (unless round 1 carried it) and tensors from its second round's bytes, read as a
+    segment is (:func:`objcomm._samehost.segments.read_segment`); the tensors are views of ``data``."""
+    view = memoryview(data)
+    position = 0
+    frame = info.inline
+    if frame is None:
+        if info.length > len(data):
+            raise FrameError(f"{op}: rank {sender}'s slot announces a {info.length:,}-byte frame in a second round of "
+                             f"{len(data):,} bytes; refused")
+        frame, position = view[: info.length], info.length
+    # against its own sender's slot, as the backend's path checks it (not :class:`objcomm._format.limits.CheckedSizes`,
+    # whose OSError sends shared memory back to the backend: these bytes have moved)
+    sizes, problem = _limits.table_sizes(getattr(sizes_of, "raw", sizes_of), frame)
+    problem = problem or _limits.table_problem(info.length, info.total, sizes, info.sizes)
+    if problem:  # (the frame and its table make the slot's total: the rest of ``data`` is the tensors)
+        raise _limits.inconsistent(op, sender, problem)
+    if not sizes:
+        return Incoming(frame, [])
+    whole = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    tensors = []
+    for n in sizes:  # views at their offset in ``whole``: the restorer copies one its dtype cannot start at
+        tensors.append(whole[position : position + n])
+        position += n
+    return Incoming(frame, tensors)

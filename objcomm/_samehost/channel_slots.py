@@ -1,0 +1,440 @@
+"""Round 1 through the same-host channel: the slots of collectives and of send/recv between the
+processes of one host.
+
+:class:`SameHostSlots` is a first-round strategy (:class:`objcomm._transport.base.FirstRound`): when every rank
+of a group runs on this host, the slots of ``all_gather``/``gather``, ``broadcast``, ``scatter`` and
+``all_to_all`` (and of the reductions, which end in one of these), and those of ``send``/``recv``
+(``isend``/``irecv``, any source, tags), move through a :class:`objcomm._samehost.channel.LocalChannel` and never
+touch the group's backend. A slot that holds a whole frame and nothing after it travels trimmed after
+the frame, and is read as the whole slot on arrival (:func:`trimmed`; ``docs/wire-format.md`` section 7): the
+zeros of a 4 KiB slot were most of what a small call allocated, copied and moved. After round 1 the
+collectives' votes and control words go through the channel too; a send/recv's answer and, below the
+shared-memory threshold, its second round go through it as well (:class:`ChannelRoute`,
+:mod:`objcomm._samehost.channel_rounds`); shared memory and the group move the rest as before, and every
+failure is unchanged: a slot carries an error report as before, and a dead peer or a wait past the group's
+timeout raises :class:`~objcomm.CommunicationError` (a failed collective closes the channel, so the
+others raise at once too; a recv that only timed out leaves it open).
+
+When the channel is used (the same answer on every rank, decided without talking to the others):
+``local`` is on, the group has two ranks or more (any backend: NCCL groups' round 1 is host bytes
+too, and stays off the GPU) and a slot fits one channel message. The first such collective on a
+group opens the channel, a collective over the group itself (:meth:`LocalChannel.open`: one
+``all_gather`` of identities, one ``all_reduce``, on the group's device); a
+group whose ranks are not all on this host gets none, kept too, so later calls go straight to the
+backend. The channel is kept in :func:`objcomm._state.group_facts` (a :class:`SameHost`) and closed
+when the group is collected or at exit. Async collectives run on the group's shadow
+(:mod:`objcomm._api.requests`), a group of its own, with a channel of its own; ``isend``/``irecv`` run on
+the group itself.
+
+send/recv cannot open the channel (only two ranks take part), and a sender and its receiver must
+route a message the same way: a send through the group waits for a recv through the group. So they
+move to the channel at a collective where every rank votes that it has no send/recv in flight
+(blocking ones, ``isend``/``irecv`` issued and not finished, and eager sends not yet received,
+:mod:`objcomm._transport.pending`): the set-up, or an all_gather or all_to_all through the channel (the first 16 after
+set-up, then every 64th), which then takes one more collective through the group, of the set-up's shape
+(:meth:`objcomm._samehost.channel.LocalChannel.vote`). Both are values every rank sees alike: a vote in the channel's
+own messages could be told differently to different ranks by a lying one, splitting the routes of honest ones (issue
+25). A send/recv after that vote on one rank is
+matched by one after it on the other (a send/recv in flight across it would have made some rank
+vote no), so both take the channel; until every rank votes yes they keep the group. While this
+rank's yes-vote is out, a send/recv that starts on another thread waits for the outcome (a program
+whose peer needs that very send/recv before joining the collective then waits until the timeout).
+
+After a failure: send/recv on the group raise until a collective opens a new channel. That
+collective does so only if every rank failed at the same point (the set-up carries each rank's
+``(generation, failure point)``): ranks that failed at different calls (one finished a call the
+others failed, or a send/recv failed on two ranks only) are out of step, and every rank raises at
+that call and at every later one that may use the channel, rather than match calls that do not belong
+together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import struct
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
+
+from objcomm import _state
+from objcomm._device import timeout_seconds
+from objcomm._errors import CommunicationError
+from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
+from objcomm._format.slot import SlotInfo
+from objcomm._samehost import channel as _channel
+from objcomm._samehost import channel_rounds as _channel_rounds
+from objcomm._samehost.inbox import ANSWER, REST
+from objcomm._transport import groups as _groups
+from objcomm._transport import pending as _pending
+from objcomm._transport.base import NOT_USED, NotUsed, Slot, Wire
+
+_BACKEND = contextlib.nullcontext(None)  # send/recv through the group
+PENDING_WAIT = 0.5  # seconds a vote waits for this rank's pending sends to be received (objcomm._transport.pending)
+
+
+class SameHost:
+    """One group's same-host state on this rank: its channel, and what decides whether send/recv use it."""
+
+    def __init__(self) -> None:
+        self.channel: Optional[_channel.LocalChannel] = None  # the open one, or the last one (failed)
+        self.decided = False  # opened once: ``channel`` None then means "not all on one host"
+        self.broken: Optional[str] = None  # the ranks disagreed at a reopen: why
+        self.cond = threading.Condition()
+        self.in_flight = 0  # send/recv of this rank through the group, not finished
+        self.voting = False  # this rank's vote is out now
+        # the control group: votes and reopenings (objcomm._transport.groups.sibling), once opened
+        self.control: Any = None
+
+    def begin_vote(self, group: Any) -> bool:
+        """Whether this rank has no send/recv in flight (blocking, or ``isend``/``irecv`` issued and not
+        finished); until :meth:`end_vote`, a send/recv that starts meanwhile waits for the outcome."""
+        lanes = _state.group_facts(group).requests
+        _pending.idle(group, PENDING_WAIT)  # a moment for sends received just now to be known as received
+        with self.cond:
+            self.voting = self.in_flight == 0 and not (lanes is not None and lanes.busy) and _pending.idle(group)
+            return self.voting
+
+    def end_vote(self) -> None:
+        with self.cond:
+            self.voting = False
+            self.cond.notify_all()
+
+
+class ChannelRoute:
+    """send/recv through a channel: the route :meth:`SameHostSlots.p2p` gives once the channel takes them."""
+
+    __slots__ = ("channel", "spin")
+
+    def __init__(self, channel: _channel.LocalChannel, spin: Optional[float]) -> None:
+        self.channel = channel
+        self.spin = spin
+
+    def __enter__(self) -> ChannelRoute:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def send(self, wire: Wire, slot: Slot, dst: int) -> int:
+        message = self.channel.new_message()
+        self.channel.send(_trim(slot), dst, wire.tag, message)
+        return message
+
+    def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot, int]:
+        sender, slot, message = self.channel.recv(src, wire.tag, self.spin)
+        return sender, _checked(wire, self.channel, [slot], op)[0], message
+
+    def answer(self, wire: Wire, dst: int, message: int, code: int) -> None:
+        self.channel.send_part(ANSWER, bytes((code,)), dst, wire.tag, message)
+
+    def answer_of(self, wire: Wire, src: int, message: int, op: str) -> int:
+        got = self.channel.recv_part(ANSWER, src, wire.tag, message, self.spin)
+        if len(got) != 1:
+            self.channel.fail(op, f"rank {src} answered message #{message} with {len(got):,} bytes where 1 was due: a "
+                                  "protocol error")
+        return got[0]
+
+    def send_words(self, wire: Wire, words: Sequence[int], dst: int, message: int) -> None:
+        self.channel.send_part(REST, struct.pack(f"<{len(words)}q", *words), dst, wire.tag, message)
+
+    def recv_words(self, wire: Wire, count: int, src: int, message: int, op: str) -> List[int]:
+        got = self.channel.recv_part(REST, src, wire.tag, message, self.spin)
+        if len(got) != 8 * count:
+            self.channel.fail(op, f"rank {src} sent {len(got):,} bytes of control words for message #{message} where "
+                                  f"{8 * count} were due: a protocol error")
+        return list(struct.unpack(f"<{count}q", got))
+
+    def send_rest(self, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
+        _channel_rounds.send_p2p(self.channel, wire, out, info, dst, message)
+
+    def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str,
+                  drain: bool = False) -> Incoming:
+        return _channel_rounds.recv_p2p(self.channel, self.spin, wire, info, sizes_of, src, message, op, drain)
+
+
+class _Counted:
+    """send/recv through the group, counted while they run (a collective's vote looks at the count)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: SameHost) -> None:
+        self.state = state
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        with self.state.cond:
+            self.state.in_flight -= 1
+
+
+@dataclass(frozen=True)
+class SameHostSlots:
+    """Round-1 slots through the group's same-host channel, opened on the first call that may use it."""
+
+    separate: bool = False  # tests: every rank looks like a host of its own (the channel never opens)
+    spin_us: Optional[int] = None  # the local_spin_us setting: µs a wait polls before sleeping; None: automatic
+
+    @property
+    def spin(self) -> Optional[float]:
+        """The spin in seconds, as the channel's operations take it (None: the channel's automatic one)."""
+        return None if self.spin_us is None else self.spin_us * 1e-6
+
+    def state(self, wire: Wire) -> Optional[SameHost]:
+        """The group's same-host state, or None when the channel can never take this wire's slots (the
+        same answer on every rank): one rank, slots above a message, no group to keep it on. NCCL groups
+        take it too: round 1 is host bytes either way, and the channel spares them a copy to the GPU, a
+        collective and a copy back."""
+        if wire.size < 2 or wire.slot > _channel.MAX_PAYLOAD:
+            return None
+        try:
+            weakref.ref(wire.group)
+        except TypeError:  # nowhere to keep a channel: it would be opened again on every call
+            return None
+        known: Dict[bool, SameHost] = _state.group_facts(wire.group).local
+        found = known.get(self.separate)
+        if found is None:
+            found = known.setdefault(self.separate, SameHost())
+        return found
+
+    def channel_of(self, wire: Wire, op: str) -> Optional[Tuple[_channel.LocalChannel, Optional[float]]]:
+        state = self.state(wire)
+        channel = None if state is None else state.channel
+        if channel is None:
+            return None
+        channel.check(op)  # round 1 went through it (a call that finds it closed opens a new one, or raises)
+        return channel, self.spin
+
+    def channel(self, wire: Wire, op: str) -> Optional[_channel.LocalChannel]:
+        """The group's channel for a collective, or None (the backend moves the slots): the same answer on
+        every rank. Opens it on the first call, and again on the first call after it failed."""
+        state = self.state(wire)
+        if state is None:
+            return None
+        channel = state.channel
+        if channel is not None and not channel.closed:
+            return channel
+        if state.broken:
+            raise CommunicationError(f"{op}: {state.broken}")
+        if state.decided and channel is None:
+            return None  # not all on one host
+        if channel is not None and channel.failed_at is None:  # closed, not failed: a forked child, or at exit
+            channel.check(op)  # raises
+        history = (0, 0) if channel is None else (channel.generation, channel.failed_at or 0)
+        ready = state.begin_vote(wire.group)
+        try:
+            channel = _channel.LocalChannel.open(wire, timeout=timeout_seconds(wire.group),
+                                               separate=self.separate, op=f"{op} (opening the same-host channel)",
+                                               ready=ready, history=history, control=state.control)
+            if channel is not None and state.control is None:  # every rank is here: the first set-up worked on all
+                state.control = channel.control = _control_group(wire.group)
+            with state.cond:  # before the vote ends: a send/recv waiting for it must see the new channel
+                state.channel, state.decided = channel, True
+        except _channel.OutOfStep as exc:
+            state.broken = str(exc)
+            raise
+        finally:
+            state.end_vote()
+        if channel is not None:  # also runs at exit
+            weakref.finalize(wire.group, channel.close)
+        return channel
+
+    def all_gather(self, wire: Wire, slot: Slot, op: str) -> Union[Sequence[Slot], NotUsed]:
+        channel = self.channel(wire, op)
+        if channel is None:
+            return NOT_USED
+        return self._voting(wire, channel, lambda: channel.all_gather(_trim(slot), self.spin), op, slot)
+
+    def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]:
+        channel = self.channel(wire, op)
+        if channel is None:
+            return NOT_USED
+        if slot is not None:  # the root: its own slot is what it sent
+            channel.broadcast(_trim(slot), src, self.spin)
+            return slot
+        return _checked(wire, channel, [channel.broadcast(None, src, self.spin)], op)[0]
+
+    def scatter(self, wire: Wire, slots: Optional[Sequence[Slot]], src: int, op: str) -> Union[Slot, NotUsed]:
+        channel = self.channel(wire, op)
+        if channel is None:
+            return NOT_USED
+        if slots is not None:  # the root
+            channel.scatter([_trim(s) for s in slots], src, self.spin)
+            return slots[src]
+        return _checked(wire, channel, [channel.scatter(None, src, self.spin)], op)[0]
+
+    def all_to_all(self, wire: Wire, slots: Sequence[Slot], op: str) -> Union[Sequence[Slot], NotUsed]:
+        channel = self.channel(wire, op)
+        if channel is None:
+            return NOT_USED
+        trimmed_slots = [_trim(s) for s in slots]
+        return self._voting(wire, channel, lambda: channel.all_to_all(trimmed_slots, self.spin), op, slots[wire.rank])
+
+    def gather_words(self, wire: Wire, words: Sequence[int], op: str) -> Union[List[List[int]], NotUsed]:
+        found = self.channel_of(wire, op)  # round 1 opened it, or found none: never opened here, mid-call
+        if found is None:
+            return NOT_USED
+        channel = found[0]
+        packing = _words(len(words))
+        got = channel.all_gather(packing.pack(*words), self.spin)
+        for r, data in enumerate(got):
+            if len(data) != packing.size:
+                channel.fail(op, f"rank {r} sent {len(data)} bytes of control words where {packing.size} were due "
+                                 "(the ranks are at different calls, or a protocol error)")
+        _echo(channel, b"".join(got), self.spin, op, "control words")  # what every rank acts on: the same rows
+        return [list(packing.unpack(data)) for data in got]
+
+    def agree(self, wire: Wire, infos: Sequence[SlotInfo], op: str) -> None:
+        found = self.channel_of(wire, op)
+        if found is not None:
+            # everything round 1 said that a decision reads: the words, and a frame the slot carried (its tensor
+            # table decides refusals and the second round's route)
+            view = [(i.length, i.error, i.round2, i.limit, i.total, i.sizes,
+                     None if i.inline is None else hashlib.blake2b(i.inline, digest_size=16).digest()) for i in infos]
+            _echo(found[0], repr(view).encode(), found[1], op, "round-1 slots")
+
+    def _voting(self, wire: Wire, channel: _channel.LocalChannel, exchange: Callable[[], Sequence[Slot]],
+                op: str, mine: Slot) -> Sequence[Slot]:
+        """``exchange()``, an all_gather or all_to_all, then, until send/recv are on the channel and where a vote is
+        due (:meth:`~objcomm._samehost.channel.LocalChannel.vote_due`), this rank's send/recv vote; ``mine``: this
+        rank's own slot, whole, in its place. The vote goes through the group
+        (:meth:`~objcomm._samehost.channel.LocalChannel.vote`), whose result every rank sees alike; a rank whose
+        exchange failed still votes (no) before it raises, so that the others' vote never meets its next call."""
+        if channel.p2p or not channel.vote_due():
+            return _checked(wire, channel, exchange(), op, mine)
+        state = self.state(wire)
+        assert state is not None
+        what = f"{op} (voting send/recv onto the same-host channel)"
+        try:  # the vote is out from here: a send/recv that starts meanwhile waits for the outcome
+            ready = state.begin_vote(wire.group)
+            try:
+                got = _checked(wire, channel, exchange(), op, mine)
+            except CommunicationError:  # still vote (no): the others' vote must not meet this rank's next call
+                with contextlib.suppress(CommunicationError):
+                    channel.vote(wire, False, what)
+                raise
+            try:
+                agreed = channel.vote(wire, ready, what)
+            except _channel.OutOfStep as exc:
+                state.broken = str(exc)
+                channel.fail(op, str(exc))
+            with state.cond:  # before the vote ends: a send/recv waiting for it must see the outcome
+                channel.p2p = agreed
+        finally:
+            state.end_vote()
+        return got
+
+    def p2p(self, wire: Wire, op: str) -> ContextManager[Any]:
+        """The route of one send/recv: entering gives an object with ``send``/``recv`` (the channel), or
+        None (the group); see the module docstring for when it is which."""
+        state = self.state(wire)
+        if state is None:
+            return _BACKEND
+        channel = state.channel
+        if channel is not None and channel.p2p and not channel.closed:
+            return ChannelRoute(channel, self.spin)
+        with state.cond:
+            timeout = timeout_seconds(wire.group)
+            if state.voting and not state.cond.wait_for(lambda: not state.voting, timeout):
+                raise CommunicationError(f"{op}: a collective on this group has decided for {timeout:.0f}s whether "
+                                         "send/recv may use the same-host channel; it has not finished")
+            channel = state.channel
+            if state.broken:
+                raise CommunicationError(f"{op}: {state.broken}")
+            if channel is not None and channel.closed and channel.failed_at is not None:
+                raise CommunicationError(
+                    f"{op}: this group's same-host channel failed earlier (on this rank: {channel.failed_at}); "
+                    "send/recv on it raise until a collective on the group has opened it again")
+            if channel is not None and channel.p2p and not channel.closed:
+                return ChannelRoute(channel, self.spin)
+            state.in_flight += 1
+            return _Counted(state)
+
+
+def _control_group(group: Any) -> Any:
+    """``group``'s control group (:mod:`objcomm._transport.groups`), destroyed with it; None where torch cannot make one
+    (its private group helper differs): the channel's votes and reopenings then go through ``group`` itself, as before
+    the control group existed."""
+    try:
+        control = _groups.sibling(group, "objcomm-channel", "gloo")
+    except Exception:
+        return None
+    weakref.finalize(group, _groups.forget, control).atexit = False
+    return control
+
+
+_STRATEGIES: Dict[Tuple[bool, Optional[int]], SameHostSlots] = {}
+
+
+def same_host(separate: bool, spin_us: Optional[int]) -> SameHostSlots:
+    """The strategy for these settings, built once (the wire of every call holds one)."""
+    found = _STRATEGIES.get((separate, spin_us))
+    if found is None:
+        found = _STRATEGIES.setdefault((separate, spin_us), SameHostSlots(separate, spin_us))
+    return found
+
+
+def _echo(channel: _channel.LocalChannel, seen: bytes, spin: Optional[float], op: str, what: str) -> None:
+    """Check that every rank saw ``seen`` (one channel hop: a 16-byte digest each); else fail the channel, so that
+    every rank raises rather than act on different views. A digest, not the bytes: cheap at any size, and 128 bits,
+    beyond a lying rank's reach for two messages with one digest.
+
+    Then a second hop, :data:`PASSED` from every rank: a rank acts only once every other one found the digests
+    alike. A lying rank can send its digest right to one rank and wrong to another; the one that finds it wrong
+    fails the channel instead of passing, and every rank waiting for its pass reads that at once, rather than go on
+    alone into the group's backend (where the others would not join it, and a reopen would meet it)."""
+    digest = hashlib.blake2b(seen, digest_size=16).digest()
+    for r, theirs in enumerate(channel.echo(digest, spin)):
+        if theirs != digest:
+            channel.fail(op, f"rank {r} read other {what} than rank {channel.rank} did in this {op}: a rank told "
+                             "different ranks different things, or the ranks are at different calls")
+    for r, theirs in enumerate(channel.echo(PASSED, spin)):
+        if theirs != PASSED:
+            channel.fail(op, f"rank {r} sent {len(theirs)} bytes where its pass of the {what} check was due: a "
+                             "protocol error")
+
+
+PASSED = b"\x01"  # what every rank echoes once it found every rank's digest alike (_echo)
+
+
+@functools.lru_cache(maxsize=16)
+def _words(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}q")
+
+
+def trimmed(slot: Slot, size: int) -> bool:
+    """Whether ``slot``, a message of the channel, is a slot of ``size`` bytes trimmed after its frame: shorter,
+    and exactly a prefix without flag bits and the frame it announces. Such a slot holds nothing after its
+    frame but zeros, which nobody reads: they stay behind (:func:`_trim`; :func:`objcomm._format.frame.small_slot`).
+    """
+    n = len(slot)
+    return SLOT_PREFIX_BYTES <= n < size and _FRAME_LENGTH.unpack_from(slot)[0] == n - SLOT_PREFIX_BYTES
+
+
+def _trim(slot: Slot) -> Slot:
+    """``slot`` without the zeros after its frame, where it holds a whole frame and nothing else (no flag bits:
+    not an error report, no sizes listed after the frame, no second round); else ``slot`` itself."""
+    end = SLOT_PREFIX_BYTES + _FRAME_LENGTH.unpack_from(slot)[0]  # flag bits make it far too large
+    return memoryview(slot)[:end] if end < len(slot) else slot
+
+
+_FRAME_LENGTH = struct.Struct("<Q")  # a slot's first word: its frame's length, and flag bits above it
+
+
+def _checked(wire: Wire, channel: _channel.LocalChannel, slots: Sequence[Slot], op: str,
+             mine: Optional[Slot] = None) -> List[Slot]:
+    """``slots``, each ``wire.slot`` bytes long or :func:`trimmed` (which :func:`objcomm._format.slot.read_slot`
+    reads as the whole slot: a prefix without flag bits and its frame), ``mine``, when given, in this rank's
+    place; else ranks disagree on ``slot_bytes`` (the backend would fail too): the channel fails, so that the
+    others raise as well."""
+    whole = list(slots)
+    if mine is not None:
+        whole[wire.rank] = mine
+    for slot in whole:
+        if len(slot) != wire.slot and not trimmed(slot, wire.slot):
+            channel.fail(op, f"rank {wire.rank} received a {len(slot):,}-byte slot but uses "
+                             f"slot_bytes={wire.slot:,}; every rank of a group must use the same slot_bytes")
+    return whole

@@ -1,0 +1,81 @@
+"""Which ranks of a group share a host: learned once per group, through the group itself.
+
+Each rank contributes four 64-bit words to one ``all_gather``: a key for its host (a hash of the
+hostname and the kernel's boot id, so two containers with the same hostname on different machines
+differ), its pid, a random token, and its pid namespace (a pid only names a process inside its
+namespace). Every rank keeps rank 0's token: it names this job's shared-memory segments, so two
+jobs on one host never pick the same name.
+
+``separate=True`` salts the host key with the pid: every rank then looks like a host of its own,
+which lets tests run the different-hosts path on one machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from typing import Any, List, Tuple
+
+import torch
+
+from objcomm._transport.base import all_gather_single, guarded
+
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+_WORDS = 4  # host key, pid, token, pid namespace
+_PID_NAMESPACE = "/proc/self/ns/pid"
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """What one rank learned about its group: every rank's host key, pid and pid namespace, and the job token."""
+
+    token: int
+    keys: Tuple[int, ...]
+    pids: Tuple[int, ...]
+    pid_namespaces: Tuple[int, ...]
+
+    @property
+    def one_host(self) -> bool:
+        """Every rank of the group runs on this host."""
+        return len(set(self.keys)) == 1
+
+    def same_host(self, a: int, b: int) -> bool:
+        return self.keys[a] == self.keys[b]
+
+
+def host_key(separate: bool = False) -> int:
+    """A 63-bit key equal on ranks that share a kernel (hostname + boot id); with ``separate``, unique per process."""
+    try:
+        with open(_BOOT_ID) as handle:
+            boot = handle.read().strip()
+    except OSError:  # not Linux: the hostname alone
+        boot = ""
+    text = f"{socket.gethostname()}|{boot}|{os.getpid() if separate else ''}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def pid_namespace() -> int:
+    """The inode number of this process's pid namespace (what ``ls -l /proc/self/ns/pid`` shows); 0 if unknown."""
+    try:
+        return os.stat(_PID_NAMESPACE).st_ino
+    except OSError:
+        return 0
+
+
+def discover(wire: Any, separate: bool, op: str) -> Hosts:
+    """Exchange host identities over ``wire``'s group (a collective: every rank must call it); the caller
+    keeps the answer (:func:`objcomm._state.group_facts`)."""
+    mine = torch.tensor([host_key(separate), os.getpid(), secrets.randbits(63), pid_namespace()], dtype=torch.int64)
+    everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64)
+    guarded(op, wire, all_gather_single, everyone, mine, group=wire.group)
+    words: List[int] = everyone.tolist()
+    hosts = Hosts(
+        token=words[2],
+        keys=tuple(words[0::_WORDS]),
+        pids=tuple(words[1::_WORDS]),
+        pid_namespaces=tuple(words[3::_WORDS]),
+    )
+    return hosts

@@ -1,0 +1,444 @@
+"""Same-host fast path: the second round's bytes through POSIX shared memory, the control words through
+the group's same-host channel (:mod:`objcomm._samehost.channel`) or, without one, the group.
+
+When every rank a call involves runs on one host (see :mod:`objcomm._samehost.hosts`) and the bytes of the
+second round (frames that overflow their slot, plus out-of-band CPU tensors) reach ``threshold``,
+each sending rank writes its bytes into one segment and the group only carries small integers. A
+segment is a sealed memory file (:mod:`objcomm._samehost.sealed`; receivers map it, so what they get are
+views, no copy) when ``zero_copy`` is on and every rank shares one pid namespace, else a file in
+``directory`` (``/dev/shm``) that receivers copy:
+
+1. every rank announces, in one ``all_gather`` of ``1 + W`` int64s, the sequence number of what it
+   wrote (0: it sends nothing more; -1: it could not write, e.g. no space) and, per part, where it
+   is (:func:`_where`: the descriptor of a sealed segment, or minus the identity of a file);
+2. receivers map the sealed segments they need (:func:`objcomm._samehost.sealed.map_sealed`), or read the
+   files into fresh memory (:func:`objcomm._samehost.segments.read_segment`, ``pread``, no mapping);
+3. one ``all_reduce`` says whether every reader is done, one could not read, or one refused a segment;
+   then each writer unlinks its segment.
+
+A reader that could not read (an ``OSError``: the file is gone, ``/proc/<pid>/fd`` cannot be opened,
+...) sends *every* rank back to the normal transport for this call (one debug line on the ``objcomm``
+logger says why); when a rank could not open a sealed segment at all
+(:class:`objcomm._samehost.sealed.Unopenable`), the group uses files from then on. A reader that
+*refuses* a segment raises :class:`~objcomm.FrameError` alone, like a rank that cannot decode what
+arrived; the others keep their results and the group stays in step.
+
+:class:`SharedMemory` is a second-round strategy (:class:`objcomm._transport.base.SecondRound`): the transport
+asks it once per call after round 1 and moves the bytes itself when it answers ``NOT_USED``. One
+method, :meth:`SharedMemory.hosts_for`, decides whether a call may use it (CPU, enough bytes, one
+host). Segment files themselves (how they are written, checked and read, their names, and
+:func:`~objcomm._samehost.segments.sweep`, which removes those of dead writers) are :mod:`objcomm._samehost.segments`;
+the bookkeeping of those a process wrote is a :class:`~objcomm._samehost.segments.SegmentBook` it is given.
+This module unlinks what it wrote in a ``finally`` (exceptions, KeyboardInterrupt), and sweeps when
+a rank fails mid-call and at every discovery (the start of the next job).
+
+Mixed groups: collectives use shared memory only when the whole group shares one host, otherwise
+they keep the normal transport; send/recv use it whenever the two ranks share a host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+
+import torch
+import torch.distributed as dist
+
+from objcomm import _state
+from objcomm._errors import CommunicationError
+from objcomm._format.message import Incoming, Outgoing, SizesOf
+from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
+from objcomm._samehost import hosts as _hosts
+from objcomm._samehost.sealed import Sealed, SealedSegment, Unopenable, map_sealed
+from objcomm._samehost.segments import (
+    DEFAULT_DIRECTORY,
+    SEGMENTS,
+    SegmentBook,
+    SegmentFile,
+    _me,
+    _name,
+    _Segment,
+    _this_host,
+    _Writer,
+    read_segment,
+    sweep,
+)
+from objcomm._settings import DEFAULT_SHM_THRESHOLD
+from objcomm._transport import routes
+from objcomm._transport.base import NOT_USED, NotUsed, Route, Wire, all_gather_single, guarded, largest_of
+
+log = logging.getLogger("objcomm")
+
+DEFAULT_THRESHOLD = DEFAULT_SHM_THRESHOLD
+Source = Union[SegmentFile, Sealed]  # a segment file's path and identity, or where a sealed segment is
+SourceOf = Callable[[int, int], Source]  # (writer's group rank, part) -> where that segment is
+T = TypeVar("T")
+Part = Tuple[Optional[Sequence[Any]], Sequence[torch.Tensor]]  # a frame's parts (None: round 1 carried it), tensors
+
+_READ, _FELL_BACK, _REFUSED = 0, 1, 2  # what a reader reports after step 2; the largest wins
+_P2P = 6  # seq (or -1), pid, token, host key, pid namespace, where (see _where)
+_COLLECTIVES = -1  # the key under which a group remembers that its collectives cannot use sealed segments
+_SENT, _OTHER_HOST, _RESEND, _REFUSED_P2P, _UNOPENABLE = 0, 1, 2, 3, 4  # the receiver's answer
+
+
+@dataclass(frozen=True)
+class SharedMemory:
+    """The second round through segment files when the ranks a call involves share a host."""
+
+    threshold: int = DEFAULT_THRESHOLD  # second-round bytes (largest sender) from which shared memory is used
+    directory: str = DEFAULT_DIRECTORY
+    separate: bool = False  # pretend every rank is on its own host (tests)
+    zero_copy: bool = True  # sealed segments received as views where possible; False: files, read by copy
+    book: SegmentBook = field(default=SEGMENTS, compare=False)
+
+    # -- the decision ----------------------------------------------------------------------------
+    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+        """Whether ``moved`` second-round bytes (the largest sender's) may go this way, before
+        asking where the ranks run: CPU transfers at or above the threshold."""
+        if wire.device.type != "cpu":
+            return False
+        if not routes.shared_memory_takes(moved, threshold=self.threshold, cpu=True):
+            log.debug("objcomm shm: %s moves %d bytes, below the threshold of %d; normal transport",
+                      op, moved, self.threshold)
+            return False
+        return True
+
+    def hosts_for(self, wire: Wire, moved: int, op: str) -> Optional[_hosts.Hosts]:
+        """The group's hosts when the call uses shared memory, else None: the same answer on every rank.
+        The first call that gets this far on a group learns its hosts (a collective)."""
+        if not self.worth(wire, moved, op):
+            return None
+        known: Dict[bool, _hosts.Hosts] = _state.group_facts(wire.group).hosts
+        hosts = known.get(self.separate)
+        if hosts is None:
+            hosts = known[self.separate] = _hosts.discover(wire, self.separate, op)
+            sweep(self.directory)  # a new job on this host: clear what dead jobs left
+        if not hosts.one_host:
+            log.debug("objcomm shm: %s spans %d hosts; normal transport", op, len(set(hosts.keys)))
+            return None
+        return hosts
+
+    # -- control ---------------------------------------------------------------------------------
+    def _gather_rows(self, wire: Wire, row: List[int], op: str) -> List[List[int]]:
+        """Every rank's ``row`` (equal lengths), in rank order: through the same-host channel when the group
+        has one (see :meth:`objcomm._transport.base.FirstRound.gather_words`), else through the group."""
+        rows = wire.first_round.gather_words(wire, row, op)
+        if rows is not NOT_USED:
+            return rows
+        every = torch.empty(wire.size * len(row), dtype=torch.int64)
+        mine = torch.tensor(row, dtype=torch.int64)
+        guarded(op, wire, all_gather_single, every, mine, group=wire.group)
+        return every.view(wire.size, len(row)).tolist()
+
+    def _sealed(self, hosts: _hosts.Hosts, peer: int, wire: Wire) -> bool:
+        """Whether segments for ``peer`` (:data:`_COLLECTIVES`: the group's collectives) are sealed: the same
+        answer on the ranks concerned. Sealed segments are opened through ``/proc/<pid>``, so every rank
+        must share one known pid namespace; a group whose readers once could not open one uses files."""
+        if not self.zero_copy or (peer, self.separate) in _state.group_facts(wire.group).unsealed:
+            return False
+        return len(set(hosts.pid_namespaces)) == 1 and hosts.pid_namespaces[0] != 0
+
+    def _any(self, wire: Wire, values: List[int], op: str) -> List[int]:
+        """The largest of each of ``values`` any rank gave."""
+        return largest_of(wire, values, op)
+
+    def _collective(self, wire: Wire, hosts: _hosts.Hosts, parts: Dict[int, Part], read: Callable[[SourceOf], T],
+                    op: str) -> Union[T, NotUsed]:
+        """Write ``parts`` (part number -> frame or None, tensors), agree, let ``read`` read what it needs, unlink.
+
+        Each rank announces a row: its sequence number (0: nothing written, -1: could not write), then
+        for each part (a receiving rank, or 0) where it is (:func:`_where`)."""
+        written: List[Union[_Segment, SealedSegment]] = []
+        sealed = self._sealed(hosts, _COLLECTIVES, wire)
+        row = [0] * (1 + wire.size)
+        try:
+            if parts:
+                row[0] = self.book.next_seq()
+                try:
+                    for part, (frame, tensors) in parts.items():
+                        if sealed:
+                            sealed_segment = self.book.create_sealed(frame, tensors)
+                            written.append(sealed_segment)
+                            row[1 + part] = _where(sealed_segment)
+                        else:
+                            path = _name(self.directory, _me(hosts.token), row[0], part)
+                            segment = self.book.create(path, frame, tensors)
+                            written.append(segment)
+                            row[1 + part] = _where(segment)
+                except OSError as exc:
+                    log.debug("objcomm shm: %s on rank %d could not write shared memory (%s); normal transport",
+                              op, wire.rank, exc)
+                    row[0] = -1
+            rows = self._gather_rows(wire, row, op)
+            seqs = [r[0] for r in rows]
+            if min(seqs) < 0 or not any(seqs):  # a writer failed, or nobody wrote (scatter below the threshold)
+                return NOT_USED
+
+            def source_of(writer: int, part: int) -> Source:
+                if sealed:
+                    return Sealed(hosts.pids[writer], rows[writer][1 + part])
+                who = _Writer(_this_host(), hosts.pid_namespaces[writer], hosts.token, hosts.pids[writer])
+                return SegmentFile(_name(self.directory, who, seqs[writer], part), -rows[writer][1 + part])
+
+            failure: Optional[Exception] = None
+            result: Union[T, NotUsed]
+            try:
+                result, outcome = read(source_of), _READ
+            except Unopenable as exc:  # a sealed segment: this rank cannot open what it names
+                log.debug("objcomm shm: %s on rank %d could not open a sealed segment (%s); normal transport, and "
+                          "files from now on", op, wire.rank, exc)
+                result, outcome, failure = NOT_USED, _FELL_BACK, exc
+            except OSError as exc:
+                log.debug("objcomm shm: %s on rank %d could not read shared memory (%s); normal transport",
+                          op, wire.rank, exc)
+                result, outcome, failure = NOT_USED, _FELL_BACK, exc
+            except Exception as exc:  # a refused segment: raised below, once every rank knows
+                result, outcome, failure = NOT_USED, _REFUSED, exc
+            worst, unopenable = self._any(wire, [outcome, isinstance(failure, Unopenable)], op)
+            if unopenable:  # e.g. /proc/<pid>/fd is closed to a rank: files from now on, on every rank
+                _state.group_facts(wire.group).unsealed.add((_COLLECTIVES, self.separate))
+            if worst == _FELL_BACK:
+                return NOT_USED
+            try:
+                if isinstance(failure, OSError):  # another rank refused, so nobody takes the normal transport
+                    problem = f"{op} on rank {wire.rank} could not read shared memory: {failure}"
+                    raise CommunicationError(problem) from failure
+                if failure is not None:
+                    raise failure
+            finally:  # the error's traceback holds this frame: no cycle through it (a caller's gc.disable()
+                failure = None  # would otherwise keep each failed call's segments mapped until a collection)
+            return result
+        except BaseException:
+            sweep(self.directory)  # a peer that died mid-call may have left its segments
+            raise
+        finally:
+            for each in written:
+                each.release()
+
+    # -- collectives -----------------------------------------------------------------------------
+    def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+        moved = [info.second_round_bytes for info in infos]
+        hosts = self.hosts_for(wire, max(moved), op)
+        if hosts is None:
+            return NOT_USED
+        me = wire.rank
+        parts = {0: _part(out, infos[me].inline is not None)} if moved[me] else {}
+
+        def read(source_of: SourceOf) -> List[Incoming]:
+            return _read_every_rank(infos, moved, me, out, sizes_of, source_of, copy_own=True)  # never alias input
+
+        return self._collective(wire, hosts, parts, read, op)
+
+    def gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, dst: int,
+               op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
+        moved = [0 if r == dst else info.second_round_bytes for r, info in enumerate(infos)]
+        hosts = self.hosts_for(wire, max(moved), op)
+        if hosts is None:
+            return NOT_USED
+        me = wire.rank
+        parts = {0: _part(out, infos[me].inline is not None)} if moved[me] else {}
+
+        def read(source_of: SourceOf) -> Optional[List[Incoming]]:
+            if me != dst:
+                return None
+            # the caller decodes its own with own=True, so no copy here
+            return _read_every_rank(infos, moved, me, out, sizes_of, source_of, copy_own=False)
+
+        return self._collective(wire, hosts, parts, read, op)
+
+    def broadcast(self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int,
+                  op: str) -> Union[Incoming, NotUsed]:
+        moved = info.second_round_bytes
+        hosts = self.hosts_for(wire, moved, op)
+        if hosts is None:
+            return NOT_USED
+        parts = {0: _part(out, info.inline is not None)} if wire.rank == src and out is not None else {}
+
+        def read(source_of: SourceOf) -> Incoming:
+            if wire.rank == src:
+                assert out is not None
+                return _own(out, copy=False)  # the caller decodes its own with own=True
+            return fetch(source_of(src, 0), moved, info.inline, info.length, sizes_of)
+
+        return self._collective(wire, hosts, parts, read, op)
+
+    def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf, src: int,
+                longest: int, op: str) -> Union[Incoming, NotUsed]:
+        """``longest``: the root's longest second round to any rank, which the vote told every rank."""
+        hosts = self.hosts_for(wire, longest, op)
+        if hosts is None:
+            return NOT_USED
+        parts: Dict[int, Part] = {}
+        if wire.rank == src:  # (its longest part is ``longest``: worth it, as hosts_for found)
+            assert outs is not None
+            capacity = wire.inline_capacity
+            parts = {r: _part(o, o.frame_nbytes <= capacity) for r, o in enumerate(outs)
+                     if r != src and outgoing_second_round_bytes(o, capacity)}
+
+        def read(source_of: SourceOf) -> Incoming:
+            if wire.rank == src:
+                assert outs is not None
+                return _own(outs[src], copy=False)
+            size = info.second_round_bytes
+            if not size:
+                return Incoming(info.inline)  # type: ignore[arg-type]
+            return fetch(source_of(src, wire.rank), size, info.inline, info.length, sizes_of)
+
+        return self._collective(wire, hosts, parts, read, op)
+
+    def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+        """Each rank writes one segment per receiver it sends a second round to (part: the receiver)."""
+        hosts = self.hosts_for(wire, longest, op)
+        if hosts is None:
+            return NOT_USED
+        me, capacity = wire.rank, wire.inline_capacity
+        parts = {r: _part(o, o.frame_nbytes <= capacity) for r, o in enumerate(outs)
+                 if r != me and outgoing_second_round_bytes(o, capacity)}
+
+        def read(source_of: SourceOf) -> List[Incoming]:
+            moved = [info.second_round_bytes for info in infos]  # the caller decodes its own with own=True
+            return _read_every_rank(infos, moved, me, outs[me], sizes_of, source_of, copy_own=False, part=me)
+
+        return self._collective(wire, hosts, parts, read, op)
+
+    # -- point to point (the two ranks' hosts are learned per call, and remembered when they differ) --
+    def send(self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> bool:
+        """Send the second round through shared memory; False: the caller sends it the normal way. The status and
+        the receiver's answer go through ``route`` when the slot of message ``message`` did (the same-host channel:
+        concurrent sends under one tag then never take each other's), else through the group."""
+        if not self.worth(wire, outgoing_second_round_bytes(out, wire.inline_capacity), op):
+            return False
+        facts = _state.group_facts(wire.group)
+        sealed = self.zero_copy and (dst, self.separate) not in facts.unsealed
+        segment: Optional[Union[_Segment, SealedSegment]] = None
+        seq, where = -1, 0
+        try:
+            if (dst, self.separate) in facts.remote_peers:
+                log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
+            else:
+                try:
+                    seq = self.book.next_seq()
+                    part = _part(out, out.frame_nbytes <= wire.inline_capacity)
+                    if sealed:
+                        segment = self.book.create_sealed(*part)
+                    else:
+                        segment = self.book.create(_name(self.directory, _me(self.book.token), seq, 0), *part)
+                    where = _where(segment)
+                except OSError as exc:
+                    log.debug("objcomm shm: %s could not write shared memory (%s); normal transport", op, exc)
+                    seq = -1
+            words = [seq, os.getpid(), self.book.token, _hosts.host_key(self.separate), _hosts.pid_namespace(), where]
+            if route is not None:
+                route.send_words(wire, words, dst, message)
+            else:
+                status = torch.tensor(words, dtype=torch.int64)
+                guarded(op, wire, dist.send, status, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
+            if seq < 0:
+                return False
+            if route is not None:
+                reply = route.answer_of(wire, dst, message, op)
+            else:
+                answer = torch.empty(1, dtype=torch.int64)
+                guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
+                reply = int(answer.item())
+            if reply == _OTHER_HOST:
+                facts.remote_peers.add((dst, self.separate))
+                log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
+            elif reply == _UNOPENABLE:  # the receiver cannot open sealed segments: files from now on
+                facts.unsealed.add((dst, self.separate))
+            return reply in (_SENT, _REFUSED_P2P)  # a refusing receiver raises; it expects nothing more
+        finally:
+            if segment is not None:
+                segment.release()
+
+    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> Union[Incoming, NotUsed]:
+        """The sender's second round from shared memory, or NOT_USED: the caller receives it the normal way (the
+        status and answer through ``route``, as in :meth:`send`)."""
+        if not self.worth(wire, info.second_round_bytes, op):
+            return NOT_USED
+        if route is not None:
+            seq, pid, token, key, namespace, where = route.recv_words(wire, _P2P, src, message, op)
+        else:
+            status = torch.empty(_P2P, dtype=torch.int64)
+            guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
+            seq, pid, token, key, namespace, where = status.tolist()
+        if seq < 0:
+            return NOT_USED
+        answer, failure = _OTHER_HOST, None
+        result: Union[Incoming, NotUsed] = NOT_USED
+        if key == _hosts.host_key(self.separate):
+            source: Source = SegmentFile(_name(self.directory, _Writer(_this_host(), namespace, token, pid), seq, 0),
+                                         -where)
+            if where > 0:  # opened through /proc/<pid>: in another pid namespace that pid names nothing (-1)
+                source = Sealed(pid if namespace == _hosts.pid_namespace() != 0 else -1, where)
+            try:
+                result, answer = fetch(source, info.second_round_bytes, info.inline, info.length, sizes_of), _SENT
+            except Unopenable as exc:
+                log.debug("objcomm shm: %s could not open a sealed segment (%s); normal transport", op, exc)
+                answer = _UNOPENABLE
+            except OSError as exc:
+                log.debug("objcomm shm: %s could not read shared memory (%s); normal transport", op, exc)
+                answer = _RESEND
+            except Exception as exc:  # a refused segment: raised once the sender knows not to send it again
+                answer, failure = _REFUSED_P2P, exc
+        else:
+            log.debug("objcomm shm: %s from rank %d crosses hosts; normal transport", op, src)
+        if route is not None:
+            route.answer(wire, src, message, answer)
+        else:
+            reply = torch.tensor([answer], dtype=torch.int64)
+            guarded(op, wire, dist.send, reply, dst=wire.ranks[src], group=wire.group, tag=wire.answer_tag)
+        if failure is not None:
+            raise failure
+        return result
+
+
+def _where(segment: Union[_Segment, SealedSegment]) -> int:
+    """The control word that says where a segment is: the descriptor of a sealed one (> 0), or minus the
+    identity of a file (< 0; :func:`objcomm._samehost.segments.identity`), which readers check the file they open
+    against."""
+    return segment.fd if isinstance(segment, SealedSegment) else -segment.identity
+
+
+def _part(out: Optional[Outgoing], frame_inline: bool) -> Part:
+    assert out is not None
+    return (None if frame_inline else out.parts), out.tensors  # written part by part: never joined for this
+
+
+def _own(out: Outgoing, copy: bool) -> Incoming:
+    return Incoming(out.frame, [t.to("cpu", copy=copy) for t in out.tensors])
+
+
+def _read_every_rank(
+    infos: Sequence[SlotInfo], moved: Sequence[int], me: int, out: Outgoing, sizes_of: SizesOf, source_of: SourceOf,
+    copy_own: bool, part: int = 0,
+) -> List[Incoming]:
+    """Each rank's ``part``: a segment for those that wrote one, else what round 1 carried, and this rank's
+    own. ``copy_own``: its own must not alias its input; when it wrote a sealed segment, that is its copy
+    (mapped: no copy either)."""
+    incoming: List[Incoming] = []
+    try:
+        for r, info in enumerate(infos):
+            if r == me and not (copy_own and moved[r] and isinstance(source_of(r, part), Sealed)):
+                incoming.append(_own(out, copy=copy_own))
+            elif moved[r]:
+                incoming.append(fetch(source_of(r, part), moved[r], info.inline, info.length, sizes_of))
+            else:
+                incoming.append(Incoming(info.inline))  # type: ignore[arg-type]
+    except BaseException:
+        incoming.clear()  # the traceback keeps this frame: what was mapped must not live as long as the error
+        raise
+    return incoming
+
+
+def fetch(source: Source, size: int, inline: Optional[memoryview], length: int, sizes_of: SizesOf) -> Incoming:
+    """A writer's segment: mapped when sealed (views, no copy), else read into fresh memory."""
+    if isinstance(source, Sealed):
+        return map_sealed(source, size, inline, length, sizes_of)
+    return read_segment(source.path, size, inline, length, sizes_of, expected=source.identity)

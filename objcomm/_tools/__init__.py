@@ -1,0 +1,1 @@
+"""The command line (``objcomm bench``, ``objcomm launch``) and the benchmark; never imported by the library."""

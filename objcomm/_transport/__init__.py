@@ -1,0 +1,8 @@
+"""Moving messages over a torch process group.
+
+:mod:`.base` holds what every medium shares (the :class:`~.base.Wire` a call moves over, the strategy
+protocols ``FirstRound`` / ``SecondRound`` / ``Route``, the backend's own strategies); :mod:`.rounds` runs each
+operation's two rounds over the backend; :mod:`.bytes` the byte primitives (variable-length tensors over
+all_gather, broadcast, send/recv); :mod:`.pending` the non-blocking sends in flight; :mod:`.groups` the sibling
+groups objcomm makes beside a user's group. Knows nothing of the same-host media above it.
+"""

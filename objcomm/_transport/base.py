@@ -1,0 +1,265 @@
+"""What every medium shares: the :class:`Wire` a call moves over, and the strategies a medium implements.
+
+:class:`FirstRound` moves round-1 slots (the backend, :data:`BACKEND`, or the same-host channel);
+:class:`SecondRound` moves what did not fit a slot (the backend, :data:`DIRECT`, or the same-host channel and
+shared memory); :class:`Route` carries one send/recv. The transport (:mod:`objcomm._transport.rounds`) calls
+these; the same-host media (:mod:`objcomm._samehost`) implement them and import nothing of the transport's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from typing import (
+    Any,
+    ContextManager,
+    List,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    Union,
+)
+
+import torch
+import torch.distributed as dist
+
+from objcomm._errors import CommunicationError
+from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
+from objcomm._format.slot import SlotInfo
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# -- who moves the second round ----------------------------------------------------------------
+class NotUsed(enum.Enum):
+    """A :class:`SecondRound` strategy's answer when the transport must move the second round itself."""
+
+    NOT_USED = "not used"
+
+
+NOT_USED = NotUsed.NOT_USED
+
+
+class SecondRound(Protocol):
+    """Another way to move the second round of a call, asked by the transport after round 1.
+
+    The transport calls the method of its operation once, on every rank the operation involves, after
+    round 1 and any vote; the strategy returns what the transport would have returned, or
+    :data:`NOT_USED` (the same answer on every rank), and the transport moves the bytes itself.
+    Shared memory on one host (:class:`objcomm._samehost.shm.SharedMemory`) is one; :data:`DIRECT` is none.
+    """
+
+    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+        """Whether this strategy may take ``moved`` second-round bytes (decided from the slot alone,
+        so that receivers answer the sender before round 2 when it may)."""
+
+    def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]: ...
+
+    def gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, dst: int,
+               op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]: ...
+
+    def broadcast(self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int,
+                  op: str) -> Union[Incoming, NotUsed]: ...
+
+    def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf,
+                src: int, longest: int, op: str) -> Union[Incoming, NotUsed]: ...
+
+    def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+        """``longest``: the most bytes any rank moves to any other after round 1 (the same on every rank)."""
+
+    def send(self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> bool:
+        """True when the second round went this way (the receiver answered it took it). ``route``: where the slot
+        of message ``message`` went (else the group): the strategy's own words travel there too."""
+
+    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> Union[Incoming, NotUsed]: ...
+
+
+class _Direct:
+    """No strategy: the transport moves every second round itself."""
+
+    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+        return False
+
+    def all_gather(self, *args: Any) -> NotUsed:
+        return NOT_USED
+
+    gather = broadcast = scatter = all_to_all = recv = all_gather
+
+    def send(self, *args: Any) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "DIRECT"
+
+
+DIRECT: SecondRound = _Direct()
+
+
+# -- who moves the first round -----------------------------------------------------------------
+Slot = Union[bytes, bytearray, memoryview]  # one rank's round-1 slot (``Wire.slot`` bytes), host memory
+
+
+class FirstRound(Protocol):
+    """Another way to move round 1's slots, asked by the transport before it uses the group.
+
+    Each method takes this rank's slot bytes (host memory, ``wire.slot`` long) and returns what the
+    group's collective would have delivered, as host bytes, or :data:`NOT_USED` (the same answer on
+    every rank of the call, decided without talking to the others) and the transport moves the slots
+    itself; :meth:`p2p` routes the slot of a send/recv. Every rank of the group calls the method of its
+    operation, in the same order. The same-host channel (:class:`objcomm._samehost.channel_slots.SameHostSlots`) is one;
+    :data:`BACKEND` is none.
+    """
+
+    def all_gather(self, wire: Wire, slot: Slot, op: str) -> Union[Sequence[Slot], NotUsed]: ...
+
+    def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]: ...
+
+    def scatter(self, wire: Wire, slots: Optional[Sequence[Slot]], src: int, op: str) -> Union[Slot, NotUsed]: ...
+
+    def all_to_all(self, wire: Wire, slots: Sequence[Slot], op: str) -> Union[Sequence[Slot], NotUsed]: ...
+
+    def gather_words(self, wire: Wire, words: Sequence[int], op: str) -> Union[List[List[int]], NotUsed]:
+        """Every rank's ``words`` (int64s, as many on every rank), in group-rank order: the small control
+        collectives of a call's later rounds (the receivers' votes, :func:`largest_of`; the shared-memory
+        announcement, :mod:`objcomm._samehost.shm`)."""
+
+    def agree(self, wire: Wire, infos: Sequence[Any], op: str) -> None:
+        """Before a call acts on round 1 beyond "it ended" (a second round, a refusal, a vote), check that every rank
+        read the same slots (``infos``, this rank's reading of them) where they came one message per peer (the
+        same-host channel: a lying rank could tell each rank something different, and honest ranks would then take
+        different routes); on a difference every rank raises :class:`~objcomm.CommunicationError`. Through the
+        group, every rank saw the same: nothing to do."""
+
+    def p2p(self, wire: Wire, op: str) -> ContextManager[Optional[Route]]:
+        """The route of one send or recv's slot, held for the whole call (round 2 included): entering it
+        gives a :class:`Route`, or None when the group moves the slot. Sender and receiver get the same."""
+
+    def channel_of(self, wire: Wire, op: str) -> Optional[Tuple[Any, Optional[float]]]:
+        """The same-host channel (:class:`objcomm._samehost.channel.LocalChannel`) that carried this call's round 1, and
+        the spin of its waits; None when round 1 went through the group (the same answer on every rank). Raises
+        :class:`~objcomm.CommunicationError` when that channel has closed since (another thread's call failed it):
+        the others, which go on through it, then raise too, instead of this rank moving on through the group."""
+
+
+class Route(Protocol):
+    """Where a send/recv goes instead of the group (see :meth:`FirstRound.p2p`): its slot, then, when a second
+    round follows, the receiver's answer (one byte: a ``REFUSE_*`` code of :mod:`objcomm._transport.rounds`, 0 to go
+    ahead), and on CPU wires the rest wherever the second-round strategy (shared memory) does not take it."""
+
+    def send(self, wire: Wire, slot: Slot, dst: int) -> int:
+        """Send ``slot`` to group rank ``dst`` under ``wire.tag``; the message's id (for its answer and rest)."""
+
+    def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot, int]:
+        """``(sender, slot, message id)``: the next slot under ``wire.tag`` from group rank ``src`` (``None``: any)."""
+
+    def answer(self, wire: Wire, dst: int, message: int, code: int) -> None:
+        """Answer message ``message`` of group rank ``dst`` (the receiver, after its slot)."""
+
+    def answer_of(self, wire: Wire, src: int, message: int, op: str) -> int:
+        """The answer of group rank ``src`` to this rank's message ``message`` (the sender waits for it); a second
+        call, the next answer to it (a second-round strategy's own, after the first)."""
+
+    def send_words(self, wire: Wire, words: Sequence[int], dst: int, message: int) -> None:
+        """int64 words of message ``message`` to group rank ``dst`` (a second-round strategy's own, before its rest)."""
+
+    def recv_words(self, wire: Wire, count: int, src: int, message: int, op: str) -> List[int]:
+        """``count`` int64 words of group rank ``src``'s message ``message`` (see :meth:`send_words`)."""
+
+    def send_rest(self, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
+        """Send what follows the slot of message ``message`` to group rank ``dst``."""
+
+    def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int,
+                  op: str, drain: bool = False) -> Incoming:
+        """What follows the slot ``info`` of group rank ``src``'s message ``message`` (``drain``: read and dropped, by a
+        receiver that refuses it)."""
+
+
+_THROUGH_GROUP = contextlib.nullcontext(None)
+
+
+class _Backend:
+    """No strategy: the group's backend moves every round-1 slot."""
+
+    def all_gather(self, *args: Any) -> NotUsed:
+        return NOT_USED
+
+    broadcast = scatter = all_to_all = gather_words = all_gather
+
+    def agree(self, wire: Wire, infos: Sequence[Any], op: str) -> None:
+        pass
+
+    def p2p(self, wire: Wire, op: str) -> ContextManager[Optional[Route]]:
+        return _THROUGH_GROUP
+
+    def channel_of(self, wire: Wire, op: str) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "BACKEND"
+
+
+BACKEND: FirstRound = _Backend()
+
+
+class Wire(NamedTuple):
+    """Where and how frames move: the group, this rank's place in it, and the size limits."""
+
+    group: Any
+    ranks: Sequence[int]  # global rank of each group rank
+    rank: int  # this process's rank in the group
+    device: torch.device
+    slot: int  # bytes per rank in round 1, prefix included
+    chunk: int  # largest single transfer in round 2
+    max_bytes: int  # largest payload (frame plus tensors) this rank accepts
+    second_round: SecondRound = DIRECT  # who may move the second round instead of the transport
+    first_round: FirstRound = BACKEND  # who may move the round-1 slots of collectives instead of the group
+    tag: int = 0  # send/recv: the caller's tag (see data_tag, answer_tag)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def inline_capacity(self) -> int:
+        return self.slot - SLOT_PREFIX_BYTES
+
+    @property
+    def data_tag(self) -> int:
+        """The backend tag of send/recv messages from sender to receiver. Answers travel back under
+        :attr:`answer_tag`, so that no answer is ever taken for data the other way between the same pair."""
+        return 2 * self.tag
+
+    @property
+    def answer_tag(self) -> int:
+        return 2 * self.tag + 1
+
+
+def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a torch.distributed call, turning its failures into CommunicationError."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:
+        raise CommunicationError(
+            f"{what} failed on rank {wire.rank} of a group of {wire.size}: {exc}. "
+            "A rank may have crashed, never called this operation, or called a different one; "
+            "the group's timeout (init_process_group(timeout=...)) bounds how long ranks wait"
+        ) from exc
+
+
+def largest_of(wire: Wire, values: Sequence[int], op: str, dtype: torch.dtype = torch.int64) -> List[int]:
+    """The element-wise maximum of ``values`` over the ranks of ``wire``'s group (every rank calls it): through
+    the first-round strategy when it moves words (the same-host channel, as int64), else one
+    ``all_reduce(MAX)`` of ``dtype`` on the group. The small votes and outcomes ahead of a second round."""
+    rows = wire.first_round.gather_words(wire, values, op)
+    if rows is not NOT_USED:
+        return [max(column) for column in zip(*rows)]
+    largest = torch.tensor(list(values), dtype=dtype, device=wire.device)
+    guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
+    return largest.tolist()

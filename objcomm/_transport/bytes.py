@@ -1,0 +1,189 @@
+"""Moving bytes as uint8 tensors on a wire's device: the primitives under every transport operation.
+
+Each takes the :class:`~objcomm._transport.base.Wire` it moves on and splits transfers into pieces of at
+most ``wire.chunk`` bytes; ``drain`` receives into one scratch buffer of at most
+:data:`objcomm._format.limits.SCRATCH_BYTES` (a receiver that refuses what it must still take off the
+wire). Point-to-point pieces travel under the wire's data tag.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from objcomm._device import timeout_seconds
+from objcomm._errors import CommunicationError
+from objcomm._format.limits import SCRATCH_BYTES as SCRATCH
+from objcomm._format.message import Outgoing
+from objcomm._transport.base import Wire, all_gather_single, guarded
+
+
+def host_view(tensor: torch.Tensor) -> memoryview:
+    return tensor.cpu().numpy().data.cast("B")
+
+
+def to_device(tensor: torch.Tensor, wire: Wire) -> torch.Tensor:
+    return tensor if tensor.device == wire.device else tensor.to(wire.device)
+
+
+def empty(length: int, wire: Wire) -> torch.Tensor:
+    return torch.empty(length, dtype=torch.uint8, device=wire.device)
+
+
+def receive_buffer(length: int, wire: Wire) -> Tuple[torch.Tensor, Optional[memoryview]]:
+    """A buffer of ``length`` bytes on the wire's device and, on the CPU, a view of the same bytes (so that
+    small round-1 receives need no conversion afterwards); ``None`` elsewhere (use :func:`host_view`)."""
+    if wire.device.type != "cpu":
+        return empty(length, wire), None
+    raw = bytearray(length)
+    return torch.frombuffer(raw, dtype=torch.uint8), memoryview(raw)
+
+
+def pieces(length: int, chunk: int) -> range:
+    return range(0, length, chunk)
+
+
+def broadcast_bytes(
+    wire: Wire, data: Optional[torch.Tensor], length: int, src: int, op: str, drain: bool = False
+) -> torch.Tensor:
+    """Broadcast ``length`` bytes in chunks; ``drain``: receive them into one small scratch buffer."""
+    if data is not None:
+        buffer = to_device(data, wire)
+    else:
+        buffer = empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
+    for start in pieces(length, wire.chunk):
+        piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
+        guarded(op, wire, dist.broadcast, piece, src=wire.ranks[src], group=wire.group)
+    return buffer
+
+
+class Batch:
+    """Point-to-point transfers posted together (isend/irecv), then waited on together: one round trip
+    for a frame and its tensors instead of one per message. Pieces from one sender match in order."""
+
+    def __init__(self, wire: Wire, op: str) -> None:
+        self.wire, self.op = wire, op
+        self.works: List[Any] = []
+        self.buffers: List[torch.Tensor] = []  # kept alive until the transfers finish
+
+    def send(self, data: torch.Tensor, dst: int) -> None:
+        buffer = to_device(data, self.wire)
+        self.buffers.append(buffer)
+        for start in pieces(buffer.numel(), self.wire.chunk):
+            piece = buffer[start : start + self.wire.chunk]
+            work = guarded(self.op, self.wire, dist.isend, piece, dst=self.wire.ranks[dst], group=self.wire.group,
+                           tag=self.wire.data_tag)
+            self.works.append(work)
+
+    def recv(self, length: int, src: int) -> torch.Tensor:
+        buffer = empty(length, self.wire)
+        for start in pieces(length, self.wire.chunk):
+            piece = buffer[start : start + self.wire.chunk]
+            work = guarded(self.op, self.wire, dist.irecv, piece, src=self.wire.ranks[src], group=self.wire.group,
+                           tag=self.wire.data_tag)
+            self.works.append(work)
+        return buffer
+
+    def send_rest(self, out: Outgoing, dst: int) -> None:
+        """The part of ``out`` round 1 did not carry: an overflowing frame, then the tensors."""
+        if out.frame_nbytes > self.wire.inline_capacity:
+            self.send(out.frame_tensor(), dst)
+        for tensor in out.tensors:
+            self.send(tensor, dst)
+
+    def wait(self) -> None:
+        for work in self.works:
+            guarded(self.op, self.wire, work.wait)
+        self.works, self.buffers = [], []
+
+
+def recv_bytes(wire: Wire, length: int, src: int, op: str, drain: bool = False) -> torch.Tensor:
+    """Receive ``length`` bytes in chunks; ``drain``: into one small scratch buffer."""
+    buffer = empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
+    for start in pieces(length, wire.chunk):
+        piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
+        guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
+    return buffer
+
+
+def all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> List[torch.Tensor]:
+    """All ranks send ``width`` bytes (``data`` shorter is zero-padded); return each rank's ``width`` bytes."""
+    length = data.numel()
+    if width <= wire.chunk:
+        padding = torch.zeros(width - length, dtype=torch.uint8, device=data.device)
+        send = data if length == width else torch.cat([data, padding])
+        recv = empty(width * wire.size, wire)
+        guarded(op, wire, all_gather_single, recv, to_device(send, wire), group=wire.group)
+        return list(recv.chunk(wire.size)) if width else [recv[:0] for _ in range(wire.size)]
+    results = [empty(width, wire) for _ in range(wire.size)]
+    source = to_device(data, wire)
+    for start in pieces(width, wire.chunk):  # extra memory bounded by size * chunk
+        piece = min(wire.chunk, width - start)
+        send = torch.zeros(piece, dtype=torch.uint8, device=wire.device)
+        valid = max(0, min(piece, length - start))
+        send[:valid] = source[start : start + valid]
+        recv = empty(piece * wire.size, wire)
+        guarded(op, wire, all_gather_single, recv, send, group=wire.group)
+        for r, part in enumerate(recv.chunk(wire.size)):
+            results[r][start : start + piece] = part
+    return results
+
+
+def all_to_all_bytes(
+    wire: Wire, streams: Sequence[Sequence[torch.Tensor]], lengths: Sequence[int], longest: int, op: str
+) -> List[torch.Tensor]:
+    """Send ``streams[j]`` (flat uint8 parts, back to back) to group rank ``j`` and receive ``lengths[i]``
+    bytes from rank ``i``, at exact sizes; the parts are copied once, into the send buffer.
+
+    ``longest`` is the longest stream of any pair, the same on every rank: transfers go in rounds of at
+    most ``wire.chunk`` bytes per pair, so every rank runs the same number of collectives. No rank can
+    check that number (it is a vote over streams between other ranks), and each round completes, so
+    the group's timeout would never end a vote inflated by a lying rank: the rounds stop, with a
+    ``CommunicationError``, once they have taken longer than that timeout.
+    """
+    sent = [sum(p.numel() for p in parts) for parts in streams]
+    if longest <= wire.chunk:  # the common case: one collective, straight into one buffer
+        received = empty(sum(lengths), wire)
+        send = _joined([p for parts in streams for p in parts], wire)
+        guarded(op, wire, dist.all_to_all_single, received, send, output_split_sizes=list(lengths),
+                input_split_sizes=sent, group=wire.group)
+        return list(received.split(list(lengths)))
+    results = [empty(n, wire) for n in lengths]
+    limit = timeout_seconds(wire.group)
+    deadline = time.monotonic() + limit
+    for start in pieces(longest, wire.chunk):  # extra memory bounded by size * chunk
+        if time.monotonic() > deadline:
+            rounds = -(-longest // wire.chunk)
+            raise CommunicationError(
+                f"{op}: the second round, voted at {longest:,} bytes for the longest pair ({rounds:,} "
+                f"rounds of chunk_bytes={wire.chunk:,}), was not done after the group's timeout of {limit:,.0f} s "
+                f"(rank {wire.rank} had reached byte {start:,}). A rank announced more than it sends, or the "
+                "transfer is too slow for this timeout; the group may be out of step, so create a new one.")
+        outs = [max(0, min(wire.chunk, n - start)) for n in sent]
+        ins = [max(0, min(wire.chunk, n - start)) for n in lengths]
+        send = _joined([p for parts, k in zip(streams, outs) for p in _window(parts, start, k)], wire)
+        received = empty(sum(ins), wire)
+        guarded(op, wire, dist.all_to_all_single, received, send, output_split_sizes=ins, input_split_sizes=outs,
+                group=wire.group)
+        for result, part, k in zip(results, received.split(ins), ins):
+            result[start : start + k] = part
+    return results
+
+
+def _joined(parts: Sequence[torch.Tensor], wire: Wire) -> torch.Tensor:
+    return torch.cat([to_device(p, wire) for p in parts]) if parts else empty(0, wire)
+
+
+def _window(parts: Sequence[torch.Tensor], start: int, length: int) -> List[torch.Tensor]:
+    """Bytes ``start`` to ``start + length`` of ``parts`` laid back to back, as views on them."""
+    window, at = [], 0
+    for part in parts:
+        n = part.numel()
+        lo, hi = max(start - at, 0), min(start + length - at, n)
+        if lo < hi:
+            window.append(part[lo:hi])
+        at += n
+    return window

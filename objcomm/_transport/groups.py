@@ -1,0 +1,51 @@
+"""Sibling process groups: a second group with a group's ranks, made without ``dist.new_group``.
+
+objcomm makes two: the *shadow* that async collectives run on (:mod:`objcomm._api.requests`), and the same-host
+channel's *control* group, which carries the channel's own collectives after set-up (votes, reopening after a
+failure: :mod:`objcomm._samehost.channel_slots`), so that they never meet a collective of the group itself that another
+rank is still in (a gloo collective of another size there aborts the process).
+
+Not ``dist.new_group``: it names a group after a counter that every rank of the world must advance in the same
+order, or (``use_local_synchronization``) after the groups this rank knows; ranks that make a sibling at different
+points of their own group creation would disagree. A sibling's name is its group's own (the same on all its
+members: torch's store keys are named by it) plus a suffix torch's names never have, so two groups with the same
+ranks get two siblings. torch's private ``_new_process_group_helper`` makes it, as ``new_group`` does (these
+arguments and the ``(group, store)`` result are those of torch 2.2 to 2.13), talking only to the members, through a
+clone of the default store, for at most the group's timeout. ``Store.clone`` came with torch 2.8; before it a
+sibling shares the caller's store connection, which serves one request at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from objcomm._device import group_backend, group_timeout
+
+
+def sibling(group: Any, suffix: str, backend: Optional[str] = None) -> Any:
+    """A process group with ``group``'s ranks (in its order), named ``<group's name>:<suffix>``, on ``backend``
+    (``None``: ``group``'s); every member calls this once, and it waits for the others up to the group's timeout."""
+    c10d: Any = dist.distributed_c10d  # private names, typed differently across torch versions
+    world = c10d._world
+    ranks = list(dist.get_process_group_ranks(group))
+    timeout = group_timeout(group)
+    if timeout is None:
+        from torch.distributed.constants import default_pg_timeout as timeout
+    store = world.pg_map[c10d._get_default_group()][1]
+    if hasattr(store, "clone"):  # a connection of its own, so that waiting for peers holds up no other store user
+        store = store.clone()
+    made, _ = c10d._new_process_group_helper(
+        len(ranks), ranks.index(dist.get_rank()), ranks, dist.Backend(backend or group_backend(group)), store,
+        group_name=f"{world.pg_names[group]}:{suffix}", timeout=timeout)
+    world.pg_group_ranks[made] = {rank: index for index, rank in enumerate(ranks)}
+    return made
+
+
+def forget(made: Any) -> None:
+    """Destroy a sibling (its group is gone): its connections close, and torch forgets it."""
+    try:
+        dist.destroy_process_group(made)
+    except Exception:  # torch torn down already (at exit), or the sibling never finished
+        pass

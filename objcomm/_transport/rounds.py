@@ -1,0 +1,535 @@
+"""Moving variable-length frames (CPU uint8 tensors) and out-of-band tensors with torch.distributed.
+
+Every operation is one or two rounds:
+
+1. A fixed-size **slot** per rank travels in a single collective (or message). Its 24-byte
+   prefix holds the frame length (top bit: "this is an error report"; next bit, in scatter:
+   "some rank gets more than its slot"), the sender's ``max_bytes`` and the total bytes the
+   sender will move (frame plus tensors). When the frame fits and there are no out-of-band
+   tensors, the call is done.
+2. Frames that did not fit travel again, whole and at their exact size where the collective
+   allows it; then the out-of-band tensors travel as tensors (never through the host on NCCL),
+   each in pieces of at most ``chunk`` bytes.
+
+Every rank that must act on something learns it in round 1, so all ranks take the same decision
+(skip round 2 after an error, refuse a payload above a receiver's limit) and nobody waits for a
+transfer that will never come. A slot lists the tensor sizes after the frame (or in its place
+when the frame did not fit) where they fit, so round 1 tells every transfer that follows. Receivers
+trust no single number: the frame length, the listed sizes, the frame's tensor table and the
+total must agree (:mod:`objcomm._format.limits`), else :class:`FrameError` on every rank that must act,
+before anything of an announced size is allocated. Where the sender cannot know the receivers'
+limits (broadcast, scatter, send/recv), a receiver over its limit drains transfers of at most
+1 MiB through one scratch buffer that small, then raises alone. When the sizes are not all
+listed (scatter always), a transfer is larger, or shared memory may be used, the receivers answer
+first: a one-element vote (collectives) or acknowledgement (send/recv), before any buffer exists.
+
+Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat uint8 tensors on
+the wire's device. The slot's layout is :mod:`objcomm._format.slot`. The collectives' round 1 goes through
+the wire's first-round strategy (:class:`objcomm._transport.base.FirstRound`; the same-host channel) when it
+takes the slots, else through the group; so does the slot of a send/recv
+(:meth:`~objcomm._transport.base.FirstRound.p2p`), and then its route (:class:`objcomm._transport.base.Route`) carries
+the receiver's answer too, always (a few µs; it also paces the sender, as the group's rendezvous does), and on CPU wires
+the rest wherever shared memory does not take it (below its threshold, all of it; shared memory's own words travel on
+the route then). After round 1 each operation asks the wire's second-round strategy
+(:class:`objcomm._transport.base.SecondRound`; shared memory on one host) once whether it takes the rest; when it
+answers ``NOT_USED`` the transport moves it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from objcomm._errors import FrameError
+from objcomm._format import limits as _limits
+from objcomm._format.message import Incoming, Outgoing, SizesOf
+from objcomm._format.slot import SlotInfo, fill_slot, outgoing_second_round_bytes, read_slot, read_slots
+from objcomm._transport import pending as _pending
+from objcomm._transport import routes
+from objcomm._transport.base import NOT_USED, Route, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.bytes import (
+    Batch,
+    all_gather_equal,
+    all_to_all_bytes,
+    broadcast_bytes,
+    empty,
+    host_view,
+    receive_buffer,
+    recv_bytes,
+    to_device,
+)
+
+SCRATCH = _limits.SCRATCH_BYTES
+REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
+
+
+def _slot(wire: Wire, out: Outgoing) -> bytearray:
+    slot = bytearray(wire.slot)
+    fill_slot(memoryview(slot), out, wire.max_bytes)
+    return slot
+
+
+def _on_device(wire: Wire, raw: bytearray) -> torch.Tensor:
+    tensor = torch.frombuffer(raw, dtype=torch.uint8)  # on the CPU
+    return tensor if wire.device.type == "cpu" else tensor.to(wire.device)
+
+
+def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
+    """Whether receivers must answer the sender before round 2 (a vote, or an acknowledgement).
+
+    Not when round 1 listed every transfer that follows and none exceeds the scratch size: a
+    receiver over its limit then drains them through one small buffer and raises alone. Yes when
+    the sizes are unknown, a transfer is larger, or the second-round strategy may take the bytes.
+    Decided from the slot alone, so sender and receivers agree.
+    """
+    if info.sizes is None:
+        return True
+    largest = _limits.largest_piece(0 if info.inline is not None else info.length, info.sizes, wire.chunk)
+    return routes.agreement_needed(sizes_listed=True, largest_piece=largest,
+                                   medium_may_take=wire.second_round.worth(wire, info.second_round_bytes, op))
+
+
+def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, problem: Optional[str] = None,
+                   longest: Optional[int] = None) -> int:
+    """Raise the same error on every rank if any receiver refuses ``src``'s payload (``refuse``: this rank's
+    REFUSE_* code, 0 to accept). One tiny all_reduce ahead of a second round that not every receiver may take.
+    ``longest`` (scatter): the root's longest second round to any rank, 0 elsewhere, which the vote carries to
+    every rank (its receivers know only their own); returned (0 without it)."""
+    if longest is None:
+        (code,), longest = largest_of(wire, [refuse], op, torch.int32), 0
+    else:  # int64: a second round may pass 2 GiB
+        code, longest = largest_of(wire, [refuse, longest], op)
+    if code == REFUSE_MALFORMED:
+        raise _limits.inconsistent(op, src, problem or "a receiving rank found the sizes in its slot inconsistent")
+    if code:
+        raise _limits.too_large(f"{op}: rank {src} sends {info.total:,} bytes to a rank whose max_bytes it exceeds "
+                                f"(this rank's max_bytes: {wire.max_bytes:,})", where="there")
+    return longest
+
+
+# -- all_gather ------------------------------------------------------------------------------
+def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gather") -> Sequence[Optional[Incoming]]:
+    """Every rank's frame and tensors, on every rank. ``None`` marks frames not moved after an error."""
+    return all_gather_rest(wire, out, _exchange_slots(wire, out, op), sizes_of, op)
+
+
+def all_gather_rest(wire: Wire, out: Outgoing, infos: List[SlotInfo], sizes_of: SizesOf,
+                    op: str = "all_gather") -> Sequence[Optional[Incoming]]:
+    """:func:`all_gather` once round 1 has delivered every rank's slot (``infos``), by either route."""
+    ends = _limits.round_one_ends(infos)
+    if not ends:  # a second round or a refusal follows: only on slots every rank read alike
+        wire.first_round.agree(wire, infos, op)
+    plans = _limits.plans(infos, sizes_of, op)
+    if ends:  # after an error, or in the common small case: one collective, done
+        return _round_one(infos)
+    _limits.check_limits(infos, range(wire.size), op)
+    taken = wire.second_round.all_gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), op)
+    if taken is not NOT_USED:
+        return taken
+    frames = _all_gather_frames(wire, out, infos, op)
+    incoming = [Incoming(f) for f in frames]
+    sizes = [_limits.frame_sizes(sizes_of, frames[r], infos[r], r, op) if p is None else p for r, p in enumerate(plans)]
+    if sizes == [sizes[0]] * wire.size:  # the common case: same tensor shapes everywhere
+        for index, width in enumerate(sizes[0]):
+            for r, part in enumerate(all_gather_equal(wire, out.tensors[index], width, op)):
+                incoming[r].tensors.append(part)
+    else:
+        for r in range(wire.size):
+            for index, length in enumerate(sizes[r]):
+                mine = out.tensors[index] if r == wire.rank else None
+                moved = broadcast_bytes(wire, mine, length, r, op)
+                incoming[r].tensors.append(moved.clone() if mine is not None else moved)  # never alias the input
+    return incoming
+
+
+def _round_one(infos: List[SlotInfo]) -> Sequence[Optional[Incoming]]:
+    """What round 1 delivered: the frames that fit (error reports always do)."""
+    return [Incoming(i.inline, error=i.error) if i.inline is not None else None for i in infos]
+
+
+def _exchange_slots(wire: Wire, out: Outgoing, op: str) -> List[SlotInfo]:
+    raw = _slot(wire, out)
+    slots = wire.first_round.all_gather(wire, raw, op)
+    if slots is not NOT_USED:
+        return [read_slot(memoryview(s)) for s in slots]
+    recv, host = receive_buffer(wire.slot * wire.size, wire)
+    guarded(op, wire, all_gather_single, recv, _on_device(wire, raw), group=wire.group)
+    return read_slots(host if host is not None else host_view(recv), wire.size, wire.slot)
+
+
+def _all_gather_frames(wire: Wire, out: Outgoing, infos: List[SlotInfo], op: str) -> List[memoryview]:
+    frames: List[Optional[memoryview]] = [info.inline for info in infos]
+    over = [r for r, f in enumerate(frames) if f is None]
+    if over:
+        lengths = [infos[r].length for r in over]
+        widest = max(lengths)
+        if wire.size * widest <= 2 * sum(lengths):  # similar sizes: one padded all_gather
+            gathered = all_gather_equal(wire, out.frame_tensor(), widest, op)
+            for r in over:
+                frames[r] = host_view(gathered[r][: infos[r].length])
+        else:  # one rank far bigger than the rest: each big frame is broadcast at its exact size
+            for r in over:
+                mine = out.frame_tensor() if r == wire.rank else None
+                frames[r] = host_view(broadcast_bytes(wire, mine, infos[r].length, r, op))
+    return frames  # type: ignore[return-value]
+
+
+# -- gather ----------------------------------------------------------------------------------
+def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[Sequence[Optional[Incoming]]]:
+    """Every rank's frame and tensors on group rank ``dst``; ``None`` elsewhere, unless some rank failed.
+
+    Round 1 is an all_gather of slots so that every rank learns of a failure anywhere (and the
+    destination's limit) and raises in the same call; after a failure every rank gets the round-1
+    frames, error reports among them. The rest goes to ``dst`` point to point, at exact sizes.
+    """
+    op = "gather"
+    infos = _exchange_slots(wire, out, op)
+    if not _limits.round_one_ends(infos):
+        wire.first_round.agree(wire, infos, op)
+    plans = _limits.plans(infos, sizes_of, op)
+    if any(info.error for info in infos):
+        return _round_one(infos)
+    _limits.check_limits(infos, [dst], op)
+    gathered = wire.second_round.gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), dst, op)
+    if gathered is not NOT_USED:
+        return gathered
+    batch = Batch(wire, op)
+    if wire.rank != dst:
+        batch.send_rest(out, dst)
+        batch.wait()
+        return None
+    frames: List[Any] = [info.inline if r != dst else out.frame for r, info in enumerate(infos)]
+    tensors: List[Any] = [None] * wire.size
+    for r, info in enumerate(infos):  # post every transfer whose size round 1 announced
+        if r == dst:
+            tensors[r] = [to_device(t, wire) for t in out.tensors]
+            continue
+        if frames[r] is None:
+            frames[r] = batch.recv(info.length, r)
+        if plans[r] is not None:
+            tensors[r] = [batch.recv(n, r) for n in plans[r]]  # type: ignore[union-attr]
+    batch.wait()
+    incoming: List[Optional[Incoming]] = []
+    for r, frame in enumerate(frames):
+        view = host_view(frame) if isinstance(frame, torch.Tensor) else frame
+        if tensors[r] is None:  # sizes were only in the frame: receive the tensors now, in order
+            tensors[r] = [recv_bytes(wire, n, r, op) for n in _limits.frame_sizes(sizes_of, view, infos[r], r, op)]
+        incoming.append(Incoming(view, tensors[r]))
+    return incoming
+
+
+# -- broadcast -------------------------------------------------------------------------------
+def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) -> Incoming:
+    """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere)."""
+    op = "broadcast"
+    raw = (_slot(wire, out) if out is not None else bytearray(wire.slot)) if wire.rank == src else None
+    got = wire.first_round.broadcast(wire, raw, src, op)
+    if got is NOT_USED:
+        if raw is None:
+            slot, host = receive_buffer(wire.slot, wire)
+        else:  # on the CPU the source reads its own slot; on a device it waits for the broadcast, as it did
+            slot, host = _on_device(wire, raw), memoryview(raw) if wire.device.type == "cpu" else None
+        guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
+        got = host if host is not None else host_view(slot)
+    return broadcast_rest(wire, out, read_slot(memoryview(got)), sizes_of, src)
+
+
+def broadcast_rest(wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int) -> Incoming:
+    """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route."""
+    op = "broadcast"
+    if not _limits.round_one_ends([info]):
+        wire.first_round.agree(wire, [info], op)
+    sizes, problem = _limits.plan(info, sizes_of)
+    if problem:  # every rank holds the same slot: all raise alike
+        raise _limits.inconsistent(op, src, problem)
+    if info.error or _limits.complete(info):
+        assert info.inline is not None
+        return Incoming(info.inline, error=info.error)
+    refuse = wire.rank != src and info.total > wire.max_bytes
+    if _agreement_needed(wire, info, op):
+        _vote_refusals(wire, REFUSE_LIMIT if refuse else 0, info, src, op)
+    # asked after any vote; without one a receiver may still refuse, which the strategy then drains (the channel)
+    taken = wire.second_round.broadcast(wire, out, info, _limits.checked_sizes(sizes_of, [info]), src, op)
+    if taken is not NOT_USED:
+        return taken
+    mine = out if wire.rank == src else None
+    frame = info.inline
+    if frame is None:
+        data = broadcast_bytes(wire, mine.frame_tensor() if mine else None, info.length, src, op, drain=bool(refuse))
+        frame = None if refuse else host_view(data)
+    if sizes is None:  # only the frame lists them; every rank has it now (and nobody refused: there was a vote)
+        assert frame is not None
+        sizes = _limits.frame_sizes(sizes_of, frame, info, src, op)
+    tensors = [
+        broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op, drain=refuse) for i, n in enumerate(sizes)
+    ]
+    if refuse:
+        raise _limits.refused(op, src, wire, info.total, None, drained=True)
+    assert frame is not None
+    return Incoming(frame, tensors)
+
+
+# -- scatter ---------------------------------------------------------------------------------
+def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, src: int) -> Incoming:
+    """``src``'s ``outs[r]`` on group rank ``r``."""
+    op = "scatter"
+    table = None
+    if wire.rank == src:
+        assert outs is not None
+        table = _slot_table(wire, outs)
+    got = wire.first_round.scatter(wire, None if table is None else _per_rank(wire, table), src, op)
+    if got is NOT_USED:
+        recv, host = receive_buffer(wire.slot, wire)
+        scatter_list = None if table is None else list(_on_device(wire, table).chunk(wire.size))
+        guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
+        got = host if host is not None else host_view(recv)
+    info = read_slot(memoryview(got))
+    sizes, problem = _limits.plan(info, sizes_of)
+    if info.error or not info.round2:
+        if not (problem or info.error or _limits.complete(info)):
+            problem = "its slot does not carry the whole frame, yet it announced no second round"
+        if problem:
+            raise _limits.inconsistent(op, src, problem)
+        assert info.inline is not None
+        return Incoming(info.inline, error=info.error)
+    refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if wire.rank != src and info.total > wire.max_bytes else 0
+    capacity = wire.inline_capacity  # the root's longest second round: its receivers know only their own
+    sent = [outgoing_second_round_bytes(o, capacity) for r, o in enumerate(outs or ()) if r != src]
+    longest = _vote_refusals(wire, refuse, info, src, op, problem, longest=max(sent, default=0))
+    taken = wire.second_round.scatter(wire, outs, info, _limits.checked_sizes(sizes_of, [info]), src, longest, op)
+    if taken is not NOT_USED:
+        return taken
+    if wire.rank == src:
+        assert outs is not None
+        batch = Batch(wire, op)
+        for r, o in enumerate(outs):
+            if r != src:
+                batch.send_rest(o, r)
+        batch.wait()
+        mine = outs[src]
+        return Incoming(mine.frame, [to_device(t, wire) for t in mine.tensors])
+    frame = info.inline if info.inline is not None else host_view(recv_bytes(wire, info.length, src, op))
+    sizes = sizes if sizes is not None else _limits.frame_sizes(sizes_of, frame, info, src, op)
+    return Incoming(frame, [recv_bytes(wire, n, src, op) for n in sizes])
+
+
+# -- point to point --------------------------------------------------------------------------
+def send(wire: Wire, out: Outgoing, dst: int, eager: bool = True) -> None:
+    """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must). ``eager``: a
+    whole message in its slot may return before its receiver takes it (see :func:`_post_slot`)."""
+    with wire.first_round.p2p(wire, "send") as route:
+        _send(wire, out, dst, route, eager)
+
+
+def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bool = True) -> None:
+    op = "send"
+    raw = _slot(wire, out)
+    info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
+    message = 0
+    if route is not None:
+        message = route.send(wire, raw, dst)
+    else:
+        _post_slot(wire, raw, info, dst, op, eager)
+    problem = _limits.slot_problem_of(info)
+    if problem:  # the receiver finds the same and raises too
+        raise _limits.inconsistent(op, wire.rank, problem)
+    if info.error or _limits.complete(info):
+        return
+    answer: Optional[int] = None
+    agreed = _agreement_needed(wire, info, op)
+    if route is not None and not agreed and wire.device.type == "cpu":  # eager: the rest follows at once, paced by
+        route.send_rest(wire, out, info, dst, message)  # the channel's credit; a refusing receiver drains it alone
+        return
+    if route is not None:  # the receiver answers on the route (a few µs) where it must agree first
+        answer = route.answer_of(wire, dst, message, op)
+        if answer and not agreed:
+            return  # refused where the group's path sends without asking: there the receiver drains and raises alone
+    elif agreed:
+        reply = empty(1, wire)
+        guarded(op, wire, dist.recv, reply, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
+        answer = int(reply.item())
+    if answer == REFUSE_MALFORMED:
+        raise FrameError(
+            f"send: rank {dst} refused this frame: its tensor table disagrees with the sizes in its slot; "
+            "nothing more was sent"
+        )
+    if answer:
+        raise _limits.too_large(f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes",
+                                outcome="nothing more was sent", where="on the receiver")
+    if answer is not None and wire.second_round.send(wire, out, dst, op, route, message):
+        return
+    if route is not None and wire.device.type == "cpu":  # shared memory did not take it (below its threshold: never):
+        route.send_rest(wire, out, info, dst, message)  # the route, not the group, whose transfers concurrent sends
+        return  # under one tag would mix
+    batch = Batch(wire, op)
+    batch.send_rest(out, dst)
+    batch.wait()
+
+
+def _post_slot(wire: Wire, raw: bytearray, info: SlotInfo, dst: int, op: str, eager: bool) -> None:
+    """Send a slot through the group. gloo's send waits until its receiver posts the receive, where the channel's
+    returns once the kernel holds the bytes: so that small sends return at once on every path, a slot that carries
+    the whole message or an error report (no second round follows) is posted and left to
+    :mod:`objcomm._transport.pending` (``eager``; bounded per group). A slot that a second round follows, and every slot
+    on NCCL, wait for the receiver as before."""
+    slot = _on_device(wire, raw)
+    if eager and wire.device.type == "cpu":
+        if info.error or _limits.complete(info):
+            _pending.post(wire, slot, dst, op)
+            return
+    guarded(op, wire, dist.send, slot, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
+
+
+def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incoming, bool]:
+    """Receive from group rank ``src`` (``None``: any); return ``(sender, incoming, is_error)``."""
+    with wire.first_round.p2p(wire, "recv") as route:
+        return _recv(wire, src, sizes_of, route)
+
+
+def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Route]) -> tuple[int, Incoming, bool]:
+    op = "recv"
+    if route is not None:
+        sender, got, message = route.recv(wire, src, op)
+        return received(wire, sender, read_slot(memoryview(got)), sizes_of, route, message)
+    slot = empty(wire.slot, wire)
+    peer = None if src is None else wire.ranks[src]
+    sender_global = guarded(op, wire, dist.recv, slot, src=peer, group=wire.group, tag=wire.data_tag)
+    sender = list(wire.ranks).index(sender_global) if src is None else src
+    return received(wire, sender, read_slot(host_view(slot)), sizes_of)
+
+
+def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: Optional[Route] = None,
+             message: int = 0) -> tuple[int, Incoming, bool]:
+    """The rest of a receive from group rank ``sender`` once its slot (``info``) arrived, through the group or
+    ``route`` (which carried the slot of message ``message``)."""
+    op = "recv"
+    problem = _limits.slot_problem_of(info)
+    if problem:  # the sender finds the same in its slot and raises too
+        raise _limits.inconsistent(op, sender, problem)
+    if info.error or _limits.complete(info):
+        assert info.inline is not None
+        return sender, Incoming(info.inline, error=info.error), info.error
+    sizes, problem = _limits.plan(info, sizes_of)
+    refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if info.total > wire.max_bytes else 0
+    agreed = _agreement_needed(wire, info, op)
+    if route is not None and not agreed and wire.device.type == "cpu":  # the rest came right after the slot
+        got = route.recv_rest(wire, info, sizes_of, sender, message, op, drain=bool(refuse))
+        if refuse:
+            raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
+        return sender, got, False
+    if route is not None or agreed:  # a route answers: a few µs there
+        if route is not None:
+            route.answer(wire, sender, message, refuse)
+        else:
+            answer = torch.tensor([refuse], dtype=torch.uint8, device=wire.device)
+            guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group, tag=wire.answer_tag)
+        if refuse:
+            raise _limits.refused(op, sender, wire, info.total, problem)
+        taken = wire.second_round.recv(wire, info, _limits.checked_sizes(sizes_of, [info]), sender, op, route, message)
+        if taken is not NOT_USED:
+            return sender, taken, False
+        if route is not None and wire.device.type == "cpu":  # as the sender does
+            return sender, route.recv_rest(wire, info, sizes_of, sender, message, op), False
+    if sizes is not None and not refuse:  # every size known: post all receives at once
+        batch = Batch(wire, op)
+        data = batch.recv(info.length, sender) if info.inline is None else None
+        tensors = [batch.recv(n, sender) for n in sizes]
+        batch.wait()
+        frame = info.inline if data is None else host_view(data)
+        assert frame is not None
+        return sender, Incoming(frame, tensors), False
+    frame = info.inline
+    if frame is None:
+        drained = recv_bytes(wire, info.length, sender, op, drain=bool(refuse))
+        frame = None if refuse else host_view(drained)
+    if sizes is None:  # only the frame lists them (and this rank agreed: it did not refuse)
+        assert frame is not None
+        sizes = _limits.frame_sizes(sizes_of, frame, info, sender, op)
+    tensors = [recv_bytes(wire, n, sender, op, drain=bool(refuse)) for n in sizes]
+    if refuse:
+        raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
+    assert frame is not None
+    return sender, Incoming(frame, tensors), False
+
+
+# -- all_to_all ------------------------------------------------------------------------------
+def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Sequence[Optional[Incoming]]:
+    """``outs[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``.
+
+    Round 1 is one all_to_all of slots. A sender sets ROUND2_BIT in every slot it sends when any
+    of its parts needs a second round, so every rank learns whether one follows (and every failure:
+    a failing rank sends its report to all). Before a second round one all_reduce votes on refusals
+    and carries the longest stream of any pair; then each pair's rest (an overflowing frame, then
+    its tensors) moves as one stream at its exact size, through the second-round strategy or one
+    uneven all_to_all per ``chunk``. ``None`` marks frames not moved after an error.
+    """
+    op = "all_to_all"
+    table = _slot_table(wire, outs)
+    slots = wire.first_round.all_to_all(wire, _per_rank(wire, table), op)
+    if slots is not NOT_USED:
+        infos = [read_slot(memoryview(s)) for s in slots]
+    else:
+        received = empty(wire.size * wire.slot, wire)
+        guarded(op, wire, dist.all_to_all_single, received, _on_device(wire, table), group=wire.group)
+        infos = read_slots(host_view(received), wire.size, wire.slot)
+    if any(info.error for info in infos):
+        return _round_one(infos)
+    plans = [_limits.plan(info, sizes_of) for info in infos]
+    problems = [(r, problem) for r, (_, problem) in enumerate(plans) if problem]
+    if not any(info.round2 for info in infos):  # nobody sends more: a rank that finds a problem raises alone
+        problems += [(r, "its slot does not carry the whole frame, yet it announced no second round")
+                     for r, info in enumerate(infos) if not _limits.complete(info)]
+        if problems:
+            raise _limits.inconsistent(op, *problems[0])
+        return _round_one(infos)
+    over = [r for r, info in enumerate(infos) if r != wire.rank and info.total > wire.max_bytes]
+    refuse = REFUSE_MALFORMED if problems else REFUSE_LIMIT if over else 0
+    mine = [0 if r == wire.rank else outgoing_second_round_bytes(o, wire.inline_capacity) for r, o in enumerate(outs)]
+    code, longest = largest_of(wire, [refuse, max(mine)], op)
+    if code == REFUSE_MALFORMED:
+        raise _limits.inconsistent(op, *problems[0]) if problems else FrameError(
+            f"{op}: a receiving rank found the sizes in its slots inconsistent; nothing more was transferred")
+    if code:
+        raise _limits.refused(op, over[0], wire, infos[over[0]].total, None) if over else _limits.too_large(
+            f"{op}: this rank sends a receiving rank more than its max_bytes", where="there")
+    taken = wire.second_round.all_to_all(wire, outs, infos, _limits.checked_sizes(sizes_of, infos), longest, op)
+    if taken is not NOT_USED:
+        return taken
+    streams = [_rest(wire, o) if mine[r] else [] for r, o in enumerate(outs)]
+    lengths = [0 if r == wire.rank else info.second_round_bytes for r, info in enumerate(infos)]
+    moved = all_to_all_bytes(wire, streams, lengths, longest, op)
+    incoming: List[Optional[Incoming]] = []
+    for r, info in enumerate(infos):
+        if r == wire.rank:
+            incoming.append(Incoming(outs[r].frame, [to_device(t, wire) for t in outs[r].tensors]))
+            continue
+        stream = moved[r]
+        frame = info.inline if info.inline is not None else host_view(stream[: info.length])
+        rest = stream if info.inline is not None else stream[info.length :]
+        sizes = plans[r][0]
+        if sizes is None:  # only the frame lists them; everything has moved, so this rank may raise alone
+            sizes = _limits.frame_sizes(sizes_of, frame, info, r, op)
+        incoming.append(Incoming(frame, list(rest.split(sizes)) if sizes else []))
+    return incoming
+
+
+def _slot_table(wire: Wire, outs: Sequence[Outgoing]) -> bytearray:
+    """One slot per receiving rank (scatter, all_to_all); ROUND2_BIT in each when any part needs a second round."""
+    table = bytearray(wire.size * wire.slot)
+    round2 = any(not o.complete(wire) for o in outs)
+    for o, slot in zip(outs, _per_rank(wire, table)):
+        fill_slot(slot, o, wire.max_bytes, round2)
+    return table
+
+
+def _per_rank(wire: Wire, table: bytearray) -> List[memoryview]:
+    view = memoryview(table)
+    return [view[r * wire.slot : (r + 1) * wire.slot] for r in range(wire.size)]
+
+
+def _rest(wire: Wire, out: Outgoing) -> List[torch.Tensor]:
+    """What a sender moves after round 1, as the parts of one stream: an overflowing frame, then its tensors."""
+    frame = [out.frame_tensor()] if out.frame_nbytes > wire.inline_capacity else []
+    return frame + list(out.tensors)

@@ -1,0 +1,229 @@
+"""Which way each part of a call goes: every cut-off that picks a route, as pure functions of numbers.
+
+Nothing here moves a byte or reads a process group. The object API, the transport and the same-host media ask
+these functions; :func:`plan` composes them into the whole route of one call from made-up numbers, so that tests
+and ``benchmarks/scale_model.py`` can cost a call at any world size without starting a rank.
+
+A call moves in up to two rounds. In round 1 every sender's fixed-size *slot* (``slot_bytes``: a 24-byte prefix,
+then the frame when it fits, then the tensor sizes when they fit) reaches its receivers; the *rest* (a frame past
+the slot, and every out-of-band tensor) moves in round 2, frame and tensors of one sender back to back.
+
+======================  ===============================================================  ==========================
+decision                cut-off                                                          function
+======================  ===============================================================  ==========================
+express path            default settings, no compression, the same-host channel is the   :func:`express_possible`
+                        first-round medium (then: whole frame in the slot, no tensors)
+round-1 medium          the same-host channel when ``local`` is on, the group lies on    :func:`round_one`
+                        one host and the channel is open; else the backend
+ends after round 1      an error report anywhere, or every slot carries its whole        ``limits.round_one_ends``
+                        message
+receivers answer first  broadcast, send/recv: sizes not listed in the slot, a piece      :func:`agreement_needed`
+                        past ``SCRATCH_BYTES``, or a same-host medium may take the rest
+                        (scatter always votes; all_gather and gather read every
+                        receiver's limit in round 1 and never do)
+rest medium             the channel: round 1 went through it, CPU, the largest rest      :func:`rest_medium`
+                        below ``min(shm_threshold, CHANNEL_MOST)``; shared memory: on,
+                        CPU, one host, the largest rest at least ``shm_threshold``;
+                        else the backend
+backend exchange        all_gather's rests: one padded all_gather when                   :func:`exchange_shape`
+                        ``world x widest <= PADDED_WITHIN x total``, else one exchange
+                        at exact sizes (an uneven all_gather on NCCL, one batch of
+                        send/recv on gloo); either in rounds of ``chunk_bytes``
+======================  ===============================================================  ==========================
+
+Example::
+
+    >>> from objcomm._transport import routes
+    >>> p = routes.plan("all_gather", routes.Topology(world=8192), rests=[0] * 8191 + [100 << 20])
+    >>> [step.collective for step in p.steps], p.backend_calls
+    (['all_gather', 'all_gatherv'], 2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence, Tuple
+
+from objcomm._format.limits import SCRATCH_BYTES
+from objcomm._format.message import SLOT_PREFIX_BYTES
+from objcomm._settings import DEFAULT_CHUNK_BYTES, DEFAULT_SHM_THRESHOLD, DEFAULT_SLOT_BYTES
+
+CHANNEL, SHARED_MEMORY, BACKEND = "channel", "shared memory", "backend"  # the media
+PADDED, EXACT = "padded", "exact"  # the shapes of a backend exchange
+PADDED_WITHIN = 2  # a padded all_gather moves at most this many times the bytes of an exact one
+# The largest rest (a gather's: all senders' together) the same-host channel takes, whatever shm_threshold says:
+# what a receiver's other threads read meanwhile waits in its stash (objcomm._samehost.inbox.STASH_BYTES, 64 MiB).
+CHANNEL_MOST = 16 << 20
+
+
+# -- the cut-offs --------------------------------------------------------------------------------------------------
+def express_possible(*, compression: bool, channel_first: bool) -> bool:
+    """Whether a call with default settings may take the express path at all: no compression, and the same-host
+    channel is its first-round medium (whether the channel is open, and the object small, is asked per call)."""
+    return channel_first and not compression
+
+
+def round_one(*, local: bool, one_host: bool, channel_open: bool) -> str:
+    """The medium of round 1: the same-host channel where it is on and open on a group that lies on one host."""
+    return CHANNEL if local and one_host and channel_open else BACKEND
+
+
+def channel_takes(moved: int, *, limit: int, cpu: bool) -> bool:
+    """Whether the same-host channel, which carried round 1, takes a rest whose largest sender moves ``moved``
+    bytes (``limit``: ``min(shm_threshold, CHANNEL_MOST)``)."""
+    return cpu and moved < limit
+
+
+def shared_memory_takes(moved: int, *, threshold: int, cpu: bool) -> bool:
+    """Whether shared memory may take a rest whose largest sender moves ``moved`` bytes, before asking where the
+    ranks run (one host) and whether segments open."""
+    return cpu and moved >= threshold
+
+
+def rest_medium(moved: int, *, cpu: bool, round_one_medium: str, shm: bool = True,
+                shm_threshold: int = DEFAULT_SHM_THRESHOLD, one_host: bool = True) -> str:
+    """The medium of round 2 for a rest whose largest sender moves ``moved`` bytes (0: nothing moves)."""
+    if moved <= 0:
+        return BACKEND
+    if round_one_medium == CHANNEL and channel_takes(moved, limit=min(shm_threshold, CHANNEL_MOST), cpu=cpu):
+        return CHANNEL
+    if shm and one_host and shared_memory_takes(moved, threshold=shm_threshold, cpu=cpu):
+        return SHARED_MEMORY
+    return BACKEND
+
+
+def agreement_needed(*, sizes_listed: bool, largest_piece: int, medium_may_take: bool) -> bool:
+    """Whether receivers answer a sender before round 2 (a vote, or a send's answer). Not when round 1 listed
+    every transfer that follows and none is past the scratch size: a receiver over its limit then drains them
+    through one small buffer and raises alone. Decided from the slot alone, so sender and receivers agree."""
+    return not sizes_listed or largest_piece > SCRATCH_BYTES or medium_may_take
+
+
+def exchange_shape(lengths: Sequence[int]) -> str:
+    """How the backend moves every rank's rest to every rank (``lengths``: each rank's rest, 0 for none):
+    :data:`PADDED` (one all_gather of the widest) when that moves at most :data:`PADDED_WITHIN` times the
+    bytes, else :data:`EXACT`. O(W)."""
+    widest = max(lengths, default=0)
+    return PADDED if len(lengths) * widest <= PADDED_WITHIN * sum(lengths) else EXACT
+
+
+def pieces(length: int, chunk: int) -> int:
+    """How many transfers of at most ``chunk`` bytes move ``length`` bytes (0 for none)."""
+    return -(-length // chunk) if length > 0 else 0
+
+
+# -- a call's whole route -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Topology:
+    """Where a group's ranks run: ``world`` ranks, ``ranks_per_host`` consecutive ranks per host, on the CPU
+    (gloo) or a GPU (NCCL), and whether the same-host channel is open on it."""
+
+    world: int
+    ranks_per_host: int = 1
+    device: str = "cpu"
+    channel_open: bool = True
+
+    @property
+    def one_host(self) -> bool:
+        return self.ranks_per_host >= self.world
+
+    @property
+    def cpu(self) -> bool:
+        return self.device == "cpu"
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The resolved settings that pick routes (see :class:`objcomm.Settings`)."""
+
+    slot_bytes: int = DEFAULT_SLOT_BYTES
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    local: bool = True
+    shm: bool = True
+    shm_threshold: int = DEFAULT_SHM_THRESHOLD
+
+
+@dataclass(frozen=True)
+class Step:
+    """One transfer of a plan. ``collective``: what runs (``all_gather``, ``all_gatherv``: exact sizes,
+    ``gather``, ``broadcast``, ``all_reduce``, ``p2p``: one batch of sends and receives); ``medium``: who runs
+    it; ``nbytes``: the bytes each rank contributes, in group-rank order (for a broadcast: the root's only)."""
+
+    collective: str
+    medium: str
+    nbytes: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The route of one call: its steps, in order."""
+
+    op: str
+    round_one: str
+    steps: Tuple[Step, ...] = field(default_factory=tuple)
+
+    @property
+    def backend_calls(self) -> int:
+        """torch.distributed calls on each rank (one batch of send/recv counts once)."""
+        return sum(1 for s in self.steps if s.medium == BACKEND)
+
+
+def plan(op: str, topology: Topology, rests: Sequence[int], knobs: Knobs = Knobs(), *, root: int = 0,
+         listed: bool = True) -> Plan:
+    """The route of ``op`` (``all_gather``, ``gather``, ``broadcast``) when each rank's rest (bytes past its
+    slot: 0 when the slot carries all of it) is ``rests`` (broadcast: the root's is read), with the tensor sizes
+    listed in the slots (``listed``) or only in the frames. Pure: no process group, O(W)."""
+    world = topology.world
+    first = round_one(local=knobs.local, one_host=topology.one_host, channel_open=topology.channel_open)
+    slots = (knobs.slot_bytes,) * world
+    steps = []
+    if op == "all_gather":
+        steps.append(Step("all_gather", first, slots))
+        moved = max(rests, default=0)
+        medium = rest_medium(moved, cpu=topology.cpu, round_one_medium=first, shm=knobs.shm,
+                             shm_threshold=knobs.shm_threshold, one_host=topology.one_host)
+        if moved:
+            steps.extend(_exchange(medium, list(rests), topology, knobs))
+    elif op == "gather":
+        if first == CHANNEL:
+            steps.append(Step("all_gather", CHANNEL, slots))
+        else:
+            steps += [Step("gather", BACKEND, slots), Step("broadcast", BACKEND, (8,))]
+        total = sum(r for i, r in enumerate(rests) if i != root)
+        medium = rest_medium(total, cpu=topology.cpu, round_one_medium=first, shm=knobs.shm,
+                             shm_threshold=knobs.shm_threshold, one_host=topology.one_host)
+        if total:
+            steps.append(Step("p2p", medium, tuple(0 if i == root else r for i, r in enumerate(rests))))
+    elif op == "broadcast":
+        steps.append(Step("broadcast", first, (knobs.slot_bytes,)))
+        moved = rests[root]
+        if moved:
+            medium = rest_medium(moved, cpu=topology.cpu, round_one_medium=first, shm=knobs.shm,
+                                 shm_threshold=knobs.shm_threshold, one_host=topology.one_host)
+            largest = min(moved, knobs.chunk_bytes)
+            if agreement_needed(sizes_listed=listed, largest_piece=largest, medium_may_take=medium != BACKEND):
+                steps.append(Step("all_reduce", BACKEND if first == BACKEND else CHANNEL, (4,) * world))
+            steps += [Step("broadcast", medium, (min(knobs.chunk_bytes, moved - at),))
+                      for at in range(0, moved, knobs.chunk_bytes)]
+    else:
+        raise ValueError(f"plan({op!r}): plans cover all_gather, gather and broadcast")
+    return Plan(op, first, tuple(steps))
+
+
+def _exchange(medium: str, rests: list, topology: Topology, knobs: Knobs) -> list:
+    """The steps that move every rank's rest to every rank through ``medium``."""
+    if medium != BACKEND:
+        return [Step("all_gatherv", medium, tuple(rests))]
+    widest, chunk = max(rests), knobs.chunk_bytes
+    if exchange_shape(rests) == PADDED:
+        return [Step("all_gather", BACKEND, (min(chunk, widest - at),) * len(rests)) for at in range(0, widest, chunk)]
+    if not topology.cpu:  # NCCL: an uneven all_gather per round of at most chunk bytes per rank
+        return [Step("all_gatherv", BACKEND, tuple(max(0, min(chunk, r - at)) for r in rests))
+                for at in range(0, widest, chunk)]
+    return [Step("all_gatherv", BACKEND, tuple(rests))]  # gloo: one batch of sends and receives
+
+
+__all__ = ["BACKEND", "CHANNEL", "CHANNEL_MOST", "EXACT", "Knobs", "PADDED", "PADDED_WITHIN", "Plan",
+           "SHARED_MEMORY", "SLOT_PREFIX_BYTES", "Step", "Topology", "agreement_needed", "channel_takes",
+           "exchange_shape", "express_possible", "pieces", "plan", "rest_medium", "round_one",
+           "shared_memory_takes"]

@@ -1,0 +1,216 @@
+"""Validated constructors for the stdlib types a restricted-pickle payload names by their own global.
+
+A payload names ``builtins.set``, ``collections.deque``, ``datetime.date``, ``decimal.Decimal``,
+``fractions.Fraction`` and the like as standard pickle writes them; restricted-pickle's guards
+(``_restricted``) route those calls to the functions below, never to the real class. Each takes
+only values the payload spelled out (lists, tuples, sets, dicts, bytes, short text, ints of at most
+``_MAX_INT_BITS`` bits) and charges what it copies or hashes to the per-load budget
+(``_rebuild.charge``): ``bytearray(10**9)``, ``set(range(10**9))`` or ``Fraction("1e30000000")``
+are refused. Unlike ``_rebuild``'s functions these are not named on the wire: the payload names
+the stdlib type, so where they live is no part of the format.
+
+Every function raises :class:`ContentRefusedError` (built by ``_refused``, which the guards share)
+for input it will not build.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import decimal
+import fractions
+import re
+from typing import Any, Callable
+
+from serializers import _rebuild
+from serializers._errors import ContentRefusedError
+
+_MAX_INT_BITS = 14_300  # about 4,300 decimal digits: gcd and str conversions stay cheap
+_DIGITS = _rebuild.MAX_INT_DIGITS
+_FRACTION_TEXT = re.compile(rf"\s*[+-]?\d{{1,{_DIGITS}}}(?:/\d{{1,{_DIGITS}}})?\s*\Z")
+_BUILT = (list, tuple, set, frozenset, dict)
+
+
+def _refused(what: str) -> ContentRefusedError:
+    return ContentRefusedError(f"restricted-pickle refused {what}; nothing was run")
+
+
+def _built(value: Any, what: str, hashed: str = "") -> Any:
+    """``value`` if it is a container the payload itself spelled out; its copy (and hashing) is charged.
+
+    ``hashed``: ``"items"`` when its elements become set members or counter keys, ``"pairs"`` when
+    it holds ``(key, value)`` pairs (or is a dict) whose keys are hashed.
+    """
+    if type(value) not in _BUILT:
+        raise _refused(f"{what} of {type(value).__name__}: only lists, tuples, sets and dicts from the payload")
+    _rebuild.charge(8 * len(value), what)
+    if type(value) is dict or hashed == "pairs":
+        _charge_hashing(value if type(value) is dict else [p[0] for p in value if type(p) in (tuple, list) and p], what)
+    elif hashed:
+        _charge_hashing(value, what)
+    return value
+
+
+def _charge_hashing(values: Any, what: str) -> None:
+    """Charge what hashing ``values`` costs: 8 each, and again for an int's size and a tuple's items (neither
+    caches its hash). One charge for the top level: a Python call per item would cost more than the hashing."""
+    units = 8 * len(values)
+    tuples = []
+    for item in values:
+        kind = type(item)
+        if kind is int:
+            units += item.bit_length() >> 3
+        elif kind is tuple:
+            tuples.append(item)
+    _rebuild.charge(units, what)
+    while tuples:  # charged a tuple at a time: a dag of tuples costs exponentially more than it takes to spell
+        item = tuples.pop()
+        units = 8 * len(item)
+        for sub in item:
+            if type(sub) is int:
+                units += sub.bit_length() >> 3
+            elif type(sub) is tuple:
+                tuples.append(sub)
+        _rebuild.charge(units, what)
+
+
+def _small_int(value: Any, what: str) -> int:
+    if type(value) is not int or value.bit_length() > _MAX_INT_BITS:
+        raise _refused(f"{what}: expected an int of at most {_MAX_INT_BITS} bits")
+    return value
+
+
+def _no_args(real: type) -> Callable[..., Any]:
+    def build(*args: Any) -> Any:
+        if args:
+            raise _refused(f"calling {real.__name__} with arguments (only its empty value is built)")
+        return real()
+
+    return build
+
+
+def _collection(real: type) -> Callable[..., Any]:
+    def build(items: Any = ()) -> Any:
+        return real(_built(items, real.__name__, hashed="items"))
+
+    return build
+
+
+def _frozenset(items: Any = ()) -> frozenset:
+    # Comparing two equal frozensets compares their members: the walk charges each use of one as a key
+    # or member for its members only when it knows them, from a tuple or frozenset (a list grows unseen).
+    if type(items) not in (tuple, frozenset):
+        raise _refused(f"frozenset() of {type(items).__name__}: only of a tuple or frozenset from the payload")
+    return frozenset(_built(items, "frozenset", hashed="items"))
+
+
+def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
+    if type(real) not in (int, float) or type(imag) not in (int, float):
+        raise _refused("complex() of anything but numbers")
+    return complex(_small_int(real, "complex") if type(real) is int else real, imag)
+
+
+def _bytearray(source: Any = b"", encoding: Any = None) -> bytearray:
+    if type(source) in (bytes, bytearray) and encoding is None:
+        _rebuild.charge(len(source), "bytearray")
+        return bytearray(source)
+    if type(source) is str and encoding == "latin-1":
+        _rebuild.charge(len(source), "bytearray")
+        return bytearray(source, "latin-1")
+    raise _refused("bytearray() of anything but bytes (a size would allocate without bound)")
+
+
+def _ints_or_none(name: str, real: Any, max_args: int) -> Callable[..., Any]:
+    def build(*args: Any) -> Any:
+        if not 0 < len(args) <= max_args or any(type(a) is not int and a is not None for a in args):
+            raise _refused(f"{name}() of anything but up to {max_args} ints")
+        # range computes its length from them: a new int as long as the longest, each call
+        _rebuild.charge(sum(a.bit_length() for a in args if a is not None) >> 3, name)
+        return real(*args)
+
+    return build
+
+
+def _odict(items: Any = ()) -> Any:
+    return collections.OrderedDict(_built(items, "OrderedDict", hashed="pairs"))
+
+
+def _counter(items: Any = ()) -> Any:
+    return collections.Counter(_built(items, "Counter", hashed="items"))
+
+
+def _defaultdict(factory: Any = None, items: Any = ()) -> Any:
+    real = None if factory is None else getattr(factory, "_factory", None)
+    if factory is not None and real is None:
+        raise _refused("a defaultdict whose factory is not an allowed empty constructor")
+    return collections.defaultdict(real, _built(items, "defaultdict", hashed="pairs"))
+
+
+def _deque(items: Any = (), maxlen: Any = None) -> Any:
+    if maxlen is not None and (type(maxlen) is not int or not 0 <= maxlen < 2**62):
+        raise _refused("a deque with that maxlen")
+    return collections.deque(_built(items, "deque"), maxlen)
+
+
+_DATETIME_ARGS = (int, float, bytes, str, bool, type(None), datetime.tzinfo, datetime.timedelta)
+
+
+def _revalidated(value: Any) -> Any:
+    """Rebuild a date/time from its fields: pickle's byte state is checked only for the month."""
+    if isinstance(value, datetime.datetime):
+        fields = (value.year, value.month, value.day, value.hour, value.minute, value.second, value.microsecond)
+        return datetime.datetime(*fields, value.tzinfo, fold=value.fold)
+    if isinstance(value, datetime.date):
+        return datetime.date(value.year, value.month, value.day)
+    if isinstance(value, datetime.time):
+        return datetime.time(value.hour, value.minute, value.second, value.microsecond, value.tzinfo, fold=value.fold)
+    return value
+
+
+def _datetime(real: type) -> Callable[..., Any]:
+    def build(*args: Any) -> Any:
+        for arg in args:
+            if not isinstance(arg, _DATETIME_ARGS) or (isinstance(arg, (str, bytes)) and len(arg) > 64):
+                raise _refused(f"{real.__name__}() of {type(arg).__name__}")
+            if type(arg) is int:
+                _small_int(arg, real.__name__)
+        try:
+            return _revalidated(real(*args))
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise _refused(f"an invalid {real.__name__}: {exc}") from None
+
+    return build
+
+
+def _decimal(value: Any = "0", context: Any = None) -> decimal.Decimal:
+    if context is not None or type(value) not in (str, int, float, tuple):
+        raise _refused("Decimal() of anything but a number, its text or its tuple")
+    if type(value) is int:
+        _small_int(value, "Decimal")
+    if type(value) is tuple:  # (sign, digits, exponent): each digit is converted, whatever the tuple's size
+        if len(value) != 3 or type(value[1]) not in (tuple, list):
+            raise _refused("Decimal() of a tuple other than (sign, digits, exponent)")
+        _rebuild.charge(8 * len(value[1]), "Decimal")
+    else:
+        _rebuild.charge(len(value) if type(value) is str else 8, "Decimal")
+    return decimal.Decimal(value)
+
+
+def _fraction(numerator: Any = 0, denominator: Any = None) -> fractions.Fraction:
+    if type(numerator) is str and denominator is None:
+        if not _FRACTION_TEXT.match(numerator):
+            raise _refused("Fraction() of text other than 'n' or 'n/d' with at most 4300 digits each")
+        _rebuild.charge(8 * len(numerator), "Fraction")
+        return fractions.Fraction(numerator)
+    _small_int(numerator, "Fraction")
+    if denominator is not None:
+        _small_int(denominator, "Fraction")
+    # their gcd and the quotients, a byte of work a byte of int: 3,575 units (~10 µs) for the largest; the
+    # guard's fixed charge pays for small ones (Fraction(3, 7), as Python 3.11 pickles it, costs ~1 µs)
+    bits = numerator.bit_length() + (denominator.bit_length() if denominator is not None else 0)
+    _rebuild.charge(bits >> 3, "Fraction")
+    return fractions.Fraction(numerator, denominator)
+
+
+def _object() -> object:
+    return object()
