@@ -18,7 +18,7 @@ comment reads as a Python literal or as that value's repr. ``expect`` lists what
 (``_stdout``: what the block printed; ``_raises(call)``: the objcomm error a call raises, or ``None``).
 
 Not here: docs/codecs.md (tests/test_docs_examples.py runs its blocks and feeds them hostile values), and the blocks
-of compat.md, non-blocking.md, wire-format.md and from-mpi4py.md, not yet taken in.
+of compat.md, non-blocking.md and wire-format.md, not yet taken in.
 
 Besides the examples, this file checks claims the docs make in prose: the failure table of docs/security.md ("Which
 failures reach every rank": its example's printed output, through the same-host channel and the backend, and a rank
@@ -77,18 +77,11 @@ class Page:
 
 
 README_PRELUDE = """
-import numpy as np
 import torch
 import torch.distributed as dist
 
-records = [{"key": f"k{i}", "value": i} for i in range(8)]   # "Beyond torch": what all_to_all routes
-n_seen, n_correct = 10, 7
-record = {"score": float(dist.get_rank())}                   # reduce keeps the best
 loss, grad = 0.25, torch.ones(4)                              # "Non-blocking calls"
 logits, ids = torch.full((2, 3), float(dist.get_rank())), torch.arange(2)   # "Tensors inside objects"
-steps = 3                                                     # the short-path loop
-def should_stop():
-    return False
 """
 
 EXAMPLE = "# torchrun --nproc_per_node=4 examples/gather_dicts.py"
@@ -98,11 +91,6 @@ README = Page("README.md", PAIR, README_PRELUDE, expect={
         "merged": {0: 1}, "config": {"lr": 3e-4}, "everyone": PerRank([[{"rank": 0}, {"rank": 1}], None]),
         "shard": PerRank([0, 10]), "status if rank == 0 else None": PerRank([{"done": True}, None]),
     },
-    "world = dist.get_world_size()": {
-        "len(mine)": Anything(),  # the test checks the sum: routing hashes str keys, which differs per process
-        "totals": {"seen": 20, "correct": 14}, "best": PerRank([{"score": 1.0}, None]), "text": "01",
-        "(sender, status) if rank == 0 else None": PerRank([(1, {"step": 7}), None]),
-    },
     'pending = objcomm.all_gather({"rank": rank, "loss": loss}, async_op=True)': {
         "everyone": [{"rank": 0, "loss": 0.25}, {"rank": 1, "loss": 0.25}],
         "step if rank == 1 else None": PerRank([None, {"step": 1}]),
@@ -111,13 +99,46 @@ README = Page("README.md", PAIR, README_PRELUDE, expect={
         "[(type(o['logits']).__name__, o['logits'].device.type, o['logits'][0, 0].item()) for o in out]":
             [("Tensor", "cpu", 0.0), ("Tensor", "cpu", 1.0)],
     },
-    "class Unpicklable:": {"failed": [1], "got": PerRank([[0, 1], None])},
     "# from torch.distributed import all_gather_object, broadcast_object_list": {
         "callable(all_gather_object) and callable(broadcast_object_list)": True,
     },
+})
+
+SAME_HOST_PRELUDE = """
+import numpy as np
+import torch.distributed as dist
+import objcomm
+
+rank = dist.get_rank()
+loss = 0.25
+steps = 3                                                     # the short-path loop
+def should_stop():
+    return False
+"""
+SAME_HOST = Page("docs/same-host.md", PAIR, SAME_HOST_PRELUDE, expect={
     "comm = objcomm.Communicator()": {"'arrays' in dir()": False},
     'comm = objcomm.Communicator(serializer="msgpack")   # set once': {
         "report if rank == 0 else None": PerRank([{"step": 2, "loss": 0.25}, None]), "stop": False,
+    },
+})
+
+MPI4PY_PRELUDE = """
+import torch.distributed as dist
+
+records = [{"key": f"k{i}", "value": i} for i in range(8)]   # what all_to_all routes
+n_seen, n_correct = 10, 7
+record = {"score": float(dist.get_rank())}                   # reduce keeps the best
+"""
+ROUTED = "world = dist.get_world_size()"
+MPI4PY = Page("docs/from-mpi4py.md", PAIR, MPI4PY_PRELUDE, skip={
+    "# mpi4py": "mpi4py is no dependency of objcomm; the next block is its objcomm translation, and runs",
+}, expect={
+    "# objcomm: under torchrun, or in a plain process, where every call acts as a world of one": {
+        "got": PerRank([{"from": 1}, {"from": 0}]), "total": 1},
+    ROUTED: {
+        "len(mine)": Anything(),  # the test checks the sum: routing hashes str keys, which differs per process
+        "totals": {"seen": 20, "correct": 14}, "best": PerRank([{"score": 1.0}, None]), "text": "01",
+        "(sender, status) if rank == 0 else None": PerRank([(1, {"step": 7}), None]),
     },
 })
 
@@ -142,7 +163,9 @@ COLLECT = Page("docs/collect-results.md", PAIR, COLLECT_PRELUDE, skip={
 })
 
 SECURITY = Page("docs/security.md", PAIR, "import objcomm\nimport torch.distributed as dist\nrank = dist.get_rank()\n",
-                section=SECURITY_SECTION)
+                section=SECURITY_SECTION, expect={
+    "class Unpicklable:": {"failed": [1], "got": PerRank([[0, 1], None])},
+})
 
 CHOOSING = Page("docs/choosing-a-serializer.md", ALONE, "class MyRecord:\n    pass\nobj = {'loss': 0.25}\n", expect={
     'objcomm.all_gather(obj, serializer="auto")  # any serializer this rank may use': {
@@ -413,11 +436,20 @@ def alone_report() -> Dict[str, Any]:
 
 @pytest.mark.timeout(300)
 def test_the_readme_examples_run_on_two_ranks(pair):
-    per_rank = pair.run(run_page_on_rank, README, timeout=240)
-    check(README, per_rank)
+    check(README, pair.run(run_page_on_rank, README, timeout=240))
+
+
+@pytest.mark.timeout(300)
+def test_the_same_host_examples_run_on_two_ranks(pair):
+    check(SAME_HOST, pair.run(run_page_on_rank, SAME_HOST, timeout=240))
+
+
+@pytest.mark.timeout(300)
+def test_the_mpi4py_and_all_to_all_examples_run_on_two_ranks(pair):
+    per_rank = pair.run(run_page_on_rank, MPI4PY, timeout=240)
+    check(MPI4PY, per_rank)
     # all_to_all routes each rank's 8 records by a hash that differs per process: every record arrives exactly once
-    routed = "world = dist.get_world_size()"
-    assert sum(r[routed]["probes"]["len(mine)"] for r in per_rank) == 2 * 8
+    assert sum(r[ROUTED]["probes"]["len(mine)"] for r in per_rank) == 2 * 8
 
 
 @pytest.mark.timeout(300)

@@ -1,7 +1,8 @@
 """What a call does: resolve its settings, encode, move, decode.
 
-The top floor of the library. :mod:`.communicator` holds a call's settings and memos; :mod:`.call` runs one
-operation through the routes that :mod:`.routes` picks; :mod:`.functions` is the module-level API that
-``objcomm/__init__.py`` re-exports; :mod:`.requests` the non-blocking calls; :mod:`.reduce` and :mod:`.collect`
-are built on the collectives; :mod:`.express` is the short path for small objects. Imports every floor below.
+The top floor of the library. :mod:`.communicator` holds a call's settings and memos; :mod:`.call` resolves one
+call (serializer, wire) and encodes and decodes it, moving it through the transport, whose routes
+:mod:`objcomm._transport.routes` picks; :mod:`.functions` is the module-level API that ``objcomm/__init__.py``
+re-exports; :mod:`.requests` the non-blocking calls; :mod:`.reduce` and :mod:`.collect` are built on the
+collectives; :mod:`.express` is the short path for small objects. Imports every floor below.
 """

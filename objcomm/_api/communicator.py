@@ -452,10 +452,17 @@ class Communicator:
             _reduce.resolve(op)
             return call.roundtrip(obj)
         value, complete, own = _reduce.tree(call, obj, op)
-        out, local = final_report(call, value, complete, own)
-        incoming = _rounds.all_gather(call.wire, out, _frame.tensor_sizes)
-        call.raise_failures("all_reduce", incoming, local)
-        return value if call.wire.rank == 0 else call.decode(incoming[0], 0)  # group rank 0 combined it
+        wire = call.wire
+        out, local = final_report(call, value, complete, own) if wire.rank == 0 else (None, None)
+        if out is not None and not complete and local is None:  # a rank below failed: say so to every rank
+            out = _frame.error_frame(ObjcommError("a rank below group rank 0 failed"), wire.inline_capacity)
+        result = _rounds.broadcast(wire, out, _frame.tensor_sizes, 0)  # group rank 0 combined it
+        if result.error:  # a rank failed (rank 0 knows that much): every rank's own report, to all
+            report, failed = final_report(call, None, False, own or local)
+            incoming = _rounds.all_gather(wire, report, _frame.tensor_sizes)
+            call.raise_failures("all_reduce", incoming, failed)
+            call.raise_failures("all_reduce", only(0, result, wire.size), failed)
+        return value if wire.rank == 0 else call.decode(result, 0)
 
     @mpi4py_keywords
     def send(

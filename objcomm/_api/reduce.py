@@ -24,9 +24,10 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 from objcomm._errors import CommunicationError, ObjcommError, OpError
 from objcomm._format import frame as _frame
 from objcomm._transport import rounds as _rounds
+from objcomm._transport.base import INTERNAL_TAG
 
 Op = Union[str, Callable[[Any, Any], Any]]
-REDUCE_TAG = (1 << 30) - 1  # above every tag a caller may pass (objcomm._api.call.MAX_TAG)
+REDUCE_TAG = INTERNAL_TAG  # the tree's messages: above every tag a caller may pass (objcomm._api.call.MAX_TAG)
 
 
 def _merge(a: Dict[Any, Any], b: Dict[Any, Any]) -> Dict[Any, Any]:

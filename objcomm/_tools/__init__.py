@@ -1,1 +1,2 @@
-"""The command line (``objcomm bench``, ``objcomm launch``) and the benchmark; never imported by the library."""
+"""The command line (``objcomm bench``, ``objcomm serializers``, ``objcomm demo``), the launcher of local ranks
+and the benchmark: never imported by the library."""

@@ -32,6 +32,11 @@ from objcomm._format.slot import SlotInfo
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+# The tag of the messages objcomm's own calls exchange point to point (a reduction's tree, a collective's rest),
+# above every tag a caller may pass (objcomm._api.call.MAX_TAG): they never meet a caller's messages, which
+# may still be in flight (an eager send returns before its receiver takes it).
+INTERNAL_TAG = (1 << 30) - 1
+
 
 # -- who moves the second round ----------------------------------------------------------------
 class NotUsed(enum.Enum):
@@ -261,5 +266,37 @@ def largest_of(wire: Wire, values: Sequence[int], op: str, dtype: torch.dtype = 
     if rows is not NOT_USED:
         return [max(column) for column in zip(*rows)]
     largest = torch.tensor(list(values), dtype=dtype, device=wire.device)
+    if wire.device.type == "cpu" and wire.size > 2:  # gloo's all_reduce is a ring: 2(W - 1) steps in sequence
+        return _largest_by_doubling(wire, largest, op)
     guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
     return largest.tolist()
+
+
+def _largest_by_doubling(wire: Wire, mine: torch.Tensor, op: str) -> List[int]:
+    """:func:`largest_of` on gloo in ceil(log2 W) + 2 steps of pairwise exchanges (recursive doubling): ranks
+    past the largest power of two first hand their words to a partner below it and get the answer back last.
+    Under :data:`INTERNAL_TAG` (odd: apart from the data of objcomm's own point-to-point messages)."""
+    me, size, tag = wire.rank, wire.size, 2 * INTERNAL_TAG + 1
+    below = 1 << (size.bit_length() - 1)  # the largest power of two <= size
+
+    def post(*pairs: Tuple[Any, torch.Tensor, int]) -> None:
+        ops = [dist.P2POp(kind, tensor, wire.ranks[peer], wire.group, tag) for kind, tensor, peer in pairs]
+        for work in guarded(op, wire, dist.batch_isend_irecv, ops):
+            guarded(op, wire, work.wait)
+
+    if me >= below:  # hand over, then wait for the answer
+        post((dist.isend, mine, me - below))
+        post((dist.irecv, mine, me - below))
+        return mine.tolist()
+    theirs = torch.empty_like(mine)
+    if me + below < size:
+        post((dist.irecv, theirs, me + below))
+        torch.maximum(mine, theirs, out=mine)
+    step = 1
+    while step < below:
+        post((dist.isend, mine, me ^ step), (dist.irecv, theirs, me ^ step))
+        torch.maximum(mine, theirs, out=mine)
+        step *= 2
+    if me + below < size:
+        post((dist.isend, mine, me + below))
+    return mine.tolist()

@@ -18,7 +18,8 @@ from objcomm._device import timeout_seconds
 from objcomm._errors import CommunicationError
 from objcomm._format.limits import SCRATCH_BYTES as SCRATCH
 from objcomm._format.message import Outgoing
-from objcomm._transport.base import Wire, all_gather_single, guarded
+from objcomm._transport import routes
+from objcomm._transport.base import INTERNAL_TAG, Wire, all_gather_single, guarded
 
 
 def host_view(tensor: torch.Tensor) -> memoryview:
@@ -132,6 +133,53 @@ def all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> Lis
     return results
 
 
+def all_gather_rests(wire: Wire, mine: Sequence[torch.Tensor], lengths: Sequence[int],
+                     op: str) -> List[Optional[torch.Tensor]]:
+    """Every other rank's rest on every rank, in one exchange whatever the spread of sizes: ``lengths[r]`` bytes
+    from group rank ``r`` (None where it sends none, and for this rank, which holds its own ``mine``: its parts,
+    back to back). The shape is :func:`objcomm._transport.routes.exchange_shape`'s: one padded all_gather of the
+    widest when that moves at most twice the bytes; else exact sizes, as an uneven all_gather on NCCL (torch runs
+    it as coalesced broadcasts) or one batch of sends and receives on gloo (whose all_gather needs equal sizes).
+    Transfers go in pieces of at most ``wire.chunk`` bytes. Point-to-point pieces travel under
+    :data:`~objcomm._transport.base.INTERNAL_TAG`, which no caller's message carries."""
+    me, size = wire.rank, wire.size
+    own = joined(mine, wire) if lengths[me] else empty(0, wire)
+    got: List[Optional[torch.Tensor]] = [None] * size
+    if routes.exchange_shape(lengths) == routes.PADDED:
+        parts = all_gather_equal(wire, own, max(lengths), op)
+        for r, n in enumerate(lengths):
+            if n and r != me:
+                got[r] = parts[r][:n]
+        return got
+    if wire.device.type != "cpu":  # NCCL: uneven all_gathers, one per piece of at most chunk bytes per rank
+        results = [empty(n, wire) if n and r != me else None for r, n in enumerate(lengths)]
+        for start in pieces(max(lengths), wire.chunk):
+            ins = [max(0, min(wire.chunk, n - start)) for n in lengths]
+            outs = [empty(k, wire) for k in ins]
+            outs[me] = own[start : start + ins[me]]
+            guarded(op, wire, dist.all_gather, outs, outs[me], group=wire.group)
+            for r, result in enumerate(results):
+                if result is not None and ins[r]:
+                    result[start : start + ins[r]] = outs[r]
+        return results
+    tag = 2 * INTERNAL_TAG
+    ops = []
+    if lengths[me]:
+        for r in range(size):
+            if r != me:
+                ops += [dist.P2POp(dist.isend, own[at : at + wire.chunk], wire.ranks[r], wire.group, tag)
+                        for at in pieces(lengths[me], wire.chunk)]
+    for r, n in enumerate(lengths):
+        if n and r != me:
+            got[r] = buffer = empty(n, wire)
+            ops += [dist.P2POp(dist.irecv, buffer[at : at + wire.chunk], wire.ranks[r], wire.group, tag)
+                    for at in pieces(n, wire.chunk)]
+    if ops:
+        for work in guarded(op, wire, dist.batch_isend_irecv, ops):
+            guarded(op, wire, work.wait)
+    return got
+
+
 def all_to_all_bytes(
     wire: Wire, streams: Sequence[Sequence[torch.Tensor]], lengths: Sequence[int], longest: int, op: str
 ) -> List[torch.Tensor]:
@@ -147,7 +195,7 @@ def all_to_all_bytes(
     sent = [sum(p.numel() for p in parts) for parts in streams]
     if longest <= wire.chunk:  # the common case: one collective, straight into one buffer
         received = empty(sum(lengths), wire)
-        send = _joined([p for parts in streams for p in parts], wire)
+        send = joined([p for parts in streams for p in parts], wire)
         guarded(op, wire, dist.all_to_all_single, received, send, output_split_sizes=list(lengths),
                 input_split_sizes=sent, group=wire.group)
         return list(received.split(list(lengths)))
@@ -164,7 +212,7 @@ def all_to_all_bytes(
                 "transfer is too slow for this timeout; the group may be out of step, so create a new one.")
         outs = [max(0, min(wire.chunk, n - start)) for n in sent]
         ins = [max(0, min(wire.chunk, n - start)) for n in lengths]
-        send = _joined([p for parts, k in zip(streams, outs) for p in _window(parts, start, k)], wire)
+        send = joined([p for parts, k in zip(streams, outs) for p in _window(parts, start, k)], wire)
         received = empty(sum(ins), wire)
         guarded(op, wire, dist.all_to_all_single, received, send, output_split_sizes=ins, input_split_sizes=outs,
                 group=wire.group)
@@ -173,7 +221,8 @@ def all_to_all_bytes(
     return results
 
 
-def _joined(parts: Sequence[torch.Tensor], wire: Wire) -> torch.Tensor:
+def joined(parts: Sequence[torch.Tensor], wire: Wire) -> torch.Tensor:
+    """``parts`` back to back in one new buffer on the wire's device."""
     return torch.cat([to_device(p, wire) for p in parts]) if parts else empty(0, wire)
 
 

@@ -37,25 +37,26 @@ answers ``NOT_USED`` the transport moves it.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from objcomm._errors import FrameError
+from objcomm._errors import FrameError, ObjcommError
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, fill_slot, outgoing_second_round_bytes, read_slot, read_slots
 from objcomm._transport import pending as _pending
 from objcomm._transport import routes
-from objcomm._transport.base import NOT_USED, Route, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Route, Wire, all_gather_single, guarded, largest_of
 from objcomm._transport.bytes import (
     Batch,
-    all_gather_equal,
+    all_gather_rests,
     all_to_all_bytes,
     broadcast_bytes,
     empty,
     host_view,
+    joined,
     receive_buffer,
     recv_bytes,
     to_device,
@@ -128,20 +129,29 @@ def all_gather_rest(wire: Wire, out: Outgoing, infos: List[SlotInfo], sizes_of: 
     taken = wire.second_round.all_gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), op)
     if taken is not NOT_USED:
         return taken
-    frames = _all_gather_frames(wire, out, infos, op)
-    incoming = [Incoming(f) for f in frames]
-    sizes = [_limits.frame_sizes(sizes_of, frames[r], infos[r], r, op) if p is None else p for r, p in enumerate(plans)]
-    if sizes == [sizes[0]] * wire.size:  # the common case: same tensor shapes everywhere
-        for index, width in enumerate(sizes[0]):
-            for r, part in enumerate(all_gather_equal(wire, out.tensors[index], width, op)):
-                incoming[r].tensors.append(part)
-    else:
-        for r in range(wire.size):
-            for index, length in enumerate(sizes[r]):
-                mine = out.tensors[index] if r == wire.rank else None
-                moved = broadcast_bytes(wire, mine, length, r, op)
-                incoming[r].tensors.append(moved.clone() if mine is not None else moved)  # never alias the input
+    # every rank's rest (its frame past the slot, then its tensors) in one exchange, whatever the spread
+    rests = all_gather_rests(wire, _rest(wire, out), [info.second_round_bytes for info in infos], op)
+    incoming: List[Optional[Incoming]] = []
+    for r, info in enumerate(infos):
+        if r == wire.rank:  # its own, as copies: a result never aliases the input
+            own = out.frame if info.inline is None else info.inline
+            incoming.append(Incoming(own, [t.to(wire.device, copy=True) for t in out.tensors]))
+            continue
+        incoming.append(_split_rest(sizes_of, info, plans[r], rests[r], r, op))
     return incoming
+
+
+def _split_rest(sizes_of: SizesOf, info: SlotInfo, sizes: Optional[List[int]], rest: Optional[torch.Tensor],
+                sender: int, op: str) -> Incoming:
+    """What ``sender`` sent, from its slot (``info``) and its rest (its frame past the slot, then its tensors, back
+    to back; ``sizes``: the tensor sizes its slot listed, None: its frame lists them, checked here)."""
+    frame, at = info.inline, 0
+    if frame is None:
+        assert rest is not None
+        frame, at = host_view(rest[: info.length]), info.length
+    if sizes is None:
+        sizes = _limits.frame_sizes(sizes_of, frame, info, sender, op)
+    return Incoming(frame, list(rest[at:].split(sizes)) if sizes and rest is not None else [])
 
 
 def _round_one(infos: List[SlotInfo]) -> Sequence[Optional[Incoming]]:
@@ -159,33 +169,27 @@ def _exchange_slots(wire: Wire, out: Outgoing, op: str) -> List[SlotInfo]:
     return read_slots(host if host is not None else host_view(recv), wire.size, wire.slot)
 
 
-def _all_gather_frames(wire: Wire, out: Outgoing, infos: List[SlotInfo], op: str) -> List[memoryview]:
-    frames: List[Optional[memoryview]] = [info.inline for info in infos]
-    over = [r for r, f in enumerate(frames) if f is None]
-    if over:
-        lengths = [infos[r].length for r in over]
-        widest = max(lengths)
-        if wire.size * widest <= 2 * sum(lengths):  # similar sizes: one padded all_gather
-            gathered = all_gather_equal(wire, out.frame_tensor(), widest, op)
-            for r in over:
-                frames[r] = host_view(gathered[r][: infos[r].length])
-        else:  # one rank far bigger than the rest: each big frame is broadcast at its exact size
-            for r in over:
-                mine = out.frame_tensor() if r == wire.rank else None
-                frames[r] = host_view(broadcast_bytes(wire, mine, infos[r].length, r, op))
-    return frames  # type: ignore[return-value]
-
-
 # -- gather ----------------------------------------------------------------------------------
 def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[Sequence[Optional[Incoming]]]:
     """Every rank's frame and tensors on group rank ``dst``; ``None`` elsewhere, unless some rank failed.
 
-    Round 1 is an all_gather of slots so that every rank learns of a failure anywhere (and the
-    destination's limit) and raises in the same call; after a failure every rank gets the round-1
-    frames, error reports among them. The rest goes to ``dst`` point to point, at exact sizes.
+    Round 1 goes through the same-host channel as an all_gather of slots where it carries it (cheap on one host);
+    through the group it is a gather of slots to ``dst``, which then broadcasts one word (:func:`_gather_slots`):
+    go on, or every slot follows to every rank (a failure, an inconsistent slot, a rank over ``dst``'s limit, a
+    same-host medium that may take the rest), so that every rank raises the same error in the same call. The
+    rest goes to ``dst`` point to point, one message per sender at its exact size.
     """
     op = "gather"
-    infos = _exchange_slots(wire, out, op)
+    raw = _slot(wire, out)
+    slots = wire.first_round.all_gather(wire, raw, op)
+    if slots is not NOT_USED:
+        infos = [read_slot(memoryview(s)) for s in slots]
+    else:
+        gathered_slots = _gather_slots(wire, raw, sizes_of, dst, op)
+        if gathered_slots is None:  # dst said go: only the rests move
+            _send_rest(wire, out, dst, op)
+            return None
+        infos = gathered_slots
     if not _limits.round_one_ends(infos):
         wire.first_round.agree(wire, infos, op)
     plans = _limits.plans(infos, sizes_of, op)
@@ -195,29 +199,61 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
     gathered = wire.second_round.gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), dst, op)
     if gathered is not NOT_USED:
         return gathered
-    batch = Batch(wire, op)
     if wire.rank != dst:
-        batch.send_rest(out, dst)
-        batch.wait()
+        _send_rest(wire, out, dst, op)
         return None
-    frames: List[Any] = [info.inline if r != dst else out.frame for r, info in enumerate(infos)]
-    tensors: List[Any] = [None] * wire.size
-    for r, info in enumerate(infos):  # post every transfer whose size round 1 announced
-        if r == dst:
-            tensors[r] = [to_device(t, wire) for t in out.tensors]
-            continue
-        if frames[r] is None:
-            frames[r] = batch.recv(info.length, r)
-        if plans[r] is not None:
-            tensors[r] = [batch.recv(n, r) for n in plans[r]]  # type: ignore[union-attr]
+    batch = Batch(wire._replace(tag=INTERNAL_TAG), op)
+    rests = [batch.recv(n, r) if n and r != dst else None
+             for r, n in enumerate(info.second_round_bytes for info in infos)]
     batch.wait()
-    incoming: List[Optional[Incoming]] = []
-    for r, frame in enumerate(frames):
-        view = host_view(frame) if isinstance(frame, torch.Tensor) else frame
-        if tensors[r] is None:  # sizes were only in the frame: receive the tensors now, in order
-            tensors[r] = [recv_bytes(wire, n, r, op) for n in _limits.frame_sizes(sizes_of, view, infos[r], r, op)]
-        incoming.append(Incoming(view, tensors[r]))
-    return incoming
+    return [Incoming(out.frame, [to_device(t, wire) for t in out.tensors]) if r == dst
+            else _split_rest(sizes_of, info, plans[r], rests[r], r, op) for r, info in enumerate(infos)]
+
+
+GO, LOOK = 0, 1  # a gather's word from its destination after round 1
+
+
+def _gather_slots(wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: str) -> Optional[List[SlotInfo]]:
+    """Round 1 of a gather through the group: every slot to ``dst``, then ``dst``'s word to every rank (a
+    broadcast): :data:`GO` (the slots stay on ``dst``: returned there, None elsewhere) or :data:`LOOK` (``dst``
+    broadcasts every slot: every rank gets them, as after an all_gather, and raises what the others raise)."""
+    mine = _on_device(wire, raw)
+    table, host = receive_buffer(wire.slot * wire.size, wire)
+    word = torch.zeros(1, dtype=torch.int64, device=wire.device)
+    infos: List[SlotInfo] = []
+    if wire.rank == dst:
+        guarded(op, wire, dist.gather, mine, list(table.chunk(wire.size)), dst=wire.ranks[dst], group=wire.group)
+        infos = read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
+        word[0] = _verdict(wire, infos, sizes_of, dst, op)
+    else:
+        guarded(op, wire, dist.gather, mine, None, dst=wire.ranks[dst], group=wire.group)
+    guarded(op, wire, dist.broadcast, word, src=wire.ranks[dst], group=wire.group)
+    if int(word.item()) == GO:
+        return infos if wire.rank == dst else None
+    guarded(op, wire, dist.broadcast, table, src=wire.ranks[dst], group=wire.group)
+    return read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
+
+
+def _verdict(wire: Wire, infos: List[SlotInfo], sizes_of: SizesOf, dst: int, op: str) -> int:
+    """:data:`LOOK` where every rank must see the slots: an error report, an inconsistent slot, a rank over
+    ``dst``'s limit, or a rest that a same-host medium may take (it reads every slot); else :data:`GO`."""
+    if _limits.round_one_ends(infos):
+        return LOOK if any(info.error for info in infos) else GO
+    try:
+        _limits.plans(infos, sizes_of, op)
+        _limits.check_limits(infos, [dst], op)
+    except ObjcommError:
+        return LOOK
+    moved = max(0 if r == dst else info.second_round_bytes for r, info in enumerate(infos))
+    return LOOK if wire.second_round.worth(wire, moved, op) else GO
+
+
+def _send_rest(wire: Wire, out: Outgoing, dst: int, op: str) -> None:
+    """This rank's rest (its frame past the slot, then its tensors) to ``dst``, as one message."""
+    if outgoing_second_round_bytes(out, wire.inline_capacity):
+        batch = Batch(wire._replace(tag=INTERNAL_TAG), op)
+        batch.send(joined(_rest(wire, out), wire), dst)
+        batch.wait()
 
 
 # -- broadcast -------------------------------------------------------------------------------

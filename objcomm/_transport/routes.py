@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Sequence, Tuple
 
 from objcomm._format.limits import SCRATCH_BYTES
-from objcomm._format.message import SLOT_PREFIX_BYTES
 from objcomm._settings import DEFAULT_CHUNK_BYTES, DEFAULT_SHM_THRESHOLD, DEFAULT_SLOT_BYTES
 
 CHANNEL, SHARED_MEMORY, BACKEND = "channel", "shared memory", "backend"  # the media
@@ -146,8 +145,9 @@ class Knobs:
 @dataclass(frozen=True)
 class Step:
     """One transfer of a plan. ``collective``: what runs (``all_gather``, ``all_gatherv``: exact sizes,
-    ``gather``, ``broadcast``, ``all_reduce``, ``p2p``: one batch of sends and receives); ``medium``: who runs
-    it; ``nbytes``: the bytes each rank contributes, in group-rank order (for a broadcast: the root's only)."""
+    ``gather``, ``broadcast``, ``all_reduce``, ``p2p``: one batch of sends and receives to one rank, ``tree``:
+    a binomial tree of sends toward group rank 0, ceil(log2 W) levels in sequence); ``medium``: who runs it;
+    ``nbytes``: the bytes each rank contributes, in group-rank order (a broadcast's and a tree's: one value)."""
 
     collective: str
     medium: str
@@ -170,9 +170,11 @@ class Plan:
 
 def plan(op: str, topology: Topology, rests: Sequence[int], knobs: Knobs = Knobs(), *, root: int = 0,
          listed: bool = True) -> Plan:
-    """The route of ``op`` (``all_gather``, ``gather``, ``broadcast``) when each rank's rest (bytes past its
-    slot: 0 when the slot carries all of it) is ``rests`` (broadcast: the root's is read), with the tensor sizes
-    listed in the slots (``listed``) or only in the frames. Pure: no process group, O(W)."""
+    """The route of ``op`` (``all_gather``, ``gather``, ``broadcast``, ``all_reduce``, ``reduce``) when each
+    rank's rest (bytes past its slot: 0 when the slot carries all of it) is ``rests`` (broadcast: the root's is
+    read; all_reduce and reduce: ``rests[0]`` is the rest of the combined value, which the tree carries up and
+    group rank 0 then sends on), with the tensor sizes listed in the slots (``listed``) or only in the frames.
+    Pure: no process group, O(W)."""
     world = topology.world
     first = round_one(local=knobs.local, one_host=topology.one_host, channel_open=topology.channel_open)
     slots = (knobs.slot_bytes,) * world
@@ -205,8 +207,16 @@ def plan(op: str, topology: Topology, rests: Sequence[int], knobs: Knobs = Knobs
                 steps.append(Step("all_reduce", BACKEND if first == BACKEND else CHANNEL, (4,) * world))
             steps += [Step("broadcast", medium, (min(knobs.chunk_bytes, moved - at),))
                       for at in range(0, moved, knobs.chunk_bytes)]
+    elif op in ("all_reduce", "reduce"):
+        # a tree of send/recv (objcomm._api.reduce.tree; each carries a slot and its rest), then all_reduce:
+        # group rank 0's value or failure broadcast; reduce: a gather of every rank's report to the root
+        steps.append(Step("tree", BACKEND, (knobs.slot_bytes + rests[0],)))
+        if op == "all_reduce":
+            return Plan(op, first, (*steps, *plan("broadcast", topology, rests, knobs, root=0, listed=listed).steps))
+        carried = [rests[0] if r == 0 and root != 0 else 0 for r in range(world)]
+        return Plan(op, first, (*steps, *plan("gather", topology, carried, knobs, root=root).steps))
     else:
-        raise ValueError(f"plan({op!r}): plans cover all_gather, gather and broadcast")
+        raise ValueError(f"plan({op!r}): plans cover all_gather, gather, broadcast, all_reduce and reduce")
     return Plan(op, first, tuple(steps))
 
 
@@ -222,8 +232,3 @@ def _exchange(medium: str, rests: list, topology: Topology, knobs: Knobs) -> lis
                 for at in range(0, widest, chunk)]
     return [Step("all_gatherv", BACKEND, tuple(rests))]  # gloo: one batch of sends and receives
 
-
-__all__ = ["BACKEND", "CHANNEL", "CHANNEL_MOST", "EXACT", "Knobs", "PADDED", "PADDED_WITHIN", "Plan",
-           "SHARED_MEMORY", "SLOT_PREFIX_BYTES", "Step", "Topology", "agreement_needed", "channel_takes",
-           "exchange_shape", "express_possible", "pieces", "plan", "rest_medium", "round_one",
-           "shared_memory_takes"]

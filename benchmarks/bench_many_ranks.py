@@ -1,0 +1,96 @@
+"""objcomm's all_gather against torch's ``all_gather_object`` on many real ranks, each treated as its own host, for
+every spread of sizes in issue 27's table (and a raw ``all_gather_into_tensor`` of the padded bytes: the floor).
+
+    PYTHONPATH=. python benchmarks/bench_many_ranks.py [--world-size 16] [--rounds 5]
+
+Every rank is its own host (``OBJCOMM_FORCE_SEPARATE_HOSTS=1``: no same-host channel, no shared memory), so each
+call takes the path it takes across nodes: round 1 through the group, then one exchange of every rank's rest. The
+three candidates run round-robin after a barrier (``objcomm._tools.bench.measure.interleaved``); each sample is the
+slowest rank's time, and the table shows the median over ``--rounds`` samples. This machine has 2 cores for 16
+processes: times are long and noisy; compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+
+CASES = ["all 1 KB", "all 1 MB", "one 20 MB", "two 2 MB", "log-normal", "uneven tensors"]
+
+
+def spread(case: str, rank: int, world: int) -> Any:
+    """Rank ``rank``'s object in each case of the issue's table."""
+    if case == "all 1 KB":
+        return {"r": rank, "b": b"s" * 1000}
+    if case == "all 1 MB":
+        return {"r": rank, "b": b"l" * (1 << 20)}
+    if case == "one 20 MB":
+        return {"r": rank, "b": b"o" * ((20 << 20) if rank == 1 else 1000)}
+    if case == "two 2 MB":
+        return {"r": rank, "b": b"t" * ((2 << 20) if rank in (0, world // 2) else 1000)}
+    if case == "log-normal":  # median 32 KB, sigma 2
+        return {"r": rank, "b": b"n" * int(min(32_000 * random.Random(rank).lognormvariate(0, 2), 64 << 20))}
+    if case == "uneven tensors":  # 256-300 KB, a different length on every rank
+        return {"r": rank, "t": torch.arange(64_000 + 11_000 * rank // max(world - 1, 1), dtype=torch.float32)}
+    raise ValueError(case)
+
+
+def measure(rounds: int, send: Any = None) -> Dict[str, Dict[str, float]]:
+    import torch.distributed as dist
+
+    import objcomm
+    from objcomm._tools.bench.measure import interleaved
+    from objcomm._transport.base import all_gather_single as raw_all_gather
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = objcomm.Communicator()
+    rows: Dict[str, Dict[str, float]] = {}
+    for case in CASES:
+        obj = spread(case, rank, world)
+        padded = len(objcomm.serializers.get("pickle").dumps(obj)) if case != "uneven tensors" else 0
+        widest = torch.tensor([padded], dtype=torch.int64)
+        dist.all_reduce(widest, op=dist.ReduceOp.MAX)
+        out = torch.empty(int(widest) * world, dtype=torch.uint8)
+        mine = torch.zeros(int(widest), dtype=torch.uint8)
+        listing: List[Any] = [None] * world
+        timings = interleaved({
+            "objcomm": lambda obj=obj: comm.all_gather(obj),
+            "torch all_gather_object": lambda obj=obj, listing=listing: dist.all_gather_object(listing, obj),
+            "raw all_gather of the padded bytes": lambda out=out, mine=mine: raw_all_gather(out, mine),
+        }, repeat=rounds, warmup=1)
+        rows[case] = {name: t.median_s for name, t in timings.items()}
+    return rows
+
+
+def report(world: int, rows: Dict[str, Dict[str, float]]) -> str:
+    lines = [f"all_gather on {world} ranks, each its own host (median of the slowest rank, ms)", "",
+             "| sizes per rank | objcomm | torch all_gather_object | raw padded all_gather | objcomm / torch |",
+             "|---|---:|---:|---:|---:|"]
+    for case, row in rows.items():
+        ours, torch_, raw = row["objcomm"], row["torch all_gather_object"], row["raw all_gather of the padded bytes"]
+        raw_cell = f"{raw * 1e3:,.1f}" if case != "uneven tensors" else "n/a"
+        lines.append(f"| {case} | {ours * 1e3:,.1f} | {torch_ * 1e3:,.1f} | {raw_cell} | {ours / torch_:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["OBJCOMM_FORCE_SEPARATE_HOSTS"] = "1"
+    from objcomm._tools.launch import run_local
+
+    rows = run_local(measure, args.rounds, world_size=args.world_size, timeout_s=1800)
+    print(report(args.world_size, rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

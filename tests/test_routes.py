@@ -1,0 +1,113 @@
+"""objcomm._transport.routes: every route cut-off, called with made-up numbers at any world size (no ranks)."""
+
+from __future__ import annotations
+
+import doctest
+import random
+
+import pytest
+
+from objcomm._format.limits import SCRATCH_BYTES
+from objcomm._transport import routes
+from objcomm._transport.routes import BACKEND, CHANNEL, EXACT, PADDED, SHARED_MEMORY, Knobs, Topology, plan
+
+MB = 1 << 20
+
+
+def test_the_docstring_example_runs():
+    assert doctest.testmod(routes).failed == 0
+
+
+@pytest.mark.parametrize("lengths, shape", [
+    ([MB] * 8, PADDED),  # equal
+    ([MB, MB // 2] * 4, PADDED),  # within 2x
+    ([100 * MB] + [0] * 8191, EXACT),  # one outlier among thousands
+    ([0] * 8, PADDED),  # nothing moves: nothing is padded either
+    ([2 * MB if r < 2 else 1000 for r in range(16)], EXACT),
+])
+def test_exchange_shape(lengths, shape):
+    assert routes.exchange_shape(lengths) == shape
+
+
+def test_rest_medium_cut_offs():
+    threshold = 2 * MB
+    kw = dict(cpu=True, shm=True, shm_threshold=threshold, one_host=True)
+    assert routes.rest_medium(0, round_one_medium=CHANNEL, **kw) == BACKEND  # nothing moves
+    assert routes.rest_medium(threshold - 1, round_one_medium=CHANNEL, **kw) == CHANNEL
+    assert routes.rest_medium(threshold, round_one_medium=CHANNEL, **kw) == SHARED_MEMORY
+    assert routes.rest_medium(threshold - 1, round_one_medium=BACKEND, **kw) == BACKEND  # the channel took no round 1
+    assert routes.rest_medium(threshold, round_one_medium=BACKEND, **{**kw, "one_host": False}) == BACKEND
+    assert routes.rest_medium(threshold, round_one_medium=BACKEND, **{**kw, "cpu": False}) == BACKEND
+    assert routes.rest_medium(threshold, round_one_medium=BACKEND, **{**kw, "shm": False}) == BACKEND
+    big = dict(kw, shm_threshold=1 << 30)  # the channel never takes more than CHANNEL_MOST, whatever shm_threshold
+    assert routes.rest_medium(routes.CHANNEL_MOST, round_one_medium=CHANNEL, **big) == BACKEND
+    assert routes.rest_medium(routes.CHANNEL_MOST - 1, round_one_medium=CHANNEL, **big) == CHANNEL
+
+
+def test_agreement_needed():
+    assert not routes.agreement_needed(sizes_listed=True, largest_piece=SCRATCH_BYTES, medium_may_take=False)
+    assert routes.agreement_needed(sizes_listed=True, largest_piece=SCRATCH_BYTES + 1, medium_may_take=False)
+    assert routes.agreement_needed(sizes_listed=False, largest_piece=0, medium_may_take=False)
+    assert routes.agreement_needed(sizes_listed=True, largest_piece=0, medium_may_take=True)
+
+
+def test_round_one_and_express():
+    assert routes.round_one(local=True, one_host=True, channel_open=True) == CHANNEL
+    assert routes.round_one(local=True, one_host=False, channel_open=True) == BACKEND
+    assert routes.round_one(local=False, one_host=True, channel_open=True) == BACKEND
+    assert routes.express_possible(compression=False, channel_first=True)
+    assert not routes.express_possible(compression=True, channel_first=True)
+    assert not routes.express_possible(compression=False, channel_first=False)
+
+
+def _spreads(world: int) -> dict:
+    """The issue's spreads: each rank's rest (bytes past its slot; 0: its slot carries it)."""
+    rng = random.Random(7)
+    return {
+        "all small": [0] * world,
+        "all 1 MB": [MB] * world,
+        "one outlier": [100 * MB] + [0] * (world - 1),
+        "10% large": [16 * MB if r % 10 == 0 else 0 for r in range(world)],
+        "log-normal": [int(min(32_000 * rng.lognormvariate(0, 2), 1 << 30)) for _ in range(world)],
+        "uneven tensors": [int(MB * rng.uniform(0.9, 1.1)) for _ in range(world)],
+    }
+
+
+@pytest.mark.parametrize("world", [2, 8, 512, 8192])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_collectives_stay_bounded_at_any_world_size(world, device):
+    topology = Topology(world=world, device=device)
+    for case, rests in _spreads(world).items():
+        for op in ("all_gather", "gather", "broadcast", "all_reduce", "reduce"):
+            got = plan(op, topology, rests)
+            # all_gather: round 1 and one exchange (NCCL: one more per 256 MiB of the widest rest); never one
+            # collective per rank
+            most = {"all_gather": 2, "gather": 3, "broadcast": 3, "all_reduce": 4, "reduce": 4}[op]
+            assert got.backend_calls <= most + (max(rests) >> 28), (op, case, world, got)
+            assert all(len(step.nbytes) in (1, world) for step in got.steps)
+
+
+def test_an_all_gather_at_exact_sizes_moves_no_padding():
+    rests = _spreads(8192)["one outlier"]
+    step = plan("all_gather", Topology(world=8192), rests).steps[-1]
+    assert (step.collective, step.nbytes) == ("all_gatherv", tuple(rests))
+
+
+def test_one_host_takes_the_same_host_media():
+    one_host = Topology(world=8, ranks_per_host=8)
+    assert [s.medium for s in plan("all_gather", one_host, [MB] * 8).steps] == [CHANNEL, CHANNEL]
+    assert [s.medium for s in plan("all_gather", one_host, [4 * MB] * 8).steps] == [CHANNEL, SHARED_MEMORY]
+    off = Knobs(local=False, shm=False)
+    assert {s.medium for s in plan("all_gather", one_host, [4 * MB] * 8, off).steps} == {BACKEND}
+
+
+def test_nccl_exchange_goes_in_rounds_of_chunk_bytes():
+    rests = [600 * MB] + [0] * 63
+    steps = plan("all_gather", Topology(world=64, device="cuda"), rests).steps
+    assert [s.collective for s in steps] == ["all_gather"] + ["all_gatherv"] * 3  # 256 + 256 + 88 MiB
+    assert sum(s.nbytes[0] for s in steps[1:]) == 600 * MB
+
+
+def test_plan_refuses_an_op_it_does_not_cover():
+    with pytest.raises(ValueError, match="plans cover"):
+        plan("scatter", Topology(world=2), [0, 0])
