@@ -72,7 +72,7 @@ _PUBLIC: Dict[str, Tuple[str, ...]] = {
     "._errors": ("CommunicationError", "ContentRefusedError", "DecodeError", "EncodeError", "FrameError",
                  "ObjcommError", "RemoteError", "SerializationError", "TooLargeError", "UnknownSerializerError",
                  "WaitTimeoutError"),
-    "._api.requests": ("Request",),
+    "._api.handles": ("Request",),
     "._settings": ("Settings", "configure", "restore", "settings"),
 }
 _SUBMODULES = ("compat", "serializers")  # public modules
@@ -96,7 +96,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         scatter,
         send,
     )
-    from objcomm._api.requests import Request
+    from objcomm._api.handles import Request
     from objcomm._device import device_for_backend
     from objcomm._errors import (
         CommunicationError,

@@ -33,6 +33,8 @@ variable                          effect
                                   else raises when objcomm's settings are first used, naming the variable)
 ``OBJCOMM_FORCE_SEPARATE_HOSTS``  tests only: ``1`` treats every rank as on its own host (no shared memory,
                                   no same-host channel)
+``OBJCOMM_TEST_RANKS_PER_HOST``   tests only: ``k`` treats each run of ``k`` consecutive global ranks as one
+                                  host (``1``: as ``OBJCOMM_FORCE_SEPARATE_HOSTS=1``)
 ``LOCAL_RANK``                    set by torchrun; NCCL groups check the current CUDA device against it
 ``WORLD_SIZE``                    with ``RANK`` and ``MASTER_ADDR``, set by torchrun (or any env:// launcher):
                                   ``objcomm bench`` runs inside that launch instead of spawning ranks
@@ -50,7 +52,7 @@ import dataclasses
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Dict, FrozenSet, Hashable, Mapping, Optional
+from typing import Any, Callable, Collection, Dict, FrozenSet, Hashable, Mapping, Optional, Union
 
 from objcomm._format import compression as _compression
 from objcomm._format.limits import MAX_SIZE
@@ -132,7 +134,7 @@ class CallOptions(Settings):
     """
 
     map_location: Any = None  # a torch.device, or None: the transport device
-    separate_hosts: bool = False  # tests: every rank on its own host
+    separate_hosts: Union[bool, int] = False  # tests: True, every rank its own host; k, hosts of k ranks
 
     def __post_init__(self) -> None:
         pass
@@ -175,6 +177,11 @@ def _check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
+def _check_hosts(name: str, value: Any) -> None:
+    if not isinstance(value, int) or value < 0:
+        raise TypeError(f"{name} must be True, False or a number of ranks per host, got {value!r}")
+
+
 def _check_accept(name: str, value: Any) -> None:
     if value is not None and not all(isinstance(n, str) for n in value):
         raise TypeError(f"{name} must be serializer names, got {sorted(map(repr, value))}")
@@ -204,7 +211,7 @@ _CHECKS: Dict[str, Callable[[str, Any], None]] = {
     "local": _check_bool,
     "local_spin_us": _check_spin,
     "map_location": lambda name, value: None,  # torch.device() judges it, in the communicator
-    "separate_hosts": _check_bool,
+    "separate_hosts": _check_hosts,
 }
 
 
@@ -265,7 +272,7 @@ class _Environment:
     """What the environment says, read at import and by :func:`configure`."""
 
     knobs: Mapping[str, Any]  # the environment layer: only the knobs a variable sets
-    separate_hosts: bool
+    separate_hosts: Union[bool, int]
 
     @staticmethod
     def read() -> _Environment:
@@ -274,8 +281,18 @@ class _Environment:
                  "local_spin_us": _microseconds("OBJCOMM_LOCAL_SPIN_US")}
         return _Environment(
             knobs={name: value for name, value in knobs.items() if value is not None},
-            separate_hosts=bool(_flag("OBJCOMM_FORCE_SEPARATE_HOSTS")),
+            separate_hosts=_ranks_per_host() or bool(_flag("OBJCOMM_FORCE_SEPARATE_HOSTS")),
         )
+
+
+def _ranks_per_host() -> int:
+    """``OBJCOMM_TEST_RANKS_PER_HOST`` (tests: simulated hosts of k consecutive global ranks), 0 when unset."""
+    word = os.environ.get("OBJCOMM_TEST_RANKS_PER_HOST", "").strip()
+    if not word:
+        return 0
+    if not word.isdigit() or int(word) < 1:
+        raise ValueError(f"OBJCOMM_TEST_RANKS_PER_HOST={word!r}: expected a whole number of ranks per host, 1 or more")
+    return int(word)
 
 
 @dataclass(frozen=True)

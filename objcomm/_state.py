@@ -34,11 +34,11 @@ class GroupFacts:
     above it; each owner reads its field into a variable of its own type."""
 
     membership: Dict[Any, tuple] = field(default_factory=dict)  # device asked for -> (ranks, rank, device)
-    hosts: Dict[bool, Any] = field(default_factory=dict)  # separate -> Hosts (objcomm._samehost.hosts)
-    remote_peers: Set[Tuple[int, bool]] = field(default_factory=set)  # (peer, separate): send/recv crosses hosts
-    unsealed: Set[Tuple[int, bool]] = field(default_factory=set)  # (peer or -1: collectives, separate): files only
+    hosts: Dict[int, Any] = field(default_factory=dict)  # separate -> Hosts (objcomm._samehost.hosts)
+    remote_peers: Set[Tuple[int, int]] = field(default_factory=set)  # (peer, separate): send/recv crosses hosts
+    unsealed: Set[Tuple[int, int]] = field(default_factory=set)  # (peer or -1: collectives, separate): files only
     requests: Any = None  # _Lanes, made on the first non-blocking call (objcomm._api.requests)
-    local: Dict[bool, Any] = field(default_factory=dict)  # separate -> SameHost (objcomm._samehost.channel_slots)
+    local: Dict[int, Any] = field(default_factory=dict)  # separate -> SameHost (objcomm._samehost.channel_slots)
     wires: Dict[Any, tuple] = field(default_factory=dict)  # (device, options, segments) -> a wire less its group
 
 

@@ -44,20 +44,25 @@ exactly torch's names (and no ``patch`` shadows ``unittest.mock.patch``); :func:
 
 from __future__ import annotations
 
-import functools
-import importlib
-import threading
-import warnings
-from types import ModuleType, TracebackType
-from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Tuple, Type
+from types import TracebackType
+from typing import Any, Collection, Dict, List, Optional, Type
 
 import torch
-import torch.distributed as dist
 
-from objcomm._api.communicator import Communicator
-from objcomm._api.functions import Device, all_gather, gather, scatter
+from objcomm._api.compat_calls import (
+    Options,
+    _all_gather_object,
+    _broadcast_object_list,
+    _gather_object,
+    _only,
+    _recv_object_list,
+    _scatter_object_list,
+    _send_object_list,
+)
+from objcomm._api.compat_patch import _TAKES, _Patcher
+from objcomm._api.functions import Device
 from objcomm._settings import CALL_KNOBS, given
-from serializers import SerializerLike, registry
+from serializers import SerializerLike
 
 __all__ = [
     "all_gather_object",
@@ -68,7 +73,6 @@ __all__ = [
     "send_object_list",
 ]
 
-Options = Mapping[str, Any]  # per-call settings handed to objcomm (serializer=, accept=, ...); None: not given
 
 
 def all_gather_object(
@@ -304,309 +308,9 @@ def recv_object_list(
     return _recv_object_list(object_list, src, group, device, group_src, use_batch, options=_only(serializer))
 
 
-# -- the six, taking objcomm's per-call settings (the shims above and the patched names below) ----------
+# -- patch(): torch.distributed's own names, through objcomm (objcomm._api.compat_patch) -----------------
 
-
-def _all_gather_object(object_list: List[Any], obj: Any, group: Any = None, *, options: Options) -> None:
-    if _outside(group, "all_gather_object"):
-        return None
-    for i, item in enumerate(all_gather(obj, group=group, **options)):
-        object_list[i] = item
-    return None
-
-
-def _gather_object(
-    obj: Any,
-    object_gather_list: Optional[List[Any]] = None,
-    dst: Optional[int] = None,
-    group: Any = None,
-    group_dst: Optional[int] = None,
-    *,
-    options: Options,
-) -> None:
-    dst = _one_of(dst, group_dst, "dst", default=0)
-    if _outside(group, "gather_object"):
-        return None
-    root = _global_rank(group, dst, group_dst, "dst")
-    gathered = gather(obj, dst=root, group=group, **options)
-    if gathered is None:
-        if object_gather_list:
-            raise ValueError(_torch_says(
-                "Argument ``gather_list`` must NOT be specified on non-destination ranks.",
-                f"object_gather_list must be None on ranks other than the destination (global rank {root}); this is "
-                f"global rank {_my_rank()}",
-            ))
-        return None
-    if not object_gather_list:
-        raise ValueError(_torch_says(
-            "Argument ``gather_list`` must be specified on destination rank.",
-            f"the destination (global rank {root}) must pass object_gather_list, a list of {len(gathered)} slots; "
-            "the gathered objects were dropped. Reported after the collective, so no rank is left waiting",
-        ))
-    for i, item in enumerate(gathered):
-        object_gather_list[i] = item
-    return None
-
-
-def _broadcast_object_list(
-    object_list: List[Any],
-    src: Optional[int] = None,
-    group: Any = None,
-    device: Optional[torch.device] = None,
-    group_src: Optional[int] = None,
-    *,
-    options: Options,
-) -> None:
-    src = _one_of(src, group_src, "src", default=0)
-    if _outside(group, "broadcast_object_list"):
-        return None
-    root = _global_rank(group, src, group_src, "src")
-    is_root = _my_rank() == root
-    received = Communicator(group, device=device).broadcast(list(object_list) if is_root else None, root, **options)
-    if not is_root:
-        _fill(object_list, received, "broadcast_object_list", f"source (global rank {root})")
-    return None
-
-
-def _scatter_object_list(
-    scatter_object_output_list: List[Any],
-    scatter_object_input_list: Optional[List[Any]] = None,
-    src: Optional[int] = None,
-    group: Any = None,
-    group_src: Optional[int] = None,
-    *,
-    options: Options,
-) -> None:
-    src = _one_of(src, group_src, "src", default=0)
-    if _outside(group, "scatter_object_list"):
-        return None
-    root = _global_rank(group, src, group_src, "src")
-    item, failure = None, None
-    try:
-        item = scatter(scatter_object_input_list, src=root, group=group, **options)
-    except Exception as exc:  # reported below, after what torch checks first
-        failure = exc
-    output = scatter_object_output_list
-    if not isinstance(output, list) or not output:
-        what = "is empty" if isinstance(output, list) else f"is a {type(output).__name__}"
-        raise ValueError(_torch_says(
-            "Expected argument scatter_object_output_list to be a list of size at least 1.",
-            f"scatter_object_output_list {what}; pass a list of at least one element (e.g. [None]), whose element 0 "
-            "receives this rank's object. The received object was dropped",
-        )) from failure
-    if failure is not None:
-        if _my_rank() == root and scatter_object_input_list is None:
-            raise ValueError(_torch_says(
-                "source rank must provide non-None scatter_object_input_list",
-                f"this rank (global rank {root}) is the source; the other ranks raise RemoteError",
-            )) from failure
-        raise failure
-    output[0] = item
-    return None
-
-
-def _send_object_list(
-    object_list: List[Any],
-    dst: Optional[int] = None,
-    group: Any = None,
-    device: Optional[torch.device] = None,
-    group_dst: Optional[int] = None,
-    use_batch: bool = False,
-    *,
-    options: Options,
-) -> None:
-    dst = _one_of(dst, group_dst, "dst", default=None)
-    if _outside(group, "send_object_list"):
-        return None
-    peer = _not_self(_global_rank(group, dst, group_dst, "dst"), "destination", "dst")
-    Communicator(group, device=device).send(list(object_list), peer, **options)
-    return None
-
-
-def _recv_object_list(
-    object_list: List[Any],
-    src: Optional[int] = None,
-    group: Any = None,
-    device: Optional[torch.device] = None,
-    group_src: Optional[int] = None,
-    use_batch: bool = False,
-    *,
-    options: Options,
-) -> int:
-    src = _one_of(src, group_src, "src", default=None)
-    if _outside(group, "recv_object_list"):
-        return -1
-    peer = _not_self(_global_rank(group, src, group_src, "src"), "source", "src")
-    received = Communicator(group, device=device).recv(peer, **options)
-    _fill(object_list, received, "recv_object_list", f"sender (global rank {peer})")
-    return peer
-
-
-def _only(serializer: Optional[SerializerLike]) -> Dict[str, Any]:
-    """A receiver's ``serializer=``: the one serializer it accepts."""
-    return {"accept": None if serializer is None else [registry.get(serializer).name]}
-
-
-def _fill(object_list: List[Any], received: Any, op: str, who: str) -> None:
-    if not isinstance(received, (list, tuple)):
-        raise ValueError(f"{op}: the {who} sent a {type(received).__name__}, not a list; send it with objcomm.compat")
-    if len(received) != len(object_list):
-        raise ValueError(
-            f"{op}: the {who} sent {len(received)} objects but this rank's object_list has {len(object_list)} "
-            "slots; make the lists the same length on every rank"
-        )
-    for i, item in enumerate(received):
-        object_list[i] = item
-
-
-def _my_rank() -> int:
-    return dist.get_rank() if _initialized() else 0
-
-
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _outside(group: Any, op: str) -> bool:
-    """Whether this rank is outside ``group`` (torch's ``NON_GROUP_MEMBER``): then ``op`` does nothing here, and
-    says so with torch's warning."""
-    if group is None or not dist.is_available() or group != dist.GroupMember.NON_GROUP_MEMBER:
-        return False
-    warnings.warn(
-        f"Running {op} on global rank {_my_rank()} which does not belong to the given group.",
-        UserWarning,
-        stacklevel=4,  # the caller of the shim (or of the patched torch name)
-    )
-    return True
-
-
-# -- arguments, checked as torch checks them: torch's exception type, torch's sentence first ---------------
-
-
-def _torch_says(sentence: str, explanation: str) -> str:
-    return f"{sentence} (objcomm.compat: {explanation})"
-
-
-def _one_of(rank: Optional[int], group_rank: Optional[int], what: str, default: Optional[int]) -> Optional[int]:
-    """``rank``, or ``default`` when neither it nor ``group_rank`` is given; raise as torch does for both or neither."""
-    if group_rank is not None:
-        if rank is not None:
-            raise ValueError(_torch_says(
-                "Can't specify both group_rank and global_rank",
-                f"pass {what} (a global rank) or group_{what} (a rank within group), not both",
-            ))
-        return None
-    if rank is None:
-        if default is None:
-            raise ValueError(_torch_says(
-                "Must specify global_rank or group_rank",
-                f"pass {what} (a global rank) or group_{what} (a rank within group)",
-            ))
-        return default
-    return rank
-
-
-def _global_rank(group: Any, rank: Optional[int], group_rank: Optional[int], what: str) -> int:
-    """The global rank meant by ``rank`` or ``group_rank`` (one of them given); torch's own lookups judge them."""
-    if not _initialized():
-        return group_rank if group_rank is not None else rank  # type: ignore[return-value]  # a group of one
-    resolved: Any = group if group is not None else dist.group.WORLD
-    if group_rank is not None:
-        return dist.get_global_rank(resolved, group_rank)
-    try:
-        dist.get_group_rank(resolved, rank)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise ValueError(_torch_says(
-            str(exc), f"{what} is a global rank; this group's are {dist.get_process_group_ranks(resolved)}"
-        )) from exc
-    return rank  # type: ignore[return-value]
-
-
-def _not_self(peer: int, role: str, what: str) -> int:
-    if _initialized() and peer == dist.get_rank():
-        raise ValueError(_torch_says(
-            f"Invalid {role} rank: {role} rank should not be the same as the rank of the current process.",
-            f"{what} resolves to global rank {peer}, this rank itself",
-        ))
-    return peer
-
-
-# -- patch(): torch.distributed's own names, through objcomm --------------------------------------------
-
-# The per-call settings each of the six hands on (a sender decodes nothing, a receiver encodes nothing).
-_TAKES: Dict[str, Tuple[str, ...]] = {
-    "send_object_list": ("serializer", "max_bytes", "compression"),
-    "recv_object_list": ("accept", "max_bytes", "map_location"),
-}
-_IMPLEMENTATIONS: Dict[str, Callable[..., Any]] = {
-    "all_gather_object": _all_gather_object,
-    "gather_object": _gather_object,
-    "broadcast_object_list": _broadcast_object_list,
-    "scatter_object_list": _scatter_object_list,
-    "send_object_list": _send_object_list,
-    "recv_object_list": _recv_object_list,
-}
-
-
-def _modules() -> Tuple[ModuleType, ...]:
-    """Where torch's six names live: ``torch.distributed`` and ``torch.distributed.distributed_c10d``."""
-    return dist, importlib.import_module("torch.distributed.distributed_c10d")
-
-
-class _Patcher:
-    """Who holds torch's six names: torch's originals, while patched, and the settings in force."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._originals: Dict[Tuple[ModuleType, str], Any] = {}
-        self.settings: Optional[Dict[str, Options]] = None  # per name; None: not patched
-        self.functions = {name: _patched(name) for name in __all__}
-
-    def switch(self, settings: Optional[Dict[str, Options]]) -> Optional[Dict[str, Options]]:
-        """Put ``settings`` in force (``None``: torch's own functions back); return what was in force."""
-        with self._lock:
-            previous = self.settings
-            if settings is not None and previous is None:
-                self._install()
-            elif settings is None and previous is not None:
-                self._restore()
-            self.settings = settings
-            return previous
-
-    def _install(self) -> None:
-        if not dist.is_available():
-            raise RuntimeError("objcomm.compat.patch(): this torch build has no torch.distributed")
-        for module in _modules():
-            for name, function in self.functions.items():
-                current = getattr(module, name)
-                if current is not function:
-                    self._originals[(module, name)] = current
-                    setattr(module, name, function)
-
-    def _restore(self) -> None:
-        for (module, name), original in self._originals.items():
-            if getattr(module, name) is self.functions[name]:  # a name someone else replaced since stays theirs
-                setattr(module, name, original)
-        self._originals.clear()
-
-
-def _patched(name: str) -> Callable[..., Any]:
-    """What :func:`patch` puts in torch's place: the shim, with the patch's settings in force when called."""
-    implementation, shim = _IMPLEMENTATIONS[name], globals()[name]
-    receives = name == "recv_object_list"
-
-    @functools.wraps(shim)
-    def patched(*args: Any, serializer: Optional[SerializerLike] = None, **kwargs: Any) -> Any:
-        settings = _PATCHER.settings
-        options = {} if settings is None else settings[name]
-        if serializer is not None:  # a call that names one, as with the shim
-            options = {**options, **(_only(serializer) if receives else {"serializer": serializer})}
-        return implementation(*args, options=options, **kwargs)
-
-    return patched
-
-
-_PATCHER = _Patcher()
+_PATCHER = _Patcher({name: globals()[name] for name in __all__})
 
 
 class _Patch:

@@ -30,6 +30,8 @@ from objcomm._format import frame as _frame
 from objcomm._format import slot as _slot
 from objcomm._format import tensors as _tensors
 from objcomm._samehost.segments import SegmentBook
+from objcomm._transport import broadcast as _broadcast
+from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
 from objcomm._transport.rounds import Incoming, Outgoing
 
@@ -117,9 +119,9 @@ def under_reported(op: str) -> tuple:
             elif op == "all_gather":
                 _rounds.all_gather(_wire(), lie, _frame.tensor_sizes)
             elif op == "all_to_all":
-                _rounds.all_to_all(_wire(), [lie, lie], _frame.tensor_sizes)
+                _parts.all_to_all(_wire(), [lie, lie], _frame.tensor_sizes)
             else:
-                _rounds.broadcast(_wire(), lie, _frame.tensor_sizes, 1)
+                _broadcast.broadcast(_wire(), lie, _frame.tensor_sizes, 1)
         except ObjcommError as exc:
             outcome = type(exc).__name__
         return outcome, 0, _still_usable()
@@ -201,7 +203,7 @@ def huge_table_entry_all_to_all() -> str:
     forged = _forged_table(1 << 40)
     try:
         if dist.get_rank() == 1:
-            _rounds.all_to_all(_wire(), [forged, forged], _frame.tensor_sizes)
+            _parts.all_to_all(_wire(), [forged, forged], _frame.tensor_sizes)
         else:
             objcomm.all_to_all(["small", "small"])
         outcome = "no error"
@@ -545,14 +547,14 @@ def inflated_rounds() -> tuple:
     started = time.monotonic()
     try:
         if rank == 1:
-            real = _rounds.outgoing_second_round_bytes
-            _rounds.outgoing_second_round_bytes = lambda out, capacity: 1 << 50  # type: ignore[assignment]
+            real = _parts.outgoing_second_round_bytes
+            _parts.outgoing_second_round_bytes = lambda out, capacity: 1 << 50  # type: ignore[assignment]
             try:
                 wire = _wire(chunk=MiB)._replace(group=group, ranks=[0, 1])
                 outs = [_frame.encode(p, serializers.get("pickle"), max_bytes=1 << 30) for p in parts]
-                _rounds.all_to_all(wire, outs, _frame.tensor_sizes)
+                _parts.all_to_all(wire, outs, _frame.tensor_sizes)
             finally:
-                _rounds.outgoing_second_round_bytes = real  # type: ignore[assignment]
+                _parts.outgoing_second_round_bytes = real  # type: ignore[assignment]
         else:
             objcomm.Communicator(group, shm=False, chunk_bytes=MiB).all_to_all(parts)
         outcome: object = "no error"

@@ -28,7 +28,9 @@ from objcomm._format.slot import SlotInfo
 from objcomm._samehost import channel_rounds as _channel_rounds
 from objcomm._samehost import shm as _shm
 from objcomm._samehost.channel_rounds import CHUNK, _chunks, _incoming, _place
+from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import bytes as _bytes
+from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
 
 pytestmark = pytest.mark.timeout(180)
@@ -54,8 +56,8 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-ROUTES = {"backend": [(_rounds, "all_gather_equal"), (_rounds, "broadcast_bytes"),  # round 2's moves
-                      (_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_rounds, "all_to_all_bytes")],
+ROUTES = {"backend": [(_rounds, "all_gather_rests"), (_broadcast, "broadcast_bytes"),  # round 2's moves
+                      (_bytes.Batch, "send"), (_bytes.Batch, "recv"), (_parts, "all_to_all_bytes")],
           "shm": [(_shm.SharedMemory, "_collective")]}
 
 

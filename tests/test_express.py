@@ -18,13 +18,14 @@ from _ranks import get_pool
 
 import objcomm
 from objcomm import _state
-from objcomm._api import communicator as _communicator
 from objcomm._api import express as _express
+from objcomm._api import resolving as _resolving
 from objcomm._format import frame as _frame
 from objcomm._format.slot import ERROR_BIT, PREFIX, fill_slot, read_slot
 from objcomm._format.tensors import TensorLifter
 from objcomm._samehost import channel as _channel
 from objcomm._samehost import channel_slots as _channel_slots
+from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import rounds as _rounds
 from serializers import registry
 
@@ -350,7 +351,7 @@ def test_what_a_communicator_keeps_goes_with_its_group():
 
 
 COLLECTIVE_ROUTES = {  # the general path's collectives, and its steps after slots the express path moved
-    "general": [(_rounds, "all_gather"), (_rounds, "broadcast")],
+    "general": [(_rounds, "all_gather"), (_broadcast, "broadcast")],
     "rest": [(_express, "all_gather_rest"), (_express, "broadcast_rest")],
 }
 
@@ -373,7 +374,7 @@ def collective_routes_and_outcomes() -> List[Any]:
     comm = objcomm.Communicator(local=True)
     comm.all_gather(None)  # opens the channel and lets send/recv in
     assert comm._held is not None
-    got: List[Any] = [comm._held[9] is _communicator._NEXT]  # one collective: the express path is not built yet
+    got: List[Any] = [comm._held[9] is _resolving._NEXT]  # one collective: the express path is not built yet
     big, limit = b"y" * 10_000, comm._call({}).options.max_bytes
     refusing, packing = objcomm.Communicator(accept=["msgpack"], local=True), objcomm.Communicator(
         serializer="msgpack", local=True)

@@ -134,9 +134,7 @@ def test_the_floor_check_sees_an_upward_import():
 
 MAX_LINES = 450
 # Still past the guide, to be split (each entry shrinks away; a module that grows past it fails here).
-TOO_LONG = {"objcomm/_api/requests.py", "serializers/_restricted/__init__.py", "objcomm/_transport/rounds.py",
-            "objcomm/_samehost/channel.py", "objcomm/_samehost/inbox.py", "objcomm/_api/communicator.py",
-            "objcomm/compat.py"}
+TOO_LONG: Set[str] = set()
 
 
 def test_modules_stay_under_the_line_guide():

@@ -22,6 +22,8 @@ from _ranks import get_pool
 from objcomm import CommunicationError
 from objcomm._samehost import channel as _channel
 from objcomm._samehost import inbox as _inbox
+from objcomm._samehost import inbox_waits as _inbox_waits
+from objcomm._samehost import mesh as _mesh
 from objcomm._transport.base import Wire
 
 
@@ -103,13 +105,13 @@ def waits_for_a_late_peer(late_s: float, spin: Optional[float]) -> Tuple[float, 
     channel = _channel.LocalChannel.open(_wire())
     assert channel is not None
     spins: List[bool] = []
-    real = _inbox.poll_briefly
+    real = _inbox_waits.poll_briefly
 
     def watched(poll: Any, until: float, yielding: bool = False) -> bool:
         spins.append(real(poll, until, yielding))
         return spins[-1]
 
-    _inbox.poll_briefly = watched  # type: ignore[assignment]
+    _inbox_waits.poll_briefly = watched  # type: ignore[assignment]
     try:
         with channel:
             channel.all_gather(b"warm", spin=spin)
@@ -121,7 +123,7 @@ def waits_for_a_late_peer(late_s: float, spin: Optional[float]) -> Tuple[float, 
             after = resource.getrusage(resource.RUSAGE_SELF)
             return time.perf_counter() - wall, (after.ru_utime + after.ru_stime) - (cpu.ru_utime + cpu.ru_stime), spins
     finally:
-        _inbox.poll_briefly = real  # type: ignore[assignment]
+        _inbox_waits.poll_briefly = real  # type: ignore[assignment]
 
 
 @pytest.mark.timeout(60)
@@ -148,18 +150,18 @@ def test_the_automatic_spin_yields_the_cpu_where_ranks_outnumber_cpus(monkeypatc
     assert _channel.AUTO_SPIN > 0
     assert not _channel.yields(cpus) and _channel.yields(cpus + 1)
     yielded: List[int] = []
-    monkeypatch.setattr(_inbox.os, "sched_yield", lambda: yielded.append(1))
+    monkeypatch.setattr(_inbox_waits.os, "sched_yield", lambda: yielded.append(1))
     a, b = socket.socketpair()
     with a, b:
         poll = select.poll()
         poll.register(a.fileno(), select.POLLIN)
         for yielding in (False, True):
             yielded.clear()
-            assert _inbox.poll_briefly(poll, time.perf_counter() + 0.002, yielding) is False  # nothing came
+            assert _inbox_waits.poll_briefly(poll, time.perf_counter() + 0.002, yielding) is False  # nothing came
             assert bool(yielded) == yielding  # between polls, only where asked to
         b.send(b"x")
         yielded.clear()
-        assert _inbox.poll_briefly(poll, time.perf_counter() + 1.0, True) is True and not yielded  # already there
+        assert _inbox_waits.poll_briefly(poll, time.perf_counter() + 1.0, True) is True and not yielded  # already there
 
 
 # -- a SIGKILLed peer: a group of our own, so that the survivors can report (the pool kills everyone) --
@@ -302,7 +304,7 @@ _P2P, _GATHER = _inbox.P2P, _inbox.ALL_GATHER
 HOSTILE = {  # what rank 1 sends rank 0, and the error rank 0 must raise
     "short": ([b"12345"], "5-byte message, shorter than the 12-byte header"),
     "empty": ([b""], "0-byte message, shorter than the 12-byte header"),
-    "too long": ([_header(_P2P) + b"x" * (_channel.MAX_PAYLOAD + 1)], "above the 65,548 bytes a message may have"),
+    "too long": ([_header(_P2P) + b"x" * (_mesh.MAX_PAYLOAD + 1)], "above the 65,548 bytes a message may have"),
     "unknown kind": ([_header(9) + b"x"], "unknown kind 9"),
     "flags": ([_header(_P2P, flags=4)], "point-to-point message with a bad header"),
     "answer with flags": ([_header(_inbox.ANSWER, seq=7, flags=1)], "point-to-point message with a bad header"),
@@ -471,7 +473,7 @@ def test_a_wait_on_one_silent_source_raises_after_one_timeout_not_two(key, kind)
     def fail(op: str, why: str, cause: Any = None) -> Any:
         raise CommunicationError(f"{op}: {why}")
 
-    inbox = _inbox.Inbox({1: mine}, [os.getpid(), os.getpid()], timeout, 4096, fail)
+    inbox = _inbox_waits.Inbox({1: mine}, [os.getpid(), os.getpid()], timeout, 4096, fail)
     start = time.monotonic()
     try:
         with pytest.raises(CommunicationError, match="within the timeout"):

@@ -9,6 +9,7 @@ and blocking sends and receives. One pool serves every test here.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import struct
 from typing import Any, Dict, Iterator, List
@@ -196,3 +197,36 @@ def test_bad_input_gets_the_same_error_on_every_rank(case):
                 "a failing encode (gather)": "RemoteError", "a failing encode (all_gather)": "RemoteError",
                 "a lying sender": "FrameError"}[case]
     assert outcomes[0].startswith(expected), outcomes[0]
+
+
+def simulated_hosts() -> List[Any]:
+    """With ``OBJCOMM_TEST_RANKS_PER_HOST=4``: the whole group (two simulated hosts) takes the backend and gets
+    what every rank sent; a group inside one simulated host takes its same-host channel (no backend call)."""
+    os.environ["OBJCOMM_TEST_RANKS_PER_HOST"] = "4"
+    previous = objcomm.configure()
+    try:
+        rank, comm = dist.get_rank(), objcomm.Communicator()
+        rows: List[Any] = []
+        for case in CASES:
+            got = comm.all_gather(spread(case, rank))
+            rows.append(all(_same(g, spread(case, r)) for r, g in enumerate(got)))
+        hosts = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]  # every rank makes both, in order
+        inside = objcomm.Communicator(group=hosts[rank // 4])
+        inside.all_gather(rank)
+        with calls() as counts:
+            got = inside.all_gather(rank)
+        with calls() as whole:
+            everyone = comm.all_gather(rank)
+        rows.append((got, counts["collectives"], everyone == list(range(W)), whole["collectives"]))
+        return rows
+    finally:
+        del os.environ["OBJCOMM_TEST_RANKS_PER_HOST"]
+        objcomm.restore(previous)
+
+
+def test_simulated_hosts_of_four_ranks():
+    for rank, rows in enumerate(get_pool(W).run(simulated_hosts, timeout=120)):
+        assert rows[:-1] == [True] * len(CASES), (rank, rows[:-1])
+        got, collectives, whole, whole_calls = rows[-1]
+        assert got == [r for r in range(W) if r // 4 == rank // 4] and collectives == 0, (rank, rows[-1])
+        assert whole and whole_calls == 1, (rank, rows[-1])  # two hosts: round 1 through the backend

@@ -19,8 +19,8 @@ from _child import run_in_child
 from _hostile import FUZZ_SCALE, glob, payload, v
 from _pickles import PLAIN_OPCODES, random_pickle
 
-from serializers import _restricted
 from serializers._restricted import plain as _plain
+from serializers._restricted import plain_load as _plain_load
 
 needs_c_walk = pytest.mark.skipif(
     _plain.is_plain_c is None, reason="the C walk was not built here (no compiler at install)"
@@ -120,8 +120,8 @@ def _refusals_of_the_plain_loads(payloads: Dict[str, bytes]) -> Dict[str, Tuple[
     results = {}
     for label, data in payloads.items():
         imported = set(sys.modules)
-        fallback = lambda d=data: _restricted._PlainUnpickler(_restricted.BytesIO(d)).load()  # noqa: E731
-        results[label] = (outcome(lambda d=data: _restricted._plain_load(d)), outcome(fallback))
+        fallback = lambda d=data: _plain_load._PlainUnpickler(_plain_load.BytesIO(d)).load()  # noqa: E731
+        results[label] = (outcome(lambda d=data: _plain_load._plain_load(d)), outcome(fallback))
         assert set(sys.modules) == imported, label  # nothing the payload names was imported
     return results
 
@@ -129,7 +129,7 @@ def _refusals_of_the_plain_loads(payloads: Dict[str, bytes]) -> Dict[str, Tuple[
 def test_the_plain_load_refuses_every_global_before_importing_it():
     """The plain path's backstop holds on this Python (checked at import, ``_backstop_holds``): a global
     in a payload loaded as plain is refused by the refusing ``__import__``, never imported or called."""
-    assert _restricted._backstop_holds()
+    assert _plain_load._backstop_holds()
     payloads = {
         "os.system": payload(b"(" + glob("os", "system") + v("true") + b"tR"),
         "a STACK_GLOBAL": payload(v("os") + v("system") + b"\x93" + v("true") + b"\x85R"),

@@ -4,10 +4,10 @@ Pickle's memo lets a payload spell one large argument once and pass it to a cons
 again for five bytes a call (``BINGET`` the constructor, ``BINGET`` the arguments, ``REDUCE``). So
 the encoded size of a call says nothing of its cost: issue 25 decoded a 43 KB frame into 8,000
 structured dtypes of 256 fields each (+201 MB, 2.7 s). Every call is charged to the load's work
-budget (``_restricted.WORK_PER_BYTE`` units per payload byte) for what it costs.
+budget (``_restricted.allowlist.WORK_PER_BYTE`` units per payload byte) for what it costs.
 
 :func:`constructor_cases` holds such a payload for every constructor on the allow-list
-(``_restricted._SPECS``): a constructor added there without a case here fails
+(``_restricted.allowlist._SPECS``): a constructor added there without a case here fails
 :func:`test_every_allowed_constructor_has_a_hostile_case`. Each case is decoded in a child process
 with its address space capped and must stay within the bounds docs/security.md states:
 :data:`MEMORY_PER_BYTE` bytes of memory and :data:`CPU_PER_BYTE` of CPU per input byte, plus
@@ -31,12 +31,11 @@ from _child import run_in_child
 from _hostile import outcome, payload
 
 import serializers
-from serializers import (
-    # The bounds: per input byte, plus constants for the budget's floor (1 MiB units: 8 MiB built, ~20 ms).
-    _restricted,
-)
+from serializers._restricted import allowlist as _allowlist
+from serializers._restricted import guards as _guards
 from serializers._restricted import scan as _scan
 
+# The bounds: per input byte, plus constants for the budget's floor (1 MiB units: 8 MiB built, ~20 ms).
 MEMORY_PER_BYTE = 256
 MEMORY_CONSTANT = 16 << 20
 CPU_PER_BYTE = 10e-6  # seconds; the worst measured is ~1.7 µs (two loaded cores), the issue-25 attack 63 µs
@@ -270,9 +269,9 @@ def _over_bounds(results: Dict[str, Measured]) -> Dict[str, str]:
 
 
 def test_every_allowed_constructor_has_a_hostile_case():
-    missing = set(_restricted._SPECS) - set(constructor_cases())
+    missing = set(_allowlist._SPECS) - set(constructor_cases())
     assert not missing, f"add a hostile case for {sorted(missing)} to constructor_cases()"
-    assert not set(constructor_cases()) - set(_restricted._SPECS), "a case for a constructor no longer allowed"
+    assert not set(constructor_cases()) - set(_allowlist._SPECS), "a case for a constructor no longer allowed"
 
 
 def _decode_all(payloads: Dict[str, bytes]) -> Dict[str, Tuple[str, str, float]]:
@@ -367,7 +366,7 @@ def test_torch_dtype_globals_build_nothing():
     torch = pytest.importorskip("torch")
     from serializers._rebuild import _TORCH_DTYPES
 
-    guards = _restricted._Guards(set())
+    guards = _guards._Guards(set())
     for name in _TORCH_DTYPES:
         value = torch.__dict__.get(name)
         if value is not None:

@@ -18,7 +18,7 @@ from objcomm import _settings
 pytestmark = pytest.mark.timeout(60)
 
 VARIABLES = ("OBJCOMM_SHM", "OBJCOMM_SHM_DIR", "OBJCOMM_SHM_ZERO_COPY", "OBJCOMM_LOCAL", "OBJCOMM_LOCAL_SPIN_US",
-             "OBJCOMM_FORCE_SEPARATE_HOSTS")
+             "OBJCOMM_FORCE_SEPARATE_HOSTS", "OBJCOMM_TEST_RANKS_PER_HOST")
 NOT_GIVEN: Any = object()
 
 # knob: (default, (variable, text, value) or None, configure(), Communicator(), a call — NOT_GIVEN where none)

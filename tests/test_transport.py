@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 
 from objcomm._format import slot as _slot
+from objcomm._transport import broadcast as _broadcast
+from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
 from objcomm._transport.rounds import Outgoing
 
@@ -59,10 +61,10 @@ def boundaries() -> int:
             assert [bytes(g.frame) for g in got] == [bytes(f) for f in frames], n
         else:
             assert got is None
-        item = _rounds.broadcast(wire, Outgoing(frames[0]) if rank == 0 else None, _no_tensors, 0)
+        item = _broadcast.broadcast(wire, Outgoing(frames[0]) if rank == 0 else None, _no_tensors, 0)
         assert bytes(item.frame) == bytes(frames[0]), n
         outs = [Outgoing(f) for f in frames] if rank == 0 else None
-        assert bytes(_rounds.scatter(wire, outs, _no_tensors, 0).frame) == bytes(frames[rank]), n
+        assert bytes(_parts.scatter(wire, outs, _no_tensors, 0).frame) == bytes(frames[rank]), n
         if world > 1:
             if rank == 0:
                 _rounds.send(wire, Outgoing(frames[0]), 1)

@@ -343,7 +343,7 @@ MUST_STATE = {
     *(f"objcomm._samehost.shm.{n}" for n in ("_P2P", "_READ", "_FELL_BACK", "_REFUSED", "_SENT", "_OTHER_HOST",
                                              "_RESEND", "_REFUSED_P2P")),
     *(f"objcomm._samehost.inbox.{n}" for n in ("ALL_GATHER", "BROADCAST", "SCATTER", "ALL_TO_ALL", "P2P", "CREDIT")),
-    "objcomm._samehost.channel.MAX_PAYLOAD", "objcomm._samehost.channel._WORDS",
+    "objcomm._samehost.mesh.MAX_PAYLOAD", "objcomm._samehost.channel._WORDS",
 }
 
 

@@ -41,7 +41,8 @@ from objcomm._format import frame as _frame
 from objcomm._format.slot import read_slot
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._transport import routes
-from objcomm._transport.rounds import Incoming, Wire, all_gather_rest, broadcast_rest, received
+from objcomm._transport.broadcast import broadcast_rest
+from objcomm._transport.rounds import Incoming, Wire, all_gather_rest, received
 from serializers import AutoSerializer, SerializerProtocol, registry
 
 NOT_TAKEN = object()  # what Express.recv returns when the general path must receive

@@ -1,4 +1,4 @@
-"""Non-blocking object messaging: :class:`Request` handles, and where their operations run.
+"""Non-blocking object messaging: where the operations behind :class:`~objcomm._api.handles.Request` handles run.
 
 ``isend``/``irecv`` and every collective with ``async_op=True`` hand the blocking operation to a
 background thread and return a :class:`Request` at once. The rules, per process group:
@@ -29,10 +29,10 @@ background thread and return a :class:`Request` at once. The rules, per process 
   cannot take sends from several threads); NCCL collectives use the shadow like gloo's.
 
 - **Messages to oneself** (``send``/``isend`` to this rank, and every one without a process group) never
-  touch the backend: :class:`_OwnBox`, one per group, holds them, encoded, until this rank receives them,
-  in order per tag. An ``irecv`` from oneself needs no lane either: it waits in the box, and the next send
-  to oneself under its tag completes it (the receives posted under a tag, in posting order); it counts as
-  outstanding for the rules above, as an ``irecv`` from a peer does.
+  touch the backend: :class:`~objcomm._api.own_box._OwnBox`, one per group, holds them, encoded, until this
+  rank receives them, in order per tag. An ``irecv`` from oneself needs no lane either: it waits in the box, and
+  the next send to oneself under its tag completes it (the receives posted under a tag, in posting order); it
+  counts as outstanding for the rules above, as an ``irecv`` from a peer does.
 
 A lane is a queue with a thread that exists only while the queue has work, so idle groups hold no
 thread and thousands of handles leave none behind. Without a process group, the operation runs
@@ -52,140 +52,15 @@ import torch
 import torch.distributed as dist
 
 from objcomm import _state
+from objcomm._api.handles import _LOCAL, Request, _settle, completed
+from objcomm._api.own_box import NOTHING, _OwnBox
 from objcomm._device import device_for_backend, group_backend
-from objcomm._errors import CommunicationError, ObjcommError, WaitTimeoutError
+from objcomm._errors import CommunicationError, ObjcommError
 from objcomm._transport import groups as _groups
 
 Job = Tuple[concurrent.futures.Future, Callable[[], Any]]
-Posted = Tuple[concurrent.futures.Future, Callable[[Any], Any], Callable[[], None]]  # an irecv from oneself
 Key = Tuple[str, Any, Any]  # a lane: ("send" | "recv", peer, tag), or COLLECTIVES
 COLLECTIVES: Key = ("collective", None, None)
-
-
-class Request:
-    """A handle on one non-blocking objcomm operation (``isend``, ``irecv``, ``async_op=True``).
-
-    ``wait()`` returns what the blocking call returns, or raises what it raises, on every rank alike.
-    A ``wait(timeout)`` that expires raises :class:`~objcomm.WaitTimeoutError` and leaves the handle
-    usable: the operation goes on, and a later ``wait()`` collects it. ``get_future()`` gives a
-    ``concurrent.futures.Future`` (see :meth:`get_future`).
-
-    Example::
-
-        pending = objcomm.all_gather(metrics, async_op=True)
-        loss.backward()                      # keep computing; tensor collectives are fine too
-        everyone = pending.wait()
-    """
-
-    __slots__ = ("_future", "op")
-
-    def __init__(self, op: str, future: concurrent.futures.Future) -> None:
-        self.op = op
-        self._future = future
-
-    def wait(self, timeout: Optional[float] = None) -> Any:
-        """The operation's result (``None`` for ``isend``), once it completes; or its exception.
-
-        ``timeout``: seconds to wait at most; when they pass first, :class:`~objcomm.WaitTimeoutError`.
-        """
-        try:
-            return self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise WaitTimeoutError(
-                f"{self.op} did not complete within {timeout} s; it is still in progress and this handle stays "
-                "usable: call wait() again. If it never completes, a peer has not issued the matching call"
-            ) from None
-
-    def is_completed(self) -> bool:
-        """Whether the operation has finished, successfully or not (``wait()`` then returns at once)."""
-        return self._future.done()
-
-    def get_future(self) -> concurrent.futures.Future:
-        """A ``concurrent.futures.Future`` that completes with the operation.
-
-        That type because the operation runs in a plain thread: it works with
-        ``concurrent.futures.wait``/``as_completed``, ``asyncio.wrap_future`` and ``add_done_callback``,
-        and ``result(timeout)`` has a timeout; a ``torch.futures.Future`` has none, and its CUDA-stream
-        semantics promise nothing for Python objects. It cannot be cancelled: every rank must take part.
-        """
-        return self._future
-
-    def __repr__(self) -> str:
-        state = "completed" if self._future.done() else "pending"
-        return f"<objcomm.Request {self.op} {state}>"
-
-
-class _OwnBox:
-    """The messages a rank sent itself on one group (or without one) and has not received yet, per tag in the
-    order sent; and its receives from itself that wait for their message (``irecv``), per tag in the order posted.
-
-    A message is what the sender's encoding gave (an :class:`~objcomm._transport.base.Outgoing` that owns its bytes, or
-    an error report): the receiver decodes it with its own settings, as a peer's. Both queues hold only non-empty
-    deques, so ``tag in queued`` says whether a message waits.
-    """
-
-    __slots__ = ("lock", "queued", "posted")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.queued: Dict[int, Deque[Any]] = {}  # tag -> messages not received yet
-        self.posted: Dict[int, Deque[Posted]] = {}  # tag -> irecv from oneself: (future, take, release)
-
-    def post(self, tag: int, message: Any) -> None:
-        """Deliver ``message``: to the oldest receive waiting under ``tag`` (decoded now, in this thread), else to the
-        queue."""
-        with self.lock:
-            waiting = self.posted.get(tag)
-            if not waiting:
-                self.queued.setdefault(tag, deque()).append(message)
-                return
-            future, take, release = waiting.popleft()
-            if not waiting:
-                del self.posted[tag]
-        _complete(future, lambda: take(message), release)
-
-    def take(self, tag: int) -> Any:
-        """The oldest message under ``tag``, or :data:`NOTHING`."""
-        with self.lock:
-            queue = self.queued.get(tag)
-            if not queue:
-                return NOTHING
-            message = queue.popleft()
-            if not queue:
-                del self.queued[tag]
-            return message
-
-    def receive(self, tag: int, take: Callable[[Any], Any], hold: Callable[[], None],
-                release: Callable[[], None]) -> Request:
-        """An ``irecv`` from oneself: completed with ``take(message)`` now if a message waits under ``tag``, else
-        once one is sent. ``hold()`` runs as it starts to wait, ``release()`` before it completes."""
-        with self.lock:
-            queue = self.queued.get(tag)
-            if not queue:
-                future: concurrent.futures.Future = concurrent.futures.Future()
-                future.set_running_or_notify_cancel()
-                hold()
-                self.posted.setdefault(tag, deque()).append((future, take, release))
-                return Request("irecv", future)
-            message = queue.popleft()
-            if not queue:
-                del self.queued[tag]
-        return completed("irecv", lambda: take(message))
-
-
-NOTHING = object()  # what _OwnBox.take returns when no message waits
-
-
-def _complete(future: concurrent.futures.Future, fn: Callable[[], Any], release: Callable[[], None]) -> None:
-    """Complete ``future`` with what ``fn`` returns or raises (in the caller's thread), ``release`` first."""
-    try:
-        result = fn()
-    except BaseException as exc:  # wait() raises it
-        release()
-        future.set_exception(exc)
-    else:
-        release()
-        future.set_result(result)
 
 
 class _Lanes:
@@ -267,30 +142,8 @@ class _Lanes:
         return None
 
 
-class _ThreadState(threading.local):
-    inside = False  # this thread runs a lane's call (its blocking calls are the request); a class default: a missing
-    # attribute of a threading.local costs an AttributeError on every blocking send/recv
-
-
-_LOCAL = _ThreadState()
 _LANES_LOCK = threading.Lock()
 
-
-def _settle(future: concurrent.futures.Future, fn: Callable[[], Any], release: Callable[[], None]) -> None:
-    """Complete ``future`` with what ``fn`` returns or raises; ``release`` runs first (see :meth:`_Lanes._done`).
-    The lane's own blocking call runs ``inside``; the future's done-callbacks, which run on this thread as it
-    completes, do not: their calls are checked like any other thread's."""
-    _LOCAL.inside = True
-    try:
-        result = fn()
-    except BaseException as exc:  # wait() raises it, on this rank as the blocking call would: nothing is swallowed
-        _LOCAL.inside = False
-        release()
-        future.set_exception(exc)
-    else:
-        _LOCAL.inside = False
-        release()
-        future.set_result(result)
 
 
 def _lanes(group: Any) -> _Lanes:
@@ -308,14 +161,6 @@ def _resolved(group: Any) -> Any:
 
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def completed(op: str, fn: Callable[[], Any]) -> Request:
-    """Run ``fn`` now (no process group: nothing to overlap) and return its completed handle."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_running_or_notify_cancel()
-    _settle(future, fn, lambda: None)
-    return Request(op, future)
 
 
 def collective(group: Any, op: str, fn: Callable[[Any], Any]) -> Request:

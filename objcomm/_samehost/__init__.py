@@ -1,8 +1,9 @@
 """Optional media for ranks that share a host: the socket channel and shared memory.
 
-:mod:`.hosts` finds which ranks share a host; :mod:`.channel` is the socket channel between them (its messages
-read by :mod:`.inbox`); :mod:`.channel_slots` carries round 1 over it, :mod:`.channel_rounds` the rest of a
-message; :mod:`.shm`, :mod:`.segments` and :mod:`.sealed` publish large payloads once per host in shared
-memory. Each implements the strategy protocols of :mod:`objcomm._transport.base`; turn them off with
-``OBJCOMM_LOCAL=0`` / ``OBJCOMM_SHM=0`` and every call takes the backend. See docs/same-host.md.
+:mod:`.hosts` finds which ranks share a host; :mod:`.channel` is the socket channel between them (what moves over
+it: :mod:`.mesh`; its messages read by :mod:`.inbox`, waited for in :mod:`.inbox_waits`); :mod:`.channel_slots`
+carries round 1 over it, :mod:`.channel_rounds` the rest of a message; :mod:`.shm`, :mod:`.segments` and
+:mod:`.sealed` publish large payloads once per host in shared memory. Each implements the strategy protocols of
+:mod:`objcomm._transport.base`; turn them off with ``OBJCOMM_LOCAL=0`` / ``OBJCOMM_SHM=0`` and every call takes the
+backend. See docs/same-host.md.
 """

@@ -41,8 +41,8 @@ from :meth:`LocalChannel.open` and the caller keeps the backend. Otherwise rank 
 every rank below it and accepts from every rank above; the listeners close; one ``all_reduce``
 makes the outcome the same everywhere.
 
-Messages are eager (a send returns once the kernel holds the bytes): every operation is one
-``sendmsg`` per peer and one ``recv`` per message received (``poll`` first when several are
+Messages are eager (:mod:`objcomm._samehost.mesh`; a send returns once the kernel holds the bytes): every
+operation is one ``sendmsg`` per peer and one ``recv`` per message received (``poll`` first when several are
 awaited). Each message carries a 12-byte header: kind, flags, a sequence number (collectives,
 checked: ranks calling different operations raise) and a tag (send/recv). Receiving is
 :mod:`objcomm._samehost.inbox`: several threads may wait at once (collectives on the caller's thread,
@@ -85,44 +85,25 @@ import struct
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from objcomm._errors import CommunicationError
 from objcomm._samehost import hosts as _hosts
-from objcomm._samehost.inbox import (
-    ALL_GATHER,
-    ALL_TO_ALL,
-    ANSWER,
-    BROADCAST,
-    CREDIT,
-    ECHO,
-    GATHER,
-    HEADER,
-    MASK,
-    NAMES,
-    P2P,
-    REST,
-    SCATTER,
-    Inbox,
-)
-from objcomm._transport.base import Slot, Wire, all_gather_single, guarded
+from objcomm._samehost.inbox_waits import Inbox
+from objcomm._samehost.mesh import MAX_PAYLOAD, Mesh
+from objcomm._transport.base import Wire, all_gather_single, guarded
 
 DEFAULT_TIMEOUT = 300.0  # seconds any one wait may take
 SETUP_TIMEOUT = 30.0  # seconds to connect the mesh
-MAX_PAYLOAD = 64 << 10  # bytes in one message; a SEQPACKET message must fit the socket's send buffer
-_WAITER = {ANSWER: "send", REST: "recv"}  # the operation that waits for each part of a send
 AUTO_SPIN = 1e-3  # seconds a wait polls before sleeping when the spin setting is automatic (see yields)
 
 _HELLO = struct.Struct("<iq")  # connector's group rank, the acceptor's secret
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 _WORDS = 10  # ok, host key, pid, uid, pid namespace, socket nonce, secret, ready, generation, failure point
-_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 _OPEN: weakref.WeakSet[LocalChannel] = weakref.WeakSet()  # closed in a forked child (see _forget_in_child)
-_CREDIT_HEADER = HEADER.pack(CREDIT, 0, 0, 0)
-EVERY_VOTE, LATER_VOTES = 16, 64  # send/recv votes: at the first 16 all_gathers and all_to_alls, then every 64th
 VOTE = 2  # first word of a vote (LocalChannel.vote), where set-up has 0 or 1
 
 
@@ -139,7 +120,7 @@ def _peer_cred(sock: socket.socket) -> Tuple[int, int]:
     return pid, uid
 
 
-class LocalChannel:
+class LocalChannel(Mesh):
     """A full mesh of Unix-domain sockets between the ranks of one group on one host.
 
     Made collectively by :meth:`open`; then :meth:`all_gather`, :meth:`broadcast`, :meth:`scatter`,
@@ -183,7 +164,7 @@ class LocalChannel:
     # -- set-up ------------------------------------------------------------------------------
     @classmethod
     def open(cls, wire: Wire, *, timeout: float = DEFAULT_TIMEOUT, setup_timeout: float = SETUP_TIMEOUT,
-             separate: bool = False, op: str = "local channel set-up", ready: bool = False,
+             separate: Union[bool, int] = False, op: str = "local channel set-up", ready: bool = False,
              history: Tuple[int, int] = (0, 0), stash_bytes: Optional[int] = None,
              control: Any = None) -> Optional[LocalChannel]:
         """Connect every rank of ``wire``'s group (a collective); ``None`` on every rank when they are
@@ -302,219 +283,11 @@ class LocalChannel:
             peers[who] = sock
         return True
 
-    # -- operations --------------------------------------------------------------------------
-    def all_gather(self, data: Slot, spin: Optional[float] = None) -> List[Slot]:
-        """Every rank's ``data``, in group-rank order. ``spin`` (every operation that waits): seconds a wait
-        polls before it sleeps; ``None``: :attr:`auto_spin`."""
-        got = self._collective(ALL_GATHER, dict.fromkeys(self._others, data), self._others, spin)
-        return [data if r == self.rank else got[r] for r in range(self.size)]
-
-    def broadcast(self, data: Optional[Slot], src: int, spin: Optional[float] = None) -> Slot:
-        """``src``'s ``data`` on every rank (ignored elsewhere)."""
-        if self.rank == src:
-            assert data is not None
-            self._collective(BROADCAST, dict.fromkeys(self._others, data), ())
-            return data
-        return self._collective(BROADCAST, {}, (src,), spin=spin)[src]
-
-    def gather(self, data: Optional[Slot], dst: int, spin: Optional[float] = None) -> Dict[int, bytes]:
-        """Every other rank's ``data`` on group rank ``dst``, by rank (``data`` ignored there); ``{}`` elsewhere."""
-        if self.rank == dst:
-            return self._collective(GATHER, {}, self._others, spin=spin)
-        assert data is not None
-        self._collective(GATHER, {dst: data}, ())
-        return {}
-
-    def scatter(self, parts: Optional[Sequence[Slot]], src: int, spin: Optional[float] = None) -> Slot:
-        """``src``'s ``parts[r]`` on group rank ``r``."""
-        if self.rank == src:
-            assert parts is not None and len(parts) == self.size
-            self._collective(SCATTER, {r: parts[r] for r in self._others}, ())
-            return parts[src]
-        return self._collective(SCATTER, {}, (src,), spin=spin)[src]
-
-    def all_to_all(self, parts: Sequence[Slot], spin: Optional[float] = None) -> List[Slot]:
-        """``parts[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``."""
-        assert len(parts) == self.size
-        got = self._collective(ALL_TO_ALL, {r: parts[r] for r in self._others}, self._others, spin)
-        return [parts[r] if r == self.rank else got[r] for r in range(self.size)]
-
-    def echo(self, data: Slot, spin: Optional[float] = None) -> List[Slot]:
-        """An all_gather of kind ``ECHO``: what every rank read in round 1, so that a rank that skipped this step
-        (it read round 1 differently) is told apart from one at its next call (see
-        :meth:`objcomm._samehost.channel_slots.SameHostSlots.agree`)."""
-        got = self._collective(ECHO, dict.fromkeys(self._others, data), self._others, spin)
-        return [data if r == self.rank else got[r] for r in range(self.size)]
-
-    def send(self, data: Slot, dst: int, tag: int = 0, message: int = 0) -> None:
-        """Send ``data`` to group rank ``dst`` under ``tag``; returns once the kernel holds it. ``message``:
-        its id (:meth:`new_message`), under which the answer and the rest of a send travel (:meth:`send_part`)."""
-        self.check("send")
-        self._send(dst, HEADER.pack(P2P, 0, message, tag), data, "send")
-
-    def recv(self, src: Optional[int] = None, tag: int = 0,
-             spin: Optional[float] = None) -> Tuple[int, bytes, int]:
-        """The next message under ``tag`` from group rank ``src`` (``None``: any); ``(sender, data, its id)``."""
-        self.check("recv")
-        sources = self._others if src is None else [src]
-        spin = self.auto_spin if spin is None else spin
-        got, message = self._inbox.take(sources, (False, tag), P2P, "recv", first=True, spin=spin)
-        if self._inbox.owing:
-            self._grant()
-        sender, data = got.popitem()
-        return sender, data, message
-
-    def new_message(self) -> int:
-        """A message id for :meth:`send`, distinct from this rank's others until 2**32 sends later."""
-        return next(self._messages) & MASK
-
-    def send_part(self, kind: int, data: Slot, dst: int, tag: int, message: int) -> None:
-        """Send ``data`` to group rank ``dst`` as ``kind`` (:data:`ANSWER` or :data:`REST`) of message ``message``
-        under ``tag``: what :meth:`recv_part` with the same four takes there."""
-        self.check(NAMES[kind])
-        self._send(dst, HEADER.pack(kind, 0, message, tag), data, NAMES[kind])
-
-    def recv_part(self, kind: int, src: int, tag: int, message: int, spin: Optional[float] = None) -> bytes:
-        """The next ``kind`` of message ``message`` under ``tag`` from group rank ``src`` (see :meth:`send_part`).
-        After a wait that timed out (the channel stays open), what comes later under the same key is dropped on
-        arrival: nobody waits for it any more."""
-        op = _WAITER[kind]
-        self.check(op)
-        spin = self.auto_spin if spin is None else spin
-        key = (False, tag, kind, message)
-        try:
-            got = self._inbox.take([src], key, kind, op, first=True, spin=spin)[0][src]
-            if self._inbox.owing:
-                self._grant()
-            return got
-        except CommunicationError:
-            if not self.closed:
-                self._inbox.abandon(src, key)
-            raise
-
-    def close(self, why: Optional[str] = None) -> None:
-        """Close every connection (the peers read EOF, and threads of this rank waiting on it raise); idempotent."""
-        with self._inbox.cond:
-            self.closed = True
-            if self._inbox.closed is None:
-                self._inbox.closed = why or (f"the local channel of rank {self.rank} was closed (after an error, or "
-                                             "close()); the group's other ranks raise too")
-            for sock in self._peers.values():
-                if self._owner == os.getpid():  # wakes a thread blocked in recv; a forked child must not
-                    _drop_unread(sock)
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                sock.close()
-            self._inbox.cond.notify_all()
-
-    def fail(self, op: str, why: str, cause: Optional[BaseException] = None) -> NoReturn:
-        """Close the channel and raise :class:`~objcomm.CommunicationError` (``why``: what went wrong)."""
-        self._fail(op, why, cause)
-
-    def _forget(self) -> None:
-        """In a forked child: drop the copies of the descriptors, so that the parent's death still
-        reaches its peers as EOF (a child holding them would keep the connections open)."""
-        self._owner = -1
-        self.close()
-
-    def __enter__(self) -> LocalChannel:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # -- moving messages ---------------------------------------------------------------------
-    def check(self, op: str) -> None:
-        """Raise :class:`~objcomm.CommunicationError` if this channel cannot be used (closed, or a forked child's)."""
-        if self.closed:  # a forked child's are closed at the fork (_forget_in_child): no getpid() per call
-            if os.getpid() != self._owner:
-                raise CommunicationError(f"{op}: a local channel cannot be used in a forked child; open one there")
-            self._fail(op, "")
-
-    def vote_due(self) -> bool:
-        """Whether this all_gather or all_to_all votes on letting send/recv in: the first :data:`EVERY_VOTE`, then
-        every :data:`LATER_VOTES`-th (the same calls on every rank; a vote costs one small collective through the
-        group, :meth:`vote`)."""
-        self._votes += 1
-        return self._votes <= EVERY_VOTE or self._votes % LATER_VOTES == 0
-
-    def _collective(self, kind: int, outgoing: Dict[int, Slot], sources: Sequence[int],
-                    spin: Optional[float] = None) -> Dict[int, bytes]:
-        op = NAMES[kind]
-        self.check(op)
-        with self._lock:
-            self._seq = seq = (self._seq + 1) & MASK
-            header = HEADER.pack(kind, 0, seq, 0)
-            for peer, data in outgoing.items():
-                self._send(peer, header, data, op)
-            got: Dict[int, bytes] = {}
-            if sources:  # not the root of a broadcast or scatter, which only sends
-                got = self._inbox.take(sources, (True, seq), kind, op, spin=self.auto_spin if spin is None else spin)[0]
-            self._inbox.done = seq
-        if self._inbox.owing:
-            self._grant()
-        return got
-
-    def _grant(self) -> None:
-        """Tell the peers owed credit what this rank took of theirs (:mod:`objcomm._samehost.inbox`, "Flow control");
-        never waits: a peer whose queue is full is told at the next call, one that is gone is found out by the next
-        call."""
-        for peer, payload in self._inbox.grants():
-            try:
-                self._peers[peer].sendmsg([_CREDIT_HEADER, payload], [], _FLAGS)
-            except BlockingIOError:
-                self._inbox.owe(peer)
-            except OSError:
-                pass
-
-    def _send(self, peer: int, header: bytes, data: Slot, op: str) -> None:
-        if len(data) > MAX_PAYLOAD:
-            self._fail(op, f"{len(data):,} bytes exceed the local channel's {MAX_PAYLOAD:,}-byte messages")
-        if peer in self._inbox.gone:
-            self._fail(op, self._inbox.gone[peer])
-        self._inbox.reserve(peer, header[0], len(data), op, self._grant)  # header[0]: the kind
-        sock, parts = self._peers[peer], [header, data]
-        deadline = None
-        while True:
-            try:
-                sock.sendmsg(parts, [], _FLAGS)
-                return
-            except BlockingIOError:  # the peer's queue is full: wait until it reads, bounded
-                now = time.monotonic()
-                deadline = now + self.timeout if deadline is None else deadline
-                if now >= deadline or not select.select([], [sock], [], deadline - now)[1]:
-                    self._fail(op, f"rank {peer} did not read within the timeout of {self.timeout:.0f}s")
-            except OSError as exc:  # EPIPE, ECONNRESET: it is gone (EBADF: closed here meanwhile)
-                self._fail(op, f"rank {peer} (pid {self._pids[peer]}) closed its connection ({exc.strerror})", exc)
-
-    def _fail(self, op: str, why: str, cause: Optional[BaseException] = None) -> NoReturn:
-        if self.closed:  # an earlier call, another thread or close(): say why it closed
-            raise CommunicationError(f"{op} over the local channel failed on rank {self.rank}: the channel closed "
-                                     f"before. {self._inbox.closed}") from cause
-        message = f"{op} over the local channel failed on rank {self.rank} of {self.size}: {why}. The channel is closed"
-        if self.failed_at is None:
-            self.failed_at = self._seq
-        self.close(message)
-        raise CommunicationError(message) from cause
-
 
 def _through(wire: Wire, control: Any) -> Tuple[Any, torch.device]:
     """Where the channel's own collectives go: the control group (gloo, host memory) once there is one, else
     ``wire``'s group on its device (the first set-up)."""
     return (wire.group, wire.device) if control is None else (control, torch.device("cpu"))
-
-
-def _drop_unread(sock: socket.socket) -> None:
-    """Read and drop what is queued for this rank on ``sock`` before it closes (credits, mostly): closing with
-    unread messages makes Linux tell the peer ECONNRESET ahead of the messages this rank sent it last."""
-    try:
-        for _ in range(4096):  # bounded: a peer that keeps sending cannot hold the close
-            if not sock.recv(MAX_PAYLOAD + 1, socket.MSG_DONTWAIT):
-                return  # EOF (or an empty message: what follows it goes unread, as before)
-    except OSError:
-        pass
 
 
 def yields(ranks: int) -> bool:

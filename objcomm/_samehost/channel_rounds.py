@@ -49,11 +49,12 @@ from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
 from objcomm._samehost import channel as _socket
 from objcomm._samehost.inbox import REST
+from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._samehost.segments import host_bytes
 from objcomm._transport import routes
 from objcomm._transport.base import NotUsed, Route, SecondRound, Slot, Wire
 
-CHUNK = _socket.MAX_PAYLOAD  # bytes of one channel message
+CHUNK = MAX_PAYLOAD  # bytes of one channel message
 MOST = routes.CHANNEL_MOST  # the most second-round bytes (largest sender's; a gather's, all senders') it takes
 
 

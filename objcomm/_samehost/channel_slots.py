@@ -67,6 +67,7 @@ from objcomm._format.slot import SlotInfo
 from objcomm._samehost import channel as _channel
 from objcomm._samehost import channel_rounds as _channel_rounds
 from objcomm._samehost.inbox import ANSWER, REST
+from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._transport import groups as _groups
 from objcomm._transport import pending as _pending
 from objcomm._transport.base import NOT_USED, NotUsed, Slot, Wire
@@ -175,7 +176,7 @@ class _Counted:
 class SameHostSlots:
     """Round-1 slots through the group's same-host channel, opened on the first call that may use it."""
 
-    separate: bool = False  # tests: every rank looks like a host of its own (the channel never opens)
+    separate: Union[bool, int] = False  # tests: every rank its own host (True), or hosts of k ranks
     spin_us: Optional[int] = None  # the local_spin_us setting: µs a wait polls before sleeping; None: automatic
 
     @property
@@ -188,13 +189,13 @@ class SameHostSlots:
         same answer on every rank): one rank, slots above a message, no group to keep it on. NCCL groups
         take it too: round 1 is host bytes either way, and the channel spares them a copy to the GPU, a
         collective and a copy back."""
-        if wire.size < 2 or wire.slot > _channel.MAX_PAYLOAD:
+        if wire.size < 2 or wire.slot > MAX_PAYLOAD:
             return None
         try:
             weakref.ref(wire.group)
         except TypeError:  # nowhere to keep a channel: it would be opened again on every call
             return None
-        known: Dict[bool, SameHost] = _state.group_facts(wire.group).local
+        known: Dict[int, SameHost] = _state.group_facts(wire.group).local
         found = known.get(self.separate)
         if found is None:
             found = known.setdefault(self.separate, SameHost())
@@ -366,10 +367,10 @@ def _control_group(group: Any) -> Any:
     return control
 
 
-_STRATEGIES: Dict[Tuple[bool, Optional[int]], SameHostSlots] = {}
+_STRATEGIES: Dict[Tuple[int, Optional[int]], SameHostSlots] = {}
 
 
-def same_host(separate: bool, spin_us: Optional[int]) -> SameHostSlots:
+def same_host(separate: Union[bool, int], spin_us: Optional[int]) -> SameHostSlots:
     """The strategy for these settings, built once (the wire of every call holds one)."""
     found = _STRATEGIES.get((separate, spin_us))
     if found is None:

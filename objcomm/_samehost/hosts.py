@@ -7,7 +7,8 @@ namespace). Every rank keeps rank 0's token: it names this job's shared-memory s
 jobs on one host never pick the same name.
 
 ``separate=True`` salts the host key with the pid: every rank then looks like a host of its own,
-which lets tests run the different-hosts path on one machine.
+which lets tests run the different-hosts path on one machine; ``separate=k`` (``OBJCOMM_TEST_RANKS_PER_HOST``)
+makes each run of ``k`` consecutive global ranks one simulated host.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import os
 import secrets
 import socket
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any, List, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
 from objcomm._transport.base import all_gather_single, guarded
 
@@ -46,14 +48,21 @@ class Hosts:
         return self.keys[a] == self.keys[b]
 
 
-def host_key(separate: bool = False) -> int:
-    """A 63-bit key equal on ranks that share a kernel (hostname + boot id); with ``separate``, unique per process."""
+def host_key(separate: Union[bool, int] = False) -> int:
+    """A 63-bit key equal on ranks that share a kernel (hostname + boot id). Tests only: ``separate=True``, unique
+    per process; a number ``k``, equal on each run of ``k`` consecutive global ranks (simulated hosts)."""
     try:
         with open(_BOOT_ID) as handle:
             boot = handle.read().strip()
     except OSError:  # not Linux: the hostname alone
         boot = ""
-    text = f"{socket.gethostname()}|{boot}|{os.getpid() if separate else ''}"
+    if separate is True:
+        salt = str(os.getpid())
+    elif separate:
+        salt = f"simulated host {(dist.get_rank() if dist.is_initialized() else 0) // separate}"
+    else:
+        salt = ""
+    text = f"{socket.gethostname()}|{boot}|{salt}"
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
@@ -65,7 +74,7 @@ def pid_namespace() -> int:
         return 0
 
 
-def discover(wire: Any, separate: bool, op: str) -> Hosts:
+def discover(wire: Any, separate: Union[bool, int], op: str) -> Hosts:
     """Exchange host identities over ``wire``'s group (a collective: every rank must call it); the caller
     keeps the answer (:func:`objcomm._state.group_facts`)."""
     mine = torch.tensor([host_key(separate), os.getpid(), secrets.randbits(63), pid_namespace()], dtype=torch.int64)

@@ -89,7 +89,7 @@ class SharedMemory:
 
     threshold: int = DEFAULT_THRESHOLD  # second-round bytes (largest sender) from which shared memory is used
     directory: str = DEFAULT_DIRECTORY
-    separate: bool = False  # pretend every rank is on its own host (tests)
+    separate: Union[bool, int] = False  # tests: every rank its own host (True), or hosts of k ranks
     zero_copy: bool = True  # sealed segments received as views where possible; False: files, read by copy
     book: SegmentBook = field(default=SEGMENTS, compare=False)
 
@@ -110,7 +110,7 @@ class SharedMemory:
         The first call that gets this far on a group learns its hosts (a collective)."""
         if not self.worth(wire, moved, op):
             return None
-        known: Dict[bool, _hosts.Hosts] = _state.group_facts(wire.group).hosts
+        known: Dict[int, _hosts.Hosts] = _state.group_facts(wire.group).hosts
         hosts = known.get(self.separate)
         if hosts is None:
             hosts = known[self.separate] = _hosts.discover(wire, self.separate, op)

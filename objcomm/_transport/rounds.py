@@ -33,6 +33,9 @@ the rest wherever shared memory does not take it (below its threshold, all of it
 the route then). After round 1 each operation asks the wire's second-round strategy
 (:class:`objcomm._transport.base.SecondRound`; shared memory on one host) once whether it takes the rest; when it
 answers ``NOT_USED`` the transport moves it.
+
+This module holds the steps every operation shares, all_gather, gather and send/recv; broadcast is
+:mod:`objcomm._transport.broadcast`, scatter and all_to_all :mod:`objcomm._transport.parts`.
 """
 
 from __future__ import annotations
@@ -52,8 +55,6 @@ from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Route, Wire, all_gat
 from objcomm._transport.bytes import (
     Batch,
     all_gather_rests,
-    all_to_all_bytes,
-    broadcast_bytes,
     empty,
     host_view,
     joined,
@@ -215,8 +216,9 @@ GO, LOOK = 0, 1  # a gather's word from its destination after round 1
 
 def _gather_slots(wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: str) -> Optional[List[SlotInfo]]:
     """Round 1 of a gather through the group: every slot to ``dst``, then ``dst``'s word to every rank (a
-    broadcast): :data:`GO` (the slots stay on ``dst``: returned there, None elsewhere) or :data:`LOOK` (``dst``
-    broadcasts every slot: every rank gets them, as after an all_gather, and raises what the others raise)."""
+    broadcast on gloo, an all_reduce on NCCL: log W steps either way): :data:`GO` (the slots stay on ``dst``:
+    returned there, None elsewhere) or :data:`LOOK` (``dst`` broadcasts every slot: every rank gets them, as after
+    an all_gather, and raises what the others raise)."""
     mine = _on_device(wire, raw)
     table, host = receive_buffer(wire.slot * wire.size, wire)
     word = torch.zeros(1, dtype=torch.int64, device=wire.device)
@@ -227,7 +229,10 @@ def _gather_slots(wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: s
         word[0] = _verdict(wire, infos, sizes_of, dst, op)
     else:
         guarded(op, wire, dist.gather, mine, None, dst=wire.ranks[dst], group=wire.group)
-    guarded(op, wire, dist.broadcast, word, src=wire.ranks[dst], group=wire.group)
+    if wire.device.type == "cpu":  # gloo: a binomial tree
+        guarded(op, wire, dist.broadcast, word, src=wire.ranks[dst], group=wire.group)
+    else:  # NCCL broadcasts along a ring; its all_reduce of a word takes a tree (every other rank adds 0)
+        guarded(op, wire, dist.all_reduce, word, op=dist.ReduceOp.MAX, group=wire.group)
     if int(word.item()) == GO:
         return infos if wire.rank == dst else None
     guarded(op, wire, dist.broadcast, table, src=wire.ranks[dst], group=wire.group)
@@ -254,101 +259,6 @@ def _send_rest(wire: Wire, out: Outgoing, dst: int, op: str) -> None:
         batch = Batch(wire._replace(tag=INTERNAL_TAG), op)
         batch.send(joined(_rest(wire, out), wire), dst)
         batch.wait()
-
-
-# -- broadcast -------------------------------------------------------------------------------
-def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) -> Incoming:
-    """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere)."""
-    op = "broadcast"
-    raw = (_slot(wire, out) if out is not None else bytearray(wire.slot)) if wire.rank == src else None
-    got = wire.first_round.broadcast(wire, raw, src, op)
-    if got is NOT_USED:
-        if raw is None:
-            slot, host = receive_buffer(wire.slot, wire)
-        else:  # on the CPU the source reads its own slot; on a device it waits for the broadcast, as it did
-            slot, host = _on_device(wire, raw), memoryview(raw) if wire.device.type == "cpu" else None
-        guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
-        got = host if host is not None else host_view(slot)
-    return broadcast_rest(wire, out, read_slot(memoryview(got)), sizes_of, src)
-
-
-def broadcast_rest(wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int) -> Incoming:
-    """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route."""
-    op = "broadcast"
-    if not _limits.round_one_ends([info]):
-        wire.first_round.agree(wire, [info], op)
-    sizes, problem = _limits.plan(info, sizes_of)
-    if problem:  # every rank holds the same slot: all raise alike
-        raise _limits.inconsistent(op, src, problem)
-    if info.error or _limits.complete(info):
-        assert info.inline is not None
-        return Incoming(info.inline, error=info.error)
-    refuse = wire.rank != src and info.total > wire.max_bytes
-    if _agreement_needed(wire, info, op):
-        _vote_refusals(wire, REFUSE_LIMIT if refuse else 0, info, src, op)
-    # asked after any vote; without one a receiver may still refuse, which the strategy then drains (the channel)
-    taken = wire.second_round.broadcast(wire, out, info, _limits.checked_sizes(sizes_of, [info]), src, op)
-    if taken is not NOT_USED:
-        return taken
-    mine = out if wire.rank == src else None
-    frame = info.inline
-    if frame is None:
-        data = broadcast_bytes(wire, mine.frame_tensor() if mine else None, info.length, src, op, drain=bool(refuse))
-        frame = None if refuse else host_view(data)
-    if sizes is None:  # only the frame lists them; every rank has it now (and nobody refused: there was a vote)
-        assert frame is not None
-        sizes = _limits.frame_sizes(sizes_of, frame, info, src, op)
-    tensors = [
-        broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op, drain=refuse) for i, n in enumerate(sizes)
-    ]
-    if refuse:
-        raise _limits.refused(op, src, wire, info.total, None, drained=True)
-    assert frame is not None
-    return Incoming(frame, tensors)
-
-
-# -- scatter ---------------------------------------------------------------------------------
-def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, src: int) -> Incoming:
-    """``src``'s ``outs[r]`` on group rank ``r``."""
-    op = "scatter"
-    table = None
-    if wire.rank == src:
-        assert outs is not None
-        table = _slot_table(wire, outs)
-    got = wire.first_round.scatter(wire, None if table is None else _per_rank(wire, table), src, op)
-    if got is NOT_USED:
-        recv, host = receive_buffer(wire.slot, wire)
-        scatter_list = None if table is None else list(_on_device(wire, table).chunk(wire.size))
-        guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
-        got = host if host is not None else host_view(recv)
-    info = read_slot(memoryview(got))
-    sizes, problem = _limits.plan(info, sizes_of)
-    if info.error or not info.round2:
-        if not (problem or info.error or _limits.complete(info)):
-            problem = "its slot does not carry the whole frame, yet it announced no second round"
-        if problem:
-            raise _limits.inconsistent(op, src, problem)
-        assert info.inline is not None
-        return Incoming(info.inline, error=info.error)
-    refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if wire.rank != src and info.total > wire.max_bytes else 0
-    capacity = wire.inline_capacity  # the root's longest second round: its receivers know only their own
-    sent = [outgoing_second_round_bytes(o, capacity) for r, o in enumerate(outs or ()) if r != src]
-    longest = _vote_refusals(wire, refuse, info, src, op, problem, longest=max(sent, default=0))
-    taken = wire.second_round.scatter(wire, outs, info, _limits.checked_sizes(sizes_of, [info]), src, longest, op)
-    if taken is not NOT_USED:
-        return taken
-    if wire.rank == src:
-        assert outs is not None
-        batch = Batch(wire, op)
-        for r, o in enumerate(outs):
-            if r != src:
-                batch.send_rest(o, r)
-        batch.wait()
-        mine = outs[src]
-        return Incoming(mine.frame, [to_device(t, wire) for t in mine.tensors])
-    frame = info.inline if info.inline is not None else host_view(recv_bytes(wire, info.length, src, op))
-    sizes = sizes if sizes is not None else _limits.frame_sizes(sizes_of, frame, info, src, op)
-    return Incoming(frame, [recv_bytes(wire, n, src, op) for n in sizes])
 
 
 # -- point to point --------------------------------------------------------------------------
@@ -489,80 +399,6 @@ def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: 
     assert frame is not None
     return sender, Incoming(frame, tensors), False
 
-
-# -- all_to_all ------------------------------------------------------------------------------
-def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Sequence[Optional[Incoming]]:
-    """``outs[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``.
-
-    Round 1 is one all_to_all of slots. A sender sets ROUND2_BIT in every slot it sends when any
-    of its parts needs a second round, so every rank learns whether one follows (and every failure:
-    a failing rank sends its report to all). Before a second round one all_reduce votes on refusals
-    and carries the longest stream of any pair; then each pair's rest (an overflowing frame, then
-    its tensors) moves as one stream at its exact size, through the second-round strategy or one
-    uneven all_to_all per ``chunk``. ``None`` marks frames not moved after an error.
-    """
-    op = "all_to_all"
-    table = _slot_table(wire, outs)
-    slots = wire.first_round.all_to_all(wire, _per_rank(wire, table), op)
-    if slots is not NOT_USED:
-        infos = [read_slot(memoryview(s)) for s in slots]
-    else:
-        received = empty(wire.size * wire.slot, wire)
-        guarded(op, wire, dist.all_to_all_single, received, _on_device(wire, table), group=wire.group)
-        infos = read_slots(host_view(received), wire.size, wire.slot)
-    if any(info.error for info in infos):
-        return _round_one(infos)
-    plans = [_limits.plan(info, sizes_of) for info in infos]
-    problems = [(r, problem) for r, (_, problem) in enumerate(plans) if problem]
-    if not any(info.round2 for info in infos):  # nobody sends more: a rank that finds a problem raises alone
-        problems += [(r, "its slot does not carry the whole frame, yet it announced no second round")
-                     for r, info in enumerate(infos) if not _limits.complete(info)]
-        if problems:
-            raise _limits.inconsistent(op, *problems[0])
-        return _round_one(infos)
-    over = [r for r, info in enumerate(infos) if r != wire.rank and info.total > wire.max_bytes]
-    refuse = REFUSE_MALFORMED if problems else REFUSE_LIMIT if over else 0
-    mine = [0 if r == wire.rank else outgoing_second_round_bytes(o, wire.inline_capacity) for r, o in enumerate(outs)]
-    code, longest = largest_of(wire, [refuse, max(mine)], op)
-    if code == REFUSE_MALFORMED:
-        raise _limits.inconsistent(op, *problems[0]) if problems else FrameError(
-            f"{op}: a receiving rank found the sizes in its slots inconsistent; nothing more was transferred")
-    if code:
-        raise _limits.refused(op, over[0], wire, infos[over[0]].total, None) if over else _limits.too_large(
-            f"{op}: this rank sends a receiving rank more than its max_bytes", where="there")
-    taken = wire.second_round.all_to_all(wire, outs, infos, _limits.checked_sizes(sizes_of, infos), longest, op)
-    if taken is not NOT_USED:
-        return taken
-    streams = [_rest(wire, o) if mine[r] else [] for r, o in enumerate(outs)]
-    lengths = [0 if r == wire.rank else info.second_round_bytes for r, info in enumerate(infos)]
-    moved = all_to_all_bytes(wire, streams, lengths, longest, op)
-    incoming: List[Optional[Incoming]] = []
-    for r, info in enumerate(infos):
-        if r == wire.rank:
-            incoming.append(Incoming(outs[r].frame, [to_device(t, wire) for t in outs[r].tensors]))
-            continue
-        stream = moved[r]
-        frame = info.inline if info.inline is not None else host_view(stream[: info.length])
-        rest = stream if info.inline is not None else stream[info.length :]
-        sizes = plans[r][0]
-        if sizes is None:  # only the frame lists them; everything has moved, so this rank may raise alone
-            sizes = _limits.frame_sizes(sizes_of, frame, info, r, op)
-        incoming.append(Incoming(frame, list(rest.split(sizes)) if sizes else []))
-    return incoming
-
-
-def _slot_table(wire: Wire, outs: Sequence[Outgoing]) -> bytearray:
-    """One slot per receiving rank (scatter, all_to_all); ROUND2_BIT in each when any part needs a second round."""
-    table = bytearray(wire.size * wire.slot)
-    round2 = any(not o.complete(wire) for o in outs)
-    for o, slot in zip(outs, _per_rank(wire, table)):
-        fill_slot(slot, o, wire.max_bytes, round2)
-    return table
-
-
-def _per_rank(wire: Wire, table: bytearray) -> List[memoryview]:
-    view = memoryview(table)
-    return [view[r * wire.slot : (r + 1) * wire.slot] for r in range(wire.size)]
 
 
 def _rest(wire: Wire, out: Outgoing) -> List[torch.Tensor]:

@@ -145,7 +145,8 @@ class Knobs:
 @dataclass(frozen=True)
 class Step:
     """One transfer of a plan. ``collective``: what runs (``all_gather``, ``all_gatherv``: exact sizes,
-    ``gather``, ``broadcast``, ``all_reduce``, ``p2p``: one batch of sends and receives to one rank, ``tree``:
+    ``gather``, ``broadcast``, ``all_reduce``, ``vote``: a word's maximum by recursive doubling (gloo: ceil(log2 W)
+    exchanges, two more where W is no power of two), ``p2p``: one batch of sends and receives to one rank, ``tree``:
     a binomial tree of sends toward group rank 0, ceil(log2 W) levels in sequence); ``medium``: who runs it;
     ``nbytes``: the bytes each rank contributes, in group-rank order (a broadcast's and a tree's: one value)."""
 
@@ -190,21 +191,25 @@ def plan(op: str, topology: Topology, rests: Sequence[int], knobs: Knobs = Knobs
         if first == CHANNEL:
             steps.append(Step("all_gather", CHANNEL, slots))
         else:
-            steps += [Step("gather", BACKEND, slots), Step("broadcast", BACKEND, (8,))]
+            # the destination's word: a broadcast on gloo (a binomial tree), an all_reduce on NCCL (a tree)
+            word = "broadcast" if topology.cpu else "all_reduce"
+            steps += [Step("gather", BACKEND, slots), Step(word, BACKEND, (8,))]
         total = sum(r for i, r in enumerate(rests) if i != root)
         medium = rest_medium(total, cpu=topology.cpu, round_one_medium=first, shm=knobs.shm,
                              shm_threshold=knobs.shm_threshold, one_host=topology.one_host)
         if total:
             steps.append(Step("p2p", medium, tuple(0 if i == root else r for i, r in enumerate(rests))))
-    elif op == "broadcast":
-        steps.append(Step("broadcast", first, (knobs.slot_bytes,)))
+    elif op == "broadcast":  # the slot: on NCCL an all_reduce (a tree; its broadcast is a ring)
+        slot_step = "all_reduce" if first == BACKEND and not topology.cpu else "broadcast"
+        steps.append(Step(slot_step, first, (knobs.slot_bytes,)))
         moved = rests[root]
         if moved:
             medium = rest_medium(moved, cpu=topology.cpu, round_one_medium=first, shm=knobs.shm,
                                  shm_threshold=knobs.shm_threshold, one_host=topology.one_host)
             largest = min(moved, knobs.chunk_bytes)
             if agreement_needed(sizes_listed=listed, largest_piece=largest, medium_may_take=medium != BACKEND):
-                steps.append(Step("all_reduce", BACKEND if first == BACKEND else CHANNEL, (4,) * world))
+                vote = "vote" if first == BACKEND and topology.cpu else "all_reduce"  # gloo: recursive doubling
+                steps.append(Step(vote, first, (4,) * world))
             steps += [Step("broadcast", medium, (min(knobs.chunk_bytes, moved - at),))
                       for at in range(0, moved, knobs.chunk_bytes)]
     elif op in ("all_reduce", "reduce"):

@@ -1,4 +1,4 @@
-"""``--plot``: latency against payload size, one panel per op, log axes (needs matplotlib)."""
+"""``--plot``: each serializer's time as a ratio of torch's, one panel per op and payload (needs matplotlib)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from objcomm._tools.bench.measure import TORCH
 from objcomm._tools.bench.results import Result
 
 MISSING = "--plot needs matplotlib, which is not installed; install it with: pip install 'objcomm[bench]'"
-_MARKERS = "os^Dv<>pXh*"
 
 
 def require_matplotlib() -> None:
@@ -20,7 +19,9 @@ def require_matplotlib() -> None:
 
 
 def plot(result: Result, path: str) -> None:
-    """Write a PNG: colour = serializer (torch dashed black), marker = payload, x = pickle size, y = latency."""
+    """Write a PNG that answers "faster than torch?" at a glance: one panel per op (rows) and payload (columns),
+    x = payload size (pickled bytes), y = each serializer's median time as a ratio of torch's object collective
+    on the same payload (log scale; below the line at 1, objcomm is faster). Refused cells are left out."""
     require_matplotlib()
     import matplotlib
 
@@ -32,40 +33,49 @@ def plot(result: Result, path: str) -> None:
     serializers = list(result.meta["serializers"])
     payloads = result.payloads()
     colours = {name: f"C{i % 10}" for i, name in enumerate(serializers)}
-    colours[TORCH] = "black"
-    markers = {name: _MARKERS[i % len(_MARKERS)] for i, name in enumerate(payloads)}
-    ncols = min(3, len(ops))
-    nrows = -(-len(ops) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.6 * nrows), squeeze=False, sharey=True)
-    flat = [ax for row in axes for ax in row]
-    for ax in flat[len(ops):]:
-        ax.set_visible(False)
-    for ax, op in zip(flat, ops):
-        for (serializer, payload), points in _series(result, op).items():
-            xs, ys = zip(*sorted(points))
-            ax.plot(xs, ys, color=colours[serializer], marker=markers[payload], markersize=4, linewidth=1,
-                    linestyle="--" if serializer == TORCH else "-", alpha=0.85)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_title(op)
-        ax.set_xlabel("payload size (pickled bytes)")
-        ax.grid(True, which="major", alpha=0.3)
-    for row in axes:
-        row[0].set_ylabel("latency (s, median)")
-    handles = [Line2D([], [], color=colours[s], label=s, linestyle="--" if s == TORCH else "-")
-               for s in [*serializers, TORCH]]
-    handles += [Line2D([], [], color="grey", marker=markers[p], linestyle="", label=p) for p in payloads]
-    if len(ops) < nrows * ncols:  # the legend takes the empty panel's place
-        flat[-1].legend(handles=handles, loc="center", fontsize="small", frameon=False)
-        flat[-1].set_visible(True)
-        flat[-1].axis("off")
-    else:
-        fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", frameon=False)
+    fig, axes = plt.subplots(len(ops), len(payloads), figsize=(3.6 * len(payloads) + 1.6, 2.4 * len(ops)),
+                             squeeze=False, sharex="col", sharey=True)
+    for r, op in enumerate(ops):
+        series = _ratios(result, op)
+        for c, payload in enumerate(payloads):
+            ax = axes[r][c]
+            ax.axhspan(1e-3, 1.0, color="tab:green", alpha=0.06)
+            ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+            for serializer in serializers:
+                points = sorted(series.get((serializer, payload), []))
+                if points:
+                    xs, ys = zip(*points)
+                    ax.plot(xs, ys, color=colours[serializer], marker="o", markersize=3, linewidth=1.2)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.grid(True, which="major", alpha=0.3)
+            if r == 0:
+                ax.set_title(payload, fontsize="medium")
+            if c == 0:
+                ax.set_ylabel(f"{op}\ntime / torch's")
+            if r == len(ops) - 1:
+                ax.set_xlabel("payload size (pickled bytes)")
+    handles = [Line2D([], [], color=colours[s], marker="o", markersize=3, label=s) for s in serializers]
+    handles.append(Line2D([], [], color="black", linestyle="--", label=f"{TORCH} (= 1)"))
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", frameon=False)
     meta = result.meta
-    fig.suptitle(f"objcomm bench: {meta['world_size']} ranks, {meta['backend']}", fontsize="medium")
+    fig.suptitle(f"objcomm bench: time as a ratio of torch's object collectives (below 1: faster), "
+                 f"{meta['world_size']} ranks, {meta['backend']}", fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
+
+
+def _ratios(result: Result, op: str) -> Dict[Tuple[str, str], List[Tuple[int, float]]]:
+    """``{(serializer, payload): [(nbytes, latency / torch's latency), ...]}`` for one op."""
+    ratios: Dict[Tuple[str, str], List[Tuple[int, float]]] = {}
+    series = _series(result, op)
+    for (serializer, payload), points in series.items():
+        if serializer == TORCH:
+            continue
+        torch_at = dict(series.get((TORCH, payload), []))
+        ratios[(serializer, payload)] = [(n, t / torch_at[n]) for n, t in points if torch_at.get(n)]
+    return ratios
 
 
 def _series(result: Result, op: str) -> Dict[Tuple[str, str], List[Tuple[int, float]]]:

@@ -1,0 +1,244 @@
+"""What ``objcomm.compat``'s shims and the names ``patch()`` puts in torch's place run: torch's six object
+collectives on objcomm, taking objcomm's per-call settings, with their arguments checked as torch checks them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from objcomm._api.communicator import Communicator
+from objcomm._api.functions import all_gather, gather, scatter
+from serializers import SerializerLike, registry
+
+Options = Mapping[str, Any]  # per-call settings handed to objcomm (serializer=, accept=, ...); None: not given
+
+
+# -- the six, taking objcomm's per-call settings (the shims above and the patched names below) ----------
+
+
+def _all_gather_object(object_list: List[Any], obj: Any, group: Any = None, *, options: Options) -> None:
+    if _outside(group, "all_gather_object"):
+        return None
+    for i, item in enumerate(all_gather(obj, group=group, **options)):
+        object_list[i] = item
+    return None
+
+
+def _gather_object(
+    obj: Any,
+    object_gather_list: Optional[List[Any]] = None,
+    dst: Optional[int] = None,
+    group: Any = None,
+    group_dst: Optional[int] = None,
+    *,
+    options: Options,
+) -> None:
+    dst = _one_of(dst, group_dst, "dst", default=0)
+    if _outside(group, "gather_object"):
+        return None
+    root = _global_rank(group, dst, group_dst, "dst")
+    gathered = gather(obj, dst=root, group=group, **options)
+    if gathered is None:
+        if object_gather_list:
+            raise ValueError(_torch_says(
+                "Argument ``gather_list`` must NOT be specified on non-destination ranks.",
+                f"object_gather_list must be None on ranks other than the destination (global rank {root}); this is "
+                f"global rank {_my_rank()}",
+            ))
+        return None
+    if not object_gather_list:
+        raise ValueError(_torch_says(
+            "Argument ``gather_list`` must be specified on destination rank.",
+            f"the destination (global rank {root}) must pass object_gather_list, a list of {len(gathered)} slots; "
+            "the gathered objects were dropped. Reported after the collective, so no rank is left waiting",
+        ))
+    for i, item in enumerate(gathered):
+        object_gather_list[i] = item
+    return None
+
+
+def _broadcast_object_list(
+    object_list: List[Any],
+    src: Optional[int] = None,
+    group: Any = None,
+    device: Optional[torch.device] = None,
+    group_src: Optional[int] = None,
+    *,
+    options: Options,
+) -> None:
+    src = _one_of(src, group_src, "src", default=0)
+    if _outside(group, "broadcast_object_list"):
+        return None
+    root = _global_rank(group, src, group_src, "src")
+    is_root = _my_rank() == root
+    received = Communicator(group, device=device).broadcast(list(object_list) if is_root else None, root, **options)
+    if not is_root:
+        _fill(object_list, received, "broadcast_object_list", f"source (global rank {root})")
+    return None
+
+
+def _scatter_object_list(
+    scatter_object_output_list: List[Any],
+    scatter_object_input_list: Optional[List[Any]] = None,
+    src: Optional[int] = None,
+    group: Any = None,
+    group_src: Optional[int] = None,
+    *,
+    options: Options,
+) -> None:
+    src = _one_of(src, group_src, "src", default=0)
+    if _outside(group, "scatter_object_list"):
+        return None
+    root = _global_rank(group, src, group_src, "src")
+    item, failure = None, None
+    try:
+        item = scatter(scatter_object_input_list, src=root, group=group, **options)
+    except Exception as exc:  # reported below, after what torch checks first
+        failure = exc
+    output = scatter_object_output_list
+    if not isinstance(output, list) or not output:
+        what = "is empty" if isinstance(output, list) else f"is a {type(output).__name__}"
+        raise ValueError(_torch_says(
+            "Expected argument scatter_object_output_list to be a list of size at least 1.",
+            f"scatter_object_output_list {what}; pass a list of at least one element (e.g. [None]), whose element 0 "
+            "receives this rank's object. The received object was dropped",
+        )) from failure
+    if failure is not None:
+        if _my_rank() == root and scatter_object_input_list is None:
+            raise ValueError(_torch_says(
+                "source rank must provide non-None scatter_object_input_list",
+                f"this rank (global rank {root}) is the source; the other ranks raise RemoteError",
+            )) from failure
+        raise failure
+    output[0] = item
+    return None
+
+
+def _send_object_list(
+    object_list: List[Any],
+    dst: Optional[int] = None,
+    group: Any = None,
+    device: Optional[torch.device] = None,
+    group_dst: Optional[int] = None,
+    use_batch: bool = False,
+    *,
+    options: Options,
+) -> None:
+    dst = _one_of(dst, group_dst, "dst", default=None)
+    if _outside(group, "send_object_list"):
+        return None
+    peer = _not_self(_global_rank(group, dst, group_dst, "dst"), "destination", "dst")
+    Communicator(group, device=device).send(list(object_list), peer, **options)
+    return None
+
+
+def _recv_object_list(
+    object_list: List[Any],
+    src: Optional[int] = None,
+    group: Any = None,
+    device: Optional[torch.device] = None,
+    group_src: Optional[int] = None,
+    use_batch: bool = False,
+    *,
+    options: Options,
+) -> int:
+    src = _one_of(src, group_src, "src", default=None)
+    if _outside(group, "recv_object_list"):
+        return -1
+    peer = _not_self(_global_rank(group, src, group_src, "src"), "source", "src")
+    received = Communicator(group, device=device).recv(peer, **options)
+    _fill(object_list, received, "recv_object_list", f"sender (global rank {peer})")
+    return peer
+
+
+def _only(serializer: Optional[SerializerLike]) -> Dict[str, Any]:
+    """A receiver's ``serializer=``: the one serializer it accepts."""
+    return {"accept": None if serializer is None else [registry.get(serializer).name]}
+
+
+def _fill(object_list: List[Any], received: Any, op: str, who: str) -> None:
+    if not isinstance(received, (list, tuple)):
+        raise ValueError(f"{op}: the {who} sent a {type(received).__name__}, not a list; send it with objcomm.compat")
+    if len(received) != len(object_list):
+        raise ValueError(
+            f"{op}: the {who} sent {len(received)} objects but this rank's object_list has {len(object_list)} "
+            "slots; make the lists the same length on every rank"
+        )
+    for i, item in enumerate(received):
+        object_list[i] = item
+
+
+def _my_rank() -> int:
+    return dist.get_rank() if _initialized() else 0
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _outside(group: Any, op: str) -> bool:
+    """Whether this rank is outside ``group`` (torch's ``NON_GROUP_MEMBER``): then ``op`` does nothing here, and
+    says so with torch's warning."""
+    if group is None or not dist.is_available() or group != dist.GroupMember.NON_GROUP_MEMBER:
+        return False
+    warnings.warn(
+        f"Running {op} on global rank {_my_rank()} which does not belong to the given group.",
+        UserWarning,
+        stacklevel=4,  # the caller of the shim (or of the patched torch name)
+    )
+    return True
+
+
+# -- arguments, checked as torch checks them: torch's exception type, torch's sentence first ---------------
+
+
+def _torch_says(sentence: str, explanation: str) -> str:
+    return f"{sentence} (objcomm.compat: {explanation})"
+
+
+def _one_of(rank: Optional[int], group_rank: Optional[int], what: str, default: Optional[int]) -> Optional[int]:
+    """``rank``, or ``default`` when neither it nor ``group_rank`` is given; raise as torch does for both or neither."""
+    if group_rank is not None:
+        if rank is not None:
+            raise ValueError(_torch_says(
+                "Can't specify both group_rank and global_rank",
+                f"pass {what} (a global rank) or group_{what} (a rank within group), not both",
+            ))
+        return None
+    if rank is None:
+        if default is None:
+            raise ValueError(_torch_says(
+                "Must specify global_rank or group_rank",
+                f"pass {what} (a global rank) or group_{what} (a rank within group)",
+            ))
+        return default
+    return rank
+
+
+def _global_rank(group: Any, rank: Optional[int], group_rank: Optional[int], what: str) -> int:
+    """The global rank meant by ``rank`` or ``group_rank`` (one of them given); torch's own lookups judge them."""
+    if not _initialized():
+        return group_rank if group_rank is not None else rank  # type: ignore[return-value]  # a group of one
+    resolved: Any = group if group is not None else dist.group.WORLD
+    if group_rank is not None:
+        return dist.get_global_rank(resolved, group_rank)
+    try:
+        dist.get_group_rank(resolved, rank)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(_torch_says(
+            str(exc), f"{what} is a global rank; this group's are {dist.get_process_group_ranks(resolved)}"
+        )) from exc
+    return rank  # type: ignore[return-value]
+
+
+def _not_self(peer: int, role: str, what: str) -> int:
+    if _initialized() and peer == dist.get_rank():
+        raise ValueError(_torch_says(
+            f"Invalid {role} rank: {role} rank should not be the same as the rank of the current process.",
+            f"{what} resolves to global rank {peer}, this rank itself",
+        ))
+    return peer

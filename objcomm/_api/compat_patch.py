@@ -1,0 +1,99 @@
+"""What ``objcomm.compat.patch()`` does to ``torch.distributed``: torch's six object functions replaced by the
+shims, with the patch's settings in force, and torch's own put back by ``unpatch()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+from types import ModuleType
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch.distributed as dist
+
+from objcomm._api.compat_calls import (
+    Options,
+    _all_gather_object,
+    _broadcast_object_list,
+    _gather_object,
+    _only,
+    _recv_object_list,
+    _scatter_object_list,
+    _send_object_list,
+)
+from serializers import SerializerLike
+
+# The per-call settings each of the six hands on (a sender decodes nothing, a receiver encodes nothing).
+_TAKES: Dict[str, Tuple[str, ...]] = {
+    "send_object_list": ("serializer", "max_bytes", "compression"),
+    "recv_object_list": ("accept", "max_bytes", "map_location"),
+}
+_IMPLEMENTATIONS: Dict[str, Callable[..., Any]] = {
+    "all_gather_object": _all_gather_object,
+    "gather_object": _gather_object,
+    "broadcast_object_list": _broadcast_object_list,
+    "scatter_object_list": _scatter_object_list,
+    "send_object_list": _send_object_list,
+    "recv_object_list": _recv_object_list,
+}
+
+
+def _modules() -> Tuple[ModuleType, ...]:
+    """Where torch's six names live: ``torch.distributed`` and ``torch.distributed.distributed_c10d``."""
+    return dist, importlib.import_module("torch.distributed.distributed_c10d")
+
+
+class _Patcher:
+    """Who holds torch's six names: torch's originals, while patched, and the settings in force."""
+
+    def __init__(self, shims: Dict[str, Callable[..., Any]]) -> None:
+        """``shims``: ``objcomm.compat``'s six functions, by name (what the patched names show)."""
+        self._lock = threading.Lock()
+        self._originals: Dict[Tuple[ModuleType, str], Any] = {}
+        self.settings: Optional[Dict[str, Options]] = None  # per name; None: not patched
+        self.functions = {name: _patched(self, name, shim) for name, shim in shims.items()}
+
+    def switch(self, settings: Optional[Dict[str, Options]]) -> Optional[Dict[str, Options]]:
+        """Put ``settings`` in force (``None``: torch's own functions back); return what was in force."""
+        with self._lock:
+            previous = self.settings
+            if settings is not None and previous is None:
+                self._install()
+            elif settings is None and previous is not None:
+                self._restore()
+            self.settings = settings
+            return previous
+
+    def _install(self) -> None:
+        if not dist.is_available():
+            raise RuntimeError("objcomm.compat.patch(): this torch build has no torch.distributed")
+        for module in _modules():
+            for name, function in self.functions.items():
+                current = getattr(module, name)
+                if current is not function:
+                    self._originals[(module, name)] = current
+                    setattr(module, name, function)
+
+    def _restore(self) -> None:
+        for (module, name), original in self._originals.items():
+            if getattr(module, name) is self.functions[name]:  # a name someone else replaced since stays theirs
+                setattr(module, name, original)
+        self._originals.clear()
+
+
+def _patched(patcher: _Patcher, name: str, shim: Callable[..., Any]) -> Callable[..., Any]:
+    """What :func:`objcomm.compat.patch` puts in torch's place: the shim, with ``patcher``'s settings in force when
+    called."""
+    implementation = _IMPLEMENTATIONS[name]
+    receives = name == "recv_object_list"
+
+    @functools.wraps(shim)
+    def patched(*args: Any, serializer: Optional[SerializerLike] = None, **kwargs: Any) -> Any:
+        settings = patcher.settings
+        options = {} if settings is None else settings[name]
+        if serializer is not None:  # a call that names one, as with the shim
+            options = {**options, **(_only(serializer) if receives else {"serializer": serializer})}
+        return implementation(*args, options=options, **kwargs)
+
+    return patched

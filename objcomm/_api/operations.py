@@ -1,0 +1,196 @@
+"""What each operation of a :class:`~objcomm.Communicator` does once its call is resolved (:class:`Operations`,
+between :class:`~objcomm._api.resolving.Resolving` and :class:`~objcomm.Communicator`): encode, move frames and tensors
+through the transport's rounds, raise failures on every rank alike, decode; and a rank's messages to itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, List, Optional, Sequence
+
+from objcomm._api import reduce as _reduce
+from objcomm._api import requests as _requests
+from objcomm._api.call import Call, encode_each, final_report, only, per_rank
+from objcomm._api.express import Express
+from objcomm._api.handles import Request, completed
+from objcomm._api.own_box import NOTHING
+from objcomm._api.resolving import Resolving
+from objcomm._errors import ObjcommError, with_original_type
+from objcomm._format import frame as _frame
+from objcomm._transport import broadcast as _broadcast_rounds
+from objcomm._transport import parts as _parts
+from objcomm._transport import pending as _pending
+from objcomm._transport import rounds as _rounds
+from objcomm._transport.rounds import Outgoing
+
+
+class Operations(Resolving):
+    """The base of :class:`~objcomm.Communicator` that does its operations: each ``_<op>_call`` takes the call its
+    public method resolved (see :mod:`objcomm._api.communicator` for what each one returns and raises)."""
+
+    # -- collectives ---------------------------------------------------------------------------
+    def _all_gather_call(self, call: Call, obj: Any, serialized: Any, express: Optional[Express]) -> Any:
+        if call.wire is None:
+            return [call.roundtrip(obj)]
+        out, local = call.encode(obj, _still(serialized, express, call))
+        incoming = _rounds.all_gather(call.wire, out, _frame.tensor_sizes)
+        call.raise_failures("all_gather", incoming, local)
+        return [call.decode(item, r) for r, item in enumerate(incoming)]
+
+    def _gather_call(self, call: Call, obj: Any, dst: int) -> Any:
+        if call.wire is None:
+            self._check_single(dst, "dst")
+            return [call.roundtrip(obj)]
+        root = self._group_rank(call.wire, dst, "dst")
+        out, local = call.encode(obj)
+        incoming = _rounds.gather(call.wire, out, _frame.tensor_sizes, root)
+        if incoming is None:
+            return None
+        call.raise_failures("gather", incoming, local)
+        if call.wire.rank != root:
+            return None
+        return [call.decode(item, r, own=r == root) for r, item in enumerate(incoming)]
+
+    def _broadcast_call(self, call: Call, obj: Any, src: int, serialized: Any, express: Optional[Express]) -> Any:
+        if call.wire is None:
+            self._check_single(src, "src")
+            return call.roundtrip(obj)
+        root = self._group_rank(call.wire, src, "src")
+        out, local = call.encode(obj, _still(serialized, express, call)) if call.wire.rank == root else (None, None)
+        item = _broadcast_rounds.broadcast(call.wire, out, _frame.tensor_sizes, root)
+        if item.error:  # the root's error report (its own encode failure among them)
+            call.raise_failures("broadcast", only(root, item, call.wire.size), local)
+        return call.decode(item, root, own=call.wire.rank == root)
+
+    def _scatter_call(self, call: Call, objs: Optional[Sequence[Any]], src: int) -> Any:
+        if call.wire is None:
+            self._check_single(src, "src")
+            return call.roundtrip(per_rank(objs, 1, "scatter")[0])
+        wire = call.wire
+        root = self._group_rank(wire, src, "src")
+        outs: Optional[List[Outgoing]] = None
+        local: Optional[BaseException] = None
+        if wire.rank == root:
+            outs, local = encode_each(call, objs, wire.size, "scatter")
+        item = _parts.scatter(wire, outs, _frame.tensor_sizes, root)
+        call.raise_failures("scatter", only(root, item, wire.size), local)
+        return call.decode(item, root, own=wire.rank == root)
+
+    def _all_to_all_call(self, call: Call, objs: Sequence[Any]) -> Any:
+        if call.wire is None:
+            return [call.roundtrip(per_rank(objs, 1, "all_to_all")[0])]
+        outs, local = encode_each(call, objs, call.wire.size, "all_to_all")
+        incoming = _parts.all_to_all(call.wire, outs, _frame.tensor_sizes)
+        call.raise_failures("all_to_all", incoming, local)
+        return [call.decode(item, r, own=r == call.wire.rank) for r, item in enumerate(incoming)]
+
+    def _reduce_call(self, call: Call, obj: Any, op: _reduce.Op, dst: int) -> Any:
+        if call.wire is None:
+            self._check_single(dst, "dst")
+            _reduce.resolve(op)
+            return call.roundtrip(obj)
+        root = self._group_rank(call.wire, dst, "dst")
+        value, complete, own = _reduce.tree(call, obj, op)
+        out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
+        incoming = _rounds.gather(call.wire, out, _frame.tensor_sizes, root)
+        if incoming is None:
+            return None
+        call.raise_failures("reduce", incoming, local)
+        if call.wire.rank != root:
+            return None
+        return value if root == 0 else call.decode(incoming[0], 0)  # group rank 0 combined it: no decoding
+
+    def _all_reduce_call(self, call: Call, obj: Any, op: _reduce.Op) -> Any:
+        if call.wire is None:
+            _reduce.resolve(op)
+            return call.roundtrip(obj)
+        value, complete, own = _reduce.tree(call, obj, op)
+        wire = call.wire
+        out, local = final_report(call, value, complete, own) if wire.rank == 0 else (None, None)
+        if out is not None and not complete and local is None:  # a rank below failed: say so to every rank
+            out = _frame.error_frame(ObjcommError("a rank below group rank 0 failed"), wire.inline_capacity)
+        result = _broadcast_rounds.broadcast(wire, out, _frame.tensor_sizes, 0)  # group rank 0 combined it
+        if result.error:  # a rank failed (rank 0 knows that much): every rank's own report, to all
+            report, failed = final_report(call, None, False, own or local)
+            incoming = _rounds.all_gather(wire, report, _frame.tensor_sizes)
+            call.raise_failures("all_reduce", incoming, failed)
+            call.raise_failures("all_reduce", only(0, result, wire.size), failed)
+        return value if wire.rank == 0 else call.decode(result, 0)
+
+    # -- point to point ------------------------------------------------------------------------
+    def _send_call(self, call: Call, obj: Any, dst: int, tag: int, serialized: Any, express: Optional[Express]) -> None:
+        wire, peer = self._destination(call, dst, tag, "send")
+        if wire is None or peer == wire.rank:
+            local = self._send_own(call, wire, obj, tag, _still(serialized, express, call))
+            if local is not None:
+                raise with_original_type(local)
+            return
+        _requests.check_blocking(wire.group, "send", dst, tag)
+        out, local = call.encode(obj, _still(serialized, express, call))
+        self._deliver(wire, out, local, peer)
+
+    @staticmethod
+    def _deliver(wire: _rounds.Wire, out: Outgoing, local: Optional[BaseException], peer: int,
+                 eager: bool = True) -> None:
+        """Send what encoding gave (``local``: its failure, whose report ``out`` is) to group rank ``peer``."""
+        _pending.check(wire.group, "send")
+        _rounds.send(wire, out, peer, eager)
+        if local is not None:
+            raise with_original_type(local)
+
+    def _recv_call(self, call: Call, src: Optional[int], tag: int, return_sender: bool) -> Any:
+        wire, peer = self._source(call, src, tag, "recv")
+        if wire is not None:
+            if peer is None and wire.device.type != "cpu":
+                raise ValueError(
+                    f"recv(src=None) needs a backend that can receive from any rank (gloo); this group moves bytes on "
+                    f"{wire.device} — pass the sender's rank as src"
+                )
+            _requests.check_blocking(wire.group, "recv", src, tag)
+            _pending.check(wire.group, "recv")
+        if wire is None or peer is None or peer == wire.rank:  # this rank's own message, where one waits
+            message = _requests.own_message(None if wire is None else wire.group, tag)
+            if message is not NOTHING:
+                return call.own(message, return_sender)
+            if wire is None or peer is not None:
+                raise _requests.nothing_waiting("recv", src, tag)
+        sender, item, is_error = _rounds.recv(wire, peer, _frame.tensor_sizes)
+        obj = call._replace(wire=wire).received(sender, item, is_error)
+        return (wire.ranks[sender], obj) if return_sender else obj
+
+    def _isend_call(self, call: Call, obj: Any, dst: int, tag: int) -> Request:
+        wire, peer = self._destination(call, dst, tag, "isend")
+        if wire is None or peer == wire.rank:
+            local = self._send_own(call, wire, obj, tag)
+            return completed("isend", functools.partial(_raise, local))
+        out, local = call.encode(obj)
+        out = _pending.captured(out)
+        # not eager: wait() returns once the receiver took it, as before (a later blocking send on its dst and tag,
+        # refused while it is outstanding, can then never overtake it)
+        return _requests.point_to_point(self.group, "send", dst, tag,
+                                        lambda: self._deliver(wire, out, local, peer, eager=False))
+
+    # -- messages to oneself: held by objcomm._api.own_box._OwnBox, encoded, until this rank receives them
+    # -------------
+    @staticmethod
+    def _send_own(call: Call, wire: Optional[_rounds.Wire], obj: Any, tag: int,
+                  serialized: Any = None) -> Optional[BaseException]:
+        """Send ``obj`` to this rank itself under ``tag``: encoded as for a peer (a failure: its report, which the
+        receive raises as ``RemoteError``), and owning its bytes, tensors included, so that the receiver decodes a
+        copy of ``obj`` as it was now. Returns the encoding's failure, for the caller to raise."""
+        if wire is not None:
+            _pending.check(wire.group, "send")
+        out, local = call.encode(obj, serialized)
+        _requests.own_box(None if wire is None else wire.group).post(tag, _pending.captured(out))
+        return local
+
+
+def _raise(error: Optional[BaseException]) -> None:
+    if error is not None:
+        raise with_original_type(error)
+
+
+def _still(serialized: Any, express: Optional[Express], call: Call) -> Any:
+    """What the express path serialized, for the general path to encode, unless the settings changed
+    meanwhile (another thread): then None, to serialize again."""
+    return None if express is None or call.serializer is not express.call.serializer else serialized

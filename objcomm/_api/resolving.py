@@ -1,0 +1,233 @@
+"""What a :class:`~objcomm.Communicator` works out for its calls (:class:`Resolving`, its base): each call's settings
+resolved into a :class:`~objcomm._api.call.Call`, kept per options object and for the calls without per-call options
+(with their express path), the group and wire they use, and ranks and tags checked against the group.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any, Dict, Mapping, NamedTuple, Optional
+
+import torch.distributed as dist
+
+from objcomm._api.call import WIRES_KEPT, Call, Device, check_tag, chosen, tagged, wire_for
+from objcomm._api.express import Express
+from objcomm._errors import ObjcommError
+from objcomm._samehost.segments import SegmentBook
+from objcomm._settings import CallOptions, resolve, settings_state
+from objcomm._transport import rounds as _rounds
+from serializers import SerializerLike, SerializerProtocol, registry
+
+_DISTRIBUTED = dist.is_available()
+_new = tuple.__new__
+
+
+_UNBUILT = object()  # the express path of _defaults, before the first send/recv or collective needs it
+_NEXT = object()  # the same, after one collective: the next builds it
+
+
+class Worked(NamedTuple):
+    """What :meth:`Resolving._call` worked out for one set of options on one group, and what it was worked out
+    for: kept while those are still the ones a call has (``registry``: the serializer registry's version)."""
+
+    options: CallOptions
+    registry: int
+    group: Any  # a weak reference to the group (or _no_group)
+    device: Any
+    segments: SegmentBook
+    serializer: SerializerProtocol
+    wire: Optional[tuple]  # the wire's fields less its group
+
+
+class Held(NamedTuple):
+    """What a communicator's calls without per-call options use (:meth:`Resolving._defaults`): the stamp it
+    was worked out under (the process-wide settings, the registry's version, the group, this communicator's
+    device, segment book and host override), then the call's options, serializer, wire less its group and
+    express path (``_UNBUILT``, ``_NEXT``, None or an :class:`Express`)."""
+
+    settings: Any
+    registry: int
+    group: Any  # a weak reference to the group
+    device: Any
+    segments: SegmentBook
+    separate_hosts: Optional[bool]
+    options: CallOptions
+    serializer: SerializerProtocol
+    wire: tuple
+    express: Any
+
+
+def _no_group() -> None:
+    """What :meth:`Resolving._remember` holds for "no group", called like a weak reference."""
+    return None
+
+
+class Resolving:
+    """The base of :class:`~objcomm.Communicator`: how it resolves each call (its fields are set there)."""
+
+    group: Any
+    serializer: Optional[SerializerLike]
+    device: Device
+    _given: Dict[str, Any]
+    _separate_hosts: Optional[bool]
+    _segments: SegmentBook
+    _calls: Dict[int, Worked]
+    _held: Optional[Held]
+
+    # -- resolution ----------------------------------------------------------------------------
+    def _call(self, kwargs: Mapping[str, Any]) -> Call:
+        """Resolve one call from its per-call keyword arguments (see :func:`objcomm._settings.resolve`).
+
+        A call that gives none (most calls) takes what :meth:`_defaults` keeps, without resolving anything.
+        """
+        for value in kwargs.values():
+            if value is not None:
+                return self._resolved(kwargs)
+        group = self._group()
+        held = self._defaults(group)
+        if held is None:  # no group, or one that cannot be held weakly
+            return self._resolved(kwargs)
+        # tuple.__new__: the named tuples' own __new__ is a Python function, one more call on every call
+        return _new(Call, (held.options, held.serializer, _new(_rounds.Wire, (group, *held.wire))))
+
+    def _resolved(self, kwargs: Mapping[str, Any]) -> Call:
+        """:meth:`_call` by resolving ``kwargs``. What follows from the options (the serializer object, the
+        wire less its group) is kept per options object, as long as the registry, the group, the device and
+        the segment book are the ones it was worked out for; the group is held weakly, so that the default
+        group can go when it is destroyed."""
+        layer = self._given if self._separate_hosts is None else {**self._given, "separate_hosts": self._separate_hosts}
+        options = resolve(kwargs, layer)
+        group = self._group()
+        found = self._calls.get(id(options))
+        if (found is None or found.options is not options or found.registry != registry.version
+                or found.group() is not group or found.device is not self.device
+                or found.segments is not self._segments):
+            found = self._remember(options, group)
+        wire = None if group is None or found.wire is None else _new(_rounds.Wire, (group, *found.wire))
+        return _new(Call, (options, found.serializer, wire))
+
+    def _remember(self, options: CallOptions, group: Any) -> Worked:
+        """What :meth:`_call` keeps for ``options`` on ``group`` (kept only where the group is weakly referable)."""
+        version = registry.version  # before the lookup: a registration meanwhile then makes the entry stale
+        serializer, wire = chosen(registry.guarded(options.serializer), options.accept), self._wire(options)
+        try:
+            held = _no_group if group is None else weakref.ref(group)
+        except TypeError:
+            held = None
+        found = Worked(options, version, held, self.device, self._segments, serializer,
+                       None if wire is None else tuple(wire)[1:])
+        if held is not None:
+            if len(self._calls) >= WIRES_KEPT:
+                self._calls.clear()
+            self._calls[id(options)] = found
+        return found
+
+    def _defaults(self, group: Any) -> Optional[Held]:
+        """What a call without per-call options on ``group`` uses (:class:`Held`), kept while the process-wide
+        settings, the registry, the group and this communicator's fields are the ones it was worked out for (the
+        checks of :meth:`_resolved`, without resolving a call). None without a group, or for one that cannot be
+        held weakly."""
+        if group is None:  # first: a kept group that was collected reads as None too
+            return None
+        held = self._held
+        if (held is not None and held.settings is settings_state() and held.registry == registry.version
+                and held.group() is group and held.device is self.device and held.segments is self._segments
+                and held.separate_hosts is self._separate_hosts):
+            return held
+        stamp = (settings_state(), registry.version)  # before the work: a change meanwhile makes it stale
+        call = self._resolved({})
+        assert call.wire is not None
+        try:
+            held = Held(*stamp, weakref.ref(group), self.device, self._segments, self._separate_hosts,
+                        call.options, call.serializer, tuple(call.wire)[1:], _UNBUILT)
+        except TypeError:
+            return None
+        self._held = held
+        return held
+
+    def _express(self, now: bool = True) -> Optional[Express]:
+        """The express path of this communicator's default-option calls (:mod:`objcomm._api.express`), or None;
+        built on the first send/recv, or the second collective (``now=False``: a communicator made for one
+        collective, as ``objcomm.all_gather(obj, group=...)`` makes, never pays for it)."""
+        group = self._group()
+        held = self._defaults(group)
+        if held is None:
+            return None
+        express = held.express
+        if express is _UNBUILT and not now:
+            self._held = held._replace(express=_NEXT)
+            return None
+        if express is _UNBUILT or express is _NEXT:
+            express = Express.of(_new(Call, (held.options, held.serializer, _new(_rounds.Wire, (group, *held.wire)))))
+            self._held = held._replace(express=express)
+        return express
+
+    def _group(self) -> Any:
+        """The group this communicator's calls use; None when torch.distributed is not initialised."""
+        world = dist.group.WORLD if _DISTRIBUTED else None  # None: not initialised (dist.is_initialized())
+        if world is None:
+            if self.group is not None:
+                raise ObjcommError(
+                    "a group was given but torch.distributed is not initialised; call init_process_group()"
+                )
+            return None
+        return self.group if self.group is not None else world
+
+    def _wire(self, options: CallOptions) -> Optional[_rounds.Wire]:
+        group = self._group()
+        return None if group is None else wire_for(group, self.device, options, self._segments)
+
+    @staticmethod
+    def _group_rank(wire: _rounds.Wire, global_rank: Any, what: str) -> int:
+        try:  # an int, or what stands for one (numpy's integers), as torch takes them; never a bool
+            rank = None if isinstance(global_rank, bool) else operator.index(global_rank)
+        except TypeError:
+            rank = None
+        if rank is None:
+            raise TypeError(f"{what} must be an int rank, got {global_rank!r}")
+        if rank not in wire.ranks:
+            raise ValueError(f"{what}={rank} is not a rank of this group (its ranks: {list(wire.ranks)})")
+        return wire.ranks.index(rank)
+
+    def _destination(self, call: Call, dst: Any, tag: Any, op: str) -> tuple[Optional[_rounds.Wire], int]:
+        """``(the wire of a send to global rank dst under tag, dst's group rank)``; raises for a bad tag or dst.
+        Without a process group: ``(None, 0)``, for ``dst=0``, the only rank."""
+        if call.wire is None:
+            check_tag(tag, op)
+            self._only_rank(dst, "dst", op)
+            return None, 0
+        wire = tagged(call.wire, tag, op)
+        return wire, self._group_rank(wire, dst, "dst")
+
+    def _source(self, call: Call, src: Any, tag: Any, op: str) -> tuple[Optional[_rounds.Wire], Optional[int]]:
+        """``(the wire of a receive from global rank src under tag, src's group rank)``: None for ``src=None`` (any
+        rank), this rank's own in a group of one (and ``(None, 0)`` without a process group); raises for a bad tag or
+        src."""
+        if call.wire is None:
+            check_tag(tag, op)
+            if src is not None:
+                self._only_rank(src, "src", op)
+            return None, 0
+        wire = tagged(call.wire, tag, op)
+        if src is None:
+            return wire, (wire.rank if wire.size == 1 else None)
+        return wire, self._group_rank(wire, src, "src")
+
+    @staticmethod
+    def _only_rank(rank: Any, what: str, op: str) -> None:
+        """Raise unless ``rank`` is 0, the only rank there is without a process group."""
+        try:  # as _group_rank judges it
+            index = None if isinstance(rank, bool) else operator.index(rank)
+        except TypeError:
+            index = None
+        if index is None:
+            raise TypeError(f"{what} must be an int rank, got {rank!r}")
+        if index != 0:
+            raise ObjcommError(f"{op}({what}={rank}) needs an initialised process group with that rank; without one "
+                               "this process is the only rank, 0: call init_process_group()")
+
+    @staticmethod
+    def _check_single(rank: Any, what: str) -> None:
+        if rank != 0:
+            raise ValueError(f"{what}={rank}, but there is no process group: the only rank is 0")

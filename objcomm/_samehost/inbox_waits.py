@@ -1,0 +1,308 @@
+"""The waits of the same-host channel's receiving side (:mod:`objcomm._samehost.inbox`): :class:`Inbox`, on which
+any number of threads take messages and wait for credit at once.
+
+Several threads may wait on one channel at once: the caller's collectives, and ``send``/``recv`` on
+``isend``/``irecv`` lanes under different peers and tags. Each socket has at most one reader at a
+time: a waiting thread claims the sockets of the peers it waits for that nobody reads, reads them
+(one blocking ``recv`` when it is one socket, else ``poll``) and files every message under its
+peer and key (a collective's sequence number, or a point-to-point tag); threads waiting for a
+socket another thread reads sleep on a condition until that thread files something or lets go.
+A receive from any rank (``first``) also polls an eventfd, so that a message another thread files
+for it wakes it. When no other thread waits (the common case) a call takes leaner paths to the same
+result: it reads its sources itself and keeps the message it wants without filing it (one blocking
+``recv`` for one source; for a collective over every peer, the ``poll`` registered at set-up), and
+polls without sleeping for up to the call's spin first (:func:`poll_briefly`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from objcomm._errors import CommunicationError
+from objcomm._samehost.inbox import CLASS_OF, NAMES, P2P, REST, Key, Stash, after, credit_cost
+
+
+class Inbox(Stash):
+    """What has arrived on one channel's sockets and who is reading them (see :mod:`objcomm._samehost.inbox`), and the
+    waits of the threads that take messages (:meth:`take`) and of the senders that wait for credit (:meth:`reserve`)."""
+
+    # -- waiting ---------------------------------------------------------------------------------
+    def take(self, sources: Sequence[int], key: Key, kind: int, op: str,
+             first: bool = False, spin: float = 0.0) -> Tuple[Dict[int, bytes], int]:
+        """One message under ``key`` from each of ``sources`` (``first``: from whichever has one first),
+        and the AND of their flags (a send's slot: its message id; collectives carry none).
+        ``spin``: seconds a wait polls before it sleeps in the kernel, over the whole call (the lean paths; see
+        :func:`poll_briefly`)."""
+        deadline = time.monotonic() + self.timeout  # before any wait: a lean path that timed out used it up
+        spin_until = time.perf_counter() + spin if spin > 0 else 0.0
+        lock = self._lock
+        lock.acquire()  # self.cond, without its __enter__ and __exit__ (Python functions): a small call pays for them
+        try:
+            if not self._waiting and self.closed is None:  # no other thread waits: the lean paths
+                if len(sources) == 1:
+                    fast = self._alone(sources[0], key, kind, op, spin_until)
+                    if fast is not None:
+                        return fast
+                elif not first and not any(p in self._readers or p in self.gone for p in sources):
+                    got, ready, pending = self._together(sources, key, kind, op, deadline, spin_until)
+                    if not pending:
+                        return got, ready
+                    return self._take(pending, key, kind, op, first, deadline, got, ready)
+            return self._take(sources, key, kind, op, first, deadline)
+        finally:
+            lock.release()
+
+    def _together(self, sources: Sequence[int], key: Key, kind: int, op: str,
+                  deadline: float, spin_until: float) -> Tuple[Dict[int, bytes], int, List[int]]:
+        """One thread and several sources nobody else reads (a collective at W > 2): take what the stash
+        holds, read the rest, taking the messages wanted directly and filing the others; ``(got, ready,
+        pending)``, pending non-empty when it stopped early (EOF, the deadline: the general path says why).
+        When the sources are every live peer, the poll registered once at set-up serves (a peer done with this
+        call keeps being read: what it sends next is filed)."""
+        me = threading.get_ident()
+        got: Dict[int, bytes] = {}
+        ready, pending = -1, []
+        for peer in sources:
+            entry = self._pop(peer, key)
+            if entry is None:
+                pending.append(peer)
+                continue
+            if entry[0] != kind:
+                self._fail(op, f"rank {peer} called {NAMES[entry[0]]} instead")
+            got[peer] = entry[2]
+            ready &= entry[1]
+        if not pending:
+            return got, ready, pending
+        everyone = len(sources) == len(self._peers)  # none gone: checked by the caller
+        mine = list(sources) if everyone else list(pending)
+        fds = {self._peers[p].fileno(): p for p in mine}
+        poll = self._poll_all if everyone else select.poll()
+        for fd, peer in fds.items():
+            self._readers[peer] = me
+            if not everyone:
+                poll.register(fd, select.POLLIN)
+        try:
+            while pending and time.monotonic() < deadline:
+                self.cond.release()
+                try:
+                    if len(pending) == 1:  # one recv, no poll while the whole timeout is left
+                        if spin_until:
+                            poll_briefly(self._poll_one[pending[0]], spin_until, self.yielding)
+                        arrived = [(pending[0], self._recv_by(pending[0], deadline))]
+                    else:
+                        if spin_until:
+                            poll_briefly(poll, spin_until, self.yielding)
+                        events = poll.poll((deadline - time.monotonic()) * 1000)
+                        arrived = [(fds[fd], self._recv(fds[fd], block=False)) for fd, _ in events]
+                finally:
+                    self.cond.acquire()
+                for peer, length in arrived:
+                    parsed = self._parse(peer, length, op) if length != -3 else None
+                    if parsed is None:
+                        if peer in self.gone:
+                            with contextlib.suppress(KeyError, ValueError):
+                                self._poll_all.unregister(self._peers[peer].fileno())
+                            if peer in pending:
+                                return got, ready, pending
+                        continue
+                    if parsed[0] != key or peer not in pending:
+                        self._put(peer, *parsed, op)
+                        if peer in pending and parsed[0][0] and after(parsed[0][1], key[1]):  # a later collective
+                            self._fail(op, f"rank {peer} sent collective #{parsed[0][1]} but not #{key[1]}: it "
+                                           "called a different operation")
+                    else:
+                        their_kind, flags, data = parsed[1]
+                        if their_kind != kind:
+                            self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+                        self._took(peer, kind, len(data))
+                        got[peer] = data
+                        ready &= flags
+                        pending.remove(peer)
+                        if not everyone:
+                            poll.unregister(self._peers[peer].fileno())
+                            del self._readers[peer]
+                    if self._waiting:  # a thread came meanwhile: it may want what was filed, or the socket
+                        self._notify()
+            return got, ready, pending
+        finally:
+            for peer in mine:
+                if self._readers.get(peer) == me:
+                    del self._readers[peer]
+            if self._waiting:
+                self._notify()
+
+    def _alone(self, peer: int, key: Key, kind: int, op: str,
+               spin_until: float) -> Optional[Tuple[Dict[int, bytes], int]]:
+        """The common case, one thread and one source: read its socket once; the message, if it is the one
+        wanted (nothing filed), else None (anything read is filed)."""
+        if peer in self._readers or self._stash[peer] or peer in self.gone:  # read by another thread, or filed
+            return None
+        self._readers[peer] = threading.get_ident()
+        lock = self._lock
+        lock.release()
+        try:
+            if spin_until:
+                poll = self._poll_one[peer]
+                if not poll.poll(0):  # not there yet: spin
+                    poll_briefly(poll, spin_until, self.yielding)
+            length = self._recv(peer, block=True)
+        finally:
+            lock.acquire()
+            del self._readers[peer]
+            if self._waiting:  # a thread came meanwhile, waiting for this socket
+                self._notify()
+        parsed = self._parse(peer, length, op) if length != -3 else None
+        if parsed is None:
+            return None
+        if parsed[0] != key:
+            self._put(peer, *parsed, op)
+            return None
+        their_kind, flags, data = parsed[1]
+        if their_kind != kind:
+            self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+        self._took(peer, kind, len(data))
+        return {peer: data}, flags
+
+    def _take(self, sources: Sequence[int], key: Key, kind: int, op: str, first: bool, deadline: float,
+              got: Optional[Dict[int, bytes]] = None, ready: int = -1) -> Tuple[Dict[int, bytes], int]:
+        """The general path: any number of threads; ``got``/``ready``: what a lean path already took."""
+        got = {} if got is None else got
+        pending = list(sources)
+        me = threading.get_ident()
+        mine: List[int] = []
+        wake = -1
+        self._waiting += 1
+        try:
+            while True:
+                if self.closed is not None:
+                    self._fail(op, self.closed)
+                for peer in list(pending):
+                    entry = self._pop(peer, key)
+                    if entry is not None:
+                        their_kind, flags, data = entry
+                        if their_kind != kind:
+                            self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+                        got[peer] = data
+                        ready &= flags
+                        pending.remove(peer)
+                        if first:
+                            return got, ready
+                    elif peer in self.gone:
+                        self._fail(op, self.gone[peer])
+                    elif key[0] and peer in self._last and after(self._last[peer], key[1]):
+                        self._fail(op, f"rank {peer} sent collective #{self._last[peer]} but not #{key[1]}: "
+                                       "it called a different operation")
+                if not pending:
+                    return got, ready
+                if any(p not in pending for p in mine):  # let others read what this thread no longer needs
+                    mine = [p for p in mine if p in pending]
+                    self._release(me, pending)
+                for peer in pending:
+                    if peer not in self._readers:
+                        self._readers[peer] = me
+                        mine.append(peer)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    why = f"no message from rank(s) {pending} within the timeout of {self.timeout:.0f}s"
+                    if key[0]:  # the others wait in the same collective: close, so that they learn at once
+                        self._fail(op, why)
+                    raise CommunicationError(f"{op} over the local channel: {why}; the channel stays open")
+                if not mine:  # another thread reads every socket this one waits on: it files and notifies
+                    self.cond.wait(remaining)
+                    continue
+                if first and len(mine) < len(pending) and wake < 0:
+                    wake = self._wakes[me] = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                self._read_and_file(mine, wake, remaining, op)
+        finally:
+            self._waiting -= 1
+            self._release(me, ())
+            if wake >= 0:
+                del self._wakes[me]
+                os.close(wake)
+
+    # -- flow control (see "Flow control" in the module docstring) ------------------------------------
+    def reserve(self, peer: int, kind: int, data_bytes: int, op: str, flush: Callable[[], None]) -> None:
+        """Take the credit a ``kind`` message of ``data_bytes`` to ``peer`` costs, first waiting (reading ``peer``'s
+        socket, or while another thread reads it) until ``peer`` has taken enough of what this rank sent it before.
+        ``flush``: sends the credit this rank owes (called while it waits, so that two ranks waiting for each other
+        tell each other). Past the timeout it raises; in a collective it fails the channel (the others wait in it)."""
+        cls = CLASS_OF.get(kind)
+        if cls is None:
+            return
+        cost = credit_cost(data_bytes)
+        with self.cond:
+            if not self._allowed(peer, cls, cost):
+                self._await_credit(peer, cls, cost, op, flush, kind != P2P and kind != REST)
+            self._sent[peer][cls] += cost
+
+    def _allowed(self, peer: int, cls: int, cost: int) -> bool:
+        outstanding = self._sent[peer][cls] - self._credit[peer][cls]
+        return outstanding <= 0 or outstanding + cost <= self.window  # one message always goes when none is out
+
+    def _await_credit(self, peer: int, cls: int, cost: int, op: str, flush: Callable[[], None],
+                      collective: bool) -> None:
+        me = threading.get_ident()
+        deadline = time.monotonic() + self.timeout
+        mine = False
+        flushed = False  # what this rank owes was offered since the last wake-up (a peer whose queue is full keeps
+        self._waiting += 1  # it owed: offered again after the next wake-up, never in a loop that waits for nothing)
+        try:
+            while not self._allowed(peer, cls, cost):
+                if self.closed is not None:
+                    self._fail(op, self.closed)
+                if peer in self.gone:
+                    self._fail(op, self.gone[peer])
+                if self._owing and not flushed:
+                    self.cond.release()
+                    try:
+                        flush()
+                    finally:
+                        self.cond.acquire()
+                    flushed = True
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    why = (f"{self._who(peer)} took none of the {self.window:,} bytes this rank sent it ahead within "
+                           f"the timeout of {self.timeout:.0f}s (a sender waits for its receiver to take what it sent)")
+                    if collective:
+                        self._fail(op, why)
+                    raise CommunicationError(f"{op} over the local channel: {why}; the channel stays open")
+                if not mine and peer not in self._readers:
+                    self._readers[peer] = me
+                    mine = True
+                flushed = False
+                if not mine:  # another thread reads the socket: it files the credit and notifies
+                    self.cond.wait(remaining)
+                    continue
+                self._read_and_file([peer], -1, remaining, op)
+        finally:
+            self._waiting -= 1
+            if mine:
+                self._release(me, ())
+
+
+def poll_briefly(poll: Any, until: float, yielding: bool = False) -> bool:
+    """Poll ``poll`` without sleeping until ``time.perf_counter()`` reaches ``until``; whether something arrived.
+
+    A rank that sleeps in the kernel is woken by the peer's send, which on this machine's virtual CPUs
+    costs ~50 µs a hop (a blocking round trip through a socket pair: ~106 µs; polling: ~6 µs). Waits
+    shorter than the spin skip it; longer ones sleep after it, so the CPU a waiting rank spends is
+    bounded by the spin, once per call. ``yielding`` (where the group's ranks outnumber the CPUs:
+    :func:`objcomm._samehost.channel.yields`): ``sched_yield`` between polls, so that a peer that needs this CPU
+    gets it (a rank polling on a CPU its peer needs delays that very peer).
+    """
+    if yielding:
+        while not poll.poll(0):
+            if time.perf_counter() >= until:
+                return False
+            os.sched_yield()
+        return True
+    while not poll.poll(0):
+        if time.perf_counter() >= until:
+            return False
+    return True

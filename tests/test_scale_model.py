@@ -1,0 +1,141 @@
+"""benchmarks/scale_model.py: the alpha-beta model of objcomm's routes at 8 to 8192 ranks (no ranks started).
+
+The formulas are checked against hand-computed values, so that a change to one is noticed (and
+docs/scaling.md, which quotes the model's output, is looked at again).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "scale_model.py"
+KEYS = {"op", "case", "W", "params", "objcomm_s", "ideal_s", "torch_s"}
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("_scale_model", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+sm = _load()
+
+
+@pytest.fixture(scope="module")
+def table():
+    return sm.rows()
+
+
+def test_json_rows_have_the_documented_keys_for_every_op_case_and_world(capsys):
+    assert sm.main(["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert all(set(row) == KEYS for row in rows)
+    seen = {(r["op"], r["case"], r["W"], r["params"]) for r in rows}
+    assert seen == {(op, case, w, p) for op in sm.OPS for case in sm.CASES for w in sm.WORLDS
+                    for p in ("nccl", "gloo")}
+    assert len(rows) == len(seen)
+
+
+def test_costs_are_positive_and_finite(table):
+    for row in table:
+        for key in ("objcomm_s", "ideal_s", "torch_s"):
+            assert math.isfinite(row[key]) and row[key] > 0, row
+
+
+@pytest.mark.parametrize("world", [8, 8192])
+@pytest.mark.parametrize("op", ["all_gather", "gather", "all_reduce"])
+def test_one_outlier_under_nccl_costs_objcomm_less_than_torch(world, op):
+    sizes = sm.sizes_for("one-outlier", world)
+    assert sm.objcomm_cost(op, sm.NCCL, world, sizes) < sm.torch_cost(op, sm.NCCL, world, sizes)
+
+
+def test_levels():
+    assert [sm.levels(w) for w in (1, 2, 3, 8, 9, 8192)] == [0, 1, 2, 3, 4, 13]
+
+
+def test_formulas_reproduce_hand_computed_values():
+    assert sm.ring_all_gather(4, 1000, 1e-5, 1e9) == pytest.approx(3e-5 + 3e-6)
+    assert sm.ring_all_gatherv([100, 200, 300, 400], 1e-5, 1e3) == pytest.approx(3e-5 + 0.9)
+    assert sm.ring_all_gatherv([0, 0, 0, 50], 1.0, 10.0) == pytest.approx(3 + 5)  # a rank with 0 receives all 50
+    # ranks 0, 1 receive 400 bytes from 2 peers; rank 2 sends 100 to 3 and receives 300; rank 3 sends 300 to 3
+    assert sm.direct_all_gatherv([0, 0, 100, 300], 1.0, 100.0) == pytest.approx(9 + 1)
+    assert sm.direct_all_gatherv([0] * 7 + [80] * 10, 1.0, 10.0) == pytest.approx(max(16 * 80, 9 * 80) / 10 + 2)
+    assert sm.flat_gather([5, 10, 0, 20], 0, 2.0, 10.0) == pytest.approx(2 + 3)
+    assert sm.flat_gather([1] * 18, 0, 1.0, 1e9) == pytest.approx(3 + 17e-9)  # 17 senders, 8 at a time
+    assert sm.tree_gather([5, 10, 0, 20], 0, 2.0, 10.0) == pytest.approx(2 * 2 + 3)
+    assert sm.ring_broadcast(5, 100, 1.0, 100.0) == pytest.approx(4 + 1)
+    assert sm.binomial_broadcast(5, 100, 1.0, 100.0) == pytest.approx(3 * (1 + 1))
+    assert sm.tree_broadcast(5, 100, 1.0, 100.0) == pytest.approx(3 + 1)
+    assert sm.ring_vote(5, 1.0) == pytest.approx(8)
+    assert sm.tree_vote(5, 1.0) == pytest.approx(6)
+    assert sm.tree_reduce(8, 100, 1.0, 100.0) == pytest.approx(3 * 2)
+    assert sm.direct_broadcast(9, 100, 1.0, 100.0) == pytest.approx(1 + 8)
+    assert sm.direct_vote(9, 1.0) == pytest.approx(2)
+    assert sm.shared_memory_exchange([0, int(sm.SAME_HOST_BANDWIDTH)], 1e-5) == pytest.approx(2e-5 + 1)
+
+
+def test_parameters_are_the_documented_ones():
+    assert sm.RANKS_PER_NODE == 8
+    assert (sm.NCCL.alpha(8), sm.NCCL.alpha(9), sm.NCCL.bandwidth) == (5e-6, 20e-6, 25e9)
+    assert (sm.GLOO.alpha(8), sm.GLOO.alpha(9), sm.GLOO.bandwidth) == (10e-6, 50e-6, 1.25e9)
+    assert (sm.NCCL.broadcast, sm.NCCL.vote, sm.GLOO.broadcast, sm.GLOO.vote) == ("ring", "tree", "binomial", "ring")
+
+
+def test_rests_follow_the_slot():
+    fits = 4096 - 24 - sm.FRAME_OVERHEAD
+    assert [sm.pickled_rest(n) for n in (1024, fits, fits + 1)] == [0, 0, fits + 1 + sm.FRAME_OVERHEAD]
+    assert sm.sizes_for("equal-small", 64).rests == (0,) * 64
+    assert sm.sizes_for("uneven-tensors", 64).rests == sm.sizes_for("uneven-tensors", 64).payloads
+
+
+def test_cases_are_seeded_and_shaped():
+    assert sm.payloads_for("log-normal", 512) == sm.payloads_for("log-normal", 512)
+    big = sm.payloads_for("10pct-large", 8192)
+    assert big[0] == 1024 and sum(1 for n in big if n == 16 << 20) == round(8192 / 10)
+    assert sm.payloads_for("10pct-large", 8).count(16 << 20) == 1
+    outlier = sm.payloads_for("one-outlier", 64)
+    assert outlier[0] == 1024 and max(outlier) == 100 << 20
+    assert all(0.9 * (1 << 20) - 4 <= n <= 1.1 * (1 << 20) for n in sm.payloads_for("uneven-tensors", 512))
+    assert max(sm.payloads_for("log-normal", 8192)) <= 1 << 30
+
+
+def test_a_whole_row_by_hand():
+    """all_gather of 1 KB objects on 8 NCCL ranks: one padded all_gather of the 4 KB slots, nothing after."""
+    a, b = 5e-6, 25e9
+    sizes = sm.sizes_for("equal-small", 8)
+    assert sm.objcomm_cost("all_gather", sm.NCCL, 8, sizes) == pytest.approx(7 * a + 7 * 4096 / b)
+    assert sm.ideal_cost("all_gather", sm.NCCL, 8, sizes) == pytest.approx(7 * a + 7 * 1024 / b)
+    assert sm.torch_cost("all_gather", sm.NCCL, 8, sizes) == pytest.approx(14 * a + 7 * (8 + 1024) / b)
+    assert sm.ideal_cost("all_reduce", sm.GLOO, 64, sizes) == pytest.approx(2 * 6 * 50e-6 + 2 * 1024 / 1.25e9)
+
+
+def test_check_exits_non_zero_exactly_when_a_row_misses(capsys, table):
+    missed = sm.misses(table)
+    assert sm.main(["--check", "--world", "8192"]) == (1 if missed else 0)
+    out = capsys.readouterr().out
+    assert f"{len(missed)} of 36 checked rows" in out
+    for row in missed:
+        assert f"{row['op']} {row['case']} {row['params']}:" in out
+
+
+def test_nccl_broadcast_switch_renames_the_parameter_set(capsys):
+    assert sm.main(["--json", "--world", "64", "--params", "nccl", "--nccl-broadcast", "tree"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["params"] for r in rows} == {"nccl-tree-bcast"}
+
+
+def test_the_table_is_markdown(capsys):
+    assert sm.main(["--world", "8", "--case", "equal-small", "--op", "all_gather"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 + 2 and all(line.startswith("| ") or line.startswith("|---") for line in lines)
