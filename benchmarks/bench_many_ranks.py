@@ -40,17 +40,18 @@ def spread(case: str, rank: int, world: int) -> Any:
     raise ValueError(case)
 
 
-def measure(rounds: int, send: Any = None) -> Dict[str, Dict[str, float]]:
+def measure(plan: Any, send: Any = None) -> Dict[str, Dict[str, float]]:
     import torch.distributed as dist
 
     import objcomm
     from objcomm._tools.bench.measure import interleaved
     from objcomm._transport.base import all_gather_single as raw_all_gather
 
+    rounds, cases = plan
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = objcomm.Communicator()
     rows: Dict[str, Dict[str, float]] = {}
-    for case in CASES:
+    for case in cases:
         obj = spread(case, rank, world)
         padded = len(objcomm.serializers.get("pickle").dumps(obj)) if case != "uneven tensors" else 0
         widest = torch.tensor([padded], dtype=torch.int64)
@@ -65,6 +66,41 @@ def measure(rounds: int, send: Any = None) -> Dict[str, Dict[str, float]]:
         }, repeat=rounds, warmup=1)
         rows[case] = {name: t.median_s for name, t in timings.items()}
     return rows
+
+
+def breakdown(plan: Any, send: Any = None) -> List[float]:
+    """One all_gather of ``case`` in its phases on this rank (encode, round 1, the exchange of the rests, decode),
+    then torch's all_gather_object of the same object: median ms over ``rounds`` calls, each after a barrier."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    import objcomm
+    from objcomm._format import frame as _frame
+    from objcomm._transport import rounds as _rounds
+
+    rounds, case = plan
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm, obj = objcomm.Communicator(), spread(case, rank, world)
+    samples = []
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        call = comm._call({})
+        out, _ = call.encode(obj)
+        t1 = time.perf_counter()
+        infos = _rounds._exchange_slots(call.wire, out, "all_gather")
+        t2 = time.perf_counter()
+        incoming = _rounds.all_gather_rest(call.wire, out, infos, _frame.tensor_sizes)
+        t3 = time.perf_counter()
+        [call.decode(item, r) for r, item in enumerate(incoming)]
+        t4 = time.perf_counter()
+        dist.barrier()
+        t5 = time.perf_counter()
+        dist.all_gather_object([None] * world, obj)
+        samples.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t5))
+    return [statistics.median(column) * 1e3 for column in zip(*samples)]
 
 
 def report(world: int, rows: Dict[str, Dict[str, float]]) -> str:
@@ -82,12 +118,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--world-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=CASES)
+    parser.add_argument("--breakdown", choices=CASES, help="time one all_gather of this case in its phases")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["OBJCOMM_FORCE_SEPARATE_HOSTS"] = "1"
     from objcomm._tools.launch import run_local
 
-    rows = run_local(measure, args.rounds, world_size=args.world_size, timeout_s=1800)
+    if args.breakdown:
+        phases = run_local(breakdown, (args.rounds, args.breakdown), world_size=args.world_size, timeout_s=1800)
+        print(f"{args.breakdown}, rank 0, median ms: encode {phases[0]:.1f}, round 1 {phases[1]:.1f}, exchange "
+              f"{phases[2]:.1f}, decode {phases[3]:.1f}; torch all_gather_object {phases[4]:.1f}")
+        return 0
+    rows = run_local(measure, (args.rounds, args.cases), world_size=args.world_size, timeout_s=1800)
     print(report(args.world_size, rows), flush=True)
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -66,14 +67,14 @@ def current_cuda_device(group: object = None) -> int:
     return index
 
 
-def group_backend(group: object) -> str:
+def group_backend(group: Any) -> str:
     """The group's backend string; a group made by ``init_process_group()`` without a backend reports
     ``"undefined"`` from ``get_backend`` but ``"cpu:gloo,cuda:nccl"`` (or similar) from its config."""
     import torch.distributed as dist
 
-    backend = str(dist.get_backend(group))  # type: ignore[arg-type]
+    backend = str(dist.get_backend(group))
     if backend == "undefined" and hasattr(dist, "get_backend_config"):
-        backend = str(dist.get_backend_config(group))  # type: ignore[arg-type]
+        backend = str(dist.get_backend_config(group))
     return backend
 
 
@@ -88,7 +89,7 @@ def resolve_device(
 
 def timeout_seconds(group: Any) -> float:
     """:func:`group_timeout` in seconds; torch's default process-group timeout when it does not tell."""
-    timeout = group_timeout(group)
+    timeout: Optional[timedelta] = group_timeout(group)
     if timeout is None:
         from torch.distributed.constants import default_pg_timeout
 

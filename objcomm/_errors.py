@@ -27,7 +27,7 @@ private too: it travels as its cause's type (see :func:`original`) and every ran
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Tuple, Type, TypeVar, cast
 
 from serializers import (
     ContentRefusedError,
@@ -105,7 +105,7 @@ class RemoteError(ObjcommError, RuntimeError):
         """The failing ranks, ascending."""
         return list(self.failures)
 
-    def __reduce__(self) -> tuple:  # the combined classes of remote_error() exist only at run time
+    def __reduce__(self) -> tuple[Any, ...]:  # the combined classes of remote_error() exist only at run time
         extra = [k for k in type(self).__bases__ if k is not RemoteError]
         return _unpickle_remote_error, (self.op, self.failures, extra[0] if extra else None)
 
@@ -131,15 +131,19 @@ def original(exc: BaseException) -> BaseException:
     return exc
 
 
-def also_instance_of(base: type, kind: type) -> type:
+_E = TypeVar("_E", bound=BaseException)
+
+
+def also_instance_of(base: Type[_E], kind: type) -> Type[_E]:
     """A subclass of ``base`` that is also ``kind``, so that code catching the original type (as it
     would around torch's object collectives) catches objcomm's exception too; ``base`` itself when
     the two cannot be combined (incompatible layouts, final classes) or already are."""
-    return _combined(base, kind)
+    plain: type = base  # as the memo takes it (a type, hashable)
+    return cast(Type[_E], _combined(plain, kind))  # a subclass of base (or base itself)
 
 
 @functools.lru_cache(maxsize=256)  # a pure memo: one class per pair, so equal failures raise equal types
-def _combined(base: Any, kind: Any) -> type:
+def _combined(base: type, kind: type) -> type:
     if issubclass(base, kind) or not issubclass(kind, Exception):
         return base
     try:

@@ -33,13 +33,14 @@ class GroupFacts:
     The fields that hold an upper module's objects are typed ``Any`` here, so that this module imports nothing
     above it; each owner reads its field into a variable of its own type."""
 
-    membership: Dict[Any, tuple] = field(default_factory=dict)  # device asked for -> (ranks, rank, device)
+    membership: Dict[Any, Tuple[Any, ...]] = field(default_factory=dict)  # device asked for -> (ranks, rank, device)
     hosts: Dict[int, Any] = field(default_factory=dict)  # separate -> Hosts (objcomm._samehost.hosts)
     remote_peers: Set[Tuple[int, int]] = field(default_factory=set)  # (peer, separate): send/recv crosses hosts
     unsealed: Set[Tuple[int, int]] = field(default_factory=set)  # (peer or -1: collectives, separate): files only
     requests: Any = None  # _Lanes, made on the first non-blocking call (objcomm._api.requests)
     local: Dict[int, Any] = field(default_factory=dict)  # separate -> SameHost (objcomm._samehost.channel_slots)
-    wires: Dict[Any, tuple] = field(default_factory=dict)  # (device, options, segments) -> a wire less its group
+    # (device, options, segments) -> a wire less its group
+    wires: Dict[Any, Tuple[Any, ...]] = field(default_factory=dict)
 
 
 _GROUPS: weakref.WeakKeyDictionary[Any, GroupFacts] = weakref.WeakKeyDictionary()

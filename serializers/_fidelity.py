@@ -16,7 +16,7 @@ import sys
 import types
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 from serializers._errors import ObjcommError
 from serializers._protocol import SerializerProtocol
@@ -126,7 +126,7 @@ def _where(path: Any) -> str:
     while isinstance(path, tuple):
         path, key = path
         keys.append(f"[{key!r}]" if not isinstance(key, int) or isinstance(key, bool) else f"[{key}]")
-    return path + "".join(reversed(keys))
+    return cast(str, path) + "".join(reversed(keys))  # the root's name
 
 
 def _same_leaf(a: Any, b: Any) -> bool:
@@ -144,7 +144,7 @@ def _same_leaf(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _cells(fn: Any) -> list:
+def _cells(fn: Any) -> List[Any]:
     """What a function's closure holds."""
     return [c.cell_contents for c in fn.__closure__ or ()]
 

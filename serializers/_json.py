@@ -67,7 +67,7 @@ class JsonSerializer(Serializer):
             found = locate(obj, lambda v, k: type(v) is float and not math.isfinite(v))
             if found is not None:
                 raise self._error(found[0], found[1], "float")
-        return data  # type: ignore[no-any-return]
+        return data
 
     def _encode_error(self, obj: Any, exc: BaseException) -> EncodeError:
         def rejects(value: Any, is_key: bool) -> bool:

@@ -42,7 +42,7 @@ import sys
 import threading
 from collections import OrderedDict
 from contextvars import ContextVar
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from serializers import _rebuild
 from serializers._codecs import CodecRegistry, codecs
@@ -330,12 +330,12 @@ def _fields_packer() -> Callable[[Any], bytes]:
     """``pack`` for plain fields that call no hook (str, ints, bytes), as ``_packb`` packs them, byte for byte;
     from a packer kept per thread, where ``packb`` builds and frees one (with its buffer) for every value."""
     try:
-        return _FIELDS.pack
+        return _FIELDS.pack  # type: ignore[no-any-return]  # msgpack has no type hints
     except AttributeError:
         import msgpack
 
         _FIELDS.pack = msgpack.Packer(use_bin_type=True, strict_types=True, autoreset=True).pack
-        return _FIELDS.pack
+        return _FIELDS.pack  # type: ignore[no-any-return]  # msgpack has no type hints
 
 
 def _check_complete(msgpack: Any, raw: Any) -> None:
@@ -353,14 +353,14 @@ def _check_complete(msgpack: Any, raw: Any) -> None:
         raise DecodeError("msgpack payload is truncated: its headers declare more than it holds") from None
 
 
-def _array(value: Any, length: Optional[int] = None) -> list:
+def _array(value: Any, length: Optional[int] = None) -> List[Any]:
     if type(value) is not list or (length is not None and len(value) != length):
         expected = f"an array of {length} items" if length is not None else "an array"
         raise DecodeError(f"msgpack extension holds {type(value).__name__}, expected {expected}")
     return value
 
 
-def _numbers(value: Any, most: int) -> list:
+def _numbers(value: Any, most: int) -> List[float]:
     if type(value) is not list or len(value) > most or any(type(v) not in (int, float) for v in value):
         raise DecodeError(f"msgpack extension expected up to {most} numbers")
     return value

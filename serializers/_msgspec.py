@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import sys
 from contextvars import ContextVar
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Tuple, cast
 
 from serializers import _rebuild
 from serializers._codecs import CodecRegistry, codecs
@@ -95,16 +95,17 @@ class MsgspecSerializer(Serializer):
 
     @functools.cached_property
     def _encode(self) -> Callable[[Any], bytes]:
-        return self._msgspec.msgpack.Encoder(enc_hook=self._enc_hook).encode
+        return cast(Callable[[Any], bytes], self._msgspec.msgpack.Encoder(enc_hook=self._enc_hook).encode)
 
     @functools.cached_property
     def _decode(self) -> Callable[[Any], Any]:
-        return self._msgspec.msgpack.Decoder(self.type, ext_hook=self._ext_hook).decode
+        return cast(Callable[[Any], Any], self._msgspec.msgpack.Decoder(self.type, ext_hook=self._ext_hook).decode)
 
     @functools.cached_property
     def _decode_any(self) -> Callable[[Any], Any]:
         """A codec's value: anything, its own extensions included."""
-        return self._msgspec.msgpack.Decoder(Tuple[str, Any], ext_hook=self._ext_hook).decode
+        return cast(Callable[[Any], Any],
+                    self._msgspec.msgpack.Decoder(Tuple[str, Any], ext_hook=self._ext_hook).decode)
 
     @functools.cached_property
     def _fields(self) -> Any:

@@ -36,7 +36,7 @@ def _lifting(base: type) -> Any:
     # the base's own hook, found once: it runs for every value offered and declined (each small numpy array)
     parent = getattr(base, "reducer_override", None)
 
-    class LiftingPickler(base):  # type: ignore[misc, valid-type]
+    class LiftingPickler(base):  # type: ignore[misc]  # mypy takes a base held in a variable as Any
         _lift: Lift  # set by dumps() for each pickle (no __init__ of its own: one less Python call per dumps)
         spares: List[Tuple[io.BytesIO, Any]] = []  # this class's (file, pickler) pairs kept for the next dumps (_dump)
 
@@ -199,7 +199,7 @@ class CloudpickleSerializer(PickleSerializer):
     def _pickler_base(self) -> type:
         import cloudpickle
 
-        return cloudpickle.Pickler  # type: ignore[no-any-return]
+        return cloudpickle.Pickler  # type: ignore[no-any-return]  # cloudpickle has no type hints
 
     def _dumps_plain(self, obj: Any) -> Buffer:
         import cloudpickle

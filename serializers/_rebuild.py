@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from serializers._errors import DecodeError
 
@@ -67,7 +67,7 @@ class work_budget:  # used like the function it replaced, and cheaper on every l
 
     def __init__(self, units: int) -> None:
         self.units = units
-        self.outer: Optional[list] = None
+        self.outer: Optional[List[int]] = None
 
     def __enter__(self) -> None:
         self.outer = start_budget(self.units)
@@ -76,14 +76,14 @@ class work_budget:  # used like the function it replaced, and cheaper on every l
         end_budget(self.outer)
 
 
-def start_budget(units: int) -> Optional[list]:
+def start_budget(units: int) -> Optional[List[int]]:
     """Start a budget of ``units`` without a ``with`` block; return what :func:`end_budget` restores."""
     outer = getattr(_work, "remaining", None)
     _work.remaining = [units]
     return outer
 
 
-def end_budget(outer: Optional[list]) -> None:
+def end_budget(outer: Optional[List[int]]) -> None:
     """End the budget :func:`start_budget` began (in a ``finally``), restoring the one it returned."""
     _work.remaining = outer
 
@@ -104,7 +104,7 @@ def _byte_string(data: Any, what: str) -> Any:
     return data
 
 
-def _shape(shape: Any, max_dims: int = MAX_DIMS) -> tuple:
+def _shape(shape: Any, max_dims: int = MAX_DIMS) -> Tuple[int, ...]:
     if type(shape) not in (tuple, list) or len(shape) > max_dims:
         raise _refuse(f"shape {brief(shape)}: expected a tuple of at most {max_dims} sizes")
     for size in shape:
@@ -113,7 +113,7 @@ def _shape(shape: Any, max_dims: int = MAX_DIMS) -> tuple:
     return tuple(shape)
 
 
-def _count(shape: tuple) -> int:
+def _count(shape: Tuple[int, ...]) -> int:
     count = 1
     for size in shape:
         count *= size

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union, cast
 
 from serializers._errors import UnknownSerializerError, decoding, encoding
 from serializers._protocol import Buffer, FunctionSerializer, Lift, Restore, Serializer, SerializerProtocol
@@ -56,12 +56,12 @@ class _Foreign(Serializer):
 def _guard(serializer: Any) -> SerializerProtocol:
     """``serializer`` itself when its own class raises only objcomm errors, else wrapped (:class:`_Foreign`)."""
     if vars(type(serializer)).get("_raises_own_errors", False):
-        return serializer
+        return cast(SerializerProtocol, serializer)  # one of this package's own serializer classes
     return _Foreign(serializer)
 
 
 class _Entry(NamedTuple):
-    registered: Any  # what register() was given (or built): get() returns it
+    registered: SerializerProtocol  # what register() was given (or built): get() returns it
     guarded: SerializerProtocol  # what objcomm calls: the same object, or its wrapper
 
 
@@ -193,11 +193,11 @@ class SerializerRegistry:
 
 def _instantiate(loaded: Any) -> SerializerProtocol:
     if isinstance(loaded, type):
-        return loaded()  # type: ignore[no-any-return]
+        return cast(SerializerProtocol, loaded())
     if not _missing(loaded):
-        return loaded
+        return cast(SerializerProtocol, loaded)
     if callable(loaded):
-        return loaded()  # type: ignore[no-any-return]
+        return cast(SerializerProtocol, loaded())
     raise TypeError(f"expected a serializer, a serializer class or a factory, got {loaded!r}")
 
 

@@ -97,7 +97,7 @@ def _comm() -> objcomm.Communicator:
 
 
 def each_spread(op: str) -> List[Any]:
-    """``op`` on every spread (after one warm-up call): (case, right result, collectives, blocking calls)."""
+    """``op`` on every spread: (case, right result, collectives, blocking calls)."""
     comm, rank = _comm(), dist.get_rank()
     rows = []
     for case in CASES:
@@ -105,7 +105,6 @@ def each_spread(op: str) -> List[Any]:
         root_obj = spread(case, 1) if rank == 1 else None
         run = {"all_gather": lambda obj=obj: comm.all_gather(obj), "gather": lambda obj=obj: comm.gather(obj, dst=3),
                "broadcast": lambda root_obj=root_obj: comm.broadcast(root_obj, src=1)}[op]
-        run()
         with calls() as counts:
             got = run()
         if op == "all_gather":
@@ -135,7 +134,6 @@ def reductions() -> List[Any]:
     rows = []
     for value in (rank + 1, {"b": b"r" * (300_000 + rank)}):
         plus = (lambda a, b: a + b) if isinstance(value, int) else (lambda a, b: {"b": a["b"] + b["b"][:1]})
-        comm.all_reduce(value, plus)
         with calls() as counts:
             got = comm.all_reduce(value, plus)
             red = comm.reduce(value, plus, dst=2)

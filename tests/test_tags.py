@@ -105,3 +105,22 @@ def bad_tags() -> List[str]:
 def test_a_bad_tag_is_refused_before_anything_moves():
     for messages in get_pool(2).run(bad_tags):
         assert len(messages) == 4 and all("tag must be an int from 0 to" in m for m in messages)
+
+
+def eager_then_gather() -> Any:
+    """Rank 0's send returns before rank 1 takes it (it fits its slot); then a gather to rank 1 through the group,
+    whose rests travel point to point between the same two ranks, then rank 1 takes the send."""
+    comm = objcomm.Communicator(local=False, shm=False)
+    rank = dist.get_rank()
+    if rank == 0:
+        comm.send({"early": 1}, dst=1)
+    got = comm.gather({"r": rank, "b": bytes([rank]) * 100_000}, dst=1)
+    early = comm.recv(src=0) if rank == 1 else None
+    ok = got is None if rank != 1 else [g["r"] for g in got] == [0, 1] and got[0]["b"] == bytes(100_000)
+    return ok, early
+
+
+def test_a_send_in_flight_never_meets_a_collectives_own_messages():
+    # before objcomm's own point-to-point messages had a tag of their own (INTERNAL_TAG), rank 1's gather took
+    # the send's slot for rank 0's rest: "not an objcomm frame", and rank 0 hung
+    assert get_pool(2).run(eager_then_gather, timeout=60) == [(True, None), (True, {"early": 1})]

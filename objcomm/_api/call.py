@@ -23,16 +23,14 @@ from objcomm._device import group_backend, resolve_device
 from objcomm._errors import CommunicationError, Failure, ObjcommError, remote_error
 from objcomm._format import frame as _frame
 from objcomm._format.limits import too_large
-from objcomm._format.message import SLOT_PREFIX_BYTES
+from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._samehost import shm as _shm
 from objcomm._samehost.channel_rounds import ChannelRounds
-from objcomm._samehost.segments import SegmentBook
+from objcomm._samehost.segments import DEFAULT_DIRECTORY, SegmentBook
 from objcomm._settings import CallOptions
-from objcomm._transport import rounds as _rounds
 from objcomm._transport import routes
-from objcomm._transport.base import BACKEND, DIRECT, FirstRound, SecondRound
-from objcomm._transport.rounds import Incoming, Outgoing
+from objcomm._transport.base import BACKEND, DIRECT, FirstRound, SecondRound, Wire
 from serializers import AutoSerializer, SerializerProtocol
 
 Device = Union[str, torch.device, None]
@@ -49,7 +47,7 @@ class Call(NamedTuple):
 
     options: CallOptions
     serializer: SerializerProtocol
-    wire: Optional[_rounds.Wire]
+    wire: Optional[Wire]
 
     @property
     def device(self) -> torch.device:
@@ -129,7 +127,7 @@ class Call(NamedTuple):
         return self.decode(Incoming(out.frame, list(out.tensors)), 0, own=True)
 
 
-def membership(group: Any, device: Device) -> tuple:
+def membership(group: Any, device: Device) -> Tuple[Tuple[int, ...], int, torch.device]:
     """``(global ranks, this rank's group rank, transport device)`` for ``group``, learned once per group."""
     known = _state.group_facts(group).membership
     found = known.get(device)
@@ -149,7 +147,7 @@ def membership(group: Any, device: Device) -> tuple:
 WIRES_KEPT = 16  # wires kept per group: one per set of options in use
 
 
-def wire_for(group: Any, device: Device, options: CallOptions, segments: SegmentBook) -> _rounds.Wire:
+def wire_for(group: Any, device: Device, options: CallOptions, segments: SegmentBook) -> Wire:
     """The wire of a call on ``group`` with ``options``. All but the group is worked out once per group,
     device, options object (:func:`objcomm._settings.resolve` hands repeated calls the same one) and
     segment book, and kept without the group, so that the group's facts never keep the group alive."""
@@ -163,7 +161,7 @@ def wire_for(group: Any, device: Device, options: CallOptions, segments: Segment
         if len(known) >= WIRES_KEPT:
             known.clear()
         found = known[key] = (options, segments, rest)
-    return _rounds.Wire(group, *found[2])  # Wire's fields in order: the group, then the rest
+    return Wire(group, *found[2])  # Wire's fields in order: the group, then the rest
 
 
 def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound:
@@ -171,7 +169,7 @@ def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound
     below ``shm_threshold``, the same-host channel where it carried round 1 (``local``; all_gather and broadcast)."""
     shared: SecondRound = DIRECT
     if options.shm:
-        shared = _shm.SharedMemory(threshold=options.shm_threshold, directory=options.shm_dir or _shm.DEFAULT_DIRECTORY,
+        shared = _shm.SharedMemory(threshold=options.shm_threshold, directory=options.shm_dir or DEFAULT_DIRECTORY,
                                    separate=options.separate_hosts, zero_copy=options.shm_zero_copy, book=segments)
     if not options.local:
         return shared
@@ -192,7 +190,7 @@ def check_tag(tag: Any, op: str) -> None:
         raise ValueError(f"{op}: tag must be an int from 0 to {MAX_TAG:,}, got {tag!r}")
 
 
-def tagged(wire: _rounds.Wire, tag: Any, op: str) -> _rounds.Wire:
+def tagged(wire: Wire, tag: Any, op: str) -> Wire:
     """``wire`` for messages with ``tag``; NCCL has no tags, so only tag 0 goes there."""
     check_tag(tag, op)
     if tag and wire.device.type != "cpu":

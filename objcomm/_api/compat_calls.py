@@ -227,12 +227,12 @@ def _global_rank(group: Any, rank: Optional[int], group_rank: Optional[int], wha
     if group_rank is not None:
         return dist.get_global_rank(resolved, group_rank)
     try:
-        dist.get_group_rank(resolved, rank)  # type: ignore[arg-type]
+        dist.get_group_rank(resolved, rank)  # type: ignore[arg-type]  # given when group_rank is not
     except ValueError as exc:
         raise ValueError(_torch_says(
             str(exc), f"{what} is a global rank; this group's are {dist.get_process_group_ranks(resolved)}"
         )) from exc
-    return rank  # type: ignore[return-value]
+    return rank  # type: ignore[return-value]  # given when group_rank is not
 
 
 def _not_self(peer: int, role: str, what: str) -> int:

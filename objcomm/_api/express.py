@@ -38,11 +38,13 @@ from objcomm import _state
 from objcomm._api.call import MAX_TAG, Call, only
 from objcomm._errors import UnknownSerializerError
 from objcomm._format import frame as _frame
+from objcomm._format.message import Incoming
 from objcomm._format.slot import read_slot
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._transport import routes
+from objcomm._transport.base import Wire
 from objcomm._transport.broadcast import broadcast_rest
-from objcomm._transport.rounds import Incoming, Wire, all_gather_rest, received
+from objcomm._transport.rounds import all_gather_rest, received
 from serializers import AutoSerializer, SerializerProtocol, registry
 
 NOT_TAKEN = object()  # what Express.recv returns when the general path must receive

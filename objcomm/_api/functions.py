@@ -15,7 +15,7 @@ import torch
 from objcomm._api.call import mpi4py_keywords
 from objcomm._api.call import no_attribute as _no_attribute
 from objcomm._api.communicator import Communicator
-from objcomm._api.requests import Request
+from objcomm._api.handles import Request
 from objcomm._settings import call_kwargs
 from serializers import SerializerLike
 

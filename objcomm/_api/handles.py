@@ -28,7 +28,7 @@ class Request:
 
     __slots__ = ("_future", "op")
 
-    def __init__(self, op: str, future: concurrent.futures.Future) -> None:
+    def __init__(self, op: str, future: concurrent.futures.Future[Any]) -> None:
         self.op = op
         self._future = future
 
@@ -49,7 +49,7 @@ class Request:
         """Whether the operation has finished, successfully or not (``wait()`` then returns at once)."""
         return self._future.done()
 
-    def get_future(self) -> concurrent.futures.Future:
+    def get_future(self) -> concurrent.futures.Future[Any]:
         """A ``concurrent.futures.Future`` that completes with the operation.
 
         That type because the operation runs in a plain thread: it works with
@@ -72,7 +72,7 @@ class _ThreadState(threading.local):
 _LOCAL = _ThreadState()
 
 
-def _settle(future: concurrent.futures.Future, fn: Callable[[], Any], release: Callable[[], None]) -> None:
+def _settle(future: concurrent.futures.Future[Any], fn: Callable[[], Any], release: Callable[[], None]) -> None:
     """Complete ``future`` with what ``fn`` returns or raises; ``release`` runs first (see
     :meth:`objcomm._api.requests._Lanes._done`). The lane's own blocking call runs ``inside``; the future's
     done-callbacks, which run on this thread as it completes, do not: their calls are checked like any other
@@ -92,7 +92,7 @@ def _settle(future: concurrent.futures.Future, fn: Callable[[], Any], release: C
 
 def completed(op: str, fn: Callable[[], Any]) -> Request:
     """Run ``fn`` now (no process group: nothing to overlap) and return its completed handle."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
     _settle(future, fn, lambda: None)
     return Request(op, future)

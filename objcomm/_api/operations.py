@@ -17,11 +17,12 @@ from objcomm._api.own_box import NOTHING
 from objcomm._api.resolving import Resolving
 from objcomm._errors import ObjcommError, with_original_type
 from objcomm._format import frame as _frame
+from objcomm._format.message import Outgoing
 from objcomm._transport import broadcast as _broadcast_rounds
 from objcomm._transport import parts as _parts
 from objcomm._transport import pending as _pending
 from objcomm._transport import rounds as _rounds
-from objcomm._transport.rounds import Outgoing
+from objcomm._transport.base import Wire
 
 
 class Operations(Resolving):
@@ -130,7 +131,7 @@ class Operations(Resolving):
         self._deliver(wire, out, local, peer)
 
     @staticmethod
-    def _deliver(wire: _rounds.Wire, out: Outgoing, local: Optional[BaseException], peer: int,
+    def _deliver(wire: Wire, out: Outgoing, local: Optional[BaseException], peer: int,
                  eager: bool = True) -> None:
         """Send what encoding gave (``local``: its failure, whose report ``out`` is) to group rank ``peer``."""
         _pending.check(wire.group, "send")
@@ -173,7 +174,7 @@ class Operations(Resolving):
     # -- messages to oneself: held by objcomm._api.own_box._OwnBox, encoded, until this rank receives them
     # -------------
     @staticmethod
-    def _send_own(call: Call, wire: Optional[_rounds.Wire], obj: Any, tag: int,
+    def _send_own(call: Call, wire: Optional[Wire], obj: Any, tag: int,
                   serialized: Any = None) -> Optional[BaseException]:
         """Send ``obj`` to this rank itself under ``tag``: encoded as for a peer (a failure: its report, which the
         receive raises as ``RemoteError``), and owning its bytes, tensors included, so that the receiver decodes a

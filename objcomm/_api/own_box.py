@@ -12,7 +12,7 @@ from typing import Any, Callable, Deque, Dict, Tuple
 
 from objcomm._api.handles import Request, completed
 
-Posted = Tuple[concurrent.futures.Future, Callable[[Any], Any], Callable[[], None]]  # an irecv from oneself
+Posted = Tuple[concurrent.futures.Future[Any], Callable[[Any], Any], Callable[[], None]]  # an irecv from oneself
 
 
 class _OwnBox:
@@ -62,7 +62,7 @@ class _OwnBox:
         with self.lock:
             queue = self.queued.get(tag)
             if not queue:
-                future: concurrent.futures.Future = concurrent.futures.Future()
+                future: concurrent.futures.Future[Any] = concurrent.futures.Future()
                 future.set_running_or_notify_cancel()
                 hold()
                 self.posted.setdefault(tag, deque()).append((future, take, release))
@@ -76,7 +76,7 @@ class _OwnBox:
 NOTHING = object()  # what _OwnBox.take returns when no message waits
 
 
-def _complete(future: concurrent.futures.Future, fn: Callable[[], Any], release: Callable[[], None]) -> None:
+def _complete(future: concurrent.futures.Future[Any], fn: Callable[[], Any], release: Callable[[], None]) -> None:
     """Complete ``future`` with what ``fn`` returns or raises (in the caller's thread), ``release`` first."""
     try:
         result = fn()

@@ -58,7 +58,7 @@ from objcomm._device import device_for_backend, group_backend
 from objcomm._errors import CommunicationError, ObjcommError
 from objcomm._transport import groups as _groups
 
-Job = Tuple[concurrent.futures.Future, Callable[[], Any]]
+Job = Tuple[concurrent.futures.Future[Any], Callable[[], Any]]
 Key = Tuple[str, Any, Any]  # a lane: ("send" | "recv", peer, tag), or COLLECTIVES
 COLLECTIVES: Key = ("collective", None, None)
 
@@ -95,7 +95,7 @@ class _Lanes:
             self.busy[key] = self.busy.get(key, 0) + 1
 
     def submit(self, op: str, key: Key, fn: Callable[[], Any]) -> Request:
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         future.set_running_or_notify_cancel()  # never cancellable: the other ranks would wait forever
         with self.lock:
             queue = self.queues.get(key)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Any, Dict, Mapping, NamedTuple, Optional
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -16,7 +16,7 @@ from objcomm._api.express import Express
 from objcomm._errors import ObjcommError
 from objcomm._samehost.segments import SegmentBook
 from objcomm._settings import CallOptions, resolve, settings_state
-from objcomm._transport import rounds as _rounds
+from objcomm._transport.base import Wire
 from serializers import SerializerLike, SerializerProtocol, registry
 
 _DISTRIBUTED = dist.is_available()
@@ -37,7 +37,7 @@ class Worked(NamedTuple):
     device: Any
     segments: SegmentBook
     serializer: SerializerProtocol
-    wire: Optional[tuple]  # the wire's fields less its group
+    wire: Optional[Tuple[Any, ...]]  # the wire's fields less its group
 
 
 class Held(NamedTuple):
@@ -54,7 +54,7 @@ class Held(NamedTuple):
     separate_hosts: Optional[bool]
     options: CallOptions
     serializer: SerializerProtocol
-    wire: tuple
+    wire: Tuple[Any, ...]
     express: Any
 
 
@@ -89,7 +89,7 @@ class Resolving:
         if held is None:  # no group, or one that cannot be held weakly
             return self._resolved(kwargs)
         # tuple.__new__: the named tuples' own __new__ is a Python function, one more call on every call
-        return _new(Call, (held.options, held.serializer, _new(_rounds.Wire, (group, *held.wire))))
+        return _new(Call, (held.options, held.serializer, _new(Wire, (group, *held.wire))))
 
     def _resolved(self, kwargs: Mapping[str, Any]) -> Call:
         """:meth:`_call` by resolving ``kwargs``. What follows from the options (the serializer object, the
@@ -104,7 +104,7 @@ class Resolving:
                 or found.group() is not group or found.device is not self.device
                 or found.segments is not self._segments):
             found = self._remember(options, group)
-        wire = None if group is None or found.wire is None else _new(_rounds.Wire, (group, *found.wire))
+        wire = None if group is None or found.wire is None else _new(Wire, (group, *found.wire))
         return _new(Call, (options, found.serializer, wire))
 
     def _remember(self, options: CallOptions, group: Any) -> Worked:
@@ -154,12 +154,12 @@ class Resolving:
         held = self._defaults(group)
         if held is None:
             return None
-        express = held.express
+        express: Optional[Express] = held.express  # or _UNBUILT, _NEXT: replaced or returned below
         if express is _UNBUILT and not now:
             self._held = held._replace(express=_NEXT)
             return None
         if express is _UNBUILT or express is _NEXT:
-            express = Express.of(_new(Call, (held.options, held.serializer, _new(_rounds.Wire, (group, *held.wire)))))
+            express = Express.of(_new(Call, (held.options, held.serializer, _new(Wire, (group, *held.wire)))))
             self._held = held._replace(express=express)
         return express
 
@@ -174,12 +174,12 @@ class Resolving:
             return None
         return self.group if self.group is not None else world
 
-    def _wire(self, options: CallOptions) -> Optional[_rounds.Wire]:
+    def _wire(self, options: CallOptions) -> Optional[Wire]:
         group = self._group()
         return None if group is None else wire_for(group, self.device, options, self._segments)
 
     @staticmethod
-    def _group_rank(wire: _rounds.Wire, global_rank: Any, what: str) -> int:
+    def _group_rank(wire: Wire, global_rank: Any, what: str) -> int:
         try:  # an int, or what stands for one (numpy's integers), as torch takes them; never a bool
             rank = None if isinstance(global_rank, bool) else operator.index(global_rank)
         except TypeError:
@@ -190,7 +190,7 @@ class Resolving:
             raise ValueError(f"{what}={rank} is not a rank of this group (its ranks: {list(wire.ranks)})")
         return wire.ranks.index(rank)
 
-    def _destination(self, call: Call, dst: Any, tag: Any, op: str) -> tuple[Optional[_rounds.Wire], int]:
+    def _destination(self, call: Call, dst: Any, tag: Any, op: str) -> tuple[Optional[Wire], int]:
         """``(the wire of a send to global rank dst under tag, dst's group rank)``; raises for a bad tag or dst.
         Without a process group: ``(None, 0)``, for ``dst=0``, the only rank."""
         if call.wire is None:
@@ -200,7 +200,7 @@ class Resolving:
         wire = tagged(call.wire, tag, op)
         return wire, self._group_rank(wire, dst, "dst")
 
-    def _source(self, call: Call, src: Any, tag: Any, op: str) -> tuple[Optional[_rounds.Wire], Optional[int]]:
+    def _source(self, call: Call, src: Any, tag: Any, op: str) -> tuple[Optional[Wire], Optional[int]]:
         """``(the wire of a receive from global rank src under tag, src's group rank)``: None for ``src=None`` (any
         rank), this rank's own in a group of one (and ``(None, 0)`` without a process group); raises for a bad tag or
         src."""

@@ -50,8 +50,8 @@ def check(setting: Optional[str]) -> None:
 
 def _compress(code: int, data: Any) -> bytes:
     if code == ZSTD:
-        return _module(ZSTD).ZstdCompressor(level=1).compress(data)  # type: ignore[no-any-return]
-    return _module(LZ4).compress(data)  # type: ignore[no-any-return]
+        return _module(ZSTD).ZstdCompressor(level=1).compress(data)  # type: ignore[no-any-return]  # module as Any
+    return _module(LZ4).compress(data)  # type: ignore[no-any-return]  # _module() imports it: Any
 
 
 def _auto_code() -> Optional[int]:

@@ -163,7 +163,7 @@ def _serialize_auto(obj: Any, chooser: AutoSerializer, inline_tensor_bytes: int)
 def _choose_and_serialize(obj: Any, chooser: AutoSerializer, inline_tensor_bytes: int) -> Serialized:
     """The first candidate's that takes ``obj`` and, where :meth:`~serializers.AutoSerializer.candidates` says so,
     gives it back exactly: decoded here (the lifted objects themselves restored) and judged."""
-    refused: tuple = ()  # who refused obj itself already: not asked again
+    refused: Tuple[str, ...] = ()  # who refused obj itself already: not asked again
     leader = chooser.leader(obj)
     if leader is not None:  # the common case: pickle, first and exact by construction; nothing else worked out
         try:

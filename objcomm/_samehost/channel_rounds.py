@@ -97,7 +97,7 @@ class ChannelRounds:
         return [
             Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors]) if r == me  # never the input itself
             else _incoming(into, infos[r], sizes_of, r, op) if into is not None
-            else Incoming(infos[r].inline)  # type: ignore[arg-type]
+            else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
             for r, into in enumerate(received)
         ]
 
@@ -156,7 +156,7 @@ class ChannelRounds:
         return [
             Incoming(out.frame, list(out.tensors)) if r == me  # the caller decodes its own with own=True
             else _incoming(into, infos[r], sizes_of, r, op) if into is not None
-            else Incoming(infos[r].inline)  # type: ignore[arg-type]
+            else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
             for r, into in enumerate(received)
         ]
 
@@ -182,6 +182,7 @@ class ChannelRounds:
         for index in range(messages):
             _place(channel, into, channel.scatter(None, src, spin), index, src, op)
         _all_received(channel, longest, spin, op)
+        # the ignore below: nothing moved, so the frame came inline
         return _incoming(into, info, sizes_of, src, op) if moved else Incoming(info.inline)  # type: ignore[arg-type]
 
     def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
@@ -204,7 +205,7 @@ class ChannelRounds:
         return [
             Incoming(outs[r].frame, list(outs[r].tensors)) if r == me  # the caller decodes its own with own=True
             else _incoming(into, infos[r], sizes_of, r, op) if into is not None
-            else Incoming(infos[r].inline)  # type: ignore[arg-type]
+            else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
             for r, into in enumerate(received)
         ]
 

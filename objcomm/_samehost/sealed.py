@@ -38,7 +38,7 @@ import mmap
 import os
 import stat
 import weakref
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -189,7 +189,7 @@ def _map_checked(
         return Incoming(frame, [torch.empty(0, dtype=torch.uint8) for _ in sizes])
     # tensors and arrays are views on a mapping of the whole file (its frame pages stay untouched there)
     mapping = _private(fd, held)
-    tensors = [torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=o) if n  # type: ignore[arg-type]
+    tensors = [torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=o) if n
                else torch.empty(0, dtype=torch.uint8) for o, n in zip(offsets, sizes)]
     buffers.spans = list(zip(offsets, sizes))
     return Incoming(frame, tensors, copy_out=buffers)
@@ -310,7 +310,7 @@ def _fstatfs() -> Optional[Callable[..., int]]:
     except (OSError, AttributeError):
         return None
     call.argtypes = [ctypes.c_int, ctypes.POINTER(_StatFs)]
-    return call  # type: ignore[no-any-return]
+    return call
 
 
 def _filesystem(fd: int) -> Optional[int]:
@@ -318,4 +318,4 @@ def _filesystem(fd: int) -> Optional[int]:
     call, found = _fstatfs(), _StatFs()
     if call is None or call(fd, ctypes.byref(found)) != 0:
         return None
-    return found.f_type & 0xFFFFFFFF
+    return cast(int, found.f_type) & 0xFFFFFFFF  # a field ctypes makes from _fields_

@@ -240,6 +240,7 @@ def _read_piece(fd: int, view: memoryview, offset: int, path: str, size: int) ->
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:
+    # the ignore below: numpy's stubs give ndarray no buffer protocol (__buffer__) before Python 3.12
     return memoryview(tensor.detach().reshape(-1).cpu().contiguous().numpy()).cast("B")  # type: ignore[arg-type]
 
 

@@ -284,7 +284,7 @@ class SharedMemory:
                 return _own(outs[src], copy=False)
             size = info.second_round_bytes
             if not size:
-                return Incoming(info.inline)  # type: ignore[arg-type]
+                return Incoming(info.inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
             return fetch(source_of(src, wire.rank), size, info.inline, info.length, sizes_of)
 
         return self._collective(wire, hosts, parts, read, op)
@@ -430,7 +430,7 @@ def _read_every_rank(
             elif moved[r]:
                 incoming.append(fetch(source_of(r, part), moved[r], info.inline, info.length, sizes_of))
             else:
-                incoming.append(Incoming(info.inline))  # type: ignore[arg-type]
+                incoming.append(Incoming(info.inline))  # type: ignore[arg-type]  # nothing moved: the frame came inline
     except BaseException:
         incoming.clear()  # the traceback keeps this frame: what was mapped must not live as long as the error
         raise

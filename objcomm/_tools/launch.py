@@ -67,7 +67,8 @@ def master_store(world_size: int, timeout_s: float) -> Any:
     """The rendezvous ``TCPStore`` on port 0 (the OS picks a free port; read it from ``.port``)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,
+    # torch.distributed imports TCPStore from torch._C without re-exporting it, so its stubs hide it
+    store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
                           timeout=timedelta(seconds=timeout_s))
     if int(store.port) <= 0:
         raise LaunchError(f"TCPStore on port 0 reported port {store.port}")
@@ -122,7 +123,7 @@ class LocalRanks:
                 self.procs[rank].join(0.2)  # only the sentinel fired: give a last message time to land
                 if not conn.poll(0):
                     return None
-            return conn.recv_bytes()  # type: ignore[no-any-return]
+            return conn.recv_bytes()  # type: ignore[no-any-return]  # self.conns holds its Connections as Any
         except (EOFError, OSError):
             return None
 
@@ -131,7 +132,7 @@ class LocalRanks:
         proc = self.procs[rank]
         if proc.exitcode is None:
             proc.join(0)
-        return proc.exitcode  # type: ignore[no-any-return]
+        return proc.exitcode  # type: ignore[no-any-return]  # self.procs holds its Processes as Any
 
     def signal(self, ranks: Sequence[int], signum: int) -> bool:
         """Send ``signum`` to the running ones of ``ranks``; whether any got it."""
@@ -294,7 +295,8 @@ def join_group(rank: int, world_size: int, port: int, *, backend: str = "gloo", 
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    store = dist.TCPStore(HOST, port, world_size, is_master=False,
+    # torch.distributed imports TCPStore from torch._C without re-exporting it, so its stubs hide it
+    store = dist.TCPStore(HOST, port, world_size, is_master=False,  # type: ignore[attr-defined]
                           timeout=timedelta(seconds=store_timeout_s or timeout_s))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))

@@ -143,7 +143,8 @@ def all_gather_rests(wire: Wire, mine: Sequence[torch.Tensor], lengths: Sequence
     Transfers go in pieces of at most ``wire.chunk`` bytes. Point-to-point pieces travel under
     :data:`~objcomm._transport.base.INTERNAL_TAG`, which no caller's message carries."""
     me, size = wire.rank, wire.size
-    own = joined(mine, wire) if lengths[me] else empty(0, wire)
+    # one part (a frame past the slot, no tensors): sent as it is, not copied into a new buffer first
+    own = (to_device(mine[0], wire) if len(mine) == 1 else joined(mine, wire)) if lengths[me] else empty(0, wire)
     got: List[Optional[torch.Tensor]] = [None] * size
     if routes.exchange_shape(lengths) == routes.PADDED:
         parts = all_gather_equal(wire, own, max(lengths), op)

@@ -42,7 +42,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from objcomm._format.limits import SCRATCH_BYTES
 from objcomm._settings import DEFAULT_CHUNK_BYTES, DEFAULT_SHM_THRESHOLD, DEFAULT_SLOT_BYTES
@@ -225,7 +225,7 @@ def plan(op: str, topology: Topology, rests: Sequence[int], knobs: Knobs = Knobs
     return Plan(op, first, tuple(steps))
 
 
-def _exchange(medium: str, rests: list, topology: Topology, knobs: Knobs) -> list:
+def _exchange(medium: str, rests: List[int], topology: Topology, knobs: Knobs) -> List[Step]:
     """The steps that move every rank's rest to every rank through ``medium``."""
     if medium != BACKEND:
         return [Step("all_gatherv", medium, tuple(rests))]

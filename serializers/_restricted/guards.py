@@ -31,9 +31,14 @@ from serializers._restricted.stdlib import _refused
 class _GuardMeta(type):
     """The type of every guard: calling a guard runs its validating constructor and charges what it built."""
 
+    # each guard's own, from _guard()'s namespace
+    _call: Callable[..., Any]
+    _units: int  # None on a probe (_ProbeMeta), which never reads it
+    _what: str
+
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:  # REDUCE, OBJ, INST
-        built = cls._call(*args, **kwargs)  # type: ignore[attr-defined]
-        _rebuild.charge(cls._units + (getsizeof(built) >> _MEMORY_SHIFT), cls._what)  # type: ignore[attr-defined]
+        built = cls._call(*args, **kwargs)
+        _rebuild.charge(cls._units + (getsizeof(built) >> _MEMORY_SHIFT), cls._what)
         return built
 
     def __setstate__(cls, state: Any) -> None:  # BUILD on the global itself
@@ -44,7 +49,7 @@ class _ProbeMeta(_GuardMeta):
     """The type of probe guards: what they build is an inert probe, charged nothing."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        return cls._call(*args, **kwargs)  # type: ignore[attr-defined]
+        return cls._call(*args, **kwargs)
 
 
 def _guard(

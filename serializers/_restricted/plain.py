@@ -309,6 +309,7 @@ def _past_counted(raw: bytes, end: int, width: int, limit: int) -> int:
     return past
 
 
+is_plain_c: Optional[Callable[[bytes], bool]]  # None: not built
 try:  # the same walk in C (``_pickle_walks_c.c``), built where a compiler was at hand
     from serializers._restricted._walks_c import is_plain as is_plain_c
 except ImportError:  # pragma: no cover - an install without a compiler

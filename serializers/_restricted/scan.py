@@ -36,7 +36,7 @@ a PUT or MEMOIZE below a mark, a negative memo index, APPENDS into a value below
 from __future__ import annotations
 
 import pickletools
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from serializers._protocol import Buffer
 from serializers._restricted.plain import is_plain
@@ -432,6 +432,7 @@ def _c_tables() -> Tuple[bytes, bytes, bytes]:
     return b"".join(arguments), bytes(_BY_CODE), bytes(summary[0] for summary in _PUSHED)
 
 
+_full_walk_c: Optional[Callable[[bytes], Optional[bool]]]  # None: not built
 try:  # the same walk in C, for binary opcodes, built where a compiler was at hand
     from serializers._restricted._walks_c import configure as _configure_c
     from serializers._restricted._walks_c import full_walk as _full_walk_c

@@ -96,7 +96,7 @@ def _collection(real: type) -> Callable[..., Any]:
     return build
 
 
-def _frozenset(items: Any = ()) -> frozenset:
+def _frozenset(items: Any = ()) -> frozenset[Any]:
     # Comparing two equal frozensets compares their members: the walk charges each use of one as a key
     # or member for its members only when it knows them, from a tuple or frozenset (a list grows unseen).
     if type(items) not in (tuple, frozenset):

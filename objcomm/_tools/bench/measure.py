@@ -27,7 +27,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,7 @@ class Timing:
     """The median of ``samples_s``: per round, the slowest rank's seconds from barrier to result."""
 
     median_s: float
-    samples_s: tuple
+    samples_s: Tuple[float, ...]
 
     @property
     def repeats(self) -> int:
@@ -116,7 +116,7 @@ def interleaved(
 
 
 def _round(candidates: Mapping[str, Callable[[], Any]], names: Sequence[str], index: int, group: Any,
-           batch: int = 1) -> list:
+           batch: int = 1) -> List[float]:
     """Seconds per call per name, in ``names`` order; round ``index`` starts at name ``index``, so none always
     goes first."""
     seconds = [0.0] * len(names)
@@ -133,7 +133,7 @@ def _round(candidates: Mapping[str, Callable[[], Any]], names: Sequence[str], in
     return seconds
 
 
-def reduce_max(local: torch.Tensor, group: Any = None) -> list:
+def reduce_max(local: torch.Tensor, group: Any = None) -> List[Any]:
     """Element-wise maximum of ``local`` over the ranks of ``group``, as a (nested) list."""
     device = resolve_device(group_backend(group), group)
     values = local.to(device)

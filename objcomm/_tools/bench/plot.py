@@ -35,11 +35,15 @@ def plot(result: Result, path: str) -> None:
     colours = {name: f"C{i % 10}" for i, name in enumerate(serializers)}
     fig, axes = plt.subplots(len(ops), len(payloads), figsize=(3.6 * len(payloads) + 1.6, 2.4 * len(ops)),
                              squeeze=False, sharex="col", sharey=True)
+    ratios = {op: _ratios(result, op) for op in ops}
+    values = [y for series in ratios.values() for points in series.values() for _, y in points] or [1.0]
+    low, high = min(min(values), 1.0) / 1.5, max(max(values), 1.0) * 1.5  # torch's line always in view
     for r, op in enumerate(ops):
-        series = _ratios(result, op)
+        series = ratios[op]
         for c, payload in enumerate(payloads):
             ax = axes[r][c]
-            ax.axhspan(1e-3, 1.0, color="tab:green", alpha=0.06)
+            ax.set_ylim(low, high)
+            ax.axhspan(low, 1.0, color="tab:green", alpha=0.06)
             ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
             for serializer in serializers:
                 points = sorted(series.get((serializer, payload), []))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from objcomm._tools.bench.config import DEFAULT_OPS
 from objcomm._tools.bench.measure import TORCH, TORCH_EQUIVALENT
@@ -48,14 +48,14 @@ def format_table(result: Result) -> str:
     return "\n".join(lines)
 
 
-def _headline(meta: Dict) -> str:
+def _headline(meta: Dict[str, Any]) -> str:
     where = "the launcher's process group" if meta.get("launcher") == "env" else "local, on 127.0.0.1"
     ranks = "1 rank" if meta["world_size"] == 1 else f"{meta['world_size']} ranks"
     return (f"objcomm bench: {ranks} ({where}, backend {meta['backend']}), "
             f"objcomm {meta['objcomm']}, torch {meta['torch']}, python {meta['python']}")
 
 
-def _legend(meta: Dict, first_op: str) -> List[str]:
+def _legend(meta: Dict[str, Any], first_op: str) -> List[str]:
     repeats = f"up to {meta['repeat']}" if meta.get("adaptive_repeat") else str(meta["repeat"])
     workarounds = [f"          {op}: torch has none; its row is {TORCH_EQUIVALENT[op]}"
                    for op in meta.get("ops", ()) if op not in DEFAULT_OPS]
@@ -159,7 +159,7 @@ def _choice(choice: Choice, with_fidelity: bool = False) -> str:
     return f"{choice.serializer} ({detail}{choice.vs_torch:.2f}× torch)"
 
 
-def to_json(result: Result) -> Dict:
+def to_json(result: Result) -> Dict[str, Any]:
     """The whole result as plain JSON data: ``meta``, ``rows`` and ``recommendations``."""
     return {
         "meta": result.meta,

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from objcomm._format import frame as _frame
+from objcomm._format.message import Incoming
 from objcomm._settings import resolve
-from objcomm._transport.rounds import Incoming
 from serializers import ObjcommError, SerializerProtocol
 from serializers._fidelity import judge
 
