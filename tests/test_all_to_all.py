@@ -8,13 +8,14 @@ from typing import Any, Dict, List
 import pytest
 import torch
 import torch.distributed as dist
+from _builtins import ON_RANKS
 from _ranks import get_pool
 
 import objcomm
 
 pytestmark = pytest.mark.timeout(180)
 
-SERIALIZERS = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"]
+SERIALIZERS = ON_RANKS
 LAYOUTS = {"default": {"shm": False}, "tiny": {"shm": False, "slot_bytes": 128, "chunk_bytes": 1000},
            "shm": {"shm": True, "shm_threshold": 1024}}
 BIG = 300_000

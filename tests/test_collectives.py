@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _builtins import ON_RANKS
 from _ranks import get_pool
 
 import objcomm
 
 pytestmark = pytest.mark.timeout(180)
 
-SERIALIZERS = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"]
+SERIALIZERS = ON_RANKS
 # Tiny slots and chunks so the overflow and chunked paths run on small data.
 LAYOUTS = {"default": {}, "tiny": {"slot_bytes": 128, "chunk_bytes": 1000}}
 KINDS_FOR = {"default": ["empty", "one-byte", "1MiB", "skewed", "mixed"], "tiny": ["empty", "one-byte", "mixed"]}

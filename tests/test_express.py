@@ -12,6 +12,7 @@ from typing import Any, List
 import pytest
 import torch
 import torch.distributed as dist
+from _builtins import ON_RANKS
 from _child import run_in_child
 from _counting import counting
 from _ranks import get_pool
@@ -57,7 +58,7 @@ def _express_slot(obj: Any, name: str, slot: int = SLOT, limit: int = LIMIT) -> 
     return whole
 
 
-@pytest.mark.parametrize("name", ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"])
+@pytest.mark.parametrize("name", ON_RANKS)
 @pytest.mark.parametrize("index", range(len(OBJECTS)))
 def test_the_express_slot_is_the_general_paths_slot_byte_for_byte(name, index):
     obj = OBJECTS[index]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+from _builtins import BUILTINS
 
 import serializers
 
@@ -26,7 +27,7 @@ EXPECTED = {
     "class instance": ("exact", "exact", "refused", "refused", "refused", "converted (Point → dict)"),
     "lambda": ("refused", "exact", "refused", "refused", "refused", "refused"),
 }
-NAMES = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json", "msgspec"]
+NAMES = BUILTINS
 
 
 @pytest.mark.parametrize("probe", EXPECTED)

@@ -12,6 +12,7 @@ import tracemalloc
 
 import pytest
 import torch
+from _builtins import BUILTINS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +22,6 @@ from objcomm._format import frame as frame_format
 
 pytestmark = pytest.mark.timeout(300)
 
-BUILTINS = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json", "msgspec"]
 SAMPLE = {"ids": [1, 2, 3], "t": (1.5, "x"), "b": b"\x00\x01", "n": None, 7: {"deep": [[{}]]}}
 FUZZ = settings(
     max_examples=1000,

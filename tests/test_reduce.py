@@ -10,13 +10,14 @@ from typing import Any, Dict, List
 import pytest
 import torch
 import torch.distributed as dist
+from _builtins import ON_RANKS
 from _ranks import get_pool
 
 import objcomm
 
 pytestmark = pytest.mark.timeout(180)
 
-SERIALIZERS = ["pickle", "cloudpickle", "restricted-pickle", "msgpack", "json"]
+SERIALIZERS = ON_RANKS
 
 
 def in_rank_order(serializer: str) -> List[Any]:

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+from _builtins import BUILTINS
 
 import serializers
 from serializers import DecodeError, EncodeError, Serializer, SerializerRegistry, UnknownSerializerError
@@ -17,6 +18,9 @@ pytestmark = pytest.mark.timeout(60)
 def test_builtins_available():
     assert {"pickle", "cloudpickle", "restricted-pickle", "msgpack", "json", "msgspec", "auto"} <= set(
         serializers.available())
+    fresh = subprocess.run([sys.executable, "-c", "import serializers; print(*serializers.available())"],
+                           capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    assert set(fresh) == set(BUILTINS) | {"auto"}  # tests/_builtins.py is the one list of them
     assert serializers.available(safe=True) == ["json", "msgpack", "msgspec", "restricted-pickle"]
 
 
