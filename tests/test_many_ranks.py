@@ -228,3 +228,21 @@ def test_simulated_hosts_of_four_ranks():
         got, collectives, whole, whole_calls = rows[-1]
         assert got == [r for r in range(W) if r // 4 == rank // 4] and collectives == 0, (rank, rows[-1])
         assert whole and whole_calls == 1, (rank, rows[-1])  # two hosts: round 1 through the backend
+
+
+def votes_off_a_power_of_two() -> Any:
+    """A broadcast that votes first (its rest is past the scratch size), through the group of a world that is no
+    power of two: the vote's recursive doubling hands the extra ranks' words over and back; a receiver over its
+    limit makes every rank raise."""
+    comm, rank = _comm(), dist.get_rank()
+    got = comm.broadcast(b"x" * (3 << 20) if rank == 1 else None, src=1)
+    try:
+        comm.broadcast(b"y" * (3 << 20) if rank == 1 else None, src=1, max_bytes=(1 << 20) if rank == 2 else None)
+        refused = "no error"
+    except objcomm.ObjcommError as exc:
+        refused = type(exc).__name__
+    return got == b"x" * (3 << 20), refused
+
+
+def test_votes_on_a_world_that_is_no_power_of_two():
+    assert get_pool(3).run(votes_off_a_power_of_two, timeout=60) == [(True, "TooLargeError")] * 3
