@@ -328,6 +328,8 @@ def _sender_ends(rank: int, world: int, store: str, victim: int, results: Any, d
     objcomm.configure(local=False)
     dist.barrier()
     if rank == victim:  # sends and ends at once, before its receiver asks: delivered all the same
+        with open(f"{store}.sender", "w") as handle:
+            handle.write(str(os.getpid()))
         for i in range(3):
             objcomm.send(i, 0)
         if destroy:
@@ -338,6 +340,22 @@ def _sender_ends(rank: int, world: int, store: str, victim: int, results: Any, d
         results.put((rank, [objcomm.recv(victim) for _ in range(3)]))
     except objcomm.CommunicationError as exc:
         results.put((rank, str(exc)))
+    _outlive(int(open(f"{store}.sender").read()))
+
+
+def _outlive(pid: int, within: float = 30.0) -> None:
+    """Return once process ``pid`` has ended (gone, or a zombie its parent has not reaped yet), ``within`` s at most:
+    the receiver stays up until its sender is done, so that the sender's exit never races the receiver's own (gloo
+    aborts a process whose peer closes the connection in the middle of its teardown; not what is tested here)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                if handle.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except OSError:
+            return
+        time.sleep(0.05)
 
 
 def _sender_exits(rank: int, world: int, store: str, victim: int, results: Any) -> None:
