@@ -1,10 +1,13 @@
 """objcomm's all_gather against torch's ``all_gather_object`` on many real ranks, each treated as its own host, for
 every spread of sizes in issue 27's table (and a raw ``all_gather_into_tensor`` of the padded bytes: the floor).
 
-    PYTHONPATH=. python benchmarks/bench_many_ranks.py [--world-size 16] [--rounds 5]
+    PYTHONPATH=. python benchmarks/bench_many_ranks.py [--world-size 16] [--rounds 5] [--ranks-per-host 4]
 
 Every rank is its own host (``OBJCOMM_FORCE_SEPARATE_HOSTS=1``: no same-host channel, no shared memory), so each
-call takes the path it takes across nodes: round 1 through the group, then one exchange of every rank's rest. The
+call takes the path it takes across nodes: round 1 through the group, then one exchange of every rank's rest. With
+``--ranks-per-host k`` (``OBJCOMM_TEST_RANKS_PER_HOST=k``) each run of k ranks is one simulated host, and objcomm
+takes two levels (``objcomm._samehost.two_level``): each host's channel and shared memory, one rank per host on
+the backend; torch's calls are the same either way (every rank on the backend). The
 three candidates run round-robin after a barrier (``objcomm._tools.bench.measure.interleaved``); each sample is the
 slowest rank's time, and the table shows the median over ``--rounds`` samples. This machine has 2 cores for 16
 processes: times are long and noisy; compare within one run.
@@ -14,30 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 from typing import Any, Dict, List, Optional
 
 import torch
 
-CASES = ["all 1 KB", "all 1 MB", "one 20 MB", "two 2 MB", "log-normal", "uneven tensors"]
-
-
-def spread(case: str, rank: int, world: int) -> Any:
-    """Rank ``rank``'s object in each case of the issue's table."""
-    if case == "all 1 KB":
-        return {"r": rank, "b": b"s" * 1000}
-    if case == "all 1 MB":
-        return {"r": rank, "b": b"l" * (1 << 20)}
-    if case == "one 20 MB":
-        return {"r": rank, "b": b"o" * ((20 << 20) if rank == 1 else 1000)}
-    if case == "two 2 MB":
-        return {"r": rank, "b": b"t" * ((2 << 20) if rank in (0, world // 2) else 1000)}
-    if case == "log-normal":  # median 32 KB, sigma 2
-        return {"r": rank, "b": b"n" * int(min(32_000 * random.Random(rank).lognormvariate(0, 2), 64 << 20))}
-    if case == "uneven tensors":  # 256-300 KB, a different length on every rank
-        return {"r": rank, "t": torch.arange(64_000 + 11_000 * rank // max(world - 1, 1), dtype=torch.float32)}
-    raise ValueError(case)
+from objcomm._tools.bench.spreads import CASES, spread_of
 
 
 def measure(plan: Any, send: Any = None) -> Dict[str, Dict[str, float]]:
@@ -52,7 +37,7 @@ def measure(plan: Any, send: Any = None) -> Dict[str, Dict[str, float]]:
     comm = objcomm.Communicator()
     rows: Dict[str, Dict[str, float]] = {}
     for case in cases:
-        obj = spread(case, rank, world)
+        obj = spread_of(case, rank, world)
         padded = len(objcomm.serializers.get("pickle").dumps(obj)) if case != "uneven tensors" else 0
         widest = torch.tensor([padded], dtype=torch.int64)
         dist.all_reduce(widest, op=dist.ReduceOp.MAX)
@@ -82,7 +67,7 @@ def breakdown(plan: Any, send: Any = None) -> List[float]:
 
     rounds, case = plan
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm, obj = objcomm.Communicator(), spread(case, rank, world)
+    comm, obj = objcomm.Communicator(), spread_of(case, rank, world)
     samples = []
     for _ in range(rounds):
         dist.barrier()
@@ -103,8 +88,9 @@ def breakdown(plan: Any, send: Any = None) -> List[float]:
     return [statistics.median(column) * 1e3 for column in zip(*samples)]
 
 
-def report(world: int, rows: Dict[str, Dict[str, float]]) -> str:
-    lines = [f"all_gather on {world} ranks, each its own host (median of the slowest rank, ms)", "",
+def report(world: int, rows: Dict[str, Dict[str, float]], per_host: int = 1) -> str:
+    hosts = "each its own host" if per_host == 1 else f"hosts of {per_host} ranks"
+    lines = [f"all_gather on {world} ranks, {hosts} (median of the slowest rank, ms)", "",
              "| sizes per rank | objcomm | torch all_gather_object | raw padded all_gather | objcomm / torch |",
              "|---|---:|---:|---:|---:|"]
     for case, row in rows.items():
@@ -120,9 +106,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cases", nargs="+", choices=CASES, default=CASES)
     parser.add_argument("--breakdown", choices=CASES, help="time one all_gather of this case in its phases")
+    parser.add_argument("--ranks-per-host", type=int, default=1, help="simulated hosts of this many ranks")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["OBJCOMM_FORCE_SEPARATE_HOSTS"] = "1"
+    if args.ranks_per_host > 1:
+        os.environ["OBJCOMM_TEST_RANKS_PER_HOST"] = str(args.ranks_per_host)
+    else:
+        os.environ["OBJCOMM_FORCE_SEPARATE_HOSTS"] = "1"
     from objcomm._tools.launch import run_local
 
     if args.breakdown:
@@ -131,7 +121,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{phases[2]:.1f}, decode {phases[3]:.1f}; torch all_gather_object {phases[4]:.1f}")
         return 0
     rows = run_local(measure, (args.rounds, args.cases), world_size=args.world_size, timeout_s=1800)
-    print(report(args.world_size, rows), flush=True)
+    print(report(args.world_size, rows, args.ranks_per_host), flush=True)
     return 0
 
 

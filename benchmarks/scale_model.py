@@ -4,6 +4,7 @@
     python benchmarks/scale_model.py --world 8192         # one world size
     python benchmarks/scale_model.py --case log-normal    # one spread of sizes, across W
     python benchmarks/scale_model.py --json               # rows {op, case, W, params, objcomm_s, ideal_s, torch_s}
+    python benchmarks/scale_model.py --flat               # no same-host channel: gloo's routes without two levels
     python benchmarks/scale_model.py --check              # exit 1, listing the W=8192 rows that miss the target
 
 For each op (all_gather, gather, all_reduce, broadcast), each spread of per-rank payload sizes (:data:`CASES`),
@@ -158,8 +159,10 @@ def tree_vote(world: int, a: float) -> float:
 
 
 def doubling_vote(world: int, a: float) -> float:
-    """objcomm's vote on gloo, recursive doubling: (ceil(log2 W) + 2 where W is no power of two)*a."""
-    return (levels(world) + (0 if world & (world - 1) == 0 else 2)) * a
+    """objcomm's vote on gloo: recursive doubling (floor(log2 W) exchanges, one hand-over more where W is no power
+    of two), then rank 0's answer in a binomial broadcast (ceil(log2 W) steps): (floor + extra + ceil)*a."""
+    below = world.bit_length() - 1
+    return (below + (0 if world & (world - 1) == 0 else 1) + levels(world)) * a
 
 
 def tree_reduce(world: int, n: int, a: float, b: float) -> float:
@@ -185,20 +188,23 @@ def direct_vote(world: int, a: float) -> float:
 _BROADCASTS = {"ring": ring_broadcast, "binomial": binomial_broadcast, "tree": tree_broadcast}
 
 
-def broadcast_cost(params: Params, world: int, n: int) -> float:
-    """A backend broadcast of n bytes with this backend's algorithm."""
-    return _BROADCASTS[params.broadcast](world, n, params.alpha(world), params.bandwidth)
+def broadcast_cost(params: Params, world: int, n: int, a: Optional[float] = None) -> float:
+    """A backend broadcast of n bytes with this backend's algorithm (``a``: the hop latency, else the group's)."""
+    return _BROADCASTS[params.broadcast](world, n, params.alpha(world) if a is None else a, params.bandwidth)
 
 
-def vote_cost(params: Params, world: int) -> float:
+def vote_cost(params: Params, world: int, a: Optional[float] = None) -> float:
     """A backend all_reduce of one word with this backend's algorithm."""
-    a = params.alpha(world)
+    a = params.alpha(world) if a is None else a
     return ring_vote(world, a) if params.vote == "ring" else tree_vote(world, a)
 
 
 def step_cost(step: routes.Step, params: Params, world: int, root: int = 0) -> float:
-    """The cost of one step of a plan (``world``: the group's size; ``root``: of a gather or a p2p step)."""
+    """The cost of one step of a plan (``world``: the group's size; ``root``: of a gather or a p2p step). A step of
+    two levels runs over its own ranks (``step.ranks``: a host's, or the leaders', whose hops cross hosts)."""
     sizes = step.nbytes
+    if step.ranks:
+        world, root = step.ranks, 0
     if step.medium == routes.SHARED_MEMORY:
         return shared_memory_exchange(sizes, params.alpha_intra)
     if step.medium == routes.CHANNEL:  # Unix sockets between the ranks of one host: direct sends at memory speed
@@ -212,7 +218,7 @@ def step_cost(step: routes.Step, params: Params, world: int, root: int = 0) -> f
         if step.collective == "all_reduce":
             return direct_vote(world, a)
         raise ValueError(f"no cost for {step}")
-    a, b = params.alpha(world), params.bandwidth
+    a, b = params.alpha_inter if step.across else params.alpha(world), params.bandwidth
     if step.collective == "all_gather":
         return ring_all_gather(world, max(sizes), a, b)
     if step.collective == "all_gatherv":
@@ -220,9 +226,9 @@ def step_cost(step: routes.Step, params: Params, world: int, root: int = 0) -> f
     if step.collective in ("gather", "p2p"):
         return flat_gather(sizes, root, a, b)
     if step.collective == "broadcast":
-        return broadcast_cost(params, world, sizes[0])
+        return broadcast_cost(params, world, sizes[0], a)
     if step.collective == "all_reduce":
-        return vote_cost(params, world)
+        return vote_cost(params, world, a)
     if step.collective == "vote":
         return doubling_vote(world, a)
     if step.collective == "tree":
@@ -304,13 +310,14 @@ def sizes_for(case: str, world: int) -> Sizes:
 
 
 # -- objcomm, ideal, torch -----------------------------------------------------------------------------------------
-def topology(params: Params, world: int) -> routes.Topology:
-    """RANKS_PER_NODE ranks per host, the same-host channel closed: only a one-host group (W=8) may use shm."""
-    return routes.Topology(world=world, ranks_per_host=RANKS_PER_NODE, device=params.device, channel_open=False)
+def topology(params: Params, world: int, two_levels: bool = True) -> routes.Topology:
+    """RANKS_PER_NODE ranks per host with their same-host channel (gloo groups across hosts then take two levels:
+    objcomm._samehost.two_level); ``two_levels=False``: the channel closed, every route flat (``--flat``)."""
+    return routes.Topology(world=world, ranks_per_host=RANKS_PER_NODE, device=params.device, channel_open=two_levels)
 
 
-def objcomm_plan(op: str, params: Params, world: int, sizes: Sizes) -> routes.Plan:
-    """The route routes.plan picks for ``op`` on these sizes (root 0)."""
+def objcomm_plan(op: str, params: Params, world: int, sizes: Sizes, two_levels: bool = True) -> routes.Plan:
+    """The route routes.plan picks for ``op`` on these sizes (root 0; ``two_levels``: see :func:`topology`)."""
     if op in ("all_gather", "gather"):
         rests: Sequence[int] = sizes.rests
     elif op == "all_reduce":
@@ -319,7 +326,7 @@ def objcomm_plan(op: str, params: Params, world: int, sizes: Sizes) -> routes.Pl
         rests = [sizes.broadcast_rest] + [0] * (world - 1)
     else:
         raise ValueError(f"unknown op {op!r}")
-    return routes.plan(op, topology(params, world), rests, root=0, listed=True)
+    return routes.plan(op, topology(params, world, two_levels), rests, root=0, listed=True)
 
 
 def objcomm_cost(op: str, params: Params, world: int, sizes: Sizes) -> float:
@@ -376,7 +383,7 @@ def route_code(plan: routes.Plan) -> str:
 
 
 def rows(ops: Sequence[str] = OPS, cases: Sequence[str] = CASES, worlds: Sequence[int] = WORLDS,
-         params: Sequence[Params] = (NCCL, GLOO)) -> List[Dict[str, object]]:
+         params: Sequence[Params] = (NCCL, GLOO), two_levels: bool = True) -> List[Dict[str, object]]:
     """Every row {op, case, W, params, objcomm_s, ideal_s, torch_s, route}: O(W) Python work each."""
     out: List[Dict[str, object]] = []
     for world in worlds:
@@ -384,7 +391,7 @@ def rows(ops: Sequence[str] = OPS, cases: Sequence[str] = CASES, worlds: Sequenc
             sizes = sizes_for(case, world)
             for p in params:
                 for op in ops:
-                    plan = objcomm_plan(op, p, world, sizes)
+                    plan = objcomm_plan(op, p, world, sizes, two_levels)
                     out.append({"op": op, "case": case, "W": world, "params": p.name,
                                 "objcomm_s": plan_cost(plan, p, world), "ideal_s": ideal_cost(op, p, world, sizes),
                                 "torch_s": torch_cost(op, p, world, sizes), "route": route_code(plan)})
@@ -426,6 +433,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--nccl-broadcast", choices=sorted(_BROADCASTS), default=NCCL.broadcast,
                         help="the algorithm charged for an NCCL broadcast (default: ring, NCCL's only one); "
                              "another renames the parameter set nccl-<algorithm>-bcast")
+    parser.add_argument("--flat", action="store_true",
+                        help="no same-host channel: every route flat (gloo groups across hosts take no two levels)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of the table")
     parser.add_argument("--check", action="store_true",
                         help=f"exit 1 listing each {'/'.join(CHECKED_OPS)} row at W={CHECK_WORLD} above "
@@ -435,7 +444,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.nccl_broadcast != NCCL.broadcast:
         other = replace(NCCL, name=f"nccl-{args.nccl_broadcast}-bcast", broadcast=args.nccl_broadcast)
         chosen = [other if p is NCCL else p for p in chosen]
-    table = rows(args.op or OPS, args.case or CASES, args.world or WORLDS, chosen)
+    table = rows(args.op or OPS, args.case or CASES, args.world or WORLDS, chosen, not args.flat)
     if args.json:
         keys = ("op", "case", "W", "params", "objcomm_s", "ideal_s", "torch_s")
         print(json.dumps([{k: r[k] for k in keys} for r in table], indent=1))

@@ -39,6 +39,7 @@ class GroupFacts:
     unsealed: Set[Tuple[int, int]] = field(default_factory=set)  # (peer or -1: collectives, separate): files only
     requests: Any = None  # _Lanes, made on the first non-blocking call (objcomm._api.requests)
     local: Dict[int, Any] = field(default_factory=dict)  # separate -> SameHost (objcomm._samehost.channel_slots)
+    levels: Dict[int, Any] = field(default_factory=dict)  # separate -> Levels or None (objcomm._samehost.two_level)
     # (device, options, segments) -> a wire less its group
     wires: Dict[Any, Tuple[Any, ...]] = field(default_factory=dict)
 

@@ -27,7 +27,7 @@ from objcomm._format import limits as _limits
 from objcomm._format.slot import SlotInfo
 from objcomm._samehost import channel_rounds as _channel_rounds
 from objcomm._samehost import shm as _shm
-from objcomm._samehost.channel_rounds import CHUNK, _chunks, _incoming, _place
+from objcomm._samehost.channel_rounds import CHUNK, chunks, incoming, place
 from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import bytes as _bytes
 from objcomm._transport import parts as _parts
@@ -205,13 +205,13 @@ def out_of_step_sender() -> List[Any]:
     """Rank 1 sends one byte too few in each message of its second round: the channel fails on both ranks, and
     later calls on the group raise."""
     rank, sub, comm = on_a_pair()
-    real = _channel_rounds._chunks
+    real = _channel_rounds.chunks
     if rank == 1:
-        _channel_rounds._chunks = lambda pieces: (bytes(c)[:-1] for c in real(pieces))  # type: ignore[assignment]
+        _channel_rounds.chunks = lambda pieces: (bytes(c)[:-1] for c in real(pieces))  # type: ignore[assignment]
     try:
         outcome = outcome_of(lambda: comm.all_gather(_payload(rank, 2 * CHUNK)) and None)
     finally:
-        _channel_rounds._chunks = real  # type: ignore[assignment]
+        _channel_rounds.chunks = real  # type: ignore[assignment]
     after = outcome_of(lambda: comm.all_gather(rank))  # the ranks failed at different messages: out of step
     dist.destroy_process_group(sub)
     return [outcome, after]
@@ -244,35 +244,35 @@ def _info(length: int, total: int, inline: Any = None) -> SlotInfo:
 
 def test_message_lengths_and_second_rounds_are_checked():
     into = bytearray(CHUNK + 5)
-    _place(_Channel(), into, b"a" * CHUNK, 0, 1, "all_gather")
-    _place(_Channel(), into, b"b" * 5, 1, 1, "all_gather")
+    place(_Channel(), into, b"a" * CHUNK, 0, 1, "all_gather")
+    place(_Channel(), into, b"b" * 5, 1, 1, "all_gather")
     assert into == b"a" * CHUNK + b"b" * 5
     for index, chunk in [(0, b"a" * (CHUNK - 1)), (1, b"b" * 6), (2, b"c")]:
         with pytest.raises(objcomm.CommunicationError, match=f"message #{index} where"):
-            _place(_Channel(), into, chunk, index, 1, "all_gather")
+            place(_Channel(), into, chunk, index, 1, "all_gather")
     frame = memoryview(b"f" * 10)
-    assert [bytes(t.numpy()) for t in _incoming(bytearray(b"f" * 10 + b"xyz"), _info(10, 13), lambda f: [1, 2], 1,
+    assert [bytes(t.numpy()) for t in incoming(bytearray(b"f" * 10 + b"xyz"), _info(10, 13), lambda f: [1, 2], 1,
                                                 "op").tensors] == [b"x", b"yz"]
     with pytest.raises(FrameError, match="make 14 bytes, but it announces 13 in total"):
-        _incoming(bytearray(b"f" * 10 + b"xyz"), _info(10, 13), lambda f: [4], 1, "op")
+        incoming(bytearray(b"f" * 10 + b"xyz"), _info(10, 13), lambda f: [4], 1, "op")
     with pytest.raises(FrameError, match="20-byte frame"):
-        _incoming(bytearray(13), _info(20, 13), lambda f: [], 1, "op")
-    assert _incoming(bytearray(b"xyz"), _info(10, 13, inline=frame), lambda f: [3], 1, "op").frame is frame
+        incoming(bytearray(13), _info(20, 13), lambda f: [], 1, "op")
+    assert incoming(bytearray(b"xyz"), _info(10, 13, inline=frame), lambda f: [3], 1, "op").frame is frame
 
 
 def test_pieces_travel_back_to_back_in_whole_messages():
     pieces = [memoryview(bytes([i]) * n) for i, n in enumerate([10, CHUNK - 10, 1, CHUNK + 3, 0, 2])]
-    chunks = [bytes(c) for c in _chunks([p for p in pieces if p.nbytes])]
-    assert [len(c) for c in chunks] == [CHUNK, CHUNK, 6]
-    assert b"".join(chunks) == b"".join(bytes(p) for p in pieces)
-    assert list(_chunks([])) == []
+    messages = [bytes(c) for c in chunks([p for p in pieces if p.nbytes])]
+    assert [len(c) for c in messages] == [CHUNK, CHUNK, 6]
+    assert b"".join(messages) == b"".join(bytes(p) for p in pieces)
+    assert list(chunks([])) == []
 
 
 # -- a SIGKILLed rank mid-round: a group of our own, so that the survivors can report -----------------------------
 def die_after_one_message() -> None:
     """From now on, this process SIGKILLs itself 0.3 s after the first message of its next second round on the
     channel (the others wait for message #1 by then)."""
-    real = _channel_rounds._chunks
+    real = _channel_rounds.chunks
 
     def dying(pieces: Any) -> Any:
         chunks = real(pieces)
@@ -280,7 +280,7 @@ def die_after_one_message() -> None:
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    _channel_rounds._chunks = dying  # type: ignore[assignment]
+    _channel_rounds.chunks = dying  # type: ignore[assignment]
 
 
 def _killed_in_round_two(rank: int, world: int, store: str, victim: int, results: Any) -> None:

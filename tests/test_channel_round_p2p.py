@@ -232,10 +232,10 @@ def out_of_step(mode: str) -> Any:
     What each rank raises, and what a later collective does (both ranks failed at the same point, no collective
     between: it opens a new channel)."""
     rank, sub, comm = on_a_pair()
-    real_chunks, real_answer, real_words = _channel_rounds._chunks, _channel_slots.ChannelRoute.answer, \
+    real_chunks, real_answer, real_words = _channel_rounds.chunks, _channel_slots.ChannelRoute.answer, \
         _channel_slots.ChannelRoute.send_words
     if mode == "short" and rank == 1:
-        _channel_rounds._chunks = lambda pieces: (bytes(c)[:-1] for c in real_chunks(pieces))  # type: ignore
+        _channel_rounds.chunks = lambda pieces: (bytes(c)[:-1] for c in real_chunks(pieces))  # type: ignore
     if mode == "answer" and rank == 0:
         _channel_slots.ChannelRoute.answer = lambda self, wire, dst, message, code: self.channel.send_part(  # type: ignore
             _channel_slots.ANSWER, b"\x03\x03", dst, wire.tag, message)
@@ -246,7 +246,7 @@ def out_of_step(mode: str) -> Any:
     try:
         outcome = outcome_of(lambda: comm.send(sent, 0) if rank == 1 else comm.recv(1) and None)
     finally:
-        _channel_rounds._chunks, _channel_slots.ChannelRoute.answer = real_chunks, real_answer  # type: ignore
+        _channel_rounds.chunks, _channel_slots.ChannelRoute.answer = real_chunks, real_answer  # type: ignore
         _channel_slots.ChannelRoute.send_words = real_words  # type: ignore
     after = outcome_of(lambda: comm.all_gather(rank))
     dist.destroy_process_group(sub)
@@ -288,7 +288,7 @@ def stalls(mode: str) -> List[Any]:
     raised = None
     if rank == 1:
         if mode == "rest":
-            real = _channel_rounds._chunks
+            real = _channel_rounds.chunks
 
             def stalling(pieces: Any) -> Any:
                 chunks = real(pieces)
@@ -296,11 +296,11 @@ def stalls(mode: str) -> List[Any]:
                 time.sleep(5)
                 yield from chunks
 
-            _channel_rounds._chunks = stalling  # type: ignore[assignment]
+            _channel_rounds.chunks = stalling  # type: ignore[assignment]
             try:
                 comm.send(_payload(1, 3 * CHUNK), 0, tag=2)
             finally:
-                _channel_rounds._chunks = real  # type: ignore[assignment]
+                _channel_rounds.chunks = real  # type: ignore[assignment]
             comm.send("done", 0, tag=3)
         else:
             time.sleep(4)

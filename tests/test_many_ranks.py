@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import struct
 from typing import Any, Dict, Iterator, List
 
@@ -24,6 +23,8 @@ import serializers
 from objcomm._format import frame as _frame
 from objcomm._format import tensors as _tensors
 from objcomm._format.message import Outgoing
+from objcomm._samehost import two_level_moves as _two_level
+from objcomm._tools.bench.spreads import CASES, spread_of
 from objcomm._transport import base as _base
 from objcomm._transport import bytes as _bytes
 from objcomm._transport import rounds as _rounds
@@ -35,8 +36,9 @@ COLLECTIVES = ("broadcast", "all_gather", "all_reduce", "reduce", "gather", "sca
 
 @contextlib.contextmanager
 def calls() -> Iterator[Dict[str, int]]:
-    """Count this rank's torch.distributed calls inside (``collectives``; ``blocking``: send and recv)."""
-    counts = {"collectives": 0, "blocking": 0}
+    """Count this rank's torch.distributed calls inside (``collectives``; ``blocking``: send and recv; ``p2p``: the
+    batches of isend and irecv of :class:`objcomm._transport.bytes.Batch`, each once)."""
+    counts = {"collectives": 0, "blocking": 0, "p2p": 0}
     saved = []
 
     def wrap(owner: Any, name: str, key: str) -> None:
@@ -52,34 +54,28 @@ def calls() -> Iterator[Dict[str, int]]:
     try:
         for name in COLLECTIVES:
             wrap(dist, name, "collectives")
-        for owner in (_base, _bytes, _rounds):  # bound at import under its torch-version name
+        for owner in (_base, _bytes, _rounds, _two_level):  # bound at import under its torch-version name
             wrap(owner, "all_gather_single", "collectives")
         for name in ("send", "recv"):
             wrap(dist, name, "blocking")
+        real_wait = _bytes.Batch.wait
+
+        def waited(batch: Any) -> None:
+            counts["p2p"] += bool(batch.works)
+            real_wait(batch)
+
+        saved.append((_bytes.Batch, "wait", real_wait))
+        _bytes.Batch.wait = waited  # type: ignore[method-assign]
         yield counts
     finally:
         for owner, name, real in reversed(saved):
             setattr(owner, name, real)
 
 
+
 def spread(case: str, rank: int) -> Any:
-    """Rank ``rank``'s object in each case of the issue's table."""
-    if case == "all 1 KB":
-        return {"r": rank, "b": b"s" * 1000}
-    if case == "all 1 MB":
-        return {"r": rank, "b": b"l" * (1 << 20)}
-    if case == "one 20 MB":
-        return {"r": rank, "b": b"o" * ((20 << 20) if rank == 1 else 1000)}
-    if case == "two 2 MB":
-        return {"r": rank, "b": b"t" * ((2 << 20) if rank in (0, 5) else 1000)}
-    if case == "log-normal":
-        return {"r": rank, "b": b"n" * int(min(32_000 * random.Random(rank).lognormvariate(0, 2), 8 << 20))}
-    if case == "uneven tensors":
-        return {"r": rank, "t": torch.arange(64_000 + 2_000 * rank, dtype=torch.float32)}  # 256-312 KB
-    raise ValueError(case)
-
-
-CASES = ["all 1 KB", "all 1 MB", "one 20 MB", "two 2 MB", "log-normal", "uneven tensors"]
+    """Rank ``rank``'s object in ``case`` on the pool's :data:`W` ranks."""
+    return spread_of(case, rank, W)
 
 
 def _same(got: Any, want: Any) -> bool:
@@ -118,8 +114,8 @@ def each_spread(op: str) -> List[Any]:
 
 
 # broadcast: its slot, a vote where a piece is past the scratch size (recursive doubling on gloo: log2(8) = 3
-# exchanges), its rest
-@pytest.mark.parametrize("op, most", [("all_gather", 3), ("gather", 3), ("broadcast", 2 + 3)])
+# exchanges, then rank 0's answer in one broadcast), its rest
+@pytest.mark.parametrize("op, most", [("all_gather", 3), ("gather", 3), ("broadcast", 2 + 3 + 1)])
 def test_bounded_calls_whatever_the_spread(op, most):
     for rank, rows in enumerate(get_pool(W).run(each_spread, op, timeout=120)):
         for case, right, collectives, blocking in rows:
@@ -197,37 +193,117 @@ def test_bad_input_gets_the_same_error_on_every_rank(case):
     assert outcomes[0].startswith(expected), outcomes[0]
 
 
-def simulated_hosts() -> List[Any]:
-    """With ``OBJCOMM_TEST_RANKS_PER_HOST=4``: the whole group (two simulated hosts) takes the backend and gets
-    what every rank sent; a group inside one simulated host takes its same-host channel (no backend call)."""
-    os.environ["OBJCOMM_TEST_RANKS_PER_HOST"] = "4"
+@contextlib.contextmanager
+def ranks_per_host(k: int) -> Iterator[None]:
+    """Simulated hosts of ``k`` consecutive ranks (``OBJCOMM_TEST_RANKS_PER_HOST``) inside."""
+    os.environ["OBJCOMM_TEST_RANKS_PER_HOST"] = str(k)
     previous = objcomm.configure()
     try:
-        rank, comm = dist.get_rank(), objcomm.Communicator()
-        rows: List[Any] = []
-        for case in CASES:
-            got = comm.all_gather(spread(case, rank))
-            rows.append(all(_same(g, spread(case, r)) for r, g in enumerate(got)))
-        hosts = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]  # every rank makes both, in order
-        inside = objcomm.Communicator(group=hosts[rank // 4])
-        inside.all_gather(rank)
-        with calls() as counts:
-            got = inside.all_gather(rank)
-        with calls() as whole:
-            everyone = comm.all_gather(rank)
-        rows.append((got, counts["collectives"], everyone == list(range(W)), whole["collectives"]))
-        return rows
+        yield
     finally:
         del os.environ["OBJCOMM_TEST_RANKS_PER_HOST"]
         objcomm.restore(previous)
 
 
-def test_simulated_hosts_of_four_ranks():
-    for rank, rows in enumerate(get_pool(W).run(simulated_hosts, timeout=120)):
-        assert rows[:-1] == [True] * len(CASES), (rank, rows[:-1])
-        got, collectives, whole, whole_calls = rows[-1]
-        assert got == [r for r in range(W) if r // 4 == rank // 4] and collectives == 0, (rank, rows[-1])
-        assert whole and whole_calls == 1, (rank, rows[-1])  # two hosts: round 1 through the backend
+def two_levels(k: int) -> List[Any]:
+    """all_gather and broadcast of every spread with hosts of ``k`` ranks: right or not, and this rank's
+    torch.distributed calls; then a group inside one simulated host, which takes its channel alone."""
+    with ranks_per_host(k):
+        rank, comm = dist.get_rank(), objcomm.Communicator()
+        comm.all_gather(rank)  # the set-up: hosts, node and leaders' groups, channels
+        rows: List[Any] = []
+        mapped = []  # an all_gather's ranks map their leader's file from shm_threshold (2 MiB) on: one copy a host
+        real_map = _two_level.map_parts
+        _two_level.map_parts = lambda *args: mapped.append(1) or real_map(*args)  # type: ignore[assignment]
+        for case in CASES:
+            with calls() as gathered:
+                before = len(mapped)
+                got = comm.all_gather(spread(case, rank))
+                shared = len(mapped) - before
+            with calls() as broadcast:
+                root = comm.broadcast(spread(case, 6) if rank == 6 else None, src=6)
+            with calls() as to_one:
+                at_five = comm.gather(spread(case, rank), dst=5)
+            right = all(_same(g, spread(case, r)) for r, g in enumerate(at_five)) if rank == 5 else at_five is None
+            rows.append((case, all(_same(g, spread(case, r)) for r, g in enumerate(got)), gathered["collectives"],
+                         gathered["blocking"], _same(root, spread(case, 6)), broadcast["collectives"], right,
+                         to_one["collectives"] + to_one["p2p"], shared))
+        with calls() as reduced:
+            total = comm.all_reduce(rank + 1, "sum")
+        rows.append((total == sum(range(1, W + 1)), reduced["collectives"]))
+        before = len(mapped)  # the table of slots (32 KB) in a shared file too, from a lower shm_threshold
+        ranks = objcomm.Communicator(shm_threshold=16 << 10).all_gather(rank)
+        rows.append((ranks == list(range(W)), len(mapped) - before))
+        _two_level.map_parts = real_map  # type: ignore[assignment]
+        if k == 4:
+            hosts = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]  # every rank makes both, in order
+            inside = objcomm.Communicator(group=hosts[rank // 4])
+            inside.all_gather(rank)
+            with calls() as counts:
+                got = inside.all_gather(rank)
+            rows.append((got, counts["collectives"]))
+        return rows
+
+
+@pytest.mark.parametrize("k", [4, 3])
+def test_two_levels_only_leaders_call_the_backend(k):
+    """Hosts of four (two hosts) and of three (3 + 3 + 2): every result right; inside a host, only its leader (its
+    lowest rank) calls torch.distributed, at most twice an all_gather (slots, one exchange of the rests) and a
+    broadcast its slot, its rest and the vote of the leaders (recursive doubling: 1 exchange for two leaders,
+    3 for three)."""
+    votes = {4: 1, 3: 3}[k]
+    for rank, rows in enumerate(get_pool(W).run(two_levels, k, timeout=180)):
+        leader = rank % k == 0
+        for case, gathered, gathered_calls, blocking, broadcast, broadcast_calls, at_five, gather_calls, shared in \
+                rows[:len(CASES)]:
+            assert gathered and broadcast and at_five, (k, rank, case, rows)
+            assert shared == (case != "all 1 KB" and not leader), (k, rank, case, shared)  # 2.3 MB and more
+            assert blocking == 0
+            if leader:  # a gather: the slots, dst's word, the rests (one batch)
+                assert 1 <= gathered_calls <= 2 and 1 <= broadcast_calls <= 2 + votes, (k, rank, case, rows)
+                assert 2 <= gather_calls <= 3, (k, rank, case, rows)
+            else:
+                assert gathered_calls == broadcast_calls == gather_calls == 0, (k, rank, case, rows)
+        reduced, reduced_calls = rows[len(CASES)]
+        assert reduced and (leader or reduced_calls == 0), rows[len(CASES)]  # the tree's sends are point to point
+        assert rows[len(CASES) + 1] == (True, 0 if leader else 1), rows[len(CASES) + 1]
+        if k == 4:
+            got, collectives = rows[-1]
+            assert got == [r for r in range(W) if r // 4 == rank // 4] and collectives == 0, (rank, rows[-1])
+
+
+def bad_input_on_two_levels(case: str) -> str:
+    """:func:`bad_input` with the whole group's calls through two levels (hosts of three: 3 + 3 + 2)."""
+    with ranks_per_host(3):
+        comm, rank = objcomm.Communicator(), dist.get_rank()
+        try:
+            if case == "over a receiver's limit":
+                comm.all_gather(b"x" * ((1 << 20) if rank == 6 else 10), max_bytes=(1 << 19) if rank == 4 else None)
+            elif case == "a failing encode":
+                comm.all_gather(object() if rank == 5 else b"x" * 100_000, serializer="json")
+            elif case == "a receiver refuses a broadcast":
+                comm.broadcast(b"y" * (3 << 20) if rank == 1 else None, src=1,
+                               max_bytes=(1 << 20) if rank == 7 else None)
+            elif case == "a lying sender":
+                if rank == 4:
+                    _rounds.all_gather(comm._call({}).wire, _forged_table(1 << 40), _frame.tensor_sizes)
+                else:
+                    comm.all_gather({"t": torch.ones(1000, dtype=torch.uint8)})
+            return "no error"
+        except objcomm.ObjcommError as exc:
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
+        finally:
+            assert comm.all_gather(rank) == list(range(W))  # the group is in step after the error
+
+
+@pytest.mark.parametrize("case, expected", [("over a receiver's limit", "TooLargeError"),
+                                            ("a failing encode", "RemoteError"),
+                                            ("a receiver refuses a broadcast", "TooLargeError"),
+                                            ("a lying sender", "FrameError")])
+def test_bad_input_on_two_levels_gets_the_same_error_on_every_rank(case, expected):
+    outcomes = get_pool(W).run(bad_input_on_two_levels, case, timeout=120)
+    assert len(set(outcomes)) == 1, outcomes
+    assert outcomes[0].startswith(expected), outcomes[0]
 
 
 def votes_off_a_power_of_two() -> Any:
@@ -246,3 +322,28 @@ def votes_off_a_power_of_two() -> Any:
 
 def test_votes_on_a_world_that_is_no_power_of_two():
     assert get_pool(3).run(votes_off_a_power_of_two, timeout=60) == [(True, "TooLargeError")] * 3
+
+
+def lying_in_a_vote() -> Any:
+    """Rank 1 lies in the recursive doubling of a vote (objcomm._transport.base._largest_by_doubling): "refuse" to
+    its first partner (rank 0), "accept" to the others (ranks 3 and 5), then takes part in the broadcast as any
+    rank does. Every honest rank must act on one answer (before the broadcast, ranks 3, 5 and 7 read "accept" and
+    the others "refuse": they would have parted ways)."""
+    rank = dist.get_rank()
+    wire = _comm()._call({}).wire
+    if rank != 1:
+        return _base.largest_of(wire, [0], "a vote")
+    mine, theirs = torch.tensor([1]), torch.empty(1, dtype=torch.int64)
+    for partner in (0, 3, 5):
+        ops = [dist.P2POp(dist.isend, mine.clone(), partner, wire.group, 2 * _base.INTERNAL_TAG + 1),
+               dist.P2POp(dist.irecv, theirs, partner, wire.group, 2 * _base.INTERNAL_TAG + 1)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        mine[0] = 0  # "accept" from now on
+    dist.broadcast(mine, src=0)
+    return None
+
+
+def test_a_rank_that_lies_in_a_vote_cannot_split_the_honest_ones():
+    got = get_pool(W).run(lying_in_a_vote, timeout=60)
+    assert got[1] is None and [got[r] for r in range(W) if r != 1] == [[1]] * (W - 1), got

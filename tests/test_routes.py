@@ -111,3 +111,35 @@ def test_nccl_exchange_goes_in_rounds_of_chunk_bytes():
 def test_plan_refuses_an_op_it_does_not_cover():
     with pytest.raises(ValueError, match="plans cover"):
         plan("scatter", Topology(world=2), [0, 0])
+
+
+def test_two_levels_cut_off():
+    assert routes.two_levels(hosts=2, widest=2, cpu=True, local=True)
+    assert not routes.two_levels(hosts=1, widest=8, cpu=True, local=True)  # one host: the group's own channel
+    assert not routes.two_levels(hosts=8, widest=1, cpu=True, local=True)  # one rank per host: nothing to share
+    assert not routes.two_levels(hosts=8, widest=8, cpu=False, local=True)  # NCCL builds its own hierarchy
+    assert not routes.two_levels(hosts=8, widest=8, cpu=True, local=False)
+
+
+@pytest.mark.parametrize("world", [16, 512, 8192])
+def test_two_levels_leave_the_backend_to_one_rank_per_host(world):
+    """gloo, hosts of 8: every backend step runs over the leaders (one rank per host, across hosts); the hosts' own
+    steps over 8 ranks through the channel; bounded calls whatever the spread."""
+    topology = Topology(world=world, ranks_per_host=8)
+    for case, rests in _spreads(world).items():
+        for op, most in (("all_gather", 2), ("gather", 3), ("broadcast", 4), ("all_reduce", 5)):
+            got = plan(op, topology, rests)
+            backend = [s for s in got.steps if s.medium == BACKEND and s.collective != "tree"]
+            assert backend and all(s.across and s.ranks == world // 8 for s in backend), (op, case, got)
+            assert all(s.ranks == 8 for s in got.steps if s.medium == CHANNEL), (op, case, got)
+            assert got.backend_calls <= most + (max(rests) >> 28), (op, case, world, got.backend_calls)
+
+
+def test_two_levels_only_where_they_apply():
+    rests = _spreads(64)["all 1 MB"]
+    for topology, knobs in ((Topology(world=64, ranks_per_host=8, device="cuda"), Knobs()),
+                            (Topology(world=64, ranks_per_host=1), Knobs()),
+                            (Topology(world=64, ranks_per_host=8), Knobs(local=False)),
+                            (Topology(world=64, ranks_per_host=8, channel_open=False), Knobs())):
+        steps = plan("all_gather", topology, rests, knobs).steps
+        assert not any(s.ranks or s.across for s in steps), (topology, knobs)

@@ -111,10 +111,13 @@ def test_cases_are_seeded_and_shaped():
 
 
 def test_a_whole_row_by_hand():
-    """all_gather of 1 KB objects on 8 NCCL ranks: one padded all_gather of the 4 KB slots, nothing after."""
+    """all_gather of 1 KB objects on 8 NCCL ranks, one host: the 4 KB slots through the same-host channel (each
+    rank sends its slot to 7 peers at once), nothing after; flat (``--flat``): one padded all_gather of them."""
     a, b = 5e-6, 25e9
     sizes = sm.sizes_for("equal-small", 8)
-    assert sm.objcomm_cost("all_gather", sm.NCCL, 8, sizes) == pytest.approx(7 * a + 7 * 4096 / b)
+    assert sm.objcomm_cost("all_gather", sm.NCCL, 8, sizes) == pytest.approx(a + 7 * 4096 / sm.SAME_HOST_BANDWIDTH)
+    flat = sm.objcomm_plan("all_gather", sm.NCCL, 8, sizes, two_levels=False)
+    assert sm.plan_cost(flat, sm.NCCL, 8) == pytest.approx(7 * a + 7 * 4096 / b)
     assert sm.ideal_cost("all_gather", sm.NCCL, 8, sizes) == pytest.approx(7 * a + 7 * 1024 / b)
     assert sm.torch_cost("all_gather", sm.NCCL, 8, sizes) == pytest.approx(14 * a + 7 * (8 + 1024) / b)
     assert sm.ideal_cost("all_reduce", sm.GLOO, 64, sizes) == pytest.approx(2 * 6 * 50e-6 + 2 * 1024 / 1.25e9)
@@ -139,3 +142,15 @@ def test_the_table_is_markdown(capsys):
     assert sm.main(["--world", "8", "--case", "equal-small", "--op", "all_gather"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 + 2 and all(line.startswith("| ") or line.startswith("|---") for line in lines)
+
+
+def test_a_row_of_two_levels_by_hand():
+    """all_gather of 1 KB objects on 16 gloo ranks, two hosts of 8: each host's slots to its leader through the
+    channel, the two leaders' all_gather of their hosts' 8 slots (across hosts), the 64 KB table back through the
+    channel."""
+    inside, across, slot = sm.GLOO.alpha_intra, sm.GLOO.alpha_inter, 4096
+    to_leader = inside + 7 * slot / sm.SAME_HOST_BANDWIDTH
+    leaders = across + 8 * slot / sm.GLOO.bandwidth
+    back = inside + 7 * (2 * 8 * slot) / sm.SAME_HOST_BANDWIDTH
+    cost = sm.objcomm_cost("all_gather", sm.GLOO, 16, sm.sizes_for("equal-small", 16))
+    assert cost == pytest.approx(to_leader + leaders + back)

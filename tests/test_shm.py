@@ -17,9 +17,11 @@ import objcomm
 from objcomm import _state
 from objcomm._api.call import second_round_for as _second_round
 from objcomm._format import slot as _slot
-from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._samehost import segments as _segments
 from objcomm._samehost import shm as _shm
+from objcomm._samehost import two_level as _two_level
+from objcomm._samehost.channel_rounds import ChannelRounds
+from objcomm._samehost.two_level_rests import TwoLevelRests
 from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
@@ -62,7 +64,7 @@ def _wire(directory: str, separate: bool, group: Any = None, threshold: int = TH
         group=group, ranks=dist.get_process_group_ranks(group), rank=dist.get_rank(group), device=torch.device("cpu"),
         slot=SLOT, chunk=1 << 20, max_bytes=1 << 30,
         second_round=strategy(threshold=threshold, directory=directory, separate=separate, zero_copy=zero_copy),
-        first_round=_channel_slots.same_host(separate, None) if local else BACKEND,
+        first_round=_two_level.strategy(separate, None) if local else BACKEND,
     )
 
 
@@ -264,7 +266,8 @@ def test_switched_off_moves_nothing_through_shared_memory(shm_dir):
 def _shm_config(comm: objcomm.Communicator) -> Any:
     """The shared-memory configuration a call through ``comm`` would use (no group needed)."""
     strategy = _second_round(comm._call({}).options, comm._segments)
-    strategy = getattr(strategy, "inner", strategy)  # with local on, the channel's second rounds wrap it
+    while isinstance(strategy, (TwoLevelRests, ChannelRounds)):  # with local on, two levels and the channel wrap it
+        strategy = strategy.inner
     return None if strategy is DIRECT else strategy
 
 

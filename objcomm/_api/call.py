@@ -24,10 +24,11 @@ from objcomm._errors import CommunicationError, Failure, ObjcommError, remote_er
 from objcomm._format import frame as _frame
 from objcomm._format.limits import too_large
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing
-from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._samehost import shm as _shm
+from objcomm._samehost import two_level as _two_level
 from objcomm._samehost.channel_rounds import ChannelRounds
 from objcomm._samehost.segments import DEFAULT_DIRECTORY, SegmentBook
+from objcomm._samehost.two_level_rests import TwoLevelRests
 from objcomm._settings import CallOptions
 from objcomm._transport import routes
 from objcomm._transport.base import BACKEND, DIRECT, FirstRound, SecondRound, Wire
@@ -173,13 +174,17 @@ def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound
                                    separate=options.separate_hosts, zero_copy=options.shm_zero_copy, book=segments)
     if not options.local:
         return shared
-    return ChannelRounds(shared, min(options.shm_threshold, routes.CHANNEL_MOST))
+    return TwoLevelRests(ChannelRounds(shared, min(options.shm_threshold, routes.CHANNEL_MOST)),
+                         options.shm_threshold if options.shm else None)
 
 
 def first_round_for(options: CallOptions) -> FirstRound:
     """Who may move a call's round-1 slots: the same-host channel when switched on (it decides per group
     whether it opens), else the group."""
-    return _channel_slots.same_host(options.separate_hosts, options.local_spin_us) if options.local else BACKEND
+    if not options.local:
+        return BACKEND
+    return _two_level.strategy(options.separate_hosts, options.local_spin_us,
+                               options.shm_threshold if options.shm else None)
 
 
 MAX_TAG = _reduce.REDUCE_TAG - 1  # the backend carries 2 * tag + 1 (see objcomm._transport.base.Wire.data_tag)

@@ -46,6 +46,8 @@ class Operations(Resolving):
         out, local = call.encode(obj)
         incoming = _rounds.gather(call.wire, out, _frame.tensor_sizes, root)
         if incoming is None:
+            if local is not None:  # dst said go over this rank's error report (only a lying dst does)
+                raise local
             return None
         call.raise_failures("gather", incoming, local)
         if call.wire.rank != root:
@@ -95,6 +97,8 @@ class Operations(Resolving):
         out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
         incoming = _rounds.gather(call.wire, out, _frame.tensor_sizes, root)
         if incoming is None:
+            if local is not None:  # dst said go over this rank's error report (only a lying dst does)
+                raise local
             return None
         call.raise_failures("reduce", incoming, local)
         if call.wire.rank != root:

@@ -52,7 +52,7 @@ from objcomm._samehost.inbox import REST
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._samehost.segments import host_bytes
 from objcomm._transport import routes
-from objcomm._transport.base import NotUsed, Route, SecondRound, Slot, Wire
+from objcomm._transport.base import NOT_USED, NotUsed, Route, SecondRound, Slot, Wire
 
 CHUNK = MAX_PAYLOAD  # bytes of one channel message
 MOST = routes.CHANNEL_MOST  # the most second-round bytes (largest sender's; a gather's, all senders') it takes
@@ -86,17 +86,17 @@ class ChannelRounds:
         channel, spin = found
         me = wire.rank
         received: List[Optional[bytearray]] = [bytearray(n) if n and r != me else None for r, n in enumerate(moved)]
-        mine = _chunks(_pieces(out, infos[me].inline is not None))
+        mine = chunks(pieces(out, infos[me].inline is not None))
         for index in range(-(-max(moved) // CHUNK)):
             got = channel.all_gather(next(mine, b""), spin)
             for r, into in enumerate(received):
                 if into is not None:
-                    _place(channel, into, got[r], index, r, op)
+                    place(channel, into, got[r], index, r, op)
                 elif r != me:
-                    _checked(channel, got[r], index, 0, r, op)
+                    checked(channel, got[r], index, 0, r, op)
         return [
             Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors]) if r == me  # never the input itself
-            else _incoming(into, infos[r], sizes_of, r, op) if into is not None
+            else incoming(into, infos[r], sizes_of, r, op) if into is not None
             else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
             for r, into in enumerate(received)
         ]
@@ -110,26 +110,28 @@ class ChannelRounds:
         channel, spin = found
         if wire.rank == src:
             assert out is not None
-            for chunk in _chunks(_pieces(out, info.inline is not None)):
+            for chunk in chunks(pieces(out, info.inline is not None)):
                 channel.broadcast(chunk, src, spin)
-            _all_received(channel, moved, spin, op)
+            all_received(channel, moved, spin, op)
             return Incoming(out.frame, list(out.tensors))  # the caller decodes its own with own=True
         refuse = info.total > wire.max_bytes  # above this rank's limit (no vote came first): received and dropped
         into = None if refuse else bytearray(moved)
         for index in range(-(-moved // CHUNK)):
             chunk = channel.broadcast(None, src, spin)
             if into is None:
-                _checked(channel, chunk, index, moved, src, op)
+                checked(channel, chunk, index, moved, src, op)
             else:
-                _place(channel, into, chunk, index, src, op)
-        _all_received(channel, moved, spin, op)
+                place(channel, into, chunk, index, src, op)
+        all_received(channel, moved, spin, op)
         if into is None:
             raise _limits.refused(op, src, wire, info.total, None, drained=True,
                                   into=f"messages of at most {CHUNK:,} bytes of the same-host channel")
-        return _incoming(into, info, sizes_of, src, op)
+        return incoming(into, info, sizes_of, src, op)
 
-    def gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, dst: int,
+    def gather(self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int,
                op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
+        if infos is None:  # only the destination read round 1 (two levels took it)
+            return NOT_USED
         moved = [0 if r == dst else info.second_round_bytes for r, info in enumerate(infos)]
         # the senders do not wait for the destination, which may stash what the fast ones send while it waits for a
         # slow one: at most MOST bytes a gather (as a broadcast or scatter receiver gets at most MOST from its root)
@@ -139,23 +141,23 @@ class ChannelRounds:
         channel, spin = found
         me, messages = wire.rank, -(-max(moved) // CHUNK)
         if me != dst:
-            mine = _chunks(_pieces(out, infos[me].inline is not None))
+            mine = chunks(pieces(out, infos[me].inline is not None))
             for _ in range(messages):
                 channel.gather(next(mine, b""), dst, spin)
-            _all_received(channel, sum(moved), spin, op)
+            all_received(channel, sum(moved), spin, op)
             return None
         received: List[Optional[bytearray]] = [bytearray(n) if n else None for n in moved]
         for index in range(messages):
             got = channel.gather(None, dst, spin)
             for r, into in enumerate(received):
                 if into is not None:
-                    _place(channel, into, got[r], index, r, op)
+                    place(channel, into, got[r], index, r, op)
                 elif r != me:
-                    _checked(channel, got[r], index, 0, r, op)
-        _all_received(channel, sum(moved), spin, op)
+                    checked(channel, got[r], index, 0, r, op)
+        all_received(channel, sum(moved), spin, op)
         return [
             Incoming(out.frame, list(out.tensors)) if r == me  # the caller decodes its own with own=True
-            else _incoming(into, infos[r], sizes_of, r, op) if into is not None
+            else incoming(into, infos[r], sizes_of, r, op) if into is not None
             else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
             for r, into in enumerate(received)
         ]
@@ -172,7 +174,7 @@ class ChannelRounds:
             streams = _streams(wire, outs)
             for _ in range(messages):
                 channel.scatter([next(stream, b"") for stream in streams], src, spin)
-            _all_received(channel, longest, spin, op)
+            all_received(channel, longest, spin, op)
             return Incoming(outs[me].frame, list(outs[me].tensors))  # the caller decodes its own with own=True
         moved = info.second_round_bytes
         if moved > longest:
@@ -180,10 +182,10 @@ class ChannelRounds:
                              f"{longest:,} at most: a protocol error")
         into = bytearray(moved)
         for index in range(messages):
-            _place(channel, into, channel.scatter(None, src, spin), index, src, op)
-        _all_received(channel, longest, spin, op)
+            place(channel, into, channel.scatter(None, src, spin), index, src, op)
+        all_received(channel, longest, spin, op)
         # the ignore below: nothing moved, so the frame came inline
-        return _incoming(into, info, sizes_of, src, op) if moved else Incoming(info.inline)  # type: ignore[arg-type]
+        return incoming(into, info, sizes_of, src, op) if moved else Incoming(info.inline)  # type: ignore[arg-type]
 
     def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
                    longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
@@ -199,12 +201,12 @@ class ChannelRounds:
             got = channel.all_to_all([next(stream, b"") for stream in streams], spin)
             for r, into in enumerate(received):
                 if into is not None:
-                    _place(channel, into, got[r], index, r, op)
+                    place(channel, into, got[r], index, r, op)
                 elif r != me:
-                    _checked(channel, got[r], index, 0, r, op)
+                    checked(channel, got[r], index, 0, r, op)
         return [
             Incoming(outs[r].frame, list(outs[r].tensors)) if r == me  # the caller decodes its own with own=True
-            else _incoming(into, infos[r], sizes_of, r, op) if into is not None
+            else incoming(into, infos[r], sizes_of, r, op) if into is not None
             else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
             for r, into in enumerate(received)
         ]
@@ -224,42 +226,42 @@ def send_p2p(channel: _socket.LocalChannel, wire: Wire, out: Outgoing, info: Slo
              message: int) -> None:
     """The rest of message ``message`` to group rank ``dst``, once it answered for it: its frame unless the slot
     carried it, then its tensors, in messages of :data:`CHUNK` bytes under ``(tag, REST, message)``."""
-    for chunk in _chunks(_pieces(out, info.inline is not None)):
+    for chunk in chunks(pieces(out, info.inline is not None)):
         channel.send_part(REST, chunk, dst, wire.tag, message)
 
 
 def recv_p2p(channel: _socket.LocalChannel, spin: Optional[float], wire: Wire, info: SlotInfo, sizes_of: SizesOf,
              src: int, message: int, op: str, drain: bool = False) -> Incoming:
     """The rest of group rank ``src``'s message ``message`` (see :func:`send_p2p`), each message's length checked
-    against what its slot ``info`` announced; read as a segment is (:func:`_incoming`). ``drain``: a refusing
+    against what its slot ``info`` announced; read as a segment is (:func:`incoming`). ``drain``: a refusing
     receiver's, read and dropped (an empty result)."""
     moved = info.second_round_bytes
     into = bytearray(0 if drain else moved)
     for index in range(-(-moved // CHUNK)):
         chunk = channel.recv_part(REST, src, wire.tag, message, spin)
         if drain:
-            _checked(channel, chunk, index, moved, src, op)
+            checked(channel, chunk, index, moved, src, op)
         else:
-            _place(channel, into, chunk, index, src, op)
-    return Incoming(memoryview(b"")) if drain else _incoming(into, info, sizes_of, src, op)
+            place(channel, into, chunk, index, src, op)
+    return Incoming(memoryview(b"")) if drain else incoming(into, info, sizes_of, src, op)
 
 
 def _streams(wire: Wire, outs: Sequence[Outgoing]) -> List[Iterator[Slot]]:
     """The messages of each rank's part (scatter, all_to_all): none for this rank's own, nor for a part its slot
     carried whole."""
     capacity = wire.inline_capacity
-    return [_chunks(_pieces(o, o.frame_nbytes <= capacity))
+    return [chunks(pieces(o, o.frame_nbytes <= capacity))
             if r != wire.rank and outgoing_second_round_bytes(o, capacity) else iter(()) for r, o in enumerate(outs)]
 
 
-def _pieces(out: Outgoing, inline: bool) -> List[memoryview]:
+def pieces(out: Outgoing, inline: bool) -> List[memoryview]:
     """What this rank moves after round 1, as byte views: its frame's parts unless the slot carried it
     (``inline``), then its tensors (host memory: the channel is only used for CPU wires)."""
     frame = [] if inline else [memoryview(p).cast("B") for p in out.parts]
     return [p for p in frame + [host_bytes(t) for t in out.tensors] if p.nbytes]
 
 
-def _chunks(pieces: List[memoryview]) -> Iterator[Slot]:
+def chunks(pieces: List[memoryview]) -> Iterator[Slot]:
     """``pieces`` back to back, in messages of :data:`CHUNK` bytes (the last one shorter)."""
     pending: List[memoryview] = []
     room = CHUNK
@@ -275,7 +277,7 @@ def _chunks(pieces: List[memoryview]) -> Iterator[Slot]:
         yield pending[0] if len(pending) == 1 else b"".join(pending)
 
 
-def _all_received(channel: _socket.LocalChannel, moved: int, spin: Optional[float], op: str) -> None:
+def all_received(channel: _socket.LocalChannel, moved: int, spin: Optional[float], op: str) -> None:
     """After a broadcast's, gather's or scatter's second round of ``moved`` bytes, on every rank: once the channel's
     broadcasts, gathers and scatters moved :data:`MOST` bytes since the last time, an empty all_gather, so that a sender
     (a root, a gather's non-destination) cannot run further ahead of its receivers (what a receiver's other
@@ -292,13 +294,13 @@ def _all_received(channel: _socket.LocalChannel, moved: int, spin: Optional[floa
                          "different calls, or a protocol error")
 
 
-def _place(channel: _socket.LocalChannel, into: bytearray, chunk: Slot, index: int, sender: int, op: str) -> None:
-    """Message ``index`` of ``sender``'s second round, checked (:func:`_checked`), in its place in ``into``."""
-    at = _checked(channel, chunk, index, len(into), sender, op)
+def place(channel: _socket.LocalChannel, into: bytearray, chunk: Slot, index: int, sender: int, op: str) -> None:
+    """Message ``index`` of ``sender``'s second round, checked (:func:`checked`), in its place in ``into``."""
+    at = checked(channel, chunk, index, len(into), sender, op)
     into[at : at + len(chunk)] = chunk
 
 
-def _checked(channel: _socket.LocalChannel, chunk: Slot, index: int, total: int, sender: int, op: str) -> int:
+def checked(channel: _socket.LocalChannel, chunk: Slot, index: int, total: int, sender: int, op: str) -> int:
     """Where message ``index`` of ``sender``'s ``total`` second-round bytes goes, once its length is the one due
     (else the channel fails: the ranks are out of step)."""
     at = index * CHUNK
@@ -310,7 +312,7 @@ def _checked(channel: _socket.LocalChannel, chunk: Slot, index: int, total: int,
     return at
 
 
-def _incoming(data: bytearray, info: SlotInfo, sizes_of: SizesOf, sender: int, op: str) -> Incoming:
+def incoming(data: bytearray, info: SlotInfo, sizes_of: SizesOf, sender: int, op: str) -> Incoming:
     """``sender``'s frame (unless round 1 carried it) and tensors from its second round's bytes, read as a
     segment is (:func:`objcomm._samehost.segments.read_segment`); the tensors are views of ``data``."""
     view = memoryview(data)

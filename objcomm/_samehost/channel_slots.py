@@ -274,6 +274,12 @@ class SameHostSlots:
         trimmed_slots = [_trim(s) for s in slots]
         return self._voting(wire, channel, lambda: channel.all_to_all(trimmed_slots, self.spin), op, slots[wire.rank])
 
+    def gather(self, wire: Wire, slot: Slot, dst: int, op: str) -> Union[Optional[List[Slot]], NotUsed]:
+        return NOT_USED  # on one host a gather's round 1 is the channel's all_gather
+
+    def share(self, wire: Wire, data: Optional[Slot], length: int, src: int, op: str) -> Union[Slot, NotUsed]:
+        return NOT_USED
+
     def gather_words(self, wire: Wire, words: Sequence[int], op: str) -> Union[List[List[int]], NotUsed]:
         found = self.channel_of(wire, op)  # round 1 opened it, or found none: never opened here, mid-call
         if found is None:
@@ -285,17 +291,17 @@ class SameHostSlots:
             if len(data) != packing.size:
                 channel.fail(op, f"rank {r} sent {len(data)} bytes of control words where {packing.size} were due "
                                  "(the ranks are at different calls, or a protocol error)")
-        _echo(channel, b"".join(got), self.spin, op, "control words")  # what every rank acts on: the same rows
+        echo(channel, b"".join(got), self.spin, op, "control words")  # what every rank acts on: the same rows
         return [list(packing.unpack(data)) for data in got]
+
+    def largest(self, wire: Wire, values: Sequence[int], op: str) -> Union[List[int], NotUsed]:
+        rows = self.gather_words(wire, values, op)
+        return rows if rows is NOT_USED else [max(column) for column in zip(*rows)]
 
     def agree(self, wire: Wire, infos: Sequence[SlotInfo], op: str) -> None:
         found = self.channel_of(wire, op)
         if found is not None:
-            # everything round 1 said that a decision reads: the words, and a frame the slot carried (its tensor
-            # table decides refusals and the second round's route)
-            view = [(i.length, i.error, i.round2, i.limit, i.total, i.sizes,
-                     None if i.inline is None else hashlib.blake2b(i.inline, digest_size=16).digest()) for i in infos]
-            _echo(found[0], repr(view).encode(), found[1], op, "round-1 slots")
+            agree_on(found[0], found[1], infos, op)
 
     def _voting(self, wire: Wire, channel: _channel.LocalChannel, exchange: Callable[[], Sequence[Slot]],
                 op: str, mine: Slot) -> Sequence[Slot]:
@@ -367,18 +373,7 @@ def _control_group(group: Any) -> Any:
     return control
 
 
-_STRATEGIES: Dict[Tuple[int, Optional[int]], SameHostSlots] = {}
-
-
-def same_host(separate: Union[bool, int], spin_us: Optional[int]) -> SameHostSlots:
-    """The strategy for these settings, built once (the wire of every call holds one)."""
-    found = _STRATEGIES.get((separate, spin_us))
-    if found is None:
-        found = _STRATEGIES.setdefault((separate, spin_us), SameHostSlots(separate, spin_us))
-    return found
-
-
-def _echo(channel: _channel.LocalChannel, seen: bytes, spin: Optional[float], op: str, what: str) -> None:
+def echo(channel: _channel.LocalChannel, seen: bytes, spin: Optional[float], op: str, what: str) -> None:
     """Check that every rank saw ``seen`` (one channel hop: a 16-byte digest each); else fail the channel, so that
     every rank raises rather than act on different views. A digest, not the bytes: cheap at any size, and 128 bits,
     beyond a lying rank's reach for two messages with one digest.
@@ -398,7 +393,15 @@ def _echo(channel: _channel.LocalChannel, seen: bytes, spin: Optional[float], op
                              "protocol error")
 
 
-PASSED = b"\x01"  # what every rank echoes once it found every rank's digest alike (_echo)
+def agree_on(channel: _channel.LocalChannel, spin: Optional[float], infos: Sequence[SlotInfo], op: str) -> None:
+    """:func:`echo` of everything round 1 said that a decision reads: the words, and a frame the slot carried (its
+    tensor table decides refusals and the second round's route)."""
+    view = [(i.length, i.error, i.round2, i.limit, i.total, i.sizes,
+             None if i.inline is None else hashlib.blake2b(i.inline, digest_size=16).digest()) for i in infos]
+    echo(channel, repr(view).encode(), spin, op, "round-1 slots")
+
+
+PASSED = b"\x01"  # what every rank echoes once it found every rank's digest alike (echo)
 
 
 @functools.lru_cache(maxsize=16)

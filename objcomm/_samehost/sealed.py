@@ -167,6 +167,23 @@ def map_sealed(
     return incoming
 
 
+def map_parts(where: Sealed, sizes: Sequence[int]) -> List[memoryview]:
+    """The parts of ``sizes`` bytes a writer sealed at ``where`` (:func:`write_sealed` with no frame), as views on
+    one private mapping (their memory lives while a view does). ``FrameError``: a file to refuse (its size is not
+    exactly what ``sizes`` lay out, among the rest: see the module docstring); :class:`Unopenable`: one that cannot
+    be opened."""
+    fd = _open_regular(where)
+    try:
+        held = _check_sealed(fd, where).st_size
+        offsets, end = layout(0, sizes)
+        if held != end:
+            raise FrameError(f"sealed segment {where.path} holds {held:,} bytes, its layout needs {end:,}; refused")
+        whole = memoryview(_private(fd, held)) if held else memoryview(b"")
+    finally:
+        os.close(fd)  # the mapping keeps the memory
+    return [whole[o : o + n] for o, n in zip(offsets, sizes)]
+
+
 def _map_checked(
     buffers: Buffers, size: int, inline: Optional[memoryview], length: int, sizes_of: SizesOf,
 ) -> Incoming:

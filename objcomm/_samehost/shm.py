@@ -95,13 +95,17 @@ class SharedMemory:
 
     # -- the decision ----------------------------------------------------------------------------
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
-        """Whether ``moved`` second-round bytes (the largest sender's) may go this way, before
-        asking where the ranks run: CPU transfers at or above the threshold."""
+        """Whether ``moved`` second-round bytes (the largest sender's) may go this way: CPU transfers at or above
+        the threshold, unless a collective's group is known to span hosts (learned at one call on every rank)."""
         if wire.device.type != "cpu":
             return False
         if not routes.shared_memory_takes(moved, threshold=self.threshold, cpu=True):
             log.debug("objcomm shm: %s moves %d bytes, below the threshold of %d; normal transport",
                       op, moved, self.threshold)
+            return False
+        known = _state.group_facts(wire.group).hosts.get(self.separate)
+        if known is not None and not known.one_host and op not in ("send", "recv"):  # (peers may share a host)
+            log.debug("objcomm shm: %s spans %d hosts; normal transport", op, len(set(known.keys)))
             return False
         return True
 
@@ -232,8 +236,10 @@ class SharedMemory:
 
         return self._collective(wire, hosts, parts, read, op)
 
-    def gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, dst: int,
+    def gather(self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int,
                op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
+        if infos is None:  # only the destination read round 1 (two levels took it)
+            return NOT_USED
         moved = [0 if r == dst else info.second_round_bytes for r, info in enumerate(infos)]
         hosts = self.hosts_for(wire, max(moved), op)
         if hosts is None:

@@ -64,8 +64,10 @@ class SecondRound(Protocol):
     def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
                    op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]: ...
 
-    def gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, dst: int,
-               op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]: ...
+    def gather(self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int,
+               op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
+        """``infos`` None: on a rank other than ``dst`` after ``dst`` read round 1 and said go (only ``dst`` holds every
+        slot); a strategy takes that only where round 1 went its way (two levels), else :data:`NOT_USED`."""
 
     def broadcast(self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int,
                   op: str) -> Union[Incoming, NotUsed]: ...
@@ -130,10 +132,20 @@ class FirstRound(Protocol):
 
     def all_to_all(self, wire: Wire, slots: Sequence[Slot], op: str) -> Union[Sequence[Slot], NotUsed]: ...
 
+    def gather(self, wire: Wire, slot: Slot, dst: int, op: str) -> Union[Optional[List[Slot]], NotUsed]:
+        """Every rank's slot on group rank ``dst`` (None elsewhere): round 1 of a gather, which :meth:`share` ends."""
+
+    def share(self, wire: Wire, data: Optional[Slot], length: int, src: int, op: str) -> Union[Slot, NotUsed]:
+        """Group rank ``src``'s ``length`` bytes (``data`` there) on every rank, where :meth:`gather` moved round 1: a
+        gather's word from its destination, and every slot after a failure."""
+
     def gather_words(self, wire: Wire, words: Sequence[int], op: str) -> Union[List[List[int]], NotUsed]:
         """Every rank's ``words`` (int64s, as many on every rank), in group-rank order: the small control
         collectives of a call's later rounds (the receivers' votes, :func:`largest_of`; the shared-memory
         announcement, :mod:`objcomm._samehost.shm`)."""
+
+    def largest(self, wire: Wire, values: Sequence[int], op: str) -> Union[List[int], NotUsed]:
+        """The element-wise maximum of every rank's ``values`` (:func:`largest_of`: a call's votes)."""
 
     def agree(self, wire: Wire, infos: Sequence[Any], op: str) -> None:
         """Before a call acts on round 1 beyond "it ended" (a second round, a refusal, a vote), check that every rank
@@ -195,7 +207,7 @@ class _Backend:
     def all_gather(self, *args: Any) -> NotUsed:
         return NOT_USED
 
-    broadcast = scatter = all_to_all = gather_words = all_gather
+    broadcast = scatter = all_to_all = gather_words = largest = gather = share = all_gather
 
     def agree(self, wire: Wire, infos: Sequence[Any], op: str) -> None:
         pass
@@ -260,11 +272,11 @@ def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 def largest_of(wire: Wire, values: Sequence[int], op: str, dtype: torch.dtype = torch.int64) -> List[int]:
     """The element-wise maximum of ``values`` over the ranks of ``wire``'s group (every rank calls it): through
-    the first-round strategy when it moves words (the same-host channel, as int64), else one
+    the first-round strategy when it moves words (the same-host channel, or two levels: as int64), else one
     ``all_reduce(MAX)`` of ``dtype`` on the group. The small votes and outcomes ahead of a second round."""
-    rows = wire.first_round.gather_words(wire, values, op)
-    if rows is not NOT_USED:
-        return [max(column) for column in zip(*rows)]
+    found = wire.first_round.largest(wire, values, op)
+    if found is not NOT_USED:
+        return found
     largest = torch.tensor(list(values), dtype=dtype, device=wire.device)
     if wire.device.type == "cpu" and wire.size > 2:  # gloo's all_reduce is a ring: 2(W - 1) steps in sequence
         return _largest_by_doubling(wire, largest, op)
@@ -273,9 +285,13 @@ def largest_of(wire: Wire, values: Sequence[int], op: str, dtype: torch.dtype = 
 
 
 def _largest_by_doubling(wire: Wire, mine: torch.Tensor, op: str) -> List[int]:
-    """:func:`largest_of` on gloo in ceil(log2 W) + 2 steps of pairwise exchanges (recursive doubling): ranks
-    past the largest power of two first hand their words to a partner below it and get the answer back last.
-    Under :data:`INTERNAL_TAG` (odd: apart from the data of objcomm's own point-to-point messages)."""
+    """:func:`largest_of` on gloo: recursive doubling, then a broadcast. Ranks past the largest power of two first
+    hand their words to a partner below it; the others take the maximum in ceil(log2 W) steps of pairwise exchanges
+    (under :data:`INTERNAL_TAG`, odd: apart from the data of objcomm's own point-to-point messages); then group rank
+    0's answer goes to every rank in gloo's broadcast (a binomial tree, ceil(log2 W) steps). The broadcast, which
+    gloo forwards itself, gives every rank one answer: a rank that lies in the exchanges (one word to one partner,
+    another to another) could otherwise leave honest ranks with different answers, which they would act on
+    differently."""
     me, size, tag = wire.rank, wire.size, 2 * INTERNAL_TAG + 1
     below = 1 << (size.bit_length() - 1)  # the largest power of two <= size
 
@@ -286,17 +302,15 @@ def _largest_by_doubling(wire: Wire, mine: torch.Tensor, op: str) -> List[int]:
 
     if me >= below:  # hand over, then wait for the answer
         post((dist.isend, mine, me - below))
-        post((dist.irecv, mine, me - below))
-        return mine.tolist()
-    theirs = torch.empty_like(mine)
-    if me + below < size:
-        post((dist.irecv, theirs, me + below))
-        torch.maximum(mine, theirs, out=mine)
-    step = 1
-    while step < below:
-        post((dist.isend, mine, me ^ step), (dist.irecv, theirs, me ^ step))
-        torch.maximum(mine, theirs, out=mine)
-        step *= 2
-    if me + below < size:
-        post((dist.isend, mine, me + below))
+    else:
+        theirs = torch.zeros_like(mine)  # (a short message leaves zeros: see objcomm._transport.bytes.zeroed)
+        if me + below < size:
+            post((dist.irecv, theirs, me + below))
+            torch.maximum(mine, theirs, out=mine)
+        step = 1
+        while step < below:
+            post((dist.isend, mine, me ^ step), (dist.irecv, theirs, me ^ step))
+            torch.maximum(mine, theirs, out=mine)
+            step *= 2
+    guarded(op, wire, dist.broadcast, mine, src=wire.ranks[0], group=wire.group)
     return mine.tolist()

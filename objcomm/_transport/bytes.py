@@ -34,6 +34,13 @@ def empty(length: int, wire: Wire) -> torch.Tensor:
     return torch.empty(length, dtype=torch.uint8, device=wire.device)
 
 
+def zeroed(length: int, wire: Wire) -> torch.Tensor:
+    """A buffer for a point-to-point receive. gloo completes a receive whose message is shorter than its buffer
+    (a sender that sends less than its slot announced): the rest of the buffer must then hold zeros, never what
+    this process's memory held before (a lying sender would read it back in the result of another call)."""
+    return torch.zeros(length, dtype=torch.uint8, device=wire.device)
+
+
 def receive_buffer(length: int, wire: Wire) -> Tuple[torch.Tensor, Optional[memoryview]]:
     """A buffer of ``length`` bytes on the wire's device and, on the CPU, a view of the same bytes (so that
     small round-1 receives need no conversion afterwards); ``None`` elsewhere (use :func:`host_view`)."""
@@ -80,7 +87,7 @@ class Batch:
             self.works.append(work)
 
     def recv(self, length: int, src: int) -> torch.Tensor:
-        buffer = empty(length, self.wire)
+        buffer = zeroed(length, self.wire)
         for start in pieces(length, self.wire.chunk):
             piece = buffer[start : start + self.wire.chunk]
             work = guarded(self.op, self.wire, dist.irecv, piece, src=self.wire.ranks[src], group=self.wire.group,
@@ -103,7 +110,7 @@ class Batch:
 
 def recv_bytes(wire: Wire, length: int, src: int, op: str, drain: bool = False) -> torch.Tensor:
     """Receive ``length`` bytes in chunks; ``drain``: into one small scratch buffer."""
-    buffer = empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
+    buffer = zeroed(min(length, wire.chunk, SCRATCH) if drain else length, wire)
     for start in pieces(length, wire.chunk):
         piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
         guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
@@ -172,7 +179,7 @@ def all_gather_rests(wire: Wire, mine: Sequence[torch.Tensor], lengths: Sequence
                         for at in pieces(lengths[me], wire.chunk)]
     for r, n in enumerate(lengths):
         if n and r != me:
-            got[r] = buffer = empty(n, wire)
+            got[r] = buffer = zeroed(n, wire)
             ops += [dist.P2POp(dist.irecv, buffer[at : at + wire.chunk], wire.ranks[r], wire.group, tag)
                     for at in pieces(n, wire.chunk)]
     if ops:

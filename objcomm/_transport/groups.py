@@ -17,19 +17,21 @@ sibling shares the caller's store connection, which serves one request at a time
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
 from objcomm._device import group_backend, group_timeout
 
 
-def sibling(group: Any, suffix: str, backend: Optional[str] = None) -> Any:
+def sibling(group: Any, suffix: str, backend: Optional[str] = None, ranks: Optional[Sequence[int]] = None) -> Any:
     """A process group with ``group``'s ranks (in its order), named ``<group's name>:<suffix>``, on ``backend``
-    (``None``: ``group``'s); every member calls this once, and it waits for the others up to the group's timeout."""
+    (``None``: ``group``'s); every member calls this once, and it waits for the others up to the group's timeout.
+    ``ranks``: only these global ranks of ``group`` (a host's, or its leaders': :mod:`objcomm._samehost.two_level`);
+    only they call it, and the suffix must tell this subset from the others."""
     c10d: Any = dist.distributed_c10d  # private names, typed differently across torch versions
     world = c10d._world
-    ranks = list(dist.get_process_group_ranks(group))
+    ranks = list(dist.get_process_group_ranks(group)) if ranks is None else list(ranks)
     timeout = group_timeout(group)
     if timeout is None:
         from torch.distributed.constants import default_pg_timeout as timeout

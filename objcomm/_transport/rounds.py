@@ -40,6 +40,7 @@ This module holds the steps every operation shares, all_gather, gather and send/
 
 from __future__ import annotations
 
+import struct
 from typing import List, Optional, Sequence
 
 import torch
@@ -51,16 +52,16 @@ from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, fill_slot, outgoing_second_round_bytes, read_slot, read_slots
 from objcomm._transport import pending as _pending
 from objcomm._transport import routes
-from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Route, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Route, Slot, Wire, all_gather_single, guarded, largest_of
 from objcomm._transport.bytes import (
     Batch,
     all_gather_rests,
-    empty,
     host_view,
     joined,
     receive_buffer,
     recv_bytes,
     to_device,
+    zeroed,
 )
 
 SCRATCH = _limits.SCRATCH_BYTES
@@ -187,14 +188,15 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
         infos = [read_slot(memoryview(s)) for s in slots]
     else:
         gathered_slots = _gather_slots(wire, raw, sizes_of, dst, op)
-        if gathered_slots is None:  # dst said go: only the rests move
-            _send_rest(wire, out, dst, op)
+        if gathered_slots is None:  # dst said go: only the rests move (the strategy's, where round 1 went its way)
+            if wire.second_round.gather(wire, out, None, sizes_of, dst, op) is NOT_USED:
+                _send_rest(wire, out, dst, op)
             return None
         infos = gathered_slots
     if not _limits.round_one_ends(infos):
         wire.first_round.agree(wire, infos, op)
     plans = _limits.plans(infos, sizes_of, op)
-    if any(info.error for info in infos):
+    if _limits.round_one_ends(infos):  # an error report, or every slot carried its whole message: nothing moves
         return _round_one(infos)
     _limits.check_limits(infos, [dst], op)
     gathered = wire.second_round.gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), dst, op)
@@ -212,6 +214,7 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
 
 
 GO, LOOK = 0, 1  # a gather's word from its destination after round 1
+_WORD = struct.Struct("<q")
 
 
 def _gather_slots(wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: str) -> Optional[List[SlotInfo]]:
@@ -219,6 +222,9 @@ def _gather_slots(wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: s
     broadcast on gloo, an all_reduce on NCCL: log W steps either way): :data:`GO` (the slots stay on ``dst``:
     returned there, None elsewhere) or :data:`LOOK` (``dst`` broadcasts every slot: every rank gets them, as after
     an all_gather, and raises what the others raise)."""
+    slots = wire.first_round.gather(wire, raw, dst, op)
+    if slots is not NOT_USED:  # the first-round strategy's gather (two levels), then its share of the word and table
+        return _gather_slots_through(wire, slots, sizes_of, dst, op)
     mine = _on_device(wire, raw)
     table, host = receive_buffer(wire.slot * wire.size, wire)
     word = torch.zeros(1, dtype=torch.int64, device=wire.device)
@@ -239,13 +245,28 @@ def _gather_slots(wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: s
     return read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
 
 
+def _gather_slots_through(wire: Wire, slots: Optional[List[Slot]], sizes_of: SizesOf, dst: int,
+                          op: str) -> Optional[List[SlotInfo]]:
+    """:func:`_gather_slots` where the first-round strategy gathered the slots (``slots``: on ``dst``): its
+    :meth:`~objcomm._transport.base.FirstRound.share` carries ``dst``'s word, and the table after a failure."""
+    infos = [read_slot(memoryview(s)) for s in slots] if slots is not None else []
+    said = wire.first_round.share(wire, _WORD.pack(_verdict(wire, infos, sizes_of, dst, op)) if wire.rank == dst
+                                  else None, _WORD.size, dst, op)
+    assert said is not NOT_USED  # the strategy that gathered shares
+    if _WORD.unpack(bytes(said))[0] == GO:
+        return infos if wire.rank == dst else None
+    table = wire.first_round.share(wire, b"".join(slots) if slots else None, wire.slot * wire.size, dst, op)
+    assert table is not NOT_USED
+    return read_slots(memoryview(table), wire.size, wire.slot)
+
+
 def _verdict(wire: Wire, infos: List[SlotInfo], sizes_of: SizesOf, dst: int, op: str) -> int:
     """:data:`LOOK` where every rank must see the slots: an error report, an inconsistent slot, a rank over
     ``dst``'s limit, or a rest that a same-host medium may take (it reads every slot); else :data:`GO`."""
-    if _limits.round_one_ends(infos):
-        return LOOK if any(info.error for info in infos) else GO
-    try:
+    try:  # (a slot that carries a whole frame may still list sizes its frame lacks: every rank must see that)
         _limits.plans(infos, sizes_of, op)
+        if _limits.round_one_ends(infos):
+            return LOOK if any(info.error for info in infos) else GO
         _limits.check_limits(infos, [dst], op)
     except ObjcommError:
         return LOOK
@@ -293,7 +314,7 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
         if answer and not agreed:
             return  # refused where the group's path sends without asking: there the receiver drains and raises alone
     elif agreed:
-        reply = empty(1, wire)
+        reply = zeroed(1, wire)
         guarded(op, wire, dist.recv, reply, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
         answer = int(reply.item())
     if answer == REFUSE_MALFORMED:
@@ -339,7 +360,7 @@ def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Rou
     if route is not None:
         sender, got, message = route.recv(wire, src, op)
         return received(wire, sender, read_slot(memoryview(got)), sizes_of, route, message)
-    slot = empty(wire.slot, wire)
+    slot = zeroed(wire.slot, wire)
     peer = None if src is None else wire.ranks[src]
     sender_global = guarded(op, wire, dist.recv, slot, src=peer, group=wire.group, tag=wire.data_tag)
     sender = list(wire.ranks).index(sender_global) if src is None else src

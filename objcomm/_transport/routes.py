@@ -29,6 +29,9 @@ backend exchange        all_gather's rests: one padded all_gather when          
                         ``world x widest <= PADDED_WITHIN x total``, else one exchange
                         at exact sizes (an uneven all_gather on NCCL, one batch of
                         send/recv on gloo); either in rounds of ``chunk_bytes``
+two levels              all_gather, gather, broadcast of a CPU group with ``local`` on   :func:`two_levels`
+                        that spans hosts, some with two ranks or more: each host's
+                        channel to its leader, the leaders on the backend, back
 ======================  ===============================================================  ==========================
 
 Example::
@@ -65,6 +68,14 @@ def express_possible(*, compression: bool, channel_first: bool) -> bool:
 def round_one(*, local: bool, one_host: bool, channel_open: bool) -> str:
     """The medium of round 1: the same-host channel where it is on and open on a group that lies on one host."""
     return CHANNEL if local and one_host and channel_open else BACKEND
+
+
+def two_levels(*, hosts: int, widest: int, cpu: bool, local: bool) -> bool:
+    """Whether all_gather and broadcast on a group that spans ``hosts`` hosts (``widest``: the most ranks on one)
+    go through two levels (:mod:`objcomm._samehost.two_level`): each host's channel to its leader, one collective
+    of the leaders, back through the channel. On CPU wires with ``local`` on, several hosts, and some host with
+    two ranks or more; NCCL builds its own hierarchy."""
+    return local and cpu and hosts > 1 and widest > 1
 
 
 def channel_takes(moved: int, *, limit: int, cpu: bool) -> bool:
@@ -145,14 +156,18 @@ class Knobs:
 @dataclass(frozen=True)
 class Step:
     """One transfer of a plan. ``collective``: what runs (``all_gather``, ``all_gatherv``: exact sizes,
-    ``gather``, ``broadcast``, ``all_reduce``, ``vote``: a word's maximum by recursive doubling (gloo: ceil(log2 W)
-    exchanges, two more where W is no power of two), ``p2p``: one batch of sends and receives to one rank, ``tree``:
+    ``gather``, ``broadcast``, ``all_reduce``, ``vote``: a word's maximum by recursive doubling then rank 0's
+    broadcast (gloo: floor(log2 W) exchanges, a hand-over more where W is no power of two, ceil(log2 W) broadcast
+    steps), ``p2p``: one batch of sends and receives to one rank, ``tree``:
     a binomial tree of sends toward group rank 0, ceil(log2 W) levels in sequence); ``medium``: who runs it;
-    ``nbytes``: the bytes each rank contributes, in group-rank order (a broadcast's and a tree's: one value)."""
+    ``nbytes``: the bytes each rank contributes, in group-rank order (a broadcast's and a tree's: one value); on two
+    levels, a host's step runs over ``ranks`` (the widest host's) and a leaders' step over one rank per host."""
 
     collective: str
     medium: str
     nbytes: Tuple[int, ...]
+    ranks: int = 0  # the ranks it runs over: 0, the group's; else one host's, or the leaders' (two levels)
+    across: bool = False  # every hop crosses hosts (the leaders' steps)
 
 
 @dataclass(frozen=True)
@@ -180,6 +195,10 @@ def plan(op: str, topology: Topology, rests: Sequence[int], knobs: Knobs = Knobs
     first = round_one(local=knobs.local, one_host=topology.one_host, channel_open=topology.channel_open)
     slots = (knobs.slot_bytes,) * world
     steps = []
+    k = min(topology.ranks_per_host, world)
+    if op in ("all_gather", "gather", "broadcast") and topology.channel_open and two_levels(
+            hosts=-(-world // k), widest=k, cpu=topology.cpu, local=knobs.local):
+        return Plan(op, CHANNEL, tuple(_two_level_steps(op, topology, list(rests), knobs, root, listed)))
     if op == "all_gather":
         steps.append(Step("all_gather", first, slots))
         moved = max(rests, default=0)
@@ -237,3 +256,58 @@ def _exchange(medium: str, rests: List[int], topology: Topology, knobs: Knobs) -
                 for at in range(0, widest, chunk)]
     return [Step("all_gatherv", BACKEND, tuple(rests))]  # gloo: one batch of sends and receives
 
+
+
+def _two_level_steps(op: str, topology: Topology, rests: List[int], knobs: Knobs, root: int,
+                     listed: bool) -> List[Step]:
+    """The steps of ``op`` through two levels (:mod:`objcomm._samehost.two_level`): the channel inside each host (a
+    step over the widest host's ranks), the leaders across them; every host's steps run at once."""
+    world, k, slot = topology.world, min(topology.ranks_per_host, topology.world), knobs.slot_bytes
+    hosts = [rests[h : h + k] for h in range(0, world, k)]
+    leaders = Topology(world=len(hosts), device=topology.device)
+
+    def across(steps: List[Step]) -> List[Step]:
+        return [Step(s.collective, s.medium, s.nbytes, len(hosts), True) for s in steps]
+
+    def relay(n: int) -> List[Step]:  # one rank's n bytes to every rank: its host, the leaders, the other hosts
+        pieces = [min(knobs.chunk_bytes, n - at) for at in range(0, n, knobs.chunk_bytes)]
+        return [Step("broadcast", CHANNEL, (n,), k), *across([Step("broadcast", BACKEND, (p,)) for p in pieces]),
+                Step("broadcast", CHANNEL, (n,), k)]
+
+    def published(n: int) -> str:  # how a leader hands an all_gather's n bytes to its host: one shared file, or not
+        shared = knobs.shm and shared_memory_takes(n, threshold=knobs.shm_threshold, cpu=True)
+        return SHARED_MEMORY if shared else CHANNEL
+
+    if op == "all_gather":
+        table = len(hosts) * k * slot
+        steps = [Step("gather", CHANNEL, (slot,) * k, k),
+                 *across([Step("all_gather", BACKEND, (k * slot,) * len(hosts))]),
+                 Step("broadcast", published(table), (table,), k)]
+        if max(rests, default=0):
+            steps += [Step("gather", CHANNEL, tuple(max(hosts, key=sum)), k),
+                      *across(_exchange(BACKEND, [sum(h) for h in hosts], leaders, knobs)),
+                      Step("broadcast", published(sum(rests)), (sum(rests),), k)]
+        return steps
+    if op == "gather":
+        home = root // k
+        steps = [Step("gather", CHANNEL, (slot,) * k, k), *across([Step("gather", BACKEND, (k * slot,) * len(hosts))])]
+        if root % k:
+            steps.append(Step("p2p", CHANNEL, (len(hosts) * k * slot,), k))
+        steps += relay(8)  # the destination's word
+        moved = [0 if r == root else n for r, n in enumerate(rests)]
+        if sum(moved):
+            totals = [sum(moved[h : h + k]) for h in range(0, world, k)]
+            busiest = max(range(len(hosts)), key=lambda h: totals[h])
+            steps += [Step("p2p", CHANNEL, tuple(moved[busiest * k : busiest * k + k]), k),
+                      *across([Step("p2p", BACKEND, tuple(0 if h == home else t for h, t in enumerate(totals)))])]
+            if root % k:
+                steps.append(Step("p2p", CHANNEL, (sum(moved),), k))
+        return steps
+    steps = relay(slot)  # broadcast
+    sent = rests[root]
+    if sent:
+        if agreement_needed(sizes_listed=listed, largest_piece=min(sent, knobs.chunk_bytes), medium_may_take=False):
+            steps += [Step("gather", CHANNEL, (8,) * k, k), *across([Step("vote", BACKEND, (4,) * len(hosts))]),
+                      Step("broadcast", CHANNEL, (8,), k)]
+        steps += relay(sent)
+    return steps

@@ -1,0 +1,213 @@
+"""Two levels for a group whose ranks span hosts: the same-host channel inside each host, one leader per host
+across them (issue 27).
+
+When the ranks of a CPU (gloo) group run on several hosts and some host holds two or more of them, round 1 of
+``all_gather`` and ``broadcast`` (and of ``all_reduce``, which ends in a broadcast), the votes of their calls and
+their second rounds move in three steps instead of one collective over every rank:
+
+1. inside each host, what its ranks send goes to the host's *leader* (its lowest group rank) through the host's
+   same-host channel (:mod:`objcomm._samehost.channel`);
+2. the leaders exchange the hosts' bundles through a process group of their own: one collective of the leaders
+   (round 2 of an all_gather at exact sizes, :func:`objcomm._transport.bytes.all_gather_rests`): the only backend
+   calls, on one rank per host;
+3. each leader hands what its host needs to its ranks through the channel, and they check, in one more hop of
+   the channel, that they all read what their leader read (:func:`objcomm._samehost.channel_slots.agree_on`), so
+   that a leader cannot tell its ranks different things.
+
+Every rank ends with the bytes the group's backend would have given it, so the transport's checks, limits and
+errors are those of the flat path, alike on every rank. A leader whose backend call fails fails its host's
+channel, so that its ranks raise too. A broadcast receiver over its ``max_bytes`` drops what it receives and
+raises alone, as on the flat path; a leader forwards it to its host first, one piece of ``chunk_bytes`` at a time
+(its memory stays bounded by that piece).
+
+Set up once per group, at its first all_gather or broadcast that finds the group spans hosts (every rank reaches
+it at the same call): which ranks share a host (one all_gather through the group,
+:func:`objcomm._samehost.hosts.discover`), each host's *node group* (made by its ranks alone) and the *leaders'
+group* (made by the leaders alone), both by :func:`objcomm._transport.groups.sibling`, the channel of each node
+group (its set-up), and one all_reduce through the group, so that every rank takes two levels only where every
+host's channel opened. Groups with one rank per host keep the flat path, as do NCCL groups (NCCL builds its own
+rings and trees over NVLink and the network), gather, scatter, all_to_all and send/recv.
+
+Example (four hosts of eight ranks)::
+
+    objcomm.all_gather(obj)   # ranks 1-7 of each host: channel only; the four leaders: one all_gather each
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from objcomm import _state
+from objcomm._errors import CommunicationError
+from objcomm._format.slot import SlotInfo
+from objcomm._samehost import hosts as _hosts
+from objcomm._samehost.channel import LocalChannel
+from objcomm._samehost.channel_slots import SameHostSlots, agree_on
+from objcomm._samehost.two_level_moves import (
+    Here,
+    Levels,
+    all_gather_fixed,
+    gather_fixed,
+    largest_in_levels,
+    relay,
+)
+from objcomm._transport import groups as _groups
+from objcomm._transport import routes
+from objcomm._transport.base import BACKEND, DIRECT, NOT_USED, NotUsed, Slot, Wire, guarded
+
+
+@dataclass(frozen=True)
+class TwoLevel(SameHostSlots):
+    """The same-host channel's first-round strategy (:class:`SameHostSlots`), which on a group that spans hosts
+    moves the slots of all_gather and broadcast, and the votes of a call, through two levels."""
+
+    shared_from: Optional[int] = None  # an all_gather's table of slots reaches a host in one shared file from here
+
+    def here(self, wire: Wire, op: str, set_up: bool = False) -> Optional[Here]:
+        """This call's two levels, or None where the flat path moves it (the same answer on every rank).
+        ``set_up``: learn the group's hosts first if they are not known yet (round 1 of a collective only)."""
+        if wire.device.type != "cpu" or wire.size < 3:
+            return None
+        known: Dict[Any, Optional[Levels]] = _state.group_facts(wire.group).levels
+        if self.separate not in known:
+            if not set_up:
+                return None
+            known[self.separate] = _set_up(self, wire, op)
+        levels = known[self.separate]
+        if levels is None:
+            return None
+        me = wire.rank
+        channel = None
+        if levels.node is not None:
+            node_wire = wire._replace(group=levels.node, ranks=levels.node_ranks, rank=levels.place[me],
+                                      first_round=BACKEND, second_round=DIRECT, tag=0)
+            # round 1 opens it again after a failure (a collective of the host's ranks, all at this call)
+            channel = self.channel(node_wire, op) if set_up else _open(self.channel_of(node_wire, op))
+            if channel is None:
+                raise CommunicationError(f"{op}: this host's same-host channel did not reopen")
+        leader = None
+        if levels.leaders is not None:
+            leader = wire._replace(group=levels.leaders, ranks=levels.leader_ranks, rank=levels.host_of[me],
+                                   first_round=BACKEND, second_round=DIRECT, tag=0)
+        return Here(levels, channel, self.spin, leader, levels.host_of[me], levels.place[me])
+
+    def all_gather(self, wire: Wire, slot: Slot, op: str) -> Union[Sequence[Slot], NotUsed]:
+        got = super().all_gather(wire, slot, op)
+        if got is not NOT_USED or op == "gather":  # gather keeps its gather of slots to the destination
+            return got
+        here = self.here(wire, op, set_up=True)
+        return NOT_USED if here is None else all_gather_fixed(here, wire, slot, wire.slot, op, self.shared_from)
+
+    def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]:
+        got = super().broadcast(wire, slot, src, op)
+        if got is not NOT_USED:
+            return got
+        here = self.here(wire, op, set_up=True)
+        if here is None:
+            return NOT_USED
+        data = None if slot is None else memoryview(slot)
+        received = relay(here, wire, data, wire.slot, src, op, keep=True)
+        assert received is not None
+        return received
+
+    def gather(self, wire: Wire, slot: Slot, dst: int, op: str) -> Union[Optional[List[Slot]], NotUsed]:
+        here = self.here(wire, op, set_up=True)
+        return NOT_USED if here is None else gather_fixed(here, wire, slot, wire.slot, dst, op)
+
+    def share(self, wire: Wire, data: Optional[Slot], length: int, src: int, op: str) -> Union[Slot, NotUsed]:
+        here = self.here(wire, op)  # a gather's round 1 set it up
+        if here is None:
+            return NOT_USED
+        got = relay(here, wire, None if data is None else memoryview(data), length, src, op, keep=True)
+        assert got is not None
+        return got
+
+    def largest(self, wire: Wire, values: Sequence[int], op: str) -> Union[List[int], NotUsed]:
+        got = super().largest(wire, values, op)
+        if got is not NOT_USED:
+            return got
+        here = self.here(wire, op)
+        return NOT_USED if here is None else largest_in_levels(here, values, op)
+
+    def agree(self, wire: Wire, infos: Sequence[SlotInfo], op: str) -> None:
+        super().agree(wire, infos, op)
+        here = self.here(wire, op)
+        # (a gather's round 1 went through the group: its slots only to the destination, unless one failed)
+        if op != "gather" and here is not None and here.channel is not None:  # the leaders read alike: the backend
+            agree_on(here.channel, here.spin, infos, op)
+
+
+_STRATEGIES: Dict[Tuple[Union[bool, int], Optional[int], Optional[int]], TwoLevel] = {}
+
+
+def strategy(separate: Union[bool, int], spin_us: Optional[int], shared_from: Optional[int] = None) -> TwoLevel:
+    """The first-round strategy for these settings, built once (the wire of every call holds one)."""
+    key = (separate, spin_us, shared_from)
+    found = _STRATEGIES.get(key)
+    if found is None:
+        found = _STRATEGIES.setdefault(key, TwoLevel(separate, spin_us, shared_from))
+    return found
+
+
+# -- set-up --------------------------------------------------------------------------------------------------------
+def _set_up(slots: TwoLevel, wire: Wire, op: str) -> Optional[Levels]:
+    """The group's levels (a collective of every rank), or None where the flat path stays: one host (the channel
+    of the group itself has it), one rank per host, or a host whose channel did not open."""
+    known = _state.group_facts(wire.group).hosts  # shared memory's too: it then knows the group spans hosts
+    found = known.get(slots.separate)
+    if found is None:
+        found = known[slots.separate] = _hosts.discover(wire, slots.separate, op)
+    keys = found.keys
+    by_host: Dict[int, List[int]] = {}
+    for r, key in enumerate(keys):
+        by_host.setdefault(key, []).append(r)
+    hosts = tuple(tuple(ranks) for ranks in by_host.values())
+    if not routes.two_levels(hosts=len(hosts), widest=max(len(h) for h in hosts), cpu=True, local=True):
+        return None
+    host_of, place = [0] * wire.size, [0] * wire.size
+    for h, members in enumerate(hosts):
+        for i, r in enumerate(members):
+            host_of[r], place[r] = h, i
+    mine = hosts[host_of[wire.rank]]
+    node_ranks = tuple(wire.ranks[r] for r in mine)
+    leader_ranks = tuple(wire.ranks[h[0]] for h in hosts)
+    node = leaders = levels = None
+    works = 1
+    try:  # each host's ranks make its group, then the leaders theirs: no rank waits on another host's
+        if len(mine) > 1:
+            node = _sibling(wire.group, "objcomm-host", node_ranks)
+        if place[wire.rank] == 0:
+            leaders = _sibling(wire.group, "objcomm-leaders", leader_ranks)
+        levels = Levels(hosts, tuple(host_of), tuple(place), max(len(h) for h in hosts), node, node_ranks, leaders,
+                        leader_ranks)
+        if node is not None:
+            node_wire = wire._replace(group=node, ranks=node_ranks, rank=place[wire.rank], first_round=BACKEND,
+                                      second_round=DIRECT, tag=0)
+            works = int(slots.channel(node_wire, f"{op} (opening this host's channel)") is not None)
+    except CommunicationError:
+        works = 0
+    agreed = torch.tensor([works], dtype=torch.int64)
+    guarded(op, wire, dist.all_reduce, agreed, op=dist.ReduceOp.MIN, group=wire.group)
+    return levels if agreed.item() else None
+
+
+def _sibling(group: Any, kind: str, ranks: Tuple[int, ...]) -> Any:
+    """A gloo group of ``ranks`` (global) of ``group``, destroyed with it; named after ``kind`` and the ranks, so that
+    every subset has a name of its own (a test's simulated hosts of another size make other subsets)."""
+    members = hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
+    try:
+        made = _groups.sibling(group, f"{kind}-{members}", "gloo", ranks=ranks)
+    except Exception as exc:  # torch's private helper differs: the flat path stays, on every rank
+        raise CommunicationError(f"could not make the group of ranks {list(ranks)}: {exc}") from exc
+    weakref.finalize(group, _groups.forget, made).atexit = False
+    return made
+
+
+def _open(found: Optional[Tuple[LocalChannel, Optional[float]]]) -> Optional[LocalChannel]:
+    return None if found is None else found[0]

@@ -1,0 +1,255 @@
+"""The second round through two levels (:mod:`objcomm._samehost.two_level`): an all_gather's, broadcast's or
+gather's bytes past the slots, where round 1 of the call went through two levels.
+
+- all_gather: each host's ranks send their rests to the leader in messages of the channel (one channel gather a
+  message, as many as the host's largest sender needs); the leaders exchange the hosts' bundles at exact sizes
+  (:func:`objcomm._transport.bytes.all_gather_rests`: one collective of the leaders); each leader publishes every
+  host's bundle to its host.
+- broadcast: :func:`objcomm._samehost.two_level.relay`, piece by piece.
+- gather: each host's ranks send their rests to the leader (a stream of the channel each), each leader sends its
+  host's bundle to the leader of the destination's host (one batch of sends and receives there), which hands
+  everything to the destination. A gather's round 1 leaves every rank but the destination without the slots (the
+  destination said go): each leader noted its host's rests in round 1 (:attr:`Levels.memo`), and the
+  destination's leader every host's total.
+
+Every rank knows the size of everything it receives before it moves (round 1); a message of another length fails
+the channel (the ranks are out of step, or one lies), and every rank raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+
+from objcomm._format import limits as _limits
+from objcomm._format.message import Incoming, Outgoing, SizesOf
+from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
+from objcomm._samehost.channel_rounds import CHUNK, checked, chunks, incoming, pieces
+from objcomm._samehost.two_level import TwoLevel
+from objcomm._samehost.two_level_moves import (
+    Here,
+    Levels,
+    as_leader,
+    publish,
+    publish_shared,
+    receive_within,
+    relay,
+    send_within,
+    take,
+    take_shared,
+)
+from objcomm._transport import routes
+from objcomm._transport.base import INTERNAL_TAG, NOT_USED, NotUsed, Route, SecondRound, Wire
+from objcomm._transport.bytes import Batch, all_gather_rests, host_view
+
+
+@dataclass(frozen=True)
+class TwoLevelRests:
+    """The second round of all_gather, broadcast and gather through two levels where round 1 went so
+    (:class:`~objcomm._samehost.two_level.TwoLevel`); everything else by ``inner``."""
+
+    inner: SecondRound
+    shared_from: Optional[int] = None  # an all_gather's host publishes this many bytes and more in shared memory
+
+    @staticmethod
+    def _here(wire: Wire, op: str) -> Optional[Here]:
+        first = wire.first_round
+        return first.here(wire, op) if isinstance(first, TwoLevel) else None
+
+    def _shared(self, total: int) -> bool:
+        return self.shared_from is not None and routes.shared_memory_takes(total, threshold=self.shared_from, cpu=True)
+
+    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+        return self.inner.worth(wire, moved, op)
+
+    def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+        here = self._here(wire, op)
+        if here is None:
+            return self.inner.all_gather(wire, out, infos, sizes_of, op)
+        levels, me = here.levels, wire.rank
+        moved = [info.second_round_bytes for info in infos]
+        totals = [sum(moved[r] for r in host) for host in levels.hosts]
+        members = levels.hosts[here.host]
+        mine = pieces(out, infos[me].inline is not None)
+        if here.place:  # to the leader, in messages of the channel, as many as the host's largest sender needs
+            assert here.channel is not None
+            stream = chunks(mine)
+            for _ in range(-(-max(moved[r] for r in members) // CHUNK)):
+                here.channel.gather(next(stream, b""), 0, here.spin)
+            if self._shared(sum(moved)):
+                bundles = take_shared(here, totals, op)
+            else:
+                everything = take(here, sum(moved), 0, op)
+                assert everything is not None
+                view, at = memoryview(everything), 0
+                bundles = []
+                for total in totals:
+                    bundles.append(view[at : at + total])
+                    at += total
+        else:
+            bundle = _gathered_from_host(here, mine, [moved[r] for r in members], op)
+            assert here.leader is not None
+            got = as_leader(here, op, all_gather_rests, here.leader, [torch.frombuffer(bundle, dtype=torch.uint8)]
+                             if len(bundle) else [], totals, op)
+            bundles = [memoryview(bundle) if h == here.host else host_view(t) if t is not None else memoryview(b"")
+                       for h, t in enumerate(got)]
+            if here.channel is not None and self._shared(sum(moved)):
+                publish_shared(here, bundles, op)
+            elif here.channel is not None:
+                publish(here, bundles, sum(moved), op)
+        return _split(levels, bundles, moved, infos, sizes_of, me, out, op)
+
+    def broadcast(self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int,
+                  op: str) -> Union[Incoming, NotUsed]:
+        here = self._here(wire, op)
+        if here is None:
+            return self.inner.broadcast(wire, out, info, sizes_of, src, op)
+        moved = info.second_round_bytes
+        data = None
+        if wire.rank == src:
+            assert out is not None
+            data = memoryview(bytearray().join(pieces(out, info.inline is not None)))
+        refuse = wire.rank != src and info.total > wire.max_bytes  # no vote came first: received and dropped
+        got = relay(here, wire, data, moved, src, op, keep=not refuse)
+        if wire.rank == src:
+            assert out is not None
+            return Incoming(out.frame, list(out.tensors))  # the caller decodes its own with own=True
+        if refuse:
+            raise _limits.refused(op, src, wire, info.total, None, drained=True, into="pieces of the two levels")
+        assert got is not None
+        return incoming(got, info, sizes_of, src, op)  # type: ignore[arg-type]
+
+    def gather(self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int,
+               op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
+        here = self._here(wire, op)
+        if here is None:
+            return NOT_USED if infos is None else self.inner.gather(wire, out, infos, sizes_of, dst, op)
+        levels, me = here.levels, wire.rank
+        home, members = levels.host_of[dst], levels.hosts[here.host]
+        if infos is not None:  # every rank read round 1 (it ended in a look at every slot), or this is dst
+            moved = [0 if r == dst else info.second_round_bytes for r, info in enumerate(infos)]
+            levels.memo["host"] = [moved[r] for r in members]
+            levels.memo["totals"] = [sum(moved[r] for r in host) for host in levels.hosts]
+        mine = [] if me == dst else pieces(out, out.frame_nbytes <= wire.inline_capacity)
+        if here.place:  # to the leader
+            if me != dst and outgoing_second_round_bytes(out, wire.inline_capacity):
+                send_within(here, 0, mine)
+            bundles: List[memoryview] = []
+        else:
+            bundles = _to_destination(here, _from_host(here, mine, levels.memo["host"], op), home, op)
+        if here.host == home and levels.place[dst]:  # dst's leader hands everything to dst
+            if here.place == 0:
+                send_within(here, levels.place[dst], bundles)
+            elif me == dst:
+                everything = memoryview(receive_within(here, 0, sum(levels.memo["totals"]), op))
+                at = 0
+                for total in levels.memo["totals"]:
+                    bundles.append(everything[at : at + total])
+                    at += total
+        if me != dst:
+            return None
+        assert infos is not None
+        return _split(levels, bundles, [0 if r == dst else i.second_round_bytes for r, i in enumerate(infos)], infos,
+                      sizes_of, me, out, op)
+
+    def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf, src: int,
+                longest: int, op: str) -> Union[Incoming, NotUsed]:
+        return self.inner.scatter(wire, outs, info, sizes_of, src, longest, op)
+
+    def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
+                   longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+        return self.inner.all_to_all(wire, outs, infos, sizes_of, longest, op)
+
+    def send(self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> bool:
+        return self.inner.send(wire, out, dst, op, route, message)
+
+    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str, route: Optional[Route] = None,
+             message: int = 0) -> Union[Incoming, NotUsed]:
+        return self.inner.recv(wire, info, sizes_of, src, op, route, message)
+
+
+def _gathered_from_host(here: Here, mine: List[memoryview], moved: List[int], op: str) -> bytearray:
+    """The leader of an all_gather: its host's rests (``moved``: each host rank's, in host order; ``mine``: its
+    own), back to back; the others sent theirs in channel gathers, as many as the largest needs."""
+    bundle, view = _with_own(mine, moved)
+    starts = [sum(moved[:i]) for i in range(len(moved))]
+    members = here.levels.hosts[here.host]
+    if here.channel is not None:
+        for index in range(-(-max(moved) // CHUNK)):
+            got = here.channel.gather(None, 0, here.spin)
+            for i in range(1, len(moved)):
+                at = checked(here.channel, got[i], index, moved[i], members[i], op)
+                view[starts[i] + at : starts[i] + at + len(got[i])] = got[i]
+    return bundle
+
+
+def _from_host(here: Here, mine: List[memoryview], moved: List[int], op: str) -> bytearray:
+    """The leader of a gather: its host's rests (``moved``: each host rank's, in host order, 0 for the destination;
+    ``mine``: its own), back to back; the others sent theirs as streams of the channel (:func:`send_within`)."""
+    bundle, view = _with_own(mine, moved)
+    at = moved[0]
+    for i in range(1, len(moved)):
+        if moved[i]:
+            view[at : at + moved[i]] = receive_within(here, i, moved[i], op)
+            at += moved[i]
+    return bundle
+
+
+def _with_own(mine: List[memoryview], moved: List[int]) -> tuple[bytearray, memoryview]:
+    """A bundle of ``sum(moved)`` bytes that starts with ``mine``, the leader's own rest, and a view of it."""
+    bundle = bytearray(sum(moved))
+    view = memoryview(bundle)
+    at = 0
+    for part in mine:
+        view[at : at + part.nbytes] = part
+        at += part.nbytes
+    return bundle, view
+
+
+def _to_destination(here: Here, bundle: bytearray, home: int, op: str) -> List[memoryview]:
+    """The leaders of a gather: each host's bundle to the leader of the destination's host (``home``), which
+    returns every host's (the others: nothing). One batch of sends and receives there, at exact sizes."""
+    leader = here.leader
+    assert leader is not None
+    batch = Batch(leader._replace(tag=INTERNAL_TAG), "gather")
+    if here.host != home:
+        if len(bundle):
+            batch.send(torch.frombuffer(bundle, dtype=torch.uint8), home)
+        as_leader(here, op, batch.wait)
+        return []
+    totals = here.levels.memo["totals"]
+    received = [batch.recv(n, h) if n and h != home else None for h, n in enumerate(totals)]
+    as_leader(here, op, batch.wait)
+    return [memoryview(bundle) if h == home else host_view(t) if t is not None else memoryview(b"")
+            for h, t in enumerate(received)]
+
+
+def _split(levels: Levels, bundles: Sequence[memoryview], moved: Sequence[int], infos: Sequence[SlotInfo],
+           sizes_of: SizesOf, me: int, out: Outgoing, op: str) -> List[Optional[Incoming]]:
+    """Every rank's message from the hosts' ``bundles`` (each host's rests back to back, in host order, ``moved[r]``
+    bytes of group rank ``r``; this rank's own comes from ``out``), in group-rank order."""
+    found: List[Optional[Incoming]] = []
+    for host, bundle in zip(levels.hosts, bundles):
+        at = 0
+        for r in host:
+            n = moved[r]
+            if r == me:  # its own, as copies: a result never aliases the input
+                found.append(Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors]))
+            elif n:
+                found.append(incoming(bundle[at : at + n], infos[r], sizes_of, r, op))  # type: ignore[arg-type]
+            else:
+                found.append(Incoming(infos[r].inline))  # type: ignore[arg-type]  # it came inline
+            at += n
+    return [found[i] for i in _group_order(levels)]
+
+
+def _group_order(levels: Levels) -> List[int]:
+    """Where each group rank's item is in host order (hosts in turn, each in its ranks' order)."""
+    position: Dict[int, int] = {}
+    for r in (r for host in levels.hosts for r in host):
+        position[r] = len(position)
+    return [position[r] for r in range(len(levels.host_of))]
