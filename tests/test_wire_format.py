@@ -339,7 +339,7 @@ MUST_STATE = {
     *(f"objcomm._format.slot.{n}" for n in ("ERROR_BIT", "ROUND2_BIT", "LISTED_BIT", "LENGTH_MASK", "SIZES_UNLISTED")),
     *(f"objcomm._transport.rounds.{n}" for n in ("REFUSE_LIMIT", "REFUSE_MALFORMED")),
     "objcomm._samehost.hosts._WORDS", "objcomm._samehost.segments.PREFIX", "objcomm._api.call.MAX_TAG",
-    "objcomm._api.reduce.REDUCE_TAG",
+    "objcomm._transport.base.INTERNAL_TAG",
     *(f"objcomm._samehost.shm.{n}" for n in ("_P2P", "_READ", "_FELL_BACK", "_REFUSED", "_SENT", "_OTHER_HOST",
                                              "_RESEND", "_REFUSED_P2P")),
     *(f"objcomm._samehost.inbox.{n}" for n in ("ALL_GATHER", "BROADCAST", "SCATTER", "ALL_TO_ALL", "P2P", "CREDIT")),

@@ -31,7 +31,7 @@ from objcomm._samehost.segments import DEFAULT_DIRECTORY, SegmentBook
 from objcomm._samehost.two_level_rests import TwoLevelRests
 from objcomm._settings import CallOptions
 from objcomm._transport import routes
-from objcomm._transport.base import BACKEND, DIRECT, FirstRound, SecondRound, Wire
+from objcomm._transport.base import BACKEND, DIRECT, INTERNAL_TAG, FirstRound, SecondRound, Wire
 from serializers import AutoSerializer, SerializerProtocol
 
 Device = Union[str, torch.device, None]
@@ -187,7 +187,7 @@ def first_round_for(options: CallOptions) -> FirstRound:
                                options.shm_threshold if options.shm else None)
 
 
-MAX_TAG = _reduce.REDUCE_TAG - 1  # the backend carries 2 * tag + 1 (see objcomm._transport.base.Wire.data_tag)
+MAX_TAG = INTERNAL_TAG - 1  # objcomm's own messages take the next (the backend carries 2 * tag + 1: Wire.data_tag)
 
 
 def check_tag(tag: Any, op: str) -> None:

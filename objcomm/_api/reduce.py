@@ -27,7 +27,6 @@ from objcomm._transport import rounds as _rounds
 from objcomm._transport.base import INTERNAL_TAG
 
 Op = Union[str, Callable[[Any, Any], Any]]
-REDUCE_TAG = INTERNAL_TAG  # the tree's messages: above every tag a caller may pass (objcomm._api.call.MAX_TAG)
 
 
 def _merge(a: Dict[Any, Any], b: Dict[Any, Any]) -> Dict[Any, Any]:
@@ -99,7 +98,7 @@ def tree(call: Any, obj: Any, op: Op) -> Tuple[Optional[Any], bool, Optional[Bas
     ``complete`` (no failure anywhere below it); ``own_failure`` is what failed on this rank (its
     report travelled up the tree in place of a value).
     """
-    wire = call.wire._replace(tag=REDUCE_TAG)
+    wire = call.wire._replace(tag=INTERNAL_TAG)  # above every tag a caller may pass (objcomm._api.call.MAX_TAG)
     own: Optional[BaseException] = None
     try:
         fn = resolve(op)

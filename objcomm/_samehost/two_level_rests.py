@@ -4,8 +4,9 @@ gather's bytes past the slots, where round 1 of the call went through two levels
 - all_gather: each host's ranks send their rests to the leader in messages of the channel (one channel gather a
   message, as many as the host's largest sender needs); the leaders exchange the hosts' bundles at exact sizes
   (:func:`objcomm._transport.bytes.all_gather_rests`: one collective of the leaders); each leader publishes every
-  host's bundle to its host.
-- broadcast: :func:`objcomm._samehost.two_level.relay`, piece by piece.
+  host's bundle to its host: from ``shm_threshold`` bytes on in one sealed shared file that the host's ranks map
+  (one copy per host, :func:`objcomm._samehost.two_level_moves.publish_shared`), below it through the channel.
+- broadcast: :func:`objcomm._samehost.two_level_moves.relay`, piece by piece.
 - gather: each host's ranks send their rests to the leader (a stream of the channel each), each leader sends its
   host's bundle to the leader of the destination's host (one batch of sends and receives there), which hands
   everything to the destination. A gather's round 1 leaves every rank but the destination without the slots (the
