@@ -859,7 +859,7 @@ def _msgpack_tree(seed: int) -> bytes:
 
 
 def test_fuzz_restricted_pickle_programs():
-    found = run_in_child(_fuzz, "restricted-pickle", _pickle_program, 10_000 * FUZZ_SCALE, timeout=280 * FUZZ_SCALE,
+    found = run_in_child(_fuzz, "restricted-pickle", _pickle_program, 6_000 * FUZZ_SCALE, timeout=280 * FUZZ_SCALE,
                          memory_budget=512 << 20, preload=WITH_TORCH)
     assert found == []
 

@@ -396,7 +396,7 @@ def _decode_frame(data: bytes, tensors: list) -> None:
     _frame.decode(Incoming(view, list(tensors)), sender=1, accept=None, max_bytes=1 << 20)
 
 
-@settings(FUZZ, max_examples=3000 * FUZZ_SCALE)
+@settings(FUZZ, max_examples=2000 * FUZZ_SCALE)
 @given(case=lying_frame())
 def test_fuzz_frames_with_lying_fields(case):
     data, tensors = case
@@ -448,7 +448,7 @@ def _check_slot(data: bytes) -> None:
         _frame.read_error(info.inline, header)
 
 
-@settings(FUZZ, max_examples=2500 * FUZZ_SCALE)
+@settings(FUZZ, max_examples=1600 * FUZZ_SCALE)
 @given(slot=lying_slot())
 def test_fuzz_slots_with_lying_fields(slot):
     _bounded(lambda: _check_slot(slot), len(slot))

@@ -13,6 +13,7 @@ import tracemalloc
 import pytest
 import torch
 from _builtins import BUILTINS
+from _hostile import FUZZ_SCALE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -114,7 +115,7 @@ def test_frame_decoder_random_bytes(payload):
     _bounded(_decode, payload)
 
 
-@settings(FUZZ, max_examples=5000)
+@settings(FUZZ, max_examples=3000 * FUZZ_SCALE)  # OBJCOMM_FUZZ_SCALE=N: N times as many
 @given(data=st.data())
 def test_frame_decoder_mutated_frames(data):
     base = data.draw(st.sampled_from(FRAMES))
