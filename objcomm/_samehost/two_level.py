@@ -2,17 +2,20 @@
 across them (issue 27).
 
 When the ranks of a CPU (gloo) group run on several hosts and some host holds two or more of them, round 1 of
-``all_gather`` and ``broadcast`` (and of ``all_reduce``, which ends in a broadcast), the votes of their calls and
-their second rounds move in three steps instead of one collective over every rank:
+``all_gather``, ``gather`` and ``broadcast`` (and of the reductions, which end in a gather or a broadcast), the
+votes of their calls and their second rounds move in three steps instead of one collective over every rank:
 
 1. inside each host, what its ranks send goes to the host's *leader* (its lowest group rank) through the host's
    same-host channel (:mod:`objcomm._samehost.channel`);
 2. the leaders exchange the hosts' bundles through a process group of their own: one collective of the leaders
    (round 2 of an all_gather at exact sizes, :func:`objcomm._transport.bytes.all_gather_rests`): the only backend
    calls, on one rank per host;
-3. each leader hands what its host needs to its ranks through the channel, and they check, in one more hop of
-   the channel, that they all read what their leader read (:func:`objcomm._samehost.channel_slots.agree_on`), so
-   that a leader cannot tell its ranks different things.
+3. each leader hands what its host needs to its ranks through the channel. What decides the call (round 1's
+   slots, a vote's answer) the host's ranks check, in one more hop of the channel, against what their leader read
+   (:func:`objcomm._samehost.channel_slots.agree_on`), so that a leader cannot send its ranks down different
+   routes. The bytes of a second round are not checked (a digest of gigabytes would cost more than moving them):
+   a host's ranks trust their leader with other hosts' objects, as flat ranks trust gloo's forwarding; a lying
+   leader can change what its own host's ranks receive, not what other hosts do (docs/security.md).
 
 Every rank ends with the bytes the group's backend would have given it, so the transport's checks, limits and
 errors are those of the flat path, alike on every rank. A leader whose backend call fails fails its host's
@@ -20,13 +23,13 @@ channel, so that its ranks raise too. A broadcast receiver over its ``max_bytes`
 raises alone, as on the flat path; a leader forwards it to its host first, one piece of ``chunk_bytes`` at a time
 (its memory stays bounded by that piece).
 
-Set up once per group, at its first all_gather or broadcast that finds the group spans hosts (every rank reaches
+Set up once per group, at its first all_gather, gather or broadcast that finds the group spans hosts (every rank reaches
 it at the same call): which ranks share a host (one all_gather through the group,
 :func:`objcomm._samehost.hosts.discover`), each host's *node group* (made by its ranks alone) and the *leaders'
 group* (made by the leaders alone), both by :func:`objcomm._transport.groups.sibling`, the channel of each node
 group (its set-up), and one all_reduce through the group, so that every rank takes two levels only where every
 host's channel opened. Groups with one rank per host keep the flat path, as do NCCL groups (NCCL builds its own
-rings and trees over NVLink and the network), gather, scatter, all_to_all and send/recv.
+rings and trees over NVLink and the network), scatter, all_to_all, send/recv and the reductions' tree.
 
 Example (four hosts of eight ranks)::
 
@@ -65,7 +68,7 @@ from objcomm._transport.base import BACKEND, DIRECT, NOT_USED, NotUsed, Slot, Wi
 @dataclass(frozen=True)
 class TwoLevel(SameHostSlots):
     """The same-host channel's first-round strategy (:class:`SameHostSlots`), which on a group that spans hosts
-    moves the slots of all_gather and broadcast, and the votes of a call, through two levels."""
+    moves the slots of all_gather, gather and broadcast, and the votes of a call, through two levels."""
 
     shared_from: Optional[int] = None  # an all_gather's table of slots reaches a host in one shared file from here
 

@@ -197,9 +197,9 @@ def gather_fixed(here: Here, wire: Wire, data: Slot, width: int, dst: int, op: s
     home = levels.host_of[dst]
     table: Optional[bytearray] = None
     if mine is not None:
+        bundle = torch.frombuffer(bundle_of(here, mine, width, op), dtype=torch.uint8)  # (checks every length first)
         levels.memo["host"] = [0 if r == dst else read_slot(memoryview(item)).second_round_bytes
                                for r, item in zip(levels.hosts[here.host], mine)]
-        bundle = torch.frombuffer(bundle_of(here, mine, width, op), dtype=torch.uint8)
         assert here.leader is not None
         parts = None
         if here.host == home:
