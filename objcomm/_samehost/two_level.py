@@ -51,7 +51,7 @@ from objcomm._errors import CommunicationError
 from objcomm._format.slot import SlotInfo
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.channel import LocalChannel
-from objcomm._samehost.channel_slots import SameHostSlots, agree_on
+from objcomm._samehost.channel_slots import SameHostSlots, agree_on, echo
 from objcomm._samehost.two_level_moves import (
     Here,
     Levels,
@@ -129,6 +129,8 @@ class TwoLevel(SameHostSlots):
             return NOT_USED
         got = relay(here, wire, None if data is None else memoryview(data), length, src, op, keep=True)
         assert got is not None
+        if here.channel is not None:  # a decision (the destination's word, the table after a failure): every rank of
+            echo(here.channel, bytes(got), here.spin, op, "shared words")  # a host must act on what its leader read
         return got
 
     def largest(self, wire: Wire, values: Sequence[int], op: str) -> Union[List[int], NotUsed]:
