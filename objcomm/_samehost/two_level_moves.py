@@ -81,11 +81,20 @@ def to_leader(here: Here, data: Slot, op: str) -> Optional[List[Slot]]:
 
 
 def publish(here: Here, views: Sequence[memoryview], total: int, op: str) -> None:
-    """The leader: ``views`` (``total`` bytes back to back) to every rank of its host."""
+    """``views`` (``total`` bytes back to back) from this rank to every other rank of its host (:func:`take`)."""
     assert here.channel is not None
     for chunk in chunks(list(views)):
-        here.channel.broadcast(chunk, 0, here.spin)
+        here.channel.broadcast(chunk, here.place, here.spin)
     all_received(here.channel, total, here.spin, op)
+
+
+def cut(data: memoryview, sizes: Sequence[int]) -> List[memoryview]:
+    """``data`` cut into consecutive parts of ``sizes`` bytes."""
+    parts, at = [], 0
+    for n in sizes:
+        parts.append(data[at : at + n])
+        at += n
+    return parts
 
 
 def take(here: Here, total: int, src: int, op: str, keep: bool = True) -> Optional[bytearray]:
@@ -138,11 +147,7 @@ def take_shared(here: Here, sizes: Sequence[int], op: str) -> List[memoryview]:
     here.channel.gather(b"" if parts is not None else b"\x01", 0, here.spin)
     if parts is not None:
         return parts
-    data, at, found = memoryview(receive_within(here, 0, sum(sizes), op)), 0, []
-    for n in sizes:
-        found.append(data[at : at + n])
-        at += n
-    return found
+    return cut(memoryview(receive_within(here, 0, sum(sizes), op)), sizes)
 
 
 _WHERE = struct.Struct("<qq")  # a sealed file's writer pid and descriptor
@@ -257,7 +262,7 @@ def relay(here: Here, wire: Wire, data: Optional[memoryview], length: int, src: 
     if wire.rank == src:
         assert data is not None
         if here.channel is not None:
-            publish_from(here, data, length, op)
+            publish(here, [data], length, op)
         got = data
     elif here.host == source_host and here.channel is not None:  # the leader keeps them: it forwards them next
         taken = take(here, length, levels.place[src], op, keep=keep or here.place == 0)
@@ -268,14 +273,6 @@ def relay(here: Here, wire: Wire, data: Optional[memoryview], length: int, src: 
         taken = take(here, length, 0, op, keep=keep)
         got = None if taken is None else memoryview(taken)
     return got if keep else None
-
-
-def publish_from(here: Here, data: memoryview, length: int, op: str) -> None:
-    """This rank's ``data`` (``length`` bytes) to every other rank of its host."""
-    assert here.channel is not None
-    for chunk in chunks([data]):
-        here.channel.broadcast(chunk, here.place, here.spin)
-    all_received(here.channel, length, here.spin, op)
 
 
 def leaders_broadcast(here: Here, got: Optional[memoryview], length: int, source_host: int, op: str,

@@ -20,7 +20,7 @@ the channel (the ranks are out of step, or one lies), and every rank raises.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -33,6 +33,7 @@ from objcomm._samehost.two_level_moves import (
     Here,
     Levels,
     as_leader,
+    cut,
     publish,
     publish_shared,
     receive_within,
@@ -85,11 +86,7 @@ class TwoLevelRests:
             else:
                 everything = take(here, sum(moved), 0, op)
                 assert everything is not None
-                view, at = memoryview(everything), 0
-                bundles = []
-                for total in totals:
-                    bundles.append(view[at : at + total])
-                    at += total
+                bundles = cut(memoryview(everything), totals)
         else:
             bundle = _gathered_from_host(here, mine, [moved[r] for r in members], op)
             assert here.leader is not None
@@ -145,11 +142,8 @@ class TwoLevelRests:
             if here.place == 0:
                 send_within(here, levels.place[dst], bundles)
             elif me == dst:
-                everything = memoryview(receive_within(here, 0, sum(levels.memo["totals"]), op))
-                at = 0
-                for total in levels.memo["totals"]:
-                    bundles.append(everything[at : at + total])
-                    at += total
+                everything = receive_within(here, 0, sum(levels.memo["totals"]), op)
+                bundles = cut(memoryview(everything), levels.memo["totals"])
         if me != dst:
             return None
         assert infos is not None
@@ -233,24 +227,16 @@ def _split(levels: Levels, bundles: Sequence[memoryview], moved: Sequence[int], 
            sizes_of: SizesOf, me: int, out: Outgoing, op: str) -> List[Optional[Incoming]]:
     """Every rank's message from the hosts' ``bundles`` (each host's rests back to back, in host order, ``moved[r]``
     bytes of group rank ``r``; this rank's own comes from ``out``), in group-rank order."""
-    found: List[Optional[Incoming]] = []
+    found: List[Optional[Incoming]] = [None] * len(levels.host_of)
     for host, bundle in zip(levels.hosts, bundles):
         at = 0
         for r in host:
             n = moved[r]
             if r == me:  # its own, as copies: a result never aliases the input
-                found.append(Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors]))
+                found[r] = Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors])
             elif n:
-                found.append(incoming(bundle[at : at + n], infos[r], sizes_of, r, op))  # type: ignore[arg-type]
+                found[r] = incoming(bundle[at : at + n], infos[r], sizes_of, r, op)  # type: ignore[arg-type]
             else:
-                found.append(Incoming(infos[r].inline))  # type: ignore[arg-type]  # it came inline
+                found[r] = Incoming(infos[r].inline)  # type: ignore[arg-type]  # it came inline
             at += n
-    return [found[i] for i in _group_order(levels)]
-
-
-def _group_order(levels: Levels) -> List[int]:
-    """Where each group rank's item is in host order (hosts in turn, each in its ranks' order)."""
-    position: Dict[int, int] = {}
-    for r in (r for host in levels.hosts for r in host):
-        position[r] = len(position)
-    return [position[r] for r in range(len(levels.host_of))]
+    return found
