@@ -165,7 +165,10 @@ def _loosely_equal(a: Any, b: Any) -> bool:
     if type(a).__module__ == "numpy" or type(b).__module__ == "numpy":
         import numpy as np
 
-        return bool(np.shape(a) == np.shape(b) and np.array_equal(a, b))
+        try:
+            return bool(np.shape(a) == np.shape(b) and np.array_equal(a, b))
+        except TypeError:  # values numpy will not compare (a structured array with bare bytes): not equal
+            return False
     try:
         return bool(a == b)
     except Exception:

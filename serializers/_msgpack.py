@@ -186,6 +186,8 @@ class MsgpackSerializer(Serializer):
     def _numpy_ext(value: Any, pack: Callable[[Any], bytes], ext: Any) -> Any:
         import numpy as np
 
+        if isinstance(value, (np.ndarray, np.generic)) and value.dtype.fields is not None:
+            raise TypeError(structured_refusal(value))
         if isinstance(value, np.ndarray):
             if value.dtype.hasobject:
                 raise TypeError("numpy arrays of dtype=object have no msgpack encoding")
@@ -370,6 +372,13 @@ def _short_text(raw: bytes) -> str:
     if len(raw) > 64:
         raise DecodeError("msgpack date/time text longer than 64 bytes")
     return raw.decode("ascii")
+
+
+def structured_refusal(value: Any) -> str:
+    """Why a structured numpy value (a dtype with named fields) has no MessagePack encoding here: ``dtype.str``
+    would drop the field names, and the receiver would get bare bytes (``|V12``) where the sender had records."""
+    return (f"no MessagePack encoding for a structured numpy {type(value).__name__} (dtype {value.dtype}): its "
+            "field names would be lost; use pickle or restricted-pickle")
 
 
 def _decode_ndarray(dtype: Any, shape: Any, raw: Any) -> Any:

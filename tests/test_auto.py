@@ -19,6 +19,7 @@ from objcomm._format import frame as _frame
 from objcomm._format.message import Incoming
 from serializers import AutoSerializer, EncodeError
 from serializers._auto import signature
+from serializers._exact_tree import carried_exactly
 from serializers._fidelity import PROBES, judge
 
 pytestmark = pytest.mark.timeout(120)
@@ -54,12 +55,55 @@ def test_auto_never_changes_a_probe_value(label, make):
 
 def test_the_choice_is_the_fastest_exact_candidate_and_the_frame_names_it():
     auto = AutoSerializer()
-    assert auto.choose({"loss": 0.25, "ids": [1, 2]}) == "pickle"
+    assert auto.choose({"loss": 0.25, "ids": [1, 2]}) == "msgspec"  # JSON-like: msgspec, exact for it
+    assert auto.choose({"loss": 0.25, "ids": (1, 2)}) == "pickle"  # msgspec would send the tuple as a list
     assert auto.choose({"f": lambda x: x}) == "cloudpickle"  # pickle refuses a lambda
     safe = AutoSerializer(safe=True)
     assert safe.choose({"loss": 0.25, (1, 2): {3}}) == "restricted-pickle"
     name, _ = _frame_name({"f": lambda x: x}, serializers.registry.guarded("auto"))
     assert name == "cloudpickle"
+
+
+needs_exact_tree = pytest.mark.skipif(carried_exactly is None, reason="serializers._exact_tree_c was not built here")
+
+
+@needs_exact_tree
+def test_msgspec_leads_where_the_object_holds_only_what_it_carries_exactly():
+    """``exact_leader``: JSON-like data, tensors and arrays past 4 KiB go to msgspec unjudged; anything msgspec
+    would change (a tuple, a structured array, a container met twice, a subclass) to pickle; a string msgspec
+    refuses to encode (a lone surrogate) falls through to pickle as well. Each payload decodes back exactly."""
+    auto, safe = serializers.registry.guarded("auto"), AutoSerializer(safe=True)
+    rows = [{"id": i, "score": i / 3, "tags": ["a", "b"], "blob": b"x"} for i in range(50)]
+    shared = [1, 2]
+    cases = [
+        ({"rows": rows, "step": 3, -1: None}, "msgspec", "msgspec"),
+        ({"embeddings": np.ones((300, 4), np.float32), "t": torch.arange(70_000), "step": 1}, "msgspec", "msgspec"),
+        ({"small": np.ones(3)}, "pickle", "restricted-pickle"),  # msgspec reads small arrays slower than pickle
+        ({"kernel": (3, 3)}, "pickle", "restricted-pickle"),
+        ({"records": np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")])}, "pickle", "restricted-pickle"),
+        ({"a": shared, "b": shared}, "pickle", "restricted-pickle"),
+        ({"level": Color.RED}, "pickle", None),  # restricted-pickle allows no enum; msgspec would send an int
+        (["ok", "lone \udc80 surrogate"], "pickle", "restricted-pickle"),
+    ]
+    for obj, unsafe_name, safe_name in cases:
+        for chooser, expected in ((auto, unsafe_name), (safe, safe_name)):
+            if expected is None:
+                with pytest.raises(EncodeError, match="found no serializer that carries"):
+                    _frame_name(obj, chooser)
+                continue
+            name, out = _frame_name(obj, chooser)
+            assert name == expected, (obj, chooser.safe, name)
+            got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
+            assert judge(obj, got)[0] == "exact", (obj, name)
+    got = _frame.decode(Incoming(*_encoded({"a": shared, "b": shared}, auto)), sender=0, accept=None)
+    assert got["a"] is got["b"]  # one list, as sent
+    only_json = AutoSerializer(accept=frozenset({"json"}))
+    assert only_json.choose({"rows": [{"id": 1, "tags": ["a"]}]}) == "json"  # msgspec leads only where it may be used
+
+
+def _encoded(obj, chooser):
+    out = _frame.encode(obj, chooser, max_bytes=1 << 30)
+    return out.frame, list(out.tensors)
 
 
 def test_a_converting_candidate_is_used_only_when_the_judge_finds_the_object_exact():
@@ -145,17 +189,21 @@ def auto_on_the_express_path() -> list:
     got = [comm.all_gather({"r": rank}) for _ in range(3)]  # the express path is built by the second collective
     comm.send((lambda x, r=rank: x + r) if rank % 2 else {"r": rank}, dst=(rank + 1) % world)
     received = comm.recv(src=(rank - 1) % world)
-    return [got[-1], received(10) if callable(received) else received, comm._express() is not None]
+    express = comm._express()
+    return [got[-1], received(10) if callable(received) else received, express is not None,
+            sorted(express.decoders) if express is not None else None]
 
 
 def test_auto_on_the_express_path(ranks):
     results = ranks.run(auto_on_the_express_path)
     world = len(results)
-    for rank, (gathered, received, express) in enumerate(results):
+    for rank, (gathered, received, express, decoders) in enumerate(results):
         sender = (rank - 1) % world
         assert gathered == [{"r": r} for r in range(world)]
         assert received == (10 + sender if sender % 2 else {"r": sender})  # cloudpickle for the lambda
         assert express == (world > 1)
+        if express:  # frames of any serializer auto may choose are read as they are, without the general decode
+            assert {b"msgspec", b"pickle", b"cloudpickle"} <= set(decoders), decoders
 
 
 def test_auto_through_a_real_group(ranks):

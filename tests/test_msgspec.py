@@ -68,6 +68,18 @@ def test_untyped_conversions_are_what_the_docs_say():
     assert type(back["np"]) is np.float32 and back["a"].dtype == np.int16 and back["a"].tolist() == [0, 1, 2]
 
 
+@pytest.mark.parametrize("name", ["msgspec", "msgpack"])
+def test_structured_arrays_are_refused_not_sent_without_their_field_names(name):
+    """``dtype.str`` of a structured dtype is ``|V12``: written that way, the receiver would get bare bytes where
+    the sender had records (found when ``auto`` began to send arrays through msgspec). Both MessagePack backends
+    refuse them, small and large, and say what to use."""
+    s = serializers.registry.guarded(name)
+    records = np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")])
+    for value in (records, records[0], np.zeros(10_000, dtype=records.dtype)):
+        with pytest.raises(EncodeError, match="structured numpy .* field names would be lost; use pickle"):
+            _frame.encode({"x": value}, s, max_bytes=1 << 30)
+
+
 def test_codecs_and_their_errors():
     s = serializers.get("msgspec")
     codec = serializers.register_type(dt.timezone, lambda z: z.utcoffset(None).total_seconds(),

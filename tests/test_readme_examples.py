@@ -170,8 +170,9 @@ SECURITY = Page("docs/security.md", PAIR, "import objcomm\nimport torch.distribu
 CHOOSING = Page("docs/choosing-a-serializer.md", ALONE, "class MyRecord:\n    pass\nobj = {'loss': 0.25}\n", expect={
     'objcomm.all_gather(obj, serializer="auto")  # any serializer this rank may use': {
         "objcomm.all_gather(obj, serializer='auto') == [obj]": True,  # under accept=["msgpack", "json"] above
-        "serializers.get('auto').choose(obj)": "pickle",
-        "serializers.AutoSerializer(safe=True).choose(obj)": "restricted-pickle"},
+        "serializers.get('auto').choose(obj)": "msgspec",  # JSON-like
+        "serializers.get('auto').choose({'kernel': (3, 3)})": "pickle",
+        "serializers.AutoSerializer(safe=True).choose({'kernel': (3, 3)})": "restricted-pickle"},
     "import msgspec": {"objcomm.gather(records, dst=0, serializer='records', accept=['records']) == [records]": True,
                        "_raises(lambda: serializers.get('records').loads(serializers.get('msgspec').dumps([0])))":
                            "DecodeError"},

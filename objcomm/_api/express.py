@@ -16,8 +16,9 @@ What a peer receives is the general path's slot, byte for byte, less the zeros a
 whole one, :func:`objcomm._samehost.channel_slots.trimmed`; pinned by ``tests/test_express.py``): a 4 KiB slot for a
 100-byte frame was most of the bytes a small message allocated, copied and moved. A receiver checks
 what the general path checks, then decodes as it does: a plain frame of this rank's own serializer
-with that serializer itself where the registry gives it for its name (:func:`_decoder`, worked out once
-per registry version; :func:`objcomm._format.frame.plain_payload`), any other frame through
+with that serializer itself where the registry gives it for its name (under ``"auto"``: of any serializer it
+may choose; :func:`_decoders`, worked out once per registry version; :func:`objcomm._format.frame.plain_named`),
+any other frame through
 :func:`objcomm._format.frame.decode_parsed`; the same errors, word for word. A sender takes only the plainest
 case and hands everything else to the general path *before anything has moved*: a call with
 per-call options, an argument the general path would refuse (it says why), an object with tensors or
@@ -32,7 +33,7 @@ every rank as if it had taken the general path throughout.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Dict, Optional, cast
 
 from objcomm import _state
 from objcomm._api.call import MAX_TAG, Call, only
@@ -55,7 +56,7 @@ class Express:
     group and communicator it was built for (the caller checks that); holds no reference to the group."""
 
     __slots__ = ("call", "rest", "state", "facts", "ranks", "rank", "index", "peers", "name", "slot", "limit", "spin",
-                 "cpu", "whole_bytes", "accept", "device", "decoder", "version")
+                 "cpu", "whole_bytes", "accept", "device", "decoders", "version")
 
     def __init__(self, call: Call, strategy: _channel_slots.SameHostSlots, state: _channel_slots.SameHost) -> None:
         wire, options = call.wire, call.options
@@ -68,13 +69,13 @@ class Express:
         self.rank = wire.rank  # this rank's group rank
         self.index = {g: r for r, g in enumerate(wire.ranks)}  # global rank -> group rank
         self.peers = {g: r for g, r in self.index.items() if r != wire.rank}  # the same, less this rank
-        self.name = call.serializer.name.encode("ascii")
+        self.name = call.serializer.name.encode("ascii")  # "auto" never names a frame: the one it chose does
         self.slot, self.limit, self.spin = wire.slot, wire.max_bytes, strategy.spin
         self.cpu = wire.device.type == "cpu"  # tags and recv(src=None) need a backend with tags (gloo)
         self.whole_bytes = options.inline_tensor_bytes  # bytes past this travel out of band
         self.accept, self.device = options.accept, call.device
-        self.version = registry.version  # the registry as self.decoder was found in it
-        self.decoder = _decoder(call.serializer, options.accept)
+        self.version = registry.version  # the registry as self.decoders were found in it
+        self.decoders = _decoders(call.serializer, options.accept)
 
     @staticmethod
     def of(call: Call) -> Optional[Express]:
@@ -145,13 +146,13 @@ class Express:
             if len(got) != size and not _channel_slots.trimmed(got, size):
                 # raises, as the general path
                 _channel_slots._checked(self.wire(group(), 0), channel, slots, "all_gather")
-        decoder = self.decoder if self.version == registry.version else None
-        if decoder is not None:  # every slot a plain frame of this rank's serializer: decoded as they are
-            payloads = [_frame.plain_payload(got, self.name) for got in slots]
-            if None not in payloads:
-                name = self.call.serializer.name
-                return True, [_frame.loads_payload(decoder, name, cast(memoryview, payload), r)
-                              for r, payload in enumerate(payloads)]
+        decoders = self.decoders if self.version == registry.version else None
+        if decoders:  # every slot a plain frame of a serializer this rank holds: decoded as they are
+            named = [_frame.plain_named(got) for got in slots]
+            found = [None if n is None else decoders.get(n[0]) for n in named]
+            if None not in found:
+                return True, [_frame.loads_payload(d, d.name, n[1], r) for r, (d, n) in enumerate(zip(found, named))
+                              if d is not None and n is not None]  # none is None: the filter only narrows the types
         plains = [_frame.plain_in_slot(got) for got in slots]
         if None not in plains:
             return True, [self._decode(plain, r) for r, plain in enumerate(plains)]
@@ -192,10 +193,11 @@ class Express:
 
     def _plain(self, slot: Any, sender: int) -> Any:
         """The object in ``slot`` from group rank ``sender`` if it holds a plain frame, else :data:`NOT_TAKEN`."""
-        if self.decoder is not None and self.version == registry.version:
-            payload = _frame.plain_payload(slot, self.name)
-            if payload is not None:  # this rank's own serializer: decoded with it, as decode_parsed would find it
-                return _frame.loads_payload(self.decoder, self.call.serializer.name, payload, sender)
+        if self.decoders and self.version == registry.version:
+            named = _frame.plain_named(slot)
+            decoder = None if named is None else self.decoders.get(named[0])
+            if decoder is not None:  # a serializer this rank holds: decoded with it, as decode_parsed would find it
+                return _frame.loads_payload(decoder, decoder.name, cast(Any, named)[1], sender)
         plain = _frame.plain_in_slot(slot)
         return NOT_TAKEN if plain is None else self._decode(plain, sender)
 
@@ -236,17 +238,19 @@ class Express:
         return Wire(group, *self.rest)._replace(tag=tag)
 
 
-def _decoder(serializer: SerializerProtocol, accept: Any) -> Optional[SerializerProtocol]:
-    """``serializer`` if a frame naming it is decoded with ``serializer`` itself (what
-    :func:`objcomm._format.frame.decode_parsed` finds in the registry) and ``accept`` takes it; else None ("auto":
-    frames name the serializer it chose, never "auto", and are decoded as any other rank's)."""
-    if isinstance(serializer, AutoSerializer):
-        return None
-    name = serializer.name
-    if accept is not None and name not in accept:
-        return None
-    try:
-        found = registry.guarded(name)
-    except UnknownSerializerError:  # not registered: its frames are refused where they arrive (the general path)
-        return None
-    return serializer if found is serializer else None
+def _decoders(serializer: SerializerProtocol, accept: Any) -> Dict[bytes, SerializerProtocol]:
+    """By name (ASCII bytes): the serializers whose frames are decoded as they are, each what
+    :func:`objcomm._format.frame.decode_parsed` finds in the registry for its name, and each taken by ``accept``:
+    ``serializer`` itself, or under ``"auto"`` every one it may choose (frames name the one chosen, never "auto")."""
+    names = serializer.names() if isinstance(serializer, AutoSerializer) else [serializer.name]
+    found: Dict[bytes, SerializerProtocol] = {}
+    for name in names:
+        if accept is not None and name not in accept:
+            continue
+        try:
+            held = registry.guarded(name)
+        except UnknownSerializerError:  # not registered: its frames are refused where they arrive (the general path)
+            continue
+        if held is serializer or isinstance(serializer, AutoSerializer):
+            found[name.encode("ascii")] = held
+    return found

@@ -164,13 +164,19 @@ def _choose_and_serialize(obj: Any, chooser: AutoSerializer, inline_tensor_bytes
     """The first candidate's that takes ``obj`` and, where :meth:`~serializers.AutoSerializer.candidates` says so,
     gives it back exactly: decoded here (the lifted objects themselves restored) and judged."""
     refused: Tuple[str, ...] = ()  # who refused obj itself already: not asked again
+    fast = chooser.exact_leader(obj)
+    if fast is not None:  # JSON-like data (and tensors): msgspec, exact for what it holds
+        try:
+            return serialize(obj, fast, inline_tensor_bytes)
+        except ObjcommError:  # a lone surrogate in a string, say
+            refused = (fast.name,)
     leader = chooser.leader(obj)
     if leader is not None:  # the common case: pickle, first and exact by construction; nothing else worked out
         try:
             return serialize(obj, leader, inline_tensor_bytes)
         except ObjcommError:
             chooser.leader_refused(obj)
-            refused = (leader.name,)
+            refused += (leader.name,)
     sig, trusted = chooser.trusted(obj)
     if trusted is not None and trusted.name not in refused:  # the one that took the last object of this signature
         try:
@@ -259,16 +265,14 @@ def plain_in_slot(slot: Any) -> Optional[Tuple[memoryview, Header]]:
     return frame, _new(Header, (version, 0, NO_COMPRESSION, name, 0, 0, payload_len, payload_len, 0))
 
 
-def plain_payload(slot: Any, name: bytes) -> Optional[memoryview]:
-    """The payload of the plain frame in ``slot`` (as :func:`plain_in_slot` reads it) if its serializer is
-    ``name`` (ASCII); else None. What a caller that already holds that serializer needs, without the header."""
+def plain_named(slot: Any) -> Optional[Tuple[bytes, memoryview]]:
+    """``(serializer name as bytes, payload)`` of the plain frame in ``slot`` (as :func:`plain_in_slot` reads it),
+    else None: what a caller that holds the serializers it expects needs, without the header."""
     lengths = _plain_lengths(slot)
     if lengths is None:
         return None
     start = _SLOT_HEADER.size + lengths[1]
-    if slot[_SLOT_HEADER.size : start] != name:
-        return None
-    return memoryview(slot)[start : start + lengths[2]]
+    return bytes(slot[_SLOT_HEADER.size : start]), memoryview(slot)[start : start + lengths[2]]
 
 
 def _plain_lengths(slot: Any) -> Optional[Tuple[int, int, int, int]]:

@@ -24,7 +24,8 @@ class BenchConfig:
     """What to run; validated by the CLI, shipped to every rank.
 
     ``payloads`` holds built-in names and ``module:function`` specs; ``adaptive`` (when the user
-    gave no ``--repeat``) lets slow cells use fewer repeats, at least 3, to fit ``cell_budget_s``.
+    gave no ``--repeat``) lets slow cells use fewer repeats, at least 3, to fit ``cell_budget_s``;
+    fast calls are timed several back to back, so that a sample lasts at least ``min_sample_s``.
     """
 
     payloads: Tuple[str, ...]
@@ -35,6 +36,7 @@ class BenchConfig:
     adaptive: bool = True
     imports: Tuple[str, ...] = ()
     cell_budget_s: float = 0.4
+    min_sample_s: float = 0.002
 
 
 def cwd_first() -> None:

@@ -16,14 +16,16 @@ same functions with the same arguments)::
     interleaved({"raw": lambda: dist.all_gather_into_tensor(out, raw)}, repeat=20)
 
 A sample is the time from leaving a barrier to having the result, on the *slowest* rank of the
-round; a timing is the median of its samples. Candidates run round-robin (one call each per
-round) so that machine noise hits them alike.
+round; a timing is the median of its samples. Candidates run interleaved (one call each per
+round, in an order of the round's own, garbage collected before each) so that machine noise hits them alike.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import math
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ from objcomm._tools.bench.config import OPS
 
 TORCH = "torch.distributed"  # the key of torch's own object collective in compare_op's result
 MIN_REPEAT = 3
+MAX_BATCH = 20  # calls per sample at most, where interleaved() chooses (min_sample_s)
 TORCH_EQUIVALENT = {
     "all_gather": "all_gather_object",
     "gather": "gather_object",
@@ -76,8 +79,9 @@ def interleaved(
     group: Any = None,
     budget_s: Optional[float] = None,
     batch: int = 1,
+    min_sample_s: Optional[float] = None,
 ) -> Dict[str, Timing]:
-    """Time each callable on every rank, round-robin, and return ``{name: Timing}`` (same on every rank).
+    """Time each callable on every rank, interleaved, and return ``{name: Timing}`` (same on every rank).
 
     Parameters
     ----------
@@ -85,8 +89,8 @@ def interleaved(
         Named zero-argument callables; every rank passes the same names in the same order, and
         each call must be a collective matching the other ranks' call (or a no-op).
     repeat:
-        Timed rounds; each round calls every candidate once, each after a barrier, starting
-        with a different candidate each round.
+        Timed rounds; each round calls every candidate once, each after a barrier, in an order of
+        its own (see :func:`_round`).
     warmup:
         Untimed rounds first (lazy imports, first-call allocations).
     budget_s:
@@ -98,15 +102,23 @@ def interleaved(
         small machine, tens to hundreds of microseconds) would otherwise be most of every sample.
         With ``batch`` above 1, one more call runs untimed right after the barrier: a call that waits
         for the other ranks absorbs their lead, as the warm-up iterations of MPI's latency tests do.
+    min_sample_s:
+        When given (with a warm-up), ``batch`` is chosen instead: enough calls (at most :data:`MAX_BATCH`) that
+        the fastest candidate's sample lasts this long, from the slowest rank's warm-up, so every rank agrees.
+        Calls of a few hundred microseconds are then timed a few milliseconds at a time, where the lead of one
+        rank leaving a barrier first is a small part of the sample, not half of it.
     """
     if repeat < 1 or batch < 1:
         raise ValueError(f"repeat and batch must be at least 1, got {repeat} and {batch}")
     names = list(candidates)
     for index in range(warmup):
         warm = _round(candidates, names, index, group, batch)
-    if budget_s is not None and warmup:
-        slowest = reduce_max(torch.tensor([sum(warm) * batch], dtype=torch.float64), group)[0]  # warm: per call
-        repeat = min(repeat, max(MIN_REPEAT, math.ceil(budget_s / max(slowest, 1e-9))))
+    if (budget_s is not None or min_sample_s is not None) and warmup:
+        warm_max = reduce_max(torch.tensor(warm, dtype=torch.float64), group)  # per call, the slowest rank's
+        if min_sample_s is not None:
+            batch = min(MAX_BATCH, max(1, math.ceil(min_sample_s / max(min(warm_max), 1e-9))))
+        if budget_s is not None:
+            repeat = min(repeat, max(MIN_REPEAT, math.ceil(budget_s / max(sum(warm_max) * batch, 1e-9))))
     rows = [_round(candidates, names, index, group, batch) for index in range(repeat)]
     slowest_rows = reduce_max(torch.tensor(rows, dtype=torch.float64), group)
     return {
@@ -117,12 +129,16 @@ def interleaved(
 
 def _round(candidates: Mapping[str, Callable[[], Any]], names: Sequence[str], index: int, group: Any,
            batch: int = 1) -> List[float]:
-    """Seconds per call per name, in ``names`` order; round ``index`` starts at name ``index``, so none always
-    goes first."""
+    """Seconds per call per name, in ``names`` order. Round ``index`` calls them in an order of its own (the same
+    on every rank), so that none always goes first or always follows the same one; and the young garbage earlier
+    calls left is collected before each sample, untimed (torch's object collectives leave the most: whichever call came
+    next used to pay for collecting it, about 15% of a small call)."""
+    order = list(range(len(names)))
+    random.Random(index).shuffle(order)
     seconds = [0.0] * len(names)
-    for k in range(len(names)):
-        position = (index + k) % len(names)
+    for position in order:
         call = candidates[names[position]]
+        gc.collect(1)  # the young garbage: cheap (a full collection, with torch loaded, takes 0.2 s)
         dist.barrier(group=group)
         if batch > 1:
             call()  # untimed: it absorbs how far apart the ranks left the barrier
@@ -152,6 +168,7 @@ def compare_op(
     root: int = 0,
     torch_baseline: bool = True,
     budget_s: Optional[float] = None,
+    min_sample_s: Optional[float] = None,
 ) -> Dict[str, Timing]:
     """Time ``op`` through objcomm with each serializer, and torch's equivalent, interleaved.
 
@@ -173,7 +190,8 @@ def compare_op(
     candidates = {name: objcomm_call(op, make, name, group=group, root=root) for name in serializers}
     if torch_baseline:
         candidates[TORCH] = torch_call(op, make, group=group, root=root)
-    return interleaved(candidates, repeat=repeat, warmup=warmup, group=group, budget_s=budget_s)
+    return interleaved(candidates, repeat=repeat, warmup=warmup, group=group, budget_s=budget_s,
+                       min_sample_s=min_sample_s)
 
 
 @dataclass(frozen=True)

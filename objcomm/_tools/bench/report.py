@@ -60,7 +60,8 @@ def _legend(meta: Dict[str, Any], first_op: str) -> List[str]:
     workarounds = [f"          {op}: torch has none; its row is {TORCH_EQUIVALENT[op]}"
                    for op in meta.get("ops", ()) if op not in DEFAULT_OPS]
     return [
-        f"op cells: median latency of {repeats} interleaved runs (slowest rank, barrier to result), and",
+        f"op cells: median latency of {repeats} interleaved runs (slowest rank, barrier to result; calls under",
+        "          2 ms timed several back to back, per call), and",
         "          ×: objcomm ÷ torch.distributed's object collective in the same runs (below 1: faster)",
         *workarounds,
         f"encode/decode: rank 0, local, median; MB/s: payload's pickle size ÷ {first_op} latency",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import socket
@@ -38,6 +39,8 @@ def run_matrix(config: BenchConfig, progress: Optional[Progress] = None, group: 
     payloads = [resolve_payload(name) for name in config.payloads]
     for name in config.serializers:  # lazy imports (orjson, cloudpickle) must not count as encode time
         check(serializers.registry.guarded(name), _WARM_UP, repeat=1)
+    gc.collect()
+    gc.freeze()  # what is alive now (torch's own ~180k objects) is not scanned by every full collection from here
     me = dist.get_rank(group)
     meta = _meta(config, group)
     cells = [(p, size) for p in payloads for size in (config.sizes if p.scalable else (None,))]
@@ -59,6 +62,7 @@ def run_matrix(config: BenchConfig, progress: Optional[Progress] = None, group: 
             timings = compare_op(
                 op, objects, [n for n in config.serializers if n not in refused], repeat=config.repeat,
                 group=group, budget_s=config.cell_budget_s if config.adaptive else None,
+                min_sample_s=config.min_sample_s,
             )
             torch_s = timings[TORCH].median_s
             for name in config.serializers:
