@@ -122,7 +122,8 @@ class AutoSerializer(Serializer):
         if fast is None or carried_exactly is None:
             return None
         leaves, array = _leaves()
-        return fast if carried_exactly(obj, leaves, array, getattr(fast, "in_band_array_bytes", 0)) else None
+        inline = getattr(fast, "in_band_array_bytes", 0)
+        return fast if carried_exactly(obj, leaves, array, inline, LIFTED_ARRAY_DTYPES) else None
 
     def leader(self, obj: Any) -> Optional[SerializerProtocol]:
         """The first candidate, to try before anything is worked out about ``obj``, where it is one whose loads takes
@@ -230,9 +231,9 @@ class AutoSerializer(Serializer):
 
 def _leaves() -> Tuple[Tuple[type, ...], Optional[type]]:
     """What :func:`carried_exactly` takes as it is: ``torch.Tensor``, and ``numpy.ndarray`` past msgspec's
-    ``in_band_array_bytes`` (objcomm lifts both out of every serializer's payload alike; msgspec writes smaller
-    arrays exactly, but reads them through Python, slower than pickle), once imported: serializers itself imports
-    neither."""
+    ``in_band_array_bytes`` of a dtype in :data:`LIFTED_ARRAY_DTYPES` (objcomm lifts both out of every serializer's
+    payload alike; msgspec writes other arrays in its payload, and reads small ones through Python, slower than
+    pickle), once imported: serializers itself imports neither."""
     global _LEAVES
     if _LEAVES[0] == () or _LEAVES[1] is None:
         tensor = getattr(sys.modules.get("torch"), "Tensor", None)
@@ -242,6 +243,15 @@ def _leaves() -> Tuple[Tuple[type, ...], Optional[type]]:
 
 
 _LEAVES: Tuple[Tuple[type, ...], Optional[type]] = ((), None)
+# The numpy dtypes objcomm lifts out of band (native byte order, shared with torch): objcomm._format.tensors sets
+# them (lift_arrays_of); until then, and outside objcomm, no array goes to msgspec unjudged.
+LIFTED_ARRAY_DTYPES: Tuple[Any, ...] = ()
+
+
+def lift_arrays_of(dtypes: Tuple[Any, ...]) -> None:
+    """Tell ``auto`` which numpy dtypes (the dtype objects themselves) objcomm lifts out of band."""
+    global LIFTED_ARRAY_DTYPES
+    LIFTED_ARRAY_DTYPES = tuple(dtypes)
 
 
 def _lift_tensors(value: Any) -> Optional[int]:

@@ -6,12 +6,17 @@ object holds nothing it would change, so ``auto`` may send it through msgspec un
 all the way down:
 
 - ``None``, ``bool``, ``float``, ``str``, ``bytes``, or an ``int`` from -2**63 to 2**64 - 1 (exact types: a
-  subclass, an ``IntEnum`` say, would come back as its base);
+  subclass, an ``IntEnum`` say, would come back as its base); a ``str`` or ``bytes`` of :data:`SHARED_LENGTH` or
+  more met twice is not carried (msgspec would write it each time: ``[s] * 1000`` of a 100 KB ``s`` made 100 MB,
+  where pickle writes it once);
 - a ``list``, or a ``dict`` whose keys are ``str`` or such ``int`` (exact types again), of such values;
 - a value whose exact type is one of ``leaves`` (objcomm passes ``torch.Tensor``: tensors travel out of band,
-  the same way whichever serializer carries the rest), or is ``large`` with more than ``large_above`` bytes
-  (``numpy.ndarray`` past msgspec's ``in_band_array_bytes``: out of band too; msgspec writes smaller ones in its
-  payload exactly, but decodes them through Python, three times slower than pickle: those go to pickle).
+  the same way whichever serializer carries the rest), or is ``large`` with more than ``large_above`` bytes and a
+  dtype (by identity) in ``large_dtypes`` (``numpy.ndarray`` past msgspec's ``in_band_array_bytes``, of a dtype
+  objcomm lifts out of band too, where aliasing survives; msgspec writes other arrays in its payload, each time
+  it meets them, and decodes small ones through Python, three times slower than pickle: those go to pickle).
+  ``large`` must be a type defined in C: the walk reads its ``nbytes`` and ``dtype`` while it holds borrowed
+  references, and a Python class could run code there (a ``TypeError`` says so).
 
 Two more rules keep it exact where equality would not notice: no list or dict may be met twice (msgspec writes
 it twice, and the receiver would get two lists where the sender had one; a container inside itself is met twice
@@ -33,11 +38,12 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Set, Tuple
 
 MAX_DEPTH = 100  # containers nested deeper than this: not looked into, not carried (pickle is)
-_SCALARS = (type(None), bool, float, str, bytes)
+SHARED_LENGTH = 64  # a str or bytes this long or longer met twice: not carried
+_SCALARS = (type(None), bool, float)
 
 
 def carried_exactly_python(obj: Any, leaves: Tuple[type, ...], large: Optional[type] = None,
-                           large_above: int = 0) -> bool:
+                           large_above: int = 0, large_dtypes: Tuple[Any, ...] = ()) -> bool:
     """:func:`carried_exactly` in Python (the reference for the C walk)."""
 
     def fits(value: int) -> bool:
@@ -47,12 +53,20 @@ def carried_exactly_python(obj: Any, leaves: Tuple[type, ...], large: Optional[t
 
     def walk(value: Any, depth: int) -> bool:
         kind = type(value)
-        if kind in _SCALARS:
+        if kind is str or kind is bytes:
+            if len(value) < SHARED_LENGTH:
+                return True
+            met = id(value) in seen
+            seen.add(id(value))
+            return not met
+        if any(kind is scalar for scalar in _SCALARS):
             return True
         if kind is int:
             return fits(value)
         if kind is not list and kind is not dict:
-            return kind in leaves or (kind is large and value.nbytes > large_above)
+            if kind is large:
+                return value.nbytes > large_above and any(value.dtype is d for d in large_dtypes)
+            return any(kind is leaf for leaf in leaves)
         if depth >= MAX_DEPTH or id(value) in seen:
             return False
         seen.add(id(value))

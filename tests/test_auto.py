@@ -101,6 +101,37 @@ def test_msgspec_leads_where_the_object_holds_only_what_it_carries_exactly():
     assert only_json.choose({"rows": [{"id": 1, "tags": ["a"]}]}) == "json"  # msgspec leads only where it may be used
 
 
+@needs_exact_tree
+def test_what_msgspec_would_write_twice_or_read_differently_goes_to_pickle():
+    """An attacker round on the msgspec lane: a long string met twice, arrays objcomm does not lift (written in
+    msgspec's payload each time they are met, and '<U1' data msgspec's reader refuses) go to pickle, which keeps
+    them once; a refusal by msgspec costs no walk to say where (pickle follows)."""
+    from serializers import _msgpack
+
+    auto = serializers.registry.guarded("auto")
+    text = "x" * 100_000
+    name, out = _frame_name([text] * 1000, auto)
+    assert name == "pickle" and out.total < 200_000  # msgspec wrote 100 MB
+    same = np.zeros(2000, dtype="<U5")
+    code_points = np.full(2000, 0x110000, dtype="<u4").view("<U1")  # past U+10FFFF: msgspec's reader refuses it
+    for obj in ([same, same], [np.zeros(10_000, ">f8")] * 3, {"x": code_points}):
+        name, out = _frame_name(obj, auto)
+        got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
+        assert name == "pickle" and judge(obj, got)[0] == "exact", obj
+    walks = []
+    original = _msgpack.locate
+    _msgpack.locate = lambda *a: walks.append(1) or original(*a)
+    try:
+        lone = b"/data/caf\xe9.txt".decode("utf-8", "surrogateescape")  # what os.fsdecode gives
+        assert _frame_name({"paths": ["/data/a.txt"] * 10 + [lone]}, auto)[0] == "pickle"
+        assert walks == []
+        with pytest.raises(EncodeError, match=r"at \$\['paths'\]\[10\]"):  # named, it still says where
+            _frame.encode({"paths": ["/data/a.txt"] * 10 + [lone]}, serializers.registry.guarded("msgspec"),
+                          max_bytes=1 << 30)
+    finally:
+        _msgpack.locate = original
+
+
 def _encoded(obj, chooser):
     out = _frame.encode(obj, chooser, max_bytes=1 << 30)
     return out.frame, list(out.tensors)

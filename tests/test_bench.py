@@ -13,7 +13,7 @@ from _ranks import get_pool
 import objcomm
 import serializers
 from objcomm._tools.bench.config import OPS
-from objcomm._tools.bench.measure import TORCH, Timing, compare_op, interleaved
+from objcomm._tools.bench.measure import MAX_BATCH, TORCH, Timing, compare_op, interleaved
 from objcomm._tools.bench.payloads import BUILTIN, format_size, parse_size, reference_size
 from objcomm._tools.bench.roundtrip import check, judge
 
@@ -132,6 +132,38 @@ def test_interleaved_batches_calls_and_budgets_whole_rounds():
     # 0.3 s at >= 0.1 s a round: the fewest rounds, 3 (the budget once counted one call a round: 30);
     # each sample is 10 timed calls after an untimed one (the lead-in), warm-up round included
     assert get_pool(1).run(batched, 10) == [[3, (1 + 3) * (10 + 1), True]]
+
+
+def sampled(min_sample_s: float) -> list:
+    """Calls of ~1 ms with samples of at least ``min_sample_s``: the batch is chosen from the warm-up."""
+    import time
+
+    calls = []
+    timed = interleaved({"nap": lambda: (calls.append(1), time.sleep(0.001)), "idle": lambda: None}, repeat=3,
+                        warmup=1, min_sample_s=min_sample_s)
+    return [len(calls), timed["nap"].median_s >= 0.001]
+
+
+def test_interleaved_times_fast_calls_several_to_a_sample():
+    # the fastest candidate ("idle", microseconds) sets the batch: the most, 20 calls a sample plus the lead-in;
+    # one warm-up call, then 3 rounds of 21
+    assert get_pool(1).run(sampled, 0.002) == [[1 + 3 * (MAX_BATCH + 1), True]]
+
+
+def orders() -> list:
+    """The order in which each of 12 rounds (after the warm-up) called the 4 candidates."""
+    called: list = []
+    interleaved({n: (lambda n=n: called.append(n)) for n in "abcd"}, repeat=12, warmup=1)
+    return [called[i : i + 4] for i in range(4, len(called), 4)]
+
+
+def test_each_round_calls_the_candidates_in_an_order_of_its_own():
+    rounds = get_pool(1).run(orders)[0]
+    assert len(rounds) == 12 and all(sorted(r) == list("abcd") for r in rounds)
+    # what came right before "a": a fixed rotation always has "d" there (or nothing), so "a" always paid for
+    # whatever "d" left behind (torch's garbage, for the first serializer by name, before)
+    before_a = {r[r.index("a") - 1] for r in rounds if r[0] != "a"}
+    assert len(before_a) > 1, rounds
 
 
 def send_recv_alone() -> str:

@@ -20,11 +20,14 @@ import torch
 from _child import run_in_child
 from _hostile import FUZZ_SCALE
 
+from objcomm._format import tensors as _tensors
 from serializers import _exact_tree
 
 needs_c_walk = pytest.mark.skipif(_exact_tree.carried_exactly is None,
                                   reason="the C walk was not built here (no compiler at install)")
-LEAVES = ((torch.Tensor,), np.ndarray, 4096)  # what serializer="auto" passes: tensors, arrays past 4 KiB
+# what serializer="auto" passes: tensors; arrays past 4 KiB of the dtypes objcomm lifts out of band
+LEAVES = ((torch.Tensor,), np.ndarray, 4096, tuple(_tensors._NUMPY_CODES))
+LONG = "s" * _exact_tree.SHARED_LENGTH
 
 
 class Level(enum.IntEnum):
@@ -42,6 +45,8 @@ def _scalar(rng: random.Random) -> Any:
         lambda: rng.choice([2**63 - 1, -2**63, 2**64 - 1]),
         lambda: rng.choice([2**64, -2**63 - 1, 10**30]),  # beyond msgspec's ints
         lambda: np.arange(rng.randrange(4)), lambda: np.zeros(rng.choice([512, 513, 2000])), lambda: torch.zeros(2),
+        lambda: np.zeros(2000, dtype=rng.choice([">f8", "<U5", "S8", "M8[s]"])), lambda: LONG, lambda: LONG + "x",
+        lambda: LONG.encode(), lambda: LONG[:-1],
         lambda: (1, 2), lambda: {1}, lambda: frozenset(), lambda: bytearray(b"x"), lambda: Level.LOW,
         lambda: Name("n"), lambda: np.float32(1.5), lambda: torch.nn.Parameter(torch.zeros(1)), lambda: 1j,
     ])()
@@ -125,6 +130,11 @@ def test_the_rules(walk):
         assert not carried({"x": converted}, *LEAVES), converted
     inner = [1]
     assert not carried([inner, inner], ())  # met twice: msgspec would send two lists
+    assert not carried([LONG, LONG], ()) and not carried([LONG.encode()] * 2, ())  # written twice, read as two
+    assert carried([LONG[:-1]] * 2, ()) and carried([LONG + "a", LONG + "a"], ())  # short; two strings met once
+    big = np.zeros(513)
+    assert not carried([big, np.zeros(513, ">f8")], *LEAVES)  # objcomm does not lift '>f8': in the payload
+    assert carried([big, big], *LEAVES)  # lifted once, one array on the receiver too
     assert carried({"x": inner}, ())  # also held by a variable here, but met once
     assert not carried({"x": {"y": inner}, "z": [inner]}, ())
     loop: list = []
@@ -138,3 +148,18 @@ def test_the_rules(walk):
     del level  # else the innermost list is held here too
     assert not carried(deep, ())
     assert carried(deep[0], ())  # one level less
+
+    class Sized:
+        nbytes = 10_000  # a Python class: its getters could run code while the walk holds borrowed references
+    if walk == "c":
+        with pytest.raises(TypeError, match="large must be a type defined in C"):
+            carried([Sized()], (), Sized, 0, ())
+
+    class Equal(type):
+        def __eq__(cls, other):  # equal to everything: the walks compare types by identity
+            return True
+        __hash__ = type.__hash__
+
+    class Odd(metaclass=Equal):
+        pass
+    assert not carried({"x": Odd()}, (torch.Tensor,))

@@ -49,6 +49,7 @@ from objcomm._format.tensors import Entry, TensorLifter, WholeBytes, parse_table
 from serializers import AutoSerializer, SerializerProtocol, registry
 from serializers._auto import exact as auto_exact
 from serializers._auto import no_candidate
+from serializers._msgpack import unexplained_refusals
 
 MAGIC = b"OBJC"
 VERSION = 2  # the newest format: a tensor table may carry numpy arrays and whole bytes (objcomm._format.tensors.KINDS)
@@ -167,8 +168,9 @@ def _choose_and_serialize(obj: Any, chooser: AutoSerializer, inline_tensor_bytes
     fast = chooser.exact_leader(obj)
     if fast is not None:  # JSON-like data (and tensors): msgspec, exact for what it holds
         try:
-            return serialize(obj, fast, inline_tensor_bytes)
-        except ObjcommError:  # a lone surrogate in a string, say
+            with unexplained_refusals():
+                return serialize(obj, fast, inline_tensor_bytes)
+        except ObjcommError:  # a lone surrogate in a string, say: pickle, without finding where it sits
             refused = (fast.name,)
     leader = chooser.leader(obj)
     if leader is not None:  # the common case: pickle, first and exact by construction; nothing else worked out

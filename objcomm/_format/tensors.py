@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from objcomm._errors import FrameError
+from serializers import _auto
 
 DTYPES = (
     "float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "int32", "int64", "bool",
@@ -108,6 +109,7 @@ _NUMPY_NAMES = ("float32", "float64", "float16", "uint8", "int8", "int16", "int3
                 "complex128", "uint16", "uint32", "uint64")
 _NUMPY_CODES: Dict[Any, int] = {np.dtype(n): DTYPES.index(n) for n in _NUMPY_NAMES if hasattr(torch, n)}
 _NUMPY_OF: Dict[torch.dtype, Any] = {getattr(torch, n): np.dtype(n) for n in _NUMPY_NAMES if hasattr(torch, n)}
+_auto.lift_arrays_of(tuple(_NUMPY_CODES))  # serializer="auto" sends dicts of such arrays through msgspec
 # what Tensor.numpy() and torch.from_numpy() take in every torch objcomm supports (uint16-64 came in 2.3)
 _FROM_NUMPY = frozenset(getattr(torch, n) for n in _NUMPY_NAMES[:11])
 

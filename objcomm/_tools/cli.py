@@ -58,7 +58,8 @@ def _parser() -> _Parser:
     add("--sizes", metavar="SIZES", help=f"payload sizes, e.g. 1KB,1MB,16MB (default {DEFAULT_SIZES})")
     add("--repeat", type=int, metavar="N",
         help=f"timed runs per cell (default: up to {DEFAULT_REPEAT}, fewer (at least 3) for slow cells)")
-    add("--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, {QUICK_REPEAT} repeats (unless given)")
+    add("--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, {QUICK_REPEAT} repeats (unless given), "
+                                             "one call a sample")
     add("--json", metavar="FILE", help="write every row (and the run's context) as JSON")
     add("--csv", metavar="FILE", help="write every row as CSV")
     add("--plot", metavar="FILE.png", help="plot latency against size per op (needs matplotlib)")
@@ -179,6 +180,7 @@ def _bench_config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         payloads=tuple(payloads + list(args.payload)), sizes=tuple(dict.fromkeys(sizes)), serializers=tuple(names),
         ops=tuple(ops), repeat=repeat, adaptive=args.repeat is None, imports=tuple(args.imports),
+        min_sample_s=0.0 if args.quick else BenchConfig.min_sample_s,
     )
 
 

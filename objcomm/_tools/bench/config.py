@@ -25,7 +25,8 @@ class BenchConfig:
 
     ``payloads`` holds built-in names and ``module:function`` specs; ``adaptive`` (when the user
     gave no ``--repeat``) lets slow cells use fewer repeats, at least 3, to fit ``cell_budget_s``;
-    fast calls are timed several back to back, so that a sample lasts at least ``min_sample_s``.
+    fast calls are timed several back to back, so that a sample lasts at least ``min_sample_s`` (0: one call a
+    sample, as ``--quick`` runs).
     """
 
     payloads: Tuple[str, ...]

@@ -59,9 +59,11 @@ def _legend(meta: Dict[str, Any], first_op: str) -> List[str]:
     repeats = f"up to {meta['repeat']}" if meta.get("adaptive_repeat") else str(meta["repeat"])
     workarounds = [f"          {op}: torch has none; its row is {TORCH_EQUIVALENT[op]}"
                    for op in meta.get("ops", ()) if op not in DEFAULT_OPS]
+    batched = meta.get("min_sample_s")
     return [
-        f"op cells: median latency of {repeats} interleaved runs (slowest rank, barrier to result; calls under",
-        "          2 ms timed several back to back, per call), and",
+        *([f"op cells: median latency of {repeats} interleaved runs (slowest rank, barrier to result; calls under",
+           f"          {batched * 1e3:g} ms timed several back to back, per call), and"] if batched else
+          [f"op cells: median latency of {repeats} interleaved runs (slowest rank, barrier to result), and"]),
         "          ×: objcomm ÷ torch.distributed's object collective in the same runs (below 1: faster)",
         *workarounds,
         f"encode/decode: rank 0, local, median; MB/s: payload's pickle size ÷ {first_op} latency",

@@ -62,7 +62,7 @@ def run_matrix(config: BenchConfig, progress: Optional[Progress] = None, group: 
             timings = compare_op(
                 op, objects, [n for n in config.serializers if n not in refused], repeat=config.repeat,
                 group=group, budget_s=config.cell_budget_s if config.adaptive else None,
-                min_sample_s=config.min_sample_s,
+                min_sample_s=config.min_sample_s or None,
             )
             torch_s = timings[TORCH].median_s
             for name in config.serializers:
@@ -128,6 +128,7 @@ def _meta(config: BenchConfig, group: Any) -> Dict[str, Any]:
         "python": platform.python_version(),
         "repeat": config.repeat,
         "adaptive_repeat": config.adaptive,
+        "min_sample_s": config.min_sample_s,
         "sizes": list(config.sizes),
         "serializers": list(config.serializers),
         "payloads": list(config.payloads),
