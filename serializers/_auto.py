@@ -208,7 +208,8 @@ class AutoSerializer(Serializer):
             usable = [n for n in names if (self.accept is None or n in self.accept)
                       and (not self.safe or self._registry.get(n).safe)
                       and not isinstance(self._registry.get(n), AutoSerializer)]
-            fast = self._registry.guarded(EXACT_LEADER) if EXACT_LEADER in usable else None
+            fast = self._registry.guarded(EXACT_LEADER) if EXACT_LEADER in usable and _untyped_msgspec(
+                self._registry.get(EXACT_LEADER)) else None
             self._known = (version, usable, fast)
         return self._known[1]
 
@@ -257,6 +258,14 @@ def lift_arrays_of(dtypes: Tuple[Any, ...]) -> None:
 def _lift_tensors(value: Any) -> Optional[int]:
     """A ``lift=`` that takes tensors as objcomm does (its keys are not used: the payload is thrown away)."""
     return 0 if type(value).__module__.startswith("torch") else None
+
+
+def _untyped_msgspec(serializer: Any) -> bool:
+    """Whether ``serializer`` is the built-in msgspec backend decoding into ``Any`` (one registered under the name
+    with ``replace=True`` and a type would refuse, on the receiver, what the lane sends it)."""
+    from serializers._msgspec import MsgspecSerializer
+
+    return type(serializer) is MsgspecSerializer and serializer.type is Any
 
 
 def _top(obj: Any) -> Any:

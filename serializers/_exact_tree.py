@@ -8,7 +8,7 @@ all the way down:
 - ``None``, ``bool``, ``float``, ``str``, ``bytes``, or an ``int`` from -2**63 to 2**64 - 1 (exact types: a
   subclass, an ``IntEnum`` say, would come back as its base); a ``str`` or ``bytes`` of :data:`SHARED_LENGTH` or
   more met twice is not carried (msgspec would write it each time: ``[s] * 1000`` of a 100 KB ``s`` made 100 MB,
-  where pickle writes it once);
+  where pickle writes it once; a long ``str`` key met in many dicts likewise);
 - a ``list``, or a ``dict`` whose keys are ``str`` or such ``int`` (exact types again), of such values;
 - a value whose exact type is one of ``leaves`` (objcomm passes ``torch.Tensor``: tensors travel out of band,
   the same way whichever serializer carries the rest), or is ``large`` with more than ``large_above`` bytes and a
@@ -51,14 +51,17 @@ def carried_exactly_python(obj: Any, leaves: Tuple[type, ...], large: Optional[t
 
     seen: Set[int] = set()
 
+    def once(text: Any) -> bool:  # short, or a long str or bytes met for the first time
+        if len(text) < SHARED_LENGTH:
+            return True
+        met = id(text) in seen
+        seen.add(id(text))
+        return not met
+
     def walk(value: Any, depth: int) -> bool:
         kind = type(value)
         if kind is str or kind is bytes:
-            if len(value) < SHARED_LENGTH:
-                return True
-            met = id(value) in seen
-            seen.add(id(value))
-            return not met
+            return once(value)
         if any(kind is scalar for scalar in _SCALARS):
             return True
         if kind is int:
@@ -72,7 +75,8 @@ def carried_exactly_python(obj: Any, leaves: Tuple[type, ...], large: Optional[t
         seen.add(id(value))
         if kind is list:
             return all(walk(item, depth + 1) for item in value)
-        return all((type(k) is str or (type(k) is int and fits(k))) and walk(v, depth + 1) for k, v in value.items())
+        return all((once(k) if type(k) is str else type(k) is int and fits(k)) and walk(v, depth + 1)
+                   for k, v in value.items())
 
     return walk(obj, 0)
 

@@ -4,8 +4,9 @@
  * compares the two): read that module's docstring for the rules. It stops at the first value that does not
  * qualify, and only reads the object: the GIL is held throughout and nothing it calls runs Python code or makes
  * an object the garbage collector tracks (a collection could run a finalizer that changes the object under the
- * walk, which holds borrowed references): no exception is raised and cleared, the set below is made before the
- * walk starts, and what it holds are ints. A container held by its parent alone (reference count one) cannot be
+ * walk, which holds borrowed references): it raises no exception on the way (the clears below only guard against
+ * what these C types never do, and memory running out), the set below is made before the walk starts, and what
+ * it holds are ints. A container held by its parent alone (reference count one) cannot be
  * met twice; only the others are remembered, by address, to tell a container met twice.
  */
 #define PY_SSIZE_T_CLEAN
@@ -112,8 +113,9 @@ walk(Walk *w, PyObject *value, int depth)
         PyObject *key, *item;
         while (PyDict_Next(value, &position, &key, &item)) {
             PyTypeObject *key_kind = Py_TYPE(key);
-            if (!(key_kind == &PyUnicode_Type || (key_kind == &PyLong_Type && int_fits(key))))
-                return 0;
+            if (key_kind == &PyUnicode_Type ? !(SHORT_OR_ONCE(key) || first_meeting(w, key))
+                                            : !(key_kind == &PyLong_Type && int_fits(key)))
+                return 0;  /* a long key met in many dicts would be written in each */
             if (!QUICK(item) && !walk(w, item, depth + 1))
                 return 0;
         }

@@ -99,6 +99,13 @@ def test_msgspec_leads_where_the_object_holds_only_what_it_carries_exactly():
     assert got["a"] is got["b"]  # one list, as sent
     only_json = AutoSerializer(accept=frozenset({"json"}))
     assert only_json.choose({"rows": [{"id": 1, "tags": ["a"]}]}) == "json"  # msgspec leads only where it may be used
+    builtin = serializers.get("msgspec")
+    serializers.register(serializers.MsgspecSerializer(list[int], name="msgspec"), replace=True)
+    try:  # a "msgspec" that decodes into a type would refuse what the lane sends: not the lane
+        assert AutoSerializer().choose({"rows": [1]}) == "pickle"
+    finally:
+        serializers.register(builtin, replace=True)
+    assert AutoSerializer().choose({"rows": [1]}) == "msgspec"
 
 
 @needs_exact_tree

@@ -65,7 +65,7 @@ def _tree(rng: random.Random, depth: int, shared: List[Any], held: List[Any]) ->
     elif roll < 0.9:
         value = {}
         for _ in range(rng.randrange(5)):
-            key = rng.choice([f"k{rng.randrange(9)}", rng.randrange(-3, 9), 2**64, 1.5, (1,), None, Name("n")]
+            key = rng.choice([f"k{rng.randrange(9)}", rng.randrange(-3, 9), 2**64, 1.5, (1,), None, Name("n"), LONG]
                              if rng.random() < 0.3 else [f"k{rng.randrange(9)}"])
             value[key] = _tree(rng, depth - 1, shared, held)
     elif roll < 0.95:
@@ -132,6 +132,7 @@ def test_the_rules(walk):
     assert not carried([inner, inner], ())  # met twice: msgspec would send two lists
     assert not carried([LONG, LONG], ()) and not carried([LONG.encode()] * 2, ())  # written twice, read as two
     assert carried([LONG[:-1]] * 2, ()) and carried([LONG + "a", LONG + "a"], ())  # short; two strings met once
+    assert not carried([{LONG: 1}, {LONG: 2}], ()) and carried([{LONG[:-1]: 1}, {LONG[:-1]: 2}], ())
     big = np.zeros(513)
     assert not carried([big, np.zeros(513, ">f8")], *LEAVES)  # objcomm does not lift '>f8': in the payload
     assert carried([big, big], *LEAVES)  # lifted once, one array on the receiver too
