@@ -117,8 +117,7 @@ class AutoSerializer(Serializer):
         """msgspec, where it is a candidate and ``obj`` holds only what it carries exactly
         (:func:`serializers._exact_tree.carried_exactly`: JSON-like data, tensors); else None. Tried before
         :meth:`leader`: on such data msgspec encodes two to ten times faster than pickle and decodes as fast."""
-        self._names()
-        fast = self._known[2]
+        fast = self._current()[2]
         if fast is None or carried_exactly is None:
             return None
         leaves, array = _leaves()
@@ -200,7 +199,12 @@ class AutoSerializer(Serializer):
         return list(self._names())
 
     def _names(self) -> List[str]:
-        """The candidates' names, fastest first: worked out again only when the registry changed."""
+        """The candidates' names, fastest first."""
+        return self._current()[1]
+
+    def _current(self) -> Tuple[int, List[str], Optional[SerializerProtocol]]:
+        """``(registry version, candidate names, msgspec where it leads JSON-like data)``: worked out again only when
+        the registry changed."""
         version = self._registry.version
         if self._known[0] != version:
             known = self._registry.available()
@@ -211,7 +215,7 @@ class AutoSerializer(Serializer):
             fast = self._registry.guarded(EXACT_LEADER) if EXACT_LEADER in usable and _untyped_msgspec(
                 self._registry.get(EXACT_LEADER)) else None
             self._known = (version, usable, fast)
-        return self._known[1]
+        return self._known
 
     def _outcome(self, sig: Signature, name: str, took: bool) -> None:
         """Remember that ``name`` took (and gave back exactly) or refused an object of signature ``sig``."""
@@ -256,8 +260,9 @@ def lift_arrays_of(dtypes: Tuple[Any, ...]) -> None:
 
 
 def _lift_tensors(value: Any) -> Optional[int]:
-    """A ``lift=`` that takes tensors as objcomm does (its keys are not used: the payload is thrown away)."""
-    return 0 if type(value).__module__.startswith("torch") else None
+    """A ``lift=`` that takes what :func:`_leaves` takes as it is, tensors, as objcomm does (its keys are not used:
+    the payload is thrown away)."""
+    return 0 if type(value) in _leaves()[0] else None
 
 
 def _untyped_msgspec(serializer: Any) -> bool:

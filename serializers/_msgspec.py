@@ -58,7 +58,7 @@ from serializers._msgpack import (
     encode_lifting,
     encode_refusal,
     lifted,
-    structured_refusal,
+    refuse_structured,
 )
 from serializers._path import describe
 from serializers._protocol import Buffer, Lift, Restore, Serializer
@@ -140,8 +140,7 @@ class MsgspecSerializer(Serializer):
         if type(value).__module__ == "numpy" or _numpy_instance(value):
             import numpy as np
 
-            if isinstance(value, (np.ndarray, np.generic)) and value.dtype.fields is not None:
-                raise TypeError(structured_refusal(value))
+            refuse_structured(value, np)
             if isinstance(value, np.ndarray) and not value.dtype.hasobject:
                 data = value if value.flags.c_contiguous else np.ascontiguousarray(value)
                 raw = data.reshape(-1).data.cast("B") if data.size else b""

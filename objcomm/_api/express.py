@@ -242,7 +242,8 @@ def _decoders(serializer: SerializerProtocol, accept: Any) -> Dict[bytes, Serial
     """By name (ASCII bytes): the serializers whose frames are decoded as they are, each what
     :func:`objcomm._format.frame.decode_parsed` finds in the registry for its name, and each taken by ``accept``:
     ``serializer`` itself, or under ``"auto"`` every one it may choose (frames name the one chosen, never "auto")."""
-    names = serializer.names() if isinstance(serializer, AutoSerializer) else [serializer.name]
+    auto = isinstance(serializer, AutoSerializer)
+    names = cast(AutoSerializer, serializer).names() if auto else [serializer.name]
     found: Dict[bytes, SerializerProtocol] = {}
     for name in names:
         if accept is not None and name not in accept:
@@ -251,6 +252,6 @@ def _decoders(serializer: SerializerProtocol, accept: Any) -> Dict[bytes, Serial
             held = registry.guarded(name)
         except UnknownSerializerError:  # not registered: its frames are refused where they arrive (the general path)
             continue
-        if held is serializer or isinstance(serializer, AutoSerializer):
+        if held is serializer or auto:
             found[name.encode("ascii")] = held
     return found
