@@ -115,8 +115,15 @@ def _staged(stages: Callable[[List[int]], Any], names: Sequence[str], calls: int
     return {name: min(values) for name, values in totals.items()}
 
 
-ALL_GATHER_STAGES = ("settings resolution", "encode (dumps + framing)", "slot fill (+ tensor)", "collective",
-                     "slot read (+ checks)", "decode (framing + loads)", "result assembly")
+ALL_GATHER_STAGES = (
+    "settings resolution",
+    "encode (dumps + framing)",
+    "slot fill (+ tensor)",
+    "collective",
+    "slot read (+ checks)",
+    "decode (framing + loads)",
+    "result assembly",
+)
 
 
 def all_gather_stages(serializer: str) -> Callable[[List[int]], Any]:
@@ -136,8 +143,9 @@ def all_gather_stages(serializer: str) -> Callable[[List[int]], Any]:
     receive_buffer = getattr(_bytes, "receive_buffer", None)
 
     def stages(stamps: List[int]) -> Any:
-        kwargs = _settings.call_kwargs({"serializer": serializer, "accept": None, "max_bytes": None,
-                                        "map_location": None, "compression": None})
+        kwargs = _settings.call_kwargs(
+            {"serializer": serializer, "accept": None, "max_bytes": None, "map_location": None, "compression": None}
+        )
         call = communicator(None)._call(kwargs)
         wire = call.wire
         stamps.append(perf_counter_ns())
@@ -145,8 +153,11 @@ def all_gather_stages(serializer: str) -> Callable[[List[int]], Any]:
         stamps.append(perf_counter_ns())
         raw = _rounds._slot(wire, out)
         mine = _rounds._on_device(wire, raw)
-        received, host = receive_buffer(wire.slot * wire.size, wire) if receive_buffer else (
-            empty(wire.slot * wire.size, wire), None)
+        received, host = (
+            receive_buffer(wire.slot * wire.size, wire)
+            if receive_buffer
+            else (empty(wire.slot * wire.size, wire), None)
+        )
         stamps.append(perf_counter_ns())
         guarded("all_gather", wire, all_gather_single, received, mine, group=wire.group)
         stamps.append(perf_counter_ns())
@@ -165,8 +176,14 @@ def all_gather_stages(serializer: str) -> Callable[[List[int]], Any]:
     return stages
 
 
-SEND_RECV_STAGES = ("send: settings (+ tag, async check)", "send: encode", "send: slot fill (+ tensor, check)",
-                    "recv: settings (+ tag, async check)", "recv: slot read (+ checks)", "recv: decode")
+SEND_RECV_STAGES = (
+    "send: settings (+ tag, async check)",
+    "send: encode",
+    "send: slot fill (+ tensor, check)",
+    "recv: settings (+ tag, async check)",
+    "recv: slot read (+ checks)",
+    "recv: decode",
+)
 
 
 def send_recv_stages(serializer: str) -> Callable[[List[int]], Any]:
@@ -183,8 +200,9 @@ def send_recv_stages(serializer: str) -> Callable[[List[int]], Any]:
     communicator = getattr(_functions, "_communicator", Communicator)  # as objcomm.send and objcomm.recv get it
 
     def stages(stamps: List[int]) -> Any:
-        call = communicator(None)._call(_settings.call_kwargs({"serializer": serializer, "max_bytes": None,
-                                                              "compression": None}))
+        call = communicator(None)._call(
+            _settings.call_kwargs({"serializer": serializer, "max_bytes": None, "compression": None})
+        )
         wire = tagged(call.wire, 0, "send")
         _requests.check_blocking(wire.group, "send", 0, 0)
         stamps.append(perf_counter_ns())
@@ -195,8 +213,9 @@ def send_recv_stages(serializer: str) -> Callable[[List[int]], Any]:
         info = read_slot(memoryview(raw))
         assert _limits.slot_problem_of(info) is None and _limits.complete(info)
         stamps.append(perf_counter_ns())
-        call = communicator(None)._call(_settings.call_kwargs({"accept": None, "max_bytes": None,
-                                                              "map_location": None}))
+        call = communicator(None)._call(
+            _settings.call_kwargs({"accept": None, "max_bytes": None, "map_location": None})
+        )
         wire = tagged(call.wire, 0, "recv")
         _requests.check_blocking(wire.group, "recv", 0, 0)
         stamps.append(perf_counter_ns())
@@ -231,13 +250,16 @@ def measure(serializers: Sequence[str], calls: int) -> Dict[str, Dict[str, float
         assert comm.all_gather(OBJ) == [OBJ] and loop.all_gather(OBJ) == [OBJ] and loop.broadcast(OBJ) == OBJ
         column = {
             label: _per_call(functools.partial(fn, OBJ), calls)
-            for label, fn in (("objcomm all_gather (gloo, W=1)", comm.all_gather),
-                              ("objcomm broadcast (gloo, W=1)", comm.broadcast),
-                              ("all_gather, round 1 looped back", loop.all_gather),
-                              ("broadcast, round 1 looped back", loop.broadcast))
+            for label, fn in (
+                ("objcomm all_gather (gloo, W=1)", comm.all_gather),
+                ("objcomm broadcast (gloo, W=1)", comm.broadcast),
+                ("all_gather, round 1 looped back", loop.all_gather),
+                ("broadcast, round 1 looped back", loop.broadcast),
+            )
         }
         column["all_gather, round 1 looped back, serializer given per call"] = _per_call(
-            functools.partial(_loopback_communicator("pickle").all_gather, OBJ, serializer=name), calls)
+            functools.partial(_loopback_communicator("pickle").all_gather, OBJ, serializer=name), calls
+        )
         raw = functools.partial(all_gather_single, recv, send)
         column["raw gloo all_gather_single (1 slot)"] = _per_call(raw, calls)
         column["function calls in one all_gather (a count)"] = _function_calls(functools.partial(comm.all_gather, OBJ))
@@ -254,8 +276,12 @@ def measure(serializers: Sequence[str], calls: int) -> Dict[str, Dict[str, float
 def report(table: Dict[str, Dict[str, float]], calls: int) -> str:
     names = list(table)
     rows = list(next(iter(table.values())))
-    lines = [f"### A small dict, one process ({os.cpu_count()} CPUs, quickest of {ROUNDS} rounds of {calls} calls)", "",
-             "| µs per call | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    lines = [
+        f"### A small dict, one process ({os.cpu_count()} CPUs, quickest of {ROUNDS} rounds of {calls} calls)",
+        "",
+        "| µs per call | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
     for row in rows:
         cells = [f"{table[n][row]:.0f}" if "(a count)" in row else f"{table[n][row]:.1f}" for n in names]
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
@@ -272,9 +298,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(text, flush=True)
     if args.write:
         with open(RESULTS, "a") as f:
-            f.write("\n## Per-call cost of a small call, piece by piece (issue 14)\n\n"
-                    "`PYTHONPATH=. python benchmarks/bench_call_cost.py`: one process, gloo at world size 1 "
-                    "(`HashStore`); see the script's docstring.\n\n" + text)
+            f.write(
+                "\n## Per-call cost of a small call, piece by piece (issue 14)\n\n"
+                "`PYTHONPATH=. python benchmarks/bench_call_cost.py`: one process, gloo at world size 1 "
+                "(`HashStore`); see the script's docstring.\n\n" + text
+            )
     return 0
 
 

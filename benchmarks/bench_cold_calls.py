@@ -65,9 +65,13 @@ def after_waits() -> List[str]:
             pass
 
     rows = []
-    for label, wait, us in [("tight loop", None, 0), ("after polling a socket", poll_wait, 20),
-                            ("after polling a socket", poll_wait, 50), ("after reading the clock", clock_wait, 20),
-                            ("after reading the clock", clock_wait, 50)]:
+    for label, wait, us in [
+        ("tight loop", None, 0),
+        ("after polling a socket", poll_wait, 20),
+        ("after polling a socket", poll_wait, 50),
+        ("after reading the clock", clock_wait, 20),
+        ("after reading the clock", clock_wait, 50),
+    ]:
         medians = []
         for _ in range(ROUNDS):
             total = 0.0
@@ -119,13 +123,20 @@ def with_a_neighbour() -> Optional[List[str]]:
         peer.join(5)
         if peer.is_alive():
             peer.kill()
-    return [f"| tight loop, the other CPU's process {label} | {statistics.median(found[state]):.2f} µs |"
-            for state, label in ((0, "sleeping"), (1, "spinning"))]
+    return [
+        f"| tight loop, the other CPU's process {label} | {statistics.median(found[state]):.2f} µs |"
+        for state, label in ((0, "sleeping"), (1, "spinning"))
+    ]
 
 
 def main() -> int:
-    lines = [f"### Serializing a small dict three times, one process ({os.cpu_count()} CPUs)", "",
-             "| when | median |", "|---|---:|", *after_waits()]
+    lines = [
+        f"### Serializing a small dict three times, one process ({os.cpu_count()} CPUs)",
+        "",
+        "| when | median |",
+        "|---|---:|",
+        *after_waits(),
+    ]
     neighbour = with_a_neighbour()
     lines += neighbour if neighbour is not None else ["| (one CPU: no neighbour measured) | |"]
     print("\n".join(lines))

@@ -118,8 +118,12 @@ def measure_above(repeat: int, sizes: List[int]) -> Dict[str, float]:
 
 
 def report_above(world: int, medians: Dict[str, float], repeat: int) -> str:
-    lines = [f"### Above round 1, W={world} ({os.cpu_count()} CPUs, up to {repeat} rounds, one call a sample)", "",
-             "| payload, op | channel (local=True) | gloo (local=False) | channel ÷ gloo |", "|---|---:|---:|---:|"]
+    lines = [
+        f"### Above round 1, W={world} ({os.cpu_count()} CPUs, up to {repeat} rounds, one call a sample)",
+        "",
+        "| payload, op | channel (local=True) | gloo (local=False) | channel ÷ gloo |",
+        "|---|---:|---:|---:|",
+    ]
     for name, t in medians.items():
         if name.endswith(", channel"):
             gloo = medians[name.replace(", channel", ", gloo")]
@@ -132,6 +136,7 @@ def _framed_round_trip(comm: Any, channel: Any) -> None:
     without the Communicator's and transport's layers around it: what the frame format itself costs."""
     from objcomm._format import slot as _slot
     from objcomm._transport import rounds as _rounds
+
     call = comm._call({})
 
     def there(dst: int) -> None:
@@ -158,8 +163,12 @@ def _task_above(plan: Tuple[int, List[int]], send: Any) -> Dict[str, float]:
 
 def report(world: int, medians: Dict[str, float], repeat: int, batch: int) -> str:
     gloo = medians["raw gloo all_gather (4096 B)"]
-    lines = [f"### W={world} ({os.cpu_count()} CPUs, {repeat} rounds of {batch} calls back to back)", "",
-             "| candidate | median | ÷ raw gloo | channel ÷ gloo |", "|---|---:|---:|---:|"]
+    lines = [
+        f"### W={world} ({os.cpu_count()} CPUs, {repeat} rounds of {batch} calls back to back)",
+        "",
+        "| candidate | median | ÷ raw gloo | channel ÷ gloo |",
+        "|---|---:|---:|---:|",
+    ]
     for name, t in medians.items():
         pair = ""
         if name.endswith(", channel"):

@@ -53,8 +53,13 @@ def flow(plan: Any, send: Any) -> Dict[str, Any]:
     comm.all_gather(0)
     elapsed = time.perf_counter() - start
     inbox = _state.group_facts(dist.group.WORLD).local[False].channel._inbox
-    return {"rank": rank, "us_per_call": elapsed / count * 1e6, "stash_peak": inbox.peak, "window": inbox.window,
-            "rss_growth": _peak_rss() - before}
+    return {
+        "rank": rank,
+        "us_per_call": elapsed / count * 1e6,
+        "stash_peak": inbox.peak,
+        "window": inbox.window,
+        "rss_growth": _peak_rss() - before,
+    }
 
 
 def _peak_rss() -> int:
@@ -87,8 +92,10 @@ def main(argv: Any = None) -> int:
     print(f"| {args.op} x {args.count:,} | rank | µs per call | stash peak | credit window | peak RSS growth |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| | {r['rank']} | {r['us_per_call']:.1f} | {r['stash_peak'] / 2**20:.2f} MiB | "
-              f"{r['window'] / 2**20:.0f} MiB | {r['rss_growth'] / 2**20:.1f} MiB |")
+        print(
+            f"| | {r['rank']} | {r['us_per_call']:.1f} | {r['stash_peak'] / 2**20:.2f} MiB | "
+            f"{r['window'] / 2**20:.0f} MiB | {r['rss_growth'] / 2**20:.1f} MiB |"
+        )
     return 0
 
 

@@ -45,8 +45,15 @@ def _candidates(comm: Any) -> Candidates:
     from objcomm._transport.base import Wire, all_gather_single
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    wire = Wire(group=dist.group.WORLD, ranks=list(range(world)), rank=rank, device=torch.device("cpu"),
-                slot=SLOT, chunk=1 << 20, max_bytes=1 << 30)
+    wire = Wire(
+        group=dist.group.WORLD,
+        ranks=list(range(world)),
+        rank=rank,
+        device=torch.device("cpu"),
+        slot=SLOT,
+        chunk=1 << 20,
+        max_bytes=1 << 30,
+    )
     slot = os.urandom(SLOT)
     channel, bare = LocalChannel.open(wire), LocalChannel.open(wire)  # bare: its sockets, used directly
     assert channel is not None and bare is not None, "the ranks are not on one host"
@@ -116,6 +123,7 @@ class _Mailboxes:
                 self.credit += os.eventfd_read(self.bells[self.rank])
             self.credit -= self.world - 1
             return [self.map[base + r * SLOT : base + (r + 1) * SLOT] for r in range(self.world)]
+
         return run
 
 
@@ -143,8 +151,15 @@ def _setup_s(repeat: int) -> float:
     from objcomm._transport.base import Wire
 
     world = dist.get_world_size()
-    wire = Wire(group=dist.group.WORLD, ranks=list(range(world)), rank=dist.get_rank(), device=torch.device("cpu"),
-                slot=SLOT, chunk=1 << 20, max_bytes=1 << 30)
+    wire = Wire(
+        group=dist.group.WORLD,
+        ranks=list(range(world)),
+        rank=dist.get_rank(),
+        device=torch.device("cpu"),
+        slot=SLOT,
+        chunk=1 << 20,
+        max_bytes=1 << 30,
+    )
     times = []
     for _ in range(repeat):
         dist.barrier()
@@ -177,9 +192,12 @@ def report(world: int, results: Dict[str, Any], repeat: int) -> str:
     medians, cpu = results["medians"], results["cpu"]
     gloo, mpi = medians["raw gloo"], medians.get("mpi4py allgather")
     head = "| candidate | median | ÷ raw gloo |" + (" ÷ mpi4py allgather |" if mpi else "")
-    lines = [f"### W={world} ({os.cpu_count()} CPUs, {repeat} rounds)", "",
-             head + f" CPU of rank 0 waiting {LATE_S * 1e3:.0f} ms |",
-             "|---|---:|---:|" + ("---:|" if mpi else "") + "---:|"]
+    lines = [
+        f"### W={world} ({os.cpu_count()} CPUs, {repeat} rounds)",
+        "",
+        head + f" CPU of rank 0 waiting {LATE_S * 1e3:.0f} ms |",
+        "|---|---:|---:|" + ("---:|" if mpi else "") + "---:|",
+    ]
     for name, t in medians.items():
         row = f"| {name} | {t * 1e6:.0f} µs | {t / gloo:.2f}x |" + (f" {t / mpi:.2f}x |" if mpi else "")
         lines.append(row + f" {cpu[name] * 1e3:.1f} ms |")

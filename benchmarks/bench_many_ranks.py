@@ -44,11 +44,15 @@ def measure(plan: Any, send: Any = None) -> Dict[str, Dict[str, float]]:
         out = torch.empty(int(widest) * world, dtype=torch.uint8)
         mine = torch.zeros(int(widest), dtype=torch.uint8)
         listing: List[Any] = [None] * world
-        timings = interleaved({
-            "objcomm": lambda obj=obj: comm.all_gather(obj),
-            "torch all_gather_object": lambda obj=obj, listing=listing: dist.all_gather_object(listing, obj),
-            "raw all_gather of the padded bytes": lambda out=out, mine=mine: raw_all_gather(out, mine),
-        }, repeat=rounds, warmup=1)
+        timings = interleaved(
+            {
+                "objcomm": lambda obj=obj: comm.all_gather(obj),
+                "torch all_gather_object": lambda obj=obj, listing=listing: dist.all_gather_object(listing, obj),
+                "raw all_gather of the padded bytes": lambda out=out, mine=mine: raw_all_gather(out, mine),
+            },
+            repeat=rounds,
+            warmup=1,
+        )
         rows[case] = {name: t.median_s for name, t in timings.items()}
     return rows
 
@@ -90,9 +94,12 @@ def breakdown(plan: Any, send: Any = None) -> List[float]:
 
 def report(world: int, rows: Dict[str, Dict[str, float]], per_host: int = 1) -> str:
     hosts = "each its own host" if per_host == 1 else f"hosts of {per_host} ranks"
-    lines = [f"all_gather on {world} ranks, {hosts} (median of the slowest rank, ms)", "",
-             "| sizes per rank | objcomm | torch all_gather_object | raw padded all_gather | objcomm / torch |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"all_gather on {world} ranks, {hosts} (median of the slowest rank, ms)",
+        "",
+        "| sizes per rank | objcomm | torch all_gather_object | raw padded all_gather | objcomm / torch |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for case, row in rows.items():
         ours, torch_, raw = row["objcomm"], row["torch all_gather_object"], row["raw all_gather of the padded bytes"]
         raw_cell = f"{raw * 1e3:,.1f}" if case != "uneven tensors" else "n/a"
@@ -117,8 +124,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.breakdown:
         phases = run_local(breakdown, (args.rounds, args.breakdown), world_size=args.world_size, timeout_s=1800)
-        print(f"{args.breakdown}, rank 0, median ms: encode {phases[0]:.1f}, round 1 {phases[1]:.1f}, exchange "
-              f"{phases[2]:.1f}, decode {phases[3]:.1f}; torch all_gather_object {phases[4]:.1f}")
+        print(
+            f"{args.breakdown}, rank 0, median ms: encode {phases[0]:.1f}, round 1 {phases[1]:.1f}, exchange "
+            f"{phases[2]:.1f}, decode {phases[3]:.1f}; torch all_gather_object {phases[4]:.1f}"
+        )
         return 0
     rows = run_local(measure, (args.rounds, args.cases), world_size=args.world_size, timeout_s=1800)
     print(report(args.world_size, rows, args.ranks_per_host), flush=True)

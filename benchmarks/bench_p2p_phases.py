@@ -28,6 +28,7 @@ def phases(arg: Dict[str, int], send: Any) -> List[Dict[str, str]]:
     from objcomm._format import frame as _frame
     from objcomm._samehost import channel_rounds as _channel_rounds
     from objcomm._transport import rounds as _rounds
+
     spent: Dict[str, float] = collections.defaultdict(float)
 
     def timed(module: Any, name: str, label: str) -> None:
@@ -43,9 +44,13 @@ def phases(arg: Dict[str, int], send: Any) -> List[Dict[str, str]]:
 
         setattr(module, name, wrapper)
 
-    for module, name, label in [(_frame, "serialize", "serialize"), (_rounds, "_send", "transport send"),
-                                (_channel_rounds, "recv_p2p", "transport receive, the rest"),
-                                (_frame, "decode_parsed", "decode"), (_frame, "loads_payload", "loads in decode")]:
+    for module, name, label in [
+        (_frame, "serialize", "serialize"),
+        (_rounds, "_send", "transport send"),
+        (_channel_rounds, "recv_p2p", "transport receive, the rest"),
+        (_frame, "decode_parsed", "decode"),
+        (_frame, "loads_payload", "loads in decode"),
+    ]:
         timed(module, name, label)
     rank, trips = dist.get_rank(), arg["trips"]
     obj = [{"id": i, "label": i % 10, "score": i * 0.001, "text": "sample text"} for i in range(arg["size"] // 27)]
@@ -69,8 +74,10 @@ def phases(arg: Dict[str, int], send: Any) -> List[Dict[str, str]]:
     row = {label: f"{seconds / trips * 1e6:.0f}" for label, seconds in sorted(spent.items())}
     row["round trip"] = f"{(time.perf_counter() - start) / trips * 1e6:.0f}"
     data = pickle.dumps(obj, protocol=5)
-    for label, fn in [("pickle dumps alone", lambda: pickle.dumps(obj, protocol=5)),
-                      ("pickle loads alone", lambda: pickle.loads(data))]:
+    for label, fn in [
+        ("pickle dumps alone", lambda: pickle.dumps(obj, protocol=5)),
+        ("pickle loads alone", lambda: pickle.loads(data)),
+    ]:
         start = time.perf_counter()
         for _ in range(trips):
             fn()

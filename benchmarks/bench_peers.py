@@ -50,6 +50,8 @@ MEDIUM_BATCH = 5
 def _medium(size: int) -> Any:
     """Per-sample evaluation records of about ``size`` pickled bytes."""
     return [{"id": i, "label": i % 10, "score": i * 0.001, "text": "sample text"} for i in range(size // 27)]
+
+
 Candidates = Dict[str, Callable[[], Any]]
 Ratio = Tuple[str, str]  # (numerator, denominator) candidate names
 
@@ -67,8 +69,12 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     )
     parser.add_argument("--repeat-scale", type=float, default=1.0, help="scale every scenario's rounds (min 3)")
     parser.add_argument("--mb", type=int, default=64, help="per-rank payload of the large scenarios, in MiB")
-    parser.add_argument("--only", choices=["large", "medium", "small", "memory", "breakdown"], nargs="+",
-                        help="run only these parts (default: all)")
+    parser.add_argument(
+        "--only",
+        choices=["large", "medium", "small", "memory", "breakdown"],
+        nargs="+",
+        help="run only these parts (default: all)",
+    )
     parser.add_argument("--append", metavar="FILE", help="also append the tables to FILE (rank 0)")
     return parser.parse_args(argv)
 
@@ -119,13 +125,15 @@ class Peers:
             candidates["objcomm shm=False"] = lambda: self.shm_off.all_gather(obj)
         else:
             candidates["objcomm local=False"] = lambda: self.backend.all_gather(obj)
-        candidates.update({
-            "mpi4py": lambda: self.comm.allgather(obj),
-            "mpi4py pkl5": lambda: self.comm5.allgather(obj),
-            "torch": lambda: dist.all_gather_object(out, obj),
-            "raw MPI": self._raw_mpi_all_gather(nbytes),
-            "raw gloo": self._raw_gloo_all_gather(nbytes),
-        })
+        candidates.update(
+            {
+                "mpi4py": lambda: self.comm.allgather(obj),
+                "mpi4py pkl5": lambda: self.comm5.allgather(obj),
+                "torch": lambda: dist.all_gather_object(out, obj),
+                "raw MPI": self._raw_mpi_all_gather(nbytes),
+                "raw gloo": self._raw_gloo_all_gather(nbytes),
+            }
+        )
         return candidates
 
     def broadcast(self, obj: Any, nbytes: int) -> Candidates:
@@ -156,25 +164,60 @@ class Peers:
         mpi_buf = np.zeros(nbytes, dtype=np.uint8)
         box: List[Any] = [None]
         pairs = {
-            "objcomm": (lambda: self.default.send(obj, dst=1), lambda: self.default.recv(src=0),
-                        lambda: self.default.send(obj, dst=0), lambda: self.default.recv(src=1)),
-            "objcomm local=False": (lambda: self.backend.send(obj, dst=1), lambda: self.backend.recv(src=0),
-                                    lambda: self.backend.send(obj, dst=0), lambda: self.backend.recv(src=1)),
-            "objcomm send/recv only": (lambda: self.p2p_only.send(obj, dst=1), lambda: self.p2p_only.recv(src=0),
-                                       lambda: self.p2p_only.send(obj, dst=0), lambda: self.p2p_only.recv(src=1)),
+            "objcomm": (
+                lambda: self.default.send(obj, dst=1),
+                lambda: self.default.recv(src=0),
+                lambda: self.default.send(obj, dst=0),
+                lambda: self.default.recv(src=1),
+            ),
+            "objcomm local=False": (
+                lambda: self.backend.send(obj, dst=1),
+                lambda: self.backend.recv(src=0),
+                lambda: self.backend.send(obj, dst=0),
+                lambda: self.backend.recv(src=1),
+            ),
+            "objcomm send/recv only": (
+                lambda: self.p2p_only.send(obj, dst=1),
+                lambda: self.p2p_only.recv(src=0),
+                lambda: self.p2p_only.send(obj, dst=0),
+                lambda: self.p2p_only.recv(src=1),
+            ),
             "objcomm send/recv only, connect()": (
-                lambda: self.connected.send(obj, dst=1), lambda: self.connected.recv(src=0),
-                lambda: self.connected.send(obj, dst=0), lambda: self.connected.recv(src=1)),
-            "mpi4py": (lambda: self.comm.send(obj, dest=1), lambda: self.comm.recv(source=0),
-                       lambda: self.comm.send(obj, dest=0), lambda: self.comm.recv(source=1)),
-            "mpi4py pkl5": (lambda: self.comm5.send(obj, dest=1), lambda: self.comm5.recv(source=0),
-                            lambda: self.comm5.send(obj, dest=0), lambda: self.comm5.recv(source=1)),
-            "torch": (lambda: dist.send_object_list([obj], dst=1), lambda: dist.recv_object_list(box, src=0),
-                      lambda: dist.send_object_list([obj], dst=0), lambda: dist.recv_object_list(box, src=1)),
-            "raw MPI": (lambda: self.comm.Send(mpi_buf, dest=1), lambda: self.comm.Recv(mpi_buf, source=0),
-                        lambda: self.comm.Send(mpi_buf, dest=0), lambda: self.comm.Recv(mpi_buf, source=1)),
-            "raw gloo": (lambda: dist.send(gloo_buf, dst=1), lambda: dist.recv(gloo_buf, src=0),
-                         lambda: dist.send(gloo_buf, dst=0), lambda: dist.recv(gloo_buf, src=1)),
+                lambda: self.connected.send(obj, dst=1),
+                lambda: self.connected.recv(src=0),
+                lambda: self.connected.send(obj, dst=0),
+                lambda: self.connected.recv(src=1),
+            ),
+            "mpi4py": (
+                lambda: self.comm.send(obj, dest=1),
+                lambda: self.comm.recv(source=0),
+                lambda: self.comm.send(obj, dest=0),
+                lambda: self.comm.recv(source=1),
+            ),
+            "mpi4py pkl5": (
+                lambda: self.comm5.send(obj, dest=1),
+                lambda: self.comm5.recv(source=0),
+                lambda: self.comm5.send(obj, dest=0),
+                lambda: self.comm5.recv(source=1),
+            ),
+            "torch": (
+                lambda: dist.send_object_list([obj], dst=1),
+                lambda: dist.recv_object_list(box, src=0),
+                lambda: dist.send_object_list([obj], dst=0),
+                lambda: dist.recv_object_list(box, src=1),
+            ),
+            "raw MPI": (
+                lambda: self.comm.Send(mpi_buf, dest=1),
+                lambda: self.comm.Recv(mpi_buf, source=0),
+                lambda: self.comm.Send(mpi_buf, dest=0),
+                lambda: self.comm.Recv(mpi_buf, source=1),
+            ),
+            "raw gloo": (
+                lambda: dist.send(gloo_buf, dst=1),
+                lambda: dist.recv(gloo_buf, src=0),
+                lambda: dist.send(gloo_buf, dst=0),
+                lambda: dist.recv(gloo_buf, src=1),
+            ),
         }
         return {name: _round_trip(self.rank, *calls) for name, calls in pairs.items()}
 
@@ -193,8 +236,13 @@ class Peers:
         return lambda: _all_gather_single(recv, send)
 
 
-def _round_trip(rank: int, send_there: Callable[[], Any], recv_there: Callable[[], Any],
-                send_back: Callable[[], Any], recv_back: Callable[[], Any]) -> Callable[[], Any]:
+def _round_trip(
+    rank: int,
+    send_there: Callable[[], Any],
+    recv_there: Callable[[], Any],
+    send_back: Callable[[], Any],
+    recv_back: Callable[[], Any],
+) -> Callable[[], Any]:
     """Rank 0's half of a round trip (send to 1, receive from 1), rank 1's (the other way), or nothing."""
     if rank == 0:
         return lambda: (send_there(), recv_back())
@@ -217,11 +265,19 @@ def _large_payloads(mb: int) -> List[Tuple[str, Any, int, List[Ratio]]]:
     large_ratios = [("objcomm", "mpi4py pkl5"), ("objcomm", "objcomm shm=False"), ("objcomm", "raw gloo")]
     return [
         (f"{mb} MB numpy array", np.ones(size, dtype=np.uint8), size, large_ratios),
-        (f"dict with a {mb} MB tensor", {"weights": torch.ones(size // 4)}, size,
-         [*large_ratios, ("objcomm", "raw MPI"), ("objcomm", "torch")]),
+        (
+            f"dict with a {mb} MB tensor",
+            {"weights": torch.ones(size // 4)},
+            size,
+            [*large_ratios, ("objcomm", "raw MPI"), ("objcomm", "torch")],
+        ),
         (f"{mb} MB bytes", np.ones(size, dtype=np.uint8).tobytes(), size, large_ratios),
-        ("1M floats", floats, _pickled(floats),
-         [("objcomm", "mpi4py"), ("objcomm", "mpi4py pkl5"), ("objcomm", "torch")]),
+        (
+            "1M floats",
+            floats,
+            _pickled(floats),
+            [("objcomm", "mpi4py"), ("objcomm", "mpi4py pkl5"), ("objcomm", "torch")],
+        ),
     ]
 
 
@@ -241,34 +297,76 @@ def _scenarios(peers: Peers, parts: List[str], scale: float, mb: int) -> List[Sc
             note = f"{_pickled(obj) / MB:.1f} MB pickled per rank; raw = {nbytes / MB:.1f} MB per rank"
             found.append((f"{name} all_gather", rounds(5), 1, peers.all_gather(obj, nbytes, shm=shm), ratios, note))
     if "medium" in parts:  # past the slot, below shm_threshold: the second round through the same-host channel
-        ratios = [("objcomm", "mpi4py"), ("objcomm", "mpi4py pkl5"), ("objcomm", "torch"), ("objcomm", "raw gloo"),
-                  ("objcomm local=False", "raw gloo")]
+        ratios = [
+            ("objcomm", "mpi4py"),
+            ("objcomm", "mpi4py pkl5"),
+            ("objcomm", "torch"),
+            ("objcomm", "raw gloo"),
+            ("objcomm local=False", "raw gloo"),
+        ]
         for size in MEDIUM:
             obj = _medium(size)
             nbytes = _pickled(obj)
             note = f"{nbytes / 1024:.0f} KB pickled; raw = the same bytes; per call, {MEDIUM_BATCH} a sample"
             label = f"{size // 1024} KB records"
-            found.append((f"{label} all_gather", rounds(20), MEDIUM_BATCH, peers.all_gather(obj, nbytes, shm=False),
-                          ratios, note))
+            found.append(
+                (
+                    f"{label} all_gather",
+                    rounds(20),
+                    MEDIUM_BATCH,
+                    peers.all_gather(obj, nbytes, shm=False),
+                    ratios,
+                    note,
+                )
+            )
             found.append((f"{label} broadcast", rounds(20), MEDIUM_BATCH, peers.broadcast(obj, nbytes), ratios, note))
             if peers.size > 1:
-                found.append((f"{label} send/recv round trip", rounds(20), MEDIUM_BATCH, peers.send_recv(obj, nbytes),
-                              [*ratios, ("objcomm send/recv only", "mpi4py"),
-                               ("objcomm send/recv only, connect()", "mpi4py")], note))
+                found.append(
+                    (
+                        f"{label} send/recv round trip",
+                        rounds(20),
+                        MEDIUM_BATCH,
+                        peers.send_recv(obj, nbytes),
+                        [
+                            *ratios,
+                            ("objcomm send/recv only", "mpi4py"),
+                            ("objcomm send/recv only, connect()", "mpi4py"),
+                        ],
+                        note,
+                    )
+                )
     if "small" in parts:
         slot = objcomm.settings().slot_bytes
-        small_ratios = [("objcomm", "raw gloo"), ("objcomm", "mpi4py"), ("objcomm", "torch"),
-                        ("objcomm local=False", "raw gloo")]
-        note = (f"{_pickled(SMALL)} B pickled; raw = one {slot} B slot (objcomm's round 1); per call, "
-                f"{SMALL_BATCH} back to back per sample")
+        small_ratios = [
+            ("objcomm", "raw gloo"),
+            ("objcomm", "mpi4py"),
+            ("objcomm", "torch"),
+            ("objcomm local=False", "raw gloo"),
+        ]
+        note = (
+            f"{_pickled(SMALL)} B pickled; raw = one {slot} B slot (objcomm's round 1); per call, "
+            f"{SMALL_BATCH} back to back per sample"
+        )
         gather = peers.all_gather(SMALL, slot, shm=False)
         found.append(("small dict all_gather", rounds(40), SMALL_BATCH, gather, small_ratios, note))
-        found.append(("small dict broadcast", rounds(40), SMALL_BATCH, peers.broadcast(SMALL, slot), small_ratios,
-                      note))
+        found.append(
+            ("small dict broadcast", rounds(40), SMALL_BATCH, peers.broadcast(SMALL, slot), small_ratios, note)
+        )
         if peers.size > 1:
-            found.append(("small dict send/recv round trip", rounds(40), SMALL_BATCH, peers.send_recv(SMALL, slot),
-                          [*small_ratios, ("objcomm send/recv only", "mpi4py"),
-                           ("objcomm send/recv only, connect()", "mpi4py")], note))
+            found.append(
+                (
+                    "small dict send/recv round trip",
+                    rounds(40),
+                    SMALL_BATCH,
+                    peers.send_recv(SMALL, slot),
+                    [
+                        *small_ratios,
+                        ("objcomm send/recv only", "mpi4py"),
+                        ("objcomm send/recv only, connect()", "mpi4py"),
+                    ],
+                    note,
+                )
+            )
     return found
 
 
@@ -330,8 +428,11 @@ def memory_task(peers: Peers, mb: int) -> Dict[str, Tuple[Optional[float], float
         ("mpi4py pkl5", "numpy", lambda o: lambda: peers.comm5.allgather(o)),
         ("mpi4py pkl5", "tensor dict", lambda o: lambda: peers.comm5.allgather(o)),
         ("raw MPI", "numpy", lambda o: lambda: peers.comm.Allgather(o, np.empty(size * world, dtype=np.uint8))),
-        ("raw gloo", "numpy", lambda o: lambda: _all_gather_single(
-            torch.empty(size * world, dtype=torch.uint8), torch.from_numpy(o))),
+        (
+            "raw gloo",
+            "numpy",
+            lambda o: lambda: _all_gather_single(torch.empty(size * world, dtype=torch.uint8), torch.from_numpy(o)),
+        ),
     ]
     peers.default.all_gather(1)  # lazy imports, first buffers
     peers.comm5.allgather(1)
@@ -406,15 +507,21 @@ def _timing_table(results: List[Tuple[str, Dict[str, float], List[Ratio], str, i
     return lines
 
 
-def _report(world: int, argv: List[str], timings: List[Any], memory: Dict[str, Tuple[Optional[float], float]],
-            breakdown: Dict[str, Dict[str, float]]) -> str:
+def _report(
+    world: int,
+    argv: List[str],
+    timings: List[Any],
+    memory: Dict[str, Tuple[Optional[float], float]],
+    breakdown: Dict[str, Dict[str, float]],
+) -> str:
     import mpi4py
     import torch
     from mpi4py import MPI
 
     library = " ".join(MPI.Get_library_version().splitlines()[0].split())
     lines = [
-        f"### W={world}", "",
+        f"### W={world}",
+        "",
         f"Command: `{' '.join(['mpiexec -n', str(world), 'python benchmarks/bench_peers.py', *argv])}`",
         "",
         f"{datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} CPU cores; "
@@ -424,15 +531,24 @@ def _report(world: int, argv: List[str], timings: List[Any], memory: Dict[str, T
     if timings:
         lines += _timing_table(timings) + [""]
     if memory:
-        lines += ["Memory of one all_gather, in units of W x S: peak extra RSS (slowest rank), and the shared "
-                  "memory its results hold on the whole host (all ranks together):", "",
-                  "| candidate, payload | peak extra RSS | shared memory held |", "|---|---:|---:|"]
-        lines += [f"| {k} | {'n/a' if rss is None else f'{rss:.2f} x W x S'} | {held:.2f} x W x S |"
-                  for k, (rss, held) in memory.items()]
+        lines += [
+            "Memory of one all_gather, in units of W x S: peak extra RSS (slowest rank), and the shared "
+            "memory its results hold on the whole host (all ranks together):",
+            "",
+            "| candidate, payload | peak extra RSS | shared memory held |",
+            "|---|---:|---:|",
+        ]
+        lines += [
+            f"| {k} | {'n/a' if rss is None else f'{rss:.2f} x W x S'} | {held:.2f} x W x S |"
+            for k, (rss, held) in memory.items()
+        ]
         lines.append("")
     for name, stages in breakdown.items():
-        lines.append(f"Where objcomm's time goes, {name} (median of the slowest rank, each stage after a barrier): "
-                     + ", ".join(f"{k} {_ms(v)}" for k, v in stages.items()) + ".")
+        lines.append(
+            f"Where objcomm's time goes, {name} (median of the slowest rank, each stage after a barrier): "
+            + ", ".join(f"{k} {_ms(v)}" for k, v in stages.items())
+            + "."
+        )
         lines.append("")
     return "\n".join(lines)
 

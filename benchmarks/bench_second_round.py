@@ -25,8 +25,11 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-ROUTES = {"gloo": {"shm": False, "shm_threshold": 1}, "channel": {"shm": False, "shm_threshold": 1 << 30},
-          "shared memory": {"shm_threshold": 1}}
+ROUTES = {
+    "gloo": {"shm": False, "shm_threshold": 1},
+    "channel": {"shm": False, "shm_threshold": 1 << 30},
+    "shared memory": {"shm_threshold": 1},
+}
 
 
 def dist_size() -> int:
@@ -84,8 +87,12 @@ def measure(plan: Tuple[List[int], int, str], send: Any) -> Dict[int, Dict[str, 
 
 def report(world: int, op: str, medians: Dict[int, Dict[str, float]]) -> str:
     what = "round trip" if op == "send/recv" else op
-    lines = [f"### W={world} ({os.cpu_count()} CPUs), µs per {what}", "",
-             "| per rank | " + " | ".join(ROUTES) + " |", "|---:|" + "---:|" * len(ROUTES)]
+    lines = [
+        f"### W={world} ({os.cpu_count()} CPUs), µs per {what}",
+        "",
+        "| per rank | " + " | ".join(ROUTES) + " |",
+        "|---:|" + "---:|" * len(ROUTES),
+    ]
     for size, by_route in medians.items():
         fastest = min(by_route.values())
         cells = [f"**{t * 1e6:,.0f}**" if t == fastest else f"{t * 1e6:,.0f}" for t in by_route.values()]
@@ -98,8 +105,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", nargs="+", default=["16KB", "128KB", "512KB", "1MB", "2MB", "4MB"])
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--ops", nargs="+", choices=["all_gather", "all_to_all", "gather", "scatter", "send/recv"],
-                        default=["all_gather"])
+    parser.add_argument(
+        "--ops",
+        nargs="+",
+        choices=["all_gather", "all_to_all", "gather", "scatter", "send/recv"],
+        default=["all_gather"],
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from objcomm._tools.bench.payloads import parse_size

@@ -48,12 +48,16 @@ def _scenarios(scale: float) -> List[tuple[str, int, Dict[str, Callable[[], Any]
     small = {"loss": 0.25, "step": 12_000, "name": "run-7", "hist": list(range(200))}
     rounds = lambda n: max(3, int(n * scale))  # noqa: E731
     return [
-        ("64 MB bytes", rounds(7), {
-            "shm": lambda: shm.all_gather(big), "normal": lambda: normal.all_gather(big), "raw gloo": _raw(len(big)),
-        }),
-        ("1 MB bytes", rounds(40), {
-            "shm": lambda: shm.all_gather(mid), "normal": lambda: normal.all_gather(mid), "raw gloo": _raw(len(mid)),
-        }),
+        (
+            "64 MB bytes",
+            rounds(7),
+            {"shm": lambda: shm.all_gather(big), "normal": lambda: normal.all_gather(big), "raw gloo": _raw(len(big))},
+        ),
+        (
+            "1 MB bytes",
+            rounds(40),
+            {"shm": lambda: shm.all_gather(mid), "normal": lambda: normal.all_gather(mid), "raw gloo": _raw(len(mid))},
+        ),
         ("small dict", rounds(200), {"shm": lambda: shm.all_gather(small), "normal": lambda: normal.all_gather(small)}),
     ]
 
@@ -93,8 +97,11 @@ def _threshold_task(lower: int, send: Any) -> Dict[str, float]:
     low.all_gather(None)
     medians: Dict[str, float] = {}
     for size in SWEEP:
-        for kind, obj in (("bytes", bytes(size)), ("floats", [0.5] * (size // 9)),
-                          ("tensor dict", {"t": torch.ones(size // 4)})):
+        for kind, obj in (
+            ("bytes", bytes(size)),
+            ("floats", [0.5] * (size // 9)),
+            ("tensor dict", {"t": torch.ones(size // 4)}),
+        ):
             candidates: Dict[str, Callable[[], Any]] = {}
             for label, comm in (("default", default), ("lower", low)):
                 candidates[f"{kind} {size >> 10} KB all_gather|{label}"] = lambda c=comm, o=obj: c.all_gather(o)
@@ -104,8 +111,12 @@ def _threshold_task(lower: int, send: Any) -> Dict[str, float]:
 
 
 def _threshold_markdown(world: int, lower: int, medians: Dict[str, float]) -> str:
-    lines = [f"### world size {world}: shm_threshold {DEFAULT_THRESHOLD >> 10:,} KB (default) and {lower >> 10:,} KB",
-             "", "| payload, op | default | lower | lower / default |", "|---|---:|---:|---:|"]
+    lines = [
+        f"### world size {world}: shm_threshold {DEFAULT_THRESHOLD >> 10:,} KB (default) and {lower >> 10:,} KB",
+        "",
+        "| payload, op | default | lower | lower / default |",
+        "|---|---:|---:|---:|",
+    ]
     for name, t in medians.items():
         if name.endswith("|default"):
             low = medians[name.replace("|default", "|lower")]
@@ -119,8 +130,12 @@ def run(world: int, scale: float) -> Dict[str, Dict[str, float]]:
 
 
 def _markdown(world: int, results: Dict[str, Dict[str, float]]) -> str:
-    lines = [f"### world size {world}", "", "| payload | shm | normal | raw gloo | shm / normal | shm / raw gloo |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"### world size {world}",
+        "",
+        "| payload | shm | normal | raw gloo | shm / normal | shm / raw gloo |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
         raw = r.get("raw gloo")
         raw_ms = f"{raw * 1e3:.2f} ms" if raw else "-"

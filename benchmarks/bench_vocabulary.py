@@ -30,8 +30,10 @@ MB = 1 << 20
 
 
 def _records(src: int, dst: int, count: int) -> List[Dict[str, Any]]:
-    return [{"id": src * 100_000 + dst * 1000 + i, "label": i % 7, "score": i / 13, "tag": f"s{src}d{dst}"}
-            for i in range(count)]
+    return [
+        {"id": src * 100_000 + dst * 1000 + i, "label": i % 7, "score": i / 13, "tag": f"s{src}d{dst}"}
+        for i in range(count)
+    ]
 
 
 def _torch_pick(objs: List[Any]) -> Callable[[], Any]:
@@ -89,26 +91,36 @@ def _scenarios(repeat_scale: float) -> Dict[str, Dict[str, Any]]:
     counters = {f"class-{(rank * 37 + i) % 1500}": i for i in range(1000)}
     big_counters = {(rank * 7 + i) % 60_000: 1 for i in range(50_000)}
     scenarios: Dict[str, Dict[str, Any]] = {}
-    for name, objs, repeat in (("all_to_all 10 records per pair", small, 200),
-                               ("all_to_all 1 MB per pair", wide, 20),
-                               ("all_to_all one 8 MB pair, the rest tiny", skewed, 20)):
+    for name, objs, repeat in (
+        ("all_to_all 10 records per pair", small, 200),
+        ("all_to_all 1 MB per pair", wide, 20),
+        ("all_to_all one 8 MB pair, the rest tiny", skewed, 20),
+    ):
         scenarios[name] = {
             "repeat": rounds(repeat),
-            "candidates": {"objcomm": lambda objs=objs: objcomm.all_to_all(objs),
-                           "torch all_gather_object + pick": _torch_pick(objs),
-                           "objcomm all_gather + pick": _objcomm_pick(objs),
-                           "raw all_to_all_single": _raw_all_to_all(objs)},
-            "ratios": [("objcomm", "torch all_gather_object + pick"), ("objcomm", "objcomm all_gather + pick"),
-                       ("objcomm", "raw all_to_all_single")],
+            "candidates": {
+                "objcomm": lambda objs=objs: objcomm.all_to_all(objs),
+                "torch all_gather_object + pick": _torch_pick(objs),
+                "objcomm all_gather + pick": _objcomm_pick(objs),
+                "raw all_to_all_single": _raw_all_to_all(objs),
+            },
+            "ratios": [
+                ("objcomm", "torch all_gather_object + pick"),
+                ("objcomm", "objcomm all_gather + pick"),
+                ("objcomm", "raw all_to_all_single"),
+            ],
         }
-    for name, obj, repeat in (("all_reduce of 1,000 counters", counters, 100),
-                              ("all_reduce of 50,000 counters", big_counters, 10)):
+    for name, obj, repeat in (
+        ("all_reduce of 1,000 counters", counters, 100),
+        ("all_reduce of 50,000 counters", big_counters, 10),
+    ):
         scenarios[name] = {
             "repeat": rounds(repeat),
-            "candidates": {"objcomm": lambda obj=obj: objcomm.all_reduce(obj, "merge_sum"),
-                           "torch all_gather_object + reduce": _torch_reduce(obj, _merge_sum),
-                           "objcomm all_gather + reduce": lambda obj=obj: functools.reduce(
-                               _merge_sum, objcomm.all_gather(obj))},
+            "candidates": {
+                "objcomm": lambda obj=obj: objcomm.all_reduce(obj, "merge_sum"),
+                "torch all_gather_object + reduce": _torch_reduce(obj, _merge_sum),
+                "objcomm all_gather + reduce": lambda obj=obj: functools.reduce(_merge_sum, objcomm.all_gather(obj)),
+            },
             "ratios": [("objcomm", "torch all_gather_object + reduce"), ("objcomm", "objcomm all_gather + reduce")],
         }
     return scenarios
@@ -127,9 +139,14 @@ def timing_task(repeat_scale: float, send: Callable[[Any], None]) -> Dict[str, A
 
 
 def _markdown(world: int, results: Dict[str, Any]) -> str:
-    lines = [f"### gloo, world size {world}", "",
-             "torch has no object all-to-all or reduce: its column is the all_gather_object workaround.", "",
-             "| scenario | candidate | median | ratio |", "|---|---|---|---|"]
+    lines = [
+        f"### gloo, world size {world}",
+        "",
+        "torch has no object all-to-all or reduce: its column is the all_gather_object workaround.",
+        "",
+        "| scenario | candidate | median | ratio |",
+        "|---|---|---|---|",
+    ]
     for name, r in results.items():
         for k, seconds in r["median_s"].items():
             lines.append(f"| {name} | {k} | {seconds * 1000:.2f} ms | |")

@@ -78,19 +78,33 @@ def constructor_amplification() -> None:
         else:
             row["memory"] = max(row["memory"], (peak / size, case))
             row["cpu"] = max(row["cpu"], (cpu / size * 1e9, case))
-    print("| restricted-pickle constructor | worst peak memory / input byte | worst decode CPU ns / input byte "
-          "| worst CPU ns / input byte, what it built used as keys |")
+    print(
+        "| restricted-pickle constructor | worst peak memory / input byte | worst decode CPU ns / input byte "
+        "| worst CPU ns / input byte, what it built used as keys |"
+    )
     print("|---|---|---|---|")
     for constructor, row in sorted(worst.items()):
-        cells = [f"{value:.1f} ({case})" if kind == "memory" else f"{value:.0f} ({case})"
-                 for kind, (value, case) in row.items()]
+        cells = [
+            f"{value:.1f} ({case})" if kind == "memory" else f"{value:.0f} ({case})"
+            for kind, (value, case) in row.items()
+        ]
         print(f"| {constructor} | " + " | ".join(cells) + " |")
 
 
 def fuzz(scale: int) -> int:
     env = dict(os.environ, OBJCOMM_FUZZ_SCALE=str(scale))
-    command = [sys.executable, "-m", "pytest", "-q", "-k", "fuzz", "-o", f"timeout={300 * scale}",
-               "tests/test_adversarial_serializers.py", "tests/test_adversarial_wire.py"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-k",
+        "fuzz",
+        "-o",
+        f"timeout={300 * scale}",
+        "tests/test_adversarial_serializers.py",
+        "tests/test_adversarial_wire.py",
+    ]
     print("running:", f"OBJCOMM_FUZZ_SCALE={scale}", " ".join(command[1:]), flush=True)
     start = time.perf_counter()
     code = subprocess.call(command, cwd=ROOT, env=env)

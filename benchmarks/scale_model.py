@@ -86,8 +86,9 @@ class Params:
 
 
 NCCL = Params("nccl", "cuda", alpha_inter=20e-6, alpha_intra=5e-6, bandwidth=25e9, broadcast="ring", vote="tree")
-GLOO = Params("gloo", "cpu", alpha_inter=50e-6, alpha_intra=10e-6, bandwidth=1.25e9, broadcast="binomial",
-              vote="ring")  # 10 GbE-class TCP
+GLOO = Params(
+    "gloo", "cpu", alpha_inter=50e-6, alpha_intra=10e-6, bandwidth=1.25e9, broadcast="binomial", vote="ring"
+)  # 10 GbE-class TCP
 PARAMS = {p.name: p for p in (NCCL, GLOO)}
 
 
@@ -363,8 +364,16 @@ def torch_cost(op: str, params: Params, world: int, sizes: Sizes) -> float:
     raise ValueError(f"unknown op {op!r}")
 
 
-_CODES = {"all_gather": "AG", "all_gatherv": "AGV", "gather": "G", "broadcast": "B", "all_reduce": "V",
-          "vote": "D", "p2p": "P", "tree": "T"}
+_CODES = {
+    "all_gather": "AG",
+    "all_gatherv": "AGV",
+    "gather": "G",
+    "broadcast": "B",
+    "all_reduce": "V",
+    "vote": "D",
+    "p2p": "P",
+    "tree": "T",
+}
 _MEDIA = {routes.BACKEND: "", routes.CHANNEL: "(ch)", routes.SHARED_MEMORY: "(shm)"}
 
 
@@ -382,8 +391,13 @@ def route_code(plan: routes.Plan) -> str:
     return "+".join(codes)
 
 
-def rows(ops: Sequence[str] = OPS, cases: Sequence[str] = CASES, worlds: Sequence[int] = WORLDS,
-         params: Sequence[Params] = (NCCL, GLOO), two_levels: bool = True) -> List[Dict[str, object]]:
+def rows(
+    ops: Sequence[str] = OPS,
+    cases: Sequence[str] = CASES,
+    worlds: Sequence[int] = WORLDS,
+    params: Sequence[Params] = (NCCL, GLOO),
+    two_levels: bool = True,
+) -> List[Dict[str, object]]:
     """Every row {op, case, W, params, objcomm_s, ideal_s, torch_s, route}: O(W) Python work each."""
     out: List[Dict[str, object]] = []
     for world in worlds:
@@ -392,16 +406,30 @@ def rows(ops: Sequence[str] = OPS, cases: Sequence[str] = CASES, worlds: Sequenc
             for p in params:
                 for op in ops:
                     plan = objcomm_plan(op, p, world, sizes, two_levels)
-                    out.append({"op": op, "case": case, "W": world, "params": p.name,
-                                "objcomm_s": plan_cost(plan, p, world), "ideal_s": ideal_cost(op, p, world, sizes),
-                                "torch_s": torch_cost(op, p, world, sizes), "route": route_code(plan)})
+                    out.append(
+                        {
+                            "op": op,
+                            "case": case,
+                            "W": world,
+                            "params": p.name,
+                            "objcomm_s": plan_cost(plan, p, world),
+                            "ideal_s": ideal_cost(op, p, world, sizes),
+                            "torch_s": torch_cost(op, p, world, sizes),
+                            "route": route_code(plan),
+                        }
+                    )
     return out
 
 
 def misses(table: Sequence[Dict[str, object]]) -> List[Dict[str, object]]:
     """The rows of CHECKED_OPS at CHECK_WORLD where objcomm > TARGET_RATIO x ideal or objcomm > torch."""
-    return [r for r in table if r["op"] in CHECKED_OPS and r["W"] == CHECK_WORLD
-            and (r["objcomm_s"] > TARGET_RATIO * r["ideal_s"] or r["objcomm_s"] > r["torch_s"])]
+    return [
+        r
+        for r in table
+        if r["op"] in CHECKED_OPS
+        and r["W"] == CHECK_WORLD
+        and (r["objcomm_s"] > TARGET_RATIO * r["ideal_s"] or r["objcomm_s"] > r["torch_s"])
+    ]
 
 
 def fmt_time(seconds: float) -> str:
@@ -415,12 +443,16 @@ def fmt_time(seconds: float) -> str:
 
 def markdown(table: Sequence[Dict[str, object]]) -> str:
     """The rows as a markdown table."""
-    lines = ["| op | case | W | params | route | objcomm | ideal | torch | objcomm/ideal | objcomm/torch |",
-             "|---|---|---:|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| op | case | W | params | route | objcomm | ideal | torch | objcomm/ideal | objcomm/torch |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in table:
         o, i, t = (float(r[k]) for k in ("objcomm_s", "ideal_s", "torch_s"))  # type: ignore[arg-type]
-        lines.append(f"| {r['op']} | {r['case']} | {r['W']} | {r['params']} | {r['route']} | {fmt_time(o)} | "
-                     f"{fmt_time(i)} | {fmt_time(t)} | {o / i:.2f} | {o / t:.3f} |")
+        lines.append(
+            f"| {r['op']} | {r['case']} | {r['W']} | {r['params']} | {r['route']} | {fmt_time(o)} | "
+            f"{fmt_time(i)} | {fmt_time(t)} | {o / i:.2f} | {o / t:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -430,15 +462,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--case", action="append", choices=CASES, help="only this case (repeatable)")
     parser.add_argument("--world", action="append", type=int, help="only this world size (repeatable)")
     parser.add_argument("--params", action="append", choices=sorted(PARAMS), help="only this parameter set")
-    parser.add_argument("--nccl-broadcast", choices=sorted(_BROADCASTS), default=NCCL.broadcast,
-                        help="the algorithm charged for an NCCL broadcast (default: ring, NCCL's only one); "
-                             "another renames the parameter set nccl-<algorithm>-bcast")
-    parser.add_argument("--flat", action="store_true",
-                        help="no same-host channel: every route flat (gloo groups across hosts take no two levels)")
+    parser.add_argument(
+        "--nccl-broadcast",
+        choices=sorted(_BROADCASTS),
+        default=NCCL.broadcast,
+        help="the algorithm charged for an NCCL broadcast (default: ring, NCCL's only one); "
+        "another renames the parameter set nccl-<algorithm>-bcast",
+    )
+    parser.add_argument(
+        "--flat",
+        action="store_true",
+        help="no same-host channel: every route flat (gloo groups across hosts take no two levels)",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of the table")
-    parser.add_argument("--check", action="store_true",
-                        help=f"exit 1 listing each {'/'.join(CHECKED_OPS)} row at W={CHECK_WORLD} above "
-                             f"{TARGET_RATIO}x ideal or above torch")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help=f"exit 1 listing each {'/'.join(CHECKED_OPS)} row at W={CHECK_WORLD} above "
+        f"{TARGET_RATIO}x ideal or above torch",
+    )
     args = parser.parse_args(argv)
     chosen = [PARAMS[n] for n in (args.params or ("nccl", "gloo"))]
     if args.nccl_broadcast != NCCL.broadcast:
@@ -454,9 +496,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     missed = misses(table)
     out = sys.stderr if args.json else sys.stdout
-    print(f"\n{len(missed)} of {sum(1 for r in table if r['op'] in CHECKED_OPS and r['W'] == CHECK_WORLD)} "
-          f"checked rows at W={CHECK_WORLD} miss the target (objcomm <= {TARGET_RATIO}x ideal and <= torch):",
-          file=out)
+    print(
+        f"\n{len(missed)} of {sum(1 for r in table if r['op'] in CHECKED_OPS and r['W'] == CHECK_WORLD)} "
+        f"checked rows at W={CHECK_WORLD} miss the target (objcomm <= {TARGET_RATIO}x ideal and <= torch):",
+        file=out,
+    )
     for r in missed:
         o, i, t = (float(r[k]) for k in ("objcomm_s", "ideal_s", "torch_s"))  # type: ignore[arg-type]
         why = [f"{o / i:.2f}x ideal"] if o > TARGET_RATIO * i else []

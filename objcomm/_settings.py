@@ -168,8 +168,10 @@ MAX_SPIN_US = 1_000_000
 
 def _check_spin(name: str, value: Any) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SPIN_US):
-        raise ValueError(f"{name} must be a whole number of microseconds from 0 to {MAX_SPIN_US:,}, or None "
-                         f"(automatic), got {value!r}")
+        raise ValueError(
+            f"{name} must be a whole number of microseconds from 0 to {MAX_SPIN_US:,}, or None "
+            f"(automatic), got {value!r}"
+        )
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -262,8 +264,10 @@ def _microseconds(variable: str) -> Optional[int]:
     if word in ("", "auto"):
         return None
     if not word.isdigit() or int(word) > MAX_SPIN_US:
-        raise ValueError(f"{variable}={os.environ[variable]!r}: expected a whole number of microseconds from 0 to "
-                         f"{MAX_SPIN_US:,}, or 'auto'")
+        raise ValueError(
+            f"{variable}={os.environ[variable]!r}: expected a whole number of microseconds from 0 to "
+            f"{MAX_SPIN_US:,}, or 'auto'"
+        )
     return int(word)
 
 
@@ -276,9 +280,13 @@ class _Environment:
 
     @staticmethod
     def read() -> _Environment:
-        knobs = {"shm": _flag("OBJCOMM_SHM"), "shm_dir": os.environ.get("OBJCOMM_SHM_DIR") or None,
-                 "shm_zero_copy": _flag("OBJCOMM_SHM_ZERO_COPY"), "local": _flag("OBJCOMM_LOCAL"),
-                 "local_spin_us": _microseconds("OBJCOMM_LOCAL_SPIN_US")}
+        knobs = {
+            "shm": _flag("OBJCOMM_SHM"),
+            "shm_dir": os.environ.get("OBJCOMM_SHM_DIR") or None,
+            "shm_zero_copy": _flag("OBJCOMM_SHM_ZERO_COPY"),
+            "local": _flag("OBJCOMM_LOCAL"),
+            "local_spin_us": _microseconds("OBJCOMM_LOCAL_SPIN_US"),
+        }
         return _Environment(
             knobs={name: value for name, value in knobs.items() if value is not None},
             separate_hosts=_ranks_per_host() or bool(_flag("OBJCOMM_FORCE_SEPARATE_HOSTS")),

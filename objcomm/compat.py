@@ -74,7 +74,6 @@ __all__ = [
 ]
 
 
-
 def all_gather_object(
     object_list: List[Any], obj: Any, group: Any = None, *, serializer: Optional[SerializerLike] = None
 ) -> None:

@@ -88,12 +88,16 @@ class AutoSerializer(Serializer):
     supports_external = True
     _raises_own_errors = True
 
-    def __init__(self, *, safe: bool = False, accept: Optional[FrozenSet[str]] = None,
-                 registry: SerializerRegistry = registry) -> None:
+    def __init__(
+        self, *, safe: bool = False, accept: Optional[FrozenSet[str]] = None, registry: SerializerRegistry = registry
+    ) -> None:
         self.safe = safe or accept is not None
         self.accept = accept
-        self.description = ("per object, the fastest " + ("safe " if self.safe else "") +
-                            "serializer that carries it exactly (objcomm records the one chosen)")
+        self.description = (
+            "per object, the fastest "
+            + ("safe " if self.safe else "")
+            + "serializer that carries it exactly (objcomm records the one chosen)"
+        )
         self._registry = registry
         self._refused: Dict[Signature, FrozenSet[str]] = {}  # by signature: the candidates that refused one
         self._verified: Set[Tuple[Signature, str]] = set()  # a candidate gave back an object of the signature exactly
@@ -146,8 +150,9 @@ class AutoSerializer(Serializer):
         sig = signature(obj)
         return sig, self._trusted.get(sig)
 
-    def candidates(self, obj: Any, sig: Optional[Signature] = None, refused: Tuple[str, ...] = (),
-                   ) -> Iterator[Tuple[SerializerProtocol, bool, Callable[[bool], None]]]:
+    def candidates(
+        self, obj: Any, sig: Optional[Signature] = None, refused: Tuple[str, ...] = ()
+    ) -> Iterator[Tuple[SerializerProtocol, bool, Callable[[bool], None]]]:
         """``(serializer, whether its result must be decoded and judged exact, what to call with the outcome)``,
         fastest first; candidates that refused an object of ``obj``'s signature before come last. A serializer
         is judged on the first object of each signature (restricted-pickle, for one, refuses what it does not
@@ -188,8 +193,10 @@ class AutoSerializer(Serializer):
         raise no_candidate(self, obj)
 
     def dumps(self, obj: Any, /, *, lift: Lift | None = None) -> Buffer:
-        raise EncodeError("serializer 'auto' chooses per object inside objcomm, which records its choice in the "
-                          "frame; outside objcomm, call serializers.get('auto').choose(obj) and use that serializer")
+        raise EncodeError(
+            "serializer 'auto' chooses per object inside objcomm, which records its choice in the "
+            "frame; outside objcomm, call serializers.get('auto').choose(obj) and use that serializer"
+        )
 
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
         raise DecodeError("no payload is encoded by 'auto': frames name the serializer it chose")
@@ -209,11 +216,18 @@ class AutoSerializer(Serializer):
         if self._known[0] != version:
             known = self._registry.available()
             names = [n for n in SPEED_ORDER if n in known] + sorted(n for n in known if n not in SPEED_ORDER)
-            usable = [n for n in names if (self.accept is None or n in self.accept)
-                      and (not self.safe or self._registry.get(n).safe)
-                      and not isinstance(self._registry.get(n), AutoSerializer)]
-            fast = self._registry.guarded(EXACT_LEADER) if EXACT_LEADER in usable and _untyped_msgspec(
-                self._registry.get(EXACT_LEADER)) else None
+            usable = [
+                n
+                for n in names
+                if (self.accept is None or n in self.accept)
+                and (not self.safe or self._registry.get(n).safe)
+                and not isinstance(self._registry.get(n), AutoSerializer)
+            ]
+            fast = (
+                self._registry.guarded(EXACT_LEADER)
+                if EXACT_LEADER in usable and _untyped_msgspec(self._registry.get(EXACT_LEADER))
+                else None
+            )
             self._known = (version, usable, fast)
         return self._known
 
@@ -310,6 +324,8 @@ def exact(sent: Any, got: Any) -> bool:
 
 def no_candidate(chooser: AutoSerializer, obj: Any) -> EncodeError:
     names = ", ".join(chooser._names()) or "none"
-    return EncodeError(f"serializer 'auto' found no serializer that carries this {type(obj).__name__} exactly "
-                       f"among those it may use ({names}); name one, or register a codec with "
-                       "serializers.register_type()")
+    return EncodeError(
+        f"serializer 'auto' found no serializer that carries this {type(obj).__name__} exactly "
+        f"among those it may use ({names}); name one, or register a codec with "
+        "serializers.register_type()"
+    )

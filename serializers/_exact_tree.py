@@ -42,8 +42,13 @@ SHARED_LENGTH = 64  # a str or bytes this long or longer met twice: not carried
 _SCALARS = (type(None), bool, float)
 
 
-def carried_exactly_python(obj: Any, leaves: Tuple[type, ...], large: Optional[type] = None,
-                           large_above: int = 0, large_dtypes: Tuple[Any, ...] = ()) -> bool:
+def carried_exactly_python(
+    obj: Any,
+    leaves: Tuple[type, ...],
+    large: Optional[type] = None,
+    large_above: int = 0,
+    large_dtypes: Tuple[Any, ...] = (),
+) -> bool:
     """:func:`carried_exactly` in Python (the reference for the C walk)."""
 
     def fits(value: int) -> bool:
@@ -75,8 +80,9 @@ def carried_exactly_python(obj: Any, leaves: Tuple[type, ...], large: Optional[t
         seen.add(id(value))
         if kind is list:
             return all(walk(item, depth + 1) for item in value)
-        return all((once(k) if type(k) is str else type(k) is int and fits(k)) and walk(v, depth + 1)
-                   for k, v in value.items())
+        return all(
+            (once(k) if type(k) is str else type(k) is int and fits(k)) and walk(v, depth + 1) for k, v in value.items()
+        )
 
     return walk(obj, 0)
 

@@ -2,5 +2,6 @@
 
 from typing import Any, Optional, Tuple
 
-def carried_exactly(obj: Any, leaves: Tuple[type, ...], large: Optional[type] = ..., large_above: int = ...,
-                    /) -> bool: ...
+def carried_exactly(
+    obj: Any, leaves: Tuple[type, ...], large: Optional[type] = ..., large_above: int = ..., /
+) -> bool: ...

@@ -117,4 +117,3 @@ class JsonSerializer(Serializer):
                 return codec.decode_received(self._untag(obj["value"], depth + 1))
             return {k: self._untag(v, depth + 1) for k, v in obj.items()}
         return obj
-

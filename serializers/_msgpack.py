@@ -129,8 +129,9 @@ class MsgpackSerializer(Serializer):
     def _unpack_array_fields(self) -> Callable[[Any], Any]:
         """``msgpack.unpackb`` for an array extension's fields: arrays of at most ``MAX_DIMS`` items, no maps and
         no extensions, so that it pre-allocates little whatever the bytes declare (no walk needed first)."""
-        return functools.partial(self._msgpack.unpackb, raw=False, max_array_len=_rebuild.MAX_DIMS, max_map_len=0,
-                                 max_ext_len=0)
+        return functools.partial(
+            self._msgpack.unpackb, raw=False, max_array_len=_rebuild.MAX_DIMS, max_map_len=0, max_ext_len=0
+        )
 
     @functools.cached_property
     def _unpackb(self) -> Callable[[Any], Any]:
@@ -180,8 +181,10 @@ class MsgpackSerializer(Serializer):
             return self._numpy_ext(value, pack, ext)
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(value, torch.Tensor):  # what objcomm lifts never gets here
-            raise TypeError(f"no msgpack encoding for {describe(value)}: msgpack carries tensors only through "
-                            "objcomm, and only plain ones (no subclass, no attributes set on the tensor); use pickle")
+            raise TypeError(
+                f"no msgpack encoding for {describe(value)}: msgpack carries tensors only through "
+                "objcomm, and only plain ones (no subclass, no attributes set on the tensor); use pickle"
+            )
         raise TypeError(f"no msgpack encoding for {describe(value)}")
 
     @staticmethod
@@ -266,8 +269,13 @@ class MsgpackSerializer(Serializer):
         if type(fields) is not list or len(fields) != 3:
             return None
         descr, shape, data = fields
-        if (type(descr) is not str or type(shape) is not list or type(data) is not bytes or not data
-                or len(descr) > _rebuild.MAX_DTYPE_TEXT):
+        if (
+            type(descr) is not str
+            or type(shape) is not list
+            or type(data) is not bytes
+            or not data
+            or len(descr) > _rebuild.MAX_DTYPE_TEXT
+        ):
             return None
         dtype = _plain_dtype(descr)
         if dtype is None:
@@ -295,8 +303,9 @@ class MsgpackSerializer(Serializer):
 EncodeErrorOf = Callable[[Any, BaseException, Optional[Lift]], EncodeError]
 
 
-def encode_lifting(encode: Callable[[Any], bytes], encode_error: EncodeErrorOf, obj: Any,
-                   lift: Optional[Lift]) -> bytes:
+def encode_lifting(
+    encode: Callable[[Any], bytes], encode_error: EncodeErrorOf, obj: Any, lift: Optional[Lift]
+) -> bytes:
     """``encode(obj)`` with this call's ``lift`` where the hooks find it (:func:`lifted`); a failure that is not an
     :class:`EncodeError` already becomes ``encode_error(obj, exc, lift)`` (the msgpack and msgspec backends)."""
     token = _LIFT.set(lift)
@@ -327,13 +336,16 @@ class unexplained_refusals:  # lower case: used as a function, `with unexplained
         _EXPLAIN.reset(self._token)
 
 
-def encode_refusal(name: str, obj: Any, rejects: Callable[[Any, bool], bool], exc: BaseException,
-                   instead: str) -> EncodeError:
+def encode_refusal(
+    name: str, obj: Any, rejects: Callable[[Any, bool], bool], exc: BaseException, instead: str
+) -> EncodeError:
     """The :class:`EncodeError` of backend ``name`` for ``obj``: the first value ``rejects`` and where it sits."""
     found = locate(obj, rejects)
     path, value, _ = found if found is not None else ("$", obj, False)
-    return EncodeError(f"{name} cannot encode {describe(value)} at {path} ({exc}); "
-                       f"register a codec with serializers.register_type(), or use {instead}")
+    return EncodeError(
+        f"{name} cannot encode {describe(value)} at {path} ({exc}); "
+        f"register a codec with serializers.register_type(), or use {instead}"
+    )
 
 
 def lifted(value: Any) -> Optional[int]:
@@ -397,8 +409,10 @@ def refuse_structured(value: Any, np: Any) -> None:
     here: ``dtype.str`` would drop the field names, and the receiver would get bare bytes (``|V12``) where the
     sender had records. ``np``: numpy, imported by the caller."""
     if isinstance(value, (np.ndarray, np.generic)) and value.dtype.fields is not None:
-        raise TypeError(f"no MessagePack encoding for a structured numpy {type(value).__name__} (dtype "
-                        f"{value.dtype}): its field names would be lost; use pickle or restricted-pickle")
+        raise TypeError(
+            f"no MessagePack encoding for a structured numpy {type(value).__name__} (dtype "
+            f"{value.dtype}): its field names would be lost; use pickle or restricted-pickle"
+        )
 
 
 def _decode_ndarray(dtype: Any, shape: Any, raw: Any) -> Any:

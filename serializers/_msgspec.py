@@ -84,7 +84,8 @@ class MsgspecSerializer(Serializer):
         self.type = type
         self.description = (
             "msgspec MessagePack: safe, fast to encode; decodes into a type you give; untyped, tuples arrive as lists"
-            if type is Any else f"msgspec MessagePack decoding into {getattr(type, '__name__', type)!r}, safe"
+            if type is Any
+            else f"msgspec MessagePack decoding into {getattr(type, '__name__', type)!r}, safe"
         )
         self._codecs = registry
 
@@ -105,8 +106,9 @@ class MsgspecSerializer(Serializer):
     @functools.cached_property
     def _decode_any(self) -> Callable[[Any], Any]:
         """A codec's value: anything, its own extensions included."""
-        return cast(Callable[[Any], Any],
-                    self._msgspec.msgpack.Decoder(Tuple[str, Any], ext_hook=self._ext_hook).decode)
+        return cast(
+            Callable[[Any], Any], self._msgspec.msgpack.Decoder(Tuple[str, Any], ext_hook=self._ext_hook).decode
+        )
 
     @functools.cached_property
     def _fields(self) -> Any:
@@ -149,8 +151,10 @@ class MsgspecSerializer(Serializer):
                 return self._ext(NPSCALAR, [value.dtype.str, value.tobytes()])
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(value, torch.Tensor):  # what objcomm lifts never gets here
-            raise TypeError(f"no msgspec encoding for {describe(value)}: msgspec carries tensors only through "
-                            "objcomm, and only plain ones (no subclass, no attributes set on the tensor); use pickle")
+            raise TypeError(
+                f"no msgspec encoding for {describe(value)}: msgspec carries tensors only through "
+                "objcomm, and only plain ones (no subclass, no attributes set on the tensor); use pickle"
+            )
         raise TypeError(f"no msgspec encoding for {describe(value)}")
 
     def _encode_error(self, obj: Any, exc: BaseException, lift: Lift | None) -> EncodeError:
@@ -211,4 +215,3 @@ def _numpy_instance(value: Any) -> bool:
     """A subclass of a numpy type defined elsewhere (numpy itself is checked by module first: cheaper)."""
     numpy = sys.modules.get("numpy")
     return numpy is not None and isinstance(value, (numpy.ndarray, numpy.generic))
-

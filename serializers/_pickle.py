@@ -41,10 +41,12 @@ def _lifting(base: type) -> Any:
         spares: List[Tuple[io.BytesIO, Any]] = []  # this class's (file, pickler) pairs kept for the next dumps (_dump)
 
         if parent is None:
+
             def reducer_override(self, obj: Any) -> Any:
                 key = self._lift(obj)
                 return NotImplemented if key is None else (external_ref, (key,))
         else:
+
             def reducer_override(self, obj: Any) -> Any:
                 key = self._lift(obj)
                 return parent(self, obj) if key is None else (external_ref, (key,))
@@ -117,8 +119,10 @@ class PickleSerializer(Serializer):
     # a value (a lambda, a local function, a class defined in __main__), which cloudpickle carries by value
     by_value_hint = "cloudpickle can carry lambdas, closures and classes defined in __main__"
     # ... or the value holds something that has no pickled form at all
-    hint = ("no pickle carries it (a lock, a socket, a generator?): leave it out of the object, "
-            "or give its class a __getstate__ that drops it")
+    hint = (
+        "no pickle carries it (a lock, a socket, a generator?): leave it out of the object, "
+        "or give its class a __getstate__ that drops it"
+    )
     _reusable = True  # its pickler keeps no state between pickles but its memo (see _dump)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -177,12 +181,15 @@ class PickleSerializer(Serializer):
         where = f"{self.name} cannot encode {describe(value)} at {path}"
         own = raised_by(exc)
         if own is not None:  # a __reduce__ or __getstate__ raised: no other serializer would fix that
-            return EncodeError(f"{where}: {own} raised {type(exc).__name__}: {exc}; that is the object's own code, "
-                               f"not a limit of {self.name}: fix it there")
+            return EncodeError(
+                f"{where}: {own} raised {type(exc).__name__}: {exc}; that is the object's own code, "
+                f"not a limit of {self.name}: fix it there"
+            )
         # pickle found no importable name for the value (a lambda, a local function or class): cloudpickle
         # pickles such values by value
         by_name = isinstance(exc, pickle.PicklingError) or (
-            isinstance(exc, AttributeError) and "local object" in str(exc))
+            isinstance(exc, AttributeError) and "local object" in str(exc)
+        )
         return EncodeError(f"{where}: {exc}; {self.by_value_hint if by_name else self.hint}")
 
 

@@ -94,8 +94,10 @@ def charge(units: int, what: str) -> None:
     if remaining is not None:
         remaining[0] -= units
         if remaining[0] < 0:
-            raise _refuse(f"{what}: the payload asks for more work (bytes copied, keys hashed, values built) "
-                          "than its size allows: restricted-pickle's work budget is exhausted")
+            raise _refuse(
+                f"{what}: the payload asks for more work (bytes copied, keys hashed, values built) "
+                "than its size allows: restricted-pickle's work budget is exhausted"
+            )
 
 
 def _byte_string(data: Any, what: str) -> Any:
@@ -340,8 +342,9 @@ def reduce_torch(value: Any) -> Any:
         if type(value) is not torch.Tensor:
             raise TypeError(f"restricted-pickle cannot carry tensor subclass {type(value).__name__}; use pickle")
         if value.__dict__:  # they would be lost: only the data and shape travel
-            raise TypeError(f"restricted-pickle cannot carry attributes set on a tensor ({', '.join(value.__dict__)}); "
-                            "use pickle")
+            raise TypeError(
+                f"restricted-pickle cannot carry attributes set on a tensor ({', '.join(value.__dict__)}); use pickle"
+            )
         if value.layout != torch.strided or value.is_quantized or value.is_nested or value.device.type == "meta":
             raise TypeError("restricted-pickle carries dense tensors only; use pickle for sparse/quantized ones")
         name = str(value.dtype).rpartition(".")[2]

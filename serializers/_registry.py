@@ -186,8 +186,11 @@ class SerializerRegistry:
     def _unknown_message(self, name: str) -> str:
         known = ", ".join(sorted(self._by_name)) or "none"
         extra = OPTIONAL.get(name)
-        fix = (f'install it on every rank: pip install "objcomm[{extra}]"' if extra is not None else
-               "register it with serializers.register() or install the package that provides it")
+        fix = (
+            f'install it on every rank: pip install "objcomm[{extra}]"'
+            if extra is not None
+            else "register it with serializers.register() or install the package that provides it"
+        )
         return f"no serializer named {name!r} is registered on this rank (registered: {known}); {fix}"
 
 

@@ -134,8 +134,10 @@ def run_group_losing_a_rank(
     results = context.Queue()
     got: Dict[int, tuple] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [context.Process(target=target, args=(r, world, os.path.join(tmp, "store"), victim, results))
-                 for r in range(world)]
+        procs = [
+            context.Process(target=target, args=(r, world, os.path.join(tmp, "store"), victim, results))
+            for r in range(world)
+        ]
         for proc in procs:
             proc.start()
         try:

@@ -128,6 +128,7 @@ def tensor_tables_that_lie(active: bool = True) -> Iterator[None]:
     import torch
 
     from objcomm._format import frame as _frame
+
     real = _frame.encode
 
     def lying(*args: Any, **kwargs: Any) -> Any:

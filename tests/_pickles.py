@@ -15,16 +15,65 @@ import serializers
 
 # Whole opcodes, each with its argument: the fast walk's alphabet, then a few it refuses
 PLAIN_OPCODES = [
-    b"G" + bytes(8), b"\x8c\x01a", b"\x8c\x00", b"J\x01\x02\x03\x04", b"K\x05", b"M\x01\x02", b"N", b"\x88", b"\x89",
-    b"\x94", b"h\x00", b"j\x00\x00\x00\x00", b"(", b"e", b"u", b"}", b"]", b"a", b"s", b"\x8f", b"\x90", b"l", b"d",
-    b"0", b"1", b")", b"\x85", b"\x86", b"\x87", b"C\x02ab", b"U\x01x", b"\x8a\x01\x05", b"X\x01\x00\x00\x00z",
-    b"B\x00\x00\x00\x00", b"T\x01\x00\x00\x00q", b"\x8d\x01" + bytes(7) + b"y", b"\x8e" + bytes(8),
-    b"\x96\x03" + bytes(7) + b"abc", b"\x80\x05", b"\x8e" + (256).to_bytes(8, "little") + bytes(256),
-    b"X" + (300).to_bytes(4, "little") + bytes(300), b"\x96" + (300).to_bytes(8, "little") + bytes(300),
+    b"G" + bytes(8),
+    b"\x8c\x01a",
+    b"\x8c\x00",
+    b"J\x01\x02\x03\x04",
+    b"K\x05",
+    b"M\x01\x02",
+    b"N",
+    b"\x88",
+    b"\x89",
+    b"\x94",
+    b"h\x00",
+    b"j\x00\x00\x00\x00",
+    b"(",
+    b"e",
+    b"u",
+    b"}",
+    b"]",
+    b"a",
+    b"s",
+    b"\x8f",
+    b"\x90",
+    b"l",
+    b"d",
+    b"0",
+    b"1",
+    b")",
+    b"\x85",
+    b"\x86",
+    b"\x87",
+    b"C\x02ab",
+    b"U\x01x",
+    b"\x8a\x01\x05",
+    b"X\x01\x00\x00\x00z",
+    b"B\x00\x00\x00\x00",
+    b"T\x01\x00\x00\x00q",
+    b"\x8d\x01" + bytes(7) + b"y",
+    b"\x8e" + bytes(8),
+    b"\x96\x03" + bytes(7) + b"abc",
+    b"\x80\x05",
+    b"\x8e" + (256).to_bytes(8, "little") + bytes(256),
+    b"X" + (300).to_bytes(4, "little") + bytes(300),
+    b"\x96" + (300).to_bytes(8, "little") + bytes(300),
 ]
 OTHER_OPCODES = [
-    b"\x95\x05" + bytes(7), b"\x95" + bytes(8), b".", b"c", b"\x93", b"R", b"b", b"\x91", b"2", b"q\x01",
-    b"r\x01\x00\x00\x00", b"\x8b\x01\x00\x00\x00\x01", b"T\xff\xff\xff\xff", b"X\x00\x01\x00\x00", b"\x95",
+    b"\x95\x05" + bytes(7),
+    b"\x95" + bytes(8),
+    b".",
+    b"c",
+    b"\x93",
+    b"R",
+    b"b",
+    b"\x91",
+    b"2",
+    b"q\x01",
+    b"r\x01\x00\x00\x00",
+    b"\x8b\x01\x00\x00\x00\x01",
+    b"T\xff\xff\xff\xff",
+    b"X\x00\x01\x00\x00",
+    b"\x95",
 ]
 
 
@@ -58,8 +107,9 @@ def random_value(rng: random.Random, depth: int = 0) -> object:
 _PLAIN_BYTES = b".\x85\x86\x87\x95\x94G\x8cNh"  # one-byte opcodes written over a byte
 
 
-def mutated(rng: random.Random, data: bytes, inserted: Sequence[bytes] = (), overwriting: bytes = _PLAIN_BYTES
-            ) -> bytes:
+def mutated(
+    rng: random.Random, data: bytes, inserted: Sequence[bytes] = (), overwriting: bytes = _PLAIN_BYTES
+) -> bytes:
     """``data`` with one to three changes: a byte changed, bytes deleted, an opcode of ``inserted``
     (default: the fast walk's and a few others) inserted, a byte overwritten by one of ``overwriting``,
     or the end cut."""
@@ -119,9 +169,32 @@ def random_pickle(rng: random.Random) -> bytes:
 
 # Opcodes of calls, state, memo and stack juggling, for payloads the full walk decides
 CALL_OPCODES = [
-    b"\x93", b"R", b"b", b"\x81", b"\x92", b"o", b"2", b"\x91", b"t", b"(", b"0", b"1", b"q\x00",
-    b"r\x01\x00\x00\x00", b"h\x00", b"j\x00\x00\x00\x00", b"\x94", b"\x8c\x08builtins\x8c\x03set",
-    b"\x8b\x02\x00\x00\x00\x01\x02", b"X\x50\x00\x00\x00" + b"a" * 80, b"\x85", b"\x86", b"\x87", b"s", b"u", b"a",
+    b"\x93",
+    b"R",
+    b"b",
+    b"\x81",
+    b"\x92",
+    b"o",
+    b"2",
+    b"\x91",
+    b"t",
+    b"(",
+    b"0",
+    b"1",
+    b"q\x00",
+    b"r\x01\x00\x00\x00",
+    b"h\x00",
+    b"j\x00\x00\x00\x00",
+    b"\x94",
+    b"\x8c\x08builtins\x8c\x03set",
+    b"\x8b\x02\x00\x00\x00\x01\x02",
+    b"X\x50\x00\x00\x00" + b"a" * 80,
+    b"\x85",
+    b"\x86",
+    b"\x87",
+    b"s",
+    b"u",
+    b"a",
 ]
 _CALL_BYTES = b"\x93Rb\x81o2\x91t(01\x94\x85\x86\x87"  # one-byte opcodes written over a byte
 

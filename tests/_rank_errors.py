@@ -33,8 +33,7 @@ class RankFailure(RankPoolError):
         pool_killed: True if the pool had to be killed (then it is ``broken``).
     """
 
-    def __init__(self, message: str, *, failures=None, exceptions=None, results=None,
-                 pool_killed: bool = False):
+    def __init__(self, message: str, *, failures=None, exceptions=None, results=None, pool_killed: bool = False):
         super().__init__(message)
         self.failures: dict[int, str] = dict(failures or {})
         self.exceptions: dict[int, BaseException | None] = dict(exceptions or {})

@@ -51,8 +51,9 @@ class RankLogs:
                 with suppress(OSError):
                     os.close(fd)
 
-    def call_report(self, headline: str, failures: dict[int, str], pending: Sequence[int],
-                    offsets: Sequence[int]) -> str:
+    def call_report(
+        self, headline: str, failures: dict[int, str], pending: Sequence[int], offsets: Sequence[int]
+    ) -> str:
         """``headline``, each failing rank's traceback, each silent rank, and their output since ``offsets``."""
         lines = [headline, ""]
         # Root causes (ranks that raised) first, then the ranks that never answered.
@@ -66,14 +67,14 @@ class RankLogs:
                 continue
             out = self.read(rank, offsets[rank])
             if out.strip():
-                lines.append(f"--- rank {rank} output during this call "
-                             "(includes its stack dump if it hung) ---")
+                lines.append(f"--- rank {rank} output during this call (includes its stack dump if it hung) ---")
                 lines.append(_indent(_tail(out)).rstrip("\n"))
             lines.append("")
         return "\n".join(lines)
 
-    def startup_report(self, headline: str, errors: dict[int, str], waiting: Sequence[int],
-                       exitcodes: Sequence[Optional[int]]) -> str:
+    def startup_report(
+        self, headline: str, errors: dict[int, str], waiting: Sequence[int], exitcodes: Sequence[Optional[int]]
+    ) -> str:
         """``headline``, then the error, output and exit code of every rank that failed or never got ready."""
         lines = [headline]
         for rank, exitcode in enumerate(exitcodes):

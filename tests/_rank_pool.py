@@ -34,10 +34,17 @@ class RankPool:
 
     _call_ids = itertools.count(1)
 
-    def __init__(self, world_size: int, *, timeout: float = 60.0,
-                 env: dict[str, str | None] | None = None,
-                 pg_timeout: float = 60.0, startup_timeout: float = 120.0,
-                 failure_grace: float = 10.0, capture_output: bool | None = None):
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float = 60.0,
+        env: dict[str, str | None] | None = None,
+        pg_timeout: float = 60.0,
+        startup_timeout: float = 120.0,
+        failure_grace: float = 10.0,
+        capture_output: bool | None = None,
+    ):
         """Start ``world_size`` workers and wait until their process group is up.
 
         Args:
@@ -59,8 +66,7 @@ class RankPool:
         self.startup_timeout, self.failure_grace = float(startup_timeout), float(failure_grace)
         self.env = {str(k): (None if v is None else str(v)) for k, v in (env or {}).items()}
         if capture_output is None:
-            capture_output = os.environ.get("RANKPOOL_CAPTURE", "1").strip().lower() not in (
-                "0", "false", "no", "off")
+            capture_output = os.environ.get("RANKPOOL_CAPTURE", "1").strip().lower() not in ("0", "false", "no", "off")
         self.capture_output = bool(capture_output)
         self.broken = self.closed = False
         self.broken_reason: str | None = None
@@ -106,9 +112,12 @@ class RankPool:
         port = int(self._store.port)
         pdeathsig = threading.current_thread() is threading.main_thread()
         self._ranks.start(
-            worker_main, [(r, W, port, os.getpid(), pdeathsig, self.pg_timeout, store_timeout) for r in range(W)],
-            name=f"rankpool-w{W}-r", env=[{**_launch.rank_env(r, W, port), **self.env} for r in range(W)],
-            stdout=self._logs.fds)
+            worker_main,
+            [(r, W, port, os.getpid(), pdeathsig, self.pg_timeout, store_timeout) for r in range(W)],
+            name=f"rankpool-w{W}-r",
+            env=[{**_launch.rank_env(r, W, port), **self.env} for r in range(W)],
+            stdout=self._logs.fds,
+        )
         ready: set[int] = set()
         errors: dict[int, str] = {}
         deadline = t0 + self.startup_timeout
@@ -117,9 +126,14 @@ class RankPool:
             if time.monotonic() >= deadline:
                 self._dump_stacks(waiting)
                 self._ranks.kill()
-                raise PoolStartupError(self._startup_message(
-                    f"timed out after {self.startup_timeout:.0f}s; ranks {waiting} never reported "
-                    "that the process group was initialised", errors, waiting))
+                raise PoolStartupError(
+                    self._startup_message(
+                        f"timed out after {self.startup_timeout:.0f}s; ranks {waiting} never reported "
+                        "that the process group was initialised",
+                        errors,
+                        waiting,
+                    )
+                )
             for rank, msg in self._wait(waiting, deadline - time.monotonic()):
                 if msg is None:
                     errors[rank] = f"worker exited during startup (exitcode {self._ranks.exitcode(rank)})\n"
@@ -135,15 +149,17 @@ class RankPool:
 
     def _startup_message(self, what: str, errors: dict[int, str], waiting: list[int]) -> str:
         exitcodes = [self._ranks.exitcode(r) for r in range(self.world_size)]
-        return self._logs.startup_report(f"RankPool(world_size={self.world_size}) startup failed: {what}",
-                                         errors, waiting, exitcodes)
+        return self._logs.startup_report(
+            f"RankPool(world_size={self.world_size}) startup failed: {what}", errors, waiting, exitcodes
+        )
 
     # ---------------------------------------------------------------- plumbing
 
     def _wait(self, ranks: list[int], timeout: float) -> list[tuple[int, Any]]:
         """Replies (unpickled) of ``ranks`` within ``timeout``; None for a rank that is gone."""
-        return [(rank, None if data is None else loads_reply(rank, data))
-                for rank, data in self._ranks.wait(ranks, timeout)]
+        return [
+            (rank, None if data is None else loads_reply(rank, data)) for rank, data in self._ranks.wait(ranks, timeout)
+        ]
 
     def _dump_stacks(self, ranks, wait: float = 0.7) -> None:
         """Ask workers to write their Python stacks to their log (faulthandler on SIGUSR1)."""
@@ -194,8 +210,9 @@ class RankPool:
             if self.closed:
                 raise PoolBrokenError(f"{self!r} is closed")
             if self.broken:
-                raise PoolBrokenError(f"{self!r} is broken ({self.broken_reason}); make a new one "
-                                      "(get_pool() does that for you)")
+                raise PoolBrokenError(
+                    f"{self!r} is broken ({self.broken_reason}); make a new one (get_pool() does that for you)"
+                )
             try:
                 return self._call_locked(payloads, name, timeout)
             except (RankPoolError, PoolBrokenError):
@@ -204,8 +221,7 @@ class RankPool:
                 self._kill(f"interrupted by {type(exc).__name__} during {name}")
                 raise
 
-    def _call_locked(self, payloads: list[bytes], name: str, timeout: float | None,
-                     check_sync: bool = True) -> list:
+    def _call_locked(self, payloads: list[bytes], name: str, timeout: float | None, check_sync: bool = True) -> list:
         timeout = self.timeout if timeout is None else float(timeout)
         call_id = next(self._call_ids)
         header = HEADER.pack(call_id)
@@ -261,18 +277,23 @@ class RankPool:
                 all_fail[rank] = f"worker process died (exitcode {code})\n"
             msg = self._logs.call_report(
                 f"rank(s) {sorted(dead)} of {W} died during {name} "
-                f"(exitcodes {dict(sorted(dead.items()))}); the pool was killed", all_fail, pending, offsets)
-            raise RankDied(msg, exitcodes=dead, failures=all_fail, exceptions=exceptions,
-                           results=results)
+                f"(exitcodes {dict(sorted(dead.items()))}); the pool was killed",
+                all_fail,
+                pending,
+                offsets,
+            )
+            raise RankDied(msg, exitcodes=dead, failures=all_fail, exceptions=exceptions, results=results)
 
         if pending and not failures:
             self._dump_stacks(pending)
             self._kill(f"{name} timed out")
             msg = self._logs.call_report(
-                f"{name} did not finish within {timeout:g}s on rank(s) {pending} of {W} "
-                "(the pool was killed)", failures, pending, offsets)
-            raise RankTimeout(msg, pending=pending, failures=failures, exceptions=exceptions,
-                              results=results)
+                f"{name} did not finish within {timeout:g}s on rank(s) {pending} of {W} (the pool was killed)",
+                failures,
+                pending,
+                offsets,
+            )
+            raise RankTimeout(msg, pending=pending, failures=failures, exceptions=exceptions, results=results)
 
         if failures:
             killed = False
@@ -282,27 +303,25 @@ class RankPool:
                 self._dump_stacks(pending)
                 self._kill(f"rank(s) {pending} did not answer after a failure in {name}")
                 killed = True
-                why = ("timeout" if time.monotonic() >= deadline
-                       else f"failure_grace={self.failure_grace:g}s")
-                note = (f"; rank(s) {pending} had not answered {elapsed:.1f}s in ({why}), "
-                        "so the pool was killed")
+                why = "timeout" if time.monotonic() >= deadline else f"failure_grace={self.failure_grace:g}s"
+                note = f"; rank(s) {pending} had not answered {elapsed:.1f}s in ({why}), so the pool was killed"
             else:
                 killed = check_sync and not self._still_in_sync()  # not from the barrier itself
                 if killed:
-                    note = ("; afterwards the group failed a barrier (ranks out of step), "
-                            "so the pool was killed")
-            msg = self._logs.call_report(f"{len(failures)} of {W} rank(s) failed in {name}{note}",
-                                         failures, pending, offsets)
-            raise RankFailure(msg, failures=failures, exceptions=exceptions, results=results,
-                              pool_killed=killed)
+                    note = "; afterwards the group failed a barrier (ranks out of step), so the pool was killed"
+            msg = self._logs.call_report(
+                f"{len(failures)} of {W} rank(s) failed in {name}{note}", failures, pending, offsets
+            )
+            raise RankFailure(msg, failures=failures, exceptions=exceptions, results=results, pool_killed=killed)
 
         return [results[r] for r in range(W)]
 
     def _still_in_sync(self) -> bool:
         """After a failure, check that a barrier still works, else kill the pool."""
         try:
-            self._call_locked([dumps_call(barrier, (), {})] * self.world_size, "barrier",
-                              min(10.0, self.pg_timeout), check_sync=False)
+            self._call_locked(
+                [dumps_call(barrier, (), {})] * self.world_size, "barrier", min(10.0, self.pg_timeout), check_sync=False
+            )
             return True
         except RankPoolError:
             if not self.broken:
@@ -344,7 +363,6 @@ class RankPool:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "broken" if self.broken else "live"
         return f"<RankPool world_size={self.world_size} {state}>"
-
 
 
 def live_pools() -> list[RankPool]:

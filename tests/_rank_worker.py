@@ -40,13 +40,16 @@ def dumps_call(fn, args, kwargs) -> bytes:
         try:
             import cloudpickle
         except ImportError:
-            raise TypeError(f"cannot pickle call to {describe(fn)} ({plain_error!r}) "
-                            "and cloudpickle is not installed") from plain_error
+            raise TypeError(
+                f"cannot pickle call to {describe(fn)} ({plain_error!r}) and cloudpickle is not installed"
+            ) from plain_error
         try:
             return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as cp_error:
-            raise TypeError(f"cannot send call to {describe(fn)} to the ranks: pickle failed with "
-                            f"{plain_error!r}, cloudpickle failed with {cp_error!r}") from cp_error
+            raise TypeError(
+                f"cannot send call to {describe(fn)} to the ranks: pickle failed with "
+                f"{plain_error!r}, cloudpickle failed with {cp_error!r}"
+            ) from cp_error
 
 
 def loads_reply(rank: int, data: bytes) -> Any:
@@ -54,8 +57,12 @@ def loads_reply(rank: int, data: bytes) -> Any:
     try:
         return pickle.loads(data)
     except BaseException as exc:
-        return ("err", None, f"rank {rank}: its reply could not be unpickled in the test process: "
-                f"{type(exc).__name__}: {exc}\n", None)
+        return (
+            "err",
+            None,
+            f"rank {rank}: its reply could not be unpickled in the test process: {type(exc).__name__}: {exc}\n",
+            None,
+        )
 
 
 def loads_exception(data: bytes | None) -> BaseException | None:
@@ -74,8 +81,9 @@ def _exception_payload(exc: BaseException) -> bytes | None:
         return None
 
 
-def worker_main(conn, rank: int, world_size: int, port: int, ppid: int, pdeathsig: bool,
-                pg_timeout: float, store_timeout: float) -> None:
+def worker_main(
+    conn, rank: int, world_size: int, port: int, ppid: int, pdeathsig: bool, pg_timeout: float, store_timeout: float
+) -> None:
     """One worker: join the group, say ``ready``, then run calls until asked to leave."""
     _launch.die_with_parent(ppid, pdeathsig)
     try:  # the parent sends SIGUSR1 to dump Python stacks of ranks that hang
@@ -108,7 +116,7 @@ def worker_main(conn, rank: int, world_size: int, port: int, ppid: int, pdeathsi
             break
         (call_id,) = HEADER.unpack_from(data)
         try:
-            fn, args, kwargs = pickle.loads(data[HEADER.size:])
+            fn, args, kwargs = pickle.loads(data[HEADER.size :])
             result = fn(*args, **kwargs)
         except BaseException as exc:  # includes pytest's Failed/Skipped (BaseException subclasses)
             reply = ("err", call_id, traceback.format_exc(), _exception_payload(exc))
@@ -119,10 +127,18 @@ def worker_main(conn, rank: int, world_size: int, port: int, ppid: int, pdeathsi
         try:
             data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException as exc:
-            data = pickle.dumps(("err", call_id, (
-                f"rank {rank}: the result of {describe(fn)} could not be pickled to send it back (result "
-                f"type {type(reply[2]).__module__}.{type(reply[2]).__qualname__}): {type(exc).__name__}: "
-                f"{exc}\nReturn something picklable from scenario functions.\n"), None))
+            data = pickle.dumps(
+                (
+                    "err",
+                    call_id,
+                    (
+                        f"rank {rank}: the result of {describe(fn)} could not be pickled to send it back (result "
+                        f"type {type(reply[2]).__module__}.{type(reply[2]).__qualname__}): {type(exc).__name__}: "
+                        f"{exc}\nReturn something picklable from scenario functions.\n"
+                    ),
+                    None,
+                )
+            )
         _launch.flush_stdio()
         try:
             conn.send_bytes(data)

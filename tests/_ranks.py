@@ -78,17 +78,29 @@ def rank_info() -> dict:
         "pid": os.getpid(),
         "ppid": os.getppid(),
         "num_threads": torch.get_num_threads(),
-        "env": {k: os.environ.get(k) for k in (
-            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-            "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")},
+        "env": {
+            k: os.environ.get(k)
+            for k in (
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
+                "MASTER_ADDR",
+                "MASTER_PORT",
+                "OMP_NUM_THREADS",
+            )
+        },
     }
 
 
 # --------------------------------------------------------------------------- pool cache
 
 # RankPool's own keyword defaults: a pool asked for with exactly these is cached and shared.
-_DEFAULT_KW = {name: param.default for name, param in inspect.signature(RankPool).parameters.items()
-               if param.kind is param.KEYWORD_ONLY}
+_DEFAULT_KW = {
+    name: param.default
+    for name, param in inspect.signature(RankPool).parameters.items()
+    if param.kind is param.KEYWORD_ONLY
+}
 _CACHE: OrderedDict[int, RankPool] = OrderedDict()
 _CACHE_LOCK = threading.RLock()
 # Each idle worker holds ~230 MB (torch); keep the cache from holding sizes 1..10 at once.

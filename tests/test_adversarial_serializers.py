@@ -109,8 +109,10 @@ def test_deeply_nested_msgpack_extensions_are_a_decode_error(code):
             data = msgpack.packb(msgpack.ExtType(13, msgpack.packb(["x", msgpack.ExtType(1, data)])))
     else:
         if code == 11:
+
             def leaf(inner: bytes) -> bytes:
                 return msgpack.packb([[1, msgpack.ExtType(11, inner)]])
+
         data = nested_ext(code, 250, leaf)
     results = run_in_child(_decode_all, "msgpack", {"deep": data}, memory_budget=BUDGET)
     assert results["deep"][0] == "DecodeError"
@@ -176,9 +178,13 @@ def test_allowed_constructors_cannot_allocate_beyond_the_payload():
 
 def test_torch_and_numpy_reconstructors_are_refused_by_name():
     names = [
-        ("torch.storage", "_load_from_bytes"), ("torch._utils", "_rebuild_tensor_v2"),
-        ("torch._utils", "_rebuild_parameter"), ("torch._tensor", "_rebuild_from_type_v2"),
-        ("numpy.core.multiarray", "scalar"), ("numpy", "dtype"), ("os", "system"),
+        ("torch.storage", "_load_from_bytes"),
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_parameter"),
+        ("torch._tensor", "_rebuild_from_type_v2"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy", "dtype"),
+        ("os", "system"),
     ]
     payloads = {f"{m}.{n}": payload(call(glob(m, n), v(b"x"))) for m, n in names}
     results = run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET, preload=WITH_TORCH)
@@ -211,13 +217,28 @@ def test_a_bytearray_resized_under_a_tensor_is_refused_not_a_use_after_free():
     n = 4 << 20
     tensor = glob("serializers._rebuild", "tensor")
     body = (
-        b"]" + put(0) + b"\x96" + struct.pack("<Q", n) + b"A" * n + put(1) + b"0"
-        + call(tensor, v("uint8"), v((n,)), get(1), v(False)) + put(2) + b"a"
-        + get(1) + call(glob("builtins", "slice"), v(0), v(None)) + v(b"") + b"s0"  # ba[0:] = b"": shrink it
-        + get(2) + v(n - 1) + v(7) + b"s0"  # then write through the tensor
+        b"]"
+        + put(0)
+        + b"\x96"
+        + struct.pack("<Q", n)
+        + b"A" * n
+        + put(1)
+        + b"0"
+        + call(tensor, v("uint8"), v((n,)), get(1), v(False))
+        + put(2)
+        + b"a"
+        + get(1)
+        + call(glob("builtins", "slice"), v(0), v(None))
+        + v(b"")
+        + b"s0"  # ba[0:] = b"": shrink it
+        + get(2)
+        + v(n - 1)
+        + v(7)
+        + b"s0"  # then write through the tensor
     )
-    results = run_in_child(_decode_all, "restricted-pickle", {"uaf": payload(body)}, memory_budget=BUDGET,
-                           preload=WITH_TORCH)
+    results = run_in_child(
+        _decode_all, "restricted-pickle", {"uaf": payload(body)}, memory_budget=BUDGET, preload=WITH_TORCH
+    )
     assert results["uaf"][0] in REFUSED
 
 
@@ -266,8 +287,9 @@ def test_comparing_equal_keys_is_charged_to_the_work_budget():
     text = b"X" + struct.pack("<I", 500_000) + b"a" * 500_000 + b"\x940"
     payloads = {
         "nested frozensets": _nested_frozensets(40),
-        "a frozenset reused": payload(b"(" + ints + b"\x91\x940(" + ints + b"\x91\x940\x8f(h\x00\x90(h\x01"
-                                      + b"2" * 30_000 + b"\x90"),
+        "a frozenset reused": payload(
+            b"(" + ints + b"\x91\x940(" + ints + b"\x91\x940\x8f(h\x00\x90(h\x01" + b"2" * 30_000 + b"\x90"
+        ),
         "a string reused (DUP)": payload(text + text + b"\x8f(h\x00\x90(h\x01" + b"2" * 500_000 + b"\x90"),
         "a string reused (memo)": payload(text + text + b"\x8f(h\x00\x90(" + b"h\x01" * 250_000 + b"\x90"),
         "a string reused as a key": payload(text + text + b"}(h\x00N" + b"h\x01N" * 200_000 + b"u"),
@@ -295,8 +317,14 @@ def _is_plain(body: bytes) -> bool:
 def test_the_fast_walk_takes_tuples_only_of_the_scalars_just_pushed():
     """TUPLE1/2/3 of the scalars right before them are plain (one level, a few units of hashing);
     a tuple of anything else (a tuple, a memo read, a string over 255 bytes) is left to the full walk."""
-    shown = [(1, 2), (1.5, 2.5, 3.5), ("a", None, True), {(1, "x"): 2}, [(1.0, 2.0)] * 3,
-             {"k": (3, 3), "b": (0.9, 1.0)}]
+    shown = [
+        (1, 2),
+        (1.5, 2.5, 3.5),
+        ("a", None, True),
+        {(1, "x"): 2},
+        [(1.0, 2.0)] * 3,
+        {"k": (3, 3), "b": (0.9, 1.0)},
+    ]
     for value in shown:
         assert _is_plain(pickle.dumps(value, protocol=5)[2:-1]), value
     not_shown = {
@@ -424,7 +452,8 @@ def test_the_fast_walk_reads_a_memo_read_and_its_value_opcode_by_opcode():
         b"h\x00" + b"\x8c\x06cos\nhG\x94",  # a string whose bytes spell GLOBAL, BINGET, BINFLOAT (slot 1)
         b"h\x01J\x94hJ\x8c",  # a BININT whose bytes spell MEMOIZE, BINGET, BININT, a string
         b"h\x00G" + b"h\x00\x8c\x94" * 2,  # a float whose bytes spell memo reads and a string
-        b"h\x00K\x8c", b"h\x00\x8c\x02hJ\x94",  # a small int, a string, each spelling more opcodes
+        b"h\x00K\x8c",
+        b"h\x00\x8c\x02hJ\x94",  # a small int, a string, each spelling more opcodes
         b"h\x00" + b"G" * 9 * 3 + b"h\x01",  # a memo read before a run of floats (read by stride)
     ]
     body = b"](" + key + b"".join(items) + b"e"
@@ -491,12 +520,25 @@ def test_the_probe_pass_is_skipped_only_for_items_into_payload_built_containers(
     big_bytes = b"B" + struct.pack("<I", 1 << 20) + b"x" * (1 << 20) + put(1) + b"0"
     array = call(glob("serializers._rebuild", "ndarray"), v("<f8"), v((1,)), v("C"), v(bytearray(8)))
     payloads = {
-        "list slice bomb": payload(b"]" + put(0) + b"0" + big_list + insert + get(0) + b"(" + (get(2) + get(1)) * 2000
-                                   + b"u"),
-        "bytearray slice bomb": payload(b"\x96" + struct.pack("<Q", 1) + b"x" + put(0) + b"0" + big_bytes + insert
-                                        + get(0) + b"(" + (get(2) + get(1)) * 2000 + b"u"),
-        "memo slot rewritten": payload(b"}" + put(0) + b"0" + array + put(0) + b"0" + get(0) + b"(" + v(0) + v(1.0)
-                                       + b"u"),
+        "list slice bomb": payload(
+            b"]" + put(0) + b"0" + big_list + insert + get(0) + b"(" + (get(2) + get(1)) * 2000 + b"u"
+        ),
+        "bytearray slice bomb": payload(
+            b"\x96"
+            + struct.pack("<Q", 1)
+            + b"x"
+            + put(0)
+            + b"0"
+            + big_bytes
+            + insert
+            + get(0)
+            + b"("
+            + (get(2) + get(1)) * 2000
+            + b"u"
+        ),
+        "memo slot rewritten": payload(
+            b"}" + put(0) + b"0" + array + put(0) + b"0" + get(0) + b"(" + v(0) + v(1.0) + b"u"
+        ),
         "DUP of a call": payload(array + b"2" + b"0" + b"(" + v(0) + v(1.0) + b"u"),
     }
     for label, data in payloads.items():
@@ -511,14 +553,22 @@ def test_error_messages_never_render_payload_values():
         "dag dtype": payload(call(glob(rebuild, "tensor"), dag(40), v((1,)), v(b""), v(False))),
         "dag field": payload(call(glob(rebuild, "numpy_dtype"), b"(" + dag(40) + b"l")),
     }
-    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET,
-                                 preload=WITH_TORCH))
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET, preload=WITH_TORCH))
 
 
 def test_items_set_on_a_built_value_are_refused_without_build():
     array = call(glob("serializers._rebuild", "ndarray"), v("<f8"), v((1,) * 26), v("C"), v(b"\0" * 8))
-    body = (b"]" + put(0) + array + put(1) + call(glob("builtins", "slice"), v(None)) + dag(26, base=2, leaf=v(1.0))
-            + b"s0" + get(1) + b"a")
+    body = (
+        b"]"
+        + put(0)
+        + array
+        + put(1)
+        + call(glob("builtins", "slice"), v(None))
+        + dag(26, base=2, leaf=v(1.0))
+        + b"s0"
+        + get(1)
+        + b"a"
+    )
     results = run_in_child(_decode_all, "restricted-pickle", {"setitem": payload(body)}, memory_budget=BUDGET)
     assert results["setitem"][0] == "ContentRefusedError"
 
@@ -527,8 +577,19 @@ def test_one_value_passed_to_many_copying_calls_is_charged_each_time():
     big = 1 << 20
 
     def repeated(fn: bytes, arg: bytes, times: int) -> bytes:
-        return payload(b"]" + put(0) + arg + put(1) + b"0" + fn + put(2) + b"0"
-                       + b"(" + (get(2) + get(1) + b"\x85R") * times + b"e")
+        return payload(
+            b"]"
+            + put(0)
+            + arg
+            + put(1)
+            + b"0"
+            + fn
+            + put(2)
+            + b"0"
+            + b"("
+            + (get(2) + get(1) + b"\x85R") * times
+            + b"e"
+        )
 
     payloads = {
         "bytearray x2000": repeated(glob("builtins", "bytearray"), b"B" + struct.pack("<I", big) + b"x" * big, 2000),
@@ -555,8 +616,7 @@ def test_dates_are_validated_field_by_field():
         "day 0": payload(call(glob("datetime", "date"), v(b"\x07\xe4\x02\x00"))),
         "device index 2**40": payload(call(glob("torch", "device"), v("cpu"), v(2**40))),
     }
-    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET,
-                                 preload=WITH_TORCH))
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET, preload=WITH_TORCH))
 
 
 def test_pop_right_after_mark_is_modelled_as_the_c_unpickler_does():
@@ -571,14 +631,22 @@ def test_pop_right_after_mark_is_modelled_as_the_c_unpickler_does():
     empty = call(glob(rebuild, "tensor"), plain("float32"), plain((0,)), plain(b""), plain(False))
     deep = b"N" * 2000 + b")" + b"\x85" * 500 + (b"(0" + b"\x85" * 500) * 1999
     payloads = {
-        "forged field offset": payload(dtype + put(0) + b"(0" + forged + b"b0" + array + b"(0"
-                                       + tup(plain(1), plain((1,)), get(0), plain(False), plain(b"\0" * 8)) + b"b"),
+        "forged field offset": payload(
+            dtype
+            + put(0)
+            + b"(0"
+            + forged
+            + b"b0"
+            + array
+            + b"(0"
+            + tup(plain(1), plain((1,)), get(0), plain(False), plain(b"\0" * 8))
+            + b"b"
+        ),
         "tensor set_ to 2**27": payload(tensor + b"(0" + tup(empty, plain(0), plain((2**27,)), plain((1,))) + b"b"),
         "nesting reset": payload(deep + b"(0" + put(0) + b"(" + get(0) + b"\x91"),
         "global kept": payload(glob("collections", "OrderedDict") + b"(0"),
     }
-    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET,
-                                 preload=WITH_TORCH))
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET, preload=WITH_TORCH))
 
 
 def _hidden_in_a_frame(hidden: bytes, tail: bytes = b"") -> bytes:
@@ -586,8 +654,16 @@ def _hidden_in_a_frame(hidden: bytes, tail: bytes = b"") -> bytes:
     unpickler reads the rest of that argument from after the frame and then runs ``hidden`` as opcodes,
     where a straight parse (the walks', ``pickle.loads``') sees bytes. ``tail``: opcodes before STOP."""
     frame = b"\x8a\x0a" + bytes(9)  # LONG1's header and 9 of its 10 argument bytes: the frame's 11 bytes
-    return (b"\x80\x05\x95" + struct.pack("<Q", len(frame)) + frame + b"\x00\x96" + struct.pack("<Q", len(hidden))
-            + hidden + tail + b".")
+    return (
+        b"\x80\x05\x95"
+        + struct.pack("<Q", len(frame))
+        + frame
+        + b"\x00\x96"
+        + struct.pack("<Q", len(hidden))
+        + hidden
+        + tail
+        + b"."
+    )
 
 
 def test_opcodes_hidden_across_a_frame_end_are_refused():
@@ -606,8 +682,9 @@ def test_opcodes_hidden_across_a_frame_end_are_refused():
     inner = _hidden_in_a_frame(hidden["memo sized by its index"])[2:-1]  # its FRAME, inside a frame now
     body = b"K\x01K\x02\x86" + b"0" + inner + b"."  # a tuple first: the second walk's shortcut
     payloads["a tuple, then a FRAME inside the frame"] = b"\x80\x05\x95" + struct.pack("<Q", len(body)) + body
-    payloads["a BININT split by the frame's end"] = (b"\x80\x05\x95" + struct.pack("<Q", 3) + b"]J\x01"
-                                                     + b"\x00\x00\x00a.")
+    payloads["a BININT split by the frame's end"] = (
+        b"\x80\x05\x95" + struct.pack("<Q", 3) + b"]J\x01" + b"\x00\x00\x00a."
+    )
     results = run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET, timeout=60)
     _assert_refused(results)
     reasons = run_in_child(_refusals, "restricted-pickle", payloads, memory_budget=BUDGET, timeout=60)
@@ -628,15 +705,23 @@ def _refusals(name: str, payloads: dict) -> dict:
 
 def _multi_frame_payloads() -> dict:
     """What the pickler writes past one 64 KiB frame, with the decode through restricted-pickle."""
-    values = {"floats": [i * 0.5 for i in range(200_000)], "pairs": [(i * 0.5, i) for i in range(50_000)],
-              "records": [{"id": i, "name": f"n{i}"} for i in range(20_000)], "big bytes": [b"x" * 300_000, "y"]}
+    values = {
+        "floats": [i * 0.5 for i in range(200_000)],
+        "pairs": [(i * 0.5, i) for i in range(50_000)],
+        "records": [{"id": i, "name": f"n{i}"} for i in range(20_000)],
+        "big bytes": [b"x" * 300_000, "y"],
+    }
     s = serializers.get("restricted-pickle")
     return {label: s.loads(pickle.dumps(value, protocol=5)) == value for label, value in values.items()}
 
 
 def test_payloads_of_many_frames_still_decode():
     assert run_in_child(_multi_frame_payloads, timeout=120) == {
-        "floats": True, "pairs": True, "records": True, "big bytes": True}
+        "floats": True,
+        "pairs": True,
+        "records": True,
+        "big bytes": True,
+    }
 
 
 def test_inst_built_values_take_no_items():
@@ -702,8 +787,10 @@ def test_json_failures_are_decode_errors_and_codecs_are_validated():
 
 
 def test_deep_json_decodes_or_is_refused_never_crashes():
-    deep = {"deep": b"[" * 1_000_000 + b"]" * 1_000_000,  # orjson before 3.9.15: SIGSEGV from ~150,000
-            "deep objects": b'{"a":' * 1_000_000 + b"1" + b"}" * 1_000_000}
+    deep = {
+        "deep": b"[" * 1_000_000 + b"]" * 1_000_000,  # orjson before 3.9.15: SIGSEGV from ~150,000
+        "deep objects": b'{"a":' * 1_000_000 + b"1" + b"}" * 1_000_000,
+    }
     results = run_in_child(_decode_all, "json", deep, memory_budget=BUDGET)
     assert {r for r, _ in results.values()} <= REFUSED | {"ok"}
 
@@ -750,9 +837,16 @@ def test_restricted_pickle_still_carries_what_users_send():
         obj = payload_.make(1, 20_000)
         assert _same(s.loads(s.dumps(obj)), obj), payload_.name
     values = [
-        Record("a", 1.0), np.arange(6, dtype=np.float32).reshape(2, 3).T, np.float16(2.5), np.dtype("<M8[ns]"),
-        torch.nn.Parameter(torch.ones(2)), torch.arange(4, dtype=torch.bfloat16), uuid.UUID(int=7),
-        collections.defaultdict(list, {1: [2]}), collections.deque([1], 3), datetime.date(2024, 1, 1),
+        Record("a", 1.0),
+        np.arange(6, dtype=np.float32).reshape(2, 3).T,
+        np.float16(2.5),
+        np.dtype("<M8[ns]"),
+        torch.nn.Parameter(torch.ones(2)),
+        torch.arange(4, dtype=torch.bfloat16),
+        uuid.UUID(int=7),
+        collections.defaultdict(list, {1: [2]}),
+        collections.deque([1], 3),
+        datetime.date(2024, 1, 1),
     ]
     for value in values:
         assert _same(s.loads(s.dumps(value)), value), value
@@ -775,25 +869,85 @@ def _same(a: object, b: object) -> bool:
 
 # -- structured fuzzing: thousands of hostile streams, each process isolated ----------------------
 
+
 def _fuzz(examples: int) -> settings:
-    return settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=examples, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
+
+
 # Programs are built from a hypothesis-drawn seed by a plain Random: drawing every opcode through
 # hypothesis costs ~25 ms an example, the seed ~0.1 ms, so CI affords thousands of programs.
 _GLOBALS = [
     *(("builtins", n) for n in ("set", "frozenset", "complex", "bytearray", "slice", "range", "object", "list", "int")),
     *(("collections", n) for n in ("OrderedDict", "Counter", "defaultdict", "deque")),
     *(("datetime", n) for n in ("datetime", "date", "timedelta", "timezone")),
-    ("decimal", "Decimal"), ("fractions", "Fraction"), ("torch", "Size"), ("torch", "device"),
+    ("decimal", "Decimal"),
+    ("fractions", "Fraction"),
+    ("torch", "Size"),
+    ("torch", "device"),
     *(("serializers._rebuild", n) for n in ("ndarray", "numpy_scalar", "numpy_dtype", "tensor", "parameter", "uuid")),
-    ("torch", "float32"), ("serializers._pickle", "external_ref"), ("uuid", "UUID"),
+    ("torch", "float32"),
+    ("serializers._pickle", "external_ref"),
+    ("uuid", "UUID"),
     ("torch._utils", "_rebuild_tensor_v2"),
-    ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"), ("torch", "Tensor"), ("os", "system"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("torch", "Tensor"),
+    ("os", "system"),
 ]
-_OPS = [b"R", b"b", b"\x81", b"\x92", b"(", b"t", b"e", b"u", b"\x90", b"a", b"s", b"]", b"}", b"\x8f",
-        b"\x94", b"h\x00", b"h\x01", b"0", b"2", b")", b"\x85", b"\x86", b"\x87", b"1", b"\x91"]
-_ATOMS = [None, True, 0, 1, 2, -1, 2**31, 2**40, 2**70, 1.5, float("nan"), "", "a", "<f8", "|O", "C", "V8",
-          "float32", "1e30000000", "__class__", b"", b"\x00" * 8, bytearray(4)]
+_OPS = [
+    b"R",
+    b"b",
+    b"\x81",
+    b"\x92",
+    b"(",
+    b"t",
+    b"e",
+    b"u",
+    b"\x90",
+    b"a",
+    b"s",
+    b"]",
+    b"}",
+    b"\x8f",
+    b"\x94",
+    b"h\x00",
+    b"h\x01",
+    b"0",
+    b"2",
+    b")",
+    b"\x85",
+    b"\x86",
+    b"\x87",
+    b"1",
+    b"\x91",
+]
+_ATOMS = [
+    None,
+    True,
+    0,
+    1,
+    2,
+    -1,
+    2**31,
+    2**40,
+    2**70,
+    1.5,
+    float("nan"),
+    "",
+    "a",
+    "<f8",
+    "|O",
+    "C",
+    "V8",
+    "float32",
+    "1e30000000",
+    "__class__",
+    b"",
+    b"\x00" * 8,
+    bytearray(4),
+]
 
 
 def _value(rng: random.Random, depth: int = 0) -> object:
@@ -841,8 +995,9 @@ def _fuzz(name: str, make: object, examples: int) -> list:
     s = serializers.get(name)
     bad: list = []
 
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
     @given(st.integers(0, 2**64))
     def run(seed: int) -> None:
         data = make(seed)  # type: ignore[operator]
@@ -859,29 +1014,57 @@ def _msgpack_tree(seed: int) -> bytes:
 
 
 def test_fuzz_restricted_pickle_programs():
-    found = run_in_child(_fuzz, "restricted-pickle", _pickle_program, 6_000 * FUZZ_SCALE, timeout=280 * FUZZ_SCALE,
-                         memory_budget=512 << 20, preload=WITH_TORCH)
+    found = run_in_child(
+        _fuzz,
+        "restricted-pickle",
+        _pickle_program,
+        6_000 * FUZZ_SCALE,
+        timeout=280 * FUZZ_SCALE,
+        memory_budget=512 << 20,
+        preload=WITH_TORCH,
+    )
     assert found == []
 
 
 def test_fuzz_msgpack_extension_trees():
-    found = run_in_child(_fuzz, "msgpack", _msgpack_tree, 6000 * FUZZ_SCALE, timeout=280 * FUZZ_SCALE,
-                         memory_budget=512 << 20)
+    found = run_in_child(
+        _fuzz, "msgpack", _msgpack_tree, 6000 * FUZZ_SCALE, timeout=280 * FUZZ_SCALE, memory_budget=512 << 20
+    )
     assert found == []
 
 
 # Memo writes and reads, marks and pops: what could make the walk's picture of the stack differ from pickle's.
-_MEMO_OPS = [b"q\x00", b"q\x01", b"r\x02\x00\x00\x00", b"p1\n", b"g0\n", b"j\x01\x00\x00\x00", b"2", b"1",
-             b"]", b"}", b"\x8f", b"d", b"l", b"(", b"0"]
+_MEMO_OPS = [
+    b"q\x00",
+    b"q\x01",
+    b"r\x02\x00\x00\x00",
+    b"p1\n",
+    b"g0\n",
+    b"j\x01\x00\x00\x00",
+    b"2",
+    b"1",
+    b"]",
+    b"}",
+    b"\x8f",
+    b"d",
+    b"l",
+    b"(",
+    b"0",
+]
 
 
 _GOOD_CALLS = [  # calls that build a value, so that the real pass gets past them
     call(glob("serializers._rebuild", "ndarray"), v("<i8"), v((2,)), v("C"), v(bytearray(16))),
     call(glob("serializers._rebuild", "tensor"), v("int64"), v((2,)), v(bytearray(16)), v(False)),
-    call(glob("collections", "OrderedDict")), call(glob("collections", "deque")), call(glob("builtins", "set")),
-    call(glob("builtins", "bytearray"), v(b"ab")), call(glob("builtins", "slice"), v(0), v(0)),
-    call(glob("builtins", "slice"), v(None)), call(glob("collections", "Counter")),
-    call(glob("decimal", "Decimal"), v("1.5")), call(glob("builtins", "range"), v(3)),
+    call(glob("collections", "OrderedDict")),
+    call(glob("collections", "deque")),
+    call(glob("builtins", "set")),
+    call(glob("builtins", "bytearray"), v(b"ab")),
+    call(glob("builtins", "slice"), v(0), v(0)),
+    call(glob("builtins", "slice"), v(None)),
+    call(glob("collections", "Counter")),
+    call(glob("decimal", "Decimal"), v("1.5")),
+    call(glob("builtins", "range"), v(3)),
     call(glob("torch", "Size"), v((2,))),
 ]
 
@@ -908,10 +1091,14 @@ def _memo_program(seed: int) -> bytes:
     parts = [rng.choice([b"]", b"}", b"\x8f"]) + b"\x94]\x94}\x94\x8f\x94000"]  # memo slots 0-3
     for _ in range(rng.randrange(1, 5)):
         target = rng.choice([b"h\x00", b"h\x01", b"h\x02", b"h\x03", b"h\x00", b"h\x01", b"h\x02", item()])
-        body = rng.choice([
-            b"(" + b"".join(item() for _ in range(rng.randrange(5))) + rng.choice([b"e", b"u", b"\x90"]),
-            item() + b"a", item() + item() + b"s", item() + b"b",
-        ])
+        body = rng.choice(
+            [
+                b"(" + b"".join(item() for _ in range(rng.randrange(5))) + rng.choice([b"e", b"u", b"\x90"]),
+                item() + b"a",
+                item() + item() + b"s",
+                item() + b"b",
+            ]
+        )
         parts.append(target + body + b"0")
     return payload(b"".join(parts))
 
@@ -946,7 +1133,8 @@ def _probe_skips(examples: int) -> tuple:
 
 def test_fuzz_skipping_the_probe_pass_never_lets_through_what_it_refuses():
     """Wherever the walk skips the probe pass, running it anyway refuses nothing the real pass accepts."""
-    skipped, bad = run_in_child(_probe_skips, 4000 * FUZZ_SCALE, timeout=280 * FUZZ_SCALE, memory_budget=512 << 20,
-                                preload=WITH_TORCH)
+    skipped, bad = run_in_child(
+        _probe_skips, 4000 * FUZZ_SCALE, timeout=280 * FUZZ_SCALE, memory_budget=512 << 20, preload=WITH_TORCH
+    )
     assert bad == []
     assert skipped > 50 * FUZZ_SCALE  # the programs do reach the skip with calls in them

@@ -71,8 +71,13 @@ def test_reader_refuses_links_and_files_it_did_not_write(shm_dir, tmp_path):
         paths["other-user"] = _write(os.path.join(shm_dir, "objcomm-other"), b"o" * size)
         os.chown(paths["other-user"], NOBODY, NOBODY)
     outcomes = run_in_child(read_planted, paths, size, timeout=60)
-    why = {"symlink": "symbolic link", "dangling": "symbolic link", "fifo": "not a regular file",
-           "world-writable": "writable by group or others", "other-user": f"belongs to uid {NOBODY}"}
+    why = {
+        "symlink": "symbolic link",
+        "dangling": "symbolic link",
+        "fifo": "not a regular file",
+        "world-writable": "writable by group or others",
+        "other-user": f"belongs to uid {NOBODY}",
+    }
     for kind, (kind_of_outcome, message) in outcomes.items():
         assert kind_of_outcome == "FrameError" and why[kind] in message, (kind, kind_of_outcome, message)
     with open(secret, "rb") as handle:
@@ -82,9 +87,11 @@ def test_reader_refuses_links_and_files_it_did_not_write(shm_dir, tmp_path):
 # -- attack 2: a segment shorter than announced, or shrunk while it is read ------------------------------
 def read_shrinking(path: str, size: int, keep: int) -> Tuple[str, str]:
     """Read ``path``; between the size check and the tensor bytes, the file shrinks to ``keep`` bytes."""
+
     def sizes_of(view: memoryview) -> List[int]:
         os.truncate(path, keep)  # what a hostile or buggy writer can do at the worst moment
         return [size]
+
     try:
         _read(path, size, sizes_of)
         return "read", ""
@@ -93,8 +100,9 @@ def read_shrinking(path: str, size: int, keep: int) -> Tuple[str, str]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("size, keep", [(1 << 16, 0), (1 << 16, 4097), (16 << 20, 9 << 20)],
-                         ids=["to-nothing", "mid-page", "threaded-read"])
+@pytest.mark.parametrize(
+    "size, keep", [(1 << 16, 0), (1 << 16, 4097), (16 << 20, 9 << 20)], ids=["to-nothing", "mid-page", "threaded-read"]
+)
 def test_segment_shrunk_while_read_is_a_frame_error_not_sigbus(shm_dir, size, keep):
     path = _write(os.path.join(shm_dir, "objcomm-shrinks"), bytes(size))
     kind, message = run_in_child(read_shrinking, path, size, keep, timeout=60)  # ChildCrashed: SIGBUS
@@ -280,7 +288,8 @@ def test_segment_names_round_trip(shm_dir):
     writer = _segments._me(0x1234)
     path = _segments._name(shm_dir, writer, 7, 3)
     assert os.path.basename(path) == _segment_name(os.getpid()).replace(f"{0xABC:016x}", f"{0x1234:016x}").replace(
-        "-1-0", "-7-3")
+        "-1-0", "-7-3"
+    )
     assert _segments._parse(os.path.basename(path)) == writer
     for name in ("objcomm-0000000000000000-1-1-0", "objcomm-test-abc", "objcomm-" + "-".join(["x"] * 6), "other"):
         assert _segments._parse(name) is None

@@ -71,9 +71,13 @@ def _wire(**kw) -> _rounds.Wire:
     fields.update(kw)
     options = _settings.resolve({"shm": False}, {})
     return _rounds.Wire(
-        group=dist.group.WORLD, ranks=list(range(dist.get_world_size())), rank=dist.get_rank(),
-        device=torch.device("cpu"), first_round=_call.first_round_for(options),
-        second_round=_call.second_round_for(options, SegmentBook()), **fields,
+        group=dist.group.WORLD,
+        ranks=list(range(dist.get_world_size())),
+        rank=dist.get_rank(),
+        device=torch.device("cpu"),
+        first_round=_call.first_round_for(options),
+        second_round=_call.second_round_for(options, SegmentBook()),
+        **fields,
     )
 
 
@@ -155,8 +159,9 @@ def test_under_reported_total_is_refused_before_allocating(op):
 # -- A: a tensor table announcing 2**40 bytes ------------------------------------------------------
 def _forged_table(nbytes: int) -> Outgoing:
     """A frame carrying one 1,000-byte out-of-band tensor whose table entry announces ``nbytes``."""
-    out = _frame.encode({"t": torch.ones(1000, dtype=torch.uint8)}, serializers.get("pickle"),
-                          max_bytes=1 << 30, inline_tensor_bytes=0)
+    out = _frame.encode(
+        {"t": torch.ones(1000, dtype=torch.uint8)}, serializers.get("pickle"), max_bytes=1 << 30, inline_tensor_bytes=0
+    )
     frame = bytearray(out.frame)
     header = _frame.parse_header(memoryview(frame))
     entry = _frame.HEADER.size + len(header.serializer)
@@ -271,8 +276,15 @@ def _read_error_report(payload: bytes) -> str:
 
 @pytest.mark.parametrize(
     "payload",
-    [b"[" * 100_000, b"{" * 50_000, b'{"type": "A", "message": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
-     b'{"type": 1, "message": "m"}', b'["type", "message"]', b"\xff\xfe", b'{"type": "A"}'],
+    [
+        b"[" * 100_000,
+        b"{" * 50_000,
+        b'{"type": "A", "message": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+        b'{"type": 1, "message": "m"}',
+        b'["type", "message"]',
+        b"\xff\xfe",
+        b'{"type": "A"}',
+    ],
     ids=["list", "dict", "nested-message", "not-a-string", "not-a-dict", "not-utf8", "missing"],
 )
 def test_malformed_error_reports_in_a_child(payload):
@@ -301,8 +313,9 @@ def test_zstd_content_size_cannot_override_raw_len():
     zstandard = pytest.importorskip("zstandard")
     stored = zstandard.ZstdCompressor(level=1).compress(b"\0" * (200 << 20))  # states its 200 MB content size
     assert len(stored) < 16 << 10
-    outcome, cause, peak = run_in_child(_decode_measured, _compressed_frame(_compression.ZSTD, stored, 6000),
-                                        memory_budget=64 << 20)
+    outcome, cause, peak = run_in_child(
+        _decode_measured, _compressed_frame(_compression.ZSTD, stored, 6000), memory_budget=64 << 20
+    )
     assert outcome == "DecodeError" and cause != "MemoryError"
     assert peak < 1 * MiB
 
@@ -311,8 +324,9 @@ def test_zstd_without_content_size_stops_at_raw_len():
     zstandard = pytest.importorskip("zstandard")
     params = zstandard.ZstdCompressionParameters.from_level(1, window_log=10, write_content_size=False)
     stored = zstandard.ZstdCompressor(compression_params=params).compress(b"\0" * (50 << 20))
-    outcome, cause, peak = run_in_child(_decode_measured, _compressed_frame(_compression.ZSTD, stored, 6000),
-                                        memory_budget=64 << 20)
+    outcome, cause, peak = run_in_child(
+        _decode_measured, _compressed_frame(_compression.ZSTD, stored, 6000), memory_budget=64 << 20
+    )
     assert outcome == "DecodeError" and peak < 1 * MiB
 
 
@@ -323,8 +337,9 @@ def test_lz4_output_must_be_exactly_raw_len(extra):
     raw = valid + b"\0" * extra if extra > 0 else valid
     stored = lz4_frame.compress(raw, store_size=True)
     raw_len = len(valid) if extra > 0 else len(valid) + 1  # longer: old code cut it and decoded "hello"
-    outcome, cause, peak = run_in_child(_decode_measured, _compressed_frame(_compression.LZ4, stored, raw_len),
-                                        memory_budget=64 << 20)
+    outcome, cause, peak = run_in_child(
+        _decode_measured, _compressed_frame(_compression.LZ4, stored, raw_len), memory_budget=64 << 20
+    )
     assert outcome == "DecodeError", outcome
     assert peak < 1 * MiB + 4 * len(stored)  # proportional to the input, never to the 200 MB
 
@@ -366,8 +381,22 @@ def lying_frame(draw) -> tuple:
     data = bytearray(base)
     name_len = data[7]
     for _ in range(draw(st.integers(1, 3))):
-        field = draw(st.sampled_from(["table_len", "n_tensors", "payload_len", "raw_len", "inline_len",
-                                      "entry_nbytes", "entry_offset", "entry_dim", "entry_ndim", "byte"]))
+        field = draw(
+            st.sampled_from(
+                [
+                    "table_len",
+                    "n_tensors",
+                    "payload_len",
+                    "raw_len",
+                    "inline_len",
+                    "entry_nbytes",
+                    "entry_offset",
+                    "entry_dim",
+                    "entry_ndim",
+                    "byte",
+                ]
+            )
+        )
         value = draw(st.one_of(HUGE, st.integers(0, 2**16)))
         table = _frame.HEADER.size + name_len
         if field in ("table_len", "n_tensors"):
@@ -455,13 +484,15 @@ def test_fuzz_slots_with_lying_fields(slot):
 
 
 @settings(FUZZ, max_examples=500 * FUZZ_SCALE)
-@given(payload=st.one_of(
-    st.binary(max_size=512),
-    st.text(alphabet='[]{}"\\:,ab1 ', max_size=2000).map(str.encode),
-    st.tuples(st.sampled_from(["[", '{"a":', '{"type": "T", "message": [']), st.integers(500, 5000)).map(
-        lambda opener: (opener[0] * opener[1]).encode()
-    ),
-))
+@given(
+    payload=st.one_of(
+        st.binary(max_size=512),
+        st.text(alphabet='[]{}"\\:,ab1 ', max_size=2000).map(str.encode),
+        st.tuples(st.sampled_from(["[", '{"a":', '{"type": "T", "message": [']), st.integers(500, 5000)).map(
+            lambda opener: (opener[0] * opener[1]).encode()
+        ),
+    )
+)
 def test_fuzz_error_reports(payload):
     view = _frame._assemble("", payload, flags=_frame.FLAG_ERROR)
     _bounded(lambda: _frame.read_error(view, _frame.parse_header(view)), len(payload))
@@ -472,8 +503,12 @@ def test_fuzz_error_reports(payload):
 
 def _many_references(refs: int) -> bytes:
     """A msgpack frame whose one 1 MiB inline tensor the payload names ``refs`` times."""
-    out = _frame.encode({"t": torch.zeros(1 << 20, dtype=torch.uint8)}, serializers.get("msgpack"),
-                          max_bytes=1 << 30, inline_tensor_bytes=2 << 20)
+    out = _frame.encode(
+        {"t": torch.zeros(1 << 20, dtype=torch.uint8)},
+        serializers.get("msgpack"),
+        max_bytes=1 << 30,
+        inline_tensor_bytes=2 << 20,
+    )
     view = memoryview(out.frame)
     header = _frame.parse_header(view)
     start = header.payload_offset
@@ -481,8 +516,18 @@ def _many_references(refs: int) -> bytes:
     name = bytes(view[_frame.HEADER.size : _frame.HEADER.size + len(header.serializer)])
     table = bytes(view[_frame.HEADER.size + len(name) : start])
     inline = bytes(view[start + header.payload_len :])
-    fields = (_frame.MAGIC, _frame.VERSION, 0, 0, len(name), header.table_len, header.n_tensors,
-              len(payload), len(payload), len(inline))
+    fields = (
+        _frame.MAGIC,
+        _frame.VERSION,
+        0,
+        0,
+        len(name),
+        header.table_len,
+        header.n_tensors,
+        len(payload),
+        len(payload),
+        len(inline),
+    )
     return _frame.HEADER.pack(*fields) + name + table + payload + inline
 
 
@@ -499,8 +544,12 @@ def test_a_tensor_named_many_times_is_restored_once():
 
 
 def _overlapping_inline_entries() -> bytes:
-    out = _frame.encode([torch.zeros(1000, dtype=torch.uint8), torch.ones(1000, dtype=torch.uint8)],
-                          serializers.get("pickle"), max_bytes=1 << 30, inline_tensor_bytes=1 << 20)
+    out = _frame.encode(
+        [torch.zeros(1000, dtype=torch.uint8), torch.ones(1000, dtype=torch.uint8)],
+        serializers.get("pickle"),
+        max_bytes=1 << 30,
+        inline_tensor_bytes=1 << 20,
+    )
     frame = bytearray(out.frame)
     header = _frame.parse_header(memoryview(frame))
     second = _frame.HEADER.size + len(header.serializer) + _tensors.ENTRY.size + 8  # entry 2 (1 dim each)
@@ -516,8 +565,10 @@ def test_inline_tensors_may_not_share_bytes():
 
 def _read_escaped_quotes(size: int) -> tuple:
     payload = b'"' + b'\\"' * ((size - 2) // 2)  # an unterminated string of escaped quotes
-    frame = _frame.HEADER.pack(_frame.MAGIC, _frame.VERSION, _frame.FLAG_ERROR, 0, 0, 0, 0,
-                                 len(payload), len(payload), 0) + payload
+    frame = (
+        _frame.HEADER.pack(_frame.MAGIC, _frame.VERSION, _frame.FLAG_ERROR, 0, 0, 0, 0, len(payload), len(payload), 0)
+        + payload
+    )
     import time
 
     start = time.perf_counter()

@@ -16,8 +16,11 @@ import objcomm
 pytestmark = pytest.mark.timeout(180)
 
 SERIALIZERS = ON_RANKS
-LAYOUTS = {"default": {"shm": False}, "tiny": {"shm": False, "slot_bytes": 128, "chunk_bytes": 1000},
-           "shm": {"shm": True, "shm_threshold": 1024}}
+LAYOUTS = {
+    "default": {"shm": False},
+    "tiny": {"shm": False, "slot_bytes": 128, "chunk_bytes": 1000},
+    "shm": {"shm": True, "shm_threshold": 1024},
+}
 BIG = 300_000
 
 
@@ -61,7 +64,8 @@ def tensors_inside(layout: str) -> List[bool]:
     got = comm.all_to_all([{"t": tensor(rank, dst), "n": dst} for dst in range(world)])
     mine = comm.all_to_all([tensor(rank, dst) for dst in range(world)])
     return [torch.equal(g["t"], tensor(src, rank)) and g["n"] == rank for src, g in enumerate(got)] + [
-        torch.equal(t, tensor(src, rank)) for src, t in enumerate(mine)]
+        torch.equal(t, tensor(src, rank)) for src, t in enumerate(mine)
+    ]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -83,8 +87,11 @@ def failing(position: int, how: str) -> Dict[str, Any]:
         objcomm.all_to_all(objs)
         outcome: Any = "returned"
     except objcomm.RemoteError as exc:
-        outcome = {"ranks": exc.ranks, "types": [t for t, _ in exc.failures.values()],
-                   "cause": type(exc.__cause__).__name__ if exc.__cause__ else None}
+        outcome = {
+            "ranks": exc.ranks,
+            "types": [t for t, _ in exc.failures.values()],
+            "cause": type(exc.__cause__).__name__ if exc.__cause__ else None,
+        }
     after = objcomm.all_to_all([(rank, dst) for dst in range(world)])  # the group is still usable
     return {"outcome": outcome, "after": after == [(src, rank) for src in range(world)]}
 
@@ -141,6 +148,7 @@ def test_a_subgroup_uses_group_ranks():
 def counted_segments(shm: bool) -> int:
     """How many segments this rank wrote for one all_to_all with big parts."""
     from objcomm._samehost import segments as _segments
+
     class Counting(_segments.SegmentBook):
         created = 0
 
@@ -187,8 +195,11 @@ def tensors_at_odd_offsets() -> List[Any]:
     plain = objcomm.Communicator(shm=False)  # one receive buffer for every part
     return [
         _outcome(lambda: [torch.equal(g, mine(s)) for s, g in enumerate(plain.all_to_all([mine(rank)] * world))]),
-        _outcome(lambda: [torch.equal(g["t"], framed(s)["t"]) for s, g in
-                          enumerate(plain.all_to_all([framed(rank)] * world))]),
+        _outcome(
+            lambda: [
+                torch.equal(g["t"], framed(s)["t"]) for s, g in enumerate(plain.all_to_all([framed(rank)] * world))
+            ]
+        ),
     ]
 
 

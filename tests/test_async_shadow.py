@@ -82,8 +82,7 @@ def blocking_first_on_some_ranks(group_ranks: Any) -> Dict[str, Any]:
     if me == 0:
         pending = objcomm.all_gather({"rank": rank}, group=group, async_op=True)
         issued = time.monotonic() - start
-        told = objcomm.broadcast("from group rank 0", src=dist.get_global_rank(group, 0) if group else 0,
-                                 group=group)
+        told = objcomm.broadcast("from group rank 0", src=dist.get_global_rank(group, 0) if group else 0, group=group)
     else:
         told = objcomm.broadcast(None, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         pending = objcomm.all_gather({"rank": rank}, group=group, async_op=True)
@@ -135,8 +134,7 @@ def same_ranks_opposite_order() -> Dict[str, Any]:
     pending = {}
 
     def issue(group: Any) -> None:
-        pending[group] = objcomm.all_gather((rank, "first" if group is first else "second"), group=group,
-                                            async_op=True)
+        pending[group] = objcomm.all_gather((rank, "first" if group is first else "second"), group=group, async_op=True)
 
     if rank % 2 == 0:
         issue(first)
@@ -206,7 +204,6 @@ def test_a_member_that_never_issues_gives_the_groups_timeout_error(pool):
         assert issued < 1.0 and SHORT <= took < SHORT + FAST, result
         assert len(errors) == 2, result
     pool.check()  # the pool is still in step
-
 
 
 def shadows_outlive_nothing() -> Dict[str, int]:

@@ -133,8 +133,9 @@ def test_what_msgspec_would_write_twice_or_read_differently_goes_to_pickle():
         assert _frame_name({"paths": ["/data/a.txt"] * 10 + [lone]}, auto)[0] == "pickle"
         assert walks == []
         with pytest.raises(EncodeError, match=r"at \$\['paths'\]\[10\]"):  # named, it still says where
-            _frame.encode({"paths": ["/data/a.txt"] * 10 + [lone]}, serializers.registry.guarded("msgspec"),
-                          max_bytes=1 << 30)
+            _frame.encode(
+                {"paths": ["/data/a.txt"] * 10 + [lone]}, serializers.registry.guarded("msgspec"), max_bytes=1 << 30
+            )
     finally:
         _msgpack.locate = original
 
@@ -148,8 +149,11 @@ def test_a_converting_candidate_is_used_only_when_the_judge_finds_the_object_exa
     only_json = AutoSerializer(accept=frozenset({"json", "msgpack"}))
     assert only_json.choose({"a": [1, "x"]}) == "json"
     assert only_json.choose({"a": (1, "x")}) == "msgpack"  # json turns the tuple into a list
-    with pytest.raises(EncodeError, match=r"'auto' found no serializer that carries this dict exactly among those it "
-                                          r"may use \(json, msgpack\)"):
+    with pytest.raises(
+        EncodeError,
+        match=r"'auto' found no serializer that carries this dict exactly among those it "
+        r"may use \(json, msgpack\)",
+    ):
         only_json.choose({"a": bytearray(b"x")})  # msgpack gives bytes back; json refuses
     hidden = {"rows": [{"i": i} for i in range(1000)] + [{"i": OrderedDict(a=bytearray(b"x"))}]}
     with pytest.raises(EncodeError):  # deep past the sample: still judged, never converted
@@ -207,16 +211,28 @@ def auto_through_a_group() -> list:
     mine = {"rank": rank, "arr": np.arange(3) + rank, "t": torch.full((70_000,), float(rank)), "span": (rank, 2)}
     got = objcomm.all_gather(mine, serializer="auto")
     fn = objcomm.broadcast((lambda x: x * 10) if rank == 0 else None, src=0, serializer="auto")
-    safe = objcomm.all_gather({"r": rank, "tags": {"a", "b"}}, serializer="auto", accept=["msgpack",
-                                                                                          "restricted-pickle"])
+    safe = objcomm.all_gather(
+        {"r": rank, "tags": {"a", "b"}}, serializer="auto", accept=["msgpack", "restricted-pickle"]
+    )
     try:  # a receiver's accept= still rules what it decodes
-        objcomm.broadcast({"f": (lambda: 1)} if rank == 0 else None, src=0, serializer="auto",
-                          accept=None if rank == 0 else ["msgpack"])
+        objcomm.broadcast(
+            {"f": (lambda: 1)} if rank == 0 else None,
+            src=0,
+            serializer="auto",
+            accept=None if rank == 0 else ["msgpack"],
+        )
         refused = "no error"
     except objcomm.ObjcommError as exc:
         refused = f"{type(exc).__name__}: {exc}"
-    return [[g["rank"] for g in got], [g["arr"].tolist() for g in got], [g["t"][0].item() for g in got],
-            [g["span"] for g in got], fn(2), safe, refused]
+    return [
+        [g["rank"] for g in got],
+        [g["arr"].tolist() for g in got],
+        [g["t"][0].item() for g in got],
+        [g["span"] for g in got],
+        fn(2),
+        safe,
+        refused,
+    ]
 
 
 def auto_on_the_express_path() -> list:
@@ -228,8 +244,12 @@ def auto_on_the_express_path() -> list:
     comm.send((lambda x, r=rank: x + r) if rank % 2 else {"r": rank}, dst=(rank + 1) % world)
     received = comm.recv(src=(rank - 1) % world)
     express = comm._express()
-    return [got[-1], received(10) if callable(received) else received, express is not None,
-            sorted(express.decoders) if express is not None else None]
+    return [
+        got[-1],
+        received(10) if callable(received) else received,
+        express is not None,
+        sorted(express.decoders) if express is not None else None,
+    ]
 
 
 def test_auto_on_the_express_path(ranks):
@@ -249,11 +269,17 @@ def test_auto_through_a_real_group(ranks):
     world = len(results)
     for rank, result in enumerate(results):
         assert result[:6] == [
-            list(range(world)), [[r, r + 1, r + 2] for r in range(world)], [float(r) for r in range(world)],
-            [(r, 2) for r in range(world)], 20, [{"r": r, "tags": {"a", "b"}} for r in range(world)],
+            list(range(world)),
+            [[r, r + 1, r + 2] for r in range(world)],
+            [float(r) for r in range(world)],
+            [(r, 2) for r in range(world)],
+            20,
+            [{"r": r, "tags": {"a", "b"}} for r in range(world)],
         ]
-        refused = ("ContentRefusedError: rank 0 sent a 'cloudpickle' payload, but this rank accepts only ['msgpack']; "
-                   "add it to accept= if you trust the sender, or send with an accepted serializer")
+        refused = (
+            "ContentRefusedError: rank 0 sent a 'cloudpickle' payload, but this rank accepts only ['msgpack']; "
+            "add it to accept= if you trust the sender, or send with an accepted serializer"
+        )
         assert result[6] == ("no error" if world == 1 or rank == 0 else refused), result[6]
 
 

@@ -20,8 +20,10 @@ from objcomm._tools.bench.roundtrip import check, judge
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("text, expected", [("512", 512), ("1KB", 1024), ("1.5kb", 1536), ("16MB", 16 << 20),
-                                            ("2GiB", 2 << 30), (" 64 KB ", 64 << 10)])
+@pytest.mark.parametrize(
+    "text, expected",
+    [("512", 512), ("1KB", 1024), ("1.5kb", 1536), ("16MB", 16 << 20), ("2GiB", 2 << 30), (" 64 KB ", 64 << 10)],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -49,18 +51,26 @@ def _equal(a, b) -> bool:
     return judge(a, b) == ("exact", "")
 
 
-@pytest.mark.parametrize("sent, got, verdict, note", [
-    ([1.0, math.nan], [1.0, math.nan], "exact", ""),
-    ({"a": (1, 2)}, {"a": [1, 2]}, "converted", "tuple → list at $['a']"),
-    (OrderedDict(a=1), {"a": 1}, "converted", "OrderedDict → dict at $"),
-    ([True], [1], "converted", "bool → int at $[0]"),
-    ({"x": [1.5]}, {"x": [1.25]}, "lossy", "value changed at $['x'][0]"),
-    ({1: 2}, {"1": 2}, "lossy", "keys changed at $"),
-    ({"t": torch.arange(3)}, {"t": torch.arange(3)}, "exact", ""),
-    ({"t": torch.arange(3)}, {"t": torch.arange(3).double()}, "converted", "tensor dtype int64 → float64 at $['t']"),
-    ({"t": torch.arange(3)}, {"t": torch.arange(1, 4)}, "lossy", "tensor values changed at $['t']"),
-    (torch.zeros(2, 3), torch.zeros(3, 2), "lossy", "tensor shape (2, 3) → (3, 2) at $"),
-])
+@pytest.mark.parametrize(
+    "sent, got, verdict, note",
+    [
+        ([1.0, math.nan], [1.0, math.nan], "exact", ""),
+        ({"a": (1, 2)}, {"a": [1, 2]}, "converted", "tuple → list at $['a']"),
+        (OrderedDict(a=1), {"a": 1}, "converted", "OrderedDict → dict at $"),
+        ([True], [1], "converted", "bool → int at $[0]"),
+        ({"x": [1.5]}, {"x": [1.25]}, "lossy", "value changed at $['x'][0]"),
+        ({1: 2}, {"1": 2}, "lossy", "keys changed at $"),
+        ({"t": torch.arange(3)}, {"t": torch.arange(3)}, "exact", ""),
+        (
+            {"t": torch.arange(3)},
+            {"t": torch.arange(3).double()},
+            "converted",
+            "tensor dtype int64 → float64 at $['t']",
+        ),
+        ({"t": torch.arange(3)}, {"t": torch.arange(1, 4)}, "lossy", "tensor values changed at $['t']"),
+        (torch.zeros(2, 3), torch.zeros(3, 2), "lossy", "tensor shape (2, 3) → (3, 2) at $"),
+    ],
+)
 def test_judge(sent, got, verdict, note):
     assert judge(sent, got) == (verdict, note)
 
@@ -95,8 +105,10 @@ def compare_every_op(repeat: int) -> dict:
 def raw_and_objects() -> dict:
     send = torch.zeros(256, dtype=torch.uint8)
     out = torch.empty(256 * dist.get_world_size(), dtype=torch.uint8)
-    calls = {"raw": lambda: dist.all_gather_into_tensor(out, send),
-             "objects": lambda: dist.all_gather_object([None] * dist.get_world_size(), _records(0))}
+    calls = {
+        "raw": lambda: dist.all_gather_into_tensor(out, send),
+        "objects": lambda: dist.all_gather_object([None] * dist.get_world_size(), _records(0)),
+    }
     return interleaved(calls, repeat=4, warmup=0)
 
 
@@ -123,8 +135,9 @@ def batched(batch: int) -> list:
     import time
 
     calls = []
-    timed = interleaved({"sleep": lambda: (calls.append(1), time.sleep(0.01))}, repeat=100, warmup=1,
-                        budget_s=0.3, batch=batch)["sleep"]
+    timed = interleaved(
+        {"sleep": lambda: (calls.append(1), time.sleep(0.01))}, repeat=100, warmup=1, budget_s=0.3, batch=batch
+    )["sleep"]
     return [timed.repeats, len(calls), timed.median_s >= 0.01]
 
 
@@ -139,8 +152,12 @@ def sampled(min_sample_s: float) -> list:
     import time
 
     calls = []
-    timed = interleaved({"nap": lambda: (calls.append(1), time.sleep(0.001)), "idle": lambda: None}, repeat=3,
-                        warmup=1, min_sample_s=min_sample_s)
+    timed = interleaved(
+        {"nap": lambda: (calls.append(1), time.sleep(0.001)), "idle": lambda: None},
+        repeat=3,
+        warmup=1,
+        min_sample_s=min_sample_s,
+    )
     return [len(calls), timed["nap"].median_s >= 0.001]
 
 

@@ -40,8 +40,13 @@ SIZES = [0, 100, 5_000, CHUNK - 40, CHUNK, CHUNK + 1, 3 * CHUNK + 7]  # bytes of
 
 def _payload(rank: int, size: int) -> Any:
     """Frames past the slot (a str), whole bytes out of band, a tensor and a numpy array: every kind of piece."""
-    return {"rank": rank, "text": "t" * size, "blob": bytes([rank % 256]) * size,
-            "tensor": torch.arange(size // 8 + rank, dtype=torch.float64), "array": np.full(size // 16, rank)}
+    return {
+        "rank": rank,
+        "text": "t" * size,
+        "blob": bytes([rank % 256]) * size,
+        "tensor": torch.arange(size // 8 + rank, dtype=torch.float64),
+        "array": np.full(size // 16, rank),
+    }
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -56,16 +61,27 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-ROUTES = {"backend": [(_rounds, "all_gather_rests"), (_broadcast, "broadcast_bytes"),  # round 2's moves
-                      (_bytes.Batch, "send"), (_bytes.Batch, "recv"), (_parts, "all_to_all_bytes")],
-          "shm": [(_shm.SharedMemory, "_collective")]}
+ROUTES = {
+    "backend": [
+        (_rounds, "all_gather_rests"),
+        (_broadcast, "broadcast_bytes"),  # round 2's moves
+        (_bytes.Batch, "send"),
+        (_bytes.Batch, "recv"),
+        (_parts, "all_to_all_bytes"),
+    ],
+    "shm": [(_shm.SharedMemory, "_collective")],
+}
 
 
 def _every_medium_collective(comm: objcomm.Communicator, mine: Any, parts: List[Any]) -> List[Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
-    return [comm.all_gather(mine), *(comm.broadcast(mine if rank == root else None, src=root) for root in range(world)),
-            *(comm.gather(mine, dst=root) for root in range(world)), comm.all_to_all(parts),
-            *(comm.scatter(parts if rank == root else None, src=root) for root in range(world))]
+    return [
+        comm.all_gather(mine),
+        *(comm.broadcast(mine if rank == root else None, src=root) for root in range(world)),
+        *(comm.gather(mine, dst=root) for root in range(world)),
+        comm.all_to_all(parts),
+        *(comm.scatter(parts if rank == root else None, src=root) for root in range(world)),
+    ]
 
 
 def medium_collectives(sizes: List[int]) -> List[Any]:
@@ -87,8 +103,10 @@ def medium_collectives(sizes: List[int]) -> List[Any]:
         parted = [got[1 + 2 * world][rank]["tensor"], got[2 + 2 * world + rank]["tensor"]]  # all_to_all's, scatter's
         for own in owns + parted:
             own.add_(1)  # an own result never aliases the input (nor each other)
-        report[-1] += (all(torch.equal(own, mine["tensor"] + 1) for own in owns)
-                       and all(torch.equal(own, parts[rank]["tensor"] + 1) for own in parted),)
+        report[-1] += (
+            all(torch.equal(own, mine["tensor"] + 1) for own in owns)
+            and all(torch.equal(own, parts[rank]["tensor"] + 1) for own in parted),
+        )
     return report
 
 
@@ -108,8 +126,10 @@ def routes_kept() -> List[Any]:
     got = []
     for label, call in [
         ("at the threshold", lambda: small_threshold.all_gather(big)),
-        ("below, without shared memory", lambda: objcomm.Communicator(local=True, shm=False).all_gather(
-            _payload(rank, CHUNK))),
+        (
+            "below, without shared memory",
+            lambda: objcomm.Communicator(local=True, shm=False).all_gather(_payload(rank, CHUNK)),
+        ),
     ]:
         with counting(ROUTES) as counts:
             call()
@@ -167,6 +187,7 @@ def closed_between_rounds(op: str) -> Any:
     rank, sub, comm = on_a_pair()
     real = _limits.checked_sizes
     if rank == 0:
+
         def failing(*args: Any) -> Any:
             channel = _state.group_facts(sub).local[False].channel
             with pytest.raises(objcomm.CommunicationError):
@@ -251,8 +272,10 @@ def test_message_lengths_and_second_rounds_are_checked():
         with pytest.raises(objcomm.CommunicationError, match=f"message #{index} where"):
             place(_Channel(), into, chunk, index, 1, "all_gather")
     frame = memoryview(b"f" * 10)
-    assert [bytes(t.numpy()) for t in incoming(bytearray(b"f" * 10 + b"xyz"), _info(10, 13), lambda f: [1, 2], 1,
-                                                "op").tensors] == [b"x", b"yz"]
+    assert [
+        bytes(t.numpy())
+        for t in incoming(bytearray(b"f" * 10 + b"xyz"), _info(10, 13), lambda f: [1, 2], 1, "op").tensors
+    ] == [b"x", b"yz"]
     with pytest.raises(FrameError, match="make 14 bytes, but it announces 13 in total"):
         incoming(bytearray(b"f" * 10 + b"xyz"), _info(10, 13), lambda f: [4], 1, "op")
     with pytest.raises(FrameError, match="20-byte frame"):
@@ -306,8 +329,11 @@ def tensors_split_against_their_table(local: bool, op: str) -> List[Any]:
     rank = dist.get_rank()
     comm = objcomm.Communicator(local=local)
     comm.all_gather(None)
-    payload = {"a": torch.ones(100_000, dtype=torch.uint8), "b": torch.ones(100_000, dtype=torch.uint8),
-               "s": "x" * 9000}  # the frame past the slot, and its tensors out of band
+    payload = {
+        "a": torch.ones(100_000, dtype=torch.uint8),
+        "b": torch.ones(100_000, dtype=torch.uint8),
+        "s": "x" * 9000,
+    }  # the frame past the slot, and its tensors out of band
     try:
         with tensor_tables_that_lie(rank == 1):
             if op == "gather":
@@ -329,8 +355,10 @@ def tensors_split_against_their_table(local: bool, op: str) -> List[Any]:
 @pytest.mark.parametrize("op", ["all_gather", "broadcast", "gather", "all_to_all", "scatter"])
 def test_tensors_split_against_their_table_are_refused_as_on_the_backend(op):
     pool = get_pool(2)
-    channel, backend = pool.run(tensors_split_against_their_table, True, op), \
-        pool.run(tensors_split_against_their_table, False, op)
+    channel, backend = (
+        pool.run(tensors_split_against_their_table, True, op),
+        pool.run(tensors_split_against_their_table, False, op),
+    )
     assert channel == backend
     refused = ["FrameError", "ok"] if op == "gather" else ["FrameError", "FrameError"]  # a root's own frame too
     assert [rank_got[0] for rank_got in channel] == refused  # (a gather's sender does not decode)

@@ -34,10 +34,12 @@ pytestmark = pytest.mark.timeout(180)
 SIZES = [0, 100, 5_000, CHUNK // 4 - 300, CHUNK // 4, CHUNK, 3 * CHUNK + 7, 150_000, 700_000]  # _payload's bulk
 SHARED = 700_000  # past shm_threshold (2 MiB): the rest goes through shared memory, after the channel's answer
 ASKED = "a" * 1_100_000  # a frame past 1 MiB, below shm_threshold: the receiver answers first, then the channel
-ROUTES = {"backend": [(_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_rounds, "recv_bytes")],
-          "shm": [(_shm.SharedMemory, "_collective"), (_shm, "fetch")],
-          "channel": [(_channel_rounds, "send_p2p"), (_channel_rounds, "recv_p2p")],
-          "answers": [(_channel_slots.ChannelRoute, "answer")]}
+ROUTES = {
+    "backend": [(_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_rounds, "recv_bytes")],
+    "shm": [(_shm.SharedMemory, "_collective"), (_shm, "fetch")],
+    "channel": [(_channel_rounds, "send_p2p"), (_channel_rounds, "recv_p2p")],
+    "answers": [(_channel_slots.ChannelRoute, "answer")],
+}
 
 
 def _channel() -> Any:
@@ -105,10 +107,24 @@ def test_a_refused_send_ends_as_through_the_backend():
     pool = get_pool(2)
     channel, backend = pool.run(refusals, True), pool.run(refusals, False)
     sender, receiver = channel
-    assert sender == backend[0] == {"small": "ok", "small, then": None, "medium": "ok", "medium, then": None,
-                                    "agreed": ("TooLargeError", False), "agreed, then": None}
-    assert receiver == {"small": ("TooLargeError", True), "medium": ("TooLargeError", True),  # drained
-                        "agreed": ("TooLargeError", False), **{k + ", then": "after" for k in REFUSED}}
+    assert (
+        sender
+        == backend[0]
+        == {
+            "small": "ok",
+            "small, then": None,
+            "medium": "ok",
+            "medium, then": None,
+            "agreed": ("TooLargeError", False),
+            "agreed, then": None,
+        }
+    )
+    assert receiver == {
+        "small": ("TooLargeError", True),
+        "medium": ("TooLargeError", True),  # drained
+        "agreed": ("TooLargeError", False),
+        **{k + ", then": "after" for k in REFUSED},
+    }
     assert backend[1] == receiver
 
 
@@ -171,8 +187,11 @@ def threads_under_one_tag(bulk: int, settings: Dict[str, Any]) -> List[Any]:
     return sorted(results)
 
 
-@pytest.mark.parametrize("bulk, settings", [(3 * CHUNK, {}), (SHARED, {}), (SHARED, {"shm_dir": "/nonexistent"})],
-                         ids=["through the channel", "shared memory", "shared memory failing: the channel"])
+@pytest.mark.parametrize(
+    "bulk, settings",
+    [(3 * CHUNK, {}), (SHARED, {}), (SHARED, {"shm_dir": "/nonexistent"})],
+    ids=["through the channel", "shared memory", "shared memory failing: the channel"],
+)
 def test_threads_sending_under_one_tag_keep_their_own_messages(bulk, settings):
     if settings:
         settings = {**settings, "shm_zero_copy": False}  # files in a directory that does not exist: none written
@@ -232,16 +251,23 @@ def out_of_step(mode: str) -> Any:
     What each rank raises, and what a later collective does (both ranks failed at the same point, no collective
     between: it opens a new channel)."""
     rank, sub, comm = on_a_pair()
-    real_chunks, real_answer, real_words = _channel_rounds.chunks, _channel_slots.ChannelRoute.answer, \
-        _channel_slots.ChannelRoute.send_words
+    real_chunks, real_answer, real_words = (
+        _channel_rounds.chunks,
+        _channel_slots.ChannelRoute.answer,
+        _channel_slots.ChannelRoute.send_words,
+    )
     if mode == "short" and rank == 1:
         _channel_rounds.chunks = lambda pieces: (bytes(c)[:-1] for c in real_chunks(pieces))  # type: ignore
     if mode == "answer" and rank == 0:
         _channel_slots.ChannelRoute.answer = lambda self, wire, dst, message, code: self.channel.send_part(  # type: ignore
-            _channel_slots.ANSWER, b"\x03\x03", dst, wire.tag, message)
+            _channel_slots.ANSWER, b"\x03\x03", dst, wire.tag, message
+        )
     if mode == "words" and rank == 1:
-        _channel_slots.ChannelRoute.send_words = lambda self, wire, words, dst, message: real_words(  # type: ignore
-            self, wire, words[:-1], dst, message)
+        _channel_slots.ChannelRoute.send_words = (
+            lambda self, wire, words, dst, message: real_words(  # type: ignore
+                self, wire, words[:-1], dst, message
+            )
+        )
     sent = _payload(1, SHARED) if mode == "words" else ASKED if mode == "answer" else _payload(1, 3 * CHUNK)
     try:
         outcome = outcome_of(lambda: comm.send(sent, 0) if rank == 1 else comm.recv(1) and None)

@@ -100,8 +100,11 @@ def splits_the_vote() -> Dict[str, Any]:
         comm.broadcast(0)  # set-up: "not ready"
         channel = _channel(group)
         real_send = channel._send
-        channel._send = lambda peer, header, data, op: real_send(  # flag 1 (READY before issue 25) to rank 0 only
-            peer, header[:1] + bytes([1 if peer == 0 else 0]) + header[2:], data, op)
+        channel._send = (
+            lambda peer, header, data, op: real_send(  # flag 1 (READY before issue 25) to rank 0 only
+                peer, header[:1] + bytes([1 if peer == 0 else 0]) + header[2:], data, op
+            )
+        )
         try:
             comm.all_gather(1)
         except objcomm.ObjcommError as exc:
@@ -160,8 +163,13 @@ def tells_each_rank_another_slot() -> Dict[str, Any]:
     comm.all_gather(rank)  # opens the channel
     report: Dict[str, Any] = {}
     if rank == 2:
-        out = _frame.encode(b"x" * (3 << 20), registry.guarded("pickle"), max_bytes=1 << 40,
-                              inline_tensor_bytes=1 << 16, compression=None)
+        out = _frame.encode(
+            b"x" * (3 << 20),
+            registry.guarded("pickle"),
+            max_bytes=1 << 40,
+            inline_tensor_bytes=1 << 16,
+            compression=None,
+        )
         slot = bytearray(4096)
         _slot.fill_slot(memoryview(slot), out, 8 << 30)
         channel = _channel(group)
@@ -169,8 +177,9 @@ def tells_each_rank_another_slot() -> Dict[str, Any]:
         channel._send = lambda peer, header, data, op: real_send(peer, header, bytes(slot) if peer == 1 else data, op)
         comm.all_gather("small from 2")
         channel._send = real_send
-        work = dist.broadcast(torch.frombuffer(bytearray(out.frame), dtype=torch.uint8), src=2, group=group,
-                              async_op=True)
+        work = dist.broadcast(
+            torch.frombuffer(bytearray(out.frame), dtype=torch.uint8), src=2, group=group, async_op=True
+        )
     else:
         try:
             got = comm.all_gather(f"from {rank}")
@@ -227,14 +236,17 @@ def lies_in_the_echo(what: str) -> Dict[str, Any]:
     import torch
 
     from objcomm._samehost import inbox as _inbox
+
     rank = dist.get_rank()
     group, comm = _three_rank_group()
     channel = _channel(group)
     report: Dict[str, Any] = {}
     if rank == 2:
         real_send = channel._send
-        lie = {"digest": (lambda data: len(data) == 16, bytes(16)),
-               "pass": (lambda data: data == _channel_slots.PASSED, b"2")}
+        lie = {
+            "digest": (lambda data: len(data) == 16, bytes(16)),
+            "pass": (lambda data: data == _channel_slots.PASSED, b"2"),
+        }
 
         def lying_send(peer: int, header: bytes, data: Any, op: str) -> None:
             told = header[0] == _inbox.ECHO and peer == 1 and lie[what][0](bytes(data))
@@ -283,13 +295,14 @@ def tells_each_rank_another_table() -> Dict[str, Any]:
     report: Dict[str, Any] = {}
     size = 1 << 20
     if rank == 2:
+
         def encode(obj: Any) -> Any:
             return _frame.encode(obj, registry.guarded("pickle"), max_bytes=1 << 40, inline_tensor_bytes=1 << 16)
 
         real = [torch.full((size // 2,), 7, dtype=torch.uint8), torch.full((size // 2,), 9, dtype=torch.uint8)]
         other = encode([torch.zeros(size // 4, dtype=torch.uint8), torch.zeros(3 * size // 4, dtype=torch.uint8)])
         forged = bytearray(_slot_of(encode(real)))
-        forged[24:24 + other.frame_nbytes] = bytes(other.frame)  # the same words, another frame inline
+        forged[24 : 24 + other.frame_nbytes] = bytes(other.frame)  # the same words, another frame inline
         channel = _channel(group)
         real_send = channel._send
         forged_sent = []

@@ -41,8 +41,15 @@ def _default_sigint() -> None:
 
 def run_cli(*args: str, paths: tuple = (), timeout: float = 120, launcher: tuple = ("-m", "objcomm")):
     """Run the command; return ``(pid, returncode, stdout, stderr)``."""
-    proc = subprocess.Popen([sys.executable, *launcher, *args], env=_env(*paths), cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, *launcher, *args],
+        env=_env(*paths),
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -66,8 +73,9 @@ def _num(text: str):
 def test_bench_prints_table_and_writes_json_csv_plot(tmp_path):
     payloads = ["config", "tensors"]
     out_json, out_csv, out_png = tmp_path / "r.json", tmp_path / "r.csv", tmp_path / "r.png"
-    pid, rc, out, err = run_cli(*QUICK, "--payloads", ",".join(payloads), "--json", str(out_json),
-                                "--csv", str(out_csv), "--plot", str(out_png))
+    pid, rc, out, err = run_cli(
+        *QUICK, "--payloads", ",".join(payloads), "--json", str(out_json), "--csv", str(out_csv), "--plot", str(out_png)
+    )
     assert rc == 0, err
     assert out.count("objcomm bench: 2 ranks (local") == 1
     for payload in payloads:
@@ -153,8 +161,9 @@ assert "torch" not in sys.modules, "torch was imported"
 @pytest.mark.timeout(60)
 def test_help_and_bad_arguments_do_not_import_torch():
     """``objcomm --help`` (and a typo) answer at once: parsing and checking arguments need no torch."""
-    done = subprocess.run([sys.executable, "-c", NO_TORCH], env=_env(), cwd=ROOT, capture_output=True, text=True,
-                          timeout=45)
+    done = subprocess.run(
+        [sys.executable, "-c", NO_TORCH], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=45
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -173,35 +182,57 @@ def test_user_payload_and_user_serializers_join_the_matrix(tmp_path):
     made = tmp_path / "made"
     made.mkdir()
     code = tmp_path / "code"
-    write_module(code, "bench_user_payload", f"""
+    write_module(
+        code,
+        "bench_user_payload",
+        f"""
         import os
 
         def make(rank):
             open(os.path.join({str(made)!r}, f"{{rank}}-{{os.getpid()}}"), "w").close()
             return {{"rank": rank, "pairs": [(rank, i) for i in range(20)]}}
-        """)
-    write_module(code, "bench_user_serializer", """
+        """,
+    )
+    write_module(
+        code,
+        "bench_user_serializer",
+        """
         import json
         import serializers
 
         serializers.register("test-json", dumps=lambda o: json.dumps(o).encode(),
                              loads=lambda b: json.loads(bytes(b)), safe=True, description="stdlib json")
-        """)
+        """,
+    )
     # an installed plugin: a dist-info with an objcomm.serializers entry point
-    write_module(code, "objcomm_test_plugin", """
+    write_module(
+        code,
+        "objcomm_test_plugin",
+        """
         import pickle
         import serializers
 
         SERIALIZER = serializers.FunctionSerializer("test-ep", lambda o: pickle.dumps(o), pickle.loads)
-        """)
+        """,
+    )
     dist_info = code / "objcomm_test_plugin-1.0.dist-info"
     dist_info.mkdir()
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: objcomm-test-plugin\nVersion: 1.0\n")
     (dist_info / "entry_points.txt").write_text("[objcomm.serializers]\ntest-ep = objcomm_test_plugin:SERIALIZER\n")
 
     out_json = tmp_path / "r.json"
-    _, rc, out, err = run_cli(*QUICK, "--payload", "bench_user_payload:make", "--import", "bench_user_serializer",
-                              "--ops", "all_gather,broadcast", "--json", str(out_json), paths=(code,))
+    _, rc, out, err = run_cli(
+        *QUICK,
+        "--payload",
+        "bench_user_payload:make",
+        "--import",
+        "bench_user_serializer",
+        "--ops",
+        "all_gather,broadcast",
+        "--json",
+        str(out_json),
+        paths=(code,),
+    )
     assert rc == 0, err
     data = json.loads(out_json.read_text())
     rows = data["rows"]
@@ -215,8 +246,9 @@ def test_user_payload_and_user_serializers_join_the_matrix(tmp_path):
     assert by_serializer[("test-ep", "all_gather")]["fidelity"] == "exact"
     assert by_serializer[("test-json", "all_gather")]["safe"] is True
     ranks = data["meta"]["ranks"]
-    assert sorted(p.name for p in made.iterdir()) == sorted(f"{r['rank']}-{r['pid']}" for r in ranks), \
+    assert sorted(p.name for p in made.iterdir()) == sorted(f"{r['rank']}-{r['pid']}" for r in ranks), (
         "each rank built its own object, in its own process"
+    )
     assert "bench_user_payload:make" in out
 
 
@@ -239,30 +271,58 @@ def test_the_command_finds_user_modules_in_the_current_directory(tmp_path):
     script.write_text(CONSOLE_SCRIPT)
     work, made = tmp_path / "work", tmp_path / "made"
     made.mkdir()
-    write_module(work, "mymodule", f"""
+    write_module(
+        work,
+        "mymodule",
+        f"""
         import os
 
         def make_obj(rank):
             open(os.path.join({str(made)!r}, str(os.getpid())), "w").close()
             return {{"rank": rank, "tags": ["a", "b"]}}
-        """)
-    write_module(work, "my_serializers", """
+        """,
+    )
+    write_module(
+        work,
+        "my_serializers",
+        """
         import json
         from objcomm import serializers
 
         serializers.register("cwd-json", dumps=lambda o: json.dumps(o).encode(),
                              loads=lambda b: json.loads(bytes(b)), safe=True, description="from the cwd")
-        """)
+        """,
+    )
     out_json = tmp_path / "r.json"
     done = subprocess.run(
-        [sys.executable, str(script), *QUICK, "--payload", "mymodule:make_obj", "--import", "my_serializers",
-         "--serializers", "pickle,cwd-json", "--ops", "all_gather", "--json", str(out_json)],
-        env=_env(), cwd=work, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=150,
+        [
+            sys.executable,
+            str(script),
+            *QUICK,
+            "--payload",
+            "mymodule:make_obj",
+            "--import",
+            "my_serializers",
+            "--serializers",
+            "pickle,cwd-json",
+            "--ops",
+            "all_gather",
+            "--json",
+            str(out_json),
+        ],
+        env=_env(),
+        cwd=work,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=150,
     )
     assert done.returncode == 0, done.stderr
     rows = json.loads(out_json.read_text())["rows"]
-    assert {(r["payload"], r["serializer"]) for r in rows} == {("mymodule:make_obj", "pickle"),
-                                                                ("mymodule:make_obj", "cwd-json")}
+    assert {(r["payload"], r["serializer"]) for r in rows} == {
+        ("mymodule:make_obj", "pickle"),
+        ("mymodule:make_obj", "cwd-json"),
+    }
     assert all(r["latency_s"] > 0 for r in rows)
     ranks = json.loads(out_json.read_text())["meta"]["ranks"]
     assert {int(p.name) for p in made.iterdir()} >= {r["pid"] for r in ranks}, "each rank imported mymodule"
@@ -272,7 +332,10 @@ def test_the_command_finds_user_modules_in_the_current_directory(tmp_path):
 def test_a_failing_rank_is_reported_and_every_rank_reaped(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
-    write_module(tmp_path / "code", "bench_bad_payload", f"""
+    write_module(
+        tmp_path / "code",
+        "bench_bad_payload",
+        f"""
         import os
 
         def make(rank):
@@ -280,7 +343,8 @@ def test_a_failing_rank_is_reported_and_every_rank_reaped(tmp_path):
             if rank == 1:
                 raise ValueError("no payload on rank 1")
             return [rank]
-        """)
+        """,
+    )
     _, rc, out, err = run_cli(*QUICK, "--payload", "bench_bad_payload:make", paths=(tmp_path / "code",))
     assert rc == 1
     assert "rank 1 failed: ValueError: no payload on rank 1" in err
@@ -294,9 +358,23 @@ def test_a_failing_rank_is_reported_and_every_rank_reaped(tmp_path):
 def test_progress_bar_on_a_terminal_and_ctrl_c_reaps_the_ranks():
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "objcomm", "bench", "--payloads", "floats,records", "--sizes", "1KB,4MB",
-         "--repeat", "50"],
-        env=_env(), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave,
+        [
+            sys.executable,
+            "-m",
+            "objcomm",
+            "bench",
+            "--payloads",
+            "floats,records",
+            "--sizes",
+            "1KB,4MB",
+            "--repeat",
+            "50",
+        ],
+        env=_env(),
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=slave,
         preexec_fn=_default_sigint,
     )
     os.close(slave)
@@ -340,8 +418,18 @@ def test_progress_bar_on_a_terminal_and_ctrl_c_reaps_the_ranks():
 def test_under_torchrun_it_uses_the_launchers_group(tmp_path):
     out_json = tmp_path / "r.json"
     pid, rc, out, err = run_cli(
-        "--standalone", "--nproc_per_node=2", "-m", "objcomm", *QUICK, "--payloads", "metrics",
-        "--ops", "all_gather,send/recv", "--json", str(out_json), launcher=("-m", "torch.distributed.run"),
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "objcomm",
+        *QUICK,
+        "--payloads",
+        "metrics",
+        "--ops",
+        "all_gather,send/recv",
+        "--json",
+        str(out_json),
+        launcher=("-m", "torch.distributed.run"),
     )
     assert rc == 0, err
     assert out.count("objcomm bench: 2 ranks (the launcher's process group") == 1, "only rank 0 prints"
@@ -358,8 +446,10 @@ def test_serializers_lists_safety_and_fidelity_counts():
     lines = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line.strip() and " " in line}
     for name in serializers.available():
         found = serializers.fidelity(name)
-        counts = [str(sum(v.verdict == verdict for v in found.values()))
-                  for verdict in ("exact", "converted", "lossy", "refused")]
+        counts = [
+            str(sum(v.verdict == verdict for v in found.values()))
+            for verdict in ("exact", "converted", "lossy", "refused")
+        ]
         s = serializers.get(name)
         assert lines[name][1:6] == ["yes" if s.safe else "no", *counts], out
         assert s.description in out
@@ -377,8 +467,17 @@ def test_demo_gathers_and_merges_on_local_ranks():
 @pytest.mark.timeout(180)
 def test_bench_ops_beyond_torch_say_what_torch_users_write_instead(tmp_path):
     out_json = tmp_path / "r.json"
-    pid, rc, out, err = run_cli(*QUICK, "--payloads", "metrics", "--serializers", "pickle,msgpack",
-                                "--ops", "all_to_all,all_reduce,iall_gather", "--json", str(out_json))
+    pid, rc, out, err = run_cli(
+        *QUICK,
+        "--payloads",
+        "metrics",
+        "--serializers",
+        "pickle,msgpack",
+        "--ops",
+        "all_to_all,all_reduce,iall_gather",
+        "--json",
+        str(out_json),
+    )
     assert rc == 0, err
     assert "all_to_all: torch has none; its row is all_gather_object, then each rank keeps the parts" in out
     assert "all_reduce: torch has none; its row is all_gather_object, then functools.reduce locally" in out

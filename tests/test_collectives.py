@@ -195,12 +195,24 @@ def copies_of_a_used_communicator() -> list:
     model.comm = comm  # type: ignore[assignment]
     sub = dist.new_group([0, 1])
     on_sub = objcomm.Communicator(sub, serializer="msgpack")
-    copies = [copy.copy(comm), copy.deepcopy(comm), copy.deepcopy(model).comm, pickle.loads(pickle.dumps(comm)),
-              copy.deepcopy(on_sub)]
+    copies = [
+        copy.copy(comm),
+        copy.deepcopy(comm),
+        copy.deepcopy(model).comm,
+        pickle.loads(pickle.dumps(comm)),
+        copy.deepcopy(on_sub),
+    ]
     got = []
     for twin in copies:
-        got.append((twin.serializer, twin._held is None, twin._given == comm._given or twin.group is sub,
-                    twin.all_gather({"from": rank}), twin.broadcast("b" if rank == 0 else None)))
+        got.append(
+            (
+                twin.serializer,
+                twin._held is None,
+                twin._given == comm._given or twin.group is sub,
+                twin.all_gather({"from": rank}),
+                twin.broadcast("b" if rank == 0 else None),
+            )
+        )
         if rank == 0:
             twin.send([rank], peer)
         else:

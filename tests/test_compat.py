@@ -52,7 +52,6 @@ def mixed_objects() -> list:
     ]
 
 
-
 def plain(x: Any) -> Any:
     """A comparable, picklable picture of ``x`` that keeps exact types (True is not 1, a tuple is not a list)."""
     if isinstance(x, torch.Tensor):

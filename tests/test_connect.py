@@ -32,9 +32,13 @@ def connects(local: bool) -> Dict[str, Any]:
     finally:
         _channel.LocalChannel.send = real_send
     state = _state.group_facts(group).local.get(False)
-    return {"on": on, "got": got, "through channel": len(sent),
-            "collectives": 0 if state is None or state.channel is None else state.channel._seq,
-            "again": comm.connect()}
+    return {
+        "on": on,
+        "got": got,
+        "through channel": len(sent),
+        "collectives": 0 if state is None or state.channel is None else state.channel._seq,
+        "again": comm.connect(),
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])

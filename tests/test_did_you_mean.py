@@ -20,8 +20,19 @@ pytestmark = pytest.mark.timeout(60)
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "from-mpi4py.md"
 POINTER = " (objcomm follows torch.distributed's names: see docs/from-mpi4py.md)"
-FUNCTIONS = ["all_gather", "gather", "broadcast", "scatter", "all_to_all", "reduce", "all_reduce", "send", "recv",
-             "isend", "irecv"]
+FUNCTIONS = [
+    "all_gather",
+    "gather",
+    "broadcast",
+    "scatter",
+    "all_to_all",
+    "reduce",
+    "all_reduce",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+]
 
 
 def _type_error(fn, *args, **kwargs) -> str:
@@ -32,8 +43,16 @@ def _type_error(fn, *args, **kwargs) -> str:
 
 def _arguments(name: str) -> tuple:
     """Positional arguments that bind for ``name`` (the call never runs: a keyword is refused first)."""
-    return {"reduce": (1, "sum"), "all_reduce": (1, "sum"), "send": (1, 0), "isend": (1, 0), "recv": (),
-            "irecv": (), "scatter": ([1],), "all_to_all": ([1],)}.get(name, (1,))
+    return {
+        "reduce": (1, "sum"),
+        "all_reduce": (1, "sum"),
+        "send": (1, 0),
+        "isend": (1, 0),
+        "recv": (),
+        "irecv": (),
+        "scatter": ([1],),
+        "all_to_all": ([1],),
+    }.get(name, (1,))
 
 
 def test_the_issues_example_word_for_word():
@@ -88,9 +107,11 @@ def test_every_public_function_and_method_answers_every_root(name):
 
 def test_misspelt_keywords_get_a_close_match_and_others_pythons_own_message():
     assert _type_error(objcomm.all_gather, 1, max_byte=10) == (
-        "all_gather() got an unexpected keyword argument 'max_byte'; did you mean max_bytes=?")
+        "all_gather() got an unexpected keyword argument 'max_byte'; did you mean max_bytes=?"
+    )
     assert _type_error(objcomm.Communicator().recv, return_sendr=True) == (
-        "Communicator.recv() got an unexpected keyword argument 'return_sendr'; did you mean return_sender=?")
+        "Communicator.recv() got an unexpected keyword argument 'return_sendr'; did you mean return_sender=?"
+    )
     assert _type_error(objcomm.broadcast, 1, color="red") == "broadcast() got an unexpected keyword argument 'color'"
     assert _type_error(objcomm.recv, dest=1) == "recv() got an unexpected keyword argument 'dest'"  # no dst here
 
@@ -140,7 +161,8 @@ def test_mpi4py_names_on_a_communicator():
     with pytest.raises(AttributeError) as raised:
         comm.allreduce(1, "sum")
     assert str(raised.value) == (
-        f"'Communicator' object has no attribute 'allreduce'; did you mean Communicator.all_reduce?{POINTER}")
+        f"'Communicator' object has no attribute 'allreduce'; did you mean Communicator.all_reduce?{POINTER}"
+    )
     with pytest.raises(AttributeError, match=re.escape("torch.distributed.get_rank(group)")):
         comm.Get_rank()
     with pytest.raises(AttributeError, match="^'Communicator' object has no attribute 'nonesuch'$"):
@@ -151,8 +173,9 @@ def test_mpi4py_names_on_a_communicator():
 def test_every_name_a_hint_points_to_exists():
     for hint in _call.MPI4PY_NAMES.values():
         for module, name in re.findall(r"\{on\}\.(\w+)|torch\.distributed\.(\w+)", hint):
-            assert (hasattr(objcomm, module) and hasattr(objcomm.Communicator, module)) if module else hasattr(
-                dist, name), hint
+            assert (
+                (hasattr(objcomm, module) and hasattr(objcomm.Communicator, module)) if module else hasattr(dist, name)
+            ), hint
 
 
 MPI4PY_ON_THE_PAGE = {"bcast", "allreduce", "ANY_SOURCE", "SUM"}  # what the page says objcomm answers
@@ -190,9 +213,12 @@ def test_op_names_in_any_case_without_a_process_group():
 
 def reduce_with_capitals() -> list:
     rank = dist.get_rank()
-    return [objcomm.all_reduce(rank + 1, "SUM"), objcomm.reduce(rank + 1, "Max", dst=0),
-            objcomm.all_reduce(str(rank), "sum" if rank else "SUM"),  # ranks may differ in case
-            objcomm.Communicator().all_reduce(rank + 2, "PROD", async_op=True).wait(timeout=30)]
+    return [
+        objcomm.all_reduce(rank + 1, "SUM"),
+        objcomm.reduce(rank + 1, "Max", dst=0),
+        objcomm.all_reduce(str(rank), "sum" if rank else "SUM"),  # ranks may differ in case
+        objcomm.Communicator().all_reduce(rank + 2, "PROD", async_op=True).wait(timeout=30),
+    ]
 
 
 def test_op_names_in_any_case_on_a_group():

@@ -32,10 +32,14 @@ HOSTILE: Dict[str, Tuple[str, Any]] = {  # case -> (codec name, what a peer send
     "fraction: a 30-million-digit power": ("fractions.Fraction", ["1e30000000"]),
     "fraction: a power in the denominator": ("fractions.Fraction", [1, "1e-30000000"]),
     "tensor: a lazily imported torch submodule as dtype": (
-        "torch.Tensor", {"dtype": "_inductor", "shape": [1], "data": [0]}),
+        "torch.Tensor",
+        {"dtype": "_inductor", "shape": [1], "data": [0]},
+    ),
     "tensor: a dtype name that is not a dtype": ("torch.Tensor", {"dtype": "load", "shape": [1], "data": [0]}),
     "tensor: more elements announced than sent": (
-        "torch.Tensor", {"dtype": "float64", "shape": [1 << 40], "data": [0.0]}),
+        "torch.Tensor",
+        {"dtype": "float64", "shape": [1 << 40], "data": [0.0]},
+    ),
     "tensor: nested data": ("torch.Tensor", {"dtype": "float64", "shape": [1], "data": [[[0.0] * 4] * 4]}),
     "point: fields that are not numbers": ("geometry.Point", {"x": "x" * 1000, "y": [1, 2, 3]}),
     "point: another field": ("geometry.Point", {"x": 1.0, "y": 2.0, "z": 3.0}),
@@ -82,8 +86,11 @@ def run_examples(blocks: List[str]) -> Dict[str, Any]:
                 continue
             got = eval(lines[-2], namespace)
             shown[lines[-2]] = (bytes(got) if isinstance(got, (bytes, bytearray, memoryview)) else got, expected)
-    return {"namespace_names": sorted(k for k in namespace if not k.startswith("__")), "shown": shown,
-            "round trips": round_trips(namespace)}
+    return {
+        "namespace_names": sorted(k for k in namespace if not k.startswith("__")),
+        "shown": shown,
+        "round trips": round_trips(namespace),
+    }
 
 
 def round_trips(namespace: Dict[str, Any]) -> Dict[str, bool]:
@@ -92,16 +99,23 @@ def round_trips(namespace: Dict[str, Any]) -> Dict[str, bool]:
 
     import serializers
 
-    values = {"Fraction": namespace["Fraction"](-7, 3), "Point": namespace["Point"](1.0, 2.5),
-              "tensor": torch.arange(6, dtype=torch.float32).reshape(2, 3),
-              "bool tensor": torch.tensor([[True], [False]]), "scalar tensor": torch.tensor(3, dtype=torch.int16)}
+    values = {
+        "Fraction": namespace["Fraction"](-7, 3),
+        "Point": namespace["Point"](1.0, 2.5),
+        "tensor": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "bool tensor": torch.tensor([[True], [False]]),
+        "scalar tensor": torch.tensor(3, dtype=torch.int16),
+    }
     found = {}
     for kind in ("msgpack", "json"):
         chosen = serializers.get(kind)
         for label, value in values.items():
             got = chosen.loads(chosen.dumps({"v": value}))["v"]
-            same = (type(got) is type(value) and got.dtype == value.dtype and torch.equal(got, value)
-                    if isinstance(value, torch.Tensor) else type(got) is type(value) and got == value)
+            same = (
+                type(got) is type(value) and got.dtype == value.dtype and torch.equal(got, value)
+                if isinstance(value, torch.Tensor)
+                else type(got) is type(value) and got == value
+            )
             found[f"{label} [{kind}]"] = bool(same)
     return found
 
@@ -124,8 +138,10 @@ def examples_then_hostile(blocks: List[str], cases: Dict[str, Tuple[str, Any]]) 
             except Exception as exc:
                 outcome = type(exc).__name__
             report["cases"][f"{case} [{kind}]"] = {
-                "outcome": outcome, "cpu_s": time.process_time() - start,
-                "imported": sorted(set(sys.modules) - before)[:5]}
+                "outcome": outcome,
+                "cpu_s": time.process_time() - start,
+                "imported": sorted(set(sys.modules) - before)[:5],
+            }
     return report
 
 
@@ -135,8 +151,10 @@ def report() -> Dict[str, Any]:
     try:
         return run_in_child(examples_then_hostile, blocks, HOSTILE, timeout=240, preload=("numpy", "torch"))
     except ChildCrashed as exc:  # SIGXCPU: a C-level computation (a huge power) is not interrupted before
-        pytest.fail(f"running docs/codecs.md's examples on hostile values took over {CPU_CAP_S} s of CPU: "
-                    f"one of them is not refused ({exc})")
+        pytest.fail(
+            f"running docs/codecs.md's examples on hostile values took over {CPU_CAP_S} s of CPU: "
+            f"one of them is not refused ({exc})"
+        )
 
 
 @pytest.mark.timeout(300)

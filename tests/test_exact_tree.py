@@ -23,8 +23,9 @@ from _hostile import FUZZ_SCALE
 from objcomm._format import tensors as _tensors
 from serializers import _exact_tree
 
-needs_c_walk = pytest.mark.skipif(_exact_tree.carried_exactly is None,
-                                  reason="the C walk was not built here (no compiler at install)")
+needs_c_walk = pytest.mark.skipif(
+    _exact_tree.carried_exactly is None, reason="the C walk was not built here (no compiler at install)"
+)
 # what serializer="auto" passes: tensors; arrays past 4 KiB of the dtypes objcomm lifts out of band
 LEAVES = ((torch.Tensor,), np.ndarray, 4096, tuple(_tensors._NUMPY_CODES))
 LONG = "s" * _exact_tree.SHARED_LENGTH
@@ -39,17 +40,35 @@ class Name(str):
 
 
 def _scalar(rng: random.Random) -> Any:
-    return rng.choice([
-        lambda: None, lambda: rng.random() < 0.5, lambda: rng.random(), lambda: "é" * rng.randrange(4),
-        lambda: bytes(rng.randrange(3)), lambda: rng.randrange(-5, 5),
-        lambda: rng.choice([2**63 - 1, -2**63, 2**64 - 1]),
-        lambda: rng.choice([2**64, -2**63 - 1, 10**30]),  # beyond msgspec's ints
-        lambda: np.arange(rng.randrange(4)), lambda: np.zeros(rng.choice([512, 513, 2000])), lambda: torch.zeros(2),
-        lambda: np.zeros(2000, dtype=rng.choice([">f8", "<U5", "S8", "M8[s]"])), lambda: LONG, lambda: LONG + "x",
-        lambda: LONG.encode(), lambda: LONG[:-1],
-        lambda: (1, 2), lambda: {1}, lambda: frozenset(), lambda: bytearray(b"x"), lambda: Level.LOW,
-        lambda: Name("n"), lambda: np.float32(1.5), lambda: torch.nn.Parameter(torch.zeros(1)), lambda: 1j,
-    ])()
+    return rng.choice(
+        [
+            lambda: None,
+            lambda: rng.random() < 0.5,
+            lambda: rng.random(),
+            lambda: "é" * rng.randrange(4),
+            lambda: bytes(rng.randrange(3)),
+            lambda: rng.randrange(-5, 5),
+            lambda: rng.choice([2**63 - 1, -(2**63), 2**64 - 1]),
+            lambda: rng.choice([2**64, -(2**63) - 1, 10**30]),  # beyond msgspec's ints
+            lambda: np.arange(rng.randrange(4)),
+            lambda: np.zeros(rng.choice([512, 513, 2000])),
+            lambda: torch.zeros(2),
+            lambda: np.zeros(2000, dtype=rng.choice([">f8", "<U5", "S8", "M8[s]"])),
+            lambda: LONG,
+            lambda: LONG + "x",
+            lambda: LONG.encode(),
+            lambda: LONG[:-1],
+            lambda: (1, 2),
+            lambda: {1},
+            lambda: frozenset(),
+            lambda: bytearray(b"x"),
+            lambda: Level.LOW,
+            lambda: Name("n"),
+            lambda: np.float32(1.5),
+            lambda: torch.nn.Parameter(torch.zeros(1)),
+            lambda: 1j,
+        ]
+    )()
 
 
 def _tree(rng: random.Random, depth: int, shared: List[Any], held: List[Any]) -> Any:
@@ -65,8 +84,11 @@ def _tree(rng: random.Random, depth: int, shared: List[Any], held: List[Any]) ->
     elif roll < 0.9:
         value = {}
         for _ in range(rng.randrange(5)):
-            key = rng.choice([f"k{rng.randrange(9)}", rng.randrange(-3, 9), 2**64, 1.5, (1,), None, Name("n"), LONG]
-                             if rng.random() < 0.3 else [f"k{rng.randrange(9)}"])
+            key = rng.choice(
+                [f"k{rng.randrange(9)}", rng.randrange(-3, 9), 2**64, 1.5, (1,), None, Name("n"), LONG]
+                if rng.random() < 0.3
+                else [f"k{rng.randrange(9)}"]
+            )
             value[key] = _tree(rng, depth - 1, shared, held)
     elif roll < 0.95:
         value = OrderedDict(a=_tree(rng, depth - 1, shared, held))
@@ -121,12 +143,27 @@ def test_the_c_walk_answers_as_the_python_one_and_every_yes_comes_back_exactly()
 def test_the_rules(walk):
     carried = _exact_tree.carried_exactly if walk == "c" else _exact_tree.carried_exactly_python
     assert carried({"loss": 0.25, "ids": [1, 2], 3: b"x", "none": None, "flag": True, "s": "é"}, ())
-    assert carried([2**64 - 1, -2**63], ()) and not carried([2**64], ()) and not carried([-2**63 - 1], ())
+    assert carried([2**64 - 1, -(2**63)], ()) and not carried([2**64], ()) and not carried([-(2**63) - 1], ())
     assert carried(np.zeros(513), *LEAVES) and not carried(np.zeros(512), *LEAVES)  # 4,104 and 4,096 bytes
     assert not carried(np.zeros(513), (torch.Tensor,)) and carried(torch.zeros(1), *LEAVES)
-    for converted in ((1,), {1}, frozenset(), bytearray(), Level.LOW, Name("n"), OrderedDict(), defaultdict(list),
-                      np.float32(1), torch.nn.Parameter(torch.zeros(1)), 1j, {1.5: 1}, {None: 1}, {(1,): 1},
-                      {Name("n"): 1}, {2**64: 1}):
+    for converted in (
+        (1,),
+        {1},
+        frozenset(),
+        bytearray(),
+        Level.LOW,
+        Name("n"),
+        OrderedDict(),
+        defaultdict(list),
+        np.float32(1),
+        torch.nn.Parameter(torch.zeros(1)),
+        1j,
+        {1.5: 1},
+        {None: 1},
+        {(1,): 1},
+        {Name("n"): 1},
+        {2**64: 1},
+    ):
         assert not carried({"x": converted}, *LEAVES), converted
     inner = [1]
     assert not carried([inner, inner], ())  # met twice: msgspec would send two lists
@@ -152,6 +189,7 @@ def test_the_rules(walk):
 
     class Sized:
         nbytes = 10_000  # a Python class: its getters could run code while the walk holds borrowed references
+
     if walk == "c":
         with pytest.raises(TypeError, match="large must be a type defined in C"):
             carried([Sized()], (), Sized, 0, ())
@@ -159,8 +197,10 @@ def test_the_rules(walk):
     class Equal(type):
         def __eq__(cls, other):  # equal to everything: the walks compare types by identity
             return True
+
         __hash__ = type.__hash__
 
     class Odd(metaclass=Equal):
         pass
+
     assert not carried({"x": Odd()}, (torch.Tensor,))

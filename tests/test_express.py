@@ -70,7 +70,8 @@ def test_the_express_slot_is_the_general_paths_slot_byte_for_byte(name, index):
 def test_a_frame_that_fills_the_slot_exactly_is_express_one_byte_more_is_not():
     capacity = SLOT - PREFIX.size
     fixed = len(_frame.encode(b"", registry.guarded("pickle"), max_bytes=LIMIT).frame) - len(
-        registry.guarded("pickle").dumps(b""))
+        registry.guarded("pickle").dumps(b"")
+    )
     n = 0
     while fixed + len(registry.guarded("pickle").dumps(b"x" * n)) < capacity:
         n += 1
@@ -112,8 +113,11 @@ def routes_and_outcomes() -> List[Any]:
         ("encode fails", lambda: comm.send(lambda: 0, 1), lambda: comm.recv(0)),
         ("per-call serializer", lambda: comm.send({"m": 1}, 1, serializer="msgpack"), lambda: comm.recv(0)),
         ("per-call recv option", lambda: comm.send({"b": 2}, 1), lambda: comm.recv(0, max_bytes=1 << 20)),
-        ("refused by accept", lambda: comm.send({"c": 3}, 1),
-         lambda: objcomm.Communicator(accept=["msgpack"], local=True).recv(0)),
+        (
+            "refused by accept",
+            lambda: comm.send({"c": 3}, 1),
+            lambda: objcomm.Communicator(accept=["msgpack"], local=True).recv(0),
+        ),
         ("after the refusal", lambda: comm.send("still fine", 1), lambda: comm.recv(0)),
     ]
     got = []
@@ -122,9 +126,14 @@ def routes_and_outcomes() -> List[Any]:
             outcome = _outcome(send if rank == 0 else recv)
         got.append((label, outcome, counts["send"] + counts["recv"]))
     # bad arguments: the general path's errors, on the calling rank alone
-    for label, call in [("dst True", lambda: comm.send(1, True)), ("dst outside", lambda: comm.send(1, 99)),
-                        ("dst self", lambda: comm.send(1, rank)), ("tag -1", lambda: comm.send(1, 1 - rank, tag=-1)),
-                        ("tag True", lambda: comm.recv(1 - rank, tag=True)), ("src self", lambda: comm.recv(rank))]:
+    for label, call in [
+        ("dst True", lambda: comm.send(1, True)),
+        ("dst outside", lambda: comm.send(1, 99)),
+        ("dst self", lambda: comm.send(1, rank)),
+        ("tag -1", lambda: comm.send(1, 1 - rank, tag=-1)),
+        ("tag True", lambda: comm.recv(1 - rank, tag=True)),
+        ("src self", lambda: comm.recv(rank)),
+    ]:
         got.append((label, _outcome(call)))
     assert channel.p2p and not channel.closed
     return got
@@ -216,8 +225,12 @@ def changes_between_calls() -> List[Any]:
     assert comm._express() is not held  # worked out again after configure() and restore()
 
     def marked(mark: bytes) -> Any:  # a serializer whose payloads say which one wrote them, and results which read
-        return registry.register("marked", lambda o: mark + pickle.dumps(o),
-                                 lambda b: (bytes(b[:1]), mark, pickle.loads(b[1:])), replace=True)
+        return registry.register(
+            "marked",
+            lambda o: mark + pickle.dumps(o),
+            lambda b: (bytes(b[:1]), mark, pickle.loads(b[1:])),
+            replace=True,
+        )
 
     marked(b"1")
     try:
@@ -295,8 +308,12 @@ def hostile_slots() -> List[Any]:
                     got.append((label, _outcome(lambda c=comm: c.recv(1, tag=7), message=True)))
                 got.append((label + ": decode_parsed calls", decoded["calls"]))
                 if cases is survived:
-                    got.append((label + ": general path",
-                                _outcome(lambda c=comm, m=limit: c.recv(1, tag=7, max_bytes=m), message=True)))
+                    got.append(
+                        (
+                            label + ": general path",
+                            _outcome(lambda c=comm, m=limit: c.recv(1, tag=7, max_bytes=m), message=True),
+                        )
+                    )
         if rank == 1 and cases is not survived:
             got.append(("peer", _outcome(lambda c=comm: c.recv(0, tag=9))))  # rank 0's channel closed: EOF here
         dist.destroy_process_group(sub)
@@ -316,9 +333,17 @@ def test_hostile_slots_through_the_express_path_raise_as_on_the_general_path():
     for label in ("good", "garbage pickle payload", "empty pickle payload"):  # this rank's serializer: decoded as is
         assert everything[label + ": decode_parsed calls"] == 0
     assert everything["a msgpack frame: decode_parsed calls"] == 1  # another one: found in the registry
-    for label in ("good", "bad magic", "frame shorter than its header says", "unknown serializer",
-                  "error report that is not one", "trimmed, shorter than a header", "garbage pickle payload",
-                  "empty pickle payload", "a msgpack frame"):  # type and message, as on the general path
+    for label in (
+        "good",
+        "bad magic",
+        "frame shorter than its header says",
+        "unknown serializer",
+        "error report that is not one",
+        "trimmed, shorter than a header",
+        "garbage pickle payload",
+        "empty pickle payload",
+        "a msgpack frame",
+    ):  # type and message, as on the general path
         assert everything[label] == everything[label + ": general path"], label
     assert got["bad magic"] == ("raised", "FrameError")
     assert got["frame shorter than its header says"] == ("raised", "FrameError")
@@ -377,8 +402,10 @@ def collective_routes_and_outcomes() -> List[Any]:
     assert comm._held is not None
     got: List[Any] = [comm._held[9] is _resolving._NEXT]  # one collective: the express path is not built yet
     big, limit = b"y" * 10_000, comm._call({}).options.max_bytes
-    refusing, packing = objcomm.Communicator(accept=["msgpack"], local=True), objcomm.Communicator(
-        serializer="msgpack", local=True)
+    refusing, packing = (
+        objcomm.Communicator(accept=["msgpack"], local=True),
+        objcomm.Communicator(serializer="msgpack", local=True),
+    )
     for other in (refusing, packing):
         _outcome(lambda c=other: c.all_gather(None))  # their first collective: the next builds the express path
     cases = [  # (label, what a call does with the options it is given)
@@ -493,8 +520,9 @@ def _mutations(slot: bytes) -> List[bytes]:
             changed = bytearray(slot)
             changed[at] = value
             out.append(bytes(changed))
-    out += [slot[:n] for n in (0, 1, PREFIX.size, _frame._SLOT_HEADER.size - 1, _frame._SLOT_HEADER.size,
-                               len(slot) - 1)]
+    out += [
+        slot[:n] for n in (0, 1, PREFIX.size, _frame._SLOT_HEADER.size - 1, _frame._SLOT_HEADER.size, len(slot) - 1)
+    ]
     return out
 
 

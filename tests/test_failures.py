@@ -156,9 +156,14 @@ def limits_on_both_sides() -> dict:
     # receiver side, broadcast: round 1 told rank 2 every transfer, so it drains them (through a chunk-sized
     # buffer of the backend, or the same-host channel's messages) and raises alone; the others receive
     comm = objcomm.Communicator(max_bytes=limit, chunk_bytes=4096)
-    for key, drained, via in [("broadcast", "messages of at most 65,536 bytes of the same-host channel", comm),
-                              ("broadcast, backend", "scratch buffer of at most chunk_bytes=4,096",
-                               objcomm.Communicator(max_bytes=limit, chunk_bytes=4096, local=False))]:
+    for key, drained, via in [
+        ("broadcast", "messages of at most 65,536 bytes of the same-host channel", comm),
+        (
+            "broadcast, backend",
+            "scratch buffer of at most chunk_bytes=4,096",
+            objcomm.Communicator(max_bytes=limit, chunk_bytes=4096, local=False),
+        ),
+    ]:
         try:
             out[key] = len(via.broadcast("z" * 50_000 if rank == 0 else None, src=0))
         except objcomm.TooLargeError as exc:
@@ -313,8 +318,11 @@ def original_type_on_the_failing_rank() -> dict:
             seen[name] = "returned"
         except objcomm.RemoteError as exc:
             again = pickle.loads(pickle.dumps(exc))  # the harness and users ship exceptions between processes
-            seen[name] = [isinstance(exc, expected), exc.failures[1][0] == expected.__name__,
-                          isinstance(again, expected) == isinstance(exc, expected) and again.failures == exc.failures]
+            seen[name] = [
+                isinstance(exc, expected),
+                exc.failures[1][0] == expected.__name__,
+                isinstance(again, expected) == isinstance(exc, expected) and again.failures == exc.failures,
+            ]
     if rank == 1:
         try:
             objcomm.send(local, dst=0)

@@ -54,8 +54,7 @@ def every_collective(local: bool, slot_bytes: int, group_ranks: Optional[List[in
     results.append(comm.reduce(rank, "max", dst=members[-1]))
     channel = _channel(group)
     used = channel not in (None, "never opened")
-    return {"results": [_plain(r) for r in results], "used": used,
-            "seq": (channel._seq - seq_before) if used else 0}
+    return {"results": [_plain(r) for r in results], "used": used, "seq": (channel._seq - seq_before) if used else 0}
 
 
 def _plain(value: Any) -> Any:
@@ -212,12 +211,16 @@ def spins_as_set(spin_us: Optional[int]) -> List[Any]:
 def test_the_spin_setting_reaches_every_wait(spin_us):
     seen = get_pool(3).run(spins_as_set, spin_us)
     spin = None if spin_us is None else spin_us * 1e-6
-    assert seen == [[spin, [0, 1, 2], "b", "from 1", True], [spin, [0, 1, 2], "b", "from 0", True],
-                    [spin, [0, 1, 2], "b", True]]
+    assert seen == [
+        [spin, [0, 1, 2], "b", "from 1", True],
+        [spin, [0, 1, 2], "b", "from 0", True],
+        [spin, [0, 1, 2], "b", True],
+    ]
 
 
 def control_words(mismatch: bool) -> Any:
     from objcomm._samehost import channel_slots as _channel_slots
+
     comm = objcomm.Communicator()
     wire = comm._call({}).wire
     assert isinstance(wire.first_round, _channel_slots.SameHostSlots)
@@ -253,11 +256,13 @@ def message_sizes() -> Dict[str, List[int]]:
     rank = dist.get_rank()
     try:
         for label, obj in [("small", {"r": 1}), ("tensor", {"t": torch.zeros(3)}), ("past the slot", "x" * 2000)]:
-            for op, call in [("all_gather", lambda o: comm.all_gather(o)),
-                             ("broadcast", lambda o: comm.broadcast(o if rank == 0 else None, src=0)),
-                             ("scatter", lambda o: comm.scatter([o, o] if rank == 0 else None, src=0)),
-                             ("all_to_all", lambda o: comm.all_to_all([o, o])),
-                             ("send/recv", lambda o: comm.send(o, 1) if rank == 0 else comm.recv(0))]:
+            for op, call in [
+                ("all_gather", lambda o: comm.all_gather(o)),
+                ("broadcast", lambda o: comm.broadcast(o if rank == 0 else None, src=0)),
+                ("scatter", lambda o: comm.scatter([o, o] if rank == 0 else None, src=0)),
+                ("all_to_all", lambda o: comm.all_to_all([o, o])),
+                ("send/recv", lambda o: comm.send(o, 1) if rank == 0 else comm.recv(0)),
+            ]:
                 sent.clear()
                 result = call(obj)
                 if op != "send/recv" or rank == 1:
@@ -315,8 +320,12 @@ def many_small_calls(count: int) -> Dict[str, int]:
     fds, rss = _open_fds(), _rss_kib()
     for i in range(count // 4):
         four(i)
-    return {"fds": _open_fds() - fds, "rss_kib": _rss_kib() - rss, "used": int(_channel() is not None),
-            "p2p": int(_channel().p2p)}
+    return {
+        "fds": _open_fds() - fds,
+        "rss_kib": _rss_kib() - rss,
+        "used": int(_channel() is not None),
+        "p2p": int(_channel().p2p),
+    }
 
 
 @pytest.mark.timeout(400)

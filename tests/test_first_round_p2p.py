@@ -63,8 +63,9 @@ SCENARIOS = [  # (scenario, args, world): every send/recv scenario of the backen
 ]
 
 
-@pytest.mark.parametrize("scenario, args, world", SCENARIOS,
-                         ids=[f"{s.__module__}.{s.__name__}-{a}-w{w}" for s, a, w in SCENARIOS])
+@pytest.mark.parametrize(
+    "scenario, args, world", SCENARIOS, ids=[f"{s.__module__}.{s.__name__}-{a}-w{w}" for s, a, w in SCENARIOS]
+)
 def test_backend_scenarios_give_the_same_through_the_channel(scenario, args, world):
     pool = get_pool(world)
     assert pool.run(through_the_channel, scenario, *args) == pool.run(scenario, *args)
@@ -74,8 +75,9 @@ def test_backend_scenarios_give_the_same_through_the_channel(scenario, args, wor
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_op_with_a_ring_of_send_recv_through_the_channel(world, layout):
     kinds = test_collectives.KINDS_FOR[layout]
-    got = get_pool(world).run(through_the_channel, test_collectives.run_all_ops, "msgpack",
-                              test_collectives.LAYOUTS[layout], kinds)
+    got = get_pool(world).run(
+        through_the_channel, test_collectives.run_all_ops, "msgpack", test_collectives.LAYOUTS[layout], kinds
+    )
     assert got == [len(kinds)] * world
 
 
@@ -129,7 +131,9 @@ def in_flight_at_the_first_collective() -> List[Any]:
 
 def test_send_recv_move_to_the_channel_only_when_nothing_is_in_flight():
     assert get_pool(2).run(in_flight_at_the_first_collective) == [
-        [False, "early", False, True, "late"], [False, False, True]]
+        [False, "early", False, True, "late"],
+        [False, False, True],
+    ]
 
 
 def starts_during_a_vote() -> List[Any]:
@@ -173,6 +177,7 @@ def many_threads(rounds: int) -> Dict[str, Any]:
                 fn()
             except BaseException as exc:  # noqa: B036 - reported below
                 errors.append(exc)
+
         return run
 
     def sender(peer: int, tag: int) -> None:
@@ -196,12 +201,15 @@ def many_threads(rounds: int) -> Dict[str, Any]:
         request.wait(60)
     for thread in threads:
         thread.join(120)
-    return {"errors": [repr(e) for e in errors], "gathered": gathered == [[(r, i) for r in range(world)]
-                                                                           for i in range(rounds)],
-            "streams": all(got[f"{p}/{t}"] == [(p, t, i, "x" * (i % 3 * 200)) for i in range(rounds)]
-                           for p in peers for t in (1, 2)),
-            "any": got.get("any") == sorted(p for p in peers for _ in range(rounds)),
-            "p2p": _state_of().channel.p2p}
+    return {
+        "errors": [repr(e) for e in errors],
+        "gathered": gathered == [[(r, i) for r in range(world)] for i in range(rounds)],
+        "streams": all(
+            got[f"{p}/{t}"] == [(p, t, i, "x" * (i % 3 * 200)) for i in range(rounds)] for p in peers for t in (1, 2)
+        ),
+        "any": got.get("any") == sorted(p for p in peers for _ in range(rounds)),
+        "p2p": _state_of().channel.p2p,
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -317,8 +325,11 @@ def tagged_message_ahead_of_a_collective(tag: int) -> List[Any]:
 
 @pytest.mark.parametrize("tag", [0, 1000])
 def test_a_tagged_message_read_by_a_collective_waits_for_its_recv(tag):
-    assert get_pool(3).run(tagged_message_ahead_of_a_collective, tag) == [[[0, 1, 2]], [[0, 1, 2]],
-                                                                          [[0, 1, 2], "hello"]]
+    assert get_pool(3).run(tagged_message_ahead_of_a_collective, tag) == [
+        [[0, 1, 2]],
+        [[0, 1, 2]],
+        [[0, 1, 2], "hello"],
+    ]
 
 
 def send_started_during_the_opening_vote() -> Any:

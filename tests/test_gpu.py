@@ -154,8 +154,9 @@ def _nccl_map_location() -> None:
     device = current_cuda()
     mine = sample(0, device)
     for where in ("cpu", torch.device("cpu"), "cuda", device):
-        check_each(_every_collective(objcomm.Communicator(), mine, map_location=where), 0, where,
-                   f"map_location={where!r}")
+        check_each(
+            _every_collective(objcomm.Communicator(), mine, map_location=where), 0, where, f"map_location={where!r}"
+        )
     # the module-level functions and a Communicator's own default
     check(objcomm.all_gather(mine, map_location="cpu")[0], 0, "cpu")
     check(objcomm.Communicator(map_location="cpu").broadcast(mine), 0, "cpu")
@@ -205,9 +206,7 @@ def _nccl_profiled() -> Dict[str, Any]:
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     copies = [
-        (str(e["name"]), e.get("args", {}).get("bytes"))
-        for e in events
-        if str(e.get("name", "")).startswith("Memcpy")
+        (str(e["name"]), e.get("args", {}).get("bytes")) for e in events if str(e.get("name", "")).startswith("Memcpy")
     ]
     return {"copies": copies, "calls": len(results)}
 

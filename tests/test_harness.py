@@ -336,5 +336,4 @@ def test_get_pool_cache_and_close_is_idempotent(pool3):
         with pytest.raises(PoolBrokenError):
             pool.run(rank_and_size)
     close_all_pools()
-    assert not any(p.pid in {pid for pool in pools for pid in pool.pids}
-                   for p in multiprocessing.active_children())
+    assert not any(p.pid in {pid for pool in pools for pid in pool.pids} for p in multiprocessing.active_children())

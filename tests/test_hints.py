@@ -53,10 +53,14 @@ def test_what_pickle_finds_no_name_for_is_sent_to_cloudpickle(serializer, value)
 
 
 @pytest.mark.parametrize("serializer", PICKLES)
-@pytest.mark.parametrize(("value", "hook", "raised"), [
-    (RaisingReduce(), "RaisingReduce.__reduce__", "ValueError: nope"),
-    (RaisingGetstate(), "RaisingGetstate.__getstate__", "RuntimeError: no state"),
-], ids=["__reduce__", "__getstate__"])
+@pytest.mark.parametrize(
+    ("value", "hook", "raised"),
+    [
+        (RaisingReduce(), "RaisingReduce.__reduce__", "ValueError: nope"),
+        (RaisingGetstate(), "RaisingGetstate.__getstate__", "RuntimeError: no state"),
+    ],
+    ids=["__reduce__", "__getstate__"],
+)
 def test_the_objects_own_code_raising_is_named_and_no_serializer_suggested(serializer, value, hook, raised):
     message = encode_error(serializer, {"a": [value]})
     assert f"at $['a'][0]: {hook} (test_hints.py, line " in message
@@ -115,8 +119,14 @@ def reduces(op: Any) -> List[Any]:
         try:
             outcomes.append({"returned": call()})
         except objcomm.RemoteError as exc:
-            outcomes.append({"message": str(exc), "failures": exc.failures,
-                             "is_value_error": isinstance(exc, ValueError), "cause": repr(exc.__cause__)})
+            outcomes.append(
+                {
+                    "message": str(exc),
+                    "failures": exc.failures,
+                    "is_value_error": isinstance(exc, ValueError),
+                    "cause": repr(exc.__cause__),
+                }
+            )
     return outcomes
 
 

@@ -64,7 +64,7 @@ def _find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = walk(nxt)
                 if cycle:
@@ -122,8 +122,12 @@ def _floor(module: str) -> int:
 
 
 def test_every_import_goes_down_the_floors():
-    upward = [f"{m} (floor {_floor(m)}) imports {n} (floor {_floor(n)})"
-              for m, used in sorted(_graph("objcomm").items()) for n in sorted(used) if _floor(n) < _floor(m)]
+    upward = [
+        f"{m} (floor {_floor(m)}) imports {n} (floor {_floor(n)})"
+        for m, used in sorted(_graph("objcomm").items())
+        for n in sorted(used)
+        if _floor(n) < _floor(m)
+    ]
     assert upward == []
 
 

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT = 150  # seconds for one launch (startup of 4 ranks on 2 cores takes ~10 s)
 
 # Runs on every rank. Records what it saw in <out>/rank<R>.pkl; the tests judge it.
-ALL_OPS = r'''
+ALL_OPS = r"""
 import os, pickle, sys, traceback, warnings
 from datetime import timedelta
 from unittest import mock
@@ -97,7 +97,7 @@ finally:
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(seen, f)
     dist.destroy_process_group()
-'''
+"""
 
 
 def torchrun(*args: str) -> List[str]:
@@ -117,9 +117,7 @@ def run_agents(commands: Sequence[List[str]], workdir: Path, timeout: float = LA
         for i, cmd in enumerate(commands):
             log = open(workdir / f"agent{i}.log", "w+")
             logs.append(log)
-            procs.append(
-                subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-            )
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
         for proc in procs:
             proc.wait(timeout=timeout)  # one shared budget in practice: they finish together
     except BaseException:
@@ -211,8 +209,13 @@ def test_two_nodes_of_two_ranks(tmp_path):
     out.mkdir()
     port, run_id = free_port(), f"objcomm-{uuid.uuid4().hex[:8]}"
     common = [
-        "--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id={run_id}", "--rdzv-conf=join_timeout=60", "--max-restarts=0",
+        "--nnodes=2",
+        "--nproc_per_node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_id}",
+        "--rdzv-conf=join_timeout=60",
+        "--max-restarts=0",
     ]
     agents = [torchrun(*common, f"--node_rank={node}", str(script), str(out), "gloo") for node in (0, 1)]
     outputs = run_agents(agents, tmp_path)
@@ -221,7 +224,10 @@ def test_two_nodes_of_two_ranks(tmp_path):
 
     env = [s["env"] for s in seen]
     assert [(e["RANK"], e["LOCAL_RANK"], e["GROUP_RANK"]) for e in env] == [
-        ("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")
+        ("0", "0", "0"),
+        ("1", "1", "0"),
+        ("2", "0", "1"),
+        ("3", "1", "1"),
     ]
     assert all(e["WORLD_SIZE"] == "4" and e["LOCAL_WORLD_SIZE"] == "2" for e in env)
     for e, s in zip(env, seen):
@@ -318,8 +324,11 @@ print(json.dumps(report))
 
 def _plugin_report(pythonpath: str) -> dict:
     done = subprocess.run(
-        [sys.executable, "-c", PLUGIN_CHECK], env={**os.environ, "PYTHONPATH": pythonpath},
-        capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", PLUGIN_CHECK],
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -330,13 +339,29 @@ def test_custom_serializer_package_is_found_through_its_entry_point(tmp_path):
     """pip-install examples/custom_serializer into a temporary target; a fresh process finds "literal"."""
     pytest.importorskip("setuptools")
     source = tmp_path / "src"  # build from a copy: setuptools leaves build/ and *.egg-info behind
-    shutil.copytree(REPO / "examples" / "custom_serializer", source,
-                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    shutil.copytree(
+        REPO / "examples" / "custom_serializer",
+        source,
+        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"),
+    )
     site = tmp_path / "site"
     pip = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-         "--disable-pip-version-check", "--target", str(site), str(source)],
-        capture_output=True, text=True, timeout=150,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "--target",
+            str(site),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
     assert pip.returncode == 0, pip.stdout + pip.stderr
     [entry_points] = site.glob("objcomm_literal-*.dist-info/entry_points.txt")

@@ -41,8 +41,10 @@ def pairwise(infos: List[Any], receivers: Any, op: str) -> None:
         limit = infos[receiver].limit
         for sender, info in enumerate(infos):
             if sender != receiver and not info.error and info.total > limit:
-                raise TooLargeError(f"{op}: rank {sender} sends {info.total:,} bytes, above the max_bytes={limit:,} "
-                                    f"of receiving rank {receiver}")
+                raise TooLargeError(
+                    f"{op}: rank {sender} sends {info.total:,} bytes, above the max_bytes={limit:,} "
+                    f"of receiving rank {receiver}"
+                )
 
 
 def outcome(check: Any, infos: List[Any], receivers: Any) -> Optional[str]:
@@ -58,8 +60,10 @@ def test_the_same_first_failure_as_every_pair_in_order():
     raised = 0
     for _ in range(2000):
         world = rng.choice([1, 2, 3, 5, 8, 33])
-        infos = [Info(10, rng.random() < 0.2, rng.choice([10, 100, 1000, 5000]), rng.choice([50, 500, 2000, 10**9]))
-                 for _ in range(world)]
+        infos = [
+            Info(10, rng.random() < 0.2, rng.choice([10, 100, 1000, 5000]), rng.choice([50, 500, 2000, 10**9]))
+            for _ in range(world)
+        ]
         receivers = [rng.randrange(world)] if rng.random() < 0.3 else range(world)
         expected = outcome(pairwise, infos, receivers)
         assert outcome(check_limits, infos, receivers) == expected, (infos, list(receivers))
@@ -69,8 +73,10 @@ def test_the_same_first_failure_as_every_pair_in_order():
 
 def test_a_sender_is_never_held_to_its_own_limit():
     infos = [Info(10, False, 10**6, 100), Info(10, False, 10, 100)]  # rank 0's own payload is above its limit
-    assert outcome(check_limits, infos, range(2)) == "rank 0 sends 1,000,000 bytes, above the max_bytes=100 of " \
-                                                     "receiving rank 1"
+    assert (
+        outcome(check_limits, infos, range(2)) == "rank 0 sends 1,000,000 bytes, above the max_bytes=100 of "
+        "receiving rank 1"
+    )
     assert outcome(check_limits, infos, [0]) is None
 
 

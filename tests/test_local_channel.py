@@ -29,8 +29,15 @@ from objcomm._transport.base import Wire
 
 def _wire(group: Any = None) -> Wire:
     group = group if group is not None else dist.group.WORLD
-    return Wire(group=group, ranks=dist.get_process_group_ranks(group), rank=dist.get_rank(group),
-                device=torch.device("cpu"), slot=4096, chunk=1 << 20, max_bytes=1 << 30)
+    return Wire(
+        group=group,
+        ranks=dist.get_process_group_ranks(group),
+        rank=dist.get_rank(group),
+        device=torch.device("cpu"),
+        slot=4096,
+        chunk=1 << 20,
+        max_bytes=1 << 30,
+    )
 
 
 def _names(pids: List[int], besides: Iterable[str] = ()) -> List[str]:
@@ -62,8 +69,9 @@ def every_operation(rounds: int) -> Dict[str, Any]:
                 mine = _payload(src, step, 100 + step) if rank == src else None
                 assert channel.broadcast(mine, src) == _payload(src, step, 100 + step)
             parts = [_payload(rank * world + r, step, step % 7) for r in range(world)]
-            assert channel.scatter(parts if rank == step % world else None, step % world) == \
-                _payload((step % world) * world + rank, step, step % 7)
+            assert channel.scatter(parts if rank == step % world else None, step % world) == _payload(
+                (step % world) * world + rank, step, step % 7
+            )
             assert channel.all_to_all(parts) == [_payload(r * world + rank, step, step % 7) for r in range(world)]
             if world > 1:  # a ring of send/recv under two tags, received in the other order
                 right, left = (rank + 1) % world, (rank - 1) % world
@@ -127,8 +135,11 @@ def waits_for_a_late_peer(late_s: float, spin: Optional[float]) -> Tuple[float, 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("spin, world", [(None, 2), (0.0, 2), (0.02, 2), (None, 3)],
-                         ids=["automatic", "no spin", "20 ms spin", "automatic, more ranks than CPUs"])
+@pytest.mark.parametrize(
+    "spin, world",
+    [(None, 2), (0.0, 2), (0.02, 2), (None, 3)],
+    ids=["automatic", "no spin", "20 ms spin", "automatic, more ranks than CPUs"],
+)
 def test_a_waiting_rank_does_not_burn_the_cpu(spin, world):
     """A wait polls for at most its spin, once per call, then sleeps in the kernel until the peer comes."""
     if world == 3 and not _channel.yields(3):
@@ -236,8 +247,9 @@ def test_set_up_refuses_strangers(who):
     announced = os.getpid() + 1_000_000 if who == "another pid" else child  # the pid the group announced for rank 1
     peers: Dict[int, socket.socket] = {}
     try:
-        ok = _channel.LocalChannel._connect(0, peers, [os.getpid(), announced], [nonce, 0], [secret, 0], secret,
-                                          listener, time.monotonic() + 2.0)
+        ok = _channel.LocalChannel._connect(
+            0, peers, [os.getpid(), announced], [nonce, 0], [secret, 0], secret, listener, time.monotonic() + 2.0
+        )
     finally:
         listener.close()
         for sock in peers.values():
@@ -282,8 +294,9 @@ def test_a_silent_stranger_ahead_of_the_rank_does_not_hold_up_set_up():
     peers: Dict[int, socket.socket] = {}
     started = time.monotonic()
     try:
-        ok = _channel.LocalChannel._connect(0, peers, [os.getpid(), rank1], [nonce, 0], [secret, 0], secret,
-                                          listener, time.monotonic() + 20.0)
+        ok = _channel.LocalChannel._connect(
+            0, peers, [os.getpid(), rank1], [nonce, 0], [secret, 0], secret, listener, time.monotonic() + 20.0
+        )
         took = time.monotonic() - started
     finally:
         listener.close()
@@ -312,8 +325,7 @@ HOSTILE = {  # what rank 1 sends rank 0, and the error rank 0 must raise
     "negative tag": ([_header(_P2P, tag=-1)], "point-to-point message with a bad header"),
     "collective with a tag": ([_header(_GATHER, seq=1, tag=5)], "all_gather message with a bad header"),
     "stale seq": ([_header(_GATHER, seq=0)], "a duplicate or stale message"),
-    "duplicate seq": ([_header(_GATHER, seq=1) + b"x", _header(_GATHER, seq=1) + b"x"],
-                      "a duplicate or stale message"),
+    "duplicate seq": ([_header(_GATHER, seq=1) + b"x", _header(_GATHER, seq=1) + b"x"], "a duplicate or stale message"),
     "skipped seq": ([_header(_GATHER, seq=2) + b"x"], "sent collective #2 but not #1"),
     "flood": ([_header(_P2P, tag=99) + b"f" * 4000] * 200, "the stash of messages for calls not yet made would pass"),
     # empty messages under 100 distinct tags: each key costs Python far more than its 0 bytes (counted since)
@@ -366,7 +378,8 @@ def floods_the_stash() -> Any:
     """The stash holds what no call asked for yet, up to its limit: one message under it is kept (and taken
     later, in order), beyond it the channel fails."""
     channel = _channel.LocalChannel.open(
-        _wire(), timeout=20, stash_bytes=4 * (1000 + _inbox.ENTRY_OVERHEAD) + 2 * _inbox.KEY_OVERHEAD)
+        _wire(), timeout=20, stash_bytes=4 * (1000 + _inbox.ENTRY_OVERHEAD) + 2 * _inbox.KEY_OVERHEAD
+    )
     assert channel is not None
     with channel:
         if dist.get_rank() == 1:

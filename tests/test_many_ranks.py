@@ -30,8 +30,17 @@ from objcomm._transport import bytes as _bytes
 from objcomm._transport import rounds as _rounds
 
 W = 8
-COLLECTIVES = ("broadcast", "all_gather", "all_reduce", "reduce", "gather", "scatter", "all_to_all_single",
-               "batch_isend_irecv", "barrier")
+COLLECTIVES = (
+    "broadcast",
+    "all_gather",
+    "all_reduce",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all_single",
+    "batch_isend_irecv",
+    "barrier",
+)
 
 
 @contextlib.contextmanager
@@ -72,7 +81,6 @@ def calls() -> Iterator[Dict[str, int]]:
             setattr(owner, name, real)
 
 
-
 def spread(case: str, rank: int) -> Any:
     """Rank ``rank``'s object in ``case`` on the pool's :data:`W` ranks."""
     return spread_of(case, rank, W)
@@ -99,8 +107,11 @@ def each_spread(op: str) -> List[Any]:
     for case in CASES:
         obj = spread(case, rank)
         root_obj = spread(case, 1) if rank == 1 else None
-        run = {"all_gather": lambda obj=obj: comm.all_gather(obj), "gather": lambda obj=obj: comm.gather(obj, dst=3),
-               "broadcast": lambda root_obj=root_obj: comm.broadcast(root_obj, src=1)}[op]
+        run = {
+            "all_gather": lambda obj=obj: comm.all_gather(obj),
+            "gather": lambda obj=obj: comm.gather(obj, dst=3),
+            "broadcast": lambda root_obj=root_obj: comm.broadcast(root_obj, src=1),
+        }[op]
         with calls() as counts:
             got = run()
         if op == "all_gather":
@@ -150,8 +161,9 @@ def test_reductions_end_without_an_all_gather_of_slots():
 
 def _forged_table(nbytes: int) -> Outgoing:
     """A frame with one 1,000-byte out-of-band tensor whose table entry announces ``nbytes`` (a lying sender)."""
-    out = _frame.encode({"t": torch.ones(1000, dtype=torch.uint8)}, serializers.get("pickle"), max_bytes=1 << 30,
-                        inline_tensor_bytes=0)
+    out = _frame.encode(
+        {"t": torch.ones(1000, dtype=torch.uint8)}, serializers.get("pickle"), max_bytes=1 << 30, inline_tensor_bytes=0
+    )
     frame = bytearray(out.frame)
     entry = _frame.HEADER.size + len(_frame.parse_header(memoryview(frame)).serializer)
     struct.pack_into("<Q", frame, entry + 8, nbytes)  # the entry's byte count
@@ -181,15 +193,27 @@ def bad_input(case: str) -> str:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
 
 
-@pytest.mark.parametrize("case", ["over the destination's limit", "over a receiver's limit",
-                                  "a failing encode (gather)", "a failing encode (all_gather)", "a lying sender"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "over the destination's limit",
+        "over a receiver's limit",
+        "a failing encode (gather)",
+        "a failing encode (all_gather)",
+        "a lying sender",
+    ],
+)
 def test_bad_input_gets_the_same_error_on_every_rank(case):
     outcomes = get_pool(W).run(bad_input, case, timeout=120)
     assert len(set(outcomes)) == 1, outcomes
     assert outcomes[0] != "no error"
-    expected = {"over the destination's limit": "TooLargeError", "over a receiver's limit": "TooLargeError",
-                "a failing encode (gather)": "RemoteError", "a failing encode (all_gather)": "RemoteError",
-                "a lying sender": "FrameError"}[case]
+    expected = {
+        "over the destination's limit": "TooLargeError",
+        "over a receiver's limit": "TooLargeError",
+        "a failing encode (gather)": "RemoteError",
+        "a failing encode (all_gather)": "RemoteError",
+        "a lying sender": "FrameError",
+    }[case]
     assert outcomes[0].startswith(expected), outcomes[0]
 
 
@@ -226,9 +250,19 @@ def two_levels(k: int) -> List[Any]:
             with calls() as to_one:
                 at_five = comm.gather(spread(case, rank), dst=5)
             right = all(_same(g, spread(case, r)) for r, g in enumerate(at_five)) if rank == 5 else at_five is None
-            rows.append((case, all(_same(g, spread(case, r)) for r, g in enumerate(got)), gathered["collectives"],
-                         gathered["blocking"], _same(root, spread(case, 6)), broadcast["collectives"], right,
-                         to_one["collectives"] + to_one["p2p"], shared))
+            rows.append(
+                (
+                    case,
+                    all(_same(g, spread(case, r)) for r, g in enumerate(got)),
+                    gathered["collectives"],
+                    gathered["blocking"],
+                    _same(root, spread(case, 6)),
+                    broadcast["collectives"],
+                    right,
+                    to_one["collectives"] + to_one["p2p"],
+                    shared,
+                )
+            )
         with calls() as reduced:
             total = comm.all_reduce(rank + 1, "sum")
         rows.append((total == sum(range(1, W + 1)), reduced["collectives"]))
@@ -256,8 +290,9 @@ def test_two_levels_only_leaders_call_the_backend(k):
     for rank, rows in enumerate(get_pool(W).run(two_levels, k, timeout=180)):
         leader = rank % k == 0
         done = len(CASES) if k == 4 else 3
-        for case, gathered, gathered_calls, blocking, broadcast, broadcast_calls, at_five, gather_calls, shared in \
-                rows[:done]:
+        for case, gathered, gathered_calls, blocking, broadcast, broadcast_calls, at_five, gather_calls, shared in rows[
+            :done
+        ]:
             assert gathered and broadcast and at_five, (k, rank, case, rows)
             assert shared == (case != "all 1 KB" and not leader), (k, rank, case, shared)  # 2.3 MB and more
             assert blocking == 0
@@ -284,8 +319,9 @@ def bad_input_on_two_levels(case: str) -> str:
             elif case == "a failing encode":
                 comm.all_gather(object() if rank == 5 else b"x" * 100_000, serializer="json")
             elif case == "a receiver refuses a broadcast":
-                comm.broadcast(b"y" * (3 << 20) if rank == 1 else None, src=1,
-                               max_bytes=(1 << 20) if rank == 7 else None)
+                comm.broadcast(
+                    b"y" * (3 << 20) if rank == 1 else None, src=1, max_bytes=(1 << 20) if rank == 7 else None
+                )
             elif case == "a lying sender":
                 if rank == 4:
                     _rounds.all_gather(comm._call({}).wire, _forged_table(1 << 40), _frame.tensor_sizes)
@@ -298,10 +334,15 @@ def bad_input_on_two_levels(case: str) -> str:
             assert comm.all_gather(rank) == list(range(W))  # the group is in step after the error
 
 
-@pytest.mark.parametrize("case, expected", [("over a receiver's limit", "TooLargeError"),
-                                            ("a failing encode", "RemoteError"),
-                                            ("a receiver refuses a broadcast", "TooLargeError"),
-                                            ("a lying sender", "FrameError")])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("over a receiver's limit", "TooLargeError"),
+        ("a failing encode", "RemoteError"),
+        ("a receiver refuses a broadcast", "TooLargeError"),
+        ("a lying sender", "FrameError"),
+    ],
+)
 def test_bad_input_on_two_levels_gets_the_same_error_on_every_rank(case, expected):
     outcomes = get_pool(W).run(bad_input_on_two_levels, case, timeout=120)
     assert len(set(outcomes)) == 1, outcomes
@@ -337,8 +378,10 @@ def lying_in_a_vote() -> Any:
         return _base.largest_of(wire, [0], "a vote")
     mine, theirs = torch.tensor([1]), torch.empty(1, dtype=torch.int64)
     for partner in (0, 3, 5):
-        ops = [dist.P2POp(dist.isend, mine.clone(), partner, wire.group, 2 * _base.INTERNAL_TAG + 1),
-               dist.P2POp(dist.irecv, theirs, partner, wire.group, 2 * _base.INTERNAL_TAG + 1)]
+        ops = [
+            dist.P2POp(dist.isend, mine.clone(), partner, wire.group, 2 * _base.INTERNAL_TAG + 1),
+            dist.P2POp(dist.irecv, theirs, partner, wire.group, 2 * _base.INTERNAL_TAG + 1),
+        ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         mine[0] = 0  # "accept" from now on

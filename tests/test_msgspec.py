@@ -48,8 +48,11 @@ def test_typed_decoding_gives_the_type_back_and_validates_while_it_decodes():
     sent = [Record(1, 0.5, ("a", "b")), Record(2, 1.5, ())]
     assert records.loads(records.dumps(sent)) == sent  # tuples come back as the type says
     untyped = serializers.get("msgspec")
-    with pytest.raises(DecodeError, match=r"records could not decode the payload: Expected `int`, got `str` - at "
-                                          r"`\$\[1\]\.id`"):
+    with pytest.raises(
+        DecodeError,
+        match=r"records could not decode the payload: Expected `int`, got `str` - at "
+        r"`\$\[1\]\.id`",
+    ):
         records.loads(untyped.dumps([{"id": 1, "score": 0.5, "tags": []}, {"id": "2", "score": 1.0, "tags": []}]))
     points = MsgspecSerializer(List[Point], name="points")
     assert points.loads(points.dumps([Point(1, 2)])) == [Point(1, 2)]
@@ -61,8 +64,19 @@ def test_typed_decoding_gives_the_type_back_and_validates_while_it_decodes():
 
 def test_untyped_conversions_are_what_the_docs_say():
     s = serializers.get("msgspec")
-    back = s.loads(s.dumps({"t": (1, 2), "s": {3}, "d": dt.date(2024, 1, 2), "c": 1 - 2j, "k": {(1, 2): 3},
-                            "np": np.float32(1.5), "a": np.arange(3, dtype=np.int16)}))
+    back = s.loads(
+        s.dumps(
+            {
+                "t": (1, 2),
+                "s": {3},
+                "d": dt.date(2024, 1, 2),
+                "c": 1 - 2j,
+                "k": {(1, 2): 3},
+                "np": np.float32(1.5),
+                "a": np.arange(3, dtype=np.int16),
+            }
+        )
+    )
     assert back["t"] == [1, 2] and back["s"] == [3] and back["d"] == "2024-01-02" and back["c"] == 1 - 2j
     assert back["k"] == {(1, 2): 3}
     assert type(back["np"]) is np.float32 and back["a"].dtype == np.int16 and back["a"].tolist() == [0, 1, 2]
@@ -82,8 +96,12 @@ def test_structured_arrays_are_refused_not_sent_without_their_field_names(name):
 
 def test_codecs_and_their_errors():
     s = serializers.get("msgspec")
-    codec = serializers.register_type(dt.timezone, lambda z: z.utcoffset(None).total_seconds(),
-                                      lambda x: dt.timezone(dt.timedelta(seconds=x)), validate=float)
+    codec = serializers.register_type(
+        dt.timezone,
+        lambda z: z.utcoffset(None).total_seconds(),
+        lambda x: dt.timezone(dt.timedelta(seconds=x)),
+        validate=float,
+    )
     try:
         assert s.loads(s.dumps({"z": [dt.timezone.utc]})) == {"z": [dt.timezone.utc]}
     finally:
@@ -118,8 +136,12 @@ def through_a_group() -> list:
     serializers.register(MsgspecSerializer(List[Record], name="records"), replace=True)
     mine = [Record(rank, rank / 2, ("r", str(rank)))]
     got = objcomm.all_gather(mine, serializer="records", accept=["records"])
-    tensors = objcomm.broadcast({"w": torch.full((BIG,), 7.0), "meta": {"step": 3}} if rank == 0 else None, src=0,
-                                serializer="msgspec", accept=["msgspec"])
+    tensors = objcomm.broadcast(
+        {"w": torch.full((BIG,), 7.0), "meta": {"step": 3}} if rank == 0 else None,
+        src=0,
+        serializer="msgspec",
+        accept=["msgspec"],
+    )
     try:  # a receiver decoding "records" refuses a payload that is not a list of records, before building it
         objcomm.broadcast([{"id": "zero"}] if rank == 0 else None, src=0, serializer="records")
         refused = "no error"
@@ -134,8 +156,10 @@ def test_msgspec_through_a_real_group(ranks):
     for rank_result in results:
         assert rank_result[:3] == [[("r", str(r)) for r in range(world)], 7.0 * BIG, {"step": 3}]
     for rank_result in results:  # every rank raises alike (the root decodes its own copy under the same rules)
-        assert rank_result[3] == ("DecodeError: could not decode the 'records' payload from rank 0: records could not "
-                                  "decode the payload: Expected `int`, got `str` - at `$[0].id`")
+        assert rank_result[3] == (
+            "DecodeError: could not decode the 'records' payload from rank 0: records could not "
+            "decode the payload: Expected `int`, got `str` - at `$[0].id`"
+        )
 
 
 def _decode_all(payloads: dict) -> dict:

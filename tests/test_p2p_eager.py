@@ -295,8 +295,9 @@ def test_every_rank_sends_to_every_other_before_receiving(path):
 
 # -- a pending send that fails is reported, not dropped --------------------------------------------------------------
 def _receiver_killed(rank: int, world: int, store: str, victim: int, results: Any) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
+    )
     objcomm.configure(local=False)  # a process of its own: nothing to restore
     dist.barrier()
     if rank == victim:
@@ -323,8 +324,9 @@ def test_a_pending_send_whose_receiver_died_is_reported_by_the_next_call():
 
 
 def _sender_ends(rank: int, world: int, store: str, victim: int, results: Any, destroy: bool) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
+    )
     objcomm.configure(local=False)
     dist.barrier()
     if rank == victim:  # sends and ends at once, before its receiver asks: delivered all the same

@@ -26,6 +26,7 @@ needs_c_walk = pytest.mark.skipif(
     _plain.is_plain_c is None, reason="the C walk was not built here (no compiler at install)"
 )
 
+
 def _answers(cases: List[bytes]) -> List[Tuple[bool, bool]]:
     """In the child: each case's answer from the Python walk and from the C walk."""
     return [(_plain.is_plain_python(data), _plain.is_plain_c(data)) for data in cases]
@@ -58,14 +59,28 @@ def test_the_c_walk_reads_any_declared_length_without_overflow():
     as signed), alone, inside a frame and after one; and every prefix of plain payloads."""
     cases = []
     for length in _lengths():
-        for code, width in ((b"C", 1), (b"U", 1), (b"\x8a", 1), (b"X", 4), (b"B", 4), (b"T", 4), (b"\x8d", 8),
-                            (b"\x8e", 8), (b"\x96", 8), (b"\x95", 8)):
+        for code, width in (
+            (b"C", 1),
+            (b"U", 1),
+            (b"\x8a", 1),
+            (b"X", 4),
+            (b"B", 4),
+            (b"T", 4),
+            (b"\x8d", 8),
+            (b"\x8e", 8),
+            (b"\x96", 8),
+            (b"\x95", 8),
+        ):
             if length >= 1 << (8 * width):
                 continue
             opcode = code + length.to_bytes(width, "little") + b"ab"
             frame = b"\x95" + struct.pack("<Q", len(opcode) + 2)
-            cases += [payload(opcode), payload(b"]" + opcode + b"a"), b"\x80\x05" + frame + b"]" + opcode + b"a.",
-                      b"\x80\x05" + frame + b"N0" + b"]" + opcode + b"a."]
+            cases += [
+                payload(opcode),
+                payload(b"]" + opcode + b"a"),
+                b"\x80\x05" + frame + b"]" + opcode + b"a.",
+                b"\x80\x05" + frame + b"N0" + b"]" + opcode + b"a.",
+            ]
     for data in (pickle.dumps([1.5, "x", (1, 2), {"k": b"v"}], protocol=5), payload(b"]" + b"G" + bytes(8) * 3)):
         cases += [data[:end] for end in range(len(data) + 1)]
     assert not _differences(cases)
@@ -77,8 +92,18 @@ def test_the_c_walk_draws_the_lines_where_the_python_walk_does():
     frames, empty frames, frames ending mid-opcode and at STOP, tuples straddling a frame."""
     cases, shown = [], []
     for length in (0, 255, 256, 1000):
-        for code, width in ((b"C", 1), (b"U", 1), (b"\x8a", 1), (b"X", 4), (b"B", 4), (b"T", 4), (b"\x8d", 8),
-                            (b"\x8e", 8), (b"\x96", 8), (b"\x8c", 1)):
+        for code, width in (
+            (b"C", 1),
+            (b"U", 1),
+            (b"\x8a", 1),
+            (b"X", 4),
+            (b"B", 4),
+            (b"T", 4),
+            (b"\x8d", 8),
+            (b"\x8e", 8),
+            (b"\x96", 8),
+            (b"\x8c", 1),
+        ):
             if length < 1 << (8 * width):
                 cases.append(payload(b"]" + code + length.to_bytes(width, "little") + b"a" * length + b"a"))
     frame = lambda body, extra=0: b"\x95" + struct.pack("<Q", len(body) + extra) + body  # noqa: E731
@@ -86,8 +111,11 @@ def test_the_c_walk_draws_the_lines_where_the_python_walk_does():
         b"\x80\x05" + frame(b"]" + frame(b"N") + b"a."),  # a FRAME inside a frame
         b"\x80\x05" + frame(b"") + frame(b"N."),  # an empty frame
         b"\x80\x05" + frame(b"N") + frame(b".") + b"",  # STOP in a frame of its own
-        *(b"\x80\x05" + frame(b"N" + op[:cut]) + op[cut:] + b"0." for op in PLAIN_OPCODES[:12]
-          for cut in range(1, len(op))),  # an opcode whose argument runs past its frame's end
+        *(
+            b"\x80\x05" + frame(b"N" + op[:cut]) + op[cut:] + b"0."
+            for op in PLAIN_OPCODES[:12]
+            for cut in range(1, len(op))
+        ),  # an opcode whose argument runs past its frame's end
         b"\x80\x05" + frame(b"K\x01") + frame(b"K\x02\x86."),  # a tuple's items in two frames
         b"\x80\x05" + frame(b"K\x01") + frame(b"\x87."),  # TUPLE3 of one item across a frame
         b"\x80\x05" + frame(b"N", 1) + b".",  # a frame declaring one byte more: ends on STOP

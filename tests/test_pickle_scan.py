@@ -106,8 +106,7 @@ def test_the_c_walk_takes_bytes_only():
 def _answers_with_a_larger_budget(cases: List[bytes], per_byte: int) -> List[tuple]:
     """In the child: :func:`_answers` with both walks' hashing budget at ``per_byte`` per payload byte."""
     _scan.HASH_WORK_PER_BYTE = per_byte
-    _scan._configure_c(*_scan._c_tables(), _scan.MAX_NESTING, per_byte,
-                              _scan.COMPARED_BYTES)
+    _scan._configure_c(*_scan._c_tables(), _scan.MAX_NESTING, per_byte, _scan.COMPARED_BYTES)
     return _answers(cases)
 
 
@@ -120,8 +119,12 @@ def test_the_c_walks_sums_of_hashing_work_never_overflow():
     dag = b"K\x01\x85" + b"2\x86" * 60 + b"\x940(h\x00"
     cases = []
     for n in (1, 2, 8, 64, 150, 200, 400):
-        cases += [payload(dag + b"2" * (n - 1) + b"\x91"), payload(b"}" + dag + b"2" * (n - 1) + b"tNs"),
-                  payload(b"(" + dag + b"2" * (n - 1) + b"tNd"), payload(b"\x8f(" + dag + b"2" * (n - 1) + b"\x90")]
+        cases += [
+            payload(dag + b"2" * (n - 1) + b"\x91"),
+            payload(b"}" + dag + b"2" * (n - 1) + b"tNs"),
+            payload(b"(" + dag + b"2" * (n - 1) + b"tNd"),
+            payload(b"\x8f(" + dag + b"2" * (n - 1) + b"\x90"),
+        ]
     answers = run_in_child(_answers_with_a_larger_budget, cases, 2**50, memory_budget=256 << 20)
     assert {pair[0] for pair in answers} == {"refused"}  # one capped dag already passes the budget
     assert [data.hex() for data, pair in zip(cases, answers) if pair[1] is not None] == []  # left to Python

@@ -17,14 +17,45 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def test_objcomm_exports():
-    assert sorted(objcomm.__all__) == sorted([
-        "all_gather", "gather", "broadcast", "scatter", "send", "recv", "all_to_all", "reduce", "all_reduce",
-        "Communicator", "collect_results",
-        "compat", "device_for_backend", "ObjcommError", "EncodeError", "DecodeError", "RemoteError", "FrameError",
-        "TooLargeError", "UnknownSerializerError", "ContentRefusedError", "CommunicationError", "SerializationError",
-        "MissingDependencyError", "configure", "restore", "settings", "Settings", "__version__",
-        "isend", "irecv", "Request", "WaitTimeoutError", "serializers", "connect",
-    ])
+    assert sorted(objcomm.__all__) == sorted(
+        [
+            "all_gather",
+            "gather",
+            "broadcast",
+            "scatter",
+            "send",
+            "recv",
+            "all_to_all",
+            "reduce",
+            "all_reduce",
+            "Communicator",
+            "collect_results",
+            "compat",
+            "device_for_backend",
+            "ObjcommError",
+            "EncodeError",
+            "DecodeError",
+            "RemoteError",
+            "FrameError",
+            "TooLargeError",
+            "UnknownSerializerError",
+            "ContentRefusedError",
+            "CommunicationError",
+            "SerializationError",
+            "MissingDependencyError",
+            "configure",
+            "restore",
+            "settings",
+            "Settings",
+            "__version__",
+            "isend",
+            "irecv",
+            "Request",
+            "WaitTimeoutError",
+            "serializers",
+            "connect",
+        ]
+    )
     for name in objcomm.__all__:
         assert hasattr(objcomm, name), name
     assert not [n for n in objcomm.__all__ if n.startswith("_") and n != "__version__"]
@@ -33,14 +64,43 @@ def test_objcomm_exports():
 def test_serializers_exports():
     for name in serializers.__all__:
         assert hasattr(serializers, name), name
-    assert sorted(serializers.__all__) == sorted([
-        "register", "get", "available", "unregister", "registry", "SerializerRegistry", "SerializerLike",
-        "ENTRY_POINT_GROUP", "register_type", "unregister_type", "codecs", "CodecRegistry", "TypeCodec",
-        "fidelity", "fidelity_table", "PROBES", "Verdict", "Serializer", "SerializerProtocol", "FunctionSerializer",
-        "PickleSerializer", "CloudpickleSerializer", "RestrictedPickleSerializer", "MsgpackSerializer",
-        "JsonSerializer", "ObjcommError", "SerializationError", "EncodeError", "DecodeError",
-        "UnknownSerializerError", "ContentRefusedError", "MsgspecSerializer", "AutoSerializer",
-    ])
+    assert sorted(serializers.__all__) == sorted(
+        [
+            "register",
+            "get",
+            "available",
+            "unregister",
+            "registry",
+            "SerializerRegistry",
+            "SerializerLike",
+            "ENTRY_POINT_GROUP",
+            "register_type",
+            "unregister_type",
+            "codecs",
+            "CodecRegistry",
+            "TypeCodec",
+            "fidelity",
+            "fidelity_table",
+            "PROBES",
+            "Verdict",
+            "Serializer",
+            "SerializerProtocol",
+            "FunctionSerializer",
+            "PickleSerializer",
+            "CloudpickleSerializer",
+            "RestrictedPickleSerializer",
+            "MsgpackSerializer",
+            "JsonSerializer",
+            "ObjcommError",
+            "SerializationError",
+            "EncodeError",
+            "DecodeError",
+            "UnknownSerializerError",
+            "ContentRefusedError",
+            "MsgspecSerializer",
+            "AutoSerializer",
+        ]
+    )
 
 
 OBJCOMM_SERIALIZERS = """
@@ -64,8 +124,19 @@ def test_objcomm_serializers_is_the_serializers_package():
     assert "serializers" in dir(objcomm)
 
 
-ERRORS = ["ObjcommError", "SerializationError", "EncodeError", "DecodeError", "UnknownSerializerError",
-          "ContentRefusedError", "FrameError", "TooLargeError", "CommunicationError", "WaitTimeoutError", "RemoteError"]
+ERRORS = [
+    "ObjcommError",
+    "SerializationError",
+    "EncodeError",
+    "DecodeError",
+    "UnknownSerializerError",
+    "ContentRefusedError",
+    "FrameError",
+    "TooLargeError",
+    "CommunicationError",
+    "WaitTimeoutError",
+    "RemoteError",
+]
 
 UNPICKLE = """
 import pickle, sys

@@ -85,24 +85,34 @@ logits, ids = torch.full((2, 3), float(dist.get_rank())), torch.arange(2)   # "T
 """
 
 EXAMPLE = "# torchrun --nproc_per_node=4 examples/gather_dicts.py"
-README = Page("README.md", PAIR, README_PRELUDE, expect={
-    EXAMPLE: {
-        "_stdout": PerRank(["P 0: {0: 1}\nAll: {0: 1}\n", "P 1: {}\n"]),  # two ranks: rank 0 alone is even
-        "merged": {0: 1}, "config": {"lr": 3e-4}, "everyone": PerRank([[{"rank": 0}, {"rank": 1}], None]),
-        "shard": PerRank([0, 10]), "status if rank == 0 else None": PerRank([{"done": True}, None]),
+README = Page(
+    "README.md",
+    PAIR,
+    README_PRELUDE,
+    expect={
+        EXAMPLE: {
+            "_stdout": PerRank(["P 0: {0: 1}\nAll: {0: 1}\n", "P 1: {}\n"]),  # two ranks: rank 0 alone is even
+            "merged": {0: 1},
+            "config": {"lr": 3e-4},
+            "everyone": PerRank([[{"rank": 0}, {"rank": 1}], None]),
+            "shard": PerRank([0, 10]),
+            "status if rank == 0 else None": PerRank([{"done": True}, None]),
+        },
+        'pending = objcomm.all_gather({"rank": rank, "loss": loss}, async_op=True)': {
+            "everyone": [{"rank": 0, "loss": 0.25}, {"rank": 1, "loss": 0.25}],
+            "step if rank == 1 else None": PerRank([None, {"step": 1}]),
+        },
+        'out = objcomm.all_gather({"logits": logits, "ids": ids}, serializer="msgpack", map_location="cpu")': {
+            "[(type(o['logits']).__name__, o['logits'].device.type, o['logits'][0, 0].item()) for o in out]": [
+                ("Tensor", "cpu", 0.0),
+                ("Tensor", "cpu", 1.0),
+            ]
+        },
+        "# from torch.distributed import all_gather_object, broadcast_object_list": {
+            "callable(all_gather_object) and callable(broadcast_object_list)": True
+        },
     },
-    'pending = objcomm.all_gather({"rank": rank, "loss": loss}, async_op=True)': {
-        "everyone": [{"rank": 0, "loss": 0.25}, {"rank": 1, "loss": 0.25}],
-        "step if rank == 1 else None": PerRank([None, {"step": 1}]),
-    },
-    'out = objcomm.all_gather({"logits": logits, "ids": ids}, serializer="msgpack", map_location="cpu")': {
-        "[(type(o['logits']).__name__, o['logits'].device.type, o['logits'][0, 0].item()) for o in out]":
-            [("Tensor", "cpu", 0.0), ("Tensor", "cpu", 1.0)],
-    },
-    "# from torch.distributed import all_gather_object, broadcast_object_list": {
-        "callable(all_gather_object) and callable(broadcast_object_list)": True,
-    },
-})
+)
 
 SAME_HOST_PRELUDE = """
 import numpy as np
@@ -115,12 +125,18 @@ steps = 3                                                     # the short-path l
 def should_stop():
     return False
 """
-SAME_HOST = Page("docs/same-host.md", PAIR, SAME_HOST_PRELUDE, expect={
-    "comm = objcomm.Communicator()": {"'arrays' in dir()": False},
-    'comm = objcomm.Communicator(serializer="msgpack")   # set once': {
-        "report if rank == 0 else None": PerRank([{"step": 2, "loss": 0.25}, None]), "stop": False,
+SAME_HOST = Page(
+    "docs/same-host.md",
+    PAIR,
+    SAME_HOST_PRELUDE,
+    expect={
+        "comm = objcomm.Communicator()": {"'arrays' in dir()": False},
+        'comm = objcomm.Communicator(serializer="msgpack")   # set once': {
+            "report if rank == 0 else None": PerRank([{"step": 2, "loss": 0.25}, None]),
+            "stop": False,
+        },
     },
-})
+)
 
 MPI4PY_PRELUDE = """
 import torch.distributed as dist
@@ -130,17 +146,25 @@ n_seen, n_correct = 10, 7
 record = {"score": float(dist.get_rank())}                   # reduce keeps the best
 """
 ROUTED = "world = dist.get_world_size()"
-MPI4PY = Page("docs/from-mpi4py.md", PAIR, MPI4PY_PRELUDE, skip={
-    "# mpi4py": "mpi4py is no dependency of objcomm; the next block is its objcomm translation, and runs",
-}, expect={
-    "# objcomm: under torchrun, or in a plain process, where every call acts as a world of one": {
-        "got": PerRank([{"from": 1}, {"from": 0}]), "total": 1},
-    ROUTED: {
-        "len(mine)": Anything(),  # the test checks the sum: routing hashes str keys, which differs per process
-        "totals": {"seen": 20, "correct": 14}, "best": PerRank([{"score": 1.0}, None]), "text": "01",
-        "(sender, status) if rank == 0 else None": PerRank([(1, {"step": 7}), None]),
+MPI4PY = Page(
+    "docs/from-mpi4py.md",
+    PAIR,
+    MPI4PY_PRELUDE,
+    skip={"# mpi4py": "mpi4py is no dependency of objcomm; the next block is its objcomm translation, and runs"},
+    expect={
+        "# objcomm: under torchrun, or in a plain process, where every call acts as a world of one": {
+            "got": PerRank([{"from": 1}, {"from": 0}]),
+            "total": 1,
+        },
+        ROUTED: {
+            "len(mine)": Anything(),  # the test checks the sum: routing hashes str keys, which differs per process
+            "totals": {"seen": 20, "correct": 14},
+            "best": PerRank([{"score": 1.0}, None]),
+            "text": "01",
+            "(sender, status) if rank == 0 else None": PerRank([(1, {"step": 7}), None]),
+        },
     },
-})
+)
 
 COLLECT_PRELUDE = """
 import torch
@@ -152,54 +176,86 @@ def model(batch):
     return batch * 2
 epoch = 1
 """
-COLLECT = Page("docs/collect-results.md", PAIR, COLLECT_PRELUDE, skip={
-    "objcomm.collect_results(part, size=None, dst=0, *, indices=None, group=None, serializer=None)":
-        "the function's signature, not a call",
-}, expect={
-    "sampler = DistributedSampler(dataset, shuffle=False)": {
-        "results": PerRank([[2.0 * i for i in range(11)], None])},
-    "sampler = DistributedSampler(dataset, shuffle=True, seed=0)": {
-        "results": PerRank([[2.0 * i for i in range(11)], None])},
-})
+COLLECT = Page(
+    "docs/collect-results.md",
+    PAIR,
+    COLLECT_PRELUDE,
+    skip={
+        "objcomm.collect_results(part, size=None, dst=0, *, indices=None, group=None, serializer=None)": (
+            "the function's signature, not a call"
+        )
+    },
+    expect={
+        "sampler = DistributedSampler(dataset, shuffle=False)": {
+            "results": PerRank([[2.0 * i for i in range(11)], None])
+        },
+        "sampler = DistributedSampler(dataset, shuffle=True, seed=0)": {
+            "results": PerRank([[2.0 * i for i in range(11)], None])
+        },
+    },
+)
 
-SECURITY = Page("docs/security.md", PAIR, "import objcomm\nimport torch.distributed as dist\nrank = dist.get_rank()\n",
-                section=SECURITY_SECTION, expect={
-    "class Unpicklable:": {"failed": [1], "got": PerRank([[0, 1], None])},
-})
+SECURITY = Page(
+    "docs/security.md",
+    PAIR,
+    "import objcomm\nimport torch.distributed as dist\nrank = dist.get_rank()\n",
+    section=SECURITY_SECTION,
+    expect={"class Unpicklable:": {"failed": [1], "got": PerRank([[0, 1], None])}},
+)
 
-CHOOSING = Page("docs/choosing-a-serializer.md", ALONE, "class MyRecord:\n    pass\nobj = {'loss': 0.25}\n", expect={
-    'objcomm.all_gather(obj, serializer="auto")  # any serializer this rank may use': {
-        "objcomm.all_gather(obj, serializer='auto') == [obj]": True,  # under accept=["msgpack", "json"] above
-        "serializers.get('auto').choose(obj)": "msgspec",  # JSON-like
-        "serializers.get('auto').choose({'kernel': (3, 3)})": "pickle",
-        "serializers.AutoSerializer(safe=True).choose({'kernel': (3, 3)})": "restricted-pickle"},
-    "import msgspec": {"objcomm.gather(records, dst=0, serializer='records', accept=['records']) == [records]": True,
-                       "_raises(lambda: serializers.get('records').loads(serializers.get('msgspec').dumps([0])))":
-                           "DecodeError"},
-    "import objcomm": {"sorted(objcomm.settings().accept)": ["json", "msgpack"],
-                       "_raises(lambda: objcomm.all_gather(1))": "ContentRefusedError",  # pickle, by default
-                       "_raises(lambda: objcomm.all_gather(1, serializer='msgpack'))": None,
-                       "_raises(lambda: comm.all_gather(1, serializer='msgpack'))": "ContentRefusedError",
-                       "_raises(lambda: comm.all_gather(1, serializer='restricted-pickle'))": None},
-    'serializers.get("restricted-pickle").allow(MyRecord, "mypkg.types.Other")': {
-        '"mypkg.types.Other" in serializers.get("restricted-pickle").allowed()': True},
-})
+CHOOSING = Page(
+    "docs/choosing-a-serializer.md",
+    ALONE,
+    "class MyRecord:\n    pass\nobj = {'loss': 0.25}\n",
+    expect={
+        'objcomm.all_gather(obj, serializer="auto")  # any serializer this rank may use': {
+            "objcomm.all_gather(obj, serializer='auto') == [obj]": True,  # under accept=["msgpack", "json"] above
+            "serializers.get('auto').choose(obj)": "msgspec",  # JSON-like
+            "serializers.get('auto').choose({'kernel': (3, 3)})": "pickle",
+            "serializers.AutoSerializer(safe=True).choose({'kernel': (3, 3)})": "restricted-pickle",
+        },
+        "import msgspec": {
+            "objcomm.gather(records, dst=0, serializer='records', accept=['records']) == [records]": True,
+            "_raises(lambda: serializers.get('records').loads(serializers.get('msgspec').dumps([0])))": "DecodeError",
+        },
+        "import objcomm": {
+            "sorted(objcomm.settings().accept)": ["json", "msgpack"],
+            "_raises(lambda: objcomm.all_gather(1))": "ContentRefusedError",  # pickle, by default
+            "_raises(lambda: objcomm.all_gather(1, serializer='msgpack'))": None,
+            "_raises(lambda: comm.all_gather(1, serializer='msgpack'))": "ContentRefusedError",
+            "_raises(lambda: comm.all_gather(1, serializer='restricted-pickle'))": None,
+        },
+        'serializers.get("restricted-pickle").allow(MyRecord, "mypkg.types.Other")': {
+            '"mypkg.types.Other" in serializers.get("restricted-pickle").allowed()': True
+        },
+    },
+)
 
-CUSTOM = Page("docs/custom-serializers.md", ALONE, 'big_dict = {"losses": list(range(10_000))}\n', skip={
-    "dumps(obj, /) -> bytes-like          # raise serializers.EncodeError when obj cannot be encoded":
-        "the protocol's two signatures, not code",
-    "from objcomm import serializers": "needs the examples/custom_serializer package installed; "
+CUSTOM = Page(
+    "docs/custom-serializers.md",
+    ALONE,
+    'big_dict = {"losses": list(range(10_000))}\n',
+    skip={
+        "dumps(obj, /) -> bytes-like          # raise serializers.EncodeError when obj cannot be encoded": (
+            "the protocol's two signatures, not code"
+        ),
+        "from objcomm import serializers": "needs the examples/custom_serializer package installed; "
         "tests/test_launch.py::test_custom_serializer_package_is_found_through_its_entry_point runs it so",
-}, expect={
-    "import pickle": {'objcomm.all_gather(big_dict, serializer="zlib-pickle") == [big_dict]': True},
-    "from serializers import DecodeError, EncodeError, Serializer": {
-        'serializers.get("upper").loads(serializers.get("upper").dumps("ab"))': "AB",
-        'serializers.get("upper").safe': True},
-})
+    },
+    expect={
+        "import pickle": {'objcomm.all_gather(big_dict, serializer="zlib-pickle") == [big_dict]': True},
+        "from serializers import DecodeError, EncodeError, Serializer": {
+            'serializers.get("upper").loads(serializers.get("upper").dumps("ab"))': "AB",
+            'serializers.get("upper").safe': True,
+        },
+    },
+)
 
-MULTINODE = Page("docs/multinode.md", ALONE, skip={
-    "import os": "torchrun on GPUs: needs LOCAL_RANK and CUDA for NCCL (tests/test_gpu.py checks NCCL on a GPU)",
-})
+MULTINODE = Page(
+    "docs/multinode.md",
+    ALONE,
+    skip={"import os": "torchrun on GPUs: needs LOCAL_RANK and CUDA for NCCL (tests/test_gpu.py checks NCCL on a GPU)"},
+)
 
 
 # -- reading pages ------------------------------------------------------------------------------------------------
@@ -306,8 +362,11 @@ def run_page(page: Page) -> Dict[str, Any]:
             with contextlib.redirect_stdout(out):
                 mismatches = _run_block(source, f"<{page.path}, python block {number}>", namespace)
             namespace["_stdout"] = out.getvalue()
-            ran[key] = {"stdout": out.getvalue(), "mismatches": mismatches,
-                        "probes": {e: _probe(e, namespace) for e in page.expect.get(key, {})}}
+            ran[key] = {
+                "stdout": out.getvalue(),
+                "mismatches": mismatches,
+                "probes": {e: _probe(e, namespace) for e in page.expect.get(key, {})},
+            }
     finally:
         dist.init_process_group = real_init
         sys.modules.pop(module_name, None)
@@ -352,10 +411,12 @@ def tensor_claims() -> Dict[str, str]:
     return {
         "msgpack, a tensor": outcome(lambda: objcomm.all_gather({"v": torch.ones(3)}, serializer="msgpack")),
         "msgpack, a Parameter": outcome(
-            lambda: objcomm.all_gather({"v": torch.nn.Parameter(torch.ones(3))}, serializer="msgpack")),
+            lambda: objcomm.all_gather({"v": torch.nn.Parameter(torch.ones(3))}, serializer="msgpack")
+        ),
         "msgpack, a numpy array": outcome(lambda: objcomm.all_gather({"v": np.ones(3)}, serializer="msgpack")),
         "msgpack, a subclass": outcome(
-            lambda: objcomm.all_gather({"v": torch.ones(3).as_subclass(Sub)}, serializer="msgpack")),
+            lambda: objcomm.all_gather({"v": torch.ones(3).as_subclass(Sub)}, serializer="msgpack")
+        ),
         "msgpack, attributes": outcome(lambda: objcomm.all_gather({"v": with_attribute}, serializer="msgpack")),
         "msgpack, sparse": outcome(lambda: objcomm.all_gather({"v": torch.eye(2).to_sparse()}, serializer="msgpack")),
         "msgpack directly": outcome(lambda: serializers.get("msgpack").dumps({"v": torch.ones(3)})),
@@ -367,6 +428,7 @@ def tensor_claims() -> Dict[str, str]:
 def serializer_listing() -> str:
     """What ``objcomm serializers`` prints, before any page registers a serializer of its own."""
     from objcomm._tools import cli as _cli
+
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert _cli.run(["serializers"]) == 0
@@ -390,8 +452,9 @@ def _dies_mid_job(local: bool, rank: int, world: int, store: str, victim: int, r
 
     import objcomm
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     comm = objcomm.Communicator(local=local)
     comm.all_gather(rank)
     if rank == victim:

@@ -29,8 +29,13 @@ def in_rank_order(serializer: str) -> List[Any]:
         results.append(comm.reduce(f"<{rank}>", "sum", dst=dst))
     results.append(comm.all_reduce({f"k{rank}": 1, "all": rank}, "merge_sum"))
     results.append(comm.all_reduce({"who": rank, f"r{rank}": True}, "merge"))
-    results.append((comm.all_reduce(rank * 10 - 7, "min"), comm.all_reduce(rank * 10 - 7, "max"),
-                    comm.all_reduce(rank + 2, "prod")))
+    results.append(
+        (
+            comm.all_reduce(rank * 10 - 7, "min"),
+            comm.all_reduce(rank * 10 - 7, "max"),
+            comm.all_reduce(rank + 2, "prod"),
+        )
+    )
     return results
 
 
@@ -91,8 +96,11 @@ def tensors_inside(shm: bool) -> List[bool]:
     comm = objcomm.Communicator(shm=shm, shm_threshold=1024)
     big = comm.all_reduce({"t": torch.full((5000,), float(rank)), "n": 1}, "merge_sum")
     total = comm.all_reduce(torch.arange(4) * rank, "sum")
-    return [torch.equal(big["t"], torch.full((5000,), float(sum(range(world))))), big["n"] == world,
-            torch.equal(total, torch.arange(4) * sum(range(world)))]
+    return [
+        torch.equal(big["t"], torch.full((5000,), float(sum(range(world))))),
+        big["n"] == world,
+        torch.equal(total, torch.arange(4) * sum(range(world))),
+    ]
 
 
 @pytest.mark.parametrize("shm", [False, True], ids=["group", "shm"])
@@ -126,10 +134,17 @@ def failing(position: int, how: str, op_name: str) -> Dict[str, Any]:
 
 # ranks that combine (and so call op) in a tree of 4: 0 (children 1, 2) and 2 (child 3); leaves: 1, 3
 @pytest.mark.parametrize("op_name", ["all_reduce", "reduce"])
-@pytest.mark.parametrize(("position", "how", "expected"), [
-    (0, "op", "KeyError"), (2, "op", "KeyError"), (3, "encode", "TypeError"), (1, "encode", "TypeError"),
-    (0, "encode", "TypeError"), (2, "unknown-op", "ValueError"),
-])
+@pytest.mark.parametrize(
+    ("position", "how", "expected"),
+    [
+        (0, "op", "KeyError"),
+        (2, "op", "KeyError"),
+        (3, "encode", "TypeError"),
+        (1, "encode", "TypeError"),
+        (0, "encode", "TypeError"),
+        (2, "unknown-op", "ValueError"),
+    ],
+)
 def test_a_failure_anywhere_reaches_every_rank(position, how, expected, op_name):
     for result in get_pool(4).run(failing, position, how, op_name):
         assert result["outcome"] == {"ranks": [position], "types": [expected]}

@@ -17,9 +17,15 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_builtins_available():
     assert {"pickle", "cloudpickle", "restricted-pickle", "msgpack", "json", "msgspec", "auto"} <= set(
-        serializers.available())
-    fresh = subprocess.run([sys.executable, "-c", "import serializers; print(*serializers.available())"],
-                           capture_output=True, text=True, timeout=60, check=True).stdout.split()
+        serializers.available()
+    )
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import serializers; print(*serializers.available())"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
     assert set(fresh) == set(BUILTINS) | {"auto"}  # tests/_builtins.py is the one list of them
     assert serializers.available(safe=True) == ["json", "msgpack", "msgspec", "restricted-pickle"]
 
@@ -97,7 +103,8 @@ def test_get_passes_serializer_objects_through():
 def test_entry_point_is_discovered_lazily(tmp_path):
     """A package advertising a serializer under objcomm.serializers is found on first lookup."""
     pkg = tmp_path / "rot13_serializer.py"
-    pkg.write_text(textwrap.dedent('''
+    pkg.write_text(
+        textwrap.dedent("""
         import codecs
         from serializers import Serializer
         LOADED = []
@@ -109,12 +116,13 @@ def test_entry_point_is_discovered_lazily(tmp_path):
                 return codecs.encode(obj, "rot13").encode()
             def loads(self, data, /, **_):
                 return codecs.decode(bytes(data).decode(), "rot13")
-    '''))
+    """)
+    )
     dist_info = tmp_path / "rot13_serializer-1.0.dist-info"
     dist_info.mkdir()
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: rot13-serializer\nVersion: 1.0\n")
     (dist_info / "entry_points.txt").write_text("[objcomm.serializers]\nrot13 = rot13_serializer:Rot13\n")
-    code = textwrap.dedent('''
+    code = textwrap.dedent("""
         import sys, serializers, rot13_serializer
         assert rot13_serializer.LOADED == [], "loaded at import time"
         s = serializers.get("rot13")
@@ -122,9 +130,13 @@ def test_entry_point_is_discovered_lazily(tmp_path):
         assert s.loads(s.dumps("hello")) == "hello" and bytes(s.dumps("hello")) == b"uryyb"
         assert "rot13" in serializers.available(safe=True)
         print("ok")
-    ''')
+    """)
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{__import__('os').getcwd()}"},
     )
     assert out.returncode == 0, out.stderr

@@ -85,8 +85,11 @@ def point_to_point(size: int) -> List[bool]:
     rendezvous sends), two tags per pair; each stream arrives in order, waited out of order."""
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     receives = {tag: [objcomm.irecv(src=peer, tag=tag) for _ in range(3)] for tag in (1, 2)}
-    sends = [objcomm.isend({"from": rank, "tag": tag, "i": i, "pad": b"x" * size}, peer, tag=tag)
-             for i in range(3) for tag in (1, 2)]
+    sends = [
+        objcomm.isend({"from": rank, "tag": tag, "i": i, "pad": b"x" * size}, peer, tag=tag)
+        for i in range(3)
+        for tag in (1, 2)
+    ]
     assert _tensor_all_reduce(1) == 2  # tensor collectives on the same group meanwhile
     checks = []
     for tag in (2, 1):
@@ -148,7 +151,7 @@ def timeouts_and_misuse() -> List[str]:
     rank = dist.get_rank()
     seen: List[Any] = []
     previous = objcomm.configure(local=False)  # through gloo, whose isend waits for its receiver (the channel's
-    try:                                       # returns once the kernel holds it: nothing would be outstanding)
+    try:  # returns once the kernel holds it: nothing would be outstanding)
         _timeouts_and_misuse(rank, seen)
     finally:
         objcomm.restore(previous)
@@ -162,8 +165,7 @@ def _timeouts_and_misuse(rank: int, seen: List[Any]) -> None:
             pending.wait(timeout=0.05)  # rank 1 sends only after the barrier below
         except objcomm.WaitTimeoutError as exc:
             seen.append("timeout" if isinstance(exc, TimeoutError) and not pending.is_completed() else "?")
-        for misuse in (lambda: objcomm.recv(src=1, tag=4), lambda: objcomm.recv(tag=4),
-                       lambda: objcomm.irecv(tag=4)):
+        for misuse in (lambda: objcomm.recv(src=1, tag=4), lambda: objcomm.recv(tag=4), lambda: objcomm.irecv(tag=4)):
             try:
                 misuse()
             except objcomm.ObjcommError as exc:
@@ -237,7 +239,8 @@ def _transient_threads_ended() -> None:
     """Wait (30 s at most) until no lane or eager-send thread of an earlier call is alive: the baseline."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(
-            t.name.startswith("objcomm-") and t.name != "objcomm-watch-parent" for t in threading.enumerate()):
+        t.name.startswith("objcomm-") and t.name != "objcomm-watch-parent" for t in threading.enumerate()
+    ):
         time.sleep(0.01)
 
 

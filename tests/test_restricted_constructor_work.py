@@ -86,47 +86,64 @@ def constructor_cases() -> Dict[Tuple[str, str], List[Tuple[str, bytes, bytes]]]
         ("builtins", "set"): [("20,000 ints", args(ints), b"R"), ("empty", b")", b"R")],
         ("builtins", "frozenset"): [("20,000 ints", args(tuple(ints)), b"R"), ("empty", b")", b"R")],
         ("builtins", "complex"): [("two floats", args(1.5, 2.5), b"R")],
-        ("builtins", "bytearray"): [("64 KB bytes", args(bytes(64 << 10)), b"R"),
-                                    ("64 KB text", args("x" * (64 << 10), "latin-1"), b"R")],
+        ("builtins", "bytearray"): [
+            ("64 KB bytes", args(bytes(64 << 10)), b"R"),
+            ("64 KB text", args("x" * (64 << 10), "latin-1"), b"R"),
+        ],
         ("builtins", "slice"): [("three ints", args(1, 2, 3), b"R"), ("a 14,300-bit int", args(big), b"R")],
         ("builtins", "range"): [("three ints", args(0, 1 << 62, 3), b"R"), ("a 14,300-bit int", args(big), b"R")],
         ("builtins", "object"): [("REDUCE", b")", b"R"), ("NEWOBJ", b")", b"\x81")],
-        **{("builtins", name): [("empty", b")", b"R")]
-           for name in ("list", "dict", "tuple", "int", "float", "str", "bytes", "bool")},
+        **{
+            ("builtins", name): [("empty", b")", b"R")]
+            for name in ("list", "dict", "tuple", "int", "float", "str", "bytes", "bool")
+        },
         ("collections", "OrderedDict"): [("20,000 pairs", args(pairs), b"R"), ("empty", b")", b"R")],
         ("collections", "Counter"): [("20,000 ints", args(ints), b"R"), ("empty", b")", b"R")],
         ("collections", "defaultdict"): [
             ("list factory, 20,000 pairs", b"(" + stack_global("builtins", "list") + ops(pairs) + b"t", b"R"),
-            ("empty", b")", b"R")],
-        ("collections", "deque"): [("20,000 items", args(none), b"R"), ("maxlen", args(none, 10), b"R"),
-                                   ("empty", b")", b"R")],
+            ("empty", b")", b"R"),
+        ],
+        ("collections", "deque"): [
+            ("20,000 items", args(none), b"R"),
+            ("maxlen", args(none, 10), b"R"),
+            ("empty", b")", b"R"),
+        ],
         ("datetime", "datetime"): [("fields", args(2024, 1, 2, 3, 4, 5, 6), b"R")],
         ("datetime", "date"): [("fields", args(2024, 1, 2), b"R")],
         ("datetime", "time"): [("fields", args(3, 4, 5, 6), b"R")],
         ("datetime", "timedelta"): [("fields", args(1, 2, 3), b"R")],
         ("datetime", "timezone"): [("an offset", b"(" + timedelta + b"t", b"R")],
-        ("decimal", "Decimal"): [("200,000 digits", args("9" * 200_000), b"R"),
-                                 ("a 50,000-digit tuple", args((0, (9,) * 50_000, 0)), b"R"),
-                                 ("a 50,000-digit list", args((0, [9] * 50_000, 0)), b"R"),
-                                 ("short text", args("1.5"), b"R")],
-        ("fractions", "Fraction"): [("4,300/4,300 digits", args("7" * 4300 + "/" + "3" * 4299 + "1"), b"R"),
-                                    ("14,300-bit ints", args(big, big - 2), b"R"), ("short text", args("1/3"), b"R")],
+        ("decimal", "Decimal"): [
+            ("200,000 digits", args("9" * 200_000), b"R"),
+            ("a 50,000-digit tuple", args((0, (9,) * 50_000, 0)), b"R"),
+            ("a 50,000-digit list", args((0, [9] * 50_000, 0)), b"R"),
+            ("short text", args("1.5"), b"R"),
+        ],
+        ("fractions", "Fraction"): [
+            ("4,300/4,300 digits", args("7" * 4300 + "/" + "3" * 4299 + "1"), b"R"),
+            ("14,300-bit ints", args(big, big - 2), b"R"),
+            ("short text", args("1/3"), b"R"),
+        ],
         ("torch", "Size"): [("20,000 sizes", args(tuple(ints)), b"R"), ("empty", b")", b"R")],
         ("torch", "device"): [("cpu", args("cpu"), b"R"), ("cuda:1", args("cuda", 1), b"R")],
         ("serializers._rebuild", "ndarray"): [
             ("256 fields, empty", args(FIELDS_256, (0,), "C", b""), b"R"),
             ("unicode over a bytearray", args("<U1", (16_384,), "C", bytearray(64 << 10)), b"R"),
             ("64 KB bytes copied", args("|u1", (64 << 10,), "C", bytes(64 << 10)), b"R"),
-            ("32 dimensions", args("|u1", (1,) * 32, "F", bytearray(1)), b"R")],
+            ("32 dimensions", args("|u1", (1,) * 32, "F", bytearray(1)), b"R"),
+        ],
         ("serializers._rebuild", "numpy_scalar"): [
             ("256 fields", args(FIELDS_256, bytes(2048)), b"R"),
             ("|S65536", args("|S65536", bytes(64 << 10)), b"R"),
-            ("<U16384", args("<U16384", bytes(64 << 10)), b"R"), ("<f8", args("<f8", bytes(8)), b"R")],
+            ("<U16384", args("<U16384", bytes(64 << 10)), b"R"),
+            ("<f8", args("<f8", bytes(8)), b"R"),
+        ],
         ("serializers._rebuild", "numpy_dtype"): [("256 fields", args(FIELDS_256), b"R"), ("<f8", args("<f8"), b"R")],
         ("serializers._rebuild", "tensor"): [
             ("64 KB bytes copied", args("float32", (16_384,), bytes(64 << 10), False), b"R"),
             ("over a bytearray", args("float32", (16,), bytearray(64), True), b"R"),
-            ("32 dimensions", args("uint8", (1,) * 32, bytearray(1), False), b"R")],
+            ("32 dimensions", args("uint8", (1,) * 32, bytearray(1), False), b"R"),
+        ],
         ("serializers._rebuild", "parameter"): [("a tensor", b"(" + tensor + ops(True) + b"t", b"R")],
         ("serializers._rebuild", "uuid"): [("an int", args(2**128 - 1), b"R")],
     }
@@ -153,8 +170,17 @@ def used_as_keys(module: str, name: str, arguments: bytes, opcode: bytes = b"R",
 
     def build(uses: int) -> bytes:
         pad = max(0, size - len(head) - 2 * uses - 16)
-        return payload(head + b"B" + pad.to_bytes(4, "little") + bytes(pad) + b"0"
-                       + b"\x8f(" + b"h\x02" + b"h\x03" * uses + b"\x90")
+        return payload(
+            head
+            + b"B"
+            + pad.to_bytes(4, "little")
+            + bytes(pad)
+            + b"0"
+            + b"\x8f("
+            + b"h\x02"
+            + b"h\x03" * uses
+            + b"\x90"
+        )
 
     low, high = 1, (size - len(head)) // 2  # the most uses the walk accepts: it charges each the same
     while low < high:
@@ -248,8 +274,11 @@ def measure_all(size: int = TARGET_BYTES, memory_budget: int = 1 << 30) -> Dict[
     results = {}
     for torch in (False, True):
         payloads = {**hostile_payloads(torch, size), **hostile_payloads(torch, size, as_keys=True)}
-        results.update(run_in_child(measure, payloads, memory_budget=memory_budget, timeout=900,
-                                    preload=WITH_TORCH if torch else ("numpy",)))
+        results.update(
+            run_in_child(
+                measure, payloads, memory_budget=memory_budget, timeout=900, preload=WITH_TORCH if torch else ("numpy",)
+            )
+        )
     return results
 
 
@@ -292,10 +321,10 @@ def test_the_issue_25_dtype_bomb_is_refused():
     fields = args(FIELDS_256)
     payloads = {
         "numpy_dtype": repeated_call("serializers._rebuild", "numpy_dtype", fields, calls=8000),
-        "ndarray": repeated_call("serializers._rebuild", "ndarray", fields[:-1] + args((0,), "C", b"")[1:],
-                                 calls=8000),
-        "numpy_scalar": repeated_call("serializers._rebuild", "numpy_scalar", fields[:-1] + args(bytes(2048))[1:],
-                                      calls=8000),
+        "ndarray": repeated_call("serializers._rebuild", "ndarray", fields[:-1] + args((0,), "C", b"")[1:], calls=8000),
+        "numpy_scalar": repeated_call(
+            "serializers._rebuild", "numpy_scalar", fields[:-1] + args(bytes(2048))[1:], calls=8000
+        ),
     }
     results = run_in_child(_decode_all, payloads, memory_budget=128 << 20)
     for label, (result, message, cpu) in results.items():

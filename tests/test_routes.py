@@ -18,13 +18,16 @@ def test_the_docstring_example_runs():
     assert doctest.testmod(routes).failed == 0
 
 
-@pytest.mark.parametrize("lengths, shape", [
-    ([MB] * 8, PADDED),  # equal
-    ([MB, MB // 2] * 4, PADDED),  # within 2x
-    ([100 * MB] + [0] * 8191, EXACT),  # one outlier among thousands
-    ([0] * 8, PADDED),  # nothing moves: nothing is padded either
-    ([2 * MB if r < 2 else 1000 for r in range(16)], EXACT),
-])
+@pytest.mark.parametrize(
+    "lengths, shape",
+    [
+        ([MB] * 8, PADDED),  # equal
+        ([MB, MB // 2] * 4, PADDED),  # within 2x
+        ([100 * MB] + [0] * 8191, EXACT),  # one outlier among thousands
+        ([0] * 8, PADDED),  # nothing moves: nothing is padded either
+        ([2 * MB if r < 2 else 1000 for r in range(16)], EXACT),
+    ],
+)
 def test_exchange_shape(lengths, shape):
     assert routes.exchange_shape(lengths) == shape
 
@@ -137,9 +140,11 @@ def test_two_levels_leave_the_backend_to_one_rank_per_host(world):
 
 def test_two_levels_only_where_they_apply():
     rests = _spreads(64)["all 1 MB"]
-    for topology, knobs in ((Topology(world=64, ranks_per_host=8, device="cuda"), Knobs()),
-                            (Topology(world=64, ranks_per_host=1), Knobs()),
-                            (Topology(world=64, ranks_per_host=8), Knobs(local=False)),
-                            (Topology(world=64, ranks_per_host=8, channel_open=False), Knobs())):
+    for topology, knobs in (
+        (Topology(world=64, ranks_per_host=8, device="cuda"), Knobs()),
+        (Topology(world=64, ranks_per_host=1), Knobs()),
+        (Topology(world=64, ranks_per_host=8), Knobs(local=False)),
+        (Topology(world=64, ranks_per_host=8, channel_open=False), Knobs()),
+    ):
         steps = plan("all_gather", topology, rests, knobs).steps
         assert not any(s.ranks or s.across for s in steps), (topology, knobs)

@@ -42,8 +42,7 @@ def test_json_rows_have_the_documented_keys_for_every_op_case_and_world(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert all(set(row) == KEYS for row in rows)
     seen = {(r["op"], r["case"], r["W"], r["params"]) for r in rows}
-    assert seen == {(op, case, w, p) for op in sm.OPS for case in sm.CASES for w in sm.WORLDS
-                    for p in ("nccl", "gloo")}
+    assert seen == {(op, case, w, p) for op in sm.OPS for case in sm.CASES for w in sm.WORLDS for p in ("nccl", "gloo")}
     assert len(rows) == len(seen)
 
 

@@ -77,9 +77,16 @@ def round_trip(read_frame: int) -> Dict[str, Any]:
 @pytest.mark.parametrize("read_frame", [0, _sealed.READ_FRAME])
 def test_round_trip_is_aligned_private_and_immutable_for_the_writer(read_frame):
     report = run_in_child(round_trip, read_frame, memory_budget=256 << 20)
-    assert report == {"frame": True, "tensors": True, "aligned": True, "seals": True, "private": True,
-                      "writer write": "PermissionError", "writer truncate": "PermissionError",
-                      "after release": True}
+    assert report == {
+        "frame": True,
+        "tensors": True,
+        "aligned": True,
+        "seals": True,
+        "private": True,
+        "writer write": "PermissionError",
+        "writer truncate": "PermissionError",
+        "after release": True,
+    }
 
 
 def _memfd(data: bytes, seals: int) -> int:
@@ -121,18 +128,24 @@ def hostile_descriptors(tmp: str) -> Dict[str, Tuple[str, str]]:
     except OSError:  # no hugetlbfs here: nothing to announce
         pass
     me = os.getpid()
-    outcomes = {kind: _outcome(lambda fd=fd: _sealed.map_sealed(Sealed(me, fd), _size(), None, len(FRAME), _sizes))
-                for kind, fd in fds.items()}
+    outcomes = {
+        kind: _outcome(lambda fd=fd: _sealed.map_sealed(Sealed(me, fd), _size(), None, len(FRAME), _sizes))
+        for kind, fd in fds.items()
+    }
     right = Sealed(me, segment.fd)
     outcomes["tensors announced beyond the size"] = _outcome(
-        lambda: _sealed.map_sealed(right, _size(), None, len(FRAME), lambda view: [10**12]))
+        lambda: _sealed.map_sealed(right, _size(), None, len(FRAME), lambda view: [10**12])
+    )
     outcomes["frame longer than the size"] = _outcome(
-        lambda: _sealed.map_sealed(right, _size(), None, _size() + 1, _sizes))
+        lambda: _sealed.map_sealed(right, _size(), None, _size() + 1, _sizes)
+    )
     outcomes["size understated"] = _outcome(lambda: _sealed.map_sealed(right, 10, None, len(FRAME), _sizes))
     outcomes["no such descriptor"] = _outcome(
-        lambda: _sealed.map_sealed(Sealed(me, 10**6), _size(), None, len(FRAME), _sizes))
+        lambda: _sealed.map_sealed(Sealed(me, 10**6), _size(), None, len(FRAME), _sizes)
+    )
     outcomes["no such process"] = _outcome(
-        lambda: _sealed.map_sealed(Sealed(-1, segment.fd), _size(), None, len(FRAME), _sizes))
+        lambda: _sealed.map_sealed(Sealed(-1, segment.fd), _size(), None, len(FRAME), _sizes)
+    )
     outcomes["socket"] = _outcome(lambda: _sealed.map_sealed(Sealed(me, _socket()), _size(), None, len(FRAME), _sizes))
     os.close(writing)
     return outcomes
@@ -168,9 +181,19 @@ def test_hostile_descriptors_are_refused_or_fall_back(tmp_path):
     outcomes = run_in_child(hostile_descriptors, str(tmp_path), memory_budget=256 << 20)
     refused = {kind: message for kind, (name, message) in outcomes.items() if name == "FrameError"}
     assert set(refused) == {
-        "unsealed memfd", "writable memfd", "shrinkable memfd", "file on disk", "pipe", "longer than its layout",
-        "shorter than its layout", "far longer than announced", "tensors announced beyond the size",
-        "frame longer than the size", "size understated", "4 GiB sparse", "socket",
+        "unsealed memfd",
+        "writable memfd",
+        "shrinkable memfd",
+        "file on disk",
+        "pipe",
+        "longer than its layout",
+        "shorter than its layout",
+        "far longer than announced",
+        "tensors announced beyond the size",
+        "frame longer than the size",
+        "size understated",
+        "4 GiB sparse",
+        "socket",
         *(["huge pages"] if "huge pages" in outcomes else []),
     }, outcomes
     assert all("sealed segment" in message and "refused" in message for message in refused.values())
@@ -196,12 +219,15 @@ def bytes_received(kind_name: str) -> Dict[str, Any]:
     value = {"bytes": bytes, "bytearray": bytearray}[kind_name](bytes(range(256)) * (n // 256))
     out = _frame.encode(value, serializers.registry.guarded("pickle"), max_bytes=1 << 30)
     segment = _sealed.write_sealed("objcomm-test", out.parts, [t.numpy().data for t in out.tensors])
-    got = _sealed.map_sealed(Sealed(os.getpid(), segment.fd), out.total, None, out.frame_nbytes,
-                             _frame.tensor_sizes)
+    got = _sealed.map_sealed(Sealed(os.getpid(), segment.fd), out.total, None, out.frame_nbytes, _frame.tensor_sizes)
     segment.release()
     back = _frame.decode(got, sender=0, accept=None)
-    report = {"type": type(back).__name__, "equal": back == value, "mapped KiB": _memfd_rss_kib(),
-              "open while held": _open_sealed()}
+    report = {
+        "type": type(back).__name__,
+        "equal": back == value,
+        "mapped KiB": _memfd_rss_kib(),
+        "open while held": _open_sealed(),
+    }
     del got
     gc.collect()
     report["open after"] = _open_sealed()
@@ -240,11 +266,22 @@ def test_a_read_past_what_a_sealed_file_holds_is_refused():
     found = run_in_child(short_reads)
     whole = bytes(range(100)).hex()
     assert {key: kind for key, (kind, _) in found.items() if kind == "FrameError"} == {
-        ("bytes", 1): "FrameError", ("bytearray", 1): "FrameError", ("pieces", 1): "FrameError"}, found
-    assert all("bytes at offset" in text and "could be read; refused" in text
-               for kind, text in found.values() if kind == "FrameError"), found
+        ("bytes", 1): "FrameError",
+        ("bytearray", 1): "FrameError",
+        ("pieces", 1): "FrameError",
+    }, found
+    assert all(
+        "bytes at offset" in text and "could be read; refused" in text
+        for kind, text in found.values()
+        if kind == "FrameError"
+    ), found
     assert [found[key] for key in [("bytes", 0), ("bytearray", 0), ("pieces", 0), ("bytes", 2), ("bytearray", 2)]] == [
-        ("bytes", whole), ("bytearray", whole), ("bytes", whole), ("bytes", ""), ("bytearray", "")]
+        ("bytes", whole),
+        ("bytearray", whole),
+        ("bytes", whole),
+        ("bytes", ""),
+        ("bytearray", ""),
+    ]
 
 
 def interrupted_after_the_open() -> Dict[str, Any]:
@@ -313,8 +350,12 @@ def lifetime() -> Dict[str, Any]:
     baseline = _shmem_kib()
     got = comm.all_gather(mine)
     report: Dict[str, Any] = {
-        "values": all(np.all(g["a"] == r + 1) and torch.equal(g["t"], torch.full((n,), r + 1, dtype=torch.int32))
-                      and g["b"] == bytes([r + 1]) * n for r, g in enumerate(got)),
+        "values": all(
+            np.all(g["a"] == r + 1)
+            and torch.equal(g["t"], torch.full((n,), r + 1, dtype=torch.int32))
+            and g["b"] == bytes([r + 1]) * n
+            for r, g in enumerate(got)
+        ),
         "mapped": _mapped() > 0,
         "types": [type(got[0]["a"]).__name__, type(got[0]["t"]).__name__, type(got[0]["b"]).__name__],
         "writable": bool(got[0]["a"].flags.writeable),
@@ -334,8 +375,9 @@ def lifetime() -> Dict[str, Any]:
         comm.send(got[0], dst=2)
     elif rank == 2:
         again = comm.recv(src=1)
-        report["re-sent"] = bool(np.all(again["a"] == 99.0)) and torch.equal(again["t"], torch.full((n,), 1001,
-                                                                                                  dtype=torch.int32))
+        report["re-sent"] = bool(np.all(again["a"] == 99.0)) and torch.equal(
+            again["t"], torch.full((n,), 1001, dtype=torch.int32)
+        )
         del again
     dist.barrier()  # writers close their files once their readers are done, maybe just after those return
     del got
@@ -351,9 +393,17 @@ def test_zero_copy_results_are_private_views_that_outlive_the_call_and_go_when_d
     for rank, report in enumerate(reports):
         assert report.pop("types") == ["ndarray", "Tensor", "bytes"]
         assert report.pop("re-sent", True) is True
-        assert report == {"values": True, "mapped": True, "writable": True, "writer and others unchanged": True,
-                          "mutated here": True, "input unchanged": True, "kept": True,
-                          "dropped": (0, 0), "shmem back to baseline": True}, (rank, report)
+        assert report == {
+            "values": True,
+            "mapped": True,
+            "writable": True,
+            "writer and others unchanged": True,
+            "mutated here": True,
+            "input unchanged": True,
+            "kept": True,
+            "dropped": (0, 0),
+            "shmem back to baseline": True,
+        }, (rank, report)
 
 
 class _Lying(_segments.SegmentBook):
@@ -410,8 +460,13 @@ def lying_writer(how: str, directory: str) -> Dict[str, Any]:
     unsealed = (-1, False) in _state.group_facts(group).unsealed
     dist.barrier(group)
     dist.destroy_process_group(group)
-    return {"error": error, "first": first, "clean": bool(np.all(after["a"] == 2.0)), "files after": len(counted),
-            "remembered": unsealed}
+    return {
+        "error": error,
+        "first": first,
+        "clean": bool(np.all(after["a"] == 2.0)),
+        "files after": len(counted),
+        "remembered": unsealed,
+    }
 
 
 def _memfds() -> int:
@@ -486,11 +541,19 @@ def every_serializer(names: List[str]) -> Dict[str, bool]:
     rank = dist.get_rank()
     found = {}
     for name in names:
-        plain = {"rank": rank, "text": "é" * 3000, "floats": [0.5 * i for i in range(THRESHOLD)],
-                 "nested": {"k": [1, 2, {"x": None}]}}
+        plain = {
+            "rank": rank,
+            "text": "é" * 3000,
+            "floats": [0.5 * i for i in range(THRESHOLD)],
+            "nested": {"k": [1, 2, {"x": None}]},
+        }
         n = 32 * THRESHOLD  # above inline_tensor_bytes: out of band, so results are views on the mapping
-        rich = {**plain, "t": torch.arange(n, dtype=torch.float32) + rank, "a": np.arange(n, dtype=np.int64) * rank,
-                "b": bytes([rank]) * n}
+        rich = {
+            **plain,
+            "t": torch.arange(n, dtype=torch.float32) + rank,
+            "a": np.arange(n, dtype=np.int64) * rank,
+            "b": bytes([rank]) * n,
+        }
         obj = plain if name == "json" else rich
         comm = objcomm.Communicator(serializer=name, shm_threshold=THRESHOLD)
         comm._segments = counting = _Counting()

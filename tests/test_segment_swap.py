@@ -90,8 +90,13 @@ def swapped_then_clean(directory: str, op: str) -> Dict[str, Any]:
     after = call(2)
     clean = op == "send" and rank == 0 or _same(after, 2)
     dist.barrier()  # writers unlink once their readers are done, maybe just after those return
-    return {"error": error, "forged decoded": forged_decoded, "clean": clean, "swapped": swapped,
-            "left": sorted(os.listdir(directory))}
+    return {
+        "error": error,
+        "forged decoded": forged_decoded,
+        "clean": clean,
+        "swapped": swapped,
+        "left": sorted(os.listdir(directory)),
+    }
 
 
 @pytest.mark.timeout(120)
@@ -114,13 +119,13 @@ def test_reader_checks_the_identity_of_the_file_it_opened(shm_dir):
     segment = book.create(os.path.join(shm_dir, "objcomm-swap"), memoryview(data), [])
     try:
         assert segment.identity > 0
-        got = _segments.read_segment(segment.path, len(data), None, len(data), lambda view: [],
-                                     expected=segment.identity)
+        got = _segments.read_segment(
+            segment.path, len(data), None, len(data), lambda view: [], expected=segment.identity
+        )
         assert bytes(got.frame) == data
         _swap(segment.path)  # same user, mode 0600, same size: only the identity differs
         with pytest.raises(objcomm.FrameError, match=REFUSAL):
-            _segments.read_segment(segment.path, len(data), None, len(data), lambda view: [],
-                                   expected=segment.identity)
+            _segments.read_segment(segment.path, len(data), None, len(data), lambda view: [], expected=segment.identity)
     finally:
         segment.release()
     assert os.listdir(shm_dir) == []

@@ -20,9 +20,15 @@ import objcomm
 
 pytestmark = pytest.mark.timeout(120)
 
-_BASIC: List[Any] = [None, True, False, -7, 0, 7, -2**63 + 1, 2**63 - 1, -2.17, 0.0, 3.14, 1 + 2j, "mpi4py"]
-MESSAGES: List[Any] = [*_BASIC, list(_BASIC), tuple(_BASIC), set(_BASIC), frozenset(_BASIC),
-                       {f"k{k}": v for k, v in enumerate(_BASIC)}]
+_BASIC: List[Any] = [None, True, False, -7, 0, 7, -(2**63) + 1, 2**63 - 1, -2.17, 0.0, 3.14, 1 + 2j, "mpi4py"]
+MESSAGES: List[Any] = [
+    *_BASIC,
+    list(_BASIC),
+    tuple(_BASIC),
+    set(_BASIC),
+    frozenset(_BASIC),
+    {f"k{k}": v for k, v in enumerate(_BASIC)},
+]
 OOB = 20_000  # float32 elements: 80 KB, above inline_tensor_bytes: the tensor travels out of band
 PATHS = ["channel", "backend"]
 
@@ -103,9 +109,14 @@ def copies(group: Any = None) -> List[bool]:
     checks = []
     for _ in range(2):
         got = objcomm.recv(me, 31, group=group)
-        checks += [got is not obj, got["list"] == [1, 2], torch.equal(got["small"], torch.zeros(4)),
-                   torch.equal(got["big"], torch.zeros(OOB)), got["bytes"] == bytearray(b"abc"),
-                   got["big"].data_ptr() != obj["big"].data_ptr()]
+        checks += [
+            got is not obj,
+            got["list"] == [1, 2],
+            torch.equal(got["small"], torch.zeros(4)),
+            torch.equal(got["big"], torch.zeros(OOB)),
+            got["bytes"] == bytearray(b"abc"),
+            got["big"].data_ptr() != obj["big"].data_ptr(),
+        ]
     return checks
 
 
@@ -148,10 +159,18 @@ def refusals(group: Any = None) -> Dict[str, Any]:
 
 
 REFUSALS = {
-    "accept": "ContentRefusedError", "accept dropped it": "ObjcommError", "accept msgpack": {"x": 1},
-    "irecv accept": "ContentRefusedError", "max_bytes": "TooLargeError", "small under max_bytes": True,
-    "sender max_bytes": "TooLargeError", "its receiver": "RemoteError", "encode": "EncodeError",
-    "encode receiver": "RemoteError", "isend encode": "EncodeError", "isend encode receiver": "RemoteError",
+    "accept": "ContentRefusedError",
+    "accept dropped it": "ObjcommError",
+    "accept msgpack": {"x": 1},
+    "irecv accept": "ContentRefusedError",
+    "max_bytes": "TooLargeError",
+    "small under max_bytes": True,
+    "sender max_bytes": "TooLargeError",
+    "its receiver": "RemoteError",
+    "encode": "EncodeError",
+    "encode receiver": "RemoteError",
+    "isend encode": "EncodeError",
+    "isend encode receiver": "RemoteError",
 }
 
 
@@ -180,7 +199,10 @@ def test_ring_without_a_process_group():
 
 def test_irecv_from_oneself_completes_with_the_send_under_its_tag():
     assert posted_per_tag() == [
-        [False, False, False], [False, True, False], [True, True, False], [True, True, True],
+        [False, False, False],
+        [False, True, False],
+        [True, True, False],
+        [True, True, True],
         [{"tag": 11, "i": 1}, {"tag": 12, "i": 0}, {"tag": 13, "i": 2}],
     ]
 
@@ -236,8 +258,14 @@ def in_a_group_of_one(path: str) -> Dict[str, Any]:
             if name == "world" and world != 1:
                 continue
             objcomm.all_gather(None, group=group)  # opens the same-host channel, where there is one
-            found[name] = [all(ring(group)), posted_per_tag(group)[-1], ordered_per_tag(group), all(copies(group)),
-                           refusals(group), nothing_queued(group)[1:]]
+            found[name] = [
+                all(ring(group)),
+                posted_per_tag(group)[-1],
+                ordered_per_tag(group),
+                all(copies(group)),
+                refusals(group),
+                nothing_queued(group)[1:],
+            ]
         return found
     finally:
         objcomm.restore(previous)
@@ -246,8 +274,14 @@ def in_a_group_of_one(path: str) -> Dict[str, Any]:
 @pytest.mark.parametrize("world", [1, 2], ids=["world1", "subgroup_of_one"])
 @pytest.mark.parametrize("path", PATHS)
 def test_groups_of_one(world, path):
-    expected = [True, [{"tag": 11, "i": 1}, {"tag": 12, "i": 0}, {"tag": 13, "i": 2}],
-                [[(21, i) for i in range(5)], [(22, i) for i in range(5)]], True, REFUSALS, [True, "later"]]
+    expected = [
+        True,
+        [{"tag": 11, "i": 1}, {"tag": 12, "i": 0}, {"tag": 13, "i": 2}],
+        [[(21, i) for i in range(5)], [(22, i) for i in range(5)]],
+        True,
+        REFUSALS,
+        [True, "later"],
+    ]
     for found in get_pool(world).run(in_a_group_of_one, path):
         assert found["own"] == expected
         if world == 1:
@@ -270,8 +304,9 @@ def mixed_with_peers(path: str) -> Dict[str, Any]:
         streams = {}
         for tag in (3, 1, 2):
             for src in (rank, peer):
-                streams[f"{src}/{tag}"] = [(m["from"], m["i"], m["tag"]) for m in
-                                           (objcomm.recv(src, tag) for _ in range(3))]
+                streams[f"{src}/{tag}"] = [
+                    (m["from"], m["i"], m["tag"]) for m in (objcomm.recv(src, tag) for _ in range(3))
+                ]
         for i in range(3):
             objcomm.isend(("self", i), rank, 4).wait(timeout=30)
             objcomm.send(("peer", i), peer, 4)
@@ -336,10 +371,15 @@ def refusals_next_to_a_peer(path: str) -> Dict[str, Any]:
 def test_refusals_match_those_of_peer_messages(path):
     for found in get_pool(2).run(refusals_next_to_a_peer, path):
         assert found == {
-            "self accept": "ContentRefusedError", "peer accept": "ContentRefusedError",
-            "self max_bytes": "TooLargeError", "peer max_bytes": "TooLargeError",
-            "recv(None) next to irecv(self)": "ObjcommError", "irecv(None) next to irecv(self)": "ObjcommError",
-            "recv(self) next to irecv(self)": "ObjcommError", "irecv(self)": "done", "free again": "again",
+            "self accept": "ContentRefusedError",
+            "peer accept": "ContentRefusedError",
+            "self max_bytes": "TooLargeError",
+            "peer max_bytes": "TooLargeError",
+            "recv(None) next to irecv(self)": "ObjcommError",
+            "irecv(None) next to irecv(self)": "ObjcommError",
+            "recv(self) next to irecv(self)": "ObjcommError",
+            "irecv(self)": "done",
+            "free again": "again",
         }
 
 

@@ -17,8 +17,15 @@ from objcomm import _settings
 
 pytestmark = pytest.mark.timeout(60)
 
-VARIABLES = ("OBJCOMM_SHM", "OBJCOMM_SHM_DIR", "OBJCOMM_SHM_ZERO_COPY", "OBJCOMM_LOCAL", "OBJCOMM_LOCAL_SPIN_US",
-             "OBJCOMM_FORCE_SEPARATE_HOSTS", "OBJCOMM_TEST_RANKS_PER_HOST")
+VARIABLES = (
+    "OBJCOMM_SHM",
+    "OBJCOMM_SHM_DIR",
+    "OBJCOMM_SHM_ZERO_COPY",
+    "OBJCOMM_LOCAL",
+    "OBJCOMM_LOCAL_SPIN_US",
+    "OBJCOMM_FORCE_SEPARATE_HOSTS",
+    "OBJCOMM_TEST_RANKS_PER_HOST",
+)
 NOT_GIVEN: Any = object()
 
 # knob: (default, (variable, text, value) or None, configure(), Communicator(), a call — NOT_GIVEN where none)
@@ -255,8 +262,12 @@ def test_a_group_is_forgotten_after_calls():
 
 
 def test_the_environment_is_read_at_import():
-    env = {**os.environ, "OBJCOMM_SHM": "0", "OBJCOMM_SHM_DIR": "/from-env",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {
+        **os.environ,
+        "OBJCOMM_SHM": "0",
+        "OBJCOMM_SHM_DIR": "/from-env",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
     code = "import objcomm; s = objcomm.settings(); print(s.shm, s.shm_dir)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "/from-env"]

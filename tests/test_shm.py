@@ -55,14 +55,26 @@ def _logged(fn: Any, *args: Any) -> tuple[Any, List[str]]:
         logger.setLevel(level)
 
 
-def _wire(directory: str, separate: bool, group: Any = None, threshold: int = THRESHOLD,
-          strategy: type = _shm.SharedMemory, zero_copy: bool = False, local: bool = False) -> _rounds.Wire:
+def _wire(
+    directory: str,
+    separate: bool,
+    group: Any = None,
+    threshold: int = THRESHOLD,
+    strategy: type = _shm.SharedMemory,
+    zero_copy: bool = False,
+    local: bool = False,
+) -> _rounds.Wire:
     """A wire whose second round may take shared memory: files in ``directory`` unless ``zero_copy``; round 1
     and the control words through the same-host channel when ``local``."""
     group = group if group is not None else dist.group.WORLD
     return _rounds.Wire(
-        group=group, ranks=dist.get_process_group_ranks(group), rank=dist.get_rank(group), device=torch.device("cpu"),
-        slot=SLOT, chunk=1 << 20, max_bytes=1 << 30,
+        group=group,
+        ranks=dist.get_process_group_ranks(group),
+        rank=dist.get_rank(group),
+        device=torch.device("cpu"),
+        slot=SLOT,
+        chunk=1 << 20,
+        max_bytes=1 << 30,
         second_round=strategy(threshold=threshold, directory=directory, separate=separate, zero_copy=zero_copy),
         first_round=_two_level.strategy(separate, None) if local else BACKEND,
     )
@@ -88,9 +100,13 @@ def _check(item: Any, seed: int, frame: int, tensors: List[int]) -> None:
 # Shapes of (frame bytes, tensor bytes): second-round bytes one below, at and one above the threshold,
 # carried by an overflowing frame, by tensors behind an inline frame, or by both.
 SHAPES = [
-    (THRESHOLD - 1, []), (THRESHOLD, []), (THRESHOLD + 1, []),
-    (10, [THRESHOLD // 2, THRESHOLD // 2 - 1]), (10, [THRESHOLD // 2, THRESHOLD // 2 + 1]),
-    (CAPACITY + 1, [0, THRESHOLD - CAPACITY]), (3 * THRESHOLD, [THRESHOLD, 5]),
+    (THRESHOLD - 1, []),
+    (THRESHOLD, []),
+    (THRESHOLD + 1, []),
+    (10, [THRESHOLD // 2, THRESHOLD // 2 - 1]),
+    (10, [THRESHOLD // 2, THRESHOLD // 2 + 1]),
+    (CAPACITY + 1, [0, THRESHOLD - CAPACITY]),
+    (3 * THRESHOLD, [THRESHOLD, 5]),
 ]
 
 
@@ -175,8 +191,13 @@ def objects_roundtrip(directory: str) -> List[str]:
     comm = objcomm.Communicator(shm_threshold=THRESHOLD, shm_dir=directory, shm_zero_copy=False)
 
     def obj(r: int) -> Any:
-        return {"r": r, "blob": bytes([r]) * 3 * THRESHOLD, "f": torch.arange(2000, dtype=torch.float64) * r,
-                "p": torch.nn.Parameter(torch.full((3000,), float(r))), "h": torch.ones(5000, dtype=torch.int16)}
+        return {
+            "r": r,
+            "blob": bytes([r]) * 3 * THRESHOLD,
+            "f": torch.arange(2000, dtype=torch.float64) * r,
+            "p": torch.nn.Parameter(torch.full((3000,), float(r))),
+            "h": torch.ones(5000, dtype=torch.int16),
+        }
 
     def same(a: Any, b: Any) -> None:
         assert a["r"] == b["r"] and a["blob"] == b["blob"]
@@ -340,6 +361,7 @@ def test_a_thousand_calls_leave_no_segments(shm_dir):
 
 def die_after_writing(directory: str) -> None:
     """Rank 1 is SIGKILLed after writing its segment, before anyone could read or unlink it."""
+
     class Killed(_shm.SharedMemory):
         def _gather_rows(self, *args: Any) -> Any:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -351,6 +373,7 @@ def die_after_writing(directory: str) -> None:
 
 def interrupted(directory: str) -> int:
     """A KeyboardInterrupt in the middle of a call unlinks what this rank wrote."""
+
     class Interrupted(_shm.SharedMemory):
         def _any(self, *args: Any) -> Any:
             raise KeyboardInterrupt

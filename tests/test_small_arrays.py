@@ -34,24 +34,42 @@ def arrays(n: int) -> dict:
     """Arrays of about ``n`` elements, of every kind objcomm has carried so far."""
     gen = np.random.default_rng(n)
     values = gen.standard_normal(n)
-    out = {str(dtype): values.astype(dtype) for dtype in (
-        "float64", "float32", "float16", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "bool", "complex64", "complex128")}
-    out.update({
-        "big-endian f8": values.astype(">f8"),  # non-native byte order: torch has none, the serializer carries it
-        "big-endian i4": (values * 100).astype(">i4"),
-        "0-d": np.array(values[0]),
-        "0-d int": np.array(7, dtype=np.int32),
-        "empty": np.zeros(0),
-        "empty 2-d": np.zeros((0, 3), dtype=np.float32),
-        "strided": np.arange(2 * n, dtype=np.int64)[::2],
-        "transposed": values[: (n // 4) * 4].reshape(4, -1).T,  # Fortran order
-        "2-d": values[: (n // 4) * 4].reshape(4, -1).copy(),
-        "read-only": np.frombuffer(values.tobytes(), dtype=np.float64),
-        "nan": np.array([math.nan, math.inf, -0.0] * max(1, n // 3)),
-        "bytes": np.array([b"ab", b"c"] * max(1, n // 2)),
-        "unicode": np.array(["ab", "ç"] * max(1, n // 2)),
-    })
+    out = {
+        str(dtype): values.astype(dtype)
+        for dtype in (
+            "float64",
+            "float32",
+            "float16",
+            "int8",
+            "int16",
+            "int32",
+            "int64",
+            "uint8",
+            "uint16",
+            "uint32",
+            "uint64",
+            "bool",
+            "complex64",
+            "complex128",
+        )
+    }
+    out.update(
+        {
+            "big-endian f8": values.astype(">f8"),  # non-native byte order: torch has none, the serializer carries it
+            "big-endian i4": (values * 100).astype(">i4"),
+            "0-d": np.array(values[0]),
+            "0-d int": np.array(7, dtype=np.int32),
+            "empty": np.zeros(0),
+            "empty 2-d": np.zeros((0, 3), dtype=np.float32),
+            "strided": np.arange(2 * n, dtype=np.int64)[::2],
+            "transposed": values[: (n // 4) * 4].reshape(4, -1).T,  # Fortran order
+            "2-d": values[: (n // 4) * 4].reshape(4, -1).copy(),
+            "read-only": np.frombuffer(values.tobytes(), dtype=np.float64),
+            "nan": np.array([math.nan, math.inf, -0.0] * max(1, n // 3)),
+            "bytes": np.array([b"ab", b"c"] * max(1, n // 2)),
+            "unicode": np.array(["ab", "ç"] * max(1, n // 2)),
+        }
+    )
     return out
 
 
@@ -149,15 +167,35 @@ def test_a_subclass_of_pickle_lifts_arrays_unless_it_says_otherwise():
 def tensors(n: int) -> dict:
     gen = torch.Generator().manual_seed(n)
     values = torch.randn(n, generator=gen, dtype=torch.float64)
-    out = {str(d): values.to(d) for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8,
-                                          torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
-                                          torch.complex64, torch.complex128)}
-    out.update({
-        "0-d": torch.tensor(1.5), "empty": torch.zeros(0, 5), "strided": torch.arange(2.0 * n)[::2],
-        "transposed": values[: (n // 2) * 2].reshape(2, -1).T, "conj": torch.ones(n, dtype=torch.complex64).conj(),
-        "neg": torch._neg_view(torch.ones(n)), "grad": torch.ones(n, requires_grad=True),
-        "param": torch.nn.Parameter(torch.zeros(n)),
-    })
+    out = {
+        str(d): values.to(d)
+        for d in (
+            torch.float64,
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+            torch.int8,
+            torch.int16,
+            torch.int32,
+            torch.int64,
+            torch.uint8,
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+        )
+    }
+    out.update(
+        {
+            "0-d": torch.tensor(1.5),
+            "empty": torch.zeros(0, 5),
+            "strided": torch.arange(2.0 * n)[::2],
+            "transposed": values[: (n // 2) * 2].reshape(2, -1).T,
+            "conj": torch.ones(n, dtype=torch.complex64).conj(),
+            "neg": torch._neg_view(torch.ones(n)),
+            "grad": torch.ones(n, requires_grad=True),
+            "param": torch.nn.Parameter(torch.zeros(n)),
+        }
+    )
     return out
 
 
@@ -210,30 +248,56 @@ def test_the_arrays_bench_payload_is_many_small_arrays():
     one = payload.make(0, parse_size("1KB"))
     hundred = payload.make(0, parse_size("80KB"))
     assert len(one) == 1 and 90 <= len(hundred) <= 110
-    assert all(type(a) is np.ndarray and a.shape == (ARRAY_LENGTH,) and a.dtype == np.float64
-               for a in hundred.values())
+    assert all(type(a) is np.ndarray and a.shape == (ARRAY_LENGTH,) and a.dtype == np.float64 for a in hundred.values())
     assert 0.8 * 80 * 1024 <= reference_size(hundred) <= 1.25 * 80 * 1024
     assert not np.array_equal(payload.make(1, 1024)["layer0000.stats"], one["layer0000.stats"])
 
 
-def _row(payload: str, serializer: str, safe: bool, ratio: float, op: str = "all_gather",
-         fidelity: str = "exact") -> Row:
-    return Row(payload=payload, size=1024, nbytes=1024, serializer=serializer, safe=safe, op=op, fidelity=fidelity,
-               note="", encoded_bytes=1024, encode_s=1e-5, decode_s=1e-5, latency_s=ratio * 1e-3,
-               torch_latency_s=1e-3, ratio=ratio, throughput_Bps=1024 / (ratio * 1e-3), repeats=5)
+def _row(
+    payload: str, serializer: str, safe: bool, ratio: float, op: str = "all_gather", fidelity: str = "exact"
+) -> Row:
+    return Row(
+        payload=payload,
+        size=1024,
+        nbytes=1024,
+        serializer=serializer,
+        safe=safe,
+        op=op,
+        fidelity=fidelity,
+        note="",
+        encoded_bytes=1024,
+        encode_s=1e-5,
+        decode_s=1e-5,
+        latency_s=ratio * 1e-3,
+        torch_latency_s=1e-3,
+        ratio=ratio,
+        throughput_Bps=1024 / (ratio * 1e-3),
+        repeats=5,
+    )
 
 
 def _result(rows: list, ops=("all_gather",)) -> Result:
-    meta = {"ops": list(ops), "world_size": 2, "backend": "gloo", "objcomm": "0", "torch": "0", "python": "3",
-            "repeat": 5}
+    meta = {
+        "ops": list(ops),
+        "world_size": 2,
+        "backend": "gloo",
+        "objcomm": "0",
+        "torch": "0",
+        "python": "3",
+        "repeat": 5,
+    }
     return Result(meta, rows)
 
 
 def test_the_recommendation_says_when_torch_is_faster():
-    result = _result([
-        _row("arrays", "pickle", False, 1.30), _row("arrays", "msgpack", True, 1.45),
-        _row("metrics", "pickle", False, 0.50), _row("metrics", "msgpack", True, 0.60),
-    ])
+    result = _result(
+        [
+            _row("arrays", "pickle", False, 1.30),
+            _row("arrays", "msgpack", True, 1.45),
+            _row("metrics", "pickle", False, 0.50),
+            _row("metrics", "msgpack", True, 0.60),
+        ]
+    )
     lines = format_recommendations(result.recommendations(), ["all_gather"])
     arrays_line = next(line for line in lines if line.strip().startswith("arrays"))
     metrics_line = next(line for line in lines if line.strip().startswith("metrics"))
@@ -249,9 +313,12 @@ def test_the_recommendation_says_when_torch_is_faster():
 
 def test_the_recommendation_never_calls_a_slower_serializer_the_fastest_choice():
     # a geometric mean over ops: 0.8 and 1.5 give 1.10, slower than torch overall
-    rows = [_row("arrays", "pickle", False, 0.8, "all_gather"), _row("arrays", "pickle", False, 1.5, "broadcast"),
-            _row("arrays", "restricted-pickle", True, 0.9, "all_gather"),
-            _row("arrays", "restricted-pickle", True, 0.95, "broadcast")]
+    rows = [
+        _row("arrays", "pickle", False, 0.8, "all_gather"),
+        _row("arrays", "pickle", False, 1.5, "broadcast"),
+        _row("arrays", "restricted-pickle", True, 0.9, "all_gather"),
+        _row("arrays", "restricted-pickle", True, 0.95, "broadcast"),
+    ]
     lines = format_recommendations(_result(rows).recommendations(), ["all_gather", "broadcast"])
     assert "torch.distributed is faster here (fastest exact: restricted-pickle (0.92× torch))" not in lines[1]
     assert "fastest exact: restricted-pickle (0.92× torch)" in lines[1]

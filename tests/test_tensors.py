@@ -122,8 +122,12 @@ def tensors_through_every_op(serializer: str, chunk: int, same_shapes: bool) -> 
 
 @pytest.mark.parametrize(
     "serializer, chunk, same_shapes",
-    [("pickle", 256 << 20, True), ("msgpack", 256 << 20, False), ("restricted-pickle", 65_537, True),
-     ("cloudpickle", 100_003, False)],
+    [
+        ("pickle", 256 << 20, True),
+        ("msgpack", 256 << 20, False),
+        ("restricted-pickle", 65_537, True),
+        ("cloudpickle", 100_003, False),
+    ],
 )
 def test_tensors_through_every_op(ranks, serializer, chunk, same_shapes):
     assert all(ranks.run(tensors_through_every_op, serializer, chunk, same_shapes))
@@ -178,25 +182,39 @@ def test_numpy_arrays_and_whole_bytes_leave_the_byte_stream(serializer):
 @pytest.mark.parametrize("serializer", ["pickle", "cloudpickle", "restricted-pickle", "msgpack"])
 def test_empty_arrays_and_tensors_with_zero_strides_round_trip(serializer):
     chosen = serializers.registry.guarded(serializer)
-    empty = {"full": np.full(0, 3), "float32": np.zeros(0, dtype=np.float32), "2-d": np.zeros((0, 3)),
-             "numpy's tensor": torch.from_numpy(np.zeros(0)), "tensor": torch.zeros(0, 5)}  # numpy's: stride 0
+    empty = {
+        "full": np.full(0, 3),
+        "float32": np.zeros(0, dtype=np.float32),
+        "2-d": np.zeros((0, 3)),
+        "numpy's tensor": torch.from_numpy(np.zeros(0)),
+        "tensor": torch.zeros(0, 5),
+    }  # numpy's: stride 0
     out = _frame.encode(empty, chosen, max_bytes=1 << 30, inline_tensor_bytes=0)  # out of band too
     got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None, own=True)
-    assert_arrays({k: v for k, v in got.items() if k in ("full", "float32", "2-d")},
-                  {k: empty[k] for k in ("full", "float32", "2-d")})
+    assert_arrays(
+        {k: v for k, v in got.items() if k in ("full", "float32", "2-d")},
+        {k: empty[k] for k in ("full", "float32", "2-d")},
+    )
     for key in ("numpy's tensor", "tensor"):
         assert got[key].dtype == empty[key].dtype and got[key].shape == empty[key].shape
 
 
 def test_the_tensor_table_refuses_unknown_or_contradictory_flags():
     from objcomm._format import tensors as _tensors
+
     def entry(flags: int, dtype_code: int = 0, shape: tuple = (2,), nbytes: int = 8) -> bytes:
         return _tensors.ENTRY.pack(dtype_code, flags, len(shape), nbytes, 0) + b"".join(
-            _tensors.DIM.pack(d) for d in shape)
+            _tensors.DIM.pack(d) for d in shape
+        )
 
     uint8 = _tensors.DTYPES.index("uint8")
-    for bad in (entry(64), entry(_tensors.NUMPY | _tensors.PARAMETER), entry(_tensors.NUMPY | _tensors.BYTES),
-                entry(_tensors.BYTES), entry(_tensors.BYTEARRAY, uint8, (2, 4), 8)):
+    for bad in (
+        entry(64),
+        entry(_tensors.NUMPY | _tensors.PARAMETER),
+        entry(_tensors.NUMPY | _tensors.BYTES),
+        entry(_tensors.BYTES),
+        entry(_tensors.BYTEARRAY, uint8, (2, 4), 8),
+    ):
         with pytest.raises(objcomm.FrameError, match="flags|bytes must be"):
             _tensors.parse_table(memoryview(bad), 1, 0)
     assert _tensors.parse_table(memoryview(entry(_tensors.BYTES, uint8, (8,))), 1, 0)[0].flags == _tensors.BYTES

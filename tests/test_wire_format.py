@@ -209,7 +209,13 @@ def test_restricted_pickle_payload_names_only_rebuild_calls_with_documented_argu
     assert bytes(restricted.dumps(gen.restricted_object())) == data
     found = calls(data)
     assert [name.rpartition(".")[2] for name, _ in found] == [
-        "ndarray", "tensor", "numpy_scalar", "numpy_dtype", "tensor", "parameter", "uuid"
+        "ndarray",
+        "tensor",
+        "numpy_scalar",
+        "numpy_dtype",
+        "tensor",
+        "parameter",
+        "uuid",
     ]
     assert {name.rpartition(".")[0] for name, _ in found} == {"serializers._rebuild"}
     args = [a for _, a in found]
@@ -254,7 +260,11 @@ def test_golden_slot_parses_and_is_filled_again_byte_for_byte(shape):
     inline, sizes, listed_bit = SHAPES[shape]
     info = _slot.read_slot(memoryview(data))
     assert (info.length, info.error, info.round2, info.limit, info.total) == (
-        out.frame.nbytes, shape == "error", shape == "round2", gen.SLOT_LIMIT, out.total
+        out.frame.nbytes,
+        shape == "error",
+        shape == "round2",
+        gen.SLOT_LIMIT,
+        out.total,
     )
     assert (bytes(info.inline) if info.inline is not None else None) == (bytes(out.frame) if inline else None)
     assert info.sizes == sizes
@@ -327,23 +337,45 @@ def stated_constants() -> Dict[str, Any]:
     return stated
 
 
-EXT_NAMES = ["TUPLE", "SET", "FROZENSET", "BIGINT", "DATETIME", "DATE", "TIMEDELTA", "NDARRAY", "NPSCALAR",
-             "COMPLEX", "ODICT", "EXTERNAL", "CODEC"]
+EXT_NAMES = [
+    "TUPLE",
+    "SET",
+    "FROZENSET",
+    "BIGINT",
+    "DATETIME",
+    "DATE",
+    "TIMEDELTA",
+    "NDARRAY",
+    "NPSCALAR",
+    "COMPLEX",
+    "ODICT",
+    "EXTERNAL",
+    "CODEC",
+]
 MUST_STATE = {
     *(f"objcomm._format.frame.{n}" for n in ("MAGIC", "VERSION", "VERSIONS", "FLAG_ERROR", "MAX_ERROR_REPORT")),
     *(f"objcomm._format.compression.{n}" for n in ("NONE", "ZSTD", "LZ4", "CODES")),
-    *(f"objcomm._format.tensors.{n}" for n in ("INLINE", "REQUIRES_GRAD", "PARAMETER", "NUMPY", "BYTES", "BYTEARRAY",
-                                       "MAX_NDIM")),
+    *(
+        f"objcomm._format.tensors.{n}"
+        for n in ("INLINE", "REQUIRES_GRAD", "PARAMETER", "NUMPY", "BYTES", "BYTEARRAY", "MAX_NDIM")
+    ),
     *(f"serializers._msgpack.{n}" for n in EXT_NAMES),
-    "serializers._json.TAG", "serializers._pickle.PROTOCOL", "serializers._pickle.EXTERNAL",
+    "serializers._json.TAG",
+    "serializers._pickle.PROTOCOL",
+    "serializers._pickle.EXTERNAL",
     *(f"objcomm._format.slot.{n}" for n in ("ERROR_BIT", "ROUND2_BIT", "LISTED_BIT", "LENGTH_MASK", "SIZES_UNLISTED")),
     *(f"objcomm._transport.rounds.{n}" for n in ("REFUSE_LIMIT", "REFUSE_MALFORMED")),
-    "objcomm._samehost.hosts._WORDS", "objcomm._samehost.segments.PREFIX", "objcomm._api.call.MAX_TAG",
+    "objcomm._samehost.hosts._WORDS",
+    "objcomm._samehost.segments.PREFIX",
+    "objcomm._api.call.MAX_TAG",
     "objcomm._transport.base.INTERNAL_TAG",
-    *(f"objcomm._samehost.shm.{n}" for n in ("_P2P", "_READ", "_FELL_BACK", "_REFUSED", "_SENT", "_OTHER_HOST",
-                                             "_RESEND", "_REFUSED_P2P")),
+    *(
+        f"objcomm._samehost.shm.{n}"
+        for n in ("_P2P", "_READ", "_FELL_BACK", "_REFUSED", "_SENT", "_OTHER_HOST", "_RESEND", "_REFUSED_P2P")
+    ),
     *(f"objcomm._samehost.inbox.{n}" for n in ("ALL_GATHER", "BROADCAST", "SCATTER", "ALL_TO_ALL", "P2P", "CREDIT")),
-    "objcomm._samehost.mesh.MAX_PAYLOAD", "objcomm._samehost.channel._WORDS",
+    "objcomm._samehost.mesh.MAX_PAYLOAD",
+    "objcomm._samehost.channel._WORDS",
 }
 
 
@@ -390,8 +422,14 @@ def test_byte_layouts_on_the_page_are_the_structs():
             at += size
         assert "<" + "".join(formats) == layout.format and at == layout.size == int(found[2])
         checked.add(found[1])
-    assert checked == {"objcomm._format.frame.HEADER", "objcomm._format.tensors.ENTRY", "objcomm._format.tensors.DIM",
-                       "objcomm._format.slot.PREFIX", "objcomm._format.slot.COUNT", "objcomm._samehost.inbox.HEADER"}
+    assert checked == {
+        "objcomm._format.frame.HEADER",
+        "objcomm._format.tensors.ENTRY",
+        "objcomm._format.tensors.DIM",
+        "objcomm._format.slot.PREFIX",
+        "objcomm._format.slot.COUNT",
+        "objcomm._samehost.inbox.HEADER",
+    }
     assert _frame.HEADER.size == 40
 
 
@@ -414,8 +452,17 @@ def test_segment_name_example_is_what_the_code_writes():
 
 
 def test_golden_directory_holds_only_documented_files():
-    expected = {"make_golden.py", "v1-tensors.oob0", "v1-pickle.frame", "v1-msgpack.frame", "v1-json.frame",
-                "v1-error.frame", *gen.frames(), *gen.payloads(), *(f"slot-{s}.slot" for s in SHAPES)}
+    expected = {
+        "make_golden.py",
+        "v1-tensors.oob0",
+        "v1-pickle.frame",
+        "v1-msgpack.frame",
+        "v1-json.frame",
+        "v1-error.frame",
+        *gen.frames(),
+        *gen.payloads(),
+        *(f"slot-{s}.slot" for s in SHAPES),
+    }
     present = {p.name for p in GOLDEN.iterdir() if p.is_file()}
     assert present == expected
     text = PAGE.read_text()

@@ -57,8 +57,9 @@ class Call(NamedTuple):
             return torch.device(self.options.map_location)
         return self.wire.device if self.wire is not None else torch.device("cpu")
 
-    def encode(self, obj: Any, serialized: Union[None, _frame.Serialized, BaseException] = None,
-               ) -> tuple[Outgoing, Optional[BaseException]]:
+    def encode(
+        self, obj: Any, serialized: Union[None, _frame.Serialized, BaseException] = None
+    ) -> tuple[Outgoing, Optional[BaseException]]:
         """``(outgoing, exception)``: a failure becomes an error report that still travels. ``serialized``:
         what serializing ``obj`` with this call's serializer gave already (:func:`objcomm._format.frame.serialize`'s
         result, or what it raised), so that it is not serialized twice."""
@@ -66,8 +67,11 @@ class Call(NamedTuple):
             if isinstance(serialized, BaseException):
                 raise serialized
             out = _frame.encode(
-                obj, self.serializer, max_bytes=self.options.max_bytes,
-                inline_tensor_bytes=self.options.inline_tensor_bytes, compression=self.options.compression,
+                obj,
+                self.serializer,
+                max_bytes=self.options.max_bytes,
+                inline_tensor_bytes=self.options.inline_tensor_bytes,
+                compression=self.options.compression,
                 serialized=serialized,
             )
             return out, None
@@ -92,7 +96,11 @@ class Call(NamedTuple):
         if item is None:
             raise CommunicationError(f"no frame arrived from rank {sender}")
         return _frame.decode(
-            item, sender=sender, accept=self.options.accept, device=self.device, max_bytes=self.options.max_bytes,
+            item,
+            sender=sender,
+            accept=self.options.accept,
+            device=self.device,
+            max_bytes=self.options.max_bytes,
             own=own,
         )
 
@@ -115,8 +123,12 @@ class Call(NamedTuple):
         inline = self.wire.inline_capacity if self.wire is not None else self.options.slot_bytes - SLOT_PREFIX_BYTES
         limit = self.options.max_bytes
         if out.total > limit and (out.tensors or out.frame_nbytes > inline):
-            raise too_large(f"recv: rank {rank} (this rank, to itself) sends {out.total:,} bytes, above this rank's "
-                            f"max_bytes={limit:,}", outcome="the message was dropped", where="here")
+            raise too_large(
+                f"recv: rank {rank} (this rank, to itself) sends {out.total:,} bytes, above this rank's "
+                f"max_bytes={limit:,}",
+                outcome="the message was dropped",
+                where="here",
+            )
         obj = self.decode(item, rank)
         return ((0 if self.wire is None else self.wire.ranks[rank]), obj) if return_sender else obj
 
@@ -140,7 +152,9 @@ def membership(group: Any, device: Device) -> Tuple[Tuple[int, ...], int, torch.
                 "only call objcomm with groups this rank belongs to"
             )
         found = known[device] = (
-            tuple(dist.get_process_group_ranks(group)), rank, resolve_device(group_backend(group), group, device)
+            tuple(dist.get_process_group_ranks(group)),
+            rank,
+            resolve_device(group_backend(group), group, device),
         )
     return found
 
@@ -157,8 +171,16 @@ def wire_for(group: Any, device: Device, options: CallOptions, segments: Segment
     found = known.get(key)
     if found is None or found[0] is not options or found[1] is not segments:  # the ids are of live objects
         ranks, rank, transport_device = membership(group, device)
-        rest = (ranks, rank, transport_device, options.slot_bytes, options.chunk_bytes, options.max_bytes,
-                second_round_for(options, segments), first_round_for(options))
+        rest = (
+            ranks,
+            rank,
+            transport_device,
+            options.slot_bytes,
+            options.chunk_bytes,
+            options.max_bytes,
+            second_round_for(options, segments),
+            first_round_for(options),
+        )
         if len(known) >= WIRES_KEPT:
             known.clear()
         found = known[key] = (options, segments, rest)
@@ -170,12 +192,19 @@ def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound
     below ``shm_threshold``, the same-host channel where it carried round 1 (``local``; all_gather and broadcast)."""
     shared: SecondRound = DIRECT
     if options.shm:
-        shared = _shm.SharedMemory(threshold=options.shm_threshold, directory=options.shm_dir or DEFAULT_DIRECTORY,
-                                   separate=options.separate_hosts, zero_copy=options.shm_zero_copy, book=segments)
+        shared = _shm.SharedMemory(
+            threshold=options.shm_threshold,
+            directory=options.shm_dir or DEFAULT_DIRECTORY,
+            separate=options.separate_hosts,
+            zero_copy=options.shm_zero_copy,
+            book=segments,
+        )
     if not options.local:
         return shared
-    return TwoLevelRests(ChannelRounds(shared, min(options.shm_threshold, routes.CHANNEL_MOST)),
-                         options.shm_threshold if options.shm else None)
+    return TwoLevelRests(
+        ChannelRounds(shared, min(options.shm_threshold, routes.CHANNEL_MOST)),
+        options.shm_threshold if options.shm else None,
+    )
 
 
 def first_round_for(options: CallOptions) -> FirstRound:
@@ -183,8 +212,9 @@ def first_round_for(options: CallOptions) -> FirstRound:
     whether it opens), else the group."""
     if not options.local:
         return BACKEND
-    return _two_level.strategy(options.separate_hosts, options.local_spin_us,
-                               options.shm_threshold if options.shm else None)
+    return _two_level.strategy(
+        options.separate_hosts, options.local_spin_us, options.shm_threshold if options.shm else None
+    )
 
 
 MAX_TAG = INTERNAL_TAG - 1  # objcomm's own messages take the next (the backend carries 2 * tag + 1: Wire.data_tag)
@@ -237,8 +267,9 @@ def encode_each(call: Call, objs: Optional[Sequence[Any]], size: int, op: str) -
         return [_frame.error_frame(exc, call.wire.inline_capacity)] * size, exc
 
 
-def final_report(call: Call, value: Any, complete: bool, own: Optional[BaseException],
-                 carries: bool = True) -> Tuple[Outgoing, Any]:
+def final_report(
+    call: Call, value: Any, complete: bool, own: Optional[BaseException], carries: bool = True
+) -> Tuple[Outgoing, Any]:
     """What a rank contributes to a reduction's last collective: group rank 0 the result where another rank
     needs it (``carries``; not when group rank 0 is the reduce's destination), every rank its own failure if it
     had one, the others a tiny frame."""

@@ -109,9 +109,7 @@ def _prepare(
         except TypeError:
             return [], None, ValueError(f"size must be a non-negative int or None, got {size!r}")
     if isinstance(part, (str, bytes, bytearray, Mapping)) or not isinstance(part, Iterable):
-        return [], None, TypeError(
-            f"part must be a sequence of per-item results (a list), got {type(part).__name__}"
-        )
+        return [], None, TypeError(f"part must be a sequence of per-item results (a list), got {type(part).__name__}")
     items = list(part)
     if indices is None:
         return items, None, None
@@ -120,9 +118,13 @@ def _prepare(
     except TypeError as exc:
         return items, None, TypeError(f"indices must be an iterable of ints (e.g. the sampler): {exc}")
     if len(index_list) != len(items):
-        return items, None, ValueError(
-            f"part has {len(items)} results but indices has {len(index_list)} entries; they must pair up "
-            "one to one (a DataLoader with drop_last=True, or a loop that stopped early, breaks the pairing)"
+        return (
+            items,
+            None,
+            ValueError(
+                f"part has {len(items)} results but indices has {len(index_list)} entries; they must pair up "
+                "one to one (a DataLoader with drop_last=True, or a loop that stopped early, breaks the pairing)"
+            ),
         )
     bad = [i for i in index_list if i < 0 or (size is not None and i >= size)]
     if bad:
@@ -151,8 +153,10 @@ def _check_agreement(meta: List[Any], problem: Optional[Exception]) -> None:
         )
     sizes = [m[3] for m in meta]
     if sizes != [sizes[0]] * len(meta):
-        raise ValueError(f"collect_results: size by rank is {sizes}; every rank must pass the same size (the "
-                         "dataset's length), or None")
+        raise ValueError(
+            f"collect_results: size by rank is {sizes}; every rank must pass the same size (the "
+            "dataset's length), or None"
+        )
     if not with_indices:
         lengths = [m[0] for m in meta]
         strided = all(a >= b for a, b in zip(lengths, lengths[1:])) and lengths[0] - lengths[-1] <= 1

@@ -87,10 +87,20 @@ class Communicator(Operations):
         self.serializer = serializer
         self.device = device
         self._given = given(
-            serializer=serializer, accept=accept, map_location=map_location, compression=compression,
-            max_bytes=max_bytes, slot_bytes=slot_bytes, chunk_bytes=chunk_bytes,
-            inline_tensor_bytes=inline_tensor_bytes, shm=shm, shm_threshold=shm_threshold, shm_dir=shm_dir,
-            shm_zero_copy=shm_zero_copy, local=local, local_spin_us=local_spin_us,
+            serializer=serializer,
+            accept=accept,
+            map_location=map_location,
+            compression=compression,
+            max_bytes=max_bytes,
+            slot_bytes=slot_bytes,
+            chunk_bytes=chunk_bytes,
+            inline_tensor_bytes=inline_tensor_bytes,
+            shm=shm,
+            shm_threshold=shm_threshold,
+            shm_dir=shm_dir,
+            shm_zero_copy=shm_zero_copy,
+            local=local,
+            local_spin_us=local_spin_us,
         )
         # Tests only: True treats every rank as on its own host; None follows OBJCOMM_FORCE_SEPARATE_HOSTS.
         self._separate_hosts: Optional[bool] = None
@@ -153,8 +163,14 @@ class Communicator(Operations):
 
     @mpi4py_keywords
     def all_gather(
-        self, obj: Any, *, serializer: Optional[SerializerLike] = None, accept: Optional[Collection[str]] = None,
-        max_bytes: Optional[int] = None, map_location: Device = None, compression: Optional[str] = None,
+        self,
+        obj: Any,
+        *,
+        serializer: Optional[SerializerLike] = None,
+        accept: Optional[Collection[str]] = None,
+        max_bytes: Optional[int] = None,
+        map_location: Device = None,
+        compression: Optional[str] = None,
         async_op: bool = False,
     ) -> Any:
         """Every rank's object, on every rank, in group-rank order: ``[obj_0, ..., obj_{n-1}]``.
@@ -174,9 +190,16 @@ class Communicator(Operations):
 
     @mpi4py_keywords
     def gather(
-        self, obj: Any, dst: int = 0, *, serializer: Optional[SerializerLike] = None,
-        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
-        compression: Optional[str] = None, async_op: bool = False,
+        self,
+        obj: Any,
+        dst: int = 0,
+        *,
+        serializer: Optional[SerializerLike] = None,
+        accept: Optional[Collection[str]] = None,
+        max_bytes: Optional[int] = None,
+        map_location: Device = None,
+        compression: Optional[str] = None,
+        async_op: bool = False,
     ) -> Any:
         """Every rank's object on global rank ``dst`` (a list in group-rank order); ``None`` elsewhere."""
         if async_op:
@@ -186,9 +209,16 @@ class Communicator(Operations):
 
     @mpi4py_keywords
     def broadcast(
-        self, obj: Any = None, src: int = 0, *, serializer: Optional[SerializerLike] = None,
-        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
-        compression: Optional[str] = None, async_op: bool = False,
+        self,
+        obj: Any = None,
+        src: int = 0,
+        *,
+        serializer: Optional[SerializerLike] = None,
+        accept: Optional[Collection[str]] = None,
+        max_bytes: Optional[int] = None,
+        map_location: Device = None,
+        compression: Optional[str] = None,
+        async_op: bool = False,
     ) -> Any:
         """Global rank ``src``'s object, on every rank (``obj`` is ignored on the others)."""
         if async_op:
@@ -205,9 +235,16 @@ class Communicator(Operations):
 
     @mpi4py_keywords
     def scatter(
-        self, objs: Optional[Sequence[Any]] = None, src: int = 0, *, serializer: Optional[SerializerLike] = None,
-        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
-        compression: Optional[str] = None, async_op: bool = False,
+        self,
+        objs: Optional[Sequence[Any]] = None,
+        src: int = 0,
+        *,
+        serializer: Optional[SerializerLike] = None,
+        accept: Optional[Collection[str]] = None,
+        max_bytes: Optional[int] = None,
+        map_location: Device = None,
+        compression: Optional[str] = None,
+        async_op: bool = False,
     ) -> Any:
         """Element ``r`` of ``objs`` (given on global rank ``src``, one per group rank) on group rank ``r``."""
         if async_op:
@@ -217,9 +254,15 @@ class Communicator(Operations):
 
     @mpi4py_keywords
     def all_to_all(
-        self, objs: Sequence[Any], *, serializer: Optional[SerializerLike] = None,
-        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
-        compression: Optional[str] = None, async_op: bool = False,
+        self,
+        objs: Sequence[Any],
+        *,
+        serializer: Optional[SerializerLike] = None,
+        accept: Optional[Collection[str]] = None,
+        max_bytes: Optional[int] = None,
+        map_location: Device = None,
+        compression: Optional[str] = None,
+        async_op: bool = False,
     ) -> Any:
         """``objs[j]`` to group rank ``j``; element ``i`` of the result came from group rank ``i``."""
         if async_op:
@@ -229,9 +272,17 @@ class Communicator(Operations):
 
     @mpi4py_keywords
     def reduce(
-        self, obj: Any, op: _reduce.Op, dst: int = 0, *, serializer: Optional[SerializerLike] = None,
-        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
-        compression: Optional[str] = None, async_op: bool = False,
+        self,
+        obj: Any,
+        op: _reduce.Op,
+        dst: int = 0,
+        *,
+        serializer: Optional[SerializerLike] = None,
+        accept: Optional[Collection[str]] = None,
+        max_bytes: Optional[int] = None,
+        map_location: Device = None,
+        compression: Optional[str] = None,
+        async_op: bool = False,
     ) -> Any:
         """Every rank's object combined with ``op`` in group-rank order, on global rank ``dst``; ``None`` elsewhere."""
         op = named_op(op)
@@ -242,9 +293,16 @@ class Communicator(Operations):
 
     @mpi4py_keywords
     def all_reduce(
-        self, obj: Any, op: _reduce.Op, *, serializer: Optional[SerializerLike] = None,
-        accept: Optional[Collection[str]] = None, max_bytes: Optional[int] = None, map_location: Device = None,
-        compression: Optional[str] = None, async_op: bool = False,
+        self,
+        obj: Any,
+        op: _reduce.Op,
+        *,
+        serializer: Optional[SerializerLike] = None,
+        accept: Optional[Collection[str]] = None,
+        max_bytes: Optional[int] = None,
+        map_location: Device = None,
+        compression: Optional[str] = None,
+        async_op: bool = False,
     ) -> Any:
         """Every rank's object combined with ``op`` in group-rank order, on every rank."""
         op = named_op(op)
@@ -255,8 +313,14 @@ class Communicator(Operations):
 
     @mpi4py_keywords
     def send(
-        self, obj: Any, dst: int, tag: int = 0, *, serializer: Optional[SerializerLike] = None,
-        max_bytes: Optional[int] = None, compression: Optional[str] = None,
+        self,
+        obj: Any,
+        dst: int,
+        tag: int = 0,
+        *,
+        serializer: Optional[SerializerLike] = None,
+        max_bytes: Optional[int] = None,
+        compression: Optional[str] = None,
     ) -> None:
         """Send ``obj`` to global rank ``dst``, which calls :meth:`recv` with the same ``tag``.
 
@@ -280,8 +344,14 @@ class Communicator(Operations):
 
     @mpi4py_keywords
     def recv(
-        self, src: Optional[int] = None, tag: int = 0, *, accept: Optional[Collection[str]] = None,
-        max_bytes: Optional[int] = None, map_location: Device = None, return_sender: bool = False,
+        self,
+        src: Optional[int] = None,
+        tag: int = 0,
+        *,
+        accept: Optional[Collection[str]] = None,
+        max_bytes: Optional[int] = None,
+        map_location: Device = None,
+        return_sender: bool = False,
     ) -> Any:
         """Receive the object global rank ``src`` sends with ``tag``; ``src=None`` takes it from any rank
         (gloo only). ``return_sender=True`` returns ``(sender's global rank, object)``.
@@ -293,8 +363,9 @@ class Communicator(Operations):
         """
         if accept is None and max_bytes is None and map_location is None:
             express = self._express()
-            if express is not None and (src is not None or (express.peers and not _requests.own_waiting(
-                    express.facts, tag))):
+            if express is not None and (
+                src is not None or (express.peers and not _requests.own_waiting(express.facts, tag))
+            ):
                 got = express.recv(src, tag, self._group)
                 if got is not NOT_TAKEN:
                     return got if return_sender else got[1]
@@ -304,8 +375,14 @@ class Communicator(Operations):
     # -- non-blocking (see objcomm._api.requests) --------------------------------------------------------
     @mpi4py_keywords
     def isend(
-        self, obj: Any, dst: int, tag: int = 0, *, serializer: Optional[SerializerLike] = None,
-        max_bytes: Optional[int] = None, compression: Optional[str] = None,
+        self,
+        obj: Any,
+        dst: int,
+        tag: int = 0,
+        *,
+        serializer: Optional[SerializerLike] = None,
+        max_bytes: Optional[int] = None,
+        compression: Optional[str] = None,
     ) -> Request:
         """Non-blocking :meth:`send`: a :class:`~objcomm.Request` whose ``wait()`` returns ``None`` once sent.
 
@@ -322,8 +399,14 @@ class Communicator(Operations):
 
     @mpi4py_keywords
     def irecv(
-        self, src: Optional[int] = None, tag: int = 0, *, accept: Optional[Collection[str]] = None,
-        max_bytes: Optional[int] = None, map_location: Device = None, return_sender: bool = False,
+        self,
+        src: Optional[int] = None,
+        tag: int = 0,
+        *,
+        accept: Optional[Collection[str]] = None,
+        max_bytes: Optional[int] = None,
+        map_location: Device = None,
+        return_sender: bool = False,
     ) -> Request:
         """Non-blocking :meth:`recv`: a :class:`~objcomm.Request` whose ``wait()`` returns the object. A bad ``src``
         or ``tag`` raises here, as :meth:`recv` does. From this rank itself (and without a process group, or with
@@ -335,8 +418,9 @@ class Communicator(Operations):
         call = self._call(kwargs)
         wire, peer = self._source(call, src, tag, "irecv")
         if wire is None or peer == wire.rank:
-            return _requests.receive_own(None if wire is None else wire.group, src, tag,
-                                         lambda out: call.own(out, return_sender))
+            return _requests.receive_own(
+                None if wire is None else wire.group, src, tag, lambda out: call.own(out, return_sender)
+            )
         return _requests.point_to_point(
             self.group, "recv", src, tag, lambda: self.recv(src, tag, return_sender=return_sender, **kwargs)
         )

@@ -44,18 +44,22 @@ def _gather_object(
     gathered = gather(obj, dst=root, group=group, **options)
     if gathered is None:
         if object_gather_list:
-            raise ValueError(_torch_says(
-                "Argument ``gather_list`` must NOT be specified on non-destination ranks.",
-                f"object_gather_list must be None on ranks other than the destination (global rank {root}); this is "
-                f"global rank {_my_rank()}",
-            ))
+            raise ValueError(
+                _torch_says(
+                    "Argument ``gather_list`` must NOT be specified on non-destination ranks.",
+                    f"object_gather_list must be None on ranks other than the destination (global rank {root}); "
+                    f"this is global rank {_my_rank()}",
+                )
+            )
         return None
     if not object_gather_list:
-        raise ValueError(_torch_says(
-            "Argument ``gather_list`` must be specified on destination rank.",
-            f"the destination (global rank {root}) must pass object_gather_list, a list of {len(gathered)} slots; "
-            "the gathered objects were dropped. Reported after the collective, so no rank is left waiting",
-        ))
+        raise ValueError(
+            _torch_says(
+                "Argument ``gather_list`` must be specified on destination rank.",
+                f"the destination (global rank {root}) must pass object_gather_list, a list of {len(gathered)} slots; "
+                "the gathered objects were dropped. Reported after the collective, so no rank is left waiting",
+            )
+        )
     for i, item in enumerate(gathered):
         object_gather_list[i] = item
     return None
@@ -102,17 +106,21 @@ def _scatter_object_list(
     output = scatter_object_output_list
     if not isinstance(output, list) or not output:
         what = "is empty" if isinstance(output, list) else f"is a {type(output).__name__}"
-        raise ValueError(_torch_says(
-            "Expected argument scatter_object_output_list to be a list of size at least 1.",
-            f"scatter_object_output_list {what}; pass a list of at least one element (e.g. [None]), whose element 0 "
-            "receives this rank's object. The received object was dropped",
-        )) from failure
+        raise ValueError(
+            _torch_says(
+                "Expected argument scatter_object_output_list to be a list of size at least 1.",
+                f"scatter_object_output_list {what}; pass a list of at least one element (e.g. [None]), whose "
+                "element 0 receives this rank's object. The received object was dropped",
+            )
+        ) from failure
     if failure is not None:
         if _my_rank() == root and scatter_object_input_list is None:
-            raise ValueError(_torch_says(
-                "source rank must provide non-None scatter_object_input_list",
-                f"this rank (global rank {root}) is the source; the other ranks raise RemoteError",
-            )) from failure
+            raise ValueError(
+                _torch_says(
+                    "source rank must provide non-None scatter_object_input_list",
+                    f"this rank (global rank {root}) is the source; the other ranks raise RemoteError",
+                )
+            ) from failure
         raise failure
     output[0] = item
     return None
@@ -204,17 +212,21 @@ def _one_of(rank: Optional[int], group_rank: Optional[int], what: str, default: 
     """``rank``, or ``default`` when neither it nor ``group_rank`` is given; raise as torch does for both or neither."""
     if group_rank is not None:
         if rank is not None:
-            raise ValueError(_torch_says(
-                "Can't specify both group_rank and global_rank",
-                f"pass {what} (a global rank) or group_{what} (a rank within group), not both",
-            ))
+            raise ValueError(
+                _torch_says(
+                    "Can't specify both group_rank and global_rank",
+                    f"pass {what} (a global rank) or group_{what} (a rank within group), not both",
+                )
+            )
         return None
     if rank is None:
         if default is None:
-            raise ValueError(_torch_says(
-                "Must specify global_rank or group_rank",
-                f"pass {what} (a global rank) or group_{what} (a rank within group)",
-            ))
+            raise ValueError(
+                _torch_says(
+                    "Must specify global_rank or group_rank",
+                    f"pass {what} (a global rank) or group_{what} (a rank within group)",
+                )
+            )
         return default
     return rank
 
@@ -229,16 +241,18 @@ def _global_rank(group: Any, rank: Optional[int], group_rank: Optional[int], wha
     try:
         dist.get_group_rank(resolved, rank)  # type: ignore[arg-type]  # given when group_rank is not
     except ValueError as exc:
-        raise ValueError(_torch_says(
-            str(exc), f"{what} is a global rank; this group's are {dist.get_process_group_ranks(resolved)}"
-        )) from exc
+        raise ValueError(
+            _torch_says(str(exc), f"{what} is a global rank; this group's are {dist.get_process_group_ranks(resolved)}")
+        ) from exc
     return rank  # type: ignore[return-value]  # given when group_rank is not
 
 
 def _not_self(peer: int, role: str, what: str) -> int:
     if _initialized() and peer == dist.get_rank():
-        raise ValueError(_torch_says(
-            f"Invalid {role} rank: {role} rank should not be the same as the rank of the current process.",
-            f"{what} resolves to global rank {peer}, this rank itself",
-        ))
+        raise ValueError(
+            _torch_says(
+                f"Invalid {role} rank: {role} rank should not be the same as the rank of the current process.",
+                f"{what} resolves to global rank {peer}, this rank itself",
+            )
+        )
     return peer

@@ -55,8 +55,26 @@ class Express:
     """What a default-option send/recv on one group works out once: valid for the settings, registry,
     group and communicator it was built for (the caller checks that); holds no reference to the group."""
 
-    __slots__ = ("call", "rest", "state", "facts", "ranks", "rank", "index", "peers", "name", "slot", "limit", "spin",
-                 "cpu", "whole_bytes", "accept", "device", "decoders", "version")
+    __slots__ = (
+        "call",
+        "rest",
+        "state",
+        "facts",
+        "ranks",
+        "rank",
+        "index",
+        "peers",
+        "name",
+        "slot",
+        "limit",
+        "spin",
+        "cpu",
+        "whole_bytes",
+        "accept",
+        "device",
+        "decoders",
+        "version",
+    )
 
     def __init__(self, call: Call, strategy: _channel_slots.SameHostSlots, state: _channel_slots.SameHost) -> None:
         wire, options = call.wire, call.options
@@ -151,8 +169,11 @@ class Express:
             named = [_frame.plain_named(got) for got in slots]
             found = [None if n is None else decoders.get(n[0]) for n in named]
             if None not in found:
-                return True, [_frame.loads_payload(d, d.name, n[1], r) for r, (d, n) in enumerate(zip(found, named))
-                              if d is not None and n is not None]  # none is None: the filter only narrows the types
+                return True, [
+                    _frame.loads_payload(d, d.name, n[1], r)
+                    for r, (d, n) in enumerate(zip(found, named))
+                    if d is not None and n is not None
+                ]  # none is None: the filter only narrows the types
         plains = [_frame.plain_in_slot(got) for got in slots]
         if None not in plains:
             return True, [self._decode(plain, r) for r, plain in enumerate(plains)]
@@ -204,8 +225,9 @@ class Express:
     def _decode(self, plain: Any, sender: int) -> Any:
         """The object of a plain frame (``(frame, header)`` of ``frame.plain_in_slot``) from ``sender``."""
         frame, header = plain
-        return _frame.decode_parsed(frame, header, Incoming(frame), sender, self.accept, self.device, self.limit,
-                                      own=sender == self.rank)
+        return _frame.decode_parsed(
+            frame, header, Incoming(frame), sender, self.accept, self.device, self.limit, own=sender == self.rank
+        )
 
     def recv(self, src: Any, tag: Any, group: Callable[[], Any]) -> Any:
         """``(sender's global rank, object)`` from global rank ``src`` (None: any) under ``tag``, or
@@ -228,8 +250,14 @@ class Express:
         obj = self._plain(got, sender)
         if obj is NOT_TAKEN:  # anything else: the general path's steps, from the slot on
             wire = self.wire(group(), tag)
-            incoming = received(wire, sender, read_slot(memoryview(got)), _frame.tensor_sizes,
-                                _channel_slots.ChannelRoute(channel, self.spin), message)
+            incoming = received(
+                wire,
+                sender,
+                read_slot(memoryview(got)),
+                _frame.tensor_sizes,
+                _channel_slots.ChannelRoute(channel, self.spin),
+                message,
+            )
             return self.ranks[sender], self.call._replace(wire=wire).received(*incoming)
         return self.ranks[sender], obj
 

@@ -135,8 +135,7 @@ class Operations(Resolving):
         self._deliver(wire, out, local, peer)
 
     @staticmethod
-    def _deliver(wire: Wire, out: Outgoing, local: Optional[BaseException], peer: int,
-                 eager: bool = True) -> None:
+    def _deliver(wire: Wire, out: Outgoing, local: Optional[BaseException], peer: int, eager: bool = True) -> None:
         """Send what encoding gave (``local``: its failure, whose report ``out`` is) to group rank ``peer``."""
         _pending.check(wire.group, "send")
         _rounds.send(wire, out, peer, eager)
@@ -172,14 +171,16 @@ class Operations(Resolving):
         out = _pending.captured(out)
         # not eager: wait() returns once the receiver took it, as before (a later blocking send on its dst and tag,
         # refused while it is outstanding, can then never overtake it)
-        return _requests.point_to_point(self.group, "send", dst, tag,
-                                        lambda: self._deliver(wire, out, local, peer, eager=False))
+        return _requests.point_to_point(
+            self.group, "send", dst, tag, lambda: self._deliver(wire, out, local, peer, eager=False)
+        )
 
     # -- messages to oneself: held by objcomm._api.own_box._OwnBox, encoded, until this rank receives them
     # -------------
     @staticmethod
-    def _send_own(call: Call, wire: Optional[Wire], obj: Any, tag: int,
-                  serialized: Any = None) -> Optional[BaseException]:
+    def _send_own(
+        call: Call, wire: Optional[Wire], obj: Any, tag: int, serialized: Any = None
+    ) -> Optional[BaseException]:
         """Send ``obj`` to this rank itself under ``tag``: encoded as for a peer (a failure: its report, which the
         receive raises as ``RemoteError``), and owning its bytes, tensors included, so that the receiver decodes a
         copy of ``obj`` as it was now. Returns the encoding's failure, for the caller to raise."""

@@ -55,8 +55,9 @@ class _OwnBox:
                 del self.queued[tag]
             return message
 
-    def receive(self, tag: int, take: Callable[[Any], Any], hold: Callable[[], None],
-                release: Callable[[], None]) -> Request:
+    def receive(
+        self, tag: int, take: Callable[[Any], Any], hold: Callable[[], None], release: Callable[[], None]
+    ) -> Request:
         """An ``irecv`` from oneself: completed with ``take(message)`` now if a message waits under ``tag``, else
         once one is sent. ``hold()`` runs as it starts to wait, ``release()`` before it completes."""
         with self.lock:

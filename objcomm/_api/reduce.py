@@ -58,9 +58,7 @@ def resolve(op: Op) -> Callable[[Any, Any], Any]:
         return op
     if isinstance(op, str) and op in NAMED_OPS:
         return NAMED_OPS[op]
-    raise ValueError(
-        f"op must be a callable op(a, b) -> c or one of {sorted(NAMED_OPS)}, got {op!r}"
-    )
+    raise ValueError(f"op must be a callable op(a, b) -> c or one of {sorted(NAMED_OPS)}, got {op!r}")
 
 
 def _ranks(first: int, last: int) -> str:
@@ -73,8 +71,10 @@ def op_error(op: Op, fn: Callable[[Any, Any], Any], exc: BaseException, left: st
     raised = f"{type(exc).__name__}: {exc}"
     combining = f"combining op(a, b) with a from {left} and b from {right}"
     if isinstance(op, str):  # a named op: the objects do not support it
-        return OpError(f"op {op!r} raised {raised}, {combining}; {op!r} cannot combine these objects: "
-                       "choose another op or pass a function op(a, b)")
+        return OpError(
+            f"op {op!r} raised {raised}, {combining}; {op!r} cannot combine these objects: "
+            "choose another op or pass a function op(a, b)"
+        )
     code = getattr(fn, "__code__", None)
     name = getattr(fn, "__qualname__", None)
     if name is None:  # a callable object, a functools.partial
@@ -87,8 +87,10 @@ def op_error(op: Op, fn: Callable[[Any, Any], Any], exc: BaseException, left: st
             where = f" ({os.path.basename(code.co_filename)}, line {tb.tb_lineno})"
             break
         tb = tb.tb_next
-    return OpError(f"the op function {name}{where} raised {raised}, {combining}; that is the caller's code, "
-                   f"not objcomm's: fix {name}")
+    return OpError(
+        f"the op function {name}{where} raised {raised}, {combining}; that is the caller's code, "
+        f"not objcomm's: fix {name}"
+    )
 
 
 def tree(call: Any, obj: Any, op: Op) -> Tuple[Optional[Any], bool, Optional[BaseException]]:

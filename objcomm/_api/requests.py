@@ -86,7 +86,8 @@ class _Lanes:
             raise CommunicationError(
                 "async collectives on this group run on a second process group with its ranks, which each member "
                 "sets up at its first async collective on the group, waiting for the others up to the group's "
-                f"timeout; that set-up failed: {self.shadow}") from self.shadow
+                f"timeout; that set-up failed: {self.shadow}"
+            ) from self.shadow
         return self.shadow
 
     def hold(self, key: Key) -> None:
@@ -143,7 +144,6 @@ class _Lanes:
 
 
 _LANES_LOCK = threading.Lock()
-
 
 
 def _lanes(group: Any) -> _Lanes:

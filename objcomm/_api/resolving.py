@@ -100,9 +100,14 @@ class Resolving:
         options = resolve(kwargs, layer)
         group = self._group()
         found = self._calls.get(id(options))
-        if (found is None or found.options is not options or found.registry != registry.version
-                or found.group() is not group or found.device is not self.device
-                or found.segments is not self._segments):
+        if (
+            found is None
+            or found.options is not options
+            or found.registry != registry.version
+            or found.group() is not group
+            or found.device is not self.device
+            or found.segments is not self._segments
+        ):
             found = self._remember(options, group)
         wire = None if group is None or found.wire is None else _new(Wire, (group, *found.wire))
         return _new(Call, (options, found.serializer, wire))
@@ -115,8 +120,9 @@ class Resolving:
             held = _no_group if group is None else weakref.ref(group)
         except TypeError:
             held = None
-        found = Worked(options, version, held, self.device, self._segments, serializer,
-                       None if wire is None else tuple(wire)[1:])
+        found = Worked(
+            options, version, held, self.device, self._segments, serializer, None if wire is None else tuple(wire)[1:]
+        )
         if held is not None:
             if len(self._calls) >= WIRES_KEPT:
                 self._calls.clear()
@@ -131,16 +137,31 @@ class Resolving:
         if group is None:  # first: a kept group that was collected reads as None too
             return None
         held = self._held
-        if (held is not None and held.settings is settings_state() and held.registry == registry.version
-                and held.group() is group and held.device is self.device and held.segments is self._segments
-                and held.separate_hosts is self._separate_hosts):
+        if (
+            held is not None
+            and held.settings is settings_state()
+            and held.registry == registry.version
+            and held.group() is group
+            and held.device is self.device
+            and held.segments is self._segments
+            and held.separate_hosts is self._separate_hosts
+        ):
             return held
         stamp = (settings_state(), registry.version)  # before the work: a change meanwhile makes it stale
         call = self._resolved({})
         assert call.wire is not None
         try:
-            held = Held(*stamp, weakref.ref(group), self.device, self._segments, self._separate_hosts,
-                        call.options, call.serializer, tuple(call.wire)[1:], _UNBUILT)
+            held = Held(
+                *stamp,
+                weakref.ref(group),
+                self.device,
+                self._segments,
+                self._separate_hosts,
+                call.options,
+                call.serializer,
+                tuple(call.wire)[1:],
+                _UNBUILT,
+            )
         except TypeError:
             return None
         self._held = held
@@ -224,8 +245,10 @@ class Resolving:
         if index is None:
             raise TypeError(f"{what} must be an int rank, got {rank!r}")
         if index != 0:
-            raise ObjcommError(f"{op}({what}={rank}) needs an initialised process group with that rank; without one "
-                               "this process is the only rank, 0: call init_process_group()")
+            raise ObjcommError(
+                f"{op}({what}={rank}) needs an initialised process group with that rank; without one "
+                "this process is the only rank, 0: call init_process_group()"
+            )
 
     @staticmethod
     def _check_single(rank: Any, what: str) -> None:

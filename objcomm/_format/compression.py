@@ -90,8 +90,11 @@ def decompress(code: int, data: memoryview, raw_len: int, max_bytes: int) -> Any
     if code not in NAMES:
         raise DecodeError(f"frame uses unknown compression code {code}")
     if raw_len > max_bytes:
-        raise too_large(f"a compressed payload expands to {raw_len:,} bytes, above this rank's max_bytes={max_bytes:,}",
-                        outcome="it was not decompressed", where="here")
+        raise too_large(
+            f"a compressed payload expands to {raw_len:,} bytes, above this rank's max_bytes={max_bytes:,}",
+            outcome="it was not decompressed",
+            where="here",
+        )
     module = _module(code)
     try:
         out = _zstd_exact(module, data, raw_len) if code == ZSTD else _lz4_exact(module, data, raw_len)

@@ -110,8 +110,11 @@ def _frame_parts(
     not joined (:class:`~objcomm._transport.base.Outgoing` joins them only where one buffer is needed), and their
     bytes."""
     name_bytes = name.encode("ascii")
-    body = payload if type(payload) is memoryview and payload.format == "B" and payload.ndim == 1 else (
-        memoryview(payload).cast("B"))
+    body = (
+        payload
+        if type(payload) is memoryview and payload.format == "B" and payload.ndim == 1
+        else (memoryview(payload).cast("B"))
+    )
     parts: List[Any] = [b"", name_bytes, table, body]
     inline_len = 0
     for part in inline:  # flat unsigned-byte buffers (TensorLifter.pack)
@@ -157,8 +160,10 @@ def _serialize_auto(obj: Any, chooser: AutoSerializer, inline_tensor_bytes: int)
     except ObjcommError:
         raise
     except Exception as exc:  # the object's own code (a hash, an __eq__) raised while auto looked at it
-        raise EncodeError(f"serializer 'auto' could not look at this {type(obj).__name__} ({type(exc).__name__}: "
-                          f"{exc}); name a serializer instead") from exc
+        raise EncodeError(
+            f"serializer 'auto' could not look at this {type(obj).__name__} ({type(exc).__name__}: "
+            f"{exc}); name a serializer instead"
+        ) from exc
 
 
 def _choose_and_serialize(obj: Any, chooser: AutoSerializer, inline_tensor_bytes: int) -> Serialized:
@@ -220,15 +225,24 @@ def encode(
         table, inline, oob = packed
         version = 2 if any(lifter.kinds) else 1  # a version 1 reader would take numpy or bytes for tensors
         parts, length = _frame_parts(
-            serializer.name, stored, compression=code, raw_len=raw.nbytes, table=table, n_tensors=len(lifter.tensors),
-            inline=inline, version=version,
+            serializer.name,
+            stored,
+            compression=code,
+            raw_len=raw.nbytes,
+            table=table,
+            n_tensors=len(lifter.tensors),
+            inline=inline,
+            version=version,
         )
     else:  # the common small case: no tensor table, nothing out of band
         (parts, length), oob = _frame_parts(serializer.name, stored, compression=code, raw_len=raw.nbytes), []
     out = Outgoing(parts=parts, tensors=oob, nbytes=length)
     if out.total > max_bytes:
-        raise too_large(f"the encoded object is {out.total:,} bytes, above max_bytes={max_bytes:,}",
-                        outcome="nothing was sent", where="on this rank")
+        raise too_large(
+            f"the encoded object is {out.total:,} bytes, above max_bytes={max_bytes:,}",
+            outcome="nothing was sent",
+            where="on this rank",
+        )
     return out
 
 
@@ -282,11 +296,34 @@ def _plain_lengths(slot: Any) -> Optional[Tuple[int, int, int, int]]:
     (see :func:`plain_in_slot`)."""
     if len(slot) < _SLOT_HEADER.size:
         return None
-    (word, _, total, magic, version, flags, compression, name_len, table_len, n_tensors, payload_len, raw_len,
-     inline_len) = _SLOT_HEADER.unpack_from(slot, 0)
-    if (word != total or word > len(slot) - PREFIX.size or magic != MAGIC or version not in VERSIONS or flags
-            or compression != NO_COMPRESSION or table_len or n_tensors or inline_len or raw_len != payload_len
-            or HEADER.size + name_len + payload_len != word):
+    (
+        word,
+        _,
+        total,
+        magic,
+        version,
+        flags,
+        compression,
+        name_len,
+        table_len,
+        n_tensors,
+        payload_len,
+        raw_len,
+        inline_len,
+    ) = _SLOT_HEADER.unpack_from(slot, 0)
+    if (
+        word != total
+        or word > len(slot) - PREFIX.size
+        or magic != MAGIC
+        or version not in VERSIONS
+        or flags
+        or compression != NO_COMPRESSION
+        or table_len
+        or n_tensors
+        or inline_len
+        or raw_len != payload_len
+        or HEADER.size + name_len + payload_len != word
+    ):
         return None  # word == total, within the slot: no flag bits, and the frame and nothing else follows
     return version, name_len, payload_len, word
 
@@ -345,7 +382,7 @@ def read_error(view: memoryview, header: Header) -> tuple[str, str]:
         # a regex pre-scan for nesting was quadratic on an unterminated string of escaped quotes.
         report = json.loads(text)
         if not isinstance(report, dict) or not all(isinstance(report.get(k), str) for k in ("type", "message")):
-            raise TypeError("expected {\"type\": str, \"message\": str}")
+            raise TypeError('expected {"type": str, "message": str}')
         return report["type"], report["message"]
     except (ValueError, TypeError, RecursionError) as exc:
         raise FrameError(f"malformed error report in frame: {exc}") from None
@@ -384,8 +421,16 @@ def decode(
     return decode_parsed(view, parse_header(view), incoming, sender, accept, device, max_bytes, own)
 
 
-def decode_parsed(view: memoryview, header: Header, incoming: Incoming, sender: int, accept: Optional[Collection[str]],
-                  device: torch.device, max_bytes: int, own: bool = False) -> Any:
+def decode_parsed(
+    view: memoryview,
+    header: Header,
+    incoming: Incoming,
+    sender: int,
+    accept: Optional[Collection[str]],
+    device: torch.device,
+    max_bytes: int,
+    own: bool = False,
+) -> Any:
     """:func:`decode` of a frame whose header is parsed and checked already."""
     if header.flags & FLAG_ERROR:  # header.is_error, without a call
         raise FrameError(f"rank {sender} sent an error report where data was expected")
@@ -407,13 +452,25 @@ def decode_parsed(view: memoryview, header: Header, incoming: Incoming, sender: 
         payload = memoryview(_compression.decompress(header.compression, payload, header.raw_len, max_bytes))
     restore_of = None
     if entries:  # the inline tensor data follows the payload
-        restore_of = functools.partial(restorer, entries, view[start + header.payload_len :], incoming.tensors, device,
-                                       own=own, copy_out=incoming.copy_out)
+        restore_of = functools.partial(
+            restorer,
+            entries,
+            view[start + header.payload_len :],
+            incoming.tensors,
+            device,
+            own=own,
+            copy_out=incoming.copy_out,
+        )
     return loads_payload(serializer, header.serializer, payload, sender, restore_of)
 
 
-def loads_payload(serializer: SerializerProtocol, name: str, payload: memoryview, sender: int,
-                  restore_of: Optional[Callable[[], Any]] = None) -> Any:
+def loads_payload(
+    serializer: SerializerProtocol,
+    name: str,
+    payload: memoryview,
+    sender: int,
+    restore_of: Optional[Callable[[], Any]] = None,
+) -> Any:
     """``serializer.loads(payload)``, what goes wrong saying it came from group rank ``sender``; ``name``: the
     serializer's. ``restore_of()``: the hook that restores the frame's tensors, where it has some."""
     try:

@@ -69,8 +69,9 @@ def inconsistent(op: str, sender: int, problem: str) -> FrameError:
     )
 
 
-def too_large(what: str, *, outcome: str = "nothing was transferred", where: str = "on the receiving ranks",
-              ) -> TooLargeError:
+def too_large(
+    what: str, *, outcome: str = "nothing was transferred", where: str = "on the receiving ranks"
+) -> TooLargeError:
     """The one builder of :class:`TooLargeError` messages: ``what`` is too large (and whose limit it
     passes), then what happened and what to do."""
     return TooLargeError(
@@ -97,12 +98,21 @@ def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str) -> Non
         if (second if receiver == biggest else first) > limit:
             for sender, info in enumerate(infos):  # once: the message names the first sender past this limit
                 if sender != receiver and not info.error and info.total > limit:
-                    raise too_large(f"{op}: rank {sender} sends {info.total:,} bytes, above the "
-                                    f"max_bytes={limit:,} of receiving rank {receiver}")
+                    raise too_large(
+                        f"{op}: rank {sender} sends {info.total:,} bytes, above the "
+                        f"max_bytes={limit:,} of receiving rank {receiver}"
+                    )
 
 
-def refused(op: str, sender: int, wire: Any, total: int, problem: Optional[str], drained: bool = False,
-            into: Optional[str] = None) -> Exception:
+def refused(
+    op: str,
+    sender: int,
+    wire: Any,
+    total: int,
+    problem: Optional[str],
+    drained: bool = False,
+    into: Optional[str] = None,
+) -> Exception:
     """Why this receiver refused ``sender``'s payload: its sizes disagree, or they exceed ``wire.max_bytes``.
     ``drained``: the bytes were received and dropped, ``into`` what (default: the backend's scratch buffer)."""
     if problem:
@@ -183,8 +193,9 @@ class CheckedSizes:
             self._by_length = {}
             for i in self.infos:
                 self._by_length.setdefault(i.length, []).append(i)
-        agrees = any(not table_problem(i.length, i.total, table, i.sizes)
-                     for i in self._by_length.get(frame.nbytes, ()))
+        agrees = any(
+            not table_problem(i.length, i.total, table, i.sizes) for i in self._by_length.get(frame.nbytes, ())
+        )
         if problem or not agrees:
             raise OSError(problem or "a shared-memory frame's tensor sizes disagree with its sender's slot")
         return table

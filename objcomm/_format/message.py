@@ -38,8 +38,15 @@ class Outgoing:
 
     __slots__ = ("parts", "tensors", "error", "frame_nbytes", "_frame")
 
-    def __init__(self, frame: Any = None, tensors: Sequence[torch.Tensor] = (), error: bool = False, *,
-                 parts: Sequence[Any] = (), nbytes: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        frame: Any = None,
+        tensors: Sequence[torch.Tensor] = (),
+        error: bool = False,
+        *,
+        parts: Sequence[Any] = (),
+        nbytes: Optional[int] = None,
+    ) -> None:
         if frame is not None:
             frame = memoryview(frame)
             parts = (frame,)

@@ -35,8 +35,23 @@ from objcomm._errors import FrameError
 from serializers import _auto
 
 DTYPES = (
-    "float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "int32", "int64", "bool",
-    "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "uint16",
+    "uint32",
+    "uint64",
 )  # codes are positions in this tuple: append only
 _CODES: Dict[torch.dtype, int] = {getattr(torch, n): i for i, n in enumerate(DTYPES) if hasattr(torch, n)}
 ENTRY = struct.Struct("<BBB5xQQ")
@@ -60,8 +75,11 @@ def _valid_flags(kinds: bool) -> FrozenSet[int]:
     valid = set()
     for flags in range(256):
         kind = flags & KINDS
-        if not flags & ~_FLAGS and not kind & (kind - 1) and not (kind and (flags & (REQUIRES_GRAD | PARAMETER)
-                                                                           or not kinds)):
+        if (
+            not flags & ~_FLAGS
+            and not kind & (kind - 1)
+            and not (kind and (flags & (REQUIRES_GRAD | PARAMETER) or not kinds))
+        ):
             valid.add(flags)
     return frozenset(valid)
 
@@ -105,8 +123,22 @@ class WholeBytes:
 
 
 # numpy dtypes torch shares, by the table code of the torch dtype of the same name (native byte order)
-_NUMPY_NAMES = ("float32", "float64", "float16", "uint8", "int8", "int16", "int32", "int64", "bool", "complex64",
-                "complex128", "uint16", "uint32", "uint64")
+_NUMPY_NAMES = (
+    "float32",
+    "float64",
+    "float16",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+    "complex64",
+    "complex128",
+    "uint16",
+    "uint32",
+    "uint64",
+)
 _NUMPY_CODES: Dict[Any, int] = {np.dtype(n): DTYPES.index(n) for n in _NUMPY_NAMES if hasattr(torch, n)}
 _NUMPY_OF: Dict[torch.dtype, Any] = {getattr(torch, n): np.dtype(n) for n in _NUMPY_NAMES if hasattr(torch, n)}
 _auto.lift_arrays_of(tuple(_NUMPY_CODES))  # serializer="auto" sends dicts of such arrays through msgspec
@@ -268,8 +300,12 @@ def parse_table(view: memoryview, count: int, inline_len: int, kinds: bool = Tru
             raise FrameError(f"tensor table entry: a numpy array of {dtype}, which numpy has not")
         # checked before anything of this size exists: no negative or overflowing shape, nbytes in range (each
         # size below 2**62, so the product of at most 64 is a small big int)
-        if nbytes >= MAX_NBYTES or shape and (min(shape) < 0 or max(shape) >= MAX_NBYTES) or (
-                math.prod(shape) * itemsize != nbytes):
+        if (
+            nbytes >= MAX_NBYTES
+            or shape
+            and (min(shape) < 0 or max(shape) >= MAX_NBYTES)
+            or (math.prod(shape) * itemsize != nbytes)
+        ):
             raise FrameError(f"tensor table entry: shape {shape} of {dtype} is not {nbytes} bytes")
         if flags & INLINE:
             # in order and disjoint, as the encoder writes them: each entry is copied out, so entries
@@ -288,8 +324,12 @@ def parse_table(view: memoryview, count: int, inline_len: int, kinds: bool = Tru
 
 
 def restorer(
-    entries: Sequence[Entry], inline: memoryview, oob: Sequence[torch.Tensor], device: torch.device,
-    own: bool = False, copy_out: Optional[Callable[[int, type], Any]] = None,
+    entries: Sequence[Entry],
+    inline: memoryview,
+    oob: Sequence[torch.Tensor],
+    device: torch.device,
+    own: bool = False,
+    copy_out: Optional[Callable[[int, type], Any]] = None,
 ) -> Any:
     """The ``restore`` hook for serializers: key -> tensor on ``device``.
 

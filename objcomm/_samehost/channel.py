@@ -135,8 +135,17 @@ class LocalChannel(Mesh):
     ``p2p``: whether send/recv of objcomm's transport may use it (see :mod:`objcomm._samehost.channel_slots`).
     """
 
-    def __init__(self, rank: int, peers: Dict[int, socket.socket], pids: Sequence[int], timeout: float, *,
-                 p2p: bool = False, generation: int = 0, stash_bytes: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        peers: Dict[int, socket.socket],
+        pids: Sequence[int],
+        timeout: float,
+        *,
+        p2p: bool = False,
+        generation: int = 0,
+        stash_bytes: Optional[int] = None,
+    ) -> None:
         self.rank = rank
         self.size = len(pids)
         self.timeout = timeout
@@ -163,10 +172,19 @@ class LocalChannel(Mesh):
 
     # -- set-up ------------------------------------------------------------------------------
     @classmethod
-    def open(cls, wire: Wire, *, timeout: float = DEFAULT_TIMEOUT, setup_timeout: float = SETUP_TIMEOUT,
-             separate: Union[bool, int] = False, op: str = "local channel set-up", ready: bool = False,
-             history: Tuple[int, int] = (0, 0), stash_bytes: Optional[int] = None,
-             control: Any = None) -> Optional[LocalChannel]:
+    def open(
+        cls,
+        wire: Wire,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        setup_timeout: float = SETUP_TIMEOUT,
+        separate: Union[bool, int] = False,
+        op: str = "local channel set-up",
+        ready: bool = False,
+        history: Tuple[int, int] = (0, 0),
+        stash_bytes: Optional[int] = None,
+        control: Any = None,
+    ) -> Optional[LocalChannel]:
         """Connect every rank of ``wire``'s group (a collective); ``None`` on every rank when they are
         not all on this host with one uid and pid namespace, or when any rank could not connect.
 
@@ -184,22 +202,35 @@ class LocalChannel(Mesh):
             ok = 1
         except OSError:
             ok = 0
-        mine = [ok, _hosts.host_key(separate), os.getpid(), os.getuid(), _hosts.pid_namespace(), nonce, secret,
-                int(ready), *history]
+        mine = [
+            ok,
+            _hosts.host_key(separate),
+            os.getpid(),
+            os.getuid(),
+            _hosts.pid_namespace(),
+            nonce,
+            secret,
+            int(ready),
+            *history,
+        ]
         # On the wire's device: an NCCL group's set-up goes through NCCL, once; the channel then moves host bytes.
         group, device = _through(wire, control)
         everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=device)
-        guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device),
-                group=group)
+        guarded(
+            op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group
+        )
         words: List[int] = everyone.tolist()
         oks, keys, pids, uids, namespaces, nonces, _, readies, generations, points = (
-            words[i::_WORDS] for i in range(_WORDS))
+            words[i::_WORDS] for i in range(_WORDS)
+        )
         peers: Dict[int, socket.socket] = {}
         try:
             if VOTE in oks:
-                raise OutOfStep(f"{op}: rank {oks.index(VOTE)} voted on send/recv through its same-host channel "
-                                "while this rank opened a new one: the group's calls are out of step; it cannot be "
-                                "used any more")
+                raise OutOfStep(
+                    f"{op}: rank {oks.index(VOTE)} voted on send/recv through its same-host channel "
+                    "while this rank opened a new one: the group's calls are out of step; it cannot be "
+                    "used any more"
+                )
             if len({*zip(generations, points)}) > 1:
                 raise OutOfStep(
                     f"{op}: the ranks of this group disagree about where its same-host channel failed (channel, "
@@ -220,8 +251,9 @@ class LocalChannel(Mesh):
             for s in peers.values():
                 s.close()
             return None
-        channel = cls(wire.rank, peers, pids, timeout, p2p=all(readies), generation=history[0] + 1,
-                      stash_bytes=stash_bytes)
+        channel = cls(
+            wire.rank, peers, pids, timeout, p2p=all(readies), generation=history[0] + 1, stash_bytes=stash_bytes
+        )
         channel.control = control
         return channel
 
@@ -233,19 +265,30 @@ class LocalChannel(Mesh):
         mine = [VOTE, 0, os.getpid(), 0, 0, 0, 0, int(ready), self.generation, 0]
         group, device = _through(wire, self.control)
         everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=device)
-        guarded(op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device),
-                group=group)
+        guarded(
+            op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group
+        )
         words: List[int] = everyone.tolist()
         kinds, generations = words[0::_WORDS], words[8::_WORDS]
         if any(k != VOTE for k in kinds) or len({*generations}) > 1:
-            raise OutOfStep(f"{op}: the ranks are not all voting on send/recv through the same-host channel of one "
-                            f"generation (vote marks {kinds}, channels {generations}): the group's calls are out "
-                            "of step; it cannot be used any more")
+            raise OutOfStep(
+                f"{op}: the ranks are not all voting on send/recv through the same-host channel of one "
+                f"generation (vote marks {kinds}, channels {generations}): the group's calls are out "
+                "of step; it cannot be used any more"
+            )
         return all(words[7::_WORDS])
 
     @staticmethod
-    def _connect(rank: int, peers: Dict[int, socket.socket], pids: Sequence[int], nonces: Sequence[int],
-                 secrets_: Sequence[int], secret: int, listener: socket.socket, deadline: float) -> bool:
+    def _connect(
+        rank: int,
+        peers: Dict[int, socket.socket],
+        pids: Sequence[int],
+        nonces: Sequence[int],
+        secrets_: Sequence[int],
+        secret: int,
+        listener: socket.socket,
+        deadline: float,
+    ) -> bool:
         """Connect to the ranks below, accept the ranks above (checking who they are); False on failure."""
         uid = os.getuid()
         for peer in range(rank):  # connect() completes against the backlog, before the peer accepts

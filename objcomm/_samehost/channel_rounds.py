@@ -77,8 +77,9 @@ class ChannelRounds:
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
         return self.inner.worth(wire, moved, op)  # nothing to agree on first: a refusing receiver drains
 
-    def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
-                   op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+    def all_gather(
+        self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, op: str
+    ) -> Union[Sequence[Optional[Incoming]], NotUsed]:
         moved = [info.second_round_bytes for info in infos]
         found = self._channel(wire, max(moved), op)
         if found is None:
@@ -95,14 +96,17 @@ class ChannelRounds:
                 elif r != me:
                     checked(channel, got[r], index, 0, r, op)
         return [
-            Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors]) if r == me  # never the input itself
-            else incoming(into, infos[r], sizes_of, r, op) if into is not None
+            Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors])
+            if r == me  # never the input itself
+            else incoming(into, infos[r], sizes_of, r, op)
+            if into is not None
             else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
             for r, into in enumerate(received)
         ]
 
-    def broadcast(self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int,
-                  op: str) -> Union[Incoming, NotUsed]:
+    def broadcast(
+        self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int, op: str
+    ) -> Union[Incoming, NotUsed]:
         moved = info.second_round_bytes
         found = self._channel(wire, moved, op)
         if found is None:
@@ -124,12 +128,20 @@ class ChannelRounds:
                 place(channel, into, chunk, index, src, op)
         all_received(channel, moved, spin, op)
         if into is None:
-            raise _limits.refused(op, src, wire, info.total, None, drained=True,
-                                  into=f"messages of at most {CHUNK:,} bytes of the same-host channel")
+            raise _limits.refused(
+                op,
+                src,
+                wire,
+                info.total,
+                None,
+                drained=True,
+                into=f"messages of at most {CHUNK:,} bytes of the same-host channel",
+            )
         return incoming(into, info, sizes_of, src, op)
 
-    def gather(self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int,
-               op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
+    def gather(
+        self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int, op: str
+    ) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
         if infos is None:  # only the destination read round 1 (two levels took it)
             return NOT_USED
         moved = [0 if r == dst else info.second_round_bytes for r, info in enumerate(infos)]
@@ -156,14 +168,24 @@ class ChannelRounds:
                     checked(channel, got[r], index, 0, r, op)
         all_received(channel, sum(moved), spin, op)
         return [
-            Incoming(out.frame, list(out.tensors)) if r == me  # the caller decodes its own with own=True
-            else incoming(into, infos[r], sizes_of, r, op) if into is not None
+            Incoming(out.frame, list(out.tensors))
+            if r == me  # the caller decodes its own with own=True
+            else incoming(into, infos[r], sizes_of, r, op)
+            if into is not None
             else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
             for r, into in enumerate(received)
         ]
 
-    def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf, src: int,
-                longest: int, op: str) -> Union[Incoming, NotUsed]:
+    def scatter(
+        self,
+        wire: Wire,
+        outs: Optional[Sequence[Outgoing]],
+        info: SlotInfo,
+        sizes_of: SizesOf,
+        src: int,
+        longest: int,
+        op: str,
+    ) -> Union[Incoming, NotUsed]:
         found = self._channel(wire, longest, op)  # the root's longest second round: the vote carried it to every rank
         if found is None:
             return self.inner.scatter(wire, outs, info, sizes_of, src, longest, op)
@@ -178,8 +200,11 @@ class ChannelRounds:
             return Incoming(outs[me].frame, list(outs[me].tensors))  # the caller decodes its own with own=True
         moved = info.second_round_bytes
         if moved > longest:
-            channel.fail(op, f"rank {src}'s slot announces a {moved:,}-byte second round to this rank, but its vote "
-                             f"{longest:,} at most: a protocol error")
+            channel.fail(
+                op,
+                f"rank {src}'s slot announces a {moved:,}-byte second round to this rank, but its vote "
+                f"{longest:,} at most: a protocol error",
+            )
         into = bytearray(moved)
         for index in range(messages):
             place(channel, into, channel.scatter(None, src, spin), index, src, op)
@@ -187,8 +212,9 @@ class ChannelRounds:
         # the ignore below: nothing moved, so the frame came inline
         return incoming(into, info, sizes_of, src, op) if moved else Incoming(info.inline)  # type: ignore[arg-type]
 
-    def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
-                   longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+    def all_to_all(
+        self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf, longest: int, op: str
+    ) -> Union[Sequence[Optional[Incoming]], NotUsed]:
         found = self._channel(wire, longest, op)  # the longest stream of any pair, which every rank's vote carried
         if found is None:
             return self.inner.all_to_all(wire, outs, infos, sizes_of, longest, op)
@@ -196,7 +222,8 @@ class ChannelRounds:
         me, streams = wire.rank, _streams(wire, outs)
         received: List[Optional[bytearray]] = [
             bytearray(info.second_round_bytes) if r != me and info.second_round_bytes else None
-            for r, info in enumerate(infos)]
+            for r, info in enumerate(infos)
+        ]
         for index in range(-(-longest // CHUNK)):  # every pair's message #index at once; b"" once a stream ended
             got = channel.all_to_all([next(stream, b"") for stream in streams], spin)
             for r, into in enumerate(received):
@@ -205,33 +232,52 @@ class ChannelRounds:
                 elif r != me:
                     checked(channel, got[r], index, 0, r, op)
         return [
-            Incoming(outs[r].frame, list(outs[r].tensors)) if r == me  # the caller decodes its own with own=True
-            else incoming(into, infos[r], sizes_of, r, op) if into is not None
+            Incoming(outs[r].frame, list(outs[r].tensors))
+            if r == me  # the caller decodes its own with own=True
+            else incoming(into, infos[r], sizes_of, r, op)
+            if into is not None
             else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
             for r, into in enumerate(received)
         ]
 
-    def send(self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None,
-             message: int = 0) -> bool:
+    def send(
+        self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None, message: int = 0
+    ) -> bool:
         return self.inner.send(wire, out, dst, op, route, message)  # (below the limit the route's answer took it)
 
-    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str, route: Optional[Route] = None,
-             message: int = 0) -> Union[Incoming, NotUsed]:
+    def recv(
+        self,
+        wire: Wire,
+        info: SlotInfo,
+        sizes_of: SizesOf,
+        src: int,
+        op: str,
+        route: Optional[Route] = None,
+        message: int = 0,
+    ) -> Union[Incoming, NotUsed]:
         return self.inner.recv(wire, info, sizes_of, src, op, route, message)
 
 
 # -- send/recv: the rest of a message whose slot the channel carried (objcomm._samehost.channel_slots's route)
 # ----------------
-def send_p2p(channel: _socket.LocalChannel, wire: Wire, out: Outgoing, info: SlotInfo, dst: int,
-             message: int) -> None:
+def send_p2p(channel: _socket.LocalChannel, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
     """The rest of message ``message`` to group rank ``dst``, once it answered for it: its frame unless the slot
     carried it, then its tensors, in messages of :data:`CHUNK` bytes under ``(tag, REST, message)``."""
     for chunk in chunks(pieces(out, info.inline is not None)):
         channel.send_part(REST, chunk, dst, wire.tag, message)
 
 
-def recv_p2p(channel: _socket.LocalChannel, spin: Optional[float], wire: Wire, info: SlotInfo, sizes_of: SizesOf,
-             src: int, message: int, op: str, drain: bool = False) -> Incoming:
+def recv_p2p(
+    channel: _socket.LocalChannel,
+    spin: Optional[float],
+    wire: Wire,
+    info: SlotInfo,
+    sizes_of: SizesOf,
+    src: int,
+    message: int,
+    op: str,
+    drain: bool = False,
+) -> Incoming:
     """The rest of group rank ``src``'s message ``message`` (see :func:`send_p2p`), each message's length checked
     against what its slot ``info`` announced; read as a segment is (:func:`incoming`). ``drain``: a refusing
     receiver's, read and dropped (an empty result)."""
@@ -250,8 +296,12 @@ def _streams(wire: Wire, outs: Sequence[Outgoing]) -> List[Iterator[Slot]]:
     """The messages of each rank's part (scatter, all_to_all): none for this rank's own, nor for a part its slot
     carried whole."""
     capacity = wire.inline_capacity
-    return [chunks(pieces(o, o.frame_nbytes <= capacity))
-            if r != wire.rank and outgoing_second_round_bytes(o, capacity) else iter(()) for r, o in enumerate(outs)]
+    return [
+        chunks(pieces(o, o.frame_nbytes <= capacity))
+        if r != wire.rank and outgoing_second_round_bytes(o, capacity)
+        else iter(())
+        for r, o in enumerate(outs)
+    ]
 
 
 def pieces(out: Outgoing, inline: bool) -> List[memoryview]:
@@ -269,7 +319,7 @@ def chunks(pieces: List[memoryview]) -> Iterator[Slot]:
         while piece.nbytes:
             take = piece[:room]
             pending.append(take)
-            piece, room = piece[take.nbytes:], room - take.nbytes
+            piece, room = piece[take.nbytes :], room - take.nbytes
             if not room:
                 yield pending[0] if len(pending) == 1 else b"".join(pending)
                 pending, room = [], CHUNK
@@ -290,8 +340,11 @@ def all_received(channel: _socket.LocalChannel, moved: int, spin: Optional[float
     channel.unsynced = 0
     got = channel.all_gather(b"", spin)
     if any(got):
-        channel.fail(op, f"a rank sent bytes where the end of a {op}'s second round was due: the ranks are at "
-                         "different calls, or a protocol error")
+        channel.fail(
+            op,
+            f"a rank sent bytes where the end of a {op}'s second round was due: the ranks are at "
+            "different calls, or a protocol error",
+        )
 
 
 def place(channel: _socket.LocalChannel, into: bytearray, chunk: Slot, index: int, sender: int, op: str) -> None:
@@ -306,9 +359,12 @@ def checked(channel: _socket.LocalChannel, chunk: Slot, index: int, total: int, 
     at = index * CHUNK
     due = max(0, min(CHUNK, total - at))
     if len(chunk) != due:
-        channel.fail(op, f"rank {sender} sent {len(chunk):,} bytes of its second round's message #{index} where "
-                         f"{due:,} were due (its slot announced {total:,}): the ranks are at different calls, or "
-                         "a protocol error")
+        channel.fail(
+            op,
+            f"rank {sender} sent {len(chunk):,} bytes of its second round's message #{index} where "
+            f"{due:,} were due (its slot announced {total:,}): the ranks are at different calls, or "
+            "a protocol error",
+        )
     return at
 
 
@@ -320,8 +376,10 @@ def incoming(data: bytearray, info: SlotInfo, sizes_of: SizesOf, sender: int, op
     frame = info.inline
     if frame is None:
         if info.length > len(data):
-            raise FrameError(f"{op}: rank {sender}'s slot announces a {info.length:,}-byte frame in a second round of "
-                             f"{len(data):,} bytes; refused")
+            raise FrameError(
+                f"{op}: rank {sender}'s slot announces a {info.length:,}-byte frame in a second round of "
+                f"{len(data):,} bytes; refused"
+            )
         frame, position = view[: info.length], info.length
     # against its own sender's slot, as the backend's path checks it (not :class:`objcomm._format.limits.CheckedSizes`,
     # whose OSError sends shared memory back to the backend: these bytes have moved)

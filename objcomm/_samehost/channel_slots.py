@@ -134,8 +134,9 @@ class ChannelRoute:
     def answer_of(self, wire: Wire, src: int, message: int, op: str) -> int:
         got = self.channel.recv_part(ANSWER, src, wire.tag, message, self.spin)
         if len(got) != 1:
-            self.channel.fail(op, f"rank {src} answered message #{message} with {len(got):,} bytes where 1 was due: a "
-                                  "protocol error")
+            self.channel.fail(
+                op, f"rank {src} answered message #{message} with {len(got):,} bytes where 1 was due: a protocol error"
+            )
         return got[0]
 
     def send_words(self, wire: Wire, words: Sequence[int], dst: int, message: int) -> None:
@@ -144,15 +145,19 @@ class ChannelRoute:
     def recv_words(self, wire: Wire, count: int, src: int, message: int, op: str) -> List[int]:
         got = self.channel.recv_part(REST, src, wire.tag, message, self.spin)
         if len(got) != 8 * count:
-            self.channel.fail(op, f"rank {src} sent {len(got):,} bytes of control words for message #{message} where "
-                                  f"{8 * count} were due: a protocol error")
+            self.channel.fail(
+                op,
+                f"rank {src} sent {len(got):,} bytes of control words for message #{message} where "
+                f"{8 * count} were due: a protocol error",
+            )
         return list(struct.unpack(f"<{count}q", got))
 
     def send_rest(self, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
         _channel_rounds.send_p2p(self.channel, wire, out, info, dst, message)
 
-    def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str,
-                  drain: bool = False) -> Incoming:
+    def recv_rest(
+        self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str, drain: bool = False
+    ) -> Incoming:
         return _channel_rounds.recv_p2p(self.channel, self.spin, wire, info, sizes_of, src, message, op, drain)
 
 
@@ -227,9 +232,15 @@ class SameHostSlots:
         history = (0, 0) if channel is None else (channel.generation, channel.failed_at or 0)
         ready = state.begin_vote(wire.group)
         try:
-            channel = _channel.LocalChannel.open(wire, timeout=timeout_seconds(wire.group),
-                                               separate=self.separate, op=f"{op} (opening the same-host channel)",
-                                               ready=ready, history=history, control=state.control)
+            channel = _channel.LocalChannel.open(
+                wire,
+                timeout=timeout_seconds(wire.group),
+                separate=self.separate,
+                op=f"{op} (opening the same-host channel)",
+                ready=ready,
+                history=history,
+                control=state.control,
+            )
             if channel is not None and state.control is None:  # every rank is here: the first set-up worked on all
                 state.control = channel.control = _control_group(wire.group)
             with state.cond:  # before the vote ends: a send/recv waiting for it must see the new channel
@@ -289,8 +300,11 @@ class SameHostSlots:
         got = channel.all_gather(packing.pack(*words), self.spin)
         for r, data in enumerate(got):
             if len(data) != packing.size:
-                channel.fail(op, f"rank {r} sent {len(data)} bytes of control words where {packing.size} were due "
-                                 "(the ranks are at different calls, or a protocol error)")
+                channel.fail(
+                    op,
+                    f"rank {r} sent {len(data)} bytes of control words where {packing.size} were due "
+                    "(the ranks are at different calls, or a protocol error)",
+                )
         echo(channel, b"".join(got), self.spin, op, "control words")  # what every rank acts on: the same rows
         return [list(packing.unpack(data)) for data in got]
 
@@ -303,8 +317,9 @@ class SameHostSlots:
         if found is not None:
             agree_on(found[0], found[1], infos, op)
 
-    def _voting(self, wire: Wire, channel: _channel.LocalChannel, exchange: Callable[[], Sequence[Slot]],
-                op: str, mine: Slot) -> Sequence[Slot]:
+    def _voting(
+        self, wire: Wire, channel: _channel.LocalChannel, exchange: Callable[[], Sequence[Slot]], op: str, mine: Slot
+    ) -> Sequence[Slot]:
         """``exchange()``, an all_gather or all_to_all, then, until send/recv are on the channel and where a vote is
         due (:meth:`~objcomm._samehost.channel.LocalChannel.vote_due`), this rank's send/recv vote; ``mine``: this
         rank's own slot, whole, in its place. The vote goes through the group
@@ -346,15 +361,18 @@ class SameHostSlots:
         with state.cond:
             timeout = timeout_seconds(wire.group)
             if state.voting and not state.cond.wait_for(lambda: not state.voting, timeout):
-                raise CommunicationError(f"{op}: a collective on this group has decided for {timeout:.0f}s whether "
-                                         "send/recv may use the same-host channel; it has not finished")
+                raise CommunicationError(
+                    f"{op}: a collective on this group has decided for {timeout:.0f}s whether "
+                    "send/recv may use the same-host channel; it has not finished"
+                )
             channel = state.channel
             if state.broken:
                 raise CommunicationError(f"{op}: {state.broken}")
             if channel is not None and channel.closed and channel.failed_at is not None:
                 raise CommunicationError(
                     f"{op}: this group's same-host channel failed earlier (on this rank: {channel.failed_at}); "
-                    "send/recv on it raise until a collective on the group has opened it again")
+                    "send/recv on it raise until a collective on the group has opened it again"
+                )
             if channel is not None and channel.p2p and not channel.closed:
                 return ChannelRoute(channel, self.spin)
             state.in_flight += 1
@@ -385,19 +403,33 @@ def echo(channel: _channel.LocalChannel, seen: bytes, spin: Optional[float], op:
     digest = hashlib.blake2b(seen, digest_size=16).digest()
     for r, theirs in enumerate(channel.echo(digest, spin)):
         if theirs != digest:
-            channel.fail(op, f"rank {r} read other {what} than rank {channel.rank} did in this {op}: a rank told "
-                             "different ranks different things, or the ranks are at different calls")
+            channel.fail(
+                op,
+                f"rank {r} read other {what} than rank {channel.rank} did in this {op}: a rank told "
+                "different ranks different things, or the ranks are at different calls",
+            )
     for r, theirs in enumerate(channel.echo(PASSED, spin)):
         if theirs != PASSED:
-            channel.fail(op, f"rank {r} sent {len(theirs)} bytes where its pass of the {what} check was due: a "
-                             "protocol error")
+            channel.fail(
+                op, f"rank {r} sent {len(theirs)} bytes where its pass of the {what} check was due: a protocol error"
+            )
 
 
 def agree_on(channel: _channel.LocalChannel, spin: Optional[float], infos: Sequence[SlotInfo], op: str) -> None:
     """:func:`echo` of everything round 1 said that a decision reads: the words, and a frame the slot carried (its
     tensor table decides refusals and the second round's route)."""
-    view = [(i.length, i.error, i.round2, i.limit, i.total, i.sizes,
-             None if i.inline is None else hashlib.blake2b(i.inline, digest_size=16).digest()) for i in infos]
+    view = [
+        (
+            i.length,
+            i.error,
+            i.round2,
+            i.limit,
+            i.total,
+            i.sizes,
+            None if i.inline is None else hashlib.blake2b(i.inline, digest_size=16).digest(),
+        )
+        for i in infos
+    ]
     echo(channel, repr(view).encode(), spin, op, "round-1 slots")
 
 
@@ -428,8 +460,9 @@ def _trim(slot: Slot) -> Slot:
 _FRAME_LENGTH = struct.Struct("<Q")  # a slot's first word: its frame's length, and flag bits above it
 
 
-def _checked(wire: Wire, channel: _channel.LocalChannel, slots: Sequence[Slot], op: str,
-             mine: Optional[Slot] = None) -> List[Slot]:
+def _checked(
+    wire: Wire, channel: _channel.LocalChannel, slots: Sequence[Slot], op: str, mine: Optional[Slot] = None
+) -> List[Slot]:
     """``slots``, each ``wire.slot`` bytes long or :func:`trimmed` (which :func:`objcomm._format.slot.read_slot`
     reads as the whole slot: a prefix without flag bits and its frame), ``mine``, when given, in this rank's
     place; else ranks disagree on ``slot_bytes`` (the backend would fail too): the channel fails, so that the
@@ -439,6 +472,9 @@ def _checked(wire: Wire, channel: _channel.LocalChannel, slots: Sequence[Slot], 
         whole[wire.rank] = mine
     for slot in whole:
         if len(slot) != wire.slot and not trimmed(slot, wire.slot):
-            channel.fail(op, f"rank {wire.rank} received a {len(slot):,}-byte slot but uses "
-                             f"slot_bytes={wire.slot:,}; every rank of a group must use the same slot_bytes")
+            channel.fail(
+                op,
+                f"rank {wire.rank} received a {len(slot):,}-byte slot but uses "
+                f"slot_bytes={wire.slot:,}; every rank of a group must use the same slot_bytes",
+            )
     return whole

@@ -58,12 +58,30 @@ GATHER = 8
 CREDIT = 10  # the receiver's running totals of what it took, per class (see "Flow control")
 # a collective: a digest of what this rank read in round 1 (objcomm._samehost.channel_slots.SameHostSlots.agree)
 ECHO = 11
-NAMES = {ALL_GATHER: "all_gather", BROADCAST: "broadcast", SCATTER: "scatter", ALL_TO_ALL: "all_to_all", P2P: "send",
-         ANSWER: "recv", REST: "send", GATHER: "gather", CREDIT: "credit", ECHO: "echo"}
+NAMES = {
+    ALL_GATHER: "all_gather",
+    BROADCAST: "broadcast",
+    SCATTER: "scatter",
+    ALL_TO_ALL: "all_to_all",
+    P2P: "send",
+    ANSWER: "recv",
+    REST: "send",
+    GATHER: "gather",
+    CREDIT: "credit",
+    ECHO: "echo",
+}
 _POINT_TO_POINT = (P2P, ANSWER, REST)
 COLLECTIVES, POINT_TO_POINT = 0, 1  # the two classes of messages that take credit (ANSWER and CREDIT take none)
-CLASS_OF = {ALL_GATHER: COLLECTIVES, BROADCAST: COLLECTIVES, SCATTER: COLLECTIVES, ALL_TO_ALL: COLLECTIVES,
-            GATHER: COLLECTIVES, ECHO: COLLECTIVES, P2P: POINT_TO_POINT, REST: POINT_TO_POINT}
+CLASS_OF = {
+    ALL_GATHER: COLLECTIVES,
+    BROADCAST: COLLECTIVES,
+    SCATTER: COLLECTIVES,
+    ALL_TO_ALL: COLLECTIVES,
+    GATHER: COLLECTIVES,
+    ECHO: COLLECTIVES,
+    P2P: POINT_TO_POINT,
+    REST: POINT_TO_POINT,
+}
 ENTRY_OVERHEAD = 256  # bytes a stashed message is counted for besides its payload
 KEY_OVERHEAD = 768  # and a key (a tag, a sequence number) that has messages waiting: its queue and dict slot
 STASH_BYTES = 64 << 20  # the most one channel keeps for calls not yet made (up to 30 peers: see stash_for)
@@ -99,14 +117,21 @@ def after(a: int, b: int) -> bool:
     return a != b and (a - b) & MASK < 1 << 31
 
 
-
 class Stash:
     """What has arrived on one channel's sockets, checked and filed until a call takes it, who reads which socket,
     and the credit counted both ways (see the module docstring); :class:`objcomm._samehost.inbox_waits.Inbox`
     waits on it."""
 
-    def __init__(self, peers: Dict[int, socket.socket], pids: Sequence[int], timeout: float, largest: int,
-                 fail: Fail, stash_bytes: Optional[int] = None, yielding: bool = False) -> None:
+    def __init__(
+        self,
+        peers: Dict[int, socket.socket],
+        pids: Sequence[int],
+        timeout: float,
+        largest: int,
+        fail: Fail,
+        stash_bytes: Optional[int] = None,
+        yielding: bool = False,
+    ) -> None:
         self.timeout = timeout
         self.yielding = yielding  # a polling wait yields the CPU between polls (see inbox_waits.poll_briefly)
         self.done = 0  # sequence number of the last collective this rank finished
@@ -254,16 +279,25 @@ class Stash:
                 self.gone[peer] = f"{self._who(peer)} closed its connection: it died, or failed and closed the channel"
             return None
         if length < HEADER.size:  # -2: an empty datagram
-            self._fail(op, f"{self._who(peer)} sent a {max(length, 0)}-byte message, shorter than the "
-                           f"{HEADER.size}-byte header: a protocol error")
+            self._fail(
+                op,
+                f"{self._who(peer)} sent a {max(length, 0)}-byte message, shorter than the "
+                f"{HEADER.size}-byte header: a protocol error",
+            )
         if length > self._size:
-            self._fail(op, f"{self._who(peer)} sent a {length:,}-byte message, above the {self._size:,} bytes a "
-                           "message may have: a protocol error")
+            self._fail(
+                op,
+                f"{self._who(peer)} sent a {length:,}-byte message, above the {self._size:,} bytes a "
+                "message may have: a protocol error",
+            )
         kind, flags, seq, tag = HEADER.unpack_from(self._buffers[peer])
         if kind == CREDIT:
             if flags or seq or tag or length != HEADER.size + _CREDIT.size:
-                self._fail(op, f"{self._who(peer)} sent a {length}-byte credit message with a bad header (flags "
-                               f"{flags}, #{seq}, tag {tag}): a protocol error")
+                self._fail(
+                    op,
+                    f"{self._who(peer)} sent a {length}-byte credit message with a bad header (flags "
+                    f"{flags}, #{seq}, tag {tag}): a protocol error",
+                )
             credit = self._credit[peer]  # running totals: a late or repeated one changes nothing
             for cls, total in enumerate(_CREDIT.unpack_from(self._buffers[peer], HEADER.size)):
                 credit[cls] = max(credit[cls], total)  # a receiver that lies lets this rank run ahead of itself alone
@@ -271,18 +305,24 @@ class Stash:
             return None
         if kind in _POINT_TO_POINT:
             if flags or tag < 0:
-                self._fail(op, f"{self._who(peer)} sent a point-to-point message with a bad header (flags {flags}, "
-                               f"tag {tag}): a protocol error")
+                self._fail(
+                    op,
+                    f"{self._who(peer)} sent a point-to-point message with a bad header (flags {flags}, "
+                    f"tag {tag}): a protocol error",
+                )
             if kind == P2P:  # a slot: keyed by its tag alone (a recv takes the next one), its id as its flags
                 return (False, tag), (kind, seq, bytes(memoryview(self._buffers[peer])[HEADER.size : length]))
             key: Key = (False, tag, kind, seq)
         elif kind in NAMES:
             last = self._last.get(peer)
             if tag or flags or not after(seq, self.done) or (last is not None and not after(seq, last)):
-                self._fail(op, f"{self._who(peer)} sent a {NAMES[kind]} message with a bad header (collective "
-                               f"#{seq} after #{last} and with #{self.done} finished here, tag {tag}, flags {flags}): "
-                               "a duplicate or stale message (did the ranks call different collectives, or broadcast "
-                               "or scatter with different src?), or a protocol error")
+                self._fail(
+                    op,
+                    f"{self._who(peer)} sent a {NAMES[kind]} message with a bad header (collective "
+                    f"#{seq} after #{last} and with #{self.done} finished here, tag {tag}, flags {flags}): "
+                    "a duplicate or stale message (did the ranks call different collectives, or broadcast "
+                    "or scatter with different src?), or a protocol error",
+                )
             self._last[peer] = seq
             key = (True, seq)
         else:
@@ -335,9 +375,12 @@ class Stash:
         queues = self._stash[peer]
         size = len(entry[2]) + ENTRY_OVERHEAD + (0 if key in queues else KEY_OVERHEAD)
         if self._stashed + size > self._limit:
-            self._fail(op, f"{self._who(peer)} sent more than this rank has asked for: the stash of messages for "
-                           f"calls not yet made would pass {self._limit:,} bytes. A rank that far ahead, or flooding "
-                           "the channel")
+            self._fail(
+                op,
+                f"{self._who(peer)} sent more than this rank has asked for: the stash of messages for "
+                f"calls not yet made would pass {self._limit:,} bytes. A rank that far ahead, or flooding "
+                "the channel",
+            )
         self._stashed += size
         if self._stashed > self.peak:
             self.peak = self._stashed

@@ -32,8 +32,9 @@ class Inbox(Stash):
     waits of the threads that take messages (:meth:`take`) and of the senders that wait for credit (:meth:`reserve`)."""
 
     # -- waiting ---------------------------------------------------------------------------------
-    def take(self, sources: Sequence[int], key: Key, kind: int, op: str,
-             first: bool = False, spin: float = 0.0) -> Tuple[Dict[int, bytes], int]:
+    def take(
+        self, sources: Sequence[int], key: Key, kind: int, op: str, first: bool = False, spin: float = 0.0
+    ) -> Tuple[Dict[int, bytes], int]:
         """One message under ``key`` from each of ``sources`` (``first``: from whichever has one first),
         and the AND of their flags (a send's slot: its message id; collectives carry none).
         ``spin``: seconds a wait polls before it sleeps in the kernel, over the whole call (the lean paths; see
@@ -57,8 +58,9 @@ class Inbox(Stash):
         finally:
             lock.release()
 
-    def _together(self, sources: Sequence[int], key: Key, kind: int, op: str,
-                  deadline: float, spin_until: float) -> Tuple[Dict[int, bytes], int, List[int]]:
+    def _together(
+        self, sources: Sequence[int], key: Key, kind: int, op: str, deadline: float, spin_until: float
+    ) -> Tuple[Dict[int, bytes], int, List[int]]:
         """One thread and several sources nobody else reads (a collective at W > 2): take what the stash
         holds, read the rest, taking the messages wanted directly and filing the others; ``(got, ready,
         pending)``, pending non-empty when it stopped early (EOF, the deadline: the general path says why).
@@ -113,8 +115,11 @@ class Inbox(Stash):
                     if parsed[0] != key or peer not in pending:
                         self._put(peer, *parsed, op)
                         if peer in pending and parsed[0][0] and after(parsed[0][1], key[1]):  # a later collective
-                            self._fail(op, f"rank {peer} sent collective #{parsed[0][1]} but not #{key[1]}: it "
-                                           "called a different operation")
+                            self._fail(
+                                op,
+                                f"rank {peer} sent collective #{parsed[0][1]} but not #{key[1]}: it "
+                                "called a different operation",
+                            )
                     else:
                         their_kind, flags, data = parsed[1]
                         if their_kind != kind:
@@ -136,8 +141,9 @@ class Inbox(Stash):
             if self._waiting:
                 self._notify()
 
-    def _alone(self, peer: int, key: Key, kind: int, op: str,
-               spin_until: float) -> Optional[Tuple[Dict[int, bytes], int]]:
+    def _alone(
+        self, peer: int, key: Key, kind: int, op: str, spin_until: float
+    ) -> Optional[Tuple[Dict[int, bytes], int]]:
         """The common case, one thread and one source: read its socket once; the message, if it is the one
         wanted (nothing filed), else None (anything read is filed)."""
         if peer in self._readers or self._stash[peer] or peer in self.gone:  # read by another thread, or filed
@@ -168,8 +174,17 @@ class Inbox(Stash):
         self._took(peer, kind, len(data))
         return {peer: data}, flags
 
-    def _take(self, sources: Sequence[int], key: Key, kind: int, op: str, first: bool, deadline: float,
-              got: Optional[Dict[int, bytes]] = None, ready: int = -1) -> Tuple[Dict[int, bytes], int]:
+    def _take(
+        self,
+        sources: Sequence[int],
+        key: Key,
+        kind: int,
+        op: str,
+        first: bool,
+        deadline: float,
+        got: Optional[Dict[int, bytes]] = None,
+        ready: int = -1,
+    ) -> Tuple[Dict[int, bytes], int]:
         """The general path: any number of threads; ``got``/``ready``: what a lean path already took."""
         got = {} if got is None else got
         pending = list(sources)
@@ -195,8 +210,11 @@ class Inbox(Stash):
                     elif peer in self.gone:
                         self._fail(op, self.gone[peer])
                     elif key[0] and peer in self._last and after(self._last[peer], key[1]):
-                        self._fail(op, f"rank {peer} sent collective #{self._last[peer]} but not #{key[1]}: "
-                                       "it called a different operation")
+                        self._fail(
+                            op,
+                            f"rank {peer} sent collective #{self._last[peer]} but not #{key[1]}: "
+                            "it called a different operation",
+                        )
                 if not pending:
                     return got, ready
                 if any(p not in pending for p in mine):  # let others read what this thread no longer needs
@@ -244,8 +262,9 @@ class Inbox(Stash):
         outstanding = self._sent[peer][cls] - self._credit[peer][cls]
         return outstanding <= 0 or outstanding + cost <= self.window  # one message always goes when none is out
 
-    def _await_credit(self, peer: int, cls: int, cost: int, op: str, flush: Callable[[], None],
-                      collective: bool) -> None:
+    def _await_credit(
+        self, peer: int, cls: int, cost: int, op: str, flush: Callable[[], None], collective: bool
+    ) -> None:
         me = threading.get_ident()
         deadline = time.monotonic() + self.timeout
         mine = False
@@ -267,8 +286,10 @@ class Inbox(Stash):
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    why = (f"{self._who(peer)} took none of the {self.window:,} bytes this rank sent it ahead within "
-                           f"the timeout of {self.timeout:.0f}s (a sender waits for its receiver to take what it sent)")
+                    why = (
+                        f"{self._who(peer)} took none of the {self.window:,} bytes this rank sent it ahead within "
+                        f"the timeout of {self.timeout:.0f}s (a sender waits for its receiver to take what it sent)"
+                    )
                     if collective:
                         self._fail(op, why)
                     raise CommunicationError(f"{op} over the local channel: {why}; the channel stays open")

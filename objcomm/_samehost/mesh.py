@@ -108,8 +108,7 @@ class Mesh:
         self.check("send")
         self._send(dst, HEADER.pack(P2P, 0, message, tag), data, "send")
 
-    def recv(self, src: Optional[int] = None, tag: int = 0,
-             spin: Optional[float] = None) -> Tuple[int, bytes, int]:
+    def recv(self, src: Optional[int] = None, tag: int = 0, spin: Optional[float] = None) -> Tuple[int, bytes, int]:
         """The next message under ``tag`` from group rank ``src`` (``None``: any); ``(sender, data, its id)``."""
         self.check("recv")
         sources = self._others if src is None else [src]
@@ -153,8 +152,10 @@ class Mesh:
         with self._inbox.cond:
             self.closed = True
             if self._inbox.closed is None:
-                self._inbox.closed = why or (f"the local channel of rank {self.rank} was closed (after an error, or "
-                                             "close()); the group's other ranks raise too")
+                self._inbox.closed = why or (
+                    f"the local channel of rank {self.rank} was closed (after an error, or "
+                    "close()); the group's other ranks raise too"
+                )
             for sock in self._peers.values():
                 if self._owner == os.getpid():  # wakes a thread blocked in recv; a forked child must not
                     _drop_unread(sock)
@@ -196,8 +197,9 @@ class Mesh:
         self._votes += 1
         return self._votes <= EVERY_VOTE or self._votes % LATER_VOTES == 0
 
-    def _collective(self, kind: int, outgoing: Dict[int, Slot], sources: Sequence[int],
-                    spin: Optional[float] = None) -> Dict[int, bytes]:
+    def _collective(
+        self, kind: int, outgoing: Dict[int, Slot], sources: Sequence[int], spin: Optional[float] = None
+    ) -> Dict[int, bytes]:
         op = NAMES[kind]
         self.check(op)
         with self._lock:
@@ -247,8 +249,10 @@ class Mesh:
 
     def _fail(self, op: str, why: str, cause: Optional[BaseException] = None) -> NoReturn:
         if self.closed:  # an earlier call, another thread or close(): say why it closed
-            raise CommunicationError(f"{op} over the local channel failed on rank {self.rank}: the channel closed "
-                                     f"before. {self._inbox.closed}") from cause
+            raise CommunicationError(
+                f"{op} over the local channel failed on rank {self.rank}: the channel closed "
+                f"before. {self._inbox.closed}"
+            ) from cause
         message = f"{op} over the local channel failed on rank {self.rank} of {self.size}: {why}. The channel is closed"
         if self.failed_at is None:
             self.failed_at = self._seq

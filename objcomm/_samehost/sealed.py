@@ -143,7 +143,7 @@ class Unopenable(OSError):
 
 
 def map_sealed(
-    where: Sealed, size: int, inline: Optional[memoryview], length: int, sizes_of: Callable[[memoryview], List[int]],
+    where: Sealed, size: int, inline: Optional[memoryview], length: int, sizes_of: Callable[[memoryview], List[int]]
 ) -> Incoming:
     """The frame (unless round 1 carried it ``inline``; ``length`` bytes) and tensors a writer sealed at
     ``where``, as views on a private mapping. ``size``: the bytes the sender announced (frame and
@@ -184,21 +184,23 @@ def map_parts(where: Sealed, sizes: Sequence[int]) -> List[memoryview]:
     return [whole[o : o + n] for o, n in zip(offsets, sizes)]
 
 
-def _map_checked(
-    buffers: Buffers, size: int, inline: Optional[memoryview], length: int, sizes_of: SizesOf,
-) -> Incoming:
+def _map_checked(buffers: Buffers, size: int, inline: Optional[memoryview], length: int, sizes_of: SizesOf) -> Incoming:
     """:func:`map_sealed` on the opened descriptor of ``buffers``, which the result keeps (when any)."""
     fd, where = buffers.fd, buffers.where
     held = _check_sealed(fd, where).st_size
     position = 0 if inline is not None else length
     if held < size or position > size or (inline is None and not length):
-        raise FrameError(f"sealed segment {where.path} holds {held:,} bytes for the {size:,} (frame: "
-                         f"{length:,}) the sender announced; refused")
+        raise FrameError(
+            f"sealed segment {where.path} holds {held:,} bytes for the {size:,} (frame: "
+            f"{length:,}) the sender announced; refused"
+        )
     frame = inline if inline is not None else _frame(fd, where, length)
     sizes = sizes_of(frame)
     if sum(sizes) != size - position:
-        raise FrameError(f"sealed segment {where.path}: its frame announces {sum(sizes):,} bytes of tensors, "
-                         f"the sender announced {size - position:,}; refused")
+        raise FrameError(
+            f"sealed segment {where.path}: its frame announces {sum(sizes):,} bytes of tensors, "
+            f"the sender announced {size - position:,}; refused"
+        )
     offsets, end = layout(position, sizes)
     if end != held:
         raise FrameError(f"sealed segment {where.path} holds {held:,} bytes, its layout needs {end:,}; refused")
@@ -206,8 +208,10 @@ def _map_checked(
         return Incoming(frame, [torch.empty(0, dtype=torch.uint8) for _ in sizes])
     # tensors and arrays are views on a mapping of the whole file (its frame pages stay untouched there)
     mapping = _private(fd, held)
-    tensors = [torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=o) if n
-               else torch.empty(0, dtype=torch.uint8) for o, n in zip(offsets, sizes)]
+    tensors = [
+        torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=o) if n else torch.empty(0, dtype=torch.uint8)
+        for o, n in zip(offsets, sizes)
+    ]
     buffers.spans = list(zip(offsets, sizes))
     return Incoming(frame, tensors, copy_out=buffers)
 
@@ -244,8 +248,9 @@ def read_at(fd: int, where: Sealed, size: int, offset: int, kind: type) -> Union
 
 def _whole(got: int, wanted: int, offset: int, where: Sealed) -> None:
     if got != wanted:
-        raise FrameError(f"sealed segment {where.path}: {got:,} of the {wanted:,} bytes at offset {offset:,} "
-                         "could be read; refused")
+        raise FrameError(
+            f"sealed segment {where.path}: {got:,} of the {wanted:,} bytes at offset {offset:,} could be read; refused"
+        )
 
 
 class Buffers:

@@ -96,7 +96,7 @@ class SegmentBook:
             pieces = head + [host_bytes(t) for t in tensors if t.numel()]
             for piece in pieces:
                 while piece.nbytes:
-                    piece = piece[os.write(fd, piece):]
+                    piece = piece[os.write(fd, piece) :]
             return _Segment(path, self, fd, identity(os.fstat(fd)))  # keeps fd: see the module docstring
         except BaseException:
             os.close(fd)
@@ -164,7 +164,11 @@ def identity(found: os.stat_result) -> int:
 
 
 def read_segment(
-    path: str, size: int, inline: Optional[memoryview], length: int, sizes_of: Callable[[memoryview], List[int]],
+    path: str,
+    size: int,
+    inline: Optional[memoryview],
+    length: int,
+    sizes_of: Callable[[memoryview], List[int]],
     expected: Optional[int] = None,
 ) -> Incoming:
     """The frame (unless round 1 carried it ``inline``; ``length`` bytes) and tensors a writer put at ``path``,
@@ -188,8 +192,10 @@ def read_segment(
             frame = inline
         sizes = sizes_of(frame)
         if sum(sizes) != size - position:
-            raise FrameError(f"shared-memory segment {path}: its frame announces {sum(sizes):,} bytes of tensors, "
-                           f"the sender announced {size - position:,}; refused")
+            raise FrameError(
+                f"shared-memory segment {path}: its frame announces {sum(sizes):,} bytes of tensors, "
+                f"the sender announced {size - position:,}; refused"
+            )
         tensors = []
         for n in sizes:
             tensor = torch.empty(n, dtype=torch.uint8)
@@ -210,8 +216,10 @@ def _check_segment(fd: int, path: str, size: int, expected: Optional[int]) -> No
     if not problem and found.st_mode & 0o022:
         problem = f"is writable by group or others (mode {stat.S_IMODE(found.st_mode):04o})"
     if not problem and expected is not None and identity(found) != expected:
-        problem = ("is not the file its writer created (another file was put at its name: its device and inode "
-                   "differ from those the writer announced)")
+        problem = (
+            "is not the file its writer created (another file was put at its name: its device and inode "
+            "differ from those the writer announced)"
+        )
     if not problem and found.st_size != size:
         problem = f"holds {found.st_size:,} bytes, the sender announced {size:,}"
     if problem:
@@ -225,8 +233,12 @@ def _read_exactly(fd: int, view: memoryview, offset: int, path: str, size: int) 
         return _read_piece(fd, view, offset, path, size)
     step = -(-view.nbytes // pieces)
     with ThreadPoolExecutor(pieces) as pool:  # os.preadv releases the GIL
-        list(pool.map(lambda start: _read_piece(fd, view[start : start + step], offset + start, path, size),
-                      range(0, view.nbytes, step)))
+        list(
+            pool.map(
+                lambda start: _read_piece(fd, view[start : start + step], offset + start, path, size),
+                range(0, view.nbytes, step),
+            )
+        )
 
 
 def _read_piece(fd: int, view: memoryview, offset: int, path: str, size: int) -> None:
@@ -234,8 +246,10 @@ def _read_piece(fd: int, view: memoryview, offset: int, path: str, size: int) ->
     while done < view.nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)
         if not got:  # the file shrank after the size check: a short read, where a mapping would SIGBUS
-            raise FrameError(f"shared-memory segment {path} ended at byte {offset + done:,} of the {size:,} the "
-                             "sender announced: it was truncated while being read; refused")
+            raise FrameError(
+                f"shared-memory segment {path} ended at byte {offset + done:,} of the {size:,} the "
+                "sender announced: it was truncated while being read; refused"
+            )
         done += got
 
 

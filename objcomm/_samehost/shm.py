@@ -100,8 +100,9 @@ class SharedMemory:
         if wire.device.type != "cpu":
             return False
         if not routes.shared_memory_takes(moved, threshold=self.threshold, cpu=True):
-            log.debug("objcomm shm: %s moves %d bytes, below the threshold of %d; normal transport",
-                      op, moved, self.threshold)
+            log.debug(
+                "objcomm shm: %s moves %d bytes, below the threshold of %d; normal transport", op, moved, self.threshold
+            )
             return False
         known = _state.group_facts(wire.group).hosts.get(self.separate)
         if known is not None and not known.one_host and op not in ("send", "recv"):  # (peers may share a host)
@@ -148,8 +149,9 @@ class SharedMemory:
         """The largest of each of ``values`` any rank gave."""
         return largest_of(wire, values, op)
 
-    def _collective(self, wire: Wire, hosts: _hosts.Hosts, parts: Dict[int, Part], read: Callable[[SourceOf], T],
-                    op: str) -> Union[T, NotUsed]:
+    def _collective(
+        self, wire: Wire, hosts: _hosts.Hosts, parts: Dict[int, Part], read: Callable[[SourceOf], T], op: str
+    ) -> Union[T, NotUsed]:
         """Write ``parts`` (part number -> frame or None, tensors), agree, let ``read`` read what it needs, unlink.
 
         Each rank announces a row: its sequence number (0: nothing written, -1: could not write), then
@@ -172,8 +174,12 @@ class SharedMemory:
                             written.append(segment)
                             row[1 + part] = _where(segment)
                 except OSError as exc:
-                    log.debug("objcomm shm: %s on rank %d could not write shared memory (%s); normal transport",
-                              op, wire.rank, exc)
+                    log.debug(
+                        "objcomm shm: %s on rank %d could not write shared memory (%s); normal transport",
+                        op,
+                        wire.rank,
+                        exc,
+                    )
                     row[0] = -1
             rows = self._gather_rows(wire, row, op)
             seqs = [r[0] for r in rows]
@@ -191,12 +197,18 @@ class SharedMemory:
             try:
                 result, outcome = read(source_of), _READ
             except Unopenable as exc:  # a sealed segment: this rank cannot open what it names
-                log.debug("objcomm shm: %s on rank %d could not open a sealed segment (%s); normal transport, and "
-                          "files from now on", op, wire.rank, exc)
+                log.debug(
+                    "objcomm shm: %s on rank %d could not open a sealed segment (%s); normal transport, and "
+                    "files from now on",
+                    op,
+                    wire.rank,
+                    exc,
+                )
                 result, outcome, failure = NOT_USED, _FELL_BACK, exc
             except OSError as exc:
-                log.debug("objcomm shm: %s on rank %d could not read shared memory (%s); normal transport",
-                          op, wire.rank, exc)
+                log.debug(
+                    "objcomm shm: %s on rank %d could not read shared memory (%s); normal transport", op, wire.rank, exc
+                )
                 result, outcome, failure = NOT_USED, _FELL_BACK, exc
             except Exception as exc:  # a refused segment: raised below, once every rank knows
                 result, outcome, failure = NOT_USED, _REFUSED, exc
@@ -222,8 +234,9 @@ class SharedMemory:
                 each.release()
 
     # -- collectives -----------------------------------------------------------------------------
-    def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
-                   op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+    def all_gather(
+        self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, op: str
+    ) -> Union[Sequence[Optional[Incoming]], NotUsed]:
         moved = [info.second_round_bytes for info in infos]
         hosts = self.hosts_for(wire, max(moved), op)
         if hosts is None:
@@ -236,8 +249,9 @@ class SharedMemory:
 
         return self._collective(wire, hosts, parts, read, op)
 
-    def gather(self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int,
-               op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
+    def gather(
+        self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int, op: str
+    ) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
         if infos is None:  # only the destination read round 1 (two levels took it)
             return NOT_USED
         moved = [0 if r == dst else info.second_round_bytes for r, info in enumerate(infos)]
@@ -255,8 +269,9 @@ class SharedMemory:
 
         return self._collective(wire, hosts, parts, read, op)
 
-    def broadcast(self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int,
-                  op: str) -> Union[Incoming, NotUsed]:
+    def broadcast(
+        self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int, op: str
+    ) -> Union[Incoming, NotUsed]:
         moved = info.second_round_bytes
         hosts = self.hosts_for(wire, moved, op)
         if hosts is None:
@@ -271,8 +286,16 @@ class SharedMemory:
 
         return self._collective(wire, hosts, parts, read, op)
 
-    def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf, src: int,
-                longest: int, op: str) -> Union[Incoming, NotUsed]:
+    def scatter(
+        self,
+        wire: Wire,
+        outs: Optional[Sequence[Outgoing]],
+        info: SlotInfo,
+        sizes_of: SizesOf,
+        src: int,
+        longest: int,
+        op: str,
+    ) -> Union[Incoming, NotUsed]:
         """``longest``: the root's longest second round to any rank, which the vote told every rank."""
         hosts = self.hosts_for(wire, longest, op)
         if hosts is None:
@@ -281,8 +304,11 @@ class SharedMemory:
         if wire.rank == src:  # (its longest part is ``longest``: worth it, as hosts_for found)
             assert outs is not None
             capacity = wire.inline_capacity
-            parts = {r: _part(o, o.frame_nbytes <= capacity) for r, o in enumerate(outs)
-                     if r != src and outgoing_second_round_bytes(o, capacity)}
+            parts = {
+                r: _part(o, o.frame_nbytes <= capacity)
+                for r, o in enumerate(outs)
+                if r != src and outgoing_second_round_bytes(o, capacity)
+            }
 
         def read(source_of: SourceOf) -> Incoming:
             if wire.rank == src:
@@ -295,15 +321,19 @@ class SharedMemory:
 
         return self._collective(wire, hosts, parts, read, op)
 
-    def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
-                   longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+    def all_to_all(
+        self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf, longest: int, op: str
+    ) -> Union[Sequence[Optional[Incoming]], NotUsed]:
         """Each rank writes one segment per receiver it sends a second round to (part: the receiver)."""
         hosts = self.hosts_for(wire, longest, op)
         if hosts is None:
             return NOT_USED
         me, capacity = wire.rank, wire.inline_capacity
-        parts = {r: _part(o, o.frame_nbytes <= capacity) for r, o in enumerate(outs)
-                 if r != me and outgoing_second_round_bytes(o, capacity)}
+        parts = {
+            r: _part(o, o.frame_nbytes <= capacity)
+            for r, o in enumerate(outs)
+            if r != me and outgoing_second_round_bytes(o, capacity)
+        }
 
         def read(source_of: SourceOf) -> List[Incoming]:
             moved = [info.second_round_bytes for info in infos]  # the caller decodes its own with own=True
@@ -312,8 +342,9 @@ class SharedMemory:
         return self._collective(wire, hosts, parts, read, op)
 
     # -- point to point (the two ranks' hosts are learned per call, and remembered when they differ) --
-    def send(self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None,
-             message: int = 0) -> bool:
+    def send(
+        self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None, message: int = 0
+    ) -> bool:
         """Send the second round through shared memory; False: the caller sends it the normal way. The status and
         the receiver's answer go through ``route`` when the slot of message ``message`` did (the same-host channel:
         concurrent sends under one tag then never take each other's), else through the group."""
@@ -362,8 +393,16 @@ class SharedMemory:
             if segment is not None:
                 segment.release()
 
-    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str, route: Optional[Route] = None,
-             message: int = 0) -> Union[Incoming, NotUsed]:
+    def recv(
+        self,
+        wire: Wire,
+        info: SlotInfo,
+        sizes_of: SizesOf,
+        src: int,
+        op: str,
+        route: Optional[Route] = None,
+        message: int = 0,
+    ) -> Union[Incoming, NotUsed]:
         """The sender's second round from shared memory, or NOT_USED: the caller receives it the normal way (the
         status and answer through ``route``, as in :meth:`send`)."""
         if not self.worth(wire, info.second_round_bytes, op):
@@ -379,8 +418,9 @@ class SharedMemory:
         answer, failure = _OTHER_HOST, None
         result: Union[Incoming, NotUsed] = NOT_USED
         if key == _hosts.host_key(self.separate):
-            source: Source = SegmentFile(_name(self.directory, _Writer(_this_host(), namespace, token, pid), seq, 0),
-                                         -where)
+            source: Source = SegmentFile(
+                _name(self.directory, _Writer(_this_host(), namespace, token, pid), seq, 0), -where
+            )
             if where > 0:  # opened through /proc/<pid>: in another pid namespace that pid names nothing (-1)
                 source = Sealed(pid if namespace == _hosts.pid_namespace() != 0 else -1, where)
             try:
@@ -422,8 +462,14 @@ def _own(out: Outgoing, copy: bool) -> Incoming:
 
 
 def _read_every_rank(
-    infos: Sequence[SlotInfo], moved: Sequence[int], me: int, out: Outgoing, sizes_of: SizesOf, source_of: SourceOf,
-    copy_own: bool, part: int = 0,
+    infos: Sequence[SlotInfo],
+    moved: Sequence[int],
+    me: int,
+    out: Outgoing,
+    sizes_of: SizesOf,
+    source_of: SourceOf,
+    copy_own: bool,
+    part: int = 0,
 ) -> List[Incoming]:
     """Each rank's ``part``: a segment for those that wrote one, else what round 1 carried, and this rank's
     own. ``copy_own``: its own must not alias its input; when it wrote a sealed segment, that is its copy

@@ -52,14 +52,7 @@ from objcomm._format.slot import SlotInfo
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.channel import LocalChannel
 from objcomm._samehost.channel_slots import SameHostSlots, agree_on, echo
-from objcomm._samehost.two_level_moves import (
-    Here,
-    Levels,
-    all_gather_fixed,
-    gather_fixed,
-    largest_in_levels,
-    relay,
-)
+from objcomm._samehost.two_level_moves import Here, Levels, all_gather_fixed, gather_fixed, largest_in_levels, relay
 from objcomm._transport import groups as _groups
 from objcomm._transport import routes
 from objcomm._transport.base import BACKEND, DIRECT, NOT_USED, NotUsed, Slot, Wire, guarded
@@ -88,16 +81,28 @@ class TwoLevel(SameHostSlots):
         me = wire.rank
         channel = None
         if levels.node is not None:
-            node_wire = wire._replace(group=levels.node, ranks=levels.node_ranks, rank=levels.place[me],
-                                      first_round=BACKEND, second_round=DIRECT, tag=0)
+            node_wire = wire._replace(
+                group=levels.node,
+                ranks=levels.node_ranks,
+                rank=levels.place[me],
+                first_round=BACKEND,
+                second_round=DIRECT,
+                tag=0,
+            )
             # round 1 opens it again after a failure (a collective of the host's ranks, all at this call)
             channel = self.channel(node_wire, op) if set_up else _open(self.channel_of(node_wire, op))
             if channel is None:
                 raise CommunicationError(f"{op}: this host's same-host channel did not reopen")
         leader = None
         if levels.leaders is not None:
-            leader = wire._replace(group=levels.leaders, ranks=levels.leader_ranks, rank=levels.host_of[me],
-                                   first_round=BACKEND, second_round=DIRECT, tag=0)
+            leader = wire._replace(
+                group=levels.leaders,
+                ranks=levels.leader_ranks,
+                rank=levels.host_of[me],
+                first_round=BACKEND,
+                second_round=DIRECT,
+                tag=0,
+            )
         return Here(levels, channel, self.spin, leader, levels.host_of[me], levels.place[me])
 
     def all_gather(self, wire: Wire, slot: Slot, op: str) -> Union[Sequence[Slot], NotUsed]:
@@ -189,11 +194,13 @@ def _set_up(slots: TwoLevel, wire: Wire, op: str) -> Optional[Levels]:
             node = _sibling(wire.group, "objcomm-host", node_ranks)
         if place[wire.rank] == 0:
             leaders = _sibling(wire.group, "objcomm-leaders", leader_ranks)
-        levels = Levels(hosts, tuple(host_of), tuple(place), max(len(h) for h in hosts), node, node_ranks, leaders,
-                        leader_ranks)
+        levels = Levels(
+            hosts, tuple(host_of), tuple(place), max(len(h) for h in hosts), node, node_ranks, leaders, leader_ranks
+        )
         if node is not None:
-            node_wire = wire._replace(group=node, ranks=node_ranks, rank=place[wire.rank], first_round=BACKEND,
-                                      second_round=DIRECT, tag=0)
+            node_wire = wire._replace(
+                group=node, ranks=node_ranks, rank=place[wire.rank], first_round=BACKEND, second_round=DIRECT, tag=0
+            )
             works = int(slots.channel(node_wire, f"{op} (opening this host's channel)") is not None)
     except CommunicationError:
         works = 0

@@ -153,8 +153,9 @@ def take_shared(here: Here, sizes: Sequence[int], op: str) -> List[memoryview]:
 _WHERE = struct.Struct("<qq")  # a sealed file's writer pid and descriptor
 
 
-def all_gather_fixed(here: Here, wire: Wire, data: Slot, width: int, op: str,
-                     shared_from: Optional[int] = None) -> List[memoryview]:
+def all_gather_fixed(
+    here: Here, wire: Wire, data: Slot, width: int, op: str, shared_from: Optional[int] = None
+) -> List[memoryview]:
     """Every rank's ``data`` (``width`` bytes each), in group-rank order: to the leaders, one all_gather of the
     leaders (each host's, padded to the widest host), back to every rank (in one shared file from ``shared_from``
     bytes on: a table of 4 KiB slots reaches 2 MiB at 512 ranks)."""
@@ -163,15 +164,25 @@ def all_gather_fixed(here: Here, wire: Wire, data: Slot, width: int, op: str,
     shared = shared_from is not None and total >= shared_from
     mine = to_leader(here, data, op)
     if mine is None:
-        everyone: Union[bytearray, memoryview, None] = (take_shared(here, [total], op)[0] if shared
-                                                         else take(here, total, 0, op))
+        everyone: Union[bytearray, memoryview, None] = (
+            take_shared(here, [total], op)[0] if shared else take(here, total, 0, op)
+        )
         assert everyone is not None
     else:
         bundle = bundle_of(here, mine, width, op)
         everyone = bytearray(total)
         assert here.leader is not None
-        as_leader(here, op, guarded, op, here.leader, all_gather_single, torch.frombuffer(everyone, dtype=torch.uint8),
-                   torch.frombuffer(bundle, dtype=torch.uint8), group=here.leader.group)
+        as_leader(
+            here,
+            op,
+            guarded,
+            op,
+            here.leader,
+            all_gather_single,
+            torch.frombuffer(everyone, dtype=torch.uint8),
+            torch.frombuffer(bundle, dtype=torch.uint8),
+            group=here.leader.group,
+        )
         if here.channel is not None and shared:
             publish_shared(here, [memoryview(everyone)], op)
         elif here.channel is not None:
@@ -187,8 +198,11 @@ def bundle_of(here: Here, items: Sequence[Slot], width: int, op: str) -> bytearr
     for i, item in enumerate(items):
         if len(item) != width:
             assert here.channel is not None
-            here.channel.fail(op, f"rank {levels.hosts[here.host][i]} sent {len(item):,} bytes where {width:,} were "
-                                  "due: every rank of a group must use the same slot_bytes")
+            here.channel.fail(
+                op,
+                f"rank {levels.hosts[here.host][i]} sent {len(item):,} bytes where {width:,} were "
+                "due: every rank of a group must use the same slot_bytes",
+            )
         bundle[i * width : (i + 1) * width] = item
     return bundle
 
@@ -203,15 +217,27 @@ def gather_fixed(here: Here, wire: Wire, data: Slot, width: int, dst: int, op: s
     table: Optional[bytearray] = None
     if mine is not None:
         bundle = torch.frombuffer(bundle_of(here, mine, width, op), dtype=torch.uint8)  # (checks every length first)
-        levels.memo["host"] = [0 if r == dst else read_slot(memoryview(item)).second_round_bytes
-                               for r, item in zip(levels.hosts[here.host], mine)]
+        levels.memo["host"] = [
+            0 if r == dst else read_slot(memoryview(item)).second_round_bytes
+            for r, item in zip(levels.hosts[here.host], mine)
+        ]
         assert here.leader is not None
         parts = None
         if here.host == home:
             table = bytearray(len(levels.hosts) * levels.widest * width)
             parts = list(torch.frombuffer(table, dtype=torch.uint8).chunk(len(levels.hosts)))
-        as_leader(here, op, guarded, op, here.leader, dist.gather, bundle, parts, dst=here.leader.ranks[home],
-                   group=here.leader.group)
+        as_leader(
+            here,
+            op,
+            guarded,
+            op,
+            here.leader,
+            dist.gather,
+            bundle,
+            parts,
+            dst=here.leader.ranks[home],
+            group=here.leader.group,
+        )
     if here.host == home and levels.place[dst]:  # the leader hands the table to dst
         if here.place == 0:
             assert table is not None
@@ -250,8 +276,9 @@ def receive_within(here: Here, source: int, total: int, op: str) -> bytearray:
     return into
 
 
-def relay(here: Here, wire: Wire, data: Optional[memoryview], length: int, src: int, op: str,
-          keep: bool) -> Optional[memoryview]:
+def relay(
+    here: Here, wire: Wire, data: Optional[memoryview], length: int, src: int, op: str, keep: bool
+) -> Optional[memoryview]:
     """Group rank ``src``'s ``length`` bytes (``data`` there) on every rank: through its host's channel to its host,
     through the leaders' group (broadcasts of ``wire.chunk`` bytes at most) to the other leaders, through their
     channels to their hosts. ``keep=False``: this rank reads them and drops them (None); a leader still forwards
@@ -275,8 +302,9 @@ def relay(here: Here, wire: Wire, data: Optional[memoryview], length: int, src: 
     return got if keep else None
 
 
-def leaders_broadcast(here: Here, got: Optional[memoryview], length: int, source_host: int, op: str,
-                       keep: bool) -> Optional[memoryview]:
+def leaders_broadcast(
+    here: Here, got: Optional[memoryview], length: int, source_host: int, op: str, keep: bool
+) -> Optional[memoryview]:
     """A leader's part of :func:`relay`: the source host's leader broadcasts ``got`` to the other leaders, which
     forward each piece of ``chunk_bytes`` to their host as it arrives (kept only where ``keep``)."""
     leader = here.leader
@@ -285,15 +313,25 @@ def leaders_broadcast(here: Here, got: Optional[memoryview], length: int, source
         assert got is not None
         for at in range(0, length, leader.chunk):
             sent = torch.frombuffer(got[at : at + leader.chunk], dtype=torch.uint8)
-            as_leader(here, op, guarded, op, leader, dist.broadcast, sent, src=leader.ranks[source_host],
-                       group=leader.group)
+            as_leader(
+                here, op, guarded, op, leader, dist.broadcast, sent, src=leader.ranks[source_host], group=leader.group
+            )
         return got
     into = bytearray(length) if keep else bytearray(min(length, leader.chunk))
     for at in range(0, length, leader.chunk):
         n = min(leader.chunk, length - at)
         piece = memoryview(into)[at : at + n] if keep else memoryview(into)[:n]
-        as_leader(here, op, guarded, op, leader, dist.broadcast, torch.frombuffer(piece, dtype=torch.uint8),
-                   src=leader.ranks[source_host], group=leader.group)
+        as_leader(
+            here,
+            op,
+            guarded,
+            op,
+            leader,
+            dist.broadcast,
+            torch.frombuffer(piece, dtype=torch.uint8),
+            src=leader.ranks[source_host],
+            group=leader.group,
+        )
         if here.channel is not None:
             for chunk in chunks([piece]):
                 here.channel.broadcast(chunk, 0, here.spin)
@@ -318,9 +356,12 @@ def largest_in_levels(here: Here, values: Sequence[int], op: str) -> List[int]:
         for i, row in enumerate(rows):
             if len(row) != packing.size:
                 assert here.channel is not None
-                here.channel.fail(op, f"rank {here.levels.hosts[here.host][i]} sent {len(row):,} bytes of words "
-                                      f"where {packing.size} were due (the ranks are at different calls, or a protocol "
-                                      "error)")
+                here.channel.fail(
+                    op,
+                    f"rank {here.levels.hosts[here.host][i]} sent {len(row):,} bytes of words "
+                    f"where {packing.size} were due (the ranks are at different calls, or a protocol "
+                    "error)",
+                )
         mine = [max(column) for column in zip(*(packing.unpack(row) for row in rows))]
         assert here.leader is not None
         result = as_leader(here, op, largest_of, here.leader, mine, op)

@@ -66,8 +66,9 @@ class TwoLevelRests:
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
         return self.inner.worth(wire, moved, op)
 
-    def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
-                   op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+    def all_gather(
+        self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, op: str
+    ) -> Union[Sequence[Optional[Incoming]], NotUsed]:
         here = self._here(wire, op)
         if here is None:
             return self.inner.all_gather(wire, out, infos, sizes_of, op)
@@ -90,18 +91,28 @@ class TwoLevelRests:
         else:
             bundle = _gathered_from_host(here, mine, [moved[r] for r in members], op)
             assert here.leader is not None
-            got = as_leader(here, op, all_gather_rests, here.leader, [torch.frombuffer(bundle, dtype=torch.uint8)]
-                             if len(bundle) else [], totals, op)
-            bundles = [memoryview(bundle) if h == here.host else host_view(t) if t is not None else memoryview(b"")
-                       for h, t in enumerate(got)]
+            got = as_leader(
+                here,
+                op,
+                all_gather_rests,
+                here.leader,
+                [torch.frombuffer(bundle, dtype=torch.uint8)] if len(bundle) else [],
+                totals,
+                op,
+            )
+            bundles = [
+                memoryview(bundle) if h == here.host else host_view(t) if t is not None else memoryview(b"")
+                for h, t in enumerate(got)
+            ]
             if here.channel is not None and self._shared(sum(moved)):
                 publish_shared(here, bundles, op)
             elif here.channel is not None:
                 publish(here, bundles, sum(moved), op)
         return _split(levels, bundles, moved, infos, sizes_of, me, out, op)
 
-    def broadcast(self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int,
-                  op: str) -> Union[Incoming, NotUsed]:
+    def broadcast(
+        self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int, op: str
+    ) -> Union[Incoming, NotUsed]:
         here = self._here(wire, op)
         if here is None:
             return self.inner.broadcast(wire, out, info, sizes_of, src, op)
@@ -120,8 +131,9 @@ class TwoLevelRests:
         assert got is not None
         return incoming(got, info, sizes_of, src, op)  # type: ignore[arg-type]
 
-    def gather(self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int,
-               op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
+    def gather(
+        self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int, op: str
+    ) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
         here = self._here(wire, op)
         if here is None:
             return NOT_USED if infos is None else self.inner.gather(wire, out, infos, sizes_of, dst, op)
@@ -147,23 +159,49 @@ class TwoLevelRests:
         if me != dst:
             return None
         assert infos is not None
-        return _split(levels, bundles, [0 if r == dst else i.second_round_bytes for r, i in enumerate(infos)], infos,
-                      sizes_of, me, out, op)
+        return _split(
+            levels,
+            bundles,
+            [0 if r == dst else i.second_round_bytes for r, i in enumerate(infos)],
+            infos,
+            sizes_of,
+            me,
+            out,
+            op,
+        )
 
-    def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf, src: int,
-                longest: int, op: str) -> Union[Incoming, NotUsed]:
+    def scatter(
+        self,
+        wire: Wire,
+        outs: Optional[Sequence[Outgoing]],
+        info: SlotInfo,
+        sizes_of: SizesOf,
+        src: int,
+        longest: int,
+        op: str,
+    ) -> Union[Incoming, NotUsed]:
         return self.inner.scatter(wire, outs, info, sizes_of, src, longest, op)
 
-    def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
-                   longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+    def all_to_all(
+        self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf, longest: int, op: str
+    ) -> Union[Sequence[Optional[Incoming]], NotUsed]:
         return self.inner.all_to_all(wire, outs, infos, sizes_of, longest, op)
 
-    def send(self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None,
-             message: int = 0) -> bool:
+    def send(
+        self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None, message: int = 0
+    ) -> bool:
         return self.inner.send(wire, out, dst, op, route, message)
 
-    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str, route: Optional[Route] = None,
-             message: int = 0) -> Union[Incoming, NotUsed]:
+    def recv(
+        self,
+        wire: Wire,
+        info: SlotInfo,
+        sizes_of: SizesOf,
+        src: int,
+        op: str,
+        route: Optional[Route] = None,
+        message: int = 0,
+    ) -> Union[Incoming, NotUsed]:
         return self.inner.recv(wire, info, sizes_of, src, op, route, message)
 
 
@@ -219,12 +257,22 @@ def _to_destination(here: Here, bundle: bytearray, home: int, op: str) -> List[m
     totals = here.levels.memo["totals"]
     received = [batch.recv(n, h) if n and h != home else None for h, n in enumerate(totals)]
     as_leader(here, op, batch.wait)
-    return [memoryview(bundle) if h == home else host_view(t) if t is not None else memoryview(b"")
-            for h, t in enumerate(received)]
+    return [
+        memoryview(bundle) if h == home else host_view(t) if t is not None else memoryview(b"")
+        for h, t in enumerate(received)
+    ]
 
 
-def _split(levels: Levels, bundles: Sequence[memoryview], moved: Sequence[int], infos: Sequence[SlotInfo],
-           sizes_of: SizesOf, me: int, out: Outgoing, op: str) -> List[Optional[Incoming]]:
+def _split(
+    levels: Levels,
+    bundles: Sequence[memoryview],
+    moved: Sequence[int],
+    infos: Sequence[SlotInfo],
+    sizes_of: SizesOf,
+    me: int,
+    out: Outgoing,
+    op: str,
+) -> List[Optional[Incoming]]:
     """Every rank's message from the hosts' ``bundles`` (each host's rests back to back, in host order, ``moved[r]``
     bytes of group rank ``r``; this rank's own comes from ``out``), in group-rank order."""
     found: List[Optional[Incoming]] = [None] * len(levels.host_of)

@@ -41,7 +41,8 @@ def _parser() -> _Parser:
     parser = _Parser(prog="objcomm", description="Move Python objects between PyTorch ranks: tools.")
     sub = parser.add_subparsers(dest="command", metavar="{bench,serializers,demo}")
     bench = sub.add_parser(
-        "bench", help="benchmark serializers x payloads x ops against torch's object collectives",
+        "bench",
+        help="benchmark serializers x payloads x ops against torch's object collectives",
         description="Benchmark objcomm's serializers on payloads x sizes x ops, against torch.distributed's "
         "object collectives, on local gloo ranks (or the launcher's, under torchrun).",
     )
@@ -50,40 +51,69 @@ def _parser() -> _Parser:
     add("--backend", default="gloo", metavar="NAME", help="process group backend: gloo (default), nccl, mpi")
     add("--serializers", action="append", metavar="NAMES", help="comma-separated names (default: all registered)")
     add("--payloads", action="append", metavar="NAMES", help=f"comma-separated built-ins: {', '.join(BUILTIN)}")
-    add("--payload", action="append", default=[], metavar="MODULE:FUNCTION",
-        help="your own object: FUNCTION(rank) (or FUNCTION(rank, size)) returns it; repeatable")
-    add("--ops", action="append", metavar="OPS",
+    add(
+        "--payload",
+        action="append",
+        default=[],
+        metavar="MODULE:FUNCTION",
+        help="your own object: FUNCTION(rank) (or FUNCTION(rank, size)) returns it; repeatable",
+    )
+    add(
+        "--ops",
+        action="append",
+        metavar="OPS",
         help=f"comma-separated: {', '.join(OPS)} (default: {', '.join(DEFAULT_OPS)}); torch has no object "
-             "all_to_all or all_reduce, so those are timed against all_gather_object and picking or reducing locally")
+        "all_to_all or all_reduce, so those are timed against all_gather_object and picking or reducing locally",
+    )
     add("--sizes", metavar="SIZES", help=f"payload sizes, e.g. 1KB,1MB,16MB (default {DEFAULT_SIZES})")
-    add("--repeat", type=int, metavar="N",
-        help=f"timed runs per cell (default: up to {DEFAULT_REPEAT}, fewer (at least 3) for slow cells)")
-    add("--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, {QUICK_REPEAT} repeats (unless given), "
-                                             "one call a sample")
+    add(
+        "--repeat",
+        type=int,
+        metavar="N",
+        help=f"timed runs per cell (default: up to {DEFAULT_REPEAT}, fewer (at least 3) for slow cells)",
+    )
+    add(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: sizes {QUICK_SIZES}, {QUICK_REPEAT} repeats (unless given), one call a sample",
+    )
     add("--json", metavar="FILE", help="write every row (and the run's context) as JSON")
     add("--csv", metavar="FILE", help="write every row as CSV")
     add("--plot", metavar="FILE.png", help="plot latency against size per op (needs matplotlib)")
     _add_import(bench)
     add("--timeout", type=float, default=600.0, metavar="SECONDS", help="give up after this long (default 600)")
 
-    listing = sub.add_parser("serializers", help="list registered serializers and what they round-trip",
-                             description="List the registered serializers: safe flag, fidelity summary, description.")
+    listing = sub.add_parser(
+        "serializers",
+        help="list registered serializers and what they round-trip",
+        description="List the registered serializers: safe flag, fidelity summary, description.",
+    )
     _add_import(listing)
 
-    demo = sub.add_parser("demo", help="gather sparse per-rank dicts on local ranks and merge them",
-                          description="Each rank holds {rank: 1} if its rank is even, else {}; all ranks "
-                          "all_gather with objcomm and merge.")
+    demo = sub.add_parser(
+        "demo",
+        help="gather sparse per-rank dicts on local ranks and merge them",
+        description="Each rank holds {rank: 1} if its rank is even, else {}; all ranks "
+        "all_gather with objcomm and merge.",
+    )
     demo.add_argument("--world-size", type=int, default=4, metavar="N", help="local ranks to start (default 4)")
     demo.add_argument("--serializer", metavar="NAME", help="serializer to use (default: objcomm's default, pickle)")
-    demo.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
-                      help="give up after this long (default 120)")
+    demo.add_argument(
+        "--timeout", type=float, default=120.0, metavar="SECONDS", help="give up after this long (default 120)"
+    )
     _add_import(demo)
     return parser
 
 
 def _add_import(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                        help="import MODULE first (on every rank), e.g. one that calls serializers.register()")
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first (on every rank), e.g. one that calls serializers.register()",
+    )
 
 
 def run(argv: Optional[Sequence[str]] = None) -> int:
@@ -178,8 +208,13 @@ def _bench_config(args: argparse.Namespace) -> BenchConfig:
     if args.timeout <= 0:
         raise UsageError(f"--timeout must be positive, got {args.timeout}")
     return BenchConfig(
-        payloads=tuple(payloads + list(args.payload)), sizes=tuple(dict.fromkeys(sizes)), serializers=tuple(names),
-        ops=tuple(ops), repeat=repeat, adaptive=args.repeat is None, imports=tuple(args.imports),
+        payloads=tuple(payloads + list(args.payload)),
+        sizes=tuple(dict.fromkeys(sizes)),
+        serializers=tuple(names),
+        ops=tuple(ops),
+        repeat=repeat,
+        adaptive=args.repeat is None,
+        imports=tuple(args.imports),
         min_sample_s=0.0 if args.quick else BenchConfig.min_sample_s,
     )
 
@@ -221,8 +256,9 @@ def _check_backend(backend: str, world_size: int) -> None:
     if backend not in valid:
         raise UsageError(f"backend {backend!r} is not available in this torch; choose from: {', '.join(valid)}")
     if backend == "nccl" and not _launch.launched() and torch.cuda.device_count() < world_size:
-        raise UsageError(f"--backend nccl with {world_size} local ranks needs {world_size} GPUs; "
-                         f"{torch.cuda.device_count()} found")
+        raise UsageError(
+            f"--backend nccl with {world_size} local ranks needs {world_size} GPUs; {torch.cuda.device_count()} found"
+        )
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -241,8 +277,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def _launch_task(task: Any, arg: Any, backend: str, world_size: int, timeout: float, on_message: Any) -> Any:
     if _launch.launched():
         return _launch.run_in_env(task, arg, backend=backend, on_message=on_message, timeout_s=timeout)
-    return _launch.run_local(task, arg, world_size=world_size, backend=backend, on_message=on_message,
-                             timeout_s=timeout)
+    return _launch.run_local(
+        task, arg, world_size=world_size, backend=backend, on_message=on_message, timeout_s=timeout
+    )
 
 
 def _import(modules: Sequence[str]) -> None:
@@ -263,8 +300,10 @@ def _serializers(args: argparse.Namespace) -> int:
         found = cast(Dict[str, serializers.Verdict], serializers.fidelity(name))
         exact, converted, lossy, refused = (sum(v.verdict == verdict for v in found.values()) for verdict in verdicts)
         s = serializers.get(name)
-        print(f"{name:<{width}}  {'yes' if s.safe else 'no':<4}  {exact:>5}  {converted:>9}  {lossy:>5}  {refused:>7}  "
-              f"{s.description}")
+        print(
+            f"{name:<{width}}  {'yes' if s.safe else 'no':<4}  {exact:>5}  {converted:>9}  {lossy:>5}  {refused:>7}  "
+            f"{s.description}"
+        )
     print(f"\ncounts are over {len(serializers.PROBES)} probe types; serializers.fidelity_table() shows each one")
     return 0
 

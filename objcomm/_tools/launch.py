@@ -68,8 +68,14 @@ def master_store(world_size: int, timeout_s: float) -> Any:
     import torch.distributed as dist
 
     # torch.distributed imports TCPStore from torch._C without re-exporting it, so its stubs hide it
-    store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
-                          timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        HOST,
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,  # type: ignore[attr-defined]
+        timeout=timedelta(seconds=timeout_s),
+    )
     if int(store.port) <= 0:
         raise LaunchError(f"TCPStore on port 0 reported port {store.port}")
     return store
@@ -77,9 +83,17 @@ def master_store(world_size: int, timeout_s: float) -> Any:
 
 def rank_env(rank: int, world_size: int, port: int) -> Dict[str, Optional[str]]:
     """What an env:// launcher sets for one local rank, with one thread per rank."""
-    return {"MASTER_ADDR": HOST, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
-            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return {
+        "MASTER_ADDR": HOST,
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 class LocalRanks:
@@ -90,8 +104,15 @@ class LocalRanks:
         self.conns: List[Any] = []
         self.pids: List[int] = []  # kept after release()
 
-    def start(self, target: Callable[..., None], args: Sequence[Tuple[Any, ...]], *, name: str,
-              env: Optional[Sequence[Env]] = None, stdout: Optional[Sequence[Optional[int]]] = None) -> None:
+    def start(
+        self,
+        target: Callable[..., None],
+        args: Sequence[Tuple[Any, ...]],
+        *,
+        name: str,
+        env: Optional[Sequence[Env]] = None,
+        stdout: Optional[Sequence[Optional[int]]] = None,
+    ) -> None:
         """Start ``target(conn, *args[rank])`` per rank, ``env[rank]`` applied, output to ``stdout[rank]``."""
         ctx = multiprocessing.get_context("spawn")
         with _START_LOCK:
@@ -287,8 +308,15 @@ def die_with_parent(parent_pid: int, pdeathsig: bool = True) -> None:
     threading.Thread(target=watch, name="objcomm-watch-parent", daemon=True).start()
 
 
-def join_group(rank: int, world_size: int, port: int, *, backend: str = "gloo", timeout_s: float = 600.0,
-               store_timeout_s: Optional[float] = None) -> None:
+def join_group(
+    rank: int,
+    world_size: int,
+    port: int,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    store_timeout_s: Optional[float] = None,
+) -> None:
     """Join the process group whose master store listens on ``port``."""
     import torch
     import torch.distributed as dist
@@ -296,10 +324,16 @@ def join_group(rank: int, world_size: int, port: int, *, backend: str = "gloo", 
     if backend == "nccl":
         torch.cuda.set_device(rank)
     # torch.distributed imports TCPStore from torch._C without re-exporting it, so its stubs hide it
-    store = dist.TCPStore(HOST, port, world_size, is_master=False,  # type: ignore[attr-defined]
-                          timeout=timedelta(seconds=store_timeout_s or timeout_s))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        HOST,
+        port,
+        world_size,
+        is_master=False,  # type: ignore[attr-defined]
+        timeout=timedelta(seconds=store_timeout_s or timeout_s),
+    )
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 def flush_stdio() -> None:
@@ -328,8 +362,16 @@ def send(conn: Any, message: Any) -> None:
 
 
 # -- one task on fresh ranks ------------------------------------------------------------------
-def run_local(task: Task, arg: Any, *, world_size: int, backend: str = "gloo",
-              on_message: Optional[OnMessage] = None, timeout_s: float = 600.0, hint: str = "") -> Any:
+def run_local(
+    task: Task,
+    arg: Any,
+    *,
+    world_size: int,
+    backend: str = "gloo",
+    on_message: Optional[OnMessage] = None,
+    timeout_s: float = 600.0,
+    hint: str = "",
+) -> Any:
     """Start ``world_size`` ranks on 127.0.0.1, run ``task(arg, send)`` on each, return rank 0's result.
 
     Raises :class:`LaunchError` if a rank raises, dies or the whole run exceeds ``timeout_s``
@@ -342,8 +384,10 @@ def run_local(task: Task, arg: Any, *, world_size: int, backend: str = "gloo",
     with terminate_raises():
         try:
             pdeathsig = threading.current_thread() is threading.main_thread()
-            args = [(task, arg, rank, world_size, int(store.port), backend, os.getpid(), pdeathsig, timeout_s)
-                    for rank in range(world_size)]
+            args = [
+                (task, arg, rank, world_size, int(store.port), backend, os.getpid(), pdeathsig, timeout_s)
+                for rank in range(world_size)
+            ]
             ranks.start(_task_main, args, name="objcomm-rank")
             return _collect(ranks, on_message, timeout_s, hint)
         except BaseException:
@@ -363,8 +407,10 @@ def _collect(ranks: LocalRanks, on_message: Optional[OnMessage], timeout_s: floa
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise LaunchError(f"the ranks did not finish within {timeout_s:.0f}s (ranks {pending} still "
-                              f"running); they were stopped{hint}")
+            raise LaunchError(
+                f"the ranks did not finish within {timeout_s:.0f}s (ranks {pending} still "
+                f"running); they were stopped{hint}"
+            )
         for rank, data in ranks.wait(pending, min(remaining, 1.0)):
             if data is None:
                 raise LaunchError(f"rank {rank} exited unexpectedly (exit code {ranks.exitcode(rank)})")
@@ -382,8 +428,18 @@ def _collect(ranks: LocalRanks, on_message: Optional[OnMessage], timeout_s: floa
     return result
 
 
-def _task_main(conn: Any, task: Task, arg: Any, rank: int, world_size: int, port: int, backend: str,
-               parent_pid: int, pdeathsig: bool, timeout_s: float) -> None:
+def _task_main(
+    conn: Any,
+    task: Task,
+    arg: Any,
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    parent_pid: int,
+    pdeathsig: bool,
+    timeout_s: float,
+) -> None:
     """One rank of :func:`run_local`: join the group, run the task, report, leave."""
     die_with_parent(parent_pid, pdeathsig)
     import torch

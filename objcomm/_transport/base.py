@@ -10,17 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import (
-    Any,
-    ContextManager,
-    List,
-    NamedTuple,
-    Optional,
-    Protocol,
-    Sequence,
-    Tuple,
-    Union,
-)
+from typing import Any, ContextManager, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -61,31 +51,52 @@ class SecondRound(Protocol):
         """Whether this strategy may take ``moved`` second-round bytes (decided from the slot alone,
         so that receivers answer the sender before round 2 when it may)."""
 
-    def all_gather(self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf,
-                   op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]: ...
+    def all_gather(
+        self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, op: str
+    ) -> Union[Sequence[Optional[Incoming]], NotUsed]: ...
 
-    def gather(self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int,
-               op: str) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
+    def gather(
+        self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int, op: str
+    ) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
         """``infos`` None: on a rank other than ``dst`` after ``dst`` read round 1 and said go (only ``dst`` holds every
         slot); a strategy takes that only where round 1 went its way (two levels), else :data:`NOT_USED`."""
 
-    def broadcast(self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int,
-                  op: str) -> Union[Incoming, NotUsed]: ...
+    def broadcast(
+        self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int, op: str
+    ) -> Union[Incoming, NotUsed]: ...
 
-    def scatter(self, wire: Wire, outs: Optional[Sequence[Outgoing]], info: SlotInfo, sizes_of: SizesOf,
-                src: int, longest: int, op: str) -> Union[Incoming, NotUsed]: ...
+    def scatter(
+        self,
+        wire: Wire,
+        outs: Optional[Sequence[Outgoing]],
+        info: SlotInfo,
+        sizes_of: SizesOf,
+        src: int,
+        longest: int,
+        op: str,
+    ) -> Union[Incoming, NotUsed]: ...
 
-    def all_to_all(self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf,
-                   longest: int, op: str) -> Union[Sequence[Optional[Incoming]], NotUsed]:
+    def all_to_all(
+        self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf, longest: int, op: str
+    ) -> Union[Sequence[Optional[Incoming]], NotUsed]:
         """``longest``: the most bytes any rank moves to any other after round 1 (the same on every rank)."""
 
-    def send(self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None,
-             message: int = 0) -> bool:
+    def send(
+        self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None, message: int = 0
+    ) -> bool:
         """True when the second round went this way (the receiver answered it took it). ``route``: where the slot
         of message ``message`` went (else the group): the strategy's own words travel there too."""
 
-    def recv(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, op: str, route: Optional[Route] = None,
-             message: int = 0) -> Union[Incoming, NotUsed]: ...
+    def recv(
+        self,
+        wire: Wire,
+        info: SlotInfo,
+        sizes_of: SizesOf,
+        src: int,
+        op: str,
+        route: Optional[Route] = None,
+        message: int = 0,
+    ) -> Union[Incoming, NotUsed]: ...
 
 
 class _Direct:
@@ -192,8 +203,9 @@ class Route(Protocol):
     def send_rest(self, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
         """Send what follows the slot of message ``message`` to group rank ``dst``."""
 
-    def recv_rest(self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int,
-                  op: str, drain: bool = False) -> Incoming:
+    def recv_rest(
+        self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str, drain: bool = False
+    ) -> Incoming:
         """What follows the slot ``info`` of group rank ``src``'s message ``message`` (``drain``: read and dropped, by a
         receiver that refuses it)."""
 

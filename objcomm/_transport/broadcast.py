@@ -13,18 +13,8 @@ from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, read_slot
 from objcomm._transport.base import NOT_USED, Wire, guarded
-from objcomm._transport.bytes import (
-    broadcast_bytes,
-    host_view,
-    receive_buffer,
-)
-from objcomm._transport.rounds import (
-    REFUSE_LIMIT,
-    _agreement_needed,
-    _on_device,
-    _slot,
-    _vote_refusals,
-)
+from objcomm._transport.bytes import broadcast_bytes, host_view, receive_buffer
+from objcomm._transport.rounds import REFUSE_LIMIT, _agreement_needed, _on_device, _slot, _vote_refusals
 
 
 # -- broadcast -------------------------------------------------------------------------------

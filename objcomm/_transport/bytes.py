@@ -82,16 +82,30 @@ class Batch:
         self.buffers.append(buffer)
         for start in pieces(buffer.numel(), self.wire.chunk):
             piece = buffer[start : start + self.wire.chunk]
-            work = guarded(self.op, self.wire, dist.isend, piece, dst=self.wire.ranks[dst], group=self.wire.group,
-                           tag=self.wire.data_tag)
+            work = guarded(
+                self.op,
+                self.wire,
+                dist.isend,
+                piece,
+                dst=self.wire.ranks[dst],
+                group=self.wire.group,
+                tag=self.wire.data_tag,
+            )
             self.works.append(work)
 
     def recv(self, length: int, src: int) -> torch.Tensor:
         buffer = zeroed(length, self.wire)
         for start in pieces(length, self.wire.chunk):
             piece = buffer[start : start + self.wire.chunk]
-            work = guarded(self.op, self.wire, dist.irecv, piece, src=self.wire.ranks[src], group=self.wire.group,
-                           tag=self.wire.data_tag)
+            work = guarded(
+                self.op,
+                self.wire,
+                dist.irecv,
+                piece,
+                src=self.wire.ranks[src],
+                group=self.wire.group,
+                tag=self.wire.data_tag,
+            )
             self.works.append(work)
         return buffer
 
@@ -140,8 +154,9 @@ def all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> Lis
     return results
 
 
-def all_gather_rests(wire: Wire, mine: Sequence[torch.Tensor], lengths: Sequence[int],
-                     op: str) -> List[Optional[torch.Tensor]]:
+def all_gather_rests(
+    wire: Wire, mine: Sequence[torch.Tensor], lengths: Sequence[int], op: str
+) -> List[Optional[torch.Tensor]]:
     """Every other rank's rest on every rank, in one exchange whatever the spread of sizes: ``lengths[r]`` bytes
     from group rank ``r`` (None where it sends none, and for this rank, which holds its own ``mine``: its parts,
     back to back). The shape is :func:`objcomm._transport.routes.exchange_shape`'s: one padded all_gather of the
@@ -175,13 +190,17 @@ def all_gather_rests(wire: Wire, mine: Sequence[torch.Tensor], lengths: Sequence
     if lengths[me]:
         for r in range(size):
             if r != me:
-                ops += [dist.P2POp(dist.isend, own[at : at + wire.chunk], wire.ranks[r], wire.group, tag)
-                        for at in pieces(lengths[me], wire.chunk)]
+                ops += [
+                    dist.P2POp(dist.isend, own[at : at + wire.chunk], wire.ranks[r], wire.group, tag)
+                    for at in pieces(lengths[me], wire.chunk)
+                ]
     for r, n in enumerate(lengths):
         if n and r != me:
             got[r] = buffer = zeroed(n, wire)
-            ops += [dist.P2POp(dist.irecv, buffer[at : at + wire.chunk], wire.ranks[r], wire.group, tag)
-                    for at in pieces(n, wire.chunk)]
+            ops += [
+                dist.P2POp(dist.irecv, buffer[at : at + wire.chunk], wire.ranks[r], wire.group, tag)
+                for at in pieces(n, wire.chunk)
+            ]
     if ops:
         for work in guarded(op, wire, dist.batch_isend_irecv, ops):
             guarded(op, wire, work.wait)
@@ -204,8 +223,16 @@ def all_to_all_bytes(
     if longest <= wire.chunk:  # the common case: one collective, straight into one buffer
         received = empty(sum(lengths), wire)
         send = joined([p for parts in streams for p in parts], wire)
-        guarded(op, wire, dist.all_to_all_single, received, send, output_split_sizes=list(lengths),
-                input_split_sizes=sent, group=wire.group)
+        guarded(
+            op,
+            wire,
+            dist.all_to_all_single,
+            received,
+            send,
+            output_split_sizes=list(lengths),
+            input_split_sizes=sent,
+            group=wire.group,
+        )
         return list(received.split(list(lengths)))
     results = [empty(n, wire) for n in lengths]
     limit = timeout_seconds(wire.group)
@@ -217,13 +244,22 @@ def all_to_all_bytes(
                 f"{op}: the second round, voted at {longest:,} bytes for the longest pair ({rounds:,} "
                 f"rounds of chunk_bytes={wire.chunk:,}), was not done after the group's timeout of {limit:,.0f} s "
                 f"(rank {wire.rank} had reached byte {start:,}). A rank announced more than it sends, or the "
-                "transfer is too slow for this timeout; the group may be out of step, so create a new one.")
+                "transfer is too slow for this timeout; the group may be out of step, so create a new one."
+            )
         outs = [max(0, min(wire.chunk, n - start)) for n in sent]
         ins = [max(0, min(wire.chunk, n - start)) for n in lengths]
         send = joined([p for parts, k in zip(streams, outs) for p in _window(parts, start, k)], wire)
         received = empty(sum(ins), wire)
-        guarded(op, wire, dist.all_to_all_single, received, send, output_split_sizes=ins, input_split_sizes=outs,
-                group=wire.group)
+        guarded(
+            op,
+            wire,
+            dist.all_to_all_single,
+            received,
+            send,
+            output_split_sizes=ins,
+            input_split_sizes=outs,
+            group=wire.group,
+        )
         for result, part, k in zip(results, received.split(ins), ins):
             result[start : start + k] = part
     return results

@@ -39,8 +39,14 @@ def sibling(group: Any, suffix: str, backend: Optional[str] = None, ranks: Optio
     if hasattr(store, "clone"):  # a connection of its own, so that waiting for peers holds up no other store user
         store = store.clone()
     made, _ = c10d._new_process_group_helper(
-        len(ranks), ranks.index(dist.get_rank()), ranks, dist.Backend(backend or group_backend(group)), store,
-        group_name=f"{world.pg_names[group]}:{suffix}", timeout=timeout)
+        len(ranks),
+        ranks.index(dist.get_rank()),
+        ranks,
+        dist.Backend(backend or group_backend(group)),
+        store,
+        group_name=f"{world.pg_names[group]}:{suffix}",
+        timeout=timeout,
+    )
     world.pg_group_ranks[made] = {rank: index for index, rank in enumerate(ranks)}
     return made
 

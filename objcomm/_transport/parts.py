@@ -14,23 +14,8 @@ from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import fill_slot, outgoing_second_round_bytes, read_slot, read_slots
 from objcomm._transport.base import NOT_USED, Wire, guarded, largest_of
-from objcomm._transport.bytes import (
-    Batch,
-    all_to_all_bytes,
-    empty,
-    host_view,
-    receive_buffer,
-    recv_bytes,
-    to_device,
-)
-from objcomm._transport.rounds import (
-    REFUSE_LIMIT,
-    REFUSE_MALFORMED,
-    _on_device,
-    _rest,
-    _round_one,
-    _vote_refusals,
-)
+from objcomm._transport.bytes import Batch, all_to_all_bytes, empty, host_view, receive_buffer, recv_bytes, to_device
+from objcomm._transport.rounds import REFUSE_LIMIT, REFUSE_MALFORMED, _on_device, _rest, _round_one, _vote_refusals
 
 
 # -- scatter ---------------------------------------------------------------------------------
@@ -102,8 +87,11 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
     plans = [_limits.plan(info, sizes_of) for info in infos]
     problems = [(r, problem) for r, (_, problem) in enumerate(plans) if problem]
     if not any(info.round2 for info in infos):  # nobody sends more: a rank that finds a problem raises alone
-        problems += [(r, "its slot does not carry the whole frame, yet it announced no second round")
-                     for r, info in enumerate(infos) if not _limits.complete(info)]
+        problems += [
+            (r, "its slot does not carry the whole frame, yet it announced no second round")
+            for r, info in enumerate(infos)
+            if not _limits.complete(info)
+        ]
         if problems:
             raise _limits.inconsistent(op, *problems[0])
         return _round_one(infos)
@@ -112,11 +100,19 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
     mine = [0 if r == wire.rank else outgoing_second_round_bytes(o, wire.inline_capacity) for r, o in enumerate(outs)]
     code, longest = largest_of(wire, [refuse, max(mine)], op)
     if code == REFUSE_MALFORMED:
-        raise _limits.inconsistent(op, *problems[0]) if problems else FrameError(
-            f"{op}: a receiving rank found the sizes in its slots inconsistent; nothing more was transferred")
+        raise (
+            _limits.inconsistent(op, *problems[0])
+            if problems
+            else FrameError(
+                f"{op}: a receiving rank found the sizes in its slots inconsistent; nothing more was transferred"
+            )
+        )
     if code:
-        raise _limits.refused(op, over[0], wire, infos[over[0]].total, None) if over else _limits.too_large(
-            f"{op}: this rank sends a receiving rank more than its max_bytes", where="there")
+        raise (
+            _limits.refused(op, over[0], wire, infos[over[0]].total, None)
+            if over
+            else _limits.too_large(f"{op}: this rank sends a receiving rank more than its max_bytes", where="there")
+        )
     taken = wire.second_round.all_to_all(wire, outs, infos, _limits.checked_sizes(sizes_of, infos), longest, op)
     if taken is not NOT_USED:
         return taken

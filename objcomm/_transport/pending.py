@@ -142,8 +142,10 @@ class _Sends:
             try:
                 sent.work.wait()  # the group's timeout bounds it
             except Exception as exc:  # noqa: BLE001 - whatever the backend raised, reported by the next call
-                failure = (f"an earlier send of this rank to rank {peer} (tag {sent.tag}) returned before rank {peer} "
-                           f"received it, and it was not received: {exc}")
+                failure = (
+                    f"an earlier send of this rank to rank {peer} (tag {sent.tag}) returned before rank {peer} "
+                    f"received it, and it was not received: {exc}"
+                )
             with self.cond:
                 queue.popleft()
                 self.count -= 1

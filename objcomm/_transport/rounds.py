@@ -90,12 +90,22 @@ def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
     if info.sizes is None:
         return True
     largest = _limits.largest_piece(0 if info.inline is not None else info.length, info.sizes, wire.chunk)
-    return routes.agreement_needed(sizes_listed=True, largest_piece=largest,
-                                   medium_may_take=wire.second_round.worth(wire, info.second_round_bytes, op))
+    return routes.agreement_needed(
+        sizes_listed=True,
+        largest_piece=largest,
+        medium_may_take=wire.second_round.worth(wire, info.second_round_bytes, op),
+    )
 
 
-def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, problem: Optional[str] = None,
-                   longest: Optional[int] = None) -> int:
+def _vote_refusals(
+    wire: Wire,
+    refuse: int,
+    info: SlotInfo,
+    src: int,
+    op: str,
+    problem: Optional[str] = None,
+    longest: Optional[int] = None,
+) -> int:
     """Raise the same error on every rank if any receiver refuses ``src``'s payload (``refuse``: this rank's
     REFUSE_* code, 0 to accept). One tiny all_reduce ahead of a second round that not every receiver may take.
     ``longest`` (scatter): the root's longest second round to any rank, 0 elsewhere, which the vote carries to
@@ -107,8 +117,11 @@ def _vote_refusals(wire: Wire, refuse: int, info: SlotInfo, src: int, op: str, p
     if code == REFUSE_MALFORMED:
         raise _limits.inconsistent(op, src, problem or "a receiving rank found the sizes in its slot inconsistent")
     if code:
-        raise _limits.too_large(f"{op}: rank {src} sends {info.total:,} bytes to a rank whose max_bytes it exceeds "
-                                f"(this rank's max_bytes: {wire.max_bytes:,})", where="there")
+        raise _limits.too_large(
+            f"{op}: rank {src} sends {info.total:,} bytes to a rank whose max_bytes it exceeds "
+            f"(this rank's max_bytes: {wire.max_bytes:,})",
+            where="there",
+        )
     return longest
 
 
@@ -118,8 +131,9 @@ def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gath
     return all_gather_rest(wire, out, _exchange_slots(wire, out, op), sizes_of, op)
 
 
-def all_gather_rest(wire: Wire, out: Outgoing, infos: List[SlotInfo], sizes_of: SizesOf,
-                    op: str = "all_gather") -> Sequence[Optional[Incoming]]:
+def all_gather_rest(
+    wire: Wire, out: Outgoing, infos: List[SlotInfo], sizes_of: SizesOf, op: str = "all_gather"
+) -> Sequence[Optional[Incoming]]:
     """:func:`all_gather` once round 1 has delivered every rank's slot (``infos``), by either route."""
     ends = _limits.round_one_ends(infos)
     if not ends:  # a second round or a refusal follows: only on slots every rank read alike
@@ -143,8 +157,9 @@ def all_gather_rest(wire: Wire, out: Outgoing, infos: List[SlotInfo], sizes_of: 
     return incoming
 
 
-def _split_rest(sizes_of: SizesOf, info: SlotInfo, sizes: Optional[List[int]], rest: Optional[torch.Tensor],
-                sender: int, op: str) -> Incoming:
+def _split_rest(
+    sizes_of: SizesOf, info: SlotInfo, sizes: Optional[List[int]], rest: Optional[torch.Tensor], sender: int, op: str
+) -> Incoming:
     """What ``sender`` sent, from its slot (``info``) and its rest (its frame past the slot, then its tensors, back
     to back; ``sizes``: the tensor sizes its slot listed, None: its frame lists them, checked here)."""
     frame, at = info.inline, 0
@@ -206,11 +221,16 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
         _send_rest(wire, out, dst, op)
         return None
     batch = Batch(wire._replace(tag=INTERNAL_TAG), op)
-    rests = [batch.recv(n, r) if n and r != dst else None
-             for r, n in enumerate(info.second_round_bytes for info in infos)]
+    rests = [
+        batch.recv(n, r) if n and r != dst else None for r, n in enumerate(info.second_round_bytes for info in infos)
+    ]
     batch.wait()
-    return [Incoming(out.frame, [to_device(t, wire) for t in out.tensors]) if r == dst
-            else _split_rest(sizes_of, info, plans[r], rests[r], r, op) for r, info in enumerate(infos)]
+    return [
+        Incoming(out.frame, [to_device(t, wire) for t in out.tensors])
+        if r == dst
+        else _split_rest(sizes_of, info, plans[r], rests[r], r, op)
+        for r, info in enumerate(infos)
+    ]
 
 
 GO, LOOK = 0, 1  # a gather's word from its destination after round 1
@@ -245,13 +265,15 @@ def _gather_slots(wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: s
     return read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
 
 
-def _gather_slots_through(wire: Wire, slots: Optional[List[Slot]], sizes_of: SizesOf, dst: int,
-                          op: str) -> Optional[List[SlotInfo]]:
+def _gather_slots_through(
+    wire: Wire, slots: Optional[List[Slot]], sizes_of: SizesOf, dst: int, op: str
+) -> Optional[List[SlotInfo]]:
     """:func:`_gather_slots` where the first-round strategy gathered the slots (``slots``: on ``dst``): its
     :meth:`~objcomm._transport.base.FirstRound.share` carries ``dst``'s word, and the table after a failure."""
     infos = [read_slot(memoryview(s)) for s in slots] if slots is not None else []
-    said = wire.first_round.share(wire, _WORD.pack(_verdict(wire, infos, sizes_of, dst, op)) if wire.rank == dst
-                                  else None, _WORD.size, dst, op)
+    said = wire.first_round.share(
+        wire, _WORD.pack(_verdict(wire, infos, sizes_of, dst, op)) if wire.rank == dst else None, _WORD.size, dst, op
+    )
     assert said is not NOT_USED  # the strategy that gathered shares
     if _WORD.unpack(bytes(said))[0] == GO:
         return infos if wire.rank == dst else None
@@ -323,8 +345,11 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
             "nothing more was sent"
         )
     if answer:
-        raise _limits.too_large(f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes",
-                                outcome="nothing more was sent", where="on the receiver")
+        raise _limits.too_large(
+            f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes",
+            outcome="nothing more was sent",
+            where="on the receiver",
+        )
     if answer is not None and wire.second_round.send(wire, out, dst, op, route, message):
         return
     if route is not None and wire.device.type == "cpu":  # shared memory did not take it (below its threshold: never):
@@ -367,8 +392,9 @@ def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Rou
     return received(wire, sender, read_slot(host_view(slot)), sizes_of)
 
 
-def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: Optional[Route] = None,
-             message: int = 0) -> tuple[int, Incoming, bool]:
+def received(
+    wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: Optional[Route] = None, message: int = 0
+) -> tuple[int, Incoming, bool]:
     """The rest of a receive from group rank ``sender`` once its slot (``info``) arrived, through the group or
     ``route`` (which carried the slot of message ``message``)."""
     op = "recv"
@@ -419,7 +445,6 @@ def received(wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: 
         raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
     assert frame is not None
     return sender, Incoming(frame, tensors), False
-
 
 
 def _rest(wire: Wire, out: Outgoing) -> List[torch.Tensor]:

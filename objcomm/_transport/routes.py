@@ -90,8 +90,15 @@ def shared_memory_takes(moved: int, *, threshold: int, cpu: bool) -> bool:
     return cpu and moved >= threshold
 
 
-def rest_medium(moved: int, *, cpu: bool, round_one_medium: str, shm: bool = True,
-                shm_threshold: int = DEFAULT_SHM_THRESHOLD, one_host: bool = True) -> str:
+def rest_medium(
+    moved: int,
+    *,
+    cpu: bool,
+    round_one_medium: str,
+    shm: bool = True,
+    shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+    one_host: bool = True,
+) -> str:
     """The medium of round 2 for a rest whose largest sender moves ``moved`` bytes (0: nothing moves)."""
     if moved <= 0:
         return BACKEND
@@ -184,8 +191,9 @@ class Plan:
         return sum(1 for s in self.steps if s.medium == BACKEND)
 
 
-def plan(op: str, topology: Topology, rests: Sequence[int], knobs: Knobs = Knobs(), *, root: int = 0,
-         listed: bool = True) -> Plan:
+def plan(
+    op: str, topology: Topology, rests: Sequence[int], knobs: Knobs = Knobs(), *, root: int = 0, listed: bool = True
+) -> Plan:
     """The route of ``op`` (``all_gather``, ``gather``, ``broadcast``, ``all_reduce``, ``reduce``) when each
     rank's rest (bytes past its slot: 0 when the slot carries all of it) is ``rests`` (broadcast: the root's is
     read; all_reduce and reduce: ``rests[0]`` is the rest of the combined value, which the tree carries up and
@@ -196,14 +204,23 @@ def plan(op: str, topology: Topology, rests: Sequence[int], knobs: Knobs = Knobs
     slots = (knobs.slot_bytes,) * world
     steps = []
     k = min(topology.ranks_per_host, world)
-    if op in ("all_gather", "gather", "broadcast") and topology.channel_open and two_levels(
-            hosts=-(-world // k), widest=k, cpu=topology.cpu, local=knobs.local):
+    if (
+        op in ("all_gather", "gather", "broadcast")
+        and topology.channel_open
+        and two_levels(hosts=-(-world // k), widest=k, cpu=topology.cpu, local=knobs.local)
+    ):
         return Plan(op, CHANNEL, tuple(_two_level_steps(op, topology, list(rests), knobs, root, listed)))
     if op == "all_gather":
         steps.append(Step("all_gather", first, slots))
         moved = max(rests, default=0)
-        medium = rest_medium(moved, cpu=topology.cpu, round_one_medium=first, shm=knobs.shm,
-                             shm_threshold=knobs.shm_threshold, one_host=topology.one_host)
+        medium = rest_medium(
+            moved,
+            cpu=topology.cpu,
+            round_one_medium=first,
+            shm=knobs.shm,
+            shm_threshold=knobs.shm_threshold,
+            one_host=topology.one_host,
+        )
         if moved:
             steps.extend(_exchange(medium, list(rests), topology, knobs))
     elif op == "gather":
@@ -214,8 +231,14 @@ def plan(op: str, topology: Topology, rests: Sequence[int], knobs: Knobs = Knobs
             word = "broadcast" if topology.cpu else "all_reduce"
             steps += [Step("gather", BACKEND, slots), Step(word, BACKEND, (8,))]
         total = sum(r for i, r in enumerate(rests) if i != root)
-        medium = rest_medium(total, cpu=topology.cpu, round_one_medium=first, shm=knobs.shm,
-                             shm_threshold=knobs.shm_threshold, one_host=topology.one_host)
+        medium = rest_medium(
+            total,
+            cpu=topology.cpu,
+            round_one_medium=first,
+            shm=knobs.shm,
+            shm_threshold=knobs.shm_threshold,
+            one_host=topology.one_host,
+        )
         if total:
             steps.append(Step("p2p", medium, tuple(0 if i == root else r for i, r in enumerate(rests))))
     elif op == "broadcast":  # the slot: on NCCL an all_reduce (a tree; its broadcast is a ring)
@@ -223,14 +246,22 @@ def plan(op: str, topology: Topology, rests: Sequence[int], knobs: Knobs = Knobs
         steps.append(Step(slot_step, first, (knobs.slot_bytes,)))
         moved = rests[root]
         if moved:
-            medium = rest_medium(moved, cpu=topology.cpu, round_one_medium=first, shm=knobs.shm,
-                                 shm_threshold=knobs.shm_threshold, one_host=topology.one_host)
+            medium = rest_medium(
+                moved,
+                cpu=topology.cpu,
+                round_one_medium=first,
+                shm=knobs.shm,
+                shm_threshold=knobs.shm_threshold,
+                one_host=topology.one_host,
+            )
             largest = min(moved, knobs.chunk_bytes)
             if agreement_needed(sizes_listed=listed, largest_piece=largest, medium_may_take=medium != BACKEND):
                 vote = "vote" if first == BACKEND and topology.cpu else "all_reduce"  # gloo: recursive doubling
                 steps.append(Step(vote, first, (4,) * world))
-            steps += [Step("broadcast", medium, (min(knobs.chunk_bytes, moved - at),))
-                      for at in range(0, moved, knobs.chunk_bytes)]
+            steps += [
+                Step("broadcast", medium, (min(knobs.chunk_bytes, moved - at),))
+                for at in range(0, moved, knobs.chunk_bytes)
+            ]
     elif op in ("all_reduce", "reduce"):
         # a tree of send/recv (objcomm._api.reduce.tree; each carries a slot and its rest), then all_reduce:
         # group rank 0's value or failure broadcast; reduce: a gather of every rank's report to the root
@@ -252,14 +283,16 @@ def _exchange(medium: str, rests: List[int], topology: Topology, knobs: Knobs) -
     if exchange_shape(rests) == PADDED:
         return [Step("all_gather", BACKEND, (min(chunk, widest - at),) * len(rests)) for at in range(0, widest, chunk)]
     if not topology.cpu:  # NCCL: an uneven all_gather per round of at most chunk bytes per rank
-        return [Step("all_gatherv", BACKEND, tuple(max(0, min(chunk, r - at)) for r in rests))
-                for at in range(0, widest, chunk)]
+        return [
+            Step("all_gatherv", BACKEND, tuple(max(0, min(chunk, r - at)) for r in rests))
+            for at in range(0, widest, chunk)
+        ]
     return [Step("all_gatherv", BACKEND, tuple(rests))]  # gloo: one batch of sends and receives
 
 
-
-def _two_level_steps(op: str, topology: Topology, rests: List[int], knobs: Knobs, root: int,
-                     listed: bool) -> List[Step]:
+def _two_level_steps(
+    op: str, topology: Topology, rests: List[int], knobs: Knobs, root: int, listed: bool
+) -> List[Step]:
     """The steps of ``op`` through two levels (:mod:`objcomm._samehost.two_level`): the channel inside each host (a
     step over the widest host's ranks), the leaders across them; every host's steps run at once."""
     world, k, slot = topology.world, min(topology.ranks_per_host, topology.world), knobs.slot_bytes
@@ -271,8 +304,11 @@ def _two_level_steps(op: str, topology: Topology, rests: List[int], knobs: Knobs
 
     def relay(n: int) -> List[Step]:  # one rank's n bytes to every rank: its host, the leaders, the other hosts
         pieces = [min(knobs.chunk_bytes, n - at) for at in range(0, n, knobs.chunk_bytes)]
-        return [Step("broadcast", CHANNEL, (n,), k), *across([Step("broadcast", BACKEND, (p,)) for p in pieces]),
-                Step("broadcast", CHANNEL, (n,), k)]
+        return [
+            Step("broadcast", CHANNEL, (n,), k),
+            *across([Step("broadcast", BACKEND, (p,)) for p in pieces]),
+            Step("broadcast", CHANNEL, (n,), k),
+        ]
 
     def published(n: int) -> str:  # how a leader hands an all_gather's n bytes to its host: one shared file, or not
         shared = knobs.shm and shared_memory_takes(n, threshold=knobs.shm_threshold, cpu=True)
@@ -280,13 +316,17 @@ def _two_level_steps(op: str, topology: Topology, rests: List[int], knobs: Knobs
 
     if op == "all_gather":
         table = len(hosts) * k * slot
-        steps = [Step("gather", CHANNEL, (slot,) * k, k),
-                 *across([Step("all_gather", BACKEND, (k * slot,) * len(hosts))]),
-                 Step("broadcast", published(table), (table,), k)]
+        steps = [
+            Step("gather", CHANNEL, (slot,) * k, k),
+            *across([Step("all_gather", BACKEND, (k * slot,) * len(hosts))]),
+            Step("broadcast", published(table), (table,), k),
+        ]
         if max(rests, default=0):
-            steps += [Step("gather", CHANNEL, tuple(max(hosts, key=sum)), k),
-                      *across(_exchange(BACKEND, [sum(h) for h in hosts], leaders, knobs)),
-                      Step("broadcast", published(sum(rests)), (sum(rests),), k)]
+            steps += [
+                Step("gather", CHANNEL, tuple(max(hosts, key=sum)), k),
+                *across(_exchange(BACKEND, [sum(h) for h in hosts], leaders, knobs)),
+                Step("broadcast", published(sum(rests)), (sum(rests),), k),
+            ]
         return steps
     if op == "gather":
         home = root // k
@@ -298,8 +338,10 @@ def _two_level_steps(op: str, topology: Topology, rests: List[int], knobs: Knobs
         if sum(moved):
             totals = [sum(moved[h : h + k]) for h in range(0, world, k)]
             busiest = max(range(len(hosts)), key=lambda h: totals[h])
-            steps += [Step("p2p", CHANNEL, tuple(moved[busiest * k : busiest * k + k]), k),
-                      *across([Step("p2p", BACKEND, tuple(0 if h == home else t for h, t in enumerate(totals)))])]
+            steps += [
+                Step("p2p", CHANNEL, tuple(moved[busiest * k : busiest * k + k]), k),
+                *across([Step("p2p", BACKEND, tuple(0 if h == home else t for h, t in enumerate(totals)))]),
+            ]
             if root % k:
                 steps.append(Step("p2p", CHANNEL, (sum(moved),), k))
         return steps
@@ -307,7 +349,10 @@ def _two_level_steps(op: str, topology: Topology, rests: List[int], knobs: Knobs
     sent = rests[root]
     if sent:
         if agreement_needed(sizes_listed=listed, largest_piece=min(sent, knobs.chunk_bytes), medium_may_take=False):
-            steps += [Step("gather", CHANNEL, (8,) * k, k), *across([Step("vote", BACKEND, (4,) * len(hosts))]),
-                      Step("broadcast", CHANNEL, (8,), k)]
+            steps += [
+                Step("gather", CHANNEL, (8,) * k, k),
+                *across([Step("vote", BACKEND, (4,) * len(hosts))]),
+                Step("broadcast", CHANNEL, (8,), k),
+            ]
         steps += relay(sent)
     return steps

@@ -75,21 +75,33 @@ _SPECS: Dict[Tuple[str, str], _Spec] = {
     ("builtins", "slice"): (_ints_or_none("slice", slice, 3), None, SEALED, None, 32),
     ("builtins", "range"): (_ints_or_none("range", range, 3), None, SEALED, None, 32),
     ("builtins", "object"): (_object, _object, SEALED, object, 32),
-    **{("builtins", t.__name__): (_no_args(t), None, SEALED, t, 32)
-       for t in (list, dict, tuple, int, float, str, bytes, bool)},
+    **{
+        ("builtins", t.__name__): (_no_args(t), None, SEALED, t, 32)
+        for t in (list, dict, tuple, int, float, str, bytes, bool)
+    },
     ("collections", "OrderedDict"): (_odict, None, MAPPING, collections.OrderedDict, 64),
     ("collections", "Counter"): (_counter, None, MAPPING, collections.Counter, 192),
     ("collections", "defaultdict"): (_defaultdict, None, MAPPING, None, 64),
     ("collections", "deque"): (_deque, None, SEQUENCE, collections.deque, 32),
-    **{("datetime", t.__name__): (_datetime(t), None, SEALED, None, 256)
-       for t in (datetime.datetime, datetime.date, datetime.time, datetime.timedelta, datetime.timezone)},
+    **{
+        ("datetime", t.__name__): (_datetime(t), None, SEALED, None, 256)
+        for t in (datetime.datetime, datetime.date, datetime.time, datetime.timedelta, datetime.timezone)
+    },
     ("decimal", "Decimal"): (_decimal, None, SEALED, None, 64),
     ("fractions", "Fraction"): (_fraction, None, SEALED, None, 192),
     ("torch", "Size"): (_torch_size, None, SEALED, None, 64),
     ("torch", "device"): (_torch_device, None, SEALED, None, 64),
-    **{("serializers._rebuild", f.__name__): (f, None, SEALED, None, units)
-       for f, units in ((_rebuild.ndarray, 256), (_rebuild.numpy_scalar, 256), (_rebuild.numpy_dtype, 64),
-                        (_rebuild.tensor, 512), (_rebuild.parameter, 384), (_rebuild.uuid, 128))},
+    **{
+        ("serializers._rebuild", f.__name__): (f, None, SEALED, None, units)
+        for f, units in (
+            (_rebuild.ndarray, 256),
+            (_rebuild.numpy_scalar, 256),
+            (_rebuild.numpy_dtype, 64),
+            (_rebuild.tensor, 512),
+            (_rebuild.parameter, 384),
+            (_rebuild.uuid, 128),
+        )
+    },
 }
 _NUMPY_OWN = {"_reconstruct", "scalar", "_frombuffer", "ndarray", "dtype"}
 

@@ -53,7 +53,10 @@ class _ProbeMeta(_GuardMeta):
 
 
 def _guard(
-    label: str, call: Optional[Callable[..., Any]], newobj: Optional[Callable[..., Any]], factory: Any,
+    label: str,
+    call: Optional[Callable[..., Any]],
+    newobj: Optional[Callable[..., Any]],
+    factory: Any,
     units: Optional[int] = None,
 ) -> type:
     """A guard for ``label``; ``units``: what each call is charged besides its result's size (None: a probe's)."""
@@ -69,8 +72,14 @@ def _guard(
             _rebuild.charge(units + (getsizeof(built) >> _MEMORY_SHIFT), f"creating {label}")
         return built
 
-    namespace = {"__slots__": (), "__new__": __new__, "_call": staticmethod(call or refuse_call), "_factory": factory,
-                 "_units": units, "_what": f"calling {label}"}
+    namespace = {
+        "__slots__": (),
+        "__new__": __new__,
+        "_call": staticmethod(call or refuse_call),
+        "_factory": factory,
+        "_units": units,
+        "_what": f"calling {label}",
+    }
     return (_ProbeMeta if units is None else _GuardMeta)(label, (), namespace)
 
 

@@ -122,14 +122,32 @@ def _run_pattern(kind: int) -> re.Pattern[bytes]:
         # A scalar (BINFLOAT, SHORT_BINUNICODE, BININT, BININT1, BININT2, NONE, NEWTRUE, NEWFALSE)
         # with the MEMOIZEs that follow it. Runs of BINFLOATs are read here too, not by the stride
         # check. (A FRAME between a tuple's items ends the run, and the tuple is not shown plain.)
-        scalar = b"(?:" + b"|".join([
-            _opcode(b"G", 8), short_unicode, _opcode(b"J", 4), _opcode(b"K", 1),
-            _opcode(b"M", 2), *(_opcode(bytes([c]), 0) for c in b"N\x88\x89"),
-        ]) + b")\x94*"
+        scalar = (
+            b"(?:"
+            + b"|".join(
+                [
+                    _opcode(b"G", 8),
+                    short_unicode,
+                    _opcode(b"J", 4),
+                    _opcode(b"K", 1),
+                    _opcode(b"M", 2),
+                    *(_opcode(bytes([c]), 0) for c in b"N\x88\x89"),
+                ]
+            )
+            + b")\x94*"
+        )
         # Consecutive scalars, optionally closed by TUPLE1/2/3 when at least that many precede it
         # in this alternative: the tuple's items are exactly the scalars just pushed.
         scalars = [
-            scalar + b"(?:\x85|" + scalar + b"(?:[\x85\x86]|" + scalar + b"(?:" + scalar + b")" + repeat
+            scalar
+            + b"(?:\x85|"
+            + scalar
+            + b"(?:[\x85\x86]|"
+            + scalar
+            + b"(?:"
+            + scalar
+            + b")"
+            + repeat
             + b"[\x85\x86\x87]?)?)?"
         ]
         # The scalars come last: their alternative starts with a group, which the engine enters to
@@ -155,13 +173,23 @@ def _run_pattern(kind: int) -> re.Pattern[bytes]:
         # MEMOIZE MARK APPENDS SETITEMS EMPTY_DICT EMPTY_LIST NONE NEWTRUE NEWFALSE APPEND SETITEM EMPTY_SET
         # ADDITEMS LIST DICT POP POP_MARK EMPTY_TUPLE (not FROZENSET or DUP: the full walk charges
         # comparing equal frozensets and reused strings)
-        no_argument = b"[" + re.escape(b"\x94(eu}]N\x88\x89as\x8f\x90ld01)" + (b"\x85\x86\x87" if kind == STEPPING
-                                                                                    else b"")) + b"]" + one_or_more
+        no_argument = (
+            b"["
+            + re.escape(b"\x94(eu}]N\x88\x89as\x8f\x90ld01)" + (b"\x85\x86\x87" if kind == STEPPING else b""))
+            + b"]"
+            + one_or_more
+        )
         keyed = _opcode(b"h", 1) + value
         strings = string + b"(?:" + short_unicode + _opcode(b"\x94", 0) + b")" + repeat
         alternatives = [
-            floats, keyed + b"(?:" + keyed + b")" + repeat, strings, binints, _opcode(b"K", 1), no_argument,
-            _opcode(b"M", 2), _opcode(b"j", 4),  # BININT2, LONG_BINGET
+            floats,
+            keyed + b"(?:" + keyed + b")" + repeat,
+            strings,
+            binints,
+            _opcode(b"K", 1),
+            no_argument,
+            _opcode(b"M", 2),
+            _opcode(b"j", 4),  # BININT2, LONG_BINGET
         ]
     return re.compile(b"(?:" + b"|".join(alternatives) + b")" + repeat, re.DOTALL)
 

@@ -74,8 +74,10 @@ def _argument_kinds() -> List[Optional[Tuple[int, int]]]:
     """
     table: List[Optional[Tuple[int, int]]] = [None] * 256
     prefixed = {
-        pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: 4,
-        pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8,
+        pickletools.TAKEN_FROM_ARGUMENT1: 1,
+        pickletools.TAKEN_FROM_ARGUMENT4: 4,
+        pickletools.TAKEN_FROM_ARGUMENT4U: 4,
+        pickletools.TAKEN_FROM_ARGUMENT8U: 8,
     }
     for op in pickletools.opcodes:
         arg = op.arg
@@ -99,21 +101,76 @@ for _op in pickletools.opcodes:
         _ARGUMENTS[ord(_op.code)] = None
 
 # Stack effects, by opcode name.
-(_PUSH, _PUSH_GLOBAL, _STACK_GLOBAL, _MARK, _POP, _POP_MARK, _DUP, _PUT, _MEMOIZE, _GET, _TUPLE_MARK, _TUPLE_N,
- _LIST, _DICT, _FROZENSET, _APPEND, _APPENDS, _SETITEM, _SETITEMS, _ADDITEMS, _BUILD, _REDUCE, _NEWOBJ,
- _NEWOBJ_EX, _OBJ, _INST, _NOTHING) = range(27)
+(
+    _PUSH,
+    _PUSH_GLOBAL,
+    _STACK_GLOBAL,
+    _MARK,
+    _POP,
+    _POP_MARK,
+    _DUP,
+    _PUT,
+    _MEMOIZE,
+    _GET,
+    _TUPLE_MARK,
+    _TUPLE_N,
+    _LIST,
+    _DICT,
+    _FROZENSET,
+    _APPEND,
+    _APPENDS,
+    _SETITEM,
+    _SETITEMS,
+    _ADDITEMS,
+    _BUILD,
+    _REDUCE,
+    _NEWOBJ,
+    _NEWOBJ_EX,
+    _OBJ,
+    _INST,
+    _NOTHING,
+) = range(27)
 _EFFECTS: Dict[str, int] = {
     **dict.fromkeys(
         "INT BININT BININT1 BININT2 LONG LONG1 LONG4 STRING BINSTRING SHORT_BINSTRING BINBYTES SHORT_BINBYTES "
         "BINBYTES8 BYTEARRAY8 NONE NEWTRUE NEWFALSE UNICODE SHORT_BINUNICODE BINUNICODE BINUNICODE8 FLOAT BINFLOAT "
-        "EMPTY_LIST EMPTY_DICT EMPTY_SET EMPTY_TUPLE".split(), _PUSH),
-    "GLOBAL": _PUSH_GLOBAL, "STACK_GLOBAL": _STACK_GLOBAL, "MARK": _MARK, "POP": _POP, "POP_MARK": _POP_MARK,
-    "DUP": _DUP, "PUT": _PUT, "BINPUT": _PUT, "LONG_BINPUT": _PUT, "MEMOIZE": _MEMOIZE, "GET": _GET,
-    "BINGET": _GET, "LONG_BINGET": _GET, "TUPLE": _TUPLE_MARK, "TUPLE1": _TUPLE_N, "TUPLE2": _TUPLE_N,
-    "TUPLE3": _TUPLE_N, "LIST": _LIST, "DICT": _DICT, "FROZENSET": _FROZENSET, "APPEND": _APPEND,
-    "APPENDS": _APPENDS, "SETITEM": _SETITEM, "SETITEMS": _SETITEMS, "ADDITEMS": _ADDITEMS, "BUILD": _BUILD,
-    "REDUCE": _REDUCE, "NEWOBJ": _NEWOBJ, "NEWOBJ_EX": _NEWOBJ_EX, "OBJ": _OBJ, "INST": _INST,
-    "PROTO": _NOTHING, "FRAME": _NOTHING, "STOP": _NOTHING,
+        "EMPTY_LIST EMPTY_DICT EMPTY_SET EMPTY_TUPLE".split(),
+        _PUSH,
+    ),
+    "GLOBAL": _PUSH_GLOBAL,
+    "STACK_GLOBAL": _STACK_GLOBAL,
+    "MARK": _MARK,
+    "POP": _POP,
+    "POP_MARK": _POP_MARK,
+    "DUP": _DUP,
+    "PUT": _PUT,
+    "BINPUT": _PUT,
+    "LONG_BINPUT": _PUT,
+    "MEMOIZE": _MEMOIZE,
+    "GET": _GET,
+    "BINGET": _GET,
+    "LONG_BINGET": _GET,
+    "TUPLE": _TUPLE_MARK,
+    "TUPLE1": _TUPLE_N,
+    "TUPLE2": _TUPLE_N,
+    "TUPLE3": _TUPLE_N,
+    "LIST": _LIST,
+    "DICT": _DICT,
+    "FROZENSET": _FROZENSET,
+    "APPEND": _APPEND,
+    "APPENDS": _APPENDS,
+    "SETITEM": _SETITEM,
+    "SETITEMS": _SETITEMS,
+    "ADDITEMS": _ADDITEMS,
+    "BUILD": _BUILD,
+    "REDUCE": _REDUCE,
+    "NEWOBJ": _NEWOBJ,
+    "NEWOBJ_EX": _NEWOBJ_EX,
+    "OBJ": _OBJ,
+    "INST": _INST,
+    "PROTO": _NOTHING,
+    "FRAME": _NOTHING,
+    "STOP": _NOTHING,
 }
 _BY_CODE: List[int] = [_NOTHING] * 256
 for _op in pickletools.opcodes:

@@ -25,8 +25,9 @@ def launched() -> bool:
     return all(name in os.environ for name in LAUNCHER_VARS)
 
 
-def run_in_env(task: Task, arg: Any, *, backend: str, on_message: Optional[OnMessage] = None,
-               timeout_s: float = 600.0) -> Any:
+def run_in_env(
+    task: Task, arg: Any, *, backend: str, on_message: Optional[OnMessage] = None, timeout_s: float = 600.0
+) -> Any:
     """Run ``task`` on the launcher's process group (env://); rank 0 returns its result, others ``None``."""
     import torch
     import torch.distributed as dist
@@ -45,11 +46,25 @@ def run_in_env(task: Task, arg: Any, *, backend: str, on_message: Optional[OnMes
             dist.destroy_process_group()
 
 
-def run_local(task: Task, arg: Any, *, world_size: int, backend: str = "gloo",
-              on_message: Optional[OnMessage] = None, timeout_s: float = 600.0) -> Any:
+def run_local(
+    task: Task,
+    arg: Any,
+    *,
+    world_size: int,
+    backend: str = "gloo",
+    on_message: Optional[OnMessage] = None,
+    timeout_s: float = 600.0,
+) -> Any:
     """Start ``world_size`` local ranks, run ``task`` on each, return rank 0's result (CLI hint on timeout)."""
-    return _launch.run_local(task, arg, world_size=world_size, backend=backend, on_message=on_message,
-                             timeout_s=timeout_s, hint=". Use smaller --sizes or fewer --repeat")
+    return _launch.run_local(
+        task,
+        arg,
+        world_size=world_size,
+        backend=backend,
+        on_message=on_message,
+        timeout_s=timeout_s,
+        hint=". Use smaller --sizes or fewer --repeat",
+    )
 
 
 def _ignore(message: Any) -> None:

@@ -56,6 +56,7 @@ TORCH_EQUIVALENT = {
 def _keep_first(a: Any, b: Any) -> Any:
     return a
 
+
 Make = Callable[[int], Any]
 
 
@@ -127,8 +128,9 @@ def interleaved(
     }
 
 
-def _round(candidates: Mapping[str, Callable[[], Any]], names: Sequence[str], index: int, group: Any,
-           batch: int = 1) -> List[float]:
+def _round(
+    candidates: Mapping[str, Callable[[], Any]], names: Sequence[str], index: int, group: Any, batch: int = 1
+) -> List[float]:
     """Seconds per call per name, in ``names`` order. Round ``index`` calls them in an order of its own (the same
     on every rank), so that none always goes first or always follows the same one; and the young garbage earlier
     calls left is collected before each sample, untimed (torch's object collectives leave the most: whichever call came
@@ -190,8 +192,9 @@ def compare_op(
     candidates = {name: objcomm_call(op, make, name, group=group, root=root) for name in serializers}
     if torch_baseline:
         candidates[TORCH] = torch_call(op, make, group=group, root=root)
-    return interleaved(candidates, repeat=repeat, warmup=warmup, group=group, budget_s=budget_s,
-                       min_sample_s=min_sample_s)
+    return interleaved(
+        candidates, repeat=repeat, warmup=warmup, group=group, budget_s=budget_s, min_sample_s=min_sample_s
+    )
 
 
 @dataclass(frozen=True)

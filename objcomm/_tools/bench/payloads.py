@@ -95,12 +95,26 @@ def _config(rank: int, size: int) -> Dict[str, Any]:
     layer = {"dim": 1024, "heads": 16, "dropout": 0.1, "activation": "gelu", "kernel": (3, 3), "norm": None}
     return {
         "run": {"name": "pretrain-base", "seed": 1234 + rank, "tags": ["baseline", "bf16", f"rank{rank}"]},
-        "model": {"arch": "transformer", "vocab": 32_000, "tie_embeddings": True,
-                  "layers": [dict(layer, index=i) for i in range(24)]},
-        "optimizer": {"name": "adamw", "lr": 3e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01,
-                      "schedule": {"kind": "cosine", "warmup_steps": 2000, "min_lr": 1e-5}},
-        "data": {"paths": [f"/datasets/corpus/part-{i:05d}.parquet" for i in range(16)], "batch_size": 32,
-                 "shuffle": True, "workers": 8},
+        "model": {
+            "arch": "transformer",
+            "vocab": 32_000,
+            "tie_embeddings": True,
+            "layers": [dict(layer, index=i) for i in range(24)],
+        },
+        "optimizer": {
+            "name": "adamw",
+            "lr": 3e-4,
+            "betas": (0.9, 0.999),
+            "eps": 1e-8,
+            "weight_decay": 0.01,
+            "schedule": {"kind": "cosine", "warmup_steps": 2000, "min_lr": 1e-5},
+        },
+        "data": {
+            "paths": [f"/datasets/corpus/part-{i:05d}.parquet" for i in range(16)],
+            "batch_size": 32,
+            "shuffle": True,
+            "workers": 8,
+        },
     }
 
 
@@ -122,8 +136,11 @@ def _tensors(rng: random.Random, rank: int, n: int) -> Dict[str, Any]:
     import torch
 
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    return {"logits": torch.randn(n, 32, generator=gen), "targets": torch.randint(0, 32, (n,), generator=gen),
-            "step": 1200}
+    return {
+        "logits": torch.randn(n, 32, generator=gen),
+        "targets": torch.randint(0, 32, (n,), generator=gen),
+        "step": 1200,
+    }
 
 
 BUILTIN: Dict[str, Payload] = {
@@ -136,8 +153,11 @@ BUILTIN: Dict[str, Payload] = {
         Payload("int-keys", "a dict with int keys (id -> count)", _scaled(_int_keys)),
         Payload("config", "a nested config with tuples and None (fixed size)", _config, scalable=False),
         Payload("numpy", "numpy arrays: float32 embeddings and int64 labels", _scaled(_numpy)),
-        Payload("arrays", f"many small numpy arrays: a dict of {ARRAY_LENGTH}-float64 arrays (about 100 at 80KB)",
-                _scaled(_arrays)),
+        Payload(
+            "arrays",
+            f"many small numpy arrays: a dict of {ARRAY_LENGTH}-float64 arrays (about 100 at 80KB)",
+            _scaled(_arrays),
+        ),
         Payload("tensors", "a dict holding torch tensors", _scaled(_tensors)),
     ]
 }
@@ -154,8 +174,9 @@ def user_payload(spec: str) -> Payload:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"--payload {spec}: cannot import {module_name!r} ({exc}); "
-                         "is it in the current directory or on PYTHONPATH?") from exc
+        raise ValueError(
+            f"--payload {spec}: cannot import {module_name!r} ({exc}); is it in the current directory or on PYTHONPATH?"
+        ) from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"--payload {spec}: module {module_name!r} has no function {attr!r}")
@@ -182,8 +203,19 @@ def _positional_params(fn: Callable[..., Any]) -> int:
     return sum(1 for p in params if p.kind in kinds)
 
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 

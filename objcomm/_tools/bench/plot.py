@@ -33,8 +33,14 @@ def plot(result: Result, path: str) -> None:
     serializers = list(result.meta["serializers"])
     payloads = result.payloads()
     colours = {name: f"C{i % 10}" for i, name in enumerate(serializers)}
-    fig, axes = plt.subplots(len(ops), len(payloads), figsize=(3.6 * len(payloads) + 1.6, 2.4 * len(ops)),
-                             squeeze=False, sharex="col", sharey=True)
+    fig, axes = plt.subplots(
+        len(ops),
+        len(payloads),
+        figsize=(3.6 * len(payloads) + 1.6, 2.4 * len(ops)),
+        squeeze=False,
+        sharex="col",
+        sharey=True,
+    )
     ratios = {op: _ratios(result, op) for op in ops}
     values = [y for series in ratios.values() for points in series.values() for _, y in points] or [1.0]
     low, high = min(min(values), 1.0) / 1.5, max(max(values), 1.0) * 1.5  # torch's line always in view
@@ -63,8 +69,11 @@ def plot(result: Result, path: str) -> None:
     handles.append(Line2D([], [], color="black", linestyle="--", label=f"{TORCH} (= 1)"))
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", frameon=False)
     meta = result.meta
-    fig.suptitle(f"objcomm bench: time as a ratio of torch's object collectives (below 1: faster), "
-                 f"{meta['world_size']} ranks, {meta['backend']}", fontsize="medium")
+    fig.suptitle(
+        f"objcomm bench: time as a ratio of torch's object collectives (below 1: faster), "
+        f"{meta['world_size']} ranks, {meta['backend']}",
+        fontsize="medium",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)

@@ -51,19 +51,29 @@ def format_table(result: Result) -> str:
 def _headline(meta: Dict[str, Any]) -> str:
     where = "the launcher's process group" if meta.get("launcher") == "env" else "local, on 127.0.0.1"
     ranks = "1 rank" if meta["world_size"] == 1 else f"{meta['world_size']} ranks"
-    return (f"objcomm bench: {ranks} ({where}, backend {meta['backend']}), "
-            f"objcomm {meta['objcomm']}, torch {meta['torch']}, python {meta['python']}")
+    return (
+        f"objcomm bench: {ranks} ({where}, backend {meta['backend']}), "
+        f"objcomm {meta['objcomm']}, torch {meta['torch']}, python {meta['python']}"
+    )
 
 
 def _legend(meta: Dict[str, Any], first_op: str) -> List[str]:
     repeats = f"up to {meta['repeat']}" if meta.get("adaptive_repeat") else str(meta["repeat"])
-    workarounds = [f"          {op}: torch has none; its row is {TORCH_EQUIVALENT[op]}"
-                   for op in meta.get("ops", ()) if op not in DEFAULT_OPS]
+    workarounds = [
+        f"          {op}: torch has none; its row is {TORCH_EQUIVALENT[op]}"
+        for op in meta.get("ops", ())
+        if op not in DEFAULT_OPS
+    ]
     batched = meta.get("min_sample_s")
     return [
-        *([f"op cells: median latency of {repeats} interleaved runs (slowest rank, barrier to result; calls under",
-           f"          {batched * 1e3:g} ms timed several back to back, per call), and"] if batched else
-          [f"op cells: median latency of {repeats} interleaved runs (slowest rank, barrier to result), and"]),
+        *(
+            [
+                f"op cells: median latency of {repeats} interleaved runs (slowest rank, barrier to result; calls under",
+                f"          {batched * 1e3:g} ms timed several back to back, per call), and",
+            ]
+            if batched
+            else [f"op cells: median latency of {repeats} interleaved runs (slowest rank, barrier to result), and"]
+        ),
         "          ×: objcomm ÷ torch.distributed's object collective in the same runs (below 1: faster)",
         *workarounds,
         f"encode/decode: rank 0, local, median; MB/s: payload's pickle size ÷ {first_op} latency",
@@ -82,9 +92,11 @@ def _block(payload: str, size: Optional[int], rows: List[Row], ops: List[str]) -
         by_serializer.setdefault(row.serializer, {})[row.op] = row
     for name, cells in by_serializer.items():
         one = next(iter(cells.values()))
-        line = (f"  {name:<18}{'yes' if one.safe else 'no':<5}{one.fidelity:<10}"
-                f"{format_size(one.encoded_bytes) if one.encoded_bytes is not None else '—':>9}"
-                f"{format_time(one.encode_s):>9}{format_time(one.decode_s):>9}  ")
+        line = (
+            f"  {name:<18}{'yes' if one.safe else 'no':<5}{one.fidelity:<10}"
+            f"{format_size(one.encoded_bytes) if one.encoded_bytes is not None else '—':>9}"
+            f"{format_time(one.encode_s):>9}{format_time(one.decode_s):>9}  "
+        )
         line += "".join(f"{_op_cell(cells.get(op)):<{_OP_WIDTH}}" for op in ops)
         lead = cells.get(ops[0]) if ops else None
         line += f"{_mb_per_s(lead.throughput_Bps if lead else None):>7}"
@@ -134,8 +146,9 @@ def _auto_cell(rec: Recommendation) -> str:
 
 def _torch_names(ops: Sequence[str]) -> str:
     """What torch.distributed calls the object collective of ``ops``: ``all_gather_object``; for several, all."""
-    names = list(dict.fromkeys(TORCH_EQUIVALENT[op].split(",")[0].split(" ")[0] for op in ops
-                               if op in TORCH_EQUIVALENT))
+    names = list(
+        dict.fromkeys(TORCH_EQUIVALENT[op].split(",")[0].split(" ")[0] for op in ops if op in TORCH_EQUIVALENT)
+    )
     return names[0] if len(names) == 1 else "its object collectives"
 
 

@@ -61,7 +61,10 @@ def check(serializer: SerializerProtocol, obj: Any, *, repeat: int, budget_s: Op
         while len(encode_times) < _repeats(repeat, encode_times, budget_s):
             start = time.perf_counter()
             out = _frame.encode(
-                obj, serializer, max_bytes=_NO_LIMIT, inline_tensor_bytes=options.inline_tensor_bytes,
+                obj,
+                serializer,
+                max_bytes=_NO_LIMIT,
+                inline_tensor_bytes=options.inline_tensor_bytes,
                 compression=options.compression,
             )
             encode_times.append(time.perf_counter() - start)

@@ -50,8 +50,12 @@ def run_matrix(config: BenchConfig, progress: Optional[Progress] = None, group: 
         objects = _Objects(payload, size or 0)
         label = f"{payload.name} {format_size(size) if size else ''}".strip()
         trips = {
-            name: check(serializers.registry.guarded(name), objects(me), repeat=config.repeat,
-                        budget_s=0.05 if config.adaptive else None)
+            name: check(
+                serializers.registry.guarded(name),
+                objects(me),
+                repeat=config.repeat,
+                budget_s=0.05 if config.adaptive else None,
+            )
             for name in config.serializers
         }
         refused = _refused_anywhere(trips, config.serializers, group)
@@ -60,14 +64,30 @@ def run_matrix(config: BenchConfig, progress: Optional[Progress] = None, group: 
         _report(progress, me, done, total, f"{label}: round trips")
         for op in config.ops:
             timings = compare_op(
-                op, objects, [n for n in config.serializers if n not in refused], repeat=config.repeat,
-                group=group, budget_s=config.cell_budget_s if config.adaptive else None,
+                op,
+                objects,
+                [n for n in config.serializers if n not in refused],
+                repeat=config.repeat,
+                group=group,
+                budget_s=config.cell_budget_s if config.adaptive else None,
                 min_sample_s=config.min_sample_s or None,
             )
             torch_s = timings[TORCH].median_s
             for name in config.serializers:
-                rows.append(_row(payload.name, size, nbytes, name, op, trips[name], name in refused,
-                                 timings.get(name), torch_s, timings[TORCH].repeats))
+                rows.append(
+                    _row(
+                        payload.name,
+                        size,
+                        nbytes,
+                        name,
+                        op,
+                        trips[name],
+                        name in refused,
+                        timings.get(name),
+                        torch_s,
+                        timings[TORCH].repeats,
+                    )
+                )
             done += 1
             _report(progress, me, done, total, f"{label}: {op}")
         del objects
@@ -93,16 +113,36 @@ def _refused_anywhere(trips: Dict[str, RoundTrip], names: Sequence[str], group: 
     return {n for n, flag in zip(names, flags) if flag}
 
 
-def _row(payload: str, size: Optional[int], nbytes: int, name: str, op: str, trip: RoundTrip, refused: bool,
-         timing: Any, torch_s: float, repeats: int) -> Row:
+def _row(
+    payload: str,
+    size: Optional[int],
+    nbytes: int,
+    name: str,
+    op: str,
+    trip: RoundTrip,
+    refused: bool,
+    timing: Any,
+    torch_s: float,
+    repeats: int,
+) -> Row:
     verdict, note = trip.verdict, trip.note
     if refused and not trip.refused:
         verdict, note = "refused", "refused on another rank"
     latency = timing.median_s if timing is not None else None
     return Row(
-        payload=payload, size=size, nbytes=nbytes, serializer=name, safe=bool(serializers.get(name).safe), op=op,
-        fidelity=verdict, note=note, encoded_bytes=trip.encoded_bytes, encode_s=trip.encode_s,
-        decode_s=trip.decode_s, latency_s=latency, torch_latency_s=torch_s,
+        payload=payload,
+        size=size,
+        nbytes=nbytes,
+        serializer=name,
+        safe=bool(serializers.get(name).safe),
+        op=op,
+        fidelity=verdict,
+        note=note,
+        encoded_bytes=trip.encoded_bytes,
+        encode_s=trip.encode_s,
+        decode_s=trip.decode_s,
+        latency_s=latency,
+        torch_latency_s=torch_s,
         ratio=latency / torch_s if latency is not None and torch_s > 0 else None,
         throughput_Bps=nbytes / latency if latency else None,
         repeats=timing.repeats if timing is not None else repeats,
