@@ -17,7 +17,7 @@ import traceback
 from contextlib import suppress
 from typing import Any
 
-from objcomm._tools import launch as _launch
+from objcomm._tools import rank_side as _rank_side
 
 __all__ = ["CLOSE_REQUEST", "HEADER", "describe", "dumps_call", "loads_exception", "loads_reply", "worker_main"]
 
@@ -85,7 +85,7 @@ def worker_main(
     conn, rank: int, world_size: int, port: int, ppid: int, pdeathsig: bool, pg_timeout: float, store_timeout: float
 ) -> None:
     """One worker: join the group, say ``ready``, then run calls until asked to leave."""
-    _launch.die_with_parent(ppid, pdeathsig)
+    _rank_side.die_with_parent(ppid, pdeathsig)
     try:  # the parent sends SIGUSR1 to dump Python stacks of ranks that hang
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     except Exception:
@@ -98,14 +98,14 @@ def worker_main(
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         except ValueError:
             pass
-        _launch.join_group(rank, world_size, port, timeout_s=pg_timeout, store_timeout_s=store_timeout)
+        _rank_side.join_group(rank, world_size, port, timeout_s=pg_timeout, store_timeout_s=store_timeout)
         dist.barrier()
     except BaseException:
-        _launch.flush_stdio()
+        _rank_side.flush_stdio()
         with suppress(Exception):
-            _launch.send(conn, ("err", -1, traceback.format_exc(), None))
+            _rank_side.send(conn, ("err", -1, traceback.format_exc(), None))
         return
-    _launch.send(conn, ("ready", -1, os.getpid()))
+    _rank_side.send(conn, ("ready", -1, os.getpid()))
 
     while True:
         try:
@@ -139,7 +139,7 @@ def worker_main(
                     None,
                 )
             )
-        _launch.flush_stdio()
+        _rank_side.flush_stdio()
         try:
             conn.send_bytes(data)
         except (EOFError, OSError):
@@ -148,7 +148,7 @@ def worker_main(
 
     with suppress(BaseException):
         dist.destroy_process_group()
-    _launch.exit_now(0)
+    _rank_side.exit_now(0)
 
 
 def barrier() -> None:

@@ -24,8 +24,9 @@ message, and ``pool.output(rank)`` returns it.  Set ``RANKPOOL_CAPTURE=0`` or
 pass ``capture_output=False`` to let workers write to the inherited terminal.
 
 Tests import everything from here. Spawning, the rank environment (OMP_NUM_THREADS
-etc., in place from interpreter start), parent-death signals and reaping come from
-``objcomm._tools.launch``; the harness itself is one concern per module:
+etc., in place from interpreter start) and reaping come from ``objcomm._tools.launch``,
+parent-death signals and joining the group from ``objcomm._tools.rank_side``; the harness
+itself is one concern per module:
 
 - ``_ranks`` (this module): the shared pool cache (:func:`get_pool`) and scenario helpers;
 - ``_rank_pool``: :class:`RankPool`, one pool's startup, calls, failure handling and shutdown;

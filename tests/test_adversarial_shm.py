@@ -21,6 +21,7 @@ from _child import run_in_child
 from _ranks import get_pool
 
 import objcomm
+from objcomm._api.resolving import TestHooks
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost import segments as _segments
 
@@ -175,7 +176,8 @@ def _same(got: Any, tag: int) -> bool:
 def tampered_then_clean(directory: str, decoy: str, how: str, op: str) -> Dict[str, Any]:
     """One call where rank 0 tampers with the segment it wrote, then clean calls on the same group."""
     rank = dist.get_rank()
-    comm = objcomm.Communicator(shm_threshold=THRESHOLD, shm_dir=directory, shm_zero_copy=False)  # files
+    files = dict(shm_threshold=THRESHOLD, shm_dir=directory, shm_zero_copy=False)
+    comm = plain = objcomm.Communicator(**files)
     names: List[str] = []
 
     def call(tag: int) -> Any:
@@ -196,13 +198,13 @@ def tampered_then_clean(directory: str, decoy: str, how: str, op: str) -> Dict[s
 
     error: Optional[Tuple[str, str]] = None
     if rank == 0:
-        comm._segments = Tampering()
+        comm = objcomm.Communicator(**files, _hooks=TestHooks(segments=Tampering()))  # call() uses it
     try:
         call(1)
     except objcomm.ObjcommError as exc:
         error = (type(exc).__name__, str(exc))
     finally:
-        comm._segments = _segments.SEGMENTS
+        comm = plain
     after = call(2)
     clean = op == "send" and rank == 0 or _same(after, 2 if op != "all_gather" else 2 + (1 - rank))
     dist.barrier()  # writers unlink once their readers are done, maybe just after those return

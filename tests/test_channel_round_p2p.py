@@ -24,6 +24,7 @@ from objcomm import _state
 from objcomm._samehost import channel_rounds as _channel_rounds
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._samehost import shm as _shm
+from objcomm._samehost import shm_p2p as _shm_p2p
 from objcomm._samehost.channel_rounds import CHUNK
 from objcomm._samehost.inbox import REST
 from objcomm._transport import bytes as _bytes
@@ -36,7 +37,7 @@ SHARED = 700_000  # past shm_threshold (2 MiB): the rest goes through shared mem
 ASKED = "a" * 1_100_000  # a frame past 1 MiB, below shm_threshold: the receiver answers first, then the channel
 ROUTES = {
     "backend": [(_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_rounds, "recv_bytes")],
-    "shm": [(_shm.SharedMemory, "_collective"), (_shm, "fetch")],
+    "shm": [(_shm.SharedMemory, "_collective"), (_shm_p2p, "fetch")],
     "channel": [(_channel_rounds, "send_p2p"), (_channel_rounds, "recv_p2p")],
     "answers": [(_channel_slots.ChannelRoute, "answer")],
 }

@@ -19,6 +19,7 @@ import objcomm
 from objcomm import _state
 from objcomm._format import frame as _frame
 from objcomm._format import slot as _slot
+from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._samehost import inbox as _inbox
 
@@ -245,7 +246,7 @@ def lies_in_the_echo(what: str) -> Dict[str, Any]:
         real_send = channel._send
         lie = {
             "digest": (lambda data: len(data) == 16, bytes(16)),
-            "pass": (lambda data: data == _channel_slots.PASSED, b"2"),
+            "pass": (lambda data: data == _channel_checks.PASSED, b"2"),
         }
 
         def lying_send(peer: int, header: bytes, data: Any, op: str) -> None:

@@ -22,10 +22,11 @@ from objcomm import _state
 from objcomm._api import express as _express
 from objcomm._api import resolving as _resolving
 from objcomm._format import frame as _frame
+from objcomm._format import plain_slot as _plain_slot
 from objcomm._format.slot import ERROR_BIT, PREFIX, fill_slot, read_slot
 from objcomm._format.tensors import TensorLifter
 from objcomm._samehost import channel as _channel
-from objcomm._samehost import channel_slots as _channel_slots
+from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import rounds as _rounds
 from serializers import registry
@@ -46,13 +47,13 @@ def _general_slot(obj: Any, name: str, slot: int = SLOT, limit: int = LIMIT) -> 
 def _express_slot(obj: Any, name: str, slot: int = SLOT, limit: int = LIMIT) -> Any:
     """The express path's slot, trimmed after the frame, and checked to be read as the whole slot."""
     payload = registry.guarded(name).dumps(obj, lift=TensorLifter())
-    raw = _frame.small_slot(name.encode("ascii"), payload, slot, limit)
+    raw = _plain_slot.small_slot(name.encode("ascii"), payload, slot, limit)
     if raw is None:
         return None
     assert len(raw) == PREFIX.size + PREFIX.unpack_from(raw)[0]  # the prefix and the frame, no zeros after it
     if len(raw) == slot:  # a frame that fills its slot
         return raw
-    assert _channel_slots.trimmed(raw, slot)
+    assert _channel_checks.trimmed(raw, slot)
     whole = bytes(raw) + bytes(slot - len(raw))
     assert read_slot(memoryview(raw)) == read_slot(memoryview(whole))  # what a receiver reads of it
     return whole
@@ -282,9 +283,9 @@ def hostile_slots() -> List[Any]:
         "unknown serializer": bytes(unknown),
         "error report that is not one": PREFIX.pack(length | ERROR_BIT, LIMIT, length) + good[PREFIX.size :],
         "trimmed, shorter than a header": PREFIX.pack(10, LIMIT, 10) + b"x" * 10,  # read as a whole slot
-        "garbage pickle payload": _frame.small_slot(b"pickle", b"\x80\x05garbage", SLOT, LIMIT),
-        "empty pickle payload": _frame.small_slot(b"pickle", b"", SLOT, LIMIT),
-        "a msgpack frame": _frame.small_slot(b"msgpack", registry.guarded("msgpack").dumps({"m": 1}), SLOT, LIMIT),
+        "garbage pickle payload": _plain_slot.small_slot(b"pickle", b"\x80\x05garbage", SLOT, LIMIT),
+        "empty pickle payload": _plain_slot.small_slot(b"pickle", b"", SLOT, LIMIT),
+        "a msgpack frame": _plain_slot.small_slot(b"msgpack", registry.guarded("msgpack").dumps({"m": 1}), SLOT, LIMIT),
     }
     fatal = {  # neither a slot nor a trimmed one: the channel fails, as on the general path
         "trimmed with flag bits": _trimmed(PREFIX.pack(length | ERROR_BIT, LIMIT, length) + good[PREFIX.size :]),
@@ -400,7 +401,7 @@ def collective_routes_and_outcomes() -> List[Any]:
     comm = objcomm.Communicator(local=True)
     comm.all_gather(None)  # opens the channel and lets send/recv in
     assert comm._held is not None
-    got: List[Any] = [comm._held[9] is _resolving._NEXT]  # one collective: the express path is not built yet
+    got: List[Any] = [comm._held.express is _resolving._NEXT]  # one collective: the express path is not built yet
     big, limit = b"y" * 10_000, comm._call({}).options.max_bytes
     refusing, packing = (
         objcomm.Communicator(accept=["msgpack"], local=True),
@@ -514,14 +515,15 @@ def test_hostile_slots_through_the_express_collectives_raise_as_on_the_general_p
 def _mutations(slot: bytes) -> List[bytes]:
     """``slot`` with each byte of its prefix, header and name set to values that matter, and cut short."""
     out = [slot]
-    head = _frame._SLOT_HEADER.size + 8
+    head = _plain_slot._SLOT_HEADER.size + 8
     for at in range(min(head, len(slot))):
         for value in (0, 1, 2, 0x7F, 0xFF, slot[at] ^ 1):
             changed = bytearray(slot)
             changed[at] = value
             out.append(bytes(changed))
     out += [
-        slot[:n] for n in (0, 1, PREFIX.size, _frame._SLOT_HEADER.size - 1, _frame._SLOT_HEADER.size, len(slot) - 1)
+        slot[:n]
+        for n in (0, 1, PREFIX.size, _plain_slot._SLOT_HEADER.size - 1, _plain_slot._SLOT_HEADER.size, len(slot) - 1)
     ]
     return out
 
@@ -537,9 +539,9 @@ def test_the_payload_shortcut_accepts_exactly_the_plain_frames_of_its_serializer
                 slots.append(bytes(raw))  # and whole
     taken = 0
     for raw in slots:
-        named = _frame.plain_named(raw)
+        named = _plain_slot.plain_named(raw)
         payload = named[1] if named is not None and named[0] == name.encode("ascii") else None
-        plain = _frame.plain_in_slot(raw)
+        plain = _plain_slot.plain_in_slot(raw)
         assert (payload is not None) == (plain is not None and plain[1].serializer == name), raw[:80]
         if payload is None:
             continue

@@ -20,6 +20,7 @@ from _ranks import get_pool
 
 import objcomm
 import serializers
+from objcomm._api.resolving import TestHooks
 from objcomm._format import frame as _frame
 from objcomm._format import tensors as _tensors
 from objcomm._format.message import Outgoing
@@ -27,6 +28,7 @@ from objcomm._samehost import two_level_moves as _two_level
 from objcomm._tools.bench.spreads import CASES, spread_of
 from objcomm._transport import base as _base
 from objcomm._transport import bytes as _bytes
+from objcomm._transport import gather as _gather
 from objcomm._transport import rounds as _rounds
 
 W = 8
@@ -95,9 +97,7 @@ def _same(got: Any, want: Any) -> bool:
 
 
 def _comm() -> objcomm.Communicator:
-    comm = objcomm.Communicator(local=False, shm=False)
-    comm._separate_hosts = True
-    return comm
+    return objcomm.Communicator(local=False, shm=False, _hooks=TestHooks(separate_hosts=True))
 
 
 def each_spread(op: str) -> List[Any]:
@@ -185,7 +185,7 @@ def bad_input(case: str) -> str:
             comm.all_gather(object() if rank == 5 else b"x" * 100_000, serializer="json")
         elif case == "a lying sender":
             if rank == 4:
-                _rounds.gather(comm._call({}).wire, _forged_table(1 << 40), _frame.tensor_sizes, 0)
+                _gather.gather(comm._call({}).wire, _forged_table(1 << 40), _frame.tensor_sizes, 0)
             else:
                 comm.gather({"t": torch.ones(1000, dtype=torch.uint8)}, dst=0)
         return "no error"

@@ -22,6 +22,7 @@ from _ranks import get_pool
 import objcomm
 import serializers
 from objcomm import _state
+from objcomm._api.resolving import NO_HOOKS, TestHooks
 from objcomm._format import frame as _frame
 from objcomm._samehost import sealed as _sealed
 from objcomm._samehost import segments as _segments
@@ -436,18 +437,15 @@ def lying_writer(how: str, directory: str) -> Dict[str, Any]:
     """Rank 0 announces a descriptor that is not what sealed segments must be; then clean calls follow."""
     rank = dist.get_rank()
     group = dist.new_group([0, 1])  # a fresh group: what the group learns stays with it
-    comm = objcomm.Communicator(group, shm_threshold=THRESHOLD, shm_dir=directory)
+    settings = dict(shm_threshold=THRESHOLD, shm_dir=directory)
+    comm = objcomm.Communicator(group, **settings, _hooks=TestHooks(segments=_Lying(how)) if rank == 0 else NO_HOOKS)
     big = lambda tag: {"a": np.full(THRESHOLD, float(tag)), "blob": bytes([tag]) * THRESHOLD}  # noqa: E731
-    if rank == 0:
-        comm._segments = _Lying(how)
     error = None
     try:
         got = comm.broadcast(big(1) if rank == 0 else None, src=0)
         first = bool(np.all(got["a"] == 1.0))
     except objcomm.ObjcommError as exc:
         error, first = (type(exc).__name__, str(exc)), False
-    finally:
-        comm._segments = _segments.SEGMENTS
     counted: List[int] = []
 
     class Counting(_segments.SegmentBook):
@@ -455,7 +453,7 @@ def lying_writer(how: str, directory: str) -> Dict[str, Any]:
             counted.append(1)
             return super().create(path, frame, tensors)
 
-    comm._segments = Counting()
+    comm = objcomm.Communicator(group, **settings, _hooks=TestHooks(segments=Counting()))
     after = comm.broadcast(big(2) if rank == 0 else None, src=0)
     unsealed = (-1, False) in _state.group_facts(group).unsealed
     dist.barrier(group)
@@ -486,9 +484,8 @@ def refused_again_and_again(calls: int) -> Dict[str, Any]:
     not wait for a collection (the re-raised error's traceback once closed a cycle through the call)."""
     rank = dist.get_rank()
     group = dist.new_group([0, 1])
-    comm = objcomm.Communicator(group, shm_threshold=THRESHOLD)
-    if rank == 1:
-        comm._segments = _Lying("unsealed")
+    lying = TestHooks(segments=_Lying("unsealed")) if rank == 1 else NO_HOOKS
+    comm = objcomm.Communicator(group, shm_threshold=THRESHOLD, _hooks=lying)
     value = {"t": torch.zeros(1 << 17), "a": np.zeros(1 << 16)}  # out of band: views on the mapping
     errors, grown = 0, []
     gc.collect()
@@ -503,7 +500,6 @@ def refused_again_and_again(calls: int) -> Dict[str, Any]:
             grown.append(_memfds() - before)
     finally:
         gc.enable()
-        comm._segments = _segments.SEGMENTS
     dist.barrier(group)
     dist.destroy_process_group(group)
     return {"errors": errors, "most memfds held after a call": max(grown)}
@@ -555,8 +551,8 @@ def every_serializer(names: List[str]) -> Dict[str, bool]:
             "b": bytes([rank]) * n,
         }
         obj = plain if name == "json" else rich
-        comm = objcomm.Communicator(serializer=name, shm_threshold=THRESHOLD)
-        comm._segments = counting = _Counting()
+        counting = _Counting()
+        comm = objcomm.Communicator(serializer=name, shm_threshold=THRESHOLD, _hooks=TestHooks(segments=counting))
         sealed = comm.all_gather(obj)
         normal = objcomm.Communicator(serializer=name, shm=False).all_gather(obj)
         viewed = _mapped() > 0 or name == "json"  # json lifts nothing: its results are built from the frame

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from _ranks import get_pool
 
 import objcomm
+from objcomm._api.resolving import TestHooks
 from objcomm._samehost import segments as _segments
 
 THRESHOLD = 4096
@@ -53,7 +54,8 @@ def _same(got: Any, tag: int) -> bool:
 def swapped_then_clean(directory: str, op: str) -> Dict[str, Any]:
     """One call in which rank 0 swaps each segment file it wrote for a forged one, then a clean call."""
     rank = dist.get_rank()
-    comm = objcomm.Communicator(shm_threshold=THRESHOLD, shm_dir=directory, shm_zero_copy=False)  # files
+    files = dict(shm_threshold=THRESHOLD, shm_dir=directory, shm_zero_copy=False)
+    comm = plain = objcomm.Communicator(**files)
     swapped: List[str] = []
 
     def call(tag: int) -> Any:  # what rank 1 receives from rank 0 (None on rank 0, unless it receives too)
@@ -79,14 +81,14 @@ def swapped_then_clean(directory: str, op: str) -> Dict[str, Any]:
     error: Optional[Tuple[str, str]] = None
     forged_decoded = False
     if rank == 0:
-        comm._segments = Swapping()
+        comm = objcomm.Communicator(**files, _hooks=TestHooks(segments=Swapping()))  # call() uses it
     try:
         got = call(1)
         forged_decoded = rank == 1 and not _same(got, 1)  # what the bug did: the forged bytes, decoded
     except objcomm.ObjcommError as exc:
         error = (type(exc).__name__, str(exc))
     finally:
-        comm._segments = _segments.SEGMENTS
+        comm = plain
     after = call(2)
     clean = op == "send" and rank == 0 or _same(after, 2)
     dist.barrier()  # writers unlink once their readers are done, maybe just after those return

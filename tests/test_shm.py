@@ -23,6 +23,7 @@ from objcomm._samehost import two_level as _two_level
 from objcomm._samehost.channel_rounds import ChannelRounds
 from objcomm._samehost.two_level_rests import TwoLevelRests
 from objcomm._transport import broadcast as _broadcast
+from objcomm._transport import gather as _gather
 from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
 from objcomm._transport.base import BACKEND, DIRECT
@@ -131,7 +132,7 @@ def every_op(directory: str, separate: bool, zero_copy: bool, local: bool = Fals
         for r in range(world):
             _check(got[r], r, frame, tensors)
 
-        got, lines = _logged(_rounds.gather, wire, _payload(rank, frame, tensors), sizes, world - 1)
+        got, lines = _logged(_gather.gather, wire, _payload(rank, frame, tensors), sizes, world - 1)
         fell_back["gather"].append(any("normal transport" in line for line in lines))
         if rank == world - 1:
             for r in range(world):
@@ -286,7 +287,7 @@ def test_switched_off_moves_nothing_through_shared_memory(shm_dir):
 
 def _shm_config(comm: objcomm.Communicator) -> Any:
     """The shared-memory configuration a call through ``comm`` would use (no group needed)."""
-    strategy = _second_round(comm._call({}).options, comm._segments)
+    strategy = _second_round(comm._call({}).options, comm._hooks.segments)
     while isinstance(strategy, (TwoLevelRests, ChannelRounds)):  # with local on, two levels and the channel wrap it
         strategy = strategy.inner
     return None if strategy is DIRECT else strategy
@@ -340,7 +341,7 @@ def many_calls(directory: str, calls: int) -> List[int]:
         elif op == 1:
             _broadcast.broadcast(wire, _payload(0, 200, [300]) if rank == 0 else None, sizes, 0)
         elif op == 2:
-            _rounds.gather(wire, _payload(rank, 200, [300]), sizes, 0)
+            _gather.gather(wire, _payload(rank, 200, [300]), sizes, 0)
         elif rank == 0:
             _rounds.send(wire, _payload(0, 200, [300]), 1)
         elif rank == 1:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from objcomm._format import slot as _slot
 from objcomm._transport import broadcast as _broadcast
+from objcomm._transport import gather as _gather
 from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
 from objcomm._transport.rounds import Outgoing
@@ -56,7 +57,7 @@ def boundaries() -> int:
         frames = [_frame(r, lengths[r]) for r in range(world)]
         got = _rounds.all_gather(wire, Outgoing(frames[rank]), _no_tensors)
         assert [bytes(g.frame) for g in got] == [bytes(f) for f in frames], n
-        got = _rounds.gather(wire, Outgoing(frames[rank]), _no_tensors, world - 1)
+        got = _gather.gather(wire, Outgoing(frames[rank]), _no_tensors, world - 1)
         if rank == world - 1:
             assert [bytes(g.frame) for g in got] == [bytes(f) for f in frames], n
         else:

@@ -16,9 +16,8 @@ from objcomm._api.call import Device, mpi4py_keywords, named_op, no_attribute
 from objcomm._api.express import NOT_TAKEN
 from objcomm._api.handles import Request
 from objcomm._api.operations import Operations
-from objcomm._api.resolving import Held, Worked
+from objcomm._api.resolving import NO_HOOKS, Held, TestHooks, Worked
 from objcomm._samehost import channel_slots as _channel_slots
-from objcomm._samehost.segments import SEGMENTS, SegmentBook
 from objcomm._settings import call_kwargs, given
 from serializers import SerializerLike
 
@@ -82,6 +81,7 @@ class Communicator(Operations):
         shm_zero_copy: Optional[bool] = None,
         local: Optional[bool] = None,
         local_spin_us: Optional[int] = None,
+        _hooks: TestHooks = NO_HOOKS,
     ) -> None:
         self.group = group
         self.serializer = serializer
@@ -102,9 +102,7 @@ class Communicator(Operations):
             local=local,
             local_spin_us=local_spin_us,
         )
-        # Tests only: True treats every rank as on its own host; None follows OBJCOMM_FORCE_SEPARATE_HOSTS.
-        self._separate_hosts: Optional[bool] = None
-        self._segments: SegmentBook = SEGMENTS  # tests only: their own, to watch or tamper with segments
+        self._hooks = _hooks  # objcomm's own tests only (see TestHooks)
         self._calls: Dict[int, Worked] = {}  # id(options) -> what _call() worked out for them (see _remember)
         self._held: Optional[Held] = None  # what calls without per-call options use (see _defaults)
 
@@ -134,10 +132,11 @@ class Communicator(Operations):
                 "a Communicator on an explicit group cannot be pickled: a process group belongs to its process. "
                 "Make the Communicator in the receiving process (its settings can travel: serializer=, max_bytes=, ...)"
             )
-        return {**self.__dict__, "_calls": {}, "_held": None, "_segments": None}  # the receiver's own segment book
+        # the hooks' host override travels; the segment book is the receiver's own
+        return {**self.__dict__, "_calls": {}, "_held": None, "_hooks": self._hooks.separate_hosts}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state, _segments=SEGMENTS if state["_segments"] is None else state["_segments"])
+        self.__dict__.update(state, _hooks=TestHooks(separate_hosts=state["_hooks"]))
 
     # -- collectives ---------------------------------------------------------------------------
     def connect(self) -> bool:

@@ -12,12 +12,12 @@ first send/recv or second collective, so that a communicator made for one call n
 and does the rest per call.
 
 What a peer receives is the general path's slot, byte for byte, less the zeros after the frame
-(:func:`objcomm._format.frame.small_slot`; a receiver on either path reads such a *trimmed* slot as the
-whole one, :func:`objcomm._samehost.channel_slots.trimmed`; pinned by ``tests/test_express.py``): a 4 KiB slot for a
+(:func:`objcomm._format.plain_slot.small_slot`; a receiver on either path reads such a *trimmed* slot as the
+whole one, :func:`objcomm._samehost.channel_checks.trimmed`; pinned by ``tests/test_express.py``): a 4 KiB slot for a
 100-byte frame was most of the bytes a small message allocated, copied and moved. A receiver checks
 what the general path checks, then decodes as it does: a plain frame of this rank's own serializer
 with that serializer itself where the registry gives it for its name (under ``"auto"``: of any serializer it
-may choose; :func:`_decoders`, worked out once per registry version; :func:`objcomm._format.frame.plain_named`),
+may choose; :func:`_decoders`, worked out once per registry version; :func:`objcomm._format.plain_slot.plain_named`),
 any other frame through
 :func:`objcomm._format.frame.decode_parsed`; the same errors, word for word. A sender takes only the plainest
 case and hands everything else to the general path *before anything has moved*: a call with
@@ -39,8 +39,10 @@ from objcomm import _state
 from objcomm._api.call import MAX_TAG, Call, only
 from objcomm._errors import UnknownSerializerError
 from objcomm._format import frame as _frame
+from objcomm._format import plain_slot as _plain_slot
 from objcomm._format.message import Incoming
 from objcomm._format.slot import read_slot
+from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._transport import routes
 from objcomm._transport.base import Wire
@@ -130,7 +132,7 @@ class Express:
         try:
             used = serialized[2]  # "auto" chose it, per object; else this call's serializer
             name = self.name if used is self.call.serializer else used.name.encode("ascii")
-            return _frame.small_slot(name, serialized[0], self.slot, self.limit), serialized
+            return _plain_slot.small_slot(name, serialized[0], self.slot, self.limit), serialized
         except Exception:  # a payload that is no buffer: encode() raises it again, on the general path
             return None, serialized
 
@@ -161,12 +163,12 @@ class Express:
         slots = channel.all_gather(slot, self.spin)
         size = self.slot
         for got in slots:
-            if len(got) != size and not _channel_slots.trimmed(got, size):
+            if len(got) != size and not _channel_checks.trimmed(got, size):
                 # raises, as the general path
-                _channel_slots._checked(self.wire(group(), 0), channel, slots, "all_gather")
+                _channel_checks._checked(self.wire(group(), 0), channel, slots, "all_gather")
         decoders = self.decoders if self.version == registry.version else None
         if decoders:  # every slot a plain frame of a serializer this rank holds: decoded as they are
-            named = [_frame.plain_named(got) for got in slots]
+            named = [_plain_slot.plain_named(got) for got in slots]
             found = [None if n is None else decoders.get(n[0]) for n in named]
             if None not in found:
                 return True, [
@@ -174,7 +176,7 @@ class Express:
                     for r, (d, n) in enumerate(zip(found, named))
                     if d is not None and n is not None
                 ]  # none is None: the filter only narrows the types
-        plains = [_frame.plain_in_slot(got) for got in slots]
+        plains = [_plain_slot.plain_in_slot(got) for got in slots]
         if None not in plains:
             return True, [self._decode(plain, r) for r, plain in enumerate(plains)]
         wire = self.wire(group(), 0)  # the general path's steps, from the slots on
@@ -199,9 +201,9 @@ class Express:
             channel.broadcast(slot, root, self.spin)
             return True, self._plain(slot, root)
         got = channel.broadcast(None, root, self.spin)
-        if len(got) != self.slot and not _channel_slots.trimmed(got, self.slot):
+        if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
             # raises, as the general path does
-            _channel_slots._checked(self.wire(group(), 0), channel, [got], "broadcast")
+            _channel_checks._checked(self.wire(group(), 0), channel, [got], "broadcast")
         value = self._plain(got, root)
         if value is not NOT_TAKEN:
             return True, value
@@ -215,15 +217,15 @@ class Express:
     def _plain(self, slot: Any, sender: int) -> Any:
         """The object in ``slot`` from group rank ``sender`` if it holds a plain frame, else :data:`NOT_TAKEN`."""
         if self.decoders and self.version == registry.version:
-            named = _frame.plain_named(slot)
+            named = _plain_slot.plain_named(slot)
             decoder = None if named is None else self.decoders.get(named[0])
             if decoder is not None:  # a serializer this rank holds: decoded with it, as decode_parsed would find it
                 return _frame.loads_payload(decoder, decoder.name, cast(Any, named)[1], sender)
-        plain = _frame.plain_in_slot(slot)
+        plain = _plain_slot.plain_in_slot(slot)
         return NOT_TAKEN if plain is None else self._decode(plain, sender)
 
     def _decode(self, plain: Any, sender: int) -> Any:
-        """The object of a plain frame (``(frame, header)`` of ``frame.plain_in_slot``) from ``sender``."""
+        """The object of a plain frame (``(frame, header)`` of ``plain_slot.plain_in_slot``) from ``sender``."""
         frame, header = plain
         return _frame.decode_parsed(
             frame, header, Incoming(frame), sender, self.accept, self.device, self.limit, own=sender == self.rank
@@ -245,8 +247,9 @@ class Express:
         if channel is None:
             return NOT_TAKEN
         sender, got, message = channel.recv(peer, tag, self.spin)
-        if len(got) != self.slot and not _channel_slots.trimmed(got, self.slot):
-            _channel_slots._checked(self.wire(group(), tag), channel, [got], "recv")  # raises, as the general path does
+        if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
+            # raises, as the general path does
+            _channel_checks._checked(self.wire(group(), tag), channel, [got], "recv")
         obj = self._plain(got, sender)
         if obj is NOT_TAKEN:  # anything else: the general path's steps, from the slot on
             wire = self.wire(group(), tag)

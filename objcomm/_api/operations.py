@@ -19,6 +19,7 @@ from objcomm._errors import ObjcommError, with_original_type
 from objcomm._format import frame as _frame
 from objcomm._format.message import Outgoing
 from objcomm._transport import broadcast as _broadcast_rounds
+from objcomm._transport import gather as _gather_rounds
 from objcomm._transport import parts as _parts
 from objcomm._transport import pending as _pending
 from objcomm._transport import rounds as _rounds
@@ -44,7 +45,7 @@ class Operations(Resolving):
             return [call.roundtrip(obj)]
         root = self._group_rank(call.wire, dst, "dst")
         out, local = call.encode(obj)
-        incoming = _rounds.gather(call.wire, out, _frame.tensor_sizes, root)
+        incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root)
         if incoming is None:
             if local is not None:  # dst said go over this rank's error report (only a lying dst does)
                 raise local
@@ -95,7 +96,7 @@ class Operations(Resolving):
         root = self._group_rank(call.wire, dst, "dst")
         value, complete, own = _reduce.tree(call, obj, op)
         out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
-        incoming = _rounds.gather(call.wire, out, _frame.tensor_sizes, root)
+        incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root)
         if incoming is None:
             if local is not None:  # dst said go over this rank's error report (only a lying dst does)
                 raise local

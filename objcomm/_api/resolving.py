@@ -14,7 +14,7 @@ import torch.distributed as dist
 from objcomm._api.call import WIRES_KEPT, Call, Device, check_tag, chosen, tagged, wire_for
 from objcomm._api.express import Express
 from objcomm._errors import ObjcommError
-from objcomm._samehost.segments import SegmentBook
+from objcomm._samehost.segments import SEGMENTS, SegmentBook
 from objcomm._settings import CallOptions, resolve, settings_state
 from objcomm._transport.base import Wire
 from serializers import SerializerLike, SerializerProtocol, registry
@@ -27,6 +27,21 @@ _UNBUILT = object()  # the express path of _defaults, before the first send/recv
 _NEXT = object()  # the same, after one collective: the next builds it
 
 
+class TestHooks(NamedTuple):
+    """What objcomm's own tests change in a communicator, given once to it (``Communicator(_hooks=...)``); not API.
+
+    Example (every rank its own host, and a segment book that counts what it writes)::
+
+        comm = objcomm.Communicator(_hooks=TestHooks(separate_hosts=True, segments=Counting()))
+    """
+
+    separate_hosts: Optional[bool] = None  # True: every rank its own host; None: OBJCOMM_FORCE_SEPARATE_HOSTS
+    segments: SegmentBook = SEGMENTS  # the book that writes and opens shared-memory segments
+
+
+NO_HOOKS = TestHooks()
+
+
 class Worked(NamedTuple):
     """What :meth:`Resolving._call` worked out for one set of options on one group, and what it was worked out
     for: kept while those are still the ones a call has (``registry``: the serializer registry's version)."""
@@ -35,7 +50,6 @@ class Worked(NamedTuple):
     registry: int
     group: Any  # a weak reference to the group (or _no_group)
     device: Any
-    segments: SegmentBook
     serializer: SerializerProtocol
     wire: Optional[Tuple[Any, ...]]  # the wire's fields less its group
 
@@ -43,15 +57,13 @@ class Worked(NamedTuple):
 class Held(NamedTuple):
     """What a communicator's calls without per-call options use (:meth:`Resolving._defaults`): the stamp it
     was worked out under (the process-wide settings, the registry's version, the group, this communicator's
-    device, segment book and host override), then the call's options, serializer, wire less its group and
+    device), then the call's options, serializer, wire less its group and
     express path (``_UNBUILT``, ``_NEXT``, None or an :class:`Express`)."""
 
     settings: Any
     registry: int
     group: Any  # a weak reference to the group
     device: Any
-    segments: SegmentBook
-    separate_hosts: Optional[bool]
     options: CallOptions
     serializer: SerializerProtocol
     wire: Tuple[Any, ...]
@@ -70,8 +82,7 @@ class Resolving:
     serializer: Optional[SerializerLike]
     device: Device
     _given: Dict[str, Any]
-    _separate_hosts: Optional[bool]
-    _segments: SegmentBook
+    _hooks: TestHooks  # fixed for the communicator's life: nothing kept below depends on them changing
     _calls: Dict[int, Worked]
     _held: Optional[Held]
 
@@ -93,10 +104,11 @@ class Resolving:
 
     def _resolved(self, kwargs: Mapping[str, Any]) -> Call:
         """:meth:`_call` by resolving ``kwargs``. What follows from the options (the serializer object, the
-        wire less its group) is kept per options object, as long as the registry, the group, the device and
-        the segment book are the ones it was worked out for; the group is held weakly, so that the default
+        wire less its group) is kept per options object, as long as the registry, the group and the device are
+        the ones it was worked out for; the group is held weakly, so that the default
         group can go when it is destroyed."""
-        layer = self._given if self._separate_hosts is None else {**self._given, "separate_hosts": self._separate_hosts}
+        separate = self._hooks.separate_hosts
+        layer = self._given if separate is None else {**self._given, "separate_hosts": separate}
         options = resolve(kwargs, layer)
         group = self._group()
         found = self._calls.get(id(options))
@@ -106,7 +118,6 @@ class Resolving:
             or found.registry != registry.version
             or found.group() is not group
             or found.device is not self.device
-            or found.segments is not self._segments
         ):
             found = self._remember(options, group)
         wire = None if group is None or found.wire is None else _new(Wire, (group, *found.wire))
@@ -120,9 +131,7 @@ class Resolving:
             held = _no_group if group is None else weakref.ref(group)
         except TypeError:
             held = None
-        found = Worked(
-            options, version, held, self.device, self._segments, serializer, None if wire is None else tuple(wire)[1:]
-        )
+        found = Worked(options, version, held, self.device, serializer, None if wire is None else tuple(wire)[1:])
         if held is not None:
             if len(self._calls) >= WIRES_KEPT:
                 self._calls.clear()
@@ -143,8 +152,6 @@ class Resolving:
             and held.registry == registry.version
             and held.group() is group
             and held.device is self.device
-            and held.segments is self._segments
-            and held.separate_hosts is self._separate_hosts
         ):
             return held
         stamp = (settings_state(), registry.version)  # before the work: a change meanwhile makes it stale
@@ -152,15 +159,7 @@ class Resolving:
         assert call.wire is not None
         try:
             held = Held(
-                *stamp,
-                weakref.ref(group),
-                self.device,
-                self._segments,
-                self._separate_hosts,
-                call.options,
-                call.serializer,
-                tuple(call.wire)[1:],
-                _UNBUILT,
+                *stamp, weakref.ref(group), self.device, call.options, call.serializer, tuple(call.wire)[1:], _UNBUILT
             )
         except TypeError:
             return None
@@ -197,7 +196,7 @@ class Resolving:
 
     def _wire(self, options: CallOptions) -> Optional[Wire]:
         group = self._group()
-        return None if group is None else wire_for(group, self.device, options, self._segments)
+        return None if group is None else wire_for(group, self.device, options, self._hooks.segments)
 
     @staticmethod
     def _group_rank(wire: Wire, global_rank: Any, what: str) -> int:

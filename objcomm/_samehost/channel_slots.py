@@ -6,10 +6,10 @@ of a group runs on this host, the slots of ``all_gather``/``gather``, ``broadcas
 ``all_to_all`` (and of the reductions, which end in one of these), and those of ``send``/``recv``
 (``isend``/``irecv``, any source, tags), move through a :class:`objcomm._samehost.channel.LocalChannel` and never
 touch the group's backend. A slot that holds a whole frame and nothing after it travels trimmed after
-the frame, and is read as the whole slot on arrival (:func:`trimmed`; ``docs/wire-format.md`` section 7): the
-zeros of a 4 KiB slot were most of what a small call allocated, copied and moved. After round 1 the
-collectives' votes and control words go through the channel too; a send/recv's answer and, below the
-shared-memory threshold, its second round go through it as well (:class:`ChannelRoute`,
+the frame, and is read as the whole slot on arrival (:func:`objcomm._samehost.channel_checks.trimmed`;
+``docs/wire-format.md`` section 7): the zeros of a 4 KiB slot were most of what a small call allocated, copied and
+moved. After round 1 the collectives' votes and control words go through the channel too; a send/recv's answer
+and, below the shared-memory threshold, its second round go through it as well (:class:`ChannelRoute`,
 :mod:`objcomm._samehost.channel_rounds`); shared memory and the group move the rest as before, and every
 failure is unchanged: a slot carries an error report as before, and a dead peer or a wait past the group's
 timeout raises :class:`~objcomm.CommunicationError` (a failed collective closes the channel, so the
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import struct
 import threading
 import weakref
@@ -62,10 +61,11 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 from objcomm import _state
 from objcomm._device import timeout_seconds
 from objcomm._errors import CommunicationError
-from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
+from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
 from objcomm._samehost import channel as _channel
 from objcomm._samehost import channel_rounds as _channel_rounds
+from objcomm._samehost.channel_checks import _checked, _trim, agree_on, echo
 from objcomm._samehost.inbox import ANSWER, REST
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._transport import groups as _groups
@@ -391,90 +391,6 @@ def _control_group(group: Any) -> Any:
     return control
 
 
-def echo(channel: _channel.LocalChannel, seen: bytes, spin: Optional[float], op: str, what: str) -> None:
-    """Check that every rank saw ``seen`` (one channel hop: a 16-byte digest each); else fail the channel, so that
-    every rank raises rather than act on different views. A digest, not the bytes: cheap at any size, and 128 bits,
-    beyond a lying rank's reach for two messages with one digest.
-
-    Then a second hop, :data:`PASSED` from every rank: a rank acts only once every other one found the digests
-    alike. A lying rank can send its digest right to one rank and wrong to another; the one that finds it wrong
-    fails the channel instead of passing, and every rank waiting for its pass reads that at once, rather than go on
-    alone into the group's backend (where the others would not join it, and a reopen would meet it)."""
-    digest = hashlib.blake2b(seen, digest_size=16).digest()
-    for r, theirs in enumerate(channel.echo(digest, spin)):
-        if theirs != digest:
-            channel.fail(
-                op,
-                f"rank {r} read other {what} than rank {channel.rank} did in this {op}: a rank told "
-                "different ranks different things, or the ranks are at different calls",
-            )
-    for r, theirs in enumerate(channel.echo(PASSED, spin)):
-        if theirs != PASSED:
-            channel.fail(
-                op, f"rank {r} sent {len(theirs)} bytes where its pass of the {what} check was due: a protocol error"
-            )
-
-
-def agree_on(channel: _channel.LocalChannel, spin: Optional[float], infos: Sequence[SlotInfo], op: str) -> None:
-    """:func:`echo` of everything round 1 said that a decision reads: the words, and a frame the slot carried (its
-    tensor table decides refusals and the second round's route)."""
-    view = [
-        (
-            i.length,
-            i.error,
-            i.round2,
-            i.limit,
-            i.total,
-            i.sizes,
-            None if i.inline is None else hashlib.blake2b(i.inline, digest_size=16).digest(),
-        )
-        for i in infos
-    ]
-    echo(channel, repr(view).encode(), spin, op, "round-1 slots")
-
-
-PASSED = b"\x01"  # what every rank echoes once it found every rank's digest alike (echo)
-
-
 @functools.lru_cache(maxsize=16)
 def _words(count: int) -> struct.Struct:
     return struct.Struct(f"<{count}q")
-
-
-def trimmed(slot: Slot, size: int) -> bool:
-    """Whether ``slot``, a message of the channel, is a slot of ``size`` bytes trimmed after its frame: shorter,
-    and exactly a prefix without flag bits and the frame it announces. Such a slot holds nothing after its
-    frame but zeros, which nobody reads: they stay behind (:func:`_trim`; :func:`objcomm._format.frame.small_slot`).
-    """
-    n = len(slot)
-    return SLOT_PREFIX_BYTES <= n < size and _FRAME_LENGTH.unpack_from(slot)[0] == n - SLOT_PREFIX_BYTES
-
-
-def _trim(slot: Slot) -> Slot:
-    """``slot`` without the zeros after its frame, where it holds a whole frame and nothing else (no flag bits:
-    not an error report, no sizes listed after the frame, no second round); else ``slot`` itself."""
-    end = SLOT_PREFIX_BYTES + _FRAME_LENGTH.unpack_from(slot)[0]  # flag bits make it far too large
-    return memoryview(slot)[:end] if end < len(slot) else slot
-
-
-_FRAME_LENGTH = struct.Struct("<Q")  # a slot's first word: its frame's length, and flag bits above it
-
-
-def _checked(
-    wire: Wire, channel: _channel.LocalChannel, slots: Sequence[Slot], op: str, mine: Optional[Slot] = None
-) -> List[Slot]:
-    """``slots``, each ``wire.slot`` bytes long or :func:`trimmed` (which :func:`objcomm._format.slot.read_slot`
-    reads as the whole slot: a prefix without flag bits and its frame), ``mine``, when given, in this rank's
-    place; else ranks disagree on ``slot_bytes`` (the backend would fail too): the channel fails, so that the
-    others raise as well."""
-    whole = list(slots)
-    if mine is not None:
-        whole[wire.rank] = mine
-    for slot in whole:
-        if len(slot) != wire.slot and not trimmed(slot, wire.slot):
-            channel.fail(
-                op,
-                f"rank {wire.rank} received a {len(slot):,}-byte slot but uses "
-                f"slot_bytes={wire.slot:,}; every rank of a group must use the same slot_bytes",
-            )
-    return whole

@@ -10,7 +10,8 @@ views, no copy) when ``zero_copy`` is on and every rank shares one pid namespace
 
 1. every rank announces, in one ``all_gather`` of ``1 + W`` int64s, the sequence number of what it
    wrote (0: it sends nothing more; -1: it could not write, e.g. no space) and, per part, where it
-   is (:func:`_where`: the descriptor of a sealed segment, or minus the identity of a file);
+   is (:func:`~objcomm._samehost.shm_parts._where`: the descriptor of a sealed segment, or minus the identity of
+   a file);
 2. receivers map the sealed segments they need (:func:`objcomm._samehost.sealed.map_sealed`), or read the
    files into fresh memory (:func:`objcomm._samehost.segments.read_segment`, ``pread``, no mapping);
 3. one ``all_reduce`` says whether every reader is done, one could not read, or one refused a segment;
@@ -29,6 +30,8 @@ method, :meth:`SharedMemory.hosts_for`, decides whether a call may use it (CPU, 
 host). Segment files themselves (how they are written, checked and read, their names, and
 :func:`~objcomm._samehost.segments.sweep`, which removes those of dead writers) are :mod:`objcomm._samehost.segments`;
 the bookkeeping of those a process wrote is a :class:`~objcomm._samehost.segments.SegmentBook` it is given.
+What a call writes and how it is read back are :mod:`objcomm._samehost.shm_parts`; the words and answer of a
+send/recv, :mod:`objcomm._samehost.shm_p2p`.
 This module unlinks what it wrote in a ``finally`` (exceptions, KeyboardInterrupt), and sweeps when
 a rank fails mid-call and at every discovery (the start of the next job).
 
@@ -39,19 +42,18 @@ they keep the normal transport; send/recv use it whenever the two ranks share a 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Callable, Dict, List, Optional, Sequence, TypeVar, Union
 
 import torch
-import torch.distributed as dist
 
 from objcomm import _state
 from objcomm._errors import CommunicationError
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
 from objcomm._samehost import hosts as _hosts
-from objcomm._samehost.sealed import Sealed, SealedSegment, Unopenable, map_sealed
+from objcomm._samehost import shm_p2p as _shm_p2p
+from objcomm._samehost.sealed import Sealed, SealedSegment, Unopenable
 from objcomm._samehost.segments import (
     DEFAULT_DIRECTORY,
     SEGMENTS,
@@ -62,9 +64,9 @@ from objcomm._samehost.segments import (
     _Segment,
     _this_host,
     _Writer,
-    read_segment,
     sweep,
 )
+from objcomm._samehost.shm_parts import Part, Source, SourceOf, _own, _part, _read_every_rank, _where, fetch
 from objcomm._settings import DEFAULT_SHM_THRESHOLD
 from objcomm._transport import routes
 from objcomm._transport.base import NOT_USED, NotUsed, Route, Wire, all_gather_single, guarded, largest_of
@@ -72,15 +74,10 @@ from objcomm._transport.base import NOT_USED, NotUsed, Route, Wire, all_gather_s
 log = logging.getLogger("objcomm")
 
 DEFAULT_THRESHOLD = DEFAULT_SHM_THRESHOLD
-Source = Union[SegmentFile, Sealed]  # a segment file's path and identity, or where a sealed segment is
-SourceOf = Callable[[int, int], Source]  # (writer's group rank, part) -> where that segment is
 T = TypeVar("T")
-Part = Tuple[Optional[Sequence[Any]], Sequence[torch.Tensor]]  # a frame's parts (None: round 1 carried it), tensors
 
 _READ, _FELL_BACK, _REFUSED = 0, 1, 2  # what a reader reports after step 2; the largest wins
-_P2P = 6  # seq (or -1), pid, token, host key, pid namespace, where (see _where)
 _COLLECTIVES = -1  # the key under which a group remembers that its collectives cannot use sealed segments
-_SENT, _OTHER_HOST, _RESEND, _REFUSED_P2P, _UNOPENABLE = 0, 1, 2, 3, 4  # the receiver's answer
 
 
 @dataclass(frozen=True)
@@ -350,48 +347,9 @@ class SharedMemory:
         concurrent sends under one tag then never take each other's), else through the group."""
         if not self.worth(wire, outgoing_second_round_bytes(out, wire.inline_capacity), op):
             return False
-        facts = _state.group_facts(wire.group)
-        sealed = self.zero_copy and (dst, self.separate) not in facts.unsealed
-        segment: Optional[Union[_Segment, SealedSegment]] = None
-        seq, where = -1, 0
-        try:
-            if (dst, self.separate) in facts.remote_peers:
-                log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
-            else:
-                try:
-                    seq = self.book.next_seq()
-                    part = _part(out, out.frame_nbytes <= wire.inline_capacity)
-                    if sealed:
-                        segment = self.book.create_sealed(*part)
-                    else:
-                        segment = self.book.create(_name(self.directory, _me(self.book.token), seq, 0), *part)
-                    where = _where(segment)
-                except OSError as exc:
-                    log.debug("objcomm shm: %s could not write shared memory (%s); normal transport", op, exc)
-                    seq = -1
-            words = [seq, os.getpid(), self.book.token, _hosts.host_key(self.separate), _hosts.pid_namespace(), where]
-            if route is not None:
-                route.send_words(wire, words, dst, message)
-            else:
-                status = torch.tensor(words, dtype=torch.int64)
-                guarded(op, wire, dist.send, status, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
-            if seq < 0:
-                return False
-            if route is not None:
-                reply = route.answer_of(wire, dst, message, op)
-            else:
-                answer = torch.empty(1, dtype=torch.int64)
-                guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
-                reply = int(answer.item())
-            if reply == _OTHER_HOST:
-                facts.remote_peers.add((dst, self.separate))
-                log.debug("objcomm shm: %s to rank %d crosses hosts; normal transport", op, dst)
-            elif reply == _UNOPENABLE:  # the receiver cannot open sealed segments: files from now on
-                facts.unsealed.add((dst, self.separate))
-            return reply in (_SENT, _REFUSED_P2P)  # a refusing receiver raises; it expects nothing more
-        finally:
-            if segment is not None:
-                segment.release()
+        return _shm_p2p.send(
+            self.book, self.directory, self.separate, self.zero_copy, wire, out, dst, op, route, message
+        )
 
     def recv(
         self,
@@ -407,90 +365,4 @@ class SharedMemory:
         status and answer through ``route``, as in :meth:`send`)."""
         if not self.worth(wire, info.second_round_bytes, op):
             return NOT_USED
-        if route is not None:
-            seq, pid, token, key, namespace, where = route.recv_words(wire, _P2P, src, message, op)
-        else:
-            status = torch.empty(_P2P, dtype=torch.int64)
-            guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
-            seq, pid, token, key, namespace, where = status.tolist()
-        if seq < 0:
-            return NOT_USED
-        answer, failure = _OTHER_HOST, None
-        result: Union[Incoming, NotUsed] = NOT_USED
-        if key == _hosts.host_key(self.separate):
-            source: Source = SegmentFile(
-                _name(self.directory, _Writer(_this_host(), namespace, token, pid), seq, 0), -where
-            )
-            if where > 0:  # opened through /proc/<pid>: in another pid namespace that pid names nothing (-1)
-                source = Sealed(pid if namespace == _hosts.pid_namespace() != 0 else -1, where)
-            try:
-                result, answer = fetch(source, info.second_round_bytes, info.inline, info.length, sizes_of), _SENT
-            except Unopenable as exc:
-                log.debug("objcomm shm: %s could not open a sealed segment (%s); normal transport", op, exc)
-                answer = _UNOPENABLE
-            except OSError as exc:
-                log.debug("objcomm shm: %s could not read shared memory (%s); normal transport", op, exc)
-                answer = _RESEND
-            except Exception as exc:  # a refused segment: raised once the sender knows not to send it again
-                answer, failure = _REFUSED_P2P, exc
-        else:
-            log.debug("objcomm shm: %s from rank %d crosses hosts; normal transport", op, src)
-        if route is not None:
-            route.answer(wire, src, message, answer)
-        else:
-            reply = torch.tensor([answer], dtype=torch.int64)
-            guarded(op, wire, dist.send, reply, dst=wire.ranks[src], group=wire.group, tag=wire.answer_tag)
-        if failure is not None:
-            raise failure
-        return result
-
-
-def _where(segment: Union[_Segment, SealedSegment]) -> int:
-    """The control word that says where a segment is: the descriptor of a sealed one (> 0), or minus the
-    identity of a file (< 0; :func:`objcomm._samehost.segments.identity`), which readers check the file they open
-    against."""
-    return segment.fd if isinstance(segment, SealedSegment) else -segment.identity
-
-
-def _part(out: Optional[Outgoing], frame_inline: bool) -> Part:
-    assert out is not None
-    return (None if frame_inline else out.parts), out.tensors  # written part by part: never joined for this
-
-
-def _own(out: Outgoing, copy: bool) -> Incoming:
-    return Incoming(out.frame, [t.to("cpu", copy=copy) for t in out.tensors])
-
-
-def _read_every_rank(
-    infos: Sequence[SlotInfo],
-    moved: Sequence[int],
-    me: int,
-    out: Outgoing,
-    sizes_of: SizesOf,
-    source_of: SourceOf,
-    copy_own: bool,
-    part: int = 0,
-) -> List[Incoming]:
-    """Each rank's ``part``: a segment for those that wrote one, else what round 1 carried, and this rank's
-    own. ``copy_own``: its own must not alias its input; when it wrote a sealed segment, that is its copy
-    (mapped: no copy either)."""
-    incoming: List[Incoming] = []
-    try:
-        for r, info in enumerate(infos):
-            if r == me and not (copy_own and moved[r] and isinstance(source_of(r, part), Sealed)):
-                incoming.append(_own(out, copy=copy_own))
-            elif moved[r]:
-                incoming.append(fetch(source_of(r, part), moved[r], info.inline, info.length, sizes_of))
-            else:
-                incoming.append(Incoming(info.inline))  # type: ignore[arg-type]  # nothing moved: the frame came inline
-    except BaseException:
-        incoming.clear()  # the traceback keeps this frame: what was mapped must not live as long as the error
-        raise
-    return incoming
-
-
-def fetch(source: Source, size: int, inline: Optional[memoryview], length: int, sizes_of: SizesOf) -> Incoming:
-    """A writer's segment: mapped when sealed (views, no copy), else read into fresh memory."""
-    if isinstance(source, Sealed):
-        return map_sealed(source, size, inline, length, sizes_of)
-    return read_segment(source.path, size, inline, length, sizes_of, expected=source.identity)
+        return _shm_p2p.recv(self.directory, self.separate, wire, info, sizes_of, src, op, route, message)

@@ -12,7 +12,7 @@ votes of their calls and their second rounds move in three steps instead of one 
    calls, on one rank per host;
 3. each leader hands what its host needs to its ranks through the channel. What decides the call (round 1's
    slots, a vote's answer) the host's ranks check, in one more hop of the channel, against what their leader read
-   (:func:`objcomm._samehost.channel_slots.agree_on`), so that a leader cannot send its ranks down different
+   (:func:`objcomm._samehost.channel_checks.agree_on`), so that a leader cannot send its ranks down different
    routes. The bytes of a second round are not checked (a digest of gigabytes would cost more than moving them):
    a host's ranks trust their leader with other hosts' objects, as flat ranks trust gloo's forwarding; a lying
    leader can change what its own host's ranks receive, not what other hosts do (docs/security.md).
@@ -51,7 +51,8 @@ from objcomm._errors import CommunicationError
 from objcomm._format.slot import SlotInfo
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.channel import LocalChannel
-from objcomm._samehost.channel_slots import SameHostSlots, agree_on, echo
+from objcomm._samehost.channel_checks import agree_on, echo
+from objcomm._samehost.channel_slots import SameHostSlots
 from objcomm._samehost.two_level_moves import Here, Levels, all_gather_fixed, gather_fixed, largest_in_levels, relay
 from objcomm._transport import groups as _groups
 from objcomm._transport import routes

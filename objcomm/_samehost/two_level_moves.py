@@ -19,8 +19,8 @@ import torch.distributed as dist
 from objcomm._errors import CommunicationError, FrameError
 from objcomm._format.slot import read_slot
 from objcomm._samehost.channel import LocalChannel
+from objcomm._samehost.channel_checks import echo
 from objcomm._samehost.channel_rounds import CHUNK, all_received, checked, chunks
-from objcomm._samehost.channel_slots import echo
 from objcomm._samehost.inbox import REST
 from objcomm._samehost.sealed import Sealed, map_parts, write_sealed
 from objcomm._transport.base import Slot, Wire, all_gather_single, guarded, largest_of

@@ -8,9 +8,9 @@ One place owns how ranks on 127.0.0.1 are started and stopped:
   applied from interpreter start (OMP_NUM_THREADS etc. must be in place before torch loads) and
   optionally its stdout/stderr on a file descriptor; it waits for messages or deaths, and reaps:
   SIGTERM, then SIGKILL of the ranks and anything they started, then join;
-- on the rank side, :func:`die_with_parent` (PR_SET_PDEATHSIG and a watcher thread) ends a rank
-  whose parent died even by SIGKILL, :func:`join_group` joins the process group over the store,
-  and :func:`exit_now` leaves without torch's slow interpreter teardown;
+- on the rank side (:mod:`objcomm._tools.rank_side`), :func:`die_with_parent` (PR_SET_PDEATHSIG and
+  a watcher thread) ends a rank whose parent died even by SIGKILL, :func:`join_group` joins the
+  process group over the store, and :func:`exit_now` leaves without torch's slow interpreter teardown;
 - :func:`run_local` runs one task on W fresh ranks and returns rank 0's result.
 
 Why not torch's own engine (``torch.distributed.launcher.api.elastic_launch``, what torchrun
@@ -27,14 +27,12 @@ and cannot keep a pool of live ranks for the tests; so objcomm keeps this small 
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -43,8 +41,8 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from objcomm._errors import ObjcommError
+from objcomm._tools.rank_side import HOST, die_with_parent, flush_stdio, join_group, send
 
-HOST = "127.0.0.1"
 Env = Mapping[str, Optional[str]]  # a value None unsets the variable
 Task = Callable[[Any, Callable[[Any], None]], Any]
 OnMessage = Callable[[Any], None]
@@ -68,13 +66,8 @@ def master_store(world_size: int, timeout_s: float) -> Any:
     import torch.distributed as dist
 
     # torch.distributed imports TCPStore from torch._C without re-exporting it, so its stubs hide it
-    store = dist.TCPStore(
-        HOST,
-        0,
-        world_size,
-        is_master=True,
-        wait_for_workers=False,  # type: ignore[attr-defined]
-        timeout=timedelta(seconds=timeout_s),
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
     )
     if int(store.port) <= 0:
         raise LaunchError(f"TCPStore on port 0 reported port {store.port}")
@@ -280,85 +273,6 @@ def terminate_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-# -- rank side -------------------------------------------------------------------------------
-def die_with_parent(parent_pid: int, pdeathsig: bool = True) -> None:
-    """Exit when the parent dies, even by SIGKILL: the kernel's death signal, and a watcher thread.
-
-    ``pdeathsig`` only if the parent started us from its main thread: the kernel's signal fires
-    when the starting *thread* ends.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it reaps us
-    if pdeathsig and sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except Exception:
-            pass
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(70)
-
-    if os.getppid() != parent_pid:
-        os._exit(70)
-    threading.Thread(target=watch, name="objcomm-watch-parent", daemon=True).start()
-
-
-def join_group(
-    rank: int,
-    world_size: int,
-    port: int,
-    *,
-    backend: str = "gloo",
-    timeout_s: float = 600.0,
-    store_timeout_s: Optional[float] = None,
-) -> None:
-    """Join the process group whose master store listens on ``port``."""
-    import torch
-    import torch.distributed as dist
-
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    # torch.distributed imports TCPStore from torch._C without re-exporting it, so its stubs hide it
-    store = dist.TCPStore(
-        HOST,
-        port,
-        world_size,
-        is_master=False,  # type: ignore[attr-defined]
-        timeout=timedelta(seconds=store_timeout_s or timeout_s),
-    )
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-    )
-
-
-def flush_stdio() -> None:
-    """Flush Python's standard streams (before a fork of fds or an ``os._exit``)."""
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            if stream is not None:
-                stream.flush()
-        except Exception:
-            pass
-
-
-def exit_now(code: int = 0) -> None:
-    """Run the atexit hooks (coverage etc.) and leave, skipping torch's ~0.5 s teardown per rank."""
-    try:
-        atexit._run_exitfuncs()
-    except BaseException:
-        pass
-    flush_stdio()
-    os._exit(code)
-
-
-def send(conn: Any, message: Any) -> None:
-    """Send one pickled message to the parent."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 # -- one task on fresh ranks ------------------------------------------------------------------

@@ -34,35 +34,26 @@ the route then). After round 1 each operation asks the wire's second-round strat
 (:class:`objcomm._transport.base.SecondRound`; shared memory on one host) once whether it takes the rest; when it
 answers ``NOT_USED`` the transport moves it.
 
-This module holds the steps every operation shares, all_gather, gather and send/recv; broadcast is
-:mod:`objcomm._transport.broadcast`, scatter and all_to_all :mod:`objcomm._transport.parts`.
+This module holds the steps every operation shares, all_gather and send/recv; gather is
+:mod:`objcomm._transport.gather`, broadcast :mod:`objcomm._transport.broadcast`, scatter and all_to_all
+:mod:`objcomm._transport.parts`.
 """
 
 from __future__ import annotations
 
-import struct
 from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from objcomm._errors import FrameError, ObjcommError
+from objcomm._errors import FrameError
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
-from objcomm._format.slot import SlotInfo, fill_slot, outgoing_second_round_bytes, read_slot, read_slots
+from objcomm._format.slot import SlotInfo, fill_slot, read_slot, read_slots
 from objcomm._transport import pending as _pending
 from objcomm._transport import routes
-from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Route, Slot, Wire, all_gather_single, guarded, largest_of
-from objcomm._transport.bytes import (
-    Batch,
-    all_gather_rests,
-    host_view,
-    joined,
-    receive_buffer,
-    recv_bytes,
-    to_device,
-    zeroed,
-)
+from objcomm._transport.base import NOT_USED, Route, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.bytes import Batch, all_gather_rests, host_view, receive_buffer, recv_bytes, zeroed
 
 SCRATCH = _limits.SCRATCH_BYTES
 REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
@@ -184,124 +175,6 @@ def _exchange_slots(wire: Wire, out: Outgoing, op: str) -> List[SlotInfo]:
     recv, host = receive_buffer(wire.slot * wire.size, wire)
     guarded(op, wire, all_gather_single, recv, _on_device(wire, raw), group=wire.group)
     return read_slots(host if host is not None else host_view(recv), wire.size, wire.slot)
-
-
-# -- gather ----------------------------------------------------------------------------------
-def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[Sequence[Optional[Incoming]]]:
-    """Every rank's frame and tensors on group rank ``dst``; ``None`` elsewhere, unless some rank failed.
-
-    Round 1 goes through the same-host channel as an all_gather of slots where it carries it (cheap on one host);
-    through the group it is a gather of slots to ``dst``, which then broadcasts one word (:func:`_gather_slots`):
-    go on, or every slot follows to every rank (a failure, an inconsistent slot, a rank over ``dst``'s limit, a
-    same-host medium that may take the rest), so that every rank raises the same error in the same call. The
-    rest goes to ``dst`` point to point, one message per sender at its exact size.
-    """
-    op = "gather"
-    raw = _slot(wire, out)
-    slots = wire.first_round.all_gather(wire, raw, op)
-    if slots is not NOT_USED:
-        infos = [read_slot(memoryview(s)) for s in slots]
-    else:
-        gathered_slots = _gather_slots(wire, raw, sizes_of, dst, op)
-        if gathered_slots is None:  # dst said go: only the rests move (the strategy's, where round 1 went its way)
-            if wire.second_round.gather(wire, out, None, sizes_of, dst, op) is NOT_USED:
-                _send_rest(wire, out, dst, op)
-            return None
-        infos = gathered_slots
-    if not _limits.round_one_ends(infos):
-        wire.first_round.agree(wire, infos, op)
-    plans = _limits.plans(infos, sizes_of, op)
-    if _limits.round_one_ends(infos):  # an error report, or every slot carried its whole message: nothing moves
-        return _round_one(infos)
-    _limits.check_limits(infos, [dst], op)
-    gathered = wire.second_round.gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), dst, op)
-    if gathered is not NOT_USED:
-        return gathered
-    if wire.rank != dst:
-        _send_rest(wire, out, dst, op)
-        return None
-    batch = Batch(wire._replace(tag=INTERNAL_TAG), op)
-    rests = [
-        batch.recv(n, r) if n and r != dst else None for r, n in enumerate(info.second_round_bytes for info in infos)
-    ]
-    batch.wait()
-    return [
-        Incoming(out.frame, [to_device(t, wire) for t in out.tensors])
-        if r == dst
-        else _split_rest(sizes_of, info, plans[r], rests[r], r, op)
-        for r, info in enumerate(infos)
-    ]
-
-
-GO, LOOK = 0, 1  # a gather's word from its destination after round 1
-_WORD = struct.Struct("<q")
-
-
-def _gather_slots(wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: str) -> Optional[List[SlotInfo]]:
-    """Round 1 of a gather through the group: every slot to ``dst``, then ``dst``'s word to every rank (a
-    broadcast on gloo, an all_reduce on NCCL: log W steps either way): :data:`GO` (the slots stay on ``dst``:
-    returned there, None elsewhere) or :data:`LOOK` (``dst`` broadcasts every slot: every rank gets them, as after
-    an all_gather, and raises what the others raise)."""
-    slots = wire.first_round.gather(wire, raw, dst, op)
-    if slots is not NOT_USED:  # the first-round strategy's gather (two levels), then its share of the word and table
-        return _gather_slots_through(wire, slots, sizes_of, dst, op)
-    mine = _on_device(wire, raw)
-    table, host = receive_buffer(wire.slot * wire.size, wire)
-    word = torch.zeros(1, dtype=torch.int64, device=wire.device)
-    infos: List[SlotInfo] = []
-    if wire.rank == dst:
-        guarded(op, wire, dist.gather, mine, list(table.chunk(wire.size)), dst=wire.ranks[dst], group=wire.group)
-        infos = read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
-        word[0] = _verdict(wire, infos, sizes_of, dst, op)
-    else:
-        guarded(op, wire, dist.gather, mine, None, dst=wire.ranks[dst], group=wire.group)
-    if wire.device.type == "cpu":  # gloo: a binomial tree
-        guarded(op, wire, dist.broadcast, word, src=wire.ranks[dst], group=wire.group)
-    else:  # NCCL broadcasts along a ring; its all_reduce of a word takes a tree (every other rank adds 0)
-        guarded(op, wire, dist.all_reduce, word, op=dist.ReduceOp.MAX, group=wire.group)
-    if int(word.item()) == GO:
-        return infos if wire.rank == dst else None
-    guarded(op, wire, dist.broadcast, table, src=wire.ranks[dst], group=wire.group)
-    return read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
-
-
-def _gather_slots_through(
-    wire: Wire, slots: Optional[List[Slot]], sizes_of: SizesOf, dst: int, op: str
-) -> Optional[List[SlotInfo]]:
-    """:func:`_gather_slots` where the first-round strategy gathered the slots (``slots``: on ``dst``): its
-    :meth:`~objcomm._transport.base.FirstRound.share` carries ``dst``'s word, and the table after a failure."""
-    infos = [read_slot(memoryview(s)) for s in slots] if slots is not None else []
-    said = wire.first_round.share(
-        wire, _WORD.pack(_verdict(wire, infos, sizes_of, dst, op)) if wire.rank == dst else None, _WORD.size, dst, op
-    )
-    assert said is not NOT_USED  # the strategy that gathered shares
-    if _WORD.unpack(bytes(said))[0] == GO:
-        return infos if wire.rank == dst else None
-    table = wire.first_round.share(wire, b"".join(slots) if slots else None, wire.slot * wire.size, dst, op)
-    assert table is not NOT_USED
-    return read_slots(memoryview(table), wire.size, wire.slot)
-
-
-def _verdict(wire: Wire, infos: List[SlotInfo], sizes_of: SizesOf, dst: int, op: str) -> int:
-    """:data:`LOOK` where every rank must see the slots: an error report, an inconsistent slot, a rank over
-    ``dst``'s limit, or a rest that a same-host medium may take (it reads every slot); else :data:`GO`."""
-    try:  # (a slot that carries a whole frame may still list sizes its frame lacks: every rank must see that)
-        _limits.plans(infos, sizes_of, op)
-        if _limits.round_one_ends(infos):
-            return LOOK if any(info.error for info in infos) else GO
-        _limits.check_limits(infos, [dst], op)
-    except ObjcommError:
-        return LOOK
-    moved = max(0 if r == dst else info.second_round_bytes for r, info in enumerate(infos))
-    return LOOK if wire.second_round.worth(wire, moved, op) else GO
-
-
-def _send_rest(wire: Wire, out: Outgoing, dst: int, op: str) -> None:
-    """This rank's rest (its frame past the slot, then its tensors) to ``dst``, as one message."""
-    if outgoing_second_round_bytes(out, wire.inline_capacity):
-        batch = Batch(wire._replace(tag=INTERNAL_TAG), op)
-        batch.send(joined(_rest(wire, out), wire), dst)
-        batch.wait()
 
 
 # -- point to point --------------------------------------------------------------------------

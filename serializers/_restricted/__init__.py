@@ -38,7 +38,7 @@ How a hostile payload is kept harmless (``docs/security.md`` states the guarante
 
 This module holds the serializer; ``allowlist.py`` the allow-list and the work budget, ``guards.py`` the
 guards, probes and unpicklers, ``plain_load.py`` the plain load and its backstop, ``scan.py`` and ``plain.py``
-the two walks, ``stdlib.py`` the stdlib constructors.
+the two walks, ``opcode_tables.py`` the full walk's opcode tables, ``stdlib.py`` the stdlib constructors.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ or hashes anything:
 
 :func:`full_walk` runs the same walk in C first (``_pickle_walks_c.c``, where it was built), which
 answers only for payloads of binary opcodes that :func:`full_walk_python` accepts, with the same
-answer, and leaves every other payload to it (tests/test_pickle_scan.py compares the two).
+answer, and leaves every other payload to it (tests/test_pickle_scan.py compares the two). Both read
+the opcode tables of ``opcode_tables.py`` (argument layouts, stack effects), the C walk through ``_c_tables``.
 
 It reports whether the real load needs the probe pass: whether BUILD, APPEND(S), SETITEM(S) or
 ADDITEMS act on a value a call built (see ``_restricted``). For that answer the walk's stack and
@@ -35,10 +36,49 @@ a PUT or MEMOIZE below a mark, a negative memo index, APPENDS into a value below
 
 from __future__ import annotations
 
-import pickletools
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 from serializers._protocol import Buffer
+from serializers._restricted.opcode_tables import (
+    _ADDITEMS,
+    _APPEND,
+    _APPENDS,
+    _ARGUMENTS,
+    _BUILD,
+    _BY_CODE,
+    _DICT,
+    _DUP,
+    _FIXED,
+    _FRAME,
+    _FROZENSET,
+    _GET,
+    _GET_TEXT,
+    _INST,
+    _LIST,
+    _LONG4,
+    _MARK,
+    _MEMOIZE,
+    _NEWOBJ,
+    _NEWOBJ_EX,
+    _OBJ,
+    _POP,
+    _POP_MARK,
+    _PUSH,
+    _PUSH_GLOBAL,
+    _PUT,
+    _PUT_TEXT,
+    _REDUCE,
+    _SETITEM,
+    _SETITEMS,
+    _SIGNED_LENGTHS,
+    _STACK_GLOBAL,
+    _STOP,
+    _STRINGS,
+    _TEXT_NUMBERS,
+    _TUPLE_MARK,
+    _TUPLE_N,
+    _TUPLE_SIZE,
+)
 from serializers._restricted.plain import is_plain
 
 MAX_TEXT_NUMBER = 4400  # chars of a text INT/LONG/FLOAT argument (CPython 3.11 refuses > 4300 digits anyway)
@@ -66,130 +106,13 @@ class ScanResult(NamedTuple):
     data: bytes
 
 
-def _argument_kinds() -> List[Optional[Tuple[int, int]]]:
-    """Per opcode byte: ``(form, size)`` of its argument, from pickletools' table; None: unknown opcode.
-
-    form 0: fixed ``size`` bytes; 1: up to a newline (``size`` lines); 2: a length prefix of ``size``
-    bytes, then that many bytes.
-    """
-    table: List[Optional[Tuple[int, int]]] = [None] * 256
-    prefixed = {
-        pickletools.TAKEN_FROM_ARGUMENT1: 1,
-        pickletools.TAKEN_FROM_ARGUMENT4: 4,
-        pickletools.TAKEN_FROM_ARGUMENT4U: 4,
-        pickletools.TAKEN_FROM_ARGUMENT8U: 8,
-    }
-    for op in pickletools.opcodes:
-        arg = op.arg
-        if arg is None:
-            kind = (0, 0)
-        elif arg.n >= 0:
-            kind = (0, arg.n)
-        elif arg.n == pickletools.UP_TO_NEWLINE:
-            kind = (1, 2 if arg.name == "stringnl_noescape_pair" else 1)
-        else:
-            kind = (2, prefixed[arg.n])
-        table[ord(op.code)] = kind
-    return table
-
-
-_ARGUMENTS = _argument_kinds()
-# Opcodes objcomm never writes and that reach hooks or registries.
-_REFUSED = {"PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER"}
-for _op in pickletools.opcodes:
-    if _op.name in _REFUSED:
-        _ARGUMENTS[ord(_op.code)] = None
-
-# Stack effects, by opcode name.
-(
-    _PUSH,
-    _PUSH_GLOBAL,
-    _STACK_GLOBAL,
-    _MARK,
-    _POP,
-    _POP_MARK,
-    _DUP,
-    _PUT,
-    _MEMOIZE,
-    _GET,
-    _TUPLE_MARK,
-    _TUPLE_N,
-    _LIST,
-    _DICT,
-    _FROZENSET,
-    _APPEND,
-    _APPENDS,
-    _SETITEM,
-    _SETITEMS,
-    _ADDITEMS,
-    _BUILD,
-    _REDUCE,
-    _NEWOBJ,
-    _NEWOBJ_EX,
-    _OBJ,
-    _INST,
-    _NOTHING,
-) = range(27)
-_EFFECTS: Dict[str, int] = {
-    **dict.fromkeys(
-        "INT BININT BININT1 BININT2 LONG LONG1 LONG4 STRING BINSTRING SHORT_BINSTRING BINBYTES SHORT_BINBYTES "
-        "BINBYTES8 BYTEARRAY8 NONE NEWTRUE NEWFALSE UNICODE SHORT_BINUNICODE BINUNICODE BINUNICODE8 FLOAT BINFLOAT "
-        "EMPTY_LIST EMPTY_DICT EMPTY_SET EMPTY_TUPLE".split(),
-        _PUSH,
-    ),
-    "GLOBAL": _PUSH_GLOBAL,
-    "STACK_GLOBAL": _STACK_GLOBAL,
-    "MARK": _MARK,
-    "POP": _POP,
-    "POP_MARK": _POP_MARK,
-    "DUP": _DUP,
-    "PUT": _PUT,
-    "BINPUT": _PUT,
-    "LONG_BINPUT": _PUT,
-    "MEMOIZE": _MEMOIZE,
-    "GET": _GET,
-    "BINGET": _GET,
-    "LONG_BINGET": _GET,
-    "TUPLE": _TUPLE_MARK,
-    "TUPLE1": _TUPLE_N,
-    "TUPLE2": _TUPLE_N,
-    "TUPLE3": _TUPLE_N,
-    "LIST": _LIST,
-    "DICT": _DICT,
-    "FROZENSET": _FROZENSET,
-    "APPEND": _APPEND,
-    "APPENDS": _APPENDS,
-    "SETITEM": _SETITEM,
-    "SETITEMS": _SETITEMS,
-    "ADDITEMS": _ADDITEMS,
-    "BUILD": _BUILD,
-    "REDUCE": _REDUCE,
-    "NEWOBJ": _NEWOBJ,
-    "NEWOBJ_EX": _NEWOBJ_EX,
-    "OBJ": _OBJ,
-    "INST": _INST,
-    "PROTO": _NOTHING,
-    "FRAME": _NOTHING,
-    "STOP": _NOTHING,
-}
-_BY_CODE: List[int] = [_NOTHING] * 256
-for _op in pickletools.opcodes:
-    _BY_CODE[ord(_op.code)] = _EFFECTS.get(_op.name, _NOTHING)
-_TUPLE_SIZE = {ord("\x85"): 1, ord("\x86"): 2, ord("\x87"): 3}
-_PUT_TEXT, _GET_TEXT = ord("p"), ord("g")
-_FIXED = [kind[1] if kind is not None and kind[0] == 0 else -1 for kind in _ARGUMENTS]  # fixed argument widths
-_STOP, _FRAME = ord("."), 0x95
 _PUSHED = [_PLAIN] * 256  # the summary each push opcode pushes (but for LONG4 and long strings)
 _PUSHED[ord("]")], _PUSHED[ord("}")], _PUSHED[0x8F] = _LIST_VALUE, _DICT_VALUE, _SET_VALUE
 _BUILD_TARGET = -1  # no target kind takes BUILD without the probe pass
-_TEXT_NUMBERS = {ord("I"), ord("L"), ord("F"), ord("p"), ord("g")}
-_LONG4 = 0x8B
 # str and bytes cache their hash, but a key or member equal to one already in a dict or set and
 # not the same object is compared byte by byte, and the memo (or DUP) lets a payload use one long
 # string as a key many times for a few bytes each: such a use costs 1 per COMPARED_BYTES bytes.
-_STRINGS = frozenset(b"\x8cX\x8dCB\x8eUTSV")  # SHORT_BINUNICODE .. UNICODE; not BYTEARRAY8 (unhashable)
 COMPARED_BYTES = 64
-_SIGNED_LENGTHS = {_LONG4, 0x54}  # LONG4, BINSTRING
 
 
 class ScanError(ValueError):
