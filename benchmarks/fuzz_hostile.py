@@ -3,7 +3,7 @@
     python benchmarks/fuzz_hostile.py --scale 20          # about 440,000 generated inputs
     python benchmarks/fuzz_hostile.py --amplification     # memory and time per input byte, worst cases
 
-The fuzz tests (tests/test_adversarial_*.py -k fuzz) decode restricted-pickle opcode programs
+The fuzz tests (tests/*/test_adversarial_*.py -k fuzz) decode restricted-pickle opcode programs
 built from the allowed globals, nested msgpack extension trees, and frames, slots and error
 reports with lying fields, each in a child process with its address space capped. In CI they run
 22,000 inputs; ``--scale N`` multiplies that through ``OBJCOMM_FUZZ_SCALE``.
@@ -11,7 +11,7 @@ reports with lying fields, each in a child process with its address space capped
 ``--amplification`` decodes one-megabyte payloads built to maximise memory per input byte (empty
 containers) and reports peak traced memory and decode time per byte for each safe serializer: the
 constants docs/security.md quotes. Then, for every constructor restricted-pickle allows, the worst of
-its hostile cases (tests/test_restricted_constructor_work.py: one argument memoized, the constructor
+its hostile cases (tests/serializing/test_restricted_constructor_work.py: one argument memoized, the constructor
 called on it five bytes a call; and what it built used as set members, as often as the walk lets
 through): peak memory (traced, or RSS growth where larger) and decode CPU per input byte (~5 minutes).
 """
@@ -102,8 +102,8 @@ def fuzz(scale: int) -> int:
         "fuzz",
         "-o",
         f"timeout={300 * scale}",
-        "tests/test_adversarial_serializers.py",
-        "tests/test_adversarial_wire.py",
+        "tests/serializing/test_adversarial_serializers.py",
+        "tests/format/test_adversarial_wire.py",
     ]
     print("running:", f"OBJCOMM_FUZZ_SCALE={scale}", " ".join(command[1:]), flush=True)
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 /* serializer="auto"'s look at an object, in C: whether msgspec (decoding into Any) gives it back exactly.
  *
- * The same answer as serializers._exact_tree.carried_exactly_python for every object (tests/test_exact_tree.py
+ * The same answer as serializers._exact_tree.carried_exactly_python for every object (tests/serializing/test_exact_tree.py
  * compares the two): read that module's docstring for the rules. It stops at the first value that does not
  * qualify, and only reads the object: the GIL is held throughout and nothing it calls runs Python code or makes
  * an object the garbage collector tracks (a collection could run a finalizer that changes the object under the

@@ -1,7 +1,7 @@
 """Random, mutated and hand-made pickles for the differential tests of restricted-pickle's walks.
 
-``tests/test_pickle_plain.py`` and ``tests/test_pickle_scan.py`` feed them to the C and the Python
-implementation of a walk and compare the answers.
+``tests/serializing/test_pickle_plain.py`` and ``tests/serializing/test_pickle_scan.py`` feed them to the C and the
+Python implementation of a walk and compare the answers.
 """
 
 from __future__ import annotations

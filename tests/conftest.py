@@ -9,7 +9,12 @@ import tempfile
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# The shared helpers (_ranks, _child, ...) live here; tests live in folders that mirror the package's layers
+# (api/, format/, transport/, samehost/, serializing/, tools/) and a few import each other's scenarios by module
+# name, as the rank pool's workers do (they get this process's sys.path): every folder goes on the path.
+_FOLDERS = ("api", "format", "transport", "samehost", "serializing", "tools")
+sys.path[:0] = [_HERE, *(os.path.join(_HERE, folder) for folder in _FOLDERS)]
 
 from _ranks import close_all_pools, get_pool  # noqa: E402
 

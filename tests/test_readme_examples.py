@@ -240,7 +240,7 @@ CUSTOM = Page(
             "the protocol's two signatures, not code"
         ),
         "from objcomm import serializers": "needs the examples/custom_serializer package installed; "
-        "tests/test_launch.py::test_custom_serializer_package_is_found_through_its_entry_point runs it so",
+        "tests/tools/test_launch.py::test_custom_serializer_package_is_found_through_its_entry_point runs it so",
     },
     expect={
         "import pickle": {'objcomm.all_gather(big_dict, serializer="zlib-pickle") == [big_dict]': True},
@@ -539,7 +539,7 @@ def test_which_failures_reach_every_rank_is_what_the_example_prints(pair, local)
 def test_a_rank_that_dies_makes_the_others_raise_communication_error_at_once(local):
     """docs/security.md: a rank that dies -> CommunicationError as soon as its connection closes, not at the
     timeout (60 s here). A rank that never calls:
-    tests/test_failures.py::test_missing_rank_ends_in_an_error_within_the_group_timeout."""
+    tests/api/test_failures.py::test_missing_rank_ends_in_an_error_within_the_group_timeout."""
     got, victim_exit = run_group_losing_a_rank(functools.partial(_dies_mid_job, local), 2, 1, timeout=120)
     assert victim_exit == -signal.SIGKILL
     kind, seconds = got[0]

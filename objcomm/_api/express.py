@@ -13,8 +13,8 @@ and does the rest per call.
 
 What a peer receives is the general path's slot, byte for byte, less the zeros after the frame
 (:func:`objcomm._format.plain_slot.small_slot`; a receiver on either path reads such a *trimmed* slot as the
-whole one, :func:`objcomm._samehost.channel_checks.trimmed`; pinned by ``tests/test_express.py``): a 4 KiB slot for a
-100-byte frame was most of the bytes a small message allocated, copied and moved. A receiver checks
+whole one, :func:`objcomm._samehost.channel_checks.trimmed`; pinned by ``tests/api/test_express.py``): a 4 KiB
+slot for a 100-byte frame was most of the bytes a small message allocated, copied and moved. A receiver checks
 what the general path checks, then decodes as it does: a plain frame of this rank's own serializer
 with that serializer itself where the registry gives it for its name (under ``"auto"``: of any serializer it
 may choose; :func:`_decoders`, worked out once per registry version; :func:`objcomm._format.plain_slot.plain_named`),

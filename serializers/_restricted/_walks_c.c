@@ -22,7 +22,7 @@ little_endian(const unsigned char *p, int width)
 
 /* ---- The fast walk of serializers._restricted.plain, in C: whether a pickle holds nothing but plain data.
  *
- * The same answer as serializers._restricted.plain.is_plain_python for every input (tests/test_pickle_plain.py
+ * The same answer as serializers._restricted.plain.is_plain_python for every input (tests/serializing/test_pickle_plain.py
  * compares the two on random, mutated and edge-case pickles), an opcode at a time instead of a
  * regular expression: read that module's docstring for the rules and why they suffice. In short,
  * a payload is plain when it reaches STOP through these opcodes only:
@@ -212,7 +212,7 @@ is_plain(PyObject *module, PyObject *raw)
  * it would refuse the payload, or where the payload holds an opcode this walk leaves to it (text
  * opcodes: GLOBAL, INST, PUT, GET, INT, LONG, FLOAT, STRING, UNICODE). The caller then runs the
  * Python walk, which decides and words the refusal. So this walk only ever speeds up payloads the
- * Python walk accepts; tests/test_pickle_scan.py compares the two on random and mutated pickles.
+ * Python walk accepts; tests/serializing/test_pickle_scan.py compares the two on random and mutated pickles.
  *
  * It runs pickle's stack machine on summaries of the values, as the Python walk does (its module
  * docstring explains the rules): a tag (plain value, global, a call's arguments holding a global,

@@ -31,7 +31,7 @@ SEALED, MAPPING, SEQUENCE, USER = "sealed", "mapping", "sequence", "user"
 # The work constructors may do, in units per payload byte. A unit is about one byte copied, eight
 # bytes of memory built or 20 ns of CPU (a tuple element hashed: 8), so what constructors build stays
 # within 256 bytes and a few µs per payload byte (the bounds docs/security.md states and
-# tests/test_restricted_constructor_work.py enforces for every constructor below).
+# tests/serializing/test_restricted_constructor_work.py enforces for every constructor below).
 WORK_PER_BYTE = 32
 _WORK_FLOOR = 1 << 20
 _MEMORY_SHIFT = 3  # a call is charged the size of what it returns, at a unit per 8 bytes
@@ -65,7 +65,8 @@ def _torch_device(kind: Any, index: Any = None) -> Any:
 
 # (module, name) -> (call, NEWOBJ, kind of the result, the real class for defaultdict factories,
 # units: what each call is charged besides the size of its result and what the constructor charges
-# itself; its CPU at the least, at about 20 ns a unit, measured by tests/test_restricted_constructor_work.py)
+# itself; its CPU at the least, at about 20 ns a unit, measured by
+# tests/serializing/test_restricted_constructor_work.py)
 _Spec = Tuple[Optional[Callable[..., Any]], Optional[Callable[..., Any]], str, Optional[type], int]
 _SPECS: Dict[Tuple[str, str], _Spec] = {
     ("builtins", "set"): (_collection(set), None, SEALED, set, 32),

@@ -4,7 +4,7 @@ Two implementations give the same answer on every input: :func:`is_plain_python`
 the regular-expression engine) and ``is_plain_c`` (``_pickle_walks_c.c``, an opcode at a time,
 13-30x faster on the bench payloads; built at install where a compiler is at hand).
 restricted-pickle runs :data:`is_plain`, the C one where it was built.
-``tests/test_pickle_plain.py`` compares the two.
+``tests/serializing/test_pickle_plain.py`` compares the two.
 
 Most payloads (metrics, records, lists of floats or strings, int-keyed dicts, configs) are built
 from opcodes that cannot reach a global, a call or state: scalars, strings, bytes, empty

@@ -24,7 +24,7 @@ or hashes anything:
 
 :func:`full_walk` runs the same walk in C first (``_pickle_walks_c.c``, where it was built), which
 answers only for payloads of binary opcodes that :func:`full_walk_python` accepts, with the same
-answer, and leaves every other payload to it (tests/test_pickle_scan.py compares the two). Both read
+answer, and leaves every other payload to it (tests/serializing/test_pickle_scan.py compares the two). Both read
 the opcode tables of ``opcode_tables.py`` (argument layouts, stack effects), the C walk through ``_c_tables``.
 
 It reports whether the real load needs the probe pass: whether BUILD, APPEND(S), SETITEM(S) or

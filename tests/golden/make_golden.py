@@ -1,10 +1,10 @@
 """Regenerate the golden files of docs/wire-format.md: ``python tests/golden/make_golden.py``.
 
 Every value and every slot is built here from fixed content, so the files are deterministic;
-tests/test_wire_format.py imports this module to rebuild the same values and compare byte for
+tests/format/test_wire_format.py imports this module to rebuild the same values and compare byte for
 byte. Regenerate only for a deliberate format change (and bump the version it concerns): a golden
 file that changes is a wire format that changed. The v1-{pickle,msgpack,json,error}.frame files
-are tests/test_framing.py's and are not written here.
+are tests/format/test_framing.py's and are not written here.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The spreads of per-rank object sizes of issue 27's table, shared by ``tests/test_many_ranks.py`` and
+"""The spreads of per-rank object sizes of issue 27's table, shared by ``tests/transport/test_many_ranks.py`` and
 ``benchmarks/bench_many_ranks.py``: the same objects are checked in one and timed in the other."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(120)
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "scale_model.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "scale_model.py"
 KEYS = {"op", "case", "W", "params", "objcomm_s", "ideal_s", "torch_s"}
 
 

@@ -1,6 +1,6 @@
 """The msgspec backend: typed decoding validates while it decodes; arrays and tensors go out of band; hostile
 payloads are refused within bounds. The suite every built-in runs (round trips, garbage, fuzzing, fidelity) takes
-it too: tests/test_serializers.py, tests/test_fuzz.py, tests/test_fidelity.py."""
+it too: tests/serializing/test_serializers.py, tests/test_fuzz.py, tests/serializing/test_fidelity.py."""
 
 from __future__ import annotations
 

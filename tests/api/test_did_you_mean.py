@@ -18,7 +18,7 @@ from objcomm._api import reduce as _reduce
 
 pytestmark = pytest.mark.timeout(60)
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "from-mpi4py.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "from-mpi4py.md"
 POINTER = " (objcomm follows torch.distributed's names: see docs/from-mpi4py.md)"
 FUNCTIONS = [
     "all_gather",

@@ -32,8 +32,8 @@ from serializers import _msgpack
 
 pytestmark = pytest.mark.timeout(30)
 
-GOLDEN = pathlib.Path(__file__).parent / "golden"
-PAGE = pathlib.Path(__file__).parent.parent / "docs" / "wire-format.md"
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
+PAGE = pathlib.Path(__file__).parents[2] / "docs" / "wire-format.md"
 
 
 def _generator() -> Any:

@@ -22,7 +22,7 @@ import serializers
 from objcomm._tools.bench.config import DEFAULT_OPS, OPS
 from objcomm._tools.bench.payloads import BUILTIN
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["bench", "--quick", "--sizes", "1KB"]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -118,7 +118,7 @@ def test_medium_collectives_move_round_two_through_the_channel_with_the_backends
 
 def routes_kept() -> List[Any]:
     """What the channel does not take keeps its route: sizes at shm_threshold go to shared memory; without shared
-    memory the channel takes them (send/recv: tests/test_channel_round_p2p.py)."""
+    memory the channel takes them (send/recv: tests/samehost/test_channel_round_p2p.py)."""
     rank = dist.get_rank()
     small_threshold = objcomm.Communicator(local=True, shm_threshold=3 * CHUNK)
     small_threshold.all_gather(None)

@@ -128,7 +128,7 @@ def test_captured_owns_every_byte_it_sends():
 
 def isend_argument_errors() -> List[str]:
     """A bad dst or tag raise at the isend (as the blocking send does), not at wait(). (dst == this rank is a
-    message to oneself, delivered: tests/test_self_messages.py.)"""
+    message to oneself, delivered: tests/api/test_self_messages.py.)"""
     rank = dist.get_rank()
     seen = []
     for dst, tag in ((5, 0), ("1", 0), (1 - rank, -1), (1 - rank, 1.5), (1 - rank, True)):

@@ -14,7 +14,7 @@ from objcomm._format import frame as _frame
 
 pytestmark = pytest.mark.timeout(30)
 
-GOLDEN = pathlib.Path(__file__).parent / "golden"
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 GOLDEN_OBJECT = {"metrics": {"loss": 0.25}, "ids": [1, 2, 3], "name": "golden"}
 
 

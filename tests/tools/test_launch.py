@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Sequence
 import pytest
 from _ranks import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT = 150  # seconds for one launch (startup of 4 ranks on 2 cores takes ~10 s)
 
 # Runs on every rank. Records what it saw in <out>/rank<R>.pkl; the tests judge it.
