@@ -48,13 +48,16 @@ def _run(tree: str, ranks: int, extra: List[str]) -> Dict[Tuple[str, str], float
 
 
 def main(argv: List[str]) -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n")[0], epilog="arguments after -- go to bench_peers.py"
+    )
     parser.add_argument("old")
     parser.add_argument("new")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("-n", type=int, default=2, help="ranks (mpiexec -n)")
-    parser.add_argument("extra", nargs="*", help="bench_peers arguments, after --")
-    args = parser.parse_args(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.extra = argv[cut + 1 :]  # bench_peers' own arguments, after --
     repo = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True)
     with tempfile.TemporaryDirectory() as into:
         trees = {rev: _checkout(repo.stdout.strip(), rev, into) for rev in (args.old, args.new)}
