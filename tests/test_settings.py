@@ -14,7 +14,7 @@ from _ranks import get_pool
 import objcomm
 import serializers
 from objcomm import _settings
-from objcomm._api.resolving import TestHooks
+from objcomm._api.resolving import Hooks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,7 +105,7 @@ def test_separate_hosts_is_a_private_switch(clean):
     clean.setenv("OBJCOMM_FORCE_SEPARATE_HOSTS", "1")
     objcomm.configure()
     assert _resolved(objcomm.Communicator()).separate_hosts is True
-    comm = objcomm.Communicator(_hooks=TestHooks(separate_hosts=False))
+    comm = objcomm.Communicator(_hooks=Hooks(separate_hosts=False))
     assert _resolved(comm).separate_hosts is False
 
 

@@ -16,7 +16,7 @@ from objcomm._api.call import Device, mpi4py_keywords, named_op, no_attribute
 from objcomm._api.express import NOT_TAKEN
 from objcomm._api.handles import Request
 from objcomm._api.operations import Operations
-from objcomm._api.resolving import NO_HOOKS, Held, TestHooks, Worked
+from objcomm._api.resolving import NO_HOOKS, Held, Hooks, Worked
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._settings import call_kwargs, given
 from serializers import SerializerLike
@@ -81,7 +81,7 @@ class Communicator(Operations):
         shm_zero_copy: Optional[bool] = None,
         local: Optional[bool] = None,
         local_spin_us: Optional[int] = None,
-        _hooks: TestHooks = NO_HOOKS,
+        _hooks: Hooks = NO_HOOKS,
     ) -> None:
         self.group = group
         self.serializer = serializer
@@ -102,7 +102,7 @@ class Communicator(Operations):
             local=local,
             local_spin_us=local_spin_us,
         )
-        self._hooks = _hooks  # objcomm's own tests only (see TestHooks)
+        self._hooks = _hooks  # objcomm's own tests only (see Hooks)
         self._calls: Dict[int, Worked] = {}  # id(options) -> what _call() worked out for them (see _remember)
         self._held: Optional[Held] = None  # what calls without per-call options use (see _defaults)
 
@@ -136,7 +136,7 @@ class Communicator(Operations):
         return {**self.__dict__, "_calls": {}, "_held": None, "_hooks": self._hooks.separate_hosts}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state, _hooks=TestHooks(separate_hosts=state["_hooks"]))
+        self.__dict__.update(state, _hooks=Hooks(separate_hosts=state["_hooks"]))
 
     # -- collectives ---------------------------------------------------------------------------
     def connect(self) -> bool:

@@ -27,19 +27,19 @@ _UNBUILT = object()  # the express path of _defaults, before the first send/recv
 _NEXT = object()  # the same, after one collective: the next builds it
 
 
-class TestHooks(NamedTuple):
+class Hooks(NamedTuple):
     """What objcomm's own tests change in a communicator, given once to it (``Communicator(_hooks=...)``); not API.
 
     Example (every rank its own host, and a segment book that counts what it writes)::
 
-        comm = objcomm.Communicator(_hooks=TestHooks(separate_hosts=True, segments=Counting()))
+        comm = objcomm.Communicator(_hooks=Hooks(separate_hosts=True, segments=Counting()))
     """
 
     separate_hosts: Optional[bool] = None  # True: every rank its own host; None: OBJCOMM_FORCE_SEPARATE_HOSTS
     segments: SegmentBook = SEGMENTS  # the book that writes and opens shared-memory segments
 
 
-NO_HOOKS = TestHooks()
+NO_HOOKS = Hooks()
 
 
 class Worked(NamedTuple):
@@ -82,7 +82,7 @@ class Resolving:
     serializer: Optional[SerializerLike]
     device: Device
     _given: Dict[str, Any]
-    _hooks: TestHooks  # fixed for the communicator's life: nothing kept below depends on them changing
+    _hooks: Hooks  # fixed for the communicator's life: nothing kept below depends on them changing
     _calls: Dict[int, Worked]
     _held: Optional[Held]
 

@@ -134,6 +134,7 @@ class _Sends:
             with self.cond:
                 if not queue and not self.cond.wait_for(lambda: bool(queue), LINGER):
                     del self.queues[peer]
+                    self.cond.notify_all()  # drain() waits for every thread to end
                     if not self.count and not self.failures:
                         _LIVE.discard(self)
                     return
@@ -165,6 +166,11 @@ class _Sends:
             f"{op} on rank {self.rank}: {failures[0]}{more}. A rank may have crashed or never called recv for it; "
             "the group's timeout (init_process_group(timeout=...)) bounds how long a send waits for its receiver"
         )
+
+    def threads_end(self, within: float) -> None:
+        """Wait until every receiver's thread ended (:data:`LINGER` after its last send), ``within`` s at most."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self.queues, within)
 
     def wait_all(self, until: float) -> List[str]:
         """Wait until every pending send ended or the monotonic clock reads ``until``; what is left to report."""
@@ -224,6 +230,7 @@ def drain() -> None:
     for sends in list(_LIVE):
         for problem in sends.wait_all(start + sends.timeout):
             warnings.warn(f"objcomm: {problem}", RuntimeWarning, stacklevel=1)
+        sends.threads_end(10 * LINGER)  # none left inside torch while the interpreter shuts down
     _LIVE.clear()
 
 

@@ -12,7 +12,7 @@ from _builtins import ON_RANKS
 from _ranks import get_pool
 
 import objcomm
-from objcomm._api.resolving import TestHooks
+from objcomm._api.resolving import Hooks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -162,7 +162,7 @@ def counted_segments(shm: bool) -> int:
             return super().create_sealed(frame, tensors)
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm = objcomm.Communicator(shm=shm, shm_threshold=1024, _hooks=TestHooks(segments=Counting()))
+    comm = objcomm.Communicator(shm=shm, shm_threshold=1024, _hooks=Hooks(segments=Counting()))
     got = comm.all_to_all([{"blob": bytes([rank]) * 5000, "t": torch.full((500,), dst)} for dst in range(world)])
     assert [g["blob"] for g in got] == [bytes([src]) * 5000 for src in range(world)]
     assert all(torch.equal(g["t"], torch.full((500,), rank)) for g in got)

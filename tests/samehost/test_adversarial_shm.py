@@ -21,7 +21,7 @@ from _child import run_in_child
 from _ranks import get_pool
 
 import objcomm
-from objcomm._api.resolving import TestHooks
+from objcomm._api.resolving import Hooks
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost import segments as _segments
 
@@ -198,7 +198,7 @@ def tampered_then_clean(directory: str, decoy: str, how: str, op: str) -> Dict[s
 
     error: Optional[Tuple[str, str]] = None
     if rank == 0:
-        comm = objcomm.Communicator(**files, _hooks=TestHooks(segments=Tampering()))  # call() uses it
+        comm = objcomm.Communicator(**files, _hooks=Hooks(segments=Tampering()))  # call() uses it
     try:
         call(1)
     except objcomm.ObjcommError as exc:

@@ -16,7 +16,7 @@ from _ranks import get_pool
 
 import objcomm
 from objcomm import _state
-from objcomm._api.resolving import TestHooks
+from objcomm._api.resolving import Hooks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -140,7 +140,7 @@ def test_on_by_default(monkeypatch):
 
 
 def on_separate_hosts() -> Any:
-    comm = objcomm.Communicator(local=True, _hooks=TestHooks(separate_hosts=True))
+    comm = objcomm.Communicator(local=True, _hooks=Hooks(separate_hosts=True))
     rank, world = dist.get_rank(), dist.get_world_size()
     assert comm.all_gather(rank) == list(range(world))
     assert comm.broadcast("x" * 5000 if rank == 0 else None) == "x" * 5000

@@ -22,7 +22,7 @@ from _ranks import get_pool
 import objcomm
 import serializers
 from objcomm import _state
-from objcomm._api.resolving import NO_HOOKS, TestHooks
+from objcomm._api.resolving import NO_HOOKS, Hooks
 from objcomm._format import frame as _frame
 from objcomm._samehost import sealed as _sealed
 from objcomm._samehost import segments as _segments
@@ -438,7 +438,7 @@ def lying_writer(how: str, directory: str) -> Dict[str, Any]:
     rank = dist.get_rank()
     group = dist.new_group([0, 1])  # a fresh group: what the group learns stays with it
     settings = dict(shm_threshold=THRESHOLD, shm_dir=directory)
-    comm = objcomm.Communicator(group, **settings, _hooks=TestHooks(segments=_Lying(how)) if rank == 0 else NO_HOOKS)
+    comm = objcomm.Communicator(group, **settings, _hooks=Hooks(segments=_Lying(how)) if rank == 0 else NO_HOOKS)
     big = lambda tag: {"a": np.full(THRESHOLD, float(tag)), "blob": bytes([tag]) * THRESHOLD}  # noqa: E731
     error = None
     try:
@@ -453,7 +453,7 @@ def lying_writer(how: str, directory: str) -> Dict[str, Any]:
             counted.append(1)
             return super().create(path, frame, tensors)
 
-    comm = objcomm.Communicator(group, **settings, _hooks=TestHooks(segments=Counting()))
+    comm = objcomm.Communicator(group, **settings, _hooks=Hooks(segments=Counting()))
     after = comm.broadcast(big(2) if rank == 0 else None, src=0)
     unsealed = (-1, False) in _state.group_facts(group).unsealed
     dist.barrier(group)
@@ -484,7 +484,7 @@ def refused_again_and_again(calls: int) -> Dict[str, Any]:
     not wait for a collection (the re-raised error's traceback once closed a cycle through the call)."""
     rank = dist.get_rank()
     group = dist.new_group([0, 1])
-    lying = TestHooks(segments=_Lying("unsealed")) if rank == 1 else NO_HOOKS
+    lying = Hooks(segments=_Lying("unsealed")) if rank == 1 else NO_HOOKS
     comm = objcomm.Communicator(group, shm_threshold=THRESHOLD, _hooks=lying)
     value = {"t": torch.zeros(1 << 17), "a": np.zeros(1 << 16)}  # out of band: views on the mapping
     errors, grown = 0, []
@@ -552,7 +552,7 @@ def every_serializer(names: List[str]) -> Dict[str, bool]:
         }
         obj = plain if name == "json" else rich
         counting = _Counting()
-        comm = objcomm.Communicator(serializer=name, shm_threshold=THRESHOLD, _hooks=TestHooks(segments=counting))
+        comm = objcomm.Communicator(serializer=name, shm_threshold=THRESHOLD, _hooks=Hooks(segments=counting))
         sealed = comm.all_gather(obj)
         normal = objcomm.Communicator(serializer=name, shm=False).all_gather(obj)
         viewed = _mapped() > 0 or name == "json"  # json lifts nothing: its results are built from the frame

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from _ranks import get_pool
 
 import objcomm
-from objcomm._api.resolving import TestHooks
+from objcomm._api.resolving import Hooks
 from objcomm._samehost import segments as _segments
 
 THRESHOLD = 4096
@@ -81,7 +81,7 @@ def swapped_then_clean(directory: str, op: str) -> Dict[str, Any]:
     error: Optional[Tuple[str, str]] = None
     forged_decoded = False
     if rank == 0:
-        comm = objcomm.Communicator(**files, _hooks=TestHooks(segments=Swapping()))  # call() uses it
+        comm = objcomm.Communicator(**files, _hooks=Hooks(segments=Swapping()))  # call() uses it
     try:
         got = call(1)
         forged_decoded = rank == 1 and not _same(got, 1)  # what the bug did: the forged bytes, decoded

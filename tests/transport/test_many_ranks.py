@@ -20,7 +20,7 @@ from _ranks import get_pool
 
 import objcomm
 import serializers
-from objcomm._api.resolving import TestHooks
+from objcomm._api.resolving import Hooks
 from objcomm._format import frame as _frame
 from objcomm._format import tensors as _tensors
 from objcomm._format.message import Outgoing
@@ -97,7 +97,7 @@ def _same(got: Any, want: Any) -> bool:
 
 
 def _comm() -> objcomm.Communicator:
-    return objcomm.Communicator(local=False, shm=False, _hooks=TestHooks(separate_hosts=True))
+    return objcomm.Communicator(local=False, shm=False, _hooks=Hooks(separate_hosts=True))
 
 
 def each_spread(op: str) -> List[Any]:

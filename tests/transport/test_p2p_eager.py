@@ -8,6 +8,7 @@ ranks run.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import signal
@@ -332,6 +333,8 @@ def _sender_ends(rank: int, world: int, store: str, victim: int, results: Any, d
     if rank == victim:  # sends and ends at once, before its receiver asks: delivered all the same
         with open(f"{store}.sender", "w") as handle:
             handle.write(str(os.getpid()))
+        atexit.unregister(_pending.drain)  # objcomm's drain at exit, then a mark that it returned (see the test)
+        atexit.register(_drain_then_mark, f"{store}.drained")
         for i in range(3):
             objcomm.send(i, 0)
         if destroy:
@@ -339,10 +342,17 @@ def _sender_ends(rank: int, world: int, store: str, victim: int, results: Any, d
         return
     time.sleep(1.0)
     try:
-        results.put((rank, [objcomm.recv(victim) for _ in range(3)]))
+        got: Any = [objcomm.recv(victim) for _ in range(3)]
     except objcomm.CommunicationError as exc:
-        results.put((rank, str(exc)))
+        got = str(exc)
     _outlive(int(open(f"{store}.sender").read()))
+    results.put((rank, got, os.path.exists(f"{store}.drained")))
+
+
+def _drain_then_mark(path: str) -> None:
+    _pending.drain()
+    with open(path, "w"):
+        pass
 
 
 def _outlive(pid: int, within: float = 30.0) -> None:
@@ -370,8 +380,10 @@ def _sender_destroys_and_exits(rank: int, world: int, store: str, victim: int, r
 
 def test_pending_sends_are_delivered_when_their_sender_ends():
     got, sender_exit = run_group_losing_a_rank(_sender_exits, 2, 1, timeout=60)
-    assert got[0] == ([0, 1, 2],) and sender_exit == 0
-    # destroy_process_group() first: delivered too (the process then aborts in torch's teardown, with blocking sends
-    # as well: not asserted)
+    assert got[0] == ([0, 1, 2], True)  # delivered, and objcomm's drain at exit returned
+    # After that drain, torch's own teardown of the gloo group at interpreter exit now and then aborts the process
+    # (std::terminate: "terminate called without an active exception"; about one full run in five on a loaded 2-core
+    # machine, and with destroy_process_group() first as well): torch's exit, not objcomm's, and only after the mark
+    assert sender_exit in (0, -signal.SIGABRT)
     got, _ = run_group_losing_a_rank(_sender_destroys_and_exits, 2, 1, timeout=60)
-    assert got[0] == ([0, 1, 2],)
+    assert got[0] == ([0, 1, 2], True)
