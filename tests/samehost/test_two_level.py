@@ -1,0 +1,53 @@
+"""Two levels (objcomm/_samehost/two_level.py) when a host's leader dies mid-call: every other rank raises.
+
+The healthy paths, the call counts and bad input on two levels are in tests/transport/test_many_ranks.py (one pool
+of eight ranks); this one needs a group of its own, since a SIGKILLed rank ends the pool's group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from _child import report_raised, run_group_losing_a_rank
+
+import objcomm
+from objcomm import _state
+
+TIMEOUT_S = 15  # the group's timeout: what bounds the wait of a rank on another host
+
+
+def _leader_killed(rank: int, world: int, store: str, victim: int, results: Any) -> None:
+    os.environ["OBJCOMM_TEST_RANKS_PER_HOST"] = "2"  # hosts {0, 1} and {2, 3}; their leaders: ranks 0 and 2
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
+    objcomm.configure()  # a process of its own: reads the variable, nothing to restore
+    assert objcomm.all_gather(rank) == list(range(world))  # sets up two levels
+    levels = _state.group_facts(dist.group.WORLD).levels  # by the host setting: here 2
+    assert levels.get(2) is not None, f"two levels were not set up: {levels}"
+    if rank == victim:
+        time.sleep(0.5)  # the others are waiting in the all_gather below by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    report_raised(results, rank, lambda: objcomm.all_gather({"after": rank}))
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_killed_mid_call_makes_every_other_rank_raise():
+    got, victim_exit = run_group_losing_a_rank(_leader_killed, 4, 2, timeout=90)
+    assert victim_exit == -signal.SIGKILL
+    assert sorted(got) == [0, 1, 3]
+    for rank, (message, elapsed) in got.items():
+        assert message != "no error", rank
+        assert elapsed < TIMEOUT_S + 10, (rank, elapsed, message)  # never a hang: the group's timeout at most
+    member_message, member_elapsed = got[3]  # its leader's socket closed: the dead leader's host knows at once
+    assert "closed its connection" in member_message or "reset its connection" in member_message, member_message
