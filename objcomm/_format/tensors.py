@@ -90,11 +90,13 @@ _VALID_FLAGS = {True: _valid_flags(True), False: _valid_flags(False)}
 def liftable(value: Any) -> bool:
     """A plain strided CPU or CUDA tensor (or Parameter) of a dtype in :data:`DTYPES`, without attributes of
     its own. A subclass, or a tensor given attributes, is left to the serializer, which keeps them (pickle)
-    or refuses it: lifted, it would arrive as a plain tensor, its class and attributes silently lost."""
+    or refuses it: lifted, it would arrive as a plain tensor, its class and attributes silently lost. So is a
+    nested tensor (strided, but with no one shape: pickle carries it in band)."""
     return (
         type(value) in _PLAIN_TENSORS
         and not value.__dict__
         and value.layout == torch.strided
+        and not value.is_nested
         and (value.is_cpu or value.is_cuda)
         and value.dtype in _CODES
         and not value.is_quantized

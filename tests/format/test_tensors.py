@@ -268,3 +268,21 @@ def test_tensor_subclasses_and_attributes_are_kept_or_refused_never_dropped(seri
                 refusal = "only plain ones"
             with pytest.raises(serializers.EncodeError, match=re.escape(refusal)):
                 _frame.encode({"v": value}, chosen, max_bytes=1 << 30)
+
+
+@pytest.mark.parametrize("serializer", ["pickle", "auto", "msgpack"])
+def test_nested_tensors_are_pickled_in_band_or_refused_with_a_clear_error(serializer):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)])
+    chosen = serializers.registry.guarded(serializer)
+    if serializer == "msgpack":  # no encoding of its own for them: refused, saying what and where
+        with pytest.raises(serializers.EncodeError, match=re.escape("at $['v']")):
+            _frame.encode({"v": nested}, chosen, max_bytes=1 << 30)
+        return
+    out = _frame.encode({"v": nested}, chosen, max_bytes=1 << 30)  # was: torch's "Internal error ... sizes"
+    assert not out.tensors  # not lifted: it has no one shape
+    got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)["v"]
+    assert got.is_nested and all(torch.equal(a, b) for a, b in zip(got.unbind(), nested.unbind()))
