@@ -45,7 +45,7 @@ from objcomm._format.slot import read_slot
 from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._transport import routes
-from objcomm._transport.base import Wire
+from objcomm._transport.base import WHOLE, Wire
 from objcomm._transport.broadcast import broadcast_rest
 from objcomm._transport.rounds import all_gather_rest, received
 from serializers import AutoSerializer, SerializerProtocol, registry
@@ -247,6 +247,9 @@ class Express:
         if channel is None:
             return NOT_TAKEN
         sender, got, message = channel.recv(peer, tag, self.spin)
+        folded = b""
+        if message & WHOLE:  # a slot and the rest that follows it, in one message (ChannelRoute.send_whole)
+            got, folded = got[: self.slot], got[self.slot :]
         if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
             # raises, as the general path does
             _channel_checks._checked(self.wire(group(), tag), channel, [got], "recv")
@@ -258,7 +261,7 @@ class Express:
                 sender,
                 read_slot(memoryview(got)),
                 _frame.tensor_sizes,
-                _channel_slots.ChannelRoute(channel, self.spin),
+                _channel_slots.ChannelRoute(channel, self.spin, folded),
                 message,
             )
             return self.ranks[sender], self.call._replace(wire=wire).received(*incoming)

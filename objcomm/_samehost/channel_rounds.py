@@ -52,7 +52,7 @@ from objcomm._samehost.inbox import REST
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._samehost.segments import host_bytes
 from objcomm._transport import routes
-from objcomm._transport.base import NOT_USED, NotUsed, Route, SecondRound, Slot, Wire
+from objcomm._transport.base import NOT_USED, WHOLE, NotUsed, Route, SecondRound, Slot, Wire
 
 CHUNK = MAX_PAYLOAD  # bytes of one channel message
 MOST = routes.CHANNEL_MOST  # the most second-round bytes (largest sender's; a gather's, all senders') it takes
@@ -290,6 +290,28 @@ def recv_p2p(
         else:
             place(channel, into, chunk, index, src, op)
     return Incoming(memoryview(b"")) if drain else incoming(into, info, sizes_of, src, op)
+
+
+def came_with_slot(
+    channel: _socket.LocalChannel,
+    rest: bytes,
+    info: SlotInfo,
+    sizes_of: SizesOf,
+    src: int,
+    message: int,
+    op: str,
+    drain: bool = False,
+) -> Incoming:
+    """The rest of group rank ``src``'s message ``message`` that came in one message with its slot
+    (:meth:`objcomm._samehost.channel_slots.ChannelRoute.send_whole`), checked against what the slot announced, as
+    :func:`recv_p2p` checks each message of a rest that follows its slot."""
+    if len(rest) != info.second_round_bytes:
+        channel.fail(
+            op,
+            f"rank {src} sent {len(rest):,} bytes with the slot of message #{message & ~WHOLE} where its slot "
+            f"announced {info.second_round_bytes:,}: a protocol error",
+        )
+    return Incoming(memoryview(b"")) if drain else incoming(bytearray(rest), info, sizes_of, src, op)
 
 
 def _streams(wire: Wire, outs: Sequence[Outgoing]) -> List[Iterator[Slot]]:

@@ -70,7 +70,7 @@ from objcomm._samehost.inbox import ANSWER, REST
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._transport import groups as _groups
 from objcomm._transport import pending as _pending
-from objcomm._transport.base import NOT_USED, NotUsed, Slot, Wire
+from objcomm._transport.base import NOT_USED, WHOLE, NotUsed, Slot, Wire
 
 _BACKEND = contextlib.nullcontext(None)  # send/recv through the group
 PENDING_WAIT = 0.5  # seconds a vote waits for this rank's pending sends to be received (objcomm._transport.pending)
@@ -107,11 +107,12 @@ class SameHost:
 class ChannelRoute:
     """send/recv through a channel: the route :meth:`SameHostSlots.p2p` gives once the channel takes them."""
 
-    __slots__ = ("channel", "spin")
+    __slots__ = ("channel", "spin", "folded")
 
-    def __init__(self, channel: _channel.LocalChannel, spin: Optional[float]) -> None:
+    def __init__(self, channel: _channel.LocalChannel, spin: Optional[float], folded: bytes = b"") -> None:
         self.channel = channel
         self.spin = spin
+        self.folded = folded  # the rest that came with the slot :meth:`recv` took (a message id with WHOLE set)
 
     def __enter__(self) -> ChannelRoute:
         return self
@@ -124,8 +125,17 @@ class ChannelRoute:
         self.channel.send(_trim(slot), dst, wire.tag, message)
         return message
 
+    def send_whole(self, wire: Wire, slot: Slot, out: Outgoing, info: SlotInfo, dst: int) -> bool:
+        if len(slot) + info.second_round_bytes > MAX_PAYLOAD:
+            return False
+        whole = b"".join([slot, *_channel_rounds.pieces(out, info.inline is not None)])  # the slot untrimmed
+        self.channel.send(whole, dst, wire.tag, self.channel.new_message() | WHOLE)
+        return True
+
     def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot, int]:
         sender, slot, message = self.channel.recv(src, wire.tag, self.spin)
+        if message & WHOLE:
+            slot, self.folded = slot[: wire.slot], slot[wire.slot :]
         return sender, _checked(wire, self.channel, [slot], op)[0], message
 
     def answer(self, wire: Wire, dst: int, message: int, code: int) -> None:
@@ -158,6 +168,8 @@ class ChannelRoute:
     def recv_rest(
         self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str, drain: bool = False
     ) -> Incoming:
+        if message & WHOLE:
+            return _channel_rounds.came_with_slot(self.channel, self.folded, info, sizes_of, src, message, op, drain)
         return _channel_rounds.recv_p2p(self.channel, self.spin, wire, info, sizes_of, src, message, op, drain)
 
 

@@ -120,8 +120,8 @@ class Mesh:
         return sender, data, message
 
     def new_message(self) -> int:
-        """A message id for :meth:`send`, distinct from this rank's others until 2**32 sends later."""
-        return next(self._messages) & MASK
+        """A message id for :meth:`send`, distinct from this rank's others until 2**31 sends later."""
+        return next(self._messages) & (MASK >> 1)  # the top bit: objcomm._transport.base.WHOLE
 
     def send_part(self, kind: int, data: Slot, dst: int, tag: int, message: int) -> None:
         """Send ``data`` to group rank ``dst`` as ``kind`` (:data:`ANSWER` or :data:`REST`) of message ``message``

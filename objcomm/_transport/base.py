@@ -176,10 +176,18 @@ class FirstRound(Protocol):
         the others, which go on through it, then raise too, instead of this rank moving on through the group."""
 
 
+WHOLE = 1 << 31  # the bit of a message id (a route's) that says its rest came with its slot (Route.send_whole)
+
+
 class Route(Protocol):
     """Where a send/recv goes instead of the group (see :meth:`FirstRound.p2p`): its slot, then, when a second
     round follows, the receiver's answer (one byte: a ``REFUSE_*`` code of :mod:`objcomm._transport.rounds`, 0 to go
     ahead), and on CPU wires the rest wherever the second-round strategy (shared memory) does not take it."""
+
+    def send_whole(self, wire: Wire, slot: Slot, out: Outgoing, info: SlotInfo, dst: int) -> bool:
+        """Send ``slot`` and the rest that follows it at once (no answer) as one message, where they fit in one;
+        whether it did. Its receiver's :meth:`recv` gives a message id with :data:`WHOLE` set, and its
+        :meth:`recv_rest` the rest that came with the slot."""
 
     def send(self, wire: Wire, slot: Slot, dst: int) -> int:
         """Send ``slot`` to group rank ``dst`` under ``wire.tag``; the message's id (for its answer and rest)."""

@@ -52,7 +52,7 @@ from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, fill_slot, read_slot, read_slots
 from objcomm._transport import pending as _pending
 from objcomm._transport import routes
-from objcomm._transport.base import NOT_USED, Route, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.base import NOT_USED, WHOLE, Route, Wire, all_gather_single, guarded, largest_of
 from objcomm._transport.bytes import Batch, all_gather_rests, host_view, receive_buffer, recv_bytes, zeroed
 
 SCRATCH = _limits.SCRATCH_BYTES
@@ -189,20 +189,24 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
     op = "send"
     raw = _slot(wire, out)
     info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
+    problem = _limits.slot_problem_of(info)
+    ends = bool(info.error) or _limits.complete(info)
+    agreed = not ends and not problem and _agreement_needed(wire, info, op)
+    at_once = route is not None and not ends and not problem and not agreed and wire.device.type == "cpu"
+    if at_once and route is not None and route.send_whole(wire, raw, out, info, dst):
+        return  # the slot and the rest that follows it at once, in one message of the route
     message = 0
     if route is not None:
         message = route.send(wire, raw, dst)
     else:
         _post_slot(wire, raw, info, dst, op, eager)
-    problem = _limits.slot_problem_of(info)
     if problem:  # the receiver finds the same and raises too
         raise _limits.inconsistent(op, wire.rank, problem)
-    if info.error or _limits.complete(info):
+    if ends:
         return
     answer: Optional[int] = None
-    agreed = _agreement_needed(wire, info, op)
-    if route is not None and not agreed and wire.device.type == "cpu":  # eager: the rest follows at once, paced by
-        route.send_rest(wire, out, info, dst, message)  # the channel's credit; a refusing receiver drains it alone
+    if at_once and route is not None:  # eager: the rest follows at once, paced by the channel's credit; a refusing
+        route.send_rest(wire, out, info, dst, message)  # receiver drains it alone
         return
     if route is not None:  # the receiver answers on the route (a few µs) where it must agree first
         answer = route.answer_of(wire, dst, message, op)
@@ -280,7 +284,8 @@ def received(
     sizes, problem = _limits.plan(info, sizes_of)
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if info.total > wire.max_bytes else 0
     agreed = _agreement_needed(wire, info, op)
-    if route is not None and not agreed and wire.device.type == "cpu":  # the rest came right after the slot
+    at_once = not agreed or message & WHOLE  # WHOLE: the sender did not ask (the rest came with its slot)
+    if route is not None and at_once and wire.device.type == "cpu":  # the rest came right after the slot
         got = route.recv_rest(wire, info, sizes_of, sender, message, op, drain=bool(refuse))
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
