@@ -249,11 +249,11 @@ class Express:
         sender, got, message = channel.recv(peer, tag, self.spin)
         folded = b""
         if message & WHOLE:  # a slot and the rest that follows it, in one message (ChannelRoute.send_whole)
-            got, folded = got[: self.slot], got[self.slot :]
+            got, folded = _channel_checks.cut_whole(channel, got, self.slot, sender, "recv")
         if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
             # raises, as the general path does
             _channel_checks._checked(self.wire(group(), tag), channel, [got], "recv")
-        obj = self._plain(got, sender)
+        obj = NOT_TAKEN if folded else self._plain(got, sender)  # a plain slot travels alone
         if obj is NOT_TAKEN:  # anything else: the general path's steps, from the slot on
             wire = self.wire(group(), tag)
             incoming = received(

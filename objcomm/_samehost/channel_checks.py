@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from objcomm._format.message import SLOT_PREFIX_BYTES
 from objcomm._format.slot import SlotInfo
@@ -84,6 +84,32 @@ def _trim(slot: Slot) -> Slot:
 
 
 _FRAME_LENGTH = struct.Struct("<Q")  # a slot's first word: its frame's length, and flag bits above it
+
+
+_WHOLE_SLOT = struct.Struct("<I")  # a WHOLE message's first word: its sender's slot_bytes
+
+
+def whole_message(slot: Slot, rest: Sequence[Slot]) -> bytes:
+    """One channel message of ``slot`` (untrimmed) and the ``rest`` that follows it (a message id with
+    :data:`objcomm._transport.base.WHOLE` set): the sender's ``slot_bytes`` first, so that a receiver of another
+    ``slot_bytes`` says so rather than cut it elsewhere."""
+    return b"".join([_WHOLE_SLOT.pack(len(slot)), slot, *rest])
+
+
+def cut_whole(channel: _channel.LocalChannel, got: bytes, size: int, sender: int, op: str) -> Tuple[bytes, bytes]:
+    """``(slot, rest)`` of a message :func:`whole_message` made, for a receiver of ``slot_bytes=size``; the channel
+    fails where the sender's slot was of another size, or where nothing follows it (such a slot travels alone)."""
+    head = _WHOLE_SLOT.size
+    theirs = _WHOLE_SLOT.unpack_from(got)[0] if len(got) >= head else -1
+    if theirs != size:
+        channel.fail(
+            op,
+            f"rank {sender} sent a slot with its rest whose slot is {theirs:,} bytes where this rank uses "
+            f"slot_bytes={size:,}; every rank of a group must use the same slot_bytes",
+        )
+    if len(got) <= head + size:
+        channel.fail(op, f"rank {sender} sent a slot marked as followed by its rest, without one: a protocol error")
+    return got[head : head + size], got[head + size :]
 
 
 def _checked(

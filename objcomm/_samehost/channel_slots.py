@@ -65,7 +65,7 @@ from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
 from objcomm._samehost import channel as _channel
 from objcomm._samehost import channel_rounds as _channel_rounds
-from objcomm._samehost.channel_checks import _checked, _trim, agree_on, echo
+from objcomm._samehost.channel_checks import _checked, _trim, agree_on, cut_whole, echo, whole_message
 from objcomm._samehost.inbox import ANSWER, REST
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._transport import groups as _groups
@@ -126,16 +126,16 @@ class ChannelRoute:
         return message
 
     def send_whole(self, wire: Wire, slot: Slot, out: Outgoing, info: SlotInfo, dst: int) -> bool:
-        if len(slot) + info.second_round_bytes > MAX_PAYLOAD:
+        whole = whole_message(slot, _channel_rounds.pieces(out, info.inline is not None))  # the slot untrimmed
+        if len(whole) > MAX_PAYLOAD:
             return False
-        whole = b"".join([slot, *_channel_rounds.pieces(out, info.inline is not None)])  # the slot untrimmed
         self.channel.send(whole, dst, wire.tag, self.channel.new_message() | WHOLE)
         return True
 
     def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot, int]:
         sender, slot, message = self.channel.recv(src, wire.tag, self.spin)
         if message & WHOLE:
-            slot, self.folded = slot[: wire.slot], slot[wire.slot :]
+            slot, self.folded = cut_whole(self.channel, slot, wire.slot, sender, op)
         return sender, _checked(wire, self.channel, [slot], op)[0], message
 
     def answer(self, wire: Wire, dst: int, message: int, code: int) -> None:

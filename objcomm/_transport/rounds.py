@@ -280,6 +280,8 @@ def received(
         raise _limits.inconsistent(op, sender, problem)
     if info.error or _limits.complete(info):
         assert info.inline is not None
+        if route is not None and message & WHOLE:  # nothing may follow such a slot: the route fails on what did
+            route.recv_rest(wire, info, sizes_of, sender, message, op, drain=True)
         return sender, Incoming(info.inline, error=info.error), info.error
     sizes, problem = _limits.plan(info, sizes_of)
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if info.total > wire.max_bytes else 0

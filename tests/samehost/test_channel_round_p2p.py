@@ -256,12 +256,15 @@ def out_of_step(mode: str) -> Any:
     What each rank raises, and what a later collective does (both ranks failed at the same point, no collective
     between: it opens a new channel)."""
     rank, sub, comm = on_a_pair()
-    real_chunks, real_answer, real_words, real_whole = (
+    real_chunks, real_answer, real_words, real_whole, real_message = (
         _channel_rounds.chunks,
         _channel_slots.ChannelRoute.answer,
         _channel_slots.ChannelRoute.send_words,
         _channel_rounds.pieces,
+        _channel_slots.whole_message,
     )
+    if mode == "whole, other slot_bytes" and rank == 1:  # its word says a slot twice this group's slot_bytes
+        _channel_slots.whole_message = lambda slot, rest: real_message(bytes(slot) * 2, rest)[: -len(slot)]  # type: ignore
     if mode == "whole" and rank == 1:  # slot and rest in one message (ChannelRoute.send_whole), one byte short
         _channel_rounds.pieces = lambda out, inline: [b"".join(real_whole(out, inline))[:-1]]  # type: ignore
     if mode == "short" and rank == 1:
@@ -276,7 +279,7 @@ def out_of_step(mode: str) -> Any:
                 self, wire, words[:-1], dst, message
             )
         )
-    sizes = {"words": SHARED, "whole": 5_000}
+    sizes = {"words": SHARED, "whole": 5_000, "whole, other slot_bytes": 5_000}
     sent = ASKED if mode == "answer" else _payload(1, sizes.get(mode, 3 * CHUNK))
     try:
         outcome = outcome_of(lambda: comm.send(sent, 0) if rank == 1 else comm.recv(1) and None)
@@ -284,9 +287,10 @@ def out_of_step(mode: str) -> Any:
         _channel_rounds.chunks, _channel_slots.ChannelRoute.answer = real_chunks, real_answer  # type: ignore
         _channel_slots.ChannelRoute.send_words = real_words  # type: ignore
         _channel_rounds.pieces = real_whole  # type: ignore
+        _channel_slots.whole_message = real_message  # type: ignore
     # a sender that returned before the receiver failed the channel is a call behind it: the next collective would
     # find them out of step (the receiver waits for the group's timeout), not open a new channel
-    after = None if mode == "whole" else outcome_of(lambda: comm.all_gather(rank))
+    after = None if mode.startswith("whole") else outcome_of(lambda: comm.all_gather(rank))
     dist.destroy_process_group(sub)
     return [outcome[1] or "ok", after]
 
@@ -303,6 +307,13 @@ def test_a_rest_one_short_in_its_slots_message_fails_the_channel():
     assert "rank 1 sent " in receiver[0] and " bytes with the slot of message #" in receiver[0], receiver
     assert "where its slot announced" in receiver[0] and "a protocol error" in receiver[0], receiver
     assert sender[0] == "ok", sender  # its one message had gone: it returned at once
+
+
+def test_a_slot_with_its_rest_from_a_rank_of_other_slot_bytes_fails_the_channel():
+    receiver, sender = get_pool(2).run(out_of_step, "whole, other slot_bytes")
+    assert "rank 1 sent a slot with its rest whose slot is 8,192 bytes" in receiver[0], receiver
+    assert "every rank of a group must use the same slot_bytes" in receiver[0], receiver
+    assert sender[0] == "ok", sender
 
 
 def test_shared_memory_words_one_short_fail_the_channel():
