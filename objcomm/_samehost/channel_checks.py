@@ -89,6 +89,11 @@ _FRAME_LENGTH = struct.Struct("<Q")  # a slot's first word: its frame's length, 
 _WHOLE_SLOT = struct.Struct("<I")  # a WHOLE message's first word: its sender's slot_bytes
 
 
+def whole_size(slot: Slot, rest_bytes: int) -> int:
+    """The bytes of a :func:`whole_message` of ``slot`` and a rest of ``rest_bytes``."""
+    return _WHOLE_SLOT.size + len(slot) + rest_bytes
+
+
 def whole_message(slot: Slot, rest: Sequence[Slot]) -> bytes:
     """One channel message of ``slot`` (untrimmed) and the ``rest`` that follows it (a message id with
     :data:`objcomm._transport.base.WHOLE` set): the sender's ``slot_bytes`` first, so that a receiver of another

@@ -65,7 +65,7 @@ from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
 from objcomm._samehost import channel as _channel
 from objcomm._samehost import channel_rounds as _channel_rounds
-from objcomm._samehost.channel_checks import _checked, _trim, agree_on, cut_whole, echo, whole_message
+from objcomm._samehost.channel_checks import _checked, _trim, agree_on, cut_whole, echo, whole_message, whole_size
 from objcomm._samehost.inbox import ANSWER, REST
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._transport import groups as _groups
@@ -126,9 +126,9 @@ class ChannelRoute:
         return message
 
     def send_whole(self, wire: Wire, slot: Slot, out: Outgoing, info: SlotInfo, dst: int) -> bool:
-        whole = whole_message(slot, _channel_rounds.pieces(out, info.inline is not None))  # the slot untrimmed
-        if len(whole) > MAX_PAYLOAD:
+        if whole_size(slot, info.second_round_bytes) > MAX_PAYLOAD:
             return False
+        whole = whole_message(slot, _channel_rounds.pieces(out, info.inline is not None))  # the slot untrimmed
         self.channel.send(whole, dst, wire.tag, self.channel.new_message() | WHOLE)
         return True
 
