@@ -281,10 +281,12 @@ def test_slots_travel_trimmed_after_a_whole_frame_and_whole_otherwise():
             assert sizes, f"{label} {op} sent nothing through the channel"
             if label == "small":
                 assert all(n < 100 for n in sizes), (label, op, sizes)  # a 1024-byte slot, trimmed
-            else:  # sizes listed after the frame, or a frame past the slot: the whole slot
-                # (or control words); and the second round (objcomm._samehost.channel_rounds): the 2,000-byte frame
-                # past the
-                # slot in one message, the tensor's 12 bytes
+            elif op == "send/recv":  # the slot, whole, and its rest in one message, after a word of its slot_bytes
+                # (objcomm._samehost.channel_checks.whole_message): the tensor's 12 bytes, the 2,064-byte frame
+                assert sizes == [4 + 1024 + (12 if label == "tensor" else 2064)], (label, op, sizes)
+            else:  # sizes listed after the frame, or a frame past the slot: the whole slot (or control words); and
+                # the second round (objcomm._samehost.channel_rounds): the 2,000-byte frame past the slot in one
+                # message, the tensor's 12 bytes
                 assert 1024 in sizes and all(n == 1024 or n < 100 or n == 2064 for n in sizes), (label, op, sizes)
                 if label == "past the slot":
                     from_every_sender = [2064] * (2 if op in ("all_gather", "all_to_all") else 1)  # W=2: both ranks,
