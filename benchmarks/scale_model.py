@@ -232,7 +232,7 @@ def step_cost(step: routes.Step, params: Params, world: int, root: int = 0) -> f
         return vote_cost(params, world, a)
     if step.collective == "vote":
         return doubling_vote(world, a)
-    if step.collective == "tree":
+    if step.collective in ("tree", "down_tree"):  # the same edges, one way or the other
         return tree_reduce(world, sizes[0], a, b)
     raise ValueError(f"no cost for {step}")
 
@@ -373,13 +373,14 @@ _CODES = {
     "vote": "D",
     "p2p": "P",
     "tree": "T",
+    "down_tree": "TD",
 }
 _MEDIA = {routes.BACKEND: "", routes.CHANNEL: "(ch)", routes.SHARED_MEMORY: "(shm)"}
 
 
 def route_code(plan: routes.Plan) -> str:
     """A compact route: AG all_gather, AGV exact-size exchange, G gather, B broadcast, V all_reduce vote, D doubling
-    vote, P p2p, T tree."""
+    vote, P p2p, T tree, TD the tree back down."""
     codes: List[str] = []
     for step in plan.steps:
         code = _CODES[step.collective] + _MEDIA[step.medium]

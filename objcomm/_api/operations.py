@@ -17,12 +17,14 @@ from objcomm._api.own_box import NOTHING
 from objcomm._api.resolving import Resolving
 from objcomm._errors import ObjcommError, with_original_type
 from objcomm._format import frame as _frame
+from objcomm._format import limits as _limits
 from objcomm._format.message import Outgoing
 from objcomm._transport import broadcast as _broadcast_rounds
 from objcomm._transport import gather as _gather_rounds
 from objcomm._transport import parts as _parts
 from objcomm._transport import pending as _pending
 from objcomm._transport import rounds as _rounds
+from objcomm._transport import routes
 from objcomm._transport.base import Wire
 
 
@@ -94,7 +96,7 @@ class Operations(Resolving):
             _reduce.resolve(op)
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, dst, "dst")
-        value, complete, own = _reduce.tree(call, obj, op)
+        value, complete, own, _ = _reduce.tree(call, obj, op)
         out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
         incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root)
         if incoming is None:
@@ -110,12 +112,20 @@ class Operations(Resolving):
         if call.wire is None:
             _reduce.resolve(op)
             return call.roundtrip(obj)
-        value, complete, own = _reduce.tree(call, obj, op)
+        value, complete, own, lowest = _reduce.tree(call, obj, op)
         wire = call.wire
         out, local = final_report(call, value, complete, own) if wire.rank == 0 else (None, None)
         if out is not None and not complete and local is None:  # a rank below failed: say so to every rank
             out = _frame.error_frame(ObjcommError("a rank below group rank 0 failed"), wire.inline_capacity)
-        result = _broadcast_rounds.broadcast(wire, out, _frame.tensor_sizes, 0)  # group rank 0 combined it
+        elif out is not None and local is None and not out.complete(wire) and out.total > lowest:  # once, for all
+            local = _limits.too_large(
+                f"all_reduce: the result is {out.total:,} bytes, above max_bytes={lowest:,} of a rank in the group",
+                where="on every rank",
+            )
+            out = _frame.error_frame(local, wire.inline_capacity)
+        # group rank 0 combined it; off the same-host channel on NCCL, it goes back down the reduce tree
+        tree = routes.result_down_tree(cpu=wire.device.type == "cpu", forced=self._hooks.down_tree)
+        result = _broadcast_rounds.broadcast(wire, out, _frame.tensor_sizes, 0, tree=tree)
         if result.error:  # a rank failed (rank 0 knows that much): every rank's own report, to all
             report, failed = final_report(call, None, False, own or local)
             incoming = _rounds.all_gather(wire, report, _frame.tensor_sizes)

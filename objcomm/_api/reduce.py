@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import operator
 import os
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, NamedTuple, Optional, Union
 
 from objcomm._errors import CommunicationError, ObjcommError, OpError
 from objcomm._format import frame as _frame
@@ -93,14 +93,25 @@ def op_error(op: Op, fn: Callable[[Any, Any], Any], exc: BaseException, left: st
     )
 
 
-def tree(call: Any, obj: Any, op: Op) -> Tuple[Optional[Any], bool, Optional[BaseException]]:
+class Reduced(NamedTuple):
+    """What :func:`tree` leaves on a rank."""
+
+    value: Optional[Any]  # the reduction, on group rank 0 when complete
+    complete: bool  # no failure anywhere at or below this rank
+    own: Optional[BaseException]  # what failed on this rank (its report travelled up the tree in place of a value)
+    lowest: int  # the smallest max_bytes at or below this rank (group rank 0: of every rank that reported one)
+
+
+def tree(call: Any, obj: Any, op: Op) -> Reduced:
     """Combine every rank's ``obj`` onto group rank 0 over ``call.wire``.
 
-    Returns ``(value, complete, own_failure)``: ``value`` is the reduction on group rank 0 when
-    ``complete`` (no failure anywhere below it); ``own_failure`` is what failed on this rank (its
-    report travelled up the tree in place of a value).
+    Each message up the tree announces, in its slot's limit, the smallest ``max_bytes`` of the subtree it
+    comes from, so that group rank 0 learns the group's smallest (:attr:`Reduced.lowest`): the result that
+    goes back down the tree (:func:`objcomm._transport.broadcast.down_tree`) is then refused once, at the
+    root, for every rank alike, rather than by one rank in the middle of the tree.
     """
     wire = call.wire._replace(tag=INTERNAL_TAG)  # above every tag a caller may pass (objcomm._api.call.MAX_TAG)
+    lowest = wire.max_bytes
     own: Optional[BaseException] = None
     try:
         fn = resolve(op)
@@ -116,16 +127,17 @@ def tree(call: Any, obj: Any, op: Op) -> Tuple[Optional[Any], bool, Optional[Bas
             else:
                 out = _frame.error_frame(own or ObjcommError("a rank below failed"), wire.inline_capacity)
             try:
-                _rounds.send(wire, out, wire.rank - step)
+                _rounds.send(wire._replace(max_bytes=lowest), out, wire.rank - step)
             except CommunicationError:
                 raise
             except ObjcommError as exc:  # the parent refused it: it knows, and so will everyone else
                 own = own or exc
-            return None, False, own
+            return Reduced(None, False, own, lowest)
         child = wire.rank + step
         if child < wire.size:
             try:
                 _, item, is_error = _rounds.recv(wire, child, _frame.tensor_sizes)
+                lowest = min(lowest, item.sender_limit)
                 if is_error:
                     complete = False
                 elif complete:
@@ -140,4 +152,4 @@ def tree(call: Any, obj: Any, op: Op) -> Tuple[Optional[Any], bool, Optional[Bas
             except Exception as exc:  # refused, undecodable, or op raised: reported at the end
                 own, complete = own or exc, False
         step *= 2
-    return (value if complete else None), complete, own
+    return Reduced(value if complete else None, complete, own, lowest)

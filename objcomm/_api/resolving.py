@@ -37,6 +37,7 @@ class Hooks(NamedTuple):
 
     separate_hosts: Optional[bool] = None  # True: every rank its own host; None: OBJCOMM_FORCE_SEPARATE_HOSTS
     segments: SegmentBook = SEGMENTS  # the book that writes and opens shared-memory segments
+    down_tree: bool = False  # all_reduce's result back down the reduce tree on gloo too, as on NCCL (routes.py)
 
 
 NO_HOOKS = Hooks()

@@ -110,3 +110,4 @@ class Incoming:
     tensors: List[torch.Tensor] = field(default_factory=list)
     error: bool = False  # the frame is an error report
     copy_out: Optional[CopyOut] = None
+    sender_limit: int = 0  # a send/recv's: the max_bytes its slot announced (the reduce tree: its subtree's lowest)

@@ -9,20 +9,28 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from objcomm._errors import CommunicationError, ObjcommError
 from objcomm._format import limits as _limits
+from objcomm._format.frame import error_frame
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, read_slot
-from objcomm._transport.base import NOT_USED, Wire, guarded
+from objcomm._transport import rounds as _rounds
+from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Wire, guarded
 from objcomm._transport.bytes import broadcast_bytes, host_view, receive_buffer
 from objcomm._transport.rounds import REFUSE_LIMIT, _agreement_needed, _on_device, _slot, _vote_refusals
 
 
 # -- broadcast -------------------------------------------------------------------------------
-def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int) -> Incoming:
-    """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere)."""
+def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int, *, tree: bool = False) -> Incoming:
+    """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere). ``tree`` (all_reduce's result, from
+    group rank 0, whose reduce tree has just run, where :func:`objcomm._transport.routes.result_down_tree` says so):
+    where round 1 would go through the group, the frame goes down that tree's edges instead (:func:`down_tree`)."""
     op = "broadcast"
     raw = (_slot(wire, out) if out is not None else bytearray(wire.slot)) if wire.rank == src else None
     got = wire.first_round.broadcast(wire, raw, src, op)
+    if got is NOT_USED and tree:
+        assert src == 0, "the reduce tree ends on group rank 0"
+        return down_tree(wire, out, sizes_of)
     if got is NOT_USED and wire.device.type != "cpu":
         # NCCL broadcasts along a ring (W - 1 hops); the all_reduce (MAX) of a slot takes a tree: the others'
         # zeros leave the source's bytes (a rank that sends other bytes spoils the slot alike for every rank)
@@ -73,3 +81,49 @@ def broadcast_rest(wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of
         raise _limits.refused(op, src, wire, info.total, None, drained=True)
     assert frame is not None
     return Incoming(frame, tensors)
+
+
+def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf) -> Incoming:
+    """Group rank 0's frame and tensors (``out`` there) on every rank, along the edges of the binomial tree that
+    :func:`objcomm._api.reduce.tree` climbs, the other way: a rank takes the whole message (slot and rest, one
+    send/recv) from its parent ``rank - lowbit(rank)`` and passes it on to its children ``rank + 2**k`` for every
+    ``2**k`` below ``lowbit(rank)``, the largest subtree first. ceil(log2 W) hops in sequence on every backend,
+    where NCCL's broadcast is a ring of W - 1, and no vote: group rank 0 already refused, for every rank alike, a
+    result above the smallest ``max_bytes`` that came up the tree (:class:`objcomm._api.reduce.Reduced`).
+
+    A rank that refuses what its parent sends anyway (a lying rank announced a larger limit for its subtree, or
+    sizes that disagree) passes its children an error report in its place and raises: its subtree then takes the
+    failure path that every rank takes when the root reports a failure, and waits there for the others until the
+    group's timeout, as it would for a rank that never sent (docs/security.md, "What every rank agrees on")."""
+    wire = wire._replace(tag=INTERNAL_TAG)  # as the reduce tree (its sends go the other way: higher to lower ranks)
+    rank, size = wire.rank, wire.size
+    own: Optional[BaseException] = None
+    if rank == 0:
+        assert out is not None
+        got = Incoming(out.frame if out.error else memoryview(b""), error=out.error)  # the root decodes only a failure
+        forward = out
+        step = 1 << max(size - 1, 0).bit_length()  # above the top child
+    else:
+        step = rank & -rank
+        try:
+            _, got, _ = _rounds.recv(wire, rank - step, sizes_of)
+            small = got.frame.nbytes <= wire.inline_capacity  # a slot's view: copied, as a route may reuse its buffer
+            forward = Outgoing(bytes(got.frame) if small else got.frame, got.tensors, error=got.error)
+        except CommunicationError:
+            raise
+        except ObjcommError as exc:  # refused (drained): the children learn it from an error report
+            own = exc
+            got, forward = Incoming(memoryview(b""), error=True), error_frame(exc, wire.inline_capacity)
+    step //= 2
+    while step:
+        if rank + step < size:
+            try:
+                _rounds.send(wire, forward, rank + step)
+            except CommunicationError:
+                raise
+            except ObjcommError:  # that child refused it: it raises, and its subtree hears of it from it
+                pass
+        step //= 2
+    if own is not None:
+        raise own
+    return got

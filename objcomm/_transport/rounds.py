@@ -273,7 +273,15 @@ def received(
     wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: Optional[Route] = None, message: int = 0
 ) -> tuple[int, Incoming, bool]:
     """The rest of a receive from group rank ``sender`` once its slot (``info``) arrived, through the group or
-    ``route`` (which carried the slot of message ``message``)."""
+    ``route`` (which carried the slot of message ``message``); the incoming keeps the limit the slot announced."""
+    got = _received(wire, sender, info, sizes_of, route, message)
+    got[1].sender_limit = info.limit
+    return got
+
+
+def _received(
+    wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: Optional[Route], message: int
+) -> tuple[int, Incoming, bool]:
     op = "recv"
     problem = _limits.slot_problem_of(info)
     if problem:  # the sender finds the same in its slot and raises too

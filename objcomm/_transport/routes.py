@@ -32,6 +32,9 @@ backend exchange        all_gather's rests: one padded all_gather when          
 two levels              all_gather, gather, broadcast of a CPU group with ``local`` on   :func:`two_levels`
                         that spans hosts, some with two ranks or more: each host's
                         channel to its leader, the leaders on the backend, back
+all_reduce's result     back down the reduce tree (send/recv, one message an edge)       :func:`result_down_tree`
+                        on NCCL where a broadcast's round 1 would take the backend;
+                        else that broadcast (gloo, the channel, two levels)
 ======================  ===============================================================  ==========================
 
 Example::
@@ -68,6 +71,17 @@ def express_possible(*, compression: bool, channel_first: bool) -> bool:
 def round_one(*, local: bool, one_host: bool, channel_open: bool) -> str:
     """The medium of round 1: the same-host channel where it is on and open on a group that lies on one host."""
     return CHANNEL if local and one_host and channel_open else BACKEND
+
+
+def result_down_tree(*, cpu: bool, forced: bool = False) -> bool:
+    """Whether all_reduce's result goes from group rank 0 back down its reduce tree (send/recv, one whole message
+    per edge: ceil(log2 W) hops; :func:`objcomm._transport.broadcast.down_tree`) rather than in a broadcast, where a
+    broadcast's round 1 would take the backend (through the same-host channel, or two levels, the broadcast stays:
+    one copy for a host's ranks). On NCCL, whose broadcast is a ring of W - 1 hops and whose slot takes an
+    all_reduce (two tree passes). Not on gloo, whose broadcast is already a binomial tree, run in C++: the tree of
+    Python sends measured slower there (4 ranks, a 1 MB result: 10-12 ms against 7-8 ms); ``forced`` (objcomm's
+    tests, :class:`objcomm._api.resolving.Hooks`) takes it on gloo too."""
+    return not cpu or forced
 
 
 def two_levels(*, hosts: int, widest: int, cpu: bool, local: bool) -> bool:
@@ -166,7 +180,8 @@ class Step:
     ``gather``, ``broadcast``, ``all_reduce``, ``vote``: a word's maximum by recursive doubling then rank 0's
     broadcast (gloo: floor(log2 W) exchanges, a hand-over more where W is no power of two, ceil(log2 W) broadcast
     steps), ``p2p``: one batch of sends and receives to one rank, ``tree``:
-    a binomial tree of sends toward group rank 0, ceil(log2 W) levels in sequence); ``medium``: who runs it;
+    a binomial tree of sends toward group rank 0, ceil(log2 W) levels in sequence, ``down_tree``: the same tree's
+    sends the other way, from group rank 0); ``medium``: who runs it;
     ``nbytes``: the bytes each rank contributes, in group-rank order (a broadcast's and a tree's: one value); on two
     levels, a host's step runs over ``ranks`` (the widest host's) and a leaders' step over one rank per host."""
 
@@ -263,11 +278,14 @@ def plan(
                 for at in range(0, moved, knobs.chunk_bytes)
             ]
     elif op in ("all_reduce", "reduce"):
-        # a tree of send/recv (objcomm._api.reduce.tree; each carries a slot and its rest), then all_reduce:
-        # group rank 0's value or failure broadcast; reduce: a gather of every rank's report to the root
+        # a tree of send/recv (objcomm._api.reduce.tree; each carries a slot and its rest), then all_reduce: group
+        # rank 0's value or failure back down the tree or broadcast; reduce: a gather of every rank's report to the root
         steps.append(Step("tree", BACKEND, (knobs.slot_bytes + rests[0],)))
         if op == "all_reduce":
-            return Plan(op, first, (*steps, *plan("broadcast", topology, rests, knobs, root=0, listed=listed).steps))
+            result = plan("broadcast", topology, rests, knobs, root=0, listed=listed)
+            if result.round_one == BACKEND and result_down_tree(cpu=topology.cpu):
+                return Plan(op, first, (*steps, Step("down_tree", BACKEND, (knobs.slot_bytes + rests[0],))))
+            return Plan(op, first, (*steps, *result.steps))
         carried = [rests[0] if r == 0 and root != 0 else 0 for r in range(world)]
         return Plan(op, first, (*steps, *plan("gather", topology, carried, knobs, root=root).steps))
     else:

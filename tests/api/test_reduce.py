@@ -14,6 +14,7 @@ from _builtins import ON_RANKS
 from _ranks import get_pool
 
 import objcomm
+from objcomm._api.resolving import Hooks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -171,6 +172,39 @@ def test_max_bytes_and_accept_refusals_reach_every_rank():
         assert result["max_bytes"] == ["TooLargeError"]
         assert result["accept"] == {0: "ContentRefusedError"}
         assert result["after"]
+
+
+def result_over_a_limit() -> Dict[str, Any]:
+    """all_reduce whose result (40 KB) passes rank 1's max_bytes though every object (20 KB) is within it, through
+    the channel and off it (the result back down the tree)."""
+    rank, outcomes = dist.get_rank(), {}
+    tree = objcomm.Communicator(local=False, _hooks=Hooks(down_tree=True))  # NCCL's route off the channel
+    for route, comm in (
+        ("channel", objcomm.Communicator()),
+        ("backend", objcomm.Communicator(local=False)),
+        ("tree", tree),
+    ):
+        try:
+            comm.all_reduce(b"y" * 20_000, "sum", max_bytes=30_000 if rank == 1 else None)
+            outcomes[route] = "returned"
+        except objcomm.RemoteError as exc:
+            outcomes[route] = {r: t for r, (t, _) in exc.failures.items()}
+        outcomes[route + " after"] = comm.all_reduce(b"y" * 20_000, "sum") == b"y" * 40_000
+    return outcomes
+
+
+def test_a_result_over_a_receivers_limit_is_refused_for_every_rank():
+    """Group rank 0 learns every rank's max_bytes on the way up the tree, and refuses the result once: every rank
+    raises the same (before, the receiver over its limit raised alone, after taking the bytes)."""
+    for result in get_pool(2).run(result_over_a_limit):
+        assert result == {
+            "channel": {0: "TooLargeError"},
+            "channel after": True,
+            "backend": {0: "TooLargeError"},
+            "backend after": True,
+            "tree": {0: "TooLargeError"},
+            "tree after": True,
+        }
 
 
 def in_a_subgroup() -> Any:

@@ -9,6 +9,7 @@ and blocking sends and receives. One pool serves every test here.
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import struct
 from typing import Any, Dict, Iterator, List
@@ -157,6 +158,54 @@ def test_reductions_end_without_an_all_gather_of_slots():
         # all_reduce: one broadcast (its value in the slot) or a broadcast and its rest; reduce: a gather of
         # slots and dst's word, then (a value past the slot) one batch; the tree's sends are point to point
         assert small_calls <= 3 and big_calls <= 6, (rank, small_calls, big_calls)
+
+
+def down_the_tree() -> List[Any]:
+    """all_reduce off the channel by NCCL's route (the result back down the reduce tree, taken on gloo here): values
+    in the slot, past it, past the 1 MiB scratch size (its receivers answer first) and a tensor (out of band); then
+    the result over a leaf's max_bytes, and an op that raises on one rank; then gloo's own route (a broadcast)."""
+    comm, rank = (
+        objcomm.Communicator(local=False, shm=False, _hooks=Hooks(separate_hosts=True, down_tree=True)),
+        dist.get_rank(),
+    )
+    rows: List[Any] = []
+    for value in (rank + 1, b"r" * (300_000 + rank), b"m" * (3_000_000 + rank), torch.full((50_000,), float(rank))):
+        plus = (lambda a, b: a + b[:1]) if isinstance(value, bytes) else operator.add
+        with calls() as counts:
+            got = comm.all_reduce(value, plus)
+        rows.append((got, counts["collectives"], counts["blocking"] + counts["p2p"]))
+    for case in ("over a leaf's limit", "op raises on rank 6"):
+        try:
+            if case == "over a leaf's limit":
+                comm.all_reduce(b"x" * 20_000, operator.add, max_bytes=100_000 if rank == 7 else None)  # 160 KB
+            else:
+                comm.all_reduce(rank, lambda a, b: a + b if rank != 6 else a + None)
+            rows.append((case, "returned"))
+        except objcomm.RemoteError as exc:
+            rows.append((case, exc.failures and {r: t for r, (t, _) in exc.failures.items()}))
+    rows.append(comm.all_reduce(1, "sum"))  # in step afterwards
+    with calls() as counts:
+        rows.append((_comm().all_reduce(rank, "sum"), counts["collectives"]))
+    return rows
+
+
+def test_all_reduce_returns_down_the_tree():
+    """Off the channel on NCCL, all_reduce's result goes back down the reduce tree: no collective when nothing fails
+    (log2(8) = 3 levels of send/recv each way); a result over one leaf's max_bytes is refused once, by group rank 0,
+    for every rank alike (the leaf's limit came up the tree); a failure in the tree reaches every rank."""
+    results = get_pool(W).run(down_the_tree, timeout=120)
+    for rank, rows in enumerate(results):
+        (small, small_c, small_p2p), (big, big_c, _), (huge, huge_c, _), (tensor, tensor_c, _) = rows[:4]
+        assert small == sum(range(1, W + 1)), (rank, small)
+        assert big == b"r" * 300_000 + b"r" * 3 and huge == b"m" * 3_000_000 + b"m" * 3  # 3 combinations on rank 0
+        assert torch.equal(tensor, torch.full((50_000,), float(sum(range(W)))))
+        assert (small_c, big_c, huge_c, tensor_c) == (0, 0, 0, 0), (rank, rows[:4])
+        # a leaf (odd rank) sends once up and receives once down; group rank 0 receives 3 and sends 3 (each a slot)
+        assert small_p2p <= (2 if rank % 2 else 6), (rank, small_p2p)
+        assert rows[4] == ("over a leaf's limit", {0: "TooLargeError"}), (rank, rows[4])
+        assert rows[5] == ("op raises on rank 6", {6: "TypeError"}), (rank, rows[5])
+        assert rows[6] == W
+        assert rows[7] == (sum(range(W)), 1), rows[7]  # gloo's own route: the slot in gloo's broadcast
 
 
 def _forged_table(nbytes: int) -> Outgoing:

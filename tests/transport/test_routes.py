@@ -90,6 +90,37 @@ def test_collectives_stay_bounded_at_any_world_size(world, device):
             assert all(len(step.nbytes) in (1, world) for step in got.steps)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_all_reduce_returns_down_its_tree_where_round_one_takes_the_backend(device):
+    """On NCCL off the channel (across hosts, or local off), all_reduce's result goes back down the reduce tree: two
+    backend steps of ceil(log2 W) hops each, whatever the value's size, no ring, no vote; through the channel (one
+    host) it stays a broadcast; on gloo a broadcast too (binomial already)."""
+    assert routes.result_down_tree(cpu=False) and routes.result_down_tree(cpu=True, forced=True)
+    assert not routes.result_down_tree(cpu=True)  # gloo's own broadcast is a binomial tree already
+    for rest in (0, 3 * MB, 600 * MB):
+        flat = [
+            Topology(world=8192, device=device),  # one rank a host
+            Topology(world=8192, device=device, ranks_per_host=8, channel_open=False),
+        ]
+        if device == "cuda":
+            flat.append(Topology(world=8192, device=device, ranks_per_host=8))  # NCCL takes no two levels
+        for topology in flat:
+            got = plan("all_reduce", topology, [rest] * topology.world)
+            if device == "cpu":
+                assert [s.collective for s in got.steps][:2] == ["tree", "broadcast"]
+                continue
+            assert [(s.collective, s.medium, s.nbytes) for s in got.steps] == [
+                ("tree", BACKEND, (4096 + rest,)),
+                ("down_tree", BACKEND, (4096 + rest,)),
+            ], (topology, rest)
+            assert got.backend_calls == 2
+    one_host = plan("all_reduce", Topology(world=8, ranks_per_host=8, device=device), [0] * 8)
+    assert [s.collective for s in one_host.steps] == ["tree", "broadcast"]
+    if device == "cpu":
+        two_level = plan("all_reduce", Topology(world=64, ranks_per_host=8), [0] * 64)
+        assert two_level.round_one == BACKEND and "down_tree" not in [s.collective for s in two_level.steps]
+
+
 def test_an_all_gather_at_exact_sizes_moves_no_padding():
     rests = _spreads(8192)["one outlier"]
     step = plan("all_gather", Topology(world=8192), rests).steps[-1]
