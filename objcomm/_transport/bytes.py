@@ -161,7 +161,8 @@ def all_gather_rests(
     from group rank ``r`` (None where it sends none, and for this rank, which holds its own ``mine``: its parts,
     back to back). The shape is :func:`objcomm._transport.routes.exchange_shape`'s: one padded all_gather of the
     widest when that moves at most twice the bytes; else exact sizes, as an uneven all_gather on NCCL (torch runs
-    it as coalesced broadcasts) or one batch of sends and receives on gloo (whose all_gather needs equal sizes).
+    it as coalesced broadcasts) or one batch of sends and receives on gloo (whose all_gather needs equal sizes),
+    after one broadcast of the largest rest where it dwarfs the others (:func:`routes.broadcast_largest`).
     Transfers go in pieces of at most ``wire.chunk`` bytes. Point-to-point pieces travel under
     :data:`~objcomm._transport.base.INTERNAL_TAG`, which no caller's message carries."""
     me, size = wire.rank, wire.size
@@ -185,6 +186,11 @@ def all_gather_rests(
                 if result is not None and ins[r]:
                     result[start : start + ins[r]] = outs[r]
         return results
+    largest = routes.broadcast_largest(lengths)
+    if largest is not None:  # a rest that dwarfs the others: in gloo's broadcast first (a binomial tree)
+        received = broadcast_bytes(wire, own if largest == me else None, lengths[largest], largest, op)
+        got[largest] = None if largest == me else received
+        lengths = [0 if r == largest else n for r, n in enumerate(lengths)]
     tag = 2 * INTERNAL_TAG
     ops = []
     if lengths[me]:

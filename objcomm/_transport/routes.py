@@ -29,6 +29,9 @@ backend exchange        all_gather's rests: one padded all_gather when          
                         ``world x widest <= PADDED_WITHIN x total``, else one exchange
                         at exact sizes (an uneven all_gather on NCCL, one batch of
                         send/recv on gloo); either in rounds of ``chunk_bytes``
+gloo's outlier          in an exact exchange on gloo, a rest that dwarfs the others      :func:`broadcast_largest`
+                        goes first in gloo's broadcast (log2 W hops of it, not W - 1
+                        sends by its owner)
 two levels              all_gather, gather, broadcast of a CPU group with ``local`` on   :func:`two_levels`
                         that spans hosts, some with two ranks or more: each host's
                         channel to its leader, the leaders on the backend, back
@@ -40,15 +43,15 @@ all_reduce's result     back down the reduce tree (send/recv, one message an edg
 Example::
 
     >>> from objcomm._transport import routes
-    >>> p = routes.plan("all_gather", routes.Topology(world=8192), rests=[0] * 8191 + [100 << 20])
+    >>> p = routes.plan("all_gather", routes.Topology(world=8192), rests=[0] * 8190 + [1 << 20, 100 << 20])
     >>> [step.collective for step in p.steps], p.backend_calls
-    (['all_gather', 'all_gatherv'], 2)
+    (['all_gather', 'broadcast', 'all_gatherv'], 3)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from objcomm._format.limits import SCRATCH_BYTES
 from objcomm._settings import DEFAULT_CHUNK_BYTES, DEFAULT_SHM_THRESHOLD, DEFAULT_SLOT_BYTES
@@ -136,6 +139,25 @@ def exchange_shape(lengths: Sequence[int]) -> str:
     bytes, else :data:`EXACT`. O(W)."""
     widest = max(lengths, default=0)
     return PADDED if len(lengths) * widest <= PADDED_WITHIN * sum(lengths) else EXACT
+
+
+def broadcast_largest(lengths: Sequence[int]) -> Optional[int]:
+    """In gloo's exchange at exact sizes (:data:`EXACT`), the group rank whose rest goes first in gloo's broadcast
+    (a binomial tree: it crosses ceil(log2 W) hops, one after another) rather than in the batch of sends, where its
+    owner sends it to each of the W - 1 other ranks itself; None to send every rest in the batch. Taken when that
+    moves fewer bytes through the busiest rank (the largest rest's owner sends (W - 1) x n, every rank takes in
+    every rest once): one rest that dwarfs the others. The same answer on every rank (round 1's sizes); O(W)."""
+    world = len(lengths)
+    if world < 3:
+        return None
+    top = max(range(world), key=lengths.__getitem__)
+    widest = lengths[top]
+    total, least = sum(lengths), min(lengths)
+    others = [n for r, n in enumerate(lengths) if r != top]
+    batch = max((world - 1) * widest, total - least)
+    rest_of_batch = max((world - 1) * max(others), total - widest - min(others))
+    tree = (world - 1).bit_length() * widest
+    return top if widest and tree + rest_of_batch < batch else None
 
 
 def pieces(length: int, chunk: int) -> int:
@@ -305,7 +327,16 @@ def _exchange(medium: str, rests: List[int], topology: Topology, knobs: Knobs) -
             Step("all_gatherv", BACKEND, tuple(max(0, min(chunk, r - at)) for r in rests))
             for at in range(0, widest, chunk)
         ]
-    return [Step("all_gatherv", BACKEND, tuple(rests))]  # gloo: one batch of sends and receives
+    largest = broadcast_largest(rests)  # gloo: a rest that dwarfs the others in its own broadcast, first
+    steps = []
+    if largest is not None:
+        steps = [
+            Step("broadcast", BACKEND, (min(chunk, rests[largest] - at),)) for at in range(0, rests[largest], chunk)
+        ]
+        rests = [0 if r == largest else n for r, n in enumerate(rests)]
+    if any(rests):
+        steps.append(Step("all_gatherv", BACKEND, tuple(rests)))  # one batch of sends and receives
+    return steps
 
 
 def _two_level_steps(

@@ -136,6 +136,49 @@ def test_bounded_calls_whatever_the_spread(op, most):
             assert blocking == 0, f"{op}, {case}: {blocking} blocking sends/receives on rank {rank}"
 
 
+def outlier_sends() -> List[Any]:
+    """all_gather with one 20 MB object (rank 1's) and a 2 MB one (rank 5's) among 1 KB ones: the bytes this rank
+    posts in batches of sends, its broadcasts, and whether every object arrived."""
+    comm, rank = _comm(), dist.get_rank()
+    counts = {"sent": 0, "broadcasts": 0}
+    real_batch, real_broadcast = dist.batch_isend_irecv, dist.broadcast
+
+    def batch(ops: List[Any]) -> Any:
+        counts["sent"] += sum(o.tensor.numel() for o in ops if o.op is dist.isend)
+        return real_batch(ops)
+
+    def broadcast(*args: Any, **kwargs: Any) -> Any:
+        counts["broadcasts"] += 1
+        return real_broadcast(*args, **kwargs)
+
+    rows = []
+    for big in ({1: 20 << 20}, {1: 20 << 20, 5: 2 << 20}):
+        objs = [b"o" * big.get(r, 1000) for r in range(W)]
+        counts.update(sent=0, broadcasts=0)
+        dist.batch_isend_irecv, dist.broadcast = batch, broadcast
+        try:
+            got = comm.all_gather(objs[rank])
+        finally:
+            dist.batch_isend_irecv, dist.broadcast = real_batch, real_broadcast
+        rows.append((got == objs, counts["sent"], counts["broadcasts"]))
+    return rows
+
+
+def test_a_rest_that_dwarfs_the_others_goes_in_a_broadcast():
+    """gloo's exchange at exact sizes: the 20 MB object goes in gloo's broadcast (a binomial tree: log2(8) = 3 hops
+    of it), not from its owner to each of its 7 peers; the others still go in one batch of sends."""
+    for rank, ((alone, sent_alone, cast_alone), (two, sent_two, cast_two)) in enumerate(
+        get_pool(W).run(outlier_sends, timeout=120)
+    ):
+        assert alone and two, rank
+        assert cast_alone == cast_two == 1, (rank, cast_alone, cast_two)
+        assert sent_alone == 0, (rank, sent_alone)  # every other object fits its slot: no batch at all
+        if rank == 5:  # its 2 MB (with its frame's header) to each of its 7 peers itself
+            assert 7 * (2 << 20) <= sent_two < 7 * ((2 << 20) + 4096), sent_two
+        else:  # rank 1's 20 MB went in the broadcast; the others fit their slots
+            assert sent_two == 0, (rank, sent_two)
+
+
 def reductions() -> List[Any]:
     """all_reduce and reduce of a small and a large value: results and this rank's calls."""
     comm, rank = _comm(), dist.get_rank()

@@ -83,9 +83,9 @@ def test_collectives_stay_bounded_at_any_world_size(world, device):
     for case, rests in _spreads(world).items():
         for op in ("all_gather", "gather", "broadcast", "all_reduce", "reduce"):
             got = plan(op, topology, rests)
-            # all_gather: round 1 and one exchange (NCCL: one more per 256 MiB of the widest rest); never one
-            # collective per rank
-            most = {"all_gather": 2, "gather": 3, "broadcast": 3, "all_reduce": 4, "reduce": 4}[op]
+            # all_gather: round 1 and one exchange (NCCL: one more per 256 MiB of the widest rest; gloo: a broadcast
+            # of a rest that dwarfs the others first); never one collective per rank
+            most = {"all_gather": 3, "gather": 3, "broadcast": 3, "all_reduce": 4, "reduce": 4}[op]
             assert got.backend_calls <= most + (max(rests) >> 28), (op, case, world, got)
             assert all(len(step.nbytes) in (1, world) for step in got.steps)
 
@@ -121,8 +121,27 @@ def test_all_reduce_returns_down_its_tree_where_round_one_takes_the_backend(devi
         assert two_level.round_one == BACKEND and "down_tree" not in [s.collective for s in two_level.steps]
 
 
+def test_gloo_broadcasts_a_rest_that_dwarfs_the_others():
+    """gloo's exact exchange: one outlier goes in gloo's broadcast (ceil(log2 W) hops of it), not W - 1 sends by its
+    owner; two alike, or a small world, stay in the batch; NCCL's uneven all_gather needs no such step."""
+    assert routes.broadcast_largest([0] * 8191 + [100 * MB]) == 8191
+    assert routes.broadcast_largest([1000] * 15 + [20 * MB]) == 15
+    assert routes.broadcast_largest([0] * 14 + [2 * MB] * 2) is None  # the other 2 MB would still go W - 1 times
+    assert routes.broadcast_largest([0, 100 * MB]) is None and routes.broadcast_largest([0, 0, 100 * MB]) is None
+    assert routes.broadcast_largest([0] * 8) is None
+    outlier = [0] * 8191 + [100 * MB]
+    gloo, nccl = (
+        plan("all_gather", Topology(world=8192), outlier),
+        plan("all_gather", Topology(world=8192, device="cuda"), outlier),
+    )
+    assert [(s.collective, s.nbytes) for s in gloo.steps[1:]] == [("broadcast", (100 * MB,))]
+    assert [s.collective for s in nccl.steps[1:]] == ["all_gatherv"]
+    both = plan("all_gather", Topology(world=512), [MB] + [0] * 510 + [100 * MB])
+    assert [(s.collective, s.nbytes[-1]) for s in both.steps[1:]] == [("broadcast", 100 * MB), ("all_gatherv", 0)]
+
+
 def test_an_all_gather_at_exact_sizes_moves_no_padding():
-    rests = _spreads(8192)["one outlier"]
+    rests = [0] * 8190 + [100 * MB] * 2
     step = plan("all_gather", Topology(world=8192), rests).steps[-1]
     assert (step.collective, step.nbytes) == ("all_gatherv", tuple(rests))
 
@@ -161,7 +180,7 @@ def test_two_levels_leave_the_backend_to_one_rank_per_host(world):
     steps over 8 ranks through the channel; bounded calls whatever the spread."""
     topology = Topology(world=world, ranks_per_host=8)
     for case, rests in _spreads(world).items():
-        for op, most in (("all_gather", 2), ("gather", 3), ("broadcast", 4), ("all_reduce", 5)):
+        for op, most in (("all_gather", 3), ("gather", 3), ("broadcast", 4), ("all_reduce", 5)):
             got = plan(op, topology, rests)
             backend = [s for s in got.steps if s.medium == BACKEND and s.collective != "tree"]
             assert backend and all(s.across and s.ranks == world // 8 for s in backend), (op, case, got)
