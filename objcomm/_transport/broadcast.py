@@ -94,7 +94,7 @@ def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf) -> Incomin
     A rank that refuses what its parent sends anyway (a lying rank announced a larger limit for its subtree, or
     sizes that disagree) passes its children an error report in its place and raises: its subtree then takes the
     failure path that every rank takes when the root reports a failure, and waits there for the others until the
-    group's timeout, as it would for a rank that never sent (docs/security.md, "What every rank agrees on")."""
+    group's timeout, as it would for a rank that never sent (docs/security.md, "Decisions every rank must share")."""
     wire = wire._replace(tag=INTERNAL_TAG)  # as the reduce tree (its sends go the other way: higher to lower ranks)
     rank, size = wire.rank, wire.size
     own: Optional[BaseException] = None
