@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Optional, cast
 
 from objcomm import _state
 from objcomm._api.call import MAX_TAG, Call, only
-from objcomm._errors import UnknownSerializerError
+from objcomm._errors import CommunicationError, UnknownSerializerError
 from objcomm._format import frame as _frame
 from objcomm._format import plain_slot as _plain_slot
 from objcomm._format.message import Incoming
@@ -160,7 +160,9 @@ class Express:
         slot, serialized = self._slot(obj)
         if slot is None:
             return False, serialized
-        slots = channel.all_gather(slot, self.spin)
+        slots = _unless_rejoining(channel, lambda: channel.all_gather(slot, self.spin))
+        if slots is REJOIN:
+            return False, serialized
         size = self.slot
         for got in slots:
             if len(got) != size and not _channel_checks.trimmed(got, size):
@@ -198,9 +200,12 @@ class Express:
             slot, serialized = self._slot(obj)
             if slot is None:
                 return False, serialized
-            channel.broadcast(slot, root, self.spin)
+            if _unless_rejoining(channel, lambda: channel.broadcast(slot, root, self.spin)) is REJOIN:
+                return False, serialized
             return True, self._plain(slot, root)
-        got = channel.broadcast(None, root, self.spin)
+        got = _unless_rejoining(channel, lambda: channel.broadcast(None, root, self.spin))
+        if got is REJOIN:
+            return False, None
         if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
             # raises, as the general path does
             _channel_checks._checked(self.wire(group(), 0), channel, [got], "broadcast")
@@ -270,6 +275,22 @@ class Express:
     def wire(self, group: Any, tag: int) -> Wire:
         """The wire of a send/recv on ``group`` under ``tag``, as the general path builds it."""
         return Wire(group, *self.rest)._replace(tag=tag)
+
+
+REJOIN = object()  # what _unless_rejoining returns where the general path must open a new channel
+
+
+def _unless_rejoining(channel: Any, move: Callable[[], Any]) -> Any:
+    """``move()``, a collective on ``channel``; :data:`REJOIN` where it failed because a peer had failed the channel
+    before this call (the general path then opens a new one at this call, as that peer does:
+    :meth:`objcomm._samehost.mesh.Mesh.rejoins_after`), nothing having been taken."""
+    start = channel.sequence
+    try:
+        return move()
+    except CommunicationError:
+        if channel.rejoins_after(start):
+            return REJOIN
+        raise
 
 
 def _decoders(serializer: SerializerProtocol, accept: Any) -> Dict[bytes, SerializerProtocol]:

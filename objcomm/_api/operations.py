@@ -18,7 +18,7 @@ from objcomm._api.resolving import Resolving
 from objcomm._errors import ObjcommError, with_original_type
 from objcomm._format import frame as _frame
 from objcomm._format import limits as _limits
-from objcomm._format.message import Outgoing
+from objcomm._format.message import Incoming, Outgoing
 from objcomm._transport import broadcast as _broadcast_rounds
 from objcomm._transport import gather as _gather_rounds
 from objcomm._transport import parts as _parts
@@ -26,6 +26,7 @@ from objcomm._transport import pending as _pending
 from objcomm._transport import rounds as _rounds
 from objcomm._transport import routes
 from objcomm._transport.base import Wire
+from objcomm._transport.tree_reports import reports_over_tree
 
 
 class Operations(Resolving):
@@ -127,8 +128,13 @@ class Operations(Resolving):
         tree = routes.result_down_tree(cpu=wire.device.type == "cpu", forced=self._hooks.down_tree)
         result = _broadcast_rounds.broadcast(wire, out, _frame.tensor_sizes, 0, tree=tree)
         if result.error:  # a rank failed (rank 0 knows that much): every rank's own report, to all
-            report, failed = final_report(call, None, False, own or local)
-            incoming = _rounds.all_gather(wire, report, _frame.tensor_sizes)
+            report, failed = final_report(call, None, False, own or local or result.refused)
+            # learnt from a parent alone (down the tree): never into a collective of the group
+            incoming: Sequence[Optional[Incoming]] = (
+                reports_over_tree(wire, report)
+                if result.relayed
+                else _rounds.all_gather(wire, report, _frame.tensor_sizes)
+            )
             call.raise_failures("all_reduce", incoming, failed)
             call.raise_failures("all_reduce", only(0, result, wire.size), failed)
         return value if wire.rank == 0 else call.decode(result, 0)

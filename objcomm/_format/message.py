@@ -111,3 +111,5 @@ class Incoming:
     error: bool = False  # the frame is an error report
     copy_out: Optional[CopyOut] = None
     sender_limit: int = 0  # a send/recv's: the max_bytes its slot announced (the reduce tree: its subtree's lowest)
+    relayed: bool = False  # it came down the reduce tree, relayed by peers (objcomm._transport.broadcast.down_tree)
+    refused: Optional[Exception] = None  # down the tree: why this rank refused what its parent sent (error is set)

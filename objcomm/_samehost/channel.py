@@ -102,7 +102,8 @@ AUTO_SPIN = 1e-3  # seconds a wait polls before sleeping when the spin setting i
 
 _HELLO = struct.Struct("<iq")  # connector's group rank, the acceptor's secret
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
-_WORDS = 10  # ok, host key, pid, uid, pid namespace, socket nonce, secret, ready, generation, failure point
+# ok, host key, pid, uid, pid namespace, socket nonce, secret, ready, generation, failure point, resumed at
+_WORDS = 11
 _OPEN: weakref.WeakSet[LocalChannel] = weakref.WeakSet()  # closed in a forked child (see _forget_in_child)
 VOTE = 2  # first word of a vote (LocalChannel.vote), where set-up has 0 or 1
 
@@ -152,6 +153,9 @@ class LocalChannel(Mesh):
         self.p2p = p2p
         self.generation = generation
         self.failed_at: Optional[int] = None
+        self.resume_at = 0  # once failed: the collective of this channel at which the group opens the next one
+        self.rejoins = False  # once failed: a peer failed it first, at an earlier call (see Mesh._failure_point)
+        self._current: Optional[int] = None  # the collective this rank is in
         self._pids = tuple(pids)
         self._peers = peers
         self._others = sorted(peers)  # every other rank
@@ -181,7 +185,7 @@ class LocalChannel(Mesh):
         separate: Union[bool, int] = False,
         op: str = "local channel set-up",
         ready: bool = False,
-        history: Tuple[int, int] = (0, 0),
+        history: Tuple[int, int, int] = (0, 0, 0),
         stash_bytes: Optional[int] = None,
         control: Any = None,
     ) -> Optional[LocalChannel]:
@@ -189,11 +193,14 @@ class LocalChannel(Mesh):
         not all on this host with one uid and pid namespace, or when any rank could not connect.
 
         ``ready``: this rank has no send/recv in flight (the channel takes send/recv when every rank is).
-        ``history``: ``(generation, failure point)`` of the group's previous channel (``(0, 0)``: none);
-        ranks that tell different ones are out of step, and every rank raises. ``stash_bytes``: see
-        :mod:`objcomm._samehost.inbox` (``None``: room for every peer's credit). ``control``: the group's control group
-        (:func:`objcomm._transport.groups.sibling`, gloo), which carries a reopening's collectives instead of the group,
-        so that they never meet a collective of the group another rank is still in; None at the first set-up."""
+        ``history``: ``(generation, failure point, resumed at)`` of the group's previous channel (``(0, 0, 0)``:
+        none; the last: the collective of that channel this call is, counted as its own were,
+        :meth:`objcomm._samehost.mesh.Mesh._failure_point`); ranks that tell different ones are out of step (a rank
+        that finished calls the others never made, a peer that failed at another call), and every rank raises.
+        ``stash_bytes``: see :mod:`objcomm._samehost.inbox` (``None``: room for every peer's credit). ``control``: the
+        group's control group (:func:`objcomm._transport.groups.sibling`, gloo), which carries a reopening's
+        collectives instead of the group, so that they never meet a collective of the group another rank is still in;
+        None at the first set-up."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         nonce, secret = secrets.randbits(63), secrets.randbits(63)
         try:
@@ -220,7 +227,7 @@ class LocalChannel(Mesh):
             op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group
         )
         words: List[int] = everyone.tolist()
-        oks, keys, pids, uids, namespaces, nonces, _, readies, generations, points = (
+        oks, keys, pids, uids, namespaces, nonces, _, readies, generations, points, resumed = (
             words[i::_WORDS] for i in range(_WORDS)
         )
         peers: Dict[int, socket.socket] = {}
@@ -231,11 +238,11 @@ class LocalChannel(Mesh):
                     "while this rank opened a new one: the group's calls are out of step; it cannot be "
                     "used any more"
                 )
-            if len({*zip(generations, points)}) > 1:
+            if len({*zip(generations, points, resumed)}) > 1:
                 raise OutOfStep(
                     f"{op}: the ranks of this group disagree about where its same-host channel failed (channel, "
-                    f"failure point per rank: {list(zip(generations, points))}): they are not at the same call. "
-                    "The group's calls are out of step; it cannot be used any more"
+                    f"failure point, this call per rank: {list(zip(generations, points, resumed))}): they are not "
+                    "at the same call. The group's calls are out of step; it cannot be used any more"
                 )
             usable = all(oks) and len({*keys}) == 1 and len({*uids}) == 1 and len({*namespaces}) == 1
             if usable:
@@ -262,7 +269,7 @@ class LocalChannel(Mesh):
         control group (see :meth:`open`), whose result every rank sees alike. It has the set-up's shape, one all_gather
         of ``_WORDS`` words per rank, so that a vote that meets a rank's reopening (on the control group too) is one
         collective on both, and both raise :class:`OutOfStep`."""
-        mine = [VOTE, 0, os.getpid(), 0, 0, 0, 0, int(ready), self.generation, 0]
+        mine = [VOTE, 0, os.getpid(), 0, 0, 0, 0, int(ready), self.generation, 0, 0]
         group, device = _through(wire, self.control)
         everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=device)
         guarded(

@@ -41,10 +41,12 @@ rank's yes-vote is out, a send/recv that starts on another thread waits for the 
 whose peer needs that very send/recv before joining the collective then waits until the timeout).
 
 After a failure: send/recv on the group raise until a collective opens a new channel. That
-collective does so only if every rank failed at the same point (the set-up carries each rank's
-``(generation, failure point)``): ranks that failed at different calls (one finished a call the
-others failed, or a send/recv failed on two ranks only) are out of step, and every rank raises at
-that call and at every later one that may use the channel, rather than match calls that do not belong
+collective does so only if every rank failed at the same point and reopens at the same call (the set-up carries each
+rank's ``(generation, failure point, this call)``): a rank that failed tells its peers where (a ``FAILED`` notice,
+:meth:`objcomm._samehost.mesh.Mesh._failure_point`), so that a peer that finds it gone at a later call (it had
+returned before the failure) opens the new channel at that call with it (:meth:`SameHostSlots._round_one`). Ranks
+that failed at different calls (one finished a call the others failed, a notice was lost) are out of step, and every
+rank raises at that call and at every later one that may use the channel, rather than match calls that do not belong
 together.
 """
 
@@ -56,7 +58,7 @@ import struct
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 from objcomm import _state
 from objcomm._device import timeout_seconds
@@ -72,6 +74,7 @@ from objcomm._transport import groups as _groups
 from objcomm._transport import pending as _pending
 from objcomm._transport.base import NOT_USED, WHOLE, NotUsed, Slot, Wire
 
+T = TypeVar("T")
 _BACKEND = contextlib.nullcontext(None)  # send/recv through the group
 PENDING_WAIT = 0.5  # seconds a vote waits for this rank's pending sends to be received (objcomm._transport.pending)
 
@@ -241,7 +244,7 @@ class SameHostSlots:
             return None  # not all on one host
         if channel is not None and channel.failed_at is None:  # closed, not failed: a forked child, or at exit
             channel.check(op)  # raises
-        history = (0, 0) if channel is None else (channel.generation, channel.failed_at or 0)
+        history = (0, 0, 0) if channel is None else (channel.generation, channel.failed_at or 0, channel.resume_at)
         ready = state.begin_vote(wire.group)
         try:
             channel = _channel.LocalChannel.open(
@@ -266,36 +269,58 @@ class SameHostSlots:
             weakref.finalize(wire.group, channel.close)
         return channel
 
-    def all_gather(self, wire: Wire, slot: Slot, op: str) -> Union[Sequence[Slot], NotUsed]:
+    def _round_one(self, wire: Wire, op: str, move: Callable[[_channel.LocalChannel], T]) -> Union[T, NotUsed]:
+        """``move(channel)``: round 1 of a collective through the group's channel (opened first if it must be), or
+        NOT_USED where the backend moves it. A peer that failed the channel before this call began opens a new one
+        at this call: this rank does so too, and moves round 1 through that
+        (:meth:`objcomm._samehost.mesh.Mesh.rejoins_after`)."""
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
-        return self._voting(wire, channel, lambda: channel.all_gather(_trim(slot), self.spin), op, slot)
+        start = channel.sequence
+        try:
+            return move(channel)
+        except CommunicationError:
+            if not channel.rejoins_after(start):
+                raise
+        channel = self.channel(wire, op)
+        return NOT_USED if channel is None else move(channel)
+
+    def all_gather(self, wire: Wire, slot: Slot, op: str) -> Union[Sequence[Slot], NotUsed]:
+        trimmed = _trim(slot)
+        return self._round_one(
+            wire,
+            op,
+            lambda channel: self._voting(wire, channel, lambda: channel.all_gather(trimmed, self.spin), op, slot),
+        )
 
     def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]:
-        channel = self.channel(wire, op)
-        if channel is None:
-            return NOT_USED
-        if slot is not None:  # the root: its own slot is what it sent
-            channel.broadcast(_trim(slot), src, self.spin)
-            return slot
-        return _checked(wire, channel, [channel.broadcast(None, src, self.spin)], op)[0]
+        def move(channel: _channel.LocalChannel) -> Slot:
+            if slot is not None:  # the root: its own slot is what it sent
+                channel.broadcast(_trim(slot), src, self.spin)
+                return slot
+            return _checked(wire, channel, [channel.broadcast(None, src, self.spin)], op)[0]
+
+        return self._round_one(wire, op, move)
 
     def scatter(self, wire: Wire, slots: Optional[Sequence[Slot]], src: int, op: str) -> Union[Slot, NotUsed]:
-        channel = self.channel(wire, op)
-        if channel is None:
-            return NOT_USED
-        if slots is not None:  # the root
-            channel.scatter([_trim(s) for s in slots], src, self.spin)
-            return slots[src]
-        return _checked(wire, channel, [channel.scatter(None, src, self.spin)], op)[0]
+        def move(channel: _channel.LocalChannel) -> Slot:
+            if slots is not None:  # the root
+                channel.scatter([_trim(s) for s in slots], src, self.spin)
+                return slots[src]
+            return _checked(wire, channel, [channel.scatter(None, src, self.spin)], op)[0]
+
+        return self._round_one(wire, op, move)
 
     def all_to_all(self, wire: Wire, slots: Sequence[Slot], op: str) -> Union[Sequence[Slot], NotUsed]:
-        channel = self.channel(wire, op)
-        if channel is None:
-            return NOT_USED
-        trimmed_slots = [_trim(s) for s in slots]
-        return self._voting(wire, channel, lambda: channel.all_to_all(trimmed_slots, self.spin), op, slots[wire.rank])
+        trimmed = [_trim(s) for s in slots]
+        return self._round_one(
+            wire,
+            op,
+            lambda channel: self._voting(
+                wire, channel, lambda: channel.all_to_all(trimmed, self.spin), op, slots[wire.rank]
+            ),
+        )
 
     def gather(self, wire: Wire, slot: Slot, dst: int, op: str) -> Union[Optional[List[Slot]], NotUsed]:
         return NOT_USED  # on one host a gather's round 1 is the channel's all_gather
@@ -344,11 +369,13 @@ class SameHostSlots:
         what = f"{op} (voting send/recv onto the same-host channel)"
         try:  # the vote is out from here: a send/recv that starts meanwhile waits for the outcome
             ready = state.begin_vote(wire.group)
+            start = channel.sequence
             try:
                 got = _checked(wire, channel, exchange(), op, mine)
             except CommunicationError:  # still vote (no): the others' vote must not meet this rank's next call
-                with contextlib.suppress(CommunicationError):
-                    channel.vote(wire, False, what)
+                if not channel.rejoins_after(start):  # (none votes where every rank opens a new channel now)
+                    with contextlib.suppress(CommunicationError):
+                        channel.vote(wire, False, what)
                 raise
             try:
                 agreed = channel.vote(wire, ready, what)

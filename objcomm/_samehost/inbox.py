@@ -51,6 +51,8 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, NoReturn, Optional, Sequence, Set, Tuple
 
+from objcomm._errors import CommunicationError
+
 HEADER = struct.Struct("<BB2xIi")  # kind, flags, collective sequence number or message id, tag
 ALL_GATHER, BROADCAST, SCATTER, ALL_TO_ALL, P2P = 1, 2, 3, 4, 5
 ANSWER, REST = 6, 7  # of a send's message (its id): the receiver's answer, and the bytes after the slot
@@ -58,6 +60,9 @@ GATHER = 8
 CREDIT = 10  # the receiver's running totals of what it took, per class (see "Flow control")
 # a collective: a digest of what this rank read in round 1 (objcomm._samehost.channel_slots.SameHostSlots.agree)
 ECHO = 11
+# the last message of a rank that failed the channel: where (its failure point, as the header's number; see
+# objcomm._samehost.mesh.Mesh.fail), so that a peer that finds it gone at a later call joins it there
+FAILED = 12
 NAMES = {
     ALL_GATHER: "all_gather",
     BROADCAST: "broadcast",
@@ -69,6 +74,7 @@ NAMES = {
     GATHER: "gather",
     CREDIT: "credit",
     ECHO: "echo",
+    FAILED: "failure notice",
 }
 _POINT_TO_POINT = (P2P, ANSWER, REST)
 COLLECTIVES, POINT_TO_POINT = 0, 1  # the two classes of messages that take credit (ANSWER and CREDIT take none)
@@ -89,6 +95,7 @@ WINDOW_BYTES = 8 << 20  # the most credit one peer gets for one class (up to 4 p
 MIN_WINDOW = 1 << 20  # and the least: a quarter of it, when credit is granted back, holds the largest message
 RESERVE = 4 << 20  # the stash's room for what takes no credit (answers, keys) besides the windows
 _CREDIT = struct.Struct("<qq")  # CREDIT's payload: what the receiver took of each class, in credit bytes, since set-up
+NOTICE_WAIT = 0.5  # seconds a send that found its peer gone waits for another thread to read the peer's last words
 RECV_SLACK = 0.25  # seconds a blocking recv (SO_RCVTIMEO: the whole timeout) may outlast a call's deadline
 MASK = 0xFFFFFFFF
 # (True, sequence number) of a collective, (False, tag) of a send's slot, (False, tag, kind, id) of its answer and rest
@@ -137,6 +144,7 @@ class Stash:
         self.done = 0  # sequence number of the last collective this rank finished
         self.closed: Optional[str] = None  # why the channel closed, once it has
         self.gone: Dict[int, str] = {}  # peers whose connection ended: why
+        self.failed: Dict[int, int] = {}  # peers that said where they failed the channel (FAILED): that point
         self._lock = threading.RLock()
         self.cond = threading.Condition(self._lock)  # guards everything below
         self._peers = peers
@@ -265,6 +273,27 @@ class Stash:
             return -1
         return -2 if peeked else -1
 
+    def notice_of(self, peer: int, op: str) -> Optional[int]:
+        """Where ``peer``, whose connection a send found closed, failed the channel, if it said so: what it sent
+        before it closed is read now (checked and filed as ever) up to its :data:`FAILED` notice or the end, unless
+        another thread reads its socket (that one files it; this waits for it a moment)."""
+        with self.cond:
+            for _ in range(4096):  # bounded: a peer cannot keep this rank reading
+                if peer in self.gone:
+                    break
+                if peer in self._readers:
+                    if not self.cond.wait(NOTICE_WAIT):
+                        break
+                    continue
+                try:
+                    length = self._recv(peer, block=False)
+                    if length == -3:  # nothing more
+                        break
+                    self._file(peer, length, op)
+                except CommunicationError:  # the channel failed on what came: it says why
+                    break
+            return self.failed.get(peer)
+
     # -- filing (under the lock) ------------------------------------------------------------------
     def _file(self, peer: int, length: int, op: str) -> None:
         """Check the message ``peer`` sent and put it in the stash, or note EOF."""
@@ -302,6 +331,19 @@ class Stash:
             for cls, total in enumerate(_CREDIT.unpack_from(self._buffers[peer], HEADER.size)):
                 credit[cls] = max(credit[cls], total)  # a receiver that lies lets this rank run ahead of itself alone
             self.cond.notify_all()  # a sender waiting for credit while another thread reads this socket
+            return None
+        if kind == FAILED:
+            if flags or tag or length != HEADER.size:
+                self._fail(
+                    op,
+                    f"{self._who(peer)} sent a {length}-byte failure notice with a bad header (flags {flags}, "
+                    f"tag {tag}): a protocol error",
+                )
+            self.failed.setdefault(peer, seq)
+            self.gone.setdefault(
+                peer, f"{self._who(peer)} closed its connection: it failed the channel at its collective #{seq}"
+            )
+            self.cond.notify_all()
             return None
         if kind in _POINT_TO_POINT:
             if flags or tag < 0:

@@ -20,6 +20,7 @@ from objcomm._samehost.inbox import (
     BROADCAST,
     CREDIT,
     ECHO,
+    FAILED,
     GATHER,
     HEADER,
     MASK,
@@ -28,6 +29,7 @@ from objcomm._samehost.inbox import (
     REST,
     SCATTER,
 )
+from objcomm._samehost.inbox import after as _after
 from objcomm._samehost.inbox_waits import Inbox
 from objcomm._transport.base import Slot
 
@@ -46,6 +48,9 @@ class Mesh:
     size: int
     timeout: float
     failed_at: Optional[int]
+    resume_at: int
+    rejoins: bool
+    _current: Optional[int]
     auto_spin: float
     closed: bool
     _pids: Tuple[int, ...]
@@ -203,14 +208,18 @@ class Mesh:
         op = NAMES[kind]
         self.check(op)
         with self._lock:
-            self._seq = seq = (self._seq + 1) & MASK
-            header = HEADER.pack(kind, 0, seq, 0)
-            for peer, data in outgoing.items():
-                self._send(peer, header, data, op)
-            got: Dict[int, bytes] = {}
-            if sources:  # not the root of a broadcast or scatter, which only sends
-                got = self._inbox.take(sources, (True, seq), kind, op, spin=self.auto_spin if spin is None else spin)[0]
-            self._inbox.done = seq
+            self._seq = self._current = seq = (self._seq + 1) & MASK
+            try:
+                header = HEADER.pack(kind, 0, seq, 0)
+                for peer, data in outgoing.items():
+                    self._send(peer, header, data, op)
+                got: Dict[int, bytes] = {}
+                if sources:  # not the root of a broadcast or scatter, which only sends
+                    spin = self.auto_spin if spin is None else spin
+                    got = self._inbox.take(sources, (True, seq), kind, op, spin=spin)[0]
+                self._inbox.done = seq
+            finally:
+                self._current = None
         if self._inbox.owing:
             self._grant()
         return got
@@ -245,6 +254,7 @@ class Mesh:
                 if now >= deadline or not select.select([], [sock], [], deadline - now)[1]:
                     self._fail(op, f"rank {peer} did not read within the timeout of {self.timeout:.0f}s")
             except OSError as exc:  # EPIPE, ECONNRESET: it is gone (EBADF: closed here meanwhile)
+                self._inbox.notice_of(peer, op)  # what it sent before it went: where it failed, if it did
                 self._fail(op, f"rank {peer} (pid {self._pids[peer]}) closed its connection ({exc.strerror})", exc)
 
     def _fail(self, op: str, why: str, cause: Optional[BaseException] = None) -> NoReturn:
@@ -255,9 +265,44 @@ class Mesh:
             ) from cause
         message = f"{op} over the local channel failed on rank {self.rank} of {self.size}: {why}. The channel is closed"
         if self.failed_at is None:
-            self.failed_at = self._seq
+            self._failure_point()
+        if self._owner == os.getpid():  # the peers learn where (FAILED), ahead of the end of the connection
+            notice = HEADER.pack(FAILED, 0, (self.failed_at or 0) & MASK, 0)
+            for sock in self._peers.values():
+                try:
+                    sock.send(notice, _FLAGS)
+                except OSError:  # gone, or its queue full: it learns of the close alone
+                    pass
         self.close(message)
         raise CommunicationError(message) from cause
+
+    @property
+    def sequence(self) -> int:
+        """The number of the last collective this rank began on this channel."""
+        return self._seq
+
+    def rejoins_after(self, sequence: int) -> bool:
+        """Whether this rank failed the channel in the collective after ``sequence`` (:attr:`sequence` before it)
+        because a peer had failed it earlier, so that every rank opens a new one at this call
+        (:meth:`_failure_point`)."""
+        return self.rejoins and self.resume_at == (sequence + 1) & MASK
+
+    def _failure_point(self) -> None:
+        """Where this rank failed the channel (``failed_at``, told to the peers) and at which collective of it the
+        group opens the next one (``resume_at``; both are compared at that reopening, :meth:`LocalChannel.open`).
+
+        Where this rank failed: the last collective it began (a failed send/recv: the one before it). But where a
+        peer that failed the channel before this rank's current collective began told it so (its failure notice,
+        :data:`~objcomm._samehost.inbox.FAILED`), that peer will open a new channel at this very call: this rank
+        takes the peer's point and does the same, where otherwise it would raise out
+        of a call that the peer then waits in until the group's timeout (a sender whose message had gone before
+        its receiver found it broken). The caller of that collective opens the new channel
+        (:meth:`rejoins_after`)."""
+        current = self._current
+        earlier = [p for _, p in sorted(self._inbox.failed.items()) if current is not None and _after(current, p)]
+        self.rejoins = bool(earlier)
+        self.failed_at = earlier[0] if earlier else self._seq
+        self.resume_at = self._seq if earlier else (self._seq + 1) & MASK
 
 
 def _drop_unread(sock: socket.socket) -> None:

@@ -91,13 +91,14 @@ def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf) -> Incomin
     where NCCL's broadcast is a ring of W - 1, and no vote: group rank 0 already refused, for every rank alike, a
     result above the smallest ``max_bytes`` that came up the tree (:class:`objcomm._api.reduce.Reduced`).
 
-    A rank that refuses what its parent sends anyway (a lying rank announced a larger limit for its subtree, or
-    sizes that disagree) passes its children an error report in its place and raises: its subtree then takes the
-    failure path that every rank takes when the root reports a failure, and waits there for the others until the
-    group's timeout, as it would for a rank that never sent (docs/security.md, "Decisions every rank must share")."""
+    The result is marked ``relayed`` on every rank. A rank that refuses what its parent sends anyway (a lying rank
+    announced a larger limit for its subtree, or sizes that disagree) passes its children an error report in its place
+    and returns one itself, with why it refused (``refused``). A failure learnt this way is reported along the same
+    tree (:func:`objcomm._transport.tree_reports.reports_over_tree`), never in a collective of the group: a subtree
+    that a lying relay misleads waits on it until the group's timeout, and the other ranks stay in step
+    (docs/security.md, "Decisions every rank must share")."""
     wire = wire._replace(tag=INTERNAL_TAG)  # as the reduce tree (its sends go the other way: higher to lower ranks)
     rank, size = wire.rank, wire.size
-    own: Optional[BaseException] = None
     if rank == 0:
         assert out is not None
         got = Incoming(out.frame if out.error else memoryview(b""), error=out.error)  # the root decodes only a failure
@@ -112,8 +113,8 @@ def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf) -> Incomin
         except CommunicationError:
             raise
         except ObjcommError as exc:  # refused (drained): the children learn it from an error report
-            own = exc
-            got, forward = Incoming(memoryview(b""), error=True), error_frame(exc, wire.inline_capacity)
+            forward = error_frame(exc, wire.inline_capacity)
+            got = Incoming(forward.frame, error=True, refused=exc)
     step //= 2
     while step:
         if rank + step < size:
@@ -124,6 +125,5 @@ def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf) -> Incomin
             except ObjcommError:  # that child refused it: it raises, and its subtree hears of it from it
                 pass
         step //= 2
-    if own is not None:
-        raise own
+    got.relayed = True
     return got

@@ -9,6 +9,7 @@ wire). Point-to-point pieces travel under the wire's data tag.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -54,6 +55,40 @@ def pieces(length: int, chunk: int) -> range:
     return range(0, length, chunk)
 
 
+class Deadline:
+    """The group's timeout, counted once for a transfer of many pieces (the backend counts it per piece: a peer
+    that sent each piece just within it could hold a receiver for as many timeouts as it announced pieces). A
+    transfer then ends within twice the timeout: checked before each piece, and a piece waits the timeout at most."""
+
+    __slots__ = ("wire", "op", "limit", "end")
+
+    def __init__(self, wire: Wire, op: str) -> None:
+        self.wire, self.op = wire, op
+        self.limit = timeout_seconds(wire.group)
+        self.end = time.monotonic() + self.limit
+
+    def left(self, done: int, total: int) -> float:
+        """Seconds left, or a :class:`~objcomm.CommunicationError` once there are none (``done`` of ``total``
+        bytes moved)."""
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise CommunicationError(
+                f"{self.op}: a transfer of {total:,} bytes in pieces of chunk_bytes={self.wire.chunk:,} was not done "
+                f"after the group's timeout of {self.limit:,.0f} s (rank {self.wire.rank} had moved {done:,} bytes). "
+                "A rank announced more than it sends, or sends too slowly for this timeout; the group may be out of "
+                "step, so create a new one."
+            )
+        return left
+
+    def wait(self, work: Any, done: int, total: int) -> None:
+        """``work.wait()`` for what is left of the timeout (NCCL's takes no shorter one: it is checked before)."""
+        left = self.left(done, total)
+        if self.wire.device.type == "cpu":
+            guarded(self.op, self.wire, work.wait, timedelta(seconds=left))
+        else:
+            guarded(self.op, self.wire, work.wait)
+
+
 def broadcast_bytes(
     wire: Wire, data: Optional[torch.Tensor], length: int, src: int, op: str, drain: bool = False
 ) -> torch.Tensor:
@@ -62,8 +97,10 @@ def broadcast_bytes(
         buffer = to_device(data, wire)
     else:
         buffer = empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
+    deadline = Deadline(wire, op)
     for start in pieces(length, wire.chunk):
         piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
+        deadline.left(start, length)  # each piece waits the group's timeout at most: the whole, once more at most
         guarded(op, wire, dist.broadcast, piece, src=wire.ranks[src], group=wire.group)
     return buffer
 
@@ -74,7 +111,7 @@ class Batch:
 
     def __init__(self, wire: Wire, op: str) -> None:
         self.wire, self.op = wire, op
-        self.works: List[Any] = []
+        self.works: List[Any] = []  # (work, its bytes)
         self.buffers: List[torch.Tensor] = []  # kept alive until the transfers finish
 
     def send(self, data: torch.Tensor, dst: int) -> None:
@@ -91,7 +128,7 @@ class Batch:
                 group=self.wire.group,
                 tag=self.wire.data_tag,
             )
-            self.works.append(work)
+            self.works.append((work, piece.numel()))
 
     def recv(self, length: int, src: int) -> torch.Tensor:
         buffer = zeroed(length, self.wire)
@@ -106,7 +143,7 @@ class Batch:
                 group=self.wire.group,
                 tag=self.wire.data_tag,
             )
-            self.works.append(work)
+            self.works.append((work, piece.numel()))
         return buffer
 
     def send_rest(self, out: Outgoing, dst: int) -> None:
@@ -117,16 +154,20 @@ class Batch:
             self.send(tensor, dst)
 
     def wait(self) -> None:
-        for work in self.works:
-            guarded(self.op, self.wire, work.wait)
+        deadline, done, total = Deadline(self.wire, self.op), 0, sum(n for _, n in self.works)
+        for work, n in self.works:
+            deadline.wait(work, done, total)
+            done += n
         self.works, self.buffers = [], []
 
 
 def recv_bytes(wire: Wire, length: int, src: int, op: str, drain: bool = False) -> torch.Tensor:
     """Receive ``length`` bytes in chunks; ``drain``: into one small scratch buffer."""
     buffer = zeroed(min(length, wire.chunk, SCRATCH) if drain else length, wire)
+    deadline = Deadline(wire, op)
     for start in pieces(length, wire.chunk):
         piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
+        deadline.left(start, length)  # as in broadcast_bytes
         guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
     return buffer
 

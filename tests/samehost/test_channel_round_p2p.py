@@ -288,9 +288,9 @@ def out_of_step(mode: str) -> Any:
         _channel_slots.ChannelRoute.send_words = real_words  # type: ignore
         _channel_rounds.pieces = real_whole  # type: ignore
         _channel_slots.whole_message = real_message  # type: ignore
-    # a sender that returned before the receiver failed the channel is a call behind it: the next collective would
-    # find them out of step (the receiver waits for the group's timeout), not open a new channel
-    after = None if mode.startswith("whole") else outcome_of(lambda: comm.all_gather(rank))
+    # a sender that returned before its receiver failed the channel learns where it failed (the failure notice) at
+    # the next collective, and both open a new channel there
+    after = outcome_of(lambda: comm.all_gather(rank))
     dist.destroy_process_group(sub)
     return [outcome[1] or "ok", after]
 
@@ -307,6 +307,7 @@ def test_a_rest_one_short_in_its_slots_message_fails_the_channel():
     assert "rank 1 sent " in receiver[0] and " bytes with the slot of message #" in receiver[0], receiver
     assert "where its slot announced" in receiver[0] and "a protocol error" in receiver[0], receiver
     assert sender[0] == "ok", sender  # its one message had gone: it returned at once
+    assert receiver[1] == sender[1] == ("ok", [0, 1])  # a new channel, at the same call on both
 
 
 def test_a_slot_with_its_rest_from_a_rank_of_other_slot_bytes_fails_the_channel():
@@ -314,6 +315,42 @@ def test_a_slot_with_its_rest_from_a_rank_of_other_slot_bytes_fails_the_channel(
     assert "rank 1 sent a slot with its rest whose slot is 8,192 bytes" in receiver[0], receiver
     assert "every rank of a group must use the same slot_bytes" in receiver[0], receiver
     assert sender[0] == "ok", sender
+    assert receiver[1] == sender[1] == ("ok", [0, 1])
+
+
+def broadcasts_its_receiver_never_took() -> List[Any]:
+    """Rank 1's send breaks the channel at rank 0 (one message, a byte short: rank 1 returns at once), but only after
+    rank 1 broadcast "first" into rank 0's socket, which rank 0 drops as it closes. rank 0's next call is that
+    broadcast; rank 1's is a second one, "second". Both open a new channel there, having failed at the same point
+    (rank 0's failure notice), yet at different calls: each must raise that the ranks are out of step, never hand
+    rank 0 "second" as the first broadcast."""
+    rank, sub, comm = on_a_pair()
+    real_whole = _channel_rounds.pieces
+    outcome: Any = None
+    if rank == 1:
+        _channel_rounds.pieces = lambda out, inline: [b"".join(real_whole(out, inline))[:-1]]  # type: ignore
+        try:
+            comm.send(_payload(1, 5_000), 0)
+        finally:
+            _channel_rounds.pieces = real_whole  # type: ignore
+        comm.broadcast("first", src=1)
+        dist.barrier()
+        dist.barrier()
+        outcome = outcome_of(lambda: comm.broadcast("second", src=1))
+    else:
+        dist.barrier()
+        broken = outcome_of(lambda: comm.recv(1) and None)
+        assert broken[0] == "raised" and "a protocol error" in broken[1], broken
+        dist.barrier()
+        outcome = outcome_of(lambda: comm.broadcast(None, src=1))
+    dist.destroy_process_group(sub)
+    return outcome
+
+
+def test_a_broadcast_its_receiver_never_took_leaves_the_ranks_out_of_step_on_both():
+    for raised, text in get_pool(2).run(broadcasts_its_receiver_never_took):
+        assert raised == "raised" and "out of step" in text, text
+        assert "failure point, this call per rank: [(1, 1, 2), (1, 1, 3)]" in text, text
 
 
 def test_shared_memory_words_one_short_fail_the_channel():

@@ -276,35 +276,54 @@ def test_the_group_is_usable_after_a_failed_channel_call():
     assert results[2] == [everyone, True, everyone, (True, True, 2, True)]
 
 
-def fails_on_one_rank_only() -> List[Any]:
-    """Only rank 0's channel fails (between calls); rank 1 learns of it one call later. They cannot agree
-    where it failed, so no rank reopens: every rank raises, at once, at each later call."""
+class _Deaf(dict):  # type: ignore[type-arg]
+    """A channel's record of its peers' failure notices that keeps none: as if a notice was lost."""
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        return default
+
+
+def fails_between_calls_on_one_rank(notice_lost: bool) -> List[Any]:
+    """Only rank 0's channel fails (between calls, as when a send it received broke it after its sender returned);
+    the others learn of it at their next call. Told where it failed (the failure notice), they open a new channel
+    there with it; where the notice was lost they cannot agree where it failed, so no rank reopens: every rank
+    raises, at once, at each later call."""
     rank = dist.get_rank()
-    group = dist.new_group([0, 1])
+    group = dist.new_group([0, 1, 2])
     comm = objcomm.Communicator(group, local=True)
     comm.all_gather(rank)
+    first = _state_of(group).channel
+    if notice_lost and rank > 0:
+        first._inbox.failed = _Deaf()
+    dist.barrier()
     if rank == 0:
         try:
-            _state_of(group).channel.fail("test", "failed on purpose")
+            first.fail("test", "failed on purpose")
         except objcomm.CommunicationError:
             pass
-    seen = []
+    dist.barrier()
+    seen: List[Any] = []
     for _ in range(3):
         start = time.monotonic()
         try:
-            comm.all_gather(rank)
-            seen.append("returned")
+            seen.append(comm.all_gather(rank))
         except objcomm.CommunicationError as exc:
             text = str(exc)
             seen.append("out of step" if "out of step" in text else "failed" if "failed" in text else text)
         assert time.monotonic() - start < 30
+    seen.append(_state_of(group).channel.generation)
+    dist.destroy_process_group(group)
     return seen
 
 
+def test_a_channel_failed_between_calls_reopens_where_its_peers_are_told_so():
+    assert get_pool(3).run(fails_between_calls_on_one_rank, False) == [[[0, 1, 2]] * 3 + [2]] * 3
+
+
 def test_ranks_that_failed_at_different_calls_do_not_reopen():
-    results = get_pool(2).run(fails_on_one_rank_only)
-    assert results[0] == ["out of step"] * 3
-    assert results[1] == ["failed", "out of step", "out of step"]
+    results = get_pool(3).run(fails_between_calls_on_one_rank, True)
+    assert results[0] == ["out of step"] * 3 + [1]
+    assert results[1] == results[2] == ["failed", "out of step", "out of step", 1]
 
 
 def tagged_message_ahead_of_a_collective(tag: int) -> List[Any]:

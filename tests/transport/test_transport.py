@@ -1,13 +1,22 @@
-"""The byte transport at its boundaries: frames one byte either side of the slot and of a chunk."""
+"""The byte transport at its boundaries: frames one byte either side of the slot and of a chunk; a transfer of many
+pieces bounded by the group's timeout once."""
 
 from __future__ import annotations
+
+import contextlib
+import time
+from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _ranks import get_pool
 
+import objcomm
 from objcomm._format import slot as _slot
 from objcomm._transport import broadcast as _broadcast
+from objcomm._transport import bytes as _bytes
 from objcomm._transport import gather as _gather
 from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
@@ -93,3 +102,51 @@ def tensors_at_chunk_boundaries() -> bool:
 
 def test_tensors_at_chunk_boundaries(ranks3):
     assert all(ranks3.run(tensors_at_chunk_boundaries))
+
+
+DRIPS, DRIP_S, TIMEOUT_S = 8, 1.2, 2  # pieces a peer sends, each just within the group's timeout
+
+
+def drips(primitive: str) -> Any:
+    """Rank 1 sends DRIPS pieces DRIP_S apart (each within the 2 s timeout of a group of ranks 0 and 1); rank 0
+    receives them with ``primitive``: what it raised, and after how long (the backend alone counts the timeout per
+    piece: DRIPS * DRIP_S = 9.6 s)."""
+    sub = dist.new_group([0, 1], timeout=timedelta(seconds=TIMEOUT_S))
+    rank = dist.get_rank()
+    outcome: Any = None
+    if rank < 2:
+        wire = _wire()._replace(group=sub, ranks=[0, 1], rank=rank)
+        if rank == 1:
+            with contextlib.suppress(RuntimeError):  # the receiver gave up: a send then times out
+                for i in range(DRIPS):
+                    time.sleep(DRIP_S)
+                    piece = torch.full((CHUNK,), i, dtype=torch.uint8)
+                    if primitive == "broadcast_bytes":
+                        dist.broadcast(piece, src=1, group=sub)
+                    else:
+                        dist.send(piece, 0, group=sub, tag=wire.data_tag)
+        else:
+            start = time.monotonic()
+            try:
+                if primitive == "Batch":
+                    batch = _bytes.Batch(wire, "recv")
+                    batch.recv(DRIPS * CHUNK, 1)
+                    batch.wait()
+                elif primitive == "recv_bytes":
+                    _bytes.recv_bytes(wire, DRIPS * CHUNK, 1, "recv")
+                else:
+                    _bytes.broadcast_bytes(wire, None, DRIPS * CHUNK, 1, "broadcast")
+                outcome = ("returned", time.monotonic() - start)
+            except objcomm.CommunicationError:
+                outcome = ("CommunicationError", time.monotonic() - start)
+    dist.destroy_process_group(sub)
+    return outcome
+
+
+@pytest.mark.parametrize("primitive", ["Batch", "recv_bytes", "broadcast_bytes"])
+def test_a_peer_that_drips_its_pieces_is_bounded_by_the_group_timeout(primitive):
+    """The group's timeout bounds a whole transfer (twice it at most: checked before each piece), however many
+    pieces were announced (issue 25's attacker held a receiver for K timeouts)."""
+    raised, elapsed = get_pool(2).run(drips, primitive)[0]
+    assert raised == "CommunicationError"
+    assert elapsed < 2 * TIMEOUT_S + 1.5, elapsed  # where the backend's own count took DRIPS * DRIP_S = 9.6 s

@@ -1,0 +1,89 @@
+"""Every rank's failure report, to every rank, along the reduce tree's edges: the failure path of an ``all_reduce``
+whose result came back down the tree (:func:`objcomm._transport.broadcast.down_tree`).
+
+Elsewhere a failure reaches every rank through a collective of the group (an ``all_gather`` of every rank's report),
+which every rank enters because every rank received the same error report from group rank 0. Down the tree a rank
+learns of a failure from its parent alone: a lying relay can hand its subtree an error report that no other rank
+sees, and a subtree that then entered a group collective alone would meet the other ranks' *next* collective and hand
+them wrong data, silently. So the reports move point to point along the same tree, up then down, and a subtree that a
+relay misleads waits on that relay (the group's timeout, ``CommunicationError``) while every other rank stays in step.
+
+A message is a bundle of the failure reports of one subtree (up) or of the whole group (down): records of
+``(group rank u32, length u32, error frame)``, ranks ascending; ranks without a failure are left out. A bundle is
+checked before anything is read from it: ranks inside the subtree it comes from, ascending, each report at most a slot's
+frame, nothing left over. Its size is bounded before it arrives, by the ranks it may speak for.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Dict, List, Optional
+
+from objcomm._errors import FrameError
+from objcomm._format.message import Incoming, Outgoing
+from objcomm._transport import rounds as _rounds
+from objcomm._transport.base import INTERNAL_TAG, Wire
+
+_RECORD = struct.Struct("<II")  # group rank, report length
+
+
+def reports_over_tree(wire: Wire, report: Outgoing) -> List[Optional[Incoming]]:
+    """Every rank's report (``report`` here: an error frame, or anything else for none), by group rank: ``None`` where
+    a rank had no failure. Called by every rank that received an error report down the tree (honest ranks: all)."""
+    rank, size = wire.rank, wire.size
+    wire = wire._replace(tag=INTERNAL_TAG)
+    reports: Dict[int, bytes] = {rank: bytes(report.frame)} if report.error else {}
+    step = 1
+    while step < size:  # up: the reduce tree's rounds (objcomm._api.reduce.tree)
+        if rank & step:
+            _rounds.send(wire._replace(max_bytes=_bound(wire, step)), Outgoing(_pack(reports)), rank - step)
+            break
+        child = rank + step
+        if child < size:
+            reports.update(_receive(wire, child, child, min(child + step, size)))
+        step *= 2
+    if rank:  # down: from the parent, everything (down_tree's edges)
+        reports = _receive(wire, rank - (rank & -rank), 0, size)
+    step = 1 << max(size - 1, 0).bit_length() if rank == 0 else rank & -rank
+    bundle = Outgoing(_pack(reports))
+    step //= 2
+    while step:
+        if rank + step < size:
+            _rounds.send(wire._replace(max_bytes=_bound(wire, size)), bundle, rank + step)
+        step //= 2
+    found: List[Optional[Incoming]] = [None] * size
+    for r, frame in reports.items():
+        found[r] = Incoming(memoryview(frame), error=True)
+    return found
+
+
+def _bound(wire: Wire, ranks: int) -> int:
+    """The largest bundle ``ranks`` reports can make."""
+    return ranks * (_RECORD.size + wire.inline_capacity)
+
+
+def _pack(reports: Dict[int, bytes]) -> bytes:
+    return b"".join(_RECORD.pack(r, len(frame)) + frame for r, frame in sorted(reports.items()))
+
+
+def _receive(wire: Wire, peer: int, low: int, high: int) -> Dict[int, bytes]:
+    """The bundle group rank ``peer`` sends, speaking for ranks ``low`` to ``high - 1``, checked."""
+    _, got, _ = _rounds.recv(wire._replace(max_bytes=_bound(wire, high - low)), peer, lambda frame: [])
+    if got.tensors:
+        raise FrameError(f"all_reduce: rank {peer} sent tensors with its failure reports: a protocol error")
+    view, at, last = got.frame, 0, low - 1
+    reports: Dict[int, bytes] = {}
+    while at < view.nbytes:
+        if view.nbytes - at < _RECORD.size:
+            raise FrameError(f"all_reduce: rank {peer}'s failure reports end inside a record: a protocol error")
+        r, length = _RECORD.unpack_from(view, at)
+        at += _RECORD.size
+        if not last < r < high or length > wire.inline_capacity or length > view.nbytes - at:
+            raise FrameError(
+                f"all_reduce: rank {peer} sent a failure report for rank {r} of {length:,} bytes, where it speaks "
+                f"for ranks {low}-{high - 1} after rank {last}, with reports of at most {wire.inline_capacity:,} "
+                "bytes: a protocol error"
+            )
+        reports[r] = bytes(view[at : at + length])
+        at, last = at + length, r
+    return reports

@@ -1,0 +1,77 @@
+"""A failure learnt down the reduce tree (objcomm._transport.tree_reports): the reports move along the tree's edges, so
+that a lying relay, who can hand its subtree a failure nobody else sees, never sends that subtree into a collective of
+the group alone (where it would meet the others' next call and hand them wrong data). The honest failure path is
+tests/transport/test_many_ranks.py::test_all_reduce_returns_down_the_tree ("op raises on rank 6")."""
+
+from __future__ import annotations
+
+import operator
+from datetime import timedelta
+from typing import Any, List, Optional
+
+import pytest
+import torch.distributed as dist
+from _ranks import get_pool
+
+import objcomm
+from objcomm._api.resolving import Hooks
+from objcomm._errors import ObjcommError
+from objcomm._format.frame import error_frame
+from objcomm._transport import rounds as _rounds
+from objcomm._transport.base import INTERNAL_TAG
+
+pytestmark = pytest.mark.timeout(180)
+
+W = 8  # the pool of tests/transport/test_many_ranks.py; the group here is its first 4 ranks
+LIAR = 2  # relays group rank 3 in the binomial tree of 4 (0 <- 1, 0 <- 2 <- 3)
+
+
+def _outcome(call: Any) -> Any:
+    try:
+        return call()
+    except objcomm.CommunicationError:
+        return "CommunicationError"
+
+
+def lying_relay(case: str) -> Optional[List[Any]]:
+    """Ranks 0-3 in a group of their own (3 s timeout), all_reduce's result down the tree; rank 2 lies to its child,
+    rank 3: ``forged``: it hands it an error report in place of the result; ``hidden limit``: it announces a limit of
+    2**61 for its subtree up the tree, hiding rank 3's max_bytes, so that rank 3 refuses the result. Then one
+    all_gather on the group. What each rank got of both."""
+    sub = dist.new_group(list(range(4)), timeout=timedelta(seconds=3))
+    rank = dist.get_rank()
+    if rank >= 4:
+        return None
+    comm = objcomm.Communicator(sub, local=False, shm=False, _hooks=Hooks(separate_hosts=True, down_tree=True))
+    real = _rounds.send
+    if rank == LIAR:
+
+        def lying_send(wire: Any, out: Any, dst: int, eager: bool = True) -> None:
+            if wire.tag == INTERNAL_TAG and dst > wire.rank and case == "forged":
+                out = error_frame(ObjcommError("forged by rank 2"), wire.inline_capacity)
+            if wire.tag == INTERNAL_TAG and dst < wire.rank and case == "hidden limit":
+                wire = wire._replace(max_bytes=1 << 61)
+            real(wire, out, dst, eager)
+
+        _rounds.send = lying_send  # type: ignore[assignment]
+    try:
+        if case == "forged":
+            reduced = _outcome(lambda: comm.all_reduce(rank + 1, "sum"))
+        else:
+            limit = 100_000 if rank == 3 else None
+            reduced = _outcome(lambda: len(comm.all_reduce(b"x" * 40_000, operator.add, max_bytes=limit)))
+    finally:
+        _rounds.send = real  # type: ignore[assignment]
+    gathered = _outcome(lambda: comm.all_gather(rank))
+    dist.destroy_process_group(sub)
+    return [reduced, gathered]
+
+
+@pytest.mark.parametrize("case, result", [("forged", 10), ("hidden limit", 160_000)])
+def test_a_lying_relay_never_leaves_honest_ranks_with_wrong_data(case, result):
+    outcomes = get_pool(W).run(lying_relay, case, timeout=120)
+    assert outcomes[4:] == [None] * 4
+    for rank in (0, 1, 2):  # outside the liar's lie: the right result; the next call waits for rank 3, and raises
+        assert outcomes[rank] == [result, "CommunicationError"], (rank, outcomes)
+    # misled: it waits for its relay's reports until the group's timeout, never in a collective of the group
+    assert outcomes[3] == ["CommunicationError", "CommunicationError"], outcomes
