@@ -284,6 +284,7 @@ def _unless_rejoining(channel: Any, move: Callable[[], Any]) -> Any:
     """``move()``, a collective on ``channel``; :data:`REJOIN` where it failed because a peer had failed the channel
     before this call (the general path then opens a new one at this call, as that peer does:
     :meth:`objcomm._samehost.mesh.Mesh.rejoins_after`), nothing having been taken."""
+    channel.rounds += 1  # a call's first round, as SameHostSlots counts them
     start = channel.sequence
     try:
         return move()

@@ -153,8 +153,10 @@ class LocalChannel(Mesh):
         self.p2p = p2p
         self.generation = generation
         self.failed_at: Optional[int] = None
-        self.resume_at = 0  # once failed: the collective of this channel at which the group opens the next one
+        self.rounds = 0  # the calls whose first round went through this channel (their round-1 collective began)
         self.rejoins = False  # once failed: a peer failed it first, at an earlier call (see Mesh._failure_point)
+        self.found_in: Optional[int] = None  # once failed: the collective this rank was in, if any
+        self.rejoining = False  # the next opening takes the place of that collective (Mesh.rejoins_after)
         self._current: Optional[int] = None  # the collective this rank is in
         self._pids = tuple(pids)
         self._peers = peers
@@ -195,7 +197,7 @@ class LocalChannel(Mesh):
         ``ready``: this rank has no send/recv in flight (the channel takes send/recv when every rank is).
         ``history``: ``(generation, failure point, resumed at)`` of the group's previous channel (``(0, 0, 0)``:
         none; the last: the collective of that channel this call is, counted as its own were,
-        :meth:`objcomm._samehost.mesh.Mesh._failure_point`); ranks that tell different ones are out of step (a rank
+        :attr:`objcomm._samehost.mesh.Mesh.resumes_at`); ranks that tell different ones are out of step (a rank
         that finished calls the others never made, a peer that failed at another call), and every rank raises.
         ``stash_bytes``: see :mod:`objcomm._samehost.inbox` (``None``: room for every peer's credit). ``control``: the
         group's control group (:func:`objcomm._transport.groups.sibling`, gloo), which carries a reopening's

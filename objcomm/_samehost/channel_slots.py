@@ -244,7 +244,7 @@ class SameHostSlots:
             return None  # not all on one host
         if channel is not None and channel.failed_at is None:  # closed, not failed: a forked child, or at exit
             channel.check(op)  # raises
-        history = (0, 0, 0) if channel is None else (channel.generation, channel.failed_at or 0, channel.resume_at)
+        history = (0, 0, 0) if channel is None else (channel.generation, channel.failed_at or 0, channel.resumes_at)
         ready = state.begin_vote(wire.group)
         try:
             channel = _channel.LocalChannel.open(
@@ -277,6 +277,7 @@ class SameHostSlots:
         channel = self.channel(wire, op)
         if channel is None:
             return NOT_USED
+        channel.rounds += 1
         start = channel.sequence
         try:
             return move(channel)
@@ -284,7 +285,10 @@ class SameHostSlots:
             if not channel.rejoins_after(start):
                 raise
         channel = self.channel(wire, op)
-        return NOT_USED if channel is None else move(channel)
+        if channel is None:
+            return NOT_USED
+        channel.rounds += 1
+        return move(channel)
 
     def all_gather(self, wire: Wire, slot: Slot, op: str) -> Union[Sequence[Slot], NotUsed]:
         trimmed = _trim(slot)

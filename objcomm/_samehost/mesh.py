@@ -48,8 +48,10 @@ class Mesh:
     size: int
     timeout: float
     failed_at: Optional[int]
-    resume_at: int
+    rounds: int
     rejoins: bool
+    found_in: Optional[int]
+    rejoining: bool
     _current: Optional[int]
     auto_spin: float
     closed: bool
@@ -283,26 +285,37 @@ class Mesh:
 
     def rejoins_after(self, sequence: int) -> bool:
         """Whether this rank failed the channel in the collective after ``sequence`` (:attr:`sequence` before it)
-        because a peer had failed it earlier, so that every rank opens a new one at this call
-        (:meth:`_failure_point`)."""
-        return self.rejoins and self.resume_at == (sequence + 1) & MASK
+        because a peer had failed it earlier (:meth:`_failure_point`); if so, the next opening of the group's channel
+        takes the place of that collective (:attr:`resumes_at`): the caller opens it at once, in the same call, as
+        that peer does at its next."""
+        if not (self.rejoins and self.found_in == (sequence + 1) & MASK):
+            return False
+        self.rejoining = True
+        return True
+
+    @property
+    def resumes_at(self) -> int:
+        """The call whose first round the next opening of the group's channel takes the place of, counted in
+        :attr:`rounds`, as compared at that opening (:meth:`objcomm._samehost.channel.LocalChannel.open`): the one
+        after the last this rank began, or that one itself where this rank rejoins a peer that failed first
+        (:meth:`rejoins_after`). Calls, not collectives: ranks that raised out of one call may have begun different
+        numbers of collectives in it."""
+        return self.rounds if self.rejoining else self.rounds + 1
 
     def _failure_point(self) -> None:
-        """Where this rank failed the channel (``failed_at``, told to the peers) and at which collective of it the
-        group opens the next one (``resume_at``; both are compared at that reopening, :meth:`LocalChannel.open`).
+        """Where this rank failed the channel (``failed_at``, told to the peers and compared where the group opens
+        the next one, :meth:`LocalChannel.open`).
 
         Where this rank failed: the last collective it began (a failed send/recv: the one before it). But where a
         peer that failed the channel before this rank's current collective began told it so (its failure notice,
         :data:`~objcomm._samehost.inbox.FAILED`), that peer will open a new channel at this very call: this rank
-        takes the peer's point and does the same, where otherwise it would raise out
-        of a call that the peer then waits in until the group's timeout (a sender whose message had gone before
-        its receiver found it broken). The caller of that collective opens the new channel
-        (:meth:`rejoins_after`)."""
+        takes the peer's point, so that it may do the same (:meth:`rejoins_after`), where otherwise it would raise
+        out of a call that the peer then waits in until the group's timeout (a sender whose message had gone before
+        its receiver found it broken)."""
         current = self._current
         earlier = [p for _, p in sorted(self._inbox.failed.items()) if current is not None and _after(current, p)]
-        self.rejoins = bool(earlier)
+        self.rejoins, self.found_in = bool(earlier), current
         self.failed_at = earlier[0] if earlier else self._seq
-        self.resume_at = self._seq if earlier else (self._seq + 1) & MASK
 
 
 def _drop_unread(sock: socket.socket) -> None:
