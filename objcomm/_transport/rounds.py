@@ -100,16 +100,18 @@ def _vote_refusals(
     """Raise the same error on every rank if any receiver refuses ``src``'s payload (``refuse``: this rank's
     REFUSE_* code, 0 to accept). One tiny all_reduce ahead of a second round that not every receiver may take.
     ``longest`` (scatter): the root's longest second round to any rank, 0 elsewhere, which the vote carries to
-    every rank (its receivers know only their own); returned (0 without it)."""
+    every rank (its receivers know only their own), with the largest part a receiver refused (each has its own);
+    returned (0 without it)."""
+    refused = info.total
     if longest is None:
         (code,), longest = largest_of(wire, [refuse], op, torch.int32), 0
     else:  # int64: a second round may pass 2 GiB
-        code, longest = largest_of(wire, [refuse, longest], op)
+        code, longest, refused = largest_of(wire, [refuse, longest, info.total if refuse else 0], op)
     if code == REFUSE_MALFORMED:
         raise _limits.inconsistent(op, src, problem or "a receiving rank found the sizes in its slot inconsistent")
     if code:
         raise _limits.too_large(
-            f"{op}: rank {src} sends {info.total:,} bytes to a rank whose max_bytes it exceeds "
+            f"{op}: rank {src} sends {refused:,} bytes to a rank whose max_bytes it exceeds "
             f"(this rank's max_bytes: {wire.max_bytes:,})",
             where="there",
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -175,6 +176,12 @@ def limits_on_both_sides() -> dict:
         out["vote"] = len(voting.broadcast(tensors if rank == 0 else None, src=0))
     except objcomm.TooLargeError as exc:
         out["vote"] = "refused" if "to a rank whose max_bytes it exceeds" in str(exc) else str(exc)
+    # scatter: each receiver judges its own part; every rank names the part refused (rank 2's), not the root's own
+    parts = ["own", "small", tensors] if rank == 0 else None
+    try:
+        out["scatter vote"] = voting.scatter(parts, src=0)
+    except objcomm.TooLargeError as exc:
+        out["scatter vote"] = str(exc)
     # point to point: the receiver drains and raises; the sender is done and the pair stays usable
     # (slot_bytes and chunk_bytes must agree between the ranks, as for every collective)
     out_of_band = objcomm.Communicator(max_bytes=limit, chunk_bytes=4096, inline_tensor_bytes=0)
@@ -197,6 +204,8 @@ def test_size_limits(ranks3):
     for key in ("broadcast", "broadcast, backend"):
         assert [r[key] for r in results] == [50_000, 50_000, "drained"], key
     assert [r["vote"] for r in results] == ["refused"] * 3
+    for r in results:  # 20 tensors of 200 float32 each, and the frame that lists them
+        assert re.search(r"rank 0 sends (1[6-9]|2\d),\d{3} bytes to a rank whose max_bytes", r["scatter vote"]), r
 
 
 MARKER_NAME = "objcomm-pwned-marker"
