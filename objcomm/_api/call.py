@@ -20,7 +20,7 @@ import torch.distributed as dist
 from objcomm import _state
 from objcomm._api import reduce as _reduce
 from objcomm._device import group_backend, resolve_device
-from objcomm._errors import CommunicationError, Failure, ObjcommError, remote_error
+from objcomm._errors import CommunicationError, Failure, FrameError, ObjcommError, remote_error
 from objcomm._format import frame as _frame
 from objcomm._format.limits import too_large
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing
@@ -81,10 +81,15 @@ class Call(NamedTuple):
 
     @staticmethod
     def failures(incoming: Sequence[Optional[Incoming]]) -> Dict[int, Failure]:
-        found = {}
+        found, unread, read = {}, None, False
         for rank, item in enumerate(incoming):
             if item is not None and item.error:
-                found[rank] = _frame.read_error(item.frame, _frame.parse_header(item.frame))
+                try:
+                    found[rank], read = _frame.read_error(item.frame, _frame.parse_header(item.frame)), True
+                except FrameError as exc:  # an unreadable report hides none of the others
+                    found[rank], unread = ("FrameError", f"its failure report could not be read: {exc}"), exc
+        if unread is not None and not read:
+            raise unread  # nothing else to tell: a malformed frame, as anywhere else
         return found
 
     def raise_failures(self, op: str, incoming: Sequence[Optional[Incoming]], local: Optional[BaseException]) -> None:

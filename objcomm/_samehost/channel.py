@@ -102,8 +102,9 @@ AUTO_SPIN = 1e-3  # seconds a wait polls before sleeping when the spin setting i
 
 _HELLO = struct.Struct("<iq")  # connector's group rank, the acceptor's secret
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
-# ok, host key, pid, uid, pid namespace, socket nonce, secret, ready, generation, failure point, resumed at
-_WORDS = 11
+# ok, host key, pid, uid, pid namespace, socket nonce, secret, ready, then the previous channel's: generation,
+# failure point, resumed at, send/recv slots sent, and taken
+_WORDS = 13
 _OPEN: weakref.WeakSet[LocalChannel] = weakref.WeakSet()  # closed in a forked child (see _forget_in_child)
 VOTE = 2  # first word of a vote (LocalChannel.vote), where set-up has 0 or 1
 
@@ -187,7 +188,7 @@ class LocalChannel(Mesh):
         separate: Union[bool, int] = False,
         op: str = "local channel set-up",
         ready: bool = False,
-        history: Tuple[int, int, int] = (0, 0, 0),
+        history: Tuple[int, ...] = (0,) * 5,
         stash_bytes: Optional[int] = None,
         control: Any = None,
     ) -> Optional[LocalChannel]:
@@ -195,10 +196,12 @@ class LocalChannel(Mesh):
         not all on this host with one uid and pid namespace, or when any rank could not connect.
 
         ``ready``: this rank has no send/recv in flight (the channel takes send/recv when every rank is).
-        ``history``: ``(generation, failure point, resumed at)`` of the group's previous channel (``(0, 0, 0)``:
-        none; the last: the collective of that channel this call is, counted as its own were,
-        :attr:`objcomm._samehost.mesh.Mesh.resumes_at`); ranks that tell different ones are out of step (a rank
-        that finished calls the others never made, a peer that failed at another call), and every rank raises.
+        ``history``: ``(generation, failure point, resumed at, slots sent, slots taken)`` of the group's previous
+        channel (zeros: none; resumed at: the call whose first round this one takes the place of,
+        :attr:`objcomm._samehost.mesh.Mesh.resumes_at`; slots: its send/recv messages); ranks that tell different
+        first three are out of step (a rank that finished calls the others never made, a peer that failed at another
+        call), and so are ranks that sent more messages through it than they took (the others went with it: the
+        sender of each returned as if delivered); every rank raises.
         ``stash_bytes``: see :mod:`objcomm._samehost.inbox` (``None``: room for every peer's credit). ``control``: the
         group's control group (:func:`objcomm._transport.groups.sibling`, gloo), which carries a reopening's
         collectives instead of the group, so that they never meet a collective of the group another rank is still in;
@@ -229,7 +232,7 @@ class LocalChannel(Mesh):
             op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group
         )
         words: List[int] = everyone.tolist()
-        oks, keys, pids, uids, namespaces, nonces, _, readies, generations, points, resumed = (
+        oks, keys, pids, uids, namespaces, nonces, _, readies, generations, points, resumed, sent, taken = (
             words[i::_WORDS] for i in range(_WORDS)
         )
         peers: Dict[int, socket.socket] = {}
@@ -245,6 +248,13 @@ class LocalChannel(Mesh):
                     f"{op}: the ranks of this group disagree about where its same-host channel failed (channel, "
                     f"failure point, this call per rank: {list(zip(generations, points, resumed))}): they are not "
                     "at the same call. The group's calls are out of step; it cannot be used any more"
+                )
+            if sum(sent) != sum(taken):
+                raise OutOfStep(
+                    f"{op}: {sum(sent) - sum(taken):,} send/recv message(s) sent through this group's same-host "
+                    "channel before it failed were never received (sent, received per rank: "
+                    f"{list(zip(sent, taken))}): they were lost with it, though their senders returned. The group's "
+                    "sends and receives are out of step; it cannot be used any more"
                 )
             usable = all(oks) and len({*keys}) == 1 and len({*uids}) == 1 and len({*namespaces}) == 1
             if usable:
@@ -271,7 +281,7 @@ class LocalChannel(Mesh):
         control group (see :meth:`open`), whose result every rank sees alike. It has the set-up's shape, one all_gather
         of ``_WORDS`` words per rank, so that a vote that meets a rank's reopening (on the control group too) is one
         collective on both, and both raise :class:`OutOfStep`."""
-        mine = [VOTE, 0, os.getpid(), 0, 0, 0, 0, int(ready), self.generation, 0, 0]
+        mine = [VOTE, 0, os.getpid(), 0, 0, 0, 0, int(ready), self.generation, 0, 0, 0, 0]
         group, device = _through(wire, self.control)
         everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=device)
         guarded(

@@ -244,7 +244,7 @@ class SameHostSlots:
             return None  # not all on one host
         if channel is not None and channel.failed_at is None:  # closed, not failed: a forked child, or at exit
             channel.check(op)  # raises
-        history = (0, 0, 0) if channel is None else (channel.generation, channel.failed_at or 0, channel.resumes_at)
+        history = (0,) * 5 if channel is None else channel.history()
         ready = state.begin_vote(wire.group)
         try:
             channel = _channel.LocalChannel.open(

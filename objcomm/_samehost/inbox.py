@@ -95,7 +95,7 @@ WINDOW_BYTES = 8 << 20  # the most credit one peer gets for one class (up to 4 p
 MIN_WINDOW = 1 << 20  # and the least: a quarter of it, when credit is granted back, holds the largest message
 RESERVE = 4 << 20  # the stash's room for what takes no credit (answers, keys) besides the windows
 _CREDIT = struct.Struct("<qq")  # CREDIT's payload: what the receiver took of each class, in credit bytes, since set-up
-NOTICE_WAIT = 0.5  # seconds a send that found its peer gone waits for another thread to read the peer's last words
+NOTICE_WAIT = 0.5  # seconds a send that found its peer gone reads (or waits for another thread to read) its last words
 RECV_SLACK = 0.25  # seconds a blocking recv (SO_RCVTIMEO: the whole timeout) may outlast a call's deadline
 MASK = 0xFFFFFFFF
 # (True, sequence number) of a collective, (False, tag) of a send's slot, (False, tag, kind, id) of its answer and rest
@@ -145,6 +145,9 @@ class Stash:
         self.closed: Optional[str] = None  # why the channel closed, once it has
         self.gone: Dict[int, str] = {}  # peers whose connection ended: why
         self.failed: Dict[int, int] = {}  # peers that said where they failed the channel (FAILED): that point
+        # send/recv slots this rank sent through the channel, and took from it: where the group's sums differ at a
+        # reopening, messages were lost with the channel (objcomm._samehost.channel.LocalChannel.open)
+        self.slots_sent = self.slots_taken = 0
         self._lock = threading.RLock()
         self.cond = threading.Condition(self._lock)  # guards everything below
         self._peers = peers
@@ -273,17 +276,22 @@ class Stash:
             return -1
         return -2 if peeked else -1
 
+    def sent_slot(self) -> None:
+        """A send/recv slot left this rank through the channel (see :attr:`slots_sent`)."""
+        with self.cond:
+            self.slots_sent += 1
+
     def notice_of(self, peer: int, op: str) -> Optional[int]:
         """Where ``peer``, whose connection a send found closed, failed the channel, if it said so: what it sent
         before it closed is read now (checked and filed as ever) up to its :data:`FAILED` notice or the end, unless
         another thread reads its socket (that one files it; this waits for it a moment)."""
+        deadline = time.monotonic() + NOTICE_WAIT  # once: a peer that keeps sending cannot hold this rank
         with self.cond:
-            for _ in range(4096):  # bounded: a peer cannot keep this rank reading
-                if peer in self.gone:
+            for _ in range(4096):
+                if peer in self.gone or time.monotonic() > deadline:
                     break
                 if peer in self._readers:
-                    if not self.cond.wait(NOTICE_WAIT):
-                        break
+                    self.cond.wait(max(deadline - time.monotonic(), 0.0))
                     continue
                 try:
                     length = self._recv(peer, block=False)
@@ -376,6 +384,8 @@ class Stash:
         cls = CLASS_OF.get(kind)
         if cls is None:
             return
+        if kind == P2P:
+            self.slots_taken += 1
         taken = self._taken[peer]
         taken[cls] += credit_cost(data_bytes)
         if taken[cls] - self._told[peer][cls] >= self.window >> 2:

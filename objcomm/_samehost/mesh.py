@@ -48,6 +48,7 @@ class Mesh:
     size: int
     timeout: float
     failed_at: Optional[int]
+    generation: int
     rounds: int
     rejoins: bool
     found_in: Optional[int]
@@ -249,6 +250,8 @@ class Mesh:
         while True:
             try:
                 sock.sendmsg(parts, [], _FLAGS)
+                if header[0] == P2P:
+                    self._inbox.sent_slot()
                 return
             except BlockingIOError:  # the peer's queue is full: wait until it reads, bounded
                 now = time.monotonic()
@@ -301,6 +304,11 @@ class Mesh:
         (:meth:`rejoins_after`). Calls, not collectives: ranks that raised out of one call may have begun different
         numbers of collectives in it."""
         return self.rounds if self.rejoining else self.rounds + 1
+
+    def history(self) -> Tuple[int, int, int, int, int]:
+        """What the next opening of the group's channel compares of this one (:meth:`LocalChannel.open`)."""
+        inbox = self._inbox
+        return (self.generation, self.failed_at or 0, self.resumes_at, inbox.slots_sent, inbox.slots_taken)
 
     def _failure_point(self) -> None:
         """Where this rank failed the channel (``failed_at``, told to the peers and compared where the group opens

@@ -15,7 +15,8 @@ votes of their calls and their second rounds move in three steps instead of one 
    (:func:`objcomm._samehost.channel_checks.agree_on`), so that a leader cannot send its ranks down different
    routes. The bytes of a second round are not checked (a digest of gigabytes would cost more than moving them):
    a host's ranks trust their leader with other hosts' objects, as flat ranks trust gloo's forwarding; a lying
-   leader can change what its own host's ranks receive, not what other hosts do (docs/security.md).
+   leader can change what its own host's ranks receive, and what the other hosts receive from them (it speaks for
+   them), not how many of the group's collectives another host's ranks take part in (docs/security.md).
 
 Every rank ends with the bytes the group's backend would have given it, so the transport's checks, limits and
 errors are those of the flat path, alike on every rank. A leader whose backend call fails fails its host's
@@ -57,6 +58,11 @@ from objcomm._samehost.two_level_moves import Here, Levels, all_gather_fixed, ga
 from objcomm._transport import groups as _groups
 from objcomm._transport import routes
 from objcomm._transport.base import BACKEND, DIRECT, NOT_USED, NotUsed, Slot, Wire, guarded
+
+# Operations whose second round moves through the whole group's backend, not two levels: their votes do too, so
+# that a leader who tells its host another outcome than the leaders' cannot send its host's ranks into a different
+# number of the group's collectives than the other hosts' (they would meet the others' next call)
+FLAT_SECOND_ROUNDS = frozenset({"scatter", "all_to_all"})
 
 
 @dataclass(frozen=True)
@@ -141,7 +147,7 @@ class TwoLevel(SameHostSlots):
 
     def largest(self, wire: Wire, values: Sequence[int], op: str) -> Union[List[int], NotUsed]:
         got = super().largest(wire, values, op)
-        if got is not NOT_USED:
+        if got is not NOT_USED or op in FLAT_SECOND_ROUNDS:
             return got
         here = self.here(wire, op)
         return NOT_USED if here is None else largest_in_levels(here, values, op)

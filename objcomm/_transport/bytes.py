@@ -267,6 +267,13 @@ def all_to_all_bytes(
     ``CommunicationError``, once they have taken longer than that timeout.
     """
     sent = [sum(p.numel() for p in parts) for parts in streams]
+    own = max(max(sent, default=0), max(lengths, default=0))
+    if own > longest:  # a vote below this rank's own streams: forged on its way here (a relay), or out of step
+        raise CommunicationError(
+            f"{op}: the ranks voted {longest:,} bytes for the longest stream of any pair, below this rank's own "
+            f"{own:,}: a rank relayed the vote wrongly, or the ranks are at different calls. The group may be out "
+            "of step, so create a new one."
+        )
     if longest <= wire.chunk:  # the common case: one collective, straight into one buffer
         received = empty(sum(lengths), wire)
         send = joined([p for parts in streams for p in parts], wire)

@@ -11,7 +11,9 @@ relay misleads waits on that relay (the group's timeout, ``CommunicationError``)
 A message is a bundle of the failure reports of one subtree (up) or of the whole group (down): records of
 ``(group rank u32, length u32, error frame)``, ranks ascending; ranks without a failure are left out. A bundle is
 checked before anything is read from it: ranks inside the subtree it comes from, ascending, each report at most a slot's
-frame, nothing left over. Its size is bounded before it arrives, by the ranks it may speak for.
+frame, nothing left over. Its size is bounded before it arrives, by the ranks it may speak for. A child's bundle that
+fails a check stands as one report of its own, naming that child, and the tree goes on: the other ranks still raise,
+at once, with every report that could be read.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 import struct
 from typing import Dict, List, Optional
 
-from objcomm._errors import FrameError
+from objcomm._errors import CommunicationError, FrameError, ObjcommError
+from objcomm._format.frame import error_frame
 from objcomm._format.message import Incoming, Outgoing
 from objcomm._transport import rounds as _rounds
 from objcomm._transport.base import INTERNAL_TAG, Wire
@@ -40,7 +43,13 @@ def reports_over_tree(wire: Wire, report: Outgoing) -> List[Optional[Incoming]]:
             break
         child = rank + step
         if child < size:
-            reports.update(_receive(wire, child, child, min(child + step, size)))
+            try:
+                reports.update(_receive(wire, child, child, min(child + step, size)))
+            except CommunicationError:
+                raise
+            except ObjcommError as exc:  # the child's reports stand for it, unread: the tree goes on without them
+                unread = FrameError(f"rank {child} sent failure reports that rank {rank} could not read: {exc}")
+                reports[child] = bytes(error_frame(unread, wire.inline_capacity).frame)
         step *= 2
     if rank:  # down: from the parent, everything (down_tree's edges)
         reports = _receive(wire, rank - (rank & -rank), 0, size)

@@ -283,11 +283,13 @@ class _Deaf(dict):  # type: ignore[type-arg]
         return default
 
 
-def fails_between_calls_on_one_rank(notice_lost: bool) -> List[Any]:
+def fails_between_calls_on_one_rank(notice_lost: bool, in_flight: bool = False) -> List[Any]:
     """Only rank 0's channel fails (between calls, as when a send it received broke it after its sender returned);
     the others learn of it at their next call. Told where it failed (the failure notice), they open a new channel
     there with it; where the notice was lost they cannot agree where it failed, so no rank reopens: every rank
-    raises, at once, at each later call."""
+    raises, at once, at each later call. ``in_flight``: rank 1 sent rank 2 a message first, which rank 2 had not
+    received: it would be lost with the channel, so no rank reopens either (rank 2 then receives "second" from
+    rank 1, sent after the failure: it must raise, never take it in the first one's place)."""
     rank = dist.get_rank()
     group = dist.new_group([0, 1, 2])
     comm = objcomm.Communicator(group, local=True)
@@ -295,6 +297,8 @@ def fails_between_calls_on_one_rank(notice_lost: bool) -> List[Any]:
     first = _state_of(group).channel
     if notice_lost and rank > 0:
         first._inbox.failed = _Deaf()
+    if in_flight and rank == 1:
+        comm.send("first", 2)
     dist.barrier()
     if rank == 0:
         try:
@@ -312,12 +316,23 @@ def fails_between_calls_on_one_rank(notice_lost: bool) -> List[Any]:
             seen.append("out of step" if "out of step" in text else "failed" if "failed" in text else text)
         assert time.monotonic() - start < 30
     seen.append(_state_of(group).channel.generation)
+    if in_flight and rank > 0:
+        try:
+            seen.append(comm.send("second", 2) if rank == 1 else comm.recv(1))
+        except objcomm.CommunicationError as exc:
+            seen.append("out of step" if "out of step" in str(exc) else str(exc))
     dist.destroy_process_group(group)
     return seen
 
 
 def test_a_channel_failed_between_calls_reopens_where_its_peers_are_told_so():
     assert get_pool(3).run(fails_between_calls_on_one_rank, False) == [[[0, 1, 2]] * 3 + [2]] * 3
+
+
+def test_a_channel_that_failed_with_a_message_unreceived_does_not_reopen():
+    results = get_pool(3).run(fails_between_calls_on_one_rank, False, True)
+    assert results[0] == ["out of step"] * 3 + [1], results
+    assert results[1] == results[2] == ["out of step"] * 3 + [1, "out of step"], results
 
 
 def test_ranks_that_failed_at_different_calls_do_not_reopen():

@@ -18,6 +18,7 @@ from objcomm._api.resolving import Hooks
 from objcomm._errors import ObjcommError
 from objcomm._format.frame import error_frame
 from objcomm._transport import rounds as _rounds
+from objcomm._transport import tree_reports as _tree_reports
 from objcomm._transport.base import INTERNAL_TAG
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,16 +34,24 @@ def _outcome(call: Any) -> Any:
         return "CommunicationError"
 
 
+def _first_four() -> Any:
+    """A group of global ranks 0-3 (3 s timeout; every rank makes it) and, on its members, a Communicator whose
+    all_reduce results go down the reduce tree (NCCL's route, taken on gloo here)."""
+    sub = dist.new_group(list(range(4)), timeout=timedelta(seconds=3))
+    if dist.get_rank() >= 4:
+        return sub, None
+    return sub, objcomm.Communicator(sub, local=False, shm=False, _hooks=Hooks(separate_hosts=True, down_tree=True))
+
+
 def lying_relay(case: str) -> Optional[List[Any]]:
     """Ranks 0-3 in a group of their own (3 s timeout), all_reduce's result down the tree; rank 2 lies to its child,
     rank 3: ``forged``: it hands it an error report in place of the result; ``hidden limit``: it announces a limit of
     2**61 for its subtree up the tree, hiding rank 3's max_bytes, so that rank 3 refuses the result. Then one
     all_gather on the group. What each rank got of both."""
-    sub = dist.new_group(list(range(4)), timeout=timedelta(seconds=3))
-    rank = dist.get_rank()
-    if rank >= 4:
+    sub, comm = _first_four()
+    if comm is None:
         return None
-    comm = objcomm.Communicator(sub, local=False, shm=False, _hooks=Hooks(separate_hosts=True, down_tree=True))
+    rank = dist.get_rank()
     real = _rounds.send
     if rank == LIAR:
 
@@ -75,3 +84,37 @@ def test_a_lying_relay_never_leaves_honest_ranks_with_wrong_data(case, result):
         assert outcomes[rank] == [result, "CommunicationError"], (rank, outcomes)
     # misled: it waits for its relay's reports until the group's timeout, never in a collective of the group
     assert outcomes[3] == ["CommunicationError", "CommunicationError"], outcomes
+
+
+def unreadable_reports() -> Optional[List[Any]]:
+    """Ranks 0-3 as above; rank 1's object cannot be encoded (a real failure), and rank 2 sends garbage in place of
+    its failure reports, up to rank 0 and down to rank 3. Rank 0 goes on with rank 2's reports as one unreadable
+    report and sends everyone the rest: every rank raises at once (rank 3, misled, a FrameError), naming rank 1's
+    failure where it could be read, and the group stays in step."""
+    sub, comm = _first_four()
+    if comm is None:
+        return None
+    rank = dist.get_rank()
+    real = _tree_reports._pack
+    if rank == LIAR:
+        _tree_reports._pack = lambda reports: b"\xff" * 11  # type: ignore[assignment]
+    try:
+        comm.all_reduce(object() if rank == 1 else rank, "sum", serializer="json")
+        outcome: Any = "returned"
+    except objcomm.RemoteError as exc:
+        outcome = {r: t for r, (t, _) in exc.failures.items()}
+    except objcomm.ObjcommError as exc:
+        outcome = type(exc).__name__
+    finally:
+        _tree_reports._pack = real  # type: ignore[assignment]
+    after = _outcome(lambda: comm.all_gather(rank))
+    dist.destroy_process_group(sub)
+    return [outcome, after]
+
+
+def test_unreadable_failure_reports_stand_for_their_sender_and_the_tree_goes_on():
+    outcomes = get_pool(W).run(unreadable_reports, timeout=120)
+    for rank in (0, 1):
+        assert outcomes[rank][0] == {1: "TypeError", 2: "FrameError"}, outcomes
+    assert outcomes[3][0] == "FrameError", outcomes
+    assert [o[1] for o in outcomes[:4]] == [[0, 1, 2, 3]] * 4, outcomes  # in step: nobody waited for a timeout

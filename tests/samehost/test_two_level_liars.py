@@ -1,0 +1,79 @@
+"""A lying host leader on two levels (objcomm._samehost.two_level): the votes of an operation whose second round moves
+through the whole group's backend (scatter, all_to_all) are the whole group's, never relayed by a leader, so that a
+leader who tells its host another outcome than the leaders agreed on cannot send its host's ranks into a different
+number of the group's collectives (they met the other hosts' next call: wrong data, silently)."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from _ranks import get_pool
+from test_many_ranks import ranks_per_host
+
+import objcomm
+from objcomm._samehost import two_level as _two_level
+from objcomm._samehost import two_level_moves as _moves
+
+pytestmark = pytest.mark.timeout(180)
+
+W, LEADER = 8, 4  # the pool of tests/transport/test_many_ranks.py; hosts of 4: ranks 4-7 and their leader, 4
+CHUNK = 1 << 16
+STREAM = 2 * CHUNK + 4096  # an all_to_all's stream per pair: 3 rounds of chunk_bytes
+
+
+def _lying(real: Any) -> Any:
+    """Leader 4's vote in two levels, as it tells its host: the longest stream one round short, a refusal dropped."""
+
+    def largest(here: Any, values: Any, op: str) -> List[int]:
+        packing = struct.Struct(f"<{len(values)}q")
+        rows = _moves.to_leader(here, packing.pack(*values), op)
+        voted = _moves.as_leader(
+            here, op, _moves.largest_of, here.leader, [max(c) for c in zip(*map(packing.unpack, rows))], op
+        )
+        told = [0, *voted[1:]]  # no refusal
+        if len(told) == 2 and told[1] > 2 * CHUNK:
+            told[1] = 2 * CHUNK
+        here.channel.broadcast(packing.pack(*told), 0, here.spin)
+        _moves.echo(here.channel, packing.pack(*told), here.spin, op, "votes")
+        return list(voted)
+
+    return largest
+
+
+def lying_leader() -> List[Any]:
+    """all_to_all of STREAM bytes a pair, a scatter that rank 1 refuses, then an all_to_all of small ints: what each
+    rank got (right, or the error's type)."""
+    rank = dist.get_rank()
+    seen: List[Any] = []
+    with ranks_per_host(4):
+        comm = objcomm.Communicator(chunk_bytes=CHUNK)
+        comm.all_gather(rank)  # the set-up: hosts, node and leaders' groups, channels
+        real = _two_level.largest_in_levels
+        if rank == LEADER:
+            _two_level.largest_in_levels = _lying(real)  # type: ignore[assignment]
+        try:
+            outs = [torch.full((STREAM,), (rank * 16 + j) % 256, dtype=torch.uint8) for j in range(W)]
+            got = comm.all_to_all(outs)
+            seen.append(
+                all(
+                    torch.equal(t, torch.full((STREAM,), (r * 16 + rank) % 256, dtype=torch.uint8))
+                    for r, t in enumerate(got)
+                )
+            )
+            try:
+                parts = [b"p" * 200_000] * W if rank == 0 else None
+                seen.append(len(comm.scatter(parts, src=0, max_bytes=1000 if rank == 1 else None)))
+            except objcomm.TooLargeError:
+                seen.append("TooLargeError")
+        finally:
+            _two_level.largest_in_levels = real  # type: ignore[assignment]
+        seen.append(comm.all_to_all([10 * rank + j for j in range(W)]) == [10 * r + rank for r in range(W)])
+    return seen
+
+
+def test_a_lying_leader_cannot_split_the_votes_of_a_flat_second_round():
+    assert get_pool(W).run(lying_leader, timeout=120) == [[True, "TooLargeError", True]] * W
