@@ -64,6 +64,8 @@ class TwoLevelRests:
         return self.shared_from is not None and routes.shared_memory_takes(total, threshold=self.shared_from, cpu=True)
 
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
+        if op == "broadcast" and moved > _limits.SCRATCH_BYTES and self._here(wire, op) is not None:
+            return True  # a leader relays all of it for its host: its receivers vote first, so that none holds it
         return self.inner.worth(wire, moved, op)
 
     def all_gather(

@@ -51,6 +51,9 @@ def receive_buffer(length: int, wire: Wire) -> Tuple[torch.Tensor, Optional[memo
     return torch.frombuffer(raw, dtype=torch.uint8), memoryview(raw)
 
 
+FREE_S = 1.0  # seconds a transfer runs before its Deadline asks the group for its timeout
+
+
 def pieces(length: int, chunk: int) -> range:
     return range(0, length, chunk)
 
@@ -58,32 +61,38 @@ def pieces(length: int, chunk: int) -> range:
 class Deadline:
     """The group's timeout, counted once for a transfer of many pieces (the backend counts it per piece: a peer
     that sent each piece just within it could hold a receiver for as many timeouts as it announced pieces). A
-    transfer then ends within twice the timeout: checked before each piece, and a piece waits the timeout at most."""
+    transfer then ends within twice the timeout: checked before each piece, and a piece waits the timeout at most.
+    Nothing is asked of the group for the first :data:`FREE_S` (a transfer that ends by then costs a clock read a
+    piece)."""
 
-    __slots__ = ("wire", "op", "limit", "end")
+    __slots__ = ("wire", "op", "start", "limit")
 
     def __init__(self, wire: Wire, op: str) -> None:
         self.wire, self.op = wire, op
-        self.limit = timeout_seconds(wire.group)
-        self.end = time.monotonic() + self.limit
+        self.start = time.monotonic()
+        self.limit: Optional[float] = None  # the group's timeout, once asked
 
-    def left(self, done: int, total: int) -> float:
-        """Seconds left, or a :class:`~objcomm.CommunicationError` once there are none (``done`` of ``total``
-        bytes moved)."""
-        left = self.end - time.monotonic()
-        if left <= 0:
+    def left(self, done: int, total: int) -> Optional[float]:
+        """Seconds left (None: the whole timeout, not asked yet), or a :class:`~objcomm.CommunicationError` once
+        there are none (``done`` of ``total`` bytes moved)."""
+        elapsed = time.monotonic() - self.start
+        if elapsed < FREE_S and self.limit is None:
+            return None
+        if self.limit is None:
+            self.limit = timeout_seconds(self.wire.group)
+        if elapsed >= self.limit:
             raise CommunicationError(
                 f"{self.op}: a transfer of {total:,} bytes in pieces of chunk_bytes={self.wire.chunk:,} was not done "
                 f"after the group's timeout of {self.limit:,.0f} s (rank {self.wire.rank} had moved {done:,} bytes). "
                 "A rank announced more than it sends, or sends too slowly for this timeout; the group may be out of "
                 "step, so create a new one."
             )
-        return left
+        return self.limit - elapsed
 
     def wait(self, work: Any, done: int, total: int) -> None:
         """``work.wait()`` for what is left of the timeout (NCCL's takes no shorter one: it is checked before)."""
         left = self.left(done, total)
-        if self.wire.device.type == "cpu":
+        if left is not None and self.wire.device.type == "cpu":
             guarded(self.op, self.wire, work.wait, timedelta(seconds=left))
         else:
             guarded(self.op, self.wire, work.wait)

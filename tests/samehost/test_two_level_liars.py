@@ -1,7 +1,8 @@
-"""A lying host leader on two levels (objcomm._samehost.two_level): the votes of an operation whose second round moves
-through the whole group's backend (scatter, all_to_all) are the whole group's, never relayed by a leader, so that a
-leader who tells its host another outcome than the leaders agreed on cannot send its host's ranks into a different
-number of the group's collectives (they met the other hosts' next call: wrong data, silently)."""
+"""Lying ranks on two levels (objcomm._samehost.two_level) cannot send one host's ranks into a different number of the
+group's collectives than another's (they met the other hosts' next call: wrong data, silently): the votes of an
+operation whose second round moves through the whole group's backend (scatter, all_to_all) are the whole group's,
+never relayed by a leader. And a broadcast past the scratch size votes first, since a leader relays all of it for its
+host."""
 
 from __future__ import annotations
 
@@ -77,3 +78,22 @@ def lying_leader() -> List[Any]:
 
 def test_a_lying_leader_cannot_split_the_votes_of_a_flat_second_round():
     assert get_pool(W).run(lying_leader, timeout=120) == [[True, "TooLargeError", True]] * W
+
+
+def refused_broadcast() -> Any:
+    """Rank 5 broadcasts 40 tensors of 1 MiB (each piece within the scratch size, their sizes in its slot); ranks 0,
+    4 and 6, two of them leaders, accept at most 1 MiB. A leader relays the whole rest for its host: on two levels the
+    receivers vote first, so that nobody holds it and every rank raises alike."""
+    rank = dist.get_rank()
+    with ranks_per_host(4):
+        comm = objcomm.Communicator(inline_tensor_bytes=0)
+        comm.all_gather(rank)
+        tensors = [torch.full((1 << 18,), float(i)) for i in range(40)] if rank == 5 else None
+        try:
+            return len(comm.broadcast(tensors, src=5, max_bytes=(1 << 20) if rank in (0, 4, 6) else None))
+        except objcomm.TooLargeError as exc:
+            return "refused before any transfer" if "nothing was transferred" in str(exc) else str(exc)
+
+
+def test_a_two_level_broadcast_past_the_scratch_size_votes_first():
+    assert get_pool(W).run(refused_broadcast, timeout=120) == ["refused before any transfer"] * W
