@@ -64,8 +64,8 @@ class TwoLevelRests:
         return self.shared_from is not None and routes.shared_memory_takes(total, threshold=self.shared_from, cpu=True)
 
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
-        if op == "broadcast" and moved > _limits.SCRATCH_BYTES and self._here(wire, op) is not None:
-            return True  # a leader relays all of it for its host: its receivers vote first, so that none holds it
+        if routes.leaders_relay_first(op=op, moved=moved) and self._here(wire, op) is not None:
+            return True  # its receivers vote first (a refusing leader would hold all of it for its host)
         return self.inner.worth(wire, moved, op)
 
     def all_gather(

@@ -19,6 +19,8 @@ ends after round 1      an error report anywhere, or every slot carries its whol
                         message
 receivers answer first  broadcast, send/recv: sizes not listed in the slot, a piece      :func:`agreement_needed`
                         past ``SCRATCH_BYTES``, or a same-host medium may take the rest
+                        (on two levels a broadcast's rest past ``SCRATCH_BYTES``: a      :func:`leaders_relay_first`
+                        leader relays all of it)
                         (scatter always votes; all_gather and gather read every
                         receiver's limit in round 1 and never do)
 rest medium             the channel: round 1 went through it, CPU, the largest rest      :func:`rest_medium`
@@ -131,6 +133,13 @@ def agreement_needed(*, sizes_listed: bool, largest_piece: int, medium_may_take:
     every transfer that follows and none is past the scratch size: a receiver over its limit then drains them
     through one small buffer and raises alone. Decided from the slot alone, so sender and receivers agree."""
     return not sizes_listed or largest_piece > SCRATCH_BYTES or medium_may_take
+
+
+def leaders_relay_first(*, op: str, moved: int) -> bool:
+    """On two levels, whether an ``op`` whose rest is ``moved`` bytes makes its receivers vote first because a leader
+    holds all of it to relay it to its host: a broadcast past ``SCRATCH_BYTES`` (a refusing leader would hold it
+    whole, past its own ``max_bytes``). The same answer on every rank (the slot's total)."""
+    return op == "broadcast" and moved > SCRATCH_BYTES
 
 
 def exchange_shape(lengths: Sequence[int]) -> str:
@@ -397,7 +406,8 @@ def _two_level_steps(
     steps = relay(slot)  # broadcast
     sent = rests[root]
     if sent:
-        if agreement_needed(sizes_listed=listed, largest_piece=min(sent, knobs.chunk_bytes), medium_may_take=False):
+        relayed = leaders_relay_first(op="broadcast", moved=sent)
+        if agreement_needed(sizes_listed=listed, largest_piece=min(sent, knobs.chunk_bytes), medium_may_take=relayed):
             steps += [
                 Step("gather", CHANNEL, (8,) * k, k),
                 *across([Step("vote", BACKEND, (4,) * len(hosts))]),

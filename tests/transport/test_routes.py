@@ -52,6 +52,10 @@ def test_agreement_needed():
     assert routes.agreement_needed(sizes_listed=True, largest_piece=SCRATCH_BYTES + 1, medium_may_take=False)
     assert routes.agreement_needed(sizes_listed=False, largest_piece=0, medium_may_take=False)
     assert routes.agreement_needed(sizes_listed=True, largest_piece=0, medium_may_take=True)
+    # on two levels a leader holds a broadcast's whole rest to relay it: past the scratch size its receivers vote
+    assert routes.leaders_relay_first(op="broadcast", moved=SCRATCH_BYTES + 1)
+    assert not routes.leaders_relay_first(op="broadcast", moved=SCRATCH_BYTES)
+    assert not routes.leaders_relay_first(op="all_gather", moved=SCRATCH_BYTES + 1)  # every rank's limit in round 1
 
 
 def test_round_one_and_express():
