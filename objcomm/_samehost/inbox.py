@@ -276,11 +276,6 @@ class Stash:
             return -1
         return -2 if peeked else -1
 
-    def sent_slot(self) -> None:
-        """A send/recv slot left this rank through the channel (see :attr:`slots_sent`)."""
-        with self.cond:
-            self.slots_sent += 1
-
     def notice_of(self, peer: int, op: str) -> Optional[int]:
         """Where ``peer``, whose connection a send found closed, failed the channel, if it said so: what it sent
         before it closed is read now (checked and filed as ever) up to its :data:`FAILED` notice or the end, unless

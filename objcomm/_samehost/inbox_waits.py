@@ -257,6 +257,8 @@ class Inbox(Stash):
             if not self._allowed(peer, cls, cost):
                 self._await_credit(peer, cls, cost, op, flush, kind != P2P and kind != REST)
             self._sent[peer][cls] += cost
+            if kind == P2P:  # counted as sent here, under the lock held already (a send that fails fails the channel)
+                self.slots_sent += 1
 
     def _allowed(self, peer: int, cls: int, cost: int) -> bool:
         outstanding = self._sent[peer][cls] - self._credit[peer][cls]

@@ -250,17 +250,23 @@ class Mesh:
         while True:
             try:
                 sock.sendmsg(parts, [], _FLAGS)
-                if header[0] == P2P:
-                    self._inbox.sent_slot()
                 return
             except BlockingIOError:  # the peer's queue is full: wait until it reads, bounded
                 now = time.monotonic()
                 deadline = now + self.timeout if deadline is None else deadline
                 if now >= deadline or not select.select([], [sock], [], deadline - now)[1]:
+                    self._unsent(header)
                     self._fail(op, f"rank {peer} did not read within the timeout of {self.timeout:.0f}s")
             except OSError as exc:  # EPIPE, ECONNRESET: it is gone (EBADF: closed here meanwhile)
+                self._unsent(header)
                 self._inbox.notice_of(peer, op)  # what it sent before it went: where it failed, if it did
                 self._fail(op, f"rank {peer} (pid {self._pids[peer]}) closed its connection ({exc.strerror})", exc)
+
+    def _unsent(self, header: bytes) -> None:
+        """A send/recv slot that ``reserve`` counted as sent did not leave (the channel fails now)."""
+        if header[0] == P2P:
+            with self._inbox.cond:
+                self._inbox.slots_sent -= 1
 
     def _fail(self, op: str, why: str, cause: Optional[BaseException] = None) -> NoReturn:
         if self.closed:  # an earlier call, another thread or close(): say why it closed
