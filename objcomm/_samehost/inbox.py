@@ -192,7 +192,9 @@ class Stash:
         return entry
 
     def _release(self, me: int, keep: Sequence[int]) -> None:
-        """Stop reading the sockets this thread claimed, but those of ``keep``; wake whoever waits for them."""
+        """Stop reading the sockets this thread claimed, but those of ``keep``; wake whoever waits for them. Called by
+        a thread counted in ``_waiting`` (it releases before it stops counting: else the one thread left waiting for
+        these sockets would sleep until its timeout, nobody reading them)."""
         let_go = [p for p, reader in self._readers.items() if reader == me and p not in keep]
         for peer in let_go:
             del self._readers[peer]

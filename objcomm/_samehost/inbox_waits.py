@@ -103,14 +103,14 @@ class Inbox(Stash):
                         arrived = [(fds[fd], self._recv(fds[fd], block=False)) for fd, _ in events]
                 finally:
                     self.cond.acquire()
+                lost = False  # a pending peer's connection ended: the general path says so, once what came is filed
                 for peer, length in arrived:
                     parsed = self._parse(peer, length, op) if length != -3 else None
                     if parsed is None:
                         if peer in self.gone:
                             with contextlib.suppress(KeyError, ValueError):
                                 self._poll_all.unregister(self._peers[peer].fileno())
-                            if peer in pending:
-                                return got, ready, pending
+                            lost = lost or peer in pending
                         continue
                     if parsed[0] != key or peer not in pending:
                         self._put(peer, *parsed, op)
@@ -133,6 +133,8 @@ class Inbox(Stash):
                             del self._readers[peer]
                     if self._waiting:  # a thread came meanwhile: it may want what was filed, or the socket
                         self._notify()
+                if lost:
+                    return got, ready, pending
             return got, ready, pending
         finally:
             for peer in mine:
@@ -236,9 +238,9 @@ class Inbox(Stash):
                 if first and len(mine) < len(pending) and wake < 0:
                     wake = self._wakes[me] = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
                 self._read_and_file(mine, wake, remaining, op)
-        finally:
-            self._waiting -= 1
+        finally:  # release first: a thread that waits on these sockets is told while this one still counts
             self._release(me, ())
+            self._waiting -= 1
             if wake >= 0:
                 del self._wakes[me]
                 os.close(wake)
@@ -303,10 +305,10 @@ class Inbox(Stash):
                     self.cond.wait(remaining)
                     continue
                 self._read_and_file([peer], -1, remaining, op)
-        finally:
-            self._waiting -= 1
+        finally:  # (as in _take: release, then stop counting)
             if mine:
                 self._release(me, ())
+            self._waiting -= 1
 
 
 def poll_briefly(poll: Any, until: float, yielding: bool = False) -> bool:
