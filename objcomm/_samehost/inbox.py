@@ -284,19 +284,23 @@ class Stash:
         another thread reads its socket (that one files it; this waits for it a moment)."""
         deadline = time.monotonic() + NOTICE_WAIT  # once: a peer that keeps sending cannot hold this rank
         with self.cond:
-            for _ in range(4096):
-                if peer in self.gone or time.monotonic() > deadline:
-                    break
-                if peer in self._readers:
-                    self.cond.wait(max(deadline - time.monotonic(), 0.0))
-                    continue
-                try:
-                    length = self._recv(peer, block=False)
-                    if length == -3:  # nothing more
+            self._waiting += 1  # counted: the reader of the socket wakes it when it lets go
+            try:
+                for _ in range(4096):
+                    if peer in self.gone or time.monotonic() > deadline:
                         break
-                    self._file(peer, length, op)
-                except CommunicationError:  # the channel failed on what came: it says why
-                    break
+                    if peer in self._readers:
+                        self.cond.wait(max(deadline - time.monotonic(), 0.0))
+                        continue
+                    try:
+                        length = self._recv(peer, block=False)
+                        if length == -3:  # nothing more
+                            break
+                        self._file(peer, length, op)
+                    except CommunicationError:  # the channel failed on what came: it says why
+                        break
+            finally:
+                self._waiting -= 1
             return self.failed.get(peer)
 
     # -- filing (under the lock) ------------------------------------------------------------------

@@ -7,11 +7,14 @@ time: a waiting thread claims the sockets of the peers it waits for that nobody 
 (one blocking ``recv`` when it is one socket, else ``poll``) and files every message under its
 peer and key (a collective's sequence number, or a point-to-point tag); threads waiting for a
 socket another thread reads sleep on a condition until that thread files something or lets go.
-A receive from any rank (``first``) also polls an eventfd, so that a message another thread files
-for it wakes it. When no other thread waits (the common case) a call takes leaner paths to the same
+A thread that reads only some of the sockets it waits for also polls an eventfd, so that a message
+another thread files for it, or a socket let go, wakes it. Every thread that waits counts itself in
+``_waiting`` (a reader wakes the others only when someone else counts), and lets its sockets go before
+it stops counting. When no other thread waits (the common case) a call takes leaner paths to the same
 result: it reads its sources itself and keeps the message it wants without filing it (one blocking
-``recv`` for one source; for a collective over every peer, the ``poll`` registered at set-up), and
-polls without sleeping for up to the call's spin first (:func:`poll_briefly`).
+``recv`` for one source; for a collective over every peer, the ``poll`` registered at set-up, kept
+until the last peer's message has come, so that what the others send meanwhile is filed for the
+threads that want it), and polls without sleeping for up to the call's spin first (:func:`poll_briefly`).
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ class Inbox(Stash):
             while pending and time.monotonic() < deadline:
                 self.cond.release()
                 try:
-                    if len(pending) == 1:  # one recv, no poll while the whole timeout is left
+                    if len(pending) == 1 and not everyone:  # one recv, no poll while the whole timeout is left
+                        # (not when this thread holds every peer's socket: it reads them all until the last comes)
                         if spin_until:
                             poll_briefly(self._poll_one[pending[0]], spin_until, self.yielding)
                         arrived = [(pending[0], self._recv_by(pending[0], deadline))]
@@ -111,6 +115,8 @@ class Inbox(Stash):
                             with contextlib.suppress(KeyError, ValueError):
                                 self._poll_all.unregister(self._peers[peer].fileno())
                             lost = lost or peer in pending
+                            if self._waiting:  # a thread waiting for that peer learns it is gone now
+                                self._notify()
                         continue
                     if parsed[0] != key or peer not in pending:
                         self._put(peer, *parsed, op)
@@ -235,7 +241,7 @@ class Inbox(Stash):
                 if not mine:  # another thread reads every socket this one waits on: it files and notifies
                     self.cond.wait(remaining)
                     continue
-                if first and len(mine) < len(pending) and wake < 0:
+                if len(mine) < len(pending) and wake < 0:  # woken when another thread lets go of the rest
                     wake = self._wakes[me] = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
                 self._read_and_file(mine, wake, remaining, op)
         finally:  # release first: a thread that waits on these sockets is told while this one still counts

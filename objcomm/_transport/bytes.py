@@ -65,10 +65,11 @@ class Deadline:
     Nothing is asked of the group for the first :data:`FREE_S` (a transfer that ends by then costs a clock read a
     piece)."""
 
-    __slots__ = ("wire", "op", "start", "limit")
+    __slots__ = ("wire", "op", "what", "start", "limit")
 
-    def __init__(self, wire: Wire, op: str) -> None:
+    def __init__(self, wire: Wire, op: str, what: Optional[str] = None) -> None:
         self.wire, self.op = wire, op
+        self.what = what  # the transfer, as the error names it (default: its size and chunk_bytes)
         self.start = time.monotonic()
         self.limit: Optional[float] = None  # the group's timeout, once asked
 
@@ -81,11 +82,11 @@ class Deadline:
         if self.limit is None:
             self.limit = timeout_seconds(self.wire.group)
         if elapsed >= self.limit:
+            what = self.what or f"a transfer of {total:,} bytes in pieces of chunk_bytes={self.wire.chunk:,}"
             raise CommunicationError(
-                f"{self.op}: a transfer of {total:,} bytes in pieces of chunk_bytes={self.wire.chunk:,} was not done "
-                f"after the group's timeout of {self.limit:,.0f} s (rank {self.wire.rank} had moved {done:,} bytes). "
-                "A rank announced more than it sends, or sends too slowly for this timeout; the group may be out of "
-                "step, so create a new one."
+                f"{self.op}: {what} was not done after the group's timeout of {self.limit:,.0f} s (rank "
+                f"{self.wire.rank} had moved {done:,} bytes). A rank announced more than it sends, or sends too "
+                "slowly for this timeout; the group may be out of step, so create a new one."
             )
         return self.limit - elapsed
 
@@ -298,17 +299,15 @@ def all_to_all_bytes(
         )
         return list(received.split(list(lengths)))
     results = [empty(n, wire) for n in lengths]
-    limit = timeout_seconds(wire.group)
-    deadline = time.monotonic() + limit
+    rounds = -(-longest // wire.chunk)
+    deadline = Deadline(
+        wire,
+        op,
+        f"the second round, voted at {longest:,} bytes for the longest pair ({rounds:,} rounds of "
+        f"chunk_bytes={wire.chunk:,}),",
+    )
     for start in pieces(longest, wire.chunk):  # extra memory bounded by size * chunk
-        if time.monotonic() > deadline:
-            rounds = -(-longest // wire.chunk)
-            raise CommunicationError(
-                f"{op}: the second round, voted at {longest:,} bytes for the longest pair ({rounds:,} "
-                f"rounds of chunk_bytes={wire.chunk:,}), was not done after the group's timeout of {limit:,.0f} s "
-                f"(rank {wire.rank} had reached byte {start:,}). A rank announced more than it sends, or the "
-                "transfer is too slow for this timeout; the group may be out of step, so create a new one."
-            )
+        deadline.left(start, longest)
         outs = [max(0, min(wire.chunk, n - start)) for n in sent]
         ins = [max(0, min(wire.chunk, n - start)) for n in lengths]
         send = joined([p for parts, k in zip(streams, outs) for p in _window(parts, start, k)], wire)

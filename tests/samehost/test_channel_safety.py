@@ -347,6 +347,7 @@ def owes_credit_to_a_rank_that_never_reads() -> Dict[str, Any]:
     store = dist.distributed_c10d._get_default_store()
     key = f"credit-owed-{dist.distributed_c10d._world.pg_names[group]}"  # the group's name: alike on its ranks
     report: Dict[str, Any] = {}
+    dist.barrier()  # rank 2 is done with the opening all_gather: it reads rank 0's socket no more
     if rank == 0:
         while True:  # fill rank 2's queue: what an eager send leaves in the kernel
             try:
