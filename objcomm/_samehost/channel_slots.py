@@ -386,6 +386,8 @@ class SameHostSlots:
             except _channel.OutOfStep as exc:
                 state.broken = str(exc)
                 channel.fail(op, str(exc))
+            except CommunicationError as exc:  # failed on this rank, perhaps not on others: the channel fails here,
+                channel.fail(op, f"the send/recv vote failed ({exc})", exc)  # and the next call decides anew
             with state.cond:  # before the vote ends: a send/recv waiting for it must see the outcome
                 channel.p2p = agreed
         finally:

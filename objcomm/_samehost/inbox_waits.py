@@ -68,7 +68,8 @@ class Inbox(Stash):
         holds, read the rest, taking the messages wanted directly and filing the others; ``(got, ready,
         pending)``, pending non-empty when it stopped early (EOF, the deadline: the general path says why).
         When the sources are every live peer, the poll registered once at set-up serves (a peer done with this
-        call keeps being read: what it sends next is filed)."""
+        call keeps being read: what it sends next is filed) until one peer is left: then this thread lets the others'
+        sockets go, for any thread that wants them, and reads the last one alone."""
         me = threading.get_ident()
         got: Dict[int, bytes] = {}
         ready, pending = -1, []
@@ -93,10 +94,11 @@ class Inbox(Stash):
                 poll.register(fd, select.POLLIN)
         try:
             while pending and time.monotonic() < deadline:
+                if len(pending) == 1 and len(mine) > 1:  # a thread may want the others' sockets meanwhile
+                    mine = self._keep_only(me, mine, pending[0])
                 self.cond.release()
                 try:
-                    if len(pending) == 1 and not everyone:  # one recv, no poll while the whole timeout is left
-                        # (not when this thread holds every peer's socket: it reads them all until the last comes)
+                    if len(pending) == 1:  # one recv, no poll while the whole timeout is left
                         if spin_until:
                             poll_briefly(self._poll_one[pending[0]], spin_until, self.yielding)
                         arrived = [(pending[0], self._recv_by(pending[0], deadline))]
@@ -148,6 +150,16 @@ class Inbox(Stash):
                     del self._readers[peer]
             if self._waiting:
                 self._notify()
+
+    def _keep_only(self, me: int, mine: List[int], peer: int) -> List[int]:
+        """Let go of the sockets of ``mine`` but ``peer``'s (a lean path that now waits for ``peer`` alone), waking
+        the threads waiting; ``[peer]``."""
+        for other in mine:
+            if other != peer and self._readers.get(other) == me:
+                del self._readers[other]
+        if self._waiting:
+            self._notify()
+        return [peer]
 
     def _alone(
         self, peer: int, key: Key, kind: int, op: str, spin_until: float

@@ -254,7 +254,12 @@ class Mesh:
             except BlockingIOError:  # the peer's queue is full: wait until it reads, bounded
                 now = time.monotonic()
                 deadline = now + self.timeout if deadline is None else deadline
-                if now >= deadline or not select.select([], [sock], [], deadline - now)[1]:
+                try:
+                    writable = now < deadline and select.select([], [sock], [], deadline - now)[1]
+                except (OSError, ValueError) as exc:  # closed here meanwhile, by another thread (ValueError: fd -1)
+                    self._unsent(header)
+                    self._fail(op, f"the connection to rank {peer} closed while this rank waited to send", exc)
+                if not writable:
                     self._unsent(header)
                     self._fail(op, f"rank {peer} did not read within the timeout of {self.timeout:.0f}s")
             except OSError as exc:  # EPIPE, ECONNRESET: it is gone (EBADF: closed here meanwhile)
@@ -297,7 +302,11 @@ class Mesh:
         because a peer had failed it earlier (:meth:`_failure_point`); if so, the next opening of the group's channel
         takes the place of that collective (:attr:`resumes_at`): the caller opens it at once, in the same call, as
         that peer does at its next."""
-        if not (self.rejoins and self.found_in == (sequence + 1) & MASK):
+        rejoins = self.rejoins and self.found_in == (sequence + 1) & MASK
+        # or: the call began no collective on a channel that another thread of this rank failed after the call found
+        # it open: this rank takes its place in this call, as a peer told of the failure (FAILED) does in its own
+        failed_meanwhile = self._seq == sequence and self.closed and self.failed_at is not None
+        if not (rejoins or failed_meanwhile):
             return False
         self.rejoining = True
         return True

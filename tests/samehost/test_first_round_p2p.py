@@ -341,6 +341,106 @@ def test_ranks_that_failed_at_different_calls_do_not_reopen():
     assert results[1] == results[2] == ["failed", "out of step", "out of step", 1]
 
 
+class _SlowToPickle:
+    """An object whose pickling takes half a second (a large or custom object); no tensors: the express path."""
+
+    def __reduce__(self) -> Any:
+        time.sleep(0.5)
+        return (str, ("slow",))
+
+
+def fails_in_another_thread_while_a_call_serializes() -> List[Any]:
+    """Rank 1's receiving thread fails the channel (a slot of another ``slot_bytes`` from rank 0, a failure the group
+    recovers from) while rank 1's main thread is in an all_gather that found the channel open and is still pickling
+    its object. Both ranks reopen in that very call (rank 0 learns of it by the failure notice in its collective;
+    before the fix rank 1 raised out of the call and reopened one call later: out of step for good)."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    comm = objcomm.Communicator(group, local=True)
+    comm.all_gather(rank)
+    assert _state_of(group).channel.p2p
+    dist.barrier(group)
+    receiver = None
+    if rank == 0:
+        time.sleep(0.1)  # rank 1 is pickling by now
+        objcomm.Communicator(group, local=True, slot_bytes=256).send("x" * 300, 1, tag=5)
+    else:
+        receiver = threading.Thread(target=lambda: report_of(lambda: comm.recv(0, tag=5)))
+        receiver.start()
+    seen: List[Any] = []
+    for i in range(3):
+        try:
+            seen.append(comm.all_gather(_SlowToPickle() if i == 0 and rank == 1 else rank))
+        except objcomm.CommunicationError as exc:
+            seen.append("out of step" if "out of step" in str(exc) else str(exc))
+    if receiver is not None:
+        receiver.join(60)
+    seen.append(_state_of(group).channel.generation)
+    dist.destroy_process_group(group)
+    return seen
+
+
+def report_of(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except objcomm.CommunicationError as exc:
+        return exc
+
+
+def test_a_channel_failed_by_another_thread_during_a_call_reopens_in_that_call():
+    assert get_pool(2).run(fails_in_another_thread_while_a_call_serializes) == [
+        [[0, "slow"], [0, 1], [0, 1], 2],
+        [[0, "slow"], [0, 1], [0, 1], 2],
+    ]
+
+
+def a_vote_fails_on_one_rank() -> List[Any]:
+    """The send/recv vote of an all_gather raises on rank 0 only, after the vote's collective went through (as when
+    it fails on its way back): rank 0's channel fails, and both ranks settle on one route at the next call (before:
+    rank 0 kept send/recv off the channel, rank 1 on it; a send from 0 went through the backend and "returned",
+    rank 1 waited for it on the channel until its timeout)."""
+    from objcomm._samehost import channel as _channel
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    comm = objcomm.Communicator(group, local=True)
+    pending = comm.irecv(1, tag=2) if rank == 0 else None
+    comm.all_gather(0)  # opens the channel; rank 0's irecv is in flight: send/recv stay off it, a vote is due later
+    if rank == 1:
+        comm.send("early", 0, tag=2)
+    else:
+        assert pending is not None
+        pending.wait(30)
+    real = _channel.LocalChannel.vote
+    if rank == 0:
+
+        def vote(self: Any, *args: Any) -> Any:
+            real(self, *args)
+            raise objcomm.CommunicationError("injected: the vote failed on its way back")
+
+        _channel.LocalChannel.vote = vote  # type: ignore[method-assign]
+    seen: List[Any] = []
+    try:
+        seen.append(comm.all_gather(rank))
+    except objcomm.CommunicationError as exc:
+        seen.append("vote failed" if "vote" in str(exc) else str(exc))
+    finally:
+        _channel.LocalChannel.vote = real  # type: ignore[method-assign]
+    seen.append(comm.all_gather(rank))
+    if rank == 0:
+        comm.send("after", 1, tag=3)
+    else:
+        seen.append(comm.recv(0, tag=3))
+    dist.destroy_process_group(group)
+    return seen
+
+
+def test_a_vote_that_fails_on_one_rank_leaves_no_rank_on_another_route():
+    zero, one = get_pool(2).run(a_vote_fails_on_one_rank)
+    assert zero == ["vote failed", [0, 1]], zero
+    assert one == [[0, 1], [0, 1], "after"], one  # its vote went through: it learns of the failure at the next call
+
+
 def tagged_message_ahead_of_a_collective(tag: int) -> List[Any]:
     """W=3: rank 1's tagged send reaches rank 2's socket before rank 1's all_gather message, and rank 2's collective
     reads it first (its lean path, one thread): it is filed for the recv, not taken for a later collective."""

@@ -126,18 +126,17 @@ def test_a_collective_files_every_message_that_came_with_a_peer_s_end(inbox_of):
 
 
 def test_a_collective_waiting_for_its_last_peer_still_reads_the_others(inbox_of):
-    """A collective that holds every peer's socket and waits for the last peer's message keeps reading the others:
-    a receiver's message from a peer done with the collective (and a sender's credit) is handed over at once, not
-    when the last peer comes (before: a blocking read of the last peer's socket alone; a program whose last peer
-    waits for that receiver first waited the timeout)."""
+    """A collective that holds every peer's socket and waits for the last peer's message lets the others go: a
+    receiver's message from a peer done with the collective (and a sender's credit) is taken at once, not when the
+    last peer comes (before: the collective read the last peer's socket alone, holding the others; a program whose
+    last peer waits for that receiver first waited the timeout)."""
     inbox, pairs = inbox_of(3.0)
     pairs[0][1].send(_message(_inbox.ALL_GATHER, 1, data=b"c0"))  # peer 0 is in the collective already
     collective = _Run(lambda: inbox.take([0, 1], (True, 1), _inbox.ALL_GATHER, "all_gather"))
     collective.start()
-    _until(lambda: inbox._readers.get(0) == collective.ident and not _readable(pairs[0][0]), "peer 0's message read")
+    _until(lambda: inbox._readers.get(1) == collective.ident and not _readable(pairs[0][0]), "peer 0's message read")
     receiver = _Run(lambda: inbox.take([0], (False, 4), _inbox.P2P, "recv", first=True))
     receiver.start()
-    _until(lambda: inbox._waiting == 1, "the receiver waits")
     pairs[0][1].send(_message(_inbox.P2P, 9, tag=4, data=b"for the receiver"))
     receiver.join(10)
     assert receiver.outcome == ({0: b"for the receiver"}, 9), receiver.outcome
