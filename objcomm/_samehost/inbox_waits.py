@@ -12,9 +12,9 @@ another thread files for it, or a socket let go, wakes it. Every thread that wai
 ``_waiting`` (a reader wakes the others only when someone else counts), and lets its sockets go before
 it stops counting. When no other thread waits (the common case) a call takes leaner paths to the same
 result: it reads its sources itself and keeps the message it wants without filing it (one blocking
-``recv`` for one source; for a collective over every peer, the ``poll`` registered at set-up, kept
-until the last peer's message has come, so that what the others send meanwhile is filed for the
-threads that want it), and polls without sleeping for up to the call's spin first (:func:`poll_briefly`).
+``recv`` for one source; for a collective over every peer, the ``poll`` registered at set-up until
+one peer is left, whose socket it then reads alone, the others let go for the threads that want
+them), and polls without sleeping for up to the call's spin first (:func:`poll_briefly`).
 """
 
 from __future__ import annotations
