@@ -191,14 +191,14 @@ class Stash:
         self._took(peer, entry[0], len(entry[2]))
         return entry
 
-    def _release(self, me: int, keep: Sequence[int]) -> None:
-        """Stop reading the sockets this thread claimed, but those of ``keep``; wake whoever waits for them. Called by
-        a thread counted in ``_waiting`` (it releases before it stops counting: else the one thread left waiting for
-        these sockets would sleep until its timeout, nobody reading them)."""
+    def _release(self, me: int, keep: Sequence[int], counted: bool = True) -> None:
+        """Stop reading the sockets this thread claimed, but those of ``keep``; wake whoever waits for them.
+        ``counted``: this thread counts in ``_waiting`` (it releases before it stops counting: else the one thread
+        left waiting for these sockets would sleep until its timeout, nobody reading them); a lean path does not."""
         let_go = [p for p, reader in self._readers.items() if reader == me and p not in keep]
         for peer in let_go:
             del self._readers[peer]
-        if let_go and self._waiting > 1:
+        if let_go and self._waiting > counted:
             self._notify()
 
     def _notify(self) -> None:

@@ -95,7 +95,8 @@ class Inbox(Stash):
         try:
             while pending and time.monotonic() < deadline:
                 if len(pending) == 1 and len(mine) > 1:  # a thread may want the others' sockets meanwhile
-                    mine = self._keep_only(me, mine, pending[0])
+                    self._release(me, pending, counted=False)
+                    mine = list(pending)
                 self.cond.release()
                 try:
                     if len(pending) == 1:  # one recv, no poll while the whole timeout is left
@@ -150,16 +151,6 @@ class Inbox(Stash):
                     del self._readers[peer]
             if self._waiting:
                 self._notify()
-
-    def _keep_only(self, me: int, mine: List[int], peer: int) -> List[int]:
-        """Let go of the sockets of ``mine`` but ``peer``'s (a lean path that now waits for ``peer`` alone), waking
-        the threads waiting; ``[peer]``."""
-        for other in mine:
-            if other != peer and self._readers.get(other) == me:
-                del self._readers[other]
-        if self._waiting:
-            self._notify()
-        return [peer]
 
     def _alone(
         self, peer: int, key: Key, kind: int, op: str, spin_until: float
