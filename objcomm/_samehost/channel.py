@@ -94,6 +94,7 @@ from objcomm._errors import CommunicationError
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.inbox_waits import Inbox
 from objcomm._samehost.mesh import MAX_PAYLOAD, Mesh
+from objcomm._transport import groups as _groups
 from objcomm._transport.base import Wire, all_gather_single, guarded
 
 DEFAULT_TIMEOUT = 300.0  # seconds any one wait may take
@@ -344,6 +345,26 @@ class LocalChannel(Mesh):
             sock.settimeout(None)
             peers[who] = sock
         return True
+
+
+def control_group(wire: Wire, op: str) -> Any:
+    """The group's control group (:mod:`objcomm._transport.groups`), destroyed with the group; made at the first
+    set-up that worked on every rank. None where torch cannot make one (its private group helper differs): the
+    channel's votes and reopenings then go through the group itself, as before the control group existed. The ranks
+    agree on it (a MIN through the group): one that could not make it makes every rank do without, for a rank
+    voting through one group while its peers vote through the other would wait for them until the timeout."""
+    try:
+        control = _groups.sibling(wire.group, "objcomm-channel", "gloo")
+    except Exception:
+        control = None
+    made = torch.tensor([control is not None], dtype=torch.int64, device=wire.device)
+    guarded(op, wire, dist.all_reduce, made, op=dist.ReduceOp.MIN, group=wire.group)
+    if control is not None and not made.item():
+        _groups.forget(control)
+        return None
+    if control is not None:
+        weakref.finalize(wire.group, _groups.forget, control).atexit = False
+    return control
 
 
 def _through(wire: Wire, control: Any) -> Tuple[Any, torch.device]:

@@ -70,7 +70,6 @@ from objcomm._samehost import channel_rounds as _channel_rounds
 from objcomm._samehost.channel_checks import _checked, _trim, agree_on, cut_whole, echo, whole_message, whole_size
 from objcomm._samehost.inbox import ANSWER, REST
 from objcomm._samehost.mesh import MAX_PAYLOAD
-from objcomm._transport import groups as _groups
 from objcomm._transport import pending as _pending
 from objcomm._transport.base import NOT_USED, WHOLE, NotUsed, Slot, Wire
 
@@ -245,8 +244,8 @@ class SameHostSlots:
         if channel is not None and channel.failed_at is None:  # closed, not failed: a forked child, or at exit
             channel.check(op)  # raises
         history = (0,) * 5 if channel is None else channel.history()
-        ready = state.begin_vote(wire.group)
-        try:
+        try:  # (begin_vote may raise; end_vote then clears what it set)
+            ready = state.begin_vote(wire.group)
             channel = _channel.LocalChannel.open(
                 wire,
                 timeout=timeout_seconds(wire.group),
@@ -257,7 +256,7 @@ class SameHostSlots:
                 control=state.control,
             )
             if channel is not None and state.control is None:  # every rank is here: the first set-up worked on all
-                state.control = channel.control = _control_group(wire.group)
+                state.control = channel.control = _channel.control_group(wire, op)
             with state.cond:  # before the vote ends: a send/recv waiting for it must see the new channel
                 state.channel, state.decided = channel, True
         except _channel.OutOfStep as exc:
@@ -418,22 +417,12 @@ class SameHostSlots:
                     f"{op}: this group's same-host channel failed earlier (on this rank: {channel.failed_at}); "
                     "send/recv on it raise until a collective on the group has opened it again"
                 )
+            if channel is not None and channel.closed and channel.p2p:  # closed, not failed (a forked child, at exit):
+                channel.check(op)  # raises, as a collective does (the peers' send/recv still take the channel)
             if channel is not None and channel.p2p and not channel.closed:
                 return ChannelRoute(channel, self.spin)
             state.in_flight += 1
             return _Counted(state)
-
-
-def _control_group(group: Any) -> Any:
-    """``group``'s control group (:mod:`objcomm._transport.groups`), destroyed with it; None where torch cannot make one
-    (its private group helper differs): the channel's votes and reopenings then go through ``group`` itself, as before
-    the control group existed."""
-    try:
-        control = _groups.sibling(group, "objcomm-channel", "gloo")
-    except Exception:
-        return None
-    weakref.finalize(group, _groups.forget, control).atexit = False
-    return control
 
 
 @functools.lru_cache(maxsize=16)

@@ -22,12 +22,17 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import socket
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from objcomm._errors import CommunicationError
-from objcomm._samehost.inbox import CLASS_OF, NAMES, P2P, REST, Key, Stash, after, credit_cost
+from objcomm._samehost.inbox import CLASS_OF, CREDIT, HEADER, NAMES, P2P, REST, Key, Stash, after, credit_cost
+
+SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # every send on the channel's sockets: never blocks
+CREDIT_RETRY = 0.01  # seconds between offers of a CREDIT that bounced, while this rank waits
+_CREDIT_HEADER = HEADER.pack(CREDIT, 0, 0, 0)
 
 
 class Inbox(Stash):
@@ -47,7 +52,7 @@ class Inbox(Stash):
         lock = self._lock
         lock.acquire()  # self.cond, without its __enter__ and __exit__ (Python functions): a small call pays for them
         try:
-            if not self._waiting and self.closed is None:  # no other thread waits: the lean paths
+            if not self._waiting and self.closed is None and not self.bounced:  # none waits: the lean paths
                 if len(sources) == 1:
                     fast = self._alone(sources[0], key, kind, op, spin_until)
                     if fast is not None:
@@ -241,12 +246,13 @@ class Inbox(Stash):
                     if key[0]:  # the others wait in the same collective: close, so that they learn at once
                         self._fail(op, why)
                     raise CommunicationError(f"{op} over the local channel: {why}; the channel stays open")
+                wait = self._offer_credit(remaining)
                 if not mine:  # another thread reads every socket this one waits on: it files and notifies
-                    self.cond.wait(remaining)
+                    self.cond.wait(wait)
                     continue
                 if len(mine) < len(pending) and wake < 0:  # woken when another thread lets go of the rest
                     wake = self._wakes[me] = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-                self._read_and_file(mine, wake, remaining, op)
+                self._read_and_file(mine, wake, wait, op)
         finally:  # release first: a thread that waits on these sockets is told while this one still counts
             self._release(me, ())
             self._waiting -= 1
@@ -255,18 +261,43 @@ class Inbox(Stash):
                 os.close(wake)
 
     # -- flow control (see "Flow control" in the module docstring) ------------------------------------
-    def reserve(self, peer: int, kind: int, data_bytes: int, op: str, flush: Callable[[], None]) -> None:
+    def grant(self) -> None:
+        """Tell the peers owed credit what this rank took of theirs (``CREDIT``); never waits. A peer whose queue is
+        full stays owed (:attr:`bounced`): every wait of this rank offers it again each :data:`CREDIT_RETRY` seconds
+        (that peer may be waiting for this credit to send what this rank waits for). One that is gone is found
+        out by the next call."""
+        for peer, payload in self.grants():
+            try:
+                self._peers[peer].sendmsg([_CREDIT_HEADER, payload], [], SEND_FLAGS)
+            except BlockingIOError:
+                self.owe(peer)
+            except OSError:
+                pass
+
+    def _offer_credit(self, remaining: float) -> float:
+        """Called holding the lock before a wait of up to ``remaining`` seconds: where a ``CREDIT`` bounced, offer
+        it again (without the lock) and wait :data:`CREDIT_RETRY` at most; how long to wait."""
+        if not self.bounced:
+            return remaining
+        self.cond.release()
+        try:
+            self.grant()
+        finally:
+            self.cond.acquire()
+        return min(remaining, CREDIT_RETRY) if self.bounced else remaining
+
+    def reserve(self, peer: int, kind: int, data_bytes: int, op: str) -> None:
         """Take the credit a ``kind`` message of ``data_bytes`` to ``peer`` costs, first waiting (reading ``peer``'s
-        socket, or while another thread reads it) until ``peer`` has taken enough of what this rank sent it before.
-        ``flush``: sends the credit this rank owes (called while it waits, so that two ranks waiting for each other
-        tell each other). Past the timeout it raises; in a collective it fails the channel (the others wait in it)."""
+        socket, or while another thread reads it) until ``peer`` has taken enough of what this rank sent it before,
+        and offering the credit this rank owes meanwhile (two ranks waiting for each other tell each other). Past
+        the timeout it raises; in a collective it fails the channel (the others wait in it)."""
         cls = CLASS_OF.get(kind)
         if cls is None:
             return
         cost = credit_cost(data_bytes)
         with self.cond:
             if not self._allowed(peer, cls, cost):
-                self._await_credit(peer, cls, cost, op, flush, kind != P2P and kind != REST)
+                self._await_credit(peer, cls, cost, op, kind != P2P and kind != REST)
             self._sent[peer][cls] += cost
             if kind == P2P:  # counted as sent here, under the lock held already (a send that fails fails the channel)
                 self.slots_sent += 1
@@ -275,9 +306,7 @@ class Inbox(Stash):
         outstanding = self._sent[peer][cls] - self._credit[peer][cls]
         return outstanding <= 0 or outstanding + cost <= self.window  # one message always goes when none is out
 
-    def _await_credit(
-        self, peer: int, cls: int, cost: int, op: str, flush: Callable[[], None], collective: bool
-    ) -> None:
+    def _await_credit(self, peer: int, cls: int, cost: int, op: str, collective: bool) -> None:
         me = threading.get_ident()
         deadline = time.monotonic() + self.timeout
         mine = False
@@ -292,7 +321,7 @@ class Inbox(Stash):
                 if self._owing and not flushed:
                     self.cond.release()
                     try:
-                        flush()
+                        self.grant()
                     finally:
                         self.cond.acquire()
                     flushed = True
@@ -309,11 +338,12 @@ class Inbox(Stash):
                 if not mine and peer not in self._readers:
                     self._readers[peer] = me
                     mine = True
-                flushed = False
+                flushed = False  # offered again after this wait, which a bounced CREDIT cuts short
+                wait = min(remaining, CREDIT_RETRY) if self.bounced else remaining
                 if not mine:  # another thread reads the socket: it files the credit and notifies
-                    self.cond.wait(remaining)
+                    self.cond.wait(wait)
                     continue
-                self._read_and_file([peer], -1, remaining, op)
+                self._read_and_file([peer], -1, wait, op)
         finally:  # (as in _take: release, then stop counting)
             if mine:
                 self._release(me, ())

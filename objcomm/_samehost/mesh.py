@@ -18,7 +18,6 @@ from objcomm._samehost.inbox import (
     ALL_TO_ALL,
     ANSWER,
     BROADCAST,
-    CREDIT,
     ECHO,
     FAILED,
     GATHER,
@@ -30,13 +29,12 @@ from objcomm._samehost.inbox import (
     SCATTER,
 )
 from objcomm._samehost.inbox import after as _after
+from objcomm._samehost.inbox_waits import SEND_FLAGS as _FLAGS
 from objcomm._samehost.inbox_waits import Inbox
 from objcomm._transport.base import Slot
 
 MAX_PAYLOAD = 64 << 10  # bytes in one message; a SEQPACKET message must fit the socket's send buffer
 _WAITER = {ANSWER: "send", REST: "recv"}  # the operation that waits for each part of a send
-_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
-_CREDIT_HEADER = HEADER.pack(CREDIT, 0, 0, 0)
 EVERY_VOTE, LATER_VOTES = 16, 64  # send/recv votes: at the first 16 all_gathers and all_to_alls, then every 64th
 
 
@@ -123,7 +121,7 @@ class Mesh:
         spin = self.auto_spin if spin is None else spin
         got, message = self._inbox.take(sources, (False, tag), P2P, "recv", first=True, spin=spin)
         if self._inbox.owing:
-            self._grant()
+            self._inbox.grant()
         sender, data = got.popitem()
         return sender, data, message
 
@@ -148,7 +146,7 @@ class Mesh:
         try:
             got = self._inbox.take([src], key, kind, op, first=True, spin=spin)[0][src]
             if self._inbox.owing:
-                self._grant()
+                self._inbox.grant()
             return got
         except CommunicationError:
             if not self.closed:
@@ -224,27 +222,15 @@ class Mesh:
             finally:
                 self._current = None
         if self._inbox.owing:
-            self._grant()
+            self._inbox.grant()
         return got
-
-    def _grant(self) -> None:
-        """Tell the peers owed credit what this rank took of theirs (:mod:`objcomm._samehost.inbox`, "Flow control");
-        never waits: a peer whose queue is full is told at the next call, one that is gone is found out by the next
-        call."""
-        for peer, payload in self._inbox.grants():
-            try:
-                self._peers[peer].sendmsg([_CREDIT_HEADER, payload], [], _FLAGS)
-            except BlockingIOError:
-                self._inbox.owe(peer)
-            except OSError:
-                pass
 
     def _send(self, peer: int, header: bytes, data: Slot, op: str) -> None:
         if len(data) > MAX_PAYLOAD:
             self._fail(op, f"{len(data):,} bytes exceed the local channel's {MAX_PAYLOAD:,}-byte messages")
         if peer in self._inbox.gone:
             self._fail(op, self._inbox.gone[peer])
-        self._inbox.reserve(peer, header[0], len(data), op, self._grant)  # header[0]: the kind
+        self._inbox.reserve(peer, header[0], len(data), op)  # header[0]: the kind
         sock, parts = self._peers[peer], [header, data]
         deadline = None
         while True:

@@ -3,6 +3,7 @@ process: several threads taking messages from one inbox at once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -211,3 +212,43 @@ def test_a_collective_reading_some_of_its_peers_is_woken_to_read_the_rest(inbox_
     collective.join(timeout / 2)
     assert isinstance(collective.outcome, CommunicationError), collective.outcome
     assert "rank 0" in str(collective.outcome) and "closed its connection" in str(collective.outcome)
+
+
+def _credit_taken(sock: socket.socket, timeout: float) -> Any:
+    """The totals of the first ``CREDIT`` that comes on ``sock`` within ``timeout`` (others skipped), or None."""
+    deadline = time.monotonic() + timeout
+    while select.select([sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        data = sock.recv(1 << 17)
+        if data[:1] == bytes((_inbox.CREDIT,)):
+            return struct.unpack_from("<qq", data, _inbox.HEADER.size)
+    return None
+
+
+def test_a_credit_that_could_not_be_sent_is_offered_again_while_this_rank_waits(inbox_of):
+    """This rank took enough of peer 0's sends to owe it credit, but its queue to peer 0 was full when it offered it
+    (the ``CREDIT`` bounced). Then it waits for peer 0's next message while peer 0, out of credit, waits for that
+    ``CREDIT`` before it sends: the wait must offer it again once peer 0 has read its queue (before: only at the end
+    of a call, or in a wait for credit; both ranks waited until the timeout)."""
+    timeout = 4.0
+    inbox, pairs = inbox_of(timeout, peers=1)
+    mine, theirs = pairs[0]
+    data = b"s" * 4000
+    for n in range(inbox.window // 4 // len(data) + 1):  # peer 0's sends, each taken by a recv: credit owed
+        theirs.send(_message(_inbox.P2P, n, tag=1, data=data))
+        assert inbox.take([0], (False, 1), _inbox.P2P, "recv", first=True) == ({0: data}, n)
+    assert inbox.owing
+    with contextlib.suppress(BlockingIOError):  # this rank's queue to peer 0 full (what it sent, unread)
+        while True:
+            mine.send(b"x" * 60000, socket.MSG_DONTWAIT)
+    inbox.grant()
+    assert inbox.bounced and inbox.owing
+    receiver = _Run(lambda: inbox.take([0], (False, 2), _inbox.P2P, "recv", first=True))
+    receiver.start()
+    _until(lambda: inbox._readers.get(0) == receiver.ident, "the receiver waits on peer 0's socket")
+    taken = _credit_taken(theirs, timeout / 2)  # peer 0 reads its queue, looking for the credit
+    assert taken is not None, "the CREDIT was never offered again while this rank waited"
+    assert taken[1] > 0  # what it took of peer 0's point-to-point messages
+    theirs.send(_message(_inbox.P2P, 99, tag=2, data=b"next"))
+    receiver.join(timeout)
+    assert receiver.outcome == ({0: b"next"}, 99), receiver.outcome
+    assert not inbox.bounced
