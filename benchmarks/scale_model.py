@@ -226,6 +226,8 @@ def step_cost(step: routes.Step, params: Params, world: int, root: int = 0) -> f
         return direct_all_gatherv(sizes, a, b) if params.device == "cpu" else ring_all_gatherv(sizes, a, b)
     if step.collective in ("gather", "p2p"):
         return flat_gather(sizes, root, a, b)
+    if step.collective == "gather_tree":  # a gather's slots up a binomial tree (routes.slots_up_tree)
+        return tree_gather(sizes, root, a, b)
     if step.collective == "broadcast":
         return broadcast_cost(params, world, sizes[0], a)
     if step.collective == "all_reduce":
@@ -368,6 +370,7 @@ _CODES = {
     "all_gather": "AG",
     "all_gatherv": "AGV",
     "gather": "G",
+    "gather_tree": "GT",
     "broadcast": "B",
     "all_reduce": "V",
     "vote": "D",
@@ -379,8 +382,8 @@ _MEDIA = {routes.BACKEND: "", routes.CHANNEL: "(ch)", routes.SHARED_MEMORY: "(sh
 
 
 def route_code(plan: routes.Plan) -> str:
-    """A compact route: AG all_gather, AGV exact-size exchange, G gather, B broadcast, V all_reduce vote, D doubling
-    vote, P p2p, T tree, TD the tree back down."""
+    """A compact route: AG all_gather, AGV exact-size exchange, G gather, GT a gather up a binomial tree, B broadcast,
+    V all_reduce vote, D doubling vote, P p2p, T tree, TD the tree back down."""
     codes: List[str] = []
     for step in plan.steps:
         code = _CODES[step.collective] + _MEDIA[step.medium]

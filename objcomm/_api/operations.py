@@ -48,7 +48,7 @@ class Operations(Resolving):
             return [call.roundtrip(obj)]
         root = self._group_rank(call.wire, dst, "dst")
         out, local = call.encode(obj)
-        incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root)
+        incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, self._up_tree(call.wire))
         if incoming is None:
             if local is not None:  # dst said go over this rank's error report (only a lying dst does)
                 raise local
@@ -99,7 +99,7 @@ class Operations(Resolving):
         root = self._group_rank(call.wire, dst, "dst")
         value, complete, own, _ = _reduce.tree(call, obj, op)
         out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
-        incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root)
+        incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, self._up_tree(call.wire))
         if incoming is None:
             if local is not None:  # dst said go over this rank's error report (only a lying dst does)
                 raise local
@@ -138,6 +138,10 @@ class Operations(Resolving):
             call.raise_failures("all_reduce", incoming, failed)
             call.raise_failures("all_reduce", only(0, result, wire.size), failed)
         return value if wire.rank == 0 else call.decode(result, 0)
+
+    def _up_tree(self, wire: Wire) -> bool:
+        """Whether a gather's slots go up a tree where they take the backend (:func:`routes.slots_up_tree`)."""
+        return routes.slots_up_tree(world=wire.size, forced=self._hooks.up_tree)
 
     # -- point to point ------------------------------------------------------------------------
     def _send_call(self, call: Call, obj: Any, dst: int, tag: int, serialized: Any, express: Optional[Express]) -> None:

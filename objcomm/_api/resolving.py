@@ -38,6 +38,7 @@ class Hooks(NamedTuple):
     separate_hosts: Optional[bool] = None  # True: every rank its own host; None: OBJCOMM_FORCE_SEPARATE_HOSTS
     segments: SegmentBook = SEGMENTS  # the book that writes and opens shared-memory segments
     down_tree: bool = False  # all_reduce's result back down the reduce tree on gloo too, as on NCCL (routes.py)
+    up_tree: bool = False  # a gather's slots up a binomial tree at any world size (routes.slots_up_tree)
 
 
 NO_HOOKS = Hooks()

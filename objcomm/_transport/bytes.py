@@ -141,7 +141,11 @@ class Batch:
             self.works.append((work, piece.numel()))
 
     def recv(self, length: int, src: int) -> torch.Tensor:
-        buffer = zeroed(length, self.wire)
+        return self.recv_into(zeroed(length, self.wire), src)
+
+    def recv_into(self, buffer: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into ``buffer`` (bytes on the wire's device, contiguous), returned."""
+        length = buffer.numel()
         for start in pieces(length, self.wire.chunk):
             piece = buffer[start : start + self.wire.chunk]
             work = guarded(

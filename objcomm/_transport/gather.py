@@ -26,14 +26,17 @@ from objcomm._transport.bytes import Batch, host_view, joined, receive_buffer, t
 from objcomm._transport.rounds import _on_device, _rest, _round_one, _slot, _split_rest
 
 
-def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[Sequence[Optional[Incoming]]]:
+def gather(
+    wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int, up_tree: bool = False
+) -> Optional[Sequence[Optional[Incoming]]]:
     """Every rank's frame and tensors on group rank ``dst``; ``None`` elsewhere, unless some rank failed.
 
     Round 1 goes through the same-host channel as an all_gather of slots where it carries it (cheap on one host);
     through the group it is a gather of slots to ``dst``, which then broadcasts one word (:func:`_gather_slots`):
     go on, or every slot follows to every rank (a failure, an inconsistent slot, a rank over ``dst``'s limit, a
     same-host medium that may take the rest), so that every rank raises the same error in the same call. The
-    rest goes to ``dst`` point to point, one message per sender at its exact size.
+    rest goes to ``dst`` point to point, one message per sender at its exact size. ``up_tree``: the slots go to
+    ``dst`` up a binomial tree rather than in the backend's gather (:func:`objcomm._transport.routes.slots_up_tree`).
     """
     op = "gather"
     raw = _slot(wire, out)
@@ -41,7 +44,7 @@ def gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int) -> Optional[S
     if slots is not NOT_USED:
         infos = [read_slot(memoryview(s)) for s in slots]
     else:
-        gathered_slots = _gather_slots(wire, raw, sizes_of, dst, op)
+        gathered_slots = _gather_slots(wire, raw, sizes_of, dst, op, up_tree)
         if gathered_slots is None:  # dst said go: only the rests move (the strategy's, where round 1 went its way)
             if wire.second_round.gather(wire, out, None, sizes_of, dst, op) is NOT_USED:
                 _send_rest(wire, out, dst, op)
@@ -76,7 +79,9 @@ GO, LOOK = 0, 1  # a gather's word from its destination after round 1
 _WORD = struct.Struct("<q")
 
 
-def _gather_slots(wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: str) -> Optional[List[SlotInfo]]:
+def _gather_slots(
+    wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: str, up_tree: bool
+) -> Optional[List[SlotInfo]]:
     """Round 1 of a gather through the group: every slot to ``dst``, then ``dst``'s word to every rank (a
     broadcast on gloo, an all_reduce on NCCL: log W steps either way): :data:`GO` (the slots stay on ``dst``:
     returned there, None elsewhere) or :data:`LOOK` (``dst`` broadcasts every slot: every rank gets them, as after
@@ -85,23 +90,54 @@ def _gather_slots(wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: s
     if slots is not NOT_USED:  # the first-round strategy's gather (two levels), then its share of the word and table
         return _gather_slots_through(wire, slots, sizes_of, dst, op)
     mine = _on_device(wire, raw)
-    table, host = receive_buffer(wire.slot * wire.size, wire)
+    table, host = receive_buffer(wire.slot * wire.size, wire) if wire.rank == dst else (None, None)
     word = torch.zeros(1, dtype=torch.int64, device=wire.device)
     infos: List[SlotInfo] = []
-    if wire.rank == dst:
+    if up_tree:
+        gather_up_tree(wire, mine, table, dst, op)
+    elif table is not None:
         guarded(op, wire, dist.gather, mine, list(table.chunk(wire.size)), dst=wire.ranks[dst], group=wire.group)
-        infos = read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
-        word[0] = _verdict(wire, infos, sizes_of, dst, op)
     else:
         guarded(op, wire, dist.gather, mine, None, dst=wire.ranks[dst], group=wire.group)
+    if table is not None:
+        infos = read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
+        word[0] = _verdict(wire, infos, sizes_of, dst, op)
     if wire.device.type == "cpu":  # gloo: a binomial tree
         guarded(op, wire, dist.broadcast, word, src=wire.ranks[dst], group=wire.group)
     else:  # NCCL broadcasts along a ring; its all_reduce of a word takes a tree (every other rank adds 0)
         guarded(op, wire, dist.all_reduce, word, op=dist.ReduceOp.MAX, group=wire.group)
     if int(word.item()) == GO:
         return infos if wire.rank == dst else None
+    if table is None:  # every rank takes the slots (W of them: allocated here only, not on every call)
+        table, host = receive_buffer(wire.slot * wire.size, wire)
     guarded(op, wire, dist.broadcast, table, src=wire.ranks[dst], group=wire.group)
     return read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
+
+
+def gather_up_tree(wire: Wire, mine: torch.Tensor, table: Optional[torch.Tensor], dst: int, op: str) -> None:
+    """Every rank's ``mine`` (``width`` bytes) into ``table`` on group rank ``dst`` (``width`` bytes per group rank, in
+    group-rank order; None elsewhere), up a binomial tree rooted at ``dst``: with ranks numbered from ``dst``
+    (``v = (rank - dst) mod W``), rank ``v`` takes the blocks of its children ``v + 1, v + 2, v + 4, ...`` below its
+    lowest set bit at once (one batch), then sends its subtree's block, ranks ``v .. v + span - 1``, to ``v`` minus
+    that bit. ceil(log2 W) levels; every rank takes in at most ceil(log2 W) messages and sends one."""
+    size, width = wire.size, mine.numel()
+    me = (wire.rank - dst) % size
+    span = min(me & -me if me else 1 << (size - 1).bit_length(), size - me)  # the ranks of this rank's subtree
+    block = table if table is not None else torch.empty(span * width, dtype=torch.uint8, device=mine.device)
+    block[:width].copy_(mine)
+    wire = wire._replace(tag=INTERNAL_TAG)
+    batch = Batch(wire, op)
+    step = 1
+    while step < span:  # children v + step, each with min(step, span - step) ranks
+        child = me + step
+        batch.recv_into(block[step * width : min(2 * step, span) * width], (child + dst) % size)
+        step *= 2
+    batch.wait()
+    if me:
+        batch.send(block, (me - (me & -me) + dst) % size)
+        batch.wait()
+    elif dst and table is not None:  # relative order to group-rank order: group rank r is relative (r - dst) mod W
+        table.copy_(torch.cat([block[(size - dst) * width :], block[: (size - dst) * width]]))
 
 
 def _gather_slots_through(

@@ -31,6 +31,9 @@ backend exchange        all_gather's rests: one padded all_gather when          
                         ``world x widest <= PADDED_WITHIN x total``, else one exchange
                         at exact sizes (an uneven all_gather on NCCL, one batch of
                         send/recv on gloo); either in rounds of ``chunk_bytes``
+gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks: up a      :func:`slots_up_tree`
+                        binomial tree of send/recv (ceil(log2 W) levels); below it the
+                        backend's gather (every rank to the destination)
 gloo's outlier          in an exact exchange on gloo, a rest that dwarfs the others      :func:`broadcast_largest`
                         goes first in gloo's broadcast (log2 W hops of it, not W - 1
                         sends by its owner)
@@ -87,6 +90,21 @@ def result_down_tree(*, cpu: bool, forced: bool = False) -> bool:
     Python sends measured slower there (4 ranks, a 1 MB result: 10-12 ms against 7-8 ms); ``forced`` (objcomm's
     tests, :class:`objcomm._api.resolving.Hooks`) takes it on gloo too."""
     return not cpu or forced
+
+
+TREE_GATHER_FROM = 64  # ranks: from here a gather's slots go up a binomial tree (slots_up_tree)
+
+
+def slots_up_tree(*, world: int, forced: bool = False) -> bool:
+    """Whether a gather's round 1 through the backend goes up a binomial tree of point-to-point messages to the
+    destination (:func:`objcomm._transport.gather.gather_up_tree`: ceil(log2 W) levels, each rank receiving its
+    children's blocks at once, then sending its subtree's slots in one message) rather than in the backend's
+    gather, where all W - 1 ranks send to the destination, which takes W - 1 messages in. From
+    :data:`TREE_GATHER_FROM` ranks: below it the levels in sequence cost more than the fan-in (with 8 messages
+    taken in at once, ceil(log2 W) levels beat ceil((W - 1) / 8) rounds of them from W = 41). Same-host groups
+    take the channel, and two levels' leaders their own gather. ``forced``: objcomm's tests
+    (:class:`objcomm._api.resolving.Hooks`) take it at any size."""
+    return forced or world >= TREE_GATHER_FROM
 
 
 def two_levels(*, hosts: int, widest: int, cpu: bool, local: bool) -> bool:
@@ -275,7 +293,8 @@ def plan(
         else:
             # the destination's word: a broadcast on gloo (a binomial tree), an all_reduce on NCCL (a tree)
             word = "broadcast" if topology.cpu else "all_reduce"
-            steps += [Step("gather", BACKEND, slots), Step(word, BACKEND, (8,))]
+            up = "gather_tree" if slots_up_tree(world=world) else "gather"
+            steps += [Step(up, BACKEND, slots), Step(word, BACKEND, (8,))]
         total = sum(r for i, r in enumerate(rests) if i != root)
         medium = rest_medium(
             total,

@@ -122,6 +122,16 @@ def test_a_whole_row_by_hand():
     assert sm.ideal_cost("all_reduce", sm.GLOO, 64, sizes) == pytest.approx(2 * 6 * 50e-6 + 2 * 1024 / 1.25e9)
 
 
+def test_a_gather_up_a_tree_by_hand():
+    """gather of 1 KB objects on 64 NCCL ranks across hosts: the slots up a binomial tree (6 levels, the root takes
+    in 63 slots), then the destination's word in an all_reduce (a tree: 2 x 6 hops)."""
+    a, b = 20e-6, 25e9
+    sizes = sm.sizes_for("equal-small", 64)
+    got = sm.objcomm_plan("gather", sm.NCCL, 64, sizes)
+    assert sm.route_code(got) == "GT+V"
+    assert sm.plan_cost(got, sm.NCCL, 64) == pytest.approx(6 * a + 63 * 4096 / b + 2 * 6 * a)
+
+
 def test_check_exits_non_zero_exactly_when_a_row_misses(capsys, table):
     missed = sm.misses(table)
     assert sm.main(["--check", "--world", "8192"]) == (1 if missed else 0)

@@ -97,13 +97,14 @@ def _same(got: Any, want: Any) -> bool:
     return bool(got == want)
 
 
-def _comm() -> objcomm.Communicator:
-    return objcomm.Communicator(local=False, shm=False, _hooks=Hooks(separate_hosts=True))
+def _comm(up_tree: bool = False) -> objcomm.Communicator:
+    """Every rank its own host; ``up_tree``: a gather's slots go up a tree, as they do from 64 ranks on."""
+    return objcomm.Communicator(local=False, shm=False, _hooks=Hooks(separate_hosts=True, up_tree=up_tree))
 
 
-def each_spread(op: str) -> List[Any]:
-    """``op`` on every spread: (case, right result, collectives, blocking calls)."""
-    comm, rank = _comm(), dist.get_rank()
+def each_spread(op: str, up_tree: bool = False) -> List[Any]:
+    """``op`` on every spread: (case, right result, collectives, blocking calls, batches of sends and receives)."""
+    comm, rank = _comm(up_tree), dist.get_rank()
     rows = []
     for case in CASES:
         obj = spread(case, rank)
@@ -121,7 +122,7 @@ def each_spread(op: str) -> List[Any]:
             right = all(_same(g, spread(case, r)) for r, g in enumerate(got)) if rank == 3 else got is None
         else:
             right = _same(got, spread(case, 1))
-        rows.append((case, right, counts["collectives"], counts["blocking"]))
+        rows.append((case, right, counts["collectives"], counts["blocking"], counts["p2p"]))
     return rows
 
 
@@ -130,10 +131,46 @@ def each_spread(op: str) -> List[Any]:
 @pytest.mark.parametrize("op, most", [("all_gather", 3), ("gather", 3), ("broadcast", 2 + 3 + 1)])
 def test_bounded_calls_whatever_the_spread(op, most):
     for rank, rows in enumerate(get_pool(W).run(each_spread, op, timeout=120)):
-        for case, right, collectives, blocking in rows:
+        for case, right, collectives, blocking, _ in rows:
             assert right, f"{op}, {case}: a wrong result on rank {rank}"
             assert collectives <= most, f"{op}, {case}: {collectives} collectives on rank {rank}"
             assert blocking == 0, f"{op}, {case}: {blocking} blocking sends/receives on rank {rank}"
+
+
+def test_a_gathers_slots_up_a_tree_give_the_same_results():
+    """gather with its slots up a binomial tree (routes.slots_up_tree, from 64 ranks; forced here), to rank 3:
+    right on every spread; no gather of the backend; the destination's word (a broadcast, gloo) and, where every rank
+    must see the slots, their table; each rank posts its children's receives in one batch and sends once, the rests
+    in one more batch (at most 3; rank 3's children at W = 8: 4, 5, 7)."""
+    for rank, rows in enumerate(get_pool(W).run(each_spread, "gather", True, timeout=120)):
+        for case, right, collectives, blocking, batches in rows:
+            assert right, f"{case}: a wrong result on rank {rank}"
+            assert collectives <= 2, f"{case}: {collectives} collectives on rank {rank}"
+            assert blocking == 0, f"{case}: {blocking} blocking sends/receives on rank {rank}"
+            assert 1 <= batches <= 3, f"{case}: {batches} batches of sends and receives on rank {rank}"
+
+
+def gather_up_a_tree_in_subgroups() -> List[bool]:
+    """gather with its slots up the tree on groups of 3, 5, 6 and 7 ranks (not powers of two) to each rank in turn,
+    one object past the slot (rank 1's): every object on the destination, in group-rank order; None elsewhere."""
+    rank, seen = dist.get_rank(), []
+    for size in (3, 5, 6, 7):
+        group = dist.new_group(list(range(size)))
+        if rank >= size:
+            continue
+        hooks = Hooks(separate_hosts=True, up_tree=True)
+        comm = objcomm.Communicator(group, local=False, shm=False, _hooks=hooks)
+        objs = [(r, "x" * (5000 if r == 1 else 10)) for r in range(size)]
+        for dst in range(size):
+            got = comm.gather(objs[rank], dst=dst)
+            seen.append(got == objs if rank == dst else got is None)
+        dist.destroy_process_group(group)
+    return seen
+
+
+def test_a_gathers_slots_up_a_tree_of_any_size_reach_any_destination():
+    for rank, seen in enumerate(get_pool(W).run(gather_up_a_tree_in_subgroups, timeout=120)):
+        assert seen == [True] * sum(size for size in (3, 5, 6, 7) if rank < size), (rank, seen)
 
 
 def outlier_sends() -> List[Any]:
@@ -263,9 +300,9 @@ def _forged_table(nbytes: int) -> Outgoing:
     return Outgoing(memoryview(frame), out.tensors)
 
 
-def bad_input(case: str) -> str:
-    """What each rank raises when one rank misbehaves on the paths above."""
-    comm, rank = _comm(), dist.get_rank()
+def bad_input(case: str, up_tree: bool = False) -> str:
+    """What each rank raises when one rank misbehaves on the paths above (``up_tree``: a gather's slots up a tree)."""
+    comm, rank = _comm(up_tree), dist.get_rank()
     try:
         if case == "over the destination's limit":
             comm.gather(b"x" * ((1 << 20) if rank == 6 else 10), dst=3, max_bytes=(1 << 19) if rank == 3 else None)
@@ -277,7 +314,7 @@ def bad_input(case: str) -> str:
             comm.all_gather(object() if rank == 5 else b"x" * 100_000, serializer="json")
         elif case == "a lying sender":
             if rank == 4:
-                _gather.gather(comm._call({}).wire, _forged_table(1 << 40), _frame.tensor_sizes, 0)
+                _gather.gather(comm._call({}).wire, _forged_table(1 << 40), _frame.tensor_sizes, 0, up_tree)
             else:
                 comm.gather({"t": torch.ones(1000, dtype=torch.uint8)}, dst=0)
         return "no error"
@@ -285,18 +322,23 @@ def bad_input(case: str) -> str:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
 
 
+BAD_INPUT = [
+    "over the destination's limit",
+    "over a receiver's limit",
+    "a failing encode (gather)",
+    "a failing encode (all_gather)",
+    "a lying sender",
+]
+ON_GATHER = ["over the destination's limit", "a failing encode (gather)", "a lying sender"]
+
+
 @pytest.mark.parametrize(
-    "case",
-    [
-        "over the destination's limit",
-        "over a receiver's limit",
-        "a failing encode (gather)",
-        "a failing encode (all_gather)",
-        "a lying sender",
-    ],
+    "case, up_tree",
+    [(case, False) for case in BAD_INPUT] + [(case, True) for case in ON_GATHER],
+    ids=[*BAD_INPUT, *(f"{case}, slots up a tree" for case in ON_GATHER)],
 )
-def test_bad_input_gets_the_same_error_on_every_rank(case):
-    outcomes = get_pool(W).run(bad_input, case, timeout=120)
+def test_bad_input_gets_the_same_error_on_every_rank(case, up_tree):
+    outcomes = get_pool(W).run(bad_input, case, up_tree, timeout=120)
     assert len(set(outcomes)) == 1, outcomes
     assert outcomes[0] != "no error"
     expected = {

@@ -125,6 +125,25 @@ def test_all_reduce_returns_down_its_tree_where_round_one_takes_the_backend(devi
         assert two_level.round_one == BACKEND and "down_tree" not in [s.collective for s in two_level.steps]
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_gathers_slots_go_up_a_tree_from_64_ranks(device):
+    """Through the backend a gather's slots go up a binomial tree from TREE_GATHER_FROM ranks (the backend's gather,
+    every rank to the destination, below it); through the channel (one host) they stay its all_gather, and on two
+    levels the leaders' gather."""
+    assert routes.TREE_GATHER_FROM == 64
+    assert not routes.slots_up_tree(world=63) and routes.slots_up_tree(world=64)
+    assert routes.slots_up_tree(world=2, forced=True)  # objcomm's tests: at any size
+    for world, first in ((16, "gather"), (63, "gather"), (64, "gather_tree"), (8192, "gather_tree")):
+        got = plan("gather", Topology(world=world, device=device, channel_open=False), [0] * world)
+        assert [(s.collective, s.medium) for s in got.steps][0] == (first, BACKEND), (world, got.steps[0])
+        assert got.steps[0].nbytes == (4096,) * world
+    one_host = plan("gather", Topology(world=8, ranks_per_host=8, device=device), [0] * 8)
+    assert one_host.steps[0].collective == "all_gather" and one_host.steps[0].medium == CHANNEL
+    if device == "cpu":
+        two_level = plan("gather", Topology(world=8192, ranks_per_host=8), [0] * 8192)
+        assert "gather_tree" not in [s.collective for s in two_level.steps]
+
+
 def test_gloo_broadcasts_a_rest_that_dwarfs_the_others():
     """gloo's exact exchange: one outlier goes in gloo's broadcast (ceil(log2 W) hops of it), not W - 1 sends by its
     owner; two alike, or a small world, stay in the batch; NCCL's uneven all_gather needs no such step."""
