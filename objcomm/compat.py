@@ -12,8 +12,8 @@ or for a block (:func:`patch`, :func:`unpatch`)::
     with objcomm.compat.patch(serializer="msgpack", accept=["msgpack"]):
         dist.all_gather_object(out, metrics)
 
-Each function has the signature of its torch 2.13 namesake (argument names, order and defaults,
-``group_dst``/``group_src`` included, whichever torch >= 2.2 is installed), fills the caller's
+Each function has the signature of its torch 2.14 namesake (argument names, order and defaults,
+``group_dst``/``group_src`` and ``weights_only`` included, whichever torch >= 2.2 is installed), fills the caller's
 list in place as torch does, and returns what torch returns. ``dst``/``src`` are global ranks,
 ``group_dst``/``group_src`` ranks within ``group``, exactly as in torch. A keyword-only
 ``serializer=`` picks how this rank encodes; the default is objcomm's default, ``"pickle"``, which
@@ -32,6 +32,12 @@ Where the shims differ from torch, it is on purpose:
 - On a rank outside ``group``, ``send_object_list``/``recv_object_list`` warn and return (``-1`` for
   ``recv_object_list``), as torch documents; torch 2.13 raises ``ValueError`` there instead.
 - ``use_batch`` is accepted and has no effect: objcomm's transport decides how bytes move.
+- ``weights_only`` (torch 2.14: ``torch.save``, then ``torch.load(weights_only=True)``, safe types only) is taken
+  on every torch: ``True`` sends in ``"restricted-pickle"`` where no ``serializer=`` is given (tensors, numpy arrays,
+  containers and plain types; no code runs on decode), and receivers accept only safe serializers where no
+  ``accept`` is set (a ``patch(accept=...)`` or a receiver's ``serializer=`` stays in force). A sender that sends
+  pickle anyway makes the receivers raise :class:`objcomm.ContentRefusedError`. Every rank must pass the same value,
+  as in torch.
 - Without an initialised process group, the collectives act as a group of one (as all of objcomm
   does); torch raises.
 - Bytes travel in objcomm's frame format: both ends of a ``send_object_list``/``recv_object_list``
@@ -75,7 +81,12 @@ __all__ = [
 
 
 def all_gather_object(
-    object_list: List[Any], obj: Any, group: Any = None, *, serializer: Optional[SerializerLike] = None
+    object_list: List[Any],
+    obj: Any,
+    group: Any = None,
+    weights_only: bool = False,
+    *,
+    serializer: Optional[SerializerLike] = None,
 ) -> None:
     """Gather ``obj`` from every rank of ``group`` into ``object_list`` (in place), like torch's.
 
@@ -84,6 +95,8 @@ def all_gather_object(
     object_list: filled with one object per group rank, in group-rank order; at least that long.
     obj: this rank's object.
     group: process group (default: the default group).
+    weights_only: as torch's (2.14): ``True`` makes the objects travel safely, in ``"restricted-pickle"``
+        where no ``serializer`` is given, and receivers accept only safe serializers (see the module docstring).
     serializer: how this rank encodes ``obj`` (default ``"pickle"``).
 
     Returns
@@ -100,7 +113,7 @@ def all_gather_object(
         output = [None] * dist.get_world_size()
         all_gather_object(output, {"rank": rank}, serializer="msgpack")
     """
-    return _all_gather_object(object_list, obj, group, options={"serializer": serializer})
+    return _all_gather_object(object_list, obj, group, weights_only, options={"serializer": serializer})
 
 
 def gather_object(
@@ -109,6 +122,7 @@ def gather_object(
     dst: Optional[int] = None,
     group: Any = None,
     group_dst: Optional[int] = None,
+    weights_only: bool = False,
     *,
     serializer: Optional[SerializerLike] = None,
 ) -> None:
@@ -121,6 +135,8 @@ def gather_object(
     dst: destination as a global rank; ``group_dst``: the same as a rank of ``group`` (give at most
         one; neither means global rank 0).
     group: process group (default: the default group).
+    weights_only: as torch's (2.14): ``True`` makes the objects travel safely, in ``"restricted-pickle"``
+        where no ``serializer`` is given, and receivers accept only safe serializers (see the module docstring).
     serializer: how this rank encodes ``obj`` (default ``"pickle"``).
 
     Returns
@@ -138,7 +154,9 @@ def gather_object(
         output = [None] * dist.get_world_size() if rank == 0 else None
         gather_object(predictions, output, dst=0)
     """
-    return _gather_object(obj, object_gather_list, dst, group, group_dst, options={"serializer": serializer})
+    return _gather_object(
+        obj, object_gather_list, dst, group, group_dst, weights_only, options={"serializer": serializer}
+    )
 
 
 def broadcast_object_list(
@@ -147,6 +165,7 @@ def broadcast_object_list(
     group: Any = None,
     device: Optional[torch.device] = None,
     group_src: Optional[int] = None,
+    weights_only: bool = False,
     *,
     serializer: Optional[SerializerLike] = None,
 ) -> None:
@@ -162,6 +181,8 @@ def broadcast_object_list(
         neither means global rank 0).
     group: process group (default: the default group).
     device: where the bytes travel (default: the CPU for gloo, the current CUDA device for NCCL).
+    weights_only: as torch's (2.14): ``True`` makes the objects travel safely, in ``"restricted-pickle"``
+        where no ``serializer`` is given, and receivers accept only safe serializers (see the module docstring).
     serializer: how the source encodes the list (default ``"pickle"``).
 
     Returns
@@ -179,7 +200,9 @@ def broadcast_object_list(
         config = [load_config() if rank == 0 else None]
         broadcast_object_list(config, src=0)
     """
-    return _broadcast_object_list(object_list, src, group, device, group_src, options={"serializer": serializer})
+    return _broadcast_object_list(
+        object_list, src, group, device, group_src, weights_only, options={"serializer": serializer}
+    )
 
 
 def scatter_object_list(
@@ -188,6 +211,7 @@ def scatter_object_list(
     src: Optional[int] = None,
     group: Any = None,
     group_src: Optional[int] = None,
+    weights_only: bool = False,
     *,
     serializer: Optional[SerializerLike] = None,
 ) -> None:
@@ -200,6 +224,8 @@ def scatter_object_list(
     src: source as a global rank; ``group_src``: the same as a rank of ``group`` (give at most one;
         neither means global rank 0).
     group: process group (default: the default group).
+    weights_only: as torch's (2.14): ``True`` makes the objects travel safely, in ``"restricted-pickle"``
+        where no ``serializer`` is given, and receivers accept only safe serializers (see the module docstring).
     serializer: how the source encodes the objects (default ``"pickle"``).
 
     Returns
@@ -220,7 +246,13 @@ def scatter_object_list(
         scatter_object_list(out, [{"shard": r} for r in range(world)] if rank == 0 else None, src=0)
     """
     return _scatter_object_list(
-        scatter_object_output_list, scatter_object_input_list, src, group, group_src, options={"serializer": serializer}
+        scatter_object_output_list,
+        scatter_object_input_list,
+        src,
+        group,
+        group_src,
+        weights_only,
+        options={"serializer": serializer},
     )
 
 
@@ -231,6 +263,7 @@ def send_object_list(
     device: Optional[torch.device] = None,
     group_dst: Optional[int] = None,
     use_batch: bool = False,
+    weights_only: bool = False,
     *,
     serializer: Optional[SerializerLike] = None,
 ) -> None:
@@ -243,6 +276,8 @@ def send_object_list(
     group: process group (default: the default group).
     device: where the bytes travel (default: the CPU for gloo, the current CUDA device for NCCL).
     use_batch: accepted for compatibility; it has no effect.
+    weights_only: as torch's (2.14): ``True`` makes the objects travel safely, in ``"restricted-pickle"``
+        where no ``serializer`` is given, and receivers accept only safe serializers (see the module docstring).
     serializer: how this rank encodes the list (default ``"pickle"``).
 
     Returns
@@ -260,7 +295,9 @@ def send_object_list(
         if rank == 0:
             send_object_list([{"step": 10}, "done"], dst=1)
     """
-    return _send_object_list(object_list, dst, group, device, group_dst, use_batch, options={"serializer": serializer})
+    return _send_object_list(
+        object_list, dst, group, device, group_dst, use_batch, weights_only, options={"serializer": serializer}
+    )
 
 
 def recv_object_list(
@@ -270,6 +307,7 @@ def recv_object_list(
     device: Optional[torch.device] = None,
     group_src: Optional[int] = None,
     use_batch: bool = False,
+    weights_only: bool = False,
     *,
     serializer: Optional[SerializerLike] = None,
 ) -> int:
@@ -283,6 +321,8 @@ def recv_object_list(
     group: process group (default: the default group).
     device: where the bytes travel (default: the CPU for gloo, the current CUDA device for NCCL).
     use_batch: accepted for compatibility; it has no effect.
+    weights_only: as torch's (2.14): ``True`` makes the objects travel safely, in ``"restricted-pickle"``
+        where no ``serializer`` is given, and receivers accept only safe serializers (see the module docstring).
     serializer: the one serializer this rank accepts for the incoming list (default: any the
         process-wide ``accept`` setting allows). ``serializer="msgpack"`` makes sure no pickle is
         ever decoded here.
@@ -304,7 +344,9 @@ def recv_object_list(
             box = [None, None]
             sender = recv_object_list(box, src=0)
     """
-    return _recv_object_list(object_list, src, group, device, group_src, use_batch, options=_only(serializer))
+    return _recv_object_list(
+        object_list, src, group, device, group_src, use_batch, weights_only, options=_only(serializer)
+    )
 
 
 # -- patch(): torch.distributed's own names, through objcomm (objcomm._api.compat_patch) -----------------

@@ -20,10 +20,12 @@ Options = Mapping[str, Any]  # per-call settings handed to objcomm (serializer=,
 # -- the six, taking objcomm's per-call settings (the shims above and the patched names below) ----------
 
 
-def _all_gather_object(object_list: List[Any], obj: Any, group: Any = None, *, options: Options) -> None:
+def _all_gather_object(
+    object_list: List[Any], obj: Any, group: Any = None, weights_only: bool = False, *, options: Options
+) -> None:
     if _outside(group, "all_gather_object"):
         return None
-    for i, item in enumerate(all_gather(obj, group=group, **options)):
+    for i, item in enumerate(all_gather(obj, group=group, **_safe(options, weights_only))):
         object_list[i] = item
     return None
 
@@ -34,6 +36,7 @@ def _gather_object(
     dst: Optional[int] = None,
     group: Any = None,
     group_dst: Optional[int] = None,
+    weights_only: bool = False,
     *,
     options: Options,
 ) -> None:
@@ -41,7 +44,7 @@ def _gather_object(
     if _outside(group, "gather_object"):
         return None
     root = _global_rank(group, dst, group_dst, "dst")
-    gathered = gather(obj, dst=root, group=group, **options)
+    gathered = gather(obj, dst=root, group=group, **_safe(options, weights_only))
     if gathered is None:
         if object_gather_list:
             raise ValueError(
@@ -71,6 +74,7 @@ def _broadcast_object_list(
     group: Any = None,
     device: Optional[torch.device] = None,
     group_src: Optional[int] = None,
+    weights_only: bool = False,
     *,
     options: Options,
 ) -> None:
@@ -79,7 +83,8 @@ def _broadcast_object_list(
         return None
     root = _global_rank(group, src, group_src, "src")
     is_root = _my_rank() == root
-    received = Communicator(group, device=device).broadcast(list(object_list) if is_root else None, root, **options)
+    sent = list(object_list) if is_root else None
+    received = Communicator(group, device=device).broadcast(sent, root, **_safe(options, weights_only))
     if not is_root:
         _fill(object_list, received, "broadcast_object_list", f"source (global rank {root})")
     return None
@@ -91,6 +96,7 @@ def _scatter_object_list(
     src: Optional[int] = None,
     group: Any = None,
     group_src: Optional[int] = None,
+    weights_only: bool = False,
     *,
     options: Options,
 ) -> None:
@@ -100,7 +106,7 @@ def _scatter_object_list(
     root = _global_rank(group, src, group_src, "src")
     item, failure = None, None
     try:
-        item = scatter(scatter_object_input_list, src=root, group=group, **options)
+        item = scatter(scatter_object_input_list, src=root, group=group, **_safe(options, weights_only))
     except Exception as exc:  # reported below, after what torch checks first
         failure = exc
     output = scatter_object_output_list
@@ -133,6 +139,7 @@ def _send_object_list(
     device: Optional[torch.device] = None,
     group_dst: Optional[int] = None,
     use_batch: bool = False,
+    weights_only: bool = False,
     *,
     options: Options,
 ) -> None:
@@ -140,7 +147,7 @@ def _send_object_list(
     if _outside(group, "send_object_list"):
         return None
     peer = _not_self(_global_rank(group, dst, group_dst, "dst"), "destination", "dst")
-    Communicator(group, device=device).send(list(object_list), peer, **options)
+    Communicator(group, device=device).send(list(object_list), peer, **_safe(options, weights_only, receives=False))
     return None
 
 
@@ -151,6 +158,7 @@ def _recv_object_list(
     device: Optional[torch.device] = None,
     group_src: Optional[int] = None,
     use_batch: bool = False,
+    weights_only: bool = False,
     *,
     options: Options,
 ) -> int:
@@ -158,9 +166,22 @@ def _recv_object_list(
     if _outside(group, "recv_object_list"):
         return -1
     peer = _not_self(_global_rank(group, src, group_src, "src"), "source", "src")
-    received = Communicator(group, device=device).recv(peer, **options)
+    received = Communicator(group, device=device).recv(peer, **_safe(options, weights_only, sends=False))
     _fill(object_list, received, "recv_object_list", f"sender (global rank {peer})")
     return peer
+
+
+def _safe(options: Options, weights_only: bool, sends: bool = True, receives: bool = True) -> Options:
+    """``options`` under torch's ``weights_only=True`` (safe types only, ``objcomm.compat``): ``restricted-pickle``
+    where a sender names no serializer, and only safe serializers accepted where a receiver sets no ``accept``."""
+    if not weights_only:
+        return options
+    safe = dict(options)
+    if sends and safe.get("serializer") is None:
+        safe["serializer"] = "restricted-pickle"
+    if receives and safe.get("accept") is None:
+        safe["accept"] = registry.available(safe=True)
+    return safe
 
 
 def _only(serializer: Optional[SerializerLike]) -> Dict[str, Any]:

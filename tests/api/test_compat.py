@@ -205,7 +205,7 @@ def differences(ours: list, theirs: list) -> list:
     return found
 
 
-NEWER_ARGUMENTS = {"group_dst", "group_src", "use_batch"}  # added to torch after 2.2; the shims always take them
+NEWER_ARGUMENTS = {"group_dst", "group_src", "use_batch", "weights_only"}  # added after torch 2.2; the shims take them
 
 
 def test_signatures_match_torch():
@@ -219,7 +219,7 @@ def test_signatures_match_torch():
         assert [(p.name, p.kind, p.default) for p in mirrored[: len(theirs)]] == [
             (p.name, p.kind, p.default) for p in theirs
         ], name
-        # on an older torch, what torch lacks may only be the newer arguments (on 2.13: nothing)
+        # on an older torch, what torch lacks may only be the newer arguments (on 2.13: weights_only; 2.14: nothing)
         assert {p.name for p in mirrored[len(theirs) :]} <= NEWER_ARGUMENTS, name
     assert sorted(compat.__all__) == sorted(NAMES)
 
@@ -300,6 +300,56 @@ def test_serializer_keyword(ranks3):
     assert results[0] == [[0, 1, 2], [0, 1, 2]]
     assert results[1] == [[0, 1, 2], "refused pickle", [0, 1, 2]]
     assert results[2] == [[0, 1, 2], [0, 1, 2]]
+
+
+class Custom:
+    """A class of the program's own: pickle rebuilds it by calling it; a safe decoder must not."""
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+def weights_only_is_safe() -> list:
+    """torch 2.14's ``weights_only=True`` on every torch: tensors and plain containers arrive; a rank that sends pickle
+    anyway, or an object of the program's own class, is refused on the receiving ranks; the group stays in step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seen: list = []
+    out: list = [None] * world
+    compat.all_gather_object(out, {"t": torch.arange(3) + rank, "r": (rank,)}, None, True)  # torch's position
+    seen.append([(o["r"], o["t"].tolist()) for o in out])
+    for call in (
+        lambda: compat.all_gather_object(out, {"r": rank}, weights_only=True, serializer="pickle" if rank else None),
+        lambda: compat.broadcast_object_list([Custom(1)] if rank == 0 else [None], src=0, weights_only=True),
+    ):
+        try:
+            call()
+            seen.append("returned")
+        except objcomm.ObjcommError as exc:
+            seen.append(type(exc).__name__)
+    if rank == 0:
+        compat.send_object_list([{"x": torch.ones(2)}], dst=1, weights_only=True)
+        compat.send_object_list([{"x": 2}], dst=1)  # pickle
+    elif rank == 1:
+        box: list = [None]
+        compat.recv_object_list(box, src=0, weights_only=True)
+        seen.append(box[0]["x"].tolist())
+        try:
+            compat.recv_object_list(box, src=0, weights_only=True)
+        except objcomm.ContentRefusedError:
+            seen.append("refused pickle")
+    compat.all_gather_object(out, rank)
+    return seen + [out]
+
+
+def test_weights_only_makes_the_objects_travel_safely(ranks3):
+    results = ranks3.run(weights_only_is_safe)
+    arrived = [((r,), [r, r + 1, r + 2]) for r in range(3)]
+    for rank, seen in enumerate(results):
+        assert seen[0] == arrived, (rank, seen)
+        assert seen[1] == "ContentRefusedError", (rank, seen)  # ranks 1 and 2 sent pickle: every rank refuses it
+        assert seen[2] == "ContentRefusedError", (rank, seen)  # restricted-pickle does not rebuild Custom
+        assert seen[-1] == [0, 1, 2]
+    assert results[1][3:5] == [[1.0, 1.0], "refused pickle"]
 
 
 def misuse_leaves_nobody_waiting() -> list:
