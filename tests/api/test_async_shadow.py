@@ -210,13 +210,18 @@ def test_a_destroyed_groups_shadow_is_destroyed_too(pool):
 def members_know_different_groups() -> Any:
     """A subgroup whose members know different numbers of process groups (rank 0 and 1 made one with
     use_local_synchronization that rank 2 is not in): its shadow is named after the group, not after counts.
-    The subgroup is made first: from torch 2.14 a group made with use_local_synchronization advances the count
-    that ``dist.new_group`` names groups by, so ranks that made different ones cannot make a group together: the
-    pool's later ``dist.new_group`` calls would wait until the timeout, so its test runs last in this module."""
+    torch names groups by counts that differ across versions, so the two groups come in the order each torch
+    allows: up to torch 2.13 a group made with use_local_synchronization is named after the groups its members
+    know (so it comes first, while ranks 0 and 1 know the same ones); from torch 2.14 it advances the count that
+    ``dist.new_group`` names every group by (so the subgroup comes first, and no rank may make a group with the
+    others afterwards: this test runs last in its module)."""
     rank = dist.get_rank()
-    group = _group([1, 2])
+    subgroup_first = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 14)
+    group = _group([1, 2]) if subgroup_first else None
     if rank in (0, 1):
         dist.new_group([0, 1], use_local_synchronization=True, timeout=datetime.timedelta(seconds=PG_TIMEOUT))
+    if group is None:
+        group = _group([1, 2])
     if rank == 0:
         return None
     pending = objcomm.all_gather(rank, group=group, async_op=True)
