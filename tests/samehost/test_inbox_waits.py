@@ -224,6 +224,21 @@ def _credit_taken(sock: socket.socket, timeout: float) -> Any:
     return None
 
 
+def _owing_a_bounced_credit(inbox: _inbox_waits.Inbox, mine: socket.socket, theirs: socket.socket) -> None:
+    """``inbox`` took enough of peer 0's sends to owe it credit, and its queue to peer 0 is full (what it sent,
+    unread): the ``CREDIT`` it offers bounces."""
+    data = b"s" * 4000
+    for n in range(inbox.window // 4 // len(data) + 1):  # peer 0's sends, each taken by a recv: credit owed
+        theirs.send(_message(_inbox.P2P, n, tag=1, data=data))
+        assert inbox.take([0], (False, 1), _inbox.P2P, "recv", first=True) == ({0: data}, n)
+    assert inbox.owing
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            mine.send(b"x" * 60000, socket.MSG_DONTWAIT)
+    inbox.grant()
+    assert inbox.bounced and inbox.owing
+
+
 def test_a_credit_that_could_not_be_sent_is_offered_again_while_this_rank_waits(inbox_of):
     """This rank took enough of peer 0's sends to owe it credit, but its queue to peer 0 was full when it offered it
     (the ``CREDIT`` bounced). Then it waits for peer 0's next message while peer 0, out of credit, waits for that
@@ -232,16 +247,7 @@ def test_a_credit_that_could_not_be_sent_is_offered_again_while_this_rank_waits(
     timeout = 4.0
     inbox, pairs = inbox_of(timeout, peers=1)
     mine, theirs = pairs[0]
-    data = b"s" * 4000
-    for n in range(inbox.window // 4 // len(data) + 1):  # peer 0's sends, each taken by a recv: credit owed
-        theirs.send(_message(_inbox.P2P, n, tag=1, data=data))
-        assert inbox.take([0], (False, 1), _inbox.P2P, "recv", first=True) == ({0: data}, n)
-    assert inbox.owing
-    with contextlib.suppress(BlockingIOError):  # this rank's queue to peer 0 full (what it sent, unread)
-        while True:
-            mine.send(b"x" * 60000, socket.MSG_DONTWAIT)
-    inbox.grant()
-    assert inbox.bounced and inbox.owing
+    _owing_a_bounced_credit(inbox, mine, theirs)
     receiver = _Run(lambda: inbox.take([0], (False, 2), _inbox.P2P, "recv", first=True))
     receiver.start()
     _until(lambda: inbox._readers.get(0) == receiver.ident, "the receiver waits on peer 0's socket")
@@ -252,3 +258,24 @@ def test_a_credit_that_could_not_be_sent_is_offered_again_while_this_rank_waits(
     receiver.join(timeout)
     assert receiver.outcome == ({0: b"next"}, 99), receiver.outcome
     assert not inbox.bounced
+
+
+def test_two_senders_out_of_credit_offer_a_bounced_credit_again(inbox_of):
+    """This rank, out of credit at peer 0, waits for peer 0's ``CREDIT`` while the credit it owes peer 0 bounced;
+    peer 0, out of credit too, waits for that one before it grants its own. The wait for credit must offer it again
+    (before: once per wake-up, and nothing came to wake it: both waited until the timeout)."""
+    timeout = 4.0
+    inbox, pairs = inbox_of(timeout, peers=1)
+    mine, theirs = pairs[0]
+    _owing_a_bounced_credit(inbox, mine, theirs)
+    cost = _inbox.credit_cost(60000)
+    for _ in range(inbox.window // cost):  # this rank's sends to peer 0, none taken yet: its credit is spent
+        inbox.reserve(0, _inbox.P2P, 60000, "send")
+    sender = _Run(lambda: inbox.reserve(0, _inbox.P2P, 60000, "send"))
+    sender.start()
+    _until(lambda: inbox._readers.get(0) == sender.ident, "the sender waits for peer 0's credit")
+    assert _credit_taken(theirs, timeout / 2) is not None, "the CREDIT was never offered again while this rank waited"
+    taken = inbox.window // cost * cost  # peer 0 took everything this rank sent: its CREDIT says so
+    theirs.send(_inbox.HEADER.pack(_inbox.CREDIT, 0, 0, 0) + struct.pack("<qq", 0, taken))
+    sender.join(timeout)
+    assert sender.outcome is None and not sender.is_alive(), sender.outcome
