@@ -33,9 +33,10 @@ Where the shims differ from torch, it is on purpose:
   ``recv_object_list``), as torch documents; torch 2.13 raises ``ValueError`` there instead.
 - ``use_batch`` is accepted and has no effect: objcomm's transport decides how bytes move.
 - ``weights_only`` (torch 2.14: ``torch.save``, then ``torch.load(weights_only=True)``, safe types only) is taken
-  on every torch: ``True`` sends in ``"restricted-pickle"`` where no ``serializer=`` is given (tensors, numpy arrays,
-  containers and plain types; no code runs on decode), and receivers accept only safe serializers where no
-  ``accept`` is set (a ``patch(accept=...)`` or a receiver's ``serializer=`` stays in force). A sender that sends
+  on every torch: ``True`` sends in ``"restricted-pickle"`` where no ``serializer=`` is given and the process-wide
+  one is not safe (tensors, numpy arrays, containers and plain types; no code runs on decode), and receivers accept
+  only the safe serializers among those the process-wide ``accept`` allows, where no ``accept`` is set (a
+  ``patch(accept=...)`` or a receiver's ``serializer=`` stays in force). A sender that sends
   pickle anyway makes the receivers raise :class:`objcomm.ContentRefusedError`. Every rank must pass the same value,
   as in torch.
 - Without an initialised process group, the collectives act as a group of one (as all of objcomm

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from objcomm._api.communicator import Communicator
 from objcomm._api.functions import all_gather, gather, scatter
+from objcomm._settings import settings
 from serializers import SerializerLike, registry
 
 Options = Mapping[str, Any]  # per-call settings handed to objcomm (serializer=, accept=, ...); None: not given
@@ -172,15 +173,18 @@ def _recv_object_list(
 
 
 def _safe(options: Options, weights_only: bool, sends: bool = True, receives: bool = True) -> Options:
-    """``options`` under torch's ``weights_only=True`` (safe types only, ``objcomm.compat``): ``restricted-pickle``
-    where a sender names no serializer, and only safe serializers accepted where a receiver sets no ``accept``."""
+    """``options`` under torch's ``weights_only=True`` (safe types only, ``objcomm.compat``): where a sender names no
+    serializer and the process-wide one is not safe, ``restricted-pickle``; where a receiver sets no ``accept``, the
+    safe serializers among those the process-wide ``accept`` allows (never more than it allows)."""
     if not weights_only:
         return options
     safe = dict(options)
-    if sends and safe.get("serializer") is None:
+    defaults = settings()
+    if sends and safe.get("serializer") is None and not getattr(registry.get(defaults.serializer), "safe", False):
         safe["serializer"] = "restricted-pickle"
     if receives and safe.get("accept") is None:
-        safe["accept"] = registry.available(safe=True)
+        allowed = defaults.accept
+        safe["accept"] = [name for name in registry.available(safe=True) if allowed is None or name in allowed]
     return safe
 
 

@@ -358,7 +358,12 @@ def control_group(wire: Wire, op: str) -> Any:
     except Exception:
         control = None
     made = torch.tensor([control is not None], dtype=torch.int64, device=wire.device)
-    guarded(op, wire, dist.all_reduce, made, op=dist.ReduceOp.MIN, group=wire.group)
+    try:
+        guarded(op, wire, dist.all_reduce, made, op=dist.ReduceOp.MIN, group=wire.group)
+    except CommunicationError:
+        if control is not None:
+            _groups.forget(control)
+        raise
     if control is not None and not made.item():
         _groups.forget(control)
         return None

@@ -256,7 +256,11 @@ class SameHostSlots:
                 control=state.control,
             )
             if channel is not None and state.control is None:  # every rank is here: the first set-up worked on all
-                state.control = channel.control = _channel.control_group(wire, op)
+                try:
+                    state.control = channel.control = _channel.control_group(wire, op)
+                except BaseException:
+                    channel.close(f"{op}: the ranks could not agree on the channel's control group")
+                    raise
             with state.cond:  # before the vote ends: a send/recv waiting for it must see the new channel
                 state.channel, state.decided = channel, True
         except _channel.OutOfStep as exc:

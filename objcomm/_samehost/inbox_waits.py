@@ -207,6 +207,7 @@ class Inbox(Stash):
         me = threading.get_ident()
         mine: List[int] = []
         wake = -1
+        offer_at = 0.0  # when a CREDIT that bounced is offered again (see _offer_credit)
         self._waiting += 1
         try:
             while True:
@@ -246,13 +247,19 @@ class Inbox(Stash):
                     if key[0]:  # the others wait in the same collective: close, so that they learn at once
                         self._fail(op, why)
                     raise CommunicationError(f"{op} over the local channel: {why}; the channel stays open")
-                wait = self._offer_credit(remaining)
+                if self.bounced:  # a CREDIT this rank owes could not leave: offer it again every CREDIT_RETRY
+                    now = time.monotonic()
+                    if now >= offer_at:
+                        offer_at = now + CREDIT_RETRY
+                        self._offer_credit()
+                        continue  # the lock was let go: look again at what was filed meanwhile
+                    remaining = min(remaining, offer_at - now)
                 if not mine:  # another thread reads every socket this one waits on: it files and notifies
-                    self.cond.wait(wait)
+                    self.cond.wait(remaining)
                     continue
                 if len(mine) < len(pending) and wake < 0:  # woken when another thread lets go of the rest
                     wake = self._wakes[me] = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-                self._read_and_file(mine, wake, wait, op)
+                self._read_and_file(mine, wake, remaining, op)
         finally:  # release first: a thread that waits on these sockets is told while this one still counts
             self._release(me, ())
             self._waiting -= 1
@@ -274,17 +281,14 @@ class Inbox(Stash):
             except OSError:
                 pass
 
-    def _offer_credit(self, remaining: float) -> float:
-        """Called holding the lock before a wait of up to ``remaining`` seconds: where a ``CREDIT`` bounced, offer
-        it again (without the lock) and wait :data:`CREDIT_RETRY` at most; how long to wait."""
-        if not self.bounced:
-            return remaining
+    def _offer_credit(self) -> None:
+        """Called holding the lock: offer what this rank owes (:meth:`grant`), the lock let go meanwhile (the caller
+        looks again at what it waits for afterwards: another thread may have filed it)."""
         self.cond.release()
         try:
             self.grant()
         finally:
             self.cond.acquire()
-        return min(remaining, CREDIT_RETRY) if self.bounced else remaining
 
     def reserve(self, peer: int, kind: int, data_bytes: int, op: str) -> None:
         """Take the credit a ``kind`` message of ``data_bytes`` to ``peer`` costs, first waiting (reading ``peer``'s
@@ -319,11 +323,7 @@ class Inbox(Stash):
                 if peer in self.gone:
                     self._fail(op, self.gone[peer])
                 if self._owing and not flushed:
-                    self.cond.release()
-                    try:
-                        self.grant()
-                    finally:
-                        self.cond.acquire()
+                    self._offer_credit()
                     flushed = True
                     continue
                 remaining = deadline - time.monotonic()

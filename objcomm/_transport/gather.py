@@ -119,11 +119,13 @@ def gather_up_tree(wire: Wire, mine: torch.Tensor, table: Optional[torch.Tensor]
     group-rank order; None elsewhere), up a binomial tree rooted at ``dst``: with ranks numbered from ``dst``
     (``v = (rank - dst) mod W``), rank ``v`` takes the blocks of its children ``v + 1, v + 2, v + 4, ...`` below its
     lowest set bit at once (one batch), then sends its subtree's block, ranks ``v .. v + span - 1``, to ``v`` minus
-    that bit. ceil(log2 W) levels; every rank takes in at most ceil(log2 W) messages and sends one."""
+    that bit. ceil(log2 W) levels; every rank takes in at most ceil(log2 W) messages and sends one. A rank relays its
+    subtree's slots unchecked, as a two-level leader relays its host's (docs/security.md)."""
     size, width = wire.size, mine.numel()
     me = (wire.rank - dst) % size
     span = min(me & -me if me else 1 << (size - 1).bit_length(), size - me)  # the ranks of this rank's subtree
-    block = table if table is not None else torch.empty(span * width, dtype=torch.uint8, device=mine.device)
+    # zeroed: a child that sends less than its block leaves zeros, never this process's old memory, in what it relays
+    block = table if table is not None else torch.zeros(span * width, dtype=torch.uint8, device=mine.device)
     block[:width].copy_(mine)
     wire = wire._replace(tag=INTERNAL_TAG)
     batch = Batch(wire, op)

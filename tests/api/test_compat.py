@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import objcomm
+import serializers
 from objcomm import compat
 
 pytestmark = pytest.mark.timeout(120)
@@ -350,6 +351,23 @@ def test_weights_only_makes_the_objects_travel_safely(ranks3):
         assert seen[2] == "ContentRefusedError", (rank, seen)  # restricted-pickle does not rebuild Custom
         assert seen[-1] == [0, 1, 2]
     assert results[1][3:5] == [[1.0, 1.0], "refused pickle"]
+
+
+def test_weights_only_narrows_the_process_wide_settings_never_widens_them():
+    """What ``weights_only=True`` makes of a call's settings: the process-wide serializer stays where it is safe, and
+    the receivers accept the safe serializers among those the process-wide ``accept`` allows."""
+    from objcomm._api.compat_calls import _safe
+
+    assert _safe({"serializer": None}, False) == {"serializer": None}
+    plain = _safe({"serializer": None}, True)
+    assert plain["serializer"] == "restricted-pickle" and "pickle" not in plain["accept"]
+    assert set(plain["accept"]) == set(serializers.registry.available(safe=True))
+    previous = objcomm.configure(serializer="msgpack", accept=["msgpack", "pickle"])
+    try:
+        assert _safe({"serializer": None}, True) == {"serializer": None, "accept": ["msgpack"]}
+        assert _safe({"accept": ["json"]}, True, sends=False) == {"accept": ["json"]}  # a receiver's own choice
+    finally:
+        objcomm.restore(previous)
 
 
 def misuse_leaves_nobody_waiting() -> list:

@@ -279,3 +279,39 @@ def test_two_senders_out_of_credit_offer_a_bounced_credit_again(inbox_of):
     theirs.send(_inbox.HEADER.pack(_inbox.CREDIT, 0, 0, 0) + struct.pack("<qq", 0, taken))
     sender.join(timeout)
     assert sender.outcome is None and not sender.is_alive(), sender.outcome
+
+
+def test_a_message_filed_while_a_waiter_offers_its_credit_ends_its_wait(inbox_of):
+    """A receiver waits for its message (tag 2) while another thread reads peer 0's socket (waiting for tag 5), and
+    it offers a bounced CREDIT again with the lock let go: the message comes and is filed meanwhile. The receiver
+    must find it at once (before: it went to sleep on the condition after the notify, for its whole timeout)."""
+    timeout = 4.0
+    inbox, pairs = inbox_of(timeout, peers=1)
+    mine, theirs = pairs[0]
+    _owing_a_bounced_credit(inbox, mine, theirs)
+    reader = _Run(lambda: inbox.take([0], (False, 5), _inbox.P2P, "recv", first=True))
+    reader.start()
+    _until(lambda: inbox._readers.get(0) == reader.ident, "the tag-5 receiver reads peer 0's socket")
+    grant = inbox.grant
+
+    def offered() -> None:  # in the receiver, the lock let go: the CREDIT leaves, its message comes and is filed
+        if threading.current_thread() is receiver:
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    theirs.recv(1 << 17, socket.MSG_DONTWAIT)  # peer 0 reads its queue
+            grant()
+            theirs.send(_message(_inbox.P2P, 7, tag=2, data=b"for the receiver"))
+            _until(lambda: (False, 2) in inbox._stash[0], "the reader files the receiver's message")
+            return
+        grant()
+
+    inbox.grant = offered  # type: ignore[method-assign]
+    receiver = _Run(lambda: inbox.take([0], (False, 2), _inbox.P2P, "recv", first=True))
+    started = time.monotonic()
+    receiver.start()
+    receiver.join(timeout)
+    assert receiver.outcome == ({0: b"for the receiver"}, 7), receiver.outcome
+    assert time.monotonic() - started < timeout / 2
+    theirs.send(_message(_inbox.P2P, 8, tag=5))
+    reader.join(timeout)
+    assert reader.outcome == ({0: b""}, 8)
