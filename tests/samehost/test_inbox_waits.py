@@ -224,9 +224,13 @@ def _credit_taken(sock: socket.socket, timeout: float) -> Any:
     return None
 
 
-def _owing_a_bounced_credit(inbox: _inbox_waits.Inbox, mine: socket.socket, theirs: socket.socket) -> None:
-    """``inbox`` took enough of peer 0's sends to owe it credit, and its queue to peer 0 is full (what it sent,
-    unread): the ``CREDIT`` it offers bounces."""
+def _owing_a_bounced_credit(
+    inbox_of: Callable[..., Tuple[_inbox_waits.Inbox, Pairs]], timeout: float
+) -> Tuple[_inbox_waits.Inbox, socket.socket, socket.socket]:
+    """An inbox with one peer (``(inbox, its socket, the peer's end)``) that took enough of peer 0's sends to owe it
+    credit, and whose queue to peer 0 is full (what it sent, unread): the ``CREDIT`` it offers bounces."""
+    inbox, pairs = inbox_of(timeout, peers=1)
+    mine, theirs = pairs[0]
     data = b"s" * 4000
     for n in range(inbox.window // 4 // len(data) + 1):  # peer 0's sends, each taken by a recv: credit owed
         theirs.send(_message(_inbox.P2P, n, tag=1, data=data))
@@ -237,6 +241,7 @@ def _owing_a_bounced_credit(inbox: _inbox_waits.Inbox, mine: socket.socket, thei
             mine.send(b"x" * 60000, socket.MSG_DONTWAIT)
     inbox.grant()
     assert inbox.bounced and inbox.owing
+    return inbox, mine, theirs
 
 
 def test_a_credit_that_could_not_be_sent_is_offered_again_while_this_rank_waits(inbox_of):
@@ -245,9 +250,7 @@ def test_a_credit_that_could_not_be_sent_is_offered_again_while_this_rank_waits(
     ``CREDIT`` before it sends: the wait must offer it again once peer 0 has read its queue (before: only at the end
     of a call, or in a wait for credit; both ranks waited until the timeout)."""
     timeout = 4.0
-    inbox, pairs = inbox_of(timeout, peers=1)
-    mine, theirs = pairs[0]
-    _owing_a_bounced_credit(inbox, mine, theirs)
+    inbox, mine, theirs = _owing_a_bounced_credit(inbox_of, timeout)
     receiver = _Run(lambda: inbox.take([0], (False, 2), _inbox.P2P, "recv", first=True))
     receiver.start()
     _until(lambda: inbox._readers.get(0) == receiver.ident, "the receiver waits on peer 0's socket")
@@ -265,9 +268,7 @@ def test_two_senders_out_of_credit_offer_a_bounced_credit_again(inbox_of):
     peer 0, out of credit too, waits for that one before it grants its own. The wait for credit must offer it again
     (before: once per wake-up, and nothing came to wake it: both waited until the timeout)."""
     timeout = 4.0
-    inbox, pairs = inbox_of(timeout, peers=1)
-    mine, theirs = pairs[0]
-    _owing_a_bounced_credit(inbox, mine, theirs)
+    inbox, mine, theirs = _owing_a_bounced_credit(inbox_of, timeout)
     cost = _inbox.credit_cost(60000)
     for _ in range(inbox.window // cost):  # this rank's sends to peer 0, none taken yet: its credit is spent
         inbox.reserve(0, _inbox.P2P, 60000, "send")
@@ -286,9 +287,7 @@ def test_a_message_filed_while_a_waiter_offers_its_credit_ends_its_wait(inbox_of
     it offers a bounced CREDIT again with the lock let go: the message comes and is filed meanwhile. The receiver
     must find it at once (before: it went to sleep on the condition after the notify, for its whole timeout)."""
     timeout = 4.0
-    inbox, pairs = inbox_of(timeout, peers=1)
-    mine, theirs = pairs[0]
-    _owing_a_bounced_credit(inbox, mine, theirs)
+    inbox, mine, theirs = _owing_a_bounced_credit(inbox_of, timeout)
     reader = _Run(lambda: inbox.take([0], (False, 5), _inbox.P2P, "recv", first=True))
     reader.start()
     _until(lambda: inbox._readers.get(0) == reader.ident, "the tag-5 receiver reads peer 0's socket")
