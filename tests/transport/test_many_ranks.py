@@ -31,6 +31,7 @@ from objcomm._transport import base as _base
 from objcomm._transport import bytes as _bytes
 from objcomm._transport import gather as _gather
 from objcomm._transport import rounds as _rounds
+from objcomm._transport.base import Wire as _Wire
 
 W = 8
 COLLECTIVES = (
@@ -171,6 +172,26 @@ def gather_up_a_tree_in_subgroups() -> List[bool]:
 def test_a_gathers_slots_up_a_tree_of_any_size_reach_any_destination():
     for rank, seen in enumerate(get_pool(W).run(gather_up_a_tree_in_subgroups, timeout=120)):
         assert seen == [True] * sum(size for size in (3, 5, 6, 7) if rank < size), (rank, seen)
+
+
+def a_short_child_up_the_tree() -> List[int]:
+    """The tree of a gather's slots to rank 0 with rank 3 lying: 8 bytes where its 64-byte block is due. Its relay,
+    rank 2, freed memory full of 0xAB just before: the destination must find zeros after the 8 bytes, never what the
+    relay's process held before."""
+    rank, width = dist.get_rank(), 64
+    wire = _Wire(dist.group.WORLD, list(range(W)), rank, torch.device("cpu"), width, 1 << 20, 1 << 30)
+    mine = torch.full((8 if rank == 3 else width,), rank + 1, dtype=torch.uint8)
+    table = torch.zeros(width * W, dtype=torch.uint8) if rank == 0 else None
+    if rank == 2:
+        for _ in range(50):
+            held = torch.full((2 * width,), 0xAB, dtype=torch.uint8)
+            del held
+    _gather.gather_up_tree(wire, mine, table, 0, "gather")
+    return [] if table is None else table[3 * width : 4 * width].tolist()
+
+
+def test_a_relay_of_the_tree_passes_on_zeros_where_a_child_sent_less():
+    assert get_pool(W).run(a_short_child_up_the_tree, timeout=60)[0] == [4] * 8 + [0] * 56
 
 
 def outlier_sends() -> List[Any]:
