@@ -22,7 +22,7 @@ from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes, read_slot, read_slots
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Slot, Wire, guarded
-from objcomm._transport.bytes import Batch, host_view, joined, receive_buffer, to_device
+from objcomm._transport.bytes import Batch, host_view, joined, receive_buffer, to_device, zeroed
 from objcomm._transport.rounds import _on_device, _rest, _round_one, _slot, _split_rest
 
 
@@ -124,8 +124,7 @@ def gather_up_tree(wire: Wire, mine: torch.Tensor, table: Optional[torch.Tensor]
     size, width = wire.size, mine.numel()
     me = (wire.rank - dst) % size
     span = min(me & -me if me else 1 << (size - 1).bit_length(), size - me)  # the ranks of this rank's subtree
-    # zeroed: a child that sends less than its block leaves zeros, never this process's old memory, in what it relays
-    block = table if table is not None else torch.zeros(span * width, dtype=torch.uint8, device=mine.device)
+    block = table if table is not None else zeroed(span * width, wire)  # a short child relays zeros, not old memory
     block[:width].copy_(mine)
     wire = wire._replace(tag=INTERNAL_TAG)
     batch = Batch(wire, op)
