@@ -16,17 +16,26 @@ plus that many bytes (``RLIMIT_AS``), so an allocation beyond it fails with ``Me
 even if the pages were never touched. The modules in ``preload`` (numpy by default: OpenBLAS
 reserves its buffers at import) are imported before the cap. The child is always reaped; a child that outlives
 ``timeout`` is killed and :class:`ChildTimeout` raised.
+
+Each child is forked from one *zygote*: a process spawned once per test session that imports numpy, torch,
+pytest, objcomm and the test harness (:data:`ZYGOTE_PRELOAD`) and runs nothing, then forks a fresh child per call
+(a spawned child importing them took ~3 s a call; a fork takes milliseconds). The child starts from the zygote's
+clean state, takes the caller's ``sys.path``, then imports what the function needs, as a spawned one did.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import os
+import pickle
 import queue
 import resource
 import signal
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -59,21 +68,95 @@ def _mapped_bytes() -> int:
     raise RuntimeError("no VmSize in /proc/self/status")
 
 
-def _child_main(
-    conn: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, memory_budget: Optional[int], preload: tuple
-) -> None:
+def _child_main(request: bytes, answer: int) -> None:
+    """In a child forked from the zygote: run the call ``request`` holds, its outcome pickled to fd ``answer``."""
     try:
+        path, call = pickle.loads(request)
+        sys.path[:] = path
+        fn, args, kwargs, memory_budget, preload = pickle.loads(call)  # (imports the function's module)
         for module in preload:
             importlib.import_module(module)
         if memory_budget is not None:
             _, hard = resource.getrlimit(resource.RLIMIT_AS)
             resource.setrlimit(resource.RLIMIT_AS, (_mapped_bytes() + memory_budget, hard))
-        result = fn(*args, **kwargs)
-        conn.send(("ok", result))
+        outcome = ("ok", fn(*args, **kwargs))
     except BaseException as exc:  # noqa: B036 - everything must reach the parent
-        conn.send(("raised", (type(exc).__name__, str(exc)[:4000], traceback.format_exc()[-8000:])))
-    finally:
+        outcome = ("raised", (type(exc).__name__, str(exc)[:4000], traceback.format_exc()[-8000:]))
+    data = pickle.dumps(outcome)
+    with open(answer, "wb", closefd=True) as out:
+        out.write(data)
+
+
+def _zygote_main(conn: Any, preload: tuple) -> None:
+    """The zygote: import ``preload``, then for each request fork a child that runs it, and report the child's pid,
+    then its answer and exit status."""
+    for module in preload:
+        with contextlib.suppress(ImportError):  # (a child that needs it then raises the ImportError itself)
+            importlib.import_module(module)
+    while True:
+        try:
+            request = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        readable, writable = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            try:
+                os.close(readable)
+                conn.close()
+                _child_main(request, writable)
+            finally:
+                os._exit(0)
+        os.close(writable)
+        conn.send(("pid", pid))
+        chunks = []
+        with open(readable, "rb", closefd=True) as answer:
+            while True:
+                chunk = answer.read(1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        _, status = os.waitpid(pid, 0)
+        conn.send(("done", b"".join(chunks), status))
+
+
+# what the zygote imports once, for every child: what nearly every hostile-input test needs (no test asks for a child
+# without them: the tests that check what an import pulls in run their own interpreters)
+ZYGOTE_PRELOAD = (
+    "numpy",
+    "torch",
+    "pytest",
+    "hypothesis",
+    "serializers",
+    "objcomm",
+    "objcomm._api.functions",
+    "_ranks",
+)
+_ZYGOTE_LOCK = threading.Lock()
+_zygote: Optional[Tuple[Any, Any]] = None  # (process, connection)
+
+
+def _zygote_connection() -> Any:
+    """The zygote's end of the pipe, starting it (again, where it died) first."""
+    global _zygote
+    if _zygote is None or not _zygote[0].is_alive():
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=_zygote_main, args=(theirs, ZYGOTE_PRELOAD), daemon=True)
+        proc.start()
+        theirs.close()
+        _zygote = (proc, ours)
+    return _zygote[1]
+
+
+def _stop_zygote() -> None:
+    global _zygote
+    if _zygote is not None:
+        proc, conn = _zygote
+        _zygote = None
         conn.close()
+        proc.kill()
+        proc.join(10)
 
 
 def run_in_child(
@@ -84,27 +167,38 @@ def run_in_child(
     preload: tuple = ("numpy",),
     **kwargs: Any,
 ) -> Any:
-    """Call ``fn(*args, **kwargs)`` in a spawned child and return its result (or raise ``ChildRaised``)."""
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child_main, args=(child, fn, args, kwargs, memory_budget, preload), daemon=True)
-    proc.start()
-    child.close()
-    try:
-        if not parent.poll(timeout):
-            raise ChildTimeout(f"{getattr(fn, '__name__', fn)} still running after {timeout:.0f} s; killed")
+    """Call ``fn(*args, **kwargs)`` in a fresh child and return its result (or raise ``ChildRaised``)."""
+    name = getattr(fn, "__name__", fn)
+    request = pickle.dumps((list(sys.path), pickle.dumps((fn, args, kwargs, memory_budget, preload))))
+    with _ZYGOTE_LOCK:
+        conn = _zygote_connection()
         try:
-            kind, value = parent.recv()
-        except EOFError:
-            proc.join(5)
-            code = proc.exitcode
-            how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-            raise ChildCrashed(f"{getattr(fn, '__name__', fn)} crashed the child process ({how})") from None
-    finally:
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.join(10)
-        parent.close()
+            conn.send_bytes(request)
+            if not conn.poll(120):
+                raise ChildCrashed(f"{name}: the zygote that forks children did not answer")
+            _, pid = conn.recv()
+            timed_out = not conn.poll(timeout)
+            if timed_out:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                if not conn.poll(30):
+                    raise ChildCrashed(f"{name}: the zygote did not reap its killed child")
+            _, data, status = conn.recv()
+        except (EOFError, OSError) as exc:
+            _stop_zygote()
+            raise ChildCrashed(f"{name}: the zygote that forks children died ({exc!r}); it starts again") from exc
+        except ChildCrashed:
+            _stop_zygote()
+            raise
+    if timed_out:
+        raise ChildTimeout(f"{name} still running after {timeout:.0f} s; killed")
+    if not data:
+        if os.WIFSIGNALED(status):
+            how = f"signal {signal.Signals(os.WTERMSIG(status)).name}"
+        else:
+            how = f"exit code {os.WEXITSTATUS(status)}"
+        raise ChildCrashed(f"{name} crashed the child process ({how})")
+    kind, value = pickle.loads(data)
     if kind == "raised":
         raise ChildRaised(*value)
     return value
