@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_gather_tree.py [--world-size 8 16] [--rounds 30] [--size 1000]
 
-From 64 ranks a gather through the backend moves its slots up a binomial tree of send/recv
+From 64 ranks a gather through the backend moves its slots up a binomial tree of send/recv, trimmed
 (``objcomm._transport.routes.slots_up_tree``); below, the backend's gather (every rank to the destination). This
 runs both at small world sizes, alternating call by call on one group (the tree forced by a test hook), each rank
 gathering an object of about ``--size`` bytes (slot only) to rank 0: the median over ``--rounds`` of the slowest

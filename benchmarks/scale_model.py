@@ -50,6 +50,7 @@ KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
 # -- parameters ------------------------------------------------------------------------------------------------
 RANKS_PER_NODE = 8  # consecutive ranks per host; a group of more spans hosts, and every hop then pays alpha_inter
 FRAME_OVERHEAD = 100  # bytes objcomm's frame adds to a pickled payload (header, serializer name, pickle framing)
+TENSOR_FRAME = 140  # the frame of a message that is one tensor sent out of band (its table, no data): 135 measured
 SIZE_WORD = 8  # torch's object collectives exchange each payload's size as one int64
 # A rank that posts messages to (or takes them from) m peers at once pays alpha * ceil(m / P2P_CONCURRENCY): the
 # messages' wire latencies overlap, but each still costs its sender and receiver a start-up (a syscall on gloo's
@@ -226,8 +227,8 @@ def step_cost(step: routes.Step, params: Params, world: int, root: int = 0) -> f
         return direct_all_gatherv(sizes, a, b) if params.device == "cpu" else ring_all_gatherv(sizes, a, b)
     if step.collective in ("gather", "p2p"):
         return flat_gather(sizes, root, a, b)
-    if step.collective == "gather_tree":  # a gather's slots up a binomial tree (routes.slots_up_tree)
-        return tree_gather(sizes, root, a, b)
+    if step.collective == "gather_tree":  # a gather's slots up a binomial tree (routes.slots_up_tree): the lengths
+        return a + tree_gather(sizes, root, a, b)  # climb a level a latency, the trimmed slots one level behind
     if step.collective == "broadcast":
         return broadcast_cost(params, world, sizes[0], a)
     if step.collective == "all_reduce":
@@ -255,12 +256,23 @@ class Sizes:
     value_rest: int
     broadcast: int  # broadcast's value: the largest payload, on the root
     broadcast_rest: int
+    carried: Tuple[int, ...] = ()  # what each rank's slot holds: its prefix, the frame where it fits, sizes listed
 
 
 def pickled_rest(size: int, slot_bytes: int = routes.Knobs().slot_bytes) -> int:
     """objcomm's rest of a pickled payload of ``size`` bytes: its whole frame unless the frame fits in the slot."""
     frame = size + FRAME_OVERHEAD
     return 0 if frame <= slot_bytes - SLOT_PREFIX_BYTES else frame
+
+
+def slot_carries(size: int, tensor: bool, slot_bytes: int = routes.Knobs().slot_bytes) -> int:
+    """The bytes of a slot up to its last nonzero one, for a payload of ``size`` bytes: the 24-byte prefix, then the
+    frame where it fits (a tensor's frame, TENSOR_FRAME bytes, then its listed size: a count and one u64), else the
+    count of listed sizes (none)."""
+    if tensor:
+        return SLOT_PREFIX_BYTES + TENSOR_FRAME + 4 + 8
+    frame = size + FRAME_OVERHEAD
+    return SLOT_PREFIX_BYTES + frame if frame <= slot_bytes - SLOT_PREFIX_BYTES else SLOT_PREFIX_BYTES + 4
 
 
 def tensor_rest(size: int) -> int:
@@ -309,7 +321,9 @@ def sizes_for(case: str, world: int) -> Sizes:
     rest = tensor_rest if case == "uneven-tensors" else pickled_rest
     value = sorted(payloads)[world // 2]
     largest = max(payloads)
-    return Sizes(tuple(payloads), tuple(rest(n) for n in payloads), value, rest(value), largest, rest(largest))
+    tensor = case == "uneven-tensors"
+    carried = tuple(slot_carries(n, tensor) for n in payloads)
+    return Sizes(tuple(payloads), tuple(rest(n) for n in payloads), value, rest(value), largest, rest(largest), carried)
 
 
 # -- objcomm, ideal, torch -----------------------------------------------------------------------------------------
@@ -329,7 +343,8 @@ def objcomm_plan(op: str, params: Params, world: int, sizes: Sizes, two_levels: 
         rests = [sizes.broadcast_rest] + [0] * (world - 1)
     else:
         raise ValueError(f"unknown op {op!r}")
-    return routes.plan(op, topology(params, world, two_levels), rests, root=0, listed=True)
+    carried = sizes.carried if op == "gather" else None
+    return routes.plan(op, topology(params, world, two_levels), rests, root=0, listed=True, carried=carried)
 
 
 def objcomm_cost(op: str, params: Params, world: int, sizes: Sizes) -> float:

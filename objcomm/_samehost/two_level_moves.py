@@ -23,7 +23,9 @@ from objcomm._samehost.channel_checks import echo
 from objcomm._samehost.channel_rounds import CHUNK, all_received, checked, chunks
 from objcomm._samehost.inbox import REST
 from objcomm._samehost.sealed import Sealed, map_parts, write_sealed
+from objcomm._transport import routes
 from objcomm._transport.base import Slot, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.slot_tree import gather_up_tree
 
 T = TypeVar("T")
 
@@ -209,35 +211,42 @@ def bundle_of(here: Here, items: Sequence[Slot], width: int, op: str) -> bytearr
 
 def gather_fixed(here: Here, wire: Wire, data: Slot, width: int, dst: int, op: str) -> Optional[List[Slot]]:
     """Every rank's ``data`` (slots: ``width`` bytes each) on group rank ``dst``, in group-rank order (None
-    elsewhere): to the leaders, one gather of the leaders to the leader of ``dst``'s host, on to ``dst``. Each
+    elsewhere): to the leaders, one gather of the leaders to the leader of ``dst``'s host (from
+    :data:`~objcomm._transport.routes.TREE_GATHER_FROM` leaders up a tree of them, each slot trimmed to what it
+    carries: :func:`~objcomm._transport.slot_tree.gather_up_tree`), on to ``dst``. Each
     leader notes its host's rests, and ``dst``'s leader every host's total (:attr:`Levels.memo`), for round 2."""
     levels = here.levels
     mine = to_leader(here, data, op)
     home = levels.host_of[dst]
     table: Optional[bytearray] = None
     if mine is not None:
-        bundle = torch.frombuffer(bundle_of(here, mine, width, op), dtype=torch.uint8)  # (checks every length first)
+        packed = bundle_of(here, mine, width, op)  # (checks every length first)
         levels.memo["host"] = [
             0 if r == dst else read_slot(memoryview(item)).second_round_bytes
             for r, item in zip(levels.hosts[here.host], mine)
         ]
         assert here.leader is not None
-        parts = None
-        if here.host == home:
-            table = bytearray(len(levels.hosts) * levels.widest * width)
-            parts = list(torch.frombuffer(table, dtype=torch.uint8).chunk(len(levels.hosts)))
-        as_leader(
-            here,
-            op,
-            guarded,
-            op,
-            here.leader,
-            dist.gather,
-            bundle,
-            parts,
-            dst=here.leader.ranks[home],
-            group=here.leader.group,
-        )
+        if routes.slots_up_tree(world=len(levels.hosts)):  # up a tree of the leaders, each slot trimmed
+            got = as_leader(here, op, gather_up_tree, here.leader, packed, width, home, op, levels.widest)
+            table = got if here.host == home else None
+        else:  # the backend's gather of every host's slots, padded to the widest host
+            parts = None
+            if here.host == home:
+                table = bytearray(len(levels.hosts) * levels.widest * width)
+                parts = list(torch.frombuffer(table, dtype=torch.uint8).chunk(len(levels.hosts)))
+            bundle = torch.frombuffer(packed, dtype=torch.uint8)
+            as_leader(
+                here,
+                op,
+                guarded,
+                op,
+                here.leader,
+                dist.gather,
+                bundle,
+                parts,
+                dst=here.leader.ranks[home],
+                group=here.leader.group,
+            )
     if here.host == home and levels.place[dst]:  # the leader hands the table to dst
         if here.place == 0:
             assert table is not None

@@ -22,8 +22,9 @@ from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes, read_slot, read_slots
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Slot, Wire, guarded
-from objcomm._transport.bytes import Batch, host_view, joined, receive_buffer, to_device, zeroed
+from objcomm._transport.bytes import Batch, host_view, joined, receive_buffer, to_device
 from objcomm._transport.rounds import _on_device, _rest, _round_one, _slot, _split_rest
+from objcomm._transport.slot_tree import gather_up_tree
 
 
 def gather(
@@ -89,16 +90,21 @@ def _gather_slots(
     slots = wire.first_round.gather(wire, raw, dst, op)
     if slots is not NOT_USED:  # the first-round strategy's gather (two levels), then its share of the word and table
         return _gather_slots_through(wire, slots, sizes_of, dst, op)
-    mine = _on_device(wire, raw)
-    table, host = receive_buffer(wire.slot * wire.size, wire) if wire.rank == dst else (None, None)
+    table: Optional[torch.Tensor] = None
+    host: Optional[memoryview] = None
+    if up_tree:
+        tree_table = gather_up_tree(wire, raw, wire.slot, dst, op)
+        if tree_table is not None:
+            table, host = torch.frombuffer(tree_table, dtype=torch.uint8), memoryview(tree_table)
+    else:
+        mine = _on_device(wire, raw)
+        if wire.rank == dst:
+            table, host = receive_buffer(wire.slot * wire.size, wire)
+            guarded(op, wire, dist.gather, mine, list(table.chunk(wire.size)), dst=wire.ranks[dst], group=wire.group)
+        else:
+            guarded(op, wire, dist.gather, mine, None, dst=wire.ranks[dst], group=wire.group)
     word = torch.zeros(1, dtype=torch.int64, device=wire.device)
     infos: List[SlotInfo] = []
-    if up_tree:
-        gather_up_tree(wire, mine, table, dst, op)
-    elif table is not None:
-        guarded(op, wire, dist.gather, mine, list(table.chunk(wire.size)), dst=wire.ranks[dst], group=wire.group)
-    else:
-        guarded(op, wire, dist.gather, mine, None, dst=wire.ranks[dst], group=wire.group)
     if table is not None:
         infos = read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
         word[0] = _verdict(wire, infos, sizes_of, dst, op)
@@ -110,35 +116,9 @@ def _gather_slots(
         return infos if wire.rank == dst else None
     if table is None:  # every rank takes the slots (W of them: allocated here only, not on every call)
         table, host = receive_buffer(wire.slot * wire.size, wire)
-    guarded(op, wire, dist.broadcast, table, src=wire.ranks[dst], group=wire.group)
-    return read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
-
-
-def gather_up_tree(wire: Wire, mine: torch.Tensor, table: Optional[torch.Tensor], dst: int, op: str) -> None:
-    """Every rank's ``mine`` (``width`` bytes) into ``table`` on group rank ``dst`` (``width`` bytes per group rank, in
-    group-rank order; None elsewhere), up a binomial tree rooted at ``dst``: with ranks numbered from ``dst``
-    (``v = (rank - dst) mod W``), rank ``v`` takes the blocks of its children ``v + 1, v + 2, v + 4, ...`` below its
-    lowest set bit at once (one batch), then sends its subtree's block, ranks ``v .. v + span - 1``, to ``v`` minus
-    that bit. ceil(log2 W) levels; every rank takes in at most ceil(log2 W) messages and sends one. A rank relays its
-    subtree's slots unchecked, as a two-level leader relays its host's (docs/security.md)."""
-    size, width = wire.size, mine.numel()
-    me = (wire.rank - dst) % size
-    span = min(me & -me if me else 1 << (size - 1).bit_length(), size - me)  # the ranks of this rank's subtree
-    block = table if table is not None else zeroed(span * width, wire)  # a short child relays zeros, not old memory
-    block[:width].copy_(mine)
-    wire = wire._replace(tag=INTERNAL_TAG)
-    batch = Batch(wire, op)
-    step = 1
-    while step < span:  # children v + step, each with min(step, span - step) ranks
-        child = me + step
-        batch.recv_into(block[step * width : min(2 * step, span) * width], (child + dst) % size)
-        step *= 2
-    batch.wait()
-    if me:
-        batch.send(block, (me - (me & -me) + dst) % size)
-        batch.wait()
-    elif dst and table is not None:  # relative order to group-rank order: group rank r is relative (r - dst) mod W
-        table.copy_(torch.cat([block[(size - dst) * width :], block[: (size - dst) * width]]))
+    shared = to_device(table, wire)  # (the destination's table up the tree is host memory)
+    guarded(op, wire, dist.broadcast, shared, src=wire.ranks[dst], group=wire.group)
+    return read_slots(host if host is not None else host_view(shared), wire.size, wire.slot)
 
 
 def _gather_slots_through(

@@ -32,8 +32,9 @@ backend exchange        all_gather's rests: one padded all_gather when          
                         at exact sizes (an uneven all_gather on NCCL, one batch of
                         send/recv on gloo); either in rounds of ``chunk_bytes``
 gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks: up a      :func:`slots_up_tree`
-                        binomial tree of send/recv (ceil(log2 W) levels); below it the
-                        backend's gather (every rank to the destination)
+                        binomial tree of send/recv (ceil(log2 W) levels), each slot
+                        trimmed to what it carries; below it the backend's gather
+                        (every rank to the destination)
 gloo's outlier          in an exact exchange on gloo, a rest that dwarfs the others      :func:`broadcast_largest`
                         goes first in gloo's broadcast (log2 W hops of it, not W - 1
                         sends by its owner)
@@ -56,6 +57,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 from objcomm._format.limits import SCRATCH_BYTES
@@ -96,14 +98,12 @@ TREE_GATHER_FROM = 64  # ranks: from here a gather's slots go up a binomial tree
 
 
 def slots_up_tree(*, world: int, forced: bool = False) -> bool:
-    """Whether a gather's round 1 through the backend goes up a binomial tree of point-to-point messages to the
-    destination (:func:`objcomm._transport.gather.gather_up_tree`: ceil(log2 W) levels, each rank receiving its
-    children's blocks at once, then sending its subtree's slots in one message) rather than in the backend's
-    gather, where all W - 1 ranks send to the destination, which takes W - 1 messages in. From
-    :data:`TREE_GATHER_FROM` ranks: below it the levels in sequence cost more than the fan-in (with 8 messages
-    taken in at once, ceil(log2 W) levels beat ceil((W - 1) / 8) rounds of them from W = 41). Same-host groups
-    take the channel, and two levels' leaders their own gather. ``forced``: objcomm's tests
-    (:class:`objcomm._api.resolving.Hooks`) take it at any size."""
+    """Whether a gather's round 1 through the backend goes up a binomial tree to the destination
+    (:func:`objcomm._transport.slot_tree.gather_up_tree`: the lengths climb ceil(log2 W) levels, the slots, each
+    trimmed to what it carries, one level behind) rather than in the backend's gather (W - 1 whole slots into the
+    destination). From :data:`TREE_GATHER_FROM` ranks (or leaders, on two levels): below it the levels cost more
+    than the fan-in (``benchmarks/scale_model.py``: 1 KB objects even near 50 ranks on NCCL, 40 on gloo).
+    ``forced``: objcomm's tests (:class:`objcomm._api.resolving.Hooks`)."""
     return forced or world >= TREE_GATHER_FROM
 
 
@@ -226,9 +226,10 @@ class Knobs:
 @dataclass(frozen=True)
 class Step:
     """One transfer of a plan. ``collective``: what runs (``all_gather``, ``all_gatherv``: exact sizes,
-    ``gather``, ``broadcast``, ``all_reduce``, ``vote``: a word's maximum by recursive doubling then rank 0's
-    broadcast (gloo: floor(log2 W) exchanges, a hand-over more where W is no power of two, ceil(log2 W) broadcast
-    steps), ``p2p``: one batch of sends and receives to one rank, ``tree``:
+    ``gather``, ``gather_tree``: a gather's slots up a binomial tree to the destination, the lengths a level ahead
+    of the trimmed slots, ``broadcast``, ``all_reduce``, ``vote``: a word's maximum by recursive doubling then rank
+    0's broadcast (gloo: floor(log2 W) exchanges, a hand-over more where W is no power of two, ceil(log2 W)
+    broadcast steps), ``p2p``: one batch of sends and receives to one rank, ``tree``:
     a binomial tree of sends toward group rank 0, ceil(log2 W) levels in sequence, ``down_tree``: the same tree's
     sends the other way, from group rank 0); ``medium``: who runs it;
     ``nbytes``: the bytes each rank contributes, in group-rank order (a broadcast's and a tree's: one value); on two
@@ -256,15 +257,32 @@ class Plan:
 
 
 def plan(
-    op: str, topology: Topology, rests: Sequence[int], knobs: Knobs = Knobs(), *, root: int = 0, listed: bool = True
+    op: str,
+    topology: Topology,
+    rests: Sequence[int],
+    knobs: Knobs = Knobs(),
+    *,
+    root: int = 0,
+    listed: bool = True,
+    carried: Optional[Sequence[int]] = None,
 ) -> Plan:
     """The route of ``op`` (``all_gather``, ``gather``, ``broadcast``, ``all_reduce``, ``reduce``) when each
     rank's rest (bytes past its slot: 0 when the slot carries all of it) is ``rests`` (broadcast: the root's is
     read; all_reduce and reduce: ``rests[0]`` is the rest of the combined value, which the tree carries up and
     group rank 0 then sends on), with the tensor sizes listed in the slots (``listed``) or only in the frames.
-    Pure: no process group, O(W)."""
+    ``carried``: each slot's bytes up to its last nonzero one, what a gather's slots up the tree are trimmed to
+    (None: whole slots). Pure: no process group, O(W)."""
     world = topology.world
     first = round_one(local=knobs.local, one_host=topology.one_host, channel_open=topology.channel_open)
+
+    medium_of = partial(  # the medium of a rest whose largest sender moves n bytes: medium_of(n)
+        rest_medium,
+        cpu=topology.cpu,
+        round_one_medium=first,
+        shm=knobs.shm,
+        shm_threshold=knobs.shm_threshold,
+        one_host=topology.one_host,
+    )
     slots = (knobs.slot_bytes,) * world
     steps = []
     k = min(topology.ranks_per_host, world)
@@ -273,18 +291,11 @@ def plan(
         and topology.channel_open
         and two_levels(hosts=-(-world // k), widest=k, cpu=topology.cpu, local=knobs.local)
     ):
-        return Plan(op, CHANNEL, tuple(_two_level_steps(op, topology, list(rests), knobs, root, listed)))
+        return Plan(op, CHANNEL, tuple(_two_level_steps(op, topology, list(rests), knobs, root, listed, carried)))
     if op == "all_gather":
         steps.append(Step("all_gather", first, slots))
         moved = max(rests, default=0)
-        medium = rest_medium(
-            moved,
-            cpu=topology.cpu,
-            round_one_medium=first,
-            shm=knobs.shm,
-            shm_threshold=knobs.shm_threshold,
-            one_host=topology.one_host,
-        )
+        medium = medium_of(moved)
         if moved:
             steps.extend(_exchange(medium, list(rests), topology, knobs))
     elif op == "gather":
@@ -293,17 +304,14 @@ def plan(
         else:
             # the destination's word: a broadcast on gloo (a binomial tree), an all_reduce on NCCL (a tree)
             word = "broadcast" if topology.cpu else "all_reduce"
-            up = "gather_tree" if slots_up_tree(world=world) else "gather"
-            steps += [Step(up, BACKEND, slots), Step(word, BACKEND, (8,))]
+            if slots_up_tree(world=world):  # trimmed to what each carries, with its length (gather_up_tree)
+                held = carried if carried is not None else slots
+                steps.append(Step("gather_tree", BACKEND, tuple(4 + min(n, knobs.slot_bytes) for n in held)))
+            else:
+                steps.append(Step("gather", BACKEND, slots))
+            steps.append(Step(word, BACKEND, (8,)))
         total = sum(r for i, r in enumerate(rests) if i != root)
-        medium = rest_medium(
-            total,
-            cpu=topology.cpu,
-            round_one_medium=first,
-            shm=knobs.shm,
-            shm_threshold=knobs.shm_threshold,
-            one_host=topology.one_host,
-        )
+        medium = medium_of(total)
         if total:
             steps.append(Step("p2p", medium, tuple(0 if i == root else r for i, r in enumerate(rests))))
     elif op == "broadcast":  # the slot: on NCCL an all_reduce (a tree; its broadcast is a ring)
@@ -311,14 +319,7 @@ def plan(
         steps.append(Step(slot_step, first, (knobs.slot_bytes,)))
         moved = rests[root]
         if moved:
-            medium = rest_medium(
-                moved,
-                cpu=topology.cpu,
-                round_one_medium=first,
-                shm=knobs.shm,
-                shm_threshold=knobs.shm_threshold,
-                one_host=topology.one_host,
-            )
+            medium = medium_of(moved)
             largest = min(moved, knobs.chunk_bytes)
             if agreement_needed(sizes_listed=listed, largest_piece=largest, medium_may_take=medium != BACKEND):
                 vote = "vote" if first == BACKEND and topology.cpu else "all_reduce"  # gloo: recursive doubling
@@ -336,8 +337,8 @@ def plan(
             if result.round_one == BACKEND and result_down_tree(cpu=topology.cpu):
                 return Plan(op, first, (*steps, Step("down_tree", BACKEND, (knobs.slot_bytes + rests[0],))))
             return Plan(op, first, (*steps, *result.steps))
-        carried = [rests[0] if r == 0 and root != 0 else 0 for r in range(world)]
-        return Plan(op, first, (*steps, *plan("gather", topology, carried, knobs, root=root).steps))
+        sent = [rests[0] if r == 0 and root != 0 else 0 for r in range(world)]
+        return Plan(op, first, (*steps, *plan("gather", topology, sent, knobs, root=root).steps))
     else:
         raise ValueError(f"plan({op!r}): plans cover all_gather, gather, broadcast, all_reduce and reduce")
     return Plan(op, first, tuple(steps))
@@ -368,7 +369,13 @@ def _exchange(medium: str, rests: List[int], topology: Topology, knobs: Knobs) -
 
 
 def _two_level_steps(
-    op: str, topology: Topology, rests: List[int], knobs: Knobs, root: int, listed: bool
+    op: str,
+    topology: Topology,
+    rests: List[int],
+    knobs: Knobs,
+    root: int,
+    listed: bool,
+    carried: Optional[Sequence[int]] = None,
 ) -> List[Step]:
     """The steps of ``op`` through two levels (:mod:`objcomm._samehost.two_level`): the channel inside each host (a
     step over the widest host's ranks), the leaders across them; every host's steps run at once."""
@@ -407,7 +414,13 @@ def _two_level_steps(
         return steps
     if op == "gather":
         home = root // k
-        steps = [Step("gather", CHANNEL, (slot,) * k, k), *across([Step("gather", BACKEND, (k * slot,) * len(hosts))])]
+        if slots_up_tree(world=len(hosts)):  # the leaders' tree, each slot trimmed (with its length)
+            held = list(carried) if carried is not None else [slot] * world
+            trimmed = [sum(4 + min(n, slot) for n in held[h : h + k]) for h in range(0, world, k)]
+            leaders_step = Step("gather_tree", BACKEND, tuple(trimmed))
+        else:
+            leaders_step = Step("gather", BACKEND, (k * slot,) * len(hosts))
+        steps = [Step("gather", CHANNEL, (slot,) * k, k), *across([leaders_step])]
         if root % k:
             steps.append(Step("p2p", CHANNEL, (len(hosts) * k * slot,), k))
         steps += relay(8)  # the destination's word

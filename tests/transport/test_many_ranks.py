@@ -31,6 +31,8 @@ from objcomm._transport import base as _base
 from objcomm._transport import bytes as _bytes
 from objcomm._transport import gather as _gather
 from objcomm._transport import rounds as _rounds
+from objcomm._transport import routes
+from objcomm._transport import slot_tree as _slot_tree
 from objcomm._transport.base import Wire as _Wire
 
 W = 8
@@ -141,14 +143,15 @@ def test_bounded_calls_whatever_the_spread(op, most):
 def test_a_gathers_slots_up_a_tree_give_the_same_results():
     """gather with its slots up a binomial tree (routes.slots_up_tree, from 64 ranks; forced here), to rank 3:
     right on every spread; no gather of the backend; the destination's word (a broadcast, gloo) and, where every rank
-    must see the slots, their table; each rank posts its children's receives in one batch and sends once, the rests
-    in one more batch (at most 3; rank 3's children at W = 8: 4, 5, 7)."""
+    must see the slots, their table; each rank takes its children's lengths in one batch and their bytes in another,
+    then sends both to its parent in one, the rests in one more batch (at most 4: a relay with a rest; rank 3's
+    children at W = 8: 4, 5, 7)."""
     for rank, rows in enumerate(get_pool(W).run(each_spread, "gather", True, timeout=120)):
         for case, right, collectives, blocking, batches in rows:
             assert right, f"{case}: a wrong result on rank {rank}"
             assert collectives <= 2, f"{case}: {collectives} collectives on rank {rank}"
             assert blocking == 0, f"{case}: {blocking} blocking sends/receives on rank {rank}"
-            assert 1 <= batches <= 3, f"{case}: {batches} batches of sends and receives on rank {rank}"
+            assert 1 <= batches <= 4, f"{case}: {batches} batches of sends and receives on rank {rank}"
 
 
 def gather_up_a_tree_in_subgroups() -> List[bool]:
@@ -174,24 +177,35 @@ def test_a_gathers_slots_up_a_tree_of_any_size_reach_any_destination():
         assert seen == [True] * sum(size for size in (3, 5, 6, 7) if rank < size), (rank, seen)
 
 
-def a_short_child_up_the_tree() -> List[int]:
-    """The tree of a gather's slots to rank 0 with rank 3 lying: 8 bytes where its 64-byte block is due. Its relay,
-    rank 2, freed memory full of 0xAB just before: the destination must find zeros after the 8 bytes, never what the
-    relay's process held before."""
+def lying_children_up_the_tree(lie: str) -> List[int]:
+    """The tree of a gather's slots (64 bytes each) to rank 0, rank 3 (a leaf under rank 2) lying: ``short``, its
+    lengths announce 64 bytes and it sends 8 (its relay, rank 2, freed memory full of 0xAB just before); ``long``,
+    its lengths announce 1,000 bytes, past the slot. Every other rank's slot is 64 bytes of its rank + 1. The
+    destination's table, as lists of each rank's slot."""
     rank, width = dist.get_rank(), 64
     wire = _Wire(dist.group.WORLD, list(range(W)), rank, torch.device("cpu"), width, 1 << 20, 1 << 30)
-    mine = torch.full((8 if rank == 3 else width,), rank + 1, dtype=torch.uint8)
-    table = torch.zeros(width * W, dtype=torch.uint8) if rank == 0 else None
+    if rank == 3:  # its own two messages to its parent, rank 2
+        batch = _bytes.Batch(wire._replace(tag=_base.INTERNAL_TAG), "gather")
+        batch.send(torch.tensor([64 if lie == "short" else 1000], dtype=torch.int32).view(torch.uint8), 2)
+        batch.send(torch.full((8 if lie == "short" else 64,), 4, dtype=torch.uint8), 2)
+        batch.wait()
+        return []
     if rank == 2:
         for _ in range(50):
             held = torch.full((2 * width,), 0xAB, dtype=torch.uint8)
             del held
-    _gather.gather_up_tree(wire, mine, table, 0, "gather")
-    return [] if table is None else table[3 * width : 4 * width].tolist()
+    table = _slot_tree.gather_up_tree(wire, bytearray([rank + 1] * width), width, 0, "gather")
+    return [] if table is None else [list(table[r * width : (r + 1) * width]) for r in range(W)]
 
 
-def test_a_relay_of_the_tree_passes_on_zeros_where_a_child_sent_less():
-    assert get_pool(W).run(a_short_child_up_the_tree, timeout=60)[0] == [4] * 8 + [0] * 56
+@pytest.mark.parametrize("lie", ["short", "long"])
+def test_a_lying_child_up_the_tree_changes_its_own_slot_only(lie):
+    """A child that sends less than its lengths announced: its relay passes on zeros after what came (never what
+    the relay's process held before: 171 = 0xAB with an uninitialised buffer). A child whose lengths are past the
+    slot size: its subtree arrives empty (zeros), its bytes taken and dropped. Every other slot arrives whole."""
+    table = get_pool(W).run(lying_children_up_the_tree, lie, timeout=60)[0]
+    three = [4] * 8 + [0] * 56 if lie == "short" else [0] * 64
+    assert table == [three if r == 3 else [r + 1] * 64 for r in range(W)]
 
 
 def outlier_sends() -> List[Any]:
@@ -462,6 +476,56 @@ def test_two_levels_only_leaders_call_the_backend(k):
         if k == 4:
             got, collectives = rows[-1]
             assert got == [r for r in range(W) if r // 4 == rank // 4] and collectives == 0, (rank, rows[-1])
+
+
+def leaders_up_a_tree(k: int) -> List[Any]:
+    """gather of every spread with hosts of ``k`` ranks, the leaders' step up their tree (TREE_GATHER_FROM lowered
+    to 2 leaders here), to rank 5 then rank 0: right or not, and whether this rank called the backend's gather; then
+    a rank over the destination's limit and a failing encode: the error on this rank."""
+    with ranks_per_host(k):
+        rank, comm = dist.get_rank(), objcomm.Communicator()
+        comm.all_gather(rank)  # the set-up: hosts, node and leaders' groups, channels
+        rows: List[Any] = []
+        real_gather, real_from = dist.gather, routes.TREE_GATHER_FROM
+        backend_gathers = []
+        dist.gather = lambda *args, **kwargs: backend_gathers.append(1) or real_gather(*args, **kwargs)
+        routes.TREE_GATHER_FROM = 2
+        try:
+            for case in CASES:
+                for dst in (5, 0):
+                    got = comm.gather(spread(case, rank), dst=dst)
+                    right = all(_same(g, spread(case, r)) for r, g in enumerate(got)) if rank == dst else got is None
+                    rows.append((case, dst, right))
+            for bad in ("over the destination's limit", "a failing encode"):
+                try:
+                    if bad == "a failing encode":
+                        comm.gather(object() if rank == 6 else b"x" * 100, dst=5, serializer="json")
+                    else:
+                        comm.gather(
+                            b"x" * ((1 << 20) if rank == 7 else 10), dst=5, max_bytes=(1 << 19) if rank == 5 else None
+                        )
+                    rows.append((bad, "no error"))
+                except objcomm.ObjcommError as exc:
+                    rows.append((bad, type(exc).__name__))
+                assert comm.all_gather(rank) == list(range(W))  # the group is in step after the error
+        finally:
+            dist.gather, routes.TREE_GATHER_FROM = real_gather, real_from
+        rows.append(("backend gathers", len(backend_gathers)))
+        return rows
+
+
+@pytest.mark.parametrize("k", [4, 3])
+def test_two_levels_leaders_gather_up_a_tree(k):
+    """Hosts of four (two leaders) and of three (3 + 3 + 2: three leaders, a tree of two levels, hosts of unequal
+    sizes): from
+    TREE_GATHER_FROM leaders, the leaders' step of a gather goes up their tree with each slot trimmed
+    (objcomm._transport.slot_tree), never the backend's gather; every object arrives, to a destination that leads its
+    host and to one that does not; bad input raises the same error on every rank."""
+    for rank, rows in enumerate(get_pool(W).run(leaders_up_a_tree, k, timeout=180)):
+        *gathers, (limit, limit_error), (encode, encode_error), (_, backend) = rows
+        assert all(right for _, _, right in gathers), (k, rank, gathers)
+        assert (limit_error, encode_error) == ("TooLargeError", "RemoteError"), (k, rank, rows[-3:])
+        assert backend == 0, (k, rank, backend)
 
 
 def bad_input_on_two_levels(case: str) -> str:

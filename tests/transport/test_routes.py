@@ -128,20 +128,30 @@ def test_all_reduce_returns_down_its_tree_where_round_one_takes_the_backend(devi
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_a_gathers_slots_go_up_a_tree_from_64_ranks(device):
     """Through the backend a gather's slots go up a binomial tree from TREE_GATHER_FROM ranks (the backend's gather,
-    every rank to the destination, below it); through the channel (one host) they stay its all_gather, and on two
-    levels the leaders' gather."""
+    every rank to the destination, below it), each trimmed to what it carries plus its 4-byte length (whole slots
+    where the plan is not told); through the channel (one host) they stay its all_gather; on two levels the leaders
+    take their tree from as many leaders."""
     assert routes.TREE_GATHER_FROM == 64
     assert not routes.slots_up_tree(world=63) and routes.slots_up_tree(world=64)
     assert routes.slots_up_tree(world=2, forced=True)  # objcomm's tests: at any size
     for world, first in ((16, "gather"), (63, "gather"), (64, "gather_tree"), (8192, "gather_tree")):
         got = plan("gather", Topology(world=world, device=device, channel_open=False), [0] * world)
         assert [(s.collective, s.medium) for s in got.steps][0] == (first, BACKEND), (world, got.steps[0])
-        assert got.steps[0].nbytes == (4096,) * world
+        assert got.steps[0].nbytes == (4096 if first == "gather" else 4 + 4096,) * world
+        trimmed = plan(
+            "gather", Topology(world=world, device=device, channel_open=False), [0] * world, carried=[100] * world
+        )
+        assert trimmed.steps[0].nbytes == (4096 if first == "gather" else 4 + 100,) * world
     one_host = plan("gather", Topology(world=8, ranks_per_host=8, device=device), [0] * 8)
     assert one_host.steps[0].collective == "all_gather" and one_host.steps[0].medium == CHANNEL
-    if device == "cpu":
-        two_level = plan("gather", Topology(world=8192, ranks_per_host=8), [0] * 8192)
-        assert "gather_tree" not in [s.collective for s in two_level.steps]
+    if device == "cpu":  # two levels: the leaders' step up their tree from TREE_GATHER_FROM leaders, a host's slots
+        for hosts, step in ((63, "gather"), (64, "gather_tree")):  # trimmed (with a 4-byte length each)
+            two_level = plan(
+                "gather", Topology(world=8 * hosts, ranks_per_host=8), [0] * 8 * hosts, carried=[50] * 8 * hosts
+            )
+            leaders = [s for s in two_level.steps if s.across][0]
+            assert leaders.collective == step and leaders.medium == BACKEND, (hosts, leaders)
+            assert leaders.nbytes == ((8 * 4096,) if step == "gather" else (8 * (4 + 50),)) * hosts
 
 
 def test_gloo_broadcasts_a_rest_that_dwarfs_the_others():

@@ -1,0 +1,93 @@
+"""A gather of fixed-width slots up a binomial tree of point-to-point messages, each slot trimmed to what it carries:
+round 1 of a gather from :data:`objcomm._transport.routes.TREE_GATHER_FROM` ranks (:mod:`objcomm._transport.gather`),
+and the leaders' step of a gather on two levels (:mod:`objcomm._samehost.two_level_moves`), where each leader
+carries its host's slots.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from objcomm._transport.base import INTERNAL_TAG, Wire
+from objcomm._transport.bytes import Batch, host_view, zeroed
+
+
+def gather_up_tree(
+    wire: Wire, raw: Union[bytes, bytearray], width: int, dst: int, op: str, count: int = 1
+) -> Optional[bytearray]:
+    """Every rank's ``count`` slots of ``width`` bytes (``raw``) on group rank ``dst``, up a binomial tree rooted
+    there, each slot trimmed to what it carries: the slots of every group rank end to end, in group-rank order, on
+    ``dst`` (zeros where a slot carried nothing); None elsewhere. A gather's round 1 (one slot a rank); two levels'
+    leaders, each with its host's slots (``count``: the most ranks on one host).
+
+    With ranks numbered from ``dst`` (``v = (rank - dst) mod W``), rank ``v``'s children are ``v + 1, v + 2, v + 4,
+    ...`` below its lowest set bit; a subtree of ``span`` ranks ``v .. v + span - 1`` travels as two messages: its
+    *lengths* (``span x count`` u32s: each slot's bytes up to its last nonzero one) and its *bytes* (those slots'
+    bytes end to end). A rank takes its children's lengths in one batch (their size is known), then sends its
+    subtree's lengths to its parent while it takes its children's bytes (the lengths' sums) in one batch, then sends
+    those bytes: the lengths climb the ceil(log2 W) levels one latency each, the bytes one level behind them
+    (ceil(log2 W) + 1 latencies in all), and the destination takes in what the slots carry (a 1 KB object's slot:
+    ~1.1 KB of its 4 KB) rather than every slot whole. A rank relays its subtree's slots unchecked, as a two-level
+    leader relays its host's (docs/security.md), but a child's lengths are checked: one past ``width`` empties that
+    child's subtree (its slots arrive as zeros, which read as empty frames: refused where decoded), and its bytes
+    are taken and dropped, so that a lying child changes no other subtree's slots."""
+    size = wire.size
+    me = (wire.rank - dst) % size
+    span = min(me & -me if me else 1 << (size - 1).bit_length(), size - me)  # the ranks of this rank's subtree
+    view = memoryview(raw)
+    mine = [bytes(view[j * width : (j + 1) * width]).rstrip(b"\0") for j in range(count)]
+    lengths = zeroed(4 * count * span, wire)  # (zeroed: a short child's lengths read 0, never old memory)
+    lengths[: 4 * count].copy_(torch.tensor([len(m) for m in mine], dtype=torch.int32).view(torch.uint8))
+    wire = wire._replace(tag=INTERNAL_TAG)
+    batch = Batch(wire, op)
+    children = []  # (first relative rank, ranks) of each child's subtree
+    step = 1
+    while step < span:
+        children.append((step, min(step, span - step)))
+        batch.recv_into(lengths[4 * count * step : 4 * count * (step + children[-1][1])], (me + step + dst) % size)
+        step *= 2
+    batch.wait()
+    counts = lengths.view(torch.int32).cpu()  # u32 on the wire; past 2**31 reads negative: refused below
+    own = b"".join(mine)
+    carried, dropped = [len(own)], []
+    for first, ranks in children:
+        theirs = counts[count * first : count * (first + ranks)]
+        total = int(theirs.sum())
+        if int(theirs.min()) < 0 or int(theirs.max()) > width:  # a lying child: its subtree arrives empty
+            theirs.zero_()
+            dropped.append((first, min(total, ranks * count * width) if total > 0 else 0))
+            total = 0
+        carried.append(total)
+    data = zeroed(sum(carried), wire)
+    if own:
+        data[: len(own)].copy_(torch.frombuffer(bytearray(own), dtype=torch.uint8))
+    parent = (me - (me & -me) + dst) % size if me else None
+    if parent is not None:  # the lengths go on at once: the levels above post their receives while these bytes come
+        batch.send(counts.view(torch.uint8), parent)
+        if not children and data.numel():  # a leaf: its bytes with them
+            batch.send(data, parent)
+    at = len(own)
+    for (first, _), total in zip(children, carried[1:]):
+        if total:
+            batch.recv_into(data[at : at + total], (me + first + dst) % size)
+        at += total
+    for first, total in dropped:  # taken and dropped, so that the lying child's sends complete
+        if total:
+            batch.recv(total, (me + first + dst) % size)
+    batch.wait()
+    if parent is not None:
+        if children and data.numel():
+            batch.send(data, parent)
+            batch.wait()
+        return None
+    table = bytearray(size * count * width)
+    into, flat = memoryview(table), host_view(data)
+    at = 0
+    for i, n in enumerate(counts.tolist()):  # slot j of relative rank v: group rank (v + dst) mod W's slot j
+        v, j = divmod(i, count)
+        place = (((v + dst) % size) * count + j) * width
+        into[place : place + n] = flat[at : at + n]
+        at += n
+    return table
