@@ -198,9 +198,9 @@ def _set_up(slots: TwoLevel, wire: Wire, op: str) -> Optional[Levels]:
     works = 1
     try:  # each host's ranks make its group, then the leaders theirs: no rank waits on another host's
         if len(mine) > 1:
-            node = _sibling(wire.group, "objcomm-host", node_ranks)
+            node = _sibling(wire.group, f"objcomm-host-{slots.separate}", node_ranks)
         if place[wire.rank] == 0:
-            leaders = _sibling(wire.group, "objcomm-leaders", leader_ranks)
+            leaders = _sibling(wire.group, f"objcomm-leaders-{slots.separate}", leader_ranks)
         levels = Levels(
             hosts, tuple(host_of), tuple(place), max(len(h) for h in hosts), node, node_ranks, leaders, leader_ranks
         )
@@ -217,8 +217,10 @@ def _set_up(slots: TwoLevel, wire: Wire, op: str) -> Optional[Levels]:
 
 
 def _sibling(group: Any, kind: str, ranks: Tuple[int, ...]) -> Any:
-    """A gloo group of ``ranks`` (global) of ``group``, destroyed with it; named after ``kind`` and the ranks, so that
-    every subset has a name of its own (a test's simulated hosts of another size make other subsets)."""
+    """A gloo group of ``ranks`` (global) of ``group``, destroyed with it; named after ``kind`` (which names the
+    hosts' setting, ``separate``) and the ranks, so that every subset has a name of its own: a group's rendezvous
+    keys in the store are its name's, and a second group of one name would meet the first one's (a test's simulated
+    hosts of another size can make the same subset again, e.g. ranks 6 and 7 in hosts of two and of three)."""
     members = hashlib.blake2b(repr(ranks).encode(), digest_size=8).hexdigest()
     try:
         made = _groups.sibling(group, f"{kind}-{members}", "gloo", ranks=ranks)

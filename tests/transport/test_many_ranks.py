@@ -514,10 +514,11 @@ def leaders_up_a_tree(k: int) -> List[Any]:
         return rows
 
 
-@pytest.mark.parametrize("k", [4, 3])
+@pytest.mark.parametrize("k", [4, 2, 3])
 def test_two_levels_leaders_gather_up_a_tree(k):
-    """Hosts of four (two leaders) and of three (3 + 3 + 2: three leaders, a tree of two levels, hosts of unequal
-    sizes): from
+    """Hosts of four (two leaders), of two (four leaders) and of three (3 + 3 + 2: three leaders, hosts of unequal
+    sizes; after hosts of two, ranks 6 and 7 make a host's group again, under another name: with one name the second
+    group met the first one's rendezvous and the set-up failed): from
     TREE_GATHER_FROM leaders, the leaders' step of a gather goes up their tree with each slot trimmed
     (objcomm._transport.slot_tree), never the backend's gather; every object arrives, to a destination that leads its
     host and to one that does not; bad input raises the same error on every rank."""
