@@ -218,13 +218,19 @@ def report_raised(results: Any, rank: int, call: Callable[[], Any]) -> None:
 
 
 def run_group_losing_a_rank(
-    target: Callable[..., None], world: int, victim: int, timeout: float = 120.0
+    target: Callable[..., None], world: int, victim: int, timeout: float = 120.0, exits: bool = False
 ) -> Tuple[Dict[int, tuple], Optional[int]]:
-    """Run ``target(rank, world, store, victim, results)`` in ``world`` spawned ranks of a group of their own
+    """Run ``target(rank, world, store, victim, results)`` in ``world`` ranks of a group of their own
     (the test pool would kill every rank when one dies), the victim killing itself; return what each
     survivor put on ``results`` as ``(rank, *report)`` -> ``{rank: report}``, and the victim's exit code.
-    Every rank is reaped."""
-    context = multiprocessing.get_context("spawn")
+    Every rank is reaped. The ranks are forked by multiprocessing's fork server, which imported
+    :data:`ZYGOTE_PRELOAD` once (a spawned rank took ~3 s to import torch); ``exits``: spawned instead, for a test
+    of what happens as a rank's interpreter exits (a forked rank ends in ``os._exit``: no ``atexit`` handlers)."""
+    if exits:
+        context = multiprocessing.get_context("spawn")
+    else:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(list(ZYGOTE_PRELOAD))  # (read when the server starts: the first call)
     results = context.Queue()
     got: Dict[int, tuple] = {}
     with tempfile.TemporaryDirectory() as tmp:
