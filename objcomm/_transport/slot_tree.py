@@ -24,7 +24,7 @@ def gather_up_tree(
 
     With ranks numbered from ``dst`` (``v = (rank - dst) mod W``), rank ``v``'s children are ``v + 1, v + 2, v + 4,
     ...`` below its lowest set bit; a subtree of ``span`` ranks ``v .. v + span - 1`` travels as two messages: its
-    *lengths* (``span x count`` u32s: each slot's bytes up to its last nonzero one) and its *bytes* (those slots'
+    *lengths* (``span x count`` int32s: each slot's bytes up to its last nonzero one) and its *bytes* (those slots'
     bytes end to end). A rank takes its children's lengths in one batch (their size is known), then sends its
     subtree's lengths to its parent while it takes its children's bytes (the lengths' sums) in one batch, then sends
     those bytes: the lengths climb the ceil(log2 W) levels one latency each, the bytes one level behind them
@@ -49,7 +49,7 @@ def gather_up_tree(
         batch.recv_into(lengths[4 * count * step : 4 * count * (step + children[-1][1])], (me + step + dst) % size)
         step *= 2
     batch.wait()
-    counts = lengths.view(torch.int32).cpu()  # u32 on the wire; past 2**31 reads negative: refused below
+    counts = lengths.view(torch.int32).cpu()  # a lie past 2**31 reads negative: refused below
     own = b"".join(mine)
     carried, dropped = [len(own)], []
     for first, ranks in children:
