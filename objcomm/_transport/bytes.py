@@ -167,8 +167,10 @@ class Batch:
         for tensor in out.tensors:
             self.send(tensor, dst)
 
-    def wait(self) -> None:
-        deadline, done, total = Deadline(self.wire, self.op), 0, sum(n for _, n in self.works)
+    def wait(self, deadline: Optional[Deadline] = None) -> None:
+        """Wait for every transfer posted since the last wait, within the group's timeout counted from ``deadline``'s
+        start (default: now; one deadline for several batches bounds them all together)."""
+        deadline, done, total = deadline or Deadline(self.wire, self.op), 0, sum(n for _, n in self.works)
         for work, n in self.works:
             deadline.wait(work, done, total)
             done += n

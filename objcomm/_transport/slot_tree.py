@@ -11,7 +11,7 @@ from typing import Optional, Union
 import torch
 
 from objcomm._transport.base import INTERNAL_TAG, Wire
-from objcomm._transport.bytes import Batch, host_view, zeroed
+from objcomm._transport.bytes import Batch, Deadline, host_view, zeroed
 
 
 def gather_up_tree(
@@ -42,13 +42,17 @@ def gather_up_tree(
     lengths[: 4 * count].copy_(torch.tensor([len(m) for m in mine], dtype=torch.int32).view(torch.uint8))
     wire = wire._replace(tag=INTERNAL_TAG)
     batch = Batch(wire, op)
+    # one deadline for the three waits: a child that holds back each of its two messages just within the group's
+    # timeout would otherwise hold this rank for twice it, while the ranks that finished at once time out waiting
+    # for the destination's word (some ranks returning, others raising: the outcome must be the same everywhere)
+    deadline = Deadline(wire, op, "a gather's slots up the tree")
     children = []  # (first relative rank, ranks) of each child's subtree
     step = 1
     while step < span:
         children.append((step, min(step, span - step)))
         batch.recv_into(lengths[4 * count * step : 4 * count * (step + children[-1][1])], (me + step + dst) % size)
         step *= 2
-    batch.wait()
+    batch.wait(deadline)
     counts = lengths.view(torch.int32).cpu()  # a lie past 2**31 reads negative: refused below
     own = b"".join(mine)
     carried, dropped = [len(own)], []
@@ -76,11 +80,11 @@ def gather_up_tree(
     for first, total in dropped:  # taken and dropped, so that the lying child's sends complete
         if total:
             batch.recv(total, (me + first + dst) % size)
-    batch.wait()
+    batch.wait(deadline)
     if parent is not None:
         if children and data.numel():
             batch.send(data, parent)
-            batch.wait()
+            batch.wait(deadline)
         return None
     table = bytearray(size * count * width)
     into, flat = memoryview(table), host_view(data)

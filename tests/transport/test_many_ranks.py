@@ -12,6 +12,8 @@ import contextlib
 import operator
 import os
 import struct
+import time
+from datetime import timedelta
 from typing import Any, Dict, Iterator, List
 
 import pytest
@@ -206,6 +208,50 @@ def test_a_lying_child_up_the_tree_changes_its_own_slot_only(lie):
     table = get_pool(W).run(lying_children_up_the_tree, lie, timeout=60)[0]
     three = [4] * 8 + [0] * 56 if lie == "short" else [0] * 64
     assert table == [three if r == 3 else [r + 1] * 64 for r in range(W)]
+
+
+def a_child_that_stalls_each_message(up_tree: bool) -> Any:
+    """Ranks 0-5 in a group with a 4 s timeout gather to rank 0, its slots up the tree; rank 1 (a leaf under rank 0)
+    holds back each of its two messages 3 s, each within the timeout, both together past it. What this rank's call
+    came to: returned, or the error's type (None on ranks 6 and 7, outside the group)."""
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(6)), timeout=timedelta(seconds=4))
+    if rank >= 6:
+        return None
+    real = _slot_tree.Batch
+    if rank == 1:
+
+        class Slow(_bytes.Batch):
+            def send(self, data: Any, dst: int) -> None:
+                time.sleep(3)
+                super().send(data, dst)
+
+        _slot_tree.Batch = Slow  # type: ignore[misc]
+    comm = objcomm.Communicator(group, local=False, shm=False, _hooks=Hooks(separate_hosts=True, up_tree=up_tree))
+    try:
+        comm.gather(("obj", rank), dst=0)
+        outcome = "returned"
+    except objcomm.CommunicationError:
+        outcome = "CommunicationError"
+    finally:
+        _slot_tree.Batch = real  # type: ignore[misc]
+    dist.destroy_process_group(group)
+    return outcome
+
+
+def _all_gather_ranks() -> Any:
+    return _comm().all_gather(dist.get_rank())
+
+
+def test_a_child_that_stalls_each_message_within_the_timeout_leaves_every_honest_rank_alike():
+    """The tree's waits on a rank share one deadline: the destination gives up within the group's timeout, as the
+    ranks waiting for its word do, so every honest rank raises (with a deadline per wait, the destination waited 6 s
+    in two waits of 3 s and returned every object while ranks 3 and 5 had timed out waiting for its word)."""
+    outcomes = get_pool(W).run(a_child_that_stalls_each_message, True, timeout=120)
+    honest = [outcomes[r] for r in (0, 2, 3, 4, 5)]
+    assert honest == ["CommunicationError"] * 5, outcomes
+    assert outcomes[6:] == [None, None]
+    assert get_pool(W).run(_all_gather_ranks) == [list(range(W))] * W  # the pool's own group is in step after
 
 
 def outlier_sends() -> List[Any]:
