@@ -77,9 +77,9 @@ def calls() -> Iterator[Dict[str, int]]:
             wrap(dist, name, "blocking")
         real_wait = _bytes.Batch.wait
 
-        def waited(batch: Any) -> None:
+        def waited(batch: Any, *deadline: Any) -> None:
             counts["p2p"] += bool(batch.works)
-            real_wait(batch)
+            real_wait(batch, *deadline)
 
         saved.append((_bytes.Batch, "wait", real_wait))
         _bytes.Batch.wait = waited  # type: ignore[method-assign]
