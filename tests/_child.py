@@ -171,7 +171,7 @@ def run_in_child(
     name = getattr(fn, "__name__", fn)
     request = pickle.dumps((list(sys.path), pickle.dumps((fn, args, kwargs, memory_budget, preload))))
     with _ZYGOTE_LOCK:
-        conn = _zygote_connection()
+        conn, pid = _zygote_connection(), None
         try:
             conn.send_bytes(request)
             if not conn.poll(120):
@@ -187,7 +187,10 @@ def run_in_child(
         except (EOFError, OSError) as exc:
             _stop_zygote()
             raise ChildCrashed(f"{name}: the zygote that forks children died ({exc!r}); it starts again") from exc
-        except ChildCrashed:
+        except BaseException:  # (pytest-timeout's interruption too): no child left running, no answer left unread
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             _stop_zygote()
             raise
     if timed_out:
