@@ -70,6 +70,13 @@ def as_leader(here: Here, op: str, fn: Callable[..., T], *args: Any, **kwargs: A
         raise
 
 
+def among_leaders(here: Here, op: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A collective of torch.distributed (``fn``) on the leaders' group, :func:`guarded`, as :func:`as_leader`."""
+    leader = here.leader
+    assert leader is not None
+    return as_leader(here, op, guarded, op, leader, fn, *args, group=leader.group, **kwargs)
+
+
 def to_leader(here: Here, data: Slot, op: str) -> Optional[List[Slot]]:
     """Every rank of this host's ``data`` (each at most one channel message), in host order, on the leader; None
     on the others."""
@@ -174,16 +181,12 @@ def all_gather_fixed(
         bundle = bundle_of(here, mine, width, op)
         everyone = bytearray(total)
         assert here.leader is not None
-        as_leader(
+        among_leaders(
             here,
             op,
-            guarded,
-            op,
-            here.leader,
             all_gather_single,
             torch.frombuffer(everyone, dtype=torch.uint8),
             torch.frombuffer(bundle, dtype=torch.uint8),
-            group=here.leader.group,
         )
         if here.channel is not None and shared:
             publish_shared(here, [memoryview(everyone)], op)
@@ -227,26 +230,14 @@ def gather_fixed(here: Here, wire: Wire, data: Slot, width: int, dst: int, op: s
         ]
         assert here.leader is not None
         if routes.slots_up_tree(world=len(levels.hosts)):  # up a tree of the leaders, each slot trimmed
-            got = as_leader(here, op, gather_up_tree, here.leader, packed, width, home, op, levels.widest)
-            table = got if here.host == home else None
+            table = as_leader(here, op, gather_up_tree, here.leader, packed, width, home, op, levels.widest)
         else:  # the backend's gather of every host's slots, padded to the widest host
             parts = None
             if here.host == home:
                 table = bytearray(len(levels.hosts) * levels.widest * width)
                 parts = list(torch.frombuffer(table, dtype=torch.uint8).chunk(len(levels.hosts)))
             bundle = torch.frombuffer(packed, dtype=torch.uint8)
-            as_leader(
-                here,
-                op,
-                guarded,
-                op,
-                here.leader,
-                dist.gather,
-                bundle,
-                parts,
-                dst=here.leader.ranks[home],
-                group=here.leader.group,
-            )
+            among_leaders(here, op, dist.gather, bundle, parts, dst=here.leader.ranks[home])
     if here.host == home and levels.place[dst]:  # the leader hands the table to dst
         if here.place == 0:
             assert table is not None
@@ -322,24 +313,14 @@ def leaders_broadcast(
         assert got is not None
         for at in range(0, length, leader.chunk):
             sent = torch.frombuffer(got[at : at + leader.chunk], dtype=torch.uint8)
-            as_leader(
-                here, op, guarded, op, leader, dist.broadcast, sent, src=leader.ranks[source_host], group=leader.group
-            )
+            among_leaders(here, op, dist.broadcast, sent, src=leader.ranks[source_host])
         return got
     into = bytearray(length) if keep else bytearray(min(length, leader.chunk))
     for at in range(0, length, leader.chunk):
         n = min(leader.chunk, length - at)
         piece = memoryview(into)[at : at + n] if keep else memoryview(into)[:n]
-        as_leader(
-            here,
-            op,
-            guarded,
-            op,
-            leader,
-            dist.broadcast,
-            torch.frombuffer(piece, dtype=torch.uint8),
-            src=leader.ranks[source_host],
-            group=leader.group,
+        among_leaders(
+            here, op, dist.broadcast, torch.frombuffer(piece, dtype=torch.uint8), src=leader.ranks[source_host]
         )
         if here.channel is not None:
             for chunk in chunks([piece]):
