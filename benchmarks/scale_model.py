@@ -271,8 +271,7 @@ def slot_carries(size: int, tensor: bool, slot_bytes: int = routes.Knobs().slot_
     count of listed sizes (none)."""
     if tensor:
         return SLOT_PREFIX_BYTES + TENSOR_FRAME + 4 + 8
-    frame = size + FRAME_OVERHEAD
-    return SLOT_PREFIX_BYTES + frame if frame <= slot_bytes - SLOT_PREFIX_BYTES else SLOT_PREFIX_BYTES + 4
+    return SLOT_PREFIX_BYTES + (4 if pickled_rest(size, slot_bytes) else size + FRAME_OVERHEAD)
 
 
 def tensor_rest(size: int) -> int:
