@@ -162,7 +162,7 @@ class Stash:
         self._taken = {r: [0, 0] for r in peers}
         self._told = {r: [0, 0] for r in peers}
         self._owing: Set[int] = set()  # peers whose totals grew by a quarter of the window since they were told
-        self.bounced = False  # a CREDIT owed could not be sent (the peer's queue was full): waits offer it again
+        self._bounced: Set[int] = set()  # peers whose last CREDIT could not be sent (queue full): waits offer it again
         self._size = HEADER.size + largest
         self._buffers = {r: bytearray(self._size) for r in peers}  # one reader per socket: one buffer each
         self._stash: Dict[int, Dict[Key, Deque[Entry]]] = {r: {} for r in peers}
@@ -399,21 +399,14 @@ class Stash:
         return bool(self._owing)
 
     def grants(self) -> List[Tuple[int, bytes]]:
-        """The ``CREDIT`` payloads owed, ``(peer, payload)``, counted as told (one not sent goes back: :meth:`owe`)."""
+        """The ``CREDIT`` payloads owed, ``(peer, payload)``, counted as told (one that bounces is owed again)."""
         with self.cond:
             out = []
             for peer in self._owing:
                 self._told[peer] = list(self._taken[peer])
                 out.append((peer, _CREDIT.pack(*self._taken[peer])))
             self._owing.clear()
-            self.bounced = False
             return out
-
-    def owe(self, peer: int) -> None:
-        """The ``CREDIT`` for ``peer`` could not be sent now (its queue is full): offered again (:attr:`bounced`)."""
-        with self.cond:
-            self._owing.add(peer)
-            self.bounced = True
 
     def abandon(self, peer: int, key: Key) -> None:
         """Nobody will take ``peer``'s messages under ``key`` (a wait for them timed out): drop those stashed, and

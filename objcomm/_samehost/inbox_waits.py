@@ -271,15 +271,26 @@ class Inbox(Stash):
     def grant(self) -> None:
         """Tell the peers owed credit what this rank took of theirs (``CREDIT``); never waits. A peer whose queue is
         full stays owed (:attr:`bounced`): every wait of this rank offers it again each :data:`CREDIT_RETRY` seconds
-        (that peer may be waiting for this credit to send what this rank waits for). One that is gone is found
-        out by the next call."""
+        (that peer may be waiting for this credit to send what this rank waits for)."""
         for peer, payload in self.grants():
             try:
                 self._peers[peer].sendmsg([_CREDIT_HEADER, payload], [], SEND_FLAGS)
             except BlockingIOError:
-                self.owe(peer)
-            except OSError:
+                with self.cond:
+                    self._owing.add(peer)
+                    self._bounced.add(peer)
+                continue
+            except OSError:  # gone: found out by the next call
                 pass
+            if peer in self._bounced:
+                with self.cond:
+                    self._bounced.discard(peer)
+
+    @property
+    def bounced(self) -> bool:
+        """Whether a ``CREDIT`` owed could not be sent (queue full) and has not left since: set also while another
+        thread offers it again, so that a wait that looks meanwhile offers it too, never sleeping on it."""
+        return bool(self._bounced)
 
     def _offer_credit(self) -> None:
         """Called holding the lock: offer what this rank owes (:meth:`grant`), the lock let go meanwhile (the caller
