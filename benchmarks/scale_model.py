@@ -124,6 +124,24 @@ def direct_all_gatherv(sizes: Sequence[int], a: float, b: float) -> float:
     return worst
 
 
+def stripes_exchange(sizes: Sequence[int], a: float, b: float) -> float:
+    """Each rest to the ranks whose stripe of the stream of rests holds it (objcomm._transport.exchange; stripes of
+    c = ceil(sum(n) / W) bytes), one batch of send/recv: max over r of max(sent_r, received_r)/B + a*ceil(peers_r/c)
+    (peers_r: the more of the ranks r sends to and the ranks that send to r; c: :data:`P2P_CONCURRENCY`)."""
+    world, width = len(sizes), routes.stripe_width(sizes)
+    sent, received, outs, ins = [0] * world, [0] * world, [0] * world, [0] * world
+    start = 0
+    for r, n in enumerate(sizes):
+        for j in range(start // width, -(-(start + n) // width)) if n else ():
+            moved = min(start + n, (j + 1) * width) - max(start, j * width)
+            if j != r:
+                sent[r], received[j], outs[r], ins[j] = sent[r] + moved, received[j] + moved, outs[r] + 1, ins[j] + 1
+        start += n
+    return max(
+        max(sent[r], received[r]) / b + a * math.ceil(max(outs[r], ins[r]) / P2P_CONCURRENCY) for r in range(world)
+    )
+
+
 def flat_gather(sizes: Sequence[int], root: int, a: float, b: float) -> float:
     """Every sender straight to the root (gloo's and NCCL's gather): a*ceil(m/c) + (sum(n) - n_root)/B, m senders."""
     senders = sum(1 for r, n in enumerate(sizes) if n and r != root)
@@ -227,6 +245,8 @@ def step_cost(step: routes.Step, params: Params, world: int, root: int = 0) -> f
         return direct_all_gatherv(sizes, a, b) if params.device == "cpu" else ring_all_gatherv(sizes, a, b)
     if step.collective in ("gather", "p2p"):
         return flat_gather(sizes, root, a, b)
+    if step.collective == "stripes":  # then the stripes' all_gather, a step of its own
+        return stripes_exchange(sizes, a, b)
     if step.collective == "gather_tree":  # a gather's slots up a binomial tree (routes.slots_up_tree): the lengths
         return a + tree_gather(sizes, root, a, b)  # climb a level a latency, the trimmed slots one level behind
     if step.collective == "broadcast":
@@ -383,6 +403,7 @@ def torch_cost(op: str, params: Params, world: int, sizes: Sizes) -> float:
 _CODES = {
     "all_gather": "AG",
     "all_gatherv": "AGV",
+    "stripes": "S",
     "gather": "G",
     "gather_tree": "GT",
     "broadcast": "B",
@@ -396,8 +417,9 @@ _MEDIA = {routes.BACKEND: "", routes.CHANNEL: "(ch)", routes.SHARED_MEMORY: "(sh
 
 
 def route_code(plan: routes.Plan) -> str:
-    """A compact route: AG all_gather, AGV exact-size exchange, G gather, GT a gather up a binomial tree, B broadcast,
-    V all_reduce vote, D doubling vote, P p2p, T tree, TD the tree back down."""
+    """A compact route: AG all_gather, AGV exact-size exchange, S stripes (gloo's exact exchange, then AG), G gather,
+    GT a gather up a binomial tree, B broadcast, V all_reduce vote, D doubling vote, P p2p, T tree, TD the tree back
+    down."""
     codes: List[str] = []
     for step in plan.steps:
         code = _CODES[step.collective] + _MEDIA[step.medium]

@@ -8,7 +8,7 @@ votes of their calls and their second rounds move in three steps instead of one 
 1. inside each host, what its ranks send goes to the host's *leader* (its lowest group rank) through the host's
    same-host channel (:mod:`objcomm._samehost.channel`);
 2. the leaders exchange the hosts' bundles through a process group of their own: one collective of the leaders
-   (round 2 of an all_gather at exact sizes, :func:`objcomm._transport.bytes.all_gather_rests`): the only backend
+   (round 2 of an all_gather at exact sizes, :func:`objcomm._transport.exchange.all_gather_rests`): the only backend
    calls, on one rank per host;
 3. each leader hands what its host needs to its ranks through the channel. What decides the call (round 1's
    slots, a vote's answer) the host's ranks check, in one more hop of the channel, against what their leader read

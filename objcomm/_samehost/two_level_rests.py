@@ -3,7 +3,7 @@ gather's bytes past the slots, where round 1 of the call went through two levels
 
 - all_gather: each host's ranks send their rests to the leader in messages of the channel (one channel gather a
   message, as many as the host's largest sender needs); the leaders exchange the hosts' bundles at exact sizes
-  (:func:`objcomm._transport.bytes.all_gather_rests`: one collective of the leaders); each leader publishes every
+  (:func:`objcomm._transport.exchange.all_gather_rests`: one collective of the leaders); each leader publishes every
   host's bundle to its host: from ``shm_threshold`` bytes on in one sealed shared file that the host's ranks map
   (one copy per host, :func:`objcomm._samehost.two_level_moves.publish_shared`), below it through the channel.
 - broadcast: :func:`objcomm._samehost.two_level_moves.relay`, piece by piece.
@@ -44,7 +44,8 @@ from objcomm._samehost.two_level_moves import (
 )
 from objcomm._transport import routes
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, NotUsed, Route, SecondRound, Wire
-from objcomm._transport.bytes import Batch, all_gather_rests, host_view
+from objcomm._transport.bytes import Batch, host_view
+from objcomm._transport.exchange import all_gather_rests
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,7 @@ from objcomm._device import timeout_seconds
 from objcomm._errors import CommunicationError
 from objcomm._format.limits import SCRATCH_BYTES as SCRATCH
 from objcomm._format.message import Outgoing
-from objcomm._transport import routes
-from objcomm._transport.base import INTERNAL_TAG, Wire, all_gather_single, guarded
+from objcomm._transport.base import Wire, all_gather_single, guarded
 
 
 def host_view(tensor: torch.Tensor) -> memoryview:
@@ -209,65 +208,6 @@ def all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> Lis
         for r, part in enumerate(recv.chunk(wire.size)):
             results[r][start : start + piece] = part
     return results
-
-
-def all_gather_rests(
-    wire: Wire, mine: Sequence[torch.Tensor], lengths: Sequence[int], op: str
-) -> List[Optional[torch.Tensor]]:
-    """Every other rank's rest on every rank, in one exchange whatever the spread of sizes: ``lengths[r]`` bytes
-    from group rank ``r`` (None where it sends none, and for this rank, which holds its own ``mine``: its parts,
-    back to back). The shape is :func:`objcomm._transport.routes.exchange_shape`'s: one padded all_gather of the
-    widest when that moves at most twice the bytes; else exact sizes, as an uneven all_gather on NCCL (torch runs
-    it as coalesced broadcasts) or one batch of sends and receives on gloo (whose all_gather needs equal sizes),
-    after one broadcast of the largest rest where it dwarfs the others (:func:`routes.broadcast_largest`).
-    Transfers go in pieces of at most ``wire.chunk`` bytes. Point-to-point pieces travel under
-    :data:`~objcomm._transport.base.INTERNAL_TAG`, which no caller's message carries."""
-    me, size = wire.rank, wire.size
-    # one part (a frame past the slot, no tensors): sent as it is, not copied into a new buffer first
-    own = (to_device(mine[0], wire) if len(mine) == 1 else joined(mine, wire)) if lengths[me] else empty(0, wire)
-    got: List[Optional[torch.Tensor]] = [None] * size
-    if routes.exchange_shape(lengths) == routes.PADDED:
-        parts = all_gather_equal(wire, own, max(lengths), op)
-        for r, n in enumerate(lengths):
-            if n and r != me:
-                got[r] = parts[r][:n]
-        return got
-    if wire.device.type != "cpu":  # NCCL: uneven all_gathers, one per piece of at most chunk bytes per rank
-        results = [empty(n, wire) if n and r != me else None for r, n in enumerate(lengths)]
-        for start in pieces(max(lengths), wire.chunk):
-            ins = [max(0, min(wire.chunk, n - start)) for n in lengths]
-            outs = [empty(k, wire) for k in ins]
-            outs[me] = own[start : start + ins[me]]
-            guarded(op, wire, dist.all_gather, outs, outs[me], group=wire.group)
-            for r, result in enumerate(results):
-                if result is not None and ins[r]:
-                    result[start : start + ins[r]] = outs[r]
-        return results
-    largest = routes.broadcast_largest(lengths)
-    if largest is not None:  # a rest that dwarfs the others: in gloo's broadcast first (a binomial tree)
-        received = broadcast_bytes(wire, own if largest == me else None, lengths[largest], largest, op)
-        got[largest] = None if largest == me else received
-        lengths = [0 if r == largest else n for r, n in enumerate(lengths)]
-    tag = 2 * INTERNAL_TAG
-    ops = []
-    if lengths[me]:
-        for r in range(size):
-            if r != me:
-                ops += [
-                    dist.P2POp(dist.isend, own[at : at + wire.chunk], wire.ranks[r], wire.group, tag)
-                    for at in pieces(lengths[me], wire.chunk)
-                ]
-    for r, n in enumerate(lengths):
-        if n and r != me:
-            got[r] = buffer = zeroed(n, wire)
-            ops += [
-                dist.P2POp(dist.irecv, buffer[at : at + wire.chunk], wire.ranks[r], wire.group, tag)
-                for at in pieces(n, wire.chunk)
-            ]
-    if ops:
-        for work in guarded(op, wire, dist.batch_isend_irecv, ops):
-            guarded(op, wire, work.wait)
-    return got
 
 
 def all_to_all_bytes(

@@ -53,7 +53,8 @@ from objcomm._format.slot import SlotInfo, fill_slot, read_slot, read_slots
 from objcomm._transport import pending as _pending
 from objcomm._transport import routes
 from objcomm._transport.base import NOT_USED, WHOLE, Route, Wire, all_gather_single, guarded, largest_of
-from objcomm._transport.bytes import Batch, all_gather_rests, host_view, receive_buffer, recv_bytes, zeroed
+from objcomm._transport.bytes import Batch, host_view, receive_buffer, recv_bytes, zeroed
+from objcomm._transport.exchange import all_gather_rests
 
 SCRATCH = _limits.SCRATCH_BYTES
 REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)

@@ -30,14 +30,14 @@ rest medium             the channel: round 1 went through it, CPU, the largest r
 backend exchange        all_gather's rests: one padded all_gather when                   :func:`exchange_shape`
                         ``world x widest <= PADDED_WITHIN x total``, else one exchange
                         at exact sizes (an uneven all_gather on NCCL, one batch of
-                        send/recv on gloo); either in rounds of ``chunk_bytes``
+                        send/recv on gloo); either in rounds of ``chunk_bytes``. On
+                        gloo, stripes (each rest to the ranks whose stripe holds it,
+                        then their all_gather) where they save the busiest rank more
+                        than W - 1 hops of ``HOP_BYTES``
 gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks: up a      :func:`slots_up_tree`
                         binomial tree of send/recv (ceil(log2 W) levels), each slot
                         trimmed to what it carries; below it the backend's gather
                         (every rank to the destination)
-gloo's outlier          in an exact exchange on gloo, a rest that dwarfs the others      :func:`broadcast_largest`
-                        goes first in gloo's broadcast (log2 W hops of it, not W - 1
-                        sends by its owner)
 two levels              all_gather, gather, broadcast of a CPU group with ``local`` on   :func:`two_levels`
                         that spans hosts, some with two ranks or more: each host's
                         channel to its leader, the leaders on the backend, back
@@ -51,7 +51,7 @@ Example::
     >>> from objcomm._transport import routes
     >>> p = routes.plan("all_gather", routes.Topology(world=8192), rests=[0] * 8190 + [1 << 20, 100 << 20])
     >>> [step.collective for step in p.steps], p.backend_calls
-    (['all_gather', 'broadcast', 'all_gatherv'], 3)
+    (['all_gather', 'stripes', 'all_gather'], 3)
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ from objcomm._format.limits import SCRATCH_BYTES
 from objcomm._settings import DEFAULT_CHUNK_BYTES, DEFAULT_SHM_THRESHOLD, DEFAULT_SLOT_BYTES
 
 CHANNEL, SHARED_MEMORY, BACKEND = "channel", "shared memory", "backend"  # the media
-PADDED, EXACT = "padded", "exact"  # the shapes of a backend exchange
+PADDED, EXACT, STRIPES = "padded", "exact", "stripes"  # the shapes of a backend exchange (exchange_shape)
 PADDED_WITHIN = 2  # a padded all_gather moves at most this many times the bytes of an exact one
+HOP_BYTES = 64 << 10  # what a rank's link moves in one hop's latency (gloo across hosts: ~50 us at ~1.25 GB/s)
 # The largest rest (a gather's: all senders' together) the same-host channel takes, whatever shm_threshold says:
 # what a receiver's other threads read meanwhile waits in its stash (objcomm._samehost.inbox.STASH_BYTES, 64 MiB).
 CHANNEL_MOST = 16 << 20
@@ -160,31 +161,27 @@ def leaders_relay_first(*, op: str, moved: int) -> bool:
     return op == "broadcast" and moved > SCRATCH_BYTES
 
 
-def exchange_shape(lengths: Sequence[int]) -> str:
+def exchange_shape(lengths: Sequence[int], *, cpu: bool = False) -> str:
     """How the backend moves every rank's rest to every rank (``lengths``: each rank's rest, 0 for none):
-    :data:`PADDED` (one all_gather of the widest) when that moves at most :data:`PADDED_WITHIN` times the
-    bytes, else :data:`EXACT`. O(W)."""
-    widest = max(lengths, default=0)
-    return PADDED if len(lengths) * widest <= PADDED_WITHIN * sum(lengths) else EXACT
+    :data:`PADDED` (one all_gather of the widest) when that moves at most :data:`PADDED_WITHIN` times the bytes,
+    else :data:`EXACT` (NCCL: an uneven all_gather; gloo: one batch where each rank sends its rest to every peer).
+    On gloo (``cpu``), :data:`STRIPES` instead (:mod:`objcomm._transport.exchange`: each rest to the ranks whose
+    stripe of the stream of rests holds it, then the stripes' all_gather) where they save the busiest rank more
+    bytes (``max(n_max, c) + (W-1)c``, c = ceil(T/W), against ``(W-1) n_max`` padded, ``max((W-1) n_max, T -
+    n_min)`` in a batch) than its link moves in the latency of that all_gather's W - 1 hops (:data:`HOP_BYTES`
+    each): one rest that dwarfs the others, or many ranks whose rests differ. The same on every rank; O(W)."""
+    world, total, widest = len(lengths), sum(lengths), max(lengths, default=0)
+    shape = PADDED if world * widest <= PADDED_WITHIN * total else EXACT
+    if not cpu or world < 3:
+        return shape
+    busiest = (world - 1) * widest if shape == PADDED else max((world - 1) * widest, total - min(lengths))
+    width = stripe_width(lengths)
+    return STRIPES if busiest - max(widest, width) - (world - 1) * width >= (world - 1) * HOP_BYTES else shape
 
 
-def broadcast_largest(lengths: Sequence[int]) -> Optional[int]:
-    """In gloo's exchange at exact sizes (:data:`EXACT`), the group rank whose rest goes first in gloo's broadcast
-    (a binomial tree: it crosses ceil(log2 W) hops, one after another) rather than in the batch of sends, where its
-    owner sends it to each of the W - 1 other ranks itself; None to send every rest in the batch. Taken when that
-    moves fewer bytes through the busiest rank (the largest rest's owner sends (W - 1) x n, every rank takes in
-    every rest once): one rest that dwarfs the others. The same answer on every rank (round 1's sizes); O(W)."""
-    world = len(lengths)
-    if world < 3:
-        return None
-    top = max(range(world), key=lengths.__getitem__)
-    widest = lengths[top]
-    total, least = sum(lengths), min(lengths)
-    others = [n for r, n in enumerate(lengths) if r != top]
-    batch = max((world - 1) * widest, total - least)
-    rest_of_batch = max((world - 1) * max(others), total - widest - min(others))
-    tree = (world - 1).bit_length() * widest
-    return top if widest and tree + rest_of_batch < batch else None
+def stripe_width(lengths: Sequence[int]) -> int:
+    """The bytes of each rank's stripe of the stream of every rest (:mod:`objcomm._transport.exchange`): ceil(T/W)."""
+    return -(-sum(lengths) // max(len(lengths), 1))
 
 
 def pieces(length: int, chunk: int) -> int:
@@ -226,6 +223,7 @@ class Knobs:
 @dataclass(frozen=True)
 class Step:
     """One transfer of a plan. ``collective``: what runs (``all_gather``, ``all_gatherv``: exact sizes,
+    ``stripes``: each rank's rest to the ranks whose stripes hold it (gloo's exact exchange, then an all_gather),
     ``gather``, ``gather_tree``: a gather's slots up a binomial tree to the destination, the lengths a level ahead
     of the trimmed slots, ``broadcast``, ``all_reduce``, ``vote``: a word's maximum by recursive doubling then rank
     0's broadcast (gloo: floor(log2 W) exchanges, a hand-over more where W is no power of two, ceil(log2 W)
@@ -348,24 +346,18 @@ def _exchange(medium: str, rests: List[int], topology: Topology, knobs: Knobs) -
     """The steps that move every rank's rest to every rank through ``medium``."""
     if medium != BACKEND:
         return [Step("all_gatherv", medium, tuple(rests))]
-    widest, chunk = max(rests), knobs.chunk_bytes
-    if exchange_shape(rests) == PADDED:
+    widest, chunk, shape = max(rests), knobs.chunk_bytes, exchange_shape(rests, cpu=topology.cpu)
+    if shape == PADDED:
         return [Step("all_gather", BACKEND, (min(chunk, widest - at),) * len(rests)) for at in range(0, widest, chunk)]
-    if not topology.cpu:  # NCCL: an uneven all_gather per round of at most chunk bytes per rank
-        return [
-            Step("all_gatherv", BACKEND, tuple(max(0, min(chunk, r - at)) for r in rests))
-            for at in range(0, widest, chunk)
-        ]
-    largest = broadcast_largest(rests)  # gloo: a rest that dwarfs the others in its own broadcast, first
-    steps = []
-    if largest is not None:
-        steps = [
-            Step("broadcast", BACKEND, (min(chunk, rests[largest] - at),)) for at in range(0, rests[largest], chunk)
-        ]
-        rests = [0 if r == largest else n for r, n in enumerate(rests)]
-    if any(rests):
-        steps.append(Step("all_gatherv", BACKEND, tuple(rests)))  # one batch of sends and receives
-    return steps
+    if shape == STRIPES:  # each rest to the stripes that hold it, then the stripes' all_gather
+        width = stripe_width(rests)
+        steps = [Step("all_gather", BACKEND, (min(chunk, width - at),) * len(rests)) for at in range(0, width, chunk)]
+        return [Step("stripes", BACKEND, tuple(rests)), *steps]
+    if topology.cpu:  # gloo: one batch of sends and receives
+        return [Step("all_gatherv", BACKEND, tuple(rests))]
+    return [  # NCCL: an uneven all_gather per round of at most chunk bytes per rank
+        Step("all_gatherv", BACKEND, tuple(max(0, min(chunk, r - at)) for r in rests)) for at in range(0, widest, chunk)
+    ]
 
 
 def _two_level_steps(

@@ -70,6 +70,10 @@ def test_formulas_reproduce_hand_computed_values():
     # ranks 0, 1 receive 400 bytes from 2 peers; rank 2 sends 100 to 3 and receives 300; rank 3 sends 300 to 3
     assert sm.direct_all_gatherv([0, 0, 100, 300], 1.0, 100.0) == pytest.approx(9 + 1)
     assert sm.direct_all_gatherv([0] * 7 + [80] * 10, 1.0, 10.0) == pytest.approx(max(16 * 80, 9 * 80) / 10 + 2)
+    # stripes of 3 bytes: rank 1 sends 3 to rank 0, 3 to rank 2, 1 to rank 3 (3 peers, one start-up), keeps 3;
+    # rank 3's 2 bytes lie in its own stripe; the busiest is rank 1
+    assert sm.stripes_exchange([0, 10, 0, 2], 1.0, 1.0) == pytest.approx(7 + 1)
+    assert sm.stripes_exchange([0] * 15 + [160], 1.0, 10.0) == pytest.approx(150 / 10 + 2)  # 15 peers: 2 start-ups
     assert sm.flat_gather([5, 10, 0, 20], 0, 2.0, 10.0) == pytest.approx(2 + 3)
     assert sm.flat_gather([1] * 18, 0, 1.0, 1e9) == pytest.approx(3 + 17e-9)  # 17 senders, 8 at a time
     assert sm.tree_gather([5, 10, 0, 20], 0, 2.0, 10.0) == pytest.approx(2 * 2 + 3)

@@ -31,6 +31,7 @@ from objcomm._samehost import two_level_moves as _two_level
 from objcomm._tools.bench.spreads import CASES, spread_of
 from objcomm._transport import base as _base
 from objcomm._transport import bytes as _bytes
+from objcomm._transport import exchange as _exchange
 from objcomm._transport import gather as _gather
 from objcomm._transport import rounds as _rounds
 from objcomm._transport import routes
@@ -71,7 +72,7 @@ def calls() -> Iterator[Dict[str, int]]:
     try:
         for name in COLLECTIVES:
             wrap(dist, name, "collectives")
-        for owner in (_base, _bytes, _rounds, _two_level):  # bound at import under its torch-version name
+        for owner in (_base, _bytes, _exchange, _rounds, _two_level):  # bound at import under its torch-version name
             wrap(owner, "all_gather_single", "collectives")
         for name in ("send", "recv"):
             wrap(dist, name, "blocking")
@@ -255,46 +256,82 @@ def test_a_child_that_stalls_each_message_within_the_timeout_leaves_every_honest
 
 
 def outlier_sends() -> List[Any]:
-    """all_gather with one 20 MB object (rank 1's) and a 2 MB one (rank 5's) among 1 KB ones: the bytes this rank
-    posts in batches of sends, its broadcasts, and whether every object arrived."""
+    """all_gather with one 20 MB object (rank 1's), then also a 2 MB one (rank 5's), among 1 KB ones: the bytes this
+    rank posts in batches of sends, its broadcasts and collectives, and whether every object arrived."""
     comm, rank = _comm(), dist.get_rank()
-    counts = {"sent": 0, "broadcasts": 0}
-    real_batch, real_broadcast = dist.batch_isend_irecv, dist.broadcast
+    sent = {"bytes": 0}
+    real_batch = dist.batch_isend_irecv
 
     def batch(ops: List[Any]) -> Any:
-        counts["sent"] += sum(o.tensor.numel() for o in ops if o.op is dist.isend)
+        sent["bytes"] += sum(o.tensor.numel() for o in ops if o.op is dist.isend)
         return real_batch(ops)
-
-    def broadcast(*args: Any, **kwargs: Any) -> Any:
-        counts["broadcasts"] += 1
-        return real_broadcast(*args, **kwargs)
 
     rows = []
     for big in ({1: 20 << 20}, {1: 20 << 20, 5: 2 << 20}):
         objs = [b"o" * big.get(r, 1000) for r in range(W)]
-        counts.update(sent=0, broadcasts=0)
-        dist.batch_isend_irecv, dist.broadcast = batch, broadcast
-        try:
-            got = comm.all_gather(objs[rank])
-        finally:
-            dist.batch_isend_irecv, dist.broadcast = real_batch, real_broadcast
-        rows.append((got == objs, counts["sent"], counts["broadcasts"]))
+        sent["bytes"] = 0
+        with calls() as counts:
+            dist.batch_isend_irecv = batch
+            try:
+                got = comm.all_gather(objs[rank])
+            finally:
+                dist.batch_isend_irecv = real_batch
+        rows.append((got == objs, sent["bytes"], counts["collectives"]))
     return rows
 
 
-def test_a_rest_that_dwarfs_the_others_goes_in_a_broadcast():
-    """gloo's exchange at exact sizes: the 20 MB object goes in gloo's broadcast (a binomial tree: log2(8) = 3 hops
-    of it), not from its owner to each of its 7 peers; the others still go in one batch of sends."""
-    for rank, ((alone, sent_alone, cast_alone), (two, sent_two, cast_two)) in enumerate(
+def test_rests_that_dwarf_the_others_go_by_stripes():
+    """gloo's exchange at exact sizes: each rest goes to the ranks whose stripe of the stream of rests holds it, then
+    one all_gather of the stripes. The 20 MB object leaves its owner once (7/8 of it, to 7 stripes), not to each of
+    its 7 peers (140 MB); the 2 MB one lies in rank 7's stripe and goes there alone; no broadcast, 3 calls a rank."""
+    for rank, ((alone, sent_alone, calls_alone), (two, sent_two, calls_two)) in enumerate(
         get_pool(W).run(outlier_sends, timeout=120)
     ):
         assert alone and two, rank
-        assert cast_alone == cast_two == 1, (rank, cast_alone, cast_two)
-        assert sent_alone == 0, (rank, sent_alone)  # every other object fits its slot: no batch at all
-        if rank == 5:  # its 2 MB (with its frame's header) to each of its 7 peers itself
-            assert 7 * (2 << 20) <= sent_two < 7 * ((2 << 20) + 4096), sent_two
-        else:  # rank 1's 20 MB went in the broadcast; the others fit their slots
-            assert sent_two == 0, (rank, sent_two)
+        assert calls_alone <= 3 and calls_two <= 3, (rank, calls_alone, calls_two)  # slots, the batch, the stripes
+        if rank == 1:  # its frame is its 20 MB and a header: all but its own stripe (one eighth) leaves
+            assert 7 * (20 << 20) // 8 <= sent_alone < 7 * ((20 << 20) + 4096) // 8 + 8, sent_alone
+            two_stripes = ((20 << 20) + (2 << 20)) // 8  # 2.75 MB; its frame: the first 20 MB of the stream
+            assert (20 << 20) - two_stripes <= sent_two < (20 << 20) + 4096 - two_stripes + 8, sent_two
+        elif rank == 5:  # its 2 MB (with its frame's header) to rank 7, whose stripe holds all of it
+            assert sent_alone == 0 and (2 << 20) <= sent_two < (2 << 20) + 4096, (sent_alone, sent_two)
+        else:  # the others fit their slots
+            assert sent_alone == sent_two == 0, (rank, sent_alone, sent_two)
+
+
+def stripes_at_every_offset(chunk: int) -> List[Any]:
+    """``by_stripes`` straight on the pool's wire, in pieces of ``chunk`` bytes, for rests that start and end inside,
+    at and across stripe edges (zeros among them, one rank alone, every rank alike): whether each rank got every
+    other rank's bytes, and none of its own."""
+    rank = dist.get_rank()
+    wire = _Wire(None, list(range(W)), rank, torch.device("cpu"), slot=4096, chunk=chunk, max_bytes=1 << 30)
+    rows = []
+    for lengths in (
+        [0, 10, 0, 2, 0, 0, 0, 0],
+        [1, 2, 3, 4, 5, 6, 7, 8],
+        [0] * 7 + [1000],
+        [999, 0, 0, 0, 0, 0, 0, 1],
+        [5000, 1, 0, 77, 3000, 0, 12, 4096],
+    ):
+        own = torch.arange(lengths[rank], dtype=torch.int64).add_(rank * 31).remainder_(251).to(torch.uint8)
+        got = _exchange.by_stripes(wire, own, lengths, "all_gather")
+        want = [
+            None if r == rank or not n else torch.arange(n, dtype=torch.int64).add_(r * 31).remainder_(251)
+            for r, n in enumerate(lengths)
+        ]
+        rows.append(
+            all(
+                (g is None and w is None) or (g is not None and w is not None and torch.equal(g.long(), w))
+                for g, w in zip(got, want)
+            )
+        )
+    return rows
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 7])
+def test_stripes_put_every_rest_on_every_rank(chunk):
+    for rank, rows in enumerate(get_pool(W).run(stripes_at_every_offset, chunk, timeout=120)):
+        assert all(rows), (rank, rows)
 
 
 def reductions() -> List[Any]:
@@ -498,7 +535,8 @@ def two_levels(k: int) -> List[Any]:
 @pytest.mark.parametrize("k", [4, 3])
 def test_two_levels_only_leaders_call_the_backend(k):
     """Hosts of four (two hosts) and of three (3 + 3 + 2): every result right; inside a host, only its leader (its
-    lowest rank) calls torch.distributed, at most twice an all_gather (slots, one exchange of the rests) and a
+    lowest rank) calls torch.distributed, at most 3 times an all_gather (slots, one exchange of the rests: by
+    stripes, a batch and an all_gather, where one host's rests dwarf the others') and a
     broadcast its slot, its rest and the vote of the leaders (recursive doubling: 1 exchange for two leaders,
     3 for three)."""
     votes = {4: 1, 3: 3}[k]
@@ -512,7 +550,7 @@ def test_two_levels_only_leaders_call_the_backend(k):
             assert shared == (case != "all 1 KB" and not leader), (k, rank, case, shared)  # 2.3 MB and more
             assert blocking == 0
             if leader:  # a gather: the slots, dst's word, the rests (one batch)
-                assert 1 <= gathered_calls <= 2 and 1 <= broadcast_calls <= 2 + votes, (k, rank, case, rows)
+                assert 1 <= gathered_calls <= 3 and 1 <= broadcast_calls <= 2 + votes, (k, rank, case, rows)
                 assert 2 <= gather_calls <= 3, (k, rank, case, rows)
             else:
                 assert gathered_calls == broadcast_calls == gather_calls == 0, (k, rank, case, rows)

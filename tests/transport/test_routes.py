@@ -9,7 +9,7 @@ import pytest
 
 from objcomm._format.limits import SCRATCH_BYTES
 from objcomm._transport import routes
-from objcomm._transport.routes import BACKEND, CHANNEL, EXACT, PADDED, SHARED_MEMORY, Knobs, Topology, plan
+from objcomm._transport.routes import BACKEND, CHANNEL, EXACT, PADDED, SHARED_MEMORY, STRIPES, Knobs, Topology, plan
 
 MB = 1 << 20
 
@@ -154,29 +154,44 @@ def test_a_gathers_slots_go_up_a_tree_from_64_ranks(device):
             assert leaders.nbytes == ((8 * 4096,) if step == "gather" else (8 * (4 + 50),)) * hosts
 
 
-def test_gloo_broadcasts_a_rest_that_dwarfs_the_others():
-    """gloo's exact exchange: one outlier goes in gloo's broadcast (ceil(log2 W) hops of it), not W - 1 sends by its
-    owner; two alike, or a small world, stay in the batch; NCCL's uneven all_gather needs no such step."""
-    assert routes.broadcast_largest([0] * 8191 + [100 * MB]) == 8191
-    assert routes.broadcast_largest([1000] * 15 + [20 * MB]) == 15
-    assert routes.broadcast_largest([0] * 14 + [2 * MB] * 2) is None  # the other 2 MB would still go W - 1 times
-    assert routes.broadcast_largest([0, 100 * MB]) is None and routes.broadcast_largest([0, 0, 100 * MB]) is None
-    assert routes.broadcast_largest([0] * 8) is None
-    outlier = [0] * 8191 + [100 * MB]
-    gloo, nccl = (
-        plan("all_gather", Topology(world=8192), outlier),
-        plan("all_gather", Topology(world=8192, device="cuda"), outlier),
-    )
-    assert [(s.collective, s.nbytes) for s in gloo.steps[1:]] == [("broadcast", (100 * MB,))]
-    assert [s.collective for s in nccl.steps[1:]] == ["all_gatherv"]
-    both = plan("all_gather", Topology(world=512), [MB] + [0] * 510 + [100 * MB])
-    assert [(s.collective, s.nbytes[-1]) for s in both.steps[1:]] == [("broadcast", 100 * MB), ("all_gatherv", 0)]
+@pytest.mark.parametrize(
+    "lengths, shape",
+    [
+        ([0] * 8191 + [100 * MB], STRIPES),  # one outlier: its owner sends it once, not to each of 8191 peers
+        ([1000] * 15 + [20 * MB], STRIPES),
+        ([0] * 14 + [2 * MB] * 2, STRIPES),  # 6 MB through the busiest rank, against 30 MB in a batch
+        ([0] * 7 + [16 << 10], EXACT),  # 82 KB saved, less than an all_gather's 7 hops of HOP_BYTES: the batch
+        ([0, 100 * MB], PADDED),  # two ranks: never stripes (here W x widest <= 2T: padded)
+        ([0, MB, 100 * MB], STRIPES),  # three: 101 + 67 MB through the busiest, against 200 MB
+        ([MB] * 8, PADDED),  # equal: stripes would add a collective and move more
+        ([MB, int(1.1 * MB)] * 4, PADDED),  # within 10%: a few hundred KB saved at most
+        ([MB, int(1.1 * MB)] * 512, PADDED),  # within 10% on 1024 ranks: 50 MB saved, 64 MB of hops
+        ([MB, int(1.5 * MB)] * 512, STRIPES),  # within 50%: 254 MB saved through every rank
+        ([0] * 8, PADDED),
+    ],
+)
+def test_gloo_takes_stripes_where_they_save_more_than_their_all_gathers_hops(lengths, shape):
+    """On gloo, an exchange goes by stripes (each rest to the ranks whose stripe holds it, then an all_gather of
+    the stripes) where that saves the busiest rank more bytes than W - 1 hops of HOP_BYTES; NCCL never does."""
+    assert routes.exchange_shape(lengths, cpu=True) == shape
+    assert routes.exchange_shape(lengths) != STRIPES
+    steps = plan("all_gather", Topology(world=len(lengths)), lengths).steps
+    if shape == STRIPES:
+        width = routes.stripe_width(lengths)
+        assert [(s.collective, s.nbytes) for s in steps[1:]] == [
+            ("stripes", tuple(lengths)),
+            ("all_gather", (width,) * len(lengths)),
+        ]
+        assert width == -(-sum(lengths) // len(lengths))
 
 
 def test_an_all_gather_at_exact_sizes_moves_no_padding():
     rests = [0] * 8190 + [100 * MB] * 2
-    step = plan("all_gather", Topology(world=8192), rests).steps[-1]
-    assert (step.collective, step.nbytes) == ("all_gatherv", tuple(rests))
+    for device, collective in (("cuda", "all_gatherv"), ("cpu", "stripes")):
+        step = [
+            s for s in plan("all_gather", Topology(world=8192, device=device), rests).steps if s.nbytes == tuple(rests)
+        ]
+        assert [s.collective for s in step] == [collective]
 
 
 def test_one_host_takes_the_same_host_media():

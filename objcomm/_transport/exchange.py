@@ -1,0 +1,144 @@
+"""Every rank's rest to every rank (all_gather's second round): one exchange, whatever the spread of sizes.
+
+:func:`all_gather_rests` takes the shape :mod:`objcomm._transport.routes` picks: one padded all_gather; exact
+sizes as an uneven all_gather (NCCL); or on gloo, whose all_gather needs equal sizes, one batch of sends and
+receives or :func:`by_stripes`.
+
+**Stripes.** Laid back to back in group-rank order, the rests make one stream of ``T`` bytes. Rank ``j`` holds
+its *stripe*, bytes ``[j*c, (j+1)*c)`` of the stream (``c = ceil(T / W)``: :func:`routes.stripe_width`):
+
+1. each rank sends every piece of its rest to the rank whose stripe holds it (one batch of isend/irecv); a rest of
+   ``n`` bytes goes to at most ``n/c + 2`` ranks, so a small one goes to one or two;
+2. one all_gather of the stripes (equal sizes: gloo's ring, in C++) gives every rank the whole stream, in which
+   each rest is a slice (no copy).
+
+The busiest rank moves about ``max(n_max, c) + T`` bytes, where a padded all_gather moves ``(W - 1) x n_max``
+through every rank, and a batch in which each rank sends its rest to every peer itself as many through the
+largest rest's owner (:func:`~objcomm._transport.routes.exchange_shape` picks). A rank's Python work is O(W):
+prefix sums, and the ranks whose rests cross its stripe (found by bisection).
+
+Example (W = 4, rests of 0, 10, 0 and 2 bytes: T = 12, c = 3): rank 1's 10 bytes go 3 to rank 0, 3 to rank 2,
+1 to rank 3 (its own 3 it copies), rank 3's 2 bytes to itself; the all_gather's 12 bytes are the stream.
+"""
+
+from __future__ import annotations
+
+import bisect
+from itertools import accumulate
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from objcomm._transport import routes
+from objcomm._transport.base import INTERNAL_TAG, Wire, all_gather_single, guarded
+from objcomm._transport.bytes import Deadline, all_gather_equal, empty, joined, pieces, to_device, zeroed
+
+TAG = 2 * INTERNAL_TAG  # the tag of the point-to-point pieces (of a batch, or of step 1 of stripes)
+
+
+def all_gather_rests(
+    wire: Wire, mine: Sequence[torch.Tensor], lengths: Sequence[int], op: str
+) -> List[Optional[torch.Tensor]]:
+    """Every other rank's rest on every rank, in one exchange whatever the spread of sizes: ``lengths[r]`` bytes
+    from group rank ``r`` (None where it sends none, and for this rank, which holds its own ``mine``: its parts,
+    back to back). The shape is :func:`objcomm._transport.routes.exchange_shape`'s: one padded all_gather of the
+    widest; exact sizes, as an uneven all_gather on NCCL (torch runs it as coalesced broadcasts) or one batch of
+    sends and receives on gloo (whose all_gather needs equal sizes); or on gloo :func:`by_stripes`. Transfers go
+    in pieces of at most ``wire.chunk`` bytes. Point-to-point pieces travel under
+    :data:`~objcomm._transport.base.INTERNAL_TAG`, which no caller's message carries."""
+    me, size = wire.rank, wire.size
+    # one part (a frame past the slot, no tensors): sent as it is, not copied into a new buffer first
+    own = (to_device(mine[0], wire) if len(mine) == 1 else joined(mine, wire)) if lengths[me] else empty(0, wire)
+    got: List[Optional[torch.Tensor]] = [None] * size
+    shape = routes.exchange_shape(lengths, cpu=wire.device.type == "cpu")
+    if shape == routes.STRIPES:  # gloo: each rest to the stripes holding it, then their all_gather
+        return by_stripes(wire, own, lengths, op)
+    if shape == routes.PADDED:
+        parts = all_gather_equal(wire, own, max(lengths), op)
+        for r, n in enumerate(lengths):
+            if n and r != me:
+                got[r] = parts[r][:n]
+        return got
+    if wire.device.type != "cpu":  # NCCL: uneven all_gathers, one per piece of at most chunk bytes per rank
+        results = [empty(n, wire) if n and r != me else None for r, n in enumerate(lengths)]
+        for start in pieces(max(lengths), wire.chunk):
+            ins = [max(0, min(wire.chunk, n - start)) for n in lengths]
+            outs = [empty(k, wire) for k in ins]
+            outs[me] = own[start : start + ins[me]]
+            guarded(op, wire, dist.all_gather, outs, outs[me], group=wire.group)
+            for r, result in enumerate(results):
+                if result is not None and ins[r]:
+                    result[start : start + ins[r]] = outs[r]
+        return results
+    ops = []
+    if lengths[me]:
+        for r in range(size):
+            if r != me:
+                ops += [
+                    dist.P2POp(dist.isend, own[at : at + wire.chunk], wire.ranks[r], wire.group, TAG)
+                    for at in pieces(lengths[me], wire.chunk)
+                ]
+    for r, n in enumerate(lengths):
+        if n and r != me:
+            got[r] = buffer = zeroed(n, wire)
+            ops += [
+                dist.P2POp(dist.irecv, buffer[at : at + wire.chunk], wire.ranks[r], wire.group, TAG)
+                for at in pieces(n, wire.chunk)
+            ]
+    if ops:
+        for work in guarded(op, wire, dist.batch_isend_irecv, ops):
+            guarded(op, wire, work.wait)
+    return got
+
+
+def segments(offsets: Sequence[int], lengths: Sequence[int], sender: int, width: int) -> List[Tuple[int, int, int]]:
+    """The pieces of ``sender``'s rest, ``(stripe owner, start, end)`` in stream bytes: one per stripe it crosses."""
+    start, end = offsets[sender], offsets[sender] + lengths[sender]
+    if start == end:
+        return []
+    return [(j, max(start, j * width), min(end, (j + 1) * width)) for j in range(start // width, -(-end // width))]
+
+
+def by_stripes(wire: Wire, own: torch.Tensor, lengths: Sequence[int], op: str) -> List[Optional[torch.Tensor]]:
+    """Every other rank's rest on every rank (``lengths[r]``: group rank ``r``'s; ``own``: this rank's, its bytes),
+    None where a rank sends none and for this rank. The same ``lengths`` on every rank (round 1's slots)."""
+    me, world = wire.rank, wire.size
+    offsets = [0, *accumulate(lengths)]
+    total, width = offsets[-1], routes.stripe_width(lengths)
+    lo, hi = min(me * width, total), min((me + 1) * width, total)  # this rank's stripe, in stream bytes
+    stripe = zeroed(width, wire)  # zeros past the stream's end, and where a lying sender sent less
+    ops = []
+    for owner, start, end in segments(offsets, lengths, me, width):
+        piece = own[start - offsets[me] : end - offsets[me]]
+        if owner == me:
+            stripe[start - lo : end - lo] = piece
+            continue
+        for at in pieces(end - start, wire.chunk):
+            ops.append(dist.P2POp(dist.isend, piece[at : at + wire.chunk], wire.ranks[owner], wire.group, TAG))
+    first = bisect.bisect_right(offsets, lo) - 1  # the first rank whose rest reaches into [lo, hi)
+    for sender in range(max(first, 0), world):
+        if offsets[sender] >= hi:
+            break
+        start, end = max(offsets[sender], lo), min(offsets[sender + 1], hi)
+        if sender == me or start >= end:
+            continue
+        for at in pieces(end - start, wire.chunk):
+            view = stripe[start - lo + at : min(end - lo, start - lo + at + wire.chunk)]
+            ops.append(dist.P2POp(dist.irecv, view, wire.ranks[sender], wire.group, TAG))
+    deadline = Deadline(wire, op, f"the second round's stripes ({total:,} bytes in all)")
+    if ops:
+        for work in guarded(op, wire, dist.batch_isend_irecv, ops):
+            deadline.wait(work, 0, total)
+    stream = empty(width * world, wire)
+    if width <= wire.chunk:
+        guarded(op, wire, all_gather_single, stream, stripe, group=wire.group)
+    else:  # in rounds of at most chunk bytes a rank
+        rows = stream.view(world, width)
+        for at in pieces(width, wire.chunk):
+            part = min(wire.chunk, width - at)
+            received = empty(part * world, wire)
+            deadline.left(at * world, total)
+            guarded(op, wire, all_gather_single, received, stripe[at : at + part], group=wire.group)
+            rows[:, at : at + part] = received.view(world, part)
+    return [stream[offsets[r] : offsets[r + 1]] if n and r != me else None for r, n in enumerate(lengths)]
