@@ -334,6 +334,65 @@ def test_stripes_put_every_rest_on_every_rank(chunk):
         assert all(rows), (rank, rows)
 
 
+def stripes_with_a_liar(lie: str) -> List[Any]:
+    """``by_stripes`` with one lying rank: ``short``, rank 4 sends the first half of each piece of its 1,000 bytes;
+    ``relay``, rank 2 flips the bytes of its stripe (pieces of other ranks' rests) before the stripes' all_gather.
+    Each rank's view of every other rank's rest, as bytes."""
+    rank = dist.get_rank()
+    wire = _Wire(dist.group.WORLD, list(range(W)), rank, torch.device("cpu"), 4096, 1 << 20, 1 << 30)
+    lengths = [300, 0, 500, 0, 1000, 0, 700, 100]
+    own = torch.full((lengths[rank],), rank + 1, dtype=torch.uint8)
+    real_gather, real_batch = _exchange.all_gather_single, dist.batch_isend_irecv
+    if lie == "relay" and rank == 2:
+
+        def forged(out: torch.Tensor, stripe: torch.Tensor, **kwargs: Any) -> Any:
+            return real_gather(out, stripe.bitwise_not(), **kwargs)
+
+        _exchange.all_gather_single = forged  # type: ignore[assignment]
+    if lie == "short" and rank == 4:
+
+        def halves(ops: List[Any]) -> Any:
+            return real_batch(
+                [dist.P2POp(o.op, o.tensor[: o.tensor.numel() // 2], o.peer, o.group, o.tag) for o in ops]
+            )
+
+        dist.batch_isend_irecv = halves
+    try:
+        got = _exchange.by_stripes(wire, own, lengths, "all_gather")
+    finally:
+        _exchange.all_gather_single, dist.batch_isend_irecv = real_gather, real_batch
+    return [None if g is None else bytes(g.numpy()) for g in got]
+
+
+@pytest.mark.parametrize("lie", ["short", "relay"])
+def test_a_liar_in_the_stripes_changes_the_stream_alike_for_every_rank(lie):
+    """A rank that sends less than its slot announced, or changes the pieces its stripe relays, changes bytes of the
+    stream, never a size or a route, and every rank sees the same stream (gloo's all_gather forwards one stripe to
+    all): ``short`` zeros the liar's own tail; ``relay`` changes only the bytes in the liar's stripe."""
+    views = get_pool(W).run(stripes_with_a_liar, lie, timeout=60)
+    lengths = [300, 0, 500, 0, 1000, 0, 700, 100]
+    width = -(-sum(lengths) // W)  # 325: rank 2's stripe holds bytes 650-975 of the stream
+    stream: List[bytes] = []
+    for r, n in enumerate(lengths):
+        seen = {views[viewer][r] for viewer in range(W) if viewer != r}
+        assert len(seen) == 1, (r, seen)  # alike on every rank
+        stream.append(seen.pop() or b"")
+        assert len(stream[r]) == n
+    honest = b"".join(bytes([r + 1]) * n for r, n in enumerate(lengths))
+    if lie == "short":  # its pieces for stripes 2, 3 and 5 (175, 325, 175 bytes) half sent; its own stripe intact
+        pieces = [(0, 175), (175, 500), (825, 1000)]
+        want = bytearray(bytes([5]) * 1000)
+        for start, end in pieces:
+            want[start + (end - start) // 2 : end] = bytes(end - start - (end - start) // 2)
+        assert stream[4] == bytes(want)
+        assert [stream[r] for r in (0, 2, 6, 7)] == [bytes([r + 1]) * lengths[r] for r in (0, 2, 6, 7)]
+    else:
+        got = b"".join(stream)
+        changed = [i for i in range(len(got)) if got[i] != honest[i]]
+        assert changed and set(changed) <= set(range(2 * width, 3 * width)), (changed[:3], changed[-3:])
+        assert all(got[i] == 255 - honest[i] for i in range(2 * width, 3 * width))
+
+
 def reductions() -> List[Any]:
     """all_reduce and reduce of a small and a large value: results and this rank's calls."""
     comm, rank = _comm(), dist.get_rank()
