@@ -15,7 +15,7 @@ its *stripe*, bytes ``[j*c, (j+1)*c)`` of the stream (``c = ceil(T / W)``: :func
 The busiest rank moves about ``max(n_max, c) + T`` bytes, where a padded all_gather moves ``(W - 1) x n_max``
 through every rank, and a batch in which each rank sends its rest to every peer itself as many through the
 largest rest's owner (:func:`~objcomm._transport.routes.exchange_shape` picks). A rank's Python work is O(W):
-prefix sums, and the ranks whose rests cross its stripe (found by bisection).
+prefix sums, and the ranks whose rests cross its stripe (found by bisection): :func:`stripe_moves`, a pure function.
 
 Example (W = 4, rests of 0, 10, 0 and 2 bytes: T = 12, c = 3): rank 1's 10 bytes go 3 to rank 0, 3 to rank 2,
 1 to rank 3 (its own 3 it copies), rank 3's 2 bytes to itself; the all_gather's 12 bytes are the stream.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 from itertools import accumulate
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -92,12 +92,35 @@ def all_gather_rests(
     return got
 
 
-def segments(offsets: Sequence[int], lengths: Sequence[int], sender: int, width: int) -> List[Tuple[int, int, int]]:
-    """The pieces of ``sender``'s rest, ``(stripe owner, start, end)`` in stream bytes: one per stripe it crosses."""
-    start, end = offsets[sender], offsets[sender] + lengths[sender]
-    if start == end:
-        return []
-    return [(j, max(start, j * width), min(end, (j + 1) * width)) for j in range(start // width, -(-end // width))]
+class StripeMoves(NamedTuple):
+    """What one rank moves in step 1 of :func:`by_stripes`, in stream bytes ``(peer, start, end)``: ``sends`` (pieces
+    of its rest, to the stripes' owners), ``receives`` (pieces of other ranks' rests in its stripe), ``kept`` (the
+    pieces of its rest in its own stripe, copied); ``stripe`` its stripe's ``(start, end)``, clipped to the stream."""
+
+    sends: List[Tuple[int, int, int]]
+    receives: List[Tuple[int, int, int]]
+    kept: List[Tuple[int, int, int]]
+    stripe: Tuple[int, int]
+
+
+def stripe_moves(offsets: Sequence[int], me: int) -> StripeMoves:
+    """Rank ``me``'s moves when the rests lie at ``offsets`` (``[0, n_0, n_0 + n_1, ..., T]``). Pure, O(W) at most:
+    the stripes ``me``'s rest crosses, and the ranks whose rests cross ``me``'s stripe (found by bisection)."""
+    world, total = len(offsets) - 1, offsets[-1]
+    width = -(-total // max(world, 1))
+    lo, hi = min(me * width, total), min((me + 1) * width, total)
+    start, end = offsets[me], offsets[me + 1]
+    mine = [] if start == end else range(start // width, -(-end // width))
+    crossed = [(j, max(start, j * width), min(end, (j + 1) * width)) for j in mine]
+    receives = []
+    for sender in range(max(bisect.bisect_right(offsets, lo) - 1, 0), world):  # the first whose rest reaches lo
+        if offsets[sender] >= hi:
+            break
+        first, last = max(offsets[sender], lo), min(offsets[sender + 1], hi)
+        if sender != me and first < last:
+            receives.append((sender, first, last))
+    sends = [move for move in crossed if move[0] != me]
+    return StripeMoves(sends, receives, [move for move in crossed if move[0] == me], (lo, hi))
 
 
 def by_stripes(wire: Wire, own: torch.Tensor, lengths: Sequence[int], op: str) -> List[Optional[torch.Tensor]]:
@@ -106,26 +129,20 @@ def by_stripes(wire: Wire, own: torch.Tensor, lengths: Sequence[int], op: str) -
     me, world = wire.rank, wire.size
     offsets = [0, *accumulate(lengths)]
     total, width = offsets[-1], routes.stripe_width(lengths)
-    lo, hi = min(me * width, total), min((me + 1) * width, total)  # this rank's stripe, in stream bytes
+    moves = stripe_moves(offsets, me)
+    lo = moves.stripe[0]
     stripe = zeroed(width, wire)  # zeros past the stream's end, and where a lying sender sent less
+    for _, start, end in moves.kept:
+        stripe[start - lo : end - lo] = own[start - offsets[me] : end - offsets[me]]
     ops = []
-    for owner, start, end in segments(offsets, lengths, me, width):
+    for owner, start, end in moves.sends:
         piece = own[start - offsets[me] : end - offsets[me]]
-        if owner == me:
-            stripe[start - lo : end - lo] = piece
-            continue
         for at in pieces(end - start, wire.chunk):
             ops.append(dist.P2POp(dist.isend, piece[at : at + wire.chunk], wire.ranks[owner], wire.group, TAG))
-    first = bisect.bisect_right(offsets, lo) - 1  # the first rank whose rest reaches into [lo, hi)
-    for sender in range(max(first, 0), world):
-        if offsets[sender] >= hi:
-            break
-        start, end = max(offsets[sender], lo), min(offsets[sender + 1], hi)
-        if sender == me or start >= end:
-            continue
+    for sender, start, end in moves.receives:
+        view = stripe[start - lo : end - lo]
         for at in pieces(end - start, wire.chunk):
-            view = stripe[start - lo + at : min(end - lo, start - lo + at + wire.chunk)]
-            ops.append(dist.P2POp(dist.irecv, view, wire.ranks[sender], wire.group, TAG))
+            ops.append(dist.P2POp(dist.irecv, view[at : at + wire.chunk], wire.ranks[sender], wire.group, TAG))
     deadline = Deadline(wire, op, f"the second round's stripes ({total:,} bytes in all)")
     if ops:
         for work in guarded(op, wire, dist.batch_isend_irecv, ops):
