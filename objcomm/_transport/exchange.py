@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 from itertools import accumulate
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -86,10 +86,19 @@ def all_gather_rests(
                 dist.P2POp(dist.irecv, buffer[at : at + wire.chunk], wire.ranks[r], wire.group, TAG)
                 for at in pieces(n, wire.chunk)
             ]
-    if ops:
-        for work in guarded(op, wire, dist.batch_isend_irecv, ops):
-            guarded(op, wire, work.wait)
+    posted(wire, ops, op, Deadline(wire, op, f"the second round's exchange ({sum(lengths):,} bytes in all)"))
     return got
+
+
+def posted(wire: Wire, ops: List[Any], op: str, deadline: Deadline) -> None:
+    """``ops`` (isend/irecv) posted in one batch, each waited on within ``deadline`` (gloo already counts a posted
+    receive's timeout from its post; the deadline says in its error how far the transfer got)."""
+    if not ops:
+        return
+    total, done = sum(o.tensor.numel() for o in ops), 0
+    for work, o in zip(guarded(op, wire, dist.batch_isend_irecv, ops), ops):
+        deadline.wait(work, done, total)
+        done += o.tensor.numel()
 
 
 class StripeMoves(NamedTuple):
@@ -144,9 +153,7 @@ def by_stripes(wire: Wire, own: torch.Tensor, lengths: Sequence[int], op: str) -
         for at in pieces(end - start, wire.chunk):
             ops.append(dist.P2POp(dist.irecv, view[at : at + wire.chunk], wire.ranks[sender], wire.group, TAG))
     deadline = Deadline(wire, op, f"the second round's stripes ({total:,} bytes in all)")
-    if ops:
-        for work in guarded(op, wire, dist.batch_isend_irecv, ops):
-            deadline.wait(work, 0, total)
+    posted(wire, ops, op, deadline)
     stream = empty(width * world, wire)
     if width <= wire.chunk:
         guarded(op, wire, all_gather_single, stream, stripe, group=wire.group)
