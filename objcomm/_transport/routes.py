@@ -184,6 +184,11 @@ def stripe_width(lengths: Sequence[int]) -> int:
     return -(-sum(lengths) // max(len(lengths), 1))
 
 
+def _up_tree(carried: int, slot: int) -> int:
+    """What a slot carrying ``carried`` bytes costs up a gather's tree: its 4-byte length, then its trimmed bytes."""
+    return 4 + min(carried, slot)
+
+
 def pieces(length: int, chunk: int) -> int:
     """How many transfers of at most ``chunk`` bytes move ``length`` bytes (0 for none)."""
     return -(-length // chunk) if length > 0 else 0
@@ -304,7 +309,7 @@ def plan(
             word = "broadcast" if topology.cpu else "all_reduce"
             if slots_up_tree(world=world):  # trimmed to what each carries, with its length (gather_up_tree)
                 held = carried if carried is not None else slots
-                steps.append(Step("gather_tree", BACKEND, tuple(4 + min(n, knobs.slot_bytes) for n in held)))
+                steps.append(Step("gather_tree", BACKEND, tuple(_up_tree(n, knobs.slot_bytes) for n in held)))
             else:
                 steps.append(Step("gather", BACKEND, slots))
             steps.append(Step(word, BACKEND, (8,)))
@@ -408,7 +413,7 @@ def _two_level_steps(
         home = root // k
         if slots_up_tree(world=len(hosts)):  # the leaders' tree, each slot trimmed (with its length)
             held = list(carried) if carried is not None else [slot] * world
-            trimmed = [sum(4 + min(n, slot) for n in held[h : h + k]) for h in range(0, world, k)]
+            trimmed = [sum(_up_tree(n, slot) for n in held[h : h + k]) for h in range(0, world, k)]
             leaders_step = Step("gather_tree", BACKEND, tuple(trimmed))
         else:
             leaders_step = Step("gather", BACKEND, (k * slot,) * len(hosts))
