@@ -334,6 +334,35 @@ def test_stripes_put_every_rest_on_every_rank(chunk):
         assert all(rows), (rank, rows)
 
 
+def tensors_by_stripes() -> List[Any]:
+    """all_gather of tensors at odd offsets of the stream (rank 3's 1 MB of float64 among small float32 and int16
+    ones, each rank's frame before its tensor): whether stripes carried them, and whether every value arrived."""
+    comm, rank = _comm(), dist.get_rank()
+    count = {"stripes": 0}
+    real = _exchange.by_stripes
+
+    def counted(*args: Any) -> Any:
+        count["stripes"] += 1
+        return real(*args)
+
+    def obj(r: int) -> Any:
+        if r == 3:
+            return {"big": torch.arange(131_073, dtype=torch.float64) * 0.5, "r": r}
+        return {"small": torch.arange(r + 2, dtype=torch.float32 if r % 2 else torch.int16), "r": r}
+
+    _exchange.by_stripes = counted  # type: ignore[assignment]
+    try:
+        got = comm.all_gather(obj(rank))
+    finally:
+        _exchange.by_stripes = real  # type: ignore[assignment]
+    return [count["stripes"], all(_same(g, obj(r)) for r, g in enumerate(got))]
+
+
+def test_tensors_at_any_offset_of_the_stream_arrive_whole():
+    """Stripes hand back each rest as a slice of one stream, so a rank's tensors start at any byte offset there."""
+    assert get_pool(W).run(tensors_by_stripes, timeout=60) == [[1, True]] * W
+
+
 def stripes_with_a_liar(lie: str) -> List[Any]:
     """``by_stripes`` with one lying rank: ``short``, rank 4 sends the first half of each piece of its 1,000 bytes;
     ``relay``, rank 2 flips the bytes of its stripe (pieces of other ranks' rests) before the stripes' all_gather.
