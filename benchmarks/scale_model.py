@@ -178,6 +178,13 @@ def tree_vote(world: int, a: float) -> float:
     return 2 * levels(world) * a
 
 
+def table_sum(params: Params, world: int, n: int, a: float, b: float) -> float:
+    """An all_reduce of n bytes (the table of slots, summed): NCCL's pipelined tree, 2*ceil(log2 W)*a + 2n/B, or
+    gloo's ring, 2*(W-1)*a + 2n/B."""
+    hops = 2 * levels(world) if params.vote == "tree" else 2 * (world - 1)
+    return hops * a + 2 * n / b
+
+
 def doubling_vote(world: int, a: float) -> float:
     """objcomm's vote on gloo: recursive doubling (floor(log2 W) exchanges, one hand-over more where W is no power
     of two), then rank 0's answer in a binomial broadcast (ceil(log2 W) steps): (floor + extra + ceil)*a."""
@@ -245,6 +252,8 @@ def step_cost(step: routes.Step, params: Params, world: int, root: int = 0) -> f
         return direct_all_gatherv(sizes, a, b) if params.device == "cpu" else ring_all_gatherv(sizes, a, b)
     if step.collective in ("gather", "p2p"):
         return flat_gather(sizes, root, a, b)
+    if step.collective == "sum":  # the table of slots in one all_reduce
+        return table_sum(params, world, sizes[0], a, b)
     if step.collective == "stripes":  # then the stripes' all_gather, a step of its own
         return stripes_exchange(sizes, a, b)
     if step.collective == "gather_tree":  # a gather's slots up a binomial tree (routes.slots_up_tree): the lengths
@@ -404,6 +413,7 @@ _CODES = {
     "all_gather": "AG",
     "all_gatherv": "AGV",
     "stripes": "S",
+    "sum": "AR",
     "gather": "G",
     "gather_tree": "GT",
     "broadcast": "B",
@@ -417,7 +427,8 @@ _MEDIA = {routes.BACKEND: "", routes.CHANNEL: "(ch)", routes.SHARED_MEMORY: "(sh
 
 
 def route_code(plan: routes.Plan) -> str:
-    """A compact route: AG all_gather, AGV exact-size exchange, S stripes (gloo's exact exchange, then AG), G gather,
+    """A compact route: AG all_gather, AR the table of slots in one all_reduce, AGV exact-size exchange, S stripes
+    (gloo's exact exchange, then AG), G gather,
     GT a gather up a binomial tree, B broadcast, V all_reduce vote, D doubling vote, P p2p, T tree, TD the tree back
     down."""
     codes: List[str] = []

@@ -369,3 +369,27 @@ def test_nccl_two_ranks_take_the_same_host_channel():
     from objcomm._tools.launch import run_local
 
     assert run_local(_nccl_two_ranks, None, world_size=2, backend="nccl", timeout_s=CHILD_TIMEOUT) == {"channel": True}
+
+
+def _nccl_summed_slots(_: Any, send: Any) -> Dict[str, Any]:
+    """all_gather on NCCL with the slots summed (one all_reduce of the uint8 table, as from 64 ranks), each rank its
+    own host: objects in the slot, past it, and a CUDA tensor."""
+    import torch.distributed as dist
+
+    from objcomm._api.resolving import Hooks
+
+    rank, device = dist.get_rank(), current_cuda()
+    comm = objcomm.Communicator(local=False, shm=False, _hooks=Hooks(separate_hosts=True, summed=True))
+    assert comm.all_gather({"rank": rank}) == [{"rank": 0}, {"rank": 1}]
+    assert comm.all_gather("x" * (10_000 * (rank + 1))) == ["x" * 10_000, "x" * 20_000]
+    for other, got in enumerate(comm.all_gather(sample(rank, device))):
+        check(got, other, device)
+    return {"summed": True}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
+def test_nccl_summed_slots_read_as_the_all_gathers_would():
+    from objcomm._tools.launch import run_local
+
+    got = run_local(_nccl_summed_slots, None, world_size=2, backend="nccl", timeout_s=CHILD_TIMEOUT)
+    assert got == {"summed": True}

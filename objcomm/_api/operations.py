@@ -38,7 +38,7 @@ class Operations(Resolving):
         if call.wire is None:
             return [call.roundtrip(obj)]
         out, local = call.encode(obj, _still(serialized, express, call))
-        incoming = _rounds.all_gather(call.wire, out, _frame.tensor_sizes)
+        incoming = _rounds.all_gather(call.wire, out, _frame.tensor_sizes, summed=self._summed(call.wire))
         call.raise_failures("all_gather", incoming, local)
         return [call.decode(item, r) for r, item in enumerate(incoming)]
 
@@ -133,11 +133,16 @@ class Operations(Resolving):
             incoming: Sequence[Optional[Incoming]] = (
                 reports_over_tree(wire, report)
                 if result.relayed
-                else _rounds.all_gather(wire, report, _frame.tensor_sizes)
+                else _rounds.all_gather(wire, report, _frame.tensor_sizes, summed=self._summed(wire))
             )
             call.raise_failures("all_reduce", incoming, failed)
             call.raise_failures("all_reduce", only(0, result, wire.size), failed)
         return value if wire.rank == 0 else call.decode(result, 0)
+
+    def _summed(self, wire: Wire) -> bool:
+        """Whether an all_gather's slots go in one all_reduce of the table where they take the backend
+        (:func:`routes.slots_summed`)."""
+        return routes.slots_summed(world=wire.size, cpu=wire.device.type == "cpu", forced=self._hooks.summed)
 
     def _up_tree(self, wire: Wire) -> bool:
         """Whether a gather's slots go up a tree where they take the backend (:func:`routes.slots_up_tree`)."""

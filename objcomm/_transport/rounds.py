@@ -120,9 +120,12 @@ def _vote_refusals(
 
 
 # -- all_gather ------------------------------------------------------------------------------
-def all_gather(wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gather") -> Sequence[Optional[Incoming]]:
-    """Every rank's frame and tensors, on every rank. ``None`` marks frames not moved after an error."""
-    return all_gather_rest(wire, out, _exchange_slots(wire, out, op), sizes_of, op)
+def all_gather(
+    wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gather", summed: bool = False
+) -> Sequence[Optional[Incoming]]:
+    """Every rank's frame and tensors, on every rank. ``None`` marks frames not moved after an error. ``summed``:
+    the slots through the backend in one all_reduce of the table (:func:`routes.slots_summed`)."""
+    return all_gather_rest(wire, out, _exchange_slots(wire, out, op, summed), sizes_of, op)
 
 
 def all_gather_rest(
@@ -170,11 +173,16 @@ def _round_one(infos: List[SlotInfo]) -> Sequence[Optional[Incoming]]:
     return [Incoming(i.inline, error=i.error) if i.inline is not None else None for i in infos]
 
 
-def _exchange_slots(wire: Wire, out: Outgoing, op: str) -> List[SlotInfo]:
+def _exchange_slots(wire: Wire, out: Outgoing, op: str, summed: bool = False) -> List[SlotInfo]:
     raw = _slot(wire, out)
     slots = wire.first_round.all_gather(wire, raw, op)
     if slots is not NOT_USED:
         return [read_slot(memoryview(s)) for s in slots]
+    if summed:  # the table, zeros but this rank's slot, summed: every slot in its place (a tree on NCCL, not a ring)
+        recv = zeroed(wire.slot * wire.size, wire)
+        recv[wire.rank * wire.slot : (wire.rank + 1) * wire.slot] = _on_device(wire, raw)
+        guarded(op, wire, dist.all_reduce, recv, op=dist.ReduceOp.SUM, group=wire.group)
+        return read_slots(host_view(recv), wire.size, wire.slot)
     recv, host = receive_buffer(wire.slot * wire.size, wire)
     guarded(op, wire, all_gather_single, recv, _on_device(wire, raw), group=wire.group)
     return read_slots(host if host is not None else host_view(recv), wire.size, wire.slot)

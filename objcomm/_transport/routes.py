@@ -34,6 +34,8 @@ backend exchange        all_gather's rests: one padded all_gather when          
                         gloo, stripes (each rest to the ranks whose stripe holds it,
                         then their all_gather) where they save the busiest rank more
                         than W - 1 hops of ``HOP_BYTES``
+all_gather's slots      on NCCL from :data:`SUMMED_SLOTS_FROM` ranks: one all_reduce (a    :func:`slots_summed`
+                        sum, a tree) of the table, zeros but each rank's own slot
 gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks: up a      :func:`slots_up_tree`
                         binomial tree of send/recv (ceil(log2 W) levels), each slot
                         trimmed to what it carries; below it the backend's gather
@@ -85,26 +87,29 @@ def round_one(*, local: bool, one_host: bool, channel_open: bool) -> str:
 
 
 def result_down_tree(*, cpu: bool, forced: bool = False) -> bool:
-    """Whether all_reduce's result goes from group rank 0 back down its reduce tree (send/recv, one whole message
-    per edge: ceil(log2 W) hops; :func:`objcomm._transport.broadcast.down_tree`) rather than in a broadcast, where a
-    broadcast's round 1 would take the backend (through the same-host channel, or two levels, the broadcast stays:
-    one copy for a host's ranks). On NCCL, whose broadcast is a ring of W - 1 hops and whose slot takes an
-    all_reduce (two tree passes). Not on gloo, whose broadcast is already a binomial tree, run in C++: the tree of
-    Python sends measured slower there (4 ranks, a 1 MB result: 10-12 ms against 7-8 ms); ``forced`` (objcomm's
-    tests, :class:`objcomm._api.resolving.Hooks`) takes it on gloo too."""
+    """Whether all_reduce's result goes from group rank 0 back down its reduce tree (send/recv, ceil(log2 W) hops:
+    :func:`objcomm._transport.broadcast.down_tree`) rather than in a broadcast, where a broadcast's round 1 would
+    take the backend: on NCCL, whose broadcast is a ring. Not on gloo, whose broadcast is a binomial tree in C++
+    (faster than Python's sends where measured: 4 ranks, 1 MB, 10-12 ms against 7-8). ``forced``: tests (Hooks)."""
     return not cpu or forced
 
 
-TREE_GATHER_FROM = 64  # ranks: from here a gather's slots go up a binomial tree (slots_up_tree)
+SUMMED_SLOTS_FROM = TREE_GATHER_FROM = 64  # ranks: from here slots_summed (NCCL), slots_up_tree
+
+
+def slots_summed(*, world: int, cpu: bool, forced: bool = False) -> bool:
+    """Whether an all_gather's slots through the backend go in one all_reduce (a sum) of the table, zeros but each
+    rank's own slot, rather than an all_gather: on NCCL from :data:`SUMMED_SLOTS_FROM` ranks, where the all_reduce
+    is a tree (2 ceil(log2 W) hops, the table twice: 2 x 32 MB at 8192 ranks) and the all_gather a ring (W - 1
+    hops). Not on gloo, whose all_reduce is no tree. ``forced``: objcomm's tests (Hooks)."""
+    return forced or (not cpu and world >= SUMMED_SLOTS_FROM)
 
 
 def slots_up_tree(*, world: int, forced: bool = False) -> bool:
     """Whether a gather's round 1 through the backend goes up a binomial tree to the destination
-    (:func:`objcomm._transport.slot_tree.gather_up_tree`: the lengths climb ceil(log2 W) levels, the slots, each
-    trimmed to what it carries, one level behind) rather than in the backend's gather (W - 1 whole slots into the
-    destination). From :data:`TREE_GATHER_FROM` ranks (or leaders, on two levels): below it the levels cost more
-    than the fan-in (``benchmarks/scale_model.py``: 1 KB objects even near 50 ranks on NCCL, 40 on gloo).
-    ``forced``: objcomm's tests (:class:`objcomm._api.resolving.Hooks`)."""
+    (:func:`objcomm._transport.slot_tree.gather_up_tree`: lengths a level ahead of the trimmed slots) rather than in
+    the backend's gather (W - 1 whole slots into it). From :data:`TREE_GATHER_FROM` ranks (or leaders): below, the
+    levels cost more than the fan-in (the model: 1 KB objects near 50 ranks on NCCL, 40 on gloo). ``forced``: tests."""
     return forced or world >= TREE_GATHER_FROM
 
 
@@ -229,14 +234,12 @@ class Knobs:
 class Step:
     """One transfer of a plan. ``collective``: what runs (``all_gather``, ``all_gatherv``: exact sizes,
     ``stripes``: each rank's rest to the ranks whose stripes hold it (gloo's exact exchange, then an all_gather),
-    ``gather``, ``gather_tree``: a gather's slots up a binomial tree to the destination, the lengths a level ahead
-    of the trimmed slots, ``broadcast``, ``all_reduce``, ``vote``: a word's maximum by recursive doubling then rank
-    0's broadcast (gloo: floor(log2 W) exchanges, a hand-over more where W is no power of two, ceil(log2 W)
-    broadcast steps), ``p2p``: one batch of sends and receives to one rank, ``tree``:
-    a binomial tree of sends toward group rank 0, ceil(log2 W) levels in sequence, ``down_tree``: the same tree's
-    sends the other way, from group rank 0); ``medium``: who runs it;
-    ``nbytes``: the bytes each rank contributes, in group-rank order (a broadcast's and a tree's: one value); on two
-    levels, a host's step runs over ``ranks`` (the widest host's) and a leaders' step over one rank per host."""
+    ``sum``: an all_reduce of the table of slots, ``gather``, ``gather_tree``: a gather's slots up a binomial tree,
+    ``broadcast``, ``all_reduce``, ``vote``: a word's maximum by recursive doubling, then rank 0's broadcast,
+    ``p2p``: one batch of sends and receives to one rank, ``tree``: a binomial tree of sends toward group rank 0,
+    ceil(log2 W) levels in sequence, ``down_tree``: the same tree's sends the other way); ``medium``: who runs it;
+    ``nbytes``: the bytes each rank contributes, in group-rank order (a broadcast's, a tree's, a sum's: one value);
+    on two levels, a host's step runs over ``ranks`` (the widest host's), a leaders' step over one rank a host."""
 
     collective: str
     medium: str
@@ -296,7 +299,8 @@ def plan(
     ):
         return Plan(op, CHANNEL, tuple(_two_level_steps(op, topology, list(rests), knobs, root, listed, carried)))
     if op == "all_gather":
-        steps.append(Step("all_gather", first, slots))
+        summed = first == BACKEND and slots_summed(world=world, cpu=topology.cpu)
+        steps.append(Step("sum", BACKEND, (world * knobs.slot_bytes,)) if summed else Step("all_gather", first, slots))
         moved = max(rests, default=0)
         medium = medium_of(moved)
         if moved:

@@ -74,6 +74,8 @@ def test_formulas_reproduce_hand_computed_values():
     # rank 3's 2 bytes lie in its own stripe; the busiest is rank 1
     assert sm.stripes_exchange([0, 10, 0, 2], 1.0, 1.0) == pytest.approx(7 + 1)
     assert sm.stripes_exchange([0] * 15 + [160], 1.0, 10.0) == pytest.approx(150 / 10 + 2)  # 15 peers: 2 start-ups
+    assert sm.table_sum(sm.NCCL, 8, 100, 1.0, 10.0) == pytest.approx(2 * 3 + 20)  # a tree: 2 log2(8) hops
+    assert sm.table_sum(sm.GLOO, 8, 100, 1.0, 10.0) == pytest.approx(2 * 7 + 20)  # a ring: 2 (W - 1) hops
     assert sm.flat_gather([5, 10, 0, 20], 0, 2.0, 10.0) == pytest.approx(2 + 3)
     assert sm.flat_gather([1] * 18, 0, 1.0, 1e9) == pytest.approx(3 + 17e-9)  # 17 senders, 8 at a time
     assert sm.tree_gather([5, 10, 0, 20], 0, 2.0, 10.0) == pytest.approx(2 * 2 + 3)

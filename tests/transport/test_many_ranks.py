@@ -103,9 +103,11 @@ def _same(got: Any, want: Any) -> bool:
     return bool(got == want)
 
 
-def _comm(up_tree: bool = False) -> objcomm.Communicator:
-    """Every rank its own host; ``up_tree``: a gather's slots go up a tree, as they do from 64 ranks on."""
-    return objcomm.Communicator(local=False, shm=False, _hooks=Hooks(separate_hosts=True, up_tree=up_tree))
+def _comm(up_tree: bool = False, summed: bool = False) -> objcomm.Communicator:
+    """Every rank its own host; ``up_tree``: a gather's slots go up a tree, as they do from 64 ranks on; ``summed``:
+    an all_gather's slots in one all_reduce of the table, as on NCCL from 64 ranks on."""
+    hooks = Hooks(separate_hosts=True, up_tree=up_tree, summed=summed)
+    return objcomm.Communicator(local=False, shm=False, _hooks=hooks)
 
 
 def each_spread(op: str, up_tree: bool = False) -> List[Any]:
@@ -130,6 +132,43 @@ def each_spread(op: str, up_tree: bool = False) -> List[Any]:
             right = _same(got, spread(case, 1))
         rows.append((case, right, counts["collectives"], counts["blocking"], counts["p2p"]))
     return rows
+
+
+def summed_slots() -> List[Any]:
+    """all_gather of every spread with the slots summed (one all_reduce of the table, as NCCL's route from 64 ranks
+    on): (case, right result, this rank's all_reduce and all_gather calls)."""
+    comm, rank = _comm(summed=True), dist.get_rank()
+    counts = {"all_reduce": 0, "all_gather_single": 0}
+    real_reduce, real_gather = dist.all_reduce, _rounds.all_gather_single
+
+    def reduced(*args: Any, **kwargs: Any) -> Any:
+        counts["all_reduce"] += 1
+        return real_reduce(*args, **kwargs)
+
+    def gathered(*args: Any, **kwargs: Any) -> Any:
+        counts["all_gather_single"] += 1
+        return real_gather(*args, **kwargs)
+
+    rows = []
+    for case in CASES:
+        counts.update(all_reduce=0, all_gather_single=0)
+        dist.all_reduce, _rounds.all_gather_single = reduced, gathered  # type: ignore[assignment]
+        try:
+            got = comm.all_gather(spread(case, rank))
+        finally:
+            dist.all_reduce, _rounds.all_gather_single = real_reduce, real_gather  # type: ignore[assignment]
+        right = all(_same(g, spread(case, r)) for r, g in enumerate(got))
+        rows.append((case, right, counts["all_reduce"], counts["all_gather_single"]))
+    return rows
+
+
+def test_summed_slots_give_the_same_results():
+    """The slots of an all_gather summed into one table (each rank's slot in its place, zeros elsewhere) read as the
+    all_gather's would: every spread right, one all_reduce and no all_gather of slots on every rank."""
+    for rank, rows in enumerate(get_pool(W).run(summed_slots, timeout=120)):
+        for case, right, reduces, slot_gathers in rows:
+            assert right, (rank, case)
+            assert (reduces, slot_gathers) == (1, 0), (rank, case, reduces, slot_gathers)
 
 
 # broadcast: its slot, a vote where a piece is past the scratch size (recursive doubling on gloo: log2(8) = 3
@@ -507,8 +546,9 @@ def _forged_table(nbytes: int) -> Outgoing:
 
 
 def bad_input(case: str, up_tree: bool = False) -> str:
-    """What each rank raises when one rank misbehaves on the paths above (``up_tree``: a gather's slots up a tree)."""
-    comm, rank = _comm(up_tree), dist.get_rank()
+    """What each rank raises when one rank misbehaves on the paths above (``up_tree``: a gather's slots up a tree,
+    and an all_gather's summed)."""
+    comm, rank = _comm(up_tree, summed=up_tree), dist.get_rank()
     try:
         if case == "over the destination's limit":
             comm.gather(b"x" * ((1 << 20) if rank == 6 else 10), dst=3, max_bytes=(1 << 19) if rank == 3 else None)
@@ -536,12 +576,13 @@ BAD_INPUT = [
     "a lying sender",
 ]
 ON_GATHER = ["over the destination's limit", "a failing encode (gather)", "a lying sender"]
+ON_SUMMED = ["over a receiver's limit", "a failing encode (all_gather)"]
 
 
 @pytest.mark.parametrize(
     "case, up_tree",
-    [(case, False) for case in BAD_INPUT] + [(case, True) for case in ON_GATHER],
-    ids=[*BAD_INPUT, *(f"{case}, slots up a tree" for case in ON_GATHER)],
+    [(case, False) for case in BAD_INPUT] + [(case, True) for case in ON_GATHER + ON_SUMMED],
+    ids=[*BAD_INPUT, *(f"{case}, slots up a tree" for case in ON_GATHER), *(f"{c}, slots summed" for c in ON_SUMMED)],
 )
 def test_bad_input_gets_the_same_error_on_every_rank(case, up_tree):
     outcomes = get_pool(W).run(bad_input, case, up_tree, timeout=120)

@@ -205,8 +205,28 @@ def test_one_host_takes_the_same_host_media():
 def test_nccl_exchange_goes_in_rounds_of_chunk_bytes():
     rests = [600 * MB] + [0] * 63
     steps = plan("all_gather", Topology(world=64, device="cuda"), rests).steps
-    assert [s.collective for s in steps] == ["all_gather"] + ["all_gatherv"] * 3  # 256 + 256 + 88 MiB
+    assert [s.collective for s in steps] == ["sum"] + ["all_gatherv"] * 3  # the slots; 256 + 256 + 88 MiB
     assert sum(s.nbytes[0] for s in steps[1:]) == 600 * MB
+
+
+def test_nccl_sums_an_all_gathers_slots_from_64_ranks():
+    """On NCCL from SUMMED_SLOTS_FROM ranks an all_gather's slots go in one all_reduce of the table (a tree: 2
+    ceil(log2 W) hops where the all_gather's ring takes W - 1); below it, and on gloo, the all_gather; through the
+    channel (one host) the channel's."""
+    assert routes.SUMMED_SLOTS_FROM == 64
+    assert not routes.slots_summed(world=63, cpu=False) and routes.slots_summed(world=64, cpu=False)
+    assert not routes.slots_summed(world=8192, cpu=True) and routes.slots_summed(world=2, cpu=True, forced=True)
+    for world, device, first in (
+        (63, "cuda", "all_gather"),
+        (64, "cuda", "sum"),
+        (8192, "cuda", "sum"),
+        (8192, "cpu", "all_gather"),
+    ):
+        step = plan("all_gather", Topology(world=world, device=device), [0] * world).steps[0]
+        assert (step.collective, step.medium) == (first, BACKEND), (world, device, step)
+        assert step.nbytes == ((world * 4096,) if first == "sum" else (4096,) * world)
+    one_host = plan("all_gather", Topology(world=8, ranks_per_host=8, device="cuda"), [0] * 8).steps[0]
+    assert (one_host.collective, one_host.medium) == ("all_gather", CHANNEL)
 
 
 def test_plan_refuses_an_op_it_does_not_cover():
