@@ -37,7 +37,7 @@ class Hooks(NamedTuple):
 
     separate_hosts: Optional[bool] = None  # True: every rank its own host; None: OBJCOMM_FORCE_SEPARATE_HOSTS
     segments: SegmentBook = SEGMENTS  # the book that writes and opens shared-memory segments
-    down_tree: bool = False  # all_reduce's result back down the reduce tree on gloo too, as on NCCL (routes.py)
+    down_tree: bool = False  # all_reduce's result back down the reduce tree on gloo too (routes.result_down_tree)
     up_tree: bool = False  # a gather's slots up a binomial tree at any world size (routes.slots_up_tree)
     summed: bool = False  # an all_gather's slots in one all_reduce of the table on gloo too (routes.slots_summed)
 

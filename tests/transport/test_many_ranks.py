@@ -34,9 +34,9 @@ from objcomm._transport import bytes as _bytes
 from objcomm._transport import exchange as _exchange
 from objcomm._transport import gather as _gather
 from objcomm._transport import rounds as _rounds
-from objcomm._transport import routes
 from objcomm._transport import slot_tree as _slot_tree
 from objcomm._transport.base import Wire as _Wire
+from objcomm._transport.routes import cutoffs as _cutoffs
 
 W = 8
 COLLECTIVES = (
@@ -699,10 +699,10 @@ def leaders_up_a_tree(k: int) -> List[Any]:
         rank, comm = dist.get_rank(), objcomm.Communicator()
         comm.all_gather(rank)  # the set-up: hosts, node and leaders' groups, channels
         rows: List[Any] = []
-        real_gather, real_from = dist.gather, routes.TREE_GATHER_FROM
+        real_gather, real_from = dist.gather, _cutoffs.TREE_GATHER_FROM
         backend_gathers = []
         dist.gather = lambda *args, **kwargs: backend_gathers.append(1) or real_gather(*args, **kwargs)
-        routes.TREE_GATHER_FROM = 2
+        _cutoffs.TREE_GATHER_FROM = 2  # where slots_up_tree reads it
         try:
             for case in CASES:
                 for dst in (5, 0):
@@ -722,7 +722,7 @@ def leaders_up_a_tree(k: int) -> List[Any]:
                     rows.append((bad, type(exc).__name__))
                 assert comm.all_gather(rank) == list(range(W))  # the group is in step after the error
         finally:
-            dist.gather, routes.TREE_GATHER_FROM = real_gather, real_from
+            dist.gather, _cutoffs.TREE_GATHER_FROM = real_gather, real_from
         rows.append(("backend gathers", len(backend_gathers)))
         return rows
 

@@ -1,0 +1,119 @@
+"""Which way each part of a call goes: every cut-off that picks a route, as pure functions of numbers.
+
+Nothing here moves a byte or reads a process group. The object API, the transport and the same-host media ask
+these functions; :func:`plan` composes them into the whole route of one call from made-up numbers, so that tests
+and ``benchmarks/scale_model.py`` can cost a call at any world size without starting a rank.
+
+A call moves in up to two rounds. In round 1 every sender's fixed-size *slot* (``slot_bytes``: a 24-byte prefix,
+then the frame when it fits, then the tensor sizes when they fit) reaches its receivers; the *rest* (a frame past
+the slot, and every out-of-band tensor) moves in round 2, frame and tensors of one sender back to back.
+
+======================  ===============================================================  ==========================
+decision                cut-off                                                          function
+======================  ===============================================================  ==========================
+express path            default settings, no compression, the same-host channel is the   :func:`express_possible`
+                        first-round medium (then: whole frame in the slot, no tensors)
+round-1 medium          the same-host channel when ``local`` is on, the group lies on    :func:`round_one`
+                        one host and the channel is open; else the backend
+ends after round 1      an error report anywhere, or every slot carries its whole        ``limits.round_one_ends``
+                        message
+receivers answer first  broadcast, send/recv: sizes not listed in the slot, a piece      :func:`agreement_needed`
+                        past ``SCRATCH_BYTES``, or a same-host medium may take the rest
+                        (on two levels a broadcast's rest past ``SCRATCH_BYTES``: a      :func:`leaders_relay_first`
+                        leader relays all of it)
+                        (scatter always votes; all_gather and gather read every
+                        receiver's limit in round 1 and never do)
+rest medium             the channel: round 1 went through it, CPU, the largest rest      :func:`rest_medium`
+                        below ``min(shm_threshold, CHANNEL_MOST)``; shared memory: on,
+                        CPU, one host, the largest rest at least ``shm_threshold``;
+                        else the backend
+backend exchange        all_gather's rests: one padded all_gather when                   :func:`exchange_shape`
+                        ``world x widest <= PADDED_WITHIN x total``, else one exchange
+                        at exact sizes (an uneven all_gather on NCCL, one batch of
+                        send/recv on gloo); either in rounds of ``chunk_bytes``. On
+                        gloo, stripes (each rest to the ranks whose stripe holds it,
+                        then their all_gather) where they save the busiest rank more
+                        than W - 1 hops of ``HOP_BYTES``
+all_gather's slots      on NCCL from :data:`SUMMED_SLOTS_FROM` ranks: one all_reduce (a    :func:`slots_summed`
+                        sum, a tree) of the table, zeros but each rank's own slot
+gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks: up a      :func:`slots_up_tree`
+                        binomial tree of send/recv (ceil(log2 W) levels), each slot
+                        trimmed to what it carries; below it the backend's gather
+                        (every rank to the destination)
+two levels              all_gather, gather, broadcast of a CPU group with ``local`` on   :func:`two_levels`
+                        that spans hosts, some with two ranks or more: each host's
+                        channel to its leader, the leaders on the backend, back
+all_reduce's result     back down the reduce tree (send/recv, one message an edge)       :func:`result_down_tree`
+                        on NCCL where a broadcast's round 1 would take the backend;
+                        else that broadcast (gloo, the channel, two levels)
+======================  ===============================================================  ==========================
+
+Example::
+
+    >>> from objcomm._transport import routes
+    >>> p = routes.plan("all_gather", routes.Topology(world=8192), rests=[0] * 8190 + [1 << 20, 100 << 20])
+    >>> [step.collective for step in p.steps], p.backend_calls
+    (['all_gather', 'stripes', 'all_gather'], 3)
+"""
+
+from objcomm._transport.routes.cutoffs import (
+    BACKEND,
+    CHANNEL,
+    CHANNEL_MOST,
+    EXACT,
+    HOP_BYTES,
+    PADDED,
+    PADDED_WITHIN,
+    SHARED_MEMORY,
+    STRIPES,
+    SUMMED_SLOTS_FROM,
+    TREE_GATHER_FROM,
+    agreement_needed,
+    channel_takes,
+    exchange_shape,
+    express_possible,
+    leaders_relay_first,
+    pieces,
+    rest_medium,
+    result_down_tree,
+    round_one,
+    shared_memory_takes,
+    slots_summed,
+    slots_up_tree,
+    stripe_width,
+    two_levels,
+)
+from objcomm._transport.routes.plans import Knobs, Plan, Step, Topology, plan
+
+__all__ = [
+    "BACKEND",
+    "CHANNEL",
+    "CHANNEL_MOST",
+    "EXACT",
+    "HOP_BYTES",
+    "Knobs",
+    "PADDED",
+    "PADDED_WITHIN",
+    "Plan",
+    "SHARED_MEMORY",
+    "STRIPES",
+    "SUMMED_SLOTS_FROM",
+    "Step",
+    "TREE_GATHER_FROM",
+    "Topology",
+    "agreement_needed",
+    "channel_takes",
+    "exchange_shape",
+    "express_possible",
+    "leaders_relay_first",
+    "pieces",
+    "plan",
+    "rest_medium",
+    "result_down_tree",
+    "round_one",
+    "shared_memory_takes",
+    "slots_summed",
+    "slots_up_tree",
+    "stripe_width",
+    "two_levels",
+]

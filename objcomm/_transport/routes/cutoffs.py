@@ -1,0 +1,137 @@
+"""The cut-offs of :mod:`objcomm._transport.routes`: each decision that picks a route, a pure function of numbers (the
+table of them is the package's docstring)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from objcomm._format.limits import SCRATCH_BYTES
+from objcomm._settings import DEFAULT_SHM_THRESHOLD
+
+CHANNEL, SHARED_MEMORY, BACKEND = "channel", "shared memory", "backend"  # the media
+PADDED, EXACT, STRIPES = "padded", "exact", "stripes"  # the shapes of a backend exchange (exchange_shape)
+PADDED_WITHIN = 2  # a padded all_gather moves at most this many times the bytes of an exact one
+HOP_BYTES = 64 << 10  # what a rank's link moves in one hop's latency (gloo across hosts: ~50 us at ~1.25 GB/s)
+# The largest rest (a gather's: all senders' together) the same-host channel takes, whatever shm_threshold says:
+# what a receiver's other threads read meanwhile waits in its stash (objcomm._samehost.inbox.STASH_BYTES, 64 MiB).
+CHANNEL_MOST = 16 << 20
+
+
+# -- the cut-offs --------------------------------------------------------------------------------------------------
+def express_possible(*, compression: bool, channel_first: bool) -> bool:
+    """Whether a call with default settings may take the express path at all: no compression, and the same-host
+    channel is its first-round medium (whether the channel is open, and the object small, is asked per call)."""
+    return channel_first and not compression
+
+
+def round_one(*, local: bool, one_host: bool, channel_open: bool) -> str:
+    """The medium of round 1: the same-host channel where it is on and open on a group that lies on one host."""
+    return CHANNEL if local and one_host and channel_open else BACKEND
+
+
+def result_down_tree(*, cpu: bool, forced: bool = False) -> bool:
+    """Whether all_reduce's result goes from group rank 0 back down its reduce tree (send/recv, ceil(log2 W) hops:
+    :func:`objcomm._transport.broadcast.down_tree`) rather than in a broadcast, where a broadcast's round 1 would
+    take the backend: on NCCL, whose broadcast is a ring. Not on gloo, whose broadcast is a binomial tree in C++
+    (faster than Python's sends where measured: 4 ranks, 1 MB, 10-12 ms against 7-8). ``forced``: tests (Hooks)."""
+    return not cpu or forced
+
+
+SUMMED_SLOTS_FROM = TREE_GATHER_FROM = 64  # ranks: from here slots_summed (NCCL), slots_up_tree
+
+
+def slots_summed(*, world: int, cpu: bool, forced: bool = False) -> bool:
+    """Whether an all_gather's slots through the backend go in one all_reduce (a sum) of the table, zeros but each
+    rank's own slot, rather than an all_gather: on NCCL from :data:`SUMMED_SLOTS_FROM` ranks, where the all_reduce
+    is a tree (2 ceil(log2 W) hops, the table twice: 2 x 32 MB at 8192 ranks) and the all_gather a ring (W - 1
+    hops). Not on gloo, whose all_reduce is no tree. ``forced``: objcomm's tests (Hooks)."""
+    return forced or (not cpu and world >= SUMMED_SLOTS_FROM)
+
+
+def slots_up_tree(*, world: int, forced: bool = False) -> bool:
+    """Whether a gather's round 1 through the backend goes up a binomial tree to the destination
+    (:func:`objcomm._transport.slot_tree.gather_up_tree`: lengths a level ahead of the trimmed slots) rather than in
+    the backend's gather (W - 1 whole slots into it). From :data:`TREE_GATHER_FROM` ranks (or leaders): below, the
+    levels cost more than the fan-in (the model: 1 KB objects near 50 ranks on NCCL, 40 on gloo). ``forced``: tests."""
+    return forced or world >= TREE_GATHER_FROM
+
+
+def two_levels(*, hosts: int, widest: int, cpu: bool, local: bool) -> bool:
+    """Whether all_gather and broadcast on a group that spans ``hosts`` hosts (``widest``: the most ranks on one)
+    go through two levels (:mod:`objcomm._samehost.two_level`): each host's channel to its leader, one collective
+    of the leaders, back through the channel. On CPU wires with ``local`` on, several hosts, and some host with
+    two ranks or more; NCCL builds its own hierarchy."""
+    return local and cpu and hosts > 1 and widest > 1
+
+
+def channel_takes(moved: int, *, limit: int, cpu: bool) -> bool:
+    """Whether the same-host channel, which carried round 1, takes a rest whose largest sender moves ``moved``
+    bytes (``limit``: ``min(shm_threshold, CHANNEL_MOST)``)."""
+    return cpu and moved < limit
+
+
+def shared_memory_takes(moved: int, *, threshold: int, cpu: bool) -> bool:
+    """Whether shared memory may take a rest whose largest sender moves ``moved`` bytes, before asking where the
+    ranks run (one host) and whether segments open."""
+    return cpu and moved >= threshold
+
+
+def rest_medium(
+    moved: int,
+    *,
+    cpu: bool,
+    round_one_medium: str,
+    shm: bool = True,
+    shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+    one_host: bool = True,
+) -> str:
+    """The medium of round 2 for a rest whose largest sender moves ``moved`` bytes (0: nothing moves)."""
+    if moved <= 0:
+        return BACKEND
+    if round_one_medium == CHANNEL and channel_takes(moved, limit=min(shm_threshold, CHANNEL_MOST), cpu=cpu):
+        return CHANNEL
+    if shm and one_host and shared_memory_takes(moved, threshold=shm_threshold, cpu=cpu):
+        return SHARED_MEMORY
+    return BACKEND
+
+
+def agreement_needed(*, sizes_listed: bool, largest_piece: int, medium_may_take: bool) -> bool:
+    """Whether receivers answer a sender before round 2 (a vote, or a send's answer). Not when round 1 listed
+    every transfer that follows and none is past the scratch size: a receiver over its limit then drains them
+    through one small buffer and raises alone. Decided from the slot alone, so sender and receivers agree."""
+    return not sizes_listed or largest_piece > SCRATCH_BYTES or medium_may_take
+
+
+def leaders_relay_first(*, op: str, moved: int) -> bool:
+    """On two levels, whether an ``op`` whose rest is ``moved`` bytes makes its receivers vote first because a leader
+    holds all of it to relay it to its host: a broadcast past ``SCRATCH_BYTES`` (a refusing leader would hold it
+    whole, past its own ``max_bytes``). The same answer on every rank (the slot's total)."""
+    return op == "broadcast" and moved > SCRATCH_BYTES
+
+
+def exchange_shape(lengths: Sequence[int], *, cpu: bool = False) -> str:
+    """How the backend moves every rank's rest to every rank (``lengths``: each rank's rest, 0 for none):
+    :data:`PADDED` (one all_gather of the widest) when that moves at most :data:`PADDED_WITHIN` times the bytes,
+    else :data:`EXACT` (NCCL: an uneven all_gather; gloo: one batch where each rank sends its rest to every peer).
+    On gloo (``cpu``), :data:`STRIPES` instead (:mod:`objcomm._transport.exchange`: each rest to the ranks whose
+    stripe of the stream of rests holds it, then the stripes' all_gather) where they save the busiest rank more
+    bytes (``max(n_max, c) + (W-1)c``, c = ceil(T/W), against ``(W-1) n_max`` padded, ``max((W-1) n_max, T -
+    n_min)`` in a batch) than its link moves in the latency of that all_gather's W - 1 hops (:data:`HOP_BYTES`
+    each): one rest that dwarfs the others, or many ranks whose rests differ. The same on every rank; O(W)."""
+    world, total, widest = len(lengths), sum(lengths), max(lengths, default=0)
+    shape = PADDED if world * widest <= PADDED_WITHIN * total else EXACT
+    if not cpu or world < 3:
+        return shape
+    busiest = (world - 1) * widest if shape == PADDED else max((world - 1) * widest, total - min(lengths))
+    width = stripe_width(lengths)
+    return STRIPES if busiest - max(widest, width) - (world - 1) * width >= (world - 1) * HOP_BYTES else shape
+
+
+def stripe_width(lengths: Sequence[int]) -> int:
+    """The bytes of each rank's stripe of the stream of every rest (:mod:`objcomm._transport.exchange`): ceil(T/W)."""
+    return -(-sum(lengths) // max(len(lengths), 1))
+
+
+def pieces(length: int, chunk: int) -> int:
+    """How many transfers of at most ``chunk`` bytes move ``length`` bytes (0 for none)."""
+    return -(-length // chunk) if length > 0 else 0
