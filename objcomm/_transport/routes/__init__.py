@@ -2,7 +2,9 @@
 
 Nothing here moves a byte or reads a process group. The object API, the transport and the same-host media ask
 these functions; :func:`plan` composes them into the whole route of one call from made-up numbers, so that tests
-and ``benchmarks/scale_model.py`` can cost a call at any world size without starting a rank.
+and ``benchmarks/scale_model.py`` can cost a call at any world size without starting a rank. The cut-offs live in
+:mod:`.cutoffs`, the composition in :mod:`.plans`; every name is re-exported here (a test that changes a constant
+changes it in :mod:`.cutoffs`, where the functions read it).
 
 A call moves in up to two rounds. In round 1 every sender's fixed-size *slot* (``slot_bytes``: a 24-byte prefix,
 then the frame when it fits, then the tensor sizes when they fit) reaches its receivers; the *rest* (a frame past
