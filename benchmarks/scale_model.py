@@ -35,6 +35,7 @@ import math
 import random
 import sys
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -125,21 +126,18 @@ def direct_all_gatherv(sizes: Sequence[int], a: float, b: float) -> float:
 
 
 def stripes_exchange(sizes: Sequence[int], a: float, b: float) -> float:
-    """Each rest to the ranks whose stripe of the stream of rests holds it (objcomm._transport.exchange; stripes of
-    c = ceil(sum(n) / W) bytes), one batch of send/recv: max over r of max(sent_r, received_r)/B + a*ceil(peers_r/c)
-    (peers_r: the more of the ranks r sends to and the ranks that send to r; c: :data:`P2P_CONCURRENCY`)."""
-    world, width = len(sizes), routes.stripe_width(sizes)
-    sent, received, outs, ins = [0] * world, [0] * world, [0] * world, [0] * world
-    start = 0
-    for r, n in enumerate(sizes):
-        for j in range(start // width, -(-(start + n) // width)) if n else ():
-            moved = min(start + n, (j + 1) * width) - max(start, j * width)
-            if j != r:
-                sent[r], received[j], outs[r], ins[j] = sent[r] + moved, received[j] + moved, outs[r] + 1, ins[j] + 1
-        start += n
-    return max(
-        max(sent[r], received[r]) / b + a * math.ceil(max(outs[r], ins[r]) / P2P_CONCURRENCY) for r in range(world)
-    )
+    """Each rest to the ranks whose stripe of the stream of rests holds it (objcomm._transport.exchange; each rank's
+    moves are :func:`objcomm._transport.routes.stripe_moves`'s), one batch of send/recv: max over r of max(sent_r,
+    received_r)/B + a*ceil(peers_r/c) (peers_r: the more of the ranks r sends to and the ranks that send to r; c:
+    :data:`P2P_CONCURRENCY`)."""
+    offsets, width = [0, *accumulate(sizes)], routes.stripe_width(sizes)
+    worst = 0.0
+    for r in range(len(sizes)):
+        moves = routes.stripe_moves(offsets, r, width)
+        sent, received = (sum(end - start for _, start, end in m) for m in (moves.sends, moves.receives))
+        peers = max(len(moves.sends), len(moves.receives))
+        worst = max(worst, max(sent, received) / b + a * math.ceil(peers / P2P_CONCURRENCY))
+    return worst
 
 
 def flat_gather(sizes: Sequence[int], root: int, a: float, b: float) -> float:
@@ -179,10 +177,9 @@ def tree_vote(world: int, a: float) -> float:
 
 
 def table_sum(params: Params, world: int, n: int, a: float, b: float) -> float:
-    """An all_reduce of n bytes (the table of slots, summed): NCCL's pipelined tree, 2*ceil(log2 W)*a + 2n/B, or
-    gloo's ring, 2*(W-1)*a + 2n/B."""
-    hops = 2 * levels(world) if params.vote == "tree" else 2 * (world - 1)
-    return hops * a + 2 * n / b
+    """An all_reduce of n bytes (the table of slots, summed): a vote's hops (NCCL's pipelined tree, 2*ceil(log2 W)*a;
+    gloo's ring, 2*(W-1)*a), and the table twice, 2n/B."""
+    return vote_cost(params, world, a) + 2 * n / b
 
 
 def doubling_vote(world: int, a: float) -> float:

@@ -188,26 +188,36 @@ def recv_bytes(wire: Wire, length: int, src: int, op: str, drain: bool = False) 
 
 
 def all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> List[torch.Tensor]:
-    """All ranks send ``width`` bytes (``data`` shorter is zero-padded); return each rank's ``width`` bytes."""
-    length = data.numel()
+    """All ranks send ``width`` bytes (``data`` shorter is zero-padded); return each rank's ``width`` bytes (rows of
+    :func:`all_gather_table`)."""
+    return list(all_gather_table(wire, data, width, op).view(wire.size, width))
+
+
+def all_gather_table(
+    wire: Wire, data: torch.Tensor, width: int, op: str, deadline: Optional[Deadline] = None
+) -> torch.Tensor:
+    """All ranks send ``width`` bytes (``data`` shorter is zero-padded); return every rank's, back to back in group-rank
+    order, in one buffer. Past ``wire.chunk`` bytes a rank, in rounds of at most that many, each checked against
+    ``deadline`` where one is given (one timeout for them all)."""
+    length, size = data.numel(), wire.size
+    table = empty(width * size, wire)
     if width <= wire.chunk:
         padding = torch.zeros(width - length, dtype=torch.uint8, device=data.device)
         send = data if length == width else torch.cat([data, padding])
-        recv = empty(width * wire.size, wire)
-        guarded(op, wire, all_gather_single, recv, to_device(send, wire), group=wire.group)
-        return list(recv.chunk(wire.size)) if width else [recv[:0] for _ in range(wire.size)]
-    results = [empty(width, wire) for _ in range(wire.size)]
-    source = to_device(data, wire)
+        guarded(op, wire, all_gather_single, table, to_device(send, wire), group=wire.group)
+        return table
+    rows, source = table.view(size, width), to_device(data, wire)
     for start in pieces(width, wire.chunk):  # extra memory bounded by size * chunk
         piece = min(wire.chunk, width - start)
         send = torch.zeros(piece, dtype=torch.uint8, device=wire.device)
         valid = max(0, min(piece, length - start))
         send[:valid] = source[start : start + valid]
-        recv = empty(piece * wire.size, wire)
+        recv = empty(piece * size, wire)
+        if deadline is not None:
+            deadline.left(start * size, width * size)
         guarded(op, wire, all_gather_single, recv, send, group=wire.group)
-        for r, part in enumerate(recv.chunk(wire.size)):
-            results[r][start : start + piece] = part
-    return results
+        rows[:, start : start + piece] = recv.view(size, piece)
+    return table
 
 
 def all_to_all_bytes(

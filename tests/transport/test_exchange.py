@@ -1,5 +1,6 @@
-"""objcomm._transport.exchange.stripe_moves: who sends which bytes of the stream of rests to whom, with made-up sizes
-(no ranks; tests/transport/test_many_ranks.py runs the exchange itself on 8 real ranks)."""
+"""objcomm._transport.routes.stripe_moves, the plan of objcomm._transport.exchange.by_stripes: who sends which bytes
+of the stream of rests to whom, with made-up sizes (no ranks; tests/transport/test_many_ranks.py runs the exchange
+itself on 8 real ranks)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Dict, List, Sequence, Tuple
 import pytest
 
 from objcomm._transport import routes
-from objcomm._transport.exchange import stripe_moves
+from objcomm._transport.routes import stripe_moves
 
 Ranges = Dict[Tuple[int, int], Tuple[int, int]]
 
@@ -27,7 +28,7 @@ def _check(lengths: Sequence[int]) -> List[int]:
     received: Ranges = {}
     posted = []
     for me in range(world):
-        moves = stripe_moves(offsets, me)
+        moves = stripe_moves(offsets, me, width)
         assert moves.stripe == (min(me * width, total), min((me + 1) * width, total))
         covered = []
         for owner, start, end in moves.sends + moves.kept:
@@ -54,10 +55,10 @@ def _check(lengths: Sequence[int]) -> List[int]:
 def test_the_docstring_example():
     """W = 4, rests of 0, 10, 0, 2 bytes: stripes of 3; rank 1 sends 3 to rank 0, 3 to rank 2, 1 to rank 3."""
     offsets = [0, 0, 10, 10, 12]
-    one = stripe_moves(offsets, 1)
+    one = stripe_moves(offsets, 1, 3)
     assert one.sends == [(0, 0, 3), (2, 6, 9), (3, 9, 10)] and one.kept == [(1, 3, 6)]
     assert one.receives == [] and one.stripe == (3, 6)
-    three = stripe_moves(offsets, 3)
+    three = stripe_moves(offsets, 3, 3)
     assert three.kept == [(3, 10, 12)] and three.receives == [(1, 9, 10)] and three.sends == []
     assert _check([0, 10, 0, 2]) == [1, 3, 1, 1]
 
@@ -91,11 +92,11 @@ def test_a_rank_posts_transfers_for_its_own_bytes_only():
     """At 8192 ranks: one 100 MB rest goes to 8191 stripes (its owner's sends); each other rank posts one receive;
     8191 one-byte rests piled into one stripe: its owner posts a receive from each, the others one send each."""
     outlier = [0] * 8191 + [100 << 20]
-    offsets = [0, *accumulate(outlier)]
-    assert len(stripe_moves(offsets, 8191).sends) == 8191
-    assert all(len(stripe_moves(offsets, r).receives) == 1 for r in (0, 1, 4096, 8190))
+    offsets, width = [0, *accumulate(outlier)], routes.stripe_width(outlier)
+    assert len(stripe_moves(offsets, 8191, width).sends) == 8191
+    assert all(len(stripe_moves(offsets, r, width).receives) == 1 for r in (0, 1, 4096, 8190))
     piled = [1] * 8191 + [67_100_000]  # stripes of 8,192 bytes: stripe 0 holds ranks 0-8190 and 1 byte of 8191's
     offsets = [0, *accumulate(piled)]
     assert routes.stripe_width(piled) == 8192
-    assert len(stripe_moves(offsets, 0).receives) == 8191
-    assert [stripe_moves(offsets, r).sends for r in (1, 8190)] == [[(0, 1, 2)], [(0, 8190, 8191)]]
+    assert len(stripe_moves(offsets, 0, 8192).receives) == 8191
+    assert [stripe_moves(offsets, r, 8192).sends for r in (1, 8190)] == [[(0, 1, 2)], [(0, 8190, 8191)]]

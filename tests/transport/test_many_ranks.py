@@ -72,7 +72,7 @@ def calls() -> Iterator[Dict[str, int]]:
     try:
         for name in COLLECTIVES:
             wrap(dist, name, "collectives")
-        for owner in (_base, _bytes, _exchange, _rounds, _two_level):  # bound at import under its torch-version name
+        for owner in (_base, _bytes, _rounds, _two_level):  # bound at import under its torch-version name
             wrap(owner, "all_gather_single", "collectives")
         for name in ("send", "recv"):
             wrap(dist, name, "blocking")
@@ -410,13 +410,13 @@ def stripes_with_a_liar(lie: str) -> List[Any]:
     wire = _Wire(dist.group.WORLD, list(range(W)), rank, torch.device("cpu"), 4096, 1 << 20, 1 << 30)
     lengths = [300, 0, 500, 0, 1000, 0, 700, 100]
     own = torch.full((lengths[rank],), rank + 1, dtype=torch.uint8)
-    real_gather, real_batch = _exchange.all_gather_single, dist.batch_isend_irecv
+    real_gather, real_batch = _bytes.all_gather_single, dist.batch_isend_irecv
     if lie == "relay" and rank == 2:
 
         def forged(out: torch.Tensor, stripe: torch.Tensor, **kwargs: Any) -> Any:
             return real_gather(out, stripe.bitwise_not(), **kwargs)
 
-        _exchange.all_gather_single = forged  # type: ignore[assignment]
+        _bytes.all_gather_single = forged  # type: ignore[assignment]
     if lie == "short" and rank == 4:
 
         def halves(ops: List[Any]) -> Any:
@@ -428,7 +428,7 @@ def stripes_with_a_liar(lie: str) -> List[Any]:
     try:
         got = _exchange.by_stripes(wire, own, lengths, "all_gather")
     finally:
-        _exchange.all_gather_single, dist.batch_isend_irecv = real_gather, real_batch
+        _bytes.all_gather_single, dist.batch_isend_irecv = real_gather, real_batch
     return [None if g is None else bytes(g.numpy()) for g in got]
 
 

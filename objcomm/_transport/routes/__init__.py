@@ -85,7 +85,7 @@ from objcomm._transport.routes.cutoffs import (
     stripe_width,
     two_levels,
 )
-from objcomm._transport.routes.plans import Knobs, Plan, Step, Topology, plan
+from objcomm._transport.routes.plans import Knobs, Plan, Step, StripeMoves, Topology, plan, stripe_moves
 
 __all__ = [
     "BACKEND",
@@ -101,6 +101,7 @@ __all__ = [
     "STRIPES",
     "SUMMED_SLOTS_FROM",
     "Step",
+    "StripeMoves",
     "TREE_GATHER_FROM",
     "Topology",
     "agreement_needed",
@@ -116,6 +117,7 @@ __all__ = [
     "shared_memory_takes",
     "slots_summed",
     "slots_up_tree",
+    "stripe_moves",
     "stripe_width",
     "two_levels",
 ]

@@ -4,9 +4,10 @@ the steps of one call as a :class:`Plan`, from made-up numbers (no process group
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from functools import partial
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from objcomm._settings import DEFAULT_CHUNK_BYTES, DEFAULT_SHM_THRESHOLD, DEFAULT_SLOT_BYTES
 from objcomm._transport.routes.cutoffs import (
@@ -27,6 +28,38 @@ from objcomm._transport.routes.cutoffs import (
     stripe_width,
     two_levels,
 )
+
+
+class StripeMoves(NamedTuple):
+    """What one rank moves in step 1 of :func:`objcomm._transport.exchange.by_stripes`, in stream bytes ``(peer,
+    start, end)``: ``sends`` (pieces of its rest, to the stripes' owners), ``receives`` (pieces of other ranks' rests
+    in its stripe), ``kept`` (the pieces of its rest in its own stripe, copied); ``stripe`` its stripe's ``(start,
+    end)``, clipped to the stream."""
+
+    sends: List[Tuple[int, int, int]]
+    receives: List[Tuple[int, int, int]]
+    kept: List[Tuple[int, int, int]]
+    stripe: Tuple[int, int]
+
+
+def stripe_moves(offsets: Sequence[int], me: int, width: int) -> StripeMoves:
+    """Rank ``me``'s moves when the rests lie at ``offsets`` (``[0, n_0, n_0 + n_1, ..., T]``) in stripes of
+    ``width`` bytes (:func:`~objcomm._transport.routes.cutoffs.stripe_width`). Pure, O(W) at most: the stripes
+    ``me``'s rest crosses, and the ranks whose rests cross ``me``'s stripe (found by bisection)."""
+    world, total = len(offsets) - 1, offsets[-1]
+    lo, hi = min(me * width, total), min((me + 1) * width, total)
+    start, end = offsets[me], offsets[me + 1]
+    mine = [] if start == end else range(start // width, -(-end // width))
+    crossed = [(j, max(start, j * width), min(end, (j + 1) * width)) for j in mine]
+    receives = []
+    for sender in range(max(bisect.bisect_right(offsets, lo) - 1, 0), world):  # the first whose rest reaches lo
+        if offsets[sender] >= hi:
+            break
+        first, last = max(offsets[sender], lo), min(offsets[sender + 1], hi)
+        if sender != me and first < last:
+            receives.append((sender, first, last))
+    sends = [move for move in crossed if move[0] != me]
+    return StripeMoves(sends, receives, [move for move in crossed if move[0] == me], (lo, hi))
 
 
 def _up_tree(carried: int, slot: int) -> int:
