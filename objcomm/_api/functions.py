@@ -257,7 +257,8 @@ def send(
     ``tag=0`` is accepted, since NCCL ignores tags). A small object (one whose frame fits the slot,
     without tensors out of band) is sent eagerly, wherever the ranks run: this returns before
     ``dst`` receives it, as MPI's eager sends do, with a bounded amount of such sends waiting per
-    group (see ``docs/non-blocking.md``); a larger one returns once ``dst`` took it. On NCCL a send
+    group (see ``docs/non-blocking.md``); so is a medium one on a CPU group (up to ~60 KiB past the
+    slot, in one message with it); a larger one returns once ``dst`` took it. On NCCL a send
     that goes through the backend (across hosts, or with ``local`` off) still waits for its receiver.
     ``dst`` may be this rank itself, as in mpi4py (and is, without a process group): the message waits,
     encoded, until this rank receives it, and this returns at once (see ``docs/from-mpi4py.md``).

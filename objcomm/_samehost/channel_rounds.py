@@ -41,16 +41,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
-import torch
-
-from objcomm._errors import FrameError
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
+from objcomm._format.rest import incoming as incoming  # (re-exported: two levels read their bundles so)
+from objcomm._format.rest import pieces as pieces  # (looked up here by the route's send_whole, and by tests)
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
 from objcomm._samehost import channel as _socket
 from objcomm._samehost.inbox import REST
 from objcomm._samehost.mesh import MAX_PAYLOAD
-from objcomm._samehost.segments import host_bytes
 from objcomm._transport import routes
 from objcomm._transport.base import NOT_USED, WHOLE, NotUsed, Route, SecondRound, Slot, Wire
 
@@ -326,13 +324,6 @@ def _streams(wire: Wire, outs: Sequence[Outgoing]) -> List[Iterator[Slot]]:
     ]
 
 
-def pieces(out: Outgoing, inline: bool) -> List[memoryview]:
-    """What this rank moves after round 1, as byte views: its frame's parts unless the slot carried it
-    (``inline``), then its tensors (host memory: the channel is only used for CPU wires)."""
-    frame = [] if inline else [memoryview(p).cast("B") for p in out.parts]
-    return [p for p in frame + [host_bytes(t) for t in out.tensors] if p.nbytes]
-
-
 def chunks(pieces: List[memoryview]) -> Iterator[Slot]:
     """``pieces`` back to back, in messages of :data:`CHUNK` bytes (the last one shorter)."""
     pending: List[memoryview] = []
@@ -388,32 +379,3 @@ def checked(channel: _socket.LocalChannel, chunk: Slot, index: int, total: int, 
             "a protocol error",
         )
     return at
-
-
-def incoming(data: bytearray, info: SlotInfo, sizes_of: SizesOf, sender: int, op: str) -> Incoming:
-    """``sender``'s frame (unless round 1 carried it) and tensors from its second round's bytes, read as a
-    segment is (:func:`objcomm._samehost.segments.read_segment`); the tensors are views of ``data``."""
-    view = memoryview(data)
-    position = 0
-    frame = info.inline
-    if frame is None:
-        if info.length > len(data):
-            raise FrameError(
-                f"{op}: rank {sender}'s slot announces a {info.length:,}-byte frame in a second round of "
-                f"{len(data):,} bytes; refused"
-            )
-        frame, position = view[: info.length], info.length
-    # against its own sender's slot, as the backend's path checks it (not :class:`objcomm._format.limits.CheckedSizes`,
-    # whose OSError sends shared memory back to the backend: these bytes have moved)
-    sizes, problem = _limits.table_sizes(getattr(sizes_of, "raw", sizes_of), frame)
-    problem = problem or _limits.table_problem(info.length, info.total, sizes, info.sizes)
-    if problem:  # (the frame and its table make the slot's total: the rest of ``data`` is the tensors)
-        raise _limits.inconsistent(op, sender, problem)
-    if not sizes:
-        return Incoming(frame, [])
-    whole = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    tensors = []
-    for n in sizes:  # views at their offset in ``whole``: the restorer copies one its dtype cannot start at
-        tensors.append(whole[position : position + n])
-        position += n
-    return Incoming(frame, tensors)

@@ -53,6 +53,7 @@ import torch
 
 from objcomm._errors import FrameError
 from objcomm._format.message import Incoming
+from objcomm._format.rest import host_bytes
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.sealed import SealedSegment, foreign, frame_parts, write_sealed
 
@@ -251,11 +252,6 @@ def _read_piece(fd: int, view: memoryview, offset: int, path: str, size: int) ->
                 "sender announced: it was truncated while being read; refused"
             )
         done += got
-
-
-def host_bytes(tensor: torch.Tensor) -> memoryview:
-    # the ignore below: numpy's stubs give ndarray no buffer protocol (__buffer__) before Python 3.12
-    return memoryview(tensor.detach().reshape(-1).cpu().contiguous().numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _check_space(directory: str, size: int) -> None:

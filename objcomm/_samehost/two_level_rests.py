@@ -132,7 +132,7 @@ class TwoLevelRests:
         if refuse:
             raise _limits.refused(op, src, wire, info.total, None, drained=True, into="pieces of the two levels")
         assert got is not None
-        return incoming(got, info, sizes_of, src, op)  # type: ignore[arg-type]
+        return incoming(got, info, sizes_of, src, op)
 
     def gather(
         self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int, op: str
@@ -286,7 +286,7 @@ def _split(
             if r == me:  # its own, as copies: a result never aliases the input
                 found[r] = Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors])
             elif n:
-                found[r] = incoming(bundle[at : at + n], infos[r], sizes_of, r, op)  # type: ignore[arg-type]
+                found[r] = incoming(bundle[at : at + n], infos[r], sizes_of, r, op)
             else:
                 found[r] = Incoming(infos[r].inline)  # type: ignore[arg-type]  # it came inline
             at += n

@@ -10,11 +10,13 @@ caller may change the object, its tensors included, as soon as ``isend`` returns
 **Small sends return at once on every path.** Through the same-host channel a send returns once the kernel holds its
 bytes; gloo's send waits until its receiver posts the receive. So a ring of blocking sends (each rank sends to the
 next, then receives from the previous, as mpi4py programs do) completed on one host and hung across hosts. Now a send
-through the group whose slot carries the whole message (or an error report: no second round follows) is posted
-with ``dist.isend`` and left here (:func:`post`), as MPI's eager protocol buffers small messages:
+through the group whose slot carries the whole message (or an error report: no second round follows), or that goes
+in one message with its rest (:func:`objcomm._transport.routes.backend_whole`: a medium rest on a CPU group), is
+posted with ``dist.isend`` and left here (:func:`post`), as MPI's eager protocol buffers small messages:
 
-- at most :data:`MOST_SENDS` such sends, holding at most :data:`MOST_BYTES` bytes of slots, wait for their receivers
-  per group on this rank (with the default 4 KiB slot the count binds first: 64 sends, 256 KiB); a send past the
+- at most :data:`MOST_SENDS` such sends, holding at most :data:`MOST_BYTES` bytes, wait for their receivers
+  per group on this rank (with the default 4 KiB slot the count binds first for slots alone: 64 sends, 256 KiB;
+  the bytes for messages with their rest: about 60 of up to 64 KiB); a send past the
   bound waits until the oldest are received, the group's timeout at most (the channel bounds what it holds too);
 - a thread per (group, receiver) with sends pending waits for them in order (gloo tells a send's end to a waiter
   only: a wait with a timeout that expires breaks the group's connections), and ends :data:`LINGER` seconds after
@@ -199,7 +201,8 @@ def _sends(group: Any) -> _Sends:
 
 
 def post(wire: Wire, slot: torch.Tensor, dst: int, op: str) -> None:
-    """Post ``slot``, a whole message (or an error report), to group rank ``dst`` under ``wire.data_tag`` and return
+    """Post ``slot``, a whole message (a slot that carries it or an error report, or a slot with its rest), to group
+    rank ``dst`` under ``wire.data_tag`` and return
     without waiting for its receiver. Raises :class:`~objcomm.CommunicationError` for an earlier pending send that
     failed, or when the bound stays reached for the group's timeout."""
     _sends(wire.group).post(wire, slot, dst, op)

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from objcomm._errors import FrameError
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
+from objcomm._format.rest import incoming, pieces
 from objcomm._format.slot import SlotInfo, fill_slot, read_slot, read_slots
 from objcomm._transport import pending as _pending
 from objcomm._transport import routes
@@ -191,7 +192,7 @@ def _exchange_slots(wire: Wire, out: Outgoing, op: str, summed: bool = False) ->
 # -- point to point --------------------------------------------------------------------------
 def send(wire: Wire, out: Outgoing, dst: int, eager: bool = True) -> None:
     """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must). ``eager``: a
-    whole message in its slot may return before its receiver takes it (see :func:`_post_slot`)."""
+    message that nothing follows may return before its receiver takes it (see :func:`_post`)."""
     with wire.first_round.p2p(wire, "send") as route:
         _send(wire, out, dst, route, eager)
 
@@ -203,14 +204,24 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
     problem = _limits.slot_problem_of(info)
     ends = bool(info.error) or _limits.complete(info)
     agreed = not ends and not problem and _agreement_needed(wire, info, op)
-    at_once = route is not None and not ends and not problem and not agreed and wire.device.type == "cpu"
+    cpu = wire.device.type == "cpu"
+    at_once = route is not None and not ends and not problem and not agreed and cpu
     if at_once and route is not None and route.send_whole(wire, raw, out, info, dst):
         return  # the slot and the rest that follows it at once, in one message of the route
+    if (
+        route is None
+        and not ends
+        and not problem
+        and routes.backend_whole(info.second_round_bytes, cpu=cpu, agreed=agreed)
+    ):
+        whole = bytearray().join([raw, *pieces(out, info.inline is not None)])  # owned: it may be posted eagerly
+        _post(wire, whole, dst, op, eager)
+        return
     message = 0
     if route is not None:
         message = route.send(wire, raw, dst)
     else:
-        _post_slot(wire, raw, info, dst, op, eager)
+        _post(wire, raw, dst, op, eager and (bool(info.error) or _limits.complete(info)))
     if problem:  # the receiver finds the same and raises too
         raise _limits.inconsistent(op, wire.rank, problem)
     if ends:
@@ -248,18 +259,18 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
     batch.wait()
 
 
-def _post_slot(wire: Wire, raw: bytearray, info: SlotInfo, dst: int, op: str, eager: bool) -> None:
-    """Send a slot through the group. gloo's send waits until its receiver posts the receive, where the channel's
-    returns once the kernel holds the bytes: so that small sends return at once on every path, a slot that carries
-    the whole message or an error report (no second round follows) is posted and left to
-    :mod:`objcomm._transport.pending` (``eager``; bounded per group). A slot that a second round follows, and every slot
-    on NCCL, wait for the receiver as before."""
-    slot = _on_device(wire, raw)
+def _post(wire: Wire, message: bytearray, dst: int, op: str, eager: bool) -> None:
+    """Send a slot (with its rest, where :func:`objcomm._transport.routes.backend_whole` says so) through the group.
+    gloo's send waits until its receiver posts the receive, where the channel's returns once the kernel holds the
+    bytes: so that small sends return at once on every path, a message that nothing follows (its slot carries the
+    whole message or an error report, or its rest came with it) is posted and left to
+    :mod:`objcomm._transport.pending` (``eager``, on CPU groups; bounded per group). A slot that a second round follows,
+    and every slot on NCCL, wait for the receiver as before."""
+    data = _on_device(wire, message)
     if eager and wire.device.type == "cpu":
-        if info.error or _limits.complete(info):
-            _pending.post(wire, slot, dst, op)
-            return
-    guarded(op, wire, dist.send, slot, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
+        _pending.post(wire, data, dst, op)
+        return
+    guarded(op, wire, dist.send, data, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
 
 
 def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incoming, bool]:
@@ -273,25 +284,40 @@ def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Rou
     if route is not None:
         sender, got, message = route.recv(wire, src, op)
         return received(wire, sender, read_slot(memoryview(got)), sizes_of, route, message)
-    slot = zeroed(wire.slot, wire)
+    cpu = wire.device.type == "cpu"  # room for a rest that comes with its slot (routes.backend_whole)
+    buffer = zeroed(wire.slot + (routes.BACKEND_WHOLE_BYTES if cpu else 0), wire)
     peer = None if src is None else wire.ranks[src]
-    sender_global = guarded(op, wire, dist.recv, slot, src=peer, group=wire.group, tag=wire.data_tag)
+    sender_global = guarded(op, wire, dist.recv, buffer, src=peer, group=wire.group, tag=wire.data_tag)
     sender = list(wire.ranks).index(sender_global) if src is None else src
-    return received(wire, sender, read_slot(host_view(slot)), sizes_of)
+    view = host_view(buffer)
+    return received(wire, sender, read_slot(view[: wire.slot]), sizes_of, after=view[wire.slot :] if cpu else None)
 
 
 def received(
-    wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: Optional[Route] = None, message: int = 0
+    wire: Wire,
+    sender: int,
+    info: SlotInfo,
+    sizes_of: SizesOf,
+    route: Optional[Route] = None,
+    message: int = 0,
+    after: Optional[memoryview] = None,
 ) -> tuple[int, Incoming, bool]:
     """The rest of a receive from group rank ``sender`` once its slot (``info``) arrived, through the group or
-    ``route`` (which carried the slot of message ``message``); the incoming keeps the limit the slot announced."""
-    got = _received(wire, sender, info, sizes_of, route, message)
+    ``route`` (which carried the slot of message ``message``); the incoming keeps the limit the slot announced.
+    ``after``: what followed the slot in its message of the group, where a rest may come with it."""
+    got = _received(wire, sender, info, sizes_of, route, message, after)
     got[1].sender_limit = info.limit
     return got
 
 
 def _received(
-    wire: Wire, sender: int, info: SlotInfo, sizes_of: SizesOf, route: Optional[Route], message: int
+    wire: Wire,
+    sender: int,
+    info: SlotInfo,
+    sizes_of: SizesOf,
+    route: Optional[Route],
+    message: int,
+    after: Optional[memoryview],
 ) -> tuple[int, Incoming, bool]:
     op = "recv"
     problem = _limits.slot_problem_of(info)
@@ -305,6 +331,11 @@ def _received(
     sizes, problem = _limits.plan(info, sizes_of)
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if info.total > wire.max_bytes else 0
     agreed = _agreement_needed(wire, info, op)
+    moved = info.second_round_bytes
+    if after is not None and routes.backend_whole(moved, cpu=True, agreed=agreed):  # the rest came with the slot
+        if refuse:
+            raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
+        return sender, incoming(bytearray(after[:moved]), info, sizes_of, sender, op), False
     at_once = not agreed or message & WHOLE  # WHOLE: the sender did not ask (the rest came with its slot)
     if route is not None and at_once and wire.device.type == "cpu":  # the rest came right after the slot
         got = route.recv_rest(wire, info, sizes_of, sender, message, op, drain=bool(refuse))

@@ -294,6 +294,120 @@ def test_every_rank_sends_to_every_other_before_receiving(path):
         assert received == [[(peer, i) for i in range(5)] for peer in range(3) if peer != rank]
 
 
+# -- medium sends through the backend: the slot and its rest in one message ------------------------------------------
+MEDIUM = 16_000  # bytes of a frame past the slot, well within routes.BACKEND_WHOLE_BYTES
+
+
+def _medium(i: int, oob: bool) -> Dict[str, Any]:
+    """A message whose rest (a frame past the slot; with ``oob`` a 16 KB tensor out of band, its frame in the slot)
+    goes with its slot in one message of a CPU group's backend."""
+    return {"i": i, "t": torch.full((4_000,), float(i))} if oob else {"i": i, "pad": bytes([i % 256]) * MEDIUM}
+
+
+def _medium_seen(got: Dict[str, Any], oob: bool) -> Any:
+    return (got["i"], sorted(set(got["t"].tolist()))) if oob else (got["i"], set(got["pad"]))
+
+
+def medium_ring(group: Any, oob: bool) -> Any:
+    """Each rank sends a medium message to the next, then receives from the previous; rank 0 counts its backend calls
+    per send, and changes its object after each send returned."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    calls: Dict[str, int] = {"send": 0, "isend": 0}
+    wrapped = {name: getattr(dist, name) for name in calls}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return wrapped[name](*args, **kwargs)
+
+        return call
+
+    previous = objcomm.configure(inline_tensor_bytes=1024)  # the 16 KB tensor travels out of band
+    for name in calls:
+        setattr(dist, name, counting(name))
+    try:
+        got = []
+        buf = _medium(rank, oob)
+        for _ in range(3):
+            objcomm.send(buf, dst=(rank + 1) % world, group=group)
+            if oob:
+                buf["t"].fill_(-1.0)  # after the send returned: the receiver must not see it
+            buf["i"] = -1
+            got.append(_medium_seen(objcomm.recv(src=(rank - 1) % world, group=group), oob))
+            buf = _medium(rank, oob)
+        return got, dict(calls)
+    finally:
+        for name, real in wrapped.items():
+            setattr(dist, name, real)
+        objcomm.restore(previous)
+
+
+@pytest.mark.parametrize("oob", [False, True], ids=["frame", "tensor"])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_ring_of_medium_blocking_sends_completes(path, oob):
+    """A medium send returns before its receiver posts the receive on both paths (before, through the backend its
+    slot waited for the receiver, and the ring hung until the timeout); on the backend it is one message."""
+    got = get_pool(3).run(in_short_group, path, medium_ring, oob, timeout=60)
+    for rank, result in enumerate(got):
+        assert not isinstance(result, str), result
+        received, calls = result
+        src = (rank - 1) % 3
+        expected = (src, [float(src)]) if oob else (src, {src})
+        assert received == [expected] * 3
+        if path == "backend":
+            assert calls == {"send": 0, "isend": 3}, calls  # slot and rest in one posted message a send
+
+
+def medium_refused_then_next() -> Any:
+    """Rank 1, over its max_bytes for the first medium message (which came whole with its slot), raises alone and
+    then receives the next one: the stream stays in step."""
+    if dist.get_rank() == 0:
+        objcomm.send(_medium(1, False), 1, tag=16)
+        objcomm.send(_medium(2, False), 1, tag=16)
+        return None
+    try:
+        objcomm.recv(0, tag=16, max_bytes=1000)
+        first: Any = "received"
+    except objcomm.TooLargeError as exc:
+        first = str(exc)
+    return first, _medium_seen(objcomm.recv(0, tag=16), False)
+
+
+def test_a_medium_message_over_the_receivers_limit_is_dropped_and_the_next_arrives():
+    first, second = get_pool(2).run(_on_path, "backend", medium_refused_then_next)[1]
+    assert "max_bytes" in first and "rank 0" in first, first
+    assert second == (2, {2})
+
+
+def short_medium_then_next() -> Any:
+    """Rank 0's first medium message is one byte short of what its slot announces (a lying or broken sender): rank 1
+    reads the missing byte as zero and decodes what it got (no hang, no read past the message), then receives the next
+    message whole. Only the liar's own message to this receiver can change, as any bytes it sends could."""
+    from objcomm._transport import rounds
+
+    if dist.get_rank() == 0:
+        real = rounds.pieces
+        rounds.pieces = lambda out, inline: [memoryview(b"".join(real(out, inline))[:-1])]  # type: ignore
+        try:
+            objcomm.send(b"x" * MEDIUM, 1, tag=17, serializer="pickle")
+        finally:
+            rounds.pieces = real  # type: ignore
+        objcomm.send(_medium(3, False), 1, tag=17)
+        return None
+    try:
+        first: Any = objcomm.recv(0, tag=17)
+        first = (len(first), first[:-8] == b"x" * (MEDIUM - 8)) if isinstance(first, bytes) else type(first).__name__
+    except objcomm.ObjcommError as exc:
+        first = type(exc).__name__
+    return first, _medium_seen(objcomm.recv(0, tag=17), False)
+
+
+def test_a_medium_message_cut_short_costs_only_itself():
+    first, second = get_pool(2).run(_on_path, "backend", short_medium_then_next)[1]
+    assert first == "DecodeError"  # the pickle's last byte (its STOP) read as zero
+    assert second == (3, {3})
+
+
 # -- a pending send that fails is reported, not dropped --------------------------------------------------------------
 def _receiver_killed(rank: int, world: int, store: str, victim: int, results: Any) -> None:
     dist.init_process_group(

@@ -58,6 +58,16 @@ def test_agreement_needed():
     assert not routes.leaders_relay_first(op="all_gather", moved=SCRATCH_BYTES + 1)  # every rank's limit in round 1
 
 
+def test_a_sends_medium_rest_goes_with_its_slot_through_a_cpu_backend():
+    whole = routes.BACKEND_WHOLE_BYTES
+    assert routes.backend_whole(1, cpu=True, agreed=False)
+    assert routes.backend_whole(whole, cpu=True, agreed=False)
+    assert not routes.backend_whole(whole + 1, cpu=True, agreed=False)  # two messages: the slot, then the rest
+    assert not routes.backend_whole(0, cpu=True, agreed=False)  # nothing follows the slot
+    assert not routes.backend_whole(100, cpu=True, agreed=True)  # the receiver answers first
+    assert not routes.backend_whole(100, cpu=False, agreed=False)  # NCCL: every send waits for its receiver
+
+
 def test_round_one_and_express():
     assert routes.round_one(local=True, one_host=True, channel_open=True) == CHANNEL
     assert routes.round_one(local=True, one_host=False, channel_open=True) == BACKEND

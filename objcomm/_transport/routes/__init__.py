@@ -29,6 +29,8 @@ rest medium             the channel: round 1 went through it, CPU, the largest r
                         below ``min(shm_threshold, CHANNEL_MOST)``; shared memory: on,
                         CPU, one host, the largest rest at least ``shm_threshold``;
                         else the backend
+send's rest with slot   through a CPU group's backend, no answer first, a rest of at     :func:`backend_whole`
+                        most ``BACKEND_WHOLE_BYTES``: slot and rest in one message
 backend exchange        all_gather's rests: one padded all_gather when                   :func:`exchange_shape`
                         ``world x widest <= PADDED_WITHIN x total``, else one exchange
                         at exact sizes (an uneven all_gather on NCCL, one batch of
@@ -60,6 +62,7 @@ Example::
 
 from objcomm._transport.routes.cutoffs import (
     BACKEND,
+    BACKEND_WHOLE_BYTES,
     CHANNEL,
     CHANNEL_MOST,
     EXACT,
@@ -71,6 +74,7 @@ from objcomm._transport.routes.cutoffs import (
     SUMMED_SLOTS_FROM,
     TREE_GATHER_FROM,
     agreement_needed,
+    backend_whole,
     channel_takes,
     exchange_shape,
     express_possible,
@@ -89,6 +93,7 @@ from objcomm._transport.routes.plans import Knobs, Plan, Step, StripeMoves, Topo
 
 __all__ = [
     "BACKEND",
+    "BACKEND_WHOLE_BYTES",
     "CHANNEL",
     "CHANNEL_MOST",
     "EXACT",
@@ -105,6 +110,7 @@ __all__ = [
     "TREE_GATHER_FROM",
     "Topology",
     "agreement_needed",
+    "backend_whole",
     "channel_takes",
     "exchange_shape",
     "express_possible",

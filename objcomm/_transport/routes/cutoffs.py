@@ -102,6 +102,22 @@ def agreement_needed(*, sizes_listed: bool, largest_piece: int, medium_may_take:
     return not sizes_listed or largest_piece > SCRATCH_BYTES or medium_may_take
 
 
+# A send's rest up to this size goes in one message with its slot through a CPU group's backend (the receiver posts
+# a buffer of the slot and this many bytes for every slot): one gloo rendezvous instead of two.
+BACKEND_WHOLE_BYTES = 60 << 10
+
+
+def backend_whole(rest: int, *, cpu: bool, agreed: bool) -> bool:
+    """Whether a send through the backend (no same-host route) moves its slot and its ``rest`` bytes in one message:
+    on a CPU group, where no answer comes first (``agreed``: :func:`agreement_needed`), for a rest of at most
+    :data:`BACKEND_WHOLE_BYTES`. gloo's send waits until its receiver posts the receive, so a slot and then its rest
+    cost two rendezvous; one message costs one (a 16 KB round trip on loopback: 2 messages a way ~500 us, 1 ~190 us),
+    and is posted without waiting for its receiver, as a whole message in its slot is
+    (:mod:`objcomm._transport.pending`). The receiver decides the same from the slot it reads, and a receiver over
+    its ``max_bytes`` drops what came (it is in its buffer already) and raises alone."""
+    return cpu and not agreed and 0 < rest <= BACKEND_WHOLE_BYTES
+
+
 def leaders_relay_first(*, op: str, moved: int) -> bool:
     """On two levels, whether an ``op`` whose rest is ``moved`` bytes makes its receivers vote first because a leader
     holds all of it to relay it to its host: a broadcast past ``SCRATCH_BYTES`` (a refusing leader would hold it
