@@ -39,7 +39,7 @@ so rests waited for the receiver's answer, a wake-up more per message); a refusi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
@@ -47,10 +47,11 @@ from objcomm._format.rest import incoming as incoming  # (re-exported: two level
 from objcomm._format.rest import pieces as pieces  # (looked up here by the route's send_whole, and by tests)
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
 from objcomm._samehost import channel as _socket
-from objcomm._samehost.inbox import REST
+from objcomm._samehost.inbox import ALL_GATHER, ALL_TO_ALL, BROADCAST, GATHER, REST, SCATTER
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._transport import routes
 from objcomm._transport.base import NOT_USED, WHOLE, NotUsed, Route, SecondRound, Slot, Wire
+from objcomm._transport.patterns import Pattern, pattern
 
 CHUNK = MAX_PAYLOAD  # bytes of one channel message
 MOST = routes.CHANNEL_MOST  # the most second-round bytes (largest sender's; a gather's, all senders') it takes
@@ -84,23 +85,10 @@ class ChannelRounds:
             return self.inner.all_gather(wire, out, infos, sizes_of, op)
         channel, spin = found
         me = wire.rank
-        received: List[Optional[bytearray]] = [bytearray(n) if n and r != me else None for r, n in enumerate(moved)]
         mine = chunks(pieces(out, infos[me].inline is not None))
-        for index in range(-(-max(moved) // CHUNK)):
-            got = channel.all_gather(next(mine, b""), spin)
-            for r, into in enumerate(received):
-                if into is not None:
-                    place(channel, into, got[r], index, r, op)
-                elif r != me:
-                    checked(channel, got[r], index, 0, r, op)
-        return [
-            Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors])
-            if r == me  # never the input itself
-            else incoming(into, infos[r], sizes_of, r, op)
-            if into is not None
-            else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
-            for r, into in enumerate(received)
-        ]
+        got = _streamed(channel, pattern("all_gather", me=me, world=wire.size), mine, moved, max(moved), True, spin, op)
+        own = Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors])  # never the input itself
+        return _results(got, infos, me, own, sizes_of, op)
 
     def broadcast(
         self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int, op: str
@@ -110,22 +98,16 @@ class ChannelRounds:
         if found is None:
             return self.inner.broadcast(wire, out, info, sizes_of, src, op)
         channel, spin = found
-        if wire.rank == src:
-            assert out is not None
-            for chunk in chunks(pieces(out, info.inline is not None)):
-                channel.broadcast(chunk, src, spin)
-            all_received(channel, moved, spin, op)
-            return Incoming(out.frame, list(out.tensors))  # the caller decodes its own with own=True
-        refuse = info.total > wire.max_bytes  # above this rank's limit (no vote came first): received and dropped
-        into = None if refuse else bytearray(moved)
-        for index in range(-(-moved // CHUNK)):
-            chunk = channel.broadcast(None, src, spin)
-            if into is None:
-                checked(channel, chunk, index, moved, src, op)
-            else:
-                place(channel, into, chunk, index, src, op)
+        me = wire.rank
+        mine = chunks(pieces(out, info.inline is not None)) if out is not None and me == src else None
+        refuse = me != src and info.total > wire.max_bytes  # above this rank's limit (no vote came first): dropped
+        at = pattern("broadcast", me=me, world=wire.size, root=src)
+        got = _streamed(channel, at, mine, [moved] * wire.size, moved, not refuse, spin, op)
         all_received(channel, moved, spin, op)
-        if into is None:
+        if me == src:
+            assert out is not None
+            return Incoming(out.frame, list(out.tensors))  # the caller decodes its own with own=True
+        if refuse:
             raise _limits.refused(
                 op,
                 src,
@@ -135,7 +117,7 @@ class ChannelRounds:
                 drained=True,
                 into=f"messages of at most {CHUNK:,} bytes of the same-host channel",
             )
-        return incoming(into, info, sizes_of, src, op)
+        return incoming(got[src] or bytearray(), info, sizes_of, src, op)
 
     def gather(
         self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int, op: str
@@ -149,30 +131,14 @@ class ChannelRounds:
         if found is None:
             return self.inner.gather(wire, out, infos, sizes_of, dst, op)
         channel, spin = found
-        me, messages = wire.rank, -(-max(moved) // CHUNK)
-        if me != dst:
-            mine = chunks(pieces(out, infos[me].inline is not None))
-            for _ in range(messages):
-                channel.gather(next(mine, b""), dst, spin)
-            all_received(channel, sum(moved), spin, op)
-            return None
-        received: List[Optional[bytearray]] = [bytearray(n) if n else None for n in moved]
-        for index in range(messages):
-            got = channel.gather(None, dst, spin)
-            for r, into in enumerate(received):
-                if into is not None:
-                    place(channel, into, got[r], index, r, op)
-                elif r != me:
-                    checked(channel, got[r], index, 0, r, op)
+        me = wire.rank
+        mine = chunks(pieces(out, infos[me].inline is not None)) if me != dst else None
+        at = pattern("gather", me=me, world=wire.size, root=dst)
+        got = _streamed(channel, at, mine, moved, max(moved), True, spin, op)
         all_received(channel, sum(moved), spin, op)
-        return [
-            Incoming(out.frame, list(out.tensors))
-            if r == me  # the caller decodes its own with own=True
-            else incoming(into, infos[r], sizes_of, r, op)
-            if into is not None
-            else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
-            for r, into in enumerate(received)
-        ]
+        if me != dst:
+            return None
+        return _results(got, infos, me, Incoming(out.frame, list(out.tensors)), sizes_of, op)  # own: decoded own=True
 
     def scatter(
         self,
@@ -188,27 +154,21 @@ class ChannelRounds:
         if found is None:
             return self.inner.scatter(wire, outs, info, sizes_of, src, longest, op)
         channel, spin = found
-        me, messages = wire.rank, -(-longest // CHUNK)
-        if me == src:
-            assert outs is not None
-            streams = _streams(wire, outs)
-            for _ in range(messages):
-                channel.scatter([next(stream, b"") for stream in streams], src, spin)
-            all_received(channel, longest, spin, op)
-            return Incoming(outs[me].frame, list(outs[me].tensors))  # the caller decodes its own with own=True
-        moved = info.second_round_bytes
-        if moved > longest:
+        me, moved = wire.rank, info.second_round_bytes
+        if me != src and moved > longest:
             channel.fail(
                 op,
                 f"rank {src}'s slot announces a {moved:,}-byte second round to this rank, but its vote "
                 f"{longest:,} at most: a protocol error",
             )
-        into = bytearray(moved)
-        for index in range(messages):
-            place(channel, into, channel.scatter(None, src, spin), index, src, op)
+        mine = _streams(wire, outs) if outs is not None and me == src else None
+        at = pattern("scatter", me=me, world=wire.size, root=src)
+        got = _streamed(channel, at, mine, [moved] * wire.size, longest, True, spin, op)
         all_received(channel, longest, spin, op)
+        if outs is not None and me == src:
+            return Incoming(outs[me].frame, list(outs[me].tensors))  # the caller decodes its own with own=True
         # the ignore below: nothing moved, so the frame came inline
-        return incoming(into, info, sizes_of, src, op) if moved else Incoming(info.inline)  # type: ignore[arg-type]
+        return incoming(got[src] or bytearray(), info, sizes_of, src, op) if moved else Incoming(info.inline)  # type: ignore[arg-type]
 
     def all_to_all(
         self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf, longest: int, op: str
@@ -217,26 +177,11 @@ class ChannelRounds:
         if found is None:
             return self.inner.all_to_all(wire, outs, infos, sizes_of, longest, op)
         channel, spin = found
-        me, streams = wire.rank, _streams(wire, outs)
-        received: List[Optional[bytearray]] = [
-            bytearray(info.second_round_bytes) if r != me and info.second_round_bytes else None
-            for r, info in enumerate(infos)
-        ]
-        for index in range(-(-longest // CHUNK)):  # every pair's message #index at once; b"" once a stream ended
-            got = channel.all_to_all([next(stream, b"") for stream in streams], spin)
-            for r, into in enumerate(received):
-                if into is not None:
-                    place(channel, into, got[r], index, r, op)
-                elif r != me:
-                    checked(channel, got[r], index, 0, r, op)
-        return [
-            Incoming(outs[r].frame, list(outs[r].tensors))
-            if r == me  # the caller decodes its own with own=True
-            else incoming(into, infos[r], sizes_of, r, op)
-            if into is not None
-            else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
-            for r, into in enumerate(received)
-        ]
+        me, moved = wire.rank, [info.second_round_bytes for info in infos]
+        got = _streamed(
+            channel, pattern("all_to_all", me=me, world=wire.size), _streams(wire, outs), moved, longest, True, spin, op
+        )
+        return _results(got, infos, me, Incoming(outs[me].frame, list(outs[me].tensors)), sizes_of, op)  # own: own=True
 
     def send(
         self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None, message: int = 0
@@ -310,6 +255,69 @@ def came_with_slot(
             f"announced {info.second_round_bytes:,}: a protocol error",
         )
     return Incoming(memoryview(b"")) if drain else incoming(bytearray(rest), info, sizes_of, src, op)
+
+
+_KINDS = {
+    "all_gather": ALL_GATHER,
+    "gather": GATHER,
+    "broadcast": BROADCAST,
+    "scatter": SCATTER,
+    "all_to_all": ALL_TO_ALL,
+}
+
+
+def _streamed(
+    channel: _socket.LocalChannel,
+    at: Pattern,
+    mine: Any,
+    sizes: Sequence[int],
+    longest: int,
+    keep: bool,
+    spin: Optional[float],
+    op: str,
+) -> Dict[int, Optional[bytearray]]:
+    """This rank's part of ``at`` in the second round through ``channel``: ``mine`` (an iterator of this rank's
+    messages, or with ``at.each`` one per rank) in messages of the channel's collective of the operation, as many as
+    the ``longest`` stream needs (every rank knows it, from round 1 or its vote; an iterator that ended sends empty
+    messages). What each of ``at.sources`` sends is checked against ``sizes[r]``, what its slot announced (a message
+    of another length fails the channel: the ranks are out of step), and put together in a buffer of that size
+    (``None`` for none, or read and dropped where not ``keep``)."""
+    kind = _KINDS[at.op]
+    received = {r: bytearray(sizes[r]) if keep and sizes[r] else None for r in at.sources}
+    for index in range(-(-longest // CHUNK)):
+        if not at.to:
+            now: Any = None
+        elif at.each:
+            now = [next(stream, b"") for stream in mine]
+        else:
+            now = next(mine, b"")
+        got = channel.move(kind, at, now, spin)
+        for r, into in received.items():
+            if into is not None:
+                place(channel, into, got[r], index, r, op)
+            else:
+                checked(channel, got[r], index, sizes[r], r, op)  # (0 where nothing is due)
+    return received
+
+
+def _results(
+    received: Dict[int, Optional[bytearray]],
+    infos: Sequence[SlotInfo],
+    me: int,
+    own: Incoming,
+    sizes_of: SizesOf,
+    op: str,
+) -> List[Optional[Incoming]]:
+    """Every rank's incoming, in group-rank order: ``own`` for this rank's, each other's read from the bytes it sent
+    (:func:`objcomm._format.rest.incoming`), or its frame from its slot where nothing moved."""
+    return [
+        own
+        if r == me
+        else incoming(into, infos[r], sizes_of, r, op)
+        if (into := received.get(r)) is not None
+        else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
+        for r in range(len(infos))
+    ]
 
 
 def _streams(wire: Wire, outs: Sequence[Outgoing]) -> List[Iterator[Slot]]:

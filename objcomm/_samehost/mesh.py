@@ -32,6 +32,7 @@ from objcomm._samehost.inbox import after as _after
 from objcomm._samehost.inbox_waits import SEND_FLAGS as _FLAGS
 from objcomm._samehost.inbox_waits import Inbox
 from objcomm._transport.base import Slot
+from objcomm._transport.patterns import Pattern, pattern
 
 MAX_PAYLOAD = 64 << 10  # bytes in one message; a SEQPACKET message must fit the socket's send buffer
 _WAITER = {ANSWER: "send", REST: "recv"}  # the operation that waits for each part of a send
@@ -64,48 +65,47 @@ class Mesh:
     _owner: int
     _lock: threading.Lock
 
-    # -- operations --------------------------------------------------------------------------
+    # -- operations (who sends what to whom: objcomm._transport.patterns) ---------------------------------
+    def move(self, kind: int, pattern: Pattern, mine: Any, spin: Optional[float] = None) -> Dict[int, bytes]:
+        """One collective of ``kind`` (its header's kind: :data:`ALL_GATHER`, ...): this rank's part of ``pattern``
+        (``mine``: one part, or one per rank), and what its sources sent, by rank. ``spin`` (every operation that
+        waits): seconds a wait polls before it sleeps; ``None``: :attr:`auto_spin`."""
+        return self._collective(kind, pattern.outgoing(mine), pattern.sources, spin)
+
     def all_gather(self, data: Slot, spin: Optional[float] = None) -> List[Slot]:
-        """Every rank's ``data``, in group-rank order. ``spin`` (every operation that waits): seconds a wait
-        polls before it sleeps; ``None``: :attr:`auto_spin`."""
-        got = self._collective(ALL_GATHER, dict.fromkeys(self._others, data), self._others, spin)
+        """Every rank's ``data``, in group-rank order."""
+        got = self.move(ALL_GATHER, pattern("all_gather", me=self.rank, world=self.size), data, spin)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
     def broadcast(self, data: Optional[Slot], src: int, spin: Optional[float] = None) -> Slot:
         """``src``'s ``data`` on every rank (ignored elsewhere)."""
+        got = self.move(BROADCAST, pattern("broadcast", me=self.rank, world=self.size, root=src), data, spin)
         if self.rank == src:
             assert data is not None
-            self._collective(BROADCAST, dict.fromkeys(self._others, data), ())
             return data
-        return self._collective(BROADCAST, {}, (src,), spin=spin)[src]
+        return got[src]
 
     def gather(self, data: Optional[Slot], dst: int, spin: Optional[float] = None) -> Dict[int, bytes]:
         """Every other rank's ``data`` on group rank ``dst``, by rank (``data`` ignored there); ``{}`` elsewhere."""
-        if self.rank == dst:
-            return self._collective(GATHER, {}, self._others, spin=spin)
-        assert data is not None
-        self._collective(GATHER, {dst: data}, ())
-        return {}
+        return self.move(GATHER, pattern("gather", me=self.rank, world=self.size, root=dst), data, spin)
 
     def scatter(self, parts: Optional[Sequence[Slot]], src: int, spin: Optional[float] = None) -> Slot:
         """``src``'s ``parts[r]`` on group rank ``r``."""
-        if self.rank == src:
-            assert parts is not None and len(parts) == self.size
-            self._collective(SCATTER, {r: parts[r] for r in self._others}, ())
-            return parts[src]
-        return self._collective(SCATTER, {}, (src,), spin=spin)[src]
+        assert self.rank != src or parts is not None and len(parts) == self.size
+        got = self.move(SCATTER, pattern("scatter", me=self.rank, world=self.size, root=src), parts, spin)
+        return parts[src] if parts is not None and self.rank == src else got[src]
 
     def all_to_all(self, parts: Sequence[Slot], spin: Optional[float] = None) -> List[Slot]:
         """``parts[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``."""
         assert len(parts) == self.size
-        got = self._collective(ALL_TO_ALL, {r: parts[r] for r in self._others}, self._others, spin)
+        got = self.move(ALL_TO_ALL, pattern("all_to_all", me=self.rank, world=self.size), parts, spin)
         return [parts[r] if r == self.rank else got[r] for r in range(self.size)]
 
     def echo(self, data: Slot, spin: Optional[float] = None) -> List[Slot]:
         """An all_gather of kind ``ECHO``: what every rank read in round 1, so that a rank that skipped this step
         (it read round 1 differently) is told apart from one at its next call (see
         :meth:`objcomm._samehost.channel_slots.SameHostSlots.agree`)."""
-        got = self._collective(ECHO, dict.fromkeys(self._others, data), self._others, spin)
+        got = self.move(ECHO, pattern("all_gather", me=self.rank, world=self.size), data, spin)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
     def send(self, data: Slot, dst: int, tag: int = 0, message: int = 0) -> None:

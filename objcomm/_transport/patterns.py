@@ -1,0 +1,70 @@
+"""Who sends what to whom in each collective, seen from one rank: the one place each operation's pattern is written.
+
+A medium that moves messages between every pair of a group's ranks (the same-host channel: its round-1 slots,
+:class:`objcomm._samehost.mesh.Mesh`, and its second rounds, :class:`objcomm._samehost.channel_rounds.ChannelRounds`)
+offers one primitive: send these parts to these ranks, receive one message from each of those. :func:`pattern`
+says which, for every collective; the medium carries it out and the caller shapes the result.
+
+======================  ====================================  =================================  ================
+operation               sends to                              each gets                          receives from
+======================  ====================================  =================================  ================
+all_gather              every other rank                      the same part                      every other rank
+gather                  the root (unless it is the root)      the same part                      root: every other
+broadcast               root: every other rank                the same part                      others: the root
+scatter                 root: every other rank                its own part (``parts[r]``)        others: the root
+all_to_all              every other rank                      its own part (``parts[r]``)        every other rank
+======================  ====================================  =================================  ================
+
+Pure and torch-free; O(W) per pattern (the tuples of ranks), each kept once made.
+
+>>> pattern("gather", me=2, world=4, root=0)
+Pattern(op='gather', to=(0,), each=False, sources=())
+>>> pattern("gather", me=0, world=4, root=0).sources
+(1, 2, 3)
+>>> pattern("scatter", me=0, world=3, root=0).outgoing(["a", "b", "c"])
+{1: 'b', 2: 'c'}
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
+
+OPS = ("all_gather", "gather", "broadcast", "scatter", "all_to_all")
+_ROOTED = {"gather", "broadcast", "scatter"}
+_EACH = {"scatter", "all_to_all"}  # each receiver gets its own part
+
+
+class Pattern(NamedTuple):
+    """One rank's part in one collective (see the module's table)."""
+
+    op: str
+    to: Tuple[int, ...]  # the ranks this rank sends to, in group-rank order
+    each: bool  # each of them gets its own part (``mine[r]``); else all get ``mine``
+    sources: Tuple[int, ...]  # the ranks this rank receives one message from, in group-rank order
+
+    def outgoing(self, mine: Any) -> Dict[int, Any]:
+        """What this rank sends to each rank of :attr:`to`: ``mine[r]`` (:attr:`each`) or ``mine`` itself."""
+        if self.each:
+            parts: Sequence[Any] = mine
+            return {r: parts[r] for r in self.to}
+        return dict.fromkeys(self.to, mine)
+
+
+@functools.lru_cache(maxsize=4096)  # a group's patterns repeat every call
+def pattern(op: str, *, me: int, world: int, root: Optional[int] = None) -> Pattern:
+    """Rank ``me``'s part in ``op`` (one of :data:`OPS`) over ``world`` ranks; ``root``: the root of gather (its
+    destination), broadcast and scatter (their source)."""
+    if op not in OPS:
+        raise ValueError(f"no pattern for {op!r}: one of {', '.join(OPS)}")
+    if (op in _ROOTED) != (root is not None) or root is not None and not 0 <= root < world:
+        raise ValueError(
+            f"{op} over {world} ranks needs {'a root in range' if op in _ROOTED else 'no root'}, got {root}"
+        )
+    others = tuple(r for r in range(world) if r != me)
+    if op in ("all_gather", "all_to_all"):
+        return Pattern(op, others, op in _EACH, others)
+    assert root is not None
+    if op == "gather":
+        return Pattern(op, () if me == root else (root,), False, others if me == root else ())
+    return Pattern(op, others if me == root else (), op in _EACH, () if me == root else (root,))
