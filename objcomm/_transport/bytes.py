@@ -38,6 +38,8 @@ def zeroed(length: int, wire: Wire) -> torch.Tensor:
     """A buffer for a point-to-point receive. gloo completes a receive whose message is shorter than its buffer
     (a sender that sends less than its slot announced): the rest of the buffer must then hold zeros, never what
     this process's memory held before (a lying sender would read it back in the result of another call)."""
+    if wire.device.type == "cpu" and length:  # one zero-filled allocation, on this thread (torch.zeros may fan out)
+        return torch.frombuffer(bytearray(length), dtype=torch.uint8)
     return torch.zeros(length, dtype=torch.uint8, device=wire.device)
 
 

@@ -41,12 +41,13 @@ This module holds the steps every operation shares, all_gather and send/recv; ga
 
 from __future__ import annotations
 
+import struct
 from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from objcomm._errors import FrameError
+from objcomm._errors import CommunicationError, FrameError
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.rest import incoming, pieces
@@ -59,6 +60,9 @@ from objcomm._transport.exchange import all_gather_rests
 
 SCRATCH = _limits.SCRATCH_BYTES
 REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
+# Before a send's slot in its message through a CPU group's backend: the sender's slot_bytes, and the bytes of the
+# rest that follow the slot in the same message (routes.backend_whole; 0: none). The receiver follows what it says.
+ENVELOPE = struct.Struct("<ii")
 
 
 def _slot(wire: Wire, out: Outgoing) -> bytearray:
@@ -214,14 +218,13 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
         and not problem
         and routes.backend_whole(info.second_round_bytes, cpu=cpu, agreed=agreed)
     ):
-        whole = bytearray().join([raw, *pieces(out, info.inline is not None)])  # owned: it may be posted eagerly
-        _post(wire, whole, dst, op, eager)
+        _post(wire, _enveloped(raw, pieces(out, info.inline is not None)), dst, op, eager)
         return
     message = 0
     if route is not None:
         message = route.send(wire, raw, dst)
     else:
-        _post(wire, raw, dst, op, eager and (bool(info.error) or _limits.complete(info)))
+        _post(wire, _enveloped(raw, []) if cpu else raw, dst, op, eager and ends)
     if problem:  # the receiver finds the same and raises too
         raise _limits.inconsistent(op, wire.rank, problem)
     if ends:
@@ -259,6 +262,12 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
     batch.wait()
 
 
+def _enveloped(slot: bytearray, rest: Sequence[memoryview]) -> bytearray:
+    """A send's message through a CPU group's backend, owned (it may be posted eagerly): :data:`ENVELOPE` (the
+    sender's ``slot_bytes``, the bytes of the rest that follow its slot here), the slot, then that rest."""
+    return bytearray().join([ENVELOPE.pack(len(slot), sum(piece.nbytes for piece in rest)), slot, *rest])
+
+
 def _post(wire: Wire, message: bytearray, dst: int, op: str, eager: bool) -> None:
     """Send a slot (with its rest, where :func:`objcomm._transport.routes.backend_whole` says so) through the group.
     gloo's send waits until its receiver posts the receive, where the channel's returns once the kernel holds the
@@ -284,13 +293,33 @@ def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Rou
     if route is not None:
         sender, got, message = route.recv(wire, src, op)
         return received(wire, sender, read_slot(memoryview(got)), sizes_of, route, message)
-    cpu = wire.device.type == "cpu"  # room for a rest that comes with its slot (routes.backend_whole)
-    buffer = zeroed(wire.slot + (routes.BACKEND_WHOLE_BYTES if cpu else 0), wire)
+    cpu = wire.device.type == "cpu"  # an envelope, and room for a rest that comes with its slot (routes.backend_whole)
+    head = ENVELOPE.size if cpu else 0
+    buffer = zeroed(head + wire.slot + (routes.BACKEND_WHOLE_BYTES if cpu else 0), wire)
     peer = None if src is None else wire.ranks[src]
     sender_global = guarded(op, wire, dist.recv, buffer, src=peer, group=wire.group, tag=wire.data_tag)
     sender = list(wire.ranks).index(sender_global) if src is None else src
     view = host_view(buffer)
-    return received(wire, sender, read_slot(view[: wire.slot]), sizes_of, after=view[wire.slot :] if cpu else None)
+    after = _opened(wire, view, sender, op) if cpu else None
+    return received(wire, sender, read_slot(view[head : head + wire.slot]), sizes_of, after=after)
+
+
+def _opened(wire: Wire, view: memoryview, sender: int, op: str) -> memoryview:
+    """The rest that came with a slot in its message of a CPU group's backend (empty for none), once its envelope
+    (:func:`_enveloped`) says the sender's slot is this rank's size and the rest fits the message."""
+    theirs, following = ENVELOPE.unpack_from(view)
+    if theirs != wire.slot:
+        raise CommunicationError(
+            f"{op}: rank {sender} sent a slot of {theirs:,} bytes where this rank uses slot_bytes={wire.slot:,}: "
+            "every rank of a group must use the same slot_bytes (objcomm.configure, the Communicator or the call)"
+        )
+    if not 0 <= following <= routes.BACKEND_WHOLE_BYTES:
+        raise FrameError(
+            f"{op}: rank {sender}'s message announces {following:,} bytes after its slot, where at most "
+            f"{routes.BACKEND_WHOLE_BYTES:,} may follow it; refused"
+        )
+    start = ENVELOPE.size + wire.slot
+    return view[start : start + following]
 
 
 def received(
@@ -304,7 +333,7 @@ def received(
 ) -> tuple[int, Incoming, bool]:
     """The rest of a receive from group rank ``sender`` once its slot (``info``) arrived, through the group or
     ``route`` (which carried the slot of message ``message``); the incoming keeps the limit the slot announced.
-    ``after``: what followed the slot in its message of the group, where a rest may come with it."""
+    ``after``: what followed the slot in its message of a CPU group (:func:`_enveloped`; empty: nothing)."""
     got = _received(wire, sender, info, sizes_of, route, message, after)
     got[1].sender_limit = info.limit
     return got
@@ -325,6 +354,10 @@ def _received(
         raise _limits.inconsistent(op, sender, problem)
     if info.error or _limits.complete(info):
         assert info.inline is not None
+        if after:
+            raise FrameError(
+                f"{op}: rank {sender} sent {len(after):,} bytes after a slot that nothing follows; refused"
+            )
         if route is not None and message & WHOLE:  # nothing may follow such a slot: the route fails on what did
             route.recv_rest(wire, info, sizes_of, sender, message, op, drain=True)
         return sender, Incoming(info.inline, error=info.error), info.error
@@ -332,10 +365,21 @@ def _received(
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if info.total > wire.max_bytes else 0
     agreed = _agreement_needed(wire, info, op)
     moved = info.second_round_bytes
-    if after is not None and routes.backend_whole(moved, cpu=True, agreed=agreed):  # the rest came with the slot
+    if after:  # the sender sent its rest with its slot (routes.backend_whole, by its settings): no answer waits
+        if len(after) != moved:
+            raise FrameError(
+                f"{op}: rank {sender} sent {len(after):,} bytes with its slot where the slot announces a rest of "
+                f"{moved:,}; refused"
+            )
         if refuse:
-            raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
-        return sender, incoming(bytearray(after[:moved]), info, sizes_of, sender, op), False
+            raise _limits.refused(op, sender, wire, info.total, problem, drained=True, into="its message")
+        return sender, incoming(bytearray(after), info, sizes_of, sender, op), False
+    if after is not None and routes.backend_whole(moved, cpu=True, agreed=agreed):
+        raise CommunicationError(
+            f"{op}: rank {sender} sent the slot of a {moved:,}-byte rest without it, so it waits for this rank's "
+            "answer, which this rank's settings say it need not give: the two ranks' settings differ (shm, "
+            "shm_threshold, local); every rank of a group must use the same. The sender fails at its timeout"
+        )
     at_once = not agreed or message & WHOLE  # WHOLE: the sender did not ask (the rest came with its slot)
     if route is not None and at_once and wire.device.type == "cpu":  # the rest came right after the slot
         got = route.recv_rest(wire, info, sizes_of, sender, message, op, drain=bool(refuse))

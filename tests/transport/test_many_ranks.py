@@ -26,7 +26,8 @@ import serializers
 from objcomm._api.resolving import Hooks
 from objcomm._format import frame as _frame
 from objcomm._format import tensors as _tensors
-from objcomm._format.message import Outgoing
+from objcomm._format.message import SLOT_PREFIX_BYTES, Outgoing
+from objcomm._format.slot import outgoing_second_round_bytes
 from objcomm._samehost import two_level_moves as _two_level
 from objcomm._tools.bench.spreads import CASES, spread_of
 from objcomm._transport import base as _base
@@ -34,6 +35,7 @@ from objcomm._transport import bytes as _bytes
 from objcomm._transport import exchange as _exchange
 from objcomm._transport import gather as _gather
 from objcomm._transport import rounds as _rounds
+from objcomm._transport import routes
 from objcomm._transport import slot_tree as _slot_tree
 from objcomm._transport.base import Wire as _Wire
 from objcomm._transport.routes import cutoffs as _cutoffs
@@ -173,6 +175,37 @@ def test_summed_slots_give_the_same_results():
 
 # broadcast: its slot, a vote where a piece is past the scratch size (recursive doubling on gloo: log2(8) = 3
 # exchanges, then rank 0's answer in one broadcast), its rest
+def _rests(case: str) -> List[int]:
+    """Every rank's rest in ``case`` (its bytes past the slot), from its object encoded here as the pool's ranks do."""
+    pickle = serializers.registry.guarded("pickle")
+    outs = [_frame.encode(spread(case, r), pickle, max_bytes=1 << 40) for r in range(W)]
+    return [outgoing_second_round_bytes(out, objcomm.Settings().slot_bytes - SLOT_PREFIX_BYTES) for out in outs]
+
+
+def planned_against_counted(op: str) -> List[Any]:
+    """``op`` on every spread, as :func:`each_spread` runs it: (case, this rank's torch.distributed calls, the calls
+    ``routes.plan`` gives for the same sizes on the same topology)."""
+    root = {"all_gather": 0, "gather": 3, "broadcast": 1}[op]
+    topology = routes.Topology(world=W, ranks_per_host=1, device="cpu", channel_open=False)
+    knobs = routes.Knobs(local=False, shm=False)
+    rows = []
+    for case, _, collectives, blocking, p2p in each_spread(op):
+        planned = routes.plan(op, topology, _rests(case), knobs, root=root)
+        rows.append((case, collectives + blocking + p2p, planned.torch_calls, [s.collective for s in planned.steps]))
+    return rows
+
+
+@pytest.mark.parametrize("op", ["all_gather", "gather", "broadcast"])
+def test_the_routes_plan_is_what_the_transport_does(op):
+    """routes.plan, which docs/scaling.md's model costs, gives each spread the torch.distributed calls the transport
+    makes: as many as the busiest rank's (a rank with nothing to send or receive in a step skips it; a vote on gloo is
+    its exchanges and a broadcast)."""
+    every = get_pool(W).run(planned_against_counted, op, timeout=120)
+    for index, (case, _, planned, steps) in enumerate(every[0]):
+        counted = [rows[index][1] for rows in every]
+        assert max(counted) == planned, f"{op}, {case}: plan {steps} ({planned} calls), ranks made {counted}"
+
+
 @pytest.mark.parametrize("op, most", [("all_gather", 3), ("gather", 3), ("broadcast", 2 + 3 + 1)])
 def test_bounded_calls_whatever_the_spread(op, most):
     for rank, rows in enumerate(get_pool(W).run(each_spread, op, timeout=120)):

@@ -381,8 +381,8 @@ def test_a_medium_message_over_the_receivers_limit_is_dropped_and_the_next_arriv
 
 def short_medium_then_next() -> Any:
     """Rank 0's first medium message is one byte short of what its slot announces (a lying or broken sender): rank 1
-    reads the missing byte as zero and decodes what it got (no hang, no read past the message), then receives the next
-    message whole. Only the liar's own message to this receiver can change, as any bytes it sends could."""
+    refuses it (its envelope says how many bytes follow the slot), then receives the next message whole. Only the
+    liar's own message to this receiver is lost."""
     from objcomm._transport import rounds
 
     if dist.get_rank() == 0:
@@ -395,17 +395,84 @@ def short_medium_then_next() -> Any:
         objcomm.send(_medium(3, False), 1, tag=17)
         return None
     try:
-        first: Any = objcomm.recv(0, tag=17)
-        first = (len(first), first[:-8] == b"x" * (MEDIUM - 8)) if isinstance(first, bytes) else type(first).__name__
-    except objcomm.ObjcommError as exc:
-        first = type(exc).__name__
+        objcomm.recv(0, tag=17)
+        first: Any = "received"
+    except objcomm.FrameError as exc:
+        first = str(exc)
     return first, _medium_seen(objcomm.recv(0, tag=17), False)
 
 
 def test_a_medium_message_cut_short_costs_only_itself():
     first, second = get_pool(2).run(_on_path, "backend", short_medium_then_next)[1]
-    assert first == "DecodeError"  # the pickle's last byte (its STOP) read as zero
+    assert "rank 0 sent" in first and "the slot announces a rest of" in first, first
     assert second == (3, {3})
+
+
+def mismatched(setting: Dict[str, Any], on: int) -> Any:
+    """Rank ``on`` alone uses ``setting`` for one medium send from rank 0 to rank 1 (a group's ranks must agree on
+    it); then both use the defaults for a second one. What each rank saw of the first, and the second."""
+    rank = dist.get_rank()
+    previous = objcomm.configure(**setting) if rank == on else objcomm.configure()
+    try:
+        if rank == 0:
+            objcomm.send({"t": torch.arange(4_000, dtype=torch.float32)}, 1, tag=18)
+            return "sent"
+        got = objcomm.recv(0, tag=18)["t"]
+        return "intact" if torch.equal(got, torch.arange(4_000, dtype=torch.float32)) else "wrong data"
+    except objcomm.CommunicationError as exc:
+        return f"raised: {exc}"
+    finally:
+        objcomm.restore(previous)
+
+
+def then_next() -> Any:
+    if dist.get_rank() == 0:
+        objcomm.send(_medium(4, False), 1, tag=18)
+        return None
+    return _medium_seen(objcomm.recv(0, tag=18), False)
+
+
+def in_backend_with(setting: Dict[str, Any], on: int) -> Any:
+    objcomm.configure(local=False, inline_tensor_bytes=1024)  # (restored by _on_path's caller below)
+    return mismatched(setting, on), then_next()
+
+
+@pytest.mark.parametrize("on", [0, 1], ids=["sender", "receiver"])
+def test_ranks_whose_slot_bytes_differ_get_an_error_never_shifted_tensors(on):
+    """The envelope names the sender's slot size: a receiver of another raises (before, its tensors came back
+    shifted by the difference, silently), and the next message arrives whole."""
+    got = get_pool(2).run(_on_path, "backend", in_backend_with, {"slot_bytes": 8192}, on)
+    (sender, _), (receiver, after) = got
+    assert sender == "sent"
+    assert receiver.startswith("raised:") and "slot_bytes" in receiver, receiver
+    assert after == (4, {4})
+
+
+def test_a_receiver_that_would_answer_first_takes_a_rest_that_came_with_its_slot():
+    """A receiver whose shm_threshold (below the rest) says it must answer first follows the sender, which sent the
+    rest with its slot: the data arrive intact (before, the receiver read zeros where the rest was)."""
+    got = get_pool(2).run(_on_path, "backend", in_backend_with, {"shm_threshold": 8 << 10}, 1)
+    assert got[0][0] == "sent" and got[1] == ("intact", (4, {4}))
+
+
+def sender_waits_for_an_answer(group: Any) -> Any:
+    objcomm.configure(inline_tensor_bytes=1024)
+    previous = objcomm.configure(shm_threshold=8 << 10) if dist.get_rank() == 0 else objcomm.configure()
+    try:
+        if dist.get_rank() == 0:
+            objcomm.send({"t": torch.arange(4_000, dtype=torch.float32)}, 1, tag=19, group=group)
+            return "sent"
+        return objcomm.recv(0, tag=19, group=group)
+    finally:
+        objcomm.restore(previous)
+
+
+def test_a_sender_that_waits_for_an_answer_the_receiver_would_not_give_is_told_at_once():
+    """The sender's shm_threshold says the receiver answers first; the receiver's says not: the receiver raises at
+    once, naming the settings (before: the data came as zeros, silently, or both waited for the timeout)."""
+    sender, receiver = get_pool(2).run(in_short_group, "backend", sender_waits_for_an_answer, timeout=60)
+    assert receiver.startswith("failed:") and "settings differ" in receiver, receiver
+    assert sender.startswith("failed:"), sender  # it waited for the answer until the group's timeout
 
 
 # -- a pending send that fails is reported, not dropped --------------------------------------------------------------

@@ -68,6 +68,14 @@ def test_a_sends_medium_rest_goes_with_its_slot_through_a_cpu_backend():
     assert not routes.backend_whole(100, cpu=False, agreed=False)  # NCCL: every send waits for its receiver
 
 
+def test_a_vote_on_gloo_counts_its_exchanges_and_its_broadcast():
+    # (a rank below the largest power of two that takes a partner's words first, log2 of it exchanges, a broadcast)
+    assert [routes.vote_calls(w) for w in (1, 2, 3, 4, 5, 8, 9, 8192, 8193)] == [1, 1, 3, 3, 4, 4, 5, 14, 15]
+    with_vote = plan("broadcast", Topology(world=8), [1 << 21] * 8, routes.Knobs(shm=False))
+    assert [s.collective for s in with_vote.steps][:2] == ["broadcast", "vote"]
+    assert with_vote.torch_calls == with_vote.backend_calls + routes.vote_calls(8) - 1
+
+
 def test_round_one_and_express():
     assert routes.round_one(local=True, one_host=True, channel_open=True) == CHANNEL
     assert routes.round_one(local=True, one_host=False, channel_open=True) == BACKEND

@@ -89,7 +89,7 @@ from objcomm._transport.routes.cutoffs import (
     stripe_width,
     two_levels,
 )
-from objcomm._transport.routes.plans import Knobs, Plan, Step, StripeMoves, Topology, plan, stripe_moves
+from objcomm._transport.routes.plans import Knobs, Plan, Step, StripeMoves, Topology, plan, stripe_moves, vote_calls
 
 __all__ = [
     "BACKEND",
@@ -126,4 +126,5 @@ __all__ = [
     "stripe_moves",
     "stripe_width",
     "two_levels",
+    "vote_calls",
 ]

@@ -126,8 +126,27 @@ class Plan:
 
     @property
     def backend_calls(self) -> int:
-        """torch.distributed calls on each rank (one batch of send/recv counts once)."""
+        """Steps through the backend: each a torch.distributed call on a rank (one batch of send/recv counts once), but
+        a vote on gloo, which counts once here and makes :func:`vote_calls` (see :attr:`torch_calls`)."""
         return sum(1 for s in self.steps if s.medium == BACKEND)
+
+    @property
+    def torch_calls(self) -> int:
+        """torch.distributed calls on the busiest rank (a batch of send/recv counts once): a rank with nothing to send
+        or receive in a step skips it, so others may make fewer."""
+        return sum(
+            vote_calls(len(s.nbytes)) if s.collective == "vote" else 1 for s in self.steps if s.medium == BACKEND
+        )
+
+
+def vote_calls(ranks: int) -> int:
+    """The calls of a vote on gloo over ``ranks`` ranks (:func:`objcomm._transport.base.largest_of`) on its busiest
+    rank: one all_reduce up to 2 ranks; else a rank below the largest power of two P <= W takes the words of its partner
+    past it (where W > P), then log2(P) pairwise exchanges, then group rank 0's answer in one broadcast."""
+    if ranks <= 2:
+        return 1
+    below = 1 << (ranks.bit_length() - 1)
+    return (ranks > below) + below.bit_length() - 1 + 1
 
 
 def plan(
