@@ -133,7 +133,9 @@ class Plan:
     @property
     def torch_calls(self) -> int:
         """torch.distributed calls on the busiest rank (a batch of send/recv counts once): a rank with nothing to send
-        or receive in a step skips it, so others may make fewer."""
+        or receive in a step skips it, so others may make fewer. A ``tree`` or ``down_tree`` step counts once too,
+        though a rank makes a call a child or parent there (ceil(log2 W) on group rank 0): checked against the
+        transport's calls for all_gather, gather and broadcast (tests/transport/test_many_ranks.py)."""
         return sum(
             vote_calls(len(s.nbytes)) if s.collective == "vote" else 1 for s in self.steps if s.medium == BACKEND
         )
