@@ -694,6 +694,40 @@ def two_levels(k: int) -> List[Any]:
         return rows
 
 
+def two_level_plans(k: int) -> List[Any]:
+    """all_gather, broadcast and gather of every spread with hosts of ``k`` ranks: this rank's torch.distributed calls
+    and what ``routes.plan`` gives for the same sizes on the same topology."""
+    topology = routes.Topology(world=W, ranks_per_host=k, device="cpu")
+    rows = []
+    with ranks_per_host(k):
+        rank, comm = dist.get_rank(), objcomm.Communicator()
+        comm.all_gather(rank)  # the set-up: hosts, node and leaders' groups, channels
+        for case in CASES:
+            rests = _rests(case)
+            for op, root, run in (
+                ("all_gather", 0, lambda case=case: comm.all_gather(spread(case, rank))),
+                ("broadcast", 6, lambda case=case: comm.broadcast(spread(case, 6) if rank == 6 else None, src=6)),
+                ("gather", 5, lambda case=case: comm.gather(spread(case, rank), dst=5)),
+            ):
+                with calls() as counts:
+                    run()
+                planned = routes.plan(op, topology, rests, root=root)
+                rows.append(
+                    (case, op, sum(counts.values()), planned.torch_calls, [s.collective for s in planned.steps])
+                )
+    return rows
+
+
+@pytest.mark.parametrize("k", [4, 3])
+def test_the_routes_plan_is_what_two_levels_do(k):
+    """As test_the_routes_plan_is_what_the_transport_does, with hosts of ``k`` ranks: the plan's calls are the busiest
+    leader's."""
+    every = get_pool(W).run(two_level_plans, k, timeout=180)
+    for index, (case, op, _, planned, steps) in enumerate(every[0]):
+        counted = [rows[index][2] for rows in every]
+        assert max(counted) == planned, f"{op}, {case}, hosts of {k}: plan {steps} ({planned} calls), ranks {counted}"
+
+
 @pytest.mark.parametrize("k", [4, 3])
 def test_two_levels_only_leaders_call_the_backend(k):
     """Hosts of four (two hosts) and of three (3 + 3 + 2): every result right; inside a host, only its leader (its
