@@ -99,6 +99,7 @@ class ChannelRounds:
             return self.inner.broadcast(wire, out, info, sizes_of, src, op)
         channel, spin = found
         me = wire.rank
+        assert out is not None or me != src
         mine = chunks(pieces(out, info.inline is not None)) if out is not None and me == src else None
         refuse = me != src and info.total > wire.max_bytes  # above this rank's limit (no vote came first): dropped
         at = pattern("broadcast", me=me, world=wire.size, root=src)

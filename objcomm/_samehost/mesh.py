@@ -79,14 +79,13 @@ class Mesh:
 
     def broadcast(self, data: Optional[Slot], src: int, spin: Optional[float] = None) -> Slot:
         """``src``'s ``data`` on every rank (ignored elsewhere)."""
+        assert data is not None or self.rank != src
         got = self.move(BROADCAST, pattern("broadcast", me=self.rank, world=self.size, root=src), data, spin)
-        if self.rank == src:
-            assert data is not None
-            return data
-        return got[src]
+        return data if self.rank == src else got[src]  # type: ignore[return-value]  # (the root's: asserted above)
 
     def gather(self, data: Optional[Slot], dst: int, spin: Optional[float] = None) -> Dict[int, bytes]:
         """Every other rank's ``data`` on group rank ``dst``, by rank (``data`` ignored there); ``{}`` elsewhere."""
+        assert data is not None or self.rank == dst
         return self.move(GATHER, pattern("gather", me=self.rank, world=self.size, root=dst), data, spin)
 
     def scatter(self, parts: Optional[Sequence[Slot]], src: int, spin: Optional[float] = None) -> Slot:

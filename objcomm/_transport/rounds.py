@@ -52,8 +52,8 @@ from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.rest import incoming, pieces
 from objcomm._format.slot import SlotInfo, fill_slot, read_slot, read_slots
+from objcomm._transport import pair_locks, routes
 from objcomm._transport import pending as _pending
-from objcomm._transport import routes
 from objcomm._transport.base import NOT_USED, WHOLE, Route, Wire, all_gather_single, guarded, largest_of
 from objcomm._transport.bytes import Batch, host_view, receive_buffer, recv_bytes, zeroed
 from objcomm._transport.exchange import all_gather_rests
@@ -198,7 +198,10 @@ def send(wire: Wire, out: Outgoing, dst: int, eager: bool = True) -> None:
     """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must). ``eager``: a
     message that nothing follows may return before its receiver takes it (see :func:`_post`)."""
     with wire.first_round.p2p(wire, "send") as route:
-        _send(wire, out, dst, route, eager)
+        if route is not None:
+            return _send(wire, out, dst, route, eager)
+        with pair_locks.sending(wire.group, dst, wire.tag):  # its parts together, whatever other threads send
+            _send(wire, out, dst, None, eager)
 
 
 def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bool = True) -> None:
@@ -285,7 +288,10 @@ def _post(wire: Wire, message: bytearray, dst: int, op: str, eager: bool) -> Non
 def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incoming, bool]:
     """Receive from group rank ``src`` (``None``: any); return ``(sender, incoming, is_error)``."""
     with wire.first_round.p2p(wire, "recv") as route:
-        return _recv(wire, src, sizes_of, route)
+        if route is not None:
+            return _recv(wire, src, sizes_of, route)
+        with pair_locks.receiving(wire.group, src, wire.tag):  # its parts together, whatever other threads receive
+            return _recv(wire, src, sizes_of, None)
 
 
 def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Route]) -> tuple[int, Incoming, bool]:

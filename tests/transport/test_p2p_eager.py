@@ -475,6 +475,85 @@ def test_a_sender_that_waits_for_an_answer_the_receiver_would_not_give_is_told_a
     assert sender.startswith("failed:"), sender  # it waited for the answer until the group's timeout
 
 
+# -- several threads sending and receiving under one tag -----------------------------------------------------------
+def threads_on_one_tag(any_source: bool) -> Any:
+    """Three threads of rank 0 each send 8 messages to rank 1 under one tag (large ones: a slot, then a rest; and
+    medium ones), while three threads of rank 1 receive them (all from rank 0, or all from any rank): every message
+    arrives, whole. (Which receiving thread takes which message is not fixed, nor the order in which they finish
+    decoding.)"""
+    import threading
+
+    rank, threads, count = dist.get_rank(), 3, 8
+    got: List[Any] = []
+    errors: List[str] = []
+
+    def sending(t: int) -> None:
+        try:
+            for i in range(count):
+                size = 150_000 if i % 2 else MEDIUM  # a rest past the backend's one-message cut-off, or within it
+                objcomm.send({"t": t, "i": i, "pad": bytes([t]) * (size + t)}, 1, tag=21)
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(repr(exc)[:200])
+
+    def receiving() -> None:
+        try:
+            for _ in range(count):
+                m = objcomm.recv(None if any_source else 0, tag=21)
+                size = 150_000 if m["i"] % 2 else MEDIUM
+                got.append((m["t"], m["i"], m["pad"] == bytes([m["t"]]) * (size + m["t"])))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(repr(exc)[:200])
+
+    workers = [
+        threading.Thread(target=sending, args=(t,)) if rank == 0 else threading.Thread(target=receiving)
+        for t in range(threads)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    if rank == 0:
+        return errors
+    return errors, sorted((t, i) for t, i, _ in got), all(whole for _, _, whole in got)
+
+
+@pytest.mark.parametrize("any_source", [False, True], ids=["from rank 0", "from any rank"])
+@pytest.mark.parametrize("path", PATHS)
+def test_threads_sending_and_receiving_under_one_tag_keep_each_message_whole(path, any_source):
+    """Before, through the backend, one thread's slot receive met another's rest and gloo aborted the process."""
+    sender, receiver = get_pool(2).run(_on_path, path, threads_on_one_tag, any_source, timeout=120)
+    assert sender == []
+    assert receiver == ([], [(t, i) for t in range(3) for i in range(8)], True)
+
+
+def any_and_given_at_once() -> Any:
+    """Rank 1 receives from rank 0 in one thread and from any rank in another, under one tag, through the backend:
+    the second is refused at once, and the first gets its message."""
+    import threading
+
+    if dist.get_rank() == 0:
+        time.sleep(0.5)  # (both of rank 1's receives are posted by then)
+        objcomm.send({"pad": b"g" * 150_000}, 1, tag=22)
+        return None
+    got: List[Any] = []
+    given = threading.Thread(target=lambda: got.append(len(objcomm.recv(0, tag=22)["pad"])))
+    given.start()
+    time.sleep(0.2)
+    try:
+        objcomm.recv(None, tag=22)
+        refused = "received"
+    except objcomm.ObjcommError as exc:
+        refused = str(exc)
+    given.join(30)
+    return refused, got
+
+
+def test_a_receive_from_any_rank_beside_one_from_a_given_rank_is_refused_on_the_backend():
+    refused, got = get_pool(2).run(_on_path, "backend", any_and_given_at_once, timeout=60)[1]
+    assert "from any rank under tag 22 while another thread" in refused, refused
+    assert got == [150_000]
+
+
 # -- a pending send that fails is reported, not dropped --------------------------------------------------------------
 def _receiver_killed(rank: int, world: int, store: str, victim: int, results: Any) -> None:
     dist.init_process_group(
