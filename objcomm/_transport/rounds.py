@@ -60,6 +60,7 @@ from objcomm._transport.exchange import all_gather_rests
 
 SCRATCH = _limits.SCRATCH_BYTES
 REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
+TAKES = 0x10  # bit of a go-ahead answer: the receiver's shared memory takes the rest (by its settings)
 # Before a send's slot in its message through a CPU group's backend: the sender's slot_bytes, and the bytes of the
 # rest that follow the slot in the same message (routes.backend_whole; 0: none). The receiver follows what it says.
 ENVELOPE = struct.Struct("<ii")
@@ -238,12 +239,15 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
         return
     if route is not None:  # the receiver answers on the route (a few µs) where it must agree first
         answer = route.answer_of(wire, dst, message, op)
-        if answer and not agreed:
-            return  # refused where the group's path sends without asking: there the receiver drains and raises alone
     elif agreed:
         reply = zeroed(1, wire)
         guarded(op, wire, dist.recv, reply, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
         answer = int(reply.item())
+    medium = False  # whether the receiver's shared memory takes the rest, by its settings (TAKES)
+    if answer is not None:
+        medium, answer = bool(answer & TAKES), answer & ~TAKES
+        if answer and not agreed:
+            return  # refused where the group's path sends without asking: there the receiver drains and raises alone
     if answer == REFUSE_MALFORMED:
         raise FrameError(
             f"send: rank {dst} refused this frame: its tensor table disagrees with the sizes in its slot; "
@@ -254,6 +258,14 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
             f"send: rank {dst} refused {out.total:,} bytes as above its max_bytes",
             outcome="nothing more was sent",
             where="on the receiver",
+        )
+    if answer is not None and medium != wire.second_round.worth(wire, info.second_round_bytes, op):
+        raise CommunicationError(
+            f"send: rank {dst} {'reads' if medium else 'does not read'} this message's "
+            f"{info.second_round_bytes:,}-byte rest through shared memory, where this rank's settings say it "
+            f"{'does not' if medium else 'does'}: the "
+            "two ranks' shm or shm_threshold differ; every rank of a group must use the same. Nothing more was sent "
+            f"(rank {dst} raises at its timeout)"
         )
     if answer is not None and wire.second_round.send(wire, out, dst, op, route, message):
         return
@@ -393,10 +405,12 @@ def _received(
             raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
         return sender, got, False
     if route is not None or agreed:  # a route answers: a few µs there
+        takes = not refuse and wire.second_round.worth(wire, info.second_round_bytes, op)
+        code = refuse | (TAKES if takes else 0)  # the sender checks the medium against its own settings
         if route is not None:
-            route.answer(wire, sender, message, refuse)
+            route.answer(wire, sender, message, code)
         else:
-            answer = torch.tensor([refuse], dtype=torch.uint8, device=wire.device)
+            answer = torch.tensor([code], dtype=torch.uint8, device=wire.device)
             guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group, tag=wire.answer_tag)
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem)

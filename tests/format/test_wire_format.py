@@ -371,6 +371,7 @@ MUST_STATE = {
     "objcomm._transport.base.INTERNAL_TAG",
     "objcomm._transport.base.WHOLE",
     "objcomm._transport.routes.BACKEND_WHOLE_BYTES",
+    "objcomm._transport.rounds.TAKES",
     *(f"objcomm._samehost.shm.{n}" for n in ("_READ", "_FELL_BACK", "_REFUSED")),
     *(f"objcomm._samehost.shm_p2p.{n}" for n in ("_P2P", "_SENT", "_OTHER_HOST", "_RESEND", "_REFUSED_P2P")),
     *(f"objcomm._samehost.inbox.{n}" for n in ("ALL_GATHER", "BROADCAST", "SCATTER", "ALL_TO_ALL", "P2P", "CREDIT")),

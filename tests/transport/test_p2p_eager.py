@@ -475,6 +475,30 @@ def test_a_sender_that_waits_for_an_answer_the_receiver_would_not_give_is_told_a
     assert sender.startswith("failed:"), sender  # it waited for the answer until the group's timeout
 
 
+def shared_memory_on_one_side(group: Any, on: int) -> Any:
+    """Rank ``on`` alone lowers shm_threshold below a 1.5 MiB tensor's rest (its receiver answers first: a piece past
+    1 MiB), so the two ranks' settings disagree on whether shared memory takes it."""
+    previous = objcomm.configure(shm_threshold=1 << 20) if dist.get_rank() == on else objcomm.configure()
+    try:
+        if dist.get_rank() == 0:
+            objcomm.send(torch.ones(393_216), 1, tag=20, group=group)  # 1.5 MiB
+            return "sent"
+        got = objcomm.recv(0, tag=20, group=group)
+        return "intact" if torch.equal(got, torch.ones(393_216)) else "wrong data"
+    finally:
+        objcomm.restore(previous)
+
+
+@pytest.mark.parametrize("on", [0, 1], ids=["sender", "receiver"])
+def test_ranks_that_disagree_on_shared_memory_get_errors_never_wrong_data(on):
+    """The receiver's answer says whether its shared memory takes the rest; a sender whose settings say otherwise
+    raises at once and sends nothing more, and the receiver raises at its timeout (before: the receiver read the
+    sender's shared-memory words as the tensor's bytes, zero-filled, silently; or gloo aborted it)."""
+    sender, receiver = get_pool(2).run(in_short_group, "backend", shared_memory_on_one_side, on, timeout=60)
+    assert sender.startswith("failed:") and "shm or shm_threshold differ" in sender, sender
+    assert receiver.startswith("failed:"), receiver
+
+
 # -- several threads sending and receiving under one tag -----------------------------------------------------------
 def threads_on_one_tag(any_source: bool) -> Any:
     """Three threads of rank 0 each send 8 messages to rank 1 under one tag (large ones: a slot, then a rest; and
