@@ -408,6 +408,50 @@ def test_a_medium_message_cut_short_costs_only_itself():
     assert second == (3, {3})
 
 
+def lying_envelope(lie: str) -> Any:
+    """Rank 0's first message has an envelope that lies (``lie``); rank 1 refuses it (FrameError) and receives the
+    next one whole."""
+    from objcomm._transport import rounds
+
+    if dist.get_rank() == 0:
+        real = rounds._enveloped
+
+        def lying(slot: bytearray, rest: Any) -> bytearray:
+            if lie == "past the cut-off":  # more than the receiver's room after the slot
+                return bytearray(rounds.ENVELOPE.pack(len(slot), 70_000)) + slot + b"".join(rest)
+            if lie == "negative":
+                return bytearray(rounds.ENVELOPE.pack(len(slot), -5)) + slot
+            return real(slot, [memoryview(b"junk")])  # bytes after a slot that carries the whole message
+
+        rounds._enveloped = lying  # type: ignore[assignment]
+        try:
+            objcomm.send(_medium(5, False) if lie != "after a whole slot" else "small", 1, tag=23)
+        finally:
+            rounds._enveloped = real  # type: ignore[assignment]
+        objcomm.send(_medium(6, False), 1, tag=23)
+        return None
+    try:
+        objcomm.recv(0, tag=23)
+        first: Any = "received"
+    except objcomm.FrameError as exc:
+        first = str(exc)
+    return first, _medium_seen(objcomm.recv(0, tag=23), False)
+
+
+@pytest.mark.parametrize(
+    "lie, said",
+    [
+        ("past the cut-off", "announces 70,000 bytes after its slot"),
+        ("negative", "announces -5 bytes after its slot"),
+        ("after a whole slot", "after a slot that nothing follows"),
+    ],
+)
+def test_a_lying_envelope_is_refused_and_the_next_message_arrives(lie, said):
+    first, second = get_pool(2).run(_on_path, "backend", lying_envelope, lie)[1]
+    assert said in first, first
+    assert second == (6, {6})
+
+
 def mismatched(setting: Dict[str, Any], on: int) -> Any:
     """Rank ``on`` alone uses ``setting`` for one medium send from rank 0 to rank 1 (a group's ranks must agree on
     it); then both use the defaults for a second one. What each rank saw of the first, and the second."""
