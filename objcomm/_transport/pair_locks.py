@@ -27,11 +27,10 @@ with none.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import weakref
-from typing import Any, Dict, Hashable, Iterator, Optional
+from typing import Any, Dict, Hashable, Optional
 
 from objcomm._errors import ObjcommError
 
@@ -59,64 +58,93 @@ _MAKING = threading.Lock()
 
 
 def _of(group: Any) -> _Group:
-    with _MAKING:  # (uncontended but for a group's first sends and receives: a fraction of a µs)
-        try:
-            held = _GROUPS.get(group)
-            if held is None:
-                held = _GROUPS[group] = _Group()
-        except TypeError:  # no weak reference to it
-            held = _UNREFERABLE
-        return held
-
-
-@contextlib.contextmanager
-def _holding(held: _Group, key: Hashable) -> Iterator[None]:
-    with held.lock:
-        entry = held.entries.get(key)
-        if entry is None:
-            entry = held.entries[key] = _Entry()
-        entry.users += 1
+    """``group``'s table (made at its first send or receive)."""
     try:
-        with entry.lock:
-            yield
-    finally:
+        held = _GROUPS.get(group)
+    except TypeError:  # no weak reference to it
+        return _UNREFERABLE
+    return held if held is not None else _made(group)
+
+
+def _made(group: Any) -> _Group:
+    with _MAKING:
+        return _GROUPS.setdefault(group, _Group())
+
+
+class _Holding:
+    """Holds the lock of ``key`` in ``held`` inside (``with``); the entry is dropped when no thread uses it."""
+
+    __slots__ = ("held", "key", "entry")
+
+    def __init__(self, held: _Group, key: Hashable) -> None:
+        self.held, self.key = held, key
+
+    def __enter__(self) -> None:
+        held = self.held
+        with held.lock:
+            entry = held.entries.get(self.key)
+            if entry is None:
+                entry = held.entries[self.key] = _Entry()
+            entry.users += 1
+        self.entry = entry
+        entry.lock.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        entry, held = self.entry, self.held
+        entry.lock.release()
         with held.lock:
             entry.users -= 1
             if not entry.users:
-                del held.entries[key]
+                del held.entries[self.key]
 
 
-@contextlib.contextmanager
-def sending(group: Any, dst: int, tag: int) -> Iterator[None]:
-    """Inside: this thread is the only one of this rank sending to group rank ``dst`` under ``tag`` on ``group``."""
-    with _holding(_of(group), ("send", dst, tag)):
-        yield
+def sending(group: Any, dst: int, tag: int) -> _Holding:
+    """Inside (``with``): this thread is the only one of this rank sending to group rank ``dst`` under ``tag`` on
+    ``group``."""
+    return _Holding(_of(group), ("send", dst, tag))
 
 
-@contextlib.contextmanager
-def receiving(group: Any, src: Optional[int], tag: int) -> Iterator[None]:
-    """Inside: this thread is the only one of this rank receiving from group rank ``src`` (None: any rank) under
-    ``tag`` on ``group``. Raises :class:`~objcomm.ObjcommError` at once where another thread receives under ``tag``
-    from any rank while ``src`` is given, or from a given rank while ``src`` is None."""
-    held, anyone = _of(group), src is None
-    with held.lock:
-        if held.receiving.get((tag, not anyone)):
-            mine, theirs = ("any rank", "a given rank") if anyone else (f"rank {src}", "any rank")
-            raise ObjcommError(
-                f"recv: a receive from {mine} under tag {tag} while another thread of this rank receives from "
-                f"{theirs} under the same tag through the backend: one could take the parts of the other's message. "
-                "Under one tag, receive either from given ranks or from any rank at a time (as irecv requires), "
-                "or use another tag"
-            )
-        held.receiving[tag, anyone] = held.receiving.get((tag, anyone), 0) + 1
-    try:
-        with _holding(held, ("recv", src, tag)):
-            yield
-    finally:
+class receiving:  # noqa: N801 (used as ``with receiving(...)``, as sending)
+    """Inside (``with``): this thread is the only one of this rank receiving from group rank ``src`` (None: any rank)
+    under ``tag`` on ``group``. Entering raises :class:`~objcomm.ObjcommError` at once where another thread receives
+    under ``tag`` from any rank while ``src`` is given, or from a given rank while ``src`` is None."""
+
+    __slots__ = ("held", "src", "tag", "holding")
+
+    def __init__(self, group: Any, src: Optional[int], tag: int) -> None:
+        self.held, self.src, self.tag = _of(group), src, tag
+        self.holding = _Holding(self.held, ("recv", src, tag))
+
+    def __enter__(self) -> None:
+        held, src, tag, anyone = self.held, self.src, self.tag, self.src is None
         with held.lock:
-            left = held.receiving.pop((tag, anyone)) - 1
+            if held.receiving.get((tag, not anyone)):
+                mine, theirs = ("any rank", "a given rank") if anyone else (f"rank {src}", "any rank")
+                raise ObjcommError(
+                    f"recv: a receive from {mine} under tag {tag} while another thread of this rank receives from "
+                    f"{theirs} under the same tag through the backend: one could take the parts of the other's "
+                    "message. Under one tag, receive either from given ranks or from any rank at a time (as irecv "
+                    "requires), or use another tag"
+                )
+            held.receiving[tag, anyone] = held.receiving.get((tag, anyone), 0) + 1
+        try:
+            self.holding.__enter__()
+        except BaseException:
+            self._leave()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.holding.__exit__(*exc)
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        held, key = self.held, (self.tag, self.src is None)
+        with held.lock:
+            left = held.receiving.pop(key) - 1
             if left:
-                held.receiving[tag, anyone] = left
+                held.receiving[key] = left
 
 
 def _forget_in_child() -> None:
