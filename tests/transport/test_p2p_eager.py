@@ -358,6 +358,17 @@ def test_a_ring_of_medium_blocking_sends_completes(path, oob):
             assert calls == {"send": 0, "isend": 3}, calls  # slot and rest in one posted message a send
 
 
+def _refused_then_next(tag: int, error: type, **first: Any) -> Any:
+    """Rank 1's side: what its first receive from rank 0 under ``tag`` (with ``first``'s options) raised, as text
+    ("received" if it raised no ``error``), then the next message (:func:`_medium_seen`)."""
+    try:
+        objcomm.recv(0, tag=tag, **first)
+        said = "received"
+    except error as exc:
+        said = str(exc)
+    return said, _medium_seen(objcomm.recv(0, tag=tag), False)
+
+
 def medium_refused_then_next() -> Any:
     """Rank 1, over its max_bytes for the first medium message (which came whole with its slot), raises alone and
     then receives the next one: the stream stays in step."""
@@ -365,12 +376,7 @@ def medium_refused_then_next() -> Any:
         objcomm.send(_medium(1, False), 1, tag=16)
         objcomm.send(_medium(2, False), 1, tag=16)
         return None
-    try:
-        objcomm.recv(0, tag=16, max_bytes=1000)
-        first: Any = "received"
-    except objcomm.TooLargeError as exc:
-        first = str(exc)
-    return first, _medium_seen(objcomm.recv(0, tag=16), False)
+    return _refused_then_next(16, objcomm.TooLargeError, max_bytes=1000)
 
 
 def test_a_medium_message_over_the_receivers_limit_is_dropped_and_the_next_arrives():
@@ -394,12 +400,7 @@ def short_medium_then_next() -> Any:
             rounds.pieces = real  # type: ignore
         objcomm.send(_medium(3, False), 1, tag=17)
         return None
-    try:
-        objcomm.recv(0, tag=17)
-        first: Any = "received"
-    except objcomm.FrameError as exc:
-        first = str(exc)
-    return first, _medium_seen(objcomm.recv(0, tag=17), False)
+    return _refused_then_next(17, objcomm.FrameError)
 
 
 def test_a_medium_message_cut_short_costs_only_itself():
@@ -430,12 +431,7 @@ def lying_envelope(lie: str) -> Any:
             rounds._enveloped = real  # type: ignore[assignment]
         objcomm.send(_medium(6, False), 1, tag=23)
         return None
-    try:
-        objcomm.recv(0, tag=23)
-        first: Any = "received"
-    except objcomm.FrameError as exc:
-        first = str(exc)
-    return first, _medium_seen(objcomm.recv(0, tag=23), False)
+    return _refused_then_next(23, objcomm.FrameError)
 
 
 @pytest.mark.parametrize(
