@@ -44,6 +44,7 @@ from objcomm._format.message import Incoming
 from objcomm._format.slot import read_slot
 from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._samehost import channel_slots as _channel_slots
+from objcomm._samehost import mesh as _mesh
 from objcomm._transport import routes
 from objcomm._transport.base import WHOLE, Wire
 from objcomm._transport.broadcast import broadcast_rest
@@ -72,6 +73,7 @@ class Express:
         "spin",
         "cpu",
         "whole_bytes",
+        "whole_frames",
         "accept",
         "device",
         "decoders",
@@ -93,6 +95,7 @@ class Express:
         self.slot, self.limit, self.spin = wire.slot, wire.max_bytes, strategy.spin
         self.cpu = wire.device.type == "cpu"  # tags and recv(src=None) need a backend with tags (gloo)
         self.whole_bytes = options.inline_tensor_bytes  # bytes past this travel out of band
+        self.whole_frames = _whole_frames(wire, self.cpu)  # frames past the slot up to this go with it, in one message
         self.accept, self.device = options.accept, call.device
         self.version = registry.version  # the registry as self.decoders were found in it
         self.decoders = _decoders(call.serializer, options.accept)
@@ -119,10 +122,12 @@ class Express:
         requests = self.facts.requests
         return None if requests is not None and requests.busy else channel
 
-    def _slot(self, obj: Any) -> Any:
+    def _slot(self, obj: Any, whole: bool = False) -> Any:
         """``(obj's trimmed slot, what serializing obj gave)``: the result of :func:`objcomm._format.frame.serialize`,
         or the exception it raised, which the general path then does not do again. The slot is None where the
-        general path takes over, nothing having moved: a failure, tensors, a frame past the slot."""
+        general path takes over, nothing having moved: a failure, tensors, a frame past the slot. ``whole``
+        (send): a frame past the slot of at most :attr:`whole_frames` bytes gives a list instead, the untrimmed slot
+        and the frame's parts, which travel in one message (as ``ChannelRoute.send_whole`` sends them)."""
         try:
             serialized = _frame.serialize(obj, self.call.serializer, self.whole_bytes)
         except Exception as exc:  # the general path sends the error report
@@ -132,7 +137,12 @@ class Express:
         try:
             used = serialized[2]  # "auto" chose it, per object; else this call's serializer
             name = self.name if used is self.call.serializer else used.name.encode("ascii")
-            return _plain_slot.small_slot(name, serialized[0], self.slot, self.limit), serialized
+            slot = _plain_slot.small_slot(name, serialized[0], self.slot, self.limit)
+            if slot is None and whole:
+                return _plain_slot.medium_slot(
+                    name, serialized[0], self.slot, self.limit, self.whole_frames
+                ), serialized
+            return slot, serialized
         except Exception:  # a payload that is no buffer: encode() raises it again, on the general path
             return None, serialized
 
@@ -143,10 +153,13 @@ class Express:
         channel = self._channel(tag)
         if peer is None or channel is None:
             return None
-        slot, serialized = self._slot(obj)
+        slot, serialized = self._slot(obj, whole=self.whole_frames > 0)
         if slot is None:
             return serialized
-        channel.send(slot, peer, tag)
+        if type(slot) is list:  # the slot and its frame, in one message
+            channel.send(_channel_checks.whole_message(slot[0], slot[1:]), peer, tag, channel.new_message() | WHOLE)
+        else:
+            channel.send(slot, peer, tag)
         return True
 
     def all_gather(self, obj: Any, group: Callable[[], Any]) -> Any:
@@ -229,6 +242,20 @@ class Express:
         plain = _plain_slot.plain_in_slot(slot)
         return NOT_TAKEN if plain is None else self._decode(plain, sender)
 
+    def _plain_rest(self, slot: Any, rest: Any, sender: int) -> Any:
+        """The object of a plain frame that came after its slot in one message (:meth:`send`), within this rank's
+        ``max_bytes``, else :data:`NOT_TAKEN` (the general path then reads, judges or refuses it)."""
+        plain = _plain_slot.plain_rest(slot, rest) if len(rest) <= self.limit else None
+        if plain is None:
+            return NOT_TAKEN
+        if self.decoders and self.version == registry.version:
+            frame, header = plain
+            decoder = self.decoders.get(header.serializer.encode("ascii"))
+            if decoder is not None:  # as _plain does
+                payload = frame[header.payload_offset : header.payload_offset + header.payload_len]
+                return _frame.loads_payload(decoder, decoder.name, payload, sender)
+        return self._decode(plain, sender)
+
     def _decode(self, plain: Any, sender: int) -> Any:
         """The object of a plain frame (``(frame, header)`` of ``plain_slot.plain_in_slot``) from ``sender``."""
         frame, header = plain
@@ -258,7 +285,7 @@ class Express:
         if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
             # raises, as the general path does
             _channel_checks._checked(self.wire(group(), tag), channel, [got], "recv")
-        obj = NOT_TAKEN if folded else self._plain(got, sender)  # a plain slot travels alone
+        obj = self._plain_rest(got, folded, sender) if folded else self._plain(got, sender)
         if obj is NOT_TAKEN:  # anything else: the general path's steps, from the slot on
             wire = self.wire(group(), tag)
             incoming = received(
@@ -275,6 +302,16 @@ class Express:
     def wire(self, group: Any, tag: int) -> Wire:
         """The wire of a send/recv on ``group`` under ``tag``, as the general path builds it."""
         return Wire(group, *self.rest)._replace(tag=tag)
+
+
+def _whole_frames(wire: Wire, cpu: bool) -> int:
+    """The longest frame past the slot that a send of ``wire``'s settings moves in one channel message with its slot,
+    as the general path decides it (``rounds._send``: no answer needed, one message of the channel); 0: none."""
+    room = _mesh.MAX_PAYLOAD - _channel_checks.whole_size(b"", 0) - wire.slot
+    if not cpu or room <= 0:
+        return 0
+    medium = wire.second_round.worth(wire, room, "send")  # grows with the bytes: if not at room, nowhere below
+    return 0 if routes.agreement_needed(sizes_listed=True, largest_piece=room, medium_may_take=medium) else room
 
 
 REJOIN = object()  # what _unless_rejoining returns where the general path must open a new channel

@@ -13,12 +13,13 @@ path then reads and judges it. The frame's layout is :mod:`objcomm._format.frame
 from __future__ import annotations
 
 import struct
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from objcomm._format.frame import HEADER, MAGIC, NO_COMPRESSION, VERSIONS, Header, _new
-from objcomm._format.slot import PREFIX
+from objcomm._format.slot import COUNT, PREFIX
 
 _SLOT_HEADER = struct.Struct(PREFIX.format + HEADER.format[1:])  # a round-1 slot's prefix, then a frame's header
+_NOTHING_LISTED = struct.Struct(PREFIX.format + COUNT.format[1:])  # a slot whose frame follows it, and no tensors
 
 
 def small_slot(name: bytes, payload: Any, slot_bytes: int, limit: int) -> Optional[bytes]:
@@ -39,6 +40,41 @@ def small_slot(name: bytes, payload: Any, slot_bytes: int, limit: int) -> Option
     return b"".join((head, name, body))
 
 
+def medium_slot(name: bytes, payload: Any, slot_bytes: int, limit: int, most: int) -> Optional[List[Any]]:
+    """``[slot, the frame's header, name, payload]``: the untrimmed round-1 slot of a plain frame of ``payload``
+    that does not fit it, and the frame that follows it, byte for byte what :func:`objcomm._format.frame.encode`
+    and :func:`objcomm._format.slot.fill_slot` write for it (the slot's prefix, no tensors listed, zeros). None where
+    the frame fits the slot (:func:`small_slot`), passes ``limit`` (the general path then says why) or ``most``."""
+    body = payload if type(payload) is bytes else memoryview(payload).cast("B")
+    size = len(body)
+    length = HEADER.size + len(name) + size
+    if PREFIX.size + length <= slot_bytes or length > limit or length > most:
+        return None
+    slot = bytearray(slot_bytes)
+    _NOTHING_LISTED.pack_into(slot, 0, length, limit, length, 0)
+    return [slot, HEADER.pack(MAGIC, 1, 0, NO_COMPRESSION, len(name), 0, 0, size, size, 0), name, body]
+
+
+def plain_rest(slot: Any, rest: Any) -> Optional[Tuple[memoryview, Header]]:
+    """``(frame, header)`` where ``slot`` announces nothing but a frame past it, no tensors listed, and ``rest`` is
+    that frame, whole and plain (what :func:`medium_slot` writes); else None: the general path reads and judges
+    them. A slot's bytes after its prefix and count are not read (the general path does not read them either)."""
+    if len(slot) < _NOTHING_LISTED.size:
+        return None
+    word, _, total, count = _NOTHING_LISTED.unpack_from(slot, 0)
+    if word != total or total != len(rest) or count or PREFIX.size + total <= len(slot):
+        return None  # flag bits, tensors, a frame of another length, or one that fitted its slot
+    return plain_frame(rest)
+
+
+def plain_frame(frame: Any) -> Optional[Tuple[memoryview, Header]]:
+    """``(frame, header)`` of a whole *plain* frame (see :func:`plain_in_slot`), else None."""
+    if len(frame) < HEADER.size:
+        return None
+    fields = HEADER.unpack_from(frame, 0)
+    return _read(memoryview(frame), fields[1], fields[4], fields[7]) if _plain(fields, len(frame)) else None
+
+
 def plain_in_slot(slot: Any) -> Optional[Tuple[memoryview, Header]]:
     """``(frame, header)`` of a round-1 slot that holds a whole *plain* frame, read in one step: no flag
     bits, nothing out of band or listed, no compression, every length consistent. None for any other slot:
@@ -48,11 +84,15 @@ def plain_in_slot(slot: Any) -> Optional[Tuple[memoryview, Header]]:
     if lengths is None:
         return None
     version, name_len, payload_len, word = lengths
+    return _read(memoryview(slot)[PREFIX.size : PREFIX.size + word], version, name_len, payload_len)
+
+
+def _read(frame: memoryview, version: int, name_len: int, payload_len: int) -> Optional[Tuple[memoryview, Header]]:
+    """``(frame, header)`` of a plain frame whose numbers were checked, unless its name is not ASCII."""
     try:
-        name = str(slot[_SLOT_HEADER.size : _SLOT_HEADER.size + name_len], "ascii")
+        name = str(frame[HEADER.size : HEADER.size + name_len], "ascii")
     except UnicodeDecodeError:
         return None
-    frame = memoryview(slot)[PREFIX.size : PREFIX.size + word]
     return frame, _new(Header, (version, 0, NO_COMPRESSION, name, 0, 0, payload_len, payload_len, 0))
 
 
@@ -71,25 +111,19 @@ def _plain_lengths(slot: Any) -> Optional[Tuple[int, int, int, int]]:
     (see :func:`plain_in_slot`)."""
     if len(slot) < _SLOT_HEADER.size:
         return None
-    (
-        word,
-        _,
-        total,
-        magic,
-        version,
-        flags,
-        compression,
-        name_len,
-        table_len,
-        n_tensors,
-        payload_len,
-        raw_len,
-        inline_len,
-    ) = _SLOT_HEADER.unpack_from(slot, 0)
-    if (
-        word != total
-        or word > len(slot) - PREFIX.size
-        or magic != MAGIC
+    fields = _SLOT_HEADER.unpack_from(slot, 0)
+    word, total = fields[0], fields[2]
+    if word != total or word > len(slot) - PREFIX.size or not _plain(fields[3:], word):
+        return None  # word == total, within the slot: no flag bits, and the frame and nothing else follows
+    return fields[4], fields[7], fields[10], word
+
+
+def _plain(header: Tuple[Any, ...], length: int) -> bool:
+    """Whether a frame's header fields (:data:`objcomm._format.frame.HEADER`'s) describe a plain frame of ``length``
+    bytes: this format, no flag bits, compression, tensor table, tensors or inline bytes, consistent lengths."""
+    magic, version, flags, compression, name_len, table_len, n_tensors, payload_len, raw_len, inline_len = header
+    return not (
+        magic != MAGIC
         or version not in VERSIONS
         or flags
         or compression != NO_COMPRESSION
@@ -97,7 +131,5 @@ def _plain_lengths(slot: Any) -> Optional[Tuple[int, int, int, int]]:
         or n_tensors
         or inline_len
         or raw_len != payload_len
-        or HEADER.size + name_len + payload_len != word
-    ):
-        return None  # word == total, within the slot: no flag bits, and the frame and nothing else follows
-    return version, name_len, payload_len, word
+        or HEADER.size + name_len + payload_len != length
+    )
