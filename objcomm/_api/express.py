@@ -279,9 +279,9 @@ class Express:
         if channel is None:
             return NOT_TAKEN
         sender, got, message = channel.recv(peer, tag, self.spin)
-        folded = b""
+        folded = bytearray()
         if message & WHOLE:  # a slot and the rest that follows it, in one message (ChannelRoute.send_whole)
-            got, folded = _channel_checks.cut_whole(channel, got, self.slot, sender, "recv")
+            got, folded = _channel_checks.cut_whole(channel, got, self.slot, sender, "recv", self.cpu)
         if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
             # raises, as the general path does
             _channel_checks._checked(self.wire(group(), tag), channel, [got], "recv")

@@ -101,9 +101,19 @@ def whole_message(slot: Slot, rest: Sequence[Slot]) -> bytes:
     return b"".join([_WHOLE_SLOT.pack(len(slot)), slot, *rest])
 
 
-def cut_whole(channel: _channel.LocalChannel, got: bytes, size: int, sender: int, op: str) -> Tuple[bytes, bytes]:
-    """``(slot, rest)`` of a message :func:`whole_message` made, for a receiver of ``slot_bytes=size``; the channel
-    fails where the sender's slot was of another size, or where nothing follows it (such a slot travels alone)."""
+def cut_whole(
+    channel: _channel.LocalChannel, got: bytes, size: int, sender: int, op: str, cpu: bool = True
+) -> Tuple[bytes, bytearray]:
+    """``(slot, rest)`` of a message :func:`whole_message` made, for a receiver of ``slot_bytes=size``; the rest
+    writable, as every path hands a rest to the decoder. The channel fails where the sender's slot was of another
+    size, where nothing follows it (such a slot travels alone), or on a group whose rests go through the backend
+    (``cpu`` False: an NCCL group's; no honest sender sends one there)."""
+    if not cpu:
+        channel.fail(
+            op,
+            f"rank {sender} sent a slot with its rest in one message on a GPU group, whose rests go through the "
+            "group: a protocol error",
+        )
     head = _WHOLE_SLOT.size
     theirs = _WHOLE_SLOT.unpack_from(got)[0] if len(got) >= head else -1
     if theirs != size:
@@ -114,7 +124,7 @@ def cut_whole(channel: _channel.LocalChannel, got: bytes, size: int, sender: int
         )
     if len(got) <= head + size:
         channel.fail(op, f"rank {sender} sent a slot marked as followed by its rest, without one: a protocol error")
-    return got[head : head + size], got[head + size :]
+    return got[head : head + size], bytearray(memoryview(got)[head + size :])
 
 
 def _checked(

@@ -238,7 +238,7 @@ def recv_p2p(
 
 def came_with_slot(
     channel: _socket.LocalChannel,
-    rest: bytes,
+    rest: bytearray,
     info: SlotInfo,
     sizes_of: SizesOf,
     src: int,
@@ -255,7 +255,7 @@ def came_with_slot(
             f"rank {src} sent {len(rest):,} bytes with the slot of message #{message & ~WHOLE} where its slot "
             f"announced {info.second_round_bytes:,}: a protocol error",
         )
-    return Incoming(memoryview(b"")) if drain else incoming(bytearray(rest), info, sizes_of, src, op)
+    return Incoming(memoryview(b"")) if drain else incoming(rest, info, sizes_of, src, op)
 
 
 _KINDS = {

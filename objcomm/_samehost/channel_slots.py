@@ -111,10 +111,14 @@ class ChannelRoute:
 
     __slots__ = ("channel", "spin", "folded")
 
-    def __init__(self, channel: _channel.LocalChannel, spin: Optional[float], folded: bytes = b"") -> None:
+    def __init__(
+        self, channel: _channel.LocalChannel, spin: Optional[float], folded: Optional[bytearray] = None
+    ) -> None:
         self.channel = channel
         self.spin = spin
-        self.folded = folded  # the rest that came with the slot :meth:`recv` took (a message id with WHOLE set)
+        self.folded = (
+            bytearray() if folded is None else folded
+        )  # the rest that came with the slot :meth:`recv` took (a message id with WHOLE set)
 
     def __enter__(self) -> ChannelRoute:
         return self
@@ -137,7 +141,7 @@ class ChannelRoute:
     def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot, int]:
         sender, slot, message = self.channel.recv(src, wire.tag, self.spin)
         if message & WHOLE:
-            slot, self.folded = cut_whole(self.channel, slot, wire.slot, sender, op)
+            slot, self.folded = cut_whole(self.channel, slot, wire.slot, sender, op, wire.device.type == "cpu")
         return sender, _checked(wire, self.channel, [slot], op)[0], message
 
     def answer(self, wire: Wire, dst: int, message: int, code: int) -> None:

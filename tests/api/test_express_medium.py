@@ -256,3 +256,53 @@ def test_hostile_whole_messages_through_the_express_path_raise_as_on_the_general
     assert got["garbage payload"][1] == "DecodeError"
     assert got["the slot announces more"][1] == "FrameError"
     assert got["next"] == ("ok", None) and dict(sender)["next"] == ("ok", "next")  # rank 0 sends it: still in step
+
+
+def writable_rests() -> List[Any]:
+    """Rank 1 sends a medium message in a serializer whose objects are views of what it decodes; rank 0 takes one
+    through the express path and one through the general path: (writable, value) of each."""
+    import numpy as np
+
+    registry.register("view-of-bytes", bytes, lambda data: np.frombuffer(data, dtype=np.uint8), replace=True)
+    try:
+        rank = dist.get_rank()
+        comm = objcomm.Communicator(local=True)
+        comm.all_gather(None)
+        sender = objcomm.Communicator(local=True, serializer="view-of-bytes")
+        got: List[Any] = []
+        if rank == 1:
+            for _ in range(2):
+                sender.send(b"\x01" * 9000, 0)
+        else:
+            limit = comm._call({}).options.max_bytes
+            for array in (comm.recv(1), comm.recv(1, max_bytes=limit)):
+                got.append((array.flags.writeable, int(array.sum())))
+        return got
+    finally:
+        registry.unregister("view-of-bytes")
+
+
+def test_a_medium_rest_reaches_the_decoder_writable_on_both_paths():
+    receiver, _ = get_pool(2).run(writable_rests)
+    assert receiver == [(True, 9000), (True, 9000)]  # a view of it may be written to, as on the general path
+
+
+class _Refusing:
+    """A channel that records why it failed (the channel's own ``fail`` raises CommunicationError)."""
+
+    def __init__(self) -> None:
+        self.why: List[str] = []
+
+    def fail(self, op: str, why: str) -> None:
+        self.why.append(why)
+        raise objcomm.CommunicationError(why)
+
+
+def test_a_slot_with_its_rest_on_a_gpu_groups_channel_fails_it():
+    whole = _general_message({"text": "t" * 9000}, "pickle")
+    slot, rest = _channel_checks.cut_whole(_Refusing(), whole, SLOT, 1, "recv")
+    assert len(slot) == SLOT and isinstance(rest, bytearray) and bytes(rest) == whole[4 + SLOT :]
+    channel = _Refusing()
+    with pytest.raises(objcomm.CommunicationError, match="GPU group"):
+        _channel_checks.cut_whole(channel, whole, SLOT, 1, "recv", cpu=False)  # an NCCL group's rests: the backend
+    assert channel.why and "a protocol error" in channel.why[0]

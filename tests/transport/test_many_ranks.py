@@ -34,6 +34,7 @@ from objcomm._transport import base as _base
 from objcomm._transport import bytes as _bytes
 from objcomm._transport import exchange as _exchange
 from objcomm._transport import gather as _gather
+from objcomm._transport import pending as _pending
 from objcomm._transport import rounds as _rounds
 from objcomm._transport import routes
 from objcomm._transport import slot_tree as _slot_tree
@@ -57,8 +58,9 @@ COLLECTIVES = (
 @contextlib.contextmanager
 def calls() -> Iterator[Dict[str, int]]:
     """Count this rank's torch.distributed calls inside (``collectives``; ``blocking``: send and recv; ``p2p``: the
-    batches of isend and irecv of :class:`objcomm._transport.bytes.Batch`, each once)."""
-    counts = {"collectives": 0, "blocking": 0, "p2p": 0}
+    batches of isend and irecv of :class:`objcomm._transport.bytes.Batch`, each once; ``posted``: sends posted eagerly,
+    :mod:`objcomm._transport.pending`, one isend each)."""
+    counts = {"collectives": 0, "blocking": 0, "p2p": 0, "posted": 0}
     saved = []
 
     def wrap(owner: Any, name: str, key: str) -> None:
@@ -78,6 +80,7 @@ def calls() -> Iterator[Dict[str, int]]:
             wrap(owner, "all_gather_single", "collectives")
         for name in ("send", "recv"):
             wrap(dist, name, "blocking")
+        wrap(_pending, "post", "posted")
         real_wait = _bytes.Batch.wait
 
         def waited(batch: Any, *deadline: Any) -> None:
@@ -112,17 +115,30 @@ def _comm(up_tree: bool = False, summed: bool = False) -> objcomm.Communicator:
     return objcomm.Communicator(local=False, shm=False, _hooks=hooks)
 
 
+def _left(a: Any, b: Any) -> Any:
+    """A reduction that keeps its left operand: every message up the tree is its sender's own object."""
+    return a
+
+
+# the spreads a reduction's plan is checked on: its plan has one size for every message up the tree (rank 0's), which
+# these keep on the same side of every cut-off (the tree's messages are each sender's own object)
+TREE_CASES = ("all 1 KB", "all 1 MB", "uneven tensors")
+
+
 def each_spread(op: str, up_tree: bool = False) -> List[Any]:
-    """``op`` on every spread: (case, right result, collectives, blocking calls, batches of sends and receives)."""
+    """``op`` on every spread (a reduction: on :data:`TREE_CASES`): (case, right result, collectives, blocking calls,
+    batches of sends and receives and eager sends)."""
     comm, rank = _comm(up_tree), dist.get_rank()
     rows = []
-    for case in CASES:
+    for case in TREE_CASES if op in ("all_reduce", "reduce") else CASES:
         obj = spread(case, rank)
         root_obj = spread(case, 1) if rank == 1 else None
         run = {
             "all_gather": lambda obj=obj: comm.all_gather(obj),
             "gather": lambda obj=obj: comm.gather(obj, dst=3),
             "broadcast": lambda root_obj=root_obj: comm.broadcast(root_obj, src=1),
+            "all_reduce": lambda obj=obj: comm.all_reduce(obj, op=_left),
+            "reduce": lambda obj=obj: comm.reduce(obj, op=_left, dst=3),
         }[op]
         with calls() as counts:
             got = run()
@@ -130,9 +146,13 @@ def each_spread(op: str, up_tree: bool = False) -> List[Any]:
             right = all(_same(g, spread(case, r)) for r, g in enumerate(got))
         elif op == "gather":
             right = all(_same(g, spread(case, r)) for r, g in enumerate(got)) if rank == 3 else got is None
+        elif op == "all_reduce":
+            right = _same(got, spread(case, 0))
+        elif op == "reduce":
+            right = _same(got, spread(case, 0)) if rank == 3 else got is None
         else:
             right = _same(got, spread(case, 1))
-        rows.append((case, right, counts["collectives"], counts["blocking"], counts["p2p"]))
+        rows.append((case, right, counts["collectives"], counts["blocking"], counts["p2p"] + counts["posted"]))
     return rows
 
 
@@ -185,24 +205,27 @@ def _rests(case: str) -> List[int]:
 def planned_against_counted(op: str) -> List[Any]:
     """``op`` on every spread, as :func:`each_spread` runs it: (case, this rank's torch.distributed calls, the calls
     ``routes.plan`` gives for the same sizes on the same topology)."""
-    root = {"all_gather": 0, "gather": 3, "broadcast": 1}[op]
+    root = {"all_gather": 0, "gather": 3, "broadcast": 1, "all_reduce": 0, "reduce": 3}[op]
     topology = routes.Topology(world=W, ranks_per_host=1, device="cpu", channel_open=False)
     knobs = routes.Knobs(local=False, shm=False)
     rows = []
-    for case, _, collectives, blocking, p2p in each_spread(op):
+    for case, right, collectives, blocking, p2p in each_spread(op):
         planned = routes.plan(op, topology, _rests(case), knobs, root=root)
-        rows.append((case, collectives + blocking + p2p, planned.torch_calls, [s.collective for s in planned.steps]))
+        steps = [s.collective for s in planned.steps]
+        rows.append((case, collectives + blocking + p2p, planned.torch_calls, steps, right))
     return rows
 
 
-@pytest.mark.parametrize("op", ["all_gather", "gather", "broadcast"])
+@pytest.mark.parametrize("op", ["all_gather", "gather", "broadcast", "all_reduce", "reduce"])
 def test_the_routes_plan_is_what_the_transport_does(op):
     """routes.plan, which docs/scaling.md's model costs, gives each spread the torch.distributed calls the transport
     makes: as many as the busiest rank's (a rank with nothing to send or receive in a step skips it; a vote on gloo is
-    its exchanges and a broadcast)."""
+    its exchanges and a broadcast; a reduction's tree is a message from each of group rank 0's ceil(log2 W) children,
+    each one call or its slot, an answer where due and a batch for its rest)."""
     every = get_pool(W).run(planned_against_counted, op, timeout=120)
-    for index, (case, _, planned, steps) in enumerate(every[0]):
+    for index, (case, _, planned, steps, _) in enumerate(every[0]):
         counted = [rows[index][1] for rows in every]
+        assert all(rows[index][4] for rows in every), f"{op}, {case}: a wrong result"
         assert max(counted) == planned, f"{op}, {case}: plan {steps} ({planned} calls), ranks made {counted}"
 
 

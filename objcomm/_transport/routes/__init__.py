@@ -89,7 +89,17 @@ from objcomm._transport.routes.cutoffs import (
     stripe_width,
     two_levels,
 )
-from objcomm._transport.routes.plans import Knobs, Plan, Step, StripeMoves, Topology, plan, stripe_moves, vote_calls
+from objcomm._transport.routes.plans import (
+    Knobs,
+    Plan,
+    Step,
+    StripeMoves,
+    Topology,
+    plan,
+    stripe_moves,
+    tree_calls,
+    vote_calls,
+)
 
 __all__ = [
     "BACKEND",
@@ -125,6 +135,7 @@ __all__ = [
     "slots_up_tree",
     "stripe_moves",
     "stripe_width",
+    "tree_calls",
     "two_levels",
     "vote_calls",
 ]

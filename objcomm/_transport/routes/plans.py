@@ -17,6 +17,7 @@ from objcomm._transport.routes.cutoffs import (
     SHARED_MEMORY,
     STRIPES,
     agreement_needed,
+    backend_whole,
     exchange_shape,
     leaders_relay_first,
     rest_medium,
@@ -114,6 +115,9 @@ class Step:
     nbytes: Tuple[int, ...]
     ranks: int = 0  # the ranks it runs over: 0, the group's; else one host's, or the leaders' (two levels)
     across: bool = False  # every hop crosses hosts (the leaders' steps)
+    calls: int = (
+        1  # torch.distributed calls on its busiest rank: a vote's (vote_calls), a tree's (tree_calls), else one
+    )
 
 
 @dataclass(frozen=True)
@@ -133,12 +137,9 @@ class Plan:
     @property
     def torch_calls(self) -> int:
         """torch.distributed calls on the busiest rank (a batch of send/recv counts once): a rank with nothing to send
-        or receive in a step skips it, so others may make fewer. A ``tree`` or ``down_tree`` step counts once too,
-        though a rank makes a call a child or parent there (ceil(log2 W) on group rank 0): checked against the
-        transport's calls for all_gather, gather and broadcast (tests/transport/test_many_ranks.py)."""
-        return sum(
-            vote_calls(len(s.nbytes)) if s.collective == "vote" else 1 for s in self.steps if s.medium == BACKEND
-        )
+        or receive in a step skips it, so others may make fewer. Checked against the transport's calls for every
+        operation (tests/transport/test_many_ranks.py)."""
+        return sum(s.calls for s in self.steps if s.medium == BACKEND)
 
 
 def vote_calls(ranks: int) -> int:
@@ -149,6 +150,16 @@ def vote_calls(ranks: int) -> int:
         return 1
     below = 1 << (ranks.bit_length() - 1)
     return (ranks > below) + below.bit_length() - 1 + 1
+
+
+def tree_calls(world: int, rest: int, *, cpu: bool, listed: bool, chunk: int) -> int:
+    """The calls of a binomial tree of sends (a reduction's way up, or its result's way down) on its busiest rank, group
+    rank 0, where each message has a rest of ``rest`` bytes: ceil(log2 W) messages, each one call where its rest comes
+    with its slot (:func:`~objcomm._transport.routes.cutoffs.backend_whole`) or the slot carries all; else its slot,
+    the receiver's answer where one is due, and one batch for the rest (:func:`objcomm._transport.rounds.send`)."""
+    agreed = rest > 0 and agreement_needed(sizes_listed=listed, largest_piece=min(rest, chunk), medium_may_take=False)
+    per_message = 1 if rest == 0 or backend_whole(rest, cpu=cpu, agreed=agreed) else 2 + agreed
+    return (world - 1).bit_length() * per_message
 
 
 def plan(
@@ -218,8 +229,10 @@ def plan(
             medium = medium_of(moved)
             largest = min(moved, knobs.chunk_bytes)
             if agreement_needed(sizes_listed=listed, largest_piece=largest, medium_may_take=medium != BACKEND):
-                vote = "vote" if first == BACKEND and topology.cpu else "all_reduce"  # gloo: recursive doubling
-                steps.append(Step(vote, first, (4,) * world))
+                if first == BACKEND and topology.cpu:  # gloo: recursive doubling, then a broadcast
+                    steps.append(Step("vote", first, (4,) * world, calls=vote_calls(world)))
+                else:
+                    steps.append(Step("all_reduce", first, (4,) * world))
             steps += [
                 Step("broadcast", medium, (min(knobs.chunk_bytes, moved - at),))
                 for at in range(0, moved, knobs.chunk_bytes)
@@ -227,11 +240,13 @@ def plan(
     elif op in ("all_reduce", "reduce"):
         # a tree of send/recv (objcomm._api.reduce.tree; each carries a slot and its rest), then all_reduce: group
         # rank 0's value or failure back down the tree or broadcast; reduce: a gather of every rank's report to the root
-        steps.append(Step("tree", BACKEND, (knobs.slot_bytes + rests[0],)))
+        calls = tree_calls(world, rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
+        steps.append(Step("tree", BACKEND, (knobs.slot_bytes + rests[0],), calls=calls))
         if op == "all_reduce":
             result = plan("broadcast", topology, rests, knobs, root=0, listed=listed)
             if result.round_one == BACKEND and result_down_tree(cpu=topology.cpu):
-                return Plan(op, first, (*steps, Step("down_tree", BACKEND, (knobs.slot_bytes + rests[0],))))
+                down = Step("down_tree", BACKEND, (knobs.slot_bytes + rests[0],), calls=calls)
+                return Plan(op, first, (*steps, down))
             return Plan(op, first, (*steps, *result.steps))
         sent = [rests[0] if r == 0 and root != 0 else 0 for r in range(world)]
         return Plan(op, first, (*steps, *plan("gather", topology, sent, knobs, root=root).steps))
@@ -274,7 +289,7 @@ def _two_level_steps(
     leaders = Topology(world=len(hosts), device=topology.device)
 
     def across(steps: List[Step]) -> List[Step]:
-        return [Step(s.collective, s.medium, s.nbytes, len(hosts), True) for s in steps]
+        return [Step(s.collective, s.medium, s.nbytes, len(hosts), True, s.calls) for s in steps]
 
     def relay(n: int) -> List[Step]:  # one rank's n bytes to every rank: its host, the leaders, the other hosts
         pieces = [min(knobs.chunk_bytes, n - at) for at in range(0, n, knobs.chunk_bytes)]
@@ -332,7 +347,7 @@ def _two_level_steps(
         if agreement_needed(sizes_listed=listed, largest_piece=min(sent, knobs.chunk_bytes), medium_may_take=relayed):
             steps += [
                 Step("gather", CHANNEL, (8,) * k, k),
-                *across([Step("vote", BACKEND, (4,) * len(hosts))]),
+                *across([Step("vote", BACKEND, (4,) * len(hosts), calls=vote_calls(len(hosts)))]),
                 Step("broadcast", CHANNEL, (8,), k),
             ]
         steps += relay(sent)
