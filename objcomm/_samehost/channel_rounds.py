@@ -86,7 +86,7 @@ class ChannelRounds:
         channel, spin = found
         me = wire.rank
         mine = chunks(pieces(out, infos[me].inline is not None))
-        got = _streamed(channel, pattern("all_gather", me=me, world=wire.size), mine, moved, max(moved), True, spin, op)
+        got = streamed(channel, pattern("all_gather", me=me, world=wire.size), mine, moved, max(moved), True, spin, op)
         own = Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors])  # never the input itself
         return _results(got, infos, me, own, sizes_of, op)
 
@@ -103,7 +103,7 @@ class ChannelRounds:
         mine = chunks(pieces(out, info.inline is not None)) if out is not None and me == src else None
         refuse = me != src and info.total > wire.max_bytes  # above this rank's limit (no vote came first): dropped
         at = pattern("broadcast", me=me, world=wire.size, root=src)
-        got = _streamed(channel, at, mine, [moved] * wire.size, moved, not refuse, spin, op)
+        got = streamed(channel, at, mine, [moved] * wire.size, moved, not refuse, spin, op)
         all_received(channel, moved, spin, op)
         if me == src:
             assert out is not None
@@ -135,7 +135,7 @@ class ChannelRounds:
         me = wire.rank
         mine = chunks(pieces(out, infos[me].inline is not None)) if me != dst else None
         at = pattern("gather", me=me, world=wire.size, root=dst)
-        got = _streamed(channel, at, mine, moved, max(moved), True, spin, op)
+        got = streamed(channel, at, mine, moved, max(moved), True, spin, op)
         all_received(channel, sum(moved), spin, op)
         if me != dst:
             return None
@@ -164,7 +164,7 @@ class ChannelRounds:
             )
         mine = _streams(wire, outs) if outs is not None and me == src else None
         at = pattern("scatter", me=me, world=wire.size, root=src)
-        got = _streamed(channel, at, mine, [moved] * wire.size, longest, True, spin, op)
+        got = streamed(channel, at, mine, [moved] * wire.size, longest, True, spin, op)
         all_received(channel, longest, spin, op)
         if outs is not None and me == src:
             return Incoming(outs[me].frame, list(outs[me].tensors))  # the caller decodes its own with own=True
@@ -179,7 +179,7 @@ class ChannelRounds:
             return self.inner.all_to_all(wire, outs, infos, sizes_of, longest, op)
         channel, spin = found
         me, moved = wire.rank, [info.second_round_bytes for info in infos]
-        got = _streamed(
+        got = streamed(
             channel, pattern("all_to_all", me=me, world=wire.size), _streams(wire, outs), moved, longest, True, spin, op
         )
         return _results(got, infos, me, Incoming(outs[me].frame, list(outs[me].tensors)), sizes_of, op)  # own: own=True
@@ -267,7 +267,7 @@ _KINDS = {
 }
 
 
-def _streamed(
+def streamed(
     channel: _socket.LocalChannel,
     at: Pattern,
     mine: Any,
@@ -276,15 +276,20 @@ def _streamed(
     keep: bool,
     spin: Optional[float],
     op: str,
-) -> Dict[int, Optional[bytearray]]:
+    into: Optional[Dict[int, memoryview]] = None,
+    names: Optional[Sequence[int]] = None,
+) -> Dict[int, Optional[Union[bytearray, memoryview]]]:
     """This rank's part of ``at`` in the second round through ``channel``: ``mine`` (an iterator of this rank's
     messages, or with ``at.each`` one per rank) in messages of the channel's collective of the operation, as many as
     the ``longest`` stream needs (every rank knows it, from round 1 or its vote; an iterator that ended sends empty
     messages). What each of ``at.sources`` sends is checked against ``sizes[r]``, what its slot announced (a message
-    of another length fails the channel: the ranks are out of step), and put together in a buffer of that size
-    (``None`` for none, or read and dropped where not ``keep``)."""
+    of another length fails the channel: the ranks are out of step), and put together in a buffer of that size, or
+    in ``into[r]`` (a view of that size) where given (``None`` for none, or read and dropped where not ``keep``).
+    ``names``: the group rank of each of the channel's ranks, as errors name them (two levels: a host's channel)."""
     kind = _KINDS[at.op]
-    received = {r: bytearray(sizes[r]) if keep and sizes[r] else None for r in at.sources}
+    received: Dict[int, Optional[Union[bytearray, memoryview]]] = {
+        r: (bytearray(sizes[r]) if into is None else into[r]) if keep and sizes[r] else None for r in at.sources
+    }
     for index in range(-(-longest // CHUNK)):
         if not at.to:
             now: Any = None
@@ -293,16 +298,17 @@ def _streamed(
         else:
             now = next(mine, b"")
         got = channel.move(kind, at, now, spin)
-        for r, into in received.items():
-            if into is not None:
-                place(channel, into, got[r], index, r, op)
+        for r, buffer in received.items():
+            sender = r if names is None else names[r]
+            if buffer is not None:
+                place(channel, buffer, got[r], index, sender, op)
             else:
-                checked(channel, got[r], index, sizes[r], r, op)  # (0 where nothing is due)
+                checked(channel, got[r], index, sizes[r], sender, op)  # (0 where nothing is due)
     return received
 
 
 def _results(
-    received: Dict[int, Optional[bytearray]],
+    received: Dict[int, Optional[Union[bytearray, memoryview]]],
     infos: Sequence[SlotInfo],
     me: int,
     own: Incoming,
@@ -369,7 +375,9 @@ def all_received(channel: _socket.LocalChannel, moved: int, spin: Optional[float
         )
 
 
-def place(channel: _socket.LocalChannel, into: bytearray, chunk: Slot, index: int, sender: int, op: str) -> None:
+def place(
+    channel: _socket.LocalChannel, into: Union[bytearray, memoryview], chunk: Slot, index: int, sender: int, op: str
+) -> None:
     """Message ``index`` of ``sender``'s second round, checked (:func:`checked`), in its place in ``into``."""
     at = checked(channel, chunk, index, len(into), sender, op)
     into[at : at + len(chunk)] = chunk

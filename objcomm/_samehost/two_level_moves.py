@@ -11,7 +11,7 @@ import contextlib
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -20,11 +20,12 @@ from objcomm._errors import CommunicationError, FrameError
 from objcomm._format.slot import read_slot
 from objcomm._samehost.channel import LocalChannel
 from objcomm._samehost.channel_checks import echo
-from objcomm._samehost.channel_rounds import CHUNK, all_received, checked, chunks
+from objcomm._samehost.channel_rounds import CHUNK, all_received, checked, chunks, streamed
 from objcomm._samehost.inbox import REST
 from objcomm._samehost.sealed import Sealed, map_parts, write_sealed
 from objcomm._transport import routes
 from objcomm._transport.base import Slot, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.patterns import pattern
 from objcomm._transport.slot_tree import gather_up_tree
 
 T = TypeVar("T")
@@ -92,8 +93,8 @@ def to_leader(here: Here, data: Slot, op: str) -> Optional[List[Slot]]:
 def publish(here: Here, views: Sequence[memoryview], total: int, op: str) -> None:
     """``views`` (``total`` bytes back to back) from this rank to every other rank of its host (:func:`take`)."""
     assert here.channel is not None
-    for chunk in chunks(list(views)):
-        here.channel.broadcast(chunk, here.place, here.spin)
+    at = pattern("broadcast", me=here.place, world=here.channel.size, root=here.place)
+    streamed(here.channel, at, chunks(list(views)), (), total, True, here.spin, op)
     all_received(here.channel, total, here.spin, op)
 
 
@@ -109,14 +110,13 @@ def cut(data: memoryview, sizes: Sequence[int]) -> List[memoryview]:
 def take(here: Here, total: int, src: int, op: str, keep: bool = True) -> Optional[bytearray]:
     """What host rank ``src`` publishes (``total`` bytes, :func:`publish`); ``keep=False``: read and dropped."""
     assert here.channel is not None
-    into = bytearray(total) if keep else None
-    for index in range(-(-total // CHUNK)):
-        got = here.channel.broadcast(None, src, here.spin)
-        at = checked(here.channel, got, index, total, here.levels.hosts[here.host][src], op)
-        if into is not None:
-            into[at : at + len(got)] = got
+    members = here.levels.hosts[here.host]
+    at = pattern("broadcast", me=here.place, world=here.channel.size, root=src)
+    got = streamed(here.channel, at, None, [total] * len(members), total, keep, here.spin, op, names=members)[src]
     all_received(here.channel, total, here.spin, op)
-    return into
+    if not keep:
+        return None
+    return bytearray() if got is None else cast(bytearray, got)  # (a buffer of its own: no views were given)
 
 
 def publish_shared(here: Here, views: Sequence[memoryview], op: str) -> None:

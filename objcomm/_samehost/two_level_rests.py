@@ -27,7 +27,7 @@ import torch
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
-from objcomm._samehost.channel_rounds import CHUNK, checked, chunks, incoming, pieces
+from objcomm._samehost.channel_rounds import chunks, incoming, pieces, streamed
 from objcomm._samehost.two_level import TwoLevel
 from objcomm._samehost.two_level_moves import (
     Here,
@@ -46,6 +46,7 @@ from objcomm._transport import routes
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, NotUsed, Route, SecondRound, Wire
 from objcomm._transport.bytes import Batch, host_view
 from objcomm._transport.exchange import all_gather_rests
+from objcomm._transport.patterns import pattern
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,8 @@ class TwoLevelRests:
         totals = [sum(moved[r] for r in host) for host in levels.hosts]
         members = levels.hosts[here.host]
         mine = pieces(out, infos[me].inline is not None)
-        if here.place:  # to the leader, in messages of the channel, as many as the host's largest sender needs
-            assert here.channel is not None
-            stream = chunks(mine)
-            for _ in range(-(-max(moved[r] for r in members) // CHUNK)):
-                here.channel.gather(next(stream, b""), 0, here.spin)
+        bundle = _to_host_leader(here, mine, [moved[r] for r in members], op)
+        if bundle is None:  # not the leader: every rest, from the leader
             if self._shared(sum(moved)):
                 bundles = take_shared(here, totals, op)
             else:
@@ -92,7 +90,6 @@ class TwoLevelRests:
                 assert everything is not None
                 bundles = cut(memoryview(everything), totals)
         else:
-            bundle = _gathered_from_host(here, mine, [moved[r] for r in members], op)
             assert here.leader is not None
             got = as_leader(
                 here,
@@ -208,18 +205,21 @@ class TwoLevelRests:
         return self.inner.recv(wire, info, sizes_of, src, op, route, message)
 
 
-def _gathered_from_host(here: Here, mine: List[memoryview], moved: List[int], op: str) -> bytearray:
-    """The leader of an all_gather: its host's rests (``moved``: each host rank's, in host order; ``mine``: its
-    own), back to back; the others sent theirs in channel gathers, as many as the largest needs."""
+def _to_host_leader(here: Here, mine: List[memoryview], moved: List[int], op: str) -> Optional[bytearray]:
+    """The rests of an all_gather to the leader of each host (``moved``: each host rank's, in host order; ``mine``:
+    this rank's own) in messages of the channel's gathers, as many as the host's largest needs: on the leader, the
+    host's rests back to back; None on the others."""
+    at = pattern("gather", me=here.place, world=len(moved), root=0)
+    if here.place:
+        assert here.channel is not None
+        streamed(here.channel, at, chunks(mine), moved, max(moved), True, here.spin, op)
+        return None
     bundle, view = _with_own(mine, moved)
-    starts = [sum(moved[:i]) for i in range(len(moved))]
-    members = here.levels.hosts[here.host]
     if here.channel is not None:
-        for index in range(-(-max(moved) // CHUNK)):
-            got = here.channel.gather(None, 0, here.spin)
-            for i in range(1, len(moved)):
-                at = checked(here.channel, got[i], index, moved[i], members[i], op)
-                view[starts[i] + at : starts[i] + at + len(got[i])] = got[i]
+        starts = [sum(moved[:i]) for i in range(len(moved))]
+        into = {i: view[starts[i] : starts[i] + moved[i]] for i in range(1, len(moved))}
+        members = here.levels.hosts[here.host]
+        streamed(here.channel, at, None, moved, max(moved), True, here.spin, op, into=into, names=members)
     return bundle
 
 
