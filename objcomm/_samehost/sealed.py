@@ -37,6 +37,8 @@ import functools
 import mmap
 import os
 import stat
+import sys
+import time
 import weakref
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union, cast
 
@@ -94,6 +96,58 @@ def frame_parts(frame: Any) -> List[memoryview]:
     if isinstance(frame, (memoryview, bytes, bytearray)):
         return [memoryview(frame).cast("B")]
     return [memoryview(part).cast("B") for part in frame]
+
+
+class SealedTable:
+    """A new memory file of ``size`` bytes, mapped writable here so that a collective writes its output into it in
+    place (:attr:`tensor`), then sealed (:meth:`seal`) and read as :func:`write_sealed`'s files are: the copy
+    :func:`write_sealed` makes of a buffer is never made. Pages are populated at mapping (``MAP_POPULATE``), not
+    faulted in one by one. Raises ``OSError`` where memory files are unavailable."""
+
+    def __init__(self, name: str, size: int) -> None:
+        create = getattr(os, "memfd_create", None)
+        if create is None or not size:
+            raise OSError(errno.ENOSYS, "memfd_create is not available on this platform" if size else "empty")
+        self.fd: Optional[int] = create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mapping: Optional[mmap.mmap] = mmap.mmap(self.fd, size, flags=flags)
+        except BaseException:
+            self.release()
+            raise
+        self.tensor: Optional[torch.Tensor] = torch.frombuffer(self._mapping, dtype=torch.uint8)
+
+    def seal(self, settle: float = 0.5) -> SealedSegment:
+        """The file, unmapped here and sealed. Every view of :attr:`tensor` must be gone, or go within ``settle``
+        seconds (a backend's worker thread may drop its reference to a collective's output just after the collective
+        returned); ``BufferError`` if not: a tensor keeps a reference to the mapping, not a buffer export, so closing
+        it under one would leave the view pointing at unmapped memory."""
+        assert self.fd is not None and self._mapping is not None
+        self.tensor = None
+        deadline = time.monotonic() + settle
+        while sys.getrefcount(self._mapping) > 2:  # this attribute and the call's argument: a tensor's storage holds it
+            if time.monotonic() > deadline:
+                raise BufferError("a view of the table is still alive; it cannot be sealed")
+            time.sleep(0.0002)
+        self._mapping.close()
+        self._mapping = None
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
+        fd, self.fd = self.fd, None
+        return SealedSegment(fd)
+
+    def copy_rows(self, sizes: Sequence[int]) -> List[memoryview]:
+        """Row ``i``'s first ``sizes[i]`` bytes, copied (rows of ``max(sizes)``), before :meth:`release`."""
+        assert self._mapping is not None
+        width = max(sizes, default=0)
+        return [memoryview(self._mapping[i * width : i * width + n]) for i, n in enumerate(sizes)]
+
+    def release(self) -> None:
+        """Close the file unsealed (a failure on the way): the mapping goes once no view of it is left."""
+        self.tensor, self._mapping = None, None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def write_sealed(name: str, frame: Any, pieces: Sequence[memoryview]) -> SealedSegment:
@@ -167,15 +221,17 @@ def map_sealed(
     return incoming
 
 
-def map_parts(where: Sealed, sizes: Sequence[int]) -> List[memoryview]:
-    """The parts of ``sizes`` bytes a writer sealed at ``where`` (:func:`write_sealed` with no frame), as views on
-    one private mapping (their memory lives while a view does). ``FrameError``: a file to refuse (its size is not
-    exactly what ``sizes`` lay out, among the rest: see the module docstring); :class:`Unopenable`: one that cannot
-    be opened."""
+def map_parts(where: Sealed, sizes: Sequence[int], width: int = 0) -> List[memoryview]:
+    """The parts of ``sizes`` bytes a writer sealed at ``where`` (:func:`write_sealed` with no frame; ``width``: a
+    :class:`SealedTable` of rows of that many bytes, part ``i`` at the start of row ``i``), as views on one private
+    mapping (their memory lives while a view does). ``FrameError``: a file to refuse (its size is not exactly what
+    ``sizes`` lay out, among the rest: see the module docstring); :class:`Unopenable`: one that cannot be opened."""
+    if width and max(sizes, default=0) > width:
+        raise FrameError(f"sealed segment {where.path}: a part of {max(sizes):,} bytes in rows of {width:,}; refused")
     fd = _open_regular(where)
     try:
         held = _check_sealed(fd, where).st_size
-        offsets, end = layout(0, sizes)
+        offsets, end = ([i * width for i in range(len(sizes))], width * len(sizes)) if width else layout(0, sizes)
         if held != end:
             raise FrameError(f"sealed segment {where.path} holds {held:,} bytes, its layout needs {end:,}; refused")
         whole = memoryview(_private(fd, held)) if held else memoryview(b"")

@@ -22,7 +22,7 @@ from objcomm._samehost.channel import LocalChannel
 from objcomm._samehost.channel_checks import echo
 from objcomm._samehost.channel_rounds import CHUNK, all_received, checked, chunks, streamed
 from objcomm._samehost.inbox import REST
-from objcomm._samehost.sealed import Sealed, map_parts, write_sealed
+from objcomm._samehost.sealed import Sealed, SealedSegment, map_parts, write_sealed
 from objcomm._transport import routes
 from objcomm._transport.base import Slot, Wire, all_gather_single, guarded, largest_of
 from objcomm._transport.patterns import pattern
@@ -119,15 +119,20 @@ def take(here: Here, total: int, src: int, op: str, keep: bool = True) -> Option
     return bytearray() if got is None else cast(bytearray, got)  # (a buffer of its own: no views were given)
 
 
-def publish_shared(here: Here, views: Sequence[memoryview], op: str) -> None:
+def publish_shared(
+    here: Here, views: Sequence[memoryview], op: str, sealed: Optional[SealedSegment] = None, width: int = 0
+) -> None:
     """The leader: ``views`` to every rank of its host in one sealed memory file (:mod:`objcomm._samehost.sealed`):
     one copy on the host, which its ranks map (:func:`take_shared`); a rank that cannot open it says so, and gets
-    them through the channel instead."""
+    them through the channel instead. ``sealed``: the file, sealed already, rows of ``width`` bytes, each view at the
+    start of its row (a :class:`~objcomm._samehost.sealed.SealedTable` the leaders' all_gather wrote in place: no
+    copy on the host at all); ``views`` then are views of it."""
     assert here.channel is not None
-    segment = None
+    segment = sealed
     try:
-        segment = write_sealed("objcomm-two-levels", None, list(views))
-        where = _WHERE.pack(os.getpid(), segment.fd)
+        if segment is None:
+            segment = write_sealed("objcomm-two-levels", None, list(views))
+        where = _WHERE.pack(os.getpid(), segment.fd, width)
     except OSError:  # no memory files here: every rank takes the channel
         where = b""
     try:
@@ -148,7 +153,8 @@ def take_shared(here: Here, sizes: Sequence[int], op: str) -> List[memoryview]:
     parts = None
     if len(where) == _WHERE.size:
         try:
-            parts = map_parts(Sealed(*_WHERE.unpack(where)), sizes)
+            pid, fd, width = _WHERE.unpack(where)
+            parts = map_parts(Sealed(pid, fd), sizes, width)
         except (OSError, FrameError):  # (another pid namespace, a file to refuse): the channel instead
             parts = None
     elif where:
@@ -159,7 +165,7 @@ def take_shared(here: Here, sizes: Sequence[int], op: str) -> List[memoryview]:
     return cut(memoryview(receive_within(here, 0, sum(sizes), op)), sizes)
 
 
-_WHERE = struct.Struct("<qq")  # a sealed file's writer pid and descriptor
+_WHERE = struct.Struct("<qqq")  # a sealed file's writer pid and descriptor, and its rows' width (0: packed parts)
 
 
 def all_gather_fixed(

@@ -19,8 +19,9 @@ the channel (the ranks are out of step, or one lies), and every rank raises.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -28,6 +29,7 @@ from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
 from objcomm._samehost.channel_rounds import chunks, incoming, pieces, streamed
+from objcomm._samehost.sealed import Sealed, SealedSegment, SealedTable, map_parts
 from objcomm._samehost.two_level import TwoLevel
 from objcomm._samehost.two_level_moves import (
     Here,
@@ -90,22 +92,10 @@ class TwoLevelRests:
                 assert everything is not None
                 bundles = cut(memoryview(everything), totals)
         else:
-            assert here.leader is not None
-            got = as_leader(
-                here,
-                op,
-                all_gather_rests,
-                here.leader,
-                [torch.frombuffer(bundle, dtype=torch.uint8)] if len(bundle) else [],
-                totals,
-                op,
-            )
-            bundles = [
-                memoryview(bundle) if h == here.host else host_view(t) if t is not None else memoryview(b"")
-                for h, t in enumerate(got)
-            ]
-            if here.channel is not None and self._shared(sum(moved)):
-                publish_shared(here, bundles, op)
+            shared = here.channel is not None and self._shared(sum(moved))
+            bundles, sealed = _leaders_exchange(here, bundle, totals, shared, op)
+            if shared:
+                publish_shared(here, bundles, op, sealed, max(totals) if sealed is not None else 0)
             elif here.channel is not None:
                 publish(here, bundles, sum(moved), op)
         return _split(levels, bundles, moved, infos, sizes_of, me, out, op)
@@ -233,6 +223,52 @@ def _from_host(here: Here, mine: List[memoryview], moved: List[int], op: str) ->
             view[at : at + moved[i]] = receive_within(here, i, moved[i], op)
             at += moved[i]
     return bundle
+
+
+def _leaders_exchange(
+    here: Here, bundle: bytearray, totals: List[int], shared: bool, op: str
+) -> Tuple[List[memoryview], Optional[SealedSegment]]:
+    """The leader of an all_gather: every host's bundle (``totals``: each host's bytes), from one exchange among the
+    leaders, and the sealed file that holds them, or None. Where the host's ranks take the result from one shared
+    file (``shared``) and the exchange is one padded all_gather (:func:`objcomm._transport.routes.in_place_table`), it
+    writes into that file in place (:class:`~objcomm._samehost.sealed.SealedTable`: rows of the largest bundle), sealed
+    then, and the bundles are views of it (no copy on the host); else the leader keeps the buffers the exchange gave."""
+    assert here.leader is not None
+    own = [torch.frombuffer(bundle, dtype=torch.uint8)] if len(bundle) else []
+    table = None
+    if shared and routes.in_place_table(totals, cpu=True):
+        try:
+            table = SealedTable("objcomm-two-levels", len(totals) * max(totals))
+        except OSError:  # no memory files here: the exchange's own buffers, copied into a file after
+            table = None
+    try:
+        got = as_leader(
+            here, op, all_gather_rests, here.leader, own, totals, op, None if table is None else table.tensor
+        )
+    except BaseException:
+        if table is not None:
+            table.release()
+        raise
+    if table is not None:
+        del got  # views of the table: it is sealed once none is left
+        width = max(totals)
+        try:
+            segment = table.seal()
+        except BufferError:  # (not expected: no view is left) its rows, copied, go through a file of their own
+            rows = table.copy_rows(totals)
+            table.release()
+            return rows, None
+        try:
+            views = map_parts(Sealed(os.getpid(), segment.fd), totals, width)
+        except BaseException:
+            segment.release()
+            raise
+        return views, segment
+    bundles = [
+        memoryview(bundle) if h == here.host else host_view(t) if t is not None else memoryview(b"")
+        for h, t in enumerate(got)
+    ]
+    return bundles, None
 
 
 def _with_own(mine: List[memoryview], moved: List[int]) -> tuple[bytearray, memoryview]:

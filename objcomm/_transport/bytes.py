@@ -189,20 +189,28 @@ def recv_bytes(wire: Wire, length: int, src: int, op: str, drain: bool = False) 
     return buffer
 
 
-def all_gather_equal(wire: Wire, data: torch.Tensor, width: int, op: str) -> List[torch.Tensor]:
+def all_gather_equal(
+    wire: Wire, data: torch.Tensor, width: int, op: str, out: Optional[torch.Tensor] = None
+) -> List[torch.Tensor]:
     """All ranks send ``width`` bytes (``data`` shorter is zero-padded); return each rank's ``width`` bytes (rows of
-    :func:`all_gather_table`)."""
-    return list(all_gather_table(wire, data, width, op).view(wire.size, width))
+    :func:`all_gather_table`, in ``out`` where given)."""
+    return list(all_gather_table(wire, data, width, op, out=out).view(wire.size, width))
 
 
 def all_gather_table(
-    wire: Wire, data: torch.Tensor, width: int, op: str, deadline: Optional[Deadline] = None
+    wire: Wire,
+    data: torch.Tensor,
+    width: int,
+    op: str,
+    deadline: Optional[Deadline] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """All ranks send ``width`` bytes (``data`` shorter is zero-padded); return every rank's, back to back in group-rank
-    order, in one buffer. Past ``wire.chunk`` bytes a rank, in rounds of at most that many, each checked against
-    ``deadline`` where one is given (one timeout for them all)."""
+    order, in one buffer (``out``, where given: ``width`` x W bytes on the wire's device). Past ``wire.chunk`` bytes a
+    rank, in rounds of at most that many, each checked against ``deadline`` where one is given (one timeout for them
+    all)."""
     length, size = data.numel(), wire.size
-    table = empty(width * size, wire)
+    table = empty(width * size, wire) if out is None else out
     if width <= wire.chunk:
         padding = torch.zeros(width - length, dtype=torch.uint8, device=data.device)
         send = data if length == width else torch.cat([data, padding])

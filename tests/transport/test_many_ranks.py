@@ -675,13 +675,15 @@ def two_levels(k: int) -> List[Any]:
         rows: List[Any] = []
         cases = CASES if k == 4 else ["all 1 KB", "one 20 MB", "uneven tensors"]  # (hosts of 3: the uneven ones)
         mapped = []  # an all_gather's ranks map their leader's file from shm_threshold (2 MiB) on: one copy a host
-        real_map = _two_level.map_parts
+        real_map, real_write = _two_level.map_parts, _two_level.write_sealed
         _two_level.map_parts = lambda *args: mapped.append(1) or real_map(*args)  # type: ignore[assignment]
+        written = []  # a leader copies its host's result into a file unless its exchange wrote the file in place
+        _two_level.write_sealed = lambda *args: written.append(1) or real_write(*args)  # type: ignore[assignment]
         for case in cases:
             with calls() as gathered:
-                before = len(mapped)
+                before, copied = len(mapped), len(written)
                 got = comm.all_gather(spread(case, rank))
-                shared = len(mapped) - before
+                shared, copied = len(mapped) - before, len(written) - copied
             with calls() as broadcast:
                 root = comm.broadcast(spread(case, 6) if rank == 6 else None, src=6)
             with calls() as to_one:
@@ -698,6 +700,7 @@ def two_levels(k: int) -> List[Any]:
                     right,
                     to_one["collectives"] + to_one["p2p"],
                     shared,
+                    copied,
                 )
             )
         with calls() as reduced:
@@ -706,7 +709,7 @@ def two_levels(k: int) -> List[Any]:
         before = len(mapped)  # the table of slots (32 KB) in a shared file too, from a lower shm_threshold
         ranks = objcomm.Communicator(shm_threshold=16 << 10).all_gather(rank)
         rows.append((ranks == list(range(W)), len(mapped) - before))
-        _two_level.map_parts = real_map  # type: ignore[assignment]
+        _two_level.map_parts, _two_level.write_sealed = real_map, real_write  # type: ignore[assignment]
         if k == 4:
             hosts = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]  # every rank makes both, in order
             inside = objcomm.Communicator(group=hosts[rank // 4])
@@ -754,7 +757,8 @@ def test_the_routes_plan_is_what_two_levels_do(k):
 @pytest.mark.parametrize("k", [4, 3])
 def test_two_levels_only_leaders_call_the_backend(k):
     """Hosts of four (two hosts) and of three (3 + 3 + 2): every result right; inside a host, only its leader (its
-    lowest rank) calls torch.distributed, at most 3 times an all_gather (slots, one exchange of the rests: by
+    lowest rank) calls torch.distributed (and copies an all_gather's result into a shared file only where the leaders'
+    exchange did not write it in place), at most 3 times an all_gather (slots, one exchange of the rests: by
     stripes, a batch and an all_gather, where one host's rests dwarf the others') and a
     broadcast its slot, its rest and the vote of the leaders (recursive doubling: 1 exchange for two leaders,
     3 for three)."""
@@ -762,11 +766,25 @@ def test_two_levels_only_leaders_call_the_backend(k):
     for rank, rows in enumerate(get_pool(W).run(two_levels, k, timeout=180)):
         leader = rank % k == 0
         done = len(CASES) if k == 4 else 3
-        for case, gathered, gathered_calls, blocking, broadcast, broadcast_calls, at_five, gather_calls, shared in rows[
-            :done
-        ]:
+        for (
+            case,
+            gathered,
+            gathered_calls,
+            blocking,
+            broadcast,
+            broadcast_calls,
+            at_five,
+            gather_calls,
+            shared,
+            copied,
+        ) in rows[:done]:
             assert gathered and broadcast and at_five, (k, rank, case, rows)
             assert shared == (case != "all 1 KB" and not leader), (k, rank, case, shared)  # 2.3 MB and more
+            # the leaders' padded all_gather (hosts' bundles within 2x) writes the shared file in place; else a copy
+            rests = _rests(case)
+            in_place = routes.in_place_table([sum(rests[h : h + k]) for h in range(0, W, k)], cpu=True)
+            assert in_place or (k, case) in ((3, "one 20 MB"), (3, "log-normal"), (4, "all 1 KB"), (3, "all 1 KB"))
+            assert copied == (leader and case != "all 1 KB" and not in_place), (k, rank, case, copied)
             assert blocking == 0
             if leader:  # a gather: the slots, dst's word, the rests (one batch)
                 assert 1 <= gathered_calls <= 3 and 1 <= broadcast_calls <= 2 + votes, (k, rank, case, rows)

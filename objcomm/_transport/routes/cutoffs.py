@@ -119,6 +119,13 @@ def backend_whole(rest: int, *, cpu: bool, agreed: bool) -> bool:
     return cpu and not agreed and 0 < rest <= BACKEND_WHOLE_BYTES
 
 
+def in_place_table(totals: Sequence[int], *, cpu: bool) -> bool:
+    """Whether the leaders of two levels, whose hosts take an all_gather's result from one shared file, receive their
+    exchange into that file in place (rows of the largest host's bundle: no copy on the host): where the exchange of
+    the hosts' bundles (``totals`` bytes each) is one padded all_gather (:func:`exchange_shape`)."""
+    return max(totals, default=0) > 0 and exchange_shape(totals, cpu=cpu) == PADDED
+
+
 def leaders_relay_first(*, op: str, moved: int) -> bool:
     """On two levels, whether an ``op`` whose rest is ``moved`` bytes makes its receivers vote first because a leader
     holds all of it to relay it to its host: a broadcast past ``SCRATCH_BYTES`` (a refusing leader would hold it

@@ -19,6 +19,7 @@ from objcomm._transport.routes.cutoffs import (
     agreement_needed,
     backend_whole,
     exchange_shape,
+    in_place_table,
     leaders_relay_first,
     rest_medium,
     result_down_tree,
@@ -311,10 +312,14 @@ def _two_level_steps(
             Step("broadcast", published(table), (table,), k),
         ]
         if max(rests, default=0):
+            totals = [sum(h) for h in hosts]
+            medium = published(sum(rests))
+            # a shared file the leaders' padded all_gather wrote in place: handed over, nothing copied on the host
+            copied = 0 if medium == SHARED_MEMORY and in_place_table(totals, cpu=topology.cpu) else sum(rests)
             steps += [
                 Step("gather", CHANNEL, tuple(max(hosts, key=sum)), k),
-                *across(_exchange(BACKEND, [sum(h) for h in hosts], leaders, knobs)),
-                Step("broadcast", published(sum(rests)), (sum(rests),), k),
+                *across(_exchange(BACKEND, totals, leaders, knobs)),
+                Step("broadcast", medium, (copied,), k),
             ]
         return steps
     if op == "gather":
