@@ -37,7 +37,6 @@ import functools
 import mmap
 import os
 import stat
-import sys
 import time
 import weakref
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union, cast
@@ -102,52 +101,75 @@ class SealedTable:
     """A new memory file of ``size`` bytes, mapped writable here so that a collective writes its output into it in
     place (:attr:`tensor`), then sealed (:meth:`seal`) and read as :func:`write_sealed`'s files are: the copy
     :func:`write_sealed` makes of a buffer is never made. Pages are populated at mapping (``MAP_POPULATE``), not
-    faulted in one by one. Raises ``OSError`` where memory files are unavailable."""
+    faulted in one by one, and a forked child does not inherit the mapping (``MADV_DONTFORK``). The mapping is never
+    closed by hand: the last view of :attr:`tensor` unmaps it, and the kernel refuses the write seal while it is
+    mapped, so no view can outlive its memory. Raises ``OSError`` where memory files are unavailable."""
 
     def __init__(self, name: str, size: int) -> None:
         create = getattr(os, "memfd_create", None)
         if create is None or not size:
             raise OSError(errno.ENOSYS, "memfd_create is not available on this platform" if size else "empty")
-        self.fd: Optional[int] = create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(self.fd, size)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._mapping: Optional[mmap.mmap] = mmap.mmap(self.fd, size, flags=flags)
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            if hasattr(mmap, "MADV_DONTFORK"):
+                mapping.madvise(mmap.MADV_DONTFORK)
         except BaseException:
-            self.release()
+            os.close(fd)
             raise
-        self.tensor: Optional[torch.Tensor] = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self.fd: Optional[int] = fd
+        self._closer = weakref.finalize(self, os.close, fd)  # unless seal() hands the file on
+        self.tensor: Optional[torch.Tensor] = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping
 
     def seal(self, settle: float = 0.5) -> SealedSegment:
-        """The file, unmapped here and sealed. Every view of :attr:`tensor` must be gone, or go within ``settle``
-        seconds (a backend's worker thread may drop its reference to a collective's output just after the collective
-        returned); ``BufferError`` if not: a tensor keeps a reference to the mapping, not a buffer export, so closing
-        it under one would leave the view pointing at unmapped memory."""
-        assert self.fd is not None and self._mapping is not None
+        """The file, sealed, once :attr:`tensor` and every view of it are gone, within ``settle`` seconds (a backend's
+        worker thread may drop its reference to a collective's output just after the collective returned). Raises
+        ``OSError`` (``EBUSY``) if a view is left then; the file stays open here (:meth:`copy_rows`)."""
+        assert self.fd is not None
         self.tensor = None
         deadline = time.monotonic() + settle
-        while sys.getrefcount(self._mapping) > 2:  # this attribute and the call's argument: a tensor's storage holds it
-            if time.monotonic() > deadline:
-                raise BufferError("a view of the table is still alive; it cannot be sealed")
-            time.sleep(0.0002)
-        self._mapping.close()
-        self._mapping = None
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
+        while True:
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS | fcntl.F_SEAL_SEAL)
+                break
+            except OSError as exc:  # EBUSY: still mapped writable here, by a view of the table
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.0002)
+        self._closer.detach()
         fd, self.fd = self.fd, None
         return SealedSegment(fd)
 
-    def copy_rows(self, sizes: Sequence[int]) -> List[memoryview]:
-        """Row ``i``'s first ``sizes[i]`` bytes, copied (rows of ``max(sizes)``), before :meth:`release`."""
-        assert self._mapping is not None
-        width = max(sizes, default=0)
-        return [memoryview(self._mapping[i * width : i * width + n]) for i, n in enumerate(sizes)]
+    def copy_rows(self, sizes: Sequence[int], width: int) -> List[memoryview]:
+        """Row ``i``'s first ``sizes[i]`` bytes (rows of ``width``), copied from the file into buffers of their own
+        (writable, as every rest reaches its decoder): where :meth:`seal` failed."""
+        assert self.fd is not None
+        rows = []
+        for i, n in enumerate(sizes):
+            row = bytearray(n)
+            view, done = memoryview(row), 0
+            while done < n:
+                got = os.preadv(self.fd, [view[done:]], i * width + done)
+                if not got:
+                    raise OSError(errno.EIO, f"the table ended within row {i}")
+                done += got
+            rows.append(memoryview(row))
+        return rows
 
     def release(self) -> None:
-        """Close the file unsealed (a failure on the way): the mapping goes once no view of it is left."""
-        self.tensor, self._mapping = None, None
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        """Close the file unsealed (a failure on the way): the mapping goes with the last view of it."""
+        self.tensor = None
+        self._closer()
+        self.fd = None
+
+
+def map_rows(fd: int, sizes: Sequence[int], width: int) -> List[memoryview]:
+    """The rows of a sealed table this process wrote (``fd``), each its first ``sizes[i]`` bytes, as views on one
+    private mapping: the leader's own view of what it hands its host, without :func:`map_parts`' checks of a file
+    another process wrote."""
+    whole = memoryview(_private(fd, width * len(sizes))) if width and sizes else memoryview(b"")
+    return [whole[i * width : i * width + n] for i, n in enumerate(sizes)]
 
 
 def write_sealed(name: str, frame: Any, pieces: Sequence[memoryview]) -> SealedSegment:

@@ -19,7 +19,6 @@ the channel (the ranks are out of step, or one lies), and every rank raises.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -29,7 +28,7 @@ from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
 from objcomm._samehost.channel_rounds import chunks, incoming, pieces, streamed
-from objcomm._samehost.sealed import Sealed, SealedSegment, SealedTable, map_parts
+from objcomm._samehost.sealed import ALIGN, SealedSegment, SealedTable, map_rows
 from objcomm._samehost.two_level import TwoLevel
 from objcomm._samehost.two_level_moves import (
     Here,
@@ -93,9 +92,9 @@ class TwoLevelRests:
                 bundles = cut(memoryview(everything), totals)
         else:
             shared = here.channel is not None and self._shared(sum(moved))
-            bundles, sealed = _leaders_exchange(here, bundle, totals, shared, op)
+            bundles, sealed, width = _leaders_exchange(here, bundle, totals, shared, op)
             if shared:
-                publish_shared(here, bundles, op, sealed, max(totals) if sealed is not None else 0)
+                publish_shared(here, bundles, op, sealed, width)
             elif here.channel is not None:
                 publish(here, bundles, sum(moved), op)
         return _split(levels, bundles, moved, infos, sizes_of, me, out, op)
@@ -227,48 +226,56 @@ def _from_host(here: Here, mine: List[memoryview], moved: List[int], op: str) ->
 
 def _leaders_exchange(
     here: Here, bundle: bytearray, totals: List[int], shared: bool, op: str
-) -> Tuple[List[memoryview], Optional[SealedSegment]]:
+) -> Tuple[List[memoryview], Optional[SealedSegment], int]:
     """The leader of an all_gather: every host's bundle (``totals``: each host's bytes), from one exchange among the
-    leaders, and the sealed file that holds them, or None. Where the host's ranks take the result from one shared
-    file (``shared``) and the exchange is one padded all_gather (:func:`objcomm._transport.routes.in_place_table`), it
-    writes into that file in place (:class:`~objcomm._samehost.sealed.SealedTable`: rows of the largest bundle), sealed
-    then, and the bundles are views of it (no copy on the host); else the leader keeps the buffers the exchange gave."""
+    leaders; the sealed file that holds them, or None; its rows' width. Where the host's ranks take the result from
+    one shared file (``shared``) and the exchange is one padded all_gather (``routes.in_place_table``), it writes
+    into that file in place (:class:`~objcomm._samehost.sealed.SealedTable`: a row per host, of the largest
+    bundle rounded up to :data:`~objcomm._samehost.sealed.ALIGN`), sealed then, and the bundles are views of it (no
+    copy on the host); else the leader keeps the buffers the exchange gave."""
     assert here.leader is not None
     own = [torch.frombuffer(bundle, dtype=torch.uint8)] if len(bundle) else []
+    in_place = shared and routes.in_place_table(totals, cpu=True)
+    width = -(-max(totals, default=0) // ALIGN) * ALIGN if in_place else 0  # the same on every leader, whatever follows
     table = None
-    if shared and routes.in_place_table(totals, cpu=True):
+    if in_place:
         try:
-            table = SealedTable("objcomm-two-levels", len(totals) * max(totals))
+            table = SealedTable("objcomm-two-levels", len(totals) * width)
         except OSError:  # no memory files here: the exchange's own buffers, copied into a file after
             table = None
     try:
-        got = as_leader(
-            here, op, all_gather_rests, here.leader, own, totals, op, None if table is None else table.tensor
-        )
+        into = None if table is None else table.tensor
+        got = as_leader(here, op, all_gather_rests, here.leader, own, totals, op, into, width)
     except BaseException:
         if table is not None:
             table.release()
         raise
-    if table is not None:
-        del got  # views of the table: it is sealed once none is left
-        width = max(totals)
-        try:
-            segment = table.seal()
-        except BufferError:  # (not expected: no view is left) its rows, copied, go through a file of their own
-            rows = table.copy_rows(totals)
-            table.release()
-            return rows, None
-        try:
-            views = map_parts(Sealed(os.getpid(), segment.fd), totals, width)
-        except BaseException:
-            segment.release()
-            raise
-        return views, segment
-    bundles = [
-        memoryview(bundle) if h == here.host else host_view(t) if t is not None else memoryview(b"")
-        for h, t in enumerate(got)
-    ]
-    return bundles, None
+    if table is None:
+        bundles = [
+            memoryview(bundle) if h == here.host else host_view(t) if t is not None else memoryview(b"")
+            for h, t in enumerate(got)
+        ]
+        return bundles, None, 0
+    del got, into  # the table and views of it: it is sealed once none is left
+    return as_leader(here, op, _sealed_rows, table, totals, width)  # a failure there fails the host's channel too
+
+
+def _sealed_rows(
+    table: SealedTable, totals: List[int], width: int
+) -> Tuple[List[memoryview], Optional[SealedSegment], int]:
+    """The leaders' exchange's ``table``, sealed, with the leader's views of its rows; where it cannot be sealed (a
+    view of it outlived the settling time), its rows copied, which go through a file of their own (width 0)."""
+    try:
+        segment = table.seal()
+    except OSError:
+        rows = table.copy_rows(totals, width)
+        table.release()
+        return rows, None, 0
+    try:
+        return map_rows(segment.fd, totals, width), segment, width
+    except BaseException:
+        segment.release()
+        raise
 
 
 def _with_own(mine: List[memoryview], moved: List[int]) -> tuple[bytearray, memoryview]:

@@ -47,7 +47,12 @@ TAG = 2 * INTERNAL_TAG  # the tag of the point-to-point pieces (of a batch, or o
 
 
 def all_gather_rests(
-    wire: Wire, mine: Sequence[torch.Tensor], lengths: Sequence[int], op: str, table: Optional[torch.Tensor] = None
+    wire: Wire,
+    mine: Sequence[torch.Tensor],
+    lengths: Sequence[int],
+    op: str,
+    table: Optional[torch.Tensor] = None,
+    width: int = 0,
 ) -> List[Optional[torch.Tensor]]:
     """Every other rank's rest on every rank, in one exchange whatever the spread of sizes: ``lengths[r]`` bytes
     from group rank ``r`` (None where it sends none, and for this rank, which holds its own ``mine``: its parts,
@@ -55,8 +60,9 @@ def all_gather_rests(
     widest; exact sizes, as an uneven all_gather on NCCL (torch runs it as coalesced broadcasts) or one batch of
     sends and receives on gloo (whose all_gather needs equal sizes); or on gloo :func:`by_stripes`. Transfers go
     in pieces of at most ``wire.chunk`` bytes. Point-to-point pieces travel under
-    :data:`~objcomm._transport.base.INTERNAL_TAG`, which no caller's message carries. ``table``: where the padded
-    all_gather writes (W rows of the widest rest, this rank's own included), when that is the shape."""
+    :data:`~objcomm._transport.base.INTERNAL_TAG`, which no caller's message carries. ``width``: where the shape is
+    the padded all_gather, each rank's row (at least the widest rest; the same on every rank: 0, the widest);
+    ``table``: where it writes them (W rows of ``width``, this rank's own included), only where that is the shape."""
     me, size = wire.rank, wire.size
     # one part (a frame past the slot, no tensors): sent as it is, not copied into a new buffer first
     own = (to_device(mine[0], wire) if len(mine) == 1 else joined(mine, wire)) if lengths[me] else empty(0, wire)
@@ -64,8 +70,11 @@ def all_gather_rests(
     shape = routes.exchange_shape(lengths, cpu=wire.device.type == "cpu")
     if shape == routes.STRIPES:  # gloo: each rest to the stripes holding it, then their all_gather
         return by_stripes(wire, own, lengths, op)
+    width = width or max(lengths)
+    if width < max(lengths) or table is not None and (shape != routes.PADDED or table.numel() != size * width):
+        raise ValueError(f"{op}: rows of {width:,} bytes (a table: {table is not None}) for a {shape} exchange")
     if shape == routes.PADDED:
-        parts = all_gather_equal(wire, own, max(lengths), op, out=table)
+        parts = all_gather_equal(wire, own, width, op, out=table)
         for r, n in enumerate(lengths):
             if n and r != me:
                 got[r] = parts[r][:n]

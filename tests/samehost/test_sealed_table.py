@@ -1,10 +1,14 @@
 """A sealed table (objcomm._samehost.sealed.SealedTable): a memory file a collective writes in place, then sealed and
-mapped by readers in rows (map_parts with a width), as two levels' leaders hand an all_gather's result to their host."""
+mapped by readers in rows (map_parts with a width), as two levels' leaders hand an all_gather's result to their host.
+No view of the table may outlive its mapping: the kernel refuses the write seal while one is mapped."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -16,33 +20,72 @@ from objcomm._samehost.sealed import Sealed, SealedTable
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_a_table_written_in_place_is_sealed_and_read_in_rows():
-    table = SealedTable("objcomm-test", 3 * 100)
+def _filled(rows: int, width: int) -> SealedTable:
+    table = SealedTable("objcomm-test", rows * width)
     assert table.tensor is not None
-    rows = table.tensor.view(3, 100)
-    for i in range(3):
-        rows[i] = i + 1  # what an all_gather into it writes
-    del rows
-    segment = table.seal()
+    table.tensor.view(rows, width).copy_(torch.arange(1, rows + 1, dtype=torch.uint8).view(rows, 1).expand(rows, width))
+    return table  # (an all_gather into it writes the same way: into the tensor's memory)
+
+
+def test_a_table_written_in_place_is_sealed_and_read_in_rows():
+    segment = _filled(3, 128).seal()
     try:
         seals = fcntl.fcntl(segment.fd, fcntl.F_GET_SEALS)
         assert seals & _sealed.SEALS == _sealed.SEALS and seals & fcntl.F_SEAL_SEAL
-        parts = _sealed.map_parts(Sealed(os.getpid(), segment.fd), [100, 40, 0], 100)
+        parts = _sealed.map_parts(Sealed(os.getpid(), segment.fd), [100, 40, 0], 128)  # what the host's ranks read
         assert [bytes(p) for p in parts] == [b"\x01" * 100, b"\x02" * 40, b""]
+        own = _sealed.map_rows(segment.fd, [100, 40, 0], 128)  # what the leader reads
+        assert [bytes(p) for p in own] == [bytes(p) for p in parts] and not own[0].readonly
         with pytest.raises(OSError):
             os.pwrite(segment.fd, b"x", 0)  # the writer cannot change what readers hold
     finally:
         segment.release()
 
 
-def test_a_table_with_a_view_left_is_not_sealed():
-    table = SealedTable("objcomm-test", 64)
-    view = table.tensor[:8] if table.tensor is not None else None
-    with pytest.raises(BufferError):
-        table.seal(settle=0.01)  # a view of the writable mapping is alive: sealing against writes would fail
-    del view
+def test_a_table_with_a_view_left_is_not_sealed_and_gives_its_rows_copied():
+    table = _filled(2, 64)
+    kept = table.tensor[:8] if table.tensor is not None else None  # a view left behind
+    with pytest.raises(OSError) as refused:
+        table.seal(settle=0.01)  # mapped writable by that view: the kernel refuses the write seal
+    assert refused.value.errno == errno.EBUSY and kept is not None and int(kept[0]) == 1  # the view's memory is intact
+    rows = table.copy_rows([64, 3], 64)
+    assert [bytes(r) for r in rows] == [b"\x01" * 64, b"\x02" * 3] and not rows[0].readonly  # writable, as rests are
+    fd = table.fd
     table.release()
     assert table.fd is None
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed
+    del kept
+
+
+def test_a_view_another_thread_drops_just_after_is_waited_for():
+    table = _filled(1, 64)
+    held = [table.tensor[:8] if table.tensor is not None else None]  # as a backend's worker holds a collective's output
+    threading.Timer(0.05, held.clear).start()
+    segment = table.seal(settle=5.0)
+    segment.release()
+    assert not held
+
+
+def test_a_forked_child_does_not_keep_the_table_mapped():
+    table = _filled(1, 64)
+    pid = os.fork()
+    if pid == 0:  # the child: alive while the parent seals
+        time.sleep(0.5)
+        os._exit(0)
+    try:
+        table.seal(settle=0.05).release()  # MADV_DONTFORK: the child holds no writable mapping of it
+    finally:
+        os.waitpid(pid, 0)
+
+
+def test_a_table_dropped_unsealed_closes_its_file():
+    table = _filled(1, 64)
+    fd = table.fd
+    assert fd is not None
+    del table
+    with pytest.raises(OSError):
+        os.fstat(fd)
 
 
 @pytest.mark.parametrize(
@@ -52,11 +95,12 @@ def test_a_table_with_a_view_left_is_not_sealed():
         ([100, 100], 100, "holds 300 bytes"),  # rows that are not the file's
         ([100, 100, 100], 101, "holds 300 bytes"),
         ([10, 10, 10], -100, "in rows of"),  # a width from a hostile leader
+        ([0, 0, 0], -100, "in rows of"),
+        ([10, 10, 10], 1 << 62, "holds 300 bytes"),
     ],
 )
 def test_rows_that_are_not_the_files_are_refused(sizes, width, why):
-    table = SealedTable("objcomm-test", 300)
-    segment = table.seal()
+    segment = SealedTable("objcomm-test", 300).seal()
     try:
         with pytest.raises(FrameError, match=why):
             _sealed.map_parts(Sealed(os.getpid(), segment.fd), sizes, width)
@@ -67,40 +111,3 @@ def test_rows_that_are_not_the_files_are_refused(sizes, width, why):
 def test_an_empty_table_is_not_made():
     with pytest.raises(OSError):
         SealedTable("objcomm-test", 0)  # the caller falls back to its own buffers
-
-
-def test_a_collectives_output_lands_in_the_table():
-    table = SealedTable("objcomm-test", 2 * 16)
-    assert table.tensor is not None
-    source = torch.arange(32, dtype=torch.uint8)
-    table.tensor.copy_(source)  # (a gloo all_gather writes the same way: into the tensor's memory)
-    segment = table.seal()
-    try:
-        parts = _sealed.map_parts(Sealed(os.getpid(), segment.fd), [16, 10], 16)
-        assert bytes(parts[0]) == bytes(range(16)) and bytes(parts[1]) == bytes(range(16, 26))
-    finally:
-        segment.release()
-
-
-def test_a_table_that_cannot_be_sealed_gives_its_rows_copied():
-    table = SealedTable("objcomm-test", 2 * 8)
-    assert table.tensor is not None
-    table.tensor.copy_(torch.arange(16, dtype=torch.uint8))
-    kept = table.tensor[:1]  # a view left behind
-    with pytest.raises(BufferError):
-        table.seal(settle=0.01)
-    rows = table.copy_rows([8, 3])
-    del kept
-    table.release()
-    assert [bytes(r) for r in rows] == [bytes(range(8)), bytes(range(8, 11))]
-
-
-def test_a_view_another_thread_drops_just_after_is_waited_for():
-    import threading
-
-    table = SealedTable("objcomm-test", 64)
-    held = [table.tensor[:8] if table.tensor is not None else None]  # as a backend's worker holds a collective's output
-    threading.Timer(0.05, held.clear).start()
-    segment = table.seal(settle=5.0)
-    segment.release()
-    assert not held

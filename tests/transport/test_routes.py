@@ -284,3 +284,24 @@ def test_two_levels_only_where_they_apply():
     ):
         steps = plan("all_gather", topology, rests, knobs).steps
         assert not any(s.ranks or s.across for s in steps), (topology, knobs)
+
+
+def test_a_hosts_all_gather_result_is_written_in_place_where_the_leaders_pad():
+    assert routes.in_place_table([4 << 20, 4 << 20], cpu=True)  # equal bundles: one padded all_gather
+    assert routes.in_place_table([4 << 20, 3 << 20, 2 << 20], cpu=True)  # within 2x
+    assert not routes.in_place_table([64 << 20] + [1 << 10] * 63, cpu=True)  # exact sizes or stripes: a copy
+    assert not routes.in_place_table([0, 0], cpu=True)  # nothing to hand over
+    topology = Topology(world=64, ranks_per_host=8)
+    equal, skewed = [1 << 20] * 64, [64 << 20] + [1 << 10] * 63
+    handed = {}
+    for name, rests, knobs in (
+        ("equal", equal, Knobs()),
+        ("skewed", skewed, Knobs()),
+        ("below the threshold", equal, Knobs(shm_threshold=1 << 40)),  # through the channel: every byte sent
+    ):
+        last = plan("all_gather", topology, rests, knobs).steps[-1]
+        assert last.collective == "broadcast" and last.ranks == 8, (name, last)
+        handed[name] = (last.medium, last.nbytes)
+    assert handed["equal"] == (SHARED_MEMORY, (0,))  # the leaders' exchange wrote the file: nothing copied
+    assert handed["skewed"] == (SHARED_MEMORY, (sum(skewed),))  # the leader copies the result into it
+    assert handed["below the threshold"] == (CHANNEL, (sum(equal),))

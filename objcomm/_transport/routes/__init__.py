@@ -47,6 +47,9 @@ gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks:
 two levels              all_gather, gather, broadcast of a CPU group with ``local`` on   :func:`two_levels`
                         that spans hosts, some with two ranks or more: each host's
                         channel to its leader, the leaders on the backend, back
+a host's all_gather     on two levels, a shared file from ``shm_threshold``: the           :func:`in_place_table`
+result, in place        leaders' padded all_gather (hosts' bundles within 2x) writes it
+                        in place; else the leader copies the result into it
 all_reduce's result     back down the reduce tree (send/recv, one message an edge)       :func:`result_down_tree`
                         on NCCL where a broadcast's round 1 would take the backend;
                         else that broadcast (gloo, the channel, two levels)
