@@ -15,9 +15,6 @@ objects are those of ``bench_peers.py``.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
-import os
-import socket
 import sys
 import time
 from typing import Any
@@ -31,15 +28,13 @@ def _object(size: int) -> Any:
     return [{"id": i, "label": i % 10, "score": i * 0.001, "text": "sample text"} for i in range(size // 27)]
 
 
-def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import torch
+def _rank(args: argparse.Namespace, send: Any) -> str:
+    """One rank of :func:`main` (``objcomm._tools.launch.run_local``: the group is joined); rank 0's line."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     import objcomm
 
+    rank = dist.get_rank()
     if not args.no_channel:
         objcomm.all_gather(None)
     obj = _object(args.bytes)
@@ -57,12 +52,9 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
     start = time.perf_counter()
     for _ in range(args.count):
         trip()
-    if rank == 0:
-        print(
-            f"{(time.perf_counter() - start) / args.count * 1e6:.1f} µs a round trip ({objcomm.__file__})", flush=True
-        )
+    took = (time.perf_counter() - start) / args.count
     dist.barrier()
-    dist.destroy_process_group()
+    return f"{took * 1e6:.1f} µs a round trip ({objcomm.__file__})"
 
 
 def main(argv: Any = None) -> int:
@@ -73,18 +65,10 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--count", type=int, default=1000, help="round trips timed")
     parser.add_argument("--no-channel", action="store_true", help="no collective first: send/recv through gloo")
     args = parser.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = multiprocessing.get_context("spawn")
-    ranks = [context.Process(target=_rank, args=(r, port, args)) for r in range(2)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=600)
-        if p.is_alive():
-            p.kill()
-    return max(p.exitcode or 0 for p in ranks)
+    from objcomm._tools.launch import run_local
+
+    print(run_local(_rank, args, world_size=2), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -666,6 +666,9 @@ def ranks_per_host(k: int) -> Iterator[None]:
         objcomm.restore(previous)
 
 
+IN_PLACE_HERE = 1 << 20  # routes.IN_PLACE_FROM on the ranks of two_levels() (32 MiB: past these results)
+
+
 def two_levels(k: int) -> List[Any]:
     """all_gather and broadcast of every spread with hosts of ``k`` ranks: right or not, and this rank's
     torch.distributed calls; then a group inside one simulated host, which takes its channel alone."""
@@ -679,37 +682,41 @@ def two_levels(k: int) -> List[Any]:
         _two_level.map_parts = lambda *args: mapped.append(1) or real_map(*args)  # type: ignore[assignment]
         written = []  # a leader copies its host's result into a file unless its exchange wrote the file in place
         _two_level.write_sealed = lambda *args: written.append(1) or real_write(*args)  # type: ignore[assignment]
-        for case in cases:
-            with calls() as gathered:
-                before, copied = len(mapped), len(written)
-                got = comm.all_gather(spread(case, rank))
-                shared, copied = len(mapped) - before, len(written) - copied
-            with calls() as broadcast:
-                root = comm.broadcast(spread(case, 6) if rank == 6 else None, src=6)
-            with calls() as to_one:
-                at_five = comm.gather(spread(case, rank), dst=5)
-            right = all(_same(g, spread(case, r)) for r, g in enumerate(at_five)) if rank == 5 else at_five is None
-            rows.append(
-                (
-                    case,
-                    all(_same(g, spread(case, r)) for r, g in enumerate(got)),
-                    gathered["collectives"],
-                    gathered["blocking"],
-                    _same(root, spread(case, 6)),
-                    broadcast["collectives"],
-                    right,
-                    to_one["collectives"] + to_one["p2p"],
-                    shared,
-                    copied,
+        in_place_from, _cutoffs.IN_PLACE_FROM = _cutoffs.IN_PLACE_FROM, IN_PLACE_HERE
+        try:
+            for case in cases:
+                with calls() as gathered:
+                    before, copied = len(mapped), len(written)
+                    got = comm.all_gather(spread(case, rank))
+                    shared, copied = len(mapped) - before, len(written) - copied
+                with calls() as broadcast:
+                    root = comm.broadcast(spread(case, 6) if rank == 6 else None, src=6)
+                with calls() as to_one:
+                    at_five = comm.gather(spread(case, rank), dst=5)
+                right = all(_same(g, spread(case, r)) for r, g in enumerate(at_five)) if rank == 5 else at_five is None
+                rows.append(
+                    (
+                        case,
+                        all(_same(g, spread(case, r)) for r, g in enumerate(got)),
+                        gathered["collectives"],
+                        gathered["blocking"],
+                        _same(root, spread(case, 6)),
+                        broadcast["collectives"],
+                        right,
+                        to_one["collectives"] + to_one["p2p"],
+                        shared,
+                        copied,
+                    )
                 )
-            )
-        with calls() as reduced:
-            total = comm.all_reduce(rank + 1, "sum")
-        rows.append((total == sum(range(1, W + 1)), reduced["collectives"]))
-        before = len(mapped)  # the table of slots (32 KB) in a shared file too, from a lower shm_threshold
-        ranks = objcomm.Communicator(shm_threshold=16 << 10).all_gather(rank)
-        rows.append((ranks == list(range(W)), len(mapped) - before))
-        _two_level.map_parts, _two_level.write_sealed = real_map, real_write  # type: ignore[assignment]
+            with calls() as reduced:
+                total = comm.all_reduce(rank + 1, "sum")
+            rows.append((total == sum(range(1, W + 1)), reduced["collectives"]))
+            before = len(mapped)  # the table of slots (32 KB) in a shared file too, from a lower shm_threshold
+            ranks = objcomm.Communicator(shm_threshold=16 << 10).all_gather(rank)
+            rows.append((ranks == list(range(W)), len(mapped) - before))
+        finally:
+            _two_level.map_parts, _two_level.write_sealed = real_map, real_write  # type: ignore[assignment]
+            _cutoffs.IN_PLACE_FROM = in_place_from
         if k == 4:
             hosts = [dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5, 6, 7])]  # every rank makes both, in order
             inside = objcomm.Communicator(group=hosts[rank // 4])
@@ -755,7 +762,7 @@ def test_the_routes_plan_is_what_two_levels_do(k):
 
 
 @pytest.mark.parametrize("k", [4, 3])
-def test_two_levels_only_leaders_call_the_backend(k):
+def test_two_levels_only_leaders_call_the_backend(k, monkeypatch):
     """Hosts of four (two hosts) and of three (3 + 3 + 2): every result right; inside a host, only its leader (its
     lowest rank) calls torch.distributed (and copies an all_gather's result into a shared file only where the leaders'
     exchange did not write it in place), at most 3 times an all_gather (slots, one exchange of the rests: by
@@ -763,6 +770,7 @@ def test_two_levels_only_leaders_call_the_backend(k):
     broadcast its slot, its rest and the vote of the leaders (recursive doubling: 1 exchange for two leaders,
     3 for three)."""
     votes = {4: 1, 3: 3}[k]
+    monkeypatch.setattr(_cutoffs, "IN_PLACE_FROM", IN_PLACE_HERE)  # as two_levels() sets it on the ranks
     for rank, rows in enumerate(get_pool(W).run(two_levels, k, timeout=180)):
         leader = rank % k == 0
         done = len(CASES) if k == 4 else 3

@@ -287,9 +287,11 @@ def test_two_levels_only_where_they_apply():
 
 
 def test_a_hosts_all_gather_result_is_written_in_place_where_the_leaders_pad():
-    assert routes.in_place_table([4 << 20, 4 << 20], cpu=True)  # equal bundles: one padded all_gather
-    assert routes.in_place_table([4 << 20, 3 << 20, 2 << 20], cpu=True)  # within 2x
+    assert routes.in_place_table([16 << 20, 16 << 20], cpu=True)  # equal bundles: one padded all_gather
+    assert routes.in_place_table([16 << 20, 12 << 20, 8 << 20], cpu=True)  # within 2x
     assert not routes.in_place_table([64 << 20] + [1 << 10] * 63, cpu=True)  # exact sizes or stripes: a copy
+    assert not routes.in_place_table([4 << 20, 4 << 20], cpu=True)  # below IN_PLACE_FROM: malloc's buffer is cheaper
+    assert routes.in_place_table([routes.IN_PLACE_FROM // 2] * 2, cpu=True)
     assert not routes.in_place_table([0, 0], cpu=True)  # nothing to hand over
     topology = Topology(world=64, ranks_per_host=8)
     equal, skewed = [1 << 20] * 64, [64 << 20] + [1 << 10] * 63

@@ -49,7 +49,7 @@ two levels              all_gather, gather, broadcast of a CPU group with ``loca
                         channel to its leader, the leaders on the backend, back
 a host's all_gather     on two levels, a shared file from ``shm_threshold``: the           :func:`in_place_table`
 result, in place        leaders' padded all_gather (hosts' bundles within 2x) writes it
-                        in place; else the leader copies the result into it
+                        in place from ``IN_PLACE_FROM``; else the leader copies into it
 all_reduce's result     back down the reduce tree (send/recv, one message an edge)       :func:`result_down_tree`
                         on NCCL where a broadcast's round 1 would take the backend;
                         else that broadcast (gloo, the channel, two levels)
@@ -70,6 +70,7 @@ from objcomm._transport.routes.cutoffs import (
     CHANNEL_MOST,
     EXACT,
     HOP_BYTES,
+    IN_PLACE_FROM,
     PADDED,
     PADDED_WITHIN,
     SHARED_MEMORY,
@@ -112,6 +113,7 @@ __all__ = [
     "CHANNEL_MOST",
     "EXACT",
     "HOP_BYTES",
+    "IN_PLACE_FROM",
     "Knobs",
     "PADDED",
     "PADDED_WITHIN",

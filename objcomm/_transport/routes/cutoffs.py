@@ -119,11 +119,19 @@ def backend_whole(rest: int, *, cpu: bool, agreed: bool) -> bool:
     return cpu and not agreed and 0 < rest <= BACKEND_WHOLE_BYTES
 
 
+# A result of at least this many bytes is received in place by two levels' leaders (in_place_table). A fresh memory
+# file's pages cost about what the copy into one did (bench_in_place.py: 0.97x the copy's time from a 32 MiB table,
+# 1.03x for 8 MiB, where the copy's buffer is malloc's, reused, below glibc's largest mmap threshold, 32 MiB).
+IN_PLACE_FROM = 32 << 20
+
+
 def in_place_table(totals: Sequence[int], *, cpu: bool) -> bool:
     """Whether the leaders of two levels, whose hosts take an all_gather's result from one shared file, receive their
-    exchange into that file in place (rows of the largest host's bundle: no copy on the host): where the exchange of
-    the hosts' bundles (``totals`` bytes each) is one padded all_gather (:func:`exchange_shape`)."""
-    return max(totals, default=0) > 0 and exchange_shape(totals, cpu=cpu) == PADDED
+    exchange into that file in place (rows of the largest host's bundle: no copy on the host, the result held once):
+    where the exchange of the hosts' bundles (``totals`` bytes each) is one padded all_gather (:func:`exchange_shape`)
+    of at least :data:`IN_PLACE_FROM` bytes in all."""
+    widest = max(totals, default=0)
+    return widest > 0 and len(totals) * widest >= IN_PLACE_FROM and exchange_shape(totals, cpu=cpu) == PADDED
 
 
 def leaders_relay_first(*, op: str, moved: int) -> bool:
