@@ -116,9 +116,8 @@ class ChannelRoute:
     ) -> None:
         self.channel = channel
         self.spin = spin
-        self.folded = (
-            bytearray() if folded is None else folded
-        )  # the rest that came with the slot :meth:`recv` took (a message id with WHOLE set)
+        # the rest that came with the slot :meth:`recv` took (a message id with WHOLE set)
+        self.folded = bytearray() if folded is None else folded
 
     def __enter__(self) -> ChannelRoute:
         return self
