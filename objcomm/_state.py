@@ -4,7 +4,7 @@
   forgotten with the group (a weak cache): its membership and transport device, which ranks share a
   host, which send/recv peers turned out to be on another host, and whether its readers could not
   open sealed shared-memory segments (:mod:`objcomm._samehost.sealed`: files from then on); its same-host channel and
-  the state around it (:class:`objcomm._samehost.channel_slots.SameHost`: the
+  the state around it (:class:`objcomm._samehost.p2p_state.SameHost`: the
   :class:`objcomm._samehost.channel.LocalChannel`, opened by the first collective that may use it and again after it
   failed, closed with the group or at exit; none when the group spans hosts); and, once this rank issues a
   non-blocking operation on it, its async state (:class:`objcomm._api.requests._Lanes`: the shadow group,

@@ -144,8 +144,9 @@ class Communicator(Operations):
         calls it, with no send/recv of its in flight). Returns whether send/recv now take the channel: the same
         answer on every rank; False where its ranks are not all on one host, ``local`` is off, or without a group.
 
-        A program whose first calls are send/recv calls it once, after ``init_process_group``: otherwise the
-        channel opens at the group's first collective, and send/recv before it go through the group's backend.
+        A program whose first calls are send/recv may call it once, after ``init_process_group``, so that its first
+        message takes the channel: otherwise the channel opens in the background from each rank's first call on
+        the group, and send/recv take it after their first few messages (``docs/same-host.md``).
 
         Example::
 

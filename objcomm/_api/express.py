@@ -45,6 +45,7 @@ from objcomm._format.slot import read_slot
 from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._samehost import mesh as _mesh
+from objcomm._samehost import p2p_state as _p2p_state
 from objcomm._transport import routes
 from objcomm._transport.base import WHOLE, Wire
 from objcomm._transport.broadcast import broadcast_rest
@@ -80,7 +81,7 @@ class Express:
         "version",
     )
 
-    def __init__(self, call: Call, strategy: _channel_slots.SameHostSlots, state: _channel_slots.SameHost) -> None:
+    def __init__(self, call: Call, strategy: _channel_slots.SameHostSlots, state: _p2p_state.SameHost) -> None:
         wire, options = call.wire, call.options
         assert wire is not None
         self.call = call._replace(wire=None)  # the settings and serializer, without the group
@@ -113,9 +114,12 @@ class Express:
         return None if state is None else Express(call, wire.first_round, state)
 
     def _channel(self, tag: Any) -> Any:
-        """The channel, if it carries send/recv under ``tag`` now and no request of this rank is in flight."""
+        """The channel, if it carries send/recv under ``tag`` now, no request of this rank is in flight and this rank
+        owes no send through the group (:attr:`objcomm._samehost.channel_slots.SameHost.owed`)."""
         channel = self.state.channel
         if channel is None or not channel.p2p or channel.closed or type(tag) is not int or not 0 <= tag <= MAX_TAG:
+            return None
+        if self.state.owed:
             return None
         if tag and not self.cpu:
             return None

@@ -359,8 +359,8 @@ def irecv(
 
 def connect(group: Any = None) -> bool:
     """Open ``group``'s same-host channel now, with send/recv on it (a collective: every rank of the group calls
-    it); whether send/recv now take it, alike on every rank. For programs whose first calls are send/recv: the
-    channel otherwise opens at the group's first collective. See :meth:`Communicator.connect`.
+    it); whether send/recv now take it, alike on every rank. For programs whose first calls are send/recv: they
+    otherwise take the channel after their first few messages. See :meth:`Communicator.connect`.
 
     Example::
 

@@ -108,10 +108,17 @@ _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 _WORDS = 13
 _OPEN: weakref.WeakSet[LocalChannel] = weakref.WeakSet()  # closed in a forked child (see _forget_in_child)
 VOTE = 2  # first word of a vote (LocalChannel.vote), where set-up has 0 or 1
+_ROOM_WORDS = (1, 3, 4, 5, 6, 9, 10, 11, 12)  # the words of the set-up's shape a vote leaves free: its triples
+_STOP = 2  # a vote's "ready" word from a rank that stops voting
+VOTE_ROOM = len(_ROOM_WORDS) // 3  # (src, tag, slots) triples a vote carries (p2p_state.SameHost.begin_vote)
 
 
 class OutOfStep(CommunicationError):
     """A reopen found the ranks at different calls (see :meth:`LocalChannel.open`)."""
+
+
+class VotingStopped(Exception):
+    """A rank voted to stop voting (:meth:`LocalChannel.vote`, ``stop``): every rank stops with it."""
 
 
 def _address(pid: int, nonce: int) -> str:
@@ -277,12 +284,21 @@ class LocalChannel(Mesh):
         channel.control = control
         return channel
 
-    def vote(self, wire: Wire, ready: bool, op: str) -> bool:
-        """Whether every rank of the group is ``ready`` for send/recv through this channel: a collective through the
-        control group (see :meth:`open`), whose result every rank sees alike. It has the set-up's shape, one all_gather
-        of ``_WORDS`` words per rank, so that a vote that meets a rank's reopening (on the control group too) is one
-        collective on both, and both raise :class:`OutOfStep`."""
-        mine = [VOTE, 0, os.getpid(), 0, 0, 0, 0, int(ready), self.generation, 0, 0, 0, 0]
+    def vote(
+        self, wire: Wire, ready: Optional[Sequence[int]], op: str, stop: bool = False
+    ) -> Optional[List[List[int]]]:
+        """Whether every rank of the group is ``ready`` for send/recv through this channel (None: no; else up to
+        :data:`VOTE_ROOM` ``(src, tag, slots)`` triples, :meth:`objcomm._samehost.p2p_state.SameHost.begin_vote`):
+        every rank's triples where all are, else None. A collective through the control group (see :meth:`open`),
+        whose result every rank sees alike. It has the set-up's shape, one all_gather of ``_WORDS`` words per rank,
+        so that a vote that meets a rank's reopening (on the control group too) is one collective on both, and both
+        raise :class:`OutOfStep`. ``stop``: this rank stops voting (:mod:`objcomm._samehost.opener`); every rank then
+        raises :class:`VotingStopped`."""
+        room = [*(ready or ()), *(-1, 0, 0) * VOTE_ROOM][: len(_ROOM_WORDS)]
+        said = _STOP if stop else int(ready is not None)
+        mine = [VOTE, 0, os.getpid(), 0, 0, 0, 0, said, self.generation, 0, 0, 0, 0]
+        for at, word in zip(_ROOM_WORDS, room):
+            mine[at] = word
         group, device = _through(wire, self.control)
         everyone = torch.empty(_WORDS * wire.size, dtype=torch.int64, device=device)
         guarded(
@@ -296,7 +312,12 @@ class LocalChannel(Mesh):
                 f"generation (vote marks {kinds}, channels {generations}): the group's calls are out "
                 "of step; it cannot be used any more"
             )
-        return all(words[7::_WORDS])
+        if _STOP in words[7::_WORDS]:
+            raise VotingStopped(f"rank {words[7::_WORDS].index(_STOP)} stopped voting")
+        if not all(words[7::_WORDS]):
+            return None
+        rows = [[words[r * _WORDS + at] for at in _ROOM_WORDS] for r in range(wire.size)]
+        return [[word for at in range(0, len(row), 3) if row[at] >= 0 for word in row[at : at + 3]] for row in rows]
 
     @staticmethod
     def _connect(

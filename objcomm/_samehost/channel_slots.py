@@ -17,28 +17,28 @@ others raise at once too; a recv that only timed out leaves it open).
 
 When the channel is used (the same answer on every rank, decided without talking to the others):
 ``local`` is on, the group has two ranks or more (any backend: NCCL groups' round 1 is host bytes
-too, and stays off the GPU) and a slot fits one channel message. The first such collective on a
-group opens the channel, a collective over the group itself (:meth:`LocalChannel.open`: one
-``all_gather`` of identities, one ``all_reduce``, on the group's device); a
+too, and stays off the GPU) and a slot fits one channel message. On a group of up to
+:data:`objcomm._samehost.opener.MOST_RANKS` ranks (on one node, where torchrun says), each rank's first call of any
+kind starts opening it in the background, through the group's control group (:mod:`objcomm._samehost.opener`), and a
+collective waits for that; on a larger group the first collective opens it, a collective over the group itself
+(:meth:`LocalChannel.open`: one ``all_gather`` of identities, one ``all_reduce``, on the group's device). A
 group whose ranks are not all on this host gets none, kept too, so later calls go straight to the
 backend. The channel is kept in :func:`objcomm._state.group_facts` (a :class:`SameHost`) and closed
 when the group is collected or at exit. Async collectives run on the group's shadow
 (:mod:`objcomm._api.requests`), a group of its own, with a channel of its own; ``isend``/``irecv`` run on
 the group itself.
 
-send/recv cannot open the channel (only two ranks take part), and a sender and its receiver must
-route a message the same way: a send through the group waits for a recv through the group. So they
-move to the channel at a collective where every rank votes that it has no send/recv in flight
-(blocking ones, ``isend``/``irecv`` issued and not finished, and eager sends not yet received,
-:mod:`objcomm._transport.pending`): the set-up, or an all_gather or all_to_all through the channel (the first 16 after
-set-up, then every 64th), which then takes one more collective through the group, of the set-up's shape
-(:meth:`objcomm._samehost.channel.LocalChannel.vote`). Both are values every rank sees alike: a vote in the channel's
-own messages could be told differently to different ranks by a lying one, splitting the routes of honest ones (issue
-25). A send/recv after that vote on one rank is
-matched by one after it on the other (a send/recv in flight across it would have made some rank
-vote no), so both take the channel; until every rank votes yes they keep the group. While this
-rank's yes-vote is out, a send/recv that starts on another thread waits for the outcome (a program
-whose peer needs that very send/recv before joining the collective then waits until the timeout).
+A sender and its receiver must route a message the same way: a send through the group waits for a recv through the
+group. So send/recv move to the channel at a vote that every rank sees alike (:mod:`objcomm._samehost.p2p_state`: a
+rank votes yes when no send of its is in flight through the group and no receive from any rank waits there; the
+receives from given ranks waiting there are counted in its vote, and their senders send them their messages there):
+the set-up, then votes in the background until one passes (:mod:`objcomm._samehost.opener`), or, on a larger group,
+an all_gather or all_to_all through the channel (the first 16 after set-up, then every 64th), which then takes one
+more collective through the control group, of the set-up's shape (:meth:`objcomm._samehost.channel.LocalChannel.vote`).
+A vote in the channel's own messages could be told differently to different ranks by a lying one, splitting the
+routes of honest ones (issue 25). While this rank's yes-vote is out, a send/recv that starts on another thread waits
+for the outcome (a program whose peer needs that very send/recv before joining the collective then waits until the
+timeout).
 
 After a failure: send/recv on the group raise until a collective opens a new channel. That
 collective does so only if every rank failed at the same point and reopens at the same call (the set-up carries each
@@ -55,10 +55,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import struct
-import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 from objcomm import _state
 from objcomm._device import timeout_seconds
@@ -67,43 +66,15 @@ from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
 from objcomm._samehost import channel as _channel
 from objcomm._samehost import channel_rounds as _channel_rounds
+from objcomm._samehost import opener as _opener
 from objcomm._samehost.channel_checks import _checked, _trim, agree_on, cut_whole, echo, whole_message, whole_size
 from objcomm._samehost.inbox import ANSWER, REST
 from objcomm._samehost.mesh import MAX_PAYLOAD
-from objcomm._transport import pending as _pending
-from objcomm._transport.base import NOT_USED, WHOLE, NotUsed, Slot, Wire
+from objcomm._samehost.p2p_state import Counted, SameHost
+from objcomm._transport.base import NOT_USED, THROUGH_GROUP, WHOLE, Lease, NotUsed, Slot, Wire
 
 T = TypeVar("T")
-_BACKEND = contextlib.nullcontext(None)  # send/recv through the group
-PENDING_WAIT = 0.5  # seconds a vote waits for this rank's pending sends to be received (objcomm._transport.pending)
-
-
-class SameHost:
-    """One group's same-host state on this rank: its channel, and what decides whether send/recv use it."""
-
-    def __init__(self) -> None:
-        self.channel: Optional[_channel.LocalChannel] = None  # the open one, or the last one (failed)
-        self.decided = False  # opened once: ``channel`` None then means "not all on one host"
-        self.broken: Optional[str] = None  # the ranks disagreed at a reopen: why
-        self.cond = threading.Condition()
-        self.in_flight = 0  # send/recv of this rank through the group, not finished
-        self.voting = False  # this rank's vote is out now
-        # the control group: votes and reopenings (objcomm._transport.groups.sibling), once opened
-        self.control: Any = None
-
-    def begin_vote(self, group: Any) -> bool:
-        """Whether this rank has no send/recv in flight (blocking, or ``isend``/``irecv`` issued and not
-        finished); until :meth:`end_vote`, a send/recv that starts meanwhile waits for the outcome."""
-        lanes = _state.group_facts(group).requests
-        _pending.idle(group, PENDING_WAIT)  # a moment for sends received just now to be known as received
-        with self.cond:
-            self.voting = self.in_flight == 0 and not (lanes is not None and lanes.busy) and _pending.idle(group)
-            return self.voting
-
-    def end_vote(self) -> None:
-        with self.cond:
-            self.voting = False
-            self.cond.notify_all()
+_BACKEND = THROUGH_GROUP  # send/recv through the group, uncounted
 
 
 class ChannelRoute:
@@ -123,6 +94,12 @@ class ChannelRoute:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def posted(self) -> None:  # (the group's route counts; this one is not it)
+        pass
+
+    def took(self, sender: int) -> None:
         pass
 
     def send(self, wire: Wire, slot: Slot, dst: int) -> int:
@@ -178,22 +155,6 @@ class ChannelRoute:
         return _channel_rounds.recv_p2p(self.channel, self.spin, wire, info, sizes_of, src, message, op, drain)
 
 
-class _Counted:
-    """send/recv through the group, counted while they run (a collective's vote looks at the count)."""
-
-    __slots__ = ("state",)
-
-    def __init__(self, state: SameHost) -> None:
-        self.state = state
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        with self.state.cond:
-            self.state.in_flight -= 1
-
-
 @dataclass(frozen=True)
 class SameHostSlots:
     """Round-1 slots through the group's same-host channel, opened on the first call that may use it."""
@@ -244,17 +205,33 @@ class SameHostSlots:
             raise CommunicationError(f"{op}: {state.broken}")
         if state.decided and channel is None:
             return None  # not all on one host
+        background = _opener.background(wire, state, self.separate)
+        if channel is None and background:  # the first call: opened in the background, where send/recv start it too
+            return _opener.opened(wire, state, self.separate, op)
         if channel is not None and channel.failed_at is None:  # closed, not failed: a forked child, or at exit
             channel.check(op)  # raises
+        if state.opener is not None:  # its votes, which go through the control group, end first
+            state.opener.stop(timeout_seconds(wire.group))
+        with state.control_lock:
+            channel = self._reopen(wire, state, channel, op)
+        if channel is not None and background and not channel.p2p:
+            _opener.vote_on(wire, state, channel)
+        return channel
+
+    def _reopen(
+        self, wire: Wire, state: SameHost, channel: Optional[_channel.LocalChannel], op: str
+    ) -> Optional[_channel.LocalChannel]:
+        """Open the group's channel in the foreground: its first opening on a group too large to open it in the
+        background, and after a failure (``channel``: the one that failed)."""
         history = (0,) * 5 if channel is None else channel.history()
         try:  # (begin_vote may raise; end_vote then clears what it set)
-            ready = state.begin_vote(wire.group)
+            mine = state.begin_vote(wire.group)
             channel = _channel.LocalChannel.open(
                 wire,
                 timeout=timeout_seconds(wire.group),
                 separate=self.separate,
                 op=f"{op} (opening the same-host channel)",
-                ready=ready,
+                ready=mine == [],  # the set-up has no room for receives waiting: none may
                 history=history,
                 control=state.control,
             )
@@ -265,7 +242,7 @@ class SameHostSlots:
                     channel.close(f"{op}: the ranks could not agree on the channel's control group")
                     raise
             with state.cond:  # before the vote ends: a send/recv waiting for it must see the new channel
-                state.channel, state.decided = channel, True
+                state.channel, state.decided, state.owed = channel, True, {}
         except _channel.OutOfStep as exc:
             state.broken = str(exc)
             raise
@@ -372,43 +349,49 @@ class SameHostSlots:
         rank's own slot, whole, in its place. The vote goes through the group
         (:meth:`~objcomm._samehost.channel.LocalChannel.vote`), whose result every rank sees alike; a rank whose
         exchange failed still votes (no) before it raises, so that the others' vote never meets its next call."""
-        if channel.p2p or not channel.vote_due():
+        state = self.state(wire) if not channel.p2p else None
+        if state is None or state.background or not channel.vote_due():  # (background: objcomm._samehost.opener votes)
             return _checked(wire, channel, exchange(), op, mine)
-        state = self.state(wire)
-        assert state is not None
         what = f"{op} (voting send/recv onto the same-host channel)"
         try:  # the vote is out from here: a send/recv that starts meanwhile waits for the outcome
-            ready = state.begin_vote(wire.group)
+            entries = state.begin_vote(wire.group)
             start = channel.sequence
             try:
                 got = _checked(wire, channel, exchange(), op, mine)
             except CommunicationError:  # still vote (no): the others' vote must not meet this rank's next call
                 if not channel.rejoins_after(start):  # (none votes where every rank opens a new channel now)
                     with contextlib.suppress(CommunicationError):
-                        channel.vote(wire, False, what)
+                        channel.vote(wire, None, what)
                 raise
             try:
-                agreed = channel.vote(wire, ready, what)
+                rows = channel.vote(wire, entries, what)
             except _channel.OutOfStep as exc:
                 state.broken = str(exc)
                 channel.fail(op, str(exc))
             except CommunicationError as exc:  # failed on this rank, perhaps not on others: the channel fails here,
                 channel.fail(op, f"the send/recv vote failed ({exc})", exc)  # and the next call decides anew
             with state.cond:  # before the vote ends: a send/recv waiting for it must see the outcome
-                channel.p2p = agreed
+                if rows is not None:
+                    state.owe(rows, wire.rank)
+                channel.p2p = rows is not None
         finally:
             state.end_vote()
         return got
 
-    def p2p(self, wire: Wire, op: str) -> ContextManager[Any]:
+    def p2p(self, wire: Wire, op: str, peer: Optional[int]) -> Lease:
         """The route of one send/recv: entering gives an object with ``send``/``recv`` (the channel), or
         None (the group); see the module docstring for when it is which."""
         state = self.state(wire)
         if state is None:
             return _BACKEND
         channel = state.channel
-        if channel is not None and channel.p2p and not channel.closed:
+        if channel is not None and channel.p2p and not channel.closed and not state.owed:
             return ChannelRoute(channel, self.spin)
+        if state.decided and channel is None:  # not all on one host: never the channel, nothing to count
+            return _BACKEND
+        if state.opener is None and not state.decided and _opener.background(wire, state, self.separate):
+            _opener.start(wire, state, self.separate)  # this rank's first call on the group: open the channel
+        sends = op == "send"
         with state.cond:
             timeout = timeout_seconds(wire.group)
             if state.voting and not state.cond.wait_for(lambda: not state.voting, timeout):
@@ -427,9 +410,15 @@ class SameHostSlots:
             if channel is not None and channel.closed and channel.p2p:  # closed, not failed (a forked child, at exit):
                 channel.check(op)  # raises, as a collective does (the peers' send/recv still take the channel)
             if channel is not None and channel.p2p and not channel.closed:
-                return ChannelRoute(channel, self.spin)
-            state.in_flight += 1
-            return _Counted(state)
+                key = (-1 if peer is None else peer, wire.tag)
+                due = state.owed.get(key, 0) if sends else 0
+                if not due:
+                    return ChannelRoute(channel, self.spin)
+                if due > 1:  # a receive the peer had waiting through the group at the vote takes this one there
+                    state.owed[key] = due - 1
+                else:
+                    del state.owed[key]
+            return Counted(state, sends, peer, wire.tag)
 
 
 @functools.lru_cache(maxsize=16)

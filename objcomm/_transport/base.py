@@ -8,9 +8,8 @@ these; the same-host media (:mod:`objcomm._samehost`) implement them and import 
 
 from __future__ import annotations
 
-import contextlib
 import enum
-from typing import Any, ContextManager, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -165,9 +164,10 @@ class FirstRound(Protocol):
         different routes); on a difference every rank raises :class:`~objcomm.CommunicationError`. Through the
         group, every rank saw the same: nothing to do."""
 
-    def p2p(self, wire: Wire, op: str) -> ContextManager[Optional[Route]]:
-        """The route of one send or recv's slot, held for the whole call (round 2 included): entering it
-        gives a :class:`Route`, or None when the group moves the slot. Sender and receiver get the same."""
+    def p2p(self, wire: Wire, op: str, peer: Optional[int]) -> Lease:
+        """The route of one send (``op`` "send", to group rank ``peer``) or recv (from ``peer``, None: any), held for
+        the whole call (round 2 included): entering it gives a :class:`Route`, or None when the group moves the slot.
+        Sender and receiver get the same."""
 
     def channel_of(self, wire: Wire, op: str) -> Optional[Tuple[Any, Optional[float]]]:
         """The same-host channel (:class:`objcomm._samehost.channel.LocalChannel`) that carried this call's round 1, and
@@ -218,7 +218,38 @@ class Route(Protocol):
         receiver that refuses it)."""
 
 
-_THROUGH_GROUP = contextlib.nullcontext(None)
+class Lease(Protocol):
+    """A send/recv's route while it runs (:meth:`FirstRound.p2p`): entered, a :class:`Route` or None (the group);
+    through the group, the transport tells it each slot it posted (:meth:`posted`) or took (:meth:`took`)."""
+
+    def __enter__(self) -> Optional[Route]: ...
+
+    def __exit__(self, *exc: Any) -> Optional[bool]: ...
+
+    def posted(self) -> None:
+        """The send's slot is posted through the group."""
+
+    def took(self, sender: int) -> None:
+        """The recv took group rank ``sender``'s slot through the group."""
+
+
+class _ThroughGroup:
+    """The group's route, with nothing to count."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def posted(self) -> None:
+        pass
+
+    def took(self, sender: int) -> None:
+        pass
+
+
+THROUGH_GROUP = _ThroughGroup()
 
 
 class _Backend:
@@ -232,8 +263,8 @@ class _Backend:
     def agree(self, wire: Wire, infos: Sequence[Any], op: str) -> None:
         pass
 
-    def p2p(self, wire: Wire, op: str) -> ContextManager[Optional[Route]]:
-        return _THROUGH_GROUP
+    def p2p(self, wire: Wire, op: str, peer: Optional[int]) -> Lease:
+        return THROUGH_GROUP
 
     def channel_of(self, wire: Wire, op: str) -> None:
         return None

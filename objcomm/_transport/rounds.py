@@ -11,9 +11,8 @@ Every operation is one or two rounds:
    allows it; then the out-of-band tensors travel as tensors (never through the host on NCCL),
    each in pieces of at most ``chunk`` bytes.
 
-Every rank that must act on something learns it in round 1, so all ranks take the same decision
-(skip round 2 after an error, refuse a payload above a receiver's limit) and nobody waits for a
-transfer that will never come. A slot lists the tensor sizes after the frame (or in its place
+Every rank that must act on something learns it in round 1, so all ranks take the same decision (skip round 2 after
+an error, refuse a payload above a receiver's limit) and nobody waits for a transfer that will never come. A slot lists the tensor sizes after the frame (or in its place
 when the frame did not fit) where they fit, so round 1 tells every transfer that follows. Receivers
 trust no single number: the frame length, the listed sizes, the frame's tensor table and the
 total must agree (:mod:`objcomm._format.limits`), else :class:`FrameError` on every rank that must act,
@@ -24,25 +23,23 @@ listed (scatter always), a transfer is larger, or shared memory may be used, the
 first: a one-element vote (collectives) or acknowledgement (send/recv), before any buffer exists.
 
 Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat uint8 tensors on
-the wire's device. The slot's layout is :mod:`objcomm._format.slot`. The collectives' round 1 goes through
-the wire's first-round strategy (:class:`objcomm._transport.base.FirstRound`; the same-host channel) when it
-takes the slots, else through the group; so does the slot of a send/recv
-(:meth:`~objcomm._transport.base.FirstRound.p2p`), and then its route (:class:`objcomm._transport.base.Route`) carries
-the receiver's answer too, always (a few µs; it also paces the sender, as the group's rendezvous does), and on CPU wires
-the rest wherever shared memory does not take it (below its threshold, all of it; shared memory's own words travel on
-the route then). After round 1 each operation asks the wire's second-round strategy
+the wire's device. The slot's layout is :mod:`objcomm._format.slot`. The collectives' round 1 goes through the
+wire's first-round strategy (:class:`objcomm._transport.base.FirstRound`; the same-host channel) when it takes the
+slots, else through the group; so does the slot of a send/recv (:meth:`~objcomm._transport.base.FirstRound.p2p`),
+and then its route (:class:`objcomm._transport.base.Route`) carries the receiver's answer too, always (a few µs; it
+also paces the sender), and on CPU wires the rest wherever shared memory does not take it (below its threshold, all
+of it; shared memory's own words travel on the route then). After round 1 each operation asks the wire's second-round strategy
 (:class:`objcomm._transport.base.SecondRound`; shared memory on one host) once whether it takes the rest; when it
 answers ``NOT_USED`` the transport moves it.
 
-This module holds the steps every operation shares, all_gather and send/recv; gather is
-:mod:`objcomm._transport.gather`, broadcast :mod:`objcomm._transport.broadcast`, scatter and all_to_all
-:mod:`objcomm._transport.parts`.
+This module holds the steps every operation shares, all_gather and send/recv; gather is :mod:`.gather`, broadcast
+:mod:`.broadcast`, scatter and all_to_all :mod:`.parts`.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,7 +51,7 @@ from objcomm._format.rest import incoming, pieces
 from objcomm._format.slot import SlotInfo, fill_slot, read_slot, read_slots
 from objcomm._transport import pair_locks, routes
 from objcomm._transport import pending as _pending
-from objcomm._transport.base import NOT_USED, WHOLE, Route, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.base import NOT_USED, WHOLE, Lease, Route, Wire, all_gather_single, guarded, largest_of
 from objcomm._transport.bytes import Batch, host_view, receive_buffer, recv_bytes, zeroed
 from objcomm._transport.exchange import all_gather_rests
 
@@ -64,6 +61,8 @@ TAKES = 0x10  # bit of a go-ahead answer: the receiver's shared memory takes the
 # Before a send's slot in its message through a CPU group's backend: the sender's slot_bytes, and the bytes of the
 # rest that follow the slot in the same message (routes.backend_whole; 0: none). The receiver follows what it says.
 ENVELOPE = struct.Struct("<ii")
+
+Received = Tuple[int, Incoming, bool]  # (sender, what it sent, whether that is its error report)
 
 
 def _slot(wire: Wire, out: Outgoing) -> bytearray:
@@ -198,14 +197,15 @@ def _exchange_slots(wire: Wire, out: Outgoing, op: str, summed: bool = False) ->
 def send(wire: Wire, out: Outgoing, dst: int, eager: bool = True) -> None:
     """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must). ``eager``: a
     message that nothing follows may return before its receiver takes it (see :func:`_post`)."""
-    with wire.first_round.p2p(wire, "send") as route:
+    lease = wire.first_round.p2p(wire, "send", dst)
+    with lease as route:
         if route is not None:
-            return _send(wire, out, dst, route, eager)
+            return _send(wire, out, dst, route, eager, lease)
         with pair_locks.sending(wire.group, dst, wire.tag):  # its parts together, whatever other threads send
-            _send(wire, out, dst, None, eager)
+            _send(wire, out, dst, None, eager, lease)
 
 
-def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bool = True) -> None:
+def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bool, lease: Lease) -> None:
     op = "send"
     raw = _slot(wire, out)
     info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
@@ -222,13 +222,13 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
         and not problem
         and routes.backend_whole(info.second_round_bytes, cpu=cpu, agreed=agreed)
     ):
-        _post(wire, _enveloped(raw, pieces(out, info.inline is not None)), dst, op, eager)
+        _post(wire, _enveloped(raw, pieces(out, info.inline is not None)), dst, op, eager, lease)
         return
     message = 0
     if route is not None:
         message = route.send(wire, raw, dst)
     else:
-        _post(wire, _enveloped(raw, []) if cpu else raw, dst, op, eager and ends)
+        _post(wire, _enveloped(raw, []) if cpu else raw, dst, op, eager and ends, lease)
     if problem:  # the receiver finds the same and raises too
         raise _limits.inconsistent(op, wire.rank, problem)
     if ends:
@@ -283,7 +283,7 @@ def _enveloped(slot: bytearray, rest: Sequence[memoryview]) -> bytearray:
     return bytearray().join([ENVELOPE.pack(len(slot), sum(piece.nbytes for piece in rest)), slot, *rest])
 
 
-def _post(wire: Wire, message: bytearray, dst: int, op: str, eager: bool) -> None:
+def _post(wire: Wire, message: bytearray, dst: int, op: str, eager: bool, lease: Lease) -> None:
     """Send a slot (with its rest, where :func:`objcomm._transport.routes.backend_whole` says so) through the group.
     gloo's send waits until its receiver posts the receive, where the channel's returns once the kernel holds the
     bytes: so that small sends return at once on every path, a message that nothing follows (its slot carries the
@@ -293,20 +293,22 @@ def _post(wire: Wire, message: bytearray, dst: int, op: str, eager: bool) -> Non
     data = _on_device(wire, message)
     if eager and wire.device.type == "cpu":
         _pending.post(wire, data, dst, op)
-        return
-    guarded(op, wire, dist.send, data, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
+    else:
+        guarded(op, wire, dist.send, data, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
+    lease.posted()  # the route counts the slots posted through the group (FirstRound.p2p)
 
 
-def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> tuple[int, Incoming, bool]:
+def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> Received:
     """Receive from group rank ``src`` (``None``: any); return ``(sender, incoming, is_error)``."""
-    with wire.first_round.p2p(wire, "recv") as route:
+    lease = wire.first_round.p2p(wire, "recv", src)
+    with lease as route:
         if route is not None:
-            return _recv(wire, src, sizes_of, route)
+            return _recv(wire, src, sizes_of, route, lease)
         with pair_locks.receiving(wire.group, src, wire.tag):  # its parts together, whatever other threads receive
-            return _recv(wire, src, sizes_of, None)
+            return _recv(wire, src, sizes_of, None, lease)
 
 
-def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Route]) -> tuple[int, Incoming, bool]:
+def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Route], lease: Lease) -> Received:
     op = "recv"
     if route is not None:
         sender, got, message = route.recv(wire, src, op)
@@ -317,6 +319,7 @@ def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Rou
     peer = None if src is None else wire.ranks[src]
     sender_global = guarded(op, wire, dist.recv, buffer, src=peer, group=wire.group, tag=wire.data_tag)
     sender = list(wire.ranks).index(sender_global) if src is None else src
+    lease.took(sender)  # the route counts the slots taken, by sender (FirstRound.p2p)
     view = host_view(buffer)
     after = _opened(wire, view, sender, op) if cpu else None
     return received(wire, sender, read_slot(view[head : head + wire.slot]), sizes_of, after=after)
@@ -348,7 +351,7 @@ def received(
     route: Optional[Route] = None,
     message: int = 0,
     after: Optional[memoryview] = None,
-) -> tuple[int, Incoming, bool]:
+) -> Received:
     """The rest of a receive from group rank ``sender`` once its slot (``info``) arrived, through the group or
     ``route`` (which carried the slot of message ``message``); the incoming keeps the limit the slot announced.
     ``after``: what followed the slot in its message of a CPU group (:func:`_enveloped`; empty: nothing)."""
@@ -365,7 +368,7 @@ def _received(
     route: Optional[Route],
     message: int,
     after: Optional[memoryview],
-) -> tuple[int, Incoming, bool]:
+) -> Received:
     op = "recv"
     problem = _limits.slot_problem_of(info)
     if problem:  # the sender finds the same in its slot and raises too

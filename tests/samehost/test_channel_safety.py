@@ -97,7 +97,7 @@ def splits_the_vote() -> Dict[str, Any]:
     report: Dict[str, Any] = {}
     if rank == 1:
         real_vote = _channel_slots.SameHost.begin_vote
-        _channel_slots.SameHost.begin_vote = lambda self, group: False  # type: ignore[method-assign]
+        _channel_slots.SameHost.begin_vote = lambda self, group, settle=0.0: None  # type: ignore[method-assign]
         comm.broadcast(0)  # set-up: "not ready"
         channel = _channel(group)
         real_send = channel._send

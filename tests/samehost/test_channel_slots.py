@@ -9,6 +9,7 @@ from typing import Any, List
 import pytest
 import torch.distributed as dist
 from _ranks import get_pool
+from test_first_round_p2p import foreground
 
 import objcomm
 from objcomm import _state
@@ -21,13 +22,16 @@ def _state_of(group: Any) -> Any:
     return _state.group_facts(group).local.get(False)
 
 
-def control_group_fails_on_one_rank() -> List[Any]:
+def control_group_fails_on_one_rank(background: bool) -> List[Any]:
     """Rank 1's control group fails once made (on rank 0 it works): every rank does without it, so that the send/recv
     votes go through one group on both (before: rank 0 voted through its control group and rank 1 through the group
     itself, each waiting for the other until the timeout). A rank that fails before the ranks meet to make it makes
-    the others fail too (they wait for it until the timeout): they agree, if late."""
+    the others fail too (they wait for it until the timeout): they agree, if late. Where the channel opens in the
+    background (``background``), through the control group, every rank does without the channel."""
     rank = dist.get_rank()
     group = dist.new_group([0, 1], timeout=timedelta(seconds=20))
+    if not background:
+        foreground(group)
     made = _groups.sibling
     if rank == 1:
 
@@ -40,7 +44,7 @@ def control_group_fails_on_one_rank() -> List[Any]:
         comm = objcomm.Communicator(group, local=True)
         gathered = [comm.all_gather(rank) for _ in range(3)]  # opens the channel, then votes send/recv onto it
         state = _state_of(group)
-        seen: List[Any] = [gathered, state.control is None, state.channel.p2p]
+        seen: List[Any] = [gathered, state.control is None, state.channel.p2p if state.channel else None]
         if rank == 0:
             comm.send({"after": "votes"}, 1)
         else:
@@ -51,10 +55,12 @@ def control_group_fails_on_one_rank() -> List[Any]:
         dist.destroy_process_group(group)
 
 
-def test_a_control_group_that_one_rank_cannot_make_is_used_by_none():
-    results = get_pool(2).run(control_group_fails_on_one_rank)
-    assert results[0] == [[[0, 1]] * 3, True, True]
-    assert results[1] == [[[0, 1]] * 3, True, True, {"after": "votes"}]
+@pytest.mark.parametrize("background", [False, True])
+def test_a_control_group_that_one_rank_cannot_make_is_used_by_none(background):
+    results = get_pool(2).run(control_group_fails_on_one_rank, background)
+    p2p = None if background else True  # (background: no channel at all)
+    assert results[0] == [[[0, 1]] * 3, True, p2p]
+    assert results[1] == [[[0, 1]] * 3, True, p2p, {"after": "votes"}]
 
 
 def send_on_a_channel_closed_without_failure() -> List[Any]:

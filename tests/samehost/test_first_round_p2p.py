@@ -21,12 +21,20 @@ from _ranks import get_pool
 import objcomm
 from objcomm import _state
 from objcomm._samehost import channel_slots as _channel_slots
+from objcomm._samehost.p2p_state import SameHost
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _state_of(group: Any = None) -> Any:
     return _state.group_facts(group if group is not None else dist.group.WORLD).local.get(False)
+
+
+def foreground(group: Any) -> Any:
+    """``group``, whose channel its first collective opens and whose all_gathers vote send/recv onto it (as on a group
+    of more than ``opener.MOST_RANKS`` ranks), where small groups do both in the background (objcomm._samehost.opener)."""
+    _state.group_facts(group).local.setdefault(False, SameHost()).background = False
+    return group
 
 
 def through_the_channel(scenario: Callable[..., Any], *args: Any) -> Any:
@@ -104,17 +112,21 @@ def test_a_send_returns_before_its_receive_is_posted():
     assert get_pool(2).run(sends_before_the_receiver_asks) == [[True], [0, 1, 2]]
 
 
-def in_flight_at_the_first_collective() -> List[Any]:
-    """An irecv outstanding at the collective that opens the channel keeps send/recv on the group (its
-    sender may have decided before); the first all_gather with nothing in flight anywhere lets them in."""
+def in_flight_at_the_first_collective(anyone: bool) -> List[Any]:
+    """An irecv outstanding through the group at the collective that opens the channel (and votes: an all_gather).
+    From any rank (``anyone``) it keeps send/recv on the group (any sender may have decided before); the first
+    all_gather with nothing in flight anywhere lets them in. From a given rank it does not: the vote counts it, and
+    its sender sends that one message through the group, the next through the channel."""
     rank = dist.get_rank()
-    group = dist.new_group(list(range(dist.get_world_size())))  # nothing opened on it yet
+    group = foreground(dist.new_group(list(range(dist.get_world_size()))))  # nothing opened on it yet
     comm = objcomm.Communicator(group, local=True)
     seen: List[Any] = []
-    pending = comm.irecv(1, tag=2) if rank == 0 else None
+    pending = comm.irecv(None if anyone else 1, tag=2) if rank == 0 else None
+    time.sleep(0.2)  # the irecv is posted when the all_gather votes
     comm.all_gather(0)
     seen.append(_state_of(group).channel.p2p)
     if rank == 1:
+        seen.append(dict(_state_of(group).owed))
         comm.send("early", 0, tag=2)  # through the group, as rank 0's irecv
     else:
         seen.append(pending.wait(60))
@@ -126,13 +138,18 @@ def in_flight_at_the_first_collective() -> List[Any]:
         comm.send("late", 0, tag=2)
     else:
         seen.append(comm.recv(1, tag=2))
-    return seen
+    sent, took = _state_of(group).sent, _state_of(group).took  # what went through the group
+    return seen + [sent.get((0, 2), 0) if rank else took.get((1, 2), 0)]
 
 
-def test_send_recv_move_to_the_channel_only_when_nothing_is_in_flight():
-    assert get_pool(2).run(in_flight_at_the_first_collective) == [
-        [False, "early", False, True, "late"],
-        [False, False, True],
+def test_send_recv_move_to_the_channel_only_when_no_send_is_in_flight():
+    assert get_pool(2).run(in_flight_at_the_first_collective, True) == [
+        [False, "early", False, True, "late", 1],
+        [False, {}, False, True, 1],
+    ]
+    assert get_pool(2).run(in_flight_at_the_first_collective, False) == [
+        [True, "early", True, True, "late", 1],
+        [True, {(0, 2): 1}, True, True, 1],
     ]
 
 
@@ -140,7 +157,7 @@ def starts_during_a_vote() -> List[Any]:
     """A send that another thread starts while this rank's yes-vote is out waits for the outcome, then takes
     the channel like its receiver (through the group it would wait for a receiver that never posts there)."""
     rank = dist.get_rank()
-    group = dist.new_group(list(range(dist.get_world_size())))
+    group = foreground(dist.new_group(list(range(dist.get_world_size()))))
     comm = objcomm.Communicator(group, local=True)
     pending = comm.irecv(1, tag=1) if rank == 0 else None
     comm.broadcast(0)  # opens the channel; rank 0's irecv is in flight: send/recv stay on the group
@@ -402,10 +419,11 @@ def a_vote_fails_on_one_rank() -> List[Any]:
     from objcomm._samehost import channel as _channel
 
     rank = dist.get_rank()
-    group = dist.new_group([0, 1])
+    group = foreground(dist.new_group([0, 1]))
     comm = objcomm.Communicator(group, local=True)
-    pending = comm.irecv(1, tag=2) if rank == 0 else None
-    comm.all_gather(0)  # opens the channel; rank 0's irecv is in flight: send/recv stay off it, a vote is due later
+    pending = comm.irecv(None, tag=2) if rank == 0 else None
+    time.sleep(0.2)  # the irecv is posted when the all_gather votes
+    comm.all_gather(0)  # opens the channel; rank 0's irecv from any rank: send/recv stay off it, a vote is due later
     if rank == 1:
         comm.send("early", 0, tag=2)
     else:

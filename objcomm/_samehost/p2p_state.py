@@ -1,0 +1,148 @@
+"""A group's same-host state on this rank (:class:`SameHost`): its channel, and what decides whether send/recv take it.
+
+send/recv move from the group's backend to the channel at a vote that every rank sees alike
+(:meth:`objcomm._samehost.channel.LocalChannel.vote`, through the channel's control group). A rank votes yes
+(:meth:`SameHost.begin_vote`) when no send of its is in flight through the group and no receive from any rank waits
+there; the receives from given ranks that wait there are listed in its vote, each ``(src, tag)`` with the slots it
+counts from ``src`` (taken, and waiting). After a yes from every rank, a sender owes those receives their messages
+through the group (:meth:`SameHost.owe`, :attr:`SameHost.owed`): each receive waiting through the group at the vote
+gets its message there, every later message goes through the channel, and none is left waiting on a route its
+sender no longer uses. Until the vote's outcome, a send/recv that starts on this rank waits for it.
+
+Why the counts are exact: a send through the group completes only once its receiver has posted the receive (gloo), so
+a rank with no send in flight has had every message it sent matched by a receive of its peer, posted before the
+peer's vote (after it, the peer's send/recv wait); and a rank counts a receive from a given rank when it routes it,
+from any rank when it takes a message (the vote waits for those to end). So ``slots - sent`` is the number of
+receives still waiting for the sender's messages through the group.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from objcomm._samehost import channel as _channel
+from objcomm._transport import pending as _pending
+
+Key = Tuple[int, int]  # (peer's group rank, tag)
+PENDING_WAIT = 0.5  # seconds a vote waits for this rank's pending sends to be received (objcomm._transport.pending)
+
+
+class SameHost:
+    """One group's same-host state on this rank: its channel, and what decides whether send/recv use it.
+
+    What a send/recv vote looks at (:meth:`begin_vote`), per (peer, tag), counted while send/recv go through the
+    group: sends in flight, receives that have taken nothing yet, slots posted and slots taken. After a vote that
+    moved send/recv onto the channel, :attr:`owed` holds the sends this rank still makes through the group: one for
+    each receive a peer had waiting there for it at the vote (:meth:`owe`), so that no receive is left waiting on
+    the group for a message that now goes through the channel."""
+
+    def __init__(self) -> None:
+        self.channel: Optional[_channel.LocalChannel] = None  # the open one, or the last one (failed)
+        self.decided = False  # opened once: ``channel`` None then means "not all on one host"
+        self.broken: Optional[str] = None  # the ranks disagreed at a reopen: why
+        self.cond = threading.Condition()
+        self.sending = 0  # sends of this rank through the group, not finished
+        self.anyone = 0  # receives from any rank through the group that took nothing yet
+        self.waiting: Dict[Key, int] = {}  # (src, tag): receives from src through the group that took nothing yet
+        self.took: Dict[Key, int] = {}  # (src, tag): slots taken through the group from src
+        self.sent: Dict[Key, int] = {}  # (dst, tag): slots posted through the group to dst
+        self.owed: Dict[Key, int] = {}  # (dst, tag): sends still due through the group after the vote (owe)
+        self.voting = False  # this rank's vote is out now
+        # the control group: votes and reopenings (objcomm._transport.groups.sibling), once opened; its lock, held
+        # by whoever uses it (a background vote, a reopening: objcomm._samehost.opener)
+        self.control: Any = None
+        self.control_lock = threading.Lock()
+        self.background: Optional[bool] = None  # whether the channel opens and votes in the background (opener)
+        self.opener: Any = None  # then this rank's objcomm._samehost.opener.Opener, once started
+
+    def begin_vote(self, group: Any, settle: float = PENDING_WAIT) -> Optional[List[int]]:
+        """This rank's send/recv vote: None (no) while it has a send through the group in flight (blocking, or
+        eager and not yet received: :mod:`objcomm._transport.pending`), a receive from any rank there, or receives
+        waiting there from more than :data:`~objcomm._samehost.channel.VOTE_ROOM` (peer, tag); else (yes) its
+        receives waiting there, as ``(src, tag, slots)`` triples, ``slots`` counting those taken from ``src`` under
+        ``tag`` and those waiting. Until :meth:`end_vote`, a send/recv that starts meanwhile waits for the outcome.
+        ``settle``: seconds it first waits for this rank's pending sends to be received (a collective's vote: their
+        receivers may be about to post; a vote in the background: none, its peers' send/recv wait meanwhile)."""
+        if settle:
+            _pending.idle(group, settle)  # a moment for sends received just now to be known as received
+        with self.cond:
+            ready = (
+                self.sending == 0
+                and self.anyone == 0
+                and len(self.waiting) <= _channel.VOTE_ROOM
+                and _pending.idle(group)
+            )
+            self.voting = ready
+            if not ready:
+                return None
+            return [word for key, n in sorted(self.waiting.items()) for word in (*key, self.took.get(key, 0) + n)]
+
+    def owe(self, rows: Sequence[Sequence[int]], rank: int) -> None:
+        """After a vote that every rank passed (``rows``: each rank's triples, :meth:`begin_vote`): the sends this
+        rank (group rank ``rank``) still makes through the group, one for each slot a receiver counted from it that
+        it has not posted there. A rank's count of its own receives only moves its own messages."""
+        owed: Dict[Key, int] = {}
+        for receiver, row in enumerate(rows):
+            for at in range(0, len(row) - 2, 3):
+                src, tag, slots = row[at : at + 3]
+                due = slots - self.sent.get((receiver, tag), 0)
+                if src == rank and receiver != rank and due > 0:
+                    owed[receiver, tag] = due
+        self.owed = owed
+
+    def end_vote(self) -> None:
+        with self.cond:
+            self.voting = False
+            self.cond.notify_all()
+
+
+class Counted:
+    """A send/recv through the group, counted in its :class:`SameHost` while it runs (a vote looks at the counts)."""
+
+    __slots__ = ("state", "tag", "key", "sends", "waits")
+
+    def __init__(self, state: SameHost, sends: bool, peer: Optional[int], tag: int) -> None:
+        """(Under ``state.cond``.)"""
+        self.state, self.tag, self.sends = state, tag, sends
+        self.key: Optional[Key] = None if peer is None else (peer, tag)
+        self.waits = not sends  # a receive that took nothing yet
+        if sends:
+            state.sending += 1
+        elif self.key is None:
+            state.anyone += 1
+        else:
+            state.waiting[self.key] = state.waiting.get(self.key, 0) + 1
+
+    def __enter__(self) -> None:
+        return None
+
+    def posted(self) -> None:
+        assert self.key is not None
+        with self.state.cond:
+            self.state.sent[self.key] = self.state.sent.get(self.key, 0) + 1
+
+    def took(self, sender: int) -> None:
+        state, taken = self.state, (sender, self.tag)
+        with state.cond:
+            self._stop_waiting()
+            state.took[taken] = state.took.get(taken, 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with self.state.cond:
+            if self.sends:
+                self.state.sending -= 1
+            else:
+                self._stop_waiting()
+
+    def _stop_waiting(self) -> None:
+        if not self.waits:
+            return
+        self.waits = False
+        state, key = self.state, self.key
+        if key is None:
+            state.anyone -= 1
+        elif state.waiting[key] > 1:
+            state.waiting[key] -= 1
+        else:
+            del state.waiting[key]
