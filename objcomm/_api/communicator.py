@@ -158,8 +158,7 @@ class Communicator(Operations):
         wire = call.wire
         if wire is None or not isinstance(wire.first_round, _channel_slots.SameHostSlots):
             return False
-        channel = wire.first_round.channel(wire, "connect")
-        return bool(channel is not None and channel.p2p and not channel.closed)
+        return wire.first_round.connect(wire)
 
     @mpi4py_keywords
     def all_gather(

@@ -114,12 +114,9 @@ class Express:
         return None if state is None else Express(call, wire.first_round, state)
 
     def _channel(self, tag: Any) -> Any:
-        """The channel, if it carries send/recv under ``tag`` now, no request of this rank is in flight and this rank
-        owes no send through the group (:attr:`objcomm._samehost.channel_slots.SameHost.owed`)."""
+        """The channel, if it carries send/recv under ``tag`` now and no request of this rank is in flight."""
         channel = self.state.channel
         if channel is None or not channel.p2p or channel.closed or type(tag) is not int or not 0 <= tag <= MAX_TAG:
-            return None
-        if self.state.owed:
             return None
         if tag and not self.cpu:
             return None
@@ -155,7 +152,8 @@ class Express:
         over, nothing having moved: None (nothing done), or what serializing ``obj`` gave (see :meth:`_slot`)."""
         peer = self.peers.get(dst) if type(dst) is int else None
         channel = self._channel(tag)
-        if peer is None or channel is None:
+        owed = self.state.owed  # sends this rank still makes through the group (objcomm._samehost.p2p_state)
+        if peer is None or channel is None or (owed and (peer, tag) in owed):
             return None
         slot, serialized = self._slot(obj, whole=self.whole_frames > 0)
         if slot is None:
@@ -172,7 +170,7 @@ class Express:
         an all_gather carries this rank's vote). Once the slots have arrived, slots that are not all plain
         frames (an error report, tensors, a second round) are finished by the general path's steps."""
         channel = self.state.channel
-        if channel is None or not channel.p2p or channel.closed:
+        if channel is None or not channel.p2p or channel.closed or not self.state.agreed:
             return False, None
         slot, serialized = self._slot(obj)
         if slot is None:
@@ -211,7 +209,7 @@ class Express:
         to the general path's steps."""
         root = self.index.get(src) if type(src) is int else None
         channel = self.state.channel
-        if root is None or channel is None or channel.closed:
+        if root is None or channel is None or channel.closed or not self.state.agreed:
             return False, None
         if root == self.rank:
             slot, serialized = self._slot(obj)

@@ -285,7 +285,7 @@ class LocalChannel(Mesh):
         return channel
 
     def vote(
-        self, wire: Wire, ready: Optional[Sequence[int]], op: str, stop: bool = False
+        self, wire: Wire, ready: Optional[Sequence[int]], op: str, stop: bool = False, balance: Optional[int] = None
     ) -> Optional[List[List[int]]]:
         """Whether every rank of the group is ``ready`` for send/recv through this channel (None: no; else up to
         :data:`VOTE_ROOM` ``(src, tag, slots)`` triples, :meth:`objcomm._samehost.p2p_state.SameHost.begin_vote`):
@@ -293,10 +293,12 @@ class LocalChannel(Mesh):
         whose result every rank sees alike. It has the set-up's shape, one all_gather of ``_WORDS`` words per rank,
         so that a vote that meets a rank's reopening (on the control group too) is one collective on both, and both
         raise :class:`OutOfStep`. ``stop``: this rank stops voting (:mod:`objcomm._samehost.opener`); every rank then
-        raises :class:`VotingStopped`."""
+        raises :class:`VotingStopped`. ``balance`` (an NCCL group, where a send returns before its receiver posts: the
+        counts of the triples say nothing then): this rank's slots posted less taken through the group; the vote
+        passes only with no triple anywhere and a sum of 0 (every message sent there taken there)."""
         room = [*(ready or ()), *(-1, 0, 0) * VOTE_ROOM][: len(_ROOM_WORDS)]
         said = _STOP if stop else int(ready is not None)
-        mine = [VOTE, 0, os.getpid(), 0, 0, 0, 0, said, self.generation, 0, 0, 0, 0]
+        mine = [VOTE, 0, balance or 0, 0, 0, 0, 0, said, self.generation, 0, 0, 0, 0]
         for at, word in zip(_ROOM_WORDS, room):
             mine[at] = word
         group, device = _through(wire, self.control)
@@ -317,6 +319,8 @@ class LocalChannel(Mesh):
         if not all(words[7::_WORDS]):
             return None
         rows = [[words[r * _WORDS + at] for at in _ROOM_WORDS] for r in range(wire.size)]
+        if balance is not None and (sum(words[2::_WORDS]) != 0 or any(row[0] >= 0 for row in rows)):
+            return None
         return [[word for at in range(0, len(row), 3) if row[at] >= 0 for word in row[at : at + 3]] for row in rows]
 
     @staticmethod

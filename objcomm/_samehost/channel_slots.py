@@ -28,17 +28,12 @@ when the group is collected or at exit. Async collectives run on the group's sha
 (:mod:`objcomm._api.requests`), a group of its own, with a channel of its own; ``isend``/``irecv`` run on
 the group itself.
 
-A sender and its receiver must route a message the same way: a send through the group waits for a recv through the
-group. So send/recv move to the channel at a vote that every rank sees alike (:mod:`objcomm._samehost.p2p_state`: a
-rank votes yes when no send of its is in flight through the group and no receive from any rank waits there; the
-receives from given ranks waiting there are counted in its vote, and their senders send them their messages there):
-the set-up, then votes in the background until one passes (:mod:`objcomm._samehost.opener`), or, on a larger group,
-an all_gather or all_to_all through the channel (the first 16 after set-up, then every 64th), which then takes one
-more collective through the control group, of the set-up's shape (:meth:`objcomm._samehost.channel.LocalChannel.vote`).
-A vote in the channel's own messages could be told differently to different ranks by a lying one, splitting the
-routes of honest ones (issue 25). While this rank's yes-vote is out, a send/recv that starts on another thread waits
-for the outcome (a program whose peer needs that very send/recv before joining the collective then waits until the
-timeout).
+A sender and its receiver must route a message the same way, so send/recv move onto the channel at a vote that every
+rank sees alike (:mod:`objcomm._samehost.p2p_state`): the set-up, then votes in the background until one passes
+(:mod:`objcomm._samehost.opener`), or, on a larger group, an all_gather or all_to_all through the channel (the first 16
+after set-up, then every 64th), which then takes one more collective through the control group
+(:meth:`objcomm._samehost.channel.LocalChannel.vote`). While this rank's yes-vote is out, a send/recv that starts on
+another thread waits for the outcome.
 
 After a failure: send/recv on the group raise until a collective opens a new channel. That
 collective does so only if every rank failed at the same point and reopens at the same call (the set-up carries each
@@ -186,7 +181,7 @@ class SameHostSlots:
 
     def channel_of(self, wire: Wire, op: str) -> Optional[Tuple[_channel.LocalChannel, Optional[float]]]:
         state = self.state(wire)
-        channel = None if state is None else state.channel
+        channel = None if state is None or not state.agreed else state.channel
         if channel is None:
             return None
         channel.check(op)  # round 1 went through it (a call that finds it closed opens a new one, or raises)
@@ -199,15 +194,15 @@ class SameHostSlots:
         if state is None:
             return None
         channel = state.channel
-        if channel is not None and not channel.closed:
+        if state.agreed and channel is not None and not channel.closed:
             return channel
         if state.broken:
             raise CommunicationError(f"{op}: {state.broken}")
+        background = _opener.background(wire, state, self.separate)
+        if background and not state.agreed:  # opening in the background, where send/recv start it too
+            return _opener.agreed_channel(wire, state, self.separate, op, lambda: self._reopen(wire, state, None, op))
         if state.decided and channel is None:
             return None  # not all on one host
-        background = _opener.background(wire, state, self.separate)
-        if channel is None and background:  # the first call: opened in the background, where send/recv start it too
-            return _opener.opened(wire, state, self.separate, op)
         if channel is not None and channel.failed_at is None:  # closed, not failed: a forked child, or at exit
             channel.check(op)  # raises
         if state.opener is not None:  # its votes, which go through the control group, end first
@@ -231,7 +226,8 @@ class SameHostSlots:
                 timeout=timeout_seconds(wire.group),
                 separate=self.separate,
                 op=f"{op} (opening the same-host channel)",
-                ready=mine == [],  # the set-up has no room for receives waiting: none may
+                # the set-up has no room for receives waiting: none may; on NCCL only votes count (balance)
+                ready=mine == [] and wire.device.type == "cpu",
                 history=history,
                 control=state.control,
             )
@@ -242,7 +238,7 @@ class SameHostSlots:
                     channel.close(f"{op}: the ranks could not agree on the channel's control group")
                     raise
             with state.cond:  # before the vote ends: a send/recv waiting for it must see the new channel
-                state.channel, state.decided, state.owed = channel, True, {}
+                state.channel, state.decided, state.agreed, state.owed = channel, True, True, {}
         except _channel.OutOfStep as exc:
             state.broken = str(exc)
             raise
@@ -363,20 +359,33 @@ class SameHostSlots:
                     with contextlib.suppress(CommunicationError):
                         channel.vote(wire, None, what)
                 raise
-            try:
-                rows = channel.vote(wire, entries, what)
-            except _channel.OutOfStep as exc:
-                state.broken = str(exc)
-                channel.fail(op, str(exc))
-            except CommunicationError as exc:  # failed on this rank, perhaps not on others: the channel fails here,
-                channel.fail(op, f"the send/recv vote failed ({exc})", exc)  # and the next call decides anew
-            with state.cond:  # before the vote ends: a send/recv waiting for it must see the outcome
-                if rows is not None:
-                    state.owe(rows, wire.rank)
-                channel.p2p = rows is not None
+            state.vote(wire, channel, entries, op, what)
         finally:
             state.end_vote()
         return got
+
+    def connect(self, wire: Wire) -> bool:
+        """``connect()``: the group's channel, opened on every rank, and whether send/recv take it, settled now
+        alike on every rank (a collective): the background's votes end first, then one vote through the control
+        group; where it does not pass, the background votes on."""
+        state, op = self.state(wire), "connect"
+        channel = self.channel(wire, op)
+        while channel is None and state is not None and state.background and not state.agreed:
+            channel = self.channel(wire, op)  # (each round one collective: the ranks leave the loop together)
+        if state is None or channel is None or channel.closed:
+            return False
+        if not channel.p2p:
+            if state.opener is not None:  # every rank's background votes end at one vote
+                state.opener.stop(timeout_seconds(wire.group))
+            with state.control_lock:
+                if not channel.p2p:
+                    try:
+                        state.vote(wire, channel, state.begin_vote(wire.group), op, f"{op} (voting send/recv)")
+                    finally:
+                        state.end_vote()
+            if not channel.p2p and state.background:
+                _opener.vote_on(wire, state, channel)
+        return channel.p2p
 
     def p2p(self, wire: Wire, op: str, peer: Optional[int]) -> Lease:
         """The route of one send/recv: entering gives an object with ``send``/``recv`` (the channel), or
@@ -385,7 +394,8 @@ class SameHostSlots:
         if state is None:
             return _BACKEND
         channel = state.channel
-        if channel is not None and channel.p2p and not channel.closed and not state.owed:
+        owed = state.owed
+        if channel is not None and channel.p2p and not channel.closed and (not owed or (peer, wire.tag) not in owed):
             return ChannelRoute(channel, self.spin)
         if state.decided and channel is None:  # not all on one host: never the channel, nothing to count
             return _BACKEND
@@ -418,6 +428,7 @@ class SameHostSlots:
                     state.owed[key] = due - 1
                 else:
                     del state.owed[key]
+                return Counted(state, sends, peer, wire.tag, owed=True)
             return Counted(state, sends, peer, wire.tag)
 
 

@@ -1,22 +1,27 @@
 """The same-host channel opened in the background, so that a program whose first calls are send/recv gets it too.
 
-The channel's set-up is a collective of every rank of the group, where a send/recv involves two. So on a group that
-may run on one host (:func:`background`: up to :data:`MOST_RANKS` ranks, on one node by torchrun's
+The channel's set-up is a collective of every rank of the group, where a send/recv involves two. So on a CPU group
+that may run on one host (:func:`background`: up to :data:`MOST_RANKS` ranks, on one node by torchrun's
 ``LOCAL_WORLD_SIZE`` where it is set), each rank's first call on it, whatever the operation, starts an
-:class:`Opener`: a thread that makes the group's control group (a sibling made over the store,
+:class:`Opener`: a thread that makes a control group for the channel (a sibling made over the store,
 :func:`objcomm._transport.groups.sibling`), opens the channel through it, never through the group itself, whose
-collectives the main threads may be in, and then votes send/recv onto it. A collective waits for the opening
-(:func:`opened`); a send/recv goes on through the group meanwhile.
+collectives the main threads may be in, and then votes send/recv onto it. A send/recv goes on through the group
+meanwhile.
+
+Collectives take the channel once every rank says, at one of them, that its opening is done (:func:`agree`: one
+``all_reduce(MIN)`` through the group at each collective until then; a collective waits a moment for the opening
+first). Until then they go through the group; where the opening failed on some rank, every rank opens the channel
+at that collective through the group instead, as a larger group does, and the background's is dropped.
 
 The votes (:meth:`objcomm._samehost.p2p_state.SameHost.begin_vote`) go through the control group, every rank's
 thread taking part in each, at growing pauses (:data:`FIRST_PAUSE` to :data:`LONGEST_PAUSE`), until every rank votes
 yes at once (send/recv then take the channel: its outcome is what every rank sees), the channel fails, or a rank
-stops voting: at exit, when its group is gone, or before the group reopens a failed channel, a rank's thread votes
-"stop" and every rank's thread ends at that vote, send/recv staying on the group. While a rank's vote is out, its
-send/recv wait for the outcome (one small collective: about 0.1 ms at W=2).
+stops voting: at exit, when its group is gone, before the group reopens a failed channel or settles send/recv at
+``connect()``, a rank's thread votes "stop" and every rank's thread ends at that vote, send/recv staying where they
+are. While a rank's vote is out, its send/recv wait for the outcome (one small collective: about 0.1 ms at W=2).
 
 Ranks that never call objcomm on the group hold the opening back: the others wait for them (up to the group's
-timeout) in the background, their send/recv going through the group meanwhile; a collective waits with them.
+timeout) in the background, their send/recv going through the group meanwhile.
 """
 
 from __future__ import annotations
@@ -26,29 +31,41 @@ import contextlib
 import os
 import threading
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
 
 from objcomm._device import timeout_seconds
-from objcomm._errors import CommunicationError
 from objcomm._samehost import channel as _channel
 from objcomm._samehost.p2p_state import SameHost
 from objcomm._transport import groups as _groups
-from objcomm._transport.base import Wire
+from objcomm._transport.base import Wire, guarded
 
 MOST_RANKS = 64  # a group of more ranks is opened by its first collective, in the foreground
 FIRST_PAUSE, LONGEST_PAUSE = 1e-3, 0.1  # seconds between votes: doubling from the first to the longest
 EXIT_WAIT = 2.0  # seconds a rank waits at exit, or when its group goes, for its voting thread's last vote
+SUFFIX = "objcomm-channel-bg"  # the control group's name after its group's (the foreground's is another)
+FAILED, NOT_ONE_HOST, OPENING, OPEN = -1, 0, 1, 2  # what a rank says of its opening at a collective (agree)
 _LIVE: weakref.WeakSet[Opener] = weakref.WeakSet()  # voting now (told to stop at exit)
 
 
 def background(wire: Wire, state: SameHost, separate: Union[bool, int]) -> bool:
     """Whether this group's channel opens in the background (the same answer on every rank, from what every rank
-    knows alike): a group of at most :data:`MOST_RANKS` ranks, not split into test hosts (``separate``), whose
-    ranks torchrun put on one node where it says so (``LOCAL_WORLD_SIZE`` ranks a node, in rank order)."""
+    knows alike): a CPU group (on NCCL a send returns before its receiver posts, which the votes' counts rely on) of
+    at most :data:`MOST_RANKS` ranks, not split into test hosts (``separate``), whose ranks torchrun put on one node
+    where it says so (``LOCAL_WORLD_SIZE`` ranks a node, in rank order), with a torch whose store connections can be
+    cloned (2.8 on: without it, the thread's wait for its peers would hold the process's only one)."""
     if state.background is None:
         per_node = os.environ.get("LOCAL_WORLD_SIZE", "")
         nodes = {rank // int(per_node) for rank in wire.ranks} if per_node.isdigit() and int(per_node) > 0 else {0}
-        state.background = not separate and wire.size <= MOST_RANKS and len(nodes) == 1
+        state.background = (
+            wire.device.type == "cpu"
+            and not separate
+            and wire.size <= MOST_RANKS
+            and len(nodes) == 1
+            and _groups.store_clones()
+        )
     return state.background
 
 
@@ -60,22 +77,59 @@ def start(wire: Wire, state: SameHost, separate: Union[bool, int]) -> Opener:
         return opener
 
 
-def opened(wire: Wire, state: SameHost, separate: Union[bool, int], op: str) -> Optional[_channel.LocalChannel]:
-    """The group's channel once the opener has opened it (None: the ranks are not all on this host, or the opening
-    failed); started here where this is the rank's first call. Raises :class:`~objcomm.CommunicationError` after
-    twice the group's timeout."""
+def agree(wire: Wire, state: SameHost, separate: Union[bool, int], op: str) -> int:
+    """At a collective, until every rank's opening is done: what the ranks say of it, their minimum
+    (:data:`OPEN`, :data:`OPENING`, :data:`NOT_ONE_HOST` or :data:`FAILED`), one ``all_reduce`` through the group,
+    after waiting for this rank's opening up to half the group's timeout, the channel's set-up bound at most."""
     opener = start(wire, state, separate)
-    timeout = 2 * timeout_seconds(wire.group) + _channel.SETUP_TIMEOUT
-    if not opener.opened.wait(timeout):
-        raise CommunicationError(
-            f"{op}: this group's same-host channel, opening in the background since this rank's first call on the "
-            f"group, has not opened after {timeout:.0f}s (a rank of the group has not called objcomm on it)"
-        )
-    return state.channel
+    opener.opened.wait(min(_channel.SETUP_TIMEOUT, timeout_seconds(wire.group) / 2))
+    with state.cond:
+        if not opener.opened.is_set():
+            said = OPENING
+        elif opener.problem is not None:
+            said = FAILED
+        else:
+            said = OPEN if state.channel is not None else NOT_ONE_HOST
+    word = torch.tensor([said], dtype=torch.int64, device=wire.device)
+    guarded(
+        f"{op} (agreeing on the same-host channel)", wire, dist.all_reduce, word, op=dist.ReduceOp.MIN, group=wire.group
+    )
+    agreed = int(word.item())
+    if agreed == FAILED:
+        opener.abandon()
+    return agreed
+
+
+def agreed_channel(
+    wire: Wire,
+    state: SameHost,
+    separate: Union[bool, int],
+    op: str,
+    reopen: Callable[[], Optional[_channel.LocalChannel]],
+) -> Optional[_channel.LocalChannel]:
+    """The channel a collective takes while the ranks have not all said their opening is done (:func:`agree`): None
+    (this call goes through the group) until they have; where it failed on some rank, the one ``reopen()`` opens
+    here on every rank, through the group, as a larger group does."""
+    agreed = agree(wire, state, separate, op)
+    if agreed == OPENING:
+        return None  # the next collective asks again
+    if agreed == OPEN:
+        state.agreed = True
+        return state.channel
+    if agreed == NOT_ONE_HOST:
+        if state.channel is not None:  # (a rank that says it opened one where another found the hosts differ)
+            state.opener.abandon()
+        with state.cond:
+            state.agreed = state.decided = True
+        return None
+    state.background = False  # (agree dropped what the thread opened) from now on as a larger group does
+    with state.control_lock:
+        return reopen()
 
 
 def vote_on(wire: Wire, state: SameHost, channel: _channel.LocalChannel) -> None:
-    """Start voting send/recv onto ``channel`` in the background (after a reopening that left them off it)."""
+    """Start voting send/recv onto ``channel`` in the background (after a reopening, or ``connect()``, that left
+    them off it)."""
     with state.cond:
         state.opener = Opener(wire, state, False, channel)
 
@@ -91,6 +145,7 @@ class Opener:
         self.wire = wire._replace(group=None)  # what the votes need of it (the control group carries them)
         self.opened = threading.Event()
         self.stopping = threading.Event()
+        self.abandoned = False  # the ranks opened the channel in the foreground instead (agree)
         self.problem: Optional[str] = None  # why the opening failed, if it did
         if channel is not None:
             self.opened.set()
@@ -103,6 +158,19 @@ class Opener:
         self.stopping.set()
         if self.thread is not threading.current_thread():
             self.thread.join(wait)
+
+    def abandon(self) -> None:
+        """The ranks open the channel in the foreground: drop what this thread opened, or will."""
+        state = self.state
+        with state.cond:
+            self.abandoned = True
+            channel, control = state.channel, state.control
+            state.channel, state.control, state.decided = None, None, False
+        if channel is not None:
+            self.stop()
+            channel.close("the ranks opened the same-host channel again, in the foreground")
+        if control is not None:
+            _groups.forget(control)
 
     def _run(self) -> None:
         group, channel = self._held
@@ -125,7 +193,7 @@ class Opener:
         op = "opening the same-host channel (in the background)"
         channel = control = None
         try:
-            control = _groups.sibling(group, "objcomm-channel", "gloo")
+            control = _groups.sibling(group, SUFFIX, "gloo")
             entries = state.begin_vote(group)
             try:
                 channel = _channel.LocalChannel.open(
@@ -138,26 +206,24 @@ class Opener:
                 )
             finally:
                 with state.cond:  # before the vote ends: a send/recv waiting for it must see the channel
-                    state.channel, state.decided, state.owed = channel, True, {}
-                    state.control = None if channel is None else control
+                    if not self.abandoned:
+                        state.channel, state.decided, state.owed = channel, True, {}
+                        state.control = None if channel is None else control
                 state.end_vote()
-        except Exception as exc:  # the group's send/recv and collectives go on without the channel
+        except Exception as exc:  # the ranks agree on what to do instead at a collective (agree)
             self.problem = f"{op} failed: {exc}"
-            with state.cond:
-                state.decided = True
-        if channel is None:
+            if channel is not None:
+                channel.close(self.problem)
+            channel = None
+        if channel is None or self.abandoned:
+            if channel is not None:
+                channel.close("the ranks opened the same-host channel again, in the foreground")
             if control is not None:
                 _groups.forget(control)
             return None
         channel.control = control
-        weakref.finalize(group, self._gone, channel, control).atexit = False
+        weakref.finalize(group, _gone, state).atexit = False
         return channel
-
-    def _gone(self, channel: _channel.LocalChannel, control: Any) -> None:
-        """The group is gone: stop voting, close the channel, then its control group."""
-        self.stop()
-        channel.close()
-        _groups.forget(control)
 
     def _vote(self, channel: _channel.LocalChannel) -> None:
         state, wire, pause = self.state, self.wire, FIRST_PAUSE
@@ -165,11 +231,15 @@ class Opener:
         while True:
             stop = self.stopping.wait(pause)
             pause = min(2 * pause, LONGEST_PAUSE)
-            group = self.group()
             with state.control_lock:  # (a reopening of the group's channel waits: it goes through the control group)
-                stop = stop or group is None or channel.closed
-                entries = None if stop or group is None else state.begin_vote(group, settle=0.0)
-                del group
+                rows = entries = None
+                try:
+                    group = self.group()
+                    stop = stop or group is None or channel.closed or self.stopping.is_set()
+                    entries = None if stop else state.begin_vote(group, settle=0.0)
+                    del group
+                except Exception:  # (this rank cannot vote: it votes "stop", so that its peers' threads end too)
+                    stop = True
                 try:
                     rows = channel.vote(wire, entries, what, stop=stop)
                     with state.cond:  # before the vote ends: a send/recv waiting for it must see the outcome
@@ -178,16 +248,27 @@ class Opener:
                             channel.p2p = True
                 except _channel.VotingStopped:
                     return
-                except CommunicationError as exc:  # (OutOfStep included) the next collective decides anew
+                except Exception as exc:  # (OutOfStep included) the next collective decides anew
                     if isinstance(exc, _channel.OutOfStep):
                         state.broken = str(exc)
-                    with contextlib.suppress(CommunicationError):
+                    with contextlib.suppress(Exception):
                         channel.fail(what, f"the send/recv vote failed ({exc})", exc)
                     return
                 finally:
                     state.end_vote()
             if rows is not None:
                 return
+
+
+def _gone(state: SameHost) -> None:
+    """The group is gone: its voting thread stops, its channel closes, then its control group goes."""
+    opener, channel, control = state.opener, state.channel, state.control
+    if opener is not None:
+        opener.stop()
+    if channel is not None:
+        channel.close()
+    if control is not None:
+        _groups.forget(control)
 
 
 def _stop_all() -> None:

@@ -13,7 +13,9 @@ Why the counts are exact: a send through the group completes only once its recei
 a rank with no send in flight has had every message it sent matched by a receive of its peer, posted before the
 peer's vote (after it, the peer's send/recv wait); and a rank counts a receive from a given rank when it routes it,
 from any rank when it takes a message (the vote waits for those to end). So ``slots - sent`` is the number of
-receives still waiting for the sender's messages through the group.
+receives still waiting for the sender's messages through the group. NCCL's send returns before its receiver posts:
+there a vote passes only with no receive waiting anywhere and every slot sent through the group taken there
+(:meth:`SameHost.balance`), and its set-up never moves send/recv.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from objcomm._errors import CommunicationError
 from objcomm._samehost import channel as _channel
 from objcomm._transport import pending as _pending
 
@@ -40,6 +43,7 @@ class SameHost:
     def __init__(self) -> None:
         self.channel: Optional[_channel.LocalChannel] = None  # the open one, or the last one (failed)
         self.decided = False  # opened once: ``channel`` None then means "not all on one host"
+        self.agreed = False  # every rank said so at a collective: collectives may take ``channel``
         self.broken: Optional[str] = None  # the ranks disagreed at a reopen: why
         self.cond = threading.Condition()
         self.sending = 0  # sends of this rank through the group, not finished
@@ -91,6 +95,26 @@ class SameHost:
                     owed[receiver, tag] = due
         self.owed = owed
 
+    def balance(self) -> int:
+        """Slots this rank posted through the group less those it took there (a vote on an NCCL group, where a send
+        returns before its receiver posts: send/recv move onto the channel only where the group's sum is 0)."""
+        return sum(self.sent.values()) - sum(self.took.values())
+
+    def vote(self, wire: Any, channel: _channel.LocalChannel, entries: Optional[List[int]], op: str, what: str) -> None:
+        """This rank's vote (``entries``: :meth:`begin_vote`'s) through ``channel``'s control group, and its outcome
+        (the caller ends the vote). A failure fails the channel here: the next call decides anew."""
+        try:
+            rows = channel.vote(wire, entries, what, balance=None if wire.device.type == "cpu" else self.balance())
+        except _channel.OutOfStep as exc:
+            self.broken = str(exc)
+            channel.fail(op, str(exc))
+        except CommunicationError as exc:  # failed on this rank, perhaps not on others
+            channel.fail(op, f"the send/recv vote failed ({exc})", exc)
+        with self.cond:  # before the vote ends: a send/recv waiting for it must see the outcome
+            if rows is not None:
+                self.owe(rows, wire.rank)
+            channel.p2p = rows is not None
+
     def end_vote(self) -> None:
         with self.cond:
             self.voting = False
@@ -100,11 +124,12 @@ class SameHost:
 class Counted:
     """A send/recv through the group, counted in its :class:`SameHost` while it runs (a vote looks at the counts)."""
 
-    __slots__ = ("state", "tag", "key", "sends", "waits")
+    __slots__ = ("state", "tag", "key", "sends", "waits", "owed")
 
-    def __init__(self, state: SameHost, sends: bool, peer: Optional[int], tag: int) -> None:
-        """(Under ``state.cond``.)"""
-        self.state, self.tag, self.sends = state, tag, sends
+    def __init__(self, state: SameHost, sends: bool, peer: Optional[int], tag: int, owed: bool = False) -> None:
+        """(Under ``state.cond``.) ``owed``: a send that one of :attr:`SameHost.owed` sends through the group, given
+        back if it ends without posting its slot."""
+        self.state, self.tag, self.sends, self.owed = state, tag, sends, owed
         self.key: Optional[Key] = None if peer is None else (peer, tag)
         self.waits = not sends  # a receive that took nothing yet
         if sends:
@@ -121,6 +146,7 @@ class Counted:
         assert self.key is not None
         with self.state.cond:
             self.state.sent[self.key] = self.state.sent.get(self.key, 0) + 1
+            self.owed = False
 
     def took(self, sender: int) -> None:
         state, taken = self.state, (sender, self.tag)
@@ -132,6 +158,8 @@ class Counted:
         with self.state.cond:
             if self.sends:
                 self.state.sending -= 1
+                if self.owed and self.key is not None:  # raised before posting: the receive still waits for one
+                    self.state.owed[self.key] = self.state.owed.get(self.key, 0) + 1
             else:
                 self._stop_waiting()
 

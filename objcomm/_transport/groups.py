@@ -51,6 +51,16 @@ def sibling(group: Any, suffix: str, backend: Optional[str] = None, ranks: Optio
     return made
 
 
+def store_clones() -> bool:
+    """Whether the default group's store can be cloned (torch 2.8 on): a sibling made in a background thread then
+    waits for its peers on a connection of its own, holding up no other user of the store."""
+    c10d: Any = dist.distributed_c10d
+    try:
+        return hasattr(c10d._world.pg_map[c10d._get_default_group()][1], "clone")
+    except Exception:  # no default group
+        return False
+
+
 def forget(made: Any) -> None:
     """Destroy a sibling (its group is gone): its connections close, and torch forgets it."""
     try:

@@ -12,23 +12,23 @@ Every operation is one or two rounds:
    each in pieces of at most ``chunk`` bytes.
 
 Every rank that must act on something learns it in round 1, so all ranks take the same decision (skip round 2 after
-an error, refuse a payload above a receiver's limit) and nobody waits for a transfer that will never come. A slot lists the tensor sizes after the frame (or in its place
-when the frame did not fit) where they fit, so round 1 tells every transfer that follows. Receivers
-trust no single number: the frame length, the listed sizes, the frame's tensor table and the
-total must agree (:mod:`objcomm._format.limits`), else :class:`FrameError` on every rank that must act,
-before anything of an announced size is allocated. Where the sender cannot know the receivers'
-limits (broadcast, scatter, send/recv), a receiver over its limit drains transfers of at most
-1 MiB through one scratch buffer that small, then raises alone. When the sizes are not all
-listed (scatter always), a transfer is larger, or shared memory may be used, the receivers answer
-first: a one-element vote (collectives) or acknowledgement (send/recv), before any buffer exists.
+an error, refuse a payload above a receiver's limit) and nobody waits for a transfer that will never come. A slot
+lists the tensor sizes after the frame (or in its place when the frame did not fit) where they fit, so round 1 tells
+every transfer that follows. Receivers trust no single number: the frame length, the listed sizes, the frame's
+tensor table and the total must agree (:mod:`objcomm._format.limits`), else :class:`FrameError` on every rank that
+must act, before anything of an announced size is allocated. Where the sender cannot know the receivers' limits
+(broadcast, scatter, send/recv), a receiver over its limit drains transfers of at most 1 MiB through one scratch
+buffer that small, then raises alone. When the sizes are not all listed (scatter always), a transfer is larger, or
+shared memory may be used, the receivers answer first: a one-element vote (collectives) or acknowledgement
+(send/recv), before any buffer exists.
 
-Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat uint8 tensors on
-the wire's device. The slot's layout is :mod:`objcomm._format.slot`. The collectives' round 1 goes through the
-wire's first-round strategy (:class:`objcomm._transport.base.FirstRound`; the same-host channel) when it takes the
-slots, else through the group; so does the slot of a send/recv (:meth:`~objcomm._transport.base.FirstRound.p2p`),
-and then its route (:class:`objcomm._transport.base.Route`) carries the receiver's answer too, always (a few µs; it
-also paces the sender), and on CPU wires the rest wherever shared memory does not take it (below its threshold, all
-of it; shared memory's own words travel on the route then). After round 1 each operation asks the wire's second-round strategy
+Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat uint8 tensors on the wire's device.
+The slot's layout is :mod:`objcomm._format.slot`. The collectives' round 1 goes through the wire's first-round
+strategy (:class:`objcomm._transport.base.FirstRound`; the same-host channel) when it takes the slots, else through
+the group; so does the slot of a send/recv (:meth:`~objcomm._transport.base.FirstRound.p2p`), and then its route
+(:class:`objcomm._transport.base.Route`) carries the receiver's answer too, always (a few µs; it also paces the
+sender), and on CPU wires the rest wherever shared memory does not take it (below its threshold, all of it; shared
+memory's own words travel on the route then). After round 1 each operation asks the wire's second-round strategy
 (:class:`objcomm._transport.base.SecondRound`; shared memory on one host) once whether it takes the rest; when it
 answers ``NOT_USED`` the transport moves it.
 

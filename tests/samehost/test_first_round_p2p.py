@@ -31,8 +31,8 @@ def _state_of(group: Any = None) -> Any:
 
 
 def foreground(group: Any) -> Any:
-    """``group``, whose channel its first collective opens and whose all_gathers vote send/recv onto it (as on a group
-    of more than ``opener.MOST_RANKS`` ranks), where small groups do both in the background (objcomm._samehost.opener)."""
+    """``group``, whose channel its first collective opens and whose all_gathers vote send/recv onto it (as on a
+    group of more than ``opener.MOST_RANKS`` ranks), where small groups do both in the background (opener)."""
     _state.group_facts(group).local.setdefault(False, SameHost()).background = False
     return group
 
@@ -432,8 +432,8 @@ def a_vote_fails_on_one_rank() -> List[Any]:
     real = _channel.LocalChannel.vote
     if rank == 0:
 
-        def vote(self: Any, *args: Any) -> Any:
-            real(self, *args)
+        def vote(self: Any, *args: Any, **kwargs: Any) -> Any:
+            real(self, *args, **kwargs)
             raise objcomm.CommunicationError("injected: the vote failed on its way back")
 
         _channel.LocalChannel.vote = vote  # type: ignore[method-assign]

@@ -206,3 +206,136 @@ def first_calls_differ() -> List[Any]:
 
 def test_a_collective_waits_for_the_opening_a_send_started():
     assert get_pool(2).run(first_calls_differ) == [[0, 1], [[0, 1], {"first": True}]]
+
+
+def connect_settles(outstanding: bool) -> List[Any]:
+    """connect() after a first send on each rank (the background votes run): its answer is the same on every rank.
+    With rank 0 receiving from any rank (``outstanding``), no vote passes: False on both; once that receive ends the
+    background votes on, and send/recv move onto the channel."""
+    group = dist.new_group([0, 1])
+    comm = objcomm.Communicator(group)
+    rank = dist.get_rank(group)
+    anyone = comm.irecv(tag=9) if rank == 0 and outstanding else None
+    comm.send(rank, 1 - rank, tag=1)
+    got = comm.recv(1 - rank, tag=1)
+    time.sleep(0.2)
+    seen: List[Any] = [got, comm.connect()]
+    if outstanding:
+        if rank == 1:
+            comm.send("late", 0, tag=9)
+        else:
+            assert anyone is not None
+            seen.append(anyone.wait(30))
+        deadline = time.monotonic() + 30
+        while not _on_channel(group) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(_on_channel(group))
+    dist.destroy_process_group(group)
+    return seen
+
+
+@pytest.mark.parametrize("outstanding", [False, True])
+def test_connect_settles_send_recv_alike_on_every_rank(outstanding):
+    got = get_pool(2).run(connect_settles, outstanding)
+    assert got == ([[1, False, "late", True], [0, False, True]] if outstanding else [[1, True], [0, True]])
+
+
+def owed_send_fails_before_posting() -> List[Any]:
+    """Rank 1 owes rank 0 one send through the group (rank 0's irecv waited there at the vote); its first try raises
+    before it posts anything: the send is owed still, and the next one goes through the group to that receive."""
+    from objcomm._transport import pending as _pending
+
+    group = dist.new_group([0, 1])
+    comm = objcomm.Communicator(group)
+    rank = dist.get_rank(group)
+    if rank == 0:
+        waiting = comm.irecv(1, tag=1)
+        time.sleep(0.3)
+        comm.send("go", 1, tag=2)
+        seen: List[Any] = [waiting.wait(30), comm.recv(1, tag=1)]
+    else:
+        comm.recv(0, tag=2)
+        deadline = time.monotonic() + 30
+        while not _on_channel(group) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen = [dict(_state_of(group).owed)]
+        real = _pending.post
+
+        def fails(*args: Any, **kwargs: Any) -> None:
+            _pending.post = real
+            raise objcomm.CommunicationError("injected: the send failed before it was posted")
+
+        _pending.post = fails
+        try:
+            comm.send("lost?", 0, tag=1)
+        except objcomm.CommunicationError as exc:
+            seen.append("injected" in str(exc))
+        finally:
+            _pending.post = real
+        seen.append(dict(_state_of(group).owed))
+        comm.send("first", 0, tag=1)
+        comm.send("second", 0, tag=1)
+        seen.append(dict(_state_of(group).owed))
+    dist.destroy_process_group(group)
+    return seen
+
+
+def test_an_owed_send_that_fails_before_it_is_posted_is_owed_still():
+    assert get_pool(2).run(owed_send_fails_before_posting) == [
+        ["first", "second"],
+        [{(0, 1): 1}, True, {(0, 1): 1}, {}],
+    ]
+
+
+def votes_with_a_balance() -> List[Any]:
+    """The vote of an NCCL group (``balance``: slots posted less taken through the group, per rank), called here on a
+    gloo group's open channel: it passes only where the sum is 0 and no rank has a receive waiting."""
+    group = dist.new_group([0, 1])
+    comm = objcomm.Communicator(group)
+    comm.connect()
+    channel = _state_of(group).channel
+    wire = channel_wire(comm)
+    rank = dist.get_rank(group)
+    outcomes = [
+        channel.vote(wire, [], "test", balance=0),
+        channel.vote(wire, [], "test", balance=1 if rank == 0 else 0),  # a message sent there, not taken
+        channel.vote(wire, [], "test", balance=1 if rank == 0 else -1),  # sent and taken
+        channel.vote(wire, [1 - rank, 3, 1] if rank == 1 else [], "test", balance=0),  # a receive waiting there
+        channel.vote(wire, [1 - rank, 3, 1] if rank == 1 else [], "test"),  # the same on gloo: counted, passes
+    ]
+    dist.destroy_process_group(group)
+    return [outcome is not None for outcome in outcomes]
+
+
+def channel_wire(comm: objcomm.Communicator) -> Any:
+    return comm._resolved({}).wire
+
+
+def test_an_nccl_groups_vote_needs_every_message_sent_through_the_group_taken_there():
+    assert get_pool(2).run(votes_with_a_balance) == [[True, False, True, False, True]] * 2
+
+
+def opening_slower_than_a_collective_waits() -> List[Any]:
+    """Rank 1's opening takes longer than a collective waits for it (half the group's timeout): that collective goes
+    through the group on every rank; the next, once both have opened, through the channel."""
+    from datetime import timedelta
+
+    from objcomm._transport import groups as _groups
+
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=6))
+    rank = dist.get_rank(group)
+    made = _groups.sibling
+    if rank == 1:
+        _groups.sibling = lambda *args, **kwargs: (time.sleep(4), made(*args, **kwargs))[1]
+    try:
+        comm = objcomm.Communicator(group)
+        seen: List[Any] = [comm.all_gather(rank), _state_of(group).agreed]
+        seen += [comm.all_gather(rank), _state_of(group).agreed, _state_of(group).channel.rounds]
+    finally:
+        _groups.sibling = made
+    dist.destroy_process_group(group)
+    return seen
+
+
+def test_a_collective_goes_through_the_group_until_every_rank_has_opened():
+    assert get_pool(2).run(opening_slower_than_a_collective_waits) == [[[0, 1], False, [0, 1], True, 1]] * 2
