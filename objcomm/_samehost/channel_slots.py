@@ -187,9 +187,10 @@ class SameHostSlots:
         channel.check(op)  # round 1 went through it (a call that finds it closed opens a new one, or raises)
         return channel, self.spin
 
-    def channel(self, wire: Wire, op: str) -> Optional[_channel.LocalChannel]:
+    def channel(self, wire: Wire, op: str, foreground: bool = False) -> Optional[_channel.LocalChannel]:
         """The group's channel for a collective, or None (the backend moves the slots): the same answer on
-        every rank. Opens it on the first call, and again on the first call after it failed."""
+        every rank. Opens it on the first call, and again on the first call after it failed. ``foreground``: opened
+        by this call, through the group, whatever its size (a host's group on two levels, opened at their set-up)."""
         state = self.state(wire)
         if state is None:
             return None
@@ -198,6 +199,8 @@ class SameHostSlots:
             return channel
         if state.broken:
             raise CommunicationError(f"{op}: {state.broken}")
+        if foreground and state.background is None:
+            state.background = False
         background = _opener.background(wire, state, self.separate)
         if background and not state.agreed:  # opening in the background, where send/recv start it too
             return _opener.agreed_channel(wire, state, self.separate, op, lambda: self._reopen(wire, state, None, op))

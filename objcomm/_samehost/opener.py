@@ -44,10 +44,10 @@ from objcomm._transport.base import Wire, guarded
 
 MOST_RANKS = 64  # a group of more ranks is opened by its first collective, in the foreground
 FIRST_PAUSE, LONGEST_PAUSE = 1e-3, 0.1  # seconds between votes: doubling from the first to the longest
-EXIT_WAIT = 2.0  # seconds a rank waits at exit, or when its group goes, for its voting thread's last vote
+EXIT_WAIT = 5.0  # seconds a rank waits at exit, or when its group goes, for its thread to end
 SUFFIX = "objcomm-channel-bg"  # the control group's name after its group's (the foreground's is another)
 FAILED, NOT_ONE_HOST, OPENING, OPEN = -1, 0, 1, 2  # what a rank says of its opening at a collective (agree)
-_LIVE: weakref.WeakSet[Opener] = weakref.WeakSet()  # voting now (told to stop at exit)
+_LIVE: weakref.WeakSet[Opener] = weakref.WeakSet()  # opening or voting now (ended at exit)
 
 
 def background(wire: Wire, state: SameHost, separate: Union[bool, int]) -> bool:
@@ -175,18 +175,18 @@ class Opener:
     def _run(self) -> None:
         group, channel = self._held
         self._held.clear()
+        _LIVE.add(self)
         try:
-            if channel is None:
-                channel = self._open(group)
-        finally:
-            self.opened.set()
-        del group
-        if channel is not None and not channel.p2p:
-            _LIVE.add(self)
             try:
-                self._vote(channel)
+                if channel is None:
+                    channel = self._open(group)
             finally:
-                _LIVE.discard(self)
+                self.opened.set()
+            del group
+            if channel is not None and not channel.p2p:
+                self._vote(channel)
+        finally:
+            _LIVE.discard(self)
 
     def _open(self, group: Any) -> Optional[_channel.LocalChannel]:
         state, wire = self.state, self.wire._replace(group=group)
@@ -272,7 +272,9 @@ def _gone(state: SameHost) -> None:
 
 
 def _stop_all() -> None:
-    """At exit: every voting thread of this process votes "stop", so that the peers' threads end with it."""
+    """At exit: every thread of this process ends before torch is torn down under it (a thread still in torch then
+    aborts the process): one still opening finishes (its peers are there, or come: a program's ranks end alike; up to
+    :data:`EXIT_WAIT` each), one voting votes "stop", so that its peers' threads end with it."""
     for opener in list(_LIVE):
         opener.stop()
 

@@ -97,7 +97,7 @@ class TwoLevel(SameHostSlots):
                 tag=0,
             )
             # round 1 opens it again after a failure (a collective of the host's ranks, all at this call)
-            channel = self.channel(node_wire, op) if set_up else _open(self.channel_of(node_wire, op))
+            channel = self.channel(node_wire, op, True) if set_up else _open(self.channel_of(node_wire, op))
             if channel is None:
                 raise CommunicationError(f"{op}: this host's same-host channel did not reopen")
         leader = None
@@ -208,7 +208,7 @@ def _set_up(slots: TwoLevel, wire: Wire, op: str) -> Optional[Levels]:
             node_wire = wire._replace(
                 group=node, ranks=node_ranks, rank=place[wire.rank], first_round=BACKEND, second_round=DIRECT, tag=0
             )
-            works = int(slots.channel(node_wire, f"{op} (opening this host's channel)") is not None)
+            works = int(slots.channel(node_wire, f"{op} (opening this host's channel)", True) is not None)
     except CommunicationError:
         works = 0
     agreed = torch.tensor([works], dtype=torch.int64)

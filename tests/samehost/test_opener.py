@@ -322,11 +322,11 @@ def opening_slower_than_a_collective_waits() -> List[Any]:
 
     from objcomm._transport import groups as _groups
 
-    group = dist.new_group([0, 1], timeout=timedelta(seconds=6))
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=12))  # a collective waits 6 s for the opening
     rank = dist.get_rank(group)
     made = _groups.sibling
-    if rank == 1:
-        _groups.sibling = lambda *args, **kwargs: (time.sleep(4), made(*args, **kwargs))[1]
+    if rank == 1:  # (rank 0 waits for it in the control group's rendezvous, up to the 12 s)
+        _groups.sibling = lambda *args, **kwargs: (time.sleep(7), made(*args, **kwargs))[1]
     try:
         comm = objcomm.Communicator(group)
         seen: List[Any] = [comm.all_gather(rank), _state_of(group).agreed]

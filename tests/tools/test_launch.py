@@ -421,3 +421,53 @@ def test_docs_name_only_things_that_exist():
                 assert f"def {test}(" in (REPO / path).read_text(), f"{page.name} cites {path}::{test}"
         for link in re.findall(r"\]\(([\w-]+\.md)(?:#[\w-]+)?\)", text):
             assert (REPO / "docs" / link).exists(), f"{page.name} links {link}, which does not exist"
+
+
+SEND_RECV_ONLY = """
+import sys, time
+import torch.distributed as dist
+import objcomm
+from objcomm import _state
+
+def on_channel():
+    state = _state.group_facts(dist.group.WORLD).local.get(False)
+    return bool(state is not None and state.channel is not None and state.channel.p2p)
+
+dist.init_process_group("gloo")
+rank, mode = dist.get_rank(), sys.argv[1]
+brief = mode in ("one", "destroy")  # one message, then exit (the channel still opening)
+go, deadline = True, time.monotonic() + 60
+while go:  # else rank 0 goes on until both ranks have send/recv on the channel
+    if rank == 0:
+        go = not brief and time.monotonic() < deadline
+        objcomm.send({"go": go}, dst=1)
+        go = go and not (objcomm.recv(src=1) and on_channel())
+        if not go and not brief:
+            objcomm.send({"go": False}, dst=1)
+            objcomm.recv(src=1)
+    else:
+        go = objcomm.recv(src=0)["go"]
+        if not brief:
+            objcomm.send(on_channel(), dst=0)
+print(f"rank {rank} on the channel: {on_channel()}", flush=True)
+if mode == "destroy":
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(3 * (LAUNCH_TIMEOUT + 30))
+def test_a_program_of_only_send_recv_gets_the_channel_and_exits_cleanly(tmp_path):
+    """Under torchrun, a program that only calls send/recv: its ranks' first calls open the same-host channel in the
+    background, and send/recv move onto it; one that exits right after its first message (or destroys the group
+    first) while the channel is still opening ends cleanly (a thread left in torch at exit aborts the process)."""
+    script = tmp_path / "send_recv_only.py"
+    script.write_text(SEND_RECV_ONLY)
+    for mode in ("many", "one", "destroy"):  # (many: until both ranks are on the channel)
+        cmd = torchrun("--standalone", "--nproc_per_node=2", str(script), mode)
+        [(rc, output)] = run_agents([cmd], tmp_path)
+        assert rc == 0, (mode, output[-3000:])
+        if mode == "many":
+            assert sorted(re.findall(r"rank (\d) on the channel: (True|False)", output)) == [
+                ("0", "True"),
+                ("1", "True"),
+            ], output[-3000:]
