@@ -15,18 +15,17 @@ failure is unchanged: a slot carries an error report as before, and a dead peer 
 timeout raises :class:`~objcomm.CommunicationError` (a failed collective closes the channel, so the
 others raise at once too; a recv that only timed out leaves it open).
 
-When the channel is used (the same answer on every rank, decided without talking to the others):
-``local`` is on, the group has two ranks or more (any backend: NCCL groups' round 1 is host bytes
-too, and stays off the GPU) and a slot fits one channel message. On a group of up to
-:data:`objcomm._samehost.opener.MOST_RANKS` ranks (on one node, where torchrun says), each rank's first call of any
-kind starts opening it in the background, through the group's control group (:mod:`objcomm._samehost.opener`), and a
-collective waits for that; on a larger group the first collective opens it, a collective over the group itself
-(:meth:`LocalChannel.open`: one ``all_gather`` of identities, one ``all_reduce``, on the group's device). A
-group whose ranks are not all on this host gets none, kept too, so later calls go straight to the
-backend. The channel is kept in :func:`objcomm._state.group_facts` (a :class:`SameHost`) and closed
-when the group is collected or at exit. Async collectives run on the group's shadow
-(:mod:`objcomm._api.requests`), a group of its own, with a channel of its own; ``isend``/``irecv`` run on
-the group itself.
+When the channel is used (the same answer on every rank, decided without talking to the others): ``local`` is on, the
+group has two ranks or more (any backend: NCCL groups' round 1 is host bytes too, and stays off the GPU) and a slot fits
+one channel message. On a group of up to :data:`objcomm._samehost.opener.MOST_RANKS` ranks (on one node, where torchrun
+says), each rank's first call of any kind starts opening it in the background, through a control group of its own
+(:mod:`objcomm._samehost.opener`), and collectives take it once every rank has said at one that its opening is done; on
+a larger group the first collective opens it, a collective over the group itself (:meth:`LocalChannel.open`: one
+``all_gather`` of identities, one ``all_reduce``, on the group's device). A group whose ranks are not all on this host
+gets none, kept too, so later calls go straight to the backend. The channel is kept in
+:func:`objcomm._state.group_facts` (a :class:`SameHost`) and closed when the group is collected or at exit. Async
+collectives run on the group's shadow (:mod:`objcomm._api.requests`), a group of its own, with a channel of its own;
+``isend``/``irecv`` run on the group itself.
 
 A sender and its receiver must route a message the same way, so send/recv move onto the channel at a vote that every
 rank sees alike (:mod:`objcomm._samehost.p2p_state`): the set-up, then votes in the background until one passes
@@ -208,7 +207,7 @@ class SameHostSlots:
             return None  # not all on one host
         if channel is not None and channel.failed_at is None:  # closed, not failed: a forked child, or at exit
             channel.check(op)  # raises
-        if state.opener is not None:  # its votes, which go through the control group, end first
+        if state.opener is not None and not state.opener.abandoned:  # its votes (through the control group) end first
             state.opener.stop(timeout_seconds(wire.group))
         with state.control_lock:
             channel = self._reopen(wire, state, channel, op)

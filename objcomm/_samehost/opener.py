@@ -194,7 +194,7 @@ class Opener:
         channel = control = None
         try:
             control = _groups.sibling(group, SUFFIX, "gloo")
-            entries = state.begin_vote(group)
+            entries = state.begin_vote(group, settle=0.0)  # (a wait here would hold its peers, frozen, too)
             try:
                 channel = _channel.LocalChannel.open(
                     wire,

@@ -28,6 +28,7 @@ from objcomm._samehost import channel as _channel
 from objcomm._transport import pending as _pending
 
 Key = Tuple[int, int]  # (peer's group rank, tag)
+MOST_KEYS = 1 << 16  # (peer, tag) a rank counts slots of, sent or taken, before it stops (and votes no)
 PENDING_WAIT = 0.5  # seconds a vote waits for this rank's pending sends to be received (objcomm._transport.pending)
 
 
@@ -52,6 +53,7 @@ class SameHost:
         self.took: Dict[Key, int] = {}  # (src, tag): slots taken through the group from src
         self.sent: Dict[Key, int] = {}  # (dst, tag): slots posted through the group to dst
         self.owed: Dict[Key, int] = {}  # (dst, tag): sends still due through the group after the vote (owe)
+        self.uncounted = False  # past MOST_KEYS: this rank votes no from then on
         self.voting = False  # this rank's vote is out now
         # the control group: votes and reopenings (objcomm._transport.groups.sibling), once opened; its lock, held
         # by whoever uses it (a background vote, a reopening: objcomm._samehost.opener)
@@ -61,19 +63,21 @@ class SameHost:
         self.opener: Any = None  # then this rank's objcomm._samehost.opener.Opener, once started
 
     def begin_vote(self, group: Any, settle: float = PENDING_WAIT) -> Optional[List[int]]:
-        """This rank's send/recv vote: None (no) while it has a send through the group in flight (blocking, or
-        eager and not yet received: :mod:`objcomm._transport.pending`), a receive from any rank there, or receives
-        waiting there from more than :data:`~objcomm._samehost.channel.VOTE_ROOM` (peer, tag); else (yes) its
-        receives waiting there, as ``(src, tag, slots)`` triples, ``slots`` counting those taken from ``src`` under
-        ``tag`` and those waiting. Until :meth:`end_vote`, a send/recv that starts meanwhile waits for the outcome.
-        ``settle``: seconds it first waits for this rank's pending sends to be received (a collective's vote: their
-        receivers may be about to post; a vote in the background: none, its peers' send/recv wait meanwhile)."""
+        """This rank's send/recv vote: None (no) while it has a send through the group in flight (blocking, or eager and
+        not yet received: :mod:`objcomm._transport.pending`), a receive from any rank there, slots of more than
+        :data:`MOST_KEYS` (peer, tag) counted, or receives waiting there from more than
+        :data:`~objcomm._samehost.channel.VOTE_ROOM` (peer, tag); else (yes) its receives waiting there, as ``(src, tag,
+        slots)`` triples, ``slots`` counting those taken from ``src`` under ``tag`` and those waiting. Until
+        :meth:`end_vote`, a send/recv that starts meanwhile waits for the outcome. ``settle``: seconds it first waits
+        for this rank's pending sends to be received (a collective's vote: their receivers may be about to post; a vote
+        in the background: none, its peers' send/recv wait meanwhile)."""
         if settle:
             _pending.idle(group, settle)  # a moment for sends received just now to be known as received
         with self.cond:
             ready = (
                 self.sending == 0
                 and self.anyone == 0
+                and not self.uncounted
                 and len(self.waiting) <= _channel.VOTE_ROOM
                 and _pending.idle(group)
             )
@@ -145,14 +149,14 @@ class Counted:
     def posted(self) -> None:
         assert self.key is not None
         with self.state.cond:
-            self.state.sent[self.key] = self.state.sent.get(self.key, 0) + 1
+            _count(self.state, self.state.sent, self.key)
             self.owed = False
 
     def took(self, sender: int) -> None:
         state, taken = self.state, (sender, self.tag)
         with state.cond:
             self._stop_waiting()
-            state.took[taken] = state.took.get(taken, 0) + 1
+            _count(state, state.took, taken)
 
     def __exit__(self, *exc: Any) -> None:
         with self.state.cond:
@@ -174,3 +178,14 @@ class Counted:
             state.waiting[key] -= 1
         else:
             del state.waiting[key]
+
+
+def _count(state: SameHost, counts: Dict[Key, int], key: Key) -> None:
+    """One more slot under ``key`` (under ``state.cond``). Past :data:`MOST_KEYS` (peer, tag) counted, a rank stops
+    counting and votes no from then on (a program with a tag per message would grow them without end)."""
+    if key in counts:
+        counts[key] += 1
+    elif len(counts) < MOST_KEYS:
+        counts[key] = 1
+    else:
+        state.uncounted = True
