@@ -377,7 +377,7 @@ class SameHostSlots:
         if state is None or channel is None or channel.closed:
             return False
         if not channel.p2p:
-            if state.opener is not None:  # every rank's background votes end at one vote
+            if state.opener is not None and not state.opener.abandoned:  # every rank's background votes end at one
                 state.opener.stop(timeout_seconds(wire.group))
             with state.control_lock:
                 if not channel.p2p:
@@ -396,9 +396,10 @@ class SameHostSlots:
         if state is None:
             return _BACKEND
         channel = state.channel
-        owed = state.owed
-        if channel is not None and channel.p2p and not channel.closed and (not owed or (peer, wire.tag) not in owed):
-            return ChannelRoute(channel, self.spin)
+        if channel is not None and channel.p2p and not channel.closed:  # (then owed: a vote sets it before p2p)
+            owed = state.owed
+            if not owed or (peer, wire.tag) not in owed:
+                return ChannelRoute(channel, self.spin)
         if state.decided and channel is None:  # not all on one host: never the channel, nothing to count
             return _BACKEND
         if state.opener is None and not state.decided and _opener.background(wire, state, self.separate):

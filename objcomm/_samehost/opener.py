@@ -1,8 +1,8 @@
 """The same-host channel opened in the background, so that a program whose first calls are send/recv gets it too.
 
 The channel's set-up is a collective of every rank of the group, where a send/recv involves two. So on a CPU group
-that may run on one host (:func:`background`: up to :data:`MOST_RANKS` ranks, on one node by torchrun's
-``LOCAL_WORLD_SIZE`` where it is set), each rank's first call on it, whatever the operation, starts an
+that may run on one host (:func:`background`: up to :data:`MOST_RANKS` ranks, in a job on one node where torchrun
+says so), each rank's first call on it, whatever the operation, starts an
 :class:`Opener`: a thread that makes a control group for the channel (a sibling made over the store,
 :func:`objcomm._transport.groups.sibling`), opens the channel through it, never through the group itself, whose
 collectives the main threads may be in, and then votes send/recv onto it. A send/recv goes on through the group
@@ -29,14 +29,17 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import sys
 import threading
+import time
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Set, Union
 
 import torch
 import torch.distributed as dist
 
 from objcomm._device import timeout_seconds
+from objcomm._errors import CommunicationError
 from objcomm._samehost import channel as _channel
 from objcomm._samehost.p2p_state import SameHost
 from objcomm._transport import groups as _groups
@@ -47,23 +50,23 @@ FIRST_PAUSE, LONGEST_PAUSE = 1e-3, 0.1  # seconds between votes: doubling from t
 EXIT_WAIT = 5.0  # seconds a rank waits at exit, or when its group goes, for its thread to end
 SUFFIX = "objcomm-channel-bg"  # the control group's name after its group's (the foreground's is another)
 FAILED, NOT_ONE_HOST, OPENING, OPEN = -1, 0, 1, 2  # what a rank says of its opening at a collective (agree)
-_LIVE: weakref.WeakSet[Opener] = weakref.WeakSet()  # opening or voting now (ended at exit)
+_LIVE: Set[Opener] = set()  # opening or voting now (ended at exit)
+_LIVE_LOCK = threading.Lock()
 
 
 def background(wire: Wire, state: SameHost, separate: Union[bool, int]) -> bool:
     """Whether this group's channel opens in the background (the same answer on every rank, from what every rank
     knows alike): a CPU group (on NCCL a send returns before its receiver posts, which the votes' counts rely on) of
-    at most :data:`MOST_RANKS` ranks, not split into test hosts (``separate``), whose ranks torchrun put on one node
-    where it says so (``LOCAL_WORLD_SIZE`` ranks a node, in rank order), with a torch whose store connections can be
-    cloned (2.8 on: without it, the thread's wait for its peers would hold the process's only one)."""
+    at most :data:`MOST_RANKS` ranks, not split into test hosts (``separate``), in a job on one node where torchrun
+    says (``LOCAL_WORLD_SIZE`` is ``WORLD_SIZE``: every rank sees the same), with a torch whose store connections can
+    be cloned (2.8 on: without it, the thread's wait for its peers would hold the process's only one)."""
     if state.background is None:
-        per_node = os.environ.get("LOCAL_WORLD_SIZE", "")
-        nodes = {rank // int(per_node) for rank in wire.ranks} if per_node.isdigit() and int(per_node) > 0 else {0}
+        local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
         state.background = (
             wire.device.type == "cpu"
             and not separate
             and wire.size <= MOST_RANKS
-            and len(nodes) == 1
+            and (local is None or local == world)
             and _groups.store_clones()
         )
     return state.background
@@ -175,7 +178,8 @@ class Opener:
     def _run(self) -> None:
         group, channel = self._held
         self._held.clear()
-        _LIVE.add(self)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
         try:
             try:
                 if channel is None:
@@ -186,15 +190,21 @@ class Opener:
             if channel is not None and not channel.p2p:
                 self._vote(channel)
         finally:
-            _LIVE.discard(self)
+            with _LIVE_LOCK:
+                _LIVE.discard(self)
 
     def _open(self, group: Any) -> Optional[_channel.LocalChannel]:
         state, wire = self.state, self.wire._replace(group=group)
         op = "opening the same-host channel (in the background)"
         channel = control = None
         try:
+            if not _groups.arrive(group, SUFFIX, self.stopping, timeout_seconds(group)):
+                raise CommunicationError("this rank stopped before every rank of the group had come")
             control = _groups.sibling(group, SUFFIX, "gloo")
-            entries = state.begin_vote(group, settle=0.0)  # (a wait here would hold its peers, frozen, too)
+            with state.cond:  # (a thread abandoned by now must not vote: the ranks vote in the foreground)
+                if self.abandoned:
+                    raise CommunicationError("abandoned")
+                entries = state.begin_vote(group, settle=0.0)  # (a wait here would hold its peers, frozen, too)
             try:
                 channel = _channel.LocalChannel.open(
                     wire,
@@ -206,10 +216,11 @@ class Opener:
                 )
             finally:
                 with state.cond:  # before the vote ends: a send/recv waiting for it must see the channel
-                    if not self.abandoned:
-                        state.channel, state.decided, state.owed = channel, True, {}
-                        state.control = None if channel is None else control
-                state.end_vote()
+                    if not self.abandoned:  # (an abandoned thread's vote was ended by the ranks' own)
+                        if channel is not None or sys.exc_info()[0] is None:  # decided: open, or not one host
+                            state.channel, state.decided, state.owed = channel, True, {}
+                            state.control = None if channel is None else control
+                        state.end_vote()
         except Exception as exc:  # the ranks agree on what to do instead at a collective (agree)
             self.problem = f"{op} failed: {exc}"
             if channel is not None:
@@ -273,10 +284,15 @@ def _gone(state: SameHost) -> None:
 
 def _stop_all() -> None:
     """At exit: every thread of this process ends before torch is torn down under it (a thread still in torch then
-    aborts the process): one still opening finishes (its peers are there, or come: a program's ranks end alike; up to
-    :data:`EXIT_WAIT` each), one voting votes "stop", so that its peers' threads end with it."""
-    for opener in list(_LIVE):
-        opener.stop()
+    aborts the process): one waiting for its peers to come stops, one opening finishes (its peers are there), one
+    voting votes "stop", so that its peers' threads end with it; :data:`EXIT_WAIT` seconds in all at most."""
+    with _LIVE_LOCK:
+        openers = list(_LIVE)
+    for opener in openers:
+        opener.stopping.set()
+    deadline = time.monotonic() + EXIT_WAIT
+    for opener in openers:
+        opener.thread.join(max(0.0, deadline - time.monotonic()))
 
 
 atexit.register(_stop_all)

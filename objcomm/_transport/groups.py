@@ -17,6 +17,8 @@ sibling shares the caller's store connection, which serves one request at a time
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
@@ -49,6 +51,26 @@ def sibling(group: Any, suffix: str, backend: Optional[str] = None, ranks: Optio
     )
     world.pg_group_ranks[made] = {rank: index for index, rank in enumerate(ranks)}
     return made
+
+
+def arrive(group: Any, suffix: str, stopping: threading.Event, timeout: float) -> bool:
+    """Wait, through the store, until every member of ``group`` has called this with ``suffix`` (True), or until
+    ``stopping`` is set or ``timeout`` seconds pass (False): in short steps, never long inside torch, so that a
+    thread waiting here for ranks that may never come can stop at once (one left inside torch at exit aborts the
+    process). A sibling's own rendezvous, which cannot be stopped, then finds every member there."""
+    c10d: Any = dist.distributed_c10d
+    world = c10d._world
+    store = world.pg_map[c10d._get_default_group()][1]
+    if hasattr(store, "clone"):
+        store = store.clone()
+    key, members = f"objcomm/{world.pg_names[group]}:{suffix}/arrived", dist.get_world_size(group)
+    count, pause, deadline = store.add(key, 1), 1e-3, time.monotonic() + timeout
+    while count < members:
+        if stopping.wait(pause) or time.monotonic() > deadline:
+            return False
+        pause = min(2 * pause, 0.05)
+        count = store.add(key, 0)
+    return True
 
 
 def store_clones() -> bool:

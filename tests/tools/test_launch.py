@@ -435,7 +435,7 @@ def on_channel():
 
 dist.init_process_group("gloo")
 rank, mode = dist.get_rank(), sys.argv[1]
-brief = mode in ("one", "destroy")  # one message, then exit (the channel still opening)
+brief = mode in ("one", "destroy", "idle")  # one message, then exit (the channel still opening)
 go, deadline = True, time.monotonic() + 60
 while go:  # else rank 0 goes on until both ranks have send/recv on the channel
     if rank == 0:
@@ -445,25 +445,28 @@ while go:  # else rank 0 goes on until both ranks have send/recv on the channel
         if not go and not brief:
             objcomm.send({"go": False}, dst=1)
             objcomm.recv(src=1)
-    else:
+    elif rank == 1:
         go = objcomm.recv(src=0)["go"]
         if not brief:
             objcomm.send(on_channel(), dst=0)
+    else:  # (mode "idle": a third rank that never calls objcomm, so the channel can never open)
+        go = False
 print(f"rank {rank} on the channel: {on_channel()}", flush=True)
 if mode == "destroy":
     dist.destroy_process_group()
 """
 
 
-@pytest.mark.timeout(3 * (LAUNCH_TIMEOUT + 30))
+@pytest.mark.timeout(4 * (LAUNCH_TIMEOUT + 30))
 def test_a_program_of_only_send_recv_gets_the_channel_and_exits_cleanly(tmp_path):
     """Under torchrun, a program that only calls send/recv: its ranks' first calls open the same-host channel in the
     background, and send/recv move onto it; one that exits right after its first message (or destroys the group
-    first) while the channel is still opening ends cleanly (a thread left in torch at exit aborts the process)."""
+    first) while the channel is still opening ends cleanly (a thread left in torch at exit aborts the process), and
+    so does one with a rank that never calls objcomm (the others' threads wait for it, and stop at exit)."""
     script = tmp_path / "send_recv_only.py"
     script.write_text(SEND_RECV_ONLY)
-    for mode in ("many", "one", "destroy"):  # (many: until both ranks are on the channel)
-        cmd = torchrun("--standalone", "--nproc_per_node=2", str(script), mode)
+    for mode in ("many", "one", "destroy", "idle"):  # (many: until both ranks are on the channel)
+        cmd = torchrun("--standalone", f"--nproc_per_node={3 if mode == 'idle' else 2}", str(script), mode)
         [(rc, output)] = run_agents([cmd], tmp_path)
         assert rc == 0, (mode, output[-3000:])
         if mode == "many":
