@@ -207,8 +207,7 @@ class SameHostSlots:
             return None  # not all on one host
         if channel is not None and channel.failed_at is None:  # closed, not failed: a forked child, or at exit
             channel.check(op)  # raises
-        if state.opener is not None and not state.opener.abandoned:  # its votes (through the control group) end first
-            state.opener.stop(timeout_seconds(wire.group))
+        _opener.end_votes(wire, state)  # its votes (through the control group) end first
         with state.control_lock:
             channel = self._reopen(wire, state, channel, op)
         if channel is not None and background and not channel.p2p:
@@ -377,8 +376,7 @@ class SameHostSlots:
         if state is None or channel is None or channel.closed:
             return False
         if not channel.p2p:
-            if state.opener is not None and not state.opener.abandoned:  # every rank's background votes end at one
-                state.opener.stop(timeout_seconds(wire.group))
+            _opener.end_votes(wire, state)
             with state.control_lock:
                 if not channel.p2p:
                     try:

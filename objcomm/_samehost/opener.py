@@ -130,6 +130,13 @@ def agreed_channel(
         return reopen()
 
 
+def end_votes(wire: Wire, state: SameHost) -> None:
+    """Before the group's own use of its control group (a reopening, ``connect()``): this rank's voting thread, if any
+    and not abandoned, votes "stop", and every rank's ends at that vote; waits for it up to the group's timeout."""
+    if state.opener is not None and not state.opener.abandoned:
+        state.opener.stop(timeout_seconds(wire.group))
+
+
 def vote_on(wire: Wire, state: SameHost, channel: _channel.LocalChannel) -> None:
     """Start voting send/recv onto ``channel`` in the background (after a reopening, or ``connect()``, that left
     them off it)."""
