@@ -26,11 +26,10 @@ from objcomm._format.limits import too_large
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing
 from objcomm._samehost import shm as _shm
 from objcomm._samehost import two_level as _two_level
-from objcomm._samehost.channel_rounds import ChannelRounds
+from objcomm._samehost.rests import SameHostRests
 from objcomm._samehost.segments import DEFAULT_DIRECTORY, SegmentBook
 from objcomm._samehost.two_level_rests import TwoLevelRests
 from objcomm._settings import CallOptions
-from objcomm._transport import routes
 from objcomm._transport.base import BACKEND, DIRECT, INTERNAL_TAG, FirstRound, SecondRound, Wire
 from serializers import AutoSerializer, SerializerProtocol
 
@@ -194,8 +193,9 @@ def wire_for(group: Any, device: Device, options: CallOptions, segments: Segment
 
 def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound:
     """Who may move a call's second round: shared memory on one host when switched on, else the transport;
-    below ``shm_threshold``, the same-host channel where it carried round 1 (``local``; all_gather and broadcast)."""
-    shared: SecondRound = DIRECT
+    below ``shm_threshold``, the same-host channel where it carried round 1 (``local``), on two levels where round 1
+    went so."""
+    shared = None
     if options.shm:
         shared = _shm.SharedMemory(
             threshold=options.shm_threshold,
@@ -205,11 +205,8 @@ def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound
             book=segments,
         )
     if not options.local:
-        return shared
-    return TwoLevelRests(
-        ChannelRounds(shared, min(options.shm_threshold, routes.CHANNEL_MOST)),
-        options.shm_threshold if options.shm else None,
-    )
+        return DIRECT if shared is None else shared
+    return TwoLevelRests(SameHostRests(options.shm_threshold, shared), options.shm_threshold if options.shm else None)
 
 
 def first_round_for(options: CallOptions) -> FirstRound:

@@ -20,10 +20,10 @@ on the backend's path, after every message moved, so the group stays in step), t
 the received bytes. A broadcast receiver over its ``max_bytes`` (which round 1 told it; no vote comes first when
 the slot listed every transfer) receives the messages, drops them and raises alone, as the backend's path does.
 
-:class:`ChannelRounds` is a second-round strategy (:class:`objcomm._transport.base.SecondRound`) around another
-one (shared memory, or none), which keeps everything it does not take: other operations, other sizes,
-other devices (the channel moves host bytes; an NCCL group's tensors stay on the GPU), groups without a
-channel.
+:class:`ChannelRest` is the channel as a medium of collectives' rests (:class:`objcomm._transport.rests.RestMedium`):
+who sends what to whom, and each operation's result, are :class:`objcomm._transport.rests.PatternRests`'; which
+calls it takes (host bytes only: an NCCL group's tensors stay on the GPU),
+:class:`objcomm._samehost.rests.SameHostRests`.
 
 send/recv (:func:`send_p2p`, :func:`recv_p2p`, called by :class:`objcomm._samehost.channel_slots.ChannelRoute`) move the
 same bytes in the same messages, without a collective: kind ``REST`` under the send's message id, which its slot
@@ -39,167 +39,56 @@ so rests waited for the receiver's answer, a wake-up more per message); a refusi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Union
 
-from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.rest import incoming as incoming  # (re-exported: two levels read their bundles so)
 from objcomm._format.rest import pieces as pieces  # (looked up here by the route's send_whole, and by tests)
-from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
+from objcomm._format.slot import SlotInfo
 from objcomm._samehost import channel as _socket
 from objcomm._samehost.inbox import ALL_GATHER, ALL_TO_ALL, BROADCAST, GATHER, REST, SCATTER
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._transport import routes
-from objcomm._transport.base import NOT_USED, WHOLE, NotUsed, Route, SecondRound, Slot, Wire
-from objcomm._transport.patterns import Pattern, pattern
+from objcomm._transport.base import WHOLE, Slot, Wire
+from objcomm._transport.patterns import Pattern
+from objcomm._transport.rests import Due, Mine, Rest
 
 CHUNK = MAX_PAYLOAD  # bytes of one channel message
 MOST = routes.CHANNEL_MOST  # the most second-round bytes (largest sender's; a gather's, all senders') it takes
 
 
 @dataclass(frozen=True)
-class ChannelRounds:
-    """The second round of every collective through the same-host channel below ``limit`` bytes (the largest
-    sender's); everything else by ``inner``."""
+class ChannelRest:
+    """The channel as a medium of the rests of collectives (:class:`objcomm._transport.rests.RestMedium`): the
+    rests of ``at``'s senders in messages of :data:`CHUNK` bytes, one channel collective of the operation per message,
+    as many as the ``longest`` rest needs."""
 
-    inner: SecondRound
-    limit: int
+    channel: _socket.LocalChannel
+    spin: Optional[float]
+    drained: ClassVar[str] = f"messages of at most {CHUNK:,} bytes of the same-host channel"
 
-    def _channel(self, wire: Wire, moved: int, op: str) -> Optional[Tuple[_socket.LocalChannel, Optional[float]]]:
-        """The group's channel and its waits' spin if it takes ``moved`` bytes: the same answer on every rank of a
-        call whose round 1 went through it. A channel that closed since (another thread's call failed it) raises
-        here, so that the others, which go on through it, raise too."""
-        if not routes.channel_takes(moved, limit=self.limit, cpu=wire.device.type == "cpu"):
-            return None
-        return wire.first_round.channel_of(wire, op)
+    def exchange(self, wire: Wire, at: Pattern, mine: Mine, due: Due, op: str) -> Dict[int, Incoming]:
+        channel, moved, longest = self.channel, due.moved, due.longest
+        if at.each:  # a part per receiver: each sender's vote carried the longest
+            for r in at.sources:
+                if moved[r] > longest:
+                    channel.fail(
+                        op,
+                        f"rank {r}'s slot announces a {moved[r]:,}-byte second round to this rank, but the vote "
+                        f"{longest:,} at most: a protocol error",
+                    )
+        streams: Any = iter(())  # this rank sends nothing (an iterator that ended sends empty messages)
+        if isinstance(mine, Rest):
+            streams = chunks(pieces(mine.out, mine.frame_inline))
+        elif mine is not None:
+            streams = [iter(()) if rest is None else chunks(pieces(rest.out, rest.frame_inline)) for rest in mine]
+        got = streamed(channel, at, streams, moved, longest, due.keep, self.spin, op)
+        if at.op in _PACED:
+            all_received(channel, due.paced, self.spin, op)
+        return {r: incoming(into, due.infos[r], due.sizes_of, r, op) for r, into in got.items() if into is not None}
 
-    def worth(self, wire: Wire, moved: int, op: str) -> bool:
-        return self.inner.worth(wire, moved, op)  # nothing to agree on first: a refusing receiver drains
 
-    def all_gather(
-        self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, op: str
-    ) -> Union[Sequence[Optional[Incoming]], NotUsed]:
-        moved = [info.second_round_bytes for info in infos]
-        found = self._channel(wire, max(moved), op)
-        if found is None:
-            return self.inner.all_gather(wire, out, infos, sizes_of, op)
-        channel, spin = found
-        me = wire.rank
-        mine = chunks(pieces(out, infos[me].inline is not None))
-        got = streamed(channel, pattern("all_gather", me=me, world=wire.size), mine, moved, max(moved), True, spin, op)
-        own = Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors])  # never the input itself
-        return _results(got, infos, me, own, sizes_of, op)
-
-    def broadcast(
-        self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int, op: str
-    ) -> Union[Incoming, NotUsed]:
-        moved = info.second_round_bytes
-        found = self._channel(wire, moved, op)
-        if found is None:
-            return self.inner.broadcast(wire, out, info, sizes_of, src, op)
-        channel, spin = found
-        me = wire.rank
-        assert out is not None or me != src
-        mine = chunks(pieces(out, info.inline is not None)) if out is not None and me == src else None
-        refuse = me != src and info.total > wire.max_bytes  # above this rank's limit (no vote came first): dropped
-        at = pattern("broadcast", me=me, world=wire.size, root=src)
-        got = streamed(channel, at, mine, [moved] * wire.size, moved, not refuse, spin, op)
-        all_received(channel, moved, spin, op)
-        if me == src:
-            assert out is not None
-            return Incoming(out.frame, list(out.tensors))  # the caller decodes its own with own=True
-        if refuse:
-            raise _limits.refused(
-                op,
-                src,
-                wire,
-                info.total,
-                None,
-                drained=True,
-                into=f"messages of at most {CHUNK:,} bytes of the same-host channel",
-            )
-        return incoming(got[src] or bytearray(), info, sizes_of, src, op)
-
-    def gather(
-        self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int, op: str
-    ) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
-        if infos is None:  # only the destination read round 1 (two levels took it)
-            return NOT_USED
-        moved = [0 if r == dst else info.second_round_bytes for r, info in enumerate(infos)]
-        # the senders do not wait for the destination, which may stash what the fast ones send while it waits for a
-        # slow one: at most MOST bytes a gather (as a broadcast or scatter receiver gets at most MOST from its root)
-        found = self._channel(wire, max(moved), op) if sum(moved) <= MOST else None
-        if found is None:
-            return self.inner.gather(wire, out, infos, sizes_of, dst, op)
-        channel, spin = found
-        me = wire.rank
-        mine = chunks(pieces(out, infos[me].inline is not None)) if me != dst else None
-        at = pattern("gather", me=me, world=wire.size, root=dst)
-        got = streamed(channel, at, mine, moved, max(moved), True, spin, op)
-        all_received(channel, sum(moved), spin, op)
-        if me != dst:
-            return None
-        return _results(got, infos, me, Incoming(out.frame, list(out.tensors)), sizes_of, op)  # own: decoded own=True
-
-    def scatter(
-        self,
-        wire: Wire,
-        outs: Optional[Sequence[Outgoing]],
-        info: SlotInfo,
-        sizes_of: SizesOf,
-        src: int,
-        longest: int,
-        op: str,
-    ) -> Union[Incoming, NotUsed]:
-        found = self._channel(wire, longest, op)  # the root's longest second round: the vote carried it to every rank
-        if found is None:
-            return self.inner.scatter(wire, outs, info, sizes_of, src, longest, op)
-        channel, spin = found
-        me, moved = wire.rank, info.second_round_bytes
-        if me != src and moved > longest:
-            channel.fail(
-                op,
-                f"rank {src}'s slot announces a {moved:,}-byte second round to this rank, but its vote "
-                f"{longest:,} at most: a protocol error",
-            )
-        mine = _streams(wire, outs) if outs is not None and me == src else None
-        at = pattern("scatter", me=me, world=wire.size, root=src)
-        got = streamed(channel, at, mine, [moved] * wire.size, longest, True, spin, op)
-        all_received(channel, longest, spin, op)
-        if outs is not None and me == src:
-            return Incoming(outs[me].frame, list(outs[me].tensors))  # the caller decodes its own with own=True
-        # the ignore below: nothing moved, so the frame came inline
-        return incoming(got[src] or bytearray(), info, sizes_of, src, op) if moved else Incoming(info.inline)  # type: ignore[arg-type]
-
-    def all_to_all(
-        self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf, longest: int, op: str
-    ) -> Union[Sequence[Optional[Incoming]], NotUsed]:
-        found = self._channel(wire, longest, op)  # the longest stream of any pair, which every rank's vote carried
-        if found is None:
-            return self.inner.all_to_all(wire, outs, infos, sizes_of, longest, op)
-        channel, spin = found
-        me, moved = wire.rank, [info.second_round_bytes for info in infos]
-        got = streamed(
-            channel, pattern("all_to_all", me=me, world=wire.size), _streams(wire, outs), moved, longest, True, spin, op
-        )
-        return _results(got, infos, me, Incoming(outs[me].frame, list(outs[me].tensors)), sizes_of, op)  # own: own=True
-
-    def send(
-        self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None, message: int = 0
-    ) -> bool:
-        return self.inner.send(wire, out, dst, op, route, message)  # (below the limit the route's answer took it)
-
-    def recv(
-        self,
-        wire: Wire,
-        info: SlotInfo,
-        sizes_of: SizesOf,
-        src: int,
-        op: str,
-        route: Optional[Route] = None,
-        message: int = 0,
-    ) -> Union[Incoming, NotUsed]:
-        return self.inner.recv(wire, info, sizes_of, src, op, route, message)
+_PACED = ("gather", "broadcast", "scatter")  # rooted: a root (or gather's senders) could run ahead of its receivers
 
 
 # -- send/recv: the rest of a message whose slot the channel carried (objcomm._samehost.channel_slots's route)
@@ -305,38 +194,6 @@ def streamed(
             else:
                 checked(channel, got[r], index, sizes[r], sender, op)  # (0 where nothing is due)
     return received
-
-
-def _results(
-    received: Dict[int, Optional[Union[bytearray, memoryview]]],
-    infos: Sequence[SlotInfo],
-    me: int,
-    own: Incoming,
-    sizes_of: SizesOf,
-    op: str,
-) -> List[Optional[Incoming]]:
-    """Every rank's incoming, in group-rank order: ``own`` for this rank's, each other's read from the bytes it sent
-    (:func:`objcomm._format.rest.incoming`), or its frame from its slot where nothing moved."""
-    return [
-        own
-        if r == me
-        else incoming(into, infos[r], sizes_of, r, op)
-        if (into := received.get(r)) is not None
-        else Incoming(infos[r].inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
-        for r in range(len(infos))
-    ]
-
-
-def _streams(wire: Wire, outs: Sequence[Outgoing]) -> List[Iterator[Slot]]:
-    """The messages of each rank's part (scatter, all_to_all): none for this rank's own, nor for a part its slot
-    carried whole."""
-    capacity = wire.inline_capacity
-    return [
-        chunks(pieces(o, o.frame_nbytes <= capacity))
-        if r != wire.rank and outgoing_second_round_bytes(o, capacity)
-        else iter(())
-        for r, o in enumerate(outs)
-    ]
 
 
 def chunks(pieces: List[memoryview]) -> Iterator[Slot]:

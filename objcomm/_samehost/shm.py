@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, TypeVar, Union
+from typing import Callable, ClassVar, Dict, List, Optional, TypeVar, Union
 
 import torch
 
@@ -66,10 +66,12 @@ from objcomm._samehost.segments import (
     _Writer,
     sweep,
 )
-from objcomm._samehost.shm_parts import Part, Source, SourceOf, _own, _part, _read_every_rank, _where, fetch
+from objcomm._samehost.shm_parts import Part, Source, SourceOf, _part, _where, fetch
 from objcomm._settings import DEFAULT_SHM_THRESHOLD
 from objcomm._transport import routes
 from objcomm._transport.base import NOT_USED, NotUsed, Route, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.patterns import Pattern
+from objcomm._transport.rests import Due, Mine, PatternRests, Rest
 
 log = logging.getLogger("objcomm")
 
@@ -81,7 +83,7 @@ _COLLECTIVES = -1  # the key under which a group remembers that its collectives 
 
 
 @dataclass(frozen=True)
-class SharedMemory:
+class SharedMemory(PatternRests):
     """The second round through segment files when the ranks a call involves share a host."""
 
     threshold: int = DEFAULT_THRESHOLD  # second-round bytes (largest sender) from which shared memory is used
@@ -230,113 +232,10 @@ class SharedMemory:
             for each in written:
                 each.release()
 
-    # -- collectives -----------------------------------------------------------------------------
-    def all_gather(
-        self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, op: str
-    ) -> Union[Sequence[Optional[Incoming]], NotUsed]:
-        moved = [info.second_round_bytes for info in infos]
-        hosts = self.hosts_for(wire, max(moved), op)
-        if hosts is None:
-            return NOT_USED
-        me = wire.rank
-        parts = {0: _part(out, infos[me].inline is not None)} if moved[me] else {}
-
-        def read(source_of: SourceOf) -> List[Incoming]:
-            return _read_every_rank(infos, moved, me, out, sizes_of, source_of, copy_own=True)  # never alias input
-
-        return self._collective(wire, hosts, parts, read, op)
-
-    def gather(
-        self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int, op: str
-    ) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
-        if infos is None:  # only the destination read round 1 (two levels took it)
-            return NOT_USED
-        moved = [0 if r == dst else info.second_round_bytes for r, info in enumerate(infos)]
-        hosts = self.hosts_for(wire, max(moved), op)
-        if hosts is None:
-            return NOT_USED
-        me = wire.rank
-        parts = {0: _part(out, infos[me].inline is not None)} if moved[me] else {}
-
-        def read(source_of: SourceOf) -> Optional[List[Incoming]]:
-            if me != dst:
-                return None
-            # the caller decodes its own with own=True, so no copy here
-            return _read_every_rank(infos, moved, me, out, sizes_of, source_of, copy_own=False)
-
-        return self._collective(wire, hosts, parts, read, op)
-
-    def broadcast(
-        self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int, op: str
-    ) -> Union[Incoming, NotUsed]:
-        moved = info.second_round_bytes
-        hosts = self.hosts_for(wire, moved, op)
-        if hosts is None:
-            return NOT_USED
-        parts = {0: _part(out, info.inline is not None)} if wire.rank == src and out is not None else {}
-
-        def read(source_of: SourceOf) -> Incoming:
-            if wire.rank == src:
-                assert out is not None
-                return _own(out, copy=False)  # the caller decodes its own with own=True
-            return fetch(source_of(src, 0), moved, info.inline, info.length, sizes_of)
-
-        return self._collective(wire, hosts, parts, read, op)
-
-    def scatter(
-        self,
-        wire: Wire,
-        outs: Optional[Sequence[Outgoing]],
-        info: SlotInfo,
-        sizes_of: SizesOf,
-        src: int,
-        longest: int,
-        op: str,
-    ) -> Union[Incoming, NotUsed]:
-        """``longest``: the root's longest second round to any rank, which the vote told every rank."""
-        hosts = self.hosts_for(wire, longest, op)
-        if hosts is None:
-            return NOT_USED
-        parts: Dict[int, Part] = {}
-        if wire.rank == src:  # (its longest part is ``longest``: worth it, as hosts_for found)
-            assert outs is not None
-            capacity = wire.inline_capacity
-            parts = {
-                r: _part(o, o.frame_nbytes <= capacity)
-                for r, o in enumerate(outs)
-                if r != src and outgoing_second_round_bytes(o, capacity)
-            }
-
-        def read(source_of: SourceOf) -> Incoming:
-            if wire.rank == src:
-                assert outs is not None
-                return _own(outs[src], copy=False)
-            size = info.second_round_bytes
-            if not size:
-                return Incoming(info.inline)  # type: ignore[arg-type]  # nothing moved: the frame came inline
-            return fetch(source_of(src, wire.rank), size, info.inline, info.length, sizes_of)
-
-        return self._collective(wire, hosts, parts, read, op)
-
-    def all_to_all(
-        self, wire: Wire, outs: Sequence[Outgoing], infos: Sequence[SlotInfo], sizes_of: SizesOf, longest: int, op: str
-    ) -> Union[Sequence[Optional[Incoming]], NotUsed]:
-        """Each rank writes one segment per receiver it sends a second round to (part: the receiver)."""
-        hosts = self.hosts_for(wire, longest, op)
-        if hosts is None:
-            return NOT_USED
-        me, capacity = wire.rank, wire.inline_capacity
-        parts = {
-            r: _part(o, o.frame_nbytes <= capacity)
-            for r, o in enumerate(outs)
-            if r != me and outgoing_second_round_bytes(o, capacity)
-        }
-
-        def read(source_of: SourceOf) -> List[Incoming]:
-            moved = [info.second_round_bytes for info in infos]  # the caller decodes its own with own=True
-            return _read_every_rank(infos, moved, me, outs[me], sizes_of, source_of, copy_own=False, part=me)
-
-        return self._collective(wire, hosts, parts, read, op)
+    # -- collectives (each one's pattern: objcomm._transport.rests) -------------------------------
+    def medium(self, wire: Wire, largest: int, gathered: int, op: str) -> Optional[_SharedRest]:
+        hosts = self.hosts_for(wire, largest, op)
+        return None if hosts is None else _SharedRest(self, hosts)
 
     # -- point to point (the two ranks' hosts are learned per call, and remembered when they differ) --
     def send(
@@ -366,3 +265,38 @@ class SharedMemory:
         if not self.worth(wire, info.second_round_bytes, op):
             return NOT_USED
         return _shm_p2p.recv(self.directory, self.separate, wire, info, sizes_of, src, op, route, message)
+
+
+@dataclass(frozen=True)
+class _SharedRest:
+    """Shared memory as a medium of the rests of collectives (:class:`objcomm._transport.rests.RestMedium`) on
+    ``hosts``, one host: each sender writes one segment (with ``at.each``, one per receiver, numbered by it), each
+    receiver reads those of its sources."""
+
+    shared: SharedMemory
+    hosts: _hosts.Hosts
+    drained: ClassVar[str] = "shared memory, unread"
+
+    def exchange(self, wire: Wire, at: Pattern, mine: Mine, due: Due, op: str) -> Union[Dict[int, Incoming], NotUsed]:
+        me, moved, infos, sizes_of = wire.rank, due.moved, due.infos, due.sizes_of
+        parts: Dict[int, Part] = {}
+        if isinstance(mine, Rest):
+            parts = {0: _part(mine.out, mine.frame_inline)}
+        elif mine is not None:
+            parts = {r: _part(rest.out, rest.frame_inline) for r, rest in enumerate(mine) if rest is not None}
+        part = me if at.each else 0  # the segment a source wrote for this rank
+
+        def read(source_of: SourceOf) -> Dict[int, Incoming]:
+            got: Dict[int, Incoming] = {}
+            try:  # its own from its segment where that is mapped (no copy), as it must not alias its input
+                if due.own and moved[me] and isinstance(source_of(me, 0), Sealed):
+                    got[me] = fetch(source_of(me, 0), moved[me], infos[me].inline, infos[me].length, sizes_of)
+                for r in at.sources if due.keep else ():
+                    if moved[r]:
+                        got[r] = fetch(source_of(r, part), moved[r], infos[r].inline, infos[r].length, sizes_of)
+            except BaseException:
+                got.clear()  # the traceback keeps this frame: what was mapped must not live as long as the error
+                raise
+            return got
+
+        return self.shared._collective(wire, self.hosts, parts, read, op)

@@ -3,19 +3,17 @@ part per receiver into a segment, sealed (:mod:`objcomm._samehost.sealed`) or a 
 (:mod:`objcomm._samehost.segments`): its frame unless round 1 carried it inline, then its out-of-band tensors, written
 part by part and never joined (:func:`_part`). It announces where the segment is in one control word
 (:func:`_where`); a reader knows it as a :data:`Source` and gets it with :func:`fetch` (mapped when sealed: views, no
-copy; else read into fresh memory), or every rank's part of a collective with :func:`_read_every_rank`, its own
-taken from its input (:func:`_own`). The collectives of :mod:`objcomm._samehost.shm` and send/recv
+copy; else read into fresh memory). The collectives of :mod:`objcomm._samehost.shm` and send/recv
 (:mod:`objcomm._samehost.shm_p2p`) share these.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
 from objcomm._format.message import Incoming, Outgoing, SizesOf
-from objcomm._format.slot import SlotInfo
 from objcomm._samehost.sealed import Sealed, SealedSegment, map_sealed
 from objcomm._samehost.segments import SegmentFile, _Segment, read_segment
 
@@ -34,38 +32,6 @@ def _where(segment: Union[_Segment, SealedSegment]) -> int:
 def _part(out: Optional[Outgoing], frame_inline: bool) -> Part:
     assert out is not None
     return (None if frame_inline else out.parts), out.tensors  # written part by part: never joined for this
-
-
-def _own(out: Outgoing, copy: bool) -> Incoming:
-    return Incoming(out.frame, [t.to("cpu", copy=copy) for t in out.tensors])
-
-
-def _read_every_rank(
-    infos: Sequence[SlotInfo],
-    moved: Sequence[int],
-    me: int,
-    out: Outgoing,
-    sizes_of: SizesOf,
-    source_of: SourceOf,
-    copy_own: bool,
-    part: int = 0,
-) -> List[Incoming]:
-    """Each rank's ``part``: a segment for those that wrote one, else what round 1 carried, and this rank's
-    own. ``copy_own``: its own must not alias its input; when it wrote a sealed segment, that is its copy
-    (mapped: no copy either)."""
-    incoming: List[Incoming] = []
-    try:
-        for r, info in enumerate(infos):
-            if r == me and not (copy_own and moved[r] and isinstance(source_of(r, part), Sealed)):
-                incoming.append(_own(out, copy=copy_own))
-            elif moved[r]:
-                incoming.append(fetch(source_of(r, part), moved[r], info.inline, info.length, sizes_of))
-            else:
-                incoming.append(Incoming(info.inline))  # type: ignore[arg-type]  # nothing moved: the frame came inline
-    except BaseException:
-        incoming.clear()  # the traceback keeps this frame: what was mapped must not live as long as the error
-        raise
-    return incoming
 
 
 def fetch(source: Source, size: int, inline: Optional[memoryview], length: int, sizes_of: SizesOf) -> Incoming:

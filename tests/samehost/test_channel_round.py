@@ -32,6 +32,7 @@ from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import bytes as _bytes
 from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
+from objcomm._transport.routes import cutoffs as _cutoffs
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -159,7 +160,8 @@ def gather_past_most() -> List[Any]:
     rank = dist.get_rank()
     comm = objcomm.Communicator(local=True)
     comm.all_gather(None)
-    real, _channel_rounds.MOST = _channel_rounds.MOST, 3 * CHUNK
+    real, _channel_rounds.MOST = _channel_rounds.MOST, 3 * CHUNK  # the channel's pacing
+    _cutoffs.CHANNEL_MOST = 3 * CHUNK  # and the route's cap (objcomm._transport.routes.rest_medium)
     got = []
     try:
         for size in (2 * CHUNK - 100, CHUNK - 100):
@@ -169,7 +171,7 @@ def gather_past_most() -> List[Any]:
             whole = result is None or [r["blob"][:1] for r in result] == [b"\0", b"\1", b"\2"]
             got.append((counts["backend"] > 0, whole))
     finally:
-        _channel_rounds.MOST = real
+        _channel_rounds.MOST = _cutoffs.CHANNEL_MOST = real
     return got
 
 
@@ -251,6 +253,40 @@ def test_a_sender_out_of_step_fails_the_channel_on_every_rank():
     assert receiver[0][0] == "raised" and "message #0 where" in receiver[0][1] and "rank 1" in receiver[0][1]
     assert sender[0][0] == "raised"  # the channel closed under it: it raises too, instead of waiting
     assert receiver[1] == sender[1] == ("ok", [0, 1])
+
+
+def understated_vote(op: str) -> List[Any]:
+    """Rank 1 votes a longest part of 0 before the rest of a scatter (its root) or all_to_all while its slot to rank 0
+    announces 3 messages and rank 0's own vote says one at most: rank 0 must refuse (it fails the channel), never
+    read one message and take zeros for the other two; the next call opens a new channel on both."""
+    rank, sub, comm = on_a_pair()
+    small, big = _payload(rank, CHUNK // 2), _payload(rank, 3 * CHUNK)  # each part past its slot
+    real = _parts.largest_of  # (scatter's vote: rounds._vote_refusals; all_to_all's: its own)
+
+    def understated(wire: Any, values: List[int], op: str, *rest: Any) -> Any:
+        return real(wire, [values[0], 0, *values[2:]], op, *rest)
+
+    if rank == 1:
+        _parts.largest_of = _rounds.largest_of = understated  # type: ignore[assignment]
+    try:
+        if op == "scatter":
+            outcome = outcome_of(lambda: comm.scatter([big, small] if rank == 1 else None, src=1) and None)
+        else:
+            outcome = outcome_of(lambda: comm.all_to_all([small, small] if rank == 0 else [big, small]) and None)
+    finally:
+        _parts.largest_of = _rounds.largest_of = real  # type: ignore[assignment]
+    after = outcome_of(lambda: comm.all_gather(rank))
+    dist.destroy_process_group(sub)
+    return [outcome, after]
+
+
+@pytest.mark.parametrize("op", ["scatter", "all_to_all"])
+def test_a_part_longer_than_the_vote_fails_the_channel(op):
+    receiver, liar = get_pool(2).run(understated_vote, op)
+    assert receiver[0][0] == "raised" and "rank 1's slot announces a" in receiver[0][1], receiver
+    if op == "all_to_all":  # it waits on the receiver's messages when the channel closes under it (a scatter's root
+        assert liar[0][0] == "raised"  # sent its no messages and may be done: it learns at its next call, below)
+    assert receiver[1] == liar[1] == ("ok", [0, 1])
 
 
 class _Channel:

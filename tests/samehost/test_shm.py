@@ -20,7 +20,7 @@ from objcomm._format import slot as _slot
 from objcomm._samehost import segments as _segments
 from objcomm._samehost import shm as _shm
 from objcomm._samehost import two_level as _two_level
-from objcomm._samehost.channel_rounds import ChannelRounds
+from objcomm._samehost.rests import SameHostRests
 from objcomm._samehost.two_level_rests import TwoLevelRests
 from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import gather as _gather
@@ -288,8 +288,10 @@ def test_switched_off_moves_nothing_through_shared_memory(shm_dir):
 def _shm_config(comm: objcomm.Communicator) -> Any:
     """The shared-memory configuration a call through ``comm`` would use (no group needed)."""
     strategy = _second_round(comm._call({}).options, comm._hooks.segments)
-    while isinstance(strategy, (TwoLevelRests, ChannelRounds)):  # with local on, two levels and the channel wrap it
+    if isinstance(strategy, TwoLevelRests):  # with local on, two levels and the same-host rests wrap it
         strategy = strategy.inner
+    if isinstance(strategy, SameHostRests):
+        strategy = strategy.shared or DIRECT
     return None if strategy is DIRECT else strategy
 
 

@@ -47,6 +47,19 @@ def test_rest_medium_cut_offs():
     assert routes.rest_medium(routes.CHANNEL_MOST - 1, round_one_medium=CHANNEL, **big) == CHANNEL
 
 
+def test_a_gathers_rests_go_by_the_largest_sender_and_the_channel_takes_at_most_channel_most_of_them():
+    """The transport's rule for a gather (objcomm._samehost.rests.SameHostRests), the plan's alike: the medium by the
+    largest sender's rest, the channel only while all of them together fit CHANNEL_MOST (its root's stash)."""
+    kw = dict(cpu=True, round_one_medium=CHANNEL, shm=True, shm_threshold=2 * MB, one_host=True)
+    assert routes.rest_medium(MB, gathered=routes.CHANNEL_MOST, **kw) == CHANNEL
+    assert routes.rest_medium(MB, gathered=routes.CHANNEL_MOST + 1, **kw) == BACKEND  # below shm_threshold too
+    assert routes.rest_medium(2 * MB, gathered=routes.CHANNEL_MOST + 1, **kw) == SHARED_MEMORY
+    one_host = Topology(world=8, ranks_per_host=8, channel_open=True)
+    assert plan("gather", one_host, rests=[MB] * 8).steps[-1].medium == CHANNEL  # 7 MB in all: was shared memory
+    assert plan("gather", one_host, rests=[MB] * 8, knobs=Knobs(shm_threshold=MB)).steps[-1].medium == SHARED_MEMORY
+    assert plan("gather", one_host, rests=[3 * MB] * 8).steps[-1].medium == SHARED_MEMORY
+
+
 def test_agreement_needed():
     assert not routes.agreement_needed(sizes_listed=True, largest_piece=SCRATCH_BYTES, medium_may_take=False)
     assert routes.agreement_needed(sizes_listed=True, largest_piece=SCRATCH_BYTES + 1, medium_may_take=False)

@@ -84,11 +84,15 @@ def rest_medium(
     shm: bool = True,
     shm_threshold: int = DEFAULT_SHM_THRESHOLD,
     one_host: bool = True,
+    gathered: int = 0,
 ) -> str:
-    """The medium of round 2 for a rest whose largest sender moves ``moved`` bytes (0: nothing moves)."""
+    """The medium of round 2 for a rest whose largest sender moves ``moved`` bytes (0: nothing moves). ``gathered``:
+    a gather's rests together, which its destination takes while the senders go on (the channel: at most
+    :data:`CHANNEL_MOST` of them, as its stash holds what waits)."""
     if moved <= 0:
         return BACKEND
-    if round_one_medium == CHANNEL and channel_takes(moved, limit=min(shm_threshold, CHANNEL_MOST), cpu=cpu):
+    limit = min(shm_threshold, CHANNEL_MOST)
+    if round_one_medium == CHANNEL and channel_takes(moved, limit=limit, cpu=cpu) and gathered <= CHANNEL_MOST:
         return CHANNEL
     if shm and one_host and shared_memory_takes(moved, threshold=shm_threshold, cpu=cpu):
         return SHARED_MEMORY

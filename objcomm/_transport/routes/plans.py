@@ -218,8 +218,9 @@ def plan(
             else:
                 steps.append(Step("gather", BACKEND, slots))
             steps.append(Step(word, BACKEND, (8,)))
-        total = sum(r for i, r in enumerate(rests) if i != root)
-        medium = medium_of(total)
+        senders = [0 if i == root else r for i, r in enumerate(rests)]
+        total = sum(senders)
+        medium = medium_of(max(senders), gathered=total)
         if total:
             steps.append(Step("p2p", medium, tuple(0 if i == root else r for i, r in enumerate(rests))))
     elif op == "broadcast":  # the slot: on NCCL an all_reduce (a tree; its broadcast is a ring)
