@@ -26,7 +26,7 @@ def phases(arg: Dict[str, int], send: Any) -> List[Dict[str, str]]:
 
     import objcomm
     from objcomm._format import frame as _frame
-    from objcomm._samehost import channel_rounds as _channel_rounds
+    from objcomm._samehost import channel_rests as _channel_rests
     from objcomm._transport import rounds as _rounds
 
     spent: Dict[str, float] = collections.defaultdict(float)
@@ -47,7 +47,7 @@ def phases(arg: Dict[str, int], send: Any) -> List[Dict[str, str]]:
     for module, name, label in [
         (_frame, "serialize", "serialize"),
         (_rounds, "_send", "transport send"),
-        (_channel_rounds, "recv_p2p", "transport receive, the rest"),
+        (_channel_rests, "recv_p2p", "transport receive, the rest"),
         (_frame, "decode_parsed", "decode"),
         (_frame, "loads_payload", "loads in decode"),
     ]:

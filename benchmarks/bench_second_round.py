@@ -10,7 +10,7 @@ rank; ``gather``: to rank 0;
 ``send/recv``: a round trip between ranks 0 and 1, the others idle) through three communicators on the same
 ranks, whose settings force each route at every size: ``shm=False, shm_threshold=1`` (round 2 through gloo;
 send/recv: ``local=False``, both rounds, since a slot that went through the channel takes its rest there too),
-``shm=False, shm_threshold=2**30`` (the same-host channel, ``objcomm._samehost.channel_rounds``) and ``shm_threshold=1``
+``shm=False, shm_threshold=2**30`` (the same-host channel, ``objcomm._samehost.channel_rests``) and ``shm_threshold=1``
 (shared memory). By default the channel takes what is below ``shm_threshold`` (2 MiB) and shared memory the rest; the
 table shows where that line should be on this machine. Round-robin after a barrier, 4 calls per sample, the
 median of 9 samples on rank 0, µs per call (per round trip). The machine is shared: compare within one run.

@@ -96,7 +96,7 @@ class Settings:
       (``OBJCOMM_LOCAL=0`` turns it off); NCCL groups too (their slots then never touch the GPU), and the
       small votes and control words of large collectives and the answers of send/recv, and on CPU wires the
       second round of every collective and of send/recv below
-      ``shm_threshold`` and 16 MiB (:mod:`objcomm._samehost.channel_rounds`). All ranks of a group must agree.
+      ``shm_threshold`` and 16 MiB (:mod:`objcomm._samehost.channel_rests`). All ranks of a group must agree.
     - ``local_spin_us``: microseconds a rank waiting for a message of the same-host channel polls its sockets
       before it sleeps in the kernel (a sleeping rank's wake-up costs ~50 µs here; spinning, ~3 µs). ``None``
       (automatic): 1,000. Where the group's ranks outnumber the host's CPUs, a polling rank yields the CPU

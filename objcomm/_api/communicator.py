@@ -156,7 +156,7 @@ class Communicator(Operations):
         """
         call = self._resolved({})
         wire = call.wire
-        if wire is None or not isinstance(wire.first_round, _channel_slots.SameHostSlots):
+        if wire is None or not isinstance(wire.first_round, _channel_slots.ChannelSlots):
             return False
         return wire.first_round.connect(wire)
 

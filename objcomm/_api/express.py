@@ -81,7 +81,7 @@ class Express:
         "version",
     )
 
-    def __init__(self, call: Call, strategy: _channel_slots.SameHostSlots, state: _p2p_state.SameHost) -> None:
+    def __init__(self, call: Call, strategy: _channel_slots.ChannelSlots, state: _p2p_state.SameHost) -> None:
         wire, options = call.wire, call.options
         assert wire is not None
         self.call = call._replace(wire=None)  # the settings and serializer, without the group
@@ -106,7 +106,7 @@ class Express:
         """The express path of ``call``'s settings, or None where it can never apply (no same-host
         channel strategy, compression, one rank)."""
         wire = call.wire
-        if wire is None or not isinstance(wire.first_round, _channel_slots.SameHostSlots):
+        if wire is None or not isinstance(wire.first_round, _channel_slots.ChannelSlots):
             return None  # the same-host channel is not this call's first-round medium
         if not routes.express_possible(compression=call.options.compression is not None, channel_first=True):
             return None
@@ -323,7 +323,7 @@ def _unless_rejoining(channel: Any, move: Callable[[], Any]) -> Any:
     """``move()``, a collective on ``channel``; :data:`REJOIN` where it failed because a peer had failed the channel
     before this call (the general path then opens a new one at this call, as that peer does:
     :meth:`objcomm._samehost.mesh.Mesh.rejoins_after`), nothing having been taken."""
-    channel.rounds += 1  # a call's first round, as SameHostSlots counts them
+    channel.rounds += 1  # a call's first round, as ChannelSlots counts them
     start = channel.sequence
     try:
         return move()

@@ -54,7 +54,7 @@ beyond the stash). A forked child closes its copies of the sockets at once
 
 How it plugs in
 ---------------
-:class:`objcomm._samehost.channel_slots.SameHostSlots`, a :class:`objcomm._transport.base.FirstRound` strategy
+:class:`objcomm._samehost.channel_slots.ChannelSlots`, a :class:`objcomm._transport.base.FirstRound` strategy
 (``Wire.first_round``), moves the slots of ``_exchange_slots`` (all_gather, gather, the
 reductions' last step), ``broadcast``, ``scatter`` and ``all_to_all`` of :mod:`objcomm._transport.rounds`,
 and the slots of ``send``/``recv`` once every rank has voted them in (the set-up's ``ready`` word, or a
@@ -66,9 +66,9 @@ collective opens a new one when every rank failed at the same call (the set-up c
 ``(generation, failure point)``; ranks that disagree are out of step, and raise from then on).
 Async collectives run on the shadow group, which gets a channel of its own.
 The small words of large collectives go through it too: the receivers' votes and the shared-memory
-control words (:meth:`objcomm._samehost.channel_slots.SameHostSlots.gather_words`,
+control words (:meth:`objcomm._samehost.channel_slots.ChannelSlots.gather_words`,
 :func:`objcomm._transport.base.largest_of`). So do the answers and second rounds of send/recv below the shared-memory
-threshold (messages of their own kinds, under the send's message id: :mod:`objcomm._samehost.channel_rounds`). Still
+threshold (messages of their own kinds, under the send's message id: :mod:`objcomm._samehost.channel_rests`). Still
 open: reusing
 :mod:`objcomm._samehost.hosts` instead of the channel's own discovery; and the channel's own cost: its bookkeeping
 (header, stash, checks) doubles the bare mesh's time.

@@ -1,7 +1,7 @@
 """Round 1 through the same-host channel: the slots of collectives and of send/recv between the
 processes of one host.
 
-:class:`SameHostSlots` is a first-round strategy (:class:`objcomm._transport.base.FirstRound`): when every rank
+:class:`ChannelSlots` is a first-round strategy (:class:`objcomm._transport.base.FirstRound`): when every rank
 of a group runs on this host, the slots of ``all_gather``/``gather``, ``broadcast``, ``scatter`` and
 ``all_to_all`` (and of the reductions, which end in one of these), and those of ``send``/``recv``
 (``isend``/``irecv``, any source, tags), move through a :class:`objcomm._samehost.channel.LocalChannel` and never
@@ -10,7 +10,7 @@ the frame, and is read as the whole slot on arrival (:func:`objcomm._samehost.ch
 ``docs/wire-format.md`` section 7): the zeros of a 4 KiB slot were most of what a small call allocated, copied and
 moved. After round 1 the collectives' votes and control words go through the channel too; a send/recv's answer
 and, below the shared-memory threshold, its second round go through it as well (:class:`ChannelRoute`,
-:mod:`objcomm._samehost.channel_rounds`); shared memory and the group move the rest as before, and every
+:mod:`objcomm._samehost.channel_rests`); shared memory and the group move the rest as before, and every
 failure is unchanged: a slot carries an error report as before, and a dead peer or a wait past the group's
 timeout raises :class:`~objcomm.CommunicationError` (a failed collective closes the channel, so the
 others raise at once too; a recv that only timed out leaves it open).
@@ -38,7 +38,7 @@ After a failure: send/recv on the group raise until a collective opens a new cha
 collective does so only if every rank failed at the same point and reopens at the same call (the set-up carries each
 rank's ``(generation, failure point, this call)``): a rank that failed tells its peers where (a ``FAILED`` notice,
 :meth:`objcomm._samehost.mesh.Mesh._failure_point`), so that a peer that finds it gone at a later call (it had
-returned before the failure) opens the new channel at that call with it (:meth:`SameHostSlots._round_one`). Ranks
+returned before the failure) opens the new channel at that call with it (:meth:`ChannelSlots._round_one`). Ranks
 that failed at different calls (one finished a call the others failed, a notice was lost) are out of step, and every
 rank raises at that call and at every later one that may use the channel, rather than match calls that do not belong
 together.
@@ -59,7 +59,7 @@ from objcomm._errors import CommunicationError
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
 from objcomm._samehost import channel as _channel
-from objcomm._samehost import channel_rounds as _channel_rounds
+from objcomm._samehost import channel_rests as _channel_rests
 from objcomm._samehost import opener as _opener
 from objcomm._samehost.channel_checks import _checked, _trim, agree_on, cut_whole, echo, whole_message, whole_size
 from objcomm._samehost.inbox import ANSWER, REST
@@ -72,7 +72,7 @@ _BACKEND = THROUGH_GROUP  # send/recv through the group, uncounted
 
 
 class ChannelRoute:
-    """send/recv through a channel: the route :meth:`SameHostSlots.p2p` gives once the channel takes them."""
+    """send/recv through a channel: the route :meth:`ChannelSlots.p2p` gives once the channel takes them."""
 
     __slots__ = ("channel", "spin", "folded")
 
@@ -104,7 +104,7 @@ class ChannelRoute:
     def send_whole(self, wire: Wire, slot: Slot, out: Outgoing, info: SlotInfo, dst: int) -> bool:
         if whole_size(slot, info.second_round_bytes) > MAX_PAYLOAD:
             return False
-        whole = whole_message(slot, _channel_rounds.pieces(out, info.inline is not None))  # the slot untrimmed
+        whole = whole_message(slot, _channel_rests.pieces(out, info.inline is not None))  # the slot untrimmed
         self.channel.send(whole, dst, wire.tag, self.channel.new_message() | WHOLE)
         return True
 
@@ -139,18 +139,18 @@ class ChannelRoute:
         return list(struct.unpack(f"<{count}q", got))
 
     def send_rest(self, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
-        _channel_rounds.send_p2p(self.channel, wire, out, info, dst, message)
+        _channel_rests.send_p2p(self.channel, wire, out, info, dst, message)
 
     def recv_rest(
         self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str, drain: bool = False
     ) -> Incoming:
         if message & WHOLE:
-            return _channel_rounds.came_with_slot(self.channel, self.folded, info, sizes_of, src, message, op, drain)
-        return _channel_rounds.recv_p2p(self.channel, self.spin, wire, info, sizes_of, src, message, op, drain)
+            return _channel_rests.came_with_slot(self.channel, self.folded, info, sizes_of, src, message, op, drain)
+        return _channel_rests.recv_p2p(self.channel, self.spin, wire, info, sizes_of, src, message, op, drain)
 
 
 @dataclass(frozen=True)
-class SameHostSlots:
+class ChannelSlots:
     """Round-1 slots through the group's same-host channel, opened on the first call that may use it."""
 
     separate: Union[bool, int] = False  # tests: every rank its own host (True), or hosts of k ranks

@@ -29,7 +29,7 @@ carries flags or a negative tag, and a collective sequence number that does not 
 forward: at or before the last collective this rank finished, or not after the peer's previous one.
 Point-to-point messages carry a message id where collectives carry their sequence number: a send's
 slot (taken by tag, in order) tells the receiver its id, and the receiver's answer and the rest of
-the send (:mod:`objcomm._samehost.channel_rounds`) travel under ``(tag, kind, id)``, so that concurrent sends
+the send (:mod:`objcomm._samehost.channel_rests`) travel under ``(tag, kind, id)``, so that concurrent sends
 under one tag never take each other's (shared memory's words, at or above its threshold, go under the
 id too). After a wait for one of those timed out, later ones under its key are
 dropped on arrival (:meth:`Stash.abandon`).
@@ -58,7 +58,7 @@ ALL_GATHER, BROADCAST, SCATTER, ALL_TO_ALL, P2P = 1, 2, 3, 4, 5
 ANSWER, REST = 6, 7  # of a send's message (its id): the receiver's answer, and the bytes after the slot
 GATHER = 8
 CREDIT = 10  # the receiver's running totals of what it took, per class (see "Flow control")
-# a collective: a digest of what this rank read in round 1 (objcomm._samehost.channel_slots.SameHostSlots.agree)
+# a collective: a digest of what this rank read in round 1 (objcomm._samehost.channel_slots.ChannelSlots.agree)
 ECHO = 11
 # the last message of a rank that failed the channel: where (its failure point, as the header's number; see
 # objcomm._samehost.mesh.Mesh.fail), so that a peer that finds it gone at a later call joins it there

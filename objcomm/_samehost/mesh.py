@@ -103,7 +103,7 @@ class Mesh:
     def echo(self, data: Slot, spin: Optional[float] = None) -> List[Slot]:
         """An all_gather of kind ``ECHO``: what every rank read in round 1, so that a rank that skipped this step
         (it read round 1 differently) is told apart from one at its next call (see
-        :meth:`objcomm._samehost.channel_slots.SameHostSlots.agree`)."""
+        :meth:`objcomm._samehost.channel_slots.ChannelSlots.agree`)."""
         got = self.move(ECHO, pattern("all_gather", me=self.rank, world=self.size), data, spin)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 

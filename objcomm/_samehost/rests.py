@@ -1,5 +1,5 @@
 """The rests of collectives on one host: through the same-host channel where it carried round 1 and below
-``min(threshold, CHANNEL_MOST)`` (:class:`~objcomm._samehost.channel_rounds.ChannelRest`), through shared memory from
+``min(threshold, CHANNEL_MOST)`` (:class:`~objcomm._samehost.channel_rests.ChannelRest`), through shared memory from
 ``threshold`` (:class:`~objcomm._samehost.shm.SharedMemory`), else through the backend: the choice of
 :func:`objcomm._transport.routes.rest_medium`. Each operation's pattern is
 :class:`objcomm._transport.rests.PatternRests`'s; send/recv's rest goes as shared memory says (below its threshold the
@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
-from objcomm._samehost.channel_rounds import ChannelRest
+from objcomm._samehost.channel_rests import ChannelRest
 from objcomm._samehost.shm import SharedMemory
 from objcomm._transport import routes
 from objcomm._transport.base import NOT_USED, NotUsed, Route, Wire

@@ -53,7 +53,7 @@ from objcomm._format.slot import SlotInfo
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.channel import LocalChannel
 from objcomm._samehost.channel_checks import agree_on, echo
-from objcomm._samehost.channel_slots import SameHostSlots
+from objcomm._samehost.channel_slots import ChannelSlots
 from objcomm._samehost.two_level_moves import Here, Levels, all_gather_fixed, gather_fixed, largest_in_levels, relay
 from objcomm._transport import groups as _groups
 from objcomm._transport import routes
@@ -66,8 +66,8 @@ FLAT_SECOND_ROUNDS = frozenset({"scatter", "all_to_all"})
 
 
 @dataclass(frozen=True)
-class TwoLevel(SameHostSlots):
-    """The same-host channel's first-round strategy (:class:`SameHostSlots`), which on a group that spans hosts
+class TwoLevel(ChannelSlots):
+    """The same-host channel's first-round strategy (:class:`ChannelSlots`), which on a group that spans hosts
     moves the slots of all_gather, gather and broadcast, and the votes of a call, through two levels."""
 
     shared_from: Optional[int] = None  # an all_gather's table of slots reaches a host in one shared file from here

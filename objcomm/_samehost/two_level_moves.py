@@ -20,7 +20,7 @@ from objcomm._errors import CommunicationError, FrameError
 from objcomm._format.slot import read_slot
 from objcomm._samehost.channel import LocalChannel
 from objcomm._samehost.channel_checks import echo
-from objcomm._samehost.channel_rounds import CHUNK, all_received, checked, chunks, streamed
+from objcomm._samehost.channel_rests import CHUNK, all_received, checked, chunks, streamed
 from objcomm._samehost.inbox import REST
 from objcomm._samehost.sealed import Sealed, SealedSegment, map_parts, write_sealed
 from objcomm._transport import routes

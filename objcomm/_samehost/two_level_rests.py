@@ -27,7 +27,7 @@ import torch
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
-from objcomm._samehost.channel_rounds import chunks, incoming, pieces, streamed
+from objcomm._samehost.channel_rests import chunks, incoming, pieces, streamed
 from objcomm._samehost.sealed import ALIGN, SealedSegment, SealedTable, map_rows
 from objcomm._samehost.two_level import TwoLevel
 from objcomm._samehost.two_level_moves import (

@@ -130,7 +130,7 @@ class FirstRound(Protocol):
     group's collective would have delivered, as host bytes, or :data:`NOT_USED` (the same answer on
     every rank of the call, decided without talking to the others) and the transport moves the slots
     itself; :meth:`p2p` routes the slot of a send/recv. Every rank of the group calls the method of its
-    operation, in the same order. The same-host channel (:class:`objcomm._samehost.channel_slots.SameHostSlots`) is one;
+    operation, in the same order. The same-host channel (:class:`objcomm._samehost.channel_slots.ChannelSlots`) is one;
     :data:`BACKEND` is none.
     """
 

@@ -1,7 +1,7 @@
 """Who sends what to whom in each collective, seen from one rank: the one place each operation's pattern is written.
 
 A medium that moves messages between every pair of a group's ranks (the same-host channel: its round-1 slots,
-:class:`objcomm._samehost.mesh.Mesh`, and its second rounds, :class:`objcomm._samehost.channel_rounds.ChannelRest`)
+:class:`objcomm._samehost.mesh.Mesh`, and its second rounds, :class:`objcomm._samehost.channel_rests.ChannelRest`)
 offers one primitive: send these parts to these ranks, receive one message from each of those. :func:`pattern`
 says which, for every collective; the medium carries it out and the caller shapes the result.
 

@@ -223,7 +223,7 @@ def control_words(mismatch: bool) -> Any:
 
     comm = objcomm.Communicator()
     wire = comm._call({}).wire
-    assert isinstance(wire.first_round, _channel_slots.SameHostSlots)
+    assert isinstance(wire.first_round, _channel_slots.ChannelSlots)
     rank = dist.get_rank()
     words = [rank, -rank, 1 << 62] if not (mismatch and rank == 1) else [rank, 0]
     try:
@@ -285,7 +285,7 @@ def test_slots_travel_trimmed_after_a_whole_frame_and_whole_otherwise():
                 # (objcomm._samehost.channel_checks.whole_message): the tensor's 12 bytes, the 2,064-byte frame
                 assert sizes == [4 + 1024 + (12 if label == "tensor" else 2064)], (label, op, sizes)
             else:  # sizes listed after the frame, or a frame past the slot: the whole slot (or control words); and
-                # the second round (objcomm._samehost.channel_rounds): the 2,000-byte frame past the slot in one
+                # the second round (objcomm._samehost.channel_rests): the 2,000-byte frame past the slot in one
                 # message, the tensor's 12 bytes
                 assert 1024 in sizes and all(n == 1024 or n < 100 or n == 2064 for n in sizes), (label, op, sizes)
                 if label == "past the slot":

@@ -1,4 +1,4 @@
-"""Medium second rounds through the same-host channel (objcomm._samehost.channel_rounds): all_gather and broadcast of
+"""Medium second rounds through the same-host channel (objcomm._samehost.channel_rests): all_gather and broadcast of
 objects past their slots move no byte through the backend below shm_threshold, with the backend's results;
 the other operations, larger objects and groups without a channel keep their routes; a sender out of step
 fails the channel, a second round that disagrees with its frame is refused on the receiver alone, and a rank
@@ -25,9 +25,9 @@ from objcomm import _state
 from objcomm._errors import FrameError
 from objcomm._format import limits as _limits
 from objcomm._format.slot import SlotInfo
-from objcomm._samehost import channel_rounds as _channel_rounds
+from objcomm._samehost import channel_rests as _channel_rests
 from objcomm._samehost import shm as _shm
-from objcomm._samehost.channel_rounds import CHUNK, chunks, incoming, place
+from objcomm._samehost.channel_rests import CHUNK, chunks, incoming, place
 from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import bytes as _bytes
 from objcomm._transport import parts as _parts
@@ -119,7 +119,7 @@ def test_medium_collectives_move_round_two_through_the_channel_with_the_backends
 
 def routes_kept() -> List[Any]:
     """What the channel does not take keeps its route: sizes at shm_threshold go to shared memory; without shared
-    memory the channel takes them (send/recv: tests/samehost/test_channel_round_p2p.py)."""
+    memory the channel takes them (send/recv: tests/samehost/test_channel_rests_p2p.py)."""
     rank = dist.get_rank()
     small_threshold = objcomm.Communicator(local=True, shm_threshold=3 * CHUNK)
     small_threshold.all_gather(None)
@@ -160,7 +160,7 @@ def gather_past_most() -> List[Any]:
     rank = dist.get_rank()
     comm = objcomm.Communicator(local=True)
     comm.all_gather(None)
-    real, _channel_rounds.MOST = _channel_rounds.MOST, 3 * CHUNK  # the channel's pacing
+    real, _channel_rests.MOST = _channel_rests.MOST, 3 * CHUNK  # the channel's pacing
     _cutoffs.CHANNEL_MOST = 3 * CHUNK  # and the route's cap (objcomm._transport.routes.rest_medium)
     got = []
     try:
@@ -171,7 +171,7 @@ def gather_past_most() -> List[Any]:
             whole = result is None or [r["blob"][:1] for r in result] == [b"\0", b"\1", b"\2"]
             got.append((counts["backend"] > 0, whole))
     finally:
-        _channel_rounds.MOST = _cutoffs.CHANNEL_MOST = real
+        _channel_rests.MOST = _cutoffs.CHANNEL_MOST = real
     return got
 
 
@@ -228,13 +228,13 @@ def out_of_step_sender() -> List[Any]:
     """Rank 1 sends one byte too few in each message of its second round: the channel fails on both ranks (rank 1
     learns where rank 0 failed it from its failure notice), and the next call opens a new one on both."""
     rank, sub, comm = on_a_pair()
-    real = _channel_rounds.chunks
+    real = _channel_rests.chunks
     if rank == 1:
-        _channel_rounds.chunks = lambda pieces: (bytes(c)[:-1] for c in real(pieces))  # type: ignore[assignment]
+        _channel_rests.chunks = lambda pieces: (bytes(c)[:-1] for c in real(pieces))  # type: ignore[assignment]
     try:
         outcome = outcome_of(lambda: comm.all_gather(_payload(rank, 2 * CHUNK)) and None)
     finally:
-        _channel_rounds.chunks = real  # type: ignore[assignment]
+        _channel_rests.chunks = real  # type: ignore[assignment]
     after = outcome_of(lambda: comm.all_gather(rank))
     dist.destroy_process_group(sub)
     return [outcome, after]
@@ -330,7 +330,7 @@ def test_pieces_travel_back_to_back_in_whole_messages():
 def die_after_one_message() -> None:
     """From now on, this process SIGKILLs itself 0.3 s after the first message of its next second round on the
     channel (the others wait for message #1 by then)."""
-    real = _channel_rounds.chunks
+    real = _channel_rests.chunks
 
     def dying(pieces: Any) -> Any:
         chunks = real(pieces)
@@ -338,7 +338,7 @@ def die_after_one_message() -> None:
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    _channel_rounds.chunks = dying  # type: ignore[assignment]
+    _channel_rests.chunks = dying  # type: ignore[assignment]
 
 
 def _killed_in_round_two(rank: int, world: int, store: str, victim: int, results: Any) -> None:

@@ -1,4 +1,4 @@
-"""Medium send/recv through the same-host channel (objcomm._samehost.channel_rounds,
+"""Medium send/recv through the same-host channel (objcomm._samehost.channel_rests,
 objcomm._samehost.channel_slots.ChannelRoute): the receiver's answer and, below shm_threshold, the bytes after a send's
 slot go through the channel, with the backend's results and outcomes; concurrent sends under one tag never take each
 other's bytes; a sender out of step or a malformed answer fails the channel; a wait that times out names its operation,
@@ -17,15 +17,15 @@ import torch.distributed as dist
 from _child import report_raised, run_group_losing_a_rank
 from _counting import counting
 from _ranks import get_pool
-from test_channel_round import _payload, _same, die_after_one_message, on_a_pair, outcome_of
+from test_channel_rests import _payload, _same, die_after_one_message, on_a_pair, outcome_of
 
 import objcomm
 from objcomm import _state
-from objcomm._samehost import channel_rounds as _channel_rounds
+from objcomm._samehost import channel_rests as _channel_rests
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._samehost import shm as _shm
 from objcomm._samehost import shm_p2p as _shm_p2p
-from objcomm._samehost.channel_rounds import CHUNK
+from objcomm._samehost.channel_rests import CHUNK
 from objcomm._samehost.inbox import REST
 from objcomm._transport import bytes as _bytes
 from objcomm._transport import rounds as _rounds
@@ -38,8 +38,8 @@ ASKED = "a" * 1_100_000  # a frame past 1 MiB, below shm_threshold: the receiver
 ROUTES = {
     "backend": [(_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_rounds, "recv_bytes")],
     "shm": [(_shm.SharedMemory, "_collective"), (_shm_p2p, "fetch")],
-    "channel": [(_channel_rounds, "send_p2p"), (_channel_rounds, "recv_p2p")],
-    "whole": [(_channel_rounds, "came_with_slot")],  # a rest that came in one message with its slot
+    "channel": [(_channel_rests, "send_p2p"), (_channel_rests, "recv_p2p")],
+    "whole": [(_channel_rests, "came_with_slot")],  # a rest that came in one message with its slot
     "answers": [(_channel_slots.ChannelRoute, "answer")],
 }
 
@@ -257,18 +257,18 @@ def out_of_step(mode: str) -> Any:
     between: it opens a new channel)."""
     rank, sub, comm = on_a_pair()
     real_chunks, real_answer, real_words, real_whole, real_message = (
-        _channel_rounds.chunks,
+        _channel_rests.chunks,
         _channel_slots.ChannelRoute.answer,
         _channel_slots.ChannelRoute.send_words,
-        _channel_rounds.pieces,
+        _channel_rests.pieces,
         _channel_slots.whole_message,
     )
     if mode == "whole, other slot_bytes" and rank == 1:  # its word says a slot twice this group's slot_bytes
         _channel_slots.whole_message = lambda slot, rest: real_message(bytes(slot) * 2, rest)[: -len(slot)]  # type: ignore
     if mode == "whole" and rank == 1:  # slot and rest in one message (ChannelRoute.send_whole), one byte short
-        _channel_rounds.pieces = lambda out, inline: [b"".join(real_whole(out, inline))[:-1]]  # type: ignore
+        _channel_rests.pieces = lambda out, inline: [b"".join(real_whole(out, inline))[:-1]]  # type: ignore
     if mode == "short" and rank == 1:
-        _channel_rounds.chunks = lambda pieces: (bytes(c)[:-1] for c in real_chunks(pieces))  # type: ignore
+        _channel_rests.chunks = lambda pieces: (bytes(c)[:-1] for c in real_chunks(pieces))  # type: ignore
     if mode == "answer" and rank == 0:
         _channel_slots.ChannelRoute.answer = lambda self, wire, dst, message, code: self.channel.send_part(  # type: ignore
             _channel_slots.ANSWER, b"\x03\x03", dst, wire.tag, message
@@ -284,9 +284,9 @@ def out_of_step(mode: str) -> Any:
     try:
         outcome = outcome_of(lambda: comm.send(sent, 0) if rank == 1 else comm.recv(1) and None)
     finally:
-        _channel_rounds.chunks, _channel_slots.ChannelRoute.answer = real_chunks, real_answer  # type: ignore
+        _channel_rests.chunks, _channel_slots.ChannelRoute.answer = real_chunks, real_answer  # type: ignore
         _channel_slots.ChannelRoute.send_words = real_words  # type: ignore
-        _channel_rounds.pieces = real_whole  # type: ignore
+        _channel_rests.pieces = real_whole  # type: ignore
         _channel_slots.whole_message = real_message  # type: ignore
     # a sender that returned before its receiver failed the channel learns where it failed (the failure notice) at
     # the next collective, and both open a new channel there
@@ -325,14 +325,14 @@ def broadcasts_its_receiver_never_took() -> List[Any]:
     (rank 0's failure notice), yet at different calls: each must raise that the ranks are out of step, never hand
     rank 0 "second" as the first broadcast."""
     rank, sub, comm = on_a_pair()
-    real_whole = _channel_rounds.pieces
+    real_whole = _channel_rests.pieces
     outcome: Any = None
     if rank == 1:
-        _channel_rounds.pieces = lambda out, inline: [b"".join(real_whole(out, inline))[:-1]]  # type: ignore
+        _channel_rests.pieces = lambda out, inline: [b"".join(real_whole(out, inline))[:-1]]  # type: ignore
         try:
             comm.send(_payload(1, 5_000), 0)
         finally:
-            _channel_rounds.pieces = real_whole  # type: ignore
+            _channel_rests.pieces = real_whole  # type: ignore
         comm.broadcast("first", src=1)
         dist.barrier()
         dist.barrier()
@@ -381,7 +381,7 @@ def stalls(mode: str) -> List[Any]:
     raised = None
     if rank == 1:
         if mode == "rest":
-            real = _channel_rounds.chunks
+            real = _channel_rests.chunks
 
             def stalling(pieces: Any) -> Any:
                 chunks = real(pieces)
@@ -389,11 +389,11 @@ def stalls(mode: str) -> List[Any]:
                 time.sleep(5)
                 yield from chunks
 
-            _channel_rounds.chunks = stalling  # type: ignore[assignment]
+            _channel_rests.chunks = stalling  # type: ignore[assignment]
             try:
                 comm.send(_payload(1, 3 * CHUNK), 0, tag=2)
             finally:
-                _channel_rounds.chunks = real  # type: ignore[assignment]
+                _channel_rests.chunks = real  # type: ignore[assignment]
             comm.send("done", 0, tag=3)
         else:
             time.sleep(4)
