@@ -29,8 +29,8 @@ class SameHostRests(PatternRests):
 
     def medium(self, wire: Wire, largest: int, gathered: int, op: str) -> Optional[RestMedium]:
         cpu = wire.device.type == "cpu"
-        if cpu and not largest:  # nothing moves: the channel that carried round 1 ends the call without a message
-            medium = routes.CHANNEL
+        if not largest and routes.channel_takes(0, limit=min(self.threshold, routes.CHANNEL_MOST), cpu=cpu):
+            medium = routes.CHANNEL  # nothing moves: the channel that carried round 1 ends the call without a message
         else:
             medium = routes.rest_medium(
                 largest,

@@ -41,6 +41,7 @@ they keep the normal transport; send/recv use it whenever the two ranks share a 
 
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Dict, List, Optional, TypeVar, Union
@@ -288,10 +289,11 @@ class _SharedRest:
 
         def read(source_of: SourceOf) -> Dict[int, Incoming]:
             got: Dict[int, Incoming] = {}
-            try:  # its own from its segment where that is mapped (no copy), as it must not alias its input
-                if due.own and moved[me] and isinstance(source_of(me, 0), Sealed):
-                    got[me] = fetch(source_of(me, 0), moved[me], infos[me].inline, infos[me].length, sizes_of)
-                for r in at.sources if due.keep else ():
+            order = list(at.sources) if due.keep else []
+            if due.own and moved[me] and isinstance(source_of(me, 0), Sealed):  # its own from its segment, mapped:
+                bisect.insort(order, me)  # no copy, as it must not alias its input (read in rank order)
+            try:
+                for r in order:
                     if moved[r]:
                         got[r] = fetch(source_of(r, part), moved[r], infos[r].inline, infos[r].length, sizes_of)
             except BaseException:

@@ -67,8 +67,9 @@ class RestMedium(Protocol):
 
 
 def own(out: Outgoing, copy: bool) -> Incoming:
-    """This rank's own result from its input: its tensors copied where ``copy`` (an all_gather's never aliases)."""
-    return Incoming(out.frame, [t.to("cpu", copy=copy) for t in out.tensors])
+    """This rank's own result from its input: its tensors copied where ``copy`` (an all_gather's never aliases), else
+    as they are (the caller decodes its own with ``own=True``)."""
+    return Incoming(out.frame, [t.to("cpu", copy=True) for t in out.tensors] if copy else list(out.tensors))
 
 
 def _from_slot(info: SlotInfo) -> Incoming:

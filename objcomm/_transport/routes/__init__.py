@@ -26,7 +26,8 @@ receivers answer first  broadcast, send/recv: sizes not listed in the slot, a pi
                         (scatter always votes; all_gather and gather read every
                         receiver's limit in round 1 and never do)
 rest medium             the channel: round 1 went through it, CPU, the largest rest      :func:`rest_medium`
-                        below ``min(shm_threshold, CHANNEL_MOST)``; shared memory: on,
+                        below ``min(shm_threshold, CHANNEL_MOST)`` (a gather's, all of
+                        them at most ``CHANNEL_MOST``); shared memory: on,
                         CPU, one host, the largest rest at least ``shm_threshold``;
                         else the backend
 send's rest with slot   through a CPU group's backend, no answer first, a rest of at     :func:`backend_whole`
