@@ -32,6 +32,7 @@ from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import bytes as _bytes
 from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
+from objcomm._transport import routes
 from objcomm._transport.routes import cutoffs as _cutoffs
 
 pytestmark = pytest.mark.timeout(180)
@@ -142,6 +143,43 @@ def test_what_the_channel_does_not_take_keeps_its_route():
     receiver = dict(get_pool(2).run(routes_kept)[1])
     assert receiver["at the threshold"] == {"backend": 0, "shm": 1}
     assert receiver["below, without shared memory"] == {"backend": 0, "shm": 0}
+
+
+def rest_media_against_the_plan() -> List[Any]:
+    """For all_gather, gather and broadcast, sizes on every side of the cut-offs (the channel below shm_threshold,
+    shared memory from it, the backend past it with shared memory off): the medium that moved the rest, and the one
+    ``routes.plan`` gives the same call on one host (its last step), as ``(op, sizes, shm, moved, planned)``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    threshold, kb = 256 << 10, 1 << 10
+    media = {routes.CHANNEL: "channel", routes.SHARED_MEMORY: "shm", routes.BACKEND: "backend"}
+    got = []
+    for shm in (True, False):
+        comm = objcomm.Communicator(local=True, shm=shm, shm_threshold=threshold)
+        comm.all_gather(None)
+        one_host = routes.Topology(world, ranks_per_host=world, channel_open=True)
+        knobs = routes.Knobs(shm=shm, shm_threshold=threshold)
+        for sizes in ([20 * kb] * world, [1024 * kb] * world, [20 * kb, 1024 * kb, 20 * kb], [200 * kb] * world):
+            blob = bytes(sizes[rank])  # past the slot: its frame is the rest (a few bytes more than the blob)
+            for op in ("all_gather", "gather", "broadcast"):
+                with counting(ROUTES) as counts:
+                    _one(comm, op, blob, rank)
+                moved = "shm" if counts["shm"] else "backend" if counts["backend"] else "channel"
+                steps = routes.plan(op, one_host, rests=[n + 64 for n in sizes], knobs=knobs).steps
+                got.append((op, sizes, shm, moved, media[steps[-1].medium] if len(steps) > 1 else None))
+    return got
+
+
+def _one(comm: objcomm.Communicator, op: str, blob: bytes, rank: int) -> Any:
+    if op == "gather":
+        return comm.gather(blob, dst=0)
+    return comm.all_gather(blob) if op == "all_gather" else comm.broadcast(blob if rank == 0 else None, src=0)
+
+
+def test_the_rest_takes_the_medium_the_routes_plan_gives():
+    cases = get_pool(3).run(rest_media_against_the_plan)[0]
+    for op, sizes, shm, moved, planned in cases:
+        assert moved == planned, (op, sizes, shm)
+    assert {moved for *_, moved, _ in cases} == {"channel", "shm", "backend"}  # every medium is asked
 
 
 def on_a_pair() -> Tuple[int, Any, objcomm.Communicator]:
