@@ -64,11 +64,13 @@ def arrive(group: Any, suffix: str, stopping: threading.Event, timeout: float) -
     if hasattr(store, "clone"):
         store = store.clone()
     key, members = f"objcomm/{world.pg_names[group]}:{suffix}/arrived", dist.get_world_size(group)
-    count, pause, deadline = store.add(key, 1), 1e-3, time.monotonic() + timeout
+    start = time.monotonic()
+    count, pause, deadline = store.add(key, 1), 1e-3, start + timeout
     while count < members:
         if stopping.wait(pause) or time.monotonic() > deadline:
             return False
-        pause = min(2 * pause, 0.25)  # ranks come within ms; one that never does costs 4 store calls a second
+        # ranks come within ms (a first collective may be waiting); one that never does: 4 store calls a second
+        pause = min(2 * pause, 0.05 if time.monotonic() < start + 2 else 0.25)
         count = store.add(key, 0)
     return True
 
