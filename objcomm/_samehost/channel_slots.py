@@ -421,14 +421,9 @@ class ChannelSlots:
             if channel is not None and channel.closed and channel.p2p:  # closed, not failed (a forked child, at exit):
                 channel.check(op)  # raises, as a collective does (the peers' send/recv still take the channel)
             if channel is not None and channel.p2p and not channel.closed:
-                key = (-1 if peer is None else peer, wire.tag)
-                due = state.owed.get(key, 0) if sends else 0
-                if not due:
+                # a receive the peer had waiting through the group at the vote takes an owed send there
+                if not (sends and peer is not None and state.owes(peer, wire.tag)):
                     return ChannelRoute(channel, self.spin)
-                if due > 1:  # a receive the peer had waiting through the group at the vote takes this one there
-                    state.owed[key] = due - 1
-                else:
-                    del state.owed[key]
                 return Counted(state, sends, peer, wire.tag, owed=True)
             return Counted(state, sends, peer, wire.tag)
 

@@ -260,10 +260,7 @@ class Opener:
                     stop = True
                 try:
                     rows = channel.vote(wire, entries, what, stop=stop)
-                    with state.cond:  # before the vote ends: a send/recv waiting for it must see the outcome
-                        if rows is not None:
-                            state.owe(rows, wire.rank)
-                            channel.p2p = True
+                    state.settle(rows, wire.rank, channel)
                 except _channel.VotingStopped:
                     return
                 except Exception as exc:  # (OutOfStep included) the next collective decides anew

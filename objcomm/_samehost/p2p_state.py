@@ -114,10 +114,24 @@ class SameHost:
             channel.fail(op, str(exc))
         except CommunicationError as exc:  # failed on this rank, perhaps not on others
             channel.fail(op, f"the send/recv vote failed ({exc})", exc)
-        with self.cond:  # before the vote ends: a send/recv waiting for it must see the outcome
+        self.settle(rows, wire.rank, channel)
+
+    def settle(self, rows: Optional[Sequence[Sequence[int]]], rank: int, channel: _channel.LocalChannel) -> None:
+        """A vote's outcome (``rows``: :meth:`LocalChannel.vote`'s; None: it did not pass), recorded before the vote
+        ends, as a send/recv waiting for it must see it: what this rank owes (:meth:`owe`), and whether send/recv
+        take ``channel``."""
+        with self.cond:
             if rows is not None:
-                self.owe(rows, wire.rank)
+                self.owe(rows, rank)
             channel.p2p = rows is not None
+
+    def owes(self, dst: int, tag: int) -> bool:
+        """(Under :attr:`cond`.) Whether a send to ``dst`` under ``tag`` is one this rank still owes through the
+        group (a receive there waited for it at the vote): then one fewer is owed."""
+        if (dst, tag) not in self.owed:
+            return False
+        _less(self.owed, (dst, tag))
+        return True
 
     def end_vote(self) -> None:
         with self.cond:
@@ -171,13 +185,18 @@ class Counted:
         if not self.waits:
             return
         self.waits = False
-        state, key = self.state, self.key
-        if key is None:
-            state.anyone -= 1
-        elif state.waiting[key] > 1:
-            state.waiting[key] -= 1
+        if self.key is None:
+            self.state.anyone -= 1
         else:
-            del state.waiting[key]
+            _less(self.state.waiting, self.key)
+
+
+def _less(counts: Dict[Key, int], key: Key) -> None:
+    """One fewer under ``key``, which is there: gone at none."""
+    if counts[key] > 1:
+        counts[key] -= 1
+    else:
+        del counts[key]
 
 
 def _count(state: SameHost, counts: Dict[Key, int], key: Key) -> None:

@@ -37,9 +37,7 @@ def sibling(group: Any, suffix: str, backend: Optional[str] = None, ranks: Optio
     timeout = group_timeout(group)
     if timeout is None:
         from torch.distributed.constants import default_pg_timeout as timeout
-    store = world.pg_map[c10d._get_default_group()][1]
-    if hasattr(store, "clone"):  # a connection of its own, so that waiting for peers holds up no other store user
-        store = store.clone()
+    store = _own_store()  # waiting for peers here holds up no other store user
     made, _ = c10d._new_process_group_helper(
         len(ranks),
         ranks.index(dist.get_rank()),
@@ -58,12 +56,8 @@ def arrive(group: Any, suffix: str, stopping: threading.Event, timeout: float) -
     ``stopping`` is set or ``timeout`` seconds pass (False): in short steps, never long inside torch, so that a
     thread waiting here for ranks that may never come can stop at once (one left inside torch at exit aborts the
     process). A sibling's own rendezvous, which cannot be stopped, then finds every member there."""
-    c10d: Any = dist.distributed_c10d
-    world = c10d._world
-    store = world.pg_map[c10d._get_default_group()][1]
-    if hasattr(store, "clone"):
-        store = store.clone()
-    key, members = f"objcomm/{world.pg_names[group]}:{suffix}/arrived", dist.get_world_size(group)
+    store, names = _own_store(), dist.distributed_c10d._world.pg_names
+    key, members = f"objcomm/{names[group]}:{suffix}/arrived", dist.get_world_size(group)
     start = time.monotonic()
     count, pause, deadline = store.add(key, 1), 1e-3, start + timeout
     while count < members:
@@ -78,11 +72,21 @@ def arrive(group: Any, suffix: str, stopping: threading.Event, timeout: float) -
 def store_clones() -> bool:
     """Whether the default group's store can be cloned (torch 2.8 on): a sibling made in a background thread then
     waits for its peers on a connection of its own, holding up no other user of the store."""
-    c10d: Any = dist.distributed_c10d
     try:
-        return hasattr(c10d._world.pg_map[c10d._get_default_group()][1], "clone")
+        return hasattr(_default_store(), "clone")
     except Exception:  # no default group
         return False
+
+
+def _default_store() -> Any:
+    c10d: Any = dist.distributed_c10d  # private names, typed differently across torch versions
+    return c10d._world.pg_map[c10d._get_default_group()][1]
+
+
+def _own_store() -> Any:
+    """The default group's store, on a connection of its own where it can be cloned (:func:`store_clones`)."""
+    store = _default_store()
+    return store.clone() if hasattr(store, "clone") else store
 
 
 def forget(made: Any) -> None:
