@@ -97,7 +97,7 @@ class Operations(Resolving):
             _reduce.resolve(op)
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, dst, "dst")
-        value, complete, own, _ = _reduce.tree(call, obj, op)
+        value, complete, own, _ = _reduce.tree(call, obj, op, "reduce")
         out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
         incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, self._up_tree(call.wire))
         if incoming is None:

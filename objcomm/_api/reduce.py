@@ -19,12 +19,12 @@ from __future__ import annotations
 import copy
 import operator
 import os
-from typing import Any, Callable, Dict, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Union
 
 from objcomm._errors import CommunicationError, ObjcommError, OpError
 from objcomm._format import frame as _frame
 from objcomm._transport import rounds as _rounds
-from objcomm._transport.base import INTERNAL_TAG
+from objcomm._transport.base import INTERNAL_TAG, Wire
 
 Op = Union[str, Callable[[Any, Any], Any]]
 
@@ -102,39 +102,69 @@ class Reduced(NamedTuple):
     lowest: int  # the smallest max_bytes at or below this rank (group rank 0: of every rank that reported one)
 
 
-def tree(call: Any, obj: Any, op: Op) -> Reduced:
-    """Combine every rank's ``obj`` onto group rank 0 over ``call.wire``.
+def tree(call: Any, obj: Any, op: Op, what: str = "all_reduce") -> Reduced:
+    """Combine every rank's ``obj`` onto group rank 0 over ``call.wire`` (``what``: the call, for its set-up's errors).
 
     Each message up the tree announces, in its slot's limit, the smallest ``max_bytes`` of the subtree it
     comes from, so that group rank 0 learns the group's smallest (:attr:`Reduced.lowest`): the result that
     goes back down the tree (:func:`objcomm._transport.broadcast.down_tree`) is then refused once, at the
     root, for every rank alike, rather than by one rank in the middle of the tree.
+
+    On two levels (:meth:`~objcomm._transport.base.FirstRound.tree_levels`: a CPU group across hosts, each host's
+    ranks consecutive) each host's ranks climb a tree over the host's channel to its leader, then the leaders climb
+    theirs through the backend: the same order of ranks, and only the leaders call the backend.
     """
-    wire = call.wire._replace(tag=INTERNAL_TAG)  # above every tag a caller may pass (objcomm._api.call.MAX_TAG)
-    lowest = wire.max_bytes
+    wire = call.wire
     own: Optional[BaseException] = None
     try:
         fn = resolve(op)
     except ValueError as exc:
         fn, own = operator.add, exc  # never called: nothing is complete here
-    value, complete = obj, own is None
-    step = 1
-    while step < wire.size:
-        if wire.rank & step:  # send what this subtree holds to the parent, and stop
+    held = Reduced(obj, own is None, own, wire.max_bytes)
+    levels = wire.first_round.tree_levels(wire, what)
+    if levels is None:
+        ranks = range(wire.size)
+        return _climb(call, wire, wire.rank, ranks, ranks, held, fn, op)
+    host = levels.home
+    if levels.host is not None:  # the host's ranks, consecutive
+        ranks = range(levels.leaders[host], levels.lasts[host] + 1)
+        held = _climb(call, levels.host, wire.rank - ranks[0], ranks, ranks, held, fn, op)
+    if wire.rank != levels.leaders[host]:  # what this rank held went up to its leader
+        return held
+    return _climb(call, wire, host, levels.leaders, levels.lasts, held, fn, op)
+
+
+def _climb(
+    call: Any,
+    wire: Wire,
+    me: int,
+    ranks: Sequence[int],
+    lasts: Sequence[int],
+    held: Reduced,
+    fn: Callable[[Any, Any], Any],
+    op: Op,
+) -> Reduced:
+    """One binomial tree towards ``ranks[0]`` over the group ranks ``ranks`` of ``wire`` (this rank: ``ranks[me]``),
+    from what this rank holds (``held``); ``lasts[i]``: the highest group rank whose object ``ranks[i]`` holds."""
+    wire = wire._replace(tag=INTERNAL_TAG)  # above every tag a caller may pass (objcomm._api.call.MAX_TAG)
+    value, complete, own, lowest = held
+    step, size = 1, len(ranks)
+    while step < size:
+        if me & step:  # send what this subtree holds to the parent, and stop
             if complete:
                 out, failed = call.encode(value)
                 own = own or failed
             else:
                 out = _frame.error_frame(own or ObjcommError("a rank below failed"), wire.inline_capacity)
             try:
-                _rounds.send(wire._replace(max_bytes=lowest), out, wire.rank - step)
+                _rounds.send(wire._replace(max_bytes=lowest), out, ranks[me - step])
             except CommunicationError:
                 raise
             except ObjcommError as exc:  # the parent refused it: it knows, and so will everyone else
                 own = own or exc
             return Reduced(None, False, own, lowest)
-        child = wire.rank + step
-        if child < wire.size:
+        if me + step < size:
+            child = ranks[me + step]
             try:
                 _, item, is_error = _rounds.recv(wire, child, _frame.tensor_sizes)
                 lowest = min(lowest, item.sender_limit)
@@ -145,7 +175,8 @@ def tree(call: Any, obj: Any, op: Op) -> Reduced:
                     try:
                         value = fn(value, theirs)
                     except Exception as exc:
-                        left, right = _ranks(wire.rank, child - 1), _ranks(child, min(child + step, wire.size) - 1)
+                        left = _ranks(ranks[me], lasts[me + step - 1])
+                        right = _ranks(child, lasts[min(me + 2 * step, size) - 1])
                         raise op_error(op, fn, exc, left, right) from exc
             except CommunicationError:
                 raise

@@ -65,7 +65,7 @@ from objcomm._samehost.channel_checks import _checked, _trim, agree_on, cut_whol
 from objcomm._samehost.inbox import ANSWER, REST
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._samehost.p2p_state import Counted, SameHost
-from objcomm._transport.base import NOT_USED, THROUGH_GROUP, WHOLE, Lease, NotUsed, Slot, Wire
+from objcomm._transport.base import NOT_USED, THROUGH_GROUP, WHOLE, Lease, NotUsed, Slot, TreeLevels, Wire
 
 T = TypeVar("T")
 _BACKEND = THROUGH_GROUP  # send/recv through the group, uncounted
@@ -311,6 +311,9 @@ class ChannelSlots:
 
     def share(self, wire: Wire, data: Optional[Slot], length: int, src: int, op: str) -> Union[Slot, NotUsed]:
         return NOT_USED
+
+    def tree_levels(self, wire: Wire, op: str) -> Optional[TreeLevels]:
+        return None  # on one host the tree's send/recv take the group's channel (p2p)
 
     def gather_words(self, wire: Wire, words: Sequence[int], op: str) -> Union[List[List[int]], NotUsed]:
         found = self.channel_of(wire, op)  # round 1 opened it, or found none: never opened here, mid-call

@@ -30,7 +30,9 @@ it at the same call): which ranks share a host (one all_gather through the group
 group* (made by the leaders alone), both by :func:`objcomm._transport.groups.sibling`, the channel of each node
 group (its set-up), and one all_reduce through the group, so that every rank takes two levels only where every
 host's channel opened. Groups with one rank per host keep the flat path, as do NCCL groups (NCCL builds its own
-rings and trees over NVLink and the network), scatter, all_to_all, send/recv and the reductions' tree.
+rings and trees over NVLink and the network), scatter, all_to_all and send/recv. The reductions' tree takes the two
+levels once they are set up, where every host holds consecutive ranks (:meth:`TwoLevel.tree_levels`): each host's
+ranks up a tree of messages over the host's channel to the leader, then the leaders' tree through the group.
 
 Example (four hosts of eight ranks)::
 
@@ -49,15 +51,16 @@ import torch.distributed as dist
 
 from objcomm import _state
 from objcomm._errors import CommunicationError
+from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.channel import LocalChannel
 from objcomm._samehost.channel_checks import agree_on, echo
-from objcomm._samehost.channel_slots import ChannelSlots
+from objcomm._samehost.channel_slots import ChannelRoute, ChannelSlots
 from objcomm._samehost.two_level_moves import Here, Levels, all_gather_fixed, gather_fixed, largest_in_levels, relay
 from objcomm._transport import groups as _groups
 from objcomm._transport import routes
-from objcomm._transport.base import BACKEND, DIRECT, NOT_USED, NotUsed, Slot, Wire, guarded
+from objcomm._transport.base import BACKEND, DIRECT, NOT_USED, Lease, NotUsed, Slot, TreeLevels, Wire, guarded
 
 # Operations whose second round moves through the whole group's backend, not two levels: their votes do too, so
 # that a leader who tells its host another outcome than the leaders' cannot send its host's ranks into a different
@@ -145,6 +148,25 @@ class TwoLevel(ChannelSlots):
             echo(here.channel, bytes(got), here.spin, op, "shared words")  # a host must act on what its leader read
         return got
 
+    def tree_levels(self, wire: Wire, op: str) -> Optional[TreeLevels]:
+        """Two levels for a reduction's tree where a collective of the group set them up (round 1 of an all_gather,
+        gather or broadcast: the same on every rank) and every host holds consecutive ranks; the host's channel
+        reopened first if it failed (a collective of the host's ranks, all in this call)."""
+        levels = _state.group_facts(wire.group).levels.get(self.separate)
+        ends = None if levels is None else levels.ends
+        if ends is None:
+            return None
+        here = self.here(wire, op, set_up=True)
+        if here is None:
+            return None
+        leaders, lasts = ends
+        host = None
+        if here.channel is not None:
+            host = wire._replace(
+                first_round=HostEdges(here.channel, self.spin, leaders[here.host]), second_round=DIRECT
+            )
+        return TreeLevels(host, here.host, leaders, lasts)
+
     def largest(self, wire: Wire, values: Sequence[int], op: str) -> Union[List[int], NotUsed]:
         got = super().largest(wire, values, op)
         if got is not NOT_USED or op in FLAT_SECOND_ROUNDS:
@@ -158,6 +180,75 @@ class TwoLevel(ChannelSlots):
         # (a gather's round 1 went through the group: its slots only to the destination, unless one failed)
         if op != "gather" and here is not None and here.channel is not None:  # the leaders read alike: the backend
             agree_on(here.channel, here.spin, infos, op)
+
+
+@dataclass(frozen=True)
+class HostEdges:
+    """The first-round strategy of a reduction's tree inside a host (:meth:`TwoLevel.tree_levels`): the group's
+    wire, whose send/recv between the host's ranks (group ranks ``base`` on) take the host's channel; nothing else
+    runs on it."""
+
+    channel: LocalChannel
+    spin: Optional[float]
+    base: int  # the host's lowest group rank: its place 0 on the channel
+
+    def p2p(self, wire: Wire, op: str, peer: Optional[int]) -> Lease:
+        return HostRoute(self.channel, self.spin, self.base)
+
+    def all_gather(self, *args: Any) -> NotUsed:
+        return NOT_USED
+
+    broadcast = scatter = all_to_all = gather = share = gather_words = largest = all_gather
+
+    def agree(self, wire: Wire, infos: Sequence[Any], op: str) -> None:
+        pass
+
+    def tree_levels(self, wire: Wire, op: str) -> None:
+        return None
+
+    def channel_of(self, wire: Wire, op: str) -> None:
+        return None
+
+
+class HostRoute(ChannelRoute):
+    """:class:`ChannelRoute` over a host's channel, its peers named by group rank (``base`` on: place 0), so that the
+    transport's messages and errors name them as on every other path."""
+
+    __slots__ = ("base",)
+
+    def __init__(self, channel: LocalChannel, spin: Optional[float], base: int) -> None:
+        super().__init__(channel, spin)
+        self.base = base
+
+    def send(self, wire: Wire, slot: Slot, dst: int) -> int:
+        return super().send(wire, slot, dst - self.base)
+
+    def send_whole(self, wire: Wire, slot: Slot, out: Outgoing, info: SlotInfo, dst: int) -> bool:
+        return super().send_whole(wire, slot, out, info, dst - self.base)
+
+    def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot, int]:
+        sender, slot, message = super().recv(wire, None if src is None else src - self.base, op)
+        return sender + self.base, slot, message
+
+    def answer(self, wire: Wire, dst: int, message: int, code: int) -> None:
+        super().answer(wire, dst - self.base, message, code)
+
+    def answer_of(self, wire: Wire, src: int, message: int, op: str) -> int:
+        return super().answer_of(wire, src - self.base, message, op)
+
+    def send_words(self, wire: Wire, words: Sequence[int], dst: int, message: int) -> None:
+        super().send_words(wire, words, dst - self.base, message)
+
+    def recv_words(self, wire: Wire, count: int, src: int, message: int, op: str) -> List[int]:
+        return super().recv_words(wire, count, src - self.base, message, op)
+
+    def send_rest(self, wire: Wire, out: Outgoing, info: SlotInfo, dst: int, message: int) -> None:
+        super().send_rest(wire, out, info, dst - self.base, message)
+
+    def recv_rest(
+        self, wire: Wire, info: SlotInfo, sizes_of: SizesOf, src: int, message: int, op: str, drain: bool = False
+    ) -> Incoming:
+        return super().recv_rest(wire, info, sizes_of, src - self.base, message, op, drain)
 
 
 _STRATEGIES: Dict[Tuple[Union[bool, int], Optional[int], Optional[int]], TwoLevel] = {}

@@ -8,6 +8,7 @@ channel fails too, so that the host's ranks raise as well).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import struct
 from dataclasses import dataclass, field
@@ -46,6 +47,14 @@ class Levels:
     # what a gather's round 1 told a leader, for its round 2 (a group's collectives run one at a time): its host's
     # rests ("host"), and on the destination's leader every host's total ("totals"); the destination's is 0
     memo: Dict[str, List[int]] = field(default_factory=dict, compare=False)
+
+    @functools.cached_property
+    def ends(self) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+        """Each host's lowest and highest group rank, where the reductions' tree takes the two levels
+        (:func:`~objcomm._transport.routes.tree_on_two_levels`: every host holds consecutive ranks); else None."""
+        if not routes.tree_on_two_levels(self.hosts):
+            return None
+        return tuple(host[0] for host in self.hosts), tuple(host[-1] for host in self.hosts)
 
 
 class Here(NamedTuple):

@@ -169,6 +169,12 @@ class FirstRound(Protocol):
         the whole call (round 2 included): entering it gives a :class:`Route`, or None when the group moves the slot.
         Sender and receiver get the same."""
 
+    def tree_levels(self, wire: Wire, op: str) -> Optional[TreeLevels]:
+        """A reduction's tree on two levels (:func:`objcomm._transport.routes.tree_on_two_levels`): the wire whose
+        send/recv take this rank's host's channel, and where each host's ranks lie; None where the tree runs over
+        the group. The same answer on every rank (the levels are set up by an earlier collective of the group); every
+        rank of the call asks (a host's channel that failed reopens here, a collective of the host's ranks)."""
+
     def channel_of(self, wire: Wire, op: str) -> Optional[Tuple[Any, Optional[float]]]:
         """The same-host channel (:class:`objcomm._samehost.channel.LocalChannel`) that carried this call's round 1, and
         the spin of its waits; None when round 1 went through the group (the same answer on every rank). Raises
@@ -266,6 +272,9 @@ class _Backend:
     def p2p(self, wire: Wire, op: str, peer: Optional[int]) -> Lease:
         return THROUGH_GROUP
 
+    def tree_levels(self, wire: Wire, op: str) -> None:
+        return None
+
     def channel_of(self, wire: Wire, op: str) -> None:
         return None
 
@@ -307,6 +316,17 @@ class Wire(NamedTuple):
     @property
     def answer_tag(self) -> int:
         return 2 * self.tag + 1
+
+
+class TreeLevels(NamedTuple):
+    """A reduction's tree on two levels (:meth:`FirstRound.tree_levels`): each host's ranks combine on its leader
+    over the host's channel, then the leaders combine on group rank 0 through the group. Every host holds
+    consecutive group ranks, so the order of a host's ranks, then of the hosts, is the group's."""
+
+    host: Optional[Wire]  # the group's wire, its send/recv over this rank's host's channel (None: the host's only rank)
+    home: int  # this rank's host
+    leaders: Sequence[int]  # each host's lowest group rank, hosts in order
+    lasts: Sequence[int]  # each host's highest group rank
 
 
 def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:

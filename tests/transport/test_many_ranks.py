@@ -728,8 +728,9 @@ def two_levels(k: int) -> List[Any]:
 
 
 def two_level_plans(k: int) -> List[Any]:
-    """all_gather, broadcast and gather of every spread with hosts of ``k`` ranks: this rank's torch.distributed calls
-    and what ``routes.plan`` gives for the same sizes on the same topology."""
+    """all_gather, broadcast and gather of every spread (all_reduce and reduce of :data:`TREE_CASES`) with hosts of
+    ``k`` ranks: this rank's torch.distributed calls and what ``routes.plan`` gives for the same sizes on the same
+    topology."""
     topology = routes.Topology(world=W, ranks_per_host=k, device="cpu")
     rows = []
     with ranks_per_host(k):
@@ -737,10 +738,15 @@ def two_level_plans(k: int) -> List[Any]:
         comm.all_gather(rank)  # the set-up: hosts, node and leaders' groups, channels
         for case in CASES:
             rests = _rests(case)
+            reductions = (  # (their plan has one size for every message up the tree: see TREE_CASES)
+                ("all_reduce", 0, lambda case=case: comm.all_reduce(spread(case, rank), op=_left)),
+                ("reduce", 5, lambda case=case: comm.reduce(spread(case, rank), op=_left, dst=5)),
+            )
             for op, root, run in (
                 ("all_gather", 0, lambda case=case: comm.all_gather(spread(case, rank))),
                 ("broadcast", 6, lambda case=case: comm.broadcast(spread(case, 6) if rank == 6 else None, src=6)),
                 ("gather", 5, lambda case=case: comm.gather(spread(case, rank), dst=5)),
+                *(reductions if case in TREE_CASES else ()),
             ):
                 with calls() as counts:
                     run()
@@ -805,6 +811,79 @@ def test_two_levels_only_leaders_call_the_backend(k, monkeypatch):
         if k == 4:
             got, collectives = rows[-1]
             assert got == [r for r in range(W) if r // 4 == rank // 4] and collectives == 0, (rank, rows[-1])
+
+
+def _raises_on_five(a: Any, b: Any) -> Any:
+    """Concatenation, which raises where the right operand holds rank 5's object."""
+    if 5 in b:
+        raise ValueError("rank 5's object")
+    return a + b
+
+
+def reductions_right_and_wrong(comm: objcomm.Communicator, rank: int) -> List[Any]:
+    """all_reduce and reduce, right and wrong, on ``comm``: each call's result, or its error's type and first line,
+    with this rank's torch.distributed calls in it."""
+    calls_of = {
+        "in order": lambda: comm.all_reduce([rank], "sum"),  # concatenation: the order of ranks shows
+        "reduce in order": lambda: comm.reduce([rank], "sum", dst=5),
+        "1 MB each": lambda: comm.all_reduce(bytes([rank]) * (1 << 20), op=_left),  # rests over the channel
+        "tensors": lambda: comm.all_reduce(torch.full((1000,), float(rank)), "sum"),
+        "op raises": lambda: comm.all_reduce([rank], op=_raises_on_five),
+        "refused up the tree": lambda: comm.all_reduce(
+            b"x" * 200_000, "sum", max_bytes=300_000 if rank == 4 else None
+        ),  # rank 4 takes rank 6's 400 KB: over its limit
+        "result over a limit": lambda: comm.all_reduce(b"x" * 200_000, "sum", max_bytes=1 << 20 if rank == 2 else None),
+        "a failing encode": lambda: comm.all_reduce(object() if rank == 5 else 1, "sum", serializer="json"),
+    }
+    rows = []
+    for case, run in calls_of.items():
+        with calls() as counts:
+            try:
+                got = run()
+                outcome = got.tolist() if isinstance(got, torch.Tensor) else got
+                outcome = (len(outcome), outcome[:1]) if isinstance(outcome, bytes) else outcome
+            except objcomm.ObjcommError as exc:
+                outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        rows.append((case, outcome, sum(counts.values())))
+        assert comm.all_gather(rank) == list(range(W))  # the group is in step after the error
+    return rows
+
+
+def reductions_flat_and_on_two_levels(k: int) -> List[Any]:
+    """:func:`reductions_right_and_wrong` every rank its own host, then with hosts of ``k`` ranks (after an
+    all_gather that sets the two levels up)."""
+    rank = dist.get_rank()
+    flat = reductions_right_and_wrong(_comm(), rank)
+    with ranks_per_host(k):
+        comm = objcomm.Communicator()
+        comm.all_gather(rank)
+        return [flat, reductions_right_and_wrong(comm, rank)]
+
+
+@pytest.mark.parametrize("k", [4, 3])
+def test_reductions_on_two_levels(k):
+    """With hosts of ``k`` consecutive ranks a reduction's tree climbs each host's channel, then the leaders'
+    (routes.tree_on_two_levels): every result is the flat path's (ranks combined in order), and only leaders call
+    torch.distributed. Every rank raises the same error as the others; with hosts of four (a power of two) the tree
+    is the flat one, and each error is the flat path's word for word (ranks named by group rank: a host's channel
+    numbers them from its leader); with hosts of three the tree combines other pairs, but the error is the same."""
+    every = get_pool(W).run(reductions_flat_and_on_two_levels, k, timeout=180)
+    for index, (case, _, _) in enumerate(every[0][1]):
+        flat = [rows[0][index][1] for rows in every]
+        levels = [rows[1][index][1] for rows in every]
+        leveled_calls = [rows[1][index][2] for rows in every]
+        assert all(levels[r] == levels[0] for r in range(W) if r != 5), (case, levels)  # (reduce: only dst has it)
+        if k == 4 or not isinstance(flat[0], str):
+            assert levels == flat, (case, flat, levels)
+        else:
+            assert levels[0].split(":")[0] == flat[0].split(":")[0], (case, flat[0], levels[0])
+        assert all(calls == 0 for r, calls in enumerate(leveled_calls) if r % k), (case, k, leveled_calls)
+    rows = every[0][1]
+    assert rows[0][1] == list(range(W)) and rows[3][1] == [float(sum(range(W)))] * 1000, rows[:4]
+    assert [every[r][1][1][1] for r in range(W)] == [None] * 5 + [list(range(W))] + [None] * 2
+    assert rows[4][1].startswith("RemoteError") and "b from group rank 5" in rows[4][1], rows[4]
+    assert all("TooLargeError" in row[1] for row in rows[5:7]), rows[5:7]  # (rank 0 says which rank refused)
+    assert rows[7][1].startswith("RemoteError"), rows[7]
 
 
 def leaders_up_a_tree(k: int) -> List[Any]:

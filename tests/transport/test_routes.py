@@ -281,10 +281,36 @@ def test_two_levels_leave_the_backend_to_one_rank_per_host(world):
     for case, rests in _spreads(world).items():
         for op, most in (("all_gather", 3), ("gather", 3), ("broadcast", 4), ("all_reduce", 5)):
             got = plan(op, topology, rests)
-            backend = [s for s in got.steps if s.medium == BACKEND and s.collective != "tree"]
+            backend = [s for s in got.steps if s.medium == BACKEND]  # (a reduction's tree: the leaders')
             assert backend and all(s.across and s.ranks == world // 8 for s in backend), (op, case, got)
             assert all(s.ranks == 8 for s in got.steps if s.medium == CHANNEL), (op, case, got)
             assert got.backend_calls <= most + (max(rests) >> 28), (op, case, world, got.backend_calls)
+
+
+def test_a_reductions_tree_takes_two_levels_where_every_host_holds_consecutive_ranks():
+    """routes.tree_on_two_levels: consecutive ranks on every host (torchrun's numbering), of any sizes; not where a
+    host's ranks interleave with another's (combining a host's ranks first would change the order of ranks)."""
+    assert routes.tree_on_two_levels([(0, 1, 2), (3, 4, 5), (6, 7)])
+    assert routes.tree_on_two_levels([(r,) for r in range(8)] + [tuple(range(8, 8192))])
+    assert not routes.tree_on_two_levels([(0, 2), (1, 3)])
+    assert not routes.tree_on_two_levels([(0, 1, 3), (2, 4, 5)])
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce"])
+def test_a_reductions_tree_on_two_levels_climbs_each_host_then_the_leaders(op):
+    """gloo, hosts of 8: the tree's first ceil(log2 8) levels inside each host (the channel), then ceil(log2 1024)
+    among the leaders through the backend, whose calls are the leaders' tree's; NCCL and one rank a host: one tree
+    over every rank."""
+    for rest in (0, 3 * MB):
+        got = plan(op, Topology(world=8192, ranks_per_host=8), [rest] * 8192)
+        host, leaders = got.steps[:2]
+        assert (host.collective, host.medium, host.ranks, host.nbytes) == ("tree", CHANNEL, 8, (4096 + rest,))
+        assert (leaders.collective, leaders.medium, leaders.ranks, leaders.across) == ("tree", BACKEND, 1024, True)
+        assert leaders.calls == routes.tree_calls(1024, rest, cpu=True, listed=True, chunk=Knobs().chunk_bytes)
+        assert "tree" not in [s.collective for s in got.steps[2:]]
+        for flat in (Topology(world=8192, ranks_per_host=8, device="cuda"), Topology(world=8192)):
+            first = plan(op, flat, [rest] * 8192).steps[0]
+            assert (first.collective, first.medium, first.ranks) == ("tree", BACKEND, 0), flat
 
 
 def test_two_levels_only_where_they_apply():

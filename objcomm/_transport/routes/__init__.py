@@ -48,6 +48,9 @@ gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks:
 two levels              all_gather, gather, broadcast of a CPU group with ``local`` on   :func:`two_levels`
                         that spans hosts, some with two ranks or more: each host's
                         channel to its leader, the leaders on the backend, back
+the reductions' tree    on two levels where every host holds consecutive group ranks:      :func:`tree_on_two_levels`
+                        each host's ranks up a tree over its channel to the leader, then
+                        the leaders' tree through the backend; else the group's tree
 a host's all_gather     on two levels, a shared file from ``shm_threshold``: the           :func:`in_place_table`
 result, in place        leaders' padded all_gather (hosts' bundles within 2x) writes it
                         in place from ``IN_PLACE_FROM``; else the leader copies into it
@@ -93,6 +96,7 @@ from objcomm._transport.routes.cutoffs import (
     slots_summed,
     slots_up_tree,
     stripe_width,
+    tree_on_two_levels,
     two_levels,
 )
 from objcomm._transport.routes.plans import (
@@ -144,6 +148,7 @@ __all__ = [
     "stripe_moves",
     "stripe_width",
     "tree_calls",
+    "tree_on_two_levels",
     "two_levels",
     "vote_calls",
 ]

@@ -64,6 +64,15 @@ def two_levels(*, hosts: int, widest: int, cpu: bool, local: bool) -> bool:
     return local and cpu and hosts > 1 and widest > 1
 
 
+def tree_on_two_levels(hosts: Sequence[Sequence[int]]) -> bool:
+    """Whether a reduction's tree, on a group that takes :func:`two_levels` (``hosts``: each host's group ranks,
+    ascending, hosts in the order of their lowest), runs on them too: each host's ranks combine on its leader over the
+    host's channel, then the leaders combine. Where every host holds consecutive group ranks (torchrun numbers ranks
+    node by node): the tree combines in group-rank order, and a host's ranks, then the hosts, are that order only then.
+    O(hosts)."""
+    return all(host[-1] - host[0] + 1 == len(host) for host in hosts)
+
+
 def channel_takes(moved: int, *, limit: int, cpu: bool) -> bool:
     """Whether the same-host channel, which carried round 1, takes a rest whose largest sender moves ``moved``
     bytes (``limit``: ``min(shm_threshold, CHANNEL_MOST)``)."""

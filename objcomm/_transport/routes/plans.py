@@ -193,11 +193,9 @@ def plan(
     slots = (knobs.slot_bytes,) * world
     steps = []
     k = min(topology.ranks_per_host, world)
-    if (
-        op in ("all_gather", "gather", "broadcast")
-        and topology.channel_open
-        and two_levels(hosts=-(-world // k), widest=k, cpu=topology.cpu, local=knobs.local)
-    ):
+    hosts = -(-world // k)  # of k consecutive ranks (the last may hold fewer)
+    leveled = topology.channel_open and two_levels(hosts=hosts, widest=k, cpu=topology.cpu, local=knobs.local)
+    if op in ("all_gather", "gather", "broadcast") and leveled:
         return Plan(op, CHANNEL, tuple(_two_level_steps(op, topology, list(rests), knobs, root, listed, carried)))
     if op == "all_gather":
         summed = first == BACKEND and slots_summed(world=world, cpu=topology.cpu)
@@ -242,8 +240,13 @@ def plan(
     elif op in ("all_reduce", "reduce"):
         # a tree of send/recv (objcomm._api.reduce.tree; each carries a slot and its rest), then all_reduce: group
         # rank 0's value or failure back down the tree or broadcast; reduce: a gather of every rank's report to the root
+        held = (knobs.slot_bytes + rests[0],)
         calls = tree_calls(world, rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
-        steps.append(Step("tree", BACKEND, (knobs.slot_bytes + rests[0],), calls=calls))
+        if leveled:  # each host's tree over its channel, then the leaders' (tree_on_two_levels: hosts consecutive)
+            across = tree_calls(hosts, rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
+            steps += [Step("tree", CHANNEL, held, k), Step("tree", BACKEND, held, hosts, True, across)]
+        else:
+            steps.append(Step("tree", BACKEND, held, calls=calls))
         if op == "all_reduce":
             result = plan("broadcast", topology, rests, knobs, root=0, listed=listed)
             if result.round_one == BACKEND and result_down_tree(cpu=topology.cpu):
