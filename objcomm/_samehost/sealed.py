@@ -39,6 +39,7 @@ import os
 import stat
 import time
 import weakref
+from itertools import accumulate
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union, cast
 
 import torch
@@ -86,6 +87,21 @@ def layout(position: int, sizes: Sequence[int]) -> Tuple[List[int], int]:
         offsets.append(position)
         position += size
     return offsets, position
+
+
+def table_layout(sizes: Sequence[int], width: int) -> Tuple[List[int], int]:
+    """Where each part of a table of ``len(sizes)`` rows of ``abs(width)`` bytes lies, and the table's size: ``width``
+    > 0, part ``i`` at the start of row ``i`` (a padded all_gather's); ``width`` < 0, the parts back to back from 0 (a
+    stream of stripes', :func:`objcomm._transport.exchange.by_stripes`); 0, :func:`layout`'s (no table). Raises
+    ``FrameError`` where the parts do not fit the rows."""
+    if not width:
+        return layout(0, sizes)
+    end = abs(width) * len(sizes)
+    if width > 0 and max(sizes, default=0) > width or width < 0 and sum(sizes) > end:
+        largest = max(sizes, default=0)
+        raise FrameError(f"parts of {sum(sizes):,} bytes (the largest {largest:,}) in rows of {abs(width):,}; refused")
+    offsets = [i * width for i in range(len(sizes))] if width > 0 else [0, *accumulate(sizes)][:-1]
+    return offsets, end
 
 
 def frame_parts(frame: Any) -> List[memoryview]:
@@ -142,17 +158,17 @@ class SealedTable:
         return SealedSegment(fd)
 
     def copy_rows(self, sizes: Sequence[int], width: int) -> List[memoryview]:
-        """Row ``i``'s first ``sizes[i]`` bytes (rows of ``width``), copied from the file into buffers of their own
-        (writable, as every rest reaches its decoder): where :meth:`seal` failed."""
+        """Part ``i`` of ``sizes[i]`` bytes (laid out by :func:`table_layout`), copied from the file into buffers of
+        their own (writable, as every rest reaches its decoder): where :meth:`seal` failed."""
         assert self.fd is not None
         rows = []
-        for i, n in enumerate(sizes):
+        for i, (n, at) in enumerate(zip(sizes, table_layout(sizes, width)[0])):
             row = bytearray(n)
             view, done = memoryview(row), 0
             while done < n:
-                got = os.preadv(self.fd, [view[done:]], i * width + done)
+                got = os.preadv(self.fd, [view[done:]], at + done)
                 if not got:
-                    raise OSError(errno.EIO, f"the table ended within row {i}")
+                    raise OSError(errno.EIO, f"the table ended within part {i}")
                 done += got
             rows.append(memoryview(row))
         return rows
@@ -165,11 +181,12 @@ class SealedTable:
 
 
 def map_rows(fd: int, sizes: Sequence[int], width: int) -> List[memoryview]:
-    """The rows of a sealed table this process wrote (``fd``), each its first ``sizes[i]`` bytes, as views on one
+    """The parts of a sealed table this process wrote (``fd``; laid out by :func:`table_layout`), as views on one
     private mapping: the leader's own view of what it hands its host, without :func:`map_parts`' checks of a file
     another process wrote."""
-    whole = memoryview(_private(fd, width * len(sizes))) if width and sizes else memoryview(b"")
-    return [whole[i * width : i * width + n] for i, n in enumerate(sizes)]
+    offsets, end = table_layout(sizes, width)
+    whole = memoryview(_private(fd, end)) if end else memoryview(b"")
+    return [whole[at : at + n] for at, n in zip(offsets, sizes)]
 
 
 def write_sealed(name: str, frame: Any, pieces: Sequence[memoryview]) -> SealedSegment:
@@ -244,16 +261,17 @@ def map_sealed(
 
 
 def map_parts(where: Sealed, sizes: Sequence[int], width: int = 0) -> List[memoryview]:
-    """The parts of ``sizes`` bytes a writer sealed at ``where`` (:func:`write_sealed` with no frame; ``width``: a
-    :class:`SealedTable` of rows of that many bytes, part ``i`` at the start of row ``i``), as views on one private
-    mapping (their memory lives while a view does). ``FrameError``: a file to refuse (its size is not exactly what
-    ``sizes`` lay out, among the rest: see the module docstring); :class:`Unopenable`: one that cannot be opened."""
-    if width and max(sizes, default=0) > width:
-        raise FrameError(f"sealed segment {where.path}: a part of {max(sizes):,} bytes in rows of {width:,}; refused")
+    """The parts of ``sizes`` bytes a writer sealed at ``where`` (:func:`write_sealed` with no frame; ``width`` not 0:
+    a :class:`SealedTable` laid out by :func:`table_layout`), as views on one private mapping (their memory lives
+    while a view does). ``FrameError``: a file to refuse (its size is not exactly what ``sizes`` lay out, among the
+    rest: see the module docstring); :class:`Unopenable`: one that cannot be opened."""
+    try:
+        offsets, end = table_layout(sizes, width)
+    except FrameError as exc:
+        raise FrameError(f"sealed segment {where.path}: {exc}") from None
     fd = _open_regular(where)
     try:
         held = _check_sealed(fd, where).st_size
-        offsets, end = ([i * width for i in range(len(sizes))], width * len(sizes)) if width else layout(0, sizes)
         if held != end:
             raise FrameError(f"sealed segment {where.path} holds {held:,} bytes, its layout needs {end:,}; refused")
         whole = memoryview(_private(fd, held)) if held else memoryview(b"")

@@ -133,9 +133,9 @@ def publish_shared(
 ) -> None:
     """The leader: ``views`` to every rank of its host in one sealed memory file (:mod:`objcomm._samehost.sealed`):
     one copy on the host, which its ranks map (:func:`take_shared`); a rank that cannot open it says so, and gets
-    them through the channel instead. ``sealed``: the file, sealed already, rows of ``width`` bytes, each view at the
-    start of its row (a :class:`~objcomm._samehost.sealed.SealedTable` the leaders' all_gather wrote in place: no
-    copy on the host at all); ``views`` then are views of it."""
+    them through the channel instead. ``sealed``: the file, sealed already, laid out by
+    :func:`~objcomm._samehost.sealed.table_layout` with ``width`` (a :class:`~objcomm._samehost.sealed.SealedTable`
+    the leaders' exchange wrote in place: no copy on the host at all); ``views`` then are views of it."""
     assert here.channel is not None
     segment = sealed
     try:
@@ -174,7 +174,8 @@ def take_shared(here: Here, sizes: Sequence[int], op: str) -> List[memoryview]:
     return cut(memoryview(receive_within(here, 0, sum(sizes), op)), sizes)
 
 
-_WHERE = struct.Struct("<qqq")  # a sealed file's writer pid and descriptor, and its rows' width (0: packed parts)
+# a sealed file's writer pid and descriptor, and its layout's width (sealed.table_layout; 0: packed parts)
+_WHERE = struct.Struct("<qqq")
 
 
 def all_gather_fixed(

@@ -228,24 +228,28 @@ def _leaders_exchange(
     here: Here, bundle: bytearray, totals: List[int], shared: bool, op: str
 ) -> Tuple[List[memoryview], Optional[SealedSegment], int]:
     """The leader of an all_gather: every host's bundle (``totals``: each host's bytes), from one exchange among the
-    leaders; the sealed file that holds them, or None; its rows' width. Where the host's ranks take the result from
-    one shared file (``shared``) and the exchange is one padded all_gather (``routes.in_place_table``), it writes
-    into that file in place (:class:`~objcomm._samehost.sealed.SealedTable`: a row per host, of the largest
-    bundle rounded up to :data:`~objcomm._samehost.sealed.ALIGN`), sealed then, and the bundles are views of it (no
-    copy on the host); else the leader keeps the buffers the exchange gave."""
+    leaders; the sealed file that holds them, or None; its layout (:func:`~objcomm._samehost.sealed.table_layout`).
+    Where the host's ranks take the result from one shared file (``shared``) and the exchange is one padded
+    all_gather or goes by stripes (``routes.in_place_table``), it writes into that file in place
+    (:class:`~objcomm._samehost.sealed.SealedTable`: padded, a row per host of the largest bundle rounded up to
+    :data:`~objcomm._samehost.sealed.ALIGN`; by stripes, the stream of every bundle back to back, a stripe per
+    host), sealed then, and the bundles are views of it (no copy on the host); else the leader keeps the buffers the
+    exchange gave."""
     assert here.leader is not None
     own = [torch.frombuffer(bundle, dtype=torch.uint8)] if len(bundle) else []
-    in_place = shared and routes.in_place_table(totals, cpu=True)
-    width = -(-max(totals, default=0) // ALIGN) * ALIGN if in_place else 0  # the same on every leader, whatever follows
+    width = 0  # padded: the rows, the same on every leader whatever follows; by stripes: minus a stripe's bytes
+    if shared and routes.in_place_table(totals, cpu=True):
+        stripes = routes.exchange_shape(totals, cpu=True) == routes.STRIPES
+        width = -routes.stripe_width(totals) if stripes else -(-max(totals) // ALIGN) * ALIGN
     table = None
-    if in_place:
+    if width:
         try:
-            table = SealedTable("objcomm-two-levels", len(totals) * width)
+            table = SealedTable("objcomm-two-levels", len(totals) * abs(width))
         except OSError:  # no memory files here: the exchange's own buffers, copied into a file after
             table = None
     try:
         into = None if table is None else table.tensor
-        got = as_leader(here, op, all_gather_rests, here.leader, own, totals, op, into, width)
+        got = as_leader(here, op, all_gather_rests, here.leader, own, totals, op, into, max(width, 0))
     except BaseException:
         if table is not None:
             table.release()

@@ -62,14 +62,18 @@ def all_gather_rests(
     in pieces of at most ``wire.chunk`` bytes. Point-to-point pieces travel under
     :data:`~objcomm._transport.base.INTERNAL_TAG`, which no caller's message carries. ``width``: where the shape is
     the padded all_gather, each rank's row (at least the widest rest; the same on every rank: 0, the widest);
-    ``table``: where it writes them (W rows of ``width``, this rank's own included), only where that is the shape."""
+    ``table``: where it writes them (W rows of ``width``, this rank's own included), only where that is the shape; or
+    where the shape is stripes, where their all_gather writes the stream (W stripes of
+    :func:`~objcomm._transport.routes.stripe_width`: every rest back to back from 0, this rank's included)."""
     me, size = wire.rank, wire.size
     # one part (a frame past the slot, no tensors): sent as it is, not copied into a new buffer first
     own = (to_device(mine[0], wire) if len(mine) == 1 else joined(mine, wire)) if lengths[me] else empty(0, wire)
     got: List[Optional[torch.Tensor]] = [None] * size
     shape = routes.exchange_shape(lengths, cpu=wire.device.type == "cpu")
     if shape == routes.STRIPES:  # gloo: each rest to the stripes holding it, then their all_gather
-        return by_stripes(wire, own, lengths, op)
+        if table is not None and table.numel() != size * routes.stripe_width(lengths):
+            raise ValueError(f"{op}: a table of {table.numel():,} bytes for {size} stripes of {sum(lengths):,} in all")
+        return by_stripes(wire, own, lengths, op, table)
     width = width or max(lengths)
     if width < max(lengths) or table is not None and (shape != routes.PADDED or table.numel() != size * width):
         raise ValueError(f"{op}: rows of {width:,} bytes (a table: {table is not None}) for a {shape} exchange")
@@ -123,9 +127,12 @@ def posted(wire: Wire, ops: List[Any], op: str, deadline: Deadline) -> None:
         done += o.tensor.numel()
 
 
-def by_stripes(wire: Wire, own: torch.Tensor, lengths: Sequence[int], op: str) -> List[Optional[torch.Tensor]]:
+def by_stripes(
+    wire: Wire, own: torch.Tensor, lengths: Sequence[int], op: str, table: Optional[torch.Tensor] = None
+) -> List[Optional[torch.Tensor]]:
     """Every other rank's rest on every rank (``lengths[r]``: group rank ``r``'s; ``own``: this rank's, its bytes),
-    None where a rank sends none and for this rank. The same ``lengths`` on every rank (round 1's slots)."""
+    None where a rank sends none and for this rank. The same ``lengths`` on every rank (round 1's slots). ``table``:
+    where the stripes' all_gather writes the stream (W stripes), which the rests are views of."""
     me = wire.rank
     offsets = [0, *accumulate(lengths)]
     total, width = offsets[-1], routes.stripe_width(lengths)
@@ -141,5 +148,5 @@ def by_stripes(wire: Wire, own: torch.Tensor, lengths: Sequence[int], op: str) -
         ops += _chunked(wire, dist.irecv, stripe[start - lo : end - lo], sender)
     deadline = Deadline(wire, op, f"the second round's stripes ({total:,} bytes in all)")
     posted(wire, ops, op, deadline)
-    stream = all_gather_table(wire, stripe, width, op, deadline)
+    stream = all_gather_table(wire, stripe, width, op, deadline, out=table)
     return [stream[offsets[r] : offsets[r + 1]] if n and r != me else None for r, n in enumerate(lengths)]

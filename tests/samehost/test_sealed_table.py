@@ -42,6 +42,29 @@ def test_a_table_written_in_place_is_sealed_and_read_in_rows():
         segment.release()
 
 
+def test_a_stream_of_stripes_written_in_place_is_read_back_to_back():
+    """A negative width: the parts lie back to back from 0 in rows of that many bytes (the stream a by_stripes
+    exchange writes in place), the rest of the last row zeros."""
+    table = SealedTable("objcomm-test", 3 * 64)
+    assert table.tensor is not None
+    table.tensor[:150].copy_(torch.tensor([1] * 100 + [2] * 40 + [3] * 10, dtype=torch.uint8))
+    segment = table.seal()
+    try:
+        parts = _sealed.map_parts(Sealed(os.getpid(), segment.fd), [100, 40, 0, 10], -48)  # 4 rows of 48: 192 bytes
+        assert [bytes(p) for p in parts] == [b"\x01" * 100, b"\x02" * 40, b"", b"\x03" * 10]
+        own = _sealed.map_rows(segment.fd, [100, 40, 0, 10], -48)
+        assert [bytes(p) for p in own] == [bytes(p) for p in parts]
+    finally:
+        segment.release()
+    kept = SealedTable("objcomm-test", 2 * 64)
+    assert kept.tensor is not None
+    kept.tensor[:70].fill_(7)
+    view = kept.tensor[:1]  # left behind: not sealed, copied instead
+    assert [bytes(r) for r in kept.copy_rows([30, 40], -64)] == [b"\x07" * 30, b"\x07" * 40]
+    kept.release()
+    del view
+
+
 def test_a_table_with_a_view_left_is_not_sealed_and_gives_its_rows_copied():
     table = _filled(2, 64)
     kept = table.tensor[:8] if table.tensor is not None else None  # a view left behind
@@ -94,9 +117,10 @@ def test_a_table_dropped_unsealed_closes_its_file():
         ([100, 100, 100], 99, "in rows of"),  # a part longer than its row
         ([100, 100], 100, "holds 300 bytes"),  # rows that are not the file's
         ([100, 100, 100], 101, "holds 300 bytes"),
-        ([10, 10, 10], -100, "in rows of"),  # a width from a hostile leader
-        ([0, 0, 0], -100, "in rows of"),
-        ([10, 10, 10], 1 << 62, "holds 300 bytes"),
+        ([200, 100, 1], -100, "in rows of"),  # a stream longer than its rows
+        ([10, 10, 10], -99, "holds 300 bytes"),  # a stream's rows that are not the file's
+        ([10, 10, 10], 1 << 62, "holds 300 bytes"),  # widths from a hostile leader
+        ([10, 10, 10], -(1 << 62), "holds 300 bytes"),
     ],
 )
 def test_rows_that_are_not_the_files_are_refused(sizes, width, why):

@@ -429,10 +429,29 @@ def test_stripes_put_every_rest_on_every_rank(chunk):
         assert all(rows), (rank, rows)
 
 
-def tensors_by_stripes() -> List[Any]:
+def tensors_by_stripes(k: int = 1) -> List[Any]:
     """all_gather of tensors at odd offsets of the stream (rank 3's 1 MB of float64 among small float32 and int16
-    ones, each rank's frame before its tensor): whether stripes carried them, and whether every value arrived."""
-    comm, rank = _comm(), dist.get_rank()
+    ones, each rank's frame before its tensor): whether stripes carried them, and whether every value arrived.
+    ``k`` > 1: hosts of ``k`` ranks, whose leaders' stripes write the stream into the file their hosts map (shared
+    memory from 256 KiB, in place from 512 KiB): also the files this rank mapped and the copies it wrote into one."""
+    if k > 1:
+        with ranks_per_host(k):
+            comm, rank = objcomm.Communicator(shm_threshold=256 << 10), dist.get_rank()
+            comm.all_gather(rank)  # the set-up
+            mapped, written = [], []
+            real_map, real_write = _two_level.map_parts, _two_level.write_sealed
+            _two_level.map_parts = lambda *args: mapped.append(1) or real_map(*args)  # type: ignore[assignment]
+            _two_level.write_sealed = lambda *args: written.append(1) or real_write(*args)  # type: ignore[assignment]
+            in_place_from, _cutoffs.IN_PLACE_FROM = _cutoffs.IN_PLACE_FROM, 512 << 10
+            try:
+                return [*_tensors_by_stripes(comm, rank), len(mapped), len(written)]
+            finally:
+                _two_level.map_parts, _two_level.write_sealed = real_map, real_write  # type: ignore[assignment]
+                _cutoffs.IN_PLACE_FROM = in_place_from
+    return _tensors_by_stripes(_comm(), dist.get_rank())
+
+
+def _tensors_by_stripes(comm: objcomm.Communicator, rank: int) -> List[Any]:
     count = {"stripes": 0}
     real = _exchange.by_stripes
 
@@ -456,6 +475,14 @@ def tensors_by_stripes() -> List[Any]:
 def test_tensors_at_any_offset_of_the_stream_arrive_whole():
     """Stripes hand back each rest as a slice of one stream, so a rank's tensors start at any byte offset there."""
     assert get_pool(W).run(tensors_by_stripes, timeout=60) == [[1, True]] * W
+
+
+def test_the_leaders_stripes_write_the_hosts_file_in_place():
+    """Hosts of three (3 + 3 + 2): the three leaders' stripes write the stream of every host's rests straight into
+    the shared file their hosts map (routes.in_place_table), which no leader copies into; tensors at any offset of
+    it arrive whole on every rank."""
+    got = get_pool(W).run(tensors_by_stripes, 3, timeout=120)
+    assert got == [[1, True, 0, 0] if r in (0, 3, 6) else [0, True, 1, 0] for r in range(W)], got
 
 
 def stripes_with_a_liar(lie: str) -> List[Any]:
@@ -794,10 +821,11 @@ def test_two_levels_only_leaders_call_the_backend(k, monkeypatch):
         ) in rows[:done]:
             assert gathered and broadcast and at_five, (k, rank, case, rows)
             assert shared == (case != "all 1 KB" and not leader), (k, rank, case, shared)  # 2.3 MB and more
-            # the leaders' padded all_gather (hosts' bundles within 2x) writes the shared file in place; else a copy
+            # the leaders' padded all_gather (hosts' bundles within 2x), or their stripes' (hosts of 3: one 20 MB and
+            # log-normal), writes the shared file in place; else a copy
             rests = _rests(case)
             in_place = routes.in_place_table([sum(rests[h : h + k]) for h in range(0, W, k)], cpu=True)
-            assert in_place or (k, case) in ((3, "one 20 MB"), (3, "log-normal"), (4, "all 1 KB"), (3, "all 1 KB"))
+            assert in_place == (case != "all 1 KB"), (k, case)
             assert copied == (leader and case != "all 1 KB" and not in_place), (k, rank, case, copied)
             assert blocking == 0
             if leader:  # a gather: the slots, dst's word, the rests (one batch)

@@ -325,11 +325,14 @@ def test_two_levels_only_where_they_apply():
         assert not any(s.ranks or s.across for s in steps), (topology, knobs)
 
 
-def test_a_hosts_all_gather_result_is_written_in_place_where_the_leaders_pad():
+def test_a_hosts_all_gather_result_is_written_in_place_where_the_leaders_pad_or_go_by_stripes():
     assert routes.in_place_table([16 << 20, 16 << 20], cpu=True)  # equal bundles: one padded all_gather
     assert routes.in_place_table([16 << 20, 12 << 20, 8 << 20], cpu=True)  # within 2x
-    assert not routes.in_place_table([64 << 20] + [1 << 10] * 63, cpu=True)  # exact sizes or stripes: a copy
+    skewed = [64 << 20] + [1 << 10] * 63
+    assert routes.exchange_shape(skewed, cpu=True) == STRIPES and routes.in_place_table(skewed, cpu=True)
+    assert routes.exchange_shape(skewed) == EXACT and not routes.in_place_table(skewed, cpu=False)  # a copy
     assert not routes.in_place_table([4 << 20, 4 << 20], cpu=True)  # below IN_PLACE_FROM: malloc's buffer is cheaper
+    assert not routes.in_place_table([20 << 20] + [1 << 10] * 3, cpu=True)  # stripes of 5 MiB: 20 MiB in all
     assert routes.in_place_table([routes.IN_PLACE_FROM // 2] * 2, cpu=True)
     assert not routes.in_place_table([0, 0], cpu=True)  # nothing to hand over
     topology = Topology(world=64, ranks_per_host=8)
@@ -344,5 +347,5 @@ def test_a_hosts_all_gather_result_is_written_in_place_where_the_leaders_pad():
         assert last.collective == "broadcast" and last.ranks == 8, (name, last)
         handed[name] = (last.medium, last.nbytes)
     assert handed["equal"] == (SHARED_MEMORY, (0,))  # the leaders' exchange wrote the file: nothing copied
-    assert handed["skewed"] == (SHARED_MEMORY, (sum(skewed),))  # the leader copies the result into it
+    assert handed["skewed"] == (SHARED_MEMORY, (0,))  # the leaders' stripes wrote the stream into it
     assert handed["below the threshold"] == (CHANNEL, (sum(equal),))

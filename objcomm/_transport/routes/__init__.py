@@ -52,8 +52,9 @@ the reductions' tree    on two levels where every host holds consecutive group r
                         each host's ranks up a tree over its channel to the leader, then
                         the leaders' tree through the backend; else the group's tree
 a host's all_gather     on two levels, a shared file from ``shm_threshold``: the           :func:`in_place_table`
-result, in place        leaders' padded all_gather (hosts' bundles within 2x) writes it
-                        in place from ``IN_PLACE_FROM``; else the leader copies into it
+result, in place        leaders' padded all_gather (hosts' bundles within 2x) or their
+                        stripes write it in place from ``IN_PLACE_FROM``; else the leader
+                        copies into it
 all_reduce's result     back down the reduce tree (send/recv, one message an edge)       :func:`result_down_tree`
                         on NCCL where a broadcast's round 1 would take the backend;
                         else that broadcast (gloo, the channel, two levels)

@@ -140,11 +140,14 @@ IN_PLACE_FROM = 32 << 20
 
 def in_place_table(totals: Sequence[int], *, cpu: bool) -> bool:
     """Whether the leaders of two levels, whose hosts take an all_gather's result from one shared file, receive their
-    exchange into that file in place (rows of the largest host's bundle: no copy on the host, the result held once):
-    where the exchange of the hosts' bundles (``totals`` bytes each) is one padded all_gather (:func:`exchange_shape`)
-    of at least :data:`IN_PLACE_FROM` bytes in all."""
+    exchange into that file in place (no copy on the host, the result held once): where the exchange of the hosts'
+    bundles (``totals`` bytes each, :func:`exchange_shape`) is one padded all_gather (rows of the largest bundle) or
+    goes by stripes (the stream of bundles back to back, in rows of a stripe), of at least :data:`IN_PLACE_FROM`
+    bytes in all."""
     widest = max(totals, default=0)
-    return widest > 0 and len(totals) * widest >= IN_PLACE_FROM and exchange_shape(totals, cpu=cpu) == PADDED
+    shape = exchange_shape(totals, cpu=cpu) if widest else EXACT
+    row = widest if shape == PADDED else stripe_width(totals) if shape == STRIPES else 0
+    return row > 0 and len(totals) * row >= IN_PLACE_FROM
 
 
 def leaders_relay_first(*, op: str, moved: int) -> bool:
