@@ -30,7 +30,7 @@ from objcomm._samehost.rests import SameHostRests
 from objcomm._samehost.segments import DEFAULT_DIRECTORY, SegmentBook
 from objcomm._samehost.two_level_rests import TwoLevelRests
 from objcomm._settings import CallOptions
-from objcomm._transport.base import BACKEND, DIRECT, INTERNAL_TAG, FirstRound, SecondRound, Wire
+from objcomm._transport.base import BACKEND, DIRECT, INTERNAL_TAG, FirstRound, GroupRanks, SecondRound, Wire
 from serializers import AutoSerializer, SerializerProtocol
 
 Device = Union[str, torch.device, None]
@@ -156,7 +156,7 @@ def membership(group: Any, device: Device) -> Tuple[Tuple[int, ...], int, torch.
                 "only call objcomm with groups this rank belongs to"
             )
         found = known[device] = (
-            tuple(dist.get_process_group_ranks(group)),
+            GroupRanks(dist.get_process_group_ranks(group)),
             rank,
             resolve_device(group_backend(group), group, device),
         )

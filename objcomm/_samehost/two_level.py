@@ -57,6 +57,7 @@ from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.channel import LocalChannel
 from objcomm._samehost.channel_checks import agree_on, echo
 from objcomm._samehost.channel_slots import ChannelRoute, ChannelSlots
+from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._samehost.two_level_moves import Here, Levels, all_gather_fixed, gather_fixed, largest_in_levels, relay
 from objcomm._transport import groups as _groups
 from objcomm._transport import routes
@@ -78,8 +79,8 @@ class TwoLevel(ChannelSlots):
     def here(self, wire: Wire, op: str, set_up: bool = False) -> Optional[Here]:
         """This call's two levels, or None where the flat path moves it (the same answer on every rank).
         ``set_up``: learn the group's hosts first if they are not known yet (round 1 of a collective only)."""
-        if wire.device.type != "cpu" or wire.size < 3:
-            return None
+        if wire.device.type != "cpu" or wire.size < 3 or wire.slot > MAX_PAYLOAD:
+            return None  # (slots above a channel message: no host's channel takes them, on every rank alike)
         known: Dict[Any, Optional[Levels]] = _state.group_facts(wire.group).levels
         if self.separate not in known:
             if not set_up:
@@ -212,7 +213,8 @@ class HostEdges:
 
 class HostRoute(ChannelRoute):
     """:class:`ChannelRoute` over a host's channel, its peers named by group rank (``base`` on: place 0), so that the
-    transport's messages and errors name them as on every other path."""
+    transport's messages and errors name them as on every other path (the route's own protocol errors, about a peer
+    that breaks the protocol, name its place on the host)."""
 
     __slots__ = ("base",)
 

@@ -91,11 +91,13 @@ class TwoLevelRests:
                 assert everything is not None
                 bundles = cut(memoryview(everything), totals)
         else:
-            shared = here.channel is not None and self._shared(sum(moved))
+            shared = self._shared(sum(moved))  # (the same on every leader: the exchange's shape rests on it)
             bundles, sealed, width = _leaders_exchange(here, bundle, totals, shared, op)
-            if shared:
+            if here.channel is None:  # the host's only rank
+                pass
+            elif shared:
                 publish_shared(here, bundles, op, sealed, width)
-            elif here.channel is not None:
+            else:
                 publish(here, bundles, sum(moved), op)
         return _split(levels, bundles, moved, infos, sizes_of, me, out, op)
 
@@ -229,7 +231,8 @@ def _leaders_exchange(
 ) -> Tuple[List[memoryview], Optional[SealedSegment], int]:
     """The leader of an all_gather: every host's bundle (``totals``: each host's bytes), from one exchange among the
     leaders; the sealed file that holds them, or None; its layout (:func:`~objcomm._samehost.sealed.table_layout`).
-    Where the host's ranks take the result from one shared file (``shared``) and the exchange is one padded
+    Where the hosts' ranks take the result from one shared file (``shared``: the same on every leader, whose
+    exchange's rows it sets, a host of one rank's too, which makes no file) and the exchange is one padded
     all_gather or goes by stripes (``routes.in_place_table``), it writes into that file in place
     (:class:`~objcomm._samehost.sealed.SealedTable`: padded, a row per host of the largest bundle rounded up to
     :data:`~objcomm._samehost.sealed.ALIGN`; by stripes, the stream of every bundle back to back, a stripe per
@@ -242,7 +245,7 @@ def _leaders_exchange(
         stripes = routes.exchange_shape(totals, cpu=True) == routes.STRIPES
         width = -routes.stripe_width(totals) if stripes else -(-max(totals) // ALIGN) * ALIGN
     table = None
-    if width:
+    if width and here.channel is not None:
         try:
             table = SealedTable("objcomm-two-levels", len(totals) * abs(width))
         except OSError:  # no memory files here: the exchange's own buffers, copied into a file after

@@ -318,7 +318,7 @@ def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Rou
     buffer = zeroed(head + wire.slot + (routes.BACKEND_WHOLE_BYTES if cpu else 0), wire)
     peer = None if src is None else wire.ranks[src]
     sender_global = guarded(op, wire, dist.recv, buffer, src=peer, group=wire.group, tag=wire.data_tag)
-    sender = list(wire.ranks).index(sender_global) if src is None else src
+    sender = wire.ranks.index(sender_global) if src is None else src  # (GroupRanks: one lookup)
     lease.took(sender)  # the route counts the slots taken, by sender (FirstRound.p2p)
     view = host_view(buffer)
     after = _opened(wire, view, sender, op) if cpu else None

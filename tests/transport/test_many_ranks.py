@@ -914,6 +914,35 @@ def test_reductions_on_two_levels(k):
     assert rows[7][1].startswith("RemoteError"), rows[7]
 
 
+def lone_and_wide() -> List[Any]:
+    """Hosts of seven (ranks 0-6, and rank 7 alone: its leader has no host channel, no file to write): all_gather of
+    rests whose hosts' totals are no multiple of 64, into the shared file in place (from 1 MiB here); then, in hosts
+    of three, all_gather and all_reduce with 128 KiB slots (above a channel message: no host's channel takes them)."""
+    rank, rows = dist.get_rank(), []
+    with ranks_per_host(7):
+        comm = objcomm.Communicator(shm_threshold=256 << 10)
+        comm.all_gather(rank)  # the set-up
+        in_place_from, _cutoffs.IN_PLACE_FROM = _cutoffs.IN_PLACE_FROM, 1 << 20
+        try:
+            for n in (200_001, 200_002):  # (totals 7 bytes apart: not both multiples of 64)
+                rows.append(comm.all_gather(b"x" * (n + rank)) == [b"x" * (n + r) for r in range(W)])
+        finally:
+            _cutoffs.IN_PLACE_FROM = in_place_from
+    with ranks_per_host(3):
+        objcomm.Communicator().all_gather(rank)  # the set-up, with the default slots
+        wide = objcomm.Communicator(slot_bytes=128 << 10)
+        rows.append(wide.all_gather(rank) == list(range(W)))
+        rows.append(wide.all_reduce([rank], "sum") == list(range(W)))
+    return rows
+
+
+def test_every_leader_takes_the_same_rows_and_wide_slots_take_the_flat_path():
+    """A leader whose host holds only it pads the leaders' all_gather to the same rows as the leaders that write a
+    file in place (they once differed where the largest host's bundle was no multiple of 64: a collective of two
+    sizes); slots wider than a channel message take the flat path on every rank, reductions too."""
+    assert get_pool(W).run(lone_and_wide, timeout=120) == [[True] * 4] * W
+
+
 def leaders_up_a_tree(k: int) -> List[Any]:
     """gather of every spread with hosts of ``k`` ranks, the leaders' step up their tree (TREE_GATHER_FROM lowered
     to 2 leaders here), to rank 5 then rank 0: right or not, and whether this rank called the backend's gather; then
