@@ -11,6 +11,8 @@ slowest rank's time, median ms:
 * ``tree over the group``: the same call with the tree's two levels turned off for it (every rank turns them off
   for that call alone: ``TwoLevel.tree_levels`` answers None), so its tree's messages all go through gloo, as
   before the two levels took it; the result's broadcast is the same two-level one in both;
+* ``result down the tree``: ``two levels`` with the result sent back down the same two trees, as from 64 hosts
+  (``routes.TREE_DOWN_FROM``) it is; forced here, on fewer (``Hooks(down_tree=True)``), to show what it costs there;
 * ``torch``: what users write without objcomm, ``all_gather_object`` then a local reduce;
 * ``raw all_reduce`` (tensor case only): ``dist.all_reduce`` of the same tensor, the floor.
 """
@@ -47,12 +49,14 @@ def measure(rounds: int, send: Any = None) -> Dict[str, Dict[str, float]]:
 
     import objcomm
     from objcomm._api.reduce import NAMED_OPS
+    from objcomm._api.resolving import Hooks
     from objcomm._samehost.two_level import TwoLevel
     from objcomm._tools.bench.measure import interleaved
 
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = objcomm.Communicator()
     comm.all_gather(rank)  # sets the two levels up
+    down = objcomm.Communicator(_hooks=Hooks(down_tree=True))
     real = TwoLevel.tree_levels
 
     def over_the_group(obj: Any, op: str) -> Any:
@@ -70,12 +74,13 @@ def measure(rounds: int, send: Any = None) -> Dict[str, Dict[str, float]]:
         candidates = {
             "two levels": lambda obj=obj, op=op: comm.all_reduce(obj, op),
             "tree over the group": lambda obj=obj, op=op: over_the_group(obj, op),
+            "result down the tree": lambda obj=obj, op=op: down.all_reduce(obj, op),
             "torch": lambda obj=obj, fn=fn: _torch_all_reduce(obj, fn, world),
         }
         if isinstance(obj, torch.Tensor):
             candidates["raw all_reduce"] = lambda obj=obj: dist.all_reduce(obj.clone())
         want = functools.reduce(fn, [_value(case, r) for r in range(world)])
-        got = [candidates[name]() for name in ("two levels", "tree over the group", "torch")]
+        got = [candidates[name]() for name in ("two levels", "tree over the group", "result down the tree", "torch")]
         same = [torch.equal(g, want) if isinstance(want, torch.Tensor) else g == want for g in got]
         assert all(same), f"{case}: a wrong result ({same})"
         timings = interleaved(candidates, repeat=rounds, warmup=1)
@@ -87,16 +92,17 @@ def report(world: int, per_host: int, rows: Dict[str, Dict[str, float]]) -> str:
     lines = [
         f"all_reduce on {world} ranks, hosts of {per_host} (median of the slowest rank, ms)",
         "",
-        "| value | two levels | tree over the group | torch | raw all_reduce | two levels / tree over the group "
-        "| two levels / torch |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| value | two levels | tree over the group | result down the tree | torch | raw all_reduce "
+        "| two levels / tree over the group | down the tree / two levels | two levels / torch |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for case, row in rows.items():
         two, flat, torch_ = row["two levels"], row["tree over the group"], row["torch"]
+        tree = row["result down the tree"]
         raw = f"{row['raw all_reduce'] * 1e3:,.1f}" if "raw all_reduce" in row else "n/a"
         lines.append(
-            f"| {case} | {two * 1e3:,.1f} | {flat * 1e3:,.1f} | {torch_ * 1e3:,.1f} | {raw} | {two / flat:.2f} "
-            f"| {two / torch_:.2f} |"
+            f"| {case} | {two * 1e3:,.1f} | {flat * 1e3:,.1f} | {tree * 1e3:,.1f} | {torch_ * 1e3:,.1f} | {raw} "
+            f"| {two / flat:.2f} | {tree / two:.2f} | {two / torch_:.2f} |"
         )
     return "\n".join(lines)
 

@@ -241,7 +241,7 @@ def step_cost(step: routes.Step, params: Params, world: int, root: int = 0) -> f
             return direct_broadcast(world, sizes[0], a, b)
         if step.collective == "all_reduce":
             return direct_vote(world, a)
-        if step.collective == "tree":  # a host's reduce tree (two levels), one message an edge
+        if step.collective in ("tree", "down_tree"):  # a host's reduce tree (two levels), one message an edge
             return tree_reduce(world, sizes[0], a, b)
         raise ValueError(f"no cost for {step}")
     a, b = params.alpha_inter if step.across else params.alpha(world), params.bandwidth

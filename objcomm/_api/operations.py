@@ -97,7 +97,8 @@ class Operations(Resolving):
             _reduce.resolve(op)
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, dst, "dst")
-        value, complete, own, _ = _reduce.tree(call, obj, op, "reduce")
+        levels = call.wire.first_round.tree_levels(call.wire, "reduce")
+        value, complete, own, _ = _reduce.tree(call, obj, op, levels)
         out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
         incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, self._up_tree(call.wire))
         if incoming is None:
@@ -113,8 +114,9 @@ class Operations(Resolving):
         if call.wire is None:
             _reduce.resolve(op)
             return call.roundtrip(obj)
-        value, complete, own, lowest = _reduce.tree(call, obj, op)
         wire = call.wire
+        levels = wire.first_round.tree_levels(wire, "all_reduce")
+        value, complete, own, lowest = _reduce.tree(call, obj, op, levels)
         out, local = final_report(call, value, complete, own) if wire.rank == 0 else (None, None)
         if out is not None and not complete and local is None:  # a rank below failed: say so to every rank
             out = _frame.error_frame(ObjcommError("a rank below group rank 0 failed"), wire.inline_capacity)
@@ -124,9 +126,11 @@ class Operations(Resolving):
                 where="on every rank",
             )
             out = _frame.error_frame(local, wire.inline_capacity)
-        # group rank 0 combined it; off the same-host channel on NCCL, it goes back down the reduce tree
-        tree = routes.result_down_tree(cpu=wire.device.type == "cpu", forced=self._hooks.down_tree)
-        result = _broadcast_rounds.broadcast(wire, out, _frame.tensor_sizes, 0, tree=tree)
+        # group rank 0 combined it; off the same-host channel on NCCL (and on gloo's two levels from 64 leaders), it
+        # goes back down the reduce tree
+        leaders = 0 if levels is None else len(levels.leaders)
+        tree = routes.result_down_tree(cpu=wire.device.type == "cpu", forced=self._hooks.down_tree, leaders=leaders)
+        result = _broadcast_rounds.broadcast(wire, out, _frame.tensor_sizes, 0, tree=tree, levels=levels)
         if result.error:  # a rank failed (rank 0 knows that much): every rank's own report, to all
             report, failed = final_report(call, None, False, own or local or result.refused)
             # learnt from a parent alone (down the tree): never into a collective of the group

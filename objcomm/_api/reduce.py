@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Union
 from objcomm._errors import CommunicationError, ObjcommError, OpError
 from objcomm._format import frame as _frame
 from objcomm._transport import rounds as _rounds
-from objcomm._transport.base import INTERNAL_TAG, Wire
+from objcomm._transport.base import INTERNAL_TAG, TreeLevels, Wire
 
 Op = Union[str, Callable[[Any, Any], Any]]
 
@@ -102,17 +102,17 @@ class Reduced(NamedTuple):
     lowest: int  # the smallest max_bytes at or below this rank (group rank 0: of every rank that reported one)
 
 
-def tree(call: Any, obj: Any, op: Op, what: str = "all_reduce") -> Reduced:
-    """Combine every rank's ``obj`` onto group rank 0 over ``call.wire`` (``what``: the call, for its set-up's errors).
+def tree(call: Any, obj: Any, op: Op, levels: Optional[TreeLevels] = None) -> Reduced:
+    """Combine every rank's ``obj`` onto group rank 0 over ``call.wire`` (``levels``: its two levels, or None).
 
     Each message up the tree announces, in its slot's limit, the smallest ``max_bytes`` of the subtree it
     comes from, so that group rank 0 learns the group's smallest (:attr:`Reduced.lowest`): the result that
     goes back down the tree (:func:`objcomm._transport.broadcast.down_tree`) is then refused once, at the
     root, for every rank alike, rather than by one rank in the middle of the tree.
 
-    On two levels (:meth:`~objcomm._transport.base.FirstRound.tree_levels`: a CPU group across hosts, each host's
-    ranks consecutive) each host's ranks climb a tree over the host's channel to its leader, then the leaders climb
-    theirs through the backend: the same order of ranks, and only the leaders call the backend.
+    On two levels (``levels``, from :meth:`~objcomm._transport.base.FirstRound.tree_levels`: a CPU group across
+    hosts, each host's ranks consecutive) each host's ranks climb a tree over the host's channel to its leader, then
+    the leaders climb theirs through the backend: the same order of ranks, and only the leaders call the backend.
     """
     wire = call.wire
     own: Optional[BaseException] = None
@@ -121,7 +121,6 @@ def tree(call: Any, obj: Any, op: Op, what: str = "all_reduce") -> Reduced:
     except ValueError as exc:
         fn, own = operator.add, exc  # never called: nothing is complete here
     held = Reduced(obj, own is None, own, wire.max_bytes)
-    levels = wire.first_round.tree_levels(wire, what)
     if levels is None:
         ranks = range(wire.size)
         return _climb(call, wire, wire.rank, ranks, ranks, held, fn, op)

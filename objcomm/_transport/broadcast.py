@@ -4,7 +4,7 @@ every rank, the receivers' vote where they must answer first, then the rest, ask
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -15,17 +15,29 @@ from objcomm._format.frame import error_frame
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, read_slot
 from objcomm._transport import rounds as _rounds
-from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Wire, guarded
+from objcomm._transport.base import INTERNAL_TAG, NOT_USED, TreeLevels, Wire, guarded
 from objcomm._transport.bytes import broadcast_bytes, host_view, receive_buffer
 from objcomm._transport.rounds import REFUSE_LIMIT, _agreement_needed, _on_device, _slot, _vote_refusals
 
 
 # -- broadcast -------------------------------------------------------------------------------
-def broadcast(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, src: int, *, tree: bool = False) -> Incoming:
+def broadcast(
+    wire: Wire,
+    out: Optional[Outgoing],
+    sizes_of: SizesOf,
+    src: int,
+    *,
+    tree: bool = False,
+    levels: Optional[TreeLevels] = None,
+) -> Incoming:
     """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere). ``tree`` (all_reduce's result, from
     group rank 0, whose reduce tree has just run, where :func:`objcomm._transport.routes.result_down_tree` says so):
-    where round 1 would go through the group, the frame goes down that tree's edges instead (:func:`down_tree`)."""
+    where round 1 would go through the group, or through two levels (``levels``: the reduce tree's), the frame goes
+    down that tree's edges instead (:func:`down_tree`)."""
     op = "broadcast"
+    if tree and levels is not None:
+        assert src == 0, "the reduce tree ends on group rank 0"
+        return down_tree(wire, out, sizes_of, levels)
     raw = (_slot(wire, out) if out is not None else bytearray(wire.slot)) if wire.rank == src else None
     got = wire.first_round.broadcast(wire, raw, src, op)
     if got is NOT_USED and tree:
@@ -83,7 +95,7 @@ def broadcast_rest(wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of
     return Incoming(frame, tensors)
 
 
-def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf) -> Incoming:
+def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, levels: Optional[TreeLevels] = None) -> Incoming:
     """Group rank 0's frame and tensors (``out`` there) on every rank, along the edges of the binomial tree that
     :func:`objcomm._api.reduce.tree` climbs, the other way: a rank takes the whole message (slot and rest, one
     send/recv) from its parent ``rank - lowbit(rank)`` and passes it on to its children ``rank + 2**k`` for every
@@ -96,18 +108,47 @@ def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf) -> Incomin
     and returns one itself, with why it refused (``refused``). A failure learnt this way is reported along the same
     tree (:func:`objcomm._transport.tree_reports.reports_over_tree`), never in a collective of the group: a subtree
     that a lying relay misleads waits on it until the group's timeout, and the other ranks stay in step
-    (docs/security.md, "Decisions every rank must share")."""
+    (docs/security.md, "Decisions every rank must share").
+
+    On two levels (``levels``: the reduce tree's, :meth:`~objcomm._transport.base.FirstRound.tree_levels`) the
+    leaders' tree first, through the group, then each host's tree over its channel, from its leader."""
+    if levels is None:
+        ranks = range(wire.size)
+        return _descend(wire, wire.rank, ranks, out, sizes_of)[0]
+    home = levels.home
+    leader = levels.leaders[home]
+    got, forward = None, out
+    if wire.rank == leader:  # the leaders' tree, rooted at group rank 0
+        got, forward = _descend(wire, home, levels.leaders, out, sizes_of)
+    if levels.host is not None:  # the host's, rooted at its leader
+        ranks = range(leader, levels.lasts[home] + 1)
+        got, forward = _descend(levels.host, wire.rank - leader, ranks, forward, sizes_of, got)
+    assert got is not None
+    return got
+
+
+def _descend(
+    wire: Wire,
+    me: int,
+    ranks: Sequence[int],
+    forward: Optional[Outgoing],
+    sizes_of: SizesOf,
+    got: Optional[Incoming] = None,
+) -> Tuple[Incoming, Outgoing]:
+    """One binomial tree rooted at ``ranks[0]`` over the group ranks ``ranks`` of ``wire`` (this rank:
+    ``ranks[me]``), the reduce tree's edges the other way: what this rank took (the root: ``got``, or a view of
+    ``forward``, what it holds) and what it passed on."""
     wire = wire._replace(tag=INTERNAL_TAG)  # as the reduce tree (its sends go the other way: higher to lower ranks)
-    rank, size = wire.rank, wire.size
-    if rank == 0:
-        assert out is not None
-        got = Incoming(out.frame if out.error else memoryview(b""), error=out.error)  # the root decodes only a failure
-        forward = out
+    size = len(ranks)
+    if me == 0:
+        assert forward is not None
+        if got is None:  # the root decodes only a failure
+            got = Incoming(forward.frame if forward.error else memoryview(b""), error=forward.error)
         step = 1 << max(size - 1, 0).bit_length()  # above the top child
     else:
-        step = rank & -rank
+        step = me & -me
         try:
-            _, got, _ = _rounds.recv(wire, rank - step, sizes_of)
+            _, got, _ = _rounds.recv(wire, ranks[me - step], sizes_of)
             small = got.frame.nbytes <= wire.inline_capacity  # a slot's view: copied, as a route may reuse its buffer
             forward = Outgoing(bytes(got.frame) if small else got.frame, got.tensors, error=got.error)
         except CommunicationError:
@@ -117,13 +158,13 @@ def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf) -> Incomin
             got = Incoming(forward.frame, error=True, refused=exc)
     step //= 2
     while step:
-        if rank + step < size:
+        if me + step < size:
             try:
-                _rounds.send(wire, forward, rank + step)
+                _rounds.send(wire, forward, ranks[me + step])
             except CommunicationError:
                 raise
             except ObjcommError:  # that child refused it: it raises, and its subtree hears of it from it
                 pass
         step //= 2
     got.relayed = True
-    return got
+    return got, forward

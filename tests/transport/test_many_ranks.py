@@ -568,14 +568,23 @@ def test_reductions_end_without_an_all_gather_of_slots():
         assert small_calls <= 3 and big_calls <= 6, (rank, small_calls, big_calls)
 
 
-def down_the_tree() -> List[Any]:
+def down_the_tree(k: int = 1) -> List[Any]:
     """all_reduce off the channel by NCCL's route (the result back down the reduce tree, taken on gloo here): values
     in the slot, past it, past the 1 MiB scratch size (its receivers answer first) and a tensor (out of band); then
-    the result over a leaf's max_bytes, and an op that raises on one rank; then gloo's own route (a broadcast)."""
-    comm, rank = (
-        objcomm.Communicator(local=False, shm=False, _hooks=Hooks(separate_hosts=True, down_tree=True)),
-        dist.get_rank(),
+    the result over a leaf's max_bytes, and an op that raises on one rank; then gloo's own route (a broadcast).
+    ``k`` > 1: hosts of ``k`` ranks, whose trees (up, and down as gloo's two levels take it from 64 leaders) climb
+    each host's channel and the leaders'."""
+    if k > 1:
+        with ranks_per_host(k):
+            objcomm.Communicator().all_gather(dist.get_rank())  # the set-up
+            return _down_the_tree(objcomm.Communicator(_hooks=Hooks(down_tree=True)))
+    return _down_the_tree(
+        objcomm.Communicator(local=False, shm=False, _hooks=Hooks(separate_hosts=True, down_tree=True))
     )
+
+
+def _down_the_tree(comm: objcomm.Communicator) -> List[Any]:
+    rank = dist.get_rank()
     rows: List[Any] = []
     for value in (rank + 1, b"r" * (300_000 + rank), b"m" * (3_000_000 + rank), torch.full((50_000,), float(rank))):
         plus = (lambda a, b: a + b[:1]) if isinstance(value, bytes) else operator.add
@@ -597,19 +606,25 @@ def down_the_tree() -> List[Any]:
     return rows
 
 
-def test_all_reduce_returns_down_the_tree():
+@pytest.mark.parametrize("k", [1, 4, 3])
+def test_all_reduce_returns_down_the_tree(k):
     """Off the channel on NCCL, all_reduce's result goes back down the reduce tree: no collective when nothing fails
     (log2(8) = 3 levels of send/recv each way); a result over one leaf's max_bytes is refused once, by group rank 0,
-    for every rank alike (the leaf's limit came up the tree); a failure in the tree reaches every rank."""
-    results = get_pool(W).run(down_the_tree, timeout=120)
+    for every rank alike (the leaf's limit came up the tree); a failure in the tree reaches every rank. With hosts
+    of ``k`` (gloo's two levels from 64 leaders, forced here): the same results and errors, and inside a host only
+    the channel (a leaf: one message up, one down)."""
+    results = get_pool(W).run(down_the_tree, k, timeout=120)
+    combined = (k - 1).bit_length() + (-(-W // k) - 1).bit_length()  # on rank 0: its host's levels, the leaders'
     for rank, rows in enumerate(results):
-        (small, small_c, small_p2p), (big, big_c, _), (huge, huge_c, _), (tensor, tensor_c, _) = rows[:4]
+        (small, small_c, small_p2p), (big, big_c, big_p2p), (huge, huge_c, _), (tensor, tensor_c, _) = rows[:4]
         assert small == sum(range(1, W + 1)), (rank, small)
-        assert big == b"r" * 300_000 + b"r" * 3 and huge == b"m" * 3_000_000 + b"m" * 3  # 3 combinations on rank 0
+        assert big == b"r" * (300_000 + combined) and huge == b"m" * (3_000_000 + combined), (rank, combined)
         assert torch.equal(tensor, torch.full((50_000,), float(sum(range(W)))))
         assert (small_c, big_c, huge_c, tensor_c) == (0, 0, 0, 0), (rank, rows[:4])
-        # a leaf (odd rank) sends once up and receives once down; group rank 0 receives 3 and sends 3 (each a slot)
-        assert small_p2p <= (2 if rank % 2 else 6), (rank, small_p2p)
+        if k == 1:  # a leaf (odd rank) sends once up and receives once down; rank 0 receives 3 and sends 3
+            assert small_p2p <= (2 if rank % 2 else 6), (rank, small_p2p)
+        elif rank % k:  # inside a host the channel alone
+            assert small_p2p == big_p2p == 0, (k, rank, rows[:2])
         assert rows[4] == ("over a leaf's limit", {0: "TooLargeError"}), (rank, rows[4])
         assert rows[5] == ("op raises on rank 6", {6: "TypeError"}), (rank, rows[5])
         assert rows[6] == W

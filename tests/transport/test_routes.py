@@ -299,8 +299,9 @@ def test_a_reductions_tree_takes_two_levels_where_every_host_holds_consecutive_r
 @pytest.mark.parametrize("op", ["all_reduce", "reduce"])
 def test_a_reductions_tree_on_two_levels_climbs_each_host_then_the_leaders(op):
     """gloo, hosts of 8: the tree's first ceil(log2 8) levels inside each host (the channel), then ceil(log2 1024)
-    among the leaders through the backend, whose calls are the leaders' tree's; NCCL and one rank a host: one tree
-    over every rank."""
+    among the leaders through the backend, whose calls are the leaders' tree's (all_reduce's result back down the
+    leaders' tree, then each host's, from routes.TREE_DOWN_FROM leaders); NCCL and one rank a host: one tree over
+    every rank."""
     for rest in (0, 3 * MB):
         got = plan(op, Topology(world=8192, ranks_per_host=8), [rest] * 8192)
         host, leaders = got.steps[:2]
@@ -308,6 +309,11 @@ def test_a_reductions_tree_on_two_levels_climbs_each_host_then_the_leaders(op):
         assert (leaders.collective, leaders.medium, leaders.ranks, leaders.across) == ("tree", BACKEND, 1024, True)
         assert leaders.calls == routes.tree_calls(1024, rest, cpu=True, listed=True, chunk=Knobs().chunk_bytes)
         assert "tree" not in [s.collective for s in got.steps[2:]]
+        if op == "all_reduce":  # from TREE_DOWN_FROM leaders the result goes down the same two trees
+            down = [(s.collective, s.medium, s.ranks, s.across, s.calls) for s in got.steps[2:]]
+            assert down == [("down_tree", BACKEND, 1024, True, leaders.calls), ("down_tree", CHANNEL, 8, False, 1)]
+            below = plan(op, Topology(world=8 * (routes.TREE_DOWN_FROM - 1), ranks_per_host=8), [rest] * 504)
+            assert "down_tree" not in [s.collective for s in below.steps]  # gloo's broadcast, two levels
         for flat in (Topology(world=8192, ranks_per_host=8, device="cuda"), Topology(world=8192)):
             first = plan(op, flat, [rest] * 8192).steps[0]
             assert (first.collective, first.medium, first.ranks) == ("tree", BACKEND, 0), flat

@@ -56,8 +56,9 @@ result, in place        leaders' padded all_gather (hosts' bundles within 2x) or
                         stripes write it in place from ``IN_PLACE_FROM``; else the leader
                         copies into it
 all_reduce's result     back down the reduce tree (send/recv, one message an edge)       :func:`result_down_tree`
-                        on NCCL where a broadcast's round 1 would take the backend;
-                        else that broadcast (gloo, the channel, two levels)
+                        on NCCL where a broadcast's round 1 would take the backend, and
+                        on gloo's two levels from :data:`TREE_DOWN_FROM` leaders (the
+                        leaders' tree, then each host's); else that broadcast
 ======================  ===============================================================  ==========================
 
 Example::
@@ -81,6 +82,7 @@ from objcomm._transport.routes.cutoffs import (
     SHARED_MEMORY,
     STRIPES,
     SUMMED_SLOTS_FROM,
+    TREE_DOWN_FROM,
     TREE_GATHER_FROM,
     agreement_needed,
     backend_whole,
@@ -129,6 +131,7 @@ __all__ = [
     "SUMMED_SLOTS_FROM",
     "Step",
     "StripeMoves",
+    "TREE_DOWN_FROM",
     "TREE_GATHER_FROM",
     "Topology",
     "agreement_needed",

@@ -29,15 +29,18 @@ def round_one(*, local: bool, one_host: bool, channel_open: bool) -> str:
     return CHANNEL if local and one_host and channel_open else BACKEND
 
 
-def result_down_tree(*, cpu: bool, forced: bool = False) -> bool:
-    """Whether all_reduce's result goes from group rank 0 back down its reduce tree (send/recv, ceil(log2 W) hops:
-    :func:`objcomm._transport.broadcast.down_tree`) rather than in a broadcast, where a broadcast's round 1 would
-    take the backend: on NCCL, whose broadcast is a ring. Not on gloo, whose broadcast is a binomial tree in C++
+def result_down_tree(*, cpu: bool, forced: bool = False, leaders: int = 0) -> bool:
+    """Whether all_reduce's result goes from group rank 0 back down its reduce tree (send/recv, ceil(log2 W) hops,
+    slot and rest in one message an edge: :func:`objcomm._transport.broadcast.down_tree`) rather than in a
+    broadcast, where a broadcast's round 1 would take the backend: on NCCL, whose broadcast is a ring; on gloo's two
+    levels (``leaders``: the hosts whose leaders the reduce tree climbed, 0 on one level) from
+    :data:`TREE_DOWN_FROM` leaders, where the broadcast's relays move the slot, then the rest, each in a leaders'
+    broadcast of ceil(log2 leaders) hops. Not on one level of gloo, whose broadcast is a binomial tree in C++
     (faster than Python's sends where measured: 4 ranks, 1 MB, 10-12 ms against 7-8). ``forced``: tests (Hooks)."""
-    return not cpu or forced
+    return not cpu or forced or leaders >= TREE_DOWN_FROM
 
 
-SUMMED_SLOTS_FROM = TREE_GATHER_FROM = 64  # ranks: from here slots_summed (NCCL), slots_up_tree
+SUMMED_SLOTS_FROM = TREE_GATHER_FROM = TREE_DOWN_FROM = 64  # ranks (leaders): slots_summed, slots_up_tree, down tree
 
 
 def slots_summed(*, world: int, cpu: bool, forced: bool = False) -> bool:

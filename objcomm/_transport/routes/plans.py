@@ -248,10 +248,12 @@ def plan(
         else:
             steps.append(Step("tree", BACKEND, held, calls=calls))
         if op == "all_reduce":
+            if leveled and result_down_tree(cpu=topology.cpu, leaders=hosts):  # the leaders' tree, then each host's
+                across_down = Step("down_tree", BACKEND, held, hosts, True, across)
+                return Plan(op, first, (*steps, across_down, Step("down_tree", CHANNEL, held, k)))
             result = plan("broadcast", topology, rests, knobs, root=0, listed=listed)
             if result.round_one == BACKEND and result_down_tree(cpu=topology.cpu):
-                down = Step("down_tree", BACKEND, (knobs.slot_bytes + rests[0],), calls=calls)
-                return Plan(op, first, (*steps, down))
+                return Plan(op, first, (*steps, Step("down_tree", BACKEND, held, calls=calls)))
             return Plan(op, first, (*steps, *result.steps))
         sent = [rests[0] if r == 0 and root != 0 else 0 for r in range(world)]
         return Plan(op, first, (*steps, *plan("gather", topology, sent, knobs, root=root).steps))
