@@ -130,7 +130,8 @@ def tree(call: Any, obj: Any, op: Op, levels: Optional[TreeLevels] = None) -> Re
         held = _climb(call, levels.host, wire.rank - ranks[0], ranks, ranks, held, fn, op)
     if wire.rank != levels.leaders[host]:  # what this rank held went up to its leader
         return held
-    return _climb(call, wire, host, levels.leaders, levels.lasts, held, fn, op)
+    reduced: Reduced = levels.lead(_climb, call, wire, host, levels.leaders, levels.lasts, held, fn, op)
+    return reduced
 
 
 def _climb(

@@ -41,6 +41,7 @@ Example (four hosts of eight ranks)::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import weakref
 from dataclasses import dataclass
@@ -58,7 +59,15 @@ from objcomm._samehost.channel import LocalChannel
 from objcomm._samehost.channel_checks import agree_on, echo
 from objcomm._samehost.channel_slots import ChannelRoute, ChannelSlots
 from objcomm._samehost.mesh import MAX_PAYLOAD
-from objcomm._samehost.two_level_moves import Here, Levels, all_gather_fixed, gather_fixed, largest_in_levels, relay
+from objcomm._samehost.two_level_moves import (
+    Here,
+    Levels,
+    all_gather_fixed,
+    as_leader,
+    gather_fixed,
+    largest_in_levels,
+    relay,
+)
 from objcomm._transport import groups as _groups
 from objcomm._transport import routes
 from objcomm._transport.base import BACKEND, DIRECT, NOT_USED, Lease, NotUsed, Slot, TreeLevels, Wire, guarded
@@ -166,7 +175,7 @@ class TwoLevel(ChannelSlots):
             host = wire._replace(
                 first_round=HostEdges(here.channel, self.spin, leaders[here.host]), second_round=DIRECT
             )
-        return TreeLevels(host, here.host, leaders, lasts)
+        return TreeLevels(host, here.host, leaders, lasts, functools.partial(as_leader, here, op))
 
     def largest(self, wire: Wire, values: Sequence[int], op: str) -> Union[List[int], NotUsed]:
         got = super().largest(wire, values, op)

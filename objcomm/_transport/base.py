@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -357,6 +357,9 @@ class TreeLevels(NamedTuple):
     home: int  # this rank's host
     leaders: Sequence[int]  # each host's lowest group rank, hosts in order
     lasts: Sequence[int]  # each host's highest group rank
+    # a leader's step among the leaders, lead(fn, *args): where it fails, the host's channel fails too, so that the
+    # host's ranks, waiting for their leader there, raise at once rather than at the group's timeout
+    lead: Callable[..., Any]
 
 
 def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -117,9 +117,10 @@ def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, levels: Op
         return _descend(wire, wire.rank, ranks, out, sizes_of)[0]
     home = levels.home
     leader = levels.leaders[home]
-    got, forward = None, out
+    got: Optional[Incoming] = None
+    forward = out
     if wire.rank == leader:  # the leaders' tree, rooted at group rank 0
-        got, forward = _descend(wire, home, levels.leaders, out, sizes_of)
+        got, forward = levels.lead(_descend, wire, home, levels.leaders, out, sizes_of)
     if levels.host is not None:  # the host's, rooted at its leader
         ranks = range(leader, levels.lasts[home] + 1)
         got, forward = _descend(levels.host, wire.rank - leader, ranks, forward, sizes_of, got)

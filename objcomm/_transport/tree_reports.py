@@ -19,51 +19,81 @@ at once, with every report that could be read.
 from __future__ import annotations
 
 import struct
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from objcomm._errors import CommunicationError, FrameError, ObjcommError
 from objcomm._format.frame import error_frame
 from objcomm._format.message import Incoming, Outgoing
 from objcomm._transport import rounds as _rounds
-from objcomm._transport.base import INTERNAL_TAG, Wire
+from objcomm._transport.base import INTERNAL_TAG, TreeLevels, Wire
 
 _RECORD = struct.Struct("<II")  # group rank, report length
 
 
-def reports_over_tree(wire: Wire, report: Outgoing) -> List[Optional[Incoming]]:
+def reports_over_tree(wire: Wire, report: Outgoing, levels: Optional[TreeLevels] = None) -> List[Optional[Incoming]]:
     """Every rank's report (``report`` here: an error frame, or anything else for none), by group rank: ``None`` where
-    a rank had no failure. Called by every rank that received an error report down the tree (honest ranks: all)."""
-    rank, size = wire.rank, wire.size
+    a rank had no failure. Called by every rank that received an error report down the tree (honest ranks: all).
+    ``levels``: the two levels the result came down (:func:`objcomm._transport.broadcast.down_tree`): up each host's
+    tree and the leaders', then down the leaders' and each host's, the same edges."""
     wire = wire._replace(tag=INTERNAL_TAG)
-    reports: Dict[int, bytes] = {rank: bytes(report.frame)} if report.error else {}
-    step = 1
-    while step < size:  # up: the reduce tree's rounds (objcomm._api.reduce.tree)
-        if rank & step:
-            _rounds.send(wire._replace(max_bytes=_bound(wire, step)), Outgoing(_pack(reports)), rank - step)
+    reports: Dict[int, bytes] = {wire.rank: bytes(report.frame)} if report.error else {}
+    if levels is None:
+        everyone = range(wire.size)
+        reports = _down(wire, wire.rank, everyone, _up(wire, wire.rank, everyone, everyone, reports))
+    else:
+        home = levels.home
+        leader, last = levels.leaders[home], levels.lasts[home]
+        host = range(leader, last + 1)
+        if levels.host is not None:
+            reports = _up(levels.host, wire.rank - leader, host, host, reports)
+        if wire.rank == leader:
+            reports = levels.lead(_up, wire, home, levels.leaders, levels.lasts, reports)
+            reports = levels.lead(_down, wire, home, levels.leaders, reports)
+        if levels.host is not None:
+            reports = _down(levels.host, wire.rank - leader, host, reports)
+    found: List[Optional[Incoming]] = [None] * wire.size
+    for r, frame in reports.items():
+        found[r] = Incoming(memoryview(frame), error=True)
+    return found
+
+
+def _up(wire: Wire, me: int, ranks: Sequence[int], lasts: Sequence[int], reports: Dict[int, bytes]) -> Dict[int, bytes]:
+    """The reports of this rank's subtree, up a binomial tree over the group ranks ``ranks`` (this rank: ``ranks[me]``;
+    ``lasts[i]``: the highest group rank ``ranks[i]`` speaks for), the reduce tree's rounds
+    (:mod:`objcomm._api.reduce`): what the tree's root holds then, or what this rank sent up."""
+    rank, size, step = ranks[me], len(ranks), 1
+    while step < size:
+        if me & step:
+            speaks = lasts[min(me + step, size) - 1] - rank + 1
+            _rounds.send(wire._replace(max_bytes=_bound(wire, speaks)), Outgoing(_pack(reports)), ranks[me - step])
             break
-        child = rank + step
-        if child < size:
+        if me + step < size:
+            child, high = ranks[me + step], lasts[min(me + 2 * step, size) - 1] + 1
             try:
-                reports.update(_receive(wire, child, child, min(child + step, size)))
+                reports.update(_receive(wire, child, child, high))
             except CommunicationError:
                 raise
             except ObjcommError as exc:  # the child's reports stand for it, unread: the tree goes on without them
                 unread = FrameError(f"rank {child} sent failure reports that rank {rank} could not read: {exc}")
                 reports[child] = bytes(error_frame(unread, wire.inline_capacity).frame)
         step *= 2
-    if rank:  # down: from the parent, everything (down_tree's edges)
-        reports = _receive(wire, rank - (rank & -rank), 0, size)
-    step = 1 << max(size - 1, 0).bit_length() if rank == 0 else rank & -rank
+    return reports
+
+
+def _down(wire: Wire, me: int, ranks: Sequence[int], reports: Dict[int, bytes]) -> Dict[int, bytes]:
+    """Every rank's reports, from the root of the binomial tree over ``ranks`` to this rank (``ranks[me]``) and on to
+    its children (:func:`objcomm._transport.broadcast.down_tree`'s edges)."""
+    size = len(ranks)
+    if me:  # from the parent, everything
+        reports = _receive(wire, ranks[me - (me & -me)], 0, wire.size)
+    step = 1 << max(size - 1, 0).bit_length() if me == 0 else me & -me
     bundle = Outgoing(_pack(reports))
     step //= 2
     while step:
-        if rank + step < size:
-            _rounds.send(wire._replace(max_bytes=_bound(wire, size)), bundle, rank + step)
+        if me + step < size:
+            _rounds.send(wire._replace(max_bytes=_bound(wire, wire.size)), bundle, ranks[me + step])
         step //= 2
-    found: List[Optional[Incoming]] = [None] * size
-    for r, frame in reports.items():
-        found[r] = Incoming(memoryview(frame), error=True)
-    return found
+    return reports
 
 
 def _bound(wire: Wire, ranks: int) -> int:

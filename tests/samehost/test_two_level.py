@@ -22,7 +22,7 @@ from objcomm import _state
 TIMEOUT_S = 15  # the group's timeout: what bounds the wait of a rank on another host
 
 
-def _leader_killed(rank: int, world: int, store: str, victim: int, results: Any) -> None:
+def _leader_killed(rank: int, world: int, store: str, victim: int, results: Any, reducing: bool = False) -> None:
     os.environ["OBJCOMM_TEST_RANKS_PER_HOST"] = "2"  # hosts {0, 1} and {2, 3}; their leaders: ranks 0 and 2
     dist.init_process_group(
         "gloo",
@@ -38,16 +38,31 @@ def _leader_killed(rank: int, world: int, store: str, victim: int, results: Any)
     if rank == victim:
         time.sleep(0.5)  # the others are waiting in the all_gather below by now
         os.kill(os.getpid(), signal.SIGKILL)
-    report_raised(results, rank, lambda: objcomm.all_gather({"after": rank}))
+    if reducing:  # the reduce tree on two levels: ranks 1 and 3 hand their values over, then wait for the result
+        report_raised(results, rank, lambda: objcomm.all_reduce([rank], "sum"))
+    else:
+        report_raised(results, rank, lambda: objcomm.all_gather({"after": rank}))
+
+
+def _leader_killed_in_a_reduction(rank: int, world: int, store: str, victim: int, results: Any) -> None:
+    _leader_killed(rank, world, store, victim, results, reducing=True)
 
 
 @pytest.mark.timeout(120)
-def test_a_leader_killed_mid_call_makes_every_other_rank_raise():
-    got, victim_exit = run_group_losing_a_rank(_leader_killed, 4, 2, timeout=90)
+@pytest.mark.parametrize("target", [_leader_killed, _leader_killed_in_a_reduction])
+def test_a_leader_killed_mid_call_makes_every_other_rank_raise(target):
+    """In an all_gather, and in an all_reduce whose tree climbs two levels: the dead leader's host member raises at
+    once (its channel closed), the other leader when gloo sees the connection close, and that leader's host member
+    with it (the leader's failure fails its host's channel), never after the group's timeout."""
+    got, victim_exit = run_group_losing_a_rank(target, 4, 2, timeout=90)
     assert victim_exit == -signal.SIGKILL
     assert sorted(got) == [0, 1, 3]
     for rank, (message, elapsed) in got.items():
         assert message != "no error", rank
         assert elapsed < TIMEOUT_S + 10, (rank, elapsed, message)  # never a hang: the group's timeout at most
+    # the live leader's host member: its leader failed the host's channel at once (as_leader: TreeLevels.lead in a
+    # reduction), so the member raises rather than wait on the channel; a leader that went on would otherwise leave it
+    # there until the group's timeout (here the leader's process ends just after, which closes the channel too)
+    assert got[1][1] < TIMEOUT_S - 5 and "failed the channel" in got[1][0], got[1]
     member_message, member_elapsed = got[3]  # its leader's socket closed: the dead leader's host knows at once
     assert "closed its connection" in member_message or "reset its connection" in member_message, member_message

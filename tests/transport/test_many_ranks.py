@@ -591,18 +591,22 @@ def _down_the_tree(comm: objcomm.Communicator) -> List[Any]:
         with calls() as counts:
             got = comm.all_reduce(value, plus)
         rows.append((got, counts["collectives"], counts["blocking"] + counts["p2p"]))
+    failing = []  # this rank's torch.distributed calls in each failing call
     for case in ("over a leaf's limit", "op raises on rank 6"):
-        try:
-            if case == "over a leaf's limit":
-                comm.all_reduce(b"x" * 20_000, operator.add, max_bytes=100_000 if rank == 7 else None)  # 160 KB
-            else:
-                comm.all_reduce(rank, lambda a, b: a + b if rank != 6 else a + None)
-            rows.append((case, "returned"))
-        except objcomm.RemoteError as exc:
-            rows.append((case, exc.failures and {r: t for r, (t, _) in exc.failures.items()}))
+        with calls() as counts:
+            try:
+                if case == "over a leaf's limit":
+                    comm.all_reduce(b"x" * 20_000, operator.add, max_bytes=100_000 if rank == 7 else None)  # 160 KB
+                else:
+                    comm.all_reduce(rank, lambda a, b: a + b if rank != 6 else a + None)
+                rows.append((case, "returned"))
+            except objcomm.RemoteError as exc:
+                rows.append((case, exc.failures and {r: t for r, (t, _) in exc.failures.items()}))
+        failing.append(sum(counts.values()))
     rows.append(comm.all_reduce(1, "sum"))  # in step afterwards
     with calls() as counts:
         rows.append((_comm().all_reduce(rank, "sum"), counts["collectives"]))
+    rows.append(failing)
     return rows
 
 
@@ -623,8 +627,8 @@ def test_all_reduce_returns_down_the_tree(k):
         assert (small_c, big_c, huge_c, tensor_c) == (0, 0, 0, 0), (rank, rows[:4])
         if k == 1:  # a leaf (odd rank) sends once up and receives once down; rank 0 receives 3 and sends 3
             assert small_p2p <= (2 if rank % 2 else 6), (rank, small_p2p)
-        elif rank % k:  # inside a host the channel alone
-            assert small_p2p == big_p2p == 0, (k, rank, rows[:2])
+        elif rank % k:  # inside a host the channel alone, failures' reports too (along the same two trees)
+            assert small_p2p == big_p2p == 0 and rows[8] == [0, 0], (k, rank, rows[:2], rows[8])
         assert rows[4] == ("over a leaf's limit", {0: "TooLargeError"}), (rank, rows[4])
         assert rows[5] == ("op raises on rank 6", {6: "TypeError"}), (rank, rows[5])
         assert rows[6] == W
