@@ -25,6 +25,7 @@ from objcomm._errors import CommunicationError, ObjcommError, OpError
 from objcomm._format import frame as _frame
 from objcomm._transport import rounds as _rounds
 from objcomm._transport.base import INTERNAL_TAG, TreeLevels, Wire
+from objcomm._transport.patterns import binomial
 
 Op = Union[str, Callable[[Any, Any], Any]]
 
@@ -148,39 +149,36 @@ def _climb(
     from what this rank holds (``held``); ``lasts[i]``: the highest group rank whose object ``ranks[i]`` holds."""
     wire = wire._replace(tag=INTERNAL_TAG)  # above every tag a caller may pass (objcomm._api.call.MAX_TAG)
     value, complete, own, lowest = held
-    step, size = 1, len(ranks)
-    while step < size:
-        if me & step:  # send what this subtree holds to the parent, and stop
-            if complete:
-                out, failed = call.encode(value)
-                own = own or failed
-            else:
-                out = _frame.error_frame(own or ObjcommError("a rank below failed"), wire.inline_capacity)
-            try:
-                _rounds.send(wire._replace(max_bytes=lowest), out, ranks[me - step])
-            except CommunicationError:
-                raise
-            except ObjcommError as exc:  # the parent refused it: it knows, and so will everyone else
-                own = own or exc
-            return Reduced(None, False, own, lowest)
-        if me + step < size:
-            child = ranks[me + step]
-            try:
-                _, item, is_error = _rounds.recv(wire, child, _frame.tensor_sizes)
-                lowest = min(lowest, item.sender_limit)
-                if is_error:
-                    complete = False
-                elif complete:
-                    theirs = call.decode(item, child)
-                    try:
-                        value = fn(value, theirs)
-                    except Exception as exc:
-                        left = _ranks(ranks[me], lasts[me + step - 1])
-                        right = _ranks(child, lasts[min(me + 2 * step, size) - 1])
-                        raise op_error(op, fn, exc, left, right) from exc
-            except CommunicationError:
-                raise
-            except Exception as exc:  # refused, undecodable, or op raised: reported at the end
-                own, complete = own or exc, False
-        step *= 2
+    tree = binomial(me, len(ranks))
+    for child, end in zip(tree.children, tree.ends):
+        peer = ranks[child]
+        try:
+            _, item, is_error = _rounds.recv(wire, peer, _frame.tensor_sizes)
+            lowest = min(lowest, item.sender_limit)
+            if is_error:
+                complete = False
+            elif complete:
+                theirs = call.decode(item, peer)
+                try:
+                    value = fn(value, theirs)
+                except Exception as exc:
+                    left, right = _ranks(ranks[me], lasts[child - 1]), _ranks(peer, lasts[end - 1])
+                    raise op_error(op, fn, exc, left, right) from exc
+        except CommunicationError:
+            raise
+        except Exception as exc:  # refused, undecodable, or op raised: reported at the end
+            own, complete = own or exc, False
+    if tree.parent is not None:  # send what this subtree holds to the parent
+        if complete:
+            out, failed = call.encode(value)
+            own = own or failed
+        else:
+            out = _frame.error_frame(own or ObjcommError("a rank below failed"), wire.inline_capacity)
+        try:
+            _rounds.send(wire._replace(max_bytes=lowest), out, ranks[tree.parent])
+        except CommunicationError:
+            raise
+        except ObjcommError as exc:  # the parent refused it: it knows, and so will everyone else
+            own = own or exc
+        return Reduced(None, False, own, lowest)
     return Reduced(value if complete else None, complete, own, lowest)

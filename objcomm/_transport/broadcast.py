@@ -17,6 +17,7 @@ from objcomm._format.slot import SlotInfo, read_slot
 from objcomm._transport import rounds as _rounds
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, TreeLevels, Wire, guarded
 from objcomm._transport.bytes import broadcast_bytes, host_view, receive_buffer
+from objcomm._transport.patterns import binomial
 from objcomm._transport.rounds import REFUSE_LIMIT, _agreement_needed, _on_device, _slot, _vote_refusals
 
 
@@ -140,16 +141,14 @@ def _descend(
     ``ranks[me]``), the reduce tree's edges the other way: what this rank took (the root: ``got``, or a view of
     ``forward``, what it holds) and what it passed on."""
     wire = wire._replace(tag=INTERNAL_TAG)  # as the reduce tree (its sends go the other way: higher to lower ranks)
-    size = len(ranks)
-    if me == 0:
+    tree = binomial(me, len(ranks))
+    if tree.parent is None:
         assert forward is not None
         if got is None:  # the root decodes only a failure
             got = Incoming(forward.frame if forward.error else memoryview(b""), error=forward.error)
-        step = 1 << max(size - 1, 0).bit_length()  # above the top child
     else:
-        step = me & -me
         try:
-            _, got, _ = _rounds.recv(wire, ranks[me - step], sizes_of)
+            _, got, _ = _rounds.recv(wire, ranks[tree.parent], sizes_of)
             small = got.frame.nbytes <= wire.inline_capacity  # a slot's view: copied, as a route may reuse its buffer
             forward = Outgoing(bytes(got.frame) if small else got.frame, got.tensors, error=got.error)
         except CommunicationError:
@@ -157,15 +156,12 @@ def _descend(
         except ObjcommError as exc:  # refused (drained): the children learn it from an error report
             forward = error_frame(exc, wire.inline_capacity)
             got = Incoming(forward.frame, error=True, refused=exc)
-    step //= 2
-    while step:
-        if me + step < size:
-            try:
-                _rounds.send(wire, forward, ranks[me + step])
-            except CommunicationError:
-                raise
-            except ObjcommError:  # that child refused it: it raises, and its subtree hears of it from it
-                pass
-        step //= 2
+    for child in reversed(tree.children):  # the largest subtree first
+        try:
+            _rounds.send(wire, forward, ranks[child])
+        except CommunicationError:
+            raise
+        except ObjcommError:  # that child refused it: it raises, and its subtree hears of it from it
+            pass
     got.relayed = True
     return got, forward

@@ -23,6 +23,13 @@ Pattern(op='gather', to=(0,), each=False, sources=())
 (1, 2, 3)
 >>> pattern("scatter", me=0, world=3, root=0).outgoing(["a", "b", "c"])
 {1: 'b', 2: 'c'}
+
+The trees of send/recv (a reduction's way up, its result's way down, their failure reports) are one shape,
+:func:`binomial`: rooted at index 0, index ``i``'s parent ``i - lowbit(i)``, its children ``i + 1, i + 2, i + 4,
+...`` below ``lowbit(i)``.
+
+>>> binomial(4, 7)
+Tree(parent=0, children=(5, 6), ends=(6, 7), end=7)
 """
 
 from __future__ import annotations
@@ -68,3 +75,29 @@ def pattern(op: str, *, me: int, world: int, root: Optional[int] = None) -> Patt
     if op == "gather":
         return Pattern(op, () if me == root else (root,), False, others if me == root else ())
     return Pattern(op, others if me == root else (), op in _EACH, () if me == root else (root,))
+
+
+class Tree(NamedTuple):
+    """One index's edges in the binomial tree over ``size`` indices rooted at 0 (:func:`binomial`)."""
+
+    parent: Optional[int]  # None at the root
+    children: Tuple[int, ...]  # nearest first: the order the way up takes them (the way down sends farthest first)
+    ends: Tuple[int, ...]  # each child's subtree: indices child .. end - 1
+    end: int  # this index's subtree: indices me .. end - 1
+
+
+@functools.lru_cache(maxsize=4096)  # a group's trees repeat every call
+def binomial(me: int, size: int) -> Tree:
+    """Index ``me``'s parent, children and subtrees in the binomial tree over ``size`` indices rooted at 0: ceil(log2
+    size) levels, a parent's subtree the indices up to its next multiple of its lowest set bit."""
+    if not 0 <= me < size:
+        raise ValueError(f"index {me} of a tree over {size}")
+    low = me & -me if me else 1 << max(size - 1, 0).bit_length()
+    children = []
+    step = 1
+    while step < low and me + step < size:
+        children.append(me + step)
+        step *= 2
+    return Tree(
+        me - low if me else None, tuple(children), tuple(min(c + (c & -c), size) for c in children), min(me + low, size)
+    )

@@ -26,6 +26,7 @@ from objcomm._format.frame import error_frame
 from objcomm._format.message import Incoming, Outgoing
 from objcomm._transport import rounds as _rounds
 from objcomm._transport.base import INTERNAL_TAG, TreeLevels, Wire
+from objcomm._transport.patterns import binomial
 
 _RECORD = struct.Struct("<II")  # group rank, report length
 
@@ -61,38 +62,31 @@ def _up(wire: Wire, me: int, ranks: Sequence[int], lasts: Sequence[int], reports
     """The reports of this rank's subtree, up a binomial tree over the group ranks ``ranks`` (this rank: ``ranks[me]``;
     ``lasts[i]``: the highest group rank ``ranks[i]`` speaks for), the reduce tree's rounds
     (:mod:`objcomm._api.reduce`): what the tree's root holds then, or what this rank sent up."""
-    rank, size, step = ranks[me], len(ranks), 1
-    while step < size:
-        if me & step:
-            speaks = lasts[min(me + step, size) - 1] - rank + 1
-            _rounds.send(wire._replace(max_bytes=_bound(wire, speaks)), Outgoing(_pack(reports)), ranks[me - step])
-            break
-        if me + step < size:
-            child, high = ranks[me + step], lasts[min(me + 2 * step, size) - 1] + 1
-            try:
-                reports.update(_receive(wire, child, child, high))
-            except CommunicationError:
-                raise
-            except ObjcommError as exc:  # the child's reports stand for it, unread: the tree goes on without them
-                unread = FrameError(f"rank {child} sent failure reports that rank {rank} could not read: {exc}")
-                reports[child] = bytes(error_frame(unread, wire.inline_capacity).frame)
-        step *= 2
+    rank, tree = ranks[me], binomial(me, len(ranks))
+    for child, end in zip(tree.children, tree.ends):
+        peer = ranks[child]
+        try:
+            reports.update(_receive(wire, peer, peer, lasts[end - 1] + 1))
+        except CommunicationError:
+            raise
+        except ObjcommError as exc:  # the child's reports stand for it, unread: the tree goes on without them
+            unread = FrameError(f"rank {peer} sent failure reports that rank {rank} could not read: {exc}")
+            reports[peer] = bytes(error_frame(unread, wire.inline_capacity).frame)
+    if tree.parent is not None:
+        speaks = lasts[tree.end - 1] - rank + 1
+        _rounds.send(wire._replace(max_bytes=_bound(wire, speaks)), Outgoing(_pack(reports)), ranks[tree.parent])
     return reports
 
 
 def _down(wire: Wire, me: int, ranks: Sequence[int], reports: Dict[int, bytes]) -> Dict[int, bytes]:
     """Every rank's reports, from the root of the binomial tree over ``ranks`` to this rank (``ranks[me]``) and on to
     its children (:func:`objcomm._transport.broadcast.down_tree`'s edges)."""
-    size = len(ranks)
-    if me:  # from the parent, everything
-        reports = _receive(wire, ranks[me - (me & -me)], 0, wire.size)
-    step = 1 << max(size - 1, 0).bit_length() if me == 0 else me & -me
+    tree = binomial(me, len(ranks))
+    if tree.parent is not None:  # from the parent, everything
+        reports = _receive(wire, ranks[tree.parent], 0, wire.size)
     bundle = Outgoing(_pack(reports))
-    step //= 2
-    while step:
-        if me + step < size:
-            _rounds.send(wire._replace(max_bytes=_bound(wire, wire.size)), bundle, ranks[me + step])
-        step //= 2
+    for child in reversed(tree.children):
+        _rounds.send(wire._replace(max_bytes=_bound(wire, wire.size)), bundle, ranks[child])
     return reports
 
 

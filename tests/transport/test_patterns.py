@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from objcomm._transport import patterns
 from objcomm._transport.patterns import OPS, pattern
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,3 +64,24 @@ def test_eight_thousand_ranks_stay_linear():
 def test_a_pattern_that_does_not_exist_is_refused(op, root):
     with pytest.raises(ValueError):
         pattern(op, me=0, world=4, root=root)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 8, 9, 64, 100, 8192])
+def test_binomial_trees_hold_every_index_once_in_order(size):
+    """Every index but the root has one parent, which lists it among its children; a child's subtree is the indices
+    from it to its end, and a parent's children's subtrees tile its own: so a tree that combines children in order
+    combines the indices in order."""
+    trees = [patterns.binomial(me, size) for me in range(size)]
+    assert trees[0].parent is None and trees[0].end == size
+    for me, tree in enumerate(trees):
+        assert tree.children == tuple(sorted(tree.children))
+        if me:
+            assert tree.parent is not None and me in trees[tree.parent].children
+        at = me + 1
+        for child, end in zip(tree.children, tree.ends):
+            assert child == at and end == trees[child].end
+            at = end
+        assert at == tree.end
+    assert max(len(t.children) for t in trees) == (size - 1).bit_length()
+    with pytest.raises(ValueError):
+        patterns.binomial(size, size)
