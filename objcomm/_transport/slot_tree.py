@@ -12,6 +12,7 @@ import torch
 
 from objcomm._transport.base import INTERNAL_TAG, Wire
 from objcomm._transport.bytes import Batch, Deadline, host_view, zeroed
+from objcomm._transport.patterns import binomial
 
 
 def gather_up_tree(
@@ -22,8 +23,9 @@ def gather_up_tree(
     ``dst`` (zeros where a slot carried nothing); None elsewhere. A gather's round 1 (one slot a rank); two levels'
     leaders, each with its host's slots (``count``: the most ranks on one host).
 
-    With ranks numbered from ``dst`` (``v = (rank - dst) mod W``), rank ``v``'s children are ``v + 1, v + 2, v + 4,
-    ...`` below its lowest set bit; a subtree of ``span`` ranks ``v .. v + span - 1`` travels as two messages: its
+    With ranks numbered from ``dst`` (``v = (rank - dst) mod W``), the tree is
+    :func:`~objcomm._transport.patterns.binomial`'s: rank ``v``'s children are ``v + 1, v + 2, v + 4, ...`` below its
+    lowest set bit; a subtree of ``span`` ranks ``v .. v + span - 1`` travels as two messages: its
     *lengths* (``span x count`` int32s: each slot's bytes up to its last nonzero one) and its *bytes* (those slots'
     bytes end to end). A rank takes its children's lengths in one batch (their size is known), then sends its
     subtree's lengths to its parent while it takes its children's bytes (the lengths' sums) in one batch, then sends
@@ -35,7 +37,8 @@ def gather_up_tree(
     are taken and dropped, so that a lying child changes no other subtree's slots."""
     size = wire.size
     me = (wire.rank - dst) % size
-    span = min(me & -me if me else 1 << (size - 1).bit_length(), size - me)  # the ranks of this rank's subtree
+    tree = binomial(me, size)
+    span = tree.end - me  # the ranks of this rank's subtree
     view = memoryview(raw)
     mine = [bytes(view[j * width : (j + 1) * width]).rstrip(b"\0") for j in range(count)]
     lengths = zeroed(4 * count * span, wire)  # (zeroed: a short child's lengths read 0, never old memory)
@@ -46,12 +49,9 @@ def gather_up_tree(
     # timeout would otherwise hold this rank for twice it, while the ranks that finished at once time out waiting
     # for the destination's word (some ranks returning, others raising: the outcome must be the same everywhere)
     deadline = Deadline(wire, op, "a gather's slots up the tree")
-    children = []  # (first relative rank, ranks) of each child's subtree
-    step = 1
-    while step < span:
-        children.append((step, min(step, span - step)))
-        batch.recv_into(lengths[4 * count * step : 4 * count * (step + children[-1][1])], (me + step + dst) % size)
-        step *= 2
+    children = [(child - me, end - child) for child, end in zip(tree.children, tree.ends)]  # (offset, ranks) each
+    for first, ranks in children:
+        batch.recv_into(lengths[4 * count * first : 4 * count * (first + ranks)], (me + first + dst) % size)
     batch.wait(deadline)
     counts = lengths.view(torch.int32).cpu()  # a lie past 2**31 reads negative: refused below
     own = b"".join(mine)
@@ -67,7 +67,7 @@ def gather_up_tree(
     data = zeroed(sum(carried), wire)
     if own:
         data[: len(own)].copy_(torch.frombuffer(bytearray(own), dtype=torch.uint8))
-    parent = (me - (me & -me) + dst) % size if me else None
+    parent = None if tree.parent is None else (tree.parent + dst) % size
     if parent is not None:  # the lengths go on at once: the levels above post their receives while these bytes come
         batch.send(counts.view(torch.uint8), parent)
         if not children and data.numel():  # a leaf: its bytes with them

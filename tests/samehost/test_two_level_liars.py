@@ -2,12 +2,15 @@
 group's collectives than another's (they met the other hosts' next call: wrong data, silently): the votes of an
 operation whose second round moves through the whole group's backend (scatter, all_to_all) are the whole group's,
 never relayed by a leader. And a broadcast past the scratch size votes first, since a leader relays all of it for its
-host."""
+host. A relay that lies in the reduce tree on two levels (up or down a host's channel, or the leaders' tree) misleads
+its own subtree only, which raises, and nobody is left with wrong data in a later call."""
 
 from __future__ import annotations
 
+import operator
 import struct
-from typing import Any, List
+from datetime import timedelta
+from typing import Any, List, Set
 
 import pytest
 import torch
@@ -16,8 +19,13 @@ from _ranks import get_pool
 from test_many_ranks import ranks_per_host
 
 import objcomm
+from objcomm._api.resolving import Hooks
+from objcomm._errors import ObjcommError
+from objcomm._format.frame import error_frame
 from objcomm._samehost import two_level as _two_level
 from objcomm._samehost import two_level_moves as _moves
+from objcomm._transport import rounds as _rounds
+from objcomm._transport.base import INTERNAL_TAG
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -97,3 +105,66 @@ def refused_broadcast() -> Any:
 
 def test_a_two_level_broadcast_past_the_scratch_size_votes_first():
     assert get_pool(W).run(refused_broadcast, timeout=120) == ["refused before any transfer"] * W
+
+
+def _outcome(call: Any) -> Any:
+    try:
+        return call()
+    except objcomm.CommunicationError:
+        return "CommunicationError"
+
+
+def lying_relay_in_the_tree(case: str, k: int, liar: int, victim: int, limited: int) -> List[Any]:
+    """all_reduce on two levels (hosts of ``k``, the result back down the tree, as from 64 leaders), on a group of the
+    8 ranks with a 3 s timeout; ``liar`` lies in its sends to ``victim`` along the tree: ``forged``, an error report in
+    place of the result on the way down; ``hidden limit``, a limit of 2**61 for its subtree on the way up, hiding the
+    max_bytes of rank ``limited``, which then refuses the result. Then two all_gathers: what this rank got of each."""
+    rank = dist.get_rank()
+    with ranks_per_host(k):
+        sub = dist.new_group(list(range(W)), timeout=timedelta(seconds=3))
+        comm = objcomm.Communicator(sub, _hooks=Hooks(down_tree=True))
+        comm.all_gather(rank)  # the set-up
+        real = _rounds.send
+        if rank == liar:
+
+            def lying_send(wire: Any, out: Any, dst: int, eager: bool = True) -> None:
+                if wire.tag == INTERNAL_TAG and dst == victim and case == "forged":
+                    out = error_frame(ObjcommError(f"forged by rank {liar}"), wire.inline_capacity)
+                if wire.tag == INTERNAL_TAG and dst == victim and case == "hidden limit":
+                    wire = wire._replace(max_bytes=1 << 61)
+                real(wire, out, dst, eager)
+
+            _rounds.send = lying_send  # type: ignore[assignment]
+        try:
+            if case == "forged":
+                reduced = _outcome(lambda: comm.all_reduce(rank + 1, "sum"))
+            else:
+                limit = 100_000 if rank == limited else None
+                reduced = _outcome(lambda: len(comm.all_reduce(b"x" * 20_000, operator.add, max_bytes=limit)))
+        finally:
+            _rounds.send = real  # type: ignore[assignment]
+        after = [_outcome(lambda: comm.all_gather(rank)) for _ in range(2)]
+        dist.destroy_process_group(sub)
+    return [reduced, *after]
+
+
+@pytest.mark.parametrize(
+    "case, k, liar, victim, misled",
+    [
+        ("forged", 4, 6, 7, {7}),  # down host 4's tree (4 <- 5, 4 <- 6 <- 7), over its channel
+        ("forged", 4, 0, 4, {4, 5, 6, 7}),  # down the leaders' tree: leader 4 passes it down its host's
+        ("forged", 3, 0, 6, {6, 7}),  # leaders 0 <- 3, 0 <- 6; in the group's tree 6's parent is 4
+        ("hidden limit", 4, 6, 4, {7}),  # up host 4's tree
+        ("hidden limit", 4, 4, 0, {7}),  # up the leaders' tree
+        ("hidden limit", 3, 3, 0, {5}),
+    ],
+)
+def test_a_lying_relay_in_the_tree_on_two_levels_misleads_its_subtree_only(case, k, liar, victim, misled: Set[int]):
+    """The ranks outside the lie get the right result; the misled raise, waiting for failure reports that only
+    their relay could send, never in a collective of the group; the next calls meet the missing ranks and raise."""
+    outcomes = get_pool(W).run(lying_relay_in_the_tree, case, k, liar, victim, max(misled), timeout=120)
+    result = sum(range(1, W + 1)) if case == "forged" else 20_000 * W
+    for rank, (reduced, *after) in enumerate(outcomes):
+        if rank != liar:
+            assert reduced == ("CommunicationError" if rank in misled else result), (rank, outcomes)
+            assert after == ["CommunicationError"] * 2, (rank, outcomes)
