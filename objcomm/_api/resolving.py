@@ -40,6 +40,8 @@ class Hooks(NamedTuple):
     down_tree: bool = False  # all_reduce's result back down the reduce tree on gloo too (routes.result_down_tree)
     up_tree: bool = False  # a gather's slots up a binomial tree at any world size (routes.slots_up_tree)
     summed: bool = False  # an all_gather's slots in one all_reduce of the table on gloo too (routes.slots_summed)
+    rest_tree: bool = False  # a broadcast's rest down the tree from its source on gloo too (routes.rest_down_tree;
+    # off the same-host channel only: the express path's receivers do not see it)
 
 
 NO_HOOKS = Hooks()

@@ -15,6 +15,7 @@ from objcomm._format.frame import error_frame
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, read_slot
 from objcomm._transport import rounds as _rounds
+from objcomm._transport import routes
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, TreeLevels, Wire, guarded
 from objcomm._transport.bytes import broadcast_bytes, host_view, receive_buffer
 from objcomm._transport.patterns import binomial
@@ -30,11 +31,13 @@ def broadcast(
     *,
     tree: bool = False,
     levels: Optional[TreeLevels] = None,
+    rest_tree: bool = False,
 ) -> Incoming:
     """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere). ``tree`` (all_reduce's result, from
     group rank 0, whose reduce tree has just run, where :func:`objcomm._transport.routes.result_down_tree` says so):
     where round 1 would go through the group, or through two levels (``levels``: the reduce tree's), the frame goes
-    down that tree's edges instead (:func:`down_tree`)."""
+    down that tree's edges instead (:func:`down_tree`). ``rest_tree``: a rest through the backend goes down the
+    binomial tree from ``src`` whatever its size (:func:`objcomm._transport.routes.rest_down_tree`; tests)."""
     op = "broadcast"
     if tree and levels is not None:
         assert src == 0, "the reduce tree ends on group rank 0"
@@ -58,10 +61,12 @@ def broadcast(
             slot, host = _on_device(wire, raw), memoryview(raw)
         guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
         got = host if host is not None else host_view(slot)
-    return broadcast_rest(wire, out, read_slot(memoryview(got)), sizes_of, src)
+    return broadcast_rest(wire, out, read_slot(memoryview(got)), sizes_of, src, rest_tree)
 
 
-def broadcast_rest(wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int) -> Incoming:
+def broadcast_rest(
+    wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int, rest_tree: bool = False
+) -> Incoming:
     """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route."""
     op = "broadcast"
     if not _limits.round_one_ends([info]):
@@ -80,15 +85,19 @@ def broadcast_rest(wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of
     if taken is not NOT_USED:
         return taken
     mine = out if wire.rank == src else None
+    cpu, moved = wire.device.type == "cpu", info.second_round_bytes
+    tree = routes.rest_down_tree(world=wire.size, moved=moved, cpu=cpu, forced=rest_tree)
     frame = info.inline
     if frame is None:
-        data = broadcast_bytes(wire, mine.frame_tensor() if mine else None, info.length, src, op, drain=bool(refuse))
+        frame_out = mine.frame_tensor() if mine else None
+        data = broadcast_bytes(wire, frame_out, info.length, src, op, drain=bool(refuse), tree=tree)
         frame = None if refuse else host_view(data)
     if sizes is None:  # only the frame lists them; every rank has it now (and nobody refused: there was a vote)
         assert frame is not None
         sizes = _limits.frame_sizes(sizes_of, frame, info, src, op)
     tensors = [
-        broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op, drain=refuse) for i, n in enumerate(sizes)
+        broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op, drain=refuse, tree=tree)
+        for i, n in enumerate(sizes)
     ]
     if refuse:
         raise _limits.refused(op, src, wire, info.total, None, drained=True)

@@ -19,7 +19,8 @@ from objcomm._device import timeout_seconds
 from objcomm._errors import CommunicationError
 from objcomm._format.limits import SCRATCH_BYTES as SCRATCH
 from objcomm._format.message import Outgoing
-from objcomm._transport.base import Wire, all_gather_single, guarded
+from objcomm._transport.base import INTERNAL_TAG, Wire, all_gather_single, guarded
+from objcomm._transport.patterns import binomial
 
 
 def host_view(tensor: torch.Tensor) -> memoryview:
@@ -101,19 +102,43 @@ class Deadline:
 
 
 def broadcast_bytes(
-    wire: Wire, data: Optional[torch.Tensor], length: int, src: int, op: str, drain: bool = False
+    wire: Wire, data: Optional[torch.Tensor], length: int, src: int, op: str, drain: bool = False, tree: bool = False
 ) -> torch.Tensor:
-    """Broadcast ``length`` bytes in chunks; ``drain``: receive them into one small scratch buffer."""
+    """Broadcast ``length`` bytes in chunks; ``drain``: receive them into one small scratch buffer. ``tree``: each
+    piece down the binomial tree rooted at ``src`` rather than in the backend's broadcast
+    (:func:`objcomm._transport.routes.rest_down_tree`): a rank takes it from its parent, then sends it to its
+    children, the largest subtree first (a rank that drains passes on what it drained)."""
     if data is not None:
         buffer = to_device(data, wire)
-    else:
-        buffer = empty(min(length, wire.chunk, SCRATCH) if drain else length, wire)
+    else:  # zeroed down the tree: a parent that sends less leaves zeros there, never this process's old memory
+        buffer = (zeroed if tree else empty)(min(length, wire.chunk, SCRATCH) if drain else length, wire)
+    if tree:
+        _down_the_tree(wire, buffer, length, src, op, drain)
+        return buffer
     deadline = Deadline(wire, op)
     for start in pieces(length, wire.chunk):
         piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
         deadline.left(start, length)  # each piece waits the group's timeout at most: the whole, once more at most
         guarded(op, wire, dist.broadcast, piece, src=wire.ranks[src], group=wire.group)
     return buffer
+
+
+def _down_the_tree(wire: Wire, buffer: torch.Tensor, length: int, src: int, op: str, drain: bool) -> None:
+    """:func:`broadcast_bytes` down the binomial tree rooted at ``src``, piece by piece."""
+    edges = binomial((wire.rank - src) % wire.size, wire.size)
+    parent = None if edges.parent is None else (edges.parent + src) % wire.size
+    children = [(child + src) % wire.size for child in reversed(edges.children)]
+    what = f"a broadcast of {length:,} bytes down the tree in pieces of chunk_bytes={wire.chunk:,}"
+    deadline, batch = Deadline(wire, op, what), Batch(wire._replace(tag=INTERNAL_TAG), op)
+    for start in pieces(length, wire.chunk):
+        piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
+        deadline.left(start, length)
+        if parent is not None:
+            batch.recv_into(piece, parent)
+            batch.wait(deadline)
+        for child in children:
+            batch.send(piece, child)
+        batch.wait(deadline)
 
 
 class Batch:

@@ -34,9 +34,9 @@ from objcomm._transport import base as _base
 from objcomm._transport import bytes as _bytes
 from objcomm._transport import exchange as _exchange
 from objcomm._transport import gather as _gather
+from objcomm._transport import patterns, routes
 from objcomm._transport import pending as _pending
 from objcomm._transport import rounds as _rounds
-from objcomm._transport import routes
 from objcomm._transport import slot_tree as _slot_tree
 from objcomm._transport.base import Wire as _Wire
 from objcomm._transport.routes import cutoffs as _cutoffs
@@ -250,6 +250,85 @@ def test_a_gathers_slots_up_a_tree_give_the_same_results():
             assert collectives <= 2, f"{case}: {collectives} collectives on rank {rank}"
             assert blocking == 0, f"{case}: {blocking} blocking sends/receives on rank {rank}"
             assert 1 <= batches <= 4, f"{case}: {batches} batches of sends and receives on rank {rank}"
+
+
+def broadcast_rests_down_the_tree() -> List[Any]:
+    """broadcast from rank 1 of every spread, of a value past the scratch size (its receivers vote first), of a
+    tensor, and of 300 KB in 64 KB pieces that rank 5 refuses (over its max_bytes; no vote: it drains them and raises
+    alone), each with its rest down the binomial tree from the source (routes.rest_down_tree: NCCL's route from 64
+    ranks, forced here) and through the backend's broadcast: (what this rank got of each, its collectives and batches
+    of sends and receives of each, and its blocking calls)."""
+    rank = dist.get_rank()
+    values = [spread(case, 1) for case in CASES] + [b"m" * 3_000_000, torch.arange(300_000.0), b"d" * 300_000]
+    rows = []
+    for rest_tree in (True, False):
+        hooks = Hooks(separate_hosts=True, rest_tree=rest_tree)
+        comm = objcomm.Communicator(local=False, shm=False, _hooks=hooks)
+        drains = objcomm.Communicator(local=False, shm=False, _hooks=hooks, chunk_bytes=1 << 16)
+        for i, value in enumerate(values):
+            refusing = i == len(values) - 1
+            with calls() as counts:
+                try:
+                    on = drains if refusing else comm
+                    got = on.broadcast(
+                        value if rank == 1 else None, src=1, max_bytes=100_000 if rank == 5 and refusing else None
+                    )
+                    outcome: Any = _same(got, value)
+                except objcomm.TooLargeError:
+                    outcome = "TooLargeError"
+            rows.append((rest_tree, outcome, counts["collectives"], counts["p2p"], counts["blocking"]))
+    return rows
+
+
+def test_a_broadcasts_rest_goes_down_the_tree():
+    """With its rest down the binomial tree from the source (forced), broadcast gives every rank what the backend's
+    broadcast gives, refusals included (rank 5, a relay, drains each piece and still passes it on to its subtree,
+    ranks 6 and 7); each piece of the rest is a batch on the source and on a leaf, two on a relay (take, pass on),
+    where the backend's broadcast was one collective each, and no other call changes."""
+    results = get_pool(W).run(broadcast_rests_down_the_tree, timeout=120)
+    for rank, rows in enumerate(results):
+        tree, plain = rows[: len(rows) // 2], rows[len(rows) // 2 :]
+        relay = bool(patterns.binomial((rank - 1) % W, W).children) and rank != 1
+        for (_, got, t_calls, t_batches, t_blocking), (_, want, p_calls, p_batches, _) in zip(tree, plain):
+            assert got == want and got in (True, "TooLargeError"), (rank, tree, plain)
+            assert p_batches == 0 and t_blocking == 0, (rank, tree, plain)
+            assert t_batches == (p_calls - t_calls) * (2 if relay else 1), (rank, tree, plain)
+        assert [row[1] for row in tree[-1:]] == ["TooLargeError" if rank == 5 else True], (rank, tree)
+        assert tree[0][3] == 0 and tree[1][3] > 0, (rank, tree[:2])  # all 1 KB: in the slot; all 1 MB: a rest
+
+
+def a_liar_down_the_broadcast_tree(lie: str) -> List[Any]:
+    """broadcast of 300 KB from rank 1, its rest down the tree (forced); rank 3 relays it to rank 4 and lies:
+    ``short``, it sends the first half of each piece; ``zeros``, zeros in their place. Then two all_gathers: what this
+    rank got of each (the broadcast: whether it is the source's bytes, else what it is)."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=False, shm=False, _hooks=Hooks(separate_hosts=True, rest_tree=True))
+    real, real_empty = _bytes.Batch.send, _bytes.empty
+    if rank == 3:
+
+        def lying_send(batch: Any, data: torch.Tensor, dst: int) -> None:
+            real(batch, data[: data.numel() // 2] if lie == "short" else torch.zeros_like(data), dst)
+
+        _bytes.Batch.send = lying_send  # type: ignore[method-assign]
+    # every buffer that may be left uninitialized holds old bytes (as reused memory would), not the OS's zeros
+    _bytes.empty = lambda length, wire: torch.full((length,), 0xAA, dtype=torch.uint8)
+    try:
+        got = comm.broadcast(b"x" * 300_000 if rank == 1 else None, src=1)
+    finally:
+        _bytes.Batch.send, _bytes.empty = real, real_empty  # type: ignore[method-assign]
+    return [got == b"x" * 300_000 or got, comm.all_gather(rank), comm.all_gather(rank)]
+
+
+@pytest.mark.parametrize("lie", ["short", "zeros"])
+def test_a_liar_down_the_broadcast_tree_changes_its_subtrees_bytes_only(lie):
+    """A relay passes its subtree the pieces unchecked (docs/security.md): it can change what its subtree receives,
+    and where it sends less than a piece its child reads zeros there, never its own old memory (every uninitialized
+    buffer holds 0xAA here); every other rank gets the source's bytes, and the group stays in step."""
+    outcomes = get_pool(W).run(a_liar_down_the_broadcast_tree, lie, timeout=120)
+    misled = b"x" * 150_000 + bytes(150_000) if lie == "short" else bytes(300_000)
+    for rank, (got, *after) in enumerate(outcomes):
+        assert got is True if rank != 4 else got == misled, (rank, lie, got if got is True else len(got))
+        assert after == [list(range(W))] * 2, (rank, after)
 
 
 def gather_up_a_tree_in_subgroups() -> List[bool]:

@@ -156,6 +156,29 @@ def test_all_reduce_returns_down_its_tree_where_round_one_takes_the_backend(devi
         assert two_level.round_one == BACKEND and "down_tree" not in [s.collective for s in two_level.steps]
 
 
+def test_a_broadcasts_rest_goes_down_the_tree_on_nccl_from_64_ranks_while_it_beats_the_ring():
+    """NCCL's broadcast is a ring (W - 1 hops); down the binomial tree the source sends the rest ceil(log2 W) = L
+    times: the tree where (L - 1) x the rest costs less than W - 1 - L hops of HOP_BYTES. Not on gloo (binomial)."""
+    assert not routes.rest_down_tree(world=8192, moved=MB, cpu=True)
+    assert routes.rest_down_tree(world=8, moved=600 * MB, cpu=True, forced=True)
+    assert not routes.rest_down_tree(world=63, moved=1, cpu=False)
+    for world in (64, 512, 8192):
+        hops = (world - 1).bit_length()
+        most = (world - 1 - hops) * routes.HOP_BYTES // (hops - 1)  # 0.75 MB at 64 ranks, 44.7 MB at 8192
+        assert routes.rest_down_tree(world=world, moved=most, cpu=False), world
+        assert not routes.rest_down_tree(world=world, moved=most + 1, cpu=False), world
+    nccl = Topology(world=8192, device="cuda")
+    for rest, steps in [
+        (MB, ["all_reduce", "down_tree"]),  # the slot, then the rest (within the scratch size: no vote)
+        (40 * MB, ["all_reduce", "all_reduce", "down_tree"]),  # the slot, the vote, the rest
+        (100 * MB, ["all_reduce", "all_reduce", "broadcast"]),  # past the cut-off: the ring
+    ]:
+        got = plan("broadcast", nccl, [rest] * 8192)
+        assert [s.collective for s in got.steps] == steps, rest
+        assert got.torch_calls == len(steps) + (steps[-1] == "down_tree"), rest  # a relay: take, then pass on
+    assert "down_tree" not in [s.collective for s in plan("broadcast", Topology(world=8192), [MB] * 8192).steps]
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_a_gathers_slots_go_up_a_tree_from_64_ranks(device):
     """Through the backend a gather's slots go up a binomial tree from TREE_GATHER_FROM ranks (the backend's gather,

@@ -59,6 +59,11 @@ all_reduce's result     back down the reduce tree (send/recv, one message an edg
                         on NCCL where a broadcast's round 1 would take the backend, and
                         on gloo's two levels from :data:`TREE_DOWN_FROM` leaders (the
                         leaders' tree, then each host's); else that broadcast
+broadcast's rest        on NCCL from :data:`TREE_DOWN_FROM` ranks, while the source's    :func:`rest_down_tree`
+through the backend     ceil(log2 W) - 1 extra sends of the rest move at most
+                        W - 1 - ceil(log2 W) hops of ``HOP_BYTES`` (44.7 MB at 8192
+                        ranks): each piece down the binomial tree from the source
+                        (send/recv); else the backend's broadcast (NCCL's: a ring)
 ======================  ===============================================================  ==========================
 
 Example::
@@ -92,6 +97,7 @@ from objcomm._transport.routes.cutoffs import (
     in_place_table,
     leaders_relay_first,
     pieces,
+    rest_down_tree,
     rest_medium,
     result_down_tree,
     round_one,
@@ -143,6 +149,7 @@ __all__ = [
     "leaders_relay_first",
     "pieces",
     "plan",
+    "rest_down_tree",
     "rest_medium",
     "result_down_tree",
     "round_one",

@@ -40,7 +40,20 @@ def result_down_tree(*, cpu: bool, forced: bool = False, leaders: int = 0) -> bo
     return not cpu or forced or leaders >= TREE_DOWN_FROM
 
 
-SUMMED_SLOTS_FROM = TREE_GATHER_FROM = TREE_DOWN_FROM = 64  # ranks (leaders): slots_summed, slots_up_tree, down tree
+SUMMED_SLOTS_FROM = TREE_GATHER_FROM = TREE_DOWN_FROM = 64  # ranks (leaders): slots_summed, slots_up_tree, down trees
+
+
+def rest_down_tree(*, world: int, moved: int, cpu: bool, forced: bool = False) -> bool:
+    """Whether a broadcast's rest of ``moved`` bytes through the backend goes down the binomial tree rooted at the
+    source (send/recv, piece by piece: :func:`objcomm._transport.bytes.broadcast_bytes`) rather than in the
+    backend's broadcast: on NCCL, whose broadcast is a ring (W - 1 hops, the bytes once), from
+    :data:`TREE_DOWN_FROM` ranks, where the tree's ceil(log2 W) = L hops, the source sending the bytes L times,
+    cost no more than the ring: (L - 1) x ``moved`` at most (W - 1 - L) x :data:`HOP_BYTES` (at 8192 ranks up to
+    44.7 MB, at 64 up to 0.75 MB). Not on gloo, whose broadcast is a binomial tree in C++ already. ``forced``:
+    tests (Hooks). On NCCL each pair of ranks that exchange messages gets its own communicator on first use: over
+    broadcasts from every source a rank meets up to 2 x L peers (rank +- 2**k), each set up once."""
+    hops = (world - 1).bit_length()
+    return forced or (not cpu and world >= TREE_DOWN_FROM and (hops - 1) * moved <= (world - 1 - hops) * HOP_BYTES)
 
 
 def slots_summed(*, world: int, cpu: bool, forced: bool = False) -> bool:

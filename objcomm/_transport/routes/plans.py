@@ -21,6 +21,7 @@ from objcomm._transport.routes.cutoffs import (
     exchange_shape,
     in_place_table,
     leaders_relay_first,
+    rest_down_tree,
     rest_medium,
     result_down_tree,
     round_one,
@@ -233,8 +234,13 @@ def plan(
                     steps.append(Step("vote", first, (4,) * world, calls=vote_calls(world)))
                 else:
                     steps.append(Step("all_reduce", first, (4,) * world))
+            # each piece in the backend's broadcast, or down the binomial tree from the root: then a relay takes it
+            # in one batch and sends it on in another
+            tree = medium == BACKEND and rest_down_tree(world=world, moved=moved, cpu=topology.cpu)
             steps += [
-                Step("broadcast", medium, (min(knobs.chunk_bytes, moved - at),))
+                Step("down_tree", medium, (min(knobs.chunk_bytes, moved - at),), calls=2 if world > 3 else 1)
+                if tree
+                else Step("broadcast", medium, (min(knobs.chunk_bytes, moved - at),))
                 for at in range(0, moved, knobs.chunk_bytes)
             ]
     elif op in ("all_reduce", "reduce"):
