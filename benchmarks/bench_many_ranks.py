@@ -57,9 +57,11 @@ def measure(plan: Any, send: Any = None) -> Dict[str, Dict[str, float]]:
     return rows
 
 
-def breakdown(plan: Any, send: Any = None) -> List[float]:
-    """One all_gather of ``case`` in its phases on this rank (encode, round 1, the exchange of the rests, decode),
-    then torch's all_gather_object of the same object: median ms over ``rounds`` calls, each after a barrier."""
+def breakdown(plan: Any, send: Any = None) -> List[List[float]]:
+    """One all_gather of ``case`` in its phases on each rank (encode, round 1, the exchange of the rests, decode),
+    then torch's all_gather_object of the same object, each after a barrier; ``rounds`` times. Every rank's medians
+    in ms (its phases, then the whole of its objcomm call and of torch's), and last the slowest rank's median of
+    the two wholes, sample by sample."""
     import statistics
     import time
 
@@ -88,8 +90,12 @@ def breakdown(plan: Any, send: Any = None) -> List[float]:
         dist.barrier()
         t5 = time.perf_counter()
         dist.all_gather_object([None] * world, obj)
-        samples.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t5))
-    return [statistics.median(column) * 1e3 for column in zip(*samples)]
+        samples.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, time.perf_counter() - t5))
+    every: List[Any] = [None] * world
+    dist.all_gather_object(every, samples)
+    rows = [[statistics.median(column) * 1e3 for column in zip(*ranks)] for ranks in every]
+    slowest = [statistics.median(max(ranks[i][k] for ranks in every) for i in range(rounds)) * 1e3 for k in (4, 5)]
+    return [*rows, slowest]
 
 
 def report(world: int, rows: Dict[str, Dict[str, float]], per_host: int = 1) -> str:
@@ -123,10 +129,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     from objcomm._tools.launch import run_local
 
     if args.breakdown:
-        phases = run_local(breakdown, (args.rounds, args.breakdown), world_size=args.world_size, timeout_s=1800)
+        *ranks, slowest = run_local(
+            breakdown, (args.rounds, args.breakdown), world_size=args.world_size, timeout_s=1800
+        )
+        phases = ranks[0]
         print(
             f"{args.breakdown}, rank 0, median ms: encode {phases[0]:.1f}, round 1 {phases[1]:.1f}, exchange "
-            f"{phases[2]:.1f}, decode {phases[3]:.1f}; torch all_gather_object {phases[4]:.1f}"
+            f"{phases[2]:.1f}, decode {phases[3]:.1f}; torch all_gather_object {phases[5]:.1f}"
+        )
+        ours, theirs = [r[4] for r in ranks], [r[5] for r in ranks]
+        print(
+            f"every rank's median call, ms: objcomm {min(ours):.1f}-{max(ours):.1f}, torch {min(theirs):.1f}-"
+            f"{max(theirs):.1f}; the slowest rank's, median over the samples: objcomm {slowest[0]:.1f}, torch "
+            f"{slowest[1]:.1f} ({slowest[0] / slowest[1]:.2f}x)"
         )
         return 0
     rows = run_local(measure, (args.rounds, args.cases), world_size=args.world_size, timeout_s=1800)
