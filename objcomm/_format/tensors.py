@@ -340,8 +340,13 @@ def restorer(
     their tensor (:attr:`objcomm._transport.base.Incoming.copy_out`).
     """
     out_of_band = [e for e in entries if not e.flags & INLINE]
-    if len(out_of_band) != len(oob) or any(e.nbytes != t.numel() for e, t in zip(out_of_band, oob)):
+    if len(out_of_band) != len(oob):
         raise FrameError(f"the frame announces {len(out_of_band)} out-of-band tensors, {len(oob)} arrived")
+    for i, (entry, tensor) in enumerate(zip(out_of_band, oob)):
+        if entry.nbytes != tensor.numel():
+            raise FrameError(
+                f"the frame announces {entry.nbytes:,} bytes for out-of-band tensor #{i}, {tensor.numel():,} arrived"
+            )
     on_cpu = device.type == "cpu"
     restored: Dict[int, Any] = {}
 

@@ -222,6 +222,19 @@ def test_the_tensor_table_refuses_unknown_or_contradictory_flags():
         _tensors.parse_table(memoryview(entry(_tensors.BYTES, uint8, (8,))), 1, 0, kinds=False)
 
 
+def test_out_of_band_tensors_that_disagree_with_the_table_are_refused_saying_how():
+    t = torch.ones(1000, dtype=torch.uint8)
+    out = _frame.encode({"t": t}, serializers.registry.guarded("pickle"), max_bytes=1 << 30, inline_tensor_bytes=0)
+    (tensor,) = out.tensors
+    for tensors, says in [
+        ([tensor[:999]], "announces 1,000 bytes for out-of-band tensor #0, 999 arrived"),
+        ([tensor, tensor], "announces 1 out-of-band tensors, 2 arrived"),
+    ]:
+        with pytest.raises(objcomm.FrameError, match=says):
+            _frame.decode(Incoming(out.frame, tensors), sender=1, accept=None)
+    assert torch.equal(_frame.decode(Incoming(out.frame, [tensor]), sender=1, accept=None)["t"], tensor)
+
+
 def arrays_through_every_op(serializer: str, shm: bool) -> bool:
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = objcomm.Communicator(serializer=serializer, shm=shm, shm_threshold=1024)

@@ -31,6 +31,7 @@ from objcomm._format.slot import outgoing_second_round_bytes
 from objcomm._samehost import two_level_moves as _two_level
 from objcomm._tools.bench.spreads import CASES, spread_of
 from objcomm._transport import base as _base
+from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import bytes as _bytes
 from objcomm._transport import exchange as _exchange
 from objcomm._transport import gather as _gather
@@ -329,6 +330,34 @@ def test_a_liar_down_the_broadcast_tree_changes_its_subtrees_bytes_only(lie):
     for rank, (got, *after) in enumerate(outcomes):
         assert got is True if rank != 4 else got == misled, (rank, lie, got if got is True else len(got))
         assert after == [list(range(W))] * 2, (rank, after)
+
+
+def a_lying_source(rest_tree: bool) -> List[Any]:
+    """Rank 1 broadcasts a frame past its 128-byte slot whose tensor table announces 2**40 bytes for its one tensor
+    of 1,000 (its slot lists 1,000), its rest down the tree or through gloo's broadcast; then one all_gather: what
+    each rank got of both (the source: whether it sent)."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(
+        local=False, shm=False, slot_bytes=128, _hooks=Hooks(separate_hosts=True, rest_tree=rest_tree)
+    )
+    try:
+        if rank == 1:
+            wire = comm._call({}).wire
+            _broadcast.broadcast(wire, _forged_table(1 << 40), _frame.tensor_sizes, 1, rest_tree=rest_tree)
+            got: Any = "sent"
+        else:
+            got = comm.broadcast(None, src=1)
+    except objcomm.ObjcommError as exc:
+        got = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return [got, comm.all_gather(rank)]
+
+
+@pytest.mark.parametrize("rest_tree", [True, False], ids=["down the tree", "gloo's broadcast"])
+def test_a_lying_source_gets_the_same_clear_error_on_every_receiver(rest_tree):
+    outcomes = get_pool(W).run(a_lying_source, rest_tree, timeout=120)
+    says = "FrameError: the frame announces 1,099,511,627,776 bytes for out-of-band tensor #0, 1,000 arrived"
+    assert [got for got, _ in outcomes] == [says, "sent", *[says] * (W - 2)], outcomes
+    assert [after for _, after in outcomes] == [list(range(W))] * W, outcomes
 
 
 def gather_up_a_tree_in_subgroups() -> List[bool]:
