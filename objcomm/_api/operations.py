@@ -135,7 +135,7 @@ class Operations(Resolving):
             report, failed = final_report(call, None, False, own or local or result.refused)
             # learnt from a parent alone (down the tree): never into a collective of the group
             incoming: Sequence[Optional[Incoming]] = (
-                reports_over_tree(wire, report, levels if tree else None)
+                reports_over_tree(wire, report, levels if tree else None, began_here=result.refused is not None)
                 if result.relayed
                 else _rounds.all_gather(wire, report, _frame.tensor_sizes, summed=self._summed(wire))
             )

@@ -38,6 +38,7 @@ so rests waited for the receiver's answer, a wake-up more per message); a refusi
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -116,7 +117,9 @@ def recv_p2p(
     receiver's, read and dropped (an empty result)."""
     moved = info.second_round_bytes
     into = bytearray(0 if drain else moved)
+    start = time.monotonic()
     for index in range(-(-moved // CHUNK)):
+        in_time(channel, start, index, moved, op)
         chunk = channel.recv_part(REST, src, wire.tag, message, spin)
         if drain:
             checked(channel, chunk, index, moved, src, op)
@@ -179,7 +182,9 @@ def streamed(
     received: Dict[int, Optional[Union[bytearray, memoryview]]] = {
         r: (bytearray(sizes[r]) if into is None else into[r]) if keep and sizes[r] else None for r in at.sources
     }
+    start = time.monotonic()
     for index in range(-(-longest // CHUNK)):
+        in_time(channel, start, index, longest, op)
         if not at.to:
             now: Any = None
         elif at.each:
@@ -194,6 +199,19 @@ def streamed(
             else:
                 checked(channel, got[r], index, sizes[r], sender, op)  # (0 where nothing is due)
     return received
+
+
+def in_time(channel: _socket.LocalChannel, start: float, index: int, moved: int, op: str) -> None:
+    """Before message ``index`` of a stream of ``moved`` bytes begun at ``start``: the channel fails once the group's
+    timeout has passed. Each message waits that long at most, so a whole stream ends within twice it, however many
+    messages a sender announced and however slowly, each just within it, it sends them (as the backend's pieces:
+    :class:`objcomm._transport.bytes.Deadline`)."""
+    if index and time.monotonic() - start > channel.timeout:
+        channel.fail(
+            op,
+            f"a second round of {moved:,} bytes was not done after the group's timeout of {channel.timeout:,.0f} s: "
+            "a rank sends too slowly for this timeout, or announced more than it sends",
+        )
 
 
 def chunks(pieces: List[memoryview]) -> Iterator[Slot]:

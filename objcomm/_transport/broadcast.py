@@ -17,7 +17,7 @@ from objcomm._format.slot import SlotInfo, read_slot
 from objcomm._transport import rounds as _rounds
 from objcomm._transport import routes
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, TreeLevels, Wire, guarded
-from objcomm._transport.bytes import broadcast_bytes, host_view, receive_buffer
+from objcomm._transport.bytes import Deadline, broadcast_bytes, host_view, receive_buffer
 from objcomm._transport.patterns import binomial
 from objcomm._transport.rounds import REFUSE_LIMIT, _agreement_needed, _on_device, _slot, _vote_refusals
 
@@ -87,16 +87,17 @@ def broadcast_rest(
     mine = out if wire.rank == src else None
     cpu, moved = wire.device.type == "cpu", info.second_round_bytes
     tree = routes.rest_down_tree(world=wire.size, moved=moved, cpu=cpu, forced=rest_tree)
+    deadline = Deadline.of_rest(wire, op, src, moved)  # one for the frame and every tensor
     frame = info.inline
     if frame is None:
         frame_out = mine.frame_tensor() if mine else None
-        data = broadcast_bytes(wire, frame_out, info.length, src, op, drain=bool(refuse), tree=tree)
+        data = broadcast_bytes(wire, frame_out, info.length, src, op, bool(refuse), tree, deadline)
         frame = None if refuse else host_view(data)
     if sizes is None:  # only the frame lists them; every rank has it now (and nobody refused: there was a vote)
         assert frame is not None
         sizes = _limits.frame_sizes(sizes_of, frame, info, src, op)
     tensors = [
-        broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op, drain=refuse, tree=tree)
+        broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op, refuse, tree, deadline)
         for i, n in enumerate(sizes)
     ]
     if refuse:
@@ -115,10 +116,11 @@ def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, levels: Op
 
     The result is marked ``relayed`` on every rank. A rank that refuses what its parent sends anyway (a lying rank
     announced a larger limit for its subtree, or sizes that disagree) passes its children an error report in its place
-    and returns one itself, with why it refused (``refused``). A failure learnt this way is reported along the same
-    tree (:func:`objcomm._transport.tree_reports.reports_over_tree`), never in a collective of the group: a subtree
-    that a lying relay misleads waits on it until the group's timeout, and the other ranks stay in step
-    (docs/security.md, "Decisions every rank must share").
+    and returns one itself, with why it refused (``refused``: the failure began there, and its reports stop there,
+    :func:`~objcomm._transport.tree_reports.reports_over_tree`'s ``began_here``). A failure learnt this way is reported
+    along the same tree (:func:`objcomm._transport.tree_reports.reports_over_tree`), never in a collective of the
+    group: a subtree that a lying relay misleads waits on it until the group's timeout, and the other ranks stay in
+    step (docs/security.md, "Decisions every rank must share").
 
     On two levels (``levels``: the reduce tree's, :meth:`~objcomm._transport.base.FirstRound.tree_levels`) the
     leaders' tree first, through the group, then each host's tree over its channel, from its leader."""

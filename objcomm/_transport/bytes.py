@@ -75,6 +75,12 @@ class Deadline:
         self.start = time.monotonic()
         self.limit: Optional[float] = None  # the group's timeout, once asked
 
+    @classmethod
+    def of_rest(cls, wire: Wire, op: str, sender: int, moved: int) -> Deadline:
+        """One deadline for all of ``sender``'s rest of ``moved`` bytes, its frame and every tensor: a sender that
+        sends each part just within the timeout holds its receivers no longer than the parts of one."""
+        return cls(wire, op, f"rank {sender}'s rest ({moved:,} bytes in pieces of chunk_bytes={wire.chunk:,})")
+
     def left(self, done: int, total: int) -> Optional[float]:
         """Seconds left (None: the whole timeout, not asked yet), or a :class:`~objcomm.CommunicationError` once
         there are none (``done`` of ``total`` bytes moved)."""
@@ -102,20 +108,28 @@ class Deadline:
 
 
 def broadcast_bytes(
-    wire: Wire, data: Optional[torch.Tensor], length: int, src: int, op: str, drain: bool = False, tree: bool = False
+    wire: Wire,
+    data: Optional[torch.Tensor],
+    length: int,
+    src: int,
+    op: str,
+    drain: bool = False,
+    tree: bool = False,
+    deadline: Optional[Deadline] = None,
 ) -> torch.Tensor:
     """Broadcast ``length`` bytes in chunks; ``drain``: receive them into one small scratch buffer. ``tree``: each
     piece down the binomial tree rooted at ``src`` rather than in the backend's broadcast
     (:func:`objcomm._transport.routes.rest_down_tree`): a rank takes it from its parent, then sends it to its
-    children, the largest subtree first (a rank that drains passes on what it drained)."""
+    children, the largest subtree first (a rank that drains passes on what it drained). ``deadline``: the
+    transfer's, where these bytes are one part of it (a frame and its tensors: one timeout for them all)."""
     if data is not None:
         buffer = to_device(data, wire)
     else:  # zeroed down the tree: a parent that sends less leaves zeros there, never this process's old memory
         buffer = (zeroed if tree else empty)(min(length, wire.chunk, SCRATCH) if drain else length, wire)
+    deadline = deadline or Deadline(wire, op)
     if tree:
-        _down_the_tree(wire, buffer, length, src, op, drain)
+        _down_the_tree(wire, buffer, length, src, op, drain, deadline)
         return buffer
-    deadline = Deadline(wire, op)
     for start in pieces(length, wire.chunk):
         piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
         deadline.left(start, length)  # each piece waits the group's timeout at most: the whole, once more at most
@@ -123,13 +137,14 @@ def broadcast_bytes(
     return buffer
 
 
-def _down_the_tree(wire: Wire, buffer: torch.Tensor, length: int, src: int, op: str, drain: bool) -> None:
+def _down_the_tree(
+    wire: Wire, buffer: torch.Tensor, length: int, src: int, op: str, drain: bool, deadline: Deadline
+) -> None:
     """:func:`broadcast_bytes` down the binomial tree rooted at ``src``, piece by piece."""
     edges = binomial((wire.rank - src) % wire.size, wire.size)
     parent = None if edges.parent is None else (edges.parent + src) % wire.size
     children = [(child + src) % wire.size for child in reversed(edges.children)]
-    what = f"a broadcast of {length:,} bytes down the tree in pieces of chunk_bytes={wire.chunk:,}"
-    deadline, batch = Deadline(wire, op, what), Batch(wire._replace(tag=INTERNAL_TAG), op)
+    batch = Batch(wire._replace(tag=INTERNAL_TAG), op)
     for start in pieces(length, wire.chunk):
         piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
         deadline.left(start, length)
@@ -203,10 +218,13 @@ class Batch:
         self.works, self.buffers = [], []
 
 
-def recv_bytes(wire: Wire, length: int, src: int, op: str, drain: bool = False) -> torch.Tensor:
-    """Receive ``length`` bytes in chunks; ``drain``: into one small scratch buffer."""
+def recv_bytes(
+    wire: Wire, length: int, src: int, op: str, drain: bool = False, deadline: Optional[Deadline] = None
+) -> torch.Tensor:
+    """Receive ``length`` bytes in chunks; ``drain``: into one small scratch buffer; ``deadline``: as in
+    :func:`broadcast_bytes`."""
     buffer = zeroed(min(length, wire.chunk, SCRATCH) if drain else length, wire)
-    deadline = Deadline(wire, op)
+    deadline = deadline or Deadline(wire, op)
     for start in pieces(length, wire.chunk):
         piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
         deadline.left(start, length)  # as in broadcast_bytes

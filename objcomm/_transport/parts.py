@@ -14,7 +14,16 @@ from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import fill_slot, outgoing_second_round_bytes, read_slot, read_slots
 from objcomm._transport.base import NOT_USED, Wire, guarded, largest_of
-from objcomm._transport.bytes import Batch, all_to_all_bytes, empty, host_view, receive_buffer, recv_bytes, to_device
+from objcomm._transport.bytes import (
+    Batch,
+    Deadline,
+    all_to_all_bytes,
+    empty,
+    host_view,
+    receive_buffer,
+    recv_bytes,
+    to_device,
+)
 from objcomm._transport.rounds import REFUSE_LIMIT, REFUSE_MALFORMED, _on_device, _rest, _round_one, _vote_refusals
 
 
@@ -57,9 +66,12 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         batch.wait()
         mine = outs[src]
         return Incoming(mine.frame, [to_device(t, wire) for t in mine.tensors])
-    frame = info.inline if info.inline is not None else host_view(recv_bytes(wire, info.length, src, op))
+    deadline = Deadline.of_rest(wire, op, src, info.second_round_bytes)  # one for the frame and every tensor
+    frame = (
+        info.inline if info.inline is not None else host_view(recv_bytes(wire, info.length, src, op, False, deadline))
+    )
     sizes = sizes if sizes is not None else _limits.frame_sizes(sizes_of, frame, info, src, op)
-    return Incoming(frame, [recv_bytes(wire, n, src, op) for n in sizes])
+    return Incoming(frame, [recv_bytes(wire, n, src, op, False, deadline) for n in sizes])
 
 
 # -- all_to_all ------------------------------------------------------------------------------

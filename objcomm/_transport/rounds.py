@@ -52,7 +52,7 @@ from objcomm._format.slot import SlotInfo, fill_slot, read_slot, read_slots
 from objcomm._transport import pair_locks, routes
 from objcomm._transport import pending as _pending
 from objcomm._transport.base import NOT_USED, WHOLE, Lease, Route, Wire, all_gather_single, guarded, largest_of
-from objcomm._transport.bytes import Batch, host_view, receive_buffer, recv_bytes, zeroed
+from objcomm._transport.bytes import Batch, Deadline, host_view, receive_buffer, recv_bytes, zeroed
 from objcomm._transport.exchange import all_gather_rests
 
 SCRATCH = _limits.SCRATCH_BYTES
@@ -430,14 +430,14 @@ def _received(
         frame = info.inline if data is None else host_view(data)
         assert frame is not None
         return sender, Incoming(frame, tensors), False
-    frame = info.inline
+    frame, deadline = info.inline, Deadline.of_rest(wire, op, sender, moved)  # one for the frame and every tensor
     if frame is None:
-        drained = recv_bytes(wire, info.length, sender, op, drain=bool(refuse))
+        drained = recv_bytes(wire, info.length, sender, op, bool(refuse), deadline)
         frame = None if refuse else host_view(drained)
     if sizes is None:  # only the frame lists them (and this rank agreed: it did not refuse)
         assert frame is not None
         sizes = _limits.frame_sizes(sizes_of, frame, info, sender, op)
-    tensors = [recv_bytes(wire, n, sender, op, drain=bool(refuse)) for n in sizes]
+    tensors = [recv_bytes(wire, n, sender, op, bool(refuse), deadline) for n in sizes]
     if refuse:
         raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
     assert frame is not None

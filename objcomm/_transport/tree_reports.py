@@ -31,37 +31,49 @@ from objcomm._transport.patterns import binomial
 _RECORD = struct.Struct("<II")  # group rank, report length
 
 
-def reports_over_tree(wire: Wire, report: Outgoing, levels: Optional[TreeLevels] = None) -> List[Optional[Incoming]]:
+def reports_over_tree(
+    wire: Wire, report: Outgoing, levels: Optional[TreeLevels] = None, began_here: bool = False
+) -> List[Optional[Incoming]]:
     """Every rank's report (``report`` here: an error frame, or anything else for none), by group rank: ``None`` where
     a rank had no failure. Called by every rank that received an error report down the tree (honest ranks: all).
     ``levels``: the two levels the result came down (:func:`objcomm._transport.broadcast.down_tree`): up each host's
-    tree and the leaders', then down the leaders' and each host's, the same edges."""
+    tree and the leaders', then down the leaders' and each host's, the same edges.
+
+    ``began_here``: this rank refused what its parent sent (a relay above hid a limit, or changed the sizes), so the
+    failure began here: its parent returned the result and waits for nothing. The reports then go up to this rank
+    and back down its subtree only, the ranks it passed an error report to; nothing goes to its parent (there it
+    would wait, unread, for the parent's next receive from this rank, and be read as that call's message)."""
     wire = wire._replace(tag=INTERNAL_TAG)
     reports: Dict[int, bytes] = {wire.rank: bytes(report.frame)} if report.error else {}
+    above = not began_here  # whether the failure came from above: then the reports go up to the parent and back
     if levels is None:
         everyone = range(wire.size)
-        reports = _down(wire, wire.rank, everyone, _up(wire, wire.rank, everyone, everyone, reports))
+        reports = _up(wire, wire.rank, everyone, everyone, reports, above)
+        reports = _down(wire, wire.rank, everyone, reports, above)
     else:
         home = levels.home
         leader, last = levels.leaders[home], levels.lasts[home]
         host = range(leader, last + 1)
-        if levels.host is not None:
-            reports = _up(levels.host, wire.rank - leader, host, host, reports)
+        if levels.host is not None:  # (a leader is its host's root: only a host's other ranks have a parent there)
+            reports = _up(levels.host, wire.rank - leader, host, host, reports, above)
         if wire.rank == leader:
-            reports = levels.lead(_up, wire, home, levels.leaders, levels.lasts, reports)
-            reports = levels.lead(_down, wire, home, levels.leaders, reports)
+            reports = levels.lead(_up, wire, home, levels.leaders, levels.lasts, reports, above)
+            reports = levels.lead(_down, wire, home, levels.leaders, reports, above)
         if levels.host is not None:
-            reports = _down(levels.host, wire.rank - leader, host, reports)
+            reports = _down(levels.host, wire.rank - leader, host, reports, above)
     found: List[Optional[Incoming]] = [None] * wire.size
     for r, frame in reports.items():
         found[r] = Incoming(memoryview(frame), error=True)
     return found
 
 
-def _up(wire: Wire, me: int, ranks: Sequence[int], lasts: Sequence[int], reports: Dict[int, bytes]) -> Dict[int, bytes]:
+def _up(
+    wire: Wire, me: int, ranks: Sequence[int], lasts: Sequence[int], reports: Dict[int, bytes], to_parent: bool = True
+) -> Dict[int, bytes]:
     """The reports of this rank's subtree, up a binomial tree over the group ranks ``ranks`` (this rank: ``ranks[me]``;
     ``lasts[i]``: the highest group rank ``ranks[i]`` speaks for), the reduce tree's rounds
-    (:mod:`objcomm._api.reduce`): what the tree's root holds then, or what this rank sent up."""
+    (:mod:`objcomm._api.reduce`): what the tree's root holds then, or what this rank sent up (``to_parent``: False,
+    this rank is the root of the exchange)."""
     rank, tree = ranks[me], binomial(me, len(ranks))
     for child, end in zip(tree.children, tree.ends):
         peer = ranks[child]
@@ -72,17 +84,20 @@ def _up(wire: Wire, me: int, ranks: Sequence[int], lasts: Sequence[int], reports
         except ObjcommError as exc:  # the child's reports stand for it, unread: the tree goes on without them
             unread = FrameError(f"rank {peer} sent failure reports that rank {rank} could not read: {exc}")
             reports[peer] = bytes(error_frame(unread, wire.inline_capacity).frame)
-    if tree.parent is not None:
+    if tree.parent is not None and to_parent:
         speaks = lasts[tree.end - 1] - rank + 1
         _rounds.send(wire._replace(max_bytes=_bound(wire, speaks)), Outgoing(_pack(reports)), ranks[tree.parent])
     return reports
 
 
-def _down(wire: Wire, me: int, ranks: Sequence[int], reports: Dict[int, bytes]) -> Dict[int, bytes]:
+def _down(
+    wire: Wire, me: int, ranks: Sequence[int], reports: Dict[int, bytes], from_parent: bool = True
+) -> Dict[int, bytes]:
     """Every rank's reports, from the root of the binomial tree over ``ranks`` to this rank (``ranks[me]``) and on to
-    its children (:func:`objcomm._transport.broadcast.down_tree`'s edges)."""
+    its children (:func:`objcomm._transport.broadcast.down_tree`'s edges; ``from_parent``: False, this rank is the
+    root of the exchange)."""
     tree = binomial(me, len(ranks))
-    if tree.parent is not None:  # from the parent, everything
+    if tree.parent is not None and from_parent:  # from the parent, everything
         reports = _receive(wire, ranks[tree.parent], 0, wire.size)
     bundle = Outgoing(_pack(reports))
     for child in reversed(tree.children):

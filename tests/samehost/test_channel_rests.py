@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import timedelta
 from typing import Any, Callable, List, Tuple
 
 import numpy as np
@@ -291,6 +292,50 @@ def test_a_sender_out_of_step_fails_the_channel_on_every_rank():
     assert receiver[0][0] == "raised" and "message #0 where" in receiver[0][1] and "rank 1" in receiver[0][1]
     assert sender[0][0] == "raised"  # the channel closed under it: it raises too, instead of waiting
     assert receiver[1] == sender[1] == ("ok", [0, 1])
+
+
+DRIP_S = 1.2  # seconds before each of a sender's messages, within the 2 s timeout of drips_its_messages's group
+
+
+def drips_its_messages(op: str) -> List[Any]:
+    """Rank 1 sends rank 0 five channel messages of rest (a broadcast's, or a send's), waiting DRIP_S before each, on
+    a group of their own with a 2 s timeout: rank 0's outcome and how long it took, then the next call's."""
+    sub = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    comm = objcomm.Communicator(sub, local=True, shm=False)
+    rank = dist.get_rank()
+    comm.all_gather(rank)  # the channel open
+    real = _channel_rests.chunks
+
+    def slowly(pieces: Any) -> Any:
+        for chunk in real(pieces):
+            time.sleep(DRIP_S)
+            yield chunk
+
+    if rank == 1:
+        _channel_rests.chunks = slowly  # type: ignore[assignment]
+    blob = b"d" * (5 * CHUNK)
+    start = time.monotonic()
+    try:
+        if op == "broadcast":
+            outcome = outcome_of(lambda: comm.broadcast(blob if rank == 1 else None, src=1) == blob)
+        else:
+            outcome = outcome_of(lambda: comm.send(blob, dst=0) if rank == 1 else comm.recv(src=1) == blob)
+    finally:
+        _channel_rests.chunks = real  # type: ignore[assignment]
+    took = time.monotonic() - start
+    after = outcome_of(lambda: comm.all_gather(rank))
+    dist.destroy_process_group(sub)
+    return [*outcome, took, after]
+
+
+@pytest.mark.parametrize("op", ["broadcast", "send/recv"])
+def test_a_sender_that_drips_its_messages_is_bounded_by_the_group_timeout(op):
+    """Each channel message waits the group's timeout at most, and a stream of them twice it in all: a sender that
+    sends each message just within the timeout fails the channel (a message each would have held rank 0 for 6 s)."""
+    receiver, _ = get_pool(2).run(drips_its_messages, op, timeout=120)
+    assert receiver[0] == "raised" and "was not done after the group's timeout of 2 s" in receiver[1], receiver
+    assert receiver[2] < 2 * 2 + 1.5, receiver
+    assert receiver[3] == ("ok", [0, 1]), receiver  # the next call opens a new channel
 
 
 def understated_vote(op: str) -> List[Any]:

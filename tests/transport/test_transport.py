@@ -150,3 +150,62 @@ def test_a_peer_that_drips_its_pieces_is_bounded_by_the_group_timeout(primitive)
     raised, elapsed = get_pool(2).run(drips, primitive)[0]
     assert raised == "CommunicationError"
     assert elapsed < 2 * TIMEOUT_S + 1.5, elapsed  # where the backend's own count took DRIPS * DRIP_S = 9.6 s
+
+
+PARTS = 5  # tensors of one object, each sent DRIP_S after the last
+
+
+def drips_its_parts(case: str) -> Any:
+    """Rank 1 sends rank 0 an object of PARTS tensors (out of band, so each travels on its own), waiting DRIP_S
+    before each, in a group of ranks 0 and 1 with a 2 s timeout: through a broadcast (its rest through gloo's
+    broadcast or down the tree), to a receive that refuses it (over its max_bytes, the sizes in the slot: it drains
+    each part), or in a scatter. What rank 0 raised, and after how long (a deadline per part: PARTS * DRIP_S =
+    6 s)."""
+    from objcomm._api.resolving import Hooks
+
+    sub = dist.new_group([0, 1], timeout=timedelta(seconds=TIMEOUT_S))
+    rank = dist.get_rank()
+    outcome: Any = None
+    if rank < 2:
+        hooks = Hooks(separate_hosts=True, rest_tree=case == "broadcast down the tree")
+        comm = objcomm.Communicator(sub, local=False, shm=False, inline_tensor_bytes=0, _hooks=hooks)
+        parts = [torch.full((20_000,), i, dtype=torch.uint8) for i in range(PARTS)]  # 100 KB: never with the slot
+        real_broadcast, real_send = _broadcast.broadcast_bytes, _bytes.Batch.send
+
+        def later(real: Any) -> Any:
+            def sent(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(DRIP_S)
+                return real(*args, **kwargs)
+
+            return sent
+
+        if rank == 1 and case.startswith("broadcast"):
+            _broadcast.broadcast_bytes = later(real_broadcast)
+        elif rank == 1:
+            _bytes.Batch.send = later(real_send)  # type: ignore[method-assign]
+        start = time.monotonic()
+        try:
+            if case.startswith("broadcast"):
+                comm.broadcast(parts if rank == 1 else None, src=1)
+            elif case == "scatter":
+                comm.scatter([parts, parts] if rank == 1 else None, src=1)
+            elif rank == 1:
+                comm.send(parts, dst=0)
+            else:
+                comm.recv(src=1, max_bytes=1000 if case == "recv, refused" else None)
+            outcome = ("returned", time.monotonic() - start)
+        except objcomm.ObjcommError as exc:
+            outcome = (type(exc).__name__, time.monotonic() - start)
+        finally:
+            _broadcast.broadcast_bytes, _bytes.Batch.send = real_broadcast, real_send  # type: ignore[method-assign]
+    dist.destroy_process_group(sub)
+    return outcome
+
+
+@pytest.mark.parametrize("case", ["broadcast", "broadcast down the tree", "recv, refused", "scatter"])
+def test_a_peer_that_drips_its_parts_is_bounded_by_the_group_timeout(case):
+    """One timeout for an object's frame and all its tensors, not one each: a sender that sends each part just
+    within it holds its receiver no longer than twice the group's timeout, and the receiver raises."""
+    raised, elapsed = get_pool(2).run(drips_its_parts, case, timeout=120)[0]
+    assert raised == "CommunicationError", (raised, elapsed)
+    assert elapsed < 2 * TIMEOUT_S + 1.5, elapsed  # a deadline per part: PARTS * DRIP_S = 6 s

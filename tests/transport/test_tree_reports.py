@@ -1,7 +1,8 @@
 """A failure learnt down the reduce tree (objcomm._transport.tree_reports): the reports move along the tree's edges, so
 that a lying relay, who can hand its subtree a failure nobody else sees, never sends that subtree into a collective of
 the group alone (where it would meet the others' next call and hand them wrong data). The honest failure path is
-tests/transport/test_many_ranks.py::test_all_reduce_returns_down_the_tree ("op raises on rank 6")."""
+tests/transport/test_many_ranks.py::test_all_reduce_returns_down_the_tree ("op raises on rank 6"). A rank that refuses
+what its relay sent (a relay higher up hid its limit) began the failure itself: its reports stop there."""
 
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ LIAR = 2  # relays group rank 3 in the binomial tree of 4 (0 <- 1, 0 <- 2 <- 3)
 def _outcome(call: Any) -> Any:
     try:
         return call()
-    except objcomm.CommunicationError:
+    except objcomm.CommunicationError:  # OutOfStep among them
         return "CommunicationError"
+    except objcomm.ObjcommError as exc:
+        return type(exc).__name__
 
 
 def _first_four() -> Any:
@@ -76,14 +79,57 @@ def lying_relay(case: str) -> Optional[List[Any]]:
     return [reduced, gathered]
 
 
-@pytest.mark.parametrize("case, result", [("forged", 10), ("hidden limit", 160_000)])
-def test_a_lying_relay_never_leaves_honest_ranks_with_wrong_data(case, result):
-    outcomes = get_pool(W).run(lying_relay, case, timeout=120)
+def test_a_lying_relay_never_leaves_honest_ranks_with_wrong_data():
+    """``forged``: the misled rank cannot tell a forged error report from group rank 0's, so it waits for its relay's
+    reports until the group's timeout, never in a collective of the group, and the others' next call, which it joins
+    late, raises. ``hidden limit``: rank 3 refuses what its relay sends; the failure began there, so it raises at once
+    (its reports go to nobody: its relay returned the result) and the group stays in step."""
+    outcomes = get_pool(W).run(lying_relay, "forged", timeout=120)
     assert outcomes[4:] == [None] * 4
-    for rank in (0, 1, 2):  # outside the liar's lie: the right result; the next call waits for rank 3, and raises
-        assert outcomes[rank] == [result, "CommunicationError"], (rank, outcomes)
-    # misled: it waits for its relay's reports until the group's timeout, never in a collective of the group
+    for rank in (0, 1, 2):  # outside the liar's lie: the right result
+        assert outcomes[rank] == [10, "CommunicationError"], (rank, outcomes)
     assert outcomes[3] == ["CommunicationError", "CommunicationError"], outcomes
+    outcomes = get_pool(W).run(lying_relay, "hidden limit", timeout=120)
+    assert outcomes[:4] == [[160_000, [0, 1, 2, 3]]] * 3 + [["RemoteError", [0, 1, 2, 3]]], outcomes
+
+
+def stale_reports(next_call: str) -> Optional[List[Any]]:
+    """Ranks 0-7 in a group of their own (3 s timeout), all_reduce's result down the tree (0 <- 4 <- 6 <- 7); rank 4
+    hides rank 7's max_bytes on its way up, so rank 7 refuses what its honest relay, rank 6, passes on. Then two
+    calls of ``next_call`` (a gather's slots up the tree: each message's size is known, a longer one aborts gloo)."""
+    sub = dist.new_group(list(range(W)), timeout=timedelta(seconds=3))
+    hooks = Hooks(separate_hosts=True, down_tree=True, up_tree=True)
+    comm = objcomm.Communicator(sub, local=False, shm=False, _hooks=hooks)
+    rank = dist.get_rank()
+    real = _rounds.send
+    if rank == 4:
+
+        def lying_send(wire: Any, out: Any, dst: int, eager: bool = True) -> None:
+            real(wire._replace(max_bytes=1 << 61) if wire.tag == INTERNAL_TAG and dst == 0 else wire, out, dst, eager)
+
+        _rounds.send = lying_send  # type: ignore[assignment]
+    try:
+        limit = 100_000 if rank == 7 else None
+        reduced = _outcome(lambda: len(comm.all_reduce(b"x" * 20_000, operator.add, max_bytes=limit)))
+    finally:
+        _rounds.send = real  # type: ignore[assignment]
+    run = {"all_reduce": lambda: comm.all_reduce(rank + 1, "sum"), "gather": lambda: comm.gather(rank, dst=0)}
+    after = [_outcome(run[next_call]) for _ in range(2)]
+    dist.destroy_process_group(sub)
+    return [reduced, *after]
+
+
+@pytest.mark.parametrize("next_call", ["all_reduce", "gather"])
+def test_a_rank_that_refuses_what_an_honest_relay_sent_reports_to_nobody(next_call):
+    """A refusal that began at rank 7 (a relay higher up hid its limit) is its own: its honest relay returned the
+    result and reads nothing more from it. Its reports used to wait on that relay's pair and be read as rank 7's
+    message of the next call (a FrameError on both; before a gather's slots up the tree, an abort inside gloo)."""
+    outcomes = get_pool(W).run(stale_reports, next_call, timeout=120)
+    want = sum(range(1, W + 1)) if next_call == "all_reduce" else None
+    for rank, (reduced, *after) in enumerate(outcomes):
+        assert reduced == ("RemoteError" if rank == 7 else 160_000), (rank, outcomes)
+        right = list(range(W)) if next_call == "gather" and rank == 0 else want
+        assert after == [right] * 2, (rank, outcomes)
 
 
 def unreadable_reports() -> Optional[List[Any]]:
