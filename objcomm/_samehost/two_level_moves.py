@@ -11,6 +11,7 @@ import contextlib
 import functools
 import os
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, Union, cast
 
@@ -21,11 +22,12 @@ from objcomm._errors import CommunicationError, FrameError
 from objcomm._format.slot import read_slot
 from objcomm._samehost.channel import LocalChannel
 from objcomm._samehost.channel_checks import echo
-from objcomm._samehost.channel_rests import CHUNK, all_received, checked, chunks, streamed
+from objcomm._samehost.channel_rests import CHUNK, all_received, checked, chunks, in_time, streamed
 from objcomm._samehost.inbox import REST
 from objcomm._samehost.sealed import Sealed, SealedSegment, map_parts, write_sealed
 from objcomm._transport import routes
 from objcomm._transport.base import Slot, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.bytes import Deadline
 from objcomm._transport.patterns import pattern
 from objcomm._transport.slot_tree import gather_up_tree
 
@@ -281,11 +283,14 @@ def send_within(here: Here, to: int, views: Sequence[memoryview]) -> None:
         here.channel.send_part(REST, chunk, to, 0, _STREAM)
 
 
-def receive_within(here: Here, source: int, total: int, op: str) -> bytearray:
-    """The ``total`` bytes host rank ``source`` sends this rank with :func:`send_within`."""
+def receive_within(here: Here, source: int, total: int, op: str, start: Optional[float] = None) -> bytearray:
+    """The ``total`` bytes host rank ``source`` sends this rank with :func:`send_within`, within the group's timeout
+    from ``start`` (default: now; a leader taking several ranks' streams gives them one), once more at most."""
     assert here.channel is not None
     into = bytearray(total)
+    start = time.monotonic() if start is None else start
     for index in range(-(-total // CHUNK)):
+        in_time(here.channel, start, index, total, op)
         got = here.channel.recv_part(REST, source, 0, _STREAM, here.spin)
         at = checked(here.channel, got, index, total, here.levels.hosts[here.host][source], op)
         into[at : at + len(got)] = got
@@ -325,9 +330,11 @@ def leaders_broadcast(
     forward each piece of ``chunk_bytes`` to their host as it arrives (kept only where ``keep``)."""
     leader = here.leader
     assert leader is not None
+    deadline = Deadline(leader, op, f"a relay of {length:,} bytes among the leaders")  # once for every piece
     if here.host == source_host:
         assert got is not None
         for at in range(0, length, leader.chunk):
+            deadline.left(at, length)
             sent = torch.frombuffer(got[at : at + leader.chunk], dtype=torch.uint8)
             among_leaders(here, op, dist.broadcast, sent, src=leader.ranks[source_host])
         return got
@@ -335,6 +342,7 @@ def leaders_broadcast(
     for at in range(0, length, leader.chunk):
         n = min(leader.chunk, length - at)
         piece = memoryview(into)[at : at + n] if keep else memoryview(into)[:n]
+        deadline.left(at, length)
         among_leaders(
             here, op, dist.broadcast, torch.frombuffer(piece, dtype=torch.uint8), src=leader.ranks[source_host]
         )

@@ -19,6 +19,7 @@ the channel (the ranks are out of step, or one lies), and every rank raises.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -218,10 +219,10 @@ def _from_host(here: Here, mine: List[memoryview], moved: List[int], op: str) ->
     """The leader of a gather: its host's rests (``moved``: each host rank's, in host order, 0 for the destination;
     ``mine``: its own), back to back; the others sent theirs as streams of the channel (:func:`send_within`)."""
     bundle, view = _with_own(mine, moved)
-    at = moved[0]
+    at, start = moved[0], time.monotonic()  # one timeout for every rank's stream
     for i in range(1, len(moved)):
         if moved[i]:
-            view[at : at + moved[i]] = receive_within(here, i, moved[i], op)
+            view[at : at + moved[i]] = receive_within(here, i, moved[i], op, start)
             at += moved[i]
     return bundle
 

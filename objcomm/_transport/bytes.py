@@ -236,8 +236,9 @@ def all_gather_equal(
     wire: Wire, data: torch.Tensor, width: int, op: str, out: Optional[torch.Tensor] = None
 ) -> List[torch.Tensor]:
     """All ranks send ``width`` bytes (``data`` shorter is zero-padded); return each rank's ``width`` bytes (rows of
-    :func:`all_gather_table`, in ``out`` where given)."""
-    return list(all_gather_table(wire, data, width, op, out=out).view(wire.size, width))
+    :func:`all_gather_table`, in ``out`` where given), its rounds within the group's timeout once more at most."""
+    deadline = Deadline(wire, op, f"a padded all_gather of {width:,} bytes a rank")
+    return list(all_gather_table(wire, data, width, op, deadline, out=out).view(wire.size, width))
 
 
 def all_gather_table(

@@ -85,7 +85,9 @@ def all_gather_rests(
         return got
     if wire.device.type != "cpu":  # NCCL: uneven all_gathers, one per piece of at most chunk bytes per rank
         results = [empty(n, wire) if n and r != me else None for r, n in enumerate(lengths)]
+        deadline = Deadline(wire, op, f"the second round's exchange ({sum(lengths):,} bytes in all)")
         for start in pieces(max(lengths), wire.chunk):
+            deadline.left(start, max(lengths))  # one timeout for every round, once more at most
             ins = [max(0, min(wire.chunk, n - start)) for n in lengths]
             outs = [empty(k, wire) for k in ins]
             outs[me] = own[start : start + ins[me]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import struct
+import time
 from datetime import timedelta
 from typing import Any, List, Optional, Set
 
@@ -25,6 +26,9 @@ from objcomm._errors import ObjcommError
 from objcomm._format.frame import error_frame
 from objcomm._samehost import two_level as _two_level
 from objcomm._samehost import two_level_moves as _moves
+from objcomm._samehost import two_level_rests as _rests
+from objcomm._samehost.channel_rests import chunks
+from objcomm._samehost.inbox import REST
 from objcomm._transport import rounds as _rounds
 from objcomm._transport.base import INTERNAL_TAG
 
@@ -186,15 +190,79 @@ def test_a_lying_relay_in_the_tree_on_two_levels_misleads_its_subtree_only(
     case, k, liar, victim, misled: Set[int], limited
 ):
     """The ranks outside the lie get the right result. A forged error report: the misled raise, waiting for failure
-    reports that only their relay could send, never in a collective of the group, and the next calls meet the
-    missing ranks and raise. A hidden limit: the rank that refuses began the failure, raises at once and reports to
-    nobody (its relay returned the result), and the group stays in step."""
+    reports that only their relay could send, never in a collective of the group; the next calls wait for them, and
+    raise or (where they come in time) return the right result. A hidden limit: the rank that refuses began the
+    failure, raises at once and reports to nobody (its relay returned the result), and the group stays in step."""
     outcomes = get_pool(W).run(lying_relay_in_the_tree, case, k, liar, victim, limited, timeout=120)
     result = sum(range(1, W + 1)) if case == "forged" else 20_000 * W
     for rank, (reduced, *after) in enumerate(outcomes):
         if case == "forged" and rank != liar:
             assert reduced == ("CommunicationError" if rank in misled else result), (rank, outcomes)
-            assert after == ["CommunicationError"] * 2, (rank, outcomes)
+            # the next calls wait for the misled ranks, which come after their timeout: in time, or not
+            assert all(got in (list(range(W)), "CommunicationError") for got in after), (rank, outcomes)
         elif case == "hidden limit":
             assert reduced == ("RemoteError" if rank in misled else result), (rank, outcomes)
             assert after == [list(range(W))] * 2, (rank, outcomes)
+
+
+T, DRIP = 3, 2.2  # the group's timeout, and the wait before each of a dripping liar's messages (within it)
+
+
+def dripping(case: str, k: int, liar: int, other: int) -> List[Any]:
+    """On two levels (hosts of ``k``, a group with a T-second timeout), ``liar`` waits DRIP before each message of its
+    part: ``gather``, each 64 KiB channel message of its rest to its host's leader or of everything a leader hands
+    the destination ``other`` over the host's channel (390 KB from the liar and from rank 1); ``broadcast``, each
+    64 KiB piece of its rest among the leaders (the liar the source, a leader). What this rank got (ok, or the
+    error's type), after how long, and the next call's outcome."""
+    rank = dist.get_rank()
+    with ranks_per_host(k):
+        sub, comm = _on_two_levels(timedelta(seconds=T))
+        if case == "broadcast":
+            comm = objcomm.Communicator(sub, chunk_bytes=1 << 16, _hooks=Hooks(down_tree=True))
+        real_send, real_among = _rests.send_within, _moves.among_leaders
+
+        def send_slowly(here: Any, to: int, views: Any) -> None:
+            for chunk in chunks(list(views)):
+                time.sleep(DRIP)
+                here.channel.send_part(REST, chunk, to, 0, _moves._STREAM)
+
+        def among_slowly(here: Any, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+            if fn is dist.broadcast:
+                time.sleep(DRIP)
+            return real_among(here, op, fn, *args, **kwargs)
+
+        if rank == liar:
+            _rests.send_within, _moves.among_leaders = send_slowly, among_slowly  # type: ignore[assignment]
+        blob = b"x" * (6 * (1 << 16) - 1000)
+        start = time.monotonic()
+        try:
+            if case == "gather":
+                got = _outcome(lambda: comm.gather(blob if rank in (liar, 1) else rank, dst=other))
+            else:
+                got = _outcome(lambda: comm.broadcast(blob if rank == liar else None, src=liar) == blob)
+        finally:
+            _rests.send_within, _moves.among_leaders = real_send, real_among  # type: ignore[assignment]
+        took = time.monotonic() - start
+        after = _outcome(lambda: comm.all_gather(rank))
+        dist.destroy_process_group(sub)
+    return [got if isinstance(got, str) else "ok", took, after if isinstance(after, str) else "ok"]
+
+
+@pytest.mark.parametrize(
+    "case, k, liar, other",
+    [
+        ("gather", 4, 5, 0),  # a host's rank drips its rest to its leader, 4
+        ("gather", 4, 4, 5),  # a leader drips everything it hands the destination, on its host
+        ("broadcast", 7, 0, 0),  # the source's leader drips its pieces to rank 7, a host of one
+        ("broadcast", 4, 0, 0),  # ... to leader 4, which passes each on to its host
+    ],
+)
+def test_a_liar_that_drips_its_messages_on_two_levels_holds_nobody_past_twice_the_timeout(case, k, liar, other):
+    """One timeout for a stream of channel messages on two levels (a rest to the leader, what a leader hands a rank
+    of its host), and one for the pieces of a leaders' relay: a liar that sends each just within it held an honest
+    rank for one timeout per message or piece (13 to 26 s here)."""
+    outcomes = get_pool(W).run(dripping, case, k, liar, other, timeout=250)
+    for rank, (got, took, _) in enumerate(outcomes):
+        if rank != liar:
+            assert got in ("ok", "CommunicationError"), (rank, outcomes)
+            assert took < 2 * T + 1.5, (rank, outcomes)

@@ -159,8 +159,9 @@ def drips_its_parts(case: str) -> Any:
     """Rank 1 sends rank 0 an object of PARTS tensors (out of band, so each travels on its own), waiting DRIP_S
     before each, in a group of ranks 0 and 1 with a 2 s timeout: through a broadcast (its rest through gloo's
     broadcast or down the tree), to a receive that refuses it (over its max_bytes, the sizes in the slot: it drains
-    each part), or in a scatter. What rank 0 raised, and after how long (a deadline per part: PARTS * DRIP_S =
-    6 s)."""
+    each part), or in a scatter; or both send theirs in an all_gather whose rests go padded in rounds of 16 KiB
+    (rank 1 enters each round's all_gather DRIP_S late). What rank 0 raised, and after how long (a deadline per
+    part: PARTS * DRIP_S = 6 s; per round, 7 rounds)."""
     from objcomm._api.resolving import Hooks
 
     sub = dist.new_group([0, 1], timeout=timedelta(seconds=TIMEOUT_S))
@@ -168,9 +169,10 @@ def drips_its_parts(case: str) -> Any:
     outcome: Any = None
     if rank < 2:
         hooks = Hooks(separate_hosts=True, rest_tree=case == "broadcast down the tree")
-        comm = objcomm.Communicator(sub, local=False, shm=False, inline_tensor_bytes=0, _hooks=hooks)
+        chunk = 1 << 14 if case == "all_gather, padded" else objcomm.Settings().chunk_bytes
+        comm = objcomm.Communicator(sub, local=False, shm=False, inline_tensor_bytes=0, chunk_bytes=chunk, _hooks=hooks)
         parts = [torch.full((20_000,), i, dtype=torch.uint8) for i in range(PARTS)]  # 100 KB: never with the slot
-        real_broadcast, real_send = _broadcast.broadcast_bytes, _bytes.Batch.send
+        real_broadcast, real_send, real_gather = _broadcast.broadcast_bytes, _bytes.Batch.send, _bytes.all_gather_single
 
         def later(real: Any) -> Any:
             def sent(*args: Any, **kwargs: Any) -> Any:
@@ -181,6 +183,8 @@ def drips_its_parts(case: str) -> Any:
 
         if rank == 1 and case.startswith("broadcast"):
             _broadcast.broadcast_bytes = later(real_broadcast)
+        elif rank == 1 and case == "all_gather, padded":  # the rests' rounds (round 1 is rounds.py's own call)
+            _bytes.all_gather_single = later(real_gather)
         elif rank == 1:
             _bytes.Batch.send = later(real_send)  # type: ignore[method-assign]
         start = time.monotonic()
@@ -189,6 +193,8 @@ def drips_its_parts(case: str) -> Any:
                 comm.broadcast(parts if rank == 1 else None, src=1)
             elif case == "scatter":
                 comm.scatter([parts, parts] if rank == 1 else None, src=1)
+            elif case == "all_gather, padded":
+                comm.all_gather(parts)
             elif rank == 1:
                 comm.send(parts, dst=0)
             else:
@@ -198,11 +204,14 @@ def drips_its_parts(case: str) -> Any:
             outcome = (type(exc).__name__, time.monotonic() - start)
         finally:
             _broadcast.broadcast_bytes, _bytes.Batch.send = real_broadcast, real_send  # type: ignore[method-assign]
+            _bytes.all_gather_single = real_gather
     dist.destroy_process_group(sub)
     return outcome
 
 
-@pytest.mark.parametrize("case", ["broadcast", "broadcast down the tree", "recv, refused", "scatter"])
+@pytest.mark.parametrize(
+    "case", ["broadcast", "broadcast down the tree", "recv, refused", "scatter", "all_gather, padded"]
+)
 def test_a_peer_that_drips_its_parts_is_bounded_by_the_group_timeout(case):
     """One timeout for an object's frame and all its tensors, not one each: a sender that sends each part just
     within it holds its receiver no longer than twice the group's timeout, and the receiver raises."""

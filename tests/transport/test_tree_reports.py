@@ -81,14 +81,16 @@ def lying_relay(case: str) -> Optional[List[Any]]:
 
 def test_a_lying_relay_never_leaves_honest_ranks_with_wrong_data():
     """``forged``: the misled rank cannot tell a forged error report from group rank 0's, so it waits for its relay's
-    reports until the group's timeout, never in a collective of the group, and the others' next call, which it joins
-    late, raises. ``hidden limit``: rank 3 refuses what its relay sends; the failure began there, so it raises at once
-    (its reports go to nobody: its relay returned the result) and the group stays in step."""
+    reports until the group's timeout, never in a collective of the group, and the others' next call waits for it:
+    it raises, or returns the right result where the misled rank comes in time. ``hidden limit``: rank 3 refuses
+    what its relay sends; the failure began there, so it raises at once (its reports go to nobody: its relay
+    returned the result) and the group stays in step."""
     outcomes = get_pool(W).run(lying_relay, "forged", timeout=120)
     assert outcomes[4:] == [None] * 4
+    in_time_or_not = ([0, 1, 2, 3], "CommunicationError")  # the next call waits for rank 3, which comes late
     for rank in (0, 1, 2):  # outside the liar's lie: the right result
-        assert outcomes[rank] == [10, "CommunicationError"], (rank, outcomes)
-    assert outcomes[3] == ["CommunicationError", "CommunicationError"], outcomes
+        assert outcomes[rank][0] == 10 and outcomes[rank][1] in in_time_or_not, (rank, outcomes)
+    assert outcomes[3][0] == "CommunicationError" and outcomes[3][1] in in_time_or_not, outcomes
     outcomes = get_pool(W).run(lying_relay, "hidden limit", timeout=120)
     assert outcomes[:4] == [[160_000, [0, 1, 2, 3]]] * 3 + [["RemoteError", [0, 1, 2, 3]]], outcomes
 
