@@ -144,3 +144,57 @@ def tensor_tables_that_lie(active: bool = True) -> Iterator[None]:
         yield
     finally:
         _frame.encode = real  # type: ignore[assignment]
+
+
+def result_or_error(call: Callable[[], Any]) -> Any:
+    """What ``call()`` returned, or the type name of the objcomm error it raised (``"CommunicationError"`` for every
+    kind of it, ``OutOfStep`` among them)."""
+    import objcomm
+
+    try:
+        return call()
+    except objcomm.CommunicationError:
+        return "CommunicationError"
+    except objcomm.ObjcommError as exc:
+        return type(exc).__name__
+
+
+@contextlib.contextmanager
+def a_relay_that_lies(lie: str, to: Callable[[Any, int], bool], active: bool = True) -> Iterator[None]:
+    """Inside, where ``active`` (the liar's rank), objcomm's messages along the reduce tree (its internal tag) to the
+    group ranks that ``to(wire, dst)`` names lie: ``forged``, an error report in place of what they carry (the
+    result, on the way down); ``hidden limit``, a limit of 2**61 for the sender's subtree (on the way up), hiding
+    the max_bytes of the ranks below it."""
+    from objcomm._errors import ObjcommError
+    from objcomm._format.frame import error_frame
+    from objcomm._transport import rounds as _rounds
+    from objcomm._transport.base import INTERNAL_TAG
+
+    real = _rounds.send
+
+    def lying_send(wire: Any, out: Any, dst: int, eager: bool = True) -> None:
+        if wire.tag == INTERNAL_TAG and to(wire, dst):
+            if lie == "forged":
+                out = error_frame(ObjcommError(f"forged by rank {wire.rank}"), wire.inline_capacity)
+            else:
+                wire = wire._replace(max_bytes=1 << 61)
+        real(wire, out, dst, eager)
+
+    if active:
+        _rounds.send = lying_send  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _rounds.send = real  # type: ignore[assignment]
+
+
+def all_reduce_under(lie: str, comm: Any, rank: int, world: int, limited: Any = None) -> Any:
+    """What ``comm``'s all_reduce gives this rank (:func:`result_or_error`) on a group of ``world`` ranks where a relay
+    lies (:func:`a_relay_that_lies`): ``forged``, the sum of every rank's rank + 1; ``hidden limit``, the length of
+    160,000 bytes (``world`` parts), which rank ``limited`` (max_bytes 100,000) refuses."""
+    import operator
+
+    if lie == "forged":
+        return result_or_error(lambda: comm.all_reduce(rank + 1, "sum"))
+    limit = 100_000 if rank == limited else None
+    return result_or_error(lambda: len(comm.all_reduce(b"x" * (160_000 // world), operator.add, max_bytes=limit)))

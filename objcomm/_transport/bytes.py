@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -130,11 +130,17 @@ def broadcast_bytes(
     if tree:
         _down_the_tree(wire, buffer, length, src, op, drain, deadline)
         return buffer
-    for start in pieces(length, wire.chunk):
-        piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
+    for start, piece in _placed(buffer, length, wire.chunk, drain):
         deadline.left(start, length)  # each piece waits the group's timeout at most: the whole, once more at most
         guarded(op, wire, dist.broadcast, piece, src=wire.ranks[src], group=wire.group)
     return buffer
+
+
+def _placed(buffer: torch.Tensor, length: int, chunk: int, drain: bool) -> Iterator[Tuple[int, torch.Tensor]]:
+    """Each piece of ``length`` bytes in pieces of ``chunk``: its offset and where it goes (its place in ``buffer``;
+    ``drain``: the front of ``buffer``, a scratch buffer of one piece)."""
+    for start in pieces(length, chunk):
+        yield start, buffer[: min(chunk, length - start)] if drain else buffer[start : start + chunk]
 
 
 def _down_the_tree(
@@ -145,8 +151,7 @@ def _down_the_tree(
     parent = None if edges.parent is None else (edges.parent + src) % wire.size
     children = [(child + src) % wire.size for child in reversed(edges.children)]
     batch = Batch(wire._replace(tag=INTERNAL_TAG), op)
-    for start in pieces(length, wire.chunk):
-        piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
+    for start, piece in _placed(buffer, length, wire.chunk, drain):
         deadline.left(start, length)
         if parent is not None:
             batch.recv_into(piece, parent)
@@ -225,8 +230,7 @@ def recv_bytes(
     :func:`broadcast_bytes`."""
     buffer = zeroed(min(length, wire.chunk, SCRATCH) if drain else length, wire)
     deadline = deadline or Deadline(wire, op)
-    for start in pieces(length, wire.chunk):
-        piece = buffer[: min(wire.chunk, length - start)] if drain else buffer[start : start + wire.chunk]
+    for start, piece in _placed(buffer, length, wire.chunk, drain):
         deadline.left(start, length)  # as in broadcast_bytes
         guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
     return buffer

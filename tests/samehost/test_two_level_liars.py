@@ -7,7 +7,6 @@ its own subtree only, which raises, and nobody is left with wrong data in a late
 
 from __future__ import annotations
 
-import operator
 import struct
 import time
 from datetime import timedelta
@@ -16,21 +15,17 @@ from typing import Any, List, Optional, Set
 import pytest
 import torch
 import torch.distributed as dist
+from _hostile import a_relay_that_lies, all_reduce_under, result_or_error
 from _ranks import get_pool
 from test_many_ranks import ranks_per_host
 
 import objcomm
 from objcomm import _state
 from objcomm._api.resolving import Hooks
-from objcomm._errors import ObjcommError
-from objcomm._format.frame import error_frame
 from objcomm._samehost import two_level as _two_level
 from objcomm._samehost import two_level_moves as _moves
 from objcomm._samehost import two_level_rests as _rests
 from objcomm._samehost.channel_rests import chunks
-from objcomm._samehost.inbox import REST
-from objcomm._transport import rounds as _rounds
-from objcomm._transport.base import INTERNAL_TAG
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -112,15 +107,6 @@ def test_a_two_level_broadcast_past_the_scratch_size_votes_first():
     assert get_pool(W).run(refused_broadcast, timeout=120) == ["refused before any transfer"] * W
 
 
-def _outcome(call: Any) -> Any:
-    try:
-        return call()
-    except objcomm.CommunicationError:  # OutOfStep among them
-        return "CommunicationError"
-    except objcomm.ObjcommError as exc:
-        return type(exc).__name__
-
-
 def _on_two_levels(timeout: timedelta) -> Any:
     """A group of the W ranks with a short ``timeout`` (what the liars' victims wait) and a Communicator on it whose
     two levels are set up (the result of an all_reduce back down the tree), made again where the set-up did not work
@@ -150,26 +136,9 @@ def lying_relay_in_the_tree(case: str, k: int, liar: int, victim: int, limited: 
     rank = dist.get_rank()
     with ranks_per_host(k):
         sub, comm = _on_two_levels(timedelta(seconds=3))
-        real = _rounds.send
-        if rank == liar:
-
-            def lying_send(wire: Any, out: Any, dst: int, eager: bool = True) -> None:
-                if wire.tag == INTERNAL_TAG and dst == victim and case == "forged":
-                    out = error_frame(ObjcommError(f"forged by rank {liar}"), wire.inline_capacity)
-                if wire.tag == INTERNAL_TAG and dst == victim and case == "hidden limit":
-                    wire = wire._replace(max_bytes=1 << 61)
-                real(wire, out, dst, eager)
-
-            _rounds.send = lying_send  # type: ignore[assignment]
-        try:
-            if case == "forged":
-                reduced = _outcome(lambda: comm.all_reduce(rank + 1, "sum"))
-            else:
-                limit = 100_000 if rank == limited else None
-                reduced = _outcome(lambda: len(comm.all_reduce(b"x" * 20_000, operator.add, max_bytes=limit)))
-        finally:
-            _rounds.send = real  # type: ignore[assignment]
-        after = [_outcome(lambda: comm.all_gather(rank)) for _ in range(2)]
+        with a_relay_that_lies(case, lambda wire, dst: dst == victim, rank == liar):
+            reduced = all_reduce_under(case, comm, rank, W, limited)
+        after = [result_or_error(lambda: comm.all_gather(rank)) for _ in range(2)]
         dist.destroy_process_group(sub)
     return [reduced, *after]
 
@@ -221,10 +190,10 @@ def dripping(case: str, k: int, liar: int, other: int) -> List[Any]:
             comm = objcomm.Communicator(sub, chunk_bytes=1 << 16, _hooks=Hooks(down_tree=True))
         real_send, real_among = _rests.send_within, _moves.among_leaders
 
-        def send_slowly(here: Any, to: int, views: Any) -> None:
+        def send_slowly(here: Any, to: int, views: Any) -> None:  # a rest's stream, one channel message at a time
             for chunk in chunks(list(views)):
                 time.sleep(DRIP)
-                here.channel.send_part(REST, chunk, to, 0, _moves._STREAM)
+                real_send(here, to, [memoryview(chunk)])
 
         def among_slowly(here: Any, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
             if fn is dist.broadcast:
@@ -237,13 +206,13 @@ def dripping(case: str, k: int, liar: int, other: int) -> List[Any]:
         start = time.monotonic()
         try:
             if case == "gather":
-                got = _outcome(lambda: comm.gather(blob if rank in (liar, 1) else rank, dst=other))
+                got = result_or_error(lambda: comm.gather(blob if rank in (liar, 1) else rank, dst=other))
             else:
-                got = _outcome(lambda: comm.broadcast(blob if rank == liar else None, src=liar) == blob)
+                got = result_or_error(lambda: comm.broadcast(blob if rank == liar else None, src=liar) == blob)
         finally:
             _rests.send_within, _moves.among_leaders = real_send, real_among  # type: ignore[assignment]
         took = time.monotonic() - start
-        after = _outcome(lambda: comm.all_gather(rank))
+        after = result_or_error(lambda: comm.all_gather(rank))
         dist.destroy_process_group(sub)
     return [got if isinstance(got, str) else "ok", took, after if isinstance(after, str) else "ok"]
 

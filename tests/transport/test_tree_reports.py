@@ -6,35 +6,22 @@ what its relay sent (a relay higher up hid its limit) began the failure itself: 
 
 from __future__ import annotations
 
-import operator
 from datetime import timedelta
 from typing import Any, List, Optional
 
 import pytest
 import torch.distributed as dist
+from _hostile import a_relay_that_lies, all_reduce_under, result_or_error
 from _ranks import get_pool
 
 import objcomm
 from objcomm._api.resolving import Hooks
-from objcomm._errors import ObjcommError
-from objcomm._format.frame import error_frame
-from objcomm._transport import rounds as _rounds
 from objcomm._transport import tree_reports as _tree_reports
-from objcomm._transport.base import INTERNAL_TAG
 
 pytestmark = pytest.mark.timeout(180)
 
 W = 8  # the pool of tests/transport/test_many_ranks.py; the group here is its first 4 ranks
 LIAR = 2  # relays group rank 3 in the binomial tree of 4 (0 <- 1, 0 <- 2 <- 3)
-
-
-def _outcome(call: Any) -> Any:
-    try:
-        return call()
-    except objcomm.CommunicationError:  # OutOfStep among them
-        return "CommunicationError"
-    except objcomm.ObjcommError as exc:
-        return type(exc).__name__
 
 
 def _first_four() -> Any:
@@ -55,26 +42,10 @@ def lying_relay(case: str) -> Optional[List[Any]]:
     if comm is None:
         return None
     rank = dist.get_rank()
-    real = _rounds.send
-    if rank == LIAR:
-
-        def lying_send(wire: Any, out: Any, dst: int, eager: bool = True) -> None:
-            if wire.tag == INTERNAL_TAG and dst > wire.rank and case == "forged":
-                out = error_frame(ObjcommError("forged by rank 2"), wire.inline_capacity)
-            if wire.tag == INTERNAL_TAG and dst < wire.rank and case == "hidden limit":
-                wire = wire._replace(max_bytes=1 << 61)
-            real(wire, out, dst, eager)
-
-        _rounds.send = lying_send  # type: ignore[assignment]
-    try:
-        if case == "forged":
-            reduced = _outcome(lambda: comm.all_reduce(rank + 1, "sum"))
-        else:
-            limit = 100_000 if rank == 3 else None
-            reduced = _outcome(lambda: len(comm.all_reduce(b"x" * 40_000, operator.add, max_bytes=limit)))
-    finally:
-        _rounds.send = real  # type: ignore[assignment]
-    gathered = _outcome(lambda: comm.all_gather(rank))
+    down = case == "forged"  # to its child (rank 3) on the way down, else to its parent (rank 0) on the way up
+    with a_relay_that_lies(case, lambda wire, dst: dst > wire.rank if down else dst < wire.rank, rank == LIAR):
+        reduced = all_reduce_under(case, comm, rank, 4, limited=3)
+    gathered = result_or_error(lambda: comm.all_gather(rank))
     dist.destroy_process_group(sub)
     return [reduced, gathered]
 
@@ -103,20 +74,10 @@ def stale_reports(next_call: str) -> Optional[List[Any]]:
     hooks = Hooks(separate_hosts=True, down_tree=True, up_tree=True)
     comm = objcomm.Communicator(sub, local=False, shm=False, _hooks=hooks)
     rank = dist.get_rank()
-    real = _rounds.send
-    if rank == 4:
-
-        def lying_send(wire: Any, out: Any, dst: int, eager: bool = True) -> None:
-            real(wire._replace(max_bytes=1 << 61) if wire.tag == INTERNAL_TAG and dst == 0 else wire, out, dst, eager)
-
-        _rounds.send = lying_send  # type: ignore[assignment]
-    try:
-        limit = 100_000 if rank == 7 else None
-        reduced = _outcome(lambda: len(comm.all_reduce(b"x" * 20_000, operator.add, max_bytes=limit)))
-    finally:
-        _rounds.send = real  # type: ignore[assignment]
+    with a_relay_that_lies("hidden limit", lambda wire, dst: dst == 0, rank == 4):
+        reduced = all_reduce_under("hidden limit", comm, rank, W, limited=7)
     run = {"all_reduce": lambda: comm.all_reduce(rank + 1, "sum"), "gather": lambda: comm.gather(rank, dst=0)}
-    after = [_outcome(run[next_call]) for _ in range(2)]
+    after = [result_or_error(run[next_call]) for _ in range(2)]
     dist.destroy_process_group(sub)
     return [reduced, *after]
 
@@ -155,7 +116,7 @@ def unreadable_reports() -> Optional[List[Any]]:
         outcome = type(exc).__name__
     finally:
         _tree_reports._pack = real  # type: ignore[assignment]
-    after = _outcome(lambda: comm.all_gather(rank))
+    after = result_or_error(lambda: comm.all_gather(rank))
     dist.destroy_process_group(sub)
     return [outcome, after]
 

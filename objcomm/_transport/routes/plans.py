@@ -237,10 +237,9 @@ def plan(
             # each piece in the backend's broadcast, or down the binomial tree from the root: then a relay takes it
             # in one batch and sends it on in another
             tree = medium == BACKEND and rest_down_tree(world=world, moved=moved, cpu=topology.cpu)
+            kind, calls = ("down_tree", 2 if world > 3 else 1) if tree else ("broadcast", 1)
             steps += [
-                Step("down_tree", medium, (min(knobs.chunk_bytes, moved - at),), calls=2 if world > 3 else 1)
-                if tree
-                else Step("broadcast", medium, (min(knobs.chunk_bytes, moved - at),))
+                Step(kind, medium, (min(knobs.chunk_bytes, moved - at),), calls=calls)
                 for at in range(0, moved, knobs.chunk_bytes)
             ]
     elif op in ("all_reduce", "reduce"):
