@@ -63,7 +63,7 @@ def _loopback_communicator(serializer: str) -> Any:
 
     class LoopbackCommunicator(Communicator):
         def _wire(self, options: Any) -> Any:
-            return super()._wire(options)._replace(first_round=_Loopback())
+            return super()._wire(options)._replace(slot_medium=_Loopback())
 
     return LoopbackCommunicator(serializer=serializer)
 

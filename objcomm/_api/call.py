@@ -2,7 +2,7 @@
 
 :class:`Call` encodes (a failure becomes an error report that still travels), decodes and raises
 the failures of a call; the functions below build a call's wire (membership and device, learned
-once per group; the first- and second-round strategies; the tag) and check or encode per-rank inputs.
+once per group; its slot medium and rest media; the tag) and check or encode per-rank inputs.
 The last section speaks mpi4py's vocabulary: what a program ported from it writes (``dest=``,
 ``root=``, ``bcast``, ``"SUM"``) and what to write instead (``docs/from-mpi4py.md``).
 """
@@ -30,7 +30,7 @@ from objcomm._samehost.rests import SameHostRests
 from objcomm._samehost.segments import DEFAULT_DIRECTORY, SegmentBook
 from objcomm._samehost.two_level_rests import TwoLevelRests
 from objcomm._settings import CallOptions
-from objcomm._transport.base import BACKEND, DIRECT, INTERNAL_TAG, FirstRound, GroupRanks, SecondRound, Wire
+from objcomm._transport.base import BACKEND, DIRECT, INTERNAL_TAG, GroupRanks, RestMedia, SlotMedium, Wire
 from serializers import AutoSerializer, SerializerProtocol
 
 Device = Union[str, torch.device, None]
@@ -182,8 +182,8 @@ def wire_for(group: Any, device: Device, options: CallOptions, segments: Segment
             options.slot_bytes,
             options.chunk_bytes,
             options.max_bytes,
-            second_round_for(options, segments),
-            first_round_for(options),
+            rest_media_for(options, segments),
+            slot_medium_for(options),
         )
         if len(known) >= WIRES_KEPT:
             known.clear()
@@ -191,7 +191,7 @@ def wire_for(group: Any, device: Device, options: CallOptions, segments: Segment
     return Wire(group, *found[2])  # Wire's fields in order: the group, then the rest
 
 
-def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound:
+def rest_media_for(options: CallOptions, segments: SegmentBook) -> RestMedia:
     """Who may move a call's second round: shared memory on one host when switched on, else the transport;
     below ``shm_threshold``, the same-host channel where it carried round 1 (``local``), on two levels where round 1
     went so."""
@@ -209,7 +209,7 @@ def second_round_for(options: CallOptions, segments: SegmentBook) -> SecondRound
     return TwoLevelRests(SameHostRests(options.shm_threshold, shared), options.shm_threshold if options.shm else None)
 
 
-def first_round_for(options: CallOptions) -> FirstRound:
+def slot_medium_for(options: CallOptions) -> SlotMedium:
     """Who may move a call's round-1 slots: the same-host channel when switched on (it decides per group
     whether it opens), else the group."""
     if not options.local:

@@ -156,9 +156,9 @@ class Communicator(Operations):
         """
         call = self._resolved({})
         wire = call.wire
-        if wire is None or not isinstance(wire.first_round, _channel_slots.ChannelSlots):
+        if wire is None or not isinstance(wire.slot_medium, _channel_slots.ChannelSlots):
             return False
-        return wire.first_round.connect(wire)
+        return wire.slot_medium.connect(wire)
 
     @mpi4py_keywords
     def all_gather(

@@ -106,12 +106,12 @@ class Express:
         """The express path of ``call``'s settings, or None where it can never apply (no same-host
         channel strategy, compression, one rank)."""
         wire = call.wire
-        if wire is None or not isinstance(wire.first_round, _channel_slots.ChannelSlots):
-            return None  # the same-host channel is not this call's first-round medium
+        if wire is None or not isinstance(wire.slot_medium, _channel_slots.ChannelSlots):
+            return None  # the same-host channel is not this call's slot medium
         if not routes.express_possible(compression=call.options.compression is not None, channel_first=True):
             return None
-        state = wire.first_round.state(wire)
-        return None if state is None else Express(call, wire.first_round, state)
+        state = wire.slot_medium.state(wire)
+        return None if state is None else Express(call, wire.slot_medium, state)
 
     def _channel(self, tag: Any) -> Any:
         """The channel, if it carries send/recv under ``tag`` now and no request of this rank is in flight."""
@@ -312,7 +312,7 @@ def _whole_frames(wire: Wire, cpu: bool) -> int:
     room = _mesh.MAX_PAYLOAD - _channel_checks.whole_size(b"", 0) - wire.slot
     if not cpu or room <= 0:
         return 0
-    medium = wire.second_round.worth(wire, room, "send")  # grows with the bytes: if not at room, nowhere below
+    medium = wire.rest_media.worth(wire, room, "send")  # grows with the bytes: if not at room, nowhere below
     return 0 if routes.agreement_needed(sizes_listed=True, largest_piece=room, medium_may_take=medium) else room
 
 

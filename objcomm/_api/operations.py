@@ -97,7 +97,7 @@ class Operations(Resolving):
             _reduce.resolve(op)
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, dst, "dst")
-        levels = call.wire.first_round.tree_levels(call.wire, "reduce")
+        levels = call.wire.slot_medium.tree_levels(call.wire, "reduce")
         value, complete, own, _ = _reduce.tree(call, obj, op, levels)
         out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
         incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, self._up_tree(call.wire))
@@ -115,7 +115,7 @@ class Operations(Resolving):
             _reduce.resolve(op)
             return call.roundtrip(obj)
         wire = call.wire
-        levels = wire.first_round.tree_levels(wire, "all_reduce")
+        levels = wire.slot_medium.tree_levels(wire, "all_reduce")
         value, complete, own, lowest = _reduce.tree(call, obj, op, levels)
         out, local = final_report(call, value, complete, own) if wire.rank == 0 else (None, None)
         if out is not None and not complete and local is None:  # a rank below failed: say so to every rank

@@ -111,7 +111,7 @@ def tree(call: Any, obj: Any, op: Op, levels: Optional[TreeLevels] = None) -> Re
     goes back down the tree (:func:`objcomm._transport.broadcast.down_tree`) is then refused once, at the
     root, for every rank alike, rather than by one rank in the middle of the tree.
 
-    On two levels (``levels``, from :meth:`~objcomm._transport.base.FirstRound.tree_levels`: a CPU group across
+    On two levels (``levels``, from :meth:`~objcomm._transport.base.SlotMedium.tree_levels`: a CPU group across
     hosts, each host's ranks consecutive) each host's ranks climb a tree over the host's channel to its leader, then
     the leaders climb theirs through the backend: the same order of ranks, and only the leaders call the backend.
     """

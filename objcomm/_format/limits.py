@@ -178,7 +178,7 @@ def frame_sizes(sizes_of: SizesOf, frame: memoryview, info: Any, sender: int, op
 
 
 class CheckedSizes:
-    """``sizes_of`` for a second-round strategy (shared memory), which reads frames round 1 did not carry.
+    """``sizes_of`` for the rest media (shared memory), which reads frames round 1 did not carry.
     Sizes that no sender announced raise OSError: every rank goes back to the normal transport, which
     raises FrameError. ``raw``: the ``sizes_of`` it checks, for a strategy that checks each frame against its
     own sender's slot itself (the same-host channel, which cannot go back)."""

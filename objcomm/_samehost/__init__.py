@@ -6,6 +6,6 @@ carries round 1 over it (what ranks check of it: :mod:`.channel_checks`; whether
 :mod:`.p2p_state`; opening it in the background: :mod:`.opener`), :mod:`.channel_rests` the rest of a message;
 :mod:`.shm` (its parts: :mod:`.shm_parts`; send/recv: :mod:`.shm_p2p`), :mod:`.segments` and :mod:`.sealed` publish
 large payloads once per host in shared memory; :mod:`.rests` picks which of the two takes a collective's rest. Each
-implements the strategy protocols of :mod:`objcomm._transport.base`; turn them off with ``OBJCOMM_LOCAL=0`` /
+implements the medium protocols of :mod:`objcomm._transport.base`; turn them off with ``OBJCOMM_LOCAL=0`` /
 ``OBJCOMM_SHM=0`` and every call takes the backend. See docs/same-host.md.
 """

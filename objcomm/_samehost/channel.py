@@ -54,8 +54,8 @@ beyond the stash). A forked child closes its copies of the sockets at once
 
 How it plugs in
 ---------------
-:class:`objcomm._samehost.channel_slots.ChannelSlots`, a :class:`objcomm._transport.base.FirstRound` strategy
-(``Wire.first_round``), moves the slots of ``_exchange_slots`` (all_gather, gather, the
+:class:`objcomm._samehost.channel_slots.ChannelSlots`, a :class:`objcomm._transport.base.SlotMedium`
+(``Wire.slot_medium``), moves the slots of ``_exchange_slots`` (all_gather, gather, the
 reductions' last step), ``broadcast``, ``scatter`` and ``all_to_all`` of :mod:`objcomm._transport.rounds`,
 and the slots of ``send``/``recv`` once every rank has voted them in (the set-up's ``ready`` word, or a
 vote through the group after an all_gather or all_to_all, :meth:`LocalChannel.vote`: values every rank sees alike; see

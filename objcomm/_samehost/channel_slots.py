@@ -1,7 +1,7 @@
 """Round 1 through the same-host channel: the slots of collectives and of send/recv between the
 processes of one host.
 
-:class:`ChannelSlots` is a first-round strategy (:class:`objcomm._transport.base.FirstRound`): when every rank
+:class:`ChannelSlots` is a slot medium (:class:`objcomm._transport.base.SlotMedium`): when every rank
 of a group runs on this host, the slots of ``all_gather``/``gather``, ``broadcast``, ``scatter`` and
 ``all_to_all`` (and of the reductions, which end in one of these), and those of ``send``/``recv``
 (``isend``/``irecv``, any source, tags), move through a :class:`objcomm._samehost.channel.LocalChannel` and never

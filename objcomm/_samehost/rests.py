@@ -41,7 +41,7 @@ class SameHostRests(PatternRests):
                 gathered=gathered,
             )
         if medium == routes.CHANNEL:  # where round 1 went through the channel (a closed one raises here, on every rank)
-            found = wire.first_round.channel_of(wire, op)
+            found = wire.slot_medium.channel_of(wire, op)
             return None if found is None else ChannelRest(*found)
         if medium == routes.SHARED_MEMORY and self.shared is not None:
             return self.shared.medium(wire, largest, gathered, op)

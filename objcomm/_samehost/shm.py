@@ -24,7 +24,7 @@ logger says why); when a rank could not open a sealed segment at all
 *refuses* a segment raises :class:`~objcomm.FrameError` alone, like a rank that cannot decode what
 arrived; the others keep their results and the group stays in step.
 
-:class:`SharedMemory` is a second-round strategy (:class:`objcomm._transport.base.SecondRound`): the transport
+:class:`SharedMemory` is a :class:`objcomm._transport.base.RestMedia`: the transport
 asks it once per call after round 1 and moves the bytes itself when it answers ``NOT_USED``. One
 method, :meth:`SharedMemory.hosts_for`, decides whether a call may use it (CPU, enough bytes, one
 host). Segment files themselves (how they are written, checked and read, their names, and
@@ -128,8 +128,8 @@ class SharedMemory(PatternRests):
     # -- control ---------------------------------------------------------------------------------
     def _gather_rows(self, wire: Wire, row: List[int], op: str) -> List[List[int]]:
         """Every rank's ``row`` (equal lengths), in rank order: through the same-host channel when the group
-        has one (see :meth:`objcomm._transport.base.FirstRound.gather_words`), else through the group."""
-        rows = wire.first_round.gather_words(wire, row, op)
+        has one (see :meth:`objcomm._transport.base.SlotMedium.gather_words`), else through the group."""
+        rows = wire.slot_medium.gather_words(wire, row, op)
         if rows is not NOT_USED:
             return rows
         every = torch.empty(wire.size * len(row), dtype=torch.int64)

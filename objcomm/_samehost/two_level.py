@@ -80,7 +80,7 @@ FLAT_SECOND_ROUNDS = frozenset({"scatter", "all_to_all"})
 
 @dataclass(frozen=True)
 class TwoLevel(ChannelSlots):
-    """The same-host channel's first-round strategy (:class:`ChannelSlots`), which on a group that spans hosts
+    """The same-host channel's slot medium (:class:`ChannelSlots`), which on a group that spans hosts
     moves the slots of all_gather, gather and broadcast, and the votes of a call, through two levels."""
 
     shared_from: Optional[int] = None  # an all_gather's table of slots reaches a host in one shared file from here
@@ -105,8 +105,8 @@ class TwoLevel(ChannelSlots):
                 group=levels.node,
                 ranks=levels.node_ranks,
                 rank=levels.place[me],
-                first_round=BACKEND,
-                second_round=DIRECT,
+                slot_medium=BACKEND,
+                rest_media=DIRECT,
                 tag=0,
             )
             # round 1 opens it again after a failure (a collective of the host's ranks, all at this call)
@@ -119,8 +119,8 @@ class TwoLevel(ChannelSlots):
                 group=levels.leaders,
                 ranks=levels.leader_ranks,
                 rank=levels.host_of[me],
-                first_round=BACKEND,
-                second_round=DIRECT,
+                slot_medium=BACKEND,
+                rest_media=DIRECT,
                 tag=0,
             )
         return Here(levels, channel, self.spin, leader, levels.host_of[me], levels.place[me])
@@ -172,9 +172,7 @@ class TwoLevel(ChannelSlots):
         leaders, lasts = ends
         host = None
         if here.channel is not None:
-            host = wire._replace(
-                first_round=HostEdges(here.channel, self.spin, leaders[here.host]), second_round=DIRECT
-            )
+            host = wire._replace(slot_medium=HostEdges(here.channel, self.spin, leaders[here.host]), rest_media=DIRECT)
         return TreeLevels(host, here.host, leaders, lasts, functools.partial(as_leader, here, op))
 
     def largest(self, wire: Wire, values: Sequence[int], op: str) -> Union[List[int], NotUsed]:
@@ -194,7 +192,7 @@ class TwoLevel(ChannelSlots):
 
 @dataclass(frozen=True)
 class HostEdges:
-    """The first-round strategy of a reduction's tree inside a host (:meth:`TwoLevel.tree_levels`): the group's
+    """The slot medium of a reduction's tree inside a host (:meth:`TwoLevel.tree_levels`): the group's
     wire, whose send/recv between the host's ranks (group ranks ``base`` on) take the host's channel; nothing else
     runs on it."""
 
@@ -266,7 +264,7 @@ _STRATEGIES: Dict[Tuple[Union[bool, int], Optional[int], Optional[int]], TwoLeve
 
 
 def strategy(separate: Union[bool, int], spin_us: Optional[int], shared_from: Optional[int] = None) -> TwoLevel:
-    """The first-round strategy for these settings, built once (the wire of every call holds one)."""
+    """The slot medium for these settings, built once (the wire of every call holds one)."""
     key = (separate, spin_us, shared_from)
     found = _STRATEGIES.get(key)
     if found is None:
@@ -308,7 +306,7 @@ def _set_up(slots: TwoLevel, wire: Wire, op: str) -> Optional[Levels]:
         )
         if node is not None:
             node_wire = wire._replace(
-                group=node, ranks=node_ranks, rank=place[wire.rank], first_round=BACKEND, second_round=DIRECT, tag=0
+                group=node, ranks=node_ranks, rank=place[wire.rank], slot_medium=BACKEND, rest_media=DIRECT, tag=0
             )
             works = int(slots.channel(node_wire, f"{op} (opening this host's channel)", True) is not None)
     except CommunicationError:

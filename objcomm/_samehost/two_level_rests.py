@@ -45,7 +45,7 @@ from objcomm._samehost.two_level_moves import (
     take_shared,
 )
 from objcomm._transport import routes
-from objcomm._transport.base import INTERNAL_TAG, NOT_USED, NotUsed, Route, SecondRound, Wire
+from objcomm._transport.base import INTERNAL_TAG, NOT_USED, NotUsed, RestMedia, Route, Wire
 from objcomm._transport.bytes import Batch, host_view
 from objcomm._transport.exchange import all_gather_rests
 from objcomm._transport.patterns import pattern
@@ -56,12 +56,12 @@ class TwoLevelRests:
     """The second round of all_gather, broadcast and gather through two levels where round 1 went so
     (:class:`~objcomm._samehost.two_level.TwoLevel`); everything else by ``inner``."""
 
-    inner: SecondRound
+    inner: RestMedia
     shared_from: Optional[int] = None  # an all_gather's host publishes this many bytes and more in shared memory
 
     @staticmethod
     def _here(wire: Wire, op: str) -> Optional[Here]:
-        first = wire.first_round
+        first = wire.slot_medium
         return first.here(wire, op) if isinstance(first, TwoLevel) else None
 
     def _shared(self, total: int) -> bool:

@@ -1,7 +1,7 @@
 """Moving messages over a torch process group.
 
-:mod:`.base` holds what every medium shares (the :class:`~.base.Wire` a call moves over, the strategy
-protocols ``FirstRound`` / ``SecondRound`` / ``Route``, the backend's own strategies); :mod:`.rounds` runs each
+:mod:`.base` holds what every medium shares (the :class:`~.base.Wire` a call moves over, the medium
+protocols ``SlotMedium`` / ``RestMedia`` / ``Route``, and the backend as either); :mod:`.rounds` runs each
 operation's two rounds over the backend (broadcast's: :mod:`.broadcast`; scatter's and all_to_all's:
 :mod:`.parts`); :mod:`.patterns` who sends what to whom in each collective, and :mod:`.rests` each collective's
 rest written once over a medium's one primitive; :mod:`.routes` every cut-off that picks a route; :mod:`.bytes` the

@@ -1,9 +1,11 @@
-"""What every medium shares: the :class:`Wire` a call moves over, and the strategies a medium implements.
+"""What every medium shares: the :class:`Wire` a call moves over, and the protocols a medium implements.
 
-:class:`FirstRound` moves round-1 slots (the backend, :data:`BACKEND`, or the same-host channel);
-:class:`SecondRound` moves what did not fit a slot (the backend, :data:`DIRECT`, or the same-host channel and
-shared memory); :class:`Route` carries one send/recv. The transport (:mod:`objcomm._transport.rounds`) calls
-these; the same-host media (:mod:`objcomm._samehost`) implement them and import nothing of the transport's own.
+A call's media are named by what they carry, not by the round: :class:`SlotMedium` carries the fixed-size slots,
+a call's votes and control words, and the route of each send/recv (:data:`BACKEND`: the group itself; else the
+same-host channel, or two levels); :class:`RestMedia` may carry what did not fit a slot (:data:`DIRECT`: none, the
+transport moves it through the group; else the same-host channel and shared memory, or two levels); a
+:class:`Route` carries one send/recv. The transport (:mod:`objcomm._transport.rounds`) calls these; the same-host
+media (:mod:`objcomm._samehost`) implement them and import nothing of the transport's own.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 INTERNAL_TAG = (1 << 30) - 1
 
 
-# -- who moves the second round ----------------------------------------------------------------
+# -- the media of a call's rest ----------------------------------------------------------------
 class NotUsed(enum.Enum):
-    """A :class:`SecondRound` strategy's answer when the transport must move the second round itself."""
+    """A medium's answer (:class:`RestMedia`, :class:`SlotMedium`) when the transport must move the bytes itself."""
 
     NOT_USED = "not used"
 
@@ -38,17 +40,17 @@ class NotUsed(enum.Enum):
 NOT_USED = NotUsed.NOT_USED
 
 
-class SecondRound(Protocol):
-    """Another way to move the second round of a call, asked by the transport after round 1.
+class RestMedia(Protocol):
+    """The media that may carry a call's rest (what did not fit a slot) instead of the group, asked after round 1.
 
     The transport calls the method of its operation once, on every rank the operation involves, after
-    round 1 and any vote; the strategy returns what the transport would have returned, or
+    round 1 and any vote; the media return what the transport would have returned, or
     :data:`NOT_USED` (the same answer on every rank), and the transport moves the bytes itself.
     Shared memory on one host (:class:`objcomm._samehost.shm.SharedMemory`) is one; :data:`DIRECT` is none.
     """
 
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
-        """Whether this strategy may take ``moved`` second-round bytes (decided from the slot alone,
+        """Whether these media may take ``moved`` second-round bytes (decided from the slot alone,
         so that receivers answer the sender before round 2 when it may)."""
 
     def all_gather(
@@ -59,7 +61,7 @@ class SecondRound(Protocol):
         self, wire: Wire, out: Outgoing, infos: Optional[Sequence[SlotInfo]], sizes_of: SizesOf, dst: int, op: str
     ) -> Union[Optional[Sequence[Optional[Incoming]]], NotUsed]:
         """``infos`` None: on a rank other than ``dst`` after ``dst`` read round 1 and said go (only ``dst`` holds every
-        slot); a strategy takes that only where round 1 went its way (two levels), else :data:`NOT_USED`."""
+        slot); the media take that only where round 1 went its way (two levels), else :data:`NOT_USED`."""
 
     def broadcast(
         self, wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int, op: str
@@ -85,7 +87,7 @@ class SecondRound(Protocol):
         self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None, message: int = 0
     ) -> bool:
         """True when the second round went this way (the receiver answered it took it). ``route``: where the slot
-        of message ``message`` went (else the group): the strategy's own words travel there too."""
+        of message ``message`` went (else the group): the media's own words travel there too."""
 
     def recv(
         self,
@@ -100,7 +102,7 @@ class SecondRound(Protocol):
 
 
 class _Direct:
-    """No strategy: the transport moves every second round itself."""
+    """No rest medium: the transport moves every rest through the group itself."""
 
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
         return False
@@ -117,15 +119,16 @@ class _Direct:
         return "DIRECT"
 
 
-DIRECT: SecondRound = _Direct()
+DIRECT: RestMedia = _Direct()
 
 
-# -- who moves the first round -----------------------------------------------------------------
+# -- the medium of a call's slots --------------------------------------------------------------
 Slot = Union[bytes, bytearray, memoryview]  # one rank's round-1 slot (``Wire.slot`` bytes), host memory
 
 
-class FirstRound(Protocol):
-    """Another way to move round 1's slots, asked by the transport before it uses the group.
+class SlotMedium(Protocol):
+    """The medium that carries a call's round-1 slots (and its votes, words and send/recv routes), asked by the
+    transport before it uses the group.
 
     Each method takes this rank's slot bytes (host memory, ``wire.slot`` long) and returns what the
     group's collective would have delivered, as host bytes, or :data:`NOT_USED` (the same answer on
@@ -187,9 +190,9 @@ WHOLE = 1 << 31  # the bit of a message id (a route's) that says its rest came w
 
 
 class Route(Protocol):
-    """Where a send/recv goes instead of the group (see :meth:`FirstRound.p2p`): its slot, then, when a second
+    """Where a send/recv goes instead of the group (see :meth:`SlotMedium.p2p`): its slot, then, when a second
     round follows, the receiver's answer (one byte: a ``REFUSE_*`` code of :mod:`objcomm._transport.rounds`, 0 to go
-    ahead), and on CPU wires the rest wherever the second-round strategy (shared memory) does not take it."""
+    ahead), and on CPU wires the rest wherever the rest media (shared memory) does not take it."""
 
     def send_whole(self, wire: Wire, slot: Slot, out: Outgoing, info: SlotInfo, dst: int) -> bool:
         """Send ``slot`` and the rest that follows it at once (no answer) as one message, where they fit in one;
@@ -207,10 +210,10 @@ class Route(Protocol):
 
     def answer_of(self, wire: Wire, src: int, message: int, op: str) -> int:
         """The answer of group rank ``src`` to this rank's message ``message`` (the sender waits for it); a second
-        call, the next answer to it (a second-round strategy's own, after the first)."""
+        call, the next answer to it (the rest media's own, after the first)."""
 
     def send_words(self, wire: Wire, words: Sequence[int], dst: int, message: int) -> None:
-        """int64 words of message ``message`` to group rank ``dst`` (a second-round strategy's own, before its rest)."""
+        """int64 words of message ``message`` to group rank ``dst`` (the rest media's own, before its rest)."""
 
     def recv_words(self, wire: Wire, count: int, src: int, message: int, op: str) -> List[int]:
         """``count`` int64 words of group rank ``src``'s message ``message`` (see :meth:`send_words`)."""
@@ -226,7 +229,7 @@ class Route(Protocol):
 
 
 class Lease(Protocol):
-    """A send/recv's route while it runs (:meth:`FirstRound.p2p`): entered, a :class:`Route` or None (the group);
+    """A send/recv's route while it runs (:meth:`SlotMedium.p2p`): entered, a :class:`Route` or None (the group);
     through the group, the transport tells it each slot it posted (:meth:`posted`) or took (:meth:`took`)."""
 
     def __enter__(self) -> Optional[Route]: ...
@@ -260,7 +263,7 @@ THROUGH_GROUP = _ThroughGroup()
 
 
 class _Backend:
-    """No strategy: the group's backend moves every round-1 slot."""
+    """The group's backend as the slot medium: the transport moves every round-1 slot through the group."""
 
     def all_gather(self, *args: Any) -> NotUsed:
         return NOT_USED
@@ -283,7 +286,7 @@ class _Backend:
         return "BACKEND"
 
 
-BACKEND: FirstRound = _Backend()
+BACKEND: SlotMedium = _Backend()
 
 
 class GroupRanks(tuple):  # type: ignore[type-arg]
@@ -325,8 +328,8 @@ class Wire(NamedTuple):
     slot: int  # bytes per rank in round 1, prefix included
     chunk: int  # largest single transfer in round 2
     max_bytes: int  # largest payload (frame plus tensors) this rank accepts
-    second_round: SecondRound = DIRECT  # who may move the second round instead of the transport
-    first_round: FirstRound = BACKEND  # who may move the round-1 slots of collectives instead of the group
+    rest_media: RestMedia = DIRECT  # the media that may carry a rest instead of the group
+    slot_medium: SlotMedium = BACKEND  # the medium of the round-1 slots, votes and send/recv (BACKEND: the group)
     tag: int = 0  # send/recv: the caller's tag (see data_tag, answer_tag)
 
     @property
@@ -349,7 +352,7 @@ class Wire(NamedTuple):
 
 
 class TreeLevels(NamedTuple):
-    """A reduction's tree on two levels (:meth:`FirstRound.tree_levels`): each host's ranks combine on its leader
+    """A reduction's tree on two levels (:meth:`SlotMedium.tree_levels`): each host's ranks combine on its leader
     over the host's channel, then the leaders combine on group rank 0 through the group. Every host holds
     consecutive group ranks, so the order of a host's ranks, then of the hosts, is the group's."""
 
@@ -376,9 +379,9 @@ def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 def largest_of(wire: Wire, values: Sequence[int], op: str, dtype: torch.dtype = torch.int64) -> List[int]:
     """The element-wise maximum of ``values`` over the ranks of ``wire``'s group (every rank calls it): through
-    the first-round strategy when it moves words (the same-host channel, or two levels: as int64), else one
+    the slot medium when it moves words (the same-host channel, or two levels: as int64), else one
     ``all_reduce(MAX)`` of ``dtype`` on the group. The small votes and outcomes ahead of a second round."""
-    found = wire.first_round.largest(wire, values, op)
+    found = wire.slot_medium.largest(wire, values, op)
     if found is not NOT_USED:
         return found
     largest = torch.tensor(list(values), dtype=dtype, device=wire.device)

@@ -1,5 +1,5 @@
 """Broadcast's rounds over the backend (:mod:`objcomm._transport.rounds` tells the two rounds): the source's slot to
-every rank, the receivers' vote where they must answer first, then the rest, asking the wire's strategies first.
+every rank, the receivers' vote where they must answer first, then the rest, asking the wire's media first.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def broadcast(
         assert src == 0, "the reduce tree ends on group rank 0"
         return down_tree(wire, out, sizes_of, levels)
     raw = (_slot(wire, out) if out is not None else bytearray(wire.slot)) if wire.rank == src else None
-    got = wire.first_round.broadcast(wire, raw, src, op)
+    got = wire.slot_medium.broadcast(wire, raw, src, op)
     if got is NOT_USED and tree:
         assert src == 0, "the reduce tree ends on group rank 0"
         return down_tree(wire, out, sizes_of)
@@ -70,7 +70,7 @@ def broadcast_rest(
     """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route."""
     op = "broadcast"
     if not _limits.round_one_ends([info]):
-        wire.first_round.agree(wire, [info], op)
+        wire.slot_medium.agree(wire, [info], op)
     sizes, problem = _limits.plan(info, sizes_of)
     if problem:  # every rank holds the same slot: all raise alike
         raise _limits.inconsistent(op, src, problem)
@@ -81,7 +81,7 @@ def broadcast_rest(
     if _agreement_needed(wire, info, op):
         _vote_refusals(wire, REFUSE_LIMIT if refuse else 0, info, src, op)
     # asked after any vote; without one a receiver may still refuse, which the strategy then drains (the channel)
-    taken = wire.second_round.broadcast(wire, out, info, _limits.checked_sizes(sizes_of, [info]), src, op)
+    taken = wire.rest_media.broadcast(wire, out, info, _limits.checked_sizes(sizes_of, [info]), src, op)
     if taken is not NOT_USED:
         return taken
     mine = out if wire.rank == src else None
@@ -122,7 +122,7 @@ def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, levels: Op
     group: a subtree that a lying relay misleads waits on it until the group's timeout, and the other ranks stay in
     step (docs/security.md, "Decisions every rank must share").
 
-    On two levels (``levels``: the reduce tree's, :meth:`~objcomm._transport.base.FirstRound.tree_levels`) the
+    On two levels (``levels``: the reduce tree's, :meth:`~objcomm._transport.base.SlotMedium.tree_levels`) the
     leaders' tree first, through the group, then each host's tree over its channel, from its leader."""
     if levels is None:
         ranks = range(wire.size)

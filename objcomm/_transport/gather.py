@@ -1,6 +1,6 @@
 """gather's rounds: every rank's frame and tensors to one rank, ``dst``.
 
-Round 1 travels as an all_gather of slots where the wire's first-round strategy (the same-host channel)
+Round 1 travels as an all_gather of slots where the wire's slot medium (the same-host channel)
 carries it; through the group it is a gather of the slots to ``dst``, which then sends every rank one
 word: :data:`GO` (only the rests move, each to ``dst`` point to point at its exact size) or :data:`LOOK`
 (every slot follows to every rank, so that a failure, an inconsistent slot, a rank over ``dst``'s limit
@@ -41,23 +41,23 @@ def gather(
     """
     op = "gather"
     raw = _slot(wire, out)
-    slots = wire.first_round.all_gather(wire, raw, op)
+    slots = wire.slot_medium.all_gather(wire, raw, op)
     if slots is not NOT_USED:
         infos = [read_slot(memoryview(s)) for s in slots]
     else:
         gathered_slots = _gather_slots(wire, raw, sizes_of, dst, op, up_tree)
         if gathered_slots is None:  # dst said go: only the rests move (the strategy's, where round 1 went its way)
-            if wire.second_round.gather(wire, out, None, sizes_of, dst, op) is NOT_USED:
+            if wire.rest_media.gather(wire, out, None, sizes_of, dst, op) is NOT_USED:
                 _send_rest(wire, out, dst, op)
             return None
         infos = gathered_slots
     if not _limits.round_one_ends(infos):
-        wire.first_round.agree(wire, infos, op)
+        wire.slot_medium.agree(wire, infos, op)
     plans = _limits.plans(infos, sizes_of, op)
     if _limits.round_one_ends(infos):  # an error report, or every slot carried its whole message: nothing moves
         return _round_one(infos)
     _limits.check_limits(infos, [dst], op)
-    gathered = wire.second_round.gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), dst, op)
+    gathered = wire.rest_media.gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), dst, op)
     if gathered is not NOT_USED:
         return gathered
     if wire.rank != dst:
@@ -87,8 +87,8 @@ def _gather_slots(
     broadcast on gloo, an all_reduce on NCCL: log W steps either way): :data:`GO` (the slots stay on ``dst``:
     returned there, None elsewhere) or :data:`LOOK` (``dst`` broadcasts every slot: every rank gets them, as after
     an all_gather, and raises what the others raise)."""
-    slots = wire.first_round.gather(wire, raw, dst, op)
-    if slots is not NOT_USED:  # the first-round strategy's gather (two levels), then its share of the word and table
+    slots = wire.slot_medium.gather(wire, raw, dst, op)
+    if slots is not NOT_USED:  # the slot medium's gather (two levels), then its share of the word and table
         return _gather_slots_through(wire, slots, sizes_of, dst, op)
     table: Optional[torch.Tensor] = None
     host: Optional[memoryview] = None
@@ -124,16 +124,16 @@ def _gather_slots(
 def _gather_slots_through(
     wire: Wire, slots: Optional[List[Slot]], sizes_of: SizesOf, dst: int, op: str
 ) -> Optional[List[SlotInfo]]:
-    """:func:`_gather_slots` where the first-round strategy gathered the slots (``slots``: on ``dst``): its
-    :meth:`~objcomm._transport.base.FirstRound.share` carries ``dst``'s word, and the table after a failure."""
+    """:func:`_gather_slots` where the slot medium gathered the slots (``slots``: on ``dst``): its
+    :meth:`~objcomm._transport.base.SlotMedium.share` carries ``dst``'s word, and the table after a failure."""
     infos = [read_slot(memoryview(s)) for s in slots] if slots is not None else []
-    said = wire.first_round.share(
+    said = wire.slot_medium.share(
         wire, _WORD.pack(_verdict(wire, infos, sizes_of, dst, op)) if wire.rank == dst else None, _WORD.size, dst, op
     )
     assert said is not NOT_USED  # the strategy that gathered shares
     if _WORD.unpack(bytes(said))[0] == GO:
         return infos if wire.rank == dst else None
-    table = wire.first_round.share(wire, b"".join(slots) if slots else None, wire.slot * wire.size, dst, op)
+    table = wire.slot_medium.share(wire, b"".join(slots) if slots else None, wire.slot * wire.size, dst, op)
     assert table is not NOT_USED
     return read_slots(memoryview(table), wire.size, wire.slot)
 
@@ -149,7 +149,7 @@ def _verdict(wire: Wire, infos: List[SlotInfo], sizes_of: SizesOf, dst: int, op:
     except ObjcommError:
         return LOOK
     moved = max(0 if r == dst else info.second_round_bytes for r, info in enumerate(infos))
-    return LOOK if wire.second_round.worth(wire, moved, op) else GO
+    return LOOK if wire.rest_media.worth(wire, moved, op) else GO
 
 
 def _send_rest(wire: Wire, out: Outgoing, dst: int, op: str) -> None:

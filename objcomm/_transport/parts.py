@@ -1,6 +1,6 @@
 """The rounds of the operations that send each rank its own part (:mod:`objcomm._transport.rounds` tells the two
 rounds): scatter (a root's part for each rank) and all_to_all (every rank's part for each rank), over the backend,
-asking the wire's strategies first.
+asking the wire's media first.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
     if wire.rank == src:
         assert outs is not None
         table = _slot_table(wire, outs)
-    got = wire.first_round.scatter(wire, None if table is None else _per_rank(wire, table), src, op)
+    got = wire.slot_medium.scatter(wire, None if table is None else _per_rank(wire, table), src, op)
     if got is NOT_USED:
         recv, host = receive_buffer(wire.slot, wire)
         scatter_list = None if table is None else list(_on_device(wire, table).chunk(wire.size))
@@ -54,7 +54,7 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
     capacity = wire.inline_capacity  # the root's longest second round: its receivers know only their own
     sent = [outgoing_second_round_bytes(o, capacity) for r, o in enumerate(outs or ()) if r != src]
     longest = _vote_refusals(wire, refuse, info, src, op, problem, longest=max(sent, default=0))
-    taken = wire.second_round.scatter(wire, outs, info, _limits.checked_sizes(sizes_of, [info]), src, longest, op)
+    taken = wire.rest_media.scatter(wire, outs, info, _limits.checked_sizes(sizes_of, [info]), src, longest, op)
     if taken is not NOT_USED:
         return taken
     if wire.rank == src:
@@ -82,12 +82,12 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
     of its parts needs a second round, so every rank learns whether one follows (and every failure:
     a failing rank sends its report to all). Before a second round one all_reduce votes on refusals
     and carries the longest stream of any pair; then each pair's rest (an overflowing frame, then
-    its tensors) moves as one stream at its exact size, through the second-round strategy or one
+    its tensors) moves as one stream at its exact size, through the rest media or one
     uneven all_to_all per ``chunk``. ``None`` marks frames not moved after an error.
     """
     op = "all_to_all"
     table = _slot_table(wire, outs)
-    slots = wire.first_round.all_to_all(wire, _per_rank(wire, table), op)
+    slots = wire.slot_medium.all_to_all(wire, _per_rank(wire, table), op)
     if slots is not NOT_USED:
         infos = [read_slot(memoryview(s)) for s in slots]
     else:
@@ -125,7 +125,7 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
             if over
             else _limits.too_large(f"{op}: this rank sends a receiving rank more than its max_bytes", where="there")
         )
-    taken = wire.second_round.all_to_all(wire, outs, infos, _limits.checked_sizes(sizes_of, infos), longest, op)
+    taken = wire.rest_media.all_to_all(wire, outs, infos, _limits.checked_sizes(sizes_of, infos), longest, op)
     if taken is not NOT_USED:
         return taken
     streams = [_rest(wire, o) if mine[r] else [] for r, o in enumerate(outs)]

@@ -78,7 +78,7 @@ def _from_slot(info: SlotInfo) -> Incoming:
 
 class PatternRests:
     """The rests of all_gather, gather, broadcast, scatter and all_to_all over the medium :meth:`medium` picks
-    (a :class:`objcomm._transport.base.SecondRound`'s collectives); a subclass says which medium and adds send/recv."""
+    (a :class:`objcomm._transport.base.RestMedia`'s collectives); a subclass says which medium and adds send/recv."""
 
     def medium(self, wire: Wire, largest: int, gathered: int, op: str) -> Optional[RestMedium]:
         """The medium of a rest whose largest sender moves ``largest`` bytes (``gathered``: a gather's, all of them;

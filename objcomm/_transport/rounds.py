@@ -23,13 +23,13 @@ shared memory may be used, the receivers answer first: a one-element vote (colle
 (send/recv), before any buffer exists.
 
 Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat uint8 tensors on the wire's device.
-The slot's layout is :mod:`objcomm._format.slot`. The collectives' round 1 goes through the wire's first-round
-strategy (:class:`objcomm._transport.base.FirstRound`; the same-host channel) when it takes the slots, else through
-the group; so does the slot of a send/recv (:meth:`~objcomm._transport.base.FirstRound.p2p`), and then its route
+The slot's layout is :mod:`objcomm._format.slot`. The collectives' round 1 goes through the wire's slot
+medium (:class:`objcomm._transport.base.SlotMedium`; the same-host channel) when it takes the slots, else through
+the group; so does the slot of a send/recv (:meth:`~objcomm._transport.base.SlotMedium.p2p`), and then its route
 (:class:`objcomm._transport.base.Route`) carries the receiver's answer too, always (a few µs; it also paces the
 sender), and on CPU wires the rest wherever shared memory does not take it (below its threshold, all of it; shared
-memory's own words travel on the route then). After round 1 each operation asks the wire's second-round strategy
-(:class:`objcomm._transport.base.SecondRound`; shared memory on one host) once whether it takes the rest; when it
+memory's own words travel on the route then). After round 1 each operation asks the wire's rest media
+(:class:`objcomm._transport.base.RestMedia`; shared memory on one host) once whether it takes the rest; when it
 answers ``NOT_USED`` the transport moves it.
 
 This module holds the steps every operation shares, all_gather and send/recv; gather is :mod:`.gather`, broadcast
@@ -81,7 +81,7 @@ def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
 
     Not when round 1 listed every transfer that follows and none exceeds the scratch size: a
     receiver over its limit then drains them through one small buffer and raises alone. Yes when
-    the sizes are unknown, a transfer is larger, or the second-round strategy may take the bytes.
+    the sizes are unknown, a transfer is larger, or the rest media may take the bytes.
     Decided from the slot alone, so sender and receivers agree.
     """
     if info.sizes is None:
@@ -90,7 +90,7 @@ def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
     return routes.agreement_needed(
         sizes_listed=True,
         largest_piece=largest,
-        medium_may_take=wire.second_round.worth(wire, info.second_round_bytes, op),
+        medium_may_take=wire.rest_media.worth(wire, info.second_round_bytes, op),
     )
 
 
@@ -139,12 +139,12 @@ def all_gather_rest(
     """:func:`all_gather` once round 1 has delivered every rank's slot (``infos``), by either route."""
     ends = _limits.round_one_ends(infos)
     if not ends:  # a second round or a refusal follows: only on slots every rank read alike
-        wire.first_round.agree(wire, infos, op)
+        wire.slot_medium.agree(wire, infos, op)
     plans = _limits.plans(infos, sizes_of, op)
     if ends:  # after an error, or in the common small case: one collective, done
         return _round_one(infos)
     _limits.check_limits(infos, range(wire.size), op)
-    taken = wire.second_round.all_gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), op)
+    taken = wire.rest_media.all_gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), op)
     if taken is not NOT_USED:
         return taken
     # every rank's rest (its frame past the slot, then its tensors) in one exchange, whatever the spread
@@ -180,7 +180,7 @@ def _round_one(infos: List[SlotInfo]) -> Sequence[Optional[Incoming]]:
 
 def _exchange_slots(wire: Wire, out: Outgoing, op: str, summed: bool = False) -> List[SlotInfo]:
     raw = _slot(wire, out)
-    slots = wire.first_round.all_gather(wire, raw, op)
+    slots = wire.slot_medium.all_gather(wire, raw, op)
     if slots is not NOT_USED:
         return [read_slot(memoryview(s)) for s in slots]
     if summed:  # the table, zeros but this rank's slot, summed: every slot in its place (a tree on NCCL, not a ring)
@@ -197,7 +197,7 @@ def _exchange_slots(wire: Wire, out: Outgoing, op: str, summed: bool = False) ->
 def send(wire: Wire, out: Outgoing, dst: int, eager: bool = True) -> None:
     """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must). ``eager``: a
     message that nothing follows may return before its receiver takes it (see :func:`_post`)."""
-    lease = wire.first_round.p2p(wire, "send", dst)
+    lease = wire.slot_medium.p2p(wire, "send", dst)
     with lease as route:
         if route is not None:
             return _send(wire, out, dst, route, eager, lease)
@@ -259,7 +259,7 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
             outcome="nothing more was sent",
             where="on the receiver",
         )
-    if answer is not None and medium != wire.second_round.worth(wire, info.second_round_bytes, op):
+    if answer is not None and medium != wire.rest_media.worth(wire, info.second_round_bytes, op):
         raise CommunicationError(
             f"send: rank {dst} {'reads' if medium else 'does not read'} this message's "
             f"{info.second_round_bytes:,}-byte rest through shared memory, where this rank's settings say it "
@@ -267,7 +267,7 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
             "two ranks' shm or shm_threshold differ; every rank of a group must use the same. Nothing more was sent "
             f"(rank {dst} raises at its timeout)"
         )
-    if answer is not None and wire.second_round.send(wire, out, dst, op, route, message):
+    if answer is not None and wire.rest_media.send(wire, out, dst, op, route, message):
         return
     if route is not None and wire.device.type == "cpu":  # shared memory did not take it (below its threshold: never):
         route.send_rest(wire, out, info, dst, message)  # the route, not the group, whose transfers concurrent sends
@@ -295,12 +295,12 @@ def _post(wire: Wire, message: bytearray, dst: int, op: str, eager: bool, lease:
         _pending.post(wire, data, dst, op)
     else:
         guarded(op, wire, dist.send, data, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
-    lease.posted()  # the route counts the slots posted through the group (FirstRound.p2p)
+    lease.posted()  # the route counts the slots posted through the group (SlotMedium.p2p)
 
 
 def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> Received:
     """Receive from group rank ``src`` (``None``: any); return ``(sender, incoming, is_error)``."""
-    lease = wire.first_round.p2p(wire, "recv", src)
+    lease = wire.slot_medium.p2p(wire, "recv", src)
     with lease as route:
         if route is not None:
             return _recv(wire, src, sizes_of, route, lease)
@@ -319,7 +319,7 @@ def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Rou
     peer = None if src is None else wire.ranks[src]
     sender_global = guarded(op, wire, dist.recv, buffer, src=peer, group=wire.group, tag=wire.data_tag)
     sender = wire.ranks.index(sender_global) if src is None else src  # (GroupRanks: one lookup)
-    lease.took(sender)  # the route counts the slots taken, by sender (FirstRound.p2p)
+    lease.took(sender)  # the route counts the slots taken, by sender (SlotMedium.p2p)
     view = host_view(buffer)
     after = _opened(wire, view, sender, op) if cpu else None
     return received(wire, sender, read_slot(view[head : head + wire.slot]), sizes_of, after=after)
@@ -408,7 +408,7 @@ def _received(
             raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
         return sender, got, False
     if route is not None or agreed:  # a route answers: a few µs there
-        takes = not refuse and wire.second_round.worth(wire, info.second_round_bytes, op)
+        takes = not refuse and wire.rest_media.worth(wire, info.second_round_bytes, op)
         code = refuse | (TAKES if takes else 0)  # the sender checks the medium against its own settings
         if route is not None:
             route.answer(wire, sender, message, code)
@@ -417,7 +417,7 @@ def _received(
             guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group, tag=wire.answer_tag)
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem)
-        taken = wire.second_round.recv(wire, info, _limits.checked_sizes(sizes_of, [info]), sender, op, route, message)
+        taken = wire.rest_media.recv(wire, info, _limits.checked_sizes(sizes_of, [info]), sender, op, route, message)
         if taken is not NOT_USED:
             return sender, taken, False
         if route is not None and wire.device.type == "cpu":  # as the sender does

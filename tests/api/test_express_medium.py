@@ -79,8 +79,8 @@ def test_a_wire_whose_shared_memory_may_take_a_medium_rest_sends_none_whole():
     wire = Wire(None, [0, 1], 0, torch.device("cpu"), SLOT, 1 << 26, LIMIT)
     assert _express._whole_frames(wire, cpu=True) == MOST
     assert _express._whole_frames(wire, cpu=False) == 0
-    assert _express._whole_frames(wire._replace(second_round=SharedMemory(threshold=8 << 10)), cpu=True) == 0
-    assert _express._whole_frames(wire._replace(second_round=SharedMemory(threshold=MOST + 1)), cpu=True) == MOST
+    assert _express._whole_frames(wire._replace(rest_media=SharedMemory(threshold=8 << 10)), cpu=True) == 0
+    assert _express._whole_frames(wire._replace(rest_media=SharedMemory(threshold=MOST + 1)), cpu=True) == MOST
     assert _express._whole_frames(wire._replace(slot=_mesh.MAX_PAYLOAD), cpu=True) == 0
 
 

@@ -75,8 +75,8 @@ def _wire(**kw) -> _rounds.Wire:
         ranks=list(range(dist.get_world_size())),
         rank=dist.get_rank(),
         device=torch.device("cpu"),
-        first_round=_call.first_round_for(options),
-        second_round=_call.second_round_for(options, SegmentBook()),
+        slot_medium=_call.slot_medium_for(options),
+        rest_media=_call.rest_media_for(options, SegmentBook()),
         **fields,
     )
 

@@ -200,7 +200,7 @@ def test_a_waiting_rank_does_not_burn_the_cpu():
 def spins_as_set(spin_us: Optional[int]) -> List[Any]:
     comm = objcomm.Communicator(local_spin_us=spin_us)
     rank = dist.get_rank()
-    got = [comm._call({}).wire.first_round.spin, comm.all_gather(rank), comm.broadcast("b" if rank == 0 else None)]
+    got = [comm._call({}).wire.slot_medium.spin, comm.all_gather(rank), comm.broadcast("b" if rank == 0 else None)]
     if rank < 2:  # send/recv through the channel (the all_gather above voted them in)
         comm.send(f"from {rank}", 1 - rank)
         got.append(comm.recv(1 - rank))
@@ -223,11 +223,11 @@ def control_words(mismatch: bool) -> Any:
 
     comm = objcomm.Communicator()
     wire = comm._call({}).wire
-    assert isinstance(wire.first_round, _channel_slots.ChannelSlots)
+    assert isinstance(wire.slot_medium, _channel_slots.ChannelSlots)
     rank = dist.get_rank()
     words = [rank, -rank, 1 << 62] if not (mismatch and rank == 1) else [rank, 0]
     try:
-        return wire.first_round.gather_words(wire, words, "control")
+        return wire.slot_medium.gather_words(wire, words, "control")
     except objcomm.CommunicationError as exc:
         assert comm.all_gather(rank) == [0, 1, 2]  # every rank failed at this call: the next collective reopens
         return str(exc)  # (and the pool's next test finds its default group's channel working)

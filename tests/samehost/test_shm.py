@@ -15,7 +15,7 @@ from _ranks import RankDied, RankPool, get_pool
 
 import objcomm
 from objcomm import _state
-from objcomm._api.call import second_round_for as _second_round
+from objcomm._api.call import rest_media_for as _rest_media
 from objcomm._format import slot as _slot
 from objcomm._samehost import segments as _segments
 from objcomm._samehost import shm as _shm
@@ -76,8 +76,8 @@ def _wire(
         slot=SLOT,
         chunk=1 << 20,
         max_bytes=1 << 30,
-        second_round=strategy(threshold=threshold, directory=directory, separate=separate, zero_copy=zero_copy),
-        first_round=_two_level.strategy(separate, None) if local else BACKEND,
+        rest_media=strategy(threshold=threshold, directory=directory, separate=separate, zero_copy=zero_copy),
+        slot_medium=_two_level.strategy(separate, None) if local else BACKEND,
     )
 
 
@@ -287,7 +287,7 @@ def test_switched_off_moves_nothing_through_shared_memory(shm_dir):
 
 def _shm_config(comm: objcomm.Communicator) -> Any:
     """The shared-memory configuration a call through ``comm`` would use (no group needed)."""
-    strategy = _second_round(comm._call({}).options, comm._hooks.segments)
+    strategy = _rest_media(comm._call({}).options, comm._hooks.segments)
     if isinstance(strategy, TwoLevelRests):  # with local on, two levels and the same-host rests wrap it
         strategy = strategy.inner
     if isinstance(strategy, SameHostRests):

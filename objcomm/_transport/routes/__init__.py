@@ -14,8 +14,8 @@ the slot, and every out-of-band tensor) moves in round 2, frame and tensors of o
 decision                cut-off                                                          function
 ======================  ===============================================================  ==========================
 express path            default settings, no compression, the same-host channel is the   :func:`express_possible`
-                        first-round medium (then: whole frame in the slot, no tensors)
-round-1 medium          the same-host channel when ``local`` is on, the group lies on    :func:`round_one`
+                        slot medium (then: whole frame in the slot, no tensors)
+slot medium             the same-host channel when ``local`` is on, the group lies on    :func:`round_one`
                         one host and the channel is open; else the backend
 ends after round 1      an error report anywhere, or every slot carries its whole        ``limits.round_one_ends``
                         message

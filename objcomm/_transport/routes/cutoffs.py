@@ -20,7 +20,7 @@ CHANNEL_MOST = 16 << 20
 # -- the cut-offs --------------------------------------------------------------------------------------------------
 def express_possible(*, compression: bool, channel_first: bool) -> bool:
     """Whether a call with default settings may take the express path at all: no compression, and the same-host
-    channel is its first-round medium (whether the channel is open, and the object small, is asked per call)."""
+    channel is its slot medium (whether the channel is open, and the object small, is asked per call)."""
     return channel_first and not compression
 
 
