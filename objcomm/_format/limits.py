@@ -10,7 +10,7 @@ rank that must act on a disagreement learns of it in the same round.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from objcomm._errors import FrameError, ObjcommError, TooLargeError
 
@@ -102,6 +102,21 @@ def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str) -> Non
                         f"{op}: rank {sender} sends {info.total:,} bytes, above the "
                         f"max_bytes={limit:,} of receiving rank {receiver}"
                     )
+
+
+def check_relays(infos: Sequence[Any], relays: Sequence[Tuple[int, Sequence[int]]], dst: int, op: str) -> None:
+    """:func:`check_limits` for the ranks that hold rests on their way to ``dst`` (``relays``: each such rank, with
+    the senders whose rests it holds; a two-level gather's leaders): the same TooLargeError on every rank, naming the
+    first sender past a relay's limit. O(the senders listed)."""
+    for relay, senders in relays:
+        limit = infos[relay].limit
+        for sender in senders:
+            info = infos[sender]
+            if sender != relay and sender != dst and not info.error and info.total > limit:
+                raise too_large(
+                    f"{op}: rank {sender} sends {info.total:,} bytes, above the max_bytes={limit:,} of rank "
+                    f"{relay}, which relays them to rank {dst}"
+                )
 
 
 def refused(

@@ -286,15 +286,21 @@ def send_within(here: Here, to: int, views: Sequence[memoryview]) -> None:
 def receive_within(here: Here, source: int, total: int, op: str, start: Optional[float] = None) -> bytearray:
     """The ``total`` bytes host rank ``source`` sends this rank with :func:`send_within`, within the group's timeout
     from ``start`` (default: now; a leader taking several ranks' streams gives them one), once more at most."""
-    assert here.channel is not None
     into = bytearray(total)
+    receive_into(here, source, memoryview(into), op, start)
+    return into
+
+
+def receive_into(here: Here, source: int, into: memoryview, op: str, start: Optional[float] = None) -> None:
+    """:func:`receive_within` into ``into`` (its length: the bytes due), where the caller holds the room already."""
+    assert here.channel is not None
+    total = len(into)
     start = time.monotonic() if start is None else start
     for index in range(-(-total // CHUNK)):
         in_time(here.channel, start, index, total, op)
         got = here.channel.recv_part(REST, source, 0, _STREAM, here.spin)
         at = checked(here.channel, got, index, total, here.levels.hosts[here.host][source], op)
         into[at : at + len(got)] = got
-    return into
 
 
 def relay(

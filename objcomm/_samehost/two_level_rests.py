@@ -38,6 +38,7 @@ from objcomm._samehost.two_level_moves import (
     cut,
     publish,
     publish_shared,
+    receive_into,
     receive_within,
     relay,
     send_within,
@@ -71,6 +72,19 @@ class TwoLevelRests:
         if routes.leaders_relay_first(op=op, moved=moved) and self._here(wire, op) is not None:
             return True  # its receivers vote first (a refusing leader would hold all of it for its host)
         return self.inner.worth(wire, moved, op)
+
+    def relays(self, wire: Wire, dst: int, op: str) -> Sequence[Tuple[int, Sequence[int]]]:
+        """A gather's rests on two levels go through each host's leader, then through the destination's host's
+        leader, which holds every host's (:meth:`gather`)."""
+        here = self._here(wire, op)
+        if here is None:
+            return self.inner.relays(wire, dst, op)
+        hosts = here.levels.hosts
+        held: List[Tuple[int, Sequence[int]]] = [(host[0], host) for host in hosts if len(host) > 1 and host[0] != dst]
+        home = hosts[here.levels.host_of[dst]][0]
+        if home != dst:
+            held.append((home, range(wire.size)))
+        return held
 
     def all_gather(
         self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, op: str
@@ -222,7 +236,7 @@ def _from_host(here: Here, mine: List[memoryview], moved: List[int], op: str) ->
     at, start = moved[0], time.monotonic()  # one timeout for every rank's stream
     for i in range(1, len(moved)):
         if moved[i]:
-            view[at : at + moved[i]] = receive_within(here, i, moved[i], op, start)
+            receive_into(here, i, view[at : at + moved[i]], op, start)  # in place: no second copy
             at += moved[i]
     return bundle
 

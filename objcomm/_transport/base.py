@@ -53,6 +53,12 @@ class RestMedia(Protocol):
         """Whether these media may take ``moved`` second-round bytes (decided from the slot alone,
         so that receivers answer the sender before round 2 when it may)."""
 
+    def relays(self, wire: Wire, dst: int, op: str) -> Sequence[Tuple[int, Sequence[int]]]:
+        """The ranks other than ``dst`` that hold senders' rests on their way to ``dst`` in a gather, each with the
+        senders whose rests it holds (a two-level gather's leaders); none where every rest goes straight to ``dst``.
+        The same answer on every rank: a gather checks each sender's total against these ranks' ``max_bytes`` too
+        (:func:`objcomm._format.limits.check_relays`), as against ``dst``'s."""
+
     def all_gather(
         self, wire: Wire, out: Outgoing, infos: Sequence[SlotInfo], sizes_of: SizesOf, op: str
     ) -> Union[Sequence[Optional[Incoming]], NotUsed]: ...
@@ -106,6 +112,9 @@ class _Direct:
 
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
         return False
+
+    def relays(self, wire: Wire, dst: int, op: str) -> Sequence[Tuple[int, Sequence[int]]]:
+        return ()
 
     def all_gather(self, *args: Any) -> NotUsed:
         return NOT_USED

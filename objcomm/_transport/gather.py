@@ -56,7 +56,7 @@ def gather(
     plans = _limits.plans(infos, sizes_of, op)
     if _limits.round_one_ends(infos):  # an error report, or every slot carried its whole message: nothing moves
         return _round_one(infos)
-    _limits.check_limits(infos, [dst], op)
+    _check_limits(wire, infos, dst, op)
     gathered = wire.rest_media.gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), dst, op)
     if gathered is not NOT_USED:
         return gathered
@@ -145,11 +145,18 @@ def _verdict(wire: Wire, infos: List[SlotInfo], sizes_of: SizesOf, dst: int, op:
         _limits.plans(infos, sizes_of, op)
         if _limits.round_one_ends(infos):
             return LOOK if any(info.error for info in infos) else GO
-        _limits.check_limits(infos, [dst], op)
+        _check_limits(wire, infos, dst, op)
     except ObjcommError:
         return LOOK
     moved = max(0 if r == dst else info.second_round_bytes for r, info in enumerate(infos))
     return LOOK if wire.rest_media.worth(wire, moved, op) else GO
+
+
+def _check_limits(wire: Wire, infos: List[SlotInfo], dst: int, op: str) -> None:
+    """Every sender's total against ``dst``'s limit, and against the limit of each rank that holds it on its way
+    there (:meth:`~objcomm._transport.base.RestMedia.relays`: on two levels, the leaders)."""
+    _limits.check_limits(infos, [dst], op)
+    _limits.check_relays(infos, wire.rest_media.relays(wire, dst, op), dst, op)
 
 
 def _send_rest(wire: Wire, out: Outgoing, dst: int, op: str) -> None:

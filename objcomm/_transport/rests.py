@@ -85,6 +85,10 @@ class PatternRests:
         else 0), or None (the transport moves it): the same answer on every rank."""
         raise NotImplementedError
 
+    def relays(self, wire: Wire, dst: int, op: str) -> Sequence[Tuple[int, Sequence[int]]]:
+        """None: on one host each rest goes from its sender to its receivers (:meth:`RestMedia.relays`)."""
+        return ()
+
     def _move(
         self,
         wire: Wire,

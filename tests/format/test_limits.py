@@ -8,7 +8,7 @@ from typing import Any, List, NamedTuple, Optional
 import pytest
 
 from objcomm import TooLargeError
-from objcomm._format.limits import CheckedSizes, check_limits
+from objcomm._format.limits import CheckedSizes, check_limits, check_relays
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,6 +89,26 @@ def test_work_is_linear_in_the_world_size(failing):
     Counted.reads = 0
     assert (outcome(check_limits, infos, range(world)) is not None) == failing
     assert Counted.reads <= 3 * world, Counted.reads  # pairwise: 8192 x 8191 reads
+
+
+def test_a_relay_is_held_to_its_limit_for_the_senders_it_holds_only():
+    """A two-level gather's leaders (objcomm._samehost.two_level_rests.TwoLevelRests.relays): each sender's total
+    against the limit of the ranks that hold it on its way to the destination, never the relay's own or dst's."""
+    big, small = 10**6, 100
+    infos = [Info(10, False, 10, small)] + [Info(10, False, 10, 10**9) for _ in range(5)]  # rank 0 relays, limit 100
+    hosts = [(0, [0, 1, 2]), (3, [3, 4, 5])]  # dst: rank 1
+    for sender in (0, 1, 3, 4, 5):  # its own, dst's own (which does not move), or a host rank 0 does not hold
+        over = infos[:sender] + [Info(10, False, big, small)] + infos[sender + 1 :]
+        check_relays(over, hosts, 1, "gather")
+    infos[2] = Info(10, True, big, 10**9)  # an error report: raised as such, never as too large
+    check_relays(infos, hosts, 1, "gather")
+    infos[2] = Info(10, False, big, 10**9)
+    with pytest.raises(TooLargeError, match="rank 2 sends 1,000,000 bytes, above the max_bytes=100 of rank 0, which "):
+        check_relays(infos, hosts, 1, "gather")
+    infos[2] = Info(10, False, 10, 10**9)
+    infos[5] = Info(10, False, big, 10**9)
+    with pytest.raises(TooLargeError, match="rank 5 sends 1,000,000 bytes, above the max_bytes=100 of rank 0"):
+        check_relays(infos, hosts + [(0, range(6))], 1, "gather")  # rank 0 also holds every host's for dst
 
 
 def test_checked_sizes_looks_up_slots_by_frame_length():

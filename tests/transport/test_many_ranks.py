@@ -1134,6 +1134,10 @@ def bad_input_on_two_levels(case: str) -> str:
                 comm.broadcast(
                     b"y" * (3 << 20) if rank == 1 else None, src=1, max_bytes=(1 << 20) if rank == 7 else None
                 )
+            elif case == "over a relaying leader's limit":  # rank 7's rest goes through its leader, 6, to rank 1
+                comm.gather(b"x" * ((1 << 20) if rank == 7 else 10), dst=1, max_bytes=(1 << 19) if rank == 6 else None)
+            elif case == "over the destination's leader's limit":  # rank 0 takes every host's rests for rank 1
+                comm.gather(b"x" * ((1 << 20) if rank == 4 else 10), dst=1, max_bytes=(1 << 19) if rank == 0 else None)
             elif case == "a lying sender":
                 if rank == 4:
                     _rounds.all_gather(comm._call({}).wire, _forged_table(1 << 40), _frame.tensor_sizes)
@@ -1152,6 +1156,15 @@ def bad_input_on_two_levels(case: str) -> str:
         ("over a receiver's limit", "TooLargeError"),
         ("a failing encode", "RemoteError"),
         ("a receiver refuses a broadcast", "TooLargeError"),
+        # a gather's leaders hold its rests on their way: their max_bytes counts as a receiver's (hosts 0-2, 3-5, 6-7)
+        (
+            "over a relaying leader's limit",
+            "TooLargeError: gather: rank 7 sends 1,048,711 bytes, above the max_bytes=524,288 of rank 6,",
+        ),
+        (
+            "over the destination's leader's limit",
+            "TooLargeError: gather: rank 4 sends 1,048,711 bytes, above the max_bytes=524,288 of rank 0,",
+        ),
         ("a lying sender", "FrameError"),
     ],
 )
