@@ -6,13 +6,14 @@ writer creates it (:class:`_Segment`), readers copy it into fresh memory (:func:
 the writer unlinks it. When and for whom segments are written is :mod:`objcomm._samehost.shm`'s business.
 
 The file system is not trusted. Writers create segments with ``O_CREAT | O_EXCL | O_NOFOLLOW``, mode
-0600, and announce the file's identity (:func:`identity`: its device and inode) with its sequence
-number; they keep the file open until they unlink it, so no other file can get that inode meanwhile.
+0600, and announce the file's identity (:func:`identity`: a digest of its device, inode and bytes) with its
+sequence number; they keep the file open until they unlink it, so no other file can get that inode meanwhile.
 Readers open with ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO cannot block them) and refuse a link, a file
-that is not regular, is another user's, is writable by group or others, is not the file announced
-(``fstat`` of the opened descriptor: a file renamed over the name, even at the last moment, is caught),
-or is not the announced size. Nothing is mapped, so a file truncated while read gives a short read
-(refused), never SIGBUS.
+that is not regular, is another user's, is writable by group or others, or is not the announced size
+(``fstat`` of the opened descriptor: a file renamed over the name, even at the last moment, is caught), and
+what they read when it is not what was written (its identity, over the bytes read: another file at the name, or
+bytes a process of the same user changed in place after they were written). Nothing is mapped, so a file
+truncated while read gives a short read (refused), never SIGBUS.
 
 Names are ``objcomm-<host>-<pidns>-<token>-<pid>-<seq>-<part>``: ``host``, 16 hex digits, is
 :func:`objcomm._samehost.hosts.host_key` of the writer's host; ``pidns`` the decimal inode number of its pid
@@ -98,7 +99,7 @@ class SegmentBook:
             for piece in pieces:
                 while piece.nbytes:
                     piece = piece[os.write(fd, piece) :]
-            return _Segment(path, self, fd, identity(os.fstat(fd)))  # keeps fd: see the module docstring
+            return _Segment(path, self, fd, identity(os.fstat(fd), pieces))  # keeps fd: see the module docstring
         except BaseException:
             os.close(fd)
             self.unlink(path)
@@ -158,10 +159,27 @@ class SegmentFile(NamedTuple):
     identity: int
 
 
-def identity(found: os.stat_result) -> int:
-    """A file's identity as one positive int64 word (never 0): 63 bits of a hash of its device and inode."""
-    digest = hashlib.blake2b(struct.pack("<QQ", found.st_dev, found.st_ino), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1 or 1
+def identity(found: os.stat_result, content: Sequence[Any] = ()) -> int:
+    """A segment's identity as one positive int64 word (never 0): 63 bits of a SHA-256 of its device, its inode and
+    its bytes (``content``: buffers, back to back), so that a reader refuses another file at the name and bytes
+    changed in place after they were written alike."""
+    digest = _Digest(found)
+    for piece in content:
+        digest.update(piece)
+    return digest.word()
+
+
+class _Digest:
+    """:func:`identity`, fed piece by piece as a reader reads."""
+
+    def __init__(self, found: os.stat_result) -> None:
+        self._hash = hashlib.sha256(struct.pack("<QQ", found.st_dev, found.st_ino))
+
+    def update(self, piece: Any) -> None:
+        self._hash.update(piece)
+
+    def word(self) -> int:
+        return int.from_bytes(self._hash.digest()[:8], "little") >> 1 or 1
 
 
 def read_segment(
@@ -183,11 +201,12 @@ def read_segment(
             raise FrameError(f"shared-memory segment {path} is a symbolic link; refused") from exc
         raise
     try:
-        _check_segment(fd, path, size, expected)
+        digest = _Digest(_check_segment(fd, path, size))
         position = 0
         if inline is None:
             frame = memoryview(bytearray(length))
             _read_exactly(fd, frame, 0, path, size)
+            digest.update(frame)
             position = length
         else:
             frame = inline
@@ -202,29 +221,32 @@ def read_segment(
             tensor = torch.empty(n, dtype=torch.uint8)
             if n:
                 _read_exactly(fd, tensor.numpy().data, position, path, size)
+                digest.update(tensor.numpy().data)
             tensors.append(tensor)
             position += n
     finally:
         os.close(fd)
+    if expected is not None and digest.word() != expected:
+        raise FrameError(
+            f"shared-memory segment {path} is not what its writer wrote (another file was put at its name, or its "
+            "bytes were changed after they were written: the digest of its device, inode and bytes differs from the "
+            "one the writer announced); refused"
+        )
 
     return Incoming(frame, tensors)
 
 
-def _check_segment(fd: int, path: str, size: int, expected: Optional[int]) -> None:
-    """Refuse what a writer of this user could not have made, or not the file it announced: see :func:`read_segment`."""
+def _check_segment(fd: int, path: str, size: int) -> os.stat_result:
+    """Refuse what a writer of this user could not have made (see :func:`read_segment`); what ``fstat`` found."""
     found = os.fstat(fd)  # of what was opened: a file renamed over the name after this cannot slip in
     problem = foreign(found)
     if not problem and found.st_mode & 0o022:
         problem = f"is writable by group or others (mode {stat.S_IMODE(found.st_mode):04o})"
-    if not problem and expected is not None and identity(found) != expected:
-        problem = (
-            "is not the file its writer created (another file was put at its name: its device and inode "
-            "differ from those the writer announced)"
-        )
     if not problem and found.st_size != size:
         problem = f"holds {found.st_size:,} bytes, the sender announced {size:,}"
     if problem:
         raise FrameError(f"shared-memory segment {path} {problem}; refused")
+    return found
 
 
 def _read_exactly(fd: int, view: memoryview, offset: int, path: str, size: int) -> None:

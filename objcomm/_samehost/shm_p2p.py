@@ -76,7 +76,7 @@ def send(
         if route is not None:
             reply = route.answer_of(wire, dst, message, op)
         else:
-            answer = torch.empty(1, dtype=torch.int64)
+            answer = torch.zeros(1, dtype=torch.int64)  # (zeroed: a short message leaves no old memory)
             guarded(op, wire, dist.recv, answer, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
             reply = int(answer.item())
         if reply == _OTHER_HOST:
@@ -106,7 +106,7 @@ def recv(
     if route is not None:
         seq, pid, token, key, namespace, where = route.recv_words(wire, _P2P, src, message, op)
     else:
-        status = torch.empty(_P2P, dtype=torch.int64)
+        status = torch.zeros(_P2P, dtype=torch.int64)  # (zeroed: a short message leaves no old memory)
         guarded(op, wire, dist.recv, status, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
         seq, pid, token, key, namespace, where = status.tolist()
     if seq < 0:

@@ -1,10 +1,12 @@
-"""A segment file swapped for another file of the same user, mode and size is refused, not decoded.
+"""A segment file swapped for another file of the same user, mode and size, or rewritten in place, is refused,
+not decoded.
 
 A process of the same user may rename a file of its own over a segment's name between the writer
-creating it and a reader opening it. Everything the reader checked before (a regular file of this
-user, 0600, the announced size) holds for that file: only its identity (device and inode, which the
-writer announces with the segment) gives it away. Applies to segment *files* (``shm_zero_copy=False``,
-or where sealed memory files cannot be used); sealed segments cannot be swapped.
+creating it and a reader opening it, or open the segment itself (mode 0600 lets its owner) and change its bytes.
+Everything the reader checked before (a regular file of this user, 0600, the announced size) holds for that file:
+only its identity (a digest of its device, inode and bytes, which the writer announces with the segment) gives it
+away. Applies to segment *files* (``shm_zero_copy=False``, or where sealed memory files cannot be used, which any
+rank can claim); sealed segments cannot be changed.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from objcomm._api.resolving import Hooks
 from objcomm._samehost import segments as _segments
 
 THRESHOLD = 4096
-REFUSAL = "is not the file its writer created"
+REFUSAL = "is not what its writer wrote"
 
 
 def _swap(path: str) -> None:
@@ -43,6 +45,20 @@ def _swap(path: str) -> None:
     os.rename(forged, path)
 
 
+def _rewrite(path: str) -> None:
+    """Flip the last byte of ``path`` in place: the same file (device, inode, size, mode), other bytes."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        last = os.pread(fd, 1, size - 1)
+        os.pwrite(fd, bytes([last[0] ^ 0xFF]), size - 1)
+    finally:
+        os.close(fd)
+
+
+TAMPER = {"renamed over": _swap, "rewritten in place": _rewrite}
+
+
 def _big(tag: int) -> Dict[str, Any]:
     return {"tag": tag, "blob": bytes([tag]) * 4 * THRESHOLD, "t": torch.arange(5000, dtype=torch.float32) + tag}
 
@@ -51,8 +67,9 @@ def _same(got: Any, tag: int) -> bool:
     return got["tag"] == tag and got["blob"] == bytes([tag]) * 4 * THRESHOLD and torch.equal(got["t"], _big(tag)["t"])
 
 
-def swapped_then_clean(directory: str, op: str) -> Dict[str, Any]:
-    """One call in which rank 0 swaps each segment file it wrote for a forged one, then a clean call."""
+def swapped_then_clean(directory: str, op: str, tamper: str = "renamed over") -> Dict[str, Any]:
+    """One call in which rank 0 swaps each segment file it wrote for a forged one (or changes it in place: ``tamper``),
+    then a clean call."""
     rank = dist.get_rank()
     files = dict(shm_threshold=THRESHOLD, shm_dir=directory, shm_zero_copy=False)
     comm = plain = objcomm.Communicator(**files)
@@ -74,7 +91,7 @@ def swapped_then_clean(directory: str, op: str) -> Dict[str, Any]:
     class Swapping(_segments.SegmentBook):
         def create(self, path: str, frame: Optional[memoryview], tensors: Any) -> Any:
             segment = super().create(path, frame, tensors)
-            _swap(path)
+            TAMPER[tamper](path)
             swapped.append(os.path.basename(path))
             return segment
 
@@ -102,9 +119,10 @@ def swapped_then_clean(directory: str, op: str) -> Dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("tamper", list(TAMPER))
 @pytest.mark.parametrize("op", ["broadcast", "all_gather", "scatter", "all_to_all", "send"])
-def test_swapped_segment_file_is_refused_and_the_group_stays_usable(shm_dir, op):
-    writer, reader = get_pool(2).run(swapped_then_clean, shm_dir, op)
+def test_swapped_segment_file_is_refused_and_the_group_stays_usable(shm_dir, op, tamper):
+    writer, reader = get_pool(2).run(swapped_then_clean, shm_dir, op, tamper)
     assert writer["swapped"], "rank 0 wrote no segment file: the test no longer reaches the file path"
     assert not reader["forged decoded"], "the reader decoded the forged file's content"
     assert writer["error"] is None, writer["error"]  # the writer's call completes; the refusing reader raises alone
@@ -115,7 +133,8 @@ def test_swapped_segment_file_is_refused_and_the_group_stays_usable(shm_dir, op)
 
 
 # -- the reader's check itself ------------------------------------------------------------------------
-def test_reader_checks_the_identity_of_the_file_it_opened(shm_dir):
+@pytest.mark.parametrize("tamper", list(TAMPER))
+def test_reader_checks_the_identity_of_the_file_it_opened(shm_dir, tamper):
     data = bytes(range(256)) * 64
     book = _segments.SegmentBook()
     segment = book.create(os.path.join(shm_dir, "objcomm-swap"), memoryview(data), [])
@@ -125,7 +144,7 @@ def test_reader_checks_the_identity_of_the_file_it_opened(shm_dir):
             segment.path, len(data), None, len(data), lambda view: [], expected=segment.identity
         )
         assert bytes(got.frame) == data
-        _swap(segment.path)  # same user, mode 0600, same size: only the identity differs
+        TAMPER[tamper](segment.path)  # same user, mode 0600, same size: only the identity differs
         with pytest.raises(objcomm.FrameError, match=REFUSAL):
             _segments.read_segment(segment.path, len(data), None, len(data), lambda view: [], expected=segment.identity)
     finally:
@@ -142,7 +161,8 @@ def test_writer_holds_its_file_until_release_so_no_other_file_takes_its_identity
         os.unlink(path)
         recreated = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            assert _segments.identity(os.fstat(recreated)) != segment.identity
+            os.write(recreated, b"x" * 100)  # the same bytes: only the inode could tell them apart
+            assert _segments.identity(os.fstat(recreated), [b"x" * 100]) != segment.identity
         finally:
             os.close(recreated)
         assert os.fstat(segment.fd).st_nlink == 0  # the writer's descriptor still holds the unlinked original
@@ -153,6 +173,6 @@ def test_writer_holds_its_file_until_release_so_no_other_file_takes_its_identity
 
 def test_identity_is_what_the_wire_format_page_says(shm_dir):
     found = os.stat(shm_dir)
-    digest = hashlib.blake2b(struct.pack("<QQ", found.st_dev, found.st_ino), digest_size=8).digest()
-    assert _segments.identity(found) == (int.from_bytes(digest, "little") >> 1 or 1)
+    digest = hashlib.sha256(struct.pack("<QQ", found.st_dev, found.st_ino) + b"frame" + b"tensor").digest()[:8]
+    assert _segments.identity(found, [b"frame", memoryview(b"tensor")]) == (int.from_bytes(digest, "little") >> 1 or 1)
     assert 0 < _segments.identity(found) < 1 << 63  # one positive int64 word
