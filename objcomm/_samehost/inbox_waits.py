@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from objcomm._errors import CommunicationError
 from objcomm._samehost.inbox import CLASS_OF, CREDIT, HEADER, NAMES, P2P, REST, Key, Stash, after, credit_cost
+from objcomm._transport import call_clock
 
 SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # every send on the channel's sockets: never blocks
 CREDIT_RETRY = 0.01  # seconds between offers of a CREDIT that bounced, while this rank waits
@@ -47,22 +48,30 @@ class Inbox(Stash):
         and the AND of their flags (a send's slot: its message id; collectives carry none).
         ``spin``: seconds a wait polls before it sleeps in the kernel, over the whole call (the lean paths; see
         :func:`poll_briefly`)."""
-        deadline = time.monotonic() + self.timeout  # before any wait: a lean path that timed out used it up
+        now = time.monotonic()
+        deadline = now + self.timeout  # before any wait: a lean path that timed out used it up
+        # after a collective's round 1 its waits share one timeout (objcomm._transport.call_clock; a send/recv's keep
+        # their own: a wait that ran out leaves the channel open); the lean path of one source blocks for a whole
+        # timeout, so it is taken only while more than half of the call's is left
+        call_ends, cut = call_clock.ends(self.timeout) if key[0] else None, False
+        if call_ends is not None and call_ends < deadline:
+            deadline, cut = call_ends, True
         spin_until = time.perf_counter() + spin if spin > 0 else 0.0
         lock = self._lock
         lock.acquire()  # self.cond, without its __enter__ and __exit__ (Python functions): a small call pays for them
         try:
             if not self._waiting and self.closed is None and not self.bounced:  # none waits: the lean paths
                 if len(sources) == 1:
-                    fast = self._alone(sources[0], key, kind, op, spin_until)
-                    if fast is not None:
-                        return fast
+                    if not cut or deadline - now > self.timeout / 2:
+                        fast = self._alone(sources[0], key, kind, op, spin_until)
+                        if fast is not None:
+                            return fast
                 elif not first and not any(p in self._readers or p in self.gone for p in sources):
                     got, ready, pending = self._together(sources, key, kind, op, deadline, spin_until)
                     if not pending:
                         return got, ready
-                    return self._take(pending, key, kind, op, first, deadline, got, ready)
-            return self._take(sources, key, kind, op, first, deadline)
+                    return self._take(pending, key, kind, op, first, deadline, got, ready, cut)
+            return self._take(sources, key, kind, op, first, deadline, cut=cut)
         finally:
             lock.release()
 
@@ -200,8 +209,10 @@ class Inbox(Stash):
         deadline: float,
         got: Optional[Dict[int, bytes]] = None,
         ready: int = -1,
+        cut: bool = False,
     ) -> Tuple[Dict[int, bytes], int]:
-        """The general path: any number of threads; ``got``/``ready``: what a lean path already took."""
+        """The general path: any number of threads; ``got``/``ready``: what a lean path already took; ``cut``: the
+        call's one timeout after its round 1 set ``deadline``."""
         got = {} if got is None else got
         pending = list(sources)
         me = threading.get_ident()
@@ -243,7 +254,9 @@ class Inbox(Stash):
                         mine.append(peer)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    why = f"no message from rank(s) {pending} within the timeout of {self.timeout:.0f}s"
+                    why = f"no message from rank(s) {pending} within the timeout of {self.timeout:.0f}s" + (
+                        ", counted once for this call's steps after its round 1" if cut else ""
+                    )
                     if key[0]:  # the others wait in the same collective: close, so that they learn at once
                         self._fail(op, why)
                     raise CommunicationError(f"{op} over the local channel: {why}; the channel stays open")
@@ -323,7 +336,9 @@ class Inbox(Stash):
 
     def _await_credit(self, peer: int, cls: int, cost: int, op: str, collective: bool) -> None:
         me = threading.get_ident()
-        deadline = time.monotonic() + self.timeout
+        now = time.monotonic()
+        call_ends = call_clock.ends(self.timeout) if collective else None  # (objcomm._transport.call_clock, as in take)
+        deadline = now + self.timeout if call_ends is None else min(now + self.timeout, call_ends)
         mine = False
         flushed = False  # what this rank owes was offered since the last wake-up (a peer whose queue is full keeps
         self._waiting += 1  # it owed: offered again after the next wake-up, never in a loop that waits for nothing)

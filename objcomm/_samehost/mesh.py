@@ -31,6 +31,7 @@ from objcomm._samehost.inbox import (
 from objcomm._samehost.inbox import after as _after
 from objcomm._samehost.inbox_waits import SEND_FLAGS as _FLAGS
 from objcomm._samehost.inbox_waits import Inbox
+from objcomm._transport import call_clock
 from objcomm._transport.base import Slot
 from objcomm._transport.patterns import Pattern, pattern
 
@@ -238,7 +239,9 @@ class Mesh:
                 return
             except BlockingIOError:  # the peer's queue is full: wait until it reads, bounded
                 now = time.monotonic()
-                deadline = now + self.timeout if deadline is None else deadline
+                if deadline is None:  # the timeout, or a collective's after its round 1 (call_clock, as Inbox.take)
+                    call_ends = call_clock.ends(self.timeout) if header[0] not in (P2P, REST, ANSWER) else None
+                    deadline = now + self.timeout if call_ends is None else min(now + self.timeout, call_ends)
                 try:
                     writable = now < deadline and select.select([], [sock], [], deadline - now)[1]
                 except (OSError, ValueError) as exc:  # closed here meanwhile, by another thread (ValueError: fd -1)

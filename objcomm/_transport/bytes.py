@@ -19,6 +19,7 @@ from objcomm._device import timeout_seconds
 from objcomm._errors import CommunicationError
 from objcomm._format.limits import SCRATCH_BYTES as SCRATCH
 from objcomm._format.message import Outgoing
+from objcomm._transport import call_clock
 from objcomm._transport.base import INTERNAL_TAG, Wire, all_gather_single, guarded
 from objcomm._transport.patterns import binomial
 
@@ -83,12 +84,17 @@ class Deadline:
 
     def left(self, done: int, total: int) -> Optional[float]:
         """Seconds left (None: the whole timeout, not asked yet), or a :class:`~objcomm.CommunicationError` once
-        there are none (``done`` of ``total`` bytes moved)."""
-        elapsed = time.monotonic() - self.start
+        there are none (``done`` of ``total`` bytes moved). Once asked, also what is left of the call's one timeout
+        after its round 1 (:mod:`objcomm._transport.call_clock`), where that is less."""
+        now = time.monotonic()
+        elapsed = now - self.start
         if elapsed < FREE_S and self.limit is None:
             return None
         if self.limit is None:
             self.limit = timeout_seconds(self.wire.group)
+        call_ends = call_clock.ends(self.limit)
+        if call_ends is not None and call_ends - now < self.limit - elapsed:
+            elapsed = self.limit - (call_ends - now)  # (the call's clock runs out first)
         if elapsed >= self.limit:
             what = self.what or f"a transfer of {total:,} bytes in pieces of chunk_bytes={self.wire.chunk:,}"
             raise CommunicationError(

@@ -23,10 +23,12 @@ from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes, read_slot, read_slots
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Slot, Wire, guarded
 from objcomm._transport.bytes import Batch, host_view, joined, receive_buffer, to_device
+from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.rounds import _on_device, _rest, _round_one, _slot, _split_rest
 from objcomm._transport.slot_tree import gather_up_tree
 
 
+@one_call
 def gather(
     wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int, up_tree: bool = False
 ) -> Optional[Sequence[Optional[Incoming]]]:
@@ -44,8 +46,10 @@ def gather(
     slots = wire.slot_medium.all_gather(wire, raw, op)
     if slots is not NOT_USED:
         infos = [read_slot(memoryview(s)) for s in slots]
+        round_one_done()  # every rank is here: the steps after share one timeout (call_clock)
     else:
         gathered_slots = _gather_slots(wire, raw, sizes_of, dst, op, up_tree)
+        round_one_done()
         if gathered_slots is None:  # dst said go: only the rests move (the strategy's, where round 1 went its way)
             if wire.rest_media.gather(wire, out, None, sizes_of, dst, op) is NOT_USED:
                 _send_rest(wire, out, dst, op)

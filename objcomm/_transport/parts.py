@@ -24,10 +24,12 @@ from objcomm._transport.bytes import (
     recv_bytes,
     to_device,
 )
+from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.rounds import REFUSE_LIMIT, REFUSE_MALFORMED, _on_device, _rest, _round_one, _vote_refusals
 
 
 # -- scatter ---------------------------------------------------------------------------------
+@one_call
 def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, src: int) -> Incoming:
     """``src``'s ``outs[r]`` on group rank ``r``."""
     op = "scatter"
@@ -41,6 +43,8 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         scatter_list = None if table is None else list(_on_device(wire, table).chunk(wire.size))
         guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
         got = host if host is not None else host_view(recv)
+    if wire.rank != src:  # the root is here (its slot came): the steps after share one timeout (call_clock); the
+        round_one_done()  # root's own first step may still wait for late receivers
     info = read_slot(memoryview(got))
     sizes, problem = _limits.plan(info, sizes_of)
     if info.error or not info.round2:
@@ -75,6 +79,7 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
 
 
 # -- all_to_all ------------------------------------------------------------------------------
+@one_call
 def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Sequence[Optional[Incoming]]:
     """``outs[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``.
 
@@ -94,6 +99,7 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
         received = empty(wire.size * wire.slot, wire)
         guarded(op, wire, dist.all_to_all_single, received, _on_device(wire, table), group=wire.group)
         infos = read_slots(host_view(received), wire.size, wire.slot)
+    round_one_done()  # every rank is here: the steps after share one timeout (call_clock)
     if any(info.error for info in infos):
         return _round_one(infos)
     plans = [_limits.plan(info, sizes_of) for info in infos]

@@ -2,35 +2,29 @@
 
 Every operation is one or two rounds:
 
-1. A fixed-size **slot** per rank travels in a single collective (or message). Its 24-byte
-   prefix holds the frame length (top bit: "this is an error report"; next bit, in scatter:
-   "some rank gets more than its slot"), the sender's ``max_bytes`` and the total bytes the
-   sender will move (frame plus tensors). When the frame fits and there are no out-of-band
-   tensors, the call is done.
-2. Frames that did not fit travel again, whole and at their exact size where the collective
-   allows it; then the out-of-band tensors travel as tensors (never through the host on NCCL),
-   each in pieces of at most ``chunk`` bytes.
+1. A fixed-size **slot** per rank travels in a single collective (or message). Its 24-byte prefix holds the frame
+   length (top bit: "this is an error report"; next bit, in scatter: "some rank gets more than its slot"), the
+   sender's ``max_bytes`` and the total bytes the sender will move (frame plus tensors). When the frame fits and
+   there are no out-of-band tensors, the call is done.
+2. Frames that did not fit travel again, whole and at their exact size where the collective allows it; then the
+   out-of-band tensors travel as tensors (never through the host on NCCL), each in pieces of at most ``chunk`` bytes.
 
-Every rank that must act on something learns it in round 1, so all ranks take the same decision (skip round 2 after
-an error, refuse a payload above a receiver's limit) and nobody waits for a transfer that will never come. A slot
-lists the tensor sizes after the frame (or in its place when the frame did not fit) where they fit, so round 1 tells
-every transfer that follows. Receivers trust no single number: the frame length, the listed sizes, the frame's
-tensor table and the total must agree (:mod:`objcomm._format.limits`), else :class:`FrameError` on every rank that
-must act, before anything of an announced size is allocated. Where the sender cannot know the receivers' limits
-(broadcast, scatter, send/recv), a receiver over its limit drains transfers of at most 1 MiB through one scratch
-buffer that small, then raises alone. When the sizes are not all listed (scatter always), a transfer is larger, or
-shared memory may be used, the receivers answer first: a one-element vote (collectives) or acknowledgement
-(send/recv), before any buffer exists.
+Every rank that must act on something learns it in round 1, so all ranks decide alike (skip round 2 after an error,
+refuse a payload above a receiver's limit) and none waits for a transfer that never comes. A slot lists the tensor
+sizes where they fit, so round 1 tells every transfer that follows. Receivers trust no single number: the frame
+length, the listed sizes, the frame's tensor table and the total must agree (:mod:`objcomm._format.limits`), else
+:class:`FrameError` before anything of an announced size is allocated. Where the sender cannot know the receivers'
+limits (broadcast, scatter, send/recv), a receiver over its limit drains transfers of at most 1 MiB through one
+scratch buffer, then raises alone; where the sizes are not all listed (scatter always), a transfer is larger, or
+shared memory may be used, the receivers answer first (a vote, or an acknowledgement), before any buffer exists.
 
-Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat uint8 tensors on the wire's device.
-The slot's layout is :mod:`objcomm._format.slot`. The collectives' round 1 goes through the wire's slot
-medium (:class:`objcomm._transport.base.SlotMedium`; the same-host channel) when it takes the slots, else through
-the group; so does the slot of a send/recv (:meth:`~objcomm._transport.base.SlotMedium.p2p`), and then its route
-(:class:`objcomm._transport.base.Route`) carries the receiver's answer too, always (a few µs; it also paces the
-sender), and on CPU wires the rest wherever shared memory does not take it (below its threshold, all of it; shared
-memory's own words travel on the route then). After round 1 each operation asks the wire's rest media
-(:class:`objcomm._transport.base.RestMedia`; shared memory on one host) once whether it takes the rest; when it
-answers ``NOT_USED`` the transport moves it.
+Frames come back as CPU ``memoryview`` s in group-rank order, tensors as flat uint8 tensors on the wire's device; the
+slot's layout is :mod:`objcomm._format.slot`. Round 1 goes through the wire's slot medium
+(:class:`~objcomm._transport.base.SlotMedium`: the same-host channel) when it takes the slots, else through the
+group; so does a send/recv's slot (:meth:`~objcomm._transport.base.SlotMedium.p2p`), whose route then carries the
+receiver's answer (a few µs; it paces the sender) and, on CPU wires, the rest that shared memory does not take. After
+round 1 each operation asks the rest media (:class:`~objcomm._transport.base.RestMedia`) once whether they take the
+rest; on ``NOT_USED`` the transport moves it. The steps after round 1 share one timeout (:mod:`.call_clock`).
 
 This module holds the steps every operation shares, all_gather and send/recv; gather is :mod:`.gather`, broadcast
 :mod:`.broadcast`, scatter and all_to_all :mod:`.parts`.
@@ -53,14 +47,13 @@ from objcomm._transport import pair_locks, routes
 from objcomm._transport import pending as _pending
 from objcomm._transport.base import NOT_USED, WHOLE, Lease, Route, Wire, all_gather_single, guarded, largest_of
 from objcomm._transport.bytes import Batch, Deadline, host_view, receive_buffer, recv_bytes, zeroed
+from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.exchange import all_gather_rests
 
 SCRATCH = _limits.SCRATCH_BYTES
 REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
 TAKES = 0x10  # bit of a go-ahead answer: the receiver's shared memory takes the rest (by its settings)
-# Before a send's slot in its message through a CPU group's backend: the sender's slot_bytes, and the bytes of the
-# rest that follow the slot in the same message (routes.backend_whole; 0: none). The receiver follows what it says.
-ENVELOPE = struct.Struct("<ii")
+ENVELOPE = struct.Struct("<ii")  # before a send's slot through a CPU backend: its slot_bytes, the rest's bytes after it
 
 Received = Tuple[int, Incoming, bool]  # (sender, what it sent, whether that is its error report)
 
@@ -133,10 +126,12 @@ def all_gather(
     return all_gather_rest(wire, out, _exchange_slots(wire, out, op, summed), sizes_of, op)
 
 
+@one_call  # (the express path calls it too, after its own round 1)
 def all_gather_rest(
     wire: Wire, out: Outgoing, infos: List[SlotInfo], sizes_of: SizesOf, op: str = "all_gather"
 ) -> Sequence[Optional[Incoming]]:
     """:func:`all_gather` once round 1 has delivered every rank's slot (``infos``), by either route."""
+    round_one_done()  # every rank is here: the steps after share one timeout (call_clock)
     ends = _limits.round_one_ends(infos)
     if not ends:  # a second round or a refusal follows: only on slots every rank read alike
         wire.slot_medium.agree(wire, infos, op)
@@ -194,6 +189,7 @@ def _exchange_slots(wire: Wire, out: Outgoing, op: str, summed: bool = False) ->
 
 
 # -- point to point --------------------------------------------------------------------------
+@one_call
 def send(wire: Wire, out: Outgoing, dst: int, eager: bool = True) -> None:
     """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must). ``eager``: a
     message that nothing follows may return before its receiver takes it (see :func:`_post`)."""
@@ -243,6 +239,7 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
         reply = zeroed(1, wire)
         guarded(op, wire, dist.recv, reply, src=wire.ranks[dst], group=wire.group, tag=wire.answer_tag)
         answer = int(reply.item())
+    round_one_done()  # the receiver is here (it answered): the rest shares one timeout (call_clock)
     medium = False  # whether the receiver's shared memory takes the rest, by its settings (TAKES)
     if answer is not None:
         medium, answer = bool(answer & TAKES), answer & ~TAKES
@@ -343,6 +340,7 @@ def _opened(wire: Wire, view: memoryview, sender: int, op: str) -> memoryview:
     return view[start : start + following]
 
 
+@one_call  # (the express path calls it too, after its own round 1)
 def received(
     wire: Wire,
     sender: int,
@@ -355,6 +353,7 @@ def received(
     """The rest of a receive from group rank ``sender`` once its slot (``info``) arrived, through the group or
     ``route`` (which carried the slot of message ``message``); the incoming keeps the limit the slot announced.
     ``after``: what followed the slot in its message of a CPU group (:func:`_enveloped`; empty: nothing)."""
+    round_one_done()  # the sender is here (its slot came): the rest shares one timeout (call_clock)
     got = _received(wire, sender, info, sizes_of, route, message, after)
     got[1].sender_limit = info.limit
     return got

@@ -331,10 +331,16 @@ def drips_its_messages(op: str) -> List[Any]:
 @pytest.mark.parametrize("op", ["broadcast", "send/recv"])
 def test_a_sender_that_drips_its_messages_is_bounded_by_the_group_timeout(op):
     """Each channel message waits the group's timeout at most, and a stream of them twice it in all: a sender that
-    sends each message just within the timeout fails the channel (a message each would have held rank 0 for 6 s)."""
+    sends each message just within the timeout fails the channel (a message each would have held rank 0 for 6 s).
+    A collective's steps after its round 1 share one timeout (objcomm/_transport/call_clock.py): there the receiver
+    raises once the timeout has passed since the slot came."""
     receiver, _ = get_pool(2).run(drips_its_messages, op, timeout=120)
-    assert receiver[0] == "raised" and "was not done after the group's timeout of 2 s" in receiver[1], receiver
-    assert receiver[2] < 2 * 2 + 1.5, receiver
+    if op == "broadcast":
+        assert receiver[0] == "raised" and "counted once for this call's steps after its round 1" in receiver[1]
+        assert receiver[2] < 2 + 1.0, receiver
+    else:
+        assert receiver[0] == "raised" and "was not done after the group's timeout of 2 s" in receiver[1], receiver
+        assert receiver[2] < 2 * 2 + 1.5, receiver
     assert receiver[3] == ("ok", [0, 1]), receiver  # the next call opens a new channel
 
 

@@ -1,0 +1,67 @@
+"""One timeout for the steps of a call after its round 1.
+
+Round 1 waits as long as the group's timeout for every rank to come: ranks reach a call at different times. After
+it every rank of the call is there, and what follows (votes, echoes, control words, the rest) should take moments.
+Each wait there used to get the whole timeout of its own, so a peer that answered each step just within it held the
+others for one timeout per step (a helper measured 5.6 times the timeout for one all_gather through shared memory).
+Now a transport operation (:func:`one_call`) starts a clock when its round 1 is done (:func:`round_one_done`), and
+the waits after it end when that clock has run for the group's timeout (:func:`ends`): a collective's waits on the
+same-host channel (which then fails, as after any collective's timeout, so that every rank learns at once), and the
+backend's transfers (:class:`objcomm._transport.bytes.Deadline`). A send/recv's waits on the channel keep a timeout
+each (one that runs out leaves the channel open; its stream is bounded by
+:func:`objcomm._samehost.channel_rests.in_time`).
+
+The clock is per thread (a :class:`contextvars.ContextVar`), so another thread's send/recv on the same channel keeps
+its own; a call nested in another (a reduction's tree of sends, its result's broadcast) has its own. The backend's
+own collectives (a vote's ``all_reduce`` through gloo) still wait the group's timeout each.
+
+Example::
+
+    >>> @one_call
+    ... def call():
+    ...     round_one_done()
+    ...     return ends(30.0) is not None
+    >>> call(), ends(30.0)
+    (True, None)
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from contextvars import ContextVar
+from typing import Any, Callable, List, Optional, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_STARTED: ContextVar[Optional[List[Optional[float]]]] = ContextVar("objcomm_call_clock", default=None)
+
+
+def one_call(function: F) -> F:
+    """``function`` runs as one call: its own clock, started by :func:`round_one_done`, gone when it returns."""
+
+    @functools.wraps(function)
+    def scoped(*args: Any, **kwargs: Any) -> Any:
+        token = _STARTED.set([None])
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _STARTED.reset(token)
+
+    return scoped  # type: ignore[return-value]
+
+
+def round_one_done() -> None:
+    """This call's round 1 is done on this rank: its later waits share one timeout from now (the first mark counts)."""
+    started = _STARTED.get()
+    if started is not None and started[0] is None:
+        started[0] = time.monotonic()
+
+
+def ends(timeout: float) -> Optional[float]:
+    """When this call's steps after round 1 must be done (``time.monotonic()``): ``timeout`` after its round 1;
+    None outside a call, or before its round 1 is done."""
+    started = _STARTED.get()
+    if started is None or started[0] is None:
+        return None
+    return started[0] + timeout
