@@ -65,6 +65,7 @@ from objcomm._samehost.channel_checks import _checked, _trim, agree_on, cut_whol
 from objcomm._samehost.inbox import ANSWER, REST
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._samehost.p2p_state import Counted, SameHost
+from objcomm._transport import call_clock
 from objcomm._transport.base import NOT_USED, THROUGH_GROUP, WHOLE, Lease, NotUsed, Slot, TreeLevels, Wire
 
 T = TypeVar("T")
@@ -340,6 +341,9 @@ class ChannelSlots:
         found = self.channel_of(wire, op)
         if found is not None:
             agree_on(found[0], found[1], infos, op)
+            # every rank of the group echoed (on one host): where round 1 was one rank's slot to all (a broadcast's,
+            # a scatter's) this is the first moment every rank is here; the steps after share one timeout
+            call_clock.round_one_done()
 
     def _voting(
         self, wire: Wire, channel: _channel.LocalChannel, exchange: Callable[[], Sequence[Slot]], op: str, mine: Slot

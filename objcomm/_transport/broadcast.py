@@ -18,7 +18,7 @@ from objcomm._transport import rounds as _rounds
 from objcomm._transport import routes
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, TreeLevels, Wire, guarded
 from objcomm._transport.bytes import Deadline, broadcast_bytes, host_view, receive_buffer
-from objcomm._transport.call_clock import one_call, round_one_done
+from objcomm._transport.call_clock import one_call
 from objcomm._transport.patterns import binomial
 from objcomm._transport.rounds import REFUSE_LIMIT, _agreement_needed, _on_device, _slot, _vote_refusals
 
@@ -71,8 +71,6 @@ def broadcast_rest(
 ) -> Incoming:
     """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route."""
     op = "broadcast"
-    if wire.rank != src:  # the source is here (its slot came): the steps after share one timeout (call_clock); the
-        round_one_done()  # source's own first step may still wait for late receivers
     if not _limits.round_one_ends([info]):
         wire.slot_medium.agree(wire, [info], op)
     sizes, problem = _limits.plan(info, sizes_of)

@@ -1,11 +1,14 @@
 """One timeout for the steps of a call after its round 1.
 
-Round 1 waits as long as the group's timeout for every rank to come: ranks reach a call at different times. After
-it every rank of the call is there, and what follows (votes, echoes, control words, the rest) should take moments.
+Round 1 waits as long as the group's timeout for every rank to come: ranks reach a call at different times. Once
+every rank of the call is there, what follows (votes, echoes, control words, the rest) should take moments.
 Each wait there used to get the whole timeout of its own, so a peer that answered each step just within it held the
 others for one timeout per step (a helper measured 5.6 times the timeout for one all_gather through shared memory).
-Now a transport operation (:func:`one_call`) starts a clock when its round 1 is done (:func:`round_one_done`), and
-the waits after it end when that clock has run for the group's timeout (:func:`ends`): a collective's waits on the
+Now a transport operation (:func:`one_call`) starts a clock at the first moment this rank knows every rank of the
+call is there (:func:`round_one_done`): after all_gather's and all_to_all's exchange of slots, gather's word from its
+destination, a send's answer, a receive's slot, and a broadcast's or scatter's echo of round 1 (one host) or vote
+(never at their slot alone: one receiver's slot says nothing of the others, which may still be coming). The waits
+after it end when that clock has run for the group's timeout (:func:`ends`): a collective's waits on the
 same-host channel (which then fails, as after any collective's timeout, so that every rank learns at once), and the
 backend's transfers (:class:`objcomm._transport.bytes.Deadline`). A send/recv's waits on the channel keep a timeout
 each (one that runs out leaves the channel open; its stream is bounded by

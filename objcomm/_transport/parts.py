@@ -43,8 +43,6 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         scatter_list = None if table is None else list(_on_device(wire, table).chunk(wire.size))
         guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
         got = host if host is not None else host_view(recv)
-    if wire.rank != src:  # the root is here (its slot came): the steps after share one timeout (call_clock); the
-        round_one_done()  # root's own first step may still wait for late receivers
     info = read_slot(memoryview(got))
     sizes, problem = _limits.plan(info, sizes_of)
     if info.error or not info.round2:

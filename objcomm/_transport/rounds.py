@@ -114,6 +114,7 @@ def _vote_refusals(
             f"(this rank's max_bytes: {wire.max_bytes:,})",
             where="there",
         )
+    round_one_done()  # every rank voted, so every rank is here: the steps after share one timeout (call_clock)
     return longest
 
 

@@ -107,3 +107,52 @@ def test_a_peer_that_answers_each_step_within_the_timeout_holds_the_others_once(
         assert took < 2 + 1.0, (rank, took)  # the timeout, from the end of round 1
         assert after == [0, 1, 2], (rank, after)  # the next call opens a new channel
     assert outcomes[0][0] == "raised" and outcomes[0][3] == [0, 1, 2], outcomes[0]
+
+
+LATE_S, SLOW_S = 1.5, 1.0  # rank 2 comes late to the call; the source's shared-memory step is slow (honestly)
+
+
+def a_late_receiver(op: str) -> List[Any]:
+    """Honest ranks only, a group of theirs with a 2 s timeout: rank 2 reaches a broadcast (or scatter) from rank 0
+    LATE_S after the others, and rank 0's shared-memory step then takes SLOW_S. Rank 1 got the source's slot at once:
+    its clock must not start there, or the late rank and the slow step (2.5 s) would exceed its timeout, where each
+    step fits its own. This rank's outcome and how long it took."""
+    sub = dist.new_group([0, 1, 2], timeout=timedelta(seconds=2))
+    comm = objcomm.Communicator(sub, shm_threshold=4096)
+    rank = dist.get_rank()
+    comm.all_gather(torch.ones(10_000))  # the channel open, the host learnt
+    real = _shm.SharedMemory._collective
+
+    def slow(self: Any, *args: Any) -> Any:
+        time.sleep(SLOW_S)
+        return real(self, *args)
+
+    if rank == 0:
+        _shm.SharedMemory._collective = slow  # type: ignore[method-assign]
+    value = torch.arange(100_000, dtype=torch.float32)
+    dist.barrier(sub)
+    if rank == 2:
+        time.sleep(LATE_S)
+    start = time.monotonic()
+    try:
+        if op == "broadcast":
+            got = comm.broadcast(value if rank == 0 else None, src=0)
+        else:
+            got = comm.scatter([value] * 3 if rank == 0 else None, src=0)
+        outcome: List[Any] = ["ok", bool(torch.equal(got, value))]
+    except objcomm.ObjcommError as exc:
+        outcome = ["raised", f"{type(exc).__name__}: {exc}"]
+    finally:
+        _shm.SharedMemory._collective = real  # type: ignore[method-assign]
+    took = time.monotonic() - start
+    dist.destroy_process_group(sub)
+    return [*outcome, took]
+
+
+@pytest.mark.parametrize("op", ["broadcast", "scatter"])
+def test_a_late_receiver_does_not_cut_an_early_ones_clock(op):
+    """A broadcast's or scatter's slot reaches each receiver on its own: the clock starts at the round's echo (one
+    host) or vote, once every rank is known to be there (a reviewer's find: it started at the slot)."""
+    outcomes = get_pool(3).run(a_late_receiver, op, timeout=120)
+    assert [o[:2] for o in outcomes] == [["ok", True]] * 3, outcomes
+    assert outcomes[1][2] > LATE_S + SLOW_S - 0.2, outcomes  # rank 1 did wait for both
