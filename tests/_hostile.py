@@ -121,7 +121,18 @@ def outcome(fn: Callable[[], Any]) -> str:
 
 
 @contextlib.contextmanager
-def tensor_tables_that_lie(active: bool = True) -> Iterator[None]:
+def _replaced(owner: Any, name: str, replacement: Any, active: bool) -> Iterator[None]:
+    """Inside, where ``active`` (one rank: pool workers have no monkeypatch), ``owner.name`` is ``replacement``."""
+    real = getattr(owner, name)
+    if active:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
+def tensor_tables_that_lie(active: bool = True) -> contextlib.AbstractContextManager[None]:
     """Inside, where ``active`` (one rank), objcomm's encoder sends an object's two out-of-band tensors split
     150,000 bytes / the rest, whatever its frame's tensor table says (the same total): a sender whose slot and
     frame disagree."""
@@ -138,12 +149,7 @@ def tensor_tables_that_lie(active: bool = True) -> Iterator[None]:
             out.tensors = [both[:150_000], both[150_000:]]
         return out
 
-    if active:
-        _frame.encode = lying  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        _frame.encode = real  # type: ignore[assignment]
+    return _replaced(_frame, "encode", lying, active)
 
 
 def result_or_error(call: Callable[[], Any]) -> Any:
@@ -159,8 +165,9 @@ def result_or_error(call: Callable[[], Any]) -> Any:
         return type(exc).__name__
 
 
-@contextlib.contextmanager
-def a_relay_that_lies(lie: str, to: Callable[[Any, int], bool], active: bool = True) -> Iterator[None]:
+def a_relay_that_lies(
+    lie: str, to: Callable[[Any, int], bool], active: bool = True
+) -> contextlib.AbstractContextManager[None]:
     """Inside, where ``active`` (the liar's rank), objcomm's messages along the reduce tree (its internal tag) to the
     group ranks that ``to(wire, dst)`` names lie: ``forged``, an error report in place of what they carry (the
     result, on the way down); ``hidden limit``, a limit of 2**61 for the sender's subtree (on the way up), hiding
@@ -180,12 +187,7 @@ def a_relay_that_lies(lie: str, to: Callable[[Any, int], bool], active: bool = T
                 wire = wire._replace(max_bytes=1 << 61)
         real(wire, out, dst, eager)
 
-    if active:
-        _rounds.send = lying_send  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        _rounds.send = real  # type: ignore[assignment]
+    return _replaced(_rounds, "send", lying_send, active)
 
 
 def all_reduce_under(lie: str, comm: Any, rank: int, world: int, limited: Any = None) -> Any:

@@ -76,7 +76,7 @@ NAMES = {
     ECHO: "echo",
     FAILED: "failure notice",
 }
-_POINT_TO_POINT = (P2P, ANSWER, REST)
+POINT_TO_POINT_KINDS = (P2P, ANSWER, REST)
 COLLECTIVES, POINT_TO_POINT = 0, 1  # the two classes of messages that take credit (ANSWER and CREDIT take none)
 CLASS_OF = {
     ALL_GATHER: COLLECTIVES,
@@ -355,7 +355,7 @@ class Stash:
             )
             self.cond.notify_all()
             return None
-        if kind in _POINT_TO_POINT:
+        if kind in POINT_TO_POINT_KINDS:
             if flags or tag < 0:
                 self._fail(
                     op,

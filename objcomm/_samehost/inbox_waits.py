@@ -48,14 +48,12 @@ class Inbox(Stash):
         and the AND of their flags (a send's slot: its message id; collectives carry none).
         ``spin``: seconds a wait polls before it sleeps in the kernel, over the whole call (the lean paths; see
         :func:`poll_briefly`)."""
-        now = time.monotonic()
-        deadline = now + self.timeout  # before any wait: a lean path that timed out used it up
+        now = time.monotonic()  # (before any wait: a lean path that timed out used the deadline up)
         # after a collective's round 1 its waits share one timeout (objcomm._transport.call_clock; a send/recv's keep
         # their own: a wait that ran out leaves the channel open); the lean path of one source blocks for a whole
         # timeout, so it is taken only while more than half of the call's is left
-        call_ends, cut = call_clock.ends(self.timeout) if key[0] else None, False
-        if call_ends is not None and call_ends < deadline:
-            deadline, cut = call_ends, True
+        deadline = call_clock.until(now, self.timeout) if key[0] else now + self.timeout
+        cut = deadline < now + self.timeout
         spin_until = time.perf_counter() + spin if spin > 0 else 0.0
         lock = self._lock
         lock.acquire()  # self.cond, without its __enter__ and __exit__ (Python functions): a small call pays for them
@@ -337,8 +335,7 @@ class Inbox(Stash):
     def _await_credit(self, peer: int, cls: int, cost: int, op: str, collective: bool) -> None:
         me = threading.get_ident()
         now = time.monotonic()
-        call_ends = call_clock.ends(self.timeout) if collective else None  # (objcomm._transport.call_clock, as in take)
-        deadline = now + self.timeout if call_ends is None else min(now + self.timeout, call_ends)
+        deadline = call_clock.until(now, self.timeout) if collective else now + self.timeout  # (as in take)
         mine = False
         flushed = False  # what this rank owes was offered since the last wake-up (a peer whose queue is full keeps
         self._waiting += 1  # it owed: offered again after the next wake-up, never in a loop that waits for nothing)

@@ -25,6 +25,7 @@ from objcomm._samehost.inbox import (
     MASK,
     NAMES,
     P2P,
+    POINT_TO_POINT_KINDS,
     REST,
     SCATTER,
 )
@@ -240,8 +241,8 @@ class Mesh:
             except BlockingIOError:  # the peer's queue is full: wait until it reads, bounded
                 now = time.monotonic()
                 if deadline is None:  # the timeout, or a collective's after its round 1 (call_clock, as Inbox.take)
-                    call_ends = call_clock.ends(self.timeout) if header[0] not in (P2P, REST, ANSWER) else None
-                    deadline = now + self.timeout if call_ends is None else min(now + self.timeout, call_ends)
+                    collective = header[0] not in POINT_TO_POINT_KINDS
+                    deadline = call_clock.until(now, self.timeout) if collective else now + self.timeout
                 try:
                     writable = now < deadline and select.select([], [sock], [], deadline - now)[1]
                 except (OSError, ValueError) as exc:  # closed here meanwhile, by another thread (ValueError: fd -1)

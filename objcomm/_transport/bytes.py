@@ -87,22 +87,19 @@ class Deadline:
         there are none (``done`` of ``total`` bytes moved). Once asked, also what is left of the call's one timeout
         after its round 1 (:mod:`objcomm._transport.call_clock`), where that is less."""
         now = time.monotonic()
-        elapsed = now - self.start
-        if elapsed < FREE_S and self.limit is None:
+        if now - self.start < FREE_S and self.limit is None:
             return None
         if self.limit is None:
             self.limit = timeout_seconds(self.wire.group)
-        call_ends = call_clock.ends(self.limit)
-        if call_ends is not None and call_ends - now < self.limit - elapsed:
-            elapsed = self.limit - (call_ends - now)  # (the call's clock runs out first)
-        if elapsed >= self.limit:
+        left = call_clock.until(self.start, self.limit) - now
+        if left <= 0:
             what = self.what or f"a transfer of {total:,} bytes in pieces of chunk_bytes={self.wire.chunk:,}"
             raise CommunicationError(
                 f"{self.op}: {what} was not done after the group's timeout of {self.limit:,.0f} s (rank "
                 f"{self.wire.rank} had moved {done:,} bytes). A rank announced more than it sends, or sends too "
                 "slowly for this timeout; the group may be out of step, so create a new one."
             )
-        return self.limit - elapsed
+        return left
 
     def wait(self, work: Any, done: int, total: int) -> None:
         """``work.wait()`` for what is left of the timeout (NCCL's takes no shorter one: it is checked before)."""

@@ -61,6 +61,13 @@ def round_one_done() -> None:
         started[0] = time.monotonic()
 
 
+def until(start: float, timeout: float) -> float:
+    """When a wait begun at ``start`` (``time.monotonic()``) with ``timeout`` must end: ``start + timeout``, or this
+    call's end (:func:`ends`) where that is sooner."""
+    end = ends(timeout)
+    return start + timeout if end is None else min(start + timeout, end)
+
+
 def ends(timeout: float) -> Optional[float]:
     """When this call's steps after round 1 must be done (``time.monotonic()``): ``timeout`` after its round 1;
     None outside a call, or before its round 1 is done."""
