@@ -79,24 +79,27 @@ class WaitTimeoutError(ObjcommError, TimeoutError):
 
 
 Failure = Tuple[str, str]  # (exception type name, message)
+NO_RESULT = "so no rank received a result"  # what a RemoteError says of the call, where every rank raises it
 
 
 class RemoteError(ObjcommError, RuntimeError):
     """One or more ranks failed in this call; every rank raises it, the failing ones included.
 
-    ``failures`` maps each failing rank (in the group) to ``(exception type name, message)``.
+    ``failures`` maps each failing rank (in the group) to ``(exception type name, message)``; ``outcome`` says
+    which ranks went without a result (every rank, unless a lying rank split the group).
     """
 
     __module__ = PUBLIC_MODULE
 
-    def __init__(self, op: str, failures: Dict[int, Failure]) -> None:
+    def __init__(self, op: str, failures: Dict[int, Failure], outcome: str = NO_RESULT) -> None:
         self.op = op
         self.failures = dict(sorted(failures.items()))
+        self.outcome = outcome
         ranks = ", ".join(str(r) for r in self.failures)
         details = "; ".join(f"rank {r}: {t}: {m}" for r, (t, m) in self.failures.items())
         plural = "s" if len(self.failures) > 1 else ""
         super().__init__(
-            f"{op} failed on rank{plural} {ranks}, so no rank received a result. {details}. "
+            f"{op} failed on rank{plural} {ranks}, {outcome}. {details}. "
             "The group is still usable; fix what failed there and retry."
         )
 
@@ -107,11 +110,13 @@ class RemoteError(ObjcommError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:  # the combined classes of remote_error() exist only at run time
         extra = [k for k in type(self).__bases__ if k is not RemoteError]
-        return _unpickle_remote_error, (self.op, self.failures, extra[0] if extra else None)
+        return _unpickle_remote_error, (self.op, self.failures, extra[0] if extra else None, self.outcome)
 
 
-def _unpickle_remote_error(op: str, failures: Dict[int, Failure], kind: type | None) -> RemoteError:
-    return (RemoteError if kind is None else also_instance_of(RemoteError, kind))(op, failures)
+def _unpickle_remote_error(
+    op: str, failures: Dict[int, Failure], kind: type | None, outcome: str = NO_RESULT
+) -> RemoteError:
+    return (RemoteError if kind is None else also_instance_of(RemoteError, kind))(op, failures, outcome)
 
 
 class OpError(ObjcommError):
@@ -166,8 +171,10 @@ def with_original_type(exc: BaseException) -> BaseException:
     return copy
 
 
-def remote_error(op: str, failures: Dict[int, Failure], local: BaseException | None) -> RemoteError:
+def remote_error(
+    op: str, failures: Dict[int, Failure], local: BaseException | None, outcome: str = NO_RESULT
+) -> RemoteError:
     """The :class:`RemoteError` a rank raises; on a rank whose own step failed (``local``), one that
     is also an instance of what failed there (see :func:`also_instance_of`)."""
     cls = RemoteError if local is None else also_instance_of(RemoteError, type(original(local)))
-    return cls(op, failures)
+    return cls(op, failures, outcome)

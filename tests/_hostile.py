@@ -152,17 +152,17 @@ def tensor_tables_that_lie(active: bool = True) -> contextlib.AbstractContextMan
     return _replaced(_frame, "encode", lying, active)
 
 
-def result_or_error(call: Callable[[], Any]) -> Any:
+def result_or_error(call: Callable[[], Any], message: bool = False) -> Any:
     """What ``call()`` returned, or the type name of the objcomm error it raised (``"CommunicationError"`` for every
-    kind of it, ``OutOfStep`` among them)."""
+    kind of it, ``OutOfStep`` among them); ``message``: ``[type name, message]``."""
     import objcomm
 
     try:
         return call()
-    except objcomm.CommunicationError:
-        return "CommunicationError"
+    except objcomm.CommunicationError as exc:
+        return ["CommunicationError", str(exc)] if message else "CommunicationError"
     except objcomm.ObjcommError as exc:
-        return type(exc).__name__
+        return [type(exc).__name__, str(exc)] if message else type(exc).__name__
 
 
 def a_relay_that_lies(
@@ -190,13 +190,14 @@ def a_relay_that_lies(
     return _replaced(_rounds, "send", lying_send, active)
 
 
-def all_reduce_under(lie: str, comm: Any, rank: int, world: int, limited: Any = None) -> Any:
-    """What ``comm``'s all_reduce gives this rank (:func:`result_or_error`) on a group of ``world`` ranks where a relay
-    lies (:func:`a_relay_that_lies`): ``forged``, the sum of every rank's rank + 1; ``hidden limit``, the length of
-    160,000 bytes (``world`` parts), which rank ``limited`` (max_bytes 100,000) refuses."""
+def all_reduce_under(lie: str, comm: Any, rank: int, world: int, limited: Any = None, message: bool = False) -> Any:
+    """What ``comm``'s all_reduce gives this rank (:func:`result_or_error`, with ``message``) on a group of ``world``
+    ranks where a relay lies (:func:`a_relay_that_lies`): ``forged``, the sum of every rank's rank + 1; ``hidden
+    limit``, the length of 160,000 bytes (``world`` parts), which rank ``limited`` (max_bytes 100,000) refuses."""
     import operator
 
     if lie == "forged":
-        return result_or_error(lambda: comm.all_reduce(rank + 1, "sum"))
+        return result_or_error(lambda: comm.all_reduce(rank + 1, "sum"), message)
     limit = 100_000 if rank == limited else None
-    return result_or_error(lambda: len(comm.all_reduce(b"x" * (160_000 // world), operator.add, max_bytes=limit)))
+    reduced = lambda: len(comm.all_reduce(b"x" * (160_000 // world), operator.add, max_bytes=limit))  # noqa: E731
+    return result_or_error(reduced, message)

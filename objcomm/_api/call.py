@@ -20,7 +20,7 @@ import torch.distributed as dist
 from objcomm import _state
 from objcomm._api import reduce as _reduce
 from objcomm._device import group_backend, resolve_device
-from objcomm._errors import CommunicationError, Failure, FrameError, ObjcommError, remote_error
+from objcomm._errors import NO_RESULT, CommunicationError, Failure, FrameError, ObjcommError, remote_error
 from objcomm._format import frame as _frame
 from objcomm._format.limits import too_large
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing
@@ -91,10 +91,14 @@ class Call(NamedTuple):
             raise unread  # nothing else to tell: a malformed frame, as anywhere else
         return found
 
-    def raise_failures(self, op: str, incoming: Sequence[Optional[Incoming]], local: Optional[BaseException]) -> None:
+    def raise_failures(
+        self, op: str, incoming: Sequence[Optional[Incoming]], local: Optional[BaseException], outcome: str = NO_RESULT
+    ) -> None:
+        """Raise :class:`~objcomm.RemoteError` (``outcome``: which ranks went without a result) if any of ``incoming``
+        is an error report."""
         for item in incoming:  # looked for here first: most calls have no failure to read
             if item is not None and item.error:
-                raise remote_error(op, self.failures(incoming), local) from local
+                raise remote_error(op, self.failures(incoming), local, outcome) from local
 
     def decode(self, item: Optional[Incoming], sender: int, own: bool = False) -> Any:
         if item is None:

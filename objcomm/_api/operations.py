@@ -15,7 +15,7 @@ from objcomm._api.express import Express
 from objcomm._api.handles import Request, completed
 from objcomm._api.own_box import NOTHING
 from objcomm._api.resolving import Resolving
-from objcomm._errors import ObjcommError, with_original_type
+from objcomm._errors import NO_RESULT, ObjcommError, with_original_type
 from objcomm._format import frame as _frame
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing
@@ -27,6 +27,13 @@ from objcomm._transport import rounds as _rounds
 from objcomm._transport import routes
 from objcomm._transport.base import Wire
 from objcomm._transport.tree_reports import reports_over_tree
+
+# What a rank that refused the result its parent relayed (a rank above lied about a limit, or the sizes) says: the
+# failure began there, and only its subtree of the reduce tree heard of it (tree_reports.reports_over_tree)
+_SUBTREE_ONLY = (
+    "so rank {0} and the ranks below it in the reduce tree received no result, where the other ranks did: a rank "
+    "above it relayed a result that it had to refuse"
+)
 
 
 class Operations(Resolving):
@@ -133,14 +140,16 @@ class Operations(Resolving):
         result = _broadcast_rounds.broadcast(wire, out, _frame.tensor_sizes, 0, tree=tree, levels=levels)
         if result.error:  # a rank failed (rank 0 knows that much): every rank's own report, to all
             report, failed = final_report(call, None, False, own or local or result.refused)
+            began_here = result.refused is not None  # (what a rank above relayed, this one refused: a liar's doing)
             # learnt from a parent alone (down the tree): never into a collective of the group
             incoming: Sequence[Optional[Incoming]] = (
-                reports_over_tree(wire, report, levels if tree else None, began_here=result.refused is not None)
+                reports_over_tree(wire, report, levels if tree else None, began_here=began_here)
                 if result.relayed
                 else _rounds.all_gather(wire, report, _frame.tensor_sizes, summed=self._summed(wire))
             )
-            call.raise_failures("all_reduce", incoming, failed)
-            call.raise_failures("all_reduce", only(0, result, wire.size), failed)
+            outcome = _SUBTREE_ONLY.format(wire.rank) if began_here else NO_RESULT
+            call.raise_failures("all_reduce", incoming, failed, outcome)
+            call.raise_failures("all_reduce", only(0, result, wire.size), failed, outcome)
         return value if wire.rank == 0 else call.decode(result, 0)
 
     def _summed(self, wire: Wire) -> bool:

@@ -31,14 +31,14 @@ def echo(channel: _channel.LocalChannel, seen: bytes, spin: Optional[float], op:
     fails the channel instead of passing, and every rank waiting for its pass reads that at once, rather than go on
     alone into the group's backend (where the others would not join it, and a reopen would meet it)."""
     digest = hashlib.blake2b(seen, digest_size=16).digest()
-    for r, theirs in enumerate(channel.echo(digest, spin)):
+    for r, theirs in enumerate(channel.echo(digest, spin, op)):
         if theirs != digest:
             channel.fail(
                 op,
                 f"rank {r} read other {what} than rank {channel.rank} did in this {op}: a rank told "
                 "different ranks different things, or the ranks are at different calls",
             )
-    for r, theirs in enumerate(channel.echo(PASSED, spin)):
+    for r, theirs in enumerate(channel.echo(PASSED, spin, op)):
         if theirs != PASSED:
             channel.fail(
                 op, f"rank {r} sent {len(theirs)} bytes where its pass of the {what} check was due: a protocol error"

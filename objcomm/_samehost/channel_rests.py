@@ -191,7 +191,7 @@ def streamed(
             now = [next(stream, b"") for stream in mine]
         else:
             now = next(mine, b"")
-        got = channel.move(kind, at, now, spin)
+        got = channel.move(kind, at, now, spin, op)
         for r, buffer in received.items():
             sender = r if names is None else names[r]
             if buffer is not None:
@@ -241,7 +241,7 @@ def all_received(channel: _socket.LocalChannel, moved: int, spin: Optional[float
     if channel.unsynced < MOST:
         return
     channel.unsynced = 0
-    got = channel.all_gather(b"", spin)
+    got = channel.all_gather(b"", spin, op)
     if any(got):
         channel.fail(
             op,

@@ -276,24 +276,24 @@ class ChannelSlots:
         return self._round_one(
             wire,
             op,
-            lambda channel: self._voting(wire, channel, lambda: channel.all_gather(trimmed, self.spin), op, slot),
+            lambda channel: self._voting(wire, channel, lambda: channel.all_gather(trimmed, self.spin, op), op, slot),
         )
 
     def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]:
         def move(channel: _channel.LocalChannel) -> Slot:
             if slot is not None:  # the root: its own slot is what it sent
-                channel.broadcast(_trim(slot), src, self.spin)
+                channel.broadcast(_trim(slot), src, self.spin, op)
                 return slot
-            return _checked(wire, channel, [channel.broadcast(None, src, self.spin)], op)[0]
+            return _checked(wire, channel, [channel.broadcast(None, src, self.spin, op)], op)[0]
 
         return self._round_one(wire, op, move)
 
     def scatter(self, wire: Wire, slots: Optional[Sequence[Slot]], src: int, op: str) -> Union[Slot, NotUsed]:
         def move(channel: _channel.LocalChannel) -> Slot:
             if slots is not None:  # the root
-                channel.scatter([_trim(s) for s in slots], src, self.spin)
+                channel.scatter([_trim(s) for s in slots], src, self.spin, op)
                 return slots[src]
-            return _checked(wire, channel, [channel.scatter(None, src, self.spin)], op)[0]
+            return _checked(wire, channel, [channel.scatter(None, src, self.spin, op)], op)[0]
 
         return self._round_one(wire, op, move)
 
@@ -303,7 +303,7 @@ class ChannelSlots:
             wire,
             op,
             lambda channel: self._voting(
-                wire, channel, lambda: channel.all_to_all(trimmed, self.spin), op, slots[wire.rank]
+                wire, channel, lambda: channel.all_to_all(trimmed, self.spin, op), op, slots[wire.rank]
             ),
         )
 
@@ -322,7 +322,7 @@ class ChannelSlots:
             return NOT_USED
         channel = found[0]
         packing = _words(len(words))
-        got = channel.all_gather(packing.pack(*words), self.spin)
+        got = channel.all_gather(packing.pack(*words), self.spin, op)
         for r, data in enumerate(got):
             if len(data) != packing.size:
                 channel.fail(

@@ -68,45 +68,53 @@ class Mesh:
     _lock: threading.Lock
 
     # -- operations (who sends what to whom: objcomm._transport.patterns) ---------------------------------
-    def move(self, kind: int, pattern: Pattern, mine: Any, spin: Optional[float] = None) -> Dict[int, bytes]:
+    def move(
+        self, kind: int, pattern: Pattern, mine: Any, spin: Optional[float] = None, op: Optional[str] = None
+    ) -> Dict[int, bytes]:
         """One collective of ``kind`` (its header's kind: :data:`ALL_GATHER`, ...): this rank's part of ``pattern``
         (``mine``: one part, or one per rank), and what its sources sent, by rank. ``spin`` (every operation that
-        waits): seconds a wait polls before it sleeps; ``None``: :attr:`auto_spin`."""
-        return self._collective(kind, pattern.outgoing(mine), pattern.sources, spin)
+        waits): seconds a wait polls before it sleeps; ``None``: :attr:`auto_spin`. ``op`` (every operation): the
+        user's call this step is part of, as errors name it (a broadcast's echo fails as "broadcast"); ``None``: the
+        kind's name."""
+        return self._collective(kind, pattern.outgoing(mine), pattern.sources, spin, op)
 
-    def all_gather(self, data: Slot, spin: Optional[float] = None) -> List[Slot]:
+    def all_gather(self, data: Slot, spin: Optional[float] = None, op: Optional[str] = None) -> List[Slot]:
         """Every rank's ``data``, in group-rank order."""
-        got = self.move(ALL_GATHER, pattern("all_gather", me=self.rank, world=self.size), data, spin)
+        got = self.move(ALL_GATHER, pattern("all_gather", me=self.rank, world=self.size), data, spin, op)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
-    def broadcast(self, data: Optional[Slot], src: int, spin: Optional[float] = None) -> Slot:
+    def broadcast(self, data: Optional[Slot], src: int, spin: Optional[float] = None, op: Optional[str] = None) -> Slot:
         """``src``'s ``data`` on every rank (ignored elsewhere)."""
         assert data is not None or self.rank != src
-        got = self.move(BROADCAST, pattern("broadcast", me=self.rank, world=self.size, root=src), data, spin)
+        got = self.move(BROADCAST, pattern("broadcast", me=self.rank, world=self.size, root=src), data, spin, op)
         return data if self.rank == src else got[src]  # type: ignore[return-value]  # (the root's: asserted above)
 
-    def gather(self, data: Optional[Slot], dst: int, spin: Optional[float] = None) -> Dict[int, bytes]:
+    def gather(
+        self, data: Optional[Slot], dst: int, spin: Optional[float] = None, op: Optional[str] = None
+    ) -> Dict[int, bytes]:
         """Every other rank's ``data`` on group rank ``dst``, by rank (``data`` ignored there); ``{}`` elsewhere."""
         assert data is not None or self.rank == dst
-        return self.move(GATHER, pattern("gather", me=self.rank, world=self.size, root=dst), data, spin)
+        return self.move(GATHER, pattern("gather", me=self.rank, world=self.size, root=dst), data, spin, op)
 
-    def scatter(self, parts: Optional[Sequence[Slot]], src: int, spin: Optional[float] = None) -> Slot:
+    def scatter(
+        self, parts: Optional[Sequence[Slot]], src: int, spin: Optional[float] = None, op: Optional[str] = None
+    ) -> Slot:
         """``src``'s ``parts[r]`` on group rank ``r``."""
         assert self.rank != src or parts is not None and len(parts) == self.size
-        got = self.move(SCATTER, pattern("scatter", me=self.rank, world=self.size, root=src), parts, spin)
+        got = self.move(SCATTER, pattern("scatter", me=self.rank, world=self.size, root=src), parts, spin, op)
         return parts[src] if parts is not None and self.rank == src else got[src]
 
-    def all_to_all(self, parts: Sequence[Slot], spin: Optional[float] = None) -> List[Slot]:
+    def all_to_all(self, parts: Sequence[Slot], spin: Optional[float] = None, op: Optional[str] = None) -> List[Slot]:
         """``parts[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``."""
         assert len(parts) == self.size
-        got = self.move(ALL_TO_ALL, pattern("all_to_all", me=self.rank, world=self.size), parts, spin)
+        got = self.move(ALL_TO_ALL, pattern("all_to_all", me=self.rank, world=self.size), parts, spin, op)
         return [parts[r] if r == self.rank else got[r] for r in range(self.size)]
 
-    def echo(self, data: Slot, spin: Optional[float] = None) -> List[Slot]:
+    def echo(self, data: Slot, spin: Optional[float] = None, op: Optional[str] = None) -> List[Slot]:
         """An all_gather of kind ``ECHO``: what every rank read in round 1, so that a rank that skipped this step
         (it read round 1 differently) is told apart from one at its next call (see
         :meth:`objcomm._samehost.channel_slots.ChannelSlots.agree`)."""
-        got = self.move(ECHO, pattern("all_gather", me=self.rank, world=self.size), data, spin)
+        got = self.move(ECHO, pattern("all_gather", me=self.rank, world=self.size), data, spin, op)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
     def send(self, data: Slot, dst: int, tag: int = 0, message: int = 0) -> None:
@@ -205,9 +213,14 @@ class Mesh:
         return self._votes <= EVERY_VOTE or self._votes % LATER_VOTES == 0
 
     def _collective(
-        self, kind: int, outgoing: Dict[int, Slot], sources: Sequence[int], spin: Optional[float] = None
+        self,
+        kind: int,
+        outgoing: Dict[int, Slot],
+        sources: Sequence[int],
+        spin: Optional[float] = None,
+        op: Optional[str] = None,
     ) -> Dict[int, bytes]:
-        op = NAMES[kind]
+        op = op or NAMES[kind]
         self.check(op)
         with self._lock:
             self._seq = self._current = seq = (self._seq + 1) & MASK

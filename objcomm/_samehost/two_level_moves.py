@@ -95,9 +95,9 @@ def to_leader(here: Here, data: Slot, op: str) -> Optional[List[Slot]]:
     if here.channel is None:
         return [data]
     if here.place:
-        here.channel.gather(data, 0, here.spin)
+        here.channel.gather(data, 0, here.spin, op)
         return None
-    got = here.channel.gather(None, 0, here.spin)
+    got = here.channel.gather(None, 0, here.spin, op)
     return [data, *(got[i] for i in range(1, len(here.levels.hosts[here.host])))]
 
 
@@ -147,8 +147,8 @@ def publish_shared(
     except OSError:  # no memory files here: every rank takes the channel
         where = b""
     try:
-        here.channel.broadcast(where, 0, here.spin)
-        answers = here.channel.gather(None, 0, here.spin)  # once every rank mapped it, or gave up
+        here.channel.broadcast(where, 0, here.spin, op)
+        answers = here.channel.gather(None, 0, here.spin, op)  # once every rank mapped it, or gave up
     finally:
         if segment is not None:
             segment.release()
@@ -160,7 +160,7 @@ def publish_shared(
 def take_shared(here: Here, sizes: Sequence[int], op: str) -> List[memoryview]:
     """What the leader publishes with :func:`publish_shared` (parts of ``sizes`` bytes), as views on its file."""
     assert here.channel is not None
-    where = here.channel.broadcast(None, 0, here.spin)
+    where = here.channel.broadcast(None, 0, here.spin, op)
     parts = None
     if len(where) == _WHERE.size:
         try:
@@ -170,7 +170,7 @@ def take_shared(here: Here, sizes: Sequence[int], op: str) -> List[memoryview]:
             parts = None
     elif where:
         here.channel.fail(op, f"the leader sent {len(where):,} bytes where a shared file's name was due")
-    here.channel.gather(b"" if parts is not None else b"\x01", 0, here.spin)
+    here.channel.gather(b"" if parts is not None else b"\x01", 0, here.spin, op)
     if parts is not None:
         return parts
     return cut(memoryview(receive_within(here, 0, sum(sizes), op)), sizes)
@@ -354,7 +354,7 @@ def leaders_broadcast(
         )
         if here.channel is not None:
             for chunk in chunks([piece]):
-                here.channel.broadcast(chunk, 0, here.spin)
+                here.channel.broadcast(chunk, 0, here.spin, op)
     if here.channel is not None:
         all_received(here.channel, length, here.spin, op)
     return memoryview(into) if keep else None
@@ -368,7 +368,7 @@ def largest_in_levels(here: Here, values: Sequence[int], op: str) -> List[int]:
     rows = to_leader(here, packing.pack(*values), op)
     if rows is None:
         assert here.channel is not None
-        got = here.channel.broadcast(None, 0, here.spin)
+        got = here.channel.broadcast(None, 0, here.spin, op)
         if len(got) != packing.size:
             here.channel.fail(op, f"the leader sent {len(got):,} bytes where {packing.size} were due: a protocol error")
         result = list(packing.unpack(got))
@@ -386,7 +386,7 @@ def largest_in_levels(here: Here, values: Sequence[int], op: str) -> List[int]:
         assert here.leader is not None
         result = as_leader(here, op, largest_of, here.leader, mine, op)
         if here.channel is not None:
-            here.channel.broadcast(packing.pack(*result), 0, here.spin)
+            here.channel.broadcast(packing.pack(*result), 0, here.spin, op)
     if here.channel is not None:
         echo(here.channel, packing.pack(*result), here.spin, op, "votes")
     return result

@@ -148,7 +148,9 @@ assert "torch" not in sys.modules, "torch was imported"
 
 def _instance(name: str) -> BaseException:
     cls = getattr(objcomm, name)
-    return cls("all_gather", {1: ("KeyError", "boom")}) if name == "RemoteError" else cls(f"{name}-message")
+    if name == "RemoteError":  # (what it says of the call: every rank raised, unless a liar split the group)
+        return cls("all_gather", {1: ("KeyError", "boom")}, "so the ranks below rank 1 received no result")
+    return cls(f"{name}-message")
 
 
 @pytest.mark.parametrize("name", ERRORS)
@@ -160,7 +162,7 @@ def test_errors_show_their_public_names(name):
     shown = traceback.format_exception_only(type(error), error)[-1]
     assert shown.startswith(f"objcomm.{name}: "), shown
     copy = pickle.loads(pickle.dumps(error))
-    assert type(copy) is cls and copy.args == error.args
+    assert type(copy) is cls and copy.args == error.args and str(copy) == str(error)
 
 
 def test_errors_unpickle_in_a_fresh_process_through_objcomm():

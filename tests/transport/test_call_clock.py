@@ -60,11 +60,11 @@ def test_another_threads_clock_is_its_own():
 DRIP_S = 1.2  # what the liar waits before each control step, within the 2 s timeout of its group
 
 
-def drips_each_step() -> List[Any]:
-    """Three ranks on one host, a group of theirs with a 2 s timeout, an all_gather whose rests go through shared
-    memory. Rank 0 waits DRIP_S before each control step shared memory adds (its rows, its vote), says it fell back,
-    and waits again before the backend's exchange: each step within the timeout, 3.6 s in all. This rank's outcome,
-    how long it took, and the next call's outcome."""
+def drips_each_step(op: str) -> List[Any]:
+    """Three ranks on one host, a group of theirs with a 2 s timeout, an all_gather (or a broadcast from rank 0) whose
+    rests go through shared memory. Rank 0 waits DRIP_S before each control step shared memory adds (its rows, its
+    vote), says it fell back, and waits again before the backend's transfer: each step within the timeout, 3.6 s in
+    all. This rank's outcome, how long it took, and the next call's outcome."""
     sub = dist.new_group([0, 1, 2], timeout=timedelta(seconds=2))
     comm = objcomm.Communicator(sub, shm_threshold=4096)
     rank = dist.get_rank()
@@ -83,7 +83,8 @@ def drips_each_step() -> List[Any]:
         _shm.SharedMemory._gather_rows, _shm.SharedMemory._any = slow_rows, slow_any  # type: ignore[method-assign]
     start = time.monotonic()
     try:
-        got = comm.all_gather({"r": rank, "t": torch.full((10_000,), float(rank))})
+        mine = {"r": rank, "t": torch.full((10_000,), float(rank))}
+        got = comm.all_gather(mine) if op == "all_gather" else [comm.broadcast(mine if rank == 0 else None, src=0)]
         outcome: List[Any] = ["ok", [g["r"] for g in got]]
     except objcomm.CommunicationError as exc:
         outcome = ["raised", str(exc)]
@@ -98,12 +99,15 @@ def drips_each_step() -> List[Any]:
     return [*outcome, took, after]
 
 
-def test_a_peer_that_answers_each_step_within_the_timeout_holds_the_others_once():
+@pytest.mark.parametrize("op", ["all_gather", "broadcast"])
+def test_a_peer_that_answers_each_step_within_the_timeout_holds_the_others_once(op):
     """Before, each step waited a timeout of its own: the honest ranks returned after 3.6 s (a helper measured 5.6
-    timeouts with more steps). Now they raise once the call's steps after round 1 have run for the timeout."""
-    outcomes = get_pool(3).run(drips_each_step, timeout=120)
+    timeouts with more steps). Now they raise once the call's steps after round 1 have run for the timeout. The
+    error names the call the user made, not the channel's step that failed (a broadcast's rows are an all_gather)."""
+    outcomes = get_pool(3).run(drips_each_step, op, timeout=120)
     for rank, (kind, what, took, after) in enumerate(outcomes[1:], 1):
         assert kind == "raised" and "counted once for this call's steps after its round 1" in what, (rank, what)
+        assert what.startswith(f"{op} over the local channel failed on rank {rank}"), (rank, what)
         assert took < 2 + 1.0, (rank, took)  # the timeout, from the end of round 1
         assert after == [0, 1, 2], (rank, after)  # the next call opens a new channel
     assert outcomes[0][0] == "raised" and outcomes[0][3] == [0, 1, 2], outcomes[0]

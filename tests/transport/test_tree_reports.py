@@ -75,7 +75,7 @@ def stale_reports(next_call: str) -> Optional[List[Any]]:
     comm = objcomm.Communicator(sub, local=False, shm=False, _hooks=hooks)
     rank = dist.get_rank()
     with a_relay_that_lies("hidden limit", lambda wire, dst: dst == 0, rank == 4):
-        reduced = all_reduce_under("hidden limit", comm, rank, W, limited=7)
+        reduced = all_reduce_under("hidden limit", comm, rank, W, limited=7, message=True)
     run = {"all_reduce": lambda: comm.all_reduce(rank + 1, "sum"), "gather": lambda: comm.gather(rank, dst=0)}
     after = [result_or_error(run[next_call]) for _ in range(2)]
     dist.destroy_process_group(sub)
@@ -86,11 +86,15 @@ def stale_reports(next_call: str) -> Optional[List[Any]]:
 def test_a_rank_that_refuses_what_an_honest_relay_sent_reports_to_nobody(next_call):
     """A refusal that began at rank 7 (a relay higher up hid its limit) is its own: its honest relay returned the
     result and reads nothing more from it. Its reports used to wait on that relay's pair and be read as rank 7's
-    message of the next call (a FrameError on both; before a gather's slots up the tree, an abort inside gloo)."""
+    message of the next call (a FrameError on both; before a gather's slots up the tree, an abort inside gloo). Its
+    error says that the others received the result (it said "no rank received a result")."""
     outcomes = get_pool(W).run(stale_reports, next_call, timeout=120)
     want = sum(range(1, W + 1)) if next_call == "all_reduce" else None
+    kind, message = outcomes[7][0]
+    assert kind == "RemoteError" and "failed on rank 7, so rank 7 and the ranks below it" in message, outcomes[7]
+    assert "where the other ranks did" in message and "no rank received" not in message, message
     for rank, (reduced, *after) in enumerate(outcomes):
-        assert reduced == ("RemoteError" if rank == 7 else 160_000), (rank, outcomes)
+        assert rank == 7 or reduced == 160_000, (rank, outcomes)
         right = list(range(W)) if next_call == "gather" and rank == 0 else want
         assert after == [right] * 2, (rank, outcomes)
 
