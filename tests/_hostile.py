@@ -190,6 +190,39 @@ def a_relay_that_lies(
     return _replaced(_rounds, "send", lying_send, active)
 
 
+def a_vote_relay_that_hides(hidden_from: int, active: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Inside, where ``active`` (the liar's rank), a vote's recursive doubling through the backend
+    (``objcomm._transport.base._largest_by_doubling``) sends group rank ``hidden_from`` this rank's own words instead of
+    the maximum it has learnt: the words of the ranks that reach ``hidden_from`` only through this rank (in a group of
+    8 or 4, rank 2 relays rank 3's to rank 0) are dropped from the answer, which the broadcast then gives everyone."""
+    import torch
+    import torch.distributed as dist
+
+    from objcomm._transport import base as _base
+
+    def lying(wire: Any, mine: Any, op: str) -> Any:
+        me, size, tag = wire.rank, wire.size, 2 * _base.INTERNAL_TAG + 1
+        below, own, theirs = 1 << (size.bit_length() - 1), mine.clone(), torch.zeros_like(mine)
+
+        assert me < below and me + below >= size, "the liar takes part in every exchange (no hand-over)"
+        step = 1
+        while step < below:
+            peer = wire.ranks[me ^ step]
+            sent = own if me ^ step == hidden_from else mine.clone()
+            ops = [
+                dist.P2POp(dist.isend, sent, peer, wire.group, tag),
+                dist.P2POp(dist.irecv, theirs, peer, wire.group, tag),
+            ]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            torch.maximum(mine, theirs, out=mine)
+            step *= 2
+        dist.broadcast(mine, src=wire.ranks[0], group=wire.group)
+        return mine.tolist()
+
+    return _replaced(_base, "_largest_by_doubling", lying, active)
+
+
 def all_reduce_under(lie: str, comm: Any, rank: int, world: int, limited: Any = None, message: bool = False) -> Any:
     """What ``comm``'s all_reduce gives this rank (:func:`result_or_error`, with ``message``) on a group of ``world``
     ranks where a relay lies (:func:`a_relay_that_lies`): ``forged``, the sum of every rank's rank + 1; ``hidden

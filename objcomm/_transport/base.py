@@ -389,15 +389,31 @@ def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
 def largest_of(wire: Wire, values: Sequence[int], op: str, dtype: torch.dtype = torch.int64) -> List[int]:
     """The element-wise maximum of ``values`` over the ranks of ``wire``'s group (every rank calls it): through
     the slot medium when it moves words (the same-host channel, or two levels: as int64), else one
-    ``all_reduce(MAX)`` of ``dtype`` on the group. The small votes and outcomes ahead of a second round."""
+    ``all_reduce(MAX)`` of ``dtype`` on the group. The small votes and outcomes ahead of a second round.
+
+    An answer below this rank's own ``values`` anywhere proves that a rank which relays words (a partner in the
+    doubling, a leader on two levels) dropped this rank's: this rank raises :class:`~objcomm.CommunicationError`
+    there, before it acts on an answer that hides, say, its refusal of a payload above its ``max_bytes`` (the others,
+    which go on, fail at their timeout where they wait for it)."""
     found = wire.slot_medium.largest(wire, values, op)
     if found is not NOT_USED:
-        return found
+        return _with_mine(found, values, op, wire.rank)
     largest = torch.tensor(list(values), dtype=dtype, device=wire.device)
     if wire.device.type == "cpu" and wire.size > 2:  # gloo's all_reduce is a ring: 2(W - 1) steps in sequence
-        return _largest_by_doubling(wire, largest, op)
+        return _with_mine(_largest_by_doubling(wire, largest, op), values, op, wire.rank)
     guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
-    return largest.tolist()
+    return _with_mine(largest.tolist(), values, op, wire.rank)
+
+
+def _with_mine(answer: List[int], mine: Sequence[int], op: str, rank: int) -> List[int]:
+    """``answer``, the group's maximum of every rank's words, once it is at least this rank's own (``mine``)."""
+    if any(theirs < own for theirs, own in zip(answer, mine)):
+        raise CommunicationError(
+            f"{op}: the group's vote came back below rank {rank}'s own words ({list(mine)} here, {answer} in the "
+            "answer): a rank that relays the vote dropped them. Nothing more was moved on this rank; the ranks "
+            "that went on fail at their timeout"
+        )
+    return answer
 
 
 def _largest_by_doubling(wire: Wire, mine: torch.Tensor, op: str) -> List[int]:

@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterator, List
 import pytest
 import torch
 import torch.distributed as dist
+from _hostile import a_vote_relay_that_hides, result_or_error
 from _ranks import get_pool
 
 import objcomm
@@ -1217,3 +1218,38 @@ def lying_in_a_vote() -> Any:
 def test_a_rank_that_lies_in_a_vote_cannot_split_the_honest_ones():
     got = get_pool(W).run(lying_in_a_vote, timeout=60)
     assert got[1] is None and [got[r] for r in range(W) if r != 1] == [[1]] * (W - 1), got
+
+
+def a_hidden_refusal(op: str) -> Any:
+    """A group of the 8 ranks with a 3 s timeout. Rank 3 (max_bytes 100,000) is sent 3 MB by rank 0 (a broadcast's
+    or scatter's part, an all_to_all's), above its limit: it votes to refuse, but rank 2, which relays its words to
+    rank 0 in the vote's recursive doubling, drops them (:func:`_hostile.a_vote_relay_that_hides`), and rank 0's
+    broadcast of the answer says nobody refused. What each rank got: its part's length, or the error it raised."""
+    sub = dist.new_group(list(range(W)), timeout=timedelta(seconds=3))
+    rank, big = dist.get_rank(), b"x" * (3 << 20)
+    limit = 100_000 if rank == 3 else None
+    comm = objcomm.Communicator(sub, local=False, shm=False, max_bytes=limit, _hooks=Hooks(separate_hosts=True))
+    parts = [big if r == 3 else b"small" for r in range(W)]
+    calls = {
+        "broadcast": lambda: comm.broadcast(big if rank == 0 else None, src=0),
+        "scatter": lambda: comm.scatter(parts if rank == 0 else None, src=0),
+        "all_to_all": lambda: comm.all_to_all(parts if rank == 0 else [b"small"] * W)[0],
+    }
+    with a_vote_relay_that_hides(0, rank == 2):
+        got = result_or_error(lambda: len(calls[op]()), message=True)
+    dist.destroy_process_group(sub)
+    return got
+
+
+@pytest.mark.parametrize("op", ["broadcast", "scatter", "all_to_all"])
+def test_a_refusal_dropped_from_the_vote_is_raised_by_the_refuser(op):
+    """A relay of the vote can drop an honest rank's refusal (an attacker's find: rank 3 then took 30 MB past its
+    max_bytes of 100,000 in a scatter or all_to_all, and a broadcast's 3 MB frame aborted it inside gloo, where it
+    drained 1 MiB pieces that the source, told nobody refused, sent whole). The refuser finds the answer below its
+    own words and raises before anything moves to it; the others fail at their timeout where they wait for it, or
+    return what reached them."""
+    outcomes = get_pool(W).run(a_hidden_refusal, op, timeout=120)
+    assert isinstance(outcomes[3], list) and outcomes[3][0] == "CommunicationError", outcomes  # (not 3 MB taken)
+    assert "the group's vote came back below rank 3's own words" in outcomes[3][1], outcomes[3]
+    for rank, got in enumerate(outcomes):  # nobody else took more than its limit; the rest fail or return
+        assert got in (5, 3 << 20) or got[0] == "CommunicationError", (rank, outcomes)
