@@ -76,14 +76,15 @@ class work_budget:  # used like the function it replaced, and cheaper on every l
         end_budget(self.outer)
 
 
-def start_budget(units: int) -> Optional[List[int]]:
-    """Start a budget of ``units`` without a ``with`` block; return what :func:`end_budget` restores."""
+def start_budget(units: int) -> Optional[List[Any]]:
+    """Start a budget of ``units`` without a ``with`` block; return what :func:`end_budget` restores. (The budget
+    also holds the depth of each value :func:`nested` saw built.)"""
     outer = getattr(_work, "remaining", None)
-    _work.remaining = [units]
+    _work.remaining = [units, {}]
     return outer
 
 
-def end_budget(outer: Optional[List[int]]) -> None:
+def end_budget(outer: Optional[List[Any]]) -> None:
     """End the budget :func:`start_budget` began (in a ``finally``), restoring the one it returned."""
     _work.remaining = outer
 
@@ -98,6 +99,48 @@ def charge(units: int, what: str) -> None:
                 f"{what}: the payload asks for more work (bytes copied, keys hashed, values built) "
                 "than its size allows: restricted-pickle's work budget is exhausted"
             )
+
+
+# Deques and defaultdicts directly inside each other, at most this many deep: CPython frees them by recursing into
+# what they hold without the "trashcan" that lists, tuples and dicts use, so a chain of ~150,000 (1.6 MB of pickle)
+# overflows the C stack when it is freed (an attacker's find). restricted-pickle's probe pass bounds the chains that
+# its APPEND(S) and SETITEM(S) build (guards._NestingProbe); calls that build one from the last (:func:`nested`)
+# are bounded here.
+MAX_NESTED = 512
+
+
+def nested(value: Any, children: Any, what: str) -> Any:
+    """``value`` (a deque or defaultdict just built; ``children``: what it holds directly), once the chain of those
+    inside each other that it ends is at most :data:`MAX_NESTED` deep: its depth is one more than its deepest child
+    built so in this load (O(len(children)), only once the load has built one)."""
+    remaining = getattr(_work, "remaining", None)
+    if remaining is None or remaining[1] is None:
+        return value
+    depths, depth = remaining[1], 1
+    if depths:
+        for child in children:
+            seen = depths.get(id(child))
+            if seen is not None and seen[1] >= depth:
+                depth = seen[1] + 1
+        if depth > MAX_NESTED:
+            raise too_deep(what)
+    depths[id(value)] = (value, depth)  # (the value held: its id is not reused while the load runs)
+    return value
+
+
+def nesting_checked() -> None:
+    """What :func:`nested` checks, the probe pass checked already in this load (it follows every chain, the
+    calls' included): the real pass need not."""
+    remaining = getattr(_work, "remaining", None)
+    if remaining is not None:
+        remaining[1] = None
+
+
+def too_deep(what: str) -> DecodeError:
+    """The error of a chain of deques and defaultdicts past :data:`MAX_NESTED` (or, in the probe pass, a cycle)."""
+    return _refuse(
+        f"{what}: deques and defaultdicts nested over {MAX_NESTED} deep, or in a cycle (freeing them recurses in C)"
+    )
 
 
 def _byte_string(data: Any, what: str) -> Any:

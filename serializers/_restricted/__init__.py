@@ -158,6 +158,7 @@ class RestrictedPickleSerializer(PickleSerializer):
         try:
             if needs_probe:
                 guards.probe_unpickler(io.BytesIO(raw)).load()
+                _rebuild.nesting_checked()
             if restore is None:
                 return guards.unpickler(io.BytesIO(raw)).load()
             return _RestoringUnpickler(io.BytesIO(raw), guards, restore).load()

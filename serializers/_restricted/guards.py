@@ -23,7 +23,7 @@ from serializers._restricted.allowlist import (
     USER,
     _why_refused,
 )
-from serializers._restricted.stdlib import _refused
+from serializers._restricted.stdlib import NESTING, _refused
 
 # -- guards and probes -------------------------------------------------------------------------
 
@@ -123,9 +123,68 @@ class _Probe:
         self._require(USER, "ADDITEMS")
 
 
-def _probe_guard(label: str, kind: str, newobj: bool, factory: Any, cls: Optional[type] = None) -> type:
+class _NestingProbe(_Probe):
+    """The probe of a deque or defaultdict (``stdlib.NESTING``): it follows how deep a chain of those, each inside
+    the one before, runs, through the calls that build them and the APPEND(S) and SETITEM(S) that fill them, and
+    refuses one past :data:`~serializers._rebuild.MAX_NESTED` before the real pass builds it (freeing a deep one
+    recurses in C). A cycle of them deepens without end and is refused too."""
+
+    __slots__ = ("label", "depth", "parents")
+
+    def __init__(self, kind: str, label: str, holds: Any) -> None:
+        self.kind, self.cls, self.label, self.depth = kind, None, label, 1
+        self.parents: Any = None  # the probe that holds this one, or a list of those that do (None: none yet)
+        if holds:
+            self._took(holds)
+
+    def _took(self, children: Any) -> None:
+        """``children`` are now held directly: this probe, and every probe above it, is at least one deeper than each
+        (each probe's depth rises at most MAX_NESTED times before it is refused)."""
+        for child in children:
+            if type(child) is not _NestingProbe:
+                continue
+            held_by = child.parents
+            child.parents = self if held_by is None else [*held_by, self] if type(held_by) is list else [held_by, self]
+            if child.depth >= self.depth:
+                self._deepen(child.depth + 1)
+
+    def _deepen(self, depth: int) -> None:
+        rising = [(self, depth)]
+        while rising:
+            probe, depth = rising.pop()
+            if depth <= probe.depth:
+                continue
+            if depth > _rebuild.MAX_NESTED:
+                raise _rebuild.too_deep(probe.label)
+            probe.depth = depth
+            held_by = probe.parents
+            if type(held_by) is list:
+                rising.extend((parent, depth + 1) for parent in held_by)
+            elif held_by is not None:
+                rising.append((held_by, depth + 1))
+
+    def append(self, value: Any) -> None:
+        self._require(SEQUENCE, "APPEND")
+        if type(value) is _NestingProbe:
+            self._took((value,))
+
+    def extend(self, values: Any) -> None:
+        self._require(SEQUENCE, "APPENDS")
+        self._took(values)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._require(MAPPING, "SETITEM")
+        if type(value) is _NestingProbe:
+            self._took((value,))
+
+
+def _probe_guard(
+    label: str, kind: str, newobj: bool, factory: Any, cls: Optional[type] = None, holds: Any = None
+) -> type:
+    """``holds``: for a call in ``stdlib.NESTING``, what a call with given arguments holds (its probe follows it)."""
+
     def make(*args: Any, **kwargs: Any) -> _Probe:
-        return _Probe(kind, cls)
+        return _Probe(kind, cls) if holds is None else _NestingProbe(kind, label, holds(*args, **kwargs))
 
     return _guard(label, make, make if newobj else None, factory)
 
@@ -142,7 +201,7 @@ class _Guards:
         for key, (call, newobj, kind, factory, units) in _SPECS.items():
             label = ".".join(key)
             self.real[key] = _guard(label, call, newobj, factory, units)
-            self.probe[key] = _probe_guard(label, kind, newobj is not None, factory)
+            self.probe[key] = _probe_guard(label, kind, newobj is not None, factory, holds=NESTING.get(key))
         self._allowed = allowed
         # built once: a load without restore= constructs one with C's __init__ only
         self.unpickler = _unpickler_class(self, False)

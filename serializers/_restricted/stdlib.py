@@ -143,13 +143,32 @@ def _defaultdict(factory: Any = None, items: Any = ()) -> Any:
     real = None if factory is None else getattr(factory, "_factory", None)
     if factory is not None and real is None:
         raise _refused("a defaultdict whose factory is not an allowed empty constructor")
-    return collections.defaultdict(real, _built(items, "defaultdict", hashed="pairs"))
+    built = collections.defaultdict(real, _built(items, "defaultdict", hashed="pairs"))
+    return _rebuild.nested(built, built.values(), "defaultdict")
 
 
 def _deque(items: Any = (), maxlen: Any = None) -> Any:
     if maxlen is not None and (type(maxlen) is not int or not 0 <= maxlen < 2**62):
         raise _refused("a deque with that maxlen")
-    return collections.deque(_built(items, "deque"), maxlen)
+    built = collections.deque(_built(items, "deque"), maxlen)
+    return _rebuild.nested(built, built, "deque")
+
+
+def _defaultdict_holds(factory: Any = None, items: Any = ()) -> Any:
+    """What a call of ``defaultdict`` with these arguments holds directly, as far as the probe pass can tell (its
+    values); ``()`` for arguments the real call refuses."""
+    if type(items) is dict:
+        return items.values()
+    return [p[1] for p in items if type(p) in (tuple, list) and len(p) == 2] if type(items) in (list, tuple) else ()
+
+
+def _deque_holds(items: Any = (), maxlen: Any = None) -> Any:
+    """What a call of ``deque`` with these arguments holds directly (see :func:`_defaultdict_holds`)."""
+    return items if type(items) in _BUILT else ()
+
+
+# the calls whose values the probe pass follows down chains of each other (_rebuild.MAX_NESTED)
+NESTING = {("collections", "defaultdict"): _defaultdict_holds, ("collections", "deque"): _deque_holds}
 
 
 _DATETIME_ARGS = (int, float, bytes, str, bool, type(None), datetime.tzinfo, datetime.timedelta)

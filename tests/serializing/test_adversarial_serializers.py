@@ -8,6 +8,7 @@ One test per attack class of the security issue; the structured fuzzing is at th
 
 from __future__ import annotations
 
+import collections
 import io
 import pickle
 import random
@@ -262,6 +263,43 @@ def test_a_big_int_used_as_a_key_again_and_again_is_refused_before_hashing():
         "set()": payload(call(glob("builtins", "set"), b"(" + big + b"h\x00" * 10_000 + b"l")),
     }
     _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET), max_seconds=0.5)
+
+
+def _chain(levels: int, kind: str) -> bytes:
+    """``levels`` deques (or defaultdicts) each inside the one before: built from the last by their calls (a list or
+    dict argument), appended top-down into the last through the memo, or (``cycle``) one deque holding itself."""
+    if kind == "cycle":
+        return payload(call(glob("collections", "deque"), b")") + b"\x94h\x00h\x00a0h\x00")
+    name = b"defaultdict" if kind == "defaultdicts" else b"deque"
+    # memo 0: the constructor, named by binary opcodes (the C walk's: a text GLOBAL leaves a payload to Python's)
+    body = b"\x8c\x0bcollections\x8c" + bytes([len(name)]) + name + b"\x93q\x000"
+    if kind == "appended":  # memo 1: the last one, memo 2: the new one, memo 3: the first
+        body += b"h\x00)Rq\x01q\x030" + b"h\x00)Rq\x020h\x01h\x02a0h\x02q\x010" * levels
+        return payload(body + b"h\x03")
+    body += b"]q\x010"  # memo 1: the last one (at first an empty list)
+    inner = b"N}K\x00h\x01s\x86" if kind == "defaultdicts" else b"]h\x01a\x85"  # (None, {0: last}) or ([last],)
+    return payload(body + (b"h\x00" + inner + b"Rq\x010") * levels + b"h\x01")
+
+
+def test_deques_and_defaultdicts_nested_deep_are_refused_not_a_segfault():
+    """An attacker's find: freeing a deque or defaultdict recurses into what it holds without CPython's trashcan,
+    so 150,000 deques, each built from a list holding the last (1.65 MB), decoded, then crashed the interpreter
+    when freed (defaultdicts at 300,000). Chains past 512 are refused, whether calls build them or APPENDs fill
+    them, and so is a cycle of them."""
+    payloads = {
+        "deques built from the last": _chain(200_000, "deques"),
+        "defaultdicts built from the last": _chain(300_000, "defaultdicts"),
+        "deques appended into the last": _chain(200_000, "appended"),
+        "a deque holding itself": _chain(1, "cycle"),
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=4 * BUDGET))
+    s = serializers.get("restricted-pickle")
+    for kind in ("deques", "defaultdicts", "appended"):  # 500 deep: as it was sent
+        assert s.loads(_chain(500, kind)) is not None, kind
+    honest = collections.defaultdict(
+        collections.deque, {i: collections.deque([i, [collections.deque()]]) for i in range(3)}
+    )
+    assert s.loads(s.dumps(honest)) == honest
 
 
 def _get(index: int) -> bytes:
