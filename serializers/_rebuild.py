@@ -80,7 +80,7 @@ def start_budget(units: int) -> Optional[List[Any]]:
     """Start a budget of ``units`` without a ``with`` block; return what :func:`end_budget` restores. (The budget
     also holds the depth of each value :func:`nested` saw built.)"""
     outer = getattr(_work, "remaining", None)
-    _work.remaining = [units, {}]
+    _work.remaining = [units, {}, None]  # the units left, nested()'s depths, _unshared()'s buffers
     return outer
 
 
@@ -134,6 +134,22 @@ def nesting_checked() -> None:
     remaining = getattr(_work, "remaining", None)
     if remaining is not None:
         remaining[1] = None
+
+
+def _unshared(data: bytearray, what: str) -> bytearray:
+    """``data``, the first time a load builds an array or tensor over it; a copy (charged) each time after, so that
+    no two arrays or tensors of one load share memory, as none a trusted encoder writes do (one bytearray the payload
+    names through its memo for several would otherwise make writes to one show in the others)."""
+    remaining = getattr(_work, "remaining", None)
+    if remaining is None:
+        return data
+    if remaining[2] is None:
+        remaining[2] = {}
+    if id(data) not in remaining[2]:
+        remaining[2][id(data)] = data  # (held: its id is not reused while the load runs)
+        return data
+    charge(len(data), what)
+    return bytearray(data)
 
 
 def too_deep(what: str) -> DecodeError:
@@ -235,6 +251,8 @@ def ndarray(descr: Any, shape: Any, order: Any, data: Any) -> Any:
     _check_code_points(dtype, data)
     if expected == 0:
         return np.empty(shape, dtype=dtype, order=order)
+    if type(data) is bytearray:
+        data = _unshared(data, "an array's bytes")
     array = np.frombuffer(data, dtype=dtype).reshape(shape, order=order)  # holds the buffer: it cannot resize
     if type(data) is bytearray:
         return array
@@ -291,6 +309,8 @@ def tensor(dtype_name: Any, shape: Any, data: Any, requires_grad: Any) -> Any:
         if type(data) is not bytearray:
             charge(expected, "a tensor copy")
             data = bytearray(data)
+        else:
+            data = _unshared(data, "a tensor's bytes")
         # Through numpy, which holds a buffer export: torch.frombuffer does not, and a bytearray the
         # payload still holds could then be resized under the tensor (a use after free).
         import numpy as np

@@ -243,6 +243,24 @@ def test_a_bytearray_resized_under_a_tensor_is_refused_not_a_use_after_free():
     assert results["uaf"][0] in REFUSED
 
 
+def test_arrays_and_tensors_over_one_bytearray_do_not_share_memory():
+    """An attacker's find: a payload that names one bytearray (through the memo) as the bytes of several arrays and a
+    tensor got them all over the same memory, which no trusted encoder writes: a write to one showed in the others.
+    The second and later ones are copies now."""
+    import numpy as np
+
+    raw = b"\x96" + struct.pack("<Q", 8) + bytes(8) + put(0)  # BYTEARRAY8 of 8 zero bytes, memo 0
+    array, tensor = glob("serializers._rebuild", "ndarray"), glob("serializers._rebuild", "tensor")
+    body = b"](" + raw + b"0"
+    body += call(array, plain("<f4"), plain((2,)), plain("C"), get(0))  # (plain: no memo writes over slot 0)
+    body += call(array, plain("<i8"), plain((1,)), plain("C"), get(0))
+    body += call(tensor, plain("int32"), plain((2,)), get(0), plain(False)) + b"e"
+    first, second, third = serializers.get("restricted-pickle").loads(payload(body))
+    second[0] = 0x4142434445464748
+    assert not np.shares_memory(first, second) and first.tolist() == [0.0, 0.0]
+    assert third.data_ptr() != first.ctypes.data and third.tolist() == [0, 0]
+
+
 def test_deep_tuples_and_tuple_dags_as_keys_are_refused_before_hashing():
     payloads = {
         "200k-deep tuple key": payload(b"})" + b"\x85" * 200_000 + b"Ns"),
