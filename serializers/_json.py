@@ -3,7 +3,8 @@
 - tuples become lists (converted); everything else JSON has no word for is refused:
   non-str dict keys, sets, bytes, NaN/Infinity (orjson would write ``null``), ints beyond 64 bits,
   datetimes, numpy, tensors;
-- registered codecs travel as tagged objects ``{"__objcomm_type__": name, "value": ...}``.
+- registered codecs travel as tagged objects ``{"__objcomm_type__": name, "value": ...}``; a dict of the caller's
+  with exactly those two keys would decode as one, and is refused.
 
 Decoding hostile input: orjson (3.9.15 or later: earlier versions overflow the C stack on deep
 input) refuses nesting over 1024 levels; tagged values are resolved only ``MAX_TAG_DEPTH`` (256)
@@ -58,8 +59,15 @@ class JsonSerializer(Serializer):
     def dumps(self, obj: Any, /, **_: Any) -> Buffer:
         orjson = _orjson()
         options = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
+        tags = 0  # codec tags written: a "__objcomm_type__" beyond them is the caller's own
+
+        def tagged(value: Any) -> Any:
+            nonlocal tags
+            tags += 1
+            return self._default(value)
+
         try:
-            data = orjson.dumps(obj, default=self._default, option=options)
+            data = orjson.dumps(obj, default=tagged, option=options)
         except Exception as exc:
             raise self._encode_error(obj, exc) from exc
         # orjson writes NaN and Infinity as null: look for them only when a null was written.
@@ -67,6 +75,14 @@ class JsonSerializer(Serializer):
             found = locate(obj, lambda v, k: type(v) is float and not math.isfinite(v))
             if found is not None:
                 raise self._error(found[0], found[1], "float")
+        if len(_TAG_PATTERN.findall(data)) > tags:  # a dict of the caller's that reads as a tag would decode as one
+            found = locate(obj, lambda v, k: type(v) is dict and len(v) == 2 and TAG in v and "value" in v)
+            if found is not None:
+                raise EncodeError(
+                    f"json cannot encode the dict at {found[0]}: its keys, {TAG!r} and 'value', are how objcomm's "
+                    "json marks a value of a registered type, and it would decode as one; rename a key, or use "
+                    "msgpack or pickle"
+                )
         return data
 
     def _encode_error(self, obj: Any, exc: BaseException) -> EncodeError:

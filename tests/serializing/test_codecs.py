@@ -44,6 +44,19 @@ def test_subclass_uses_base_codec(name, money_codec):
     assert s.loads(s.dumps(Euro(5, "EUR"))) == Money(5, "EUR")
 
 
+def test_json_refuses_a_dict_of_the_callers_that_reads_as_a_tag(money_codec):
+    """An attacker's find: a trusted sender's own dict of exactly the tag's two keys decoded as a registered type
+    (``{"__objcomm_type__": "money", "value": [1, "EUR"]}`` arrived as ``Money(1, "EUR")``). It is refused, with where;
+    the same keys among others, or the tag's name as a value, still travel as they are."""
+    s = serializers.get("json")
+    lookalike = {"__objcomm_type__": "money", "value": [1, "EUR"]}
+    with pytest.raises(EncodeError, match=r"the dict at \$\['rows'\]\[1\]: its keys"):
+        s.dumps({"rows": [Money(2, "USD"), lookalike]})
+    fine = {"a": {"__objcomm_type__": "money", "value": 1, "more": 2}, "b": "__objcomm_type__", "c": Money(3, "EUR")}
+    assert s.loads(s.dumps(fine)) == fine
+    assert serializers.get("msgpack").loads(serializers.get("msgpack").dumps(lookalike)) == lookalike
+
+
 @pytest.mark.parametrize("name", ["msgpack", "json"])
 def test_unregistered_type_is_refused(name):
     with pytest.raises(EncodeError, match="Money"):
