@@ -107,13 +107,25 @@ def decompress(code: int, data: memoryview, raw_len: int, max_bytes: int) -> Any
     return out
 
 
+# a zstd payload's buffer to begin with (then doubled as output comes, up to raw_len + 1): this many times its
+# compressed size, which holds the usual ratios at once, and at least FIRST_BUFFER
+FIRST_RATIO, FIRST_BUFFER = 64, 1 << 20
+
+
 def _zstd_exact(zstandard: Any, data: memoryview, raw_len: int) -> Any:
-    """Read at most ``raw_len + 1`` bytes into one buffer; the window is capped near ``raw_len`` too."""
+    """Read at most ``raw_len + 1`` bytes into one buffer; the window is capped near ``raw_len`` too. The buffer
+    doubles as output comes, from :data:`FIRST_RATIO` times the payload: a frame that declares gigabytes but
+    expands to little costs little (an attacker's find: a 57-byte frame declaring 2 GiB had its 2 GiB zeroed
+    first)."""
     window = 1 << min(31, max(10, (raw_len - 1).bit_length()))
     reader = zstandard.ZstdDecompressor(max_window_size=window).stream_reader(data, read_across_frames=True)
-    out = bytearray(raw_len + 1)
+    out = bytearray(min(raw_len + 1, max(FIRST_BUFFER, FIRST_RATIO * data.nbytes)))
     view, filled = memoryview(out), 0
     while filled <= raw_len:
+        if filled == len(out):  # full, and less than raw_len + 1 (else the loop ended): twice as long
+            view.release()
+            out += bytes(min(len(out), raw_len + 1 - len(out)))
+            view = memoryview(out)
         got = reader.readinto(view[filled:])
         if not got:
             break

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch.distributed as dist
+from _child import run_in_child
 
 import objcomm
 import serializers
@@ -44,6 +45,28 @@ def test_bad_setting_and_decompression_bomb_are_refused():
     out, header = _header(COMPRESSIBLE, "zstd")
     with pytest.raises(objcomm.TooLargeError, match="expands to"):
         _frame.decode(_frame.Incoming(out.frame), sender=0, accept=None, max_bytes=1000)
+
+
+def _expand_lying_frame(declared: int) -> str:
+    """In a child: a zstd frame of a few bytes that declares ``declared`` bytes, decoded; what it raised."""
+    import zstandard
+
+    data = zstandard.ZstdCompressor().compress(b"x")
+    try:
+        _compression.decompress(_compression.ZSTD, memoryview(data), declared, max_bytes=1 << 40)
+    except MemoryError:
+        return "MemoryError"
+    except objcomm.ObjcommError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "decompressed"
+
+
+def test_a_frame_that_declares_gigabytes_costs_what_it_expands_to():
+    """An attacker's find: a 57-byte zstd frame declaring 2 GiB had a 2 GiB buffer zeroed before anything was
+    decompressed (within max_bytes, which defaults to 8 GiB). The buffer grows with the output now: under a 64 MiB
+    memory cap the frame is refused as short, with no MemoryError."""
+    got = run_in_child(_expand_lying_frame, 2 << 30, memory_budget=64 << 20)
+    assert got == "DecodeError: zstd payload expanded to 1 bytes, the frame declared 2,147,483,648", got
 
 
 def test_missing_library_is_a_clear_error():
