@@ -137,7 +137,8 @@ class RestrictedPickleSerializer(PickleSerializer):
         try:
             raw = data if type(data) is bytes else bytes(data)
             plain = is_plain(raw)
-            needs_probe = not plain and full_walk(raw)
+            noted = [0]  # the bytes of its longest int past scan.NOTED_INT_BYTES
+            needs_probe = not plain and full_walk(raw, noted)
         except Exception as exc:
             if isinstance(exc, ScanError) and "class or function" in str(exc):
                 raise ContentRefusedError(f"{self.name} refused the payload: {exc}; nothing was run") from None
@@ -156,6 +157,7 @@ class RestrictedPickleSerializer(PickleSerializer):
         # BytesIO over bytes shares them: neither pass copies the payload again.
         outer = _rebuild.start_budget(WORK_PER_BYTE * len(raw) + _WORK_FLOOR)
         try:
+            _rebuild.big_number(8 * noted[0], "an int")
             if needs_probe:
                 guards.probe_unpickler(io.BytesIO(raw)).load()
                 _rebuild.nesting_checked()

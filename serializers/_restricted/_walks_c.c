@@ -242,6 +242,7 @@ enum {
 #define LINES 0x1000
 
 #define LONG4 0x8b
+#define NOTED_INT_BYTES 256 /* scan.NOTED_INT_BYTES */
 #define FRAME 0x95
 #define STOP '.'
 
@@ -387,6 +388,8 @@ full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *ma
         switch (effect) {
         case E_PUSH:
             if (code == LONG4) {
+                if (end - start > NOTED_INT_BYTES + 4)
+                    REFUSE; /* an int the Python walk notes (scan.NOTED_INT_BYTES): it decides */
                 value.tag = PLAIN; value.nesting = 0; value.work = 1 + (end - start) / 8;
                 tracking = 1;
             }

@@ -83,6 +83,9 @@ from serializers._restricted.plain import is_plain
 
 MAX_TEXT_NUMBER = 4400  # chars of a text INT/LONG/FLOAT argument (CPython 3.11 refuses > 4300 digits anyway)
 MAX_NESTING = 512  # tuples and calls inside each other
+# A LONG4 int longer than this many bytes (a text number, any) makes the walk note its size (the C walk leaves such
+# a payload to the Python one): a load that builds a Decimal refuses ints past 2,048 bits (_rebuild.big_number)
+NOTED_INT_BYTES = 256
 HASH_WORK_PER_BYTE = 16  # tuple elements hashed, per input byte, across the whole load
 # What a list, dict or set counts for in the hashing work of a tuple or call holding it. Their items
 # are not counted (a memoized list grows after it is pushed), and only a call can turn one into a
@@ -134,21 +137,23 @@ def scan(data: Buffer) -> ScanResult:
     return ScanResult(not is_plain(raw) and full_walk(raw), raw)
 
 
-def full_walk(raw: bytes) -> bool:
-    """The walk of :func:`scan` without the fast walk first; True: the probe pass must run.
+def full_walk(raw: bytes, noted: Optional[List[int]] = None) -> bool:
+    """The walk of :func:`scan` without the fast walk first; True: the probe pass must run. ``noted[0]``: set to the
+    bytes of the payload's longest int past :data:`NOTED_INT_BYTES` (a text number's: its digits' worth), if any.
 
     For a caller that has already tried ``is_plain(raw)`` (``_restricted`` does, to pick its plain path).
     The C walk (``_pickle_walks_c.c``, where it was built) answers for the payloads :func:`full_walk_python`
-    accepts and that hold binary opcodes only; for any other, the Python walk decides and words the refusal.
+    accepts and that hold binary opcodes only, and ints of at most ``NOTED_INT_BYTES``; for any other, the Python
+    walk decides and words the refusal.
     """
     if _full_walk_c is not None:
         answer = _full_walk_c(raw)
         if answer is not None:
             return answer
-    return full_walk_python(raw)
+    return full_walk_python(raw, noted)
 
 
-def full_walk_python(raw: bytes) -> bool:
+def full_walk_python(raw: bytes, noted: Optional[List[int]] = None) -> bool:
     """:func:`full_walk` in pure Python: the reference the C walk answers as."""
     size, at, count = len(raw), 0, 0
     frame_end = 0  # where the frame being read ends (see _pickle_plain: frames are read as from a file)
@@ -185,6 +190,8 @@ def full_walk_python(raw: bytes) -> bool:
                         end = newline + 1
                     if code in _TEXT_NUMBERS and end - start > MAX_TEXT_NUMBER:
                         raise ScanError(f"a text number of {end - start:,} characters at byte {start}")
+                    if code in _TEXT_NUMBERS and noted is not None and end - start > 2 * NOTED_INT_BYTES:
+                        noted[0] = max(noted[0], (end - start) * 415 // 1000)  # a decimal digit: 0.415 bytes
                 else:
                     if start + width > size:
                         raise ScanError("truncated payload")
@@ -211,6 +218,8 @@ def full_walk_python(raw: bytes) -> bool:
                 if code == _LONG4:  # ints do not cache their hash: a big one costs its size per key use
                     stack.append((PLAIN, 0, 1 + (end - start) // 8))
                     tracking = True
+                    if noted is not None and end - start - 4 > NOTED_INT_BYTES:
+                        noted[0] = max(noted[0], end - start - 4)
                 elif end - start > COMPARED_BYTES and code in _STRINGS:  # costs its size per equal key use
                     stack.append((PLAIN, 0, 1 + (end - start) // COMPARED_BYTES))
                     tracking = True

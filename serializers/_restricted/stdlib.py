@@ -206,12 +206,19 @@ def _decimal(value: Any = "0", context: Any = None) -> decimal.Decimal:
         raise _refused("Decimal() of anything but a number, its text or its tuple")
     if type(value) is int:
         _small_int(value, "Decimal")
+    # At most _DIGITS digits, as ints: comparing two equal Decimals compares every digit, once per reference
+    # (an attacker's find: two of a million digits, compared once per 64 payload bytes, took 18 s for 9 MB)
     if type(value) is tuple:  # (sign, digits, exponent): each digit is converted, whatever the tuple's size
-        if len(value) != 3 or type(value[1]) not in (tuple, list):
-            raise _refused("Decimal() of a tuple other than (sign, digits, exponent)")
+        if len(value) != 3 or type(value[1]) not in (tuple, list) or len(value[1]) > _DIGITS:
+            raise _refused(f"Decimal() of a tuple other than (sign, digits, exponent) of at most {_DIGITS} digits")
         _rebuild.charge(8 * len(value[1]), "Decimal")
+    elif type(value) is str:
+        if len(value) > _DIGITS + 100:  # (room for a sign, a point and an exponent)
+            raise _refused(f"Decimal() of text of more than {_DIGITS + 100} characters")
+        _rebuild.charge(len(value), "Decimal")
     else:
-        _rebuild.charge(len(value) if type(value) is str else 8, "Decimal")
+        _rebuild.charge(8, "Decimal")
+    _rebuild.decimal_built()
     return decimal.Decimal(value)
 
 
@@ -220,7 +227,9 @@ def _fraction(numerator: Any = 0, denominator: Any = None) -> fractions.Fraction
         if not _FRACTION_TEXT.match(numerator):
             raise _refused("Fraction() of text other than 'n' or 'n/d' with at most 4300 digits each")
         _rebuild.charge(8 * len(numerator), "Fraction")
-        return fractions.Fraction(numerator)
+        built = fractions.Fraction(numerator)
+        _rebuild.big_number(max(built.numerator.bit_length(), built.denominator.bit_length()), "a Fraction")
+        return built
     _small_int(numerator, "Fraction")
     if denominator is not None:
         _small_int(denominator, "Fraction")
@@ -228,6 +237,7 @@ def _fraction(numerator: Any = 0, denominator: Any = None) -> fractions.Fraction
     # guard's fixed charge pays for small ones (Fraction(3, 7), as Python 3.11 pickles it, costs ~1 µs)
     bits = numerator.bit_length() + (denominator.bit_length() if denominator is not None else 0)
     _rebuild.charge(bits >> 3, "Fraction")
+    # (its ints came through the walk, which noted any past NOTED_INT_BYTES: big_number has them)
     return fractions.Fraction(numerator, denominator)
 
 

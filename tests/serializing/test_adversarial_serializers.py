@@ -16,6 +16,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass
+from decimal import Decimal
 
 import msgpack
 import pytest
@@ -318,6 +319,52 @@ def test_deques_and_defaultdicts_nested_deep_are_refused_not_a_segfault():
         collections.deque, {i: collections.deque([i, [collections.deque()]]) for i in range(3)}
     )
     assert s.loads(s.dumps(honest)) == honest
+
+
+def _short_text(text: str) -> bytes:
+    return b"\x8c" + bytes([len(text)]) + text.encode()
+
+
+def _long4(x: int) -> bytes:
+    data = x.to_bytes((x.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8b" + struct.pack("<I", len(data)) + data
+
+
+def test_decimals_beside_big_numbers_or_of_many_digits_are_refused():
+    """An attacker's finds: comparing a Decimal with an int or a Fraction converts that to a Decimal, in time
+    quadratic in its size, and a set holding both with equal hashes compared them once per two-byte reference: a
+    400,000-bit int and one Decimal took 2.4 s for 50 KB (35 s for 100 KB); a Fraction of two 14,300-bit ints, 10.7 s
+    for 43 KB. Two equal Decimals of a million digits, built from one memoized list, compared in full once per 64
+    payload bytes: 18 s for 9 MB. A load that builds a Decimal now refuses numbers past 2,048 bits, and Decimals of
+    more than 4,300 digits."""
+    from fractions import Fraction
+
+    modulus = sys.hash_info.modulus
+    decimal_call = _short_text("decimal") + _short_text("Decimal") + b"\x93"
+    one = decimal_call + _short_text("1234567") + b"\x85Rq\x01"  # Decimal("1234567"), memo 1
+    big_int = 1234567 + modulus * random.Random(1).getrandbits(400_000)  # its hash: the Decimal's
+    d = (1 << 14_299) + 12345
+    rng = random.Random(1)
+    while True:  # n/d in lowest terms with the Decimal's hash, both of at most 14,300 bits
+        n = (hash(Decimal("1234567")) * d) % modulus + modulus * rng.getrandbits(14_200)
+        if Fraction(n, d).denominator == d and n.bit_length() <= 14_300:
+            break
+    fraction = _short_text("fractions") + _short_text("Fraction") + b"\x93" + _long4(n) + _long4(d) + b"\x86R"
+    digits = 1 << 20
+    many = b"](K\x01" + b"2" * (digits - 1) + b"e" + put(0) + b"0"  # a list of a million ones, memo 0
+    equal = decimal_call + b"K\x00" + get(0) + b"K\x00\x87\x85R"  # Decimal((0, digits, 0))
+    payloads = {
+        "a Decimal beside a 400,000-bit int": payload(b"\x8f(" + _long4(big_int) + one + b"h\x01" * 5000 + b"\x90"),
+        "a Decimal beside a Fraction of 14,300 bits": payload(b"\x8f(" + fraction + one + b"h\x01" * 5000 + b"\x90"),
+        "two equal Decimals of a million digits": payload(
+            many + equal + put(1) + b"0" + equal + put(2) + b"0\x8f(" + get(1) + get(2) * 2000 + b"\x90"
+        ),
+    }
+    _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=BUDGET), max_seconds=0.5)
+    s = serializers.get("restricted-pickle")
+    honest = [Decimal("1.5"), Decimal(2**2000), Fraction(2**2000 + 1, 3), 2**2040, {Decimal("7"): 1}]
+    assert s.loads(s.dumps(honest)) == honest
+    assert s.loads(s.dumps([2**100_000, Fraction(3, 7)])) == [2**100_000, Fraction(3, 7)]  # no Decimal: any size
 
 
 def _get(index: int) -> bytes:
