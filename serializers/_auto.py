@@ -12,9 +12,9 @@ What it knows comes from ``objcomm bench`` and :func:`serializers.fidelity`:
 - **The leader** (:data:`LEADERS`): pickle and cloudpickle carry exactly whatever they take and refuse the rest
   when encoding, so where one of them is the first candidate an object goes to it at once (:meth:`leader`), and
   ``auto`` costs what it costs. An object it refuses sends its type through the steps below.
-- **Fidelity**: every candidate's first object of each type signature (below) is decoded on the sender and
-  checked by the fidelity judge ``objcomm bench`` uses; after that, a serializer whose measured fidelity table
-  holds only ``exact`` and ``refused`` (the pickle family) is trusted with objects of that signature. One that
+- **Fidelity**: every candidate's first object of each type signature (below), but a leader's, is decoded on the
+  sender and checked by the fidelity judge ``objcomm bench`` uses; after that, a serializer whose measured fidelity
+  table holds only ``exact`` and ``refused`` (the pickle family) is trusted with objects of that signature. One that
   converts some types (msgpack: bytearray → bytes; msgspec, json: tuples...) is judged on every object: the cost
   of a decode and a Python walk, paid only where the faster candidates refused the object.
 
@@ -168,8 +168,8 @@ class AutoSerializer(Serializer):
         if skip:
             names = [n for n in names if n not in skip] + [n for n in names if n in skip]
         guarded, verified = self._registry.guarded, self._verified
-        for name in names:
-            judged = (sig, name) not in verified or not _exact_or_refuse(name)
+        for name in names:  # (a leader, exact whatever it takes, is never judged: the judge cannot compare all)
+            judged = name not in LEADERS and ((sig, name) not in verified or not _exact_or_refuse(name))
             yield guarded(name), judged, functools.partial(self._outcome, sig, name)
 
     def choose(self, obj: Any) -> str:

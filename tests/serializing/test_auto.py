@@ -193,6 +193,26 @@ def test_refusals_are_remembered_per_signature_not_per_value():
     assert len(calls) == 1  # pickle was tried on the first lambda of that signature only
 
 
+def test_a_dict_the_leader_refused_costs_no_later_dict_its_serializer():
+    """Once pickle refused one dict (a lambda in it: cloudpickle took it), later dicts skip it as the leader and go
+    through the candidates, where pickle was judged on its signature's first object; the judge cannot compare nested
+    tensors, so ``{"v": nested}`` found no serializer at all (seen as a test that failed after another). A leader,
+    exact whatever it takes, is never judged."""
+    import warnings
+
+    auto = serializers.registry.guarded(AutoSerializer())
+    assert _frame.parse_header(_frame.encode({"f": lambda x: x}, auto, max_bytes=1 << 30).frame).serializer == (
+        "cloudpickle"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)])
+    out = _frame.encode({"v": nested}, auto, max_bytes=1 << 30)
+    assert _frame.parse_header(out.frame).serializer == "pickle"
+    got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)["v"]
+    assert all(torch.equal(a, b) for a, b in zip(got.unbind(), nested.unbind()))
+
+
 def test_signature_reads_a_bounded_sample():
     big = list(range(100_000))
     assert signature(big) == (list, frozenset({list, int}))
