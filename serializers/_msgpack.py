@@ -44,7 +44,7 @@ from collections import OrderedDict
 from contextvars import ContextVar
 from typing import Any, Callable, Dict, List, Optional
 
-from serializers import _rebuild
+from serializers import _budget, _rebuild
 from serializers._codecs import CodecRegistry, codecs
 from serializers._errors import DecodeError, EncodeError, decoding
 from serializers._path import describe, locate
@@ -287,7 +287,7 @@ class MsgpackSerializer(Serializer):
             count *= size
         if count != len(data):
             return None
-        _rebuild.charge(count, "an array copy")
+        _budget.charge(count, "an array copy")
         return _numpy().ndarray(shape, dtype, bytearray(data))  # over a copy it owns: writable
 
     def _decode_codec(self, name: str, value: Any) -> Any:

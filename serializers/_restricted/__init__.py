@@ -47,7 +47,7 @@ import io
 import pickle
 from typing import Any, Iterable, Set, Tuple, Union
 
-from serializers import _rebuild
+from serializers import _budget, _rebuild
 from serializers._errors import ContentRefusedError, DecodeError, ObjcommError, decode_error
 from serializers._pickle import PROTOCOL, PickleSerializer
 from serializers._protocol import Buffer, Restore
@@ -155,12 +155,12 @@ class RestrictedPickleSerializer(PickleSerializer):
         guards = self._guards
         # What ``with decoding(...), work_budget(...)`` does, without two context managers per load.
         # BytesIO over bytes shares them: neither pass copies the payload again.
-        outer = _rebuild.start_budget(WORK_PER_BYTE * len(raw) + _WORK_FLOOR)
+        outer = _budget.start_budget(WORK_PER_BYTE * len(raw) + _WORK_FLOOR)
         try:
-            _rebuild.big_number(8 * noted[0], "an int")
+            _budget.big_number(8 * noted[0], "an int")
             if needs_probe:
                 guards.probe_unpickler(io.BytesIO(raw)).load()
-                _rebuild.nesting_checked()
+                _budget.nesting_checked()
             if restore is None:
                 return guards.unpickler(io.BytesIO(raw)).load()
             return _RestoringUnpickler(io.BytesIO(raw), guards, restore).load()
@@ -169,4 +169,4 @@ class RestrictedPickleSerializer(PickleSerializer):
         except Exception as exc:
             raise decode_error(self.name, data, exc) from exc
         finally:
-            _rebuild.end_budget(outer)
+            _budget.end_budget(outer)

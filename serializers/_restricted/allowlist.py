@@ -8,7 +8,7 @@ import collections
 import datetime
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from serializers import _rebuild
+from serializers import _budget, _rebuild
 from serializers._restricted.stdlib import (
     _bytearray,
     _collection,
@@ -48,7 +48,7 @@ def _torch_size(sizes: Any = ()) -> Any:
     # a tuple's items, not for a list's)
     if type(sizes) is not tuple or any(type(s) is not int or not 0 <= s < 2**63 for s in sizes):
         raise _refused("torch.Size() of anything but a tuple of sizes")
-    _rebuild.charge(8 * len(sizes), "torch.Size")
+    _budget.charge(8 * len(sizes), "torch.Size")
     return torch.Size(sizes)
 
 

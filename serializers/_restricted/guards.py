@@ -10,7 +10,7 @@ import pickle
 from sys import getsizeof
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
-from serializers import _rebuild
+from serializers import _budget, _rebuild
 from serializers._pickle import EXTERNAL, external_ref
 from serializers._protocol import Restore
 from serializers._restricted.allowlist import (
@@ -38,7 +38,7 @@ class _GuardMeta(type):
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:  # REDUCE, OBJ, INST
         built = cls._call(*args, **kwargs)
-        _rebuild.charge(cls._units + (getsizeof(built) >> _MEMORY_SHIFT), cls._what)
+        _budget.charge(cls._units + (getsizeof(built) >> _MEMORY_SHIFT), cls._what)
         return built
 
     def __setstate__(cls, state: Any) -> None:  # BUILD on the global itself
@@ -69,7 +69,7 @@ def _guard(
             raise _refused(f"creating {label} without its constructor (NEWOBJ)")
         built = newobj(*args, **kwargs)
         if units is not None:
-            _rebuild.charge(units + (getsizeof(built) >> _MEMORY_SHIFT), f"creating {label}")
+            _budget.charge(units + (getsizeof(built) >> _MEMORY_SHIFT), f"creating {label}")
         return built
 
     namespace = {
@@ -126,7 +126,7 @@ class _Probe:
 class _NestingProbe(_Probe):
     """The probe of a deque or defaultdict (``stdlib.NESTING``): it follows how deep a chain of those, each inside
     the one before, runs, through the calls that build them and the APPEND(S) and SETITEM(S) that fill them, and
-    refuses one past :data:`~serializers._rebuild.MAX_NESTED` before the real pass builds it (freeing a deep one
+    refuses one past :data:`~serializers._budget.MAX_NESTED` before the real pass builds it (freeing a deep one
     recurses in C). A cycle of them deepens without end and is refused too."""
 
     __slots__ = ("label", "depth", "parents")
@@ -154,8 +154,8 @@ class _NestingProbe(_Probe):
             probe, depth = rising.pop()
             if depth <= probe.depth:
                 continue
-            if depth > _rebuild.MAX_NESTED:
-                raise _rebuild.too_deep(probe.label)
+            if depth > _budget.MAX_NESTED:
+                raise _budget.too_deep(probe.label)
             probe.depth = depth
             held_by = probe.parents
             if type(held_by) is list:

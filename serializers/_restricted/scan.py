@@ -84,7 +84,7 @@ from serializers._restricted.plain import is_plain
 MAX_TEXT_NUMBER = 4400  # chars of a text INT/LONG/FLOAT argument (CPython 3.11 refuses > 4300 digits anyway)
 MAX_NESTING = 512  # tuples and calls inside each other
 # A LONG4 int longer than this many bytes (a text number, any) makes the walk note its size (the C walk leaves such
-# a payload to the Python one): a load that builds a Decimal refuses ints past 2,048 bits (_rebuild.big_number)
+# a payload to the Python one): a load that builds a Decimal refuses ints past 2,048 bits (_budget.big_number)
 NOTED_INT_BYTES = 256
 HASH_WORK_PER_BYTE = 16  # tuple elements hashed, per input byte, across the whole load
 # What a list, dict or set counts for in the hashing work of a tuple or call holding it. Their items

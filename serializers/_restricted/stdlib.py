@@ -5,7 +5,7 @@ A payload names ``builtins.set``, ``collections.deque``, ``datetime.date``, ``de
 (``_restricted``) route those calls to the functions below, never to the real class. Each takes
 only values the payload spelled out (lists, tuples, sets, dicts, bytes, short text, ints of at most
 ``_MAX_INT_BITS`` bits) and charges what it copies or hashes to the per-load budget
-(``_rebuild.charge``): ``bytearray(10**9)``, ``set(range(10**9))`` or ``Fraction("1e30000000")``
+(``_budget.charge``): ``bytearray(10**9)``, ``set(range(10**9))`` or ``Fraction("1e30000000")``
 are refused. Unlike ``_rebuild``'s functions these are not named on the wire: the payload names
 the stdlib type, so where they live is no part of the format.
 
@@ -22,7 +22,7 @@ import fractions
 import re
 from typing import Any, Callable
 
-from serializers import _rebuild
+from serializers import _budget, _rebuild
 from serializers._errors import ContentRefusedError
 
 _MAX_INT_BITS = 14_300  # about 4,300 decimal digits: gcd and str conversions stay cheap
@@ -43,7 +43,7 @@ def _built(value: Any, what: str, hashed: str = "") -> Any:
     """
     if type(value) not in _BUILT:
         raise _refused(f"{what} of {type(value).__name__}: only lists, tuples, sets and dicts from the payload")
-    _rebuild.charge(8 * len(value), what)
+    _budget.charge(8 * len(value), what)
     if type(value) is dict or hashed == "pairs":
         _charge_hashing(value if type(value) is dict else [p[0] for p in value if type(p) in (tuple, list) and p], what)
     elif hashed:
@@ -62,7 +62,7 @@ def _charge_hashing(values: Any, what: str) -> None:
             units += item.bit_length() >> 3
         elif kind is tuple:
             tuples.append(item)
-    _rebuild.charge(units, what)
+    _budget.charge(units, what)
     while tuples:  # charged a tuple at a time: a dag of tuples costs exponentially more than it takes to spell
         item = tuples.pop()
         units = 8 * len(item)
@@ -71,7 +71,7 @@ def _charge_hashing(values: Any, what: str) -> None:
                 units += sub.bit_length() >> 3
             elif type(sub) is tuple:
                 tuples.append(sub)
-        _rebuild.charge(units, what)
+        _budget.charge(units, what)
 
 
 def _small_int(value: Any, what: str) -> int:
@@ -112,10 +112,10 @@ def _complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
 
 def _bytearray(source: Any = b"", encoding: Any = None) -> bytearray:
     if type(source) in (bytes, bytearray) and encoding is None:
-        _rebuild.charge(len(source), "bytearray")
+        _budget.charge(len(source), "bytearray")
         return bytearray(source)
     if type(source) is str and encoding == "latin-1":
-        _rebuild.charge(len(source), "bytearray")
+        _budget.charge(len(source), "bytearray")
         return bytearray(source, "latin-1")
     raise _refused("bytearray() of anything but bytes (a size would allocate without bound)")
 
@@ -125,7 +125,7 @@ def _ints_or_none(name: str, real: Any, max_args: int) -> Callable[..., Any]:
         if not 0 < len(args) <= max_args or any(type(a) is not int and a is not None for a in args):
             raise _refused(f"{name}() of anything but up to {max_args} ints")
         # range computes its length from them: a new int as long as the longest, each call
-        _rebuild.charge(sum(a.bit_length() for a in args if a is not None) >> 3, name)
+        _budget.charge(sum(a.bit_length() for a in args if a is not None) >> 3, name)
         return real(*args)
 
     return build
@@ -144,14 +144,14 @@ def _defaultdict(factory: Any = None, items: Any = ()) -> Any:
     if factory is not None and real is None:
         raise _refused("a defaultdict whose factory is not an allowed empty constructor")
     built = collections.defaultdict(real, _built(items, "defaultdict", hashed="pairs"))
-    return _rebuild.nested(built, built.values(), "defaultdict")
+    return _budget.nested(built, built.values(), "defaultdict")
 
 
 def _deque(items: Any = (), maxlen: Any = None) -> Any:
     if maxlen is not None and (type(maxlen) is not int or not 0 <= maxlen < 2**62):
         raise _refused("a deque with that maxlen")
     built = collections.deque(_built(items, "deque"), maxlen)
-    return _rebuild.nested(built, built, "deque")
+    return _budget.nested(built, built, "deque")
 
 
 def _defaultdict_holds(factory: Any = None, items: Any = ()) -> Any:
@@ -167,7 +167,7 @@ def _deque_holds(items: Any = (), maxlen: Any = None) -> Any:
     return items if type(items) in _BUILT else ()
 
 
-# the calls whose values the probe pass follows down chains of each other (_rebuild.MAX_NESTED)
+# the calls whose values the probe pass follows down chains of each other (_budget.MAX_NESTED)
 NESTING = {("collections", "defaultdict"): _defaultdict_holds, ("collections", "deque"): _deque_holds}
 
 
@@ -211,14 +211,14 @@ def _decimal(value: Any = "0", context: Any = None) -> decimal.Decimal:
     if type(value) is tuple:  # (sign, digits, exponent): each digit is converted, whatever the tuple's size
         if len(value) != 3 or type(value[1]) not in (tuple, list) or len(value[1]) > _DIGITS:
             raise _refused(f"Decimal() of a tuple other than (sign, digits, exponent) of at most {_DIGITS} digits")
-        _rebuild.charge(8 * len(value[1]), "Decimal")
+        _budget.charge(8 * len(value[1]), "Decimal")
     elif type(value) is str:
         if len(value) > _DIGITS + 100:  # (room for a sign, a point and an exponent)
             raise _refused(f"Decimal() of text of more than {_DIGITS + 100} characters")
-        _rebuild.charge(len(value), "Decimal")
+        _budget.charge(len(value), "Decimal")
     else:
-        _rebuild.charge(8, "Decimal")
-    _rebuild.decimal_built()
+        _budget.charge(8, "Decimal")
+    _budget.decimal_built()
     return decimal.Decimal(value)
 
 
@@ -226,9 +226,9 @@ def _fraction(numerator: Any = 0, denominator: Any = None) -> fractions.Fraction
     if type(numerator) is str and denominator is None:
         if not _FRACTION_TEXT.match(numerator):
             raise _refused("Fraction() of text other than 'n' or 'n/d' with at most 4300 digits each")
-        _rebuild.charge(8 * len(numerator), "Fraction")
+        _budget.charge(8 * len(numerator), "Fraction")
         built = fractions.Fraction(numerator)
-        _rebuild.big_number(max(built.numerator.bit_length(), built.denominator.bit_length()), "a Fraction")
+        _budget.big_number(max(built.numerator.bit_length(), built.denominator.bit_length()), "a Fraction")
         return built
     _small_int(numerator, "Fraction")
     if denominator is not None:
@@ -236,7 +236,7 @@ def _fraction(numerator: Any = 0, denominator: Any = None) -> fractions.Fraction
     # their gcd and the quotients, a byte of work a byte of int: 3,575 units (~10 µs) for the largest; the
     # guard's fixed charge pays for small ones (Fraction(3, 7), as Python 3.11 pickles it, costs ~1 µs)
     bits = numerator.bit_length() + (denominator.bit_length() if denominator is not None else 0)
-    _rebuild.charge(bits >> 3, "Fraction")
+    _budget.charge(bits >> 3, "Fraction")
     # (its ints came through the walk, which noted any past NOTED_INT_BYTES: big_number has them)
     return fractions.Fraction(numerator, denominator)
 

@@ -479,17 +479,17 @@ def test_hashing_tuples_stays_bounded_with_the_fast_walk():
 
 def _decode_as_if_shown_plain(payloads: dict) -> dict:
     """In the child: decode each payload as if the fast walk had (wrongly) shown it plain."""
-    from serializers import _rebuild, _restricted
+    from serializers import _budget, _restricted
 
     _restricted.is_plain = lambda raw: True  # a flawed fast walk: only the plain path's backstop is left
     s = serializers.get("restricted-pickle")
     results = {}
     for label, data in payloads.items():
         imported = set(sys.modules)
-        before = getattr(_rebuild._work, "remaining", None)
+        before = getattr(_budget._work, "remaining", None)
         start = time.perf_counter()
         results[label] = (outcome(lambda d=data: s.loads(d)), time.perf_counter() - start)
-        assert getattr(_rebuild._work, "remaining", None) is before  # the plain path starts no budget
+        assert getattr(_budget._work, "remaining", None) is before  # the plain path starts no budget
         assert set(sys.modules) == imported, label  # nothing the payload names was imported
     results["restore="] = (outcome(lambda: s.loads(payloads["out-of-band reference"], restore=lambda key: key)), 0.0)
     return results
@@ -1209,7 +1209,7 @@ def _memo_program(seed: int) -> bytes:
 def _probe_skips(examples: int) -> tuple:
     """Programs the walk lets skip the probe pass: (how many had a call, the ones where the probe pass
     refuses but the real pass alone decodes)."""
-    from serializers import _rebuild
+    from serializers import _budget
     from serializers._restricted.scan import scan
 
     s = serializers.get("restricted-pickle")
@@ -1226,7 +1226,7 @@ def _probe_skips(examples: int) -> tuple:
         skipped += b"R" in raw
 
         def run(unpickler: type, raw: bytes = raw) -> None:
-            with _rebuild.work_budget(1 << 24):
+            with _budget.work_budget(1 << 24):
                 unpickler(io.BytesIO(raw)).load()
 
         if outcome(lambda: run(guards.probe_unpickler)) != "ok" and outcome(lambda: run(guards.unpickler)) == "ok":
