@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import struct
+import sys
 from typing import Any, Callable, Collection, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -56,6 +58,9 @@ VERSIONS = (1, 2)  # what this objcomm reads; it writes the lowest that can carr
 HEADER = struct.Struct("<4sBBBBIIQQQ")
 FLAG_ERROR = 1
 MAX_ERROR_REPORT = 1 << 20
+_STRUCTURE = re.compile(rb'[\[\]{}"\\]')  # what _nesting reads of a report
+SAFE_RECURSION_LIMIT = 5_000  # past it, json's own recursion check may come after the C stack ran out
+MAX_REPORT_NESTING = 64  # brackets in a report, counted where SAFE_RECURSION_LIMIT is past (one object is written)
 NO_COMPRESSION = _compression.NONE
 _new = tuple.__new__
 
@@ -294,14 +299,37 @@ def read_error(view: memoryview, header: Header) -> tuple[str, str]:
     start = header.payload_offset
     text = bytes(view[start : start + header.payload_len])
     try:
-        # json's C scanner checks its own recursion (RecursionError, not a crash), in linear time;
-        # a regex pre-scan for nesting was quadratic on an unterminated string of escaped quotes.
+        # json's C scanner checks its own recursion (RecursionError, not a crash), in linear time; a regex pre-scan
+        # for nesting was quadratic on an unterminated string of escaped quotes. Where a program raised the
+        # recursion limit that check comes too late for the C stack (an attacker's find: 200 KB of brackets under a
+        # limit of 1,000,000, a segfault): there the nesting is counted first.
+        if sys.getrecursionlimit() > SAFE_RECURSION_LIMIT and _nesting(text) > MAX_REPORT_NESTING:
+            raise TypeError(f"a report nested over {MAX_REPORT_NESTING} deep")
         report = json.loads(text)
         if not isinstance(report, dict) or not all(isinstance(report.get(k), str) for k in ("type", "message")):
             raise TypeError('expected {"type": str, "message": str}')
         return report["type"], report["message"]
     except (ValueError, TypeError, RecursionError) as exc:
         raise FrameError(f"malformed error report in frame: {exc}") from None
+
+
+def _nesting(text: bytes) -> int:
+    """How deep JSON ``text`` nests arrays and objects, its strings skipped: linear (one regex of single characters,
+    then a loop over what it found)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for found in _STRUCTURE.finditer(text):
+        char = found.group()
+        if escaped:
+            escaped = False
+        elif char == b"\\":
+            escaped = in_string
+        elif char == b'"':
+            in_string = not in_string
+        elif not in_string:
+            depth += 1 if char in b"[{" else -1
+            deepest = max(deepest, depth)
+    return deepest
 
 
 def tensor_sizes(view: memoryview) -> List[int]:

@@ -301,12 +301,15 @@ def parse_table(view: memoryview, count: int, inline_len: int, kinds: bool = Tru
         if flags & NUMPY and dtype not in _NUMPY_OF:
             raise FrameError(f"tensor table entry: a numpy array of {dtype}, which numpy has not")
         # checked before anything of this size exists: no negative or overflowing shape, nbytes in range (each
-        # size below 2**62, so the product of at most 64 is a small big int)
+        # size below 2**62, so the product of at most 64 is a small big int); an empty one's other sizes in range too
+        # (numpy refuses (0, 2**61, 2**61); torch built it, and a later .sum(0) asked for the product: a helper's find)
         if (
             nbytes >= MAX_NBYTES
             or shape
             and (min(shape) < 0 or max(shape) >= MAX_NBYTES)
             or (math.prod(shape) * itemsize != nbytes)
+            or not nbytes
+            and math.prod(d for d in shape if d) * itemsize >= MAX_NBYTES
         ):
             raise FrameError(f"tensor table entry: shape {shape} of {dtype} is not {nbytes} bytes")
         if flags & INLINE:

@@ -291,6 +291,52 @@ def test_malformed_error_reports_in_a_child(payload):
     assert run_in_child(_read_error_report, payload, memory_budget=64 << 20) == "FrameError"
 
 
+def _under_a_raised_recursion_limit(fn, *args):
+    """In the child: ``fn(*args)`` where the program raised Python's recursion limit, as ML code often does."""
+    import sys
+
+    sys.setrecursionlimit(1_000_000)
+    return fn(*args)
+
+
+def _decode_outcome(frame: bytes) -> str:
+    try:
+        _frame.decode(Incoming(memoryview(frame)), sender=1, accept=["msgspec", "msgpack", "json", "restricted-pickle"])
+        return "decoded"
+    except ObjcommError as exc:
+        return type(exc).__name__
+
+
+def test_deep_input_under_a_raised_recursion_limit_is_refused_not_a_segfault():
+    """An attacker's finds: json's and msgspec's C decoders bound nesting by Python's recursion limit, not by their C
+    stack; under a limit of 1,000,000 a 200 KB error report of brackets, and a 40 KB msgspec frame of 40,000 nested
+    arrays (accepted by a rank that takes only safe serializers), crashed the interpreter. Past a limit of 5,000 the
+    nesting is counted first: the report is a FrameError, the payload a DecodeError."""
+    pytest.importorskip("msgspec")
+    report = run_in_child(_under_a_raised_recursion_limit, _read_error_report, b"[" * 200_000, memory_budget=64 << 20)
+    assert report == "FrameError"
+    deep = bytes(_frame._assemble("msgspec", b"\x91" * 40_000 + b"\x00"))
+    assert (
+        run_in_child(_under_a_raised_recursion_limit, _decode_outcome, deep, memory_budget=256 << 20) == "DecodeError"
+    )
+    shallow = bytes(_frame._assemble("msgspec", b"\x91" * 1000 + b"\x00"))
+    assert run_in_child(_under_a_raised_recursion_limit, _decode_outcome, shallow, memory_budget=256 << 20) == "decoded"
+
+
+def test_an_empty_tensor_whose_other_sizes_overflow_is_refused():
+    """A helper's find: an entry of shape (0, 2**61, 2**61) and 0 bytes passed the table's checks (its product is 0),
+    and torch built it (numpy refuses such a shape; bfloat16 does not go through numpy); a later reduction over the
+    first dimension asked for the product of the others."""
+    out = _frame.encode(
+        {"t": torch.empty((0, 4, 4), dtype=torch.bfloat16)}, serializers.get("pickle"), max_bytes=1 << 30
+    )
+    frame = bytearray(out.frame)
+    entry = _frame.HEADER.size + len(_frame.parse_header(memoryview(frame)).serializer)
+    struct.pack_into("<3q", frame, entry + _tensors.ENTRY.size, 0, 1 << 61, 1 << 61)
+    with pytest.raises(objcomm.FrameError, match=r"tensor table entry: shape \(0, 2305843009213693952"):
+        _frame.decode(Incoming(memoryview(frame), list(out.tensors)), sender=1, accept=None)
+
+
 # -- B: decompression capped at raw_len ------------------------------------------------------------
 def _compressed_frame(code: int, stored: bytes, raw_len: int) -> bytes:
     return bytes(_frame._assemble("pickle", stored, compression=code, raw_len=raw_len))
