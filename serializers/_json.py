@@ -24,7 +24,8 @@ from serializers._protocol import Buffer, Restore, Serializer
 
 TAG = "__objcomm_type__"
 MAX_TAG_DEPTH = 256
-_TAG_PATTERN = re.compile(f'"{TAG}"'.encode())  # re searches memoryviews without a copy
+_TAG_BYTES = f'"{TAG}"'.encode()
+_TAG_PATTERN = re.compile(_TAG_BYTES)  # re searches memoryviews without a copy
 _NATIVE = (type(None), bool, str, list, tuple, dict)
 _HINTS = {
     "dict key": "JSON object keys are strings; convert the keys or use msgpack or pickle",
@@ -75,7 +76,7 @@ class JsonSerializer(Serializer):
             found = locate(obj, lambda v, k: type(v) is float and not math.isfinite(v))
             if found is not None:
                 raise self._error(found[0], found[1], "float")
-        if len(_TAG_PATTERN.findall(data)) > tags:  # a dict of the caller's that reads as a tag would decode as one
+        if data.count(_TAG_BYTES) > tags:  # a dict of the caller's that reads as a tag would decode as one
             found = locate(obj, lambda v, k: type(v) is dict and len(v) == 2 and TAG in v and "value" in v)
             if found is not None:
                 raise EncodeError(
