@@ -28,7 +28,7 @@ class work_budget:  # used like the function it replaced, and cheaper on every l
 
     def __init__(self, units: int) -> None:
         self.units = units
-        self.outer: Optional[List[int]] = None
+        self.outer: Optional[List[Any]] = None
 
     def __enter__(self) -> None:
         self.outer = start_budget(self.units)
@@ -38,10 +38,9 @@ class work_budget:  # used like the function it replaced, and cheaper on every l
 
 
 def start_budget(units: int) -> Optional[List[Any]]:
-    """Start a budget of ``units`` without a ``with`` block; return what :func:`end_budget` restores. (The budget
-    also holds the depth of each value :func:`nested` saw built.)"""
+    """Start a budget of ``units`` without a ``with`` block; return what :func:`end_budget` restores."""
     outer = getattr(_work, "remaining", None)
-    # the units left, nested()'s depths, _unshared()'s buffers, big_number()'s bits, whether a Decimal was built
+    # the units left, nested()'s depths, unshared()'s buffers, big_number()'s bits, whether a Decimal was built
     _work.remaining = [units, {}, None, 0, False]
     return outer
 

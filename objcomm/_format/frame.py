@@ -317,13 +317,13 @@ def _nesting(text: bytes) -> int:
     """How deep JSON ``text`` nests arrays and objects, its strings skipped: linear (one regex of single characters,
     then a loop over what it found)."""
     depth = deepest = 0
-    in_string = escaped = False
+    in_string, escaped_at = False, -1  # where the byte a backslash escapes lies (only the one right after it)
     for found in _STRUCTURE.finditer(text):
-        char = found.group()
-        if escaped:
-            escaped = False
-        elif char == b"\\":
-            escaped = in_string
+        char, at = found.group(), found.start()
+        if at == escaped_at:
+            continue
+        if char == b"\\":
+            escaped_at = at + 1 if in_string else -1
         elif char == b'"':
             in_string = not in_string
         elif not in_string:
