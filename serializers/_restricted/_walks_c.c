@@ -340,7 +340,7 @@ combine(const Value *items, Py_ssize_t n, int built, int64_t budget, Value *out)
 }
 
 static int
-full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *marks, Values *memo)
+full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *marks, Values *memo, int notes_ints)
 {
     Py_ssize_t at = 0, count = 0, frame_end = 0, filled = 0;
     if (size > (((int64_t)1 << 61) - 4096) / hash_work_per_byte)
@@ -388,7 +388,7 @@ full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *ma
         switch (effect) {
         case E_PUSH:
             if (code == LONG4) {
-                if (end - start > NOTED_INT_BYTES + 4)
+                if (notes_ints && end - start > NOTED_INT_BYTES + 4)
                     REFUSE; /* an int the Python walk notes (scan.NOTED_INT_BYTES): it decides */
                 value.tag = PLAIN; value.nesting = 0; value.work = 1 + (end - start) / 8;
                 tracking = 1;
@@ -627,14 +627,19 @@ full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *ma
 }
 
 PyDoc_STRVAR(full_walk_doc,
-"full_walk(raw: bytes) -> bool | None\n\n"
+"full_walk(raw: bytes, notes_ints: bool = False) -> bool | None\n\n"
 "Whether the probe pass must run, as serializers._restricted.scan's Python walk answers; None where that\n"
-"walk must decide (it refuses the payload, or the payload holds a text opcode).");
+"walk must decide (it refuses the payload, or the payload holds a text opcode, or notes_ints and an int\n"
+"longer than scan.NOTED_INT_BYTES, which the Python walk notes).");
 
 static PyObject *
-full_walk(PyObject *module, PyObject *raw)
+full_walk(PyObject *module, PyObject *args)
 {
     (void)module;
+    PyObject *raw;
+    int notes_ints = 0;
+    if (!PyArg_ParseTuple(args, "O|p", &raw, &notes_ints))
+        return NULL;
     if (!PyBytes_CheckExact(raw)) {
         PyErr_Format(PyExc_TypeError, "full_walk() takes bytes, not %.100s", Py_TYPE(raw)->tp_name);
         return NULL;
@@ -650,11 +655,11 @@ full_walk(PyObject *module, PyObject *raw)
     int answer;
     if (size >= (1 << 20)) {
         Py_BEGIN_ALLOW_THREADS /* bytes are immutable: nothing can change them meanwhile */
-        answer = full_walk_of(p, size, &stack, &marks, &memo);
+        answer = full_walk_of(p, size, &stack, &marks, &memo, notes_ints);
         Py_END_ALLOW_THREADS
     }
     else {
-        answer = full_walk_of(p, size, &stack, &marks, &memo);
+        answer = full_walk_of(p, size, &stack, &marks, &memo, notes_ints);
     }
     free(stack.items);
     free(marks.items);
@@ -713,7 +718,7 @@ configure(PyObject *module, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"is_plain", is_plain, METH_O, is_plain_doc},
-    {"full_walk", full_walk, METH_O, full_walk_doc},
+    {"full_walk", full_walk, METH_VARARGS, full_walk_doc},
     {"configure", configure, METH_VARARGS, configure_doc},
     {NULL, NULL, 0, NULL},
 };
