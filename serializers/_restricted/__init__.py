@@ -137,10 +137,10 @@ class RestrictedPickleSerializer(PickleSerializer):
         try:
             raw = data if type(data) is bytes else bytes(data)
             plain = is_plain(raw)
-            # the bytes of its longest int past scan.NOTED_INT_BYTES, where a Decimal may be built: its name is in
-            # the payload (no allowed call makes a str from pieces)
+            # the bytes of its longest int past scan.NOTED_INT_BYTES, where a Decimal may be built: its name is in the
+            # payload (no call on the built-in allow-list makes a str from pieces), or a class was allowed (whose may)
             noted = [0]
-            needs_probe = not plain and full_walk(raw, noted if b"Decimal" in raw else None)
+            needs_probe = not plain and full_walk(raw, noted if self._allowed or b"Decimal" in raw else None)
         except Exception as exc:
             if isinstance(exc, ScanError) and "class or function" in str(exc):
                 raise ContentRefusedError(f"{self.name} refused the payload: {exc}; nothing was run") from None

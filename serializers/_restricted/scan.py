@@ -85,7 +85,8 @@ MAX_TEXT_NUMBER = 4400  # chars of a text INT/LONG/FLOAT argument (CPython 3.11 
 MAX_NESTING = 512  # tuples and calls inside each other
 # A LONG4 int longer than this many bytes (a text number, any) makes the walk note its size where asked (the C walk
 # then leaves such a payload to the Python one): a load that builds a Decimal refuses ints past 2,048 bits
-# (_budget.big_number); restricted-pickle asks only of a payload that names "Decimal" (the walk is slower in Python)
+# (_budget.big_number). restricted-pickle asks only of a payload that names "Decimal", or where a class was allowed
+# (the Python walk is slower).
 NOTED_INT_BYTES = 256
 HASH_WORK_PER_BYTE = 16  # tuple elements hashed, per input byte, across the whole load
 # What a list, dict or set counts for in the hashing work of a tuple or call holding it. Their items
