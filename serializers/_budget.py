@@ -143,8 +143,9 @@ def decimal_built() -> None:
 
 def _with_decimal(what: str, bits: int) -> DecodeError:
     return _refuse(
-        f"{what}: a Decimal and a number of {bits:,} bits in one payload (past {DECIMAL_PEER_BITS:,}): comparing them "
-        "costs time quadratic in the number's size, once per reference; send one of them as text, or use pickle"
+        f"{what}: a Decimal and a number of more than {DECIMAL_PEER_BITS:,} bits (about {bits:,}) in one payload: "
+        "comparing them costs time quadratic in the number's size, once per reference; send one of them as text, or "
+        "use pickle"
     )
 
 

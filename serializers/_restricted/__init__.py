@@ -137,10 +137,8 @@ class RestrictedPickleSerializer(PickleSerializer):
         try:
             raw = data if type(data) is bytes else bytes(data)
             plain = is_plain(raw)
-            # the bytes of its longest int past scan.NOTED_INT_BYTES, where a Decimal may be built: its name is in the
-            # payload (no call on the built-in allow-list makes a str from pieces), or a class was allowed (whose may)
-            noted = [0]
-            needs_probe = not plain and full_walk(raw, noted if self._allowed or b"Decimal" in raw else None)
+            noted = [0]  # the bytes of its longest int past scan.NOTED_INT_BYTES
+            needs_probe = not plain and full_walk(raw, noted)
         except Exception as exc:
             if isinstance(exc, ScanError) and "class or function" in str(exc):
                 raise ContentRefusedError(f"{self.name} refused the payload: {exc}; nothing was run") from None
@@ -159,7 +157,7 @@ class RestrictedPickleSerializer(PickleSerializer):
         # BytesIO over bytes shares them: neither pass copies the payload again.
         outer = _budget.start_budget(WORK_PER_BYTE * len(raw) + _WORK_FLOOR)
         try:
-            _budget.big_number(8 * noted[0], "an int")
+            _budget.big_number(8 * noted[0], "an int")  # (n bytes, a sign bit among them: at most 8n - 1 bits)
             if needs_probe:
                 guards.probe_unpickler(io.BytesIO(raw)).load()
                 _budget.nesting_checked()

@@ -340,7 +340,7 @@ combine(const Value *items, Py_ssize_t n, int built, int64_t budget, Value *out)
 }
 
 static int
-full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *marks, Values *memo, int notes_ints)
+full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *marks, Values *memo, Py_ssize_t *longest)
 {
     Py_ssize_t at = 0, count = 0, frame_end = 0, filled = 0;
     if (size > (((int64_t)1 << 61) - 4096) / hash_work_per_byte)
@@ -388,8 +388,8 @@ full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *ma
         switch (effect) {
         case E_PUSH:
             if (code == LONG4) {
-                if (notes_ints && end - start > NOTED_INT_BYTES + 4)
-                    REFUSE; /* an int the Python walk notes (scan.NOTED_INT_BYTES): it decides */
+                if (end - start - 4 > *longest)
+                    *longest = end - start - 4; /* the longest int's bytes (scan.full_walk's noted) */
                 value.tag = PLAIN; value.nesting = 0; value.work = 1 + (end - start) / 8;
                 tracking = 1;
             }
@@ -627,19 +627,23 @@ full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *ma
 }
 
 PyDoc_STRVAR(full_walk_doc,
-"full_walk(raw: bytes, notes_ints: bool = False) -> bool | None\n\n"
+"full_walk(raw: bytes, noted: list | None = None) -> bool | None\n\n"
 "Whether the probe pass must run, as serializers._restricted.scan's Python walk answers; None where that\n"
-"walk must decide (it refuses the payload, or the payload holds a text opcode, or notes_ints and an int\n"
-"longer than scan.NOTED_INT_BYTES, which the Python walk notes).");
+"walk must decide (it refuses the payload, or the payload holds a text opcode). Where it answers and a\n"
+"LONG4 int is longer than scan.NOTED_INT_BYTES, noted[0] becomes the longest one's bytes, as the Python\n"
+"walk notes them.");
 
 static PyObject *
 full_walk(PyObject *module, PyObject *args)
 {
     (void)module;
-    PyObject *raw;
-    int notes_ints = 0;
-    if (!PyArg_ParseTuple(args, "O|p", &raw, &notes_ints))
+    PyObject *raw, *noted = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O", &raw, &noted))
         return NULL;
+    if (noted != Py_None && !(PyList_CheckExact(noted) && PyList_GET_SIZE(noted) == 1)) {
+        PyErr_SetString(PyExc_TypeError, "full_walk(): noted must be a list of one item, or None");
+        return NULL;
+    }
     if (!PyBytes_CheckExact(raw)) {
         PyErr_Format(PyExc_TypeError, "full_walk() takes bytes, not %.100s", Py_TYPE(raw)->tp_name);
         return NULL;
@@ -653,13 +657,14 @@ full_walk(PyObject *module, PyObject *args)
     const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(raw);
     Py_ssize_t size = PyBytes_GET_SIZE(raw);
     int answer;
+    Py_ssize_t longest = 0;
     if (size >= (1 << 20)) {
         Py_BEGIN_ALLOW_THREADS /* bytes are immutable: nothing can change them meanwhile */
-        answer = full_walk_of(p, size, &stack, &marks, &memo, notes_ints);
+        answer = full_walk_of(p, size, &stack, &marks, &memo, &longest);
         Py_END_ALLOW_THREADS
     }
     else {
-        answer = full_walk_of(p, size, &stack, &marks, &memo, notes_ints);
+        answer = full_walk_of(p, size, &stack, &marks, &memo, &longest);
     }
     free(stack.items);
     free(marks.items);
@@ -668,6 +673,12 @@ full_walk(PyObject *module, PyObject *args)
         return PyErr_NoMemory();
     if (answer == UNDECIDED)
         Py_RETURN_NONE;
+    if (noted != Py_None && longest > NOTED_INT_BYTES) {
+        PyObject *bytes = PyLong_FromSsize_t(longest);
+        if (bytes == NULL)
+            return NULL;
+        PyList_SetItem(noted, 0, bytes); /* steals the reference */
+    }
     return PyBool_FromLong(answer == PROBE);
 }
 

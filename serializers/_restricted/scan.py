@@ -83,10 +83,8 @@ from serializers._restricted.plain import is_plain
 
 MAX_TEXT_NUMBER = 4400  # chars of a text INT/LONG/FLOAT argument (CPython 3.11 refuses > 4300 digits anyway)
 MAX_NESTING = 512  # tuples and calls inside each other
-# A LONG4 int longer than this many bytes (a text number, any) makes the walk note its size where asked (the C walk
-# then leaves such a payload to the Python one): a load that builds a Decimal refuses ints past 2,048 bits
-# (_budget.big_number). restricted-pickle asks only of a payload that names "Decimal", or where a class was allowed
-# (the Python walk is slower).
+# A LONG4 int longer than this many bytes (a text number, any) makes the walk note its size, where asked: a load that
+# builds a Decimal refuses ints past 2,048 bits (_budget.big_number)
 NOTED_INT_BYTES = 256
 HASH_WORK_PER_BYTE = 16  # tuple elements hashed, per input byte, across the whole load
 # What a list, dict or set counts for in the hashing work of a tuple or call holding it. Their items
@@ -145,11 +143,11 @@ def full_walk(raw: bytes, noted: Optional[List[int]] = None) -> bool:
 
     For a caller that has already tried ``is_plain(raw)`` (``_restricted`` does, to pick its plain path).
     The C walk (``_pickle_walks_c.c``, where it was built) answers for the payloads :func:`full_walk_python`
-    accepts and that hold binary opcodes only (and, where ``noted`` is asked for, ints of at most
-    ``NOTED_INT_BYTES``); for any other, the Python walk decides and words the refusal.
+    accepts and that hold binary opcodes only (noting ints as it does); for any other, the Python walk decides and
+    words the refusal.
     """
     if _full_walk_c is not None:
-        answer = _full_walk_c(raw, noted is not None)
+        answer = _full_walk_c(raw, noted)
         if answer is not None:
             return answer
     return full_walk_python(raw, noted)
@@ -423,7 +421,7 @@ def _c_tables() -> Tuple[bytes, bytes, bytes]:
     return b"".join(arguments), bytes(_BY_CODE), bytes(summary[0] for summary in _PUSHED)
 
 
-_full_walk_c: Optional[Callable[[bytes, bool], Optional[bool]]]  # None: not built
+_full_walk_c: Optional[Callable[[bytes, Optional[List[int]]], Optional[bool]]]  # None: not built
 try:  # the same walk in C, for binary opcodes, built where a compiler was at hand
     from serializers._restricted._walks_c import configure as _configure_c
     from serializers._restricted._walks_c import full_walk as _full_walk_c

@@ -355,6 +355,14 @@ def test_decimals_beside_big_numbers_or_of_many_digits_are_refused():
     equal = decimal_call + b"K\x00" + get(0) + b"K\x00\x87\x85R"  # Decimal((0, digits, 0))
     payloads = {
         "a Decimal beside a 400,000-bit int": payload(b"\x8f(" + _long4(big_int) + one + b"h\x01" * 5000 + b"\x90"),
+        # (a reviewer's find: its name spelled with an escape in a text opcode, where the walk looked for b"Decimal")
+        "a Decimal named in escapes": payload(
+            b"\x8f("
+            + _long4(big_int)
+            + one.replace(_short_text("Decimal"), b"V\\u0044ecimal\n")
+            + b"h\x01" * 5000
+            + b"\x90"
+        ),
         "a Decimal beside a Fraction of 14,300 bits": payload(b"\x8f(" + fraction + one + b"h\x01" * 5000 + b"\x90"),
         "two equal Decimals of a million digits": payload(
             many + equal + put(1) + b"0" + equal + put(2) + b"0\x8f(" + get(1) + get(2) * 2000 + b"\x90"
