@@ -253,7 +253,9 @@ class Inbox(Stash):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     why = f"no message from rank(s) {pending} within the timeout of {self.timeout:.0f}s" + (
-                        ", counted once for this call's steps after its round 1" if cut else ""
+                        ", counted for the call as a whole (its steps share one timeout after its round 1, two before)"
+                        if cut
+                        else ""
                     )
                     if key[0]:  # the others wait in the same collective: close, so that they learn at once
                         self._fail(op, why)

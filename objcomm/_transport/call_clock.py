@@ -10,7 +10,10 @@ destination, a send's answer, a receive's slot, and a broadcast's or scatter's e
 (never at their slot alone: one receiver's slot says nothing of the others, which may still be coming). The waits
 after it end when that clock has run for the group's timeout (:func:`ends`): a collective's waits on the
 same-host channel (which then fails, as after any collective's timeout, so that every rank learns at once), and the
-backend's transfers (:class:`objcomm._transport.bytes.Deadline`). A send/recv's waits on the channel keep a timeout
+backend's transfers (:class:`objcomm._transport.bytes.Deadline`). Before that mark, the same waits end twice the
+timeout after the operation began: a late rank comes within one, and what follows takes moments (on two levels a
+broadcast's echo and vote come before the mark, and two colluding ranks, one on each host, answering each hop just
+within the timeout held the others 4.3 timeouts: a helper's find). A send/recv's waits on the channel keep a timeout
 each (one that runs out leaves the channel open; its stream is bounded by
 :func:`objcomm._samehost.channel_rests.in_time`).
 
@@ -45,7 +48,7 @@ def one_call(function: F) -> F:
 
     @functools.wraps(function)
     def scoped(*args: Any, **kwargs: Any) -> Any:
-        token = _STARTED.set([None])
+        token = _STARTED.set([None, time.monotonic()])  # [round 1 done, the call began]
         try:
             return function(*args, **kwargs)
         finally:
@@ -69,9 +72,10 @@ def until(start: float, timeout: float) -> float:
 
 
 def ends(timeout: float) -> Optional[float]:
-    """When this call's steps after round 1 must be done (``time.monotonic()``): ``timeout`` after its round 1;
-    None outside a call, or before its round 1 is done."""
+    """When this call's steps must be done (``time.monotonic()``): ``timeout`` after its round 1; before its round 1
+    is done, twice ``timeout`` after it began; None outside a call."""
     started = _STARTED.get()
-    if started is None or started[0] is None:
+    if started is None:
         return None
-    return started[0] + timeout
+    done, began = started
+    return done + timeout if done is not None else (began or 0.0) + 2 * timeout
