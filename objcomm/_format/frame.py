@@ -58,7 +58,7 @@ VERSIONS = (1, 2)  # what this objcomm reads; it writes the lowest that can carr
 HEADER = struct.Struct("<4sBBBBIIQQQ")
 FLAG_ERROR = 1
 MAX_ERROR_REPORT = 1 << 20
-_STRUCTURE = re.compile(rb'[\[\]{}"\\]')  # what _nesting reads of a report
+_STRUCTURE = re.compile(r'[\[\]{}"\\]')  # what _nesting reads of a report
 SAFE_RECURSION_LIMIT = 5_000  # past it, json's own recursion check may come after the C stack ran out
 MAX_REPORT_NESTING = 64  # brackets in a report, counted where SAFE_RECURSION_LIMIT is past (one object is written)
 NO_COMPRESSION = _compression.NONE
@@ -297,8 +297,10 @@ def read_error(view: memoryview, header: Header) -> tuple[str, str]:
     if header.payload_len > MAX_ERROR_REPORT:
         raise FrameError(f"error report of {header.payload_len:,} bytes, above the {MAX_ERROR_REPORT:,} allowed")
     start = header.payload_offset
-    text = bytes(view[start : start + header.payload_len])
     try:
+        # UTF-8, as reports are written: json.loads would take UTF-16 or -32 bytes too, which _nesting cannot read (a
+        # reviewer's find: a UTF-16 report hid its brackets from it)
+        text = bytes(view[start : start + header.payload_len]).decode("utf-8")
         # json's C scanner checks its own recursion (RecursionError, not a crash), in linear time; a regex pre-scan
         # for nesting was quadratic on an unterminated string of escaped quotes. Where a program raised the
         # recursion limit that check comes too late for the C stack (an attacker's find: 200 KB of brackets under a
@@ -313,7 +315,7 @@ def read_error(view: memoryview, header: Header) -> tuple[str, str]:
         raise FrameError(f"malformed error report in frame: {exc}") from None
 
 
-def _nesting(text: bytes) -> int:
+def _nesting(text: str) -> int:
     """How deep JSON ``text`` nests arrays and objects, its strings skipped: linear (one regex of single characters,
     then a loop over what it found)."""
     depth = deepest = 0
@@ -322,12 +324,12 @@ def _nesting(text: bytes) -> int:
         char, at = found.group(), found.start()
         if at == escaped_at:
             continue
-        if char == b"\\":
+        if char == "\\":
             escaped_at = at + 1 if in_string else -1
-        elif char == b'"':
+        elif char == '"':
             in_string = not in_string
         elif not in_string:
-            depth += 1 if char in b"[{" else -1
+            depth += 1 if char in "[{" else -1
             deepest = max(deepest, depth)
     return deepest
 

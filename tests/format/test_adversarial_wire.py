@@ -313,7 +313,8 @@ def test_deep_input_under_a_raised_recursion_limit_is_refused_not_a_segfault():
     arrays (accepted by a rank that takes only safe serializers), crashed the interpreter. Past a limit of 5,000 the
     nesting is counted first: the report is a FrameError, the payload a DecodeError."""
     pytest.importorskip("msgspec")
-    for text in (b"[" * 200_000, b'["\\n", ' + b"[" * 200_000):  # (a backslash escapes the byte after it only)
+    utf16 = ('["\u2241",' + "[" * 200_000).encode("utf-16-le")  # (a reviewer's find: json.loads takes UTF-16 too)
+    for text in (b"[" * 200_000, b'["\\n", ' + b"[" * 200_000, utf16):  # (a backslash escapes the byte after it)
         report = run_in_child(_under_a_raised_recursion_limit, _read_error_report, text, memory_budget=64 << 20)
         assert report == "FrameError", text[:10]
     deep = bytes(_frame._assemble("msgspec", b"\x91" * 40_000 + b"\x00"))

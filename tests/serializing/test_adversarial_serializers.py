@@ -296,6 +296,11 @@ def _chain(levels: int, kind: str) -> bytes:
         body += b"h\x00)Rq\x01q\x030" + b"h\x00)Rq\x020h\x01h\x02a0h\x02q\x010" * levels
         return payload(body + b"h\x03")
     body += b"]q\x010"  # memo 1: the last one (at first an empty list)
+    if kind == "deque pairs":  # defaultdict(None, [deque(["k", last])]), after an APPEND that makes the probe pass run
+        body = b"\x8c\x0bcollections\x8c\x05deque\x93q\x000" + b"h\x00)RK\x01a0" + b"]q\x010"
+        body += b"\x8c\x0bcollections\x8c\x0bdefaultdict\x93q\x020"
+        pair = b"h\x00]\x8c\x01kah\x01a\x85R"  # deque(["k", last])
+        return payload(body + (b"h\x02N]" + pair + b"a\x86Rq\x010") * levels + b"h\x01")
     inner = b"N}K\x00h\x01s\x86" if kind == "defaultdicts" else b"]h\x01a\x85"  # (None, {0: last}) or ([last],)
     return payload(body + (b"h\x00" + inner + b"Rq\x010") * levels + b"h\x01")
 
@@ -310,6 +315,8 @@ def test_deques_and_defaultdicts_nested_deep_are_refused_not_a_segfault():
         "defaultdicts built from the last": _chain(300_000, "defaultdicts"),
         "deques appended into the last": _chain(200_000, "appended"),
         "a deque holding itself": _chain(1, "cycle"),
+        # (a reviewer's find: a pair of another kind than the probe pass follows, a deque, held the last out of sight)
+        "defaultdicts of deque pairs": _chain(200_000, "deque pairs"),
     }
     _assert_refused(run_in_child(_decode_all, "restricted-pickle", payloads, memory_budget=4 * BUDGET))
     s = serializers.get("restricted-pickle")
