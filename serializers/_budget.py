@@ -40,8 +40,9 @@ class work_budget:  # used like the function it replaced, and cheaper on every l
 def start_budget(units: int) -> Optional[List[Any]]:
     """Start a budget of ``units`` without a ``with`` block; return what :func:`end_budget` restores."""
     outer = getattr(_work, "remaining", None)
-    # the units left, nested()'s depths, unshared()'s buffers, big_number()'s bits, whether a Decimal was built
-    _work.remaining = [units, {}, None, 0, False]
+    # the units left, nested()'s depths, unshared()'s buffers, big_number()'s bits, whether a Decimal was built, the
+    # probe pass's nesting probes (guards._NestingProbe)
+    _work.remaining = [units, {}, None, 0, False, 0]
     return outer
 
 
@@ -87,6 +88,13 @@ def nested(value: Any, children: Any, what: str) -> Any:
             raise too_deep(what)
     depths[id(value)] = (value, depth)  # (the value held: its id is not reused while the load runs)
     return value
+
+
+def state() -> List[Any]:
+    """This load's state (:func:`start_budget`'s list; slot 5 counts the probe pass's nesting probes), or a fresh one
+    outside a load."""
+    remaining = getattr(_work, "remaining", None)
+    return [0, {}, None, 0, False, 0] if remaining is None else remaining
 
 
 def nesting_checked() -> None:
@@ -152,5 +160,6 @@ def _with_decimal(what: str, bits: int) -> DecodeError:
 def too_deep(what: str) -> DecodeError:
     """The error of a chain of deques and defaultdicts past :data:`MAX_NESTED` (or, in the probe pass, a cycle)."""
     return _refuse(
-        f"{what}: deques and defaultdicts nested over {MAX_NESTED} deep, or in a cycle (freeing them recurses in C)"
+        f"{what}: deques and defaultdicts nested over {MAX_NESTED} deep, or in a cycle of two or more (freeing a deep "
+        "chain recurses in C)"
     )

@@ -123,32 +123,45 @@ class _Probe:
         self._require(USER, "ADDITEMS")
 
 
+RISE_UNITS = 4  # what a nesting probe's rise costs the load's budget: 8 a payload byte at most, ~2.4 µs of CPU
+
+
 class _NestingProbe(_Probe):
     """The probe of a deque or defaultdict (``stdlib.NESTING``): it follows how deep a chain of those, each inside
     the one before, runs, through the calls that build them and the APPEND(S) and SETITEM(S) that fill them, and
     refuses one past :data:`~serializers._budget.MAX_NESTED` before the real pass builds it (freeing a deep one
-    recurses in C). A cycle of them deepens without end and is refused too."""
+    recurses in C). A cycle of two or more deepens without end and is refused too (a deque holding itself is no
+    chain)."""
 
-    __slots__ = ("label", "depth", "parents")
+    __slots__ = ("label", "depth", "parents", "load")
 
     def __init__(self, kind: str, label: str, holds: Any) -> None:
         self.kind, self.cls, self.label, self.depth = kind, None, label, 1
         self.parents: Any = None  # the probe that holds this one, or a list of those that do (None: none yet)
-        if holds:
+        self.load = _budget.state()
+        self.load[5] += 1  # the nesting probes of this load: with one, there is none for it to hold
+        if self.load[5] > 1 and holds:
             self._took(holds)
 
     def _took(self, children: Any) -> None:
         """``children`` are now held directly: this probe, and every probe above it, is at least one deeper than each
         (each probe's depth rises at most MAX_NESTED times before it is refused)."""
         for child in children:
-            if type(child) is not _NestingProbe:
+            if type(child) is not _NestingProbe or child is self:  # (holding itself is no chain)
                 continue
             held_by = child.parents
-            child.parents = self if held_by is None else [*held_by, self] if type(held_by) is list else [held_by, self]
+            if held_by is None:
+                child.parents = self
+            elif type(held_by) is list:
+                held_by.append(self)  # (in place: a copy per holder was quadratic, a reviewer's find)
+            else:
+                child.parents = [held_by, self]
             if child.depth >= self.depth:
                 self._deepen(child.depth + 1)
 
     def _deepen(self, depth: int) -> None:
+        """This probe is now ``depth`` deep: so is each holder one deeper, up the chains; each probe that rises is
+        charged to the load's budget (a probe held by many rises with all of them, at most MAX_NESTED times)."""
         rising = [(self, depth)]
         while rising:
             probe, depth = rising.pop()
@@ -156,6 +169,7 @@ class _NestingProbe(_Probe):
                 continue
             if depth > _budget.MAX_NESTED:
                 raise _budget.too_deep(probe.label)
+            _budget.charge(RISE_UNITS, probe.label)
             probe.depth = depth
             held_by = probe.parents
             if type(held_by) is list:
@@ -170,7 +184,8 @@ class _NestingProbe(_Probe):
 
     def extend(self, values: Any) -> None:
         self._require(SEQUENCE, "APPENDS")
-        self._took(values)
+        if self.load[5] > 1:  # (with one, there is none for it to hold: its items go unread)
+            self._took(values)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self._require(MAPPING, "SETITEM")

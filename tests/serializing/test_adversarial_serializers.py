@@ -286,9 +286,13 @@ def test_a_big_int_used_as_a_key_again_and_again_is_refused_before_hashing():
 
 def _chain(levels: int, kind: str) -> bytes:
     """``levels`` deques (or defaultdicts) each inside the one before: built from the last by their calls (a list or
-    dict argument), appended top-down into the last through the memo, or (``cycle``) one deque holding itself."""
+    dict argument), appended top-down into the last through the memo; ``cycle``: two deques holding each other, or
+    with ``levels`` 1 one deque holding itself."""
     if kind == "cycle":
-        return payload(call(glob("collections", "deque"), b")") + b"\x94h\x00h\x00a0h\x00")
+        deque = call(glob("collections", "deque"), b")")
+        if levels == 1:
+            return payload(deque + b"\x940h\x00h\x00a0h\x00")
+        return payload(deque + b"\x940" + deque + b"\x940h\x00h\x01a0h\x01h\x00a0h\x00")
     name = b"defaultdict" if kind == "defaultdicts" else b"deque"
     # memo 0: the constructor, named by binary opcodes (the C walk's: a text GLOBAL leaves a payload to Python's)
     body = b"\x8c\x0bcollections\x8c" + bytes([len(name)]) + name + b"\x93q\x000"
@@ -309,12 +313,12 @@ def test_deques_and_defaultdicts_nested_deep_are_refused_not_a_segfault():
     """An attacker's find: freeing a deque or defaultdict recurses into what it holds without CPython's trashcan,
     so 150,000 deques, each built from a list holding the last (1.65 MB), decoded, then crashed the interpreter
     when freed (defaultdicts at 300,000). Chains past 512 are refused, whether calls build them or APPENDs fill
-    them, and so is a cycle of them."""
+    them, and so is a cycle of two or more (a deque holding itself is no chain)."""
     payloads = {
         "deques built from the last": _chain(200_000, "deques"),
         "defaultdicts built from the last": _chain(300_000, "defaultdicts"),
         "deques appended into the last": _chain(200_000, "appended"),
-        "a deque holding itself": _chain(1, "cycle"),
+        "two deques holding each other": _chain(2, "cycle"),
         # (a reviewer's find: a pair of another kind than the probe pass follows, a deque, held the last out of sight)
         "defaultdicts of deque pairs": _chain(200_000, "deque pairs"),
     }
@@ -322,6 +326,8 @@ def test_deques_and_defaultdicts_nested_deep_are_refused_not_a_segfault():
     s = serializers.get("restricted-pickle")
     for kind in ("deques", "defaultdicts", "appended"):  # 500 deep: as it was sent
         assert s.loads(_chain(500, kind)) is not None, kind
+    itself = s.loads(_chain(1, "cycle"))  # no chain: the garbage collector frees it
+    assert itself[0] is itself
     honest = collections.defaultdict(
         collections.deque, {i: collections.deque([i, [collections.deque()]]) for i in range(3)}
     )
