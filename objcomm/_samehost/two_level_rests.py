@@ -25,6 +25,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from objcomm._errors import CommunicationError
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
@@ -155,7 +156,11 @@ class TwoLevelRests:
                 send_within(here, 0, mine)
             bundles: List[memoryview] = []
         else:
-            bundles = _to_destination(here, _from_host(here, mine, levels.memo["host"], op), home, op)
+            _held_within_limit(wire, levels, here.host, home, dst, op)
+            try:
+                bundles = _to_destination(here, _from_host(here, mine, levels.memo["host"], op), home, op)
+            except MemoryError as exc:  # within max_bytes, past what this host has
+                raise CommunicationError(f"{op}: this leader could not allocate its host's rests: {exc!r}") from exc
         if here.host == home and levels.place[dst]:  # dst's leader hands everything to dst
             if here.place == 0:
                 send_within(here, levels.place[dst], bundles)
@@ -298,6 +303,32 @@ def _sealed_rows(
     except BaseException:
         segment.release()
         raise
+
+
+def _held_within_limit(wire: Wire, levels: Levels, host: int, home: int, dst: int, op: str) -> None:
+    """A leader, before it holds rests on their way to ``dst``: each of its host's senders within its own
+    ``max_bytes``, and (``dst``'s host's leader) each host's total within its senders' count of it, as ``dst``
+    checked before it said go (:func:`objcomm._format.limits.check_relays`). A word that said go past them is a lie
+    (of ``dst`` or its leader: a helper's find, where honest leaders with 100 KB limits allocated 200 MB): this
+    leader raises before it allocates; the ranks that wait for it fail at their timeout."""
+    limit, lied = wire.max_bytes, "; the destination said go all the same: a rank lied"
+    for sender, moved in zip(levels.hosts[host], levels.memo["host"]):
+        if sender != dst and moved > limit:
+            raise _limits.too_large(
+                f"{op}: rank {sender} sends {moved:,} bytes past its slot, above the max_bytes={limit:,} of this rank, "
+                f"which relays them to rank {dst}{lied}",
+                outcome="nothing was received",
+                where="here",
+            )
+    if host == home:
+        for senders, total in zip(levels.hosts, levels.memo["totals"]):
+            if total > len(senders) * limit:
+                raise _limits.too_large(
+                    f"{op}: ranks {senders[0]}-{senders[-1]} send {total:,} bytes past their slots, above the "
+                    f"max_bytes={limit:,} of this rank for each of them, which relays them to rank {dst}{lied}",
+                    outcome="nothing was received",
+                    where="here",
+                )
 
 
 def _with_own(mine: List[memoryview], moved: List[int]) -> tuple[bytearray, memoryview]:

@@ -277,3 +277,49 @@ def test_two_liars_that_drip_the_steps_before_a_vote_on_two_levels_hold_nobody_p
         if rank not in (3, 7):
             assert got in ("ok", "CommunicationError"), (rank, outcomes)
             assert took < 2 * T + 1.5, (rank, outcomes)
+
+
+def a_lying_go() -> Any:
+    """On two levels (hosts of 4, a group with a T-second timeout), a gather to rank 5 (on host 4-7, not its leader)
+    that says go whatever the slots say, while rank 1's slot announces a rest of 1 TiB it never sends; the other
+    ranks' max_bytes is 100,000. What this rank got, and how much its peak memory grew (MB)."""
+    import resource
+
+    from objcomm._format.slot import COUNT, PREFIX, SIZES_UNLISTED
+    from objcomm._transport import gather as _gather
+
+    rank = dist.get_rank()
+    with ranks_per_host(4):
+        sub, comm = _on_two_levels(timedelta(seconds=T))
+        real_verdict, real_slot = _gather._verdict, _gather._slot
+
+        def forged(wire: Any, out: Any) -> bytearray:
+            slot = bytearray(wire.slot)
+            PREFIX.pack_into(slot, 0, 1 << 40, wire.max_bytes, 1 << 40)  # a frame of 1 TiB, to come after the slot
+            COUNT.pack_into(slot, PREFIX.size, SIZES_UNLISTED)
+            return slot
+
+        if rank == 5:
+            _gather._verdict = lambda *args, **kwargs: _gather.GO  # type: ignore[assignment]
+        if rank == 1:
+            _gather._slot = forged  # type: ignore[assignment]
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            got = result_or_error(lambda: comm.gather(rank, dst=5, max_bytes=None if rank in (1, 5) else 100_000))
+        except MemoryError:
+            got = "MemoryError"
+        finally:
+            _gather._verdict, _gather._slot = real_verdict, real_slot  # type: ignore[assignment]
+        grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        dist.destroy_process_group(sub)
+    return [got if isinstance(got, str) else "ok", grew]
+
+
+def test_a_relaying_leader_is_held_to_its_own_limit_whatever_the_destination_says():
+    """A helper's find: the destination's word (go) was all a leader relaying a gather's rests trusted, so a lying
+    destination and a sender announcing 200 MB made honest leaders with 100 KB limits allocate 200 MB (1 TiB: a
+    MemoryError, no objcomm error). A leader checks what it is about to hold against its own max_bytes first."""
+    outcomes = get_pool(W).run(a_lying_go, timeout=250)
+    for leader in (0, 4):
+        got, grew = outcomes[leader]
+        assert got == "TooLargeError" and grew < 50, (leader, outcomes)
