@@ -105,10 +105,11 @@ def nesting_checked() -> None:
         remaining[1] = None
 
 
-def unshared(data: bytearray, what: str) -> bytearray:
-    """``data``, the first time a load builds an array or tensor over it; a copy (charged) each time after, so that
-    no two arrays or tensors of one load share memory, as none a trusted encoder writes do (one bytearray the payload
-    names through its memo for several would otherwise make writes to one show in the others)."""
+def unshared(data: Any, what: str, nbytes: Optional[int] = None, copy: Any = bytearray) -> Any:
+    """``data`` (a bytearray; or a tensor, ``nbytes`` long, which ``copy`` copies), the first time a load builds an
+    array, a tensor or a Parameter over it; a copy (charged) each time after, so that no two values of one load share
+    memory, as none a trusted encoder writes do (one bytearray, or one tensor, that the payload names through its
+    memo for several would otherwise make writes to one show in the others)."""
     remaining = getattr(_work, "remaining", None)
     if remaining is None:
         return data
@@ -117,8 +118,8 @@ def unshared(data: bytearray, what: str) -> bytearray:
     if id(data) not in remaining[2]:
         remaining[2][id(data)] = data  # (held: its id is not reused while the load runs)
         return data
-    charge(len(data), what)
-    return bytearray(data)
+    charge(len(data) if nbytes is None else nbytes, what)
+    return copy(data)
 
 
 # Comparing a Decimal with an int or a Fraction converts that to a Decimal, in time quadratic in its size (~270 µs

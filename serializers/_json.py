@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, List
 
 from serializers._codecs import CodecRegistry, codecs
 from serializers._errors import DecodeError, EncodeError, decoding
@@ -60,12 +60,12 @@ class JsonSerializer(Serializer):
     def dumps(self, obj: Any, /, **_: Any) -> Buffer:
         orjson = _orjson()
         options = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
-        tags = 0  # codec tags written: a "__objcomm_type__" beyond them is the caller's own
+        encoded: List[Any] = []  # what the codecs wrote: a "__objcomm_type__" beyond their tags is the caller's own
 
         def tagged(value: Any) -> Any:
-            nonlocal tags
-            tags += 1
-            return self._default(value)
+            tag = self._default(value)
+            encoded.append(tag["value"])
+            return tag
 
         try:
             data = orjson.dumps(obj, default=tagged, option=options)
@@ -76,8 +76,9 @@ class JsonSerializer(Serializer):
             found = locate(obj, lambda v, k: type(v) is float and not math.isfinite(v))
             if found is not None:
                 raise self._error(found[0], found[1], "float")
-        if data.count(_TAG_BYTES) > tags:  # a dict of the caller's that reads as a tag would decode as one
-            found = locate(obj, lambda v, k: type(v) is dict and len(v) == 2 and TAG in v and "value" in v)
+        if data.count(_TAG_BYTES) > len(encoded):  # a dict of the caller's (or a codec's) that reads as a tag
+            shaped = lambda v, k: type(v) is dict and len(v) == 2 and TAG in v and "value" in v  # noqa: E731
+            found = locate(obj, shaped) or next(filter(None, (locate(e, shaped, "a codec's") for e in encoded)), None)
             if found is not None:
                 raise EncodeError(
                     f"json cannot encode the dict at {found[0]}: its keys, {TAG!r} and 'value', are how objcomm's "

@@ -228,6 +228,8 @@ def parameter(data: Any, requires_grad: Any) -> Any:
 
     if type(data) is not torch.Tensor or type(requires_grad) is not bool:
         raise _refuse("a Parameter: expected a plain tensor and a bool")
+    nbytes = data.numel() * data.element_size()  # (a second Parameter over one tensor: its own copy, as sent)
+    data = unshared(data, "a Parameter's tensor", nbytes, lambda t: t.clone())
     return torch.nn.Parameter(data.detach(), requires_grad=requires_grad)
 
 

@@ -260,6 +260,12 @@ def test_arrays_and_tensors_over_one_bytearray_do_not_share_memory():
     second[0] = 0x4142434445464748
     assert not np.shares_memory(first, second) and first.tolist() == [0.0, 0.0]
     assert third.data_ptr() != first.ctypes.data and third.tolist() == [0, 0]
+    # two Parameters over one memoized tensor (a reviewer's find): the second is a copy
+    parameter = glob("serializers._rebuild", "parameter")
+    built = call(tensor, plain("float32"), plain((2,)), plain(bytearray(8)), plain(False)) + put(1) + b"0"
+    body = b"](" + built + call(parameter, get(1), plain(True)) + call(parameter, get(1), plain(True)) + b"e"
+    one, other = serializers.get("restricted-pickle").loads(payload(body))
+    assert one.data_ptr() != other.data_ptr()
 
 
 def test_deep_tuples_and_tuple_dags_as_keys_are_refused_before_hashing():

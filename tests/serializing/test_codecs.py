@@ -55,6 +55,13 @@ def test_json_refuses_a_dict_of_the_callers_that_reads_as_a_tag(money_codec):
     fine = {"a": {"__objcomm_type__": "money", "value": 1, "more": 2}, "b": "__objcomm_type__", "c": Money(3, "EUR")}
     assert s.loads(s.dumps(fine)) == fine
     assert serializers.get("msgpack").loads(serializers.get("msgpack").dumps(lookalike)) == lookalike
+    # what a codec writes is looked at too (a reviewer's find): a tag-shaped dict there decoded as a tag
+    serializers.register_type(Euro, lambda m: lookalike, lambda v: Euro(1, "EUR"), name="euro-lookalike")
+    try:
+        with pytest.raises(EncodeError, match="its keys"):
+            s.dumps([Euro(1, "EUR")])
+    finally:
+        serializers.unregister_type("euro-lookalike")
 
 
 @pytest.mark.parametrize("name", ["msgpack", "json"])
