@@ -123,7 +123,7 @@ class _Probe:
         self._require(USER, "ADDITEMS")
 
 
-RISE_UNITS = 4  # what a nesting probe's rise costs the load's budget: 8 a payload byte at most, ~2.4 µs of CPU
+RISE_UNITS = 4  # what each holder a nesting probe's rise looks at costs the load's budget (8 a payload byte)
 
 
 class _NestingProbe(_Probe):
@@ -153,23 +153,25 @@ class _NestingProbe(_Probe):
             if held_by is None:
                 child.parents = self
             elif type(held_by) is list:
-                held_by.append(self)  # (in place: a copy per holder was quadratic, a reviewer's find)
-            else:
+                if held_by[-1] is not self:  # (in place: a copy per holder was quadratic, a reviewer's find)
+                    held_by.append(self)
+            elif held_by is not self:
                 child.parents = [held_by, self]
             if child.depth >= self.depth:
                 self._deepen(child.depth + 1)
 
     def _deepen(self, depth: int) -> None:
-        """This probe is now ``depth`` deep: so is each holder one deeper, up the chains; each probe that rises is
-        charged to the load's budget (a probe held by many rises with all of them, at most MAX_NESTED times)."""
+        """This probe is now ``depth`` deep: so is each holder one deeper, up the chains; each holder looked at is
+        charged to the load's budget (a probe held by many rises with all of them, at most MAX_NESTED times; one held
+        by the same holder many times, through the memo, was looked at as often for free: a reviewer's find)."""
         rising = [(self, depth)]
         while rising:
             probe, depth = rising.pop()
+            _budget.charge(RISE_UNITS, probe.label)
             if depth <= probe.depth:
                 continue
             if depth > _budget.MAX_NESTED:
                 raise _budget.too_deep(probe.label)
-            _budget.charge(RISE_UNITS, probe.label)
             probe.depth = depth
             held_by = probe.parents
             if type(held_by) is list:

@@ -191,7 +191,7 @@ def full_walk_python(raw: bytes, noted: Optional[List[int]] = None) -> bool:
                     if code in _TEXT_NUMBERS and end - start > MAX_TEXT_NUMBER:
                         raise ScanError(f"a text number of {end - start:,} characters at byte {start}")
                     if code in _TEXT_NUMBERS and noted is not None and end - start > 2 * NOTED_INT_BYTES:
-                        noted[0] = max(noted[0], (end - start) * 415 // 1000)  # a decimal digit: 0.415 bytes
+                        noted[0] = max(noted[0], (end - start) // 2)  # a hex digit (base 0: "0x..."): half a byte
                 else:
                     if start + width > size:
                         raise ScanError("truncated payload")
