@@ -6,7 +6,7 @@ a type (a ``msgspec.Struct``, a dataclass, a ``TypedDict``, ``list[Record]``...)
 shape is a :class:`DecodeError` that says where, before anything is built from it. Safe by construction:
 decoding builds data only, runs no code of the payload's choosing, refuses truncated input before allocating
 what its headers declare, and nests at most as deep as Python's recursion limit, and at most 1,024 levels where
-that limit is past :data:`SAFE_RECURSION_LIMIT` (deeper: a :class:`DecodeError`).
+that limit is past :data:`serializers._protocol.SAFE_RECURSION_LIMIT` (deeper: a :class:`DecodeError`).
 
 Without a type (``type=Any``, the registered ``"msgspec"``), what msgspec carries natively comes back
 as MessagePack has it: tuples, sets and frozensets as lists, dates, times, durations, decimals and
@@ -61,19 +61,19 @@ from serializers._msgpack import (
     refuse_structured,
 )
 from serializers._path import describe
-from serializers._protocol import Buffer, Lift, Restore, Serializer
+from serializers._protocol import SAFE_RECURSION_LIMIT, Buffer, Lift, Restore, Serializer
 
 # Per call, as in the msgpack backend (whose encode_lifting holds the lift=): the restore= and extension depth.
 _DECODING: ContextVar[_Decoding] = ContextVar("objcomm_msgspec_decoding")
-# msgspec bounds nesting by Python's recursion limit, not by its C stack: where a program raised the limit, a 40 KB
-# payload of 40,000 nested arrays crashed the interpreter (an attacker's find; 20,000 deep held on an 8 MiB stack).
-# Past this limit a payload is first walked by msgpack's C unpacker, whose fixed stack refuses nesting past 1,024
-# without building anything (about 4% of msgspec's own decoding time).
-SAFE_RECURSION_LIMIT = 5_000
 
 
 def _nesting_checked(data: Any, name: str) -> None:
-    """Refuse ``data`` nested past msgpack's C stack where the recursion limit would not stop msgspec in time."""
+    """Refuse ``data`` nested past msgpack's C stack where the recursion limit would not stop msgspec in time.
+
+    msgspec bounds nesting by Python's recursion limit, not by its C stack: where a program raised the limit, a 40 KB
+    payload of 40,000 nested arrays crashed the interpreter (an attacker's find). Past :data:`SAFE_RECURSION_LIMIT` a
+    payload is first walked by msgpack's C unpacker, whose fixed stack refuses nesting past 1,024 without building
+    anything (about 4% of msgspec's own decoding time)."""
     if sys.getrecursionlimit() <= SAFE_RECURSION_LIMIT:
         return
     import msgpack

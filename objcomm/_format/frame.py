@@ -51,6 +51,7 @@ from serializers import AutoSerializer, SerializerProtocol, registry
 from serializers._auto import exact as auto_exact
 from serializers._auto import no_candidate
 from serializers._msgpack import unexplained_refusals
+from serializers._protocol import SAFE_RECURSION_LIMIT
 
 MAGIC = b"OBJC"
 VERSION = 2  # the newest format: a tensor table may carry numpy arrays and whole bytes (objcomm._format.tensors.KINDS)
@@ -59,7 +60,6 @@ HEADER = struct.Struct("<4sBBBBIIQQQ")
 FLAG_ERROR = 1
 MAX_ERROR_REPORT = 1 << 20
 _STRUCTURE = re.compile(r'[\[\]{}"\\]')  # what _nesting reads of a report
-SAFE_RECURSION_LIMIT = 5_000  # past it, json's own recursion check may come after the C stack ran out
 MAX_REPORT_NESTING = 64  # brackets in a report, counted where SAFE_RECURSION_LIMIT is past (one object is written)
 NO_COMPRESSION = _compression.NONE
 _new = tuple.__new__
@@ -300,7 +300,7 @@ def read_error(view: memoryview, header: Header) -> tuple[str, str]:
     try:
         # UTF-8, as reports are written: json.loads would take UTF-16 or -32 bytes too, which _nesting cannot read (a
         # reviewer's find: a UTF-16 report hid its brackets from it)
-        text = bytes(view[start : start + header.payload_len]).decode("utf-8")
+        text = str(view[start : start + header.payload_len], "utf-8")
         # json's C scanner checks its own recursion (RecursionError, not a crash), in linear time; a regex pre-scan
         # for nesting was quadratic on an unterminated string of escaped quotes. Where a program raised the
         # recursion limit that check comes too late for the C stack (an attacker's find: 200 KB of brackets under a

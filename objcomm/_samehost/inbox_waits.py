@@ -52,7 +52,7 @@ class Inbox(Stash):
         # after a collective's round 1 its waits share one timeout (objcomm._transport.call_clock; a send/recv's keep
         # their own: a wait that ran out leaves the channel open); the lean path of one source blocks for a whole
         # timeout, so it is taken only while more than half of the call's is left
-        deadline = call_clock.until(now, self.timeout) if key[0] else now + self.timeout
+        deadline = call_clock.until(now, self.timeout, shared=key[0])
         cut = deadline < now + self.timeout
         spin_until = time.perf_counter() + spin if spin > 0 else 0.0
         lock = self._lock
@@ -337,7 +337,7 @@ class Inbox(Stash):
     def _await_credit(self, peer: int, cls: int, cost: int, op: str, collective: bool) -> None:
         me = threading.get_ident()
         now = time.monotonic()
-        deadline = call_clock.until(now, self.timeout) if collective else now + self.timeout  # (as in take)
+        deadline = call_clock.until(now, self.timeout, shared=collective)  # (as in take)
         mine = False
         flushed = False  # what this rank owes was offered since the last wake-up (a peer whose queue is full keeps
         self._waiting += 1  # it owed: offered again after the next wake-up, never in a loop that waits for nothing)

@@ -253,9 +253,8 @@ class Mesh:
                 return
             except BlockingIOError:  # the peer's queue is full: wait until it reads, bounded
                 now = time.monotonic()
-                if deadline is None:  # the timeout, or a collective's after its round 1 (call_clock, as Inbox.take)
-                    collective = header[0] not in POINT_TO_POINT_KINDS
-                    deadline = call_clock.until(now, self.timeout) if collective else now + self.timeout
+                if deadline is None:  # the timeout, or a collective's call's end (call_clock, as Inbox.take)
+                    deadline = call_clock.until(now, self.timeout, shared=header[0] not in POINT_TO_POINT_KINDS)
                 try:
                     writable = now < deadline and select.select([], [sock], [], deadline - now)[1]
                 except (OSError, ValueError) as exc:  # closed here meanwhile, by another thread (ValueError: fd -1)

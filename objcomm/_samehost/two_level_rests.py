@@ -311,24 +311,20 @@ def _held_within_limit(wire: Wire, levels: Levels, host: int, home: int, dst: in
     checked before it said go (:func:`objcomm._format.limits.check_relays`). A word that said go past them is a lie
     (of ``dst`` or its leader: a helper's find, where honest leaders with 100 KB limits allocated 200 MB): this
     leader raises before it allocates; the ranks that wait for it fail at their timeout."""
-    limit, lied = wire.max_bytes, "; the destination said go all the same: a rank lied"
-    for sender, moved in zip(levels.hosts[host], levels.memo["host"]):
-        if sender != dst and moved > limit:
+    limit = wire.max_bytes
+    # (each of its host's senders; on dst's host, each host's senders together, within their count of limits)
+    held = [(f"rank {r}", n, 1) for r, n in zip(levels.hosts[host], levels.memo["host"]) if r != dst]
+    if host == home:
+        held += [(f"ranks {h[0]}-{h[-1]}", n, len(h)) for h, n in zip(levels.hosts, levels.memo["totals"])]
+    for who, moved, senders in held:
+        if moved > senders * limit:
             raise _limits.too_large(
-                f"{op}: rank {sender} sends {moved:,} bytes past its slot, above the max_bytes={limit:,} of this rank, "
-                f"which relays them to rank {dst}{lied}",
+                f"{op}: {who} send{'s' if senders == 1 else ''} {moved:,} bytes past the slot, above the "
+                f"max_bytes={limit:,} of this rank{' for each' if senders > 1 else ''}, which relays them to rank "
+                f"{dst}; the destination said go all the same: a rank lied",
                 outcome="nothing was received",
                 where="here",
             )
-    if host == home:
-        for senders, total in zip(levels.hosts, levels.memo["totals"]):
-            if total > len(senders) * limit:
-                raise _limits.too_large(
-                    f"{op}: ranks {senders[0]}-{senders[-1]} send {total:,} bytes past their slots, above the "
-                    f"max_bytes={limit:,} of this rank for each of them, which relays them to rank {dst}{lied}",
-                    outcome="nothing was received",
-                    where="here",
-                )
 
 
 def _with_own(mine: List[memoryview], moved: List[int]) -> tuple[bytearray, memoryview]:

@@ -395,22 +395,18 @@ def largest_of(wire: Wire, values: Sequence[int], op: str, dtype: torch.dtype = 
     doubling, a leader on two levels) dropped this rank's: this rank raises :class:`~objcomm.CommunicationError`
     there, before it acts on an answer that hides, say, its refusal of a payload above its ``max_bytes`` (the others,
     which go on, fail at their timeout where they wait for it)."""
-    found = wire.slot_medium.largest(wire, values, op)
-    if found is not NOT_USED:
-        return _with_mine(found, values, op, wire.rank)
-    largest = torch.tensor(list(values), dtype=dtype, device=wire.device)
-    if wire.device.type == "cpu" and wire.size > 2:  # gloo's all_reduce is a ring: 2(W - 1) steps in sequence
-        return _with_mine(_largest_by_doubling(wire, largest, op), values, op, wire.rank)
-    guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
-    return _with_mine(largest.tolist(), values, op, wire.rank)
-
-
-def _with_mine(answer: List[int], mine: Sequence[int], op: str, rank: int) -> List[int]:
-    """``answer``, the group's maximum of every rank's words, once it is at least this rank's own (``mine``)."""
-    if any(theirs < own for theirs, own in zip(answer, mine)):
+    answer = wire.slot_medium.largest(wire, values, op)
+    if answer is NOT_USED:
+        largest = torch.tensor(list(values), dtype=dtype, device=wire.device)
+        if wire.device.type == "cpu" and wire.size > 2:  # gloo's all_reduce is a ring: 2(W - 1) steps in sequence
+            answer = _largest_by_doubling(wire, largest, op)
+        else:
+            guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)
+            answer = largest.tolist()
+    if any(theirs < own for theirs, own in zip(answer, values)):
         raise CommunicationError(
-            f"{op}: the group's vote came back below rank {rank}'s own words ({list(mine)} here, {answer} in the "
-            "answer): a rank that relays the vote dropped them. Nothing more was moved on this rank; the ranks "
+            f"{op}: the group's vote came back below rank {wire.rank}'s own words ({list(values)} here, {answer} in "
+            "the answer): a rank that relays the vote dropped them. Nothing more was moved on this rank; the ranks "
             "that went on fail at their timeout"
         )
     return answer

@@ -64,10 +64,11 @@ def round_one_done() -> None:
         started[0] = time.monotonic()
 
 
-def until(start: float, timeout: float) -> float:
+def until(start: float, timeout: float, shared: bool = True) -> float:
     """When a wait begun at ``start`` (``time.monotonic()``) with ``timeout`` must end: ``start + timeout``, or this
-    call's end (:func:`ends`) where that is sooner."""
-    end = ends(timeout)
+    call's end (:func:`ends`) where that is sooner and the wait is ``shared`` (a collective's; a send/recv's on the
+    channel keeps its own timeout)."""
+    end = ends(timeout) if shared else None
     return start + timeout if end is None else min(start + timeout, end)
 
 

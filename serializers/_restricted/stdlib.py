@@ -144,7 +144,7 @@ def _defaultdict(factory: Any = None, items: Any = ()) -> Any:
     if factory is not None and real is None:
         raise _refused("a defaultdict whose factory is not an allowed empty constructor")
     items = _built(items, "defaultdict", hashed="pairs")
-    if type(items) is not dict and any(type(p) not in (tuple, list) or len(p) != 2 for p in items):
+    if type(items) is not dict and not all(map(_is_pair, items)):
         # (what the probe pass follows: a pair of another kind, a deque, could hide a chain from it: a reviewer's find)
         raise _refused("a defaultdict of pairs other than (key, value) tuples or lists")
     built = collections.defaultdict(real, items)
@@ -163,7 +163,12 @@ def _defaultdict_holds(factory: Any = None, items: Any = ()) -> Any:
     values); ``()`` for arguments the real call refuses."""
     if type(items) is dict:
         return items.values()
-    return [p[1] for p in items if type(p) in (tuple, list) and len(p) == 2] if type(items) in (list, tuple) else ()
+    return [p[1] for p in items if _is_pair(p)] if type(items) in (list, tuple) else ()
+
+
+def _is_pair(item: Any) -> bool:
+    """Whether ``item`` is a (key, value) pair as the payload spells one: a tuple or a list of two."""
+    return type(item) in (tuple, list) and len(item) == 2
 
 
 def _deque_holds(items: Any = (), maxlen: Any = None) -> Any:
