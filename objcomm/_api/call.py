@@ -31,7 +31,7 @@ from objcomm._samehost.segments import DEFAULT_DIRECTORY, SegmentBook
 from objcomm._samehost.two_level_rests import TwoLevelRests
 from objcomm._settings import CallOptions
 from objcomm._transport.base import BACKEND, DIRECT, INTERNAL_TAG, GroupRanks, RestMedia, SlotMedium, Wire
-from serializers import AutoSerializer, SerializerProtocol
+from serializers import AutoSerializer, Serializer, SerializerProtocol
 
 Device = Union[str, torch.device, None]
 
@@ -42,8 +42,31 @@ def chosen(serializer: SerializerProtocol, accept: Any) -> SerializerProtocol:
     return serializer.within(accept) if isinstance(serializer, AutoSerializer) else serializer
 
 
+class Unusable(Serializer):
+    """The serializer of a call whose own settings failed on this rank (a serializer name not registered here, a
+    ``max_bytes`` out of range, a compression library missing): the rank still takes part in the operation, with
+    its communicator's settings, so that the group stays in step. What it sends is the failure's report (the
+    other ranks raise :class:`~objcomm.RemoteError` naming it, as for an object that cannot be encoded); once the
+    operation is over, it raises the failure itself, as it was raised."""
+
+    name, description = "unusable", "this rank's settings for the call failed"
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def dumps(self, obj: Any, /, **_: Any) -> bytes:
+        raise self.error
+
+    def loads(self, data: Any, /, **_: Any) -> Any:
+        raise self.error
+
+    def __repr__(self) -> str:
+        return f"Unusable({self.error!r})"
+
+
 class Call(NamedTuple):
-    """One call, resolved: its settings, the serializer object and the wire (None: no group)."""
+    """One call, resolved: its settings, the serializer object and the wire (None: no group). A call whose settings
+    failed on this rank carries the failure as its serializer (:class:`Unusable`)."""
 
     options: CallOptions
     serializer: SerializerProtocol
@@ -65,6 +88,8 @@ class Call(NamedTuple):
         try:
             if isinstance(serialized, BaseException):
                 raise serialized
+            if type(self.serializer) is Unusable:
+                raise self.serializer.error
             out = _frame.encode(
                 obj,
                 self.serializer,
@@ -98,9 +123,20 @@ class Call(NamedTuple):
         is an error report."""
         for item in incoming:  # looked for here first: most calls have no failure to read
             if item is not None and item.error:
+                if type(self.serializer) is Unusable:  # this rank's own settings failed: that, as it was raised
+                    raise self.serializer.error
                 raise remote_error(op, self.failures(incoming), local, outcome) from local
 
+    def usable(self) -> Call:
+        """This call, or what failed in its settings on this rank (:class:`Unusable`) raised: before a receive,
+        which leaves the message for the next one, and after an operation this rank took part in."""
+        if type(self.serializer) is Unusable:
+            raise self.serializer.error
+        return self
+
     def decode(self, item: Optional[Incoming], sender: int, own: bool = False) -> Any:
+        if type(self.serializer) is Unusable:  # a receiver's own settings failed: it took part, and raises now
+            raise self.serializer.error
         if item is None:
             raise CommunicationError(f"no frame arrived from rank {sender}")
         return _frame.decode(

@@ -414,7 +414,7 @@ class Communicator(Operations):
         thread's)."""
         kwargs = call_kwargs(locals())
         _requests.issuable(self.group, "irecv")  # raises on NCCL
-        call = self._call(kwargs)
+        call = self._call(kwargs).usable()
         wire, peer = self._source(call, src, tag, "irecv")
         if wire is None or peer == wire.rank:
             return _requests.receive_own(

@@ -182,7 +182,7 @@ class Operations(Resolving):
             raise with_original_type(local)
 
     def _recv_call(self, call: Call, src: Optional[int], tag: int, return_sender: bool) -> Any:
-        wire, peer = self._source(call, src, tag, "recv")
+        wire, peer = self._source(call.usable(), src, tag, "recv")  # (a receive that raises takes nothing)
         if wire is not None:
             if peer is None and wire.device.type != "cpu":
                 raise ValueError(
@@ -208,11 +208,9 @@ class Operations(Resolving):
             return completed("isend", functools.partial(_raise, local))
         out, local = call.encode(obj)
         out = _pending.captured(out)
-        # not eager: wait() returns once the receiver took it, as before (a later blocking send on its dst and tag,
-        # refused while it is outstanding, can then never overtake it)
-        return _requests.point_to_point(
-            self.group, "send", dst, tag, lambda: self._deliver(wire, out, local, peer, eager=False)
-        )
+        # eager where a blocking send is (a small message: wait() returns once it is posted, as MPI's isend of a
+        # small message completes; a later send on its dst and tag, refused while it is outstanding, is posted after)
+        return _requests.point_to_point(self.group, "send", dst, tag, lambda: self._deliver(wire, out, local, peer))
 
     # -- messages to oneself: held by objcomm._api.own_box._OwnBox, encoded, until this rank receives them
     # -------------

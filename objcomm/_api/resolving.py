@@ -11,7 +11,7 @@ from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
-from objcomm._api.call import WIRES_KEPT, Call, Device, check_tag, chosen, tagged, wire_for
+from objcomm._api.call import WIRES_KEPT, Call, Device, Unusable, check_tag, chosen, tagged, wire_for
 from objcomm._api.express import Express
 from objcomm._errors import ObjcommError
 from objcomm._samehost.segments import SEGMENTS, SegmentBook
@@ -99,13 +99,28 @@ class Resolving:
         """
         for value in kwargs.values():
             if value is not None:
-                return self._resolved(kwargs)
+                return self._given_call(kwargs)
         group = self._group()
         held = self._defaults(group)
         if held is None:  # no group, or one that cannot be held weakly
             return self._resolved(kwargs)
         # tuple.__new__: the named tuples' own __new__ is a Python function, one more call on every call
         return _new(Call, (held.options, held.serializer, _new(Wire, (group, *held.wire))))
+
+    def _given_call(self, kwargs: Mapping[str, Any]) -> Call:
+        """:meth:`_call` for a call that gives settings. Where they fail on this rank alone (a serializer name
+        registered on other ranks only, a compression library missing here, a ``max_bytes`` computed out of range),
+        raising here would leave the others' operation to pair with this rank's next one: the rank takes part with
+        its communicator's settings instead, carrying the failure (:class:`~objcomm._api.call.Unusable`), which
+        every rank then raises (a sender's as its error report, a receiver's after the operation)."""
+        try:
+            return self._resolved(kwargs)
+        except Exception as exc:
+            try:
+                fallback = self._resolved({})
+            except Exception:
+                raise exc from None  # the communicator's own settings fail too: nothing to take part with
+            return fallback._replace(serializer=Unusable(exc))
 
     def _resolved(self, kwargs: Mapping[str, Any]) -> Call:
         """:meth:`_call` by resolving ``kwargs``. What follows from the options (the serializer object, the

@@ -31,8 +31,8 @@ posted with ``dist.isend`` and left here (:func:`post`), as MPI's eager protocol
 Messages between two ranks under one tag keep their order: gloo matches a pair's sends and receives under one tag
 in posting order, and a large send (whose slot goes with a blocking send, then its second round) is posted after the
 small ones before it. Large sends, and every send through an NCCL group's backend (where objcomm keeps point-to-point
-blocking), wait for their receivers as before; so does the send an ``isend`` runs in the background through the
-group, whose ``wait()`` returns once its receiver took it there.
+blocking), wait for their receivers as before. The send an ``isend`` runs in the background is eager where a
+blocking send is: its ``wait()`` returns once a small message is posted here.
 
 On one host, send/recv move to the same-host channel (:mod:`objcomm._samehost.channel_slots`) at a collective where no
 rank has a send/recv in flight; a pending send counts as one (:func:`idle`: the vote first waits a moment for the

@@ -142,6 +142,69 @@ def test_frame_naming_an_unregistered_serializer(ranks3):
     assert ranks3.run(unknown_serializer_on_receiver) == ["refused", "sent", "idle"]
 
 
+def _one_of_each(rank: int, world: int, mine: dict) -> dict:
+    """Each operation once, with ``mine`` as this rank's settings (send: rank 1 to rank 0)."""
+    return {
+        "all_gather": lambda: objcomm.all_gather(rank, **mine),
+        "gather": lambda: objcomm.gather(rank, dst=0, **mine),
+        "broadcast from 1": lambda: objcomm.broadcast("b" if rank == 1 else None, src=1, **mine),
+        "broadcast to 1": lambda: objcomm.broadcast("b" if rank == 0 else None, src=0, **mine),
+        "scatter to 1": lambda: objcomm.scatter(list(range(world)) if rank == 0 else None, src=0, **mine),
+        "all_to_all": lambda: objcomm.all_to_all(list(range(world)), **mine),
+        "all_reduce": lambda: objcomm.all_reduce(rank, op="sum", **mine),
+        "reduce": lambda: objcomm.reduce(rank, op="sum", dst=2, **mine),
+        "send": lambda: objcomm.send("s", dst=0, **mine) if rank == 1 else objcomm.recv(src=1) if rank == 0 else 0,
+    }
+
+
+def settings_that_fail_on_one_rank() -> dict:
+    """Rank 1 alone passes settings it cannot use (a serializer registered elsewhere only, a max_bytes out of
+    range, a compression that does not exist): each operation raises, and the next call of every rank pairs with
+    the same call of the others (before: rank 1 raised before taking part, and the others' operation took its
+    next call's object)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    got = {}
+    for setting, bad in {
+        "serializer": {"serializer": "msgpak"},
+        "max_bytes": {"max_bytes": -5},
+        "compression": {"compression": "gzip"},
+    }.items():
+        calls = _one_of_each(rank, world, bad if rank == 1 else {})
+        for name, call in calls.items():
+            try:
+                call()
+                got[setting, name] = "returned"
+            except objcomm.RemoteError as exc:
+                got[setting, name] = ("RemoteError", exc.ranks)
+            except Exception as exc:
+                got[setting, name] = type(exc).__name__
+            assert objcomm.all_gather((setting, name, rank)) == [(setting, name, r) for r in range(world)]
+        # a receive raises before it takes anything: the message waits for the next receive
+        if rank == 0 and "max_bytes" in bad:  # (recv takes no serializer or compression)
+            objcomm.send(setting, dst=1)
+        elif rank == 1 and "max_bytes" in bad:
+            try:
+                objcomm.recv(src=0, **bad)
+            except Exception as exc:
+                got[setting, "recv"] = type(exc).__name__
+            got[setting, "recv", "next"] = objcomm.recv(src=0)
+    return got
+
+
+def test_settings_that_fail_on_one_rank_fail_every_rank_and_keep_the_group_in_step(ranks3):
+    results = ranks3.run(settings_that_fail_on_one_rank)
+    raised = {"serializer": "UnknownSerializerError", "max_bytes": "ValueError", "compression": "ValueError"}
+    for setting, error in raised.items():
+        for name in ("all_gather", "gather", "all_to_all", "all_reduce", "reduce", "broadcast from 1"):
+            assert results[1][setting, name] == error, (setting, name)
+            assert results[0][setting, name] == results[2][setting, name] == ("RemoteError", [1]), (setting, name)
+        for name in ("broadcast to 1", "scatter to 1"):  # rank 1 only receives: it takes part, then raises
+            assert results[1][setting, name] == error, (setting, name)
+            assert results[0][setting, name] == results[2][setting, name] == "returned", (setting, name)
+        assert results[1][setting, "send"] == error and results[0][setting, "send"] == ("RemoteError", [1])
+    assert results[1]["max_bytes", "recv"] == "ValueError" and results[1]["max_bytes", "recv", "next"] == "max_bytes"
+
+
 def limits_on_both_sides() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}

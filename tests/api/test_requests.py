@@ -170,7 +170,7 @@ def _timeouts_and_misuse(rank: int, seen: List[Any]) -> None:
                 misuse()
             except objcomm.ObjcommError as exc:
                 seen.append("refused" if "outstanding" in str(exc) else str(exc))
-        sending = objcomm.isend("early", 1, tag=5)  # gloo: outstanding until rank 1 receives it
+        sending = objcomm.isend("early" + " " * 200_000, 1, tag=5)  # gloo: past 60 KiB, outstanding until received
         try:
             objcomm.send("racing", 1, tag=5)
         except objcomm.ObjcommError as exc:
@@ -183,8 +183,31 @@ def _timeouts_and_misuse(rank: int, seen: List[Any]) -> None:
     elif rank == 1:
         dist.barrier()
         objcomm.send("late", 0, tag=4)
-        seen += [objcomm.recv(0, tag=5), objcomm.recv(0, tag=5)]
+        seen += [objcomm.recv(0, tag=5).rstrip(), objcomm.recv(0, tag=5)]
         objcomm.send("blocking", 0, tag=4)
+
+
+def isend_waited_before_recv(local: bool) -> List[Any]:
+    """Each rank isends a small object, waits for it, then receives the other's (mpi4py's ``isend(...).wait()``
+    then ``recv()``): an isend of a small message completes once posted, as a blocking send does and as MPI's does,
+    through gloo as through the same-host channel (before, through gloo it waited for a receive that came only
+    after it: both ranks until the timeout)."""
+    rank = dist.get_rank()
+    previous = objcomm.configure(local=local)
+    try:
+        got = []
+        for step in range(3):
+            objcomm.isend({"step": step, "from": rank}, dst=1 - rank, tag=6).wait(timeout=20)
+            got.append(objcomm.recv(src=1 - rank, tag=6))
+        return got
+    finally:
+        objcomm.restore(previous)
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_an_isend_of_a_small_message_completes_before_its_receive(local):
+    results = get_pool(2).run(isend_waited_before_recv, local)
+    assert results == [[{"step": s, "from": 1 - r} for s in range(3)] for r in range(2)]
 
 
 def test_timeouts_leave_the_handle_usable_and_misuse_is_an_error():
