@@ -264,7 +264,8 @@ MAX_TAG = INTERNAL_TAG - 1  # objcomm's own messages take the next (the backend 
 
 def check_tag(tag: Any, op: str) -> None:
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
-        raise ValueError(f"{op}: tag must be an int from 0 to {MAX_TAG:,}, got {tag!r}")
+        hint = "; there is no receive from any tag (mpi4py's ANY_TAG): each names its tag" if tag == -1 else ""
+        raise ValueError(f"{op}: tag must be an int from 0 to {MAX_TAG:,}, got {tag!r}{hint}")
 
 
 def tagged(wire: Wire, tag: Any, op: str) -> Wire:
@@ -358,6 +359,35 @@ MPI4PY_NAMES: Dict[str, str] = {
     "PROD": 'pass op="prod"',
     "MIN": 'pass op="min"',
     "MAX": 'pass op="max"',
+    "LAND": "pass op=lambda a, b: a and b",
+    "LOR": "pass op=lambda a, b: a or b",
+    "MAXLOC": "all_reduce((value, rank), lambda a, b: b if b[0] > a[0] else a)",
+    "MINLOC": "all_reduce((value, rank), lambda a, b: b if b[0] < a[0] else a)",
+    "PROC_NULL": "there is no PROC_NULL: skip the call where there is no peer",
+    "ssend": "there is no synchronous send: {on}.send returns once a small message is posted, a large one once taken",
+    "issend": "there is no synchronous send: {on}.isend's wait() returns once a small message is posted",
+    "Split": "use torch.distributed.new_group(ranks), then group=group in each call",
+    "Create_group": "use torch.distributed.new_group(ranks), then group=group in each call",
+    "waitall": "[request.wait() for request in requests]",
+    "waitany": "concurrent.futures.wait([r.get_future() for r in requests], return_when=FIRST_COMPLETED)",
+    "testall": "all(request.is_completed() for request in requests)",
+    # mpi4py's buffer (upper-case) calls: objcomm moves objects, tensors inside them included
+    **{
+        name: f"objcomm moves objects: {{on}}.{ours}(...) (tensors inside them travel as tensors)"
+        for name, ours in (
+            ("Bcast", "broadcast"),
+            ("Scatter", "scatter"),
+            ("Gather", "gather"),
+            ("Allgather", "all_gather"),
+            ("Alltoall", "all_to_all"),
+            ("Reduce", "reduce"),
+            ("Allreduce", "all_reduce"),
+            ("Send", "send"),
+            ("Recv", "recv"),
+            ("Isend", "isend"),
+            ("Irecv", "irecv"),
+        )
+    },
 }
 
 F = TypeVar("F", bound=Callable[..., Any])

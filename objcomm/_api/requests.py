@@ -42,11 +42,14 @@ them (``RemoteError`` on every rank when any rank failed to encode), nothing is 
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import threading
+import time
+import warnings
 import weakref
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -67,7 +70,8 @@ class _Lanes:
     """One group's async state: its shadow group, its lanes, which point-to-point keys are busy, and the messages
     this rank sends itself on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, me: int = -1) -> None:
+        self.me = me  # this process's global rank, for the exit's wait (_at_exit)
         self.lock = threading.Lock()
         self.shadow: Any = None  # the shadow group, or the exception that stopped its set-up (shadow_of)
         self.queues: Dict[Key, Deque[Job]] = {}  # a lane exists while it has work and its thread
@@ -151,8 +155,68 @@ def _lanes(group: Any) -> _Lanes:
     with _LANES_LOCK:
         lanes: Optional[_Lanes] = facts.requests
         if lanes is None:
-            lanes = facts.requests = _Lanes()
+            lanes = facts.requests = _Lanes(dist.get_rank())
+            _LIVE.add(lanes)
         return lanes
+
+
+# -- at exit ---------------------------------------------------------------------------------------------------------
+_LIVE: weakref.WeakSet[_Lanes] = weakref.WeakSet()  # every group's lanes (a group's lanes go with it)
+EXIT_WAIT, EXIT_WAIT_ON_HIGHER = 10.0, 2.0  # seconds, at most: see _at_exit
+
+
+def _outstanding() -> List[Tuple[_Lanes, Key, int]]:
+    """Every lane that has work, with how many operations it holds (the one running among them)."""
+    found = []
+    for lanes in list(_LIVE):
+        with lanes.lock:
+            found += [(lanes, key, len(queue) + 1) for key, queue in lanes.queues.items()]
+    return found
+
+
+def _waits_on_lower(lanes: _Lanes, key: Key) -> bool:
+    """Whether a lane's operation waits on one given rank below this one (see :func:`_at_exit`)."""
+    return key != COLLECTIVES and key[1] is not None and key[1] < lanes.me
+
+
+def _described(lanes: _Lanes, key: Key, count: int) -> str:
+    what = "async collectives" if key == COLLECTIVES else f"{'irecv' if key[0] == 'recv' else 'isend'}"
+    if key != COLLECTIVES:
+        what += f"({'src' if key[0] == 'recv' else 'dst'}={key[1]}, tag={key[2]})"
+    return what if count == 1 else f"{count} x {what}"
+
+
+def _at_exit() -> None:
+    """At exit, an operation still outstanding holds its lane's thread inside torch.distributed (an ``irecv`` whose
+    message never came). If it ends while the interpreter is torn down (its peer exits at that moment, closing the
+    connection), that thread aborts the process (``terminate called without an active exception``, SIGABRT). So the
+    process first waits for them to end: one from a given lower rank up to :data:`EXIT_WAIT` seconds, the others up
+    to :data:`EXIT_WAIT_ON_HIGHER`. Two ranks that wait on each other then end one after the other, the higher after
+    the lower, whose exit ends the higher's wait; a rank whose peer exits meanwhile ends cleanly. What is still
+    outstanding after that is named in a warning."""
+    start = time.monotonic()
+    left = _outstanding()
+    while left:
+        waited = time.monotonic() - start
+        if waited >= EXIT_WAIT or (
+            waited >= EXIT_WAIT_ON_HIGHER and not any(_waits_on_lower(lanes, key) for lanes, key, _ in left)
+        ):
+            break
+        time.sleep(0.01)
+        left = _outstanding()
+    if left:
+        warnings.warn(
+            "objcomm: this process exits with non-blocking operations not completed: "
+            f"{', '.join(_described(*item) for item in left)} (waited {time.monotonic() - start:.1f} s for them). "
+            "wait() for every Request before the end, and post an irecv only for a message that will come (it "
+            "takes the message: post it once, then poll is_completed()); a thread left inside torch.distributed "
+            "can abort the process as it exits",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+
+atexit.register(_at_exit)  # registered after torch (imported first), so it runs before torch's own exit hooks
 
 
 def _resolved(group: Any) -> Any:

@@ -227,7 +227,8 @@ class Resolving:
         if rank is None:
             raise TypeError(f"{what} must be an int rank, got {global_rank!r}")
         if rank not in wire.ranks:
-            raise ValueError(f"{what}={rank} is not a rank of this group (its ranks: {list(wire.ranks)})")
+            hint = _rank_hint(wire, rank, what)
+            raise ValueError(f"{what}={rank} is not a rank of this group (its ranks: {list(wire.ranks)}){hint}")
         return wire.ranks.index(rank)
 
     def _destination(self, call: Call, dst: Any, tag: Any, op: str) -> tuple[Optional[Wire], int]:
@@ -273,3 +274,15 @@ class Resolving:
     def _check_single(rank: Any, what: str) -> None:
         if rank != 0:
             raise ValueError(f"{what}={rank}, but there is no process group: the only rank is 0")
+
+
+def _rank_hint(wire: Wire, rank: int, what: str) -> str:
+    """What a rank outside the group may have meant: mpi4py's constants, or a rank of the group counted from 0."""
+    if rank < 0:
+        if what == "src":
+            return "; to receive from any rank pass src=None (mpi4py's ANY_SOURCE)"
+        return "; there is no PROC_NULL: skip the call where there is no peer"
+    if rank < wire.size and list(wire.ranks) != list(range(wire.size)):
+        meant = wire.ranks[rank]
+        return f"; ranks are global ranks, as in torch.distributed: this group's rank {rank} is global rank {meant}"
+    return ""

@@ -142,6 +142,15 @@ NAMES = {
     "Get_rank": "use torch.distributed.get_rank(group)",
     "ANY_SOURCE": "pass src=None to receive from any rank",
     "SUM": 'pass op="sum"',
+    "LAND": "pass op=lambda a, b: a and b",
+    "MAXLOC": "all_reduce((value, rank), lambda a, b: b if b[0] > a[0] else a)",
+    "PROC_NULL": "there is no PROC_NULL: skip the call where there is no peer",
+    "Split": "use torch.distributed.new_group(ranks), then group=group in each call",
+    "ssend": (
+        "there is no synchronous send: objcomm.send returns once a small message is posted, a large one once taken"
+    ),
+    "waitall": "[request.wait() for request in requests]",
+    "Bcast": "objcomm moves objects: objcomm.broadcast(...) (tensors inside them travel as tensors)",
 }
 
 
@@ -223,3 +232,47 @@ def reduce_with_capitals() -> list:
 
 def test_op_names_in_any_case_on_a_group():
     assert get_pool(2).run(reduce_with_capitals) == [[3, 2, "01", 6], [3, None, "01", 6]]
+
+
+def test_mpi4py_names_on_a_request_and_its_tags():
+    request = objcomm.isend("x", dst=0)  # without a process group: completed at once
+    assert objcomm.recv(src=0) == "x"  # (taken back: the next test's own box starts empty)
+    with pytest.raises(AttributeError, match=re.escape("'test'; if request.is_completed(): obj = request.wait()")):
+        request.test()
+    with pytest.raises(AttributeError, match="'Cancel'; there is no cancel"):
+        request.Cancel()
+    with pytest.raises(AttributeError, match="^'Request' object has no attribute 'nonesuch'$"):
+        request.nonesuch  # noqa: B018
+    with pytest.raises(ValueError, match=re.escape("got -1; there is no receive from any tag (mpi4py's ANY_TAG)")):
+        objcomm.recv(src=0, tag=-1)
+
+
+def ranks_outside_the_group() -> list:
+    """mpi4py's constants for ranks (ANY_SOURCE, PROC_NULL: negative) and a group's ranks counted from 0."""
+    rank = dist.get_rank()
+    subgroup = dist.new_group([1, 2])
+    said = []
+    for call in (
+        lambda: objcomm.recv(src=-2),
+        lambda: objcomm.send("x", dst=-1),
+        lambda: objcomm.broadcast("x", src=0, group=subgroup) if rank else None,
+    ):
+        try:
+            call()
+        except ValueError as exc:
+            said.append(str(exc))
+    return said
+
+
+def test_ranks_outside_the_group_say_what_was_meant(ranks3):
+    said = ranks3.run(ranks_outside_the_group)
+    assert said[0][:2] == said[1][:2] == said[2][:2]
+    assert said[0][0] == (
+        "src=-2 is not a rank of this group (its ranks: [0, 1, 2]); to receive from any rank pass src=None "
+        "(mpi4py's ANY_SOURCE)"
+    )
+    assert said[0][1].endswith("; there is no PROC_NULL: skip the call where there is no peer")
+    assert len(said[0]) == 2 and said[1][2] == said[2][2] == (
+        "src=0 is not a rank of this group (its ranks: [1, 2]); ranks are global ranks, as in torch.distributed: "
+        "this group's rank 0 is global rank 1"
+    )

@@ -210,6 +210,52 @@ def test_an_isend_of_a_small_message_completes_before_its_receive(local):
     assert results == [[{"step": s, "from": 1 - r} for s in range(3)] for r in range(2)]
 
 
+def exit_waits_for_outstanding_receives() -> Any:
+    """What a rank does at exit with an irecv outstanding (``requests._at_exit``, called here, not at a real exit):
+    a thread left inside torch.distributed aborts a process whose peer closes the connection while the interpreter
+    is torn down, so the exit waits for it first. Rank 0's irecv waits on a higher rank: 2 s, then a warning. Rank
+    1's waits on a lower one: until it completes (rank 0 satisfies it once its own wait is over), so that of two
+    ranks waiting on each other the lower ends first, and its exit ends the higher's wait."""
+    import warnings
+
+    from objcomm._api import requests as _requests
+
+    rank = dist.get_rank()
+    pending = objcomm.irecv(src=1 - rank, tag=77)
+    dist.barrier()
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if rank == 1:
+            waiting = threading.Thread(target=_requests._at_exit)
+            waiting.start()
+            objcomm.send("for rank 0", dst=0, tag=78)
+            waiting.join()
+        else:
+            _requests._at_exit()
+    waited = time.monotonic() - started
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if rank == 0:
+        assert objcomm.recv(src=1, tag=78) == "for rank 0"
+        objcomm.send("for rank 1", dst=1, tag=77)  # ends rank 1's wait at its exit
+    got = pending.wait(timeout=30) if rank == 1 else None
+    dist.barrier()
+    if rank == 1:
+        objcomm.send("late", dst=0, tag=77)  # rank 0's irecv, which its exit gave up on
+    else:
+        got = pending.wait(timeout=30)
+    return got, waited, warned
+
+
+def test_the_exit_waits_for_outstanding_receives_lower_ranks_first():
+    results = get_pool(2).run(exit_waits_for_outstanding_receives)
+    got0, waited0, warned0 = results[0]
+    got1, waited1, warned1 = results[1]
+    assert got0 == "late" and got1 == "for rank 1"
+    assert 2.0 <= waited0 < 10.0 and len(warned0) == 1 and "irecv(src=1, tag=77)" in warned0[0], results[0]
+    assert waited1 < 10.0 and warned1 == [], results[1]  # ended by rank 0's message, not its cap
+
+
 def test_timeouts_leave_the_handle_usable_and_misuse_is_an_error():
     results = get_pool(2).run(timeouts_and_misuse)
     assert results[0] == ["timeout", "refused", "refused", "refused", "refused", "late", "blocking"]
