@@ -32,14 +32,25 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")
     try:
-        rank = dist.get_rank()
+        rank, world = dist.get_rank(), dist.get_world_size()
         local = {rank: 1} if rank % 2 == 0 else {}
         merged: dict = {}
-        for part in objcomm.all_gather(local):  # every rank's dict, in rank order
-            merged.update(part)
+        for part in objcomm.all_gather(local, serializer="msgpack"):  # every rank's dict, in rank order
+            merged.update(part)  # (int keys survive msgpack; json would make them strings)
         print(f"P {rank}: {local}", flush=True)
         if rank == 0:
             print(f"All: {merged}", flush=True)
+
+        # the README's other calls
+        config = objcomm.broadcast({"lr": 3e-4} if rank == 0 else None, src=0)
+        everyone = objcomm.gather({"rank": rank}, dst=0)  # a list on rank 0, None elsewhere
+        shard = objcomm.scatter([r * 10 for r in range(world)] if rank == 0 else None, src=0)  # rank r: r * 10
+        assert config == {"lr": 3e-4} and shard == rank * 10
+        assert everyone == ([{"rank": r} for r in range(world)] if rank == 0 else None)
+        if rank == 1:
+            objcomm.send({"done": True}, dst=0)
+        elif rank == 0 and world > 1:
+            assert objcomm.recv(src=1) == {"done": True}
     finally:
         dist.destroy_process_group()
 

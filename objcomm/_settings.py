@@ -194,6 +194,22 @@ def _check_directory(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a directory path or None, got {value!r}")
 
 
+def _check_device(name: str, value: Any) -> None:
+    """A device torch knows, and for CUDA one this process has (else received tensors would fail to land there
+    only once they arrived, as a decoding error)."""
+    import torch  # (imported already: objcomm imports it)
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f'{name} must be a device ("cpu", "cuda", "cuda:1", a torch.device), got {value!r}') from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{name}={value!r}, but this process has no CUDA device (torch.cuda.is_available() is False; torch "
+            f'{torch.__version__}): pass map_location="cpu"'
+        )
+
+
 def _check_serializer(name: str, value: Any) -> None:
     registry.get(value)  # raises UnknownSerializerError naming what is registered
 
@@ -212,7 +228,7 @@ _CHECKS: Dict[str, Callable[[str, Any], None]] = {
     "shm_zero_copy": _check_bool,
     "local": _check_bool,
     "local_spin_us": _check_spin,
-    "map_location": lambda name, value: None,  # torch.device() judges it, in the communicator
+    "map_location": lambda name, value: _check_device(name, value),
     "separate_hosts": _check_hosts,
 }
 
@@ -253,9 +269,17 @@ _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _flag(variable: str) -> Optional[bool]:
-    """``True``/``False`` for a recognised word, ``None`` when unset or anything else."""
+    """``True``/``False`` for a recognised word, ``None`` when unset, empty or ``auto``; anything else raises, naming
+    the variable (a typo such as ``fasle`` was once read as unset)."""
     word = os.environ.get(variable, "").strip().lower()
-    return True if word in _ON else False if word in _OFF else None
+    if word in ("", "auto"):
+        return None
+    if word not in _ON and word not in _OFF:
+        raise ValueError(
+            f"{variable}={os.environ[variable]!r} is not a yes or a no: use one of {', '.join(_ON + _OFF)} "
+            "(or leave it unset)"
+        )
+    return word in _ON
 
 
 def _microseconds(variable: str) -> Optional[int]:

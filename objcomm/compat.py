@@ -360,15 +360,16 @@ class _Patch:
     was in force before it (torch's functions, or the settings of the patch before)."""
 
     def __init__(self, previous: Optional[Dict[str, Options]]) -> None:
-        self._previous = previous
+        self.previous = previous
 
     def __enter__(self) -> _Patch:
+        _PATCHER.enter(self)
         return self
 
     def __exit__(
         self, kind: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
     ) -> None:
-        _PATCHER.switch(self._previous)
+        _PATCHER.leave(self)  # (before a block entered later ends: nothing yet)
 
 
 def patch(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import torch
 from _ranks import get_pool
 
 import objcomm
@@ -62,7 +63,7 @@ def clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
 
 
 def _resolved(comm: objcomm.Communicator, **call: Any) -> _settings.CallOptions:
-    return comm._call(call).options
+    return comm._call(call).usable().options  # (a call whose settings fail carries the failure: raised here)
 
 
 def test_every_knob_has_a_row():
@@ -147,6 +148,27 @@ def test_one_validation_for_every_layer(clean, knob, value, error, message):
         with pytest.raises(error, match=message):
             objcomm.Communicator().all_gather("x", **{knob: value})
     assert objcomm.settings() == objcomm.Settings()  # a refused configure() changes nothing
+
+
+@pytest.mark.parametrize("value", ["nodevice", "cuda"])
+def test_map_location_is_checked_where_it_is_given(clean, value):
+    if value == "cuda" and torch.cuda.is_available():
+        pytest.skip("this process has CUDA: map_location='cuda' is valid here")
+    message = "map_location must be a device" if value == "nodevice" else "this process has no CUDA device"
+    with pytest.raises(ValueError, match=message):
+        objcomm.Communicator(map_location=value)
+    with pytest.raises(ValueError, match=message):
+        objcomm.Communicator().all_gather("x", map_location=value)
+
+
+def test_a_yes_or_no_variable_with_another_word_is_an_error(clean):
+    clean.setenv("OBJCOMM_LOCAL", "fasle")
+    with pytest.raises(ValueError, match="OBJCOMM_LOCAL='fasle' is not a yes or a no: use one of 1, true"):
+        objcomm.configure()
+    for word, local in (("OFF", False), (" yes ", True), ("", True), ("auto", True)):
+        clean.setenv("OBJCOMM_LOCAL", word)
+        objcomm.configure()
+        assert objcomm.settings().local is local, word
 
 
 def test_a_repeated_call_sees_configure_and_restore(clean):

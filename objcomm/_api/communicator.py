@@ -62,6 +62,7 @@ class Communicator(Operations):
         everyone = comm.all_gather({"rank": rank, "loss": 0.25})
     """
 
+    @mpi4py_keywords  # a misspelt keyword (serialiser=) gets the closest one
     def __init__(
         self,
         group: Any = None,

@@ -8,7 +8,7 @@ import functools
 import importlib
 import threading
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -53,6 +53,25 @@ class _Patcher:
         self._originals: Dict[Tuple[ModuleType, str], Any] = {}
         self.settings: Optional[Dict[str, Options]] = None  # per name; None: not patched
         self.functions = {name: _patched(self, name, shim) for name, shim in shims.items()}
+        self._blocks: List[Any] = []  # the with blocks entered and not left, in the order they were entered
+
+    def enter(self, block: Any) -> None:
+        with self._lock:
+            self._blocks.append(block)
+
+    def leave(self, block: Any) -> None:
+        """Put back what was in force before ``block`` (its ``previous``), unless a block entered after it is still
+        open (threads, or exits by hand): that block then puts back what was in force before this one when it ends
+        (before, the later block's exit put this one's settings back for good)."""
+        with self._lock:
+            if block not in self._blocks:
+                return
+            at = self._blocks.index(block)
+            del self._blocks[at]
+            if at < len(self._blocks):
+                self._blocks[at].previous = block.previous
+                return
+        self.switch(block.previous)
 
     def switch(self, settings: Optional[Dict[str, Options]]) -> Optional[Dict[str, Options]]:
         """Put ``settings`` in force (``None``: torch's own functions back); return what was in force."""

@@ -368,9 +368,10 @@ class Stash:
         elif kind in NAMES:
             last = self._last.get(peer)
             if tag or flags or not after(seq, self.done) or (last is not None and not after(seq, last)):
+                article = "an" if NAMES[kind][0] in "aeiou" else "a"
                 self._fail(
                     op,
-                    f"{self._who(peer)} sent a {NAMES[kind]} message with a bad header (collective "
+                    f"{self._who(peer)} sent {article} {NAMES[kind]} message with a bad header (collective "
                     f"#{seq} after #{last} and with #{self.done} finished here, tag {tag}, flags {flags}): "
                     "a duplicate or stale message (did the ranks call different collectives, or broadcast "
                     "or scatter with different src?), or a protocol error",

@@ -279,3 +279,17 @@ def test_patch_settings_reach_objcomm():
     r0, r1 = get_pool(2).run(settings_reach_objcomm)
     assert r0 == ["ContentRefusedError", "RemoteError", [0, 1]]
     assert r1 == ["ContentRefusedError", {"x": 2}, "ContentRefusedError", "RemoteError", [0, 1]]
+
+
+def test_with_blocks_left_out_of_order_put_torch_back():
+    """Two blocks open at once (threads, or exits by hand) that end in the order they began: the first's exit
+    leaves the second's settings in force, the second's puts back what was in force before the first (before, it
+    put the first's settings back, for good)."""
+    first = compat.patch(serializer="json")
+    first.__enter__()
+    second = compat.patch()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert in_force() == "objcomm"
+    second.__exit__(None, None, None)
+    assert in_force() == "torch"

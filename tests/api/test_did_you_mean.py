@@ -276,3 +276,8 @@ def test_ranks_outside_the_group_say_what_was_meant(ranks3):
         "src=0 is not a rank of this group (its ranks: [1, 2]); ranks are global ranks, as in torch.distributed: "
         "this group's rank 0 is global rank 1"
     )
+
+
+def test_a_misspelt_communicator_setting_gets_the_closest_one():
+    with pytest.raises(TypeError, match=re.escape("'serialiser'; did you mean serializer=?")):
+        objcomm.Communicator(serialiser="json")
