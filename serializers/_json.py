@@ -32,6 +32,9 @@ _HINTS = {
     "float": "JSON has no NaN or Infinity; use msgpack or pickle",
 }
 _DEFAULT_HINT = "msgpack or pickle can; or register a codec with serializers.register_type()"
+# what msgpack carries itself (beside JSON's types): for any other value json's hint names pickle and codecs only
+_MSGPACK_CARRIES = {"int", "bytes", "bytearray", "set", "frozenset", "complex", "datetime", "ndarray", "OrderedDict"}
+_CLASS_HINT = "pickle can; or register a codec with serializers.register_type() (for json and msgpack)"
 
 
 def _orjson() -> Any:
@@ -110,7 +113,8 @@ class JsonSerializer(Serializer):
         if kind == "float":
             what = f"float {value!r}"
         where = "in the dict at" if kind == "dict key" else "at"
-        return EncodeError(f"json cannot encode {what} {where} {path}; {_HINTS.get(kind, _DEFAULT_HINT)}")
+        hint = _HINTS.get(kind, _DEFAULT_HINT if kind in _MSGPACK_CARRIES else _CLASS_HINT)
+        return EncodeError(f"json cannot encode {what} {where} {path}; {hint}")
 
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
         with decoding(self.name, data):

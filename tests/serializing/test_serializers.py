@@ -94,6 +94,8 @@ def test_json_converts_tuples_and_refuses_with_a_path():
         s.dumps({"metrics": [1, 2, {3}]})
     with pytest.raises(EncodeError, match=r"dict key 0 \(int\) in the dict at \$\['x'\]"):
         s.dumps({"x": {0: 1}})
+    with pytest.raises(EncodeError, match=r"cannot encode .*_Plain at \$\[.x.\]; pickle can; or register a codec"):
+        s.dumps({"x": _Plain()})  # a class instance: msgpack cannot either, without a codec
 
 
 def test_json_never_writes_nan_as_null():
