@@ -206,7 +206,7 @@ def _check_device(name: str, value: Any) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"{name}={value!r}, but this process has no CUDA device (torch.cuda.is_available() is False; torch "
-            f'{torch.__version__}): pass map_location="cpu"'
+            f'{torch.__version__}): pass {name}="cpu"'
         )
 
 
@@ -229,6 +229,7 @@ _CHECKS: Dict[str, Callable[[str, Any], None]] = {
     "local": _check_bool,
     "local_spin_us": _check_spin,
     "map_location": lambda name, value: _check_device(name, value),
+    "device": lambda name, value: _check_device(name, value),  # a Communicator's (not a knob: no layers)
     "separate_hosts": _check_hosts,
 }
 

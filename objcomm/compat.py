@@ -52,7 +52,7 @@ exactly torch's names (and no ``patch`` shadows ``unittest.mock.patch``); :func:
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any, Collection, Dict, List, Optional, Type
+from typing import Any, Collection, Dict, List, Optional, Tuple, Type
 
 import torch
 
@@ -359,8 +359,8 @@ class _Patch:
     """What :func:`patch` returns: the patch is in force already; as a context manager, leaving puts back what
     was in force before it (torch's functions, or the settings of the patch before)."""
 
-    def __init__(self, previous: Optional[Dict[str, Options]]) -> None:
-        self.previous = previous
+    def __init__(self, switched: Tuple[Optional[Dict[str, Options]], int]) -> None:
+        self.previous, self.order = switched  # what was in force before, and this patch()'s place among them
 
     def __enter__(self) -> _Patch:
         _PATCHER.enter(self)

@@ -159,6 +159,8 @@ def test_map_location_is_checked_where_it_is_given(clean, value):
         objcomm.Communicator(map_location=value)
     with pytest.raises(ValueError, match=message):
         objcomm.Communicator().all_gather("x", map_location=value)
+    with pytest.raises(ValueError, match=message.replace("map_location", "device")):
+        objcomm.Communicator(device=value)  # (before: at its first call, where one rank's failure shifted the others)
 
 
 def test_a_yes_or_no_variable_with_another_word_is_an_error(clean):

@@ -18,7 +18,7 @@ from objcomm._api.handles import Request
 from objcomm._api.operations import Operations
 from objcomm._api.resolving import NO_HOOKS, Held, Hooks, Worked
 from objcomm._samehost import channel_slots as _channel_slots
-from objcomm._settings import call_kwargs, given
+from objcomm._settings import call_kwargs, check, given
 from serializers import SerializerLike
 
 
@@ -86,6 +86,8 @@ class Communicator(Operations):
     ) -> None:
         self.group = group
         self.serializer = serializer
+        if device is not None:
+            check("device", device)  # where it is given, as map_location (before: at the first call, on that rank)
         self.device = device
         self._given = given(
             serializer=serializer,

@@ -53,36 +53,45 @@ class _Patcher:
         self._originals: Dict[Tuple[ModuleType, str], Any] = {}
         self.settings: Optional[Dict[str, Options]] = None  # per name; None: not patched
         self.functions = {name: _patched(self, name, shim) for name, shim in shims.items()}
-        self._blocks: List[Any] = []  # the with blocks entered and not left, in the order they were entered
+        self._blocks: List[Any] = []  # the with blocks entered and not left, in the order of their patch() calls
+        self._patches = 0  # patch() calls so far: each block's place in that order
 
     def enter(self, block: Any) -> None:
         with self._lock:
-            self._blocks.append(block)
+            at = len(self._blocks)
+            while at and self._blocks[at - 1].order > block.order:
+                at -= 1
+            self._blocks.insert(at, block)
 
     def leave(self, block: Any) -> None:
-        """Put back what was in force before ``block`` (its ``previous``), unless a block entered after it is still
-        open (threads, or exits by hand): that block then puts back what was in force before this one when it ends
-        (before, the later block's exit put this one's settings back for good)."""
+        """Put back what was in force before ``block``'s patch() (its ``previous``), unless a block whose patch()
+        came after it is still open (threads, or exits by hand): that block then puts back what was in force before
+        this one when it ends (before, the later block's exit put this one's settings back for good). A block never
+        entered puts its ``previous`` back, as it always did."""
         with self._lock:
-            if block not in self._blocks:
-                return
-            at = self._blocks.index(block)
-            del self._blocks[at]
-            if at < len(self._blocks):
-                self._blocks[at].previous = block.previous
-                return
-        self.switch(block.previous)
+            if block in self._blocks:
+                at = self._blocks.index(block)
+                del self._blocks[at]
+                if at < len(self._blocks):
+                    self._blocks[at].previous = block.previous
+                    return
+            self._switch(block.previous)
 
-    def switch(self, settings: Optional[Dict[str, Options]]) -> Optional[Dict[str, Options]]:
-        """Put ``settings`` in force (``None``: torch's own functions back); return what was in force."""
+    def switch(self, settings: Optional[Dict[str, Options]]) -> Tuple[Optional[Dict[str, Options]], int]:
+        """Put ``settings`` in force (``None``: torch's own functions back); return what was in force, and the
+        place of this switch among the patch() calls."""
         with self._lock:
-            previous = self.settings
-            if settings is not None and previous is None:
-                self._install()
-            elif settings is None and previous is not None:
-                self._restore()
-            self.settings = settings
-            return previous
+            self._patches += 1
+            return self._switch(settings), self._patches
+
+    def _switch(self, settings: Optional[Dict[str, Options]]) -> Optional[Dict[str, Options]]:
+        previous = self.settings
+        if settings is not None and previous is None:
+            self._install()
+        elif settings is None and previous is not None:
+            self._restore()
+        self.settings = settings
+        return previous
 
     def _install(self) -> None:
         if not dist.is_available():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from objcomm._errors import WaitTimeoutError
 
@@ -70,13 +70,15 @@ class Request:
         """
         return self._future
 
-    def __getattr__(self, name: str) -> Any:
-        """Only for names this class lacks: mpi4py's Request methods say what to write instead."""
-        hint = _MPI4PY_REQUEST.get(name)
-        message = f"'Request' object has no attribute {name!r}"
-        if hint is not None:
-            message += f"; {hint} (see docs/from-mpi4py.md)"
-        raise AttributeError(message)
+    if not TYPE_CHECKING:  # type checkers keep refusing unknown attributes
+
+        def __getattr__(self, name: str) -> Any:
+            """Only for names this class lacks: mpi4py's Request methods say what to write instead."""
+            hint = _MPI4PY_REQUEST.get(name)
+            message = f"'Request' object has no attribute {name!r}"
+            if hint is not None:
+                message += f"; {hint} (see docs/from-mpi4py.md)"
+            raise AttributeError(message)
 
     def __repr__(self) -> str:
         state = "completed" if self._future.done() else "pending"

@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import os
+import sys
 import threading
 import time
 import warnings
@@ -186,6 +188,13 @@ def _described(lanes: _Lanes, key: Key, count: int) -> str:
     return what if count == 1 else f"{count} x {what}"
 
 
+def _forget_in_child() -> None:
+    """In a forked child: the parent's lanes are not this process's (their threads did not come along, their locks
+    may be held): its exit waits for none of them."""
+    global _LIVE
+    _LIVE = weakref.WeakSet()
+
+
 def _at_exit() -> None:
     """At exit, an operation still outstanding holds its lane's thread inside torch.distributed (an ``irecv`` whose
     message never came). If it ends while the interpreter is torn down (its peer exits at that moment, closing the
@@ -193,10 +202,12 @@ def _at_exit() -> None:
     process first waits for them to end: one from a given lower rank up to :data:`EXIT_WAIT` seconds, the others up
     to :data:`EXIT_WAIT_ON_HIGHER`. Two ranks that wait on each other then end one after the other, the higher after
     the lower, whose exit ends the higher's wait; a rank whose peer exits meanwhile ends cleanly. What is still
-    outstanding after that is named in a warning."""
+    outstanding after that is named in a warning. A process ending on an uncaught exception (a crash, Ctrl-C) does
+    not wait: its peers are usually stopped after it, never while it is torn down."""
     start = time.monotonic()
     left = _outstanding()
-    while left:
+    crashed = getattr(sys, "last_value", None) is not None  # set where an uncaught exception was printed
+    while left and not crashed:
         waited = time.monotonic() - start
         if waited >= EXIT_WAIT or (
             waited >= EXIT_WAIT_ON_HIGHER and not any(_waits_on_lower(lanes, key) for lanes, key, _ in left)
@@ -216,6 +227,7 @@ def _at_exit() -> None:
         )
 
 
+os.register_at_fork(after_in_child=_forget_in_child)
 atexit.register(_at_exit)  # registered after torch (imported first), so it runs before torch's own exit hooks
 
 

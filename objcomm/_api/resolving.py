@@ -219,7 +219,7 @@ class Resolving:
         return None if group is None else wire_for(group, self.device, options, self._hooks.segments)
 
     @staticmethod
-    def _group_rank(wire: Wire, global_rank: Any, what: str) -> int:
+    def _group_rank(wire: Wire, global_rank: Any, what: str, p2p: bool = False) -> int:
         try:  # an int, or what stands for one (numpy's integers), as torch takes them; never a bool
             rank = None if isinstance(global_rank, bool) else operator.index(global_rank)
         except TypeError:
@@ -227,7 +227,7 @@ class Resolving:
         if rank is None:
             raise TypeError(f"{what} must be an int rank, got {global_rank!r}")
         if rank not in wire.ranks:
-            hint = _rank_hint(wire, rank, what)
+            hint = _rank_hint(wire, rank, what, p2p)
             raise ValueError(f"{what}={rank} is not a rank of this group (its ranks: {list(wire.ranks)}){hint}")
         return wire.ranks.index(rank)
 
@@ -239,7 +239,7 @@ class Resolving:
             self._only_rank(dst, "dst", op)
             return None, 0
         wire = tagged(call.wire, tag, op)
-        return wire, self._group_rank(wire, dst, "dst")
+        return wire, self._group_rank(wire, dst, "dst", p2p=True)
 
     def _source(self, call: Call, src: Any, tag: Any, op: str) -> tuple[Optional[Wire], Optional[int]]:
         """``(the wire of a receive from global rank src under tag, src's group rank)``: None for ``src=None`` (any
@@ -253,7 +253,7 @@ class Resolving:
         wire = tagged(call.wire, tag, op)
         if src is None:
             return wire, (wire.rank if wire.size == 1 else None)
-        return wire, self._group_rank(wire, src, "src")
+        return wire, self._group_rank(wire, src, "src", p2p=True)
 
     @staticmethod
     def _only_rank(rank: Any, what: str, op: str) -> None:
@@ -276,9 +276,10 @@ class Resolving:
             raise ValueError(f"{what}={rank}, but there is no process group: the only rank is 0")
 
 
-def _rank_hint(wire: Wire, rank: int, what: str) -> str:
-    """What a rank outside the group may have meant: mpi4py's constants, or a rank of the group counted from 0."""
-    if rank < 0:
+def _rank_hint(wire: Wire, rank: int, what: str, p2p: bool) -> str:
+    """What a rank outside the group may have meant: mpi4py's constants (send/recv), or a rank of the group counted
+    from 0."""
+    if rank < 0 and p2p:
         if what == "src":
             return "; to receive from any rank pass src=None (mpi4py's ANY_SOURCE)"
         return "; there is no PROC_NULL: skip the call where there is no peer"

@@ -293,3 +293,11 @@ def test_with_blocks_left_out_of_order_put_torch_back():
     assert in_force() == "objcomm"
     second.__exit__(None, None, None)
     assert in_force() == "torch"
+    # entered in another order than their patch() calls (a thread switched out between patch() and __enter__)
+    first, second = compat.patch(serializer="json"), compat.patch()
+    second.__enter__()
+    first.__enter__()
+    second.__exit__(None, None, None)
+    assert in_force() == "objcomm json"
+    first.__exit__(None, None, None)
+    assert in_force() == "torch"

@@ -245,6 +245,8 @@ def test_mpi4py_names_on_a_request_and_its_tags():
         request.nonesuch  # noqa: B018
     with pytest.raises(ValueError, match=re.escape("got -1; there is no receive from any tag (mpi4py's ANY_TAG)")):
         objcomm.recv(src=0, tag=-1)
+    with pytest.raises(ValueError, match=r"got -1$"):  # a send's tag: nothing about receiving
+        objcomm.send("x", dst=0, tag=-1)
 
 
 def ranks_outside_the_group() -> list:
@@ -255,6 +257,7 @@ def ranks_outside_the_group() -> list:
     for call in (
         lambda: objcomm.recv(src=-2),
         lambda: objcomm.send("x", dst=-1),
+        lambda: objcomm.broadcast("x", src=-1),  # a collective's root: no word of ANY_SOURCE
         lambda: objcomm.broadcast("x", src=0, group=subgroup) if rank else None,
     ):
         try:
@@ -272,7 +275,8 @@ def test_ranks_outside_the_group_say_what_was_meant(ranks3):
         "(mpi4py's ANY_SOURCE)"
     )
     assert said[0][1].endswith("; there is no PROC_NULL: skip the call where there is no peer")
-    assert len(said[0]) == 2 and said[1][2] == said[2][2] == (
+    assert said[0][2] == "src=-1 is not a rank of this group (its ranks: [0, 1, 2])"
+    assert len(said[0]) == 3 and said[1][3] == said[2][3] == (
         "src=0 is not a rank of this group (its ranks: [1, 2]); ranks are global ranks, as in torch.distributed: "
         "this group's rank 0 is global rank 1"
     )

@@ -247,6 +247,31 @@ def exit_waits_for_outstanding_receives() -> Any:
     return got, waited, warned
 
 
+def a_forked_child_waits_for_none_of_its_parents_requests() -> Any:
+    """A child forked while an irecv is outstanding: its exit waits for nothing (the parent's lanes, their threads
+    not copied and their locks perhaps held, are forgotten in the child)."""
+    import os
+
+    from objcomm._api import requests as _requests
+
+    rank = dist.get_rank()
+    pending = objcomm.irecv(src=1 - rank, tag=79)
+    dist.barrier()
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if not _requests._outstanding() else 1)
+    _, status = os.waitpid(child, 0)
+    seen = bool(_requests._outstanding())  # the parent's is still there
+    dist.barrier()  # (before either rank sends)
+    objcomm.send(rank, dst=1 - rank, tag=79)
+    return os.waitstatus_to_exitcode(status), seen, pending.wait(timeout=30)
+
+
+def test_a_forked_child_waits_for_none_of_its_parents_requests():
+    results = get_pool(2).run(a_forked_child_waits_for_none_of_its_parents_requests)
+    assert results == [(0, True, 1), (0, True, 0)]
+
+
 def test_the_exit_waits_for_outstanding_receives_lower_ranks_first():
     results = get_pool(2).run(exit_waits_for_outstanding_receives)
     got0, waited0, warned0 = results[0]
