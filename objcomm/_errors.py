@@ -129,9 +129,10 @@ class OpError(ObjcommError):
 
 # -- the failing rank's own exception type ---------------------------------------------------------
 def original(exc: BaseException) -> BaseException:
-    """What really failed: an :class:`EncodeError`'s cause (the serializer's own exception, e.g.
-    ``pickle.PicklingError``) or an :class:`OpError`'s (what the op function raised), else ``exc`` itself."""
-    while isinstance(exc, (EncodeError, OpError)) and exc.__cause__ is not None:
+    """What really failed: an :class:`EncodeError`'s or :class:`DecodeError`'s cause (the serializer's own
+    exception, e.g. ``pickle.PicklingError``, or what unpickling raised) or an :class:`OpError`'s (what the op
+    function raised), else ``exc`` itself."""
+    while isinstance(exc, (EncodeError, DecodeError, OpError)) and exc.__cause__ is not None:
         exc = exc.__cause__
     return exc
 

@@ -244,7 +244,7 @@ CUSTOM = Page(
     },
     expect={
         "import pickle": {'objcomm.all_gather(big_dict, serializer="zlib-pickle") == [big_dict]': True},
-        "from serializers import DecodeError, EncodeError, Serializer": {
+        "from objcomm.serializers import DecodeError, EncodeError, Serializer": {
             'serializers.get("upper").loads(serializers.get("upper").dumps("ab"))': "AB",
             'serializers.get("upper").safe': True,
         },

@@ -4,16 +4,20 @@ collectives on objcomm, taking objcomm's per-call settings, with their arguments
 
 from __future__ import annotations
 
+import functools
 import warnings
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from objcomm._api.communicator import Communicator
 from objcomm._api.functions import all_gather, gather, scatter
+from objcomm._errors import DecodeError, with_original_type
 from objcomm._settings import settings
 from serializers import SerializerLike, registry
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 Options = Mapping[str, Any]  # per-call settings handed to objcomm (serializer=, accept=, ...); None: not given
 
@@ -21,6 +25,22 @@ Options = Mapping[str, Any]  # per-call settings handed to objcomm (serializer=,
 # -- the six, taking objcomm's per-call settings (the shims above and the patched names below) ----------
 
 
+def _torch_types(shim: F) -> F:
+    """``shim``, whose receivers' decoding failures are also instances of what unpickling raised (an
+    ``AttributeError`` for a class the receiver lacks, as torch's object collectives raise it), so that code catching
+    torch's exception keeps catching objcomm's :class:`~objcomm.DecodeError`."""
+
+    @functools.wraps(shim)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return shim(*args, **kwargs)
+        except DecodeError as exc:
+            raise with_original_type(exc) from exc.__cause__
+
+    return cast(F, call)
+
+
+@_torch_types
 def _all_gather_object(
     object_list: List[Any], obj: Any, group: Any = None, weights_only: bool = False, *, options: Options
 ) -> None:
@@ -31,6 +51,7 @@ def _all_gather_object(
     return None
 
 
+@_torch_types
 def _gather_object(
     obj: Any,
     object_gather_list: Optional[List[Any]] = None,
@@ -69,6 +90,7 @@ def _gather_object(
     return None
 
 
+@_torch_types
 def _broadcast_object_list(
     object_list: List[Any],
     src: Optional[int] = None,
@@ -91,6 +113,7 @@ def _broadcast_object_list(
     return None
 
 
+@_torch_types
 def _scatter_object_list(
     scatter_object_output_list: List[Any],
     scatter_object_input_list: Optional[List[Any]] = None,
@@ -152,6 +175,7 @@ def _send_object_list(
     return None
 
 
+@_torch_types
 def _recv_object_list(
     object_list: List[Any],
     src: Optional[int] = None,

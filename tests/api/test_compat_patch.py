@@ -301,3 +301,22 @@ def test_with_blocks_left_out_of_order_put_torch_back():
     assert in_force() == "objcomm json"
     first.__exit__(None, None, None)
     assert in_force() == "torch"
+
+
+def _gone() -> None:
+    raise AttributeError("Can't get attribute 'Gone' on <module '__main__'>")  # what unpickling a missing class says
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        return (_gone, ())
+
+
+def test_a_decoding_failure_is_also_what_unpickling_raised_as_torch_raises_it():
+    compat.patch()
+    with pytest.raises(AttributeError, match="Can't get attribute 'Gone'") as raised:
+        dist.all_gather_object([None], _Unpicklable())
+    assert isinstance(raised.value, objcomm.DecodeError)
+    with pytest.raises(objcomm.DecodeError) as raised:  # objcomm's own call: its own type, unchanged
+        objcomm.all_gather(_Unpicklable())
+    assert not isinstance(raised.value, AttributeError)
