@@ -88,8 +88,7 @@ class Call(NamedTuple):
         try:
             if isinstance(serialized, BaseException):
                 raise serialized
-            if type(self.serializer) is Unusable:
-                raise self.serializer.error
+            self.usable()
             out = _frame.encode(
                 obj,
                 self.serializer,
@@ -123,8 +122,7 @@ class Call(NamedTuple):
         is an error report."""
         for item in incoming:  # looked for here first: most calls have no failure to read
             if item is not None and item.error:
-                if type(self.serializer) is Unusable:  # this rank's own settings failed: that, as it was raised
-                    raise self.serializer.error
+                self.usable()  # this rank's own settings failed: that, as it was raised
                 raise remote_error(op, self.failures(incoming), local, outcome) from local
 
     def usable(self) -> Call:
@@ -135,8 +133,7 @@ class Call(NamedTuple):
         return self
 
     def decode(self, item: Optional[Incoming], sender: int, own: bool = False) -> Any:
-        if type(self.serializer) is Unusable:  # a receiver's own settings failed: it took part, and raises now
-            raise self.serializer.error
+        self.usable()  # a receiver's own settings failed: it took part, and raises now
         if item is None:
             raise CommunicationError(f"no frame arrived from rank {sender}")
         return _frame.decode(

@@ -181,7 +181,7 @@ def _waits_on_lower(lanes: _Lanes, key: Key) -> bool:
     return key != COLLECTIVES and key[1] is not None and key[1] < lanes.me
 
 
-def _described(lanes: _Lanes, key: Key, count: int) -> str:
+def _described(key: Key, count: int) -> str:
     what = "async collectives" if key == COLLECTIVES else f"{'irecv' if key[0] == 'recv' else 'isend'}"
     if key != COLLECTIVES:
         what += f"({'src' if key[0] == 'recv' else 'dst'}={key[1]}, tag={key[2]})"
@@ -216,9 +216,10 @@ def _at_exit() -> None:
         time.sleep(0.01)
         left = _outstanding()
     if left:
+        named = ", ".join(_described(key, count) for _, key, count in left)
         warnings.warn(
-            "objcomm: this process exits with non-blocking operations not completed: "
-            f"{', '.join(_described(*item) for item in left)} (waited {time.monotonic() - start:.1f} s for them). "
+            f"objcomm: this process exits with non-blocking operations not completed: {named} "
+            f"(waited {time.monotonic() - start:.1f} s for them). "
             "wait() for every Request before the end, and post an irecv only for a message that will come (it "
             "takes the message: post it once, then poll is_completed()); a thread left inside torch.distributed "
             "can abort the process as it exits",
