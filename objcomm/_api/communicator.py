@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Optional, Seq
 
 from objcomm._api import reduce as _reduce
 from objcomm._api import requests as _requests
-from objcomm._api.call import Device, mpi4py_keywords, named_op, no_attribute
+from objcomm._api.call import Device
 from objcomm._api.express import NOT_TAKEN
 from objcomm._api.handles import Request
+from objcomm._api.mpi4py_names import mpi4py_keywords, named_op, no_attribute
 from objcomm._api.operations import Operations
 from objcomm._api.resolving import NO_HOOKS, Held, Hooks, Worked
 from objcomm._samehost import channel_slots as _channel_slots

@@ -3,7 +3,7 @@
 The signatures are spelled out (they mirror torch and help IDEs); each body hands its per-call
 options on in one line, ``**call_kwargs(locals())`` (see :mod:`objcomm._settings`). Each function
 answers mpi4py's keywords (``dest=``, ``root=``) with what to write instead
-(:func:`objcomm._api.call.mpi4py_keywords`), and :func:`no_attribute` mpi4py's names (``objcomm.bcast``).
+(:func:`objcomm._api.mpi4py_names.mpi4py_keywords`), and :func:`no_attribute` mpi4py's names (``objcomm.bcast``).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 import torch
 
-from objcomm._api.call import mpi4py_keywords
-from objcomm._api.call import no_attribute as _no_attribute
 from objcomm._api.communicator import Communicator
 from objcomm._api.handles import Request
+from objcomm._api.mpi4py_names import mpi4py_keywords
+from objcomm._api.mpi4py_names import no_attribute as _no_attribute
 from objcomm._settings import call_kwargs
 from serializers import SerializerLike
 
@@ -32,7 +32,7 @@ def _communicator(group: Any) -> Communicator:
 
 def no_attribute(name: str) -> AttributeError:
     """What ``objcomm.<name>`` raises for a name objcomm lacks: for mpi4py's (``bcast``, ``allreduce``, ``SUM``, ...,
-    :data:`objcomm._api.call.MPI4PY_NAMES`), one that says what to write instead."""
+    :data:`objcomm._api.mpi4py_names.MPI4PY_NAMES`), one that says what to write instead."""
     return _no_attribute("module 'objcomm'", "objcomm", name)
 
 

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from _ranks import get_pool
 
 import objcomm
-from objcomm._api import call as _call
 from objcomm._api import functions as _functions
+from objcomm._api import mpi4py_names as _names
 from objcomm._api import reduce as _reduce
 
 pytestmark = pytest.mark.timeout(60)
@@ -180,7 +180,7 @@ def test_mpi4py_names_on_a_communicator():
 
 
 def test_every_name_a_hint_points_to_exists():
-    for hint in _call.MPI4PY_NAMES.values():
+    for hint in _names.MPI4PY_NAMES.values():
         for module, name in re.findall(r"\{on\}\.(\w+)|torch\.distributed\.(\w+)", hint):
             assert (
                 (hasattr(objcomm, module) and hasattr(objcomm.Communicator, module)) if module else hasattr(dist, name)
@@ -196,7 +196,7 @@ def test_the_doc_names_only_what_exists():
     text = DOC.read_text()
     for name in set(re.findall(r"\bobjcomm\.(\w+)", text)) - MPI4PY_ON_THE_PAGE:
         assert hasattr(objcomm, name), name
-    assert MPI4PY_ON_THE_PAGE <= set(_call.MPI4PY_NAMES)
+    assert MPI4PY_ON_THE_PAGE <= set(_names.MPI4PY_NAMES)
     for name in set(re.findall(r"\bdist\.(\w+)", text)):
         assert hasattr(dist, name), name
     for op in _reduce.NAMED_OPS:

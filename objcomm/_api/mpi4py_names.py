@@ -1,0 +1,140 @@
+"""mpi4py's vocabulary in objcomm's calls: what a program ported from mpi4py writes (``dest=``, ``root=``, ``bcast``,
+``"SUM"``, ``MPI.LAND``) and what to write instead (``docs/from-mpi4py.md``): keyword hints on every public function
+and ``Communicator`` method (:func:`mpi4py_keywords`), names looked up on the module or a communicator
+(:func:`no_attribute`), and op names in any case (:func:`named_op`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, TypeVar, cast
+
+from objcomm._api import reduce as _reduce
+
+FROM_MPI4PY = " (objcomm follows torch.distributed's names: see docs/from-mpi4py.md)"
+
+# mpi4py's keyword -> the parameters that mean the same here; a function takes at most one of them
+MPI4PY_KEYWORDS: Dict[str, Tuple[str, ...]] = {
+    "dest": ("dst",),
+    "source": ("src",),
+    "root": ("src", "dst"),  # the root sends (bcast, scatter) or receives (gather, reduce)
+    "sendobj": ("obj", "objs"),
+    "status": ("return_sender",),
+}
+
+# mpi4py's names (of its Comm methods and MPI module) -> what to write instead; {on}: "objcomm" or "Communicator"
+MPI4PY_NAMES: Dict[str, str] = {
+    "bcast": "did you mean {on}.broadcast?",
+    "allgather": "did you mean {on}.all_gather?",
+    "allreduce": "did you mean {on}.all_reduce?",
+    "alltoall": "did you mean {on}.all_to_all?",
+    "sendrecv": "there is no sendrecv: {on}.isend(obj, dst, tag) then {on}.recv(src, tag) does what it does",
+    "scan": "there is no scan: {on}.all_gather(obj) gives every rank's object, to combine those up to this rank's",
+    "exscan": "there is no exscan: {on}.all_gather(obj) gives every rank's object, to combine those before this rank's",
+    "probe": "there is no probe: {on}.irecv(src, tag) gives a Request; its is_completed() says whether it arrived",
+    "iprobe": "there is no iprobe: {on}.irecv(src, tag) gives a Request; its is_completed() says whether it arrived",
+    "barrier": "use torch.distributed.barrier(group)",
+    "Barrier": "use torch.distributed.barrier(group)",
+    "Get_rank": "use torch.distributed.get_rank(group)",
+    "Get_size": "use torch.distributed.get_world_size(group)",
+    "rank": "use torch.distributed.get_rank(group)",
+    "size": "use torch.distributed.get_world_size(group)",
+    "COMM_WORLD": "every call takes group=None, the default group (objcomm.Communicator() holds settings for one)",
+    "ANY_SOURCE": "pass src=None to receive from any rank",
+    "ANY_TAG": "there is no receive from any tag: each recv names its tag",
+    "Status": "recv(..., return_sender=True) returns (sender's global rank, obj)",
+    "SUM": 'pass op="sum"',
+    "PROD": 'pass op="prod"',
+    "MIN": 'pass op="min"',
+    "MAX": 'pass op="max"',
+    "LAND": "pass op=lambda a, b: a and b",
+    "LOR": "pass op=lambda a, b: a or b",
+    "MAXLOC": "all_reduce((value, rank), lambda a, b: b if b[0] > a[0] else a)",
+    "MINLOC": "all_reduce((value, rank), lambda a, b: b if b[0] < a[0] else a)",
+    "PROC_NULL": "there is no PROC_NULL: skip the call where there is no peer",
+    "ssend": "there is no synchronous send: {on}.send returns once a small message is posted, a large one once taken",
+    "issend": "there is no synchronous send: {on}.isend's wait() returns once a small message is posted",
+    "Split": "use torch.distributed.new_group(ranks), then group=group in each call",
+    "Create_group": "use torch.distributed.new_group(ranks), then group=group in each call",
+    "waitall": "[request.wait() for request in requests]",
+    "waitany": "concurrent.futures.wait([r.get_future() for r in requests], return_when=FIRST_COMPLETED)",
+    "testall": "all(request.is_completed() for request in requests)",
+    # mpi4py's buffer (upper-case) calls: objcomm moves objects, tensors inside them included
+    **{
+        name: f"objcomm moves objects: {{on}}.{ours}(...) (tensors inside them travel as tensors)"
+        for name, ours in (
+            ("Bcast", "broadcast"),
+            ("Scatter", "scatter"),
+            ("Gather", "gather"),
+            ("Allgather", "all_gather"),
+            ("Alltoall", "all_to_all"),
+            ("Reduce", "reduce"),
+            ("Allreduce", "all_reduce"),
+            ("Send", "send"),
+            ("Recv", "recv"),
+            ("Isend", "isend"),
+            ("Irecv", "irecv"),
+        )
+    },
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def keyword_hint(name: str, params: Sequence[str], function: str) -> Optional[str]:
+    """What to say about keyword ``name``, which ``function`` (with parameters ``params``) does not take; None:
+    nothing better than Python's own message."""
+    for meant in MPI4PY_KEYWORDS.get(name, ()):
+        if meant == "return_sender" and meant in params:
+            return "did you mean return_sender=True? It returns (sender's global rank, obj)" + FROM_MPI4PY
+        if meant in params:
+            return f"did you mean {meant}=?" + FROM_MPI4PY
+    if name == "root":
+        return f"{function}() has no root: every rank takes part and gets the result" + FROM_MPI4PY
+    if name == "buf":
+        return "objcomm allocates what it receives: leave buf out" + FROM_MPI4PY
+    close = difflib.get_close_matches(name, [p for p in params if p != "self"], n=1, cutoff=0.8)
+    return f"did you mean {close[0]}=?" if close else None
+
+
+def mpi4py_keywords(fn: F) -> F:
+    """``fn``, whose unexpected keyword arguments (mpi4py's ``dest=``, ``source=``, ``root=``, a misspelt one) raise a
+    TypeError that says what to write instead. A call that binds pays nothing but this frame: the names are looked at
+    only once Python refused them."""
+    params = tuple(inspect.signature(fn).parameters)
+    function = fn.__qualname__
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except TypeError:
+            unknown = [key for key in kwargs if key not in params]  # none: the TypeError came from inside fn
+            hint = keyword_hint(unknown[0], params, function) if unknown else None
+            if hint is None:
+                raise
+            raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}; {hint}") from None
+
+    return cast(F, checked)
+
+
+def no_attribute(owner: str, on: str, name: str) -> AttributeError:
+    """The AttributeError for ``name``, which ``owner`` (``"module 'objcomm'"``) lacks: for mpi4py's names, it says
+    what to write instead (``on``: what the calls are made on, ``"objcomm"`` or ``"Communicator"``)."""
+    hint = MPI4PY_NAMES.get(name)
+    message = f"{owner} has no attribute {name!r}"
+    if hint is not None:
+        message += "; " + hint.format(on=on) + FROM_MPI4PY
+    return AttributeError(message)
+
+
+def named_op(op: Any) -> Any:
+    """``op``, with a named op spelt in another case (``"SUM"``, ``"Max"``: mpi4py's ``MPI.SUM`` written as a string) as
+    objcomm names it, so that every rank reduces with the same function whatever case each wrote."""
+    if type(op) is str and op not in _reduce.NAMED_OPS:
+        lower = op.lower()
+        if lower in _reduce.NAMED_OPS:
+            return lower
+    return op
