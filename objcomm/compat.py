@@ -369,7 +369,7 @@ class _Patch:
     def __exit__(
         self, kind: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
     ) -> None:
-        _PATCHER.leave(self)  # (before a block entered later ends: nothing yet)
+        _PATCHER.leave(self)  # (while a block whose patch() came later is open: nothing yet)
 
 
 def patch(

@@ -54,7 +54,7 @@ class _Patcher:
         self.settings: Optional[Dict[str, Options]] = None  # per name; None: not patched
         self.functions = {name: _patched(self, name, shim) for name, shim in shims.items()}
         self._blocks: List[Any] = []  # the with blocks entered and not left, in the order of their patch() calls
-        self._patches = 0  # patch() calls so far: each block's place in that order
+        self._patches = 0  # switches so far (patch() and unpatch() calls): each block's place among them
 
     def enter(self, block: Any) -> None:
         with self._lock:
