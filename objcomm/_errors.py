@@ -166,7 +166,10 @@ def with_original_type(exc: BaseException) -> BaseException:
     cls = also_instance_of(type(exc), type(original(exc)))
     if cls is type(exc):
         return exc
-    copy = cls(*exc.args)
+    try:
+        copy = cls(*exc.args)
+    except Exception:  # the original's constructor wants other arguments (UnicodeDecodeError: five)
+        return exc
     copy.__dict__.update(exc.__dict__)
     copy.__cause__, copy.__traceback__ = exc.__cause__, exc.__traceback__
     return copy

@@ -52,7 +52,7 @@ exactly torch's names (and no ``patch`` shadows ``unittest.mock.patch``); :func:
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any, Collection, Dict, List, Optional, Tuple, Type
+from typing import Any, Collection, Dict, List, Optional, Type
 
 import torch
 
@@ -359,8 +359,14 @@ class _Patch:
     """What :func:`patch` returns: the patch is in force already; as a context manager, leaving puts back what
     was in force before it (torch's functions, or the settings of the patch before)."""
 
-    def __init__(self, switched: Tuple[Optional[Dict[str, Options]], int]) -> None:
-        self.previous, self.order = switched  # what was in force before, and this patch()'s place among them
+    previous: Optional[Dict[str, Options]]  # what was in force before it (see objcomm._api.compat_patch._Patcher)
+    settings: Optional[Dict[str, Options]]
+    order: int
+    state: str
+    displaced: bool
+
+    def __init__(self, settings: Dict[str, Options]) -> None:
+        _PATCHER.begin(self, settings)
 
     def __enter__(self) -> _Patch:
         _PATCHER.enter(self)
@@ -420,7 +426,7 @@ def patch(
     settings: Dict[str, Options] = {
         name: {knob: checked[knob] for knob in _TAKES.get(name, CALL_KNOBS) if knob in checked} for name in __all__
     }
-    return _Patch(_PATCHER.switch(settings))
+    return _Patch(settings)
 
 
 def unpatch() -> None:

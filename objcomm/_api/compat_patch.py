@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib
 import threading
+import weakref
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -54,35 +55,59 @@ class _Patcher:
         self.settings: Optional[Dict[str, Options]] = None  # per name; None: not patched
         self.functions = {name: _patched(self, name, shim) for name, shim in shims.items()}
         self._blocks: List[Any] = []  # the with blocks entered and not left, in the order of their patch() calls
-        self._patches = 0  # switches so far (patch() and unpatch() calls): each block's place among them
+        self._made: weakref.WeakSet[Any] = weakref.WeakSet()  # patch() results not entered (nor left) yet
+        self._patches = 0  # patch() calls so far: each one's place among them
+
+    def begin(self, block: Any, settings: Optional[Dict[str, Options]]) -> None:
+        """A ``patch()``: put ``settings`` in force, ``block`` (what it returns) remembering what was before."""
+        with self._lock:
+            self._patches += 1
+            block.previous, block.settings, block.order = self._switch(settings), settings, self._patches
+            block.state, block.displaced = "made", False
+            self._made.add(block)
 
     def enter(self, block: Any) -> None:
+        """``block``'s ``with`` begins (a second ``with`` of one block does nothing). Where a block that began
+        before it ended in between (threads) and put back what was in force before that one, its settings come back
+        in force."""
         with self._lock:
+            if block.state != "made":
+                return
+            block.state = "open"
+            self._made.discard(block)
             at = len(self._blocks)
             while at and self._blocks[at - 1].order > block.order:
                 at -= 1
             self._blocks.insert(at, block)
+            if block.displaced:
+                self._switch(block.settings)
 
     def leave(self, block: Any) -> None:
         """Put back what was in force before ``block``'s patch() (its ``previous``), unless a block whose patch()
-        came after it is still open (threads, or exits by hand): that block then puts back what was in force before
-        this one when it ends (before, the later block's exit put this one's settings back for good). A block never
-        entered puts its ``previous`` back, as it always did."""
+        came after it is still open (threads, or exits by hand): that one then puts back what was in force before
+        this one when it ends. A patch() made after it and not entered yet (another thread's block between its
+        patch() and its ``with``, or a global patch() inside this block, undone here) now stands on what was before
+        this block. A block left twice does nothing the second time; one never entered puts its ``previous`` back."""
         with self._lock:
-            if block in self._blocks:
+            if block.state == "left":
+                return
+            was_open, block.state = block.state == "open", "left"
+            self._made.discard(block)
+            if was_open:
                 at = self._blocks.index(block)
                 del self._blocks[at]
                 if at < len(self._blocks):
                     self._blocks[at].previous = block.previous
                     return
+            for later in self._made:
+                if later.order > block.order and later.previous is block.settings:
+                    later.previous, later.displaced = block.previous, True
             self._switch(block.previous)
 
-    def switch(self, settings: Optional[Dict[str, Options]]) -> Tuple[Optional[Dict[str, Options]], int]:
-        """Put ``settings`` in force (``None``: torch's own functions back); return what was in force, and the
-        place of this switch among the patch() calls."""
+    def switch(self, settings: Optional[Dict[str, Options]]) -> Optional[Dict[str, Options]]:
+        """Put ``settings`` in force (``None``: torch's own functions back, ``unpatch()``); return what was."""
         with self._lock:
-            self._patches += 1
-            return self._switch(settings), self._patches
+            return self._switch(settings)
 
     def _switch(self, settings: Optional[Dict[str, Options]]) -> Optional[Dict[str, Options]]:
         previous = self.settings

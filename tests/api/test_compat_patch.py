@@ -320,3 +320,35 @@ def test_a_decoding_failure_is_also_what_unpickling_raised_as_torch_raises_it():
     with pytest.raises(objcomm.DecodeError) as raised:  # objcomm's own call: its own type, unchanged
         objcomm.all_gather(_Unpicklable())
     assert not isinstance(raised.value, AttributeError)
+
+
+def test_a_block_that_ends_between_another_patch_and_its_with_leaves_nothing_behind():
+    """One block ends between a second block's patch() and its ``with`` (a thread switched out there): the second
+    block's settings come back in force in its ``with``, and once it ends torch's are; a block left twice does
+    nothing the second time (before, the second exit put back the outer block's settings after both had ended)."""
+    first = compat.patch(serializer="json")
+    first.__enter__()
+    second = compat.patch()
+    first.__exit__(None, None, None)
+    assert in_force() == "torch"
+    with second:
+        assert in_force() == "objcomm"
+    assert in_force() == "torch"
+    with compat.patch(serializer="json"):
+        inner = compat.patch()
+        inner.__enter__()
+        inner.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    assert in_force() == "torch"
+
+
+def test_a_decoding_failure_whose_cause_takes_other_arguments_stays_a_decode_error():
+    bad = b"\xff".decode  # unpickling that raises UnicodeDecodeError, whose constructor wants five arguments
+
+    class Undecodable:
+        def __reduce__(self):
+            return (bad, ("utf-8",))
+
+    compat.patch()
+    with pytest.raises(objcomm.DecodeError, match="could not decode"):
+        dist.all_gather_object([None], Undecodable())
