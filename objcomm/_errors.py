@@ -154,9 +154,23 @@ def _combined(base: type, kind: type) -> type:
         return base
     try:
         namespace = {"__str__": BaseException.__str__, "__module__": base.__module__, "__doc__": base.__doc__}
+        if base.__reduce__ is BaseException.__reduce__:  # (RemoteError has its own)
+            namespace["__reduce__"] = _reduce_combined  # the class exists only at run time: pickle names its parts
         return type(base.__name__, (base, kind), namespace)
     except TypeError:  # e.g. a class that forbids subclassing
         return base
+
+
+def _reduce_combined(exc: BaseException) -> tuple[Any, ...]:
+    base, kind = type(exc).__bases__
+    return _unpickle_combined, (base, kind, exc.args, exc.__dict__)
+
+
+def _unpickle_combined(base: type, kind: type, args: tuple[Any, ...], state: Dict[str, Any]) -> BaseException:
+    """An exception of :func:`also_instance_of`'s class for ``base`` and ``kind``, as it was pickled."""
+    exc: BaseException = _combined(base, kind)(*args)
+    exc.__dict__.update(state)
+    return exc
 
 
 def with_original_type(exc: BaseException) -> BaseException:
