@@ -8,18 +8,8 @@ import concurrent.futures
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from objcomm._api.mpi4py_names import MPI4PY_REQUEST_NAMES, no_attribute
 from objcomm._errors import WaitTimeoutError
-
-# mpi4py's Request methods -> what to write instead
-_MPI4PY_REQUEST = {
-    "test": "if request.is_completed(): obj = request.wait()",
-    "Test": "if request.is_completed(): obj = request.wait()",
-    "Wait": "use request.wait()",
-    "cancel": "there is no cancel: an operation, once issued, completes or fails (wait() says which)",
-    "Cancel": "there is no cancel: an operation, once issued, completes or fails (wait() says which)",
-    "Free": "nothing to free: a finished Request holds nothing",
-    "free": "nothing to free: a finished Request holds nothing",
-}
 
 
 class Request:
@@ -74,11 +64,7 @@ class Request:
 
         def __getattr__(self, name: str) -> Any:
             """Only for names this class lacks: mpi4py's Request methods say what to write instead."""
-            hint = _MPI4PY_REQUEST.get(name)
-            message = f"'Request' object has no attribute {name!r}"
-            if hint is not None:
-                message += f"; {hint} (see docs/from-mpi4py.md)"
-            raise AttributeError(message)
+            raise no_attribute("'Request' object", "request", name, MPI4PY_REQUEST_NAMES)
 
     def __repr__(self) -> str:
         state = "completed" if self._future.done() else "pending"

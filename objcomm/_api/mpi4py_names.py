@@ -80,6 +80,17 @@ MPI4PY_NAMES: Dict[str, str] = {
     },
 }
 
+# mpi4py's Request methods -> what to write instead
+MPI4PY_REQUEST_NAMES: Dict[str, str] = {
+    "test": "if request.is_completed(): obj = request.wait()",
+    "Test": "if request.is_completed(): obj = request.wait()",
+    "Wait": "use request.wait()",
+    "cancel": "there is no cancel: an operation, once issued, completes or fails (wait() says which)",
+    "Cancel": "there is no cancel: an operation, once issued, completes or fails (wait() says which)",
+    "Free": "nothing to free: a finished Request holds nothing",
+    "free": "nothing to free: a finished Request holds nothing",
+}
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -120,10 +131,11 @@ def mpi4py_keywords(fn: F) -> F:
     return cast(F, checked)
 
 
-def no_attribute(owner: str, on: str, name: str) -> AttributeError:
+def no_attribute(owner: str, on: str, name: str, names: Dict[str, str] = MPI4PY_NAMES) -> AttributeError:
     """The AttributeError for ``name``, which ``owner`` (``"module 'objcomm'"``) lacks: for mpi4py's names, it says
-    what to write instead (``on``: what the calls are made on, ``"objcomm"`` or ``"Communicator"``)."""
-    hint = MPI4PY_NAMES.get(name)
+    what to write instead (``on``: what the calls are made on, ``"objcomm"`` or ``"Communicator"``; ``names``:
+    :data:`MPI4PY_NAMES`, or :data:`MPI4PY_REQUEST_NAMES` for a ``Request``)."""
+    hint = names.get(name)
     message = f"{owner} has no attribute {name!r}"
     if hint is not None:
         message += "; " + hint.format(on=on) + FROM_MPI4PY
