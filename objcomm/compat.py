@@ -359,11 +359,7 @@ class _Patch:
     """What :func:`patch` returns: the patch is in force already; as a context manager, leaving puts back what
     was in force before it (torch's functions, or the settings of the patch before)."""
 
-    previous: Optional[Dict[str, Options]]  # what was in force before it (see objcomm._api.compat_patch._Patcher)
-    settings: Optional[Dict[str, Options]]
-    order: int
-    state: str
-    displaced: bool
+    layer: Any  # its place among the patches in force (objcomm._api.compat_patch._Patcher)
 
     def __init__(self, settings: Dict[str, Options]) -> None:
         _PATCHER.begin(self, settings)
@@ -375,7 +371,7 @@ class _Patch:
     def __exit__(
         self, kind: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
     ) -> None:
-        _PATCHER.leave(self)  # (while a block whose patch() came later is open: nothing yet)
+        _PATCHER.leave(self)
 
 
 def patch(
@@ -435,4 +431,4 @@ def unpatch() -> None:
     Restores the exact objects :func:`patch` replaced, on ``torch.distributed`` and
     ``torch.distributed.distributed_c10d``, whatever patches and ``with`` blocks came before.
     """
-    _PATCHER.switch(None)
+    _PATCHER.unpatch()

@@ -46,7 +46,15 @@ def _modules() -> Tuple[ModuleType, ...]:
 
 
 class _Patcher:
-    """Who holds torch's six names: torch's originals, while patched, and the settings in force."""
+    """Who holds torch's six names: torch's originals, while patched, and the settings in force.
+
+    The settings in force are those of the latest *layer*: each ``patch()`` adds one (its block's, whether or not
+    a ``with`` enters it), an ``unpatch()`` inside an open block one of no settings (torch's functions; outside
+    every block it takes every layer away). A block that ends takes away its layer and every layer made after it
+    that no ``with`` holds open: patches and unpatches made inside it, and other threads' blocks made and not
+    entered yet, whose layers come back at their ``with``. So in whatever order threads take their blocks, once
+    every block has ended what is in force is what the patch() and unpatch() calls outside every block say.
+    """
 
     def __init__(self, shims: Dict[str, Callable[..., Any]]) -> None:
         """``shims``: ``objcomm.compat``'s six functions, by name (what the patched names show)."""
@@ -54,69 +62,84 @@ class _Patcher:
         self._originals: Dict[Tuple[ModuleType, str], Any] = {}
         self.settings: Optional[Dict[str, Options]] = None  # per name; None: not patched
         self.functions = {name: _patched(self, name, shim) for name, shim in shims.items()}
-        self._blocks: List[Any] = []  # the with blocks entered and not left, in the order of their patch() calls
-        self._made: weakref.WeakSet[Any] = weakref.WeakSet()  # patch() results not entered (nor left) yet
-        self._patches = 0  # patch() calls so far: each one's place among them
+        self._layers: List[_Layer] = []  # in force, in the order they were made
+        self._away: weakref.WeakSet[_Layer] = weakref.WeakSet()  # taken away before their block's ``with``
+        self._made = 0  # layers made so far: each one's place among them
 
-    def begin(self, block: Any, settings: Optional[Dict[str, Options]]) -> None:
-        """A ``patch()``: put ``settings`` in force, ``block`` (what it returns) remembering what was before."""
+    def begin(self, block: Any, settings: Dict[str, Options]) -> None:
+        """A ``patch()``: ``settings`` in force now, ``block`` (what it returns) holding its layer."""
         with self._lock:
-            self._patches += 1
-            block.previous, block.settings, block.order = self._switch(settings), settings, self._patches
-            block.state, block.displaced = "made", False
-            self._made.add(block)
+            block.layer = self._add(settings, block)
 
     def enter(self, block: Any) -> None:
-        """``block``'s ``with`` begins (a second ``with`` of one block does nothing). Where a block that began
-        before it ended in between (threads) and put back what was in force before that one, its settings come back
-        in force."""
+        """``block``'s ``with`` begins (a second ``with`` of one block does nothing); where its layer was taken
+        away (a block that began before it ended in between), it comes back, in its place."""
         with self._lock:
-            if block.state != "made":
+            layer: _Layer = block.layer
+            if layer.state != "made":
                 return
-            block.state = "open"
-            self._made.discard(block)
-            at = len(self._blocks)
-            while at and self._blocks[at - 1].order > block.order:
-                at -= 1
-            self._blocks.insert(at, block)
-            if block.displaced:
-                self._switch(block.settings)
+            layer.state = "open"
+            if layer in self._away:
+                self._away.discard(layer)
+                self._layers.append(layer)
+                self._layers.sort(key=lambda each: each.order)
+            self._settle()
 
     def leave(self, block: Any) -> None:
-        """Put back what was in force before ``block``'s patch() (its ``previous``), unless a block whose patch()
-        came after it is still open (threads, or exits by hand): that one then puts back what was in force before
-        this one when it ends. A patch() made after it and not entered yet (another thread's block between its
-        patch() and its ``with``, or a global patch() inside this block, undone here) now stands on what was before
-        this block. A block left twice does nothing the second time; one never entered puts its ``previous`` back."""
+        """``block`` ends: its layer and every later one no ``with`` holds open go (a second exit does nothing)."""
         with self._lock:
-            if block.state == "left":
+            layer: _Layer = block.layer
+            if layer.state == "left":
                 return
-            was_open, block.state = block.state == "open", "left"
-            self._made.discard(block)
-            if was_open:
-                at = self._blocks.index(block)
-                del self._blocks[at]
-                if at < len(self._blocks):
-                    self._blocks[at].previous = block.previous
-                    return
-            for later in self._made:
-                if later.order > block.order and later.previous is block.settings:
-                    later.previous, later.displaced = block.previous, True
-            self._switch(block.previous)
+            layer.state = "left"
+            self._away.discard(layer)
+            self._keep(lambda each: each.order < layer.order or each.state == "open")
 
-    def switch(self, settings: Optional[Dict[str, Options]]) -> Optional[Dict[str, Options]]:
-        """Put ``settings`` in force (``None``: torch's own functions back, ``unpatch()``); return what was."""
+    def unpatch(self) -> None:
+        """Torch's functions back: for good outside every block; inside one, until it ends."""
         with self._lock:
-            return self._switch(settings)
+            opened = max((each.order for each in self._layers if each.state == "open"), default=None)
+            if opened is None:
+                self._keep(lambda each: False)
+            else:
+                self._keep(lambda each: each.order <= opened or each.state == "open")
+                self._add(None, None)
 
-    def _switch(self, settings: Optional[Dict[str, Options]]) -> Optional[Dict[str, Options]]:
-        previous = self.settings
-        if settings is not None and previous is None:
+    def _add(self, settings: Optional[Dict[str, Options]], block: Any) -> _Layer:
+        self._made += 1
+        layer = _Layer(self._made, settings, block)
+        self._layers.append(layer)
+        # of two bare layers in a row (repeated patch() calls) the first never shows again, unless a block whose
+        # layer went away between them comes back
+        away = [each.order for each in self._away]
+        self._layers = [
+            each
+            for each, after in zip(self._layers, self._layers[1:] + [None])
+            if after is None
+            or not (each.bare() and after.bare() and not any(each.order < o < after.order for o in away))
+        ]
+        self._settle()
+        return layer
+
+    def _keep(self, kept: Callable[[_Layer], bool]) -> None:
+        """Keep the layers ``kept`` says; a block's layer taken away before its ``with`` may come back there."""
+        layers = []
+        for each in self._layers:
+            if kept(each):
+                layers.append(each)
+            elif each.state == "made" and not each.bare():
+                self._away.add(each)
+        self._layers = layers
+        self._settle()
+
+    def _settle(self) -> None:
+        """Put the latest layer's settings in force (none: torch's own functions)."""
+        settings = self._layers[-1].settings if self._layers else None
+        if settings is not None and self.settings is None:
             self._install()
-        elif settings is None and previous is not None:
+        elif settings is None and self.settings is not None:
             self._restore()
         self.settings = settings
-        return previous
 
     def _install(self) -> None:
         if not dist.is_available():
@@ -133,6 +156,18 @@ class _Patcher:
             if getattr(module, name) is self.functions[name]:  # a name someone else replaced since stays theirs
                 setattr(module, name, original)
         self._originals.clear()
+
+
+class _Layer:
+    """One patch(), or an unpatch() inside a block, in force (see :class:`_Patcher`)."""
+
+    def __init__(self, order: int, settings: Optional[Dict[str, Options]], block: Any) -> None:
+        self.order, self.settings, self.state = order, settings, "made"  # made, open, left
+        self._block = None if block is None else weakref.ref(block)
+
+    def bare(self) -> bool:
+        """Whether no ``with`` can hold it any more: an unpatch(), or a patch() whose result is gone."""
+        return self.state == "made" and (self._block is None or self._block() is None)
 
 
 def _patched(patcher: _Patcher, name: str, shim: Callable[..., Any]) -> Callable[..., Any]:
