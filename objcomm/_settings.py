@@ -80,7 +80,9 @@ class Settings:
       the first-round slot arrives with it, and is accepted whatever the receiver's limit).
     - ``slot_bytes``: per-rank bytes of the first round; smaller frames take one collective.
     - ``chunk_bytes``: largest single transfer of the second round; caps the extra memory a call needs.
-      ``slot_bytes`` and ``chunk_bytes`` shape the messages, so every rank of a group must use the same.
+      ``slot_bytes`` and ``chunk_bytes`` shape the messages, so every rank of a group must use the same (a
+      receiver whose ``chunk_bytes`` is larger than its sender's can take wrong bytes through gloo without an
+      error: docs/security.md; set it alike everywhere, never from a per-rank reading such as free memory).
     - ``inline_tensor_bytes``: tensors up to this size are copied into the frame; larger ones
       travel as tensors with native collectives.
     - ``compression``: ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for payloads a rank sends.

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from objcomm._errors import CommunicationError
+from objcomm._errors import NOT_THERE, CommunicationError
 from objcomm._samehost.inbox import CLASS_OF, CREDIT, HEADER, NAMES, P2P, REST, Key, Stash, after, credit_cost
 from objcomm._transport import call_clock
 
@@ -257,6 +257,7 @@ class Inbox(Stash):
                         if cut
                         else ""
                     )
+                    why += f" ({NOT_THERE})" if key[0] else ""
                     if key[0]:  # the others wait in the same collective: close, so that they learn at once
                         self._fail(op, why)
                     raise CommunicationError(f"{op} over the local channel: {why}; the channel stays open")

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
-from objcomm._errors import CommunicationError
+from objcomm._errors import NOT_THERE, CommunicationError
 from objcomm._samehost.inbox import (
     ALL_GATHER,
     ALL_TO_ALL,
@@ -262,7 +262,7 @@ class Mesh:
                     self._fail(op, f"the connection to rank {peer} closed while this rank waited to send", exc)
                 if not writable:
                     self._unsent(header)
-                    self._fail(op, f"rank {peer} did not read within the timeout of {self.timeout:.0f}s")
+                    self._fail(op, f"rank {peer} did not read within the timeout of {self.timeout:.0f}s ({NOT_THERE})")
             except OSError as exc:  # EPIPE, ECONNRESET: it is gone (EBADF: closed here meanwhile)
                 self._unsent(header)
                 self._inbox.notice_of(peer, op)  # what it sent before it went: where it failed, if it did

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Se
 import torch
 import torch.distributed as dist
 
-from objcomm._errors import CommunicationError
+from objcomm._errors import NOT_THERE, CommunicationError
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
 
@@ -381,7 +381,7 @@ def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
     except RuntimeError as exc:
         raise CommunicationError(
             f"{what} failed on rank {wire.rank} of a group of {wire.size}: {exc}. "
-            "A rank may have crashed, never called this operation, or called a different one; "
+            f"{NOT_THERE[0].upper()}{NOT_THERE[1:]}; "
             "the group's timeout (init_process_group(timeout=...)) bounds how long ranks wait"
         ) from exc
 

@@ -343,7 +343,8 @@ def one_rank_never_arrives() -> object:
     try:
         objcomm.all_gather(rank)
     except objcomm.CommunicationError as exc:
-        return ("CommunicationError", round(time.monotonic() - started, 1), "timeout" in str(exc).lower())
+        said = str(exc)  # the causes it lists include settings that differ (a rank that turned local off, say)
+        return ("CommunicationError", round(time.monotonic() - started, 1), "timeout" in said.lower(), said)
     return "returned"
 
 
@@ -354,8 +355,9 @@ def test_missing_rank_ends_in_an_error_within_the_group_timeout():
     with RankPool(3, pg_timeout=3, timeout=60) as pool:
         results = pool.run(one_rank_never_arrives)
     assert results[1] == "stayed away"
-    for kind, seconds, mentions_timeout in (results[0], results[2]):
+    for kind, seconds, mentions_timeout, said in (results[0], results[2]):
         assert kind == "CommunicationError" and mentions_timeout
+        assert "settings that every rank of a group must share" in said and "chunk_bytes" in said, said
         assert 2 <= seconds < 30
 
 
