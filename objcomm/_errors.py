@@ -82,8 +82,8 @@ Failure = Tuple[str, str]  # (exception type name, message)
 # why a peer did not come, where a wait for it ran out: what a timeout's message lists
 NOT_THERE = (
     "a rank may have crashed, never called this operation, called a different one, or called it with settings "
-    "that every rank of a group must share and this one does not (local, slot_bytes, chunk_bytes, shm, "
-    'shm_threshold, shm_zero_copy, shm_dir: docs/same-host.md, "Settings")'
+    "that every rank of a group must share and this one does not (local, slot_bytes, shm, shm_threshold, "
+    'shm_zero_copy, shm_dir: docs/same-host.md, "Settings")'
 )
 NO_RESULT = "so no rank received a result"  # what a RemoteError says of the call, where every rank raises it
 

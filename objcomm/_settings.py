@@ -79,10 +79,9 @@ class Settings:
     - ``max_bytes``: largest frame sent or accepted (default 8 GiB); checked before allocating (a frame that fits
       the first-round slot arrives with it, and is accepted whatever the receiver's limit).
     - ``slot_bytes``: per-rank bytes of the first round; smaller frames take one collective.
-    - ``chunk_bytes``: largest single transfer of the second round; caps the extra memory a call needs.
-      ``slot_bytes`` and ``chunk_bytes`` shape the messages, so every rank of a group must use the same (a
-      receiver whose ``chunk_bytes`` is larger than its sender's can take wrong bytes through gloo without an
-      error: docs/security.md; set it alike everywhere, never from a per-rank reading such as free memory).
+    - ``chunk_bytes``: largest single transfer of the second round, rounded down to a power of two (at most
+      2 GiB); caps the extra memory a call needs. A sender's slot announces its pieces and receivers take them in
+      those, so ranks may differ; ``slot_bytes`` shapes round 1, so every rank of a group must use the same.
     - ``inline_tensor_bytes``: tensors up to this size are copied into the frame; larger ones
       travel as tensors with native collectives.
     - ``compression``: ``None``, ``"zstd"``, ``"lz4"`` or ``"auto"`` for payloads a rank sends.

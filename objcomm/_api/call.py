@@ -19,6 +19,7 @@ from objcomm._errors import NO_RESULT, CommunicationError, Failure, FrameError, 
 from objcomm._format import frame as _frame
 from objcomm._format.limits import too_large
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing
+from objcomm._format.slot import piece_size
 from objcomm._samehost import shm as _shm
 from objcomm._samehost import two_level as _two_level
 from objcomm._samehost.rests import SameHostRests
@@ -212,7 +213,7 @@ def wire_for(group: Any, device: Device, options: CallOptions, segments: Segment
             rank,
             transport_device,
             options.slot_bytes,
-            options.chunk_bytes,
+            piece_size(options.chunk_bytes),  # (a power of two, which a slot announces)
             options.max_bytes,
             rest_media_for(options, segments),
             slot_medium_for(options),

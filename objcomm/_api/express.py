@@ -41,7 +41,7 @@ from objcomm._errors import CommunicationError, UnknownSerializerError
 from objcomm._format import frame as _frame
 from objcomm._format import plain_slot as _plain_slot
 from objcomm._format.message import Incoming
-from objcomm._format.slot import read_slot
+from objcomm._format.slot import DEFAULT_PIECE, read_slot
 from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._samehost import mesh as _mesh
@@ -109,6 +109,8 @@ class Express:
         if wire is None or not isinstance(wire.slot_medium, _channel_slots.ChannelSlots):
             return None  # the same-host channel is not this call's slot medium
         if not routes.express_possible(compression=call.options.compression is not None, channel_first=True):
+            return None
+        if wire.chunk != DEFAULT_PIECE:  # its slots announce the default pieces (objcomm._format.slot.piece_bits)
             return None
         state = wire.slot_medium.state(wire)
         return None if state is None else Express(call, wire.slot_medium, state)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from objcomm._api.mpi4py_names import MPI4PY_REQUEST_NAMES, no_attribute
@@ -27,11 +28,12 @@ class Request:
         everyone = pending.wait()
     """
 
-    __slots__ = ("_future", "op")
+    __slots__ = ("_future", "_seen", "op")
 
     def __init__(self, op: str, future: concurrent.futures.Future[Any]) -> None:
         self.op = op
         self._future = future
+        self._seen = False  # whether its outcome was asked for (wait(), get_future()); see __del__
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """The operation's result (``None`` for ``isend``), once it completes; or its exception.
@@ -39,12 +41,17 @@ class Request:
         ``timeout``: seconds to wait at most; when they pass first, :class:`~objcomm.WaitTimeoutError`.
         """
         try:
-            return self._future.result(timeout)
+            result = self._future.result(timeout)
+            self._seen = True
+            return result
         except concurrent.futures.TimeoutError:
             raise WaitTimeoutError(
                 f"{self.op} did not complete within {timeout} s; it is still in progress and this handle stays "
                 "usable: call wait() again. If it never completes, a peer has not issued the matching call"
             ) from None
+        except BaseException:
+            self._seen = True
+            raise
 
     def is_completed(self) -> bool:
         """Whether the operation has finished, successfully or not (``wait()`` then returns at once)."""
@@ -58,7 +65,15 @@ class Request:
         and ``result(timeout)`` has a timeout; a ``torch.futures.Future`` has none, and its CUDA-stream
         semantics promise nothing for Python objects. It cannot be cancelled: every rank must take part.
         """
+        self._seen = True  # (its outcome is the future's holder's now)
         return self._future
+
+    def __del__(self) -> None:
+        """A request dropped before anyone asked for its outcome: if it failed, or fails later, a RuntimeWarning
+        says so (as asyncio does for a task's exception never retrieved), since no ``wait()`` will raise it: an
+        ``isend`` not waited for before ``dist.destroy_process_group()``, say, whose message never left."""
+        if not self._seen:
+            self._future.add_done_callback(_warn_if_failed(self.op))
 
     if not TYPE_CHECKING:  # type checkers keep refusing unknown attributes
 
@@ -69,6 +84,21 @@ class Request:
     def __repr__(self) -> str:
         state = "completed" if self._future.done() else "pending"
         return f"<objcomm.Request {self.op} {state}>"
+
+
+def _warn_if_failed(op: str) -> Callable[[concurrent.futures.Future[Any]], None]:
+    def warn(future: concurrent.futures.Future[Any]) -> None:
+        failure = None if future.cancelled() else future.exception()
+        if failure is not None:
+            warnings.warn(
+                f"objcomm: {op} failed and its request was dropped without wait(), so nothing raised it: "
+                f"{type(failure).__name__}: {failure}. Wait for non-blocking requests (Request.wait()) before "
+                "dist.destroy_process_group() or the end of the program",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    return warn
 
 
 class _ThreadState(threading.local):

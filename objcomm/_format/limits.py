@@ -18,6 +18,9 @@ SizesOf = Callable[[memoryview], List[int]]
 
 SCRATCH_BYTES = 1 << 20  # the most a refusing receiver holds while it drains a transfer it will drop
 MAX_SIZE = 1 << 62  # no announced size (frame, tensor, total) may reach this
+# the most pieces one rest may move in (a slot announces its sender's piece size): a sender that announced pieces of a
+# byte would otherwise have its receivers post a receive per byte
+MOST_PIECES = 1 << 18
 
 
 def slot_problem(length: int, total: int, error: bool, inline: bool, sizes: Optional[Sequence[int]]) -> Optional[str]:
@@ -156,7 +159,29 @@ def round_one_ends(infos: Sequence[Any]) -> bool:
 
 
 def slot_problem_of(info: Any) -> Optional[str]:
-    return slot_problem(info.length, info.total, info.error, info.inline is not None, info.sizes)
+    problem = slot_problem(info.length, info.total, info.error, info.inline is not None, info.sizes)
+    return problem or pieces_problem(info.second_round_bytes, info.piece)
+
+
+def pieces_problem(moved: int, piece: int) -> Optional[str]:
+    """What is wrong with moving a rest of ``moved`` bytes in pieces of ``piece``, or ``None``."""
+    if moved <= MOST_PIECES * piece:
+        return None
+    return (
+        f"its rest of {moved:,} bytes would move in more than {MOST_PIECES:,} pieces of {piece:,} bytes "
+        "(the chunk_bytes of its sender: raise it)"
+    )
+
+
+def common_piece(infos: Sequence[Any], op: str) -> int:
+    """The pieces every rank moves the rests of an all_gather or all_to_all in, where each read every slot: the
+    smallest announced, the same on every rank; a FrameError on every rank alike where it cuts the widest rest into
+    too many (naming the rank that announced it)."""
+    piece, sender = min((int(info.piece), r) for r, info in enumerate(infos))
+    problem = pieces_problem(max(info.second_round_bytes for info in infos), piece)
+    if problem:
+        raise inconsistent(op, sender, f"it announced pieces of {piece:,} bytes: the widest {problem[4:]}")
+    return piece
 
 
 def plan(info: Any, sizes_of: SizesOf) -> tuple[Optional[List[int]], Optional[str]]:

@@ -22,7 +22,11 @@ SIZES_UNLISTED = 0xFFFFFFFF
 ERROR_BIT = 1 << 63  # the frame is an error report
 ROUND2_BIT = 1 << 62  # scatter: some rank's part needs a second round
 LISTED_BIT = 1 << 61  # tensor sizes follow the inline frame
-LENGTH_MASK = LISTED_BIT - 1
+PIECE_SHIFT = 56  # bits 56-60: log2 of the sender's piece size (chunk_bytes), XOR DEFAULT_PIECE_LOG2
+PIECE_MASK = 0x1F
+DEFAULT_PIECE_LOG2 = 28  # 256 MiB, the default chunk_bytes: its bits are zero
+DEFAULT_PIECE = 1 << DEFAULT_PIECE_LOG2
+LENGTH_MASK = (1 << PIECE_SHIFT) - 1
 _new = tuple.__new__
 
 
@@ -36,6 +40,7 @@ class SlotInfo(NamedTuple):
     total: int
     inline: Optional[memoryview]
     sizes: Optional[List[int]] = None  # tensor sizes listed in the slot (None: only the frame tells)
+    piece: int = DEFAULT_PIECE  # the sender's piece size: what its rest moves in through the backend
 
     @property
     def second_round_bytes(self) -> int:
@@ -53,14 +58,28 @@ def outgoing_second_round_bytes(out: Outgoing, capacity: int) -> int:
     return second_round_bytes(out.frame_nbytes, out.total, out.frame_nbytes <= capacity)
 
 
-def fill_slot(slot: memoryview, out: Outgoing, limit: int, round2: bool = False) -> None:
-    """Write the slot describing ``out`` (``limit``: the sender's ``max_bytes``) into ``slot``, zeroed."""
+def piece_size(chunk_bytes: int) -> int:
+    """The pieces a rank with ``chunk_bytes`` cuts its transfers into: the largest power of two not above it, at
+    most 2 GiB (what a slot can announce)."""
+    return 1 << min(chunk_bytes.bit_length() - 1, 31)
+
+
+def piece_bits(piece: int) -> int:
+    """The word's bits that announce ``piece`` (a :func:`piece_size`): zero for the default."""
+    return ((piece.bit_length() - 1) ^ DEFAULT_PIECE_LOG2) << PIECE_SHIFT
+
+
+def fill_slot(slot: memoryview, out: Outgoing, limit: int, round2: bool = False, piece: int = DEFAULT_PIECE) -> None:
+    """Write the slot describing ``out`` (``limit``: the sender's ``max_bytes``; ``piece``: its
+    :func:`piece_size`) into ``slot``, zeroed."""
     length = out.frame_nbytes
     sizes = [t.numel() for t in out.tensors] if out.tensors else []
     inline = length <= slot.nbytes - PREFIX.size
     at = PREFIX.size + (length if inline else 0)  # list the tensor sizes here, so a receiver knows every transfer
     listed = bool(sizes or not inline) and at + COUNT.size + 8 * len(sizes) <= slot.nbytes
-    word = length | (ERROR_BIT if out.error else 0) | (ROUND2_BIT if round2 else 0)
+    if length > LENGTH_MASK:
+        raise ValueError(f"a frame of {length:,} bytes: a slot announces at most {LENGTH_MASK:,}")
+    word = length | (ERROR_BIT if out.error else 0) | (ROUND2_BIT if round2 else 0) | piece_bits(piece)
     PREFIX.pack_into(slot, 0, word | (LISTED_BIT if inline and listed else 0), limit, out.total)
     if inline:
         out.copy_frame_into(slot[PREFIX.size : at])
@@ -83,7 +102,9 @@ def read_slot(view: memoryview) -> SlotInfo:
         if count != SIZES_UNLISTED and at + COUNT.size + 8 * count <= view.nbytes:
             sizes = list(struct.unpack_from(f"<{count}Q", view, at + COUNT.size))
     # tuple.__new__: SlotInfo's own __new__ is a Python function, one more call per slot read
-    return _new(SlotInfo, (length, bool(word & ERROR_BIT), bool(word & ROUND2_BIT), limit, total, inline, sizes))
+    piece = 1 << (((word >> PIECE_SHIFT) & PIECE_MASK) ^ DEFAULT_PIECE_LOG2)
+    info = (length, bool(word & ERROR_BIT), bool(word & ROUND2_BIT), limit, total, inline, sizes, piece)
+    return _new(SlotInfo, info)
 
 
 def read_slots(host: memoryview, count: int, slot: int) -> List[SlotInfo]:

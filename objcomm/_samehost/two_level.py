@@ -53,7 +53,7 @@ import torch.distributed as dist
 from objcomm import _state
 from objcomm._errors import CommunicationError
 from objcomm._format.message import Incoming, Outgoing, SizesOf
-from objcomm._format.slot import SlotInfo
+from objcomm._format.slot import DEFAULT_PIECE, SlotInfo
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.channel import LocalChannel
 from objcomm._samehost.channel_checks import agree_on, echo
@@ -129,6 +129,7 @@ class TwoLevel(ChannelSlots):
         got = super().all_gather(wire, slot, op)
         if got is not NOT_USED or op == "gather":  # gather keeps its gather of slots to the destination
             return got
+        wire = wire._replace(chunk=DEFAULT_PIECE)  # round 1: in pieces no rank's settings change (so below)
         here = self.here(wire, op, set_up=True)
         return NOT_USED if here is None else all_gather_fixed(here, wire, slot, wire.slot, op, self.shared_from)
 
@@ -136,6 +137,7 @@ class TwoLevel(ChannelSlots):
         got = super().broadcast(wire, slot, src, op)
         if got is not NOT_USED:
             return got
+        wire = wire._replace(chunk=DEFAULT_PIECE)
         here = self.here(wire, op, set_up=True)
         if here is None:
             return NOT_USED
@@ -145,10 +147,12 @@ class TwoLevel(ChannelSlots):
         return received
 
     def gather(self, wire: Wire, slot: Slot, dst: int, op: str) -> Union[Optional[List[Slot]], NotUsed]:
+        wire = wire._replace(chunk=DEFAULT_PIECE)
         here = self.here(wire, op, set_up=True)
         return NOT_USED if here is None else gather_fixed(here, wire, slot, wire.slot, dst, op)
 
     def share(self, wire: Wire, data: Optional[Slot], length: int, src: int, op: str) -> Union[Slot, NotUsed]:
+        wire = wire._replace(chunk=DEFAULT_PIECE)
         here = self.here(wire, op)  # a gather's round 1 set it up
         if here is None:
             return NOT_USED

@@ -307,9 +307,9 @@ def relay(
     here: Here, wire: Wire, data: Optional[memoryview], length: int, src: int, op: str, keep: bool
 ) -> Optional[memoryview]:
     """Group rank ``src``'s ``length`` bytes (``data`` there) on every rank: through its host's channel to its host,
-    through the leaders' group (broadcasts of ``wire.chunk`` bytes at most) to the other leaders, through their
-    channels to their hosts. ``keep=False``: this rank reads them and drops them (None); a leader still forwards
-    each piece to its host before it reads the next."""
+    through the leaders' group (broadcasts of ``wire.chunk`` bytes, or of one channel message where that is more) to
+    the other leaders, through their channels to their hosts. ``keep=False``: this rank reads them and drops them
+    (None); a leader still forwards each piece to its host before it reads the next."""
     levels = here.levels
     source_host = levels.host_of[src]
     got: Optional[memoryview] = None
@@ -337,16 +337,18 @@ def leaders_broadcast(
     leader = here.leader
     assert leader is not None
     deadline = Deadline(leader, op, f"a relay of {length:,} bytes among the leaders")  # once for every piece
+    # pieces of whole channel messages (powers of two both), which each leader forwards to its host as they come
+    step = max(leader.chunk, CHUNK)
     if here.host == source_host:
         assert got is not None
-        for at in range(0, length, leader.chunk):
+        for at in range(0, length, step):
             deadline.left(at, length)
-            sent = torch.frombuffer(got[at : at + leader.chunk], dtype=torch.uint8)
+            sent = torch.frombuffer(got[at : at + step], dtype=torch.uint8)
             among_leaders(here, op, dist.broadcast, sent, src=leader.ranks[source_host])
         return got
-    into = bytearray(length) if keep else bytearray(min(length, leader.chunk))
-    for at in range(0, length, leader.chunk):
-        n = min(leader.chunk, length - at)
+    into = bytearray(length) if keep else bytearray(min(length, step))
+    for at in range(0, length, step):
+        n = min(step, length - at)
         piece = memoryview(into)[at : at + n] if keep else memoryview(into)[:n]
         deadline.left(at, length)
         among_leaders(

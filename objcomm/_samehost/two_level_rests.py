@@ -28,7 +28,7 @@ import torch
 from objcomm._errors import CommunicationError
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
-from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
+from objcomm._format.slot import DEFAULT_PIECE, SlotInfo, outgoing_second_round_bytes
 from objcomm._samehost.channel_rests import chunks, incoming, pieces, streamed
 from objcomm._samehost.sealed import ALIGN, SealedSegment, SealedTable, map_rows
 from objcomm._samehost.two_level import TwoLevel
@@ -343,7 +343,7 @@ def _to_destination(here: Here, bundle: bytearray, home: int, op: str) -> List[m
     returns every host's (the others: nothing). One batch of sends and receives there, at exact sizes."""
     leader = here.leader
     assert leader is not None
-    batch = Batch(leader._replace(tag=INTERNAL_TAG), "gather")
+    batch = Batch(leader._replace(tag=INTERNAL_TAG, chunk=DEFAULT_PIECE), "gather")  # (bundles: no slot says)
     if here.host != home:
         if len(bundle):
             batch.send(torch.frombuffer(bundle, dtype=torch.uint8), home)

@@ -17,7 +17,7 @@ from objcomm._format.slot import SlotInfo, read_slot
 from objcomm._transport import rounds as _rounds
 from objcomm._transport import routes
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, TreeLevels, Wire, guarded
-from objcomm._transport.bytes import Deadline, broadcast_bytes, host_view, receive_buffer
+from objcomm._transport.bytes import Deadline, at_pieces, broadcast_bytes, host_view, receive_buffer
 from objcomm._transport.call_clock import one_call
 from objcomm._transport.patterns import binomial
 from objcomm._transport.rounds import REFUSE_LIMIT, _agreement_needed, _on_device, _slot, _vote_refusals
@@ -70,7 +70,7 @@ def broadcast_rest(
     wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int, rest_tree: bool = False
 ) -> Incoming:
     """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route."""
-    op = "broadcast"
+    op, wire = "broadcast", at_pieces(wire, info.piece)  # the source's pieces (its own, on the source)
     if not _limits.round_one_ends([info]):
         wire.slot_medium.agree(wire, [info], op)
     sizes, problem = _limits.plan(info, sizes_of)

@@ -57,6 +57,13 @@ def receive_buffer(length: int, wire: Wire) -> Tuple[torch.Tensor, Optional[memo
 FREE_S = 1.0  # seconds a transfer runs before its Deadline asks the group for its timeout
 
 
+def at_pieces(wire: Wire, piece: int) -> Wire:
+    """``wire``, cutting its transfers into pieces of ``piece`` bytes: a sender's, as its slot announced
+    (:func:`objcomm._format.slot.piece_size`), so that a receiver posts the pieces its sender sends whatever its own
+    ``chunk_bytes`` (gloo takes a shorter message into a larger buffer without a word)."""
+    return wire if piece == wire.chunk else wire._replace(chunk=piece)
+
+
 def pieces(length: int, chunk: int) -> range:
     return range(0, length, chunk)
 
@@ -189,14 +196,15 @@ class Batch:
             )
             self.works.append((work, piece.numel()))
 
-    def recv(self, length: int, src: int) -> torch.Tensor:
-        return self.recv_into(zeroed(length, self.wire), src)
+    def recv(self, length: int, src: int, chunk: Optional[int] = None) -> torch.Tensor:
+        return self.recv_into(zeroed(length, self.wire), src, chunk)
 
-    def recv_into(self, buffer: torch.Tensor, src: int) -> torch.Tensor:
-        """Receive into ``buffer`` (bytes on the wire's device, contiguous), returned."""
-        length = buffer.numel()
-        for start in pieces(length, self.wire.chunk):
-            piece = buffer[start : start + self.wire.chunk]
+    def recv_into(self, buffer: torch.Tensor, src: int, chunk: Optional[int] = None) -> torch.Tensor:
+        """Receive into ``buffer`` (bytes on the wire's device, contiguous), returned; in pieces of ``chunk`` bytes
+        (the sender's, where its slot said; default: the wire's)."""
+        length, chunk = buffer.numel(), chunk or self.wire.chunk
+        for start in pieces(length, chunk):
+            piece = buffer[start : start + chunk]
             work = guarded(
                 self.op,
                 self.wire,

@@ -69,7 +69,8 @@ def gather(
         return None
     batch = Batch(wire._replace(tag=INTERNAL_TAG), op)
     rests = [
-        batch.recv(n, r) if n and r != dst else None for r, n in enumerate(info.second_round_bytes for info in infos)
+        batch.recv(info.second_round_bytes, r, info.piece) if info.second_round_bytes and r != dst else None
+        for r, info in enumerate(infos)
     ]
     batch.wait()
     return [

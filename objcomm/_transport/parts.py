@@ -18,6 +18,7 @@ from objcomm._transport.bytes import (
     Batch,
     Deadline,
     all_to_all_bytes,
+    at_pieces,
     empty,
     host_view,
     receive_buffer,
@@ -44,6 +45,7 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         guarded(op, wire, dist.scatter, recv, scatter_list, src=wire.ranks[src], group=wire.group)
         got = host if host is not None else host_view(recv)
     info = read_slot(memoryview(got))
+    wire = at_pieces(wire, info.piece)  # the root's pieces (its own, on the root)
     sizes, problem = _limits.plan(info, sizes_of)
     if info.error or not info.round2:
         if not (problem or info.error or _limits.complete(info)):
@@ -129,6 +131,7 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
             if over
             else _limits.too_large(f"{op}: this rank sends a receiving rank more than its max_bytes", where="there")
         )
+    wire = at_pieces(wire, _limits.common_piece(infos, op))  # every rank read a slot of every rank: the same
     taken = wire.rest_media.all_to_all(wire, outs, infos, _limits.checked_sizes(sizes_of, infos), longest, op)
     if taken is not NOT_USED:
         return taken
@@ -155,7 +158,7 @@ def _slot_table(wire: Wire, outs: Sequence[Outgoing]) -> bytearray:
     table = bytearray(wire.size * wire.slot)
     round2 = any(not o.complete(wire) for o in outs)
     for o, slot in zip(outs, _per_rank(wire, table)):
-        fill_slot(slot, o, wire.max_bytes, round2)
+        fill_slot(slot, o, wire.max_bytes, round2, wire.chunk)
     return table
 
 

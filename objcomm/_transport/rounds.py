@@ -7,7 +7,7 @@ Every operation is one or two rounds:
    sender's ``max_bytes`` and the total bytes the sender will move (frame plus tensors). When the frame fits and
    there are no out-of-band tensors, the call is done.
 2. Frames that did not fit travel again, whole and at their exact size where the collective allows it; then the
-   out-of-band tensors travel as tensors (never through the host on NCCL), each in pieces of at most ``chunk`` bytes.
+   out-of-band tensors travel as tensors (never through the host on NCCL), in the pieces the sender's slot announced.
 
 Every rank that must act on something learns it in round 1, so all ranks decide alike (skip round 2 after an error,
 refuse a payload above a receiver's limit) and none waits for a transfer that never comes. A slot lists the tensor
@@ -26,8 +26,7 @@ receiver's answer (a few µs; it paces the sender) and, on CPU wires, the rest t
 round 1 each operation asks the rest media (:class:`~objcomm._transport.base.RestMedia`) once whether they take the
 rest; on ``NOT_USED`` the transport moves it. The steps after round 1 share one timeout (:mod:`.call_clock`).
 
-This module holds the steps every operation shares, all_gather and send/recv; gather is :mod:`.gather`, broadcast
-:mod:`.broadcast`, scatter and all_to_all :mod:`.parts`.
+The steps every operation shares, all_gather, send/recv; gather: :mod:`.gather`, broadcast: :mod:`.broadcast`.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from objcomm._format.slot import SlotInfo, fill_slot, read_slot, read_slots
 from objcomm._transport import pair_locks, routes
 from objcomm._transport import pending as _pending
 from objcomm._transport.base import NOT_USED, WHOLE, Lease, Route, Wire, all_gather_single, guarded, largest_of
-from objcomm._transport.bytes import Batch, Deadline, host_view, receive_buffer, recv_bytes, zeroed
+from objcomm._transport.bytes import Batch, Deadline, at_pieces, host_view, receive_buffer, recv_bytes, zeroed
 from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.exchange import all_gather_rests
 
@@ -60,7 +59,7 @@ Received = Tuple[int, Incoming, bool]  # (sender, what it sent, whether that is 
 
 def _slot(wire: Wire, out: Outgoing) -> bytearray:
     slot = bytearray(wire.slot)
-    fill_slot(memoryview(slot), out, wire.max_bytes)
+    fill_slot(memoryview(slot), out, wire.max_bytes, piece=wire.chunk)
     return slot
 
 
@@ -79,7 +78,7 @@ def _agreement_needed(wire: Wire, info: SlotInfo, op: str) -> bool:
     """
     if info.sizes is None:
         return True
-    largest = _limits.largest_piece(0 if info.inline is not None else info.length, info.sizes, wire.chunk)
+    largest = _limits.largest_piece(0 if info.inline is not None else info.length, info.sizes, info.piece)
     return routes.agreement_needed(
         sizes_listed=True,
         largest_piece=largest,
@@ -140,6 +139,7 @@ def all_gather_rest(
     if ends:  # after an error, or in the common small case: one collective, done
         return _round_one(infos)
     _limits.check_limits(infos, range(wire.size), op)
+    wire = at_pieces(wire, _limits.common_piece(infos, op))  # every rank read every slot: the same on all
     taken = wire.rest_media.all_gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), op)
     if taken is not NOT_USED:
         return taken
@@ -369,7 +369,7 @@ def _received(
     message: int,
     after: Optional[memoryview],
 ) -> Received:
-    op = "recv"
+    op, wire = "recv", at_pieces(wire, info.piece)  # (its slot says in what pieces the sender sends its rest)
     problem = _limits.slot_problem_of(info)
     if problem:  # the sender finds the same in its slot and raises too
         raise _limits.inconsistent(op, sender, problem)

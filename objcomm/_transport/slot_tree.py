@@ -10,6 +10,7 @@ from typing import Optional, Union
 
 import torch
 
+from objcomm._format.slot import DEFAULT_PIECE
 from objcomm._transport.base import INTERNAL_TAG, Wire
 from objcomm._transport.bytes import Batch, Deadline, host_view, zeroed
 from objcomm._transport.patterns import binomial
@@ -43,7 +44,7 @@ def gather_up_tree(
     mine = [bytes(view[j * width : (j + 1) * width]).rstrip(b"\0") for j in range(count)]
     lengths = zeroed(4 * count * span, wire)  # (zeroed: a short child's lengths read 0, never old memory)
     lengths[: 4 * count].copy_(torch.tensor([len(m) for m in mine], dtype=torch.int32).view(torch.uint8))
-    wire = wire._replace(tag=INTERNAL_TAG)
+    wire = wire._replace(tag=INTERNAL_TAG, chunk=DEFAULT_PIECE)  # (round 1: in pieces no rank's settings change)
     batch = Batch(wire, op)
     # one deadline for the three waits: a child that holds back each of its two messages just within the group's
     # timeout would otherwise hold this rank for twice it, while the ranks that finished at once time out waiting

@@ -357,7 +357,7 @@ def test_missing_rank_ends_in_an_error_within_the_group_timeout():
     assert results[1] == "stayed away"
     for kind, seconds, mentions_timeout, said in (results[0], results[2]):
         assert kind == "CommunicationError" and mentions_timeout
-        assert "settings that every rank of a group must share" in said and "chunk_bytes" in said, said
+        assert "settings that every rank of a group must share" in said and "shm_threshold" in said, said
         assert 2 <= seconds < 30
 
 

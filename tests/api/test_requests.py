@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import statistics
 import threading
 import time
+import warnings
 from typing import Any, Dict, List
 
 import pytest
@@ -297,6 +299,21 @@ def test_without_process_group_handles_complete_at_once():
         objcomm.isend("x", dst=1).wait()
     with pytest.raises(objcomm.EncodeError):
         objcomm.Communicator(serializer="json").all_gather({1}, async_op=True).wait()
+
+
+def test_a_failed_request_dropped_without_wait_warns():
+    """Nobody asked for its outcome, so no wait() raises its failure: a RuntimeWarning says so (the case met: an
+    isend not waited for before dist.destroy_process_group(), whose message never left, and nothing said so)."""
+    with pytest.warns(RuntimeWarning, match="all_gather failed and its request was dropped without wait"):
+        objcomm.Communicator(serializer="json").all_gather({1}, async_op=True)
+        gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failure waited for, or whose future was taken, is the caller's
+        with pytest.raises(objcomm.EncodeError):
+            objcomm.Communicator(serializer="json").all_gather({1}, async_op=True).wait()
+        objcomm.Communicator(serializer="json").all_gather({1}, async_op=True).get_future()
+        objcomm.all_gather({1}, async_op=True)  # succeeded: nothing to say
+        gc.collect()
 
 
 def on_subgroup() -> Any:

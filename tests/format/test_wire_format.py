@@ -254,8 +254,15 @@ def test_golden_slot_parses_and_is_filled_again_byte_for_byte(shape):
     assert len(data) == gen.SLOT_BYTES
     assert gen.fill(shape, out) == data
     if shape != "round2":  # scatter writes round-2 slots; everything else builds them with _slot
-        wire = _rounds.Wire(None, [0], 0, torch.device("cpu"), gen.SLOT_BYTES, 1 << 20, gen.SLOT_LIMIT)
+        wire = _rounds.Wire(None, [0], 0, torch.device("cpu"), gen.SLOT_BYTES, _slot.DEFAULT_PIECE, gen.SLOT_LIMIT)
         assert bytes(_rounds._slot(wire, out)) == data
+        # a sender with other pieces (chunk_bytes) announces them in bits 56-60 of the word, and nothing else changes
+        other = bytearray(_rounds._slot(wire._replace(chunk=1 << 20), out))
+        word = int.from_bytes(other[:8], "little")
+        assert word >> _slot.PIECE_SHIFT & _slot.PIECE_MASK == 20 ^ _slot.DEFAULT_PIECE_LOG2
+        assert _slot.read_slot(memoryview(other)).piece == 1 << 20
+        other[:8] = (word & ~(_slot.PIECE_MASK << _slot.PIECE_SHIFT)).to_bytes(8, "little")
+        assert bytes(other) == data
 
     inline, sizes, listed_bit = SHAPES[shape]
     info = _slot.read_slot(memoryview(data))

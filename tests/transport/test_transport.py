@@ -4,6 +4,7 @@ pieces bounded by the group's timeout once."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -218,3 +219,82 @@ def test_a_peer_that_drips_its_parts_is_bounded_by_the_group_timeout(case):
     raised, elapsed = get_pool(2).run(drips_its_parts, case, timeout=120)[0]
     assert raised == "CommunicationError", (raised, elapsed)
     assert elapsed < 2 * TIMEOUT_S + 1.5, elapsed  # a deadline per part: PARTS * DRIP_S = 6 s
+
+
+PIECES = [1 << 16, 256 << 20, 3 << 14]  # chunk_bytes of ranks 0, 1, 2: pieces of 64 KiB, 256 MiB, 32 KiB
+
+
+def _payload(rank: int, to: int = -1) -> Any:
+    """A frame past the slot and a 1 MiB tensor, both many pieces of the smallest chunk_bytes above."""
+    return {"from": rank, "to": to, "blob": bytes([rank + 1]) * 300_000, "t": torch.arange(1 << 18) * (rank + 3 + to)}
+
+
+def _same(got: Any, want: Any) -> bool:
+    return got["blob"] == want["blob"] and torch.equal(got["t"], want["t"]) and got["from"] == want["from"]
+
+
+def ranks_that_cut_alike_nothing(k: int = 0) -> list:
+    """Every rank of a group with its own chunk_bytes, through the backend (``k``: on two levels, hosts of ``k``
+    ranks, whose leaders move the rests): each op delivers exactly what was sent (before, a receiver whose pieces
+    were larger than its sender's took the first piece into its buffer and returned the rest as it was, without an
+    error; one whose pieces were smaller made gloo abort)."""
+    if k:
+        os.environ["OBJCOMM_TEST_RANKS_PER_HOST"] = str(k)
+        previous = objcomm.configure()
+        try:
+            return ranks_that_cut_alike_nothing()
+        finally:
+            del os.environ["OBJCOMM_TEST_RANKS_PER_HOST"]
+            objcomm.restore(previous)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hosts = os.environ.get("OBJCOMM_TEST_RANKS_PER_HOST") is not None
+    comm = objcomm.Communicator(local=hosts, shm=False, chunk_bytes=PIECES[rank % len(PIECES)])
+    seen = []
+    seen.append(all(_same(g, _payload(r)) for r, g in enumerate(comm.all_gather(_payload(rank)))))
+    for root in range(world):
+        seen.append(_same(comm.broadcast(_payload(root) if rank == root else None, src=root), _payload(root)))
+        got = comm.gather(_payload(rank), dst=root)
+        seen.append(got is None if rank != root else all(_same(g, _payload(r)) for r, g in enumerate(got)))
+        parts = [_payload(root, r) for r in range(world)] if rank == root else None
+        got = comm.scatter(parts, src=root)
+        seen.append(_same(got, _payload(root, rank)) and got["to"] == rank)
+    got = comm.all_to_all([_payload(rank, r) for r in range(world)])
+    seen.append(all(_same(g, _payload(r, rank)) for r, g in enumerate(got)))
+    request = comm.isend(_payload(rank), dst=(rank + 1) % world)
+    seen.append(_same(comm.recv(src=(rank - 1) % world), _payload((rank - 1) % world)))
+    request.wait()
+    total = comm.all_reduce(_payload(rank)["t"], op=lambda a, b: a + b)
+    seen.append(torch.equal(total, sum(_payload(r)["t"] for r in range(world))))
+    return seen
+
+
+@pytest.mark.parametrize("world, k", [(3, 0), (8, 4)], ids=["flat", "two-levels"])
+def test_ranks_with_other_chunk_bytes_receive_what_was_sent(world, k):
+    """Each slot announces its sender's pieces; receivers post those (docs/wire-format.md section 5)."""
+    for rank, seen in enumerate(get_pool(world).run(ranks_that_cut_alike_nothing, k, timeout=150)):
+        assert seen == [True] * len(seen), f"rank {rank}: {seen}"
+
+
+def pieces_of_a_byte() -> list:
+    """Rank 0 announces pieces of one byte (a liar, or chunk_bytes=1) for rests of 300,000 bytes: more pieces than
+    MOST_PIECES, refused before a receive is posted, by each rank that holds the slot (in an all_gather rank 0's own
+    rest is small: the widest, rank 1's, would move in its pieces)."""
+    rank = dist.get_rank()
+    wire = _wire()._replace(slot=4096, chunk=1 if rank == 0 else 1 << 20)
+    seen = []
+    for call in (
+        lambda: (
+            _rounds.send(wire, Outgoing(_frame(0, 300_000)), 1) if rank == 0 else _rounds.recv(wire, 0, _no_tensors)
+        ),
+        lambda: _rounds.all_gather(wire, Outgoing(_frame(rank, 10 if rank == 0 else 300_000)), _no_tensors),
+    ):
+        try:
+            call()
+            seen.append("went")
+        except objcomm.FrameError as exc:
+            seen.append("pieces of 1 bytes" in str(exc) and "262,144" in str(exc))
+    return seen
+
+
+def test_a_rest_in_too_many_pieces_is_refused_by_every_rank_that_holds_its_slot():
+    assert get_pool(2).run(pieces_of_a_byte) == [[True, True], [True, True]]
