@@ -45,9 +45,17 @@ def echo(channel: _channel.LocalChannel, seen: bytes, spin: Optional[float], op:
             )
 
 
-def agree_on(channel: _channel.LocalChannel, spin: Optional[float], infos: Sequence[SlotInfo], op: str) -> None:
+def agree_on(
+    channel: _channel.LocalChannel,
+    spin: Optional[float],
+    infos: Sequence[SlotInfo],
+    op: str,
+    shared_from: Optional[int] = None,
+) -> None:
     """:func:`echo` of everything round 1 said that a decision reads: the words, and a frame the slot carried (its
-    tensor table decides refusals and the second round's route)."""
+    tensor table decides refusals and the second round's route); and ``shared_from``, this rank's ``shm_threshold``
+    where ``shm`` is on, which picks the rest's medium with them (ranks that differ there would wait on different
+    media: a gloo abort, or the group's timeout)."""
     view = [
         (
             i.length,
@@ -60,7 +68,8 @@ def agree_on(channel: _channel.LocalChannel, spin: Optional[float], infos: Seque
         )
         for i in infos
     ]
-    echo(channel, repr(view).encode(), spin, op, "round-1 slots")
+    seen = repr((view, shared_from)).encode()
+    echo(channel, seen, spin, op, "round-1 slots, or has other shared-memory settings (shm, shm_threshold),")
 
 
 PASSED = b"\x01"  # what every rank echoes once it found every rank's digest alike (echo)

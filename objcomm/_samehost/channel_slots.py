@@ -156,6 +156,9 @@ class ChannelSlots:
 
     separate: Union[bool, int] = False  # tests: every rank its own host (True), or hosts of k ranks
     spin_us: Optional[int] = None  # the local_spin_us setting: µs a wait polls before sleeping; None: automatic
+    # shm_threshold where shm is on, else None: where shared memory takes a rest (and, on two levels, a table of
+    # slots); every rank echoes it with round 1 (agree), so that ranks whose settings differ raise, not diverge
+    shared_from: Optional[int] = None
 
     @property
     def spin(self) -> Optional[float]:
@@ -340,7 +343,7 @@ class ChannelSlots:
     def agree(self, wire: Wire, infos: Sequence[SlotInfo], op: str) -> None:
         found = self.channel_of(wire, op)
         if found is not None:
-            agree_on(found[0], found[1], infos, op)
+            agree_on(found[0], found[1], infos, op, self.shared_from)
             # every rank of the group echoed (on one host): where round 1 was one rank's slot to all (a broadcast's,
             # a scatter's) this is the first moment every rank is here; the steps after share one timeout
             call_clock.round_one_done()

@@ -83,8 +83,6 @@ class TwoLevel(ChannelSlots):
     """The same-host channel's slot medium (:class:`ChannelSlots`), which on a group that spans hosts
     moves the slots of all_gather, gather and broadcast, and the votes of a call, through two levels."""
 
-    shared_from: Optional[int] = None  # an all_gather's table of slots reaches a host in one shared file from here
-
     def here(self, wire: Wire, op: str, set_up: bool = False) -> Optional[Here]:
         """This call's two levels, or None where the flat path moves it (the same answer on every rank).
         ``set_up``: learn the group's hosts first if they are not known yet (round 1 of a collective only)."""
@@ -191,7 +189,7 @@ class TwoLevel(ChannelSlots):
         here = self.here(wire, op)
         # (a gather's round 1 went through the group: its slots only to the destination, unless one failed)
         if op != "gather" and here is not None and here.channel is not None:  # the leaders read alike: the backend
-            agree_on(here.channel, here.spin, infos, op)
+            agree_on(here.channel, here.spin, infos, op, self.shared_from)
 
 
 @dataclass(frozen=True)

@@ -411,3 +411,32 @@ def closes_with_credit_unread() -> Dict[str, Any]:
 def test_a_sender_that_closes_right_after_sending_loses_nothing():
     _, one = get_pool(2).run(closes_with_credit_unread, timeout=120)
     assert one == {"got": 2000}, one
+
+
+def differs_in_shared_memory(op: str) -> Dict[str, Any]:
+    """Rank 1 of 3 has shared memory on (the others off) for a 4 MiB rest: it would wait for shared memory where
+    the others move the rest through the backend (a review's find: gloo aborted a process, or the group's timeout
+    passed). Its shm_threshold goes with the echo of round 1: every rank raises at that call, naming the settings;
+    then a call with the same settings everywhere returns."""
+    import torch
+
+    rank = dist.get_rank()
+    group, alike = _three_rank_group()
+    odd = objcomm.Communicator(group, local=True, shm=rank == 1)
+    report: Dict[str, Any] = {}
+    big = torch.full((4 << 20,), rank, dtype=torch.uint8)
+    try:
+        odd.all_gather(big) if op == "all_gather" else odd.broadcast(big if rank == 0 else None, src=0)
+        report["first"] = "returned"
+    except objcomm.CommunicationError as exc:
+        report["first"] = "shared-memory settings (shm, shm_threshold)" in str(exc) or str(exc)
+    report["next"] = alike.all_gather(rank)
+    return _resync(report)
+
+
+@pytest.mark.parametrize("op", ["all_gather", "broadcast"])
+def test_ranks_whose_shared_memory_settings_differ_raise_at_that_call(op):
+    reports = get_pool(3).run(differs_in_shared_memory, op, timeout=120)
+    assert [r["world"] for r in reports] == [3.0] * 3  # every process alive, the world group in step
+    assert [r["first"] for r in reports] == [True] * 3, reports
+    assert [r["next"] for r in reports] == [[0, 1, 2]] * 3, reports
