@@ -69,7 +69,7 @@ def agree_on(
         for i in infos
     ]
     seen = repr((view, shared_from)).encode()
-    echo(channel, seen, spin, op, "round-1 slots, or has other shared-memory settings (shm, shm_threshold),")
+    echo(channel, seen, spin, op, "round-1 slots, or has other shared memory settings (shm, shm_threshold),")
 
 
 PASSED = b"\x01"  # what every rank echoes once it found every rank's digest alike (echo)

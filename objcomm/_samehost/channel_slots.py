@@ -337,8 +337,21 @@ class ChannelSlots:
         return [list(packing.unpack(data)) for data in got]
 
     def largest(self, wire: Wire, values: Sequence[int], op: str) -> Union[List[int], NotUsed]:
-        rows = self.gather_words(wire, values, op)
-        return rows if rows is NOT_USED else [max(column) for column in zip(*rows)]
+        """The element-wise maximum of every rank's ``values``; with them goes this rank's :attr:`shared_from`, and
+        where the ranks' differ every rank raises here, alike (they read the same rows), before any rest moves: one
+        would wait for shared memory where another sends through the backend."""
+        rows = self.gather_words(wire, [*values, -1 if self.shared_from is None else self.shared_from], op)
+        if rows is NOT_USED:
+            return rows
+        if any(row[-1] != rows[0][-1] for row in rows):
+            shown = ", ".join(
+                f"rank {r}: {'off' if row[-1] < 0 else f'from {row[-1]:,} bytes'}" for r, row in enumerate(rows)
+            )
+            raise CommunicationError(
+                f"{op}: the ranks' shared memory settings differ ({shown}); every rank of a group must use the same "
+                "shm and shm_threshold. Nothing more of this call moved, on any rank"
+            )
+        return [max(column) for column in zip(*rows)][:-1]
 
     def agree(self, wire: Wire, infos: Sequence[SlotInfo], op: str) -> None:
         found = self.channel_of(wire, op)

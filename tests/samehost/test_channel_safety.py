@@ -416,8 +416,9 @@ def test_a_sender_that_closes_right_after_sending_loses_nothing():
 def differs_in_shared_memory(op: str) -> Dict[str, Any]:
     """Rank 1 of 3 has shared memory on (the others off) for a 4 MiB rest: it would wait for shared memory where
     the others move the rest through the backend (a review's find: gloo aborted a process, or the group's timeout
-    passed). Its shm_threshold goes with the echo of round 1: every rank raises at that call, naming the settings;
-    then a call with the same settings everywhere returns."""
+    passed). Its shm_threshold goes with the echo of round 1 (all_gather, broadcast) or with the vote before the
+    rest (scatter, all_to_all): every rank raises at that call, naming the settings; then a call with the same
+    settings everywhere returns."""
     import torch
 
     rank = dist.get_rank()
@@ -425,16 +426,24 @@ def differs_in_shared_memory(op: str) -> Dict[str, Any]:
     odd = objcomm.Communicator(group, local=True, shm=rank == 1)
     report: Dict[str, Any] = {}
     big = torch.full((4 << 20,), rank, dtype=torch.uint8)
+    calls = {
+        "all_gather": lambda: odd.all_gather(big),
+        "broadcast": lambda: odd.broadcast(big if rank == 0 else None, src=0),
+        "scatter": lambda: odd.scatter([big] * 3 if rank == 0 else None, src=0),
+        "all_to_all": lambda: odd.all_to_all([big] * 3),
+    }
+    started = time.monotonic()
     try:
-        odd.all_gather(big) if op == "all_gather" else odd.broadcast(big if rank == 0 else None, src=0)
+        calls[op]()
         report["first"] = "returned"
     except objcomm.CommunicationError as exc:
-        report["first"] = "shared-memory settings (shm, shm_threshold)" in str(exc) or str(exc)
+        said = str(exc)  # at once, not at the group's timeout (whose error lists these settings too)
+        report["first"] = ("shared memory settings" in said and time.monotonic() - started < 4) or said
     report["next"] = alike.all_gather(rank)
     return _resync(report)
 
 
-@pytest.mark.parametrize("op", ["all_gather", "broadcast"])
+@pytest.mark.parametrize("op", ["all_gather", "broadcast", "scatter", "all_to_all"])
 def test_ranks_whose_shared_memory_settings_differ_raise_at_that_call(op):
     reports = get_pool(3).run(differs_in_shared_memory, op, timeout=120)
     assert [r["world"] for r in reports] == [3.0] * 3  # every process alive, the world group in step
