@@ -66,9 +66,10 @@ def largest_piece(frame: int, sizes: Sequence[int], chunk: int) -> int:
 
 
 def inconsistent(op: str, sender: int, problem: str) -> FrameError:
+    versions = "" if "chunk_bytes" in problem else "Is every rank running the same objcomm version? "  # (pieces)
     return FrameError(
         f"{op}: rank {sender} sent inconsistent sizes: {problem}; nothing of that size was allocated. "
-        "Is every rank running the same objcomm version? The group is still usable"
+        f"{versions}The group is still usable"
     )
 
 
@@ -174,9 +175,9 @@ def pieces_problem(moved: int, piece: int) -> Optional[str]:
 
 
 def common_piece(infos: Sequence[Any], op: str) -> int:
-    """The pieces every rank moves the rests of an all_gather or all_to_all in, where each read every slot: the
-    smallest announced, the same on every rank; a FrameError on every rank alike where it cuts the widest rest into
-    too many (naming the rank that announced it)."""
+    """The pieces every rank moves the rests of an all_gather in (each read every slot): the smallest announced, the
+    same on every rank; a FrameError on every rank alike where it cuts the widest rest into too many (naming the
+    rank that announced it). (An all_to_all's ranks each read their own column of slots: its vote carries it.)"""
     piece, sender = min((int(info.piece), r) for r, info in enumerate(infos))
     problem = pieces_problem(max(info.second_round_bytes for info in infos), piece)
     if problem:

@@ -15,9 +15,12 @@ import hashlib
 import struct
 from typing import List, Optional, Sequence, Tuple
 
+from objcomm._errors import CommunicationError
 from objcomm._format.message import SLOT_PREFIX_BYTES
 from objcomm._format.slot import SlotInfo
 from objcomm._samehost import channel as _channel
+from objcomm._settings import DEFAULT_SHM_THRESHOLD
+from objcomm._transport import routes
 from objcomm._transport.base import Slot, Wire
 
 
@@ -46,16 +49,12 @@ def echo(channel: _channel.LocalChannel, seen: bytes, spin: Optional[float], op:
 
 
 def agree_on(
-    channel: _channel.LocalChannel,
-    spin: Optional[float],
-    infos: Sequence[SlotInfo],
-    op: str,
-    shared_from: Optional[int] = None,
+    channel: _channel.LocalChannel, spin: Optional[float], infos: Sequence[SlotInfo], op: str, medium: str = ""
 ) -> None:
     """:func:`echo` of everything round 1 said that a decision reads: the words, and a frame the slot carried (its
-    tensor table decides refusals and the second round's route); and ``shared_from``, this rank's ``shm_threshold``
-    where ``shm`` is on, which picks the rest's medium with them (ranks that differ there would wait on different
-    media: a gloo abort, or the group's timeout)."""
+    tensor table decides refusals and the second round's route); and ``medium``, the one this rank's settings send
+    the rest by (:meth:`~objcomm._samehost.channel_slots.ChannelSlots.medium_of`): ranks whose shared memory
+    settings differ where it matters would wait on different media (a gloo abort, or the group's timeout)."""
     view = [
         (
             i.length,
@@ -68,8 +67,52 @@ def agree_on(
         )
         for i in infos
     ]
-    seen = repr((view, shared_from)).encode()
-    echo(channel, seen, spin, op, "round-1 slots, or has other shared memory settings (shm, shm_threshold),")
+    seen = repr((view, medium)).encode()
+    echo(
+        channel,
+        seen,
+        spin,
+        op,
+        "round-1 slots, or its shared memory settings (shm, shm_threshold) move the rest otherwise,",
+    )
+
+
+def rest_medium_by(moved: int, shared_from: Optional[int], cpu: bool, gathered: int = 0) -> str:
+    """The medium of a rest whose largest sender moves ``moved`` bytes on one host, by a rank whose shared memory
+    takes rests from ``shared_from`` bytes (None: off): :func:`objcomm._transport.routes.rest_medium` after round 1
+    on the channel."""
+    threshold = DEFAULT_SHM_THRESHOLD if shared_from is None else shared_from
+    return routes.rest_medium(
+        moved, cpu=cpu, round_one_medium=routes.CHANNEL, shm=shared_from is not None, shm_threshold=threshold,
+        gathered=gathered,
+    )  # fmt: skip
+
+
+def medium_of(infos: Sequence[SlotInfo], op: str, shared_from: Optional[int], cpu: bool) -> str:
+    """The medium a rank whose shared memory takes rests from ``shared_from`` (None: off) moves the rest after round
+    1 (``infos``) by: what :func:`agree_on` echoes, so that ranks whose settings differ where it matters raise, not
+    diverge."""
+    rests = [i.second_round_bytes for i in infos if not i.error]
+    return rest_medium_by(max(rests, default=0), shared_from, cpu, sum(rests) if op == "gather" else 0)
+
+
+def largest_alike(rows: Sequence[Sequence[int]], moved_at: Optional[int], cpu: bool, op: str) -> List[int]:
+    """The element-wise maximum of every rank's words (``rows``, read alike by every rank). Where ``moved_at`` says
+    which is the size of the rest that follows, each row ends with its rank's ``shared_from`` (-1: off), dropped
+    from the answer: where the ranks' settings move that rest by different media, every rank raises here, alike,
+    before any of it moves (one would wait for shared memory where another sends through the backend)."""
+    largest = [max(column) for column in zip(*rows)]
+    if moved_at is None:
+        return largest
+    moved, theirs = largest[moved_at], [None if row[-1] < 0 else row[-1] for row in rows]
+    if len({rest_medium_by(moved, shared, cpu) for shared in theirs}) > 1:
+        shown = ", ".join(f"rank {r}: {'off' if s is None else f'from {s:,} bytes'}" for r, s in enumerate(theirs))
+        raise CommunicationError(
+            f"{op}: the ranks' shared memory settings differ ({shown}) and would move this call's {moved:,}-byte "
+            "rest by different media; every rank of a group must use the same shm and shm_threshold. Nothing more "
+            "of this call moved, on any rank"
+        )
+    return largest[:-1]
 
 
 PASSED = b"\x01"  # what every rank echoes once it found every rank's digest alike (echo)

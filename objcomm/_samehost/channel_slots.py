@@ -59,6 +59,7 @@ from objcomm._errors import CommunicationError
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
 from objcomm._samehost import channel as _channel
+from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._samehost import channel_rests as _channel_rests
 from objcomm._samehost import opener as _opener
 from objcomm._samehost.channel_checks import _checked, _trim, agree_on, cut_whole, echo, whole_message, whole_size
@@ -156,9 +157,7 @@ class ChannelSlots:
 
     separate: Union[bool, int] = False  # tests: every rank its own host (True), or hosts of k ranks
     spin_us: Optional[int] = None  # the local_spin_us setting: µs a wait polls before sleeping; None: automatic
-    # shm_threshold where shm is on, else None: where shared memory takes a rest (and, on two levels, a table of
-    # slots); every rank echoes it with round 1 (agree), so that ranks whose settings differ raise, not diverge
-    shared_from: Optional[int] = None
+    shared_from: Optional[int] = None  # shm_threshold where shm is on (else None): the rests shared memory takes
 
     @property
     def spin(self) -> Optional[float]:
@@ -336,27 +335,22 @@ class ChannelSlots:
         echo(channel, b"".join(got), self.spin, op, "control words")  # what every rank acts on: the same rows
         return [list(packing.unpack(data)) for data in got]
 
-    def largest(self, wire: Wire, values: Sequence[int], op: str) -> Union[List[int], NotUsed]:
-        """The element-wise maximum of every rank's ``values``; with them goes this rank's :attr:`shared_from`, and
-        where the ranks' differ every rank raises here, alike (they read the same rows), before any rest moves: one
-        would wait for shared memory where another sends through the backend."""
-        rows = self.gather_words(wire, [*values, -1 if self.shared_from is None else self.shared_from], op)
-        if rows is NOT_USED:
-            return rows
-        if any(row[-1] != rows[0][-1] for row in rows):
-            shown = ", ".join(
-                f"rank {r}: {'off' if row[-1] < 0 else f'from {row[-1]:,} bytes'}" for r, row in enumerate(rows)
-            )
-            raise CommunicationError(
-                f"{op}: the ranks' shared memory settings differ ({shown}); every rank of a group must use the same "
-                "shm and shm_threshold. Nothing more of this call moved, on any rank"
-            )
-        return [max(column) for column in zip(*rows)][:-1]
+    def largest(
+        self, wire: Wire, values: Sequence[int], op: str, moved_at: Optional[int] = None
+    ) -> Union[List[int], NotUsed]:
+        """Every rank's ``values``' maximum; this rank's :attr:`shared_from` with them where ``values[moved_at]`` is the
+        rest that follows (:func:`~objcomm._samehost.channel_checks.largest_alike`)."""
+        shared = [] if moved_at is None else [-1 if self.shared_from is None else self.shared_from]
+        rows = self.gather_words(wire, [*values, *shared], op)
+        return (
+            rows if rows is NOT_USED else _channel_checks.largest_alike(rows, moved_at, wire.device.type == "cpu", op)
+        )
 
     def agree(self, wire: Wire, infos: Sequence[SlotInfo], op: str) -> None:
         found = self.channel_of(wire, op)
         if found is not None:
-            agree_on(found[0], found[1], infos, op, self.shared_from)
+            medium = _channel_checks.medium_of(infos, op, self.shared_from, wire.device.type == "cpu")
+            agree_on(found[0], found[1], infos, op, medium)
             # every rank of the group echoed (on one host): where round 1 was one rank's slot to all (a broadcast's,
             # a scatter's) this is the first moment every rank is here; the steps after share one timeout
             call_clock.round_one_done()

@@ -56,7 +56,7 @@ from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import DEFAULT_PIECE, SlotInfo
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.channel import LocalChannel
-from objcomm._samehost.channel_checks import agree_on, echo
+from objcomm._samehost.channel_checks import agree_on, echo, medium_of
 from objcomm._samehost.channel_slots import ChannelRoute, ChannelSlots
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._samehost.two_level_moves import (
@@ -177,8 +177,10 @@ class TwoLevel(ChannelSlots):
             host = wire._replace(slot_medium=HostEdges(here.channel, self.spin, leaders[here.host]), rest_media=DIRECT)
         return TreeLevels(host, here.host, leaders, lasts, functools.partial(as_leader, here, op))
 
-    def largest(self, wire: Wire, values: Sequence[int], op: str) -> Union[List[int], NotUsed]:
-        got = super().largest(wire, values, op)
+    def largest(
+        self, wire: Wire, values: Sequence[int], op: str, moved_at: Optional[int] = None
+    ) -> Union[List[int], NotUsed]:
+        got = super().largest(wire, values, op, moved_at)
         if got is not NOT_USED or op in FLAT_SECOND_ROUNDS:
             return got
         here = self.here(wire, op)
@@ -189,7 +191,7 @@ class TwoLevel(ChannelSlots):
         here = self.here(wire, op)
         # (a gather's round 1 went through the group: its slots only to the destination, unless one failed)
         if op != "gather" and here is not None and here.channel is not None:  # the leaders read alike: the backend
-            agree_on(here.channel, here.spin, infos, op, self.shared_from)
+            agree_on(here.channel, here.spin, infos, op, medium_of(infos, op, self.shared_from, True))
 
 
 @dataclass(frozen=True)

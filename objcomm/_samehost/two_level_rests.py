@@ -260,12 +260,14 @@ def _leaders_exchange(
     exchange gave."""
     assert here.leader is not None
     own = [torch.frombuffer(bundle, dtype=torch.uint8)] if len(bundle) else []
-    width = 0  # padded: the rows, the same on every leader whatever follows; by stripes: minus a stripe's bytes
-    if shared and routes.in_place_table(totals, cpu=True):
+    # padded: the rows, the same on every leader whatever follows (its shared memory settings too: a host whose
+    # leader padded other rows than another's made gloo abort); by stripes: minus a stripe's bytes
+    width = 0
+    if routes.in_place_table(totals, cpu=True):
         stripes = routes.exchange_shape(totals, cpu=True) == routes.STRIPES
         width = -routes.stripe_width(totals) if stripes else -(-max(totals) // ALIGN) * ALIGN
     table = None
-    if width and here.channel is not None:
+    if shared and width and here.channel is not None:
         try:
             table = SealedTable("objcomm-two-levels", len(totals) * abs(width))
         except OSError:  # no memory files here: the exchange's own buffers, copied into a file after

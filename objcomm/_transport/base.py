@@ -167,8 +167,12 @@ class SlotMedium(Protocol):
         collectives of a call's later rounds (the receivers' votes, :func:`largest_of`; the shared-memory
         announcement, :mod:`objcomm._samehost.shm`)."""
 
-    def largest(self, wire: Wire, values: Sequence[int], op: str) -> Union[List[int], NotUsed]:
-        """The element-wise maximum of every rank's ``values`` (:func:`largest_of`: a call's votes)."""
+    def largest(
+        self, wire: Wire, values: Sequence[int], op: str, moved_at: Optional[int] = None
+    ) -> Union[List[int], NotUsed]:
+        """The element-wise maximum of every rank's ``values`` (:func:`largest_of`: a call's votes); ``moved_at``:
+        where among them the size of the rest that follows lies (the same-host channel checks that every rank's
+        settings send it the same way)."""
 
     def agree(self, wire: Wire, infos: Sequence[Any], op: str) -> None:
         """Before a call acts on round 1 beyond "it ended" (a second round, a refusal, a vote), check that every rank
@@ -386,7 +390,9 @@ def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
         ) from exc
 
 
-def largest_of(wire: Wire, values: Sequence[int], op: str, dtype: torch.dtype = torch.int64) -> List[int]:
+def largest_of(
+    wire: Wire, values: Sequence[int], op: str, dtype: torch.dtype = torch.int64, moved_at: Optional[int] = None
+) -> List[int]:
     """The element-wise maximum of ``values`` over the ranks of ``wire``'s group (every rank calls it): through
     the slot medium when it moves words (the same-host channel, or two levels: as int64), else one
     ``all_reduce(MAX)`` of ``dtype`` on the group. The small votes and outcomes ahead of a second round.
@@ -394,8 +400,8 @@ def largest_of(wire: Wire, values: Sequence[int], op: str, dtype: torch.dtype = 
     An answer below this rank's own ``values`` anywhere proves that a rank which relays words (a partner in the
     doubling, a leader on two levels) dropped this rank's: this rank raises :class:`~objcomm.CommunicationError`
     there, before it acts on an answer that hides, say, its refusal of a payload above its ``max_bytes`` (the others,
-    which go on, fail at their timeout where they wait for it)."""
-    answer = wire.slot_medium.largest(wire, values, op)
+    which go on, fail at their timeout where they wait for it). ``moved_at``: :meth:`SlotMedium.largest`'s."""
+    answer = wire.slot_medium.largest(wire, values, op, moved_at)
     if answer is NOT_USED:
         largest = torch.tensor(list(values), dtype=dtype, device=wire.device)
         if wire.device.type == "cpu" and wire.size > 2:  # gloo's all_reduce is a ring: 2(W - 1) steps in sequence

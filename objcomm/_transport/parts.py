@@ -116,7 +116,9 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
     over = [r for r, info in enumerate(infos) if r != wire.rank and info.total > wire.max_bytes]
     refuse = REFUSE_MALFORMED if problems else REFUSE_LIMIT if over else 0
     mine = [0 if r == wire.rank else outgoing_second_round_bytes(o, wire.inline_capacity) for r, o in enumerate(outs)]
-    code, longest = largest_of(wire, [refuse, max(mine)], op)
+    # with the refusals and the longest stream, the smallest piece announced to any rank (each read only the slots
+    # sent to it: its column), as its negation, so that every rank moves the streams in the same pieces
+    code, longest, least = largest_of(wire, [refuse, max(mine), -min(info.piece for info in infos)], op, moved_at=1)
     if code == REFUSE_MALFORMED:
         raise (
             _limits.inconsistent(op, *problems[0])
@@ -131,7 +133,10 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
             if over
             else _limits.too_large(f"{op}: this rank sends a receiving rank more than its max_bytes", where="there")
         )
-    wire = at_pieces(wire, _limits.common_piece(infos, op))  # every rank read a slot of every rank: the same
+    problem = _limits.pieces_problem(longest, -least)
+    if problem:  # (the same on every rank: voted)
+        raise FrameError(f"{op}: a rank announced pieces of {-least:,} bytes: the longest {problem[4:]}")
+    wire = at_pieces(wire, -least)
     taken = wire.rest_media.all_to_all(wire, outs, infos, _limits.checked_sizes(sizes_of, infos), longest, op)
     if taken is not NOT_USED:
         return taken

@@ -104,7 +104,7 @@ def _vote_refusals(
     if longest is None:
         (code,), longest = largest_of(wire, [refuse], op, torch.int32), 0
     else:  # int64: a second round may pass 2 GiB
-        code, longest, refused = largest_of(wire, [refuse, longest, info.total if refuse else 0], op)
+        code, longest, refused = largest_of(wire, [refuse, longest, info.total if refuse else 0], op, moved_at=1)
     if code == REFUSE_MALFORMED:
         raise _limits.inconsistent(op, src, problem or "a receiving rank found the sizes in its slot inconsistent")
     if code:

@@ -634,9 +634,10 @@ def test_an_error_report_is_parsed_in_linear_time():
 
 
 # -- A: an inflated vote on the length of all_to_all's second round ---------------------------------
-def inflated_rounds() -> tuple:
-    """Rank 1 votes 2**50 bytes for its longest stream (it sends 2 MiB): without a bound every rank would
-    run 2**30 empty rounds, each completing, so the group's timeout (3 s here) would never fire."""
+def inflated_rounds(inflated: int = 1 << 50) -> tuple:
+    """Rank 1 votes ``inflated`` bytes for its longest stream (it sends 2 MiB): without a bound every rank would
+    run 2**30 empty rounds (2**50 in pieces of 1 MiB), each completing, so the group's timeout (3 s here) would never
+    fire. Past MOST_PIECES pieces every rank refuses the vote at once; at that many, the rounds' bound ends them."""
     import datetime
     import time
 
@@ -647,7 +648,7 @@ def inflated_rounds() -> tuple:
     try:
         if rank == 1:
             real = _parts.outgoing_second_round_bytes
-            _parts.outgoing_second_round_bytes = lambda out, capacity: 1 << 50  # type: ignore[assignment]
+            _parts.outgoing_second_round_bytes = lambda out, capacity: inflated  # type: ignore[assignment]
             try:
                 wire = _wire(chunk=MiB)._replace(group=group, ranks=[0, 1])
                 outs = [_frame.encode(p, serializers.get("pickle"), max_bytes=1 << 30) for p in parts]
@@ -663,7 +664,12 @@ def inflated_rounds() -> tuple:
 
 
 def test_an_inflated_all_to_all_vote_ends_at_the_group_timeout():
-    (honest, honest_took, usable), (liar, _, liar_usable) = get_pool(2).run(inflated_rounds, timeout=120)
+    # 2**50 bytes in pieces of 1 MiB: past MOST_PIECES, refused by every rank alike before a round runs
+    (honest, _, usable), (liar, _, liar_usable) = get_pool(2).run(inflated_rounds, timeout=120)
+    assert honest[0] == liar[0] == "FrameError" and "262,144 pieces" in honest[1], (honest, liar)
+    assert usable and liar_usable
+    # MOST_PIECES pieces of 1 MiB exactly: allowed, 262,144 empty rounds, which the group's timeout ends
+    (honest, honest_took, usable), (liar, _, liar_usable) = get_pool(2).run(inflated_rounds, 1 << 38, timeout=120)
     assert honest[0] == liar[0] == "CommunicationError", (honest, liar)
     assert honest_took < 60  # a bound on a hang, not a speed figure: unbounded, this took 2**30 rounds
     # The rounds' limit ended it on at least one rank; a rank still inside a round when the other stopped

@@ -416,15 +416,18 @@ def test_a_sender_that_closes_right_after_sending_loses_nothing():
 def differs_in_shared_memory(op: str) -> Dict[str, Any]:
     """Rank 1 of 3 has shared memory on (the others off) for a 4 MiB rest: it would wait for shared memory where
     the others move the rest through the backend (a review's find: gloo aborted a process, or the group's timeout
-    passed). Its shm_threshold goes with the echo of round 1 (all_gather, broadcast) or with the vote before the
-    rest (scatter, all_to_all): every rank raises at that call, naming the settings; then a call with the same
-    settings everywhere returns."""
+    passed). The medium its settings pick goes with the echo of round 1 (all_gather, broadcast), its shm_threshold
+    with the vote before the rest (scatter, all_to_all): every rank raises at that call, naming the settings; then a
+    call with the same settings everywhere returns. A 100 KB rest, which the channel moves whatever each rank's
+    shared memory settings, goes through first."""
     import torch
 
     rank = dist.get_rank()
     group, alike = _three_rank_group()
     odd = objcomm.Communicator(group, local=True, shm=rank == 1)
     report: Dict[str, Any] = {}
+    small = bytes([rank]) * 100_000  # a rest the channel moves whatever each rank's shm: let through
+    report["small"] = odd.all_gather(small) == [bytes([r]) * 100_000 for r in range(3)]
     big = torch.full((4 << 20,), rank, dtype=torch.uint8)
     calls = {
         "all_gather": lambda: odd.all_gather(big),
@@ -447,5 +450,6 @@ def differs_in_shared_memory(op: str) -> Dict[str, Any]:
 def test_ranks_whose_shared_memory_settings_differ_raise_at_that_call(op):
     reports = get_pool(3).run(differs_in_shared_memory, op, timeout=120)
     assert [r["world"] for r in reports] == [3.0] * 3  # every process alive, the world group in step
+    assert [r["small"] for r in reports] == [True] * 3, reports
     assert [r["first"] for r in reports] == [True] * 3, reports
     assert [r["next"] for r in reports] == [[0, 1, 2]] * 3, reports

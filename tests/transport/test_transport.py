@@ -298,3 +298,60 @@ def pieces_of_a_byte() -> list:
 
 def test_a_rest_in_too_many_pieces_is_refused_by_every_rank_that_holds_its_slot():
     assert get_pool(2).run(pieces_of_a_byte) == [[True, True], [True, True]]
+
+
+def all_to_all_columns(case: str) -> Any:
+    """all_to_all, where each rank reads only the slots sent to it (its column): ``liar``, rank 0 announces pieces
+    of 64 KiB in the slot it sends rank 2 only (the others the default), and honest rank 2 sends rank 1 5 MiB (before,
+    rank 2 cut it in 64 KiB pieces and rank 1 took the first into its whole buffer: 8,192 of 655,360 elements right,
+    without an error; or gloo aborted rank 1); ``small``: honest rank 0 has chunk_bytes=16 and rank 1 sends rank 2
+    5 MiB (before, rank 2 alone raised, the others waited out the group's timeout). The pieces, and the check of
+    their count, now go with the vote before the rest: the same on every rank."""
+    rank, world, n = dist.get_rank(), dist.get_world_size(), 5 * 2**20 // 8
+    real = _parts.fill_slot
+    if case == "liar" and rank == 0:
+        sent = iter(range(1 << 30))
+
+        def lying(slot: Any, out: Any, limit: int, round2: bool = False, piece: int = _slot.DEFAULT_PIECE) -> None:
+            real(slot, out, limit, round2, 1 << 16 if next(sent) % world == 2 else piece)
+
+        _parts.fill_slot = lying
+    comm = objcomm.Communicator(local=False, shm=False, chunk_bytes=16 if case == "small" and rank == 0 else None)
+    parts: list = [b"x"] * world
+    if case == "liar" and rank == 2:
+        parts[1] = torch.arange(n)
+    if case == "small" and rank == 1:
+        parts[2] = torch.arange(n)
+    try:
+        got = comm.all_to_all(parts)
+        return [torch.equal(g, torch.arange(n)) if isinstance(g, torch.Tensor) else g for g in got]
+    except objcomm.FrameError as exc:
+        return "FrameError" if "pieces of 16 bytes" in str(exc) and "version" not in str(exc) else str(exc)
+    finally:
+        _parts.fill_slot = real
+
+
+def test_an_all_to_all_moves_its_rests_in_the_pieces_of_its_vote():
+    pool = get_pool(3)
+    assert pool.run(all_to_all_columns, "liar") == [[b"x"] * 3, [b"x", b"x", True], [b"x"] * 3]
+    assert pool.run(all_to_all_columns, "small") == ["FrameError"] * 3
+    assert pool.run(all_to_all_columns, "none") == [[b"x"] * 3] * 3  # the pool goes on
+
+
+def hosts_with_other_shared_memory() -> Any:
+    """Hosts of two ranks whose shared memory settings differ (alike inside each host): ranks 0-1 on, 2-3 off. A
+    12 MiB + 12 bytes all_gather: the leaders' padded exchange must have rows of one width (before, leader 0 padded
+    its rows for its host's shared file and leader 2 did not, and gloo aborted leader 2)."""
+    os.environ["OBJCOMM_TEST_RANKS_PER_HOST"] = "2"
+    previous = objcomm.configure()
+    try:
+        rank = dist.get_rank()
+        got = objcomm.Communicator(shm=rank < 2).all_gather(torch.full(((12 << 20) + 12,), rank, dtype=torch.uint8))
+        return [bool((g == r).all()) and g.numel() == (12 << 20) + 12 for r, g in enumerate(got)]
+    finally:
+        del os.environ["OBJCOMM_TEST_RANKS_PER_HOST"]
+        objcomm.restore(previous)
+
+
+def test_hosts_whose_shared_memory_settings_differ_exchange_rows_of_one_width():
+    assert get_pool(4).run(hosts_with_other_shared_memory, timeout=150) == [[True] * 4] * 4
