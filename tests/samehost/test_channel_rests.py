@@ -352,8 +352,8 @@ def understated_vote(op: str) -> List[Any]:
     small, big = _payload(rank, CHUNK // 2), _payload(rank, 3 * CHUNK)  # each part past its slot
     real = _parts.largest_of  # (scatter's vote: rounds._vote_refusals; all_to_all's: its own)
 
-    def understated(wire: Any, values: List[int], op: str, *rest: Any) -> Any:
-        return real(wire, [values[0], 0, *values[2:]], op, *rest)
+    def understated(wire: Any, values: List[int], op: str, *rest: Any, **named: Any) -> Any:
+        return real(wire, [values[0], 0, *values[2:]], op, *rest, **named)
 
     if rank == 1:
         _parts.largest_of = _rounds.largest_of = understated  # type: ignore[assignment]
