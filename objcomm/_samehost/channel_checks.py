@@ -53,7 +53,7 @@ def agree_on(
 ) -> None:
     """:func:`echo` of everything round 1 said that a decision reads: the words, and a frame the slot carried (its
     tensor table decides refusals and the second round's route); and ``medium``, the one this rank's settings send
-    the rest by (:meth:`~objcomm._samehost.channel_slots.ChannelSlots.medium_of`): ranks whose shared memory
+    the rest by (:func:`medium_of`): ranks whose shared memory
     settings differ where it matters would wait on different media (a gloo abort, or the group's timeout)."""
     view = [
         (
