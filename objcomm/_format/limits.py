@@ -164,12 +164,12 @@ def slot_problem_of(info: Any) -> Optional[str]:
     return problem or pieces_problem(info.second_round_bytes, info.piece)
 
 
-def pieces_problem(moved: int, piece: int) -> Optional[str]:
-    """What is wrong with moving a rest of ``moved`` bytes in pieces of ``piece``, or ``None``."""
+def pieces_problem(moved: int, piece: int, what: str = "its rest") -> Optional[str]:
+    """What is wrong with moving ``what``, ``moved`` bytes, in pieces of ``piece``, or ``None``."""
     if moved <= MOST_PIECES * piece:
         return None
     return (
-        f"its rest of {moved:,} bytes would move in more than {MOST_PIECES:,} pieces of {piece:,} bytes "
+        f"{what} of {moved:,} bytes would move in more than {MOST_PIECES:,} pieces of {piece:,} bytes "
         "(the chunk_bytes of its sender: raise it)"
     )
 
@@ -179,9 +179,9 @@ def common_piece(infos: Sequence[Any], op: str) -> int:
     same on every rank; a FrameError on every rank alike where it cuts the widest rest into too many (naming the
     rank that announced it). (An all_to_all's ranks each read their own column of slots: its vote carries it.)"""
     piece, sender = min((int(info.piece), r) for r, info in enumerate(infos))
-    problem = pieces_problem(max(info.second_round_bytes for info in infos), piece)
+    problem = pieces_problem(max(info.second_round_bytes for info in infos), piece, "the widest rest")
     if problem:
-        raise inconsistent(op, sender, f"it announced pieces of {piece:,} bytes: the widest {problem[4:]}")
+        raise inconsistent(op, sender, f"it announced pieces of {piece:,} bytes: {problem}")
     return piece
 
 

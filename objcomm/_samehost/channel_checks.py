@@ -82,10 +82,10 @@ def rest_medium_by(moved: int, shared_from: Optional[int], cpu: bool, gathered: 
     takes rests from ``shared_from`` bytes (None: off): :func:`objcomm._transport.routes.rest_medium` after round 1
     on the channel."""
     threshold = DEFAULT_SHM_THRESHOLD if shared_from is None else shared_from
+    shm = shared_from is not None
     return routes.rest_medium(
-        moved, cpu=cpu, round_one_medium=routes.CHANNEL, shm=shared_from is not None, shm_threshold=threshold,
-        gathered=gathered,
-    )  # fmt: skip
+        moved, cpu=cpu, round_one_medium=routes.CHANNEL, shm=shm, shm_threshold=threshold, gathered=gathered
+    )
 
 
 def medium_of(infos: Sequence[SlotInfo], op: str, shared_from: Optional[int], cpu: bool) -> str:

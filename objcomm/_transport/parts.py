@@ -133,9 +133,9 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
             if over
             else _limits.too_large(f"{op}: this rank sends a receiving rank more than its max_bytes", where="there")
         )
-    problem = _limits.pieces_problem(longest, -least)
+    problem = _limits.pieces_problem(longest, -least, "the longest rest")
     if problem:  # (the same on every rank: voted)
-        raise FrameError(f"{op}: a rank announced pieces of {-least:,} bytes: the longest {problem[4:]}")
+        raise FrameError(f"{op}: a rank announced pieces of {-least:,} bytes: {problem}")
     wire = at_pieces(wire, -least)
     taken = wire.rest_media.all_to_all(wire, outs, infos, _limits.checked_sizes(sizes_of, infos), longest, op)
     if taken is not NOT_USED:
