@@ -342,8 +342,8 @@ def encode_refusal(
     """The :class:`EncodeError` of backend ``name`` for ``obj``: the first value ``rejects`` and where it sits."""
     found = locate(obj, rejects)
     path, value, _ = found if found is not None else ("$", obj, False)
-    return EncodeError(
-        f"{name} cannot encode {describe(value)} at {path} ({exc}); "
+    return EncodeError(  # (the encoder's own words may name a holder of that value: where it stopped)
+        f"{name} cannot encode {describe(value)} at {path} (the encoder said: {exc}); "
         f"register a codec with serializers.register_type(), or use {instead}"
     )
 

@@ -333,6 +333,66 @@ def test_the_issue_25_dtype_bomb_is_refused():
         assert cpu < 1.0, (label, cpu)
 
 
+class _Reduced:
+    """Pickled by CPython's own pickler as ``func(*args)``, memoized by identity: one argument, many calls."""
+
+    def __init__(self, func: Any, arguments: Tuple[Any, ...]) -> None:
+        self.func, self.arguments = func, arguments
+
+    def __reduce__(self) -> Any:
+        return self.func, self.arguments
+
+
+class _Filled:
+    """A deque given an item by APPENDS after its call: the load then runs the probe pass."""
+
+    def __reduce__(self) -> Any:
+        import collections
+
+        return collections.deque, (), None, iter([1])
+
+
+def _hashing_and_probing_payloads() -> Dict[str, bytes]:
+    import collections
+    import fractions
+
+    import torch
+
+    size = _Reduced(torch.Size, (tuple(range(20_000)),))
+    fraction = _Reduced(fractions.Fraction, (3**9000, 7**5000))
+    long, pairs = [0] * 20_000, [(0, 0)] * 20_000  # (one list each, memoized: every call refers to it)
+    return {
+        # a set (Counter, OrderedDict) of references to one value whose hash is not cached: each use hashed it whole
+        "set of one torch.Size": pickle.dumps(_Reduced(set, ([size] * 20_000,)), protocol=5),
+        "Counter of one torch.Size": pickle.dumps(_Reduced(collections.Counter, ([size] * 20_000,)), protocol=5),
+        "OrderedDict of one torch.Size": pickle.dumps(
+            _Reduced(collections.OrderedDict, ([(size, 0)] * 20_000,)), protocol=5
+        ),
+        "set of one Fraction": pickle.dumps(_Reduced(set, ([fraction] * 40_000,)), protocol=5),
+        # the probe pass: many calls on one memoized list, each looked at whole before any charge
+        "deque calls in the probe pass": pickle.dumps(
+            [_Filled()] + [_Reduced(collections.deque, (long,)) for _ in range(10_000)], protocol=5
+        ),
+        "defaultdict calls in the probe pass": pickle.dumps(
+            [_Filled()] + [_Reduced(collections.defaultdict, (None, pairs)) for _ in range(5_000)], protocol=5
+        ),
+    }
+
+
+def test_values_whose_hash_is_not_cached_and_calls_in_the_probe_pass_are_charged():
+    """An attacker's finds: a set of 20,000 references to one torch.Size of 20,000 sizes (a tuple subclass the
+    hashing charge took for one word), a range with a 2.4-million-bit length or a Fraction (neither caches its
+    hash), and deque or defaultdict calls on one memoized list once the probe pass runs (it looked at each list
+    whole, uncharged): up to 200 µs per input byte before (a 130 KB payload took 25 s), each refused now."""
+    results = run_in_child(_decode_all, _hashing_and_probing_payloads(), memory_budget=1 << 30, preload=WITH_TORCH)
+    for label, (result, message, cpu) in results.items():
+        assert result == "DecodeError" and "work budget" in message, (label, result, message)
+        assert cpu < 1.0, (label, cpu)
+    huge = _call("builtins", "range", args(0, 1 << 20_000))
+    with pytest.raises(serializers.ContentRefusedError, match="at most 14300 bits"):
+        serializers.get("restricted-pickle").loads(payload(huge))
+
+
 @pytest.fixture(scope="module")
 def measured() -> Dict[str, Measured]:
     return measure_all()
