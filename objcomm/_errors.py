@@ -27,7 +27,7 @@ private too: it travels as its cause's type (see :func:`original`) and every ran
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Tuple, Type, TypeVar, cast
+from typing import Any, Dict, Optional, Sequence, Tuple, Type, TypeVar, cast
 
 from serializers import (
     ContentRefusedError,
@@ -79,7 +79,20 @@ class WaitTimeoutError(ObjcommError, TimeoutError):
 
 
 Failure = Tuple[str, str]  # (exception type name, message)
+
+
 # why a peer did not come, where a wait for it ran out: what a timeout's message lists
+def ranks_note(ranks: Optional[Sequence[int]]) -> str:
+    """What an error about a group whose ranks are not the global ones adds after "rank r of W": objcomm's errors name
+    group ranks, where ``src`` and ``dst`` take global ones (a helper's find: a subgroup's error blamed "rank 0",
+    global rank 1). Empty where they are the same."""
+    if ranks is None or all(g == r for r, g in enumerate(ranks)):
+        return ""
+    if len(ranks) <= 16:
+        return f" (ranks of this group; their global ranks: {list(ranks)})"
+    return " (ranks of this group: dist.get_global_rank(group, r) gives each one's global rank)"
+
+
 NOT_THERE = (
     "a rank may have crashed, never called this operation, called a different one, or called it with settings "
     "that every rank of a group must share and this one does not (local, slot_bytes, shm, shm_threshold, "

@@ -174,10 +174,10 @@ def a_relay_that_lies(
     the max_bytes of the ranks below it."""
     from objcomm._errors import ObjcommError
     from objcomm._format.frame import error_frame
-    from objcomm._transport import rounds as _rounds
+    from objcomm._transport import p2p as _p2p
     from objcomm._transport.base import INTERNAL_TAG
 
-    real = _rounds.send
+    real = _p2p.send
 
     def lying_send(wire: Any, out: Any, dst: int, eager: bool = True) -> None:
         if wire.tag == INTERNAL_TAG and to(wire, dst):
@@ -187,7 +187,7 @@ def a_relay_that_lies(
                 wire = wire._replace(max_bytes=1 << 61)
         real(wire, out, dst, eager)
 
-    return _replaced(_rounds, "send", lying_send, active)
+    return _replaced(_p2p, "send", lying_send, active)
 
 
 def a_vote_relay_that_hides(hidden_from: int, active: bool = True) -> contextlib.AbstractContextManager[None]:

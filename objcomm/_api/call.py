@@ -142,7 +142,7 @@ class Call(NamedTuple):
         )
 
     def received(self, sender: int, item: Incoming, is_error: bool) -> Any:
-        """The object of a send/recv from group rank ``sender`` (what ``rounds.recv`` returned)."""
+        """The object of a send/recv from group rank ``sender`` (what ``p2p.recv`` returned)."""
         if is_error:
             assert self.wire is not None
             self.raise_failures("send/recv", only(sender, item, self.wire.size), None)

@@ -49,7 +49,8 @@ from objcomm._samehost import p2p_state as _p2p_state
 from objcomm._transport import routes
 from objcomm._transport.base import WHOLE, Wire
 from objcomm._transport.broadcast import broadcast_rest
-from objcomm._transport.rounds import all_gather_rest, received
+from objcomm._transport.p2p import received
+from objcomm._transport.rounds import all_gather_rest
 from serializers import AutoSerializer, SerializerProtocol, registry
 
 NOT_TAKEN = object()  # what Express.recv returns when the general path must receive
@@ -310,7 +311,7 @@ class Express:
 
 def _whole_frames(wire: Wire, cpu: bool) -> int:
     """The longest frame past the slot that a send of ``wire``'s settings moves in one channel message with its slot,
-    as the general path decides it (``rounds._send``: no answer needed, one message of the channel); 0: none."""
+    as the general path decides it (``p2p._send``: no answer needed, one message of the channel); 0: none."""
     room = _mesh.MAX_PAYLOAD - _channel_checks.whole_size(b"", 0) - wire.slot
     if not cpu or room <= 0:
         return 0

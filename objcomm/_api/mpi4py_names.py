@@ -61,6 +61,16 @@ MPI4PY_NAMES: Dict[str, str] = {
     "waitall": "[request.wait() for request in requests]",
     "waitany": "concurrent.futures.wait([r.get_future() for r in requests], return_when=FIRST_COMPLETED)",
     "testall": "all(request.is_completed() for request in requests)",
+    "bsend": "there is no buffered send: {on}.send returns once a small message is posted, a large one once taken",
+    "ibsend": "there is no buffered send: {on}.isend's wait() returns once a small message is posted",
+    "mprobe": "there is no probe: {on}.irecv(src, tag) gives a Request; its is_completed() says whether it arrived",
+    "improbe": "there is no probe: {on}.irecv(src, tag) gives a Request; its is_completed() says whether it arrived",
+    "ibarrier": "use torch.distributed.barrier(group, async_op=True)",
+    "Ibarrier": "use torch.distributed.barrier(group, async_op=True)",
+    "Abort": "raise, or exit: torchrun ends the other ranks (torch.distributed.destroy_process_group() first, if kept)",
+    "Wtime": "use time.perf_counter()",
+    "Dup": "use torch.distributed.new_group(ranks) on every rank: a group of its own",
+    "Free": "use torch.distributed.destroy_process_group(group)",
     # mpi4py's buffer (upper-case) calls: objcomm moves objects, tensors inside them included
     **{
         name: f"objcomm moves objects: {{on}}.{ours}(...) (tensors inside them travel as tensors)"
@@ -106,8 +116,10 @@ def keyword_hint(name: str, params: Sequence[str], function: str) -> Optional[st
         return f"{function}() has no root: every rank takes part and gets the result" + FROM_MPI4PY
     if name == "buf":
         return "objcomm allocates what it receives: leave buf out" + FROM_MPI4PY
-    close = difflib.get_close_matches(name, [p for p in params if p != "self"], n=1, cutoff=0.8)
-    return f"did you mean {close[0]}=?" if close else None
+    # case folded, and loose enough for a swapped or a dropped letter in a short name (tga, sorce, dts, asyncop)
+    names = {p.lower(): p for p in params if p != "self"}
+    close = difflib.get_close_matches(name.lower(), list(names), n=1, cutoff=0.6)
+    return f"did you mean {names[close[0]]}=?" if close else None
 
 
 def mpi4py_keywords(fn: F) -> F:

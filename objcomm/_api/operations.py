@@ -21,6 +21,7 @@ from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing
 from objcomm._transport import broadcast as _broadcast_rounds
 from objcomm._transport import gather as _gather_rounds
+from objcomm._transport import p2p as _p2p
 from objcomm._transport import parts as _parts
 from objcomm._transport import pending as _pending
 from objcomm._transport import rounds as _rounds
@@ -115,7 +116,7 @@ class Operations(Resolving):
         call.raise_failures("reduce", incoming, local)
         if call.wire.rank != root:
             return None
-        return value if root == 0 else call.decode(incoming[0], 0)  # group rank 0 combined it: no decoding
+        return _not_own(call, value, obj) if root == 0 else call.decode(incoming[0], 0)  # rank 0 combined it
 
     def _all_reduce_call(self, call: Call, obj: Any, op: _reduce.Op) -> Any:
         if call.wire is None:
@@ -150,7 +151,7 @@ class Operations(Resolving):
             outcome = _SUBTREE_ONLY.format(wire.rank) if began_here else NO_RESULT
             call.raise_failures("all_reduce", incoming, failed, outcome)
             call.raise_failures("all_reduce", only(0, result, wire.size), failed, outcome)
-        return value if wire.rank == 0 else call.decode(result, 0)
+        return _not_own(call, value, obj, out) if wire.rank == 0 else call.decode(result, 0)
 
     def _summed(self, wire: Wire) -> bool:
         """Whether an all_gather's slots go in one all_reduce of the table where they take the backend
@@ -177,7 +178,7 @@ class Operations(Resolving):
     def _deliver(wire: Wire, out: Outgoing, local: Optional[BaseException], peer: int, eager: bool = True) -> None:
         """Send what encoding gave (``local``: its failure, whose report ``out`` is) to group rank ``peer``."""
         _pending.check(wire.group, "send")
-        _rounds.send(wire, out, peer, eager)
+        _p2p.send(wire, out, peer, eager)
         if local is not None:
             raise with_original_type(local)
 
@@ -197,7 +198,7 @@ class Operations(Resolving):
                 return call.own(message, return_sender)
             if wire is None or peer is not None:
                 raise _requests.nothing_waiting("recv", src, tag)
-        sender, item, is_error = _rounds.recv(wire, peer, _frame.tensor_sizes)
+        sender, item, is_error = _p2p.recv(wire, peer, _frame.tensor_sizes)
         obj = call._replace(wire=wire).received(sender, item, is_error)
         return (wire.ranks[sender], obj) if return_sender else obj
 
@@ -231,6 +232,17 @@ class Operations(Resolving):
 def _raise(error: Optional[BaseException]) -> None:
     if error is not None:
         raise with_original_type(error)
+
+
+def _not_own(call: Call, value: Any, obj: Any, out: Optional[Outgoing] = None) -> Any:
+    """Group rank 0's result of a reduction, which it combined itself (no decoding): a copy where ``op`` returned
+    this rank's own object (``max``, ``min``, a user's ``op`` returning an argument), as every other rank gets one
+    (a helper's find: mutating the result changed rank 0's input, there only). ``out``: the result encoded."""
+    if value is not obj:
+        return value
+    if out is None:
+        return call.roundtrip(obj)
+    return call.decode(Incoming(out.frame, list(out.tensors)), 0, own=True)
 
 
 def _still(serialized: Any, express: Optional[Express], call: Call) -> Any:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Union
 
 from objcomm._errors import CommunicationError, ObjcommError, OpError
 from objcomm._format import frame as _frame
-from objcomm._transport import rounds as _rounds
+from objcomm._transport import p2p as _p2p
 from objcomm._transport.base import INTERNAL_TAG, TreeLevels, Wire
 from objcomm._transport.patterns import binomial
 
@@ -153,7 +153,7 @@ def _climb(
     for child, end in zip(tree.children, tree.ends):
         peer = ranks[child]
         try:
-            _, item, is_error = _rounds.recv(wire, peer, _frame.tensor_sizes)
+            _, item, is_error = _p2p.recv(wire, peer, _frame.tensor_sizes)
             lowest = min(lowest, item.sender_limit)
             if is_error:
                 complete = False
@@ -175,7 +175,7 @@ def _climb(
         else:
             out = _frame.error_frame(own or ObjcommError("a rank below failed"), wire.inline_capacity)
         try:
-            _rounds.send(wire._replace(max_bytes=lowest), out, ranks[tree.parent])
+            _p2p.send(wire._replace(max_bytes=lowest), out, ranks[tree.parent])
         except CommunicationError:
             raise
         except ObjcommError as exc:  # the parent refused it: it knows, and so will everyone else

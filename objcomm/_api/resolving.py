@@ -6,6 +6,7 @@ resolved into a :class:`~objcomm._api.call.Call`, kept per options object and fo
 from __future__ import annotations
 
 import operator
+import os
 import weakref
 from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
@@ -210,6 +211,13 @@ class Resolving:
             if self.group is not None:
                 raise ObjcommError(
                     "a group was given but torch.distributed is not initialised; call init_process_group()"
+                )
+            launched = os.environ.get("WORLD_SIZE", "1")
+            if launched.strip() not in ("", "0", "1"):  # a launcher (torchrun) started this rank among others
+                raise ObjcommError(
+                    f"torch.distributed is not initialised, but this process is one of WORLD_SIZE={launched} ranks "
+                    "(a launcher such as torchrun set it): call dist.init_process_group() first, or every call "
+                    "would act as a world of one on each rank. (Unset WORLD_SIZE to run a plain process.)"
                 )
             return None
         return self.group if self.group is not None else world

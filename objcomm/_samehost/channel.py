@@ -90,7 +90,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from objcomm._errors import CommunicationError
+from objcomm._errors import CommunicationError, ranks_note
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.inbox_waits import Inbox
 from objcomm._samehost.mesh import MAX_PAYLOAD, Mesh
@@ -155,9 +155,11 @@ class LocalChannel(Mesh):
         p2p: bool = False,
         generation: int = 0,
         stash_bytes: Optional[int] = None,
+        names: Optional[Sequence[int]] = None,
     ) -> None:
         self.rank = rank
         self.size = len(pids)
+        self.ranks_note = ranks_note(names)  # where group ranks are not global ones: which are which
         self.timeout = timeout
         self.p2p = p2p
         self.generation = generation
@@ -174,6 +176,7 @@ class LocalChannel(Mesh):
         for sock in peers.values():
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         self._inbox = Inbox(peers, pids, timeout, MAX_PAYLOAD, self._fail, stash_bytes, yields(self.size))
+        self._inbox.ranks_note = self.ranks_note
         self.auto_spin = AUTO_SPIN  # where the ranks outnumber the CPUs, polling yields (see yields)
         self.unsynced = 0  # second-round bytes of broadcasts, gathers, scatters since the last all_gather after them
         self._votes = 0  # all_gathers and all_to_alls that could have voted send/recv in (see vote_due)
@@ -279,7 +282,14 @@ class LocalChannel(Mesh):
                 s.close()
             return None
         channel = cls(
-            wire.rank, peers, pids, timeout, p2p=all(readies), generation=history[0] + 1, stash_bytes=stash_bytes
+            wire.rank,
+            peers,
+            pids,
+            timeout,
+            p2p=all(readies),
+            generation=history[0] + 1,
+            stash_bytes=stash_bytes,
+            names=wire.ranks,
         )
         channel.control = control
         return channel

@@ -67,7 +67,7 @@ from objcomm._samehost.inbox import ANSWER, REST
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._samehost.p2p_state import Counted, SameHost
 from objcomm._transport import call_clock
-from objcomm._transport.base import NOT_USED, THROUGH_GROUP, WHOLE, Lease, NotUsed, Slot, TreeLevels, Wire
+from objcomm._transport.base import ASKS, NOT_USED, THROUGH_GROUP, WHOLE, Lease, NotUsed, Slot, TreeLevels, Wire
 
 T = TypeVar("T")
 _BACKEND = THROUGH_GROUP  # send/recv through the group, uncounted
@@ -98,8 +98,8 @@ class ChannelRoute:
     def took(self, sender: int) -> None:
         pass
 
-    def send(self, wire: Wire, slot: Slot, dst: int) -> int:
-        message = self.channel.new_message()
+    def send(self, wire: Wire, slot: Slot, dst: int, asks: bool = False) -> int:
+        message = self.channel.new_message() | (ASKS if asks else 0)
         self.channel.send(_trim(slot), dst, wire.tag, message)
         return message
 

@@ -152,6 +152,7 @@ class Stash:
         self.cond = threading.Condition(self._lock)  # guards everything below
         self._peers = peers
         self._pids = pids
+        self.ranks_note = ""  # (LocalChannel's: which group ranks are which global ones, where they differ)
         self._fail = fail
         self._limit = stash_for(len(peers)) if stash_bytes is None else stash_bytes
         self.window = window_for(len(peers))

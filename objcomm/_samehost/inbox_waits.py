@@ -260,7 +260,9 @@ class Inbox(Stash):
                     why += f" ({NOT_THERE})" if key[0] else ""
                     if key[0]:  # the others wait in the same collective: close, so that they learn at once
                         self._fail(op, why)
-                    raise CommunicationError(f"{op} over the local channel: {why}; the channel stays open")
+                    raise CommunicationError(
+                        f"{op} over the local channel{self.ranks_note}: {why}; the channel stays open"
+                    )
                 if self.bounced:  # a CREDIT this rank owes could not leave: offer it again every CREDIT_RETRY
                     now = time.monotonic()
                     if now >= offer_at:
@@ -360,7 +362,9 @@ class Inbox(Stash):
                     )
                     if collective:
                         self._fail(op, why)
-                    raise CommunicationError(f"{op} over the local channel: {why}; the channel stays open")
+                    raise CommunicationError(
+                        f"{op} over the local channel{self.ranks_note}: {why}; the channel stays open"
+                    )
                 if not mine and peer not in self._readers:
                     self._readers[peer] = me
                     mine = True

@@ -58,6 +58,7 @@ class Mesh:
     auto_spin: float
     closed: bool
     _pids: Tuple[int, ...]
+    ranks_note: str
     _peers: Dict[int, socket.socket]
     _others: List[int]
     _inbox: Inbox
@@ -135,8 +136,8 @@ class Mesh:
         return sender, data, message
 
     def new_message(self) -> int:
-        """A message id for :meth:`send`, distinct from this rank's others until 2**31 sends later."""
-        return next(self._messages) & (MASK >> 1)  # the top bit: objcomm._transport.base.WHOLE
+        """A message id for :meth:`send`, distinct from this rank's others until 2**30 sends later."""
+        return next(self._messages) & (MASK >> 2)  # the top bits: objcomm._transport.base.WHOLE and ASKS
 
     def send_part(self, kind: int, data: Slot, dst: int, tag: int, message: int) -> None:
         """Send ``data`` to group rank ``dst`` as ``kind`` (:data:`ANSWER` or :data:`REST`) of message ``message``
@@ -280,7 +281,10 @@ class Mesh:
                 f"{op} over the local channel failed on rank {self.rank}: the channel closed "
                 f"before. {self._inbox.closed}"
             ) from cause
-        message = f"{op} over the local channel failed on rank {self.rank} of {self.size}: {why}. The channel is closed"
+        message = (
+            f"{op} over the local channel failed on rank {self.rank} of {self.size}{self.ranks_note}: {why}. "
+            "The channel is closed"
+        )
         if self.failed_at is None:
             self._failure_point()
         if self._owner == os.getpid():  # the peers learn where (FAILED), ahead of the end of the connection

@@ -25,10 +25,11 @@ from objcomm._samehost.sealed import Sealed, SealedSegment, Unopenable
 from objcomm._samehost.segments import SegmentBook, SegmentFile, _me, _name, _Segment, _this_host, _Writer
 from objcomm._samehost.shm_parts import Source, _part, _where, fetch
 from objcomm._transport.base import NOT_USED, NotUsed, Route, Wire, guarded
+from objcomm._transport.p2p import SHARED_WORDS, send_words
 
 log = logging.getLogger("objcomm")
 
-_P2P = 6  # seq (or -1), pid, token, host key, pid namespace, where (see _where)
+_P2P = SHARED_WORDS  # seq (or -1), pid, token, host key, pid namespace, where (see _where)
 _SENT, _OTHER_HOST, _RESEND, _REFUSED_P2P, _UNOPENABLE = 0, 1, 2, 3, 4  # the receiver's answer
 
 
@@ -66,11 +67,7 @@ def send(
                 log.debug("objcomm shm: %s could not write shared memory (%s); normal transport", op, exc)
                 seq = -1
         words = [seq, os.getpid(), book.token, _hosts.host_key(separate), _hosts.pid_namespace(), where]
-        if route is not None:
-            route.send_words(wire, words, dst, message)
-        else:
-            status = torch.tensor(words, dtype=torch.int64)
-            guarded(op, wire, dist.send, status, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
+        send_words(wire, words, dst, op, route, message)
         if seq < 0:
             return False
         if route is not None:

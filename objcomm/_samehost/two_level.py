@@ -233,8 +233,8 @@ class HostRoute(ChannelRoute):
         super().__init__(channel, spin)
         self.base = base
 
-    def send(self, wire: Wire, slot: Slot, dst: int) -> int:
-        return super().send(wire, slot, dst - self.base)
+    def send(self, wire: Wire, slot: Slot, dst: int, asks: bool = False) -> int:
+        return super().send(wire, slot, dst - self.base, asks)
 
     def send_whole(self, wire: Wire, slot: Slot, out: Outgoing, info: SlotInfo, dst: int) -> bool:
         return super().send_whole(wire, slot, out, info, dst - self.base)

@@ -1,11 +1,10 @@
 """What every medium shares: the :class:`Wire` a call moves over, and the protocols a medium implements.
 
-A call's media are named by what they carry, not by the round: :class:`SlotMedium` carries the fixed-size slots,
-a call's votes and control words, and the route of each send/recv (:data:`BACKEND`: the group itself; else the
-same-host channel, or two levels); :class:`RestMedia` may carry what did not fit a slot (:data:`DIRECT`: none, the
-transport moves it through the group; else the same-host channel and shared memory, or two levels); a
-:class:`Route` carries one send/recv. The transport (:mod:`objcomm._transport.rounds`) calls these; the same-host
-media (:mod:`objcomm._samehost`) implement them and import nothing of the transport's own.
+Media are named by what they carry: :class:`SlotMedium` the fixed-size slots, a call's votes and control words,
+and the route of each send/recv (:data:`BACKEND`: the group itself; else the same-host channel, or two levels);
+:class:`RestMedia` what did not fit a slot (:data:`DIRECT`: none, the transport moves it through the group; else
+the same-host channel and shared memory, or two levels); a :class:`Route` one send/recv. The transport calls
+these; the same-host media (:mod:`objcomm._samehost`, a floor above) implement them.
 """
 
 from __future__ import annotations
@@ -17,16 +16,15 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Se
 import torch
 import torch.distributed as dist
 
-from objcomm._errors import NOT_THERE, CommunicationError
+from objcomm._errors import NOT_THERE, CommunicationError, ranks_note
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# The tag of the messages objcomm's own calls exchange point to point (a reduction's tree, a collective's rest),
-# above every tag a caller may pass (objcomm._api.call.MAX_TAG): they never meet a caller's messages, which
-# may still be in flight (an eager send returns before its receiver takes it).
+# The tag of objcomm's own point-to-point messages (a reduction's tree, a collective's rest), above every tag a caller
+# may pass (objcomm._api.call.MAX_TAG): they never meet a caller's, which may be in flight (eager sends).
 INTERNAL_TAG = (1 << 30) - 1
 
 
@@ -200,6 +198,7 @@ class SlotMedium(Protocol):
 
 
 WHOLE = 1 << 31  # the bit of a message id (a route's) that says its rest came with its slot (Route.send_whole)
+ASKS = 1 << 30  # and the bit that says its sender waits for the receiver's answer before the rest (Route.send)
 
 
 class Route(Protocol):
@@ -212,8 +211,9 @@ class Route(Protocol):
         whether it did. Its receiver's :meth:`recv` gives a message id with :data:`WHOLE` set, and its
         :meth:`recv_rest` the rest that came with the slot."""
 
-    def send(self, wire: Wire, slot: Slot, dst: int) -> int:
-        """Send ``slot`` to group rank ``dst`` under ``wire.tag``; the message's id (for its answer and rest)."""
+    def send(self, wire: Wire, slot: Slot, dst: int, asks: bool = False) -> int:
+        """Send ``slot`` to group rank ``dst`` under ``wire.tag``; the message's id (for its answer and rest), with
+        :data:`ASKS` set where ``asks``: the sender waits for an answer."""
 
     def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot, int]:
         """``(sender, slot, message id)``: the next slot under ``wire.tag`` from group rank ``src`` (``None``: any)."""
@@ -384,7 +384,7 @@ def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     except RuntimeError as exc:
         raise CommunicationError(
-            f"{what} failed on rank {wire.rank} of a group of {wire.size}: {exc}. "
+            f"{what} failed on rank {wire.rank} of a group of {wire.size}{ranks_note(wire.ranks)}: {exc}. "
             f"{NOT_THERE[0].upper()}{NOT_THERE[1:]}; "
             "the group's timeout (init_process_group(timeout=...)) bounds how long ranks wait"
         ) from exc

@@ -14,7 +14,7 @@ from objcomm._format import limits as _limits
 from objcomm._format.frame import error_frame
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, read_slot
-from objcomm._transport import rounds as _rounds
+from objcomm._transport import p2p as _p2p
 from objcomm._transport import routes
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, TreeLevels, Wire, guarded
 from objcomm._transport.bytes import Deadline, at_pieces, broadcast_bytes, host_view, receive_buffer
@@ -161,7 +161,7 @@ def _descend(
             got = Incoming(forward.frame if forward.error else memoryview(b""), error=forward.error)
     else:
         try:
-            _, got, _ = _rounds.recv(wire, ranks[tree.parent], sizes_of)
+            _, got, _ = _p2p.recv(wire, ranks[tree.parent], sizes_of)
             small = got.frame.nbytes <= wire.inline_capacity  # a slot's view: copied, as a route may reuse its buffer
             forward = Outgoing(bytes(got.frame) if small else got.frame, got.tensors, error=got.error)
         except CommunicationError:
@@ -171,7 +171,7 @@ def _descend(
             got = Incoming(forward.frame, error=True, refused=exc)
     for child in reversed(tree.children):  # the largest subtree first
         try:
-            _rounds.send(wire, forward, ranks[child])
+            _p2p.send(wire, forward, ranks[child])
         except CommunicationError:
             raise
         except ObjcommError:  # that child refused it: it raises, and its subtree hears of it from it

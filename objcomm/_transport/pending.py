@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import threading
 import time
 import warnings
@@ -147,7 +148,7 @@ class _Sends:
             except Exception as exc:  # noqa: BLE001 - whatever the backend raised, reported by the next call
                 failure = (
                     f"an earlier send of this rank to rank {peer} (tag {sent.tag}) returned before rank {peer} "
-                    f"received it, and it was not received: {exc}"
+                    f"received it, and it was not received: {_said(exc)}"
                 )
             with self.cond:
                 queue.popleft()
@@ -215,6 +216,13 @@ def check(group: Any, op: str) -> None:
     if found is not None and found.failures:
         with found.cond:
             found._raise_failures(op)
+
+
+def _said(exc: BaseException) -> str:
+    """What the backend said, without gloo's source location and its guess that a peer crashed (a peer that exited,
+    its receives done, closes the connection too: a helper's find, where the warning read like a crash)."""
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", str(exc))
+    return text.split(". This is typically caused by", 1)[0]
 
 
 def idle(group: Any, within: float = 0.0) -> bool:

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 from objcomm._errors import CommunicationError, FrameError, ObjcommError
 from objcomm._format.frame import error_frame
 from objcomm._format.message import Incoming, Outgoing
-from objcomm._transport import rounds as _rounds
+from objcomm._transport import p2p as _p2p
 from objcomm._transport.base import INTERNAL_TAG, TreeLevels, Wire
 from objcomm._transport.patterns import binomial
 
@@ -86,7 +86,7 @@ def _up(
             reports[peer] = bytes(error_frame(unread, wire.inline_capacity).frame)
     if tree.parent is not None and to_parent:
         speaks = lasts[tree.end - 1] - rank + 1
-        _rounds.send(wire._replace(max_bytes=_bound(wire, speaks)), Outgoing(_pack(reports)), ranks[tree.parent])
+        _p2p.send(wire._replace(max_bytes=_bound(wire, speaks)), Outgoing(_pack(reports)), ranks[tree.parent])
     return reports
 
 
@@ -101,7 +101,7 @@ def _down(
         reports = _receive(wire, ranks[tree.parent], 0, wire.size)
     bundle = Outgoing(_pack(reports))
     for child in reversed(tree.children):
-        _rounds.send(wire._replace(max_bytes=_bound(wire, wire.size)), bundle, ranks[child])
+        _p2p.send(wire._replace(max_bytes=_bound(wire, wire.size)), bundle, ranks[child])
     return reports
 
 
@@ -116,7 +116,7 @@ def _pack(reports: Dict[int, bytes]) -> bytes:
 
 def _receive(wire: Wire, peer: int, low: int, high: int) -> Dict[int, bytes]:
     """The bundle group rank ``peer`` sends, speaking for ranks ``low`` to ``high - 1``, checked."""
-    _, got, _ = _rounds.recv(wire._replace(max_bytes=_bound(wire, high - low)), peer, lambda frame: [])
+    _, got, _ = _p2p.recv(wire._replace(max_bytes=_bound(wire, high - low)), peer, lambda frame: [])
     if got.tensors:
         raise FrameError(f"all_reduce: rank {peer} sent tensors with its failure reports: a protocol error")
     view, at, last = got.frame, 0, low - 1

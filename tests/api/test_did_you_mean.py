@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import inspect
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch.distributed as dist
@@ -114,6 +117,16 @@ def test_misspelt_keywords_get_a_close_match_and_others_pythons_own_message():
     )
     assert _type_error(objcomm.broadcast, 1, color="red") == "broadcast() got an unexpected keyword argument 'color'"
     assert _type_error(objcomm.recv, dest=1) == "recv() got an unexpected keyword argument 'dest'"  # no dst here
+    # a swapped or dropped letter, or another case (a helper's find: these got Python's message alone)
+    for fn, typed, meant in (
+        (objcomm.send, "tga", "tag"),
+        (objcomm.send, "Tag", "tag"),
+        (objcomm.recv, "sorce", "src"),
+        (objcomm.send, "dts", "dst"),
+        (objcomm.all_reduce, "asyncop", "async_op"),
+    ):
+        message = _type_error(fn, 1, **{typed: 0})
+        assert message.endswith(f"'{typed}'; did you mean {meant}=?"), message
 
 
 def test_errors_raised_inside_a_call_are_untouched():
@@ -209,6 +222,20 @@ def test_the_docs_objcomm_example_runs_in_a_world_of_one():
     scope: dict = {}
     exec(compile(blocks[0], str(DOC), "exec"), scope)
     assert scope["got"] == {"from": 0} and scope["total"] == 0 and scope["request"].is_completed()
+
+
+def test_a_rank_a_launcher_started_among_others_refuses_to_act_as_a_world_of_one():
+    """Under torchrun (WORLD_SIZE=3) without init_process_group, every call raised nothing and each rank acted as a
+    world of one (a helper's find: the page's example printed rank 0's values on all three); now it says what to do."""
+    code = "import objcomm\ntry:\n    objcomm.all_gather(1)\nexcept objcomm.ObjcommError as exc:\n    print(exc)\n"
+    env = {**os.environ, "WORLD_SIZE": "3"}
+    said = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert "WORLD_SIZE=3" in said and "init_process_group()" in said, said
+    env["WORLD_SIZE"] = "1"
+    alone = subprocess.run(
+        [sys.executable, "-c", "import objcomm; print(objcomm.all_gather(1))"], env=env, capture_output=True, text=True
+    )
+    assert alone.stdout.strip() == "[1]", alone.stderr
 
 
 # -- op names ----------------------------------------------------------------------------------------------------------

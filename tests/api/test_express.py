@@ -28,6 +28,7 @@ from objcomm._format.tensors import TensorLifter
 from objcomm._samehost import channel as _channel
 from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._transport import broadcast as _broadcast
+from objcomm._transport import p2p as _p2p
 from objcomm._transport import rounds as _rounds
 from serializers import registry
 
@@ -88,7 +89,7 @@ def test_a_frame_that_fills_the_slot_exactly_is_express_one_byte_more_is_not():
 # -- on live ranks ------------------------------------------------------------------------------------------
 
 
-GENERAL_SEND_RECV = {"send": [(_rounds, "send")], "recv": [(_rounds, "recv")]}  # the general path's
+GENERAL_SEND_RECV = {"send": [(_p2p, "send")], "recv": [(_p2p, "recv")]}  # the general path's
 
 
 def _outcome(fn: Any, message: bool = False) -> Any:

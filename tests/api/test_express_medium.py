@@ -25,7 +25,7 @@ from objcomm._format.tensors import TensorLifter
 from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._samehost import mesh as _mesh
 from objcomm._samehost.shm import SharedMemory
-from objcomm._transport import rounds as _rounds
+from objcomm._transport import p2p as _p2p
 from objcomm._transport.base import WHOLE, Wire
 from serializers import registry
 
@@ -161,7 +161,7 @@ def medium_routes_and_outcomes() -> List[Any]:
     ]
     got = []
     for label, send, recv in cases:
-        with counting({"general": [(_rounds, "send"), (_rounds, "recv"), (_express, "received")]}) as counts:
+        with counting({"general": [(_p2p, "send"), (_p2p, "recv"), (_express, "received")]}) as counts:
             outcome = _outcome(send if rank == 0 else recv)
         got.append((label, outcome, counts["general"]))
     channel = _state.group_facts(dist.group.WORLD).local[False].channel

@@ -245,3 +245,19 @@ def merged_type() -> List[str]:
 def test_merges_keep_the_first_dicts_type_at_every_world_size():
     assert get_pool(1).run(merged_type) == [["Counter", "Counter"]]
     assert get_pool(2).run(merged_type) == [["Counter", "Counter"]] * 2
+
+
+def own_object_back() -> List[bool]:
+    """Group rank 0 holds the largest list: "max" returns that very object there, as a user's op may."""
+    mine = [10 - dist.get_rank()]
+    return [
+        objcomm.all_reduce(mine, "max") is mine,
+        objcomm.reduce(mine, "max", dst=0) is mine,
+        objcomm.all_reduce(mine, lambda a, b: a) == [10],
+    ]
+
+
+def test_group_rank_0_never_gets_its_own_object_back():
+    """Every rank gets a copy of the result, rank 0 too (a helper's find: there, mutating the result of a "max" that
+    rank 0's object won changed that object; mpi4py returns a copy)."""
+    assert get_pool(2).run(own_object_back) == [[False, False, True], [False, False, True]]

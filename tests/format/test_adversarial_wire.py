@@ -31,6 +31,7 @@ from objcomm._format import slot as _slot
 from objcomm._format import tensors as _tensors
 from objcomm._samehost.segments import SegmentBook
 from objcomm._transport import broadcast as _broadcast
+from objcomm._transport import p2p as _p2p
 from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
 from objcomm._transport.rounds import Incoming, Outgoing
@@ -119,7 +120,7 @@ def under_reported(op: str) -> tuple:
         lie = Lying(_big_frame().frame, claimed=100)
         try:
             if op == "send/recv":
-                _rounds.send(_wire(), lie, 0)
+                _p2p.send(_wire(), lie, 0)
             elif op == "all_gather":
                 _rounds.all_gather(_wire(), lie, _frame.tensor_sizes)
             elif op == "all_to_all":
@@ -179,7 +180,7 @@ def _lying_sender(forged: Outgoing) -> list:
             if rank == 1 and op == "all_gather":
                 _rounds.all_gather(_wire(), forged, _frame.tensor_sizes)
             elif rank == 1:
-                _rounds.send(_wire(), forged, 0)
+                _p2p.send(_wire(), forged, 0)
             elif op == "all_gather":
                 objcomm.all_gather("small")
             else:

@@ -377,8 +377,9 @@ MUST_STATE = {
     "objcomm._api.call.MAX_TAG",
     "objcomm._transport.base.INTERNAL_TAG",
     "objcomm._transport.base.WHOLE",
+    "objcomm._transport.base.ASKS",
     "objcomm._transport.routes.BACKEND_WHOLE_BYTES",
-    "objcomm._transport.rounds.TAKES",
+    *(f"objcomm._transport.p2p.{n}" for n in ("TAKES", "ASKED", "SHARED_WORDS")),
     *(f"objcomm._samehost.shm.{n}" for n in ("_READ", "_FELL_BACK", "_REFUSED")),
     *(f"objcomm._samehost.shm_p2p.{n}" for n in ("_P2P", "_SENT", "_OTHER_HOST", "_RESEND", "_REFUSED_P2P")),
     *(f"objcomm._samehost.inbox.{n}" for n in ("ALL_GATHER", "BROADCAST", "SCATTER", "ALL_TO_ALL", "P2P", "CREDIT")),
@@ -437,7 +438,7 @@ def test_byte_layouts_on_the_page_are_the_structs():
         "objcomm._format.slot.PREFIX",
         "objcomm._format.slot.COUNT",
         "objcomm._samehost.inbox.HEADER",
-        "objcomm._transport.rounds.ENVELOPE",
+        "objcomm._transport.p2p.ENVELOPE",
     }
     assert _frame.HEADER.size == 40
 

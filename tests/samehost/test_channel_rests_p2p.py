@@ -28,7 +28,7 @@ from objcomm._samehost import shm_p2p as _shm_p2p
 from objcomm._samehost.channel_rests import CHUNK
 from objcomm._samehost.inbox import REST
 from objcomm._transport import bytes as _bytes
-from objcomm._transport import rounds as _rounds
+from objcomm._transport import p2p as _p2p
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,7 +36,7 @@ SIZES = [0, 100, 5_000, CHUNK // 4 - 300, CHUNK // 4, CHUNK, 3 * CHUNK + 7, 150_
 SHARED = 700_000  # past shm_threshold (2 MiB): the rest goes through shared memory, after the channel's answer
 ASKED = "a" * 1_100_000  # a frame past 1 MiB, below shm_threshold: the receiver answers first, then the channel
 ROUTES = {
-    "backend": [(_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_rounds, "recv_bytes")],
+    "backend": [(_bytes.Batch, "send_rest"), (_bytes.Batch, "recv"), (_p2p, "recv_bytes")],
     "shm": [(_shm.SharedMemory, "_collective"), (_shm_p2p, "fetch")],
     "channel": [(_channel_rests, "send_p2p"), (_channel_rests, "recv_p2p")],
     "whole": [(_channel_rests, "came_with_slot")],  # a rest that came in one message with its slot

@@ -453,3 +453,28 @@ def test_ranks_whose_shared_memory_settings_differ_raise_at_that_call(op):
     assert [r["small"] for r in reports] == [True] * 3, reports
     assert [r["first"] for r in reports] == [True] * 3, reports
     assert [r["next"] for r in reports] == [[0, 1, 2]] * 3, reports
+
+
+def names_global_ranks() -> Any:
+    """Two groups of global ranks 1 and 2: rank 2 waits for a message that global rank 1 never sends, through the
+    backend of one, then through the other's channel (send/recv on it: objcomm.connect). Its errors name group
+    ranks, and say which global ranks they are."""
+    groups = [dist.new_group([1, 2], timeout=timedelta(seconds=2)) for _ in range(2)]
+    if dist.get_rank() in (1, 2):
+        objcomm.connect(groups[1])
+    dist.barrier()
+    said = []
+    if dist.get_rank() == 2:
+        for group, local in zip(groups, (False, True)):
+            try:
+                objcomm.Communicator(group, local=local, shm=False).recv(src=1, tag=3)
+            except objcomm.CommunicationError as exc:
+                said.append(str(exc))
+    dist.barrier()
+    return said
+
+
+def test_errors_about_a_subgroup_say_which_global_ranks_its_ranks_are():
+    said = get_pool(3).run(names_global_ranks, timeout=120)[2]
+    assert len(said) == 2 and all("their global ranks: [1, 2]" in s for s in said), said
+    assert "over the local channel" in said[1] and "over the local channel" not in said[0], said

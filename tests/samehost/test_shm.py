@@ -24,6 +24,7 @@ from objcomm._samehost.rests import SameHostRests
 from objcomm._samehost.two_level_rests import TwoLevelRests
 from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import gather as _gather
+from objcomm._transport import p2p as _p2p
 from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
 from objcomm._transport.base import BACKEND, DIRECT
@@ -148,10 +149,10 @@ def every_op(directory: str, separate: bool, zero_copy: bool, local: bool = Fals
         _check(item, 10 * rank, frame, tensors)
 
         if rank == 0:
-            _, lines = _logged(_rounds.send, wire, _payload(5, frame, tensors), 1)
+            _, lines = _logged(_p2p.send, wire, _payload(5, frame, tensors), 1)
             fell_back["send/recv"].append(any("normal transport" in line for line in lines))
         elif rank == 1:
-            sender, item, error = _rounds.recv(wire, None, sizes)
+            sender, item, error = _p2p.recv(wire, None, sizes)
             assert (sender, error) == (0, False)
             _check(item, 5, frame, tensors)
     dist.barrier()  # writers unlink once their readers are done, maybe just after those return
@@ -248,9 +249,9 @@ def mixed_group(directory: str) -> Dict[str, Any]:
     lines: List[str] = []
     for peer in (1, 2):
         if rank == 0:
-            lines += _logged(_rounds.send, wire, _payload(peer, frame, []), peer)[1]
+            lines += _logged(_p2p.send, wire, _payload(peer, frame, []), peer)[1]
         elif rank == peer:
-            _check(_rounds.recv(wire, 0, sizes)[1], peer, frame, [])
+            _check(_p2p.recv(wire, 0, sizes)[1], peer, frame, [])
     dist.destroy_process_group(group)
     return {"all_gather": gather_lines, "send": lines}
 
@@ -345,9 +346,9 @@ def many_calls(directory: str, calls: int) -> List[int]:
         elif op == 2:
             _gather.gather(wire, _payload(rank, 200, [300]), sizes, 0)
         elif rank == 0:
-            _rounds.send(wire, _payload(0, 200, [300]), 1)
+            _p2p.send(wire, _payload(0, 200, [300]), 1)
         elif rank == 1:
-            _rounds.recv(wire, 0, sizes)
+            _p2p.recv(wire, 0, sizes)
     dist.barrier()  # a writer unlinks once its readers are done, which may be just after they return
     return [os.getpid(), len(os.listdir(directory))]
 

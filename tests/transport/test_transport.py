@@ -19,6 +19,7 @@ from objcomm._format import slot as _slot
 from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import bytes as _bytes
 from objcomm._transport import gather as _gather
+from objcomm._transport import p2p as _p2p
 from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
 from objcomm._transport.rounds import Outgoing
@@ -78,9 +79,9 @@ def boundaries() -> int:
         assert bytes(_parts.scatter(wire, outs, _no_tensors, 0).frame) == bytes(frames[rank]), n
         if world > 1:
             if rank == 0:
-                _rounds.send(wire, Outgoing(frames[0]), 1)
+                _p2p.send(wire, Outgoing(frames[0]), 1)
             elif rank == 1:
-                sender, item, error = _rounds.recv(wire, None, _no_tensors)
+                sender, item, error = _p2p.recv(wire, None, _no_tensors)
                 assert (sender, bytes(item.frame), error) == (0, bytes(frames[0]), False), n
         checked += 1
     return checked
@@ -283,9 +284,7 @@ def pieces_of_a_byte() -> list:
     wire = _wire()._replace(slot=4096, chunk=1 if rank == 0 else 1 << 20)
     seen = []
     for call in (
-        lambda: (
-            _rounds.send(wire, Outgoing(_frame(0, 300_000)), 1) if rank == 0 else _rounds.recv(wire, 0, _no_tensors)
-        ),
+        lambda: _p2p.send(wire, Outgoing(_frame(0, 300_000)), 1) if rank == 0 else _p2p.recv(wire, 0, _no_tensors),
         lambda: _rounds.all_gather(wire, Outgoing(_frame(rank, 10 if rank == 0 else 300_000)), _no_tensors),
     ):
         try:

@@ -143,7 +143,7 @@ def backend_whole(rest: int, *, cpu: bool, agreed: bool) -> bool:
     cost two rendezvous; one message costs one (a 16 KB round trip on loopback: 2 messages a way ~500 us, 1 ~190 us),
     and is posted without waiting for its receiver, as a whole message in its slot is
     (:mod:`objcomm._transport.pending`). The message's envelope tells the receiver what the sender decided
-    (:data:`objcomm._transport.rounds.ENVELOPE`), and a receiver over its ``max_bytes`` drops what came (it is in its
+    (:data:`objcomm._transport.p2p.ENVELOPE`), and a receiver over its ``max_bytes`` drops what came (it is in its
     buffer already) and raises alone."""
     return cpu and not agreed and 0 < rest <= BACKEND_WHOLE_BYTES
 

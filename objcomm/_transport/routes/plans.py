@@ -158,7 +158,7 @@ def tree_calls(world: int, rest: int, *, cpu: bool, listed: bool, chunk: int) ->
     """The calls of a binomial tree of sends (a reduction's way up, or its result's way down) on its busiest rank, group
     rank 0, where each message has a rest of ``rest`` bytes: ceil(log2 W) messages, each one call where its rest comes
     with its slot (:func:`~objcomm._transport.routes.cutoffs.backend_whole`) or the slot carries all; else its slot,
-    the receiver's answer where one is due, and one batch for the rest (:func:`objcomm._transport.rounds.send`)."""
+    the receiver's answer where one is due, and one batch for the rest (:func:`objcomm._transport.p2p.send`)."""
     agreed = rest > 0 and agreement_needed(sizes_listed=listed, largest_piece=min(rest, chunk), medium_may_take=False)
     per_message = 1 if rest == 0 or backend_whole(rest, cpu=cpu, agreed=agreed) else 2 + agreed
     return (world - 1).bit_length() * per_message
