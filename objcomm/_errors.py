@@ -81,7 +81,6 @@ class WaitTimeoutError(ObjcommError, TimeoutError):
 Failure = Tuple[str, str]  # (exception type name, message)
 
 
-# why a peer did not come, where a wait for it ran out: what a timeout's message lists
 def ranks_note(ranks: Optional[Sequence[int]]) -> str:
     """What an error about a group whose ranks are not the global ones adds after "rank r of W": objcomm's errors name
     group ranks, where ``src`` and ``dst`` take global ones (a helper's find: a subgroup's error blamed "rank 0",
@@ -93,6 +92,7 @@ def ranks_note(ranks: Optional[Sequence[int]]) -> str:
     return " (ranks of this group: dist.get_global_rank(group, r) gives each one's global rank)"
 
 
+# why a peer did not come, where a wait for it ran out: what a timeout's message lists
 NOT_THERE = (
     "a rank may have crashed, never called this operation, called a different one, or called it with settings "
     "that every rank of a group must share and this one does not (local, slot_bytes, shm, shm_threshold, "
