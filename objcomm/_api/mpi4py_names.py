@@ -116,10 +116,32 @@ def keyword_hint(name: str, params: Sequence[str], function: str) -> Optional[st
         return f"{function}() has no root: every rank takes part and gets the result" + FROM_MPI4PY
     if name == "buf":
         return "objcomm allocates what it receives: leave buf out" + FROM_MPI4PY
-    # case folded, and loose enough for a swapped or a dropped letter in a short name (tga, sorce, dts, asyncop)
+    if name in ("group_dst", "group_src") and name[6:] in params:  # torch's group ranks (objcomm.compat takes them)
+        return f"objcomm takes global ranks: {name[6:]}=dist.get_global_rank(group, r)" + FROM_MPI4PY
     names = {p.lower(): p for p in params if p != "self"}
-    close = difflib.get_close_matches(name.lower(), list(names), n=1, cutoff=0.6)
-    return f"did you mean {names[close[0]]}=?" if close else None
+    close = difflib.get_close_matches(name, [p for p in params if p != "self"], n=1, cutoff=0.8)
+    if close:
+        return f"did you mean {close[0]}=?"
+    # one letter swapped, dropped, added or changed, in any case (tga, Tag, dts, asyncop), or mpi4py's word so typed
+    # (sorce): a looser ratio also matched words that mean something else (sync: async_op, target: tag)
+    for typed, meant in [(key, key) for key in names] + [(key, ps[0]) for key, ps in MPI4PY_KEYWORDS.items()]:
+        if _one_edit(name.lower(), typed) and meant.lower() in names:
+            return f"did you mean {names[meant.lower()]}=?" + (FROM_MPI4PY if typed != meant else "")
+    return None
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """Whether ``a`` becomes ``b`` by one edit (a letter swapped with the next, dropped, added or changed), both at
+    least three letters long."""
+    if a == b or min(len(a), len(b)) < 3 or abs(len(a) - len(b)) > 1:
+        return a == b and len(a) >= 3
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (
+            len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]]
+        )
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
 
 
 def mpi4py_keywords(fn: F) -> F:

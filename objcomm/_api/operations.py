@@ -240,9 +240,12 @@ def _not_own(call: Call, value: Any, obj: Any, out: Optional[Outgoing] = None) -
     (a helper's find: mutating the result changed rank 0's input, there only). ``out``: the result encoded."""
     if value is not obj:
         return value
-    if out is None:
+    if out is not None:
+        return call.decode(Incoming(out.frame, list(out.tensors)), 0, own=True)
+    try:
         return call.roundtrip(obj)
-    return call.decode(Incoming(out.frame, list(out.tensors)), 0, own=True)
+    except ObjcommError:  # it cannot be encoded (a reduce to rank 0 needs it nowhere else): the object, as before
+        return value
 
 
 def _still(serialized: Any, express: Optional[Express], call: Call) -> Any:

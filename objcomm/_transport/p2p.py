@@ -3,12 +3,12 @@
 The sender decides from its slot and its own settings whether it waits for an answer before the rest (its sizes not
 listed, a piece past the scratch size, or its shared memory may take the rest: :func:`_agreement_needed`) and says
 so in its message: a route's message id carries :data:`~objcomm._transport.base.ASKS`, a CPU backend's
-:data:`ENVELOPE` announces :data:`ASKED` in place of a rest. The receiver answers exactly when asked (so ranks whose
-settings differ never wait for each other: a review's find, where a ``shm_threshold`` between 60 KiB and 1 MiB on
-one rank left both waiting for the timeout, or failed the channel) and refuses a slot that needs an answer but did
-not ask for one. Its answer says whether its shared memory takes the rest (:data:`TAKES`); the rest goes there
-only when the sender's settings say so too, else a sender declines in shared memory's own words
-(:func:`decline_shared`) and both move it the normal way.
+:data:`ENVELOPE` announces :data:`ASKED` in place of a rest. The receiver answers exactly when asked (on a GPU
+wire's route: always, as its sender always waits there), so ranks whose settings differ never wait for each other
+(a review's find: a ``shm_threshold`` between 60 KiB and 1 MiB on one rank left both waiting for the timeout, or
+failed the channel), and refuses a slot that needs an answer but did not ask for one. Its answer says whether its
+shared memory takes the rest (:data:`TAKES`); the rest goes there only when the sender's settings say so too, else
+a sender declines in shared memory's own words (:func:`decline_shared`) and both move it the normal way.
 
 The slot goes through the wire's route (:meth:`~objcomm._transport.base.SlotMedium.p2p`: the same-host channel)
 where there is one, else through the group; the rest through shared memory, the route (CPU) or the group.
@@ -115,7 +115,7 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
     if answer is not None:
         medium, answer = bool(answer & TAKES), answer & ~TAKES
         if answer and not agreed:
-            return  # refused where the group's path sends without asking: there the receiver drains and raises alone
+            return  # refused unasked (a GPU wire's route always answers): the receiver raises alone
     if answer == REFUSE_MALFORMED:
         raise FrameError(
             f"send: rank {dst} refused this frame: its tensor table disagrees with the sizes in its slot; "

@@ -24,15 +24,15 @@ from typing import Any, Callable, List
 
 from serializers import _budget, _rebuild
 from serializers._errors import ContentRefusedError
+from serializers._restricted.scan import COMPARED_BYTES
 
 _MAX_INT_BITS = 14_300  # about 4,300 decimal digits: gcd and str conversions stay cheap
 _DIGITS = _rebuild.MAX_INT_DIGITS
 _FRACTION_TEXT = re.compile(rf"\s*[+-]?\d{{1,{_DIGITS}}}(?:/\d{{1,{_DIGITS}}})?\s*\Z")
 _BUILT = (list, tuple, set, frozenset, dict)
 
-# types whose hash and comparison cost a few words, or a cached hash and a memcmp: anything else is looked at
-# (_uncached_units)
-_CHEAP_HASH = frozenset([str, bytes, float, bool, type(None), complex, decimal.Decimal])
+# types whose hash and comparison cost a few words: anything else is looked at (_uncached_units)
+_CHEAP_HASH = frozenset([float, bool, type(None), complex, decimal.Decimal])
 
 
 def _refused(what: str) -> ContentRefusedError:
@@ -58,14 +58,18 @@ def _built(value: Any, what: str, hashed: str = "") -> Any:
 def _charge_hashing(values: Any, what: str) -> None:
     """Charge what hashing ``values`` costs: 8 each, and again for what no type here caches: an int's size, a
     tuple's items (``torch.Size``'s too), a range's length (a new int each time) and a Fraction's modular inverse
-    (an attacker's find: a set of 100,000 references to one Size of 100,000 sizes, 569 KB, took 32 s). One charge
-    for the top level: a Python call per item would cost more than the hashing."""
+    (an attacker's find: a set of 100,000 references to one Size of 100,000 sizes, 569 KB, took 32 s); and what
+    comparing one with an equal one, not the same object, costs for each reference: a str's or bytes' size (as the
+    walk charges its uses as keys, ``scan.COMPARED_BYTES``), a frozenset's members. One charge for the top level: a
+    Python call per item would cost more than the hashing."""
     units = 8 * len(values)
     tuples = []
     for item in values:
         kind = type(item)
         if kind is int:
             units += item.bit_length() >> 3
+        elif kind is str or kind is bytes:  # hashed once, but compared whole with an equal one each reference
+            units += len(item) // COMPARED_BYTES
         elif kind is tuple:
             tuples.append(item)
         elif kind not in _CHEAP_HASH:
@@ -77,6 +81,8 @@ def _charge_hashing(values: Any, what: str) -> None:
         for sub in item:
             if type(sub) is int:
                 units += sub.bit_length() >> 3
+            elif type(sub) is str or type(sub) is bytes:
+                units += len(sub) // COMPARED_BYTES
             elif type(sub) is tuple:
                 tuples.append(sub)
             elif type(sub) not in _CHEAP_HASH:

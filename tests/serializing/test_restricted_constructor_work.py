@@ -361,6 +361,7 @@ def _hashing_and_probing_payloads() -> Dict[str, bytes]:
     size = _Reduced(torch.Size, (tuple(range(20_000)),))
     fraction = _Reduced(fractions.Fraction, (3**9000, 7**5000))
     twins = [_Reduced(frozenset, (tuple(range(20_000)),)) for _ in range(2)]
+    text = "y" * 200_000
     long, pairs = [0] * 20_000, [(0, 0)] * 20_000  # (one list each, memoized: every call refers to it)
     return {
         # a set (Counter, OrderedDict) of references to one value whose hash is not cached: each use hashed it whole
@@ -372,6 +373,12 @@ def _hashing_and_probing_payloads() -> Dict[str, bytes]:
         "set of one Fraction": pickle.dumps(_Reduced(set, ([fraction] * 40_000,)), protocol=5),
         # two equal frozensets, not the same object: each use of the second compares them member by member
         "set of two equal frozensets": pickle.dumps(_Reduced(set, ([twins[0], twins[1]] * 20_000,)), protocol=5),
+        "Counter of two equal strings": pickle.dumps(
+            _Reduced(collections.Counter, ([text, "".join(["y"] * 200_000)] * 100_000,)), protocol=5
+        ),
+        "set of two equal bytes": pickle.dumps(
+            _Reduced(set, ([text.encode(), bytes(bytearray(text.encode()))] * 100_000,)), protocol=5
+        ),
         # the probe pass: many calls on one memoized list, each looked at whole before any charge
         "deque calls in the probe pass": pickle.dumps(
             [_Filled()] + [_Reduced(collections.deque, (long,)) for _ in range(10_000)], protocol=5
@@ -385,8 +392,10 @@ def _hashing_and_probing_payloads() -> Dict[str, bytes]:
 def test_values_whose_hash_is_not_cached_and_calls_in_the_probe_pass_are_charged():
     """An attacker's finds: a set of 20,000 references to one torch.Size of 20,000 sizes (a tuple subclass the
     hashing charge took for one word), a range with a 2.4-million-bit length or a Fraction (neither caches its
-    hash), references to two equal frozensets (compared member by member: 5.5 s for 200 KB), and deque or defaultdict calls on one memoized list once the probe pass runs (it looked at each list
-    whole, uncharged): up to 200 µs per input byte before (a 130 KB payload took 25 s), each refused now."""
+    hash), references to two equal frozensets or two equal long strings (compared member by member, byte by byte,
+    for each reference: 5.5 s for 200 KB; a Counter of two 2-million-character strings 83 s for 8 MB), and deque or
+    defaultdict calls on one memoized list once the probe pass runs (it looked at each list whole, uncharged): up to
+    200 µs per input byte before (a 130 KB payload took 25 s), each refused now."""
     results = run_in_child(_decode_all, _hashing_and_probing_payloads(), memory_budget=1 << 30, preload=WITH_TORCH)
     for label, (result, message, cpu) in results.items():
         assert result == "DecodeError" and "work budget" in message, (label, result, message)
