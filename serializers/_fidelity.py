@@ -137,8 +137,10 @@ def _same_leaf(a: Any, b: Any) -> bool:
         return bool(a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b))
     if isinstance(a, float):
         return a == b or (math.isnan(a) and math.isnan(b))
-    if isinstance(a, (_dt.datetime, _dt.time)):  # aware ones compare equal across time zones: the zone must match too
-        return bool(a == b and a.tzinfo == b.tzinfo)
+    if isinstance(a, (_dt.datetime, _dt.time)):  # aware ones compare equal across time zones: the zone must match
+        # too, its kind and name (timezone's == ignores the name), and fold (== ignores it: msgpack lost both)
+        same_zone = type(a.tzinfo) is type(b.tzinfo) and a.tzinfo == b.tzinfo and a.tzname() == b.tzname()
+        return bool(a == b and same_zone and a.fold == b.fold)
     if isinstance(a, types.FunctionType):  # never called: the same code, defaults and captured values
         return bool(a.__code__ == b.__code__ and a.__defaults__ == b.__defaults__ and _cells(a) == _cells(b))
     return bool(a == b)

@@ -351,3 +351,32 @@ def test_an_object_auto_cannot_look_at_is_an_encode_error():
     for chooser in (serializers.registry.guarded("auto"), AutoSerializer(safe=True)):
         with pytest.raises(EncodeError):
             _frame_name({"odd": Odd()}, chooser)
+
+
+def test_a_converting_candidate_must_keep_what_is_shared_and_a_times_fold_and_zone_name():
+    """A helper's finds: once step 1 declined an object (a tuple, a codec type), msgspec, msgpack and json were judged
+    by value alone, so a list held twice came back as two lists; and the judge's datetime check ignored fold and a
+    fixed zone's name, which msgpack drops. Each is now no match for them: another candidate takes the object
+    exactly, or none does and the call says so."""
+    rows = [1, 2]
+    shared = {"a": rows, "b": rows, "t": (1,)}
+    for accept in ({"msgspec", "msgpack"}, {"json"}, {"msgpack", "restricted-pickle"}):
+        chooser = AutoSerializer(accept=frozenset(accept))
+        try:
+            name, out = _frame_name(shared, chooser)
+        except EncodeError:
+            assert "restricted-pickle" not in accept, accept  # nothing listed keeps the list shared: refused
+            continue
+        got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
+        assert name == "restricted-pickle" and got["a"] is got["b"], (accept, name)
+    array = np.arange(4)
+    with pytest.raises(EncodeError):
+        AutoSerializer(accept=frozenset({"msgspec", "msgpack"})).choose({"a": array, "b": array, "t": (1,)})
+    folded = dt.datetime(2024, 11, 3, 1, 30, fold=1)
+    named = dt.datetime(2024, 1, 1, tzinfo=dt.timezone(dt.timedelta(hours=2), "CEST"))
+    assert judge(folded, folded.replace(fold=0))[0] != "exact"
+    assert judge(named, named.replace(tzinfo=dt.timezone(dt.timedelta(hours=2))))[0] != "exact"
+    for value in ((folded,), (named,)):
+        with pytest.raises(EncodeError):
+            AutoSerializer(accept=frozenset({"msgpack"})).choose(value)
+        assert AutoSerializer(accept=frozenset({"msgpack", "restricted-pickle"})).choose(value) == "restricted-pickle"
