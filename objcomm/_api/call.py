@@ -247,9 +247,7 @@ def slot_medium_for(options: CallOptions) -> SlotMedium:
     whether it opens), else the group."""
     if not options.local:
         return BACKEND
-    return _two_level.strategy(
-        options.separate_hosts, options.local_spin_us, options.shm_threshold if options.shm else None
-    )
+    return _two_level.strategy(options.separate_hosts, options.local_spin_us, options.shm, options.shm_threshold)
 
 
 MAX_TAG = INTERNAL_TAG - 1  # objcomm's own messages take the next (the backend carries 2 * tag + 1: Wire.data_tag)

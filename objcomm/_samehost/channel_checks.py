@@ -19,7 +19,6 @@ from objcomm._errors import CommunicationError
 from objcomm._format.message import SLOT_PREFIX_BYTES
 from objcomm._format.slot import SlotInfo
 from objcomm._samehost import channel as _channel
-from objcomm._settings import DEFAULT_SHM_THRESHOLD
 from objcomm._transport import routes
 from objcomm._transport.base import Slot, Wire
 
@@ -77,36 +76,42 @@ def agree_on(
     )
 
 
-def rest_medium_by(moved: int, shared_from: Optional[int], cpu: bool, gathered: int = 0) -> str:
-    """The medium of a rest whose largest sender moves ``moved`` bytes on one host, by a rank whose shared memory
-    takes rests from ``shared_from`` bytes (None: off): :func:`objcomm._transport.routes.rest_medium` after round 1
-    on the channel."""
-    threshold = DEFAULT_SHM_THRESHOLD if shared_from is None else shared_from
-    shm = shared_from is not None
+def rest_medium_by(moved: int, shm: bool, threshold: int, cpu: bool, gathered: int = 0) -> str:
+    """The medium of a rest whose largest sender moves ``moved`` bytes on one host, by a rank whose settings are
+    ``shm`` and ``shm_threshold`` (``threshold``: it bounds the channel's rests whether shared memory is on or not):
+    :func:`objcomm._transport.routes.rest_medium` after round 1 on the channel, as the rank's media decide it."""
     return routes.rest_medium(
         moved, cpu=cpu, round_one_medium=routes.CHANNEL, shm=shm, shm_threshold=threshold, gathered=gathered
     )
 
 
-def medium_of(infos: Sequence[SlotInfo], op: str, shared_from: Optional[int], cpu: bool) -> str:
-    """The medium a rank whose shared memory takes rests from ``shared_from`` (None: off) moves the rest after round
-    1 (``infos``) by: what :func:`agree_on` echoes, so that ranks whose settings differ where it matters raise, not
-    diverge."""
+def medium_of(infos: Sequence[SlotInfo], op: str, shm: bool, threshold: int, cpu: bool) -> str:
+    """The medium a rank with these shared memory settings moves the rest after round 1 (``infos``) by: what
+    :func:`agree_on` echoes, so that ranks whose settings differ where it matters raise, not diverge."""
     rests = [i.second_round_bytes for i in infos if not i.error]
-    return rest_medium_by(max(rests, default=0), shared_from, cpu, sum(rests) if op == "gather" else 0)
+    return rest_medium_by(max(rests, default=0), shm, threshold, cpu, sum(rests) if op == "gather" else 0)
+
+
+def settings_word(shm: bool, threshold: int) -> int:
+    """A rank's shared memory settings in one vote word (:func:`largest_alike`): ``shm_threshold``, or where ``shm`` is
+    off ``-1 - shm_threshold`` (the threshold still bounds the channel's rests)."""
+    return threshold if shm else -1 - threshold
 
 
 def largest_alike(rows: Sequence[Sequence[int]], moved_at: Optional[int], cpu: bool, op: str) -> List[int]:
     """The element-wise maximum of every rank's words (``rows``, read alike by every rank). Where ``moved_at`` says
-    which is the size of the rest that follows, each row ends with its rank's ``shared_from`` (-1: off), dropped
-    from the answer: where the ranks' settings move that rest by different media, every rank raises here, alike,
-    before any of it moves (one would wait for shared memory where another sends through the backend)."""
+    which is the size of the rest that follows, each row ends with its rank's :func:`settings_word`, dropped from the
+    answer: where the ranks' settings move that rest by different media, every rank raises here, alike, before any
+    of it moves (one would wait for shared memory, or the channel, where another sends through the backend)."""
     largest = [max(column) for column in zip(*rows)]
     if moved_at is None:
         return largest
-    moved, theirs = largest[moved_at], [None if row[-1] < 0 else row[-1] for row in rows]
-    if len({rest_medium_by(moved, shared, cpu) for shared in theirs}) > 1:
-        shown = ", ".join(f"rank {r}: {'off' if s is None else f'from {s:,} bytes'}" for r, s in enumerate(theirs))
+    moved, theirs = largest[moved_at], [(row[-1] >= 0, max(row[-1], -1 - row[-1])) for row in rows]
+    if len({rest_medium_by(moved, shm, threshold, cpu) for shm, threshold in theirs}) > 1:
+        shown = ", ".join(
+            f"rank {r}: shm {'on' if shm else 'off'}, shm_threshold {threshold:,}"
+            for r, (shm, threshold) in enumerate(theirs)
+        )
         raise CommunicationError(
             f"{op}: the ranks' shared memory settings differ ({shown}) and would move this call's {moved:,}-byte "
             "rest by different media; every rank of a group must use the same shm and shm_threshold. Nothing more "

@@ -66,6 +66,7 @@ from objcomm._samehost.channel_checks import _checked, _trim, agree_on, cut_whol
 from objcomm._samehost.inbox import ANSWER, REST
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._samehost.p2p_state import Counted, SameHost
+from objcomm._settings import DEFAULT_SHM_THRESHOLD
 from objcomm._transport import call_clock
 from objcomm._transport.base import ASKS, NOT_USED, THROUGH_GROUP, WHOLE, Lease, NotUsed, Slot, TreeLevels, Wire
 
@@ -157,7 +158,8 @@ class ChannelSlots:
 
     separate: Union[bool, int] = False  # tests: every rank its own host (True), or hosts of k ranks
     spin_us: Optional[int] = None  # the local_spin_us setting: µs a wait polls before sleeping; None: automatic
-    shared_from: Optional[int] = None  # shm_threshold where shm is on (else None): the rests shared memory takes
+    shm: bool = False  # this rank's shm and shm_threshold: they pick a rest's medium, which the echo checks
+    threshold: int = DEFAULT_SHM_THRESHOLD
 
     @property
     def spin(self) -> Optional[float]:
@@ -338,18 +340,16 @@ class ChannelSlots:
     def largest(
         self, wire: Wire, values: Sequence[int], op: str, moved_at: Optional[int] = None
     ) -> Union[List[int], NotUsed]:
-        """Every rank's ``values``' maximum; this rank's :attr:`shared_from` with them where ``values[moved_at]`` is the
-        rest that follows (:func:`~objcomm._samehost.channel_checks.largest_alike`)."""
-        shared = [] if moved_at is None else [-1 if self.shared_from is None else self.shared_from]
-        rows = self.gather_words(wire, [*values, *shared], op)
-        return (
-            rows if rows is NOT_USED else _channel_checks.largest_alike(rows, moved_at, wire.device.type == "cpu", op)
-        )
+        """Every rank's ``values``' maximum; this rank's shared memory settings with them where ``values[moved_at]`` is
+        the rest that follows (:func:`~objcomm._samehost.channel_checks.largest_alike`)."""
+        shared = [] if moved_at is None else [_channel_checks.settings_word(self.shm, self.threshold)]
+        rows, cpu = self.gather_words(wire, [*values, *shared], op), wire.device.type == "cpu"
+        return rows if rows is NOT_USED else _channel_checks.largest_alike(rows, moved_at, cpu, op)
 
     def agree(self, wire: Wire, infos: Sequence[SlotInfo], op: str) -> None:
         found = self.channel_of(wire, op)
         if found is not None:
-            medium = _channel_checks.medium_of(infos, op, self.shared_from, wire.device.type == "cpu")
+            medium = _channel_checks.medium_of(infos, op, self.shm, self.threshold, wire.device.type == "cpu")
             agree_on(found[0], found[1], infos, op, medium)
             # every rank of the group echoed (on one host): where round 1 was one rank's slot to all (a broadcast's,
             # a scatter's) this is the first moment every rank is here; the steps after share one timeout

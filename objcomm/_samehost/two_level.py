@@ -68,6 +68,7 @@ from objcomm._samehost.two_level_moves import (
     largest_in_levels,
     relay,
 )
+from objcomm._settings import DEFAULT_SHM_THRESHOLD
 from objcomm._transport import groups as _groups
 from objcomm._transport import routes
 from objcomm._transport.base import BACKEND, DIRECT, NOT_USED, Lease, NotUsed, Slot, TreeLevels, Wire, guarded
@@ -129,7 +130,11 @@ class TwoLevel(ChannelSlots):
             return got
         wire = wire._replace(chunk=DEFAULT_PIECE)  # round 1: in pieces no rank's settings change (so below)
         here = self.here(wire, op, set_up=True)
-        return NOT_USED if here is None else all_gather_fixed(here, wire, slot, wire.slot, op, self.shared_from)
+        return (
+            NOT_USED
+            if here is None
+            else all_gather_fixed(here, wire, slot, wire.slot, op, self.threshold if self.shm else None)
+        )
 
     def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]:
         got = super().broadcast(wire, slot, src, op)
@@ -191,7 +196,7 @@ class TwoLevel(ChannelSlots):
         here = self.here(wire, op)
         # (a gather's round 1 went through the group: its slots only to the destination, unless one failed)
         if op != "gather" and here is not None and here.channel is not None:  # the leaders read alike: the backend
-            agree_on(here.channel, here.spin, infos, op, medium_of(infos, op, self.shared_from, True))
+            agree_on(here.channel, here.spin, infos, op, medium_of(infos, op, self.shm, self.threshold, True))
 
 
 @dataclass(frozen=True)
@@ -264,15 +269,17 @@ class HostRoute(ChannelRoute):
         return super().recv_rest(wire, info, sizes_of, src - self.base, message, op, drain)
 
 
-_STRATEGIES: Dict[Tuple[Union[bool, int], Optional[int], Optional[int]], TwoLevel] = {}
+_STRATEGIES: Dict[Tuple[Union[bool, int], Optional[int], bool, int], TwoLevel] = {}
 
 
-def strategy(separate: Union[bool, int], spin_us: Optional[int], shared_from: Optional[int] = None) -> TwoLevel:
+def strategy(
+    separate: Union[bool, int], spin_us: Optional[int], shm: bool = False, threshold: int = DEFAULT_SHM_THRESHOLD
+) -> TwoLevel:
     """The slot medium for these settings, built once (the wire of every call holds one)."""
-    key = (separate, spin_us, shared_from)
+    key = (separate, spin_us, shm, threshold)
     found = _STRATEGIES.get(key)
     if found is None:
-        found = _STRATEGIES.setdefault(key, TwoLevel(separate, spin_us, shared_from))
+        found = _STRATEGIES.setdefault(key, TwoLevel(separate, spin_us, shm, threshold))
     return found
 
 

@@ -413,18 +413,24 @@ def test_a_sender_that_closes_right_after_sending_loses_nothing():
     assert one == {"got": 2000}, one
 
 
-def differs_in_shared_memory(op: str) -> Dict[str, Any]:
+def differs_in_shared_memory(op: str, how: str = "shm") -> Dict[str, Any]:
     """Rank 1 of 3 has shared memory on (the others off) for a 4 MiB rest: it would wait for shared memory where
     the others move the rest through the backend (a review's find: gloo aborted a process, or the group's timeout
     passed). The medium its settings pick goes with the echo of round 1 (all_gather, broadcast), its shm_threshold
     with the vote before the rest (scatter, all_to_all): every rank raises at that call, naming the settings; then a
     call with the same settings everywhere returns. A 100 KB rest, which the channel moves whatever each rank's
-    shared memory settings, goes through first."""
+    shared memory settings, goes through first. ``how="threshold"``: shared memory off everywhere, rank 1's
+    shm_threshold 8 MiB, the others' 1 MiB, which bounds the channel's rests too: rank 1 would take the 4 MiB rest
+    through the channel where the others send it through the backend (the echo compared the media as if every rank
+    with shared memory off had the default threshold: both waited for the group's timeout)."""
     import torch
 
     rank = dist.get_rank()
     group, alike = _three_rank_group()
-    odd = objcomm.Communicator(group, local=True, shm=rank == 1)
+    if how == "shm":
+        odd = objcomm.Communicator(group, local=True, shm=rank == 1)
+    else:
+        odd = objcomm.Communicator(group, local=True, shm=False, shm_threshold=(8 if rank == 1 else 1) << 20)
     report: Dict[str, Any] = {}
     small = bytes([rank]) * 100_000  # a rest the channel moves whatever each rank's shm: let through
     report["small"] = odd.all_gather(small) == [bytes([r]) * 100_000 for r in range(3)]
@@ -446,9 +452,10 @@ def differs_in_shared_memory(op: str) -> Dict[str, Any]:
     return _resync(report)
 
 
+@pytest.mark.parametrize("how", ["shm", "threshold"])
 @pytest.mark.parametrize("op", ["all_gather", "broadcast", "scatter", "all_to_all"])
-def test_ranks_whose_shared_memory_settings_differ_raise_at_that_call(op):
-    reports = get_pool(3).run(differs_in_shared_memory, op, timeout=120)
+def test_ranks_whose_shared_memory_settings_differ_raise_at_that_call(op, how):
+    reports = get_pool(3).run(differs_in_shared_memory, op, how, timeout=120)
     assert [r["world"] for r in reports] == [3.0] * 3  # every process alive, the world group in step
     assert [r["small"] for r in reports] == [True] * 3, reports
     assert [r["first"] for r in reports] == [True] * 3, reports
