@@ -76,20 +76,14 @@ def agree_on(
     )
 
 
-def rest_medium_by(moved: int, shm: bool, threshold: int, cpu: bool, gathered: int = 0) -> str:
-    """The medium of a rest whose largest sender moves ``moved`` bytes on one host, by a rank whose settings are
-    ``shm`` and ``shm_threshold`` (``threshold``: it bounds the channel's rests whether shared memory is on or not):
-    :func:`objcomm._transport.routes.rest_medium` after round 1 on the channel, as the rank's media decide it."""
-    return routes.rest_medium(
-        moved, cpu=cpu, round_one_medium=routes.CHANNEL, shm=shm, shm_threshold=threshold, gathered=gathered
-    )
-
-
 def medium_of(infos: Sequence[SlotInfo], op: str, shm: bool, threshold: int, cpu: bool) -> str:
     """The medium a rank with these shared memory settings moves the rest after round 1 (``infos``) by: what
     :func:`agree_on` echoes, so that ranks whose settings differ where it matters raise, not diverge."""
     rests = [i.second_round_bytes for i in infos if not i.error]
-    return rest_medium_by(max(rests, default=0), shm, threshold, cpu, sum(rests) if op == "gather" else 0)
+    gathered = sum(rests) if op == "gather" else 0
+    return routes.rest_after_channel(
+        max(rests, default=0), cpu=cpu, shm=shm, shm_threshold=threshold, gathered=gathered
+    )
 
 
 def settings_word(shm: bool, threshold: int) -> int:
@@ -107,7 +101,7 @@ def largest_alike(rows: Sequence[Sequence[int]], moved_at: Optional[int], cpu: b
     if moved_at is None:
         return largest
     moved, theirs = largest[moved_at], [(row[-1] >= 0, max(row[-1], -1 - row[-1])) for row in rows]
-    if len({rest_medium_by(moved, shm, threshold, cpu) for shm, threshold in theirs}) > 1:
+    if len({routes.rest_after_channel(moved, cpu=cpu, shm=shm, shm_threshold=t) for shm, t in theirs}) > 1:
         shown = ", ".join(
             f"rank {r}: shm {'on' if shm else 'off'}, shm_threshold {threshold:,}"
             for r, (shm, threshold) in enumerate(theirs)

@@ -28,18 +28,13 @@ class SameHostRests(PatternRests):
     shared: Optional[SharedMemory] = None
 
     def medium(self, wire: Wire, largest: int, gathered: int, op: str) -> Optional[RestMedium]:
-        cpu = wire.device.type == "cpu"
-        if not largest and routes.channel_takes(0, limit=min(self.threshold, routes.CHANNEL_MOST), cpu=cpu):
-            medium = routes.CHANNEL  # nothing moves: the channel that carried round 1 ends the call without a message
-        else:
-            medium = routes.rest_medium(
-                largest,
-                cpu=cpu,
-                round_one_medium=routes.CHANNEL,
-                shm=self.shared is not None,
-                shm_threshold=self.threshold,
-                gathered=gathered,
-            )
+        medium = routes.rest_after_channel(
+            largest,
+            cpu=wire.device.type == "cpu",
+            shm=self.shared is not None,
+            shm_threshold=self.threshold,
+            gathered=gathered,
+        )
         if medium == routes.CHANNEL:  # where round 1 went through the channel (a closed one raises here, on every rank)
             found = wire.slot_medium.channel_of(wire, op)
             return None if found is None else ChannelRest(*found)

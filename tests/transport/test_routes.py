@@ -47,6 +47,20 @@ def test_rest_medium_cut_offs():
     assert routes.rest_medium(routes.CHANNEL_MOST - 1, round_one_medium=CHANNEL, **big) == CHANNEL
 
 
+def test_the_rest_after_the_channel_is_rest_medium_by_one_ranks_settings_and_the_channel_where_nothing_moves():
+    """What a rank moves the rest by after round 1 on the channel (SameHostRests.medium) and what it echoes
+    (channel_checks.medium_of) are one function: ranks whose settings differ only where nothing moves agree."""
+    for moved in (1, 60 << 10, MB, 2 * MB - 1, 2 * MB, routes.CHANNEL_MOST, 1 << 30):
+        for shm in (True, False):
+            for threshold in (0, 1, MB, 2 * MB, 1 << 30):
+                kw = dict(cpu=True, shm=shm, shm_threshold=threshold)
+                expected = routes.rest_medium(moved, round_one_medium=CHANNEL, one_host=True, **kw)
+                assert routes.rest_after_channel(moved, **kw) == expected
+    for shm, threshold in ((True, 0), (False, 0), (True, 2 * MB), (False, 1 << 30)):
+        assert routes.rest_after_channel(0, cpu=True, shm=shm, shm_threshold=threshold) == CHANNEL
+    assert routes.rest_after_channel(0, cpu=False, shm=True, shm_threshold=0) == BACKEND
+
+
 def test_a_gathers_rests_go_by_the_largest_sender_and_the_channel_takes_at_most_channel_most_of_them():
     """The transport's rule for a gather (objcomm._samehost.rests.SameHostRests), the plan's alike: the medium by the
     largest sender's rest, the channel only while all of them together fit CHANNEL_MOST (its root's stash)."""

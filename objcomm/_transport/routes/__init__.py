@@ -29,7 +29,9 @@ rest medium             the channel: round 1 went through it, CPU, the largest r
                         below ``min(shm_threshold, CHANNEL_MOST)`` (a gather's, all of
                         them at most ``CHANNEL_MOST``); shared memory: on,
                         CPU, one host, the largest rest at least ``shm_threshold``;
-                        else the backend
+                        else the backend. After the channel, by one rank's settings      :func:`rest_after_channel`
+                        (what it moves by, and what its echo compares), where nothing
+                        moves: the channel
 send's rest with slot   through a CPU group's backend, no answer first, a rest of at     :func:`backend_whole`
                         most ``BACKEND_WHOLE_BYTES``: slot and rest in one message
 backend exchange        all_gather's rests: one padded all_gather when                   :func:`exchange_shape`
@@ -97,6 +99,7 @@ from objcomm._transport.routes.cutoffs import (
     in_place_table,
     leaders_relay_first,
     pieces,
+    rest_after_channel,
     rest_down_tree,
     rest_medium,
     result_down_tree,
@@ -150,6 +153,7 @@ __all__ = [
     "pieces",
     "plan",
     "rest_down_tree",
+    "rest_after_channel",
     "rest_medium",
     "result_down_tree",
     "round_one",

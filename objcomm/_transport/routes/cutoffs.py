@@ -124,6 +124,18 @@ def rest_medium(
     return BACKEND
 
 
+def rest_after_channel(moved: int, *, cpu: bool, shm: bool, shm_threshold: int, gathered: int = 0) -> str:
+    """:func:`rest_medium` on one host after round 1 went through the same-host channel, by one rank's settings:
+    the medium that rank moves the rest by (:class:`objcomm._samehost.rests.SameHostRests`) and the one it echoes
+    to its peers before it does (:func:`objcomm._samehost.channel_checks.medium_of`). Where nothing moves (``moved``
+    0) the channel ends the call without a message on every CPU rank, whatever its settings."""
+    if moved <= 0:
+        return CHANNEL if cpu else BACKEND
+    return rest_medium(
+        moved, cpu=cpu, round_one_medium=CHANNEL, shm=shm, shm_threshold=shm_threshold, gathered=gathered
+    )
+
+
 def agreement_needed(*, sizes_listed: bool, largest_piece: int, medium_may_take: bool) -> bool:
     """Whether receivers answer a sender before round 2 (a vote, or a send's answer). Not when round 1 listed
     every transfer that follows and none is past the scratch size: a receiver over its limit then drains them
