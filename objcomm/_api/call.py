@@ -25,8 +25,9 @@ from objcomm._samehost import two_level as _two_level
 from objcomm._samehost.rests import SameHostRests
 from objcomm._samehost.segments import DEFAULT_DIRECTORY, SegmentBook
 from objcomm._samehost.two_level_rests import TwoLevelRests
+from objcomm._samehost.voted_rests import VotedRests
 from objcomm._settings import CallOptions
-from objcomm._transport.base import BACKEND, DIRECT, INTERNAL_TAG, GroupRanks, RestMedia, SlotMedium, Wire
+from objcomm._transport.base import BACKEND, INTERNAL_TAG, GroupRanks, RestMedia, SlotMedium, Wire
 from serializers import AutoSerializer, Serializer, SerializerProtocol
 
 Device = Union[str, torch.device, None]
@@ -227,7 +228,7 @@ def wire_for(group: Any, device: Device, options: CallOptions, segments: Segment
 def rest_media_for(options: CallOptions, segments: SegmentBook) -> RestMedia:
     """Who may move a call's second round: shared memory on one host when switched on, else the transport;
     below ``shm_threshold``, the same-host channel where it carried round 1 (``local``), on two levels where round 1
-    went so."""
+    went so; without the channel, shared memory after a vote that every rank's settings take it."""
     shared = None
     if options.shm:
         shared = _shm.SharedMemory(
@@ -237,8 +238,8 @@ def rest_media_for(options: CallOptions, segments: SegmentBook) -> RestMedia:
             zero_copy=options.shm_zero_copy,
             book=segments,
         )
-    if not options.local:
-        return DIRECT if shared is None else shared
+    if not options.local:  # no echo of round 1: the ranks vote on shared memory before a collective's rest
+        return VotedRests(options.shm_threshold, shared, options.separate_hosts)
     return TwoLevelRests(SameHostRests(options.shm_threshold, shared), options.shm_threshold if options.shm else None)
 
 

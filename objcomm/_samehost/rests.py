@@ -20,8 +20,31 @@ from objcomm._transport.base import NOT_USED, NotUsed, Route, Wire
 from objcomm._transport.rests import PatternRests, RestMedium
 
 
+class SharedPointToPoint(PatternRests):
+    """send/recv's rest as shared memory (``shared``: None where it is off) says; else the route's normal way."""
+
+    shared: Optional[SharedMemory]
+
+    def send(
+        self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None, message: int = 0
+    ) -> bool:
+        return self.shared is not None and self.shared.send(wire, out, dst, op, route, message)
+
+    def recv(
+        self,
+        wire: Wire,
+        info: SlotInfo,
+        sizes_of: SizesOf,
+        src: int,
+        op: str,
+        route: Optional[Route] = None,
+        message: int = 0,
+    ) -> Union[Incoming, NotUsed]:
+        return NOT_USED if self.shared is None else self.shared.recv(wire, info, sizes_of, src, op, route, message)
+
+
 @dataclass(frozen=True)
-class SameHostRests(PatternRests):
+class SameHostRests(SharedPointToPoint):
     """A group's rests on one host: the channel, then shared memory (``shared``: None when it is off), by size."""
 
     threshold: int  # shm_threshold: shared memory from here (when on), the channel below it and CHANNEL_MOST
@@ -44,20 +67,3 @@ class SameHostRests(PatternRests):
 
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
         return self.shared is not None and self.shared.worth(wire, moved, op)  # the channel drains: no vote for it
-
-    def send(
-        self, wire: Wire, out: Outgoing, dst: int, op: str, route: Optional[Route] = None, message: int = 0
-    ) -> bool:
-        return self.shared is not None and self.shared.send(wire, out, dst, op, route, message)
-
-    def recv(
-        self,
-        wire: Wire,
-        info: SlotInfo,
-        sizes_of: SizesOf,
-        src: int,
-        op: str,
-        route: Optional[Route] = None,
-        message: int = 0,
-    ) -> Union[Incoming, NotUsed]:
-        return NOT_USED if self.shared is None else self.shared.recv(wire, info, sizes_of, src, op, route, message)

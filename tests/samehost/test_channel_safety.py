@@ -422,22 +422,25 @@ def differs_in_shared_memory(op: str, how: str = "shm") -> Dict[str, Any]:
     shared memory settings, goes through first. ``how="threshold"``: shared memory off everywhere, rank 1's
     shm_threshold 8 MiB, the others' 1 MiB, which bounds the channel's rests too: rank 1 would take the 4 MiB rest
     through the channel where the others send it through the backend (the echo compared the media as if every rank
-    with shared memory off had the default threshold: both waited for the group's timeout)."""
+    with shared memory off had the default threshold: both waited for the group's timeout). ``how="backend"``: as
+    ``"shm"`` with ``local=False``, round 1 through the backend, where no echo runs: the ranks vote before the rest
+    (gloo aborted the process of a rank with shared memory on, handed another rank's exchange of the bytes)."""
     import torch
 
     rank = dist.get_rank()
     group, alike = _three_rank_group()
-    if how == "shm":
-        odd = objcomm.Communicator(group, local=True, shm=rank == 1)
+    if how in ("shm", "backend"):
+        odd = objcomm.Communicator(group, local=how == "shm", shm=rank == 1)
     else:
         odd = objcomm.Communicator(group, local=True, shm=False, shm_threshold=(8 if rank == 1 else 1) << 20)
     report: Dict[str, Any] = {}
-    small = bytes([rank]) * 100_000  # a rest the channel moves whatever each rank's shm: let through
+    small = bytes([rank]) * 100_000  # a rest the channel (the backend) moves whatever each rank's shm: let through
     report["small"] = odd.all_gather(small) == [bytes([r]) * 100_000 for r in range(3)]
     big = torch.full((4 << 20,), rank, dtype=torch.uint8)
     calls = {
         "all_gather": lambda: odd.all_gather(big),
         "broadcast": lambda: odd.broadcast(big if rank == 0 else None, src=0),
+        "gather": lambda: odd.gather(big, dst=1),
         "scatter": lambda: odd.scatter([big] * 3 if rank == 0 else None, src=0),
         "all_to_all": lambda: odd.all_to_all([big] * 3),
     }
@@ -452,8 +455,15 @@ def differs_in_shared_memory(op: str, how: str = "shm") -> Dict[str, Any]:
     return _resync(report)
 
 
-@pytest.mark.parametrize("how", ["shm", "threshold"])
-@pytest.mark.parametrize("op", ["all_gather", "broadcast", "scatter", "all_to_all"])
+@pytest.mark.parametrize(
+    "op, how",
+    [
+        (op, how)
+        for how in ("shm", "threshold", "backend")
+        for op in ("all_gather", "broadcast", "gather", "scatter", "all_to_all")
+        if op != "gather" or how == "backend"
+    ],
+)
 def test_ranks_whose_shared_memory_settings_differ_raise_at_that_call(op, how):
     reports = get_pool(3).run(differs_in_shared_memory, op, how, timeout=120)
     assert [r["world"] for r in reports] == [3.0] * 3  # every process alive, the world group in step

@@ -110,10 +110,11 @@ def _same(got: Any, want: Any) -> bool:
     return bool(got == want)
 
 
-def _comm(up_tree: bool = False, summed: bool = False) -> objcomm.Communicator:
-    """Every rank its own host; ``up_tree``: a gather's slots go up a tree, as they do from 64 ranks on; ``summed``:
-    an all_gather's slots in one all_reduce of the table, as on NCCL from 64 ranks on."""
-    hooks = Hooks(separate_hosts=True, up_tree=up_tree, summed=summed)
+def _comm(up_tree: bool = False, summed: bool = False, one_host: bool = False) -> objcomm.Communicator:
+    """Every rank its own host (``one_host``: all on this one, which they learn here); ``up_tree``: a gather's slots go
+    up a tree, as they do from 64 ranks on; ``summed``: an all_gather's slots in one all_reduce of the table, as on
+    NCCL from 64 ranks on."""
+    hooks = Hooks(separate_hosts=not one_host, up_tree=up_tree, summed=summed)
     return objcomm.Communicator(local=False, shm=False, _hooks=hooks)
 
 
@@ -127,10 +128,11 @@ def _left(a: Any, b: Any) -> Any:
 TREE_CASES = ("all 1 KB", "all 1 MB", "uneven tensors")
 
 
-def each_spread(op: str, up_tree: bool = False) -> List[Any]:
+def each_spread(op: str, up_tree: bool = False, one_host: bool = False) -> List[Any]:
     """``op`` on every spread (a reduction: on :data:`TREE_CASES`): (case, right result, collectives, blocking calls,
     batches of sends and receives and eager sends)."""
-    comm, rank = _comm(up_tree), dist.get_rank()
+    comm, rank = _comm(up_tree, one_host=one_host), dist.get_rank()
+    comm.all_gather(bytes(10_000))  # a rest: the group's hosts are learned at the first (objcomm._samehost.voted_rests)
     rows = []
     for case in TREE_CASES if op in ("all_reduce", "reduce") else CASES:
         obj = spread(case, rank)
@@ -204,14 +206,14 @@ def _rests(case: str) -> List[int]:
     return [outgoing_second_round_bytes(out, objcomm.Settings().slot_bytes - SLOT_PREFIX_BYTES) for out in outs]
 
 
-def planned_against_counted(op: str) -> List[Any]:
+def planned_against_counted(op: str, one_host: bool = False) -> List[Any]:
     """``op`` on every spread, as :func:`each_spread` runs it: (case, this rank's torch.distributed calls, the calls
     ``routes.plan`` gives for the same sizes on the same topology)."""
     root = {"all_gather": 0, "gather": 3, "broadcast": 1, "all_reduce": 0, "reduce": 3}[op]
-    topology = routes.Topology(world=W, ranks_per_host=1, device="cpu", channel_open=False)
+    topology = routes.Topology(world=W, ranks_per_host=W if one_host else 1, device="cpu", channel_open=False)
     knobs = routes.Knobs(local=False, shm=False)
     rows = []
-    for case, right, collectives, blocking, p2p in each_spread(op):
+    for case, right, collectives, blocking, p2p in each_spread(op, one_host=one_host):
         planned = routes.plan(op, topology, _rests(case), knobs, root=root)
         steps = [s.collective for s in planned.steps]
         rows.append((case, collectives + blocking + p2p, planned.torch_calls, steps, right))
@@ -225,6 +227,17 @@ def test_the_routes_plan_is_what_the_transport_does(op):
     its exchanges and a broadcast; a reduction's tree is a message from each of group rank 0's ceil(log2 W) children,
     each one call or its slot, an answer where due and a batch for its rest)."""
     every = get_pool(W).run(planned_against_counted, op, timeout=120)
+    for index, (case, _, planned, steps, _) in enumerate(every[0]):
+        counted = [rows[index][1] for rows in every]
+        assert all(rows[index][4] for rows in every), f"{op}, {case}: a wrong result"
+        assert max(counted) == planned, f"{op}, {case}: plan {steps} ({planned} calls), ranks made {counted}"
+
+
+@pytest.mark.parametrize("op", ["all_gather", "gather", "broadcast"])
+def test_the_routes_plan_is_what_the_transport_does_on_one_host_without_the_channel(op):
+    """As above with every rank on one host and local=False (the backend's round 1): a collective's rest waits for
+    the vote on its medium (objcomm._samehost.voted_rests), which the plan counts."""
+    every = get_pool(W).run(planned_against_counted, op, True, timeout=120)
     for index, (case, _, planned, steps, _) in enumerate(every[0]):
         counted = [rows[index][1] for rows in every]
         assert all(rows[index][4] for rows in every), f"{op}, {case}: a wrong result"

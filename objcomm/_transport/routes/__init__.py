@@ -25,6 +25,10 @@ receivers answer first  broadcast, send/recv: sizes not listed in the slot, a pi
                         leader relays all of it)
                         (scatter always votes; all_gather and gather read every
                         receiver's limit in round 1 and never do)
+medium vote             without the channel (``local`` off), on a CPU group on one host:  ``voted_rests.VotedRests``
+                        before a collective's rest every rank votes whether its settings
+                        take shared memory for it (all alike, or every rank raises);
+                        a gather's destination first sends every slot to every rank
 rest medium             the channel: round 1 went through it, CPU, the largest rest      :func:`rest_medium`
                         below ``min(shm_threshold, CHANNEL_MOST)`` (a gather's, all of
                         them at most ``CHANNEL_MOST``); shared memory: on,
