@@ -46,6 +46,7 @@ import torch
 
 from objcomm._errors import FrameError
 from objcomm._format.message import Incoming, SizesOf
+from objcomm._samehost.mounts import elsewhere, memory_files
 
 ALIGN = 64
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -378,6 +379,11 @@ def _open_regular(where: Sealed) -> int:
     except OSError as exc:
         raise Unopenable(exc.errno, f"cannot open sealed segment {where.path}: {exc.strerror}") from exc
     try:
+        if elsewhere(pinned, memory_files()):  # before anything asks its file system (a FUSE one may never answer)
+            raise FrameError(
+                f"sealed segment {where.path} is not a regular file of the kernel's memory files (it lies on another "
+                "mount); refused"
+            )
         problem = foreign(os.fstat(pinned))
         if problem:
             raise FrameError(f"sealed segment {where.path} {problem}; refused")

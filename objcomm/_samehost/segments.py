@@ -36,7 +36,6 @@ them (``Incoming``) comes from the leaf :mod:`objcomm._transport.base`.
 from __future__ import annotations
 
 import atexit
-import errno
 import functools
 import hashlib
 import itertools
@@ -56,6 +55,7 @@ from objcomm._errors import FrameError
 from objcomm._format.message import Incoming
 from objcomm._format.rest import host_bytes
 from objcomm._samehost import hosts as _hosts
+from objcomm._samehost import mounts
 from objcomm._samehost.sealed import SealedSegment, foreign, frame_parts, write_sealed
 
 log = logging.getLogger("objcomm")
@@ -194,12 +194,7 @@ def read_segment(
     copied into fresh memory. ``size``: the bytes the sender announced; ``expected``: the identity it announced
     (None: not checked). Raises ``FrameError`` for a segment to refuse (see the module docstring), ``OSError``
     for one that cannot be opened (e.g. it is gone)."""
-    try:
-        fd = os.open(path, _READ_FLAGS)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK):  # what O_NOFOLLOW answers for a symbolic link
-            raise FrameError(f"shared-memory segment {path} is a symbolic link; refused") from exc
-        raise
+    fd = _opened(path)
     try:
         digest = _Digest(_check_segment(fd, path, size))
         position = 0
@@ -234,6 +229,25 @@ def read_segment(
         )
 
     return Incoming(frame, tensors)
+
+
+def _opened(path: str) -> int:
+    """``path`` opened for reading, once it is known to lie on its directory's mount and not to be a symbolic link
+    (else ``FrameError``): pinned with ``O_PATH`` first, so that nothing asks the file system of a mount put at its
+    name (:mod:`objcomm._samehost.mounts`)."""
+    pinned = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        folder = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if mounts.elsewhere(pinned, mounts.mount_of(folder)):
+                raise FrameError(f"shared-memory segment {path} lies on another mount than its directory; refused")
+        finally:
+            os.close(folder)
+        if stat.S_ISLNK(os.fstat(pinned).st_mode):
+            raise FrameError(f"shared-memory segment {path} is a symbolic link; refused")
+        return os.open(f"/proc/self/fd/{pinned}", _READ_FLAGS & ~os.O_NOFOLLOW)
+    finally:
+        os.close(pinned)
 
 
 def _check_segment(fd: int, path: str, size: int) -> os.stat_result:
@@ -315,7 +329,14 @@ def _parse(name: str) -> Optional[_Writer]:
     return _Writer(int(found[1], 16), int(found[2]), int(found[3], 16), int(found[4])) if found else None
 
 
+_PF_EXITING = 0x4  # a task's flag (the ninth field of /proc/<pid>/task/<tid>/stat) from the start of its exit
+
+
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` lives: not once every thread of it has begun to exit. A killed but unreaped process
+    (a zombie) is dead, and so is one on its way out, which closes its sockets (what its peers see when they raise
+    and sweep) before it is a zombie: a helper's find, a SIGKILLed writer's file outlived that sweep in 9 runs of 10.
+    A main thread that exits alone while others run is not the process's end: every thread is looked at."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -323,13 +344,22 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True
     try:
-        # A killed but unreaped process is a zombie: dead. Its main thread alone being a zombie is
-        # not enough (the others may still run): count the threads.
-        with open(f"/proc/{pid}/status") as handle:
-            fields = dict(line.split(":", 1) for line in handle if ":" in line)
-        return not (fields["State"].split()[0] == "Z" and int(fields["Threads"]) <= 1)
-    except (OSError, KeyError, ValueError, IndexError):
+        threads = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return False  # gone meanwhile
+    except OSError:
         return True
+    for thread in threads:
+        try:
+            with open(f"/proc/{pid}/task/{thread}/stat") as handle:
+                after_name = handle.read().rsplit(")", 1)[1].split()  # (the name, in parentheses, may hold spaces)
+            if not int(after_name[6]) & _PF_EXITING:
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # that thread is gone, or going (its stat reads ESRCH while it is reaped)
+        except (OSError, ValueError, IndexError):
+            return True
+    return False
 
 
 def sweep(directory: str = DEFAULT_DIRECTORY) -> List[str]:
