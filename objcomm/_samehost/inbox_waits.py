@@ -257,7 +257,7 @@ class Inbox(Stash):
                         if cut
                         else ""
                     )
-                    why += f" ({NOT_THERE})" if key[0] else ""
+                    why += f" ({NOT_THERE})" if key[0] else f" under tag {key[1]} (no other tag matches it)"
                     if key[0]:  # the others wait in the same collective: close, so that they learn at once
                         self._fail(op, why)
                     raise CommunicationError(

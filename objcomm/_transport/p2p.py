@@ -182,7 +182,8 @@ def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Rou
     head = ENVELOPE.size if cpu else 0
     buffer = zeroed(head + wire.slot + (routes.BACKEND_WHOLE_BYTES if cpu else 0), wire)
     peer = None if src is None else wire.ranks[src]
-    sender_global = guarded(op, wire, dist.recv, buffer, src=peer, group=wire.group, tag=wire.data_tag)
+    waited = f"{op} from {'any rank' if src is None else f'rank {src}'} under tag {wire.tag} (no other tag matches it)"
+    sender_global = guarded(waited, wire, dist.recv, buffer, src=peer, group=wire.group, tag=wire.data_tag)
     sender = wire.ranks.index(sender_global) if src is None else src  # (GroupRanks: one lookup)
     lease.took(sender)  # the route counts the slots taken, by sender (SlotMedium.p2p)
     view = host_view(buffer)

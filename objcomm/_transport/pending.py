@@ -49,7 +49,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from typing import Any, Deque, Dict, List, NamedTuple, Set
+from typing import Any, Deque, Dict, List, NamedTuple, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -92,11 +92,16 @@ class _Sent(NamedTuple):
 
 
 class _Sends:
-    """One group's pending eager sends on this rank, per receiver (global rank), oldest first."""
+    """One group's pending eager sends on this rank, per receiver (global rank) and tag, oldest first: gloo matches a
+    pair's messages of one tag in order, and a tag's sends that were received leave the count whatever another tag's
+    wait for (a helper's find: one unreceived send under tag 0 held 63 received ones under tag 1 in the count, and
+    the 64th waited for the group's timeout)."""
 
     def __init__(self, timeout: float) -> None:
         self.cond = threading.Condition()
-        self.queues: Dict[int, Deque[_Sent]] = {}  # a queue exists while it has sends, and its thread
+        self.queues: Dict[
+            Tuple[int, int], Deque[_Sent]
+        ] = {}  # (receiver, tag): exists while it has sends, and its thread
         self.count = 0
         self.bytes = 0
         self.timeout = timeout  # the group's, in seconds
@@ -116,27 +121,30 @@ class _Sends:
                 )
             self._raise_failures(op)
             work = guarded(op, wire, dist.isend, slot, dst=peer, group=wire.group, tag=wire.data_tag)
-            queue = self.queues.get(peer)
+            lane = (peer, wire.tag)
+            queue = self.queues.get(lane)
             start = queue is None
             if queue is None:
-                queue = self.queues[peer] = deque()
+                queue = self.queues[lane] = deque()
             queue.append(_Sent(work, slot, wire.tag))
             self.count += 1
             self.bytes += size
             _LIVE.add(self)
             self.cond.notify_all()  # a waiting thread of this receiver takes it
         if start:
-            threading.Thread(target=self._reap, args=(peer, queue), name="objcomm-eager-send", daemon=True).start()
+            threading.Thread(target=self._reap, args=(lane, queue), name="objcomm-eager-send", daemon=True).start()
 
     def _room(self, size: int) -> bool:
         return self.count == 0 or (self.count < MOST_SENDS and self.bytes + size <= MOST_BYTES)
 
-    def _reap(self, peer: int, queue: Deque[_Sent]) -> None:
-        """Wait for the sends to ``peer`` in order; the thread ends when none is left for :data:`LINGER` seconds."""
+    def _reap(self, lane: Tuple[int, int], queue: Deque[_Sent]) -> None:
+        """Wait for the sends of ``lane`` (receiver, tag) in order; the thread ends when none is left for
+        :data:`LINGER` seconds."""
+        peer = lane[0]
         while True:
             with self.cond:
                 if not queue and not self.cond.wait_for(lambda: bool(queue), LINGER):
-                    del self.queues[peer]
+                    del self.queues[lane]
                     self.cond.notify_all()  # drain() waits for every thread to end
                     if not self.count and not self.failures:
                         _LIVE.discard(self)

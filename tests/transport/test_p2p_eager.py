@@ -217,6 +217,58 @@ def test_a_ring_of_small_blocking_sends_completes(world, path):
         assert received == [{"from": (rank - 1) % world, "step": s} for s in range(3)]
 
 
+def one_tag_waits_while_another_goes_on(group: Any, count: int) -> Any:
+    """Rank 0 sends one small message under tag 0, then ``count`` under tag 1; rank 1 receives every tag-1 message
+    first. At most one message waits for its receiver at any time, so every send returns: received sends of one tag
+    leave the count of pending sends whatever another tag's wait for (objcomm._transport.pending.MOST_SENDS)."""
+    if dist.get_rank() == 0:
+        objcomm.send("tag 0", dst=1, group=group, tag=0)
+        for i in range(count):
+            objcomm.send(i, dst=1, group=group, tag=1)
+        return None
+    got = [objcomm.recv(src=0, group=group, tag=1) for _ in range(count)]
+    return got + [objcomm.recv(src=0, group=group, tag=0)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_send_waiting_under_one_tag_holds_up_no_other_tag(path):
+    count = 3 * _pending.MOST_SENDS
+    got = get_pool(2).run(in_short_group, path, one_tag_waits_while_another_goes_on, count, timeout=60)
+    assert got[1] == list(range(count)) + ["tag 0"], str(got[1])[:300]
+
+
+def waits_under_another_tag(path: str) -> Any:
+    """Rank 1 waits for rank 0 under tag 2, which sends nothing under it: its error (at the group's timeout, 2 s
+    here) says whom and which tag it waited for; through the channel, which stays open, a message under tag 1 then
+    arrives (gloo closes the pair after a timeout)."""
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    previous = objcomm.configure()
+    try:
+        _on(path, group)
+        if dist.get_rank() == 0:
+            dist.barrier()  # (the pool's group: rank 1's wait is over)
+            if path == "channel":
+                objcomm.send("tag 1", dst=1, group=group, tag=1)
+            return None
+        try:
+            objcomm.recv(src=0, group=group, tag=2)
+            said = "returned"
+        except objcomm.CommunicationError as exc:
+            said = str(exc)
+        dist.barrier()
+        return said, objcomm.recv(src=0, group=group, tag=1) if path == "channel" else None
+    finally:
+        objcomm.restore(previous)
+        dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_receive_that_times_out_names_the_tag_it_waited_under(path):
+    said, then = get_pool(2).run(waits_under_another_tag, path, timeout=60)[1]
+    assert "under tag 2 (no other tag matches it)" in said and ("rank 0" in said or "rank(s) [0]" in said), said
+    assert then == ("tag 1" if path == "channel" else None)
+
+
 def mutate_after_send() -> Any:
     """A blocking send that returns before its receiver takes it sent the object as it was: changing it after the
     send returned changes nothing on the receiver."""
