@@ -3,7 +3,7 @@ walk of plain data and the full walk), and ``serializer="auto"``'s look at an ob
 (``serializers/_exact_tree_c.c``: whether msgspec carries it exactly).
 
 Optional: where they cannot be built (no compiler), the install goes on; restricted-pickle runs the
-same walks in pure Python (``serializers/_restricted/plain.py``, ``_pickle_scan.py``), slower on small
+same walks in pure Python (``serializers/_restricted/plain.py``, ``scan.py``), slower on small
 payloads, and ``auto`` does without msgspec's fast lane (pickle first). Everything else is in ``pyproject.toml``.
 """
 

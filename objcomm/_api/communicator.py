@@ -85,6 +85,11 @@ class Communicator(Operations):
         local_spin_us: Optional[int] = None,
         _hooks: Hooks = NO_HOOKS,
     ) -> None:
+        if isinstance(group, (list, tuple, set, frozenset, range, int, str)):  # torch would say "unhashable type"
+            raise TypeError(
+                f"group must be a process group, got {type(group).__name__} {group!r:.80}: make one from a list of "
+                "ranks with dist.new_group(ranks) (on every rank), then pass it"
+            )
         self.group = group
         self.serializer = serializer
         if device is not None:

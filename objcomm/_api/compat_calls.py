@@ -297,7 +297,8 @@ def _global_rank(group: Any, rank: Optional[int], group_rank: Optional[int], wha
 
 
 def _not_self(peer: int, role: str, what: str) -> int:
-    if _initialized() and peer == dist.get_rank():
+    """``peer``, unless it is this rank (without a process group: rank 0 of a group of one), as torch refuses it."""
+    if peer == (dist.get_rank() if _initialized() else 0):
         raise ValueError(
             _torch_says(
                 f"Invalid {role} rank: {role} rank should not be the same as the rank of the current process.",

@@ -144,19 +144,32 @@ def _one_edit(a: str, b: str) -> bool:
     return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
 
 
+TOO_MANY_POSITIONAL = (
+    "objcomm returns each result rather than filling a list as torch.distributed's *_object functions do "
+    "(got = objcomm.all_gather(obj)), and takes everything after the object by keyword (src=, dst=, group=); "
+    "objcomm.compat has torch's signatures"
+)
+
+
 def mpi4py_keywords(fn: F) -> F:
     """``fn``, whose unexpected keyword arguments (mpi4py's ``dest=``, ``source=``, ``root=``, a misspelt one) raise a
     TypeError that says what to write instead. A call that binds pays nothing but this frame: the names are looked at
     only once Python refused them."""
-    params = tuple(inspect.signature(fn).parameters)
+    signature = inspect.signature(fn).parameters
+    params = tuple(signature)
+    positional = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in signature.values())
+    if any(p.kind == p.VAR_POSITIONAL for p in signature.values()):
+        positional = 1 << 30  # (takes any number)
     function = fn.__qualname__
 
     @functools.wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except TypeError:
+        except TypeError as exc:
             unknown = [key for key in kwargs if key not in params]  # none: the TypeError came from inside fn
+            if not unknown and len(args) > positional:  # torch's habit: all_gather_object(output_list, obj)
+                raise TypeError(f"{exc}; {TOO_MANY_POSITIONAL}") from None
             hint = keyword_hint(unknown[0], params, function) if unknown else None
             if hint is None:
                 raise

@@ -15,7 +15,7 @@ from objcomm._api.express import Express
 from objcomm._api.handles import Request, completed
 from objcomm._api.own_box import NOTHING
 from objcomm._api.resolving import Resolving
-from objcomm._errors import NO_RESULT, ObjcommError, with_original_type
+from objcomm._errors import NO_RESULT, ObjcommError, TooLargeError, with_original_type
 from objcomm._format import frame as _frame
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing
@@ -108,7 +108,10 @@ class Operations(Resolving):
         levels = call.wire.slot_medium.tree_levels(call.wire, "reduce")
         value, complete, own, _ = _reduce.tree(call, obj, op, levels)
         out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
-        incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, self._up_tree(call.wire))
+        try:
+            incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, self._up_tree(call.wire))
+        except TooLargeError as exc:  # the result, from group rank 0, over dst's limit: alike on every rank
+            raise TooLargeError(f"reduce: its result goes from group rank 0 to dst in a gather, and {exc}") from None
         if incoming is None:
             if local is not None:  # dst said go over this rank's error report (only a lying dst does)
                 raise local

@@ -119,7 +119,9 @@ def check_relays(infos: Sequence[Any], relays: Sequence[Tuple[int, Sequence[int]
             if sender != relay and sender != dst and not info.error and info.total > limit:
                 raise too_large(
                     f"{op}: rank {sender} sends {info.total:,} bytes, above the max_bytes={limit:,} of rank "
-                    f"{relay}, which relays them to rank {dst}"
+                    f"{relay}, which relays them to rank {dst} (a gather across hosts goes through each host's "
+                    "leader, which holds its host's rests on the way: docs/multinode.md)",
+                    where=f"on rank {relay} as on rank {dst}",
                 )
 
 

@@ -168,7 +168,8 @@ def _no_copy_tensor(array: Any) -> torch.Tensor:
         return torch.from_numpy(flat)
 
 
-def _bytes_tensor(data: Any) -> torch.Tensor:
+def bytes_tensor(data: Any) -> torch.Tensor:
+    """A flat uint8 tensor over ``data``'s memory, read-only buffers too (without torch's warning: it is only read)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.empty(0, dtype=torch.uint8) if not len(data) else torch.frombuffer(data, dtype=torch.uint8)
@@ -232,7 +233,7 @@ class TensorLifter:
                     part = _no_copy_tensor(item)
             elif kind:  # whole bytes
                 code, flags, shape, nbytes = _CODES[torch.uint8], kind, (len(item),), len(item)
-                part = memoryview(item).cast("B") if nbytes <= inline_max else _bytes_tensor(item)
+                part = memoryview(item).cast("B") if nbytes <= inline_max else bytes_tensor(item)
             else:
                 code, shape, nbytes = _CODES[item.dtype], item.shape, item.nbytes
                 flags = PARAMETER if type(item) is torch.nn.Parameter else 0  # lifted: a Parameter exactly

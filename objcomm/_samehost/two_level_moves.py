@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from objcomm._errors import CommunicationError, FrameError
 from objcomm._format.slot import read_slot
+from objcomm._format.tensors import bytes_tensor
 from objcomm._samehost.channel import LocalChannel
 from objcomm._samehost.channel_checks import echo
 from objcomm._samehost.channel_rests import CHUNK, all_received, checked, chunks, in_time, streamed
@@ -343,7 +344,7 @@ def leaders_broadcast(
         assert got is not None
         for at in range(0, length, step):
             deadline.left(at, length)
-            sent = torch.frombuffer(got[at : at + step], dtype=torch.uint8)
+            sent = bytes_tensor(got[at : at + step])  # (read-only where it came from the caller's bytes)
             among_leaders(here, op, dist.broadcast, sent, src=leader.ranks[source_host])
         return got
     into = bytearray(length) if keep else bytearray(min(length, step))

@@ -118,7 +118,10 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
     mine = [0 if r == wire.rank else outgoing_second_round_bytes(o, wire.inline_capacity) for r, o in enumerate(outs)]
     # with the refusals and the longest stream, the smallest piece announced to any rank (each read only the slots
     # sent to it: its column), as its negation, so that every rank moves the streams in the same pieces
-    code, longest, least = largest_of(wire, [refuse, max(mine), -min(info.piece for info in infos)], op, moved_at=1)
+    # and which rank refused whose part, as one word ((refuser + 1) x (W + 1) + sender + 1: the last refuser's)
+    who = (wire.rank + 1) * (wire.size + 1) + over[0] + 1 if refuse == REFUSE_LIMIT else 0
+    words = [refuse, max(mine), -min(info.piece for info in infos), who]
+    code, longest, least, who = largest_of(wire, words, op, moved_at=1)
     if code == REFUSE_MALFORMED:
         raise (
             _limits.inconsistent(op, *problems[0])
@@ -128,10 +131,15 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
             )
         )
     if code:
+        refuser, sender = divmod(who, wire.size + 1)
         raise (
             _limits.refused(op, over[0], wire, infos[over[0]].total, None)
             if over
-            else _limits.too_large(f"{op}: this rank sends a receiving rank more than its max_bytes", where="there")
+            else _limits.too_large(
+                f"{op}: rank {sender - 1} sends rank {refuser - 1} more than its max_bytes", where="there"
+            )
+            if who
+            else _limits.too_large(f"{op}: a rank sends a receiving rank more than its max_bytes", where="there")
         )
     problem = _limits.pieces_problem(longest, -least, "the longest rest")
     if problem:  # (the same on every rank: voted)

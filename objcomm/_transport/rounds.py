@@ -92,20 +92,20 @@ def _vote_refusals(
     """Raise the same error on every rank if any receiver refuses ``src``'s payload (``refuse``: this rank's
     REFUSE_* code, 0 to accept). One tiny all_reduce ahead of a second round that not every receiver may take.
     ``longest`` (scatter): the root's longest second round to any rank, 0 elsewhere, which the vote carries to
-    every rank (its receivers know only their own), with the largest part a receiver refused (each has its own);
-    returned (0 without it)."""
-    refused = info.total
+    every rank (its receivers know only their own), with the largest part a receiver refused (each has its own) and
+    the highest rank that refused one, which every rank's error names; returned (0 without it)."""
+    refused, refuser = info.total, 0
     if longest is None:
         (code,), longest = largest_of(wire, [refuse], op, torch.int32), 0
-    else:  # int64: a second round may pass 2 GiB
-        code, longest, refused = largest_of(wire, [refuse, longest, info.total if refuse else 0], op, moved_at=1)
+    else:  # int64: a second round may pass 2 GiB; scatter's parts differ, so the vote names who refused what
+        words = [refuse, longest, info.total if refuse else 0, wire.rank + 1 if refuse else 0]
+        code, longest, refused, refuser = largest_of(wire, words, op, moved_at=1)
     if code == REFUSE_MALFORMED:
         raise _limits.inconsistent(op, src, problem or "a receiving rank found the sizes in its slot inconsistent")
     if code:
+        whose = f"rank {refuser - 1}'s" if refuser else f"this rank's max_bytes: {wire.max_bytes:,}"
         raise _limits.too_large(
-            f"{op}: rank {src} sends {refused:,} bytes to a rank whose max_bytes it exceeds "
-            f"(this rank's max_bytes: {wire.max_bytes:,})",
-            where="there",
+            f"{op}: rank {src} sends {refused:,} bytes to a rank whose max_bytes it exceeds ({whose})", where="there"
         )
     round_one_done()  # every rank voted, so every rank is here: the steps after share one timeout (call_clock)
     return longest

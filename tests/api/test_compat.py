@@ -417,6 +417,10 @@ def test_without_a_process_group_the_collectives_act_as_a_group_of_one():
         compat.scatter_object_list([], ["only"], group_src=0)
     with pytest.raises(objcomm.ObjcommError, match="init_process_group"):
         compat.send_object_list([1], dst=1)
+    with pytest.raises(ValueError, match="Invalid destination rank"):  # to itself, as torch refuses with a group
+        compat.send_object_list([1], dst=0)
+    with pytest.raises(ValueError, match="Invalid source rank"):
+        compat.recv_object_list([None], src=0)
 
 
 def numpy_ranks(api_name: str) -> Any:

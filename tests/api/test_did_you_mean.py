@@ -321,3 +321,14 @@ def test_ranks_outside_the_group_say_what_was_meant(ranks3):
 def test_a_misspelt_communicator_setting_gets_the_closest_one():
     with pytest.raises(TypeError, match=re.escape("'serialiser'; did you mean serializer=?")):
         objcomm.Communicator(serialiser="json")
+
+
+def test_torchs_fill_a_list_habit_says_that_objcomm_returns_the_result():
+    """torch's ``all_gather_object(output_list, obj)`` written against objcomm: Python's own sentence, then what to
+    write instead; a group given as a list of ranks says to make one."""
+    for call in (lambda: objcomm.all_gather([None, None], {"a": 1}), lambda: objcomm.Communicator().all_gather([], 1)):
+        with pytest.raises(TypeError, match=r"positional argument.*objcomm returns each result.*objcomm.compat"):
+            call()
+    with pytest.raises(TypeError, match=r"group must be a process group, got list \[0, 1\].*dist.new_group"):
+        objcomm.all_gather(1, group=[0, 1])
+    assert objcomm.all_gather({"a": 1}) == [{"a": 1}]  # a world of one: the call that binds is untouched

@@ -205,6 +205,11 @@ def test_settings_that_fail_on_one_rank_fail_every_rank_and_keep_the_group_in_st
     assert results[1]["max_bytes", "recv"] == "ValueError" and results[1]["max_bytes", "recv", "next"] == "max_bytes"
 
 
+def limited_parts(comm: objcomm.Communicator, rank: int) -> list:
+    """all_to_all where rank 0's part for rank 2 (limit 5,000) is 20 KB, every other part small."""
+    return comm.all_to_all(["z" * 20_000 if rank == 0 and r == 2 else "s" for r in range(3)])
+
+
 def limits_on_both_sides() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -245,6 +250,16 @@ def limits_on_both_sides() -> dict:
         out["scatter vote"] = voting.scatter(parts, src=0)
     except objcomm.TooLargeError as exc:
         out["scatter vote"] = str(exc)
+    # all_to_all: each rank votes on the parts sent to it; every rank's error names the sender and the refuser
+    try:
+        out["all_to_all vote"] = limited_parts(voting, rank)
+    except objcomm.TooLargeError as exc:
+        out["all_to_all vote"] = str(exc)
+    # reduce: the result, over dst's limit, goes to dst in a gather; the error says it was the reduce's
+    try:
+        out["reduce"] = voting.reduce("r" * (20_000 if rank == 0 else 1), lambda a, b: a + b, dst=2)
+    except objcomm.TooLargeError as exc:
+        out["reduce"] = str(exc)
     # point to point: the receiver drains and raises; the sender is done and the pair stays usable
     # (slot_bytes and chunk_bytes must agree between the ranks, as for every collective)
     out_of_band = objcomm.Communicator(max_bytes=limit, chunk_bytes=4096, inline_tensor_bytes=0)
@@ -269,6 +284,12 @@ def test_size_limits(ranks3):
     assert [r["vote"] for r in results] == ["refused"] * 3
     for r in results:  # 20 tensors of 200 float32 each, and the frame that lists them
         assert re.search(r"rank 0 sends (1[6-9]|2\d),\d{3} bytes to a rank whose max_bytes", r["scatter vote"]), r
+        assert "exceeds (rank 2's)" in r["scatter vote"], r  # the same words on every rank, naming the refuser
+        assert "all_to_all: rank 0 sends rank 2 more than its max_bytes" in r["all_to_all vote"] or (
+            "rank 0 sends" in r["all_to_all vote"] and "above this rank's max_bytes=5,000" in r["all_to_all vote"]
+        ), r  # (rank 2 itself names its own limit)
+        assert r["reduce"].startswith("reduce: its result goes from group rank 0 to dst"), r
+        assert "max_bytes=5,000 of receiving rank 2" in r["reduce"], r
 
 
 MARKER_NAME = "objcomm-pwned-marker"
