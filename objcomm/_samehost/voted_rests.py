@@ -6,13 +6,14 @@ moves (:mod:`objcomm._samehost.channel_checks`). Without it nothing told the ran
 shared memory on went into its announcement (an all_gather of words), one with it off into the backend's exchange of
 the bytes, and gloo, handed collectives of different sizes, aborted a process (``local=False``, ``shm=False`` on one
 rank, a 3 MiB all_gather of two ranks: SIGABRT on the other). Here, on a CPU group that lies on one host, every rank
-votes before a collective's rest moves, whatever its settings: whether they take shared memory for it, and whether
-they do not. Where both come back, every rank raises :class:`~objcomm.CommunicationError` naming the settings before
-anything moves, and the group stays in step; else every rank takes the medium they agree on. Whether the group lies
-on one host every rank learns at its first collective with a rest (one all_gather per group,
-:func:`objcomm._samehost.hosts.discover`); a group that spans hosts never votes (shared memory takes no collective's
-rest there). send/recv go as shared memory says: their own protocol settles ranks whose settings differ
-(:mod:`objcomm._transport.p2p`).
+votes before a collective's rest of :data:`~objcomm._transport.routes.VOTED_FROM` (1 MiB) or more moves, whatever
+its settings: whether they take shared memory for it, and whether they do not. A smaller rest takes the backend on
+every rank, whatever ``shm_threshold`` says (the vote would cost it up to a third of its time). Where both come
+back, every rank raises :class:`~objcomm.CommunicationError` naming the settings before anything moves, and the
+group stays in step; else every rank takes the medium they agree on. Whether the group lies on one host every rank
+learns at its first collective with such a rest (one all_gather per group, :func:`objcomm._samehost.hosts.discover`);
+a group that spans hosts never votes (shared memory takes no collective's rest there). send/recv go as shared memory
+says: their own protocol settles ranks whose settings differ (:mod:`objcomm._transport.p2p`).
 """
 
 from __future__ import annotations
@@ -61,14 +62,14 @@ class VotedRests(SharedPointToPoint):
         the vote."""
         if op in _P2P:
             return self.shared is not None and self.shared.worth(wire, moved, op)
-        if op != "gather" or wire.device.type != "cpu" or moved <= 0:
+        if op != "gather" or not routes.medium_voted(moved, cpu=wire.device.type == "cpu"):
             return False
         known = _state.group_facts(wire.group).hosts.get(self.separate)
         return known is None or known.one_host
 
     def medium(self, wire: Wire, largest: int, gathered: int, op: str) -> Optional[RestMedium]:
-        if wire.device.type != "cpu" or largest <= 0 or not self._one_host(wire, op):
-            return None
+        if not routes.medium_voted(largest, cpu=wire.device.type == "cpu") or not self._one_host(wire, op):
+            return None  # (below VOTED_FROM the backend, on every rank whatever its settings)
         takes = self.shared is not None and routes.shared_memory_takes(largest, threshold=self.threshold, cpu=True)
         some_take, some_not = largest_of(wire, [int(takes), int(not takes)], op)
         if some_take and some_not:

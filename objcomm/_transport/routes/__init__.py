@@ -25,10 +25,11 @@ receivers answer first  broadcast, send/recv: sizes not listed in the slot, a pi
                         leader relays all of it)
                         (scatter always votes; all_gather and gather read every
                         receiver's limit in round 1 and never do)
-medium vote             without the channel (``local`` off), on a CPU group on one host:  ``voted_rests.VotedRests``
-                        before a collective's rest every rank votes whether its settings
-                        take shared memory for it (all alike, or every rank raises);
-                        a gather's destination first sends every slot to every rank
+medium vote             without the channel (``local`` off), on a CPU group on one host,  :func:`medium_voted`
+                        a rest from :data:`VOTED_FROM` (1 MiB): every rank votes whether
+                        its settings take shared memory for it (all alike, or every
+                        rank raises; none takes a smaller one); a gather's destination
+                        first sends every slot to every rank
 rest medium             the channel: round 1 went through it, CPU, the largest rest      :func:`rest_medium`
                         below ``min(shm_threshold, CHANNEL_MOST)`` (a gather's, all of
                         them at most ``CHANNEL_MOST``); shared memory: on,
@@ -95,6 +96,7 @@ from objcomm._transport.routes.cutoffs import (
     SUMMED_SLOTS_FROM,
     TREE_DOWN_FROM,
     TREE_GATHER_FROM,
+    VOTED_FROM,
     agreement_needed,
     backend_whole,
     channel_takes,
@@ -102,6 +104,7 @@ from objcomm._transport.routes.cutoffs import (
     express_possible,
     in_place_table,
     leaders_relay_first,
+    medium_voted,
     pieces,
     rest_after_channel,
     rest_down_tree,
@@ -146,6 +149,7 @@ __all__ = [
     "StripeMoves",
     "TREE_DOWN_FROM",
     "TREE_GATHER_FROM",
+    "VOTED_FROM",
     "Topology",
     "agreement_needed",
     "backend_whole",
@@ -154,6 +158,7 @@ __all__ = [
     "express_possible",
     "in_place_table",
     "leaders_relay_first",
+    "medium_voted",
     "pieces",
     "plan",
     "rest_down_tree",

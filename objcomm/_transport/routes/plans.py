@@ -16,11 +16,13 @@ from objcomm._transport.routes.cutoffs import (
     PADDED,
     SHARED_MEMORY,
     STRIPES,
+    VOTED_FROM,
     agreement_needed,
     backend_whole,
     exchange_shape,
     in_place_table,
     leaders_relay_first,
+    medium_voted,
     rest_down_tree,
     rest_medium,
     result_down_tree,
@@ -188,7 +190,7 @@ def plan(
         cpu=topology.cpu,
         round_one_medium=first,
         shm=knobs.shm,
-        shm_threshold=knobs.shm_threshold,
+        shm_threshold=knobs.shm_threshold if knobs.local else max(knobs.shm_threshold, VOTED_FROM),
         one_host=topology.one_host,
     )
     slots = (knobs.slot_bytes,) * world
@@ -200,7 +202,7 @@ def plan(
         return Plan(op, CHANNEL, tuple(_two_level_steps(op, topology, list(rests), knobs, root, listed, carried)))
     # without the channel on one host (objcomm._samehost.voted_rests), a collective's rest waits for a vote that
     # every rank's settings pick the same medium for it (a gather's destination first sends every rank the slots)
-    voted = not knobs.local and topology.cpu and topology.one_host
+    voted = partial(medium_voted, cpu=not knobs.local and topology.cpu and topology.one_host)  # voted(largest)
     settled = Step("vote", BACKEND, (16,) * world, calls=vote_calls(world))
     if op == "all_gather":
         summed = first == BACKEND and slots_summed(world=world, cpu=topology.cpu)
@@ -208,7 +210,7 @@ def plan(
         moved = max(rests, default=0)
         medium = medium_of(moved)
         if moved:
-            steps.extend(([settled] if voted else []) + _exchange(medium, list(rests), topology, knobs))
+            steps.extend(([settled] if voted(moved) else []) + _exchange(medium, list(rests), topology, knobs))
     elif op == "gather":
         if first == CHANNEL:
             steps.append(Step("all_gather", CHANNEL, slots))
@@ -225,7 +227,7 @@ def plan(
         total = sum(senders)
         medium = medium_of(max(senders), gathered=total)
         if total:
-            if voted:  # the destination says look: every slot to every rank, then the vote
+            if voted(max(senders)):  # the destination says look: every slot to every rank, then the vote
                 steps += [Step("broadcast", BACKEND, (world * knobs.slot_bytes,)), settled]
             steps.append(Step("p2p", medium, tuple(0 if i == root else r for i, r in enumerate(rests))))
     elif op == "broadcast":  # the slot: on NCCL an all_reduce (a tree; its broadcast is a ring)
@@ -235,13 +237,13 @@ def plan(
         if moved:
             medium = medium_of(moved)
             largest = min(moved, knobs.chunk_bytes)
-            may_take = medium != BACKEND and not voted  # (without the channel: the slot decides, then the vote)
+            may_take = medium != BACKEND and knobs.local  # (without the channel: the slot decides, then the vote)
             if agreement_needed(sizes_listed=listed, largest_piece=largest, medium_may_take=may_take):
                 if first == BACKEND and topology.cpu:  # gloo: recursive doubling, then a broadcast
                     steps.append(Step("vote", first, (4,) * world, calls=vote_calls(world)))
                 else:
                     steps.append(Step("all_reduce", first, (4,) * world))
-            steps += [settled] if voted else []
+            steps += [settled] if voted(moved) else []
             # each piece in the backend's broadcast, or down the binomial tree from the root: then a relay takes it
             # in one batch and sends it on in another
             tree = medium == BACKEND and rest_down_tree(world=world, moved=moved, cpu=topology.cpu)
