@@ -80,8 +80,11 @@ class Mesh:
         return self._collective(kind, pattern.outgoing(mine), pattern.sources, spin, op)
 
     def all_gather(self, data: Slot, spin: Optional[float] = None, op: Optional[str] = None) -> List[Slot]:
-        """Every rank's ``data``, in group-rank order."""
-        got = self.move(ALL_GATHER, pattern("all_gather", me=self.rank, world=self.size), data, spin, op)
+        """Every rank's ``data``, in group-rank order. A gather's all_gathers (its round 1 on one host, its words)
+        go as messages of kind GATHER, so that ranks of which some call gather and others all_gather raise, where
+        both would have returned (a newcomer's find: a program that passes on one host and hangs across hosts)."""
+        kind = GATHER if op == "gather" else ALL_GATHER
+        got = self.move(kind, pattern("all_gather", me=self.rank, world=self.size), data, spin, op)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
     def broadcast(self, data: Optional[Slot], src: int, spin: Optional[float] = None, op: Optional[str] = None) -> Slot:

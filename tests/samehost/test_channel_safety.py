@@ -472,6 +472,29 @@ def test_ranks_whose_shared_memory_settings_differ_raise_at_that_call(op, how):
     assert [r["next"] for r in reports] == [[0, 1, 2]] * 3, reports
 
 
+def gather_against_all_gather(express: bool) -> Dict[str, Any]:
+    """Rank 0 calls gather, rank 1 all_gather (the express path's, or the general one's): on one host both used to
+    return, each its own op's result (a newcomer's find: the same program waits out the timeout across hosts). The
+    gather's all_gather of slots goes as messages of its own kind, so both raise; the next call returns."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator() if express else objcomm.Communicator(max_bytes=1 << 30)  # (a setting: general)
+    comm.all_gather(None)
+    report: Dict[str, Any] = {}
+    try:
+        report["first"] = comm.gather(rank, dst=0) if rank == 0 else comm.all_gather(rank)
+    except objcomm.CommunicationError as exc:
+        report["first"] = "called gather instead" in str(exc) or "called all_gather instead" in str(exc) or str(exc)
+    report["next"] = comm.all_gather(rank)
+    return _resync(report)
+
+
+@pytest.mark.parametrize("express", [True, False], ids=["express all_gather", "general all_gather"])
+def test_ranks_in_gather_and_in_all_gather_raise(express):
+    reports = get_pool(2).run(gather_against_all_gather, express, timeout=60)
+    assert [r["first"] for r in reports] == [True, True], reports
+    assert [r["next"] for r in reports] == [[0, 1]] * 2, reports
+
+
 def names_global_ranks() -> Any:
     """Two groups of global ranks 1 and 2: rank 2 waits for a message that global rank 1 never sends, through the
     backend of one, then through the other's channel (send/recv on it: objcomm.connect). Its errors name group
