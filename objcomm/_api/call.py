@@ -228,18 +228,20 @@ def wire_for(group: Any, device: Device, options: CallOptions, segments: Segment
 def rest_media_for(options: CallOptions, segments: SegmentBook) -> RestMedia:
     """Who may move a call's second round: shared memory on one host when switched on, else the transport;
     below ``shm_threshold``, the same-host channel where it carried round 1 (``local``), on two levels where round 1
-    went so; without the channel, shared memory after a vote that every rank's settings take it."""
-    shared = None
-    if options.shm:
-        shared = _shm.SharedMemory(
+    went so; without the channel, shared memory where every rank's settings take the rest (each says so in its
+    announcement)."""
+    shared = memory = None
+    if options.shm or not options.local:  # (without the channel a rank declines in its announcement: VotedRests)
+        memory = _shm.SharedMemory(
             threshold=options.shm_threshold,
             directory=options.shm_dir or DEFAULT_DIRECTORY,
             separate=options.separate_hosts,
             zero_copy=options.shm_zero_copy,
             book=segments,
         )
-    if not options.local:  # no echo of round 1: the ranks vote on shared memory before a collective's rest
-        return VotedRests(options.shm_threshold, shared, options.separate_hosts)
+        shared = memory if options.shm else None
+    if not options.local:  # no echo of round 1: every rank takes part in shared memory's announcement, or declines
+        return VotedRests(options.shm_threshold, shared, options.separate_hosts, memory)
     return TwoLevelRests(SameHostRests(options.shm_threshold, shared), options.shm_threshold if options.shm else None)
 
 

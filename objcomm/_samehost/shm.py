@@ -150,17 +150,26 @@ class SharedMemory(PatternRests):
         return largest_of(wire, values, op)
 
     def _collective(
-        self, wire: Wire, hosts: _hosts.Hosts, parts: Dict[int, Part], read: Callable[[SourceOf], T], op: str
+        self,
+        wire: Wire,
+        hosts: _hosts.Hosts,
+        parts: Dict[int, Part],
+        read: Callable[[SourceOf], T],
+        op: str,
+        declines: bool = False,
     ) -> Union[T, NotUsed]:
         """Write ``parts`` (part number -> frame or None, tensors), agree, let ``read`` read what it needs, unlink.
 
-        Each rank announces a row: its sequence number (0: nothing written, -1: could not write), then
-        for each part (a receiving rank, or 0) where it is (:func:`_where`)."""
+        Each rank announces a row: its sequence number (0: nothing written, -1: could not write, or ``declines``:
+        its settings do not take this rest, :mod:`objcomm._samehost.voted_rests`), then for each part (a receiving
+        rank, or 0) where it is (:func:`_where`)."""
         written: List[Union[_Segment, SealedSegment]] = []
         sealed = self._sealed(hosts, _COLLECTIVES, wire)
         row = [0] * (1 + wire.size)
         try:
-            if parts:
+            if declines:
+                row[0] = -1
+            elif parts:
                 row[0] = self.book.next_seq()
                 try:
                     for part, (frame, tensors) in parts.items():
@@ -234,9 +243,9 @@ class SharedMemory(PatternRests):
                 each.release()
 
     # -- collectives (each one's pattern: objcomm._transport.rests) -------------------------------
-    def medium(self, wire: Wire, largest: int, gathered: int, op: str) -> Optional[_SharedRest]:
+    def medium(self, wire: Wire, largest: int, gathered: int, op: str) -> Optional[SharedRest]:
         hosts = self.hosts_for(wire, largest, op)
-        return None if hosts is None else _SharedRest(self, hosts)
+        return None if hosts is None else SharedRest(self, hosts)
 
     # -- point to point (the two ranks' hosts are learned per call, and remembered when they differ) --
     def send(
@@ -269,13 +278,14 @@ class SharedMemory(PatternRests):
 
 
 @dataclass(frozen=True)
-class _SharedRest:
+class SharedRest:
     """Shared memory as a medium of the rests of collectives (:class:`objcomm._transport.rests.RestMedium`) on
     ``hosts``, one host: each sender writes one segment (with ``at.each``, one per receiver, numbered by it), each
     receiver reads those of its sources."""
 
     shared: SharedMemory
     hosts: _hosts.Hosts
+    declines: bool = False  # this rank's settings do not take the rest: it announces so, and nobody writes
     drained: ClassVar[str] = "shared memory, unread"
 
     def exchange(self, wire: Wire, at: Pattern, mine: Mine, due: Due, op: str) -> Union[Dict[int, Incoming], NotUsed]:
@@ -301,4 +311,4 @@ class _SharedRest:
                 raise
             return got
 
-        return self.shared._collective(wire, self.hosts, parts, read, op)
+        return self.shared._collective(wire, self.hosts, {} if self.declines else parts, read, op, self.declines)

@@ -1,19 +1,22 @@
 """The rests of collectives where round 1 goes through the backend (``local=False``): shared memory where every
-rank's settings take it, after a vote that says they all do.
+rank's settings take it, the backend where some rank's do not.
 
 With the same-host channel, every rank echoes the medium its ``shm`` and ``shm_threshold`` pick for a rest before it
 moves (:mod:`objcomm._samehost.channel_checks`). Without it nothing told the ranks each other's settings: a rank with
 shared memory on went into its announcement (an all_gather of words), one with it off into the backend's exchange of
 the bytes, and gloo, handed collectives of different sizes, aborted a process (``local=False``, ``shm=False`` on one
 rank, a 3 MiB all_gather of two ranks: SIGABRT on the other). Here, on a CPU group that lies on one host, every rank
-votes before a collective's rest of :data:`~objcomm._transport.routes.VOTED_FROM` (1 MiB) or more moves, whatever
-its settings: whether they take shared memory for it, and whether they do not. A smaller rest takes the backend on
-every rank, whatever ``shm_threshold`` says (the vote would cost it up to a third of its time). Where both come
-back, every rank raises :class:`~objcomm.CommunicationError` naming the settings before anything moves, and the
-group stays in step; else every rank takes the medium they agree on. Whether the group lies on one host every rank
-learns at its first collective with such a rest (one all_gather per group, :func:`objcomm._samehost.hosts.discover`);
-a group that spans hosts never votes (shared memory takes no collective's rest there). send/recv go as shared memory
-says: their own protocol settles ranks whose settings differ (:mod:`objcomm._transport.p2p`).
+takes part in shared memory's announcement (:meth:`~objcomm._samehost.shm.SharedMemory._collective`) before a
+collective's rest of :data:`~objcomm._transport.routes.VOTED_FROM` (2 MiB, the default ``shm_threshold``) or more
+moves, whatever its settings: a
+rank whose settings take the rest writes and announces it, one whose settings do not announces -1 (as a rank that
+could not write does), and then every rank moves it the normal way. So ranks whose settings differ agree, with no
+collective more than the default settings take. A smaller rest takes the backend on every rank, whatever
+``shm_threshold`` says (an announcement would cost it up to a third of its time). Whether the group lies on one
+host every rank learns at its first collective with such a rest (one all_gather per group,
+:func:`objcomm._samehost.hosts.discover`); a group that spans hosts never announces (shared memory takes no
+collective's rest there). send/recv go as shared memory says: their own protocol settles ranks whose settings differ
+(:mod:`objcomm._transport.p2p`).
 """
 
 from __future__ import annotations
@@ -22,13 +25,12 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from objcomm import _state
-from objcomm._errors import CommunicationError
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.rests import SharedPointToPoint
 from objcomm._samehost.segments import sweep
-from objcomm._samehost.shm import SharedMemory
+from objcomm._samehost.shm import SharedMemory, SharedRest
 from objcomm._transport import routes
-from objcomm._transport.base import Wire, largest_of
+from objcomm._transport.base import Wire
 from objcomm._transport.rests import RestMedium
 
 _P2P = ("send", "recv")
@@ -42,6 +44,7 @@ class VotedRests(SharedPointToPoint):
     threshold: int  # this rank's shm_threshold
     shared: Optional[SharedMemory] = None
     separate: Union[bool, int] = False  # tests: every rank its own host (True), or hosts of k ranks
+    memory: Optional[SharedMemory] = None  # where shm is off: its announcement's machinery, to decline in it
 
     def _one_host(self, wire: Wire, op: str) -> bool:
         """Whether the group lies on one host: learned at the first call that asks, on every rank alike."""
@@ -56,10 +59,10 @@ class VotedRests(SharedPointToPoint):
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
         """send/recv: whether this rank's shared memory may take the rest (the receiver's answer settles the pair).
         A gather's destination (``op`` "gather": its word after round 1) says look wherever some rank's settings
-        might take the rest, a CPU group not known to span hosts: every rank then reads every slot and votes alike in
-        :meth:`medium`, where otherwise the destination would vote alone. Else False: a broadcast's receivers answer
-        first only where its slot requires it, so that ranks whose settings differ still take the same steps up to
-        the vote."""
+        might take the rest, a CPU group not known to span hosts: every rank then reads every slot and announces
+        alike in :meth:`medium`, where otherwise the destination would announce alone. Else False: a broadcast's
+        receivers answer first only where its slot requires it, so that ranks whose settings differ still take the
+        same steps up to the announcement."""
         if op in _P2P:
             return self.shared is not None and self.shared.worth(wire, moved, op)
         if op != "gather" or not routes.medium_voted(moved, cpu=wire.device.type == "cpu"):
@@ -71,13 +74,7 @@ class VotedRests(SharedPointToPoint):
         if not routes.medium_voted(largest, cpu=wire.device.type == "cpu") or not self._one_host(wire, op):
             return None  # (below VOTED_FROM the backend, on every rank whatever its settings)
         takes = self.shared is not None and routes.shared_memory_takes(largest, threshold=self.threshold, cpu=True)
-        some_take, some_not = largest_of(wire, [int(takes), int(not takes)], op)
-        if some_take and some_not:
-            raise CommunicationError(
-                f"{op}: the ranks' shared memory settings (shm, shm_threshold) move this call's rest of {largest:,} "
-                f"bytes by different media (this rank: shm {'on' if self.shared is not None else 'off'}, "
-                f"shm_threshold {self.threshold:,}; shared memory on some ranks, the backend on others). Every rank "
-                "of a group must use the same settings: set them in code, or the environment variables on every "
-                "rank alike. Nothing was moved; the group stays in step"
-            )
-        return self.shared.medium(wire, largest, gathered, op) if takes and self.shared is not None else None
+        memory = self.shared if self.shared is not None else self.memory
+        assert memory is not None, "rest_media_for gives every VotedRests its shared memory's machinery"
+        hosts = _state.group_facts(wire.group).hosts[self.separate]
+        return SharedRest(memory, hosts, declines=not takes)  # its announcement is the vote

@@ -29,6 +29,7 @@ from objcomm._format import frame as _frame
 from objcomm._format import tensors as _tensors
 from objcomm._format.message import SLOT_PREFIX_BYTES, Outgoing
 from objcomm._format.slot import outgoing_second_round_bytes
+from objcomm._samehost import shm as _shm
 from objcomm._samehost import two_level_moves as _two_level
 from objcomm._tools.bench.spreads import CASES, spread_of
 from objcomm._transport import base as _base
@@ -78,7 +79,7 @@ def calls() -> Iterator[Dict[str, int]]:
     try:
         for name in COLLECTIVES:
             wrap(dist, name, "collectives")
-        for owner in (_base, _bytes, _rounds, _two_level):  # bound at import under its torch-version name
+        for owner in (_base, _bytes, _rounds, _two_level, _shm):  # bound at import under its torch-version name
             wrap(owner, "all_gather_single", "collectives")
         for name in ("send", "recv"):
             wrap(dist, name, "blocking")

@@ -25,11 +25,12 @@ receivers answer first  broadcast, send/recv: sizes not listed in the slot, a pi
                         leader relays all of it)
                         (scatter always votes; all_gather and gather read every
                         receiver's limit in round 1 and never do)
-medium vote             without the channel (``local`` off), on a CPU group on one host,  :func:`medium_voted`
-                        a rest from :data:`VOTED_FROM` (1 MiB): every rank votes whether
-                        its settings take shared memory for it (all alike, or every
-                        rank raises; none takes a smaller one); a gather's destination
-                        first sends every slot to every rank
+everyone announces      without the channel (``local`` off), on a CPU group on one host,  :func:`medium_voted`
+                        a rest from :data:`VOTED_FROM` (2 MiB): every rank takes part in
+                        shared memory's announcement, declining where its settings do
+                        not take the rest (then everyone moves it the normal way; none
+                        takes a smaller one); a gather's destination first sends every
+                        slot to every rank
 rest medium             the channel: round 1 went through it, CPU, the largest rest      :func:`rest_medium`
                         below ``min(shm_threshold, CHANNEL_MOST)`` (a gather's, all of
                         them at most ``CHANNEL_MOST``); shared memory: on,

@@ -89,16 +89,18 @@ def tree_on_two_levels(hosts: Sequence[Sequence[int]]) -> bool:
     return all(host[-1] - host[0] + 1 == len(host) for host in hosts)
 
 
-# Without the same-host channel (``local`` off) a collective's rest on one host waits for the ranks' vote on its
-# medium (objcomm._samehost.voted_rests) only from this size, and shared memory takes none below it whatever
-# shm_threshold says: the vote, a gloo all_reduce, costs ~0.1 ms at W=2, a third of a 16 KB all_gather's time
-# and a tenth of a 256 KB one's; from 1 MiB a few percent.
-VOTED_FROM = 1 << 20
+# Without the same-host channel (``local`` off) every rank on one host takes part in shared memory's announcement
+# of a collective's rest (objcomm._samehost.voted_rests) only from this size, whatever its settings, and shared
+# memory takes none below it whatever shm_threshold says: an announcement ranks with the default settings would
+# not make costs ~0.3 ms at W=2 (a gloo all_gather), a third of a 16 KB all_gather's time; from the default
+# shm_threshold on they make it anyway.
+VOTED_FROM = DEFAULT_SHM_THRESHOLD
 
 
 def medium_voted(moved: int, *, cpu: bool) -> bool:
-    """Whether a collective's rest whose largest sender moves ``moved`` bytes, without the channel, on one host, waits
-    for the ranks' vote on its medium (shared memory, or the backend): from :data:`VOTED_FROM`, on the CPU."""
+    """Whether a collective's rest whose largest sender moves ``moved`` bytes, without the channel, on one host, is
+    announced by every rank in shared memory's words, each rank's settings taking it or declining: from
+    :data:`VOTED_FROM`, on the CPU."""
     return cpu and moved >= VOTED_FROM
 
 

@@ -200,17 +200,20 @@ def plan(
     leveled = topology.channel_open and two_levels(hosts=hosts, widest=k, cpu=topology.cpu, local=knobs.local)
     if op in ("all_gather", "gather", "broadcast") and leveled:
         return Plan(op, CHANNEL, tuple(_two_level_steps(op, topology, list(rests), knobs, root, listed, carried)))
-    # without the channel on one host (objcomm._samehost.voted_rests), a collective's rest waits for a vote that
-    # every rank's settings pick the same medium for it (a gather's destination first sends every rank the slots)
+    # without the channel on one host (objcomm._samehost.voted_rests), every rank takes part in shared memory's
+    # announcement of a collective's rest from VOTED_FROM: one all_gather of 1 + W words through the backend, where
+    # it then moves (the rank declines: its settings do not take it); a gather's destination first sends every
+    # rank the slots
     voted = partial(medium_voted, cpu=not knobs.local and topology.cpu and topology.one_host)  # voted(largest)
-    settled = Step("vote", BACKEND, (16,) * world, calls=vote_calls(world))
+    settled = Step("all_gather", BACKEND, (8 * (1 + world),) * world)
     if op == "all_gather":
         summed = first == BACKEND and slots_summed(world=world, cpu=topology.cpu)
         steps.append(Step("sum", BACKEND, (world * knobs.slot_bytes,)) if summed else Step("all_gather", first, slots))
         moved = max(rests, default=0)
         medium = medium_of(moved)
         if moved:
-            steps.extend(([settled] if voted(moved) else []) + _exchange(medium, list(rests), topology, knobs))
+            declined = voted(moved) and medium == BACKEND
+            steps.extend(([settled] if declined else []) + _exchange(medium, list(rests), topology, knobs))
     elif op == "gather":
         if first == CHANNEL:
             steps.append(Step("all_gather", CHANNEL, slots))
@@ -227,8 +230,9 @@ def plan(
         total = sum(senders)
         medium = medium_of(max(senders), gathered=total)
         if total:
-            if voted(max(senders)):  # the destination says look: every slot to every rank, then the vote
-                steps += [Step("broadcast", BACKEND, (world * knobs.slot_bytes,)), settled]
+            if voted(max(senders)):  # the destination says look: every slot to every rank, then the announcement
+                look = Step("broadcast", BACKEND, (world * knobs.slot_bytes,))
+                steps += [look, settled] if medium == BACKEND else [look]
             steps.append(Step("p2p", medium, tuple(0 if i == root else r for i, r in enumerate(rests))))
     elif op == "broadcast":  # the slot: on NCCL an all_reduce (a tree; its broadcast is a ring)
         slot_step = "all_reduce" if first == BACKEND and not topology.cpu else "broadcast"
@@ -243,7 +247,7 @@ def plan(
                     steps.append(Step("vote", first, (4,) * world, calls=vote_calls(world)))
                 else:
                     steps.append(Step("all_reduce", first, (4,) * world))
-            steps += [settled] if voted(moved) else []
+            steps += [settled] if voted(moved) and medium == BACKEND else []
             # each piece in the backend's broadcast, or down the binomial tree from the root: then a relay takes it
             # in one batch and sends it on in another
             tree = medium == BACKEND and rest_down_tree(world=world, moved=moved, cpu=topology.cpu)
