@@ -8,6 +8,7 @@ handle (copies, pickling); what a call works out is :mod:`objcomm._api.resolving
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Optional, Sequence
 
 from objcomm._api import reduce as _reduce
@@ -441,3 +442,9 @@ class Communicator(Operations):
         other = copy.copy(self)  # nothing worked out: that was for this communicator's group
         other.group = group
         return other
+
+
+_SIGNATURE = inspect.signature(Communicator)
+Communicator.__signature__ = _SIGNATURE.replace(  # type: ignore[attr-defined]  # help() and IDEs: no test hook shown
+    parameters=[p for p in _SIGNATURE.parameters.values() if p.name != "_hooks"]
+)

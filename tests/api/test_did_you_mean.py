@@ -332,3 +332,8 @@ def test_torchs_fill_a_list_habit_says_that_objcomm_returns_the_result():
     with pytest.raises(TypeError, match=r"group must be a process group, got list \[0, 1\].*dist.new_group"):
         objcomm.all_gather(1, group=[0, 1])
     assert objcomm.all_gather({"a": 1}) == [{"a": 1}]  # a world of one: the call that binds is untouched
+
+
+def test_the_communicators_signature_shows_no_test_hook():
+    shown = inspect.signature(objcomm.Communicator).parameters
+    assert "_hooks" not in shown and {"group", "serializer", "shm", "local"} <= set(shown)
