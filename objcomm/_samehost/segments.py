@@ -245,7 +245,10 @@ def _opened(path: str) -> int:
             os.close(folder)
         if stat.S_ISLNK(os.fstat(pinned).st_mode):
             raise FrameError(f"shared-memory segment {path} is a symbolic link; refused")
-        return os.open(f"/proc/self/fd/{pinned}", _READ_FLAGS & ~os.O_NOFOLLOW)
+        try:
+            return os.open(f"/proc/self/fd/{pinned}", _READ_FLAGS & ~os.O_NOFOLLOW)
+        except FileNotFoundError:  # no /proc (a chroot): by its name, as before (nor could its mount be read)
+            return os.open(path, _READ_FLAGS)
     finally:
         os.close(pinned)
 

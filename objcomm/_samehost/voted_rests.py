@@ -46,15 +46,15 @@ class VotedRests(SharedPointToPoint):
     separate: Union[bool, int] = False  # tests: every rank its own host (True), or hosts of k ranks
     memory: Optional[SharedMemory] = None  # where shm is off: its announcement's machinery, to decline in it
 
-    def _one_host(self, wire: Wire, op: str) -> bool:
-        """Whether the group lies on one host: learned at the first call that asks, on every rank alike."""
+    def _hosts(self, wire: Wire, op: str) -> _hosts.Hosts:
+        """The group's hosts: learned at the first call that asks, on every rank alike."""
         known = _state.group_facts(wire.group).hosts
         found = known.get(self.separate)
         if found is None:
             found = known[self.separate] = _hosts.discover(wire, self.separate, op)
             if self.shared is not None:
                 sweep(self.shared.directory)  # a new job on this host: clear what dead jobs left
-        return found.one_host
+        return found
 
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
         """send/recv: whether this rank's shared memory may take the rest (the receiver's answer settles the pair).
@@ -71,10 +71,12 @@ class VotedRests(SharedPointToPoint):
         return known is None or known.one_host
 
     def medium(self, wire: Wire, largest: int, gathered: int, op: str) -> Optional[RestMedium]:
-        if not routes.medium_voted(largest, cpu=wire.device.type == "cpu") or not self._one_host(wire, op):
+        if not routes.medium_voted(largest, cpu=wire.device.type == "cpu"):
             return None  # (below VOTED_FROM the backend, on every rank whatever its settings)
+        hosts = self._hosts(wire, op)
+        if not hosts.one_host:
+            return None
         takes = self.shared is not None and routes.shared_memory_takes(largest, threshold=self.threshold, cpu=True)
         memory = self.shared if self.shared is not None else self.memory
         assert memory is not None, "rest_media_for gives every VotedRests its shared memory's machinery"
-        hosts = _state.group_facts(wire.group).hosts[self.separate]
         return SharedRest(memory, hosts, declines=not takes)  # its announcement is the vote

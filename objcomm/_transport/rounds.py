@@ -93,7 +93,8 @@ def _vote_refusals(
     REFUSE_* code, 0 to accept). One tiny all_reduce ahead of a second round that not every receiver may take.
     ``longest`` (scatter): the root's longest second round to any rank, 0 elsewhere, which the vote carries to
     every rank (its receivers know only their own), with the largest part a receiver refused (each has its own) and
-    the highest rank that refused one, which every rank's error names; returned (0 without it)."""
+    the highest rank that refused one, which every rank's error names (two words: with several refusers they may
+    be two ranks'); returned (0 without it)."""
     refused, refuser = info.total, 0
     if longest is None:
         (code,), longest = largest_of(wire, [refuse], op, torch.int32), 0
@@ -103,9 +104,14 @@ def _vote_refusals(
     if code == REFUSE_MALFORMED:
         raise _limits.inconsistent(op, src, problem or "a receiving rank found the sizes in its slot inconsistent")
     if code:
-        whose = f"rank {refuser - 1}'s" if refuser else f"this rank's max_bytes: {wire.max_bytes:,}"
+        # (with several refusers, the largest part and the highest refuser may be two ranks': said so)
+        if refuser:
+            detail = f"the largest part refused; rank {refuser - 1} refused one"
+        else:
+            detail = f"this rank's max_bytes: {wire.max_bytes:,}"
         raise _limits.too_large(
-            f"{op}: rank {src} sends {refused:,} bytes to a rank whose max_bytes it exceeds ({whose})", where="there"
+            f"{op}: rank {src} sends {refused:,} bytes to a rank whose max_bytes it exceeds ({detail})",
+            where="on the receiving ranks",
         )
     round_one_done()  # every rank voted, so every rank is here: the steps after share one timeout (call_clock)
     return longest
