@@ -8,12 +8,11 @@ the bytes, and gloo, handed collectives of different sizes, aborted a process (`
 rank, a 3 MiB all_gather of two ranks: SIGABRT on the other). Here, on a CPU group that lies on one host, every rank
 takes part in shared memory's announcement (:meth:`~objcomm._samehost.shm.SharedMemory._collective`) before a
 collective's rest of :data:`~objcomm._transport.routes.VOTED_FROM` (2 MiB, the default ``shm_threshold``) or more
-moves, whatever its settings: a
-rank whose settings take the rest writes and announces it, one whose settings do not announces -1 (as a rank that
-could not write does), and then every rank moves it the normal way. So ranks whose settings differ agree, with no
-collective more than the default settings take. A smaller rest takes the backend on every rank, whatever
-``shm_threshold`` says (an announcement would cost it up to a third of its time). Whether the group lies on one
-host every rank learns at its first collective with such a rest (one all_gather per group,
+moves, whatever its settings: a rank whose settings take the rest writes and announces it, one whose settings do
+not announces -1 (as a rank that could not write does), and then every rank moves it the normal way. So ranks whose
+settings differ agree, with no collective more than the default settings take. A smaller rest takes the backend on
+every rank, whatever ``shm_threshold`` says (an announcement would cost it up to a third of its time). Whether the
+group lies on one host every rank learns at its first collective with such a rest (one all_gather per group,
 :func:`objcomm._samehost.hosts.discover`); a group that spans hosts never announces (shared memory takes no
 collective's rest there). send/recv go as shared memory says: their own protocol settles ranks whose settings differ
 (:mod:`objcomm._transport.p2p`).

@@ -91,6 +91,9 @@ class _Sent(NamedTuple):
     tag: int
 
 
+Lane = Tuple[int, int]  # (receiver's global rank, tag)
+
+
 class _Sends:
     """One group's pending eager sends on this rank, per receiver (global rank) and tag, oldest first: gloo matches a
     pair's messages of one tag in order, and a tag's sends that were received leave the count whatever another tag's
@@ -99,9 +102,7 @@ class _Sends:
 
     def __init__(self, timeout: float) -> None:
         self.cond = threading.Condition()
-        self.queues: Dict[
-            Tuple[int, int], Deque[_Sent]
-        ] = {}  # (receiver, tag): exists while it has sends, and its thread
+        self.queues: Dict[Lane, Deque[_Sent]] = {}  # a lane's queue exists while it has sends, and its thread
         self.count = 0
         self.bytes = 0
         self.timeout = timeout  # the group's, in seconds
@@ -137,7 +138,7 @@ class _Sends:
     def _room(self, size: int) -> bool:
         return self.count == 0 or (self.count < MOST_SENDS and self.bytes + size <= MOST_BYTES)
 
-    def _reap(self, lane: Tuple[int, int], queue: Deque[_Sent]) -> None:
+    def _reap(self, lane: Lane, queue: Deque[_Sent]) -> None:
         """Wait for the sends of ``lane`` (receiver, tag) in order; the thread ends when none is left for
         :data:`LINGER` seconds."""
         peer = lane[0]
