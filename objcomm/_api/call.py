@@ -230,18 +230,16 @@ def rest_media_for(options: CallOptions, segments: SegmentBook) -> RestMedia:
     below ``shm_threshold``, the same-host channel where it carried round 1 (``local``), on two levels where round 1
     went so; without the channel, shared memory where every rank's settings take the rest (each says so in its
     announcement)."""
-    shared = memory = None
-    if options.shm or not options.local:  # (without the channel a rank declines in its announcement: VotedRests)
-        memory = _shm.SharedMemory(
-            threshold=options.shm_threshold,
-            directory=options.shm_dir or DEFAULT_DIRECTORY,
-            separate=options.separate_hosts,
-            zero_copy=options.shm_zero_copy,
-            book=segments,
-        )
-        shared = memory if options.shm else None
+    memory = _shm.SharedMemory(
+        threshold=options.shm_threshold,
+        directory=options.shm_dir or DEFAULT_DIRECTORY,
+        separate=options.separate_hosts,
+        zero_copy=options.shm_zero_copy,
+        book=segments,
+    )
     if not options.local:  # no echo of round 1: every rank takes part in shared memory's announcement, or declines
-        return VotedRests(options.shm_threshold, shared, options.separate_hosts, memory)
+        return VotedRests(memory, options.shm)
+    shared = memory if options.shm else None
     return TwoLevelRests(SameHostRests(options.shm_threshold, shared), options.shm_threshold if options.shm else None)
 
 

@@ -110,16 +110,21 @@ class SharedMemory(PatternRests):
             return False
         return True
 
+    def hosts(self, wire: Wire, op: str) -> _hosts.Hosts:
+        """The group's hosts, learned at the first call that asks (a collective: every rank asks at the same call)."""
+        known: Dict[Union[bool, int], _hosts.Hosts] = _state.group_facts(wire.group).hosts
+        found = known.get(self.separate)
+        if found is None:
+            found = known[self.separate] = _hosts.discover(wire, self.separate, op)
+            sweep(self.directory)  # a new job on this host: clear what dead jobs left
+        return found
+
     def hosts_for(self, wire: Wire, moved: int, op: str) -> Optional[_hosts.Hosts]:
         """The group's hosts when the call uses shared memory, else None: the same answer on every rank.
         The first call that gets this far on a group learns its hosts (a collective)."""
         if not self.worth(wire, moved, op):
             return None
-        known: Dict[int, _hosts.Hosts] = _state.group_facts(wire.group).hosts
-        hosts = known.get(self.separate)
-        if hosts is None:
-            hosts = known[self.separate] = _hosts.discover(wire, self.separate, op)
-            sweep(self.directory)  # a new job on this host: clear what dead jobs left
+        hosts = self.hosts(wire, op)
         if not hosts.one_host:
             log.debug("objcomm shm: %s spans %d hosts; normal transport", op, len(set(hosts.keys)))
             return None

@@ -7,7 +7,7 @@ shared memory on went into its announcement (an all_gather of words), one with i
 the bytes, and gloo, handed collectives of different sizes, aborted a process (``local=False``, ``shm=False`` on one
 rank, a 3 MiB all_gather of two ranks: SIGABRT on the other). Here, on a CPU group that lies on one host, every rank
 takes part in shared memory's announcement (:meth:`~objcomm._samehost.shm.SharedMemory._collective`) before a
-collective's rest of :data:`~objcomm._transport.routes.VOTED_FROM` (2 MiB, the default ``shm_threshold``) or more
+collective's rest of :data:`~objcomm._transport.routes.ANNOUNCED_FROM` (2 MiB, the default ``shm_threshold``) or more
 moves, whatever its settings: a rank whose settings take the rest writes and announces it, one whose settings do
 not announces -1 (as a rank that could not write does), and then every rank moves it the normal way. So ranks whose
 settings differ agree, with no collective more than the default settings take. A smaller rest takes the backend on
@@ -21,12 +21,10 @@ collective's rest there). send/recv go as shared memory says: their own protocol
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 from objcomm import _state
-from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.rests import SharedPointToPoint
-from objcomm._samehost.segments import sweep
 from objcomm._samehost.shm import SharedMemory, SharedRest
 from objcomm._transport import routes
 from objcomm._transport.base import Wire
@@ -37,23 +35,15 @@ _P2P = ("send", "recv")
 
 @dataclass(frozen=True)
 class VotedRests(SharedPointToPoint):
-    """A group's rests without the same-host channel: ``shared`` (None where ``shm`` is off) where every rank's
-    settings take it, else the transport."""
+    """A group's rests without the same-host channel: shared memory (``memory``, whose settings are this rank's)
+    where every rank's settings take a rest, else the transport."""
 
-    threshold: int  # this rank's shm_threshold
-    shared: Optional[SharedMemory] = None
-    separate: Union[bool, int] = False  # tests: every rank its own host (True), or hosts of k ranks
-    memory: Optional[SharedMemory] = None  # where shm is off: its announcement's machinery, to decline in it
+    memory: SharedMemory  # this rank's shared memory, whose announcement it takes part in where ``shm`` is off too
+    shm: bool = True
 
-    def _hosts(self, wire: Wire, op: str) -> _hosts.Hosts:
-        """The group's hosts: learned at the first call that asks, on every rank alike."""
-        known = _state.group_facts(wire.group).hosts
-        found = known.get(self.separate)
-        if found is None:
-            found = known[self.separate] = _hosts.discover(wire, self.separate, op)
-            if self.shared is not None:
-                sweep(self.shared.directory)  # a new job on this host: clear what dead jobs left
-        return found
+    @property
+    def shared(self) -> Optional[SharedMemory]:  # type: ignore[override]  # (derived: None where shm is off)
+        return self.memory if self.shm else None
 
     def worth(self, wire: Wire, moved: int, op: str) -> bool:
         """send/recv: whether this rank's shared memory may take the rest (the receiver's answer settles the pair).
@@ -63,19 +53,17 @@ class VotedRests(SharedPointToPoint):
         receivers answer first only where its slot requires it, so that ranks whose settings differ still take the
         same steps up to the announcement."""
         if op in _P2P:
-            return self.shared is not None and self.shared.worth(wire, moved, op)
-        if op != "gather" or not routes.medium_voted(moved, cpu=wire.device.type == "cpu"):
+            return self.shm and self.memory.worth(wire, moved, op)
+        if op != "gather" or not routes.all_announce(moved, cpu=wire.device.type == "cpu"):
             return False
-        known = _state.group_facts(wire.group).hosts.get(self.separate)
+        known = _state.group_facts(wire.group).hosts.get(self.memory.separate)
         return known is None or known.one_host
 
     def medium(self, wire: Wire, largest: int, gathered: int, op: str) -> Optional[RestMedium]:
-        if not routes.medium_voted(largest, cpu=wire.device.type == "cpu"):
-            return None  # (below VOTED_FROM the backend, on every rank whatever its settings)
-        hosts = self._hosts(wire, op)
+        if not routes.all_announce(largest, cpu=wire.device.type == "cpu"):
+            return None  # (below ANNOUNCED_FROM the backend, on every rank whatever its settings)
+        hosts = self.memory.hosts(wire, op)
         if not hosts.one_host:
             return None
-        takes = self.shared is not None and routes.shared_memory_takes(largest, threshold=self.threshold, cpu=True)
-        memory = self.shared if self.shared is not None else self.memory
-        assert memory is not None, "rest_media_for gives every VotedRests its shared memory's machinery"
-        return SharedRest(memory, hosts, declines=not takes)  # its announcement is the vote
+        takes = self.shm and routes.shared_memory_takes(largest, threshold=self.memory.threshold, cpu=True)
+        return SharedRest(self.memory, hosts, declines=not takes)  # its announcement is the vote

@@ -133,7 +133,7 @@ def each_spread(op: str, up_tree: bool = False, one_host: bool = False) -> List[
     """``op`` on every spread (a reduction: on :data:`TREE_CASES`): (case, right result, collectives, blocking calls,
     batches of sends and receives and eager sends)."""
     comm, rank = _comm(up_tree, one_host=one_host), dist.get_rank()
-    comm.all_gather(bytes(routes.VOTED_FROM))  # the group's hosts are learned at the first such rest (voted_rests)
+    comm.all_gather(bytes(routes.ANNOUNCED_FROM))  # the group's hosts are learned at the first such rest (voted_rests)
     rows = []
     for case in TREE_CASES if op in ("all_reduce", "reduce") else CASES:
         obj = spread(case, rank)

@@ -25,8 +25,8 @@ receivers answer first  broadcast, send/recv: sizes not listed in the slot, a pi
                         leader relays all of it)
                         (scatter always votes; all_gather and gather read every
                         receiver's limit in round 1 and never do)
-everyone announces      without the channel (``local`` off), on a CPU group on one host,  :func:`medium_voted`
-                        a rest from :data:`VOTED_FROM` (2 MiB): every rank takes part in
+everyone announces      without the channel (``local`` off), on a CPU group on one host,  :func:`all_announce`
+                        a rest from :data:`ANNOUNCED_FROM` (2 MiB): every rank takes part in
                         shared memory's announcement, declining where its settings do
                         not take the rest (then everyone moves it the normal way; none
                         takes a smaller one); a gather's destination first sends every
@@ -83,6 +83,7 @@ Example::
 """
 
 from objcomm._transport.routes.cutoffs import (
+    ANNOUNCED_FROM,
     BACKEND,
     BACKEND_WHOLE_BYTES,
     CHANNEL,
@@ -97,15 +98,14 @@ from objcomm._transport.routes.cutoffs import (
     SUMMED_SLOTS_FROM,
     TREE_DOWN_FROM,
     TREE_GATHER_FROM,
-    VOTED_FROM,
     agreement_needed,
+    all_announce,
     backend_whole,
     channel_takes,
     exchange_shape,
     express_possible,
     in_place_table,
     leaders_relay_first,
-    medium_voted,
     pieces,
     rest_after_channel,
     rest_down_tree,
@@ -150,7 +150,7 @@ __all__ = [
     "StripeMoves",
     "TREE_DOWN_FROM",
     "TREE_GATHER_FROM",
-    "VOTED_FROM",
+    "ANNOUNCED_FROM",
     "Topology",
     "agreement_needed",
     "backend_whole",
@@ -159,7 +159,7 @@ __all__ = [
     "express_possible",
     "in_place_table",
     "leaders_relay_first",
-    "medium_voted",
+    "all_announce",
     "pieces",
     "plan",
     "rest_down_tree",

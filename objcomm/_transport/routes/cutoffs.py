@@ -94,14 +94,14 @@ def tree_on_two_levels(hosts: Sequence[Sequence[int]]) -> bool:
 # memory takes none below it whatever shm_threshold says: an announcement ranks with the default settings would
 # not make costs ~0.3 ms at W=2 (a gloo all_gather), a third of a 16 KB all_gather's time; from the default
 # shm_threshold on they make it anyway.
-VOTED_FROM = DEFAULT_SHM_THRESHOLD
+ANNOUNCED_FROM = DEFAULT_SHM_THRESHOLD
 
 
-def medium_voted(moved: int, *, cpu: bool) -> bool:
+def all_announce(moved: int, *, cpu: bool) -> bool:
     """Whether a collective's rest whose largest sender moves ``moved`` bytes, without the channel, on one host, is
     announced by every rank in shared memory's words, each rank's settings taking it or declining: from
-    :data:`VOTED_FROM`, on the CPU."""
-    return cpu and moved >= VOTED_FROM
+    :data:`ANNOUNCED_FROM`, on the CPU."""
+    return cpu and moved >= ANNOUNCED_FROM
 
 
 def channel_takes(moved: int, *, limit: int, cpu: bool) -> bool:

@@ -11,18 +11,18 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from objcomm._settings import DEFAULT_CHUNK_BYTES, DEFAULT_SHM_THRESHOLD, DEFAULT_SLOT_BYTES
 from objcomm._transport.routes.cutoffs import (
+    ANNOUNCED_FROM,
     BACKEND,
     CHANNEL,
     PADDED,
     SHARED_MEMORY,
     STRIPES,
-    VOTED_FROM,
     agreement_needed,
+    all_announce,
     backend_whole,
     exchange_shape,
     in_place_table,
     leaders_relay_first,
-    medium_voted,
     rest_down_tree,
     rest_medium,
     result_down_tree,
@@ -190,7 +190,7 @@ def plan(
         cpu=topology.cpu,
         round_one_medium=first,
         shm=knobs.shm,
-        shm_threshold=knobs.shm_threshold if knobs.local else max(knobs.shm_threshold, VOTED_FROM),
+        shm_threshold=knobs.shm_threshold if knobs.local else max(knobs.shm_threshold, ANNOUNCED_FROM),
         one_host=topology.one_host,
     )
     slots = (knobs.slot_bytes,) * world
@@ -201,10 +201,10 @@ def plan(
     if op in ("all_gather", "gather", "broadcast") and leveled:
         return Plan(op, CHANNEL, tuple(_two_level_steps(op, topology, list(rests), knobs, root, listed, carried)))
     # without the channel on one host (objcomm._samehost.voted_rests), every rank takes part in shared memory's
-    # announcement of a collective's rest from VOTED_FROM: one all_gather of 1 + W words through the backend, where
+    # announcement of a collective's rest from ANNOUNCED_FROM: one all_gather of 1 + W words through the backend, where
     # it then moves (the rank declines: its settings do not take it); a gather's destination first sends every
     # rank the slots
-    voted = partial(medium_voted, cpu=not knobs.local and topology.cpu and topology.one_host)  # voted(largest)
+    announced = partial(all_announce, cpu=not knobs.local and topology.cpu and topology.one_host)  # of the largest
     settled = Step("all_gather", BACKEND, (8 * (1 + world),) * world)
     if op == "all_gather":
         summed = first == BACKEND and slots_summed(world=world, cpu=topology.cpu)
@@ -212,7 +212,7 @@ def plan(
         moved = max(rests, default=0)
         medium = medium_of(moved)
         if moved:
-            declined = voted(moved) and medium == BACKEND
+            declined = announced(moved) and medium == BACKEND
             steps.extend(([settled] if declined else []) + _exchange(medium, list(rests), topology, knobs))
     elif op == "gather":
         if first == CHANNEL:
@@ -230,7 +230,7 @@ def plan(
         total = sum(senders)
         medium = medium_of(max(senders), gathered=total)
         if total:
-            if voted(max(senders)):  # the destination says look: every slot to every rank, then the announcement
+            if announced(max(senders)):  # the destination says look: every slot to every rank, then the announcement
                 look = Step("broadcast", BACKEND, (world * knobs.slot_bytes,))
                 steps += [look, settled] if medium == BACKEND else [look]
             steps.append(Step("p2p", medium, tuple(0 if i == root else r for i, r in enumerate(rests))))
@@ -247,7 +247,7 @@ def plan(
                     steps.append(Step("vote", first, (4,) * world, calls=vote_calls(world)))
                 else:
                     steps.append(Step("all_reduce", first, (4,) * world))
-            steps += [settled] if voted(moved) and medium == BACKEND else []
+            steps += [settled] if announced(moved) and medium == BACKEND else []
             # each piece in the backend's broadcast, or down the binomial tree from the root: then a relay takes it
             # in one batch and sends it on in another
             tree = medium == BACKEND and rest_down_tree(world=world, moved=moved, cpu=topology.cpu)
