@@ -122,17 +122,27 @@ def tree(call: Any, obj: Any, op: Op, levels: Optional[TreeLevels] = None) -> Re
     except ValueError as exc:
         fn, own = operator.add, exc  # never called: nothing is complete here
     held = Reduced(obj, own is None, own, wire.max_bytes)
+    mine = None if isinstance(op, str) else obj  # a function of the caller's may update its first argument in place
     if levels is None:
         ranks = range(wire.size)
-        return _climb(call, wire, wire.rank, ranks, ranks, held, fn, op)
+        return _climb(call, wire, wire.rank, ranks, ranks, held, fn, op, mine)
     host = levels.home
     if levels.host is not None:  # the host's ranks, consecutive
         ranks = range(levels.leaders[host], levels.lasts[host] + 1)
-        held = _climb(call, levels.host, wire.rank - ranks[0], ranks, ranks, held, fn, op)
+        held = _climb(call, levels.host, wire.rank - ranks[0], ranks, ranks, held, fn, op, mine)
     if wire.rank != levels.leaders[host]:  # what this rank held went up to its leader
         return held
-    reduced: Reduced = levels.lead(_climb, call, wire, host, levels.leaders, levels.lasts, held, fn, op)
+    reduced: Reduced = levels.lead(_climb, call, wire, host, levels.leaders, levels.lasts, held, fn, op, mine)
     return reduced
+
+
+def _copy_of(obj: Any) -> Any:
+    """A deep copy of this rank's own object, for ``op`` to combine (and update in place, as mpi4py, which combines
+    unpickled copies, lets it); the object itself where it cannot be copied."""
+    try:
+        return copy.deepcopy(obj)
+    except Exception:
+        return obj
 
 
 def _climb(
@@ -144,9 +154,11 @@ def _climb(
     held: Reduced,
     fn: Callable[[Any, Any], Any],
     op: Op,
+    mine: Any = None,
 ) -> Reduced:
     """One binomial tree towards ``ranks[0]`` over the group ranks ``ranks`` of ``wire`` (this rank: ``ranks[me]``),
-    from what this rank holds (``held``); ``lasts[i]``: the highest group rank whose object ``ranks[i]`` holds."""
+    from what this rank holds (``held``); ``lasts[i]``: the highest group rank whose object ``ranks[i]`` holds.
+    ``mine``: the caller's own object where ``op`` is its function, which then combines a copy of it."""
     wire = wire._replace(tag=INTERNAL_TAG)  # above every tag a caller may pass (objcomm._api.call.MAX_TAG)
     value, complete, own, lowest = held
     tree = binomial(me, len(ranks))
@@ -159,6 +171,8 @@ def _climb(
                 complete = False
             elif complete:
                 theirs = call.decode(item, peer)
+                if mine is not None and value is mine:  # (its first combination here: never the caller's object)
+                    value = _copy_of(value)
                 try:
                     value = fn(value, theirs)
                 except Exception as exc:

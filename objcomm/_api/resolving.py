@@ -212,13 +212,15 @@ class Resolving:
                 raise ObjcommError(
                     "a group was given but torch.distributed is not initialised; call init_process_group()"
                 )
-            launched = os.environ.get("WORLD_SIZE", "1")
-            if launched.strip() not in ("", "0", "1"):  # a launcher (torchrun) started this rank among others
-                raise ObjcommError(
-                    f"torch.distributed is not initialised, but this process is one of WORLD_SIZE={launched} ranks "
-                    "(a launcher such as torchrun set it): call dist.init_process_group() first, or every call "
-                    "would act as a world of one on each rank. (Unset WORLD_SIZE to run a plain process.)"
-                )
+            for variable, launcher in _LAUNCHERS:  # a launcher started this process among others
+                launched = os.environ.get(variable, "1")
+                if launched.strip() not in ("", "0", "1"):
+                    raise ObjcommError(
+                        f"torch.distributed is not initialised, but this process is one of {variable}={launched} "
+                        f"ranks ({launcher} set it): call dist.init_process_group() first, or every call would act "
+                        f"as a world of one on each rank.{_LAUNCHER_HINTS.get(variable, '')} (Unset {variable} to "
+                        "run a plain process.)"
+                    )
             return None
         return self.group if self.group is not None else world
 
@@ -282,6 +284,21 @@ class Resolving:
     def _check_single(rank: Any, what: str) -> None:
         if rank != 0:
             raise ValueError(f"{what}={rank}, but there is no process group: the only rank is 0")
+
+
+# The variables launchers set to the number of processes they started: one above 1 without a process group means
+# this process is one rank among several (mpiexec with objcomm ran each as a world of one, silently: a port's find).
+_LAUNCHERS = (
+    ("WORLD_SIZE", "a launcher such as torchrun"),
+    ("PMI_SIZE", "an MPI launcher: mpiexec of MPICH or Intel MPI"),
+    ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
+    ("MV2_COMM_WORLD_SIZE", "MVAPICH2's mpirun"),
+)
+_LAUNCHER_HINTS = {
+    variable: " Under an MPI launcher, give torch its rank and world size first (RANK, WORLD_SIZE, MASTER_ADDR,"
+    ' MASTER_PORT: docs/from-mpi4py.md, "Launching"), or start the ranks with torchrun.'
+    for variable, _ in _LAUNCHERS[1:]
+}
 
 
 def _rank_hint(wire: Wire, rank: int, what: str, p2p: bool) -> str:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from objcomm._errors import NOT_THERE, CommunicationError, ranks_note
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
+from objcomm._transport.let_go import held_by, wait_let_go
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -259,17 +260,10 @@ class Lease(Protocol):
 class _ThroughGroup:
     """The group's route, with nothing to count."""
 
-    def __enter__(self) -> None:
-        return None
-
     def __exit__(self, *exc: Any) -> None:
         return None
 
-    def posted(self) -> None:
-        pass
-
-    def took(self, sender: int) -> None:
-        pass
+    __enter__ = posted = took = __exit__
 
 
 THROUGH_GROUP = _ThroughGroup()
@@ -379,15 +373,20 @@ class TreeLevels(NamedTuple):
 
 
 def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run a torch.distributed call, turning its failures into CommunicationError."""
+    """Run a torch.distributed call, turning its failures into CommunicationError. A gloo call that completed
+    returns once gloo let go of its tensors (:mod:`.let_go`: else the process may abort at exit)."""
+    held = held_by(args, kwargs)
     try:
-        return fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
     except RuntimeError as exc:
         raise CommunicationError(
             f"{what} failed on rank {wire.rank} of a group of {wire.size}{ranks_note(wire.ranks)}: {exc}. "
             f"{NOT_THERE[0].upper()}{NOT_THERE[1:]}; "
             "the group's timeout (init_process_group(timeout=...)) bounds how long ranks wait"
         ) from exc
+    if held and result is None:
+        wait_let_go(held)
+    return result
 
 
 def largest_of(

@@ -236,6 +236,12 @@ def test_a_rank_a_launcher_started_among_others_refuses_to_act_as_a_world_of_one
     env = {**os.environ, "WORLD_SIZE": "3"}
     said = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
     assert "WORLD_SIZE=3" in said and "init_process_group()" in said, said
+    # mpiexec (MPICH's, Open MPI's) set their own count, not WORLD_SIZE: each rank of a port acted as a world of one
+    for variable in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        under_mpi = {**os.environ, variable: "3"}
+        under_mpi.pop("WORLD_SIZE", None)
+        said = subprocess.run([sys.executable, "-c", code], env=under_mpi, capture_output=True, text=True, timeout=120)
+        assert f"{variable}=3" in said.stdout and "Launching" in said.stdout, said.stdout + said.stderr
     env["WORLD_SIZE"] = "1"
     alone = subprocess.run(
         [sys.executable, "-c", "import objcomm; print(objcomm.all_gather(1))"],

@@ -64,6 +64,9 @@ class Counted:
     def __reduce__(self) -> Any:
         return (_counted, (self.ranks,))
 
+    def __deepcopy__(self, memo: Any) -> Counted:  # the copy a combining rank makes of its own: not a decode
+        return Counted(list(self.ranks))
+
 
 def _counted(ranks: List[int]) -> Counted:
     _decoded["n"] += 1
@@ -261,3 +264,35 @@ def test_group_rank_0_never_gets_its_own_object_back():
     """Every rank gets a copy of the result, rank 0 too (a helper's find: there, mutating the result of a "max" that
     rank 0's object won changed that object; mpi4py returns a copy)."""
     assert get_pool(2).run(own_object_back) == [[False, False, True], [False, False, True]]
+
+
+def updates_in_place() -> List[Any]:
+    """Functions that update their first argument and return it (dict.update, list.extend, +=), as mpi4py allows."""
+    rank = dist.get_rank()
+    counts, seen, total = {f"r{rank}": rank}, [rank], torch.tensor([float(rank)])
+
+    def merge(a: Dict[str, int], b: Dict[str, int]) -> Dict[str, int]:
+        a.update(b)
+        return a
+
+    def extend(a: List[int], b: List[int]) -> List[int]:
+        a.extend(b)
+        return a
+
+    def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a += b
+        return a
+
+    results = [objcomm.all_reduce(counts, merge), objcomm.reduce(seen, extend, dst=0), objcomm.all_reduce(total, add)]
+    return [counts, seen, total.item(), results[0], results[1], results[2].item()]
+
+
+def test_an_op_that_updates_its_first_argument_leaves_every_rank_s_object_as_it_was():
+    """A port's find: ranks 0 and 2 of 4, which combine their children's objects with their own, found their own
+    dict, list and tensor overwritten by a partial result (mpi4py combines unpickled copies)."""
+    got = get_pool(4).run(updates_in_place)
+    everyone = {f"r{r}": r for r in range(4)}
+    for rank, (counts, seen, total, merged, extended, summed) in enumerate(got):
+        assert (counts, seen, total) == ({f"r{rank}": rank}, [rank], float(rank))
+        assert merged == everyone and summed == 6.0
+        assert extended == ([0, 1, 2, 3] if rank == 0 else None)
