@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import threading
 import weakref
 from types import ModuleType
@@ -141,6 +142,13 @@ class _Patcher:
             self._restore()
         self.settings = settings
 
+    def original(self, name: str) -> Callable[..., Any]:
+        """Torch's function of that name (while patched, the one the patch put aside)."""
+        with self._lock:
+            found = self._originals.get((dist, name))
+        function: Callable[..., Any] = found if found is not None else getattr(_modules()[1], name)
+        return function
+
     def _install(self) -> None:
         if not dist.is_available():
             raise RuntimeError("objcomm.compat.patch(): this torch build has no torch.distributed")
@@ -175,9 +183,13 @@ def _patched(patcher: _Patcher, name: str, shim: Callable[..., Any]) -> Callable
     called."""
     implementation = _IMPLEMENTATIONS[name]
     receives = name == "recv_object_list"
+    at = list(inspect.signature(shim).parameters).index("group")  # where a positional group comes
 
     @functools.wraps(shim)
     def patched(*args: Any, serializer: Optional[SerializerLike] = None, **kwargs: Any) -> Any:
+        group = kwargs["group"] if "group" in kwargs else args[at] if len(args) > at else None
+        if serializer is None and _foreign(group):  # torch.distributed.rpc's own group: only torch's functions run
+            return patcher.original(name)(*args, **kwargs)
         settings = patcher.settings
         options = {} if settings is None else settings[name]
         if serializer is not None:  # a call that names one, as with the shim
@@ -185,3 +197,12 @@ def _patched(patcher: _Patcher, name: str, shim: Callable[..., Any]) -> Callable
         return implementation(*args, options=options, **kwargs)
 
     return patched
+
+
+def _foreign(group: Any) -> bool:
+    """Whether ``group`` is a process group torch does not list (``torch.distributed.rpc`` makes one straight from its
+    store and calls ``all_gather_object`` on it, with or without a default group): objcomm, which asks torch about a
+    group's ranks, cannot run on it; torch's own functions can."""
+    if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return False
+    return not dist.is_initialized() or group not in dist.distributed_c10d._world.pg_map

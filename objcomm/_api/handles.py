@@ -104,6 +104,7 @@ def _warn_if_failed(op: str) -> Callable[[concurrent.futures.Future[Any]], None]
 class _ThreadState(threading.local):
     inside = False  # this thread runs a lane's call (its blocking calls are the request); a class default: a missing
     # attribute of a threading.local costs an AttributeError on every blocking send/recv
+    lane = False  # this thread is a lane's (its requests' done-callbacks run here: none may wait for a lane)
 
 
 _LOCAL = _ThreadState()

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from objcomm import _state
 from objcomm._api.handles import _LOCAL, Request, _settle, completed
 from objcomm._api.own_box import NOTHING, _OwnBox
-from objcomm._device import device_for_backend, group_backend
+from objcomm._device import device_for_backend, group_backend, timeout_seconds
 from objcomm._errors import CommunicationError, ObjcommError
 from objcomm._transport import groups as _groups
 
@@ -75,6 +75,7 @@ class _Lanes:
     def __init__(self, me: int = -1) -> None:
         self.me = me  # this process's global rank, for the exit's wait (_at_exit)
         self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)  # notified as requests end (a blocking call may wait for them)
         self.shadow: Any = None  # the shadow group, or the exception that stopped its set-up (shadow_of)
         self.queues: Dict[Key, Deque[Job]] = {}  # a lane exists while it has work and its thread
         self.busy: Dict[Key, int] = {}  # (direction, peer, tag) -> outstanding requests
@@ -118,6 +119,7 @@ class _Lanes:
 
     def _drain(self, key: Key) -> None:
         """Run the lane's jobs in order; the thread ends when the lane is empty."""
+        _LOCAL.lane = True
         while True:
             with self.lock:
                 queue = self.queues[key]
@@ -138,6 +140,12 @@ class _Lanes:
                 self.busy[key] = left
             else:
                 del self.busy[key]
+                self.idle.notify_all()
+
+    def wait_idle(self, key: Key, deadline: float) -> bool:
+        """Wait until no request is outstanding on ``key``, until ``deadline`` (``time.monotonic()``); whether so."""
+        with self.idle:
+            return self.idle.wait_for(lambda: key not in self.busy, max(deadline - time.monotonic(), 0.0))
 
     def conflict(self, direction: str, peer: Optional[int], tag: int) -> Optional[Key]:
         """An outstanding key that a ``direction`` operation with ``peer`` and ``tag`` would race with."""
@@ -351,22 +359,39 @@ def _nothing() -> None:
 
 
 def check_blocking(group: Any, direction: str, peer: Optional[int], tag: Any) -> None:
-    """Raise if a blocking ``send``/``recv`` would race with an outstanding ``isend``/``irecv`` of this rank."""
+    """Before a blocking ``send``/``recv``, MPI's order with this rank's outstanding ``isend``/``irecv`` of the same
+    peer and tag: wait until they complete (a send then follows the isends before it, a receive takes the message
+    after theirs), up to the group's timeout. Raise where waiting would not keep MPI's order (a ``recv`` from any
+    rank next to an ``irecv`` from one: MPI would let it take another rank's message first), on a lane's thread
+    (a request's done-callback), whose wait could be for its own lane, and for a receive from oneself (the message
+    its irecv waits for would have to come from this thread)."""
     if _LOCAL.inside or not _initialized():
         return
-    facts = _state.group_facts(_resolved(group))
-    lanes: Optional[_Lanes] = facts.requests
+    resolved = _resolved(group)
+    lanes: Optional[_Lanes] = _state.group_facts(resolved).requests
     if lanes is None:
         return
-    clash = lanes.conflict(direction, peer, tag)
-    if clash is not None:
-        blocking, pending = ("send", "isend") if direction == "send" else ("recv", "irecv")
-        where = "dst" if direction == "send" else "src"
-        raise ObjcommError(
-            f"{blocking}({where}={peer}, tag={tag}) while an {pending}({where}={clash[1]}, tag={tag}) is "
-            f"outstanding on this group: their messages would race. wait() for the {pending} first, or use "
-            "another tag"
-        )
+    blocking, pending = ("send", "isend") if direction == "send" else ("recv", "irecv")
+    where = "dst" if direction == "send" else "src"
+    deadline = None
+    while True:
+        clash = lanes.conflict(direction, peer, tag)
+        if clash is None:
+            return
+        if _LOCAL.lane or clash[1] not in (None, peer) or peer == dist.get_rank():  # (oneself: nothing would come)
+            raise ObjcommError(
+                f"{blocking}({where}={peer}, tag={tag}) while an {pending}({where}={clash[1]}, tag={tag}) is "
+                f"outstanding on this group: their messages would race. wait() for the {pending} first, or use "
+                "another tag"
+            )
+        if deadline is None:
+            deadline = time.monotonic() + timeout_seconds(resolved)
+        if not lanes.wait_idle(clash, deadline):
+            raise CommunicationError(
+                f"{blocking}({where}={peer}, tag={tag}) waited for this rank's outstanding {pending}("
+                f"{where}={clash[1]}, tag={tag}) to complete first (MPI's order), until the group's timeout; it is "
+                f"still outstanding. Does its peer {'receive' if direction == 'send' else 'send'} it?"
+            )
 
 
 def _make_shadow(group: Any) -> Any:

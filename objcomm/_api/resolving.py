@@ -305,8 +305,11 @@ def _rank_hint(wire: Wire, rank: int, what: str, p2p: bool) -> str:
     """What a rank outside the group may have meant: mpi4py's constants (send/recv), or a rank of the group counted
     from 0."""
     if rank < 0 and p2p:
-        if what == "src":
-            return "; to receive from any rank pass src=None (mpi4py's ANY_SOURCE)"
+        if what == "src":  # (-1 is PROC_NULL under MPICH and ANY_SOURCE under Open MPI; -2 the other way round)
+            return (
+                "; to receive from any rank pass src=None (mpi4py's ANY_SOURCE); there is no PROC_NULL: skip the "
+                "call where there is no peer"
+            )
         return "; there is no PROC_NULL: skip the call where there is no peer"
     if rank < wire.size and list(wire.ranks) != list(range(wire.size)):
         meant = wire.ranks[rank]

@@ -406,3 +406,32 @@ def test_repeated_patches_keep_what_is_in_force_small():
             assert in_force() == "objcomm"
         assert in_force() == "torch"
     assert in_force() == "objcomm json"
+
+
+def on_a_group_torch_does_not_list() -> List[Any]:
+    """As torch.distributed.rpc does at init_rpc: a gloo group made straight from the store, which torch does not
+    list, and all_gather_object on it (rpc's exchange of device maps)."""
+    from datetime import timedelta
+
+    store = dist.PrefixStore("objcomm-test-unlisted", c10d._get_default_store())
+    unlisted = dist.ProcessGroupGloo(store, dist.get_rank(), dist.get_world_size(), timedelta(seconds=60))
+    seen: List[Any] = []
+    with compat.patch(serializer="json"):  # json cannot carry a set: what reaches objcomm is refused
+        gathered: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, SET, group=unlisted)  # (torch's other five need a listed group)
+        seen.append(list(gathered))
+        try:
+            dist.all_gather_object(gathered, SET)  # the default group, listed: objcomm's
+        except objcomm.ObjcommError as exc:
+            seen.append(type(exc).__name__)
+    return seen
+
+
+def test_a_group_torch_does_not_list_goes_to_torchs_functions():
+    """A helper's find: torch.distributed.rpc.init_rpc failed on every rank once patched ("Group ... is not
+    registered", or without a default group "torch.distributed is not initialised"); such a group can only take
+    torch's functions, and does, while the listed groups keep objcomm's."""
+    from _ranks import get_pool
+
+    for seen in get_pool(2).run(on_a_group_torch_does_not_list):
+        assert seen[0] == [SET, SET] and seen[1] in ("EncodeError", "RemoteError"), seen
