@@ -216,7 +216,7 @@ class MsgpackSerializer(Serializer):
                 return True
             return False
 
-        return encode_refusal("msgpack", obj, rejects, exc, "pickle")
+        return encode_refusal("msgpack", obj, rejects, exc, "pickle", whole=True)
 
     # -- decoding ---------------------------------------------------------------------------
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
@@ -337,10 +337,11 @@ class unexplained_refusals:  # lower case: used as a function, `with unexplained
 
 
 def encode_refusal(
-    name: str, obj: Any, rejects: Callable[[Any, bool], bool], exc: BaseException, instead: str
+    name: str, obj: Any, rejects: Callable[[Any, bool], bool], exc: BaseException, instead: str, whole: bool = False
 ) -> EncodeError:
-    """The :class:`EncodeError` of backend ``name`` for ``obj``: the first value ``rejects`` and where it sits."""
-    found = locate(obj, rejects)
+    """The :class:`EncodeError` of backend ``name`` for ``obj``: the first value ``rejects`` and where it sits
+    (``whole``: :func:`serializers._path.locate`'s)."""
+    found = locate(obj, rejects, whole=whole)
     path, value, _ = found if found is not None else ("$", obj, False)
     return EncodeError(  # (the encoder's own words may name a holder of that value: where it stopped)
         f"{name} cannot encode {describe(value)} at {path} (the encoder said: {exc}); "

@@ -27,12 +27,20 @@ def _children(obj: Any, path: str) -> Iterator[Tuple[str, Any, bool]]:
             yield f"{path}.{name}", value, False
 
 
-def locate(obj: Any, rejects: Callable[[Any, bool], bool], root: str = "$") -> Optional[Tuple[str, Any, bool]]:
+_CONTAINERS = (dict, list, tuple, set, frozenset)  # exactly these: an encoder walks into their items
+
+
+def locate(
+    obj: Any, rejects: Callable[[Any, bool], bool], root: str = "$", whole: bool = False
+) -> Optional[Tuple[str, Any, bool]]:
     """Return ``(path, value, is_key)`` of the first value ``rejects(value, is_key)`` flags, depth first.
 
     For a dict key, ``path`` is the path of the dict holding it.
 
-    A container is reported only when none of its children is (the innermost culprit wins).
+    A container is reported only when none of its children is (the innermost culprit wins). ``whole``: for an
+    encoder that takes other objects (a dataclass, a named tuple, a ``Counter``) only whole, through a codec
+    (msgpack), such an object it refuses is reported itself, not one of its fields (which the encoder never reached:
+    a codec for that field would not help).
 
     >>> locate({"a": [1, {2}]}, lambda v, k: isinstance(v, set))
     ("$['a'][1]", {2}, False)
@@ -43,6 +51,8 @@ def locate(obj: Any, rejects: Callable[[Any, bool], bool], root: str = "$") -> O
         if depth > MAX_DEPTH or id(value) in seen:
             return None
         seen.add(id(value))
+        if whole and type(value) not in _CONTAINERS and rejects(value, is_key):
+            return path, value, is_key
         for child_path, child, child_is_key in _children(value, path):
             found = visit(child, child_path, child_is_key, depth + 1)
             if found is not None:

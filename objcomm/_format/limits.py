@@ -10,7 +10,7 @@ rank that must act on a disagreement learns of it in the same round.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from objcomm._errors import FrameError, ObjcommError, TooLargeError
 
@@ -221,29 +221,28 @@ def frame_sizes(sizes_of: SizesOf, frame: memoryview, info: Any, sender: int, op
 
 
 class CheckedSizes:
-    """``sizes_of`` for the rest media (shared memory), which reads frames round 1 did not carry.
-    Sizes that no sender announced raise OSError: every rank goes back to the normal transport, which
-    raises FrameError. ``raw``: the ``sizes_of`` it checks, for a strategy that checks each frame against its
-    own sender's slot itself (the same-host channel, which cannot go back)."""
+    """``sizes_of`` for the rest media (shared memory), which reads frames round 1 did not carry: each frame checked
+    against its own sender's slot (:func:`for_sender`; one slot per checker). Sizes that disagree raise OSError:
+    every rank goes back to the normal transport, which raises FrameError. ``raw``: the ``sizes_of`` it checks, for a
+    strategy that checks each frame against its own sender's slot itself (the same-host channel, which cannot go
+    back)."""
 
     def __init__(self, sizes_of: SizesOf, infos: Sequence[Any]) -> None:
         self.raw, self.infos = sizes_of, infos
-        self._by_length: Optional[Dict[int, List[Any]]] = None  # the slots by frame length, made on first use
 
     def __call__(self, frame: memoryview) -> List[int]:
+        (info,) = self.infos  # one sender's (for_sender): O(1) a frame, where matching every slot was O(W)
         table, problem = table_sizes(self.raw, frame)
-        if self._by_length is None:  # once per call, not once per frame: O(W) in all, never O(W²)
-            self._by_length = {}
-            for i in self.infos:
-                self._by_length.setdefault(i.length, []).append(i)
-        agrees = any(
-            not table_problem(i.length, i.total, table, i.sizes) for i in self._by_length.get(frame.nbytes, ())
-        )
-        if problem or not agrees:
+        if problem or frame.nbytes != info.length or table_problem(info.length, info.total, table, info.sizes):
             raise OSError(problem or "a shared-memory frame's tensor sizes disagree with its sender's slot")
         return table
 
 
 def checked_sizes(sizes_of: SizesOf, infos: Sequence[Any]) -> SizesOf:
-    """:class:`CheckedSizes` of ``sizes_of`` against ``infos``."""
+    """:class:`CheckedSizes` of ``sizes_of`` against ``infos`` (every sender's slot; :func:`for_sender` picks one)."""
     return CheckedSizes(sizes_of, infos)
+
+
+def for_sender(sizes_of: SizesOf, info: Any) -> SizesOf:
+    """``sizes_of`` (a :class:`CheckedSizes`) checking one sender's frame against that sender's slot ``info``."""
+    return CheckedSizes(sizes_of.raw, [info]) if isinstance(sizes_of, CheckedSizes) else sizes_of

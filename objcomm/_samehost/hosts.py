@@ -13,6 +13,7 @@ makes each run of ``k`` consecutive global ranks one simulated host.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import secrets
@@ -39,10 +40,20 @@ class Hosts:
     pids: Tuple[int, ...]
     pid_namespaces: Tuple[int, ...]
 
+    @functools.cached_property  # (asked on every call that may take shared memory: O(W) once, not per call)
+    def count(self) -> int:
+        """How many hosts the group's ranks run on."""
+        return len(set(self.keys))
+
     @property
     def one_host(self) -> bool:
         """Every rank of the group runs on this host."""
-        return len(set(self.keys)) == 1
+        return self.count == 1
+
+    @functools.cached_property
+    def one_pid_namespace(self) -> bool:
+        """Every rank of the group runs in one known pid namespace."""
+        return len(set(self.pid_namespaces)) == 1 and self.pid_namespaces[0] != 0
 
     def same_host(self, a: int, b: int) -> bool:
         return self.keys[a] == self.keys[b]

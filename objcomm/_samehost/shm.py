@@ -50,6 +50,7 @@ import torch
 
 from objcomm import _state
 from objcomm._errors import CommunicationError
+from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes
 from objcomm._samehost import hosts as _hosts
@@ -106,7 +107,7 @@ class SharedMemory(PatternRests):
             return False
         known = _state.group_facts(wire.group).hosts.get(self.separate)
         if known is not None and not known.one_host and op not in ("send", "recv"):  # (peers may share a host)
-            log.debug("objcomm shm: %s spans %d hosts; normal transport", op, len(set(known.keys)))
+            log.debug("objcomm shm: %s spans %d hosts; normal transport", op, known.count)
             return False
         return True
 
@@ -126,7 +127,7 @@ class SharedMemory(PatternRests):
             return None
         hosts = self.hosts(wire, op)
         if not hosts.one_host:
-            log.debug("objcomm shm: %s spans %d hosts; normal transport", op, len(set(hosts.keys)))
+            log.debug("objcomm shm: %s spans %d hosts; normal transport", op, hosts.count)
             return None
         return hosts
 
@@ -148,7 +149,7 @@ class SharedMemory(PatternRests):
         must share one known pid namespace; a group whose readers once could not open one uses files."""
         if not self.zero_copy or (peer, self.separate) in _state.group_facts(wire.group).unsealed:
             return False
-        return len(set(hosts.pid_namespaces)) == 1 and hosts.pid_namespaces[0] != 0
+        return hosts.one_pid_namespace
 
     def _any(self, wire: Wire, values: List[int], op: str) -> List[int]:
         """The largest of each of ``values`` any rank gave."""
@@ -310,7 +311,8 @@ class SharedRest:
             try:
                 for r in order:
                     if moved[r]:
-                        got[r] = fetch(source_of(r, part), moved[r], infos[r].inline, infos[r].length, sizes_of)
+                        checked = _limits.for_sender(sizes_of, infos[r])  # against its own slot: O(1) a frame
+                        got[r] = fetch(source_of(r, part), moved[r], infos[r].inline, infos[r].length, checked)
             except BaseException:
                 got.clear()  # the traceback keeps this frame: what was mapped must not live as long as the error
                 raise

@@ -12,7 +12,7 @@ shares with all_gather and send/recv (the slot, its rest, what round 1 delivered
 from __future__ import annotations
 
 import struct
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,23 +44,26 @@ def gather(
     op = "gather"
     raw = _slot(wire, out)
     slots = wire.slot_medium.all_gather(wire, raw, op)
+    checked: Optional[Plans] = None  # the plans of slots the destination's word checked already
     if slots is not NOT_USED:
         infos = [read_slot(memoryview(s)) for s in slots]
         round_one_done()  # every rank is here: the steps after share one timeout (call_clock)
     else:
-        gathered_slots = _gather_slots(wire, raw, sizes_of, dst, op, up_tree)
+        gathered_slots, checked = _gather_slots(wire, raw, sizes_of, dst, op, up_tree)
         round_one_done()
         if gathered_slots is None:  # dst said go: only the rests move (the strategy's, where round 1 went its way)
             if wire.rest_media.gather(wire, out, None, sizes_of, dst, op) is NOT_USED:
                 _send_rest(wire, out, dst, op)
             return None
         infos = gathered_slots
-    if not _limits.round_one_ends(infos):
+    ends = checked is None and _limits.round_one_ends(infos)  # (checked: the word said go, which nothing ends)
+    if not ends:
         wire.slot_medium.agree(wire, infos, op)
-    plans = _limits.plans(infos, sizes_of, op)
-    if _limits.round_one_ends(infos):  # an error report, or every slot carried its whole message: nothing moves
+    plans = checked if checked is not None else _limits.plans(infos, sizes_of, op)
+    if ends:  # an error report, or every slot carried its whole message: nothing moves
         return _round_one(infos)
-    _check_limits(wire, infos, dst, op)
+    if checked is None:
+        _check_limits(wire, infos, dst, op)
     gathered = wire.rest_media.gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), dst, op)
     if gathered is not NOT_USED:
         return gathered
@@ -82,16 +85,17 @@ def gather(
 
 
 GO, LOOK = 0, 1  # a gather's word from its destination after round 1
+Plans = List[Optional[List[int]]]  # every sender's tensor sizes (limits.plans)
 _WORD = struct.Struct("<q")
 
 
 def _gather_slots(
     wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: str, up_tree: bool
-) -> Optional[List[SlotInfo]]:
+) -> Tuple[Optional[List[SlotInfo]], Optional[Plans]]:
     """Round 1 of a gather through the group: every slot to ``dst``, then ``dst``'s word to every rank (a
     broadcast on gloo, an all_reduce on NCCL: log W steps either way): :data:`GO` (the slots stay on ``dst``:
-    returned there, None elsewhere) or :data:`LOOK` (``dst`` broadcasts every slot: every rank gets them, as after
-    an all_gather, and raises what the others raise)."""
+    returned there, with the plans its word checked, None elsewhere) or :data:`LOOK` (``dst`` broadcasts every slot:
+    every rank gets them, as after an all_gather, and raises what the others raise)."""
     slots = wire.slot_medium.gather(wire, raw, dst, op)
     if slots is not NOT_USED:  # the slot medium's gather (two levels), then its share of the word and table
         return _gather_slots_through(wire, slots, sizes_of, dst, op)
@@ -110,51 +114,52 @@ def _gather_slots(
             guarded(op, wire, dist.gather, mine, None, dst=wire.ranks[dst], group=wire.group)
     word = torch.zeros(1, dtype=torch.int64, device=wire.device)
     infos: List[SlotInfo] = []
+    checked: Optional[Plans] = None
     if table is not None:
         infos = read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
-        word[0] = _verdict(wire, infos, sizes_of, dst, op)
+        word[0], checked = _verdict(wire, infos, sizes_of, dst, op)
     if wire.device.type == "cpu":  # gloo: a binomial tree
         guarded(op, wire, dist.broadcast, word, src=wire.ranks[dst], group=wire.group)
     else:  # NCCL broadcasts along a ring; its all_reduce of a word takes a tree (every other rank adds 0)
         guarded(op, wire, dist.all_reduce, word, op=dist.ReduceOp.MAX, group=wire.group)
     if int(word.item()) == GO:
-        return infos if wire.rank == dst else None
+        return (infos, checked) if wire.rank == dst else (None, None)
     if table is None:  # every rank takes the slots (W of them: allocated here only, not on every call)
         table, host = receive_buffer(wire.slot * wire.size, wire)
     shared = to_device(table, wire)  # (the destination's table up the tree is host memory)
     guarded(op, wire, dist.broadcast, shared, src=wire.ranks[dst], group=wire.group)
-    return read_slots(host if host is not None else host_view(shared), wire.size, wire.slot)
+    return read_slots(host if host is not None else host_view(shared), wire.size, wire.slot), None
 
 
 def _gather_slots_through(
     wire: Wire, slots: Optional[List[Slot]], sizes_of: SizesOf, dst: int, op: str
-) -> Optional[List[SlotInfo]]:
+) -> Tuple[Optional[List[SlotInfo]], Optional[Plans]]:
     """:func:`_gather_slots` where the slot medium gathered the slots (``slots``: on ``dst``): its
     :meth:`~objcomm._transport.base.SlotMedium.share` carries ``dst``'s word, and the table after a failure."""
     infos = [read_slot(memoryview(s)) for s in slots] if slots is not None else []
-    said = wire.slot_medium.share(
-        wire, _WORD.pack(_verdict(wire, infos, sizes_of, dst, op)) if wire.rank == dst else None, _WORD.size, dst, op
-    )
+    verdict, checked = _verdict(wire, infos, sizes_of, dst, op) if wire.rank == dst else (GO, None)
+    said = wire.slot_medium.share(wire, _WORD.pack(verdict) if wire.rank == dst else None, _WORD.size, dst, op)
     assert said is not NOT_USED  # the strategy that gathered shares
     if _WORD.unpack(bytes(said))[0] == GO:
-        return infos if wire.rank == dst else None
+        return (infos, checked) if wire.rank == dst else (None, None)
     table = wire.slot_medium.share(wire, b"".join(slots) if slots else None, wire.slot * wire.size, dst, op)
     assert table is not NOT_USED
-    return read_slots(memoryview(table), wire.size, wire.slot)
+    return read_slots(memoryview(table), wire.size, wire.slot), None
 
 
-def _verdict(wire: Wire, infos: List[SlotInfo], sizes_of: SizesOf, dst: int, op: str) -> int:
+def _verdict(wire: Wire, infos: List[SlotInfo], sizes_of: SizesOf, dst: int, op: str) -> Tuple[int, Optional[Plans]]:
     """:data:`LOOK` where every rank must see the slots: an error report, an inconsistent slot, a rank over
-    ``dst``'s limit, or a rest that a same-host medium may take (it reads every slot); else :data:`GO`."""
+    ``dst``'s limit, or a rest that a same-host medium may take (it reads every slot); else :data:`GO`, with the
+    plans it checked where a second round follows (the destination then checks nothing twice)."""
     try:  # (a slot that carries a whole frame may still list sizes its frame lacks: every rank must see that)
-        _limits.plans(infos, sizes_of, op)
+        plans = _limits.plans(infos, sizes_of, op)
         if _limits.round_one_ends(infos):
-            return LOOK if any(info.error for info in infos) else GO
+            return LOOK if any(info.error for info in infos) else GO, None
         _check_limits(wire, infos, dst, op)
     except ObjcommError:
-        return LOOK
+        return LOOK, None
     moved = max(0 if r == dst else info.second_round_bytes for r, info in enumerate(infos))
-    return LOOK if wire.rest_media.worth(wire, moved, op) else GO
+    return (LOOK, None) if wire.rest_media.worth(wire, moved, op) else (GO, plans)
 
 
 def _check_limits(wire: Wire, infos: List[SlotInfo], dst: int, op: str) -> None:

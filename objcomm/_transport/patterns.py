@@ -68,13 +68,17 @@ def pattern(op: str, *, me: int, world: int, root: Optional[int] = None) -> Patt
         raise ValueError(
             f"{op} over {world} ranks needs {'a root in range' if op in _ROOTED else 'no root'}, got {root}"
         )
-    others = tuple(r for r in range(world) if r != me)
     if op in ("all_gather", "all_to_all"):
+        others = _others(me, world)
         return Pattern(op, others, op in _EACH, others)
     assert root is not None
-    if op == "gather":
-        return Pattern(op, () if me == root else (root,), False, others if me == root else ())
-    return Pattern(op, others if me == root else (), op in _EACH, () if me == root else (root,))
+    if op == "gather":  # (the other ranks' tuple only on the root: O(1) elsewhere, whatever the cache holds)
+        return Pattern(op, () if me == root else (root,), False, _others(me, world) if me == root else ())
+    return Pattern(op, _others(me, world) if me == root else (), op in _EACH, () if me == root else (root,))
+
+
+def _others(me: int, world: int) -> Tuple[int, ...]:
+    return (*range(me), *range(me + 1, world))
 
 
 class Tree(NamedTuple):

@@ -92,7 +92,8 @@ class PatternRests:
     def _move(
         self,
         wire: Wire,
-        at: Pattern,
+        kind: str,
+        root: Optional[int],
         mine: Mine,
         infos: Sequence[SlotInfo],
         moved: Sequence[int],
@@ -102,10 +103,13 @@ class PatternRests:
         keep: bool = True,
         copy: bool = False,
     ) -> Union[Tuple[RestMedium, Dict[int, Incoming]], NotUsed]:
-        gathered = sum(moved) if at.op == "gather" else 0
+        """``kind``'s rest (``root``: its root) over the medium :meth:`medium` picks, asked first: where none takes it
+        (the backend on NCCL, most of the time on gloo), nothing of W ranks is built here."""
+        gathered = sum(moved) if kind == "gather" else 0
         medium = self.medium(wire, largest, gathered, op)
         if medium is None:
             return NOT_USED
+        at = pattern(kind, me=wire.rank, world=wire.size, root=root)
         got = medium.exchange(wire, at, mine, Due(infos, moved, largest, gathered or largest, keep, copy, sizes_of), op)
         return NOT_USED if got is NOT_USED else (medium, got)
 
@@ -122,8 +126,7 @@ class PatternRests:
     ) -> Union[Sequence[Optional[Incoming]], NotUsed]:
         me, moved = wire.rank, [info.second_round_bytes for info in infos]
         mine = Rest(out, infos[me].inline is not None) if moved[me] else None
-        at = pattern("all_gather", me=me, world=wire.size)
-        done = self._move(wire, at, mine, infos, moved, max(moved), sizes_of, op, copy=True)
+        done = self._move(wire, "all_gather", None, mine, infos, moved, max(moved), sizes_of, op, copy=True)
         return NOT_USED if done is NOT_USED else self._every(done[1], infos, me, out, copy=True)
 
     def gather(
@@ -133,8 +136,7 @@ class PatternRests:
             return NOT_USED
         me, moved = wire.rank, [0 if r == dst else info.second_round_bytes for r, info in enumerate(infos)]
         mine = Rest(out, infos[me].inline is not None) if moved[me] else None
-        at = pattern("gather", me=me, world=wire.size, root=dst)
-        done = self._move(wire, at, mine, infos, moved, max(moved), sizes_of, op)
+        done = self._move(wire, "gather", dst, mine, infos, moved, max(moved), sizes_of, op)
         if done is NOT_USED:
             return NOT_USED
         return self._every(done[1], infos, me, out, copy=False) if me == dst else None
@@ -146,8 +148,8 @@ class PatternRests:
         assert out is not None or me != src
         mine = Rest(out, info.inline is not None) if out is not None and me == src else None
         refuse = me != src and info.total > wire.max_bytes  # above this rank's limit (no vote came first): dropped
-        at = pattern("broadcast", me=me, world=wire.size, root=src)
-        done = self._move(wire, at, mine, [info] * wire.size, [moved] * wire.size, moved, sizes_of, op, not refuse)
+        infos, sizes = [info] * wire.size, [moved] * wire.size
+        done = self._move(wire, "broadcast", src, mine, infos, sizes, moved, sizes_of, op, not refuse)
         if done is NOT_USED:
             return NOT_USED
         medium, got = done
@@ -170,9 +172,8 @@ class PatternRests:
         """``longest``: the root's longest rest to any rank, which the vote told every rank."""
         me = wire.rank
         mine = _parts(wire, outs) if outs is not None and me == src else None
-        at = pattern("scatter", me=me, world=wire.size, root=src)
         moved = [info.second_round_bytes] * wire.size
-        done = self._move(wire, at, mine, [info] * wire.size, moved, longest, sizes_of, op)
+        done = self._move(wire, "scatter", src, mine, [info] * wire.size, moved, longest, sizes_of, op)
         if done is NOT_USED:
             return NOT_USED
         if outs is not None and me == src:
@@ -184,8 +185,7 @@ class PatternRests:
     ) -> Union[Sequence[Optional[Incoming]], NotUsed]:
         """``longest``: the longest rest of any pair, which every rank's vote carried."""
         me, moved = wire.rank, [info.second_round_bytes for info in infos]
-        at = pattern("all_to_all", me=me, world=wire.size)
-        done = self._move(wire, at, _parts(wire, outs), infos, moved, longest, sizes_of, op)
+        done = self._move(wire, "all_to_all", None, _parts(wire, outs), infos, moved, longest, sizes_of, op)
         return NOT_USED if done is NOT_USED else self._every(done[1], infos, me, outs[me], copy=False)
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import subprocess
 import sys
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import pytest
@@ -113,6 +115,27 @@ def test_json_refuses_ints_beyond_64_bits():
 def test_msgpack_error_names_type_and_path():
     with pytest.raises(EncodeError, match=r"msgpack cannot encode object at \$\['x'\]\[0\]"):
         serializers.get("msgpack").dumps({"x": [object()]})
+
+
+@dataclasses.dataclass
+class _Shape:  # as accelerate's TensorInformation: a dataclass whose fields msgpack refuses too
+    shape: Any
+    kind: Any
+
+
+def test_msgpack_error_names_the_object_it_refuses_whole_not_a_field_it_never_reached():
+    """A helper's find: a dataclass without a codec was reported as its first field's type (torch.Size), and after a
+    codec for that, as the next field's; msgpack takes such objects only whole, through a codec of their own."""
+    import collections
+
+    s = serializers.get("msgpack")
+    with pytest.raises(EncodeError, match=r"msgpack cannot encode .*_Shape at \$\[0\]\[1\] "):
+        s.dumps([[1, _Shape(object(), {1})]])
+    with pytest.raises(EncodeError, match=r"msgpack cannot encode collections.Counter at \$\['c'\] "):
+        s.dumps({"c": collections.Counter(a=object())})
+    if "msgspec" in serializers.available():  # msgspec takes dataclasses itself: the innermost culprit stays
+        with pytest.raises(EncodeError, match=r"msgspec cannot encode object at \$\[0\]\.shape "):
+            serializers.get("msgspec").dumps([_Shape(object(), 1)])
 
 
 def test_pickle_error_suggests_cloudpickle():
