@@ -151,6 +151,13 @@ TOO_MANY_POSITIONAL = (
 )
 
 
+RECV_BUFFER = "mpi4py's recv(buf, source, tag) takes a buffer, objcomm's none: recv(src, tag); "
+NO_OP = (
+    'pass op: a name ("sum", "prod", "min", "max", "merge", "merge_sum") or a function op(a, b) -> c; mpi4py\'s '
+    'reduce and allreduce default to MPI.SUM, which is op="sum"'
+)
+
+
 def mpi4py_keywords(fn: F) -> F:
     """``fn``, whose unexpected keyword arguments (mpi4py's ``dest=``, ``source=``, ``root=``, a misspelt one) raise a
     TypeError that says what to write instead. A call that binds pays nothing but this frame: the names are looked at
@@ -169,7 +176,10 @@ def mpi4py_keywords(fn: F) -> F:
         except TypeError as exc:
             unknown = [key for key in kwargs if key not in params]  # none: the TypeError came from inside fn
             if not unknown and len(args) > positional:  # torch's habit: all_gather_object(output_list, obj)
-                raise TypeError(f"{exc}; {TOO_MANY_POSITIONAL}") from None
+                buffer = RECV_BUFFER if function.rsplit(".", 1)[-1] in ("recv", "irecv") else ""
+                raise TypeError(f"{exc}; {buffer}{TOO_MANY_POSITIONAL}") from None
+            if not unknown and "op" in params and "'op'" in str(exc) and "missing" in str(exc):
+                raise TypeError(f"{exc}; {NO_OP}") from None
             hint = keyword_hint(unknown[0], params, function) if unknown else None
             if hint is None:
                 raise

@@ -340,6 +340,20 @@ def test_torchs_fill_a_list_habit_says_that_objcomm_returns_the_result():
     assert objcomm.all_gather({"a": 1}) == [{"a": 1}]  # a world of one: the call that binds is untouched
 
 
+def test_mpi4py_habits_that_python_refuses_say_what_objcomm_takes():
+    """A port's finds: ``reduce(x)`` (mpi4py's op defaults to SUM) and ``recv(buf, source, tag)`` got Python's
+    sentence alone, or one about torch's list-filling functions."""
+    for call in (lambda: objcomm.reduce(1), lambda: objcomm.Communicator().all_reduce(1)):
+        with pytest.raises(
+            TypeError, match=r"missing 1 required positional argument: 'op'; pass op: .*MPI.SUM.*\"sum\""
+        ):
+            call()
+    with pytest.raises(TypeError, match=r"positional arguments but 3 were given; mpi4py's recv\(buf, source, tag\)"):
+        objcomm.recv(None, 0, 5)
+    with pytest.raises(TypeError, match=r"positional arguments but 3 were given; mpi4py's recv\(buf"):
+        objcomm.irecv(None, 0, 5)
+
+
 def test_the_communicators_signature_shows_no_test_hook():
     shown = inspect.signature(objcomm.Communicator).parameters
     assert "_hooks" not in shown and {"group", "serializer", "shm", "local"} <= set(shown)
