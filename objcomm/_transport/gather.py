@@ -12,7 +12,7 @@ shares with all_gather and send/recv (the slot, its rest, what round 1 delivered
 from __future__ import annotations
 
 import struct
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ def gather(
     op = "gather"
     raw = _slot(wire, out)
     slots = wire.slot_medium.all_gather(wire, raw, op)
-    checked: Optional[Plans] = None  # the plans of slots the destination's word checked already
+    checked: Optional[Checked] = None  # what the destination's word found of the slots (where it said go)
     if slots is not NOT_USED:
         infos = [read_slot(memoryview(s)) for s in slots]
         round_one_done()  # every rank is here: the steps after share one timeout (call_clock)
@@ -56,10 +56,10 @@ def gather(
                 _send_rest(wire, out, dst, op)
             return None
         infos = gathered_slots
-    ends = checked is None and _limits.round_one_ends(infos)  # (checked: the word said go, which nothing ends)
+    ends = checked.ends if checked is not None else _limits.round_one_ends(infos)
     if not ends:
         wire.slot_medium.agree(wire, infos, op)
-    plans = checked if checked is not None else _limits.plans(infos, sizes_of, op)
+    plans = checked.plans if checked is not None else _limits.plans(infos, sizes_of, op)
     if ends:  # an error report, or every slot carried its whole message: nothing moves
         return _round_one(infos)
     if checked is None:
@@ -85,13 +85,21 @@ def gather(
 
 
 GO, LOOK = 0, 1  # a gather's word from its destination after round 1
-Plans = List[Optional[List[int]]]  # every sender's tensor sizes (limits.plans)
+
+
+class Checked(NamedTuple):
+    """What the destination's word checked of round 1, where it said go: not checked again."""
+
+    plans: List[Optional[List[int]]]  # every sender's tensor sizes (limits.plans)
+    ends: bool  # every slot carried its whole message: nothing moves
+
+
 _WORD = struct.Struct("<q")
 
 
 def _gather_slots(
     wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: str, up_tree: bool
-) -> Tuple[Optional[List[SlotInfo]], Optional[Plans]]:
+) -> Tuple[Optional[List[SlotInfo]], Optional[Checked]]:
     """Round 1 of a gather through the group: every slot to ``dst``, then ``dst``'s word to every rank (a
     broadcast on gloo, an all_reduce on NCCL: log W steps either way): :data:`GO` (the slots stay on ``dst``:
     returned there, with the plans its word checked, None elsewhere) or :data:`LOOK` (``dst`` broadcasts every slot:
@@ -114,7 +122,7 @@ def _gather_slots(
             guarded(op, wire, dist.gather, mine, None, dst=wire.ranks[dst], group=wire.group)
     word = torch.zeros(1, dtype=torch.int64, device=wire.device)
     infos: List[SlotInfo] = []
-    checked: Optional[Plans] = None
+    checked: Optional[Checked] = None
     if table is not None:
         infos = read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
         word[0], checked = _verdict(wire, infos, sizes_of, dst, op)
@@ -133,7 +141,7 @@ def _gather_slots(
 
 def _gather_slots_through(
     wire: Wire, slots: Optional[List[Slot]], sizes_of: SizesOf, dst: int, op: str
-) -> Tuple[Optional[List[SlotInfo]], Optional[Plans]]:
+) -> Tuple[Optional[List[SlotInfo]], Optional[Checked]]:
     """:func:`_gather_slots` where the slot medium gathered the slots (``slots``: on ``dst``): its
     :meth:`~objcomm._transport.base.SlotMedium.share` carries ``dst``'s word, and the table after a failure."""
     infos = [read_slot(memoryview(s)) for s in slots] if slots is not None else []
@@ -147,19 +155,19 @@ def _gather_slots_through(
     return read_slots(memoryview(table), wire.size, wire.slot), None
 
 
-def _verdict(wire: Wire, infos: List[SlotInfo], sizes_of: SizesOf, dst: int, op: str) -> Tuple[int, Optional[Plans]]:
+def _verdict(wire: Wire, infos: List[SlotInfo], sizes_of: SizesOf, dst: int, op: str) -> Tuple[int, Optional[Checked]]:
     """:data:`LOOK` where every rank must see the slots: an error report, an inconsistent slot, a rank over
-    ``dst``'s limit, or a rest that a same-host medium may take (it reads every slot); else :data:`GO`, with the
-    plans it checked where a second round follows (the destination then checks nothing twice)."""
+    ``dst``'s limit, or a rest that a same-host medium may take (it reads every slot); else :data:`GO`, with what
+    it checked (the destination then checks nothing twice)."""
     try:  # (a slot that carries a whole frame may still list sizes its frame lacks: every rank must see that)
         plans = _limits.plans(infos, sizes_of, op)
         if _limits.round_one_ends(infos):
-            return LOOK if any(info.error for info in infos) else GO, None
+            return (LOOK, None) if any(info.error for info in infos) else (GO, Checked(plans, True))
         _check_limits(wire, infos, dst, op)
     except ObjcommError:
         return LOOK, None
     moved = max(0 if r == dst else info.second_round_bytes for r, info in enumerate(infos))
-    return (LOOK, None) if wire.rest_media.worth(wire, moved, op) else (GO, plans)
+    return (LOOK, None) if wire.rest_media.worth(wire, moved, op) else (GO, Checked(plans, False))
 
 
 def _check_limits(wire: Wire, infos: List[SlotInfo], dst: int, op: str) -> None:

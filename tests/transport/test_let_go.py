@@ -72,6 +72,12 @@ def test_a_tensor_held_past_the_patience_is_kept_alive(monkeypatch):
     del graph
 
 
+def test_of_a_list_of_rows_the_first_and_the_last_are_waited_for():
+    """A gather's W rows: two checks, not W (O(1) a call); gloo's worker drops them all when it destroys the work."""
+    rows = list(torch.zeros(8192).chunk(8192))
+    assert [t for t, _ in held_by([torch.zeros(1), rows], {})][1:] == [rows[0], rows[-1]]
+
+
 def test_only_host_tensors_are_waited_for():
     """NCCL's watchdog lets go of a collective up to a poll period later: a call does not wait for that."""
     assert held_by([torch.empty(2, device="meta"), [torch.empty(1, device="meta")], 3, "x"], {}) == []
