@@ -300,7 +300,7 @@ def a_lying_go() -> Any:
             return slot
 
         if rank == 5:
-            _gather._verdict = lambda *args, **kwargs: _gather.GO  # type: ignore[assignment]
+            _gather._verdict = lambda *args, **kwargs: (_gather.GO, None)  # type: ignore[assignment]  # (nothing checked)
         if rank == 1:
             _gather._slot = forged  # type: ignore[assignment]
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
