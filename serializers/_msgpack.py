@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional
 from serializers import _budget, _rebuild
 from serializers._codecs import CodecRegistry, codecs
 from serializers._errors import DecodeError, EncodeError, decoding
-from serializers._path import describe, locate
+from serializers._path import describe, encode_refusal
 from serializers._protocol import Buffer, Lift, Restore, Serializer
 
 TUPLE, SET, FROZENSET, BIGINT, DATETIME, DATE, TIMEDELTA = 1, 2, 3, 4, 5, 6, 7
@@ -55,6 +55,7 @@ NDARRAY, NPSCALAR, COMPLEX, ODICT, EXTERNAL, CODEC = 8, 9, 10, 11, 12, 13
 
 MAX_EXT_DEPTH = 16
 _NATIVE = (type(None), bool, int, float, str, bytes, bytearray, list, dict)
+_EXTENDED = (tuple, set, frozenset, _dt.datetime, _dt.date, _dt.timedelta, complex, OrderedDict)  # (_ext_type's)
 _INT_RANGE = (-(2**63), 2**64 - 1)
 
 
@@ -216,7 +217,18 @@ class MsgpackSerializer(Serializer):
                 return True
             return False
 
-        return encode_refusal("msgpack", obj, rejects, exc, "pickle", whole=True)
+        return encode_refusal("msgpack", obj, rejects, exc, "pickle", whole=self._no_way)
+
+    def _no_way(self, value: Any) -> bool:
+        """Whether msgpack has no way at all to take a value of this type: not native, no extension, no codec."""
+        cls = type(value)
+        return (
+            cls not in _NATIVE
+            and cls not in _EXTENDED
+            and cls.__module__ != "numpy"
+            and not _is_numpy(value)
+            and self._codecs.for_value(value) is None
+        )
 
     # -- decoding ---------------------------------------------------------------------------
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
@@ -334,19 +346,6 @@ class unexplained_refusals:  # lower case: used as a function, `with unexplained
 
     def __exit__(self, *exc: Any) -> None:
         _EXPLAIN.reset(self._token)
-
-
-def encode_refusal(
-    name: str, obj: Any, rejects: Callable[[Any, bool], bool], exc: BaseException, instead: str, whole: bool = False
-) -> EncodeError:
-    """The :class:`EncodeError` of backend ``name`` for ``obj``: the first value ``rejects`` and where it sits
-    (``whole``: :func:`serializers._path.locate`'s)."""
-    found = locate(obj, rejects, whole=whole)
-    path, value, _ = found if found is not None else ("$", obj, False)
-    return EncodeError(  # (the encoder's own words may name a holder of that value: where it stopped)
-        f"{name} cannot encode {describe(value)} at {path} (the encoder said: {exc}); "
-        f"register a codec with serializers.register_type(), or use {instead}"
-    )
 
 
 def lifted(value: Any) -> Optional[int]:

@@ -56,11 +56,10 @@ from serializers._msgpack import (
     _Decoding,
     _restore_external,
     encode_lifting,
-    encode_refusal,
     lifted,
     refuse_structured,
 )
-from serializers._path import describe
+from serializers._path import describe, encode_refusal
 from serializers._protocol import SAFE_RECURSION_LIMIT, Buffer, Lift, Restore, Serializer
 
 # Per call, as in the msgpack backend (whose encode_lifting holds the lift=): the restore= and extension depth.

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Optional, Tuple
 
+from serializers._errors import EncodeError
+
 MAX_DEPTH = 200
 
 
@@ -27,20 +29,17 @@ def _children(obj: Any, path: str) -> Iterator[Tuple[str, Any, bool]]:
             yield f"{path}.{name}", value, False
 
 
-_CONTAINERS = (dict, list, tuple, set, frozenset)  # exactly these: an encoder walks into their items
-
-
 def locate(
-    obj: Any, rejects: Callable[[Any, bool], bool], root: str = "$", whole: bool = False
+    obj: Any, rejects: Callable[[Any, bool], bool], root: str = "$", whole: Optional[Callable[[Any], bool]] = None
 ) -> Optional[Tuple[str, Any, bool]]:
     """Return ``(path, value, is_key)`` of the first value ``rejects(value, is_key)`` flags, depth first.
 
     For a dict key, ``path`` is the path of the dict holding it.
 
-    A container is reported only when none of its children is (the innermost culprit wins). ``whole``: for an
-    encoder that takes other objects (a dataclass, a named tuple, a ``Counter``) only whole, through a codec
-    (msgpack), such an object it refuses is reported itself, not one of its fields (which the encoder never reached:
-    a codec for that field would not help).
+    A container is reported only when none of its children is (the innermost culprit wins). ``whole``: whether
+    the encoder has no way at all to take a value of that type (msgpack: no codec, no extension, as for a
+    dataclass, a named tuple, a ``Counter``): such a value it refuses is reported itself, not one of its fields, which
+    the encoder never reached (a codec for that field would not help).
 
     >>> locate({"a": [1, {2}]}, lambda v, k: isinstance(v, set))
     ("$['a'][1]", {2}, False)
@@ -51,7 +50,7 @@ def locate(
         if depth > MAX_DEPTH or id(value) in seen:
             return None
         seen.add(id(value))
-        if whole and type(value) not in _CONTAINERS and rejects(value, is_key):
+        if whole is not None and whole(value) and rejects(value, is_key):
             return path, value, is_key
         for child_path, child, child_is_key in _children(value, path):
             found = visit(child, child_path, child_is_key, depth + 1)
@@ -70,3 +69,21 @@ def describe(value: Any) -> str:
     if module in ("builtins", "__builtin__"):
         return cls.__qualname__
     return f"{module}.{cls.__qualname__}"
+
+
+def encode_refusal(
+    name: str,
+    obj: Any,
+    rejects: Callable[[Any, bool], bool],
+    exc: BaseException,
+    instead: str,
+    whole: Optional[Callable[[Any], bool]] = None,
+) -> EncodeError:
+    """The :class:`EncodeError` of backend ``name`` for ``obj``: the first value ``rejects`` and where it sits
+    (``whole``: :func:`locate`'s)."""
+    found = locate(obj, rejects, whole=whole)
+    path, value, _ = found if found is not None else ("$", obj, False)
+    return EncodeError(  # (the encoder's own words may name a holder of that value: where it stopped)
+        f"{name} cannot encode {describe(value)} at {path} (the encoder said: {exc}); "
+        f"register a codec with serializers.register_type(), or use {instead}"
+    )

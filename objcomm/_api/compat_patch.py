@@ -24,7 +24,8 @@ from objcomm._api.compat_calls import (
     _scatter_object_list,
     _send_object_list,
 )
-from serializers import SerializerLike
+from objcomm._settings import settings as current_settings
+from serializers import ContentRefusedError, SerializerLike
 
 # The per-call settings each of the six hands on (a sender decodes nothing, a receiver encodes nothing).
 _TAKES: Dict[str, Tuple[str, ...]] = {
@@ -187,11 +188,12 @@ def _patched(patcher: _Patcher, name: str, shim: Callable[..., Any]) -> Callable
 
     @functools.wraps(shim)
     def patched(*args: Any, serializer: Optional[SerializerLike] = None, **kwargs: Any) -> Any:
-        group = kwargs["group"] if "group" in kwargs else args[at] if len(args) > at else None
-        if serializer is None and _foreign(group):  # torch.distributed.rpc's own group: only torch's functions run
-            return patcher.original(name)(*args, **kwargs)
         settings = patcher.settings
         options = {} if settings is None else settings[name]
+        group = kwargs["group"] if "group" in kwargs else args[at] if len(args) > at else None
+        if serializer is None and _foreign(group):  # torch.distributed.rpc's own group: only torch's functions run
+            _unpickling_allowed(options, name)
+            return patcher.original(name)(*args, **kwargs)
         if serializer is not None:  # a call that names one, as with the shim
             options = {**options, **(_only(serializer) if receives else {"serializer": serializer})}
         return implementation(*args, options=options, **kwargs)
@@ -206,3 +208,15 @@ def _foreign(group: Any) -> bool:
     if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
         return False
     return not dist.is_initialized() or group not in dist.distributed_c10d._world.pg_map
+
+
+def _unpickling_allowed(options: Options, name: str) -> None:
+    """Raise where the settings in force refuse pickle (``accept=`` without ``"pickle"``) and ``name`` receives:
+    torch's function, which a group torch does not list must take, unpickles whatever arrives."""
+    accept = options["accept"] if "accept" in options else current_settings().accept
+    if name != "send_object_list" and accept is not None and "pickle" not in accept:
+        raise ContentRefusedError(
+            f"{name} on a process group torch does not list (torch.distributed.rpc makes one of its own) can only run "
+            f"as torch's own function, which unpickles what arrives; the settings in force accept only "
+            f"{sorted(accept)}. Patch without accept= around such calls (rpc.init_rpc), or unpatch() there"
+        )

@@ -213,7 +213,7 @@ class Operations(Resolving):
         out, local = call.encode(obj)
         out = _pending.captured(out)
         # eager where a blocking send is (a small message: wait() returns once it is posted, as MPI's isend of a
-        # small message completes; a later send on its dst and tag, refused while it is outstanding, is posted after)
+        # small message completes; a later send on its dst and tag waits for it: requests.check_blocking)
         return _requests.point_to_point(self.group, "send", dst, tag, lambda: self._deliver(wire, out, local, peer))
 
     # -- messages to oneself: held by objcomm._api.own_box._OwnBox, encoded, until this rank receives them

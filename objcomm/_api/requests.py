@@ -22,9 +22,11 @@ background thread and return a :class:`Request` at once. The rules, per process 
   tag): messages between the same pair with the same tag keep their issue order, while an ``isend``
   never waits behind an ``irecv`` (gloo's send waits for its receiver, so one lane for both would
   deadlock two ranks that each post an irecv before their isend). Tags keep lanes apart on the wire.
-- **Misuse is an error, not a race or a hang**: a blocking ``send``/``recv`` on a (peer, tag) that an
-  outstanding ``isend``/``irecv`` of this rank also uses, and an ``irecv(src=None, tag)`` next to an
-  outstanding ``irecv`` from a given rank with the same tag (or the reverse), raise
+- **MPI's order, else an error, never a race or a hang**: a blocking ``send``/``recv`` on a (peer, tag) that an
+  outstanding ``isend``/``irecv`` of this rank also uses waits for it and goes after it (:func:`check_blocking`);
+  where waiting would not keep MPI's order (a ``recv(src=None, tag)`` next to an ``irecv`` from a given rank, a
+  receive from oneself, a request's done-callback on a lane's thread), and for an ``irecv(src=None, tag)`` next to
+  an outstanding ``irecv`` from a given rank with the same tag (or the reverse), the call raises
   :class:`~objcomm.ObjcommError` at once. Point to point on NCCL is refused (its one communicator
   cannot take sends from several threads); NCCL collectives use the shadow like gloo's.
 
@@ -378,7 +380,8 @@ def check_blocking(group: Any, direction: str, peer: Optional[int], tag: Any) ->
         clash = lanes.conflict(direction, peer, tag)
         if clash is None:
             return
-        if _LOCAL.lane or clash[1] not in (None, peer) or peer == dist.get_rank():  # (oneself: nothing would come)
+        oneself = peer == dist.get_rank() or peer is None and dist.get_world_size(resolved) == 1
+        if _LOCAL.lane or clash[1] not in (None, peer) or oneself:  # (from oneself: nothing would come)
             raise ObjcommError(
                 f"{blocking}({where}={peer}, tag={tag}) while an {pending}({where}={clash[1]}, tag={tag}) is "
                 f"outstanding on this group: their messages would race. wait() for the {pending} first, or use "

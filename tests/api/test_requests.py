@@ -209,6 +209,23 @@ def blocking_calls_after_requests(local: bool) -> List[Any]:
         objcomm.restore(previous)
 
 
+def from_any_rank_in_a_group_of_one() -> str:
+    pending = objcomm.irecv(tag=9)  # src=None in a group of one: this rank
+    try:
+        objcomm.recv(tag=9)
+    except objcomm.ObjcommError as exc:
+        outcome = type(exc).__name__
+    objcomm.send("done", dist.get_rank(), tag=9)
+    assert pending.wait(timeout=30) == "done"
+    return outcome
+
+
+def test_a_receive_from_oneself_after_an_irecv_from_oneself_raises_at_once():
+    """A reviewer's find: in a group of one, recv(src=None) is a receive from oneself, which nothing could answer while
+    it waits: it raises at once, as recv(src=rank) does, not after the group's timeout."""
+    assert get_pool(1).run(from_any_rank_in_a_group_of_one, timeout=20) == ["ObjcommError"]
+
+
 @pytest.mark.parametrize("local", [False, True])
 def test_mpis_order_a_blocking_call_after_requests_on_its_peer_and_tag(local):
     assert get_pool(2).run(blocking_calls_after_requests, local) == [[], list(range(10)) * 2]

@@ -113,7 +113,7 @@ def test_what_msgspec_would_write_twice_or_read_differently_goes_to_pickle():
     """An attacker round on the msgspec lane: a long string met twice, arrays objcomm does not lift (written in
     msgspec's payload each time they are met, and '<U1' data msgspec's reader refuses) go to pickle, which keeps
     them once; a refusal by msgspec costs no walk to say where (pickle follows)."""
-    from serializers import _msgpack
+    from serializers import _path
 
     auto = serializers.registry.guarded("auto")
     text = "x" * 100_000
@@ -126,8 +126,8 @@ def test_what_msgspec_would_write_twice_or_read_differently_goes_to_pickle():
         got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
         assert name == "pickle" and judge(obj, got)[0] == "exact", obj
     walks = []
-    original = _msgpack.locate
-    _msgpack.locate = lambda *a: walks.append(1) or original(*a)
+    original = _path.locate  # (what a refusal's message walks the object with)
+    _path.locate = lambda *a, **k: walks.append(1) or original(*a, **k)
     try:
         lone = b"/data/caf\xe9.txt".decode("utf-8", "surrogateescape")  # what os.fsdecode gives
         assert _frame_name({"paths": ["/data/a.txt"] * 10 + [lone]}, auto)[0] == "pickle"
@@ -137,7 +137,7 @@ def test_what_msgspec_would_write_twice_or_read_differently_goes_to_pickle():
                 {"paths": ["/data/a.txt"] * 10 + [lone]}, serializers.registry.guarded("msgspec"), max_bytes=1 << 30
             )
     finally:
-        _msgpack.locate = original
+        _path.locate = original
 
 
 def _encoded(obj, chooser):

@@ -133,6 +133,15 @@ def test_msgpack_error_names_the_object_it_refuses_whole_not_a_field_it_never_re
         s.dumps([[1, _Shape(object(), {1})]])
     with pytest.raises(EncodeError, match=r"msgpack cannot encode collections.Counter at \$\['c'\] "):
         s.dumps({"c": collections.Counter(a=object())})
+    # a value msgpack takes (an extension, a codec) whose contents it refuses: the innermost culprit, as before
+    with pytest.raises(EncodeError, match=r"msgpack cannot encode object at \$\['a'\]\['x'\] "):
+        s.dumps({"a": OrderedDict(x=object())})
+    serializers.register_type(_Shape, lambda v: [v.shape, v.kind], lambda v: _Shape(*v), name="test.shape")
+    try:
+        with pytest.raises(EncodeError, match=r"msgpack cannot encode object at \$\['k'\]\.shape "):
+            s.dumps({"k": _Shape(object(), 1)})
+    finally:
+        serializers.unregister_type(_Shape)
     if "msgspec" in serializers.available():  # msgspec takes dataclasses itself: the innermost culprit stays
         with pytest.raises(EncodeError, match=r"msgspec cannot encode object at \$\[0\]\.shape "):
             serializers.get("msgspec").dumps([_Shape(object(), 1)])
