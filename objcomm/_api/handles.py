@@ -9,11 +9,19 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from objcomm._api.mpi4py_names import MPI4PY_REQUEST_NAMES, no_attribute
+from objcomm._api.mpi4py_names import MPI4PY_REQUEST_CLASS_NAMES, MPI4PY_REQUEST_NAMES, no_attribute
 from objcomm._errors import WaitTimeoutError
 
 
-class Request:
+class _RequestType(type):
+    if not TYPE_CHECKING:  # (as Request's own __getattr__)
+
+        def __getattr__(cls, name: str) -> Any:
+            """Only for names the class lacks: mpi4py's ``Request.waitall`` and its kin say what to write instead."""
+            raise no_attribute("type object 'Request'", "Request", name, MPI4PY_REQUEST_CLASS_NAMES)
+
+
+class Request(metaclass=_RequestType):
     """A handle on one non-blocking objcomm operation (``isend``, ``irecv``, ``async_op=True``).
 
     ``wait()`` returns what the blocking call returns, or raises what it raises, on every rank alike.

@@ -101,6 +101,17 @@ MPI4PY_REQUEST_NAMES: Dict[str, str] = {
     "free": "nothing to free: a finished Request holds nothing",
 }
 
+# mpi4py's class methods of Request, looked up on objcomm.Request itself
+MPI4PY_REQUEST_CLASS_NAMES: Dict[str, str] = {
+    "waitall": "[request.wait() for request in requests]",
+    "testall": "all(request.is_completed() for request in requests)",
+    "waitany": "concurrent.futures.wait([r.get_future() for r in requests], return_when=FIRST_COMPLETED), then take the"
+    " completed request out of the list (docs/from-mpi4py.md: its wait() would return the same object again)",
+    "testany": "next((i for i, r in enumerate(requests) if r.is_completed()), None)",
+    "waitsome": "concurrent.futures.wait([r.get_future() for r in requests], return_when=FIRST_COMPLETED)",
+}
+MPI4PY_REQUEST_CLASS_NAMES.update({name.capitalize(): hint for name, hint in list(MPI4PY_REQUEST_CLASS_NAMES.items())})
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 

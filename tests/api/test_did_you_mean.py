@@ -285,6 +285,13 @@ def test_mpi4py_names_on_a_request_and_its_tags():
         request.Cancel()
     with pytest.raises(AttributeError, match="^'Request' object has no attribute 'nonesuch'$"):
         request.nonesuch  # noqa: B018
+    # mpi4py's class methods (a port's find: a bare AttributeError)
+    with pytest.raises(AttributeError, match=re.escape("'waitall'; [request.wait() for request in requests]")):
+        objcomm.Request.waitall([request])
+    with pytest.raises(AttributeError, match="'Waitany'; concurrent.futures.wait.*take the completed request out"):
+        objcomm.Request.Waitany([request])
+    with pytest.raises(AttributeError, match="^type object 'Request' has no attribute 'nonesuch'$"):
+        objcomm.Request.nonesuch  # noqa: B018
     with pytest.raises(ValueError, match=re.escape("got -1; there is no receive from any tag (mpi4py's ANY_TAG)")):
         objcomm.recv(src=0, tag=-1)
     with pytest.raises(ValueError, match=r"got -1$"):  # a send's tag: nothing about receiving
