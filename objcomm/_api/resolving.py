@@ -218,8 +218,8 @@ class Resolving:
                     raise ObjcommError(
                         f"torch.distributed is not initialised, but this process is one of {variable}={launched} "
                         f"ranks ({launcher} set it): call dist.init_process_group() first, or every call would act "
-                        f"as a world of one on each rank.{_LAUNCHER_HINTS.get(variable, '')} (Unset {variable} to "
-                        "run a plain process.)"
+                        f"as a world of one on each rank.{'' if variable == 'WORLD_SIZE' else _MPI_HINT} (Unset "
+                        f"{variable} to run a plain process.)"
                     )
             return None
         return self.group if self.group is not None else world
@@ -294,23 +294,18 @@ _LAUNCHERS = (
     ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
     ("MV2_COMM_WORLD_SIZE", "MVAPICH2's mpirun"),
 )
-_LAUNCHER_HINTS = {
-    variable: " Under an MPI launcher, give torch its rank and world size first (RANK, WORLD_SIZE, MASTER_ADDR,"
-    ' MASTER_PORT: docs/from-mpi4py.md, "Launching"), or start the ranks with torchrun.'
-    for variable, _ in _LAUNCHERS[1:]
-}
+_MPI_HINT = (  # (every launcher's but torchrun's)
+    " Under an MPI launcher, give torch its rank and world size first (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT:"
+    ' docs/from-mpi4py.md, "Launching"), or start the ranks with torchrun.'
+)
 
 
 def _rank_hint(wire: Wire, rank: int, what: str, p2p: bool) -> str:
     """What a rank outside the group may have meant: mpi4py's constants (send/recv), or a rank of the group counted
     from 0."""
-    if rank < 0 and p2p:
-        if what == "src":  # (-1 is PROC_NULL under MPICH and ANY_SOURCE under Open MPI; -2 the other way round)
-            return (
-                "; to receive from any rank pass src=None (mpi4py's ANY_SOURCE); there is no PROC_NULL: skip the "
-                "call where there is no peer"
-            )
-        return "; there is no PROC_NULL: skip the call where there is no peer"
+    if rank < 0 and p2p:  # (-1 is PROC_NULL under MPICH and ANY_SOURCE under Open MPI; -2 the other way round)
+        any_source = "; to receive from any rank pass src=None (mpi4py's ANY_SOURCE)" if what == "src" else ""
+        return any_source + "; there is no PROC_NULL: skip the call where there is no peer"
     if rank < wire.size and list(wire.ranks) != list(range(wire.size)):
         meant = wire.ranks[rank]
         return f"; ranks are global ranks, as in torch.distributed: this group's rank {rank} is global rank {meant}"

@@ -222,16 +222,18 @@ def frame_sizes(sizes_of: SizesOf, frame: memoryview, info: Any, sender: int, op
 
 class CheckedSizes:
     """``sizes_of`` for the rest media (shared memory), which reads frames round 1 did not carry: each frame checked
-    against its own sender's slot (:func:`for_sender`; one slot per checker). Sizes that disagree raise OSError:
-    every rank goes back to the normal transport, which raises FrameError. ``raw``: the ``sizes_of`` it checks, for a
-    strategy that checks each frame against its own sender's slot itself (the same-host channel, which cannot go
-    back)."""
+    against its own sender's slot ``info`` (None: the senders are several, and :func:`for_sender` picks one's). Sizes
+    that disagree raise OSError: every rank goes back to the normal transport, which raises FrameError. ``raw``: the
+    ``sizes_of`` it checks, for a strategy that checks each frame against its own sender's slot itself (the
+    same-host channel, which cannot go back)."""
 
-    def __init__(self, sizes_of: SizesOf, infos: Sequence[Any]) -> None:
-        self.raw, self.infos = sizes_of, infos
+    def __init__(self, sizes_of: SizesOf, info: Optional[Any] = None) -> None:
+        self.raw, self.info = sizes_of, info
 
     def __call__(self, frame: memoryview) -> List[int]:
-        (info,) = self.infos  # one sender's (for_sender): O(1) a frame, where matching every slot was O(W)
+        info = self.info  # one sender's: O(1) a frame, where matching every slot was O(W)
+        if info is None:
+            raise ValueError("a checker of several senders' frames reads none itself: for_sender() gives one's")
         table, problem = table_sizes(self.raw, frame)
         if problem or frame.nbytes != info.length or table_problem(info.length, info.total, table, info.sizes):
             raise OSError(problem or "a shared-memory frame's tensor sizes disagree with its sender's slot")
@@ -239,10 +241,11 @@ class CheckedSizes:
 
 
 def checked_sizes(sizes_of: SizesOf, infos: Sequence[Any]) -> SizesOf:
-    """:class:`CheckedSizes` of ``sizes_of`` against ``infos`` (every sender's slot; :func:`for_sender` picks one)."""
-    return CheckedSizes(sizes_of, infos)
+    """:class:`CheckedSizes` of ``sizes_of`` against ``infos``, the slots of the senders whose frames it reads (of
+    several, :func:`for_sender` picks one's)."""
+    return CheckedSizes(sizes_of, infos[0] if len(infos) == 1 else None)
 
 
 def for_sender(sizes_of: SizesOf, info: Any) -> SizesOf:
     """``sizes_of`` (a :class:`CheckedSizes`) checking one sender's frame against that sender's slot ``info``."""
-    return CheckedSizes(sizes_of.raw, [info]) if isinstance(sizes_of, CheckedSizes) else sizes_of
+    return CheckedSizes(sizes_of.raw, info) if isinstance(sizes_of, CheckedSizes) else sizes_of

@@ -105,11 +105,15 @@ class SharedMemory(PatternRests):
                 "objcomm shm: %s moves %d bytes, below the threshold of %d; normal transport", op, moved, self.threshold
             )
             return False
-        known = _state.group_facts(wire.group).hosts.get(self.separate)
+        known = self.learned_hosts(wire)
         if known is not None and not known.one_host and op not in ("send", "recv"):  # (peers may share a host)
             log.debug("objcomm shm: %s spans %d hosts; normal transport", op, known.count)
             return False
         return True
+
+    def learned_hosts(self, wire: Wire) -> Optional[_hosts.Hosts]:
+        """The group's hosts where a call has learned them (:meth:`hosts`), else None."""
+        return _state.group_facts(wire.group).hosts.get(self.separate)
 
     def hosts(self, wire: Wire, op: str) -> _hosts.Hosts:
         """The group's hosts, learned at the first call that asks (a collective: every rank asks at the same call)."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from objcomm import _state
 from objcomm._samehost.rests import SharedPointToPoint
 from objcomm._samehost.shm import SharedMemory, SharedRest
 from objcomm._transport import routes
@@ -56,7 +55,7 @@ class VotedRests(SharedPointToPoint):
             return self.shm and self.memory.worth(wire, moved, op)
         if op != "gather" or not routes.all_announce(moved, cpu=wire.device.type == "cpu"):
             return False
-        known = _state.group_facts(wire.group).hosts.get(self.memory.separate)
+        known = self.memory.learned_hosts(wire)
         return known is None or known.one_host
 
     def medium(self, wire: Wire, largest: int, gathered: int, op: str) -> Optional[RestMedium]:
