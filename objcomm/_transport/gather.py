@@ -25,7 +25,7 @@ from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Slot, Wire, guarded
 from objcomm._transport.bytes import Batch, host_view, joined, receive_buffer, to_device
 from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.rounds import _on_device, _rest, _round_one, _slot, _split_rest
-from objcomm._transport.slot_tree import gather_up_tree
+from objcomm._transport.slot_tree import gather_up_tree, word_down_tree
 
 
 @one_call
@@ -35,7 +35,7 @@ def gather(
     """Every rank's frame and tensors on group rank ``dst``; ``None`` elsewhere, unless some rank failed.
 
     Round 1 goes through the same-host channel as an all_gather of slots where it carries it (cheap on one host);
-    through the group it is a gather of slots to ``dst``, which then broadcasts one word (:func:`_gather_slots`):
+    through the group it is a gather of slots to ``dst``, which then sends every rank one word (:func:`_gather_slots`):
     go on, or every slot follows to every rank (a failure, an inconsistent slot, a rank over ``dst``'s limit, a
     same-host medium that may take the rest), so that every rank raises the same error in the same call. The
     rest goes to ``dst`` point to point, one message per sender at its exact size. ``up_tree``: the slots go to
@@ -100,10 +100,11 @@ _WORD = struct.Struct("<q")
 def _gather_slots(
     wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: str, up_tree: bool
 ) -> Tuple[Optional[List[SlotInfo]], Optional[Checked]]:
-    """Round 1 of a gather through the group: every slot to ``dst``, then ``dst``'s word to every rank (a
-    broadcast on gloo, an all_reduce on NCCL: log W steps either way): :data:`GO` (the slots stay on ``dst``:
-    returned there, with the plans its word checked, None elsewhere) or :data:`LOOK` (``dst`` broadcasts every slot:
-    every rank gets them, as after an all_gather, and raises what the others raise)."""
+    """Round 1 of a gather through the group: every slot to ``dst``, then ``dst``'s word to every rank (back down
+    the tree the slots climbed, ``up_tree``; else a broadcast on gloo, an all_reduce on NCCL: log W steps each way):
+    :data:`GO` (the slots stay on ``dst``: returned there, with the plans its word checked, None elsewhere) or
+    :data:`LOOK` (``dst`` broadcasts every slot: every rank gets them, as after an all_gather, and raises what the
+    others raise)."""
     slots = wire.slot_medium.gather(wire, raw, dst, op)
     if slots is not NOT_USED:  # the slot medium's gather (two levels), then its share of the word and table
         return _gather_slots_through(wire, slots, sizes_of, dst, op)
@@ -120,17 +121,22 @@ def _gather_slots(
             guarded(op, wire, dist.gather, mine, list(table.chunk(wire.size)), dst=wire.ranks[dst], group=wire.group)
         else:
             guarded(op, wire, dist.gather, mine, None, dst=wire.ranks[dst], group=wire.group)
-    word = torch.zeros(1, dtype=torch.int64, device=wire.device)
+    verdict: Optional[int] = None
     infos: List[SlotInfo] = []
     checked: Optional[Checked] = None
     if table is not None:
         infos = read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
-        word[0], checked = _verdict(wire, infos, sizes_of, dst, op)
-    if wire.device.type == "cpu":  # gloo: a binomial tree
-        guarded(op, wire, dist.broadcast, word, src=wire.ranks[dst], group=wire.group)
-    else:  # NCCL broadcasts along a ring; its all_reduce of a word takes a tree (every other rank adds 0)
-        guarded(op, wire, dist.all_reduce, word, op=dist.ReduceOp.MAX, group=wire.group)
-    if int(word.item()) == GO:
+        verdict, checked = _verdict(wire, infos, sizes_of, dst, op)
+    if up_tree:  # back down the tree the slots climbed (NCCL's all_reduce of a word climbs one and comes back down)
+        verdict = word_down_tree(wire, verdict, dst, op)
+    else:
+        word = torch.tensor([verdict or 0], dtype=torch.int64, device=wire.device)
+        if wire.device.type == "cpu":  # gloo: a binomial tree
+            guarded(op, wire, dist.broadcast, word, src=wire.ranks[dst], group=wire.group)
+        else:  # NCCL broadcasts along a ring; its all_reduce of a word takes a tree (every other rank adds 0)
+            guarded(op, wire, dist.all_reduce, word, op=dist.ReduceOp.MAX, group=wire.group)
+        verdict = int(word.item())
+    if verdict == GO:
         return (infos, checked) if wire.rank == dst else (None, None)
     if table is None:  # every rank takes the slots (W of them: allocated here only, not on every call)
         table, host = receive_buffer(wire.slot * wire.size, wire)

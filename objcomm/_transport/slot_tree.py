@@ -1,11 +1,12 @@
 """A gather of fixed-width slots up a binomial tree of point-to-point messages, each slot trimmed to what it carries:
 round 1 of a gather from :data:`objcomm._transport.routes.TREE_GATHER_FROM` ranks (:mod:`objcomm._transport.gather`),
 and the leaders' step of a gather on two levels (:mod:`objcomm._samehost.two_level_moves`), where each leader
-carries its host's slots.
+carries its host's slots; and the destination's word back down the same tree (:func:`word_down_tree`).
 """
 
 from __future__ import annotations
 
+import struct
 from typing import Optional, Union
 
 import torch
@@ -96,3 +97,29 @@ def gather_up_tree(
         into[place : place + n] = flat[at : at + n]
         at += n
     return table
+
+
+_WORD = struct.Struct("<q")
+
+
+def word_down_tree(wire: Wire, word: Optional[int], dst: int, op: str) -> int:
+    """Group rank ``dst``'s ``word`` (a signed 64-bit int; None elsewhere) on every rank, down the binomial tree rooted
+    at ``dst`` that :func:`gather_up_tree` climbed: each rank takes it from its parent, then passes it to its children.
+    ceil(log2 W) latencies, where NCCL's all_reduce of a word takes twice as many and its broadcast one a rank (a
+    ring). A relay passes on what its parent sent, unchecked, as it relayed its subtree's slots on the way up."""
+    size = wire.size
+    me = (wire.rank - dst) % size
+    tree = binomial(me, size)
+    wire = wire._replace(tag=INTERNAL_TAG)
+    batch = Batch(wire, op)
+    if tree.parent is None:
+        assert word is not None, "the destination has the word"
+        data = torch.frombuffer(bytearray(_WORD.pack(word)), dtype=torch.uint8)
+    else:
+        data = batch.recv(_WORD.size, (tree.parent + dst) % size)
+        batch.wait(Deadline(wire, op, "the destination's word down the tree"))
+        word = _WORD.unpack(bytes(host_view(data)))[0]
+    for child in reversed(tree.children):  # the largest subtree first: its levels are the most
+        batch.send(data, (child + dst) % size)
+    batch.wait()
+    return word

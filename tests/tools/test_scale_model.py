@@ -131,14 +131,14 @@ def test_a_whole_row_by_hand():
 def test_a_gather_up_a_tree_by_hand():
     """gather of 1 KB objects on 64 NCCL ranks across hosts: the slots up a binomial tree (6 levels: the lengths
     climb a level a hop, the slots one level behind them; each trimmed: the 24-byte prefix and the 1,124-byte frame,
-    plus a 4-byte length; the root takes in 63 of them), then the destination's word in an all_reduce (a tree: 2 x
-    6 hops)."""
+    plus a 4-byte length; the root takes in 63 of them), then the destination's word back down the same tree (6
+    hops of 8 bytes)."""
     a, b = 20e-6, 25e9
     sizes = sm.sizes_for("equal-small", 64)
     assert sm.slot_carries(1024, tensor=False) == 24 + 1024 + sm.FRAME_OVERHEAD
     got = sm.objcomm_plan("gather", sm.NCCL, 64, sizes)
-    assert sm.route_code(got) == "GT+V"
-    assert sm.plan_cost(got, sm.NCCL, 64) == pytest.approx((6 + 1) * a + 63 * (4 + 1148) / b + 2 * 6 * a)
+    assert sm.route_code(got) == "GT+TD"
+    assert sm.plan_cost(got, sm.NCCL, 64) == pytest.approx((6 + 1) * a + 63 * (4 + 1148) / b + 6 * (a + 8 / b))
 
 
 def test_check_exits_non_zero_exactly_when_a_row_misses(capsys, table):

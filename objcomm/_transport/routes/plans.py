@@ -218,14 +218,22 @@ def plan(
         if first == CHANNEL:
             steps.append(Step("all_gather", CHANNEL, slots))
         else:
-            # the destination's word: a broadcast on gloo (a binomial tree), an all_reduce on NCCL (a tree)
-            word = "broadcast" if topology.cpu else "all_reduce"
+            # the destination's word: back down the slots' tree (word_down_tree), else a broadcast on gloo (a
+            # binomial tree), an all_reduce on NCCL (a tree up and down: its broadcast is a ring)
             if slots_up_tree(world=world):  # trimmed to what each carries, with its length (gather_up_tree)
                 held = carried if carried is not None else slots
                 steps.append(Step("gather_tree", BACKEND, tuple(_up_tree(n, knobs.slot_bytes) for n in held)))
+                steps.append(
+                    Step(
+                        "down_tree",
+                        BACKEND,
+                        (8,),
+                        calls=tree_calls(world, 0, cpu=topology.cpu, listed=True, chunk=knobs.chunk_bytes),
+                    )
+                )
             else:
                 steps.append(Step("gather", BACKEND, slots))
-            steps.append(Step(word, BACKEND, (8,)))
+                steps.append(Step("broadcast" if topology.cpu else "all_reduce", BACKEND, (8,)))
         senders = [0 if i == root else r for i, r in enumerate(rests)]
         total = sum(senders)
         medium = medium_of(max(senders), gathered=total)
