@@ -153,4 +153,5 @@ else:
 
 
 def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names (and the module's dunders): not the helpers this file imports (``Any``, ``importlib``)."""
+    return sorted(set(__all__) | {name for name in globals() if name.startswith("__") and name.endswith("__")})

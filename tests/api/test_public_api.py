@@ -124,6 +124,14 @@ def test_objcomm_serializers_is_the_serializers_package():
     assert "serializers" in dir(objcomm)
 
 
+def test_dir_lists_the_public_names_and_not_the_helpers_of_init():
+    """``dir(objcomm)`` (tab completion, ``help``) shows what ``__all__`` lists, not what ``__init__`` imports."""
+    shown = dir(objcomm)
+    assert set(objcomm.__all__) <= set(shown)
+    assert not {"Any", "Dict", "List", "Tuple", "TYPE_CHECKING", "importlib", "annotations"} & set(shown)
+    assert [name for name in shown if not name.startswith("__")] == sorted(n for n in objcomm.__all__ if n[0] != "_")
+
+
 ERRORS = [
     "ObjcommError",
     "SerializationError",
