@@ -46,7 +46,7 @@ from objcomm._errors import (
 from objcomm._format import compression as _compression
 from objcomm._format.limits import too_large
 from objcomm._format.message import Incoming, Outgoing
-from objcomm._format.tensors import Entry, TensorLifter, WholeBytes, parse_table, restorer
+from objcomm._format.tensors import Entry, TensorLifter, WholeBytes, check_whole, parse_table, restorer
 from serializers import AutoSerializer, SerializerProtocol, registry
 from serializers._auto import exact as auto_exact
 from serializers._auto import no_candidate
@@ -392,6 +392,8 @@ def decode_parsed(
             f"rank {sender} sent a frame encoded with {header.serializer!r}, but {exc}"
         ) from None
     entries = _table(view, header) if header.n_tensors else []
+    if entries and header.version >= 2:  # (whole bytes came with version 2)
+        check_whole(entries, max(header.payload_len, header.raw_len))
     start = HEADER.size + len(header.serializer) + header.table_len  # header.payload_offset, without a call
     payload = view[start : start + header.payload_len]
     if header.compression != NO_COMPRESSION:

@@ -179,6 +179,56 @@ def test_numpy_arrays_and_whole_bytes_leave_the_byte_stream(serializer):
         assert type(got) is type(whole) and got == whole
 
 
+def _bytes_compared_at_each_reference(serializer: str, length: int, references: int, entries: int) -> bytes:
+    """A hostile frame: ``entries`` (2, or 1 with an equal ``bytes`` of ``length`` in the payload) equal whole-bytes
+    entries of ``length`` in its tensor table, and a payload that is the set of the first and ``references``
+    references to the last (3 bytes each in msgpack, 2 in pickle): each reference compares two equal objects."""
+    import msgpack
+
+    from objcomm._format import tensors as _tensors
+
+    uint8 = _tensors.DTYPES.index("uint8")
+    table = b"".join(
+        _tensors.ENTRY.pack(uint8, _tensors.INLINE | _tensors.BYTES, 1, length, at) + _tensors.DIM.pack(length)
+        for at in range(0, entries * length, length)
+    )
+    last = entries - 1
+    if serializer == "msgpack":
+        ref = [msgpack.ExtType(12, msgpack.packb(k)) for k in (0, last)]
+        first = ref[0] if entries == 2 else bytes(length)
+        payload = msgpack.packb(msgpack.ExtType(2, msgpack.packb([first] + [ref[1]] * references)))
+    else:  # EMPTY_SET, MARK, the first (entry 0 or an in-band bytes), external_ref(last) memoized, BINGETs, ADDITEMS
+        ref = b"\x8c\x13serializers._pickle\x8c\x0cexternal_ref\x93\x94"
+        first = b"h\x00K\x00\x85R" if entries == 2 else b"B" + length.to_bytes(4, "little") + bytes(length)
+        last_ref = b"h\x00K" + bytes([last]) + b"\x85R\x94"
+        payload = b"\x80\x04\x8f(" + ref + first + last_ref + b"h\x01" * references + b"\x90."
+    parts, _ = _frame._frame_parts(
+        serializer,
+        memoryview(payload),
+        table=table,
+        n_tensors=entries,
+        inline=[memoryview(bytes(entries * length))],
+        version=2,
+    )
+    return b"".join(bytes(p) for p in parts)
+
+
+@pytest.mark.parametrize("serializer", ["restricted-pickle", "msgpack"])
+@pytest.mark.parametrize("entries", [2, 1])
+def test_whole_bytes_travel_alone_referred_to_once(serializer, entries):
+    """An attacker's find: two equal whole-``bytes`` entries of the tensor table (or one, and an equal ``bytes`` in
+    the payload), one referenced thousands of times in a set, 3 bytes a reference, were compared whole at every
+    reference (two 16 MiB entries, 8,000 references: 5.3 s; an 8 MiB frame with the copy in the payload: 0.77 s;
+    quadratic in the frame). A sender makes such an entry only of a whole ``bytes``/``bytearray`` object, alone in
+    its frame, its payload the one reference to it: any other frame with one is refused before its payload is read."""
+    frame = _bytes_compared_at_each_reference(serializer, 1 << 16, 2_000, entries)
+    with pytest.raises(objcomm.FrameError, match="holds that entry alone and a payload of at most 256 bytes"):
+        _frame.decode(Incoming(memoryview(frame)), sender=1, accept=None)
+    for whole in (b"w" * (1 << 16), bytearray(1 << 16)):  # what a sender makes still arrives
+        out = _frame.encode(whole, serializers.registry.guarded(serializer), max_bytes=1 << 30)
+        assert _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None) == whole
+
+
 @pytest.mark.parametrize("serializer", ["pickle", "cloudpickle", "restricted-pickle", "msgpack"])
 def test_empty_arrays_and_tensors_with_zero_strides_round_trip(serializer):
     chosen = serializers.registry.guarded(serializer)

@@ -64,6 +64,20 @@ def test_json_refuses_a_dict_of_the_callers_that_reads_as_a_tag(money_codec):
         serializers.unregister_type("euro-lookalike")
 
 
+def test_json_reads_a_tag_spelled_with_escapes_as_the_tag(money_codec):
+    """An attacker's find: ``{"\\u005f_objcomm_type__": ...}`` (the same key, one character escaped) skipped the
+    codecs, and arrived as a plain dict that no honest sender can write: a tag however spelt is now a tag, decoded by
+    its codec (its validation included) or refused as one whose codec this rank lacks."""
+    s = serializers.get("json")
+    escaped = b'{"\\u005f_objcomm_typ\\u0065__": "money", "value": [7, "EUR"]}'
+    assert s.loads(escaped) == Money(7, "EUR")
+    assert s.loads(memoryview(escaped)) == Money(7, "EUR")
+    assert s.loads(escaped.decode()) == Money(7, "EUR")
+    with pytest.raises(DecodeError, match="no codec of that name"):
+        s.loads(b'{"\\u005f_objcomm_type__": "no.such.codec", "value": 1}')
+    assert s.loads(b'{"text": "\\u0001 \\u00e9"}') == {"text": "\x01 \u00e9"}  # other escapes: as they were
+
+
 @pytest.mark.parametrize("name", ["msgpack", "json"])
 def test_unregistered_type_is_refused(name):
     with pytest.raises(EncodeError, match="Money"):

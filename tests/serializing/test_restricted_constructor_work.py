@@ -17,6 +17,7 @@ measured table.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import gc
 import io
@@ -473,3 +474,54 @@ def test_torch_dtype_globals_build_nothing():
         value = torch.__dict__.get(name)
         if value is not None:
             assert guards.lookup("torch", name, False) is value, name
+
+
+def _pair_of_kind(kind: str, key: bytes) -> bytes:
+    """A 2-item iterable of ``kind`` whose first item (the key OrderedDict and defaultdict hash) is ``key``'s value."""
+    one = b"K\x01"
+    if kind == "deque":
+        return stack_global("collections", "deque") + key + one + b"\x86\x85R"  # deque((key, 1))
+    if kind == "dict":
+        return b"}" + key + one + b"s" + b"K\x02" + one + b"s"  # {key: 1, 2: 1}
+    if kind == "frozenset":
+        return b"(" + key + one + b"\x91"  # frozenset({key, 1})
+    raise ValueError(kind)
+
+
+def _pairs_hash_bomb(constructor: str, kind: str, levels: int, uses: int = 1) -> bytes:
+    """``constructor([pair] * uses)`` where the pair is a ``kind`` (memoized: one spelling, ``uses`` references) whose
+    key is a tuple of ``levels`` DUP TUPLE2 (2 bytes a level, 2**levels tuples to hash)."""
+    chain = b"K\x00" + b"2\x86" * levels
+    head = stack_global("collections", constructor) + b"("
+    if constructor == "defaultdict":
+        head += b"N"  # no factory
+    items = b"]" + b"(" + _pair_of_kind(kind, chain) + b"\x94" + b"h\x00" * (uses - 1) + b"e"
+    return payload(head + items + b"tR")
+
+
+def _decode_pair_bombs() -> Dict[str, Tuple[str, str, float]]:
+    return _decode_all(
+        {
+            f"{constructor} of a {kind}{' used 20,000 times' if uses > 1 else ''}": _pairs_hash_bomb(
+                constructor, kind, levels, uses
+            )
+            for constructor in ("OrderedDict", "defaultdict")
+            for kind, levels, uses in (("deque", 40, 1), ("dict", 14, 20_000), ("frozenset", 14, 20_000))
+        }
+    )
+
+
+def test_pairs_that_hide_their_key_from_the_hashing_charge_are_refused():
+    """An attacker's find: OrderedDict takes any 2-item iterable as a (key, value) pair and hashes its first item,
+    but only tuple and list pairs were charged: ``OrderedDict([deque((t, 1))])``, ``t`` a chain of 60 DUP TUPLE2,
+    182 bytes that hashed 2**60 tuples inside one C call (the receiver never returned, signals unanswered); and a
+    dict or frozenset pair, its key charged once where it was built, then referenced again and again, each reference
+    hashing it anew. A pair of any other kind is refused now, in OrderedDict as in defaultdict. (A chain of 40 levels
+    here: were it let through, the child would run past its timeout.)"""
+    results = run_in_child(_decode_pair_bombs, timeout=60, memory_budget=1 << 30)
+    for label, (result, message, cpu) in results.items():
+        assert result == "ContentRefusedError", (label, result, message)
+        assert "pairs other than (key, value) tuples or lists" in message, (label, message)
+        assert cpu < 1.0, (label, cpu)
+    pairs = collections.OrderedDict([((1, 2), 3), ("k", [4])])
+    assert serializers.get("restricted-pickle").loads(pickle.dumps(pairs)) == pairs
