@@ -15,8 +15,10 @@ in one message with its rest (:func:`objcomm._transport.routes.backend_whole`: a
 posted with ``dist.isend`` and left here (:func:`post`), as MPI's eager protocol buffers small messages:
 
 - at most :data:`MOST_SENDS` such sends, holding at most :data:`MOST_BYTES` bytes, wait for their receivers
-  per group on this rank (with the default 4 KiB slot the count binds first for slots alone: 64 sends, 256 KiB;
-  the bytes for messages with their rest: about 60 of up to 64 KiB); a send past the
+  per group on this rank (with the default 4 KiB slot the count binds first for slots alone: 1024 sends, 4 MiB;
+  the bytes for messages with their rest: about 250 of up to 64 KiB. It was 64 sends, 4 MiB: a worker that sent
+  500 progress messages under one tag while its master waited for another tag waited until the timeout, where
+  the same-host channel, which holds 8 MiB, took them); a send past the
   bound waits until the oldest are received, the group's timeout at most (the channel bounds what it holds too);
 - a thread per (group, receiver) with sends pending waits for them in order (gloo tells a send's end to a waiter
   only: a wait with a timeout that expires breaks the group's connections), and ends :data:`LINGER` seconds after
@@ -59,8 +61,8 @@ from objcomm._errors import CommunicationError
 from objcomm._format.message import Outgoing
 from objcomm._transport.base import Wire, guarded
 
-MOST_SENDS = 64  # pending eager sends per group on one rank
-MOST_BYTES = 4 << 20  # and the bytes of their slots
+MOST_SENDS = 1024  # pending eager sends per group on one rank
+MOST_BYTES = 16 << 20  # and the bytes of their slots
 LINGER = 0.05  # seconds a receiver's thread waits for another send once none is left (a loop of sends keeps one)
 
 

@@ -237,6 +237,29 @@ def test_a_send_waiting_under_one_tag_holds_up_no_other_tag(path):
     assert got[1] == list(range(count)) + ["tag 0"], str(got[1])[:300]
 
 
+def progress_then_result(group: Any, count: int) -> Any:
+    """A worker (rank 1) sends ``count`` small progress messages under tag 1, then its result under tag 2; its master
+    (rank 0) waits for the result first, then takes the progress messages: what MPI's eager buffering lets a port
+    do, within the bound (pending.MOST_SENDS through the backend; what the channel holds, 8 MiB, through it)."""
+    if dist.get_rank() == 1:
+        for i in range(count):
+            objcomm.send({"progress": i}, dst=0, group=group, tag=1)
+        objcomm.send("result", dst=0, group=group, tag=2)
+        return None
+    result = objcomm.recv(src=1, group=group, tag=2)
+    return [result] + [objcomm.recv(src=1, group=group, tag=1)["progress"] for _ in range(count)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_worker_s_progress_messages_wait_while_its_master_takes_the_result_first(path):
+    """A port's find: 500 progress messages before the result waited until the group's timeout through the backend
+    (the bound was 64 sends), where the channel took them; both paths take them now."""
+    count = 500
+    assert count < _pending.MOST_SENDS
+    got = get_pool(2).run(in_short_group, path, progress_then_result, count, timeout=60)
+    assert got[0] == ["result"] + list(range(count)), str(got[0])[:300]
+
+
 def waits_under_another_tag(path: str) -> Any:
     """Rank 1 waits for rank 0 under tag 2, which sends nothing under it: its error (at the group's timeout, 2 s
     here) says whom and which tag it waited for; through the channel, which stays open, a message under tag 1 then
