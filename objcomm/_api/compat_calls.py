@@ -81,7 +81,8 @@ def _gather_object(
         raise ValueError(
             _torch_says(
                 "Argument ``gather_list`` must be specified on destination rank.",
-                f"the destination (global rank {root}) must pass object_gather_list, a list of {len(gathered)} slots; "
+                f"the destination (global rank {root}) must pass object_gather_list, a list of {len(gathered)} "
+                f"slot{'' if len(gathered) == 1 else 's'} (one a rank); "
                 "the gathered objects were dropped. Reported after the collective, so no rank is left waiting",
             )
         )

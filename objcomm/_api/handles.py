@@ -98,10 +98,11 @@ def _warn_if_failed(op: str) -> Callable[[concurrent.futures.Future[Any]], None]
     def warn(future: concurrent.futures.Future[Any]) -> None:
         failure = None if future.cancelled() else future.exception()
         if failure is not None:
-            warnings.warn(
-                f"objcomm: {op} failed and its request was dropped without wait(), so nothing raised it: "
-                f"{type(failure).__name__}: {failure}. Wait for non-blocking requests (Request.wait()) before "
-                "dist.destroy_process_group() or the end of the program",
+            warnings.warn(  # what to do first: the failure's own text may be long and blame a crash (a newcomer's find)
+                f"objcomm: {op} failed and its request was dropped without wait(), so nothing raised it. Wait for "
+                "non-blocking requests (Request.wait()) before dist.destroy_process_group() or the end of the "
+                f"program; a request left waiting at exit fails when the group closes. The failure: "
+                f"{type(failure).__name__}: {failure}",
                 RuntimeWarning,
                 stacklevel=2,
             )

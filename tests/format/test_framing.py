@@ -73,6 +73,17 @@ def test_accept_refuses_before_the_payload_is_touched():
         _frame.decode(_frame.Incoming(memoryview(data)), sender=5, accept=frozenset({"msgpack", "json"}))
 
 
+def test_a_refusal_names_what_accept_lists_that_no_serializer_is_called():
+    """A newcomer's find: ``accept=["msgpak"]`` refused every sender, and the message named only the sender's
+    serializer; it now says that no serializer of that name is registered here. A correct list adds nothing."""
+    data = frame_bytes(name="pickle")
+    with pytest.raises(ContentRefusedError, match=r"no serializer named 'msgpak' is registered.*misspelling"):
+        _frame.decode(_frame.Incoming(memoryview(data)), sender=5, accept=frozenset({"msgpak"}))
+    with pytest.raises(ContentRefusedError) as refused:
+        _frame.decode(_frame.Incoming(memoryview(data)), sender=5, accept=frozenset({"msgpack"}))
+    assert "registered" not in str(refused.value)
+
+
 def test_unknown_serializer_names_it_and_lists_registered():
     data = frame_bytes(name="json")
     data[40:44] = b"yaml"
