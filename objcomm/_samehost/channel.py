@@ -22,7 +22,8 @@ a reuse protocol, while a socket gives the rest from the kernel:
 - waits block in the kernel (``recv`` under ``SO_RCVTIMEO``, or ``poll``): a rank waiting 100 ms
   for a late peer spends < 1 ms of CPU (MPICH, busy-polling: 64-100 ms). Before it blocks, a wait
   polls its sockets for a moment (the ``local_spin_us`` setting; automatic: 1 ms), once per call,
-  yielding the CPU between polls where the group's ranks outnumber the host's CPUs (:func:`yields`):
+  yielding the CPU between polls (``sched_yield``: free where nothing else waits for the CPU; see
+  :func:`objcomm._samehost.inbox_waits.poll_briefly`):
   waking a sleeping rank costs ~50 µs a hop on this machine's virtual CPUs, which is most of a small
   call (a back-to-back all_gather at W=2: 108 µs sleeping at once, 90 µs with a 100 µs spin; a send/recv
   round trip: 253 and 155 µs), and a receiver woken on a cold core decodes slower: a 16 KB send/recv round
@@ -99,7 +100,7 @@ from objcomm._transport.base import Wire, all_gather_single, guarded
 
 DEFAULT_TIMEOUT = 300.0  # seconds any one wait may take
 SETUP_TIMEOUT = 30.0  # seconds to connect the mesh
-AUTO_SPIN = 1e-3  # seconds a wait polls before sleeping when the spin setting is automatic (see yields)
+AUTO_SPIN = 1e-3  # seconds a wait polls (yielding the CPU between polls) before sleeping, when the spin is automatic
 
 _HELLO = struct.Struct("<iq")  # connector's group rank, the acceptor's secret
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
@@ -175,9 +176,9 @@ class LocalChannel(Mesh):
         timeval = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))  # bounds a blocking recv in the kernel
         for sock in peers.values():
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        self._inbox = Inbox(peers, pids, timeout, MAX_PAYLOAD, self._fail, stash_bytes, yields(self.size))
+        self._inbox = Inbox(peers, pids, timeout, MAX_PAYLOAD, self._fail, stash_bytes, yielding=True)
         self._inbox.ranks_note = self.ranks_note
-        self.auto_spin = AUTO_SPIN  # where the ranks outnumber the CPUs, polling yields (see yields)
+        self.auto_spin = AUTO_SPIN
         self.unsynced = 0  # second-round bytes of broadcasts, gathers, scatters since the last all_gather after them
         self._votes = 0  # all_gathers and all_to_alls that could have voted send/recv in (see vote_due)
         self._seq = 0
@@ -411,20 +412,6 @@ def _through(wire: Wire, control: Any) -> Tuple[Any, torch.device]:
     """Where the channel's own collectives go: the control group (gloo, host memory) once there is one, else
     ``wire``'s group on its device (the first set-up)."""
     return (wire.group, wire.device) if control is None else (control, torch.device("cpu"))
-
-
-def yields(ranks: int) -> bool:
-    """Whether a polling wait yields the CPU between polls (``sched_yield``): where this host has fewer CPUs
-    (those this process may run on) than the group has ``ranks``. Oversubscribed, a rank that polls without
-    yielding takes the CPU the peer it waits for needs (measured at W=4 on 2 CPUs: a small all_gather 500 µs
-    without polling, 597 µs polling); yielding, it gives it up whenever another process can run, and polls
-    at full speed when none can (W=4 on 2 CPUs, ``bench_peers.py``: all_gather 305 -> 284 µs, broadcast
-    32 -> 12 µs, send/recv round trip 110 -> 39 µs, against sleeping at once)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return ranks > cpus
 
 
 def _forget_in_child() -> None:

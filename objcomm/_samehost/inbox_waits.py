@@ -386,9 +386,14 @@ def poll_briefly(poll: Any, until: float, yielding: bool = False) -> bool:
     A rank that sleeps in the kernel is woken by the peer's send, which on this machine's virtual CPUs
     costs ~50 µs a hop (a blocking round trip through a socket pair: ~106 µs; polling: ~6 µs). Waits
     shorter than the spin skip it; longer ones sleep after it, so the CPU a waiting rank spends is
-    bounded by the spin, once per call. ``yielding`` (where the group's ranks outnumber the CPUs:
-    :func:`objcomm._samehost.channel.yields`): ``sched_yield`` between polls, so that a peer that needs this CPU
-    gets it (a rank polling on a CPU its peer needs delays that very peer).
+    bounded by the spin, once per call. ``yielding`` (the channel's, always): ``sched_yield`` between polls, so
+    that a peer that needs this CPU gets it (a rank polling on a CPU its peer needs delays that very peer). Where
+    nothing else waits for the CPU the yield returns at once (2 ranks on 2 idle CPUs: a small all_gather 25 µs
+    either way); where something does, it keeps the call steady: 2 ranks on 2 CPUs beside one busy process, a
+    small all_gather took 26 µs in one launch and ~1,050 µs in three others polling without yielding (a
+    newcomer's bench rows slower than torch's), 92-120 µs in each yielding (``benchmarks/bench_busy_host.py``;
+    torch's ``all_gather_object`` 1.7-2.6 ms there). It yielded only where the group's ranks outnumbered the CPUs
+    before.
     """
     if yielding:
         while not poll.poll(0):
