@@ -42,7 +42,7 @@ def start_budget(units: int) -> Optional[List[Any]]:
     outer = getattr(_work, "remaining", None)
     # the units left, nested()'s depths, unshared()'s buffers, big_number()'s bits, whether a Decimal was built, the
     # probe pass's nesting probes (guards._NestingProbe)
-    _work.remaining = [units, {}, None, 0, False, 0]
+    _work.remaining = [units, {}, None, 0, False, 0, 0]
     return outer
 
 
@@ -94,7 +94,7 @@ def state() -> List[Any]:
     """This load's state (:func:`start_budget`'s list; slot 5 counts the probe pass's nesting probes), or a fresh one
     outside a load."""
     remaining = getattr(_work, "remaining", None)
-    return [0, {}, None, 0, False, 0] if remaining is None else remaining
+    return [0, {}, None, 0, False, 0, 0] if remaining is None else remaining
 
 
 def nesting_checked() -> None:
@@ -127,6 +127,10 @@ def unshared(data: Any, what: str, nbytes: Optional[int] = None, copy: Any = byt
 # equal hashes (numbers' hashes are easy to make equal) pays one comparison per two-byte reference to either: 100 KB
 # took 35 s (an attacker's find). A load that builds a Decimal holds no int or Fraction of more than this many bits.
 DECIMAL_PEER_BITS = 2048
+# Comparing a Decimal with a Fraction costs about the Decimal's digits times the Fraction's bits: a 4,300-digit
+# Decimal and a Fraction of two 2,030-bit ints of equal hash, 43 µs a comparison, one per one-byte reference (a
+# helper's find: 104 KB took 4.6 s). With a Decimal, a Fraction's parts hold at most this many bits (~5 µs).
+FRACTION_DECIMAL_BITS = 256
 
 
 def big_number(bits: int, what: str) -> None:
@@ -140,21 +144,35 @@ def big_number(bits: int, what: str) -> None:
     remaining[3] = max(remaining[3], bits)
 
 
+def fraction_built(bits: int, what: str = "a Fraction") -> None:
+    """This load builds a Fraction whose larger part has ``bits`` bits: refused past :data:`DECIMAL_PEER_BITS`, and
+    past :data:`FRACTION_DECIMAL_BITS`, where the load builds a Decimal too (in either order)."""
+    big_number(bits, what)
+    remaining = getattr(_work, "remaining", None)
+    if remaining is None or bits <= FRACTION_DECIMAL_BITS:
+        return
+    if remaining[4]:
+        raise _with_decimal(what, bits, "a Fraction", FRACTION_DECIMAL_BITS)
+    remaining[6] = max(remaining[6], bits)
+
+
 def decimal_built() -> None:
-    """This load builds a Decimal: refused where it holds a number past :data:`DECIMAL_PEER_BITS`."""
+    """This load builds a Decimal: refused where it holds a number past :data:`DECIMAL_PEER_BITS`, or a Fraction
+    past :data:`FRACTION_DECIMAL_BITS`."""
     remaining = getattr(_work, "remaining", None)
     if remaining is None:
         return
     if remaining[3]:
         raise _with_decimal("a Decimal", remaining[3])
+    if remaining[6]:
+        raise _with_decimal("a Decimal", remaining[6], "a Fraction", FRACTION_DECIMAL_BITS)
     remaining[4] = True
 
 
-def _with_decimal(what: str, bits: int) -> DecodeError:
+def _with_decimal(what: str, bits: int, peer: str = "a number", limit: int = DECIMAL_PEER_BITS) -> DecodeError:
     return _refuse(
-        f"{what}: a Decimal and a number of more than {DECIMAL_PEER_BITS:,} bits (about {bits:,}) in one payload: "
-        "comparing them costs time quadratic in the number's size, once per reference; send one of them as text, or "
-        "use pickle"
+        f"{what}: a Decimal and {peer} of more than {limit:,} bits (about {bits:,}) in one payload: comparing them "
+        "costs time quadratic in the number's size, once per reference; send one of them as text, or use pickle"
     )
 
 

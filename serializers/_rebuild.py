@@ -163,7 +163,10 @@ def numpy_scalar(descr: Any, data: Any) -> Any:
     import numpy as np
 
     dtype = numpy_dtype(descr)
-    data = _byte_string(data, "scalar data")
+    if type(data) is not bytes:  # as the encoder writes it (tobytes): the walk charges a bytes argument's size to
+        # each use of what it built as a key, not a bytearray's (unhashable itself: an attacker's find, two equal
+        # "S" scalars from one memoized bytearray, compared whole at each of thousands of set insertions)
+        raise _refuse(f"a numpy scalar's data: expected bytes, got {type(data).__name__}")
     if len(data) != dtype.itemsize:
         raise _refuse(f"a {dtype} scalar: {len(data)} bytes given, {dtype.itemsize} needed")
     charge(dtype.itemsize, "a numpy scalar")  # a bytes, str or void scalar copies its data

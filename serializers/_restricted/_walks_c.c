@@ -528,7 +528,7 @@ full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *ma
             if (effect != E_REDUCE || parts[0].tag == GLOBAL)
                 AS_VALUE(parts[0]); /* only a call's own arguments may hold a global */
             Value callable = stack->items[--stack->size];
-            if (callable.tag == ARGS)
+            if (callable.tag != GLOBAL) /* ARGS, or a value the payload built: the Python walk says which */
                 REFUSE;
             if (combine(parts, 2, 1, budget, &value) < 0)
                 REFUSE;
@@ -584,6 +584,8 @@ full_walk_of(const unsigned char *raw, Py_ssize_t size, Values *stack, Marks *ma
             mark = marks->items[--marks->size];
             if (mark > stack->size)
                 mark = stack->size;
+            if (stack->size <= mark || stack->items[mark].tag != GLOBAL)
+                REFUSE; /* OBJ calls the class it names, never a value the payload built */
             for (Py_ssize_t i = mark + 1; i < stack->size; i++)
                 AS_VALUE(stack->items[i]);
             if (combine(stack->items + mark, stack->size - mark, 1, budget, &value) < 0)

@@ -118,6 +118,12 @@ _BUILD_TARGET = -1  # no target kind takes BUILD without the probe pass
 COMPARED_BYTES = 64
 
 
+# REDUCE, NEWOBJ(_EX) and OBJ call a class or function the payload names (a global), never a value it built: an
+# allowed class's instance may be callable (an attacker's find: Job() then REDUCE(instance, args) ran Job.__call__
+# with the payload's arguments, unguarded); the encoder writes no such call
+_CALLS_A_VALUE = "the opcode at byte {at} calls a value the payload built, not a class or function it names"
+
+
 class ScanError(ValueError):
     """The payload breaks one of the walk's rules; the message says which and where."""
 
@@ -295,6 +301,8 @@ def full_walk_python(raw: bytes, noted: Optional[List[int]] = None) -> bool:
                 callable_ = stack.pop()
                 if callable_[0] == ARGS:
                     _as_value(callable_, at)
+                if callable_[0] != GLOBAL:
+                    raise ScanError(_CALLS_A_VALUE.format(at=at))
                 stack.append(_built((args, kwargs), at, budget))
             elif effect == _PUSH_GLOBAL:
                 stack.append((GLOBAL, 0, 1))
@@ -325,6 +333,8 @@ def full_walk_python(raw: bytes, noted: Optional[List[int]] = None) -> bool:
                 mark = marks.pop()
                 items = stack[mark:]
                 del stack[mark:]
+                if effect == _OBJ and (not items or items[0][0] != GLOBAL):
+                    raise ScanError(_CALLS_A_VALUE.format(at=at))
                 for item in items[1:] if effect == _OBJ else items:
                     _as_value(item, at)
                 stack.append(_built(items, at, budget))
@@ -354,7 +364,10 @@ def full_walk_python(raw: bytes, noted: Optional[List[int]] = None) -> bool:
 
 def _memo_index(raw: bytes, code: int, start: int, end: int) -> int:
     if code == _PUT_TEXT or code == _GET_TEXT:
-        return int(raw[start : end - 1])
+        try:
+            return int(raw[start : end - 1])
+        except ValueError:  # (a helper's find: int()'s own error left the walk)
+            raise ScanError(f"a memo index that is not a number at byte {start - 1}") from None
     return int.from_bytes(raw[start:end], "little")
 
 

@@ -103,6 +103,8 @@ def _uncached_units(item: Any, tuples: List[Any]) -> int:
         tuples.append(item)
     elif isinstance(item, int):
         return item.bit_length() >> 3
+    elif isinstance(item, (str, bytes)):  # numpy's str_ and bytes_ scalars: compared whole as their bases are
+        return len(item) // COMPARED_BYTES
     elif type(item) is range:
         return (item.start.bit_length() + item.stop.bit_length() + item.step.bit_length()) >> 3
     elif type(item) is fractions.Fraction:  # its hash: pow(denominator, -1, P), then a product
@@ -273,7 +275,7 @@ def _fraction(numerator: Any = 0, denominator: Any = None) -> fractions.Fraction
             raise _refused("Fraction() of text other than 'n' or 'n/d' with at most 4300 digits each")
         _budget.charge(8 * len(numerator), "Fraction")
         built = fractions.Fraction(numerator)
-        _budget.big_number(max(built.numerator.bit_length(), built.denominator.bit_length()), "a Fraction")
+        _budget.fraction_built(max(built.numerator.bit_length(), built.denominator.bit_length()))
         return built
     _small_int(numerator, "Fraction")
     if denominator is not None:
@@ -282,8 +284,9 @@ def _fraction(numerator: Any = 0, denominator: Any = None) -> fractions.Fraction
     # guard's fixed charge pays for small ones (Fraction(3, 7), as Python 3.11 pickles it, costs ~1 µs)
     bits = numerator.bit_length() + (denominator.bit_length() if denominator is not None else 0)
     _budget.charge(bits >> 3, "Fraction")
-    # (its ints came through the walk, which noted any past NOTED_INT_BYTES: big_number has them)
-    return fractions.Fraction(numerator, denominator)
+    built = fractions.Fraction(numerator, denominator)  # (the walk notes only ints past NOTED_INT_BYTES: LONG4)
+    _budget.fraction_built(max(built.numerator.bit_length(), built.denominator.bit_length()))
+    return built
 
 
 def _object() -> object:

@@ -87,6 +87,8 @@ def test_the_c_walk_leaves_every_hostile_payload_to_the_python_walk():
         "an EXT1": payload(b"\x82\x01"),
         "a persistent id": payload(b"N" + b"Q"),
         "GLOBAL (a text opcode)": payload(glob("builtins", "set") + b")R"),
+        "a call of a value a call built": payload(v("builtins") + v("set") + b"\x93)R" + v("x") + b"\x85R"),
+        "OBJ of a value a call built": payload(b"(" + v("builtins") + v("set") + b"\x93)R" + b"o"),
     }
     answers = run_in_child(_answers, list(cases.values()), memory_budget=256 << 20, preload=("numpy", "torch"))
     decided: Dict[str, Optional[bool]] = {label: pair[1] for label, pair in zip(cases, answers) if pair[1] is not None}
@@ -94,6 +96,42 @@ def test_the_c_walk_leaves_every_hostile_payload_to_the_python_walk():
     assert decided == {label: answers[i][0] for i, label in enumerate(cases) if label in decided}
     assert not decided.keys() - accepted_by_python
     assert "a list dag" in accepted_by_python and "a list dag" in decided  # a dag of lists is fine: no hashing
+
+
+class _Job:
+    """An allowed class whose instances are callable (a model, a transform, a task)."""
+
+    called: List[tuple] = []
+
+    def __call__(self, *args: object) -> str:
+        _Job.called.append(args)
+        return "ran"
+
+
+def test_calls_of_a_value_the_payload_built_are_refused_by_both_walks():
+    """A helper's find: REDUCE (and OBJ) took any value as the callable but a call's arguments, so with an allowed
+    class whose instances are callable, ``_Job()`` then ``REDUCE(instance, ("chosen", 1000000))`` ran
+    ``_Job.__call__`` with the payload's arguments, unguarded. A call's callable is a global now, in both walks (the
+    C walk leaves such a payload to the Python one, which says why); the encoder writes no other."""
+    job = v(_Job.__module__) + v("_Job") + b"\x93)R"
+    cases = [payload(job + v("chosen") + b"J\x40\x42\x0f\x00\x86R"), payload(b"(" + job + b"o")]
+    restricted = serializers.RestrictedPickleSerializer()
+    restricted.allow(_Job)
+    for data in cases:
+        with pytest.raises(_scan.ScanError, match="calls a value the payload built"):
+            _scan.full_walk_python(data)
+        if _scan._full_walk_c is not None:
+            assert _scan._full_walk_c(data) is None
+        with pytest.raises(serializers.ContentRefusedError, match="calls a value the payload built"):
+            restricted.loads(data)
+    assert _Job.called == []
+    assert type(restricted.loads(restricted.dumps(_Job()))) is _Job  # an allowed class itself still loads
+
+
+def test_a_text_memo_index_that_is_not_a_number_is_the_walk_s_error():
+    """A helper's find: int()'s ValueError left the Python walk, where its callers expect ScanError."""
+    with pytest.raises(_scan.ScanError, match="memo index that is not a number"):
+        _scan.full_walk_python(b"\x80\x05Np\x87x\n.")
 
 
 @needs_c_walk

@@ -525,3 +525,62 @@ def test_pairs_that_hide_their_key_from_the_hashing_charge_are_refused():
         assert cpu < 1.0, (label, cpu)
     pairs = collections.OrderedDict([((1, 2), 3), ("k", [4])])
     assert serializers.get("restricted-pickle").loads(pickle.dumps(pairs)) == pairs
+
+
+def _scalars_and_numbers_payloads() -> Dict[str, Tuple[str, str, float]]:
+    import decimal
+    import fractions
+
+    from serializers import _rebuild
+
+    data = bytearray(b"s" * 65_536)  # one memoized bytearray, two "S" scalars over it
+    scalars = [_Reduced(_rebuild.numpy_scalar, ("|S65536", data)) for _ in range(2)]
+    over_bytes = [_Reduced(_rebuild.numpy_scalar, ("|S65536", bytes(data))) for _ in range(2)]
+    # a 4,300-digit Decimal and a Fraction of two ~2,030-bit ints, their hashes made equal as the helper did not
+    # need to: refused whatever the hashes, as their comparison is what costs
+    digits = "7" * 4_300
+    big = fractions.Fraction((1 << 2030) + 1, (1 << 2029) + 3)
+    small = fractions.Fraction((1 << 255) + 1, 3)
+    cases = {
+        "S scalars over a bytearray": pickle.dumps(_Reduced(set, ([scalars[0]] + [scalars[1]] * 2_000,)), protocol=5),
+        "a Decimal, then a 2,030-bit Fraction": pickle.dumps(
+            [decimal.Decimal(digits), _Reduced(fractions.Fraction, (big.numerator, big.denominator))], protocol=5
+        ),
+        "a 2,030-bit Fraction, then a Decimal": pickle.dumps(
+            [_Reduced(fractions.Fraction, (big.numerator, big.denominator)), decimal.Decimal(digits)], protocol=5
+        ),
+        "a Fraction of text, then a Decimal": pickle.dumps(
+            [_Reduced(fractions.Fraction, (f"{big.numerator}/{big.denominator}",)), decimal.Decimal(digits)], protocol=5
+        ),
+        "a Decimal and a 256-bit Fraction": pickle.dumps(
+            [decimal.Decimal(digits), _Reduced(fractions.Fraction, (small.numerator, small.denominator))], protocol=5
+        ),
+        "a 2,030-bit Fraction alone": pickle.dumps(
+            _Reduced(fractions.Fraction, (big.numerator, big.denominator)), protocol=5
+        ),
+        "an S scalar over bytes": pickle.dumps(_Reduced(_rebuild.numpy_scalar, ("|S4", b"abcd")), protocol=5),
+        # the set constructor's own charge: numpy's bytes_ (a bytes subclass) compared whole, as bytes is
+        "set() of two equal S scalars over bytes": pickle.dumps(
+            _Reduced(set, ([over_bytes[0]] + [over_bytes[1]] * 20_000,)), protocol=5
+        ),
+    }
+    return _decode_all(cases)
+
+
+def test_scalars_over_a_bytearray_and_a_big_fraction_beside_a_decimal_are_refused():
+    """A helper's finds. (1) Two equal numpy ``S`` scalars over one memoized bytearray, in a set with thousands of
+    one-byte references: the walk charges a bytes argument's size to each use of what it built, not a bytearray's,
+    and each insertion compared the two whole (1 MB, 5.6 s); a scalar's data is bytes, as the encoder writes it. (2)
+    A 4,300-digit Decimal and a Fraction of ~2,030-bit parts with equal hashes: 43 µs a comparison, one per byte
+    (104 KB, 4.6 s); beside a Decimal a Fraction holds at most 256 bits a part, in either order. (3) The set
+    constructor's charge took numpy's ``bytes_`` scalars for cheap hashes; they are compared whole, as bytes."""
+    results = run_in_child(_scalars_and_numbers_payloads, memory_budget=1 << 30, preload=WITH_TORCH)
+    refused, message, _ = results["S scalars over a bytearray"]
+    assert refused in REFUSED and "a numpy scalar's data: expected bytes, got bytearray" in message, message
+    for label in ("a Decimal, then a 2,030-bit Fraction", "a 2,030-bit Fraction, then a Decimal"):
+        assert results[label][0] in REFUSED and "a Fraction of more than 256 bits" in results[label][1], results[label]
+    assert "a Fraction of more than 256 bits" in results["a Fraction of text, then a Decimal"][1], results
+    refused, message, _ = results["set() of two equal S scalars over bytes"]
+    assert refused == "DecodeError" and "work budget" in message, message
+    for label in ("a Decimal and a 256-bit Fraction", "a 2,030-bit Fraction alone", "an S scalar over bytes"):
+        assert results[label][0] == "ok", (label, results[label])
