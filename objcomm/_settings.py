@@ -100,8 +100,8 @@ class Settings:
       ``shm_threshold`` and 16 MiB (:mod:`objcomm._samehost.channel_rests`). All ranks of a group must agree.
     - ``local_spin_us``: microseconds a rank waiting for a message of the same-host channel polls its sockets
       before it sleeps in the kernel (a sleeping rank's wake-up costs ~50 µs here; spinning, ~3 µs). ``None``
-      (automatic): 1,000. A polling rank yields the CPU between polls (``sched_yield``), so that it never keeps
-      the peer it waits for, or anything else, from running. At most
+      (automatic): 1,000. A polling rank yields the CPU between polls (``sched_yield``), which lets the peer it
+      waits for, or anything else, run. At most
       once per call, so a rank waiting long spends little CPU.
     """
 

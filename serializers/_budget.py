@@ -41,7 +41,7 @@ def start_budget(units: int) -> Optional[List[Any]]:
     """Start a budget of ``units`` without a ``with`` block; return what :func:`end_budget` restores."""
     outer = getattr(_work, "remaining", None)
     # the units left, nested()'s depths, unshared()'s buffers, big_number()'s bits, whether a Decimal was built, the
-    # probe pass's nesting probes (guards._NestingProbe)
+    # probe pass's nesting probes (guards._NestingProbe), fraction_built()'s bits
     _work.remaining = [units, {}, None, 0, False, 0, 0]
     return outer
 
@@ -170,9 +170,10 @@ def decimal_built() -> None:
 
 
 def _with_decimal(what: str, bits: int, peer: str = "a number", limit: int = DECIMAL_PEER_BITS) -> DecodeError:
+    instead = "one of them as text" if peer == "a number" else "the Fraction as text (str(f)) or its two ints"
     return _refuse(
         f"{what}: a Decimal and {peer} of more than {limit:,} bits (about {bits:,}) in one payload: comparing them "
-        "costs time quadratic in the number's size, once per reference; send one of them as text, or use pickle"
+        f"costs time quadratic in the number's size, once per reference; send {instead}, or use pickle"
     )
 
 

@@ -25,9 +25,12 @@ from serializers._protocol import Buffer, Restore, Serializer
 TAG = "__objcomm_type__"
 MAX_TAG_DEPTH = 256
 _TAG_BYTES = f'"{TAG}"'.encode()
-# the tag, or any \u escape, which could spell it (an attacker's find: "\u005f_objcomm_type__" skipped the codecs);
-# orjson escapes only control characters, so honest payloads rarely take the slower path for it
-_TAG_PATTERN = re.compile(re.escape(_TAG_BYTES) + rb"|\\u")  # re searches memoryviews without a copy
+# the tag, or an escape of a character it holds ("_", "a"-"z"), which could spell it (an attacker's find:
+# "\u005f_objcomm_type__" skipped the codecs); orjson writes no such escape, so honest payloads do not take the
+# slower path for it
+_ESCAPED = r"\\u00(?:5[fF]|[67][0-9a-fA-F])"
+_TAG_PATTERN = re.compile(re.escape(_TAG_BYTES) + b"|" + _ESCAPED.encode())  # re searches memoryviews without a copy
+_TAG_TEXT = re.compile(re.escape(f'"{TAG}"') + "|" + _ESCAPED)
 _NATIVE = (type(None), bool, str, list, tuple, dict)
 _HINTS = {
     "dict key": "JSON object keys are strings; convert the keys or use msgpack or pickle",
@@ -121,13 +124,13 @@ class JsonSerializer(Serializer):
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
         with decoding(self.name, data):
             obj = _orjson().loads(data)
-            if (TAG in data or "\\u" in data) if isinstance(data, str) else _TAG_PATTERN.search(data):
+            if (_TAG_TEXT if isinstance(data, str) else _TAG_PATTERN).search(data):
                 obj = self._untag(obj, 0)
             return obj
 
     def _untag(self, obj: Any, depth: int) -> Any:
         if depth > MAX_TAG_DEPTH:
-            raise DecodeError(f"json payload with codec tags nests over {MAX_TAG_DEPTH} levels")
+            raise DecodeError(f"json payload nests over {MAX_TAG_DEPTH} levels where codec tags are looked for")
         if isinstance(obj, list):
             return [self._untag(v, depth + 1) for v in obj]
         if isinstance(obj, dict):

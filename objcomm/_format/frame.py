@@ -46,7 +46,15 @@ from objcomm._errors import (
 from objcomm._format import compression as _compression
 from objcomm._format.limits import too_large
 from objcomm._format.message import Incoming, Outgoing
-from objcomm._format.tensors import Entry, TensorLifter, WholeBytes, check_whole, parse_table, restorer
+from objcomm._format.tensors import (
+    WHOLE_PAYLOAD_MOST,
+    Entry,
+    TensorLifter,
+    WholeBytes,
+    check_whole,
+    parse_table,
+    restorer,
+)
 from serializers import AutoSerializer, SerializerProtocol, registry
 from serializers._auto import exact as auto_exact
 from serializers._auto import no_candidate
@@ -151,9 +159,13 @@ def serialize(obj: Any, serializer: SerializerProtocol, inline_tensor_bytes: int
     """
     if isinstance(serializer, AutoSerializer):
         return _serialize_auto(obj, serializer, inline_tensor_bytes)
-    lifter = TensorLifter(min(inline_tensor_bytes, getattr(serializer, "in_band_array_bytes", -1)))
+    in_band_arrays = min(inline_tensor_bytes, getattr(serializer, "in_band_array_bytes", -1))
+    lifter = TensorLifter(in_band_arrays)
     if type(obj) in (bytes, bytearray) and len(obj) > inline_tensor_bytes and serializer.supports_external:
-        obj = WholeBytes(obj)  # travels like a tensor: never copied into the payload
+        payload = serializer.dumps(WholeBytes(obj), lift=lifter)  # travels like a tensor: not copied into the payload
+        if memoryview(payload).nbytes <= WHOLE_PAYLOAD_MOST:  # the reference alone, as receivers take it (every
+            return payload, lifter, serializer  # built-in's: 3-57 bytes); a serializer that writes more: in band
+        lifter = TensorLifter(in_band_arrays)
     return serializer.dumps(obj, lift=lifter), lifter, serializer
 
 
@@ -415,12 +427,13 @@ def decode_parsed(
 def _unregistered(accept: Collection[str]) -> str:
     """What a refusal adds where ``accept`` names serializers this rank does not have (a misspelt name refused
     every sender alike, and the message named only the sender's serializer: a newcomer's find)."""
-    unknown = sorted(set(accept) - set(registry.available()))
+    registered = registry.available()
+    unknown = sorted(set(accept) - set(registered))
     if not unknown:
         return ""
     return (
         f" (no serializer named {', '.join(map(repr, unknown))} is registered on this rank: a misspelling? "
-        f"registered: {', '.join(registry.available())})"
+        f"registered: {', '.join(registered)})"
     )
 
 

@@ -137,7 +137,7 @@ class Stash:
         largest: int,
         fail: Fail,
         stash_bytes: Optional[int] = None,
-        yielding: bool = False,
+        yielding: bool = True,
     ) -> None:
         self.timeout = timeout
         self.yielding = yielding  # a polling wait yields the CPU between polls (see inbox_waits.poll_briefly)

@@ -11,7 +11,6 @@ shares with all_gather and send/recv (the slot, its rest, what round 1 delivered
 
 from __future__ import annotations
 
-import struct
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -25,7 +24,7 @@ from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Slot, Wire, guarded
 from objcomm._transport.bytes import Batch, host_view, joined, receive_buffer, to_device
 from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.rounds import _on_device, _rest, _round_one, _slot, _split_rest
-from objcomm._transport.slot_tree import gather_up_tree, word_down_tree
+from objcomm._transport.slot_tree import _WORD, gather_up_tree, word_down_tree
 
 
 @one_call
@@ -92,9 +91,6 @@ class Checked(NamedTuple):
 
     plans: List[Optional[List[int]]]  # every sender's tensor sizes (limits.plans)
     ends: bool  # every slot carried its whole message: nothing moves
-
-
-_WORD = struct.Struct("<q")
 
 
 def _gather_slots(

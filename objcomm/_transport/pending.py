@@ -18,7 +18,7 @@ posted with ``dist.isend`` and left here (:func:`post`), as MPI's eager protocol
   per group on this rank (with the default 4 KiB slot the count binds first for slots alone: 1024 sends, 4 MiB;
   the bytes for messages with their rest: about 250 of up to 64 KiB. It was 64 sends, 4 MiB: a worker that sent
   500 progress messages under one tag while its master waited for another tag waited until the timeout, where
-  the same-host channel, which holds 8 MiB, took them); a send past the
+  the same-host channel, which holds up to 8 MiB a peer (less past 4 ranks a host), took them); a send past the
   bound waits until the oldest are received, the group's timeout at most (the channel bounds what it holds too);
 - a thread per (group, receiver) with sends pending waits for them in order (gloo tells a send's end to a waiter
   only: a wait with a timeout that expires breaks the group's connections), and ends :data:`LINGER` seconds after

@@ -110,8 +110,8 @@ def word_down_tree(wire: Wire, word: Optional[int], dst: int, op: str) -> int:
     size = wire.size
     me = (wire.rank - dst) % size
     tree = binomial(me, size)
-    wire = wire._replace(tag=INTERNAL_TAG)
-    batch = Batch(wire, op)
+    wire = wire._replace(tag=INTERNAL_TAG, chunk=DEFAULT_PIECE)  # (a reviewer's find: a rank's own chunk_bytes of 4
+    batch = Batch(wire, op)  # cut the word in two, and its second half became the next call's word on its child)
     if tree.parent is None:
         assert word is not None, "the destination has the word"
         data = torch.frombuffer(bytearray(_WORD.pack(word)), dtype=torch.uint8)

@@ -119,7 +119,7 @@ COMPARED_BYTES = 64
 
 
 # REDUCE, NEWOBJ(_EX) and OBJ call a class or function the payload names (a global), never a value it built: an
-# allowed class's instance may be callable (an attacker's find: Job() then REDUCE(instance, args) ran Job.__call__
+# allowed class's instance may be callable (a helper's find: Job() then REDUCE(instance, args) ran Job.__call__
 # with the payload's arguments, unguarded); the encoder writes no such call
 _CALLS_A_VALUE = "the opcode at byte {at} calls a value the payload built, not a class or function it names"
 

@@ -224,9 +224,42 @@ def test_whole_bytes_travel_alone_referred_to_once(serializer, entries):
     frame = _bytes_compared_at_each_reference(serializer, 1 << 16, 2_000, entries)
     with pytest.raises(objcomm.FrameError, match="holds that entry alone and a payload of at most 256 bytes"):
         _frame.decode(Incoming(memoryview(frame)), sender=1, accept=None)
-    for whole in (b"w" * (1 << 16), bytearray(1 << 16)):  # what a sender makes still arrives
-        out = _frame.encode(whole, serializers.registry.guarded(serializer), max_bytes=1 << 30)
+    for whole in (b"w" * ((1 << 16) + 1), bytearray((1 << 16) + 1)):  # what a sender makes still arrives: past
+        for compression in (None, "zstd", "lz4", "auto"):  # inline_tensor_bytes (64 KiB), one whole entry
+            for chosen in (serializer, "auto"):
+                out = _frame.encode(
+                    whole, serializers.registry.guarded(chosen), max_bytes=1 << 30, compression=compression
+                )
+                assert _frame.parse_header(out.frame).n_tensors == 1, (chosen, compression)
+                got = _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None)
+                assert type(got) is type(whole) and got == whole, (chosen, compression)
+
+
+class _Verbose(serializers.Serializer):
+    """A serializer of the user's that takes objects out of band, and writes a long header before its payload."""
+
+    name, safe, supports_external = "verbose-pickle", False, True
+    header = b"#" * 300
+
+    def dumps(self, obj, /, *, lift=None, **_):
+        return self.header + bytes(serializers.get("pickle").dumps(obj, lift=lift))
+
+    def loads(self, data, /, *, restore=None, **_):
+        return serializers.get("pickle").loads(memoryview(data)[len(self.header) :], restore=restore)
+
+
+def test_a_whole_bytes_travels_in_band_where_a_serializer_writes_more_than_the_reference():
+    """A reviewer's find: a serializer of the user's whose payload for a whole ``bytes`` is more than the reference
+    (a header of its own) made frames every receiver refused (``check_whole``); the sender now keeps it in band."""
+    serializers.register(_Verbose())
+    try:
+        chosen = serializers.registry.guarded("verbose-pickle")
+        whole = b"v" * ((1 << 16) + 1)
+        out = _frame.encode(whole, chosen, max_bytes=1 << 30)
+        assert _frame.parse_header(out.frame).n_tensors == 0 and out.frame.nbytes > len(whole)
         assert _frame.decode(Incoming(out.frame, list(out.tensors)), sender=0, accept=None) == whole
+    finally:
+        serializers.unregister("verbose-pickle")
 
 
 @pytest.mark.parametrize("serializer", ["pickle", "cloudpickle", "restricted-pickle", "msgpack"])

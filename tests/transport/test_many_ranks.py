@@ -429,6 +429,37 @@ def test_a_lying_child_up_the_tree_changes_its_own_slot_only(lie):
     assert table == [three if r == 3 else [r + 1] * 64 for r in range(W)]
 
 
+def gathers_whose_roots_cut_in_small_pieces() -> List[Any]:
+    """gather with its slots up the tree (forced), the destination's word back down it, where the destination's own
+    chunk_bytes is 4 (the word is 8 bytes): each call's outcome on this rank, a refusal (LOOK) among them."""
+    rank = dist.get_rank()
+    rows: List[Any] = []
+    for dst in (0, 3):
+        chunk = 4 if rank == dst else None
+        hooks = Hooks(separate_hosts=True, up_tree=True)
+        comm = objcomm.Communicator(local=False, shm=False, _hooks=hooks, **({"chunk_bytes": chunk} if chunk else {}))
+        for call in range(4):
+            refusing = call == 1  # the destination refuses rank 5's object: every rank raises alike
+            try:
+                got = comm.gather(
+                    b"x" * (20_000 if rank == 5 and refusing else 10) + bytes([rank]),
+                    dst=dst,
+                    max_bytes=10_000 if refusing and rank == dst else None,
+                )
+                right = [g[-1] for g in got] == list(range(W)) if rank == dst else got is None
+                rows.append((dst, call, right))
+            except objcomm.ObjcommError as exc:
+                rows.append((dst, call, type(exc).__name__))
+    return rows
+
+
+def test_the_destination_s_word_comes_down_whole_whatever_its_chunk_bytes():
+    """A reviewer's find: the word went down the tree in pieces of the rank's own chunk_bytes; a destination with 4
+    cut it in two, and the second half became its child's word in the next call (a refusal read as go on there)."""
+    expected = [(dst, call, "TooLargeError" if call == 1 else True) for dst in (0, 3) for call in range(4)]
+    assert get_pool(W).run(gathers_whose_roots_cut_in_small_pieces, timeout=120) == [expected] * W
+
+
 def a_child_that_stalls_each_message(up_tree: bool) -> Any:
     """Ranks 0-5 in a group with a 4 s timeout gather to rank 0, its slots up the tree; rank 1 (a leaf under rank 0)
     holds back each of its two messages 3 s, each within the timeout, both together past it. What this rank's call

@@ -223,14 +223,7 @@ def plan(
             if slots_up_tree(world=world):  # trimmed to what each carries, with its length (gather_up_tree)
                 held = carried if carried is not None else slots
                 steps.append(Step("gather_tree", BACKEND, tuple(_up_tree(n, knobs.slot_bytes) for n in held)))
-                steps.append(
-                    Step(
-                        "down_tree",
-                        BACKEND,
-                        (8,),
-                        calls=tree_calls(world, 0, cpu=topology.cpu, listed=True, chunk=knobs.chunk_bytes),
-                    )
-                )
+                steps.append(Step("down_tree", BACKEND, (8,), calls=2 if world > 3 else 1))  # a relay: take, pass on
             else:
                 steps.append(Step("gather", BACKEND, slots))
                 steps.append(Step("broadcast" if topology.cpu else "all_reduce", BACKEND, (8,)))
