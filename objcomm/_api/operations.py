@@ -6,7 +6,7 @@ through the transport's rounds, raise failures on every rank alike, decode; and 
 from __future__ import annotations
 
 import functools
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from objcomm._api import reduce as _reduce
 from objcomm._api import requests as _requests
@@ -56,7 +56,7 @@ class Operations(Resolving):
             return [call.roundtrip(obj)]
         root = self._group_rank(call.wire, dst, "dst")
         out, local = call.encode(obj)
-        incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, self._up_tree(call.wire))
+        incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, *self._up_tree(call.wire))
         if incoming is None:
             if local is not None:  # dst said go over this rank's error report (only a lying dst does)
                 raise local
@@ -109,7 +109,7 @@ class Operations(Resolving):
         value, complete, own, _ = _reduce.tree(call, obj, op, levels)
         out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
         try:
-            incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, self._up_tree(call.wire))
+            incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, *self._up_tree(call.wire))
         except TooLargeError as exc:  # the result, from group rank 0, over dst's limit: alike on every rank
             raise TooLargeError(f"reduce: its result goes from group rank 0 to dst in a gather, and {exc}") from None
         if incoming is None:
@@ -161,9 +161,12 @@ class Operations(Resolving):
         (:func:`routes.slots_summed`)."""
         return routes.slots_summed(world=wire.size, cpu=wire.device.type == "cpu", forced=self._hooks.summed)
 
-    def _up_tree(self, wire: Wire) -> bool:
-        """Whether a gather's slots go up a tree where they take the backend (:func:`routes.slots_up_tree`)."""
-        return routes.slots_up_tree(world=wire.size, forced=self._hooks.up_tree)
+    def _up_tree(self, wire: Wire) -> Tuple[bool, bool]:
+        """Whether a gather's slots go up a tree where they take the backend (:func:`routes.slots_up_tree`), and
+        whether its destination's word then comes back down it (:func:`routes.word_down_tree`)."""
+        forced = self._hooks.up_tree
+        up = routes.slots_up_tree(world=wire.size, forced=forced)
+        return up, up and routes.word_down_tree(cpu=wire.device.type == "cpu", forced=forced)
 
     # -- point to point ------------------------------------------------------------------------
     def _send_call(self, call: Call, obj: Any, dst: int, tag: int, serialized: Any, express: Optional[Express]) -> None:

@@ -29,7 +29,7 @@ from objcomm._transport.slot_tree import _WORD, gather_up_tree, word_down_tree
 
 @one_call
 def gather(
-    wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int, up_tree: bool = False
+    wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int, up_tree: bool = False, word_tree: bool = False
 ) -> Optional[Sequence[Optional[Incoming]]]:
     """Every rank's frame and tensors on group rank ``dst``; ``None`` elsewhere, unless some rank failed.
 
@@ -38,7 +38,8 @@ def gather(
     go on, or every slot follows to every rank (a failure, an inconsistent slot, a rank over ``dst``'s limit, a
     same-host medium that may take the rest), so that every rank raises the same error in the same call. The
     rest goes to ``dst`` point to point, one message per sender at its exact size. ``up_tree``: the slots go to
-    ``dst`` up a binomial tree rather than in the backend's gather (:func:`objcomm._transport.routes.slots_up_tree`).
+    ``dst`` up a binomial tree rather than in the backend's gather (:func:`objcomm._transport.routes.slots_up_tree`);
+    ``word_tree``: there, ``dst``'s word comes back down it (:func:`objcomm._transport.routes.word_down_tree`).
     """
     op = "gather"
     raw = _slot(wire, out)
@@ -48,7 +49,7 @@ def gather(
         infos = [read_slot(memoryview(s)) for s in slots]
         round_one_done()  # every rank is here: the steps after share one timeout (call_clock)
     else:
-        gathered_slots, checked = _gather_slots(wire, raw, sizes_of, dst, op, up_tree)
+        gathered_slots, checked = _gather_slots(wire, raw, sizes_of, dst, op, up_tree, word_tree)
         round_one_done()
         if gathered_slots is None:  # dst said go: only the rests move (the strategy's, where round 1 went its way)
             if wire.rest_media.gather(wire, out, None, sizes_of, dst, op) is NOT_USED:
@@ -94,10 +95,10 @@ class Checked(NamedTuple):
 
 
 def _gather_slots(
-    wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: str, up_tree: bool
+    wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: str, up_tree: bool, word_tree: bool = False
 ) -> Tuple[Optional[List[SlotInfo]], Optional[Checked]]:
     """Round 1 of a gather through the group: every slot to ``dst``, then ``dst``'s word to every rank (back down
-    the tree the slots climbed, ``up_tree``; else a broadcast on gloo, an all_reduce on NCCL: log W steps each way):
+    the tree the slots climbed, ``up_tree`` and ``word_tree``; else a broadcast on gloo, an all_reduce on NCCL):
     :data:`GO` (the slots stay on ``dst``: returned there, with the plans its word checked, None elsewhere) or
     :data:`LOOK` (``dst`` broadcasts every slot: every rank gets them, as after an all_gather, and raises what the
     others raise)."""
@@ -123,7 +124,7 @@ def _gather_slots(
     if table is not None:
         infos = read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
         verdict, checked = _verdict(wire, infos, sizes_of, dst, op)
-    if up_tree:  # back down the tree the slots climbed (NCCL's all_reduce of a word climbs one and comes back down)
+    if up_tree and word_tree:  # back down the tree the slots climbed (NCCL's all_reduce of a word climbs one and back)
         verdict = word_down_tree(wire, verdict, dst, op)
     else:
         word = torch.tensor([verdict or 0], dtype=torch.int64, device=wire.device)

@@ -256,7 +256,8 @@ def test_bounded_calls_whatever_the_spread(op, most):
 
 def test_a_gathers_slots_up_a_tree_give_the_same_results():
     """gather with its slots up a binomial tree (routes.slots_up_tree, from 64 ranks; forced here), to rank 3:
-    right on every spread; no collective at all (the destination's word comes back down the same tree); each rank
+    right on every spread; no collective at all (the destination's word comes back down the same tree: NCCL's route,
+    routes.word_down_tree, forced with the slots' tree here); each rank
     takes its children's lengths in one batch and their bytes in another, then sends both to its parent in one, takes
     the word from its parent in one and passes it to its children in one, the rests in one more batch (at most 6: a
     relay with a rest; rank 3's children at W = 8: 4, 5, 7)."""
@@ -816,7 +817,13 @@ def bad_input(case: str, up_tree: bool = False) -> str:
             comm.all_gather(object() if rank == 5 else b"x" * 100_000, serializer="json")
         elif case == "a lying sender":
             if rank == 4:
-                _gather.gather(comm._call({}).wire, _forged_table(1 << 40), _frame.tensor_sizes, 0, up_tree)
+                _gather.gather(
+                    comm._call({}).wire,
+                    _forged_table(1 << 40),
+                    _frame.tensor_sizes,
+                    0,
+                    *comm._up_tree(comm._call({}).wire),
+                )
             else:
                 comm.gather({"t": torch.ones(1000, dtype=torch.uint8)}, dst=0)
         return "no error"

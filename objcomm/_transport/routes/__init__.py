@@ -51,10 +51,10 @@ all_gather's slots      on NCCL from :data:`SUMMED_SLOTS_FROM` ranks: one all_re
                         sum, a tree) of the table, zeros but each rank's own slot
 gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks: up a      :func:`slots_up_tree`
                         binomial tree of send/recv (ceil(log2 W) levels), each slot
-                        trimmed to what it carries, and the destination's word back
-                        down the same tree; below it the backend's gather (every rank
-                        to the destination) and the word in a broadcast (gloo) or an
-                        all_reduce (NCCL)
+                        trimmed to what it carries; below it the backend's gather
+                        (every rank to the destination). The destination's word:
+                        on NCCL back down the slots' tree, where they took it        :func:`word_down_tree`
+                        (else an all_reduce); on gloo a broadcast
 two levels              all_gather, gather, broadcast of a CPU group with ``local`` on   :func:`two_levels`
                         that spans hosts, some with two ranks or more: each host's
                         channel to its leader, the leaders on the backend, back
@@ -120,6 +120,7 @@ from objcomm._transport.routes.cutoffs import (
     stripe_width,
     tree_on_two_levels,
     two_levels,
+    word_down_tree,
 )
 from objcomm._transport.routes.plans import (
     Knobs,
@@ -178,4 +179,5 @@ __all__ = [
     "tree_on_two_levels",
     "two_levels",
     "vote_calls",
+    "word_down_tree",
 ]

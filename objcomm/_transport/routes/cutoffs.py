@@ -72,6 +72,16 @@ def slots_up_tree(*, world: int, forced: bool = False) -> bool:
     return forced or world >= TREE_GATHER_FROM
 
 
+def word_down_tree(*, cpu: bool, forced: bool = False) -> bool:
+    """Whether a gather's word from its destination, where its slots came up the tree (:func:`slots_up_tree`), goes
+    back down that tree (send/recv, ceil(log2 W) hops: :func:`objcomm._transport.slot_tree.word_down_tree`) rather
+    than in the backend's collective: on NCCL, whose all_reduce of a word takes the tree's hops twice (up and down;
+    its broadcast is a ring). Not on gloo, whose broadcast is a binomial tree in C++: the same hops, no Python a hop
+    (8 ranks on 2 cores, the slots up the forced tree: 9.4 ms a gather with gloo's broadcast, 10.1 with the word
+    down the tree, median of three runs each). ``forced``: tests (Hooks)."""
+    return forced or not cpu
+
+
 def two_levels(*, hosts: int, widest: int, cpu: bool, local: bool) -> bool:
     """Whether all_gather and broadcast on a group that spans ``hosts`` hosts (``widest``: the most ranks on one)
     go through two levels (:mod:`objcomm._samehost.two_level`): each host's channel to its leader, one collective

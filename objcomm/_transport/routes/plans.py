@@ -32,6 +32,7 @@ from objcomm._transport.routes.cutoffs import (
     slots_up_tree,
     stripe_width,
     two_levels,
+    word_down_tree,
 )
 
 
@@ -218,14 +219,17 @@ def plan(
         if first == CHANNEL:
             steps.append(Step("all_gather", CHANNEL, slots))
         else:
-            # the destination's word: back down the slots' tree (word_down_tree), else a broadcast on gloo (a
-            # binomial tree), an all_reduce on NCCL (a tree up and down: its broadcast is a ring)
-            if slots_up_tree(world=world):  # trimmed to what each carries, with its length (gather_up_tree)
+            # the destination's word: on NCCL back down the slots' tree where they took it (word_down_tree), else an
+            # all_reduce (a tree up and down: its broadcast is a ring); on gloo a broadcast (a binomial tree)
+            tree = slots_up_tree(world=world)
+            if tree:  # trimmed to what each carries, with its length (gather_up_tree)
                 held = carried if carried is not None else slots
                 steps.append(Step("gather_tree", BACKEND, tuple(_up_tree(n, knobs.slot_bytes) for n in held)))
-                steps.append(Step("down_tree", BACKEND, (8,), calls=2 if world > 3 else 1))  # a relay: take, pass on
             else:
                 steps.append(Step("gather", BACKEND, slots))
+            if tree and word_down_tree(cpu=topology.cpu):
+                steps.append(Step("down_tree", BACKEND, (8,), calls=2 if world > 3 else 1))  # a relay: take, pass on
+            else:
                 steps.append(Step("broadcast" if topology.cpu else "all_reduce", BACKEND, (8,)))
         senders = [0 if i == root else r for i, r in enumerate(rests)]
         total = sum(senders)
