@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Union, cast
 
 from serializers._errors import UnknownSerializerError, decoding, encoding
 from serializers._protocol import Buffer, FunctionSerializer, Lift, Restore, Serializer, SerializerProtocol
@@ -182,6 +182,19 @@ class SerializerRegistry:
                         RuntimeWarning,
                         stacklevel=2,
                     )
+
+    def unregistered(self, names: Iterable[str]) -> str:
+        """A note for a refusal by an ``accept=`` list that names serializers this rank does not have (a misspelt
+        name refused every sender alike, and the message named only the sender's serializer: a newcomer's find);
+        ``""`` where every name is registered."""
+        registered = self.available()
+        unknown = sorted(set(names) - set(registered))
+        if not unknown:
+            return ""
+        return (
+            f" (no serializer named {', '.join(map(repr, unknown))} is registered on this rank: a misspelling? "
+            f"registered: {', '.join(registered)})"
+        )
 
     def _unknown_message(self, name: str) -> str:
         known = ", ".join(sorted(self._by_name)) or "none"

@@ -395,7 +395,8 @@ def decode_parsed(
     if accept is not None and header.serializer not in accept:
         raise ContentRefusedError(
             f"rank {sender} sent a {header.serializer!r} payload, but this rank accepts only {sorted(accept)}; "
-            f"add it to accept= if you trust the sender, or send with an accepted serializer{_unregistered(accept)}"
+            "add it to accept= if you trust the sender, or send with an accepted serializer"
+            + registry.unregistered(accept)
         )
     try:
         serializer = registry.guarded(header.serializer)
@@ -422,19 +423,6 @@ def decode_parsed(
             copy_out=incoming.copy_out,
         )
     return loads_payload(serializer, header.serializer, payload, sender, restore_of)
-
-
-def _unregistered(accept: Collection[str]) -> str:
-    """What a refusal adds where ``accept`` names serializers this rank does not have (a misspelt name refused
-    every sender alike, and the message named only the sender's serializer: a newcomer's find)."""
-    registered = registry.available()
-    unknown = sorted(set(accept) - set(registered))
-    if not unknown:
-        return ""
-    return (
-        f" (no serializer named {', '.join(map(repr, unknown))} is registered on this rank: a misspelling? "
-        f"registered: {', '.join(registered)})"
-    )
 
 
 def loads_payload(
