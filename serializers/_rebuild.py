@@ -164,7 +164,7 @@ def numpy_scalar(descr: Any, data: Any) -> Any:
 
     dtype = numpy_dtype(descr)
     if type(data) is not bytes:  # as the encoder writes it (tobytes): the walk charges a bytes argument's size to
-        # each use of what it built as a key, not a bytearray's (unhashable itself: an attacker's find, two equal
+        # each use of what it built as a key, not a bytearray's (unhashable itself: a helper's find, two equal
         # "S" scalars from one memoized bytearray, compared whole at each of thousands of set insertions)
         raise _refuse(f"a numpy scalar's data: expected bytes, got {type(data).__name__}")
     if len(data) != dtype.itemsize:

@@ -24,7 +24,7 @@ from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Slot, Wire, guarded
 from objcomm._transport.bytes import Batch, host_view, joined, receive_buffer, to_device
 from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.rounds import _on_device, _rest, _round_one, _slot, _split_rest
-from objcomm._transport.slot_tree import _WORD, gather_up_tree, word_down_tree
+from objcomm._transport.slot_tree import WORD, gather_up_tree, word_down_tree
 
 
 @one_call
@@ -149,9 +149,9 @@ def _gather_slots_through(
     :meth:`~objcomm._transport.base.SlotMedium.share` carries ``dst``'s word, and the table after a failure."""
     infos = [read_slot(memoryview(s)) for s in slots] if slots is not None else []
     verdict, checked = _verdict(wire, infos, sizes_of, dst, op) if wire.rank == dst else (GO, None)
-    said = wire.slot_medium.share(wire, _WORD.pack(verdict) if wire.rank == dst else None, _WORD.size, dst, op)
+    said = wire.slot_medium.share(wire, WORD.pack(verdict) if wire.rank == dst else None, WORD.size, dst, op)
     assert said is not NOT_USED  # the strategy that gathered shares
-    if _WORD.unpack(bytes(said))[0] == GO:
+    if WORD.unpack(bytes(said))[0] == GO:
         return (infos, checked) if wire.rank == dst else (None, None)
     table = wire.slot_medium.share(wire, b"".join(slots) if slots else None, wire.slot * wire.size, dst, op)
     assert table is not NOT_USED

@@ -99,7 +99,7 @@ def gather_up_tree(
     return table
 
 
-_WORD = struct.Struct("<q")
+WORD = struct.Struct("<q")  # a destination's word (objcomm._transport.gather: GO or LOOK)
 
 
 def word_down_tree(wire: Wire, word: Optional[int], dst: int, op: str) -> int:
@@ -114,11 +114,11 @@ def word_down_tree(wire: Wire, word: Optional[int], dst: int, op: str) -> int:
     batch = Batch(wire, op)  # cut the word in two, and its second half became the next call's word on its child)
     if tree.parent is None:
         assert word is not None, "the destination has the word"
-        data = torch.frombuffer(bytearray(_WORD.pack(word)), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(WORD.pack(word)), dtype=torch.uint8)
     else:
-        data = batch.recv(_WORD.size, (tree.parent + dst) % size)
+        data = batch.recv(WORD.size, (tree.parent + dst) % size)
         batch.wait(Deadline(wire, op, "the destination's word down the tree"))
-        word = _WORD.unpack(bytes(host_view(data)))[0]
+        word = WORD.unpack(bytes(host_view(data)))[0]
     for child in reversed(tree.children):  # the largest subtree first: its levels are the most
         batch.send(data, (child + dst) % size)
     batch.wait()
