@@ -17,6 +17,7 @@ import math
 import re
 from typing import Any, List
 
+from serializers import _rebuild
 from serializers._codecs import CodecRegistry, codecs
 from serializers._errors import DecodeError, EncodeError, decoding
 from serializers._path import describe, locate
@@ -138,8 +139,9 @@ class JsonSerializer(Serializer):
                 codec = self._codecs.by_name(obj[TAG]) if type(obj[TAG]) is str else None
                 if codec is None:
                     raise DecodeError(
-                        f"json payload holds a value of registered type {obj[TAG]!r}, but no codec of that name is "
-                        f"registered on this rank (known: {self._codecs.names()}); call serializers.register_type()"
+                        f"json payload holds a value of registered type {_rebuild.brief(obj[TAG])}, but no codec of "
+                        f"that name is registered on this rank (known: {self._codecs.names()}); call "
+                        "serializers.register_type()"
                     )
                 return codec.decode_received(self._untag(obj["value"], depth + 1))
             return {k: self._untag(v, depth + 1) for k, v in obj.items()}

@@ -230,8 +230,9 @@ class MsgspecSerializer(Serializer):
         codec = self._codecs.by_name(name)
         if codec is None:
             raise DecodeError(
-                f"{self.name} payload holds a value of registered type {name!r}, but no codec of that name is "
-                f"registered on this rank (known: {self._codecs.names()}); call serializers.register_type() here too"
+                f"{self.name} payload holds a value of registered type {_rebuild.brief(name)}, but no codec of that "
+                f"name is registered on this rank (known: {self._codecs.names()}); call serializers.register_type() "
+                "here too"
             )
         return codec.decode_received(value)
 

@@ -1277,3 +1277,44 @@ def test_fuzz_skipping_the_probe_pass_never_lets_through_what_it_refuses():
     )
     assert bad == []
     assert skipped > 50 * FUZZ_SCALE  # the programs do reach the skip with calls in them
+
+
+def test_msgpack_ordered_dict_items_are_key_value_arrays():
+    """A helper's find: msgpack's OrderedDict extension handed OrderedDict whatever its array held, and OrderedDict
+    takes any 2-item iterable as a pair: a reference to an out-of-band tensor of shape (N, 0) (no data; a 93-byte
+    frame) was iterated row by row, N views built before the refusal. Items must be [key, value] arrays, as the
+    encoder writes them."""
+    import collections
+
+    import msgpack
+    import torch
+
+    s = serializers.get("msgpack")
+    empty_rows = torch.empty(10_000_000, 0, dtype=torch.uint8)
+    ref = msgpack.ExtType(12, msgpack.packb(0))
+    for items in ([ref], [[1, 2], "ab"], [[1, 2, 3]]):
+        with pytest.raises(serializers.DecodeError, match=r"items other than \[key, value\] arrays"):
+            s.loads(msgpack.packb(msgpack.ExtType(11, msgpack.packb(items))), restore=lambda key: empty_rows)
+    honest = collections.OrderedDict([((1, 2), 3), ("k", [4]), (5, {"a": None})])
+    assert s.loads(s.dumps(honest)) == honest and type(s.loads(s.dumps(honest))) is collections.OrderedDict
+
+
+@pytest.mark.parametrize("name", ["msgpack", "json"])  # (msgspec's codec extension types its name as text)
+def test_a_codec_name_that_is_not_text_is_described_not_repr_d(name):
+    """A helper's find: a codec extension whose name was not text put the name's repr in the refusal, and msgpack's
+    3-byte references to one out-of-band tensor made a 1.8 KB payload cost 4.4 s of tensor formatting and a 4 MB
+    message (2 MB of whole bytes referenced 80 times: 640 million characters). A refusal describes the name by type
+    and size, as every other refusal of a payload value does."""
+    import msgpack
+    import torch
+
+    s = serializers.get(name)
+    if name == "json":
+        payload = b'{"__objcomm_type__": [' + b",".join([b"1"] * 600) + b'], "value": 0}'
+        restore = None
+    else:
+        payload = msgpack.packb(msgpack.ExtType(13, msgpack.packb([[msgpack.ExtType(12, msgpack.packb(0))] * 600, 0])))
+        restore = lambda key: torch.arange(1000, dtype=torch.float32)  # noqa: E731
+    with pytest.raises(serializers.DecodeError, match="registered type a list of 600 items") as refused:
+        s.loads(payload, restore=restore)
+    assert len(str(refused.value)) < 400
