@@ -42,11 +42,12 @@ import sys
 import threading
 from collections import OrderedDict
 from contextvars import ContextVar
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 from serializers import _budget, _rebuild
 from serializers._codecs import CodecRegistry, codecs
 from serializers._errors import DecodeError, EncodeError, decoding
+from serializers._msgpack_fields import array_of, check_complete, numbers_of, pairs_of, short_text
 from serializers._path import describe, encode_refusal
 from serializers._protocol import Buffer, Lift, Restore, Serializer
 
@@ -100,18 +101,18 @@ class MsgpackSerializer(Serializer):
         unpack = self._unpack
         # how each extension's bytes decode; built once, like the hooks below
         self._decoders: Dict[int, Callable[[bytes], Any]] = {
-            TUPLE: lambda raw: tuple(_array(unpack(raw))),
-            SET: lambda raw: set(_array(unpack(raw))),
-            FROZENSET: lambda raw: frozenset(_array(unpack(raw))),
+            TUPLE: lambda raw: tuple(array_of(unpack(raw))),
+            SET: lambda raw: set(array_of(unpack(raw))),
+            FROZENSET: lambda raw: frozenset(array_of(unpack(raw))),
             BIGINT: lambda raw: int(_rebuild.bounded_int_text(raw.decode("ascii"), "msgpack big int")),
-            DATETIME: lambda raw: _dt.datetime.fromisoformat(_short_text(raw)),
-            DATE: lambda raw: _dt.date.fromisoformat(_short_text(raw)),
-            TIMEDELTA: lambda raw: _dt.timedelta(*_numbers(unpack(raw), 3)),
-            COMPLEX: lambda raw: complex(*_numbers(unpack(raw), 2)),
-            ODICT: lambda raw: OrderedDict(_pairs(unpack(raw))),
-            NDARRAY: lambda raw: _decode_ndarray(*_array(unpack(raw), 3)),
-            NPSCALAR: lambda raw: _rebuild.numpy_scalar(*_array(unpack(raw), 2)),
-            CODEC: lambda raw: self._decode_codec(*_array(unpack(raw), 2)),
+            DATETIME: lambda raw: _dt.datetime.fromisoformat(short_text(raw)),
+            DATE: lambda raw: _dt.date.fromisoformat(short_text(raw)),
+            TIMEDELTA: lambda raw: _dt.timedelta(*numbers_of(unpack(raw), 3)),
+            COMPLEX: lambda raw: complex(*numbers_of(unpack(raw), 2)),
+            ODICT: lambda raw: OrderedDict(pairs_of(unpack(raw))),
+            NDARRAY: lambda raw: _decode_ndarray(*array_of(unpack(raw), 3)),
+            NPSCALAR: lambda raw: _rebuild.numpy_scalar(*array_of(unpack(raw), 2)),
+            CODEC: lambda raw: self._decode_codec(*array_of(unpack(raw), 2)),
             EXTERNAL: lambda raw: _restore_external(_DECODING.get().restore, self._unpack_small(raw)),
         }
 
@@ -240,7 +241,7 @@ class MsgpackSerializer(Serializer):
             _DECODING.reset(token)
 
     def _unpack(self, raw: Any) -> Any:
-        _check_complete(self._msgpack, raw)
+        check_complete(self._msgpack, raw)
         return self._unpackb(raw)
 
     def _ext_hook(self, code: int, raw: bytes) -> Any:
@@ -368,50 +369,6 @@ def _fields_packer() -> Callable[[Any], bytes]:
 
         _FIELDS.pack = msgpack.Packer(use_bin_type=True, strict_types=True, autoreset=True).pack
         return _FIELDS.pack  # type: ignore[no-any-return]  # msgpack has no type hints
-
-
-def _check_complete(msgpack: Any, raw: Any) -> None:
-    """Walk ``raw`` in C without building anything: it must hold every element its headers declare.
-
-    The unpacker allocates each array and map at its declared length before reading the elements;
-    nested truncated headers would multiply that by the nesting depth (5 KB asking for 40 MB).
-    A complete message declares no more elements than it has bytes.
-    """
-    walker = msgpack.Unpacker(None, max_buffer_size=max(memoryview(raw).nbytes, 1))
-    walker.feed(raw)
-    try:
-        walker.skip()
-    except msgpack.OutOfData:
-        raise DecodeError("msgpack payload is truncated: its headers declare more than it holds") from None
-
-
-def _array(value: Any, length: Optional[int] = None) -> List[Any]:
-    if type(value) is not list or (length is not None and len(value) != length):
-        expected = f"an array of {length} items" if length is not None else "an array"
-        raise DecodeError(f"msgpack extension holds {type(value).__name__}, expected {expected}")
-    return value
-
-
-def _pairs(value: Any) -> List[Any]:
-    """An OrderedDict's items as the encoder writes them: an array of [key, value] arrays. OrderedDict takes any
-    2-item iterable as a pair, and a tensor given as one is iterated row by row (a helper's find: a reference to an
-    empty (N, 0) tensor, a 93-byte frame, built N views before OrderedDict refused it)."""
-    items = _array(value)
-    if not all(type(item) is list and len(item) == 2 for item in items):
-        raise DecodeError("msgpack OrderedDict extension holds items other than [key, value] arrays")
-    return items
-
-
-def _numbers(value: Any, most: int) -> List[float]:
-    if type(value) is not list or len(value) > most or any(type(v) not in (int, float) for v in value):
-        raise DecodeError(f"msgpack extension expected up to {most} numbers")
-    return value
-
-
-def _short_text(raw: bytes) -> str:
-    if len(raw) > 64:
-        raise DecodeError("msgpack date/time text longer than 64 bytes")
-    return raw.decode("ascii")
 
 
 def refuse_structured(value: Any, np: Any) -> None:
