@@ -17,7 +17,6 @@ import math
 import re
 from typing import Any, List
 
-from serializers import _rebuild
 from serializers._codecs import CodecRegistry, codecs
 from serializers._errors import DecodeError, EncodeError, decoding
 from serializers._path import describe, locate
@@ -136,13 +135,7 @@ class JsonSerializer(Serializer):
             return [self._untag(v, depth + 1) for v in obj]
         if isinstance(obj, dict):
             if TAG in obj and len(obj) == 2 and "value" in obj:
-                codec = self._codecs.by_name(obj[TAG]) if type(obj[TAG]) is str else None
-                if codec is None:
-                    raise DecodeError(
-                        f"json payload holds a value of registered type {_rebuild.brief(obj[TAG])}, but no codec of "
-                        f"that name is registered on this rank (known: {self._codecs.names()}); call "
-                        "serializers.register_type()"
-                    )
+                codec = self._codecs.named("json", obj[TAG])
                 return codec.decode_received(self._untag(obj["value"], depth + 1))
             return {k: self._untag(v, depth + 1) for k, v in obj.items()}
         return obj

@@ -227,14 +227,7 @@ class MsgspecSerializer(Serializer):
             name, value = self._decode_any(raw)
         finally:
             state.depth -= 1
-        codec = self._codecs.by_name(name)
-        if codec is None:
-            raise DecodeError(
-                f"{self.name} payload holds a value of registered type {_rebuild.brief(name)}, but no codec of that "
-                f"name is registered on this rank (known: {self._codecs.names()}); call serializers.register_type() "
-                "here too"
-            )
-        return codec.decode_received(value)
+        return self._codecs.named(self.name, name).decode_received(value)
 
 
 def _numpy_instance(value: Any) -> bool:
