@@ -27,10 +27,12 @@ MAX_TAG_DEPTH = 256
 _TAG_BYTES = f'"{TAG}"'.encode()
 # the tag, or an escape of a character it holds ("_", "a"-"z"), which could spell it (an attacker's find:
 # "\u005f_objcomm_type__" skipped the codecs); orjson writes no such escape, so honest payloads do not take the
-# slower path for it
-_ESCAPED = r"\\u00(?:5[fF]|[67][0-9a-fA-F])"
-_TAG_PATTERN = re.compile(re.escape(_TAG_BYTES) + b"|" + _ESCAPED.encode())  # re searches memoryviews without a copy
-_TAG_TEXT = re.compile(re.escape(f'"{TAG}"') + "|" + _ESCAPED)
+# slower path for it. Each looked for as a literal first (re searches memoryviews without a copy): one pattern of
+# both took 87 ms on an 11 MB payload, the literal 8 ms (orjson's loads: 309 ms)
+_TAG_PATTERN = re.compile(re.escape(_TAG_BYTES))
+_ESCAPE = re.compile(rb"\\u00")
+_ESCAPED = re.compile(rb"\\u00(?:5[fF]|[67][0-9a-fA-F])")
+_ESCAPED_TEXT = re.compile(r"\\u00(?:5[fF]|[67][0-9a-fA-F])")
 _NATIVE = (type(None), bool, str, list, tuple, dict)
 _HINTS = {
     "dict key": "JSON object keys are strings; convert the keys or use msgpack or pickle",
@@ -40,6 +42,15 @@ _DEFAULT_HINT = "msgpack or pickle can; or register a codec with serializers.reg
 # what msgpack carries itself (beside JSON's types): for any other value json's hint names pickle and codecs only
 _MSGPACK_CARRIES = {"int", "bytes", "bytearray", "set", "frozenset", "complex", "datetime", "ndarray", "OrderedDict"}
 _CLASS_HINT = "pickle can; or register a codec with serializers.register_type() (for json and msgpack)"
+
+
+def _may_hold_tags(data: Buffer) -> bool:
+    """Whether a payload may hold a codec tag: the tag itself, or an escape that could spell one of its characters."""
+    if isinstance(data, str):
+        return TAG in data or "\\u00" in data and _ESCAPED_TEXT.search(data) is not None
+    return _TAG_PATTERN.search(data) is not None or (
+        _ESCAPE.search(data) is not None and _ESCAPED.search(data) is not None
+    )
 
 
 def _orjson() -> Any:
@@ -124,7 +135,7 @@ class JsonSerializer(Serializer):
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:
         with decoding(self.name, data):
             obj = _orjson().loads(data)
-            if (_TAG_TEXT if isinstance(data, str) else _TAG_PATTERN).search(data):
+            if _may_hold_tags(data):
                 obj = self._untag(obj, 0)
             return obj
 
