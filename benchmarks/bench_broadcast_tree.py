@@ -1,5 +1,5 @@
-"""broadcast's rest down the binomial tree of send/recv from the source, against the same call through the backend's
-broadcast, on gloo.
+"""broadcast's rest down the binomial tree of send/recv from the source, or spread (a scatter, then an all_gather),
+against the same call through the backend's broadcast, on gloo.
 
     PYTHONPATH=. python benchmarks/bench_broadcast_tree.py [--world-size 8] [--rounds 7]
 
@@ -11,6 +11,9 @@ sample the slowest rank's time, median ms:
 
 * ``backend's broadcast``: ``Communicator.broadcast`` as it runs on gloo (its rest in gloo's broadcast);
 * ``down the tree``: the same call with the rest down the tree, forced (``Hooks(rest_tree=True)``);
+* ``spread``: the same call with each part of the rest as a scatter of W blocks, then Bruck's all_gather of them
+  (``routes.rest_spread``: NCCL's route from 64 ranks after a vote), forced (``Hooks(rest_spread=True)``); where no
+  vote runs (a rest whose pieces fit 1 MiB) it takes the backend's broadcast;
 * ``torch``: ``broadcast_object_list``;
 * ``raw broadcast``: ``dist.broadcast`` of the payload's bytes, the floor.
 """
@@ -24,13 +27,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-CASES = ("256 KB bytes", "1 MB tensor", "16 MB tensor")
+CASES = ("256 KB bytes", "1 MB tensor", "4 MB tensor", "16 MB tensor")
 
 
 def _value(case: str) -> Any:
     if case == "256 KB bytes":
         return b"b" * (256 << 10)
-    return torch.arange((1 << 18) if case == "1 MB tensor" else (1 << 22), dtype=torch.float32)
+    return torch.arange(int(case.split()[0]) << 18, dtype=torch.float32)
 
 
 def measure(rounds: int, send: Any = None) -> Dict[str, Dict[str, float]]:
@@ -43,6 +46,7 @@ def measure(rounds: int, send: Any = None) -> Dict[str, Dict[str, float]]:
     rank = dist.get_rank()
     backend = objcomm.Communicator(local=False, shm=False)
     tree = objcomm.Communicator(local=False, shm=False, _hooks=Hooks(rest_tree=True))
+    spread = objcomm.Communicator(local=False, shm=False, _hooks=Hooks(rest_spread=True))
     rows: Dict[str, Dict[str, float]] = {}
     for case in CASES:
         value = _value(case)
@@ -58,10 +62,11 @@ def measure(rounds: int, send: Any = None) -> Dict[str, Dict[str, float]]:
         candidates = {
             "backend's broadcast": lambda mine=mine: backend.broadcast(mine, src=0),
             "down the tree": lambda mine=mine: tree.broadcast(mine, src=0),
+            "spread": lambda mine=mine: spread.broadcast(mine, src=0),
             "torch": torch_broadcast,
             "raw broadcast": lambda raw=raw: dist.broadcast(raw, src=0),
         }
-        for name in ("backend's broadcast", "down the tree", "torch"):
+        for name in ("backend's broadcast", "down the tree", "spread", "torch"):
             got = candidates[name]()
             same = torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
             assert same, f"{case}: a wrong result from {name}"
@@ -74,14 +79,16 @@ def report(world: int, rows: Dict[str, Dict[str, float]]) -> str:
     lines = [
         f"broadcast from rank 0 on {world} ranks, gloo, each its own host (median of the slowest rank, ms)",
         "",
-        "| value | backend's broadcast | down the tree | torch | raw broadcast | tree / backend's | tree / torch |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| value | backend's broadcast | down the tree | spread | torch | raw broadcast | tree / backend's "
+        "| spread / backend's | spread / torch |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    names = ("backend's broadcast", "down the tree", "spread", "torch", "raw broadcast")
     for case, row in rows.items():
-        flat, tree, torch_, raw = (row[k] for k in ("backend's broadcast", "down the tree", "torch", "raw broadcast"))
+        flat, tree, spread, torch_, raw = (row[k] for k in names)
         lines.append(
-            f"| {case} | {flat * 1e3:,.1f} | {tree * 1e3:,.1f} | {torch_ * 1e3:,.1f} | {raw * 1e3:,.1f} "
-            f"| {tree / flat:.2f} | {tree / torch_:.2f} |"
+            f"| {case} | {flat * 1e3:,.1f} | {tree * 1e3:,.1f} | {spread * 1e3:,.1f} | {torch_ * 1e3:,.1f} "
+            f"| {raw * 1e3:,.1f} | {tree / flat:.2f} | {spread / flat:.2f} | {spread / torch_:.2f} |"
         )
     return "\n".join(lines)
 

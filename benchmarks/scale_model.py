@@ -166,6 +166,12 @@ def tree_broadcast(world: int, n: int, a: float, b: float) -> float:
     return levels(world) * a + n / b
 
 
+def scatter_all_gather(world: int, n: int, a: float, b: float) -> float:
+    """A broadcast as a binomial scatter of W blocks, then Bruck's all_gather of them (objcomm's ``spread``):
+    2*ceil(log2 W)*a + 2*n*(W-1)/W/B."""
+    return 2 * levels(world) * a + 2 * n * (world - 1) / world / b
+
+
 def ring_vote(world: int, a: float) -> float:
     """All_reduce of one word on a ring, gloo's: 2*(W-1)*a."""
     return 2 * (world - 1) * a
@@ -259,6 +265,8 @@ def step_cost(step: routes.Step, params: Params, world: int, root: int = 0) -> f
         return a + tree_gather(sizes, root, a, b)  # climb a level a latency, the trimmed slots one level behind
     if step.collective == "broadcast":
         return broadcast_cost(params, world, sizes[0], a)
+    if step.collective == "spread":
+        return scatter_all_gather(world, sizes[0], a, b)
     if step.collective == "all_reduce":
         return vote_cost(params, world, a)
     if step.collective == "vote":
@@ -416,6 +424,7 @@ _CODES = {
     "gather": "G",
     "gather_tree": "GT",
     "broadcast": "B",
+    "spread": "SG",
     "all_reduce": "V",
     "vote": "D",
     "p2p": "P",
@@ -427,7 +436,7 @@ _MEDIA = {routes.BACKEND: "", routes.CHANNEL: "(ch)", routes.SHARED_MEMORY: "(sh
 
 def route_code(plan: routes.Plan) -> str:
     """A compact route: AG all_gather, AR the table of slots in one all_reduce, AGV exact-size exchange, S stripes
-    (gloo's exact exchange, then AG), G gather,
+    (gloo's exact exchange, then AG), G gather, SG a broadcast as a scatter, then an all_gather,
     GT a gather up a binomial tree, B broadcast, V all_reduce vote, D doubling vote, P p2p, T tree, TD the tree back
     down."""
     codes: List[str] = []

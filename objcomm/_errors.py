@@ -101,6 +101,44 @@ NOT_THERE = (
 NO_RESULT = "so no rank received a result"  # what a RemoteError says of the call, where every rank raises it
 
 
+SPELT_OUT = 16  # failing ranks a RemoteError's message names one by one; past them, ranks that failed alike together
+KINDS_SHOWN = 8  # past SPELT_OUT: the distinct failures it spells out (RemoteError.failures holds every one)
+SPANS_SHOWN = 10  # and the runs of consecutive ranks it names for each
+
+
+def _spans(ranks: Sequence[int]) -> str:
+    """Ascending ``ranks`` as runs (``0-3, 5, 7-9``), the first :data:`SPANS_SHOWN` of them."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    shown = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:SPANS_SHOWN])
+    return shown + (f", ... ({len(runs) - SPANS_SHOWN} more runs)" if len(runs) > SPANS_SHOWN else "")
+
+
+def shown_ranks(ranks: Sequence[int]) -> str:
+    """A group's ranks as an error shows them: the list, up to :data:`SPELT_OUT` of them; past it, how many and their
+    runs (``8,192 ranks: 0-8191``), where the list took 50 KB in one message."""
+    ranks = list(ranks)
+    return str(ranks) if len(ranks) <= SPELT_OUT else f"{len(ranks):,} ranks: {_spans(ranks)}"
+
+
+def _alike(failures: Dict[int, Failure]) -> str:
+    """The failures, each distinct one once with the ranks that had it (the first :data:`KINDS_SHOWN`)."""
+    by_kind: Dict[Failure, list[int]] = {}
+    for rank, failure in failures.items():
+        by_kind.setdefault(failure, []).append(rank)
+    shown = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {_spans(rs)}: {t}: {m}" for (t, m), rs in list(by_kind.items())[:KINDS_SHOWN]
+    )
+    more = len(by_kind) - KINDS_SHOWN
+    return shown + (
+        f"; {more} more distinct failures (the exception's .failures holds every rank's)" if more > 0 else ""
+    )
+
+
 class RemoteError(ObjcommError, RuntimeError):
     """One or more ranks failed in this call; every rank raises it, the failing ones included.
 
@@ -114,12 +152,14 @@ class RemoteError(ObjcommError, RuntimeError):
         self.op = op
         self.failures = dict(sorted(failures.items()))
         self.outcome = outcome
-        ranks = ", ".join(str(r) for r in self.failures)
-        details = "; ".join(f"rank {r}: {t}: {m}" for r, (t, m) in self.failures.items())
         plural = "s" if len(self.failures) > 1 else ""
+        if len(self.failures) <= SPELT_OUT:
+            ranks = f"rank{plural} " + ", ".join(str(r) for r in self.failures)
+            details = "; ".join(f"rank {r}: {t}: {m}" for r, (t, m) in self.failures.items())
+        else:  # (8192 ranks that fail alike: one line, not megabytes on every rank)
+            ranks, details = f"{len(self.failures):,} ranks ({_spans(list(self.failures))})", _alike(self.failures)
         super().__init__(
-            f"{op} failed on rank{plural} {ranks}, {outcome}. {details}. "
-            "The group is still usable; fix what failed there and retry."
+            f"{op} failed on {ranks}, {outcome}. {details}. The group is still usable; fix what failed there and retry."
         )
 
     @property

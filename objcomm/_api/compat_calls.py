@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from objcomm._api.communicator import Communicator
 from objcomm._api.functions import all_gather, gather, scatter
-from objcomm._errors import DecodeError, with_original_type
+from objcomm._errors import DecodeError, shown_ranks, with_original_type
 from objcomm._settings import settings
 from serializers import SerializerLike, registry
 
@@ -292,7 +292,10 @@ def _global_rank(group: Any, rank: Optional[int], group_rank: Optional[int], wha
         dist.get_group_rank(resolved, rank)  # type: ignore[arg-type]  # given when group_rank is not
     except ValueError as exc:
         raise ValueError(
-            _torch_says(str(exc), f"{what} is a global rank; this group's are {dist.get_process_group_ranks(resolved)}")
+            _torch_says(
+                str(exc),
+                f"{what} is a global rank; this group's are {shown_ranks(dist.get_process_group_ranks(resolved))}",
+            )
         ) from exc
     return rank  # type: ignore[return-value]  # given when group_rank is not
 

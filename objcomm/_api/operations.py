@@ -72,7 +72,10 @@ class Operations(Resolving):
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, src, "src")
         out, local = call.encode(obj, _still(serialized, express, call)) if call.wire.rank == root else (None, None)
-        item = _broadcast_rounds.broadcast(call.wire, out, _frame.tensor_sizes, root, rest_tree=self._hooks.rest_tree)
+        hooks = self._hooks
+        item = _broadcast_rounds.broadcast(
+            call.wire, out, _frame.tensor_sizes, root, rest_tree=hooks.rest_tree, rest_spread=hooks.rest_spread
+        )
         if item.error:  # the root's error report (its own encode failure among them)
             call.raise_failures("broadcast", only(root, item, call.wire.size), local)
         return call.decode(item, root, own=call.wire.rank == root)

@@ -81,6 +81,7 @@ class _Lanes:
         self.shadow: Any = None  # the shadow group, or the exception that stopped its set-up (shadow_of)
         self.queues: Dict[Key, Deque[Job]] = {}  # a lane exists while it has work and its thread
         self.busy: Dict[Key, int] = {}  # (direction, peer, tag) -> outstanding requests
+        self.tagged: Dict[Tuple[str, Any], Dict[Key, None]] = {}  # (direction, tag) -> its busy keys, oldest first
         self.own = _OwnBox()
 
     def shadow_of(self, group: Any) -> Any:
@@ -102,7 +103,14 @@ class _Lanes:
     def hold(self, key: Key) -> None:
         """One more outstanding request on ``key``, released by :meth:`_done`."""
         with self.lock:
-            self.busy[key] = self.busy.get(key, 0) + 1
+            self._busier(key)
+
+    def _busier(self, key: Key) -> None:
+        """One more outstanding request on ``key`` (called holding ``lock``)."""
+        held = self.busy.get(key, 0)
+        self.busy[key] = held + 1
+        if not held:
+            self.tagged.setdefault((key[0], key[2]), {})[key] = None
 
     def submit(self, op: str, key: Key, fn: Callable[[], Any]) -> Request:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -114,7 +122,7 @@ class _Lanes:
                 queue = self.queues[key] = deque()
             queue.append((future, fn))
             if key != COLLECTIVES:  # under the lock: the lane's thread may run the job and release it at once
-                self.busy[key] = self.busy.get(key, 0) + 1
+                self._busier(key)
         if start:
             threading.Thread(target=self._drain, args=(key,), name=f"objcomm-{op}", daemon=True).start()
         return Request(op, future)
@@ -142,6 +150,10 @@ class _Lanes:
                 self.busy[key] = left
             else:
                 del self.busy[key]
+                keys = self.tagged[(key[0], key[2])]
+                del keys[key]
+                if not keys:
+                    del self.tagged[(key[0], key[2])]
                 self.idle.notify_all()
 
     def wait_idle(self, key: Key, deadline: float) -> bool:
@@ -150,11 +162,16 @@ class _Lanes:
             return self.idle.wait_for(lambda: key not in self.busy, max(deadline - time.monotonic(), 0.0))
 
     def conflict(self, direction: str, peer: Optional[int], tag: int) -> Optional[Key]:
-        """An outstanding key that a ``direction`` operation with ``peer`` and ``tag`` would race with."""
+        """An outstanding key that a ``direction`` operation with ``peer`` and ``tag`` would race with. O(1), where
+        scanning every busy key made W ``irecv`` s from every peer O(W^2) (a helper's find: 2.9 s at 8191 peers)."""
         with self.lock:
-            for key in self.busy:
-                kind, other, other_tag = key
-                if kind == direction and other_tag == tag and (other == peer or None in (other, peer)):
+            keys = self.tagged.get((direction, tag))
+            if not keys:
+                return None
+            if peer is None:  # any rank's: whichever is outstanding, the oldest
+                return next(iter(keys))
+            for key in ((direction, peer, tag), (direction, None, tag)):
+                if key in keys:
                     return key
         return None
 

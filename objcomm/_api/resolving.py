@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from objcomm._api.call import WIRES_KEPT, Call, Device, Unusable, check_tag, chosen, tagged, wire_for
 from objcomm._api.express import Express
-from objcomm._errors import ObjcommError
+from objcomm._errors import ObjcommError, shown_ranks
 from objcomm._samehost.segments import SEGMENTS, SegmentBook
 from objcomm._settings import CallOptions, resolve, settings_state
 from objcomm._transport.base import Wire
@@ -43,6 +43,7 @@ class Hooks(NamedTuple):
     summed: bool = False  # an all_gather's slots in one all_reduce of the table on gloo too (routes.slots_summed)
     rest_tree: bool = False  # a broadcast's rest down the tree from its source on gloo too (routes.rest_down_tree;
     # off the same-host channel only: the express path's receivers do not see it)
+    rest_spread: bool = False  # each part of it as a scatter, then an all_gather, where a vote ran (routes.rest_spread)
 
 
 NO_HOOKS = Hooks()
@@ -238,7 +239,7 @@ class Resolving:
             raise TypeError(f"{what} must be an int rank, got {global_rank!r}")
         if rank not in wire.ranks:
             hint = _rank_hint(wire, rank, what, p2p)
-            raise ValueError(f"{what}={rank} is not a rank of this group (its ranks: {list(wire.ranks)}){hint}")
+            raise ValueError(f"{what}={rank} is not a rank of this group (its ranks: {shown_ranks(wire.ranks)}){hint}")
         return wire.ranks.index(rank)
 
     def _destination(self, call: Call, dst: Any, tag: Any, op: str) -> tuple[Optional[Wire], int]:

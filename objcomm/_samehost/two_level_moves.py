@@ -28,7 +28,8 @@ from objcomm._samehost.inbox import REST
 from objcomm._samehost.sealed import Sealed, SealedSegment, map_parts, write_sealed
 from objcomm._transport import routes
 from objcomm._transport.base import Slot, Wire, all_gather_single, guarded, largest_of
-from objcomm._transport.bytes import Deadline
+from objcomm._transport.broadcast import spread_bytes
+from objcomm._transport.bytes import Deadline, host_view
 from objcomm._transport.patterns import pattern
 from objcomm._transport.slot_tree import gather_up_tree
 
@@ -305,12 +306,13 @@ def receive_into(here: Here, source: int, into: memoryview, op: str, start: Opti
 
 
 def relay(
-    here: Here, wire: Wire, data: Optional[memoryview], length: int, src: int, op: str, keep: bool
+    here: Here, wire: Wire, data: Optional[memoryview], length: int, src: int, op: str, keep: bool, agreed: bool = False
 ) -> Optional[memoryview]:
     """Group rank ``src``'s ``length`` bytes (``data`` there) on every rank: through its host's channel to its host,
-    through the leaders' group (broadcasts of ``wire.chunk`` bytes, or of one channel message where that is more) to
-    the other leaders, through their channels to their hosts. ``keep=False``: this rank reads them and drops them
-    (None); a leader still forwards each piece to its host before it reads the next."""
+    through the leaders' group (broadcasts of ``wire.chunk`` bytes, or of one channel message where that is more; or,
+    after the receivers' vote, ``agreed``, as a scatter then an all_gather where :func:`routes.leaders_spread` says
+    so) to the other leaders, through their channels to their hosts. ``keep=False``: this rank reads them and drops
+    them (None); a leader still forwards each piece to its host before it reads the next."""
     levels = here.levels
     source_host = levels.host_of[src]
     got: Optional[memoryview] = None
@@ -323,7 +325,7 @@ def relay(
         taken = take(here, length, levels.place[src], op, keep=keep or here.place == 0)
         got = None if taken is None else memoryview(taken)
     if here.leader is not None:  # the leaders: from the source's host's leader, piece by piece
-        got = leaders_broadcast(here, got, length, source_host, op, keep)
+        got = leaders_broadcast(here, got, length, source_host, op, keep, agreed)
     elif here.host != source_host:
         taken = take(here, length, 0, op, keep=keep)
         got = None if taken is None else memoryview(taken)
@@ -331,15 +333,29 @@ def relay(
 
 
 def leaders_broadcast(
-    here: Here, got: Optional[memoryview], length: int, source_host: int, op: str, keep: bool
+    here: Here, got: Optional[memoryview], length: int, source_host: int, op: str, keep: bool, agreed: bool = False
 ) -> Optional[memoryview]:
     """A leader's part of :func:`relay`: the source host's leader broadcasts ``got`` to the other leaders, which
-    forward each piece of ``chunk_bytes`` to their host as it arrives (kept only where ``keep``)."""
+    forward each piece of ``chunk_bytes`` to their host as it arrives (kept only where ``keep``); where the receivers
+    voted (``agreed``) and :func:`routes.leaders_spread` says so, the leaders spread it instead (a scatter, then an
+    all_gather: :func:`objcomm._transport.broadcast.spread_bytes`), each then forwarding it to its host."""
     leader = here.leader
     assert leader is not None
     deadline = Deadline(leader, op, f"a relay of {length:,} bytes among the leaders")  # once for every piece
     # pieces of whole channel messages (powers of two both), which each leader forwards to its host as they come
     step = max(leader.chunk, CHUNK)
+    if routes.leaders_spread(leaders=leader.size, moved=length, agreed=agreed):
+        source = bytes_tensor(got) if here.host == source_host else None
+        spread = as_leader(here, op, spread_bytes, leader, source, length, source_host, op, deadline)
+        if here.host == source_host:
+            return got  # (the source's host has it from the source)
+        whole = host_view(spread)
+        if here.channel is not None:
+            for at in range(0, length, step):
+                for chunk in chunks([whole[at : at + step]]):
+                    here.channel.broadcast(chunk, 0, here.spin, op)
+            all_received(here.channel, length, here.spin, op)
+        return whole if keep else None
     if here.host == source_host:
         assert got is not None
         for at in range(0, length, step):

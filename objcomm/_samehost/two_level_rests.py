@@ -129,7 +129,8 @@ class TwoLevelRests:
             assert out is not None
             data = memoryview(bytearray().join(pieces(out, info.inline is not None)))
         refuse = wire.rank != src and info.total > wire.max_bytes  # no vote came first: received and dropped
-        got = relay(here, wire, data, moved, src, op, keep=not refuse)
+        voted = routes.leaders_relay_first(op=op, moved=moved)  # (worth said so: nobody refuses after the vote)
+        got = relay(here, wire, data, moved, src, op, keep=not refuse, agreed=voted)
         if wire.rank == src:
             assert out is not None
             return Incoming(out.frame, list(out.tensors))  # the caller decodes its own with own=True

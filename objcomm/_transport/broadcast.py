@@ -17,9 +17,10 @@ from objcomm._format.slot import SlotInfo, read_slot
 from objcomm._transport import p2p as _p2p
 from objcomm._transport import routes
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, TreeLevels, Wire, guarded
-from objcomm._transport.bytes import Deadline, at_pieces, broadcast_bytes, host_view, receive_buffer
+from objcomm._transport.bytes import Deadline, at_pieces, broadcast_bytes, host_view, receive_buffer, to_device, zeroed
 from objcomm._transport.call_clock import one_call
-from objcomm._transport.patterns import binomial
+from objcomm._transport.exchange import chunked, posted
+from objcomm._transport.patterns import binomial, spread
 from objcomm._transport.rounds import REFUSE_LIMIT, _agreement_needed, _on_device, _slot, _vote_refusals
 
 
@@ -33,12 +34,15 @@ def broadcast(
     tree: bool = False,
     levels: Optional[TreeLevels] = None,
     rest_tree: bool = False,
+    rest_spread: bool = False,
 ) -> Incoming:
     """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere). ``tree`` (all_reduce's result, from
     group rank 0, whose reduce tree has just run, where :func:`objcomm._transport.routes.result_down_tree` says so):
     where round 1 would go through the group, or through two levels (``levels``: the reduce tree's), the frame goes
     down that tree's edges instead (:func:`down_tree`). ``rest_tree``: a rest through the backend goes down the
-    binomial tree from ``src`` whatever its size (:func:`objcomm._transport.routes.rest_down_tree`; tests)."""
+    binomial tree from ``src`` whatever its size (:func:`objcomm._transport.routes.rest_down_tree`; tests);
+    ``rest_spread``: each part of it as a scatter, then an all_gather, where the receivers voted first
+    (:func:`objcomm._transport.routes.rest_spread`; tests)."""
     op = "broadcast"
     if tree and levels is not None:
         assert src == 0, "the reduce tree ends on group rank 0"
@@ -62,12 +66,18 @@ def broadcast(
             slot, host = _on_device(wire, raw), memoryview(raw)
         guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
         got = host if host is not None else host_view(slot)
-    return broadcast_rest(wire, out, read_slot(memoryview(got)), sizes_of, src, rest_tree)
+    return broadcast_rest(wire, out, read_slot(memoryview(got)), sizes_of, src, rest_tree, rest_spread)
 
 
 @one_call  # (the express path calls it too, after its own round 1)
 def broadcast_rest(
-    wire: Wire, out: Optional[Outgoing], info: SlotInfo, sizes_of: SizesOf, src: int, rest_tree: bool = False
+    wire: Wire,
+    out: Optional[Outgoing],
+    info: SlotInfo,
+    sizes_of: SizesOf,
+    src: int,
+    rest_tree: bool = False,
+    rest_spread: bool = False,
 ) -> Incoming:
     """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route."""
     op, wire = "broadcast", at_pieces(wire, info.piece)  # the source's pieces (its own, on the source)
@@ -80,7 +90,8 @@ def broadcast_rest(
         assert info.inline is not None
         return Incoming(info.inline, error=info.error)
     refuse = wire.rank != src and info.total > wire.max_bytes
-    if _agreement_needed(wire, info, op):
+    agreed = _agreement_needed(wire, info, op)
+    if agreed:  # (a receiver that refused raised: none drains what follows)
         _vote_refusals(wire, REFUSE_LIMIT if refuse else 0, info, src, op)
     # asked after any vote; without one a receiver may still refuse, which the strategy then drains (the channel)
     taken = wire.rest_media.broadcast(wire, out, info, _limits.checked_sizes(sizes_of, [info]), src, op)
@@ -90,22 +101,41 @@ def broadcast_rest(
     cpu, moved = wire.device.type == "cpu", info.second_round_bytes
     tree = routes.rest_down_tree(world=wire.size, moved=moved, cpu=cpu, forced=rest_tree)
     deadline = Deadline.of_rest(wire, op, src, moved)  # one for the frame and every tensor
+
+    def part(data: Optional[torch.Tensor], length: int) -> torch.Tensor:
+        if routes.rest_spread(world=wire.size, part=length, cpu=cpu, agreed=agreed, forced=rest_spread):
+            return spread_bytes(wire, data, length, src, op, deadline)
+        return broadcast_bytes(wire, data, length, src, op, refuse, tree, deadline)
+
     frame = info.inline
     if frame is None:
-        frame_out = mine.frame_tensor() if mine else None
-        data = broadcast_bytes(wire, frame_out, info.length, src, op, bool(refuse), tree, deadline)
+        data = part(mine.frame_tensor() if mine else None, info.length)
         frame = None if refuse else host_view(data)
     if sizes is None:  # only the frame lists them; every rank has it now (and nobody refused: there was a vote)
         assert frame is not None
         sizes = _limits.frame_sizes(sizes_of, frame, info, src, op)
-    tensors = [
-        broadcast_bytes(wire, mine.tensors[i] if mine else None, n, src, op, refuse, tree, deadline)
-        for i, n in enumerate(sizes)
-    ]
+    tensors = [part(mine.tensors[i] if mine else None, n) for i, n in enumerate(sizes)]
     if refuse:
         raise _limits.refused(op, src, wire, info.total, None, drained=True)
     assert frame is not None
     return Incoming(frame, tensors)
+
+
+def spread_bytes(
+    wire: Wire, data: Optional[torch.Tensor], length: int, src: int, op: str, deadline: Deadline
+) -> torch.Tensor:
+    """``src``'s ``length`` bytes (``data`` there) on every rank as a scatter, then an all_gather
+    (:func:`objcomm._transport.patterns.spread`): each step one batch of sends and receives, in pieces of at most
+    ``wire.chunk`` bytes, straight into the buffer the bytes end in. Every rank relays blocks, so only after the
+    receivers' vote (none drains); a rank that sends less than a block leaves zeros there (a lying relay changes the
+    blocks it passes on, for every rank that gets them from it: docs/security.md)."""
+    buffer = to_device(data, wire) if data is not None else zeroed(length, wire)
+    on = wire._replace(tag=INTERNAL_TAG)
+    for step in spread(wire.rank, wire.size, src, length):
+        ops = [o for peer, start, end in step.sends for o in chunked(on, dist.isend, buffer[start:end], peer)]
+        ops += [o for peer, start, end in step.receives for o in chunked(on, dist.irecv, buffer[start:end], peer)]
+        posted(on, ops, op, deadline)
+    return buffer
 
 
 def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, levels: Optional[TreeLevels] = None) -> Incoming:

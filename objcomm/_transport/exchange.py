@@ -100,16 +100,16 @@ def all_gather_rests(
     if lengths[me]:
         for r in range(size):
             if r != me:
-                ops += _chunked(wire, dist.isend, own, r)
+                ops += chunked(wire, dist.isend, own, r)
     for r, n in enumerate(lengths):
         if n and r != me:
             got[r] = buffer = zeroed(n, wire)
-            ops += _chunked(wire, dist.irecv, buffer, r)
+            ops += chunked(wire, dist.irecv, buffer, r)
     posted(wire, ops, op, Deadline(wire, op, f"the second round's exchange ({sum(lengths):,} bytes in all)"))
     return got
 
 
-def _chunked(wire: Wire, kind: Any, data: torch.Tensor, peer: int) -> List[Any]:
+def chunked(wire: Wire, kind: Any, data: torch.Tensor, peer: int) -> List[Any]:
     """``data`` sent to (``kind``: ``dist.isend``) or received from (``dist.irecv``) group rank ``peer``, in pieces of
     at most ``wire.chunk`` bytes, as the ops of one batch."""
     return [
@@ -145,9 +145,9 @@ def by_stripes(
         stripe[start - lo : end - lo] = own[start - offsets[me] : end - offsets[me]]
     ops = []
     for owner, start, end in moves.sends:
-        ops += _chunked(wire, dist.isend, own[start - offsets[me] : end - offsets[me]], owner)
+        ops += chunked(wire, dist.isend, own[start - offsets[me] : end - offsets[me]], owner)
     for sender, start, end in moves.receives:
-        ops += _chunked(wire, dist.irecv, stripe[start - lo : end - lo], sender)
+        ops += chunked(wire, dist.irecv, stripe[start - lo : end - lo], sender)
     deadline = Deadline(wire, op, f"the second round's stripes ({total:,} bytes in all)")
     posted(wire, ops, op, deadline)
     stream = all_gather_table(wire, stripe, width, op, deadline, out=table)

@@ -105,3 +105,63 @@ def binomial(me: int, size: int) -> Tree:
     return Tree(
         me - low if me else None, tuple(children), tuple(min(c + (c & -c), size) for c in children), min(me + low, size)
     )
+
+
+Span = Tuple[int, int, int]  # (group rank, start, end): bytes [start, end) of a stream, to or from that rank
+
+
+class Batch(NamedTuple):
+    """What one rank sends and receives at once in one step of :func:`spread` (each list in the order both ends post
+    it)."""
+
+    sends: Tuple[Span, ...]
+    receives: Tuple[Span, ...]
+
+
+def spread(me: int, world: int, root: int, length: int) -> Tuple[Batch, ...]:
+    """Rank ``me``'s steps in a broadcast of ``length`` bytes from ``root`` as a scatter, then an all_gather: the
+    stream cut into ``world`` blocks of ``c = ceil(length / world)`` bytes, block ``j`` for the rank ``j`` places
+    after the root. The blocks go down :func:`binomial` from the root, each rank's subtree's blocks to it (a receive,
+    then a batch of sends: ceil(log2 W) levels); then, ``d = 1, 2, 4, ...`` below ``world``, every rank sends the
+    ``min(d, world - d)`` blocks from its own onwards to the rank ``d`` places before it, and receives as many from
+    the rank ``d`` places after it (Bruck's all_gather: ceil(log2 W) steps), less the blocks the receiver holds
+    already (its subtree's: the root receives none). Each rank moves at most about ``2 x length`` bytes, where down
+    the binomial tree the root sends ``ceil(log2 W) x length`` (and NCCL's broadcast, a ring, takes W - 1 hops); a
+    rank's peers are the ranks ``2**k`` places from it, whatever the root. Pure, O(log W) spans.
+
+    >>> [s.sends for s in spread(0, 4, 0, 8)]  # the root: blocks 2-3 to rank 2, block 1 to rank 1; then the others'
+    [((2, 4, 8), (1, 2, 4)), ((3, 0, 2),), ((2, 0, 4),)]
+    >>> [s.receives for s in spread(3, 4, 0, 8)]  # a leaf: its block from rank 2, then the others' in two steps
+    [((2, 6, 8),), ((0, 0, 2),), ((1, 2, 6),)]
+    """
+    if not 0 <= root < world or not 0 <= me < world:
+        raise ValueError(f"rank {me} and root {root} of a group of {world}")
+    width, rel = -(-length // world), (me - root) % world
+
+    def spans(peer: int, first: int, count: int) -> Tuple[Span, ...]:
+        """Blocks ``first .. first + count - 1`` (relative, cyclic) as byte ranges, to or from ``peer`` (relative)."""
+        rank, first, found = (peer + root) % world, first % world, []
+        for lo, hi in ((first, min(first + count, world)), (0, first + count - world)):
+            start, end = min(lo * width, length), min(hi * width, length)
+            if start < end:
+                found.append((rank, start, end))
+        return tuple(found)
+
+    def missing(holder: int, d: int) -> Tuple[int, int]:
+        """The blocks ``holder`` (relative) takes at the all_gather's step ``d``: the first after those it holds (its
+        subtree's, and ``d`` from its own on), and how many."""
+        held = max(d, binomial(holder, world).end - holder)
+        return holder + held, max(0, d + min(d, world - d) - held)
+
+    steps = []
+    tree = binomial(rel, world)
+    if tree.parent is not None:  # this rank's subtree's blocks, from its parent
+        steps.append(Batch((), spans(tree.parent, rel, tree.end - rel)))
+    children = reversed(list(zip(tree.children, tree.ends)))  # the farthest (the largest subtree) first
+    steps.append(Batch(tuple(s for child, end in children for s in spans(child, child, end - child)), ()))
+    d = 1
+    while d < world:
+        before, after = (rel - d) % world, (rel + d) % world
+        steps.append(Batch(spans(before, *missing(before, d)), spans(after, *missing(rel, d))))
+        d *= 2
+    return tuple(s for s in steps if s.sends or s.receives)

@@ -466,3 +466,32 @@ def blocking_recv_in_a_done_callback() -> Any:
 def test_a_done_callbacks_calls_are_checked_like_any_threads():
     got, seen = get_pool(2).run(blocking_recv_in_a_done_callback)[0]
     assert got == ["A", "B"] and seen == [("callback refused", "ObjcommError")]
+
+
+def test_which_outstanding_request_a_point_to_point_call_races_with():
+    """requests._Lanes.conflict, without ranks: a receive from a peer races with an outstanding receive from that
+    peer or from any rank under its tag, a receive from any rank with any outstanding receive under its tag; sends
+    and other tags never; a key no longer outstanding never. Thousands of outstanding irecvs, one per peer (a master
+    posting one to each worker), each asked at posting, no longer scan each other (O(1) a call)."""
+    from objcomm._api.requests import _Lanes
+
+    lanes = _Lanes()
+    assert lanes.conflict("recv", 3, 0) is None
+    lanes.hold(("recv", 3, 0))
+    lanes.hold(("recv", 3, 0))
+    lanes.hold(("send", 5, 0))
+    assert lanes.conflict("recv", 3, 0) == ("recv", 3, 0)
+    assert lanes.conflict("recv", None, 0) == ("recv", 3, 0)
+    assert lanes.conflict("recv", 4, 0) is None and lanes.conflict("recv", 3, 1) is None
+    assert lanes.conflict("send", 3, 0) is None and lanes.conflict("send", None, 0) == ("send", 5, 0)
+    lanes.hold(("recv", None, 2))
+    assert lanes.conflict("recv", 7, 2) == ("recv", None, 2)
+    lanes._done(("recv", 3, 0))
+    assert lanes.conflict("recv", 3, 0) == ("recv", 3, 0)  # one of its two is still outstanding
+    lanes._done(("recv", 3, 0))
+    assert lanes.conflict("recv", 3, 0) is None and lanes.conflict("recv", None, 0) is None
+    assert lanes.tagged == {("send", 0): {("send", 5, 0): None}, ("recv", 2): {("recv", None, 2): None}}
+    for peer in range(1, 8192):
+        assert lanes.conflict("recv", peer, 9) is None
+        lanes.hold(("recv", peer, 9))
+    assert lanes.conflict("recv", None, 9) == ("recv", 1, 9)

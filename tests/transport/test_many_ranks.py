@@ -314,6 +314,111 @@ def test_a_broadcasts_rest_goes_down_the_tree():
         assert tree[0][3] == 0 and tree[1][3] > 0, (rank, tree[:2])  # all 1 KB: in the slot; all 1 MB: a rest
 
 
+def broadcasts_spread() -> List[Any]:
+    """broadcast from ranks 1 and 6 of values whose receivers vote first (a 3 MB frame, a 4 MB tensor, a dict of
+    several parts, one that rank 5 refuses) and of one they do not (300 KB in 64 KB pieces, which rank 5 refuses and
+    drains), each part of the rest as a scatter, then an all_gather (routes.rest_spread: NCCL's route from 64 ranks,
+    forced here), and through the backend's broadcast: (what this rank got, its dist.broadcast calls, its batches)."""
+    rank = dist.get_rank()
+    mixed = {"a": torch.arange(300_000.0), "b": b"z" * 2_000_000, "c": list(range(1000)), "d": torch.ones(3)}
+    values = [b"m" * 3_000_000, torch.arange(1_000_000.0), mixed, b"r" * 3_000_000, b"d" * 300_000]
+    rows = []
+    broadcasts, real = [0], dist.broadcast
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        broadcasts[0] += 1
+        return real(*args, **kwargs)
+
+    for forced in (True, False):
+        hooks = Hooks(separate_hosts=True, rest_spread=forced)
+        comm = objcomm.Communicator(local=False, shm=False, _hooks=hooks)
+        drains = objcomm.Communicator(local=False, shm=False, _hooks=hooks, chunk_bytes=1 << 16)
+        for root in (1, 6):
+            for i, value in enumerate(values):
+                refused = i >= len(values) - 2
+                on = drains if i == len(values) - 1 else comm
+                broadcasts[0] = 0
+                dist.broadcast = counted
+                try:
+                    with calls() as counts:
+                        limit = 100_000 if rank == 5 and refused else None
+                        got = on.broadcast(value if rank == root else None, src=root, max_bytes=limit)
+                        outcome: Any = _same(got, value)
+                except objcomm.TooLargeError:
+                    outcome = "TooLargeError"
+                finally:
+                    dist.broadcast = real
+                rows.append((forced, root, i, outcome, broadcasts[0], counts["collectives"] - broadcasts[0]))
+    return rows
+
+
+def test_a_broadcasts_rest_spread_over_every_rank():
+    """With each part of its rest as a scatter, then an all_gather (forced where the receivers voted), broadcast gives
+    every rank what the backend's broadcast gives, from either root, refusals included: the slot's and the vote's
+    dist.broadcast are the only ones left, the parts take batches of sends and receives instead (at most
+    2 ceil(log2 W) a part); a rest no vote preceded (rank 5 drains it) still takes the backend's broadcast."""
+    results = get_pool(W).run(broadcasts_spread, timeout=180)
+    levels = (W - 1).bit_length()
+    for rank, rows in enumerate(results):
+        forced, plain = rows[: len(rows) // 2], rows[len(rows) // 2 :]
+        for (_, root, i, got, f_bcasts, f_batches), (_, _, _, want, p_bcasts, p_batches) in zip(forced, plain):
+            case = (rank, root, i)
+            assert got == want, (case, forced, plain)
+            assert got is True or (got == "TooLargeError" and i >= 3 and (i == 3 or rank == 5)), (case, got)
+            if i < 4:  # voted: the slot's broadcast and the vote's; the parts spread
+                parts = 3 if i == 2 else 1  # the dict: its frame past the slot and two tensors
+                assert f_bcasts == 2 and p_bcasts > 2 if i < 3 else f_bcasts == 2, (case, f_bcasts, p_bcasts)
+                assert f_batches <= p_batches + parts * 2 * levels, (case, f_batches, p_batches)
+            else:  # no vote: the backend's broadcast, as without the hook
+                assert (f_bcasts, f_batches) == (p_bcasts, p_batches), (case, forced, plain)
+
+
+def a_liar_in_the_spread(lie: str) -> List[Any]:
+    """broadcast of 3 MB from rank 1 as a scatter, then an all_gather (forced, after the vote); rank 3 lies in every
+    block it sends: ``short``, it sends none of a span's bytes but its first piece's half; ``zeros``, zeros in their
+    place. Then two all_gathers: what this rank got of each (the broadcast: whether it is the source's bytes, else how
+    many of its bytes differ from them, and whether those are all zeros)."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=False, shm=False, _hooks=Hooks(separate_hosts=True, rest_spread=True))
+    real, real_empty = _broadcast.chunked, _bytes.empty
+    if rank == 3:
+
+        def lying(wire: Any, kind: Any, data: torch.Tensor, peer: int) -> List[Any]:
+            if kind is dist.isend:
+                data = data[: data.numel() // 2] if lie == "short" else torch.zeros_like(data)
+            return real(wire, kind, data, peer)
+
+        _broadcast.chunked = lying
+    _bytes.empty = lambda length, wire: torch.full((length,), 0xAA, dtype=torch.uint8)  # old bytes, not zeros
+    value = b"x" * 3_000_000
+    try:
+        got = comm.broadcast(value if rank == 1 else None, src=1)
+    finally:
+        _broadcast.chunked, _bytes.empty = real, real_empty
+    if got != value:
+        wrong = [i for i, (a, b) in enumerate(zip(got, value)) if a != b]
+        got = (len(wrong), all(got[i] == 0 for i in wrong), len(got))
+    return [got == value or got, comm.all_gather(rank), comm.all_gather(rank)]
+
+
+@pytest.mark.parametrize("lie", ["short", "zeros"])
+def test_a_liar_in_the_spread_changes_the_blocks_it_passes_on_to_zeros_never_old_memory(lie):
+    """Each rank relays blocks in the spread unchecked (docs/security.md): a lying rank changes the blocks it passes
+    on, for the ranks that get them from it, where a short send leaves zeros (never the receiver's old memory: every
+    uninitialized buffer holds 0xAA here); its own result and the source's are right, and the group stays in step."""
+    outcomes = get_pool(W).run(a_liar_in_the_spread, lie, timeout=120)
+    misled = 0
+    for rank, (got, *after) in enumerate(outcomes):
+        assert after == [list(range(W))] * 2, (rank, after)
+        if rank in (1, 3):
+            assert got is True, (rank, got)
+        elif got is not True:
+            wrong, zeros, length = got
+            assert zeros and length == 3_000_000 and 0 < wrong < length, (rank, lie, got)
+            misled += 1
+    assert misled, f"no rank got rank 3's lie ({lie})"
+
+
 def a_liar_down_the_broadcast_tree(lie: str) -> List[Any]:
     """broadcast of 300 KB from rank 1, its rest down the tree (forced); rank 3 relays it to rank 4 and lies:
     ``short``, it sends the first half of each piece; ``zeros``, zeros in their place. Then two all_gathers: what this
@@ -871,6 +976,65 @@ def ranks_per_host(k: int) -> Iterator[None]:
     finally:
         del os.environ["OBJCOMM_TEST_RANKS_PER_HOST"]
         objcomm.restore(previous)
+
+
+def leaders_spread_a_broadcast() -> List[Any]:
+    """Hosts of two (four leaders): broadcasts from ranks 1 and 6 (a leader's host, not a leader) of a 3 MB frame, a
+    4 MB tensor, a dict of several parts (each past the scratch size: the receivers vote, and the leaders hold it all)
+    and one rank 7 refuses, with the leaders' step spread (routes.leaders_spread, which from 5 leaders picks it, made
+    to say yes wherever a vote ran) and as gloo's broadcast: (what this rank got, its dist.broadcast calls)."""
+    rank = dist.get_rank()
+    mixed = {"a": torch.arange(400_000.0), "b": b"z" * 2_000_000, "c": list(range(1000))}
+    values = [b"m" * 3_000_000, torch.arange(1_000_000.0), mixed, b"r" * 3_000_000]
+    rows = []
+    real_spread, real_broadcast = routes.leaders_spread, dist.broadcast
+    broadcasts = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        broadcasts[0] += 1
+        return real_broadcast(*args, **kwargs)
+
+    with ranks_per_host(2):
+        comm = objcomm.Communicator()
+        comm.all_gather(rank)  # the set-up
+        for spread_it in (True, False):
+            if spread_it:
+                routes.leaders_spread = lambda *, leaders, moved, agreed: agreed  # type: ignore[assignment]
+            dist.broadcast = counted
+            try:
+                for root in (1, 6):
+                    for i, value in enumerate(values):
+                        broadcasts[0] = 0
+                        limit = 1 << 20 if rank == 7 and i == 3 else None
+                        try:
+                            got: Any = _same(
+                                comm.broadcast(value if rank == root else None, src=root, max_bytes=limit), value
+                            )
+                        except objcomm.TooLargeError:
+                            got = "TooLargeError"
+                        rows.append((spread_it, root, i, got, broadcasts[0]))
+            finally:
+                routes.leaders_spread, dist.broadcast = real_spread, real_broadcast
+        rows.append(comm.all_gather(rank))
+    return rows
+
+
+def test_the_leaders_spread_a_broadcasts_rest():
+    """On two levels, the leaders' step of a broadcast's rest as a scatter, then an all_gather among them (forced
+    where the receivers voted) gives every rank what gloo's broadcast among them gives, from a leader's host and from
+    a rank that is no leader, refusals alike (rank 7 over its max_bytes: every rank raises): the rest takes no
+    dist.broadcast on any rank (the slot's and the vote's stay), and the group stays in step."""
+    results = get_pool(W).run(leaders_spread_a_broadcast, timeout=180)
+    for rank, rows in enumerate(results):
+        *calls, after = rows
+        assert after == list(range(W)), (rank, after)
+        spread, plain = calls[: len(calls) // 2], calls[len(calls) // 2 :]
+        for (_, root, i, got, s_bcasts), (_, _, _, want, p_bcasts) in zip(spread, plain):
+            assert got == want == (True if i < 3 else "TooLargeError"), (rank, root, i, got, want)
+            if rank % 2 == 0 and i < 3:  # a leader: gloo's broadcast of the rest among the leaders is gone
+                assert s_bcasts < p_bcasts, (rank, root, i, s_bcasts, p_bcasts)
+            else:
+                assert s_bcasts <= p_bcasts, (rank, root, i, s_bcasts, p_bcasts)
 
 
 IN_PLACE_HERE = 1 << 20  # routes.IN_PLACE_FROM on the ranks of two_levels() (32 MiB: past these results)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
 
 from objcomm._transport import patterns
@@ -85,3 +87,72 @@ def test_binomial_trees_hold_every_index_once_in_order(size):
     assert max(len(t.children) for t in trees) == (size - 1).bit_length()
     with pytest.raises(ValueError):
         patterns.binomial(size, size)
+
+
+def _run_spread(world: int, root: int, length: int) -> list:
+    """Every rank's steps of patterns.spread carried out on made-up bytes, messages queued per (sender, receiver):
+    each send must hold bytes its sender has, each receive take the next message its sender queued for it with the
+    same span; returns each rank's bytes at the end (None where a byte never arrived)."""
+    source = [i % 251 for i in range(length)]
+    held = [list(source) if r == root else [None] * length for r in range(world)]
+    steps = [list(patterns.spread(r, world, root, length)) for r in range(world)]
+    queues: dict = {}
+    posted = [False] * world
+    while any(steps):
+        progressed = False
+        for r in range(world):
+            if not steps[r]:
+                continue
+            batch = steps[r][0]
+            if not posted[r]:
+                for peer, start, end in batch.sends:
+                    assert None not in held[r][start:end], (world, root, length, r, peer, start, end)
+                    queues.setdefault((r, peer), []).append((start, end, held[r][start:end]))
+                posted[r] = True
+            peers = [peer for peer, _, _ in batch.receives]
+            if all(len(queues.get((p, r), [])) >= peers.count(p) for p in set(peers)):  # a peer's spans in order
+                for peer, start, end in batch.receives:
+                    got_start, got_end, data = queues[(peer, r)].pop(0)
+                    assert (got_start, got_end) == (start, end), (world, root, length, r, peer)
+                    held[r][start:end] = data
+                steps[r].pop(0)
+                posted[r] = False
+                progressed = True
+        assert progressed, f"spread({world}, root {root}, {length} bytes) waits for good"
+    assert not any(queues.values()), "a message nobody received"
+    return held
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64])
+def test_spread_gives_every_rank_every_byte(world):
+    """A broadcast by scatter, then all_gather (patterns.spread): every rank ends with the root's bytes, whatever the
+    root and however the length divides into blocks (fewer bytes than ranks included), and no rank sends a byte it
+    does not hold yet."""
+    for root in sorted({0, 1 % world, world // 2, world - 1}):
+        for length in (0, 1, world - 1, world, 3 * world + 1, 1000):
+            source = [i % 251 for i in range(length)]
+            assert _run_spread(world, root, length) == [source] * world, (world, root, length)
+
+
+def test_spread_moves_about_twice_the_bytes_per_rank_in_log_steps():
+    """What makes it the route of a large broadcast on many ranks: 2 ceil(log2 W) steps at most, each rank sends at
+    most about 2x the bytes and receives at most 1x (the root none), where down the binomial tree the root sends
+    them ceil(log2 W) times; a rank talks to ranks 2**k places away only (so few NCCL pairs, whatever the root);
+    O(log W) spans at 8192 ranks."""
+    world, length = 8192, 100 << 20
+    levels = (world - 1).bit_length()
+    for me in (0, 1, 2, 4095, 4096, 8191):
+        for root in (0, 5):
+            steps = patterns.spread(me, world, root, length)
+            assert len(steps) <= 2 * levels + 1, (me, root, len(steps))
+            sent = sum(end - start for s in steps for _, start, end in s.sends)
+            got = sum(end - start for s in steps for _, start, end in s.receives)
+            assert got <= length and sent <= 2 * length + 2 * world, (me, root, sent, got)
+            if me == root:
+                assert got == 0, (me, got)
+            gaps = {(peer - me) % world for s in steps for peer, _, _ in s.sends + s.receives}
+            assert all(g & (g - 1) == 0 or (world - g) & (world - g - 1) == 0 for g in gaps), gaps
+
+
+def test_the_examples_in_the_docstrings_hold():
+    assert doctest.testmod(patterns).failed == 0

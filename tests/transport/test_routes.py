@@ -182,15 +182,57 @@ def test_a_broadcasts_rest_goes_down_the_tree_on_nccl_from_64_ranks_while_it_bea
         assert routes.rest_down_tree(world=world, moved=most, cpu=False), world
         assert not routes.rest_down_tree(world=world, moved=most + 1, cpu=False), world
     nccl = Topology(world=8192, device="cuda")
-    for rest, steps in [
-        (MB, ["all_reduce", "down_tree"]),  # the slot, then the rest (within the scratch size: no vote)
-        (40 * MB, ["all_reduce", "all_reduce", "down_tree"]),  # the slot, the vote, the rest
-        (100 * MB, ["all_reduce", "all_reduce", "broadcast"]),  # past the cut-off: the ring
+    for rest, steps, calls in [
+        (MB, ["all_reduce", "down_tree"], 3),  # the slot, then the rest (within the scratch size: no vote)
+        (40 * MB, ["all_reduce", "all_reduce", "spread"], 17),  # the slot, the vote, the rest: rest_spread
+        (600 * MB, ["all_reduce", "all_reduce", "broadcast", "broadcast", "broadcast"], 5),  # past both: the ring
     ]:
         got = plan("broadcast", nccl, [rest] * 8192)
         assert [s.collective for s in got.steps] == steps, rest
-        assert got.torch_calls == len(steps) + (steps[-1] == "down_tree"), rest  # a relay: take, then pass on
+        assert got.torch_calls == calls, rest  # a relay down the tree: take, then pass on; spread: 2 + 13 steps
     assert "down_tree" not in [s.collective for s in plan("broadcast", Topology(world=8192), [MB] * 8192).steps]
+
+
+def test_a_broadcasts_rest_spreads_on_nccl_from_64_ranks_where_it_costs_the_least():
+    """Each part of a broadcast's rest, after the receivers voted, as a scatter then an all_gather (2L hops, each
+    rank moving the part about twice) where that beats both the ring ((W - 1) hops, the part once) and the binomial
+    tree (L hops, the source sending it L times), in hops of HOP_BYTES; never without a vote (every rank relays
+    blocks: none may drain), never on gloo unless forced, never below 64 ranks."""
+    hop = routes.HOP_BYTES
+    for world in (64, 512, 8192):
+        levels = (world - 1).bit_length()
+        low = levels * hop // (levels - 2)  # from here it beats the tree
+        high = (world - 1 - 2 * levels) * hop  # and up to here the ring
+        assert not routes.rest_spread(world=world, part=low, cpu=False, agreed=True), world
+        assert routes.rest_spread(world=world, part=low + 1, cpu=False, agreed=True), world
+        assert routes.rest_spread(world=world, part=high - 1, cpu=False, agreed=True), world
+        assert not routes.rest_spread(world=world, part=high, cpu=False, agreed=True), world
+        assert not routes.rest_spread(world=world, part=low + 1, cpu=False, agreed=False), world
+        assert not routes.rest_spread(world=world, part=low + 1, cpu=True, agreed=True), world
+    assert not routes.rest_spread(world=63, part=MB, cpu=False, agreed=True)
+    assert routes.rest_spread(world=2, part=1, cpu=True, agreed=True, forced=True)
+    assert not routes.rest_spread(world=8, part=MB, cpu=True, agreed=False, forced=True)  # a receiver may drain
+    assert not routes.rest_spread(world=8192, part=0, cpu=False, agreed=True, forced=True)
+
+
+def test_two_levels_leaders_spread_a_broadcasts_rest_from_five_of_them_after_the_vote():
+    """On gloo's two levels the leaders spread a voted rest (a scatter, then an all_gather among them) where it beats
+    gloo's binomial broadcast among them (the source's leader sending it L times): never below 5 leaders (L <= 2),
+    past L x HOP_BYTES / (L - 2) from 5 on, never without the vote; the plan says so as ``spread`` across hosts."""
+    hop = routes.HOP_BYTES
+    assert not routes.leaders_spread(leaders=4, moved=1 << 40, agreed=True)
+    for leaders in (5, 8, 1024):
+        levels = (leaders - 1).bit_length()
+        low = levels * hop // (levels - 2)
+        assert not routes.leaders_spread(leaders=leaders, moved=low, agreed=True), leaders
+        assert routes.leaders_spread(leaders=leaders, moved=low + 1, agreed=True), leaders
+        assert not routes.leaders_spread(leaders=leaders, moved=1 << 40, agreed=False), leaders
+    gloo = Topology(world=8192, ranks_per_host=8)
+    got = plan("broadcast", gloo, [100 * MB] + [0] * 8191)
+    spread = [s for s in got.steps if s.collective == "spread"]
+    assert len(spread) == 1 and spread[0].across and spread[0].ranks == 1024 and spread[0].calls == 12, got.steps
+    small = plan("broadcast", gloo, [MB] + [0] * 8191)  # within the scratch size: no vote, gloo's broadcast
+    assert "spread" not in [s.collective for s in small.steps] and "vote" not in [s.collective for s in small.steps]
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

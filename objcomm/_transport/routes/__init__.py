@@ -74,6 +74,12 @@ through the backend     ceil(log2 W) - 1 extra sends of the rest move at most
                         W - 1 - ceil(log2 W) hops of ``HOP_BYTES`` (44.7 MB at 8192
                         ranks): each piece down the binomial tree from the source
                         (send/recv); else the backend's broadcast (NCCL's: a ring)
+a broadcast's rest      after the receivers' vote, on NCCL from :data:`TREE_DOWN_FROM`   :func:`rest_spread`
+part by part            ranks, where 2L hops and each rank moving the part twice beat
+                        both of those (from 76 KB to 535 MB at 8192 ranks): a scatter
+                        of W blocks down the binomial tree, then Bruck's all_gather
+                        (``patterns.spread``, send/recv); on two levels (gloo) among     :func:`leaders_spread`
+                        the leaders from 5 of them, past L x hop / (L - 2) bytes
 ======================  ===============================================================  ==========================
 
 Example::
@@ -108,10 +114,12 @@ from objcomm._transport.routes.cutoffs import (
     express_possible,
     in_place_table,
     leaders_relay_first,
+    leaders_spread,
     pieces,
     rest_after_channel,
     rest_down_tree,
     rest_medium,
+    rest_spread,
     result_down_tree,
     round_one,
     shared_memory_takes,
@@ -162,12 +170,14 @@ __all__ = [
     "express_possible",
     "in_place_table",
     "leaders_relay_first",
+    "leaders_spread",
     "all_announce",
     "pieces",
     "plan",
     "rest_down_tree",
     "rest_after_channel",
     "rest_medium",
+    "rest_spread",
     "result_down_tree",
     "round_one",
     "shared_memory_takes",

@@ -56,6 +56,38 @@ def rest_down_tree(*, world: int, moved: int, cpu: bool, forced: bool = False) -
     return forced or (not cpu and world >= TREE_DOWN_FROM and (hops - 1) * moved <= (world - 1 - hops) * HOP_BYTES)
 
 
+def rest_spread(*, world: int, part: int, cpu: bool, agreed: bool, forced: bool = False) -> bool:
+    """Whether one part of a broadcast's rest through the backend (its frame, or one tensor: ``part`` bytes) goes as
+    a scatter, then an all_gather (:func:`objcomm._transport.patterns.spread`: send/recv, 2 ceil(log2 W) steps,
+    each rank moving about twice the bytes) rather than down the binomial tree (:func:`rest_down_tree`: the source
+    sends the bytes ceil(log2 W) times) or in the backend's broadcast. Only where the receivers voted first
+    (``agreed``): every rank relays blocks of it, so none may drain it. On NCCL, from :data:`TREE_DOWN_FROM` ranks,
+    where it costs the least of the three in hops of :data:`HOP_BYTES`: 2L x hop + 2 x part, against the ring's
+    (W - 1) x hop + part and the tree's L x (hop + part) (L = ceil(log2 W); at 8192 ranks from 76 KB to 535 MB,
+    at 64 ranks from 96 KB to 3.3 MB). Not on gloo, whose broadcast, in C++, runs where its ranks may share a
+    host. ``forced``: tests (Hooks), where a vote ran."""
+    if not agreed or part <= 0:
+        return False
+    if forced:
+        return True
+    if cpu or world < TREE_DOWN_FROM:
+        return False
+    hops = (world - 1).bit_length()
+    spread = 2 * hops * HOP_BYTES + 2 * part
+    return spread < min((world - 1) * HOP_BYTES + part, hops * (HOP_BYTES + part))
+
+
+def leaders_spread(*, leaders: int, moved: int, agreed: bool) -> bool:
+    """On two levels (gloo), whether the leaders move a broadcast's rest (``moved`` bytes, one stream) as a scatter,
+    then an all_gather (:func:`rest_spread`'s route, among one rank a host) rather than in gloo's broadcast, a binomial
+    tree whose source sends the bytes ceil(log2 leaders) = L times: after the vote (``agreed``: a leader holds all of
+    it, :func:`leaders_relay_first`), where 2L hops and each leader moving it about twice cost less, in hops of
+    :data:`HOP_BYTES`, than L x (hop + moved): from 5 leaders, past L x hop / (L - 2) (at 1024 leaders 80 KB). The
+    leaders lie on different hosts, so every hop crosses the network, where a flat gloo group's ranks may share one."""
+    hops = (leaders - 1).bit_length()
+    return agreed and hops > 2 and 2 * hops * HOP_BYTES + 2 * moved < hops * (HOP_BYTES + moved)
+
+
 def slots_summed(*, world: int, cpu: bool, forced: bool = False) -> bool:
     """Whether an all_gather's slots through the backend go in one all_reduce (a sum) of the table, zeros but each
     rank's own slot, rather than an all_gather: on NCCL from :data:`SUMMED_SLOTS_FROM` ranks, where the all_reduce

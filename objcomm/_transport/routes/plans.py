@@ -23,8 +23,10 @@ from objcomm._transport.routes.cutoffs import (
     exchange_shape,
     in_place_table,
     leaders_relay_first,
+    leaders_spread,
     rest_down_tree,
     rest_medium,
+    rest_spread,
     result_down_tree,
     round_one,
     shared_memory_takes,
@@ -109,7 +111,8 @@ class Step:
     """One transfer of a plan. ``collective``: what runs (``all_gather``, ``all_gatherv``: exact sizes,
     ``stripes``: each rank's rest to the ranks whose stripes hold it (gloo's exact exchange, then an all_gather),
     ``sum``: an all_reduce of the table of slots, ``gather``, ``gather_tree``: a gather's slots up a binomial tree,
-    ``broadcast``, ``all_reduce``, ``vote``: a word's maximum by recursive doubling, then rank 0's broadcast,
+    ``broadcast``, ``spread``: a broadcast as a scatter, then an all_gather (send/recv), ``all_reduce``, ``vote``: a
+    word's maximum by recursive doubling, then rank 0's broadcast,
     ``p2p``: one batch of sends and receives to one rank, ``tree``: a binomial tree of sends toward group rank 0,
     ceil(log2 W) levels in sequence, ``down_tree``: the same tree's sends the other way); ``medium``: who runs it;
     ``nbytes``: the bytes each rank contributes, in group-rank order (a broadcast's, a tree's, a sum's: one value);
@@ -247,12 +250,16 @@ def plan(
             medium = medium_of(moved)
             largest = min(moved, knobs.chunk_bytes)
             may_take = medium != BACKEND and knobs.local  # (without the channel: the slot decides, then the vote)
-            if agreement_needed(sizes_listed=listed, largest_piece=largest, medium_may_take=may_take):
+            agreed = agreement_needed(sizes_listed=listed, largest_piece=largest, medium_may_take=may_take)
+            if agreed:
                 if first == BACKEND and topology.cpu:  # gloo: recursive doubling, then a broadcast
                     steps.append(Step("vote", first, (4,) * world, calls=vote_calls(world)))
                 else:
                     steps.append(Step("all_reduce", first, (4,) * world))
             steps += [settled] if announced(moved) and medium == BACKEND else []
+            # as a scatter, then an all_gather (one rest, one part: a relay takes, passes on, then ceil(log2 W) steps)
+            if medium == BACKEND and rest_spread(world=world, part=moved, cpu=topology.cpu, agreed=agreed):
+                return Plan(op, first, (*steps, Step("spread", BACKEND, (moved,), calls=2 + (world - 1).bit_length())))
             # each piece in the backend's broadcast, or down the binomial tree from the root: then a relay takes it
             # in one batch and sends it on in another
             tree = medium == BACKEND and rest_down_tree(world=world, moved=moved, cpu=topology.cpu)
@@ -322,13 +329,14 @@ def _two_level_steps(
     def across(steps: List[Step]) -> List[Step]:
         return [Step(s.collective, s.medium, s.nbytes, len(hosts), True, s.calls) for s in steps]
 
-    def relay(n: int) -> List[Step]:  # one rank's n bytes to every rank: its host, the leaders, the other hosts
+    def relay(n: int, agreed: bool = False) -> List[Step]:  # one rank's n bytes to every rank: its host, the
+        # leaders (after a vote, spread where leaders_spread says so), the other hosts
         pieces = [min(knobs.chunk_bytes, n - at) for at in range(0, n, knobs.chunk_bytes)]
-        return [
-            Step("broadcast", CHANNEL, (n,), k),
-            *across([Step("broadcast", BACKEND, (p,)) for p in pieces]),
-            Step("broadcast", CHANNEL, (n,), k),
-        ]
+        if leaders_spread(leaders=len(hosts), moved=n, agreed=agreed):
+            leaders_steps = [Step("spread", BACKEND, (n,), calls=2 + (len(hosts) - 1).bit_length())]
+        else:
+            leaders_steps = [Step("broadcast", BACKEND, (p,)) for p in pieces]
+        return [Step("broadcast", CHANNEL, (n,), k), *across(leaders_steps), Step("broadcast", CHANNEL, (n,), k)]
 
     def published(n: int) -> str:  # how a leader hands an all_gather's n bytes to its host: one shared file, or not
         shared = knobs.shm and shared_memory_takes(n, threshold=knobs.shm_threshold, cpu=True)
@@ -385,5 +393,5 @@ def _two_level_steps(
                 *across([Step("vote", BACKEND, (4,) * len(hosts), calls=vote_calls(len(hosts)))]),
                 Step("broadcast", CHANNEL, (8,), k),
             ]
-        steps += relay(sent)
+        steps += relay(sent, agreed=relayed)
     return steps
