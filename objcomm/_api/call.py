@@ -256,7 +256,7 @@ MAX_TAG = INTERNAL_TAG - 1  # objcomm's own messages take the next (the backend 
 
 def check_tag(tag: Any, op: str) -> None:
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
-        any_tag = type(tag) is int and tag == -1 and op in ("recv", "irecv")  # mpi4py's ANY_TAG
+        any_tag = (tag is None or type(tag) is int and tag == -1) and op in ("recv", "irecv")  # mpi4py's ANY_TAG
         hint = "; there is no receive from any tag (mpi4py's ANY_TAG): each names its tag" if any_tag else ""
         raise ValueError(f"{op}: tag must be an int from 0 to {MAX_TAG:,}, got {tag!r}{hint}")
 

@@ -59,7 +59,25 @@ def resolve(op: Op) -> Callable[[Any, Any], Any]:
         return op
     if isinstance(op, str) and op in NAMED_OPS:
         return NAMED_OPS[op]
-    raise ValueError(f"op must be a callable op(a, b) -> c or one of {sorted(NAMED_OPS)}, got {op!r}")
+    hint = ""
+    if isinstance(op, str) and op.lower() in _MPI_ONLY:  # mpi4py's MPI.MAXLOC, MPI.LAND, ... written as a string
+        hint = (
+            f"; mpi4py's MPI.{op.upper()} has no name here: pass a function, e.g. {_MPI_ONLY[op.lower()]} "
+            '(docs/from-mpi4py.md, "Reductions and their ops")'
+        )
+    raise ValueError(f"op must be a callable op(a, b) -> c or one of {sorted(NAMED_OPS)}, got {op!r}{hint}")
+
+
+_MPI_ONLY = {  # mpi4py's ops that objcomm does not name, and a function that does what each does
+    "maxloc": "op=lambda a, b: b if b[0] > a[0] else a on (value, rank) pairs",
+    "minloc": "op=lambda a, b: b if b[0] < a[0] else a on (value, rank) pairs",
+    "land": "op=lambda a, b: a and b",
+    "lor": "op=lambda a, b: a or b",
+    "lxor": "op=lambda a, b: bool(a) != bool(b)",
+    "band": "op=operator.and_",
+    "bor": "op=operator.or_",
+    "bxor": "op=operator.xor",
+}
 
 
 def _ranks(first: int, last: int) -> str:

@@ -2,42 +2,42 @@
 the checks every message passes, the bounded stash, and flow control (:class:`Stash`; the waits of the threads that
 take messages from it are :mod:`objcomm._samehost.inbox_waits`).
 
-Messages wait in the stash until a call asks for them; it holds at most ``stash_bytes`` (payload
-plus :data:`ENTRY_OVERHEAD` per message and :data:`KEY_OVERHEAD` per key with messages waiting,
-about what Python takes for them), beyond which the channel fails: a peer that runs that far
-ahead of this rank, or floods it, cannot grow its memory without bound.
+Messages wait in the stash until a call asks for them; it holds at most ``stash_bytes`` (payload plus
+:data:`ENTRY_OVERHEAD` per message and :data:`KEY_OVERHEAD` per key with messages waiting, about what Python takes
+for them), beyond which the channel fails: a peer that runs that far ahead of this rank, or floods it, cannot grow
+its memory without bound.
 
-Flow control: a sender never makes a receiver fail. Each message of a collective (a root or a gather's sender
-may run ahead of its receivers) and of send/recv (a slot, a rest) costs its sender credit at that receiver: its
-length plus :data:`ENTRY_OVERHEAD` and :data:`KEY_OVERHEAD`, what the stash would count for it. Per peer and
-class (collectives, point to point) a sender has :func:`window_for` bytes of credit (8 MiB up to four ranks); a
-send that would pass it waits, reading the receiver's socket, until the receiver has taken enough of what came
-before: a receiver that hands messages to its calls (or drops them, :meth:`Stash.abandon`) tells the sender its
-running totals in a ``CREDIT`` message once they grew by a quarter of the window since it last told them. The two
-classes keep apart so that sends nobody received yet never hold up a collective. So an honest sender that runs
-ahead is slowed down to its receiver's pace, and the stash, sized to hold every peer's two windows, never fills
-from honest peers; a peer that ignores its credit fills it and fails the channel as before. Answers and
-``CREDIT`` messages take no credit: a sender waits for an answer before it sends more under that message, so
-there are never more of them than sends in flight.
+Flow control: a sender never makes a receiver fail. Each message of a collective (a root or a gather's sender may
+run ahead of its receivers) and of send/recv (a slot, a rest) costs its sender credit at that receiver: its length
+plus :data:`ENTRY_OVERHEAD` and :data:`KEY_OVERHEAD`, what the stash would count for it. Per peer and class
+(collectives, point to point) a sender has :func:`window_for` bytes of credit (8 MiB up to four ranks); a send that
+would pass it waits, reading the receiver's socket, until the receiver has taken enough of what came before: a
+receiver that hands messages to its calls (or drops them, :meth:`Stash.abandon`) tells the sender its running totals
+in a ``CREDIT`` message once they grew by a quarter of the window since it last told them. The two classes keep
+apart so that sends nobody received yet never hold up a collective. So an honest sender that runs ahead is slowed
+down to its receiver's pace, and the stash, sized to hold every peer's two windows, never fills from honest peers; a
+peer that ignores its credit fills it and fails the channel as before. Answers and ``CREDIT`` messages take no
+credit: a sender waits for an answer before it sends more under that message, so there are never more of them than
+sends in flight. A send that finds its receiver's queue full files meanwhile what its peers sent this rank
+(:meth:`~objcomm._samehost.inbox_waits.Inbox.take_in`): two ranks that send each other hundreds of messages before
+either receives go on, where each waited for the other until the timeout. A rank whose group is destroyed says so
+last (``LEFT``): a receive from any rank goes on with the others.
 
-Every message is checked on arrival, before it is filed, and any violation fails the channel with
-a :class:`~objcomm.CommunicationError` naming the peer (the channel then closes, so the others
-raise too): a datagram shorter than the header (an empty one is told apart from EOF) or longer than
-a message may be (``MSG_TRUNC`` gives its real length; nothing of that size is allocated), an unknown
-kind, unknown flag bits, a collective message that carries a tag, a point-to-point message that
-carries flags or a negative tag, and a collective sequence number that does not move
-forward: at or before the last collective this rank finished, or not after the peer's previous one.
-Point-to-point messages carry a message id where collectives carry their sequence number: a send's
-slot (taken by tag, in order) tells the receiver its id, and the receiver's answer and the rest of
-the send (:mod:`objcomm._samehost.channel_rests`) travel under ``(tag, kind, id)``, so that concurrent sends
-under one tag never take each other's (shared memory's words, at or above its threshold, go under the
-id too). After a wait for one of those timed out, later ones under its key are
-dropped on arrival (:meth:`Stash.abandon`).
-A waiter for collective ``s`` from a peer whose later collective already arrived fails at once (the
-peer called a different operation). A wait past the timeout fails the channel in a collective (the
-others wait in the same call); a recv that times out raises and leaves it open. The sender and the
-length are the kernel's (the socket it came on, the datagram's size), not the header's, so they
-cannot lie.
+Every message is checked on arrival, before it is filed, and any violation fails the channel with a
+:class:`~objcomm.CommunicationError` naming the peer (the channel then closes, so the others raise too): a datagram
+shorter than the header (an empty one is told apart from EOF) or longer than a message may be (``MSG_TRUNC`` gives
+its real length; nothing of that size is allocated), an unknown kind, unknown flag bits, a collective message that
+carries a tag, a point-to-point message that carries flags or a negative tag, and a collective sequence number that
+does not move forward: at or before the last collective this rank finished, or not after the peer's previous one.
+Point-to-point messages carry a message id where collectives carry their sequence number: a send's slot (taken by
+tag, in order) tells the receiver its id, and the receiver's answer and the rest of the send
+(:mod:`objcomm._samehost.channel_rests`) travel under ``(tag, kind, id)``, so that concurrent sends under one tag
+never take each other's (shared memory's words, at or above its threshold, go under the id too). After a wait for
+one of those timed out, later ones under its key are dropped on arrival (:meth:`Stash.abandon`). A waiter for
+collective ``s`` from a peer whose later collective already arrived fails at once (the peer called a different
+operation). A wait past the timeout fails the channel in a collective (the others wait in the same call); a recv
+that times out raises and leaves it open. The sender and the length are the kernel's (the socket it came on, the
+datagram's size), not the header's, so they cannot lie.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ GATHER = 8
 CREDIT = 10  # the receiver's running totals of what it took, per class (see "Flow control")
 # a collective: a digest of what this rank read in round 1 (objcomm._samehost.channel_slots.ChannelSlots.agree)
 ECHO = 11
-# the last message of a rank that failed the channel: where (its failure point, as the header's number; see
-# objcomm._samehost.mesh.Mesh.fail), so that a peer that finds it gone at a later call joins it there
-FAILED = 12
+# the last message of a rank that failed the channel: where (its failure point, as the header's number; see Mesh.fail),
+# so that a peer that finds it gone at a later call joins it there; or whose group was destroyed (Mesh.leave)
+FAILED, LEFT = 12, 13
 NAMES = {
     ALL_GATHER: "all_gather",
     BROADCAST: "broadcast",
@@ -75,6 +75,7 @@ NAMES = {
     CREDIT: "credit",
     ECHO: "echo",
     FAILED: "failure notice",
+    LEFT: "departure notice",
 }
 POINT_TO_POINT_KINDS = (P2P, ANSWER, REST)
 COLLECTIVES, POINT_TO_POINT = 0, 1  # the two classes of messages that take credit (ANSWER and CREDIT take none)
@@ -145,6 +146,7 @@ class Stash:
         self.closed: Optional[str] = None  # why the channel closed, once it has
         self.gone: Dict[int, str] = {}  # peers whose connection ended: why
         self.failed: Dict[int, int] = {}  # peers that said where they failed the channel (FAILED): that point
+        self.left: Set[int] = set()  # peers that said they left (LEFT): their group was destroyed there
         # send/recv slots this rank sent through the channel, and took from it: where the group's sums differ at a
         # reopening, messages were lost with the channel (objcomm._samehost.channel.LocalChannel.open)
         self.slots_sent = self.slots_taken = 0
@@ -343,17 +345,20 @@ class Stash:
                 credit[cls] = max(credit[cls], total)  # a receiver that lies lets this rank run ahead of itself alone
             self.cond.notify_all()  # a sender waiting for credit while another thread reads this socket
             return None
-        if kind == FAILED:
-            if flags or tag or length != HEADER.size:
+        if kind in (FAILED, LEFT):
+            if flags or tag or length != HEADER.size or (kind == LEFT and seq):
                 self._fail(
                     op,
-                    f"{self._who(peer)} sent a {length}-byte failure notice with a bad header (flags {flags}, "
-                    f"tag {tag}): a protocol error",
+                    f"{self._who(peer)} sent a {length}-byte {NAMES[kind]} with a bad header (flags {flags}, "
+                    f"#{seq}, tag {tag}): a protocol error",
                 )
-            self.failed.setdefault(peer, seq)
-            self.gone.setdefault(
-                peer, f"{self._who(peer)} closed its connection: it failed the channel at its collective #{seq}"
-            )
+            if kind == FAILED:
+                self.failed.setdefault(peer, seq)
+                why = f"closed its connection: it failed the channel at its collective #{seq}"
+            else:
+                self.left.add(peer)
+                why = "left: its process group was destroyed there (dist.destroy_process_group), after what it sent"
+            self.gone.setdefault(peer, f"{self._who(peer)} {why}")
             self.cond.notify_all()
             return None
         if kind in POINT_TO_POINT_KINDS:

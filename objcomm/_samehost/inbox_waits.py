@@ -33,6 +33,7 @@ from objcomm._transport import call_clock
 
 SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # every send on the channel's sockets: never blocks
 CREDIT_RETRY = 0.01  # seconds between offers of a CREDIT that bounced, while this rank waits
+TAKE_IN_MOST = 256  # messages take_in files from one peer at a time (then the send tries again)
 _CREDIT_HEADER = HEADER.pack(CREDIT, 0, 0, 0)
 
 
@@ -234,7 +235,15 @@ class Inbox(Stash):
                         if first:
                             return got, ready
                     elif peer in self.gone:
-                        self._fail(op, self.gone[peer])
+                        if key[0] or peer not in self.left:  # a collective's, or a peer that died: the channel fails
+                            self._fail(op, self.gone[peer])
+                        pending.remove(peer)  # a send's slot from a peer that left: none comes from it any more
+                        if not pending:  # (from any rank: every one left)
+                            raise CommunicationError(
+                                f"{op} over the local channel{self.ranks_note}: {self.gone[peer]}"
+                                + ("" if len(sources) == 1 else "; every other rank had left before")
+                                + f"; nothing under tag {key[1]} was left for this rank"
+                            )
                     elif key[0] and peer in self._last and after(self._last[peer], key[1]):
                         self._fail(
                             op,
@@ -282,6 +291,31 @@ class Inbox(Stash):
             if wake >= 0:
                 del self._wakes[me]
                 os.close(wake)
+
+    def take_in(self, op: str) -> None:
+        """File what the peers sent this rank and no other thread reads now, without waiting: a send whose peer's
+        queue is full calls it (:meth:`objcomm._samehost.mesh.Mesh._send`), so that two ranks that send each other
+        many messages before either receives do not wait for each other (each one's queue full of the other's, and
+        neither reading), as MPI's eager sends do not; what is filed stays within what credit lets a peer send ahead.
+        """
+        with self.cond:
+            took = False
+            for peer in self._peers:
+                for _ in range(TAKE_IN_MOST):
+                    if peer in self._readers or peer in self.gone:
+                        break
+                    length = self._recv(peer, block=False)
+                    if length == -3:  # nothing (more) there
+                        break
+                    self._file(peer, length, op)
+                    took = True
+            if took and self._waiting:
+                self._notify()
+
+    def unread(self) -> List[int]:
+        """The sockets of the peers that no thread reads now and that have not gone (their file descriptors)."""
+        with self.cond:
+            return [s.fileno() for p, s in self._peers.items() if p not in self._readers and p not in self.gone]
 
     # -- flow control (see "Flow control" in the module docstring) ------------------------------------
     def grant(self) -> None:
@@ -358,7 +392,10 @@ class Inbox(Stash):
                 if remaining <= 0:
                     why = (
                         f"{self._who(peer)} took none of the {self.window:,} bytes this rank sent it ahead within "
-                        f"the timeout of {self.timeout:.0f}s (a sender waits for its receiver to take what it sent)"
+                        f"the timeout of {self.timeout:.0f}s (a sender waits for its receiver to take what it "
+                        "sent: does it receive? Two ranks that each send the other more than this before either "
+                        "receives wait for each other: receive in between, or irecv first; a message counts its "
+                        f"bytes and {credit_cost(0):,} more)"
                     )
                     if collective:
                         self._fail(op, why)

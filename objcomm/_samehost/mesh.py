@@ -22,6 +22,7 @@ from objcomm._samehost.inbox import (
     FAILED,
     GATHER,
     HEADER,
+    LEFT,
     MASK,
     NAMES,
     P2P,
@@ -185,6 +186,19 @@ class Mesh:
                 sock.close()
             self._inbox.cond.notify_all()
 
+    def leave(self) -> None:
+        """Close every connection after telling the peers this rank left (``LEFT``: its group was destroyed), so that
+        their receives from any rank go on with the others (a peer that reads EOF alone takes it for a rank that died).
+        Best effort: a peer whose queue is full reads the EOF alone."""
+        if not self.closed and self._owner == os.getpid():
+            notice = HEADER.pack(LEFT, 0, 0, 0)
+            for sock in self._peers.values():
+                try:
+                    sock.send(notice, _FLAGS)
+                except OSError:
+                    pass
+        self.close(f"the local channel of rank {self.rank} was closed: its process group was destroyed")
+
     def fail(self, op: str, why: str, cause: Optional[BaseException] = None) -> NoReturn:
         """Close the channel and raise :class:`~objcomm.CommunicationError` (``why``: what went wrong)."""
         self._fail(op, why, cause)
@@ -247,7 +261,7 @@ class Mesh:
         if len(data) > MAX_PAYLOAD:
             self._fail(op, f"{len(data):,} bytes exceed the local channel's {MAX_PAYLOAD:,}-byte messages")
         if peer in self._inbox.gone:
-            self._fail(op, self._inbox.gone[peer])
+            self._gone(peer, header[0], op)
         self._inbox.reserve(peer, header[0], len(data), op)  # header[0]: the kind
         sock, parts = self._peers[peer], [header, data]
         deadline = None
@@ -255,22 +269,48 @@ class Mesh:
             try:
                 sock.sendmsg(parts, [], _FLAGS)
                 return
-            except BlockingIOError:  # the peer's queue is full: wait until it reads, bounded
-                now = time.monotonic()
+            except BlockingIOError:  # the peer's queue is full: wait until it reads, bounded, taking in meanwhile
+                now = time.monotonic()  # what the peers send this rank (Inbox.take_in: they may wait for it too)
                 if deadline is None:  # the timeout, or a collective's call's end (call_clock, as Inbox.take)
                     deadline = call_clock.until(now, self.timeout, shared=header[0] not in POINT_TO_POINT_KINDS)
                 try:
-                    writable = now < deadline and select.select([], [sock], [], deadline - now)[1]
+                    writable = now < deadline and self._writable(sock, deadline - now, op)
                 except (OSError, ValueError) as exc:  # closed here meanwhile, by another thread (ValueError: fd -1)
                     self._unsent(header)
                     self._fail(op, f"the connection to rank {peer} closed while this rank waited to send", exc)
+                if writable is None:  # something came in and was filed: try again
+                    continue
                 if not writable:
                     self._unsent(header)
                     self._fail(op, f"rank {peer} did not read within the timeout of {self.timeout:.0f}s ({NOT_THERE})")
             except OSError as exc:  # EPIPE, ECONNRESET: it is gone (EBADF: closed here meanwhile)
                 self._unsent(header)
                 self._inbox.notice_of(peer, op)  # what it sent before it went: where it failed, if it did
+                if peer in self._inbox.left:
+                    self._gone(peer, header[0], op)
                 self._fail(op, f"rank {peer} (pid {self._pids[peer]}) closed its connection ({exc.strerror})", exc)
+
+    def _writable(self, sock: socket.socket, wait: float, op: str) -> Optional[bool]:
+        """Whether ``sock`` takes a message within ``wait`` seconds; None where a peer's message came first (filed)."""
+        poll, mine = select.poll(), sock.fileno()
+        masks = dict.fromkeys(self._inbox.unread(), select.POLLIN)  # (one mask an fd: a second register replaces it)
+        masks[mine] = masks.get(mine, 0) | select.POLLOUT
+        for fd, mask in masks.items():
+            poll.register(fd, mask)
+        events = poll.poll(wait * 1000)
+        if any(fd == mine and event & select.POLLOUT for fd, event in events):
+            return True
+        if events:
+            self._inbox.take_in(op)
+            return None
+        return False
+
+    def _gone(self, peer: int, kind: int, op: str) -> NoReturn:
+        """Raise for a message to ``peer``, which has gone: a send or its rest to a peer that left (its group was
+        destroyed) raises alone, leaving the channel open to the others; else the channel fails."""
+        if kind in POINT_TO_POINT_KINDS and peer in self._inbox.left:
+            raise CommunicationError(f"{op} over the local channel{self.ranks_note}: {self._inbox.gone[peer]}")
+        self._fail(op, self._inbox.gone[peer])
 
     def _unsent(self, header: bytes) -> None:
         """A send/recv slot that ``reserve`` counted as sent did not leave (the channel fails now)."""

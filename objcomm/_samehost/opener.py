@@ -276,12 +276,13 @@ class Opener:
 
 
 def _gone(state: SameHost) -> None:
-    """The group is gone: its voting thread stops, its channel closes, then its control group goes."""
+    """The group is gone: its voting thread stops, its channel closes (telling the peers this rank left: their
+    receives from any rank go on with the others), then its control group goes."""
     opener, channel, control = state.opener, state.channel, state.control
     if opener is not None:
         opener.stop()
     if channel is not None:
-        channel.close()
+        channel.leave()
     if control is not None:
         _groups.forget(control)
 

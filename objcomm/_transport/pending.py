@@ -162,6 +162,14 @@ class _Sends:
                     f"received it, and it was not received: {_said(exc)}"
                 )
             with self.cond:
+                if failure is not None and not self._room(1):  # the bound held the sends after it back
+                    failure += (
+                        f" ({self.count} sends of this rank were waiting for their receivers, the most it keeps: "
+                        f"{MOST_SENDS}, or {MOST_BYTES >> 20} MiB; a send past them waited for room. A receiver that "
+                        "first waits for a message under another tag, which this rank sends after them, never gets "
+                        "it: receive in between, or irecv first; docs/from-mpi4py.md, \"Waits end at the group's "
+                        'timeout")'
+                    )
                 queue.popleft()
                 self.count -= 1
                 self.bytes -= sent.slot.numel()

@@ -258,8 +258,21 @@ def test_op_names_in_any_case_without_a_process_group():
     assert objcomm.all_reduce(3, "SUM") == 3
     assert objcomm.reduce({"a": 1}, "Merge_Sum", dst=0) == {"a": 1}
     assert objcomm.all_reduce(2, "MAX", async_op=True).wait(timeout=5) == 2
-    with pytest.raises(ValueError, match="op must be a callable"):
+    with pytest.raises(ValueError, match="op must be a callable") as refused:
         objcomm.all_reduce(3, "add")
+    assert "mpi4py" not in str(refused.value)
+
+
+@pytest.mark.parametrize("name", ["maxloc", "MINLOC", "land", "lor", "lxor", "band", "bor", "bxor"])
+def test_mpi4pys_ops_without_a_name_here_say_which_function_to_pass(name):
+    """mpi4py's MPI.MAXLOC, MPI.LAND, ... written as strings (a porter's try): the error names the function."""
+    with pytest.raises(ValueError, match=f"mpi4py's MPI.{name.upper()} has no name here: pass a function, e.g. op="):
+        objcomm.all_reduce(3, name)
+
+
+def test_a_receive_from_any_tag_written_as_none_says_there_is_none():
+    with pytest.raises(ValueError, match=r"got None; there is no receive from any tag \(mpi4py's ANY_TAG\)"):
+        objcomm.recv(src=0, tag=None)
 
 
 def reduce_with_capitals() -> list:

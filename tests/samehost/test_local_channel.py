@@ -506,3 +506,71 @@ def test_a_wait_on_one_silent_source_raises_after_one_timeout_not_two(key, kind)
     finally:
         mine.close()
         theirs.close()
+
+
+def sends_both_ways_then_receives(count: int) -> Any:
+    """Ranks 0 and 1 of a group of their own, its channel open with send/recv on it: each sends the other ``count``
+    small messages, then receives as many; then an all_gather. What this rank received, and the all_gather."""
+    import objcomm
+
+    group = dist.new_group([0, 1])
+    if dist.get_rank() > 1:
+        return None
+    objcomm.connect(group)
+    comm = objcomm.Communicator(group)
+    other = 1 - dist.get_rank()
+    for i in range(count):
+        comm.send(i, dst=other, tag=5)
+    got = [comm.recv(src=other, tag=5) for _ in range(count)]
+    return got, comm.all_gather(dist.get_rank())
+
+
+def test_two_ranks_that_send_each_other_a_burst_before_receiving_go_on():
+    """Each rank's queue fills with the other's messages while neither receives: a send that finds its peer's queue
+    full takes in what its peers sent meanwhile (Inbox.take_in), as MPI's eager sends go on. 3,000 messages each way
+    (a few hundred filled the socket's queue: both waited for each other until the timeout, a newcomer's find)."""
+    results = get_pool(3).run(sends_both_ways_then_receives, 3000, timeout=120)
+    for rank in (0, 1):
+        got, gathered = results[rank]
+        assert got == list(range(3000)) and gathered == [0, 1], (rank, got[:5], gathered)
+
+
+def leaves_while_others_send() -> Any:
+    """Three ranks of a group of their own, send/recv on its channel: rank 0 sends rank 2 one message, then destroys
+    the group; rank 1 sends rank 2 one a moment later, then destroys it. Rank 2 receives from any rank twice, then once
+    more (nobody is left to send), then from rank 0 (it left): what it got, or the errors."""
+    import gc
+
+    import objcomm
+
+    group = dist.new_group([0, 1, 2])
+    objcomm.connect(group)
+    comm = objcomm.Communicator(group)
+    rank, got = dist.get_rank(), []
+    if rank < 2:
+        time.sleep(0.5 * rank)
+        comm.send(f"from {rank}", dst=2, tag=9)
+    else:
+        got = [comm.recv(src=None, tag=9) for _ in range(2)]
+        for src in (None, 0):
+            start = time.monotonic()
+            try:
+                got.append(comm.recv(src=src, tag=9))
+            except objcomm.CommunicationError as exc:
+                got.append((str(exc), time.monotonic() - start < 30))
+    dist.destroy_process_group(group)
+    del comm, group
+    gc.collect()  # the group's objects go: its channel closes, telling the peers this rank left
+    return got
+
+
+def test_a_rank_that_destroys_its_group_leaves_the_others_receiving():
+    """A rank done with a group destroys it while others still exchange messages (a task farm's fast worker): its
+    channel tells its peers it left, so a receive from any rank goes on with the ranks still there, and raises at once
+    (no timeout, the channel open) once nobody is left or from a rank that left. It used to fail the channel: the
+    receive from any rank raised that rank 0 died, and rank 1's send found the channel closed."""
+    got = get_pool(3).run(leaves_while_others_send, timeout=120)[2]
+    assert sorted(got[:2]) == ["from 0", "from 1"], got
+    (anyone, quick), (from_zero, quick_too) = got[2:]
+    assert quick and "every other rank had left before" in anyone and "nothing under tag 9" in anyone, anyone
+    assert quick_too and "rank 0" in from_zero and "left: its process group was destroyed" in from_zero, from_zero

@@ -855,3 +855,35 @@ def test_a_send_not_received_is_reported_without_gloos_guess_that_a_peer_crashed
     )
     assert said == "Connection closed by peer [127.0.0.1]:19637"
     assert _pending._said(RuntimeError("Timed out waiting 100ms")) == "Timed out waiting 100ms"
+
+
+def past_the_bound_before_the_result() -> Any:
+    """Through the backend, on a group with a 3 s timeout: rank 1 sends MOST_SENDS + 10 progress messages under tag
+    1, then its result under tag 2; rank 0 waits for the result first. What each raises."""
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    previous = objcomm.configure()
+    try:
+        _on("backend", group)
+        try:
+            if dist.get_rank() == 1:
+                for i in range(_pending.MOST_SENDS + 10):
+                    objcomm.send(i, dst=0, group=group, tag=1)
+                objcomm.send("result", dst=0, group=group, tag=2)
+            else:
+                objcomm.recv(src=1, group=group, tag=2)
+            return "returned"
+        except objcomm.CommunicationError as exc:
+            return str(exc)
+    finally:
+        objcomm.restore(previous)
+        dist.destroy_process_group(group)
+
+
+def test_a_sender_held_at_the_bound_says_so():
+    """A worker whose progress messages outnumber what this rank keeps waiting for receivers (MOST_SENDS) while its
+    master first waits for a result under another tag: both wait until the timeout, as under MPI past its eager
+    buffers, and the sender's error says it was the bound and what to do (a porter's find: it said only that a send
+    was not received, and the master's pointed at settings)."""
+    sender = get_pool(2).run(past_the_bound_before_the_result, timeout=60)[1]
+    assert "the most it keeps: 1024" in sender or "at most 1024" in sender, sender
+    assert "receive in between, or irecv first" in sender or "Does every rank receive" in sender, sender
