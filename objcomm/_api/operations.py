@@ -84,7 +84,9 @@ class Operations(Resolving):
         if call.wire is None:
             self._check_single(src, "src")
             return call.roundtrip(per_rank(objs, 1, "scatter")[0])
+        call = _parts_of(call)
         wire = call.wire
+        assert wire is not None
         root = self._group_rank(wire, src, "src")
         outs: Optional[List[Outgoing]] = None
         local: Optional[BaseException] = None
@@ -97,6 +99,8 @@ class Operations(Resolving):
     def _all_to_all_call(self, call: Call, objs: Sequence[Any]) -> Any:
         if call.wire is None:
             return [call.roundtrip(per_rank(objs, 1, "all_to_all")[0])]
+        call = _parts_of(call)
+        assert call.wire is not None
         outs, local = encode_each(call, objs, call.wire.size, "all_to_all")
         incoming = _parts.all_to_all(call.wire, outs, _frame.tensor_sizes)
         call.raise_failures("all_to_all", incoming, local)
@@ -236,6 +240,15 @@ class Operations(Resolving):
         out, local = call.encode(obj, serialized)
         _requests.own_box(None if wire is None else wire.group).post(tag, _pending.captured(out))
         return local
+
+
+def _parts_of(call: Call) -> Call:
+    """``call`` for a scatter or an all_to_all: each part's slot the settings' up to a table of
+    :data:`routes.PARTS_TABLE` a rank, smaller past it (:func:`routes.part_slot`), its error reports made to fit."""
+    wire = call.wire
+    assert wire is not None
+    slot = routes.part_slot(world=wire.size, slot=wire.slot)
+    return call if slot == wire.slot else call._replace(wire=wire._replace(slot=slot))
 
 
 def _raise(error: Optional[BaseException]) -> None:

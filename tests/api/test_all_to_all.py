@@ -206,3 +206,38 @@ def tensors_at_odd_offsets() -> List[Any]:
 def test_tensors_arriving_at_any_offset_decode():
     for got in get_pool(3).run(tensors_at_odd_offsets):
         assert got == [("ok", [True] * 3)] * 2
+
+
+def with_the_parts_table_of(world_at_8192: bool) -> List[Any]:
+    """all_to_all and scatter with each part's slot as at 8192 ranks (routes.PARTS_TABLE made so that this group's
+    slots come out at routes.PART_SLOT_LEAST, 512 bytes) or the settings' 4 KiB: parts in the slot, past it, a
+    failing encode (its report in the smaller slot), then what each rank got."""
+    from objcomm._transport.routes import cutoffs
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved = cutoffs.PARTS_TABLE
+    if world_at_8192:
+        cutoffs.PARTS_TABLE = world * cutoffs.PART_SLOT_LEAST
+    try:
+        comm = objcomm.Communicator(shm=False)
+        got: List[Any] = []
+        for size in (10, 400, 3000, 20_000):
+            got.append(comm.all_to_all([f"{rank}>{dst}:" + "p" * size for dst in range(world)]))
+            got.append(comm.scatter([f"1>{dst}:" + "s" * size for dst in range(world)] if rank == 1 else None, src=1))
+        try:
+            comm.all_to_all([threading.Lock() if rank == 2 and dst == 0 else "x" * 100 for dst in range(world)])
+        except objcomm.RemoteError as exc:
+            got.append((exc.ranks, [t for t, _ in exc.failures.values()], "cannot pickle" in str(exc)))
+        return got
+    finally:
+        cutoffs.PARTS_TABLE = saved
+
+
+def test_parts_slots_shrink_past_a_table_of_4_mib_with_the_same_results():
+    """Past 1024 ranks each part of a scatter or an all_to_all gets a slot smaller than the settings' (routes.part_slot:
+    512 bytes at 8192 ranks, where 4 KiB slots made 32 MiB of round 1 on every rank): parts past it take the second
+    round, results and failures the same as with 4 KiB slots (forced here on 3 ranks)."""
+    small, whole = (get_pool(3).run(with_the_parts_table_of, at) for at in (True, False))
+    assert small == whole, (small, whole)
+    for rank, got in enumerate(small):
+        assert got[0] == [f"{src}>{rank}:" + "p" * 10 for src in range(3)] and got[-1] == ([2], ["TypeError"], True)

@@ -434,3 +434,16 @@ def test_a_hosts_all_gather_result_is_written_in_place_where_the_leaders_pad_or_
     assert handed["equal"] == (SHARED_MEMORY, (0,))  # the leaders' exchange wrote the file: nothing copied
     assert handed["skewed"] == (SHARED_MEMORY, (0,))  # the leaders' stripes wrote the stream into it
     assert handed["below the threshold"] == (CHANNEL, (sum(equal),))
+
+
+def test_scatter_and_all_to_all_shrink_their_parts_slots_past_a_4_mib_table():
+    """The settings' slot up to PARTS_TABLE of slots a rank (1024 ranks at 4 KiB), a smaller one past it, never below
+    PART_SLOT_LEAST, nor above the settings' (a smaller setting stays as it is)."""
+    assert routes.part_slot(world=2, slot=4096) == 4096
+    assert routes.part_slot(world=1024, slot=4096) == 4096
+    assert routes.part_slot(world=2048, slot=4096) == 2048
+    assert routes.part_slot(world=8192, slot=4096) == 512 == routes.PART_SLOT_LEAST
+    assert routes.part_slot(world=8192, slot=4096) * 8192 == routes.PARTS_TABLE
+    assert routes.part_slot(world=1 << 20, slot=4096) == 512
+    assert routes.part_slot(world=8192, slot=128) == 128
+    assert routes.part_slot(world=8192, slot=1 << 16) == 512

@@ -74,6 +74,8 @@ through the backend     ceil(log2 W) - 1 extra sends of the rest move at most
                         W - 1 - ceil(log2 W) hops of ``HOP_BYTES`` (44.7 MB at 8192
                         ranks): each piece down the binomial tree from the source
                         (send/recv); else the backend's broadcast (NCCL's: a ring)
+scatter's and           the settings' slot up to :data:`PARTS_TABLE` of slots a rank      :func:`part_slot`
+all_to_all's slots      (1024 ranks), a smaller one past it (512 bytes at 8192 ranks)
 a broadcast's rest      after the receivers' vote, on NCCL from :data:`TREE_DOWN_FROM`   :func:`rest_spread`
 part by part            ranks, where 2L hops and each rank moving the part twice beat
                         both of those (from 76 KB to 535 MB at 8192 ranks): a scatter
@@ -101,6 +103,8 @@ from objcomm._transport.routes.cutoffs import (
     IN_PLACE_FROM,
     PADDED,
     PADDED_WITHIN,
+    PART_SLOT_LEAST,
+    PARTS_TABLE,
     SHARED_MEMORY,
     STRIPES,
     SUMMED_SLOTS_FROM,
@@ -115,6 +119,7 @@ from objcomm._transport.routes.cutoffs import (
     in_place_table,
     leaders_relay_first,
     leaders_spread,
+    part_slot,
     pieces,
     rest_after_channel,
     rest_down_tree,
@@ -153,6 +158,8 @@ __all__ = [
     "Knobs",
     "PADDED",
     "PADDED_WITHIN",
+    "PART_SLOT_LEAST",
+    "PARTS_TABLE",
     "Plan",
     "SHARED_MEMORY",
     "STRIPES",
@@ -171,6 +178,7 @@ __all__ = [
     "in_place_table",
     "leaders_relay_first",
     "leaders_spread",
+    "part_slot",
     "all_announce",
     "pieces",
     "plan",

@@ -88,6 +88,22 @@ def leaders_spread(*, leaders: int, moved: int, agreed: bool) -> bool:
     return agreed and hops > 2 and 2 * hops * HOP_BYTES + 2 * moved < hops * (HOP_BYTES + moved)
 
 
+# scatter and all_to_all send one slot a receiver: at most this many bytes of slots a rank (all_to_all moves them
+# in and out of every rank, scatter out of its root), each slot at least PART_SLOT_LEAST (an error report in it
+# keeps about 480 bytes of its message)
+PARTS_TABLE = 4 << 20
+PART_SLOT_LEAST = 512
+
+
+def part_slot(*, world: int, slot: int) -> int:
+    """The slot of each part of a scatter or an all_to_all over ``world`` ranks, where the settings' slot is ``slot``
+    bytes: that slot up to :data:`PARTS_TABLE` a rank (1024 ranks at the default 4 KiB), a smaller one past it, down
+    to :data:`PART_SLOT_LEAST` (8192 ranks: 512 bytes, 4 MiB of slots a rank where they were 32 MiB). A part past its
+    slot moves in the second round at its exact size, as any does. The same on every rank: the group's size and a
+    setting every rank shares."""
+    return max(min(slot, PART_SLOT_LEAST), min(slot, PARTS_TABLE // max(world, 1)))
+
+
 def slots_summed(*, world: int, cpu: bool, forced: bool = False) -> bool:
     """Whether an all_gather's slots through the backend go in one all_reduce (a sum) of the table, zeros but each
     rank's own slot, rather than an all_gather: on NCCL from :data:`SUMMED_SLOTS_FROM` ranks, where the all_reduce
