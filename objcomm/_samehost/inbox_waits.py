@@ -383,7 +383,9 @@ class Inbox(Stash):
                 if self.closed is not None:
                     self._fail(op, self.closed)
                 if peer in self.gone:
-                    self._fail(op, self.gone[peer])
+                    if collective or peer not in self.left:
+                        self._fail(op, self.gone[peer])
+                    raise CommunicationError(f"{op} over the local channel{self.ranks_note}: {self.gone[peer]}")
                 if self._owing and not flushed:
                     self._offer_credit()
                     flushed = True

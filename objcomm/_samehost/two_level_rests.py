@@ -128,7 +128,7 @@ class TwoLevelRests:
         if wire.rank == src:
             assert out is not None
             data = memoryview(bytearray().join(pieces(out, info.inline is not None)))
-        refuse = wire.rank != src and info.total > wire.max_bytes  # no vote came first: received and dropped
+        refuse = wire.rank != src and info.total > wire.max_bytes  # (only where no vote came first: then dropped)
         voted = routes.leaders_relay_first(op=op, moved=moved)  # (worth said so: nobody refuses after the vote)
         got = relay(here, wire, data, moved, src, op, keep=not refuse, agreed=voted)
         if wire.rank == src:

@@ -130,11 +130,10 @@ def spread_bytes(
     receivers' vote (none drains); a rank that sends less than a block leaves zeros there (a lying relay changes the
     blocks it passes on, for every rank that gets them from it: docs/security.md)."""
     buffer = to_device(data, wire) if data is not None else zeroed(length, wire)
-    on = wire._replace(tag=INTERNAL_TAG)
-    for step in spread(wire.rank, wire.size, src, length):
-        ops = [o for peer, start, end in step.sends for o in chunked(on, dist.isend, buffer[start:end], peer)]
-        ops += [o for peer, start, end in step.receives for o in chunked(on, dist.irecv, buffer[start:end], peer)]
-        posted(on, ops, op, deadline)
+    for step in spread(wire.rank, wire.size, src, length):  # (chunked: under the exchange's internal tag)
+        ops = [o for peer, start, end in step.sends for o in chunked(wire, dist.isend, buffer[start:end], peer)]
+        ops += [o for peer, start, end in step.receives for o in chunked(wire, dist.irecv, buffer[start:end], peer)]
+        posted(wire, ops, op, deadline)
     return buffer
 
 

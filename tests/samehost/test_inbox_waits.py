@@ -314,3 +314,21 @@ def test_a_message_filed_while_a_waiter_offers_its_credit_ends_its_wait(inbox_of
     theirs.send(_message(_inbox.P2P, 8, tag=5))
     reader.join(timeout)
     assert reader.outcome == ({0: b""}, 8)
+
+
+def test_a_send_waiting_for_credit_from_a_peer_that_left_raises_alone(inbox_of):
+    """A send out of credit at a peer that then leaves (its group destroyed: its LEFT notice, then EOF) raises at once,
+    leaving the channel open to the others: the peer will take nothing more. A review's find: the credit wait read
+    the notice and failed the channel, which broke the other workers of a task farm whose worker left."""
+    inbox, pairs = inbox_of(3.0)
+    failed: List[str] = []
+    inbox._fail = lambda op, why, cause=None: failed.append(why) or _fail(op, why)  # what fails the channel
+    inbox._sent[1][_inbox.POINT_TO_POINT] = inbox.window + 1  # what the peer filed and never took
+    pairs[1][1].send(_inbox.HEADER.pack(_inbox.LEFT, 0, 0, 0))
+    pairs[1][1].close()
+    with pytest.raises(CommunicationError, match="left: its process group was destroyed") as raised:
+        inbox.reserve(1, _inbox.P2P, 10, "send")
+    assert failed == [] and inbox.left == {1}, (failed, raised.value)
+    pairs[0][1].send(_message(_inbox.P2P, 1, tag=4, data=b"x"))  # the other peer's messages still arrive
+    got, _ = inbox.take([0], (False, 4), _inbox.P2P, "recv", first=True)
+    assert got == {0: b"x"}

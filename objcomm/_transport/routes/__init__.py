@@ -78,7 +78,7 @@ scatter's and           the settings' slot up to :data:`PARTS_TABLE` of slots a 
 all_to_all's slots      (1024 ranks), a smaller one past it (512 bytes at 8192 ranks)
 a broadcast's rest      after the receivers' vote, on NCCL from :data:`TREE_DOWN_FROM`   :func:`rest_spread`
 part by part            ranks, where 2L hops and each rank moving the part twice beat
-                        both of those (from 76 KB to 535 MB at 8192 ranks): a scatter
+                        both of those (from 77 KB to 535 MB at 8192 ranks): a scatter
                         of W blocks down the binomial tree, then Bruck's all_gather
                         (``patterns.spread``, send/recv); on two levels (gloo) among     :func:`leaders_spread`
                         the leaders from 5 of them, past L x hop / (L - 2) bytes

@@ -63,8 +63,8 @@ def rest_spread(*, world: int, part: int, cpu: bool, agreed: bool, forced: bool 
     sends the bytes ceil(log2 W) times) or in the backend's broadcast. Only where the receivers voted first
     (``agreed``): every rank relays blocks of it, so none may drain it. On NCCL, from :data:`TREE_DOWN_FROM` ranks,
     where it costs the least of the three in hops of :data:`HOP_BYTES`: 2L x hop + 2 x part, against the ring's
-    (W - 1) x hop + part and the tree's L x (hop + part) (L = ceil(log2 W); at 8192 ranks from 76 KB to 535 MB,
-    at 64 ranks from 96 KB to 3.3 MB). Not on gloo, whose broadcast, in C++, runs where its ranks may share a
+    (W - 1) x hop + part and the tree's L x (hop + part) (L = ceil(log2 W); at 8192 ranks from 77 KB to 535 MB,
+    at 64 ranks from 98 KB to 3.3 MB). Not on gloo, whose broadcast, in C++, runs where its ranks may share a
     host. ``forced``: tests (Hooks), where a vote ran."""
     if not agreed or part <= 0:
         return False
@@ -82,7 +82,7 @@ def leaders_spread(*, leaders: int, moved: int, agreed: bool) -> bool:
     then an all_gather (:func:`rest_spread`'s route, among one rank a host) rather than in gloo's broadcast, a binomial
     tree whose source sends the bytes ceil(log2 leaders) = L times: after the vote (``agreed``: a leader holds all of
     it, :func:`leaders_relay_first`), where 2L hops and each leader moving it about twice cost less, in hops of
-    :data:`HOP_BYTES`, than L x (hop + moved): from 5 leaders, past L x hop / (L - 2) (at 1024 leaders 80 KB). The
+    :data:`HOP_BYTES`, than L x (hop + moved): from 5 leaders, past L x hop / (L - 2) (at 1024 leaders 82 KB). The
     leaders lie on different hosts, so every hop crosses the network, where a flat gloo group's ranks may share one."""
     hops = (leaders - 1).bit_length()
     return agreed and hops > 2 and 2 * hops * HOP_BYTES + 2 * moved < hops * (HOP_BYTES + moved)
