@@ -55,18 +55,23 @@ def arrive(group: Any, suffix: str, stopping: threading.Event, timeout: float) -
     """Wait, through the store, until every member of ``group`` has called this with ``suffix`` (True), or until
     ``stopping`` is set or ``timeout`` seconds pass (False): in short steps, never long inside torch, so that a
     thread waiting here for ranks that may never come can stop at once (one left inside torch at exit aborts the
-    process). A sibling's own rendezvous, which cannot be stopped, then finds every member there."""
+    process). A sibling's own rendezvous, which cannot be stopped, then finds every member there.
+
+    Every member ends on the same answer: the first to see them all, or to give up, sets the outcome (one
+    ``compare_set``, which the others then read), so a rank that gave up after it was counted never leaves the others
+    in a rendezvous it does not join (they waited for it there until the group's timeout), and one that gives up after
+    the others went on goes on with them."""
     store, names = _own_store(), dist.distributed_c10d._world.pg_names
     key, members = f"objcomm/{names[group]}:{suffix}/arrived", dist.get_world_size(group)
     start = time.monotonic()
     count, pause, deadline = store.add(key, 1), 1e-3, start + timeout
     while count < members:
         if stopping.wait(pause) or time.monotonic() > deadline:
-            return False
+            return bool(store.compare_set(f"{key}/outcome", "", "stop") == b"go")
         # ranks come within ms (a first collective may be waiting); one that never does: 4 store calls a second
         pause = min(2 * pause, 0.05 if time.monotonic() < start + 2 else 0.25)
         count = store.add(key, 0)
-    return True
+    return bool(store.compare_set(f"{key}/outcome", "", "go") == b"go")
 
 
 def store_clones() -> bool:
