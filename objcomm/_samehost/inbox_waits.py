@@ -296,8 +296,8 @@ class Inbox(Stash):
         """File what the peers sent this rank and no other thread reads now, without waiting: a send whose peer's
         queue is full calls it (:meth:`objcomm._samehost.mesh.Mesh._send`), so that two ranks that send each other
         many messages before either receives do not wait for each other (each one's queue full of the other's, and
-        neither reading), as MPI's eager sends do not; what is filed stays within what credit lets a peer send ahead.
-        """
+        neither reading): a blocked send takes in what arrives, as an MPI send does. What is filed stays within what
+        credit lets a peer send ahead."""
         with self.cond:
             took = False
             for peer in self._peers:
