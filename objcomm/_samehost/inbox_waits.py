@@ -25,7 +25,7 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from objcomm._errors import NOT_THERE, CommunicationError
 from objcomm._samehost.inbox import CLASS_OF, CREDIT, HEADER, NAMES, P2P, REST, Key, Stash, after, credit_cost
@@ -235,15 +235,12 @@ class Inbox(Stash):
                         if first:
                             return got, ready
                     elif peer in self.gone:
-                        if key[0] or peer not in self.left:  # a collective's, or a peer that died: the channel fails
-                            self._fail(op, self.gone[peer])
-                        pending.remove(peer)  # a send's slot from a peer that left: none comes from it any more
-                        if not pending:  # (from any rank: every one left)
-                            raise CommunicationError(
-                                f"{op} over the local channel{self.ranks_note}: {self.gone[peer]}"
-                                + ("" if len(sources) == 1 else "; every other rank had left before")
-                                + f"; nothing under tag {key[1]} was left for this rank"
+                        if key[0] or peer not in self.left or len(pending) == 1:  # (1: every one left)
+                            more = "" if len(sources) == 1 else "; every other rank had left before"
+                            self.gone_from(
+                                peer, op, key[0], f"{more}; nothing under tag {key[1]} was left for this rank"
                             )
+                        pending.remove(peer)  # a send's slot from a peer that left: none comes from it any more
                     elif key[0] and peer in self._last and after(self._last[peer], key[1]):
                         self._fail(
                             op,
@@ -291,6 +288,14 @@ class Inbox(Stash):
             if wake >= 0:
                 del self._wakes[me]
                 os.close(wake)
+
+    def gone_from(self, peer: int, op: str, collective: bool, more: str = "") -> NoReturn:
+        """Raise for ``peer``, which has gone, in ``op``: where it left (its group destroyed) and ``op`` moves a
+        send/recv's message, alone, the channel open to the others; else (a collective's, or a peer that died) the
+        channel fails. ``more``: what the error adds, where it raises alone."""
+        if collective or peer not in self.left:
+            self._fail(op, self.gone[peer])
+        raise CommunicationError(f"{op} over the local channel{self.ranks_note}: {self.gone[peer]}{more}")
 
     def take_in(self, op: str) -> None:
         """File what the peers sent this rank and no other thread reads now, without waiting: a send whose peer's
@@ -383,9 +388,7 @@ class Inbox(Stash):
                 if self.closed is not None:
                     self._fail(op, self.closed)
                 if peer in self.gone:
-                    if collective or peer not in self.left:
-                        self._fail(op, self.gone[peer])
-                    raise CommunicationError(f"{op} over the local channel{self.ranks_note}: {self.gone[peer]}")
+                    self.gone_from(peer, op, collective)
                 if self._owing and not flushed:
                     self._offer_credit()
                     flushed = True

@@ -261,7 +261,7 @@ class Mesh:
         if len(data) > MAX_PAYLOAD:
             self._fail(op, f"{len(data):,} bytes exceed the local channel's {MAX_PAYLOAD:,}-byte messages")
         if peer in self._inbox.gone:
-            self._gone(peer, header[0], op)
+            self._inbox.gone_from(peer, op, header[0] not in POINT_TO_POINT_KINDS)
         self._inbox.reserve(peer, header[0], len(data), op)  # header[0]: the kind
         sock, parts = self._peers[peer], [header, data]
         deadline = None
@@ -287,7 +287,7 @@ class Mesh:
                 self._unsent(header)
                 self._inbox.notice_of(peer, op)  # what it sent before it went: where it failed, if it did
                 if peer in self._inbox.left:
-                    self._gone(peer, header[0], op)
+                    self._inbox.gone_from(peer, op, header[0] not in POINT_TO_POINT_KINDS)
                 self._fail(op, f"rank {peer} (pid {self._pids[peer]}) closed its connection ({exc.strerror})", exc)
 
     def _writable(self, sock: socket.socket, wait: float, op: str) -> Optional[bool]:
@@ -304,13 +304,6 @@ class Mesh:
             self._inbox.take_in(op)
             return None
         return False
-
-    def _gone(self, peer: int, kind: int, op: str) -> NoReturn:
-        """Raise for a message to ``peer``, which has gone: a send or its rest to a peer that left (its group was
-        destroyed) raises alone, leaving the channel open to the others; else the channel fails."""
-        if kind in POINT_TO_POINT_KINDS and peer in self._inbox.left:
-            raise CommunicationError(f"{op} over the local channel{self.ranks_note}: {self._inbox.gone[peer]}")
-        self._fail(op, self._inbox.gone[peer])
 
     def _unsent(self, header: bytes) -> None:
         """A send/recv slot that ``reserve`` counted as sent did not leave (the channel fails now)."""

@@ -351,10 +351,7 @@ def leaders_broadcast(
             return got  # (the source's host has it from the source)
         whole = host_view(spread)
         if here.channel is not None:
-            for at in range(0, length, step):
-                for chunk in chunks([whole[at : at + step]]):
-                    here.channel.broadcast(chunk, 0, here.spin, op)
-            all_received(here.channel, length, here.spin, op)
+            publish(here, [whole], length, op)  # (whole: as the source's host has it from the source)
         return whole if keep else None
     if here.host == source_host:
         assert got is not None

@@ -160,6 +160,12 @@ def vote_calls(ranks: int) -> int:
     return (ranks > below) + below.bit_length() - 1 + 1
 
 
+def spread_calls(ranks: int) -> int:
+    """The calls of a spread over ``ranks`` ranks (:func:`objcomm._transport.patterns.spread`) on its busiest rank, a
+    relay: its blocks from its parent, its subtree's to its children, then ceil(log2 W) steps of the all_gather."""
+    return 2 + (ranks - 1).bit_length()
+
+
 def tree_calls(world: int, rest: int, *, cpu: bool, listed: bool, chunk: int) -> int:
     """The calls of a binomial tree of sends (a reduction's way up, or its result's way down) on its busiest rank, group
     rank 0, where each message has a rest of ``rest`` bytes: ceil(log2 W) messages, each one call where its rest comes
@@ -259,7 +265,7 @@ def plan(
             steps += [settled] if announced(moved) and medium == BACKEND else []
             # as a scatter, then an all_gather (one rest, one part: a relay takes, passes on, then ceil(log2 W) steps)
             if medium == BACKEND and rest_spread(world=world, part=moved, cpu=topology.cpu, agreed=agreed):
-                return Plan(op, first, (*steps, Step("spread", BACKEND, (moved,), calls=2 + (world - 1).bit_length())))
+                return Plan(op, first, (*steps, Step("spread", BACKEND, (moved,), calls=spread_calls(world))))
             # each piece in the backend's broadcast, or down the binomial tree from the root: then a relay takes it
             # in one batch and sends it on in another
             tree = medium == BACKEND and rest_down_tree(world=world, moved=moved, cpu=topology.cpu)
@@ -333,7 +339,7 @@ def _two_level_steps(
         # leaders (after a vote, spread where leaders_spread says so), the other hosts
         pieces = [min(knobs.chunk_bytes, n - at) for at in range(0, n, knobs.chunk_bytes)]
         if leaders_spread(leaders=len(hosts), moved=n, agreed=agreed):
-            leaders_steps = [Step("spread", BACKEND, (n,), calls=2 + (len(hosts) - 1).bit_length())]
+            leaders_steps = [Step("spread", BACKEND, (n,), calls=spread_calls(len(hosts)))]
         else:
             leaders_steps = [Step("broadcast", BACKEND, (p,)) for p in pieces]
         return [Step("broadcast", CHANNEL, (n,), k), *across(leaders_steps), Step("broadcast", CHANNEL, (n,), k)]
