@@ -50,7 +50,22 @@ KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
 
 # -- parameters ------------------------------------------------------------------------------------------------
 RANKS_PER_NODE = 8  # consecutive ranks per host; a group of more spans hosts, and every hop then pays alpha_inter
-FRAME_OVERHEAD = 100  # bytes objcomm's frame adds to a pickled payload (header, serializer name, pickle framing)
+
+
+def _frame_overhead() -> int:
+    """The bytes objcomm's frame adds to a pickled payload, measured on this code: the encoded frame of a dict of
+    1,000 numbers (pickle) less that dict's pickle (46 bytes: the frame's header and the serializer's name)."""
+    import pickle
+
+    from objcomm._format import frame
+    from serializers import registry
+
+    payload = {"values": list(range(1000))}
+    out = frame.encode(payload, registry.guarded("pickle"), max_bytes=1 << 30)
+    return out.total - len(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+FRAME_OVERHEAD = _frame_overhead()  # bytes objcomm's frame adds to a pickled payload
 TENSOR_FRAME = 140  # the frame of a message that is one tensor sent out of band (its table, no data): 135 measured
 SIZE_WORD = 8  # torch's object collectives exchange each payload's size as one int64
 # A rank that posts messages to (or takes them from) m peers at once pays alpha * ceil(m / P2P_CONCURRENCY): the
@@ -195,9 +210,10 @@ def doubling_vote(world: int, a: float) -> float:
     return (below + (0 if world & (world - 1) == 0 else 1) + levels(world)) * a
 
 
-def tree_reduce(world: int, n: int, a: float, b: float) -> float:
-    """objcomm's reduce tree (send/recv toward rank 0, one level after another): ceil(log2 W)*(a + n/B)."""
-    return levels(world) * (a + n / b)
+def tree_reduce(world: int, n: int, a: float, b: float, messages: int = 1) -> float:
+    """objcomm's reduce tree (send/recv toward rank 0, one level after another), each edge ``messages`` messages one
+    after another (its slot, an answer where one is due, its rest: routes.tree_messages): ceil(log2 W)*(m*a + n/B)."""
+    return levels(world) * (messages * a + n / b)
 
 
 def shared_memory_exchange(sizes: Sequence[int], a: float) -> float:
@@ -272,7 +288,7 @@ def step_cost(step: routes.Step, params: Params, world: int, root: int = 0) -> f
     if step.collective == "vote":
         return doubling_vote(world, a)
     if step.collective in ("tree", "down_tree"):  # the same edges, one way or the other
-        return tree_reduce(world, sizes[0], a, b)
+        return tree_reduce(world, sizes[0], a, b, step.messages)
     raise ValueError(f"no cost for {step}")
 
 

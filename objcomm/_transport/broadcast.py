@@ -140,8 +140,9 @@ def spread_bytes(
 def down_tree(wire: Wire, out: Optional[Outgoing], sizes_of: SizesOf, levels: Optional[TreeLevels] = None) -> Incoming:
     """Group rank 0's frame and tensors (``out`` there) on every rank, along the edges of the binomial tree that
     :func:`objcomm._api.reduce.tree` climbs, the other way: a rank takes the whole message (slot and rest, one
-    send/recv) from its parent ``rank - lowbit(rank)`` and passes it on to its children ``rank + 2**k`` for every
-    ``2**k`` below ``lowbit(rank)``, the largest subtree first. ceil(log2 W) hops in sequence on every backend,
+    send/recv, the rest in pieces of :func:`objcomm._transport.routes.tree_piece`) from its parent
+    ``rank - lowbit(rank)`` and passes it on to its children ``rank + 2**k`` for every ``2**k`` below
+    ``lowbit(rank)``, the largest subtree first. ceil(log2 W) hops in sequence on every backend,
     where NCCL's broadcast is a ring of W - 1, and no vote: group rank 0 already refused, for every rank alike, a
     result above the smallest ``max_bytes`` that came up the tree (:class:`objcomm._api.reduce.Reduced`).
 
@@ -182,7 +183,8 @@ def _descend(
     """One binomial tree rooted at ``ranks[0]`` over the group ranks ``ranks`` of ``wire`` (this rank:
     ``ranks[me]``), the reduce tree's edges the other way: what this rank took (the root: ``got``, or a view of
     ``forward``, what it holds) and what it passed on."""
-    wire = wire._replace(tag=INTERNAL_TAG)  # as the reduce tree (its sends go the other way: higher to lower ranks)
+    # as the reduce tree (its sends go the other way: higher to lower ranks), each rest in its pieces
+    wire = wire._replace(tag=INTERNAL_TAG, chunk=routes.tree_piece(wire.chunk))
     tree = binomial(me, len(ranks))
     if tree.parent is None:
         assert forward is not None

@@ -85,6 +85,7 @@ def test_formulas_reproduce_hand_computed_values():
     assert sm.ring_vote(5, 1.0) == pytest.approx(8)
     assert sm.tree_vote(5, 1.0) == pytest.approx(6)
     assert sm.tree_reduce(8, 100, 1.0, 100.0) == pytest.approx(3 * 2)
+    assert sm.tree_reduce(8, 100, 1.0, 100.0, messages=2) == pytest.approx(3 * 3)  # a slot, then the rest, an edge
     assert sm.direct_broadcast(9, 100, 1.0, 100.0) == pytest.approx(1 + 8)
     assert sm.direct_vote(9, 1.0) == pytest.approx(2)
     assert sm.shared_memory_exchange([0, int(sm.SAME_HOST_BANDWIDTH)], 1e-5) == pytest.approx(2e-5 + 1)
@@ -130,15 +131,16 @@ def test_a_whole_row_by_hand():
 
 def test_a_gather_up_a_tree_by_hand():
     """gather of 1 KB objects on 64 NCCL ranks across hosts: the slots up a binomial tree (6 levels: the lengths
-    climb a level a hop, the slots one level behind them; each trimmed: the 24-byte prefix and the 1,124-byte frame,
-    plus a 4-byte length; the root takes in 63 of them), then the destination's word back down the same tree (6
-    hops of 8 bytes)."""
+    climb a level a hop, the slots one level behind them; each trimmed: the 24-byte prefix and the 1,070-byte frame
+    (the frame's 46 bytes measured), plus a 4-byte length; the root takes in 63 of them), then the destination's word
+    back down the same tree (6 hops of 8 bytes)."""
     a, b = 20e-6, 25e9
     sizes = sm.sizes_for("equal-small", 64)
     assert sm.slot_carries(1024, tensor=False) == 24 + 1024 + sm.FRAME_OVERHEAD
     got = sm.objcomm_plan("gather", sm.NCCL, 64, sizes)
     assert sm.route_code(got) == "GT+TD"
-    assert sm.plan_cost(got, sm.NCCL, 64) == pytest.approx((6 + 1) * a + 63 * (4 + 1148) / b + 6 * (a + 8 / b))
+    assert sm.FRAME_OVERHEAD == 46
+    assert sm.plan_cost(got, sm.NCCL, 64) == pytest.approx((6 + 1) * a + 63 * (4 + 1094) / b + 6 * (a + 8 / b))
 
 
 def test_check_exits_non_zero_exactly_when_a_row_misses(capsys, table):

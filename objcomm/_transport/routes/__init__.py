@@ -60,12 +60,14 @@ two levels              all_gather, gather, broadcast of a CPU group with ``loca
                         channel to its leader, the leaders on the backend, back
 the reductions' tree    on two levels where every host holds consecutive group ranks:      :func:`tree_on_two_levels`
                         each host's ranks up a tree over its channel to the leader, then
-                        the leaders' tree through the backend; else the group's tree
+                        the leaders' tree through the backend; else the group's tree.
+                        Each message's rest in pieces of at most ``SCRATCH_BYTES``:      :func:`tree_piece`
+                        no answer where its slot lists the sizes
 a host's all_gather     on two levels, a shared file from ``shm_threshold``: the           :func:`in_place_table`
 result, in place        leaders' padded all_gather (hosts' bundles within 2x) or their
                         stripes write it in place from ``IN_PLACE_FROM``; else the leader
                         copies into it
-all_reduce's result     back down the reduce tree (send/recv, one message an edge)       :func:`result_down_tree`
+all_reduce's result     back down the reduce tree (send/recv: the message of each edge) :func:`result_down_tree`
                         on NCCL where a broadcast's round 1 would take the backend, and
                         on gloo's two levels from :data:`TREE_DOWN_FROM` leaders (the
                         leaders' tree, then each host's); else that broadcast
@@ -132,6 +134,7 @@ from objcomm._transport.routes.cutoffs import (
     slots_up_tree,
     stripe_width,
     tree_on_two_levels,
+    tree_piece,
     two_levels,
     word_down_tree,
 )
@@ -144,6 +147,7 @@ from objcomm._transport.routes.plans import (
     plan,
     stripe_moves,
     tree_calls,
+    tree_messages,
     vote_calls,
 )
 
@@ -194,6 +198,8 @@ __all__ = [
     "stripe_moves",
     "stripe_width",
     "tree_calls",
+    "tree_messages",
+    "tree_piece",
     "tree_on_two_levels",
     "two_levels",
     "vote_calls",

@@ -31,7 +31,7 @@ def round_one(*, local: bool, one_host: bool, channel_open: bool) -> str:
 
 def result_down_tree(*, cpu: bool, forced: bool = False, leaders: int = 0) -> bool:
     """Whether all_reduce's result goes from group rank 0 back down its reduce tree (send/recv, ceil(log2 W) hops,
-    slot and rest in one message an edge: :func:`objcomm._transport.broadcast.down_tree`) rather than in a
+    each edge its slot and rest: :func:`objcomm._transport.broadcast.down_tree`) rather than in a
     broadcast, where a broadcast's round 1 would take the backend: on NCCL, whose broadcast is a ring; on gloo's two
     levels (``leaders``: the hosts whose leaders the reduce tree climbed, 0 on one level) from
     :data:`TREE_DOWN_FROM` leaders, where the broadcast's relays move the slot, then the rest, each in a leaders'
@@ -207,6 +207,14 @@ def rest_after_channel(moved: int, *, cpu: bool, shm: bool, shm_threshold: int, 
     return rest_medium(
         moved, cpu=cpu, round_one_medium=CHANNEL, shm=shm, shm_threshold=shm_threshold, gathered=gathered
     )
+
+
+def tree_piece(chunk: int) -> int:
+    """The pieces a reduction tree's message (its way up, and the result's way down) sends its rest in, where the
+    settings' are ``chunk`` bytes: at most ``SCRATCH_BYTES``, so that where the slot lists the sizes no answer is due
+    (:func:`agreement_needed`) and an edge costs its slot and one batch of pieces, not a round trip more. A receiver
+    over its ``max_bytes`` drains them through its scratch; its failure goes on along the tree, as any does."""
+    return min(chunk, SCRATCH_BYTES)
 
 
 def agreement_needed(*, sizes_listed: bool, largest_piece: int, medium_may_take: bool) -> bool:

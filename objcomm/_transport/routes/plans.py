@@ -33,6 +33,7 @@ from objcomm._transport.routes.cutoffs import (
     slots_summed,
     slots_up_tree,
     stripe_width,
+    tree_piece,
     two_levels,
     word_down_tree,
 )
@@ -126,6 +127,7 @@ class Step:
     calls: int = (
         1  # torch.distributed calls on its busiest rank: a vote's (vote_calls), a tree's (tree_calls), else one
     )
+    messages: int = 1  # a reduction tree's: the messages one after another on each edge (tree_messages)
 
 
 @dataclass(frozen=True)
@@ -166,14 +168,21 @@ def spread_calls(ranks: int) -> int:
     return 2 + (ranks - 1).bit_length()
 
 
+def tree_messages(rest: int, *, cpu: bool, listed: bool, chunk: int) -> int:
+    """The messages, one after another, on each edge of a binomial tree of sends (a reduction's way up, or its result's
+    way down) whose message has a rest of ``rest`` bytes: one where the slot carries all or the rest comes with it
+    (:func:`~objcomm._transport.routes.cutoffs.backend_whole`); else the slot, the receiver's answer where one is due
+    (sizes not listed: the rest goes in pieces of :func:`~objcomm._transport.routes.cutoffs.tree_piece`), and one batch
+    for the rest (:func:`objcomm._transport.p2p.send`)."""
+    piece = min(rest, tree_piece(chunk))
+    agreed = rest > 0 and agreement_needed(sizes_listed=listed, largest_piece=piece, medium_may_take=False)
+    return 1 if rest == 0 or backend_whole(rest, cpu=cpu, agreed=agreed) else 2 + agreed
+
+
 def tree_calls(world: int, rest: int, *, cpu: bool, listed: bool, chunk: int) -> int:
-    """The calls of a binomial tree of sends (a reduction's way up, or its result's way down) on its busiest rank, group
-    rank 0, where each message has a rest of ``rest`` bytes: ceil(log2 W) messages, each one call where its rest comes
-    with its slot (:func:`~objcomm._transport.routes.cutoffs.backend_whole`) or the slot carries all; else its slot,
-    the receiver's answer where one is due, and one batch for the rest (:func:`objcomm._transport.p2p.send`)."""
-    agreed = rest > 0 and agreement_needed(sizes_listed=listed, largest_piece=min(rest, chunk), medium_may_take=False)
-    per_message = 1 if rest == 0 or backend_whole(rest, cpu=cpu, agreed=agreed) else 2 + agreed
-    return (world - 1).bit_length() * per_message
+    """The calls of a binomial tree of sends on its busiest rank, group rank 0: ceil(log2 W) messages, each of
+    :func:`tree_messages` calls."""
+    return (world - 1).bit_length() * tree_messages(rest, cpu=cpu, listed=listed, chunk=chunk)
 
 
 def plan(
@@ -278,19 +287,20 @@ def plan(
         # a tree of send/recv (objcomm._api.reduce.tree; each carries a slot and its rest), then all_reduce: group
         # rank 0's value or failure back down the tree or broadcast; reduce: a gather of every rank's report to the root
         held = (knobs.slot_bytes + rests[0],)
-        calls = tree_calls(world, rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
+        edge = tree_messages(rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
+        calls = (world - 1).bit_length() * edge  # tree_calls
         if leveled:  # each host's tree over its channel, then the leaders' (tree_on_two_levels: hosts consecutive)
-            across = tree_calls(hosts, rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
-            steps += [Step("tree", CHANNEL, held, k), Step("tree", BACKEND, held, hosts, True, across)]
+            across = (hosts - 1).bit_length() * edge
+            steps += [Step("tree", CHANNEL, held, k), Step("tree", BACKEND, held, hosts, True, across, edge)]
         else:
-            steps.append(Step("tree", BACKEND, held, calls=calls))
+            steps.append(Step("tree", BACKEND, held, calls=calls, messages=edge))
         if op == "all_reduce":
             if leveled and result_down_tree(cpu=topology.cpu, leaders=hosts):  # the leaders' tree, then each host's
-                across_down = Step("down_tree", BACKEND, held, hosts, True, across)
+                across_down = Step("down_tree", BACKEND, held, hosts, True, across, edge)
                 return Plan(op, first, (*steps, across_down, Step("down_tree", CHANNEL, held, k)))
             result = plan("broadcast", topology, rests, knobs, root=0, listed=listed)
             if result.round_one == BACKEND and result_down_tree(cpu=topology.cpu):
-                return Plan(op, first, (*steps, Step("down_tree", BACKEND, held, calls=calls)))
+                return Plan(op, first, (*steps, Step("down_tree", BACKEND, held, calls=calls, messages=edge)))
             return Plan(op, first, (*steps, *result.steps))
         sent = [rests[0] if r == 0 and root != 0 else 0 for r in range(world)]
         return Plan(op, first, (*steps, *plan("gather", topology, sent, knobs, root=root).steps))
