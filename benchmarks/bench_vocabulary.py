@@ -1,11 +1,13 @@
-"""all_to_all and all_reduce of objects against what users write today, and against the raw floor.
+"""all_to_all, all_reduce and scan of objects against what users write today, and against the raw floor.
 
     python benchmarks/bench_vocabulary.py                     # world sizes 2 and 4, gloo, markdown to stdout
     python benchmarks/bench_vocabulary.py --world-sizes 2 --repeat-scale 0.3
+    python benchmarks/bench_vocabulary.py --world-sizes 4 8 --only scan    # the scenarios whose name has "scan"
 
-torch has no object all-to-all and no object reduction, so the comparison is the workaround:
-``all_gather_object`` of everything, then pick one's own part (all_to_all) or reduce locally
-(all_reduce); the same workaround through ``objcomm.all_gather``; and a raw ``all_to_all_single``
+torch has no object all-to-all, no object reduction and no scan, so the comparison is the workaround:
+``all_gather_object`` of everything, then pick one's own part (all_to_all), reduce locally
+(all_reduce) or combine the ranks up to this one (scan); the same workaround through ``objcomm.all_gather``; and a raw
+``all_to_all_single``
 of the same pickled bytes with uneven splits (the floor for all_to_all). Candidates run
 round-robin on live local gloo ranks; a sample is the slowest rank's time; medians are reported.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import operator
 import pickle
 import sys
 from typing import Any, Callable, Dict, List
@@ -75,6 +78,16 @@ def _torch_reduce(obj: Any, op: Callable[[Any, Any], Any]) -> Callable[[], Any]:
     return run
 
 
+def _torch_scan(obj: Any, op: Callable[[Any, Any], Any]) -> Callable[[], Any]:
+    out: List[Any] = [None] * dist.get_world_size()
+
+    def run() -> Any:
+        dist.all_gather_object(out, obj)
+        return functools.reduce(op, out[: dist.get_rank() + 1])
+
+    return run
+
+
 def _merge_sum(a: Dict[Any, int], b: Dict[Any, int]) -> Dict[Any, int]:
     merged = dict(a)
     for key, value in b.items():
@@ -123,12 +136,28 @@ def _scenarios(repeat_scale: float) -> Dict[str, Dict[str, Any]]:
             },
             "ratios": [("objcomm", "torch all_gather_object + reduce"), ("objcomm", "objcomm all_gather + reduce")],
         }
+    for name, obj, repeat in (("scan of a count", 1000 + rank, 200), ("scan of 1,000 counters", counters, 100)):
+        add = operator.add if isinstance(obj, int) else _merge_sum
+        scenarios[name] = {
+            "repeat": rounds(repeat),
+            "candidates": {
+                "objcomm": lambda obj=obj, add=add: objcomm.scan(obj, add),
+                "torch all_gather_object + prefix": _torch_scan(obj, add),
+                "objcomm all_gather + prefix": lambda obj=obj, add=add: functools.reduce(
+                    add, objcomm.all_gather(obj)[: rank + 1]
+                ),
+            },
+            "ratios": [("objcomm", "torch all_gather_object + prefix"), ("objcomm", "objcomm all_gather + prefix")],
+        }
     return scenarios
 
 
-def timing_task(repeat_scale: float, send: Callable[[Any], None]) -> Dict[str, Any]:
+def timing_task(scale_and_only: Any, send: Callable[[Any], None]) -> Dict[str, Any]:
+    repeat_scale, only = scale_and_only
     results = {}
     for name, scenario in _scenarios(repeat_scale).items():
+        if only not in name:
+            continue
         timings = interleaved(scenario["candidates"], repeat=scenario["repeat"], warmup=2)
         medians = {k: t.median_s for k, t in timings.items()}
         ratios = [{"of": a, "to": b, "ratio": medians[a] / medians[b]} for a, b in scenario["ratios"]]
@@ -160,11 +189,13 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeat-scale", type=float, default=1.0, help="scale every scenario's rounds")
     parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--only", default="", help="only the scenarios whose name holds this text")
     args = parser.parse_args(argv)
     everything = {}
     for world in args.world_sizes:
         progress = lambda name, world=world: print(f"  [{world} ranks] {name} done", file=sys.stderr)  # noqa: E731
-        everything[world] = run_local(timing_task, args.repeat_scale, world_size=world, on_message=progress)
+        task_arg = (args.repeat_scale, args.only)
+        everything[world] = run_local(timing_task, task_arg, world_size=world, on_message=progress)
         print(_markdown(world, everything[world]), flush=True)
         print()
     if args.json:

@@ -165,6 +165,8 @@ MPI4PY = Page(
             "totals": {"seen": 20, "correct": 14},
             "best": PerRank([{"score": 1.0}, None]),
             "text": "01",
+            "upto": PerRank(["0", "01"]),
+            "start": PerRank([0, 8]),  # rank 0's 8 records come first
             "(sender, status) if rank == 0 else None": PerRank([(1, {"step": 7}), None]),
         },
     },

@@ -1,30 +1,30 @@
 """The object API, :class:`Communicator`: encode, move frames and tensors, decode; failures raised on every rank alike.
 
-This module holds its public calls (their settings, the express path, async submission) and what a communicator is as a
-handle (copies, pickling); what a call works out is :mod:`objcomm._api.resolving`, what it does then
-:mod:`objcomm._api.operations`.
+This module holds its public calls (their settings, the express path, async submission); what a communicator is as a
+handle (copies, pickling) is :mod:`objcomm._api.copies`, what a call works out :mod:`objcomm._api.resolving`, what it
+does then :mod:`objcomm._api.operations`.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Optional, Sequence
 
 from objcomm._api import reduce as _reduce
 from objcomm._api import requests as _requests
 from objcomm._api.call import Device
+from objcomm._api.copies import Copies
 from objcomm._api.express import NOT_TAKEN
 from objcomm._api.handles import Request
 from objcomm._api.mpi4py_names import mpi4py_keywords, named_op, no_attribute
 from objcomm._api.operations import Operations
 from objcomm._api.resolving import NO_HOOKS, Held, Hooks, Worked
 from objcomm._samehost import channel_slots as _channel_slots
-from objcomm._settings import call_kwargs, check, given
+from objcomm._settings import KNOBS, call_kwargs, check, given
 from serializers import SerializerLike
 
 
-class Communicator(Operations):
+class Communicator(Copies, Operations):
     """Object collectives over one process group, holding per-group defaults.
 
     Parameters
@@ -96,22 +96,8 @@ class Communicator(Operations):
         if device is not None:
             check("device", device)  # where it is given, as map_location (before: at the first call, on that rank)
         self.device = device
-        self._given = given(
-            serializer=serializer,
-            accept=accept,
-            map_location=map_location,
-            compression=compression,
-            max_bytes=max_bytes,
-            slot_bytes=slot_bytes,
-            chunk_bytes=chunk_bytes,
-            inline_tensor_bytes=inline_tensor_bytes,
-            shm=shm,
-            shm_threshold=shm_threshold,
-            shm_dir=shm_dir,
-            shm_zero_copy=shm_zero_copy,
-            local=local,
-            local_spin_us=local_spin_us,
-        )
+        knobs = {name: value for name, value in locals().items() if name in KNOBS}  # the settings' own arguments
+        self._given = given(map_location=map_location, **knobs)
         self._hooks = _hooks  # objcomm's own tests only (see Hooks)
         self._calls: Dict[int, Worked] = {}  # id(options) -> what _call() worked out for them (see _remember)
         self._held: Optional[Held] = None  # what calls without per-call options use (see _defaults)
@@ -124,29 +110,6 @@ class Communicator(Operations):
         def __getattr__(self, name: str) -> Any:
             """Only for names this class lacks: mpi4py's (``bcast``, ``allreduce``, ``Get_rank``) say what to write."""
             raise no_attribute("'Communicator' object", "Communicator", name)
-
-    # -- copies: a handle on a group, with settings; a copy, shallow or deep, shares both and not what the
-    # calls worked out (the next call works it out again); a pickle carries the settings alone -------------
-    def __copy__(self) -> Communicator:
-        twin = object.__new__(Communicator)
-        twin.__dict__.update(self.__dict__, _calls={}, _held=None)
-        return twin
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> Communicator:
-        twin = memo[id(self)] = self.__copy__()  # the settings are checked values, shared as the group is
-        return twin
-
-    def __getstate__(self) -> Dict[str, Any]:
-        if self.group is not None:
-            raise TypeError(
-                "a Communicator on an explicit group cannot be pickled: a process group belongs to its process. "
-                "Make the Communicator in the receiving process (its settings can travel: serializer=, max_bytes=, ...)"
-            )
-        # the hooks' host override travels; the segment book is the receiver's own
-        return {**self.__dict__, "_calls": {}, "_held": None, "_hooks": self._hooks.separate_hosts}
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state, _hooks=Hooks(separate_hosts=state["_hooks"]))
 
     # -- collectives ---------------------------------------------------------------------------
     def connect(self) -> bool:
@@ -321,6 +284,45 @@ class Communicator(Operations):
         return self._all_reduce_call(call, obj, op)
 
     @mpi4py_keywords
+    def scan(
+        self,
+        obj: Any,
+        op: _reduce.Op,
+        *,
+        serializer: Optional[SerializerLike] = None,
+        accept: Optional[Collection[str]] = None,
+        max_bytes: Optional[int] = None,
+        map_location: Device = None,
+        compression: Optional[str] = None,
+        async_op: bool = False,
+    ) -> Any:
+        """The objects of group ranks ``0 .. r`` combined with ``op`` in group-rank order, on group rank ``r``."""
+        op = named_op(op)
+        if async_op:
+            return self._submit("scan", Communicator.scan, obj, op, **call_kwargs(locals()))
+        return self._scan_call(self._call(call_kwargs(locals())), obj, op, exclusive=False)
+
+    @mpi4py_keywords
+    def exscan(
+        self,
+        obj: Any,
+        op: _reduce.Op,
+        *,
+        serializer: Optional[SerializerLike] = None,
+        accept: Optional[Collection[str]] = None,
+        max_bytes: Optional[int] = None,
+        map_location: Device = None,
+        compression: Optional[str] = None,
+        async_op: bool = False,
+    ) -> Any:
+        """The objects of group ranks ``0 .. r - 1`` combined with ``op`` in group-rank order, on group rank ``r``;
+        ``None`` on group rank 0."""
+        op = named_op(op)
+        if async_op:
+            return self._submit("exscan", Communicator.exscan, obj, op, **call_kwargs(locals()))
+        return self._scan_call(self._call(call_kwargs(locals())), obj, op, exclusive=True)
+
+    @mpi4py_keywords
     def send(
         self,
         obj: Any,
@@ -437,11 +439,6 @@ class Communicator(Operations):
     def _submit(self, op: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Request:
         """Issue ``method(<this communicator on the group's shadow>, *args, **kwargs)`` as an async collective."""
         return _requests.collective(self.group, op, lambda group: method(self._on(group), *args, **kwargs))
-
-    def _on(self, group: Any) -> Communicator:
-        other = copy.copy(self)  # nothing worked out: that was for this communicator's group
-        other.group = group
-        return other
 
 
 _SIGNATURE = inspect.signature(Communicator)

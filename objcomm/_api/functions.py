@@ -230,14 +230,61 @@ def all_reduce(
 ) -> Any:
     """Combine every rank's object with ``op`` (see :func:`reduce`) and return the result on every rank.
 
-    The tree of :func:`reduce` towards group rank 0, then one all_gather that carries the result
-    and every rank's failure, if any, so that all ranks return the same or raise the same.
+    The tree of :func:`reduce` towards group rank 0, then group rank 0's result back to every rank (down the same
+    tree, or in a broadcast), so that all ranks return the same result or raise the same error.
 
     Example::
 
         totals = objcomm.all_reduce({"seen": n_seen, "correct": n_correct}, "merge_sum")
     """
     return _communicator(group).all_reduce(obj, op, async_op=async_op, **call_kwargs(locals()))
+
+
+@mpi4py_keywords
+def scan(
+    obj: Any,
+    op: Union[str, Callable[[Any, Any], Any]],
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+    async_op: bool = False,
+) -> Any:
+    """On group rank ``r``, the objects of group ranks ``0 .. r`` combined with ``op`` (see :func:`reduce`), in
+    group-rank order, as mpi4py's ``comm.scan``. ceil(log2 W) steps of send/recv at doubling distances, then one vote,
+    so that every rank returns or every rank raises the same error.
+
+    Example::
+
+        seen_so_far = objcomm.scan(len(my_records), "sum")   # rank r: the records of ranks 0 .. r
+    """
+    return _communicator(group).scan(obj, op, async_op=async_op, **call_kwargs(locals()))
+
+
+@mpi4py_keywords
+def exscan(
+    obj: Any,
+    op: Union[str, Callable[[Any, Any], Any]],
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+    async_op: bool = False,
+) -> Any:
+    """On group rank ``r``, the objects of group ranks ``0 .. r - 1`` combined with ``op`` (see :func:`reduce`);
+    ``None`` on group rank 0, as mpi4py's ``comm.exscan``. The steps of :func:`scan`.
+
+    Example::
+
+        start = objcomm.exscan(len(my_records), "sum") or 0   # where this rank's records begin in the whole
+    """
+    return _communicator(group).exscan(obj, op, async_op=async_op, **call_kwargs(locals()))
 
 
 @mpi4py_keywords

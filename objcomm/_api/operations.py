@@ -10,12 +10,13 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from objcomm._api import reduce as _reduce
 from objcomm._api import requests as _requests
+from objcomm._api import scan as _scan
 from objcomm._api.call import Call, encode_each, final_report, only, per_rank
 from objcomm._api.express import Express
 from objcomm._api.handles import Request, completed
 from objcomm._api.own_box import NOTHING
 from objcomm._api.resolving import Resolving
-from objcomm._errors import NO_RESULT, ObjcommError, TooLargeError, with_original_type
+from objcomm._errors import NO_RESULT, CommunicationError, ObjcommError, TooLargeError, with_original_type
 from objcomm._format import frame as _frame
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing
@@ -26,7 +27,7 @@ from objcomm._transport import parts as _parts
 from objcomm._transport import pending as _pending
 from objcomm._transport import rounds as _rounds
 from objcomm._transport import routes
-from objcomm._transport.base import Wire
+from objcomm._transport.base import Wire, largest_of
 from objcomm._transport.tree_reports import reports_over_tree
 
 # What a rank that refused the result its parent relayed (a rank above lied about a limit, or the sizes) says: the
@@ -162,6 +163,23 @@ class Operations(Resolving):
             call.raise_failures("all_reduce", incoming, failed, outcome)
             call.raise_failures("all_reduce", only(0, result, wire.size), failed, outcome)
         return _not_own(call, value, obj, out) if wire.rank == 0 else call.decode(result, 0)
+
+    def _scan_call(self, call: Call, obj: Any, op: _reduce.Op, exclusive: bool) -> Any:
+        name = "exscan" if exclusive else "scan"
+        if call.wire is None:
+            _reduce.resolve(op)
+            return None if exclusive else call.roundtrip(obj)
+        wire = call.wire
+        value, complete, own = _scan.prefix(call, obj, op, exclusive)
+        if largest_of(wire, [0 if complete else 1], name)[0]:  # a rank failed: every rank's own report, to all
+            report, failed = final_report(call, None, False, own)
+            incoming = _rounds.all_gather(wire, report, _frame.tensor_sizes, summed=self._summed(wire))
+            call.raise_failures(name, incoming, failed)
+            raise CommunicationError(  # a rank passed on an error report that no rank's own report holds
+                f"{name}: a rank reported a failure to the ranks above it, and no rank's own report names it; "
+                f"nothing was returned on any rank"
+            )
+        return value if value is not obj else _not_own(call, value, obj)
 
     def _summed(self, wire: Wire) -> bool:
         """Whether an all_gather's slots go in one all_reduce of the table where they take the backend

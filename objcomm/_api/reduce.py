@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import operator
 import os
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 from objcomm._errors import CommunicationError, ObjcommError, OpError
 from objcomm._format import frame as _frame
@@ -67,6 +67,15 @@ def resolve(op: Op) -> Callable[[Any, Any], Any]:
             '(docs/from-mpi4py.md, "Reductions and their ops")'
         )
     raise ValueError(f"op must be a callable op(a, b) -> c or one of {sorted(NAMED_OPS)}, got {op!r}{hint}")
+
+
+def taking_part(op: Op) -> Tuple[Callable[[Any, Any], Any], Optional[BaseException]]:
+    """``(the function op names, None)``; where it names none, ``(operator.add, why)``: the rank takes part all the
+    same (the function is never called, nothing being complete there), and reports why at the end."""
+    try:
+        return resolve(op), None
+    except ValueError as exc:
+        return operator.add, exc
 
 
 _MPI_ONLY = {  # mpi4py's ops that objcomm does not name, and a function that does what each does
@@ -135,11 +144,7 @@ def tree(call: Any, obj: Any, op: Op, levels: Optional[TreeLevels] = None) -> Re
     the leaders climb theirs through the backend: the same order of ranks, and only the leaders call the backend.
     """
     wire = call.wire
-    own: Optional[BaseException] = None
-    try:
-        fn = resolve(op)
-    except ValueError as exc:
-        fn, own = operator.add, exc  # never called: nothing is complete here
+    fn, own = taking_part(op)
     held = Reduced(obj, own is None, own, wire.max_bytes)
     mine = None if isinstance(op, str) else obj  # a function of the caller's may update its first argument in place
     if levels is None:

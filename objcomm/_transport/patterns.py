@@ -30,6 +30,8 @@ The trees of send/recv (a reduction's way up, its result's way down, their failu
 
 >>> binomial(4, 7)
 Tree(parent=0, children=(5, 6), ends=(6, 7), end=7)
+
+A scan's partial results go up by doubling distances, :func:`prefix_steps`.
 """
 
 from __future__ import annotations
@@ -105,6 +107,35 @@ def binomial(me: int, size: int) -> Tree:
     return Tree(
         me - low if me else None, tuple(children), tuple(min(c + (c & -c), size) for c in children), min(me + low, size)
     )
+
+
+class PrefixStep(NamedTuple):
+    """One rank's step of :func:`prefix_steps`: its partial to ``to`` (None: none past it), one from ``source``
+    (None: none before it), the send first where ``send_first``."""
+
+    to: Optional[int]
+    source: Optional[int]
+    send_first: bool
+
+
+@functools.lru_cache(maxsize=4096)
+def prefix_steps(me: int, world: int) -> Tuple[PrefixStep, ...]:
+    """Rank ``me``'s steps in a scan over ``world`` ranks (Hillis and Steele's): at distance ``d = 1, 2, 4, ...``
+    below ``world`` each rank sends what it holds (ranks ``max(0, me - 2d + 1) .. me`` combined) to ``me + d`` and
+    takes what ``me - d`` holds, to combine on its left: after ceil(log2 W) steps a rank holds ranks ``0 .. me``.
+    So that no chain of blocking sends forms, a rank in an even block of ``d`` ranks sends first and one in an odd
+    block receives first: every message waits for one other at most, two a step.
+
+    >>> [tuple(s) for s in prefix_steps(2, 4)]
+    [(3, 1, True), (None, 0, False)]
+    """
+    steps, distance = [], 1
+    while distance < world:
+        to = me + distance if me + distance < world else None
+        source = me - distance if me >= distance else None
+        steps.append(PrefixStep(to, source, (me // distance) % 2 == 0))
+        distance *= 2
+    return tuple(steps)
 
 
 Span = Tuple[int, int, int]  # (group rank, start, end): bytes [start, end) of a stream, to or from that rank

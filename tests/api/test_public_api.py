@@ -28,6 +28,8 @@ def test_objcomm_exports():
             "all_to_all",
             "reduce",
             "all_reduce",
+            "scan",
+            "exscan",
             "Communicator",
             "collect_results",
             "compat",

@@ -1,0 +1,91 @@
+"""Prefix reductions of Python objects: ``scan`` (ranks ``0 .. r`` combined, on rank ``r``) and ``exscan`` (ranks
+``0 .. r - 1``; ``None`` on rank 0), as mpi4py's ``comm.scan`` and ``comm.exscan``.
+
+The partial results go up by doubling distances (:func:`objcomm._transport.patterns.prefix_steps`): ceil(log2 W)
+steps of at most one send and one receive a rank, each message a point-to-point one (slot, then rest, in pieces that
+need no answer: :func:`objcomm._transport.routes.tree_piece`), where an all_gather and a local combine move every
+rank's object to every rank. ``op(a, b)`` is assumed associative, never commutative: what a rank receives holds lower
+ranks, and goes on the left. A failure (encoding, decoding, ``op`` raising, a refusal) never stops a rank from taking
+part: it sends an error report on in place of its partial, and one vote at the end tells every rank whether any rank
+failed (then an all_gather of the reports, so that every rank raises the same :class:`~objcomm.RemoteError`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+from objcomm._api.reduce import Op, _copy_of, _ranks, op_error, taking_part
+from objcomm._errors import CommunicationError, ObjcommError
+from objcomm._format import frame as _frame
+from objcomm._format.message import Outgoing
+from objcomm._transport import p2p as _p2p
+from objcomm._transport import routes
+from objcomm._transport.base import INTERNAL_TAG
+from objcomm._transport.patterns import prefix_steps
+
+
+class Scanned(NamedTuple):
+    """What :func:`prefix` leaves on a rank."""
+
+    value: Any  # the prefix (exclusive: None on group rank 0), where complete
+    complete: bool  # no failure here or on a rank below that this rank heard of
+    own: Optional[BaseException]  # what failed on this rank
+
+
+def prefix(call: Any, obj: Any, op: Op, exclusive: bool = False) -> Scanned:
+    """This rank's prefix of every rank's ``obj`` combined with ``op`` over ``call.wire``: ranks ``0 .. rank``
+    (``exclusive``: ``0 .. rank - 1``, None on group rank 0)."""
+    fn, own = taking_part(op)
+    wire = call.wire._replace(tag=INTERNAL_TAG, chunk=routes.tree_piece(call.wire.chunk))
+    me, complete = wire.rank, own is None
+    held, before = obj, None  # ranks lowest .. me, and lowest .. me - 1 (None: no rank yet)
+    lowest = me  # the lowest rank ``held`` combines
+    for step in prefix_steps(me, wire.size):
+        out: Optional[Outgoing] = None
+        if step.to is not None and complete:  # what this rank holds before the step, whichever message goes first
+            out, failed = call.encode(held)  # (an error report where it cannot be encoded)
+            own, complete = own or failed, failed is None
+        elif step.to is not None:
+            out = _frame.error_frame(own or ObjcommError("a rank below failed"), wire.inline_capacity)
+        if step.send_first and out is not None:
+            own = _send(wire, out, step.to, own)
+        if step.source is not None:
+            try:
+                _, item, is_error = _p2p.recv(wire, step.source, _frame.tensor_sizes)
+                if is_error:
+                    complete = False
+                elif complete:
+                    theirs = call.decode(item, step.source)
+                    start = max(0, step.source - (me - lowest))  # what the source held: as many ranks as this one
+                    left = _ranks(start, step.source)
+                    try:  # (the caller's object only ever on the right; exclusive: ``theirs`` used twice)
+                        held = fn(_copy_of(theirs) if exclusive else theirs, held)
+                    except Exception as exc:
+                        raise op_error(op, fn, exc, left, _ranks(lowest, me)) from exc
+                    try:
+                        if exclusive:
+                            before = theirs if before is None else fn(theirs, before)
+                    except Exception as exc:
+                        raise op_error(op, fn, exc, left, _ranks(lowest, me - 1)) from exc
+                    lowest = start
+            except CommunicationError:
+                raise
+            except Exception as exc:  # refused, undecodable, or op raised: reported at the end
+                own, complete = own or exc, False
+        if not step.send_first and out is not None:
+            own = _send(wire, out, step.to, own)
+    if not complete:
+        return Scanned(None, False, own)
+    return Scanned(before if exclusive else held, True, own)
+
+
+def _send(wire: Any, out: Outgoing, dst: Optional[int], own: Optional[BaseException]) -> Optional[BaseException]:
+    """Send ``out`` to ``dst``; what failed here (a refusal its receiver answered), or ``own`` as it was."""
+    assert dst is not None
+    try:
+        _p2p.send(wire, out, dst)
+    except CommunicationError:
+        raise
+    except ObjcommError as exc:  # the receiver refused it: it knows, and so will everyone else
+        return own or exc
+    return own
