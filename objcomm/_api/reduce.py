@@ -24,7 +24,6 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, U
 from objcomm._errors import CommunicationError, ObjcommError, OpError
 from objcomm._format import frame as _frame
 from objcomm._transport import p2p as _p2p
-from objcomm._transport import routes
 from objcomm._transport.base import INTERNAL_TAG, TreeLevels, Wire
 from objcomm._transport.patterns import binomial
 
@@ -183,8 +182,7 @@ def _climb(
     """One binomial tree towards ``ranks[0]`` over the group ranks ``ranks`` of ``wire`` (this rank: ``ranks[me]``),
     from what this rank holds (``held``); ``lasts[i]``: the highest group rank whose object ``ranks[i]`` holds.
     ``mine``: the caller's own object where ``op`` is its function, which then combines a copy of it."""
-    # above every tag a caller may pass (objcomm._api.call.MAX_TAG); each rest in pieces that need no answer first
-    wire = wire._replace(tag=INTERNAL_TAG, chunk=routes.tree_piece(wire.chunk))
+    wire = wire._replace(tag=INTERNAL_TAG)  # above every tag a caller may pass (objcomm._api.call.MAX_TAG)
     value, complete, own, lowest = held
     tree = binomial(me, len(ranks))
     for child, end in zip(tree.children, tree.ends):
@@ -214,7 +212,7 @@ def _climb(
         else:
             out = _frame.error_frame(own or ObjcommError("a rank below failed"), wire.inline_capacity)
         try:
-            _p2p.send(wire._replace(max_bytes=lowest), out, ranks[tree.parent])
+            _p2p.tree_send(wire._replace(max_bytes=lowest), out, ranks[tree.parent])
         except CommunicationError:
             raise
         except ObjcommError as exc:  # the parent refused it: it knows, and so will everyone else

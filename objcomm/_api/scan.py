@@ -2,24 +2,24 @@
 ``0 .. r - 1``; ``None`` on rank 0), as mpi4py's ``comm.scan`` and ``comm.exscan``.
 
 The partial results go up by doubling distances (:func:`objcomm._transport.patterns.prefix_steps`): ceil(log2 W)
-steps of at most one send and one receive a rank, each message a point-to-point one (slot, then rest, in pieces that
-need no answer: :func:`objcomm._transport.routes.tree_piece`), where an all_gather and a local combine move every
-rank's object to every rank. ``op(a, b)`` is assumed associative, never commutative: what a rank receives holds lower
-ranks, and goes on the left. A failure (encoding, decoding, ``op`` raising, a refusal) never stops a rank from taking
-part: it sends an error report on in place of its partial, and one vote at the end tells every rank whether any rank
-failed (then an all_gather of the reports, so that every rank raises the same :class:`~objcomm.RemoteError`).
+steps of at most one send and one receive a rank, each message a point-to-point one (slot, then rest: as a
+reduction's tree sends them, :func:`objcomm._transport.p2p.tree_send`), where an all_gather and a local combine move
+every rank's object to every rank. ``op(a, b)`` is assumed associative, never commutative: what a rank receives
+holds lower ranks, and goes on the left. A failure (encoding, decoding, ``op`` raising, a refusal) never stops a rank
+from taking part: it sends an error report on in place of its partial, and one vote at the end tells every rank
+whether any rank failed (then an all_gather of the reports, so that every rank raises the same
+:class:`~objcomm.RemoteError`).
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
-from objcomm._api.reduce import Op, _copy_of, _ranks, op_error, taking_part
+from objcomm._api.reduce import Op, _ranks, op_error, taking_part
 from objcomm._errors import CommunicationError, ObjcommError
 from objcomm._format import frame as _frame
 from objcomm._format.message import Outgoing
 from objcomm._transport import p2p as _p2p
-from objcomm._transport import routes
 from objcomm._transport.base import INTERNAL_TAG
 from objcomm._transport.patterns import prefix_steps
 
@@ -36,15 +36,19 @@ def prefix(call: Any, obj: Any, op: Op, exclusive: bool = False) -> Scanned:
     """This rank's prefix of every rank's ``obj`` combined with ``op`` over ``call.wire``: ranks ``0 .. rank``
     (``exclusive``: ``0 .. rank - 1``, None on group rank 0)."""
     fn, own = taking_part(op)
-    wire = call.wire._replace(tag=INTERNAL_TAG, chunk=routes.tree_piece(call.wire.chunk))
+    wire = call.wire._replace(tag=INTERNAL_TAG)
     me, complete = wire.rank, own is None
     held, before = obj, None  # ranks lowest .. me, and lowest .. me - 1 (None: no rank yet)
     lowest = me  # the lowest rank ``held`` combines
-    for step in prefix_steps(me, wire.size):
+    encoded: Optional[Outgoing] = None  # ``held`` encoded, while it is unchanged
+    steps = prefix_steps(me, wire.size)
+    for at, step in enumerate(steps):
         out: Optional[Outgoing] = None
         if step.to is not None and complete:  # what this rank holds before the step, whichever message goes first
-            out, failed = call.encode(held)  # (an error report where it cannot be encoded)
-            own, complete = own or failed, failed is None
+            if encoded is None:
+                encoded, failed = call.encode(held)  # (an error report where it cannot be encoded)
+                own, complete = own or failed, failed is None
+            out = encoded
         elif step.to is not None:
             out = _frame.error_frame(own or ObjcommError("a rank below failed"), wire.inline_capacity)
         if step.send_first and out is not None:
@@ -58,10 +62,15 @@ def prefix(call: Any, obj: Any, op: Op, exclusive: bool = False) -> Scanned:
                     theirs = call.decode(item, step.source)
                     start = max(0, step.source - (me - lowest))  # what the source held: as many ranks as this one
                     left = _ranks(start, step.source)
-                    try:  # (the caller's object only ever on the right; exclusive: ``theirs`` used twice)
-                        held = fn(_copy_of(theirs) if exclusive else theirs, held)
-                    except Exception as exc:
-                        raise op_error(op, fn, exc, left, _ranks(lowest, me)) from exc
+                    # an exscan combines ``theirs`` twice, where a later step sends what this rank holds: a function
+                    # of the caller's may update its first argument, so it gets a second decoding (never a copy,
+                    # which an object may refuse)
+                    if not exclusive or any(later.to is not None for later in steps[at + 1 :]):
+                        first = call.decode(item, step.source) if exclusive and not isinstance(op, str) else theirs
+                        try:  # (the caller's object only ever on the right)
+                            held, encoded = fn(first, held), None
+                        except Exception as exc:
+                            raise op_error(op, fn, exc, left, _ranks(lowest, me)) from exc
                     try:
                         if exclusive:
                             before = theirs if before is None else fn(theirs, before)
@@ -80,10 +89,10 @@ def prefix(call: Any, obj: Any, op: Op, exclusive: bool = False) -> Scanned:
 
 
 def _send(wire: Any, out: Outgoing, dst: Optional[int], own: Optional[BaseException]) -> Optional[BaseException]:
-    """Send ``out`` to ``dst``; what failed here (a refusal its receiver answered), or ``own`` as it was."""
+    """Send ``out`` to ``dst`` (a tree's message); what failed here (a refusal its receiver answered), or ``own``."""
     assert dst is not None
     try:
-        _p2p.send(wire, out, dst)
+        _p2p.tree_send(wire, out, dst)
     except CommunicationError:
         raise
     except ObjcommError as exc:  # the receiver refused it: it knows, and so will everyone else

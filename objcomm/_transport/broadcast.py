@@ -183,8 +183,7 @@ def _descend(
     """One binomial tree rooted at ``ranks[0]`` over the group ranks ``ranks`` of ``wire`` (this rank:
     ``ranks[me]``), the reduce tree's edges the other way: what this rank took (the root: ``got``, or a view of
     ``forward``, what it holds) and what it passed on."""
-    # as the reduce tree (its sends go the other way: higher to lower ranks), each rest in its pieces
-    wire = wire._replace(tag=INTERNAL_TAG, chunk=routes.tree_piece(wire.chunk))
+    wire = wire._replace(tag=INTERNAL_TAG)  # as the reduce tree (its sends go the other way: higher to lower ranks)
     tree = binomial(me, len(ranks))
     if tree.parent is None:
         assert forward is not None
@@ -202,7 +201,7 @@ def _descend(
             got = Incoming(forward.frame, error=True, refused=exc)
     for child in reversed(tree.children):  # the largest subtree first
         try:
-            _p2p.send(wire, forward, ranks[child])
+            _p2p.tree_send(wire, forward, ranks[child])
         except CommunicationError:
             raise
         except ObjcommError:  # that child refused it: it raises, and its subtree hears of it from it

@@ -26,7 +26,7 @@ from objcomm._errors import CommunicationError, FrameError
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.rest import incoming, pieces
-from objcomm._format.slot import SlotInfo, read_slot
+from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes, read_slot
 from objcomm._transport import pair_locks, routes
 from objcomm._transport import pending as _pending
 from objcomm._transport.base import ASKS, NOT_USED, WHOLE, Lease, Route, Wire, guarded
@@ -70,6 +70,13 @@ def send(wire: Wire, out: Outgoing, dst: int, eager: bool = True) -> None:
             return _send(wire, out, dst, route, eager, lease)
         with pair_locks.sending(wire.group, dst, wire.tag):  # its parts together, whatever other threads send
             _send(wire, out, dst, None, eager, lease)
+
+
+def tree_send(wire: Wire, out: Outgoing, dst: int) -> None:
+    """:func:`send` of a message of a reduction's tree or a scan: its rest in the pieces of
+    :func:`objcomm._transport.routes.tree_piece`, which its slot announces to the receiver."""
+    rest = outgoing_second_round_bytes(out, wire.inline_capacity)
+    send(wire._replace(chunk=routes.tree_piece(wire.chunk, rest)), out, dst)
 
 
 def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bool, lease: Lease) -> None:

@@ -70,6 +70,37 @@ def test_each_rank_gets_the_ranks_up_to_it_in_order(world, serializer):
         assert got[5] == (True, True)  # (rank 0's own object comes back as a copy)
 
 
+class Uncopyable:
+    """An accumulator that ``copy.deepcopy`` refuses, pickled as any object."""
+
+    def __init__(self, values: List[int]) -> None:
+        self.values = values
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError("not copyable")
+
+
+def _extend(a: Uncopyable, b: Uncopyable) -> Uncopyable:
+    a.values.extend(b.values)  # updates its first argument, as mpi4py's ops may
+    return a
+
+
+def in_place_ops() -> List[Any]:
+    rank, comm = dist.get_rank(), objcomm.Communicator(shm=False)
+    mine = Uncopyable([rank])
+    got = [comm.scan(mine, _extend), comm.exscan(mine, _extend)]
+    return [None if g is None else g.values for g in got] + [mine.values]
+
+
+def test_an_op_that_updates_its_first_argument_changes_no_other_combination():
+    """exscan combines what it receives twice (the prefix it returns, the partial it sends on): a function that
+    updates its first argument gets its own decoding each time, also of an object that cannot be copied; the caller's
+    object stays as it was."""
+    for r, (scanned, exscanned, mine) in enumerate(get_pool(4).run(in_place_ops)):
+        assert scanned == list(range(r + 1)) and exscanned == (list(range(r)) or None), (r, scanned, exscanned)
+        assert mine == [r]
+
+
 def failing(case: str) -> Any:
     rank = dist.get_rank()
     comm = objcomm.Communicator(shm=False)

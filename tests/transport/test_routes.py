@@ -376,17 +376,21 @@ def test_a_reductions_tree_takes_two_levels_where_every_host_holds_consecutive_r
 
 
 def test_a_trees_messages_wait_for_no_answer_where_the_slot_lists_the_sizes():
-    """A reduction tree's message sends its rest in pieces of at most SCRATCH_BYTES (routes.tree_piece), so that
-    where its slot lists the sizes the receiver does not answer first: an edge is one message where the slot carries
-    all (or gloo's backend takes the rest with it), else the slot then the rest; an answer between them only where
-    the sizes are in the frame alone. The plan's tree steps carry that count, which the model charges a latency each."""
-    chunk = Knobs().chunk_bytes
-    assert routes.tree_piece(chunk) == SCRATCH_BYTES and routes.tree_piece(1 << 16) == 1 << 16
+    """A reduction tree's message sends a rest up to TREE_PIECED_UP_TO in pieces of at most SCRATCH_BYTES
+    (routes.tree_piece), so that where its slot lists the sizes the receiver does not answer first: an edge is one
+    message where the slot carries all (or gloo's backend takes the rest with it), else the slot then the rest; an
+    answer between them only where the sizes are in the frame alone, or past TREE_PIECED_UP_TO. The plan's tree steps
+    carry that count, which the model charges a latency each."""
+    chunk, most = Knobs().chunk_bytes, routes.TREE_PIECED_UP_TO
+    assert routes.tree_piece(chunk, 3 << 20) == SCRATCH_BYTES and routes.tree_piece(1 << 16, 3 << 20) == 1 << 16
+    assert routes.tree_piece(chunk, most) == SCRATCH_BYTES and routes.tree_piece(chunk, most + 1) == chunk
     assert routes.tree_messages(0, cpu=False, listed=True, chunk=chunk) == 1
     assert routes.tree_messages(routes.BACKEND_WHOLE_BYTES, cpu=True, listed=True, chunk=chunk) == 1
-    for rest in (37 << 10, SCRATCH_BYTES + 1, 100 << 20):  # past the scratch size too: its pieces are not
+    for rest in (37 << 10, SCRATCH_BYTES + 1, most):  # past the scratch size too: its pieces are not
         assert routes.tree_messages(rest, cpu=False, listed=True, chunk=chunk) == 2, rest
     assert routes.tree_messages(3 << 20, cpu=False, listed=False, chunk=chunk) == 3
+    # past TREE_PIECED_UP_TO, the settings' pieces and the answer: a round trip, not hundreds of calls a message
+    assert routes.tree_messages(100 << 20, cpu=False, listed=True, chunk=chunk) == 3
     assert routes.tree_calls(8192, 3 << 20, cpu=False, listed=True, chunk=chunk) == 13 * 2
     got = plan("all_reduce", Topology(world=8192, device="cuda"), [3 << 20] + [0] * 8191)
     assert [(s.collective, s.calls, s.messages) for s in got.steps] == [("tree", 26, 2), ("down_tree", 26, 2)]

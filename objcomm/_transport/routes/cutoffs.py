@@ -209,12 +209,18 @@ def rest_after_channel(moved: int, *, cpu: bool, shm: bool, shm_threshold: int, 
     )
 
 
-def tree_piece(chunk: int) -> int:
-    """The pieces a reduction tree's message (its way up, and the result's way down) sends its rest in, where the
-    settings' are ``chunk`` bytes: at most ``SCRATCH_BYTES``, so that where the slot lists the sizes no answer is due
-    (:func:`agreement_needed`) and an edge costs its slot and one batch of pieces, not a round trip more. A receiver
-    over its ``max_bytes`` drains them through its scratch; its failure goes on along the tree, as any does."""
-    return min(chunk, SCRATCH_BYTES)
+TREE_PIECED_UP_TO = 32 << 20  # a tree's message with a rest up to this goes in pieces of SCRATCH_BYTES: 32 at most
+
+
+def tree_piece(chunk: int, rest: int) -> int:
+    """The pieces a reduction tree's message (its way up, the result's way down, a scan's) sends its ``rest`` bytes
+    in, where the settings' are ``chunk`` bytes: up to :data:`TREE_PIECED_UP_TO`, pieces of at most ``SCRATCH_BYTES``,
+    so that where the slot lists the sizes no answer is due (:func:`agreement_needed`) and an edge costs its slot and
+    one batch of pieces, not a round trip more (a receiver over its ``max_bytes`` drains them through its scratch and
+    raises; its failure goes on along the tree, as any does). A larger rest keeps ``chunk``'s pieces and its answer:
+    a round trip is little against the transfer, where thousands of pieces would each cost a call (on NCCL a kernel
+    launch)."""
+    return min(chunk, SCRATCH_BYTES) if rest <= TREE_PIECED_UP_TO else chunk
 
 
 def agreement_needed(*, sizes_listed: bool, largest_piece: int, medium_may_take: bool) -> bool:

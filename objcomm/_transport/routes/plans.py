@@ -174,7 +174,7 @@ def tree_messages(rest: int, *, cpu: bool, listed: bool, chunk: int) -> int:
     (:func:`~objcomm._transport.routes.cutoffs.backend_whole`); else the slot, the receiver's answer where one is due
     (sizes not listed: the rest goes in pieces of :func:`~objcomm._transport.routes.cutoffs.tree_piece`), and one batch
     for the rest (:func:`objcomm._transport.p2p.send`)."""
-    piece = min(rest, tree_piece(chunk))
+    piece = min(rest, tree_piece(chunk, rest))
     agreed = rest > 0 and agreement_needed(sizes_listed=listed, largest_piece=piece, medium_may_take=False)
     return 1 if rest == 0 or backend_whole(rest, cpu=cpu, agreed=agreed) else 2 + agreed
 
