@@ -867,6 +867,7 @@ def _down_the_tree(comm: objcomm.Communicator) -> List[Any]:
     with calls() as counts:
         rows.append((_comm().all_reduce(rank, "sum"), counts["collectives"]))
     rows.append(failing)
+    rows.append((comm.scan(str(rank), "sum"), comm.exscan(b"e" * (5000 + rank), "sum")))  # (past the slot)
     return rows
 
 
@@ -893,6 +894,9 @@ def test_all_reduce_returns_down_the_tree(k):
         assert rows[5] == ("op raises on rank 6", {6: "TypeError"}), (rank, rows[5])
         assert rows[6] == W
         assert rows[7] == (sum(range(W)), 1), rows[7]  # gloo's own route: the slot in gloo's broadcast
+        # a scan's messages take the channel inside a host and the backend between hosts, as the trees' do
+        want = b"e" * sum(5000 + q for q in range(rank)) or None
+        assert rows[9] == ("".join(map(str, range(rank + 1))), want), (k, rank, rows[9][0])
 
 
 def _forged_table(nbytes: int) -> Outgoing:
