@@ -61,8 +61,8 @@ two levels              all_gather, gather, broadcast of a CPU group with ``loca
 the reductions' tree    on two levels where every host holds consecutive group ranks:      :func:`tree_on_two_levels`
                         each host's ranks up a tree over its channel to the leader, then
                         the leaders' tree through the backend; else the group's tree.
-                        Each message's rest in pieces of at most ``SCRATCH_BYTES``:      :func:`tree_piece`
-                        no answer where its slot lists the sizes
+                        A message's rest up to ``TREE_PIECED_UP_TO`` in pieces of at     :func:`tree_piece`
+                        most ``SCRATCH_BYTES``: no answer where its slot lists the sizes
 a host's all_gather     on two levels, a shared file from ``shm_threshold``: the           :func:`in_place_table`
 result, in place        leaders' padded all_gather (hosts' bundles within 2x) or their
                         stripes write it in place from ``IN_PLACE_FROM``; else the leader

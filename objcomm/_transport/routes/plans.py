@@ -172,8 +172,8 @@ def tree_messages(rest: int, *, cpu: bool, listed: bool, chunk: int) -> int:
     """The messages, one after another, on each edge of a binomial tree of sends (a reduction's way up, or its result's
     way down) whose message has a rest of ``rest`` bytes: one where the slot carries all or the rest comes with it
     (:func:`~objcomm._transport.routes.cutoffs.backend_whole`); else the slot, the receiver's answer where one is due
-    (sizes not listed: the rest goes in pieces of :func:`~objcomm._transport.routes.cutoffs.tree_piece`), and one batch
-    for the rest (:func:`objcomm._transport.p2p.send`)."""
+    (sizes not listed, or pieces past ``SCRATCH_BYTES``: :func:`~objcomm._transport.routes.cutoffs.tree_piece`), and
+    one batch for the rest (:func:`objcomm._transport.p2p.tree_send`)."""
     piece = min(rest, tree_piece(chunk, rest))
     agreed = rest > 0 and agreement_needed(sizes_listed=listed, largest_piece=piece, medium_may_take=False)
     return 1 if rest == 0 or backend_whole(rest, cpu=cpu, agreed=agreed) else 2 + agreed
@@ -288,9 +288,9 @@ def plan(
         # rank 0's value or failure back down the tree or broadcast; reduce: a gather of every rank's report to the root
         held = (knobs.slot_bytes + rests[0],)
         edge = tree_messages(rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
-        calls = (world - 1).bit_length() * edge  # tree_calls
+        calls = tree_calls(world, rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
         if leveled:  # each host's tree over its channel, then the leaders' (tree_on_two_levels: hosts consecutive)
-            across = (hosts - 1).bit_length() * edge
+            across = tree_calls(hosts, rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
             steps += [Step("tree", CHANNEL, held, k), Step("tree", BACKEND, held, hosts, True, across, edge)]
         else:
             steps.append(Step("tree", BACKEND, held, calls=calls, messages=edge))
