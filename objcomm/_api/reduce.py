@@ -211,11 +211,7 @@ def _climb(
             own = own or failed
         else:
             out = _frame.error_frame(own or ObjcommError("a rank below failed"), wire.inline_capacity)
-        try:
-            _p2p.tree_send(wire._replace(max_bytes=lowest), out, ranks[tree.parent])
-        except CommunicationError:
-            raise
-        except ObjcommError as exc:  # the parent refused it: it knows, and so will everyone else
-            own = own or exc
+        refused = _p2p.tree_send(wire._replace(max_bytes=lowest), out, ranks[tree.parent])  # (sent whatever this
+        own = own or refused  # rank's own failure; a refusal: the parent knows, and so will everyone else)
         return Reduced(None, False, own, lowest)
     return Reduced(value if complete else None, complete, own, lowest)

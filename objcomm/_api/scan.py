@@ -51,8 +51,9 @@ def prefix(call: Any, obj: Any, op: Op, exclusive: bool = False) -> Scanned:
             out = encoded
         elif step.to is not None:
             out = _frame.error_frame(own or ObjcommError("a rank below failed"), wire.inline_capacity)
-        if step.send_first and out is not None:
-            own = _send(wire, out, step.to, own)
+        if step.send_first and out is not None and step.to is not None:  # (a refusal: its receiver knows too)
+            refused = _p2p.tree_send(wire, out, step.to)  # (sent whatever this rank's own failure)
+            own = own or refused
         if step.source is not None:
             try:
                 _, item, is_error = _p2p.recv(wire, step.source, _frame.tensor_sizes)
@@ -65,36 +66,26 @@ def prefix(call: Any, obj: Any, op: Op, exclusive: bool = False) -> Scanned:
                     # an exscan combines ``theirs`` twice, where a later step sends what this rank holds: a function
                     # of the caller's may update its first argument, so it gets a second decoding (never a copy,
                     # which an object may refuse)
-                    if not exclusive or any(later.to is not None for later in steps[at + 1 :]):
+                    # (a rank past which nothing goes at one distance sends nothing at the larger ones either)
+                    if not exclusive or (at + 1 < len(steps) and steps[at + 1].to is not None):
                         first = call.decode(item, step.source) if exclusive and not isinstance(op, str) else theirs
                         try:  # (the caller's object only ever on the right)
                             held, encoded = fn(first, held), None
                         except Exception as exc:
                             raise op_error(op, fn, exc, left, _ranks(lowest, me)) from exc
-                    try:
-                        if exclusive:
+                    if exclusive:
+                        try:
                             before = theirs if before is None else fn(theirs, before)
-                    except Exception as exc:
-                        raise op_error(op, fn, exc, left, _ranks(lowest, me - 1)) from exc
+                        except Exception as exc:
+                            raise op_error(op, fn, exc, left, _ranks(lowest, me - 1)) from exc
                     lowest = start
             except CommunicationError:
                 raise
             except Exception as exc:  # refused, undecodable, or op raised: reported at the end
                 own, complete = own or exc, False
-        if not step.send_first and out is not None:
-            own = _send(wire, out, step.to, own)
+        if not step.send_first and out is not None and step.to is not None:
+            refused = _p2p.tree_send(wire, out, step.to)
+            own = own or refused
     if not complete:
         return Scanned(None, False, own)
     return Scanned(before if exclusive else held, True, own)
-
-
-def _send(wire: Any, out: Outgoing, dst: Optional[int], own: Optional[BaseException]) -> Optional[BaseException]:
-    """Send ``out`` to ``dst`` (a tree's message); what failed here (a refusal its receiver answered), or ``own``."""
-    assert dst is not None
-    try:
-        _p2p.tree_send(wire, out, dst)
-    except CommunicationError:
-        raise
-    except ObjcommError as exc:  # the receiver refused it: it knows, and so will everyone else
-        return own or exc
-    return own

@@ -199,12 +199,7 @@ def _descend(
         except ObjcommError as exc:  # refused (drained): the children learn it from an error report
             forward = error_frame(exc, wire.inline_capacity)
             got = Incoming(forward.frame, error=True, refused=exc)
-    for child in reversed(tree.children):  # the largest subtree first
-        try:
-            _p2p.tree_send(wire, forward, ranks[child])
-        except CommunicationError:
-            raise
-        except ObjcommError:  # that child refused it: it raises, and its subtree hears of it from it
-            pass
+    for child in reversed(tree.children):  # the largest subtree first; a child that refuses it raises, and its subtree
+        _p2p.tree_send(wire, forward, ranks[child])  # hears of it from it
     got.relayed = True
     return got, forward

@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from objcomm._errors import CommunicationError, FrameError
+from objcomm._errors import CommunicationError, FrameError, ObjcommError
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.rest import incoming, pieces
@@ -72,11 +72,19 @@ def send(wire: Wire, out: Outgoing, dst: int, eager: bool = True) -> None:
             _send(wire, out, dst, None, eager, lease)
 
 
-def tree_send(wire: Wire, out: Outgoing, dst: int) -> None:
+def tree_send(wire: Wire, out: Outgoing, dst: int) -> Optional[ObjcommError]:
     """:func:`send` of a message of a reduction's tree or a scan: its rest in the pieces of
-    :func:`objcomm._transport.routes.tree_piece`, which its slot announces to the receiver."""
+    :func:`objcomm._transport.routes.tree_piece`, which its slot announces to the receiver. Returns the receiver's
+    refusal (it raises, and its failure reaches every rank along the call's own way) rather than raising it; a
+    :class:`CommunicationError` raises."""
     rest = outgoing_second_round_bytes(out, wire.inline_capacity)
-    send(wire._replace(chunk=routes.tree_piece(wire.chunk, rest)), out, dst)
+    try:
+        send(wire._replace(chunk=routes.tree_piece(wire.chunk, rest)), out, dst)
+    except CommunicationError:
+        raise
+    except ObjcommError as exc:
+        return exc
+    return None
 
 
 def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bool, lease: Lease) -> None:
