@@ -5,7 +5,8 @@ Each W runs in a process of its own as one rank of a group on torch's ``fake`` b
 row (so every rank "sends" what this one sends). What is timed is objcomm's own work on that rank, end to end
 through the public API: slots, limit checks, plans, routes, decoding W frames. It is what ``scale_model.py`` does not
 count (the model charges the network only). CPU time of the process (``time.process_time``), best of 5, torch on one
-thread; ``local=False`` (no same-host channel: W ranks are not on one host) on the CPU (gloo's routes)::
+thread; ``local=False`` (no same-host channel: W ranks are not on one host) on the CPU (gloo's routes). torch's own
+object collective of the same objects is timed alike, in the same process (all_gather_object, gather_object)::
 
     python benchmarks/bench_python_work.py                    # W = 1024, 2048, 4096, 8192: a markdown table
     python benchmarks/bench_python_work.py --worlds 1024 2048
@@ -88,18 +89,31 @@ def _one_world(world: int) -> Dict[str, float]:
 
 
 def _calls(comm: Any, rank: int, world: int, tensor: Any) -> Dict[str, float]:
+    """Each call's CPU time on this rank, objcomm's under its name and torch's object collective under ``torch:``
+    and its name (not for broadcast: the fake broadcast delivers nothing, and torch would unpickle zeros)."""
+    import torch.distributed as dist
+
     small, rest = b"x" * 1000, b"y" * 8000
+    got: List[Any] = [None] * world
+
+    def torch_gather(obj: Any) -> None:
+        dist.gather_object(obj, got if rank == 0 else None, dst=0)
+
     if rank == 0:
         return {
             CALLS[0]: _best(lambda: comm.all_gather(small)),
             CALLS[1]: _best(lambda: comm.all_gather(rest)),
             CALLS[2]: _best(lambda: comm.gather(small, dst=0)),
+            "torch: " + CALLS[0]: _best(lambda: dist.all_gather_object(got, small)),
+            "torch: " + CALLS[1]: _best(lambda: dist.all_gather_object(got, rest)),
+            "torch: " + CALLS[2]: _best(lambda: torch_gather(small)),
         }
     roots = (r % world for r in range(rank + 1, 1 << 40) if r % world != rank)
     return {
         CALLS[3]: _best(lambda: comm.gather(small, dst=0)),
         CALLS[4]: _best(lambda: comm.broadcast(tensor, src=0)),
         CALLS[5]: _best(lambda: comm.broadcast(tensor, src=next(roots))),
+        "torch: " + CALLS[3]: _best(lambda: torch_gather(small)),
     }
 
 
@@ -129,6 +143,17 @@ def main(argv: List[str]) -> None:
         steps = [(b / a) ** (1 / math.log2(wb / wa)) for a, b, wa, wb in zip(times, times[1:], worlds, worlds[1:])]
         growth = ", ".join(f"{s:.1f}" for s in steps) or "-"
         print(f"| {call} | " + " | ".join(_shown(t) for t in times) + f" | {growth} |")
+    print()
+    print("torch's object collective, the same call (all_gather_object, gather_object); objcomm / torch in brackets:")
+    print()
+    print("| call | " + " | ".join(f"W={w}" for w in worlds) + " |")
+    print("|---|" + "---:|" * len(worlds))
+    for call in CALLS:
+        if "torch: " + call in rows[worlds[0]]:
+            cells = [
+                f"{_shown(rows[w]['torch: ' + call])} ({rows[w][call] / rows[w]['torch: ' + call]:.2f})" for w in worlds
+            ]
+            print(f"| {call} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

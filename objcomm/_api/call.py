@@ -142,6 +142,20 @@ class Call(NamedTuple):
             own=own,
         )
 
+    def decode_all(self, incoming: Sequence[Optional[Incoming]], own: int = -1) -> List[Any]:
+        """:meth:`decode` of every rank's item, in group-rank order (``own``: the rank whose item is this rank's own
+        input, decoded with ``own=True``): the settings read once, not once a rank (W of them on an all_gather)."""
+        self.usable()
+        accept, device, limit, decode = self.options.accept, self.device, self.options.max_bytes, _frame.decode
+        objects = []
+        for sender, item in enumerate(incoming):
+            if item is None:
+                raise CommunicationError(f"no frame arrived from rank {sender}")
+            objects.append(
+                decode(item, sender=sender, accept=accept, device=device, max_bytes=limit, own=sender == own)
+            )
+        return objects
+
     def received(self, sender: int, item: Incoming, is_error: bool) -> Any:
         """The object of a send/recv from group rank ``sender`` (what ``p2p.recv`` returned)."""
         if is_error:

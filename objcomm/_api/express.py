@@ -204,7 +204,7 @@ class Express:
         out, local = call.encode(obj, serialized)
         incoming = all_gather_rest(wire, out, [read_slot(memoryview(s)) for s in slots], _frame.tensor_sizes)
         call.raise_failures("all_gather", incoming, local)
-        return True, [call.decode(item, r) for r, item in enumerate(incoming)]
+        return True, call.decode_all(incoming)
 
     def broadcast(self, obj: Any, src: Any, group: Callable[[], Any]) -> Any:
         """``(True, global rank src's object)`` or ``(False, what the general path takes over)``, as

@@ -49,7 +49,7 @@ class Operations(Resolving):
         out, local = call.encode(obj, _still(serialized, express, call))
         incoming = _rounds.all_gather(call.wire, out, _frame.tensor_sizes, summed=self._summed(call.wire))
         call.raise_failures("all_gather", incoming, local)
-        return [call.decode(item, r) for r, item in enumerate(incoming)]
+        return call.decode_all(incoming)
 
     def _gather_call(self, call: Call, obj: Any, dst: int) -> Any:
         if call.wire is None:
@@ -65,7 +65,7 @@ class Operations(Resolving):
         call.raise_failures("gather", incoming, local)
         if call.wire.rank != root:
             return None
-        return [call.decode(item, r, own=r == root) for r, item in enumerate(incoming)]
+        return call.decode_all(incoming, own=root)
 
     def _broadcast_call(self, call: Call, obj: Any, src: int, serialized: Any, express: Optional[Express]) -> Any:
         if call.wire is None:
@@ -105,7 +105,7 @@ class Operations(Resolving):
         outs, local = encode_each(call, objs, call.wire.size, "all_to_all")
         incoming = _parts.all_to_all(call.wire, outs, _frame.tensor_sizes)
         call.raise_failures("all_to_all", incoming, local)
-        return [call.decode(item, r, own=r == call.wire.rank) for r, item in enumerate(incoming)]
+        return call.decode_all(incoming, own=call.wire.rank)
 
     def _reduce_call(self, call: Call, obj: Any, op: _reduce.Op, dst: int) -> Any:
         if call.wire is None:

@@ -7,7 +7,6 @@ Bytes and tensors only, no process group: the frame (:mod:`objcomm._format.frame
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Protocol, Sequence, Union
 
 import torch
@@ -97,19 +96,37 @@ class Outgoing:
         return f"Outgoing({self.frame_nbytes:,}-byte frame, {len(self.tensors)} tensors, error={self.error})"
 
 
-@dataclass
 class Incoming:
     """What arrived from one rank: its frame (CPU) and its tensors (on the wire's device).
 
     ``copy_out``, where set, builds out-of-band buffer ``i`` as a new ``bytes`` or ``bytearray`` straight
     from where it lies (a sealed segment: ``pread``), so that a result that must own its memory is copied
     once without faulting the pages of a view on top of the copy (see :class:`objcomm._samehost.sealed.Buffers`).
+    ``sender_limit``: a send/recv's, the max_bytes its slot announced (the reduce tree: its subtree's lowest);
+    ``relayed``: it came down the reduce tree, relayed by peers (:func:`objcomm._transport.broadcast.down_tree`);
+    ``refused``: down the tree, why this rank refused what its parent sent (``error`` is set). A class with slots:
+    an all_gather makes one a rank (8192 of them on 8192 ranks), each without a dict of its own.
     """
 
-    frame: memoryview
-    tensors: List[torch.Tensor] = field(default_factory=list)
-    error: bool = False  # the frame is an error report
-    copy_out: Optional[CopyOut] = None
-    sender_limit: int = 0  # a send/recv's: the max_bytes its slot announced (the reduce tree: its subtree's lowest)
-    relayed: bool = False  # it came down the reduce tree, relayed by peers (objcomm._transport.broadcast.down_tree)
-    refused: Optional[Exception] = None  # down the tree: why this rank refused what its parent sent (error is set)
+    __slots__ = ("frame", "tensors", "error", "copy_out", "sender_limit", "relayed", "refused")
+
+    def __init__(
+        self,
+        frame: memoryview,
+        tensors: Sequence[torch.Tensor] = (),
+        error: bool = False,  # the frame is an error report
+        copy_out: Optional[CopyOut] = None,
+        sender_limit: int = 0,
+        relayed: bool = False,
+        refused: Optional[Exception] = None,
+    ) -> None:
+        self.frame = frame
+        self.tensors = tensors  # (no list of its own where none came: one object less a rank to collect)
+        self.error = error
+        self.copy_out = copy_out
+        self.sender_limit = sender_limit
+        self.relayed = relayed
+        self.refused = refused
+
+    def __repr__(self) -> str:
+        return f"Incoming({self.frame.nbytes:,}-byte frame, {len(self.tensors)} tensors, error={self.error})"

@@ -44,7 +44,7 @@ from objcomm._transport import routes
 from objcomm._transport.base import NOT_USED, Wire, all_gather_single, guarded, largest_of
 from objcomm._transport.bytes import at_pieces, host_view, receive_buffer, zeroed
 from objcomm._transport.call_clock import one_call, round_one_done
-from objcomm._transport.exchange import all_gather_rests
+from objcomm._transport.exchange import LaidRests, all_gather_rests
 
 SCRATCH = _limits.SCRATCH_BYTES
 REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
@@ -145,25 +145,40 @@ def all_gather_rest(
         return taken
     # every rank's rest (its frame past the slot, then its tensors) in one exchange, whatever the spread
     rests = all_gather_rests(wire, _rest(wire, out), [info.second_round_bytes for info in infos], op)
+    laid = rests if isinstance(rests, LaidRests) else None  # (its frames from one view of the buffer)
     incoming: List[Optional[Incoming]] = []
     for r, info in enumerate(infos):
         if r == wire.rank:  # its own, as copies: a result never aliases the input
             own = out.frame if info.inline is None else info.inline
             incoming.append(Incoming(own, [t.to(wire.device, copy=True) for t in out.tensors]))
             continue
-        incoming.append(_split_rest(sizes_of, info, plans[r], rests[r], r, op))
+        host = laid.host(r) if laid is not None and info.inline is None else None
+        # the rest as a tensor only where its tensors lie in it, or it is not in host memory
+        rest = rests[r] if host is None or plans[r] != [] else None
+        incoming.append(_split_rest(sizes_of, info, plans[r], rest, r, op, host))
     return incoming
 
 
 def _split_rest(
-    sizes_of: SizesOf, info: SlotInfo, sizes: Optional[List[int]], rest: Optional[torch.Tensor], sender: int, op: str
+    sizes_of: SizesOf,
+    info: SlotInfo,
+    sizes: Optional[List[int]],
+    rest: Optional[torch.Tensor],
+    sender: int,
+    op: str,
+    host: Optional[memoryview] = None,
 ) -> Incoming:
     """What ``sender`` sent, from its slot (``info``) and its rest (its frame past the slot, then its tensors, back
-    to back; ``sizes``: the tensor sizes its slot listed, None: its frame lists them, checked here)."""
+    to back; ``sizes``: the tensor sizes its slot listed, None: its frame lists them, checked here). ``host``: the
+    rest's bytes as a memoryview, where the caller has one (a CPU rest; ``rest`` is then needed only where it carries
+    tensors)."""
     frame, at = info.inline, 0
     if frame is None:
-        assert rest is not None
-        frame, at = host_view(rest[: info.length]), info.length
+        if host is None:
+            assert rest is not None
+            # on the CPU a view of the whole rest, then a slice (cheaper than a tensor's slice first); else the frame
+            host = host_view(rest) if rest.device.type == "cpu" else host_view(rest[: info.length])
+        frame, at = host[: info.length], info.length
     if sizes is None:
         sizes = _limits.frame_sizes(sizes_of, frame, info, sender, op)
     return Incoming(frame, list(rest[at:].split(sizes)) if sizes and rest is not None else [])
