@@ -65,5 +65,7 @@ class SameHostRests(SharedPointToPoint):
             return self.shared.medium(wire, largest, gathered, op)
         return None
 
-    def worth(self, wire: Wire, moved: int, op: str) -> bool:
-        return self.shared is not None and self.shared.worth(wire, moved, op)  # the channel drains: no vote for it
+    def worth(self, wire: Wire, moved: int, op: str, peer: Optional[int] = None) -> bool:
+        return self.shared is not None and self.shared.worth(
+            wire, moved, op, peer
+        )  # the channel drains: no vote for it

@@ -95,9 +95,11 @@ class SharedMemory(PatternRests):
     book: SegmentBook = field(default=SEGMENTS, compare=False)
 
     # -- the decision ----------------------------------------------------------------------------
-    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+    def worth(self, wire: Wire, moved: int, op: str, peer: Optional[int] = None) -> bool:
         """Whether ``moved`` second-round bytes (the largest sender's) may go this way: CPU transfers at or above
-        the threshold, unless a collective's group is known to span hosts (learned at one call on every rank)."""
+        the threshold, unless a collective's group is known to span hosts (learned at one call on every rank), or a
+        send/recv's ``peer`` is known to run on another host (the group's hosts learned, or an earlier send's
+        answer): then it asks no answer of the receiver, nor sends it shared memory's words."""
         if wire.device.type != "cpu":
             return False
         if not routes.shared_memory_takes(moved, threshold=self.threshold, cpu=True):
@@ -109,6 +111,12 @@ class SharedMemory(PatternRests):
         if known is not None and not known.one_host and op not in ("send", "recv"):  # (peers may share a host)
             log.debug("objcomm shm: %s spans %d hosts; normal transport", op, known.count)
             return False
+        if peer is not None and peer != wire.rank:
+            apart = known is not None and not known.same_host(wire.rank, peer)
+            if apart or (peer, self.separate) in _state.group_facts(wire.group).remote_peers:
+                way = "from" if op == "recv" else "to"
+                log.debug("objcomm shm: %s %s rank %d crosses hosts; normal transport", op, way, peer)
+                return False
         return True
 
     def learned_hosts(self, wire: Wire) -> Optional[_hosts.Hosts]:

@@ -69,10 +69,10 @@ class TwoLevelRests:
     def _shared(self, total: int) -> bool:
         return self.shared_from is not None and routes.shared_memory_takes(total, threshold=self.shared_from, cpu=True)
 
-    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+    def worth(self, wire: Wire, moved: int, op: str, peer: Optional[int] = None) -> bool:
         if routes.leaders_relay_first(op=op, moved=moved) and self._here(wire, op) is not None:
             return True  # its receivers vote first (a refusing leader would hold all of it for its host)
-        return self.inner.worth(wire, moved, op)
+        return self.inner.worth(wire, moved, op, peer)
 
     def relays(self, wire: Wire, dst: int, op: str) -> Sequence[Tuple[int, Sequence[int]]]:
         """A gather's rests on two levels go through each host's leader, then through the destination's host's

@@ -44,7 +44,7 @@ class VotedRests(SharedPointToPoint):
     def shared(self) -> Optional[SharedMemory]:  # type: ignore[override]  # (derived: None where shm is off)
         return self.memory if self.shm else None
 
-    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+    def worth(self, wire: Wire, moved: int, op: str, peer: Optional[int] = None) -> bool:
         """send/recv: whether this rank's shared memory may take the rest (the receiver's answer settles the pair).
         A gather's destination (``op`` "gather": its word after round 1) says look wherever some rank's settings
         might take the rest, a CPU group not known to span hosts: every rank then reads every slot and announces
@@ -52,7 +52,7 @@ class VotedRests(SharedPointToPoint):
         receivers answer first only where its slot requires it, so that ranks whose settings differ still take the
         same steps up to the announcement."""
         if op in _P2P:
-            return self.shm and self.memory.worth(wire, moved, op)
+            return self.shm and self.memory.worth(wire, moved, op, peer)
         if op != "gather" or not routes.all_announce(moved, cpu=wire.device.type == "cpu"):
             return False
         known = self.memory.learned_hosts(wire)

@@ -48,9 +48,9 @@ class RestMedia(Protocol):
     Shared memory on one host (:class:`objcomm._samehost.shm.SharedMemory`) is one; :data:`DIRECT` is none.
     """
 
-    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+    def worth(self, wire: Wire, moved: int, op: str, peer: Optional[int] = None) -> bool:
         """Whether these media may take ``moved`` second-round bytes (decided from the slot alone,
-        so that receivers answer the sender before round 2 when it may)."""
+        so that receivers answer the sender before round 2 when it may); ``peer``: a send/recv's other group rank."""
 
     def relays(self, wire: Wire, dst: int, op: str) -> Sequence[Tuple[int, Sequence[int]]]:
         """The ranks other than ``dst`` that hold senders' rests on their way to ``dst`` in a gather, each with the
@@ -109,7 +109,7 @@ class RestMedia(Protocol):
 class _Direct:
     """No rest medium: the transport moves every rest through the group itself."""
 
-    def worth(self, wire: Wire, moved: int, op: str) -> bool:
+    def worth(self, wire: Wire, moved: int, op: str, peer: Optional[int] = None) -> bool:
         return False
 
     def relays(self, wire: Wire, dst: int, op: str) -> Sequence[Tuple[int, Sequence[int]]]:

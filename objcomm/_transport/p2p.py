@@ -93,7 +93,7 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
     info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
     problem = _limits.slot_problem_of(info)
     ends = bool(info.error) or _limits.complete(info)
-    agreed = not ends and not problem and _agreement_needed(wire, info, op)
+    agreed = not ends and not problem and _agreement_needed(wire, info, op, peer=dst)
     cpu = wire.device.type == "cpu"
     at_once = route is not None and not ends and not problem and not agreed and cpu
     if at_once and route is not None and route.send_whole(wire, raw, out, info, dst):
@@ -143,7 +143,7 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
             where="on the receiver",
         )
     if medium:  # the receiver waits for shared memory's words: a segment where this rank's settings take it too
-        if not wire.rest_media.worth(wire, info.second_round_bytes, op):
+        if not wire.rest_media.worth(wire, info.second_round_bytes, op, dst):
             decline_shared(wire, dst, op, route, message)  # (settings that differ: the rest goes the normal way)
         elif wire.rest_media.send(wire, out, dst, op, route, message):
             return
@@ -303,7 +303,7 @@ def _received(
             raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
         return sender, got, False
     if route is not None or agreed:  # a route answers: a few µs there
-        takes = not refuse and wire.rest_media.worth(wire, info.second_round_bytes, op)
+        takes = not refuse and wire.rest_media.worth(wire, info.second_round_bytes, op, sender)
         code = refuse | (TAKES if takes else 0)  # shared memory takes it where the sender's settings say so too
         if route is not None:
             route.answer(wire, sender, message, code)

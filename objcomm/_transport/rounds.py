@@ -61,14 +61,15 @@ def _on_device(wire: Wire, raw: bytearray) -> torch.Tensor:
     return tensor if wire.device.type == "cpu" else tensor.to(wire.device)
 
 
-def _agreement_needed(wire: Wire, info: SlotInfo, op: str, media: bool = True) -> bool:
+def _agreement_needed(wire: Wire, info: SlotInfo, op: str, media: bool = True, peer: Optional[int] = None) -> bool:
     """Whether receivers must answer the sender before round 2 (a vote, or an acknowledgement).
 
     Not when round 1 listed every transfer that follows and none exceeds the scratch size: a
     receiver over its limit then drains them through one small buffer and raises alone. Yes when
     the sizes are unknown, a transfer is larger, or (``media``) this rank's rest media may take the bytes. From the
     slot and this rank's settings: a send's receiver reads the sender's decision from its message instead
-    (:mod:`.p2p`), and ``media=False`` gives what the slot alone requires.
+    (:mod:`.p2p`), and ``media=False`` gives what the slot alone requires. ``peer``: a send's receiver, which the
+    media may know to run on another host.
     """
     if info.sizes is None:
         return True
@@ -76,7 +77,7 @@ def _agreement_needed(wire: Wire, info: SlotInfo, op: str, media: bool = True) -
     return routes.agreement_needed(
         sizes_listed=True,
         largest_piece=largest,
-        medium_may_take=media and wire.rest_media.worth(wire, info.second_round_bytes, op),
+        medium_may_take=media and wire.rest_media.worth(wire, info.second_round_bytes, op, peer),
     )
 
 

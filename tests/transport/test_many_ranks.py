@@ -111,12 +111,14 @@ def _same(got: Any, want: Any) -> bool:
     return bool(got == want)
 
 
-def _comm(up_tree: bool = False, summed: bool = False, one_host: bool = False) -> objcomm.Communicator:
-    """Every rank its own host (``one_host``: all on this one, which they learn here); ``up_tree``: a gather's slots go
-    up a tree, as they do from 64 ranks on; ``summed``: an all_gather's slots in one all_reduce of the table, as on
-    NCCL from 64 ranks on."""
+def _comm(
+    up_tree: bool = False, summed: bool = False, one_host: bool = False, local: bool = False
+) -> objcomm.Communicator:
+    """Every rank its own host (``one_host``: all on this one, which they learn here; ``local``: with its same-host
+    channel); ``up_tree``: a gather's slots go up a tree, as they do from 64 ranks on; ``summed``: an all_gather's
+    slots in one all_reduce of the table, as on NCCL from 64 ranks on."""
     hooks = Hooks(separate_hosts=not one_host, up_tree=up_tree, summed=summed)
-    return objcomm.Communicator(local=False, shm=False, _hooks=hooks)
+    return objcomm.Communicator(local=local, shm=False, _hooks=hooks)
 
 
 def _left(a: Any, b: Any) -> Any:
@@ -129,10 +131,10 @@ def _left(a: Any, b: Any) -> Any:
 TREE_CASES = ("all 1 KB", "all 1 MB", "uneven tensors")
 
 
-def each_spread(op: str, up_tree: bool = False, one_host: bool = False) -> List[Any]:
+def each_spread(op: str, up_tree: bool = False, one_host: bool = False, local: bool = False) -> List[Any]:
     """``op`` on every spread (a reduction: on :data:`TREE_CASES`): (case, right result, collectives, blocking calls,
     batches of sends and receives and eager sends)."""
-    comm, rank = _comm(up_tree, one_host=one_host), dist.get_rank()
+    comm, rank = _comm(up_tree, one_host=one_host, local=local), dist.get_rank()
     comm.all_gather(bytes(routes.ANNOUNCED_FROM))  # the group's hosts are learned at the first such rest (voted_rests)
     rows = []
     for case in TREE_CASES if op in ("all_reduce", "reduce") else CASES:
@@ -207,14 +209,14 @@ def _rests(case: str) -> List[int]:
     return [outgoing_second_round_bytes(out, objcomm.Settings().slot_bytes - SLOT_PREFIX_BYTES) for out in outs]
 
 
-def planned_against_counted(op: str, one_host: bool = False) -> List[Any]:
+def planned_against_counted(op: str, one_host: bool = False, local: bool = False) -> List[Any]:
     """``op`` on every spread, as :func:`each_spread` runs it: (case, this rank's torch.distributed calls, the calls
     ``routes.plan`` gives for the same sizes on the same topology)."""
     root = {"all_gather": 0, "gather": 3, "broadcast": 1, "all_reduce": 0, "reduce": 3}[op]
-    topology = routes.Topology(world=W, ranks_per_host=W if one_host else 1, device="cpu", channel_open=False)
-    knobs = routes.Knobs(local=False, shm=False)
+    topology = routes.Topology(world=W, ranks_per_host=W if one_host else 1, device="cpu", channel_open=local)
+    knobs = routes.Knobs(local=local, shm=False)
     rows = []
-    for case, right, collectives, blocking, p2p in each_spread(op, one_host=one_host):
+    for case, right, collectives, blocking, p2p in each_spread(op, one_host=one_host, local=local):
         planned = routes.plan(op, topology, _rests(case), knobs, root=root)
         steps = [s.collective for s in planned.steps]
         rows.append((case, collectives + blocking + p2p, planned.torch_calls, steps, right))
@@ -243,6 +245,48 @@ def test_the_routes_plan_is_what_the_transport_does_on_one_host_without_the_chan
         counted = [rows[index][1] for rows in every]
         assert all(rows[index][4] for rows in every), f"{op}, {case}: a wrong result"
         assert max(counted) == planned, f"{op}, {case}: plan {steps} ({planned} calls), ranks made {counted}"
+
+
+@pytest.mark.parametrize("op", ["all_gather", "gather", "broadcast", "all_reduce", "reduce"])
+def test_the_routes_plan_is_what_the_transport_does_on_one_host_with_the_channel(op):
+    """As above with every rank on one host and its same-host channel open (shared memory off): round 1 and a
+    reduction's tree go through the channel, and a rest the channel does not take through the backend."""
+    every = get_pool(W).run(planned_against_counted, op, True, True, timeout=120)
+    for index, (case, _, planned, steps, _) in enumerate(every[0]):
+        counted = [rows[index][1] for rows in every]
+        assert all(rows[index][4] for rows in every), f"{op}, {case}: a wrong result"
+        assert max(counted) == planned, f"{op}, {case}: plan {steps} ({planned} calls), ranks made {counted}"
+
+
+def a_tree_across_hosts_with_shared_memory() -> List[Any]:
+    """all_reduce (and reduce to rank 3) of a 3 MiB value, past shared memory's threshold and within a tree
+    message's pieces, on ranks each its own host with shared memory on, once the group's hosts are learned: (right
+    results, this rank's torch.distributed calls in each, the calls the plan gives)."""
+    comm, rank = objcomm.Communicator(local=False, _hooks=Hooks(separate_hosts=True)), dist.get_rank()
+    comm.all_gather(bytes(routes.ANNOUNCED_FROM))  # the group's hosts are learned here (voted_rests)
+    value = torch.full((3 << 20,), rank, dtype=torch.uint8)
+    out = _frame.encode(value, serializers.registry.guarded("pickle"), max_bytes=1 << 40)
+    rest = outgoing_second_round_bytes(out, objcomm.Settings().slot_bytes - SLOT_PREFIX_BYTES)
+    topology = routes.Topology(world=W, device="cpu", channel_open=False)
+    rows = []
+    for op in ("all_reduce", "reduce"):
+        with calls() as counts:
+            got = comm.all_reduce(value, op=_left) if op == "all_reduce" else comm.reduce(value, op=_left, dst=3)
+        right = got is None if op == "reduce" and rank != 3 else bool(torch.equal(got, torch.zeros_like(value)))
+        planned = routes.plan(op, topology, [rest] + [0] * (W - 1), routes.Knobs(local=False), root=3).torch_calls
+        rows.append((op, right, sum(counts.values()), planned))
+    return rows
+
+
+def test_a_trees_sends_across_hosts_ask_no_answer_of_shared_memory():
+    """A tree's message to a rank known to run on another host asks for no answer, and sends no shared-memory words
+    (none could take it there): its slot, then its rest, as the plan counts (four calls an edge before: the slot,
+    the receiver's answer, shared memory's words declined, the rest)."""
+    every = get_pool(W).run(a_tree_across_hosts_with_shared_memory, timeout=120)
+    for index, (op, _, _, planned) in enumerate(every[0]):
+        assert all(rows[index][1] for rows in every), f"{op}: a wrong result"
+        counted = [rows[index][2] for rows in every]
+        assert max(counted) == planned, f"{op}: the plan gives {planned} calls, the ranks made {counted}"
 
 
 @pytest.mark.parametrize("op, most", [("all_gather", 3), ("gather", 3), ("broadcast", 2 + 3 + 1)])

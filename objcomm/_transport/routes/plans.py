@@ -292,6 +292,8 @@ def plan(
         if leveled:  # each host's tree over its channel, then the leaders' (tree_on_two_levels: hosts consecutive)
             across = tree_calls(hosts, rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
             steps += [Step("tree", CHANNEL, held, k), Step("tree", BACKEND, held, hosts, True, across, edge)]
+        elif first == CHANNEL and topology.cpu:  # one host: the tree's sends take the channel, as every send there
+            steps.append(Step("tree", CHANNEL, held))  # (on a GPU their rests go through the backend: not drawn here)
         else:
             steps.append(Step("tree", BACKEND, held, calls=calls, messages=edge))
         if op == "all_reduce":
