@@ -59,6 +59,7 @@ __all__ = [
     "scan",
     "scatter",
     "send",
+    "sendrecv",
     "serializers",
     "settings",
 ]
@@ -80,6 +81,7 @@ _PUBLIC: Dict[str, Tuple[str, ...]] = {
         "scan",
         "scatter",
         "send",
+        "sendrecv",
     ),
     "._api.collect": ("collect_results",),
     "._api.communicator": ("Communicator",),
@@ -123,6 +125,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         scan,
         scatter,
         send,
+        sendrecv,
     )
     from objcomm._api.handles import Request
     from objcomm._device import device_for_backend

@@ -14,17 +14,16 @@ from objcomm._api import reduce as _reduce
 from objcomm._api import requests as _requests
 from objcomm._api.call import Device
 from objcomm._api.copies import Copies
-from objcomm._api.express import NOT_TAKEN
 from objcomm._api.handles import Request
 from objcomm._api.mpi4py_names import mpi4py_keywords, named_op, no_attribute
-from objcomm._api.operations import Operations
+from objcomm._api.point_to_point import PointToPoint
 from objcomm._api.resolving import NO_HOOKS, Held, Hooks, Worked
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._settings import KNOBS, call_kwargs, check, given
 from serializers import SerializerLike
 
 
-class Communicator(Copies, Operations):
+class Communicator(Copies, PointToPoint):
     """Object collectives over one process group, holding per-group defaults.
 
     Parameters
@@ -321,120 +320,6 @@ class Communicator(Copies, Operations):
         if async_op:
             return self._submit("exscan", Communicator.exscan, obj, op, **call_kwargs(locals()))
         return self._scan_call(self._call(call_kwargs(locals())), obj, op, exclusive=True)
-
-    @mpi4py_keywords
-    def send(
-        self,
-        obj: Any,
-        dst: int,
-        tag: int = 0,
-        *,
-        serializer: Optional[SerializerLike] = None,
-        max_bytes: Optional[int] = None,
-        compression: Optional[str] = None,
-    ) -> None:
-        """Send ``obj`` to global rank ``dst``, which calls :meth:`recv` with the same ``tag``.
-
-        Messages with different tags between the same two ranks never mix. If encoding fails, the
-        receiver gets the error report (and raises ``RemoteError``) and this rank raises the original
-        error: nobody is left waiting. A small message (one that fits the slot: no second round) is sent
-        eagerly on every path: this returns before its receiver takes it, within a bound per group
-        (:mod:`objcomm._transport.pending`); a large one returns once its receiver took it. Through an NCCL group's
-        backend every send waits for its receiver. ``dst`` may be this rank itself (and is, without a process
-        group): the message waits here, encoded, until this rank receives it, and this returns at once.
-        """
-        express, serialized = None, None
-        if serializer is None and max_bytes is None and compression is None:
-            express = self._express()
-            if express is not None:
-                serialized = express.send(obj, dst, tag)
-                if serialized is True:
-                    return
-        call = self._call(call_kwargs(locals()))
-        self._send_call(call, obj, dst, tag, serialized, express)
-
-    @mpi4py_keywords
-    def recv(
-        self,
-        src: Optional[int] = None,
-        tag: int = 0,
-        *,
-        accept: Optional[Collection[str]] = None,
-        max_bytes: Optional[int] = None,
-        map_location: Device = None,
-        return_sender: bool = False,
-    ) -> Any:
-        """Receive the object global rank ``src`` sends with ``tag``; ``src=None`` takes it from any rank
-        (gloo only). ``return_sender=True`` returns ``(sender's global rank, object)``.
-
-        ``src`` may be this rank itself (and is, without a process group or with ``src=None`` in a group of one):
-        the oldest message it sent itself under ``tag``; when there is none, this raises ``ObjcommError`` at once,
-        since nothing could arrive while it blocks. ``src=None`` takes a message this rank sent itself, where one
-        waits, before it waits for the other ranks.
-        """
-        if accept is None and max_bytes is None and map_location is None:
-            express = self._express()
-            if express is not None and (
-                src is not None or (express.peers and not _requests.own_waiting(express.facts, tag))
-            ):
-                got = express.recv(src, tag, self._group)
-                if got is not NOT_TAKEN:
-                    return got if return_sender else got[1]
-        call = self._call(call_kwargs(locals()))
-        return self._recv_call(call, src, tag, return_sender)
-
-    # -- non-blocking (see objcomm._api.requests) --------------------------------------------------------
-    @mpi4py_keywords
-    def isend(
-        self,
-        obj: Any,
-        dst: int,
-        tag: int = 0,
-        *,
-        serializer: Optional[SerializerLike] = None,
-        max_bytes: Optional[int] = None,
-        compression: Optional[str] = None,
-    ) -> Request:
-        """Non-blocking :meth:`send`: a :class:`~objcomm.Request` whose ``wait()`` returns ``None`` once sent.
-
-        ``obj`` is encoded here, in the caller's thread, and what shares memory with it is copied (its tensors and
-        arrays among them: :func:`objcomm._transport.pending.captured`), so it may change as soon as this returns. A bad
-        ``dst`` or ``tag`` raises here, as :meth:`send` does; an object that cannot be encoded fails as there: the
-        receiver gets the error report and ``wait()`` raises the original error. To this rank itself (and without a
-        process group), the message is delivered here, and the handle comes back completed.
-        """
-        kwargs = call_kwargs(locals())
-        _requests.issuable(self.group, "isend")  # raises on NCCL
-        call = self._call(kwargs)
-        return self._isend_call(call, obj, dst, tag)
-
-    @mpi4py_keywords
-    def irecv(
-        self,
-        src: Optional[int] = None,
-        tag: int = 0,
-        *,
-        accept: Optional[Collection[str]] = None,
-        max_bytes: Optional[int] = None,
-        map_location: Device = None,
-        return_sender: bool = False,
-    ) -> Request:
-        """Non-blocking :meth:`recv`: a :class:`~objcomm.Request` whose ``wait()`` returns the object. A bad ``src``
-        or ``tag`` raises here, as :meth:`recv` does. From this rank itself (and without a process group, or with
-        ``src=None`` in a group of one), it completes with the oldest message this rank sent itself under ``tag``:
-        one waiting now, else the next one sent (in the sending thread; ``wait(timeout)`` to wait for another
-        thread's)."""
-        kwargs = call_kwargs(locals())
-        _requests.issuable(self.group, "irecv")  # raises on NCCL
-        call = self._call(kwargs).usable()
-        wire, peer = self._source(call, src, tag, "irecv")
-        if wire is None or peer == wire.rank:
-            return _requests.receive_own(
-                None if wire is None else wire.group, src, tag, lambda out: call.own(out, return_sender)
-            )
-        return _requests.point_to_point(
-            self.group, "recv", src, tag, lambda: self.recv(src, tag, return_sender=return_sender, **kwargs)
-        )
 
     def _submit(self, op: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Request:
         """Issue ``method(<this communicator on the group's shadow>, *args, **kwargs)`` as an async collective."""

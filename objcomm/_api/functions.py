@@ -351,6 +351,36 @@ def recv(
 
 
 @mpi4py_keywords
+def sendrecv(
+    obj: Any,
+    dst: int,
+    src: Optional[int] = None,
+    sendtag: int = 0,
+    recvtag: Optional[int] = None,
+    *,
+    group: Any = None,
+    serializer: Optional[SerializerLike] = None,
+    accept: Optional[Collection[str]] = None,
+    max_bytes: Optional[int] = None,
+    map_location: Device = None,
+    compression: Optional[str] = None,
+    return_sender: bool = False,
+) -> Any:
+    """Send ``obj`` to global rank ``dst`` and receive from global rank ``src`` at once (``recvtag``: ``sendtag``
+    unless given; ``src=None``: any rank, gloo only), as mpi4py's ``comm.sendrecv``: ranks that each send to one
+    rank and receive from another never wait on each other. See :meth:`objcomm.Communicator.sendrecv`.
+
+    Example::
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        from_left = objcomm.sendrecv(my_block, dst=(rank + 1) % world, src=(rank - 1) % world)   # a ring's shift
+    """
+    return _communicator(group).sendrecv(
+        obj, dst, src, sendtag, recvtag, return_sender=return_sender, **call_kwargs(locals())
+    )
+
+
+@mpi4py_keywords
 def isend(
     obj: Any,
     dst: int,

@@ -30,7 +30,6 @@ MPI4PY_NAMES: Dict[str, str] = {
     "allgather": "did you mean {on}.all_gather?",
     "allreduce": "did you mean {on}.all_reduce?",
     "alltoall": "did you mean {on}.all_to_all?",
-    "sendrecv": "there is no sendrecv: {on}.isend(obj, dst, tag) then {on}.recv(src, tag) does what it does",
     "probe": "there is no probe: {on}.irecv(src, tag) gives a Request; its is_completed() says whether it arrived",
     "iprobe": "there is no iprobe: {on}.irecv(src, tag) gives a Request; its is_completed() says whether it arrived",
     "barrier": "use torch.distributed.barrier(group)",
@@ -86,6 +85,7 @@ MPI4PY_NAMES: Dict[str, str] = {
             ("Recv", "recv"),
             ("Isend", "isend"),
             ("Irecv", "irecv"),
+            ("Sendrecv", "sendrecv"),
         )
     },
 }
@@ -191,10 +191,12 @@ def mpi4py_keywords(fn: F) -> F:
                 raise TypeError(f"{exc}; {buffer}{TOO_MANY_POSITIONAL}") from None
             if not unknown and "op" in params and "'op'" in str(exc) and "missing" in str(exc):
                 raise TypeError(f"{exc}; {NO_OP}") from None
-            hint = keyword_hint(unknown[0], params, function) if unknown else None
+            # a method as its caller's class names it (Communicator's point-to-point calls live in a base class)
+            called = f"{type(args[0]).__name__}.{fn.__name__}" if "." in function and args else function
+            hint = keyword_hint(unknown[0], params, called) if unknown else None
             if hint is None:
                 raise
-            raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}; {hint}") from None
+            raise TypeError(f"{called}() got an unexpected keyword argument {unknown[0]!r}; {hint}") from None
 
     return cast(F, checked)
 

@@ -290,12 +290,18 @@ def _cuda_device(group: Any) -> Optional[int]:
     return None if device.type == "cpu" else device.index
 
 
+def on_nccl(group: Any) -> bool:
+    """Whether ``group``'s bytes move through NCCL, whose one communicator cannot take sends and receives from
+    several threads."""
+    return _initialized() and _cuda_device(_resolved(group)) is not None
+
+
 def issuable(group: Any, op: str) -> bool:
     """Whether ``op`` (``isend``/``irecv``) on ``group`` runs on a lane: False without a process group (it runs at
     once, its handle completed); raises on NCCL (see :func:`point_to_point`)."""
     if not _initialized():
         return False
-    if _cuda_device(_resolved(group)) is not None:
+    if on_nccl(group):
         raise ObjcommError(
             f"{op}: this group uses NCCL, whose one communicator cannot take sends and receives from several "
             "threads; use blocking send/recv there, async collectives (async_op=True), or a gloo group for isend/irecv"

@@ -35,6 +35,7 @@ FUNCTIONS = [
     "recv",
     "isend",
     "irecv",
+    "sendrecv",
 ]
 
 
@@ -156,7 +157,7 @@ NAMES = {
     "allgather": "did you mean objcomm.all_gather?",
     "allreduce": "did you mean objcomm.all_reduce?",
     "alltoall": "did you mean objcomm.all_to_all?",
-    "sendrecv": "there is no sendrecv: objcomm.isend(obj, dst, tag) then objcomm.recv(src, tag) does what it does",
+    "Sendrecv": "objcomm moves objects: objcomm.sendrecv(...) (tensors inside them travel as tensors)",
     "Get_rank": "use torch.distributed.get_rank(group)",
     "ANY_SOURCE": "pass src=None to receive from any rank",
     "SUM": 'pass op="sum"',

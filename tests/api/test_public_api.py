@@ -52,6 +52,7 @@ def test_objcomm_exports():
             "__version__",
             "isend",
             "irecv",
+            "sendrecv",
             "Request",
             "WaitTimeoutError",
             "serializers",

@@ -1,0 +1,90 @@
+"""sendrecv on a real gloo group of 3 ranks: a ring's shift, a pair's exchange, from any rank and to oneself, both
+ways it runs (at once, as on gloo; one after the other in the order that cannot deadlock, as through NCCL), and a
+failure on one rank raised where it belongs with the group still in step."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List
+
+import pytest
+import torch.distributed as dist
+from _ranks import get_pool
+
+import objcomm
+from objcomm._api import requests as _requests
+
+pytestmark = pytest.mark.timeout(180)
+W = 3
+
+
+@contextlib.contextmanager
+def nccl_order(on: bool) -> Iterator[None]:
+    """sendrecv as through an NCCL group (``on``): its send and its receive one after the other, blocking."""
+    real = _requests.on_nccl
+    if on:
+        _requests.on_nccl = lambda group: True  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _requests.on_nccl = real  # type: ignore[assignment]
+
+
+def _payload(rank: int, size: int) -> Dict[str, Any]:
+    return {"rank": rank, "data": bytes([rank]) * size}
+
+
+def exchanges(local: bool, size: int, ordered: bool) -> List[Any]:
+    """What this rank got in each exchange (True where it is what it should be)."""
+    rank = dist.get_rank()
+    left, right = (rank - 1) % W, (rank + 1) % W
+    comm = objcomm.Communicator(local=local, shm=False)
+    with nccl_order(ordered):
+        shifted = comm.sendrecv(_payload(rank, size), dst=right, src=left, return_sender=True)
+        # the ring the other way, under tag 6 (both tags named)
+        back = objcomm.sendrecv(_payload(rank, size), dst=left, src=right, sendtag=6, recvtag=6)
+        anyone = objcomm.sendrecv(rank, right, None, 8, return_sender=True)
+        mine = comm.sendrecv([rank], dst=rank, src=rank, sendtag=9)
+        pair = comm.sendrecv(rank * 10, dst=rank ^ 1, src=rank ^ 1) if rank < 2 else rank ^ 1
+    return [
+        shifted == (left, _payload(left, size)),
+        back == _payload(right, size),
+        anyone == (left, left),
+        mine == [rank],
+        pair == (rank ^ 1) * 10 if rank < 2 else True,
+    ]
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["at once", "one after the other"])
+@pytest.mark.parametrize("local, size", [(True, 100), (False, 100), (False, 3 << 20)])
+def test_every_rank_gets_what_its_source_sent(local, size, ordered):
+    """3 MiB through the backend: each send waits for its receiver's answer, so a ring whose ranks all sent first,
+    blocking, would wait forever; at once and in that order it completes."""
+    for rank, got in enumerate(get_pool(W).run(exchanges, local, size, ordered)):
+        assert got == [True] * 5, (rank, got)
+
+
+def a_failing_sender(ordered: bool) -> List[Any]:
+    """Rank 1 sends what pickle cannot encode along the ring: (what each rank raised or got, then an all_gather)."""
+    rank = dist.get_rank()
+    obj = (lambda: 0) if rank == 1 else rank
+    with nccl_order(ordered):
+        try:
+            outcome: Any = objcomm.sendrecv(obj, dst=(rank + 1) % W, src=(rank - 1) % W)
+        except objcomm.ObjcommError as exc:
+            outcome = type(exc).__name__
+    return [outcome, objcomm.all_gather(rank)]
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["at once", "one after the other"])
+def test_a_failure_raises_on_its_sender_and_its_receiver_only(ordered):
+    """Rank 1's object cannot be encoded: rank 2, its receiver, raises RemoteError; rank 1 raises the encoding error
+    once it has received; rank 0 gets rank 2's object; and the group's next call runs on every rank."""
+    got = get_pool(W).run(a_failing_sender, ordered)
+    assert [g[0] for g in got] == [2, "EncodeError", "RemoteError"]
+    assert [g[1] for g in got] == [[0, 1, 2]] * W
+
+
+def test_without_a_process_group_a_rank_sends_to_itself():
+    assert objcomm.sendrecv({"x": 1}, dst=0, src=0) == {"x": 1}
+    assert objcomm.Communicator().sendrecv([1], 0, 0, sendtag=3, return_sender=True) == (0, [1])
