@@ -7,9 +7,10 @@
 The MPI ranks join a gloo group (rank 0 picks a free port and broadcasts it over MPI), so every
 candidate runs on the same processes: objcomm, mpi4py's pickle-based ``allgather``/``bcast``/``send``
 and its ``pkl5`` communicator, torch's ``all_gather_object`` and friends, and raw ``Allgather`` /
-``all_gather_single`` (and broadcast, a send/recv round trip) of the same number of bytes. Candidates of
-a scenario run round-robin with a gloo barrier before every sample (``objcomm._tools.bench.measure.interleaved``);
-a sample is the slowest rank's time per call, a timing the median of the samples. A large call is one
+``all_gather_single`` (and broadcast, a send/recv round trip, a ring's sendrecv) of the same number of bytes.
+Candidates of a scenario run round-robin with a gloo barrier before every sample
+(``objcomm._tools.bench.measure.interleaved``); a sample is the slowest rank's time per call, a timing the median of
+the samples. A large call is one
 sample; ``medium`` ones (lists of records of ~16 KB and ~256 KB pickled: past the slot, below the
 shared-memory threshold, where the second round goes through the same-host channel) are timed 5 back to
 back per sample, small calls 25, as MPI's own latency benchmarks do, because ranks leave a gloo barrier
@@ -71,7 +72,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--mb", type=int, default=64, help="per-rank payload of the large scenarios, in MiB")
     parser.add_argument(
         "--only",
-        choices=["large", "medium", "small", "memory", "breakdown"],
+        choices=["large", "medium", "small", "sendrecv", "memory", "breakdown"],
         nargs="+",
         help="run only these parts (default: all)",
     )
@@ -221,6 +222,41 @@ class Peers:
         }
         return {name: _round_trip(self.rank, *calls) for name, calls in pairs.items()}
 
+    def sendrecv(self, obj: Any, nbytes: int) -> Candidates:
+        """A ring's shift: every rank sends to the next and receives from the one before, at once."""
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        gloo_out, gloo_in = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+        mpi_out, mpi_in = np.zeros(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+        box: List[Any] = [None]
+
+        def torch_in_turn() -> Any:  # torch has no sendrecv: blocking calls in the order that cannot deadlock
+            if left < self.rank:
+                dist.recv_object_list(box, src=left)
+                dist.send_object_list([obj], dst=right)
+            else:
+                dist.send_object_list([obj], dst=right)
+                dist.recv_object_list(box, src=left)
+            return box[0]
+
+        def raw_gloo() -> None:
+            ops = [dist.P2POp(dist.isend, gloo_out, right), dist.P2POp(dist.irecv, gloo_in, left)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        return {
+            "objcomm": lambda: self.default.sendrecv(obj, dst=right, src=left),
+            "objcomm local=False": lambda: self.backend.sendrecv(obj, dst=right, src=left),
+            "mpi4py": lambda: self.comm.sendrecv(obj, dest=right, source=left),
+            "mpi4py pkl5": lambda: self.comm5.sendrecv(obj, dest=right, source=left),
+            "torch": torch_in_turn,
+            "raw MPI": lambda: self.comm.Sendrecv(mpi_out, dest=right, recvbuf=mpi_in, source=left),
+            "raw gloo": raw_gloo,
+        }
+
     def _raw_mpi_all_gather(self, nbytes: int) -> Callable[[], Any]:
         import numpy as np
 
@@ -367,6 +403,14 @@ def _scenarios(peers: Peers, parts: List[str], scale: float, mb: int) -> List[Sc
                     note,
                 )
             )
+    if "sendrecv" in parts and peers.size > 1:  # a ring's shift (W=2: a swap with the other rank)
+        ratios = [("objcomm", "mpi4py"), ("objcomm", "mpi4py pkl5"), ("objcomm", "torch"), ("objcomm", "raw gloo")]
+        for label, obj, batch in [("small dict", SMALL, SMALL_BATCH)] + [
+            (f"{size // 1024} KB records", _medium(size), MEDIUM_BATCH) for size in MEDIUM
+        ]:
+            nbytes = _pickled(obj)
+            note = f"{nbytes:,} B pickled; raw = the same bytes; per call, {batch} a sample; torch: send/recv in turn"
+            found.append((f"{label} sendrecv", rounds(20), batch, peers.sendrecv(obj, nbytes), ratios, note))
     return found
 
 
@@ -569,7 +613,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     join_gloo(comm)
-    parts = args.only or ["memory", "large", "medium", "small", "breakdown"]
+    parts = args.only or ["memory", "large", "medium", "small", "sendrecv", "breakdown"]
     peers = Peers(comm)
 
     def say(text: str) -> None:

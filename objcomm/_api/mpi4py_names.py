@@ -179,21 +179,27 @@ def mpi4py_keywords(fn: F) -> F:
     if any(p.kind == p.VAR_POSITIONAL for p in signature.values()):
         positional = 1 << 30  # (takes any number)
     function = fn.__qualname__
+    method = bool(params) and params[0] == "self" and "<locals>" not in function
 
     @functools.wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except TypeError as exc:
+            # a method as its caller's class names it (Communicator's point-to-point calls live in a base class)
+            called = f"{type(args[0]).__name__}.{fn.__name__}" if method and args else function
+            said = str(exc)
+            if said.startswith(f"{function}("):  # Python's own words on the call's arguments: renamed alike
+                said = called + said[len(function) :]
             unknown = [key for key in kwargs if key not in params]  # none: the TypeError came from inside fn
             if not unknown and len(args) > positional:  # torch's habit: all_gather_object(output_list, obj)
-                buffer = RECV_BUFFER if function.rsplit(".", 1)[-1] in ("recv", "irecv") else ""
-                raise TypeError(f"{exc}; {buffer}{TOO_MANY_POSITIONAL}") from None
-            if not unknown and "op" in params and "'op'" in str(exc) and "missing" in str(exc):
-                raise TypeError(f"{exc}; {NO_OP}") from None
-            # a method as its caller's class names it (Communicator's point-to-point calls live in a base class)
-            called = f"{type(args[0]).__name__}.{fn.__name__}" if "." in function and args else function
+                buffer = RECV_BUFFER if fn.__name__ in ("recv", "irecv") else ""
+                raise TypeError(f"{said}; {buffer}{TOO_MANY_POSITIONAL}") from None
+            if not unknown and "op" in params and "'op'" in said and "missing" in said:
+                raise TypeError(f"{said}; {NO_OP}") from None
             hint = keyword_hint(unknown[0], params, called) if unknown else None
+            if hint is None and said != str(exc):
+                raise TypeError(said) from None
             if hint is None:
                 raise
             raise TypeError(f"{called}() got an unexpected keyword argument {unknown[0]!r}; {hint}") from None

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Collection, List, Optional
+from typing import Any, Callable, Collection, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -153,7 +153,8 @@ class PointToPoint(Operations):
         return_sender: bool = False,
     ) -> Any:
         """Send ``obj`` to global rank ``dst`` under ``sendtag`` and receive what global rank ``src`` sends under
-        ``recvtag`` (``sendtag`` unless given; ``src=None``: any rank, gloo only), both at once, as mpi4py's
+        ``recvtag`` (``sendtag`` unless given; ``src=None``: any rank, gloo only: through NCCL a ``ValueError`` before
+        either half), both at once, as mpi4py's
         ``comm.sendrecv``: ranks that each send to one rank and receive from another (a ring's shift, a halo
         exchange) never wait on each other. ``max_bytes`` bounds both what this rank sends and what it accepts.
 
@@ -162,7 +163,8 @@ class PointToPoint(Operations):
         the other, receiving first where ``src`` is a lower global rank than this one and sending first elsewhere,
         which no permutation of sends deadlocks (a ring's shift then moves one rank after another). If this rank's
         object cannot be encoded, ``dst`` raises ``RemoteError`` and this rank the original error, once it has
-        received; a failed receive raises once the send has ended.
+        received; a failed receive raises once the send has ended; a send that fails at once (a bad ``dst``) raises
+        once this rank has received what its source sends it all the same.
 
         Example::
 
@@ -176,30 +178,41 @@ class PointToPoint(Operations):
                 src, tag, accept=accept, max_bytes=max_bytes, map_location=map_location, return_sender=return_sender
             )
 
+        def send() -> None:
+            self.send(obj, dst, sendtag, serializer=serializer, max_bytes=max_bytes, compression=compression)
+
         if _requests.on_nccl(self.group):  # one after the other, in the order that cannot deadlock
-            got: List[Any] = []
-
-            def send() -> None:
-                self.send(obj, dst, sendtag, serializer=serializer, max_bytes=max_bytes, compression=compression)
-
-            def take() -> None:
-                got.append(receive())
-
-            first, then = (take, send) if src is not None and src < dist.get_rank() else (send, take)
-            try:
-                first()
-            except BaseException:
-                with contextlib.suppress(Exception):  # its peer waits for it all the same
-                    then()
-                raise
-            then()
-            return got[0]
-        sending = self.isend(obj, dst, sendtag, serializer=serializer, max_bytes=max_bytes, compression=compression)
+            if src is None:  # (before either half: a send already made would wait for its receiver in vain)
+                raise ValueError(
+                    "sendrecv(src=None) needs a backend that can receive from any rank (gloo); this group moves bytes "
+                    "through NCCL — pass the sender's rank as src"
+                )
+            if src < dist.get_rank():
+                return _in_turn(receive, send)[0]
+            return _in_turn(send, receive)[1]
+        try:
+            sending = self.isend(obj, dst, sendtag, serializer=serializer, max_bytes=max_bytes, compression=compression)
+        except Exception:
+            with contextlib.suppress(Exception):  # its source sends all the same
+                receive()
+            raise
         try:
             received = receive()
-        except BaseException:
+        except Exception:
             with contextlib.suppress(Exception):  # the send's own failure, if any, tells less than this one
                 sending.wait()
             raise
         sending.wait()
         return received
+
+
+def _in_turn(first: Callable[[], Any], then: Callable[[], Any]) -> Tuple[Any, Any]:
+    """``first()``, then ``then()``, which runs even where ``first()`` failed (its peer waits for it all the same):
+    what ``first()`` raised, else both results."""
+    try:
+        one = first()
+    except Exception:
+        with contextlib.suppress(Exception):
+            then()
+        raise
+    return one, then()

@@ -61,8 +61,9 @@ class LaidRests:
         return (self[r] for r in range(len(self.lengths)))
 
     def host(self, r: int) -> Optional[memoryview]:
-        """Rank ``r``'s rest as a memoryview of the CPU buffer; None on a GPU (copy only what must come to the host)."""
-        if self.buffer.device.type != "cpu":
+        """Rank ``r``'s rest as a memoryview of the CPU buffer; None where :meth:`__getitem__` gives None, and on a GPU
+        (copy only what must come to the host)."""
+        if self.buffer.device.type != "cpu" or not self.lengths[r] or r == self.me:
             return None
         if self._host is None:
             self._host = host_view(self.buffer)

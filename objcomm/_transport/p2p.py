@@ -312,7 +312,9 @@ def _received(
             guarded(op, wire, dist.send, answer, dst=wire.ranks[sender], group=wire.group, tag=wire.answer_tag)
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem)
-        taken = wire.rest_media.recv(wire, info, _limits.checked_sizes(sizes_of, [info]), sender, op, route, message)
+        # shared memory's words follow exactly where this rank answered that it takes the rest (TAKES)
+        checked = _limits.checked_sizes(sizes_of, [info])
+        taken = wire.rest_media.recv(wire, info, checked, sender, op, route, message) if takes else NOT_USED
         if taken is not NOT_USED:
             return sender, taken, False
         if route is not None and wire.device.type == "cpu":  # as the sender does

@@ -43,7 +43,7 @@ def exchanges(local: bool, size: int, ordered: bool) -> List[Any]:
         shifted = comm.sendrecv(_payload(rank, size), dst=right, src=left, return_sender=True)
         # the ring the other way, under tag 6 (both tags named)
         back = objcomm.sendrecv(_payload(rank, size), dst=left, src=right, sendtag=6, recvtag=6)
-        anyone = objcomm.sendrecv(rank, right, None, 8, return_sender=True)
+        anyone = objcomm.sendrecv(rank, right, left if ordered else None, 8, return_sender=True)  # (NCCL: named)
         mine = comm.sendrecv([rank], dst=rank, src=rank, sendtag=9)
         pair = comm.sendrecv(rank * 10, dst=rank ^ 1, src=rank ^ 1) if rank < 2 else rank ^ 1
     return [
@@ -88,3 +88,36 @@ def test_a_failure_raises_on_its_sender_and_its_receiver_only(ordered):
 def test_without_a_process_group_a_rank_sends_to_itself():
     assert objcomm.sendrecv({"x": 1}, dst=0, src=0) == {"x": 1}
     assert objcomm.Communicator().sendrecv([1], 0, 0, sendtag=3, return_sender=True) == (0, [1])
+
+
+def misuses() -> List[Any]:
+    """Through NCCL's order, ``src=None`` raises before either half (a send made first would wait in vain); on gloo a
+    send that fails at once (rank 1's bad ``dst``) still takes what its source sends it (3 MiB: rank 0's send waits
+    for rank 1's answer, which it would have waited for until the group's timeout)."""
+    rank = dist.get_rank()
+    found: List[Any] = []
+    with nccl_order(True):
+        try:
+            objcomm.sendrecv(rank, dst=(rank + 1) % W, src=None)
+        except ValueError as exc:
+            found.append("src=None" in str(exc) and "NCCL" in str(exc))
+    big = bytes([rank]) * (3 << 20)
+    try:
+        if rank == 0:
+            found.append(objcomm.sendrecv(big, dst=1, src=2) == bytes([2]) * (3 << 20))
+        elif rank == 1:
+            objcomm.sendrecv(big, dst=99, src=0)
+        else:
+            objcomm.send(big, dst=0)
+            found.append(True)
+    except ValueError as exc:
+        found.append("ValueError" if "99" in str(exc) else str(exc))
+    found.append(objcomm.all_gather(rank))
+    return found
+
+
+def test_misuse_raises_where_it_is_and_leaves_no_peer_waiting():
+    got = get_pool(W).run(misuses)
+    assert got[0] == [True, True, [0, 1, 2]]
+    assert got[1] == [True, "ValueError", [0, 1, 2]]
+    assert got[2] == [True, True, [0, 1, 2]]

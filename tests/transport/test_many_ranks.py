@@ -289,6 +289,35 @@ def test_a_trees_sends_across_hosts_ask_no_answer_of_shared_memory():
         assert max(counted) == planned, f"{op}: the plan gives {planned} calls, the ranks made {counted}"
 
 
+def sends_across_hosts_both_ways(learned: bool) -> List[Any]:
+    """Rank 0 sends rank 1 a 3 MiB tensor, then rank 1 sends it back (pieces past 1 MiB: each sender asks for the
+    receiver's answer), every rank its own host with shared memory on, on a fresh group: with its hosts ``learned``
+    first (a collective), or not (rank 0 learns that rank 1 is elsewhere from its answer to the first send, rank 1
+    nothing): what each of the two received is right."""
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(W)))  # its own hosts, learned or not
+    comm = objcomm.Communicator(group, local=False, _hooks=Hooks(separate_hosts=True))
+    if learned:
+        comm.all_gather(bytes(routes.ANNOUNCED_FROM))
+    value = torch.arange(3 << 20, dtype=torch.uint8)
+    got = []
+    for sender, receiver in ((0, 1), (1, 0), (0, 1)):
+        if rank == sender:
+            comm.send(value + sender, dst=receiver)
+        elif rank == receiver:
+            got.append(bool(torch.equal(comm.recv(src=sender), value + sender)))
+    dist.destroy_process_group(group)
+    return got
+
+
+@pytest.mark.parametrize("learned", [True, False], ids=["hosts learned", "hosts not learned"])
+def test_a_receiver_that_knows_its_sender_elsewhere_waits_for_no_shared_memory_words(learned):
+    """A reviewer's find: a receiver that knew its sender ran on another host answered that shared memory would not
+    take the rest, then waited for shared memory's words all the same, and read the rest's first piece as them."""
+    got = get_pool(W).run(sends_across_hosts_both_ways, learned, timeout=120)
+    assert got[0] == [True] and got[1] == [True, True] and got[2:] == [[]] * (W - 2)
+
+
 @pytest.mark.parametrize("op, most", [("all_gather", 3), ("gather", 3), ("broadcast", 2 + 3 + 1)])
 def test_bounded_calls_whatever_the_spread(op, most):
     for rank, rows in enumerate(get_pool(W).run(each_spread, op, timeout=120)):
