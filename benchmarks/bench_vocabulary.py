@@ -1,4 +1,4 @@
-"""all_to_all, all_reduce, scan and sendrecv of objects against what users write today, and against the raw floor.
+"""all_to_all, all_reduce and scan of objects against what users write today, and against the raw floor.
 
     python benchmarks/bench_vocabulary.py                     # world sizes 2 and 4, gloo, markdown to stdout
     python benchmarks/bench_vocabulary.py --world-sizes 2 --repeat-scale 0.3
@@ -8,10 +8,7 @@ torch has no object all-to-all, no object reduction and no scan, so the comparis
 ``all_gather_object`` of everything, then pick one's own part (all_to_all), reduce locally
 (all_reduce) or combine the ranks up to this one (scan); the same workaround through ``objcomm.all_gather``; and a raw
 ``all_to_all_single``
-of the same pickled bytes with uneven splits (the floor for all_to_all). torch has no sendrecv either: a ring's shift
-is its blocking ``send_object_list`` / ``recv_object_list`` in turn (receiving first where the source is a lower
-rank, the order that cannot deadlock), against ``objcomm.sendrecv``, objcomm's own send/recv in turn, and a raw
-batch of isend/irecv of the same bytes. Candidates run
+of the same pickled bytes with uneven splits (the floor for all_to_all). Candidates run
 round-robin on live local gloo ranks; a sample is the slowest rank's time; medians are reported.
 """
 
@@ -91,47 +88,6 @@ def _torch_scan(obj: Any, op: Callable[[Any, Any], Any]) -> Callable[[], Any]:
     return run
 
 
-def _in_turn(obj: Any, send: Callable[..., Any], recv: Callable[..., Any]) -> Callable[[], Any]:
-    """What users write without a sendrecv: a blocking send and receive around the ring, in the order that cannot
-    deadlock (receive first where the source is a lower rank), as objcomm.sendrecv runs through NCCL."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    right, left = (rank + 1) % world, (rank - 1) % world
-
-    def run() -> Any:
-        if left < rank:
-            got = recv(left)
-            send(obj, right)
-            return got
-        send(obj, right)
-        return recv(left)
-
-    return run
-
-
-def _torch_send(obj: Any, dst: int) -> None:
-    dist.send_object_list([obj], dst=dst)
-
-
-def _torch_recv(src: int) -> Any:
-    got: List[Any] = [None]
-    dist.recv_object_list(got, src=src)
-    return got[0]
-
-
-def _raw_ring(obj: Any) -> Callable[[], Any]:
-    """The pickled bytes' size to the right and from the left in one batch of isend/irecv: the floor."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    send = torch.zeros(len(pickle.dumps(obj, protocol=5)), dtype=torch.uint8)
-    recv = torch.empty_like(send)  # (every rank's object has the same size here)
-
-    def run() -> None:
-        ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-    return run
-
-
 def _merge_sum(a: Dict[Any, int], b: Dict[Any, int]) -> Dict[Any, int]:
     merged = dict(a)
     for key, value in b.items():
@@ -192,25 +148,6 @@ def _scenarios(repeat_scale: float) -> Dict[str, Dict[str, Any]]:
                 ),
             },
             "ratios": [("objcomm", "torch all_gather_object + prefix"), ("objcomm", "objcomm all_gather + prefix")],
-        }
-    right, left = (rank + 1) % world, (rank - 1) % world
-    for name, message, repeat in (
-        ("sendrecv of 10 records around the ring", small[0], 200),
-        ("sendrecv of 1 MB around the ring", b"r" * MB, 20),
-    ):
-        scenarios[name] = {
-            "repeat": rounds(repeat),
-            "candidates": {
-                "objcomm": lambda message=message: objcomm.sendrecv(message, dst=right, src=left),
-                "torch send/recv_object_list in turn": _in_turn(message, _torch_send, _torch_recv),
-                "objcomm send/recv in turn": _in_turn(message, objcomm.send, objcomm.recv),
-                "raw batch_isend_irecv": _raw_ring(message),
-            },
-            "ratios": [
-                ("objcomm", "torch send/recv_object_list in turn"),
-                ("objcomm", "objcomm send/recv in turn"),
-                ("objcomm", "raw batch_isend_irecv"),
-            ],
         }
     return scenarios
 
