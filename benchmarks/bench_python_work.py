@@ -50,8 +50,11 @@ def _best(fn: Callable[[], Any], repeat: int = 5, least: float = 0.2) -> float:
     return best
 
 
-def _one_world(world: int) -> Dict[str, float]:
-    """On one rank (rank 0 and rank 5, in turn) of a fake group of ``world`` ranks: each call's CPU time."""
+def _one_world(world: int, freeze: bool = False) -> Dict[str, float]:
+    """On one rank (rank 0 and rank 5, in turn) of a fake group of ``world`` ranks: each call's CPU time
+    (``freeze``: after ``gc.freeze()``, once torch and objcomm are imported)."""
+    import gc
+
     import torch
 
     torch.set_num_threads(1)
@@ -63,6 +66,9 @@ def _one_world(world: int) -> Dict[str, float]:
     from objcomm._format.slot import fill_slot
     from objcomm._transport import routes
     from serializers import registry
+
+    if freeze:  # the imports' objects (torch's ~170,000) out of the collector's full passes
+        gc.freeze()
 
     # The fake broadcast delivers nothing: a receiver's round 1 gets the slot the root would send (the root's is
     # this rank's own object, as every fake collective's), what follows (the tensor's bytes) arrives as zeros.
@@ -124,15 +130,21 @@ def _shown(seconds: float) -> str:
 def main(argv: List[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument(
+        "--gc-freeze", action="store_true", help="call gc.freeze() once everything is imported (docs/scaling.md)"
+    )
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # (a child: one world, JSON out)
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(_one_world(args.one)))
+        print(json.dumps(_one_world(args.one, args.gc_freeze)))
         return
     rows: Dict[int, Dict[str, float]] = {}
     for world in args.worlds:
         done = subprocess.run(
-            [sys.executable, __file__, "--one", str(world)], capture_output=True, text=True, check=True
+            [sys.executable, __file__, "--one", str(world), *(["--gc-freeze"] if args.gc_freeze else [])],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         rows[world] = json.loads(done.stdout.strip().splitlines()[-1])
     worlds = args.worlds
