@@ -20,7 +20,6 @@ from objcomm._errors import NO_RESULT, CommunicationError, ObjcommError, TooLarg
 from objcomm._format import frame as _frame
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing
-from objcomm._format.slot import outgoing_second_round_bytes
 from objcomm._transport import broadcast as _broadcast_rounds
 from objcomm._transport import gather as _gather_rounds
 from objcomm._transport import p2p as _p2p
@@ -235,26 +234,14 @@ class Operations(Resolving):
         return (wire.ranks[sender], obj) if return_sender else obj
 
     def _isend_call(
-        self,
-        call: Call,
-        obj: Any,
-        dst: int,
-        tag: int,
-        here: bool = False,
-        express: Optional[Express] = None,
-        serialized: Any = None,
+        self, call: Call, obj: Any, dst: int, tag: int, express: Optional[Express] = None, serialized: Any = None
     ) -> Request:
-        """``here`` (sendrecv): a message its slot carries whole is sent in this thread, as a blocking send (which
-        returns once such a message is posted, on every path: :mod:`objcomm._transport.pending`), its handle
-        completed; only a larger one pays a lane's thread. ``serialized``: what ``express`` serialized already."""
+        """``serialized``: what ``express`` serialized already (sendrecv, whose short path declined)."""
         wire, peer = self._destination(call, dst, tag, "isend")
         if wire is None or peer == wire.rank:
             local = self._send_own(call, wire, obj, tag, _still(serialized, express, call))
             return completed("isend", functools.partial(_raise, local))
         out, local = call.encode(obj, _still(serialized, express, call))
-        if here and not outgoing_second_round_bytes(out, wire.inline_capacity):
-            _requests.check_blocking(wire.group, "send", dst, tag)  # after this rank's isends there, as a send
-            return completed("isend", functools.partial(self._deliver, wire, out, local, peer))
         out = _pending.captured(out)
         # eager where a blocking send is (a small message: wait() returns once it is posted, as MPI's isend of a
         # small message completes; a later send on its dst and tag waits for it: requests.check_blocking)

@@ -159,13 +159,14 @@ class PointToPoint(Operations):
         what this rank sends and what it accepts.
 
         On a gloo group the send goes as :meth:`isend` while this rank receives as :meth:`recv`, then the send is
-        waited for; a message its slot carries whole is posted before the receive, in this thread (such a send
-        returns once posted, on every path). Through an NCCL group (whose sends cannot run beside a receive) it
-        sends and receives one after the other, receiving first where ``src`` is a lower global rank than this one
-        and sending first elsewhere, which no permutation of sends deadlocks (a ring's shift then moves one rank
-        after another). If this rank's object cannot be encoded, ``dst`` raises ``RemoteError`` and this rank the
-        original error, once it has received; a failed receive raises once the send has ended; a send that fails
-        at once (a bad ``dst``) raises once this rank has received what its source sends it all the same.
+        waited for (a small message through the same-host channel, with the communicator's settings, is posted
+        before the receive instead, as :meth:`send` posts it). Through an NCCL group (whose sends cannot run beside
+        a receive) it sends and receives one after the other, receiving first where ``src`` is a lower global rank
+        than this one and sending first elsewhere, which no permutation of sends deadlocks (a ring's shift then
+        moves one rank after another). If this rank's object cannot be encoded, ``dst`` raises ``RemoteError`` and
+        this rank the original error, once it has received; a failed receive raises its error once the send has
+        ended (the send's own, if it failed too, is dropped); a send that fails at once (a bad ``dst``) raises once
+        this rank has received what its source sends it all the same.
 
         Example::
 
@@ -191,20 +192,14 @@ class PointToPoint(Operations):
             if src < dist.get_rank():
                 return _in_turn(receive, send)[0]
             return _in_turn(send, receive)[1]
-        express, serialized = None, None
-        if serializer is None and max_bytes is None and compression is None:  # as send's short path
-            express = self._express()
-            if express is not None:
-                serialized = express.send(obj, dst, sendtag)
-                if serialized is True:  # posted (a small message through the same-host channel)
-                    return receive()
-        try:  # (a message its slot carries whole is posted here: no thread's hand-over, ~0.4 ms on a busy host)
-            call = self._call({"serializer": serializer, "max_bytes": max_bytes, "compression": compression})
-            sending = self._isend_call(call, obj, dst, sendtag, True, express, serialized)
+        try:
+            sending = self._isend_now(obj, dst, sendtag, serializer, max_bytes, compression)
         except Exception:
             with contextlib.suppress(Exception):  # its source sends all the same
                 receive()
             raise
+        if sending is None:  # posted
+            return receive()
         try:
             received = receive()
         except Exception:
@@ -213,6 +208,28 @@ class PointToPoint(Operations):
             raise
         sending.wait()
         return received
+
+    def _isend_now(
+        self,
+        obj: Any,
+        dst: int,
+        tag: int,
+        serializer: Optional[SerializerLike],
+        max_bytes: Optional[int],
+        compression: Optional[str],
+    ) -> Optional[Request]:
+        """sendrecv's send on gloo: None where the short path posted it (a small message through the same-host
+        channel, with the communicator's settings, as :meth:`send`'s: it declines while a request is outstanding),
+        else an :meth:`isend`'s request, on a lane's thread, after this rank's isends to ``dst`` under ``tag``."""
+        express, serialized = None, None
+        if serializer is None and max_bytes is None and compression is None:
+            express = self._express()
+            if express is not None:
+                serialized = express.send(obj, dst, tag)
+                if serialized is True:
+                    return None
+        call = self._call({"serializer": serializer, "max_bytes": max_bytes, "compression": compression})
+        return self._isend_call(call, obj, dst, tag, express, serialized)
 
 
 def _in_turn(first: Callable[[], Any], then: Callable[[], Any]) -> Tuple[Any, Any]:

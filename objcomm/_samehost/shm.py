@@ -272,7 +272,9 @@ class SharedMemory(PatternRests):
         """Send the second round through shared memory; False: the caller sends it the normal way. The status and
         the receiver's answer go through ``route`` when the slot of message ``message`` did (the same-host channel:
         concurrent sends under one tag then never take each other's), else through the group."""
-        if not self.worth(wire, outgoing_second_round_bytes(out, wire.inline_capacity), op, dst):
+        # (without the peer: the caller judged with it once, and another thread may learn of it meanwhile, where
+        # _shm_p2p.send then sends its words as declined)
+        if not self.worth(wire, outgoing_second_round_bytes(out, wire.inline_capacity), op):
             return False
         return _shm_p2p.send(
             self.book, self.directory, self.separate, self.zero_copy, wire, out, dst, op, route, message
@@ -290,7 +292,7 @@ class SharedMemory(PatternRests):
     ) -> Union[Incoming, NotUsed]:
         """The sender's second round from shared memory, or NOT_USED: the caller receives it the normal way (the
         status and answer through ``route``, as in :meth:`send`)."""
-        if not self.worth(wire, info.second_round_bytes, op, src):
+        if not self.worth(wire, info.second_round_bytes, op):  # (p2p asks only where it answered TAKES)
             return NOT_USED
         return _shm_p2p.recv(self.directory, self.separate, wire, info, sizes_of, src, op, route, message)
 

@@ -121,3 +121,35 @@ def test_misuse_raises_where_it_is_and_leaves_no_peer_waiting():
     assert got[0] == [True, True, [0, 1, 2]]
     assert got[1] == [True, "ValueError", [0, 1, 2]]
     assert got[2] == [True, True, [0, 1, 2]]
+
+
+def behind_outstanding_sends(local: bool) -> List[Any]:
+    """A reviewer's finds. Each rank's isend of 1 MiB to the right, then a sendrecv to the right under the same tag
+    (its receive takes the 1 MiB), then the isend waited for and the small message received; then rank 0 leaves
+    1024 small sends to rank 2 pending (under another tag) before a ring of sendrecvs whose rank 2 sends 1 MiB: a
+    sendrecv that sent in the caller's thread waited for its own isend, or for room among the pending sends, where its
+    receive had to run first."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=local, shm=False)
+    right, left = (rank + 1) % W, (rank - 1) % W
+    pending = comm.isend(b"x" * (1 << 20), dst=right, tag=0)
+    first = comm.sendrecv({"small": rank}, dst=right, src=left, sendtag=0)
+    pending.wait()
+    then = comm.recv(src=left, tag=0)
+    if rank == 0:
+        for i in range(1024):
+            comm.send(i, dst=2, tag=9)
+    ring = comm.sendrecv(b"y" * (1 << 20) if rank == 2 else {"small": rank}, dst=right, src=left, sendtag=1)
+    held = [comm.recv(src=0, tag=9) for _ in range(1024)] if rank == 2 else list(range(1024))
+    return [
+        first == b"x" * (1 << 20),
+        then == {"small": left},
+        ring == (b"y" * (1 << 20) if rank == 0 else {"small": left}),
+        held == list(range(1024)),
+    ]
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_sendrecv_behind_this_ranks_own_sends_still_receives_first(local):
+    for rank, got in enumerate(get_pool(W).run(behind_outstanding_sends, local)):
+        assert got == [True] * 4, (rank, got)

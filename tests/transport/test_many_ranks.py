@@ -24,6 +24,7 @@ from _ranks import get_pool
 
 import objcomm
 import serializers
+from objcomm import _state
 from objcomm._api.resolving import Hooks
 from objcomm._format import frame as _frame
 from objcomm._format import tensors as _tensors
@@ -316,6 +317,40 @@ def test_a_receiver_that_knows_its_sender_elsewhere_waits_for_no_shared_memory_w
     take the rest, then waited for shared memory's words all the same, and read the rest's first piece as them."""
     got = get_pool(W).run(sends_across_hosts_both_ways, learned, timeout=120)
     assert got[0] == [True] and got[1] == [True, True] and got[2:] == [[]] * (W - 2)
+
+
+def a_peer_learnt_elsewhere_meanwhile() -> List[Any]:
+    """Rank 0 sends rank 1 4 MiB twice on one host (shared memory takes it), as if another of its threads learnt
+    between its decision and shared memory's send that rank 1 runs elsewhere (added to what it remembers just before
+    each send): what rank 1 received is right."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(local=False)
+    real = _shm.SharedMemory.send
+
+    def learnt_meanwhile(memory: Any, wire: Any, out: Any, dst: int, *args: Any) -> Any:
+        _state.group_facts(wire.group).remote_peers.add((dst, memory.separate))
+        return real(memory, wire, out, dst, *args)
+
+    payload, got = bytes(range(256)) * (4 << 12), []
+    try:
+        _shm.SharedMemory.send = learnt_meanwhile  # type: ignore[method-assign]
+        for _ in range(2):
+            if rank == 0:
+                comm.send(payload, dst=1)
+            elif rank == 1:
+                got.append(comm.recv(src=0) == payload)
+    finally:
+        _shm.SharedMemory.send = real  # type: ignore[method-assign]
+        _state.group_facts(dist.group.WORLD).remote_peers.clear()
+    return got
+
+
+def test_shared_memorys_decision_is_made_once_a_send():
+    """A reviewer's find: shared memory's send and receive judged the peer again after p2p had, so a peer learnt to
+    be elsewhere meanwhile (by another thread's send) made the sender skip the words its receiver waited for (gloo
+    aborted the receiver: a 4 MiB piece where 48 bytes were posted)."""
+    got = get_pool(W).run(a_peer_learnt_elsewhere_meanwhile, timeout=120)
+    assert got[1] == [True, True] and got[0] == [] and got[2:] == [[]] * (W - 2)
 
 
 @pytest.mark.parametrize("op, most", [("all_gather", 3), ("gather", 3), ("broadcast", 2 + 3 + 1)])

@@ -60,9 +60,12 @@ two levels              all_gather, gather, broadcast of a CPU group with ``loca
                         channel to its leader, the leaders on the backend, back
 the reductions' tree    on two levels where every host holds consecutive group ranks:      :func:`tree_on_two_levels`
                         each host's ranks up a tree over its channel to the leader, then
-                        the leaders' tree through the backend; else the group's tree.
+                        the leaders' tree through the backend; else the group's tree
+                        (on one host with the channel open, its messages through it).
                         A message's rest up to ``TREE_PIECED_UP_TO`` in pieces of at     :func:`tree_piece`
                         most ``SCRATCH_BYTES``: no answer where its slot lists the sizes
+                        (nor on shared memory's account to a rank known to run on
+                        another host)
 a host's all_gather     on two levels, a shared file from ``shm_threshold``: the           :func:`in_place_table`
 result, in place        leaders' padded all_gather (hosts' bundles within 2x) or their
                         stripes write it in place from ``IN_PLACE_FROM``; else the leader
