@@ -66,6 +66,5 @@ class SameHostRests(SharedPointToPoint):
         return None
 
     def worth(self, wire: Wire, moved: int, op: str, peer: Optional[int] = None) -> bool:
-        return self.shared is not None and self.shared.worth(
-            wire, moved, op, peer
-        )  # the channel drains: no vote for it
+        # (the channel drains: no vote for it)
+        return self.shared is not None and self.shared.worth(wire, moved, op, peer)
