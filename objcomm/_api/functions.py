@@ -368,7 +368,7 @@ def sendrecv(
 ) -> Any:
     """Send ``obj`` to global rank ``dst`` and receive from global rank ``src`` at once (``recvtag``: ``sendtag``
     unless given; ``src=None``: any rank, gloo only), as mpi4py's ``comm.sendrecv``: ranks that each send to one
-    rank and receive from another never wait on each other. See :meth:`objcomm.Communicator.sendrecv`.
+    rank and receive from another need no order among them. See :meth:`objcomm.Communicator.sendrecv`.
 
     Example::
 

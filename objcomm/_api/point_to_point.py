@@ -155,7 +155,7 @@ class PointToPoint(Operations):
         """Send ``obj`` to global rank ``dst`` under ``sendtag`` and receive what global rank ``src`` sends under
         ``recvtag`` (``sendtag`` unless given; ``src=None``: any rank, gloo only: through NCCL a ``ValueError``
         before either half), both at once, as mpi4py's ``comm.sendrecv``: ranks that each send to one rank and
-        receive from another (a ring's shift, a halo exchange) never wait on each other. ``max_bytes`` bounds both
+        receive from another (a ring's shift, a halo exchange) need no order among them. ``max_bytes`` bounds both
         what this rank sends and what it accepts.
 
         On a gloo group the send goes as :meth:`isend` while this rank receives as :meth:`recv`, then the send is

@@ -327,8 +327,12 @@ def a_peer_learnt_elsewhere_meanwhile() -> List[Any]:
     comm = objcomm.Communicator(local=False)
     real = _shm.SharedMemory.send
 
+    learnt = []
+
     def learnt_meanwhile(memory: Any, wire: Any, out: Any, dst: int, *args: Any) -> Any:
-        _state.group_facts(wire.group).remote_peers.add((dst, memory.separate))
+        remembered = _state.group_facts(wire.group).remote_peers
+        remembered.add((dst, memory.separate))
+        learnt.append((remembered, (dst, memory.separate)))
         return real(memory, wire, out, dst, *args)
 
     payload, got = bytes(range(256)) * (4 << 12), []
@@ -341,7 +345,8 @@ def a_peer_learnt_elsewhere_meanwhile() -> List[Any]:
                 got.append(comm.recv(src=0) == payload)
     finally:
         _shm.SharedMemory.send = real  # type: ignore[method-assign]
-        _state.group_facts(dist.group.WORLD).remote_peers.clear()
+        for remembered, peer in learnt:  # (the pool's ranks run on, on one host)
+            remembered.discard(peer)
     return got
 
 
