@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from objcomm._api import requests as _requests
 from objcomm._api.call import Device
-from objcomm._api.express import NOT_TAKEN
+from objcomm._api.express import NOT_TAKEN, Express
 from objcomm._api.handles import Request
 from objcomm._api.mpi4py_names import mpi4py_keywords
 from objcomm._api.operations import Operations
@@ -43,13 +43,9 @@ class PointToPoint(Operations):
         backend every send waits for its receiver. ``dst`` may be this rank itself (and is, without a process
         group): the message waits here, encoded, until this rank receives it, and this returns at once.
         """
-        express, serialized = None, None
-        if serializer is None and max_bytes is None and compression is None:
-            express = self._express()
-            if express is not None:
-                serialized = express.send(obj, dst, tag)
-                if serialized is True:
-                    return
+        express, serialized = self._short_send(obj, dst, tag, serializer, max_bytes, compression)
+        if serialized is True:
+            return
         call = self._call(call_kwargs(locals()))
         self._send_call(call, obj, dst, tag, serialized, express)
 
@@ -221,15 +217,27 @@ class PointToPoint(Operations):
         """sendrecv's send on gloo: None where the short path posted it (a small message through the same-host
         channel, with the communicator's settings, as :meth:`send`'s: it declines while a request is outstanding),
         else an :meth:`isend`'s request, on a lane's thread, after this rank's isends to ``dst`` under ``tag``."""
-        express, serialized = None, None
-        if serializer is None and max_bytes is None and compression is None:
-            express = self._express()
-            if express is not None:
-                serialized = express.send(obj, dst, tag)
-                if serialized is True:
-                    return None
+        express, serialized = self._short_send(obj, dst, tag, serializer, max_bytes, compression)
+        if serialized is True:
+            return None
         call = self._call({"serializer": serializer, "max_bytes": max_bytes, "compression": compression})
         return self._isend_call(call, obj, dst, tag, express, serialized)
+
+    def _short_send(
+        self,
+        obj: Any,
+        dst: int,
+        tag: int,
+        serializer: Optional[SerializerLike],
+        max_bytes: Optional[int],
+        compression: Optional[str],
+    ) -> Tuple[Optional[Express], Any]:
+        """A send through the express path, where the call has the communicator's settings: ``(its express path,
+        True)`` once posted, else ``(express path or None, what it serialized for the general path to take over)``."""
+        if serializer is not None or max_bytes is not None or compression is not None:
+            return None, None
+        express = self._express()
+        return express, None if express is None else express.send(obj, dst, tag)
 
 
 def _in_turn(first: Callable[[], Any], then: Callable[[], Any]) -> Tuple[Any, Any]:

@@ -224,39 +224,36 @@ def planned_against_counted(op: str, one_host: bool = False, local: bool = False
     return rows
 
 
+def _planned_is_counted(op: str, every: List[Any]) -> None:
+    """Every rank's result right, and the busiest rank's calls the plan's, in each spread of
+    :func:`planned_against_counted`'s rows (``every``: each rank's)."""
+    for index, (case, _, planned, steps, _) in enumerate(every[0]):
+        counted = [rows[index][1] for rows in every]
+        assert all(rows[index][4] for rows in every), f"{op}, {case}: a wrong result"
+        assert max(counted) == planned, f"{op}, {case}: plan {steps} ({planned} calls), ranks made {counted}"
+
+
 @pytest.mark.parametrize("op", ["all_gather", "gather", "broadcast", "all_reduce", "reduce"])
 def test_the_routes_plan_is_what_the_transport_does(op):
     """routes.plan, which docs/scaling.md's model costs, gives each spread the torch.distributed calls the transport
     makes: as many as the busiest rank's (a rank with nothing to send or receive in a step skips it; a vote on gloo is
     its exchanges and a broadcast; a reduction's tree is a message from each of group rank 0's ceil(log2 W) children,
     each one call or its slot, an answer where due and a batch for its rest)."""
-    every = get_pool(W).run(planned_against_counted, op, timeout=120)
-    for index, (case, _, planned, steps, _) in enumerate(every[0]):
-        counted = [rows[index][1] for rows in every]
-        assert all(rows[index][4] for rows in every), f"{op}, {case}: a wrong result"
-        assert max(counted) == planned, f"{op}, {case}: plan {steps} ({planned} calls), ranks made {counted}"
+    _planned_is_counted(op, get_pool(W).run(planned_against_counted, op, timeout=120))
 
 
 @pytest.mark.parametrize("op", ["all_gather", "gather", "broadcast"])
 def test_the_routes_plan_is_what_the_transport_does_on_one_host_without_the_channel(op):
     """As above with every rank on one host and local=False (the backend's round 1): a collective's rest waits for
     the vote on its medium (objcomm._samehost.voted_rests), which the plan counts."""
-    every = get_pool(W).run(planned_against_counted, op, True, timeout=120)
-    for index, (case, _, planned, steps, _) in enumerate(every[0]):
-        counted = [rows[index][1] for rows in every]
-        assert all(rows[index][4] for rows in every), f"{op}, {case}: a wrong result"
-        assert max(counted) == planned, f"{op}, {case}: plan {steps} ({planned} calls), ranks made {counted}"
+    _planned_is_counted(op, get_pool(W).run(planned_against_counted, op, True, timeout=120))
 
 
 @pytest.mark.parametrize("op", ["all_gather", "gather", "broadcast", "all_reduce", "reduce"])
 def test_the_routes_plan_is_what_the_transport_does_on_one_host_with_the_channel(op):
     """As above with every rank on one host and its same-host channel open (shared memory off): round 1 and a
     reduction's tree go through the channel, and a rest the channel does not take through the backend."""
-    every = get_pool(W).run(planned_against_counted, op, True, True, timeout=120)
-    for index, (case, _, planned, steps, _) in enumerate(every[0]):
-        counted = [rows[index][1] for rows in every]
-        assert all(rows[index][4] for rows in every), f"{op}, {case}: a wrong result"
-        assert max(counted) == planned, f"{op}, {case}: plan {steps} ({planned} calls), ranks made {counted}"
+    _planned_is_counted(op, get_pool(W).run(planned_against_counted, op, True, True, timeout=120))
 
 
 def a_tree_across_hosts_with_shared_memory() -> List[Any]:
