@@ -69,6 +69,7 @@ def breakdown(plan: Any, send: Any = None) -> List[List[float]]:
 
     import objcomm
     from objcomm._format import frame as _frame
+    from objcomm._state import group_facts
     from objcomm._transport import rounds as _rounds
 
     rounds, case = plan
@@ -81,9 +82,10 @@ def breakdown(plan: Any, send: Any = None) -> List[List[float]]:
         call = comm._call({})
         out, _ = call.encode(obj)
         t1 = time.perf_counter()
-        infos = _rounds._exchange_slots(call.wire, out, "all_gather")
+        memory = group_facts(call.wire.group).slots.setdefault(call.wire.slot, _rounds.SlotMemory(call.wire.slot))
+        wire, infos, taught = _rounds._exchange_slots(call.wire, out, "all_gather", memory=memory)  # (as a call's)
         t2 = time.perf_counter()
-        incoming = _rounds.all_gather_rest(call.wire, out, infos, _frame.tensor_sizes)
+        incoming = _rounds.all_gather_rest(wire, out, infos, _frame.tensor_sizes, memory=taught)
         t3 = time.perf_counter()
         [call.decode(item, r) for r, item in enumerate(incoming)]
         t4 = time.perf_counter()

@@ -8,8 +8,9 @@
   :class:`objcomm._samehost.channel.LocalChannel`, opened by the first collective that may use it and again after it
   failed, closed with the group or at exit; none when the group spans hosts); and, once this rank issues a
   non-blocking operation on it, its async state (:class:`objcomm._api.requests._Lanes`: the shadow group,
-  the lanes and which point-to-point keys are busy); and the wires of the calls made on it, one per
-  set of options (:func:`objcomm._api.call.wire_for`).
+  the lanes and which point-to-point keys are busy); the wires of the calls made on it, one per
+  set of options (:func:`objcomm._api.call.wire_for`); and the one thing that follows its calls rather than the group,
+  the slot its next all_gather takes (:class:`objcomm._transport.rounds.SlotMemory`: the same on every rank).
 
 The one other piece of process state is the ``configure()`` layer of the settings, which
 :mod:`objcomm._settings` owns with its lock. Besides these there are only pure memos
@@ -42,6 +43,8 @@ class GroupFacts:
     levels: Dict[int, Any] = field(default_factory=dict)  # separate -> Levels or None (objcomm._samehost.two_level)
     # (device, options, segments) -> a wire less its group
     wires: Dict[Any, Tuple[Any, ...]] = field(default_factory=dict)
+    # the settings' slot -> what the last all_gathers on the group suggest for the next (objcomm._transport.rounds)
+    slots: Dict[int, Any] = field(default_factory=dict)
 
 
 _GROUPS: weakref.WeakKeyDictionary[Any, GroupFacts] = weakref.WeakKeyDictionary()

@@ -20,6 +20,7 @@ from objcomm._errors import NO_RESULT, CommunicationError, ObjcommError, TooLarg
 from objcomm._format import frame as _frame
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing
+from objcomm._state import group_facts
 from objcomm._transport import broadcast as _broadcast_rounds
 from objcomm._transport import gather as _gather_rounds
 from objcomm._transport import p2p as _p2p
@@ -46,8 +47,11 @@ class Operations(Resolving):
     def _all_gather_call(self, call: Call, obj: Any, serialized: Any, express: Optional[Express]) -> Any:
         if call.wire is None:
             return [call.roundtrip(obj)]
+        wire = call.wire
         out, local = call.encode(obj, _still(serialized, express, call))
-        incoming = _rounds.all_gather(call.wire, out, _frame.tensor_sizes, summed=self._summed(call.wire))
+        slots = group_facts(wire.group).slots
+        memory = slots.get(wire.slot) or slots.setdefault(wire.slot, _rounds.SlotMemory(wire.slot))
+        incoming = _rounds.all_gather(wire, out, _frame.tensor_sizes, summed=self._summed(wire), memory=memory)
         call.raise_failures("all_gather", incoming, local)
         return call.decode_all(incoming)
 

@@ -84,14 +84,16 @@ def too_large(
     )
 
 
-def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str) -> None:
+def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str, least: int = 0) -> None:
     """The same TooLargeError on every rank when a payload exceeds a receiver's limit (all seen in round 1): for the
     first such receiver, the first sender past its limit. O(W): a receiver's limit matters only against the largest
-    total of the *other* senders, the largest of all unless that is its own (then the second largest)."""
+    total of the *other* senders, the largest of all unless that is its own (then the second largest). ``least``
+    (round 1 in a slot wider than the settings', whose payloads of at most ``least`` bytes are accepted whatever the
+    limit): the payloads came with their slots, and are dropped."""
     first = second = -1  # the largest and second-largest totals of senders without an error, and who sent the first
     biggest = -1
     for sender, info in enumerate(infos):
-        if not info.error:
+        if not info.error and info.total > least:
             total = info.total
             if total > first:
                 first, second, biggest = total, first, sender
@@ -101,10 +103,11 @@ def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str) -> Non
         limit = infos[receiver].limit
         if (second if receiver == biggest else first) > limit:
             for sender, info in enumerate(infos):  # once: the message names the first sender past this limit
-                if sender != receiver and not info.error and info.total > limit:
+                if sender != receiver and not info.error and info.total > max(limit, least):
                     raise too_large(
                         f"{op}: rank {sender} sends {info.total:,} bytes, above the "
-                        f"max_bytes={limit:,} of receiving rank {receiver}"
+                        f"max_bytes={limit:,} of receiving rank {receiver}",
+                        outcome="it came in round 1's slots, and was dropped" if least else "nothing was transferred",
                     )
 
 

@@ -32,13 +32,14 @@ The steps every operation shares, and all_gather; send/recv: :mod:`.p2p`, gather
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from objcomm._errors import ObjcommError
 from objcomm._format import limits as _limits
-from objcomm._format.message import Incoming, Outgoing, SizesOf
+from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, fill_slot, read_slot, read_slots
 from objcomm._transport import routes
 from objcomm._transport.base import NOT_USED, Wire, all_gather_single, guarded, largest_of
@@ -119,27 +120,99 @@ def _vote_refusals(
 
 
 # -- all_gather ------------------------------------------------------------------------------
+class SlotMemory:
+    """The slots that the last two all_gathers on one group, with the settings' slot ``base``, suggested for the next
+    (:func:`routes.slot_after`), where their slots went through the backend's all_gather: the next takes the smaller
+    (:attr:`slot`). Every rank reads the same slots in round 1, so every rank's memory holds the same; each is kept
+    with its group (:func:`objcomm._state.group_facts`). Only a call that passed every check of round 1 teaches it;
+    one that fails them (sizes that disagree, a payload past a receiver's ``max_bytes``) fails on every rank alike,
+    and every rank's memory forgets the wider slot (:meth:`forget`).
+
+    >>> memory = SlotMemory(4096)
+    >>> memory.slot
+    4096
+    """
+
+    __slots__ = ("base", "last")
+
+    def __init__(self, base: int) -> None:
+        self.base, self.last = base, (base, base)
+
+    @property
+    def slot(self) -> int:
+        return min(self.last)
+
+    def learn(self, infos: Sequence[SlotInfo], slot: int) -> None:
+        """Remember what a call's slots (``infos``, every rank's, each ``slot`` bytes) suggest: the settings' slot
+        where a frame overflowed a wider one (objects that grow past it would otherwise move an empty table a call).
+        O(W); nothing to read where no wider slot's table fits :data:`routes.LEARNED_TABLE_MOST` (at the default
+        slot, from 8191 ranks)."""
+        if len(infos) * (self.base + 1) > routes.LEARNED_TABLE_MOST:
+            self.last = (self.base, self.base)
+            return
+        tensors, piece, inline = False, 1 << 62, True
+        for info in infos:  # a loop: no generator on the path of every call
+            if info.error or info.total != info.length:
+                tensors = True  # (an error report: the call failed; keep the settings' slot)
+            piece = min(piece, info.piece)
+            inline = inline and info.inline is not None
+        if slot > self.base and not inline:
+            suggested = self.base
+        else:
+            frames = [info.length for info in infos]
+            suggested = routes.slot_after(frames, tensors=tensors, base=self.base, piece=piece)
+        self.last = (self.last[1], suggested)
+
+    def forget(self) -> None:
+        """After a call every rank refused: the settings' slot, until two calls alike teach a wider one again."""
+        self.last = (self.base, self.base)
+
+
 def all_gather(
-    wire: Wire, out: Outgoing, sizes_of: SizesOf, op: str = "all_gather", summed: bool = False
+    wire: Wire,
+    out: Outgoing,
+    sizes_of: SizesOf,
+    op: str = "all_gather",
+    summed: bool = False,
+    memory: Optional[SlotMemory] = None,
 ) -> Sequence[Optional[Incoming]]:
     """Every rank's frame and tensors, on every rank. ``None`` marks frames not moved after an error. ``summed``:
-    the slots through the backend in one all_reduce of the table (:func:`routes.slots_summed`)."""
-    return all_gather_rest(wire, out, _exchange_slots(wire, out, op, summed), sizes_of, op)
+    the slots through the backend in one all_reduce of the table (:func:`routes.slots_summed`). ``memory``: the group's
+    :class:`SlotMemory` for its all_gathers, where their slots go through the backend's all_gather (then the slot
+    it says, and this call's slots remembered)."""
+    wire, infos, memory = _exchange_slots(wire, out, op, summed, memory)
+    return all_gather_rest(wire, out, infos, sizes_of, op, memory)
 
 
 @one_call  # (the express path calls it too, after its own round 1)
 def all_gather_rest(
-    wire: Wire, out: Outgoing, infos: List[SlotInfo], sizes_of: SizesOf, op: str = "all_gather"
+    wire: Wire,
+    out: Outgoing,
+    infos: List[SlotInfo],
+    sizes_of: SizesOf,
+    op: str = "all_gather",
+    memory: Optional[SlotMemory] = None,
 ) -> Sequence[Optional[Incoming]]:
-    """:func:`all_gather` once round 1 has delivered every rank's slot (``infos``), by either route."""
+    """:func:`all_gather` once round 1 has delivered every rank's slot (``infos``), by either route (``memory``:
+    where round 1 went through the backend's all_gather, :func:`all_gather`'s, which this call's slots teach)."""
     round_one_done()  # every rank is here: the steps after share one timeout (call_clock)
     ends = _limits.round_one_ends(infos)
     if not ends:  # a second round or a refusal follows: only on slots every rank read alike
         wire.slot_medium.agree(wire, infos, op)
-    plans = _limits.plans(infos, sizes_of, op)
+    try:
+        plans = _limits.plans(infos, sizes_of, op)
+        if memory is not None and wire.slot > memory.base:
+            _check_wider(infos, memory.base - SLOT_PREFIX_BYTES, ends, op)
+        if not ends:
+            _limits.check_limits(infos, range(wire.size), op)
+    except ObjcommError:  # (every rank raises here alike: the group's next all_gather takes the settings' slot)
+        if memory is not None:
+            memory.forget()
+        raise
+    if memory is not None:  # (only a call that passed every check teaches the memory)
+        memory.learn(infos, wire.slot)
     if ends:  # after an error, or in the common small case: one collective, done
         return _round_one(infos)
-    _limits.check_limits(infos, range(wire.size), op)
     wire = at_pieces(wire, _limits.common_piece(infos, op))  # every rank read every slot: the same on all
     taken = wire.rest_media.all_gather(wire, out, infos, _limits.checked_sizes(sizes_of, infos), op)
     if taken is not NOT_USED:
@@ -185,24 +258,50 @@ def _split_rest(
     return Incoming(frame, list(rest[at:].split(sizes)) if sizes and rest is not None else [])
 
 
+def _check_wider(infos: Sequence[SlotInfo], capacity: int, ends: bool, op: str) -> None:
+    """Round 1 in a slot wider than the settings' (:class:`SlotMemory`), whose slots carry ``capacity`` bytes after
+    the prefix: an error report longer than that is a liar's (an honest one fits the settings' slot), and where round
+    1 carried every message a frame past ``capacity`` meets every receiver's ``max_bytes`` as a second round's does
+    (an error report anywhere ends the call first, as in the settings' slot). The same on every rank."""
+    failed = False
+    for sender, info in enumerate(infos):
+        if info.error:
+            if info.length > capacity:
+                raise _limits.inconsistent(
+                    op, sender, f"an error report of {info.length:,} bytes, past its slot_bytes' {capacity:,}"
+                )
+            failed = True
+    if ends and not failed:
+        _limits.check_limits(infos, range(len(infos)), op, least=capacity)
+
+
 def _round_one(infos: List[SlotInfo]) -> Sequence[Optional[Incoming]]:
     """What round 1 delivered: the frames that fit (error reports always do)."""
     return [Incoming(i.inline, error=i.error) if i.inline is not None else None for i in infos]
 
 
-def _exchange_slots(wire: Wire, out: Outgoing, op: str, summed: bool = False) -> List[SlotInfo]:
+def _exchange_slots(
+    wire: Wire, out: Outgoing, op: str, summed: bool = False, memory: Optional[SlotMemory] = None
+) -> Tuple[Wire, List[SlotInfo], Optional[SlotMemory]]:
+    """Round 1 of an all_gather: the wire the call goes on with (its slot ``memory``'s, where that applies), every
+    rank's slot, and the memory this call teaches (None where its slots did not take the backend's all_gather)."""
     raw = _slot(wire, out)
     slots = wire.slot_medium.all_gather(wire, raw, op)
     if slots is not NOT_USED:
-        return [read_slot(memoryview(s)) for s in slots]
+        return wire, [read_slot(memoryview(s)) for s in slots], None
     if summed:  # the table, zeros but this rank's slot, summed: every slot in its place (a tree on NCCL, not a ring)
         recv = zeroed(wire.slot * wire.size, wire)
         recv[wire.rank * wire.slot : (wire.rank + 1) * wire.slot] = _on_device(wire, raw)
         guarded(op, wire, dist.all_reduce, recv, op=dist.ReduceOp.SUM, group=wire.group)
-        return read_slots(host_view(recv), wire.size, wire.slot)
+        return wire, read_slots(host_view(recv), wire.size, wire.slot), None
+    if memory is not None and memory.base != wire.slot:  # (a memory of another slot setting: not this call's)
+        memory = None
+    if memory is not None and memory.slot != wire.slot:  # the slot the last two all_gathers suggested
+        wire = wire._replace(slot=memory.slot)
+        raw = _slot(wire, out)
     recv, host = receive_buffer(wire.slot * wire.size, wire)
     guarded(op, wire, all_gather_single, recv, _on_device(wire, raw), group=wire.group)
-    return read_slots(host if host is not None else host_view(recv), wire.size, wire.slot)
+    return wire, read_slots(host if host is not None else host_view(recv), wire.size, wire.slot), memory
 
 
 def _rest(wire: Wire, out: Outgoing) -> List[torch.Tensor]:

@@ -468,3 +468,66 @@ def test_scatter_and_all_to_all_shrink_their_parts_slots_past_a_4_mib_table():
     assert routes.part_slot(world=1 << 20, slot=4096) == 512
     assert routes.part_slot(world=8192, slot=128) == 128
     assert routes.part_slot(world=8192, slot=1 << 16) == 512
+
+
+def test_an_all_gathers_slots_suggest_a_wider_slot_for_frames_past_it_of_sizes_alike():
+    """routes.slot_after: the widest frame and an eighth (at most 16 KiB), in 64 bytes, where every frame is alike (a
+    padded all_gather of them moves at most twice their bytes), none sent tensors, one was past the settings' slot,
+    and the table stays within LEARNED_TABLE_MOST and the slot within the smallest piece; else the settings' slot."""
+    after = routes.slot_after
+    assert doctest.testmod(routes.cutoffs).failed == 0
+    assert after([50_000] * 16, tensors=False, base=4096, piece=1 << 28) == 56_320  # 24 + 50,000 + 6,250, in 64s
+    assert after([100] * 16, tensors=False, base=4096, piece=1 << 28) == 4096  # every frame fits the slot
+    assert after([4072] * 16, tensors=False, base=4096, piece=1 << 28) == 4096  # just fits
+    assert after([4073] * 16, tensors=False, base=4096, piece=1 << 28) == 4608  # just past: 24 + 4,073 + 509, in 64s
+    assert after([50_000] * 16, tensors=True, base=4096, piece=1 << 28) == 4096  # tensors take a second round
+    assert after([50_000] * 15 + [200_000], tensors=False, base=4096, piece=1 << 28) == 4096  # not alike
+    assert after([50_000] * 16, tensors=False, base=4096, piece=32 << 10) == 4096  # past a sender's piece
+    widest = routes.LEARNED_TABLE_MOST // 32 - 24 - routes.HOP_BYTES // 4 - 64  # a slot of just under 1/32 of it
+    assert after([widest] * 32, tensors=False, base=4096, piece=1 << 28) * 32 <= routes.LEARNED_TABLE_MOST
+    assert after([widest] * 33, tensors=False, base=4096, piece=1 << 28) == 4096  # 33 such slots: past the table
+    assert after([4073] * 8192, tensors=False, base=4096, piece=1 << 28) == 4096  # at 8192 ranks: never wider
+    assert after([1 << 20] * 16, tensors=False, base=4096, piece=1 << 28) == 24 + (1 << 20) + (16 << 10) + 40
+
+
+def test_an_all_gathers_slot_memory_takes_the_smaller_of_the_last_two_suggestions():
+    """Two calls alike before a wider slot is taken; calls of two sizes in turn keep the settings' slot; a call with
+    an error report or tensors, or frames past the wider slot it took, suggests the settings' slot; forget() (a call
+    every rank refused) goes back to it."""
+    from objcomm._format.slot import SlotInfo
+    from objcomm._transport.rounds import SlotMemory
+
+    assert doctest.testmod(__import__("objcomm._transport.rounds", fromlist=["_"])).failed == 0
+
+    def infos(length: int, total: int = 0, error: bool = False) -> list:
+        return [SlotInfo(length, error, False, 1 << 30, total or length, None)] * 4
+
+    memory = SlotMemory(4096)
+    memory.learn(infos(50_000), 4096)
+    assert memory.slot == 4096  # one call: not yet
+    memory.learn(infos(50_000), 4096)
+    assert memory.slot == routes.slot_after([50_000] * 4, tensors=False, base=4096, piece=1 << 28) > 50_000
+    memory.learn(infos(100), 4096)
+    assert memory.slot == 4096  # smaller objects: back at once
+    for length in (50_000, 100, 50_000, 100):  # two sizes in turn
+        memory.learn(infos(length), 4096)
+        assert memory.slot == 4096
+    memory.learn(infos(50_000), 4096)
+    memory.learn(infos(50_000, total=60_000), 4096)  # with tensors
+    assert memory.slot == 4096
+    memory.learn(infos(50_000), 4096)
+    memory.learn(infos(300, error=True), 4096)  # a failed call
+    assert memory.slot == 4096
+    for _ in range(2):
+        memory.learn(infos(50_000), 4096)
+    wide = memory.slot
+    memory.learn(infos(70_000), wide)  # frames past the wider slot (growing objects): the settings' slot next
+    assert wide > 4096 and memory.slot == 4096
+    for _ in range(2):
+        memory.learn(infos(50_000), 4096)
+    memory.forget()  # a call every rank refused
+    assert memory.slot == 4096
+    many = [SlotInfo(5000, False, False, 1 << 30, 5000, None)] * 8192  # no wider slot's table fits: nothing read
+    memory.learn(many, 4096)
+    memory.learn(many, 4096)
+    assert memory.slot == 4096 and routes.slot_after([5000] * 8192, tensors=False, base=4096, piece=1 << 28) == 4096

@@ -15,13 +15,17 @@ import torch.distributed as dist
 from _ranks import get_pool
 
 import objcomm
+from objcomm import serializers
+from objcomm._format import frame as _frame_of
 from objcomm._format import slot as _slot
+from objcomm._format.slot import outgoing_second_round_bytes
 from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import bytes as _bytes
 from objcomm._transport import gather as _gather
 from objcomm._transport import p2p as _p2p
 from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
+from objcomm._transport import routes
 from objcomm._transport.rounds import Outgoing
 
 pytestmark = pytest.mark.timeout(180)
@@ -354,3 +358,161 @@ def hosts_with_other_shared_memory() -> Any:
 
 def test_hosts_whose_shared_memory_settings_differ_exchange_rows_of_one_width():
     assert get_pool(4).run(hosts_with_other_shared_memory, timeout=150) == [[True] * 4] * 4
+
+
+def all_gathers_that_learn_their_slot() -> Any:
+    """all_gathers through gloo (no same-host channel) of objects past the 4 KiB slot: the slots' all_gather and the
+    rests' padded one (2 calls); after two calls alike, the frames ride in a wider slot (1 call); and, each call
+    checked whole: objects of another size, growing past that slot, with tensors, one over a receiver's max_bytes in
+    the wider slot (every rank raises alike, and the group goes on). This rank's (calls, right) a call, then the
+    error's text."""
+    from objcomm._state import group_facts
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group_facts(dist.group.WORLD).slots.clear()  # (the pool's earlier tests: a memory of their all_gathers)
+    comm = objcomm.Communicator(local=False, shm=False)
+    seen: list = []
+
+    def record(obj_of: Any, **options: Any) -> None:
+        calls = {"n": 0}
+        real = _rounds.all_gather_single
+        memory = group_facts(dist.group.WORLD).slots.get(4096)
+        slot = 4096 if memory is None else memory.slot  # what this call takes, which the plan is given
+        pickle = serializers.registry.guarded("pickle")
+        outs = [_frame_of.encode(obj_of(r), pickle, max_bytes=1 << 40) for r in range(world)]
+        rests = [outgoing_second_round_bytes(o, slot - _slot.PREFIX.size) for o in outs]
+        knobs = routes.Knobs(slot_bytes=slot, local=False, shm=False)
+        planned = routes.plan("all_gather", routes.Topology(world=world, channel_open=False), rests, knobs).torch_calls
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            return real(*args, **kwargs)
+
+        _rounds.all_gather_single = _bytes.all_gather_single = counted
+        try:
+            got = comm.all_gather(obj_of(rank), **options)
+        finally:
+            _rounds.all_gather_single = _bytes.all_gather_single = real
+        want = [obj_of(r) for r in range(world)]
+        right = all(
+            type(g) is type(w) and (torch.equal(g, w) if torch.is_tensor(w) else g == w) for g, w in zip(got, want)
+        )
+        seen.append((calls["n"], right and calls["n"] == planned))
+
+    for length in (50_000, 50_000, 50_000, 50_000, 100, 50_000, 50_000, 80_000, 80_000, 80_000, 80_000):
+        record(lambda r, n=length: {"rank": r, "data": bytes([r]) * (n + r)})
+    record(lambda r: torch.full((100_000,), r, dtype=torch.uint8))  # out of band: its second round as ever
+    for _ in range(2):
+        record(lambda r: {"rank": r, "data": bytes([r]) * (80_000 + r)})
+    try:  # rank 1 takes at most 10,000 bytes (and sends 100)
+        obj = {"rank": rank, "data": bytes([rank]) * (100 if rank == 1 else 80_000 + rank)}
+        comm.all_gather(obj, max_bytes=10_000 if rank == 1 else 1 << 30)
+        seen.append("returned")
+    except objcomm.TooLargeError as exc:
+        seen.append(str(exc))
+    record(lambda r: [r] * 5)
+    return seen
+
+
+def test_all_gathers_of_objects_alike_past_the_slot_learn_a_wider_one():
+    """routes.slot_after through rounds.SlotMemory, on 3 gloo ranks: two calls, then one; the settings' slot again
+    for smaller objects; a wider slot's frames still meet max_bytes. Each call right, and its calls routes.plan's
+    with the slot it took."""
+    error = "all_gather: rank 0 sends 80,0"  # (a dict of 80,000 bytes: 80,084 encoded)
+    for rank, seen in enumerate(get_pool(3).run(all_gathers_that_learn_their_slot)):
+        calls, text = [c for c, _ in seen[:-2] + seen[-1:]], seen[-2]
+        assert all(right for _, right in seen[:-2] + seen[-1:]), (rank, seen)
+        # 50 KB x4, 100 B, 50 KB x2 (a wider slot only after two alike), 80 KB x4 (past it, which teaches the
+        # settings' slot; then two alike again)
+        assert calls[:11] == [2, 2, 1, 1, 1, 2, 2, 2, 2, 2, 1], (rank, calls)
+        # the tensor; 80 KB twice (the tensor's call suggested the settings' slot); after the refusal, which learnt
+        # nothing, small objects in the wider slot
+        assert calls[11:] == [2, 2, 2, 1], (rank, calls)
+        assert text.startswith(error) and "max_bytes=10,000 of receiving rank 1" in text, (rank, text)
+        assert "it came in round 1's slots, and was dropped" in text, (rank, text)
+
+
+class _Unpicklable:
+    """An object whose pickling fails with a long message (a liar's error report, below, keeps all of it: it fits
+    the wider slot, not the settings')."""
+
+    def __reduce__(self) -> Any:
+        raise ValueError("E" * 20_000)
+
+
+def wider_slots_that_fail() -> Any:
+    """all_gathers in a slot two calls of 80 KB taught (3 gloo ranks, no same-host channel), each failing: a rank
+    whose serializer is unknown there, as rank 2 sends rank 1 past its max_bytes (the error report ends the call
+    first: each rank raises as in the settings' slot);
+    rank 1 lying, an error report of 20 KB in its slot; then, in the settings' slot, three calls of 80 KB past rank
+    1's max_bytes (refused, and never taught: each moves the slots alone). This rank's outcomes, and the slot its
+    group's next all_gather takes."""
+    from objcomm._api import call as _call
+    from objcomm._state import group_facts
+
+    rank = dist.get_rank()
+    slots = group_facts(dist.group.WORLD).slots
+    slots.clear()
+    comm = objcomm.Communicator(local=False, shm=False)
+
+    def alike() -> None:
+        for _ in range(2):
+            comm.all_gather({"rank": rank, "data": b"a" * 80_000})
+
+    def outcome(run: Any) -> str:
+        try:
+            run()
+            return "returned"
+        except objcomm.ObjcommError as exc:
+            return f"{type(exc).__name__}: {str(exc)[:60]}"
+
+    seen = []
+    alike()
+    serializer = "no-such-serializer" if rank == 0 else "pickle"
+    obj = {"data": b"b" * (20_000 if rank == 2 else 100)}  # rank 2's past rank 1's max_bytes, in the wider slot
+    seen.append(
+        outcome(lambda: comm.all_gather(obj, serializer=serializer, max_bytes=10_000 if rank == 1 else 1 << 30))
+    )
+    alike()
+    real = _call._frame.error_frame
+    if rank == 1:  # the liar: an error report as long as it likes
+        _call._frame.error_frame = lambda exc, limit: real(exc, 1 << 20)
+    try:
+        seen.append(outcome(lambda: comm.all_gather(_Unpicklable() if rank == 1 else "ok")))
+    finally:
+        _call._frame.error_frame = real
+    seen.append(slots[4096].slot)
+    calls = {"n": 0}
+    real_gather = _rounds.all_gather_single
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        return real_gather(*args, **kwargs)
+
+    _rounds.all_gather_single = _bytes.all_gather_single = counted
+    try:
+        limit = 10_000 if rank == 1 else 1 << 30
+        for _ in range(3):
+            obj = {"rank": rank, "data": b"c" * (100 if rank == 1 else 80_000)}  # (rank 1 sends little)
+            seen.append(outcome(lambda obj=obj: comm.all_gather(obj, max_bytes=limit)))
+    finally:
+        _rounds.all_gather_single = _bytes.all_gather_single = real_gather
+    return [*seen, calls["n"], slots[4096].slot, comm.all_gather(rank)]
+
+
+def test_a_wider_slot_keeps_every_failure_as_it_was_and_a_refusal_teaches_nothing():
+    """The reviewer's finds: an error report in a wider slot ends the call before max_bytes is read (each rank raises
+    as in the settings' slot); an error report past the settings' slot is a liar's (FrameError on every rank, and the
+    group forgets the wider slot); calls every rank refuses never widen the slot, so their payloads never come."""
+    every = get_pool(3).run(wider_slots_that_fail)
+    for rank, seen in enumerate(every):
+        unknown, liar, slot_after_liar, *refused, calls, slot, small = seen
+        if rank == 0:
+            assert unknown.startswith("UnknownSerializerError"), unknown
+        else:
+            assert unknown.startswith("RemoteError: all_gather failed on rank 0"), (rank, unknown)
+        assert liar.startswith("FrameError: all_gather: rank 1 sent inconsistent sizes"), (rank, liar)
+        assert slot_after_liar == 4096, (rank, slot_after_liar)
+        assert all(r.startswith("TooLargeError: all_gather: rank 0 sends 80,") for r in refused), (rank, refused)
+        assert calls == 3 and slot == 4096, (rank, calls, slot)  # one collective a call: the slots alone
+        assert small == [0, 1, 2], (rank, small)

@@ -49,6 +49,12 @@ backend exchange        all_gather's rests: one padded all_gather when          
                         than W - 1 hops of ``HOP_BYTES``
 all_gather's slots      on NCCL from :data:`SUMMED_SLOTS_FROM` ranks: one all_reduce (a    :func:`slots_summed`
                         sum, a tree) of the table, zeros but each rank's own slot
+an all_gather's slot    through the backend's all_gather: the smaller of the slots that  :func:`slot_after`
+width                   the two all_gathers before it on the group suggest (the same on
+                        every rank: each read the same slots), wider than the settings'
+                        where their frames, alike within ``PADDED_WITHIN``, passed it and
+                        no rank sent tensors: the widest and an eighth (16 KiB at most), its table at most
+                        :data:`LEARNED_TABLE_MOST`; the frames then ride in round 1
 gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks: up a      :func:`slots_up_tree`
                         binomial tree of send/recv (ceil(log2 W) levels), each slot
                         trimmed to what it carries; below it the backend's gather
@@ -106,6 +112,7 @@ from objcomm._transport.routes.cutoffs import (
     EXACT,
     HOP_BYTES,
     IN_PLACE_FROM,
+    LEARNED_TABLE_MOST,
     PADDED,
     PADDED_WITHIN,
     PART_SLOT_LEAST,
@@ -134,6 +141,7 @@ from objcomm._transport.routes.cutoffs import (
     result_down_tree,
     round_one,
     shared_memory_takes,
+    slot_after,
     slots_summed,
     slots_up_tree,
     stripe_width,
@@ -164,6 +172,7 @@ __all__ = [
     "HOP_BYTES",
     "IN_PLACE_FROM",
     "Knobs",
+    "LEARNED_TABLE_MOST",
     "PADDED",
     "PADDED_WITHIN",
     "PART_SLOT_LEAST",
@@ -198,6 +207,7 @@ __all__ = [
     "result_down_tree",
     "round_one",
     "shared_memory_takes",
+    "slot_after",
     "slots_summed",
     "slots_up_tree",
     "stripe_moves",

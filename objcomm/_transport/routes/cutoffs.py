@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from objcomm._format.limits import SCRATCH_BYTES
+from objcomm._format.message import SLOT_PREFIX_BYTES
 from objcomm._settings import DEFAULT_SHM_THRESHOLD
 
 CHANNEL, SHARED_MEMORY, BACKEND = "channel", "shared memory", "backend"  # the media
@@ -102,6 +103,39 @@ def part_slot(*, world: int, slot: int) -> int:
     slot moves in the second round at its exact size, as any does. The same on every rank: the group's size and a
     setting every rank shares."""
     return max(min(slot, PART_SLOT_LEAST), min(slot, PARTS_TABLE // max(world, 1)))
+
+
+# An all_gather whose slots go through the backend's all_gather takes a wider slot than the settings' where the two
+# all_gathers before it on the group suggested one (:func:`slot_after`): its frames then ride in round 1, one
+# collective where there were two. The table of such slots (world x slot) is at most this: the default slot's table
+# at 8192 ranks, so that a wrong guess (smaller objects after larger ones) moves at most what that table does.
+LEARNED_TABLE_MOST = 32 << 20
+
+
+def slot_after(frames: Sequence[int], *, tensors: bool, base: int, piece: int) -> int:
+    """The slot that one all_gather's round 1 suggests for the next on its group: each rank's frame was ``frames[r]``
+    bytes (``tensors``: some rank sent out-of-band tensors; ``base``: the settings' slot; ``piece``: the smallest
+    piece any sender announced). Where a frame was past ``base``, no rank sent tensors (they take a second round
+    anyway), and a padded all_gather of the frames moves at most :data:`PADDED_WITHIN` times their bytes (sizes
+    alike, as a loop's calls are): a slot that holds the widest frame and an eighth more (room for objects that grow
+    a little), at most a quarter of :data:`HOP_BYTES` more (what each of the ring's hops then moves in vain is less
+    than the round's latency it saves), rounded up to 64 bytes, if the group's table of them stays within
+    :data:`LEARNED_TABLE_MOST` and the slot within ``piece``; else ``base``.
+    The same on every rank (every rank read the same slots). :class:`objcomm._transport.rounds.SlotMemory` takes the
+    smaller of the last two calls' suggestions, so that calls of two sizes in turn keep ``base``.
+
+    >>> slot_after([50_000] * 16, tensors=False, base=4096, piece=1 << 28)
+    56320
+    >>> slot_after([1_000_000] * 16, tensors=False, base=4096, piece=1 << 28)  # 24 + 1,000,000 + 16 KiB, in 64s
+    1016448
+    >>> slot_after([50_000] * 15 + [1_000_000], tensors=False, base=4096, piece=1 << 28)  # one outlier: no
+    4096
+    """
+    world, widest = len(frames), max(frames, default=0)
+    if tensors or SLOT_PREFIX_BYTES + widest <= base or world * widest > PADDED_WITHIN * sum(frames):
+        return base
+    slot = -(-(SLOT_PREFIX_BYTES + widest + min(widest // 8, HOP_BYTES // 4)) // 64) * 64
+    return slot if slot <= piece and world * slot <= LEARNED_TABLE_MOST else base
 
 
 def slots_summed(*, world: int, cpu: bool, forced: bool = False) -> bool:
