@@ -82,7 +82,9 @@ def breakdown(plan: Any, send: Any = None) -> List[List[float]]:
         call = comm._call({})
         out, _ = call.encode(obj)
         t1 = time.perf_counter()
-        memory = group_facts(call.wire.group).slots.setdefault(call.wire.slot, _rounds.SlotMemory(call.wire.slot))
+        memory = group_facts(call.wire.group).slots.setdefault(
+            ("all_gather", call.wire.slot), _rounds.SlotMemory(call.wire.slot)
+        )
         wire, infos, taught = _rounds._exchange_slots(call.wire, out, "all_gather", memory=memory)  # (as a call's)
         t2 = time.perf_counter()
         incoming = _rounds.all_gather_rest(wire, out, infos, _frame.tensor_sizes, memory=taught)

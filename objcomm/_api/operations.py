@@ -49,8 +49,7 @@ class Operations(Resolving):
             return [call.roundtrip(obj)]
         wire = call.wire
         out, local = call.encode(obj, _still(serialized, express, call))
-        slots = group_facts(wire.group).slots
-        memory = slots.get(wire.slot) or slots.setdefault(wire.slot, _rounds.SlotMemory(wire.slot))
+        memory = _slot_memory(wire, "all_gather", routes.LEARNED_TABLE_MOST)
         incoming = _rounds.all_gather(wire, out, _frame.tensor_sizes, summed=self._summed(wire), memory=memory)
         call.raise_failures("all_gather", incoming, local)
         return call.decode_all(incoming)
@@ -77,9 +76,15 @@ class Operations(Resolving):
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, src, "src")
         out, local = call.encode(obj, _still(serialized, express, call)) if call.wire.rank == root else (None, None)
-        hooks = self._hooks
+        hooks, memory = self._hooks, _slot_memory(call.wire, "broadcast", routes.LEARNED_BROADCAST_MOST)
         item = _broadcast_rounds.broadcast(
-            call.wire, out, _frame.tensor_sizes, root, rest_tree=hooks.rest_tree, rest_spread=hooks.rest_spread
+            call.wire,
+            out,
+            _frame.tensor_sizes,
+            root,
+            rest_tree=hooks.rest_tree,
+            rest_spread=hooks.rest_spread,
+            memory=memory,
         )
         if item.error:  # the root's error report (its own encode failure among them)
             call.raise_failures("broadcast", only(root, item, call.wire.size), local)
@@ -265,6 +270,13 @@ class Operations(Resolving):
         out, local = call.encode(obj, serialized)
         _requests.own_box(None if wire is None else wire.group).post(tag, _pending.captured(out))
         return local
+
+
+def _slot_memory(wire: Wire, op: str, most: int) -> _rounds.SlotMemory:
+    """The slot memory of ``op``'s calls on ``wire``'s group with its slot setting (:class:`_rounds.SlotMemory`)."""
+    slots, key = group_facts(wire.group).slots, (op, wire.slot)
+    found: Optional[_rounds.SlotMemory] = slots.get(key)
+    return found if found is not None else slots.setdefault(key, _rounds.SlotMemory(wire.slot, most))
 
 
 def _parts_of(call: Call) -> Call:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from objcomm._errors import CommunicationError, ObjcommError
 from objcomm._format import limits as _limits
 from objcomm._format.frame import error_frame
-from objcomm._format.message import Incoming, Outgoing, SizesOf
+from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, read_slot
 from objcomm._transport import p2p as _p2p
 from objcomm._transport import routes
@@ -21,7 +21,15 @@ from objcomm._transport.bytes import Deadline, at_pieces, broadcast_bytes, host_
 from objcomm._transport.call_clock import one_call
 from objcomm._transport.exchange import chunked, posted
 from objcomm._transport.patterns import binomial, spread
-from objcomm._transport.rounds import REFUSE_LIMIT, _agreement_needed, _on_device, _slot, _vote_refusals
+from objcomm._transport.rounds import (
+    REFUSE_LIMIT,
+    SlotMemory,
+    _agreement_needed,
+    _on_device,
+    _slot,
+    _vote_refusals,
+    long_report,
+)
 
 
 # -- broadcast -------------------------------------------------------------------------------
@@ -35,8 +43,11 @@ def broadcast(
     levels: Optional[TreeLevels] = None,
     rest_tree: bool = False,
     rest_spread: bool = False,
+    memory: Optional[SlotMemory] = None,
 ) -> Incoming:
-    """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere). ``tree`` (all_reduce's result, from
+    """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere). ``memory``: the group's
+    :class:`~objcomm._transport.rounds.SlotMemory` for its broadcasts, where their slots go through the backend (then
+    the slot it says, and this call's slot remembered). ``tree`` (all_reduce's result, from
     group rank 0, whose reduce tree has just run, where :func:`objcomm._transport.routes.result_down_tree` says so):
     where round 1 would go through the group, or through two levels (``levels``: the reduce tree's), the frame goes
     down that tree's edges instead (:func:`down_tree`). ``rest_tree``: a rest through the backend goes down the
@@ -52,6 +63,12 @@ def broadcast(
     if got is NOT_USED and tree:
         assert src == 0, "the reduce tree ends on group rank 0"
         return down_tree(wire, out, sizes_of)
+    if got is not NOT_USED:
+        memory = None  # (the same-host channel, or two levels: the settings' slot)
+    elif memory is not None:  # the slot the last two broadcasts suggested
+        wire, memory = memory.applied(wire)
+        if raw is not None and len(raw) != wire.slot:
+            raw = _slot(wire, out) if out is not None else bytearray(wire.slot)
     if got is NOT_USED and wire.device.type != "cpu":
         # NCCL broadcasts along a ring (W - 1 hops); the all_reduce (MAX) of a slot takes a tree: the others'
         # zeros leave the source's bytes (a rank that sends other bytes spoils the slot alike for every rank)
@@ -66,7 +83,7 @@ def broadcast(
             slot, host = _on_device(wire, raw), memoryview(raw)
         guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
         got = host if host is not None else host_view(slot)
-    return broadcast_rest(wire, out, read_slot(memoryview(got)), sizes_of, src, rest_tree, rest_spread)
+    return broadcast_rest(wire, out, read_slot(memoryview(got)), sizes_of, src, rest_tree, rest_spread, memory)
 
 
 @one_call  # (the express path calls it too, after its own round 1)
@@ -78,16 +95,28 @@ def broadcast_rest(
     src: int,
     rest_tree: bool = False,
     rest_spread: bool = False,
+    memory: Optional[SlotMemory] = None,
 ) -> Incoming:
-    """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route."""
+    """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route (``memory``: where
+    round 1 went through the backend, :func:`broadcast`'s, which this call's slot teaches)."""
     op, wire = "broadcast", at_pieces(wire, info.piece)  # the source's pieces (its own, on the source)
     if not _limits.round_one_ends([info]):
         wire.slot_medium.agree(wire, [info], op)
     sizes, problem = _limits.plan(info, sizes_of)
-    if problem:  # every rank holds the same slot: all raise alike
+    capacity = 0 if memory is None else memory.base - SLOT_PREFIX_BYTES  # (the settings' slot's, past the prefix)
+    if not problem and memory is not None and wire.slot > memory.base:
+        problem = long_report(info, capacity)
+    if problem:  # every rank holds the same slot: all raise alike (and forget a wider slot)
+        if memory is not None:
+            memory.forget()
         raise _limits.inconsistent(op, src, problem)
+    if memory is not None:  # (before a receiver refuses alone: every rank's memory learns alike)
+        memory.learn([info], wire.slot)
     if info.error or _limits.complete(info):
         assert info.inline is not None
+        if memory is not None and not info.error and wire.rank != src and info.total > max(capacity, wire.max_bytes):
+            # a frame past the settings' slot, in a wider one: refused alone, as a rest it would drain is
+            raise _limits.refused(op, src, wire, info.total, None, drained=True, into="round 1's slot")
         return Incoming(info.inline, error=info.error)
     refuse = wire.rank != src and info.total > wire.max_bytes
     agreed = _agreement_needed(wire, info, op)

@@ -121,10 +121,11 @@ def _vote_refusals(
 
 # -- all_gather ------------------------------------------------------------------------------
 class SlotMemory:
-    """The slots that the last two all_gathers on one group, with the settings' slot ``base``, suggested for the next
-    (:func:`routes.slot_after`), where their slots went through the backend's all_gather: the next takes the smaller
-    (:attr:`slot`). Every rank reads the same slots in round 1, so every rank's memory holds the same; each is kept
-    with its group (:func:`objcomm._state.group_facts`). Only a call that passed every check of round 1 teaches it;
+    """The slots that the last two all_gathers (or broadcasts) on one group, with the settings' slot ``base``,
+    suggested for the next (:func:`routes.slot_after`; ``most``: what the slots of one call may hold together), where
+    their slots went through the backend: the next takes the smaller (:attr:`slot`). Every rank reads the same slots
+    in round 1, so every rank's memory holds the same; each is kept with its group
+    (:func:`objcomm._state.group_facts`). Only a call that passed every check of round 1 teaches it;
     one that fails them (sizes that disagree, a payload past a receiver's ``max_bytes``) fails on every rank alike,
     and every rank's memory forgets the wider slot (:meth:`forget`).
 
@@ -133,21 +134,28 @@ class SlotMemory:
     4096
     """
 
-    __slots__ = ("base", "last")
+    __slots__ = ("base", "most", "last")
 
-    def __init__(self, base: int) -> None:
-        self.base, self.last = base, (base, base)
+    def __init__(self, base: int, most: int = routes.LEARNED_TABLE_MOST) -> None:
+        self.base, self.most, self.last = base, most, (base, base)
 
     @property
     def slot(self) -> int:
         return min(self.last)
 
+    def applied(self, wire: Wire) -> Tuple[Wire, Optional[SlotMemory]]:
+        """``wire`` with the slot this memory says, and the memory its call teaches (None: a memory of another slot
+        setting, which ``wire``'s call neither takes nor teaches)."""
+        if self.base != wire.slot:
+            return wire, None
+        return (wire if self.slot == wire.slot else wire._replace(slot=self.slot)), self
+
     def learn(self, infos: Sequence[SlotInfo], slot: int) -> None:
         """Remember what a call's slots (``infos``, every rank's, each ``slot`` bytes) suggest: the settings' slot
         where a frame overflowed a wider one (objects that grow past it would otherwise move an empty table a call).
-        O(W); nothing to read where no wider slot's table fits :data:`routes.LEARNED_TABLE_MOST` (at the default
-        slot, from 8191 ranks)."""
-        if len(infos) * (self.base + 1) > routes.LEARNED_TABLE_MOST:
+        O(W); nothing to read where no wider slot's table fits ``most`` (an all_gather's at the default slot: from
+        8191 ranks)."""
+        if len(infos) * (self.base + 1) > self.most:
             self.last = (self.base, self.base)
             return
         tensors, piece, inline = False, 1 << 62, True
@@ -160,7 +168,7 @@ class SlotMemory:
             suggested = self.base
         else:
             frames = [info.length for info in infos]
-            suggested = routes.slot_after(frames, tensors=tensors, base=self.base, piece=piece)
+            suggested = routes.slot_after(frames, tensors=tensors, base=self.base, piece=piece, most=self.most)
         self.last = (self.last[1], suggested)
 
     def forget(self) -> None:
@@ -258,19 +266,25 @@ def _split_rest(
     return Incoming(frame, list(rest[at:].split(sizes)) if sizes and rest is not None else [])
 
 
+def long_report(info: SlotInfo, capacity: int) -> Optional[str]:
+    """What is wrong with an error report in a slot wider than the settings' (:class:`SlotMemory`), whose slots carry
+    ``capacity`` bytes after the prefix: one longer than that is a liar's (an honest one fits the settings' slot)."""
+    if info.error and info.length > capacity:
+        return f"an error report of {info.length:,} bytes, past its slot_bytes' {capacity:,}"
+    return None
+
+
 def _check_wider(infos: Sequence[SlotInfo], capacity: int, ends: bool, op: str) -> None:
-    """Round 1 in a slot wider than the settings' (:class:`SlotMemory`), whose slots carry ``capacity`` bytes after
-    the prefix: an error report longer than that is a liar's (an honest one fits the settings' slot), and where round
-    1 carried every message a frame past ``capacity`` meets every receiver's ``max_bytes`` as a second round's does
-    (an error report anywhere ends the call first, as in the settings' slot). The same on every rank."""
+    """Round 1 of an all_gather in a slot wider than the settings' (``capacity`` bytes after the prefix in theirs):
+    no error report past it (:func:`long_report`), and where round 1 carried every message a frame past it meets
+    every receiver's ``max_bytes`` as a second round's does (an error report anywhere ends the call first, as in the
+    settings' slot). The same on every rank."""
     failed = False
     for sender, info in enumerate(infos):
-        if info.error:
-            if info.length > capacity:
-                raise _limits.inconsistent(
-                    op, sender, f"an error report of {info.length:,} bytes, past its slot_bytes' {capacity:,}"
-                )
-            failed = True
+        problem = long_report(info, capacity)
+        if problem:
+            raise _limits.inconsistent(op, sender, problem)
+        failed = failed or info.error
     if ends and not failed:
         _limits.check_limits(infos, range(len(infos)), op, least=capacity)
 
@@ -294,11 +308,10 @@ def _exchange_slots(
         recv[wire.rank * wire.slot : (wire.rank + 1) * wire.slot] = _on_device(wire, raw)
         guarded(op, wire, dist.all_reduce, recv, op=dist.ReduceOp.SUM, group=wire.group)
         return wire, read_slots(host_view(recv), wire.size, wire.slot), None
-    if memory is not None and memory.base != wire.slot:  # (a memory of another slot setting: not this call's)
-        memory = None
-    if memory is not None and memory.slot != wire.slot:  # the slot the last two all_gathers suggested
-        wire = wire._replace(slot=memory.slot)
-        raw = _slot(wire, out)
+    if memory is not None:  # the slot the last two all_gathers suggested
+        wire, memory = memory.applied(wire)
+        if len(raw) != wire.slot:
+            raw = _slot(wire, out)
     recv, host = receive_buffer(wire.slot * wire.size, wire)
     guarded(op, wire, all_gather_single, recv, _on_device(wire, raw), group=wire.group)
     return wire, read_slots(host if host is not None else host_view(recv), wire.size, wire.slot), memory

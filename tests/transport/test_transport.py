@@ -376,7 +376,7 @@ def all_gathers_that_learn_their_slot() -> Any:
     def record(obj_of: Any, **options: Any) -> None:
         calls = {"n": 0}
         real = _rounds.all_gather_single
-        memory = group_facts(dist.group.WORLD).slots.get(4096)
+        memory = group_facts(dist.group.WORLD).slots.get(("all_gather", 4096))
         slot = 4096 if memory is None else memory.slot  # what this call takes, which the plan is given
         pickle = serializers.registry.guarded("pickle")
         outs = [_frame_of.encode(obj_of(r), pickle, max_bytes=1 << 40) for r in range(world)]
@@ -481,7 +481,7 @@ def wider_slots_that_fail() -> Any:
         seen.append(outcome(lambda: comm.all_gather(_Unpicklable() if rank == 1 else "ok")))
     finally:
         _call._frame.error_frame = real
-    seen.append(slots[4096].slot)
+    seen.append(slots[("all_gather", 4096)].slot)
     calls = {"n": 0}
     real_gather = _rounds.all_gather_single
 
@@ -497,7 +497,7 @@ def wider_slots_that_fail() -> Any:
             seen.append(outcome(lambda obj=obj: comm.all_gather(obj, max_bytes=limit)))
     finally:
         _rounds.all_gather_single = _bytes.all_gather_single = real_gather
-    return [*seen, calls["n"], slots[4096].slot, comm.all_gather(rank)]
+    return [*seen, calls["n"], slots[("all_gather", 4096)].slot, comm.all_gather(rank)]
 
 
 def test_a_wider_slot_keeps_every_failure_as_it_was_and_a_refusal_teaches_nothing():
@@ -516,3 +516,93 @@ def test_a_wider_slot_keeps_every_failure_as_it_was_and_a_refusal_teaches_nothin
         assert all(r.startswith("TooLargeError: all_gather: rank 0 sends 80,") for r in refused), (rank, refused)
         assert calls == 3 and slot == 4096, (rank, calls, slot)  # one collective a call: the slots alone
         assert small == [0, 1, 2], (rank, small)
+
+
+def broadcasts_that_learn_their_slot() -> Any:
+    """broadcasts from rank 1 through gloo (no same-host channel), as :func:`all_gathers_that_learn_their_slot`: each
+    call's (torch.distributed calls: broadcasts and a vote's batches, right, the plan's calls on the busiest rank);
+    then, in a wider slot, rank 2 refusing a frame past its max_bytes (alone), and rank 1's error report of 20 KB (a
+    liar's: every rank), then a call after it."""
+    from objcomm._api import call as _call
+    from objcomm._state import group_facts
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    slots = group_facts(dist.group.WORLD).slots
+    slots.pop(("broadcast", 4096), None)  # (the pool's earlier tests: a memory of their broadcasts)
+    comm = objcomm.Communicator(local=False, shm=False)
+    pickle = serializers.registry.guarded("pickle")
+    seen: list = []
+
+    def record(length: int) -> None:
+        memory = slots.get(("broadcast", 4096))
+        slot = 4096 if memory is None else memory.slot
+        obj = {"data": b"d" * length}
+        rest = outgoing_second_round_bytes(_frame_of.encode(obj, pickle, max_bytes=1 << 40), slot - _slot.PREFIX.size)
+        knobs = routes.Knobs(slot_bytes=slot, local=False, shm=False)
+        topology = routes.Topology(world=world, channel_open=False)
+        planned = routes.plan("broadcast", topology, [0, rest, 0], knobs, root=1).torch_calls
+        calls = {"n": 0}
+        real = dist.broadcast, dist.batch_isend_irecv
+
+        def counted(fn: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                calls["n"] += 1
+                return fn(*args, **kwargs)
+
+            return call
+
+        dist.broadcast, dist.batch_isend_irecv = (counted(fn) for fn in real)  # type: ignore[assignment]
+        try:
+            got = comm.broadcast(obj if rank == 1 else None, src=1)
+        finally:
+            dist.broadcast, dist.batch_isend_irecv = real  # type: ignore[assignment]
+        seen.append((calls["n"], got == obj, planned))
+
+    def outcome(run: Any) -> str:
+        try:
+            run()
+            return "returned"
+        except objcomm.ObjcommError as exc:
+            return f"{type(exc).__name__}: {str(exc)[:70]}"
+
+    for length in (50_000, 50_000, 50_000, 50_000, 100, 50_000, 50_000, 2_000_000, 2_000_000, 2_000_000):
+        record(length)
+    for length in (600_000, 600_000, 600_000):
+        record(length)
+    limit = 10_000 if rank == 2 else 1 << 30
+    obj = {"data": b"e" * 500_000} if rank == 1 else None
+    seen.append(outcome(lambda: comm.broadcast(obj, src=1, max_bytes=limit)))
+    real = _call._frame.error_frame
+    if rank == 1:  # the liar: an error report as long as it likes
+        _call._frame.error_frame = lambda exc, limit: real(exc, 1 << 20)
+    try:
+        seen.append(outcome(lambda: comm.broadcast(_Unpicklable() if rank == 1 else None, src=1)))
+    finally:
+        _call._frame.error_frame = real
+    record(600_000)
+    return seen
+
+
+def test_broadcasts_of_objects_alike_past_the_slot_learn_a_wider_one():
+    """As all_gather's (routes.slot_after with a broadcast's bound, LEARNED_BROADCAST_MOST: 1 MiB): two calls, then
+    one; past 1 MiB never (the vote, then the rest); in a wider slot a receiver over its max_bytes refuses alone, as
+    a broadcast's rest within 1 MiB is, and an error report past the settings' slot fails every rank (and the
+    group's next broadcast takes the settings' slot)."""
+    every = get_pool(3).run(broadcasts_that_learn_their_slot)
+    for row in range(14):  # each call's, and the one after the liar's
+        index = row if row < 13 else 15
+        assert all(seen[index][1] for seen in every), (row, [seen[index] for seen in every])
+        busiest, planned = max(seen[index][0] for seen in every), every[0][index][2]
+        assert busiest == planned, (row, busiest, planned)
+    # rank 0 (no part in a vote's doubling but its own): 50 KB x4, 100 B, 50 KB x2; 2 MB x3 (the slot, the vote: its
+    # batches and a broadcast, the rest: never wider); 600 KB x3; after the liar's, 600 KB in the settings' slot
+    vote = routes.vote_calls(3)
+    assert [c for c, _, _ in every[0][:13]] == [2, 2, 1, 1, 1, 2, 2, *[2 + vote] * 3, 2, 2, 1], every[0]
+    assert every[0][15][0] == 2, every[0][15]
+    for rank, seen in enumerate(every):
+        refused, liar = seen[13:15]
+        if rank == 2:
+            assert refused.startswith("TooLargeError: broadcast: rank 1 sends 500,0"), refused
+        else:
+            assert refused == "returned", (rank, refused)
+        assert liar.startswith("FrameError: broadcast: rank 1 sent inconsistent sizes: an error report"), (rank, liar)

@@ -54,7 +54,8 @@ width                   the two all_gathers before it on the group suggest (the 
                         every rank: each read the same slots), wider than the settings'
                         where their frames, alike within ``PADDED_WITHIN``, passed it and
                         no rank sent tensors: the widest and an eighth (16 KiB at most), its table at most
-                        :data:`LEARNED_TABLE_MOST`; the frames then ride in round 1
+                        :data:`LEARNED_TABLE_MOST`; the frames then ride in round 1. A
+                        broadcast's, likewise, up to :data:`LEARNED_BROADCAST_MOST`
 gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks: up a      :func:`slots_up_tree`
                         binomial tree of send/recv (ceil(log2 W) levels), each slot
                         trimmed to what it carries; below it the backend's gather
@@ -112,6 +113,7 @@ from objcomm._transport.routes.cutoffs import (
     EXACT,
     HOP_BYTES,
     IN_PLACE_FROM,
+    LEARNED_BROADCAST_MOST,
     LEARNED_TABLE_MOST,
     PADDED,
     PADDED_WITHIN,
@@ -172,6 +174,7 @@ __all__ = [
     "HOP_BYTES",
     "IN_PLACE_FROM",
     "Knobs",
+    "LEARNED_BROADCAST_MOST",
     "LEARNED_TABLE_MOST",
     "PADDED",
     "PADDED_WITHIN",

@@ -110,19 +110,23 @@ def part_slot(*, world: int, slot: int) -> int:
 # collective where there were two. The table of such slots (world x slot) is at most this: the default slot's table
 # at 8192 ranks, so that a wrong guess (smaller objects after larger ones) moves at most what that table does.
 LEARNED_TABLE_MOST = 32 << 20
+# A broadcast's slot through the backend, likewise (the two broadcasts before it), at most this: a receiver over its
+# max_bytes then holds no more of a frame it refuses than the scratch buffer it would drain a rest through.
+LEARNED_BROADCAST_MOST = SCRATCH_BYTES
 
 
-def slot_after(frames: Sequence[int], *, tensors: bool, base: int, piece: int) -> int:
+def slot_after(frames: Sequence[int], *, tensors: bool, base: int, piece: int, most: int = LEARNED_TABLE_MOST) -> int:
     """The slot that one all_gather's round 1 suggests for the next on its group: each rank's frame was ``frames[r]``
     bytes (``tensors``: some rank sent out-of-band tensors; ``base``: the settings' slot; ``piece``: the smallest
-    piece any sender announced). Where a frame was past ``base``, no rank sent tensors (they take a second round
-    anyway), and a padded all_gather of the frames moves at most :data:`PADDED_WITHIN` times their bytes (sizes
-    alike, as a loop's calls are): a slot that holds the widest frame and an eighth more (room for objects that grow
-    a little), at most a quarter of :data:`HOP_BYTES` more (what each of the ring's hops then moves in vain is less
-    than the round's latency it saves), rounded up to 64 bytes, if the group's table of them stays within
-    :data:`LEARNED_TABLE_MOST` and the slot within ``piece``; else ``base``.
-    The same on every rank (every rank read the same slots). :class:`objcomm._transport.rounds.SlotMemory` takes the
-    smaller of the last two calls' suggestions, so that calls of two sizes in turn keep ``base``.
+    piece any sender announced; ``most``: what the slots of ``frames`` may hold together; a broadcast: its root's
+    frame, and :data:`LEARNED_BROADCAST_MOST`). Where a frame was past ``base``, no rank sent tensors (they take a
+    second round anyway), and a padded all_gather of the frames moves at most :data:`PADDED_WITHIN` times their
+    bytes (sizes alike, as a loop's calls are): a slot that holds the widest frame and an eighth more (room for
+    objects that grow a little), at most a quarter of :data:`HOP_BYTES` more (what each of the ring's hops then
+    moves in vain is less than the round's latency it saves), rounded up to 64 bytes, if the slots together stay
+    within ``most`` and the slot within ``piece``; else ``base``. The same on every rank (every rank read the same
+    slots). :class:`objcomm._transport.rounds.SlotMemory` takes the smaller of the last two calls' suggestions, so
+    that calls of two sizes in turn keep ``base``.
 
     >>> slot_after([50_000] * 16, tensors=False, base=4096, piece=1 << 28)
     56320
@@ -135,7 +139,7 @@ def slot_after(frames: Sequence[int], *, tensors: bool, base: int, piece: int) -
     if tensors or SLOT_PREFIX_BYTES + widest <= base or world * widest > PADDED_WITHIN * sum(frames):
         return base
     slot = -(-(SLOT_PREFIX_BYTES + widest + min(widest // 8, HOP_BYTES // 4)) // 64) * 64
-    return slot if slot <= piece and world * slot <= LEARNED_TABLE_MOST else base
+    return slot if slot <= piece and world * slot <= most else base
 
 
 def slots_summed(*, world: int, cpu: bool, forced: bool = False) -> bool:
