@@ -432,6 +432,29 @@ def test_all_gathers_of_objects_alike_past_the_slot_learn_a_wider_one():
         assert "it came in round 1's slots, and was dropped" in text, (rank, text)
 
 
+def _outcome(run: Any) -> str:
+    """What ``run()`` did: returned, or the start of the objcomm error it raised."""
+    try:
+        run()
+        return "returned"
+    except objcomm.ObjcommError as exc:
+        return f"{type(exc).__name__}: {str(exc)[:70]}"
+
+
+@contextlib.contextmanager
+def _lying(liar: bool) -> Any:
+    """Inside, where ``liar``, this rank's error reports are as long as they like (an honest one fits its slot)."""
+    from objcomm._api import call as _call
+
+    real = _call._frame.error_frame
+    if liar:
+        _call._frame.error_frame = lambda exc, limit: real(exc, 1 << 20)
+    try:
+        yield
+    finally:
+        _call._frame.error_frame = real
+
+
 class _Unpicklable:
     """An object whose pickling fails with a long message (a liar's error report, below, keeps all of it: it fits
     the wider slot, not the settings')."""
@@ -447,7 +470,6 @@ def wider_slots_that_fail() -> Any:
     rank 1 lying, an error report of 20 KB in its slot; then, in the settings' slot, three calls of 80 KB past rank
     1's max_bytes (refused, and never taught: each moves the slots alone). This rank's outcomes, and the slot its
     group's next all_gather takes."""
-    from objcomm._api import call as _call
     from objcomm._state import group_facts
 
     rank = dist.get_rank()
@@ -459,28 +481,16 @@ def wider_slots_that_fail() -> Any:
         for _ in range(2):
             comm.all_gather({"rank": rank, "data": b"a" * 80_000})
 
-    def outcome(run: Any) -> str:
-        try:
-            run()
-            return "returned"
-        except objcomm.ObjcommError as exc:
-            return f"{type(exc).__name__}: {str(exc)[:60]}"
-
     seen = []
     alike()
     serializer = "no-such-serializer" if rank == 0 else "pickle"
     obj = {"data": b"b" * (20_000 if rank == 2 else 100)}  # rank 2's past rank 1's max_bytes, in the wider slot
     seen.append(
-        outcome(lambda: comm.all_gather(obj, serializer=serializer, max_bytes=10_000 if rank == 1 else 1 << 30))
+        _outcome(lambda: comm.all_gather(obj, serializer=serializer, max_bytes=10_000 if rank == 1 else 1 << 30))
     )
     alike()
-    real = _call._frame.error_frame
-    if rank == 1:  # the liar: an error report as long as it likes
-        _call._frame.error_frame = lambda exc, limit: real(exc, 1 << 20)
-    try:
-        seen.append(outcome(lambda: comm.all_gather(_Unpicklable() if rank == 1 else "ok")))
-    finally:
-        _call._frame.error_frame = real
+    with _lying(rank == 1):
+        seen.append(_outcome(lambda: comm.all_gather(_Unpicklable() if rank == 1 else "ok")))
     seen.append(slots[("all_gather", 4096)].slot)
     calls = {"n": 0}
     real_gather = _rounds.all_gather_single
@@ -494,7 +504,7 @@ def wider_slots_that_fail() -> Any:
         limit = 10_000 if rank == 1 else 1 << 30
         for _ in range(3):
             obj = {"rank": rank, "data": b"c" * (100 if rank == 1 else 80_000)}  # (rank 1 sends little)
-            seen.append(outcome(lambda obj=obj: comm.all_gather(obj, max_bytes=limit)))
+            seen.append(_outcome(lambda obj=obj: comm.all_gather(obj, max_bytes=limit)))
     finally:
         _rounds.all_gather_single = _bytes.all_gather_single = real_gather
     return [*seen, calls["n"], slots[("all_gather", 4096)].slot, comm.all_gather(rank)]
@@ -523,7 +533,6 @@ def broadcasts_that_learn_their_slot() -> Any:
     call's (torch.distributed calls: broadcasts and a vote's batches, right, the plan's calls on the busiest rank);
     then, in a wider slot, rank 2 refusing a frame past its max_bytes (alone), and rank 1's error report of 20 KB (a
     liar's: every rank), then a call after it."""
-    from objcomm._api import call as _call
     from objcomm._state import group_facts
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -558,27 +567,15 @@ def broadcasts_that_learn_their_slot() -> Any:
             dist.broadcast, dist.batch_isend_irecv = real  # type: ignore[assignment]
         seen.append((calls["n"], got == obj, planned))
 
-    def outcome(run: Any) -> str:
-        try:
-            run()
-            return "returned"
-        except objcomm.ObjcommError as exc:
-            return f"{type(exc).__name__}: {str(exc)[:70]}"
-
     for length in (50_000, 50_000, 50_000, 50_000, 100, 50_000, 50_000, 2_000_000, 2_000_000, 2_000_000):
         record(length)
     for length in (600_000, 600_000, 600_000):
         record(length)
     limit = 10_000 if rank == 2 else 1 << 30
     obj = {"data": b"e" * 500_000} if rank == 1 else None
-    seen.append(outcome(lambda: comm.broadcast(obj, src=1, max_bytes=limit)))
-    real = _call._frame.error_frame
-    if rank == 1:  # the liar: an error report as long as it likes
-        _call._frame.error_frame = lambda exc, limit: real(exc, 1 << 20)
-    try:
-        seen.append(outcome(lambda: comm.broadcast(_Unpicklable() if rank == 1 else None, src=1)))
-    finally:
-        _call._frame.error_frame = real
+    seen.append(_outcome(lambda: comm.broadcast(obj, src=1, max_bytes=limit)))
+    with _lying(rank == 1):
+        seen.append(_outcome(lambda: comm.broadcast(_Unpicklable() if rank == 1 else None, src=1)))
     record(600_000)
     return seen
 
