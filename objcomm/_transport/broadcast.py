@@ -121,7 +121,12 @@ def broadcast_rest(
     refuse = wire.rank != src and info.total > wire.max_bytes
     agreed = _agreement_needed(wire, info, op)
     if agreed:  # (a receiver that refused raised: none drains what follows)
-        _vote_refusals(wire, REFUSE_LIMIT if refuse else 0, info, src, op)
+        try:
+            _vote_refusals(wire, REFUSE_LIMIT if refuse else 0, info, src, op)
+        except ObjcommError:  # every rank refused it alike: a wider slot is forgotten, as an all_gather's refusal does
+            if memory is not None:
+                memory.forget()
+            raise
     # asked after any vote; without one a receiver may still refuse, which the strategy then drains (the channel)
     taken = wire.rest_media.broadcast(wire, out, info, _limits.checked_sizes(sizes_of, [info]), src, op)
     if taken is not NOT_USED:

@@ -7,7 +7,7 @@ import contextlib
 import os
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, List
 
 import pytest
 import torch
@@ -603,3 +603,25 @@ def test_broadcasts_of_objects_alike_past_the_slot_learn_a_wider_one():
         else:
             assert refused == "returned", (rank, refused)
         assert liar.startswith("FrameError: broadcast: rank 1 sent inconsistent sizes: an error report"), (rank, liar)
+
+
+def broadcasts_refused_by_a_vote() -> List[str]:
+    """A frame of 300 KB that shared memory may take (its threshold lowered to 100 KB; round 1 through the backend, on
+    a fresh group of 2 ranks each its own host, whose hosts no call has learnt): the receivers vote first, and rank 1
+    refuses it. Tried three times, this rank's outcomes."""
+    from objcomm._api.resolving import Hooks
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    comm = objcomm.Communicator(group=group, shm_threshold=100_000, _hooks=Hooks(separate_hosts=True))
+    obj = {"data": b"v" * 300_000} if rank == 0 else None
+    limit = 10_000 if rank == 1 else 1 << 30
+    return [_outcome(lambda: comm.broadcast(obj, src=0, max_bytes=limit)) for _ in range(3)]
+
+
+def test_a_broadcast_every_rank_refused_teaches_no_wider_slot():
+    """A reviewer's find: a vote's refusal taught the slot, so the third try came in round 1 and rank 1 alone
+    raised. Every rank raises every time."""
+    for rank, seen in enumerate(get_pool(2).run(broadcasts_refused_by_a_vote)):
+        every_rank = "TooLargeError: broadcast: rank 0 sends 300,0"  # (... bytes to a rank whose max_bytes it exceeds)
+        assert all(o.startswith(every_rank) and "to a rank whose" in o for o in seen), (rank, seen)
