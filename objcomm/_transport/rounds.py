@@ -125,9 +125,9 @@ class SlotMemory:
     suggested for the next (:func:`routes.slot_after`; ``most``: what the slots of one call may hold together), where
     their slots went through the backend: the next takes the smaller (:attr:`slot`). Every rank reads the same slots
     in round 1, so every rank's memory holds the same; each is kept with its group
-    (:func:`objcomm._state.group_facts`). Only a call that passed every check of round 1 teaches it;
-    one that fails them (sizes that disagree, a payload past a receiver's ``max_bytes``) fails on every rank alike,
-    and every rank's memory forgets the wider slot (:meth:`forget`).
+    (:func:`objcomm._state.group_facts`). Only a call that passed every check of round 1 teaches it; one that
+    fails them (sizes that disagree, an all_gather's payload past a receiver's ``max_bytes``, a broadcast's refused in
+    the receivers' vote) fails on every rank alike, and every rank's memory forgets the wider slot (:meth:`forget`).
 
     >>> memory = SlotMemory(4096)
     >>> memory.slot
