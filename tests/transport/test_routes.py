@@ -487,7 +487,11 @@ def test_an_all_gathers_slots_suggest_a_wider_slot_for_frames_past_it_of_sizes_a
     assert after([widest] * 32, tensors=False, base=4096, piece=1 << 28) * 32 <= routes.LEARNED_TABLE_MOST
     assert after([widest] * 33, tensors=False, base=4096, piece=1 << 28) == 4096  # 33 such slots: past the table
     assert after([4073] * 8192, tensors=False, base=4096, piece=1 << 28) == 4096  # at 8192 ranks: never wider
-    assert after([1 << 20] * 16, tensors=False, base=4096, piece=1 << 28) == 24 + (1 << 20) + (16 << 10) + 40
+    assert after([1 << 20] * 16, tensors=False, base=4096, piece=1 << 28) == 24 + (1 << 20) + (16 << 10) + 40  # in 64s
+    # a broadcast's one frame, its slot at most LEARNED_BROADCAST_MOST (1 MiB)
+    most = routes.LEARNED_BROADCAST_MOST
+    assert after([600_000], tensors=False, base=4096, piece=1 << 28, most=most) == 616_448  # 24 + 600,000 + 16 KiB
+    assert after([1_100_000], tensors=False, base=4096, piece=1 << 28, most=most) == 4096
 
 
 def test_an_all_gathers_slot_memory_takes_the_smaller_of_the_last_two_suggestions():

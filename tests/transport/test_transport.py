@@ -425,8 +425,8 @@ def test_all_gathers_of_objects_alike_past_the_slot_learn_a_wider_one():
         # 50 KB x4, 100 B, 50 KB x2 (a wider slot only after two alike), 80 KB x4 (past it, which teaches the
         # settings' slot; then two alike again)
         assert calls[:11] == [2, 2, 1, 1, 1, 2, 2, 2, 2, 2, 1], (rank, calls)
-        # the tensor; 80 KB twice (the tensor's call suggested the settings' slot); after the refusal, which learnt
-        # nothing, small objects in the wider slot
+        # the tensor; 80 KB twice (the tensor's call suggested the settings' slot); after the refusal (which forgot
+        # the wider slot), small objects in the settings' slot
         assert calls[11:] == [2, 2, 2, 1], (rank, calls)
         assert text.startswith(error) and "max_bytes=10,000 of receiving rank 1" in text, (rank, text)
         assert "it came in round 1's slots, and was dropped" in text, (rank, text)
@@ -466,10 +466,9 @@ class _Unpicklable:
 def wider_slots_that_fail() -> Any:
     """all_gathers in a slot two calls of 80 KB taught (3 gloo ranks, no same-host channel), each failing: a rank
     whose serializer is unknown there, as rank 2 sends rank 1 past its max_bytes (the error report ends the call
-    first: each rank raises as in the settings' slot);
-    rank 1 lying, an error report of 20 KB in its slot; then, in the settings' slot, three calls of 80 KB past rank
-    1's max_bytes (refused, and never taught: each moves the slots alone). This rank's outcomes, and the slot its
-    group's next all_gather takes."""
+    first: each rank raises as in the settings' slot); rank 1 lying, an error report of 20 KB in its slot; then, in
+    the settings' slot, three calls of 80 KB past rank 1's max_bytes (refused, and never taught: each moves the slots
+    alone). This rank's outcomes, and the slot its group's next all_gather takes."""
     from objcomm._state import group_facts
 
     rank = dist.get_rank()
@@ -591,8 +590,8 @@ def test_broadcasts_of_objects_alike_past_the_slot_learn_a_wider_one():
         assert all(seen[index][1] for seen in every), (row, [seen[index] for seen in every])
         busiest, planned = max(seen[index][0] for seen in every), every[0][index][2]
         assert busiest == planned, (row, busiest, planned)
-    # rank 0 (no part in a vote's doubling but its own): 50 KB x4, 100 B, 50 KB x2; 2 MB x3 (the slot, the vote: its
-    # batches and a broadcast, the rest: never wider); 600 KB x3; after the liar's, 600 KB in the settings' slot
+    # rank 0 (the busiest in a vote's doubling): 50 KB x4, 100 B, 50 KB x2; 2 MB x3 (the slot, the vote: its batches
+    # and a broadcast, the rest: never wider); 600 KB x3; after the liar's, 600 KB in the settings' slot
     vote = routes.vote_calls(3)
     assert [c for c, _, _ in every[0][:13]] == [2, 2, 1, 1, 1, 2, 2, *[2 + vote] * 3, 2, 2, 1], every[0]
     assert every[0][15][0] == 2, every[0][15]
