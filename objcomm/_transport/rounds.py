@@ -150,13 +150,17 @@ class SlotMemory:
             return wire, None
         return (wire if self.slot == wire.slot else wire._replace(slot=self.slot)), self
 
-    def learn(self, infos: Sequence[SlotInfo], slot: int) -> None:
+    def learn(self, infos: Sequence[SlotInfo], slot: int, ended: bool = False) -> None:
         """Remember what a call's slots (``infos``, every rank's, each ``slot`` bytes) suggest: the settings' slot
         where a frame overflowed a wider one (objects that grow past it would otherwise move an empty table a call).
-        O(W); nothing to read where no wider slot's table fits ``most`` (an all_gather's at the default slot: from
-        8191 ranks)."""
+        O(W); nothing to read where round 1 ``ended`` the call in the settings' slot (every message fit it, or an
+        error report came: the common small call), nor where no wider slot's table fits ``most`` (an all_gather's
+        at the default slot: from 8191 ranks)."""
         if len(infos) * (self.base + 1) > self.most:
             self.last = (self.base, self.base)
+            return
+        if ended and slot == self.base:  # (what slot_after would say, read from every slot)
+            self.last = (self.last[1], self.base)
             return
         tensors, piece, inline = False, 1 << 62, True
         for info in infos:  # a loop: no generator on the path of every call
@@ -218,7 +222,7 @@ def all_gather_rest(
             memory.forget()
         raise
     if memory is not None:  # (only a call that passed every check teaches the memory)
-        memory.learn(infos, wire.slot)
+        memory.learn(infos, wire.slot, ends)
     if ends:  # after an error, or in the common small case: one collective, done
         return _round_one(infos)
     wire = at_pieces(wire, _limits.common_piece(infos, op))  # every rank read every slot: the same on all

@@ -531,6 +531,13 @@ def test_an_all_gathers_slot_memory_takes_the_smaller_of_the_last_two_suggestion
         memory.learn(infos(50_000), 4096)
     memory.forget()  # a call every rank refused
     assert memory.slot == 4096
+    small = [SlotInfo(100, False, False, 1 << 30, 100, memoryview(bytes(100)))] * 4
+    for ended in (False, True):  # round 1 ended the call in the settings' slot: the same, without reading the slots
+        twin = SlotMemory(4096)
+        for _ in range(2):
+            twin.learn(infos(50_000), 4096)
+        twin.learn(small, 4096, ended)
+        assert twin.last == (routes.slot_after([50_000] * 4, tensors=False, base=4096, piece=1 << 28), 4096), ended
     many = [SlotInfo(5000, False, False, 1 << 30, 5000, None)] * 8192  # no wider slot's table fits: nothing read
     memory.learn(many, 4096)
     memory.learn(many, 4096)
