@@ -6,6 +6,7 @@
     python benchmarks/scale_model.py --json               # rows {op, case, W, params, objcomm_s, ideal_s, torch_s}
     python benchmarks/scale_model.py --flat               # no same-host channel: gloo's routes without two levels
     python benchmarks/scale_model.py --check              # exit 1, listing the W=8192 rows that miss the target
+    python benchmarks/scale_model.py --radix-table        # a gather tree's climb per radix and CPU cost a message
 
 For each op (all_gather, gather, all_reduce, broadcast), each spread of per-rank payload sizes (:data:`CASES`),
 each world size (:data:`WORLDS`) and each parameter set (:data:`NCCL`, :data:`GLOO`), the script asks the real
@@ -45,6 +46,7 @@ except ImportError:  # run from a checkout without PYTHONPATH=.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from objcomm._format.message import SLOT_PREFIX_BYTES  # noqa: E402
 from objcomm._transport import routes  # noqa: E402
+from objcomm._transport.patterns import knomial  # noqa: E402
 
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
 
@@ -110,9 +112,17 @@ PARAMS = {p.name: p for p in (NCCL, GLOO)}
 
 
 # -- the cost formulas ---------------------------------------------------------------------------------------------
-def levels(world: int) -> int:
-    """ceil(log2 W): the levels of a binomial tree over W ranks."""
-    return (world - 1).bit_length()
+def levels(world: int, radix: int = 2) -> int:
+    """ceil(log_radix W): the levels of a binomial tree over W ranks (radix 2), or of a k-nomial tree."""
+    depth, reach = 0, 1
+    while reach < world:
+        depth, reach = depth + 1, reach * radix
+    return depth
+
+
+def level_latency(radix: int, a: float) -> float:
+    """One level of a k-nomial tree: a rank's radix - 1 messages of the level at once, a * ceil((k-1)/c)."""
+    return a * math.ceil((radix - 1) / P2P_CONCURRENCY)
 
 
 def ring_all_gather(world: int, n: int, a: float, b: float) -> float:
@@ -161,9 +171,10 @@ def flat_gather(sizes: Sequence[int], root: int, a: float, b: float) -> float:
     return a * math.ceil(senders / P2P_CONCURRENCY) + (sum(sizes) - sizes[root]) / b
 
 
-def tree_gather(sizes: Sequence[int], root: int, a: float, b: float) -> float:
-    """Binomial-tree gather: ceil(log2 W)*a + (sum(n) - n_root)/B (the root takes in every byte once)."""
-    return levels(len(sizes)) * a + (sum(sizes) - sizes[root]) / b
+def tree_gather(sizes: Sequence[int], root: int, a: float, b: float, radix: int = 2) -> float:
+    """Binomial-tree gather: ceil(log2 W)*a + (sum(n) - n_root)/B (the root takes in every byte once); a k-nomial
+    tree (``radix``): ceil(log_k W) levels of :func:`level_latency`."""
+    return levels(len(sizes), radix) * level_latency(radix, a) + (sum(sizes) - sizes[root]) / b
 
 
 def ring_broadcast(world: int, n: int, a: float, b: float) -> float:
@@ -210,10 +221,43 @@ def doubling_vote(world: int, a: float) -> float:
     return (below + (0 if world & (world - 1) == 0 else 1) + levels(world)) * a
 
 
-def tree_reduce(world: int, n: int, a: float, b: float, messages: int = 1) -> float:
+def tree_reduce(world: int, n: int, a: float, b: float, messages: int = 1, radix: int = 2) -> float:
     """objcomm's reduce tree (send/recv toward rank 0, one level after another), each edge ``messages`` messages one
-    after another (its slot, an answer where one is due, its rest: routes.tree_messages): ceil(log2 W)*(m*a + n/B)."""
-    return levels(world) * (messages * a + n / b)
+    after another (its slot, an answer where one is due, its rest: routes.tree_messages): ceil(log2 W)*(m*a + n/B);
+    a k-nomial tree (``radix``, a gather's word down): a level's k - 1 edges at once, ceil(log_k W)*(m *
+    level_latency + (k-1)*n/B)."""
+    return levels(world, radix) * (messages * level_latency(radix, a) + (radix - 1) * n / b)
+
+
+def tree_climb(world: int, radix: int, a: float, cpu_cost: float) -> float:
+    """When the root of a gather's tree of ``radix`` (patterns.knomial, as routes.SLOT_TREE_RADIX's) holds its
+    subtrees' short messages (the lengths), where each message also costs its receiver ``cpu_cost`` seconds one after
+    another (posting it, then taking it: not in the rest of this model) and a hop ``a``: each rank first posts its
+    children's receives, then its parent's message leaves once the last child's has come (``--radix-table``).
+    O(W): the ranks from the last, children before parents."""
+    done = [0.0] * world
+    for me in range(world - 1, -1, -1):
+        children = knomial(me, world, radix).children
+        arrived = max((done[c] + a for c in children), default=0.0)
+        done[me] = max(len(children) * cpu_cost, arrived) + cpu_cost
+    return done[0]
+
+
+RADIX_TABLE = ((2, 3, 4, 8), (0.0, 2.5e-6, 5e-6, 10e-6, 20e-6, 40e-6))  # the radixes, the CPU costs of a message
+
+
+def radix_table(world: int = 8192, a: float = NCCL.alpha_inter) -> str:
+    """The gather tree's climb (:func:`tree_climb`) for each radix and per-message CPU cost: why
+    routes.SLOT_TREE_RADIX is 4."""
+    radixes, costs = RADIX_TABLE
+    lines = [
+        f"| CPU a message (W = {world}, {a * 1e6:g} us a hop) | " + " | ".join(f"radix {r}" for r in radixes) + " |",
+        "|---:|" + "---:|" * len(radixes),
+    ]
+    for cost in costs:
+        cells = " | ".join(fmt_time(tree_climb(world, r, a, cost)) for r in radixes)
+        lines.append(f"| {cost * 1e6:g} us | {cells} |")
+    return "\n".join(lines)
 
 
 def shared_memory_exchange(sizes: Sequence[int], a: float) -> float:
@@ -277,8 +321,8 @@ def step_cost(step: routes.Step, params: Params, world: int, root: int = 0) -> f
         return table_sum(params, world, sizes[0], a, b)
     if step.collective == "stripes":  # then the stripes' all_gather, a step of its own
         return stripes_exchange(sizes, a, b)
-    if step.collective == "gather_tree":  # a gather's slots up a binomial tree (routes.slots_up_tree): the lengths
-        return a + tree_gather(sizes, root, a, b)  # climb a level a latency, the trimmed slots one level behind
+    if step.collective == "gather_tree":  # a gather's slots up a tree of step.radix (routes.slots_up_tree): the
+        return a + tree_gather(sizes, root, a, b, step.radix)  # lengths climb a level a latency, the slots behind
     if step.collective == "broadcast":
         return broadcast_cost(params, world, sizes[0], a)
     if step.collective == "spread":
@@ -288,7 +332,7 @@ def step_cost(step: routes.Step, params: Params, world: int, root: int = 0) -> f
     if step.collective == "vote":
         return doubling_vote(world, a)
     if step.collective in ("tree", "down_tree"):  # the same edges, one way or the other
-        return tree_reduce(world, sizes[0], a, b, step.messages)
+        return tree_reduce(world, sizes[0], a, b, step.messages, step.radix)
     raise ValueError(f"no cost for {step}")
 
 
@@ -551,12 +595,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of the table")
     parser.add_argument(
+        "--radix-table",
+        action="store_true",
+        help="only the gather tree's climb at 8192 ranks for each radix and CPU cost of a message",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help=f"exit 1 listing each {'/'.join(CHECKED_OPS)} row at W={CHECK_WORLD} above "
         f"{TARGET_RATIO}x ideal or above torch",
     )
     args = parser.parse_args(argv)
+    if args.radix_table:
+        print(radix_table())
+        return 0
     chosen = [PARAMS[n] for n in (args.params or ("nccl", "gloo"))]
     if args.nccl_broadcast != NCCL.broadcast:
         other = replace(NCCL, name=f"nccl-{args.nccl_broadcast}-bcast", broadcast=args.nccl_broadcast)

@@ -195,12 +195,15 @@ class Operations(Resolving):
         (:func:`routes.slots_summed`)."""
         return routes.slots_summed(world=wire.size, cpu=wire.device.type == "cpu", forced=self._hooks.summed)
 
-    def _up_tree(self, wire: Wire) -> Tuple[bool, bool]:
-        """Whether a gather's slots go up a tree where they take the backend (:func:`routes.slots_up_tree`), and
-        whether its destination's word then comes back down it (:func:`routes.word_down_tree`)."""
+    def _up_tree(self, wire: Wire) -> Tuple[int, bool]:
+        """The radix of the tree a gather's slots go up where they take the backend (0: none;
+        :func:`routes.slots_up_tree`), and whether its destination's word then comes back down it
+        (:func:`routes.word_down_tree`)."""
         forced = self._hooks.up_tree
-        up = routes.slots_up_tree(world=wire.size, forced=forced)
-        return up, up and routes.word_down_tree(cpu=wire.device.type == "cpu", forced=forced)
+        if not routes.slots_up_tree(world=wire.size, forced=forced):
+            return 0, False
+        radix = self._hooks.tree_radix or routes.SLOT_TREE_RADIX
+        return radix, routes.word_down_tree(cpu=wire.device.type == "cpu", forced=forced)
 
     # -- point to point ------------------------------------------------------------------------
     def _send_call(self, call: Call, obj: Any, dst: int, tag: int, serialized: Any, express: Optional[Express]) -> None:

@@ -39,7 +39,8 @@ class Hooks(NamedTuple):
     separate_hosts: Optional[bool] = None  # True: every rank its own host; None: OBJCOMM_FORCE_SEPARATE_HOSTS
     segments: SegmentBook = SEGMENTS  # the book that writes and opens shared-memory segments
     down_tree: bool = False  # all_reduce's result back down the reduce tree on gloo too (routes.result_down_tree)
-    up_tree: bool = False  # a gather's slots up a binomial tree at any world size (routes.slots_up_tree)
+    up_tree: bool = False  # a gather's slots up a tree at any world size (routes.slots_up_tree)
+    tree_radix: int = 0  # that tree's radix (0: routes.SLOT_TREE_RADIX)
     summed: bool = False  # an all_gather's slots in one all_reduce of the table on gloo too (routes.slots_summed)
     rest_tree: bool = False  # a broadcast's rest down the tree from its source on gloo too (routes.rest_down_tree;
     # off the same-host channel only: the express path's receivers do not see it)

@@ -29,7 +29,7 @@ from objcomm._transport.slot_tree import WORD, gather_up_tree, word_down_tree
 
 @one_call
 def gather(
-    wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int, up_tree: bool = False, word_tree: bool = False
+    wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int, up_tree: int = 0, word_tree: bool = False
 ) -> Optional[Sequence[Optional[Incoming]]]:
     """Every rank's frame and tensors on group rank ``dst``; ``None`` elsewhere, unless some rank failed.
 
@@ -38,8 +38,9 @@ def gather(
     go on, or every slot follows to every rank (a failure, an inconsistent slot, a rank over ``dst``'s limit, a
     same-host medium that may take the rest), so that every rank raises the same error in the same call. The
     rest goes to ``dst`` point to point, one message per sender at its exact size. ``up_tree``: the slots go to
-    ``dst`` up a binomial tree rather than in the backend's gather (:func:`objcomm._transport.routes.slots_up_tree`);
-    ``word_tree``: there, ``dst``'s word comes back down it (:func:`objcomm._transport.routes.word_down_tree`).
+    ``dst`` up a tree of this radix (:data:`objcomm._transport.routes.SLOT_TREE_RADIX`) rather than in the backend's
+    gather (0: :func:`objcomm._transport.routes.slots_up_tree`); ``word_tree``: there, ``dst``'s word comes back
+    down it (:func:`objcomm._transport.routes.word_down_tree`).
     """
     op = "gather"
     raw = _slot(wire, out)
@@ -95,7 +96,7 @@ class Checked(NamedTuple):
 
 
 def _gather_slots(
-    wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: str, up_tree: bool, word_tree: bool = False
+    wire: Wire, raw: bytearray, sizes_of: SizesOf, dst: int, op: str, up_tree: int, word_tree: bool = False
 ) -> Tuple[Optional[List[SlotInfo]], Optional[Checked]]:
     """Round 1 of a gather through the group: every slot to ``dst``, then ``dst``'s word to every rank (back down
     the tree the slots climbed, ``up_tree`` and ``word_tree``; else a broadcast on gloo, an all_reduce on NCCL):
@@ -108,7 +109,7 @@ def _gather_slots(
     table: Optional[torch.Tensor] = None
     host: Optional[memoryview] = None
     if up_tree:
-        tree_table = gather_up_tree(wire, raw, wire.slot, dst, op)
+        tree_table = gather_up_tree(wire, raw, wire.slot, dst, op, radix=up_tree)
         if tree_table is not None:
             table, host = torch.frombuffer(tree_table, dtype=torch.uint8), memoryview(tree_table)
     else:
@@ -125,7 +126,7 @@ def _gather_slots(
         infos = read_slots(host if host is not None else host_view(table), wire.size, wire.slot)
         verdict, checked = _verdict(wire, infos, sizes_of, dst, op)
     if up_tree and word_tree:  # back down the tree the slots climbed (NCCL's all_reduce of a word climbs one and back)
-        verdict = word_down_tree(wire, verdict, dst, op)
+        verdict = word_down_tree(wire, verdict, dst, op, up_tree)
     else:
         word = torch.tensor([verdict or 0], dtype=torch.int64, device=wire.device)
         if wire.device.type == "cpu":  # gloo: a binomial tree

@@ -26,7 +26,7 @@ Pattern(op='gather', to=(0,), each=False, sources=())
 
 The trees of send/recv (a reduction's way up, its result's way down, their failure reports) are one shape,
 :func:`binomial`: rooted at index 0, index ``i``'s parent ``i - lowbit(i)``, its children ``i + 1, i + 2, i + 4,
-...`` below ``lowbit(i)``.
+...`` below ``lowbit(i)``; a gather's slots and word take its wider form, :func:`knomial`.
 
 >>> binomial(4, 7)
 Tree(parent=0, children=(5, 6), ends=(6, 7), end=7)
@@ -84,7 +84,7 @@ def _others(me: int, world: int) -> Tuple[int, ...]:
 
 
 class Tree(NamedTuple):
-    """One index's edges in the binomial tree over ``size`` indices rooted at 0 (:func:`binomial`)."""
+    """One index's edges in a tree over ``size`` indices rooted at 0 (:func:`binomial`, :func:`knomial`)."""
 
     parent: Optional[int]  # None at the root
     children: Tuple[int, ...]  # nearest first: the order the way up takes them (the way down sends farthest first)
@@ -92,21 +92,47 @@ class Tree(NamedTuple):
     end: int  # this index's subtree: indices me .. end - 1
 
 
-@functools.lru_cache(maxsize=4096)  # a group's trees repeat every call
 def binomial(me: int, size: int) -> Tree:
     """Index ``me``'s parent, children and subtrees in the binomial tree over ``size`` indices rooted at 0: ceil(log2
-    size) levels, a parent's subtree the indices up to its next multiple of its lowest set bit."""
-    if not 0 <= me < size:
-        raise ValueError(f"index {me} of a tree over {size}")
-    low = me & -me if me else 1 << max(size - 1, 0).bit_length()
-    children = []
+    size) levels, a parent's subtree the indices up to its next multiple of its lowest set bit (:func:`knomial`, 2)."""
+    return knomial(me, size, 2)
+
+
+@functools.lru_cache(maxsize=4096)  # a group's trees repeat every call
+def knomial(me: int, size: int, radix: int) -> Tree:
+    """Index ``me``'s edges in the ``radix``-nomial tree over ``size`` indices rooted at 0, the binomial tree's
+    generalisation (radix 2): with ``p`` the place of ``me``'s lowest nonzero digit in base ``radix`` and ``d`` that
+    digit, its parent is ``me - d * radix**p`` and its children ``me + j * radix**i`` for ``i < p`` and ``j`` from 1
+    to ``radix - 1`` (the root: every ``i`` with ``radix**i < size``), each child's subtree the ``radix**i`` indices
+    from it. ceil(log_radix size) levels, at most ``radix - 1`` children a level: a wider radix takes fewer
+    latencies where each level's messages are short enough to go at once (a gather's slots and word:
+    :data:`objcomm._transport.routes.SLOT_TREE_RADIX`).
+
+    >>> knomial(4, 7, 2)
+    Tree(parent=0, children=(5, 6), ends=(6, 7), end=7)
+    >>> knomial(8, 20, 4)
+    Tree(parent=0, children=(9, 10, 11), ends=(10, 11, 12), end=12)
+    """
+    if not 0 <= me < size or radix < 2:
+        raise ValueError(f"index {me} of a tree over {size} with radix {radix}")
+    low = 1  # radix ** p: me's lowest nonzero digit's place value (the root: past size)
+    while me and me // low % radix == 0:
+        low *= radix
+    if not me:
+        while low < size:
+            low *= radix
+    children, ends = [], []
     step = 1
-    while step < low and me + step < size:
-        children.append(me + step)
-        step *= 2
-    return Tree(
-        me - low if me else None, tuple(children), tuple(min(c + (c & -c), size) for c in children), min(me + low, size)
-    )
+    while step < low:
+        for j in range(1, radix):
+            child = me + j * step
+            if child >= size:
+                break
+            children.append(child)
+            ends.append(min(child + step, size))
+        step *= radix
+    parent = me - me // low % radix * low if me else None
+    return Tree(parent, tuple(children), tuple(ends), min(me + low, size))
 
 
 class PrefixStep(NamedTuple):

@@ -1,7 +1,8 @@
-"""A gather of fixed-width slots up a binomial tree of point-to-point messages, each slot trimmed to what it carries:
-round 1 of a gather from :data:`objcomm._transport.routes.TREE_GATHER_FROM` ranks (:mod:`objcomm._transport.gather`),
-and the leaders' step of a gather on two levels (:mod:`objcomm._samehost.two_level_moves`), where each leader
-carries its host's slots; and the destination's word back down the same tree (:func:`word_down_tree`).
+"""A gather of fixed-width slots up a tree of point-to-point messages (of radix
+:data:`~objcomm._transport.routes.SLOT_TREE_RADIX`), each slot trimmed to what it carries: round 1 of a gather from
+:data:`objcomm._transport.routes.TREE_GATHER_FROM` ranks (:mod:`objcomm._transport.gather`), and the leaders' step
+of a gather on two levels (:mod:`objcomm._samehost.two_level_moves`), where each leader carries its host's slots;
+and the destination's word back down the same tree (:func:`word_down_tree`).
 """
 
 from __future__ import annotations
@@ -14,32 +15,41 @@ import torch
 from objcomm._format.slot import DEFAULT_PIECE
 from objcomm._transport.base import INTERNAL_TAG, Wire
 from objcomm._transport.bytes import Batch, Deadline, host_view, zeroed
-from objcomm._transport.patterns import binomial
+from objcomm._transport.patterns import knomial
+from objcomm._transport.routes import SLOT_TREE_RADIX
 
 
 def gather_up_tree(
-    wire: Wire, raw: Union[bytes, bytearray], width: int, dst: int, op: str, count: int = 1
+    wire: Wire,
+    raw: Union[bytes, bytearray],
+    width: int,
+    dst: int,
+    op: str,
+    count: int = 1,
+    radix: int = SLOT_TREE_RADIX,
 ) -> Optional[bytearray]:
-    """Every rank's ``count`` slots of ``width`` bytes (``raw``) on group rank ``dst``, up a binomial tree rooted
-    there, each slot trimmed to what it carries: the slots of every group rank end to end, in group-rank order, on
-    ``dst`` (zeros where a slot carried nothing); None elsewhere. A gather's round 1 (one slot a rank); two levels'
-    leaders, each with its host's slots (``count``: the most ranks on one host).
+    """Every rank's ``count`` slots of ``width`` bytes (``raw``) on group rank ``dst``, up a tree rooted there, each
+    slot trimmed to what it carries: the slots of every group rank end to end, in group-rank order, on ``dst``
+    (zeros where a slot carried nothing); None elsewhere. A gather's round 1 (one slot a rank); two levels'
+    leaders, each with its host's slots (``count``: the most ranks on one host). ``radix``: the tree's (tests take a
+    smaller one for relays among a few ranks).
 
     With ranks numbered from ``dst`` (``v = (rank - dst) mod W``), the tree is
-    :func:`~objcomm._transport.patterns.binomial`'s: rank ``v``'s children are ``v + 1, v + 2, v + 4, ...`` below its
-    lowest set bit; a subtree of ``span`` ranks ``v .. v + span - 1`` travels as two messages: its
-    *lengths* (``span x count`` int32s: each slot's bytes up to its last nonzero one) and its *bytes* (those slots'
-    bytes end to end). A rank takes its children's lengths in one batch (their size is known), then sends its
-    subtree's lengths to its parent while it takes its children's bytes (the lengths' sums) in one batch, then sends
-    those bytes: the lengths climb the ceil(log2 W) levels one latency each, the bytes one level behind them
-    (ceil(log2 W) + 1 latencies in all), and the destination takes in what the slots carry (a 1 KB object's slot:
-    ~1.1 KB of its 4 KB) rather than every slot whole. A rank relays its subtree's slots unchecked, as a two-level
-    leader relays its host's (docs/security.md), but a child's lengths are checked: one past ``width`` empties that
-    child's subtree (its slots arrive as zeros, which read as empty frames: refused where decoded), and its bytes
-    are taken and dropped, so that a lying child changes no other subtree's slots."""
+    :func:`~objcomm._transport.patterns.knomial`'s of radix 4: rank ``v``'s children are ``v + j * 4**i`` (``j`` from 1
+    to 3) below its lowest nonzero base-4 digit; a subtree of ``span`` ranks ``v .. v + span - 1`` travels as two
+    messages: its *lengths* (``span x count`` int32s: each slot's bytes up to its last nonzero one) and its *bytes*
+    (those slots' bytes end to end). A rank takes its children's lengths in one batch (their size is known), then sends
+    its subtree's lengths to its parent while it takes its children's bytes (the lengths' sums) in one batch, then sends
+    those bytes: the lengths climb the ceil(log4 W) levels one latency each (a level's 3 children at once), the bytes
+    one level behind them (ceil(log4 W) + 1 latencies in all: 8 at 8192 ranks, where a binomial tree took 14), and the
+    destination takes in what the slots carry (a 1 KB object's slot: ~1.1 KB of its 4 KB) rather than every slot whole.
+    A rank relays its subtree's slots unchecked, as a two-level leader relays its host's (docs/security.md), but a
+    child's lengths are checked: one past ``width`` empties that child's subtree (its slots arrive as zeros, which read
+    as empty frames: refused where decoded), and its bytes are taken and dropped, so that a lying child changes no other
+    subtree's slots."""
     size = wire.size
     me = (wire.rank - dst) % size
-    tree = binomial(me, size)
+    tree = knomial(me, size, radix)
     span = tree.end - me  # the ranks of this rank's subtree
     view = memoryview(raw)
     mine = [bytes(view[j * width : (j + 1) * width]).rstrip(b"\0") for j in range(count)]
@@ -102,14 +112,14 @@ def gather_up_tree(
 WORD = struct.Struct("<q")  # a destination's word (objcomm._transport.gather: GO or LOOK)
 
 
-def word_down_tree(wire: Wire, word: Optional[int], dst: int, op: str) -> int:
-    """Group rank ``dst``'s ``word`` (a signed 64-bit int; None elsewhere) on every rank, down the binomial tree rooted
-    at ``dst`` that :func:`gather_up_tree` climbed: each rank takes it from its parent, then passes it to its children.
-    ceil(log2 W) latencies, where NCCL's all_reduce of a word takes twice as many and its broadcast one a rank (a
+def word_down_tree(wire: Wire, word: Optional[int], dst: int, op: str, radix: int = SLOT_TREE_RADIX) -> int:
+    """Group rank ``dst``'s ``word`` (a signed 64-bit int; None elsewhere) on every rank, down the tree rooted at
+    ``dst`` that :func:`gather_up_tree` climbed: each rank takes it from its parent, then passes it to its children.
+    ceil(log4 W) latencies, where NCCL's all_reduce of a word takes 2 ceil(log2 W) and its broadcast one a rank (a
     ring). A relay passes on what its parent sent, unchecked, as it relayed its subtree's slots on the way up."""
     size = wire.size
     me = (wire.rank - dst) % size
-    tree = binomial(me, size)
+    tree = knomial(me, size, radix)
     wire = wire._replace(tag=INTERNAL_TAG, chunk=DEFAULT_PIECE)  # (a reviewer's find: a rank's own chunk_bytes of 4
     batch = Batch(wire, op)  # cut the word in two, and its second half became the next call's word on its child)
     if tree.parent is None:

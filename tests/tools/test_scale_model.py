@@ -61,6 +61,8 @@ def test_one_outlier_under_nccl_costs_objcomm_less_than_torch(world, op):
 
 def test_levels():
     assert [sm.levels(w) for w in (1, 2, 3, 8, 9, 8192)] == [0, 1, 2, 3, 4, 13]
+    assert [sm.levels(w, 8) for w in (1, 2, 8, 9, 64, 65, 8192)] == [0, 1, 1, 2, 2, 3, 5]
+    assert sm.level_latency(9, 1.0) == 1.0 and sm.level_latency(10, 1.0) == 2.0  # 8 messages at once
 
 
 def test_formulas_reproduce_hand_computed_values():
@@ -130,17 +132,18 @@ def test_a_whole_row_by_hand():
 
 
 def test_a_gather_up_a_tree_by_hand():
-    """gather of 1 KB objects on 64 NCCL ranks across hosts: the slots up a binomial tree (6 levels: the lengths
-    climb a level a hop, the slots one level behind them; each trimmed: the 24-byte prefix and the 1,070-byte frame
-    (the frame's 46 bytes measured), plus a 4-byte length; the root takes in 63 of them), then the destination's word
-    back down the same tree (6 hops of 8 bytes)."""
+    """gather of 1 KB objects on 64 NCCL ranks across hosts: the slots up a tree of radix 4 (3 levels, each a hop:
+    a rank's 3 children of a level at once; the lengths climb a level a hop, the slots one level behind them; each
+    trimmed: the 24-byte prefix and the 1,070-byte frame (the frame's 46 bytes measured), plus a 4-byte length; the
+    root takes in 63 of them), then the destination's word back down the same tree (3 hops, 3 words of 8 bytes
+    out of each relay)."""
     a, b = 20e-6, 25e9
     sizes = sm.sizes_for("equal-small", 64)
     assert sm.slot_carries(1024, tensor=False) == 24 + 1024 + sm.FRAME_OVERHEAD
     got = sm.objcomm_plan("gather", sm.NCCL, 64, sizes)
     assert sm.route_code(got) == "GT+TD"
     assert sm.FRAME_OVERHEAD == 46
-    assert sm.plan_cost(got, sm.NCCL, 64) == pytest.approx((6 + 1) * a + 63 * (4 + 1094) / b + 6 * (a + 8 / b))
+    assert sm.plan_cost(got, sm.NCCL, 64) == pytest.approx((3 + 1) * a + 63 * (4 + 1094) / b + 3 * (a + 3 * 8 / b))
 
 
 def test_check_exits_non_zero_exactly_when_a_row_misses(capsys, table):
@@ -174,3 +177,20 @@ def test_a_row_of_two_levels_by_hand():
     back = inside + 7 * (2 * 8 * slot) / sm.SAME_HOST_BANDWIDTH
     cost = sm.objcomm_cost("all_gather", sm.GLOO, 16, sm.sizes_for("equal-small", 16))
     assert cost == pytest.approx(to_leader + leaders + back)
+
+
+def test_a_gather_tree_s_climb_by_hand_and_the_radix_it_chose():
+    """4 ranks, a hop of 1 and a CPU cost of 0 or 1 a message: the binomial tree (0 <- 1, 0 <- 2 <- 3) takes two hops,
+    radix 4 (every rank the root's child) one; with the CPU cost the binomial root's last message comes at 4 and it
+    is done at 5, radix 4's root posts 3 receives (3) and takes the last at 4. At 8192 ranks and NCCL's 20 us hop,
+    routes.SLOT_TREE_RADIX (4) beats the binomial tree at every CPU cost up to a hop's latency and is never slower
+    than it in the table, where radix 8 loses to it from half a hop's latency (its root takes 29 messages)."""
+    assert (sm.tree_climb(4, 2, 1.0, 0.0), sm.tree_climb(4, 4, 1.0, 0.0)) == (2.0, 1.0)
+    assert (sm.tree_climb(4, 2, 1.0, 1.0), sm.tree_climb(4, 4, 1.0, 1.0)) == (5.0, 4.0)
+    a = sm.NCCL.alpha_inter
+    for cost in sm.RADIX_TABLE[1]:
+        binomial, chosen = sm.tree_climb(8192, 2, a, cost), sm.tree_climb(8192, sm.routes.SLOT_TREE_RADIX, a, cost)
+        assert chosen <= binomial and (chosen < binomial or cost > a)
+        if cost >= a / 2:
+            assert sm.tree_climb(8192, 8, a, cost) > chosen
+    assert sm.main(["--radix-table"]) == 0

@@ -113,12 +113,13 @@ def _same(got: Any, want: Any) -> bool:
 
 
 def _comm(
-    up_tree: bool = False, summed: bool = False, one_host: bool = False, local: bool = False
+    up_tree: bool = False, summed: bool = False, one_host: bool = False, local: bool = False, radix: int = 0
 ) -> objcomm.Communicator:
     """Every rank its own host (``one_host``: all on this one, which they learn here; ``local``: with its same-host
-    channel); ``up_tree``: a gather's slots go up a tree, as they do from 64 ranks on; ``summed``: an all_gather's
-    slots in one all_reduce of the table, as on NCCL from 64 ranks on."""
-    hooks = Hooks(separate_hosts=not one_host, up_tree=up_tree, summed=summed)
+    channel); ``up_tree``: a gather's slots go up a tree, as they do from 64 ranks on (``radix``: its radix, 0:
+    routes.SLOT_TREE_RADIX, 4: among 8 ranks the destination's fifth relays for the last three); ``summed``: an
+    all_gather's slots in one all_reduce of the table, as on NCCL from 64 ranks on."""
+    hooks = Hooks(separate_hosts=not one_host, up_tree=up_tree, summed=summed, tree_radix=radix)
     return objcomm.Communicator(local=local, shm=False, _hooks=hooks)
 
 
@@ -132,10 +133,12 @@ def _left(a: Any, b: Any) -> Any:
 TREE_CASES = ("all 1 KB", "all 1 MB", "uneven tensors")
 
 
-def each_spread(op: str, up_tree: bool = False, one_host: bool = False, local: bool = False) -> List[Any]:
+def each_spread(
+    op: str, up_tree: bool = False, one_host: bool = False, local: bool = False, radix: int = 0
+) -> List[Any]:
     """``op`` on every spread (a reduction: on :data:`TREE_CASES`): (case, right result, collectives, blocking calls,
     batches of sends and receives and eager sends)."""
-    comm, rank = _comm(up_tree, one_host=one_host, local=local), dist.get_rank()
+    comm, rank = _comm(up_tree, one_host=one_host, local=local, radix=radix), dist.get_rank()
     comm.all_gather(bytes(routes.ANNOUNCED_FROM))  # the group's hosts are learned at the first such rest (voted_rests)
     rows = []
     for case in TREE_CASES if op in ("all_reduce", "reduce") else CASES:
@@ -364,14 +367,16 @@ def test_bounded_calls_whatever_the_spread(op, most):
             assert blocking == 0, f"{op}, {case}: {blocking} blocking sends/receives on rank {rank}"
 
 
-def test_a_gathers_slots_up_a_tree_give_the_same_results():
-    """gather with its slots up a binomial tree (routes.slots_up_tree, from 64 ranks; forced here), to rank 3:
-    right on every spread; no collective at all (the destination's word comes back down the same tree: NCCL's route,
+@pytest.mark.parametrize("radix", [0, 8], ids=["SLOT_TREE_RADIX", "radix 8"])
+def test_a_gathers_slots_up_a_tree_give_the_same_results(radix):
+    """gather with its slots up a tree (routes.slots_up_tree, from 64 ranks; forced here), to rank 3: right on every
+    spread; no collective at all (the destination's word comes back down the same tree: NCCL's route,
     routes.word_down_tree, forced with the slots' tree here); each rank
     takes its children's lengths in one batch and their bytes in another, then sends both to its parent in one, takes
     the word from its parent in one and passes it to its children in one, the rests in one more batch (at most 6: a
-    relay with a rest; rank 3's children at W = 8: 4, 5, 7)."""
-    for rank, rows in enumerate(get_pool(W).run(each_spread, "gather", True, timeout=120)):
+    relay with a rest). Radix 4 (SLOT_TREE_RADIX) at W = 8: rank 3's children are 4, 5, 6 and 7, a relay over 0, 1
+    and 2; radix 8: every rank is rank 3's child."""
+    for rank, rows in enumerate(get_pool(W).run(each_spread, "gather", True, False, False, radix, timeout=120)):
         for case, right, collectives, blocking, batches in rows:
             assert right, f"{case}: a wrong result on rank {rank}"
             assert collectives == 0, f"{case}: {collectives} collectives on rank {rank}"
@@ -615,9 +620,9 @@ def test_a_gathers_slots_up_a_tree_of_any_size_reach_any_destination():
 
 
 def lying_children_up_the_tree(lie: str) -> List[int]:
-    """The tree of a gather's slots (64 bytes each) to rank 0, rank 3 (a leaf under rank 2) lying: ``short``, its
-    lengths announce 64 bytes and it sends 8 (its relay, rank 2, freed memory full of 0xAB just before); ``long``,
-    its lengths announce 1,000 bytes, past the slot. Every other rank's slot is 64 bytes of its rank + 1. The
+    """The binomial tree (radix 2) of a gather's slots (64 bytes each) to rank 0, rank 3 (a leaf under rank 2) lying:
+    ``short``, its lengths announce 64 bytes and it sends 8 (its relay, rank 2, freed memory full of 0xAB just before);
+    ``long``, its lengths announce 1,000 bytes, past the slot. Every other rank's slot is 64 bytes of its rank + 1. The
     destination's table, as lists of each rank's slot."""
     rank, width = dist.get_rank(), 64
     wire = _Wire(dist.group.WORLD, list(range(W)), rank, torch.device("cpu"), width, 1 << 20, 1 << 30)
@@ -631,7 +636,7 @@ def lying_children_up_the_tree(lie: str) -> List[int]:
         for _ in range(50):
             held = torch.full((2 * width,), 0xAB, dtype=torch.uint8)
             del held
-    table = _slot_tree.gather_up_tree(wire, bytearray([rank + 1] * width), width, 0, "gather")
+    table = _slot_tree.gather_up_tree(wire, bytearray([rank + 1] * width), width, 0, "gather", radix=2)
     return [] if table is None else [list(table[r * width : (r + 1) * width]) for r in range(W)]
 
 
@@ -1022,8 +1027,8 @@ def _forged_table(nbytes: int) -> Outgoing:
 
 
 def bad_input(case: str, up_tree: bool = False) -> str:
-    """What each rank raises when one rank misbehaves on the paths above (``up_tree``: a gather's slots up a tree,
-    and an all_gather's summed)."""
+    """What each rank raises when one rank misbehaves on the paths above (``up_tree``: a gather's slots up a tree, where
+    8 ranks have a relay, and an all_gather's summed)."""
     comm, rank = _comm(up_tree, summed=up_tree), dist.get_rank()
     try:
         if case == "over the destination's limit":

@@ -68,25 +68,39 @@ def test_a_pattern_that_does_not_exist_is_refused(op, root):
         pattern(op, me=0, world=4, root=root)
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 7, 8, 9, 64, 100, 8192])
-def test_binomial_trees_hold_every_index_once_in_order(size):
+@pytest.mark.parametrize("radix", [2, 3, 8])
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 8, 9, 64, 65, 100, 8192])
+def test_knomial_trees_hold_every_index_once_in_order(size, radix):
     """Every index but the root has one parent, which lists it among its children; a child's subtree is the indices
     from it to its end, and a parent's children's subtrees tile its own: so a tree that combines children in order
-    combines the indices in order."""
-    trees = [patterns.binomial(me, size) for me in range(size)]
+    combines the indices in order. The deepest index is ceil(log_radix size) edges from the root at most, and a
+    rank's children number radix - 1 a level."""
+    trees = [patterns.knomial(me, size, radix) for me in range(size)]
     assert trees[0].parent is None and trees[0].end == size
+    depth = [0] * size
     for me, tree in enumerate(trees):
         assert tree.children == tuple(sorted(tree.children))
         if me:
-            assert tree.parent is not None and me in trees[tree.parent].children
+            assert tree.parent is not None and tree.parent < me and me in trees[tree.parent].children
+            depth[me] = depth[tree.parent] + 1
         at = me + 1
         for child, end in zip(tree.children, tree.ends):
             assert child == at and end == trees[child].end
             at = end
         assert at == tree.end
-    assert max(len(t.children) for t in trees) == (size - 1).bit_length()
+    levels = 0
+    while radix**levels < size:
+        levels += 1
+    assert max(depth) <= levels and max(len(t.children) for t in trees) <= (radix - 1) * levels
+    if radix == 2:  # the binomial tree: its deepest index is exactly ceil(log2 size) edges down (size a power of 2)
+        assert [patterns.binomial(me, size) for me in range(size)] == trees
+        assert max(len(t.children) for t in trees) == (size - 1).bit_length()
+    if size == 8192 and radix == 8:
+        assert max(depth) == 5  # where the binomial tree takes 13
     with pytest.raises(ValueError):
-        patterns.binomial(size, size)
+        patterns.knomial(size, size, radix)
+    with pytest.raises(ValueError):
+        patterns.knomial(0, size, 1)
 
 
 def _run_spread(world: int, root: int, length: int) -> list:

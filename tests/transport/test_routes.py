@@ -8,7 +8,7 @@ import random
 import pytest
 
 from objcomm._format.limits import SCRATCH_BYTES
-from objcomm._transport import routes
+from objcomm._transport import patterns, routes
 from objcomm._transport.routes import BACKEND, CHANNEL, EXACT, PADDED, SHARED_MEMORY, STRIPES, Knobs, Topology, plan
 
 MB = 1 << 20
@@ -262,6 +262,23 @@ def test_a_gathers_slots_go_up_a_tree_from_64_ranks(device):
             leaders = [s for s in two_level.steps if s.across][0]
             assert leaders.collective == step and leaders.medium == BACKEND, (hosts, leaders)
             assert leaders.nbytes == ((8 * 4096,) if step == "gather" else (8 * (4 + 50),)) * hosts
+            assert leaders.radix == (routes.SLOT_TREE_RADIX if step == "gather_tree" else 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_gathers_tree_has_radix_8_and_its_word_comes_down_it_on_nccl(device):
+    """The slots' tree and, on NCCL, the word's way down take SLOT_TREE_RADIX (patterns.knomial: 7 levels at 8192
+    ranks, not 13); the word's relays take it and pass it on, two calls (from radix + 2 ranks: rank 4 over rank 5)."""
+    assert routes.SLOT_TREE_RADIX == 4
+    assert not patterns.knomial(4, 5, 4).children and patterns.knomial(4, 6, 4).children == (5,)
+    for world in (64, 8192):
+        got = plan("gather", Topology(world=world, device=device, channel_open=False), [0] * world)
+        steps = {s.collective: s for s in got.steps}
+        assert steps["gather_tree"].radix == routes.SLOT_TREE_RADIX
+        if device == "cuda":
+            assert steps["down_tree"].radix == routes.SLOT_TREE_RADIX and steps["down_tree"].calls == 2
+        else:  # gloo: its own broadcast (a binomial tree in C++)
+            assert "down_tree" not in steps and steps["broadcast"].nbytes == (8,)
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,7 @@ def stale_reports(next_call: str) -> Optional[List[Any]]:
     hides rank 7's max_bytes on its way up, so rank 7 refuses what its honest relay, rank 6, passes on. Then two
     calls of ``next_call`` (a gather's slots up the tree: each message's size is known, a longer one aborts gloo)."""
     sub = dist.new_group(list(range(W)), timeout=timedelta(seconds=3))
-    hooks = Hooks(separate_hosts=True, down_tree=True, up_tree=True)
+    hooks = Hooks(separate_hosts=True, down_tree=True, up_tree=True, tree_radix=2)  # (binomial: 0 <- 4 <- 6 <- 7)
     comm = objcomm.Communicator(sub, local=False, shm=False, _hooks=hooks)
     rank = dist.get_rank()
     with a_relay_that_lies("hidden limit", lambda wire, dst: dst == 0, rank == 4):

@@ -57,7 +57,7 @@ width                   the two all_gathers before it on the group suggest (the 
                         :data:`LEARNED_TABLE_MOST`; the frames then ride in round 1. A
                         broadcast's, likewise, up to :data:`LEARNED_BROADCAST_MOST`
 gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks: up a      :func:`slots_up_tree`
-                        binomial tree of send/recv (ceil(log2 W) levels), each slot
+                        tree of send/recv (:data:`SLOT_TREE_RADIX`: ceil(log4 W) levels), each slot
                         trimmed to what it carries; below it the backend's gather
                         (every rank to the destination). The destination's word:
                         on NCCL back down the slots' tree, where they took it        :func:`word_down_tree`
@@ -120,6 +120,7 @@ from objcomm._transport.routes.cutoffs import (
     PART_SLOT_LEAST,
     PARTS_TABLE,
     SHARED_MEMORY,
+    SLOT_TREE_RADIX,
     STRIPES,
     SUMMED_SLOTS_FROM,
     TREE_DOWN_FROM,
@@ -183,6 +184,7 @@ __all__ = [
     "Plan",
     "SHARED_MEMORY",
     "STRIPES",
+    "SLOT_TREE_RADIX",
     "SUMMED_SLOTS_FROM",
     "Step",
     "StripeMoves",

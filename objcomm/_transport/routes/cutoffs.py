@@ -42,6 +42,16 @@ def result_down_tree(*, cpu: bool, forced: bool = False, leaders: int = 0) -> bo
 
 
 SUMMED_SLOTS_FROM = TREE_GATHER_FROM = TREE_DOWN_FROM = 64  # ranks (leaders): slots_summed, slots_up_tree, down trees
+# The radix of a gather's tree (its slots up, its word down: objcomm._transport.patterns.knomial): a rank takes a
+# level's radix - 1 children's messages in one batch (their latencies overlap), so 8192 ranks take 7 levels where
+# the binomial tree takes 13. Its messages are short (4-byte lengths, slots trimmed to what they carry, an 8-byte
+# word) and the bytes into each rank are its subtree's whatever the radix. Not wider: each message also costs its
+# receiver some CPU one after another (~35 us a message measured on 2 cores, gloo on loopback), and a wider tree
+# gives the destination more of them ((radix - 1) x levels: 21 at radix 4, 29 at 8, 13 binomial); with that cost
+# at half a hop's latency radix 8 is slower than 4, at twice a hop's 4 is as slow as the binomial tree and 8 slower
+# (`python benchmarks/scale_model.py --radix-table`). Not the reductions' tree: its edges carry whole values, and a
+# parent takes in radix - 1 of them a level.
+SLOT_TREE_RADIX = 4
 
 
 def rest_down_tree(*, world: int, moved: int, cpu: bool, forced: bool = False) -> bool:
@@ -151,7 +161,7 @@ def slots_summed(*, world: int, cpu: bool, forced: bool = False) -> bool:
 
 
 def slots_up_tree(*, world: int, forced: bool = False) -> bool:
-    """Whether a gather's round 1 through the backend goes up a binomial tree to the destination
+    """Whether a gather's round 1 through the backend goes up a tree (:data:`SLOT_TREE_RADIX`) to the destination
     (:func:`objcomm._transport.slot_tree.gather_up_tree`: lengths a level ahead of the trimmed slots) rather than in
     the backend's gather (W - 1 whole slots into it). From :data:`TREE_GATHER_FROM` ranks (or leaders): below, the
     levels cost more than the fan-in (the model: 1 KB objects near 50 ranks on NCCL, 40 on gloo). ``forced``: tests."""
@@ -160,7 +170,7 @@ def slots_up_tree(*, world: int, forced: bool = False) -> bool:
 
 def word_down_tree(*, cpu: bool, forced: bool = False) -> bool:
     """Whether a gather's word from its destination, where its slots came up the tree (:func:`slots_up_tree`), goes
-    back down that tree (send/recv, ceil(log2 W) hops: :func:`objcomm._transport.slot_tree.word_down_tree`) rather
+    back down that tree (send/recv, ceil(log4 W) hops: :func:`objcomm._transport.slot_tree.word_down_tree`) rather
     than in the backend's collective: on NCCL, whose all_reduce of a word takes the tree's hops twice (up and down;
     its broadcast is a ring). Not on gloo, whose broadcast is a binomial tree in C++: the same hops, no Python a hop
     (8 ranks on 2 cores, the slots up the forced tree: 9.4 ms a gather with gloo's broadcast, 10.1 with the word

@@ -5,7 +5,7 @@ the steps of one call as a :class:`Plan`, from made-up numbers (no process group
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -16,6 +16,7 @@ from objcomm._transport.routes.cutoffs import (
     CHANNEL,
     PADDED,
     SHARED_MEMORY,
+    SLOT_TREE_RADIX,
     STRIPES,
     agreement_needed,
     all_announce,
@@ -111,7 +112,7 @@ class Knobs:
 class Step:
     """One transfer of a plan. ``collective``: what runs (``all_gather``, ``all_gatherv``: exact sizes,
     ``stripes``: each rank's rest to the ranks whose stripes hold it (gloo's exact exchange, then an all_gather),
-    ``sum``: an all_reduce of the table of slots, ``gather``, ``gather_tree``: a gather's slots up a binomial tree,
+    ``sum``: an all_reduce of the table of slots, ``gather``, ``gather_tree``: a gather's slots up a tree of ``radix``,
     ``broadcast``, ``spread``: a broadcast as a scatter, then an all_gather (send/recv), ``all_reduce``, ``vote``: a
     word's maximum by recursive doubling, then rank 0's broadcast,
     ``p2p``: one batch of sends and receives to one rank, ``tree``: a binomial tree of sends toward group rank 0,
@@ -128,6 +129,7 @@ class Step:
         1  # torch.distributed calls on its busiest rank: a vote's (vote_calls), a tree's (tree_calls), else one
     )
     messages: int = 1  # a reduction tree's: the messages one after another on each edge (tree_messages)
+    radix: int = 2  # a tree's (gather_tree, tree, down_tree): its radix (objcomm._transport.patterns.knomial)
 
 
 @dataclass(frozen=True)
@@ -242,11 +244,13 @@ def plan(
             tree = slots_up_tree(world=world)
             if tree:  # trimmed to what each carries, with its length (gather_up_tree)
                 held = carried if carried is not None else slots
-                steps.append(Step("gather_tree", BACKEND, tuple(_up_tree(n, knobs.slot_bytes) for n in held)))
+                trimmed = tuple(_up_tree(n, knobs.slot_bytes) for n in held)
+                steps.append(Step("gather_tree", BACKEND, trimmed, radix=SLOT_TREE_RADIX))
             else:
                 steps.append(Step("gather", BACKEND, slots))
             if tree and word_down_tree(cpu=topology.cpu):
-                steps.append(Step("down_tree", BACKEND, (8,), calls=2 if world > 3 else 1))  # a relay: take, pass on
+                relays = world > SLOT_TREE_RADIX + 1  # (the first relay: rank 4, over rank 5)
+                steps.append(Step("down_tree", BACKEND, (8,), calls=2 if relays else 1, radix=SLOT_TREE_RADIX))
             else:
                 steps.append(Step("broadcast" if topology.cpu else "all_reduce", BACKEND, (8,)))
         senders = [0 if i == root else r for i, r in enumerate(rests)]
@@ -345,7 +349,7 @@ def _two_level_steps(
     leaders = Topology(world=len(hosts), device=topology.device)
 
     def across(steps: List[Step]) -> List[Step]:
-        return [Step(s.collective, s.medium, s.nbytes, len(hosts), True, s.calls) for s in steps]
+        return [replace(s, ranks=len(hosts), across=True) for s in steps]
 
     def relay(n: int, agreed: bool = False) -> List[Step]:  # one rank's n bytes to every rank: its host, the
         # leaders (after a vote, spread where leaders_spread says so), the other hosts
@@ -383,7 +387,7 @@ def _two_level_steps(
         if slots_up_tree(world=len(hosts)):  # the leaders' tree, each slot trimmed (with its length)
             held = list(carried) if carried is not None else [slot] * world
             trimmed = [sum(_up_tree(n, slot) for n in held[h : h + k]) for h in range(0, world, k)]
-            leaders_step = Step("gather_tree", BACKEND, tuple(trimmed))
+            leaders_step = Step("gather_tree", BACKEND, tuple(trimmed), radix=SLOT_TREE_RADIX)
         else:
             leaders_step = Step("gather", BACKEND, (k * slot,) * len(hosts))
         steps = [Step("gather", CHANNEL, (slot,) * k, k), *across([leaders_step])]
