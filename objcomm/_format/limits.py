@@ -84,16 +84,17 @@ def too_large(
     )
 
 
-def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str, least: int = 0) -> None:
+def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str, least: int) -> None:
     """The same TooLargeError on every rank when a payload exceeds a receiver's limit (all seen in round 1): for the
     first such receiver, the first sender past its limit. O(W): a receiver's limit matters only against the largest
-    total of the *other* senders, the largest of all unless that is its own (then the second largest). ``least``
-    (round 1 in a slot wider than the settings', whose payloads of at most ``least`` bytes are accepted whatever the
-    limit): the payloads came with their slots, and are dropped."""
+    total of the *other* senders, the largest of all unless that is its own (then the second largest). ``least``:
+    the frame bytes the settings' slot carries (its inline capacity); a payload that round 1 carried whole
+    (:func:`complete`) within it came with the slot every receiver takes, and is accepted whatever the limit (in a
+    slot wider than the settings', a payload past ``least`` that came whole is dropped: it came in round 1)."""
     first = second = -1  # the largest and second-largest totals of senders without an error, and who sent the first
     biggest = -1
     for sender, info in enumerate(infos):
-        if not info.error and info.total > least:
+        if not info.error and not _accepted(info, least):
             total = info.total
             if total > first:
                 first, second, biggest = total, first, sender
@@ -103,12 +104,19 @@ def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str, least:
         limit = infos[receiver].limit
         if (second if receiver == biggest else first) > limit:
             for sender, info in enumerate(infos):  # once: the message names the first sender past this limit
-                if sender != receiver and not info.error and info.total > max(limit, least):
+                if sender != receiver and not info.error and not _accepted(info, least) and info.total > limit:
+                    came = complete(info)  # (in a wider slot than the settings')
                     raise too_large(
                         f"{op}: rank {sender} sends {info.total:,} bytes, above the "
                         f"max_bytes={limit:,} of receiving rank {receiver}",
-                        outcome="it came in round 1's slots, and was dropped" if least else "nothing was transferred",
+                        outcome="it came in round 1's slots, and was dropped" if came else "nothing was transferred",
                     )
+
+
+def _accepted(info: Any, least: int) -> bool:
+    """Whether a sender's payload is accepted whatever a receiver's limit: round 1 carried it whole, within the
+    settings' slot (``least``: its inline capacity)."""
+    return info.total <= least and complete(info)
 
 
 def check_relays(infos: Sequence[Any], relays: Sequence[Tuple[int, Sequence[int]]], dst: int, op: str) -> None:
@@ -119,7 +127,7 @@ def check_relays(infos: Sequence[Any], relays: Sequence[Tuple[int, Sequence[int]
         limit = infos[relay].limit
         for sender in senders:
             info = infos[sender]
-            if sender != relay and sender != dst and not info.error and info.total > limit:
+            if sender != relay and sender != dst and not info.error and not complete(info) and info.total > limit:
                 raise too_large(
                     f"{op}: rank {sender} sends {info.total:,} bytes, above the max_bytes={limit:,} of rank "
                     f"{relay}, which relays them to rank {dst} (a gather across hosts goes through each host's "

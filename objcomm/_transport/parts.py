@@ -54,7 +54,10 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
             raise _limits.inconsistent(op, src, problem)
         assert info.inline is not None
         return Incoming(info.inline, error=info.error)
-    refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if wire.rank != src and info.total > wire.max_bytes else 0
+    over = (
+        wire.rank != src and not _limits.complete(info) and info.total > wire.max_bytes
+    )  # (a part in its slot: taken)
+    refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if over else 0
     capacity = wire.inline_capacity  # the root's longest second round: its receivers know only their own
     sent = [outgoing_second_round_bytes(o, capacity) for r, o in enumerate(outs or ()) if r != src]
     longest = _vote_refusals(wire, refuse, info, src, op, problem, longest=max(sent, default=0))
@@ -113,7 +116,11 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
         if problems:
             raise _limits.inconsistent(op, *problems[0])
         return _round_one(infos)
-    over = [r for r, info in enumerate(infos) if r != wire.rank and info.total > wire.max_bytes]
+    over = [  # (a part that came whole in its slot is taken whatever the limit)
+        r
+        for r, info in enumerate(infos)
+        if r != wire.rank and not _limits.complete(info) and info.total > wire.max_bytes
+    ]
     refuse = REFUSE_MALFORMED if problems else REFUSE_LIMIT if over else 0
     mine = [0 if r == wire.rank else outgoing_second_round_bytes(o, wire.inline_capacity) for r, o in enumerate(outs)]
     # with the refusals and the longest stream, the smallest piece announced to any rank (each read only the slots

@@ -215,8 +215,9 @@ def all_gather_rest(
         plans = _limits.plans(infos, sizes_of, op)
         if memory is not None and wire.slot > memory.base:
             _check_wider(infos, memory.base - SLOT_PREFIX_BYTES, ends, op)
-        if not ends:
-            _limits.check_limits(infos, range(wire.size), op)
+        if not ends:  # (a payload round 1 carried whole in the settings' slot is accepted whatever the limit)
+            settings_slot = memory.base if memory is not None else wire.slot
+            _limits.check_limits(infos, range(wire.size), op, settings_slot - SLOT_PREFIX_BYTES)
     except ObjcommError:  # (every rank raises here alike: the group's next all_gather takes the settings' slot)
         if memory is not None:
             memory.forget()

@@ -292,6 +292,49 @@ def test_size_limits(ranks3):
         assert "max_bytes=5,000 of receiving rank 2" in r["reduce"], r
 
 
+def frames_in_their_slots_past_a_limit() -> dict:
+    """Rank 2 takes at most 1,000 bytes; rank 1's 3,000-byte string fits its slot (4 KiB); rank 0 sends a tensor
+    out of band, so a second round follows. Each collective on the channel's round 1 and the backend's: what it
+    returned on this rank, or the error."""
+    rank = dist.get_rank()
+    tensor = torch.arange(100)
+    mine = {0: tensor, 1: "x" * 3000, 2: "small"}[rank]
+    out = {}
+    for local in (True, False):
+        comm = objcomm.Communicator(max_bytes=1000 if rank == 2 else None, local=local, inline_tensor_bytes=0)
+        parts = [tensor if rank == 0 else "x" * 3000 if rank == 1 else "s"] * 3
+        calls = {
+            "all_gather": lambda comm=comm: comm.all_gather(mine),
+            "gather": lambda comm=comm: comm.gather(mine, dst=2),
+            "all_to_all": lambda comm=comm, parts=parts: comm.all_to_all(parts),
+            "scatter": lambda comm=comm: comm.scatter(["s", tensor, "x" * 3000] if rank == 0 else None, src=0),
+        }
+        for name, call in calls.items():
+            try:
+                got = call()
+                out[name, local] = (
+                    [len(g) if isinstance(g, str) else int(g.sum()) for g in got]
+                    if isinstance(got, list)
+                    else (got if got is None else len(got) if isinstance(got, str) else int(got.sum()))
+                )
+            except objcomm.ObjcommError as exc:
+                out[name, local] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_a_frame_that_fits_its_slot_is_taken_whatever_the_receivers_limit(ranks3):
+    """docs/security.md: the limit bounds what a receiver allocates beyond its slot; a frame that fits the slot came
+    with it, and is accepted whatever max_bytes, also where another rank's payload (a tensor out of band) takes a
+    second round (every rank raised TooLargeError there, naming the 3,000-byte string, before)."""
+    total = int(torch.arange(100).sum())
+    for rank, got in enumerate(ranks3.run(frames_in_their_slots_past_a_limit)):
+        for local in (True, False):
+            assert got["all_gather", local] == [total, 3000, 5], (rank, local, got)
+            assert got["gather", local] == ([total, 3000, 5] if rank == 2 else None), (rank, local, got)
+            assert got["all_to_all", local] == [total, 3000, 1], (rank, local, got)
+            assert got["scatter", local] == [1, total, 3000][rank], (rank, local, got)
+
+
 MARKER_NAME = "objcomm-pwned-marker"
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any, List, NamedTuple, Optional
 
 import pytest
 
 from objcomm import TooLargeError
-from objcomm._format.limits import check_limits, check_relays, checked_sizes, for_sender
+from objcomm._format import limits
+from objcomm._format.limits import check_relays, checked_sizes, for_sender
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -19,6 +21,16 @@ class Info(NamedTuple):  # the fields of objcomm._format.slot.SlotInfo that the 
     total: int
     limit: int
     sizes: Optional[List[int]] = None
+    inline: Optional[bytes] = None  # the frame, where the slot carried it
+
+
+CAPACITY = 4072  # the frame bytes the settings' slot carries (4 KiB less its prefix)
+check_limits = functools.partial(limits.check_limits, least=CAPACITY)
+
+
+def whole(total: int, limit: int = 10**9) -> Info:
+    """A sender whose frame of ``total`` bytes came whole in its slot (no tensors)."""
+    return Info(total, False, total, limit, inline=b"x" * total)
 
 
 class Counted:
@@ -40,7 +52,8 @@ def pairwise(infos: List[Any], receivers: Any, op: str) -> None:
     for receiver in receivers:
         limit = infos[receiver].limit
         for sender, info in enumerate(infos):
-            if sender != receiver and not info.error and info.total > limit:
+            taken = info.inline is not None and info.total == info.length and info.total <= CAPACITY
+            if sender != receiver and not info.error and not taken and info.total > limit:
                 raise TooLargeError(
                     f"{op}: rank {sender} sends {info.total:,} bytes, above the max_bytes={limit:,} "
                     f"of receiving rank {receiver}"
@@ -62,6 +75,8 @@ def test_the_same_first_failure_as_every_pair_in_order():
         world = rng.choice([1, 2, 3, 5, 8, 33])
         infos = [
             Info(10, rng.random() < 0.2, rng.choice([10, 100, 1000, 5000]), rng.choice([50, 500, 2000, 10**9]))
+            if rng.random() < 0.7
+            else whole(rng.choice([100, 3000, 4072, 5000]), rng.choice([50, 500, 2000, 10**9]))
             for _ in range(world)
         ]
         receivers = [rng.randrange(world)] if rng.random() < 0.3 else range(world)
@@ -89,6 +104,27 @@ def test_work_is_linear_in_the_world_size(failing):
     Counted.reads = 0
     assert (outcome(check_limits, infos, range(world)) is not None) == failing
     assert Counted.reads <= 3 * world, Counted.reads  # pairwise: 8192 x 8191 reads
+
+
+def test_a_payload_round_1_carried_whole_in_the_settings_slot_is_taken_whatever_the_limit():
+    """A frame that fits the slot came with the slot every receiver takes: accepted whatever a receiver's max_bytes
+    (docs/security.md), also where another sender's payload (a tensor, here) takes a second round; a payload past
+    the settings' slot is held to the limit, and one that came whole in a wider slot (``least`` below it) is
+    dropped, saying so. A relay holds no rest for such a sender."""
+    tensor = Info(300, False, 800, 10**9)  # its frame in its slot, 500 bytes of tensor after it: a second round
+    infos = [Info(10, False, 10, 1000), whole(3000), tensor]  # rank 0 takes at most 1,000 bytes
+    assert outcome(check_limits, infos, range(3)) is None
+    check_relays(infos, [(0, [0, 1, 2])], 2, "gather")
+    infos[2] = Info(300, False, 1800, 10**9)  # its tensor past rank 0's limit
+    assert (
+        outcome(check_limits, infos, range(3))
+        == "rank 2 sends 1,800 bytes, above the max_bytes=1,000 of receiving rank 0"
+    )
+    infos[2] = tensor
+    with pytest.raises(TooLargeError, match="rank 1 sends 3,000 bytes.*it came in round 1's slots, and was dropped"):
+        limits.check_limits(infos, range(3), "all_gather", least=1000)  # a wider slot than the settings' 1 KB
+    with pytest.raises(TooLargeError, match="rank 2 sends 1,800 bytes.*nothing was transferred"):
+        limits.check_limits([*infos[:2], Info(300, False, 1800, 10**9)], range(3), "all_gather", least=CAPACITY)
 
 
 def test_a_relay_is_held_to_its_limit_for_the_senders_it_holds_only():
