@@ -94,7 +94,7 @@ def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str, least:
     first = second = -1  # the largest and second-largest totals of senders without an error, and who sent the first
     biggest = -1
     for sender, info in enumerate(infos):
-        if not info.error and not _accepted(info, least):
+        if not info.error and not accepted(info, least):
             total = info.total
             if total > first:
                 first, second, biggest = total, first, sender
@@ -104,7 +104,7 @@ def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str, least:
         limit = infos[receiver].limit
         if (second if receiver == biggest else first) > limit:
             for sender, info in enumerate(infos):  # once: the message names the first sender past this limit
-                if sender != receiver and not info.error and not _accepted(info, least) and info.total > limit:
+                if sender != receiver and not info.error and not accepted(info, least) and info.total > limit:
                     came = complete(info)  # (in a wider slot than the settings')
                     raise too_large(
                         f"{op}: rank {sender} sends {info.total:,} bytes, above the "
@@ -113,21 +113,29 @@ def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str, least:
                     )
 
 
-def _accepted(info: Any, least: int) -> bool:
+def accepted(info: Any, least: int) -> bool:
     """Whether a sender's payload is accepted whatever a receiver's limit: round 1 carried it whole, within the
     settings' slot (``least``: its inline capacity)."""
     return info.total <= least and complete(info)
 
 
-def check_relays(infos: Sequence[Any], relays: Sequence[Tuple[int, Sequence[int]]], dst: int, op: str) -> None:
+def check_relays(
+    infos: Sequence[Any], relays: Sequence[Tuple[int, Sequence[int]]], dst: int, op: str, least: int
+) -> None:
     """:func:`check_limits` for the ranks that hold rests on their way to ``dst`` (``relays``: each such rank, with
     the senders whose rests it holds; a two-level gather's leaders): the same TooLargeError on every rank, naming the
-    first sender past a relay's limit. O(the senders listed)."""
+    first sender past a relay's limit (``least``: as for :func:`check_limits`). O(the senders listed)."""
     for relay, senders in relays:
         limit = infos[relay].limit
         for sender in senders:
             info = infos[sender]
-            if sender != relay and sender != dst and not info.error and not complete(info) and info.total > limit:
+            if (
+                sender != relay
+                and sender != dst
+                and not info.error
+                and not accepted(info, least)
+                and info.total > limit
+            ):
                 raise too_large(
                     f"{op}: rank {sender} sends {info.total:,} bytes, above the max_bytes={limit:,} of rank "
                     f"{relay}, which relays them to rank {dst} (a gather across hosts goes through each host's "

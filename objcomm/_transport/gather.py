@@ -178,7 +178,7 @@ def _check_limits(wire: Wire, infos: List[SlotInfo], dst: int, op: str) -> None:
     """Every sender's total against ``dst``'s limit, and against the limit of each rank that holds it on its way
     there (:meth:`~objcomm._transport.base.RestMedia.relays`: on two levels, the leaders)."""
     _limits.check_limits(infos, [dst], op, wire.inline_capacity)
-    _limits.check_relays(infos, wire.rest_media.relays(wire, dst, op), dst, op)
+    _limits.check_relays(infos, wire.rest_media.relays(wire, dst, op), dst, op, wire.inline_capacity)
 
 
 def _send_rest(wire: Wire, out: Outgoing, dst: int, op: str) -> None:

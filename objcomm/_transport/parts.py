@@ -54,9 +54,8 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
             raise _limits.inconsistent(op, src, problem)
         assert info.inline is not None
         return Incoming(info.inline, error=info.error)
-    over = (
-        wire.rank != src and not _limits.complete(info) and info.total > wire.max_bytes
-    )  # (a part in its slot: taken)
+    in_slot = _limits.accepted(info, wire.inline_capacity)  # (a part that came whole in its slot)
+    over = wire.rank != src and not in_slot and info.total > wire.max_bytes
     refuse = REFUSE_MALFORMED if problem else REFUSE_LIMIT if over else 0
     capacity = wire.inline_capacity  # the root's longest second round: its receivers know only their own
     sent = [outgoing_second_round_bytes(o, capacity) for r, o in enumerate(outs or ()) if r != src]
@@ -119,7 +118,7 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
     over = [  # (a part that came whole in its slot is taken whatever the limit)
         r
         for r, info in enumerate(infos)
-        if r != wire.rank and not _limits.complete(info) and info.total > wire.max_bytes
+        if r != wire.rank and not _limits.accepted(info, wire.inline_capacity) and info.total > wire.max_bytes
     ]
     refuse = REFUSE_MALFORMED if problems else REFUSE_LIMIT if over else 0
     mine = [0 if r == wire.rank else outgoing_second_round_bytes(o, wire.inline_capacity) for r, o in enumerate(outs)]

@@ -114,7 +114,7 @@ def test_a_payload_round_1_carried_whole_in_the_settings_slot_is_taken_whatever_
     tensor = Info(300, False, 800, 10**9)  # its frame in its slot, 500 bytes of tensor after it: a second round
     infos = [Info(10, False, 10, 1000), whole(3000), tensor]  # rank 0 takes at most 1,000 bytes
     assert outcome(check_limits, infos, range(3)) is None
-    check_relays(infos, [(0, [0, 1, 2])], 2, "gather")
+    check_relays(infos, [(0, [0, 1, 2])], 2, "gather", CAPACITY)
     infos[2] = Info(300, False, 1800, 10**9)  # its tensor past rank 0's limit
     assert (
         outcome(check_limits, infos, range(3))
@@ -135,16 +135,16 @@ def test_a_relay_is_held_to_its_limit_for_the_senders_it_holds_only():
     hosts = [(0, [0, 1, 2]), (3, [3, 4, 5])]  # dst: rank 1
     for sender in (0, 1, 3, 4, 5):  # its own, dst's own (which does not move), or a host rank 0 does not hold
         over = infos[:sender] + [Info(10, False, big, small)] + infos[sender + 1 :]
-        check_relays(over, hosts, 1, "gather")
+        check_relays(over, hosts, 1, "gather", CAPACITY)
     infos[2] = Info(10, True, big, 10**9)  # an error report: raised as such, never as too large
-    check_relays(infos, hosts, 1, "gather")
+    check_relays(infos, hosts, 1, "gather", CAPACITY)
     infos[2] = Info(10, False, big, 10**9)
     with pytest.raises(TooLargeError, match="rank 2 sends 1,000,000 bytes, above the max_bytes=100 of rank 0, which "):
-        check_relays(infos, hosts, 1, "gather")
+        check_relays(infos, hosts, 1, "gather", CAPACITY)
     infos[2] = Info(10, False, 10, 10**9)
     infos[5] = Info(10, False, big, 10**9)
     with pytest.raises(TooLargeError, match="rank 5 sends 1,000,000 bytes, above the max_bytes=100 of rank 0"):
-        check_relays(infos, hosts + [(0, range(6))], 1, "gather")  # rank 0 also holds every host's for dst
+        check_relays(infos, hosts + [(0, range(6))], 1, "gather", CAPACITY)  # rank 0 also holds every host's for dst
 
 
 def test_checked_sizes_read_each_frame_against_its_own_senders_slot():

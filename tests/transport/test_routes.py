@@ -266,7 +266,7 @@ def test_a_gathers_slots_go_up_a_tree_from_64_ranks(device):
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_a_gathers_tree_has_radix_8_and_its_word_comes_down_it_on_nccl(device):
+def test_a_gathers_tree_has_radix_4_and_its_word_comes_down_it_on_nccl(device):
     """The slots' tree and, on NCCL, the word's way down take SLOT_TREE_RADIX (patterns.knomial: 7 levels at 8192
     ranks, not 13); the word's relays take it and pass it on, two calls (from radix + 2 ranks: rank 4 over rank 5)."""
     assert routes.SLOT_TREE_RADIX == 4

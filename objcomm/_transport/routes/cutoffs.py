@@ -47,10 +47,11 @@ SUMMED_SLOTS_FROM = TREE_GATHER_FROM = TREE_DOWN_FROM = 64  # ranks (leaders): s
 # the binomial tree takes 13. Its messages are short (4-byte lengths, slots trimmed to what they carry, an 8-byte
 # word) and the bytes into each rank are its subtree's whatever the radix. Not wider: each message also costs its
 # receiver some CPU one after another (~35 us a message measured on 2 cores, gloo on loopback), and a wider tree
-# gives the destination more of them ((radix - 1) x levels: 21 at radix 4, 29 at 8, 13 binomial); with that cost
-# at half a hop's latency radix 8 is slower than 4, at twice a hop's 4 is as slow as the binomial tree and 8 slower
-# (`python benchmarks/scale_model.py --radix-table`). Not the reductions' tree: its edges carry whole values, and a
-# parent takes in radix - 1 of them a level.
+# gives the destination more of them ((radix - 1) x levels: 21 at radix 4, 29 at 8, 13 binomial). Which radix is
+# fastest depends on that cost (`python benchmarks/scale_model.py --radix-table`: 8 below ~6 us a message, 4 to
+# ~15 us, 3 above, at a 20 us hop), which nothing here measured on a server; 4 is never more than 1.4x the fastest
+# from 0 to 40 us a message (3: 1.6x, 8: 1.72x, binomial 2.6x) and never slower than the binomial tree. Not the
+# reductions' tree: its edges carry whole values, and a parent takes in radix - 1 of them a level.
 SLOT_TREE_RADIX = 4
 
 
@@ -163,8 +164,10 @@ def slots_summed(*, world: int, cpu: bool, forced: bool = False) -> bool:
 def slots_up_tree(*, world: int, forced: bool = False) -> bool:
     """Whether a gather's round 1 through the backend goes up a tree (:data:`SLOT_TREE_RADIX`) to the destination
     (:func:`objcomm._transport.slot_tree.gather_up_tree`: lengths a level ahead of the trimmed slots) rather than in
-    the backend's gather (W - 1 whole slots into it). From :data:`TREE_GATHER_FROM` ranks (or leaders): below, the
-    levels cost more than the fan-in (the model: 1 KB objects near 50 ranks on NCCL, 40 on gloo). ``forced``: tests."""
+    the backend's gather (W - 1 whole slots into it). From :data:`TREE_GATHER_FROM` ranks (or leaders). Under
+    benchmarks/scale_model.py's model the tree of radix 4 costs less than the backend's gather for 1 KB objects from
+    about 16 ranks on NCCL and 24 on gloo; measured on 8 and 16 gloo ranks sharing 2 cores it cost twice as much
+    (benchmarks/RESULTS.md), so the cut-off stays where no run here could show the tree ahead. ``forced``: tests."""
     return forced or world >= TREE_GATHER_FROM
 
 
