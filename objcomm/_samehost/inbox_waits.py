@@ -433,7 +433,7 @@ def poll_briefly(poll: Any, until: float, yielding: bool = False) -> bool:
     nothing else waits for the CPU the yield returns at once (2 ranks on 2 idle CPUs: a small all_gather 25 µs
     either way); where something does, it keeps the call steady: 2 ranks on 2 CPUs beside one busy process, a
     small all_gather took 46 µs to 1.1 ms from launch to launch polling without yielding (a newcomer's bench rows
-    slower than torch's), 89-140 µs yielding (``benchmarks/bench_busy_host.py``, benchmarks/RESULTS.md; torch's
+    slower than torch's), 89-140 µs yielding (``benchmarks/bench_busy_host.py``, benchmarks/history/; torch's
     ``all_gather_object`` 1.9-4.1 ms there). It yielded only where the group's ranks outnumbered the CPUs before.
     """
     if yielding:
