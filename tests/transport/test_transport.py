@@ -7,7 +7,7 @@ import contextlib
 import os
 import time
 from datetime import timedelta
-from typing import Any, List
+from typing import Any, List, Optional
 
 import pytest
 import torch
@@ -602,6 +602,61 @@ def test_broadcasts_of_objects_alike_past_the_slot_learn_a_wider_one():
         else:
             assert refused == "returned", (rank, refused)
         assert liar.startswith("FrameError: broadcast: rank 1 sent inconsistent sizes: an error report"), (rank, liar)
+
+
+def all_reduces_that_learn_their_results_slot() -> Any:
+    """all_reduces through gloo (no same-host channel, so the result goes back in the backend's broadcast), each
+    rank's value alike and kept from the left (the result: group rank 0's): each call's (broadcasts, right); then,
+    in a wider slot, a result past rank 2's max_bytes (refused at the root, for every rank alike), and a call
+    after it."""
+    from objcomm._state import group_facts
+
+    rank = dist.get_rank()
+    slots = group_facts(dist.group.WORLD).slots
+    slots.pop(("all_reduce", 4096), None)  # (the pool's earlier tests: a memory of their all_reduces)
+    comm = objcomm.Communicator(local=False, shm=False)
+    seen: list = []
+
+    def reduced(length: int, limit: Optional[int] = None) -> None:
+        obj = {"data": bytes([rank]) * (length if limit is None else 10)}  # (a limit bounds what a rank sends too)
+        calls = {"n": 0}
+        real = dist.broadcast
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            return real(*args, **kwargs)
+
+        dist.broadcast = counted  # type: ignore[assignment]
+        try:
+            got = comm.all_reduce(obj, op=lambda a, b: a, max_bytes=limit)
+            seen.append((calls["n"], got == {"data": bytes([0]) * length}))
+        except objcomm.ObjcommError as exc:
+            seen.append((calls["n"], f"{type(exc).__name__}: {exc}"))
+        finally:
+            dist.broadcast = real  # type: ignore[assignment]
+
+    for length in (50_000, 50_000, 50_000, 50_000, 100, 50_000, 50_000, 2_000_000, 2_000_000, 600_000, 600_000):
+        reduced(length)
+    reduced(600_000, 10_000 if rank == 2 else None)
+    reduced(600_000)
+    slots.pop(("all_reduce", 4096), None)  # (the pool's later tests start from the settings' slot)
+    return seen
+
+
+def test_all_reduces_of_results_alike_past_the_slot_learn_a_wider_one():
+    """all_reduce's result, where it goes back in the backend's broadcast (gloo without two levels), takes a wider
+    slot as a broadcast does, from its own memory (the results of the last two all_reduces on the group): two
+    broadcasts a call (the slot, then the rest), then one; past 1 MiB never. A result past a rank's max_bytes is
+    refused at the root for every rank alike, as before (its error report is one broadcast), and the call after it
+    takes the settings' slot again (the error taught nothing wider)."""
+    every = get_pool(3).run(all_reduces_that_learn_their_results_slot)
+    for rank, seen in enumerate(every):
+        assert [right for _, right in seen[:11]] == [True] * 11, (rank, seen)
+        assert [n for n, _ in seen[:11]] == [2, 2, 1, 1, 1, 2, 2, 3, 3, 2, 2], (rank, [n for n, _ in seen])
+        n, refused = seen[11]  # (group rank 0 raises it as its own, the others as rank 0's)
+        assert n == 1 and "TooLargeError: all_reduce: the result is 600," in refused, (rank, seen[11])
+        assert "above max_bytes=10,000 of a rank in the group" in refused, (rank, seen[11])
+        assert seen[12] == (2, True), (rank, seen[12])
 
 
 def broadcasts_refused_by_a_vote() -> List[str]:

@@ -55,7 +55,8 @@ width                   the two all_gathers before it on the group suggest (the 
                         where their frames, alike within ``PADDED_WITHIN``, passed it and
                         no rank sent tensors: the widest and an eighth (16 KiB at most), its table at most
                         :data:`LEARNED_TABLE_MOST`; the frames then ride in round 1. A
-                        broadcast's, likewise, up to :data:`LEARNED_BROADCAST_MOST`
+                        broadcast's (an all_reduce result's broadcast: its own), up to
+                        :data:`LEARNED_BROADCAST_MOST`
 gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks: up a      :func:`slots_up_tree`
                         tree of send/recv (:data:`SLOT_TREE_RADIX`: ceil(log4 W) levels), each slot
                         trimmed to what it carries; below it the backend's gather
