@@ -4,6 +4,7 @@ pieces bounded by the group's timeout once."""
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import time
 from datetime import timedelta
@@ -12,6 +13,7 @@ from typing import Any, List, Optional
 import pytest
 import torch
 import torch.distributed as dist
+from _hostile import a_relay_that_lies
 from _ranks import get_pool
 
 import objcomm
@@ -608,7 +610,8 @@ def all_reduces_that_learn_their_results_slot() -> Any:
     """all_reduces through gloo (no same-host channel, so the result goes back in the backend's broadcast), each
     rank's value alike and kept from the left (the result: group rank 0's): each call's (broadcasts, right); then,
     in a wider slot, a result past rank 2's max_bytes (refused at the root, for every rank alike), and a call
-    after it."""
+    after it; then two calls of 160 KB results and one in which rank 2 hides its own max_bytes (100 KB) on the way
+    up (a liar: the root sends the result), and a call after it."""
     from objcomm._state import group_facts
 
     rank = dist.get_rank()
@@ -617,8 +620,7 @@ def all_reduces_that_learn_their_results_slot() -> Any:
     comm = objcomm.Communicator(local=False, shm=False)
     seen: list = []
 
-    def reduced(length: int, limit: Optional[int] = None) -> None:
-        obj = {"data": bytes([rank]) * (length if limit is None else 10)}  # (a limit bounds what a rank sends too)
+    def counting(run: Any) -> None:
         calls = {"n": 0}
         real = dist.broadcast
 
@@ -628,18 +630,31 @@ def all_reduces_that_learn_their_results_slot() -> Any:
 
         dist.broadcast = counted  # type: ignore[assignment]
         try:
-            got = comm.all_reduce(obj, op=lambda a, b: a, max_bytes=limit)
-            seen.append((calls["n"], got == {"data": bytes([0]) * length}))
+            outcome = run()
         except objcomm.ObjcommError as exc:
-            seen.append((calls["n"], f"{type(exc).__name__}: {exc}"))
+            outcome = f"{type(exc).__name__}: {exc}"
         finally:
             dist.broadcast = real  # type: ignore[assignment]
+        seen.append((calls["n"], outcome))
 
-    for length in (50_000, 50_000, 50_000, 50_000, 100, 50_000, 50_000, 2_000_000, 2_000_000, 600_000, 600_000):
-        reduced(length)
-    reduced(600_000, 10_000 if rank == 2 else None)
-    reduced(600_000)
-    slots.pop(("all_reduce", 4096), None)  # (the pool's later tests start from the settings' slot)
+    def reduced(length: int, limit: Optional[int] = None) -> None:
+        obj = {"data": bytes([rank]) * (length if limit is None else 10)}  # (a limit bounds what a rank sends too)
+        counting(lambda: comm.all_reduce(obj, op=lambda a, b: a, max_bytes=limit) == {"data": bytes([0]) * length})
+
+    def concatenated(limit: Optional[int] = None) -> None:  # 160 KB in all (text: in the frame, not out of band)
+        counting(lambda: len(comm.all_reduce("x" * (160_000 // 3), operator.add, max_bytes=limit)))
+
+    try:
+        for length in (50_000, 50_000, 50_000, 50_000, 100, 50_000, 50_000, 2_000_000, 2_000_000, 600_000, 600_000):
+            reduced(length)
+        reduced(600_000, 10_000 if rank == 2 else None)
+        reduced(600_000)
+        concatenated(), concatenated()
+        with a_relay_that_lies("hidden limit", lambda wire, dst: dst == 0, rank == 2):
+            concatenated(100_000 if rank == 2 else None)
+        concatenated()
+    finally:
+        slots.pop(("all_reduce", 4096), None)  # (the pool's later tests start from the settings' slot)
     return seen
 
 
@@ -648,7 +663,9 @@ def test_all_reduces_of_results_alike_past_the_slot_learn_a_wider_one():
     slot as a broadcast does, from its own memory (the results of the last two all_reduces on the group): two
     broadcasts a call (the slot, then the rest), then one; past 1 MiB never. A result past a rank's max_bytes is
     refused at the root for every rank alike, as before (its error report is one broadcast), and the call after it
-    takes the settings' slot again (the error taught nothing wider)."""
+    takes the settings' slot again (the error taught nothing wider). A rank that hid its limit on the way up
+    refuses the result alone in the wider slot, after its memory learnt as every rank's did: the group stays in
+    step."""
     every = get_pool(3).run(all_reduces_that_learn_their_results_slot)
     for rank, seen in enumerate(every):
         assert [right for _, right in seen[:11]] == [True] * 11, (rank, seen)
@@ -656,6 +673,17 @@ def test_all_reduces_of_results_alike_past_the_slot_learn_a_wider_one():
         n, refused = seen[11]  # (group rank 0 raises it as its own, the others as rank 0's)
         assert n == 1 and "TooLargeError: all_reduce: the result is 600," in refused, (rank, seen[11])
         assert "above max_bytes=10,000 of a rank in the group" in refused, (rank, seen[11])
+        # two 160 KB results (after a 600 KB one: the first in the settings' slot, the second in one of 160 KB);
+        # then rank 2, which hid its own limit on the way up, refuses the result alone in that slot (one broadcast on
+        # every rank, learnt before it raised), and the next call is in step
+        assert seen[13:15] == [(2, 159_999), (1, 159_999)], (rank, seen[13:15])
+        n, outcome = seen[15]
+        if rank == 2:
+            assert n == 1 and outcome.startswith("TooLargeError: broadcast: rank 0 sends 160,0"), (rank, seen[15])
+            assert "max_bytes=100,000" in outcome, (rank, seen[15])
+        else:
+            assert seen[15] == (1, 159_999), (rank, seen[15])
+        assert seen[16] == (1, 159_999), (rank, seen[16])
         assert seen[12] == (2, True), (rank, seen[12])
 
 
