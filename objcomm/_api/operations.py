@@ -158,9 +158,9 @@ class Operations(Resolving):
         # goes back down the reduce tree
         leaders = 0 if levels is None else len(levels.leaders)
         tree = routes.result_down_tree(cpu=wire.device.type == "cpu", forced=self._hooks.down_tree, leaders=leaders)
-        # else in the backend's broadcast, in the slot the group's last two all_reduce results suggest (their own
-        # memory: a loop's results of about one size take one broadcast, where they took the slot's and the rest's)
-        memory = None if tree or levels is not None else _slot_memory(wire, "all_reduce", routes.LEARNED_BROADCAST_MOST)
+        # else, where it takes the backend's broadcast, in the slot the group's last two all_reduce results suggest
+        # (their own memory: a loop's results of about one size take one broadcast, where they took two)
+        memory = _slot_memory(wire, "all_reduce", routes.LEARNED_BROADCAST_MOST)
         result = _broadcast_rounds.broadcast(wire, out, _frame.tensor_sizes, 0, tree=tree, levels=levels, memory=memory)
         if result.error:  # a rank failed (rank 0 knows that much): every rank's own report, to all
             report, failed = final_report(call, None, False, own or local or result.refused)

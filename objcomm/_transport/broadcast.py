@@ -114,7 +114,8 @@ def broadcast_rest(
         memory.learn([info], wire.slot)
     if info.error or _limits.complete(info):
         assert info.inline is not None
-        if memory is not None and not info.error and wire.rank != src and info.total > max(capacity, wire.max_bytes):
+        in_slot = memory is None or info.error or _limits.accepted(info, capacity)  # (as check_limits' rule)
+        if not in_slot and wire.rank != src and info.total > wire.max_bytes:
             # a frame past the settings' slot, in a wider one: refused alone, as a rest it would drain is
             raise _limits.refused(op, src, wire, info.total, None, drained=True, into="round 1's slot")
         return Incoming(info.inline, error=info.error)

@@ -211,13 +211,16 @@ def all_gather_rest(
     ends = _limits.round_one_ends(infos)
     if not ends:  # a second round or a refusal follows: only on slots every rank read alike
         wire.slot_medium.agree(wire, infos, op)
+    settings_slot = memory.base if memory is not None else wire.slot
+    capacity, wider = settings_slot - SLOT_PREFIX_BYTES, wire.slot > settings_slot
     try:
         plans = _limits.plans(infos, sizes_of, op)
-        if memory is not None and wire.slot > memory.base:
-            _check_wider(infos, memory.base - SLOT_PREFIX_BYTES, ends, op)
-        if not ends:  # (a payload round 1 carried whole in the settings' slot is accepted whatever the limit)
-            settings_slot = memory.base if memory is not None else wire.slot
-            _limits.check_limits(infos, range(wire.size), op, settings_slot - SLOT_PREFIX_BYTES)
+        failed = wider and _long_reports(infos, capacity, op)
+        # every payload against every receiver's max_bytes (one round 1 carried whole in the settings' slot is taken
+        # whatever the limit), unless round 1 ended the call: an error report ends it first, and in the settings'
+        # slot every payload came whole
+        if not ends or (wider and not failed):
+            _limits.check_limits(infos, range(wire.size), op, capacity)
     except ObjcommError:  # (every rank raises here alike: the group's next all_gather takes the settings' slot)
         if memory is not None:
             memory.forget()
@@ -279,19 +282,17 @@ def long_report(info: SlotInfo, capacity: int) -> Optional[str]:
     return None
 
 
-def _check_wider(infos: Sequence[SlotInfo], capacity: int, ends: bool, op: str) -> None:
+def _long_reports(infos: Sequence[SlotInfo], capacity: int, op: str) -> bool:
     """Round 1 of an all_gather in a slot wider than the settings' (``capacity`` bytes after the prefix in theirs):
-    no error report past it (:func:`long_report`), and where round 1 carried every message a frame past it meets
-    every receiver's ``max_bytes`` as a second round's does (an error report anywhere ends the call first, as in the
-    settings' slot). The same on every rank."""
+    no error report past it (:func:`long_report`; the same on every rank), and whether any came. A frame past
+    ``capacity`` then meets every receiver's ``max_bytes`` as a second round's does (:func:`all_gather_rest`)."""
     failed = False
     for sender, info in enumerate(infos):
         problem = long_report(info, capacity)
         if problem:
             raise _limits.inconsistent(op, sender, problem)
         failed = failed or info.error
-    if ends and not failed:
-        _limits.check_limits(infos, range(len(infos)), op, least=capacity)
+    return failed
 
 
 def _round_one(infos: List[SlotInfo]) -> Sequence[Optional[Incoming]]:
