@@ -10,8 +10,8 @@
   non-blocking operation on it, its async state (:class:`objcomm._api.requests._Lanes`: the shadow group,
   the lanes and which point-to-point keys are busy); the wires of the calls made on it, one per
   set of options (:func:`objcomm._api.call.wire_for`); and the one thing that follows its calls rather than the group,
-  the slot its next all_gather or broadcast takes (:class:`objcomm._transport.rounds.SlotMemory`: the same on every
-  rank).
+  the slot its next all_gather, broadcast or all_reduce result's broadcast takes
+  (:class:`objcomm._transport.rounds.SlotMemory`: the same on every rank).
 
 The one other piece of process state is the ``configure()`` layer of the settings, which
 :mod:`objcomm._settings` owns with its lock. Besides these there are only pure memos
@@ -44,7 +44,7 @@ class GroupFacts:
     levels: Dict[int, Any] = field(default_factory=dict)  # separate -> Levels or None (objcomm._samehost.two_level)
     # (device, options, segments) -> a wire less its group
     wires: Dict[Any, Tuple[Any, ...]] = field(default_factory=dict)
-    # (op, the settings' slot) -> what the last all_gathers (broadcasts) on it suggest for the next: a SlotMemory
+    # (op, the settings' slot) -> what the op's last calls on it suggest for the next: a SlotMemory
     slots: Dict[Tuple[str, int], Any] = field(default_factory=dict)
 
 
