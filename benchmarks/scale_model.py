@@ -353,6 +353,7 @@ class Sizes:
     broadcast: int  # broadcast's value: the largest payload, on the root
     broadcast_rest: int
     carried: Tuple[int, ...] = ()  # what each rank's slot holds: its prefix, the frame where it fits, sizes listed
+    tensors: bool = False  # the rests are out-of-band tensors
 
 
 def pickled_rest(size: int, slot_bytes: int = routes.Knobs().slot_bytes) -> int:
@@ -418,7 +419,8 @@ def sizes_for(case: str, world: int) -> Sizes:
     largest = max(payloads)
     tensor = case == "uneven-tensors"
     carried = tuple(slot_carries(n, tensor) for n in payloads)
-    return Sizes(tuple(payloads), tuple(rest(n) for n in payloads), value, rest(value), largest, rest(largest), carried)
+    rests = tuple(rest(n) for n in payloads)
+    return Sizes(tuple(payloads), rests, value, rest(value), largest, rest(largest), carried, tensor)
 
 
 # -- objcomm, ideal, torch -----------------------------------------------------------------------------------------
@@ -439,7 +441,8 @@ def objcomm_plan(op: str, params: Params, world: int, sizes: Sizes, two_levels: 
     else:
         raise ValueError(f"unknown op {op!r}")
     carried = sizes.carried if op == "gather" else None
-    return routes.plan(op, topology(params, world, two_levels), rests, root=0, listed=True, carried=carried)
+    where = topology(params, world, two_levels)
+    return routes.plan(op, where, rests, root=0, listed=True, carried=carried, tensors=sizes.tensors)
 
 
 def objcomm_cost(op: str, params: Params, world: int, sizes: Sizes) -> float:

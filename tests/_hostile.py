@@ -179,13 +179,13 @@ def a_relay_that_lies(
 
     real = _p2p.send
 
-    def lying_send(wire: Any, out: Any, dst: int, eager: bool = True) -> None:
+    def lying_send(wire: Any, out: Any, dst: int, eager: bool = True, tree: bool = False) -> None:
         if wire.tag == INTERNAL_TAG and to(wire, dst):
             if lie == "forged":
                 out = error_frame(ObjcommError(f"forged by rank {wire.rank}"), wire.inline_capacity)
             else:
                 wire = wire._replace(max_bytes=1 << 61)
-        real(wire, out, dst, eager)
+        real(wire, out, dst, eager, tree)
 
     return _replaced(_p2p, "send", lying_send, active)
 

@@ -188,7 +188,7 @@ def _climb(
     for child, end in zip(tree.children, tree.ends):
         peer = ranks[child]
         try:
-            _, item, is_error = _p2p.recv(wire, peer, _frame.tensor_sizes)
+            _, item, is_error = _p2p.recv(wire, peer, _frame.tensor_sizes, tree=True)
             lowest = min(lowest, item.sender_limit)
             if is_error:
                 complete = False

@@ -56,7 +56,7 @@ def prefix(call: Any, obj: Any, op: Op, exclusive: bool = False) -> Scanned:
             own = own or refused
         if step.source is not None:
             try:
-                _, item, is_error = _p2p.recv(wire, step.source, _frame.tensor_sizes)
+                _, item, is_error = _p2p.recv(wire, step.source, _frame.tensor_sizes, tree=True)
                 if is_error:
                     complete = False
                 elif complete:

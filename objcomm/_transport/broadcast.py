@@ -226,7 +226,7 @@ def _descend(
             got = Incoming(forward.frame if forward.error else memoryview(b""), error=forward.error)
     else:
         try:
-            _, got, _ = _p2p.recv(wire, ranks[tree.parent], sizes_of)
+            _, got, _ = _p2p.recv(wire, ranks[tree.parent], sizes_of, tree=True)
             small = got.frame.nbytes <= wire.inline_capacity  # a slot's view: copied, as a route may reuse its buffer
             forward = Outgoing(bytes(got.frame) if small else got.frame, got.tensors, error=got.error)
         except CommunicationError:

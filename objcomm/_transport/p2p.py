@@ -40,6 +40,9 @@ ASKED = -1  # ENVELOPE's rest bytes where nothing follows the slot and the sende
 # shared memory's words before a send's rest (objcomm._samehost.shm_p2p): its sequence number (-1: nothing written,
 # the rest follows the normal way), pid, token, host key, pid namespace, where the segment is
 SHARED_WORDS = 6
+# tests: a CPU group's messages through the group take a GPU group's rules (:func:`_cpu_rules`), so that gloo runs
+# what NCCL runs there
+GPU_RULES_ON_CPU = False
 
 Received = Tuple[int, Incoming, bool]  # (sender, what it sent, whether that is its error report)
 
@@ -60,26 +63,37 @@ def decline_shared(wire: Wire, dst: int, op: str, route: Optional[Route], messag
     send_words(wire, [-1] + [0] * (SHARED_WORDS - 1), dst, op, route, message)
 
 
+def _cpu_rules(wire: Wire) -> bool:
+    """Whether a message through the group takes a CPU group's rules (gloo: an envelope, and a receive buffer with
+    room for a rest that comes with its slot, :func:`objcomm._transport.routes.backend_whole`), else a GPU group's
+    (NCCL moves exact sizes: a tree's message, :func:`tree_send`, is padded to its room, any other is the slot
+    alone)."""
+    return wire.device.type == "cpu" and not GPU_RULES_ON_CPU
+
+
 @one_call
-def send(wire: Wire, out: Outgoing, dst: int, eager: bool = True) -> None:
+def send(wire: Wire, out: Outgoing, dst: int, eager: bool = True, tree: bool = False) -> None:
     """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must). ``eager``: a
-    message that nothing follows may return before its receiver takes it (see :func:`_post`)."""
+    message that nothing follows may return before its receiver takes it (see :func:`_post`). ``tree``: a message of
+    a reduction's tree or a scan, which its receiver receives with ``tree`` too (:func:`tree_send`)."""
     lease = wire.slot_medium.p2p(wire, "send", dst)
     with lease as route:
         if route is not None:
-            return _send(wire, out, dst, route, eager, lease)
+            return _send(wire, out, dst, route, eager, lease, tree)
         with pair_locks.sending(wire.group, dst, wire.tag):  # its parts together, whatever other threads send
-            _send(wire, out, dst, None, eager, lease)
+            _send(wire, out, dst, None, eager, lease, tree)
 
 
 def tree_send(wire: Wire, out: Outgoing, dst: int) -> Optional[ObjcommError]:
     """:func:`send` of a message of a reduction's tree or a scan: its rest in the pieces of
-    :func:`objcomm._transport.routes.tree_piece`, which its slot announces to the receiver. Returns the receiver's
-    refusal (it raises, and its failure reaches every rank along the call's own way) rather than raising it; a
-    :class:`CommunicationError` raises."""
+    :func:`objcomm._transport.routes.tree_piece`, which its slot announces to the receiver, and through a GPU
+    group's backend a rest of its frame alone up to :data:`~objcomm._transport.routes.BACKEND_WHOLE_BYTES` with its
+    slot (:func:`objcomm._transport.routes.backend_whole`): the receiver calls :func:`recv` with ``tree``. Returns
+    the receiver's refusal (it raises, and its failure reaches every rank along the call's own way) rather than
+    raising it; a :class:`CommunicationError` raises."""
     rest = outgoing_second_round_bytes(out, wire.inline_capacity)
     try:
-        send(wire._replace(chunk=routes.tree_piece(wire.chunk, rest)), out, dst)
+        send(wire._replace(chunk=routes.tree_piece(wire.chunk, rest)), out, dst, tree=True)
     except CommunicationError:
         raise
     except ObjcommError as exc:
@@ -87,7 +101,9 @@ def tree_send(wire: Wire, out: Outgoing, dst: int) -> Optional[ObjcommError]:
     return None
 
 
-def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bool, lease: Lease) -> None:
+def _send(
+    wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bool, lease: Lease, tree: bool = False
+) -> None:
     op = "send"
     raw = _slot(wire, out)
     info = read_slot(memoryview(raw))  # decide from the slot, as the receiver does (no device round trip)
@@ -98,19 +114,20 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
     at_once = route is not None and not ends and not problem and not agreed and cpu
     if at_once and route is not None and route.send_whole(wire, raw, out, info, dst):
         return  # the slot and the rest that follows it at once, in one message of the route
-    if (
-        route is None
-        and not ends
-        and not problem
-        and routes.backend_whole(info.second_round_bytes, cpu=cpu, agreed=agreed)
-    ):
-        _post(wire, _enveloped(raw, pieces(out, info.inline is not None)), dst, op, eager, lease)
+    rules = _cpu_rules(wire)  # through the group: the message's envelope and room (routes.backend_room)
+    room = routes.backend_room(cpu=rules, tree=tree)
+    length = ENVELOPE.size + len(raw) + room if room and not rules else None  # a GPU group's tree: every one this long
+    whole = routes.backend_whole(
+        info.second_round_bytes, cpu=rules, agreed=agreed, tree=tree, tensors=bool(out.tensors)
+    )
+    if route is None and not ends and not problem and whole:
+        _post(wire, _enveloped(raw, pieces(out, info.inline is not None)), dst, op, eager, lease, length)
         return
     message = 0  # (the receiver answers exactly when asked: agreed says so in the message)
     if route is not None:
         message = route.send(wire, raw, dst, asks=agreed)
     else:
-        _post(wire, _enveloped(raw, [], asks=agreed) if cpu else raw, dst, op, eager and ends, lease)
+        _post(wire, _enveloped(raw, [], asks=agreed) if room else raw, dst, op, eager and ends, lease, length)
     if problem:  # the receiver finds the same and raises too
         raise _limits.inconsistent(op, wire.rank, problem)
     if ends:
@@ -156,21 +173,28 @@ def _send(wire: Wire, out: Outgoing, dst: int, route: Optional[Route], eager: bo
 
 
 def _enveloped(slot: bytearray, rest: Sequence[memoryview], asks: bool = False) -> bytearray:
-    """A send's message through a CPU group's backend, owned (it may be posted eagerly): :data:`ENVELOPE` (the
-    sender's ``slot_bytes``, the bytes of the rest that follow its slot here, or :data:`ASKED`: the sender waits for
-    the receiver's answer), the slot, then that rest."""
+    """A send's message through a CPU group's backend (or a GPU group's tree), owned (it may be posted eagerly):
+    :data:`ENVELOPE` (the sender's ``slot_bytes``, the bytes of the rest that follow its slot here, or :data:`ASKED`:
+    the sender waits for the receiver's answer), the slot, then that rest."""
     following = ASKED if asks else sum(piece.nbytes for piece in rest)
     return bytearray().join([ENVELOPE.pack(len(slot), following), slot, *rest])
 
 
-def _post(wire: Wire, message: bytearray, dst: int, op: str, eager: bool, lease: Lease) -> None:
+def _post(
+    wire: Wire, message: bytearray, dst: int, op: str, eager: bool, lease: Lease, length: Optional[int] = None
+) -> None:
     """Send a slot (with its rest, where :func:`objcomm._transport.routes.backend_whole` says so) through the group.
     gloo's send waits until its receiver posts the receive, where the channel's returns once the kernel holds the
     bytes: so that small sends return at once on every path, a message that nothing follows (its slot carries the
     whole message or an error report, or its rest came with it) is posted and left to
     :mod:`objcomm._transport.pending` (``eager``, on CPU groups; bounded per group). A slot that a second round follows,
-    and every slot on NCCL, wait for the receiver as before."""
-    data = _on_device(wire, message)
+    and every slot on NCCL, wait for the receiver as before. ``length``: the message's length on the wire, zeros after
+    ``message`` (a GPU group's tree: NCCL receives exact sizes; only ``message`` is copied to the device)."""
+    if length is None:
+        data = _on_device(wire, message)
+    else:
+        data = zeroed(length, wire)
+        data[: len(message)].copy_(torch.frombuffer(message, dtype=torch.uint8))
     if eager and wire.device.type == "cpu":
         _pending.post(wire, data, dst, op)
     else:
@@ -178,53 +202,59 @@ def _post(wire: Wire, message: bytearray, dst: int, op: str, eager: bool, lease:
     lease.posted()  # the route counts the slots posted through the group (SlotMedium.p2p)
 
 
-def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf) -> Received:
-    """Receive from group rank ``src`` (``None``: any); return ``(sender, incoming, is_error)``."""
+def recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, tree: bool = False) -> Received:
+    """Receive from group rank ``src`` (``None``: any); return ``(sender, incoming, is_error)``. ``tree``: a message
+    of a reduction's tree or a scan (:func:`tree_send`)."""
     lease = wire.slot_medium.p2p(wire, "recv", src)
     with lease as route:
         if route is not None:
-            return _recv(wire, src, sizes_of, route, lease)
+            return _recv(wire, src, sizes_of, route, lease, tree)
         with pair_locks.receiving(wire.group, src, wire.tag):  # its parts together, whatever other threads receive
-            return _recv(wire, src, sizes_of, None, lease)
+            return _recv(wire, src, sizes_of, None, lease, tree)
 
 
-def _recv(wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Route], lease: Lease) -> Received:
+def _recv(
+    wire: Wire, src: Optional[int], sizes_of: SizesOf, route: Optional[Route], lease: Lease, tree: bool = False
+) -> Received:
     op = "recv"
     if route is not None:
         sender, got, message = route.recv(wire, src, op)
         return received(wire, sender, read_slot(memoryview(got)), sizes_of, route, message)
-    cpu = wire.device.type == "cpu"  # an envelope, and room for a rest that comes with its slot (routes.backend_whole)
-    head = ENVELOPE.size if cpu else 0
-    buffer = zeroed(head + wire.slot + (routes.BACKEND_WHOLE_BYTES if cpu else 0), wire)
+    # an envelope, and room for a rest that comes with its slot (routes.backend_whole): a CPU group's, a GPU's tree's
+    room = routes.backend_room(cpu=_cpu_rules(wire), tree=tree)
+    head = ENVELOPE.size if room else 0
+    buffer = zeroed(head + wire.slot + room, wire)
     peer = None if src is None else wire.ranks[src]
     waited = f"{op} from {'any rank' if src is None else f'rank {src}'} under tag {wire.tag} (no other tag matches it)"
     sender_global = guarded(waited, wire, dist.recv, buffer, src=peer, group=wire.group, tag=wire.data_tag)
     sender = wire.ranks.index(sender_global) if src is None else src  # (GroupRanks: one lookup)
     lease.took(sender)  # the route counts the slots taken, by sender (SlotMedium.p2p)
-    view = host_view(buffer)
-    after, asked = _opened(wire, view, sender, op) if cpu else (None, False)
-    return received(wire, sender, read_slot(view[head : head + wire.slot]), sizes_of, after=after, asked=asked)
+    front = host_view(buffer[: head + wire.slot])  # (on a GPU, the rest that came with it is copied only if any)
+    after, asked = _opened(wire, front, buffer, sender, op) if room else (None, False)
+    slot = read_slot(front[head:])
+    return received(wire, sender, slot, sizes_of, after=after, asked=asked, tree=tree)
 
 
-def _opened(wire: Wire, view: memoryview, sender: int, op: str) -> Tuple[memoryview, bool]:
-    """The rest that came with a slot in its message of a CPU group's backend (empty for none), once its envelope
-    (:func:`_enveloped`) says the sender's slot is this rank's size and the rest fits the message; and whether the
-    sender waits for this rank's answer (:data:`ASKED`)."""
-    theirs, following = ENVELOPE.unpack_from(view)
+def _opened(wire: Wire, front: memoryview, buffer: torch.Tensor, sender: int, op: str) -> Tuple[memoryview, bool]:
+    """The rest that came with a slot in its message through the group (empty for none; ``front``: the message's
+    envelope and slot, ``buffer``: the whole message), once its envelope (:func:`_enveloped`) says the sender's slot
+    is this rank's size and the rest fits the message; and whether the sender waits for this rank's answer
+    (:data:`ASKED`)."""
+    theirs, following = ENVELOPE.unpack_from(front)
     if theirs != wire.slot:
         raise CommunicationError(
             f"{op}: rank {sender} sent a slot of {theirs:,} bytes where this rank uses slot_bytes={wire.slot:,}: "
             "every rank of a group must use the same slot_bytes (objcomm.configure, the Communicator or the call)"
         )
     if following == ASKED:
-        return view[:0], True
+        return front[:0], True
     if not 0 <= following <= routes.BACKEND_WHOLE_BYTES:
         raise FrameError(
             f"{op}: rank {sender}'s message announces {following:,} bytes after its slot, where at most "
             f"{routes.BACKEND_WHOLE_BYTES:,} may follow it; refused"
         )
     start = ENVELOPE.size + wire.slot
-    return view[start : start + following], False
+    return (host_view(buffer[start : start + following]) if following else front[:0]), False
 
 
 @one_call  # (the express path calls it too, after its own round 1)
@@ -237,13 +267,15 @@ def received(
     message: int = 0,
     after: Optional[memoryview] = None,
     asked: bool = False,
+    tree: bool = False,
 ) -> Received:
     """The rest of a receive from group rank ``sender`` once its slot (``info``) arrived, through the group or
     ``route`` (which carried the slot of message ``message``); the incoming keeps the limit the slot announced.
-    ``after``: what followed the slot in its message of a CPU group (:func:`_enveloped`; empty: nothing), ``asked``:
-    whether that message's envelope said the sender waits for an answer."""
+    ``after``: what followed the slot in its message of a CPU group or a GPU group's tree (``tree``;
+    :func:`_enveloped`; empty: nothing), ``asked``: whether that message's envelope said the sender waits for an
+    answer."""
     round_one_done()  # the sender is here (its slot came): the rest shares one timeout (call_clock)
-    got = _received(wire, sender, info, sizes_of, route, message, after, asked)
+    got = _received(wire, sender, info, sizes_of, route, message, after, asked, tree)
     got[1].sender_limit = info.limit
     return got
 
@@ -257,6 +289,7 @@ def _received(
     message: int,
     after: Optional[memoryview],
     asked: bool,
+    tree: bool,
 ) -> Received:
     op, wire = "recv", at_pieces(wire, info.piece)  # (its slot says in what pieces the sender sends its rest)
     problem = _limits.slot_problem_of(info)
@@ -282,16 +315,26 @@ def _received(
             f"{op}: rank {sender} sent the slot of a {moved:,}-byte rest without waiting for this rank's answer, "
             "where its slot requires one (its sizes not listed, or a piece past 1 MiB): a protocol error; refused"
         )
+    # whether the rest comes with the slot: by the sender's settings on a CPU group (it says so in its envelope), by
+    # the slot on a GPU group's tree (a rest of its frame alone: tensors never leave the GPU)
+    whole = routes.backend_whole(
+        moved, cpu=_cpu_rules(wire), agreed=agreed, tree=tree, tensors=info.total != info.length
+    )
     if after:  # the sender sent its rest with its slot (routes.backend_whole, by its settings): no answer waits
         if len(after) != moved:
             raise FrameError(
                 f"{op}: rank {sender} sent {len(after):,} bytes with its slot where the slot announces a rest of "
                 f"{moved:,}; refused"
             )
+        if not whole:
+            raise FrameError(
+                f"{op}: rank {sender} sent a {moved:,}-byte rest with its slot where tensors must follow it on their "
+                "own (a GPU group's tree: they stay on the GPU): a protocol error; refused"
+            )
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem, drained=True, into="its message")
         return sender, incoming(bytearray(after), info, sizes_of, sender, op), False
-    if after is not None and routes.backend_whole(moved, cpu=True, agreed=agreed):
+    if after is not None and whole:
         raise FrameError(
             f"{op}: rank {sender} sent the slot of a {moved:,}-byte rest with neither the rest nor a request for "
             "this rank's answer: a protocol error; refused"

@@ -523,6 +523,45 @@ def test_a_lying_envelope_is_refused_and_the_next_message_arrives(lie, said):
     assert second == (6, {6})
 
 
+def a_gpu_tree_message_with_tensors_in_it() -> Any:
+    """With a GPU group's rules (``p2p.GPU_RULES_ON_CPU``), rank 0 sends a tree's message with an out-of-band
+    tensor's bytes in its padded message (an honest GPU sender sends them on their own: they stay on the GPU); rank 1
+    refuses it and takes the next message, whose 20 KB frame came in its padded message, whole."""
+    from objcomm._transport import p2p, routes
+    from objcomm._transport.base import Wire
+
+    rank, pickle = dist.get_rank(), registry.guarded("pickle")
+    wire = Wire(dist.group.WORLD, [0, 1], rank, torch.device("cpu"), 4096, 1 << 20, 1 << 30)
+    lie = _frame.encode({"t": torch.arange(100)}, pickle, max_bytes=1 << 30, inline_tensor_bytes=0)
+    honest = _frame.encode("h" * 20_000, pickle, max_bytes=1 << 30)
+    p2p.GPU_RULES_ON_CPU = True
+    try:
+        if rank == 0:
+            real = routes.backend_whole
+            routes.backend_whole = lambda rest, **_: 0 < rest <= routes.BACKEND_WHOLE_BYTES  # type: ignore[assignment]
+            try:
+                p2p.tree_send(wire, lie, 1)
+            finally:
+                routes.backend_whole = real  # type: ignore[assignment]
+            p2p.tree_send(wire, honest, 1)
+            return None
+        try:
+            p2p.recv(wire, 0, _frame.tensor_sizes, tree=True)
+            first = "taken"
+        except objcomm.FrameError as exc:
+            first = str(exc)
+        _, got, _ = p2p.recv(wire, 0, _frame.tensor_sizes, tree=True)
+        return first, bytes(got.frame) == bytes(honest.frame)
+    finally:
+        p2p.GPU_RULES_ON_CPU = False
+
+
+def test_a_gpu_tree_message_with_tensors_in_it_is_refused_and_the_next_arrives():
+    first, second = get_pool(2).run(a_gpu_tree_message_with_tensors_in_it)[1]
+    assert "rest with its slot where tensors must follow it on their own" in first, first
+    assert second
+
+
 def mismatched(setting: Dict[str, Any], on: int) -> Any:
     """Rank ``on`` alone uses ``setting`` for one medium send from rank 0 to rank 1 (a group's ranks must agree on
     it); then both use the defaults for a second one. What each rank saw of the first, and the second."""

@@ -158,9 +158,10 @@ def test_all_reduce_returns_down_its_tree_where_round_one_takes_the_backend(devi
             if device == "cpu":
                 assert [s.collective for s in got.steps][:2] == ["tree", "broadcast"]
                 continue
+            held = 8 + 4096 + routes.BACKEND_WHOLE_BYTES + rest  # (a GPU group's tree message: padded to its room)
             assert [(s.collective, s.medium, s.nbytes) for s in got.steps] == [
-                ("tree", BACKEND, (4096 + rest,)),
-                ("down_tree", BACKEND, (4096 + rest,)),
+                ("tree", BACKEND, (held,)),
+                ("down_tree", BACKEND, (held,)),
             ], (topology, rest)
             assert got.backend_calls == 2
     one_host = plan("all_reduce", Topology(world=8, ranks_per_host=8, device=device), [0] * 8)
@@ -395,7 +396,7 @@ def test_a_reductions_tree_takes_two_levels_where_every_host_holds_consecutive_r
 def test_a_trees_messages_wait_for_no_answer_where_the_slot_lists_the_sizes():
     """A reduction tree's message sends a rest up to TREE_PIECED_UP_TO in pieces of at most SCRATCH_BYTES
     (routes.tree_piece), so that where its slot lists the sizes the receiver does not answer first: an edge is one
-    message where the slot carries all (or gloo's backend takes the rest with it), else the slot then the rest; an
+    message where the slot carries all (or the backend takes the rest with it), else the slot then the rest; an
     answer between them only where the sizes are in the frame alone, or past TREE_PIECED_UP_TO. The plan's tree steps
     carry that count, which the model charges a latency each."""
     chunk, most = Knobs().chunk_bytes, routes.TREE_PIECED_UP_TO
@@ -403,7 +404,14 @@ def test_a_trees_messages_wait_for_no_answer_where_the_slot_lists_the_sizes():
     assert routes.tree_piece(chunk, most) == SCRATCH_BYTES and routes.tree_piece(chunk, most + 1) == chunk
     assert routes.tree_messages(0, cpu=False, listed=True, chunk=chunk) == 1
     assert routes.tree_messages(routes.BACKEND_WHOLE_BYTES, cpu=True, listed=True, chunk=chunk) == 1
-    for rest in (37 << 10, SCRATCH_BYTES + 1, most):  # past the scratch size too: its pieces are not
+    # a GPU group's tree: a frame's rest up to BACKEND_WHOLE_BYTES in its slot's padded message; tensors on their own
+    assert routes.tree_messages(37 << 10, cpu=False, listed=True, chunk=chunk) == 1
+    assert routes.tree_messages(37 << 10, cpu=False, listed=True, chunk=chunk, tensors=True) == 2
+    for rest in (
+        routes.BACKEND_WHOLE_BYTES + 1,
+        SCRATCH_BYTES + 1,
+        most,
+    ):  # past the scratch size too: its pieces are not
         assert routes.tree_messages(rest, cpu=False, listed=True, chunk=chunk) == 2, rest
     assert routes.tree_messages(3 << 20, cpu=False, listed=False, chunk=chunk) == 3
     # past TREE_PIECED_UP_TO, the settings' pieces and the answer: a round trip, not hundreds of calls a message

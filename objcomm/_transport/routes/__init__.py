@@ -39,7 +39,9 @@ rest medium             the channel: round 1 went through it, CPU, the largest r
                         (what it moves by, and what its echo compares), where nothing
                         moves: the channel
 send's rest with slot   through a CPU group's backend, no answer first, a rest of at     :func:`backend_whole`
-                        most ``BACKEND_WHOLE_BYTES``: slot and rest in one message
+                        most ``BACKEND_WHOLE_BYTES``: slot and rest in one message; on a
+                        GPU group a tree's message whose rest is its frame alone, every  :func:`backend_room`
+                        message of a tree then that long (NCCL moves exact sizes)
 backend exchange        all_gather's rests: one padded all_gather when                   :func:`exchange_shape`
                         ``world x widest <= PADDED_WITHIN x total``, else one exchange
                         at exact sizes (an uneven all_gather on NCCL, one batch of
@@ -129,6 +131,7 @@ from objcomm._transport.routes.cutoffs import (
     TREE_PIECED_UP_TO,
     agreement_needed,
     all_announce,
+    backend_room,
     backend_whole,
     channel_takes,
     exchange_shape,
@@ -195,6 +198,7 @@ __all__ = [
     "ANNOUNCED_FROM",
     "Topology",
     "agreement_needed",
+    "backend_room",
     "backend_whole",
     "channel_takes",
     "exchange_shape",

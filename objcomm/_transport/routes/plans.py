@@ -20,6 +20,7 @@ from objcomm._transport.routes.cutoffs import (
     STRIPES,
     agreement_needed,
     all_announce,
+    backend_room,
     backend_whole,
     exchange_shape,
     in_place_table,
@@ -170,21 +171,35 @@ def spread_calls(ranks: int) -> int:
     return 2 + (ranks - 1).bit_length()
 
 
-def tree_messages(rest: int, *, cpu: bool, listed: bool, chunk: int) -> int:
+def tree_messages(
+    rest: int, *, cpu: bool, listed: bool, chunk: int, tensors: bool = False, backend: bool = True
+) -> int:
     """The messages, one after another, on each edge of a binomial tree of sends (a reduction's way up, or its result's
-    way down) whose message has a rest of ``rest`` bytes: one where the slot carries all or the rest comes with it
-    (:func:`~objcomm._transport.routes.cutoffs.backend_whole`); else the slot, the receiver's answer where one is due
-    (sizes not listed, or pieces past ``SCRATCH_BYTES``: :func:`~objcomm._transport.routes.cutoffs.tree_piece`), and
-    one batch for the rest (:func:`objcomm._transport.p2p.tree_send`)."""
-    piece = min(rest, tree_piece(chunk, rest))
-    agreed = rest > 0 and agreement_needed(sizes_listed=listed, largest_piece=piece, medium_may_take=False)
-    return 1 if rest == 0 or backend_whole(rest, cpu=cpu, agreed=agreed) else 2 + agreed
+    way down) whose message has a rest of ``rest`` bytes (``tensors``: out-of-band tensors among them): one where the
+    slot carries all or the rest comes with it (:func:`~objcomm._transport.routes.cutoffs.backend_whole`); else the
+    slot, the receiver's answer where one is due (sizes not listed, or pieces past ``SCRATCH_BYTES``:
+    :func:`~objcomm._transport.routes.cutoffs.tree_piece`), and one batch for the rest
+    (:func:`objcomm._transport.p2p.tree_send`). ``backend``: the slots go through the backend (else the same-host
+    channel's route, from which a GPU group's rest never comes with its slot)."""
+    if rest == 0:
+        return 1
+    agreed = agreement_needed(
+        sizes_listed=listed, largest_piece=min(rest, tree_piece(chunk, rest)), medium_may_take=False
+    )
+    return 1 if backend_whole(rest, cpu=cpu, agreed=agreed, tree=backend, tensors=tensors) else 2 + agreed
 
 
-def tree_calls(world: int, rest: int, *, cpu: bool, listed: bool, chunk: int) -> int:
+def tree_calls(world: int, rest: int, *, cpu: bool, listed: bool, chunk: int, tensors: bool = False) -> int:
     """The calls of a binomial tree of sends on its busiest rank, group rank 0: ceil(log2 W) messages, each of
     :func:`tree_messages` calls."""
-    return (world - 1).bit_length() * tree_messages(rest, cpu=cpu, listed=listed, chunk=chunk)
+    return (world - 1).bit_length() * tree_messages(rest, cpu=cpu, listed=listed, chunk=chunk, tensors=tensors)
+
+
+def tree_held(rest: int, *, slot: int, padded: bool, whole: bool) -> int:
+    """The bytes a tree's edge moves for a message with a rest of ``rest`` bytes (``whole``: the rest comes with its
+    slot): the slot and its rest; through a GPU group's backend (``padded``) every message is also padded to its room
+    (:func:`~objcomm._transport.routes.cutoffs.backend_room`, with its 8-byte envelope)."""
+    return 8 + slot + backend_room(cpu=False, tree=True) + (0 if whole else rest) if padded else slot + rest
 
 
 def plan(
@@ -196,13 +211,15 @@ def plan(
     root: int = 0,
     listed: bool = True,
     carried: Optional[Sequence[int]] = None,
+    tensors: bool = False,
 ) -> Plan:
     """The route of ``op`` (``all_gather``, ``gather``, ``broadcast``, ``all_reduce``, ``reduce``) when each
     rank's rest (bytes past its slot: 0 when the slot carries all of it) is ``rests`` (broadcast: the root's is
     read; all_reduce and reduce: ``rests[0]`` is the rest of the combined value, which the tree carries up and
     group rank 0 then sends on), with the tensor sizes listed in the slots (``listed``) or only in the frames.
     ``carried``: each slot's bytes up to its last nonzero one, what a gather's slots up the tree are trimmed to
-    (None: whole slots). Pure: no process group, O(W)."""
+    (None: whole slots); ``tensors``: the rests hold out-of-band tensors (a GPU group's tree never sends them with
+    the slot). Pure: no process group, O(W)."""
     world = topology.world
     first = round_one(local=knobs.local, one_host=topology.one_host, channel_open=topology.channel_open)
 
@@ -290,11 +307,16 @@ def plan(
     elif op in ("all_reduce", "reduce"):
         # a tree of send/recv (objcomm._api.reduce.tree; each carries a slot and its rest), then all_reduce: group
         # rank 0's value or failure back down the tree or broadcast; reduce: a gather of every rank's report to the root
-        held = (knobs.slot_bytes + rests[0],)
-        edge = tree_messages(rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
-        calls = tree_calls(world, rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
+        # (on one host the slots take the channel's route: a GPU group's tree pads messages only through the backend)
+        backend = first != CHANNEL or leveled
+        tree_of = partial(tree_calls, rest=rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
+        edge = tree_messages(
+            rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes, tensors=tensors, backend=backend
+        )
+        held = (tree_held(rests[0], slot=knobs.slot_bytes, padded=backend and not topology.cpu, whole=edge == 1),)
+        calls = (world - 1).bit_length() * edge
         if leveled:  # each host's tree over its channel, then the leaders' (tree_on_two_levels: hosts consecutive)
-            across = tree_calls(hosts, rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
+            across = tree_of(hosts, tensors=tensors)
             steps += [Step("tree", CHANNEL, held, k), Step("tree", BACKEND, held, hosts, True, across, edge)]
         elif first == CHANNEL and topology.cpu:  # one host: the tree's sends take the channel, as every send there
             steps.append(Step("tree", CHANNEL, held))  # (on a GPU their rests go through the backend: not drawn here)
