@@ -114,9 +114,11 @@ def _send(
     at_once = route is not None and not ends and not problem and not agreed and cpu
     if at_once and route is not None and route.send_whole(wire, raw, out, info, dst):
         return  # the slot and the rest that follows it at once, in one message of the route
-    rules = _cpu_rules(wire)  # through the group: the message's envelope and room (routes.backend_room)
-    room = routes.backend_room(cpu=rules, tree=tree)
-    length = ENVELOPE.size + len(raw) + room if room and not rules else None  # a GPU group's tree: every one this long
+    rules = _cpu_rules(wire)  # through the group: the message's envelope (a CPU group's, a GPU group's tree's) and room
+    framed, room = rules or tree, routes.backend_room(cpu=rules, tree=tree)
+    length = (
+        ENVELOPE.size + len(raw) + room if framed and not rules else None
+    )  # a GPU group's tree: every one this long
     whole = routes.backend_whole(
         info.second_round_bytes, cpu=rules, agreed=agreed, tree=tree, tensors=bool(out.tensors)
     )
@@ -127,7 +129,7 @@ def _send(
     if route is not None:
         message = route.send(wire, raw, dst, asks=agreed)
     else:
-        _post(wire, _enveloped(raw, [], asks=agreed) if room else raw, dst, op, eager and ends, lease, length)
+        _post(wire, _enveloped(raw, [], asks=agreed) if framed else raw, dst, op, eager and ends, lease, length)
     if problem:  # the receiver finds the same and raises too
         raise _limits.inconsistent(op, wire.rank, problem)
     if ends:
@@ -221,8 +223,9 @@ def _recv(
         sender, got, message = route.recv(wire, src, op)
         return received(wire, sender, read_slot(memoryview(got)), sizes_of, route, message)
     # an envelope, and room for a rest that comes with its slot (routes.backend_whole): a CPU group's, a GPU's tree's
-    room = routes.backend_room(cpu=_cpu_rules(wire), tree=tree)
-    head = ENVELOPE.size if room else 0
+    rules = _cpu_rules(wire)
+    framed, room = rules or tree, routes.backend_room(cpu=rules, tree=tree)
+    head = ENVELOPE.size if framed else 0
     buffer = zeroed(head + wire.slot + room, wire)
     peer = None if src is None else wire.ranks[src]
     waited = f"{op} from {'any rank' if src is None else f'rank {src}'} under tag {wire.tag} (no other tag matches it)"
@@ -230,7 +233,7 @@ def _recv(
     sender = wire.ranks.index(sender_global) if src is None else src  # (GroupRanks: one lookup)
     lease.took(sender)  # the route counts the slots taken, by sender (SlotMedium.p2p)
     front = host_view(buffer[: head + wire.slot])  # (on a GPU, the rest that came with it is copied only if any)
-    after, asked = _opened(wire, front, buffer, sender, op) if room else (None, False)
+    after, asked = _opened(wire, front, buffer, sender, op) if framed else (None, False)
     slot = read_slot(front[head:])
     return received(wire, sender, slot, sizes_of, after=after, asked=asked, tree=tree)
 

@@ -308,8 +308,8 @@ def backend_whole(rest: int, *, cpu: bool, agreed: bool, tree: bool = False, ten
 def backend_room(*, cpu: bool, tree: bool = False) -> int:
     """The bytes a message through the backend holds after its envelope and its slot, for a rest that comes with it
     (:func:`backend_whole`): on a CPU group the room of the receiver's buffer (gloo takes a shorter message), on a
-    GPU group the padding of every message of a tree (``tree``); else 0, and the message is the slot alone, with no
-    envelope."""
+    GPU group the padding of every message of a tree (``tree``); else 0 (a GPU group's other messages are the slot
+    alone, with no envelope)."""
     return BACKEND_WHOLE_BYTES if cpu or tree else 0
 
 
