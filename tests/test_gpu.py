@@ -393,3 +393,32 @@ def test_nccl_summed_slots_read_as_the_all_gathers_would():
 
     got = run_local(_nccl_summed_slots, None, world_size=2, backend="nccl", timeout_s=CHILD_TIMEOUT)
     assert got == {"summed": True}
+
+
+def _nccl_tree_messages(_: Any, send: Any) -> Dict[str, Any]:
+    """all_reduce, reduce and scan on NCCL off the channel (each rank its own host): the trees' messages, each the
+    envelope, the slot and 60 KiB of room (routes.backend_room), with values in the slot, within the room (one
+    message an edge), past it, and a CUDA tensor out of band (never in the message: it stays on the GPU)."""
+    import torch.distributed as dist
+
+    from objcomm._api.resolving import Hooks
+
+    rank, device = dist.get_rank(), current_cuda()
+    comm = objcomm.Communicator(local=False, shm=False, _hooks=Hooks(separate_hosts=True))
+    for size in (10, 20_000, 100_000):
+        obj = f"{rank}" + "v" * size
+        assert comm.all_reduce(obj, "max") == "1" + "v" * size
+        assert comm.reduce(obj, "max", dst=1) == ("1" + "v" * size if rank == 1 else None)
+        assert comm.scan(obj, "max") == obj
+    oob = objcomm.Communicator(local=False, shm=False, inline_tensor_bytes=0, _hooks=Hooks(separate_hosts=True))
+    summed = oob.all_reduce({"t": torch.full((4000,), rank, device=device)}, "merge")
+    assert summed["t"].device == device and torch.equal(summed["t"].cpu(), torch.full((4000,), 1))
+    return {"trees": True}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
+def test_nccl_tree_messages_are_one_length():
+    from objcomm._tools.launch import run_local
+
+    got = run_local(_nccl_tree_messages, None, world_size=2, backend="nccl", timeout_s=CHILD_TIMEOUT)
+    assert got == {"trees": True}
