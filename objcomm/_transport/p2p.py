@@ -17,7 +17,7 @@ where there is one, else through the group; the rest through shared memory, the 
 from __future__ import annotations
 
 import struct
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -232,17 +232,24 @@ def _recv(
     sender_global = guarded(waited, wire, dist.recv, buffer, src=peer, group=wire.group, tag=wire.data_tag)
     sender = wire.ranks.index(sender_global) if src is None else src  # (GroupRanks: one lookup)
     lease.took(sender)  # the route counts the slots taken, by sender (SlotMedium.p2p)
-    front = host_view(buffer[: head + wire.slot])  # (on a GPU, the rest that came with it is copied only if any)
-    after, asked = _opened(wire, front, buffer, sender, op) if framed else (None, False)
+    part: Callable[[slice], memoryview]
+    if wire.device.type == "cpu":  # a view of the buffer (no copy), sliced
+        whole = host_view(buffer)
+        front, part = whole[: head + wire.slot], lambda at: whole[at]
+    else:  # a GPU's: the envelope and slot copied to the host, then the rest that came with it, if any
+        front, part = host_view(buffer[: head + wire.slot]), lambda at: host_view(buffer[at])
+    after, asked = _opened(wire, front, part, sender, op) if framed else (None, False)
     slot = read_slot(front[head:])
     return received(wire, sender, slot, sizes_of, after=after, asked=asked, tree=tree)
 
 
-def _opened(wire: Wire, front: memoryview, buffer: torch.Tensor, sender: int, op: str) -> Tuple[memoryview, bool]:
+def _opened(
+    wire: Wire, front: memoryview, part: Callable[[slice], memoryview], sender: int, op: str
+) -> Tuple[memoryview, bool]:
     """The rest that came with a slot in its message through the group (empty for none; ``front``: the message's
-    envelope and slot, ``buffer``: the whole message), once its envelope (:func:`_enveloped`) says the sender's slot
-    is this rank's size and the rest fits the message; and whether the sender waits for this rank's answer
-    (:data:`ASKED`)."""
+    envelope and slot, ``part(slice)``: the message's bytes there, on the host), once its envelope
+    (:func:`_enveloped`) says the sender's slot is this rank's size and the rest fits the message; and whether the
+    sender waits for this rank's answer (:data:`ASKED`)."""
     theirs, following = ENVELOPE.unpack_from(front)
     if theirs != wire.slot:
         raise CommunicationError(
@@ -257,7 +264,7 @@ def _opened(wire: Wire, front: memoryview, buffer: torch.Tensor, sender: int, op
             f"{routes.BACKEND_WHOLE_BYTES:,} may follow it; refused"
         )
     start = ENVELOPE.size + wire.slot
-    return (host_view(buffer[start : start + following]) if following else front[:0]), False
+    return (part(slice(start, start + following)) if following else front[:0]), False
 
 
 @one_call  # (the express path calls it too, after its own round 1)
