@@ -119,8 +119,9 @@ def _send(
     length = (
         ENVELOPE.size + len(raw) + room if framed and not rules else None
     )  # a GPU group's tree: every one this long
+    # (tensors: by the slot, as the receiver reads it: a tensor of 0 bytes moves nothing)
     whole = routes.backend_whole(
-        info.second_round_bytes, cpu=rules, agreed=agreed, tree=tree, tensors=bool(out.tensors)
+        info.second_round_bytes, cpu=rules, agreed=agreed, tree=tree, tensors=info.total != info.length
     )
     if route is None and not ends and not problem and whole:
         _post(wire, _enveloped(raw, pieces(out, info.inline is not None)), dst, op, eager, lease, length)

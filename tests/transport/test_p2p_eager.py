@@ -526,7 +526,10 @@ def test_a_lying_envelope_is_refused_and_the_next_message_arrives(lie, said):
 def a_gpu_tree_message_with_tensors_in_it() -> Any:
     """With a GPU group's rules (``p2p.GPU_RULES_ON_CPU``), rank 0 sends a tree's message with an out-of-band
     tensor's bytes in its padded message (an honest GPU sender sends them on their own: they stay on the GPU); rank 1
-    refuses it and takes the next message, whose 20 KB frame came in its padded message, whole."""
+    refuses it and takes the next message, whose 20 KB frame came in its padded message, whole. First, a frame that
+    lists an out-of-band tensor of 0 bytes (a relay passes on what its parent sent): sender and receiver read from
+    the slot alike that it moves nothing but the frame (a helper's find: the sender read ``out.tensors``, sent the
+    frame on its own, and its receiver refused the message, then read the frame as the next)."""
     from objcomm._transport import p2p, routes
     from objcomm._transport.base import Wire
 
@@ -534,9 +537,12 @@ def a_gpu_tree_message_with_tensors_in_it() -> Any:
     wire = Wire(dist.group.WORLD, [0, 1], rank, torch.device("cpu"), 4096, 1 << 20, 1 << 30)
     lie = _frame.encode({"t": torch.arange(100)}, pickle, max_bytes=1 << 30, inline_tensor_bytes=0)
     honest = _frame.encode("h" * 20_000, pickle, max_bytes=1 << 30)
+    empty = _frame.encode({"t": torch.empty(0), "s": "z" * 10_000}, pickle, max_bytes=1 << 30, inline_tensor_bytes=-1)
     p2p.GPU_RULES_ON_CPU = True
     try:
         if rank == 0:
+            assert len(empty.tensors) == 1 and empty.tensors[0].numel() == 0
+            p2p.tree_send(wire, empty, 1)
             real = routes.backend_whole
             routes.backend_whole = lambda rest, **_: 0 < rest <= routes.BACKEND_WHOLE_BYTES  # type: ignore[assignment]
             try:
@@ -545,6 +551,9 @@ def a_gpu_tree_message_with_tensors_in_it() -> Any:
                 routes.backend_whole = real  # type: ignore[assignment]
             p2p.tree_send(wire, honest, 1)
             return None
+        _, zero, _ = p2p.recv(wire, 0, _frame.tensor_sizes, tree=True)
+        if bytes(zero.frame) != bytes(empty.frame):
+            return "the frame with a tensor of 0 bytes came wrong", False
         try:
             p2p.recv(wire, 0, _frame.tensor_sizes, tree=True)
             first = "taken"

@@ -567,3 +567,11 @@ def test_an_all_gathers_slot_memory_takes_the_smaller_of_the_last_two_suggestion
     memory.learn(many, 4096)
     memory.learn(many, 4096)
     assert memory.slot == 4096 and routes.slot_after([5000] * 8192, tensors=False, base=4096, piece=1 << 28) == 4096
+
+
+def test_the_plans_envelope_is_the_transports():
+    """routes (a pure module, below the transport) costs a GPU group's tree message with the envelope p2p sends."""
+    from objcomm._transport import p2p
+    from objcomm._transport.routes import plans
+
+    assert plans.ENVELOPE_BYTES == p2p.ENVELOPE.size

@@ -195,11 +195,18 @@ def tree_calls(world: int, rest: int, *, cpu: bool, listed: bool, chunk: int, te
     return (world - 1).bit_length() * tree_messages(rest, cpu=cpu, listed=listed, chunk=chunk, tensors=tensors)
 
 
+ENVELOPE_BYTES = (
+    8  # before a slot through a CPU group's backend, or a GPU group's tree: objcomm._transport.p2p.ENVELOPE
+)
+
+
 def tree_held(rest: int, *, slot: int, padded: bool, whole: bool) -> int:
     """The bytes a tree's edge moves for a message with a rest of ``rest`` bytes (``whole``: the rest comes with its
     slot): the slot and its rest; through a GPU group's backend (``padded``) every message is also padded to its room
     (:func:`~objcomm._transport.routes.cutoffs.backend_room`, with its 8-byte envelope)."""
-    return 8 + slot + backend_room(cpu=False, tree=True) + (0 if whole else rest) if padded else slot + rest
+    return (
+        ENVELOPE_BYTES + slot + backend_room(cpu=False, tree=True) + (0 if whole else rest) if padded else slot + rest
+    )
 
 
 def plan(
