@@ -407,6 +407,9 @@ def test_a_trees_messages_wait_for_no_answer_where_the_slot_lists_the_sizes():
     # a GPU group's tree: a frame's rest up to BACKEND_WHOLE_BYTES in its slot's padded message; tensors on their own
     assert routes.tree_messages(37 << 10, cpu=False, listed=True, chunk=chunk) == 1
     assert routes.tree_messages(37 << 10, cpu=False, listed=True, chunk=chunk, tensors=True) == 2
+    # on one host a GPU group's tree takes the channel's route: the slot, the receiver's answer, the rest (NCCL)
+    assert routes.tree_messages(37 << 10, cpu=False, listed=True, chunk=chunk, backend=False) == 3
+    assert routes.tree_messages(37 << 10, cpu=True, listed=True, chunk=chunk, backend=False) == 1
     for rest in (
         routes.BACKEND_WHOLE_BYTES + 1,
         SCRATCH_BYTES + 1,

@@ -180,12 +180,14 @@ def tree_messages(
     slot, the receiver's answer where one is due (sizes not listed, or pieces past ``SCRATCH_BYTES``:
     :func:`~objcomm._transport.routes.cutoffs.tree_piece`), and one batch for the rest
     (:func:`objcomm._transport.p2p.tree_send`). ``backend``: the slots go through the backend (else the same-host
-    channel's route, from which a GPU group's rest never comes with its slot)."""
+    channel's route, where a GPU group's rest never comes with its slot, and its receiver always answers first: the
+    rest goes through the backend)."""
     if rest == 0:
         return 1
     agreed = agreement_needed(
         sizes_listed=listed, largest_piece=min(rest, tree_piece(chunk, rest)), medium_may_take=False
     )
+    agreed = agreed or not (cpu or backend)
     return 1 if backend_whole(rest, cpu=cpu, agreed=agreed, tree=backend, tensors=tensors) else 2 + agreed
 
 
