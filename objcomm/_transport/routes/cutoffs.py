@@ -301,7 +301,7 @@ def backend_whole(rest: int, *, cpu: bool, agreed: bool, tree: bool = False, ten
     whose rest is its frame alone (no out-of-band ``tensors``, which stay on the GPU): NCCL's send and receive move
     exact sizes, so each such message is :func:`backend_room`'s length, and an edge whose value is past the slot
     costs one message where the slot and then its rest cost two (the scale model's all_reduce log-normal on NCCL at
-    8192 ranks: 2.06x -> 1.12x the ideal; a value in the slot pays the room's bytes: 1.01x -> 1.12x)."""
+    8192 ranks: 2.06x -> 1.13x the ideal; a value in the slot pays the room's bytes: 1.01x -> 1.13x)."""
     return (cpu or tree and not tensors) and not agreed and 0 < rest <= BACKEND_WHOLE_BYTES
 
 

@@ -197,9 +197,8 @@ def tree_calls(world: int, rest: int, *, cpu: bool, listed: bool, chunk: int, te
     return (world - 1).bit_length() * tree_messages(rest, cpu=cpu, listed=listed, chunk=chunk, tensors=tensors)
 
 
-ENVELOPE_BYTES = (
-    8  # before a slot through a CPU group's backend, or a GPU group's tree: objcomm._transport.p2p.ENVELOPE
-)
+# the envelope before a slot through a CPU group's backend, or a GPU group's tree (objcomm._transport.p2p.ENVELOPE)
+ENVELOPE_BYTES = 8
 
 
 def tree_held(rest: int, *, slot: int, padded: bool, whole: bool) -> int:
@@ -318,14 +317,13 @@ def plan(
         # rank 0's value or failure back down the tree or broadcast; reduce: a gather of every rank's report to the root
         # (on one host the slots take the channel's route: a GPU group's tree pads messages only through the backend)
         backend = first != CHANNEL or leveled
-        tree_of = partial(tree_calls, rest=rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes)
         edge = tree_messages(
             rests[0], cpu=topology.cpu, listed=listed, chunk=knobs.chunk_bytes, tensors=tensors, backend=backend
         )
         held = (tree_held(rests[0], slot=knobs.slot_bytes, padded=backend and not topology.cpu, whole=edge == 1),)
         calls = (world - 1).bit_length() * edge
         if leveled:  # each host's tree over its channel, then the leaders' (tree_on_two_levels: hosts consecutive)
-            across = tree_of(hosts, tensors=tensors)
+            across = (hosts - 1).bit_length() * edge  # (a CPU group's: the leaders' tree through the backend)
             steps += [Step("tree", CHANNEL, held, k), Step("tree", BACKEND, held, hosts, True, across, edge)]
         elif first == CHANNEL and topology.cpu:  # one host: the tree's sends take the channel, as every send there
             steps.append(Step("tree", CHANNEL, held))  # (on a GPU their rests go through the backend: not drawn here)
