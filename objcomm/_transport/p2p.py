@@ -71,6 +71,24 @@ def _cpu_rules(wire: Wire) -> bool:
     return wire.device.type == "cpu" and not GPU_RULES_ON_CPU
 
 
+def _framing(wire: Wire, tree: bool) -> Tuple[bool, bool, int]:
+    """How a message through the group is laid out, alike on its sender and its receiver: ``(rules, framed, room)``,
+    whether a CPU group's rules apply (:func:`_cpu_rules`), whether an :data:`ENVELOPE` comes before the slot (a CPU
+    group's messages, a GPU group's tree's), and the room after the slot
+    (:func:`objcomm._transport.routes.backend_room`)."""
+    rules = _cpu_rules(wire)
+    return rules, rules or tree, routes.backend_room(cpu=rules, tree=tree)
+
+
+def _comes_whole(info: SlotInfo, agreed: bool, rules: bool, tree: bool) -> bool:
+    """Whether the rest comes in one message with its slot through the group
+    (:func:`objcomm._transport.routes.backend_whole`), read from the slot alike by sender and receiver: whether
+    tensors follow by the slot's total against its frame's length (a frame's table may list a tensor of 0 bytes,
+    which moves nothing)."""
+    moved, tensors = info.second_round_bytes, info.total != info.length
+    return routes.backend_whole(moved, cpu=rules, agreed=agreed, tree=tree, tensors=tensors)
+
+
 @one_call
 def send(wire: Wire, out: Outgoing, dst: int, eager: bool = True, tree: bool = False) -> None:
     """Send to group rank ``dst``: a slot, then the rest (after ``dst`` agreed, where it must). ``eager``: a
@@ -114,16 +132,9 @@ def _send(
     at_once = route is not None and not ends and not problem and not agreed and cpu
     if at_once and route is not None and route.send_whole(wire, raw, out, info, dst):
         return  # the slot and the rest that follows it at once, in one message of the route
-    rules = _cpu_rules(wire)  # through the group: the message's envelope (a CPU group's, a GPU group's tree's) and room
-    framed, room = rules or tree, routes.backend_room(cpu=rules, tree=tree)
-    length = (
-        ENVELOPE.size + len(raw) + room if framed and not rules else None
-    )  # a GPU group's tree: every one this long
-    # (tensors: by the slot, as the receiver reads it: a tensor of 0 bytes moves nothing)
-    whole = routes.backend_whole(
-        info.second_round_bytes, cpu=rules, agreed=agreed, tree=tree, tensors=info.total != info.length
-    )
-    if route is None and not ends and not problem and whole:
+    rules, framed, room = _framing(wire, tree)  # through the group
+    length = ENVELOPE.size + len(raw) + room if framed and not rules else None  # a GPU group's tree: all this long
+    if route is None and not ends and not problem and _comes_whole(info, agreed, rules, tree):
         _post(wire, _enveloped(raw, pieces(out, info.inline is not None)), dst, op, eager, lease, length)
         return
     message = 0  # (the receiver answers exactly when asked: agreed says so in the message)
@@ -224,8 +235,7 @@ def _recv(
         sender, got, message = route.recv(wire, src, op)
         return received(wire, sender, read_slot(memoryview(got)), sizes_of, route, message)
     # an envelope, and room for a rest that comes with its slot (routes.backend_whole): a CPU group's, a GPU's tree's
-    rules = _cpu_rules(wire)
-    framed, room = rules or tree, routes.backend_room(cpu=rules, tree=tree)
+    _, framed, room = _framing(wire, tree)
     head = ENVELOPE.size if framed else 0
     buffer = zeroed(head + wire.slot + room, wire)
     peer = None if src is None else wire.ranks[src]
@@ -328,9 +338,7 @@ def _received(
         )
     # whether the rest comes with the slot: by the sender's settings on a CPU group (it says so in its envelope), by
     # the slot on a GPU group's tree (a rest of its frame alone: tensors never leave the GPU)
-    whole = routes.backend_whole(
-        moved, cpu=_cpu_rules(wire), agreed=agreed, tree=tree, tensors=info.total != info.length
-    )
+    whole = _comes_whole(info, agreed, _cpu_rules(wire), tree)
     if after:  # the sender sent its rest with its slot (routes.backend_whole, by its settings): no answer waits
         if len(after) != moved:
             raise FrameError(
