@@ -11,14 +11,16 @@ points of their own group creation would disagree. A sibling's name is its group
 members: torch's store keys are named by it) plus a suffix torch's names never have, so two groups with the same
 ranks get two siblings. torch's private ``_new_process_group_helper`` makes it, as ``new_group`` does (these
 arguments and the ``(group, store)`` result are those of torch 2.2 to 2.13), talking only to the members, through a
-clone of the default store, for at most the group's timeout. ``Store.clone`` came with torch 2.8; before it a
-sibling shares the caller's store connection, which serves one request at a time.
+clone of the default store (one a thread for gloo siblings: :func:`_own_store`), for at most the group's timeout.
+``Store.clone`` came with torch 2.8; before it a sibling shares the caller's store connection, which serves one
+request at a time.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
@@ -37,12 +39,13 @@ def sibling(group: Any, suffix: str, backend: Optional[str] = None, ranks: Optio
     timeout = group_timeout(group)
     if timeout is None:
         from torch.distributed.constants import default_pg_timeout as timeout
-    store = _own_store()  # waiting for peers here holds up no other store user
+    chosen = dist.Backend(backend or group_backend(group))
+    store = _own_store(reuse=chosen == dist.Backend.GLOO)  # waiting for peers here holds up no other thread
     made, _ = c10d._new_process_group_helper(
         len(ranks),
         ranks.index(dist.get_rank()),
         ranks,
-        dist.Backend(backend or group_backend(group)),
+        chosen,
         store,
         group_name=f"{world.pg_names[group]}:{suffix}",
         timeout=timeout,
@@ -61,7 +64,7 @@ def arrive(group: Any, suffix: str, stopping: threading.Event, timeout: float) -
     ``compare_set``, which the others then read), so a rank that gave up after it was counted never leaves the others
     in a rendezvous it does not join (they waited for it there until the group's timeout), and one that gives up after
     the others went on goes on with them."""
-    store, names = _own_store(), dist.distributed_c10d._world.pg_names
+    store, names = _own_store(reuse=True), dist.distributed_c10d._world.pg_names
     key, members = f"objcomm/{names[group]}:{suffix}/arrived", dist.get_world_size(group)
     start = time.monotonic()
     count, pause, deadline = store.add(key, 1), 1e-3, start + timeout
@@ -88,10 +91,25 @@ def _default_store() -> Any:
     return c10d._world.pg_map[c10d._get_default_group()][1]
 
 
-def _own_store() -> Any:
-    """The default group's store, on a connection of its own where it can be cloned (:func:`store_clones`)."""
+_HELD = threading.local()  # .store: (a weak reference to the default store, this thread's clone of it)
+
+
+def _own_store(reuse: bool = False) -> Any:
+    """The default group's store, on a connection of its own where it can be cloned (:func:`store_clones`).
+    ``reuse``: this thread's one clone, made at its first call (again once the default group is another): where the
+    store is used only while a group is made (gloo), by the thread that makes it. A new connection to torch's store
+    took 5 s in 3 of 100 tries here (torch 2.13, a new client of an idle store on 127.0.0.1; a plain
+    socket, never), and two levels make several siblings a group; else (NCCL, whose communicators ask the
+    store when first used, on any thread) a clone of its own."""
     store = _default_store()
-    return store.clone() if hasattr(store, "clone") else store
+    if not hasattr(store, "clone"):
+        return store
+    if not reuse:
+        return store.clone()
+    held = getattr(_HELD, "store", None)
+    if held is None or held[0]() is not store:
+        held = _HELD.store = (weakref.ref(store), store.clone())
+    return held[1]
 
 
 def forget(made: Any) -> None:

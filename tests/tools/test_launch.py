@@ -465,9 +465,11 @@ def test_a_program_of_only_send_recv_gets_the_channel_and_exits_cleanly(tmp_path
     so does one with a rank that never calls objcomm (the others' threads wait for it, and stop at exit)."""
     script = tmp_path / "send_recv_only.py"
     script.write_text(SEND_RECV_ONLY)
-    for mode in ("many", "one", "destroy", "idle"):  # (many: until both ranks are on the channel)
-        cmd = torchrun("--standalone", f"--nproc_per_node={3 if mode == 'idle' else 2}", str(script), mode)
-        [(rc, output)] = run_agents([cmd], tmp_path)
+    modes = ("many", "one", "destroy", "idle")  # (many: until both ranks are on the channel)
+    commands = [
+        torchrun("--standalone", f"--nproc_per_node={3 if mode == 'idle' else 2}", str(script), mode) for mode in modes
+    ]
+    for mode, (rc, output) in zip(modes, run_agents(commands, tmp_path)):  # four jobs at once, each its own store
         assert rc == 0, (mode, output[-3000:])
         if mode == "many":
             assert sorted(re.findall(r"rank (\d) on the channel: (True|False)", output)) == [

@@ -8,6 +8,7 @@ import time
 from typing import Any, List
 
 import pytest
+import torch
 import torch.distributed as dist
 from _ranks import get_pool
 
@@ -40,3 +41,36 @@ def test_every_member_ends_on_the_same_answer(case):
     answers = [a for a, _ in got]
     assert answers == ([True, True] if case == "together" else [False, False]), got
     assert all(seconds < 10 for _, seconds in got), got
+
+
+def connections_to_the_store() -> List[Any]:
+    """Which store connections gloo siblings made in this thread, in another thread, and an NCCL sibling's would take
+    (``reuse=False``), by identity; then two gloo siblings made and used, one after the other, in the main thread."""
+    mine = [groups._own_store(reuse=True) for _ in range(3)]
+    theirs: List[Any] = []
+    worker = threading.Thread(target=lambda: theirs.extend(groups._own_store(reuse=True) for _ in range(2)))
+    worker.start()
+    worker.join()
+    fresh = groups._own_store(reuse=False)
+    made = [groups.sibling(dist.group.WORLD, f"test-reuse-{n}", "gloo") for n in range(2)]
+    sums = []
+    for group in made:
+        value = torch.tensor([dist.get_rank() + 1])
+        dist.all_reduce(value, group=group)
+        sums.append(int(value))
+        groups.forget(group)
+    return [
+        mine[0] is mine[1] is mine[2],
+        theirs[0] is theirs[1] and theirs[0] is not mine[0],
+        fresh is not mine[0],
+        groups._own_store(reuse=True) is mine[0],
+        sums,
+    ]
+
+
+def test_a_threads_gloo_siblings_share_one_connection_to_the_store():
+    """Each thread clones the default store once for the gloo siblings it makes (a new connection to torch's store
+    sometimes takes 5 s): the same clone for every gloo sibling of a thread, another in another thread, a clone of its
+    own where the sibling is NCCL's (``reuse=False``); siblings made on the shared clone work."""
+    for got in get_pool(2).run(connections_to_the_store, timeout=60):
+        assert got == [True, True, True, True, [3, 3]]
