@@ -83,9 +83,13 @@ def collect_results(
     """
     items, index_list, problem = _prepare(part, indices, size)
     comm = Communicator(group)
-    # Round 1, small: everyone learns every rank's shape and problems, so all raise alike.
-    meta = comm.all_gather([len(items), index_list is not None, _describe(problem), size], serializer=serializer)
-    _check_agreement(meta, problem)
+    # Round 1, small: a summary of every rank's shape, combined up a tree and back (a few words a rank, whatever W),
+    # so that every rank learns whether all is well; only if not, each rank's own shape and problem reach every rank
+    # (an all_gather), so that all raise the same error, naming the ranks.
+    mine = [len(items), index_list is not None, _describe(problem), size]
+    summary = comm.all_reduce(_summary(mine), _combine, serializer=serializer)
+    if not _all_well(summary):
+        _check_agreement(comm.all_gather(mine, serializer=serializer), problem)
     payload = [items, index_list]
     if dst is None:
         shards: Optional[List[Any]] = comm.all_gather(payload, serializer=serializer)
@@ -131,6 +135,45 @@ def _prepare(
         limit = f" and below size={size}" if size is not None else ""
         return items, None, ValueError(f"indices must be >= 0{limit}; got {bad[:5]}")
     return items, index_list, None
+
+
+# A summary of consecutive group ranks' shapes: [ranks, failed, with indices, size (the first rank's),
+# one size for all, first length, last length, lengths never rising, total length]. Lists of ints, bools and None,
+# which every serializer that carries collect_results' lists of ints carries (msgpack and JSON included).
+_RANKS, _FAILED, _INDEXED, _SIZE, _ONE_SIZE, _FIRST, _LAST, _FALLING, _TOTAL = range(9)
+
+
+def _summary(meta: List[Any]) -> List[Any]:
+    """One rank's summary of its ``[length, indexed, problem, size]``."""
+    length, indexed, problem, size = meta
+    return [1, problem is not None, int(indexed), size, True, length, length, True, length]
+
+
+def _combine(low: List[Any], high: List[Any]) -> List[Any]:
+    """The summary of two runs of consecutive ranks, ``low``'s before ``high``'s (all_reduce combines in group-rank
+    order)."""
+    return [
+        low[_RANKS] + high[_RANKS],
+        bool(low[_FAILED] or high[_FAILED]),
+        low[_INDEXED] + high[_INDEXED],
+        low[_SIZE],
+        bool(low[_ONE_SIZE] and high[_ONE_SIZE] and low[_SIZE] == high[_SIZE]),
+        low[_FIRST],
+        high[_LAST],
+        bool(low[_FALLING] and high[_FALLING] and low[_LAST] >= high[_FIRST]),
+        low[_TOTAL] + high[_TOTAL],
+    ]
+
+
+def _all_well(summary: List[Any]) -> bool:
+    """Whether the group's summary passes every check of :func:`_check_agreement` (which then would not raise)."""
+    ranks, size = summary[_RANKS], summary[_SIZE]
+    if summary[_FAILED] or not summary[_ONE_SIZE] or summary[_INDEXED] not in (0, ranks):
+        return False
+    if summary[_INDEXED]:
+        return True
+    strided = summary[_FALLING] and summary[_FIRST] - summary[_LAST] <= 1
+    return bool(strided and (size is None or summary[_TOTAL] - size < ranks))
 
 
 def _describe(problem: Optional[Exception]) -> Optional[List[str]]:

@@ -182,3 +182,65 @@ def get_pool_2() -> Any:
     from _ranks import get_pool
 
     return get_pool(2)
+
+
+def gathers_by_outcome() -> List[Any]:
+    """How many object all_gathers a healthy collect_results makes (on a rank that receives nothing, too), and how
+    many a failing one does."""
+    from _counting import counting
+
+    from objcomm._api.communicator import Communicator
+
+    rank = dist.get_rank()
+    with counting({"all_gather": [(Communicator, "all_gather")], "all_reduce": [(Communicator, "all_reduce")]}) as n:
+        got = collect_results(list(range(rank, 10, 4)), 10)
+    healthy = dict(n)
+    with counting({"all_gather": [(Communicator, "all_gather")]}) as n:
+        try:
+            collect_results(list(range(rank + 1)))  # lengths that grow with the rank
+        except ValueError as exc:
+            failed = (n["all_gather"], str(exc))
+    return [got, healthy, failed]
+
+
+def test_ranks_agree_through_a_reduction_and_gather_shapes_only_when_something_is_wrong(ranks4):
+    """The check that every rank's input is usable is one all_reduce of a few words (2 log W hops, not W slots into
+    every rank); the all_gather of every rank's shape, which names the culprits, runs only when it fails."""
+    for rank, (got, healthy, failed) in enumerate(ranks4.run(gathers_by_outcome)):
+        assert got == (list(range(10)) if rank == 0 else None)
+        assert healthy == {"all_gather": 0, "all_reduce": 1}
+        assert failed[0] == 1 and "part lengths by rank are [1, 2, 3, 4]" in failed[1]
+
+
+def test_the_summary_passes_exactly_when_the_shapes_do():
+    """The reduction's verdict (:func:`_all_well` of the combined summaries) is :func:`_check_agreement`'s, over
+    every shape of up to 4 ranks from a few lengths, sizes, indices flags and failures; in every combining order."""
+    import functools
+    import itertools
+    import random
+
+    from objcomm._api.collect import _all_well, _check_agreement, _combine, _summary
+
+    rng = random.Random(5)
+    per_rank = list(itertools.product([0, 1, 2, 3], [False, True], [None, ["ValueError", "x"]], [None, 3, 4, 7]))
+    checked = {True: 0, False: 0}
+    for world in (1, 2, 3, 4):
+        for _ in range(3000):
+            metas = [list(rng.choice(per_rank)) for _ in range(world)]
+            if rng.random() < 0.5:  # mostly healthy shapes too: one size, one flag, strided lengths, no failure
+                size, indexed, longest = rng.choice([None, 3, 4, 7]), rng.random() < 0.3, rng.randint(0, 3)
+                cut = rng.randint(0, world)
+                metas = [[longest if r < cut else max(longest - 1, 0), indexed, None, size] for r in range(world)]
+            try:
+                _check_agreement(metas, None)
+                expected = True
+            except Exception:
+                expected = False
+            summaries = [_summary(m) for m in metas]
+            split = rng.randint(1, world)  # a tree combines runs of ranks in any grouping, never out of order
+            left = functools.reduce(_combine, summaries[:split])
+            combined = _combine(left, functools.reduce(_combine, summaries[split:])) if split < world else left
+            assert _all_well(combined) == expected, metas
+            assert _all_well(functools.reduce(_combine, summaries)) == expected, metas
+            checked[expected] += 1
+    assert min(checked.values()) > 1000  # both verdicts were reached often
