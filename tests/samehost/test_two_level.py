@@ -1,4 +1,5 @@
-"""Two levels (objcomm/_samehost/two_level.py) when a host's leader dies mid-call: every other rank raises.
+"""Two levels (objcomm/_samehost/two_level.py) when a host's leader dies mid-call: every other rank raises; when a
+host's channel does not open at the set-up: every rank stays on the flat path.
 
 The healthy paths, the call counts and bad input on two levels are in tests/transport/test_many_ranks.py (one pool
 of eight ranks); this one needs a group of its own, since a SIGKILLed rank ends the pool's group.
@@ -66,3 +67,50 @@ def test_a_leader_killed_mid_call_makes_every_other_rank_raise(target):
     assert got[1][1] < TIMEOUT_S - 5 and "failed the channel" in got[1][0], got[1]
     member_message, member_elapsed = got[3]  # its leader's socket closed: the dead leader's host knows at once
     assert "closed its connection" in member_message or "reset its connection" in member_message, member_message
+
+
+def a_host_whose_channel_fails() -> Any:
+    """Hosts of four on a new group of the pool's 8 ranks; the second host's channel does not open (as its set-up's
+    own vote would leave every rank of that host): what each rank's first all_gather returns, whether the group kept
+    two levels, and how many all_reduces the set-up ran on the whole group (none: the channel's and the levels'
+    agreements are votes by recursive doubling, 2 log2 W steps, where an all_reduce is gloo's ring)."""
+    from test_many_ranks import ranks_per_host
+
+    from objcomm._samehost.channel_slots import ChannelSlots
+
+    rank = dist.get_rank()
+    real_channel, real_all_reduce, whole_group = ChannelSlots.channel, dist.all_reduce, []
+    with ranks_per_host(4):
+        sub = dist.new_group(list(range(8)))
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            whole_group.append(kwargs.get("group") is sub)
+            return real_all_reduce(*args, **kwargs)
+
+        def fails(slots: Any, wire: Any, op: str, foreground: bool = False) -> Any:
+            if "opening this host's channel" in op:  # (only there: the whole group's channel is asked first)
+                return None
+            return real_channel(slots, wire, op, foreground)
+
+        if rank >= 4:
+            ChannelSlots.channel = fails  # type: ignore[method-assign]
+        dist.all_reduce = counted
+        try:
+            got = objcomm.Communicator(sub).all_gather({"rank": rank})
+        finally:
+            ChannelSlots.channel, dist.all_reduce = real_channel, real_all_reduce  # type: ignore[method-assign]
+        kept = [levels is not None for levels in _state.group_facts(sub).levels.values()]
+        again = objcomm.Communicator(sub).all_gather(rank)
+        dist.destroy_process_group(sub)
+    return [got, kept, sum(whole_group), again]
+
+
+@pytest.mark.timeout(120)
+def test_a_host_whose_channel_does_not_open_leaves_every_rank_on_the_flat_path():
+    from _ranks import get_pool
+
+    for got, kept, whole_group_all_reduces, again in get_pool(8).run(a_host_whose_channel_fails, timeout=90):
+        assert got == [{"rank": r} for r in range(8)]
+        assert kept == [False]  # no rank kept two levels
+        assert whole_group_all_reduces == 0
+        assert again == list(range(8))
