@@ -77,6 +77,7 @@ open: reusing
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import secrets
@@ -91,6 +92,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from objcomm import _state
 from objcomm._errors import CommunicationError, ranks_note
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.inbox_waits import Inbox
@@ -244,9 +246,11 @@ class LocalChannel(Mesh):
             op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group
         )
         words: List[int] = everyone.tolist()
-        oks, keys, pids, uids, namespaces, nonces, _, readies, generations, points, resumed, sent, taken = (
+        oks, keys, pids, uids, namespaces, nonces, kept, readies, generations, points, resumed, sent, taken = (
             words[i::_WORDS] for i in range(_WORDS)
         )
+        if control is None:  # through the group, at the same call on every rank (not the background's thread)
+            _learn_hosts(wire.group, separate, keys, pids, namespaces, kept[0])
         peers: Dict[int, socket.socket] = {}
         try:
             if VOTE in oks:
@@ -407,6 +411,18 @@ def control_group(wire: Wire, op: str) -> Any:
     if control is not None:
         weakref.finalize(wire.group, _groups.forget, control).atexit = False
     return control
+
+
+def _learn_hosts(
+    group: Any, separate: Union[bool, int], keys: List[int], pids: List[int], namespaces: List[int], secret: int
+) -> None:
+    """Keep the group's hosts, as :func:`objcomm._samehost.hosts.discover` learns them, from a set-up's words: two
+    levels and shared memory then make no all_gather of their own (a ring of W - 1 steps on gloo). The job's token,
+    which names shared-memory files, comes from group rank 0's ``secret`` through a one-way hash (not from its nonce,
+    which its socket's name shows every user of the host)."""
+    token = int.from_bytes(hashlib.blake2b(b"objcomm token %d" % secret, digest_size=8).digest(), "little") >> 1
+    found = _hosts.Hosts(token, keys=tuple(keys), pids=tuple(pids), pid_namespaces=tuple(namespaces))
+    _state.group_facts(group).hosts.setdefault(separate, found)
 
 
 def _through(wire: Wire, control: Any) -> Tuple[Any, torch.device]:

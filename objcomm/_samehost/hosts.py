@@ -4,7 +4,8 @@ Each rank contributes four 64-bit words to one ``all_gather``: a key for its hos
 hostname and the kernel's boot id, so two containers with the same hostname on different machines
 differ), its pid, a random token, and its pid namespace (a pid only names a process inside its
 namespace). Every rank keeps rank 0's token: it names this job's shared-memory segments, so two
-jobs on one host never pick the same name.
+jobs on one host never pick the same name. Where the group's same-host channel was tried first, through the group,
+its set-up's words told the same (``objcomm._samehost.channel._learn_hosts``), and no rank asks again.
 
 ``separate=True`` salts the host key with the pid: every rank then looks like a host of its own,
 which lets tests run the different-hosts path on one machine; ``separate=k`` (``OBJCOMM_TEST_RANKS_PER_HOST``)

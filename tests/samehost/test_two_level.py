@@ -73,9 +73,12 @@ def a_host_whose_channel_fails() -> Any:
     """Hosts of four on a new group of the pool's 8 ranks; the second host's channel does not open (as its set-up's
     own vote would leave every rank of that host): what each rank's first all_gather returns, whether the group kept
     two levels, and how many all_reduces the set-up ran on the whole group (none: the channel's and the levels'
-    agreements are votes by recursive doubling, 2 log2 W steps, where an all_reduce is gloo's ring)."""
+    agreements are votes by recursive doubling, 2 log2 W steps, where an all_reduce is gloo's ring), and how often
+    the hosts were discovered apart from the channel's set-up."""
+    from _counting import counting
     from test_many_ranks import ranks_per_host
 
+    from objcomm._samehost import hosts as _hosts
     from objcomm._samehost.channel_slots import ChannelSlots
 
     rank = dist.get_rank()
@@ -96,21 +99,27 @@ def a_host_whose_channel_fails() -> Any:
             ChannelSlots.channel = fails  # type: ignore[method-assign]
         dist.all_reduce = counted
         try:
-            got = objcomm.Communicator(sub).all_gather({"rank": rank})
+            with counting({"discover": [(_hosts, "discover")]}) as discovered:
+                got = objcomm.Communicator(sub).all_gather({"rank": rank})
         finally:
             ChannelSlots.channel, dist.all_reduce = real_channel, real_all_reduce  # type: ignore[method-assign]
-        kept = [levels is not None for levels in _state.group_facts(sub).levels.values()]
+        facts = _state.group_facts(sub)
+        kept = [levels is not None for levels in facts.levels.values()]
+        keys = [[len({*hosts.keys[:4]}), len({*hosts.keys[4:]}), len({*hosts.keys})] for hosts in facts.hosts.values()]
         again = objcomm.Communicator(sub).all_gather(rank)
         dist.destroy_process_group(sub)
-    return [got, kept, sum(whole_group), again]
+    return [got, kept, sum(whole_group), again, discovered["discover"], keys]
 
 
 @pytest.mark.timeout(120)
 def test_a_host_whose_channel_does_not_open_leaves_every_rank_on_the_flat_path():
     from _ranks import get_pool
 
-    for got, kept, whole_group_all_reduces, again in get_pool(8).run(a_host_whose_channel_fails, timeout=90):
+    every = get_pool(8).run(a_host_whose_channel_fails, timeout=90)
+    for got, kept, whole_group_all_reduces, again, discovered, keys in every:
         assert got == [{"rank": r} for r in range(8)]
         assert kept == [False]  # no rank kept two levels
         assert whole_group_all_reduces == 0
         assert again == list(range(8))
+        # the hosts came with the group's channel set-up, which every rank tried first: no all_gather of their own
+        assert discovered == 0 and keys == [[1, 1, 2]]
