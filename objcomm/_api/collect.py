@@ -137,15 +137,18 @@ def _prepare(
     return items, index_list, None
 
 
-# A summary of consecutive group ranks' shapes: [ranks, failed, with indices, size (the first rank's),
-# one size for all, first length, last length, lengths never rising, total length]. Lists of ints, bools and None,
-# which every serializer that carries collect_results' lists of ints carries (msgpack and JSON included).
+# A summary of consecutive group ranks' shapes: [ranks, failed, with indices, size (the first rank's, an int or
+# None), one size for all, first length, last length, lengths never rising, total length]. Lists of ints, bools
+# and None, which every serializer that carries collect_results' lists of ints carries (msgpack and JSON included).
 _RANKS, _FAILED, _INDEXED, _SIZE, _ONE_SIZE, _FIRST, _LAST, _FALLING, _TOTAL = range(9)
 
 
 def _summary(meta: List[Any]) -> List[Any]:
-    """One rank's summary of its ``[length, indexed, problem, size]``."""
+    """One rank's summary of its ``[length, indexed, problem, size]``: ``size`` as an int (a numpy or torch integer
+    passed ``_prepare``'s check), or None where it is None or this rank has a problem (which the summary's
+    failure then reports: a size that failed the check need not compare)."""
     length, indexed, problem, size = meta
+    size = None if problem is not None or size is None else operator.index(size)
     return [1, problem is not None, int(indexed), size, True, length, length, True, length]
 
 

@@ -18,6 +18,7 @@ request at a time.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -40,7 +41,8 @@ def sibling(group: Any, suffix: str, backend: Optional[str] = None, ranks: Optio
     if timeout is None:
         from torch.distributed.constants import default_pg_timeout as timeout
     chosen = dist.Backend(backend or group_backend(group))
-    store = _own_store(reuse=chosen == dist.Backend.GLOO)  # waiting for peers here holds up no other thread
+    reuse = chosen == dist.Backend.GLOO and os.environ.get("TORCH_GLOO_LAZY_INIT", "0").lower() in ("", "0", "false")
+    store = _own_store(reuse=reuse)  # waiting for peers here holds up no other thread
     made, _ = c10d._new_process_group_helper(
         len(ranks),
         ranks.index(dist.get_rank()),
@@ -97,7 +99,8 @@ _HELD = threading.local()  # .store: (a weak reference to the default store, thi
 def _own_store(reuse: bool = False) -> Any:
     """The default group's store, on a connection of its own where it can be cloned (:func:`store_clones`).
     ``reuse``: this thread's one clone, made at its first call (again once the default group is another): where the
-    store is used only while a group is made (gloo), by the thread that makes it. A new connection to torch's store
+    store is used only while a group is made (gloo, unless ``TORCH_GLOO_LAZY_INIT`` makes it connect at its first
+    collective, on gloo's threads), by the thread that makes it. A new connection to torch's store
     took 5 s in 3 of 100 tries here (torch 2.13, a new client of an idle store on 127.0.0.1; a plain
     socket, never), and two levels make several siblings a group; else (NCCL, whose communicators ask the
     store when first used, on any thread) a clone of its own."""

@@ -124,6 +124,8 @@ def bad_inputs() -> list:
     record(lambda: collect_results([rank], 5, indices=[5 if rank == 0 else rank]))
     # a dict is not a list of results
     record(lambda: collect_results({"a": 1} if rank == world - 1 else [rank], dst=None))
+    # a size that is no int on rank 1 (an array, whose == makes no single bool)
+    record(lambda: collect_results([rank], __import__("numpy").array([3, 4]) if rank == 1 else 3))
     seen.append(collect_results([rank], dst=None))  # the group is still in step
     return seen
 
@@ -136,7 +138,8 @@ def test_bad_input_raises_on_every_rank_and_names_the_culprit(ranks3):
         assert seen[2] == ("ValueError", seen[2][1]) and "part lengths by rank are [1, 2, 3]" in seen[2][1]
         assert seen[3] == ("RemoteError", {0: "ValueError"}, "ValueError" if rank == 0 else None)
         assert seen[4] == ("RemoteError", {2: "TypeError"}, "TypeError" if rank == 2 else None)
-        assert seen[5] == [0, 1, 2]
+        assert seen[5] == ("RemoteError", {1: "ValueError"}, "ValueError" if rank == 1 else None)
+        assert seen[6] == [0, 1, 2]
 
 
 def test_without_a_process_group():

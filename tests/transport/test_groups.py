@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 import time
@@ -59,18 +60,38 @@ def connections_to_the_store() -> List[Any]:
         dist.all_reduce(value, group=group)
         sums.append(int(value))
         groups.forget(group)
+    asked, real_own_store = [], groups._own_store
+
+    def own_store(reuse: bool = False) -> Any:
+        asked.append(reuse)
+        return real_own_store(reuse)
+
+    groups._own_store = own_store  # type: ignore[assignment]
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # a gloo group then connects at its first collective, on gloo's threads
+    try:
+        lazy = groups.sibling(dist.group.WORLD, "test-reuse-lazy", "gloo")
+    finally:
+        del os.environ["TORCH_GLOO_LAZY_INIT"]
+        groups._own_store = real_own_store  # type: ignore[assignment]
+    value = torch.tensor([dist.get_rank() + 1])
+    dist.all_reduce(value, group=lazy)
+    groups.forget(lazy)
     return [
         mine[0] is mine[1] is mine[2],
         theirs[0] is theirs[1] and theirs[0] is not mine[0],
         fresh is not mine[0],
         groups._own_store(reuse=True) is mine[0],
         sums,
+        asked,
+        int(value),
     ]
 
 
 def test_a_threads_gloo_siblings_share_one_connection_to_the_store():
     """Each thread clones the default store once for the gloo siblings it makes (a new connection to torch's store
     sometimes takes 5 s): the same clone for every gloo sibling of a thread, another in another thread, a clone of its
-    own where the sibling is NCCL's (``reuse=False``); siblings made on the shared clone work."""
+    own where the sibling is NCCL's (``reuse=False``); siblings made on the shared clone work. A gloo group made under
+    ``TORCH_GLOO_LAZY_INIT``, which asks the store at its first collective, on gloo's threads, takes a clone of its
+    own."""
     for got in get_pool(2).run(connections_to_the_store, timeout=60):
-        assert got == [True, True, True, True, [3, 3]]
+        assert got == [True, True, True, True, [3, 3], [False], 3]
