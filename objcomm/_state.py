@@ -39,6 +39,7 @@ class GroupFacts:
     hosts: Dict[int, Any] = field(default_factory=dict)  # separate -> Hosts (objcomm._samehost.hosts)
     remote_peers: Set[Tuple[int, int]] = field(default_factory=set)  # (peer, separate): send/recv crosses hosts
     unsealed: Set[Tuple[int, int]] = field(default_factory=set)  # (peer or -1: collectives, separate): files only
+    swept: Set[str] = field(default_factory=set)  # shared-memory folders whose dead jobs' files this group cleared
     requests: Any = None  # _Lanes, made on the first non-blocking call (objcomm._api.requests)
     local: Dict[int, Any] = field(default_factory=dict)  # separate -> SameHost (objcomm._samehost.channel_slots)
     levels: Dict[int, Any] = field(default_factory=dict)  # separate -> Levels or None (objcomm._samehost.two_level)

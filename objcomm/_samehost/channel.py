@@ -69,10 +69,10 @@ Async collectives run on the shadow group, which gets a channel of its own.
 The small words of large collectives go through it too: the receivers' votes and the shared-memory
 control words (:meth:`objcomm._samehost.channel_slots.ChannelSlots.gather_words`,
 :func:`objcomm._transport.base.largest_of`). So do the answers and second rounds of send/recv below the shared-memory
-threshold (messages of their own kinds, under the send's message id: :mod:`objcomm._samehost.channel_rests`). Still
-open: reusing
-:mod:`objcomm._samehost.hosts` instead of the channel's own discovery; and the channel's own cost: its bookkeeping
-(header, stash, checks) doubles the bare mesh's time.
+threshold (messages of their own kinds, under the send's message id: :mod:`objcomm._samehost.channel_rests`). A set-up
+through the group tells every rank the group's hosts too (:func:`_learn_hosts`), which two levels and shared memory
+then read instead of a discovery of their own. Still open: the channel's own cost: its bookkeeping (header, stash,
+checks) doubles the bare mesh's time.
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ truncated while read gives a short read (refused), never SIGBUS.
 
 Names are ``objcomm-<host>-<pidns>-<token>-<pid>-<seq>-<part>``: ``host``, 16 hex digits, is
 :func:`objcomm._samehost.hosts.host_key` of the writer's host; ``pidns`` the decimal inode number of its pid
-namespace (``/proc/self/ns/pid``, 0 if unknown); ``token``, 16 hex digits, is per job (agreed at
-discovery; for send/recv, per sending process); ``pid`` the writer's, in that namespace; ``seq`` a
-counter per writer; ``part`` the receiving rank for scatter, else 0.
+namespace (``/proc/self/ns/pid``, 0 if unknown); ``token``, 16 hex digits, is per job (learnt with the group's
+hosts: :mod:`objcomm._samehost.hosts`; for send/recv, per sending process); ``pid`` the writer's, in that
+namespace; ``seq`` a counter per writer; ``part`` the receiving rank for scatter, else 0.
 
 Segments are unlinked by their writer (:meth:`_Segment.release`, which callers run in a ``finally``)
 and at interpreter exit. A :class:`SegmentBook` keeps what a process needs for that (the paths it

@@ -33,7 +33,7 @@ the bookkeeping of those a process wrote is a :class:`~objcomm._samehost.segment
 What a call writes and how it is read back are :mod:`objcomm._samehost.shm_parts`; the words and answer of a
 send/recv, :mod:`objcomm._samehost.shm_p2p`.
 This module unlinks what it wrote in a ``finally`` (exceptions, KeyboardInterrupt), and sweeps when
-a rank fails mid-call and at every discovery (the start of the next job).
+a rank fails mid-call and when a group first asks for its hosts here (the start of the next job).
 
 Mixed groups: collectives use shared memory only when the whole group shares one host, otherwise
 they keep the normal transport; send/recv use it whenever the two ranks share a host.
@@ -124,12 +124,16 @@ class SharedMemory(PatternRests):
         return _state.group_facts(wire.group).hosts.get(self.separate)
 
     def hosts(self, wire: Wire, op: str) -> _hosts.Hosts:
-        """The group's hosts, learned at the first call that asks (a collective: every rank asks at the same call)."""
-        known: Dict[Union[bool, int], _hosts.Hosts] = _state.group_facts(wire.group).hosts
+        """The group's hosts, learned at the first call that asks (a collective: every rank asks at the same call),
+        unless the group's same-host channel learnt them at its set-up (``channel._learn_hosts``)."""
+        facts = _state.group_facts(wire.group)
+        known: Dict[Union[bool, int], _hosts.Hosts] = facts.hosts
         found = known.get(self.separate)
         if found is None:
             found = known[self.separate] = _hosts.discover(wire, self.separate, op)
-            sweep(self.directory)  # a new job on this host: clear what dead jobs left
+        if self.directory not in facts.swept:  # a new job on this host: clear what dead jobs left (this rank alone)
+            facts.swept.add(self.directory)
+            sweep(self.directory)
         return found
 
     def hosts_for(self, wire: Wire, moved: int, op: str) -> Optional[_hosts.Hosts]:

@@ -25,11 +25,12 @@ raises alone, as on the flat path; a leader forwards it to its host first, one p
 (its memory stays bounded by that piece).
 
 Set up once per group, at its first all_gather, gather or broadcast that finds the group spans hosts (every rank reaches
-it at the same call): which ranks share a host (one all_gather through the group,
-:func:`objcomm._samehost.hosts.discover`), each host's *node group* (made by its ranks alone) and the *leaders'
-group* (made by the leaders alone), both by :func:`objcomm._transport.groups.sibling`, the channel of each node
-group (its set-up), and one all_reduce through the group, so that every rank takes two levels only where every
-host's channel opened. Groups with one rank per host keep the flat path, as do NCCL groups (NCCL builds its own
+it at the same call): which ranks share a host (from the group's own channel set-up, where it went through the group
+at that call, else one all_gather through the group: :func:`objcomm._samehost.hosts.discover`), each host's *node
+group* (made by its ranks alone) and the *leaders' group* (made by the leaders alone), both by
+:func:`objcomm._transport.groups.sibling`, the channel of each node group (its set-up), and one vote through the
+group (:func:`objcomm._transport.base.largest_of`), so that every rank takes two levels only where every host's
+channel opened. Groups with one rank per host keep the flat path, as do NCCL groups (NCCL builds its own
 rings and trees over NVLink and the network), scatter, all_to_all and send/recv. The reductions' tree takes the two
 levels once they are set up, where every host holds consecutive ranks (:meth:`TwoLevel.tree_levels`): each host's
 ranks up a tree of messages over the host's channel to the leader, then the leaders' tree through the group.

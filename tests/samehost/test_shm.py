@@ -405,7 +405,7 @@ def test_killed_rank_leaves_nothing_once_the_job_is_gone(shm_dir):
         with pytest.raises(RankDied):
             pool.run(die_after_writing, shm_dir)
     left = os.listdir(shm_dir)  # whatever the killed job's ranks wrote ...
-    _segments.sweep(shm_dir)  # ... is removed by the next job's discovery (same function)
+    _segments.sweep(shm_dir)  # ... is removed by the next job's first shared-memory call (same function)
     assert os.listdir(shm_dir) == [], left
 
 
@@ -451,15 +451,44 @@ def new_group_discovers(directory: str) -> List[str]:
     return sorted(os.listdir(directory))
 
 
+def new_group_learns_its_hosts_from_its_channel(directory: str) -> List[Any]:
+    """A new group whose same-host channel opens in the foreground, through the group (as for more than
+    ``opener.MOST_RANKS`` ranks), whose set-up words tell every rank the hosts: a shared-memory all_gather on it,
+    then what the folder holds, and how often the hosts were discovered apart from the channel."""
+    from _counting import counting
+
+    from objcomm._samehost import hosts as _hosts
+    from objcomm._samehost import opener as _opener
+
+    saved, _opener.MOST_RANKS = _opener.MOST_RANKS, 1
+    try:
+        group = dist.new_group(list(range(dist.get_world_size())))
+        comm = objcomm.Communicator(group, shm_dir=directory, shm_threshold=THRESHOLD, shm_zero_copy=False)
+        with counting({"discover": [(_hosts, "discover")]}) as discovered:
+            comm.all_gather(bytes(2 * THRESHOLD))
+        dist.barrier(group)  # writers unlink once their readers are done, maybe just after those return
+        dist.destroy_process_group(group)
+    finally:
+        _opener.MOST_RANKS = saved
+    return [sorted(os.listdir(directory)), discovered["discover"]]
+
+
 @pytest.mark.timeout(60)
-def test_discovery_removes_segments_of_dead_processes(shm_dir):
+@pytest.mark.parametrize("hosts_from", ["discovery", "the channel's set-up"])
+def test_a_groups_first_shared_memory_call_removes_segments_of_dead_processes(shm_dir, hosts_from):
+    """Whether the group learnt its hosts in a discovery of their own or from its channel's set-up (the
+    second skipped the sweep: a helper's find)."""
     dead = subprocess.Popen(["true"])
     dead.wait()
     stale = _segments._name(shm_dir, _segments._me(0)._replace(pid=dead.pid), 1, 0)
     alive = _segments._name(shm_dir, _segments._me(0), 1, 0)
     for path in (stale, alive):
         open(path, "wb").close()
-    assert get_pool(2).run(new_group_discovers, shm_dir) == [[os.path.basename(alive)]] * 2
+    if hosts_from == "discovery":
+        assert get_pool(2).run(new_group_discovers, shm_dir) == [[os.path.basename(alive)]] * 2
+    else:
+        got = get_pool(2).run(new_group_learns_its_hosts_from_its_channel, shm_dir)
+        assert got == [[[os.path.basename(alive)], 0]] * 2
 
 
 def tensors_split_against_their_table(shm_threshold: int, local: bool = True, zero_copy: bool = True) -> Any:
