@@ -246,11 +246,11 @@ class LocalChannel(Mesh):
             op, wire, all_gather_single, everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group
         )
         words: List[int] = everyone.tolist()
-        oks, keys, pids, uids, namespaces, nonces, kept, readies, generations, points, resumed, sent, taken = (
+        oks, keys, pids, uids, namespaces, nonces, their_secrets, readies, generations, points, resumed, sent, taken = (
             words[i::_WORDS] for i in range(_WORDS)
         )
         if control is None:  # through the group, at the same call on every rank (not the background's thread)
-            _learn_hosts(wire.group, separate, keys, pids, namespaces, kept[0])
+            _learn_hosts(wire.group, separate, keys, pids, namespaces, their_secrets[0])
         peers: Dict[int, socket.socket] = {}
         try:
             if VOTE in oks:
@@ -277,7 +277,7 @@ class LocalChannel(Mesh):
                 # Half the group's timeout at most: ranks that gave up at once wait for this one in the
                 # vote below, under that timeout, and must still be there when it comes.
                 deadline = time.monotonic() + min(setup_timeout, timeout / 2)
-                usable = cls._connect(wire.rank, peers, pids, nonces, words[6::_WORDS], secret, listener, deadline)
+                usable = cls._connect(wire.rank, peers, pids, nonces, their_secrets, secret, listener, deadline)
         finally:
             listener.close()  # the name disappears with it
         # every rank's verdict: the maximum of "unusable" (on gloo recursive doubling, then a broadcast: 2 log2 W
