@@ -70,14 +70,13 @@ The small words of large collectives go through it too: the receivers' votes and
 control words (:meth:`objcomm._samehost.channel_slots.ChannelSlots.gather_words`,
 :func:`objcomm._transport.base.largest_of`). So do the answers and second rounds of send/recv below the shared-memory
 threshold (messages of their own kinds, under the send's message id: :mod:`objcomm._samehost.channel_rests`). A set-up
-through the group tells every rank the group's hosts too (:func:`_learn_hosts`), which two levels and shared memory
-then read instead of a discovery of their own. Still open: the channel's own cost: its bookkeeping (header, stash,
-checks) doubles the bare mesh's time.
+through the group tells every rank the group's hosts too (:func:`objcomm._samehost.hosts.keep`), which two levels
+and shared memory then read instead of a discovery of their own. Still open: the channel's own cost: its bookkeeping
+(header, stash, checks) doubles the bare mesh's time.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import secrets
@@ -92,7 +91,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from objcomm import _state
 from objcomm._errors import CommunicationError, ranks_note
 from objcomm._samehost import hosts as _hosts
 from objcomm._samehost.inbox_waits import Inbox
@@ -250,7 +248,7 @@ class LocalChannel(Mesh):
             words[i::_WORDS] for i in range(_WORDS)
         )
         if control is None:  # through the group, at the same call on every rank (not the background's thread)
-            _learn_hosts(wire.group, separate, keys, pids, namespaces, their_secrets[0])
+            _hosts.keep(wire.group, separate, keys, pids, namespaces, their_secrets[0])
         peers: Dict[int, socket.socket] = {}
         try:
             if VOTE in oks:
@@ -411,18 +409,6 @@ def control_group(wire: Wire, op: str) -> Any:
     if control is not None:
         weakref.finalize(wire.group, _groups.forget, control).atexit = False
     return control
-
-
-def _learn_hosts(
-    group: Any, separate: Union[bool, int], keys: List[int], pids: List[int], namespaces: List[int], secret: int
-) -> None:
-    """Keep the group's hosts, as :func:`objcomm._samehost.hosts.discover` learns them, from a set-up's words: two
-    levels and shared memory then make no all_gather of their own (a ring of W - 1 steps on gloo). The job's token,
-    which names shared-memory files, comes from group rank 0's ``secret`` through a one-way hash (not from its nonce,
-    which its socket's name shows every user of the host)."""
-    token = int.from_bytes(hashlib.blake2b(b"objcomm token %d" % secret, digest_size=8).digest(), "little") >> 1
-    found = _hosts.Hosts(token, keys=tuple(keys), pids=tuple(pids), pid_namespaces=tuple(namespaces))
-    _state.group_facts(group).hosts.setdefault(separate, found)
 
 
 def _through(wire: Wire, control: Any) -> Tuple[Any, torch.device]:

@@ -5,7 +5,7 @@ hostname and the kernel's boot id, so two containers with the same hostname on d
 differ), its pid, a random token, and its pid namespace (a pid only names a process inside its
 namespace). Every rank keeps rank 0's token: it names this job's shared-memory segments, so two
 jobs on one host never pick the same name. Where the group's same-host channel was tried first, through the group,
-its set-up's words told the same (``objcomm._samehost.channel._learn_hosts``), and no rank asks again.
+its set-up's words told the same (:func:`keep`), and no rank asks again.
 
 ``separate=True`` salts the host key with the pid: every rank then looks like a host of its own,
 which lets tests run the different-hosts path on one machine; ``separate=k`` (``OBJCOMM_TEST_RANKS_PER_HOST``)
@@ -25,6 +25,7 @@ from typing import Any, List, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from objcomm import _state
 from objcomm._transport.base import all_gather_single, guarded
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -74,8 +75,12 @@ def host_key(separate: Union[bool, int] = False) -> int:
         salt = f"simulated host {(dist.get_rank() if dist.is_initialized() else 0) // separate}"
     else:
         salt = ""
-    text = f"{socket.gethostname()}|{boot}|{salt}"
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+    return _digest(f"{socket.gethostname()}|{boot}|{salt}".encode())
+
+
+def _digest(data: bytes) -> int:
+    """A 63-bit one-way digest of ``data``."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
 def pid_namespace() -> int:
@@ -100,3 +105,15 @@ def discover(wire: Any, separate: Union[bool, int], op: str) -> Hosts:
         pid_namespaces=tuple(words[3::_WORDS]),
     )
     return hosts
+
+
+def keep(
+    group: Any, separate: Union[bool, int], keys: List[int], pids: List[int], namespaces: List[int], secret: int
+) -> None:
+    """Keep ``group``'s hosts, as :func:`discover` learns them, from words every rank gathered through the group at
+    the same call (the same-host channel's set-up: :meth:`objcomm._samehost.channel.LocalChannel.open`), so that two
+    levels and shared memory make no all_gather of their own (a ring of W - 1 steps on gloo). The job's token comes
+    from group rank 0's ``secret`` through a one-way digest (not from its socket's nonce, which the socket's name
+    shows every user of the host)."""
+    found = Hosts(_digest(b"objcomm token %d" % secret), tuple(keys), tuple(pids), tuple(namespaces))
+    _state.group_facts(group).hosts.setdefault(separate, found)

@@ -125,7 +125,7 @@ class SharedMemory(PatternRests):
 
     def hosts(self, wire: Wire, op: str) -> _hosts.Hosts:
         """The group's hosts, learned at the first call that asks (a collective: every rank asks at the same call),
-        unless the group's same-host channel learnt them at its set-up (``channel._learn_hosts``)."""
+        unless the group's same-host channel learnt them at its set-up (:func:`objcomm._samehost.hosts.keep`)."""
         facts = _state.group_facts(wire.group)
         known: Dict[Union[bool, int], _hosts.Hosts] = facts.hosts
         found = known.get(self.separate)
