@@ -49,7 +49,7 @@ class Operations(Resolving):
             return [call.roundtrip(obj)]
         wire = call.wire
         out, local = call.encode(obj, _still(serialized, express, call))
-        memory = _slot_memory(wire, "all_gather", routes.LEARNED_TABLE_MOST)
+        memory = _slot_memory(wire, "all_gather", routes.LEARNED_TABLE_MOST, routes.NARROW_SLOT)
         incoming = _rounds.all_gather(wire, out, _frame.tensor_sizes, summed=self._summed(wire), memory=memory)
         call.raise_failures("all_gather", incoming, local)
         return call.decode_all(incoming)
@@ -278,11 +278,11 @@ class Operations(Resolving):
         return local
 
 
-def _slot_memory(wire: Wire, op: str, most: int) -> _rounds.SlotMemory:
+def _slot_memory(wire: Wire, op: str, most: int, narrow: int = 0) -> _rounds.SlotMemory:
     """The slot memory of ``op``'s calls on ``wire``'s group with its slot setting (:class:`_rounds.SlotMemory`)."""
     slots, key = group_facts(wire.group).slots, (op, wire.slot)
     found: Optional[_rounds.SlotMemory] = slots.get(key)
-    return found if found is not None else slots.setdefault(key, _rounds.SlotMemory(wire.slot, most))
+    return found if found is not None else slots.setdefault(key, _rounds.SlotMemory(wire.slot, most, narrow))
 
 
 def _parts_of(call: Call) -> Call:

@@ -30,7 +30,7 @@ import json
 import re
 import struct
 import sys
-from typing import Any, Callable, Collection, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -261,11 +261,11 @@ def encode(
     return out
 
 
-def error_frame(exc: BaseException, limit: int) -> Outgoing:
+def error_frame(exc: Union[BaseException, Tuple[str, str]], limit: int) -> Outgoing:
     """An error report about ``exc`` in at most ``limit`` bytes (the message is cut to fit). The type
-    is what really failed (an :class:`EncodeError`'s cause, e.g. ``PicklingError``), the message ``exc``'s."""
-    message = str(exc)
-    kind = type(original(exc)).__name__
+    is what really failed (an :class:`EncodeError`'s cause, e.g. ``PicklingError``), the message ``exc``'s; or a
+    report's ``(type name, message)`` (:func:`read_error`'s), cut again."""
+    kind, message = exc if isinstance(exc, tuple) else (type(original(exc)).__name__, str(exc))
     while True:
         payload = json.dumps({"type": kind, "message": message}).encode()
         frame = _assemble("", payload, flags=FLAG_ERROR)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from objcomm._errors import ObjcommError
 from objcomm._format import limits as _limits
+from objcomm._format.frame import error_frame, parse_header, read_error
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, fill_slot, read_slot, read_slots
 from objcomm._transport import routes
@@ -122,8 +123,10 @@ def _vote_refusals(
 # -- all_gather ------------------------------------------------------------------------------
 class SlotMemory:
     """The slots that the last two all_gathers (or broadcasts) on one group, with the settings' slot ``base``,
-    suggested for the next (:func:`routes.slot_after`; ``most``: what the slots of one call may hold together), where
-    their slots went through the backend: the next takes the smaller (:attr:`slot`). Every rank reads the same slots
+    suggested for the next (:func:`routes.slot_after`; ``most``: what the slots of one call may hold together;
+    ``narrow``: a narrower slot for frames that all passed ``base``, 0: none), where their slots went through the
+    backend: the next takes the smaller where both were wider, the wider where both were narrower, else ``base``
+    (:attr:`slot`). Every rank reads the same slots
     in round 1, so every rank's memory holds the same; each is kept with its group
     (:func:`objcomm._state.group_facts`). Only a call that passed every check of round 1 teaches it; one that
     fails them (sizes that disagree, an all_gather's payload past a receiver's ``max_bytes``, a broadcast's refused in
@@ -134,29 +137,31 @@ class SlotMemory:
     4096
     """
 
-    __slots__ = ("base", "most", "last")
+    __slots__ = ("base", "most", "narrow", "last")
 
-    def __init__(self, base: int, most: int = routes.LEARNED_TABLE_MOST) -> None:
-        self.base, self.most, self.last = base, most, (base, base)
+    def __init__(self, base: int, most: int = routes.LEARNED_TABLE_MOST, narrow: int = 0) -> None:
+        self.base, self.most, self.narrow, self.last = base, most, narrow, (base, base)
 
     @property
     def slot(self) -> int:
-        return min(self.last)
+        least, most = min(self.last), max(self.last)
+        return least if least >= self.base else most if most < self.base else self.base
 
-    def applied(self, wire: Wire) -> Tuple[Wire, Optional[SlotMemory]]:
-        """``wire`` with the slot this memory says, and the memory its call teaches (None: a memory of another slot
-        setting, which ``wire``'s call neither takes nor teaches)."""
+    def applied(self, wire: Wire, wider: bool = True) -> Tuple[Wire, Optional[SlotMemory]]:
+        """``wire`` with the slot this memory says (not wider than the settings' unless ``wider``), and the memory its
+        call teaches (None: a memory of another slot setting, which ``wire``'s call neither takes nor teaches)."""
         if self.base != wire.slot:
             return wire, None
-        return (wire if self.slot == wire.slot else wire._replace(slot=self.slot)), self
+        slot = self.slot if wider or self.slot < self.base else self.base
+        return (wire if slot == wire.slot else wire._replace(slot=slot)), self
 
     def learn(self, infos: Sequence[SlotInfo], slot: int, ended: bool = False) -> None:
         """Remember what a call's slots (``infos``, every rank's, each ``slot`` bytes) suggest: the settings' slot
         where a frame overflowed a wider one (objects that grow past it would otherwise move an empty table a call).
         O(W); nothing to read where round 1 ``ended`` the call in the settings' slot (every message fit it, or an
-        error report came: the common small call), nor where no wider slot's table fits ``most`` (an all_gather's
-        at the default slot: from 8191 ranks)."""
-        if len(infos) * (self.base + 1) > self.most:
+        error report came: the common small call), nor, where the memory has no ``narrow`` slot, where no wider
+        slot's table fits ``most`` (an all_gather's at the default slot: from 8191 ranks)."""
+        if len(infos) * (self.base + 1) > self.most and not self.narrow:
             self.last = (self.base, self.base)
             return
         if ended and slot == self.base:  # (what slot_after would say, read from every slot)
@@ -172,7 +177,9 @@ class SlotMemory:
             suggested = self.base
         else:
             frames = [info.length for info in infos]
-            suggested = routes.slot_after(frames, tensors=tensors, base=self.base, piece=piece, most=self.most)
+            suggested = routes.slot_after(
+                frames, tensors=tensors, base=self.base, piece=piece, most=self.most, narrow=self.narrow
+            )
         self.last = (self.last[1], suggested)
 
     def forget(self) -> None:
@@ -309,18 +316,27 @@ def _exchange_slots(
     slots = wire.slot_medium.all_gather(wire, raw, op)
     if slots is not NOT_USED:
         return wire, [read_slot(memoryview(s)) for s in slots], None
+    if memory is not None:  # the slot the last two all_gathers suggested (a summed table's: never wider)
+        wire, memory = memory.applied(wire, wider=not summed)
+        if len(raw) != wire.slot:
+            raw = _slot(wire, _fitted(out, wire))
     if summed:  # the table, zeros but this rank's slot, summed: every slot in its place (a tree on NCCL, not a ring)
         recv = zeroed(wire.slot * wire.size, wire)
         recv[wire.rank * wire.slot : (wire.rank + 1) * wire.slot] = _on_device(wire, raw)
         guarded(op, wire, dist.all_reduce, recv, op=dist.ReduceOp.SUM, group=wire.group)
-        return wire, read_slots(host_view(recv), wire.size, wire.slot), None
-    if memory is not None:  # the slot the last two all_gathers suggested
-        wire, memory = memory.applied(wire)
-        if len(raw) != wire.slot:
-            raw = _slot(wire, out)
+        return wire, read_slots(host_view(recv), wire.size, wire.slot), memory
     recv, host = receive_buffer(wire.slot * wire.size, wire)
     guarded(op, wire, all_gather_single, recv, _on_device(wire, raw), group=wire.group)
     return wire, read_slots(host if host is not None else host_view(recv), wire.size, wire.slot), memory
+
+
+def _fitted(out: Outgoing, wire: Wire) -> Outgoing:
+    """``out``, or where it is this rank's error report, cut for the settings' slot, past a narrower one
+    (:class:`SlotMemory`'s), the same report cut to fit it: an honest report always fits its slot."""
+    if not out.error or out.frame_nbytes <= wire.inline_capacity:
+        return out
+    view = memoryview(out.frame)
+    return error_frame(read_error(view, parse_header(view)), wire.inline_capacity)
 
 
 def _rest(wire: Wire, out: Outgoing) -> List[torch.Tensor]:

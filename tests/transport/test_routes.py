@@ -572,6 +572,68 @@ def test_an_all_gathers_slot_memory_takes_the_smaller_of_the_last_two_suggestion
     assert memory.slot == 4096 and routes.slot_after([5000] * 8192, tensors=False, base=4096, piece=1 << 28) == 4096
 
 
+def test_an_all_gathers_frames_all_past_the_slot_suggest_a_narrower_one_where_no_wider_is_taken():
+    """routes.slot_after with ``narrow`` (an all_gather's NARROW_SLOT): where every frame passed the settings' slot,
+    none sent tensors and no wider slot is taken (its table past LEARNED_TABLE_MOST, sizes not alike, past a piece),
+    the narrow slot, if it is narrower than the settings'; else what slot_after says without it."""
+    after, narrow = routes.slot_after, routes.NARROW_SLOT
+    assert 128 <= narrow < 4096  # (an error report must fit: settings.MIN_SLOT_BYTES)
+    assert after([8_000] * 8192, tensors=False, base=4096, piece=1 << 28, narrow=narrow) == narrow  # 72 MB wider
+    assert after([8_000] * 8192, tensors=False, base=4096, piece=1 << 28) == 4096  # without narrow: as before
+    assert after([5_000] * 15 + [200_000], tensors=False, base=4096, piece=1 << 28, narrow=narrow) == narrow  # unlike
+    assert after([100_000] * 4, tensors=False, base=4096, piece=64 << 10, narrow=narrow) == narrow  # past a piece
+    wide = after([50_000] * 16, tensors=False, base=4096, piece=1 << 28)
+    assert wide > 50_000 and after([50_000] * 16, tensors=False, base=4096, piece=1 << 28, narrow=narrow) == wide
+    assert after([4_072] + [5_000] * 8191, tensors=False, base=4096, piece=1 << 28, narrow=narrow) == 4096  # one fit
+    assert after([4_073] + [5_000] * 8191, tensors=False, base=4096, piece=1 << 28, narrow=narrow) == narrow  # none
+    assert after([8_000] * 8192, tensors=True, base=4096, piece=1 << 28, narrow=narrow) == 4096  # a second round
+    assert after([100] * 8192, tensors=False, base=4096, piece=1 << 28, narrow=narrow) == 4096  # every frame fits
+    for base in (narrow, 512):  # the settings' slot no wider than the narrow one: theirs
+        assert after([8_000] * 8192, tensors=False, base=base, piece=1 << 28, narrow=narrow) == base
+
+
+def test_an_all_gathers_slot_memory_narrows_after_two_calls_whose_frames_all_passed_the_slot():
+    """SlotMemory with a narrow slot: two calls whose frames all passed the settings' slot where no wider one is taken
+    (here 8192 ranks: the memory reads their slots, which it skips without one) before the narrow slot; one call, or
+    calls of two sizes in turn, or a narrow and a wider suggestion, keep the settings' slot; a call whose frames fit,
+    an error report, or forget() go back to it. applied(wider=False) (a summed table) takes the narrow slot only."""
+    from objcomm._format.slot import SlotInfo
+    from objcomm._transport.base import Wire
+    from objcomm._transport.rounds import SlotMemory
+
+    def infos(length: int, world: int = 8192, error: bool = False) -> list:
+        return [SlotInfo(length, error, False, 1 << 30, length, None)] * world
+
+    memory, narrow = SlotMemory(4096, narrow=routes.NARROW_SLOT), routes.NARROW_SLOT
+    memory.learn(infos(8_000), 4096)
+    assert memory.slot == 4096  # one call: not yet
+    memory.learn(infos(8_000), 4096)
+    assert memory.slot == narrow
+    memory.learn(infos(8_000), narrow)  # in the narrow slot, frames past it: it stays
+    assert memory.slot == narrow
+    memory.learn(infos(100), narrow)  # frames that fit the settings' slot: back at once
+    assert memory.slot == 4096
+    for length in (8_000, 100, 8_000, 100):  # two sizes in turn
+        memory.learn(infos(length), 4096)
+        assert memory.slot == 4096
+    memory.learn(infos(8_000), 4096)
+    memory.learn(infos(300, error=True), 4096)  # a failed call
+    assert memory.slot == 4096
+    memory.learn(infos(8_000), 4096)
+    memory.learn(infos(50_000, world=16), 4096)  # a wider suggestion after a narrower one: neither
+    assert memory.last[1] > 4096 and memory.slot == 4096
+    for _ in range(2):
+        memory.learn(infos(8_000), 4096)
+    wire = Wire(None, range(8192), 0, None, 4096, 1 << 28, 1 << 30)  # type: ignore[arg-type]
+    assert memory.applied(wire)[0].slot == narrow and memory.applied(wire, wider=False)[0].slot == narrow
+    memory.forget()  # a call every rank refused
+    assert memory.slot == 4096
+    for _ in range(2):
+        memory.learn(infos(50_000, world=16), 4096)
+    assert memory.slot > 4096 and memory.applied(wire, wider=False)[0].slot == 4096
+    assert memory.applied(wire._replace(slot=2048)) == (wire._replace(slot=2048), None)  # another slot setting's
+
+
 def test_the_plans_envelope_is_the_transports():
     """routes (a pure module, below the transport) costs a GPU group's tree message with the envelope p2p sends."""
     from objcomm._transport import p2p

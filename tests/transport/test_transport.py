@@ -434,6 +434,90 @@ def test_all_gathers_of_objects_alike_past_the_slot_learn_a_wider_one():
         assert "it came in round 1's slots, and was dropped" in text, (rank, text)
 
 
+def all_gathers_that_narrow_their_slot(summed: bool) -> Any:
+    """all_gathers through gloo (no same-host channel; ``summed``: the slots in one all_reduce of the table, NCCL's
+    route from 64 ranks) of objects past the 4 KiB slot that no wider slot takes (past the 64 KiB piece every rank
+    announces): after two such calls, round 1 in routes.NARROW_SLOT. This rank's (round 1's slot, backend calls,
+    right) a call, and its errors' texts."""
+    from objcomm._api.resolving import Hooks
+    from objcomm._state import group_facts
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group_facts(dist.group.WORLD).slots.clear()  # (the pool's earlier tests: a memory of their all_gathers)
+    comm = objcomm.Communicator(local=False, shm=False, chunk_bytes=64 << 10, _hooks=Hooks(summed=summed))
+    seen: list = []
+
+    def record(obj_of: Any, **options: Any) -> Any:
+        widths: list = []
+        reals = _rounds.all_gather_single, _rounds.dist.all_reduce, _bytes.all_gather_single
+
+        def counted(real: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                widths.append(args[0].numel() // world)  # (the output: W rows, or the summed table)
+                return real(*args, **kwargs)
+
+            return call
+
+        _rounds.all_gather_single, _bytes.all_gather_single = counted(reals[0]), counted(reals[2])
+        _rounds.dist.all_reduce = counted(reals[1])
+        try:
+            got = comm.all_gather(obj_of(rank), **options)
+            seen.append((widths[0], len(widths), got == [obj_of(r) for r in range(world)]))
+        except objcomm.ObjcommError as exc:
+            cause = exc.__cause__  # (a failing rank's own error: whole)
+            seen.append((widths[0], len(widths), f"{type(exc).__name__}: {exc} | caused by: {cause}"))
+        finally:
+            _rounds.all_gather_single, _rounds.dist.all_reduce, _bytes.all_gather_single = reals
+
+    def large(r: int) -> Any:
+        return {"rank": r, "data": bytes([r]) * (100_000 + r)}
+
+    for _ in range(3):
+        record(large)
+    record(lambda r: [r] * 5)  # small objects in the narrow slot: one round; the settings' slot next
+    for _ in range(3):
+        record(large)
+    record(lambda r: {"rank": r, "data": bytes([r]) * 2_000})  # fits the settings' slot, not the narrow one: 2 rounds
+    for _ in range(2):
+        record(large)
+    record(lambda r: _Unpicklable() if r == 2 else large(r))  # an error report cut to the narrow slot
+    for _ in range(2):
+        record(large)
+    # rank 1 takes at most 10,000 bytes (and sends 100): every rank refuses alike; the memory forgets
+    record(lambda r: [r] * 5 if r == 1 else large(r), max_bytes=10_000 if rank == 1 else 1 << 30)
+    record(large)
+    return seen
+
+
+@pytest.mark.parametrize("summed", [False, True], ids=["all_gather", "summed"])
+def test_all_gathers_of_frames_past_the_slot_that_no_wider_slot_takes_learn_a_narrower_one(summed):
+    """routes.slot_after's narrow slot through rounds.SlotMemory, on 3 gloo ranks, the slots through the backend's
+    all_gather or summed: two calls, then the narrow slot; back to the settings' slot after smaller objects, an error
+    report or a refusal. Every call right, an error report cut to the narrow slot (never a "does not fit its slot"
+    against an honest rank), a receiver's max_bytes still met on every rank."""
+    n = routes.NARROW_SLOT
+    for rank, seen in enumerate(get_pool(3).run(all_gathers_that_narrow_their_slot, summed)):
+        slots = [slot for slot, _, _ in seen]
+        # large x3 (the third narrow), small (one round), large x3, 2 KB (two rounds in the narrow slot), large x2,
+        # the error report (narrow), large x2, the refusal (narrow), then the settings' slot: the memory forgot
+        assert slots == [4096, 4096, n, n, 4096, 4096, n, n, 4096, 4096, n, 4096, 4096, n, 4096], (rank, seen)
+        # backend calls: a large object's as many in either slot (round 1, its rest in pieces of 64 KiB); the small
+        # call's one; 2 KB in the narrow slot two; the error report and the refusal end in round 1
+        calls = [count for _, count, _ in seen]
+        large = calls[0]
+        assert calls == [large] * 3 + [1] + [large] * 3 + [2] + [large] * 2 + [1] + [large] * 2 + [1, large], seen
+        assert large == 1 + -(-100_090 // (64 << 10)), seen
+        outcomes = [outcome for _, _, outcome in seen]
+        assert outcomes[:10] + outcomes[11:13] + outcomes[14:] == [True] * 13, (rank, seen)
+        report, refusal = outcomes[10], outcomes[13]
+        raised, cause = report.split(" | caused by: ")
+        assert raised.startswith("RemoteError: all_gather failed on rank 2"), report
+        assert "E" * 700 in raised and "E" * 1_000 not in raised and "does not fit" not in raised, report
+        assert ("E" * 20_000 in cause) == (rank == 2), report  # the failing rank's own error, whole, as its cause
+        assert refusal.startswith("TooLargeError: all_gather: rank 0 sends 100,0"), refusal
+        assert "max_bytes=10,000 of receiving rank 1" in refusal, refusal
+
+
 def _outcome(run: Any) -> str:
     """What ``run()`` did: returned, or the start of the objcomm error it raised."""
     try:

@@ -56,9 +56,12 @@ width                   the two all_gathers before it on the group suggest (the 
                         every rank: each read the same slots), wider than the settings'
                         where their frames, alike within ``PADDED_WITHIN``, passed it and
                         no rank sent tensors: the widest and an eighth (16 KiB at most), its table at most
-                        :data:`LEARNED_TABLE_MOST`; the frames then ride in round 1. A
+                        :data:`LEARNED_TABLE_MOST`; the frames then ride in round 1.
+                        Where every frame passed it and no wider slot is taken (past
+                        that table: from 8191 ranks at 4 KiB), :data:`NARROW_SLOT`
+                        (also on NCCL's summed slots): round 1 moves a quarter. A
                         broadcast's (an all_reduce result's broadcast: its own), up to
-                        :data:`LEARNED_BROADCAST_MOST`
+                        :data:`LEARNED_BROADCAST_MOST`, never narrower
 gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks: up a      :func:`slots_up_tree`
                         tree of send/recv (:data:`SLOT_TREE_RADIX`: ceil(log4 W) levels), each slot
                         trimmed to what it carries; below it the backend's gather
@@ -118,6 +121,7 @@ from objcomm._transport.routes.cutoffs import (
     IN_PLACE_FROM,
     LEARNED_BROADCAST_MOST,
     LEARNED_TABLE_MOST,
+    NARROW_SLOT,
     PADDED,
     PADDED_WITHIN,
     PART_SLOT_LEAST,
@@ -181,6 +185,7 @@ __all__ = [
     "Knobs",
     "LEARNED_BROADCAST_MOST",
     "LEARNED_TABLE_MOST",
+    "NARROW_SLOT",
     "PADDED",
     "PADDED_WITHIN",
     "PART_SLOT_LEAST",

@@ -124,9 +124,16 @@ LEARNED_TABLE_MOST = 32 << 20
 # A broadcast's slot through the backend, likewise (the two broadcasts before it), at most this: a receiver over its
 # max_bytes then holds no more of a frame it refuses than the scratch buffer it would drain a rest through.
 LEARNED_BROADCAST_MOST = SCRATCH_BYTES
+# An all_gather whose frames all passed the settings' slot, where no wider slot holds them (past LEARNED_TABLE_MOST: a
+# 4 KiB slot's frames from 8191 ranks; sizes not alike; past a sender's piece), takes this slot instead: its frames
+# move in round 2 either way, and round 1 moves W x 1 KiB where it moved W x 4 KiB (an error report in it keeps about
+# 990 bytes of its message; scatter's narrowest slot, PART_SLOT_LEAST, keeps 480)
+NARROW_SLOT = 1024
 
 
-def slot_after(frames: Sequence[int], *, tensors: bool, base: int, piece: int, most: int = LEARNED_TABLE_MOST) -> int:
+def slot_after(
+    frames: Sequence[int], *, tensors: bool, base: int, piece: int, most: int = LEARNED_TABLE_MOST, narrow: int = 0
+) -> int:
     """The slot that one all_gather's round 1 suggests for the next on its group: each rank's frame was ``frames[r]``
     bytes (``tensors``: some rank sent out-of-band tensors; ``base``: the settings' slot; ``piece``: the smallest
     piece any sender announced; ``most``: what the slots of ``frames`` may hold together; a broadcast: its root's
@@ -136,8 +143,12 @@ def slot_after(frames: Sequence[int], *, tensors: bool, base: int, piece: int, m
     objects that grow a little), at most a quarter of :data:`HOP_BYTES` more (what each of the ring's hops then
     moves in vain is less than the round's latency it saves), rounded up to 64 bytes, if the slots together stay
     within ``most`` and the slot within ``piece``; else ``base``. The same on every rank (every rank read the same
-    slots). :class:`objcomm._transport.rounds.SlotMemory` takes the smaller of the last two calls' suggestions, so
-    that calls of two sizes in turn keep ``base``.
+    slots). ``narrow`` (an all_gather's: :data:`NARROW_SLOT`; 0: never narrower): where every frame was past
+    ``base``, no rank sent tensors and no wider slot is taken, that slot, if it is smaller than ``base``: the frames
+    take round 2 whatever the slot, and round 1's bytes then carry little more than the prefixes.
+    :class:`objcomm._transport.rounds.SlotMemory` takes the smaller of the last two calls' suggestions where both are
+    wider than ``base``, the wider where both are narrower, else ``base``, so that calls of two sizes in turn keep
+    ``base``.
 
     >>> slot_after([50_000] * 16, tensors=False, base=4096, piece=1 << 28)
     56320
@@ -145,12 +156,19 @@ def slot_after(frames: Sequence[int], *, tensors: bool, base: int, piece: int, m
     1016448
     >>> slot_after([50_000] * 15 + [1_000_000], tensors=False, base=4096, piece=1 << 28)  # one outlier: no
     4096
+    >>> slot_after([50_000] * 15 + [1_000_000], tensors=False, base=4096, piece=1 << 28, narrow=1024)  # none fit
+    1024
+    >>> slot_after([8_000] * 8192, tensors=False, base=4096, piece=1 << 28, narrow=1024)  # wider: a 72 MB table
+    1024
     """
     world, widest = len(frames), max(frames, default=0)
-    if tensors or SLOT_PREFIX_BYTES + widest <= base or world * widest > PADDED_WITHIN * sum(frames):
+    if tensors or SLOT_PREFIX_BYTES + widest <= base:
         return base
-    slot = -(-(SLOT_PREFIX_BYTES + widest + min(widest // 8, HOP_BYTES // 4)) // 64) * 64
-    return slot if slot <= piece and world * slot <= most else base
+    if world * widest <= PADDED_WITHIN * sum(frames):
+        slot = -(-(SLOT_PREFIX_BYTES + widest + min(widest // 8, HOP_BYTES // 4)) // 64) * 64
+        if slot <= piece and world * slot <= most:
+            return slot
+    return narrow if 0 < narrow < base and SLOT_PREFIX_BYTES + min(frames) > base else base
 
 
 def slots_summed(*, world: int, cpu: bool, forced: bool = False) -> bool:
