@@ -45,6 +45,7 @@ class Hooks(NamedTuple):
     rest_tree: bool = False  # a broadcast's rest down the tree from its source on gloo too (routes.rest_down_tree;
     # off the same-host channel only: the express path's receivers do not see it)
     rest_spread: bool = False  # each part of it as a scatter, then an all_gather, where a vote ran (routes.rest_spread)
+    limits: bool = False  # a broadcast's round 1 brings the receivers' max_bytes on gloo too (routes.limits_with_slot)
 
 
 NO_HOOKS = Hooks()

@@ -18,7 +18,7 @@ from objcomm._transport import p2p as _p2p
 from objcomm._transport import routes
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, TreeLevels, Wire, guarded
 from objcomm._transport.bytes import Deadline, at_pieces, broadcast_bytes, host_view, receive_buffer, to_device, zeroed
-from objcomm._transport.call_clock import one_call
+from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.exchange import chunked, posted
 from objcomm._transport.patterns import binomial, spread
 from objcomm._transport.rounds import (
@@ -29,6 +29,7 @@ from objcomm._transport.rounds import (
     _slot,
     _vote_refusals,
     long_report,
+    refused_alike,
 )
 
 
@@ -44,6 +45,7 @@ def broadcast(
     rest_tree: bool = False,
     rest_spread: bool = False,
     memory: Optional[SlotMemory] = None,
+    limits: bool = False,
 ) -> Incoming:
     """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere). ``memory``: the group's
     :class:`~objcomm._transport.rounds.SlotMemory` for its broadcasts, where their slots go through the backend (then
@@ -53,7 +55,9 @@ def broadcast(
     down that tree's edges instead (:func:`down_tree`). ``rest_tree``: a rest through the backend goes down the
     binomial tree from ``src`` whatever its size (:func:`objcomm._transport.routes.rest_down_tree`; tests);
     ``rest_spread``: each part of it as a scatter, then an all_gather, where the receivers voted first
-    (:func:`objcomm._transport.routes.rest_spread`; tests)."""
+    (:func:`objcomm._transport.routes.rest_spread`; tests). ``limits``: round 1 through the backend brings every
+    receiver's ``max_bytes`` with the slot, as on NCCL (:func:`objcomm._transport.routes.limits_with_slot`), on gloo
+    too (tests)."""
     op = "broadcast"
     if tree and levels is not None:
         assert src == 0, "the reduce tree ends on group rank 0"
@@ -69,13 +73,10 @@ def broadcast(
         wire, memory = memory.applied(wire)
         if raw is not None and len(raw) != wire.slot:
             raw = _slot(wire, out) if out is not None else bytearray(wire.slot)
-    if got is NOT_USED and wire.device.type != "cpu":
-        # NCCL broadcasts along a ring (W - 1 hops); the all_reduce (MAX) of a slot takes a tree: the others'
-        # zeros leave the source's bytes (a rank that sends other bytes spoils the slot alike for every rank)
-        zeros = torch.zeros(wire.slot, dtype=torch.uint8, device=wire.device)
-        slot = _on_device(wire, raw) if raw is not None else zeros
-        guarded(op, wire, dist.all_reduce, slot, op=dist.ReduceOp.MAX, group=wire.group)
-        got = host_view(slot)
+    least: Optional[int] = None  # the smallest receiver's max_bytes, where round 1 brought them
+    cpu = wire.device.type == "cpu"
+    if got is NOT_USED and (limits or routes.limits_with_slot(cpu=cpu, slot_medium=routes.BACKEND)):
+        got, least = _slot_and_limits(wire, raw, src, op)
     elif got is NOT_USED:
         if raw is None:
             slot, host = receive_buffer(wire.slot, wire)
@@ -83,7 +84,30 @@ def broadcast(
             slot, host = _on_device(wire, raw), memoryview(raw)
         guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
         got = host if host is not None else host_view(slot)
-    return broadcast_rest(wire, out, read_slot(memoryview(got)), sizes_of, src, rest_tree, rest_spread, memory)
+    info = read_slot(memoryview(got))
+    return broadcast_rest(wire, out, info, sizes_of, src, rest_tree, rest_spread, memory, least)
+
+
+def _slot_and_limits(wire: Wire, raw: Optional[bytearray], src: int, op: str) -> Tuple[memoryview, int]:
+    """Round 1 of a broadcast as one all_reduce (MAX) of int64 words, where the backend's broadcast is a ring (NCCL:
+    W - 1 hops) and its all_reduce a tree: ``src``'s slot, which every other rank fills with the least word (a rank
+    that sends larger ones spoils the slot alike for every rank), then one word, each receiver's ``-max_bytes``
+    (``src``'s the least), whose maximum gives every rank the smallest receiver's limit (a rank that lies there can
+    only lower it: every rank then refuses alike, as a vote it spoils would). The slot's bytes and that limit."""
+    words = -(-wire.slot // 8)
+    mine = torch.full((words + 1,), _LEAST, dtype=torch.int64)
+    if raw is not None:
+        mine[:words] = 0
+        mine[:words].view(torch.uint8)[: wire.slot] = torch.frombuffer(raw, dtype=torch.uint8)
+    else:
+        mine[words] = -wire.max_bytes
+    both = mine.to(wire.device)
+    guarded(op, wire, dist.all_reduce, both, op=dist.ReduceOp.MAX, group=wire.group)
+    host = both.cpu()
+    return host_view(host[:words].view(torch.uint8)[: wire.slot]), -int(host[words])
+
+
+_LEAST = -(1 << 63)
 
 
 @one_call  # (the express path calls it too, after its own round 1)
@@ -96,9 +120,11 @@ def broadcast_rest(
     rest_tree: bool = False,
     rest_spread: bool = False,
     memory: Optional[SlotMemory] = None,
+    least: Optional[int] = None,
 ) -> Incoming:
     """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route (``memory``: where
-    round 1 went through the backend, :func:`broadcast`'s, which this call's slot teaches)."""
+    round 1 went through the backend, :func:`broadcast`'s, which this call's slot teaches; ``least``: the smallest
+    receiver's ``max_bytes``, where round 1 brought every receiver's: then no vote, its answer being known)."""
     op, wire = "broadcast", at_pieces(wire, info.piece)  # the source's pieces (its own, on the source)
     if not _limits.round_one_ends([info]):
         wire.slot_medium.agree(wire, [info], op)
@@ -123,7 +149,12 @@ def broadcast_rest(
     agreed = _agreement_needed(wire, info, op)
     if agreed:  # (a receiver that refused raised: none drains what follows)
         try:
-            _vote_refusals(wire, REFUSE_LIMIT if refuse else 0, info, src, op)
+            if least is None:
+                _vote_refusals(wire, REFUSE_LIMIT if refuse else 0, info, src, op)
+            elif info.total > least:  # the vote's answer, which every rank knows
+                raise refused_alike(op, src, info.total, f"the smallest receiver's max_bytes: {least:,}")
+            else:
+                round_one_done()  # every rank took part in round 1's all_reduce: as after a vote
         except ObjcommError:  # every rank refused it alike: a wider slot is forgotten, as an all_gather's refusal does
             if memory is not None:
                 memory.forget()

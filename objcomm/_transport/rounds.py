@@ -112,12 +112,17 @@ def _vote_refusals(
             detail = f"the largest part refused; rank {refuser - 1} refused one"
         else:
             detail = f"this rank's max_bytes: {wire.max_bytes:,}"
-        raise _limits.too_large(
-            f"{op}: rank {src} sends {refused:,} bytes to a rank whose max_bytes it exceeds ({detail})",
-            where="on the receiving ranks",
-        )
+        raise refused_alike(op, src, refused, detail)
     round_one_done()  # every rank voted, so every rank is here: the steps after share one timeout (call_clock)
     return longest
+
+
+def refused_alike(op: str, src: int, refused: int, detail: str) -> ObjcommError:
+    """The error every rank raises where a receiver refused ``src``'s ``refused`` bytes (``detail``: which limit)."""
+    return _limits.too_large(
+        f"{op}: rank {src} sends {refused:,} bytes to a rank whose max_bytes it exceeds ({detail})",
+        where="on the receiving ranks",
+    )
 
 
 # -- all_gather ------------------------------------------------------------------------------

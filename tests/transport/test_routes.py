@@ -185,13 +185,29 @@ def test_a_broadcasts_rest_goes_down_the_tree_on_nccl_from_64_ranks_while_it_bea
     nccl = Topology(world=8192, device="cuda")
     for rest, steps, calls in [
         (MB, ["all_reduce", "down_tree"], 3),  # the slot, then the rest (within the scratch size: no vote)
-        (40 * MB, ["all_reduce", "all_reduce", "spread"], 17),  # the slot, the vote, the rest: rest_spread
-        (600 * MB, ["all_reduce", "all_reduce", "broadcast", "broadcast", "broadcast"], 5),  # past both: the ring
+        # the slot with every receiver's limit (no vote: routes.limits_with_slot), the rest: rest_spread
+        (40 * MB, ["all_reduce", "spread"], 16),
+        (600 * MB, ["all_reduce", "broadcast", "broadcast", "broadcast"], 4),  # past both: the ring
     ]:
         got = plan("broadcast", nccl, [rest] * 8192)
         assert [s.collective for s in got.steps] == steps, rest
         assert got.torch_calls == calls, rest  # a relay down the tree: take, then pass on; spread: 2 + 13 steps
     assert "down_tree" not in [s.collective for s in plan("broadcast", Topology(world=8192), [MB] * 8192).steps]
+
+
+def test_a_broadcasts_receivers_limits_come_with_its_slot_on_nccls_backend_only():
+    """routes.limits_with_slot: NCCL's round 1 through the backend is an all_reduce of the slot, which carries every
+    receiver's max_bytes, so no vote follows; gloo's (a broadcast) and the channel's do not, and their votes stay."""
+    assert routes.limits_with_slot(cpu=False, slot_medium=BACKEND)
+    assert not routes.limits_with_slot(cpu=True, slot_medium=BACKEND)
+    assert not routes.limits_with_slot(cpu=False, slot_medium=CHANNEL)
+    rest = 2 * MB  # past the scratch size: the receivers answer first
+    for topology, steps in [
+        (Topology(world=16, device="cuda"), ["all_reduce", "broadcast"]),
+        (Topology(world=16), ["broadcast", "vote", "broadcast"]),
+        (Topology(world=8, ranks_per_host=8, device="cuda"), ["broadcast", "all_reduce", "broadcast"]),  # channel
+    ]:
+        assert [s.collective for s in plan("broadcast", topology, [rest] * topology.world).steps] == steps, topology
 
 
 def test_a_broadcasts_rest_spreads_on_nccl_from_64_ranks_where_it_costs_the_least():

@@ -771,6 +771,78 @@ def test_all_reduces_of_results_alike_past_the_slot_learn_a_wider_one():
         assert seen[12] == (2, True), (rank, seen[12])
 
 
+def broadcasts_with_the_limits_in_round_one(limits: bool) -> List[Any]:
+    """Broadcasts on 3 gloo ranks, every rank its own host, ``limits``: round 1 as NCCL's (an all_reduce of the slot
+    that brings every receiver's max_bytes, routes.limits_with_slot), else gloo's (a broadcast, then the vote). Where
+    the receivers must answer first (a rest past 1 MiB; tensor sizes the slot cannot list) and where they need not
+    (a 300 KB rest): this rank's (outcome, all_reduces, votes) a call."""
+    import torch.distributed as dist_
+
+    from objcomm._api.resolving import Hooks
+
+    rank = dist.get_rank()
+    hooks = Hooks(separate_hosts=True, limits=limits)
+    comm = objcomm.Communicator(local=False, shm=False, inline_tensor_bytes=0, _hooks=hooks)
+    seen: List[Any] = []
+    big, small = {"data": b"v" * 2_000_000}, {"data": b"s" * 300_000}
+    many = [torch.full((2,), i, dtype=torch.int32) for i in range(600)]  # out of band: 600 sizes, past the slot
+
+    def record(obj: Any, src: int, limit: int = 1 << 30) -> None:
+        counts = {"all_reduce": 0, "votes": 0}
+        real_all_reduce, real_largest = dist_.all_reduce, _rounds.largest_of
+
+        def all_reduce(*args: Any, **kwargs: Any) -> Any:
+            counts["all_reduce"] += 1
+            return real_all_reduce(*args, **kwargs)
+
+        def largest(*args: Any, **kwargs: Any) -> Any:
+            counts["votes"] += 1
+            return real_largest(*args, **kwargs)
+
+        dist_.all_reduce, _rounds.largest_of = all_reduce, largest
+        try:
+            got = comm.broadcast(obj if rank == src else None, src=src, max_bytes=limit)
+            right = all(torch.equal(a, b) for a, b in zip(got, obj)) if isinstance(obj, list) else got == obj
+            outcome: Any = right
+        except objcomm.ObjcommError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        finally:
+            dist_.all_reduce, _rounds.largest_of = real_all_reduce, real_largest
+        seen.append((outcome, counts["all_reduce"], counts["votes"]))
+
+    record(big, 1)
+    record(big, 1, limit=10_000 if rank == 2 else 1 << 30)  # every rank refuses alike
+    record(big, 0)  # the group goes on
+    record(many, 2)
+    record(small, 0, limit=10_000 if rank == 2 else 1 << 30)  # sizes listed, within 1 MiB: rank 2 refuses alone
+    return seen
+
+
+def test_a_broadcast_whose_round_one_brings_the_receivers_limits_needs_no_vote():
+    """routes.limits_with_slot (NCCL's route, here on gloo): where receivers must answer first, every rank knows the
+    smallest receiver's max_bytes from round 1's one all_reduce, and raises alike where the payload is past it, as
+    the vote's answer says on the route with a vote, without the vote; where no answer comes first, a receiver over
+    its limit still refuses alone. Every outcome the same as with the vote."""
+    voted, known = (get_pool(3).run(broadcasts_with_the_limits_in_round_one, limits) for limits in (False, True))
+    for rank in range(3):
+        for (with_vote, all_reduces, _), (outcome, slot_all_reduces, no_votes) in zip(voted[rank], known[rank]):
+            assert _before_detail(with_vote) == _before_detail(outcome), (rank, with_vote, outcome)
+            assert no_votes == 0 and slot_all_reduces == 1 and all_reduces == 0, (rank, voted[rank], known[rank])
+        outcomes = [outcome for outcome, _, _ in known[rank]]
+        assert outcomes[0] is True and outcomes[2] is True and outcomes[3] is True, (rank, outcomes)
+        every_rank = "TooLargeError: broadcast: rank 1 sends 2,000,0"
+        assert outcomes[1].startswith(every_rank), (rank, outcomes[1])
+        assert "(the smallest receiver's max_bytes: 10,000)" in outcomes[1], (rank, outcomes[1])
+        assert (outcomes[4] is True) == (rank != 2), (rank, outcomes[4])  # alone, as with the vote
+        # the vote ran where receivers answer first (a rest past 1 MiB, unlisted sizes), not for the listed 300 KB
+        assert [votes for _, _, votes in voted[rank]] == [1, 1, 1, 1, 0], (rank, voted[rank])
+
+
+def _before_detail(outcome: Any) -> Any:
+    """An outcome (True, or an error's text) up to the brackets that say which limit refused."""
+    return outcome if outcome is True else outcome.split(" (")[0]
+
+
 def broadcasts_refused_by_a_vote() -> List[str]:
     """A frame of 300 KB that shared memory may take (its threshold lowered to 100 KB; round 1 through the backend, on
     a fresh group of 2 ranks each its own host, whose hosts no call has learnt): the receivers vote first, and rank 1

@@ -24,7 +24,9 @@ receivers answer first  broadcast, send/recv: sizes not listed in the slot, a pi
                         (on two levels a broadcast's rest past ``SCRATCH_BYTES``: a      :func:`leaders_relay_first`
                         leader relays all of it)
                         (scatter always votes; all_gather and gather read every
-                        receiver's limit in round 1 and never do)
+                        receiver's limit in round 1 and never do; nor does a broadcast   :func:`limits_with_slot`
+                        on NCCL through the backend: its round 1, an all_reduce of the
+                        slot, carries every receiver's limit)
 everyone announces      without the channel (``local`` off), on a CPU group on one host,  :func:`all_announce`
                         a rest from :data:`ANNOUNCED_FROM` (2 MiB): every rank takes part in
                         shared memory's announcement, declining where its settings do
@@ -143,6 +145,7 @@ from objcomm._transport.routes.cutoffs import (
     in_place_table,
     leaders_relay_first,
     leaders_spread,
+    limits_with_slot,
     part_slot,
     pieces,
     rest_after_channel,
@@ -211,6 +214,7 @@ __all__ = [
     "in_place_table",
     "leaders_relay_first",
     "leaders_spread",
+    "limits_with_slot",
     "part_slot",
     "all_announce",
     "pieces",

@@ -299,6 +299,15 @@ def agreement_needed(*, sizes_listed: bool, largest_piece: int, medium_may_take:
     return not sizes_listed or largest_piece > SCRATCH_BYTES or medium_may_take
 
 
+def limits_with_slot(*, cpu: bool, slot_medium: str) -> bool:
+    """Whether a broadcast's round 1 brings every receiver's ``max_bytes`` with the source's slot, so that every rank
+    knows the smallest and none votes (:func:`agreement_needed`'s answer, known alike): on NCCL through the backend,
+    whose broadcast is a ring and whose round 1 is therefore an all_reduce (MAX, a tree) of the slot, which carries
+    one more word, each receiver's ``-max_bytes``, at no extra hop. Not on gloo (its round 1 is its broadcast, a
+    binomial tree that moves nothing up) nor through the same-host channel (its vote is a round of the channel)."""
+    return not cpu and slot_medium == BACKEND
+
+
 # A send's rest up to this size goes in one message with its slot through a CPU group's backend (the receiver posts
 # a buffer of the slot and this many bytes for every slot): one gloo rendezvous instead of two. So does a reduction
 # tree's message on a GPU group, every one of which is then the slot and this many bytes (NCCL moves exact sizes).

@@ -26,6 +26,7 @@ from objcomm._transport.routes.cutoffs import (
     in_place_table,
     leaders_relay_first,
     leaders_spread,
+    limits_with_slot,
     rest_down_tree,
     rest_medium,
     rest_spread,
@@ -298,7 +299,7 @@ def plan(
             if agreed:
                 if first == BACKEND and topology.cpu:  # gloo: recursive doubling, then a broadcast
                     steps.append(Step("vote", first, (4,) * world, calls=vote_calls(world)))
-                else:
+                elif not limits_with_slot(cpu=topology.cpu, slot_medium=first):  # (NCCL: the limits came with it)
                     steps.append(Step("all_reduce", first, (4,) * world))
             steps += [settled] if announced(moved) and medium == BACKEND else []
             # as a scatter, then an all_gather (one rest, one part: a relay takes, passes on, then ceil(log2 W) steps)
