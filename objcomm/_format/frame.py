@@ -262,16 +262,19 @@ def encode(
 
 
 def error_frame(exc: Union[BaseException, Tuple[str, str]], limit: int) -> Outgoing:
-    """An error report about ``exc`` in at most ``limit`` bytes (the message is cut to fit). The type
-    is what really failed (an :class:`EncodeError`'s cause, e.g. ``PicklingError``), the message ``exc``'s; or a
-    report's ``(type name, message)`` (:func:`read_error`'s), cut again."""
+    """An error report about ``exc`` in at most ``limit`` bytes and :data:`MAX_ERROR_REPORT` (what a reader takes),
+    its message cut to fit, then its type's name: what really failed (an :class:`EncodeError`'s cause, e.g.
+    ``PicklingError``), the message ``exc``'s; or a report's ``(type name, message)`` (:func:`read_error`'s)."""
     kind, message = exc if isinstance(exc, tuple) else (type(original(exc)).__name__, str(exc))
+    limit = min(limit, MAX_ERROR_REPORT)
     while True:
         payload = json.dumps({"type": kind, "message": message}).encode()
         frame = _assemble("", payload, flags=FLAG_ERROR)
-        if frame.nbytes <= limit or not message:
+        if frame.nbytes <= limit or not message and not kind:
             return Outgoing(frame, error=True)
-        message = message[: max(0, len(message) - (frame.nbytes - limit) - 4)] + "…" if len(message) > 8 else ""
+        cut, text = frame.nbytes - limit + 4, message or kind  # (characters: each at least a byte of the JSON)
+        text = text[: max(0, len(text) - cut)] + "…" if len(text) > 8 else ""
+        message, kind = (text, kind) if message else ("", text)
 
 
 def parse_header(view: memoryview) -> Header:

@@ -88,9 +88,10 @@ def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str, least:
     """The same TooLargeError on every rank when a payload exceeds a receiver's limit (all seen in round 1): for the
     first such receiver, the first sender past its limit. O(W): a receiver's limit matters only against the largest
     total of the *other* senders, the largest of all unless that is its own (then the second largest). ``least``:
-    the frame bytes the settings' slot carries (its inline capacity); a payload that round 1 carried whole
-    (:func:`complete`) within it came with the slot every receiver takes, and is accepted whatever the limit (in a
-    slot wider than the settings', a payload past ``least`` that came whole is dropped: it came in round 1)."""
+    the frame bytes the settings' slot carries (its inline capacity); a frame alone within it comes with the slot
+    every receiver takes (or, in a narrower slot, in the second round), and is accepted whatever the limit
+    (:func:`accepted`; in a slot wider than the settings', a payload past ``least`` that came whole is dropped: it
+    came in round 1)."""
     first = second = -1  # the largest and second-largest totals of senders without an error, and who sent the first
     biggest = -1
     for sender, info in enumerate(infos):
@@ -114,9 +115,11 @@ def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str, least:
 
 
 def accepted(info: Any, least: int) -> bool:
-    """Whether a sender's payload is accepted whatever a receiver's limit: round 1 carried it whole, within the
-    settings' slot (``least``: its inline capacity)."""
-    return info.total <= least and complete(info)
+    """Whether a sender's payload is accepted whatever a receiver's limit: a frame alone (no tensors) within the
+    settings' slot (``least``: its inline capacity), which round 1 carries whole in that slot, or the second round
+    where the call took a narrower one (an all_gather's :data:`objcomm._transport.routes.NARROW_SLOT`): the same
+    payloads either way."""
+    return bool(info.total <= least and info.total == info.length)
 
 
 def check_relays(

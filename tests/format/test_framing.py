@@ -100,6 +100,32 @@ def test_error_frames_fit_their_limit():
         assert kind == "RuntimeError" and message.startswith("x")
 
 
+def test_error_frames_stay_readable_whatever_the_limit_and_the_type_name():
+    """A report is at most MAX_ERROR_REPORT whatever the slot (a helper's find: slot_bytes past 1 MiB made every
+    report unreadable); a type's name that leaves no room is cut after the message, ASCII or not; a report read back
+    is cut again to a narrower slot (rounds._fitted, an all_gather's narrow slot) without raising."""
+    from objcomm._transport import rounds
+
+    def read(out: _frame.Outgoing) -> tuple:
+        view = memoryview(out.frame)
+        return _frame.read_error(view, _frame.parse_header(view))
+
+    huge = _frame.error_frame(RuntimeError("E" * 3_000_000), 2 << 20)
+    assert huge.frame_nbytes <= _frame.MAX_ERROR_REPORT and read(huge)[1].startswith("E" * 1000)
+    for name in ("E" * 2_000, "ОшибкаЧтенияКонфигурации" * 7):  # 2,000 ASCII; 168 non-ASCII (6 JSON bytes each)
+        long_named = type(name, (Exception,), {})("x" * 5_000)
+        for limit in (104, 1_000, 4_072):
+            out = _frame.error_frame(long_named, limit)
+            assert out.frame_nbytes <= limit, (name[:10], limit)
+            kind, message = read(out)
+            assert kind[:8] == name[:8] or kind in ("", "…"), (limit, kind)  # cut, never another name
+    wire = rounds.Wire(None, range(3), 0, torch.device("cpu"), 1024, 1 << 28, 1 << 30)
+    fitted = rounds._fitted(huge, wire)
+    assert fitted.error and fitted.frame_nbytes <= wire.inline_capacity and read(fitted)[0] == "RuntimeError"
+    small = _frame.error_frame(RuntimeError("short"), 4072)
+    assert rounds._fitted(small, wire) is small  # one that fits: as it is
+
+
 def test_frames_are_writable_host_buffers_that_become_tensors_without_copy():
     out = _frame.encode([1, 2], serializers.get("pickle"), max_bytes=1 << 20)
     assert isinstance(out.frame, memoryview) and not out.frame.readonly

@@ -477,16 +477,35 @@ def all_gathers_that_narrow_their_slot(summed: bool) -> Any:
     record(lambda r: [r] * 5)  # small objects in the narrow slot: one round; the settings' slot next
     for _ in range(3):
         record(large)
-    record(lambda r: {"rank": r, "data": bytes([r]) * 2_000})  # fits the settings' slot, not the narrow one: 2 rounds
+    # fits the settings' slot, not the narrow one: 2 rounds, and taken whatever a receiver's max_bytes, as in its slot
+    record(lambda r: 1 if r == 1 else {"rank": r, "data": bytes([r]) * 2_000}, max_bytes=1_500 if rank == 1 else None)
     for _ in range(2):
         record(large)
-    record(lambda r: _Unpicklable() if r == 2 else large(r))  # an error report cut to the narrow slot
+    record(lambda r: _LongNamed() if r == 2 else large(r))  # an error report cut to the narrow slot
     for _ in range(2):
         record(large)
     # rank 1 takes at most 10,000 bytes (and sends 100): every rank refuses alike; the memory forgets
     record(lambda r: [r] * 5 if r == 1 else large(r), max_bytes=10_000 if rank == 1 else 1 << 30)
     record(large)
+    try:  # a slot past 1 MiB: a report of at most 1 MiB, which every rank reads (it was past what a reader takes)
+        objcomm.Communicator(local=False, shm=False, slot_bytes=2 << 20).all_gather(_Huge() if rank == 2 else 0)
+    except objcomm.ObjcommError as exc:
+        seen.append((0, 0, f"{type(exc).__name__}: {exc}"))
     return seen
+
+
+class _LongNamed:
+    """An object whose pickling fails with an error whose type's name is 2,000 characters long."""
+
+    def __reduce__(self) -> Any:
+        raise type("E" * 2_000, (ValueError,), {})("E" * 20_000)
+
+
+class _Huge:
+    """An object whose pickling fails with a message of 3 MB."""
+
+    def __reduce__(self) -> Any:
+        raise ValueError("E" * 3_000_000)
 
 
 @pytest.mark.parametrize("summed", [False, True], ids=["all_gather", "summed"])
@@ -494,9 +513,12 @@ def test_all_gathers_of_frames_past_the_slot_that_no_wider_slot_takes_learn_a_na
     """routes.slot_after's narrow slot through rounds.SlotMemory, on 3 gloo ranks, the slots through the backend's
     all_gather or summed: two calls, then the narrow slot; back to the settings' slot after smaller objects, an error
     report or a refusal. Every call right, an error report cut to the narrow slot (never a "does not fit its slot"
-    against an honest rank), a receiver's max_bytes still met on every rank."""
+    against an honest rank, its type's name 2,000 characters long), a frame within slot_bytes taken whatever the
+    limit in the narrow slot too, a receiver's max_bytes met on every rank past it; and with slot_bytes of 2 MiB, a
+    report every rank reads (a helper's finds)."""
     n = routes.NARROW_SLOT
-    for rank, seen in enumerate(get_pool(3).run(all_gathers_that_narrow_their_slot, summed)):
+    for rank, every in enumerate(get_pool(3).run(all_gathers_that_narrow_their_slot, summed)):
+        seen, wide = every[:15], every[15][2]
         slots = [slot for slot, _, _ in seen]
         # large x3 (the third narrow), small (one round), large x3, 2 KB (two rounds in the narrow slot), large x2,
         # the error report (narrow), large x2, the refusal (narrow), then the settings' slot: the memory forgot
@@ -516,6 +538,8 @@ def test_all_gathers_of_frames_past_the_slot_that_no_wider_slot_takes_learn_a_na
         assert ("E" * 20_000 in cause) == (rank == 2), report  # the failing rank's own error, whole, as its cause
         assert refusal.startswith("TooLargeError: all_gather: rank 0 sends 100,0"), refusal
         assert "max_bytes=10,000 of receiving rank 1" in refusal, refusal
+        assert wide.startswith("RemoteError: all_gather failed on rank 2") and "E" * 100_000 in wide, wide[:200]
+        assert len(wide) < 1_100_000, len(wide)  # its report cut to what a reader takes
 
 
 def _outcome(run: Any) -> str:
