@@ -85,7 +85,7 @@ class Operations(Resolving):
             rest_tree=hooks.rest_tree,
             rest_spread=hooks.rest_spread,
             memory=memory,
-            limits=hooks.limits,
+            limits_with_slot=hooks.limits_with_slot,
         )
         if item.error:  # the root's error report (its own encode failure among them)
             call.raise_failures("broadcast", only(root, item, call.wire.size), local)

@@ -44,8 +44,11 @@ class Hooks(NamedTuple):
     summed: bool = False  # an all_gather's slots in one all_reduce of the table on gloo too (routes.slots_summed)
     rest_tree: bool = False  # a broadcast's rest down the tree from its source on gloo too (routes.rest_down_tree;
     # off the same-host channel only: the express path's receivers do not see it)
-    rest_spread: bool = False  # each part of it as a scatter, then an all_gather, where a vote ran (routes.rest_spread)
-    limits: bool = False  # a broadcast's round 1 brings the receivers' max_bytes on gloo too (routes.limits_with_slot)
+    rest_spread: bool = False  # each part of it as a scatter, then an all_gather, where the receivers answered first
+    # (routes.rest_spread)
+    limits_with_slot: bool = (
+        False  # a broadcast's round 1 brings the receivers' max_bytes on gloo too (the routes' cut-off)
+    )
 
 
 NO_HOOKS = Hooks()

@@ -115,10 +115,10 @@ def check_limits(infos: Sequence[Any], receivers: Sequence[int], op: str, least:
 
 
 def accepted(info: Any, least: int) -> bool:
-    """Whether a sender's payload is accepted whatever a receiver's limit: a frame alone (no tensors) within the
-    settings' slot (``least``: its inline capacity), which round 1 carries whole in that slot, or the second round
-    where the call took a narrower one (an all_gather's :data:`objcomm._transport.routes.NARROW_SLOT`): the same
-    payloads either way."""
+    """Whether a sender's payload is accepted whatever a receiver's limit: a frame alone (no tensors) within
+    ``least`` (the settings' slot's inline capacity: round 1 carries it whole there, or the second round where an
+    all_gather narrowed its slot, :data:`objcomm._transport.routes.NARROW_SLOT`: the same payloads either way; a
+    scatter's or all_to_all's part slot's, past 1024 ranks narrower than the settings', its own)."""
     return bool(info.total <= least and info.total == info.length)
 
 

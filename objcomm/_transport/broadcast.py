@@ -1,5 +1,6 @@
 """Broadcast's rounds over the backend (:mod:`objcomm._transport.rounds` tells the two rounds): the source's slot to
-every rank, the receivers' vote where they must answer first, then the rest, asking the wire's media first.
+every rank (on NCCL with every receiver's ``max_bytes``), the receivers' vote where they must answer first and their
+limits did not come with the slot, then the rest, asking the wire's media first.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def broadcast(
     rest_tree: bool = False,
     rest_spread: bool = False,
     memory: Optional[SlotMemory] = None,
-    limits: bool = False,
+    limits_with_slot: bool = False,
 ) -> Incoming:
     """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere). ``memory``: the group's
     :class:`~objcomm._transport.rounds.SlotMemory` for its broadcasts, where their slots go through the backend (then
@@ -54,10 +55,10 @@ def broadcast(
     where round 1 would go through the group, or through two levels (``levels``: the reduce tree's), the frame goes
     down that tree's edges instead (:func:`down_tree`). ``rest_tree``: a rest through the backend goes down the
     binomial tree from ``src`` whatever its size (:func:`objcomm._transport.routes.rest_down_tree`; tests);
-    ``rest_spread``: each part of it as a scatter, then an all_gather, where the receivers voted first
-    (:func:`objcomm._transport.routes.rest_spread`; tests). ``limits``: round 1 through the backend brings every
-    receiver's ``max_bytes`` with the slot, as on NCCL (:func:`objcomm._transport.routes.limits_with_slot`), on gloo
-    too (tests)."""
+    ``rest_spread``: each part of it as a scatter, then an all_gather, where the receivers answered first
+    (:func:`objcomm._transport.routes.rest_spread`; tests). ``limits_with_slot``: round 1 through the backend brings
+    every receiver's ``max_bytes`` with the slot, as on NCCL (:func:`objcomm._transport.routes.limits_with_slot`), on
+    gloo too (tests)."""
     op = "broadcast"
     if tree and levels is not None:
         assert src == 0, "the reduce tree ends on group rank 0"
@@ -73,10 +74,10 @@ def broadcast(
         wire, memory = memory.applied(wire)
         if raw is not None and len(raw) != wire.slot:
             raw = _slot(wire, out) if out is not None else bytearray(wire.slot)
-    least: Optional[int] = None  # the smallest receiver's max_bytes, where round 1 brought them
-    cpu = wire.device.type == "cpu"
-    if got is NOT_USED and (limits or routes.limits_with_slot(cpu=cpu, slot_medium=routes.BACKEND)):
-        got, least = _slot_and_limits(wire, raw, src, op)
+    smallest_limit: Optional[int] = None  # the smallest receiver's max_bytes, where round 1 brought them
+    cpu = wire.device.type == "cpu"  # (round 1 through the backend, where got is NOT_USED)
+    if got is NOT_USED and (limits_with_slot or routes.limits_with_slot(cpu=cpu, slot_medium=routes.BACKEND)):
+        got, smallest_limit = _slot_and_limits(wire, raw, src, op)
     elif got is NOT_USED:
         if raw is None:
             slot, host = receive_buffer(wire.slot, wire)
@@ -85,7 +86,10 @@ def broadcast(
         guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
         got = host if host is not None else host_view(slot)
     info = read_slot(memoryview(got))
-    return broadcast_rest(wire, out, info, sizes_of, src, rest_tree, rest_spread, memory, least)
+    return broadcast_rest(wire, out, info, sizes_of, src, rest_tree, rest_spread, memory, smallest_limit)
+
+
+_LEAST = -(1 << 63)
 
 
 def _slot_and_limits(wire: Wire, raw: Optional[bytearray], src: int, op: str) -> Tuple[memoryview, int]:
@@ -95,19 +99,18 @@ def _slot_and_limits(wire: Wire, raw: Optional[bytearray], src: int, op: str) ->
     (``src``'s the least), whose maximum gives every rank the smallest receiver's limit (a rank that lies there can
     only lower it: every rank then refuses alike, as a vote it spoils would). The slot's bytes and that limit."""
     words = -(-wire.slot // 8)
-    mine = torch.full((words + 1,), _LEAST, dtype=torch.int64)
-    if raw is not None:
+    if raw is not None:  # the source: its slot (the memory's width: remade where it changed), zero-padded
+        assert len(raw) == wire.slot, (len(raw), wire.slot)
+        mine = torch.full((words + 1,), _LEAST, dtype=torch.int64)
         mine[:words] = 0
         mine[:words].view(torch.uint8)[: wire.slot] = torch.frombuffer(raw, dtype=torch.uint8)
-    else:
-        mine[words] = -wire.max_bytes
-    both = mine.to(wire.device)
+        both = mine.to(wire.device)
+    else:  # a receiver: the least word where the slot lies (made where it moves), then its -max_bytes
+        both = torch.full((words + 1,), _LEAST, dtype=torch.int64, device=wire.device)
+        both[words] = -wire.max_bytes
     guarded(op, wire, dist.all_reduce, both, op=dist.ReduceOp.MAX, group=wire.group)
     host = both.cpu()
     return host_view(host[:words].view(torch.uint8)[: wire.slot]), -int(host[words])
-
-
-_LEAST = -(1 << 63)
 
 
 @one_call  # (the express path calls it too, after its own round 1)
@@ -120,11 +123,11 @@ def broadcast_rest(
     rest_tree: bool = False,
     rest_spread: bool = False,
     memory: Optional[SlotMemory] = None,
-    least: Optional[int] = None,
+    smallest_limit: Optional[int] = None,
 ) -> Incoming:
     """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route (``memory``: where
-    round 1 went through the backend, :func:`broadcast`'s, which this call's slot teaches; ``least``: the smallest
-    receiver's ``max_bytes``, where round 1 brought every receiver's: then no vote, its answer being known)."""
+    round 1 went through the backend, :func:`broadcast`'s, which this call's slot teaches; ``smallest_limit``: the
+    smallest receiver's ``max_bytes``, where round 1 brought every receiver's: then no vote, its answer being known)."""
     op, wire = "broadcast", at_pieces(wire, info.piece)  # the source's pieces (its own, on the source)
     if not _limits.round_one_ends([info]):
         wire.slot_medium.agree(wire, [info], op)
@@ -149,17 +152,17 @@ def broadcast_rest(
     agreed = _agreement_needed(wire, info, op)
     if agreed:  # (a receiver that refused raised: none drains what follows)
         try:
-            if least is None:
+            if smallest_limit is None:
                 _vote_refusals(wire, REFUSE_LIMIT if refuse else 0, info, src, op)
-            elif info.total > least:  # the vote's answer, which every rank knows
-                raise refused_alike(op, src, info.total, f"the smallest receiver's max_bytes: {least:,}")
+            elif info.total > smallest_limit:  # the vote's answer, which every rank knows
+                raise refused_alike(op, src, info.total, f"the smallest receiver's max_bytes: {smallest_limit:,}")
             else:
                 round_one_done()  # every rank took part in round 1's all_reduce: as after a vote
         except ObjcommError:  # every rank refused it alike: a wider slot is forgotten, as an all_gather's refusal does
             if memory is not None:
                 memory.forget()
             raise
-    # asked after any vote; without one a receiver may still refuse, which the strategy then drains (the channel)
+    # asked after any answer; without one a receiver may still refuse, which the strategy then drains (the channel)
     taken = wire.rest_media.broadcast(wire, out, info, _limits.checked_sizes(sizes_of, [info]), src, op)
     if taken is not NOT_USED:
         return taken
@@ -177,7 +180,7 @@ def broadcast_rest(
     if frame is None:
         data = part(mine.frame_tensor() if mine else None, info.length)
         frame = None if refuse else host_view(data)
-    if sizes is None:  # only the frame lists them; every rank has it now (and nobody refused: there was a vote)
+    if sizes is None:  # only the frame lists them; every rank has it now (nobody refused: the receivers answered)
         assert frame is not None
         sizes = _limits.frame_sizes(sizes_of, frame, info, src, op)
     tensors = [part(mine.tensors[i] if mine else None, n) for i, n in enumerate(sizes)]

@@ -149,8 +149,8 @@ class SlotMemory:
 
     @property
     def slot(self) -> int:
-        least, most = min(self.last), max(self.last)
-        return least if least >= self.base else most if most < self.base else self.base
+        low, high = min(self.last), max(self.last)
+        return low if low >= self.base else high if high < self.base else self.base
 
     def applied(self, wire: Wire, wider: bool = True) -> Tuple[Wire, Optional[SlotMemory]]:
         """``wire`` with the slot this memory says (not wider than the settings' unless ``wider``), and the memory its
@@ -164,22 +164,28 @@ class SlotMemory:
         """Remember what a call's slots (``infos``, every rank's, each ``slot`` bytes) suggest: the settings' slot
         where a frame overflowed a wider one (objects that grow past it would otherwise move an empty table a call).
         O(W); nothing to read where round 1 ``ended`` the call in the settings' slot (every message fit it, or an
-        error report came: the common small call), nor, where the memory has no ``narrow`` slot, where no wider
-        slot's table fits ``most`` (an all_gather's at the default slot: from 8191 ranks)."""
-        if len(infos) * (self.base + 1) > self.most and not self.narrow:
+        error report came: the common small call), nor where no wider slot's table fits ``most`` and no narrower slot
+        pays (:func:`routes.narrow_pays`; a broadcast's memory has none)."""
+        world = len(infos)
+        if world * (self.base + 1) > self.most and not routes.narrow_pays(
+            world=world, base=self.base, narrow=self.narrow
+        ):
             self.last = (self.base, self.base)
             return
         if ended and slot == self.base:  # (what slot_after would say, read from every slot)
             self.last = (self.last[1], self.base)
             return
         tensors, piece, inline, frames = False, 1 << 62, True, []
-        for length, error, _, _, total, came, _, announced in infos:  # one loop, unpacked: 8192 slots in ~2 ms
+        # one loop over SlotInfo's fields unpacked (length, error, round2, limit, total, inline, sizes, piece): 8192
+        # slots in ~2 ms; an error report or tensors settle it (the settings' slot)
+        for length, error, _, _, total, its_inline, _, its_piece in infos:
             if error or total != length:
                 tensors = True  # (an error report: the call failed; keep the settings' slot)
-            piece = min(piece, announced)
-            inline = inline and came is not None
+                break
+            piece = min(piece, its_piece)
+            inline = inline and its_inline is not None
             frames.append(length)
-        if slot > self.base and not inline:
+        if tensors or slot > self.base and not inline:
             suggested = self.base
         else:
             suggested = routes.slot_after(
@@ -202,8 +208,8 @@ def all_gather(
 ) -> Sequence[Optional[Incoming]]:
     """Every rank's frame and tensors, on every rank. ``None`` marks frames not moved after an error. ``summed``:
     the slots through the backend in one all_reduce of the table (:func:`routes.slots_summed`). ``memory``: the group's
-    :class:`SlotMemory` for its all_gathers, where their slots go through the backend's all_gather (then the slot
-    it says, and this call's slots remembered)."""
+    :class:`SlotMemory` for its all_gathers, where their slots go through the backend (then the slot it says, never
+    wider where ``summed``, and this call's slots remembered)."""
     wire, infos, memory = _exchange_slots(wire, out, op, summed, memory)
     return all_gather_rest(wire, out, infos, sizes_of, op, memory)
 
@@ -218,7 +224,7 @@ def all_gather_rest(
     memory: Optional[SlotMemory] = None,
 ) -> Sequence[Optional[Incoming]]:
     """:func:`all_gather` once round 1 has delivered every rank's slot (``infos``), by either route (``memory``:
-    where round 1 went through the backend's all_gather, :func:`all_gather`'s, which this call's slots teach)."""
+    where round 1 went through the backend, :func:`all_gather`'s, which this call's slots teach)."""
     round_one_done()  # every rank is here: the steps after share one timeout (call_clock)
     ends = _limits.round_one_ends(infos)
     if not ends:  # a second round or a refusal follows: only on slots every rank read alike
@@ -228,9 +234,9 @@ def all_gather_rest(
     try:
         plans = _limits.plans(infos, sizes_of, op)
         failed = wider and _long_reports(infos, capacity, op)
-        # every payload against every receiver's max_bytes (one round 1 carried whole in the settings' slot is taken
-        # whatever the limit), unless round 1 ended the call: an error report ends it first, and in the settings'
-        # slot every payload came whole
+        # every payload against every receiver's max_bytes (a frame alone within the settings' slot is taken whatever
+        # the limit, limits.accepted), unless round 1 ended the call: an error report ends it first, and in the
+        # settings' slot or a narrower one every payload came whole
         if not ends or (wider and not failed):
             _limits.check_limits(infos, range(wire.size), op, capacity)
     except ObjcommError:  # (every rank raises here alike: the group's next all_gather takes the settings' slot)
@@ -316,7 +322,7 @@ def _exchange_slots(
     wire: Wire, out: Outgoing, op: str, summed: bool = False, memory: Optional[SlotMemory] = None
 ) -> Tuple[Wire, List[SlotInfo], Optional[SlotMemory]]:
     """Round 1 of an all_gather: the wire the call goes on with (its slot ``memory``'s, where that applies), every
-    rank's slot, and the memory this call teaches (None where its slots did not take the backend's all_gather)."""
+    rank's slot, and the memory this call teaches (None where its slots did not go through the backend)."""
     raw = _slot(wire, out)
     slots = wire.slot_medium.all_gather(wire, raw, op)
     if slots is not NOT_USED:

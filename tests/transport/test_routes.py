@@ -591,21 +591,44 @@ def test_an_all_gathers_slot_memory_takes_the_smaller_of_the_last_two_suggestion
 def test_an_all_gathers_frames_all_past_the_slot_suggest_a_narrower_one_where_no_wider_is_taken():
     """routes.slot_after with ``narrow`` (an all_gather's NARROW_SLOT): where every frame passed the settings' slot,
     none sent tensors and no wider slot is taken (its table past LEARNED_TABLE_MOST, sizes not alike, past a piece),
-    the narrow slot, if it is narrower than the settings'; else what slot_after says without it."""
+    the narrow slot where it pays (its W slots save NARROW_SAVES_LEAST: from 342 ranks at 4 KiB); else what slot_after
+    says without it."""
     after, narrow = routes.slot_after, routes.NARROW_SLOT
     assert 128 <= narrow < 4096  # (an error report must fit: settings.MIN_SLOT_BYTES)
     assert after([8_000] * 8192, tensors=False, base=4096, piece=1 << 28, narrow=narrow) == narrow  # 72 MB wider
     assert after([8_000] * 8192, tensors=False, base=4096, piece=1 << 28) == 4096  # without narrow: as before
-    assert after([5_000] * 15 + [200_000], tensors=False, base=4096, piece=1 << 28, narrow=narrow) == narrow  # unlike
-    assert after([100_000] * 4, tensors=False, base=4096, piece=64 << 10, narrow=narrow) == narrow  # past a piece
-    wide = after([50_000] * 16, tensors=False, base=4096, piece=1 << 28)
-    assert wide > 50_000 and after([50_000] * 16, tensors=False, base=4096, piece=1 << 28, narrow=narrow) == wide
+    for world, slot in ((16, 4096), (341, 4096), (342, narrow), (400, narrow)):  # where W x 3 KiB saves 1 MiB
+        assert routes.narrow_pays(world=world, base=4096, narrow=narrow) == (slot == narrow), world
+        unlike = [5_000] * (world - 1) + [200_000]
+        assert after(unlike, tensors=False, base=4096, piece=1 << 28, narrow=narrow) == slot, world
+        pieces = [20_000] * world  # a wider slot past the 16 KiB piece a sender announced
+        assert after(pieces, tensors=False, base=4096, piece=16 << 10, narrow=narrow) == slot, world
+    wide = after([50_000] * 400, tensors=False, base=4096, piece=1 << 28)
+    assert wide > 50_000 and after([50_000] * 400, tensors=False, base=4096, piece=1 << 28, narrow=narrow) == wide
     assert after([4_072] + [5_000] * 8191, tensors=False, base=4096, piece=1 << 28, narrow=narrow) == 4096  # one fit
     assert after([4_073] + [5_000] * 8191, tensors=False, base=4096, piece=1 << 28, narrow=narrow) == narrow  # none
     assert after([8_000] * 8192, tensors=True, base=4096, piece=1 << 28, narrow=narrow) == 4096  # a second round
     assert after([100] * 8192, tensors=False, base=4096, piece=1 << 28, narrow=narrow) == 4096  # every frame fits
     for base in (narrow, 512):  # the settings' slot no wider than the narrow one: theirs
         assert after([8_000] * 8192, tensors=False, base=base, piece=1 << 28, narrow=narrow) == base
+
+
+def test_a_ranks_own_error_report_is_cut_again_to_a_narrower_slot():
+    """rounds._fitted: this rank's error report, cut for the settings' slot (or, past 1 MiB, to MAX_ERROR_REPORT),
+    cut again to the narrow slot its all_gather takes, without raising; one that fits is sent as it is."""
+    from objcomm._format import frame as _frame
+    from objcomm._transport import rounds
+
+    wire = rounds.Wire(None, range(3), 0, None, routes.NARROW_SLOT, 1 << 28, 1 << 30)  # type: ignore[arg-type]
+    for made_for in (4096 - 24, 2 << 20):
+        report = _frame.error_frame(RuntimeError("E" * 3_000_000), made_for)
+        fitted = rounds._fitted(report, wire)
+        view = memoryview(fitted.frame)
+        kind, message = _frame.read_error(view, _frame.parse_header(view))
+        assert fitted.error and fitted.frame_nbytes <= wire.inline_capacity and kind == "RuntimeError", made_for
+        assert message.startswith("E" * 800), made_for
+    small = _frame.error_frame(RuntimeError("short"), 4072)
+    assert rounds._fitted(small, wire) is small
 
 
 def test_an_all_gathers_slot_memory_narrows_after_two_calls_whose_frames_all_passed_the_slot():

@@ -445,6 +445,16 @@ def all_gathers_that_narrow_their_slot(summed: bool) -> Any:
     rank, world = dist.get_rank(), dist.get_world_size()
     group_facts(dist.group.WORLD).slots.clear()  # (the pool's earlier tests: a memory of their all_gathers)
     comm = objcomm.Communicator(local=False, shm=False, chunk_bytes=64 << 10, _hooks=Hooks(summed=summed))
+    saves = routes.cutoffs.NARROW_SAVES_LEAST
+    routes.cutoffs.NARROW_SAVES_LEAST = 0  # (it pays from 342 ranks: here it narrows on 3)
+    try:
+        return _narrowing_calls(comm, rank, world)
+    finally:
+        routes.cutoffs.NARROW_SAVES_LEAST = saves
+
+
+def _narrowing_calls(comm: Any, rank: int, world: int) -> Any:
+    """:func:`all_gathers_that_narrow_their_slot`'s calls on ``comm``."""
     seen: list = []
 
     def record(obj_of: Any, **options: Any) -> Any:
@@ -805,7 +815,7 @@ def broadcasts_with_the_limits_in_round_one(limits: bool) -> List[Any]:
     from objcomm._api.resolving import Hooks
 
     rank = dist.get_rank()
-    hooks = Hooks(separate_hosts=True, limits=limits)
+    hooks = Hooks(separate_hosts=True, limits_with_slot=limits)
     comm = objcomm.Communicator(local=False, shm=False, inline_tensor_bytes=0, _hooks=hooks)
     seen: List[Any] = []
     big, small = {"data": b"v" * 2_000_000}, {"data": b"s" * 300_000}

@@ -53,7 +53,7 @@ backend exchange        all_gather's rests: one padded all_gather when          
                         than W - 1 hops of ``HOP_BYTES``
 all_gather's slots      on NCCL from :data:`SUMMED_SLOTS_FROM` ranks: one all_reduce (a    :func:`slots_summed`
                         sum, a tree) of the table, zeros but each rank's own slot
-an all_gather's slot    through the backend's all_gather: the smaller of the slots that  :func:`slot_after`
+an all_gather's slot    through the backend's all_gather: the smaller of the wider slots  :func:`slot_after`
 width                   the two all_gathers before it on the group suggest (the same on
                         every rank: each read the same slots), wider than the settings'
                         where their frames, alike within ``PADDED_WITHIN``, passed it and
@@ -61,7 +61,8 @@ width                   the two all_gathers before it on the group suggest (the 
                         :data:`LEARNED_TABLE_MOST`; the frames then ride in round 1.
                         Where every frame passed it and no wider slot is taken (past
                         that table: from 8191 ranks at 4 KiB), :data:`NARROW_SLOT`
-                        (also on NCCL's summed slots): round 1 moves a quarter. A
+                        where it saves 1 MiB (:func:`narrow_pays`; on NCCL's summed
+                        slots too): round 1 moves a quarter. A
                         broadcast's (an all_reduce result's broadcast: its own), up to
                         :data:`LEARNED_BROADCAST_MOST`, never narrower
 gather's slots          through the backend from :data:`TREE_GATHER_FROM` ranks: up a      :func:`slots_up_tree`
@@ -123,6 +124,7 @@ from objcomm._transport.routes.cutoffs import (
     IN_PLACE_FROM,
     LEARNED_BROADCAST_MOST,
     LEARNED_TABLE_MOST,
+    NARROW_SAVES_LEAST,
     NARROW_SLOT,
     PADDED,
     PADDED_WITHIN,
@@ -146,6 +148,7 @@ from objcomm._transport.routes.cutoffs import (
     leaders_relay_first,
     leaders_spread,
     limits_with_slot,
+    narrow_pays,
     part_slot,
     pieces,
     rest_after_channel,
@@ -188,6 +191,7 @@ __all__ = [
     "Knobs",
     "LEARNED_BROADCAST_MOST",
     "LEARNED_TABLE_MOST",
+    "NARROW_SAVES_LEAST",
     "NARROW_SLOT",
     "PADDED",
     "PADDED_WITHIN",
@@ -215,6 +219,7 @@ __all__ = [
     "leaders_relay_first",
     "leaders_spread",
     "limits_with_slot",
+    "narrow_pays",
     "part_slot",
     "all_announce",
     "pieces",

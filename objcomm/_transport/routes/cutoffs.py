@@ -72,8 +72,9 @@ def rest_spread(*, world: int, part: int, cpu: bool, agreed: bool, forced: bool 
     """Whether one part of a broadcast's rest through the backend (its frame, or one tensor: ``part`` bytes) goes as
     a scatter, then an all_gather (:func:`objcomm._transport.patterns.spread`: send/recv, 2 ceil(log2 W) steps,
     each rank moving about twice the bytes) rather than down the binomial tree (:func:`rest_down_tree`: the source
-    sends the bytes ceil(log2 W) times) or in the backend's broadcast. Only where the receivers voted first
-    (``agreed``): every rank relays blocks of it, so none may drain it. On NCCL, from :data:`TREE_DOWN_FROM` ranks,
+    sends the bytes ceil(log2 W) times) or in the backend's broadcast. Only where the receivers answered first
+    (``agreed``: their vote, or on NCCL their limits with the slot, :func:`limits_with_slot`): every rank relays
+    blocks of it, so none may drain it. On NCCL, from :data:`TREE_DOWN_FROM` ranks,
     where it costs the least of the three in hops of :data:`HOP_BYTES`: 2L x hop + 2 x part, against the ring's
     (W - 1) x hop + part and the tree's L x (hop + part) (L = ceil(log2 W); at 8192 ranks from 77 KB to 535 MB,
     at 64 ranks from 98 KB to 3.3 MB). Not on gloo, whose broadcast, in C++, runs where its ranks may share a
@@ -102,7 +103,7 @@ def leaders_spread(*, leaders: int, moved: int, agreed: bool) -> bool:
 
 # scatter and all_to_all send one slot a receiver: at most this many bytes of slots a rank (all_to_all moves them
 # in and out of every rank, scatter out of its root), each slot at least PART_SLOT_LEAST (an error report in it
-# keeps about 480 bytes of its message)
+# keeps about 400 bytes of its message)
 PARTS_TABLE = 4 << 20
 PART_SLOT_LEAST = 512
 
@@ -127,8 +128,17 @@ LEARNED_BROADCAST_MOST = SCRATCH_BYTES
 # An all_gather whose frames all passed the settings' slot, where no wider slot holds them (past LEARNED_TABLE_MOST: a
 # 4 KiB slot's frames from 8191 ranks; sizes not alike; past a sender's piece), takes this slot instead: its frames
 # move in round 2 either way, and round 1 moves W x 1 KiB where it moved W x 4 KiB (an error report in it keeps about
-# 990 bytes of its message; scatter's narrowest slot, PART_SLOT_LEAST, keeps 480)
+# 900 bytes of its message; scatter's narrowest slot, PART_SLOT_LEAST, about 400); where that saves at least
+# NARROW_SAVES_LEAST bytes of round 1 (from 342 ranks at 4 KiB): below, a call that grows into a second round after
+# it would cost more than the slots save
 NARROW_SLOT = 1024
+NARROW_SAVES_LEAST = 1 << 20
+
+
+def narrow_pays(*, world: int, base: int, narrow: int) -> bool:
+    """Whether ``world`` slots of ``narrow`` bytes, where the settings' are ``base``, save :data:`NARROW_SAVES_LEAST`
+    (0 < narrow < base)."""
+    return 0 < narrow < base and world * (base - narrow) >= NARROW_SAVES_LEAST
 
 
 def slot_after(
@@ -144,8 +154,8 @@ def slot_after(
     moves in vain is less than the round's latency it saves), rounded up to 64 bytes, if the slots together stay
     within ``most`` and the slot within ``piece``; else ``base``. The same on every rank (every rank read the same
     slots). ``narrow`` (an all_gather's: :data:`NARROW_SLOT`; 0: never narrower): where every frame was past
-    ``base``, no rank sent tensors and no wider slot is taken, that slot, if it is smaller than ``base``: the frames
-    take round 2 whatever the slot, and round 1's bytes then carry little more than the prefixes.
+    ``base``, no rank sent tensors and no wider slot is taken, that slot where it pays (:func:`narrow_pays`): the
+    frames take round 2 whatever the slot, and round 1's bytes then carry little more than the prefixes.
     :class:`objcomm._transport.rounds.SlotMemory` takes the smaller of the last two calls' suggestions where both are
     wider than ``base``, the wider where both are narrower, else ``base``, so that calls of two sizes in turn keep
     ``base``.
@@ -156,10 +166,10 @@ def slot_after(
     1016448
     >>> slot_after([50_000] * 15 + [1_000_000], tensors=False, base=4096, piece=1 << 28)  # one outlier: no
     4096
-    >>> slot_after([50_000] * 15 + [1_000_000], tensors=False, base=4096, piece=1 << 28, narrow=1024)  # none fit
-    1024
     >>> slot_after([8_000] * 8192, tensors=False, base=4096, piece=1 << 28, narrow=1024)  # wider: a 72 MB table
     1024
+    >>> slot_after([8_000] * 16, tensors=False, base=4096, piece=4096, narrow=1024)  # past the piece, 16 ranks: no
+    4096
     """
     world, widest = len(frames), max(frames, default=0)
     if tensors or SLOT_PREFIX_BYTES + widest <= base:
@@ -168,7 +178,8 @@ def slot_after(
         slot = -(-(SLOT_PREFIX_BYTES + widest + min(widest // 8, HOP_BYTES // 4)) // 64) * 64
         if slot <= piece and world * slot <= most:
             return slot
-    return narrow if 0 < narrow < base and SLOT_PREFIX_BYTES + min(frames) > base else base
+    none_fit = SLOT_PREFIX_BYTES + min(frames) > base
+    return narrow if none_fit and narrow_pays(world=world, base=base, narrow=narrow) else base
 
 
 def slots_summed(*, world: int, cpu: bool, forced: bool = False) -> bool:
