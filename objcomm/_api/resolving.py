@@ -46,9 +46,7 @@ class Hooks(NamedTuple):
     # off the same-host channel only: the express path's receivers do not see it)
     rest_spread: bool = False  # each part of it as a scatter, then an all_gather, where the receivers answered first
     # (routes.rest_spread)
-    limits_with_slot: bool = (
-        False  # a broadcast's round 1 brings the receivers' max_bytes on gloo too (the routes' cut-off)
-    )
+    limits_with_slot: bool = False  # a broadcast's round 1 brings the limits on gloo too (routes.limits_with_slot)
 
 
 NO_HOOKS = Hooks()
