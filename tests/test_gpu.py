@@ -422,3 +422,51 @@ def test_nccl_tree_messages_are_one_length():
 
     got = run_local(_nccl_tree_messages, None, world_size=2, backend="nccl", timeout_s=CHILD_TIMEOUT)
     assert got == {"trees": True}
+
+
+def _nccl_narrow_slot_and_broadcast_limits(_: Any, send: Any) -> Dict[str, Any]:
+    """NCCL off the channel (each rank its own host): an all_gather whose frames all pass the slot narrows round 1 to
+    routes.NARROW_SLOT (the summed table's too; its gate lowered for 2 ranks), objects within slot_bytes still taken
+    whatever the limit there; a broadcast past 1 MiB whose round 1 brings the receivers' limits: taken, then refused
+    by both ranks alike (no vote), and the group goes on."""
+    import torch.distributed as dist
+
+    from objcomm._api.resolving import Hooks
+    from objcomm._state import group_facts
+    from objcomm._transport import routes
+
+    rank = dist.get_rank()
+    saves, routes.cutoffs.NARROW_SAVES_LEAST = routes.cutoffs.NARROW_SAVES_LEAST, 0
+    try:
+        for summed in (False, True):
+            group_facts(dist.group.WORLD).slots.clear()
+            comm = objcomm.Communicator(
+                local=False, shm=False, chunk_bytes=64 << 10, _hooks=Hooks(separate_hosts=True, summed=summed)
+            )
+            for _ in range(3):
+                assert comm.all_gather("v" * (100_000 + rank)) == ["v" * 100_000, "v" * 100_001]
+            memory = group_facts(dist.group.WORLD).slots[("all_gather", 4096)]
+            assert memory.slot == routes.NARROW_SLOT, (summed, memory.last)
+            small = comm.all_gather("s" * 2_000 if rank == 0 else 1, max_bytes=1_500 if rank == 1 else None)
+            assert small == ["s" * 2_000, 1]
+    finally:
+        routes.cutoffs.NARROW_SAVES_LEAST = saves
+    comm = objcomm.Communicator(local=False, shm=False, _hooks=Hooks(separate_hosts=True))
+    big = "b" * 2_000_000
+    assert comm.broadcast(big if rank == 0 else None, src=0) == big
+    try:
+        comm.broadcast(big if rank == 0 else None, src=0, max_bytes=10_000 if rank == 1 else None)
+        refused = "no error"
+    except objcomm.TooLargeError as exc:
+        refused = str(exc)
+    assert "the smallest receiver's max_bytes: 10,000" in refused, refused
+    assert comm.broadcast(rank, src=1) == 1
+    return {"narrow": True}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
+def test_nccl_narrow_slot_and_a_broadcasts_limits_in_round_one():
+    from objcomm._tools.launch import run_local
+
+    got = run_local(_nccl_narrow_slot_and_broadcast_limits, None, world_size=2, backend="nccl", timeout_s=CHILD_TIMEOUT)
+    assert got == {"narrow": True}
