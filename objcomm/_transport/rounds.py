@@ -157,7 +157,8 @@ class SlotMemory:
         call teaches (None: a memory of another slot setting, which ``wire``'s call neither takes nor teaches)."""
         if self.base != wire.slot:
             return wire, None
-        slot = self.slot if wider or self.slot < self.base else self.base
+        slot = self.slot
+        slot = slot if wider or slot < self.base else self.base
         return (wire if slot == wire.slot else wire._replace(slot=slot)), self
 
     def learn(self, infos: Sequence[SlotInfo], slot: int, ended: bool = False) -> None:

@@ -810,7 +810,7 @@ def broadcasts_with_the_limits_in_round_one(limits: bool) -> List[Any]:
     that brings every receiver's max_bytes, routes.limits_with_slot), else gloo's (a broadcast, then the vote). Where
     the receivers must answer first (a rest past 1 MiB; tensor sizes the slot cannot list) and where they need not
     (a 300 KB rest): this rank's (outcome, all_reduces, votes) a call."""
-    import torch.distributed as dist_
+    from _counting import counting
 
     from objcomm._api.resolving import Hooks
 
@@ -822,26 +822,13 @@ def broadcasts_with_the_limits_in_round_one(limits: bool) -> List[Any]:
     many = [torch.full((2,), i, dtype=torch.int32) for i in range(600)]  # out of band: 600 sizes, past the slot
 
     def record(obj: Any, src: int, limit: int = 1 << 30) -> None:
-        counts = {"all_reduce": 0, "votes": 0}
-        real_all_reduce, real_largest = dist_.all_reduce, _rounds.largest_of
-
-        def all_reduce(*args: Any, **kwargs: Any) -> Any:
-            counts["all_reduce"] += 1
-            return real_all_reduce(*args, **kwargs)
-
-        def largest(*args: Any, **kwargs: Any) -> Any:
-            counts["votes"] += 1
-            return real_largest(*args, **kwargs)
-
-        dist_.all_reduce, _rounds.largest_of = all_reduce, largest
-        try:
-            got = comm.broadcast(obj if rank == src else None, src=src, max_bytes=limit)
-            right = all(torch.equal(a, b) for a, b in zip(got, obj)) if isinstance(obj, list) else got == obj
-            outcome: Any = right
-        except objcomm.ObjcommError as exc:
-            outcome = f"{type(exc).__name__}: {exc}"
-        finally:
-            dist_.all_reduce, _rounds.largest_of = real_all_reduce, real_largest
+        with counting({"all_reduce": [(dist, "all_reduce")], "votes": [(_rounds, "largest_of")]}) as counts:
+            try:
+                got = comm.broadcast(obj if rank == src else None, src=src, max_bytes=limit)
+                right = all(torch.equal(a, b) for a, b in zip(got, obj)) if isinstance(obj, list) else got == obj
+                outcome: Any = right
+            except objcomm.ObjcommError as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
         seen.append((outcome, counts["all_reduce"], counts["votes"]))
 
     record(big, 1)
