@@ -51,7 +51,7 @@ import functools
 import struct
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union, cast
 
 from objcomm import _state
 from objcomm._device import timeout_seconds
@@ -63,14 +63,23 @@ from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._samehost import channel_rests as _channel_rests
 from objcomm._samehost import opener as _opener
 from objcomm._samehost.channel_checks import _checked, _trim, agree_on, cut_whole, echo, whole_message, whole_size
-from objcomm._samehost.inbox import ANSWER, REST
+from objcomm._samehost.inbox import ALL_GATHER, ALL_TO_ALL, ANSWER, BROADCAST, GATHER, REST, SCATTER
 from objcomm._samehost.mesh import MAX_PAYLOAD
 from objcomm._samehost.p2p_state import Counted, SameHost
 from objcomm._settings import DEFAULT_SHM_THRESHOLD
 from objcomm._transport import call_clock
-from objcomm._transport.base import ASKS, NOT_USED, THROUGH_GROUP, WHOLE, Lease, NotUsed, Slot, TreeLevels, Wire
+from objcomm._transport.base import ASKS, NOT_USED, THROUGH_GROUP, WHOLE, Lease, Mine, NotUsed, Slot, TreeLevels, Wire
+from objcomm._transport.patterns import Pattern
 
 T = TypeVar("T")
+_KINDS = {  # a round-1 message's kind on the channel, by its collective's pattern
+    "all_gather": ALL_GATHER,
+    "gather": GATHER,
+    "broadcast": BROADCAST,
+    "scatter": SCATTER,
+    "all_to_all": ALL_TO_ALL,
+}
+_EVERYONE = ("all_gather", "all_to_all")  # every rank sends to every rank: the send/recv vote may ride along
 _BACKEND = THROUGH_GROUP  # send/recv through the group, uncounted
 
 
@@ -275,41 +284,23 @@ class ChannelSlots:
         channel.rounds += 1
         return move(channel)
 
-    def all_gather(self, wire: Wire, slot: Slot, op: str) -> Union[Sequence[Slot], NotUsed]:
-        trimmed = _trim(slot)
-        return self._round_one(
-            wire,
-            op,
-            lambda channel: self._voting(wire, channel, lambda: channel.all_gather(trimmed, self.spin, op), op, slot),
-        )
+    def exchange(self, wire: Wire, at: Pattern, mine: Mine, op: str) -> Union[Dict[int, Slot], NotUsed]:
+        """Round 1 through the channel: each slot sent trimmed after its frame (:func:`_trim`), each one received
+        checked (:func:`_checked`); an all_gather or all_to_all carries the send/recv vote where one is due
+        (:meth:`_voting`). A gather's round 1 on one host is an all_gather's pattern, its messages of a gather's kind
+        (:meth:`objcomm._samehost.mesh.Mesh.all_gather`)."""
+        sent: Mine = None
+        if mine is not None:
+            sent = [_trim(s) for s in cast(Sequence[Slot], mine)] if at.each else _trim(cast(Slot, mine))
+        kind = GATHER if op == "gather" else _KINDS[at.op]
 
-    def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]:
-        def move(channel: _channel.LocalChannel) -> Slot:
-            if slot is not None:  # the root: its own slot is what it sent
-                channel.broadcast(_trim(slot), src, self.spin, op)
-                return slot
-            return _checked(wire, channel, [channel.broadcast(None, src, self.spin, op)], op)[0]
+        def exchange(channel: _channel.LocalChannel) -> Dict[int, Slot]:
+            got = channel.move(kind, at, sent, self.spin, op)
+            return dict(zip(got, _checked(wire, channel, list(got.values()), op)))
 
-        return self._round_one(wire, op, move)
-
-    def scatter(self, wire: Wire, slots: Optional[Sequence[Slot]], src: int, op: str) -> Union[Slot, NotUsed]:
-        def move(channel: _channel.LocalChannel) -> Slot:
-            if slots is not None:  # the root
-                channel.scatter([_trim(s) for s in slots], src, self.spin, op)
-                return slots[src]
-            return _checked(wire, channel, [channel.scatter(None, src, self.spin, op)], op)[0]
-
-        return self._round_one(wire, op, move)
-
-    def all_to_all(self, wire: Wire, slots: Sequence[Slot], op: str) -> Union[Sequence[Slot], NotUsed]:
-        trimmed = [_trim(s) for s in slots]
-        return self._round_one(
-            wire,
-            op,
-            lambda channel: self._voting(
-                wire, channel, lambda: channel.all_to_all(trimmed, self.spin, op), op, slots[wire.rank]
-            ),
-        )
+        if at.op in _EVERYONE:
+            return self._round_one(wire, op, lambda channel: self._voting(wire, channel, exchange, op))
+        return self._round_one(wire, op, exchange)
 
     def gather(self, wire: Wire, slot: Slot, dst: int, op: str) -> Union[Optional[List[Slot]], NotUsed]:
         return NOT_USED  # on one host a gather's round 1 is the channel's all_gather
@@ -356,22 +347,26 @@ class ChannelSlots:
             call_clock.round_one_done()
 
     def _voting(
-        self, wire: Wire, channel: _channel.LocalChannel, exchange: Callable[[], Sequence[Slot]], op: str, mine: Slot
-    ) -> Sequence[Slot]:
-        """``exchange()``, an all_gather or all_to_all, then, until send/recv are on the channel and where a vote is
-        due (:meth:`~objcomm._samehost.channel.LocalChannel.vote_due`), this rank's send/recv vote; ``mine``: this
-        rank's own slot, whole, in its place. The vote goes through the group
+        self,
+        wire: Wire,
+        channel: _channel.LocalChannel,
+        exchange: Callable[[_channel.LocalChannel], Dict[int, Slot]],
+        op: str,
+    ) -> Dict[int, Slot]:
+        """``exchange(channel)``, an all_gather or all_to_all, then, until send/recv are on the channel and where a
+        vote is due (:meth:`~objcomm._samehost.channel.LocalChannel.vote_due`), this rank's send/recv vote. The vote
+        goes through the group
         (:meth:`~objcomm._samehost.channel.LocalChannel.vote`), whose result every rank sees alike; a rank whose
         exchange failed still votes (no) before it raises, so that the others' vote never meets its next call."""
         state = self.state(wire) if not channel.p2p else None
         if state is None or state.background or not channel.vote_due():  # (background: objcomm._samehost.opener votes)
-            return _checked(wire, channel, exchange(), op, mine)
+            return exchange(channel)
         what = f"{op} (voting send/recv onto the same-host channel)"
         try:  # the vote is out from here: a send/recv that starts meanwhile waits for the outcome
             entries = state.begin_vote(wire.group)
             start = channel.sequence
             try:
-                got = _checked(wire, channel, exchange(), op, mine)
+                got = exchange(channel)
             except CommunicationError:  # still vote (no): the others' vote must not meet this rank's next call
                 if not channel.rejoins_after(start):  # (none votes where every rank opens a new channel now)
                     with contextlib.suppress(CommunicationError):

@@ -46,7 +46,7 @@ import functools
 import hashlib
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 from objcomm import _state
 from objcomm._errors import CommunicationError
@@ -69,7 +69,8 @@ from objcomm._samehost.two_level_moves import (
 from objcomm._settings import DEFAULT_SHM_THRESHOLD
 from objcomm._transport import groups as _groups
 from objcomm._transport import routes
-from objcomm._transport.base import BACKEND, DIRECT, NOT_USED, Lease, NotUsed, Slot, TreeLevels, Wire, largest_of
+from objcomm._transport.base import BACKEND, DIRECT, NOT_USED, Lease, Mine, NotUsed, Slot, TreeLevels, Wire, largest_of
+from objcomm._transport.patterns import Pattern
 
 # Operations whose second round moves through the whole group's backend, not two levels: their votes do too, so
 # that a leader who tells its host another outcome than the leaders' cannot send its host's ranks into a different
@@ -122,30 +123,25 @@ class TwoLevel(ChannelSlots):
             )
         return Here(levels, channel, self.spin, leader, levels.host_of[me], levels.place[me])
 
-    def all_gather(self, wire: Wire, slot: Slot, op: str) -> Union[Sequence[Slot], NotUsed]:
-        got = super().all_gather(wire, slot, op)
-        if got is not NOT_USED or op == "gather":  # gather keeps its gather of slots to the destination
+    def exchange(self, wire: Wire, at: Pattern, mine: Mine, op: str) -> Union[Dict[int, Slot], NotUsed]:
+        """The channel's, on one host; across hosts an all_gather's and a broadcast's round 1 on two levels (not a
+        gather's: it keeps its gather of slots to the destination, :meth:`gather`), the rest through the group."""
+        got = super().exchange(wire, at, mine, op)
+        if got is not NOT_USED or at.op not in ("all_gather", "broadcast") or op == "gather":
             return got
         wire = wire._replace(chunk=DEFAULT_PIECE)  # round 1: in pieces no rank's settings change (so below)
         here = self.here(wire, op, set_up=True)
-        return (
-            NOT_USED
-            if here is None
-            else all_gather_fixed(here, wire, slot, wire.slot, op, self.threshold if self.shm else None)
-        )
-
-    def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]:
-        got = super().broadcast(wire, slot, src, op)
-        if got is not NOT_USED:
-            return got
-        wire = wire._replace(chunk=DEFAULT_PIECE)
-        here = self.here(wire, op, set_up=True)
         if here is None:
             return NOT_USED
-        data = None if slot is None else memoryview(slot)
-        received = relay(here, wire, data, wire.slot, src, op, keep=True)
-        assert received is not None
-        return received
+        slot = cast(Optional[Slot], mine)
+        if at.op == "broadcast":
+            src = at.sources[0] if at.sources else wire.rank
+            received = relay(here, wire, None if slot is None else memoryview(slot), wire.slot, src, op, keep=True)
+            assert received is not None
+            return {src: received} if at.sources else {}
+        assert slot is not None
+        slots = all_gather_fixed(here, wire, slot, wire.slot, op, self.threshold if self.shm else None)
+        return {r: slots[r] for r in at.sources}
 
     def gather(self, wire: Wire, slot: Slot, dst: int, op: str) -> Union[Optional[List[Slot]], NotUsed]:
         wire = wire._replace(chunk=DEFAULT_PIECE)
@@ -210,10 +206,10 @@ class HostEdges:
     def p2p(self, wire: Wire, op: str, peer: Optional[int]) -> Lease:
         return HostRoute(self.channel, self.spin, self.base)
 
-    def all_gather(self, *args: Any) -> NotUsed:
+    def exchange(self, *args: Any) -> NotUsed:
         return NOT_USED
 
-    broadcast = scatter = all_to_all = gather = share = gather_words = largest = all_gather
+    gather = share = gather_words = largest = exchange
 
     def agree(self, wire: Wire, infos: Sequence[Any], op: str) -> None:
         pass

@@ -20,6 +20,7 @@ from objcomm._errors import NOT_THERE, CommunicationError, ranks_note
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
 from objcomm._transport.let_go import held_by, wait_let_go
+from objcomm._transport.patterns import Pattern
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -132,27 +133,26 @@ DIRECT: RestMedia = _Direct()
 
 # -- the medium of a call's slots --------------------------------------------------------------
 Slot = Union[bytes, bytearray, memoryview]  # one rank's round-1 slot (``Wire.slot`` bytes), host memory
+Mine = Union[None, Slot, Sequence[Slot]]  # what a rank sends in round 1: nothing, its slot, or one slot per rank
 
 
 class SlotMedium(Protocol):
     """The medium that carries a call's round-1 slots (and its votes, words and send/recv routes), asked by the
     transport before it uses the group.
 
-    Each method takes this rank's slot bytes (host memory, ``wire.slot`` long) and returns what the
-    group's collective would have delivered, as host bytes, or :data:`NOT_USED` (the same answer on
-    every rank of the call, decided without talking to the others) and the transport moves the slots
-    itself; :meth:`p2p` routes the slot of a send/recv. Every rank of the group calls the method of its
-    operation, in the same order. The same-host channel (:class:`objcomm._samehost.channel_slots.ChannelSlots`) is one;
-    :data:`BACKEND` is none.
+    Round 1 of every collective is one primitive, :meth:`exchange`, over its pattern (who sends what to whom,
+    :mod:`objcomm._transport.patterns`): this rank's slot bytes (host memory, ``wire.slot`` long) out, what the
+    group's collective would have delivered from each source in, as host bytes, or :data:`NOT_USED` (the same answer
+    on every rank of the call, decided without talking to the others) and the transport moves the slots itself;
+    :meth:`p2p` routes the slot of a send/recv. Every rank of the group calls the method of its operation, in the same
+    order. The same-host channel (:class:`objcomm._samehost.channel_slots.ChannelSlots`) is one; :data:`BACKEND` none.
     """
 
-    def all_gather(self, wire: Wire, slot: Slot, op: str) -> Union[Sequence[Slot], NotUsed]: ...
-
-    def broadcast(self, wire: Wire, slot: Optional[Slot], src: int, op: str) -> Union[Slot, NotUsed]: ...
-
-    def scatter(self, wire: Wire, slots: Optional[Sequence[Slot]], src: int, op: str) -> Union[Slot, NotUsed]: ...
-
-    def all_to_all(self, wire: Wire, slots: Sequence[Slot], op: str) -> Union[Sequence[Slot], NotUsed]: ...
+    def exchange(self, wire: Wire, at: Pattern, mine: Mine, op: str) -> Union[Dict[int, Slot], NotUsed]:
+        """Round 1 of the collective whose pattern on this rank is ``at`` (all_gather, broadcast, scatter or
+        all_to_all: :func:`objcomm._transport.patterns.pattern`): this rank's slot (``mine``; one per rank where
+        ``at.each``; None where it sends none) to the ranks of ``at.to``, and the slot of each rank of ``at.sources``,
+        by group rank. ``op``: the user's call (a gather's round 1 on one host is an all_gather's pattern)."""
 
     def gather(self, wire: Wire, slot: Slot, dst: int, op: str) -> Union[Optional[List[Slot]], NotUsed]:
         """Every rank's slot on group rank ``dst`` (None elsewhere): round 1 of a gather, which :meth:`share` ends."""
@@ -272,10 +272,10 @@ THROUGH_GROUP = _ThroughGroup()
 class _Backend:
     """The group's backend as the slot medium: the transport moves every round-1 slot through the group."""
 
-    def all_gather(self, *args: Any) -> NotUsed:
+    def exchange(self, *args: Any) -> NotUsed:
         return NOT_USED
 
-    broadcast = scatter = all_to_all = gather_words = largest = gather = share = all_gather
+    gather_words = largest = gather = share = exchange
 
     def agree(self, wire: Wire, infos: Sequence[Any], op: str) -> None:
         pass

@@ -23,6 +23,7 @@ from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes, read_slo
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Slot, Wire, guarded
 from objcomm._transport.bytes import Batch, host_view, joined, receive_buffer, to_device
 from objcomm._transport.call_clock import one_call, round_one_done
+from objcomm._transport.patterns import in_rank_order, pattern
 from objcomm._transport.rounds import _on_device, _rest, _round_one, _slot, _split_rest
 from objcomm._transport.slot_tree import WORD, gather_up_tree, word_down_tree
 
@@ -44,10 +45,10 @@ def gather(
     """
     op = "gather"
     raw = _slot(wire, out)
-    slots = wire.slot_medium.all_gather(wire, raw, op)
+    got = wire.slot_medium.exchange(wire, pattern("all_gather", me=wire.rank, world=wire.size), raw, op)
     checked: Optional[Checked] = None  # what the destination's word found of the slots (where it said go)
-    if slots is not NOT_USED:
-        infos = [read_slot(memoryview(s)) for s in slots]
+    if got is not NOT_USED:
+        infos = [read_slot(memoryview(s)) for s in in_rank_order(got, raw, wire.rank, wire.size)]
         round_one_done()  # every rank is here: the steps after share one timeout (call_clock)
     else:
         gathered_slots, checked = _gather_slots(wire, raw, sizes_of, dst, op, up_tree, word_tree)

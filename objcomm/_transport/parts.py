@@ -26,6 +26,7 @@ from objcomm._transport.bytes import (
     to_device,
 )
 from objcomm._transport.call_clock import one_call, round_one_done
+from objcomm._transport.patterns import in_rank_order, pattern
 from objcomm._transport.rounds import REFUSE_LIMIT, REFUSE_MALFORMED, _on_device, _rest, _round_one, _vote_refusals
 
 
@@ -38,7 +39,9 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
     if wire.rank == src:
         assert outs is not None
         table = _slot_table(wire, outs)
-    got = wire.slot_medium.scatter(wire, None if table is None else _per_rank(wire, table), src, op)
+    parts = None if table is None else _per_rank(wire, table)
+    came = wire.slot_medium.exchange(wire, pattern(op, me=wire.rank, world=wire.size, root=src), parts, op)
+    got = came if came is NOT_USED else parts[src] if parts is not None else came[src]
     if got is NOT_USED:
         recv, host = receive_buffer(wire.slot, wire)
         scatter_list = None if table is None else list(_on_device(wire, table).chunk(wire.size))
@@ -94,9 +97,10 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
     """
     op = "all_to_all"
     table = _slot_table(wire, outs)
-    slots = wire.slot_medium.all_to_all(wire, _per_rank(wire, table), op)
-    if slots is not NOT_USED:
-        infos = [read_slot(memoryview(s)) for s in slots]
+    parts = _per_rank(wire, table)
+    got = wire.slot_medium.exchange(wire, pattern(op, me=wire.rank, world=wire.size), parts, op)
+    if got is not NOT_USED:
+        infos = [read_slot(memoryview(s)) for s in in_rank_order(got, parts[wire.rank], wire.rank, wire.size)]
     else:
         received = empty(wire.size * wire.slot, wire)
         guarded(op, wire, dist.all_to_all_single, received, _on_device(wire, table), group=wire.group)

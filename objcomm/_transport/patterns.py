@@ -37,7 +37,7 @@ A scan's partial results go up by doubling distances, :func:`prefix_steps`.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 OPS = ("all_gather", "gather", "broadcast", "scatter", "all_to_all")
 _ROOTED = {"gather", "broadcast", "scatter"}
@@ -77,6 +77,12 @@ def pattern(op: str, *, me: int, world: int, root: Optional[int] = None) -> Patt
     if op == "gather":  # (the other ranks' tuple only on the root: O(1) elsewhere, whatever the cache holds)
         return Pattern(op, () if me == root else (root,), False, _others(me, world) if me == root else ())
     return Pattern(op, _others(me, world) if me == root else (), op in _EACH, () if me == root else (root,))
+
+
+def in_rank_order(got: Dict[int, Any], own: Any, me: int, world: int) -> List[Any]:
+    """What an all_gather's or all_to_all's pattern brought from every other rank (``got``, by rank), in group-rank
+    order, this rank's own (``own``) in its place."""
+    return [own if r == me else got[r] for r in range(world)]
 
 
 def _others(me: int, world: int) -> Tuple[int, ...]:

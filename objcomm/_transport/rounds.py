@@ -47,6 +47,7 @@ from objcomm._transport.base import NOT_USED, Wire, all_gather_single, guarded, 
 from objcomm._transport.bytes import at_pieces, host_view, receive_buffer, zeroed
 from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.exchange import LaidRests, all_gather_rests
+from objcomm._transport.patterns import in_rank_order, pattern
 
 SCRATCH = _limits.SCRATCH_BYTES
 REFUSE_LIMIT, REFUSE_MALFORMED = 1, 2  # a receiver's answer (0: go ahead)
@@ -325,9 +326,9 @@ def _exchange_slots(
     """Round 1 of an all_gather: the wire the call goes on with (its slot ``memory``'s, where that applies), every
     rank's slot, and the memory this call teaches (None where its slots did not go through the backend)."""
     raw = _slot(wire, out)
-    slots = wire.slot_medium.all_gather(wire, raw, op)
-    if slots is not NOT_USED:
-        return wire, [read_slot(memoryview(s)) for s in slots], None
+    got = wire.slot_medium.exchange(wire, pattern("all_gather", me=wire.rank, world=wire.size), raw, op)
+    if got is not NOT_USED:
+        return wire, [read_slot(memoryview(s)) for s in in_rank_order(got, raw, wire.rank, wire.size)], None
     if memory is not None:  # the slot the last two all_gathers suggested (a summed table's: never wider)
         wire, memory = memory.applied(wire, wider=not summed)
         if len(raw) != wire.slot:

@@ -208,6 +208,10 @@ def test_a_broadcasts_receivers_limits_come_with_its_slot_on_nccls_backend_only(
         (Topology(world=8, ranks_per_host=8, device="cuda"), ["broadcast", "all_reduce", "broadcast"]),  # channel
     ]:
         assert [s.collective for s in plan("broadcast", topology, [rest] * topology.world).steps] == steps, topology
+    # what NCCL's round 1 moves: the slot as int64 words (broadcast._slot_and_limits), then the receivers' limit
+    for slot, moved in [(4096, 4104), (1001, 1016)]:
+        first = plan("broadcast", Topology(world=16, device="cuda"), [rest] * 16, Knobs(slot_bytes=slot)).steps[0]
+        assert first.nbytes == (moved,), (slot, first)
 
 
 def test_a_broadcasts_rest_spreads_on_nccl_from_64_ranks_where_it_costs_the_least():

@@ -288,8 +288,9 @@ def plan(
                 steps += [look, settled] if medium == BACKEND else [look]
             steps.append(Step("p2p", medium, tuple(0 if i == root else r for i, r in enumerate(rests))))
     elif op == "broadcast":  # the slot: on NCCL an all_reduce (a tree; its broadcast is a ring)
-        slot_step = "all_reduce" if first == BACKEND and not topology.cpu else "broadcast"
-        steps.append(Step(slot_step, first, (knobs.slot_bytes,)))
+        nccl = first == BACKEND and not topology.cpu  # an all_reduce of its int64 words, then the receivers' limit
+        slot = 8 * -(-knobs.slot_bytes // 8) + 8 if nccl else knobs.slot_bytes  # (broadcast._slot_and_limits)
+        steps.append(Step("all_reduce" if nccl else "broadcast", first, (slot,)))
         moved = rests[root]
         if moved:
             medium = medium_of(moved)
