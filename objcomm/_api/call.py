@@ -19,6 +19,7 @@ from objcomm._errors import NO_RESULT, CommunicationError, Failure, FrameError, 
 from objcomm._format import frame as _frame
 from objcomm._format.limits import too_large
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing
+from objcomm._format.plain_slot import plain_frame, plain_payload
 from objcomm._format.slot import piece_size
 from objcomm._samehost import shm as _shm
 from objcomm._samehost import two_level as _two_level
@@ -28,7 +29,7 @@ from objcomm._samehost.two_level_rests import TwoLevelRests
 from objcomm._samehost.voted_rests import VotedRests
 from objcomm._settings import CallOptions
 from objcomm._transport.base import BACKEND, INTERNAL_TAG, GroupRanks, RestMedia, SlotMedium, Wire
-from serializers import AutoSerializer, Serializer, SerializerProtocol
+from serializers import AutoSerializer, Serializer, SerializerProtocol, registry
 
 Device = Union[str, torch.device, None]
 
@@ -144,16 +145,30 @@ class Call(NamedTuple):
 
     def decode_all(self, incoming: Sequence[Optional[Incoming]], own: int = -1) -> List[Any]:
         """:meth:`decode` of every rank's item, in group-rank order (``own``: the rank whose item is this rank's own
-        input, decoded with ``own=True``): the settings read once, not once a rank (W of them on an all_gather)."""
+        input, decoded with ``own=True``): the settings read once, not once a rank (W of them on an all_gather), and
+        once a plain frame (no tensors, no compression) decoded, each next plain frame of its serializer straight to
+        that serializer (:func:`~objcomm._format.plain_slot.plain_payload`: what :func:`_frame.decode` checks of it,
+        without a header built; its name already passed ``accept``)."""
         self.usable()
         accept, device, limit, decode = self.options.accept, self.device, self.options.max_bytes, _frame.decode
-        objects = []
+        objects: List[Any] = []
+        plain: Optional[Tuple[bytes, str, SerializerProtocol]] = None  # that serializer: its name's bytes, name, self
         for sender, item in enumerate(incoming):
             if item is None:
                 raise CommunicationError(f"no frame arrived from rank {sender}")
+            if plain is not None:
+                payload = plain_payload(item.frame, plain[0])
+                if payload is not None:
+                    objects.append(_frame.loads_payload(plain[2], plain[1], payload, sender))
+                    continue
             objects.append(
                 decode(item, sender=sender, accept=accept, device=device, max_bytes=limit, own=sender == own)
             )
+            if plain is None:
+                read = plain_frame(item.frame)
+                if read is not None:
+                    name = read[1].serializer
+                    plain = (name.encode("ascii"), name, registry.guarded(name))
         return objects
 
     def received(self, sender: int, item: Incoming, is_error: bool) -> Any:

@@ -75,6 +75,19 @@ def plain_frame(frame: Any) -> Optional[Tuple[memoryview, Header]]:
     return _read(memoryview(frame), fields[1], fields[4], fields[7]) if _plain(fields, len(frame)) else None
 
 
+def plain_payload(frame: Any, name: bytes) -> Optional[memoryview]:
+    """The payload of ``frame`` where it is a whole *plain* frame (see :func:`plain_in_slot`) of the serializer whose
+    ASCII name is ``name``, else None: what :func:`objcomm._format.frame.decode` would hand that serializer, found
+    without building a header (a caller that decoded one frame of that serializer decodes the next ones so)."""
+    if len(frame) < HEADER.size:
+        return None
+    fields = HEADER.unpack_from(frame, 0)
+    start = HEADER.size + fields[4]
+    if not _plain(fields, len(frame)) or frame[HEADER.size : start] != name:
+        return None
+    return memoryview(frame)[start:]
+
+
 def plain_in_slot(slot: Any) -> Optional[Tuple[memoryview, Header]]:
     """``(frame, header)`` of a round-1 slot that holds a whole *plain* frame, read in one step: no flag
     bits, nothing out of band or listed, no compression, every length consistent. None for any other slot:

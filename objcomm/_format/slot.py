@@ -10,8 +10,11 @@ that follows. :mod:`objcomm._format.limits` checks the numbers; nobody trusts on
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import List, NamedTuple, Optional
+
+import numpy
 
 from objcomm._format.message import SLOT_PREFIX_BYTES, Outgoing
 
@@ -108,5 +111,31 @@ def read_slot(view: memoryview) -> SlotInfo:
 
 
 def read_slots(host: memoryview, count: int, slot: int) -> List[SlotInfo]:
-    """The ``count`` slots of ``slot`` bytes each laid end to end in ``host``."""
-    return [read_slot(host[r * slot : (r + 1) * slot]) for r in range(count)]
+    """The ``count`` slots of ``slot`` bytes each laid end to end in ``host``, each read as :func:`read_slot` reads
+    it; from :data:`PREFIXES_AT_ONCE` slots their prefixes are unpacked at once, and a slot whose frame is inline
+    with nothing listed after it (a call's small objects) needs no more."""
+    if count < PREFIXES_AT_ONCE:
+        return [read_slot(host[r * slot : (r + 1) * slot]) for r in range(count)]
+    rows = numpy.frombuffer(host, _prefixes(slot), count)
+    words, limits, totals = rows["word"].tolist(), rows["limit"].tolist(), rows["total"].tolist()
+    capacity, infos = slot - PREFIX.size, []
+    for r, word in enumerate(words):
+        length, at = word & LENGTH_MASK, r * slot + PREFIX.size
+        if length > capacity or word & LISTED_BIT:  # tensor sizes may follow: read_slot reads them
+            infos.append(read_slot(host[at - PREFIX.size : at - PREFIX.size + slot]))
+            continue
+        piece = 1 << (((word >> PIECE_SHIFT) & PIECE_MASK) ^ DEFAULT_PIECE_LOG2)
+        info = (length, bool(word & ERROR_BIT), bool(word & ROUND2_BIT), limits[r], totals[r], host[at : at + length])
+        infos.append(_new(SlotInfo, (*info, None, piece)))
+    return infos
+
+
+PREFIXES_AT_ONCE = 32  # slots: below this, one read_slot each costs less than numpy's set-up
+
+
+@functools.lru_cache(maxsize=64)  # (learnt slots take a few widths)
+def _prefixes(slot: int) -> numpy.dtype:
+    """A slot of ``slot`` bytes as numpy sees its prefix: the word, the sender's limit, its total."""
+    return numpy.dtype(
+        {"names": ["word", "limit", "total"], "formats": ["<u8"] * 3, "offsets": [0, 8, 16], "itemsize": slot}
+    )

@@ -1,0 +1,81 @@
+"""objcomm._api.call: decoding every rank's frame at once (Call.decode_all) gives what decoding each alone gives."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Callable, List, Optional, Tuple
+
+import pytest
+import torch
+
+from objcomm._api.call import Call
+from objcomm._format import frame as _frame
+from objcomm._format.message import Incoming
+from objcomm._settings import CallOptions
+from serializers import registry
+
+
+def _item(obj: Any, serializer: str = "pickle", **encoding: Any) -> Incoming:
+    out = _frame.encode(obj, registry.guarded(serializer), max_bytes=1 << 40, **encoding)
+    return Incoming(memoryview(bytes(out.frame)), list(out.tensors), error=out.error)
+
+
+def _changed(item: Incoming, at: int, data: bytes) -> Incoming:
+    frame = bytearray(item.frame)
+    frame[at : at + len(data)] = data
+    return Incoming(memoryview(frame), item.tensors)
+
+
+def _plain(n: int) -> List[Incoming]:
+    return [_item({"rank": r, "values": list(range(r % 7))}) for r in range(n)]
+
+
+def _outcome(decode: Callable[[], List[Any]]) -> Tuple[str, Any]:
+    try:
+        objects = decode()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", [o.tolist() if isinstance(o, torch.Tensor) else o for o in objects]
+
+
+NAME_AT = _frame.HEADER.size  # where a frame's serializer name starts
+PAYLOAD_LEN_AT, RAW_LEN_AT = 16, 24  # the header's payload_len and raw_len (docs/wire-format.md)
+
+
+def _corpora() -> List[Tuple[str, List[Incoming], Optional[List[str]]]]:
+    plain = _plain(40)
+    json_frame = _item({"rank": "j"}, "json")
+    lying_raw = _changed(plain[3], RAW_LEN_AT, struct.pack("<Q", 1))  # no compression: raw_len is not read
+    return [
+        ("plain", plain, None),
+        ("serializers in turn", [plain[0], json_frame, plain[1], _item([1, 2], "msgpack"), plain[2]], None),
+        ("compressed between", [plain[0], _item(b"z" * 5000, compression="zstd"), plain[1]], None),
+        ("tensors between", [plain[0], _item(torch.arange(5), inline_tensor_bytes=0), plain[1]], None),
+        ("raw_len that lies", [plain[0], lying_raw, plain[4]], None),
+        (
+            "payload spoilt",
+            [*plain[:5], _changed(plain[5], len(plain[5].frame) - 3, b"\xff\xff\xff"), *plain[6:]],
+            None,
+        ),
+        ("another name, same length", [plain[0], _changed(plain[1], NAME_AT, b"ma"), plain[2]], None),
+        ("a name not ASCII", [plain[0], _changed(plain[1], NAME_AT, b"\xff"), plain[2]], None),
+        ("lengths disagree", [plain[0], _changed(plain[1], PAYLOAD_LEN_AT, struct.pack("<Q", 9)), plain[2]], None),
+        ("truncated", [plain[0], Incoming(plain[1].frame[:30], []), plain[2]], None),
+        ("an error report", [plain[0], Incoming(_frame.error_frame(ValueError("no"), 4000).frame, []), plain[1]], None),
+        ("a name accept refuses", [json_frame, plain[0]], ["json"]),
+        ("accepted, then one refused", [plain[0], plain[1], json_frame], ["pickle"]),
+    ]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in _corpora()])
+def test_decoding_every_rank_at_once_is_decoding_each_alone(case):
+    """Once one plain frame is decoded, the next plain frames of its serializer skip the header's objects
+    (plain_slot.plain_payload): every outcome, a refusal or an error first of all, stays the same."""
+    _, items, accept = next(c for c in _corpora() if c[0] == case)
+    call = Call(CallOptions(accept=accept), registry.guarded("pickle"), None)
+    each = _outcome(lambda: [call.decode(item, r) for r, item in enumerate(items)])
+    assert _outcome(lambda: call.decode_all(items)) == each
+    if case == "plain":
+        assert each[0] == "ok"
+    elif case not in ("serializers in turn", "compressed between", "tensors between", "raw_len that lies"):
+        assert each[0] != "ok", each  # (each case but those fails on some rank)
