@@ -43,19 +43,10 @@ ROUNDS = 30
 
 
 class _Loopback:
-    """A first-round strategy that delivers this rank's own slot (world size 1, no collective)."""
+    """A slot medium whose round 1 moves nothing (world size 1: every pattern has no peer to send to or hear from)."""
 
-    def all_gather(self, wire: Any, slot: Any, op: str) -> List[Any]:
-        return [slot]
-
-    def broadcast(self, wire: Any, slot: Any, src: int, op: str) -> Any:
-        return slot
-
-    def scatter(self, wire: Any, slots: Any, src: int, op: str) -> Any:
-        return slots[0]
-
-    def all_to_all(self, wire: Any, slots: Any, op: str) -> Any:
-        return slots
+    def exchange(self, wire: Any, at: Any, mine: Any, op: str) -> Dict[int, Any]:
+        return {}
 
 
 def _loopback_communicator(serializer: str) -> Any:

@@ -148,15 +148,15 @@ class Call(NamedTuple):
         input, decoded with ``own=True``): the settings read once, not once a rank (W of them on an all_gather), and
         once a plain frame (no tensors, no compression) decoded, each next plain frame of its serializer straight to
         that serializer (:func:`~objcomm._format.plain_slot.plain_payload`: what :func:`_frame.decode` checks of it,
-        without a header built; its name already passed ``accept``)."""
+        without a header built; its name already passed ``accept``) while the registry is unchanged."""
         self.usable()
         accept, device, limit, decode = self.options.accept, self.device, self.options.max_bytes, _frame.decode
         objects: List[Any] = []
-        plain: Optional[Tuple[bytes, str, SerializerProtocol]] = None  # that serializer: its name's bytes, name, self
-        for sender, item in enumerate(incoming):
+        plain: Optional[Tuple[bytes, str, SerializerProtocol, int]] = None  # that serializer: its name's bytes, name,
+        for sender, item in enumerate(incoming):  # itself, and the registry's version when it was looked up
             if item is None:
                 raise CommunicationError(f"no frame arrived from rank {sender}")
-            if plain is not None:
+            if plain is not None and plain[3] == registry.version:
                 payload = plain_payload(item.frame, plain[0])
                 if payload is not None:
                     objects.append(_frame.loads_payload(plain[2], plain[1], payload, sender))
@@ -164,11 +164,7 @@ class Call(NamedTuple):
             objects.append(
                 decode(item, sender=sender, accept=accept, device=device, max_bytes=limit, own=sender == own)
             )
-            if plain is None:
-                read = plain_frame(item.frame)
-                if read is not None:
-                    name = read[1].serializer
-                    plain = (name.encode("ascii"), name, registry.guarded(name))
+            plain = plain if plain is not None and plain[3] == registry.version else _plain_serializer(item.frame)
         return objects
 
     def received(self, sender: int, item: Incoming, is_error: bool) -> Any:
@@ -205,6 +201,20 @@ class Call(NamedTuple):
         if error is not None:
             raise error
         return self.decode(Incoming(out.frame, list(out.tensors)), 0, own=True)
+
+
+def _plain_serializer(frame: memoryview) -> Optional[Tuple[bytes, str, SerializerProtocol, int]]:
+    """Where ``frame``, just decoded, is plain: its serializer's name (bytes, then str), the serializer as the registry
+    gives it now, and the registry's version (see :meth:`Call.decode_all`); else None, as where the name is no longer
+    registered (the serializer's own ``loads`` may change the registry)."""
+    read = plain_frame(frame)
+    if read is None:
+        return None
+    version, name = registry.version, read[1].serializer
+    try:
+        return name.encode("ascii"), name, registry.guarded(name), version
+    except ObjcommError:
+        return None
 
 
 def membership(group: Any, device: Device) -> Tuple[Tuple[int, ...], int, torch.device]:

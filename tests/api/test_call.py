@@ -12,7 +12,7 @@ from objcomm._api.call import Call
 from objcomm._format import frame as _frame
 from objcomm._format.message import Incoming
 from objcomm._settings import CallOptions
-from serializers import registry
+from serializers import Serializer, registry
 
 
 def _item(obj: Any, serializer: str = "pickle", **encoding: Any) -> Incoming:
@@ -79,3 +79,54 @@ def test_decoding_every_rank_at_once_is_decoding_each_alone(case):
         assert each[0] == "ok"
     elif case not in ("serializers in turn", "compressed between", "tensors between", "raw_len that lies"):
         assert each[0] != "ok", each  # (each case but those fails on some rank)
+
+
+class _Swapping(Serializer):
+    """Replaces itself in the registry (``replace=True``) while it decodes its second payload, b"1"."""
+
+    name, safe = "swapping", True
+
+    def dumps(self, obj: Any, /, **_: Any) -> bytes:
+        return repr(obj).encode()
+
+    def loads(self, data: Any, /, **_: Any) -> Any:
+        if bytes(data) == b"1":
+            registry.register(_Swapped(), replace=True)
+        return "before", bytes(data).decode()
+
+
+class _Swapped(_Swapping):
+    def loads(self, data: Any, /, **_: Any) -> Any:
+        return "after", bytes(data).decode()
+
+
+class _Leaving(_Swapping):
+    """Unregisters itself while it decodes."""
+
+    name = "leaving"
+
+    def loads(self, data: Any, /, **_: Any) -> Any:
+        registry.unregister("leaving")
+        return bytes(data).decode()
+
+
+@pytest.mark.parametrize("kind, count", [(_Swapping, 3), (_Leaving, 1), (_Leaving, 2)])
+def test_a_registry_changed_while_a_call_decodes_is_seen_as_decoding_each_alone_sees_it(kind, count):
+    """decode_all keeps the serializer it found for plain frames only while the registry's version is the one it
+    found it in: a serializer replaced or unregistered mid-call (by its own loads here; another thread alike) decodes,
+    or fails, each next frame as decode would."""
+    call = Call(CallOptions(), registry.guarded("pickle"), None)
+    registry.register(kind(), replace=True)
+    try:
+        items = [_item(r, kind.name) for r in range(count)]
+        registry.register(kind(), replace=True)
+        each = _outcome(lambda: [call.decode(item, r) for r, item in enumerate(items)])
+        registry.register(kind(), replace=True)
+        assert _outcome(lambda: call.decode_all(items)) == each
+    finally:
+        if kind.name in registry.available():
+            registry.unregister(kind.name)
+    if kind is _Swapping:
+        assert each == ("ok", [("before", "0"), ("before", "1"), ("after", "2")])
+    else:
+        assert each[0] == ("ok" if count == 1 else "UnknownSerializerError"), each

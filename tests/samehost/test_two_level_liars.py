@@ -22,11 +22,14 @@ from test_many_ranks import ranks_per_host
 import objcomm
 from objcomm import _state
 from objcomm._api.resolving import Hooks
+from objcomm._format import frame as _frame
+from objcomm._format.slot import fill_slot
 from objcomm._samehost import mesh as _mesh
 from objcomm._samehost import two_level as _two_level
 from objcomm._samehost import two_level_moves as _moves
 from objcomm._samehost import two_level_rests as _rests
 from objcomm._samehost.channel_rests import chunks
+from serializers import registry
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -323,3 +326,53 @@ def test_a_relaying_leader_is_held_to_its_own_limit_whatever_the_destination_say
     for leader in (0, 4):
         got, grew = outcomes[leader]
         assert got == "TooLargeError" and grew < 50, (leader, outcomes)
+
+
+def a_forged_slot() -> List[Any]:
+    """Hosts of 4, in a group of their own (3 s timeout): leader 4 forges rank 5's slot (an object that fits it) in
+    the bundle it hands the leaders and its host. An all_gather of small objects, then one with a second round (rank 0
+    sends 10 KB): what each rank got for ranks 5 and 6, or the error's type."""
+    rank = dist.get_rank()
+    seen: List[Any] = []
+    with ranks_per_host(4):
+        sub = dist.new_group(list(range(W)), timeout=timedelta(seconds=3))
+        comm = objcomm.Communicator(sub)
+        comm.all_gather(rank)  # the set-up
+        real = _moves.bundle_of
+
+        def forging(here: Any, items: Any, width: int, op: str) -> bytearray:
+            items = list(items)
+            forged = bytearray(width)
+            fill_slot(
+                memoryview(forged), _frame.encode("forged", registry.guarded("pickle"), max_bytes=1 << 30), 1 << 30
+            )
+            items[1] = forged  # rank 5, the host's second
+            return real(here, items, width, op)
+
+        if rank == LEADER:
+            _moves.bundle_of = forging  # type: ignore[assignment]
+        try:
+            got = comm.all_gather(f"r{rank}")
+            seen.append(got[5:7])
+            try:
+                got = comm.all_gather(b"x" * 10_000 if rank == 0 else f"r{rank}")
+                seen.append(got[5:7])
+            except objcomm.CommunicationError:
+                seen.append("CommunicationError")
+        finally:
+            _moves.bundle_of = real  # type: ignore[assignment]
+            dist.destroy_process_group(sub)
+    return seen
+
+
+def test_a_lying_leader_speaks_for_its_hosts_ranks_to_the_others_never_to_themselves():
+    """A rank's own slot on two levels is the one it sent, never its leader's copy of it: a leader that forges a
+    host rank's object changes what the other ranks receive from that rank (it speaks for it) and nothing that rank
+    returns for itself; where a second round follows, the host's echo finds that rank's reading of its own slot apart
+    from the others' and every rank raises (before, the rank took the forgery for its own object too, and the call
+    returned everywhere)."""
+    outcomes = get_pool(W).run(a_forged_slot, timeout=120)
+    assert outcomes[5][0] == ["r5", "r6"], outcomes
+    for rank in set(range(W)) - {5}:
+        assert outcomes[rank][0] == ["forged", "r6"], (rank, outcomes)
+    assert [o[1] for o in outcomes] == ["CommunicationError"] * W, outcomes
