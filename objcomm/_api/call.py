@@ -148,10 +148,12 @@ class Call(NamedTuple):
         input, decoded with ``own=True``): the settings read once, not once a rank (W of them on an all_gather), and
         once a plain frame (no tensors, no compression) decoded, each next plain frame of its serializer straight to
         that serializer (:func:`~objcomm._format.plain_slot.plain_payload`: what :func:`_frame.decode` checks of it,
-        without a header built; its name already passed ``accept``) while the registry is unchanged."""
+        without a header built; its name already passed ``accept``) while the registry is unchanged, where more than
+        :data:`PLAIN_AHEAD` frames follow (finding the serializer costs about two decodes' framing)."""
         self.usable()
         accept, device, limit, decode = self.options.accept, self.device, self.options.max_bytes, _frame.decode
         objects: List[Any] = []
+        last = len(incoming) - PLAIN_AHEAD  # from here on, no serializer is looked for
         plain: Optional[Tuple[bytes, str, SerializerProtocol, int]] = None  # that serializer: its name's bytes, name,
         for sender, item in enumerate(incoming):  # itself, and the registry's version when it was looked up
             if item is None:
@@ -164,7 +166,8 @@ class Call(NamedTuple):
             objects.append(
                 decode(item, sender=sender, accept=accept, device=device, max_bytes=limit, own=sender == own)
             )
-            plain = plain if plain is not None and plain[3] == registry.version else _plain_serializer(item.frame)
+            if (plain is None or plain[3] != registry.version) and sender < last:
+                plain = _plain_serializer(item.frame)
         return objects
 
     def received(self, sender: int, item: Incoming, is_error: bool) -> Any:
@@ -201,6 +204,9 @@ class Call(NamedTuple):
         if error is not None:
             raise error
         return self.decode(Incoming(out.frame, list(out.tensors)), 0, own=True)
+
+
+PLAIN_AHEAD = 8  # frames: where fewer follow a plain one, Call.decode_all decodes them the usual way
 
 
 def _plain_serializer(frame: memoryview) -> Optional[Tuple[bytes, str, SerializerProtocol, int]]:

@@ -21,7 +21,7 @@ from objcomm._transport.base import INTERNAL_TAG, NOT_USED, TreeLevels, Wire, gu
 from objcomm._transport.bytes import Deadline, at_pieces, broadcast_bytes, host_view, receive_buffer, to_device, zeroed
 from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.exchange import chunked, posted
-from objcomm._transport.patterns import binomial, pattern, spread
+from objcomm._transport.patterns import binomial, spread
 from objcomm._transport.rounds import (
     REFUSE_LIMIT,
     SlotMemory,
@@ -31,6 +31,7 @@ from objcomm._transport.rounds import (
     _vote_refusals,
     long_report,
     refused_alike,
+    slots_through_medium,
 )
 
 
@@ -64,7 +65,7 @@ def broadcast(
         assert src == 0, "the reduce tree ends on group rank 0"
         return down_tree(wire, out, sizes_of, levels)
     raw = (_slot(wire, out) if out is not None else bytearray(wire.slot)) if wire.rank == src else None
-    came = wire.slot_medium.exchange(wire, pattern(op, me=wire.rank, world=wire.size, root=src), raw, op)
+    came = slots_through_medium(wire, op, raw, op, src)
     got = came if came is NOT_USED else raw if raw is not None else came[src]
     if got is NOT_USED and tree:
         assert src == 0, "the reduce tree ends on group rank 0"

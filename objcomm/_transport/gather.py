@@ -23,8 +23,8 @@ from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes, read_slo
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Slot, Wire, guarded
 from objcomm._transport.bytes import Batch, host_view, joined, receive_buffer, to_device
 from objcomm._transport.call_clock import one_call, round_one_done
-from objcomm._transport.patterns import in_rank_order, pattern
-from objcomm._transport.rounds import _on_device, _rest, _round_one, _slot, _split_rest
+from objcomm._transport.patterns import in_rank_order
+from objcomm._transport.rounds import _on_device, _rest, _round_one, _slot, _split_rest, slots_through_medium
 from objcomm._transport.slot_tree import WORD, gather_up_tree, word_down_tree
 
 
@@ -45,7 +45,7 @@ def gather(
     """
     op = "gather"
     raw = _slot(wire, out)
-    got = wire.slot_medium.exchange(wire, pattern("all_gather", me=wire.rank, world=wire.size), raw, op)
+    got = slots_through_medium(wire, "all_gather", raw, op)
     checked: Optional[Checked] = None  # what the destination's word found of the slots (where it said go)
     if got is not NOT_USED:
         infos = [read_slot(memoryview(s)) for s in in_rank_order(got, raw, wire.rank, wire.size)]

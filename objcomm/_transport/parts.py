@@ -26,8 +26,16 @@ from objcomm._transport.bytes import (
     to_device,
 )
 from objcomm._transport.call_clock import one_call, round_one_done
-from objcomm._transport.patterns import in_rank_order, pattern
-from objcomm._transport.rounds import REFUSE_LIMIT, REFUSE_MALFORMED, _on_device, _rest, _round_one, _vote_refusals
+from objcomm._transport.patterns import in_rank_order
+from objcomm._transport.rounds import (
+    REFUSE_LIMIT,
+    REFUSE_MALFORMED,
+    _on_device,
+    _rest,
+    _round_one,
+    _vote_refusals,
+    slots_through_medium,
+)
 
 
 # -- scatter ---------------------------------------------------------------------------------
@@ -40,7 +48,7 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         assert outs is not None
         table = _slot_table(wire, outs)
     parts = None if table is None else _per_rank(wire, table)
-    came = wire.slot_medium.exchange(wire, pattern(op, me=wire.rank, world=wire.size, root=src), parts, op)
+    came = slots_through_medium(wire, op, parts, op, src)
     got = came if came is NOT_USED else parts[src] if parts is not None else came[src]
     if got is NOT_USED:
         recv, host = receive_buffer(wire.slot, wire)
@@ -98,7 +106,7 @@ def all_to_all(wire: Wire, outs: Sequence[Outgoing], sizes_of: SizesOf) -> Seque
     op = "all_to_all"
     table = _slot_table(wire, outs)
     parts = _per_rank(wire, table)
-    got = wire.slot_medium.exchange(wire, pattern(op, me=wire.rank, world=wire.size), parts, op)
+    got = slots_through_medium(wire, op, parts, op)
     if got is not NOT_USED:
         infos = [read_slot(memoryview(s)) for s in in_rank_order(got, parts[wire.rank], wire.rank, wire.size)]
     else:

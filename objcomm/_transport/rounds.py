@@ -32,7 +32,7 @@ The steps every operation shares, and all_gather; send/recv: :mod:`.p2p`, gather
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from objcomm._format.frame import error_frame, parse_header, read_error
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, fill_slot, read_slot, read_slots
 from objcomm._transport import routes
-from objcomm._transport.base import NOT_USED, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.base import BACKEND, NOT_USED, Mine, NotUsed, Slot, Wire, all_gather_single, guarded, largest_of
 from objcomm._transport.bytes import at_pieces, host_view, receive_buffer, zeroed
 from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.exchange import LaidRests, all_gather_rests
@@ -320,13 +320,24 @@ def _round_one(infos: List[SlotInfo]) -> Sequence[Optional[Incoming]]:
     return [Incoming(i.inline, error=i.error) if i.inline is not None else None for i in infos]
 
 
+def slots_through_medium(
+    wire: Wire, kind: str, mine: Mine, op: str, root: Optional[int] = None
+) -> Union[Dict[int, Slot], NotUsed]:
+    """Round 1 of ``op`` through the wire's slot medium: :meth:`~objcomm._transport.base.SlotMedium.exchange` over the
+    pattern of ``kind`` (a gather's on one host: an all_gather's), or :data:`NOT_USED` where the medium is the backend
+    (its answer, known without a pattern)."""
+    if wire.slot_medium is BACKEND:
+        return NOT_USED
+    return wire.slot_medium.exchange(wire, pattern(kind, me=wire.rank, world=wire.size, root=root), mine, op)
+
+
 def _exchange_slots(
     wire: Wire, out: Outgoing, op: str, summed: bool = False, memory: Optional[SlotMemory] = None
 ) -> Tuple[Wire, List[SlotInfo], Optional[SlotMemory]]:
     """Round 1 of an all_gather: the wire the call goes on with (its slot ``memory``'s, where that applies), every
     rank's slot, and the memory this call teaches (None where its slots did not go through the backend)."""
     raw = _slot(wire, out)
-    got = wire.slot_medium.exchange(wire, pattern("all_gather", me=wire.rank, world=wire.size), raw, op)
+    got = slots_through_medium(wire, "all_gather", raw, op)
     if got is not NOT_USED:
         return wire, [read_slot(memoryview(s)) for s in in_rank_order(got, raw, wire.rank, wire.size)], None
     if memory is not None:  # the slot the last two all_gathers suggested (a summed table's: never wider)
