@@ -8,9 +8,11 @@ from typing import Any, Callable, List, Optional, Tuple
 import pytest
 import torch
 
-from objcomm._api.call import Call
+from objcomm._api import call as call_module
+from objcomm._api.call import PLAIN_AHEAD, Call
 from objcomm._format import frame as _frame
 from objcomm._format.message import Incoming
+from objcomm._format.plain_slot import plain_payload
 from objcomm._settings import CallOptions
 from serializers import Serializer, registry
 
@@ -43,18 +45,24 @@ PAYLOAD_LEN_AT, RAW_LEN_AT = 16, 24  # the header's payload_len and raw_len (doc
 
 
 def _corpora() -> List[Tuple[str, List[Incoming], Optional[List[str]]]]:
+    """Each case's frames, then enough plain ones that the first plain frame takes the fast path for what follows."""
     plain = _plain(40)
     json_frame = _item({"rank": "j"}, "json")
     lying_raw = _changed(plain[3], RAW_LEN_AT, struct.pack("<Q", 1))  # no compression: raw_len is not read
+    tail = plain[20 : 21 + PLAIN_AHEAD]
+    return [(name, [*items, *tail], accept) for name, items, accept in _cases(plain, json_frame, lying_raw)]
+
+
+def _cases(plain: List[Incoming], json_frame: Incoming, lying_raw: Incoming) -> List[Any]:
     return [
-        ("plain", plain, None),
+        ("plain", plain[:20], None),
         ("serializers in turn", [plain[0], json_frame, plain[1], _item([1, 2], "msgpack"), plain[2]], None),
         ("compressed between", [plain[0], _item(b"z" * 5000, compression="zstd"), plain[1]], None),
         ("tensors between", [plain[0], _item(torch.arange(5), inline_tensor_bytes=0), plain[1]], None),
         ("raw_len that lies", [plain[0], lying_raw, plain[4]], None),
         (
             "payload spoilt",
-            [*plain[:5], _changed(plain[5], len(plain[5].frame) - 3, b"\xff\xff\xff"), *plain[6:]],
+            [*plain[:5], _changed(plain[5], len(plain[5].frame) - 3, b"\xff\xff\xff"), *plain[6:20]],
             None,
         ),
         ("another name, same length", [plain[0], _changed(plain[1], NAME_AT, b"ma"), plain[2]], None),
@@ -68,13 +76,16 @@ def _corpora() -> List[Tuple[str, List[Incoming], Optional[List[str]]]]:
 
 
 @pytest.mark.parametrize("case", [c[0] for c in _corpora()])
-def test_decoding_every_rank_at_once_is_decoding_each_alone(case):
+def test_decoding_every_rank_at_once_is_decoding_each_alone(case, monkeypatch):
     """Once one plain frame is decoded, the next plain frames of its serializer skip the header's objects
     (plain_slot.plain_payload): every outcome, a refusal or an error first of all, stays the same."""
     _, items, accept = next(c for c in _corpora() if c[0] == case)
     call = Call(CallOptions(accept=accept), registry.guarded("pickle"), None)
     each = _outcome(lambda: [call.decode(item, r) for r, item in enumerate(items)])
+    asked: List[int] = []
+    monkeypatch.setattr(call_module, "plain_payload", lambda *a: asked.append(1) or plain_payload(*a))
     assert _outcome(lambda: call.decode_all(items)) == each
+    assert asked, "the fast path was not taken"  # (every case opens with a plain frame and more than 8 follow)
     if case == "plain":
         assert each[0] == "ok"
     elif case not in ("serializers in turn", "compressed between", "tensors between", "raw_len that lies"):
@@ -110,7 +121,7 @@ class _Leaving(_Swapping):
         return bytes(data).decode()
 
 
-@pytest.mark.parametrize("kind, count", [(_Swapping, 3), (_Leaving, 1), (_Leaving, 2)])
+@pytest.mark.parametrize("kind, count", [(_Swapping, 3 + PLAIN_AHEAD), (_Leaving, 1), (_Leaving, 2 + PLAIN_AHEAD)])
 def test_a_registry_changed_while_a_call_decodes_is_seen_as_decoding_each_alone_sees_it(kind, count):
     """decode_all keeps the serializer it found for plain frames only while the registry's version is the one it
     found it in: a serializer replaced or unregistered mid-call (by its own loads here; another thread alike) decodes,
@@ -127,6 +138,6 @@ def test_a_registry_changed_while_a_call_decodes_is_seen_as_decoding_each_alone_
         if kind.name in registry.available():
             registry.unregister(kind.name)
     if kind is _Swapping:
-        assert each == ("ok", [("before", "0"), ("before", "1"), ("after", "2")])
+        assert each == ("ok", [("before", "0"), ("before", "1"), *(("after", str(r)) for r in range(2, count))])
     else:
         assert each[0] == ("ok" if count == 1 else "UnknownSerializerError"), each
