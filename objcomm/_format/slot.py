@@ -1,6 +1,6 @@
 """The round-1 slot: a fixed-size record per rank that says what its sender sends.
 
-A leaf module (it imports only :mod:`objcomm._format.message`); the byte layout is on one page,
+A leaf module (it imports only :mod:`objcomm._format.message`, and numpy); the byte layout is on one page,
 ``docs/wire-format.md`` section 5. A slot starts with a 24-byte :data:`PREFIX`: the frame length
 (with flag bits on top), the sender's ``max_bytes`` and the total bytes the sender moves (frame plus
 out-of-band tensors). The frame follows when it fits (*inline*), then, where they fit, the tensor
