@@ -95,7 +95,11 @@ def fill_slot(slot: memoryview, out: Outgoing, limit: int, round2: bool = False,
 
 def read_slot(view: memoryview) -> SlotInfo:
     """What the slot in ``view`` says; sizes that do not fit the slot read as unlisted."""
-    word, limit, total = PREFIX.unpack_from(view, 0)
+    return _slot_info(view, *PREFIX.unpack_from(view, 0))
+
+
+def _slot_info(view: memoryview, word: int, limit: int, total: int) -> SlotInfo:
+    """:func:`read_slot` of the slot in ``view`` whose prefix says ``word``, ``limit`` and ``total``."""
     length = word & LENGTH_MASK
     inline = view[PREFIX.size : PREFIX.size + length] if length <= view.nbytes - PREFIX.size else None
     at = PREFIX.size + (length if inline is not None else 0)
@@ -112,22 +116,12 @@ def read_slot(view: memoryview) -> SlotInfo:
 
 def read_slots(host: memoryview, count: int, slot: int) -> List[SlotInfo]:
     """The ``count`` slots of ``slot`` bytes each laid end to end in ``host``, each read as :func:`read_slot` reads
-    it; from :data:`PREFIXES_AT_ONCE` slots their prefixes are unpacked at once, and a slot whose frame is inline
-    with nothing listed after it (a call's small objects) needs no more."""
+    it; from :data:`PREFIXES_AT_ONCE` slots their prefixes are unpacked at once (numpy)."""
     if count < PREFIXES_AT_ONCE:
         return [read_slot(host[r * slot : (r + 1) * slot]) for r in range(count)]
     rows = numpy.frombuffer(host, _prefixes(slot), count)
-    words, limits, totals = rows["word"].tolist(), rows["limit"].tolist(), rows["total"].tolist()
-    capacity, infos = slot - PREFIX.size, []
-    for r, word in enumerate(words):
-        length, at = word & LENGTH_MASK, r * slot + PREFIX.size
-        if length > capacity or word & LISTED_BIT:  # tensor sizes may follow: read_slot reads them
-            infos.append(read_slot(host[at - PREFIX.size : at - PREFIX.size + slot]))
-            continue
-        piece = 1 << (((word >> PIECE_SHIFT) & PIECE_MASK) ^ DEFAULT_PIECE_LOG2)
-        info = (length, bool(word & ERROR_BIT), bool(word & ROUND2_BIT), limits[r], totals[r], host[at : at + length])
-        infos.append(_new(SlotInfo, (*info, None, piece)))
-    return infos
+    prefixes = zip(range(0, count * slot, slot), rows["word"].tolist(), rows["limit"].tolist(), rows["total"].tolist())
+    return [_slot_info(host[at : at + slot], word, limit, total) for at, word, limit, total in prefixes]
 
 
 PREFIXES_AT_ONCE = 32  # slots: below this, one read_slot each costs less than numpy's set-up
