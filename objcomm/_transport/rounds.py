@@ -43,7 +43,7 @@ from objcomm._format.frame import error_frame, parse_header, read_error
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, fill_slot, read_slot, read_slots
 from objcomm._transport import routes
-from objcomm._transport.base import BACKEND, NOT_USED, Mine, NotUsed, Slot, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.base import NOT_USED, Mine, NotUsed, Slot, Wire, all_gather_single, guarded, largest_of
 from objcomm._transport.bytes import at_pieces, host_view, receive_buffer, zeroed
 from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.exchange import LaidRests, all_gather_rests
@@ -324,10 +324,7 @@ def slots_through_medium(
     wire: Wire, kind: str, mine: Mine, op: str, root: Optional[int] = None
 ) -> Union[Dict[int, Slot], NotUsed]:
     """Round 1 of ``op`` through the wire's slot medium: :meth:`~objcomm._transport.base.SlotMedium.exchange` over the
-    pattern of ``kind`` (a gather's on one host: an all_gather's), or :data:`NOT_USED` where the medium is the backend
-    (its answer, known without a pattern)."""
-    if wire.slot_medium is BACKEND:
-        return NOT_USED
+    pattern of ``kind`` (a gather's on one host: an all_gather's; each kept once made), or :data:`NOT_USED`."""
     return wire.slot_medium.exchange(wire, pattern(kind, me=wire.rank, world=wire.size, root=root), mine, op)
 
 
