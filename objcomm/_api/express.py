@@ -178,7 +178,7 @@ class Express:
         slot, serialized = self._slot(obj)
         if slot is None:
             return False, serialized
-        slots = _unless_rejoining(channel, lambda: channel.all_gather(slot, self.spin))
+        slots = _unless_rejoining(channel, channel.all_gather, slot, self.spin)
         if slots is REJOIN:
             return False, serialized
         size = self.slot
@@ -188,14 +188,15 @@ class Express:
                 _channel_checks._checked(self.wire(group(), 0), channel, slots, "all_gather")
         decoders = self.decoders if self.version == registry.version else None
         if decoders:  # every slot a plain frame of a serializer this rank holds: decoded as they are
-            named = [_plain_slot.plain_named(got) for got in slots]
-            found = [None if n is None else decoders.get(n[0]) for n in named]
-            if None not in found:
-                return True, [
-                    _frame.loads_payload(d, d.name, n[1], r)
-                    for r, (d, n) in enumerate(zip(found, named))
-                    if d is not None and n is not None
-                ]  # none is None: the filter only narrows the types
+            payloads = []  # (serializer, payload) of each, found before any is decoded (a loop: no frames)
+            for got in slots:
+                named = _plain_slot.plain_named(got)
+                decoder = None if named is None else decoders.get(named[0])
+                if decoder is None or named is None:
+                    break
+                payloads.append((decoder, named[1]))
+            else:
+                return True, [_frame.loads_payload(d, d.name, p, r) for r, (d, p) in enumerate(payloads)]
         plains = [_plain_slot.plain_in_slot(got) for got in slots]
         if None not in plains:
             return True, [self._decode(plain, r) for r, plain in enumerate(plains)]
@@ -218,10 +219,10 @@ class Express:
             slot, serialized = self._slot(obj)
             if slot is None:
                 return False, serialized
-            if _unless_rejoining(channel, lambda: channel.broadcast(slot, root, self.spin)) is REJOIN:
+            if _unless_rejoining(channel, channel.broadcast, slot, root, self.spin) is REJOIN:
                 return False, serialized
             return True, self._plain(slot, root)
-        got = _unless_rejoining(channel, lambda: channel.broadcast(None, root, self.spin))
+        got = _unless_rejoining(channel, channel.broadcast, None, root, self.spin)
         if got is REJOIN:
             return False, None
         if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
@@ -241,9 +242,10 @@ class Express:
         """The object in ``slot`` from group rank ``sender`` if it holds a plain frame, else :data:`NOT_TAKEN`."""
         if self.decoders and self.version == registry.version:
             named = _plain_slot.plain_named(slot)
-            decoder = None if named is None else self.decoders.get(named[0])
-            if decoder is not None:  # a serializer this rank holds: decoded with it, as decode_parsed would find it
-                return _frame.loads_payload(decoder, decoder.name, cast(Any, named)[1], sender)
+            if named is not None:
+                decoder = self.decoders.get(named[0])
+                if decoder is not None:  # a serializer this rank holds: decoded with it, as decode_parsed finds it
+                    return _frame.loads_payload(decoder, decoder.name, named[1], sender)
         plain = _plain_slot.plain_in_slot(slot)
         return NOT_TAKEN if plain is None else self._decode(plain, sender)
 
@@ -322,14 +324,14 @@ def _whole_frames(wire: Wire, cpu: bool) -> int:
 REJOIN = object()  # what _unless_rejoining returns where the general path must open a new channel
 
 
-def _unless_rejoining(channel: Any, move: Callable[[], Any]) -> Any:
-    """``move()``, a collective on ``channel``; :data:`REJOIN` where it failed because a peer had failed the channel
-    before this call (the general path then opens a new one at this call, as that peer does:
+def _unless_rejoining(channel: Any, move: Callable[..., Any], *args: Any) -> Any:
+    """``move(*args)``, a collective on ``channel``; :data:`REJOIN` where it failed because a peer had failed the
+    channel before this call (the general path then opens a new one at this call, as that peer does:
     :meth:`objcomm._samehost.mesh.Mesh.rejoins_after`), nothing having been taken."""
     channel.rounds += 1  # a call's first round, as ChannelSlots counts them
     start = channel.sequence
     try:
-        return move()
+        return move(*args)
     except CommunicationError:
         if channel.rejoins_after(start):
             return REJOIN

@@ -59,7 +59,7 @@ class Inbox(Stash):
         lock = self._lock
         lock.acquire()  # self.cond, without its __enter__ and __exit__ (Python functions): a small call pays for them
         try:
-            if not self._waiting and self.closed is None and not self.bounced:  # none waits: the lean paths
+            if not self._waiting and self.closed is None and not self._bounced:  # none waits: the lean paths
                 if len(sources) == 1:
                     if not cut or deadline - now > self.timeout / 2:
                         fast = self._alone(sources[0], key, kind, op, spin_until)

@@ -68,15 +68,17 @@ def until(start: float, timeout: float, shared: bool = True) -> float:
     """When a wait begun at ``start`` (``time.monotonic()``) with ``timeout`` must end: ``start + timeout``, or this
     call's end (:func:`ends`) where that is sooner and the wait is ``shared`` (a collective's; a send/recv's on the
     channel keeps its own timeout)."""
-    end = ends(timeout) if shared else None
-    return start + timeout if end is None else min(start + timeout, end)
+    started = _STARTED.get() if shared else None  # (not ends(): every wait on the channel asks, a small call too)
+    return start + timeout if started is None else min(start + timeout, _end(started, timeout))
 
 
 def ends(timeout: float) -> Optional[float]:
     """When this call's steps must be done (``time.monotonic()``): ``timeout`` after its round 1; before its round 1
     is done, twice ``timeout`` after it began; None outside a call."""
     started = _STARTED.get()
-    if started is None:
-        return None
+    return None if started is None else _end(started, timeout)
+
+
+def _end(started: List[Optional[float]], timeout: float) -> float:
     done, began = started
     return done + timeout if done is not None else (began or 0.0) + 2 * timeout
