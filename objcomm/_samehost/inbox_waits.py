@@ -54,14 +54,13 @@ class Inbox(Stash):
         # their own: a wait that ran out leaves the channel open); the lean path of one source blocks for a whole
         # timeout, so it is taken only while more than half of the call's is left
         deadline = call_clock.until(now, self.timeout, shared=key[0])
-        cut = deadline < now + self.timeout
         spin_until = time.perf_counter() + spin if spin > 0 else 0.0
         lock = self._lock
         lock.acquire()  # self.cond, without its __enter__ and __exit__ (Python functions): a small call pays for them
         try:
             if not self._waiting and self.closed is None and not self._bounced:  # none waits: the lean paths
                 if len(sources) == 1:
-                    if not cut or deadline - now > self.timeout / 2:
+                    if deadline - now > self.timeout / 2:  # (a timeout of its own: all of it)
                         fast = self._alone(sources[0], key, kind, op, spin_until)
                         if fast is not None:
                             return fast
@@ -69,8 +68,10 @@ class Inbox(Stash):
                     got, ready, pending = self._together(sources, key, kind, op, deadline, spin_until)
                     if not pending:
                         return got, ready
-                    return self._take(pending, key, kind, op, first, deadline, got, ready, cut)
-            return self._take(sources, key, kind, op, first, deadline, cut=cut)
+                    return self._take(
+                        pending, key, kind, op, first, deadline, got, ready, deadline < now + self.timeout
+                    )
+            return self._take(sources, key, kind, op, first, deadline, cut=deadline < now + self.timeout)
         finally:
             lock.release()
 
