@@ -178,9 +178,14 @@ class Express:
         slot, serialized = self._slot(obj)
         if slot is None:
             return False, serialized
-        slots = _unless_rejoining(channel, channel.all_gather, slot, self.spin)
-        if slots is REJOIN:
-            return False, serialized
+        channel.rounds += 1  # a call's first round, as ChannelSlots counts them
+        start = channel.sequence
+        try:
+            slots = channel.all_gather(slot, self.spin)
+        except CommunicationError:
+            if channel.rejoins_after(start):  # see REJOINING
+                return False, serialized
+            raise
         size = self.slot
         for got in slots:
             if len(got) != size and not _channel_checks.trimmed(got, size):
@@ -215,16 +220,21 @@ class Express:
         channel = self.state.channel
         if root is None or channel is None or channel.closed or not self.state.agreed:
             return False, None
+        slot = serialized = None
         if root == self.rank:
             slot, serialized = self._slot(obj)
             if slot is None:
                 return False, serialized
-            if _unless_rejoining(channel, channel.broadcast, slot, root, self.spin) is REJOIN:
+        channel.rounds += 1  # as all_gather
+        start = channel.sequence
+        try:
+            got = channel.broadcast(slot, root, self.spin)
+        except CommunicationError:
+            if channel.rejoins_after(start):
                 return False, serialized
-            return True, self._plain(slot, root)
-        got = _unless_rejoining(channel, channel.broadcast, None, root, self.spin)
-        if got is REJOIN:
-            return False, None
+            raise
+        if root == self.rank:
+            return True, self._plain(got, root)
         if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
             # raises, as the general path does
             _channel_checks._checked(self.wire(group(), 0), channel, [got], "broadcast")
@@ -321,21 +331,9 @@ def _whole_frames(wire: Wire, cpu: bool) -> int:
     return 0 if routes.agreement_needed(sizes_listed=True, largest_piece=room, medium_may_take=medium) else room
 
 
-REJOIN = object()  # what _unless_rejoining returns where the general path must open a new channel
-
-
-def _unless_rejoining(channel: Any, move: Callable[..., Any], *args: Any) -> Any:
-    """``move(*args)``, a collective on ``channel``; :data:`REJOIN` where it failed because a peer had failed the
-    channel before this call (the general path then opens a new one at this call, as that peer does:
-    :meth:`objcomm._samehost.mesh.Mesh.rejoins_after`), nothing having been taken."""
-    channel.rounds += 1  # a call's first round, as ChannelSlots counts them
-    start = channel.sequence
-    try:
-        return move(*args)
-    except CommunicationError:
-        if channel.rejoins_after(start):
-            return REJOIN
-        raise
+# REJOINING: a call's round 1 on the channel that failed because a peer had failed the channel before this call
+# (:meth:`objcomm._samehost.mesh.Mesh.rejoins_after`) is the general path's, nothing having been taken: it opens a new
+# channel at this call, as that peer does. (Spelled out where it happens, not in a helper: a small call's step.)
 
 
 def _decoders(serializer: SerializerProtocol, accept: Any) -> Dict[bytes, SerializerProtocol]:
