@@ -1,14 +1,16 @@
-"""A small object's broadcast and all_gather through the same-host channel at W=2: Python steps and time per call.
+"""A small object's broadcast and all_gather at W=2: Python steps and time per call, on one tree or several.
 
 Small calls are where objcomm's own Python shows: a metrics dict moves in ~20 µs, and every layer a call passes adds
 to it. Time per call on a shared machine drifts by more than a layer costs, so this counts what does not drift too:
 the Python bytecodes each rank executes per call, and the Python functions it enters (``sys.settrace`` opcode events;
-the waits' polling loop left out, which spins as long as the peer takes). Each rank runs pinned to its own CPU where
-there are two, on gloo over 127.0.0.1, the defaults (the express path). Given several source trees (a checkout of an
+the waits' polling loop left out, which spins as long as the peer takes). On gloo over 127.0.0.1, the defaults (the
+express path; each rank pinned to its own CPU where there are two) or ``--backend`` (``local=False``: the general
+path, round 1 through gloo, whose threads need the CPUs free). Given several source trees (a checkout of an
 older commit, say), each runs its own ``objcomm`` in turn, ``--runs`` times, timings as the best sample of each run::
 
     python benchmarks/bench_small_steps.py                        # this tree
     python benchmarks/bench_small_steps.py --trees /tmp/old .     # two trees, alternately
+    python benchmarks/bench_small_steps.py --backend              # local=False: the general path, round 1 through gloo
 
 The steps are the same from run to run; a tree that takes more of them per call is slower by about 10-20 ns each on
 this machine, plus ~0.1 µs a function entered.
@@ -39,7 +41,7 @@ def _rank_main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     import objcomm
 
-    comm = objcomm.Communicator()
+    comm = objcomm.Communicator(local=os.environ.get("STEPS_LOCAL") != "0")
     mine = SMALL if rank == 0 else None
     calls = {"broadcast": lambda: comm.broadcast(mine, src=0), "all_gather": lambda: comm.all_gather(SMALL)}
     found: Dict[str, Any] = {"objcomm": os.path.dirname(os.path.dirname(objcomm.__file__))}
@@ -95,15 +97,20 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _run(tree: str) -> List[Dict[str, Any]]:
-    """Both ranks of one run on ``tree``'s objcomm; each rank's counts."""
+def _run(tree: str, local: bool) -> List[Dict[str, Any]]:
+    """Both ranks of one run on ``tree``'s objcomm (``local``: the calls' setting); each rank's counts."""
     port, pin = _free_port(), (os.cpu_count() or 1) >= 2
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "PYTHONPATH": os.path.abspath(tree), "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.path.abspath(tree),
+            "STEPS_LOCAL": str(int(local)),
+            "OMP_NUM_THREADS": "1",
+        }
         env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         command = [sys.executable, os.path.abspath(__file__), "--rank"]
-        procs.append(subprocess.Popen(["taskset", "-c", str(rank), *command] if pin else command, env=env,
+        procs.append(subprocess.Popen(["taskset", "-c", str(rank), *command] if pin and local else command, env=env,
                                       stdout=subprocess.PIPE, text=True))  # fmt: skip
     try:
         out, _ = procs[0].communicate(timeout=300)
@@ -121,11 +128,12 @@ def main(argv: List[str]) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--trees", nargs="+", default=["."], help="source trees, each with its own objcomm")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--backend", action="store_true", help="local=False: round 1 through gloo (ranks not pinned)")
     args = parser.parse_args(argv)
     runs: Dict[str, List[List[Dict[str, Any]]]] = {tree: [] for tree in args.trees}
     for _ in range(args.runs):
         for tree in args.trees:
-            runs[tree].append(_run(tree))
+            runs[tree].append(_run(tree, local=not args.backend))
     print("| tree | op | rank | Python steps a call | functions entered | µs a call, best of each run |")
     print("|---|---|---:|---:|---:|---|")
     for tree, found in runs.items():
