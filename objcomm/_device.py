@@ -78,6 +78,19 @@ def group_backend(group: Any) -> str:
     return backend
 
 
+_CPU = torch.device("cpu")
+
+
+def is_cpu(device: torch.device) -> bool:
+    """Whether ``device`` is the CPU: ``device.type == "cpu"``, where that comparison is the slow half (torch builds
+    the type's string each time, ~0.4 µs; equality with a CPU device ~0.02 µs), asked several times a call.
+
+    >>> is_cpu(torch.device("cpu")), is_cpu(torch.device("cpu", 0)), is_cpu(torch.device("cuda", 1))
+    (True, True, False)
+    """
+    return device == _CPU or device.type == "cpu"
+
+
 def resolve_device(
     backend: str, group: object = None, device: Optional[Union[str, torch.device]] = None
 ) -> torch.device:

@@ -80,3 +80,10 @@ def test_docstring_examples():
     failed, attempted = doctest.testmod(_device, verbose=False)
     assert attempted >= 3 and failed == 0
     assert objcomm.device_for_backend is _device.device_for_backend
+
+
+@pytest.mark.parametrize(
+    "device, cpu", [("cpu", True), ("cpu:0", True), ("cuda", False), ("cuda:1", False), ("meta", False)]
+)
+def test_is_cpu_says_what_the_devices_type_says(device, cpu):
+    assert _device.is_cpu(torch.device(device)) is cpu is (torch.device(device).type == "cpu")

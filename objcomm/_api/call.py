@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from objcomm import _state
-from objcomm._device import group_backend, resolve_device
+from objcomm._device import group_backend, is_cpu, resolve_device
 from objcomm._errors import NO_RESULT, CommunicationError, Failure, FrameError, ObjcommError, remote_error
 from objcomm._format import frame as _frame
 from objcomm._format.limits import too_large
@@ -309,7 +309,7 @@ def check_tag(tag: Any, op: str) -> None:
 def tagged(wire: Wire, tag: Any, op: str) -> Wire:
     """``wire`` for messages with ``tag``; NCCL has no tags, so only tag 0 goes there."""
     check_tag(tag, op)
-    if tag and wire.device.type != "cpu":
+    if tag and not is_cpu(wire.device):
         raise ValueError(
             f"{op}(tag={tag}): this group moves bytes on {wire.device} (NCCL), which ignores tags and would mix "
             "messages; use tag=0 there, or a gloo group (e.g. dist.new_group(backend='gloo')) for tagged messages"

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, Optional, cast
 
 from objcomm import _state
 from objcomm._api.call import MAX_TAG, Call, only
+from objcomm._device import is_cpu
 from objcomm._errors import CommunicationError, UnknownSerializerError
 from objcomm._format import frame as _frame
 from objcomm._format import plain_slot as _plain_slot
@@ -95,7 +96,7 @@ class Express:
         self.peers = {g: r for g, r in self.index.items() if r != wire.rank}  # the same, less this rank
         self.name = call.serializer.name.encode("ascii")  # "auto" never names a frame: the one it chose does
         self.slot, self.limit, self.spin = wire.slot, wire.max_bytes, strategy.spin
-        self.cpu = wire.device.type == "cpu"  # tags and recv(src=None) need a backend with tags (gloo)
+        self.cpu = is_cpu(wire.device)  # tags and recv(src=None) need a backend with tags (gloo)
         self.whole_bytes = options.inline_tensor_bytes  # bytes past this travel out of band
         self.whole_frames = _whole_frames(wire, self.cpu)  # frames past the slot up to this go with it, in one message
         self.accept, self.device = options.accept, call.device

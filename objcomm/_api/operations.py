@@ -16,6 +16,7 @@ from objcomm._api.express import Express
 from objcomm._api.handles import Request, completed
 from objcomm._api.own_box import NOTHING
 from objcomm._api.resolving import Resolving
+from objcomm._device import is_cpu
 from objcomm._errors import NO_RESULT, CommunicationError, ObjcommError, TooLargeError, with_original_type
 from objcomm._format import frame as _frame
 from objcomm._format import limits as _limits
@@ -158,7 +159,7 @@ class Operations(Resolving):
         # group rank 0 combined it; off the same-host channel on NCCL (and on gloo's two levels from 64 leaders), it
         # goes back down the reduce tree
         leaders = 0 if levels is None else len(levels.leaders)
-        tree = routes.result_down_tree(cpu=wire.device.type == "cpu", forced=self._hooks.down_tree, leaders=leaders)
+        tree = routes.result_down_tree(cpu=is_cpu(wire.device), forced=self._hooks.down_tree, leaders=leaders)
         # else, where it takes the backend's broadcast, in the slot the group's last two all_reduce results suggest
         # (their own memory: a loop's results of about one size take one broadcast, where they took two)
         memory = _slot_memory(wire, "all_reduce", routes.LEARNED_BROADCAST_MOST)
@@ -197,7 +198,7 @@ class Operations(Resolving):
     def _summed(self, wire: Wire) -> bool:
         """Whether an all_gather's slots go in one all_reduce of the table where they take the backend
         (:func:`routes.slots_summed`)."""
-        return routes.slots_summed(world=wire.size, cpu=wire.device.type == "cpu", forced=self._hooks.summed)
+        return routes.slots_summed(world=wire.size, cpu=is_cpu(wire.device), forced=self._hooks.summed)
 
     def _up_tree(self, wire: Wire) -> Tuple[int, bool]:
         """The radix of the tree a gather's slots go up where they take the backend (0: none;
@@ -207,7 +208,7 @@ class Operations(Resolving):
         if not routes.slots_up_tree(world=wire.size, forced=forced):
             return 0, False
         radix = self._hooks.tree_radix or routes.SLOT_TREE_RADIX
-        return radix, routes.word_down_tree(cpu=wire.device.type == "cpu", forced=forced)
+        return radix, routes.word_down_tree(cpu=is_cpu(wire.device), forced=forced)
 
     # -- point to point ------------------------------------------------------------------------
     def _send_call(self, call: Call, obj: Any, dst: int, tag: int, serialized: Any, express: Optional[Express]) -> None:
@@ -232,7 +233,7 @@ class Operations(Resolving):
     def _recv_call(self, call: Call, src: Optional[int], tag: int, return_sender: bool) -> Any:
         wire, peer = self._source(call.usable(), src, tag, "recv")  # (a receive that raises takes nothing)
         if wire is not None:
-            if peer is None and wire.device.type != "cpu":
+            if peer is None and not is_cpu(wire.device):
                 raise ValueError(
                     f"recv(src=None) needs a backend that can receive from any rank (gloo); this group moves bytes on "
                     f"{wire.device} — pass the sender's rank as src"

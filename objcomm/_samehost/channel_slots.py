@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union, cast
 
 from objcomm import _state
-from objcomm._device import timeout_seconds
+from objcomm._device import is_cpu, timeout_seconds
 from objcomm._errors import CommunicationError
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
@@ -123,7 +123,7 @@ class ChannelRoute:
     def recv(self, wire: Wire, src: Optional[int], op: str) -> Tuple[int, Slot, int]:
         sender, slot, message = self.channel.recv(src, wire.tag, self.spin)
         if message & WHOLE:
-            slot, self.folded = cut_whole(self.channel, slot, wire.slot, sender, op, wire.device.type == "cpu")
+            slot, self.folded = cut_whole(self.channel, slot, wire.slot, sender, op, is_cpu(wire.device))
         return sender, _checked(wire, self.channel, [slot], op)[0], message
 
     def answer(self, wire: Wire, dst: int, message: int, code: int) -> None:
@@ -242,7 +242,7 @@ class ChannelSlots:
                 separate=self.separate,
                 op=f"{op} (opening the same-host channel)",
                 # the set-up has no room for receives waiting: none may; on NCCL only votes count (balance)
-                ready=mine == [] and wire.device.type == "cpu",
+                ready=mine == [] and is_cpu(wire.device),
                 history=history,
                 control=state.control,
             )
@@ -334,13 +334,13 @@ class ChannelSlots:
         """Every rank's ``values``' maximum; this rank's shared memory settings with them where ``values[moved_at]`` is
         the rest that follows (:func:`~objcomm._samehost.channel_checks.largest_alike`)."""
         shared = [] if moved_at is None else [_channel_checks.settings_word(self.shm, self.threshold)]
-        rows, cpu = self.gather_words(wire, [*values, *shared], op), wire.device.type == "cpu"
+        rows, cpu = self.gather_words(wire, [*values, *shared], op), is_cpu(wire.device)
         return rows if rows is NOT_USED else _channel_checks.largest_alike(rows, moved_at, cpu, op)
 
     def agree(self, wire: Wire, infos: Sequence[SlotInfo], op: str) -> None:
         found = self.channel_of(wire, op)
         if found is not None:
-            medium = _channel_checks.medium_of(infos, op, self.shm, self.threshold, wire.device.type == "cpu")
+            medium = _channel_checks.medium_of(infos, op, self.shm, self.threshold, is_cpu(wire.device))
             agree_on(found[0], found[1], infos, op, medium)
             # every rank of the group echoed (on one host): where round 1 was one rank's slot to all (a broadcast's,
             # a scatter's) this is the first moment every rank is here; the steps after share one timeout

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Set, Union
 import torch
 import torch.distributed as dist
 
-from objcomm._device import timeout_seconds
+from objcomm._device import is_cpu, timeout_seconds
 from objcomm._errors import CommunicationError
 from objcomm._samehost import channel as _channel
 from objcomm._samehost.p2p_state import SameHost
@@ -63,7 +63,7 @@ def background(wire: Wire, state: SameHost, separate: Union[bool, int]) -> bool:
     if state.background is None:
         local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
         state.background = (
-            wire.device.type == "cpu"
+            is_cpu(wire.device)
             and not separate
             and wire.size <= MOST_RANKS
             and (local is None or local == world)

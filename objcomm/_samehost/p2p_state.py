@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from objcomm._device import is_cpu
 from objcomm._errors import CommunicationError
 from objcomm._samehost import channel as _channel
 from objcomm._transport import pending as _pending
@@ -108,7 +109,7 @@ class SameHost:
         """This rank's vote (``entries``: :meth:`begin_vote`'s) through ``channel``'s control group, and its outcome
         (the caller ends the vote). A failure fails the channel here: the next call decides anew."""
         try:
-            rows = channel.vote(wire, entries, what, balance=None if wire.device.type == "cpu" else self.balance())
+            rows = channel.vote(wire, entries, what, balance=None if is_cpu(wire.device) else self.balance())
         except _channel.OutOfStep as exc:
             self.broken = str(exc)
             channel.fail(op, str(exc))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from objcomm._device import is_cpu
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
 from objcomm._samehost.channel_rests import ChannelRest
@@ -53,7 +54,7 @@ class SameHostRests(SharedPointToPoint):
     def medium(self, wire: Wire, largest: int, gathered: int, op: str) -> Optional[RestMedium]:
         medium = routes.rest_after_channel(
             largest,
-            cpu=wire.device.type == "cpu",
+            cpu=is_cpu(wire.device),
             shm=self.shared is not None,
             shm_threshold=self.threshold,
             gathered=gathered,

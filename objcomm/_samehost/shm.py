@@ -49,6 +49,7 @@ from typing import Callable, ClassVar, Dict, List, Optional, TypeVar, Union
 import torch
 
 from objcomm import _state
+from objcomm._device import is_cpu
 from objcomm._errors import CommunicationError
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
@@ -100,7 +101,7 @@ class SharedMemory(PatternRests):
         the threshold, unless a collective's group is known to span hosts (learned at one call on every rank), or a
         send/recv's ``peer`` is known to run on another host (the group's hosts learned, or an earlier send's
         answer): then it asks no answer of the receiver, nor sends it shared memory's words."""
-        if wire.device.type != "cpu":
+        if not is_cpu(wire.device):
             return False
         if not routes.shared_memory_takes(moved, threshold=self.threshold, cpu=True):
             log.debug(

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 from objcomm import _state
+from objcomm._device import is_cpu
 from objcomm._errors import CommunicationError
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import DEFAULT_PIECE, SlotInfo
@@ -86,7 +87,7 @@ class TwoLevel(ChannelSlots):
     def here(self, wire: Wire, op: str, set_up: bool = False) -> Optional[Here]:
         """This call's two levels, or None where the flat path moves it (the same answer on every rank).
         ``set_up``: learn the group's hosts first if they are not known yet (round 1 of a collective only)."""
-        if wire.device.type != "cpu" or wire.size < 3 or wire.slot > MAX_PAYLOAD:
+        if not is_cpu(wire.device) or wire.size < 3 or wire.slot > MAX_PAYLOAD:
             return None  # (slots above a channel message: no host's channel takes them, on every rank alike)
         known: Dict[Any, Optional[Levels]] = _state.group_facts(wire.group).levels
         if self.separate not in known:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from objcomm._device import is_cpu
 from objcomm._samehost.rests import SharedPointToPoint
 from objcomm._samehost.shm import SharedMemory, SharedRest
 from objcomm._transport import routes
@@ -53,13 +54,13 @@ class VotedRests(SharedPointToPoint):
         same steps up to the announcement."""
         if op in _P2P:
             return self.shm and self.memory.worth(wire, moved, op, peer)
-        if op != "gather" or not routes.all_announce(moved, cpu=wire.device.type == "cpu"):
+        if op != "gather" or not routes.all_announce(moved, cpu=is_cpu(wire.device)):
             return False
         known = self.memory.learned_hosts(wire)
         return known is None or known.one_host
 
     def medium(self, wire: Wire, largest: int, gathered: int, op: str) -> Optional[RestMedium]:
-        if not routes.all_announce(largest, cpu=wire.device.type == "cpu"):
+        if not routes.all_announce(largest, cpu=is_cpu(wire.device)):
             return None  # (below ANNOUNCED_FROM the backend, on every rank whatever its settings)
         hosts = self.memory.hosts(wire, op)
         if not hosts.one_host:

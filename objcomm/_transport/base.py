@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Se
 import torch
 import torch.distributed as dist
 
+from objcomm._device import is_cpu
 from objcomm._errors import NOT_THERE, CommunicationError, ranks_note
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
@@ -403,7 +404,7 @@ def largest_of(
     answer = wire.slot_medium.largest(wire, values, op, moved_at)
     if answer is NOT_USED:
         largest = torch.tensor(list(values), dtype=dtype, device=wire.device)
-        if wire.device.type == "cpu" and wire.size > 2:  # gloo's all_reduce is a ring: 2(W - 1) steps in sequence
+        if is_cpu(wire.device) and wire.size > 2:  # gloo's all_reduce is a ring: 2(W - 1) steps in sequence
             answer = _largest_by_doubling(wire, largest, op)
         else:
             guarded(op, wire, dist.all_reduce, largest, op=dist.ReduceOp.MAX, group=wire.group)

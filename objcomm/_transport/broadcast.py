@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from objcomm._device import is_cpu
 from objcomm._errors import CommunicationError, ObjcommError
 from objcomm._format import limits as _limits
 from objcomm._format.frame import error_frame
@@ -77,7 +78,7 @@ def broadcast(
         if raw is not None and len(raw) != wire.slot:
             raw = _slot(wire, out) if out is not None else bytearray(wire.slot)
     smallest_limit: Optional[int] = None  # the smallest receiver's max_bytes, where round 1 brought them
-    cpu = wire.device.type == "cpu"  # (round 1 through the backend, where got is NOT_USED)
+    cpu = is_cpu(wire.device)  # (round 1 through the backend, where got is NOT_USED)
     if got is NOT_USED and (limits_with_slot or routes.limits_with_slot(cpu=cpu, slot_medium=routes.BACKEND)):
         got, smallest_limit = _slot_and_limits(wire, raw, src, op)
     elif got is NOT_USED:
@@ -169,7 +170,7 @@ def broadcast_rest(
     if taken is not NOT_USED:
         return taken
     mine = out if wire.rank == src else None
-    cpu, moved = wire.device.type == "cpu", info.second_round_bytes
+    cpu, moved = is_cpu(wire.device), info.second_round_bytes
     tree = routes.rest_down_tree(world=wire.size, moved=moved, cpu=cpu, forced=rest_tree)
     deadline = Deadline.of_rest(wire, op, src, moved)  # one for the frame and every tensor
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from objcomm._device import timeout_seconds
+from objcomm._device import is_cpu, timeout_seconds
 from objcomm._errors import CommunicationError
 from objcomm._format.limits import SCRATCH_BYTES as SCRATCH
 from objcomm._format.message import Outgoing
@@ -41,7 +41,7 @@ def zeroed(length: int, wire: Wire) -> torch.Tensor:
     """A buffer for a point-to-point receive. gloo completes a receive whose message is shorter than its buffer
     (a sender that sends less than its slot announced): the rest of the buffer must then hold zeros, never what
     this process's memory held before (a lying sender would read it back in the result of another call)."""
-    if wire.device.type == "cpu":
+    if is_cpu(wire.device):
         return torch.from_numpy(_zeros(length))
     return torch.zeros(length, dtype=torch.uint8, device=wire.device)
 
@@ -56,7 +56,7 @@ def _zeros(length: int) -> np.ndarray:
 def receive_buffer(length: int, wire: Wire) -> Tuple[torch.Tensor, Optional[memoryview]]:
     """A buffer of ``length`` bytes on the wire's device and, on the CPU, a view of the same bytes (so that
     small round-1 receives need no conversion afterwards); ``None`` elsewhere (use :func:`host_view`)."""
-    if wire.device.type != "cpu":
+    if not is_cpu(wire.device):
         return empty(length, wire), None
     raw = _zeros(length)  # zeros: a peer that sends less leaves none of this process's memory in the result
     return torch.from_numpy(raw), raw.data
@@ -119,7 +119,7 @@ class Deadline:
     def wait(self, work: Any, done: int, total: int) -> None:
         """``work.wait()`` for what is left of the timeout (NCCL's takes no shorter one: it is checked before)."""
         left = self.left(done, total)
-        if left is not None and self.wire.device.type == "cpu":
+        if left is not None and is_cpu(self.wire.device):
             guarded(self.op, self.wire, work.wait, timedelta(seconds=left))
         else:
             guarded(self.op, self.wire, work.wait)

@@ -30,6 +30,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from objcomm._device import is_cpu
 from objcomm._transport import routes
 from objcomm._transport.base import INTERNAL_TAG, Wire, guarded
 from objcomm._transport.bytes import Deadline, all_gather_table, empty, host_view, joined, pieces, to_device, zeroed
@@ -63,7 +64,7 @@ class LaidRests:
     def host(self, r: int) -> Optional[memoryview]:
         """Rank ``r``'s rest as a memoryview of the CPU buffer; None where :meth:`__getitem__` gives None, and on a GPU
         (copy only what must come to the host)."""
-        if self.buffer.device.type != "cpu" or not self.lengths[r] or r == self.me:
+        if not self.buffer.is_cpu or not self.lengths[r] or r == self.me:
             return None
         if self._host is None:
             self._host = host_view(self.buffer)
@@ -93,7 +94,7 @@ def all_gather_rests(
     # one part (a frame past the slot, no tensors): sent as it is, not copied into a new buffer first
     own = (to_device(mine[0], wire) if len(mine) == 1 else joined(mine, wire)) if lengths[me] else empty(0, wire)
     got: List[Optional[torch.Tensor]] = [None] * size
-    shape = routes.exchange_shape(lengths, cpu=wire.device.type == "cpu")
+    shape = routes.exchange_shape(lengths, cpu=is_cpu(wire.device))
     if shape == routes.STRIPES:  # gloo: each rest to the stripes holding it, then their all_gather
         if table is not None and table.numel() != size * routes.stripe_width(lengths):
             raise ValueError(f"{op}: a table of {table.numel():,} bytes for {size} stripes of {sum(lengths):,} in all")
@@ -105,7 +106,7 @@ def all_gather_rests(
         deadline = Deadline(wire, op, f"a padded all_gather of {width:,} bytes a rank")
         rows = all_gather_table(wire, own, width, op, deadline, out=table)
         return LaidRests(rows, range(0, width * size, width), lengths, me)
-    if wire.device.type != "cpu":  # NCCL: uneven all_gathers, one per piece of at most chunk bytes per rank
+    if not is_cpu(wire.device):  # NCCL: uneven all_gathers, one per piece of at most chunk bytes per rank
         results = [empty(n, wire) if n and r != me else None for r, n in enumerate(lengths)]
         deadline = Deadline(wire, op, f"the second round's exchange ({sum(lengths):,} bytes in all)")
         for start in pieces(max(lengths), wire.chunk):

@@ -16,6 +16,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from objcomm._device import is_cpu
 from objcomm._errors import ObjcommError
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
@@ -130,7 +131,7 @@ def _gather_slots(
         verdict = word_down_tree(wire, verdict, dst, op, up_tree)
     else:
         word = torch.tensor([verdict or 0], dtype=torch.int64, device=wire.device)
-        if wire.device.type == "cpu":  # gloo: a binomial tree
+        if is_cpu(wire.device):  # gloo: a binomial tree
             guarded(op, wire, dist.broadcast, word, src=wire.ranks[dst], group=wire.group)
         else:  # NCCL broadcasts along a ring; its all_reduce of a word takes a tree (every other rank adds 0)
             guarded(op, wire, dist.all_reduce, word, op=dist.ReduceOp.MAX, group=wire.group)

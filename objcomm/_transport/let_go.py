@@ -41,12 +41,16 @@ def held_by(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Held:
     held: Held = []
     if not _COUNTS:
         return held
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)) and value:
+    for value in (*args, *kwargs.values()):  # (loops, not comprehensions: every gloo collective of a call asks)
+        if isinstance(value, (list, tuple)):
             value = (value[0], value[-1]) if len(value) > 1 else value
-        else:
+        elif isinstance(value, torch.Tensor):
             value = (value,)
-        held += [(t, _references(t)) for t in value if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+        else:
+            continue
+        for tensor in value:
+            if isinstance(tensor, torch.Tensor) and tensor.is_cpu:  # (is_cpu: ~80 ns, device.type: ~500)
+                held.append((tensor, _references(tensor)))
     return held
 
 

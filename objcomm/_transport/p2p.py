@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from objcomm._device import is_cpu
 from objcomm._errors import CommunicationError, FrameError, ObjcommError
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
@@ -68,7 +69,7 @@ def _cpu_rules(wire: Wire) -> bool:
     room for a rest that comes with its slot, :func:`objcomm._transport.routes.backend_whole`), else a GPU group's
     (NCCL moves exact sizes: a tree's message, :func:`tree_send`, is padded to its room, any other is the slot
     alone)."""
-    return wire.device.type == "cpu" and not GPU_RULES_ON_CPU
+    return is_cpu(wire.device) and not GPU_RULES_ON_CPU
 
 
 def _framing(wire: Wire, tree: bool) -> Tuple[bool, bool, int]:
@@ -128,7 +129,7 @@ def _send(
     problem = _limits.slot_problem_of(info)
     ends = bool(info.error) or _limits.complete(info)
     agreed = not ends and not problem and _agreement_needed(wire, info, op, peer=dst)
-    cpu = wire.device.type == "cpu"
+    cpu = is_cpu(wire.device)
     at_once = route is not None and not ends and not problem and not agreed and cpu
     if at_once and route is not None and route.send_whole(wire, raw, out, info, dst):
         return  # the slot and the rest that follows it at once, in one message of the route
@@ -178,7 +179,7 @@ def _send(
             decline_shared(wire, dst, op, route, message)  # (settings that differ: the rest goes the normal way)
         elif wire.rest_media.send(wire, out, dst, op, route, message):
             return
-    if route is not None and wire.device.type == "cpu":  # shared memory did not take it (below its threshold: never):
+    if route is not None and is_cpu(wire.device):  # shared memory did not take it (below its threshold: never):
         route.send_rest(wire, out, info, dst, message)  # the route, not the group, whose transfers concurrent sends
         return  # under one tag would mix
     batch = Batch(wire, op)
@@ -209,7 +210,7 @@ def _post(
     else:
         data = zeroed(length, wire)
         data[: len(message)].copy_(torch.frombuffer(message, dtype=torch.uint8))
-    if eager and wire.device.type == "cpu":
+    if eager and is_cpu(wire.device):
         _pending.post(wire, data, dst, op)
     else:
         guarded(op, wire, dist.send, data, dst=wire.ranks[dst], group=wire.group, tag=wire.data_tag)
@@ -244,7 +245,7 @@ def _recv(
     sender = wire.ranks.index(sender_global) if src is None else src  # (GroupRanks: one lookup)
     lease.took(sender)  # the route counts the slots taken, by sender (SlotMedium.p2p)
     part: Callable[[slice], memoryview]
-    if wire.device.type == "cpu":  # a view of the buffer (no copy), sliced
+    if is_cpu(wire.device):  # a view of the buffer (no copy), sliced
         whole = host_view(buffer)
         front, part = whole[: head + wire.slot], lambda at: whole[at]
     else:  # a GPU's: the envelope and slot copied to the host, then the rest that came with it, if any
@@ -359,7 +360,7 @@ def _received(
             "this rank's answer: a protocol error; refused"
         )
     at_once = not agreed or message & WHOLE  # WHOLE: the sender did not ask (the rest came with its slot)
-    if route is not None and at_once and wire.device.type == "cpu":  # the rest came right after the slot
+    if route is not None and at_once and is_cpu(wire.device):  # the rest came right after the slot
         got = route.recv_rest(wire, info, sizes_of, sender, message, op, drain=bool(refuse))
         if refuse:
             raise _limits.refused(op, sender, wire, info.total, problem, drained=True)
@@ -379,7 +380,7 @@ def _received(
         taken = wire.rest_media.recv(wire, info, checked, sender, op, route, message) if takes else NOT_USED
         if taken is not NOT_USED:
             return sender, taken, False
-        if route is not None and wire.device.type == "cpu":  # as the sender does
+        if route is not None and is_cpu(wire.device):  # as the sender does
             return sender, route.recv_rest(wire, info, sizes_of, sender, message, op), False
     if sizes is not None and not refuse:  # every size known: post all receives at once
         batch = Batch(wire, op)

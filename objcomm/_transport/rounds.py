@@ -37,6 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from objcomm._device import is_cpu
 from objcomm._errors import ObjcommError
 from objcomm._format import limits as _limits
 from objcomm._format.frame import error_frame, parse_header, read_error
@@ -61,7 +62,7 @@ def _slot(wire: Wire, out: Outgoing) -> bytearray:
 
 def _on_device(wire: Wire, raw: bytearray) -> torch.Tensor:
     tensor = torch.frombuffer(raw, dtype=torch.uint8)  # on the CPU
-    return tensor if wire.device.type == "cpu" else tensor.to(wire.device)
+    return tensor if is_cpu(wire.device) else tensor.to(wire.device)
 
 
 def _agreement_needed(wire: Wire, info: SlotInfo, op: str, media: bool = True, peer: Optional[int] = None) -> bool:
@@ -287,7 +288,7 @@ def _split_rest(
         if host is None:
             assert rest is not None
             # on the CPU a view of the whole rest, then a slice (cheaper than a tensor's slice first); else the frame
-            host = host_view(rest) if rest.device.type == "cpu" else host_view(rest[: info.length])
+            host = host_view(rest) if rest.is_cpu else host_view(rest[: info.length])
         frame, at = host[: info.length], info.length
     if sizes is None:
         sizes = _limits.frame_sizes(sizes_of, frame, info, sender, op)
