@@ -179,14 +179,9 @@ class Express:
         slot, serialized = self._slot(obj)
         if slot is None:
             return False, serialized
-        channel.rounds += 1  # a call's first round, as ChannelSlots counts them
-        start = channel.sequence
-        try:
-            slots = channel.all_gather(slot, self.spin)
-        except CommunicationError:
-            if channel.rejoins_after(start):  # see REJOINING
-                return False, serialized
-            raise
+        slots = _round_one(channel, slot, None, self.spin)
+        if slots is REJOIN:
+            return False, serialized
         size = self.slot
         for got in slots:
             if len(got) != size and not _channel_checks.trimmed(got, size):
@@ -226,14 +221,9 @@ class Express:
             slot, serialized = self._slot(obj)
             if slot is None:
                 return False, serialized
-        channel.rounds += 1  # as all_gather
-        start = channel.sequence
-        try:
-            got = channel.broadcast(slot, root, self.spin)
-        except CommunicationError:
-            if channel.rejoins_after(start):
-                return False, serialized
-            raise
+        got = _round_one(channel, slot, root, self.spin)
+        if got is REJOIN:
+            return False, serialized
         if root == self.rank:
             return True, self._plain(got, root)
         if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
@@ -332,9 +322,22 @@ def _whole_frames(wire: Wire, cpu: bool) -> int:
     return 0 if routes.agreement_needed(sizes_listed=True, largest_piece=room, medium_may_take=medium) else room
 
 
-# REJOINING: a call's round 1 on the channel that failed because a peer had failed the channel before this call
-# (:meth:`objcomm._samehost.mesh.Mesh.rejoins_after`) is the general path's, nothing having been taken: it opens a new
-# channel at this call, as that peer does. (Spelled out where it happens, not in a helper: a small call's step.)
+REJOIN = object()  # what _round_one returns where the general path must open a new channel
+
+
+def _round_one(channel: Any, slot: Any, root: Optional[int], spin: Optional[float]) -> Any:
+    """Round 1 on ``channel``: the all_gather of ``slot`` (``root`` None) or ``root``'s broadcast of it (None
+    elsewhere); :data:`REJOIN` where it failed because a peer had failed the channel before this call (the general
+    path then opens a new one at this call, as that peer does: :meth:`objcomm._samehost.mesh.Mesh.rejoins_after`),
+    nothing having been taken."""
+    channel.rounds += 1  # a call's first round, as ChannelSlots counts them
+    start = channel.sequence
+    try:
+        return channel.all_gather(slot, spin) if root is None else channel.broadcast(slot, root, spin)
+    except CommunicationError:
+        if channel.rejoins_after(start):
+            return REJOIN
+        raise
 
 
 def _decoders(serializer: SerializerProtocol, accept: Any) -> Dict[bytes, SerializerProtocol]:

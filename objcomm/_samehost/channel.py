@@ -97,7 +97,6 @@ from objcomm._samehost.inbox_waits import Inbox
 from objcomm._samehost.mesh import MAX_PAYLOAD, Mesh
 from objcomm._transport import groups as _groups
 from objcomm._transport.base import BACKEND, Wire, all_gather_single, guarded, largest_of
-from objcomm._transport.patterns import Pattern
 
 DEFAULT_TIMEOUT = 300.0  # seconds any one wait may take
 SETUP_TIMEOUT = 30.0  # seconds to connect the mesh
@@ -174,7 +173,6 @@ class LocalChannel(Mesh):
         self._pids = tuple(pids)
         self._peers = peers
         self._others = sorted(peers)  # every other rank
-        self._patterns: Dict[Tuple[str, Optional[int]], Pattern] = {}  # this rank's parts, by (op, root)
         timeval = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))  # bounds a blocking recv in the kernel
         for sock in peers.values():
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)

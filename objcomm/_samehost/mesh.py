@@ -62,7 +62,6 @@ class Mesh:
     ranks_note: str
     _peers: Dict[int, socket.socket]
     _others: List[int]
-    _patterns: Dict[Tuple[str, Optional[int]], Pattern]
     _inbox: Inbox
     _votes: int
     _seq: int
@@ -81,28 +80,18 @@ class Mesh:
         kind's name."""
         return self._collective(kind, pattern.outgoing(mine), pattern.sources, spin, op)
 
-    def _at(self, op: str, root: Optional[int] = None) -> Pattern:
-        """This rank's part in ``op`` on this channel (:func:`objcomm._transport.patterns.pattern`), kept here: a
-        dict lookup, where the shared cache's keyword arguments cost ~0.3 µs of a small call's ~20."""
-        found = self._patterns.get((op, root))
-        if found is None:
-            found = self._patterns[op, root] = pattern(op, me=self.rank, world=self.size, root=root)
-        return found
-
     def all_gather(self, data: Slot, spin: Optional[float] = None, op: Optional[str] = None) -> List[Slot]:
         """Every rank's ``data``, in group-rank order. A gather's all_gathers (its round 1 on one host, its words)
         go as messages of kind GATHER, so that ranks of which some call gather and others all_gather raise, where
         both would have returned (a newcomer's find: a program that passes on one host and hangs across hosts)."""
         kind = GATHER if op == "gather" else ALL_GATHER
-        at = self._at("all_gather")
-        got = self._collective(kind, at.outgoing(data), at.sources, spin, op)  # (move's body: small calls take it)
+        got = self.move(kind, pattern("all_gather", me=self.rank, world=self.size), data, spin, op)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
     def broadcast(self, data: Optional[Slot], src: int, spin: Optional[float] = None, op: Optional[str] = None) -> Slot:
         """``src``'s ``data`` on every rank (ignored elsewhere)."""
         assert data is not None or self.rank != src
-        at = self._at("broadcast", src)
-        got = self._collective(BROADCAST, at.outgoing(data), at.sources, spin, op)  # (as all_gather)
+        got = self.move(BROADCAST, pattern("broadcast", me=self.rank, world=self.size, root=src), data, spin, op)
         return data if self.rank == src else got[src]  # type: ignore[return-value]  # (the root's: asserted above)
 
     def gather(
@@ -110,27 +99,27 @@ class Mesh:
     ) -> Dict[int, bytes]:
         """Every other rank's ``data`` on group rank ``dst``, by rank (``data`` ignored there); ``{}`` elsewhere."""
         assert data is not None or self.rank == dst
-        return self.move(GATHER, self._at("gather", dst), data, spin, op)
+        return self.move(GATHER, pattern("gather", me=self.rank, world=self.size, root=dst), data, spin, op)
 
     def scatter(
         self, parts: Optional[Sequence[Slot]], src: int, spin: Optional[float] = None, op: Optional[str] = None
     ) -> Slot:
         """``src``'s ``parts[r]`` on group rank ``r``."""
         assert self.rank != src or parts is not None and len(parts) == self.size
-        got = self.move(SCATTER, self._at("scatter", src), parts, spin, op)
+        got = self.move(SCATTER, pattern("scatter", me=self.rank, world=self.size, root=src), parts, spin, op)
         return parts[src] if parts is not None and self.rank == src else got[src]
 
     def all_to_all(self, parts: Sequence[Slot], spin: Optional[float] = None, op: Optional[str] = None) -> List[Slot]:
         """``parts[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``."""
         assert len(parts) == self.size
-        got = self.move(ALL_TO_ALL, self._at("all_to_all"), parts, spin, op)
+        got = self.move(ALL_TO_ALL, pattern("all_to_all", me=self.rank, world=self.size), parts, spin, op)
         return [parts[r] if r == self.rank else got[r] for r in range(self.size)]
 
     def echo(self, data: Slot, spin: Optional[float] = None, op: Optional[str] = None) -> List[Slot]:
         """An all_gather of kind ``ECHO``: what every rank read in round 1, so that a rank that skipped this step
         (it read round 1 differently) is told apart from one at its next call (see
         :meth:`objcomm._samehost.channel_slots.ChannelSlots.agree`)."""
-        got = self.move(ECHO, self._at("all_gather"), data, spin, op)
+        got = self.move(ECHO, pattern("all_gather", me=self.rank, world=self.size), data, spin, op)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
     def send(self, data: Slot, dst: int, tag: int = 0, message: int = 0) -> None:

@@ -60,10 +60,23 @@ class Pattern(NamedTuple):
         return dict.fromkeys(self.to, mine)
 
 
-@functools.lru_cache(maxsize=4096)  # a group's patterns repeat every call
+PATTERNS_KEPT = 4096  # patterns kept (a group's repeat every call); past it, they are made again
+_KEPT: Dict[Tuple[str, int, int, Optional[int]], Pattern] = {}
+
+
 def pattern(op: str, *, me: int, world: int, root: Optional[int] = None) -> Pattern:
     """Rank ``me``'s part in ``op`` (one of :data:`OPS`) over ``world`` ranks; ``root``: the root of gather (its
-    destination), broadcast and scatter (their source)."""
+    destination), broadcast and scatter (their source). Kept once made: a dict lookup, ~0.2 µs a call where an
+    ``lru_cache`` called with keywords cost ~0.35 (every round 1 asks)."""
+    found = _KEPT.get((op, me, world, root))
+    if found is None:
+        if len(_KEPT) >= PATTERNS_KEPT:
+            _KEPT.clear()
+        found = _KEPT[op, me, world, root] = _made(op, me, world, root)
+    return found
+
+
+def _made(op: str, me: int, world: int, root: Optional[int]) -> Pattern:
     if op not in OPS:
         raise ValueError(f"no pattern for {op!r}: one of {', '.join(OPS)}")
     if (op in _ROOTED) != (root is not None) or root is not None and not 0 <= root < world:
