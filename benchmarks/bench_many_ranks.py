@@ -68,10 +68,8 @@ def breakdown(plan: Any, send: Any = None) -> List[List[float]]:
     import torch.distributed as dist
 
     import objcomm
-    from objcomm._api.operations import _slot_memory
     from objcomm._format import frame as _frame
     from objcomm._transport import rounds as _rounds
-    from objcomm._transport import routes
 
     rounds, case = plan
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -83,8 +81,8 @@ def breakdown(plan: Any, send: Any = None) -> List[List[float]]:
         call = comm._call({})
         out, _ = call.encode(obj)
         t1 = time.perf_counter()
-        memory = _slot_memory(call.wire, "all_gather", routes.LEARNED_TABLE_MOST)
-        wire, infos, taught = _rounds._exchange_slots(call.wire, out, "all_gather", memory=memory)  # (as a call's)
+        route, memory = comm._route(call.wire, "all_gather")
+        wire, infos, taught = _rounds._exchange_slots(call.wire, out, "all_gather", route.summed, memory)  # (a call's)
         t2 = time.perf_counter()
         incoming = _rounds.all_gather_rest(wire, out, infos, _frame.tensor_sizes, memory=taught)
         t3 = time.perf_counter()

@@ -47,6 +47,8 @@ class GroupFacts:
     wires: Dict[Any, Tuple[Any, ...]] = field(default_factory=dict)
     # (op, the settings' slot) -> what the op's last calls on it suggest for the next: a SlotMemory
     slots: Dict[Tuple[str, int], Any] = field(default_factory=dict)
+    # (the settings' slot, the device, a communicator's hooks) -> the group's calls' route (a routes.CallRoute)
+    routes: Dict[Tuple[int, Any, Any], Any] = field(default_factory=dict)
 
 
 _GROUPS: weakref.WeakKeyDictionary[Any, GroupFacts] = weakref.WeakKeyDictionary()

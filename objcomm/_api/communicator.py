@@ -156,7 +156,9 @@ class Communicator(Copies, PointToPoint):
                 done, serialized = express.all_gather(obj, self._group)
                 if done:
                     return serialized
-        call = self._call(call_kwargs(locals()))
+            call = self._default_call()
+        else:
+            call = self._given_call(call_kwargs(locals()))
         return self._all_gather_call(call, obj, serialized, express)
 
     @mpi4py_keywords
@@ -201,7 +203,9 @@ class Communicator(Copies, PointToPoint):
                 done, serialized = express.broadcast(obj, src, self._group)
                 if done:
                     return serialized
-        call = self._call(call_kwargs(locals()))
+            call = self._default_call()
+        else:
+            call = self._given_call(call_kwargs(locals()))
         return self._broadcast_call(call, obj, src, serialized, express)
 
     @mpi4py_keywords

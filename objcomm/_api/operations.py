@@ -11,7 +11,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from objcomm._api import reduce as _reduce
 from objcomm._api import requests as _requests
 from objcomm._api import scan as _scan
-from objcomm._api.call import Call, encode_each, final_report, only, per_rank
+from objcomm._api.call import WIRES_KEPT, Call, encode_each, final_report, only, per_rank
 from objcomm._api.express import Express
 from objcomm._api.handles import Request, completed
 from objcomm._api.own_box import NOTHING
@@ -32,6 +32,14 @@ from objcomm._transport import routes
 from objcomm._transport.base import Wire, largest_of
 from objcomm._transport.tree_reports import reports_over_tree
 
+# The ops whose slots through the backend the group's last calls teach (rounds.SlotMemory): the most their slots may
+# hold together, and the narrower slot they may take (0: none)
+_REMEMBERED = {
+    "all_gather": (routes.LEARNED_TABLE_MOST, routes.NARROW_SLOT),
+    "broadcast": (routes.LEARNED_BROADCAST_MOST, 0),
+    "all_reduce": (routes.LEARNED_BROADCAST_MOST, 0),
+}
+
 # What a rank that refused the result its parent relayed (a rank above lied about a limit, or the sizes) says: the
 # failure began there, and only its subtree of the reduce tree heard of it (tree_reports.reports_over_tree)
 _SUBTREE_ONLY = (
@@ -50,8 +58,8 @@ class Operations(Resolving):
             return [call.roundtrip(obj)]
         wire = call.wire
         out, local = call.encode(obj, _still(serialized, express, call))
-        memory = _slot_memory(wire, "all_gather", routes.LEARNED_TABLE_MOST, routes.NARROW_SLOT)
-        incoming = _rounds.all_gather(wire, out, _frame.tensor_sizes, summed=self._summed(wire), memory=memory)
+        route, memory = self._route(wire, "all_gather")
+        incoming = _rounds.all_gather(wire, out, _frame.tensor_sizes, route=route, memory=memory)
         call.raise_failures("all_gather", incoming, local)
         return call.decode_all(incoming)
 
@@ -61,7 +69,7 @@ class Operations(Resolving):
             return [call.roundtrip(obj)]
         root = self._group_rank(call.wire, dst, "dst")
         out, local = call.encode(obj)
-        incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, *self._up_tree(call.wire))
+        incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, self._route(call.wire)[0])
         if incoming is None:
             if local is not None:  # dst said go over this rank's error report (only a lying dst does)
                 raise local
@@ -77,17 +85,8 @@ class Operations(Resolving):
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, src, "src")
         out, local = call.encode(obj, _still(serialized, express, call)) if call.wire.rank == root else (None, None)
-        hooks, memory = self._hooks, _slot_memory(call.wire, "broadcast", routes.LEARNED_BROADCAST_MOST)
-        item = _broadcast_rounds.broadcast(
-            call.wire,
-            out,
-            _frame.tensor_sizes,
-            root,
-            rest_tree=hooks.rest_tree,
-            rest_spread=hooks.rest_spread,
-            memory=memory,
-            limits_with_slot=hooks.limits_with_slot,
-        )
+        route, memory = self._route(call.wire, "broadcast")
+        item = _broadcast_rounds.broadcast(call.wire, out, _frame.tensor_sizes, root, route=route, memory=memory)
         if item.error:  # the root's error report (its own encode failure among them)
             call.raise_failures("broadcast", only(root, item, call.wire.size), local)
         return call.decode(item, root, own=call.wire.rank == root)
@@ -96,7 +95,7 @@ class Operations(Resolving):
         if call.wire is None:
             self._check_single(src, "src")
             return call.roundtrip(per_rank(objs, 1, "scatter")[0])
-        call = _parts_of(call)
+        call = self._parts_of(call)
         wire = call.wire
         assert wire is not None
         root = self._group_rank(wire, src, "src")
@@ -111,7 +110,7 @@ class Operations(Resolving):
     def _all_to_all_call(self, call: Call, objs: Sequence[Any]) -> Any:
         if call.wire is None:
             return [call.roundtrip(per_rank(objs, 1, "all_to_all")[0])]
-        call = _parts_of(call)
+        call = self._parts_of(call)
         assert call.wire is not None
         outs, local = encode_each(call, objs, call.wire.size, "all_to_all")
         incoming = _parts.all_to_all(call.wire, outs, _frame.tensor_sizes)
@@ -128,7 +127,7 @@ class Operations(Resolving):
         value, complete, own, _ = _reduce.tree(call, obj, op, levels)
         out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
         try:
-            incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, *self._up_tree(call.wire))
+            incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, self._route(call.wire)[0])
         except TooLargeError as exc:  # the result, from group rank 0, over dst's limit: alike on every rank
             raise TooLargeError(f"reduce: its result goes from group rank 0 to dst in a gather, and {exc}") from None
         if incoming is None:
@@ -158,12 +157,13 @@ class Operations(Resolving):
             out = _frame.error_frame(local, wire.inline_capacity)
         # group rank 0 combined it; off the same-host channel on NCCL (and on gloo's two levels from 64 leaders), it
         # goes back down the reduce tree
-        leaders = 0 if levels is None else len(levels.leaders)
-        tree = routes.result_down_tree(cpu=is_cpu(wire.device), forced=self._hooks.down_tree, leaders=leaders)
+        route, memory = self._route(wire, "all_reduce")
+        tree = route.result_down(0 if levels is None else len(levels.leaders))
         # else, where it takes the backend's broadcast, in the slot the group's last two all_reduce results suggest
         # (their own memory: a loop's results of about one size take one broadcast, where they took two)
-        memory = _slot_memory(wire, "all_reduce", routes.LEARNED_BROADCAST_MOST)
-        result = _broadcast_rounds.broadcast(wire, out, _frame.tensor_sizes, 0, tree=tree, levels=levels, memory=memory)
+        result = _broadcast_rounds.broadcast(
+            wire, out, _frame.tensor_sizes, 0, tree=tree, levels=levels, route=route, memory=memory
+        )
         if result.error:  # a rank failed (rank 0 knows that much): every rank's own report, to all
             report, failed = final_report(call, None, False, own or local or result.refused)
             began_here = result.refused is not None  # (what a rank above relayed, this one refused: a liar's doing)
@@ -171,7 +171,7 @@ class Operations(Resolving):
             incoming: Sequence[Optional[Incoming]] = (
                 reports_over_tree(wire, report, levels if tree else None, began_here=began_here)
                 if result.relayed
-                else _rounds.all_gather(wire, report, _frame.tensor_sizes, summed=self._summed(wire))
+                else _rounds.all_gather(wire, report, _frame.tensor_sizes, route=route)
             )
             outcome = _SUBTREE_ONLY.format(wire.rank) if began_here else NO_RESULT
             call.raise_failures("all_reduce", incoming, failed, outcome)
@@ -187,7 +187,7 @@ class Operations(Resolving):
         value, complete, own = _scan.prefix(call, obj, op, exclusive)
         if largest_of(wire, [0 if complete else 1], name)[0]:  # a rank failed: every rank's own report, to all
             report, failed = final_report(call, None, False, own)
-            incoming = _rounds.all_gather(wire, report, _frame.tensor_sizes, summed=self._summed(wire))
+            incoming = _rounds.all_gather(wire, report, _frame.tensor_sizes, route=self._route(wire)[0])
             call.raise_failures(name, incoming, failed)
             raise CommunicationError(  # a rank passed on an error report that no rank's own report holds
                 f"{name}: a rank reported a failure to the ranks above it, and no rank's own report names it; "
@@ -195,20 +195,36 @@ class Operations(Resolving):
             )
         return value if value is not obj else _not_own(call, value, obj)
 
-    def _summed(self, wire: Wire) -> bool:
-        """Whether an all_gather's slots go in one all_reduce of the table where they take the backend
-        (:func:`routes.slots_summed`)."""
-        return routes.slots_summed(world=wire.size, cpu=is_cpu(wire.device), forced=self._hooks.summed)
+    def _route(self, wire: Wire, remembered: str = "") -> Tuple[routes.CallRoute, Optional[_rounds.SlotMemory]]:
+        """The route of this communicator's calls on ``wire``'s group (:class:`routes.CallRoute`: by its size, device
+        and slot, and the routes the hooks force), made once and kept on the group; and the group's slot memory of
+        ``remembered``'s calls with this slot setting (an op of :data:`_REMEMBERED`: :class:`_rounds.SlotMemory`),
+        else None."""
+        facts = group_facts(wire.group)
+        kept, key = facts.routes, (wire.slot, wire.device, self._hooks)
+        route: Optional[routes.CallRoute] = kept.get(key)
+        if route is None:
+            if len(kept) >= WIRES_KEPT:
+                kept.clear()
+            forced = self._hooks.forced
+            route = kept[key] = routes.call_route(
+                world=wire.size, cpu=is_cpu(wire.device), slot=wire.slot, forced=forced
+            )
+        if not remembered:
+            return route, None
+        slots, at = facts.slots, (remembered, wire.slot)
+        memory: Optional[_rounds.SlotMemory] = slots.get(at)
+        if memory is None:
+            memory = slots.setdefault(at, _rounds.SlotMemory(wire.slot, *_REMEMBERED[remembered]))
+        return route, memory
 
-    def _up_tree(self, wire: Wire) -> Tuple[int, bool]:
-        """The radix of the tree a gather's slots go up where they take the backend (0: none;
-        :func:`routes.slots_up_tree`), and whether its destination's word then comes back down it
-        (:func:`routes.word_down_tree`)."""
-        forced = self._hooks.up_tree
-        if not routes.slots_up_tree(world=wire.size, forced=forced):
-            return 0, False
-        radix = self._hooks.tree_radix or routes.SLOT_TREE_RADIX
-        return radix, routes.word_down_tree(cpu=is_cpu(wire.device), forced=forced)
+    def _parts_of(self, call: Call) -> Call:
+        """``call`` for a scatter or an all_to_all: each part's slot the route's (:attr:`routes.CallRoute.part_slot`:
+        the settings' up to :data:`routes.PARTS_TABLE` a rank, smaller past it), its error reports made to fit."""
+        wire = call.wire
+        assert wire is not None
+        slot = self._route(wire)[0].part_slot
+        return call if slot == wire.slot else call._replace(wire=wire._replace(slot=slot))
 
     # -- point to point ------------------------------------------------------------------------
     def _send_call(self, call: Call, obj: Any, dst: int, tag: int, serialized: Any, express: Optional[Express]) -> None:
@@ -278,22 +294,6 @@ class Operations(Resolving):
         out, local = call.encode(obj, serialized)
         _requests.own_box(None if wire is None else wire.group).post(tag, _pending.captured(out))
         return local
-
-
-def _slot_memory(wire: Wire, op: str, most: int, narrow: int = 0) -> _rounds.SlotMemory:
-    """The slot memory of ``op``'s calls on ``wire``'s group with its slot setting (:class:`_rounds.SlotMemory`)."""
-    slots, key = group_facts(wire.group).slots, (op, wire.slot)
-    found: Optional[_rounds.SlotMemory] = slots.get(key)
-    return found if found is not None else slots.setdefault(key, _rounds.SlotMemory(wire.slot, most, narrow))
-
-
-def _parts_of(call: Call) -> Call:
-    """``call`` for a scatter or an all_to_all: each part's slot the settings' up to a table of
-    :data:`routes.PARTS_TABLE` a rank, smaller past it (:func:`routes.part_slot`), its error reports made to fit."""
-    wire = call.wire
-    assert wire is not None
-    slot = routes.part_slot(world=wire.size, slot=wire.slot)
-    return call if slot == wire.slot else call._replace(wire=wire._replace(slot=slot))
 
 
 def _raise(error: Optional[BaseException]) -> None:

@@ -76,7 +76,9 @@ class PointToPoint(Operations):
                 got = express.recv(src, tag, self._group)
                 if got is not NOT_TAKEN:
                     return got if return_sender else got[1]
-        call = self._call(call_kwargs(locals()))
+            call = self._default_call()
+        else:
+            call = self._given_call(call_kwargs(locals()))
         return self._recv_call(call, src, tag, return_sender)
 
     # -- non-blocking (see objcomm._api.requests) --------------------------------------------------------

@@ -17,6 +17,7 @@ from objcomm._api.express import Express
 from objcomm._errors import ObjcommError, shown_ranks
 from objcomm._samehost.segments import SEGMENTS, SegmentBook
 from objcomm._settings import CallOptions, resolve, settings_state
+from objcomm._transport import routes
 from objcomm._transport.base import Wire
 from serializers import SerializerLike, SerializerProtocol, registry
 
@@ -47,6 +48,12 @@ class Hooks(NamedTuple):
     rest_spread: bool = False  # each part of it as a scatter, then an all_gather, where the receivers answered first
     # (routes.rest_spread)
     limits_with_slot: bool = False  # a broadcast's round 1 brings the limits on gloo too (routes.limits_with_slot)
+
+    @property
+    def forced(self) -> routes.Forced:
+        """The routes these hooks force (:class:`routes.CallRoute` carries them)."""
+        radix, limits = self.tree_radix, self.limits_with_slot
+        return routes.Forced(self.summed, self.up_tree, radix, self.down_tree, self.rest_tree, self.rest_spread, limits)
 
 
 NO_HOOKS = Hooks()
@@ -105,10 +112,15 @@ class Resolving:
         for value in kwargs.values():
             if value is not None:
                 return self._given_call(kwargs)
+        return self._default_call()
+
+    def _default_call(self) -> Call:
+        """:meth:`_call` for a call that gives no per-call option (most calls; a public method that checked that
+        already calls this directly): what :meth:`_defaults` keeps, nothing resolved."""
         group = self._group()
         held = self._defaults(group)
         if held is None:  # no group, or one that cannot be held weakly
-            return self._resolved(kwargs)
+            return self._resolved({})
         # tuple.__new__: the named tuples' own __new__ is a Python function, one more call on every call
         return _new(Call, (held.options, held.serializer, _new(Wire, (group, *held.wire))))
 

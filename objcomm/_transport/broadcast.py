@@ -10,7 +10,6 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from objcomm._device import is_cpu
 from objcomm._errors import CommunicationError, ObjcommError
 from objcomm._format import limits as _limits
 from objcomm._format.frame import error_frame
@@ -32,6 +31,7 @@ from objcomm._transport.rounds import (
     _vote_refusals,
     long_report,
     refused_alike,
+    route_of,
     slots_through_medium,
 )
 
@@ -45,22 +45,18 @@ def broadcast(
     *,
     tree: bool = False,
     levels: Optional[TreeLevels] = None,
-    rest_tree: bool = False,
-    rest_spread: bool = False,
+    route: Optional[routes.CallRoute] = None,
     memory: Optional[SlotMemory] = None,
-    limits_with_slot: bool = False,
 ) -> Incoming:
     """``src``'s frame and tensors on every rank (``out`` is ignored elsewhere). ``memory``: the group's
     :class:`~objcomm._transport.rounds.SlotMemory` for its broadcasts, where their slots go through the backend (then
     the slot it says, and this call's slot remembered). ``tree`` (all_reduce's result, from
     group rank 0, whose reduce tree has just run, where :func:`objcomm._transport.routes.result_down_tree` says so):
     where round 1 would go through the group, or through two levels (``levels``: the reduce tree's), the frame goes
-    down that tree's edges instead (:func:`down_tree`). ``rest_tree``: a rest through the backend goes down the
-    binomial tree from ``src`` whatever its size (:func:`objcomm._transport.routes.rest_down_tree`; tests);
-    ``rest_spread``: each part of it as a scatter, then an all_gather, where the receivers answered first
-    (:func:`objcomm._transport.routes.rest_spread`; tests). ``limits_with_slot``: round 1 through the backend brings
-    every receiver's ``max_bytes`` with the slot, as on NCCL (:func:`objcomm._transport.routes.limits_with_slot`), on
-    gloo too (tests)."""
+    down that tree's edges instead (:func:`down_tree`). ``route``: the group's calls' route
+    (:class:`~objcomm._transport.routes.CallRoute`; None: the one its size, device and slot give), which says whether
+    round 1 through the backend brings every receiver's ``max_bytes`` with the slot (as on NCCL), and how a rest
+    through the backend goes (:func:`broadcast_rest`)."""
     op = "broadcast"
     if tree and levels is not None:
         assert src == 0, "the reduce tree ends on group rank 0"
@@ -78,8 +74,7 @@ def broadcast(
         if raw is not None and len(raw) != wire.slot:
             raw = _slot(wire, out) if out is not None else bytearray(wire.slot)
     smallest_limit: Optional[int] = None  # the smallest receiver's max_bytes, where round 1 brought them
-    cpu = is_cpu(wire.device)  # (round 1 through the backend, where got is NOT_USED)
-    if got is NOT_USED and (limits_with_slot or routes.limits_with_slot(cpu=cpu, slot_medium=routes.BACKEND)):
+    if got is NOT_USED and (route or route_of(wire)).limits_with_slot:
         got, smallest_limit = _slot_and_limits(wire, raw, src, op)
     elif got is NOT_USED:
         if raw is None:
@@ -89,7 +84,7 @@ def broadcast(
         guarded(op, wire, dist.broadcast, slot, src=wire.ranks[src], group=wire.group)
         got = host if host is not None else host_view(slot)
     info = read_slot(memoryview(got))
-    return broadcast_rest(wire, out, info, sizes_of, src, rest_tree, rest_spread, memory, smallest_limit)
+    return broadcast_rest(wire, out, info, sizes_of, src, route, memory, smallest_limit)
 
 
 _LEAST = -(1 << 63)
@@ -123,16 +118,19 @@ def broadcast_rest(
     info: SlotInfo,
     sizes_of: SizesOf,
     src: int,
-    rest_tree: bool = False,
-    rest_spread: bool = False,
+    route: Optional[routes.CallRoute] = None,
     memory: Optional[SlotMemory] = None,
     smallest_limit: Optional[int] = None,
 ) -> Incoming:
     """:func:`broadcast` once round 1 has delivered ``src``'s slot (``info``), by either route (``memory``: where
     round 1 went through the backend, :func:`broadcast`'s, which this call's slot teaches; ``smallest_limit``: the
-    smallest receiver's ``max_bytes``, where round 1 brought every receiver's: then no vote, its answer being known)."""
+    smallest receiver's ``max_bytes``, where round 1 brought every receiver's: then no vote, its answer being known).
+    ``route``: the group's calls' route, which says how a rest through the backend goes: down the binomial tree
+    from ``src`` (:meth:`~objcomm._transport.routes.CallRoute.rest_down_tree`), each part as a scatter, then an
+    all_gather (:meth:`~objcomm._transport.routes.CallRoute.rest_spread`), else in the backend's broadcast."""
     op, wire = "broadcast", at_pieces(wire, info.piece)  # the source's pieces (its own, on the source)
-    if not _limits.round_one_ends([info]):
+    ends = _limits.round_one_ends([info])  # an error report, or the whole message in the slot
+    if not ends:
         wire.slot_medium.agree(wire, [info], op)
     sizes, problem = _limits.plan(info, sizes_of)
     capacity = 0 if memory is None else memory.base - SLOT_PREFIX_BYTES  # (the settings' slot's, past the prefix)
@@ -143,8 +141,8 @@ def broadcast_rest(
             memory.forget()
         raise _limits.inconsistent(op, src, problem)
     if memory is not None:  # (before a receiver refuses alone: every rank's memory learns alike)
-        memory.learn([info], wire.slot)
-    if info.error or _limits.complete(info):
+        memory.learn([info], wire.slot, ends)
+    if ends:  # (info.error or limits.complete(info), for one slot)
         assert info.inline is not None
         in_slot = memory is None or info.error or _limits.accepted(info, capacity)  # (as check_limits' rule)
         if not in_slot and wire.rank != src and info.total > wire.max_bytes:
@@ -170,12 +168,12 @@ def broadcast_rest(
     if taken is not NOT_USED:
         return taken
     mine = out if wire.rank == src else None
-    cpu, moved = is_cpu(wire.device), info.second_round_bytes
-    tree = routes.rest_down_tree(world=wire.size, moved=moved, cpu=cpu, forced=rest_tree)
+    route, moved = route or route_of(wire), info.second_round_bytes
+    tree = route.rest_down_tree(moved)
     deadline = Deadline.of_rest(wire, op, src, moved)  # one for the frame and every tensor
 
     def part(data: Optional[torch.Tensor], length: int) -> torch.Tensor:
-        if routes.rest_spread(world=wire.size, part=length, cpu=cpu, agreed=agreed, forced=rest_spread):
+        if route.rest_spread(length, agreed=agreed):
             return spread_bytes(wire, data, length, src, op, deadline)
         return broadcast_bytes(wire, data, length, src, op, refuse, tree, deadline)
 

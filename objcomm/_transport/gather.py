@@ -21,17 +21,18 @@ from objcomm._errors import ObjcommError
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, outgoing_second_round_bytes, read_slot, read_slots
+from objcomm._transport import routes
 from objcomm._transport.base import INTERNAL_TAG, NOT_USED, Slot, Wire, guarded
 from objcomm._transport.bytes import Batch, host_view, joined, receive_buffer, to_device
 from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.patterns import in_rank_order
-from objcomm._transport.rounds import _on_device, _rest, _round_one, _slot, _split_rest, slots_through_medium
+from objcomm._transport.rounds import _on_device, _rest, _round_one, _slot, _split_rest, route_of, slots_through_medium
 from objcomm._transport.slot_tree import WORD, gather_up_tree, word_down_tree
 
 
 @one_call
 def gather(
-    wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int, up_tree: int = 0, word_tree: bool = False
+    wire: Wire, out: Outgoing, sizes_of: SizesOf, dst: int, route: Optional[routes.CallRoute] = None
 ) -> Optional[Sequence[Optional[Incoming]]]:
     """Every rank's frame and tensors on group rank ``dst``; ``None`` elsewhere, unless some rank failed.
 
@@ -39,10 +40,10 @@ def gather(
     through the group it is a gather of slots to ``dst``, which then sends every rank one word (:func:`_gather_slots`):
     go on, or every slot follows to every rank (a failure, an inconsistent slot, a rank over ``dst``'s limit, a
     same-host medium that may take the rest), so that every rank raises the same error in the same call. The
-    rest goes to ``dst`` point to point, one message per sender at its exact size. ``up_tree``: the slots go to
-    ``dst`` up a tree of this radix (:data:`objcomm._transport.routes.SLOT_TREE_RADIX`) rather than in the backend's
-    gather (0: :func:`objcomm._transport.routes.slots_up_tree`); ``word_tree``: there, ``dst``'s word comes back
-    down it (:func:`objcomm._transport.routes.word_down_tree`).
+    rest goes to ``dst`` point to point, one message per sender at its exact size. ``route``: the group's calls'
+    route (None: :func:`~objcomm._transport.rounds.route_of` the wire), which says whether the slots go to ``dst``
+    up a tree (:attr:`~objcomm._transport.routes.CallRoute.up_tree`: its radix) rather than in the backend's gather,
+    and whether ``dst``'s word then comes back down it (:attr:`~objcomm._transport.routes.CallRoute.word_down`).
     """
     op = "gather"
     raw = _slot(wire, out)
@@ -52,7 +53,8 @@ def gather(
         infos = [read_slot(memoryview(s)) for s in in_rank_order(got, raw, wire.rank, wire.size)]
         round_one_done()  # every rank is here: the steps after share one timeout (call_clock)
     else:
-        gathered_slots, checked = _gather_slots(wire, raw, sizes_of, dst, op, up_tree, word_tree)
+        route = route or route_of(wire)
+        gathered_slots, checked = _gather_slots(wire, raw, sizes_of, dst, op, route.up_tree, route.word_down)
         round_one_done()
         if gathered_slots is None:  # dst said go: only the rests move (the strategy's, where round 1 went its way)
             if wire.rest_media.gather(wire, out, None, sizes_of, dst, op) is NOT_USED:

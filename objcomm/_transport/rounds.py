@@ -206,15 +206,22 @@ def all_gather(
     out: Outgoing,
     sizes_of: SizesOf,
     op: str = "all_gather",
-    summed: bool = False,
+    route: Optional[routes.CallRoute] = None,
     memory: Optional[SlotMemory] = None,
 ) -> Sequence[Optional[Incoming]]:
-    """Every rank's frame and tensors, on every rank. ``None`` marks frames not moved after an error. ``summed``:
-    the slots through the backend in one all_reduce of the table (:func:`routes.slots_summed`). ``memory``: the group's
+    """Every rank's frame and tensors, on every rank. ``None`` marks frames not moved after an error. ``route``: the
+    group's calls' route (None: :func:`route_of` the wire), which says whether the slots through the
+    backend go in one all_reduce of the table (:attr:`routes.CallRoute.summed`). ``memory``: the group's
     :class:`SlotMemory` for its all_gathers, where their slots go through the backend (then the slot it says, never
-    wider where ``summed``, and this call's slots remembered)."""
-    wire, infos, memory = _exchange_slots(wire, out, op, summed, memory)
+    wider where summed, and this call's slots remembered)."""
+    wire, infos, memory = _exchange_slots(wire, out, op, (route or route_of(wire)).summed, memory)
     return all_gather_rest(wire, out, infos, sizes_of, op, memory)
+
+
+def route_of(wire: Wire) -> routes.CallRoute:
+    """The route a group's calls take by its size, device and slot, none forced (:func:`routes.call_route`): where
+    a caller gives none."""
+    return routes.call_route(world=wire.size, cpu=is_cpu(wire.device), slot=wire.slot)
 
 
 @one_call  # (the express path calls it too, after its own round 1)

@@ -579,7 +579,7 @@ def a_lying_source(rest_tree: bool) -> List[Any]:
     try:
         if rank == 1:
             wire = comm._call({}).wire
-            _broadcast.broadcast(wire, _forged_table(1 << 40), _frame.tensor_sizes, 1, rest_tree=rest_tree)
+            _broadcast.broadcast(wire, _forged_table(1 << 40), _frame.tensor_sizes, 1, route=comm._route(wire)[0])
             got: Any = "sent"
         else:
             got = comm.broadcast(None, src=1)
@@ -1046,7 +1046,7 @@ def bad_input(case: str, up_tree: bool = False) -> str:
                     _forged_table(1 << 40),
                     _frame.tensor_sizes,
                     0,
-                    *comm._up_tree(comm._call({}).wire),
+                    comm._route(comm._call({}).wire)[0],
                 )
             else:
                 comm.gather({"t": torch.ones(1000, dtype=torch.uint8)}, dst=0)

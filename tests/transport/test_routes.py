@@ -16,6 +16,49 @@ MB = 1 << 20
 
 def test_the_docstring_example_runs():
     assert doctest.testmod(routes).failed == 0
+    assert doctest.testmod(routes.calls).failed == 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 63, 64, 1024, 1025, 8192, 100_000])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("slot", [128, 4096, 1 << 16])
+def test_a_groups_call_route_is_its_cut_offs_at_any_world_size(world, device, slot):
+    cpu = device == "cpu"
+    route = routes.call_route(world=world, cpu=cpu, slot=slot)
+    assert route.forced == routes.NOT_FORCED
+    assert route.summed == routes.slots_summed(world=world, cpu=cpu)
+    tree = routes.slots_up_tree(world=world)
+    assert route.up_tree == (routes.SLOT_TREE_RADIX if tree else 0)
+    assert route.word_down == (tree and routes.word_down_tree(cpu=cpu))
+    assert route.limits_with_slot == routes.limits_with_slot(cpu=cpu, slot_medium=BACKEND)
+    assert route.part_slot == routes.part_slot(world=world, slot=slot)
+    for leaders in (0, 63, 64, 1024):
+        assert route.result_down(leaders) == routes.result_down_tree(cpu=cpu, leaders=leaders)
+    for moved in (0, 1, 77_000, MB, 45 * MB, 600 * MB):
+        assert route.rest_down_tree(moved) == routes.rest_down_tree(world=world, moved=moved, cpu=cpu)
+        for agreed in (False, True):
+            got = route.rest_spread(moved, agreed=agreed)
+            assert got == routes.rest_spread(world=world, part=moved, cpu=cpu, agreed=agreed)
+
+
+def test_forced_routes_take_their_way_at_any_size_and_only_theirs():
+    plain = routes.call_route(world=2, cpu=True, slot=4096)
+    assert (plain.summed, plain.up_tree, plain.word_down, plain.limits_with_slot) == (False, 0, False, False)
+    assert not plain.result_down() and not plain.rest_down_tree(MB) and not plain.rest_spread(MB, agreed=True)
+    each = {
+        "summed": lambda r: r.summed,
+        "up_tree": lambda r: r.up_tree == routes.SLOT_TREE_RADIX and r.word_down,
+        "down_tree": lambda r: r.result_down(),
+        "rest_tree": lambda r: r.rest_down_tree(MB),
+        "rest_spread": lambda r: r.rest_spread(MB, agreed=True) and not r.rest_spread(MB, agreed=False),
+        "limits_with_slot": lambda r: r.limits_with_slot,
+    }
+    for name, took in each.items():
+        route = routes.call_route(world=2, cpu=True, slot=4096, forced=routes.Forced(**{name: True}))
+        assert took(route), name
+        assert [other for other, t in each.items() if other != name and t(route)] == [], name
+    radix = routes.call_route(world=2, cpu=True, slot=4096, forced=routes.Forced(up_tree=True, tree_radix=2))
+    assert radix.up_tree == 2
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,12 @@
 """Which way each part of a call goes: every cut-off that picks a route, as pure functions of numbers.
 
 Nothing here moves a byte or reads a process group. The object API, the transport and the same-host media ask
-these functions; :func:`plan` composes them into the whole route of one call from made-up numbers, so that tests
-and ``benchmarks/scale_model.py`` can cost a call at any world size without starting a rank. The cut-offs live in
-:mod:`.cutoffs`, the composition in :mod:`.plans`; every name is re-exported here (a test that changes a constant
-changes it in :mod:`.cutoffs`, where the functions read it).
+these functions. What a call knows before its round 1 (the group's size, device and slot) is decided once per group:
+:func:`call_route` returns a :class:`CallRoute` (in :mod:`.calls`) that the transport's rounds carry out, whose
+methods answer what depends on round 1. :func:`plan` composes the cut-offs and that object into the whole route of
+one call from made-up numbers, so that tests and ``benchmarks/scale_model.py`` can cost a call at any world size
+without starting a rank. The cut-offs live in :mod:`.cutoffs`, the composition in :mod:`.plans`; every name is
+re-exported here (a test that changes a constant changes it in :mod:`.cutoffs`, where the functions read it).
 
 A call moves in up to two rounds. In round 1 every sender's fixed-size *slot* (``slot_bytes``: a 24-byte prefix,
 then the frame when it fits, then the tensor sizes when they fit) reaches its receivers; the *rest* (a frame past
@@ -113,6 +115,7 @@ Example::
     (['all_gather', 'stripes', 'all_gather'], 3)
 """
 
+from objcomm._transport.routes.calls import NOT_FORCED, CallRoute, Forced, call_route
 from objcomm._transport.routes.cutoffs import (
     ANNOUNCED_FROM,
     BACKEND,
@@ -183,9 +186,11 @@ from objcomm._transport.routes.plans import (
 __all__ = [
     "BACKEND",
     "BACKEND_WHOLE_BYTES",
+    "CallRoute",
     "CHANNEL",
     "CHANNEL_MOST",
     "EXACT",
+    "Forced",
     "HOP_BYTES",
     "IN_PLACE_FROM",
     "Knobs",
@@ -193,6 +198,7 @@ __all__ = [
     "LEARNED_TABLE_MOST",
     "NARROW_SAVES_LEAST",
     "NARROW_SLOT",
+    "NOT_FORCED",
     "PADDED",
     "PADDED_WITHIN",
     "PART_SLOT_LEAST",
@@ -212,6 +218,7 @@ __all__ = [
     "agreement_needed",
     "backend_room",
     "backend_whole",
+    "call_route",
     "channel_takes",
     "exchange_shape",
     "express_possible",

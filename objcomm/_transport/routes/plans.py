@@ -10,6 +10,7 @@ from functools import partial
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from objcomm._settings import DEFAULT_CHUNK_BYTES, DEFAULT_SHM_THRESHOLD, DEFAULT_SLOT_BYTES
+from objcomm._transport.routes.calls import call_route
 from objcomm._transport.routes.cutoffs import (
     ANNOUNCED_FROM,
     BACKEND,
@@ -26,19 +27,13 @@ from objcomm._transport.routes.cutoffs import (
     in_place_table,
     leaders_relay_first,
     leaders_spread,
-    limits_with_slot,
-    rest_down_tree,
     rest_medium,
-    rest_spread,
-    result_down_tree,
     round_one,
     shared_memory_takes,
-    slots_summed,
     slots_up_tree,
     stripe_width,
     tree_piece,
     two_levels,
-    word_down_tree,
 )
 
 
@@ -231,6 +226,7 @@ def plan(
     the slot). Pure: no process group, O(W)."""
     world = topology.world
     first = round_one(local=knobs.local, one_host=topology.one_host, channel_open=topology.channel_open)
+    route = call_route(world=world, cpu=topology.cpu, slot=knobs.slot_bytes)  # (what the transport carries out)
 
     medium_of = partial(  # the medium of a rest whose largest sender moves n bytes: medium_of(n)
         rest_medium,
@@ -254,7 +250,7 @@ def plan(
     announced = partial(all_announce, cpu=not knobs.local and topology.cpu and topology.one_host)  # of the largest
     settled = Step("all_gather", BACKEND, (8 * (1 + world),) * world)
     if op == "all_gather":
-        summed = first == BACKEND and slots_summed(world=world, cpu=topology.cpu)
+        summed = first == BACKEND and route.summed
         steps.append(Step("sum", BACKEND, (world * knobs.slot_bytes,)) if summed else Step("all_gather", first, slots))
         moved = max(rests, default=0)
         medium = medium_of(moved)
@@ -265,18 +261,18 @@ def plan(
         if first == CHANNEL:
             steps.append(Step("all_gather", CHANNEL, slots))
         else:
-            # the destination's word: on NCCL back down the slots' tree where they took it (word_down_tree), else an
-            # all_reduce (a tree up and down: its broadcast is a ring); on gloo a broadcast (a binomial tree)
-            tree = slots_up_tree(world=world)
-            if tree:  # trimmed to what each carries, with its length (gather_up_tree)
+            # the destination's word: on NCCL back down the slots' tree where they took it (route.word_down), else
+            # an all_reduce (a tree up and down: its broadcast is a ring); on gloo a broadcast (a binomial tree)
+            radix = route.up_tree
+            if radix:  # trimmed to what each carries, with its length (gather_up_tree)
                 held = carried if carried is not None else slots
                 trimmed = tuple(_up_tree(n, knobs.slot_bytes) for n in held)
-                steps.append(Step("gather_tree", BACKEND, trimmed, radix=SLOT_TREE_RADIX))
+                steps.append(Step("gather_tree", BACKEND, trimmed, radix=radix))
             else:
                 steps.append(Step("gather", BACKEND, slots))
-            if tree and word_down_tree(cpu=topology.cpu):
-                relays = world > SLOT_TREE_RADIX + 1  # (the first relay: rank 4, over rank 5)
-                steps.append(Step("down_tree", BACKEND, (8,), calls=2 if relays else 1, radix=SLOT_TREE_RADIX))
+            if route.word_down:
+                relays = world > radix + 1  # (the first relay: rank 4, over rank 5)
+                steps.append(Step("down_tree", BACKEND, (8,), calls=2 if relays else 1, radix=radix))
             else:
                 steps.append(Step("broadcast" if topology.cpu else "all_reduce", BACKEND, (8,)))
         senders = [0 if i == root else r for i, r in enumerate(rests)]
@@ -300,15 +296,15 @@ def plan(
             if agreed:
                 if first == BACKEND and topology.cpu:  # gloo: recursive doubling, then a broadcast
                     steps.append(Step("vote", first, (4,) * world, calls=vote_calls(world)))
-                elif not limits_with_slot(cpu=topology.cpu, slot_medium=first):  # (NCCL: the limits came with it)
+                elif not (first == BACKEND and route.limits_with_slot):  # (NCCL: the limits came with it)
                     steps.append(Step("all_reduce", first, (4,) * world))
             steps += [settled] if announced(moved) and medium == BACKEND else []
             # as a scatter, then an all_gather (one rest, one part: a relay takes, passes on, then ceil(log2 W) steps)
-            if medium == BACKEND and rest_spread(world=world, part=moved, cpu=topology.cpu, agreed=agreed):
+            if medium == BACKEND and route.rest_spread(moved, agreed=agreed):
                 return Plan(op, first, (*steps, Step("spread", BACKEND, (moved,), calls=spread_calls(world))))
             # each piece in the backend's broadcast, or down the binomial tree from the root: then a relay takes it
             # in one batch and sends it on in another
-            tree = medium == BACKEND and rest_down_tree(world=world, moved=moved, cpu=topology.cpu)
+            tree = medium == BACKEND and route.rest_down_tree(moved)
             kind, calls = ("down_tree", 2 if world > 3 else 1) if tree else ("broadcast", 1)
             steps += [
                 Step(kind, medium, (min(knobs.chunk_bytes, moved - at),), calls=calls)
@@ -332,11 +328,11 @@ def plan(
         else:
             steps.append(Step("tree", BACKEND, held, calls=calls, messages=edge))
         if op == "all_reduce":
-            if leveled and result_down_tree(cpu=topology.cpu, leaders=hosts):  # the leaders' tree, then each host's
+            if leveled and route.result_down(hosts):  # the leaders' tree, then each host's
                 across_down = Step("down_tree", BACKEND, held, hosts, True, across, edge)
                 return Plan(op, first, (*steps, across_down, Step("down_tree", CHANNEL, held, k)))
             result = plan("broadcast", topology, rests, knobs, root=0, listed=listed)
-            if result.round_one == BACKEND and result_down_tree(cpu=topology.cpu):
+            if result.round_one == BACKEND and route.result_down():
                 return Plan(op, first, (*steps, Step("down_tree", BACKEND, held, calls=calls, messages=edge)))
             return Plan(op, first, (*steps, *result.steps))
         sent = [rests[0] if r == 0 and root != 0 else 0 for r in range(world)]
