@@ -518,7 +518,7 @@ def breakdown_task(obj: Any, repeat: int) -> Dict[str, float]:
         times.append(time.perf_counter() - start)
         dist.barrier()
         start = time.perf_counter()
-        _rounds._exchange_slots(call.wire, out, "all_gather")  # type: ignore[arg-type]
+        _rounds._exchange_slots(call.wire, out, "all_gather", _rounds.route_of(call.wire).summed)  # type: ignore[arg-type]
         times.append(time.perf_counter() - start)
         dist.barrier()
         start = time.perf_counter()

@@ -249,7 +249,9 @@ def given(**values: Any) -> Dict[str, Any]:
 
 
 # The knobs a call takes. A public function passes them on with ``**call_kwargs(locals())``, so a
-# new per-call option is its name here plus the parameter in each signature that offers it.
+# new per-call option is its name here plus the parameter in each signature that offers it, and, in the methods that
+# try the express path first (all_gather, broadcast, send's _short_send, recv), its test that no option is given
+# (tests/api/test_public_api.py checks that each option a method takes is in it).
 CALL_KNOBS = ("serializer", "accept", "max_bytes", "map_location", "compression")
 
 

@@ -11,7 +11,9 @@
   the lanes and which point-to-point keys are busy); the wires of the calls made on it, one per
   set of options (:func:`objcomm._api.call.wire_for`); and the one thing that follows its calls rather than the group,
   the slot its next all_gather, broadcast or all_reduce result's broadcast takes
-  (:class:`objcomm._transport.rounds.SlotMemory`: the same on every rank).
+  (:class:`objcomm._transport.rounds.SlotMemory`: the same on every rank); and the route its calls take through the
+  backend, one per slot setting, device and the routes a communicator's test hooks force
+  (:class:`objcomm._transport.routes.CallRoute`).
 
 The one other piece of process state is the ``configure()`` layer of the settings, which
 :mod:`objcomm._settings` owns with its lock. Besides these there are only pure memos

@@ -51,7 +51,8 @@ class Hooks(NamedTuple):
 
     @property
     def forced(self) -> routes.Forced:
-        """The routes these hooks force (:class:`routes.CallRoute` carries them)."""
+        """The routes these hooks force (:class:`routes.CallRoute` carries them): on every call that takes that route
+        (a broadcast's ``rest_tree``, ``rest_spread`` and ``limits_with_slot`` on all_reduce's result broadcast too)."""
         radix, limits = self.tree_radix, self.limits_with_slot
         return routes.Forced(self.summed, self.up_tree, radix, self.down_tree, self.rest_tree, self.rest_spread, limits)
 

@@ -13,6 +13,7 @@ from _ranks import get_pool
 
 import objcomm
 from objcomm._api.resolving import Hooks
+from objcomm._state import group_facts
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -215,9 +216,10 @@ def with_the_parts_table_of(world_at_8192: bool) -> List[Any]:
     from objcomm._transport.routes import cutoffs
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    saved = cutoffs.PARTS_TABLE
+    saved, routes_made = cutoffs.PARTS_TABLE, group_facts(dist.group.WORLD).routes
     if world_at_8192:
         cutoffs.PARTS_TABLE = world * cutoffs.PART_SLOT_LEAST
+    routes_made.clear()  # (a group's route reads the cut-offs once: routes.calls)
     try:
         comm = objcomm.Communicator(shm=False)
         got: List[Any] = []
@@ -228,16 +230,20 @@ def with_the_parts_table_of(world_at_8192: bool) -> List[Any]:
             comm.all_to_all([threading.Lock() if rank == 2 and dst == 0 else "x" * 100 for dst in range(world)])
         except objcomm.RemoteError as exc:
             got.append((exc.ranks, [t for t, _ in exc.failures.values()], "cannot pickle" in str(exc)))
-        return got
+        return [got, comm._parts_of(comm._call({})).wire.slot]  # (and the part slot these calls took)
     finally:
         cutoffs.PARTS_TABLE = saved
+        routes_made.clear()
 
 
 def test_parts_slots_shrink_past_a_table_of_4_mib_with_the_same_results():
     """Past 1024 ranks each part of a scatter or an all_to_all gets a slot smaller than the settings' (routes.part_slot:
     512 bytes at 8192 ranks, where 4 KiB slots made 32 MiB of round 1 on every rank): parts past it take the second
     round, results and failures the same as with 4 KiB slots (forced here on 3 ranks)."""
-    small, whole = (get_pool(3).run(with_the_parts_table_of, at) for at in (True, False))
+    (small, slots_small), (whole, slots_whole) = (
+        zip(*get_pool(3).run(with_the_parts_table_of, at)) for at in (True, False)
+    )
+    assert slots_small == (512,) * 3 and slots_whole == (4096,) * 3, (slots_small, slots_whole)
     assert small == whole, (small, whole)
     for rank, got in enumerate(small):
         assert got[0] == [f"{src}>{rank}:" + "p" * 10 for src in range(3)] and got[-1] == ([2], ["TypeError"], True)

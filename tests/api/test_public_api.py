@@ -219,3 +219,18 @@ def test_communicator_validates_eagerly():
         objcomm.Communicator(serializer="yaml")
     with pytest.raises(ValueError, match="max_bytes"):
         objcomm.Communicator(max_bytes=0)
+
+
+@pytest.mark.parametrize("method", ["all_gather", "broadcast", "send", "recv"])
+def test_a_method_that_tries_the_express_path_first_gates_it_on_every_option_it_takes(method):
+    """all_gather, broadcast and recv take the communicator's defaults without resolving anything (and send the
+    express path) only where no per-call option is given: each option a method takes must be in that test, or a new
+    one would be dropped silently (objcomm._settings.CALL_KNOBS)."""
+    from objcomm._api.point_to_point import PointToPoint
+    from objcomm._settings import CALL_KNOBS
+
+    fn = getattr(objcomm.Communicator, method)
+    taken = [name for name in inspect.signature(fn).parameters if name in CALL_KNOBS]
+    assert taken, method
+    source = inspect.getsource(PointToPoint._short_send if method == "send" else inspect.unwrap(fn))
+    assert [name for name in taken if f"{name} is None" not in source and f"{name} is not None" not in source] == []

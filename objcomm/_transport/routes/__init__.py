@@ -6,7 +6,8 @@ these functions. What a call knows before its round 1 (the group's size, device 
 methods answer what depends on round 1. :func:`plan` composes the cut-offs and that object into the whole route of
 one call from made-up numbers, so that tests and ``benchmarks/scale_model.py`` can cost a call at any world size
 without starting a rank. The cut-offs live in :mod:`.cutoffs`, the composition in :mod:`.plans`; every name is
-re-exported here (a test that changes a constant changes it in :mod:`.cutoffs`, where the functions read it).
+re-exported here (a test that changes a constant changes it in :mod:`.cutoffs`, where the functions read it; a
+group's :class:`CallRoute` read it when it was made, see :mod:`.calls`).
 
 A call moves in up to two rounds. In round 1 every sender's fixed-size *slot* (``slot_bytes``: a 24-byte prefix,
 then the frame when it fits, then the tensor sizes when they fit) reaches its receivers; the *rest* (a frame past

@@ -5,7 +5,9 @@ costs the same object.
 What a call can know before its round 1 (the world size, the device, the slot) is decided here once: whether an
 all_gather's slots go in one all_reduce, the tree a gather's slots go up, whether a broadcast's round 1 brings the
 receivers' limits, each part's slot of a scatter. What depends on what round 1 brings (a rest's size, the
-receivers' vote, the leaders two levels found) its methods answer, pure functions of those numbers.
+receivers' vote, the leaders two levels found) its methods answer, pure functions of those numbers. The cut-offs'
+constants are read when the route is made: a test that changes one on live ranks clears the routes its groups keep
+(``group_facts(group).routes``), or uses a new group.
 
 Example::
 
@@ -20,12 +22,11 @@ Example::
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from objcomm._transport.routes.cutoffs import (
     BACKEND,
     SLOT_TREE_RADIX,
-    exchange_shape,
     limits_with_slot,
     part_slot,
     rest_down_tree,
@@ -54,12 +55,11 @@ NOT_FORCED = Forced()
 
 
 class CallRoute(NamedTuple):
-    """How the calls of a group of ``world`` ranks on the CPU (gloo) or a GPU (NCCL) with ``slot``-byte slots go
-    where round 1 takes the backend (:func:`call_route` makes it)."""
+    """How the calls of a group of ``world`` ranks on the CPU (gloo) or a GPU (NCCL) go where round 1 takes the
+    backend (:func:`call_route` makes it, for one slot setting: the settings' ``slot_bytes``)."""
 
     world: int
     cpu: bool
-    slot: int
     forced: Forced
     summed: bool  # all_gather: the slots in one all_reduce of the table (slots_summed)
     up_tree: int  # gather: the radix of the tree its slots go up (0: the backend's gather; slots_up_tree)
@@ -82,10 +82,6 @@ class CallRoute(NamedTuple):
         (``agreed``): :func:`~.cutoffs.rest_spread`."""
         return rest_spread(world=self.world, part=part, cpu=self.cpu, agreed=agreed, forced=self.forced.rest_spread)
 
-    def exchange_shape(self, lengths: Sequence[int]) -> str:
-        """all_gather: how the backend moves rests of ``lengths`` bytes (:func:`~.cutoffs.exchange_shape`)."""
-        return exchange_shape(lengths, cpu=self.cpu)
-
 
 def call_route(*, world: int, cpu: bool, slot: int, forced: Forced = NOT_FORCED) -> CallRoute:
     """The route of a group's calls through the backend: pure, O(1)."""
@@ -93,7 +89,6 @@ def call_route(*, world: int, cpu: bool, slot: int, forced: Forced = NOT_FORCED)
     return CallRoute(
         world=world,
         cpu=cpu,
-        slot=slot,
         forced=forced,
         summed=slots_summed(world=world, cpu=cpu, forced=forced.summed),
         up_tree=(forced.tree_radix or SLOT_TREE_RADIX) if up else 0,
