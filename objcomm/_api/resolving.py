@@ -53,8 +53,15 @@ class Hooks(NamedTuple):
     def forced(self) -> routes.Forced:
         """The routes these hooks force (:class:`routes.CallRoute` carries them): on every call that takes that route
         (a broadcast's ``rest_tree``, ``rest_spread`` and ``limits_with_slot`` on all_reduce's result broadcast too)."""
-        radix, limits = self.tree_radix, self.limits_with_slot
-        return routes.Forced(self.summed, self.up_tree, radix, self.down_tree, self.rest_tree, self.rest_spread, limits)
+        return routes.Forced(
+            summed=self.summed,
+            up_tree=self.up_tree,
+            tree_radix=self.tree_radix,
+            down_tree=self.down_tree,
+            rest_tree=self.rest_tree,
+            rest_spread=self.rest_spread,
+            limits_with_slot=self.limits_with_slot,
+        )
 
 
 NO_HOOKS = Hooks()
