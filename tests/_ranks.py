@@ -104,8 +104,9 @@ _DEFAULT_KW = {
 }
 _CACHE: OrderedDict[int, RankPool] = OrderedDict()
 _CACHE_LOCK = threading.RLock()
-# Each idle worker holds ~230 MB (torch); keep the cache from holding sizes 1..10 at once.
-MAX_CACHED_WORKERS = int(os.environ.get("RANKPOOL_MAX_CACHED_WORKERS", "16"))
+# Each idle worker holds ~230 MB (torch): 24 (~5.5 GB) keep the pool of 8 alive beside the smaller ones between
+# modules (16 restarted it four times a run, ~9 s each on two cores), and not sizes 1..10 at once.
+MAX_CACHED_WORKERS = int(os.environ.get("RANKPOOL_MAX_CACHED_WORKERS", "24"))
 
 
 def get_pool(world_size: int, **kw) -> RankPool:
