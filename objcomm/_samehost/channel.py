@@ -173,6 +173,7 @@ class LocalChannel(Mesh):
         self._pids = tuple(pids)
         self._peers = peers
         self._others = sorted(peers)  # every other rank
+        self._patterns = {}  # this rank's part in each operation and root it met (Mesh._pattern)
         timeval = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))  # bounds a blocking recv in the kernel
         for sock in peers.values():
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)

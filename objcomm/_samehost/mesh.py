@@ -62,6 +62,7 @@ class Mesh:
     ranks_note: str
     _peers: Dict[int, socket.socket]
     _others: List[int]
+    _patterns: Dict[Tuple[str, Optional[int]], Pattern]
     _inbox: Inbox
     _votes: int
     _seq: int
@@ -80,18 +81,28 @@ class Mesh:
         kind's name."""
         return self._collective(kind, pattern.outgoing(mine), pattern.sources, spin, op)
 
+    def _pattern(self, op: str, root: Optional[int] = None) -> Pattern:
+        """This rank's part in ``op`` (:func:`objcomm._transport.patterns.pattern`), kept by the channel: a small
+        call's round 1 looks it up in one dict (the module's table, by keywords, cost ~30 Python steps a call)."""
+        found = self._patterns.get((op, root))
+        if found is None:
+            found = self._patterns[op, root] = pattern(op, me=self.rank, world=self.size, root=root)
+        return found
+
     def all_gather(self, data: Slot, spin: Optional[float] = None, op: Optional[str] = None) -> List[Slot]:
         """Every rank's ``data``, in group-rank order. A gather's all_gathers (its round 1 on one host, its words)
         go as messages of kind GATHER, so that ranks of which some call gather and others all_gather raise, where
         both would have returned (a newcomer's find: a program that passes on one host and hangs across hosts)."""
         kind = GATHER if op == "gather" else ALL_GATHER
-        got = self.move(kind, pattern("all_gather", me=self.rank, world=self.size), data, spin, op)
+        ring = self._patterns.get(("all_gather", None)) or self._pattern("all_gather")
+        got = self._collective(kind, ring.outgoing(data), ring.sources, spin, op)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
     def broadcast(self, data: Optional[Slot], src: int, spin: Optional[float] = None, op: Optional[str] = None) -> Slot:
         """``src``'s ``data`` on every rank (ignored elsewhere)."""
         assert data is not None or self.rank != src
-        got = self.move(BROADCAST, pattern("broadcast", me=self.rank, world=self.size, root=src), data, spin, op)
+        spread = self._patterns.get(("broadcast", src)) or self._pattern("broadcast", src)
+        got = self._collective(BROADCAST, spread.outgoing(data), spread.sources, spin, op)
         return data if self.rank == src else got[src]  # type: ignore[return-value]  # (the root's: asserted above)
 
     def gather(
@@ -99,27 +110,27 @@ class Mesh:
     ) -> Dict[int, bytes]:
         """Every other rank's ``data`` on group rank ``dst``, by rank (``data`` ignored there); ``{}`` elsewhere."""
         assert data is not None or self.rank == dst
-        return self.move(GATHER, pattern("gather", me=self.rank, world=self.size, root=dst), data, spin, op)
+        return self.move(GATHER, self._pattern("gather", dst), data, spin, op)
 
     def scatter(
         self, parts: Optional[Sequence[Slot]], src: int, spin: Optional[float] = None, op: Optional[str] = None
     ) -> Slot:
         """``src``'s ``parts[r]`` on group rank ``r``."""
         assert self.rank != src or parts is not None and len(parts) == self.size
-        got = self.move(SCATTER, pattern("scatter", me=self.rank, world=self.size, root=src), parts, spin, op)
+        got = self.move(SCATTER, self._pattern("scatter", src), parts, spin, op)
         return parts[src] if parts is not None and self.rank == src else got[src]
 
     def all_to_all(self, parts: Sequence[Slot], spin: Optional[float] = None, op: Optional[str] = None) -> List[Slot]:
         """``parts[j]`` to group rank ``j``; element ``i`` of the result came from rank ``i``."""
         assert len(parts) == self.size
-        got = self.move(ALL_TO_ALL, pattern("all_to_all", me=self.rank, world=self.size), parts, spin, op)
+        got = self.move(ALL_TO_ALL, self._pattern("all_to_all"), parts, spin, op)
         return [parts[r] if r == self.rank else got[r] for r in range(self.size)]
 
     def echo(self, data: Slot, spin: Optional[float] = None, op: Optional[str] = None) -> List[Slot]:
         """An all_gather of kind ``ECHO``: what every rank read in round 1, so that a rank that skipped this step
         (it read round 1 differently) is told apart from one at its next call (see
         :meth:`objcomm._samehost.channel_slots.ChannelSlots.agree`)."""
-        got = self.move(ECHO, pattern("all_gather", me=self.rank, world=self.size), data, spin, op)
+        got = self.move(ECHO, self._pattern("all_gather"), data, spin, op)
         return [data if r == self.rank else got[r] for r in range(self.size)]
 
     def send(self, data: Slot, dst: int, tag: int = 0, message: int = 0) -> None:
