@@ -61,7 +61,7 @@ import torch.distributed as dist
 from objcomm import _state
 from objcomm._api.handles import _LOCAL, Request, _settle, completed
 from objcomm._api.own_box import NOTHING, _OwnBox
-from objcomm._device import device_for_backend, group_backend, timeout_seconds
+from objcomm._device import device_for_backend, group_backend, is_cpu, timeout_seconds
 from objcomm._errors import CommunicationError, ObjcommError
 from objcomm._transport import groups as _groups
 
@@ -287,7 +287,7 @@ def collective(group: Any, op: str, fn: Callable[[Any], Any]) -> Request:
 def _cuda_device(group: Any) -> Optional[int]:
     """The caller's current CUDA device when objcomm moves ``group``'s bytes there (NCCL), else None."""
     device = device_for_backend(group_backend(group), torch.cuda.current_device)
-    return None if device.type == "cpu" else device.index
+    return None if is_cpu(device) else device.index
 
 
 def on_nccl(group: Any) -> bool:
