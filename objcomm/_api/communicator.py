@@ -151,12 +151,12 @@ class Communicator(Copies, PointToPoint):
             return self._submit("all_gather", Communicator.all_gather, obj, **call_kwargs(locals()))
         express, serialized = None, None
         if serializer is None and accept is None and max_bytes is None and map_location is None and compression is None:
-            express = self._express(now=False)
+            express, held, group = self._express_found(now=False)
             if express is not None:
                 done, serialized = express.all_gather(obj, self._group)
                 if done:
                     return serialized
-            call = self._default_call()
+            call = self._held_call(held, group)
         else:
             call = self._given_call(call_kwargs(locals()))
         return self._all_gather_call(call, obj, serialized, express)
@@ -198,12 +198,12 @@ class Communicator(Copies, PointToPoint):
             return self._submit("broadcast", Communicator.broadcast, obj, src, **call_kwargs(locals()))
         express, serialized = None, None
         if serializer is None and accept is None and max_bytes is None and map_location is None and compression is None:
-            express = self._express(now=False)
+            express, held, group = self._express_found(now=False)
             if express is not None:
                 done, serialized = express.broadcast(obj, src, self._group)
                 if done:
                     return serialized
-            call = self._default_call()
+            call = self._held_call(held, group)
         else:
             call = self._given_call(call_kwargs(locals()))
         return self._broadcast_call(call, obj, src, serialized, express)

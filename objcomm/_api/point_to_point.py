@@ -69,14 +69,14 @@ class PointToPoint(Operations):
         waits, before it waits for the other ranks.
         """
         if accept is None and max_bytes is None and map_location is None:
-            express = self._express()
+            express, held, group = self._express_found()
             if express is not None and (
                 src is not None or (express.peers and not _requests.own_waiting(express.facts, tag))
             ):
                 got = express.recv(src, tag, self._group)
                 if got is not NOT_TAKEN:
                     return got if return_sender else got[1]
-            call = self._default_call()
+            call = self._held_call(held, group)
         else:
             call = self._given_call(call_kwargs(locals()))
         return self._recv_call(call, src, tag, return_sender)

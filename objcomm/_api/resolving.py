@@ -126,7 +126,10 @@ class Resolving:
         """:meth:`_call` for a call that gives no per-call option (most calls; a public method that checked that
         already calls this directly): what :meth:`_defaults` keeps, nothing resolved."""
         group = self._group()
-        held = self._defaults(group)
+        return self._held_call(self._defaults(group), group)
+
+    def _held_call(self, held: Optional[Held], group: Any) -> Call:
+        """The call of what :meth:`_defaults` gave for ``group`` (``held``; None: resolved now)."""
         if held is None:  # no group, or one that cannot be held weakly
             return self._resolved({})
         # tuple.__new__: the named tuples' own __new__ is a Python function, one more call on every call
@@ -215,18 +218,23 @@ class Resolving:
         """The express path of this communicator's default-option calls (:mod:`objcomm._api.express`), or None;
         built on the first send/recv, or the second collective (``now=False``: a communicator made for one
         collective, as ``objcomm.all_gather(obj, group=...)`` makes, never pays for it)."""
+        return self._express_found(now)[0]
+
+    def _express_found(self, now: bool = True) -> Tuple[Optional[Express], Optional[Held], Any]:
+        """``(`` :meth:`_express` ``, what _defaults gave, the group)``: a call the express path does not take builds
+        its call from the last two (:meth:`_held_call`) without looking them up again."""
         group = self._group()
         held = self._defaults(group)
         if held is None:
-            return None
+            return None, held, group
         express: Optional[Express] = held.express  # or _UNBUILT, _NEXT: replaced or returned below
         if express is _UNBUILT and not now:
             self._held = held._replace(express=_NEXT)
-            return None
+            return None, held, group
         if express is _UNBUILT or express is _NEXT:
             express = Express.of(_new(Call, (held.options, held.serializer, _new(Wire, (group, *held.wire)))))
             self._held = held._replace(express=express)
-        return express
+        return express, held, group
 
     def _group(self) -> Any:
         """The group this communicator's calls use; None when torch.distributed is not initialised."""
