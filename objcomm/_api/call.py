@@ -28,7 +28,8 @@ from objcomm._samehost.segments import DEFAULT_DIRECTORY, SegmentBook
 from objcomm._samehost.two_level_rests import TwoLevelRests
 from objcomm._samehost.voted_rests import VotedRests
 from objcomm._settings import CallOptions
-from objcomm._transport.base import BACKEND, INTERNAL_TAG, GroupRanks, RestMedia, SlotMedium, Wire
+from objcomm._transport.base import BACKEND, INTERNAL_TAG, RestMedia, SlotMedium, Wire
+from objcomm._transport.group_ranks import GroupRanks
 from serializers import AutoSerializer, Serializer, SerializerProtocol, registry
 
 Device = Union[str, torch.device, None]

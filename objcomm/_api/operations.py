@@ -69,7 +69,8 @@ class Operations(Resolving):
             return [call.roundtrip(obj)]
         root = self._group_rank(call.wire, dst, "dst")
         out, local = call.encode(obj)
-        incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, self._route(call.wire)[0])
+        route = self._route(call.wire, op="gather")[0]
+        incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, route)
         if incoming is None:
             if local is not None:  # dst said go over this rank's error report (only a lying dst does)
                 raise local
@@ -95,7 +96,7 @@ class Operations(Resolving):
         if call.wire is None:
             self._check_single(src, "src")
             return call.roundtrip(per_rank(objs, 1, "scatter")[0])
-        call = self._parts_of(call)
+        call = self._parts_of(call, "scatter")
         wire = call.wire
         assert wire is not None
         root = self._group_rank(wire, src, "src")
@@ -110,7 +111,7 @@ class Operations(Resolving):
     def _all_to_all_call(self, call: Call, objs: Sequence[Any]) -> Any:
         if call.wire is None:
             return [call.roundtrip(per_rank(objs, 1, "all_to_all")[0])]
-        call = self._parts_of(call)
+        call = self._parts_of(call, "all_to_all")
         assert call.wire is not None
         outs, local = encode_each(call, objs, call.wire.size, "all_to_all")
         incoming = _parts.all_to_all(call.wire, outs, _frame.tensor_sizes)
@@ -123,11 +124,13 @@ class Operations(Resolving):
             _reduce.resolve(op)
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, dst, "dst")
+        self._route(call.wire, op="reduce")  # (its slot agreed before the tree's first message)
         levels = call.wire.slot_medium.tree_levels(call.wire, "reduce")
         value, complete, own, _ = _reduce.tree(call, obj, op, levels)
         out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
         try:
-            incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, self._route(call.wire)[0])
+            route = self._route(call.wire, op="reduce")[0]
+            incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, route)
         except TooLargeError as exc:  # the result, from group rank 0, over dst's limit: alike on every rank
             raise TooLargeError(f"reduce: its result goes from group rank 0 to dst in a gather, and {exc}") from None
         if incoming is None:
@@ -144,6 +147,7 @@ class Operations(Resolving):
             _reduce.resolve(op)
             return call.roundtrip(obj)
         wire = call.wire
+        self._route(wire, op="all_reduce")  # (its slot agreed before the tree's first message)
         levels = wire.slot_medium.tree_levels(wire, "all_reduce")
         value, complete, own, lowest = _reduce.tree(call, obj, op, levels)
         out, local = final_report(call, value, complete, own) if wire.rank == 0 else (None, None)
@@ -184,10 +188,11 @@ class Operations(Resolving):
             _reduce.resolve(op)
             return None if exclusive else call.roundtrip(obj)
         wire = call.wire
+        self._route(wire, op=name)  # (its slot agreed before its first message)
         value, complete, own = _scan.prefix(call, obj, op, exclusive)
         if largest_of(wire, [0 if complete else 1], name)[0]:  # a rank failed: every rank's own report, to all
             report, failed = final_report(call, None, False, own)
-            incoming = _rounds.all_gather(wire, report, _frame.tensor_sizes, route=self._route(wire)[0])
+            incoming = _rounds.all_gather(wire, report, _frame.tensor_sizes, route=self._route(wire, op=name)[0])
             call.raise_failures(name, incoming, failed)
             raise CommunicationError(  # a rank passed on an error report that no rank's own report holds
                 f"{name}: a rank reported a failure to the ranks above it, and no rank's own report names it; "
@@ -195,15 +200,22 @@ class Operations(Resolving):
             )
         return value if value is not obj else _not_own(call, value, obj)
 
-    def _route(self, wire: Wire, remembered: str = "") -> Tuple[routes.CallRoute, Optional[_rounds.SlotMemory]]:
+    def _route(
+        self, wire: Wire, remembered: str = "", op: str = ""
+    ) -> Tuple[routes.CallRoute, Optional[_rounds.SlotMemory]]:
         """The route of this communicator's calls on ``wire``'s group (:class:`routes.CallRoute`: by its size, device
         and slot, and the routes the hooks force), made once and kept on the group; and the group's slot memory of
         ``remembered``'s calls with this slot setting (an op of :data:`_REMEMBERED`: :class:`_rounds.SlotMemory`),
-        else None."""
+        else None. Where the group first takes this slot, every rank checks that all use it (a vote, before
+        anything moves: :func:`_rounds.agree_on_slot`); ``op`` (else ``remembered``) names the call in its error."""
         facts = group_facts(wire.group)
         kept, key = facts.routes, (wire.slot, wire.device, self._hooks)
         route: Optional[routes.CallRoute] = kept.get(key)
         if route is None:
+            agreed = facts.slots_agreed
+            if (wire.slot, wire.device) not in agreed and not wire.slot_medium.checks_slots(wire):
+                _rounds.agree_on_slot(wire, op or remembered)
+                agreed.add((wire.slot, wire.device))
             if len(kept) >= WIRES_KEPT:
                 kept.clear()
             forced = self._hooks.forced
@@ -218,12 +230,12 @@ class Operations(Resolving):
             memory = slots.setdefault(at, _rounds.SlotMemory(wire.slot, *_REMEMBERED[remembered]))
         return route, memory
 
-    def _parts_of(self, call: Call) -> Call:
+    def _parts_of(self, call: Call, op: str) -> Call:
         """``call`` for a scatter or an all_to_all: each part's slot the route's (:attr:`routes.CallRoute.part_slot`:
         the settings' up to :data:`routes.PARTS_TABLE` a rank, smaller past it), its error reports made to fit."""
         wire = call.wire
         assert wire is not None
-        slot = self._route(wire)[0].part_slot
+        slot = self._route(wire, op=op)[0].part_slot
         return call if slot == wire.slot else call._replace(wire=wire._replace(slot=slot))
 
     # -- point to point ------------------------------------------------------------------------

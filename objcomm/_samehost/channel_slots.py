@@ -192,6 +192,11 @@ class ChannelSlots:
             found = known.setdefault(self.separate, SameHost())
         return found
 
+    def checks_slots(self, wire: Wire) -> bool:
+        """Where the group's channel is open and agreed: a slot of another size fails it on every rank."""
+        state = self.state(wire)
+        return state is not None and state.agreed and state.channel is not None
+
     def channel_of(self, wire: Wire, op: str) -> Optional[Tuple[_channel.LocalChannel, Optional[float]]]:
         state = self.state(wire)
         channel = None if state is None or not state.agreed else state.channel

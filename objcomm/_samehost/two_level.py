@@ -221,6 +221,9 @@ class HostEdges:
     def channel_of(self, wire: Wire, op: str) -> None:
         return None
 
+    def checks_slots(self, wire: Wire) -> bool:
+        return True  # no collective runs on it; a send's envelope names its slot size
+
 
 class HostRoute(ChannelRoute):
     """:class:`ChannelRoute` over a host's channel, its peers named by group rank (``base`` on: place 0), so that the

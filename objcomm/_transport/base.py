@@ -10,7 +10,6 @@ these; the same-host media (:mod:`objcomm._samehost`, a floor above) implement t
 from __future__ import annotations
 
 import enum
-import functools
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
@@ -192,6 +191,10 @@ class SlotMedium(Protocol):
         the group. The same answer on every rank (the levels are set up by an earlier collective of the group); every
         rank of the call asks (a host's channel that failed reopens here, a collective of the host's ranks)."""
 
+    def checks_slots(self, wire: Wire) -> bool:
+        """Whether round 1 goes where a slot of another size fails the call on every rank by itself (an open same-host
+        channel); else a group that first takes a slot votes on its size (``rounds.agree_on_slot``). Alike on all."""
+
     def channel_of(self, wire: Wire, op: str) -> Optional[Tuple[Any, Optional[float]]]:
         """The same-host channel (:class:`objcomm._samehost.channel.LocalChannel`) that carried this call's round 1, and
         the spin of its waits; None when round 1 went through the group (the same answer on every rank). Raises
@@ -290,40 +293,14 @@ class _Backend:
     def channel_of(self, wire: Wire, op: str) -> None:
         return None
 
+    def checks_slots(self, wire: Wire) -> bool:
+        return False
+
     def __repr__(self) -> str:
         return "BACKEND"
 
 
 BACKEND: SlotMedium = _Backend()
-
-
-class GroupRanks(tuple):  # type: ignore[type-arg]
-    """A group's global ranks in group-rank order, whose :meth:`index` (a global rank's group rank) and ``in`` take
-    one lookup, not a scan of W ranks: every send/recv names its peer by global rank.
-
-    >>> ranks = GroupRanks((4, 9, 2))
-    >>> ranks.index(2), 9 in ranks, 5 in ranks, ranks[1]
-    (2, True, False, 9)
-    """
-
-    @functools.cached_property
-    def _places(self) -> Dict[int, int]:
-        return {rank: place for place, rank in enumerate(self)}
-
-    def index(self, rank: Any, *args: Any) -> int:
-        try:
-            found = None if args else self._places.get(rank)
-        except TypeError:  # (unhashable)
-            found = None
-        return super().index(rank, *args) if found is None else found  # a miss: a tuple's answer, or its error
-
-    def __contains__(self, rank: object) -> bool:
-        try:
-            if rank in self._places:
-                return True
-        except TypeError:  # (unhashable)
-            pass
-        return super().__contains__(rank)  # a miss: a tuple's answer (what compares equal to a member)
 
 
 class Wire(NamedTuple):

@@ -38,13 +38,13 @@ import torch
 import torch.distributed as dist
 
 from objcomm._device import is_cpu
-from objcomm._errors import ObjcommError
+from objcomm._errors import CommunicationError, ObjcommError
 from objcomm._format import limits as _limits
 from objcomm._format.frame import error_frame, parse_header, read_error
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo, fill_slot, read_slot, read_slots
 from objcomm._transport import routes
-from objcomm._transport.base import NOT_USED, Mine, NotUsed, Slot, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.base import BACKEND, NOT_USED, Mine, NotUsed, Slot, Wire, all_gather_single, guarded, largest_of
 from objcomm._transport.bytes import at_pieces, host_view, receive_buffer, zeroed
 from objcomm._transport.call_clock import one_call, round_one_done
 from objcomm._transport.exchange import LaidRests, all_gather_rests
@@ -216,6 +216,24 @@ def all_gather(
     wider where summed, and this call's slots remembered)."""
     wire, infos, memory = _exchange_slots(wire, out, op, (route or route_of(wire)).summed, memory)
     return all_gather_rest(wire, out, infos, sizes_of, op, memory)
+
+
+def agree_on_slot(wire: Wire, op: str) -> None:
+    """Raise :class:`~objcomm.CommunicationError` on every rank where the group's ranks use different slot sizes
+    (``slot_bytes``): round 1 moves one slot from each rank, and gloo aborts a process that receives another size
+    (``terminate called ... EnforceNotMet``: before 2026-12-07 a rank with another ``slot_bytes`` crashed the
+    group's first all_gather through the backend). One vote of two words through the group's backend (a doubling on
+    gloo, an all_reduce on NCCL), where a group first takes this slot (``Operations._route``: once per group, slot
+    and device)."""
+    if wire.size == 1:
+        return
+    most, least = largest_of(wire._replace(slot_medium=BACKEND), [wire.slot, -wire.slot], op)
+    if most != -least:
+        raise CommunicationError(
+            f"{op}: the ranks of this group use different slot sizes: slot_bytes={wire.slot:,} on this rank, "
+            f"from {-least:,} to {most:,} among them. Give every rank the same slot_bytes (objcomm.configure("
+            "slot_bytes=...) or Communicator(slot_bytes=...) on every rank); nothing was moved"
+        )
 
 
 def route_of(wire: Wire) -> routes.CallRoute:

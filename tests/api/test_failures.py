@@ -205,6 +205,47 @@ def test_settings_that_fail_on_one_rank_fail_every_rank_and_keep_the_group_in_st
     assert results[1]["max_bytes", "recv"] == "ValueError" and results[1]["max_bytes", "recv", "next"] == "max_bytes"
 
 
+EVERY_CALL = {  # each collective of objcomm's, its arguments from (comm, rank, world)
+    "all_gather": lambda comm, rank, world: comm.all_gather(rank),
+    "gather": lambda comm, rank, world: comm.gather(rank, dst=0),
+    "broadcast": lambda comm, rank, world: comm.broadcast(rank, src=0),
+    "scatter": lambda comm, rank, world: comm.scatter(list(range(world)), src=0),
+    "all_to_all": lambda comm, rank, world: comm.all_to_all([rank] * world),
+    "all_reduce": lambda comm, rank, world: comm.all_reduce(rank, max),
+    "reduce": lambda comm, rank, world: comm.reduce(rank, max, dst=0),
+    "scan": lambda comm, rank, world: comm.scan(rank, max),
+}
+
+
+def slot_sizes_that_differ() -> dict:
+    """Rank 1 gives another slot_bytes (8 KiB) than ranks 0 and 2 (4 KiB), at a new group's first call of each
+    collective: through the backend (local=False), with every rank its own host, and on one host before its channel
+    opened. Whether each call raised a CommunicationError naming both sizes, then whether the group's next call with
+    one slot_bytes on every rank works. (gloo aborted rank 0's process at such an all_gather until 2026-12-07.)"""
+    from objcomm._api.resolving import Hooks
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for how, kwargs in [("backend", {"local": False}), ("hosts", {"_hooks": Hooks(separate_hosts=True)}), ("host", {})]:
+        for op in EVERY_CALL:
+            group = dist.new_group(list(range(world)))
+            comm = objcomm.Communicator(group, slot_bytes=8192 if rank == 1 else 4096, **kwargs)
+            try:
+                EVERY_CALL[op](comm, rank, world)
+                out[how, op] = "returned"
+            except objcomm.CommunicationError as exc:
+                out[how, op] = str(exc) if "slot_bytes" not in str(exc) or "4,096 to 8,192" not in str(exc) else "said"
+            agreeing = objcomm.Communicator(group, **kwargs)
+            out[how, op, "next"] = agreeing.all_gather(rank) == list(range(world))
+            dist.destroy_process_group(group)
+    return out
+
+
+def test_ranks_whose_slot_bytes_differ_all_raise_saying_so_and_the_group_goes_on(ranks3):
+    for rank, outcome in enumerate(ranks3.run(slot_sizes_that_differ)):
+        assert set(outcome.values()) == {"said", True}, (rank, outcome)
+
+
 def limited_parts(comm: objcomm.Communicator, rank: int) -> list:
     """all_to_all where rank 0's part for rank 2 (limit 5,000) is 20 KB, every other part small."""
     return comm.all_to_all(["z" * 20_000 if rank == 0 and r == 2 else "s" for r in range(3)])

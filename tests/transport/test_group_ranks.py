@@ -1,4 +1,4 @@
-"""objcomm._transport.base without ranks: GroupRanks, the group's global ranks a wire carries."""
+"""objcomm._transport.group_ranks without ranks: GroupRanks, the group's global ranks a wire carries."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import doctest
 import pytest
 
 from objcomm._transport import base
-from objcomm._transport.base import GroupRanks
+from objcomm._transport.group_ranks import GroupRanks
 
 pytestmark = pytest.mark.timeout(30)
 
