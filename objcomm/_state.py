@@ -51,8 +51,9 @@ class GroupFacts:
     slots: Dict[Tuple[str, int], Any] = field(default_factory=dict)
     # (the settings' slot, the device, a communicator's hooks) -> the group's calls' route (a routes.CallRoute)
     routes: Dict[Tuple[int, Any, Any], Any] = field(default_factory=dict)
-    # (the settings' slot, the device) that every rank of the group was found to use (Operations._route)
-    slots_agreed: Set[Tuple[int, Any]] = field(default_factory=set)
+    # (the settings' slot, the device, local: the same-host channel may take round 1) that every rank of the group was
+    # found to use alike (Operations._route, rounds.agree_on_round_one)
+    round_one_agreed: Set[Tuple[int, Any, bool]] = field(default_factory=set)
 
 
 _GROUPS: weakref.WeakKeyDictionary[Any, GroupFacts] = weakref.WeakKeyDictionary()

@@ -29,7 +29,7 @@ from objcomm._transport import parts as _parts
 from objcomm._transport import pending as _pending
 from objcomm._transport import rounds as _rounds
 from objcomm._transport import routes
-from objcomm._transport.base import Wire, largest_of
+from objcomm._transport.base import BACKEND, Wire, largest_of
 from objcomm._transport.tree_reports import reports_over_tree
 
 # The ops whose slots through the backend the group's last calls teach (rounds.SlotMemory): the most their slots may
@@ -206,16 +206,17 @@ class Operations(Resolving):
         """The route of this communicator's calls on ``wire``'s group (:class:`routes.CallRoute`: by its size, device
         and slot, and the routes the hooks force), made once and kept on the group; and the group's slot memory of
         ``remembered``'s calls with this slot setting (an op of :data:`_REMEMBERED`: :class:`_rounds.SlotMemory`),
-        else None. Where the group first takes this slot, every rank checks that all use it (a vote, before
-        anything moves: :func:`_rounds.agree_on_slot`); ``op`` (else ``remembered``) names the call in its error."""
+        else None. Where the group first takes this slot, every rank checks that all use it and the same ``local`` (a
+        vote before anything moves: :func:`_rounds.agree_on_round_one`); ``op`` (else ``remembered``) names the call
+        in its error."""
         facts = group_facts(wire.group)
         kept, key = facts.routes, (wire.slot, wire.device, self._hooks)
         route: Optional[routes.CallRoute] = kept.get(key)
         if route is None:
-            agreed = facts.slots_agreed
-            if (wire.slot, wire.device) not in agreed and not wire.slot_medium.checks_slots(wire):
-                _rounds.agree_on_slot(wire, op or remembered)
-                agreed.add((wire.slot, wire.device))
+            agreed, shape = facts.round_one_agreed, (wire.slot, wire.device, wire.slot_medium is not BACKEND)
+            if shape not in agreed and not wire.slot_medium.checks_slots(wire):
+                _rounds.agree_on_round_one(wire, op or remembered)
+                agreed.add(shape)
             if len(kept) >= WIRES_KEPT:
                 kept.clear()
             forced = self._hooks.forced
@@ -230,7 +231,7 @@ class Operations(Resolving):
             memory = slots.setdefault(at, _rounds.SlotMemory(wire.slot, *_REMEMBERED[remembered]))
         return route, memory
 
-    def _parts_of(self, call: Call, op: str) -> Call:
+    def _parts_of(self, call: Call, op: str = "all_to_all") -> Call:
         """``call`` for a scatter or an all_to_all: each part's slot the route's (:attr:`routes.CallRoute.part_slot`:
         the settings' up to :data:`routes.PARTS_TABLE` a rank, smaller past it), its error reports made to fit."""
         wire = call.wire

@@ -193,7 +193,7 @@ class SlotMedium(Protocol):
 
     def checks_slots(self, wire: Wire) -> bool:
         """Whether round 1 goes where a slot of another size fails the call on every rank by itself (an open same-host
-        channel); else a group that first takes a slot votes on its size (``rounds.agree_on_slot``). Alike on all."""
+        channel); else a group that first takes a slot votes on it (``rounds.agree_on_round_one``). Alike on all."""
 
     def channel_of(self, wire: Wire, op: str) -> Optional[Tuple[Any, Optional[float]]]:
         """The same-host channel (:class:`objcomm._samehost.channel.LocalChannel`) that carried this call's round 1, and

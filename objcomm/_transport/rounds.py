@@ -218,21 +218,30 @@ def all_gather(
     return all_gather_rest(wire, out, infos, sizes_of, op, memory)
 
 
-def agree_on_slot(wire: Wire, op: str) -> None:
-    """Raise :class:`~objcomm.CommunicationError` on every rank where the group's ranks use different slot sizes
-    (``slot_bytes``): round 1 moves one slot from each rank, and gloo aborts a process that receives another size
-    (``terminate called ... EnforceNotMet``: before 2026-12-07 a rank with another ``slot_bytes`` crashed the
-    group's first all_gather through the backend). One vote of two words through the group's backend (a doubling on
-    gloo, an all_reduce on NCCL), where a group first takes this slot (``Operations._route``: once per group, slot
-    and device)."""
+def agree_on_round_one(wire: Wire, op: str) -> None:
+    """Raise :class:`~objcomm.CommunicationError` on every rank where the group's ranks differ in what shapes round 1:
+    their slot size (``slot_bytes``: round 1 moves one slot from each rank, and gloo aborts a process that receives
+    another size, ``terminate called ... EnforceNotMet``, as a rank with another ``slot_bytes`` did at the group's
+    first all_gather through the backend before 2026-12-07) or whether the same-host channel may take it (``local``:
+    a rank with it tried to open the channel while one without it moved the slots through the group, and both
+    raised at the group's timeout, saying nothing of why). One vote of four words through the group's backend (a
+    doubling on gloo, an all_reduce on NCCL), where a group first takes this slot and medium (``Operations._route``:
+    once per group, slot, device and ``local``)."""
     if wire.size == 1:
         return
-    most, least = largest_of(wire._replace(slot_medium=BACKEND), [wire.slot, -wire.slot], op)
+    slot, local = wire.slot, int(wire.slot_medium is not BACKEND)
+    most, least, on, off = largest_of(wire._replace(slot_medium=BACKEND), [slot, -slot, local, -local], op)
     if most != -least:
         raise CommunicationError(
-            f"{op}: the ranks of this group use different slot sizes: slot_bytes={wire.slot:,} on this rank, "
+            f"{op}: the ranks of this group use different slot sizes: slot_bytes={slot:,} on this rank, "
             f"from {-least:,} to {most:,} among them. Give every rank the same slot_bytes (objcomm.configure("
             "slot_bytes=...) or Communicator(slot_bytes=...) on every rank); nothing was moved"
+        )
+    if on != -off:
+        raise CommunicationError(
+            f"{op}: the ranks of this group do not agree on the same-host channel: local={bool(local)} on this rank, "
+            f"local={not local} on another. Give every rank the same local= (objcomm.configure(local=...), "
+            "Communicator(local=...) or OBJCOMM_LOCAL on every rank); nothing was moved"
         )
 
 

@@ -217,11 +217,12 @@ EVERY_CALL = {  # each collective of objcomm's, its arguments from (comm, rank, 
 }
 
 
-def slot_sizes_that_differ() -> dict:
+def round_one_settings_that_differ() -> dict:
     """Rank 1 gives another slot_bytes (8 KiB) than ranks 0 and 2 (4 KiB), at a new group's first call of each
     collective: through the backend (local=False), with every rank its own host, and on one host before its channel
-    opened. Whether each call raised a CommunicationError naming both sizes, then whether the group's next call with
-    one slot_bytes on every rank works. (gloo aborted rank 0's process at such an all_gather until 2026-12-07.)"""
+    opened; then local=False on rank 1 alone. Whether each call raised a CommunicationError that says so, then
+    whether the group's next call with one setting on every rank works. (Until 2026-12-07 gloo aborted rank 0's
+    process at such an all_gather; the local=False call ended at the group's timeout, saying nothing of why.)"""
     from objcomm._api.resolving import Hooks
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -238,11 +239,22 @@ def slot_sizes_that_differ() -> dict:
             agreeing = objcomm.Communicator(group, **kwargs)
             out[how, op, "next"] = agreeing.all_gather(rank) == list(range(world))
             dist.destroy_process_group(group)
+    for (
+        op
+    ) in EVERY_CALL:  # local=False on rank 1 alone: it moved round 1 through the group, the others tried the channel
+        group = dist.new_group(list(range(world)))
+        try:
+            EVERY_CALL[op](objcomm.Communicator(group, local=rank != 1), rank, world)
+            out["local", op] = "returned"
+        except objcomm.CommunicationError as exc:
+            out["local", op] = "said" if "do not agree on the same-host channel" in str(exc) else str(exc)
+        out["local", op, "next"] = objcomm.Communicator(group).all_gather(rank) == list(range(world))
+        dist.destroy_process_group(group)
     return out
 
 
-def test_ranks_whose_slot_bytes_differ_all_raise_saying_so_and_the_group_goes_on(ranks3):
-    for rank, outcome in enumerate(ranks3.run(slot_sizes_that_differ)):
+def test_ranks_whose_slot_bytes_or_local_differ_all_raise_saying_so_and_the_group_goes_on(ranks3):
+    for rank, outcome in enumerate(ranks3.run(round_one_settings_that_differ)):
         assert set(outcome.values()) == {"said", True}, (rank, outcome)
 
 

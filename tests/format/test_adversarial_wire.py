@@ -659,6 +659,9 @@ def inflated_rounds(inflated: int = 1 << 50) -> tuple:
             try:
                 wire = _wire(chunk=MiB)._replace(group=group, ranks=[0, 1])
                 outs = [_frame.encode(p, serializers.get("pickle"), max_bytes=1 << 30) for p in parts]
+                # the group's first call: votes on round 1's settings as rank 0's communicator does (Operations._route)
+                honest = objcomm.Communicator(group, shm=False, chunk_bytes=MiB)._call({}).wire
+                _rounds.agree_on_round_one(honest, "all_to_all")
                 _parts.all_to_all(wire, outs, _frame.tensor_sizes)
             finally:
                 _parts.outgoing_second_round_bytes = real  # type: ignore[assignment]
