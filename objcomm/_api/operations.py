@@ -124,12 +124,11 @@ class Operations(Resolving):
             _reduce.resolve(op)
             return call.roundtrip(obj)
         root = self._group_rank(call.wire, dst, "dst")
-        self._route(call.wire, op="reduce")  # (its slot agreed before the tree's first message)
+        route = self._route(call.wire, op="reduce")[0]  # (its slot agreed before the tree's first message)
         levels = call.wire.slot_medium.tree_levels(call.wire, "reduce")
         value, complete, own, _ = _reduce.tree(call, obj, op, levels)
         out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
         try:
-            route = self._route(call.wire, op="reduce")[0]
             incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, route)
         except TooLargeError as exc:  # the result, from group rank 0, over dst's limit: alike on every rank
             raise TooLargeError(f"reduce: its result goes from group rank 0 to dst in a gather, and {exc}") from None
@@ -147,7 +146,7 @@ class Operations(Resolving):
             _reduce.resolve(op)
             return call.roundtrip(obj)
         wire = call.wire
-        self._route(wire, op="all_reduce")  # (its slot agreed before the tree's first message)
+        route, memory = self._route(wire, "all_reduce")  # (its slot agreed before the tree's first message)
         levels = wire.slot_medium.tree_levels(wire, "all_reduce")
         value, complete, own, lowest = _reduce.tree(call, obj, op, levels)
         out, local = final_report(call, value, complete, own) if wire.rank == 0 else (None, None)
@@ -161,7 +160,6 @@ class Operations(Resolving):
             out = _frame.error_frame(local, wire.inline_capacity)
         # group rank 0 combined it; off the same-host channel on NCCL (and on gloo's two levels from 64 leaders), it
         # goes back down the reduce tree
-        route, memory = self._route(wire, "all_reduce")
         tree = route.result_down(0 if levels is None else len(levels.leaders))
         # else, where it takes the backend's broadcast, in the slot the group's last two all_reduce results suggest
         # (their own memory: a loop's results of about one size take one broadcast, where they took two)
@@ -188,11 +186,11 @@ class Operations(Resolving):
             _reduce.resolve(op)
             return None if exclusive else call.roundtrip(obj)
         wire = call.wire
-        self._route(wire, op=name)  # (its slot agreed before its first message)
+        route = self._route(wire, op=name)[0]  # (its slot agreed before its first message)
         value, complete, own = _scan.prefix(call, obj, op, exclusive)
         if largest_of(wire, [0 if complete else 1], name)[0]:  # a rank failed: every rank's own report, to all
             report, failed = final_report(call, None, False, own)
-            incoming = _rounds.all_gather(wire, report, _frame.tensor_sizes, route=self._route(wire, op=name)[0])
+            incoming = _rounds.all_gather(wire, report, _frame.tensor_sizes, route=route)
             call.raise_failures(name, incoming, failed)
             raise CommunicationError(  # a rank passed on an error report that no rank's own report holds
                 f"{name}: a rank reported a failure to the ranks above it, and no rank's own report names it; "
