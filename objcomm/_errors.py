@@ -96,7 +96,8 @@ def ranks_note(ranks: Optional[Sequence[int]]) -> str:
 NOT_THERE = (
     "a rank may have crashed, never called this operation, called a different one, or called it with settings "
     "that every rank of a group must share and this one does not (local, slot_bytes, shm, shm_threshold, "
-    'shm_zero_copy, shm_dir: docs/same-host.md, "Settings")'
+    'shm_zero_copy, shm_dir: docs/same-host.md, "Settings"); OBJCOMM_CHECK_CALLS=1 on every rank names the rank '
+    "whose collective or settings differ"
 )
 NO_RESULT = "so no rank received a result"  # what a RemoteError says of the call, where every rank raises it
 
@@ -106,7 +107,7 @@ KINDS_SHOWN = 8  # past SPELT_OUT: the distinct failures it spells out (RemoteEr
 SPANS_SHOWN = 10  # and the runs of consecutive ranks it names for each
 
 
-def _spans(ranks: Sequence[int]) -> str:
+def spans(ranks: Sequence[int]) -> str:
     """Ascending ``ranks`` as runs (``0-3, 5, 7-9``), the first :data:`SPANS_SHOWN` of them."""
     runs: list[list[int]] = []
     for r in ranks:
@@ -122,7 +123,7 @@ def shown_ranks(ranks: Sequence[int]) -> str:
     """A group's ranks as an error shows them: the list, up to :data:`SPELT_OUT` of them; past it, how many and their
     runs (``8,192 ranks: 0-8191``), where the list took 50 KB in one message."""
     ranks = list(ranks)
-    return str(ranks) if len(ranks) <= SPELT_OUT else f"{len(ranks):,} ranks: {_spans(ranks)}"
+    return str(ranks) if len(ranks) <= SPELT_OUT else f"{len(ranks):,} ranks: {spans(ranks)}"
 
 
 def _alike(failures: Dict[int, Failure]) -> str:
@@ -131,7 +132,7 @@ def _alike(failures: Dict[int, Failure]) -> str:
     for rank, failure in failures.items():
         by_kind.setdefault(failure, []).append(rank)
     shown = "; ".join(
-        f"rank{'s' if len(rs) > 1 else ''} {_spans(rs)}: {t}: {m}" for (t, m), rs in list(by_kind.items())[:KINDS_SHOWN]
+        f"rank{'s' if len(rs) > 1 else ''} {spans(rs)}: {t}: {m}" for (t, m), rs in list(by_kind.items())[:KINDS_SHOWN]
     )
     more = len(by_kind) - KINDS_SHOWN
     return shown + (
@@ -157,7 +158,7 @@ class RemoteError(ObjcommError, RuntimeError):
             ranks = f"rank{plural} " + ", ".join(str(r) for r in self.failures)
             details = "; ".join(f"rank {r}: {t}: {m}" for r, (t, m) in self.failures.items())
         else:  # (8192 ranks that fail alike: one line, not megabytes on every rank)
-            ranks, details = f"{len(self.failures):,} ranks ({_spans(list(self.failures))})", _alike(self.failures)
+            ranks, details = f"{len(self.failures):,} ranks ({spans(list(self.failures))})", _alike(self.failures)
         super().__init__(
             f"{op} failed on {ranks}, {outcome}. {details}. The group is still usable; fix what failed there and retry."
         )

@@ -28,6 +28,8 @@ variable                          effect
 ``OBJCOMM_SHM_ZERO_COPY``         ``shm_zero_copy``: ``0``/``false``/``no``/``off`` copy what arrives through shared
                                   memory into private memory instead of mapping it, ``1``/... map it (default)
 ``OBJCOMM_LOCAL``                 ``local`` (same-host channel): ``0``/``false``/``no``/``off`` off, ``1``/... on
+``OBJCOMM_CHECK_CALLS``           ``check_calls``: ``1``/``true``/``yes``/``on`` make every collective compare its call
+                                  across the group first (a debugging aid: one small collective a call), ``0``/... off
 ``OBJCOMM_LOCAL_SPIN_US``         ``local_spin_us``: microseconds a rank waiting on the channel polls before it
                                   sleeps (a whole number up to 1,000,000; ``auto`` or unset: automatic; anything
                                   else raises when objcomm's settings are first used, naming the variable)
@@ -103,6 +105,10 @@ class Settings:
       (automatic): 1,000. A polling rank yields the CPU between polls (``sched_yield``), which lets the peer it
       waits for, or anything else, run. At most
       once per call, so a rank waiting long spends little CPU.
+    - ``check_calls``: before anything moves, every collective checks that each rank of the group called the same
+      one, with the same root, reduction and the settings above that every rank must share, and raises
+      :class:`~objcomm.CommunicationError` on every rank naming which ranks called what where they differ (off by
+      default: it costs one small collective a call; :mod:`objcomm._api.call_checks`). Turn it on on every rank.
     """
 
     serializer: SerializerLike = "pickle"
@@ -118,6 +124,7 @@ class Settings:
     shm_zero_copy: bool = True
     local: bool = True
     local_spin_us: Optional[int] = None
+    check_calls: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(Settings):
@@ -229,6 +236,7 @@ _CHECKS: Dict[str, Callable[[str, Any], None]] = {
     "shm_zero_copy": _check_bool,
     "local": _check_bool,
     "local_spin_us": _check_spin,
+    "check_calls": _check_bool,
     "map_location": lambda name, value: _check_device(name, value),
     "device": lambda name, value: _check_device(name, value),  # a Communicator's (not a knob: no layers)
     "separate_hosts": _check_hosts,
@@ -314,6 +322,7 @@ class _Environment:
             "shm_zero_copy": _flag("OBJCOMM_SHM_ZERO_COPY"),
             "local": _flag("OBJCOMM_LOCAL"),
             "local_spin_us": _microseconds("OBJCOMM_LOCAL_SPIN_US"),
+            "check_calls": _flag("OBJCOMM_CHECK_CALLS"),
         }
         return _Environment(
             knobs={name: value for name, value in knobs.items() if value is not None},

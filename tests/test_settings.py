@@ -25,6 +25,7 @@ VARIABLES = (
     "OBJCOMM_SHM_ZERO_COPY",
     "OBJCOMM_LOCAL",
     "OBJCOMM_LOCAL_SPIN_US",
+    "OBJCOMM_CHECK_CALLS",
     "OBJCOMM_FORCE_SEPARATE_HOSTS",
     "OBJCOMM_TEST_RANKS_PER_HOST",
 )
@@ -45,6 +46,7 @@ LAYERS = {
     "shm_zero_copy": (True, ("OBJCOMM_SHM_ZERO_COPY", "0", False), True, False, NOT_GIVEN),
     "local": (True, ("OBJCOMM_LOCAL", "0", False), True, False, NOT_GIVEN),
     "local_spin_us": (None, ("OBJCOMM_LOCAL_SPIN_US", "7", 7), 5, 0, NOT_GIVEN),
+    "check_calls": (False, ("OBJCOMM_CHECK_CALLS", "1", True), False, True, NOT_GIVEN),
 }
 
 

@@ -48,6 +48,9 @@ class Communicator(Copies, PointToPoint):
     local, local_spin_us:
         Same-host channel for the first round of collectives, and how long its waits poll before they
         sleep (see :class:`objcomm.Settings`).
+    check_calls:
+        Debugging: every collective first checks that each rank called the same one with the same root, reduction
+        and round-shaping settings, and raises naming which ranks differ (one small collective a call).
 
     Every argument left ``None`` falls back to :func:`objcomm.configure`, then the environment, then
     the default; a call's own arguments beat these (see :mod:`objcomm._settings`). Values are checked
@@ -83,6 +86,7 @@ class Communicator(Copies, PointToPoint):
         shm_zero_copy: Optional[bool] = None,
         local: Optional[bool] = None,
         local_spin_us: Optional[int] = None,
+        check_calls: Optional[bool] = None,
         _hooks: Hooks = NO_HOOKS,
     ) -> None:
         if isinstance(group, (list, tuple, set, frozenset, range, int, str)):  # torch would say "unhashable type"

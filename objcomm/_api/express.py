@@ -110,6 +110,8 @@ class Express:
         wire = call.wire
         if wire is None or not isinstance(wire.slot_medium, _channel_slots.ChannelSlots):
             return None  # the same-host channel is not this call's slot medium
+        if call.options.check_calls:
+            return None  # every collective votes on its call first (objcomm._api.call_checks)
         if not routes.express_possible(compression=call.options.compression is not None, channel_first=True):
             return None
         if wire.chunk != DEFAULT_PIECE:  # its slots announce the default pieces (objcomm._format.slot.piece_bits)

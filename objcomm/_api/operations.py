@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Any, List, Optional, Sequence, Tuple
 
+from objcomm._api import call_checks as _call_checks
 from objcomm._api import reduce as _reduce
 from objcomm._api import requests as _requests
 from objcomm._api import scan as _scan
@@ -57,6 +58,7 @@ class Operations(Resolving):
         if call.wire is None:
             return [call.roundtrip(obj)]
         wire = call.wire
+        _call_checks.check(call, "all_gather")
         out, local = call.encode(obj, _still(serialized, express, call))
         route, memory = self._route(wire, "all_gather")
         incoming = _rounds.all_gather(wire, out, _frame.tensor_sizes, route=route, memory=memory)
@@ -67,6 +69,7 @@ class Operations(Resolving):
         if call.wire is None:
             self._check_single(dst, "dst")
             return [call.roundtrip(obj)]
+        _call_checks.check(call, "gather", dst, root_name="dst")
         root = self._group_rank(call.wire, dst, "dst")
         out, local = call.encode(obj)
         route = self._route(call.wire, op="gather")[0]
@@ -84,6 +87,7 @@ class Operations(Resolving):
         if call.wire is None:
             self._check_single(src, "src")
             return call.roundtrip(obj)
+        _call_checks.check(call, "broadcast", src, root_name="src")
         root = self._group_rank(call.wire, src, "src")
         out, local = call.encode(obj, _still(serialized, express, call)) if call.wire.rank == root else (None, None)
         route, memory = self._route(call.wire, "broadcast")
@@ -96,6 +100,7 @@ class Operations(Resolving):
         if call.wire is None:
             self._check_single(src, "src")
             return call.roundtrip(per_rank(objs, 1, "scatter")[0])
+        _call_checks.check(call, "scatter", src, root_name="src")
         call = self._parts_of(call, "scatter")
         wire = call.wire
         assert wire is not None
@@ -111,6 +116,7 @@ class Operations(Resolving):
     def _all_to_all_call(self, call: Call, objs: Sequence[Any]) -> Any:
         if call.wire is None:
             return [call.roundtrip(per_rank(objs, 1, "all_to_all")[0])]
+        _call_checks.check(call, "all_to_all")
         call = self._parts_of(call, "all_to_all")
         assert call.wire is not None
         outs, local = encode_each(call, objs, call.wire.size, "all_to_all")
@@ -123,6 +129,7 @@ class Operations(Resolving):
             self._check_single(dst, "dst")
             _reduce.resolve(op)
             return call.roundtrip(obj)
+        _call_checks.check(call, "reduce", dst, op, root_name="dst")
         root = self._group_rank(call.wire, dst, "dst")
         route = self._route(call.wire, op="reduce")[0]  # (its slot agreed before the tree's first message)
         levels = call.wire.slot_medium.tree_levels(call.wire, "reduce")
@@ -146,6 +153,7 @@ class Operations(Resolving):
             _reduce.resolve(op)
             return call.roundtrip(obj)
         wire = call.wire
+        _call_checks.check(call, "all_reduce", reduction=op)
         route, memory = self._route(wire, "all_reduce")  # (its slot agreed before the tree's first message)
         levels = wire.slot_medium.tree_levels(wire, "all_reduce")
         value, complete, own, lowest = _reduce.tree(call, obj, op, levels)
@@ -186,6 +194,7 @@ class Operations(Resolving):
             _reduce.resolve(op)
             return None if exclusive else call.roundtrip(obj)
         wire = call.wire
+        _call_checks.check(call, name, reduction=op)
         route = self._route(wire, op=name)[0]  # (its slot agreed before its first message)
         value, complete, own = _scan.prefix(call, obj, op, exclusive)
         if largest_of(wire, [0 if complete else 1], name)[0]:  # a rank failed: every rank's own report, to all
