@@ -10,7 +10,7 @@ Example::
     print(serializers.fidelity_table())                # what each one round-trips
 
 Built-ins: ``pickle``, ``cloudpickle``, ``restricted-pickle``, ``msgpack``, ``json`` (orjson), and ``msgspec``
-where msgspec is installed (``pip install "objcomm[msgspec]"``).
+where msgspec is installed (``pip install msgspec``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ for _builtin in (
 ):
     registry.register(_builtin)
 del _builtin
-if _find_spec("msgspec") is not None:  # an optional extra: pip install "objcomm[msgspec]"
+if _find_spec("msgspec") is not None:  # optional: pip install msgspec
     registry.register(MsgspecSerializer())
 registry.register(AutoSerializer())  # serializer="auto": per object, the fastest that carries it exactly
 

@@ -48,7 +48,7 @@ from serializers import _budget, _rebuild
 from serializers._codecs import CodecRegistry, codecs
 from serializers._errors import DecodeError, EncodeError, decoding
 from serializers._msgpack_fields import array_of, check_complete, numbers_of, pairs_of, short_text
-from serializers._path import describe, encode_refusal
+from serializers._path import INSTEAD, describe, encode_refusal
 from serializers._protocol import Buffer, Lift, Restore, Serializer
 
 TUPLE, SET, FROZENSET, BIGINT, DATETIME, DATE, TIMEDELTA = 1, 2, 3, 4, 5, 6, 7
@@ -218,7 +218,7 @@ class MsgpackSerializer(Serializer):
                 return True
             return False
 
-        return encode_refusal("msgpack", obj, rejects, exc, "pickle", whole=self._no_way)
+        return encode_refusal("msgpack", obj, rejects, exc, INSTEAD, whole=self._no_way)
 
     def _no_way(self, value: Any) -> bool:
         """Whether msgpack has no way at all to take a value of this type: not native, no extension, no codec."""

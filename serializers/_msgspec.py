@@ -59,7 +59,7 @@ from serializers._msgpack import (
     lifted,
     refuse_structured,
 )
-from serializers._path import describe, encode_refusal
+from serializers._path import INSTEAD, describe, encode_refusal
 from serializers._protocol import SAFE_RECURSION_LIMIT, Buffer, Lift, Restore, Serializer
 
 # Per call, as in the msgpack backend (whose encode_lifting holds the lift=): the restore= and extension depth.
@@ -190,7 +190,7 @@ class MsgspecSerializer(Serializer):
                 return True
             return False
 
-        return encode_refusal("msgspec", obj, rejects, exc, "msgpack or pickle")
+        return encode_refusal("msgspec", obj, rejects, exc, "msgpack, " + INSTEAD)
 
     # -- decoding ---------------------------------------------------------------------------
     def loads(self, data: Buffer, /, *, restore: Restore | None = None) -> Any:

@@ -71,6 +71,10 @@ def describe(value: Any) -> str:
     return f"{module}.{cls.__qualname__}"
 
 
+# what a safe serializer that refuses a value suggests instead: a safe one first, pickle only for trusted ranks
+INSTEAD = "restricted-pickle (safe: .allow() your classes) or pickle (ranks you trust)"
+
+
 def encode_refusal(
     name: str,
     obj: Any,

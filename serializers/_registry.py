@@ -12,6 +12,7 @@ returning one. Entry points load on first need: a lookup of an unknown name, or 
 
 from __future__ import annotations
 
+import difflib
 import threading
 import warnings
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Union, cast
@@ -21,7 +22,7 @@ from serializers._protocol import Buffer, FunctionSerializer, Lift, Restore, Ser
 
 ENTRY_POINT_GROUP = "objcomm.serializers"
 SerializerLike = Union[str, SerializerProtocol]
-OPTIONAL = {"msgspec": "msgspec"}  # built-ins registered only where their package is installed: name -> extra
+OPTIONAL = {"msgspec": "msgspec"}  # built-ins registered only where their package is installed: name -> package
 
 
 class _Foreign(Serializer):
@@ -200,11 +201,13 @@ class SerializerRegistry:
         known = ", ".join(sorted(self._by_name)) or "none"
         extra = OPTIONAL.get(name)
         fix = (
-            f'install it on every rank: pip install "objcomm[{extra}]"'
+            f"install it on every rank: pip install {extra}"
             if extra is not None
             else "register it with serializers.register() or install the package that provides it"
         )
-        return f"no serializer named {name!r} is registered on this rank (registered: {known}); {fix}"
+        close = difflib.get_close_matches(name, self._by_name, n=1) if isinstance(name, str) else []
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        return f"no serializer named {name!r} is registered on this rank (registered: {known}); {guess}{fix}"
 
 
 def _instantiate(loaded: Any) -> SerializerProtocol:

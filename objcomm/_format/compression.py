@@ -2,7 +2,7 @@
 
 ``"auto"`` compresses a sample of the payload first and compresses the whole only when the
 sample shrinks by at least 10 % — the way Dask's protocol decides (``maybe_compress``).
-The libraries are optional extras: ``pip install objcomm[zstd]`` / ``objcomm[lz4]``.
+The libraries are optional: ``pip install zstandard`` / ``lz4`` (the extras ``.[zstd]`` / ``.[lz4]`` from a clone).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def _module(code: int) -> Any:
     try:
         return importlib.import_module(_MODULES[code])
     except ImportError:
-        name = NAMES[code]
+        name, package = NAMES[code], _MODULES[code].split(".")[0]
         raise MissingDependencyError(
-            f"compression={name!r} needs the {_MODULES[code].split('.')[0]} package: pip install 'objcomm[{name}]'"
+            f"compression={name!r} needs the {package} package: pip install {package}"
         ) from None
 
 

@@ -79,7 +79,11 @@ def _parser() -> _Parser:
     )
     add("--json", metavar="FILE", help="write every row (and the run's context) as JSON")
     add("--csv", metavar="FILE", help="write every row as CSV")
-    add("--plot", metavar="FILE.png", help="plot latency against size per op (needs matplotlib)")
+    add(
+        "--plot",
+        metavar="FILE.png",
+        help="plot each serializer's time as a ratio of torch's, one panel per op and payload (needs matplotlib)",
+    )
     _add_import(bench)
     add("--timeout", type=float, default=600.0, metavar="SECONDS", help="give up after this long (default 600)")
 

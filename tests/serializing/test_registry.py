@@ -92,6 +92,8 @@ def test_unknown_name_lists_registered():
         serializers.get("yaml")
     assert "msgpack" in str(info.value) and "pickle" in str(info.value)
     assert isinstance(info.value, LookupError)
+    with pytest.raises(UnknownSerializerError, match=r"no serializer named 'msgpak' .*; did you mean 'msgpack'\?"):
+        serializers.get("msgpak")
 
 
 def test_get_passes_serializer_objects_through():

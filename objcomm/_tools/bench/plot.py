@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Tuple
 from objcomm._tools.bench.measure import TORCH
 from objcomm._tools.bench.results import Result
 
-MISSING = "--plot needs matplotlib, which is not installed; install it with: pip install 'objcomm[bench]'"
+MISSING = "--plot needs matplotlib, which is not installed; install it with: pip install matplotlib"
 
 
 def require_matplotlib() -> None:
