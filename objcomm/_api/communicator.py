@@ -20,6 +20,7 @@ from objcomm._api.point_to_point import PointToPoint
 from objcomm._api.resolving import NO_HOOKS, Held, Hooks, Worked
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._settings import KNOBS, call_kwargs, check, given
+from objcomm._transport import call_words
 from serializers import SerializerLike
 
 
@@ -132,6 +133,7 @@ class Communicator(Copies, PointToPoint):
         """
         call = self._resolved({})
         wire = call.wire
+        call_words.leave()  # (no collective of the object API: the word of none, whatever this thread called last)
         if wire is None or not isinstance(wire.slot_medium, _channel_slots.ChannelSlots):
             return False
         return wire.slot_medium.connect(wire)

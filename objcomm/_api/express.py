@@ -47,7 +47,7 @@ from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._samehost import mesh as _mesh
 from objcomm._samehost import p2p_state as _p2p_state
-from objcomm._transport import routes
+from objcomm._transport import call_words, routes
 from objcomm._transport.base import WHOLE, Wire
 from objcomm._transport.broadcast import broadcast_rest
 from objcomm._transport.p2p import received
@@ -333,6 +333,7 @@ def _round_one(channel: Any, slot: Any, root: Optional[int], spin: Optional[floa
     path then opens a new one at this call, as that peer does: :meth:`objcomm._samehost.mesh.Mesh.rejoins_after`),
     nothing having been taken."""
     channel.rounds += 1  # a call's first round, as ChannelSlots counts them
+    call_words.enter("all_gather" if root is None else "broadcast", root)  # as the general path's (Operations)
     start = channel.sequence
     try:
         return channel.all_gather(slot, spin) if root is None else channel.broadcast(slot, root, spin)

@@ -24,12 +24,12 @@ from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing
 from objcomm._state import group_facts
 from objcomm._transport import broadcast as _broadcast_rounds
+from objcomm._transport import call_words, routes
 from objcomm._transport import gather as _gather_rounds
 from objcomm._transport import p2p as _p2p
 from objcomm._transport import parts as _parts
 from objcomm._transport import pending as _pending
 from objcomm._transport import rounds as _rounds
-from objcomm._transport import routes
 from objcomm._transport.base import BACKEND, Wire, largest_of
 from objcomm._transport.tree_reports import reports_over_tree
 
@@ -59,6 +59,7 @@ class Operations(Resolving):
             return [call.roundtrip(obj)]
         wire = call.wire
         _call_checks.check(call, "all_gather")
+        call_words.enter("all_gather")  # (each collective's word, which its channel messages carry)
         out, local = call.encode(obj, _still(serialized, express, call))
         route, memory = self._route(wire, "all_gather")
         incoming = _rounds.all_gather(wire, out, _frame.tensor_sizes, route=route, memory=memory)
@@ -71,6 +72,7 @@ class Operations(Resolving):
             return [call.roundtrip(obj)]
         _call_checks.check(call, "gather", dst, root_name="dst")
         root = self._group_rank(call.wire, dst, "dst")
+        call_words.enter("gather", root)
         out, local = call.encode(obj)
         route = self._route(call.wire, op="gather")[0]
         incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, route)
@@ -89,6 +91,7 @@ class Operations(Resolving):
             return call.roundtrip(obj)
         _call_checks.check(call, "broadcast", src, root_name="src")
         root = self._group_rank(call.wire, src, "src")
+        call_words.enter("broadcast", root)
         out, local = call.encode(obj, _still(serialized, express, call)) if call.wire.rank == root else (None, None)
         route, memory = self._route(call.wire, "broadcast")
         item = _broadcast_rounds.broadcast(call.wire, out, _frame.tensor_sizes, root, route=route, memory=memory)
@@ -105,6 +108,7 @@ class Operations(Resolving):
         wire = call.wire
         assert wire is not None
         root = self._group_rank(wire, src, "src")
+        call_words.enter("scatter", root)
         outs: Optional[List[Outgoing]] = None
         local: Optional[BaseException] = None
         if wire.rank == root:
@@ -117,6 +121,7 @@ class Operations(Resolving):
         if call.wire is None:
             return [call.roundtrip(per_rank(objs, 1, "all_to_all")[0])]
         _call_checks.check(call, "all_to_all")
+        call_words.enter("all_to_all")
         call = self._parts_of(call, "all_to_all")
         assert call.wire is not None
         outs, local = encode_each(call, objs, call.wire.size, "all_to_all")
@@ -131,6 +136,7 @@ class Operations(Resolving):
             return call.roundtrip(obj)
         _call_checks.check(call, "reduce", dst, op, root_name="dst")
         root = self._group_rank(call.wire, dst, "dst")
+        call_words.enter("reduce", root)
         route = self._route(call.wire, op="reduce")[0]  # (its slot agreed before the tree's first message)
         levels = call.wire.slot_medium.tree_levels(call.wire, "reduce")
         value, complete, own, _ = _reduce.tree(call, obj, op, levels)
@@ -154,6 +160,7 @@ class Operations(Resolving):
             return call.roundtrip(obj)
         wire = call.wire
         _call_checks.check(call, "all_reduce", reduction=op)
+        call_words.enter("all_reduce")
         route, memory = self._route(wire, "all_reduce")  # (its slot agreed before the tree's first message)
         levels = wire.slot_medium.tree_levels(wire, "all_reduce")
         value, complete, own, lowest = _reduce.tree(call, obj, op, levels)
@@ -195,6 +202,7 @@ class Operations(Resolving):
             return None if exclusive else call.roundtrip(obj)
         wire = call.wire
         _call_checks.check(call, name, reduction=op)
+        call_words.enter(name)
         route = self._route(wire, op=name)[0]  # (its slot agreed before its first message)
         value, complete, own = _scan.prefix(call, obj, op, exclusive)
         if largest_of(wire, [0 if complete else 1], name)[0]:  # a rank failed: every rank's own report, to all

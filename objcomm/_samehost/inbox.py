@@ -26,18 +26,17 @@ last (``LEFT``): a receive from any rank goes on with the others.
 Every message is checked on arrival, before it is filed, and any violation fails the channel with a
 :class:`~objcomm.CommunicationError` naming the peer (the channel then closes, so the others raise too): a datagram
 shorter than the header (an empty one is told apart from EOF) or longer than a message may be (``MSG_TRUNC`` gives
-its real length; nothing of that size is allocated), an unknown kind, unknown flag bits, a collective message that
-carries a tag, a point-to-point message that carries flags or a negative tag, and a collective sequence number that
-does not move forward: at or before the last collective this rank finished, or not after the peer's previous one.
-Point-to-point messages carry a message id where collectives carry their sequence number: a send's slot (taken by
-tag, in order) tells the receiver its id, and the receiver's answer and the rest of the send
+its real length; nothing of that size is allocated), an unknown kind or flag bits, a collective's negative call word
+(its tag: :mod:`objcomm._transport.call_words`), a point-to-point message with flags or a negative tag, and a
+collective sequence number that does not move forward (at or before the last collective done here, or not after the
+peer's previous one). Point-to-point messages carry a message id where collectives carry their sequence number: a
+send's slot (taken by tag, in order) tells the receiver its id, and its answer and rest
 (:mod:`objcomm._samehost.channel_rests`) travel under ``(tag, kind, id)``, so that concurrent sends under one tag
-never take each other's (shared memory's words, at or above its threshold, go under the id too). After a wait for
-one of those timed out, later ones under its key are dropped on arrival (:meth:`Stash.abandon`). A waiter for
-collective ``s`` from a peer whose later collective already arrived fails at once (the peer called a different
-operation). A wait past the timeout fails the channel in a collective (the others wait in the same call); a recv
-that times out raises and leaves it open. The sender and the length are the kernel's (the socket it came on, the
-datagram's size), not the header's, so they cannot lie.
+never take each other's (shared memory's words too). After a wait for one of those timed out, later ones under its
+key are dropped on arrival (:meth:`Stash.abandon`). A waiter for collective ``s`` from a peer whose later collective
+already arrived fails at once (the peer called a different operation), as does a taker of a message of another kind
+or call word (another collective, or another root). A wait past the timeout fails the channel in a collective; a recv
+that times out raises and leaves it open. The sender and length are the kernel's (socket, datagram size): no lie.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from typing import Any, Callable, Deque, Dict, List, NoReturn, Optional, Sequenc
 
 from objcomm._errors import CommunicationError
 
-HEADER = struct.Struct("<BB2xIi")  # kind, flags, collective sequence number or message id, tag
+HEADER = struct.Struct("<BB2xIi")  # kind, flags, collective sequence number or message id, tag (or call word)
 ALL_GATHER, BROADCAST, SCATTER, ALL_TO_ALL, P2P = 1, 2, 3, 4, 5
 ANSWER, REST = 6, 7  # of a send's message (its id): the receiver's answer, and the bytes after the slot
 GATHER = 8
@@ -373,24 +372,25 @@ class Stash:
             key: Key = (False, tag, kind, seq)
         elif kind in NAMES:
             last = self._last.get(peer)
-            if tag or flags or not after(seq, self.done) or (last is not None and not after(seq, last)):
+            if tag < 0 or flags or not after(seq, self.done) or (last is not None and not after(seq, last)):
                 article = "an" if NAMES[kind][0] in "aeiou" else "a"
                 self._fail(
                     op,
                     f"{self._who(peer)} sent {article} {NAMES[kind]} message with a bad header (collective "
-                    f"#{seq} after #{last} and with #{self.done} finished here, tag {tag}, flags {flags}): "
+                    f"#{seq} after #{last} and with #{self.done} finished here, call word {tag}, flags {flags}): "
                     "a duplicate or stale message (did the ranks call different collectives, or broadcast "
                     "or scatter with different src?), or a protocol error",
                 )
             self._last[peer] = seq
             key = (True, seq)
+            kind |= tag << 8  # the sender's call (objcomm._transport.call_words): a taker expects its own
         else:
             self._fail(op, f"{self._who(peer)} sent a message of unknown kind {kind}: a protocol error")
         return key, (kind, flags, bytes(memoryview(self._buffers[peer])[HEADER.size : length]))
 
     def _took(self, peer: int, kind: int, data_bytes: int) -> None:
         """A ``kind`` message from ``peer`` left this rank's hands (taken by a call, or dropped): count its credit."""
-        cls = CLASS_OF.get(kind)
+        cls = CLASS_OF.get(kind & 0xFF)  # (a collective's kind carries its call's word above: call_words)
         if cls is None:
             return
         if kind == P2P:

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 from objcomm._errors import NOT_THERE, CommunicationError
 from objcomm._samehost.inbox import CLASS_OF, CREDIT, HEADER, NAMES, P2P, REST, Key, Stash, after, credit_cost
 from objcomm._transport import call_clock
+from objcomm._transport.call_words import other_call
 
 SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # every send on the channel's sockets: never blocks
 CREDIT_RETRY = 0.01  # seconds between offers of a CREDIT that bounced, while this rank waits
@@ -93,7 +94,7 @@ class Inbox(Stash):
                 pending.append(peer)
                 continue
             if entry[0] != kind:
-                self._fail(op, f"rank {peer} called {NAMES[entry[0]]} instead")
+                self._fail(op, other_call(peer, entry[0], kind, NAMES))
             got[peer] = entry[2]
             ready &= entry[1]
         if not pending:
@@ -146,7 +147,7 @@ class Inbox(Stash):
                     else:
                         their_kind, flags, data = parsed[1]
                         if their_kind != kind:
-                            self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+                            self._fail(op, other_call(peer, their_kind, kind, NAMES))
                         self._took(peer, kind, len(data))
                         got[peer] = data
                         ready &= flags
@@ -195,7 +196,7 @@ class Inbox(Stash):
             return None
         their_kind, flags, data = parsed[1]
         if their_kind != kind:
-            self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+            self._fail(op, other_call(peer, their_kind, kind, NAMES))
         self._took(peer, kind, len(data))
         return {peer: data}, flags
 
@@ -229,7 +230,7 @@ class Inbox(Stash):
                     if entry is not None:
                         their_kind, flags, data = entry
                         if their_kind != kind:
-                            self._fail(op, f"rank {peer} called {NAMES[their_kind]} instead")
+                            self._fail(op, other_call(peer, their_kind, kind, NAMES))
                         got[peer] = data
                         ready &= flags
                         pending.remove(peer)

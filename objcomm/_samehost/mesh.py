@@ -33,7 +33,7 @@ from objcomm._samehost.inbox import (
 from objcomm._samehost.inbox import after as _after
 from objcomm._samehost.inbox_waits import SEND_FLAGS as _FLAGS
 from objcomm._samehost.inbox_waits import Inbox
-from objcomm._transport import call_clock
+from objcomm._transport import call_clock, call_words
 from objcomm._transport.base import Slot
 from objcomm._transport.patterns import Pattern, pattern
 
@@ -254,13 +254,14 @@ class Mesh:
         with self._lock:
             self._seq = self._current = seq = (self._seq + 1) & MASK
             try:
-                header = HEADER.pack(kind, 0, seq, 0)
+                word = call_words.current()  # which call this rank is in: every receiver checks it (call_words)
+                header = HEADER.pack(kind, 0, seq, word)
                 for peer, data in outgoing.items():
                     self._send(peer, header, data, op)
                 got: Dict[int, bytes] = {}
                 if sources:  # not the root of a broadcast or scatter, which only sends
                     spin = self.auto_spin if spin is None else spin
-                    got = self._inbox.take(sources, (True, seq), kind, op, spin=spin)[0]
+                    got = self._inbox.take(sources, (True, seq), kind | word << 8, op, spin=spin)[0]
                 self._inbox.done = seq
             finally:
                 self._current = None

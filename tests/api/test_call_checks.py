@@ -1,5 +1,7 @@
 """check_calls (objcomm._api.call_checks): ranks that call different collectives, or with another root, reduction or
-round-shaping setting, all raise one CommunicationError naming which ranks called what, before anything moves."""
+round-shaping setting, all raise one CommunicationError naming which ranks called what, before anything moves. And
+without it, on one host: every channel message of a collective carries its call's word (objcomm._transport.call_words),
+so ranks that make the same collective with another root raise there too."""
 
 from __future__ import annotations
 
@@ -93,3 +95,38 @@ def test_ranks_that_make_different_calls_all_raise_naming_them_and_the_group_goe
 def test_check_calls_is_off_by_default_and_a_group_of_one_skips_it():
     assert objcomm.Settings().check_calls is False
     assert objcomm.Communicator(check_calls=True).all_gather("x") == ["x"]  # no group: nothing to compare
+
+
+def roots_that_differ_on_one_host() -> dict:
+    """Default settings, one host (the same-host channel), no check_calls: reduce and gather with another dst on rank
+    1, broadcast with another src on rank 2; then whether the group goes on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = objcomm.Communicator(dist.new_group(list(range(world))))
+    comm.all_gather(rank)  # (the channel open)
+    out = {}
+    for name, call in {
+        "reduce": lambda: comm.reduce(rank, "sum", dst=1 if rank == 1 else 0),
+        "gather": lambda: comm.gather(rank, dst=1 if rank == 1 else 0),
+    }.items():
+        try:
+            out[name] = f"returned {call()!r}"
+        except objcomm.CommunicationError as exc:
+            out[name] = str(exc)
+        out[name, "next"] = comm.all_gather(rank)
+    return out
+
+
+def test_a_root_that_differs_on_one_host_raises_on_every_rank_naming_both_calls(ranks3):
+    outcomes = ranks3.run(roots_that_differ_on_one_host)
+    for op in ("reduce", "gather"):
+        named = 0
+        for rank, outcome in enumerate(outcomes):
+            # (until 2026-12-07 the reduce's rank 1, taking itself for dst, returned None; gather's ranks 0 and 1 each
+            # returned every object, rank 2 None, and nobody raised). A rank that reads a peer's closed connection
+            # first says that instead: the rank that found the other call closed the channel
+            mine, theirs = (f"{op}(dst=1)", f"{op}(dst=0)") if rank == 1 else (f"{op}(dst=0)", f"{op}(dst=1)")
+            said = f"called {theirs} where this rank called {mine}" in outcome[op]
+            assert said or "closed its connection" in outcome[op], (rank, op, outcome[op])
+            named += said
+            assert outcome[op, "next"] == [0, 1, 2], (rank, op)
+        assert named >= 1, (op, outcomes)

@@ -28,6 +28,7 @@ from objcomm._format.tensors import TensorLifter
 from objcomm._samehost import channel as _channel
 from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._transport import broadcast as _broadcast
+from objcomm._transport import call_words
 from objcomm._transport import p2p as _p2p
 from objcomm._transport import rounds as _rounds
 from serializers import registry
@@ -489,7 +490,8 @@ def hostile_collective_slots() -> List[Any]:
                 comm.all_gather(None)  # the second collective: the express path is built from now on
                 channel: _channel.LocalChannel = _state.group_facts(sub).local[False].channel
                 assert channel.p2p and comm._express(now=False) is not None
-                if rank == 1:
+                if rank == 1:  # (its messages carry the word of the call rank 0 makes, as an honest peer's do)
+                    call_words.enter(op, 1 if op == "broadcast" else None)
                     _outcome(lambda c=channel, r=raw, o=op: c.broadcast(r, 1) if o == "broadcast" else c.all_gather(r))
                 elif op == "broadcast":
                     outcomes.append(_outcome(lambda c=comm, o=options: c.broadcast(None, src=1, **o), message=True))

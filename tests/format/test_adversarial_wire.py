@@ -11,6 +11,7 @@ from __future__ import annotations
 import pickle
 import struct
 import tracemalloc
+from typing import Optional
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from objcomm._format import slot as _slot
 from objcomm._format import tensors as _tensors
 from objcomm._samehost.segments import SegmentBook
 from objcomm._transport import broadcast as _broadcast
+from objcomm._transport import call_words
 from objcomm._transport import p2p as _p2p
 from objcomm._transport import parts as _parts
 from objcomm._transport import rounds as _rounds
@@ -101,6 +103,12 @@ def _big_frame() -> Outgoing:
     return _frame.encode(b"x" * BIG, serializers.get("pickle"), max_bytes=1 << 40)
 
 
+def _as_honest(op: str, root: Optional[int] = None) -> None:
+    """A liar that drives the transport itself first takes the word of the call its honest peer makes (the word every
+    channel message of a collective carries, objcomm._transport.call_words), as the object API would set it."""
+    call_words.enter(op, root)
+
+
 def _still_usable() -> bool:
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 1:
@@ -122,10 +130,13 @@ def under_reported(op: str) -> tuple:
             if op == "send/recv":
                 _p2p.send(_wire(), lie, 0)
             elif op == "all_gather":
+                _as_honest("all_gather")
                 _rounds.all_gather(_wire(), lie, _frame.tensor_sizes)
             elif op == "all_to_all":
+                _as_honest("all_to_all")
                 _parts.all_to_all(_wire(), [lie, lie], _frame.tensor_sizes)
             else:
+                _as_honest("broadcast", 1)
                 _broadcast.broadcast(_wire(), lie, _frame.tensor_sizes, 1)
         except ObjcommError as exc:
             outcome = type(exc).__name__
@@ -178,6 +189,7 @@ def _lying_sender(forged: Outgoing) -> list:
     for op in ("all_gather", "send/recv"):
         try:
             if rank == 1 and op == "all_gather":
+                _as_honest("all_gather")
                 _rounds.all_gather(_wire(), forged, _frame.tensor_sizes)
             elif rank == 1:
                 _p2p.send(_wire(), forged, 0)
@@ -209,6 +221,7 @@ def huge_table_entry_all_to_all() -> str:
     forged = _forged_table(1 << 40)
     try:
         if dist.get_rank() == 1:
+            _as_honest("all_to_all")
             _parts.all_to_all(_wire(), [forged, forged], _frame.tensor_sizes)
         else:
             objcomm.all_to_all(["small", "small"])
@@ -662,6 +675,7 @@ def inflated_rounds(inflated: int = 1 << 50) -> tuple:
                 # the group's first call: votes on round 1's settings as rank 0's communicator does (Operations._route)
                 honest = objcomm.Communicator(group, shm=False, chunk_bytes=MiB)._call({}).wire
                 _rounds.agree_on_round_one(honest, "all_to_all")
+                _as_honest("all_to_all")
                 _parts.all_to_all(wire, outs, _frame.tensor_sizes)
             finally:
                 _parts.outgoing_second_round_bytes = real  # type: ignore[assignment]

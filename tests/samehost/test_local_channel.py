@@ -333,7 +333,12 @@ HOSTILE = {  # what rank 1 sends rank 0, and the error rank 0 must raise
     "answer with flags": ([_header(_inbox.ANSWER, seq=7, flags=1)], "point-to-point message with a bad header"),
     "rest with a negative tag": ([_header(_inbox.REST, seq=7, tag=-2)], "point-to-point message with a bad header"),
     "negative tag": ([_header(_P2P, tag=-1)], "point-to-point message with a bad header"),
-    "collective with a tag": ([_header(_GATHER, seq=1, tag=5)], "all_gather message with a bad header"),
+    "collective with a negative call word": ([_header(_GATHER, seq=1, tag=-5)], "all_gather message with a bad header"),
+    # the tag of a collective's message is its call's word (call_words): another call's fails the taker, naming both
+    "collective of another call": (
+        [_header(_GATHER, seq=1, tag=5) + b"x"],
+        "rank 1 called an unknown call (word 5) where this rank called all_gather()",
+    ),
     "stale seq": ([_header(_GATHER, seq=0)], "a duplicate or stale message"),
     "duplicate seq": ([_header(_GATHER, seq=1) + b"x", _header(_GATHER, seq=1) + b"x"], "a duplicate or stale message"),
     "skipped seq": ([_header(_GATHER, seq=2) + b"x"], "sent collective #2 but not #1"),

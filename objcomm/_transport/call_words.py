@@ -1,0 +1,70 @@
+"""Which collective a rank is in, as one word that every same-host channel message of the call carries.
+
+The channel already fails at once where a peer's message for this collective is of another kind (an all_gather's
+where this rank broadcasts). Ranks can also make the *same* collective with another root: ``reduce(dst=1)`` on one
+rank, ``dst=0`` on the others. Its messages then look alike, and a rank could return a wrong result without a word
+(the one that took itself for the destination returned None). So each call sets its word, its operation and root
+(:func:`enter`, by the object API at the start of every collective, and by the express path), every channel
+collective puts it in its header (the tag field, unused by collectives), and a receiver whose own word differs fails
+the channel, naming both calls: every rank of the call raises :class:`~objcomm.CommunicationError` there. No
+message more, no byte more. The word is per thread (a :class:`contextvars.ContextVar`), as the calls are.
+
+Example::
+
+    >>> enter("broadcast", 1); described(current())
+    'broadcast(src=1)'
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Dict, Mapping, Optional, Tuple
+
+OPS = ("all_gather", "gather", "broadcast", "scatter", "all_to_all", "reduce", "all_reduce", "scan", "exscan")
+_ROOT_NAMES = {"gather": "dst", "reduce": "dst", "broadcast": "src", "scatter": "src"}
+_ROOT_BITS = 16  # a root past 65,534 ranks wraps: such groups tell fewer roots apart, never a wrong result more
+_WORD: ContextVar[int] = ContextVar("objcomm_call_word", default=0)
+_WORDS: Dict[Tuple[str, Optional[int]], int] = {}
+
+
+def enter(op: str, root: Optional[int] = None) -> None:
+    """This thread's calls are now ``op`` with group rank ``root`` (gather's and reduce's destination, broadcast's and
+    scatter's source; None for the others) until the next: the word its channel messages carry."""
+    word = _WORDS.get((op, root))
+    if word is None:
+        if len(_WORDS) > 4096:
+            _WORDS.clear()
+        code = OPS.index(op) + 1
+        word = _WORDS[op, root] = code << _ROOT_BITS | (0 if root is None else (root + 1) % (1 << _ROOT_BITS))
+    _WORD.set(word)
+
+
+def leave() -> None:
+    """No collective of the object API: what a channel message sent now carries (0)."""
+    _WORD.set(0)
+
+
+def current() -> int:
+    """The word of this thread's call (0 outside one)."""
+    return _WORD.get()
+
+
+def described(word: int) -> str:
+    """``word`` as the call it stands for: ``reduce(dst=1)``, ``all_gather()``; the group rank of the root."""
+    code, root = word >> _ROOT_BITS, word & ((1 << _ROOT_BITS) - 1)
+    if not 0 < code <= len(OPS):
+        return "no collective of objcomm's object API" if word == 0 else f"an unknown call (word {word})"
+    op = OPS[code - 1]
+    return f"{op}({_ROOT_NAMES[op]}={root - 1})" if root else f"{op}()"
+
+
+def other_call(peer: int, theirs: int, mine: int, kinds: Mapping[int, str]) -> str:
+    """Why a channel message of ``peer`` is not the one this rank's call takes: its kind and word (``kind | word << 8``,
+    as the channel's stash keeps them: ``kinds`` names the kinds) against this rank's."""
+    if (theirs ^ mine) & 0xFF:
+        said = f"rank {peer} called {kinds.get(theirs & 0xFF, theirs & 0xFF)} instead"
+        return said if theirs >> 8 == mine >> 8 else f"{said} (its call: {described(theirs >> 8)})"
+    return (
+        f"rank {peer} called {described(theirs >> 8)} where this rank called {described(mine >> 8)} (roots as group "
+        "ranks): every rank of a group must make the same collective with the same root"
+    )

@@ -1,0 +1,60 @@
+"""call_words: the word of a rank's call that every same-host channel message of a collective carries."""
+
+from __future__ import annotations
+
+import doctest
+import threading
+
+import pytest
+
+from objcomm._samehost.inbox import ALL_GATHER, BROADCAST, NAMES
+from objcomm._transport import call_words
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_the_module_examples_run():
+    assert doctest.testmod(call_words).attempted >= 1
+
+
+def test_a_word_names_its_call_and_outside_a_call_there_is_none():
+    call_words.enter("reduce", 3)
+    assert call_words.described(call_words.current()) == "reduce(dst=3)"
+    call_words.enter("all_gather")
+    assert call_words.described(call_words.current()) == "all_gather()"
+    call_words.leave()
+    assert call_words.current() == 0
+    assert call_words.described(0) == "no collective of objcomm's object API"
+    assert call_words.described(12345 << 16) == f"an unknown call (word {12345 << 16})"
+
+
+def test_each_thread_has_its_own():
+    call_words.enter("scatter", 0)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(call_words.current()))
+    thread.start()
+    thread.join()
+    assert seen == [0] and call_words.described(call_words.current()) == "scatter(src=0)"
+
+
+def test_roots_and_operations_give_distinct_words():
+    words = set()
+    for op in call_words.OPS:
+        for root in (None, 0, 1, 8191):
+            call_words.enter(op, root)
+            words.add(call_words.current())
+    assert len(words) == len(call_words.OPS) * 4 and 0 not in words and max(words) < 2**31
+
+
+def test_what_a_taker_says_of_another_call():
+    call_words.enter("gather", 0)
+    mine = call_words.current()
+    call_words.enter("gather", 1)
+    theirs = call_words.current()
+    call_words.enter("broadcast", 2)
+    broadcast = call_words.current()
+    said = call_words.other_call(4, ALL_GATHER | theirs << 8, ALL_GATHER | mine << 8, NAMES)
+    assert said.startswith("rank 4 called gather(dst=1) where this rank called gather(dst=0) (roots as group ranks)")
+    said = call_words.other_call(4, BROADCAST | broadcast << 8, ALL_GATHER | mine << 8, NAMES)
+    assert said == f"rank 4 called {NAMES[BROADCAST]} instead (its call: broadcast(src=2))"
+    assert call_words.other_call(4, BROADCAST, ALL_GATHER, NAMES) == f"rank 4 called {NAMES[BROADCAST]} instead"
