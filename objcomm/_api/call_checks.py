@@ -30,7 +30,8 @@ import torch
 from objcomm._api import reduce as _reduce
 from objcomm._api.call import Call
 from objcomm._errors import KINDS_SHOWN, CommunicationError, spans
-from objcomm._transport.base import BACKEND, Wire, all_gather_single, guarded, largest_of
+from objcomm._transport.base import Wire, all_gather_single, guarded
+from objcomm._transport.rounds import agree_on_round_one
 
 ROW_BYTES = 512  # one rank's description in the all_gather that follows a disagreement
 _SHARED = ("slot_bytes", "local", "shm", "shm_threshold", "shm_zero_copy", "shm_dir")  # what shapes a call's rounds
@@ -47,8 +48,8 @@ def check(call: Call, op: str, root: Optional[int] = None, reduction: Any = None
     described = _described(call, op, root, reduction, root_name)
     text = json.dumps(described, sort_keys=True).encode()[:ROW_BYTES]
     fingerprint = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
-    most, least = largest_of(wire._replace(slot_medium=BACKEND), [fingerprint, -fingerprint], op)
-    if most != -least:
+    # the vote of a group's first call, every call: a rank without check_calls meets this one there, of one shape
+    if agree_on_round_one(wire, op, check_calls=True, fingerprint=fingerprint):
         raise CommunicationError(_message(op, _gathered(wire, text, op)))
 
 

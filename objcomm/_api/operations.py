@@ -61,7 +61,7 @@ class Operations(Resolving):
         _call_checks.check(call, "all_gather")
         call_words.enter("all_gather")  # (each collective's word, which its channel messages carry)
         out, local = call.encode(obj, _still(serialized, express, call))
-        route, memory = self._route(wire, "all_gather")
+        route, memory = self._route(call, "all_gather")
         incoming = _rounds.all_gather(wire, out, _frame.tensor_sizes, route=route, memory=memory)
         call.raise_failures("all_gather", incoming, local)
         return call.decode_all(incoming)
@@ -74,7 +74,7 @@ class Operations(Resolving):
         root = self._group_rank(call.wire, dst, "dst")
         call_words.enter("gather", root)
         out, local = call.encode(obj)
-        route = self._route(call.wire, op="gather")[0]
+        route = self._route(call, op="gather")[0]
         incoming = _gather_rounds.gather(call.wire, out, _frame.tensor_sizes, root, route)
         if incoming is None:
             if local is not None:  # dst said go over this rank's error report (only a lying dst does)
@@ -93,7 +93,7 @@ class Operations(Resolving):
         root = self._group_rank(call.wire, src, "src")
         call_words.enter("broadcast", root)
         out, local = call.encode(obj, _still(serialized, express, call)) if call.wire.rank == root else (None, None)
-        route, memory = self._route(call.wire, "broadcast")
+        route, memory = self._route(call, "broadcast")
         item = _broadcast_rounds.broadcast(call.wire, out, _frame.tensor_sizes, root, route=route, memory=memory)
         if item.error:  # the root's error report (its own encode failure among them)
             call.raise_failures("broadcast", only(root, item, call.wire.size), local)
@@ -137,7 +137,7 @@ class Operations(Resolving):
         _call_checks.check(call, "reduce", dst, op, root_name="dst")
         root = self._group_rank(call.wire, dst, "dst")
         call_words.enter("reduce", root)
-        route = self._route(call.wire, op="reduce")[0]  # (its slot agreed before the tree's first message)
+        route = self._route(call, op="reduce")[0]  # (its slot agreed before the tree's first message)
         levels = call.wire.slot_medium.tree_levels(call.wire, "reduce")
         value, complete, own, _ = _reduce.tree(call, obj, op, levels)
         out, local = final_report(call, value, complete, own, carries=root != 0)  # root 0 holds the result
@@ -161,7 +161,7 @@ class Operations(Resolving):
         wire = call.wire
         _call_checks.check(call, "all_reduce", reduction=op)
         call_words.enter("all_reduce")
-        route, memory = self._route(wire, "all_reduce")  # (its slot agreed before the tree's first message)
+        route, memory = self._route(call, "all_reduce")  # (its slot agreed before the tree's first message)
         levels = wire.slot_medium.tree_levels(wire, "all_reduce")
         value, complete, own, lowest = _reduce.tree(call, obj, op, levels)
         out, local = final_report(call, value, complete, own) if wire.rank == 0 else (None, None)
@@ -203,7 +203,7 @@ class Operations(Resolving):
         wire = call.wire
         _call_checks.check(call, name, reduction=op)
         call_words.enter(name)
-        route = self._route(wire, op=name)[0]  # (its slot agreed before its first message)
+        route = self._route(call, op=name)[0]  # (its slot agreed before its first message)
         value, complete, own = _scan.prefix(call, obj, op, exclusive)
         if largest_of(wire, [0 if complete else 1], name)[0]:  # a rank failed: every rank's own report, to all
             report, failed = final_report(call, None, False, own)
@@ -216,21 +216,27 @@ class Operations(Resolving):
         return value if value is not obj else _not_own(call, value, obj)
 
     def _route(
-        self, wire: Wire, remembered: str = "", op: str = ""
+        self, call: Call, remembered: str = "", op: str = ""
     ) -> Tuple[routes.CallRoute, Optional[_rounds.SlotMemory]]:
         """The route of this communicator's calls on ``wire``'s group (:class:`routes.CallRoute`: by its size, device
         and slot, and the routes the hooks force), made once and kept on the group; and the group's slot memory of
         ``remembered``'s calls with this slot setting (an op of :data:`_REMEMBERED`: :class:`_rounds.SlotMemory`),
-        else None. Where the group first takes this slot, every rank checks that all use it and the same ``local`` (a
-        vote before anything moves: :func:`_rounds.agree_on_round_one`); ``op`` (else ``remembered``) names the call
-        in its error."""
+        else None. Where the group first takes this slot off a medium that checks slots, and at the group's first call
+        wherever its slots go, every rank checks that all use it, the same ``local`` and the same ``check_calls`` (a
+        vote before anything moves: :func:`_rounds.agree_on_round_one`; with ``check_calls`` the same vote runs every
+        call, in :mod:`objcomm._api.call_checks`); ``op`` (else ``remembered``) names the call in its error."""
+        wire = call.wire
+        assert wire is not None
         facts = group_facts(wire.group)
         kept, key = facts.routes, (wire.slot, wire.device, self._hooks)
         route: Optional[routes.CallRoute] = kept.get(key)
         if route is None:
             agreed, shape = facts.round_one_agreed, (wire.slot, wire.device, wire.slot_medium is not BACKEND)
-            if shape not in agreed and not wire.slot_medium.checks_slots(wire):
-                _rounds.agree_on_round_one(wire, op or remembered)
+            # a group's first vote runs wherever its slots go (the channel, two levels): ranks whose check_calls differ
+            # meet there, each in a vote of one shape (call_checks votes every call, with the same words)
+            if shape not in agreed and (not agreed or not wire.slot_medium.checks_slots(wire)):
+                if not call.options.check_calls:
+                    _rounds.agree_on_round_one(wire, op or remembered)
                 agreed.add(shape)
             if len(kept) >= WIRES_KEPT:
                 kept.clear()
@@ -251,7 +257,7 @@ class Operations(Resolving):
         the settings' up to :data:`routes.PARTS_TABLE` a rank, smaller past it), its error reports made to fit."""
         wire = call.wire
         assert wire is not None
-        slot = self._route(wire, op=op)[0].part_slot
+        slot = self._route(call, op=op)[0].part_slot
         return call if slot == wire.slot else call._replace(wire=wire._replace(slot=slot))
 
     # -- point to point ------------------------------------------------------------------------

@@ -218,7 +218,7 @@ def all_gather(
     return all_gather_rest(wire, out, infos, sizes_of, op, memory)
 
 
-def agree_on_round_one(wire: Wire, op: str) -> None:
+def agree_on_round_one(wire: Wire, op: str, check_calls: bool = False, fingerprint: int = 0) -> bool:
     """Raise :class:`~objcomm.CommunicationError` on every rank where the group's ranks differ in what shapes round 1:
     their slot size (``slot_bytes``: round 1 moves one slot from each rank, and gloo aborts a process that receives
     another size, ``terminate called ... EnforceNotMet``, as a rank with another ``slot_bytes`` did at the group's
@@ -226,11 +226,26 @@ def agree_on_round_one(wire: Wire, op: str) -> None:
     a rank with it tried to open the channel while one without it moved the slots through the group, and both
     raised at the group's timeout, saying nothing of why). One vote of four words through the group's backend (a
     doubling on gloo, an all_reduce on NCCL), where a group first takes this slot and medium (``Operations._route``:
-    once per group, slot, device and ``local``)."""
+    once per group, slot, device and ``local``). The vote also carries whether this rank has ``check_calls`` and,
+    where it does, its call's ``fingerprint`` (:mod:`objcomm._api.call_checks` votes so every call): ranks whose
+    ``check_calls`` differ meet in votes of one shape and all raise, where gloo aborted a process that took the
+    other's words. True where every rank has ``check_calls`` and their fingerprints differ (the same on every rank)."""
     if wire.size == 1:
-        return
-    slot, local = wire.slot, int(wire.slot_medium is not BACKEND)
-    most, least, on, off = largest_of(wire._replace(slot_medium=BACKEND), [slot, -slot, local, -local], op)
+        return False
+    slot, local, check = wire.slot, int(wire.slot_medium is not BACKEND), int(check_calls)
+    words = [slot, -slot, local, -local, check, -check, fingerprint, -fingerprint]
+    most, least, on, off, checking, not_checking, largest, smallest = largest_of(
+        wire._replace(slot_medium=BACKEND), words, op
+    )
+    if checking != -not_checking:
+        raise CommunicationError(
+            f"{op}: check_calls (OBJCOMM_CHECK_CALLS) is {'on' if check else 'off'} on this rank and "
+            f"{'off' if check else 'on'} on another: turn it on on every rank alike (the variable in every rank's "
+            "environment, or objcomm.configure(check_calls=True) on every rank before the group's first call); "
+            "nothing was moved"
+        )
+    if check and largest != -smallest:
+        return True  # (what differs, slot_bytes and local among it, the caller gathers and says)
     if most != -least:
         raise CommunicationError(
             f"{op}: the ranks of this group use different slot sizes: slot_bytes={slot:,} on this rank, "
@@ -243,6 +258,7 @@ def agree_on_round_one(wire: Wire, op: str) -> None:
             f"local={not local} on another. Give every rank the same local= (objcomm.configure(local=...), "
             "Communicator(local=...) or OBJCOMM_LOCAL on every rank); nothing was moved"
         )
+    return False
 
 
 def route_of(wire: Wire) -> routes.CallRoute:

@@ -92,6 +92,35 @@ def test_ranks_that_make_different_calls_all_raise_naming_them_and_the_group_goe
             assert outcome[how, "next"] == [0, 1, 2], (rank, how)
 
 
+def check_calls_on_one_rank() -> dict:
+    """check_calls on rank 2 alone, from a new group's first call: through the backend, every rank its own host (two
+    levels), one host, and one host whose channel send/recv opened first (connect). (Until 2026-12-07 gloo aborted
+    rank 2's process at the first of these: its vote and the others' met with different lengths.)"""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for how, kwargs in {**WAYS, "connected": {}}.items():
+        group = dist.new_group(list(range(world)))
+        if how == "connected":
+            objcomm.connect(group)  # (the channel open and checking slots before the first collective)
+        try:
+            out[how] = f"returned {objcomm.Communicator(group, check_calls=rank == 2, **kwargs).all_gather(rank)!r}"
+        except objcomm.CommunicationError as exc:
+            out[how] = str(exc)
+        out[how, "next"] = objcomm.Communicator(group, **kwargs).all_gather(rank)
+        dist.destroy_process_group(group)
+    return out
+
+
+def test_check_calls_on_one_rank_only_raises_on_every_rank_saying_so(ranks3):
+    for rank, outcome in enumerate(ranks3.run(check_calls_on_one_rank)):
+        mine, theirs = ("on", "off") if rank == 2 else ("off", "on")
+        for how in (*WAYS, "connected"):
+            assert (
+                f"check_calls (OBJCOMM_CHECK_CALLS) is {mine} on this rank and {theirs} on another" in outcome[how]
+            ), (rank, how, outcome[how])
+            assert outcome[how, "next"] == [0, 1, 2], (rank, how)
+
+
 def test_check_calls_is_off_by_default_and_a_group_of_one_skips_it():
     assert objcomm.Settings().check_calls is False
     assert objcomm.Communicator(check_calls=True).all_gather("x") == ["x"]  # no group: nothing to compare

@@ -578,8 +578,8 @@ def a_lying_source(rest_tree: bool) -> List[Any]:
     )
     try:
         if rank == 1:
-            wire = comm._call({}).wire
-            _broadcast.broadcast(wire, _forged_table(1 << 40), _frame.tensor_sizes, 1, route=comm._route(wire)[0])
+            call = comm._call({})
+            _broadcast.broadcast(call.wire, _forged_table(1 << 40), _frame.tensor_sizes, 1, route=comm._route(call)[0])
             got: Any = "sent"
         else:
             got = comm.broadcast(None, src=1)
@@ -1042,11 +1042,7 @@ def bad_input(case: str, up_tree: bool = False) -> str:
         elif case == "a lying sender":
             if rank == 4:
                 _gather.gather(
-                    comm._call({}).wire,
-                    _forged_table(1 << 40),
-                    _frame.tensor_sizes,
-                    0,
-                    comm._route(comm._call({}).wire)[0],
+                    comm._call({}).wire, _forged_table(1 << 40), _frame.tensor_sizes, 0, comm._route(comm._call({}))[0]
                 )
             else:
                 comm.gather({"t": torch.ones(1000, dtype=torch.uint8)}, dst=0)
