@@ -51,6 +51,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, NoReturn, Optional, Sequence, Set, Tuple
 
 from objcomm._errors import CommunicationError
+from objcomm._samehost.credit import ENTRY_OVERHEAD, KEY_OVERHEAD, Lending, credit_cost, stash_for, window_for
 
 HEADER = struct.Struct("<BB2xIi")  # kind, flags, collective sequence number or message id, tag (or call word)
 ALL_GATHER, BROADCAST, SCATTER, ALL_TO_ALL, P2P = 1, 2, 3, 4, 5
@@ -88,12 +89,6 @@ CLASS_OF = {
     P2P: POINT_TO_POINT,
     REST: POINT_TO_POINT,
 }
-ENTRY_OVERHEAD = 256  # bytes a stashed message is counted for besides its payload
-KEY_OVERHEAD = 768  # and a key (a tag, a sequence number) that has messages waiting: its queue and dict slot
-STASH_BYTES = 64 << 20  # the most one channel keeps for calls not yet made (up to 30 peers: see stash_for)
-WINDOW_BYTES = 8 << 20  # the most credit one peer gets for one class (up to 4 peers; less with more)
-MIN_WINDOW = 1 << 20  # and the least: a quarter of it, when credit is granted back, holds the largest message
-RESERVE = 4 << 20  # the stash's room for what takes no credit (answers, keys) besides the windows
 _CREDIT = struct.Struct("<qq")  # CREDIT's payload: what the receiver took of each class, in credit bytes, since set-up
 NOTICE_WAIT = 0.5  # seconds a send that found its peer gone reads (or waits for another thread to read) its last words
 RECV_SLACK = 0.25  # seconds a blocking recv (SO_RCVTIMEO: the whole timeout) may outlast a call's deadline
@@ -102,21 +97,6 @@ MASK = 0xFFFFFFFF
 Key = Tuple[Any, ...]
 Entry = Tuple[int, int, bytes]  # kind, flags (a send's slot: its message id), payload
 Fail = Callable[..., NoReturn]  # (op, why, cause=None): close the channel and raise
-
-
-def window_for(peers: int) -> int:
-    """A sender's credit per class at one receiver of a channel of ``peers`` other ranks (see "Flow control")."""
-    return max(MIN_WINDOW, min(WINDOW_BYTES, (STASH_BYTES - RESERVE) // (2 * max(peers, 1))))
-
-
-def stash_for(peers: int) -> int:
-    """The stash a receiver needs so that every peer's two windows fit, with :data:`RESERVE` to spare."""
-    return max(STASH_BYTES, 2 * peers * window_for(peers) + RESERVE)
-
-
-def credit_cost(data_bytes: int) -> int:
-    """What a message of ``data_bytes`` costs its sender's credit: what the receiver's stash counts for it at most."""
-    return data_bytes + ENTRY_OVERHEAD + KEY_OVERHEAD
 
 
 def after(a: int, b: int) -> bool:
@@ -164,6 +144,7 @@ class Stash:
         self._taken = {r: [0, 0] for r in peers}
         self._told = {r: [0, 0] for r in peers}
         self._owing: Set[int] = set()  # peers whose totals grew by a quarter of the window since they were told
+        self.lending = Lending()  # send/recv credit lent ahead to senders whose stashed messages hold it (credit.py)
         self._bounced: Set[int] = set()  # peers whose last CREDIT could not be sent (queue full): waits offer it again
         self._size = HEADER.size + largest
         self._buffers = {r: bytearray(self._size) for r in peers}  # one reader per socket: one buffer each
@@ -191,6 +172,8 @@ class Stash:
             del self._stash[peer][key]
             self._stashed -= KEY_OVERHEAD
         self._stashed -= len(entry[2]) + ENTRY_OVERHEAD
+        if CLASS_OF.get(entry[0] & 0xFF) == POINT_TO_POINT:
+            self.lending.held(peer, -credit_cost(len(entry[2])))
         self._took(peer, entry[0], len(entry[2]))
         return entry
 
@@ -395,8 +378,8 @@ class Stash:
             return
         if kind == P2P:
             self.slots_taken += 1
-        taken = self._taken[peer]
-        taken[cls] += credit_cost(data_bytes)
+        taken, cost = self._taken[peer], credit_cost(data_bytes)
+        taken[cls] += cost if cls == COLLECTIVES or not self.lending.total else self.lending.repaid(peer, cost)
         if taken[cls] - self._told[peer][cls] >= self.window >> 2:
             self._owing.add(peer)
 
@@ -429,17 +412,31 @@ class Stash:
             return
         queues = self._stash[peer]
         size = len(entry[2]) + ENTRY_OVERHEAD + (0 if key in queues else KEY_OVERHEAD)
-        if self._stashed + size > self._limit:
+        if self._stashed + size > self._limit + self.lending.total:
             self._fail(
                 op,
-                f"{self._who(peer)} sent more than this rank has asked for: the stash of messages for "
-                f"calls not yet made would pass {self._limit:,} bytes. A rank that far ahead, or flooding "
-                "the channel",
+                f"{self._who(peer)} sent more than this rank has asked for: the stash of messages for calls "
+                f"not yet made would pass {self._limit + self.lending.total:,} bytes. A rank that far ahead, or "
+                "flooding the channel",
             )
         self._stashed += size
         if self._stashed > self.peak:
             self.peak = self._stashed
         queues.setdefault(key, deque()).append(entry)
+        if CLASS_OF.get(entry[0] & 0xFF) == POINT_TO_POINT:
+            self.lending.held(peer, credit_cost(len(entry[2])))
+
+    def lend(self, peers: Sequence[int]) -> bool:
+        """A receive waits for ``peers`` with nothing for it here: lend each the credit its send/recv messages under
+        other keys hold in the stash (:mod:`objcomm._samehost.credit`), counted as taken; whether any was lent."""
+        lent = False
+        for peer in peers:
+            amount = self.lending.lend(peer, self.window >> 2)
+            if amount:
+                self._taken[peer][POINT_TO_POINT] += amount
+                self._owing.add(peer)
+                lent = True
+        return lent
 
     def _who(self, peer: int) -> str:
         return f"rank {peer} (pid {self._pids[peer]})"

@@ -2,19 +2,16 @@
 any number of threads take messages and wait for credit at once.
 
 Several threads may wait on one channel at once: the caller's collectives, and ``send``/``recv`` on
-``isend``/``irecv`` lanes under different peers and tags. Each socket has at most one reader at a
-time: a waiting thread claims the sockets of the peers it waits for that nobody reads, reads them
-(one blocking ``recv`` when it is one socket, else ``poll``) and files every message under its
-peer and key (a collective's sequence number, or a point-to-point tag); threads waiting for a
-socket another thread reads sleep on a condition until that thread files something or lets go.
-A thread that reads only some of the sockets it waits for also polls an eventfd, so that a message
-another thread files for it, or a socket let go, wakes it. Every thread that waits counts itself in
-``_waiting`` (a reader wakes the others only when someone else counts), and lets its sockets go before
-it stops counting. When no other thread waits (the common case) a call takes leaner paths to the same
-result: it reads its sources itself and keeps the message it wants without filing it (one blocking
-``recv`` for one source; for a collective over every peer, the ``poll`` registered at set-up until
-one peer is left, whose socket it then reads alone, the others let go for the threads that want
-them), and polls without sleeping for up to the call's spin first (:func:`poll_briefly`).
+``isend``/``irecv`` lanes under different peers and tags. Each socket has at most one reader at a time: a waiting
+thread claims the sockets of the peers it waits for that nobody reads, reads them (one blocking ``recv`` when it is
+one socket, else ``poll``) and files every message under its peer and key (a collective's sequence number, or a
+point-to-point tag); threads waiting for a socket another thread reads sleep on a condition until that thread files
+something or lets go. A thread that reads only some of the sockets it waits for also polls an eventfd, so that a
+message another thread files for it, or a socket let go, wakes it. Every thread that waits counts itself in
+``_waiting``, and lets its sockets go before it stops counting. When no other thread waits (the common case) a call
+takes leaner paths to the same result: it reads its sources itself and keeps the message it wants without filing it
+(one blocking ``recv`` for one source; for a collective over every peer, the ``poll`` registered at set-up until one
+peer is left, whose socket it then reads alone), and polls up to the call's spin first (:func:`poll_briefly`).
 """
 
 from __future__ import annotations
@@ -28,9 +25,9 @@ import time
 from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from objcomm._errors import NOT_THERE, CommunicationError
-from objcomm._samehost.inbox import CLASS_OF, CREDIT, HEADER, NAMES, P2P, REST, Key, Stash, after, credit_cost
-from objcomm._transport import call_clock
-from objcomm._transport.call_words import other_call
+from objcomm._samehost.credit import credit_cost, unreceived
+from objcomm._samehost.inbox import CLASS_OF, CREDIT, HEADER, NAMES, P2P, REST, Key, Stash, after
+from objcomm._transport import call_clock, call_words
 
 SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # every send on the channel's sockets: never blocks
 CREDIT_RETRY = 0.01  # seconds between offers of a CREDIT that bounced, while this rank waits
@@ -94,7 +91,7 @@ class Inbox(Stash):
                 pending.append(peer)
                 continue
             if entry[0] != kind:
-                self._fail(op, other_call(peer, entry[0], kind, NAMES))
+                self._fail(op, call_words.other_call(peer, entry[0], kind, NAMES))
             got[peer] = entry[2]
             ready &= entry[1]
         if not pending:
@@ -147,7 +144,7 @@ class Inbox(Stash):
                     else:
                         their_kind, flags, data = parsed[1]
                         if their_kind != kind:
-                            self._fail(op, other_call(peer, their_kind, kind, NAMES))
+                            self._fail(op, call_words.other_call(peer, their_kind, kind, NAMES))
                         self._took(peer, kind, len(data))
                         got[peer] = data
                         ready &= flags
@@ -196,7 +193,7 @@ class Inbox(Stash):
             return None
         their_kind, flags, data = parsed[1]
         if their_kind != kind:
-            self._fail(op, other_call(peer, their_kind, kind, NAMES))
+            self._fail(op, call_words.other_call(peer, their_kind, kind, NAMES))
         self._took(peer, kind, len(data))
         return {peer: data}, flags
 
@@ -230,7 +227,7 @@ class Inbox(Stash):
                     if entry is not None:
                         their_kind, flags, data = entry
                         if their_kind != kind:
-                            self._fail(op, other_call(peer, their_kind, kind, NAMES))
+                            self._fail(op, call_words.other_call(peer, their_kind, kind, NAMES))
                         got[peer] = data
                         ready &= flags
                         pending.remove(peer)
@@ -251,6 +248,9 @@ class Inbox(Stash):
                         )
                 if not pending:
                     return got, ready
+                if not key[0] and self.lending.total < self.lending.most and self.lend(pending):
+                    self._offer_credit()  # their messages under other tags held the senders' credit: they send on
+                    continue
                 if any(p not in pending for p in mine):  # let others read what this thread no longer needs
                     mine = [p for p in mine if p in pending]
                     self._release(me, pending)
@@ -265,7 +265,7 @@ class Inbox(Stash):
                         if cut
                         else ""
                     )
-                    why += f" ({NOT_THERE})" if key[0] else f" under tag {key[1]} (no other tag matches it)"
+                    why += f" ({NOT_THERE})" if key[0] else unreceived(self.lending, pending, key[1])
                     if key[0]:  # the others wait in the same collective: close, so that they learn at once
                         self._fail(op, why)
                     raise CommunicationError(

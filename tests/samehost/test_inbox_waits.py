@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import pytest
 
 from objcomm import CommunicationError
+from objcomm._samehost import credit as _credit
 from objcomm._samehost import inbox as _inbox
 from objcomm._samehost import inbox_waits as _inbox_waits
 
@@ -269,7 +270,7 @@ def test_two_senders_out_of_credit_offer_a_bounced_credit_again(inbox_of):
     (before: once per wake-up, and nothing came to wake it: both waited until the timeout)."""
     timeout = 4.0
     inbox, mine, theirs = _owing_a_bounced_credit(inbox_of, timeout)
-    cost = _inbox.credit_cost(60000)
+    cost = _credit.credit_cost(60000)
     for _ in range(inbox.window // cost):  # this rank's sends to peer 0, none taken yet: its credit is spent
         inbox.reserve(0, _inbox.P2P, 60000, "send")
     sender = _Run(lambda: inbox.reserve(0, _inbox.P2P, 60000, "send"))
