@@ -18,6 +18,7 @@ from contextlib import suppress
 from typing import Any
 
 from objcomm._tools import rank_side as _rank_side
+from objcomm._transport import call_words as _call_words
 
 __all__ = ["CLOSE_REQUEST", "HEADER", "describe", "dumps_call", "loads_exception", "loads_reply", "worker_main"]
 
@@ -117,6 +118,7 @@ def worker_main(
         (call_id,) = HEADER.unpack_from(data)
         try:
             fn, args, kwargs = pickle.loads(data[HEADER.size :])
+            _call_words.leave()  # each scenario starts in no collective of the object API, as a fresh process does
             result = fn(*args, **kwargs)
         except BaseException as exc:  # includes pytest's Failed/Skipped (BaseException subclasses)
             reply = ("err", call_id, traceback.format_exc(), _exception_payload(exc))

@@ -3,7 +3,9 @@
 Ranks that call different collectives, or the same one with another root, reduction or round-1 setting, are a bug in
 the program; through the backend they wait until the group's timeout (gloo's default: 30 minutes) and then say
 only that a peer did not come. With ``check_calls`` on, each collective first votes on a fingerprint of its call
-(two words, the group's backend: a doubling on gloo, one all_reduce on NCCL); where the fingerprints differ, every
+(in the vote every group holds at its first collective, :func:`objcomm._transport.rounds.agree_on_round_one`: eight
+words through the group's backend, a doubling on gloo, one all_reduce on NCCL; a rank without ``check_calls`` meets
+it there, and every rank raises saying so); where the fingerprints differ, every
 rank gathers every rank's description (one all_gather of 512 bytes a rank) and raises
 :class:`~objcomm.CommunicationError` naming which ranks called what. It costs one small collective a call (and
 turns the express path off), so it is off by default. torch's own check (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) does

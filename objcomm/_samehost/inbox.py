@@ -52,6 +52,7 @@ from typing import Any, Callable, Deque, Dict, List, NoReturn, Optional, Sequenc
 
 from objcomm._errors import CommunicationError
 from objcomm._samehost.credit import ENTRY_OVERHEAD, KEY_OVERHEAD, Lending, credit_cost, stash_for, window_for
+from objcomm._transport.call_words import described
 
 HEADER = struct.Struct("<BB2xIi")  # kind, flags, collective sequence number or message id, tag (or call word)
 ALL_GATHER, BROADCAST, SCATTER, ALL_TO_ALL, P2P = 1, 2, 3, 4, 5
@@ -359,10 +360,10 @@ class Stash:
                 article = "an" if NAMES[kind][0] in "aeiou" else "a"
                 self._fail(
                     op,
-                    f"{self._who(peer)} sent {article} {NAMES[kind]} message with a bad header (collective "
-                    f"#{seq} after #{last} and with #{self.done} finished here, call word {tag}, flags {flags}): "
-                    "a duplicate or stale message (did the ranks call different collectives, or broadcast "
-                    "or scatter with different src?), or a protocol error",
+                    f"{self._who(peer)} sent {article} {NAMES[kind]} message with a bad header (collective #{seq} "
+                    f"after #{last} and with #{self.done} finished here, its call {described(tag)}, flags {flags}): a "
+                    "duplicate or stale message (did the ranks call different collectives, or broadcast or scatter "
+                    "with different src?), or a protocol error",
                 )
             self._last[peer] = seq
             key = (True, seq)

@@ -33,8 +33,9 @@ from objcomm._samehost.inbox import (
 from objcomm._samehost.inbox import after as _after
 from objcomm._samehost.inbox_waits import SEND_FLAGS as _FLAGS
 from objcomm._samehost.inbox_waits import Inbox
-from objcomm._transport import call_clock, call_words
+from objcomm._transport import call_clock
 from objcomm._transport.base import Slot
+from objcomm._transport.call_words import WORD as CALL_WORD
 from objcomm._transport.patterns import Pattern, pattern
 
 MAX_PAYLOAD = 64 << 10  # bytes in one message; a SEQPACKET message must fit the socket's send buffer
@@ -254,7 +255,7 @@ class Mesh:
         with self._lock:
             self._seq = self._current = seq = (self._seq + 1) & MASK
             try:
-                word = call_words.current()  # which call this rank is in: every receiver checks it (call_words)
+                word = CALL_WORD.get()  # which call this rank is in: every receiver checks it (call_words)
                 header = HEADER.pack(kind, 0, seq, word)
                 for peer, data in outgoing.items():
                     self._send(peer, header, data, op)

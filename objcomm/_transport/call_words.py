@@ -23,7 +23,7 @@ from typing import Dict, Mapping, Optional, Tuple
 OPS = ("all_gather", "gather", "broadcast", "scatter", "all_to_all", "reduce", "all_reduce", "scan", "exscan")
 _ROOT_NAMES = {"gather": "dst", "reduce": "dst", "broadcast": "src", "scatter": "src"}
 _ROOT_BITS = 16  # a root past 65,534 ranks wraps: such groups tell fewer roots apart, never a wrong result more
-_WORD: ContextVar[int] = ContextVar("objcomm_call_word", default=0)
+WORD: ContextVar[int] = ContextVar("objcomm_call_word", default=0)  # (the channel reads it: WORD.get())
 _WORDS: Dict[Tuple[str, Optional[int]], int] = {}
 
 
@@ -36,17 +36,17 @@ def enter(op: str, root: Optional[int] = None) -> None:
             _WORDS.clear()
         code = OPS.index(op) + 1
         word = _WORDS[op, root] = code << _ROOT_BITS | (0 if root is None else (root + 1) % (1 << _ROOT_BITS))
-    _WORD.set(word)
+    WORD.set(word)
 
 
 def leave() -> None:
     """No collective of the object API: what a channel message sent now carries (0)."""
-    _WORD.set(0)
+    WORD.set(0)
 
 
 def current() -> int:
     """The word of this thread's call (0 outside one)."""
-    return _WORD.get()
+    return WORD.get()
 
 
 def described(word: int) -> str:
