@@ -221,8 +221,8 @@ class Operations(Resolving):
         """The route of this communicator's calls on ``wire``'s group (:class:`routes.CallRoute`: by its size, device
         and slot, and the routes the hooks force), made once and kept on the group; and the group's slot memory of
         ``remembered``'s calls with this slot setting (an op of :data:`_REMEMBERED`: :class:`_rounds.SlotMemory`),
-        else None. Where the group first takes this slot off a medium that checks slots, and at the group's first call
-        wherever its slots go, every rank checks that all use it, the same ``local`` and the same ``check_calls`` (a
+        else None. Where the group first takes this slot through a medium that does not check slots, and at its first
+        call wherever its slots go, every rank checks that all use it, the same ``local`` and ``check_calls`` (a
         vote before anything moves: :func:`_rounds.agree_on_round_one`; with ``check_calls`` the same vote runs every
         call, in :mod:`objcomm._api.call_checks`); ``op`` (else ``remembered``) names the call in its error."""
         wire = call.wire

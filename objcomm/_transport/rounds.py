@@ -223,13 +223,14 @@ def agree_on_round_one(wire: Wire, op: str, check_calls: bool = False, fingerpri
     their slot size (``slot_bytes``: round 1 moves one slot from each rank, and gloo aborts a process that receives
     another size, ``terminate called ... EnforceNotMet``, as a rank with another ``slot_bytes`` did at the group's
     first all_gather through the backend before 2026-12-07) or whether the same-host channel may take it (``local``:
-    a rank with it tried to open the channel while one without it moved the slots through the group, and both
-    raised at the group's timeout, saying nothing of why). One vote of four words through the group's backend (a
-    doubling on gloo, an all_reduce on NCCL), where a group first takes this slot and medium (``Operations._route``:
-    once per group, slot, device and ``local``). The vote also carries whether this rank has ``check_calls`` and,
-    where it does, its call's ``fingerprint`` (:mod:`objcomm._api.call_checks` votes so every call): ranks whose
-    ``check_calls`` differ meet in votes of one shape and all raise, where gloo aborted a process that took the
-    other's words. True where every rank has ``check_calls`` and their fingerprints differ (the same on every rank)."""
+    a rank with it tried to open the channel while one without it moved the slots through the group, and both raised
+    at the group's timeout, saying nothing of why). One vote of eight words through the group's backend (a doubling
+    on gloo, an all_reduce on NCCL), at a group's first collective and where it first takes this slot through the
+    backend (``Operations._route``: once per group, slot, device and ``local``). The vote also carries
+    whether this rank has ``check_calls`` and, where it does, its call's ``fingerprint``
+    (:mod:`objcomm._api.call_checks` votes so every call): ranks whose ``check_calls`` differ meet in votes of one
+    shape and all raise, where gloo aborted a process that took the other's words. True where every rank has
+    ``check_calls`` and their fingerprints differ (the same on every rank)."""
     if wire.size == 1:
         return False
     slot, local, check = wire.slot, int(wire.slot_medium is not BACKEND), int(check_calls)
