@@ -36,9 +36,9 @@ from objcomm._tools.bench.spreads import CASES, spread_of
 from objcomm._transport import base as _base
 from objcomm._transport import broadcast as _broadcast
 from objcomm._transport import bytes as _bytes
+from objcomm._transport import call_words, patterns, routes
 from objcomm._transport import exchange as _exchange
 from objcomm._transport import gather as _gather
-from objcomm._transport import patterns, routes
 from objcomm._transport import pending as _pending
 from objcomm._transport import rounds as _rounds
 from objcomm._transport import slot_tree as _slot_tree
@@ -579,6 +579,7 @@ def a_lying_source(rest_tree: bool) -> List[Any]:
     try:
         if rank == 1:
             call = comm._call({})
+            call_words.enter("broadcast", 1)  # (the honest call's word, as the object API sets it)
             _broadcast.broadcast(call.wire, _forged_table(1 << 40), _frame.tensor_sizes, 1, route=comm._route(call)[0])
             got: Any = "sent"
         else:
@@ -1041,6 +1042,7 @@ def bad_input(case: str, up_tree: bool = False) -> str:
             comm.all_gather(object() if rank == 5 else b"x" * 100_000, serializer="json")
         elif case == "a lying sender":
             if rank == 4:
+                call_words.enter("gather", 0)  # (the honest call's word, as the object API sets it)
                 _gather.gather(
                     comm._call({}).wire, _forged_table(1 << 40), _frame.tensor_sizes, 0, comm._route(comm._call({}))[0]
                 )
@@ -1471,7 +1473,8 @@ def bad_input_on_two_levels(case: str) -> str:
             elif case == "over the destination's leader's limit":  # rank 0 takes every host's rests for rank 1
                 comm.gather(b"x" * ((1 << 20) if rank == 4 else 10), dst=1, max_bytes=(1 << 19) if rank == 0 else None)
             elif case == "a lying sender":
-                if rank == 4:
+                if rank == 4:  # (its host's channel messages carry the honest call's word, as the object API's do)
+                    call_words.enter("all_gather")
                     _rounds.all_gather(comm._call({}).wire, _forged_table(1 << 40), _frame.tensor_sizes)
                 else:
                     comm.all_gather({"t": torch.ones(1000, dtype=torch.uint8)})
