@@ -32,7 +32,8 @@ import torch
 from objcomm._api import reduce as _reduce
 from objcomm._api.call import Call
 from objcomm._errors import KINDS_SHOWN, CommunicationError, spans
-from objcomm._transport.base import Wire, all_gather_single, guarded
+from objcomm._transport.base import Wire
+from objcomm._transport.bytes import all_gather_table
 from objcomm._transport.rounds import agree_on_round_one
 
 ROW_BYTES = 512  # one rank's description in the all_gather that follows a disagreement
@@ -79,10 +80,7 @@ def _reduction_name(reduction: Any) -> str:
 
 def _gathered(wire: Wire, text: bytes, op: str) -> List[Dict[str, Any]]:
     """Every rank's description (only after a vote found them different: a rank that lies breaks only this call)."""
-    row = torch.zeros(ROW_BYTES, dtype=torch.uint8)
-    row[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    table = torch.empty(ROW_BYTES * wire.size, dtype=torch.uint8, device=wire.device)
-    guarded(op, wire, all_gather_single, table, row.to(wire.device), group=wire.group)
+    table = all_gather_table(wire, torch.frombuffer(bytearray(text), dtype=torch.uint8), ROW_BYTES, op)
     rows = table.cpu().numpy().tobytes()
     described = []
     for rank in range(wire.size):
@@ -94,7 +92,8 @@ def _gathered(wire: Wire, text: bytes, op: str) -> List[Dict[str, Any]]:
 
 
 def _message(op: str, described: List[Dict[str, Any]]) -> str:
-    differ = {k for d in described for k in d if k != "op" and any(e.get(k) != d.get(k) for e in described)}
+    keys = {k for d in described for k in d} - {"op"}  # (each key's values once: O(W), not a pass over pairs)
+    differ = {k for k in keys if len({repr(d.get(k)) for d in described}) > 1}
     by_call: Dict[str, List[int]] = {}
     for rank, d in enumerate(described):
         args = [f"{k}={d[k]!r}" for k in ("dst", "src") if k in d]

@@ -159,3 +159,14 @@ def test_a_root_that_differs_on_one_host_raises_on_every_rank_naming_both_calls(
             named += said
             assert outcome[op, "next"] == [0, 1, 2], (rank, op)
         assert named >= 1, (op, outcomes)
+
+
+def test_the_message_at_8192_ranks_groups_them_in_one_pass():
+    """What every rank says where one rank of 8,192 differs (a pass over each key's values, never over pairs of ranks:
+    the first version compared every rank with every other, 600 million comparisons here)."""
+    from objcomm._api.call_checks import _message
+
+    base = {"op": "all_gather", "slot_bytes": 4096, "local": True, "shm": True}
+    described = [dict(base, slot_bytes=8192) if rank == 5 else dict(base) for rank in range(8192)]
+    said = _message("all_gather", described)
+    assert "ranks 0-4, 6-8191: all_gather() with slot_bytes=4096; rank 5: all_gather() with slot_bytes=8192." in said
