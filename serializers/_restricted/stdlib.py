@@ -198,10 +198,12 @@ def _deque(items: Any = (), maxlen: Any = None) -> Any:
 
 def _defaultdict_holds(factory: Any = None, items: Any = ()) -> Any:
     """What a call of ``defaultdict`` with these arguments holds directly, as far as the probe pass can tell (its
-    values); ``()`` for arguments the real call refuses."""
+    values, and each item that is no pair); ``()`` for arguments the real call refuses. An item that is no pair is
+    refused by the real call, but only once the probe pass is over: a deque there (``defaultdict(None, [deque(["k",
+    last])])``) hid a chain from the probe, whose pass over 200,000 of them took seconds before the refusal."""
     if type(items) is dict:
         return items.values()
-    return [p[1] for p in items if _is_pair(p)] if type(items) in (list, tuple) else ()
+    return [p[1] if _is_pair(p) else p for p in items] if type(items) in (list, tuple) else ()
 
 
 def _is_pair(item: Any) -> bool:
