@@ -79,11 +79,11 @@ class Call(NamedTuple):
         return self.wire.device if self.wire is not None else torch.device("cpu")
 
     def encode(
-        self, obj: Any, serialized: Union[None, _frame.Serialized, BaseException] = None
+        self, obj: Any, serialized: Union[None, _frame.Serialized, BaseException] = None, flags: int = 0
     ) -> tuple[Outgoing, Optional[BaseException]]:
         """``(outgoing, exception)``: a failure becomes an error report that still travels. ``serialized``:
         what serializing ``obj`` with this call's serializer gave already (:func:`objcomm._format.frame.serialize`'s
-        result, or what it raised), so that it is not serialized twice."""
+        result, or what it raised), so that it is not serialized twice; ``flags``: the frame header's."""
         try:
             if isinstance(serialized, BaseException):
                 raise serialized
@@ -95,6 +95,7 @@ class Call(NamedTuple):
                 inline_tensor_bytes=self.options.inline_tensor_bytes,
                 compression=self.options.compression,
                 serialized=serialized,
+                flags=flags,
             )
             return out, None
         except Exception as exc:

@@ -38,7 +38,6 @@ from objcomm._transport.rounds import agree_on_round_one
 
 ROW_BYTES = 512  # one rank's description in the all_gather that follows a disagreement
 _SHARED = ("slot_bytes", "local", "shm", "shm_threshold", "shm_zero_copy", "shm_dir")  # what shapes a call's rounds
-_NAMES = {id(function): name for name, function in _reduce.NAMED_OPS.items()}
 
 
 def check(call: Call, op: str, root: Optional[int] = None, reduction: Any = None, root_name: str = "") -> None:
@@ -61,21 +60,11 @@ def _described(call: Call, op: str, root: Optional[int], reduction: Any, root_na
     if root_name:
         described[root_name] = root
     if reduction is not None:
-        described["reduce_op"] = _reduction_name(reduction)
+        described["reduce_op"] = _reduce.op_name(reduction)[:60]  # ("sum" where another rank wrote operator.add)
     for name in _SHARED:
         value = getattr(call.options, name)
         described[name] = value if value is None or isinstance(value, (bool, int)) else str(value)[:100]
     return described
-
-
-def _reduction_name(reduction: Any) -> str:
-    if isinstance(reduction, str):
-        return reduction[:60]
-    named = _NAMES.get(id(reduction))
-    if named is not None:  # operator.add where another rank wrote "sum": the same function
-        return named
-    module = getattr(reduction, "__module__", None) or ""
-    return f"{module}.{getattr(reduction, '__qualname__', type(reduction).__name__)}"[:60]
 
 
 def _gathered(wire: Wire, text: bytes, op: str) -> List[Dict[str, Any]]:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import copy
 import operator
 import os
+import zlib
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 from objcomm._errors import CommunicationError, ObjcommError, OpError
 from objcomm._format import frame as _frame
+from objcomm._format.message import Incoming
 from objcomm._transport import p2p as _p2p
 from objcomm._transport.base import INTERNAL_TAG, TreeLevels, Wire
 from objcomm._transport.patterns import binomial
@@ -51,6 +53,9 @@ NAMED_OPS: Dict[str, Callable[[Any, Any], Any]] = {
     "merge": _merge,  # dicts: the union, a later rank's value wins for a key both have
     "merge_sum": _merge_sum,  # dicts of counts: the union, values of a key both have added
 }
+
+
+_NAMES = {id(function): name for name, function in NAMED_OPS.items()}
 
 
 def resolve(op: Op) -> Callable[[Any, Any], Any]:
@@ -89,6 +94,48 @@ _MPI_ONLY = {  # mpi4py's ops that objcomm does not name, and a function that do
 }
 
 
+_MARK_SHIFT = 1  # a message's op mark: its frame header's flags, bits 1-7 (bit 0: an error report)
+
+
+def op_flags(op: Op) -> int:
+    """The frame flags that mark ``op`` in the messages of a reduction's tree and a scan's steps: a number from 1 to
+    127 in bits 1-7, alike on every rank that passes the same op (:func:`op_name`, through crc32: ``hash()`` of a str
+    differs between processes). A receiver whose own op's mark differs fails the call on every rank
+    (:func:`check_op`), where ranks that passed different ops (``"sum"`` on one, ``"max"`` on another) returned a
+    mixture of both. Two different ops share a mark once in 127."""
+    return (zlib.crc32(op_name(op).encode("utf-8", "replace")) % 127 + 1) << _MARK_SHIFT
+
+
+def op_name(op: Op) -> str:
+    """What ``op`` is, alike on every rank that passes the same op: a name of :data:`NAMED_OPS` (also for the function
+    it stands for: ``operator.add`` where another rank wrote ``"sum"``), else the function's module, name and, where
+    it has code, first line (two lambdas of one module differ)."""
+    if isinstance(op, str):
+        return op
+    named = _NAMES.get(id(op))
+    if named is not None:
+        return named
+    code = getattr(op, "__code__", None)
+    module = getattr(op, "__module__", None) or type(op).__module__
+    return f"{module}.{_name_of(op)}" + (f":{code.co_firstlineno}" if code is not None else "")
+
+
+def check_op(item: Incoming, flags: int, op: Op, peer: int) -> None:
+    """Raise :class:`ValueError` where ``item`` from group rank ``peer`` (decoded: its header was checked) marks
+    another op than this rank's, ``flags`` (:func:`op_flags`); a frame that marks none (an older objcomm's) passes."""
+    theirs = item.frame[5] & (0x7F << _MARK_SHIFT)
+    if theirs and theirs != flags:
+        raise ValueError(
+            f"group rank {peer} passed another op than this rank's {op_name(op)!r}: every rank of a reduction or a "
+            "scan must pass the same op (the same name, or the same function)"
+        )
+
+
+def _name_of(fn: Any) -> str:
+    name = getattr(fn, "__qualname__", None)
+    return name if isinstance(name, str) else f"{type(fn).__qualname__} object"  # a callable object, a partial
+
+
 def _ranks(first: int, last: int) -> str:
     return f"group rank {first}" if first == last else f"group ranks {first}-{last}"
 
@@ -104,11 +151,9 @@ def op_error(op: Op, fn: Callable[[Any, Any], Any], exc: BaseException, left: st
             "choose another op or pass a function op(a, b)"
         )
     code = getattr(fn, "__code__", None)
-    name = getattr(fn, "__qualname__", None)
-    if name is None:  # a callable object, a functools.partial
-        name = f"{type(fn).__qualname__} object"
-    elif code is None and getattr(fn, "__module__", None) not in (None, "builtins"):  # no file to show
-        name = f"{fn.__module__}.{name}"
+    name = _name_of(fn)
+    if code is None and hasattr(fn, "__qualname__") and getattr(fn, "__module__", None) not in (None, "builtins"):
+        name = f"{fn.__module__}.{name}"  # no file to show
     tb, where = exc.__traceback__, ""
     while tb is not None and code is not None:
         if tb.tb_frame.f_code is code:
@@ -184,7 +229,7 @@ def _climb(
     ``mine``: the caller's own object where ``op`` is its function, which then combines a copy of it."""
     wire = wire._replace(tag=INTERNAL_TAG)  # above every tag a caller may pass (objcomm._api.call.MAX_TAG)
     value, complete, own, lowest = held
-    tree = binomial(me, len(ranks))
+    tree, flags = binomial(me, len(ranks)), op_flags(op)
     for child, end in zip(tree.children, tree.ends):
         peer = ranks[child]
         try:
@@ -194,6 +239,7 @@ def _climb(
                 complete = False
             elif complete:
                 theirs = call.decode(item, peer)
+                check_op(item, flags, op, peer)
                 if mine is not None and value is mine:  # (its first combination here: never the caller's object)
                     value = _copy_of(value)
                 try:
@@ -207,7 +253,7 @@ def _climb(
             own, complete = own or exc, False
     if tree.parent is not None:  # send what this subtree holds to the parent
         if complete:
-            out, failed = call.encode(value)
+            out, failed = call.encode(value, flags=flags)
             own = own or failed
         else:
             out = _frame.error_frame(own or ObjcommError("a rank below failed"), wire.inline_capacity)

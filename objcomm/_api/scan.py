@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
-from objcomm._api.reduce import Op, _ranks, op_error, taking_part
+from objcomm._api.reduce import Op, _ranks, check_op, op_error, op_flags, taking_part
 from objcomm._errors import CommunicationError, ObjcommError
 from objcomm._format import frame as _frame
 from objcomm._format.message import Outgoing
@@ -36,6 +36,7 @@ def prefix(call: Any, obj: Any, op: Op, exclusive: bool = False) -> Scanned:
     """This rank's prefix of every rank's ``obj`` combined with ``op`` over ``call.wire``: ranks ``0 .. rank``
     (``exclusive``: ``0 .. rank - 1``, None on group rank 0)."""
     fn, own = taking_part(op)
+    flags = op_flags(op)  # (each message marks the op: ranks that passed different ones fail alike)
     wire = call.wire._replace(tag=INTERNAL_TAG)
     me, complete = wire.rank, own is None
     held, before = obj, None  # ranks lowest .. me, and lowest .. me - 1 (None: no rank yet)
@@ -46,7 +47,7 @@ def prefix(call: Any, obj: Any, op: Op, exclusive: bool = False) -> Scanned:
         out: Optional[Outgoing] = None
         if step.to is not None and complete:  # what this rank holds before the step, whichever message goes first
             if encoded is None:
-                encoded, failed = call.encode(held)  # (an error report where it cannot be encoded)
+                encoded, failed = call.encode(held, flags=flags)  # (an error report where it cannot be encoded)
                 own, complete = own or failed, failed is None
             out = encoded
         elif step.to is not None:
@@ -61,6 +62,7 @@ def prefix(call: Any, obj: Any, op: Op, exclusive: bool = False) -> Scanned:
                     complete = False
                 elif complete:
                     theirs = call.decode(item, step.source)
+                    check_op(item, flags, op, step.source)
                     start = max(0, step.source - (me - lowest))  # what the source held: as many ranks as this one
                     left = _ranks(start, step.source)
                     # an exscan combines ``theirs`` twice, where a later step sends what this rank holds: a function

@@ -5,7 +5,7 @@ Frame, format version 1 (all integers little-endian)::
     offset  size  field
     0       4     magic            b"OBJC"
     4       1     version          1
-    5       1     flags            bit 0: error report (payload is JSON {"type", "message"})
+    5       1     flags            bit 0: error report (payload is JSON {"type", "message"}); 1-7: op mark
     6       1     compression      0 none, 1 zstd, 2 lz4
     7       1     name_len         length of the serializer name
     8       4     table_len        bytes of the out-of-band tensor table
@@ -18,9 +18,8 @@ Frame, format version 1 (all integers little-endian)::
     ...     p     payload          what the serializer wrote
     ...     i     inline tensor data
 
-A frame is valid only when its length is exactly ``40 + name_len + table_len + payload_len +
-inline_len``; everything is checked against the bytes actually received before anything of a
-declared size is allocated. Golden frames in ``tests/golden/`` pin this format.
+A frame is valid only when its length is exactly ``40 + name_len + table_len + payload_len + inline_len``; all is
+checked against the bytes received before anything of a declared size is allocated. ``tests/golden/`` pins it.
 """
 
 from __future__ import annotations
@@ -93,11 +92,6 @@ class Header(NamedTuple):
     @property
     def payload_offset(self) -> int:
         return HEADER.size + len(self.serializer) + self.table_len
-
-
-def frame_length(name_len: int, table_len: int, payload_len: int, inline_len: int) -> int:
-    """Total bytes of a frame with these section lengths."""
-    return HEADER.size + name_len + table_len + payload_len + inline_len
 
 
 def _assemble(name: str, payload: Any, **fields: Any) -> memoryview:
@@ -225,12 +219,13 @@ def encode(
     inline_tensor_bytes: int = 64 << 10,
     compression: Optional[str] = None,
     serialized: Optional[Serialized] = None,
+    flags: int = 0,
 ) -> Outgoing:
     """Serialize ``obj`` into a frame plus out-of-band tensors; raise :class:`EncodeError` or :class:`TooLargeError`.
 
-    ``serializer`` is one ``serializers.registry.guarded()`` returns, so it raises only objcomm's
-    errors. Tensors are lifted out when it supports that (the pickle family, msgpack). ``serialized``:
-    what :func:`serialize` returned for ``obj`` already, which is then not serialized again.
+    ``serializer`` is one ``serializers.registry.guarded()`` returns, so it raises only objcomm's errors. Tensors are
+    lifted out when it supports that (the pickle family, msgpack). ``serialized``: what :func:`serialize` returned for
+    ``obj`` already, not serialized again. ``flags``: the header's (a reduction's op: ``_api.reduce.op_flags``).
     """
     payload, lifter, serializer = serialize(obj, serializer, inline_tensor_bytes) if serialized is None else serialized
     packed = lifter.pack(inline_tensor_bytes) if lifter.tensors else None
@@ -248,9 +243,11 @@ def encode(
             n_tensors=len(lifter.tensors),
             inline=inline,
             version=version,
+            flags=flags,
         )
     else:  # the common small case: no tensor table, nothing out of band
-        (parts, length), oob = _frame_parts(serializer.name, stored, compression=code, raw_len=raw.nbytes), []
+        parts, length = _frame_parts(serializer.name, stored, compression=code, raw_len=raw.nbytes, flags=flags)
+        oob = []
     out = Outgoing(parts=parts, tensors=oob, nbytes=length)
     if out.total > max_bytes:
         raise too_large(
@@ -295,7 +292,7 @@ def parse_header(view: memoryview) -> Header:
             f"frame format version {version} is unknown here (this objcomm reads {', '.join(map(str, VERSIONS))}); "
             "upgrade objcomm"
         )
-    expected = HEADER.size + name_len + table_len + payload_len + inline_len  # frame_length(), without a call
+    expected = HEADER.size + name_len + table_len + payload_len + inline_len
     if expected != size:
         raise FrameError(f"frame lengths disagree: the header declares {expected:,} bytes, {size:,} were received")
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import threading
 from collections import Counter
 from typing import Any, Dict, List
@@ -14,6 +15,7 @@ from _builtins import ON_RANKS
 from _ranks import get_pool
 
 import objcomm
+from objcomm._api import reduce as _reduce
 from objcomm._api.resolving import Hooks
 
 pytestmark = pytest.mark.timeout(180)
@@ -415,3 +417,50 @@ def test_an_op_that_updates_its_first_argument_leaves_every_rank_s_object_as_it_
         assert (counts, seen, total) == ({f"r{rank}": rank}, [rank], float(rank))
         assert merged == everyone and summed == 6.0
         assert extended == ([0, 1, 2, 3] if rank == 0 else None)
+
+
+WAYS = {"backend": {"local": False}, "hosts": {"_hooks": Hooks(separate_hosts=True)}, "host": {}}
+
+
+def ops_that_differ(way: str) -> Dict[str, Any]:
+    """Each call with one rank's op not the others': every rank raises, where they returned a mixture of both."""
+    rank = dist.get_rank()
+    comm = objcomm.Communicator(**WAYS[way])
+    first = lambda a, b: a + b  # noqa: E731
+    second = lambda a, b: a + b  # noqa: E731  (the same code on another line: another function)
+    calls = {
+        "all_reduce": lambda: comm.all_reduce(rank + 1, "max" if rank == 3 else "sum"),
+        "reduce": lambda: comm.reduce(rank + 1, "max" if rank == 1 else "sum", dst=2),
+        "scan": lambda: comm.scan(rank + 1, "prod" if rank == 2 else "sum"),
+        "exscan": lambda: comm.exscan(rank + 1, "prod" if rank == 3 else "sum"),
+        "functions": lambda: comm.all_reduce([rank], second if rank == 2 else first),
+    }
+    out: Dict[str, Any] = {}
+    for name, call in calls.items():
+        try:
+            out[name] = f"returned {call()!r}"
+        except objcomm.RemoteError as exc:
+            out[name] = [(t, "passed another op than this rank's" in m) for t, m in exc.failures.values()]
+    # the same op, named on one rank and the function it names on another; and the group goes on
+    out["same"] = comm.all_reduce(rank + 1, operator.add if rank == 1 else "sum")
+    return out
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+def test_ranks_that_pass_different_ops_all_raise_saying_so(way):
+    for outcome in get_pool(4).run(ops_that_differ, way):
+        for name in ("all_reduce", "reduce", "scan", "exscan", "functions"):
+            assert set(outcome[name]) == {("ValueError", True)}, name  # (the ranks that met it: one, or two in a scan)
+        assert outcome["same"] == 10
+
+
+def test_an_op_is_marked_alike_on_every_rank_that_passes_it():
+    """op_flags: the name of NAMED_OPS also for the function it names; a function by module, name and first line."""
+    first = lambda a, b: a + b  # noqa: E731
+    second = lambda a, b: a + b  # noqa: E731
+    assert _reduce.op_name(operator.add) == _reduce.op_name("sum") == "sum"
+    assert _reduce.op_name(max) == "max" and _reduce.op_name(_reduce.NAMED_OPS["merge"]) == "merge"
+    assert _reduce.op_name(first) != _reduce.op_name(second)
+    assert _reduce.op_name(first).startswith(f"{__name__}.test_an_op_is_marked_alike_on_every_rank_that_passes_it.")
+    marks = {_reduce.op_flags(op) for op in ("sum", "prod", "min", "max", "merge", "merge_sum")}
+    assert len(marks) == 6 and all(m & 1 == 0 and 2 <= m <= 254 for m in marks)  # bits 1-7: bit 0 is the error flag
