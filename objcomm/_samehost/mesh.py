@@ -36,6 +36,7 @@ from objcomm._samehost.inbox_waits import Inbox
 from objcomm._transport import call_clock
 from objcomm._transport.base import Slot
 from objcomm._transport.call_words import WORD as CALL_WORD
+from objcomm._transport.call_words import described
 from objcomm._transport.patterns import Pattern, pattern
 
 MAX_PAYLOAD = 64 << 10  # bytes in one message; a SEQPACKET message must fit the socket's send buffer
@@ -330,9 +331,10 @@ class Mesh:
                 f"{op} over the local channel failed on rank {self.rank}: the channel closed "
                 f"before. {self._inbox.closed}"
             ) from cause
+        call = described(CALL_WORD.get()) if CALL_WORD.get() else ""  # the caller's call, where a step of it failed
         message = (
-            f"{op} over the local channel failed on rank {self.rank} of {self.size}{self.ranks_note}: {why}. "
-            "The channel is closed"
+            f"{f'{call}: ' if call and not call.startswith(op.split()[0] + '(') else ''}{op} over the local channel "
+            f"failed on rank {self.rank} of {self.size}{self.ranks_note}: {why}. The channel is closed"
         )
         if self.failed_at is None:
             self._failure_point()

@@ -156,6 +156,8 @@ def test_a_root_that_differs_on_one_host_raises_on_every_rank_naming_both_calls(
             mine, theirs = (f"{op}(dst=1)", f"{op}(dst=0)") if rank == 1 else (f"{op}(dst=0)", f"{op}(dst=1)")
             said = f"called {theirs} where this rank called {mine}" in outcome[op]
             assert said or "closed its connection" in outcome[op], (rank, op, outcome[op])
+            # the caller's own call first, where a step of it failed (a reduce's gather): "reduce(dst=0): gather ..."
+            assert outcome[op].startswith(f"{mine}: gather over" if op == "reduce" else "gather over"), outcome[op]
             named += said
             assert outcome[op, "next"] == [0, 1, 2], (rank, op)
         assert named >= 1, (op, outcomes)
