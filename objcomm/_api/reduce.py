@@ -7,11 +7,11 @@ bit ``k`` set sends what it holds to ``rank - 2**k`` and is done; the others rec
 ``rank + 2**k`` and combine ``op(mine, theirs)``, so lower ranks stay on the left. That is
 ⌈log2 W⌉ rounds, and a rank decodes at most one object per round.
 
-A failure (encoding, decoding, ``op`` raising, an unknown name) never stops a rank from taking part:
-it sends an error report up the tree instead of a value, and the caller's final collective tells
-every rank which ranks failed (see :meth:`objcomm.Communicator.reduce`). When ``op`` raises, the
-report is an :class:`~objcomm._errors.OpError` that names the function, where it raised and which
-ranks' objects it was combining: the caller's code failed, not a serializer.
+A failure (encoding, decoding, ``op`` raising, an unknown name, a child whose op differs: :func:`check_op`) never
+stops a rank from taking part: it sends an error report up the tree instead of a value, and the caller's final
+collective tells every rank which ranks failed (see :meth:`objcomm.Communicator.reduce`). When ``op`` raises, the
+report is an :class:`~objcomm._errors.OpError` that names the function, where it raised and which ranks' objects it
+was combining: the caller's code failed, not a serializer.
 """
 
 from __future__ import annotations
