@@ -71,7 +71,7 @@ class PointToPoint(Operations):
         if accept is None and max_bytes is None and map_location is None:
             express, held, group = self._express_found()
             if express is not None and (
-                src is not None or (express.peers and not _requests.own_waiting(express.facts, tag))
+                src is not None or (len(express.ranks) > 1 and not _requests.own_waiting(express.facts, tag))
             ):
                 got = express.recv(src, tag, self._group)
                 if got is not NOT_TAKEN:

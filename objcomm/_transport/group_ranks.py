@@ -17,19 +17,20 @@ class GroupRanks(tuple):  # type: ignore[type-arg]
     """
 
     @functools.cached_property
-    def _places(self) -> Dict[int, int]:
+    def places(self) -> Dict[int, int]:
+        """Global rank -> group rank, built once (a group's GroupRanks is kept with its facts: ``call.membership``)."""
         return {rank: place for place, rank in enumerate(self)}
 
     def index(self, rank: Any, *args: Any) -> int:
         try:
-            found = None if args else self._places.get(rank)
+            found = None if args else self.places.get(rank)
         except TypeError:  # (unhashable)
             found = None
         return super().index(rank, *args) if found is None else found  # a miss: a tuple's answer, or its error
 
     def __contains__(self, rank: object) -> bool:
         try:
-            if rank in self._places:
+            if rank in self.places:
                 return True
         except TypeError:  # (unhashable)
             pass

@@ -377,6 +377,31 @@ def test_what_a_communicator_keeps_goes_with_its_group():
     assert run_in_child(calls_after_the_group_is_gone, timeout=60, preload=("torch",)) == [[1], None, [2], 3]
 
 
+def fresh_communicators_per_call() -> List[Any]:
+    """objcomm.send(..., group=G) makes a Communicator per call, and its send builds the express path each time: each
+    takes the group's own map of global ranks (once two dicts of W entries a call: ~1 ms a send at 8192 ranks)."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    objcomm.Communicator(group).connect()
+    first, second = (objcomm.Communicator(group)._express() for _ in range(2))
+    shared = first is not second and first.index is second.index and first.index == {0: 0, 1: 1}
+    got = []
+    for i in range(3):
+        if rank == 0:
+            objcomm.send(("x", i), 1, group=group)
+            objcomm.send(("self", i), 0, group=group)  # its own rank: the general path (a message to itself)
+            got.append(objcomm.recv(0, group=group))
+        else:
+            got.append(objcomm.recv(0, group=group))
+    return [shared, got]
+
+
+def test_a_communicator_made_per_call_shares_its_groups_map_of_ranks():
+    sender, receiver = get_pool(2).run(fresh_communicators_per_call)
+    assert sender == [True, [("self", 0), ("self", 1), ("self", 2)]]
+    assert receiver == [True, [("x", 0), ("x", 1), ("x", 2)]]
+
+
 # -- all_gather and broadcast --------------------------------------------------------------------------------
 
 
