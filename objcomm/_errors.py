@@ -126,6 +126,22 @@ def shown_ranks(ranks: Sequence[int]) -> str:
     return str(ranks) if len(ranks) <= SPELT_OUT else f"{len(ranks):,} ranks: {spans(ranks)}"
 
 
+def shown_values(values: Sequence[Any]) -> str:
+    """Every rank's value as an error shows them: the list, up to :data:`SPELT_OUT` ranks; past it, each distinct value
+    once with the ranks that hold it (``8,192 ranks: ranks 0-8190: 100; rank 8191: 99``), the first
+    :data:`KINDS_SHOWN`, where the list took tens of KB on every rank."""
+    if len(values) <= SPELT_OUT:
+        return str(list(values))
+    by_value: Dict[Any, list[int]] = {}
+    for rank, value in enumerate(values):
+        by_value.setdefault(value, []).append(rank)
+    shown = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {spans(rs)}: {v!r}" for v, rs in list(by_value.items())[:KINDS_SHOWN]
+    )
+    more = len(by_value) - KINDS_SHOWN
+    return f"{len(values):,} ranks: {shown}" + (f"; {more} more distinct values" if more > 0 else "")
+
+
 def _alike(failures: Dict[int, Failure]) -> str:
     """The failures, each distinct one once with the ranks that had it (the first :data:`KINDS_SHOWN`)."""
     by_kind: Dict[Failure, list[int]] = {}

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Dict, List, Optional, Tuple
 
 from objcomm._api.communicator import Communicator
-from objcomm._errors import remote_error
+from objcomm._errors import remote_error, shown_ranks, shown_values
 from serializers import SerializerLike
 
 _OP = "collect_results"
@@ -194,13 +194,14 @@ def _check_agreement(meta: List[Any], problem: Optional[Exception]) -> None:
     if with_indices and len(with_indices) != len(meta):
         without = [r for r, m in enumerate(meta) if not m[1]]
         raise ValueError(
-            f"collect_results: indices= was given on ranks {with_indices} but not on ranks {without}; "
+            f"collect_results: indices= was given on ranks {shown_ranks(with_indices)} but not on ranks "
+            f"{shown_ranks(without)}; "
             "give it on every rank or on none"
         )
     sizes = [m[3] for m in meta]
     if sizes != [sizes[0]] * len(meta):
         raise ValueError(
-            f"collect_results: size by rank is {sizes}; every rank must pass the same size (the "
+            f"collect_results: size by rank is {shown_values(sizes)}; every rank must pass the same size (the "
             "dataset's length), or None"
         )
     if not with_indices:
@@ -208,8 +209,8 @@ def _check_agreement(meta: List[Any], problem: Optional[Exception]) -> None:
         strided = all(a >= b for a, b in zip(lengths, lengths[1:])) and lengths[0] - lengths[-1] <= 1
         if not strided:
             raise ValueError(
-                f"collect_results: part lengths by rank are {lengths}, which a strided shard (rank r holds "
-                "items r, r+W, r+2W, ...) cannot produce; pass indices= with each result's dataset index"
+                f"collect_results: part lengths by rank are {shown_values(lengths)}, which a strided shard (rank r "
+                "holds items r, r+W, r+2W, ...) cannot produce; pass indices= with each result's dataset index"
             )
         size = sizes[0]
         if size is not None and sum(lengths) - size >= len(meta):  # padding adds fewer than W items

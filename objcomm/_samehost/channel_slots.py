@@ -294,12 +294,11 @@ class ChannelSlots:
         checked (:func:`_checked`); an all_gather or all_to_all carries the send/recv vote where one is due
         (:meth:`_voting`). A gather's round 1 on one host is an all_gather's pattern, its messages of a gather's kind
         (:meth:`objcomm._samehost.mesh.Mesh.all_gather`)."""
-        sent: Mine = None
-        if mine is not None:
-            sent = [_trim(s) for s in cast(Sequence[Slot], mine)] if at.each else _trim(cast(Slot, mine))
         kind = GATHER if op == "gather" else _KINDS[at.op]
 
-        def exchange(channel: _channel.LocalChannel) -> Dict[int, Slot]:
+        def exchange(channel: _channel.LocalChannel) -> Dict[int, Slot]:  # (trimmed once a channel takes it: W parts)
+            parts = cast(Sequence[Slot], mine)
+            sent = mine if mine is None else [_trim(s) for s in parts] if at.each else _trim(cast(Slot, mine))
             got = channel.move(kind, at, sent, self.spin, op)
             return dict(zip(got, _checked(wire, channel, list(got.values()), op)))
 

@@ -102,11 +102,13 @@ class PatternRests:
         op: str,
         keep: bool = True,
         copy: bool = False,
+        medium: Optional[RestMedium] = None,
     ) -> Union[Tuple[RestMedium, Dict[int, Incoming]], NotUsed]:
-        """``kind``'s rest (``root``: its root) over the medium :meth:`medium` picks, asked first: where none takes it
-        (the backend on NCCL, most of the time on gloo), nothing of W ranks is built here."""
+        """``kind``'s rest (``root``: its root) over the medium :meth:`medium` picks (or ``medium``, where the caller
+        asked), asked first: where none takes it (the backend on NCCL, most of the time on gloo), nothing of W ranks
+        is built here."""
         gathered = sum(moved) if kind == "gather" else 0
-        medium = self.medium(wire, largest, gathered, op)
+        medium = self.medium(wire, largest, gathered, op) if medium is None else medium
         if medium is None:
             return NOT_USED
         at = pattern(kind, me=wire.rank, world=wire.size, root=root)
@@ -148,11 +150,14 @@ class PatternRests:
         assert out is not None or me != src
         mine = Rest(out, info.inline is not None) if out is not None and me == src else None
         refuse = me != src and info.total > wire.max_bytes  # above this rank's limit (no vote came first): dropped
+        medium = self.medium(wire, moved, 0, op)
+        if medium is None:  # (asked before the lists of W below are built)
+            return NOT_USED
         infos, sizes = [info] * wire.size, [moved] * wire.size
-        done = self._move(wire, "broadcast", src, mine, infos, sizes, moved, sizes_of, op, not refuse)
+        done = self._move(wire, "broadcast", src, mine, infos, sizes, moved, sizes_of, op, not refuse, medium=medium)
         if done is NOT_USED:
             return NOT_USED
-        medium, got = done
+        got = done[1]
         if out is not None and me == src:
             return own(out, copy=False)  # the caller decodes its own with own=True
         if refuse:
@@ -170,10 +175,12 @@ class PatternRests:
         op: str,
     ) -> Union[Incoming, NotUsed]:
         """``longest``: the root's longest rest to any rank, which the vote told every rank."""
-        me = wire.rank
+        me, medium = wire.rank, self.medium(wire, longest, 0, op)
+        if medium is None:  # (asked before the lists of W below are built)
+            return NOT_USED
         mine = _parts(wire, outs) if outs is not None and me == src else None
         moved = [info.second_round_bytes] * wire.size
-        done = self._move(wire, "scatter", src, mine, [info] * wire.size, moved, longest, sizes_of, op)
+        done = self._move(wire, "scatter", src, mine, [info] * wire.size, moved, longest, sizes_of, op, medium=medium)
         if done is NOT_USED:
             return NOT_USED
         if outs is not None and me == src:
