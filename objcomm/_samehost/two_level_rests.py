@@ -348,7 +348,7 @@ def _to_destination(here: Here, bundle: bytearray, home: int, op: str) -> List[m
     returns every host's (the others: nothing). One batch of sends and receives there, at exact sizes."""
     leader = here.leader
     assert leader is not None
-    batch = Batch(leader._replace(tag=INTERNAL_TAG, chunk=DEFAULT_PIECE), "gather")  # (bundles: no slot says)
+    batch = Batch(leader._replace(tag=INTERNAL_TAG, chunk=DEFAULT_PIECE), "gather", together=True)  # (no slot says)
     if here.host != home:
         if len(bundle):
             batch.send(torch.frombuffer(bundle, dtype=torch.uint8), home)

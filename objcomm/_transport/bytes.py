@@ -168,7 +168,7 @@ def _down_the_tree(
     edges = binomial((wire.rank - src) % wire.size, wire.size)
     parent = None if edges.parent is None else (edges.parent + src) % wire.size
     children = [(child + src) % wire.size for child in reversed(edges.children)]
-    batch = Batch(wire._replace(tag=INTERNAL_TAG), op)
+    batch = Batch(wire._replace(tag=INTERNAL_TAG), op, together=True)
     for start, piece in _placed(buffer, length, wire.chunk, drain):
         deadline.left(start, length)
         if parent is not None:
@@ -181,28 +181,36 @@ def _down_the_tree(
 
 class Batch:
     """Point-to-point transfers posted together (isend/irecv), then waited on together: one round trip
-    for a frame and its tensors instead of one per message. Pieces from one sender match in order."""
+    for a frame and its tensors instead of one per message. Pieces from one sender match in order.
 
-    def __init__(self, wire: Wire, op: str) -> None:
-        self.wire, self.op = wire, op
+    ``together``: a collective's transfers, after its round 1 (a collective of the whole group), all posted in one
+    ``batch_isend_irecv`` at :meth:`wait`. On NCCL they then run on the group's own communicator, where an isend or
+    irecv alone makes (once) a communicator of its two ranks: a gather's destination made one per sender, thousands
+    in sequence at 8192 ranks, each set up through the store and holding GPU memory. Both ends of a transfer must
+    agree (an end alone on its pair's communicator never meets the other): a collective's ends are each a
+    ``together`` batch (or :func:`recv_bytes` with ``together``); a send/recv's stay alone on both ends, since a
+    group's first call may be one, where a batch would wait for every rank to set the group's communicator up. On
+    gloo ``batch_isend_irecv`` posts each alone: the same transfers either way."""
+
+    def __init__(self, wire: Wire, op: str, together: bool = False) -> None:
+        self.wire, self.op, self.together = wire, op, together
         self.works: List[Any] = []  # (work, its bytes)
+        self.posts: List[Tuple[Any, int]] = []  # (P2POp, its bytes), posted at wait() where together
         self.buffers: List[torch.Tensor] = []  # kept alive until the transfers finish
+
+    def _post(self, kind: Any, piece: torch.Tensor, peer: int) -> None:
+        wire = self.wire
+        if self.together:
+            self.posts.append((dist.P2POp(kind, piece, wire.ranks[peer], wire.group, wire.data_tag), piece.numel()))
+            return
+        work = guarded(self.op, wire, kind, piece, wire.ranks[peer], group=wire.group, tag=wire.data_tag)
+        self.works.append((work, piece.numel()))
 
     def send(self, data: torch.Tensor, dst: int) -> None:
         buffer = to_device(data, self.wire)
         self.buffers.append(buffer)
         for start in pieces(buffer.numel(), self.wire.chunk):
-            piece = buffer[start : start + self.wire.chunk]
-            work = guarded(
-                self.op,
-                self.wire,
-                dist.isend,
-                piece,
-                dst=self.wire.ranks[dst],
-                group=self.wire.group,
-                tag=self.wire.data_tag,
-            )
-            self.works.append((work, piece.numel()))
+            self._post(dist.isend, buffer[start : start + self.wire.chunk], dst)
 
     def recv(self, length: int, src: int, chunk: Optional[int] = None) -> torch.Tensor:
         return self.recv_into(zeroed(length, self.wire), src, chunk)
@@ -212,17 +220,7 @@ class Batch:
         (the sender's, where its slot said; default: the wire's)."""
         length, chunk = buffer.numel(), chunk or self.wire.chunk
         for start in pieces(length, chunk):
-            piece = buffer[start : start + chunk]
-            work = guarded(
-                self.op,
-                self.wire,
-                dist.irecv,
-                piece,
-                src=self.wire.ranks[src],
-                group=self.wire.group,
-                tag=self.wire.data_tag,
-            )
-            self.works.append((work, piece.numel()))
+            self._post(dist.irecv, buffer[start : start + chunk], src)
         return buffer
 
     def send_rest(self, out: Outgoing, dst: int) -> None:
@@ -235,6 +233,11 @@ class Batch:
     def wait(self, deadline: Optional[Deadline] = None) -> None:
         """Wait for every transfer posted since the last wait, within the group's timeout counted from ``deadline``'s
         start (default: now; one deadline for several batches bounds them all together)."""
+        if self.posts:  # together: one batch (on NCCL one work may stand for all of it)
+            works = guarded(self.op, self.wire, dist.batch_isend_irecv, [o for o, _ in self.posts])
+            sizes = [n for _, n in self.posts]
+            self.works += zip(works, sizes) if len(works) == len(sizes) else [(w, 0) for w in works]
+            self.posts = []
         deadline, done, total = deadline or Deadline(self.wire, self.op), 0, sum(n for _, n in self.works)
         for work, n in self.works:
             deadline.wait(work, done, total)
@@ -243,15 +246,31 @@ class Batch:
 
 
 def recv_bytes(
-    wire: Wire, length: int, src: int, op: str, drain: bool = False, deadline: Optional[Deadline] = None
+    wire: Wire,
+    length: int,
+    src: int,
+    op: str,
+    drain: bool = False,
+    deadline: Optional[Deadline] = None,
+    together: bool = False,
 ) -> torch.Tensor:
     """Receive ``length`` bytes in chunks; ``drain``: into one small scratch buffer; ``deadline``: as in
-    :func:`broadcast_bytes`."""
+    :func:`broadcast_bytes`; ``together``: a collective's, whose sender posts a ``together`` :class:`Batch`."""
     buffer = zeroed(min(length, wire.chunk, SCRATCH) if drain else length, wire)
     deadline = deadline or Deadline(wire, op)
+    if together and not drain:  # every piece posted at once
+        batch = Batch(wire, op, together=True)
+        batch.recv_into(buffer, src)
+        batch.wait(deadline)
+        return buffer
     for start, piece in _placed(buffer, length, wire.chunk, drain):
         deadline.left(start, length)  # as in broadcast_bytes
-        guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
+        if together:  # into the one scratch buffer: a piece at a time, each a batch of its own
+            batch = Batch(wire, op, together=True)
+            batch.recv_into(piece, src)
+            batch.wait(deadline)
+        else:
+            guarded(op, wire, dist.recv, piece, src=wire.ranks[src], group=wire.group, tag=wire.data_tag)
     return buffer
 
 

@@ -75,7 +75,7 @@ def gather(
     if wire.rank != dst:
         _send_rest(wire, out, dst, op)
         return None
-    batch = Batch(wire._replace(tag=INTERNAL_TAG), op)
+    batch = Batch(wire._replace(tag=INTERNAL_TAG), op, together=True)
     rests = [
         batch.recv(info.second_round_bytes, r, info.piece) if info.second_round_bytes and r != dst else None
         for r, info in enumerate(infos)
@@ -188,6 +188,6 @@ def _check_limits(wire: Wire, infos: List[SlotInfo], dst: int, op: str) -> None:
 def _send_rest(wire: Wire, out: Outgoing, dst: int, op: str) -> None:
     """This rank's rest (its frame past the slot, then its tensors) to ``dst``, as one message."""
     if outgoing_second_round_bytes(out, wire.inline_capacity):
-        batch = Batch(wire._replace(tag=INTERNAL_TAG), op)
+        batch = Batch(wire._replace(tag=INTERNAL_TAG), op, together=True)
         batch.send(joined(_rest(wire, out), wire), dst)
         batch.wait()

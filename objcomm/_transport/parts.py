@@ -76,7 +76,7 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         return taken
     if wire.rank == src:
         assert outs is not None
-        batch = Batch(wire, op)
+        batch = Batch(wire, op, together=True)  # (its receivers' recv_bytes: together too)
         for r, o in enumerate(outs):
             if r != src:
                 batch.send_rest(o, r)
@@ -85,10 +85,12 @@ def scatter(wire: Wire, outs: Optional[Sequence[Outgoing]], sizes_of: SizesOf, s
         return Incoming(mine.frame, [to_device(t, wire) for t in mine.tensors])
     deadline = Deadline.of_rest(wire, op, src, info.second_round_bytes)  # one for the frame and every tensor
     frame = (
-        info.inline if info.inline is not None else host_view(recv_bytes(wire, info.length, src, op, False, deadline))
+        info.inline
+        if info.inline is not None
+        else host_view(recv_bytes(wire, info.length, src, op, False, deadline, True))
     )
     sizes = sizes if sizes is not None else _limits.frame_sizes(sizes_of, frame, info, src, op)
-    return Incoming(frame, [recv_bytes(wire, n, src, op, False, deadline) for n in sizes])
+    return Incoming(frame, [recv_bytes(wire, n, src, op, False, deadline, True) for n in sizes])
 
 
 # -- all_to_all ------------------------------------------------------------------------------

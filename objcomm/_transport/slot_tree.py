@@ -56,7 +56,7 @@ def gather_up_tree(
     lengths = zeroed(4 * count * span, wire)  # (zeroed: a short child's lengths read 0, never old memory)
     lengths[: 4 * count].copy_(torch.tensor([len(m) for m in mine], dtype=torch.int32).view(torch.uint8))
     wire = wire._replace(tag=INTERNAL_TAG, chunk=DEFAULT_PIECE)  # (round 1: in pieces no rank's settings change)
-    batch = Batch(wire, op)
+    batch = Batch(wire, op, together=True)
     # one deadline for the three waits: a child that holds back each of its two messages just within the group's
     # timeout would otherwise hold this rank for twice it, while the ranks that finished at once time out waiting
     # for the destination's word (some ranks returning, others raising: the outcome must be the same everywhere)
@@ -120,8 +120,10 @@ def word_down_tree(wire: Wire, word: Optional[int], dst: int, op: str, radix: in
     size = wire.size
     me = (wire.rank - dst) % size
     tree = knomial(me, size, radix)
-    wire = wire._replace(tag=INTERNAL_TAG, chunk=DEFAULT_PIECE)  # (a reviewer's find: a rank's own chunk_bytes of 4
-    batch = Batch(wire, op)  # cut the word in two, and its second half became the next call's word on its child)
+    # (a reviewer's find: a rank's own chunk_bytes of 4 cut the word in two, and its second half became the next call's
+    # word on its child)
+    wire = wire._replace(tag=INTERNAL_TAG, chunk=DEFAULT_PIECE)
+    batch = Batch(wire, op, together=True)
     if tree.parent is None:
         assert word is not None, "the destination has the word"
         data = torch.frombuffer(bytearray(WORD.pack(word)), dtype=torch.uint8)

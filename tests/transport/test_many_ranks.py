@@ -88,8 +88,10 @@ def calls() -> Iterator[Dict[str, int]]:
         real_wait = _bytes.Batch.wait
 
         def waited(batch: Any, *deadline: Any) -> None:
-            counts["p2p"] += bool(batch.works)
+            together = bool(batch.posts)  # (posted in one batch_isend_irecv: a batch of p2p, not a collective)
+            counts["p2p"] += bool(batch.works) or together
             real_wait(batch, *deadline)
+            counts["collectives"] -= together
 
         saved.append((_bytes.Batch, "wait", real_wait))
         _bytes.Batch.wait = waited  # type: ignore[method-assign]
