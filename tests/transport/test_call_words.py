@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import doctest
 import threading
+from typing import Any
 
 import pytest
+from _ranks import get_pool
 
 from objcomm._samehost.inbox import ALL_GATHER, BROADCAST, NAMES
 from objcomm._transport import call_words
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(120)
 
 
 def test_the_module_examples_run():
@@ -58,3 +60,33 @@ def test_what_a_taker_says_of_another_call():
     said = call_words.other_call(4, BROADCAST | broadcast << 8, ALL_GATHER | mine << 8, NAMES)
     assert said == f"rank 4 called {NAMES[BROADCAST]} instead (its call: broadcast(src=2))"
     assert call_words.other_call(4, BROADCAST, ALL_GATHER, NAMES) == f"rank 4 called {NAMES[BROADCAST]} instead"
+
+
+def a_recv_that_fails_after_a_collective() -> Any:
+    """The word stays the last collective's after it: a send/recv that fails later must not be named as that call (a
+    porting review's find: "all_to_all(): recv over the local channel failed ...")."""
+    import torch.distributed as dist
+
+    import objcomm
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    comm = objcomm.Communicator(group)
+    comm.all_to_all([rank, rank])
+    channel = comm._express().state.channel
+    said = None
+    if rank == 1:
+        channel.close("closed by the test")  # rank 0 reads its end of the connection
+    else:
+        try:
+            comm.recv(1, tag=3)
+        except objcomm.CommunicationError as exc:
+            said = str(exc)
+    dist.barrier()
+    dist.destroy_process_group(group)
+    return said
+
+
+def test_a_send_or_recv_is_not_named_after_the_last_collective():
+    said, _ = get_pool(2).run(a_recv_that_fails_after_a_collective)
+    assert said is not None and said.startswith("recv over the local channel failed on rank 0 of 2"), said
