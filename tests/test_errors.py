@@ -52,7 +52,8 @@ def test_a_groups_ranks_in_an_error_are_the_list_or_its_runs():
 
 
 def test_every_ranks_value_in_an_error_is_the_list_or_each_value_with_its_ranks():
-    """collect_results' sizes and part lengths by rank: 8192 of them took ~49 KB on every rank (a scale audit's find)."""
+    """collect_results' sizes and part lengths by rank: 8192 of them took ~49 KB on every rank (a scale audit's
+    find)."""
     from objcomm._errors import shown_values
 
     assert shown_values([5, 5, 7]) == "[5, 5, 7]"

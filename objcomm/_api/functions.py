@@ -354,10 +354,10 @@ def recv(
 def sendrecv(
     obj: Any,
     dst: int,
+    *,
     src: Optional[int] = None,
     sendtag: int = 0,
     recvtag: Optional[int] = None,
-    *,
     group: Any = None,
     serializer: Optional[SerializerLike] = None,
     accept: Optional[Collection[str]] = None,
@@ -376,7 +376,7 @@ def sendrecv(
         from_left = objcomm.sendrecv(my_block, dst=(rank + 1) % world, src=(rank - 1) % world)   # a ring's shift
     """
     return _communicator(group).sendrecv(
-        obj, dst, src, sendtag, recvtag, return_sender=return_sender, **call_kwargs(locals())
+        obj, dst, src=src, sendtag=sendtag, recvtag=recvtag, return_sender=return_sender, **call_kwargs(locals())
     )
 
 

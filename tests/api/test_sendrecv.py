@@ -43,7 +43,8 @@ def exchanges(local: bool, size: int, ordered: bool) -> List[Any]:
         shifted = comm.sendrecv(_payload(rank, size), dst=right, src=left, return_sender=True)
         # the ring the other way, under tag 6 (both tags named)
         back = objcomm.sendrecv(_payload(rank, size), dst=left, src=right, sendtag=6, recvtag=6)
-        anyone = objcomm.sendrecv(rank, right, left if ordered else None, 8, return_sender=True)  # (NCCL: named)
+        # (NCCL: its source named)
+        anyone = objcomm.sendrecv(rank, right, src=left if ordered else None, sendtag=8, return_sender=True)
         mine = comm.sendrecv([rank], dst=rank, src=rank, sendtag=9)
         pair = comm.sendrecv(rank * 10, dst=rank ^ 1, src=rank ^ 1) if rank < 2 else rank ^ 1
     return [
@@ -87,7 +88,7 @@ def test_a_failure_raises_on_its_sender_and_its_receiver_only(ordered):
 
 def test_without_a_process_group_a_rank_sends_to_itself():
     assert objcomm.sendrecv({"x": 1}, dst=0, src=0) == {"x": 1}
-    assert objcomm.Communicator().sendrecv([1], 0, 0, sendtag=3, return_sender=True) == (0, [1])
+    assert objcomm.Communicator().sendrecv([1], 0, src=0, sendtag=3, return_sender=True) == (0, [1])
 
 
 def misuses() -> List[Any]:
@@ -153,3 +154,11 @@ def behind_outstanding_sends(local: bool) -> List[Any]:
 def test_a_sendrecv_behind_this_ranks_own_sends_still_receives_first(local):
     for rank, got in enumerate(get_pool(W).run(behind_outstanding_sends, local)):
         assert got == [True] * 4, (rank, got)
+
+
+def test_src_and_tags_are_keywords_only_as_mpi4pys_third_parameter_is_sendtag():
+    """``comm.sendrecv(tok, right, STEP)`` ported as it was took the tag for a source rank (a porting review's find)."""
+    for call in (objcomm.sendrecv, objcomm.Communicator().sendrecv):
+        with pytest.raises(TypeError, match="positional"):
+            call([1], 0, 5)
+    assert objcomm.sendrecv([1], 0, src=0, sendtag=5) == [1]  # a world of one: its own message
