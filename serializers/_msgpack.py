@@ -368,11 +368,19 @@ def _fields_packer() -> Callable[[Any], bytes]:
 def refuse_structured(value: Any, np: Any) -> None:
     """Raise if ``value`` is a structured numpy value (a dtype with named fields), which has no MessagePack encoding
     here: ``dtype.str`` would drop the field names, and the receiver would get bare bytes (``|V12``) where the
-    sender had records. ``np``: numpy, imported by the caller."""
+    sender had records; or an ndarray subclass other than a memmap (``np.matrix``), which would arrive as a plain
+    array. ``np``: numpy, imported by the caller."""
     if isinstance(value, (np.ndarray, np.generic)) and value.dtype.fields is not None:
         raise TypeError(
             f"no MessagePack encoding for a structured numpy {type(value).__name__} (dtype "
             f"{value.dtype}): its field names would be lost; use pickle or restricted-pickle"
+        )
+    if isinstance(value, np.ndarray) and type(value) is not np.ndarray and not isinstance(value, np.memmap):
+        # (a compat review's find: np.matrix arrived as a plain ndarray, whose * is no longer a matrix product; a
+        # memmap's data arrives as an array, as its slices' do)
+        raise TypeError(
+            f"no MessagePack encoding for numpy.{type(value).__name__}, a subclass of ndarray: it would arrive as a "
+            "plain ndarray; send np.asarray(x), or use pickle"
         )
 
 

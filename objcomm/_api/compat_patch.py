@@ -184,7 +184,8 @@ def _patched(patcher: _Patcher, name: str, shim: Callable[..., Any]) -> Callable
     called."""
     implementation = _IMPLEMENTATIONS[name]
     receives = name == "recv_object_list"
-    at = list(inspect.signature(shim).parameters).index("group")  # where a positional group comes
+    signature = inspect.signature(shim)
+    at = list(signature.parameters).index("group")  # where a positional group comes
 
     @functools.wraps(shim)
     def patched(*args: Any, serializer: Optional[SerializerLike] = None, **kwargs: Any) -> Any:
@@ -196,7 +197,14 @@ def _patched(patcher: _Patcher, name: str, shim: Callable[..., Any]) -> Callable
             return patcher.original(name)(*args, **kwargs)
         if serializer is not None:  # a call that names one, as with the shim
             options = {**options, **(_only(serializer) if receives else {"serializer": serializer})}
-        return implementation(*args, options=options, **kwargs)
+        try:
+            return implementation(*args, options=options, **kwargs)
+        except TypeError as exc:  # arguments torch's function does not take: said as torch says it, in its name
+            try:
+                signature.bind(*args, **kwargs)
+            except TypeError as wrong:
+                raise TypeError(f"{name}() {wrong}") from None
+            raise exc from exc.__cause__
 
     return patched
 

@@ -266,7 +266,9 @@ def _opened(
     if theirs != wire.slot:
         raise CommunicationError(
             f"{op}: rank {sender} sent a slot of {theirs:,} bytes where this rank uses slot_bytes={wire.slot:,}: "
-            "every rank of a group must use the same slot_bytes (objcomm.configure, the Communicator or the call)"
+            "every rank of a group must use the same slot_bytes (objcomm.configure, the Communicator or the call); "
+            "or that rank did not send with objcomm (torch's own send_object_list, where only some ranks called "
+            "objcomm.compat.patch())"
         )
     if following == ASKED:
         return front[:0], True

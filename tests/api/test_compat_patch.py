@@ -441,3 +441,17 @@ def test_a_group_torch_does_not_list_goes_to_torchs_functions():
 
     for seen in get_pool(2).run(on_a_group_torch_does_not_list):
         assert seen[0] == [SET, SET] and seen[1] in ("EncodeError", "RemoteError") and seen[2] == "refused", seen
+
+
+def test_an_argument_torch_does_not_take_is_refused_in_torchs_words():
+    """A compat review's find: the error named the shim's private function (``_all_gather_object()``)."""
+    import torch.distributed as dist
+
+    import objcomm.compat
+
+    with objcomm.compat.patch():
+        for keywords in ({"async_op": True}, {"bogus": 1}):
+            name = next(iter(keywords))
+            said = rf"^all_gather_object\(\) got an unexpected keyword argument '{name}'$"
+            with pytest.raises(TypeError, match=said):
+                dist.all_gather_object([None], 1, **keywords)

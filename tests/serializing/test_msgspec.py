@@ -94,6 +94,21 @@ def test_structured_arrays_are_refused_not_sent_without_their_field_names(name):
             _frame.encode({"x": value}, s, max_bytes=1 << 30)
 
 
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("name", ["msgspec", "msgpack"])
+def test_ndarray_subclasses_are_refused_but_a_memmaps_data_travels(name, tmp_path):
+    """A compat review's find: np.matrix arrived as a plain ndarray (whose ``*`` is no longer a matrix product),
+    small or large. A memmap, and its slices, arrive as arrays of their data."""
+    s = serializers.registry.guarded(name)
+    for value in (np.matrix([[1, 2]]), np.matrix(np.ones((100, 1000)))):
+        with pytest.raises(EncodeError, match="numpy.matrix, a subclass of ndarray: .* send np.asarray"):
+            _frame.encode({"x": value}, s, max_bytes=1 << 30)
+    mapped = np.memmap(tmp_path / "m", dtype="<f4", mode="w+", shape=(8,))
+    mapped[:] = np.arange(8)
+    back = s.loads(s.dumps({"m": mapped[2:5]}))
+    assert type(back["m"]) is np.ndarray and back["m"].tolist() == [2.0, 3.0, 4.0]
+
+
 def test_codecs_and_their_errors():
     s = serializers.get("msgspec")
     codec = serializers.register_type(
