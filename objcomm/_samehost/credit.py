@@ -15,7 +15,7 @@ those messages are taken (they are not counted again).
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Any, Dict, Mapping, Sequence
 
 STASH_BYTES = 64 << 20  # the most one channel keeps for calls not yet made (up to 30 peers: see stash_for)
 WINDOW_BYTES = 8 << 20  # the most credit one peer gets for one class (up to 4 peers; less with more)
@@ -84,14 +84,23 @@ class Lending:
         return cost - paid
 
 
-def unreceived(lending: Lending, peers: Sequence[int], tag: int) -> str:
+def unreceived(lending: Lending, peers: Sequence[int], tag: int, stash: Mapping[int, Mapping[Any, Any]]) -> str:
     """What a receive under ``tag`` that timed out waiting for ``peers`` says of them: where their send/recv messages
-    under other tags wait in the stash, unreceived, that is why (past :data:`LEND_BYTES` lent, their senders wait)."""
+    under other tags wait in the stash (``stash``: per peer, by key ``(collective, tag)``), unreceived, that is why:
+    they came under other tags, or past :data:`LEND_BYTES` lent their senders wait."""
     held = sum(lending._held.get(peer, 0) for peer in peers)
     if not held:
         return f" under tag {tag} (no other tag matches it)"
+    tags = sorted({key[1] for peer in peers for key in stash.get(peer, {}) if not key[0]})
+    waiting = f"{held:,} bytes of their messages under other tags ({', '.join(map(str, tags[:8]))}"
+    waiting += ", ...) " if len(tags) > 8 else ") "
+    if lending.total < lending.most:  # (their senders were not held back: the messages came under other tags)
+        return (
+            f" under tag {tag}, while {waiting}wait here unreceived: a recv takes its own tag only (0 unless given; "
+            "mpi4py's recv() takes any), so receive under those tags"
+        )
     return (
-        f" under tag {tag}, while {held:,} bytes of their messages under other tags wait here unreceived: past the "
-        f"{lending.most:,} bytes of credit lent for such messages, a sender waits for them to be received before it "
-        "sends more. Receive those first, post irecv for them first, or send fewer before they are received"
+        f" under tag {tag}, while {waiting}wait here unreceived: past the {lending.most:,} bytes of credit lent for "
+        "such messages, a sender waits for them to be received before it sends more. Receive those first, post irecv "
+        "for them first, or send fewer before they are received"
     )

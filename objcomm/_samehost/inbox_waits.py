@@ -265,7 +265,7 @@ class Inbox(Stash):
                         if cut
                         else ""
                     )
-                    why += f" ({NOT_THERE})" if key[0] else unreceived(self.lending, pending, key[1])
+                    why += f" ({NOT_THERE})" if key[0] else unreceived(self.lending, pending, key[1], self._stash)
                     if key[0]:  # the others wait in the same collective: close, so that they learn at once
                         self._fail(op, why)
                     raise CommunicationError(
