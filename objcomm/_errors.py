@@ -99,6 +99,11 @@ NOT_THERE = (
     'shm_zero_copy, shm_dir: docs/same-host.md, "Settings"); OBJCOMM_CHECK_CALLS=1 on every rank names the rank '
     "whose collective or settings differ"
 )
+# why a receive's sender did not send, where the wait for it ran out (a send/recv: no collective, no shared settings)
+NOT_SENT = (
+    "the sender may have crashed, not sent under this tag yet, or be held back in its own send by the bound on sends "
+    'not yet received (1024 small sends a group: docs/from-mpi4py.md, "Blocking sends")'
+)
 NO_RESULT = "so no rank received a result"  # what a RemoteError says of the call, where every rank raises it
 
 

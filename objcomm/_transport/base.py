@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from objcomm._device import is_cpu
-from objcomm._errors import NOT_THERE, CommunicationError, ranks_note
+from objcomm._errors import NOT_SENT, NOT_THERE, CommunicationError, ranks_note
 from objcomm._format.message import SLOT_PREFIX_BYTES, Incoming, Outgoing, SizesOf
 from objcomm._format.slot import SlotInfo
 from objcomm._transport.let_go import held_by, wait_let_go
@@ -357,10 +357,11 @@ def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         result = fn(*args, **kwargs)
     except RuntimeError as exc:
+        why = NOT_SENT if what.startswith("recv") else NOT_THERE  # (a receive's: its sender, not the group's calls)
         raise CommunicationError(
             f"{what} failed on rank {wire.rank} of a group of {wire.size}{ranks_note(wire.ranks)}: {exc}. "
-            f"{NOT_THERE[0].upper()}{NOT_THERE[1:]}; "
-            "the group's timeout (init_process_group(timeout=...)) bounds how long ranks wait"
+            f"{why[0].upper()}{why[1:]}; the group's timeout (init_process_group(timeout=...)) bounds how long ranks "
+            "wait"
         ) from exc
     if held and result is None:
         wait_let_go(held)

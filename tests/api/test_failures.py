@@ -478,6 +478,28 @@ def test_missing_rank_ends_in_an_error_within_the_group_timeout():
         assert 2 <= seconds < 30
 
 
+def a_receive_whose_sender_never_sends() -> object:
+    if dist.get_rank() == 1:
+        return "sent nothing"
+    try:
+        objcomm.Communicator(local=False).recv(1, tag=7)  # through gloo, which times out
+    except objcomm.CommunicationError as exc:
+        return str(exc)
+    return "returned"
+
+
+def test_a_receive_that_times_out_through_the_backend_names_what_holds_a_sender_back():
+    """A porting review's find: it listed the causes of a collective that never met (settings every rank must share),
+    where a receive's sender may not have sent under its tag, or be held back in send by the bound on sends."""
+    from _ranks import RankPool
+
+    with RankPool(2, pg_timeout=3, timeout=60) as pool:
+        said, _ = pool.run(a_receive_whose_sender_never_sends)
+    assert said.startswith("recv from rank 1 under tag 7"), said
+    assert "not sent under this tag yet, or be held back in its own send by the bound" in said, said
+    assert "settings that every rank of a group must share" not in said, said
+
+
 def original_type_on_the_failing_rank() -> dict:
     """Rank 1's object is a local function, which pickle refuses: code written for torch catches
     pickle's own exception type on that rank; every rank's RemoteError names that type."""
