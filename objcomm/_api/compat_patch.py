@@ -199,12 +199,12 @@ def _patched(patcher: _Patcher, name: str, shim: Callable[..., Any]) -> Callable
             options = {**options, **(_only(serializer) if receives else {"serializer": serializer})}
         try:
             return implementation(*args, options=options, **kwargs)
-        except TypeError as exc:  # arguments torch's function does not take: said as torch says it, in its name
+        except TypeError:  # arguments torch's function does not take: said as torch says it, in its name
             try:
                 signature.bind(*args, **kwargs)
             except TypeError as wrong:
                 raise TypeError(f"{name}() {wrong}") from None
-            raise exc from exc.__cause__
+            raise
 
     return patched
 

@@ -16,6 +16,7 @@ from objcomm._api.handles import Request
 from objcomm._api.mpi4py_names import mpi4py_keywords
 from objcomm._api.operations import Operations
 from objcomm._settings import call_kwargs
+from objcomm._transport import call_words
 from serializers import SerializerLike
 
 
@@ -43,6 +44,7 @@ class PointToPoint(Operations):
         backend every send waits for its receiver. ``dst`` may be this rank itself (and is, without a process
         group): the message waits here, encoded, until this rank receives it, and this returns at once.
         """
+        call_words.leave()  # (a send/recv is no collective: its errors are not named after this thread's last one)
         express, serialized = self._short_send(obj, dst, tag, serializer, max_bytes, compression)
         if serialized is True:
             return
@@ -68,6 +70,7 @@ class PointToPoint(Operations):
         since nothing could arrive while it blocks. ``src=None`` takes a message this rank sent itself, where one
         waits, before it waits for the other ranks.
         """
+        call_words.leave()  # (as send)
         if accept is None and max_bytes is None and map_location is None:
             express, held, group = self._express_found()
             if express is not None and (
@@ -102,6 +105,7 @@ class PointToPoint(Operations):
         process group), the message is delivered here, and the handle comes back completed.
         """
         kwargs = call_kwargs(locals())
+        call_words.leave()  # (as send)
         _requests.issuable(self.group, "isend")  # raises on NCCL
         call = self._call(kwargs)
         return self._isend_call(call, obj, dst, tag)
@@ -123,6 +127,7 @@ class PointToPoint(Operations):
         one waiting now, else the next one sent (in the sending thread; ``wait(timeout)`` to wait for another
         thread's)."""
         kwargs = call_kwargs(locals())
+        call_words.leave()  # (as send)
         _requests.issuable(self.group, "irecv")  # raises on NCCL
         call = self._call(kwargs).usable()
         wire, peer = self._source(call, src, tag, "irecv")
@@ -219,6 +224,7 @@ class PointToPoint(Operations):
         """sendrecv's send on gloo: None where the short path posted it (a small message through the same-host
         channel, with the communicator's settings, as :meth:`send`'s: it declines while a request is outstanding),
         else an :meth:`isend`'s request, on a lane's thread, after this rank's isends to ``dst`` under ``tag``."""
+        call_words.leave()  # (a send/recv is no collective: its errors are not named after this thread's last one)
         express, serialized = self._short_send(obj, dst, tag, serializer, max_bytes, compression)
         if serialized is True:
             return None

@@ -357,7 +357,8 @@ def guarded(what: str, wire: Wire, fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
         result = fn(*args, **kwargs)
     except RuntimeError as exc:
-        why = NOT_SENT if what.startswith("recv") else NOT_THERE  # (a receive's: its sender, not the group's calls)
+        # a caller's own receive: its sender, not the group's calls (a reduction's or scan's, under INTERNAL_TAG: calls)
+        why = NOT_SENT if what.startswith("recv") and wire.tag < INTERNAL_TAG else NOT_THERE
         raise CommunicationError(
             f"{what} failed on rank {wire.rank} of a group of {wire.size}{ranks_note(wire.ranks)}: {exc}. "
             f"{why[0].upper()}{why[1:]}; the group's timeout (init_process_group(timeout=...)) bounds how long ranks "

@@ -479,25 +479,32 @@ def test_missing_rank_ends_in_an_error_within_the_group_timeout():
 
 
 def a_receive_whose_sender_never_sends() -> object:
+    comm = objcomm.Communicator(local=False)  # through gloo, which times out
+    comm.all_reduce(1, "sum")  # (the group's first call: its vote behind it)
     if dist.get_rank() == 1:
         return "sent nothing"
-    try:
-        objcomm.Communicator(local=False).recv(1, tag=7)  # through gloo, which times out
-    except objcomm.CommunicationError as exc:
-        return str(exc)
-    return "returned"
+    said = []
+    for call in (lambda: comm.recv(1, tag=7), lambda: comm.all_reduce(1, "sum")):  # the second: a tree's receive
+        try:
+            call()
+            said.append("returned")
+        except objcomm.CommunicationError as exc:
+            said.append(str(exc))
+    return said
 
 
 def test_a_receive_that_times_out_through_the_backend_names_what_holds_a_sender_back():
     """A porting review's find: it listed the causes of a collective that never met (settings every rank must share),
-    where a receive's sender may not have sent under its tag, or be held back in send by the bound on sends."""
+    where a receive's sender may not have sent under its tag, or be held back in send by the bound on sends. A
+    reduction's own receives keep a collective's causes."""
     from _ranks import RankPool
 
     with RankPool(2, pg_timeout=3, timeout=60) as pool:
-        said, _ = pool.run(a_receive_whose_sender_never_sends)
+        (said, in_tree), _ = pool.run(a_receive_whose_sender_never_sends)
     assert said.startswith("recv from rank 1 under tag 7"), said
     assert "not sent under this tag yet, or be held back in its own send by the bound" in said, said
     assert "settings that every rank of a group must share" not in said, said
+    assert "settings that every rank of a group must share" in in_tree and "bound on sends" not in in_tree, in_tree
 
 
 def original_type_on_the_failing_rank() -> dict:
