@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Set, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
 
 @dataclass
@@ -70,3 +70,9 @@ def group_facts(group: Any) -> GroupFacts:
         return found
     except TypeError:  # an object that cannot be weakly referenced: learn afresh each call, keep nothing
         return GroupFacts()
+
+
+def known_groups() -> List[Tuple[Any, GroupFacts]]:
+    """Every group this process keeps facts on and that is still alive, with its facts."""
+    with _GROUPS_LOCK:
+        return list(_GROUPS.items())

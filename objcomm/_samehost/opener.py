@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, Set, Union
 import torch
 import torch.distributed as dist
 
+from objcomm import _state
 from objcomm._device import is_cpu, timeout_seconds
 from objcomm._errors import CommunicationError
 from objcomm._samehost import channel as _channel
@@ -300,4 +301,24 @@ def _stop_all() -> None:
         opener.thread.join(max(0.0, deadline - time.monotonic()))
 
 
+def _leave_destroyed() -> None:
+    """At exit (after :func:`_stop_all`): a group that was destroyed (``dist.destroy_process_group``) but not collected
+    yet (a caught exception's traceback can hold it in a cycle until the collector runs) still has its channel open;
+    it closes telling the peers this rank left, as the group's collection would (:func:`_gone`): a peer that still
+    waits for this rank then says it left, not that it died (a porting review's find). A group not destroyed, where
+    the process ends on an error, closes without a word: its peers read that it died."""
+    try:
+        registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+        for group, facts in _state.known_groups():
+            if group in registered:
+                continue
+            for state in list(facts.local.values()):
+                channel = state.channel
+                if channel is not None and not channel.closed:
+                    channel.leave()
+    except Exception:  # (at exit: torch half torn down, say) the peers read that this rank ended, as before
+        pass
+
+
+atexit.register(_leave_destroyed)  # (registered first: run last)
 atexit.register(_stop_all)

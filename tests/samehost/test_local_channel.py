@@ -209,6 +209,54 @@ def _killed_peer_rank(rank: int, world: int, store: str, victim: int, results: A
         results.put((rank, str(exc), elapsed, _names(pids)))
 
 
+def _sender_ends_after_a_failed_call(
+    rank: int, world: int, store: str, victim: int, results: Any, destroy: bool = True
+) -> None:
+    """Every rank's all_to_all fails (a RemoteError, caught: its traceback holds the group in a cycle until the
+    collector runs); the victim sends one message and ends, after ``destroy_process_group`` or without it (an error's
+    end); rank 0 receives it, then waits for another."""
+    import datetime
+
+    import objcomm
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
+    )
+    objcomm.connect()
+    try:
+        objcomm.all_to_all([1] * (world + 1))
+    except objcomm.RemoteError:
+        pass
+    if rank == victim:
+        objcomm.send("only one", dst=0, tag=5)
+        if destroy:
+            dist.destroy_process_group()
+        return  # the interpreter exits
+    got: List[Any] = [objcomm.recv(src=victim, tag=5)]
+    try:
+        got.append(objcomm.recv(src=victim, tag=5))
+    except CommunicationError as exc:
+        got.append(str(exc))
+    results.put((rank, got))
+
+
+def _sender_ends_without_destroying(rank: int, world: int, store: str, victim: int, results: Any) -> None:
+    _sender_ends_after_a_failed_call(rank, world, store, victim, results, destroy=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_destroyed_its_group_is_said_to_have_left_even_while_the_group_lives_on():
+    """A porting review's find: after a call that raised, the group stayed alive past destroy_process_group (held by
+    the caught exception), its channel closed at exit without its departure notice, and the peer said it died. At exit
+    a destroyed group's channel now leaves; one whose process ends without destroying it still reads as died."""
+    got, _ = run_group_losing_a_rank(_sender_ends_after_a_failed_call, 2, 1, timeout=90, exits=True)
+    first, said = got[0][0]
+    assert first == "only one" and "rank 1" in said and "left: its process group was destroyed" in said, said
+    got, _ = run_group_losing_a_rank(_sender_ends_without_destroying, 2, 1, timeout=90, exits=True)
+    first, said = got[0][0]
+    assert first == "only one" and "closed its connection: it died" in said, said
+
+
 @pytest.mark.timeout(120)
 def test_a_killed_peer_makes_the_others_raise_at_once():
     world, victim = 3, 1
