@@ -193,7 +193,7 @@ class MsgpackSerializer(Serializer):
     def _numpy_ext(value: Any, pack: Callable[[Any], bytes], ext: Any) -> Any:
         import numpy as np
 
-        refuse_structured(value, np)
+        refuse_inexact(value, np)
         if isinstance(value, np.ndarray):
             if value.dtype.hasobject:
                 raise TypeError("numpy arrays of dtype=object have no msgpack encoding")
@@ -365,11 +365,11 @@ def _fields_packer() -> Callable[[Any], bytes]:
         return _FIELDS.pack  # type: ignore[no-any-return]  # msgpack has no type hints
 
 
-def refuse_structured(value: Any, np: Any) -> None:
-    """Raise if ``value`` is a structured numpy value (a dtype with named fields), which has no MessagePack encoding
-    here: ``dtype.str`` would drop the field names, and the receiver would get bare bytes (``|V12``) where the
-    sender had records; or an ndarray subclass other than a memmap (``np.matrix``), which would arrive as a plain
-    array. ``np``: numpy, imported by the caller."""
+def refuse_inexact(value: Any, np: Any) -> None:
+    """Raise if ``value`` is a numpy value the MessagePack encodings here cannot carry exactly: a structured one (a
+    dtype with named fields: ``dtype.str`` would drop the field names, and the receiver would get bare bytes,
+    ``|V12``, where the sender had records), or an ndarray subclass other than a memmap (``np.matrix``), which would
+    arrive as a plain array. ``np``: numpy, imported by the caller."""
     if isinstance(value, (np.ndarray, np.generic)) and value.dtype.fields is not None:
         raise TypeError(
             f"no MessagePack encoding for a structured numpy {type(value).__name__} (dtype "

@@ -57,7 +57,7 @@ from serializers._msgpack import (
     _restore_external,
     encode_lifting,
     lifted,
-    refuse_structured,
+    refuse_inexact,
 )
 from serializers._path import INSTEAD, describe, encode_refusal
 from serializers._protocol import SAFE_RECURSION_LIMIT, Buffer, Lift, Restore, Serializer
@@ -165,7 +165,7 @@ class MsgspecSerializer(Serializer):
         if type(value).__module__ == "numpy" or _numpy_instance(value):
             import numpy as np
 
-            refuse_structured(value, np)
+            refuse_inexact(value, np)
             if isinstance(value, np.ndarray) and not value.dtype.hasobject:
                 data = value if value.flags.c_contiguous else np.ascontiguousarray(value)
                 raw = data.reshape(-1).data.cast("B") if data.size else b""

@@ -176,6 +176,7 @@ class PointToPoint(Operations):
             rank, world = dist.get_rank(), dist.get_world_size()
             from_left = objcomm.sendrecv(my_block, dst=(rank + 1) % world, src=(rank - 1) % world)
         """
+        call_words.leave()  # (as send)
         tag = sendtag if recvtag is None else recvtag
 
         def receive() -> Any:
@@ -224,7 +225,6 @@ class PointToPoint(Operations):
         """sendrecv's send on gloo: None where the short path posted it (a small message through the same-host
         channel, with the communicator's settings, as :meth:`send`'s: it declines while a request is outstanding),
         else an :meth:`isend`'s request, on a lane's thread, after this rank's isends to ``dst`` under ``tag``."""
-        call_words.leave()  # (a send/recv is no collective: its errors are not named after this thread's last one)
         express, serialized = self._short_send(obj, dst, tag, serializer, max_bytes, compression)
         if serialized is True:
             return None

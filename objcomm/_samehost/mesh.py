@@ -331,7 +331,8 @@ class Mesh:
                 f"{op} over the local channel failed on rank {self.rank}: the channel closed "
                 f"before. {self._inbox.closed}"
             ) from cause
-        call = described(CALL_WORD.get()) if CALL_WORD.get() else ""  # the caller's call, where a step of it failed
+        word = CALL_WORD.get()
+        call = described(word) if word else ""  # the caller's call, where a step of it failed
         message = (
             f"{f'{call}: ' if call and not call.startswith(op.split()[0] + '(') else ''}{op} over the local channel "
             f"failed on rank {self.rank} of {self.size}{self.ranks_note}: {why}. The channel is closed"

@@ -258,14 +258,9 @@ def recv_bytes(
     :func:`broadcast_bytes`; ``together``: a collective's, whose sender posts a ``together`` :class:`Batch`."""
     buffer = zeroed(min(length, wire.chunk, SCRATCH) if drain else length, wire)
     deadline = deadline or Deadline(wire, op)
-    if together and not drain:  # every piece posted at once
-        batch = Batch(wire, op, together=True)
-        batch.recv_into(buffer, src)
-        batch.wait(deadline)
-        return buffer
     for start, piece in _placed(buffer, length, wire.chunk, drain):
         deadline.left(start, length)  # as in broadcast_bytes
-        if together:  # into the one scratch buffer: a piece at a time, each a batch of its own
+        if together:  # a piece at a time, as dist.recv takes them, each a batch of its own
             batch = Batch(wire, op, together=True)
             batch.recv_into(piece, src)
             batch.wait(deadline)
