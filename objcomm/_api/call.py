@@ -30,6 +30,7 @@ from objcomm._samehost.voted_rests import VotedRests
 from objcomm._settings import CallOptions
 from objcomm._transport.base import BACKEND, INTERNAL_TAG, RestMedia, SlotMedium, Wire
 from objcomm._transport.group_ranks import GroupRanks
+from objcomm._transport.patterns import Pattern
 from serializers import AutoSerializer, Serializer, SerializerProtocol, registry
 
 Device = Union[str, torch.device, None]
@@ -348,6 +349,27 @@ def encode_each(call: Call, objs: Optional[Sequence[Any]], size: int, op: str) -
     except Exception as exc:
         assert call.wire is not None
         return [_frame.error_frame(exc, call.wire.inline_capacity)] * size, exc
+
+
+def encode_pattern(call: Call, at: Pattern, mine: Any) -> Tuple[List[Outgoing], Any]:
+    """One frame per rank for the all_to_all that carries pattern ``at`` (``Communicator._pattern_call``): ``mine``
+    encoded once (with ``at.each``, each rank's own part) for every rank of ``at.to``, an empty frame (no part) for
+    the others; or, when encoding fails (or ``mine`` is not one object per rank where it must be), one error report
+    for all."""
+    wire = call.wire
+    assert wire is not None
+    try:
+        parts = per_rank(mine, wire.size, at.op) if at.each and at.to else mine
+        outs, out = [Outgoing(b"")] * wire.size, None
+        for r in at.to:
+            if at.each or out is None:
+                out, local = call.encode(parts[r] if at.each else parts)
+                if local is not None:
+                    raise local
+            outs[r] = out
+        return outs, None
+    except Exception as exc:
+        return [_frame.error_frame(exc, wire.inline_capacity)] * wire.size, exc
 
 
 def final_report(

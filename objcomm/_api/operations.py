@@ -6,13 +6,13 @@ through the transport's rounds, raise failures on every rank alike, decode; and 
 from __future__ import annotations
 
 import functools
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from objcomm._api import call_checks as _call_checks
 from objcomm._api import reduce as _reduce
 from objcomm._api import requests as _requests
 from objcomm._api import scan as _scan
-from objcomm._api.call import WIRES_KEPT, Call, encode_each, final_report, only, per_rank
+from objcomm._api.call import WIRES_KEPT, Call, encode_each, encode_pattern, final_report, only, per_rank
 from objcomm._api.express import Express
 from objcomm._api.handles import Request, completed
 from objcomm._api.own_box import NOTHING
@@ -24,7 +24,7 @@ from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing
 from objcomm._state import group_facts
 from objcomm._transport import broadcast as _broadcast_rounds
-from objcomm._transport import call_words, routes
+from objcomm._transport import call_words, patterns, routes
 from objcomm._transport import gather as _gather_rounds
 from objcomm._transport import p2p as _p2p
 from objcomm._transport import parts as _parts
@@ -215,6 +215,41 @@ class Operations(Resolving):
             )
         return value if value is not obj else _not_own(call, value, obj)
 
+    def _pattern_call(self, call: Call, op: str, mine: Any, root: Any = None) -> Dict[int, Any]:
+        """A collective carried out by its row of :data:`patterns.ROWS` alone (see docs/internals.md, "Adding a
+        collective"): this rank's ``mine`` (with the row's ``each``, one object per group rank, on a rank that sends)
+        to the pattern's receivers, as one all_to_all whose other parts are empty; returns what each of its sources
+        sent this rank, by group rank (this rank's own part is the caller's). ``root``: the global rank of the row's
+        root, where it has one. Its failures, limits and media are an all_to_all's: every rank raises alike; a part
+        where the pattern has none, or none where it has one (ranks that passed different roots), raises here."""
+        row = patterns.ROWS[op]
+        if call.wire is None:
+            if row.root:
+                self._check_single(root, row.root)
+            elif row.each:
+                per_rank(mine, 1, op)
+            return {}
+        _call_checks.check(call, op, root, root_name=row.root)
+        at_root = self._group_rank(call.wire, root, row.root) if row.root else None
+        call_words.enter(op, at_root)
+        call = self._parts_of(call, op)
+        wire = call.wire
+        assert wire is not None
+        at = patterns.pattern(op, me=wire.rank, world=wire.size, root=at_root)
+        outs, local = encode_pattern(call, at, mine)
+        incoming = _parts.all_to_all(wire, outs, _no_part_or_sizes)
+        call.raise_failures(op, incoming, local)
+        sources = set(at.sources)
+        for r, item in enumerate(incoming):
+            if r != wire.rank and item is not None and (memoryview(item.frame).nbytes == 0) == (r in sources):
+                said = "nothing, where it has one send a part" if r in sources else "a part, where it has none"
+                raise CommunicationError(
+                    f"{op}: group rank {r} sent this rank {said} (its pattern: objcomm._transport.patterns.ROWS); "
+                    f"every rank of the group must call {op} at once"
+                    + (f", with the same {row.root}" if row.root else "")
+                )
+        return {r: call.decode(incoming[r], r) for r in at.sources}
+
     def _route(
         self, call: Call, remembered: str = "", op: str = ""
     ) -> Tuple[routes.CallRoute, Optional[_rounds.SlotMemory]]:
@@ -328,6 +363,11 @@ class Operations(Resolving):
         out, local = call.encode(obj, serialized)
         _requests.own_box(None if wire is None else wire.group).post(tag, _pending.captured(out))
         return local
+
+
+def _no_part_or_sizes(frame: memoryview) -> List[int]:
+    """A pattern's all_to_all's ``sizes_of``: an empty frame (no part: ``encode_pattern``) announces no tensors."""
+    return _frame.tensor_sizes(frame) if frame.nbytes else []
 
 
 def _raise(error: Optional[BaseException]) -> None:

@@ -20,8 +20,9 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Dict, Mapping, Optional, Tuple
 
+from objcomm._transport.patterns import ROWS
+
 OPS = ("all_gather", "gather", "broadcast", "scatter", "all_to_all", "reduce", "all_reduce", "scan", "exscan")
-_ROOT_NAMES = {"gather": "dst", "reduce": "dst", "broadcast": "src", "scatter": "src"}
 _ROOT_BITS = 16  # a root past 65,534 ranks wraps: such groups tell fewer roots apart, never a wrong result more
 WORD: ContextVar[int] = ContextVar("objcomm_call_word", default=0)  # (the channel reads it: WORD.get())
 _WORDS: Dict[Tuple[str, Optional[int]], int] = {}
@@ -34,7 +35,7 @@ def enter(op: str, root: Optional[int] = None) -> None:
     if word is None:
         if len(_WORDS) > 4096:
             _WORDS.clear()
-        code = OPS.index(op) + 1
+        code = _named().index(op) + 1
         word = _WORDS[op, root] = code << _ROOT_BITS | (0 if root is None else (root + 1) % (1 << _ROOT_BITS))
     WORD.set(word)
 
@@ -52,10 +53,17 @@ def current() -> int:
 def described(word: int) -> str:
     """``word`` as the call it stands for: ``reduce(dst=1)``, ``all_gather()``; the group rank of the root."""
     code, root = word >> _ROOT_BITS, word & ((1 << _ROOT_BITS) - 1)
-    if not 0 < code <= len(OPS):
+    named = _named()
+    if not 0 < code <= len(named):
         return "no collective of objcomm's object API" if word == 0 else f"an unknown call (word {word})"
-    op = OPS[code - 1]
-    return f"{op}({_ROOT_NAMES[op]}={root - 1})" if root else f"{op}()"
+    op = named[code - 1]
+    return f"{op}({'dst' if op == 'reduce' else ROWS[op].root}={root - 1})" if root else f"{op}()"
+
+
+def _named() -> Tuple[str, ...]:
+    """Every collective's name, in the order of the words' codes: :data:`OPS`, then any row of
+    :data:`objcomm._transport.patterns.ROWS` added since (a collective carried out by its pattern)."""
+    return OPS + tuple(op for op in ROWS if op not in OPS)
 
 
 def other_call(peer: int, theirs: int, mine: int, kinds: Mapping[int, str]) -> str:

@@ -37,11 +37,42 @@ A scan's partial results go up by doubling distances, :func:`prefix_steps`.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-OPS = ("all_gather", "gather", "broadcast", "scatter", "all_to_all")
-_ROOTED = {"gather", "broadcast", "scatter"}
-_EACH = {"scatter", "all_to_all"}  # each receiver gets its own part
+
+class Row(NamedTuple):
+    """How one collective's :class:`Pattern` is made, as :data:`ROWS` holds it: each rank's receivers and sources
+    (never itself, in group-rank order), functions of ``(me, world, root)`` (``root``: -1 where the collective has
+    none)."""
+
+    root: str  # the keyword that names its root ("src": its parts leave from there; "dst": they arrive there), or ""
+    each: bool  # each receiver gets its own part
+    to: Callable[[int, int, int], Tuple[int, ...]]
+    sources: Callable[[int, int, int], Tuple[int, ...]]
+
+
+def _everyone(me: int, world: int, root: int) -> Tuple[int, ...]:
+    return _others(me, world)
+
+
+def _the_root(me: int, world: int, root: int) -> Tuple[int, ...]:
+    return () if me == root else (root,)
+
+
+def _from_the_root(me: int, world: int, root: int) -> Tuple[int, ...]:  # (the other ranks' tuple only on the root:
+    return _others(me, world) if me == root else ()  # O(1) elsewhere, whatever the cache holds)
+
+
+# Every collective's row (the module's table). Adding a collective: its row here, and its public method
+# (``Communicator._pattern_call`` carries out any row; docs/internals.md, "Adding a collective").
+ROWS: Dict[str, Row] = {
+    "all_gather": Row("", False, _everyone, _everyone),
+    "gather": Row("dst", False, _the_root, _from_the_root),
+    "broadcast": Row("src", False, _from_the_root, _the_root),
+    "scatter": Row("src", True, _from_the_root, _the_root),
+    "all_to_all": Row("", True, _everyone, _everyone),
+}
+OPS = tuple(ROWS)  # the built-in collectives, each with rounds of its own besides
 
 
 class Pattern(NamedTuple):
@@ -65,7 +96,7 @@ _KEPT: Dict[Tuple[str, int, int, Optional[int]], Pattern] = {}
 
 
 def pattern(op: str, *, me: int, world: int, root: Optional[int] = None) -> Pattern:
-    """Rank ``me``'s part in ``op`` (one of :data:`OPS`) over ``world`` ranks; ``root``: the root of gather (its
+    """Rank ``me``'s part in ``op`` (a row of :data:`ROWS`) over ``world`` ranks; ``root``: the root of gather (its
     destination), broadcast and scatter (their source). Kept once made: a dict lookup, ~0.2 µs a call where an
     ``lru_cache`` called with keywords cost ~0.35 (every round 1 asks)."""
     found = _KEPT.get((op, me, world, root))
@@ -77,19 +108,16 @@ def pattern(op: str, *, me: int, world: int, root: Optional[int] = None) -> Patt
 
 
 def _made(op: str, me: int, world: int, root: Optional[int]) -> Pattern:
-    if op not in OPS:
-        raise ValueError(f"no pattern for {op!r}: one of {', '.join(OPS)}")
-    if (op in _ROOTED) != (root is not None) or root is not None and not 0 <= root < world:
-        raise ValueError(
-            f"{op} over {world} ranks needs {'a root in range' if op in _ROOTED else 'no root'}, got {root}"
-        )
-    if op in ("all_gather", "all_to_all"):
-        others = _others(me, world)
-        return Pattern(op, others, op in _EACH, others)
-    assert root is not None
-    if op == "gather":  # (the other ranks' tuple only on the root: O(1) elsewhere, whatever the cache holds)
-        return Pattern(op, () if me == root else (root,), False, _others(me, world) if me == root else ())
-    return Pattern(op, _others(me, world) if me == root else (), op in _EACH, () if me == root else (root,))
+    row = ROWS.get(op)
+    if row is None:
+        raise ValueError(f"no pattern for {op!r}: one of {', '.join(ROWS)}")
+    if bool(row.root) != (root is not None) or root is not None and not 0 <= root < world:
+        raise ValueError(f"{op} over {world} ranks needs {'a root in range' if row.root else 'no root'}, got {root}")
+    at = -1 if root is None else root
+    made = Pattern(op, row.to(me, world, at), row.each, row.sources(me, world, at))
+    if me in made.to or me in made.sources:  # (once a pattern: it is kept)
+        raise ValueError(f"the row of {op!r} has rank {me} of {world} send to or receive from itself")
+    return made
 
 
 def in_rank_order(got: Dict[int, Any], own: Any, me: int, world: int) -> List[Any]:

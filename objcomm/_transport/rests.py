@@ -16,7 +16,8 @@ all_to_all     each sender's part for it    its own part                        
 A sender whose slot carried all it sends moves nothing; its receivers read its frame from the slot. The media are the
 same-host channel (:class:`objcomm._samehost.channel_rests.ChannelRest`) and shared memory
 (:class:`objcomm._samehost.shm.SharedMemory`); which one takes a call is decided by a subclass's :meth:`medium`, from
-:func:`objcomm._transport.routes.rest_medium`. Adding a collective: its row in ``patterns``, its method here.
+:func:`objcomm._transport.routes.rest_medium`. A collective with no method here goes as an all_to_all (its row in
+``patterns``: ``Communicator._pattern_call``); giving it rounds of its own: its method here.
 """
 
 from __future__ import annotations
