@@ -30,7 +30,7 @@ from objcomm._samehost.voted_rests import VotedRests
 from objcomm._settings import CallOptions
 from objcomm._transport.base import BACKEND, INTERNAL_TAG, RestMedia, SlotMedium, Wire
 from objcomm._transport.group_ranks import GroupRanks
-from objcomm._transport.patterns import Pattern
+from objcomm._transport.patterns import Pattern, pattern
 from serializers import AutoSerializer, Serializer, SerializerProtocol, registry
 
 Device = Union[str, torch.device, None]
@@ -351,15 +351,19 @@ def encode_each(call: Call, objs: Optional[Sequence[Any]], size: int, op: str) -
         return [_frame.error_frame(exc, call.wire.inline_capacity)] * size, exc
 
 
-def encode_pattern(call: Call, at: Pattern, mine: Any) -> Tuple[List[Outgoing], Any]:
-    """One frame per rank for the all_to_all that carries pattern ``at`` (``Communicator._pattern_call``): ``mine``
-    encoded once (with ``at.each``, each rank's own part) for every rank of ``at.to``, an empty frame (no part) for
-    the others; or, when encoding fails (or ``mine`` is not one object per rank where it must be), one error report
-    for all."""
+def encode_pattern(
+    call: Call, op: str, root: Optional[int], mine: Any
+) -> Tuple[Optional[Pattern], List[Outgoing], Any]:
+    """This rank's part in row ``op`` of :data:`objcomm._transport.patterns.ROWS` (``root``: its group rank, or None)
+    and one frame per rank for the all_to_all that carries it (``Communicator._pattern_call``): ``mine`` encoded once
+    (with the row's ``each``, each rank's own part) for every rank the pattern sends to, an empty frame (no part) for
+    the others; or, when the row or the encoding fails here (or ``mine`` is not one object per rank where it must
+    be), no pattern and one error report for all, so that every rank raises it."""
     wire = call.wire
     assert wire is not None
     try:
-        parts = per_rank(mine, wire.size, at.op) if at.each and at.to else mine
+        at = pattern(op, me=wire.rank, world=wire.size, root=root)
+        parts = per_rank(mine, wire.size, op) if at.each and (at.to or mine is not None) else mine
         outs, out = [Outgoing(b"")] * wire.size, None
         for r in at.to:
             if at.each or out is None:
@@ -367,9 +371,9 @@ def encode_pattern(call: Call, at: Pattern, mine: Any) -> Tuple[List[Outgoing], 
                 if local is not None:
                     raise local
             outs[r] = out
-        return outs, None
+        return at, outs, None
     except Exception as exc:
-        return [_frame.error_frame(exc, wire.inline_capacity)] * wire.size, exc
+        return None, [_frame.error_frame(exc, wire.inline_capacity)] * wire.size, exc
 
 
 def final_report(

@@ -222,7 +222,9 @@ class Operations(Resolving):
         sent this rank, by group rank (this rank's own part is the caller's). ``root``: the global rank of the row's
         root, where it has one. Its failures, limits and media are an all_to_all's: every rank raises alike; a part
         where the pattern has none, or none where it has one (ranks that passed different roots), raises here."""
-        row = patterns.ROWS[op]
+        row = patterns.row_of(op)
+        if not row.root and root is not None:
+            raise ValueError(f"{op} takes no root, got {root!r}")
         if call.wire is None:
             if row.root:
                 self._check_single(root, row.root)
@@ -235,14 +237,14 @@ class Operations(Resolving):
         call = self._parts_of(call, op)
         wire = call.wire
         assert wire is not None
-        at = patterns.pattern(op, me=wire.rank, world=wire.size, root=at_root)
-        outs, local = encode_pattern(call, at, mine)
+        at, outs, local = encode_pattern(call, op, at_root, mine)
         incoming = _parts.all_to_all(wire, outs, _no_part_or_sizes)
         call.raise_failures(op, incoming, local)
+        assert at is not None  # (else this rank's own report, raised above)
         sources = set(at.sources)
         for r, item in enumerate(incoming):
             if r != wire.rank and item is not None and (memoryview(item.frame).nbytes == 0) == (r in sources):
-                said = "nothing, where it has one send a part" if r in sources else "a part, where it has none"
+                said = "nothing, where its row has it send a part" if r in sources else "a part, where its row has none"
                 raise CommunicationError(
                     f"{op}: group rank {r} sent this rank {said} (its pattern: objcomm._transport.patterns.ROWS); "
                     f"every rank of the group must call {op} at once"

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import zlib
 from contextvars import ContextVar
 from typing import Dict, Mapping, Optional, Tuple
 
@@ -24,6 +25,7 @@ from objcomm._transport.patterns import ROWS
 
 OPS = ("all_gather", "gather", "broadcast", "scatter", "all_to_all", "reduce", "all_reduce", "scan", "exscan")
 _ROOT_BITS = 16  # a root past 65,534 ranks wraps: such groups tell fewer roots apart, never a wrong result more
+_LAST_CODE = (1 << 31 - _ROOT_BITS) - 1  # a word is a message header's signed 32-bit tag
 WORD: ContextVar[int] = ContextVar("objcomm_call_word", default=0)  # (the channel reads it: WORD.get())
 _WORDS: Dict[Tuple[str, Optional[int]], int] = {}
 
@@ -35,7 +37,7 @@ def enter(op: str, root: Optional[int] = None) -> None:
     if word is None:
         if len(_WORDS) > 4096:
             _WORDS.clear()
-        code = _named().index(op) + 1
+        code = _code(op)
         word = _WORDS[op, root] = code << _ROOT_BITS | (0 if root is None else (root + 1) % (1 << _ROOT_BITS))
     WORD.set(word)
 
@@ -53,17 +55,22 @@ def current() -> int:
 def described(word: int) -> str:
     """``word`` as the call it stands for: ``reduce(dst=1)``, ``all_gather()``; the group rank of the root."""
     code, root = word >> _ROOT_BITS, word & ((1 << _ROOT_BITS) - 1)
-    named = _named()
-    if not 0 < code <= len(named):
+    op = OPS[code - 1] if 0 < code <= len(OPS) else next((op for op in list(ROWS) if _code(op) == code), None)
+    if op is None:
         return "no collective of objcomm's object API" if word == 0 else f"an unknown call (word {word})"
-    op = named[code - 1]
-    return f"{op}({'dst' if op == 'reduce' else ROWS[op].root}={root - 1})" if root else f"{op}()"
+    if not root:
+        return f"{op}()"
+    row = ROWS.get(op)
+    return f"{op}({'dst' if op == 'reduce' else row.root if row is not None and row.root else 'root'}={root - 1})"
 
 
-def _named() -> Tuple[str, ...]:
-    """Every collective's name, in the order of the words' codes: :data:`OPS`, then any row of
-    :data:`objcomm._transport.patterns.ROWS` added since (a collective carried out by its pattern)."""
-    return OPS + tuple(op for op in ROWS if op not in OPS)
+def _code(op: str) -> int:
+    """``op``'s code in its word: its place in :data:`OPS`, or for a collective added to
+    :data:`objcomm._transport.patterns.ROWS` since, one from its name alone (the same on every rank, whatever
+    order ranks added rows in; two names that share one are told apart less, never refused wrongly)."""
+    if op in OPS:
+        return OPS.index(op) + 1
+    return len(OPS) + 1 + zlib.crc32(op.encode()) % (_LAST_CODE - len(OPS))
 
 
 def other_call(peer: int, theirs: int, mine: int, kinds: Mapping[int, str]) -> str:

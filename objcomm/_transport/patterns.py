@@ -37,13 +37,14 @@ A scan's partial results go up by doubling distances, :func:`prefix_steps`.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 
 class Row(NamedTuple):
-    """How one collective's :class:`Pattern` is made, as :data:`ROWS` holds it: each rank's receivers and sources
-    (never itself, in group-rank order), functions of ``(me, world, root)`` (``root``: -1 where the collective has
-    none)."""
+    """How one collective's :class:`Pattern` is made, as :data:`ROWS` holds it: each rank's receivers and sources,
+    functions of ``(me, world, root)`` (``root``: -1 where the collective has none) that give other ranks of the
+    group, each once, in increasing order (one message a pair)."""
 
     root: str  # the keyword that names its root ("src": its parts leave from there; "dst": they arrive there), or ""
     each: bool  # each receiver gets its own part
@@ -63,8 +64,8 @@ def _from_the_root(me: int, world: int, root: int) -> Tuple[int, ...]:  # (the o
     return _others(me, world) if me == root else ()  # O(1) elsewhere, whatever the cache holds)
 
 
-# Every collective's row (the module's table). Adding a collective: its row here, and its public method
-# (``Communicator._pattern_call`` carries out any row; docs/internals.md, "Adding a collective").
+# Every collective's row (the module's table); a collective added since (:func:`add_row`) runs as its pattern alone
+# (``Communicator._pattern_call``; docs/internals.md, "Adding a collective").
 ROWS: Dict[str, Row] = {
     "all_gather": Row("", False, _everyone, _everyone),
     "gather": Row("dst", False, _the_root, _from_the_root),
@@ -73,6 +74,23 @@ ROWS: Dict[str, Row] = {
     "all_to_all": Row("", True, _everyone, _everyone),
 }
 OPS = tuple(ROWS)  # the built-in collectives, each with rounds of its own besides
+_ADDING = threading.Lock()
+
+
+def add_row(op: str, row: Row) -> None:
+    """Add collective ``op``'s row to :data:`ROWS`, on every rank (its method calls ``self._pattern_call(call, op,
+    ...)``). Adding the same row again does nothing; another row under a name that has one is refused.
+
+    >>> add_row("to_next", Row("", False, lambda me, w, root: ((me + 1) % w,), lambda me, w, root: ((me - 1) % w,)))
+    >>> pattern("to_next", me=3, world=4)
+    Pattern(op='to_next', to=(0,), each=False, sources=(2,))
+    """
+    if row.root not in ("", "src", "dst"):
+        raise ValueError(f"a row's root is 'src', 'dst' or '' (none), got {row.root!r}")
+    with _ADDING:
+        if ROWS.get(op, row) is not row:
+            raise ValueError(f"{op!r} has a row already: a collective's row is added once, under a name of its own")
+        ROWS[op] = row
 
 
 class Pattern(NamedTuple):
@@ -107,16 +125,28 @@ def pattern(op: str, *, me: int, world: int, root: Optional[int] = None) -> Patt
     return found
 
 
-def _made(op: str, me: int, world: int, root: Optional[int]) -> Pattern:
+def row_of(op: str) -> Row:
+    """Collective ``op``'s row; a ValueError that names the rows where it has none."""
     row = ROWS.get(op)
     if row is None:
-        raise ValueError(f"no pattern for {op!r}: one of {', '.join(ROWS)}")
+        raise ValueError(f"no pattern for {op!r}: one of {', '.join(ROWS)} (patterns.add_row adds one)")
+    return row
+
+
+def _made(op: str, me: int, world: int, root: Optional[int]) -> Pattern:
+    row = row_of(op)
     if bool(row.root) != (root is not None) or root is not None and not 0 <= root < world:
         raise ValueError(f"{op} over {world} ranks needs {'a root in range' if row.root else 'no root'}, got {root}")
     at = -1 if root is None else root
-    made = Pattern(op, row.to(me, world, at), row.each, row.sources(me, world, at))
-    if me in made.to or me in made.sources:  # (once a pattern: it is kept)
-        raise ValueError(f"the row of {op!r} has rank {me} of {world} send to or receive from itself")
+    made = Pattern(op, tuple(row.to(me, world, at)), row.each, tuple(row.sources(me, world, at)))
+    for ranks in (made.to, made.sources):  # (once a pattern: it is kept) O(W)
+        if not all(type(r) is int and 0 <= r < world and r != me for r in ranks) or not all(
+            a < b for a, b in zip(ranks, ranks[1:])
+        ):
+            raise ValueError(
+                f"the row of {op!r} gives rank {me} of {world} the ranks {ranks[:8]}{'...' if len(ranks) > 8 else ''}: "
+                "a row's ranks are other ranks of the group, each once, in increasing order"
+            )
     return made
 
 

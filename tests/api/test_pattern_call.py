@@ -35,6 +35,15 @@ SHIFT = Row(
 )
 
 
+# A row that breaks on one rank only: the root sends to itself too
+TO_THE_ROOT_TOO = Row(
+    root="dst",
+    each=False,
+    to=lambda me, world, root: (root,),
+    sources=lambda me, world, root: tuple(r for r in range(world) if r != me) if me == root else (),
+)
+
+
 class WithShift(objcomm.Communicator):
     """And its public method: all that adding it takes besides the row."""
 
@@ -66,7 +75,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def shifted(way: str) -> List[bool]:
-    patterns.ROWS.setdefault("shift", SHIFT)
+    patterns.add_row("shift", SHIFT)
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = WithShift(**WAYS[way])
     sizes = ("small", "large", "tensor")
@@ -126,15 +135,18 @@ class Unpicklable:
 
 
 def failures(way: str) -> Dict[str, str]:
-    """A rank whose part cannot be encoded, a scatter-like row's list of the wrong length, and ranks that pass
-    different roots: what each rank raised (its type and the first words of its message)."""
-    patterns.ROWS.setdefault("shift", SHIFT)
+    """A rank whose part cannot be encoded, a scatter-like row's list of the wrong length, a row that breaks on one
+    rank, and ranks that pass different roots: what each rank raised (its type and the first words of its
+    message)."""
+    patterns.add_row("shift", SHIFT)
+    patterns.add_row("to_the_root_too", TO_THE_ROOT_TOO)
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = WithShift(**WAYS[way])
     raised: Dict[str, str] = {}
     for case, call in {
         "encode": lambda: comm.shift(Unpicklable() if rank == 1 else rank),
         "length": lambda: comm._pattern_call(comm._call({}), "scatter", [1, 2] if rank == 0 else None, 0),
+        "row": lambda: comm._pattern_call(comm._call({}), "to_the_root_too", rank, 2),
         "roots": lambda: comm._pattern_call(comm._call({}), "broadcast", rank, 0 if rank < 2 else 1),
     }.items():
         try:
@@ -151,6 +163,7 @@ def test_its_failures_raise_on_every_rank_saying_what_went_wrong(way):
     for rank, raised in enumerate(get_pool(4).run(failures, way)):
         assert raised["encode"].startswith("RemoteError") and "cannot be pickled" in raised["encode"], rank
         assert raised["length"].startswith("RemoteError") and "exactly one object per rank" in raised["length"], rank
+        assert raised["row"].startswith("RemoteError") and "gives rank 2 of 4 the ranks (2,)" in raised["row"], rank
         # ranks 0-1 take rank 0 for the root, ranks 2-3 rank 1. Over the channel every message carries its call's
         # root, and every rank raises; over the backend the ranks whose sources sent nothing where they have one
         # send, or a part where they have none (2 and 3), while 0 and 1 saw what they expected (check_calls: all)
@@ -163,9 +176,37 @@ def test_its_failures_raise_on_every_rank_saying_what_went_wrong(way):
 def test_a_row_that_is_not_there_or_sends_a_rank_its_own_part_is_refused_by_name():
     with pytest.raises(ValueError, match="no pattern for 'ring'"):
         patterns.pattern("ring", me=0, world=2)
-    patterns.ROWS["to_itself"] = Row("", False, lambda me, world, root: (me,), lambda me, world, root: ())
+    bad = {
+        "to_itself": (lambda me, world, root: (me,), "rank 0 of 2 the ranks \\(0,\\)"),
+        "past_the_group": (lambda me, world, root: (me - 1,), "rank 0 of 2 the ranks \\(-1,\\)"),
+        "twice": (lambda me, world, root: (1 - me, 1 - me), "rank 0 of 2 the ranks \\(1, 1\\)"),
+    }
+    for name, (to, said) in bad.items():
+        patterns.add_row(name, Row("", False, to, lambda me, world, root: ()))
+        try:
+            with pytest.raises(ValueError, match=f"the row of '{name}' gives {said}: a row's ranks are other ranks"):
+                for me in range(2):
+                    patterns.pattern(name, me=me, world=2)
+        finally:
+            del patterns.ROWS[name]
+
+
+def test_a_row_is_added_once_under_a_name_of_its_own():
+    patterns.add_row("shift", SHIFT)
     try:
-        with pytest.raises(ValueError, match="the row of 'to_itself' has rank 1 of 2 send to or receive from itself"):
-            patterns.pattern("to_itself", me=1, world=2)
+        patterns.add_row("shift", SHIFT)  # the same row again: nothing
+        for name in ("shift", "broadcast"):
+            with pytest.raises(ValueError, match=f"'{name}' has a row already"):
+                patterns.add_row(name, Row("", False, SHIFT.to, SHIFT.sources))
+        with pytest.raises(ValueError, match="a row's root is 'src', 'dst' or ''"):
+            patterns.add_row("rooted", Row("root", False, SHIFT.to, SHIFT.sources))
     finally:
-        del patterns.ROWS["to_itself"]
+        del patterns.ROWS["shift"]
+
+
+def test_a_call_that_names_no_row_or_a_root_its_row_has_not_is_refused():
+    comm = WithShift()
+    with pytest.raises(ValueError, match="no pattern for 'ring'"):
+        comm._pattern_call(comm._call({}), "ring", 1)
+    with pytest.raises(ValueError, match="all_gather takes no root, got 0"):
+        comm._pattern_call(comm._call({}), "all_gather", 1, 0)

@@ -10,7 +10,8 @@ import pytest
 from _ranks import get_pool
 
 from objcomm._samehost.inbox import ALL_GATHER, BROADCAST, NAMES
-from objcomm._transport import call_words
+from objcomm._transport import call_words, patterns
+from objcomm._transport.patterns import Row
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,6 +29,36 @@ def test_a_word_names_its_call_and_outside_a_call_there_is_none():
     assert call_words.current() == 0
     assert call_words.described(0) == "no collective of objcomm's object API"
     assert call_words.described(12345 << 16) == f"an unknown call (word {12345 << 16})"
+
+
+def test_a_collective_added_since_has_the_same_word_whatever_order_the_ranks_added_rows_in():
+    row = Row("src", False, lambda me, world, root: (), lambda me, world, root: ())
+    seen = []
+    for order in (("b_row", "a_row"), ("a_row", "b_row")):
+        call_words._WORDS.clear()
+        for name in order:
+            patterns.add_row(name, row)
+        try:
+            words = {}
+            for name in ("a_row", "b_row"):
+                call_words.enter(name, 2)
+                words[name] = call_words.current()
+            assert {name: call_words.described(word) for name, word in words.items()} == {
+                "a_row": "a_row(src=2)",
+                "b_row": "b_row(src=2)",
+            }
+            seen.append(words)
+        finally:
+            for name in order:
+                del patterns.ROWS[name]
+    assert seen[0] == seen[1] and len(set(seen[0].values())) == 2
+    assert all(len(call_words.OPS) < word >> 16 < 2**15 for word in seen[0].values())
+
+
+def test_a_word_no_call_makes_is_described_not_raised():
+    all_reduce = call_words.OPS.index("all_reduce") + 1
+    assert call_words.described(all_reduce << 16 | 3) == "all_reduce(root=2)"
+    assert call_words.described(-5) == "an unknown call (word -5)"
 
 
 def test_each_thread_has_its_own():
