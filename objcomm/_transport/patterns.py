@@ -139,7 +139,7 @@ def _made(op: str, me: int, world: int, root: Optional[int]) -> Pattern:
         raise ValueError(f"{op} over {world} ranks needs {'a root in range' if row.root else 'no root'}, got {root}")
     at = -1 if root is None else root
     made = Pattern(op, tuple(row.to(me, world, at)), row.each, tuple(row.sources(me, world, at)))
-    for ranks in (made.to, made.sources):  # (once a pattern: it is kept) O(W)
+    for ranks in (made.to, made.sources) if op not in OPS else ():  # an added row's, once (it is kept): O(W)
         if not all(type(r) is int and 0 <= r < world and r != me for r in ranks) or not all(
             a < b for a, b in zip(ranks, ranks[1:])
         ):
