@@ -74,10 +74,10 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def shifted(way: str) -> List[bool]:
+def shifted(way: str, comm: Optional[WithShift] = None) -> List[bool]:
     patterns.add_row("shift", SHIFT)
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm = WithShift(**WAYS[way])
+    comm = comm or WithShift(**WAYS[way])
     sizes = ("small", "large", "tensor")
     started = [comm.shift(_value(rank, size), async_op=True) for size in sizes]
     return [_same(comm.shift(_value(rank, size)), _value((rank - 1) % world, size)) for size in sizes] + [
@@ -90,11 +90,11 @@ def test_a_collective_added_as_a_row_and_a_method_works_over_every_medium(way):
     assert get_pool(4).run(shifted, way) == [[True] * 6] * 4
 
 
-def built_in_rows(way: str) -> List[str]:
+def built_in_rows(way: str, comm: Optional[objcomm.Communicator] = None) -> List[str]:
     """Each built-in collective's row through ``_pattern_call``, shaped into the collective's result, against the
     collective itself: the names of those that differ."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm = objcomm.Communicator(**WAYS[way])
+    comm = comm or objcomm.Communicator(**WAYS[way])
     differ = []
     for size in ("small", "large", "tensor"):
         mine = _value(rank, size)
@@ -127,6 +127,22 @@ def built_in_rows(way: str) -> List[str]:
 @pytest.mark.parametrize("way", WAYS)
 def test_every_built_in_row_carried_by_its_pattern_gives_what_its_own_rounds_give(way):
     assert get_pool(4).run(built_in_rows, way) == [[]] * 4
+
+
+def on_two_levels() -> List[Any]:
+    """Hosts of four consecutive ranks (each host's channel, its leader on the backend): the added collective and
+    every built-in row carried by its pattern, as above."""
+    from test_many_ranks import ranks_per_host
+
+    with ranks_per_host(4):
+        comm = WithShift()
+        comm.all_gather(dist.get_rank())  # sets the two levels up
+        return [shifted("", comm), built_in_rows("", comm)]
+
+
+def test_on_two_levels_too():
+    world = 8
+    assert get_pool(world).run(on_two_levels, timeout=180) == [[[True] * 6, []]] * world
 
 
 class Unpicklable:
