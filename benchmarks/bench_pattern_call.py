@@ -103,13 +103,14 @@ def main(argv: Any = None) -> int:
     from objcomm._tools.launch import run_local
 
     got = run_local(timed, {"rounds": args.rounds, "sizes": args.sizes}, world_size=args.world_size)
-    print("| W | medium | op | value | own rounds (ms) | pattern (ms) | pattern / own | torch (ms) | pattern / torch |")
+    print("| W | medium | op | value | own rounds | its row | row ÷ own | torch | row ÷ torch |")
     print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
     for (medium, op, size), row in got.items():
         own, carried, torch_ms = (row[k] * 1e3 for k in ("own", "pattern", "torch"))
+        value = f"{size // 1000} KB" if size >= 1000 else f"{size} B"
         print(
-            f"| {args.world_size} | {medium} | {op} | {size:,} B | {own:.3f} | {carried:.3f} | {carried / own:.2f} | "
-            f"{torch_ms:.3f} | {carried / torch_ms:.2f} |"
+            f"| {args.world_size} | {medium} | {op} | {value} | {own:.2f} ms | {carried:.2f} ms | "
+            f"{carried / own:.2f} | {torch_ms:.2f} ms | {carried / torch_ms:.2f} |"
         )
     return 0
 

@@ -130,6 +130,7 @@ ZYGOTE_PRELOAD = (
     "serializers",
     "objcomm",
     "objcomm._api.functions",
+    "objcomm._api.p2p_functions",
     "_ranks",
 )
 _ZYGOTE_LOCK = threading.Lock()

@@ -30,7 +30,7 @@ from objcomm._samehost.voted_rests import VotedRests
 from objcomm._settings import CallOptions
 from objcomm._transport.base import BACKEND, INTERNAL_TAG, RestMedia, SlotMedium, Wire
 from objcomm._transport.group_ranks import GroupRanks
-from objcomm._transport.patterns import Pattern, pattern
+from objcomm._transport.patterns import Pattern, pattern, row_of
 from serializers import AutoSerializer, Serializer, SerializerProtocol, registry
 
 Device = Union[str, torch.device, None]
@@ -363,7 +363,7 @@ def encode_pattern(
     assert wire is not None
     try:
         at = pattern(op, me=wire.rank, world=wire.size, root=root)
-        parts = per_rank(mine, wire.size, op) if at.each and (at.to or mine is not None) else mine
+        parts = per_rank(mine, wire.size, op) if at.each and sends(op, wire.rank, root) else mine
         outs, out = [Outgoing(b"")] * wire.size, None
         for r in at.to:
             if at.each or out is None:
@@ -374,6 +374,13 @@ def encode_pattern(
         return at, outs, None
     except Exception as exc:
         return None, [_frame.error_frame(exc, wire.inline_capacity)] * wire.size, exc
+
+
+def sends(op: str, rank: int, root: Optional[int]) -> bool:
+    """Whether group rank ``rank`` gives its objects in row ``op`` (``root``: the row's root): every rank where the
+    row has no root, the root where its parts leave from it (``src``), the others where they arrive there (``dst``)."""
+    where = row_of(op).root
+    return not where or (where == "src") == (rank == root)
 
 
 def final_report(

@@ -26,7 +26,8 @@ Device = Optional[Union[str, torch.device]]
 _DEFAULT = Communicator()
 
 
-def _communicator(group: Any) -> Communicator:
+def communicator_of(group: Any) -> Communicator:
+    """The Communicator a module-level call on ``group`` goes through (also :mod:`objcomm._api.p2p_functions`)."""
     return _DEFAULT if group is None else Communicator(group)
 
 
@@ -77,7 +78,7 @@ def all_gather(
         for part in objcomm.all_gather({rank: 1} if rank % 2 == 0 else {}):
             merged.update(part)
     """
-    return _communicator(group).all_gather(obj, async_op=async_op, **call_kwargs(locals()))
+    return communicator_of(group).all_gather(obj, async_op=async_op, **call_kwargs(locals()))
 
 
 @mpi4py_keywords
@@ -99,7 +100,7 @@ def gather(
 
         everyone = objcomm.gather(predictions, dst=0)   # a list on rank 0, None elsewhere
     """
-    return _communicator(group).gather(obj, dst, async_op=async_op, **call_kwargs(locals()))
+    return communicator_of(group).gather(obj, dst, async_op=async_op, **call_kwargs(locals()))
 
 
 @mpi4py_keywords
@@ -121,7 +122,7 @@ def broadcast(
 
         config = objcomm.broadcast(load_config() if rank == 0 else None, src=0)
     """
-    return _communicator(group).broadcast(obj, src, async_op=async_op, **call_kwargs(locals()))
+    return communicator_of(group).broadcast(obj, src, async_op=async_op, **call_kwargs(locals()))
 
 
 @mpi4py_keywords
@@ -143,7 +144,7 @@ def scatter(
 
         shard = objcomm.scatter(split(work, world_size) if rank == 0 else None, src=0)
     """
-    return _communicator(group).scatter(objs, src, async_op=async_op, **call_kwargs(locals()))
+    return communicator_of(group).scatter(objs, src, async_op=async_op, **call_kwargs(locals()))
 
 
 @mpi4py_keywords
@@ -177,7 +178,7 @@ def all_to_all(
             outbox[hash(record["key"]) % world_size].append(record)
         mine = [r for part in objcomm.all_to_all(outbox) for r in part]
     """
-    return _communicator(group).all_to_all(objs, async_op=async_op, **call_kwargs(locals()))
+    return communicator_of(group).all_to_all(objs, async_op=async_op, **call_kwargs(locals()))
 
 
 @mpi4py_keywords
@@ -212,7 +213,7 @@ def reduce(
         confusion = objcomm.reduce(local_counts, "merge_sum", dst=0)  # {(label, pred): n} on rank 0
         best = objcomm.reduce(record, lambda a, b: b if b["score"] > a["score"] else a)
     """
-    return _communicator(group).reduce(obj, op, dst, async_op=async_op, **call_kwargs(locals()))
+    return communicator_of(group).reduce(obj, op, dst, async_op=async_op, **call_kwargs(locals()))
 
 
 @mpi4py_keywords
@@ -237,7 +238,7 @@ def all_reduce(
 
         totals = objcomm.all_reduce({"seen": n_seen, "correct": n_correct}, "merge_sum")
     """
-    return _communicator(group).all_reduce(obj, op, async_op=async_op, **call_kwargs(locals()))
+    return communicator_of(group).all_reduce(obj, op, async_op=async_op, **call_kwargs(locals()))
 
 
 @mpi4py_keywords
@@ -261,7 +262,7 @@ def scan(
 
         seen_so_far = objcomm.scan(len(my_records), "sum")   # rank r: the records of ranks 0 .. r
     """
-    return _communicator(group).scan(obj, op, async_op=async_op, **call_kwargs(locals()))
+    return communicator_of(group).scan(obj, op, async_op=async_op, **call_kwargs(locals()))
 
 
 @mpi4py_keywords
@@ -284,4 +285,4 @@ def exscan(
 
         start = objcomm.exscan(len(my_records), "sum") or 0   # where this rank's records begin in the whole
     """
-    return _communicator(group).exscan(obj, op, async_op=async_op, **call_kwargs(locals()))
+    return communicator_of(group).exscan(obj, op, async_op=async_op, **call_kwargs(locals()))

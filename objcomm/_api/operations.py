@@ -12,7 +12,7 @@ from objcomm._api import call_checks as _call_checks
 from objcomm._api import reduce as _reduce
 from objcomm._api import requests as _requests
 from objcomm._api import scan as _scan
-from objcomm._api.call import WIRES_KEPT, Call, encode_each, encode_pattern, final_report, only, per_rank
+from objcomm._api.call import WIRES_KEPT, Call, encode_each, encode_pattern, final_report, only, per_rank, sends
 from objcomm._api.express import Express
 from objcomm._api.handles import Request, completed
 from objcomm._api.own_box import NOTHING
@@ -228,7 +228,7 @@ class Operations(Resolving):
         if call.wire is None:
             if row.root:
                 self._check_single(root, row.root)
-            elif row.each:
+            if row.each and sends(op, 0, 0):
                 per_rank(mine, 1, op)
             return {}
         _call_checks.check(call, op, root, root_name=row.root)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Collection, Optional
 
-from objcomm._api.functions import Device, _communicator
+from objcomm._api.functions import Device, communicator_of
 from objcomm._api.handles import Request
 from objcomm._api.mpi4py_names import mpi4py_keywords
 from objcomm._settings import call_kwargs
@@ -41,7 +41,7 @@ def send(
             objcomm.send({"done": True}, dst=0)
             objcomm.send(["log line"], dst=0, tag=7)  # a second stream
     """
-    _communicator(group).send(obj, dst, tag, **call_kwargs(locals()))
+    communicator_of(group).send(obj, dst, tag, **call_kwargs(locals()))
 
 
 @mpi4py_keywords
@@ -72,7 +72,7 @@ def recv(
             lines = objcomm.recv(src=1, tag=7)
             sender, item = objcomm.recv(return_sender=True)  # from whichever rank sends first
     """
-    return _communicator(group).recv(src, tag, return_sender=return_sender, **call_kwargs(locals()))
+    return communicator_of(group).recv(src, tag, return_sender=return_sender, **call_kwargs(locals()))
 
 
 @mpi4py_keywords
@@ -100,7 +100,7 @@ def sendrecv(
         rank, world = dist.get_rank(), dist.get_world_size()
         from_left = objcomm.sendrecv(my_block, dst=(rank + 1) % world, src=(rank - 1) % world)   # a ring's shift
     """
-    return _communicator(group).sendrecv(
+    return communicator_of(group).sendrecv(
         obj, dst, src=src, sendtag=sendtag, recvtag=recvtag, return_sender=return_sender, **call_kwargs(locals())
     )
 
@@ -130,7 +130,7 @@ def isend(
         for request in pending:
             request.wait()
     """
-    return _communicator(group).isend(obj, dst, tag, **call_kwargs(locals()))
+    return communicator_of(group).isend(obj, dst, tag, **call_kwargs(locals()))
 
 
 @mpi4py_keywords
@@ -156,7 +156,7 @@ def irecv(
         first, second = objcomm.irecv(src=1, tag=1), objcomm.irecv(src=1, tag=1)
         assert first.wait()["step"] == 0 and second.wait()["step"] == 1
     """
-    return _communicator(group).irecv(src, tag, return_sender=return_sender, **call_kwargs(locals()))
+    return communicator_of(group).irecv(src, tag, return_sender=return_sender, **call_kwargs(locals()))
 
 
 def connect(group: Any = None) -> bool:
@@ -170,4 +170,4 @@ def connect(group: Any = None) -> bool:
         objcomm.connect()
         objcomm.send({"step": 0}, dst=1)   # the same-host channel from the first message
     """
-    return _communicator(group).connect()
+    return communicator_of(group).connect()

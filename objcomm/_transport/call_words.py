@@ -21,11 +21,12 @@ import zlib
 from contextvars import ContextVar
 from typing import Dict, Mapping, Optional, Tuple
 
+from objcomm._transport import patterns
 from objcomm._transport.patterns import ROWS
 
-OPS = ("all_gather", "gather", "broadcast", "scatter", "all_to_all", "reduce", "all_reduce", "scan", "exscan")
+OPS = patterns.OPS + patterns.REDUCTIONS  # the built-in collectives, in the order of their words' codes
 _ROOT_BITS = 16  # a root past 65,534 ranks wraps: such groups tell fewer roots apart, never a wrong result more
-_LAST_CODE = (1 << 31 - _ROOT_BITS) - 1  # a word is a message header's signed 32-bit tag
+_LAST_CODE = (1 << (31 - _ROOT_BITS)) - 1  # a word is a message header's signed 32-bit tag
 WORD: ContextVar[int] = ContextVar("objcomm_call_word", default=0)  # (the channel reads it: WORD.get())
 _WORDS: Dict[Tuple[str, Optional[int]], int] = {}
 
@@ -58,10 +59,15 @@ def described(word: int) -> str:
     op = OPS[code - 1] if 0 < code <= len(OPS) else next((op for op in list(ROWS) if _code(op) == code), None)
     if op is None:
         return "no collective of objcomm's object API" if word == 0 else f"an unknown call (word {word})"
-    if not root:
-        return f"{op}()"
+    return f"{op}({_root_name(op)}={root - 1})" if root else f"{op}()"
+
+
+def _root_name(op: str) -> str:
+    """The keyword of ``op``'s root (``root`` for a call that has none: a word no call makes)."""
+    if op == "reduce":
+        return "dst"
     row = ROWS.get(op)
-    return f"{op}({'dst' if op == 'reduce' else row.root if row is not None and row.root else 'root'}={root - 1})"
+    return row.root if row is not None and row.root else "root"
 
 
 def _code(op: str) -> int:

@@ -73,24 +73,40 @@ ROWS: Dict[str, Row] = {
     "scatter": Row("src", True, _from_the_root, _the_root),
     "all_to_all": Row("", True, _everyone, _everyone),
 }
-OPS = tuple(ROWS)  # the built-in collectives, each with rounds of its own besides
+OPS = ("all_gather", "gather", "broadcast", "scatter", "all_to_all")  # the built-in rows (rounds of their own besides)
+REDUCTIONS = ("reduce", "all_reduce", "scan", "exscan")  # the built-in collectives that have no row
 _ADDING = threading.Lock()
 
 
 def add_row(op: str, row: Row) -> None:
     """Add collective ``op``'s row to :data:`ROWS`, on every rank (its method calls ``self._pattern_call(call, op,
-    ...)``). Adding the same row again does nothing; another row under a name that has one is refused.
+    ...)``). Adding an equal row again does nothing; another row under a name that has one, or a built-in
+    collective's name, is refused (:func:`remove_row` first).
 
     >>> add_row("to_next", Row("", False, lambda me, w, root: ((me + 1) % w,), lambda me, w, root: ((me - 1) % w,)))
     >>> pattern("to_next", me=3, world=4)
     Pattern(op='to_next', to=(0,), each=False, sources=(2,))
+    >>> remove_row("to_next")
     """
     if row.root not in ("", "src", "dst"):
         raise ValueError(f"a row's root is 'src', 'dst' or '' (none), got {row.root!r}")
+    if op in OPS or op in REDUCTIONS:
+        raise ValueError(f"{op!r} is a built-in collective: a row added is one of its own name")
     with _ADDING:
-        if ROWS.get(op, row) is not row:
-            raise ValueError(f"{op!r} has a row already: a collective's row is added once, under a name of its own")
+        if ROWS.get(op, row) != row:
+            raise ValueError(f"{op!r} has another row already: remove_row({op!r}) first, on every rank")
         ROWS[op] = row
+
+
+def remove_row(op: str) -> None:
+    """Remove the row :func:`add_row` added as ``op`` (a test's, a notebook's that defines it again), and the patterns
+    made from it; a built-in one is refused."""
+    if op in OPS:
+        raise ValueError(f"{op!r} is a built-in collective's row")
+    with _ADDING:
+        ROWS.pop(op, None)
+        for key in [key for key in _KEPT if key[0] == op]:
+            _KEPT.pop(key, None)
 
 
 class Pattern(NamedTuple):
@@ -138,7 +154,8 @@ def _made(op: str, me: int, world: int, root: Optional[int]) -> Pattern:
     if bool(row.root) != (root is not None) or root is not None and not 0 <= root < world:
         raise ValueError(f"{op} over {world} ranks needs {'a root in range' if row.root else 'no root'}, got {root}")
     at = -1 if root is None else root
-    made = Pattern(op, tuple(row.to(me, world, at)), row.each, tuple(row.sources(me, world, at)))
+    to = tuple(row.to(me, world, at))  # (one tuple where a row's sources are its receivers: all_gather's W - 1)
+    made = Pattern(op, to, row.each, to if row.sources is row.to else tuple(row.sources(me, world, at)))
     for ranks in (made.to, made.sources) if op not in OPS else ():  # an added row's, once (it is kept): O(W)
         if not all(type(r) is int and 0 <= r < world and r != me for r in ranks) or not all(
             a < b for a, b in zip(ranks, ranks[1:])

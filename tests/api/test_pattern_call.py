@@ -101,8 +101,11 @@ def built_in_rows(way: str, comm: Optional[objcomm.Communicator] = None) -> List
         parts = [_value(rank * 10 + r, size) for r in range(world)]
         root = world - 1
 
-        def carried(op: str, obj: Any, root: Optional[int] = None) -> Dict[int, Any]:
-            return comm._pattern_call(comm._call({}), op, obj, root)
+        def carried(op: str, obj: Any, root: Optional[int] = None, size: str = size) -> Dict[int, Any]:
+            got = comm._pattern_call(comm._call({}), op, obj, root)
+            if sorted(got) != list(patterns.pattern(op, me=rank, world=world, root=root).sources):
+                differ.append(f"{op} {size}: from {sorted(got)}")
+            return got
 
         got = carried("all_gather", mine)
         if not _same([got.get(r, mine) for r in range(world)], comm.all_gather(mine)):
@@ -152,18 +155,19 @@ class Unpicklable:
 
 def failures(way: str) -> Dict[str, str]:
     """A rank whose part cannot be encoded, a scatter-like row's list of the wrong length, a row that breaks on one
-    rank, and ranks that pass different roots: what each rank raised (its type and the first words of its
+    rank, and ranks that pass different roots (with check_calls too): what each rank raised (its type and its
     message)."""
     patterns.add_row("shift", SHIFT)
     patterns.add_row("to_the_root_too", TO_THE_ROOT_TOO)
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm = WithShift(**WAYS[way])
+    comm, checked = WithShift(**WAYS[way]), WithShift(check_calls=True, **WAYS[way])
     raised: Dict[str, str] = {}
     for case, call in {
         "encode": lambda: comm.shift(Unpicklable() if rank == 1 else rank),
         "length": lambda: comm._pattern_call(comm._call({}), "scatter", [1, 2] if rank == 0 else None, 0),
         "row": lambda: comm._pattern_call(comm._call({}), "to_the_root_too", rank, 2),
         "roots": lambda: comm._pattern_call(comm._call({}), "broadcast", rank, 0 if rank < 2 else 1),
+        "roots, check_calls": lambda: checked._pattern_call(checked._call({}), "broadcast", rank, 0 if rank < 2 else 1),
     }.items():
         try:
             call()
@@ -187,37 +191,57 @@ def test_its_failures_raise_on_every_rank_saying_what_went_wrong(way):
             assert raised["roots"].startswith("CommunicationError") and "src" in raised["roots"], (rank, raised)
         else:
             assert raised["roots"] == "returned", (rank, raised)
+        said = raised["roots, check_calls"]  # every rank, before anything moves, naming the calls
+        assert said.startswith("CommunicationError") and "broadcast(src=0)" in said and "src=1" in said, (rank, said)
 
 
-def test_a_row_that_is_not_there_or_sends_a_rank_its_own_part_is_refused_by_name():
+def test_a_row_that_is_not_there_or_gives_ranks_a_row_cannot_is_refused_by_name():
     with pytest.raises(ValueError, match="no pattern for 'ring'"):
         patterns.pattern("ring", me=0, world=2)
-    bad = {
-        "to_itself": (lambda me, world, root: (me,), "rank 0 of 2 the ranks \\(0,\\)"),
-        "past_the_group": (lambda me, world, root: (me - 1,), "rank 0 of 2 the ranks \\(-1,\\)"),
-        "twice": (lambda me, world, root: (1 - me, 1 - me), "rank 0 of 2 the ranks \\(1, 1\\)"),
+    nobody = lambda me, world, root: ()  # noqa: E731
+    bad = {  # (to, sources, what rank 0 of 2 or 1 of 3 is given)
+        "to_itself": (lambda me, world, root: (me,), nobody, "rank 0 of 2 the ranks \\(0,\\)"),
+        "past_the_group": (lambda me, world, root: (me - 1,), nobody, "rank 0 of 2 the ranks \\(-1,\\)"),
+        "twice": (lambda me, world, root: (1 - me, 1 - me), nobody, "rank 0 of 2 the ranks \\(1, 1\\)"),
+        "from_past_it": (nobody, lambda me, world, root: (world,), "rank 0 of 2 the ranks \\(2,\\)"),
+        "out_of_order": (
+            nobody,
+            lambda me, world, root: (2, 0) if world == 3 else (),
+            "rank 1 of 3 the ranks \\(2, 0\\)",
+        ),
     }
-    for name, (to, said) in bad.items():
-        patterns.add_row(name, Row("", False, to, lambda me, world, root: ()))
+    for name, (to, sources, said) in bad.items():
+        patterns.add_row(name, Row("", False, to, sources))
         try:
             with pytest.raises(ValueError, match=f"the row of '{name}' gives {said}: a row's ranks are other ranks"):
-                for me in range(2):
-                    patterns.pattern(name, me=me, world=2)
+                patterns.pattern(name, me=0, world=2)
+                patterns.pattern(name, me=1, world=3)
         finally:
-            del patterns.ROWS[name]
+            patterns.remove_row(name)
+    assert not set(bad) & set(patterns.ROWS)
 
 
 def test_a_row_is_added_once_under_a_name_of_its_own():
     patterns.add_row("shift", SHIFT)
     try:
-        patterns.add_row("shift", SHIFT)  # the same row again: nothing
-        for name in ("shift", "broadcast"):
-            with pytest.raises(ValueError, match=f"'{name}' has a row already"):
-                patterns.add_row(name, Row("", False, SHIFT.to, SHIFT.sources))
+        patterns.add_row("shift", Row("", False, SHIFT.to, SHIFT.sources))  # an equal row again: nothing
+        assert patterns.pattern("shift", me=0, world=3).to == (1,)
+        with pytest.raises(ValueError, match="'shift' has another row already: remove_row\\('shift'\\) first"):
+            patterns.add_row("shift", Row("", False, SHIFT.sources, SHIFT.to))
+        for name in ("broadcast", "all_reduce", "scan"):
+            with pytest.raises(ValueError, match=f"'{name}' is a built-in collective"):
+                patterns.add_row(name, SHIFT)
         with pytest.raises(ValueError, match="a row's root is 'src', 'dst' or ''"):
             patterns.add_row("rooted", Row("root", False, SHIFT.to, SHIFT.sources))
+        with pytest.raises(ValueError, match="'gather' is a built-in collective's row"):
+            patterns.remove_row("gather")
     finally:
-        del patterns.ROWS["shift"]
+        patterns.remove_row("shift")
+    patterns.add_row("shift", Row("", False, SHIFT.sources, SHIFT.to))  # removed, its patterns with it: another row
+    try:
+        assert patterns.pattern("shift", me=0, world=3).to == (2,)
+    finally:
+        patterns.remove_row("shift")
 
 
 def test_a_call_that_names_no_row_or_a_root_its_row_has_not_is_refused():

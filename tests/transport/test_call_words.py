@@ -50,7 +50,8 @@ def test_a_collective_added_since_has_the_same_word_whatever_order_the_ranks_add
             seen.append(words)
         finally:
             for name in order:
-                del patterns.ROWS[name]
+                patterns.remove_row(name)
+    call_words.leave()
     assert seen[0] == seen[1] and len(set(seen[0].values())) == 2
     assert all(len(call_words.OPS) < word >> 16 < 2**15 for word in seen[0].values())
 
