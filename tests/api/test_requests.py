@@ -436,11 +436,14 @@ def test_soak_of_async_calls_keeps_memory_and_threads_flat():
 
 def blocking_recv_in_a_done_callback() -> Any:
     """A done-callback runs on the lane's thread; its blocking recv next to an outstanding irecv on the same peer
-    and tag is refused, as from any thread, and the outstanding irecv gets the next message."""
+    and tag is refused, as from any thread, and the outstanding irecv gets the next message. Rank 1 sends once rank 0
+    holds the callback (else both messages may have come first, and the callback ran on rank 0's own thread with
+    nothing outstanding: a CI run's flake)."""
     rank = dist.get_rank()
     group = dist.new_group([0, 1])
     comm = objcomm.Communicator(group)
     if rank == 1:
+        assert comm.recv(0, tag=2) == "go"
         for message in ("A", "B"):
             comm.send(message, 0, tag=1)
         dist.destroy_process_group(group)
@@ -457,6 +460,7 @@ def blocking_recv_in_a_done_callback() -> Any:
         called.set()
 
     first.get_future().add_done_callback(callback)
+    comm.send("go", 1, tag=2)
     got = [first.wait(30), second.wait(30)]
     called.wait(30)
     dist.destroy_process_group(group)
