@@ -27,7 +27,7 @@ private too: it travels as its cause's type (see :func:`original`) and every ran
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Optional, Sequence, Tuple, Type, TypeVar, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type, TypeVar, cast
 
 from serializers import (
     ContentRefusedError,
@@ -137,28 +137,27 @@ def shown_values(values: Sequence[Any]) -> str:
     :data:`KINDS_SHOWN`, where the list took tens of KB on every rank."""
     if len(values) <= SPELT_OUT:
         return str(list(values))
-    by_value: Dict[Any, list[int]] = {}
-    for rank, value in enumerate(values):
-        by_value.setdefault(value, []).append(rank)
-    shown = "; ".join(
-        f"rank{'s' if len(rs) > 1 else ''} {spans(rs)}: {v!r}" for v, rs in list(by_value.items())[:KINDS_SHOWN]
-    )
-    more = len(by_value) - KINDS_SHOWN
-    return f"{len(values):,} ranks: {shown}" + (f"; {more} more distinct values" if more > 0 else "")
+    return f"{len(values):,} ranks: " + _by_value(enumerate(values), repr, "values")
 
 
 def _alike(failures: Dict[int, Failure]) -> str:
     """The failures, each distinct one once with the ranks that had it (the first :data:`KINDS_SHOWN`)."""
-    by_kind: Dict[Failure, list[int]] = {}
-    for rank, failure in failures.items():
-        by_kind.setdefault(failure, []).append(rank)
-    shown = "; ".join(
-        f"rank{'s' if len(rs) > 1 else ''} {spans(rs)}: {t}: {m}" for (t, m), rs in list(by_kind.items())[:KINDS_SHOWN]
+    return _by_value(
+        failures.items(), lambda f: f"{f[0]}: {f[1]}", "failures (the exception's .failures holds every rank's)"
     )
-    more = len(by_kind) - KINDS_SHOWN
-    return shown + (
-        f"; {more} more distinct failures (the exception's .failures holds every rank's)" if more > 0 else ""
+
+
+def _by_value(by_rank: Iterable[Tuple[int, Any]], shown: Callable[[Any], str], what: str) -> str:
+    """Each distinct value of ``by_rank`` (rank, value) once, as ``shown`` spells it, with the ranks that hold it, the
+    first :data:`KINDS_SHOWN` (``ranks 0-3: ...; rank 4: ...``), and how many more distinct ``what`` there are."""
+    ranks_of: Dict[Any, List[int]] = {}
+    for rank, value in by_rank:
+        ranks_of.setdefault(value, []).append(rank)
+    listed = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {spans(rs)}: {shown(v)}" for v, rs in list(ranks_of.items())[:KINDS_SHOWN]
     )
+    more = len(ranks_of) - KINDS_SHOWN
+    return listed + (f"; {more} more distinct {what}" if more > 0 else "")
 
 
 class RemoteError(ObjcommError, RuntimeError):
