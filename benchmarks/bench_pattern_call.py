@@ -7,15 +7,14 @@ A new collective is its row of ``objcomm/_transport/patterns.py`` and a method t
 are empty (docs/internals.md, "Adding a collective"). This prices that path against the rounds a built-in collective
 has of its own: the same call (broadcast, gather, all_gather of a dict of ``--sizes`` bytes) both ways, and torch's
 object collective, on gloo over the same-host channel (the default) and through the backend (``local=False``, every
-rank its own host). Interleaved in one run, each sample the slowest rank's time; median ms.
+rank its own host). Interleaved in one run (``objcomm._tools.bench.measure.interleaved``), each sample the slowest
+rank's time; median ms.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from typing import Any, Callable, Dict, List, Tuple
 
 MEDIA = {"channel": {}, "backend": {"local": False}}
@@ -70,27 +69,16 @@ def timed(arg: Dict[str, Any], send: Any) -> Dict[Tuple[str, str, int], Dict[str
 
     import objcomm
     from objcomm._api.resolving import Hooks
+    from objcomm._tools.bench.measure import interleaved
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out: Dict[Tuple[str, str, int], Dict[str, float]] = {}
     for medium, settings in MEDIA.items():
         comm = objcomm.Communicator(**settings, _hooks=Hooks(separate_hosts=medium == "backend"))
         for size in arg["sizes"]:
             for op, runs in _ways(comm, {"rank": rank, "data": "x" * size}).items():
-                samples: Dict[str, List[float]] = {name: [] for name in runs}
-                for _ in range(3):
-                    for run in runs.values():
-                        run()
-                for _ in range(arg["rounds"]):
-                    for name, run in runs.items():
-                        dist.barrier()
-                        start = time.perf_counter()
-                        run()
-                        mine = time.perf_counter() - start
-                        every: List[Any] = [None] * world
-                        dist.all_gather_object(every, mine)
-                        samples[name].append(max(every))
-                out[medium, op, size] = {name: statistics.median(times) for name, times in samples.items()}
+                timings = interleaved(runs, repeat=arg["rounds"], warmup=3)
+                out[medium, op, size] = {name: timing.median_s for name, timing in timings.items()}
     return out
 
 
