@@ -8,7 +8,9 @@ mpi4py's vocabulary (what a ported program writes, and what to write instead) is
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+import contextlib
+from contextvars import ContextVar
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -132,6 +134,16 @@ class Call(NamedTuple):
         if type(self.serializer) is Unusable:
             raise self.serializer.error
         return self
+
+    def source_skips_copy(self) -> bool:
+        """Whether a broadcast's source within :func:`source_keeps_its_own` returns None: where its serializer runs
+        whatever a payload says (not ``safe``: pickle, cloudpickle) and its ``accept`` takes it, decoding its own
+        frame refuses nothing. Otherwise (``weights_only=True``'s restricted-pickle, ``accept`` without it) it still
+        decodes a copy, which it drops: a refusal then raises there as on the receivers with its settings."""
+        if not SOURCE_KEEPS_ITS_OWN.get():
+            return False
+        serializer, accept = self.serializer, self.options.accept
+        return not serializer.safe and (accept is None or serializer.name in accept)
 
     def decode(self, item: Optional[Incoming], sender: int, own: bool = False) -> Any:
         self.usable()  # a receiver's own settings failed: it took part, and raises now
@@ -318,6 +330,22 @@ def tagged(wire: Wire, tag: Any, op: str) -> Wire:
             "messages; use tag=0 there, or a gloo group (e.g. dist.new_group(backend='gloo')) for tagged messages"
         )
     return wire._replace(tag=tag) if tag else wire
+
+
+SOURCE_KEEPS_ITS_OWN: ContextVar[bool] = ContextVar("objcomm_source_keeps_its_own", default=False)
+
+
+@contextlib.contextmanager
+def source_keeps_its_own() -> Iterator[None]:
+    """Within it, a broadcast's source returns None, not a copy decoded from what it sent (the other ranks get the
+    object as ever): torch's ``broadcast_object_list`` leaves the source's list alone, and a copy nobody reads cost
+    that source one decode of the object a call (``objcomm.compat``). Where that decode could refuse the object, the
+    source still runs it, and returns None (:meth:`Call.source_skips_copy`)."""
+    token = SOURCE_KEEPS_ITS_OWN.set(True)
+    try:
+        yield
+    finally:
+        SOURCE_KEEPS_ITS_OWN.reset(token)
 
 
 def only(rank: int, item: Incoming, size: int) -> List[Optional[Incoming]]:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from objcomm._api.call import source_keeps_its_own
 from objcomm._api.communicator import Communicator
 from objcomm._api.functions import all_gather, gather, scatter
 from objcomm._errors import DecodeError, shown_ranks, with_original_type
@@ -107,10 +108,12 @@ def _broadcast_object_list(
         return None
     root = _global_rank(group, src, group_src, "src")
     is_root = _my_rank() == root
-    sent = list(object_list) if is_root else None
-    received = Communicator(group, device=device).broadcast(sent, root, **_safe(options, weights_only))
-    if not is_root:
-        _fill(object_list, received, "broadcast_object_list", f"source (global rank {root})")
+    if is_root:  # its list is left as it was, as torch's; no copy decoded where none is refused (source_skips_copy)
+        with source_keeps_its_own():
+            Communicator(group, device=device).broadcast(list(object_list), root, **_safe(options, weights_only))
+        return None
+    received = Communicator(group, device=device).broadcast(None, root, **_safe(options, weights_only))
+    _fill(object_list, received, "broadcast_object_list", f"source (global rank {root})")
     return None
 
 

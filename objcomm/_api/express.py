@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, cast
 
 from objcomm import _state
-from objcomm._api.call import MAX_TAG, Call, only
+from objcomm._api.call import MAX_TAG, SOURCE_KEEPS_ITS_OWN, Call, only
 from objcomm._device import is_cpu
 from objcomm._errors import CommunicationError, UnknownSerializerError
 from objcomm._format import frame as _frame
@@ -228,8 +228,9 @@ class Express:
         got = _round_one(channel, slot, root, self.spin)
         if got is REJOIN:
             return False, serialized
-        if root == self.rank:
-            return True, self._plain(got, root)
+        if root == self.rank:  # a copy of its own object (objcomm.compat's source keeps that: call.source_skips_copy)
+            copy = None if self.call.source_skips_copy() else self._plain(got, root)
+            return True, None if SOURCE_KEEPS_ITS_OWN.get() else copy
         if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
             # raises, as the general path does
             _channel_checks._checked(self.wire(group(), 0), channel, [got], "broadcast")

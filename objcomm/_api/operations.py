@@ -12,7 +12,17 @@ from objcomm._api import call_checks as _call_checks
 from objcomm._api import reduce as _reduce
 from objcomm._api import requests as _requests
 from objcomm._api import scan as _scan
-from objcomm._api.call import WIRES_KEPT, Call, encode_each, encode_pattern, final_report, only, per_rank, sends
+from objcomm._api.call import (
+    SOURCE_KEEPS_ITS_OWN,
+    WIRES_KEPT,
+    Call,
+    encode_each,
+    encode_pattern,
+    final_report,
+    only,
+    per_rank,
+    sends,
+)
 from objcomm._api.express import Express
 from objcomm._api.handles import Request, completed
 from objcomm._api.own_box import NOTHING
@@ -97,7 +107,10 @@ class Operations(Resolving):
         item = _broadcast_rounds.broadcast(call.wire, out, _frame.tensor_sizes, root, route=route, memory=memory)
         if item.error:  # the root's error report (its own encode failure among them)
             call.raise_failures("broadcast", only(root, item, call.wire.size), local)
-        return call.decode(item, root, own=call.wire.rank == root)
+        if call.wire.rank != root:
+            return call.decode(item, root)
+        copy = None if call.source_skips_copy() else call.decode(item, root, own=True)
+        return None if SOURCE_KEEPS_ITS_OWN.get() else copy  # (objcomm.compat: its list is left alone)
 
     def _scatter_call(self, call: Call, objs: Optional[Sequence[Any]], src: int) -> Any:
         if call.wire is None:
