@@ -54,6 +54,9 @@ class GroupFacts:
     # (the settings' slot, the device, local: the same-host channel may take round 1) that every rank of the group was
     # found to use alike (Operations._route, rounds.agree_on_round_one)
     round_one_agreed: Set[Tuple[int, Any, bool]] = field(default_factory=set)
+    # a communicator's own settings -> what its calls without per-call options use (a resolving.Held), shared by the
+    # communicators made alike: a module-level function or an objcomm.compat shim makes one a call on a given group
+    held: Dict[Any, Any] = field(default_factory=dict)
 
 
 _GROUPS: weakref.WeakKeyDictionary[Any, GroupFacts] = weakref.WeakKeyDictionary()

@@ -135,13 +135,11 @@ class Call(NamedTuple):
             raise self.serializer.error
         return self
 
-    def source_skips_copy(self) -> bool:
-        """Whether a broadcast's source within :func:`source_keeps_its_own` returns None: where its serializer runs
-        whatever a payload says (not ``safe``: pickle, cloudpickle) and its ``accept`` takes it, decoding its own
-        frame refuses nothing. Otherwise (``weights_only=True``'s restricted-pickle, ``accept`` without it) it still
-        decodes a copy, which it drops: a refusal then raises there as on the receivers with its settings."""
-        if not SOURCE_KEEPS_ITS_OWN.get():
-            return False
+    def refuses_nothing(self) -> bool:
+        """Whether decoding a frame of this rank's own can refuse it: not where its serializer runs whatever a payload
+        says (not ``safe``: pickle, cloudpickle) and its ``accept`` takes it. A broadcast's source within
+        :func:`source_keeps_its_own` then decodes no copy; otherwise (``weights_only=True``'s restricted-pickle,
+        an ``accept`` without it) it still decodes one, and drops it: a refusal raises there as on the receivers."""
         serializer, accept = self.serializer, self.options.accept
         return not serializer.safe and (accept is None or serializer.name in accept)
 
@@ -340,7 +338,7 @@ def source_keeps_its_own() -> Iterator[None]:
     """Within it, a broadcast's source returns None, not a copy decoded from what it sent (the other ranks get the
     object as ever): torch's ``broadcast_object_list`` leaves the source's list alone, and a copy nobody reads cost
     that source one decode of the object a call (``objcomm.compat``). Where that decode could refuse the object, the
-    source still runs it, and returns None (:meth:`Call.source_skips_copy`)."""
+    source still runs it, and returns None (:meth:`Call.refuses_nothing`)."""
     token = SOURCE_KEEPS_ITS_OWN.set(True)
     try:
         yield

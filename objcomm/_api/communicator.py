@@ -18,6 +18,7 @@ from objcomm._api.handles import Request
 from objcomm._api.mpi4py_names import mpi4py_keywords, named_op, no_attribute
 from objcomm._api.point_to_point import PointToPoint
 from objcomm._api.resolving import NO_HOOKS, Held, Hooks, Worked
+from objcomm._errors import ObjcommError
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._settings import KNOBS, call_kwargs, check, given
 from objcomm._transport import call_words
@@ -91,6 +92,12 @@ class Communicator(Copies, PointToPoint):
         _hooks: Hooks = NO_HOOKS,
     ) -> None:
         if isinstance(group, (list, tuple, set, frozenset, range, int, str)):  # torch would say "unhashable type"
+            if group == _NOT_A_MEMBER and type(group) is int:
+                raise ObjcommError(
+                    f"this rank is not a member of the group: dist.new_group gives the ranks it leaves out "
+                    f"GroupMember.NON_GROUP_MEMBER ({_NOT_A_MEMBER}) in its place; call the group's collectives on its "
+                    "members only (e.g. under `if group != dist.GroupMember.NON_GROUP_MEMBER:`)"
+                )
             raise TypeError(
                 f"group must be a process group, got {type(group).__name__} {group!r:.80}: make one from a list of "
                 "ranks with dist.new_group(ranks) (on every rank), then pass it"
@@ -100,8 +107,10 @@ class Communicator(Copies, PointToPoint):
         if device is not None:
             check("device", device)  # where it is given, as map_location (before: at the first call, on that rank)
         self.device = device
-        knobs = {name: value for name, value in locals().items() if name in KNOBS}  # the settings' own arguments
-        self._given = given(map_location=map_location, **knobs)
+        scope = locals()  # the settings' own arguments, those given (a module-level call on a group makes one a call)
+        self._given = given(
+            map_location=map_location, **{name: scope[name] for name in KNOBS if scope[name] is not None}
+        )
         self._hooks = _hooks  # objcomm's own tests only (see Hooks)
         self._calls: Dict[int, Worked] = {}  # id(options) -> what _call() worked out for them (see _remember)
         self._held: Optional[Held] = None  # what calls without per-call options use (see _defaults)
@@ -336,6 +345,7 @@ class Communicator(Copies, PointToPoint):
         return _requests.collective(self.group, op, lambda group: method(self._on(group), *args, **kwargs))
 
 
+_NOT_A_MEMBER = -100  # torch's GroupMember.NON_GROUP_MEMBER: what dist.new_group returns on the ranks it leaves out
 _SIGNATURE = inspect.signature(Communicator)
 Communicator.__signature__ = _SIGNATURE.replace(  # type: ignore[attr-defined]  # help() and IDEs: no test hook shown
     parameters=[p for p in _SIGNATURE.parameters.values() if p.name != "_hooks"]

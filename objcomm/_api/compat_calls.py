@@ -5,11 +5,13 @@ collectives on objcomm, taking objcomm's per-call settings, with their arguments
 from __future__ import annotations
 
 import functools
+import pickle
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 
 from objcomm._api.call import source_keeps_its_own
 from objcomm._api.communicator import Communicator
@@ -29,16 +31,44 @@ Options = Mapping[str, Any]  # per-call settings handed to objcomm (serializer=,
 def _torch_types(shim: F) -> F:
     """``shim``, whose receivers' decoding failures are also instances of what unpickling raised (an
     ``AttributeError`` for a class the receiver lacks, as torch's object collectives raise it), so that code catching
-    torch's exception keeps catching objcomm's :class:`~objcomm.DecodeError`."""
+    torch's exception keeps catching objcomm's :class:`~objcomm.DecodeError`; and which warns once where torch's
+    pickling hooks were replaced (:func:`_hooks_replaced`)."""
 
     @functools.wraps(shim)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if not _WARNED_OF_HOOKS and _hooks_replaced():
+            _warn_of_hooks()
         try:
             return shim(*args, **kwargs)
         except DecodeError as exc:
             raise with_original_type(exc) from exc.__cause__
 
     return cast(F, call)
+
+
+_WARNED_OF_HOOKS = False
+
+
+def _hooks_replaced() -> bool:
+    """Whether a program replaced ``torch.distributed.distributed_c10d._pickler`` or ``_unpickler``, through which
+    torch's object collectives pickle (a Pickler with a ``reducer_override``, an Unpickler whose ``find_class`` maps
+    classes: a reviewer's find, as Avalanche does), and which the shims do not use."""
+    return getattr(_c10d, "_pickler", pickle.Pickler) is not pickle.Pickler or (
+        getattr(_c10d, "_unpickler", pickle.Unpickler) is not pickle.Unpickler
+    )
+
+
+def _warn_of_hooks() -> None:
+    global _WARNED_OF_HOOKS
+    _WARNED_OF_HOOKS = True
+    warnings.warn(
+        "torch.distributed.distributed_c10d._pickler or _unpickler was replaced: torch's object collectives pickle "
+        "through them, objcomm.compat's do not (they encode with objcomm's serializer, pickle by default), so what "
+        "those classes change (a reducer_override, a find_class) does not happen here. Register a serializer that "
+        "does it (serializers.register) and pass serializer=, or leave these calls to torch (docs/compat.md)",
+        RuntimeWarning,
+        stacklevel=4,  # the program's call (through objcomm.compat's function and this shim's wrapper)
+    )
 
 
 @_torch_types
@@ -108,7 +138,7 @@ def _broadcast_object_list(
         return None
     root = _global_rank(group, src, group_src, "src")
     is_root = _my_rank() == root
-    if is_root:  # its list is left as it was, as torch's; no copy decoded where none is refused (source_skips_copy)
+    if is_root:  # its list is left as it was, as torch's; no copy decoded where none is refused (refuses_nothing)
         with source_keeps_its_own():
             Communicator(group, device=device).broadcast(list(object_list), root, **_safe(options, weights_only))
         return None

@@ -228,9 +228,12 @@ class Express:
         got = _round_one(channel, slot, root, self.spin)
         if got is REJOIN:
             return False, serialized
-        if root == self.rank:  # a copy of its own object (objcomm.compat's source keeps that: call.source_skips_copy)
-            copy = None if self.call.source_skips_copy() else self._plain(got, root)
-            return True, None if SOURCE_KEEPS_ITS_OWN.get() else copy
+        if root == self.rank:  # a copy of its own object
+            if SOURCE_KEEPS_ITS_OWN.get():  # objcomm.compat's, which keeps its list: decoded only where it may refuse
+                if not self.call.refuses_nothing():
+                    self._plain(got, root)
+                return True, None
+            return True, self._plain(got, root)
         if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
             # raises, as the general path does
             _channel_checks._checked(self.wire(group(), 0), channel, [got], "broadcast")

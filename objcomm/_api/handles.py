@@ -9,7 +9,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from objcomm._api.mpi4py_names import MPI4PY_REQUEST_CLASS_NAMES, MPI4PY_REQUEST_NAMES, no_attribute
+from objcomm._api.mpi4py_names import MPI4PY_REQUEST_CLASS_NAMES, MPI4PY_REQUEST_NAMES, mpi4py_keywords, no_attribute
 from objcomm._errors import WaitTimeoutError
 
 
@@ -43,6 +43,7 @@ class Request(metaclass=_RequestType):
         self._future = future
         self._seen = False  # whether its outcome was asked for (wait(), get_future()); see __del__
 
+    @mpi4py_keywords
     def wait(self, timeout: Optional[float] = None) -> Any:
         """The operation's result (``None`` for ``isend``), once it completes; or its exception.
 

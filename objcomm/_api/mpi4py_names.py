@@ -125,8 +125,14 @@ def keyword_hint(name: str, params: Sequence[str], function: str) -> Optional[st
             return f"did you mean {meant}=?" + FROM_MPI4PY
     if name == "root":
         return f"{function}() has no root: every rank takes part and gets the result" + FROM_MPI4PY
-    if name == "buf":
+    if name == "status":  # Request.wait(status=...), after an irecv from any rank
+        return "there is no Status: irecv(..., return_sender=True) makes wait() return (sender's global rank, obj)" + (
+            FROM_MPI4PY
+        )
+    if name in ("buf", "recvbuf"):
         return "objcomm allocates what it receives: leave buf out" + FROM_MPI4PY
+    if name == "tag" and "sendtag" in params:  # sendrecv: a tag each way
+        return "sendrecv takes sendtag= and recvtag= (recvtag defaults to sendtag)"
     if name in ("group_dst", "group_src") and name[6:] in params:  # torch's group ranks (objcomm.compat takes them)
         return f"objcomm takes global ranks: {name[6:]}=dist.get_global_rank(group, r)" + FROM_MPI4PY
     names = {p.lower(): p for p in params if p != "self"}
@@ -163,9 +169,13 @@ TOO_MANY_POSITIONAL = (
 
 
 RECV_BUFFER = "mpi4py's recv(buf, source, tag) takes a buffer, objcomm's none: recv(src, tag); "
+SENDRECV_POSITIONAL = (  # mpi4py's sendrecv(sendobj, dest, sendtag=0, recvbuf=None, source=ANY_SOURCE, ...)
+    "mpi4py's sendrecv(sendobj, dest, sendtag, recvbuf, source, recvtag) is objcomm's "
+    "sendrecv(obj, dst, src=source, sendtag=sendtag, recvtag=recvtag) (recvtag defaults to sendtag, not to any tag)"
+)
 NO_OP = (
     'pass op: a name ("sum", "prod", "min", "max", "merge", "merge_sum") or a function op(a, b) -> c; mpi4py\'s '
-    'reduce and allreduce default to MPI.SUM, which is op="sum"'
+    'reduce, allreduce, scan and exscan default to MPI.SUM, which is op="sum"'
 )
 
 
@@ -193,6 +203,10 @@ def mpi4py_keywords(fn: F) -> F:
                 said = called + said[len(function) :]
             unknown = [key for key in kwargs if key not in params]  # none: the TypeError came from inside fn
             if not unknown and len(args) > positional:  # torch's habit: all_gather_object(output_list, obj)
+                if fn.__name__ == "sendrecv":  # (mpi4py's, rather)
+                    raise TypeError(f"{said}; {SENDRECV_POSITIONAL}") from None
+                if fn.__name__ == "wait":  # Request.wait(timeout): no list to fill
+                    raise TypeError(said) from None
                 buffer = RECV_BUFFER if fn.__name__ in ("recv", "irecv") else ""
                 raise TypeError(f"{said}; {buffer}{TOO_MANY_POSITIONAL}") from None
             if not unknown and "op" in params and "'op'" in said and "missing" in said:

@@ -107,10 +107,11 @@ class Operations(Resolving):
         item = _broadcast_rounds.broadcast(call.wire, out, _frame.tensor_sizes, root, route=route, memory=memory)
         if item.error:  # the root's error report (its own encode failure among them)
             call.raise_failures("broadcast", only(root, item, call.wire.size), local)
-        if call.wire.rank != root:
-            return call.decode(item, root)
-        copy = None if call.source_skips_copy() else call.decode(item, root, own=True)
-        return None if SOURCE_KEEPS_ITS_OWN.get() else copy  # (objcomm.compat: its list is left alone)
+        if call.wire.rank == root and SOURCE_KEEPS_ITS_OWN.get():  # objcomm.compat's source keeps its list: a copy
+            if not call.refuses_nothing():  # is decoded only where that may refuse it (as on the receivers)
+                call.decode(item, root, own=True)
+            return None
+        return call.decode(item, root, own=call.wire.rank == root)
 
     def _scatter_call(self, call: Call, objs: Optional[Sequence[Any]], src: int) -> Any:
         if call.wire is None:

@@ -445,6 +445,36 @@ def test_misuse_raises_where_it_happened_and_the_group_stays_usable(ranks3):
     assert r2 == ["ok", "ValueError", "RemoteError", "ValueError", "ok", "IndexError", [0, 1, 2]]
 
 
+def test_torchs_replaced_pickling_hooks_are_named_once(monkeypatch):
+    """torch's object collectives pickle through distributed_c10d._pickler and _unpickler, which libraries replace (a
+    find_class that maps classes, a reducer_override): the shims do not use them, and say so once, at the program's
+    call (a reviewer's find: a class mapped on torch's path arrived unmapped, silently)."""
+    import pickle
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from objcomm._api import compat_calls
+
+    class Mapping(pickle.Unpickler):
+        pass
+
+    monkeypatch.setattr(compat_calls, "_WARNED_OF_HOOKS", False)
+    out: list = [None]
+    with warnings.catch_warnings(record=True) as untouched:
+        warnings.simplefilter("always")
+        compat.all_gather_object(out, 0)
+    monkeypatch.setattr(c10d, "_unpickler", Mapping)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compat.all_gather_object(out, 1)
+        lst = ["keep"]
+        compat.broadcast_object_list(lst)
+    assert out == [1] and lst == ["keep"]
+    assert not [w for w in untouched if "_unpickler" in str(w.message)]
+    assert [(w.category, w.filename) for w in caught] == [(RuntimeWarning, __file__)]
+    assert "_pickler or _unpickler was replaced" in str(caught[0].message)
+
+
 def test_without_a_process_group_the_collectives_act_as_a_group_of_one():
     assert not dist.is_initialized()
     out: list = [None]

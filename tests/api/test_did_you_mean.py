@@ -361,6 +361,29 @@ def test_torchs_fill_a_list_habit_says_that_objcomm_returns_the_result():
     assert objcomm.all_gather({"a": 1}) == [{"a": 1}]  # a world of one: the call that binds is untouched
 
 
+def test_a_port_of_sendrecv_and_status_and_a_non_member_get_what_to_write():
+    """A port's finds: mpi4py's positional sendrecv, sendrecv(tag=), Request.wait(status=) and scan without op got
+    Python's sentence alone or torch's list-filling advice; a rank outside a group, given torch's NON_GROUP_MEMBER,
+    was told to make a group from a list of ranks."""
+    with pytest.raises(TypeError, match=r"mpi4py's sendrecv\(sendobj, dest, .*recvtag defaults to sendtag"):
+        objcomm.sendrecv(1, 0, 5)
+    with pytest.raises(TypeError, match=r"'tag'; sendrecv takes sendtag= and recvtag="):
+        objcomm.sendrecv(1, dst=0, tag=3)
+    with pytest.raises(TypeError, match=r"'status'; there is no Status: .*return_sender=True"):
+        objcomm.isend(1, dst=0).wait(status=None)
+    with pytest.raises(TypeError, match=r"takes from 1 to 2 positional arguments but 3 were given$"):
+        objcomm.isend(2, dst=0).wait(1, 2)
+    assert [objcomm.recv(0), objcomm.recv(0)] == [1, 2]  # (what the sends above left for this rank)
+    with pytest.raises(TypeError, match=r"scan and exscan default to MPI.SUM"):
+        objcomm.scan(1)  # type: ignore[call-arg]
+    for call in (
+        lambda: objcomm.Communicator(dist.GroupMember.NON_GROUP_MEMBER),
+        lambda: objcomm.all_gather(1, group=-100),
+    ):
+        with pytest.raises(objcomm.ObjcommError, match=r"not a member of the group: .*NON_GROUP_MEMBER \(-100\)"):
+            call()
+
+
 def test_mpi4py_habits_that_python_refuses_say_what_objcomm_takes():
     """A port's finds: ``reduce(x)`` (mpi4py's op defaults to SUM) and ``recv(buf, source, tag)`` got Python's
     sentence alone, or one about torch's list-filling functions."""
