@@ -33,10 +33,12 @@ every rank as if it had taken the general path throughout.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, Optional, cast
 
 from objcomm import _state
 from objcomm._api.call import MAX_TAG, SOURCE_KEEPS_ITS_OWN, Call, only
+from objcomm._api.requests import own_waiting
 from objcomm._device import is_cpu
 from objcomm._errors import CommunicationError, UnknownSerializerError
 from objcomm._format import frame as _frame
@@ -47,7 +49,7 @@ from objcomm._samehost import channel_checks as _channel_checks
 from objcomm._samehost import channel_slots as _channel_slots
 from objcomm._samehost import mesh as _mesh
 from objcomm._samehost import p2p_state as _p2p_state
-from objcomm._transport import call_words, routes
+from objcomm._transport import any_source, call_words, routes
 from objcomm._transport.base import WHOLE, Wire
 from objcomm._transport.broadcast import broadcast_rest
 from objcomm._transport.group_ranks import GroupRanks
@@ -294,7 +296,14 @@ class Express:
         channel = self._channel(tag)
         if channel is None:
             return NOT_TAKEN
-        sender, got, message = channel.recv(peer, tag, self.spin)
+        try:
+            if peer is None:  # a message this rank sends itself meanwhile stops its wait: the general path takes it
+                with any_source.watching(functools.partial(own_waiting, self.facts, tag)):
+                    sender, got, message = channel.recv(None, tag, self.spin)
+            else:
+                sender, got, message = channel.recv(peer, tag, self.spin)
+        except any_source.OwnMessage:
+            return NOT_TAKEN
         folded = bytearray()
         if message & WHOLE:  # a slot and the rest that follows it, in one message (ChannelRoute.send_whole)
             got, folded = _channel_checks.cut_whole(channel, got, self.slot, sender, "recv", self.cpu)

@@ -33,8 +33,8 @@ from objcomm._format import frame as _frame
 from objcomm._format import limits as _limits
 from objcomm._format.message import Incoming, Outgoing
 from objcomm._state import group_facts
+from objcomm._transport import any_source, call_words, patterns, routes
 from objcomm._transport import broadcast as _broadcast_rounds
-from objcomm._transport import call_words, patterns, routes
 from objcomm._transport import gather as _gather_rounds
 from objcomm._transport import p2p as _p2p
 from objcomm._transport import parts as _parts
@@ -341,13 +341,17 @@ class Operations(Resolving):
                 )
             _requests.check_blocking(wire.group, "recv", src, tag)
             _pending.check(wire.group, "recv")
-        if wire is None or peer is None or peer == wire.rank:  # this rank's own message, where one waits
-            message = _requests.own_message(None if wire is None else wire.group, tag)
-            if message is not NOTHING:
-                return call.own(message, return_sender)
-            if wire is None or peer is not None:
-                raise _requests.nothing_waiting("recv", src, tag)
-        sender, item, is_error = _p2p.recv(wire, peer, _frame.tensor_sizes)
+        while True:
+            if wire is None or peer is None or peer == wire.rank:  # this rank's own message, where one waits
+                message = _requests.own_message(None if wire is None else wire.group, tag)
+                if message is not NOTHING:
+                    return call.own(message, return_sender)
+                if wire is None or peer is not None:
+                    raise _requests.nothing_waiting("recv", src, tag)
+            got = _p2p.recv(wire, peer, _frame.tensor_sizes) if peer is not None else _from_any_rank(wire)
+            if got is not None:
+                break
+        sender, item, is_error = got
         obj = call._replace(wire=wire).received(sender, item, is_error)
         return (wire.ranks[sender], obj) if return_sender else obj
 
@@ -378,7 +382,19 @@ class Operations(Resolving):
             _pending.check(wire.group, "send")
         out, local = call.encode(obj, serialized)
         _requests.own_box(None if wire is None else wire.group).post(tag, _pending.captured(out))
+        if wire is not None:  # a receive from any rank waiting for the others takes it, as under MPI
+            _requests.wake_any_source(wire.group)
         return local
+
+
+def _from_any_rank(wire: Wire) -> Optional[_p2p.Received]:
+    """A receive from any rank under ``wire.tag``, or None where a message this rank sent itself came first: where the
+    same-host channel carries it, its wait stops for that message (objcomm._transport.any_source)."""
+    try:
+        with any_source.watching(_requests.own_watch(wire.group, wire.tag)):
+            return _p2p.recv(wire, None, _frame.tensor_sizes)
+    except any_source.OwnMessage:
+        return None
 
 
 def _no_part_or_sizes(frame: memoryview) -> List[int]:

@@ -341,6 +341,22 @@ def own_box(group: Any) -> _OwnBox:
     return _NO_GROUP if group is None else _lanes(group).own
 
 
+def own_watch(group: Any, tag: int) -> Callable[[], bool]:
+    """Whether a message this rank sent itself waits under ``tag`` on ``group``, asked as a receive from any rank
+    waits (:func:`objcomm._transport.any_source.watching`)."""
+    facts = _state.group_facts(group)
+    return lambda: own_waiting(facts, tag)
+
+
+def wake_any_source(group: Any) -> None:
+    """After a send to oneself on ``group``: a receive from any rank that waits on its same-host channel looks at it
+    (:mod:`objcomm._transport.any_source`), as MPI matches it."""
+    for state in list(_state.group_facts(group).local.values()):
+        channel = state.channel
+        if channel is not None and not channel.closed:
+            channel.wake()
+
+
 def own_message(group: Any, tag: int) -> Any:
     """The oldest message this rank sent itself on ``group`` (None: without a process group) under ``tag``, or
     :data:`NOTHING`."""

@@ -23,7 +23,7 @@ a reuse protocol, while a socket gives the rest from the kernel:
   for a late peer spends < 1 ms of CPU (MPICH, busy-polling: 64-100 ms). Before it blocks, a wait
   polls its sockets for a moment (the ``local_spin_us`` setting; automatic: 1 ms), once per call,
   yielding the CPU between polls (``sched_yield``: free where nothing else waits for the CPU; see
-  :func:`objcomm._samehost.inbox_waits.poll_briefly`):
+  :func:`objcomm._samehost.polling.poll_briefly`):
   waking a sleeping rank costs ~50 µs a hop on this machine's virtual CPUs, which is most of a small
   call (a back-to-back all_gather at W=2: 108 µs sleeping at once, 90 µs with a 100 µs spin; a send/recv
   round trip: 253 and 155 µs), and a receiver woken on a cold core decodes slower: a 16 KB send/recv round

@@ -22,12 +22,14 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from objcomm._errors import NOT_THERE, CommunicationError
 from objcomm._samehost.credit import credit_cost, unreceived
 from objcomm._samehost.inbox import CLASS_OF, CREDIT, HEADER, NAMES, P2P, REST, Key, Stash, after
+from objcomm._samehost.polling import poll_briefly
 from objcomm._transport import call_clock, call_words
+from objcomm._transport.any_source import OwnMessage
 
 SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # every send on the channel's sockets: never blocks
 CREDIT_RETRY = 0.01  # seconds between offers of a CREDIT that bounced, while this rank waits
@@ -41,12 +43,20 @@ class Inbox(Stash):
 
     # -- waiting ---------------------------------------------------------------------------------
     def take(
-        self, sources: Sequence[int], key: Key, kind: int, op: str, first: bool = False, spin: float = 0.0
+        self,
+        sources: Sequence[int],
+        key: Key,
+        kind: int,
+        op: str,
+        first: bool = False,
+        spin: float = 0.0,
+        watch: Optional[Callable[[], bool]] = None,
     ) -> Tuple[Dict[int, bytes], int]:
         """One message under ``key`` from each of ``sources`` (``first``: from whichever has one first),
         and the AND of their flags (a send's slot: its message id; collectives carry none).
         ``spin``: seconds a wait polls before it sleeps in the kernel, over the whole call (the lean paths; see
-        :func:`poll_briefly`)."""
+        :func:`poll_briefly`). ``watch``: a receive from any rank raises :class:`OwnMessage` once ``watch()`` is
+        true, nothing taken (:mod:`objcomm._transport.any_source`; :meth:`wake` wakes it)."""
         now = time.monotonic()  # (before any wait: a lean path that timed out used the deadline up)
         # after a collective's round 1 its waits share one timeout (objcomm._transport.call_clock; a send/recv's keep
         # their own: a wait that ran out leaves the channel open); the lean path of one source blocks for a whole
@@ -59,7 +69,7 @@ class Inbox(Stash):
             if not self._waiting and self.closed is None and not self._bounced:  # none waits: the lean paths
                 if len(sources) == 1:
                     if deadline - now > self.timeout / 2:  # (a timeout of its own: all of it)
-                        fast = self._alone(sources[0], key, kind, op, spin_until)
+                        fast = self._alone(sources[0], key, kind, op, spin_until, watch)
                         if fast is not None:
                             return fast
                 elif not first and not any(p in self._readers or p in self.gone for p in sources):
@@ -69,9 +79,14 @@ class Inbox(Stash):
                     return self._take(
                         pending, key, kind, op, first, deadline, got, ready, deadline < now + self.timeout
                     )
-            return self._take(sources, key, kind, op, first, deadline, cut=deadline < now + self.timeout)
+            return self._take(sources, key, kind, op, first, deadline, cut=deadline < now + self.timeout, watch=watch)
         finally:
             lock.release()
+
+    def wake(self) -> None:
+        """Wake every thread waiting here: a receive from any rank looks at its ``watch`` again (:meth:`take`)."""
+        with self.cond:
+            self._notify()
 
     def _together(
         self, sources: Sequence[int], key: Key, kind: int, op: str, deadline: float, spin_until: float
@@ -165,21 +180,22 @@ class Inbox(Stash):
                 self._notify()
 
     def _alone(
-        self, peer: int, key: Key, kind: int, op: str, spin_until: float
+        self, peer: int, key: Key, kind: int, op: str, spin_until: float, watch: Any = None
     ) -> Optional[Tuple[Dict[int, bytes], int]]:
         """The common case, one thread and one source: read its socket once; the message, if it is the one
-        wanted (nothing filed), else None (anything read is filed)."""
+        wanted (nothing filed), else None (anything read is filed). With a ``watch`` (:meth:`take`), only what
+        arrives within the spin: a longer wait takes the general path, which the watch can stop."""
         if peer in self._readers or self._stash[peer] or peer in self.gone:  # read by another thread, or filed
             return None
         self._readers[peer] = threading.get_ident()
         lock = self._lock
         lock.release()
         try:
-            if spin_until:
+            arrived = not spin_until and watch is None  # (no spin: one blocking recv)
+            if not arrived:
                 poll = self._poll_one[peer]
-                if not poll.poll(0):  # not there yet: spin
-                    poll_briefly(poll, spin_until, self.yielding)
-            length = self._recv(peer, block=True)
+                arrived = bool(poll.poll(0)) or bool(spin_until) and poll_briefly(poll, spin_until, self.yielding)
+            length = self._recv(peer, block=True) if arrived or watch is None else -3  # (-3: nothing read)
         finally:
             lock.acquire()
             del self._readers[peer]
@@ -208,9 +224,10 @@ class Inbox(Stash):
         got: Optional[Dict[int, bytes]] = None,
         ready: int = -1,
         cut: bool = False,
+        watch: Optional[Callable[[], bool]] = None,
     ) -> Tuple[Dict[int, bytes], int]:
         """The general path: any number of threads; ``got``/``ready``: what a lean path already took; ``cut``: the
-        call's one timeout after its round 1 set ``deadline``."""
+        call's one timeout after its round 1 set ``deadline``; ``watch``: as :meth:`take`'s."""
         got = {} if got is None else got
         pending = list(sources)
         me = threading.get_ident()
@@ -222,6 +239,8 @@ class Inbox(Stash):
             while True:
                 if self.closed is not None:
                     self._fail(op, self.closed)
+                if watch is not None and watch():
+                    raise OwnMessage()
                 for peer in list(pending):
                     entry = self._pop(peer, key)
                     if entry is not None:
@@ -281,7 +300,7 @@ class Inbox(Stash):
                 if not mine:  # another thread reads every socket this one waits on: it files and notifies
                     self.cond.wait(remaining)
                     continue
-                if len(mine) < len(pending) and wake < 0:  # woken when another thread lets go of the rest
+                if (len(mine) < len(pending) or watch is not None) and wake < 0:  # woken as another lets go, or watch
                     wake = self._wakes[me] = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
                 self._read_and_file(mine, wake, remaining, op)
         finally:  # release first: a thread that waits on these sockets is told while this one still counts
@@ -422,29 +441,3 @@ class Inbox(Stash):
             if mine:
                 self._release(me, ())
             self._waiting -= 1
-
-
-def poll_briefly(poll: Any, until: float, yielding: bool = False) -> bool:
-    """Poll ``poll`` without sleeping until ``time.perf_counter()`` reaches ``until``; whether something arrived.
-
-    A rank that sleeps in the kernel is woken by the peer's send, which on this machine's virtual CPUs
-    costs ~50 µs a hop (a blocking round trip through a socket pair: ~106 µs; polling: ~6 µs). Waits
-    shorter than the spin skip it; longer ones sleep after it, so the CPU a waiting rank spends is
-    bounded by the spin, once per call. ``yielding`` (the channel's, always): ``sched_yield`` between polls, so
-    that a peer that needs this CPU gets it (a rank polling on a CPU its peer needs delays that very peer). Where
-    nothing else waits for the CPU the yield returns at once (2 ranks on 2 idle CPUs: a small all_gather 25 µs
-    either way); where something does, it keeps the call steady: 2 ranks on 2 CPUs beside one busy process, a
-    small all_gather took 46 µs to 1.1 ms from launch to launch polling without yielding (a newcomer's bench rows
-    slower than torch's), 89-140 µs yielding (``benchmarks/bench_busy_host.py``, benchmarks/history/; torch's
-    ``all_gather_object`` 1.9-4.1 ms there). It yielded only where the group's ranks outnumbered the CPUs before.
-    """
-    if yielding:
-        while not poll.poll(0):
-            if time.perf_counter() >= until:
-                return False
-            os.sched_yield()
-        return True
-    while not poll.poll(0):
-        if time.perf_counter() >= until:
-            return False
-    return True

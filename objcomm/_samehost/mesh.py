@@ -33,7 +33,7 @@ from objcomm._samehost.inbox import (
 from objcomm._samehost.inbox import after as _after
 from objcomm._samehost.inbox_waits import SEND_FLAGS as _FLAGS
 from objcomm._samehost.inbox_waits import Inbox
-from objcomm._transport import call_clock
+from objcomm._transport import any_source, call_clock
 from objcomm._transport.base import Slot
 from objcomm._transport.call_words import WORD as CALL_WORD
 from objcomm._transport.call_words import described
@@ -142,15 +142,21 @@ class Mesh:
         self._send(dst, HEADER.pack(P2P, 0, message, tag), data, "send")
 
     def recv(self, src: Optional[int] = None, tag: int = 0, spin: Optional[float] = None) -> Tuple[int, bytes, int]:
-        """The next message under ``tag`` from group rank ``src`` (``None``: any); ``(sender, data, its id)``."""
+        """The next message under ``tag`` from group rank ``src`` (``None``: any); ``(sender, data, its id)``. From any
+        rank, within :func:`objcomm._transport.any_source.watching`, :class:`~objcomm._transport.any_source.OwnMessage`
+        once a message to oneself waits for it."""
         self.check("recv")
-        sources = self._others if src is None else [src]
+        sources, watch = (self._others, any_source.WATCH.get()) if src is None else ([src], None)
         spin = self.auto_spin if spin is None else spin
-        got, message = self._inbox.take(sources, (False, tag), P2P, "recv", first=True, spin=spin)
+        got, message = self._inbox.take(sources, (False, tag), P2P, "recv", first=True, spin=spin, watch=watch)
         if self._inbox.owing:
             self._inbox.grant()
         sender, data = got.popitem()
         return sender, data, message
+
+    def wake(self) -> None:
+        """This rank sent itself a message: a receive from any rank waiting here looks at it (``any_source``)."""
+        self._inbox.wake()
 
     def new_message(self) -> int:
         """A message id for :meth:`send`, distinct from this rank's others until 2**30 sends later."""

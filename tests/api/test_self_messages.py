@@ -399,3 +399,43 @@ def from_another_thread(_: Optional[int] = None) -> Any:
 def test_irecv_from_oneself_waits_for_another_threads_send():
     assert from_another_thread() == "from a thread"
     assert get_pool(2).run(from_another_thread) == ["from a thread"] * 2
+
+
+def any_source_then_oneself(path: str) -> Dict[str, Any]:
+    """MPI's exchange: every rank posts an irecv from any rank for each rank, then isends to each, itself last, once
+    its irecvs took its peers' messages and the last one waits on the wire; and a blocking recv from any rank that
+    another thread's send to this rank ends. A port's find: through the same-host channel the last irecv waited
+    until the timeout, the message to oneself left for a next receive."""
+    import threading
+
+    previous = objcomm.configure(local=path == "channel")
+    try:
+        rank, size = dist.get_rank(), dist.get_world_size()
+        objcomm.all_gather(None)
+        objcomm.connect()
+        posted = [objcomm.irecv(None, 81, return_sender=True) for _ in range(size)]
+        sent = [objcomm.isend((rank, peer), peer, 81) for peer in range(size) if peer != rank]
+        from_peers = sorted(request.wait(timeout=30) for request in posted[:-1])
+        time.sleep(0.3)  # the last irecv waits for the other ranks now
+        sent.append(objcomm.isend((rank, rank), rank, 81))
+        last = posted[-1].wait(timeout=30)
+        for request in sent:
+            request.wait(timeout=30)
+        thread = threading.Thread(target=lambda: (time.sleep(0.3), objcomm.send("from a thread", rank, 82)))
+        thread.start()
+        blocking = objcomm.recv(None, 82, return_sender=True)  # nothing from the others under tag 82
+        thread.join(30)
+        objcomm.all_gather(None)
+        return {"from peers": from_peers, "last": last, "blocking": blocking}
+    finally:
+        objcomm.restore(previous)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_receive_from_any_rank_already_waiting_takes_a_later_message_to_oneself(world):
+    """Where the same-host channel carries send/recv. Through the backend (gloo's receive from any rank) nothing wakes
+    such a wait (objcomm._transport.any_source): not run there."""
+    for rank, found in enumerate(get_pool(world).run(any_source_then_oneself, "channel")):
+        assert found["from peers"] == [(peer, (peer, rank)) for peer in range(world) if peer != rank]
+        assert found["last"] == (rank, (rank, rank))
+        assert found["blocking"] == (rank, "from a thread")
