@@ -15,7 +15,7 @@ import torch.distributed as dist
 from objcomm import _state
 from objcomm._api.call import WIRES_KEPT, Call, Device, Unusable, check_tag, chosen, tagged, wire_for
 from objcomm._api.express import Express
-from objcomm._errors import ObjcommError, shown_ranks
+from objcomm._errors import ObjcommError, also_instance_of, shown_ranks
 from objcomm._samehost.segments import SEGMENTS, SegmentBook
 from objcomm._settings import CallOptions, resolve, settings_state
 from objcomm._transport import routes
@@ -277,13 +277,13 @@ class Resolving:
         world = dist.group.WORLD if _DISTRIBUTED else None  # None: not initialised (dist.is_initialized())
         if world is None:
             if self.group is not None:
-                raise ObjcommError(
+                raise _NOT_INITIALISED(
                     "a group was given but torch.distributed is not initialised; call init_process_group()"
                 )
             for variable, launcher in _LAUNCHERS:  # a launcher started this process among others
                 launched = os.environ.get(variable, "1")
                 if launched.strip() not in ("", "0", "1"):
-                    raise ObjcommError(
+                    raise _NOT_INITIALISED(
                         f"torch.distributed is not initialised, but this process is one of {variable}={launched} "
                         f"ranks ({launcher} set it): call dist.init_process_group() first, or every call would act "
                         f"as a world of one on each rank.{'' if variable == 'WORLD_SIZE' else _MPI_HINT} (Unset "
@@ -353,6 +353,9 @@ class Resolving:
         if rank != 0:
             raise ValueError(f"{what}={rank}, but there is no process group: the only rank is 0")
 
+
+# torch raises ValueError where no process group is initialised: code catching it catches objcomm's too
+_NOT_INITIALISED = also_instance_of(ObjcommError, ValueError)
 
 # The variables launchers set to the number of processes they started: one above 1 without a process group means
 # this process is one rank among several (mpiexec with objcomm ran each as a world of one, silently: a port's find).
