@@ -195,7 +195,13 @@ class Resolving:
         if group is None:  # first: a kept group that was collected reads as None too
             return None
         held = self._held
-        if held is not None and self._current(held, group):
+        if (  # (self._current(held, group), inline: every call without per-call options asks)
+            held is not None
+            and held.settings is settings_state()
+            and held.registry == registry.version
+            and held.group() is group
+            and held.device is self.device
+        ):
             return held
         shared = self._shared(group)  # what a communicator made alike worked out: a module-level call's is made anew
         if shared is not None and self._current(shared, group):

@@ -191,11 +191,13 @@ class Inbox(Stash):
         lock = self._lock
         lock.release()
         try:
-            arrived = not spin_until and watch is None  # (no spin: one blocking recv)
-            if not arrived:
+            if spin_until:
                 poll = self._poll_one[peer]
-                arrived = bool(poll.poll(0)) or bool(spin_until) and poll_briefly(poll, spin_until, self.yielding)
-            length = self._recv(peer, block=True) if arrived or watch is None else -3  # (-3: nothing read)
+                if not poll.poll(0) and not poll_briefly(poll, spin_until, self.yielding) and watch is not None:
+                    return None  # (nothing read: the general path waits, which the watch can stop)
+            elif watch is not None and not self._poll_one[peer].poll(0):
+                return None
+            length = self._recv(peer, block=True)
         finally:
             lock.acquire()
             del self._readers[peer]
