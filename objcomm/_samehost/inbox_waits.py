@@ -22,7 +22,7 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from objcomm._errors import NOT_THERE, CommunicationError
 from objcomm._samehost.credit import credit_cost, unreceived
@@ -180,7 +180,7 @@ class Inbox(Stash):
                 self._notify()
 
     def _alone(
-        self, peer: int, key: Key, kind: int, op: str, spin_until: float, watch: Any = None
+        self, peer: int, key: Key, kind: int, op: str, spin_until: float, watch: Optional[Callable[[], bool]] = None
     ) -> Optional[Tuple[Dict[int, bytes], int]]:
         """The common case, one thread and one source: read its socket once; the message, if it is the one
         wanted (nothing filed), else None (anything read is filed). With a ``watch`` (:meth:`take`), only what
