@@ -205,8 +205,9 @@ class Resolving:
             return held
         shared = self._shared(group)  # what a communicator made alike worked out: a module-level call's is made anew
         if shared is not None and self._current(shared, group):
-            self._held = shared
-            return shared
+            # (its device equal, maybe not the same object: torch.device("cpu") given anew each call)
+            self._held = shared if shared.device is self.device else shared._replace(device=self.device)
+            return self._held
         stamp = (settings_state(), registry.version)  # before the work: a change meanwhile makes it stale
         call = self._resolved({})
         assert call.wire is not None
@@ -220,13 +221,13 @@ class Resolving:
         return held
 
     def _current(self, held: Held, group: Any) -> bool:
-        """Whether ``held`` was worked out under the process-wide settings and registry of now, for ``group`` and this
-        communicator's device."""
+        """Whether ``held`` was worked out under the process-wide settings and registry of now, for ``group`` and a
+        device equal to this communicator's."""
         return (
             held.settings is settings_state()
             and held.registry == registry.version
             and held.group() is group
-            and held.device is self.device
+            and (held.device is self.device or held.device == self.device)
         )
 
     def _shared_key(self) -> Any:

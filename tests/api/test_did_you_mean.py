@@ -238,7 +238,10 @@ def test_a_rank_a_launcher_started_among_others_refuses_to_act_as_a_world_of_one
     said = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
     assert "WORLD_SIZE=3" in said and "init_process_group()" in said, said
     # also a ValueError, as torch raises there (a reviewer's find: objcomm.compat's shims broke `except ValueError`)
-    shim = "from objcomm import compat\ntry:\n    compat.broadcast_object_list([1])\nexcept ValueError as exc:\n    print(exc)\n"
+    shim = (
+        "from objcomm import compat\n"
+        "try:\n    compat.broadcast_object_list([1])\nexcept ValueError as exc:\n    print(exc)\n"
+    )
     said = subprocess.run([sys.executable, "-c", shim], env=env, capture_output=True, text=True, timeout=120).stdout
     assert "WORLD_SIZE=3" in said, said
     # mpiexec (MPICH's, Open MPI's) set their own count, not WORLD_SIZE: each rank of a port acted as a world of one

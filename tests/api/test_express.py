@@ -417,7 +417,13 @@ def module_calls_on_a_group() -> List[Any]:
         for i in range(3):
             got.append(objcomm.all_gather((rank, i), group=group))
             got.append(objcomm.broadcast((rank, i), src=1, group=group))
+    with counting(COLLECTIVE_ROUTES) as device_given:  # a device equal each call, never the same object
+        for i in range(3):
+            box = [("b", i) if rank == 0 else None]
+            objcomm.compat.broadcast_object_list(box, src=0, group=group, device=torch.device("cpu"))
+            got.append(box[0])
     got.append(counts)
+    got.append(device_given)
     previous = objcomm.configure(serializer="json")  # a tuple comes back a list: the next call used it
     try:
         got.append(objcomm.all_gather((rank,), group=group))
@@ -446,8 +452,10 @@ def test_module_level_calls_on_a_group_share_its_express_path():
             [(0, 2), (1, 2)],
             (1, 2),
         ], rank
-        assert got[8] == {"general": 0, "rest": 0}, rank  # the express path, every call
-        assert got[9:] == [[[0], [1]], [(0,), (1,)], ([[0], [1]], True), True], rank
+        assert got[8:11] == [("b", 0), ("b", 1), ("b", 2)], rank
+        assert got[11] == {"general": 0, "rest": 0}, rank  # the express path, every call
+        assert got[12]["general"] <= 1, rank  # (the first call with that device on the group may build it)
+        assert got[13:] == [[[0], [1]], [(0,), (1,)], ([[0], [1]], True), True], rank
 
 
 # -- all_gather and broadcast --------------------------------------------------------------------------------
