@@ -15,6 +15,7 @@ from objcomm._api.express import NOT_TAKEN, Express
 from objcomm._api.handles import Request
 from objcomm._api.mpi4py_names import mpi4py_keywords
 from objcomm._api.operations import Operations
+from objcomm._errors import CommunicationError
 from objcomm._settings import call_kwargs
 from objcomm._transport import call_words
 from serializers import SerializerLike
@@ -180,9 +181,17 @@ class PointToPoint(Operations):
         tag = sendtag if recvtag is None else recvtag
 
         def receive() -> Any:
-            return self.recv(
-                src, tag, accept=accept, max_bytes=max_bytes, map_location=map_location, return_sender=return_sender
-            )
+            try:
+                return self.recv(
+                    src, tag, accept=accept, max_bytes=max_bytes, map_location=map_location, return_sender=return_sender
+                )
+            except CommunicationError as exc:  # (a port that gives a sendtag alone: mpi4py's recvtag is any tag)
+                if recvtag is not None or not sendtag or type(exc) is not CommunicationError:
+                    raise
+                raise CommunicationError(
+                    f"{exc}; sendrecv received under recvtag={tag}, which defaults to sendtag (mpi4py's defaults to "
+                    "any tag): pass recvtag= the tag its source sends under"
+                ) from exc
 
         def send() -> None:
             self.send(obj, dst, sendtag, serializer=serializer, max_bytes=max_bytes, compression=compression)

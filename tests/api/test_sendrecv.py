@@ -162,3 +162,35 @@ def test_src_and_tags_are_keywords_only_as_mpi4pys_third_parameter_is_sendtag():
         with pytest.raises(TypeError, match="positional"):
             call([1], 0, 5)
     assert objcomm.sendrecv([1], 0, src=0, sendtag=5) == [1]  # a world of one: its own message
+
+
+def tags_each_its_own() -> List[Any]:
+    """A port's find: mpi4py's recvtag defaults to any tag, objcomm's to sendtag, so ranks that each send under their
+    own tag and give no recvtag wait until the timeout; the error then says why. Through the same-host channel of a
+    pair with a 2 s timeout, which stays open: each rank then takes the message it left."""
+    import datetime
+
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    if rank > 1:
+        return []
+    comm = objcomm.Communicator(pair)
+    comm.all_gather(None)
+    comm.connect()
+    peer = 1 - rank
+    try:
+        comm.sendrecv(("from", rank), dst=peer, src=peer, sendtag=100 + rank)
+        said = "returned"
+    except objcomm.CommunicationError as exc:
+        said = str(exc)
+    left = comm.recv(src=peer, tag=100 + peer)  # what the peer sent, under its own tag
+    comm.all_gather(None)
+    return [(f"recvtag={100 + rank}, which defaults to sendtag" in said, said), left]
+
+
+def test_a_sendrecv_that_times_out_under_its_sendtag_says_recvtag_defaults_to_it():
+    results = get_pool(W).run(tags_each_its_own)
+    for rank in (0, 1):
+        assert results[rank][0][0] is True, results[rank][0][1]
+        assert results[rank][1] == ("from", 1 - rank)
+    assert results[2] == []
