@@ -57,6 +57,8 @@ class GroupFacts:
     # a communicator's own settings -> what its calls without per-call options use (a resolving.Held), shared by the
     # communicators made alike: a module-level function or an objcomm.compat shim makes one a call on a given group
     held: Dict[Any, Any] = field(default_factory=dict)
+    # tag -> this rank's blocking receives from any rank that wait now (objcomm._api.own_box.AnySourceWait)
+    any_source: Dict[int, int] = field(default_factory=dict)
 
 
 _GROUPS: weakref.WeakKeyDictionary[Any, GroupFacts] = weakref.WeakKeyDictionary()

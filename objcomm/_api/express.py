@@ -33,12 +33,11 @@ every rank as if it had taken the general path throughout.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Dict, Optional, cast
 
 from objcomm import _state
 from objcomm._api.call import MAX_TAG, SOURCE_KEEPS_ITS_OWN, Call, only
-from objcomm._api.requests import own_waiting
+from objcomm._api.own_box import AnySourceWait
 from objcomm._device import is_cpu
 from objcomm._errors import CommunicationError, UnknownSerializerError
 from objcomm._format import frame as _frame
@@ -298,7 +297,7 @@ class Express:
             return NOT_TAKEN
         try:
             if peer is None:  # a message this rank sends itself meanwhile stops its wait: the general path takes it
-                with any_source.watching(functools.partial(own_waiting, self.facts, tag)):
+                with AnySourceWait(self.facts, tag):
                     sender, got, message = channel.recv(None, tag, self.spin)
             else:
                 sender, got, message = channel.recv(peer, tag, self.spin)

@@ -25,7 +25,7 @@ from objcomm._api.call import (
 )
 from objcomm._api.express import Express
 from objcomm._api.handles import Request, completed
-from objcomm._api.own_box import NOTHING
+from objcomm._api.own_box import NOTHING, AnySourceWait, wake_any_source
 from objcomm._api.resolving import Resolving
 from objcomm._device import is_cpu
 from objcomm._errors import NO_RESULT, CommunicationError, ObjcommError, TooLargeError, with_original_type
@@ -383,7 +383,7 @@ class Operations(Resolving):
         out, local = call.encode(obj, serialized)
         _requests.own_box(None if wire is None else wire.group).post(tag, _pending.captured(out))
         if wire is not None:  # a receive from any rank waiting for the others takes it, as under MPI
-            _requests.wake_any_source(wire.group)
+            wake_any_source(wire.group)
         return local
 
 
@@ -391,7 +391,7 @@ def _from_any_rank(wire: Wire) -> Optional[_p2p.Received]:
     """A receive from any rank under ``wire.tag``, or None where a message this rank sent itself came first: where the
     same-host channel carries it, its wait stops for that message (objcomm._transport.any_source)."""
     try:
-        with any_source.watching(_requests.own_watch(wire.group, wire.tag)):
+        with AnySourceWait(group_facts(wire.group), wire.tag):
             return _p2p.recv(wire, None, _frame.tensor_sizes)
     except any_source.OwnMessage:
         return None

@@ -15,6 +15,7 @@ from objcomm._api.express import NOT_TAKEN, Express
 from objcomm._api.handles import Request
 from objcomm._api.mpi4py_names import mpi4py_keywords
 from objcomm._api.operations import Operations
+from objcomm._api.own_box import own_waiting
 from objcomm._errors import CommunicationError
 from objcomm._settings import call_kwargs
 from objcomm._transport import call_words
@@ -75,7 +76,7 @@ class PointToPoint(Operations):
         if accept is None and max_bytes is None and map_location is None:
             express, held, group = self._express_found()
             if express is not None and (
-                src is not None or (len(express.ranks) > 1 and not _requests.own_waiting(express.facts, tag))
+                src is not None or (len(express.ranks) > 1 and not own_waiting(express.facts, tag))
             ):
                 got = express.recv(src, tag, self._group)
                 if got is not NOT_TAKEN:

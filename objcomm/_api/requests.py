@@ -341,22 +341,6 @@ def own_box(group: Any) -> _OwnBox:
     return _NO_GROUP if group is None else _lanes(group).own
 
 
-def own_watch(group: Any, tag: int) -> Callable[[], bool]:
-    """Whether a message this rank sent itself waits under ``tag`` on ``group``, asked as a receive from any rank
-    waits (:func:`objcomm._transport.any_source.watching`)."""
-    facts = _state.group_facts(group)
-    return lambda: own_waiting(facts, tag)
-
-
-def wake_any_source(group: Any) -> None:
-    """After a send to oneself on ``group``: a receive from any rank that waits on its same-host channel looks at it
-    (:mod:`objcomm._transport.any_source`), as MPI matches it."""
-    for state in list(_state.group_facts(group).local.values()):
-        channel = state.channel
-        if channel is not None and not channel.closed:
-            channel.wake()
-
-
 def own_message(group: Any, tag: int) -> Any:
     """The oldest message this rank sent itself on ``group`` (None: without a process group) under ``tag``, or
     :data:`NOTHING`."""
@@ -377,12 +361,6 @@ def nothing_waiting(op: str, src: Any, tag: int) -> ObjcommError:
     )
 
 
-def own_waiting(facts: _state.GroupFacts, tag: Any) -> bool:
-    """Whether a message this rank sent itself waits under ``tag`` on the group of ``facts`` (a look, no lock)."""
-    lanes: Optional[_Lanes] = facts.requests
-    return lanes is not None and tag in lanes.own.queued
-
-
 def receive_own(group: Any, src: Optional[int], tag: int, take: Callable[[Any], Any]) -> Request:
     """An ``irecv(src, tag)`` from this rank itself on ``group`` (None: without a process group): completed with
     ``take(message)`` by the message this rank sent itself under ``tag``, now or at its send. On a group it is
@@ -391,6 +369,12 @@ def receive_own(group: Any, src: Optional[int], tag: int, take: Callable[[Any], 
         return _NO_GROUP.receive(tag, take, _nothing, _nothing)
     lanes = _lanes(group)
     _check_sources(lanes, src, tag)
+    if src is not None and _state.group_facts(group).any_source.get(tag):
+        raise ObjcommError(
+            f"irecv(src={src}, tag={tag}) from this rank itself while a recv(src=None, tag={tag}) of another thread "
+            "waits: MPI would give the next message this rank sends itself under that tag to that receive, posted "
+            "first. Let that receive take it, or use different tags"
+        )
     key = ("recv", src, tag)
     return lanes.own.receive(tag, take, lambda: lanes.hold(key), lambda: lanes._done(key))
 

@@ -439,3 +439,36 @@ def test_a_receive_from_any_rank_already_waiting_takes_a_later_message_to_onesel
         assert found["from peers"] == [(peer, (peer, rank)) for peer in range(world) if peer != rank]
         assert found["last"] == (rank, (rank, rank))
         assert found["blocking"] == (rank, "from a thread")
+
+
+def irecv_from_oneself_behind_a_waiting_receive(path: str) -> List[Any]:
+    """Another thread's recv(src=None) waits; an irecv from oneself under its tag then raises (MPI gives the next
+    message to oneself to the receive posted first, which a reviewer found the irecv took), and the send that
+    follows goes to the waiting receive."""
+    import threading
+
+    previous = objcomm.configure(local=path == "channel")
+    try:
+        rank = dist.get_rank()
+        objcomm.all_gather(None)
+        objcomm.connect()
+        got: List[Any] = []
+        waiting = threading.Thread(target=lambda: got.append(objcomm.recv(None, 91, return_sender=True)))
+        waiting.start()
+        time.sleep(0.3)
+        try:
+            objcomm.irecv(rank, 91)
+            said = "posted"
+        except objcomm.ObjcommError as exc:
+            said = str(exc)
+        objcomm.send("to oneself", rank, 91)
+        waiting.join(30)
+        objcomm.all_gather(None)
+        return ["recv(src=None, tag=91) of another thread waits" in said, got]
+    finally:
+        objcomm.restore(previous)
+
+
+def test_an_irecv_from_oneself_behind_another_threads_waiting_receive_from_any_rank_raises():
+    for rank, found in enumerate(get_pool(2).run(irecv_from_oneself_behind_a_waiting_receive, "channel")):
+        assert found == [True, [(rank, "to oneself")]]
