@@ -10,6 +10,8 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Optional, Sequence
 
+import torch.distributed as dist
+
 from objcomm._api import reduce as _reduce
 from objcomm._api import requests as _requests
 from objcomm._api.call import Device
@@ -345,7 +347,8 @@ class Communicator(Copies, PointToPoint):
         return _requests.collective(self.group, op, lambda group: method(self._on(group), *args, **kwargs))
 
 
-_NOT_A_MEMBER = -100  # torch's GroupMember.NON_GROUP_MEMBER: what dist.new_group returns on the ranks it leaves out
+# what dist.new_group returns on the ranks it leaves out (-100), as objcomm.compat's shims test it
+_NOT_A_MEMBER = dist.GroupMember.NON_GROUP_MEMBER if dist.is_available() else None
 _SIGNATURE = inspect.signature(Communicator)
 Communicator.__signature__ = _SIGNATURE.replace(  # type: ignore[attr-defined]  # help() and IDEs: no test hook shown
     parameters=[p for p in _SIGNATURE.parameters.values() if p.name != "_hooks"]
