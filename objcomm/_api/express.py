@@ -188,21 +188,21 @@ class Express:
         if slots is REJOIN:
             return False, serialized
         size = self.slot
-        for got in slots:
-            if len(got) != size and not _channel_checks.trimmed(got, size):
-                # raises, as the general path
-                _channel_checks._checked(self.wire(group(), 0), channel, slots, "all_gather")
         decoders = self.decoders if self.version == registry.version else None
-        if decoders:  # every slot a plain frame of a serializer this rank holds: decoded as they are
+        if decoders:  # every slot a plain frame of a serializer this rank holds, whole or trimmed: decoded as they are
             payloads = []  # (serializer, payload) of each, found before any is decoded (a loop: no frames)
             for got in slots:
-                named = _plain_slot.plain_named(got)
+                named = _plain_slot.plain_named(got, size)
                 decoder = None if named is None else decoders.get(named[0])
                 if decoder is None or named is None:
                     break
                 payloads.append((decoder, named[1]))
             else:
                 return True, [_frame.loads_payload(d, d.name, p, r) for r, (d, p) in enumerate(payloads)]
+        for got in slots:
+            if len(got) != size and not _channel_checks.trimmed(got, size):
+                # raises, as the general path
+                _channel_checks._checked(self.wire(group(), 0), channel, slots, "all_gather")
         plains = [_plain_slot.plain_in_slot(got) for got in slots]
         if None not in plains:
             return True, [self._decode(plain, r) for r, plain in enumerate(plains)]
@@ -221,24 +221,22 @@ class Express:
         channel = self.state.channel
         if root is None or channel is None or channel.closed or not self.state.agreed:
             return False, None
-        slot = serialized = None
         if root == self.rank:
             slot, serialized = self._slot(obj)
             if slot is None:
                 return False, serialized
-        got = _round_one(channel, slot, root, self.spin)
-        if got is REJOIN:
-            return False, serialized
-        if root == self.rank:  # a copy of its own object
+            if _round_one(channel, slot, root, self.spin) is REJOIN:
+                return False, serialized
             if SOURCE_KEEPS_ITS_OWN.get():  # objcomm.compat's, which keeps its list: decoded only where it may refuse
                 if not self.call.refuses_nothing():
-                    self._plain(got, root)
+                    self._plain(slot, root)
                 return True, None
-            return True, self._plain(got, root)
-        if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
-            # raises, as the general path does
-            _channel_checks._checked(self.wire(group(), 0), channel, [got], "broadcast")
-        value = self._plain(got, root)
+            value = self._named(slot, root)  # a copy of its own object
+            return True, self._plain(slot, root) if value is NOT_TAKEN else value
+        got = _round_one(channel, None, root, self.spin)
+        if got is REJOIN:
+            return False, None
+        value = self._received(got, root, channel, group, 0, "broadcast")
         if value is not NOT_TAKEN:
             return True, value
         wire = self.wire(group(), 0)  # the general path's steps, from the slot on
@@ -248,16 +246,35 @@ class Express:
             call.raise_failures("broadcast", only(root, item, wire.size), None)
         return True, call.decode(item, root)
 
-    def _plain(self, slot: Any, sender: int) -> Any:
-        """The object in ``slot`` from group rank ``sender`` if it holds a plain frame, else :data:`NOT_TAKEN`."""
+    def _received(self, got: Any, sender: int, channel: Any, group: Callable[[], Any], tag: int, op: str) -> Any:
+        """The object in the slot ``got`` that group rank ``sender`` sent this rank if it holds a plain frame, else
+        :data:`NOT_TAKEN`; a message that is neither a slot nor one trimmed raises, as the general path does."""
+        value = self._named(got, sender)
+        if value is NOT_TAKEN:
+            if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
+                _channel_checks._checked(self.wire(group(), tag), channel, [got], op)  # raises
+            value = self._plain(got, sender)
+        return value
+
+    def _named(self, slot: Any, sender: int) -> Any:
+        """The object in ``slot`` from group rank ``sender`` where it is a slot or one trimmed and holds a plain frame
+        of a serializer this rank holds (:func:`objcomm._format.plain_slot.plain_named`), else :data:`NOT_TAKEN`."""
         if self.decoders and self.version == registry.version:
-            named = _plain_slot.plain_named(slot)
+            named = _plain_slot.plain_named(slot, self.slot)
             if named is not None:
                 decoder = self.decoders.get(named[0])
                 if decoder is not None:  # a serializer this rank holds: decoded with it, as decode_parsed finds it
                     return _frame.loads_payload(decoder, decoder.name, named[1], sender)
-        plain = _plain_slot.plain_in_slot(slot)
-        return NOT_TAKEN if plain is None else self._decode(plain, sender)
+        return NOT_TAKEN
+
+    def _plain(self, slot: Any, sender: int) -> Any:
+        """The object in ``slot`` from group rank ``sender`` if it holds a plain frame (its length judged by the
+        caller), else :data:`NOT_TAKEN`."""
+        value = self._named(slot, sender)
+        if value is NOT_TAKEN:
+            plain = _plain_slot.plain_in_slot(slot)
+            value = NOT_TAKEN if plain is None else self._decode(plain, sender)
+        return value
 
     def _plain_rest(self, slot: Any, rest: Any, sender: int) -> Any:
         """The object of a plain frame that came after its slot in one message (:meth:`send`), within this rank's
@@ -306,10 +323,13 @@ class Express:
         folded = bytearray()
         if message & WHOLE:  # a slot and the rest that follows it, in one message (ChannelRoute.send_whole)
             got, folded = _channel_checks.cut_whole(channel, got, self.slot, sender, "recv", self.cpu)
-        if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
-            # raises, as the general path does
-            _channel_checks._checked(self.wire(group(), tag), channel, [got], "recv")
-        obj = self._plain_rest(got, folded, sender) if folded else self._plain(got, sender)
+        if not folded:
+            obj = self._received(got, sender, channel, group, tag, "recv")
+        else:
+            if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
+                # raises, as the general path does
+                _channel_checks._checked(self.wire(group(), tag), channel, [got], "recv")
+            obj = self._plain_rest(got, folded, sender)
         if obj is NOT_TAKEN:  # anything else: the general path's steps, from the slot on
             wire = self.wire(group(), tag)
             incoming = received(
@@ -347,7 +367,8 @@ def _round_one(channel: Any, slot: Any, root: Optional[int], spin: Optional[floa
     path then opens a new one at this call, as that peer does: :meth:`objcomm._samehost.mesh.Mesh.rejoins_after`),
     nothing having been taken."""
     channel.rounds += 1  # a call's first round, as ChannelSlots counts them
-    call_words.enter("all_gather" if root is None else "broadcast", root)  # as the general path's (Operations)
+    op = "all_gather" if root is None else "broadcast"  # its word, as the general path's (Operations: enter)
+    call_words.WORD.set(call_words.WORDS.get((op, root)) or call_words.word_of(op, root))
     start = channel.sequence
     try:
         return channel.all_gather(slot, spin) if root is None else channel.broadcast(slot, root, spin)

@@ -109,20 +109,23 @@ def _read(frame: memoryview, version: int, name_len: int, payload_len: int) -> O
     return frame, _new(Header, (version, 0, NO_COMPRESSION, name, 0, 0, payload_len, payload_len, 0))
 
 
-def plain_named(slot: Any) -> Optional[Tuple[bytes, memoryview]]:
+def plain_named(slot: Any, size: int = 0) -> Optional[Tuple[bytes, memoryview]]:
     """``(serializer name as bytes, payload)`` of the plain frame in ``slot`` (as :func:`plain_in_slot` reads it),
-    else None: what a caller that holds the serializers it expects needs, without the header."""
-    lengths = _plain_lengths(slot)
+    else None: what a caller that holds the serializers it expects needs, without the header. With ``size`` (the
+    slot's bytes): also None unless ``slot`` has that size or, shorter, ends where its frame does (trimmed, as
+    :func:`objcomm._samehost.channel_checks.trimmed` says: a channel's caller then judges it)."""
+    lengths = _plain_lengths(slot, size)
     if lengths is None:
         return None
     start = _SLOT_HEADER.size + lengths[1]
     return bytes(slot[_SLOT_HEADER.size : start]), memoryview(slot)[start : start + lengths[2]]
 
 
-def _plain_lengths(slot: Any) -> Optional[Tuple[int, int, int, int]]:
+def _plain_lengths(slot: Any, size: int = 0) -> Optional[Tuple[int, int, int, int]]:
     """``(version, name length, payload length, frame length)`` of the whole plain frame in ``slot``, or None
-    (see :func:`plain_in_slot`)."""
-    if len(slot) < _SLOT_HEADER.size:
+    (see :func:`plain_in_slot`; ``size``: see :func:`plain_named`)."""
+    n = len(slot)
+    if n < _SLOT_HEADER.size:
         return None
     word, _, total, magic, version, flags, compression, name_len, table_len, n_tensors, payload_len, raw_len, inline = (
         _SLOT_HEADER.unpack_from(slot, 0)
@@ -130,7 +133,8 @@ def _plain_lengths(slot: Any) -> Optional[Tuple[int, int, int, int]]:
     if (  # word == total, within the slot: no flag bits, and the frame and nothing else follows; then _plain's test,
         # spelled out: every small call reads a slot so, and a call and a tuple's slice cost ~0.4 µs of ~20
         word != total
-        or word > len(slot) - PREFIX.size
+        or word > n - PREFIX.size
+        or (size and n != size and (n > size or word != n - PREFIX.size))  # not a slot of size, nor one trimmed
         or magic != MAGIC
         or version not in VERSIONS
         or flags

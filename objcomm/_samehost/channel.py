@@ -182,7 +182,7 @@ class LocalChannel(Mesh):
         self.auto_spin = AUTO_SPIN
         self.unsynced = 0  # second-round bytes of broadcasts, gathers, scatters since the last all_gather after them
         self._votes = 0  # all_gathers and all_to_alls that could have voted send/recv in (see vote_due)
-        self._seq = 0
+        self.sequence = 0
         self._messages = itertools.count(1)  # ids of sends (itertools.count: atomic under the GIL)
         self._owner = os.getpid()
         self._lock = threading.Lock()  # one collective at a time

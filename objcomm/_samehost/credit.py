@@ -23,6 +23,7 @@ MIN_WINDOW = 1 << 20  # and the least: a quarter of it, when credit is granted b
 RESERVE = 4 << 20  # the stash's room for what takes no credit (answers, keys) besides the windows
 ENTRY_OVERHEAD = 256  # bytes a stashed message is counted for besides its payload
 KEY_OVERHEAD = 768  # and a key (a tag, a sequence number) that has messages waiting: its queue and dict slot
+MESSAGE_COST = ENTRY_OVERHEAD + KEY_OVERHEAD  # a message's credit past its payload (credit_cost)
 LEND_BYTES = 64 << 20  # the most credit a receiver lends its senders at once (Lending), beyond STASH_BYTES
 
 
@@ -38,7 +39,7 @@ def stash_for(peers: int) -> int:
 
 def credit_cost(data_bytes: int) -> int:
     """What a message of ``data_bytes`` costs its sender's credit: what the receiver's stash counts for it at most."""
-    return data_bytes + ENTRY_OVERHEAD + KEY_OVERHEAD
+    return data_bytes + MESSAGE_COST
 
 
 class Lending:

@@ -51,10 +51,12 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, NoReturn, Optional, Sequence, Set, Tuple
 
 from objcomm._errors import CommunicationError
-from objcomm._samehost.credit import ENTRY_OVERHEAD, KEY_OVERHEAD, Lending, credit_cost, stash_for, window_for
+from objcomm._samehost import credit
+from objcomm._samehost.credit import ENTRY_OVERHEAD, KEY_OVERHEAD, MESSAGE_COST, Lending, credit_cost
 from objcomm._transport.call_words import described
 
 HEADER = struct.Struct("<BB2xIi")  # kind, flags, collective sequence number or message id, tag (or call word)
+HEADER_BYTES = HEADER.size
 ALL_GATHER, BROADCAST, SCATTER, ALL_TO_ALL, P2P = 1, 2, 3, 4, 5
 ANSWER, REST = 6, 7  # of a send's message (its id): the receiver's answer, and the bytes after the slot
 GATHER = 8
@@ -79,6 +81,7 @@ NAMES = {
     LEFT: "departure notice",
 }
 POINT_TO_POINT_KINDS = (P2P, ANSWER, REST)
+COLLECTIVE_KINDS = frozenset((ALL_GATHER, BROADCAST, SCATTER, ALL_TO_ALL, GATHER, ECHO))
 COLLECTIVES, POINT_TO_POINT = 0, 1  # the two classes of messages that take credit (ANSWER and CREDIT take none)
 CLASS_OF = {
     ALL_GATHER: COLLECTIVES,
@@ -94,6 +97,7 @@ _CREDIT = struct.Struct("<qq")  # CREDIT's payload: what the receiver took of ea
 NOTICE_WAIT = 0.5  # seconds a send that found its peer gone reads (or waits for another thread to read) its last words
 RECV_SLACK = 0.25  # seconds a blocking recv (SO_RCVTIMEO: the whole timeout) may outlast a call's deadline
 MASK = 0xFFFFFFFF
+_HALF = 1 << 31  # sequence number a comes after b where 0 < (a - b) & MASK < _HALF (after())
 # (True, sequence number) of a collective, (False, tag) of a send's slot, (False, tag, kind, id) of its answer and rest
 Key = Tuple[Any, ...]
 Entry = Tuple[int, int, bytes]  # kind, flags (a send's slot: its message id), payload
@@ -136,15 +140,15 @@ class Stash:
         self._pids = pids
         self.ranks_note = ""  # (LocalChannel's: which group ranks are which global ones, where they differ)
         self._fail = fail
-        self._limit = stash_for(len(peers)) if stash_bytes is None else stash_bytes
-        self.window = window_for(len(peers))
+        self._limit = credit.stash_for(len(peers)) if stash_bytes is None else stash_bytes
+        self.window = credit.window_for(len(peers))
         # flow control, per peer and class: credit bytes this rank sent it, and what it said it took of them;
         # what this rank took of the peer's, and what it last told the peer (see "Flow control")
         self._sent = {r: [0, 0] for r in peers}
         self._credit = {r: [0, 0] for r in peers}
         self._taken = {r: [0, 0] for r in peers}
         self._told = {r: [0, 0] for r in peers}
-        self._owing: Set[int] = set()  # peers whose totals grew by a quarter of the window since they were told
+        self.owing: Set[int] = set()  # peers whose totals grew by a quarter of the window since told (grants())
         self.lending = Lending()  # send/recv credit lent ahead to senders whose stashed messages hold it (credit.py)
         self._bounced: Set[int] = set()  # peers whose last CREDIT could not be sent (queue full): waits offer it again
         self._size = HEADER.size + largest
@@ -298,24 +302,19 @@ class Stash:
             self._put(peer, *parsed, op)
 
     def _parse(self, peer: int, length: int, op: str) -> Optional[Tuple[Key, Entry]]:
-        """The key and entry of the message in ``peer``'s buffer, checked (see the module docstring); None at EOF."""
-        if length == -1:
-            if peer not in self.gone:
-                self.gone[peer] = f"{self._who(peer)} closed its connection: it died, or failed and closed the channel"
+        """The key and entry of the message in ``peer``'s buffer, checked (see the module docstring); None at EOF.
+        A collective's is checked first: every small call takes one."""
+        if not HEADER_BYTES <= length <= self._size:
+            self._unparsed(peer, length, op)
             return None
-        if length < HEADER.size:  # -2: an empty datagram
-            self._fail(
-                op,
-                f"{self._who(peer)} sent a {max(length, 0)}-byte message, shorter than the "
-                f"{HEADER.size}-byte header: a protocol error",
-            )
-        if length > self._size:
-            self._fail(
-                op,
-                f"{self._who(peer)} sent a {length:,}-byte message, above the {self._size:,} bytes a "
-                "message may have: a protocol error",
-            )
-        kind, flags, seq, tag = HEADER.unpack_from(self._buffers[peer])
+        buffer = self._buffers[peer]
+        kind, flags, seq, tag = HEADER.unpack_from(buffer)
+        if kind in COLLECTIVE_KINDS:  # after the last from peer, and after what this rank finished (as after() says)
+            last = self._last.get(peer, seq - 1)
+            if tag < 0 or flags or not 0 < (seq - self.done) & MASK < _HALF or not 0 < (seq - last) & MASK < _HALF:
+                self._stale(peer, kind, flags, seq, tag, op)
+            self._last[peer] = seq  # the sender's call (objcomm._transport.call_words) above the kind: a taker's own
+            return (True, seq), (kind | tag << 8, flags, bytes(memoryview(buffer)[HEADER_BYTES:length]))
         if kind == CREDIT:
             if flags or seq or tag or length != HEADER.size + _CREDIT.size:
                 self._fail(
@@ -323,9 +322,9 @@ class Stash:
                     f"{self._who(peer)} sent a {length}-byte credit message with a bad header (flags "
                     f"{flags}, #{seq}, tag {tag}): a protocol error",
                 )
-            credit = self._credit[peer]  # running totals: a late or repeated one changes nothing
-            for cls, total in enumerate(_CREDIT.unpack_from(self._buffers[peer], HEADER.size)):
-                credit[cls] = max(credit[cls], total)  # a receiver that lies lets this rank run ahead of itself alone
+            totals = self._credit[peer]  # running totals: a late or repeated one changes nothing
+            for cls, total in enumerate(_CREDIT.unpack_from(buffer, HEADER_BYTES)):
+                totals[cls] = max(totals[cls], total)  # a receiver that lies lets this rank run ahead of itself alone
             self.cond.notify_all()  # a sender waiting for credit while another thread reads this socket
             return None
         if kind in (FAILED, LEFT):
@@ -352,51 +351,33 @@ class Stash:
                     f"tag {tag}): a protocol error",
                 )
             if kind == P2P:  # a slot: keyed by its tag alone (a recv takes the next one), its id as its flags
-                return (False, tag), (kind, seq, bytes(memoryview(self._buffers[peer])[HEADER.size : length]))
+                return (False, tag), (kind, seq, bytes(memoryview(buffer)[HEADER_BYTES:length]))
             key: Key = (False, tag, kind, seq)
-        elif kind in NAMES:
-            last = self._last.get(peer)
-            if tag < 0 or flags or not after(seq, self.done) or (last is not None and not after(seq, last)):
-                article = "an" if NAMES[kind][0] in "aeiou" else "a"
-                self._fail(
-                    op,
-                    f"{self._who(peer)} sent {article} {NAMES[kind]} message with a bad header (collective #{seq} "
-                    f"after #{last} and with #{self.done} finished here, its call {described(tag)}, flags {flags}): a "
-                    "duplicate or stale message (did the ranks call different collectives, or broadcast or scatter "
-                    "with different src?), or a protocol error",
-                )
-            self._last[peer] = seq
-            key = (True, seq)
-            kind |= tag << 8  # the sender's call (objcomm._transport.call_words): a taker expects its own
         else:
             self._fail(op, f"{self._who(peer)} sent a message of unknown kind {kind}: a protocol error")
-        return key, (kind, flags, bytes(memoryview(self._buffers[peer])[HEADER.size : length]))
+        return key, (kind, flags, bytes(memoryview(buffer)[HEADER_BYTES:length]))
 
     def _took(self, peer: int, kind: int, data_bytes: int) -> None:
         """A ``kind`` message from ``peer`` left this rank's hands (taken by a call, or dropped): count its credit."""
         cls = CLASS_OF.get(kind & 0xFF)  # (a collective's kind carries its call's word above: call_words)
         if cls is None:
             return
-        if kind == P2P:
-            self.slots_taken += 1
-        taken, cost = self._taken[peer], credit_cost(data_bytes)
-        taken[cls] += cost if cls == COLLECTIVES or not self.lending.total else self.lending.repaid(peer, cost)
+        taken, cost = self._taken[peer], data_bytes + MESSAGE_COST  # (credit_cost, inline: every small call's)
+        if cls != COLLECTIVES:
+            self.slots_taken += kind == P2P
+            cost = self.lending.repaid(peer, cost) if self.lending.total else cost
+        taken[cls] += cost
         if taken[cls] - self._told[peer][cls] >= self.window >> 2:
-            self._owing.add(peer)
-
-    @property
-    def owing(self) -> bool:
-        """Whether some peer is owed a ``CREDIT`` message (:meth:`grants`)."""
-        return bool(self._owing)
+            self.owing.add(peer)
 
     def grants(self) -> List[Tuple[int, bytes]]:
         """The ``CREDIT`` payloads owed, ``(peer, payload)``, counted as told (one that bounces is owed again)."""
         with self.cond:
             out = []
-            for peer in self._owing:
+            for peer in self.owing:
                 self._told[peer] = list(self._taken[peer])
                 out.append((peer, _CREDIT.pack(*self._taken[peer])))
-            self._owing.clear()
+            self.owing.clear()
             return out
 
     def abandon(self, peer: int, key: Key) -> None:
@@ -435,9 +416,30 @@ class Stash:
             amount = self.lending.lend(peer, self.window >> 2)
             if amount:
                 self._taken[peer][POINT_TO_POINT] += amount
-                self._owing.add(peer)
+                self.owing.add(peer)
                 lent = True
         return lent
+
+    def _unparsed(self, peer: int, length: int, op: str) -> None:
+        """A message that is no message: EOF (-1: ``peer`` is gone), else a protocol error (-2: an empty datagram)."""
+        if length == -1:
+            if peer not in self.gone:
+                self.gone[peer] = f"{self._who(peer)} closed its connection: it died, or failed and closed the channel"
+            return
+        sent = f"{self._who(peer)} sent a {max(length, 0):,}-byte message"
+        if length < HEADER.size:
+            self._fail(op, f"{sent}, shorter than the {HEADER.size}-byte header: a protocol error")
+        self._fail(op, f"{sent}, above the {self._size:,} bytes a message may have: a protocol error")
+
+    def _stale(self, peer: int, kind: int, flags: int, seq: int, tag: int, op: str) -> NoReturn:
+        article = "an" if NAMES[kind][0] in "aeiou" else "a"
+        self._fail(
+            op,
+            f"{self._who(peer)} sent {article} {NAMES[kind]} message with a bad header (collective #{seq} after "
+            f"#{self._last.get(peer)} and with #{self.done} finished here, its call {described(tag)}, flags {flags}): "
+            "a duplicate or stale message (did the ranks call different collectives, or broadcast or scatter with "
+            "different src?), or a protocol error",
+        )
 
     def _who(self, peer: int) -> str:
         return f"rank {peer} (pid {self._pids[peer]})"

@@ -25,11 +25,12 @@ import time
 from typing import Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from objcomm._errors import NOT_THERE, CommunicationError
-from objcomm._samehost.credit import credit_cost, unreceived
+from objcomm._samehost.credit import MESSAGE_COST, credit_cost, unreceived
 from objcomm._samehost.inbox import CLASS_OF, CREDIT, HEADER, NAMES, P2P, REST, Key, Stash, after
 from objcomm._samehost.polling import poll_briefly
 from objcomm._transport import call_clock, call_words
 from objcomm._transport.any_source import OwnMessage
+from objcomm._transport.call_clock import CLOCK as CALL_CLOCK
 
 SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # every send on the channel's sockets: never blocks
 CREDIT_RETRY = 0.01  # seconds between offers of a CREDIT that bounced, while this rank waits
@@ -61,14 +62,15 @@ class Inbox(Stash):
         # after a collective's round 1 its waits share one timeout (objcomm._transport.call_clock; a send/recv's keep
         # their own: a wait that ran out leaves the channel open); the lean path of one source blocks for a whole
         # timeout, so it is taken only while more than half of the call's is left
-        deadline = call_clock.until(now, self.timeout, shared=key[0])
+        started = CALL_CLOCK.get() if key[0] else None  # (call_clock.until, inline where no clock runs: a small call)
+        deadline = now + self.timeout if started is None else call_clock.until(now, self.timeout)
         spin_until = time.perf_counter() + spin if spin > 0 else 0.0
         lock = self._lock
         lock.acquire()  # self.cond, without its __enter__ and __exit__ (Python functions): a small call pays for them
         try:
             if not self._waiting and self.closed is None and not self._bounced:  # none waits: the lean paths
                 if len(sources) == 1:
-                    if deadline - now > self.timeout / 2:  # (a timeout of its own: all of it)
+                    if started is None or deadline - now > self.timeout / 2:  # (a timeout of its own: all of it)
                         fast = self._alone(sources[0], key, kind, op, spin_until, watch)
                         if fast is not None:
                             return fast
@@ -355,7 +357,7 @@ class Inbox(Stash):
                 self._peers[peer].sendmsg([_CREDIT_HEADER, payload], [], SEND_FLAGS)
             except BlockingIOError:
                 with self.cond:
-                    self._owing.add(peer)
+                    self.owing.add(peer)
                     self._bounced.add(peer)
                 continue
             except OSError:  # gone: found out by the next call
@@ -387,11 +389,13 @@ class Inbox(Stash):
         cls = CLASS_OF.get(kind)
         if cls is None:
             return
-        cost = credit_cost(data_bytes)
-        with self.cond:
-            if not self._allowed(peer, cls, cost):
+        cost = data_bytes + MESSAGE_COST  # (credit_cost and below _allowed, inline: every small call sends)
+        with self._lock:  # (self.cond's: its __enter__ and __exit__ are Python functions)
+            sent = self._sent[peer]
+            outstanding = sent[cls] - self._credit[peer][cls]
+            if outstanding > 0 and outstanding + cost > self.window:
                 self._await_credit(peer, cls, cost, op, kind != P2P and kind != REST)
-            self._sent[peer][cls] += cost
+            sent[cls] += cost
             if kind == P2P:  # counted as sent here, under the lock held already (a send that fails fails the channel)
                 self.slots_sent += 1
 
@@ -412,7 +416,7 @@ class Inbox(Stash):
                     self._fail(op, self.closed)
                 if peer in self.gone:
                     self.gone_from(peer, op, collective)
-                if self._owing and not flushed:
+                if self.owing and not flushed:
                     self._offer_credit()
                     flushed = True
                     continue

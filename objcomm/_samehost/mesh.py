@@ -67,7 +67,7 @@ class Mesh:
     _patterns: Dict[Tuple[str, Optional[int]], Pattern]
     _inbox: Inbox
     _votes: int
-    _seq: int
+    sequence: int  # the number of the last collective this rank began on this channel
     _messages: Iterator[int]
     _owner: int
     _lock: threading.Lock
@@ -98,14 +98,17 @@ class Mesh:
         kind = GATHER if op == "gather" else ALL_GATHER
         ring = self._patterns.get(("all_gather", None)) or self._pattern("all_gather")
         got = self._collective(kind, ring.outgoing(data), ring.sources, spin, op)
-        return [data if r == self.rank else got[r] for r in range(self.size)]
+        got[self.rank] = data  # type: ignore[assignment]  # (a Slot among the bytes: the result's element)
+        return list(map(got.__getitem__, range(self.size)))  # (no Python step an element)
 
     def broadcast(self, data: Optional[Slot], src: int, spin: Optional[float] = None, op: Optional[str] = None) -> Slot:
         """``src``'s ``data`` on every rank (ignored elsewhere)."""
-        assert data is not None or self.rank != src
         spread = self._patterns.get(("broadcast", src)) or self._pattern("broadcast", src)
-        got = self._collective(BROADCAST, spread.outgoing(data), spread.sources, spin, op)
-        return data if self.rank == src else got[src]  # type: ignore[return-value]  # (the root's: asserted above)
+        if self.rank == src:
+            assert data is not None
+            self._collective(BROADCAST, spread.outgoing(data), spread.sources, spin, op)
+            return data
+        return self._collective(BROADCAST, {}, spread.sources, spin, op)[src]  # (a receiver sends nothing)
 
     def gather(
         self, data: Optional[Slot], dst: int, spin: Optional[float] = None, op: Optional[str] = None
@@ -258,9 +261,10 @@ class Mesh:
         op: Optional[str] = None,
     ) -> Dict[int, bytes]:
         op = op or NAMES[kind]
-        self.check(op)
+        if self.closed:
+            self.check(op)
         with self._lock:
-            self._seq = self._current = seq = (self._seq + 1) & MASK
+            self.sequence = self._current = seq = (self.sequence + 1) & MASK
             try:
                 word = CALL_WORD.get()  # which call this rank is in: every receiver checks it (call_words)
                 header = HEADER.pack(kind, 0, seq, word)
@@ -355,11 +359,6 @@ class Mesh:
         self.close(message)
         raise CommunicationError(message) from cause
 
-    @property
-    def sequence(self) -> int:
-        """The number of the last collective this rank began on this channel."""
-        return self._seq
-
     def rejoins_after(self, sequence: int) -> bool:
         """Whether this rank failed the channel in the collective after ``sequence`` (:attr:`sequence` before it)
         because a peer had failed it earlier (:meth:`_failure_point`); if so, the next opening of the group's channel
@@ -368,7 +367,7 @@ class Mesh:
         rejoins = self.rejoins and self.found_in == (sequence + 1) & MASK
         # or: the call began no collective on a channel that another thread of this rank failed after the call found
         # it open: this rank takes its place in this call, as a peer told of the failure (FAILED) does in its own
-        failed_meanwhile = self._seq == sequence and self.closed and self.failed_at is not None
+        failed_meanwhile = self.sequence == sequence and self.closed and self.failed_at is not None
         if not (rejoins or failed_meanwhile):
             return False
         self.rejoining = True
@@ -401,7 +400,7 @@ class Mesh:
         current = self._current
         earlier = [p for _, p in sorted(self._inbox.failed.items()) if current is not None and _after(current, p)]
         self.rejoins, self.found_in = bool(earlier), current
-        self.failed_at = earlier[0] if earlier else self._seq
+        self.failed_at = earlier[0] if earlier else self.sequence
 
 
 def _drop_unread(sock: socket.socket) -> None:

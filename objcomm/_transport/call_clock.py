@@ -40,7 +40,8 @@ from typing import Any, Callable, List, Optional, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_STARTED: ContextVar[Optional[List[Optional[float]]]] = ContextVar("objcomm_call_clock", default=None)
+# [round 1 done, the call began] of this thread's call; None outside one (the channel's waits read it: CLOCK.get())
+CLOCK: ContextVar[Optional[List[Optional[float]]]] = ContextVar("objcomm_call_clock", default=None)
 
 
 def one_call(function: F) -> F:
@@ -48,18 +49,18 @@ def one_call(function: F) -> F:
 
     @functools.wraps(function)
     def scoped(*args: Any, **kwargs: Any) -> Any:
-        token = _STARTED.set([None, time.monotonic()])  # [round 1 done, the call began]
+        token = CLOCK.set([None, time.monotonic()])  # [round 1 done, the call began]
         try:
             return function(*args, **kwargs)
         finally:
-            _STARTED.reset(token)
+            CLOCK.reset(token)
 
     return scoped  # type: ignore[return-value]
 
 
 def round_one_done() -> None:
     """This call's round 1 is done on this rank: its later waits share one timeout from now (the first mark counts)."""
-    started = _STARTED.get()
+    started = CLOCK.get()
     if started is not None and started[0] is None:
         started[0] = time.monotonic()
 
@@ -68,14 +69,14 @@ def until(start: float, timeout: float, shared: bool = True) -> float:
     """When a wait begun at ``start`` (``time.monotonic()``) with ``timeout`` must end: ``start + timeout``, or this
     call's end (:func:`ends`) where that is sooner and the wait is ``shared`` (a collective's; a send/recv's on the
     channel keeps its own timeout)."""
-    started = _STARTED.get() if shared else None  # (not ends(): every wait on the channel asks, a small call too)
+    started = CLOCK.get() if shared else None  # (not ends(): every wait on the channel asks, a small call too)
     return start + timeout if started is None else min(start + timeout, _end(started, timeout))
 
 
 def ends(timeout: float) -> Optional[float]:
     """When this call's steps must be done (``time.monotonic()``): ``timeout`` after its round 1; before its round 1
     is done, twice ``timeout`` after it began; None outside a call."""
-    started = _STARTED.get()
+    started = CLOCK.get()
     return None if started is None else _end(started, timeout)
 
 

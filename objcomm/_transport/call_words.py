@@ -28,19 +28,22 @@ OPS = patterns.OPS + patterns.REDUCTIONS  # the built-in collectives, in the ord
 _ROOT_BITS = 16  # a root past 65,534 ranks wraps: such groups tell fewer roots apart, never a wrong result more
 _LAST_CODE = (1 << (31 - _ROOT_BITS)) - 1  # a word is a message header's signed 32-bit tag
 WORD: ContextVar[int] = ContextVar("objcomm_call_word", default=0)  # (the channel reads it: WORD.get())
-_WORDS: Dict[Tuple[str, Optional[int]], int] = {}
+WORDS: Dict[Tuple[str, Optional[int]], int] = {}  # (op, root) -> its word, once made (word_of)
 
 
 def enter(op: str, root: Optional[int] = None) -> None:
     """This thread's calls are now ``op`` with group rank ``root`` (gather's and reduce's destination, broadcast's and
     scatter's source; None for the others) until the next: the word its channel messages carry."""
-    word = _WORDS.get((op, root))
-    if word is None:
-        if len(_WORDS) > 4096:
-            _WORDS.clear()
-        code = _code(op)
-        word = _WORDS[op, root] = code << _ROOT_BITS | (0 if root is None else (root + 1) % (1 << _ROOT_BITS))
-    WORD.set(word)
+    WORD.set(WORDS.get((op, root)) or word_of(op, root))
+
+
+def word_of(op: str, root: Optional[int] = None) -> int:
+    """The word of ``op`` with group rank ``root``, as :func:`enter` sets it (never 0), kept in :data:`WORDS`."""
+    if len(WORDS) > 4096:
+        WORDS.clear()
+    code = _code(op)
+    word = WORDS[op, root] = code << _ROOT_BITS | (0 if root is None else (root + 1) % (1 << _ROOT_BITS))
+    return word
 
 
 def leave() -> None:

@@ -36,7 +36,7 @@ def connects(local: bool) -> Dict[str, Any]:
         "on": on,
         "got": got,
         "through channel": len(sent),
-        "collectives": 0 if state is None or state.channel is None else state.channel._seq,
+        "collectives": 0 if state is None or state.channel is None else state.channel.sequence,
         "again": comm.connect(),
     }
 

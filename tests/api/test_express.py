@@ -293,6 +293,8 @@ def hostile_slots() -> List[Any]:
     fatal = {  # neither a slot nor a trimmed one: the channel fails, as on the general path
         "trimmed with flag bits": _trimmed(PREFIX.pack(length | ERROR_BIT, LIMIT, length) + good[PREFIX.size :]),
         "short slot": good[:100],
+        "trimmed, then more bytes": _trimmed(good) + b"\0" * 5,  # a plain frame, but not where a trimmed slot ends
+        "longer than a slot": _plain_slot.small_slot(b"pickle", pickle.dumps(b"x" * SLOT), 2 * SLOT, LIMIT),
     }
     got: List[Any] = []
     for cases in [survived, *({label: raw} for label, raw in fatal.items())]:
@@ -354,10 +356,10 @@ def test_hostile_slots_through_the_express_path_raise_as_on_the_general_path():
     assert got["unknown serializer"] == ("raised", "UnknownSerializerError")
     assert got["error report that is not one"] == ("raised", "FrameError")
     assert got["trimmed, shorter than a header"] == ("raised", "FrameError")  # a truncated frame
-    for label in ("trimmed with flag bits", "short slot"):
+    for label in ("trimmed with flag bits", "short slot", "trimmed, then more bytes", "longer than a slot"):
         kind, name, message = dict(receiver)[label]
         assert name == "CommunicationError" and "every rank of a group must use the same slot_bytes" in message
-    assert [outcome for label, outcome in peer] == [("raised", "CommunicationError")] * 2
+    assert [outcome for label, outcome in peer] == [("raised", "CommunicationError")] * 4
 
 
 def calls_after_the_group_is_gone() -> List[Any]:
@@ -611,6 +613,25 @@ def _mutations(slot: bytes) -> List[bytes]:
         for n in (0, 1, PREFIX.size, _plain_slot._SLOT_HEADER.size - 1, _plain_slot._SLOT_HEADER.size, len(slot) - 1)
     ]
     return out
+
+
+def test_the_payload_shortcut_given_the_slot_size_takes_exactly_the_slots_the_channel_takes():
+    """``plain_named(raw, size)``: a plain frame in a slot of ``size`` bytes or in one trimmed after its frame (as
+    the channel's check, ``trimmed``, takes them), never in a message shorter or longer than that."""
+    slots = []
+    for obj in OBJECTS[:5]:
+        raw = bytes(_express_slot(obj, "pickle"))
+        cut = raw[: PREFIX.size + PREFIX.unpack_from(raw)[0]]
+        slots += [raw, raw + b"\0", raw[:-1], cut + b"\0" * 3, *_mutations(cut)]
+    slots.append(_plain_slot.small_slot(b"pickle", pickle.dumps(b"x" * SLOT), 2 * SLOT, LIMIT))  # a frame past SLOT
+    taken = {True: 0, False: 0}
+    for raw in slots:
+        size = SLOT
+        slot_or_trimmed = len(raw) == size or _channel_checks.trimmed(raw, size)
+        expected = _plain_slot.plain_named(raw) if slot_or_trimmed else None
+        assert _plain_slot.plain_named(raw, size) == expected, raw[:80]
+        taken[len(raw) == size] += expected is not None
+    assert taken[True] >= 5 and taken[False] >= 5  # whole slots and trimmed ones
 
 
 @pytest.mark.parametrize("name", ["pickle", "msgpack", "restricted-pickle"])

@@ -42,7 +42,7 @@ def every_collective(local: bool, slot_bytes: int, group_ranks: Optional[List[in
     members = group_ranks if group_ranks is not None else list(range(dist.get_world_size()))
     comm = objcomm.Communicator(group, local=local, slot_bytes=slot_bytes)
     channel = _channel(group)
-    seq_before = channel._seq if channel not in (None, "never opened") else 0
+    seq_before = channel.sequence if channel not in (None, "never opened") else 0
     results: List[Any] = []
     for mine, everyone in zip(_payloads(rank), zip(*[_payloads(r) for r in members])):
         results.append(comm.all_gather(mine))
@@ -55,7 +55,11 @@ def every_collective(local: bool, slot_bytes: int, group_ranks: Optional[List[in
     results.append(comm.reduce(rank, "max", dst=members[-1]))
     channel = _channel(group)
     used = channel not in (None, "never opened")
-    return {"results": [_plain(r) for r in results], "used": used, "seq": (channel._seq - seq_before) if used else 0}
+    return {
+        "results": [_plain(r) for r in results],
+        "used": used,
+        "seq": (channel.sequence - seq_before) if used else 0,
+    }
 
 
 def _plain(value: Any) -> Any:

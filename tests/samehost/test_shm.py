@@ -166,7 +166,7 @@ def every_op(directory: str, separate: bool, zero_copy: bool, local: bool = Fals
 def _channel_seq(wire: _rounds.Wire) -> int:
     """How many collectives the group's same-host channel has carried (0: it has none)."""
     state = _state.group_facts(wire.group).local.get(False)
-    return state.channel._seq if state is not None and state.channel is not None else 0
+    return state.channel.sequence if state is not None and state.channel is not None else 0
 
 
 @pytest.mark.timeout(60)

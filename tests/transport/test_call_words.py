@@ -35,7 +35,7 @@ def test_a_collective_added_since_has_the_same_word_whatever_order_the_ranks_add
     row = Row("src", False, lambda me, world, root: (), lambda me, world, root: ())
     seen = []
     for order in (("b_row", "a_row"), ("a_row", "b_row")):
-        call_words._WORDS.clear()
+        call_words.WORDS.clear()
         for name in order:
             patterns.add_row(name, row)
         try:
