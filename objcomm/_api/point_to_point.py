@@ -46,7 +46,8 @@ class PointToPoint(Operations):
         backend every send waits for its receiver. ``dst`` may be this rank itself (and is, without a process
         group): the message waits here, encoded, until this rank receives it, and this returns at once.
         """
-        call_words.leave()  # (a send/recv is no collective: its errors are not named after this thread's last one)
+        # a send/recv is no collective: its errors are not named after this thread's last one (call_words.leave, inline)
+        call_words.WORD.set(0)
         express, serialized = self._short_send(obj, dst, tag, serializer, max_bytes, compression)
         if serialized is True:
             return
@@ -72,7 +73,7 @@ class PointToPoint(Operations):
         since nothing could arrive while it blocks. ``src=None`` takes a message this rank sent itself, where one
         waits, before it waits for the other ranks.
         """
-        call_words.leave()  # (as send)
+        call_words.WORD.set(0)  # (as send)
         if accept is None and max_bytes is None and map_location is None:
             express, held, group = self._express_found()
             if express is not None and (

@@ -127,14 +127,15 @@ def _plain_lengths(slot: Any, size: int = 0) -> Optional[Tuple[int, int, int, in
     n = len(slot)
     if n < _SLOT_HEADER.size:
         return None
+    room = n - PREFIX.size  # for the frame
     word, _, total, magic, version, flags, compression, name_len, table_len, n_tensors, payload_len, raw_len, inline = (
         _SLOT_HEADER.unpack_from(slot, 0)
     )
     if (  # word == total, within the slot: no flag bits, and the frame and nothing else follows; then _plain's test,
         # spelled out: every small call reads a slot so, and a call and a tuple's slice cost ~0.4 µs of ~20
         word != total
-        or word > n - PREFIX.size
-        or (size and n != size and (n > size or word != n - PREFIX.size))  # not a slot of size, nor one trimmed
+        or word > room
+        or (size and n != size and (n > size or word != room))  # not a slot of size, nor one trimmed
         or magic != MAGIC
         or version not in VERSIONS
         or flags
