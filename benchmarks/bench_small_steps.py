@@ -1,4 +1,4 @@
-"""A small object's broadcast and all_gather at W=2: Python steps and time per call, on one tree or several.
+"""A small object's broadcast, all_gather and send/recv round trip at W=2: Python steps and time per call.
 
 Small calls are where objcomm's own Python shows: a metrics dict moves in ~20 µs, and every layer a call passes adds
 to it. Time per call on a shared machine drifts by more than a layer costs, so this counts what does not drift too:
@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable, Dict, List, Tuple
 
 SMALL = {"loss": 0.2513, "accuracy": 0.9172, "step": 12_000, "lr": 3e-4, "run": "resnet50-ablation-7"}
-OPS = ("broadcast", "all_gather")
+OPS = ("broadcast", "all_gather", "send/recv round trip")
 SPINNING = ("poll_briefly",)  # waits that loop while the peer works: their steps count time, not work
 
 
@@ -43,7 +43,19 @@ def _rank_main() -> None:
 
     comm = objcomm.Communicator(local=os.environ.get("STEPS_LOCAL") != "0")
     mine = SMALL if rank == 0 else None
-    calls = {"broadcast": lambda: comm.broadcast(mine, src=0), "all_gather": lambda: comm.all_gather(SMALL)}
+
+    def round_trip() -> Any:  # rank 0 sends to rank 1, which sends it back
+        if rank == 0:
+            comm.send(SMALL, 1)
+            return comm.recv(1)
+        comm.send(comm.recv(0), 0)
+        return None
+
+    calls = {
+        "broadcast": lambda: comm.broadcast(mine, src=0),
+        "all_gather": lambda: comm.all_gather(SMALL),
+        "send/recv round trip": round_trip,
+    }
     found: Dict[str, Any] = {"objcomm": os.path.dirname(os.path.dirname(objcomm.__file__))}
     for op, call in calls.items():
         for _ in range(300):
