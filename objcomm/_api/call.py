@@ -136,7 +136,7 @@ class Call(NamedTuple):
         return self
 
     def refuses_nothing(self) -> bool:
-        """Whether decoding a frame of this rank's own can refuse it: not where its serializer runs whatever a payload
+        """Whether decoding a frame of this rank's own cannot refuse it: where its serializer runs whatever a payload
         says (not ``safe``: pickle, cloudpickle) and its ``accept`` takes it. A broadcast's source within
         :func:`source_keeps_its_own` then decodes no copy; otherwise (``weights_only=True``'s restricted-pickle,
         an ``accept`` without it) it still decodes one, and drops it: a refusal raises there as on the receivers."""

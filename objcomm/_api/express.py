@@ -199,10 +199,7 @@ class Express:
                 payloads.append((decoder, named[1]))
             else:
                 return True, [_frame.loads_payload(d, d.name, p, r) for r, (d, p) in enumerate(payloads)]
-        for got in slots:
-            if len(got) != size and not _channel_checks.trimmed(got, size):
-                # raises, as the general path
-                _channel_checks._checked(self.wire(group(), 0), channel, slots, "all_gather")
+        self._judge(slots, channel, group, 0, "all_gather")
         plains = [_plain_slot.plain_in_slot(got) for got in slots]
         if None not in plains:
             return True, [self._decode(plain, r) for r, plain in enumerate(plains)]
@@ -231,8 +228,7 @@ class Express:
                 if not self.call.refuses_nothing():
                     self._plain(slot, root)
                 return True, None
-            value = self._named(slot, root)  # a copy of its own object
-            return True, self._plain(slot, root) if value is NOT_TAKEN else value
+            return True, self._plain(slot, root)  # a copy of its own object
         got = _round_one(channel, None, root, self.spin)
         if got is REJOIN:
             return False, None
@@ -251,10 +247,17 @@ class Express:
         :data:`NOT_TAKEN`; a message that is neither a slot nor one trimmed raises, as the general path does."""
         value = self._named(got, sender)
         if value is NOT_TAKEN:
-            if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
-                _channel_checks._checked(self.wire(group(), tag), channel, [got], op)  # raises
-            value = self._plain(got, sender)
+            self._judge([got], channel, group, tag, op)
+            value = self._framed(got, sender)
         return value
+
+    def _judge(self, slots: Any, channel: Any, group: Callable[[], Any], tag: int, op: str) -> None:
+        """Raise, as the general path does (the channel fails), where a message of ``slots`` is neither a slot of
+        this rank's ``slot_bytes`` nor one trimmed after its frame (``channel_checks.trimmed``)."""
+        size = self.slot
+        for got in slots:
+            if len(got) != size and not _channel_checks.trimmed(got, size):
+                _channel_checks._checked(self.wire(group(), tag), channel, slots, op)
 
     def _named(self, slot: Any, sender: int) -> Any:
         """The object in ``slot`` from group rank ``sender`` where it is a slot or one trimmed and holds a plain frame
@@ -271,10 +274,13 @@ class Express:
         """The object in ``slot`` from group rank ``sender`` if it holds a plain frame (its length judged by the
         caller), else :data:`NOT_TAKEN`."""
         value = self._named(slot, sender)
-        if value is NOT_TAKEN:
-            plain = _plain_slot.plain_in_slot(slot)
-            value = NOT_TAKEN if plain is None else self._decode(plain, sender)
-        return value
+        return self._framed(slot, sender) if value is NOT_TAKEN else value
+
+    def _framed(self, slot: Any, sender: int) -> Any:
+        """The object of the plain frame in ``slot`` as the general path reads it (any serializer ``accept`` takes;
+        its length judged by the caller), else :data:`NOT_TAKEN`."""
+        plain = _plain_slot.plain_in_slot(slot)
+        return NOT_TAKEN if plain is None else self._decode(plain, sender)
 
     def _plain_rest(self, slot: Any, rest: Any, sender: int) -> Any:
         """The object of a plain frame that came after its slot in one message (:meth:`send`), within this rank's
@@ -326,9 +332,7 @@ class Express:
         if not folded:
             obj = self._received(got, sender, channel, group, tag, "recv")
         else:
-            if len(got) != self.slot and not _channel_checks.trimmed(got, self.slot):
-                # raises, as the general path does
-                _channel_checks._checked(self.wire(group(), tag), channel, [got], "recv")
+            self._judge([got], channel, group, tag, "recv")
             obj = self._plain_rest(got, folded, sender)
         if obj is NOT_TAKEN:  # anything else: the general path's steps, from the slot on
             wire = self.wire(group(), tag)
